@@ -1,0 +1,38 @@
+# The two commands: `make demo` runs the quickstart pipeline on the emulator, `make test` runs the tests.
+# Both create .venv on first use and reinstall when pyproject.toml changes.
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+SPEC   ?= jobspecs/examples/quickstart.yaml
+DATA   ?= runs/quickstart/data
+
+export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
+
+.PHONY: install demo test lint clean
+
+$(BIN)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	touch $@
+
+install: $(BIN)/.installed
+
+$(DATA)/holdout:
+	$(BIN)/trnflow data synth $(DATA) --days 3 --rows-per-day 1500 --seed 7
+
+demo: install $(DATA)/holdout
+	$(BIN)/trnflow validate $(SPEC)
+	$(BIN)/trnflow reference $(SPEC)
+	$(BIN)/trnflow run $(SPEC)
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m compileall -q trnflow flows tasks jobspecs benchmarks infra tests
+
+test: lint
+	$(BIN)/python -m pytest --durations=15
+
+clean:
+	rm -rf runs .trnflow

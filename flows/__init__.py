@@ -1,0 +1,1 @@
+"""Prefect flows composing the pipeline stages. They never branch on the backend."""

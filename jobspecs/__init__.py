@@ -1,0 +1,36 @@
+"""Job specs: pydantic models for a trnflow job, loaded from YAML."""
+
+from jobspecs.instances import CATALOGUE, InstanceType, instance
+from jobspecs.loader import SpecError, apply_overrides, load_spec, validate_spec
+from jobspecs.spec import (
+    CompileSpec,
+    ComputeSpec,
+    DataSpec,
+    GateSpec,
+    InferenceSpec,
+    JobSpec,
+    ModelSpec,
+    RetrySpec,
+    ScheduleSpec,
+    TrainSpec,
+)
+
+__all__ = [
+    "CATALOGUE",
+    "CompileSpec",
+    "ComputeSpec",
+    "DataSpec",
+    "GateSpec",
+    "InferenceSpec",
+    "InstanceType",
+    "JobSpec",
+    "ModelSpec",
+    "RetrySpec",
+    "ScheduleSpec",
+    "SpecError",
+    "TrainSpec",
+    "apply_overrides",
+    "instance",
+    "load_spec",
+    "validate_spec",
+]

@@ -1,0 +1,93 @@
+"""Loading job specs from YAML, with errors that name the file, the field and the fix."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from jobspecs.spec import JobSpec
+
+
+class SpecError(ValueError):
+    """A job spec that cannot be used. `problems` holds one `field.path: message` line per error."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source = source
+        self.problems = problems
+        super().__init__(f"{source}: invalid job spec\n" + "\n".join(f"  {p}" for p in problems))
+
+
+# Our cross-field validators start their message with the field to fix: "train.steps: ...".
+_OWN_PATH = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+): (.*)$", re.DOTALL)
+
+
+def _field_path(loc: tuple[Any, ...]) -> str:
+    return ".".join(str(part) for part in loc) or "(top level)"
+
+
+def _describe(err: dict[str, Any]) -> str:
+    kind, msg = err["type"], err["msg"]
+    if kind == "extra_forbidden":
+        return "unknown field; remove it or check its spelling (`trnflow schema` lists every field)"
+    if kind == "missing":
+        return "required field is missing"
+    # Errors raised by our own validators already say what to do; drop pydantic's prefix.
+    return msg.removeprefix("Value error, ")
+
+
+def validate_spec(data: Any, source: str = "<spec>") -> JobSpec:
+    """Validate a parsed mapping into a JobSpec, or raise SpecError listing every problem."""
+    if not isinstance(data, dict):
+        raise SpecError(source, [f"(top level): expected a mapping of sections, got {type(data).__name__}"])
+    try:
+        return JobSpec.model_validate(data)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            message = _describe(err)
+            own = _OWN_PATH.match(message)
+            if own:
+                problems.append(f"{own.group(1)}: {own.group(2)}")
+            else:
+                problems.append(f"{_field_path(err['loc'])}: {message}")
+        raise SpecError(source, problems) from None
+
+
+def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSpec:
+    """Read a YAML (or JSON) job spec file. `overrides` maps dotted field paths to values."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise SpecError(str(path), ["(file): not found; check the path"]) from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(str(path), [f"(file): not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SpecError(str(path), [f"{where}: malformed YAML: {problem}"]) from None
+    if overrides:
+        data = apply_overrides(data if isinstance(data, dict) else {}, overrides)
+    return validate_spec(data, str(path))
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Return a copy of `data` with each dotted path (`train.steps`) set to its value."""
+    out = yaml.safe_load(yaml.safe_dump(data))  # deep copy of plain data
+    for dotted, value in overrides.items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for key in parents:
+            child = node.get(key)
+            if not isinstance(child, dict):
+                child = node[key] = {}
+            node = child
+        node[leaf] = value
+    return out

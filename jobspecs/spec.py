@@ -1,0 +1,226 @@
+"""The job spec: what to train, on what, and how to judge and use the result.
+
+Every section forbids unknown keys and describes every field, so `trnflow schema` gives editors
+completion and a typo is an error rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
+from jobspecs.instances import CATALOGUE, TRAINING_TYPES, instance
+
+
+def _normalise_url(value: str) -> str:
+    """Accept `s3://bucket/key`, `file:///abs`, `file://rel` or a plain path; return an absolute URL.
+
+    Relative paths are resolved against the current directory when the spec is loaded, so a spec
+    handed to worker processes always carries absolute locations.
+    """
+    value = value.strip()
+    if not value:
+        raise ValueError("must not be empty; give a file:// or s3:// URL or a path")
+    scheme, sep, rest = value.partition("://")
+    if not sep:
+        return Path(value).expanduser().resolve().as_uri()
+    if scheme == "file":
+        return Path(rest).expanduser().resolve().as_uri()
+    if scheme == "s3":
+        bucket = rest.split("/", 1)[0]
+        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
+            raise ValueError(f"{value!r} has no valid bucket name; write s3://<bucket>/<prefix>")
+        return value
+    raise ValueError(f"unsupported URL scheme {scheme!r} in {value!r}; use file:// or s3:// (or a plain path)")
+
+
+Url = Annotated[str, AfterValidator(_normalise_url)]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(Section):
+    """The M5-style model: a transformer text encoder followed by an MLP head."""
+
+    vocab_size: int = Field(8192, ge=256, le=1_000_000, description="Token vocabulary size.")
+    d_model: int = Field(128, ge=8, le=8192, description="Width of the encoder (embedding size).")
+    n_heads: int = Field(4, ge=1, le=128, description="Attention heads per encoder block.")
+    n_layers: int = Field(2, ge=1, le=96, description="Number of transformer encoder blocks.")
+    ffn_dim: int = Field(512, ge=8, le=65536, description="Hidden size of each block's feed-forward layer.")
+    mlp_hidden: list[int] = Field(
+        default_factory=lambda: [64], description="Hidden layer sizes of the MLP head, in order."
+    )
+    num_classes: int = Field(2, ge=2, le=100_000, description="Number of output classes.")
+    seq_len: int = Field(64, ge=4, le=32768, description="Fixed sequence length: texts are padded or cut.")
+    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="Dropout probability in encoder and head.")
+
+    @model_validator(mode="after")
+    def _heads_divide_width(self) -> ModelSpec:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model: {self.d_model} is not divisible by model.n_heads ({self.n_heads}); "
+                "pick a width that is a multiple of the head count"
+            )
+        if any(h < 1 for h in self.mlp_hidden):
+            raise ValueError("model.mlp_hidden: every layer size must be >= 1")
+        return self
+
+
+class DataSpec(Section):
+    """Where the data lives and how to read it."""
+
+    train: Url = Field(description="Training data: a file or a directory (optionally of dt=YYYY-MM-DD parts).")
+    holdout: Url = Field(description="Holdout data used by the evaluation gate.")
+    inference: Url = Field(description="Rows to embed in the batch-inference stage.")
+    format: Literal["jsonl", "parquet", "csv"] = Field("jsonl", description="File format of all three sets.")
+    text_field: str = Field("text", description="Column holding the input text.")
+    label_field: str = Field("label", description="Column holding the integer class label.")
+    id_field: str = Field("id", description="Column holding a unique row id (used by inference output).")
+
+
+class ComputeSpec(Section):
+    """Where the job runs."""
+
+    backend: Literal["local", "sagemaker", "batch"] = Field(
+        "local", description="local (the NeuronCore emulator), sagemaker or batch."
+    )
+    instance_type: Literal[TRAINING_TYPES] = Field(  # type: ignore[valid-type]
+        "trn1.2xlarge", description="Trainium instance type (the emulator mirrors its topology)."
+    )
+    nodes: int = Field(1, ge=1, le=512, description="Number of instances.")
+    cores_per_node: int = Field(2, ge=1, description="NeuronCores used per instance, one worker process each.")
+    precision: Literal["fp32", "bf16", "bf16-sr"] = Field(
+        "fp32", description="fp32, bf16 autocast, or bf16 weights with stochastic rounding (bf16-sr)."
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.cores_per_node
+
+    @model_validator(mode="after")
+    def _fits_instance(self) -> ComputeSpec:
+        itype = instance(self.instance_type)
+        if self.cores_per_node > itype.cores:
+            bigger = next((t.name for t in CATALOGUE.values() if t.trainium and t.cores >= self.cores_per_node),
+                          None)
+            fix = f" or pick {bigger}" if bigger else ""
+            raise ValueError(
+                f"compute.cores_per_node: {itype.name} has {itype.cores} NeuronCores; "
+                f"set compute.cores_per_node <= {itype.cores}{fix}"
+            )
+        if self.nodes > 1 and not itype.multi_node:
+            raise ValueError(
+                f"compute.nodes: {itype.name} has no EFA for multi-node training; set compute.nodes: 1 "
+                "or pick trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge"
+            )
+        return self
+
+
+class CompileSpec(Section):
+    """Ahead-of-time compilation into the persistent compile cache."""
+
+    optlevel: Literal[1, 2, 3] = Field(2, description="Compiler optimisation level, as neuronx-cc --optlevel.")
+    cache_url: Url = Field(
+        "file:///var/tmp/neuron-compile-cache", description="Persistent compile cache: a directory or s3:// URL."
+    )
+    workers: int = Field(1, ge=1, le=64, description="Parallel compile processes.")
+
+
+class TrainSpec(Section):
+    """Incremental training from a checkpoint."""
+
+    steps: int = Field(ge=1, description="Optimizer steps in this run.")
+    global_batch_size: int = Field(ge=1, description="Samples per step across all NeuronCores.")
+    lr: float = Field(1e-3, gt=0, le=10, description="Peak learning rate (AdamW).")
+    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    checkpoint_every: int = Field(100, ge=1, description="Save a checkpoint every this many steps.")
+    checkpoint_url: Url = Field(description="Where checkpoints are written: a directory or s3:// URL.")
+    init_from: Url | None = Field(None, description="Checkpoint to start from; none starts from scratch.")
+    seed: int = Field(1234, ge=0, description="Seed for weights, data order and dropout.")
+    log_every: int = Field(10, ge=1, description="Log loss and throughput every this many steps.")
+
+
+class RetrySpec(Section):
+    """How transient failures (lost cores, timeouts, capacity) are retried. Bad specs never are."""
+
+    max_retries: int = Field(2, ge=0, le=10, description="Retries of a stage after a transient failure.")
+    backoff_seconds: float = Field(10.0, ge=0, le=3600, description="First retry delay; doubles each retry.")
+    jitter: float = Field(0.5, ge=0, le=1, description="Random fraction added to each delay.")
+
+
+class GateSpec(Section):
+    """The accuracy-parity gate: candidate against reference, within max_abs_diff."""
+
+    reference: Url | None = Field(
+        None, description="Reference metrics JSON (for example a GPU run's); none records a baseline only."
+    )
+    metric: Literal["accuracy"] = Field("accuracy", description="Metric compared by the gate.")
+    max_abs_diff: float = Field(0.001, gt=0, lt=1, description="Largest allowed |candidate - reference|.")
+    eval_every: int | None = Field(None, ge=1, description="Evaluate every this many steps (and at the end).")
+
+
+class InferenceSpec(Section):
+    """Offline batch inference: embeddings written as Parquet shards."""
+
+    output_url: Url = Field(description="Directory or s3:// URL for the Parquet shards.")
+    shard_size: int = Field(10_000, ge=1, description="Rows per output shard.")
+    batch_size: int = Field(256, ge=1, description="Rows per forward pass.")
+
+
+class ScheduleSpec(Section):
+    """When scheduled incremental retraining runs."""
+
+    cron: str = Field(description="Five-field cron expression, for example '0 3 * * *'.")
+    timezone: str = Field("UTC", description="IANA time zone for the cron expression.")
+
+    @model_validator(mode="after")
+    def _five_fields(self) -> ScheduleSpec:
+        if len(self.cron.split()) != 5:
+            raise ValueError(f"schedule.cron: {self.cron!r} must have 5 fields (minute hour day month weekday)")
+        return self
+
+
+class JobSpec(Section):
+    """A trnflow job: one model, its data, where it runs, and its six pipeline stages."""
+
+    name: str = Field(
+        pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
+        description="Job name: lower-case letters, digits and dashes (it becomes part of cloud job names).",
+    )
+    model: ModelSpec = Field(default_factory=ModelSpec, description="Model architecture.")
+    data: DataSpec = Field(description="Input data.")
+    compute: ComputeSpec = Field(default_factory=ComputeSpec, description="Backend and topology.")
+    compile: CompileSpec = Field(default_factory=CompileSpec, description="Ahead-of-time compilation.")
+    train: TrainSpec = Field(description="Training.")
+    retries: RetrySpec = Field(default_factory=RetrySpec, description="Retry policy for transient failures.")
+    gate: GateSpec = Field(default_factory=GateSpec, description="Accuracy-parity gate.")
+    inference: InferenceSpec = Field(description="Offline batch inference.")
+    schedule: ScheduleSpec | None = Field(None, description="Cron schedule for incremental retraining.")
+
+    @model_validator(mode="after")
+    def _batch_divides(self) -> JobSpec:
+        world = self.compute.world_size
+        gbs = self.train.global_batch_size
+        if gbs % world:
+            fixed = max(world, round(gbs / world) * world)
+            raise ValueError(
+                f"train.global_batch_size: {gbs} is not divisible by the {world} NeuronCores "
+                f"(compute.nodes x compute.cores_per_node); use {fixed}"
+            )
+        return self
+
+    @property
+    def per_core_batch(self) -> int:
+        return self.train.global_batch_size // self.compute.world_size
+
+    def digest(self) -> str:
+        """A stable hash of the whole spec (field order and formatting do not matter)."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]

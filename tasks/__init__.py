@@ -1,0 +1,1 @@
+"""Prefect tasks, one per pipeline stage, over the backends. The retry policy lives here."""

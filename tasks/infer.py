@@ -1,0 +1,17 @@
+"""Stage 6: offline batch inference, embeddings written as Parquet shards."""
+
+from __future__ import annotations
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from jobspecs import JobSpec
+from tasks._jobs import run_job
+
+
+@task(name="infer", cache_policy=NO_CACHE)
+def batch_infer(spec: JobSpec, run_id: str, checkpoint: str) -> dict:
+    """Embed the inference set with the checkpoint; one Parquet shard per `inference.shard_size` rows."""
+    result = run_job(spec, "infer", run_id, checkpoint=checkpoint)
+    result["summary"] = f"{result['rows']} embeddings in {len(result['shards'])} shard(s)"
+    return result

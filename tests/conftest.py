@@ -1,0 +1,79 @@
+"""Shared fixtures: a small synthetic dataset, quickstart-shaped specs, and one Prefect API per session."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from jobspecs import JobSpec, validate_spec
+from trnflow.synth import synthesize
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "jobspecs" / "examples"
+
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+@pytest.fixture(scope="session")
+def dataset(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("data")
+    synthesize(out, days=2, rows_per_day=600, seed=3, holdout_rows=400, inference_rows=350)
+    return out
+
+
+@pytest.fixture(scope="session")
+def trnflow_home(tmp_path_factory) -> Path:
+    home = tmp_path_factory.mktemp("trnflow-home")
+    os.environ["TRNFLOW_HOME"] = str(home)
+    os.environ["TRNFLOW_POLL_SECONDS"] = "0.2"
+    return home
+
+
+def quickstart_data(**sections) -> dict:
+    """The quickstart example as a mapping, with sections replaced or updated."""
+    data = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
+    for name, values in sections.items():
+        if isinstance(values, dict) and isinstance(data.get(name), dict):
+            data[name] = {**data[name], **values}
+        else:
+            data[name] = values
+    return data
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> Path:
+    """Shared by the session's tests, so the model is compiled cold once."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+@pytest.fixture
+def make_spec(dataset, tmp_path, trnflow_home, compile_cache):
+    """A small quickstart spec whose data is the session dataset and whose outputs go to tmp_path."""
+
+    def make(**sections) -> JobSpec:
+        base = {
+            "data": {"train": str(dataset / "train"), "holdout": str(dataset / "holdout"),
+                     "inference": str(dataset / "inference")},
+            "train": {"steps": 40, "checkpoint_every": 20, "log_every": 10,
+                      "checkpoint_url": str(tmp_path / "checkpoints")},
+            "compile": {"cache_url": str(compile_cache)},
+            "gate": {"reference": str(tmp_path / "reference" / "metrics.json")},
+            "inference": {"output_url": str(tmp_path / "embeddings"), "shard_size": 100},
+        }
+        for name, values in sections.items():
+            base[name] = {**base.get(name, {}), **values} if isinstance(values, dict) else values
+        return validate_spec(quickstart_data(**base))
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def prefect_api():
+    """One real Prefect API (SQLite) for the whole session; starting one takes several seconds."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield

@@ -1,0 +1,86 @@
+import json
+import subprocess
+import sys
+
+import yaml
+from typer.testing import CliRunner
+
+from tests.conftest import EXAMPLES, quickstart_data
+from trnflow.cli import app
+
+runner = CliRunner()
+
+
+def test_validate_accepts_every_example():
+    result = runner.invoke(app, ["validate", *map(str, sorted(EXAMPLES.glob("*.yaml")))])
+    assert result.exit_code == 0, result.output
+    assert result.output.count("ok ") == 2
+
+
+def test_validate_names_every_bad_field(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(quickstart_data(
+        model={"colour": "blue"}, train={"steps": "many"}, compute={"cores_per_node": 64})))
+    result = runner.invoke(app, ["validate", str(bad)])
+    assert result.exit_code == 2
+    for field in ("model.colour", "train.steps", "compute.cores_per_node"):
+        assert field in result.stderr
+
+
+def test_validate_json_is_machine_readable(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(quickstart_data(train={"lr": -1})))
+    result = runner.invoke(app, ["validate", "--json", str(bad), str(EXAMPLES / "quickstart.yaml")])
+    report = json.loads(result.stdout)
+    assert result.exit_code == 2
+    assert [r["valid"] for r in report] == [False, True]
+    assert report[0]["problems"][0].startswith("train.lr:")
+
+
+def test_schema_is_the_jobspec_json_schema():
+    result = runner.invoke(app, ["schema"])
+    schema = json.loads(result.stdout)
+    assert schema["title"] == "JobSpec"
+    assert schema["additionalProperties"] is False
+    assert {"model", "data", "compute", "compile", "train", "gate", "inference"} <= set(schema["properties"])
+
+
+def test_devices_json_like_neuron_ls():
+    result = runner.invoke(app, ["devices", "--instance-type", "trn1.32xlarge", "--json"])
+    records = json.loads(result.stdout)
+    assert len(records) == 16
+    assert {r["nc_count"] for r in records} == {2}
+    assert {r["memory_size"] for r in records} == {32 * 1024**3}
+
+
+def test_devices_table_and_unknown_type():
+    table = runner.invoke(app, ["devices"]).stdout
+    assert "trn1.2xlarge" in table and "0-1" in table and "32 GB" in table
+    result = runner.invoke(app, ["devices", "--instance-type", "p5.48xlarge"])
+    assert result.exit_code == 2 and "unknown" in result.stderr
+
+
+def test_bad_override_is_refused(tmp_path):
+    result = runner.invoke(app, ["run", str(EXAMPLES / "quickstart.yaml"), "--set", "train.steps"])
+    assert result.exit_code == 2
+    assert "expected FIELD=VALUE" in result.stderr
+
+
+def test_data_synth_writes_partitions(tmp_path):
+    result = runner.invoke(app, ["data", "synth", str(tmp_path), "--days", "2", "--rows-per-day", "20",
+                                 "--format", "parquet"])
+    assert result.exit_code == 0, result.output
+    parts = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.parquet"))
+    assert parts == ["holdout/part-00000.parquet", "inference/part-00000.parquet",
+                     "train/dt=2026-01-01/part-00000.parquet", "train/dt=2026-01-02/part-00000.parquet"]
+
+
+def test_the_installed_command_runs_in_a_real_process():
+    exe = [sys.executable, "-m", "trnflow.cli"]
+    proc = subprocess.run([*exe, "validate", str(EXAMPLES / "quickstart.yaml")], capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "ok" in proc.stdout
+    helped = subprocess.run([*exe, "--help"], capture_output=True, text=True, timeout=120)
+    for command in ("validate", "schema", "devices", "run", "data", "reference"):
+        assert command in helped.stdout

@@ -1,0 +1,64 @@
+"""The local backend runs real torchrun process groups on the emulator."""
+
+import json
+import os
+import time
+
+import pytest
+
+from trnflow.backends import Backend, JobRequest, JobState, wait
+from trnflow.backends.local import LocalBackend
+from trnflow.settings import TrnflowSettings
+
+
+@pytest.fixture
+def backend(trnflow_home) -> LocalBackend:
+    return LocalBackend(TrnflowSettings().jobs_dir)
+
+
+def test_local_backend_satisfies_the_protocol(backend):
+    assert isinstance(backend, Backend)
+
+
+def test_sanity_job_runs_one_process_per_core_with_the_neuron_contract(backend, make_spec, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "canary-secret-value")
+    spec = make_spec()
+    job_id = backend.submit(JobRequest(spec, "sanity", "t1"))
+    info = wait(backend, job_id, 0.2)
+    assert info.state is JobState.SUCCEEDED, backend.logs(job_id)
+    assert [c["core"] for c in info.result["cores"]] == [0, 1]
+    assert info.result["bad_cores"] == []
+    job_dir = backend.jobs_dir / job_id
+    record = json.loads((job_dir / "job.json").read_text())
+    assert record["env"]["NEURON_RT_VISIBLE_CORES"] == "0-1"
+    assert record["env"]["AWS_SECRET_ACCESS_KEY"] == "***"
+    assert "canary-secret-value" not in (job_dir / "job.json").read_text()
+    assert not (job_dir / ".runner.json").exists()
+    assert "torch.distributed.run" in record["argv"]
+
+
+def test_failing_job_reports_its_root_cause(backend, make_spec, tmp_path):
+    spec = make_spec(data={"train": str(tmp_path / "missing")})
+    info = wait(backend, backend.submit(JobRequest(spec, "train", "t2")), 0.2)
+    assert info.state is JobState.FAILED
+    assert info.failure["type"] == "DataError"
+    assert info.failure["retryable"] is False
+    assert "missing" in info.failure["message"]
+
+
+def test_cancel_ends_the_whole_process_group(backend, make_spec):
+    spec = make_spec(train={"steps": 100_000, "checkpoint_every": 100_000})
+    job_id = backend.submit(JobRequest(spec, "train", "t3"))
+    deadline = time.monotonic() + 60
+    while '"event": "train"' not in backend.logs(job_id) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pid = json.loads((backend.jobs_dir / job_id / "pid.json").read_text())["pid"]
+    backend.cancel(job_id)
+    assert backend.describe(job_id).state is JobState.CANCELLED
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # nothing of the job is left
+
+
+def test_unknown_job_is_a_clear_error(backend):
+    with pytest.raises(KeyError, match="no local job"):
+        backend.describe("nope")

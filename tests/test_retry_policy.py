@@ -1,0 +1,42 @@
+"""Only transient failures are retried, by Prefect, with the spec's policy."""
+
+from prefect import flow, task
+
+from tasks.retry_policy import retry_options
+from trnflow.errors import FatalError, GateFailed, TransientError
+
+
+def _flaky_flow(spec, error: Exception, failures: int):
+    attempts = []
+
+    @task
+    def stage():
+        attempts.append(1)
+        if len(attempts) <= failures:
+            raise error
+        return "done"
+
+    @flow
+    def run() -> str:
+        return stage.with_options(**retry_options(spec))(return_state=True).type.value
+
+    return run(), len(attempts)
+
+
+def test_transient_failures_are_retried_until_success(prefect_api, make_spec):
+    spec = make_spec(retries={"max_retries": 2, "backoff_seconds": 0})
+    state, attempts = _flaky_flow(spec, TransientError("execution timeout"), failures=2)
+    assert state == "COMPLETED" and attempts == 3
+
+
+def test_retries_stop_at_the_spec_limit(prefect_api, make_spec):
+    spec = make_spec(retries={"max_retries": 1, "backoff_seconds": 0})
+    state, attempts = _flaky_flow(spec, TransientError("execution timeout"), failures=5)
+    assert state == "FAILED" and attempts == 2
+
+
+def test_fatal_errors_and_failed_gates_are_never_retried(prefect_api, make_spec):
+    spec = make_spec(retries={"max_retries": 3, "backoff_seconds": 0})
+    for error in (FatalError("bad spec"), GateFailed("outside the band"), ValueError("bug")):
+        state, attempts = _flaky_flow(spec, error, failures=5)
+        assert state == "FAILED" and attempts == 1, error

@@ -1,0 +1,118 @@
+"""The workload's pieces, each checked on its own, in-process."""
+
+import torch
+
+from jobspecs import ModelSpec
+from trnflow.emulator import compiler
+from trnflow.emulator.numerics import stochastic_round_bf16_
+from trnflow.workload.checkpoint import MARKER, latest_checkpoint, load_checkpoint, save_checkpoint
+from trnflow.workload.collectives import bus_factor
+from trnflow.workload.context import parse_core_range
+from trnflow.workload.data import HashingTokenizer, StepSampler
+from trnflow.workload.model import build_model
+from trnflow.workload.sanity import check_matmul
+
+
+def test_sampler_position_is_a_function_of_the_step():
+    a = StepSampler(1000, 32, rank=0, world=1, seed=5)
+    b = StepSampler(1000, 32, rank=0, world=1, seed=5)
+    assert torch.equal(a.indices(57), b.indices(57))  # no hidden state: jump straight to step 57
+    assert not torch.equal(a.indices(0), a.indices(1))
+
+
+def test_ranks_split_each_global_batch_whatever_the_world_size():
+    one = StepSampler(1000, 32, 0, 1, seed=5).indices(40)
+    two = torch.cat([StepSampler(1000, 32, r, 2, seed=5).indices(40) for r in range(2)])
+    four = torch.cat([StepSampler(1000, 32, r, 4, seed=5).indices(40) for r in range(4)])
+    assert torch.equal(one, two) and torch.equal(one, four)
+
+
+def test_epochs_drop_the_partial_batch_and_reshuffle():
+    s = StepSampler(100, 32, 0, 1, seed=1)
+    assert s.steps_per_epoch == 3
+    first_epoch = torch.cat([s.indices(i) for i in range(3)])
+    assert len(set(first_epoch.tolist())) == 96
+    assert not torch.equal(s.indices(0), s.indices(3))
+
+
+def test_tokenizer_is_fixed_shape_and_stable():
+    tok = HashingTokenizer(512, 8)
+    out = tok.encode(["Great kettle, very sturdy!", "", "a " * 50])
+    assert out.shape == (3, 8)
+    assert out[1].tolist() == [1] + [0] * 7  # empty text still has its [CLS]
+    assert (out[2] != 0).all()  # long text cut to seq_len
+    assert torch.equal(out, HashingTokenizer(512, 8).encode(["Great kettle, very sturdy!", "", "a " * 50]))
+
+
+def test_model_embeds_and_classifies():
+    cfg = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
+    model = build_model(cfg, seed=0).eval()
+    tokens = HashingTokenizer(300, 8).encode(["nice lamp", "broken fan and slow motor"])
+    assert model.embed(tokens).shape == (2, 16)
+    assert model(tokens).shape == (2, 2)
+    same = build_model(cfg, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values(), strict=True))
+
+
+def test_checkpoint_without_marker_is_ignored(tmp_path):
+    cfg = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
+    model = build_model(cfg, seed=0)
+    rng = [{"torch": torch.get_rng_state(), "sr": torch.Generator().get_state()}]
+    save_checkpoint(tmp_path, 10, model.state_dict(), {}, rng, {"run_id": "r"})
+    save_checkpoint(tmp_path, 20, model.state_dict(), {}, rng, {"run_id": "r"})
+    (tmp_path / "step-000020" / MARKER).unlink()  # a torn write
+    latest = latest_checkpoint(tmp_path)
+    assert latest is not None and latest.name == "step-000010"
+    loaded = load_checkpoint(latest)
+    assert loaded.step == 10
+    assert torch.equal(loaded.model["head.0.weight"], model.state_dict()["head.0.weight"])
+
+
+def test_checkpoint_weights_load_in_plain_pytorch(tmp_path):
+    cfg = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
+    model = build_model(cfg, seed=0)
+    rng = [{"torch": torch.get_rng_state(), "sr": torch.Generator().get_state()}]
+    path = save_checkpoint(tmp_path, 5, model.state_dict(), {}, rng, {})
+    state = torch.load(path / "model.pt", weights_only=True)
+    assert set(state) == set(model.state_dict())
+
+
+def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
+    x = torch.full((200_000,), 1.0 + 2**-10)
+    gen = torch.Generator().manual_seed(0)
+    rounded = stochastic_round_bf16_(x.clone(), gen)
+    assert set(rounded.unique().tolist()) <= {1.0, 1.0078125}  # the two bf16 neighbours
+    assert abs(rounded.mean().item() - (1.0 + 2**-10)) < 1e-4  # nearest-even would be off by ~1e-3
+    again = stochastic_round_bf16_(x.clone(), torch.Generator().manual_seed(0))
+    assert torch.equal(rounded, again)
+
+
+def test_known_answer_matmul_is_exact_in_fp32():
+    result = check_matmul(torch.float32, seed=3)
+    assert result["passed"] and result["max_rel_err"] == 0.0
+    assert check_matmul(torch.bfloat16, seed=3)["passed"]
+
+
+def test_bus_bandwidth_factors_match_nccom_test():
+    assert bus_factor("all_reduce", 4) == 1.5
+    assert bus_factor("all_gather", 4) == 0.75
+    assert bus_factor("reduce_scatter", 8) == 0.875
+
+
+def test_visible_cores_accept_an_index_or_an_inclusive_range():
+    assert parse_core_range("3") == [3]
+    assert parse_core_range("4-7") == [4, 5, 6, 7]
+
+
+def test_cache_key_is_the_same_for_the_same_model_and_flags():
+    cfg = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
+    tokens = torch.ones(4, 8, dtype=torch.long)
+    keys = []
+    for _ in range(2):
+        model = build_model(cfg, seed=0)
+        graphs = compiler.capture_graphs(lambda t, m=model: m(t).sum(), tokens)
+        keys.append(compiler.cache_key(graphs, compiler.compile_flags(1, "fp32")))
+    assert keys[0] == keys[1] and keys[0].startswith("MODULE_")
+    assert compiler.cache_key(graphs, compiler.compile_flags(2, "fp32")) != keys[0]
+    other = compiler.capture_graphs(lambda t, m=model: m(t).sum(), torch.ones(8, 8, dtype=torch.long))
+    assert compiler.cache_key(other, compiler.compile_flags(1, "fp32")) != keys[0]

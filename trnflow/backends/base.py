@@ -1,0 +1,79 @@
+"""The Backend protocol: every place a stage job can run offers submit, describe, logs and cancel."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol, runtime_checkable
+
+from jobspecs import JobSpec
+
+
+class JobState(StrEnum):
+    PENDING = "PENDING"
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"
+    CANCELLED = "CANCELLED"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    """One run of one workload phase."""
+
+    spec: JobSpec
+    phase: str
+    run_id: str
+    processes: int | None = None
+    """Worker processes; None means one per NeuronCore of the spec."""
+    checkpoint: str | None = None
+    """Checkpoint URL for the evaluate and infer phases."""
+
+    @property
+    def world_size(self) -> int:
+        return self.processes or self.spec.compute.world_size
+
+
+@dataclass
+class JobInfo:
+    job_id: str
+    state: JobState
+    result: dict[str, Any] | None = None
+    failure: dict[str, Any] | None = None
+    """type, message and retryable (True, False or None when unknown) of the root failure."""
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+
+    def submit(self, request: JobRequest) -> str: ...
+
+    def describe(self, job_id: str) -> JobInfo: ...
+
+    def logs(self, job_id: str, since: int = 0) -> str:
+        """The job's log text from byte offset `since` (of its UTF-8 encoding)."""
+        ...
+
+    def cancel(self, job_id: str) -> None: ...
+
+
+def wait(backend: Backend, job_id: str, poll_seconds: float = 0.5, on_logs=None) -> JobInfo:
+    """Poll until the job ends; `on_logs(text)` receives new log text as it appears."""
+    offset = 0
+    while True:
+        info = backend.describe(job_id)
+        if on_logs is not None:
+            text = backend.logs(job_id, since=offset)
+            offset += len(text.encode())
+            if text:
+                on_logs(text)
+        if info.state.terminal:
+            return info
+        time.sleep(poll_seconds)

@@ -1,0 +1,145 @@
+"""The local backend: runs each phase on the NeuronCore emulator, as torchrun-launched processes.
+
+Every job gets a folder under the settings' jobs directory:
+
+    job.json      the command and environment (the request, as sent)
+    spec.json     the job spec the workers read
+    job.log       everything the workers print
+    output/       result.json from rank 0, failure-rank<r>.json from failing ranks
+    exit.json     written by the supervisor when the job ends
+    cancelled     written by cancel()
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+from trnflow.backends.base import JobInfo, JobRequest, JobState
+from trnflow.emulator.launcher import launch_command, launch_env
+from trnflow.fsutil import atomic_write_json, atomic_write_text
+
+# Secrets never go into job.json: the runner's environment passes them on, the record does not.
+_SECRET_MARKERS = ("SECRET", "TOKEN", "PASSWORD", "SESSION", "CREDENTIAL", "API_KEY")
+
+
+def _redacted(env: dict[str, str]) -> dict[str, str]:
+    return {k: ("***" if any(m in k.upper() for m in _SECRET_MARKERS) else v) for k, v in env.items()}
+
+
+class LocalBackend:
+    name = "local"
+
+    def __init__(self, jobs_dir: Path):
+        self.jobs_dir = jobs_dir
+        self._procs: dict[str, subprocess.Popen] = {}
+
+    def _dir(self, job_id: str) -> Path:
+        path = self.jobs_dir / job_id
+        if not (path / "job.json").is_file():
+            raise KeyError(f"no local job {job_id!r} under {self.jobs_dir}")
+        return path
+
+    def submit(self, request: JobRequest) -> str:
+        spec = request.spec
+        job_id = f"{spec.name}-{request.phase}-{uuid.uuid4().hex[:8]}"
+        job_dir = self.jobs_dir / job_id
+        (job_dir / "output").mkdir(parents=True)
+        atomic_write_text(job_dir / "spec.json", spec.model_dump_json(indent=2))
+        processes = request.world_size
+        argv = launch_command(request.phase, processes, job_dir, request.run_id, request.checkpoint)
+        env = launch_env(spec, processes)
+        record = {"job_id": job_id, "phase": request.phase, "run_id": request.run_id, "argv": argv,
+                  "cwd": os.getcwd(), "processes": processes}
+        atomic_write_json(job_dir / "job.json", {**record, "env": _redacted(env)})
+        # The runner gets the real environment through a private file it deletes after reading.
+        runner_job = job_dir / ".runner.json"
+        atomic_write_json(runner_job, {**record, "env": env})
+        os.chmod(runner_job, 0o600)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "trnflow.backends.local_runner", str(job_dir)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        atomic_write_json(job_dir / "pid.json", {"pid": proc.pid})
+        self._procs[job_id] = proc
+        return job_id
+
+    def _alive(self, job_id: str, job_dir: Path) -> bool:
+        proc = self._procs.get(job_id)
+        if proc is not None:
+            return proc.poll() is None
+        try:
+            pid = json.loads((job_dir / "pid.json").read_text())["pid"]
+            os.kill(pid, 0)
+        except (FileNotFoundError, ProcessLookupError, PermissionError):
+            return False
+        return True
+
+    def describe(self, job_id: str) -> JobInfo:
+        job_dir = self._dir(job_id)
+        if (job_dir / "cancelled").exists():
+            return JobInfo(job_id, JobState.CANCELLED)
+        exit_file = job_dir / "exit.json"
+        if not exit_file.exists():
+            if self._alive(job_id, job_dir) or exit_file.exists():
+                return JobInfo(job_id, JobState.RUNNING)
+            return JobInfo(job_id, JobState.FAILED, failure={
+                "type": "WorkerLost", "retryable": True,
+                "message": "the job's supervisor process died before the job ended",
+            })
+        exit_info = json.loads(exit_file.read_text())
+        details = {"exit_code": exit_info["exit_code"], "seconds": exit_info["ended"] - exit_info["started"]}
+        result_file = job_dir / "output" / "result.json"
+        if exit_info["exit_code"] == 0 and result_file.exists():
+            return JobInfo(job_id, JobState.SUCCEEDED, result=json.loads(result_file.read_text()), details=details)
+        return JobInfo(job_id, JobState.FAILED, failure=self._root_failure(job_dir, exit_info), details=details)
+
+    def _root_failure(self, job_dir: Path, exit_info: dict) -> dict:
+        """The failure that caused the others: a rank's own error before the peers' broken links."""
+        reports = [json.loads(p.read_text()) for p in sorted((job_dir / "output").glob("failure-rank*.json"))]
+        own = [r for r in reports if r.get("retryable") is not None]
+        if own or reports:
+            return min(own or reports, key=lambda r: r["rank"])
+        tail = "\n".join(self.logs(job_dir.name).splitlines()[-15:])
+        return {"type": "WorkerLost", "retryable": True,
+                "message": f"a worker exited with code {exit_info['exit_code']} without reporting why\n{tail}"}
+
+    def logs(self, job_id: str, since: int = 0) -> str:
+        """Log text from byte offset `since`."""
+        path = self._dir(job_id) / "job.log"
+        if not path.exists():
+            return ""
+        with open(path, "rb") as fh:
+            fh.seek(since)
+            return fh.read().decode("utf-8", errors="replace")
+
+    def cancel(self, job_id: str, grace_seconds: float = 10.0) -> None:
+        """Stop the job's whole process group: SIGTERM, then SIGKILL after `grace_seconds`."""
+        job_dir = self._dir(job_id)
+        atomic_write_text(job_dir / "cancelled", "")
+        try:
+            pid = json.loads((job_dir / "pid.json").read_text())["pid"]
+        except FileNotFoundError:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(pid, sig)
+            except ProcessLookupError:
+                return
+            deadline = time.monotonic() + grace_seconds
+            while time.monotonic() < deadline:
+                proc = self._procs.get(job_id)
+                if proc is not None:
+                    proc.poll()  # reap our own child, or its group never empties
+                try:
+                    os.killpg(pid, 0)
+                except ProcessLookupError:
+                    return
+                time.sleep(0.1)

@@ -1,0 +1,1 @@
+"""The NeuronCore emulator: Trainium topology, launch contracts and compile cache on plain PyTorch."""

@@ -1,0 +1,36 @@
+"""The error taxonomy. Each class says who may retry it; messages say what to do next."""
+
+from __future__ import annotations
+
+
+class TrnflowError(Exception):
+    """Base class. `retryable` tells the Prefect tasks whether a retry can help."""
+
+    retryable = False
+
+
+class FatalError(TrnflowError):
+    """Retrying cannot help: bad input, compiler error, numerical divergence. Fix the cause and rerun."""
+
+
+class DataError(FatalError):
+    """Input data that cannot be read or does not match the spec."""
+
+
+class TransientError(TrnflowError):
+    """A lost core, a timeout or missing capacity: the stage is retried and resumes from its checkpoint."""
+
+    retryable = True
+
+
+class GateFailed(FatalError):
+    """The candidate model is outside the accuracy-parity band. Never retried; the champion stays."""
+
+    def __init__(self, message: str, verdict: dict | None = None):
+        super().__init__(message)
+        self.verdict = verdict or {}
+
+
+ERROR_TYPES: dict[str, type[TrnflowError]] = {
+    cls.__name__: cls for cls in (TrnflowError, FatalError, DataError, TransientError, GateFailed)
+}

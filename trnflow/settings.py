@@ -1,0 +1,22 @@
+"""Where trnflow keeps its own state, and how it polls: settings from TRNFLOW_* environment variables.
+
+Job specs say what to run; these settings say where this machine keeps job folders.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class TrnflowSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="TRNFLOW_", extra="ignore")
+
+    home: Path = Field(Path(".trnflow"), description="Folder for local job directories and logs.")
+    poll_seconds: float = Field(0.5, gt=0, description="How often a running job's state is polled.")
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.home.expanduser().resolve() / "jobs"

@@ -1,0 +1,1 @@
+"""The workload: the program every backend runs on the NeuronCores, phase by phase."""

@@ -1,0 +1,83 @@
+"""The one program that runs on the cores: `python -m trnflow.workload <phase> --spec FILE`.
+
+Every backend launches this same entrypoint under torchrun. Rank 0 writes `result.json` to the
+output directory; a rank that fails writes `failure-rank<r>.json` there (the analogue of
+SageMaker's /opt/ml/output/failure) before exiting non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import traceback
+from pathlib import Path
+
+from jobspecs import JobSpec
+from trnflow.errors import TrnflowError
+from trnflow.fsutil import atomic_write_json
+
+PHASES = ("sanity", "collectives", "compile", "train", "evaluate", "infer")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m trnflow.workload", description=__doc__)
+    parser.add_argument("phase", choices=PHASES)
+    parser.add_argument("--spec", required=True, type=Path, help="job spec as JSON (written by the backend)")
+    parser.add_argument("--output", type=Path, default=None,
+                        help="result directory (default: $SM_OUTPUT_DATA_DIR, then ./output)")
+    parser.add_argument("--run-id", default="adhoc", help="names the run's checkpoint folder")
+    parser.add_argument("--checkpoint", default=None, help="checkpoint URL for evaluate and infer")
+    return parser.parse_args(argv)
+
+
+def _dispatch(args: argparse.Namespace, ctx) -> dict:
+    from trnflow.workload import collectives, compile, evaluate, infer, sanity, train
+
+    if args.phase in ("evaluate", "infer") and not args.checkpoint:
+        raise TrnflowError(f"{args.phase} needs --checkpoint")
+    match args.phase:
+        case "sanity":
+            return sanity.run(ctx)
+        case "collectives":
+            return collectives.run(ctx)
+        case "compile":
+            return compile.run(ctx)
+        case "train":
+            return train.run(ctx, args.run_id)
+        case "evaluate":
+            return evaluate.run(ctx, args.checkpoint)
+        case _:
+            return infer.run(ctx, args.checkpoint)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    output = args.output or Path(os.environ.get("SM_OUTPUT_DATA_DIR", "output"))
+    rank = int(os.environ.get("RANK", "0"))
+    from trnflow.workload.context import init_worker, shutdown
+
+    try:
+        spec = JobSpec.model_validate_json(args.spec.read_text())
+        ctx = init_worker(spec, output)
+        result = _dispatch(args, ctx)
+        ctx.write_result({"phase": args.phase, **result})
+        shutdown()
+        return 0
+    except BaseException as exc:
+        if isinstance(exc, SystemExit | KeyboardInterrupt):
+            raise
+        atomic_write_json(output / f"failure-rank{rank}.json", {
+            "rank": rank,
+            "type": type(exc).__name__,
+            "message": str(exc),
+            "retryable": getattr(exc, "retryable", None),
+            "traceback": traceback.format_exc(),
+        })
+        print(f"trnflow.workload {args.phase} failed on rank {rank}: {type(exc).__name__}: {exc}",
+              file=sys.stderr, flush=True)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,149 @@
+"""Reading text datasets (JSONL, Parquet, CSV; a file or a tree of dt=YYYY-MM-DD partitions),
+turning them into fixed-shape token tensors, and sampling them deterministically across ranks.
+
+Shapes are static, as on Trainium: every sequence is padded or cut to `seq_len`, every per-core
+batch has the same size (the last partial batch of an epoch is dropped).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.csv as pacsv
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+import torch
+
+from jobspecs import DataSpec
+from trnflow.errors import DataError
+from trnflow.storage import local_path
+from trnflow.workload.model import CLS_ID, PAD_ID
+
+_EXTENSIONS = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",), "csv": (".csv",)}
+_WORD = re.compile(r"[a-z0-9']+")
+
+
+def data_files(url: str, fmt: str) -> list[Path]:
+    """The files of a dataset URL, in a stable order (partitions sort by date)."""
+    root = local_path(url)
+    if root.is_file():
+        return [root]
+    if not root.is_dir():
+        raise DataError(f"{url}: no such file or directory; check the data URLs in the spec")
+    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(_EXTENSIONS[fmt]))
+    if not files:
+        raise DataError(f"{url}: no {fmt} files ({', '.join(_EXTENSIONS[fmt])}); check data.format")
+    return files
+
+
+def _read_file(path: Path, fmt: str) -> pa.Table:
+    try:
+        if fmt == "jsonl":
+            return pajson.read_json(path)
+        if fmt == "csv":
+            return pacsv.read_csv(path)
+        return pq.read_table(path)
+    except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path}: cannot be read as {fmt}: {exc}") from None
+
+
+def read_table(url: str, spec: DataSpec, columns: list[str]) -> pa.Table:
+    """Read every file of the dataset and keep `columns`, naming any file that lacks one."""
+    tables = []
+    for path in data_files(url, spec.format):
+        table = _read_file(path, spec.format)
+        missing = [c for c in columns if c not in table.column_names]
+        if missing:
+            raise DataError(
+                f"{path}: missing column(s) {missing}; it has {table.column_names}. "
+                "Set data.text_field / data.label_field / data.id_field to match the file"
+            )
+        tables.append(table.select(columns))
+    return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+
+
+class HashingTokenizer:
+    """Words hashed into a fixed vocabulary: stateless, so ids never shift between runs.
+
+    Id 0 is padding and id 1 the leading [CLS] token, so no sequence is ever empty.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int):
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+
+    def ids(self, text: str) -> list[int]:
+        buckets = self.vocab_size - 2
+        words = _WORD.findall(text.lower())[: self.seq_len - 1]
+        return [CLS_ID] + [2 + zlib.crc32(w.encode()) % buckets for w in words]
+
+    def encode(self, texts: list[str]) -> torch.Tensor:
+        out = torch.full((len(texts), self.seq_len), PAD_ID, dtype=torch.long)
+        for row, text in enumerate(texts):
+            ids = self.ids(text or "")
+            out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        return out
+
+
+@dataclass
+class Encoded:
+    tokens: torch.Tensor
+    labels: torch.Tensor | None
+    ids: list
+
+
+def load_labelled(url: str, spec: DataSpec, tokenizer: HashingTokenizer, num_classes: int) -> Encoded:
+    table = read_table(url, spec, [spec.text_field, spec.label_field])
+    labels = torch.tensor(table.column(spec.label_field).to_pylist(), dtype=torch.long)
+    bad = (labels < 0) | (labels >= num_classes)
+    if bool(bad.any()):
+        row = int(bad.nonzero()[0])
+        raise DataError(
+            f"{url}: label {int(labels[row])} in row {row} is outside 0..{num_classes - 1}; "
+            "fix the data or set model.num_classes"
+        )
+    tokens = tokenizer.encode([str(t) for t in table.column(spec.text_field).to_pylist()])
+    return Encoded(tokens, labels, list(range(len(labels))))
+
+
+def load_unlabelled(url: str, spec: DataSpec, tokenizer: HashingTokenizer) -> Encoded:
+    table = read_table(url, spec, [spec.id_field, spec.text_field])
+    tokens = tokenizer.encode([str(t) for t in table.column(spec.text_field).to_pylist()])
+    return Encoded(tokens, None, table.column(spec.id_field).to_pylist())
+
+
+class StepSampler:
+    """The data position is a pure function of the global step, so a resumed run sees the same batches.
+
+    Epoch e visits the rows in `randperm(n, seed + e)` order, `global_batch` rows per step; rank r
+    takes its contiguous slice of each global batch. The same global batches are seen whatever the
+    world size, which lets a checkpoint from 4 ranks resume on 2.
+    """
+
+    def __init__(self, n_rows: int, global_batch: int, rank: int, world: int, seed: int):
+        if n_rows < global_batch:
+            raise DataError(
+                f"the training set has {n_rows} rows, fewer than one global batch ({global_batch}); "
+                "add data or lower train.global_batch_size"
+            )
+        self.n, self.global_batch, self.seed = n_rows, global_batch, seed
+        self.per_rank = global_batch // world
+        self.offset = rank * self.per_rank
+        self.steps_per_epoch = n_rows // global_batch
+        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def indices(self, step: int) -> torch.Tensor:
+        epoch, within = divmod(step, self.steps_per_epoch)
+        if epoch != self._epoch:
+            gen = torch.Generator().manual_seed(self.seed + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=gen)
+        start = within * self.global_batch + self.offset
+        return self._perm[start : start + self.per_rank]
+
+    def batches(self, first_step: int, last_step: int) -> Iterator[tuple[int, torch.Tensor]]:
+        for step in range(first_step, last_step):
+            yield step, self.indices(step)

@@ -1,0 +1,51 @@
+"""The evaluation phase: holdout accuracy and loss of a checkpoint, sharded across the cores."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from trnflow.fsutil import atomic_write_json
+from trnflow.gate import metrics_document
+from trnflow.storage import local_path
+from trnflow.workload.checkpoint import load_checkpoint, load_model_weights
+from trnflow.workload.context import WorkerContext
+from trnflow.workload.data import HashingTokenizer, load_labelled
+from trnflow.workload.model import build_model
+
+
+def run(ctx: WorkerContext, checkpoint: str) -> dict:
+    spec = ctx.spec
+    cfg = spec.model
+    source = local_path(checkpoint)
+    ckpt = load_checkpoint(source)
+    model = build_model(cfg, spec.train.seed)
+    load_model_weights(model, ckpt.model, source)
+    model.eval()
+
+    holdout = load_labelled(spec.data.holdout, spec.data, HashingTokenizer(cfg.vocab_size, cfg.seq_len),
+                            cfg.num_classes)
+    assert holdout.labels is not None
+    mine = torch.arange(ctx.rank, len(holdout.labels), ctx.world_size)
+    totals = torch.zeros(3, dtype=torch.float64)  # correct, loss sum, rows
+    with torch.inference_mode():
+        for chunk in mine.split(spec.inference.batch_size):
+            logits = model(holdout.tokens[chunk]).float()
+            labels = holdout.labels[chunk]
+            totals[0] += (logits.argmax(-1) == labels).sum()
+            totals[1] += F.cross_entropy(logits, labels, reduction="sum")
+            totals[2] += len(chunk)
+    if ctx.world_size > 1:
+        dist.all_reduce(totals)
+    correct, loss_sum, rows = totals.tolist()
+    point = {"step": ckpt.step, "accuracy": correct / rows, "loss": loss_sum / rows, "rows": int(rows)}
+    ctx.log("evaluate", **point)
+    if ctx.is_main and source.is_dir():  # the run's metric series, beside its checkpoints
+        series = source.parent / "metrics.json"
+        points = json.loads(series.read_text())["points"] if series.exists() else []
+        points = [p for p in points if p["step"] != point["step"]] + [point]
+        atomic_write_json(series, metrics_document(points, source=ckpt.meta.get("run_id", "trnflow")))
+    return {"checkpoint": checkpoint, "points": [point]}
