@@ -187,6 +187,33 @@ class ScheduleSpec(Section):
         return self
 
 
+class PreflightSpec(Section):
+    """Hardware sanity and collective tests that gate a run before any training starts."""
+
+    exclude_bad_cores: bool = Field(
+        False, description="Go on without cores that fail the sanity tests, if enough healthy ones remain."
+    )
+    min_busbw_gbps: float | None = Field(
+        None, ge=0, description="Fail preflight when the all-reduce bus bandwidth (GB/s) falls below this."
+    )
+    max_latency_us: float | None = Field(
+        None, gt=0, description="Fail preflight when the smallest all-reduce takes longer than this (us)."
+    )
+    collective_timeout_seconds: float = Field(
+        120.0, gt=0, le=3600, description="A collective that does not complete in this time is reported as hung."
+    )
+
+
+class FaultSpec(Section):
+    """A fault to inject, to rehearse how the pipeline copes (the TRNFLOW_FAULTS variable adds more)."""
+
+    kind: Literal["corrupt", "hang", "memory"] = Field(
+        description="corrupt: wrong results from the core's engines; hang: the core stalls in a collective; "
+        "memory: the core's memory pattern test fails."
+    )
+    core: int = Field(ge=0, description="The NeuronCore id the fault hits.")
+
+
 class JobSpec(Section):
     """A trnflow job: one model, its data, where it runs, and its six pipeline stages."""
 
@@ -203,6 +230,8 @@ class JobSpec(Section):
     gate: GateSpec = Field(default_factory=GateSpec, description="Accuracy-parity gate.")
     inference: InferenceSpec = Field(description="Offline batch inference.")
     schedule: ScheduleSpec | None = Field(None, description="Cron schedule for incremental retraining.")
+    preflight: PreflightSpec = Field(default_factory=PreflightSpec, description="Preflight checks.")
+    faults: list[FaultSpec] = Field(default_factory=list, description="Faults to inject, for rehearsals and tests.")
 
     @model_validator(mode="after")
     def _batch_divides(self) -> JobSpec:

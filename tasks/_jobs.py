@@ -28,13 +28,21 @@ def classify(info: JobInfo) -> TrnflowError:
 
 
 def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = None,
-            checkpoint: str | None = None) -> dict[str, Any]:
-    """Submit one phase, stream its log into the task's log, and return rank 0's result."""
+            checkpoint: str | None = None, cores: list[int] | None = None,
+            exclude_cores: set[int] | None = None) -> dict[str, Any]:
+    """Submit one phase, stream its log into the task's log, and return rank 0's result with the
+    cores it ran on (`cores`)."""
     logger = get_run_logger()
     settings = TrnflowSettings()
     backend = backend_for(spec, settings)
-    request = JobRequest(spec, phase, run_id, processes=processes, checkpoint=checkpoint)
-    job_id = backend.submit(request)
+    request = JobRequest(spec, phase, run_id, processes=processes, checkpoint=checkpoint,
+                         cores=tuple(cores) if cores else None, exclude_cores=frozenset(exclude_cores or ()))
+    try:
+        job_id = backend.submit(request)
+    except TrnflowError:
+        raise
+    except Exception as exc:  # submission itself failed: say so, and let the error class decide on retries
+        raise FatalError(f"{phase}: the {backend.name} backend could not submit the job: {exc}") from exc
     logger.info("%s job %s submitted to the %s backend on %d core(s)", phase, job_id, backend.name,
                 request.world_size)
 
@@ -45,5 +53,5 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
 
     info = wait(backend, job_id, settings.poll_seconds, on_logs=relay)
     if info.state is JobState.SUCCEEDED and info.result is not None:
-        return info.result
+        return {**info.result, "cores": info.details.get("cores")}
     raise classify(info)

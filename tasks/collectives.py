@@ -7,14 +7,26 @@ from prefect.cache_policies import NO_CACHE
 
 from jobspecs import JobSpec
 from tasks._jobs import run_job
+from trnflow.errors import FatalError
 
 
 @task(name="collectives", cache_policy=NO_CACHE)
-def collective_test(spec: JobSpec, run_id: str) -> dict:
-    """All-reduce sweep across every core, each result checked; reports algbw and busbw."""
-    result = run_job(spec, "collectives", run_id)
+def collective_test(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
+    """All-reduce sweep across the verified cores, every result checked; enforces the spec's
+    bus-bandwidth and latency thresholds."""
+    result = run_job(spec, "collectives", run_id, cores=cores)
     if result["avg_busbw"] is None:
         result["summary"] = result.get("note", "skipped")
-    else:
-        result["summary"] = f"all_reduce ok on {result['ranks']} cores, avg busbw {result['avg_busbw']:.3f} GB/s"
+        return result
+    pf = spec.preflight
+    allreduce = [r for r in result["rows"] if r["op"] == "all_reduce"]
+    busbw = result["avg_busbw_by_op"]["all_reduce"]
+    latency = min(allreduce, key=lambda r: r["size(B)"])["time(us)"]
+    if pf.min_busbw_gbps is not None and busbw < pf.min_busbw_gbps:
+        raise FatalError(f"all_reduce bus bandwidth {busbw:.3f} GB/s is below preflight.min_busbw_gbps "
+                         f"({pf.min_busbw_gbps}); a link is slow: check the instance's interconnect")
+    if pf.max_latency_us is not None and latency > pf.max_latency_us:
+        raise FatalError(f"the smallest all_reduce took {latency:.0f} us, above preflight.max_latency_us "
+                         f"({pf.max_latency_us})")
+    result["summary"] = f"all_reduce ok on {result['ranks']} cores, busbw {busbw:.3f} GB/s, {latency:.0f} us min"
     return result

@@ -10,9 +10,9 @@ from tasks._jobs import run_job
 
 
 @task(name="compile", cache_policy=NO_CACHE)
-def compile_graphs(spec: JobSpec, run_id: str) -> dict:
+def compile_graphs(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
     """Capture the training step's graphs and compile them unless the cache already holds them."""
-    result = run_job(spec, "compile", run_id, processes=1)
+    result = run_job(spec, "compile", run_id, processes=1, cores=cores[:1])
     verb = "cache hit" if result["hit"] else f"compiled in {result['seconds']:.1f}s"
     result["summary"] = f"{result['graphs']} graph(s), {verb} ({result['key']})"
     return result

@@ -13,13 +13,13 @@ from trnflow.storage import local_path
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
-def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str) -> dict:
+def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | None = None) -> dict:
     """Evaluate the checkpoint on the holdout set and compare it with the gate's reference.
 
     Raises:
         GateFailed: the candidate is outside `gate.max_abs_diff` of the reference (never retried).
     """
-    result = run_job(spec, "evaluate", run_id, checkpoint=checkpoint)
+    result = run_job(spec, "evaluate", run_id, checkpoint=checkpoint, cores=cores)
     gate, points = spec.gate, result["points"]
     final = points[-1][gate.metric]
     if gate.reference is None:

@@ -1,8 +1,8 @@
-"""Stage 1: hardware sanity checks on every NeuronCore."""
+"""Stage 1: hardware sanity checks on every NeuronCore the job will use."""
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from jobspecs import JobSpec
@@ -10,19 +10,39 @@ from tasks._jobs import run_job
 from trnflow.errors import FatalError
 
 
+def _failures(result: dict) -> str:
+    return "; ".join(f"nc{c['core']}: {', '.join(c['failed'])}" for c in result["per_core"] if not c["passed"])
+
+
 @task(name="sanity", cache_policy=NO_CACHE)
 def sanity_check(spec: JobSpec, run_id: str) -> dict:
-    """Known-answer tensor tests on each core of the spec's topology.
+    """Known-answer tests of every engine of each core the job is placed on.
+
+    With `preflight.exclude_bad_cores`, cores that fail are excluded and another placement is
+    checked, until a healthy set is found or too few cores remain.
 
     Returns:
-        The per-core results, with a `summary` line. Raises FatalError naming every bad core.
+        The per-core results; `cores` lists the verified cores the later stages run on.
+
+    Raises:
+        FatalError: naming each bad core and the tests it failed.
     """
-    result = run_job(spec, "sanity", run_id)
+    logger = get_run_logger()
+    excluded: set[int] = set()
+    while True:
+        result = run_job(spec, "sanity", run_id, exclude_cores=excluded)
+        bad = result["bad_cores"]
+        if not bad:
+            break
+        if not spec.preflight.exclude_bad_cores:
+            raise FatalError(
+                f"NeuronCore(s) {bad} failed known-answer tests ({_failures(result)}); replace the instance, "
+                "or set preflight.exclude_bad_cores: true to go on without them"
+            )
+        excluded |= set(bad)
+        logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", bad, _failures(result))
+    result["excluded_cores"] = sorted(excluded)
     cores = result["cores"]
-    if result["bad_cores"]:
-        raise FatalError(
-            f"NeuronCore(s) {result['bad_cores']} failed the known-answer tests; "
-            "replace the instance or exclude those cores"
-        )
-    result["summary"] = f"{len(cores)}/{len(cores)} cores passed"
+    note = f"; excluded bad core(s) {sorted(excluded)}" if excluded else ""
+    result["summary"] = f"{len(cores)}/{len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
     return result

@@ -26,7 +26,7 @@ def test_sanity_job_runs_one_process_per_core_with_the_neuron_contract(backend, 
     job_id = backend.submit(JobRequest(spec, "sanity", "t1"))
     info = wait(backend, job_id, 0.2)
     assert info.state is JobState.SUCCEEDED, backend.logs(job_id)
-    assert [c["core"] for c in info.result["cores"]] == [0, 1]
+    assert [c["core"] for c in info.result["per_core"]] == [0, 1]
     assert info.result["bad_cores"] == []
     job_dir = backend.jobs_dir / job_id
     record = json.loads((job_dir / "job.json").read_text())

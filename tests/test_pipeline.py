@@ -30,7 +30,9 @@ def test_quickstart_pipeline_end_to_end(prefect_api, make_spec, dataset):
     results = outcome["results"]
 
     # sanity and collectives ran on every core and checked their answers
-    assert [c["core"] for c in results["sanity"]["cores"]] == [0, 1]
+    assert results["sanity"]["cores"] == [0, 1] and results["sanity"]["excluded_cores"] == []
+    assert {c["engine"] for c in results["sanity"]["per_core"][0]["checks"]} == {
+        "tensor", "vector", "scalar", "gpsimd", "memory"}
     assert all(row["correct"] for row in results["collectives"]["rows"])
 
     # a committed checkpoint with the trained weights

@@ -4,10 +4,10 @@ import torch
 
 from jobspecs import ModelSpec
 from trnflow.emulator import compiler
+from trnflow.emulator.cores import parse_visible_cores
 from trnflow.emulator.numerics import stochastic_round_bf16_
 from trnflow.workload.checkpoint import MARKER, latest_checkpoint, load_checkpoint, save_checkpoint
 from trnflow.workload.collectives import bus_factor
-from trnflow.workload.context import parse_core_range
 from trnflow.workload.data import HashingTokenizer, StepSampler
 from trnflow.workload.model import build_model
 from trnflow.workload.sanity import check_matmul
@@ -100,8 +100,8 @@ def test_bus_bandwidth_factors_match_nccom_test():
 
 
 def test_visible_cores_accept_an_index_or_an_inclusive_range():
-    assert parse_core_range("3") == [3]
-    assert parse_core_range("4-7") == [4, 5, 6, 7]
+    assert parse_visible_cores("3") == [3]
+    assert parse_visible_cores("4-7") == [4, 5, 6, 7]
 
 
 def test_cache_key_is_the_same_for_the_same_model_and_flags():

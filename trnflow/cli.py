@@ -17,6 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jobspecs import CATALOGUE, JobSpec, SpecError, load_spec
+from trnflow import render
 
 app = typer.Typer(
     name="trnflow",
@@ -101,24 +102,58 @@ def devices(
     instance_type: Annotated[str, typer.Option(help="Instance type to emulate.")] = "trn1.2xlarge",
     as_json: JsonOpt = False,
 ):
-    """List the emulated instance's Neuron devices, like `neuron-ls`."""
-    from trnflow.emulator.topology import neuron_ls
+    """List the emulated instance's Neuron devices and which process holds each core, like `neuron-ls`."""
+    from trnflow.emulator.topology import core_owners, neuron_ls
 
     if instance_type not in CATALOGUE:
         err.print(f"[red]--instance-type {instance_type!r} is unknown; choose one of: {', '.join(CATALOGUE)}[/red]")
         raise typer.Exit(EXIT_BAD_INPUT)
-    records = neuron_ls(instance_type)
+    records = neuron_ls(instance_type, core_owners(instance_type))
     if as_json:
         print(json.dumps(records, indent=2))
         return
     t = CATALOGUE[instance_type]
     console.print(f"instance-type: {instance_type}  ({t.cores} NeuronCores, {t.chips} device(s))")
-    table = Table("NEURON DEVICE", "NEURON CORES", "NEURON CORE IDS", "NEURON MEMORY", "CONNECTED DEVICES", "BDF")
+    table = Table("NEURON DEVICE", "NEURON CORES", "NEURON CORE IDS", "NEURON MEMORY", "CONNECTED DEVICES", "BDF",
+                  "PID", "COMMAND")
     for r in records:
         ids = r["neuroncore_ids"]
+        procs = r["neuron_processes"]
         table.add_row(str(r["neuron_device"]), str(r["nc_count"]), f"{ids[0]}-{ids[-1]}",
-                      f"{r['memory_size'] // 1024**3} GB", ", ".join(map(str, r["connected_to"])), r["bdf"])
+                      f"{r['memory_size'] // 1024**3} GB", ", ".join(map(str, r["connected_to"])), r["bdf"],
+                      "\n".join(str(p["pid"]) for p in procs), "\n".join(p["command"] for p in procs))
     console.print(table)
+
+
+@app.command()
+def top(
+    instance_type: Annotated[str, typer.Option(help="Instance type to emulate.")] = "trn1.2xlarge",
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
+    as_json: JsonOpt = False,
+):
+    """A live view of each emulated NeuronCore: owner, utilisation and memory held, like neuron-top."""
+    from rich.live import Live
+
+    from trnflow.emulator.monitor import CoreMonitor
+
+    if instance_type not in CATALOGUE:
+        err.print(f"[red]--instance-type {instance_type!r} is unknown; choose one of: {', '.join(CATALOGUE)}[/red]")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    monitor = CoreMonitor(instance_type)
+    if once or as_json:
+        snapshot = monitor.sample(interval)
+        if as_json:
+            print(json.dumps(snapshot, indent=2))
+        else:
+            console.print(render.top_table(instance_type, snapshot))
+        return
+    try:
+        with Live(render.top_table(instance_type, monitor.sample(0.1)), console=console, screen=False) as live:
+            while True:
+                live.update(render.top_table(instance_type, monitor.sample(interval)))
+    except KeyboardInterrupt:
+        pass
 
 
 @data_app.command("synth")
@@ -160,18 +195,35 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
                   f"accuracy {final['accuracy']:.4f}")
 
 
-def _summary_table(rows: list[dict[str, Any]]) -> Table:
-    from flows.pipeline import STAGES
+def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_id: str | None, as_json: bool,
+              show=None) -> None:
+    """Run a flow in-process on Prefect's local API; print its stage table; exit with its outcome."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from flows._stages import PipelineFailed
+    from trnflow.errors import GateFailed
 
-    colours = {"Completed": "green", "Failed": "red", "NotRun": "dim"}
-    table = Table("stage", "state", "duration", "key figure", title="trnflow pipeline")
-    seen = {r["stage"] for r in rows}
-    full = rows + [{"stage": s, "state": "NotRun", "seconds": None, "summary": ""} for s in STAGES if s not in seen]
-    for r in full:
-        colour = colours.get(r["state"], "yellow")
-        duration = "" if r["seconds"] is None else f"{r['seconds']:.1f}s"
-        table.add_row(r["stage"], f"[{colour}]{r['state']}[/{colour}]", duration, r["summary"])
-    return table
+    state = flow_fn(spec, run_id=run_id, return_state=True)
+    outcome = state.result(raise_on_failure=False)
+    if isinstance(outcome, PipelineFailed):
+        rows, code = outcome.stages, EXIT_GATE if isinstance(outcome.cause, GateFailed) else EXIT_FAILED
+        payload = {"state": "Failed", "failed_stage": outcome.stage, "error": str(outcome.cause), "stages": rows}
+    elif isinstance(outcome, BaseException):
+        rows, code = [], EXIT_FAILED
+        payload = {"state": "Failed", "error": f"{type(outcome).__name__}: {outcome}", "stages": rows}
+    else:
+        rows, code = outcome["stages"], 0
+        payload = {"state": "Completed", "run_id": outcome["run_id"], "stages": rows, "results": outcome["results"]}
+    if as_json:
+        print(json.dumps(payload, indent=2, default=str))
+    else:
+        if show and code == 0:
+            show(outcome["results"])
+        console.print(render.stage_table(rows, stages, title))
+        if code:
+            err.print(f"[red]{title} failed: {payload['error']}[/red]")
+        else:
+            console.print(f"[green]{title} completed[/green] (run {payload['run_id']})")
+    raise typer.Exit(code)
 
 
 @app.command()
@@ -187,31 +239,94 @@ def run(
     if backend:
         extra["compute.backend"] = backend
     spec = _load(spec_path, extra)
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows.pipeline import PipelineFailed, pipeline
-    from trnflow.errors import GateFailed
+    from flows.pipeline import STAGES, pipeline
 
-    state = pipeline(spec, run_id=run_id, return_state=True)
-    outcome = state.result(raise_on_failure=False)
-    if isinstance(outcome, PipelineFailed):
-        rows, code = outcome.stages, EXIT_GATE if isinstance(outcome.cause, GateFailed) else EXIT_FAILED
-        payload = {"state": "Failed", "failed_stage": outcome.stage, "error": str(outcome.cause), "stages": rows}
-    elif isinstance(outcome, BaseException):
-        rows, code = [], EXIT_FAILED
-        payload = {"state": "Failed", "error": f"{type(outcome).__name__}: {outcome}", "stages": rows}
-    else:
-        rows, code = outcome["stages"], 0
-        payload = {"state": "Completed", "run_id": outcome["run_id"], "stages": rows,
-                   "results": outcome["results"]}
+    _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json)
+
+
+@app.command()
+def preflight(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = False):
+    """Sanity-check every engine of each core the spec uses, then the collectives between them."""
+    spec = _load(spec_path, _overrides(overrides))
+    from flows.preflight import STAGES
+    from flows.preflight import preflight as preflight_flow
+
+    def show(results: dict) -> None:
+        console.print(render.sanity_table(results["sanity"]["per_core"]))
+        mem = results["sanity"].get("memory")
+        if mem:
+            console.print(f"device memory per core: {mem['total'] / 1024**3:.2f} GiB estimated of "
+                          f"{mem['per_core_limit'] / 1024**3:.1f} GiB ({mem['parameters']:,} parameters)")
+        if results["collectives"]["rows"]:
+            print(render.nccom_text(results["collectives"]["rows"]))
+
+    _run_flow(preflight_flow, STAGES, "trnflow preflight", spec, None, as_json, show)
+
+
+@app.command()
+def collectives(
+    cores: Annotated[int, typer.Option("--cores", "-r", min=2, help="Ranks (emulated NeuronCores).")] = 2,
+    op: Annotated[str, typer.Option(help="all_reduce, all_gather, reduce_scatter, all_to_all or all.")] = "all_reduce",
+    minbytes: Annotated[str, typer.Option("--minbytes", "-b", help="Smallest size (65536, 64KB, 1MB).")] = "64KB",
+    maxbytes: Annotated[str, typer.Option("--maxbytes", "-e", help="Largest size.")] = "4MB",
+    stepfactor: Annotated[int, typer.Option("--stepfactor", "-f", min=1, help="Size multiplier per step.")] = 4,
+    iters: Annotated[int, typer.Option("--iters", "-n", min=1, help="Timed iterations per size.")] = 5,
+    dtype: Annotated[str, typer.Option("--datatype", "-d", help="fp32 or bf16.")] = "fp32",
+    check: Annotated[bool, typer.Option("--check", "-c", help="Check every result.")] = False,
+    instance_type: Annotated[str, typer.Option(help="Instance to emulate.")] = "trn1.32xlarge",
+    timeout: Annotated[float, typer.Option(help="Seconds before a stuck collective is reported hung.")] = 60.0,
+    as_json: JsonOpt = False,
+):
+    """Collective tests like nccom-test: a size sweep with algbw/busbw per op, optionally checked."""
+    from trnflow.backends import JobRequest, JobState, wait
+    from trnflow.backends.local import LocalBackend
+    from trnflow.settings import TrnflowSettings
+    from trnflow.workload.collectives import OPS
+
+    ops = list(OPS) if op == "all" else [op]
+    problems = [f"--op {o!r}: choose one of {', '.join(OPS)} or all" for o in ops if o not in OPS]
+    if dtype not in ("fp32", "bf16"):
+        problems.append(f"--datatype {dtype!r}: choose fp32 or bf16")
+    if instance_type not in CATALOGUE:
+        problems.append(f"--instance-type {instance_type!r} is unknown; choose one of: {', '.join(CATALOGUE)}")
+    try:
+        lo, hi = render.parse_size(minbytes), render.parse_size(maxbytes)
+    except ValueError as exc:
+        problems.append(str(exc))
+        lo = hi = 0
+    if lo > hi:
+        problems.append(f"--minbytes {minbytes} is larger than --maxbytes {maxbytes}")
+    if problems:
+        for p in problems:
+            err.print(f"[red]{p}[/red]")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    settings = TrnflowSettings()
+    backend = LocalBackend(settings.jobs_dir)
+    options = {"ops": ops, "minbytes": lo, "maxbytes": hi, "stepfactor": stepfactor, "iters": iters,
+               "dtype": dtype, "check": check, "timeout_seconds": timeout}
+    request = JobRequest(None, "collectives", "collectives", processes=cores, options=options,
+                         instance_type=instance_type)
+    from trnflow.errors import TrnflowError
+
+    try:
+        job_id = backend.submit(request)
+    except TrnflowError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(EXIT_FAILED) from None
+    with console.status(f"collectives on {cores} cores ({job_id})"):
+        info = wait(backend, job_id, settings.poll_seconds)
+    if info.state is not JobState.SUCCEEDED or info.result is None:
+        failure = info.failure or {}
+        err.print(f"[red]{failure.get('type', 'failed')}: {failure.get('message', '')}[/red]")
+        if as_json:
+            print(json.dumps({"results": [], "error": failure.get("message")}))
+        raise typer.Exit(EXIT_FAILED)
+    rows = info.result["rows"]
     if as_json:
-        print(json.dumps(payload, indent=2, default=str))
+        print(json.dumps({"results": rows, "avg_busbw": info.result["avg_busbw"], "cores": info.details["cores"]},
+                         indent=2))
     else:
-        console.print(_summary_table(rows))
-        if code:
-            err.print(f"[red]pipeline failed: {payload['error']}[/red]")
-        else:
-            console.print(f"[green]pipeline completed[/green] (run {payload['run_id']})")
-    raise typer.Exit(code)
+        print(render.nccom_text(rows))
 
 
 def main() -> None:

@@ -26,17 +26,38 @@ class JobState(StrEnum):
 class JobRequest:
     """One run of one workload phase."""
 
-    spec: JobSpec
+    spec: JobSpec | None
+    """None only for the hardware phases (sanity, collectives) run without a job spec."""
     phase: str
     run_id: str
     processes: int | None = None
     """Worker processes; None means one per NeuronCore of the spec."""
     checkpoint: str | None = None
     """Checkpoint URL for the evaluate and infer phases."""
+    cores: tuple[int, ...] | None = None
+    """Run on exactly these NeuronCores (for example the ones preflight verified)."""
+    exclude_cores: frozenset[int] = frozenset()
+    """Never place the job on these cores (cores that failed preflight)."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Phase options, such as the collective sweep's sizes."""
+    instance_type: str | None = None
+    """The instance to emulate when there is no spec."""
 
     @property
     def world_size(self) -> int:
-        return self.processes or self.spec.compute.world_size
+        if self.processes:
+            return self.processes
+        if self.spec is None:
+            raise ValueError("a request without a spec must say how many processes it wants")
+        return self.spec.compute.world_size
+
+    @property
+    def name(self) -> str:
+        return self.spec.name if self.spec else "adhoc"
+
+    @property
+    def itype(self) -> str:
+        return self.spec.compute.instance_type if self.spec else (self.instance_type or "trn1.32xlarge")
 
 
 @dataclass

@@ -21,8 +21,12 @@ import time
 import uuid
 from pathlib import Path
 
+from jobspecs import instance
 from trnflow.backends.base import JobInfo, JobRequest, JobState
+from trnflow.emulator.cores import allocate, parse_visible_cores
 from trnflow.emulator.launcher import launch_command, launch_env
+from trnflow.emulator.memory import check_fits
+from trnflow.errors import FatalError
 from trnflow.fsutil import atomic_write_json, atomic_write_text
 
 # Secrets never go into job.json: the runner's environment passes them on, the record does not.
@@ -46,17 +50,38 @@ class LocalBackend:
             raise KeyError(f"no local job {job_id!r} under {self.jobs_dir}")
         return path
 
+    def _place(self, request: JobRequest) -> list[int]:
+        """The cores the job runs on: as requested, as the caller's environment pins them, or the
+        first free aligned range that avoids excluded cores."""
+        total = instance(request.itype).cores
+        if request.cores:
+            return list(request.cores)
+        pinned = os.environ.get("NEURON_RT_VISIBLE_CORES")
+        if pinned:
+            cores = parse_visible_cores(pinned)
+            if len(cores) < request.world_size:
+                raise FatalError(f"NEURON_RT_VISIBLE_CORES={pinned} gives {len(cores)} core(s) but the job needs "
+                                 f"{request.world_size}; widen the range or unset it")
+            return cores[: request.world_size]
+        return allocate(request.world_size, total, request.exclude_cores)
+
     def submit(self, request: JobRequest) -> str:
         spec = request.spec
-        job_id = f"{spec.name}-{request.phase}-{uuid.uuid4().hex[:8]}"
+        if spec is not None:
+            check_fits(spec)  # refuse a job that cannot fit before anything starts
+        cores = self._place(request)
+        job_id = f"{request.name}-{request.phase}-{uuid.uuid4().hex[:8]}"
         job_dir = self.jobs_dir / job_id
         (job_dir / "output").mkdir(parents=True)
-        atomic_write_text(job_dir / "spec.json", spec.model_dump_json(indent=2))
-        processes = request.world_size
-        argv = launch_command(request.phase, processes, job_dir, request.run_id, request.checkpoint)
-        env = launch_env(spec, processes)
+        if spec is not None:
+            atomic_write_text(job_dir / "spec.json", spec.model_dump_json(indent=2))
+        if request.options:
+            atomic_write_json(job_dir / "options.json", request.options)
+        argv = launch_command(request.phase, len(cores), job_dir, request.run_id, request.checkpoint,
+                              with_spec=spec is not None, with_options=bool(request.options))
+        env = launch_env(spec, cores, request.itype)
         record = {"job_id": job_id, "phase": request.phase, "run_id": request.run_id, "argv": argv,
-                  "cwd": os.getcwd(), "processes": processes}
+                  "cwd": os.getcwd(), "processes": len(cores), "cores": cores}
         atomic_write_json(job_dir / "job.json", {**record, "env": _redacted(env)})
         # The runner gets the real environment through a private file it deletes after reading.
         runner_job = job_dir / ".runner.json"
@@ -95,7 +120,8 @@ class LocalBackend:
                 "message": "the job's supervisor process died before the job ended",
             })
         exit_info = json.loads(exit_file.read_text())
-        details = {"exit_code": exit_info["exit_code"], "seconds": exit_info["ended"] - exit_info["started"]}
+        details = {"exit_code": exit_info["exit_code"], "seconds": exit_info["ended"] - exit_info["started"],
+                   "cores": json.loads((job_dir / "job.json").read_text())["cores"]}
         result_file = job_dir / "output" / "result.json"
         if exit_info["exit_code"] == 0 and result_file.exists():
             return JobInfo(job_id, JobState.SUCCEEDED, result=json.loads(result_file.read_text()), details=details)

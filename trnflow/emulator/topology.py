@@ -43,3 +43,17 @@ def neuron_ls(itype: str | InstanceType, processes: dict[int, list[dict[str, Any
             record["logical_neuroncore_config"] = 2
         records.append(record)
     return records
+
+
+def core_owners(itype: str | InstanceType) -> dict[int, list[dict[str, Any]]]:
+    """The processes holding each device's cores, in `neuron-ls -j`'s `neuron_processes` shape."""
+    from trnflow.emulator.cores import holders
+
+    t = instance(itype) if isinstance(itype, str) else itype
+    by_device: dict[int, dict[Any, dict[str, Any]]] = {}
+    for core, holder in sorted(holders(t.cores).items()):
+        device = core // t.cores_per_chip
+        entry = by_device.setdefault(device, {}).setdefault(holder.get("pid"), {
+            "pid": holder.get("pid"), "command": holder.get("command", "?"), "neuroncore_ids": []})
+        entry["neuroncore_ids"].append(core)
+    return {device: list(procs.values()) for device, procs in by_device.items()}

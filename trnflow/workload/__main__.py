@@ -8,6 +8,7 @@ SageMaker's /opt/ml/output/failure) before exiting non-zero.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -23,7 +24,9 @@ PHASES = ("sanity", "collectives", "compile", "train", "evaluate", "infer")
 def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m trnflow.workload", description=__doc__)
     parser.add_argument("phase", choices=PHASES)
-    parser.add_argument("--spec", required=True, type=Path, help="job spec as JSON (written by the backend)")
+    parser.add_argument("--spec", type=Path, default=None,
+                        help="job spec as JSON, written by the backend (sanity and collectives can run without)")
+    parser.add_argument("--options", type=Path, default=None, help="phase options as JSON (collective sweep sizes)")
     parser.add_argument("--output", type=Path, default=None,
                         help="result directory (default: $SM_OUTPUT_DATA_DIR, then ./output)")
     parser.add_argument("--run-id", default="adhoc", help="names the run's checkpoint folder")
@@ -58,8 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     from trnflow.workload.context import init_worker, shutdown
 
     try:
-        spec = JobSpec.model_validate_json(args.spec.read_text())
-        ctx = init_worker(spec, output)
+        spec = JobSpec.model_validate_json(args.spec.read_text()) if args.spec else None
+        if spec is None and args.phase not in ("sanity", "collectives"):
+            raise TrnflowError(f"{args.phase} needs --spec")
+        options = json.loads(args.options.read_text()) if args.options else {}
+        ctx = init_worker(spec, output, args.phase, options)
         result = _dispatch(args, ctx)
         ctx.write_result({"phase": args.phase, **result})
         shutdown()

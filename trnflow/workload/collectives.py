@@ -1,24 +1,40 @@
-"""The collective-test phase, in the style of nccom-test: time each op over a size sweep,
-check every result, and report algorithm and bus bandwidth.
+"""The collective-test phase, in the style of nccom-test: time each op over a size sweep, check
+every result, and report algorithm and bus bandwidth.
 
-algbw = bytes / time in GiB/s (1 GiB = 2**30 B), as nccom-test prints it; busbw scales algbw by the
-op's traffic factor: all-reduce 2(r-1)/r, all-gather and reduce-scatter (r-1)/r.
+size(B) is the whole buffer an op produces or consumes (the reduced, gathered or scattered
+tensor). algbw = size / time in GiB/s (1 GiB = 2**30 B), as nccom-test prints it; busbw scales
+algbw by the op's traffic factor: all-reduce 2(r-1)/r, all-gather, reduce-scatter and
+all-to-all (r-1)/r.
+
+A rank that stops answering is cut off by the process group's timeout; its peers then name it
+from the progress records every rank leaves before each op.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from trnflow.errors import FatalError
+from trnflow.errors import FatalError, TransientError
 from trnflow.workload.context import WorkerContext
 
 GIB = 1024**3
-SIZES = [64 * 1024, 1024 * 1024, 4 * 1024 * 1024]
-ITERS, WARMUP = 5, 1
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DEFAULTS = {"ops": ["all_reduce"], "minbytes": 64 * 1024, "maxbytes": 4 * 1024 * 1024, "stepfactor": 4,
+            "iters": 5, "warmup": 1, "dtype": "fp32", "check": True}
+
+
+class CollectiveTimeout(TransientError):
+    """A collective did not complete in time: a core hung or a link went down."""
+
+
+class CorruptCollective(FatalError):
+    """A collective returned wrong values."""
 
 
 def bus_factor(op: str, ranks: int) -> float:
@@ -27,41 +43,148 @@ def bus_factor(op: str, ranks: int) -> float:
     return (ranks - 1) / ranks
 
 
-def _all_reduce(ctx: WorkerContext, count: int) -> tuple[Callable[[], None], Callable[[], bool]]:
-    buf = torch.empty(count, dtype=torch.float32)
-    expected = ctx.world_size * (ctx.world_size + 1) / 2
+def sweep_sizes(minbytes: int, maxbytes: int, stepfactor: int) -> list[int]:
+    sizes, size = [], minbytes
+    while size <= maxbytes:
+        sizes.append(size)
+        if stepfactor <= 1:
+            break
+        size *= stepfactor
+    return sizes
 
-    def op() -> None:
-        buf.fill_(ctx.rank + 1)
-        dist.all_reduce(buf)
 
-    return op, lambda: bool((buf == expected).all())
+_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass
+class Case:
+    run: Callable[[], None]
+    sent_ok: Callable[[], bool]
+    """Whether what this rank sent is what it meant to send (its own engines did not corrupt it)."""
+    result_ok: Callable[[], bool]
+
+
+def _pattern(n: int, rank: int, dtype: torch.dtype) -> torch.Tensor:
+    """Small integers, exact in bf16 too, different per rank and per position."""
+    return (torch.arange(n) % 7 + rank + 1).to(dtype)
+
+
+def _case(ctx: WorkerContext, op: str, count: int, dtype: torch.dtype) -> Case:
+    r, w = ctx.rank, ctx.world_size
+    corrupt = ctx.faults.corrupt
+    chunk = count // w
+    if op == "all_reduce":
+        buf = torch.empty(count, dtype=dtype)
+        sent = torch.empty(count, dtype=dtype)
+        expected = (w * (torch.arange(count) % 7) + w * (w + 1) // 2).to(dtype)
+
+        def run() -> None:
+            sent.copy_(corrupt(_pattern(count, r, dtype)))
+            buf.copy_(sent)
+            dist.all_reduce(buf)
+
+        return Case(run, lambda: torch.equal(sent, _pattern(count, r, dtype)), lambda: torch.equal(buf, expected))
+    if op == "all_gather":
+        out = torch.empty(chunk * w, dtype=dtype)
+        mine = torch.empty(chunk, dtype=dtype)
+        expected = torch.cat([_pattern(chunk, k, dtype) for k in range(w)])
+
+        def run() -> None:
+            mine.copy_(corrupt(_pattern(chunk, r, dtype)))
+            _gather(out, mine)
+
+        return Case(run, lambda: torch.equal(mine, _pattern(chunk, r, dtype)), lambda: torch.equal(out, expected))
+    if op == "reduce_scatter":
+        inp = torch.empty(chunk * w, dtype=dtype)
+        out = torch.empty(chunk, dtype=dtype)
+        total = sum(_pattern(chunk * w, k, dtype).double() for k in range(w)).to(dtype)
+        expected = total[r * chunk:(r + 1) * chunk]
+
+        def run() -> None:
+            inp.copy_(corrupt(_pattern(chunk * w, r, dtype)))
+            _scatter(out, inp)
+
+        return Case(run, lambda: torch.equal(inp, _pattern(chunk * w, r, dtype)), lambda: torch.equal(out, expected))
+    # all_to_all: rank r sends block k (holding r*w + k) to rank k
+    inp = torch.empty(chunk * w, dtype=dtype)
+    out = torch.empty(chunk * w, dtype=dtype)
+    intended = torch.arange(w).repeat_interleave(chunk).add(r * w).to(dtype)
+    expected = (torch.arange(w) * w + r).repeat_interleave(chunk).to(dtype)
+
+    def run() -> None:
+        inp.copy_(corrupt(intended))
+        dist.all_to_all_single(out, inp)
+
+    return Case(run, lambda: torch.equal(inp, intended), lambda: torch.equal(out, expected))
+
+
+def _all_true(flag: bool) -> bool:
+    t = torch.tensor([1 if flag else 0])
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return bool(t.item())
+
+
+def _measure(ctx: WorkerContext, op: str, size: int, dtype_name: str, iters: int, warmup: int,
+             check: bool) -> dict:
+    dtype = DTYPES[dtype_name]
+    elem = torch.tensor([], dtype=dtype).element_size()
+    count = max(ctx.world_size, size // elem // ctx.world_size * ctx.world_size)
+    case = _case(ctx, op, count, dtype)
+    for _ in range(warmup):
+        case.run()
+    dist.barrier()
+    began = time.perf_counter()
+    for _ in range(iters):
+        case.run()
+    took = torch.tensor([(time.perf_counter() - began) / iters])
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)  # the op is as slow as its slowest rank
+    seconds = float(took.item())
+    size_bytes = count * elem
+    algbw = size_bytes / seconds / GIB
+    row = {"op": op, "size(B)": size_bytes, "count(elems)": count, "type": dtype_name,
+           "time(us)": round(seconds * 1e6, 1), "algbw(GB/s)": round(algbw, 4),
+           "busbw(GB/s)": round(algbw * bus_factor(op, ctx.world_size), 4)}
+    if check:
+        row["correct"] = _all_true(case.result_ok())
+        if not row["correct"]:
+            sent_ok = [None] * ctx.world_size
+            dist.all_gather_object(sent_ok, (ctx.core_id, case.sent_ok()))
+            row["bad_cores"] = sorted(core for core, ok in sent_ok if not ok)
+    return row
 
 
 def run(ctx: WorkerContext) -> dict:
+    opts = {**DEFAULTS, **ctx.options}
+    ops = list(OPS) if opts["ops"] in ("all", ["all"]) else list(opts["ops"])
     if ctx.world_size < 2:
-        return {"rows": [], "avg_busbw": None, "passed": True, "note": "one core: no collectives to test"}
+        return {"ranks": 1, "rows": [], "avg_busbw": None, "passed": True, "bad_cores": [],
+                "note": "one core: no collectives to test"}
+    if opts["dtype"] not in DTYPES:
+        raise FatalError(f"collective dtype {opts['dtype']!r}: choose one of {', '.join(DTYPES)}")
+    sizes = sweep_sizes(int(opts["minbytes"]), int(opts["maxbytes"]), int(opts["stepfactor"]))
     rows = []
-    for size in SIZES:
-        op, check = _all_reduce(ctx, size // 4)
-        for _ in range(WARMUP):
-            op()
-        dist.barrier()
-        began = time.perf_counter()
-        for _ in range(ITERS):
-            op()
-        seconds = (time.perf_counter() - began) / ITERS
-        ok = torch.tensor([1 if check() else 0])
-        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
-        algbw = size / seconds / GIB
-        rows.append({
-            "op": "all_reduce", "size(B)": size, "count(elems)": size // 4, "type": "fp32",
-            "time(us)": round(seconds * 1e6, 1), "algbw(GB/s)": round(algbw, 4),
-            "busbw(GB/s)": round(algbw * bus_factor("all_reduce", ctx.world_size), 4),
-            "correct": bool(ok.item()),
-        })
-    if not all(r["correct"] for r in rows):
-        raise FatalError("all_reduce returned wrong values; a core or link is faulty, run preflight to find it")
-    avg = sum(r["busbw(GB/s)"] for r in rows) / len(rows)
-    ctx.log("collectives", ranks=ctx.world_size, avg_busbw=round(avg, 4))
-    return {"ranks": ctx.world_size, "rows": rows, "avg_busbw": round(avg, 4), "passed": True}
+    for op in ops:
+        for size in sizes:
+            ctx.faults.maybe_hang()  # a stalled core never posts its part of the op
+            ctx.progress(f"{op} {size}B")
+            try:
+                rows.append(_measure(ctx, op, size, opts["dtype"], int(opts["iters"]), int(opts["warmup"]),
+                                     bool(opts["check"])))
+            except (RuntimeError, dist.DistBackendError) as exc:
+                stuck = ctx.laggards()
+                who = ", ".join(f"core {s.get('core', '?')} (rank {s['rank']})" for s in stuck) or "a peer"
+                raise CollectiveTimeout(
+                    f"{op} of {size} B did not complete: {who} never reached it "
+                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). Exclude or replace that core"
+                ) from None
+            ctx.log("collective", **rows[-1])
+    bad = sorted({c for row in rows for c in row.get("bad_cores", [])})
+    if any(row.get("correct") is False for row in rows):
+        failing = [f"{row['op']} {row['size(B)']}B" for row in rows if row.get("correct") is False]
+        names = f"core(s) {bad} sent corrupted data" if bad else "the cause is not on a single core"
+        raise CorruptCollective(f"wrong results from {', '.join(failing[:4])}: {names}; run preflight")
+    by_op = {op: round(sum(r["busbw(GB/s)"] for r in rows if r["op"] == op) / len(sizes), 4) for op in ops}
+    avg = round(sum(r["busbw(GB/s)"] for r in rows) / len(rows), 4)
+    return {"ranks": ctx.world_size, "rows": rows, "avg_busbw": avg, "avg_busbw_by_op": by_op,
+            "passed": True, "bad_cores": []}

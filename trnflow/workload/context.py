@@ -11,7 +11,8 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -19,56 +20,83 @@ import torch
 import torch.distributed as dist
 
 from jobspecs import JobSpec
+from trnflow.emulator.cores import INSTANCE_CORES_ENV, CoreLease, acquire, parse_visible_cores
+from trnflow.emulator.faults import CoreFaults
+from trnflow.errors import FatalError
 from trnflow.fsutil import atomic_write_json
-
-
-def parse_core_range(value: str) -> list[int]:
-    """`NEURON_RT_VISIBLE_CORES` is a single index ("3") or an inclusive range ("0-7")."""
-    value = value.strip()
-    first, sep, last = value.partition("-")
-    lo, hi = int(first), int(last) if sep else int(first)
-    if hi < lo:
-        raise ValueError(f"NEURON_RT_VISIBLE_CORES={value!r}: range end is below its start")
-    return list(range(lo, hi + 1))
 
 
 @dataclass
 class WorkerContext:
-    spec: JobSpec
+    spec: JobSpec | None
     output_dir: Path
     rank: int
     world_size: int
     local_rank: int
     core_id: int
+    options: dict[str, Any] = field(default_factory=dict)
+    faults: CoreFaults = field(default_factory=lambda: CoreFaults(-1, []))
+    lease: CoreLease | None = None
+    _progress: int = 0
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def log(self, event: str, **fields: Any) -> None:
-        """One JSON line on stdout: machine-readable progress that every backend's log stream carries."""
-        record = {"ts": round(time.time(), 3), "event": event, "rank": self.rank, **fields}
-        print(json.dumps(record), flush=True)
+    def log(self, event: str, all_ranks: bool = False, **fields: Any) -> None:
+        """One JSON line on stdout, from rank 0 unless `all_ranks`: machine-readable progress that
+        every backend's log stream carries."""
+        if all_ranks or self.is_main:
+            record = {"ts": round(time.time(), 3), "event": event, "rank": self.rank, **fields}
+            print(json.dumps(record), flush=True)
+
+    def progress(self, label: str) -> None:
+        """Record how far this rank got, so a rank that hangs can be named by its peers."""
+        self._progress += 1
+        atomic_write_json(self.output_dir / f"progress-rank{self.rank}.json",
+                          {"rank": self.rank, "core": self.core_id, "seq": self._progress, "label": label})
+
+    def laggards(self) -> list[dict]:
+        """The ranks that got least far (by their progress records)."""
+        records = []
+        for r in range(self.world_size):
+            path = self.output_dir / f"progress-rank{r}.json"
+            missing = {"rank": r, "core": None, "seq": 0, "label": None}
+            records.append(json.loads(path.read_text()) if path.exists() else missing)
+        least = min(rec["seq"] for rec in records)
+        return [rec for rec in records if rec["seq"] == least and least < max(x["seq"] for x in records)]
 
     def write_result(self, result: dict[str, Any]) -> None:
         if self.is_main:
             atomic_write_json(self.output_dir / "result.json", result)
 
 
-def init_worker(spec: JobSpec, output_dir: Path) -> WorkerContext:
-    """Join the process group (gloo) and pin this rank to its emulated NeuronCore."""
+def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dict[str, Any] | None = None
+                ) -> WorkerContext:
+    """Own this rank's emulated NeuronCore, then join the process group (gloo)."""
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    cores = parse_core_range(os.environ.get("NEURON_RT_VISIBLE_CORES", str(local_rank)))
-    core_id = cores[local_rank % len(cores)]
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    visible = parse_visible_cores(os.environ.get("NEURON_RT_VISIBLE_CORES", f"0-{local_world - 1}"))
+    if local_rank >= len(visible):
+        raise FatalError(f"NEURON_RT_VISIBLE_CORES gives {len(visible)} core(s) but this is local rank {local_rank}; "
+                         "give one core per worker process")
+    core_id = visible[local_rank]
+    total = int(os.environ.get(INSTANCE_CORES_ENV, str(max(visible) + 1)))
+    lease = acquire([core_id], total, command=f"trnflow.workload {phase} rank {rank}")
     # One host thread per emulated core keeps ranks from fighting over CPUs (oversubscription is slow).
     threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, world))
     torch.set_num_threads(threads)
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo")
     output_dir.mkdir(parents=True, exist_ok=True)
-    return WorkerContext(spec, output_dir, rank, world, local_rank, core_id)
+    timeout = spec.preflight.collective_timeout_seconds if spec else float(
+        (options or {}).get("timeout_seconds", 60.0))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    ctx = WorkerContext(spec, output_dir, rank, world, local_rank, core_id, dict(options or {}),
+                        CoreFaults(core_id), lease)
+    ctx.progress("started")
+    return ctx
 
 
 def shutdown() -> None:

@@ -1,23 +1,45 @@
-"""The hardware sanity phase: a known-answer matmul on every NeuronCore.
+"""The hardware sanity phase: known-answer tests of each NeuronCore engine, on every core.
 
-The inputs are small multiples of 1/8, so the exact product is an integer matrix divided by 64,
-computed independently in int64. In fp32 the core must reproduce it bit for bit; in bf16 (inputs
-exact, products accumulated at higher precision) within a stated relative tolerance.
+A NeuronCore has four compute engines and its memory; each gets tests whose answers are known
+independently of the core under test:
+
+- tensor engine: a matmul of small multiples of 1/8, whose exact product comes from int64 maths
+  (fp32 must match bit for bit);
+- vector engine: layernorm and reductions, against float64 on the host;
+- scalar engine: elementwise activations (exp, tanh, sigmoid, gelu), against float64;
+- GPSIMD engine: a custom operator (an integer segmented prefix sum), against a plain Python loop;
+- memory: write-and-read-back patterns (0x55.., 0xAA.., walking ones, address as data).
+
+Each runs in fp32, and also in bf16 when the spec trains in bf16. Tolerances are stated per test.
 """
 
 from __future__ import annotations
 
+import math
 import time
+from collections.abc import Callable
 
 import torch
+import torch.nn.functional as F
 
+from trnflow.emulator.faults import CoreFaults
+from trnflow.emulator.memory import estimate
 from trnflow.workload.context import WorkerContext, gather_objects
 
-SIZE = 256
-TOLERANCE = {torch.float32: 0.0, torch.bfloat16: 1e-2}
+MATMUL_SIZE = 256
+MEMORY_WORDS = 4 * 1024 * 1024  # 16 MiB of int32 per pattern
+# (engine, dtype) -> largest allowed relative error against the host reference
+TOLERANCE = {
+    ("tensor", torch.float32): 0.0,
+    ("tensor", torch.bfloat16): 1e-2,
+    ("vector", torch.float32): 1e-5,
+    ("vector", torch.bfloat16): 3e-2,
+    ("scalar", torch.float32): 1e-5,
+    ("scalar", torch.bfloat16): 3e-2,
+}
 
 
-def _known_answer(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _known_matmul(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     i = torch.arange(n).unsqueeze(1)
     j = torch.arange(n).unsqueeze(0)
     a_int = (i * 7 + j * 3 + seed) % 11 - 5
@@ -26,27 +48,123 @@ def _known_answer(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.
     return a_int.float() / 8.0, b_int.float() / 8.0, exact
 
 
-def check_matmul(dtype: torch.dtype, seed: int) -> dict:
-    a, b, exact = _known_answer(SIZE, seed)
+def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float(((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
+
+
+def _record(engine: str, test: str, dtype: torch.dtype, err: float, seconds: float, **extra) -> dict:
+    tol = TOLERANCE[(engine, dtype)]
+    return {"engine": engine, "test": test, "dtype": str(dtype).removeprefix("torch."), "max_rel_err": err,
+            "tolerance": tol, "passed": err <= tol, "us": round(seconds * 1e6, 1), **extra}
+
+
+def check_matmul(dtype: torch.dtype, seed: int, faults: CoreFaults | None = None) -> dict:
+    faults = faults or CoreFaults(-1, [])
+    a, b, exact = _known_matmul(MATMUL_SIZE, seed)
     began = time.perf_counter()
-    got = (a.to(dtype) @ b.to(dtype)).to(torch.float64)
+    got = faults.corrupt(a.to(dtype) @ b.to(dtype))
     seconds = time.perf_counter() - began
-    rel_err = float(((got - exact).abs().max() / exact.abs().max()).item())
-    return {
-        "test": "matmul",
-        "dtype": str(dtype).removeprefix("torch."),
-        "max_rel_err": rel_err,
-        "tolerance": TOLERANCE[dtype],
-        "passed": rel_err <= TOLERANCE[dtype],
-        "gflops": round(2 * SIZE**3 / max(seconds, 1e-9) / 1e9, 2),
-    }
+    return _record("tensor", "matmul", dtype, _rel_err(got, exact), seconds,
+                   gflops=round(2 * MATMUL_SIZE**3 / max(seconds, 1e-9) / 1e9, 2))
+
+
+def _vector_checks(dtype: torch.dtype, seed: int, faults: CoreFaults) -> list[dict]:
+    gen = torch.Generator().manual_seed(seed)
+    x64 = torch.randn(64, 512, generator=gen, dtype=torch.float64)
+    x = x64.to(dtype)
+    ref_in = x.double()  # the reference sees exactly the values the core sees
+    mean = ref_in.mean(-1, keepdim=True)
+    var = ref_in.var(-1, unbiased=False, keepdim=True)
+    tests: list[tuple[str, Callable[[], torch.Tensor], torch.Tensor]] = [
+        ("layernorm", lambda: F.layer_norm(x, (512,), eps=1e-5), (ref_in - mean) / torch.sqrt(var + 1e-5)),
+        ("sum", lambda: x.float().sum(-1) if dtype == torch.bfloat16 else x.sum(-1), ref_in.sum(-1)),
+        ("max", lambda: x.amax(-1), ref_in.amax(-1)),
+    ]
+    out = []
+    for name, fn, want in tests:
+        began = time.perf_counter()
+        got = faults.corrupt(fn())
+        out.append(_record("vector", name, dtype, _rel_err(got, want), time.perf_counter() - began))
+    return out
+
+
+def _scalar_checks(dtype: torch.dtype, faults: CoreFaults) -> list[dict]:
+    x = torch.linspace(-6, 6, 4099, dtype=torch.float64).to(dtype)
+    ref_in = x.double()
+    gelu_ref = 0.5 * ref_in * (1 + torch.erf(ref_in / math.sqrt(2)))
+    tests = [("exp", torch.exp, torch.exp(ref_in)), ("tanh", torch.tanh, torch.tanh(ref_in)),
+             ("sigmoid", torch.sigmoid, torch.sigmoid(ref_in)), ("gelu", F.gelu, gelu_ref)]
+    out = []
+    for name, fn, want in tests:
+        began = time.perf_counter()
+        got = faults.corrupt(fn(x))
+        out.append(_record("scalar", name, dtype, _rel_err(got, want), time.perf_counter() - began))
+    return out
+
+
+@torch.library.custom_op("trnflow::segmented_prefix_sum", mutates_args=())
+def segmented_prefix_sum(values: torch.Tensor, segment: int) -> torch.Tensor:
+    """A GPSIMD-style custom operator: inclusive prefix sums restarting every `segment` elements."""
+    return values.view(-1, segment).cumsum(-1).view(-1)
+
+
+def _gpsimd_check(seed: int, faults: CoreFaults) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    values = torch.randint(-1000, 1000, (8192,), generator=gen, dtype=torch.int64)
+    began = time.perf_counter()
+    got = faults.corrupt(segmented_prefix_sum(values, 64).double())
+    seconds = time.perf_counter() - began
+    want, running = [], 0
+    for idx, v in enumerate(values.tolist()):
+        running = v if idx % 64 == 0 else running + v
+        want.append(running)
+    mismatches = int((got != torch.tensor(want, dtype=torch.float64)).sum())
+    return {"engine": "gpsimd", "test": "segmented_prefix_sum", "dtype": "int64", "mismatches": mismatches,
+            "tolerance": 0, "passed": mismatches == 0, "us": round(seconds * 1e6, 1)}
+
+
+def _memory_check(faults: CoreFaults) -> dict:
+    buf = torch.empty(MEMORY_WORDS, dtype=torch.int32)
+    patterns = {"0x55555555": 0x55555555, "0xAAAAAAAA": -0x55555556}
+    bad, began = 0, time.perf_counter()
+    for value in patterns.values():
+        buf.fill_(value)
+        faults.flip_bits(buf)
+        bad += int((buf != value).sum())
+    for bit in range(0, 31, 5):  # walking ones
+        buf.fill_(1 << bit)
+        faults.flip_bits(buf)
+        bad += int((buf != (1 << bit)).sum())
+    torch.arange(MEMORY_WORDS, dtype=torch.int32, out=buf)  # address as data
+    faults.flip_bits(buf)
+    bad += int((buf != torch.arange(MEMORY_WORDS, dtype=torch.int32)).sum())
+    return {"engine": "memory", "test": "patterns", "dtype": "int32", "bytes": MEMORY_WORDS * 4,
+            "mismatches": bad, "tolerance": 0, "passed": bad == 0,
+            "us": round((time.perf_counter() - began) * 1e6, 1)}
+
+
+def core_checks(core: int, precision: str, faults: CoreFaults) -> list[dict]:
+    """Every known-answer test of one core."""
+    dtypes = [torch.float32] if precision == "fp32" else [torch.float32, torch.bfloat16]
+    checks = []
+    for dtype in dtypes:
+        checks.append(check_matmul(dtype, seed=core, faults=faults))
+        checks += _vector_checks(dtype, core, faults)
+        checks += _scalar_checks(dtype, faults)
+    checks.append(_gpsimd_check(core, faults))
+    checks.append(_memory_check(faults))
+    return checks
 
 
 def run(ctx: WorkerContext) -> dict:
-    dtypes = [torch.float32] if ctx.spec.compute.precision == "fp32" else [torch.float32, torch.bfloat16]
-    checks = [check_matmul(dtype, seed=ctx.core_id) for dtype in dtypes]
-    mine = {"rank": ctx.rank, "core": ctx.core_id, "checks": checks, "passed": all(c["passed"] for c in checks)}
-    ctx.log("sanity", core=ctx.core_id, passed=mine["passed"])
-    cores = gather_objects(ctx, mine)
-    bad = [c["core"] for c in cores if not c["passed"]]
-    return {"cores": cores, "bad_cores": bad, "passed": not bad}
+    precision = ctx.spec.compute.precision if ctx.spec else "fp32"
+    checks = core_checks(ctx.core_id, precision, ctx.faults)
+    failed = [f"{c['engine']}/{c['test']}/{c['dtype']}" for c in checks if not c["passed"]]
+    mine = {"rank": ctx.rank, "core": ctx.core_id, "checks": checks, "passed": not failed, "failed": failed}
+    ctx.log("sanity", all_ranks=True, core=ctx.core_id, passed=mine["passed"], failed=failed)
+    per_core = gather_objects(ctx, mine)
+    bad = sorted(c["core"] for c in per_core if not c["passed"])
+    result = {"per_core": per_core, "bad_cores": bad, "passed": not bad}
+    if ctx.spec is not None:
+        result["memory"] = estimate(ctx.spec).as_dict()
+    return result

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from trnflow.emulator.memory import estimate, saved_activation_peak, tensor_bytes
 from trnflow.emulator.numerics import stochastic_round_bf16_
 from trnflow.errors import FatalError
 from trnflow.storage import join, local_path
@@ -88,12 +89,15 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
     model.train()
     window_start, window_steps = time.perf_counter(), 0
     began = time.perf_counter()
+    memory: dict = {}
     for step, idx in sampler.batches(start, tcfg.steps):
         tokens, labels = data.tokens[idx], data.labels[idx]
         amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
-        with amp:
+        # Shapes are static, so the first step's saved activations are every step's.
+        probe = saved_activation_peak() if not memory else contextlib.nullcontext({})
+        with amp, probe as saved:
             logits = ddp(tokens)
-        loss = F.cross_entropy(logits.float(), labels)
+            loss = F.cross_entropy(logits.float(), labels)
         if not math.isfinite(loss.item()):
             raise FatalError(
                 f"loss is {loss.item()} at step {step + 1} on rank {ctx.rank}; the run diverged. "
@@ -102,6 +106,8 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if not memory:
+            memory = _memory_held(model, optimizer, saved.get("peak", 0))
         if use_sr:
             with torch.no_grad():
                 for p in model.parameters():
@@ -123,6 +129,7 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
                 ctx.log("checkpoint", step=done, path=str(path))
     seconds = time.perf_counter() - began
     trained = tcfg.steps - start
+    per_rank = gather_objects(ctx, memory.get("total", 0))
     final = latest_checkpoint(run_dir)
     return {
         "run_id": run_id,
@@ -134,4 +141,18 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
         "loss": last_loss,
         "samples_per_s": round(trained * tcfg.global_batch_size / seconds, 1) if trained else 0.0,
         "seconds": round(seconds, 3),
+        "device_memory": {"estimated_per_core": estimate(spec).total, "peak_per_rank": per_rank, **memory},
     }
+
+
+def _memory_held(model: torch.nn.Module, optimizer: torch.optim.Optimizer, activations: int) -> dict:
+    """Bytes this rank holds for the step: weights, gradients, optimizer state, saved activations."""
+    params = list(model.parameters())
+    held = {
+        "weights": tensor_bytes(p.data for p in params),
+        "gradients": tensor_bytes(p.grad for p in params if p.grad is not None),
+        "optimizer": tensor_bytes(t for st in optimizer.state.values() for t in st.values()
+                                  if isinstance(t, torch.Tensor)),
+        "activations": activations,
+    }
+    return {**held, "total": sum(held.values())}

@@ -1,0 +1,55 @@
+"""Running stages one after another, recording a summary row for each, and stopping at the first
+failure with the rows so far."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from jobspecs import JobSpec
+from tasks.retry_policy import retry_options
+
+
+class PipelineFailed(Exception):
+    """A stage failed. `stages` has a row per stage that ran; `cause` is the stage's own error."""
+
+    def __init__(self, stage: str, cause: BaseException, stages: list[dict[str, Any]]):
+        super().__init__(f"stage {stage} failed: {cause}")
+        self.stage, self.cause, self.stages = stage, cause, stages
+
+
+class StageRunner:
+    """Calls each stage task with the spec's retry policy; keeps rows and results."""
+
+    def __init__(self, spec: JobSpec, run_id: str):
+        self.spec, self.run_id = spec, run_id
+        self.rows: list[dict[str, Any]] = []
+        self.results: dict[str, Any] = {}
+        self._options = retry_options(spec)
+
+    def __call__(self, name: str, task, *args) -> dict:
+        began = time.monotonic()
+        state = task.with_options(**self._options)(self.spec, self.run_id, *args, return_state=True)
+        seconds = time.monotonic() - began
+        if state.is_completed():
+            result = state.result()
+            self.rows.append({"stage": name, "state": "Completed", "seconds": seconds, "summary": result["summary"]})
+            self.results[name] = result
+            return result
+        error = state.result(raise_on_failure=False)
+        self.rows.append({"stage": name, "state": state.type.value.title(), "seconds": seconds,
+                          "summary": str(error)})
+        raise PipelineFailed(name, error, self.rows)
+
+    def outcome(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "stages": self.rows, "results": self.results}
+
+
+def new_run_id() -> str:
+    import uuid
+
+    from prefect.runtime import flow_run
+
+    flow_run_id = flow_run.get_id()
+    suffix = str(flow_run_id)[:8] if flow_run_id else uuid.uuid4().hex[:8]
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{suffix}"

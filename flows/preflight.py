@@ -1,0 +1,28 @@
+"""Preflight: hardware sanity checks on every core the job will use, then collective tests
+between them. The pipeline's first two stages, runnable on their own (`trnflow preflight`)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows._stages import StageRunner, new_run_id
+from jobspecs import JobSpec
+from tasks.collectives import collective_test
+from tasks.sanity import sanity_check
+
+STAGES = ("sanity", "collectives")
+
+
+@flow(name="trnflow-preflight", log_prints=True)
+def preflight(spec: JobSpec, run_id: str | None = None) -> dict[str, Any]:
+    """Check every engine of each core, then the links between them.
+
+    Raises:
+        PipelineFailed: naming the bad core, the hung collective or the slow link.
+    """
+    stage = StageRunner(spec, run_id or new_run_id())
+    cores = stage("sanity", sanity_check)["cores"]
+    stage("collectives", collective_test, cores)
+    return stage.outcome()

@@ -1,0 +1,107 @@
+"""The device-memory budget of one NeuronCore: estimated before launch, measured during a run.
+
+The estimate counts what a data-parallel training step keeps on each core: weights, gradients,
+AdamW's two moments and the activations saved for the backward pass, in the spec's precision.
+A job whose estimate exceeds the instance's memory per core is refused before it starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+
+from jobspecs import JobSpec, ModelSpec, instance
+from trnflow.errors import FatalError
+
+GIB = 1024**3
+
+
+def parameter_count(cfg: ModelSpec) -> int:
+    """Exact, without allocating: the model is built on the meta device."""
+    from trnflow.workload.model import TextEncoderClassifier
+
+    with torch.device("meta"):
+        model = TextEncoderClassifier(cfg)
+    return sum(p.numel() for p in model.parameters())
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    parameters: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    per_core_limit: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.activations
+
+    @property
+    def fits(self) -> bool:
+        return self.total <= self.per_core_limit
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total": self.total, "fits": self.fits}
+
+
+def estimate(spec: JobSpec) -> MemoryEstimate:
+    cfg = spec.model
+    params = parameter_count(cfg)
+    precision = spec.compute.precision
+    # bf16-sr keeps weights, gradients and optimizer state in bf16 on the device; fp32 and bf16
+    # autocast keep fp32 master weights. Activations follow the compute dtype.
+    state_bytes = 2 if precision == "bf16-sr" else 4
+    act_bytes = 4 if precision == "fp32" else 2
+    b, seq, d, f, h = spec.per_core_batch, cfg.seq_len, cfg.d_model, cfg.ffn_dim, cfg.n_heads
+    per_layer = b * seq * (6 * d + 2 * f) + 2 * b * h * seq * seq  # projections, FFN, scores + softmax
+    activations = (cfg.n_layers * per_layer + 2 * b * seq * d) * act_bytes
+    return MemoryEstimate(
+        parameters=params,
+        weights=params * state_bytes,
+        gradients=params * state_bytes,
+        optimizer=2 * params * state_bytes,
+        activations=activations,
+        per_core_limit=instance(spec.compute.instance_type).core_memory_bytes,
+    )
+
+
+def check_fits(spec: JobSpec) -> MemoryEstimate:
+    """The estimate, or FatalError with both numbers and what to change."""
+    est = estimate(spec)
+    if not est.fits:
+        t = instance(spec.compute.instance_type)
+        raise FatalError(
+            f"the job needs about {est.total / GIB:.1f} GiB of device memory per NeuronCore "
+            f"(weights {est.weights / GIB:.1f}, gradients {est.gradients / GIB:.1f}, optimizer "
+            f"{est.optimizer / GIB:.1f}, activations {est.activations / GIB:.1f}) but a {t.name} core has "
+            f"{est.per_core_limit / GIB:.1f} GiB. Lower train.global_batch_size or model.seq_len, shrink the "
+            "model, use compute.precision bf16-sr, or spread the batch over more cores"
+        )
+    return est
+
+
+def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@contextmanager
+def saved_activation_peak() -> Iterator[dict]:
+    """Measure the bytes autograd saves for backward while the block runs: `out["peak"]`."""
+    out = {"current": 0, "peak": 0}
+
+    def pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+        size = t.numel() * t.element_size()
+        out["current"] += size
+        out["peak"] = max(out["peak"], out["current"])
+        return t, size
+
+    def unpack(packed: tuple[torch.Tensor, int]) -> torch.Tensor:
+        return packed[0]
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield out

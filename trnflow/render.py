@@ -1,0 +1,78 @@
+"""Rich tables and nccom-test-style text for what the CLI prints."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+STATE_COLOURS = {"Completed": "green", "Failed": "red", "NotRun": "dim"}
+ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
+
+
+def stage_table(rows: list[dict[str, Any]], stages: tuple[str, ...], title: str) -> Table:
+    """One row per stage: state, duration, key figure; stages that never ran show NotRun."""
+    table = Table("stage", "state", "duration", "key figure", title=title)
+    seen = {r["stage"] for r in rows}
+    rest = [{"stage": s, "state": "NotRun", "seconds": None, "summary": ""} for s in stages if s not in seen]
+    for r in rows + rest:
+        colour = STATE_COLOURS.get(r["state"], "yellow")
+        duration = "" if r["seconds"] is None else f"{r['seconds']:.1f}s"
+        table.add_row(r["stage"], f"[{colour}]{r['state']}[/{colour}]", duration, r["summary"])
+    return table
+
+
+def sanity_table(per_core: list[dict[str, Any]]) -> Table:
+    """One row per core, one column per engine: pass, or the tests that failed."""
+    table = Table("core", *ENGINES, title="known-answer tests per engine")
+    for core in per_core:
+        cells = []
+        for engine in ENGINES:
+            checks = [c for c in core["checks"] if c["engine"] == engine]
+            failed = [f"{c['test']}/{c['dtype']}" for c in checks if not c["passed"]]
+            ok = f"[green]ok[/green] ({len(checks)})"
+            cells.append("[red]FAIL " + ", ".join(failed) + "[/red]" if failed else ok)
+        table.add_row(f"nc{core['core']}", *cells)
+    return table
+
+
+def nccom_text(rows: list[dict[str, Any]]) -> str:
+    """The sweep as nccom-test prints it, one block per op, then the average bus bandwidth."""
+    lines: list[str] = []
+    for op in dict.fromkeys(r["op"] for r in rows):
+        lines.append(f"# {op}")
+        lines.append(f"{'size(B)':>12}{'count(elems)':>16}{'type':>9}{'time(us)':>12}{'algbw(GB/s)':>15}"
+                     f"{'busbw(GB/s)':>15}{'check':>8}")
+        for r in (r for r in rows if r["op"] == op):
+            check = {True: "ok", False: "WRONG", None: "-"}[r.get("correct")]
+            lines.append(f"{r['size(B)']:>12}{r['count(elems)']:>16}{r['type']:>9}{r['time(us)']:>12.1f}"
+                         f"{r['algbw(GB/s)']:>15.4f}{r['busbw(GB/s)']:>15.4f}{check:>8}")
+    if rows:
+        avg = sum(r["busbw(GB/s)"] for r in rows) / len(rows)
+        lines.append(f"Avg bus bandwidth:\t{avg:.4f}GB/s")
+    return "\n".join(lines)
+
+
+def parse_size(text: str) -> int:
+    """`64KB`, `1MB`, `1GB` or a byte count (binary units, as nccom-test reads them)."""
+    units = {"GB": 1024**3, "MB": 1024**2, "KB": 1024, "G": 1024**3, "M": 1024**2, "K": 1024, "B": 1}
+    value = text.strip().upper()
+    for unit, factor in units.items():
+        if value.endswith(unit) and value[: -len(unit)].strip().isdigit():
+            return int(value[: -len(unit)]) * factor
+    if value.isdigit():
+        return int(value)
+    raise ValueError(f"{text!r} is not a size; write for example 65536, 64KB or 1MB")
+
+
+def top_table(itype: str, rows: list[dict[str, Any]]) -> Table:
+    """The `trnflow top` view: a row per core with a utilisation bar."""
+    table = Table("core", "device", "utilization", "memory held", "pid", "command",
+                  title=f"{itype} NeuronCores (emulated)")
+    for r in rows:
+        filled = int(r["utilization"] / 10)
+        bar = "[green]" + "█" * filled + "[/green]" + "·" * (10 - filled)
+        memory = f"{r['memory_bytes'] / 1024**2:,.0f} MiB" if r["pid"] else "-"
+        table.add_row(f"nc{r['core']}", str(r["device"]), f"{bar} {r['utilization']:5.1f}%", memory,
+                      str(r["pid"] or "-"), r["command"] or "[dim]free[/dim]")
+    return table
