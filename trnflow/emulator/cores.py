@@ -126,19 +126,20 @@ def allocate(count: int, total: int, exclude: frozenset[int] = frozenset()) -> l
     placement rule for collective jobs), avoiding `exclude`; the first such range wins."""
     if count > total:
         raise FatalError(f"{count} NeuronCores requested but the instance has {total}")
-    held = holders(total)
     step = count if total % count == 0 else 1
-    for start in range(0, total - count + 1, step):
-        cores = list(range(start, start + count))
-        if not any(c in held or c in exclude for c in cores):
-            return cores
-    if exclude and not held:
-        healthy = total - len(exclude)
+    ranges = [list(range(start, start + count)) for start in range(0, total - count + 1, step)]
+    healthy = [cores for cores in ranges if not exclude.intersection(cores)]
+    if not healthy:  # no waiting helps: the instance lacks healthy cores
         raise FatalError(
-            f"only {healthy} healthy NeuronCore(s) left after excluding {format_cores(sorted(exclude))}; "
-            f"the job needs {count} contiguous ones. Replace the instance or lower compute.cores_per_node"
+            f"only {total - len(exclude)} healthy NeuronCore(s) left after excluding "
+            f"{format_cores(sorted(exclude))}; the job needs {count} contiguous ones. "
+            "Replace the instance or lower compute.cores_per_node"
         )
-    raise unavailable(list(range(count)), total)
+    held = holders(total)
+    for cores in healthy:
+        if not held.keys() & set(cores):
+            return cores
+    raise unavailable(healthy[0], total)
 
 
 def parse_visible_cores(value: str) -> list[int]:

@@ -1,0 +1,121 @@
+"""Injected faults are found, the bad core is named, and preflight can go on without it."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from flows._stages import PipelineFailed
+from trnflow.backends import JobRequest, JobState, wait
+from trnflow.backends.local import LocalBackend
+from trnflow.cli import app
+from trnflow.emulator.faults import parse
+from trnflow.errors import FatalError
+from trnflow.settings import TrnflowSettings
+from trnflow.workload.collectives import bus_factor
+
+
+@pytest.fixture
+def backend(trnflow_home) -> LocalBackend:
+    return LocalBackend(TrnflowSettings().jobs_dir)
+
+
+def _failed_engines(result: dict, core: int) -> set[str]:
+    record = next(c for c in result["per_core"] if c["core"] == core)
+    return {name.split("/")[0] for name in record["failed"]}
+
+
+def test_a_corrupting_core_fails_its_engine_tests_and_is_named(backend, make_spec):
+    spec = make_spec(faults=[{"kind": "corrupt", "core": 1}], compute={"precision": "bf16"})
+    info = wait(backend, backend.submit(JobRequest(spec, "sanity", "f")), 0.2)
+    assert info.state is JobState.SUCCEEDED
+    assert info.result["bad_cores"] == [1]
+    assert _failed_engines(info.result, 1) == {"tensor", "vector", "scalar", "gpsimd"}
+    assert _failed_engines(info.result, 0) == set()
+
+
+def test_a_core_with_bad_memory_fails_only_the_memory_test(backend, make_spec, monkeypatch):
+    monkeypatch.setenv("TRNFLOW_FAULTS", "memory@0")
+    info = wait(backend, backend.submit(JobRequest(make_spec(), "sanity", "f")), 0.2)
+    assert info.result["bad_cores"] == [0]
+    assert _failed_engines(info.result, 0) == {"memory"}
+
+
+def test_a_hung_collective_is_cut_off_by_the_timeout_and_the_core_named(backend, monkeypatch):
+    monkeypatch.setenv("TRNFLOW_FAULTS", "hang@3")
+    request = JobRequest(None, "collectives", "hang", processes=2, cores=(2, 3),
+                         options={"maxbytes": 65536, "timeout_seconds": 5})
+    info = wait(backend, backend.submit(request), 0.2)
+    assert info.state is JobState.FAILED
+    assert info.failure["type"] == "CollectiveTimeout" and info.failure["retryable"] is True
+    assert "core 3 (rank 1) never reached it" in info.failure["message"]
+    assert "Timed out" in info.failure["message"]
+
+
+def test_a_corrupting_core_makes_collectives_wrong_and_is_named(backend, monkeypatch):
+    monkeypatch.setenv("TRNFLOW_FAULTS", "corrupt@1")
+    request = JobRequest(None, "collectives", "c", processes=2, options={"maxbytes": 65536, "check": True})
+    info = wait(backend, backend.submit(request), 0.2)
+    assert info.state is JobState.FAILED
+    assert info.failure["type"] == "CorruptCollective"
+    assert "core(s) [1] sent corrupted data" in info.failure["message"]
+
+
+def test_fault_syntax_errors_are_clear():
+    assert [(f.kind, f.core) for f in parse("corrupt@1, hang@3")] == [("corrupt", 1), ("hang", 3)]
+    with pytest.raises(FatalError, match="kind@core"):
+        parse("explode@1")
+
+
+def _preflight(spec):
+    from flows.preflight import preflight
+
+    state = preflight(spec, return_state=True)
+    return state, state.result(raise_on_failure=False)
+
+
+def test_preflight_names_the_bad_core_and_stops(prefect_api, make_spec):
+    spec = make_spec(name="badcore", compute={"instance_type": "trn1.32xlarge"},
+                     faults=[{"kind": "corrupt", "core": 1}])
+    state, outcome = _preflight(spec)
+    assert state.is_failed() and isinstance(outcome, PipelineFailed)
+    assert outcome.stage == "sanity"
+    assert "NeuronCore(s) [1] failed known-answer tests" in str(outcome.cause)
+
+
+def test_excluding_a_bad_core_runs_the_pipeline_on_healthy_cores(prefect_api, make_spec):
+    from flows.pipeline import pipeline
+
+    spec = make_spec(name="exclude", compute={"instance_type": "trn1.32xlarge"},
+                     faults=[{"kind": "corrupt", "core": 1}], preflight={"exclude_bad_cores": True},
+                     gate={"reference": None}, train={"steps": 20, "checkpoint_every": 20})
+    state = pipeline(spec, return_state=True)
+    outcome = state.result(raise_on_failure=False)
+    assert state.is_completed(), outcome
+    sanity = outcome["results"]["sanity"]
+    assert sanity["excluded_cores"] == [1] and sanity["cores"] == [2, 3]
+    assert "excluded bad core(s) [1]" in sanity["summary"]
+    for stage in ("collectives", "train", "evaluate", "infer"):
+        assert outcome["results"][stage]["cores"] == [2, 3], stage
+
+
+def test_exclusion_needs_enough_healthy_cores(prefect_api, make_spec):
+    spec = make_spec(name="toofew", faults=[{"kind": "corrupt", "core": 1}], preflight={"exclude_bad_cores": True})
+    state, outcome = _preflight(spec)
+    assert state.is_failed()
+    assert "only 1 healthy NeuronCore(s) left" in str(outcome.cause)
+
+
+def test_collectives_command_sweeps_every_op_with_nccom_busbw(trnflow_home):
+    result = CliRunner().invoke(app, ["collectives", "--cores", "4", "--op", "all", "--check", "-e", "256KB",
+                                      "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    rows = report["results"]
+    assert {r["op"] for r in rows} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all"}
+    assert all(r["correct"] for r in rows)
+    for r in rows:
+        assert r["busbw(GB/s)"] == pytest.approx(r["algbw(GB/s)"] * bus_factor(r["op"], 4), abs=2e-4)
+    assert len(report["cores"]) == 4
+    table = CliRunner().invoke(app, ["collectives", "--cores", "2", "-e", "64KB", "--check"])
+    assert table.exit_code == 0 and "Avg bus bandwidth:" in table.stdout and "busbw(GB/s)" in table.stdout
