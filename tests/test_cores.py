@@ -118,3 +118,15 @@ def test_top_shows_owner_utilisation_and_memory_per_core(held_by_other_process):
     assert rows[0]["pid"] is None
     snapshot = CliRunner().invoke(app, ["top", "--once", "--interval", "0.1"])
     assert "nc1" in snapshot.stdout and "test holder" in snapshot.stdout
+
+
+def test_the_runtime_core_variables_are_honoured(make_spec, trnflow_home, monkeypatch):
+    backend = LocalBackend(TrnflowSettings().jobs_dir)
+    monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "6-7")
+    info = wait(backend, backend.submit(JobRequest(make_spec(compute={"instance_type": "trn1.32xlarge"}),
+                                                   "sanity", "v")), 0.2)
+    assert info.state is JobState.SUCCEEDED and [c["core"] for c in info.result["per_core"]] == [6, 7]
+    monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
+    monkeypatch.setenv("NEURON_RT_NUM_CORES", "1")
+    with pytest.raises(FatalError, match="NEURON_RT_NUM_CORES=1"):
+        backend.submit(JobRequest(make_spec(), "sanity", "n"))

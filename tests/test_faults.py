@@ -1,11 +1,17 @@
 """Injected faults are found, the bad core is named, and preflight can go on without it."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
+import yaml
+from rich.console import Console
 from typer.testing import CliRunner
 
 from flows._stages import PipelineFailed
+from trnflow import render
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.cli import app
@@ -117,5 +123,41 @@ def test_collectives_command_sweeps_every_op_with_nccom_busbw(trnflow_home):
     for r in rows:
         assert r["busbw(GB/s)"] == pytest.approx(r["algbw(GB/s)"] * bus_factor(r["op"], 4), abs=2e-4)
     assert len(report["cores"]) == 4
-    table = CliRunner().invoke(app, ["collectives", "--cores", "2", "-e", "64KB", "--check"])
-    assert table.exit_code == 0 and "Avg bus bandwidth:" in table.stdout and "busbw(GB/s)" in table.stdout
+    table = CliRunner().invoke(app, ["collectives", "--cores", "4", "--op", "all", "--check", "-e", "64KB"])
+    assert table.exit_code == 0, table.output
+    assert "Avg bus bandwidth:" in table.stdout and "busbw(GB/s)" in table.stdout
+    assert table.stdout.count(" ok") == 4 and "WRONG" not in table.stdout
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """The real `trnflow` command in its own process, talking to the session's Prefect API."""
+    from prefect.settings import PREFECT_API_URL
+
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    return subprocess.run([sys.executable, "-m", "trnflow.cli", *args], capture_output=True, text=True, env=env,
+                          timeout=600)
+
+
+def test_preflight_enforces_the_bandwidth_threshold(prefect_api, make_spec, tmp_path):
+    spec = make_spec(name="slowlink", preflight={"min_busbw_gbps": 10_000.0})
+    path = tmp_path / "slow.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    result = _cli("preflight", str(path))
+    assert result.returncode == 1, result.stderr
+    assert "below preflight.min_busbw_gbps" in result.stderr
+
+
+def test_preflight_command_reports_every_core_and_link(prefect_api, make_spec, tmp_path):
+    path = tmp_path / "ok.yaml"
+    path.write_text(yaml.safe_dump(make_spec(name="preflightok").model_dump(mode="json")))
+    result = _cli("preflight", str(path), "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert [s["stage"] for s in report["stages"]] == ["sanity", "collectives"]
+    assert report["results"]["sanity"]["memory"]["fits"] is True
+    assert [c["core"] for c in report["results"]["sanity"]["per_core"]] == [0, 1]
+    rendered = Console(width=200, record=True)
+    rendered.print(render.sanity_table(report["results"]["sanity"]["per_core"]))
+    text = rendered.export_text()
+    assert "nc0" in text and "nc1" in text and "FAIL" not in text
+    assert "Avg bus bandwidth" in render.nccom_text(report["results"]["collectives"]["rows"])

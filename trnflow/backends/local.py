@@ -63,6 +63,10 @@ class LocalBackend:
                 raise FatalError(f"NEURON_RT_VISIBLE_CORES={pinned} gives {len(cores)} core(s) but the job needs "
                                  f"{request.world_size}; widen the range or unset it")
             return cores[: request.world_size]
+        allowed = os.environ.get("NEURON_RT_NUM_CORES")
+        if allowed and allowed != "0" and int(allowed) < request.world_size:
+            raise FatalError(f"NEURON_RT_NUM_CORES={allowed} allows fewer cores than the {request.world_size} "
+                             "the job needs; raise it or unset it")
         return allocate(request.world_size, total, request.exclude_cores)
 
     def submit(self, request: JobRequest) -> str:

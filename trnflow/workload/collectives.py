@@ -59,7 +59,10 @@ _scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_t
 
 @dataclass
 class Case:
+    prepare: Callable[[], None]
+    """Fill this rank's input (outside the timed loop, as nccom-test does)."""
     run: Callable[[], None]
+    """The collective alone: what is timed."""
     sent_ok: Callable[[], bool]
     """Whether what this rank sent is what it meant to send (its own engines did not corrupt it)."""
     result_ok: Callable[[], bool]
@@ -79,44 +82,32 @@ def _case(ctx: WorkerContext, op: str, count: int, dtype: torch.dtype) -> Case:
         sent = torch.empty(count, dtype=dtype)
         expected = (w * (torch.arange(count) % 7) + w * (w + 1) // 2).to(dtype)
 
-        def run() -> None:
+        def prepare() -> None:
             sent.copy_(corrupt(_pattern(count, r, dtype)))
             buf.copy_(sent)
-            dist.all_reduce(buf)
 
-        return Case(run, lambda: torch.equal(sent, _pattern(count, r, dtype)), lambda: torch.equal(buf, expected))
+        return Case(prepare, lambda: dist.all_reduce(buf), lambda: torch.equal(sent, _pattern(count, r, dtype)),
+                    lambda: torch.equal(buf, expected))
     if op == "all_gather":
         out = torch.empty(chunk * w, dtype=dtype)
         mine = torch.empty(chunk, dtype=dtype)
         expected = torch.cat([_pattern(chunk, k, dtype) for k in range(w)])
-
-        def run() -> None:
-            mine.copy_(corrupt(_pattern(chunk, r, dtype)))
-            _gather(out, mine)
-
-        return Case(run, lambda: torch.equal(mine, _pattern(chunk, r, dtype)), lambda: torch.equal(out, expected))
+        return Case(lambda: mine.copy_(corrupt(_pattern(chunk, r, dtype))), lambda: _gather(out, mine),
+                    lambda: torch.equal(mine, _pattern(chunk, r, dtype)), lambda: torch.equal(out, expected))
     if op == "reduce_scatter":
         inp = torch.empty(chunk * w, dtype=dtype)
         out = torch.empty(chunk, dtype=dtype)
         total = sum(_pattern(chunk * w, k, dtype).double() for k in range(w)).to(dtype)
         expected = total[r * chunk:(r + 1) * chunk]
-
-        def run() -> None:
-            inp.copy_(corrupt(_pattern(chunk * w, r, dtype)))
-            _scatter(out, inp)
-
-        return Case(run, lambda: torch.equal(inp, _pattern(chunk * w, r, dtype)), lambda: torch.equal(out, expected))
+        return Case(lambda: inp.copy_(corrupt(_pattern(chunk * w, r, dtype))), lambda: _scatter(out, inp),
+                    lambda: torch.equal(inp, _pattern(chunk * w, r, dtype)), lambda: torch.equal(out, expected))
     # all_to_all: rank r sends block k (holding r*w + k) to rank k
     inp = torch.empty(chunk * w, dtype=dtype)
     out = torch.empty(chunk * w, dtype=dtype)
     intended = torch.arange(w).repeat_interleave(chunk).add(r * w).to(dtype)
     expected = (torch.arange(w) * w + r).repeat_interleave(chunk).to(dtype)
-
-    def run() -> None:
-        inp.copy_(corrupt(intended))
-        dist.all_to_all_single(out, inp)
-
-    return Case(run, lambda: torch.equal(inp, intended), lambda: torch.equal(out, expected))
+    return Case(lambda: inp.copy_(corrupt(intended)), lambda: dist.all_to_all_single(out, inp),
+                lambda: torch.equal(inp, intended), lambda: torch.equal(out, expected))
 
 
 def _all_true(flag: bool) -> bool:
@@ -131,6 +122,7 @@ def _measure(ctx: WorkerContext, op: str, size: int, dtype_name: str, iters: int
     elem = torch.tensor([], dtype=dtype).element_size()
     count = max(ctx.world_size, size // elem // ctx.world_size * ctx.world_size)
     case = _case(ctx, op, count, dtype)
+    case.prepare()
     for _ in range(warmup):
         case.run()
     dist.barrier()
@@ -145,7 +137,9 @@ def _measure(ctx: WorkerContext, op: str, size: int, dtype_name: str, iters: int
     row = {"op": op, "size(B)": size_bytes, "count(elems)": count, "type": dtype_name,
            "time(us)": round(seconds * 1e6, 1), "algbw(GB/s)": round(algbw, 4),
            "busbw(GB/s)": round(algbw * bus_factor(op, ctx.world_size), 4)}
-    if check:
+    if check:  # one more, from fresh inputs, whose result is checked
+        case.prepare()
+        case.run()
         row["correct"] = _all_true(case.result_ok())
         if not row["correct"]:
             sent_ok = [None] * ctx.world_size
