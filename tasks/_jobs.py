@@ -20,11 +20,14 @@ def classify(info: JobInfo) -> TrnflowError:
     failure = info.failure or {}
     kind, message = failure.get("type", "Unknown"), failure.get("message", "no failure report")
     text = f"job {info.job_id}: {kind}: {message}"
-    if kind in ERROR_TYPES:
+    bad_cores = failure.get("bad_cores") or []
+    if kind in ERROR_TYPES and kind != "GateFailed":
+        return ERROR_TYPES[kind](text, bad_cores=bad_cores)
+    if kind == "GateFailed":
         return ERROR_TYPES[kind](text)
     if failure.get("retryable"):
-        return TransientError(text)
-    return FatalError(text)
+        return TransientError(text, bad_cores=bad_cores)
+    return FatalError(text, bad_cores=bad_cores)
 
 
 def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = None,

@@ -7,7 +7,7 @@ from prefect.cache_policies import NO_CACHE
 
 from jobspecs import JobSpec
 from tasks._jobs import run_job
-from trnflow.errors import FatalError
+from trnflow.errors import FatalError, TrnflowError
 
 
 def _failures(result: dict) -> str:
@@ -30,14 +30,21 @@ def sanity_check(spec: JobSpec, run_id: str) -> dict:
     logger = get_run_logger()
     excluded: set[int] = set()
     while True:
-        result = run_job(spec, "sanity", run_id, exclude_cores=excluded)
+        try:
+            result = run_job(spec, "sanity", run_id, exclude_cores=excluded)
+        except TrnflowError as exc:  # a core that hangs is named by its peers
+            if not (exc.bad_cores and spec.preflight.exclude_bad_cores):
+                raise
+            excluded |= set(exc.bad_cores)
+            logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", exc.bad_cores, exc)
+            continue
         bad = result["bad_cores"]
         if not bad:
             break
         if not spec.preflight.exclude_bad_cores:
             raise FatalError(
                 f"NeuronCore(s) {bad} failed known-answer tests ({_failures(result)}); replace the instance, "
-                "or set preflight.exclude_bad_cores: true to go on without them"
+                "or set preflight.exclude_bad_cores: true to go on without them", bad_cores=bad,
             )
         excluded |= set(bad)
         logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", bad, _failures(result))

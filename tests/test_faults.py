@@ -105,6 +105,22 @@ def test_excluding_a_bad_core_runs_the_pipeline_on_healthy_cores(prefect_api, ma
         assert outcome["results"][stage]["cores"] == [2, 3], stage
 
 
+def test_a_hung_core_is_named_by_preflight_and_can_be_excluded(prefect_api, make_spec):
+    hang = {"compute": {"instance_type": "trn1.32xlarge"}, "faults": [{"kind": "hang", "core": 1}],
+            "retries": {"max_retries": 0}}
+    spec = make_spec(name="hung", preflight={"collective_timeout_seconds": 5}, **hang)
+    state, outcome = _preflight(spec)
+    assert state.is_failed() and outcome.stage == "sanity"
+    assert "core 1 (rank 1) never reached it" in str(outcome.cause)
+    assert outcome.cause.bad_cores == [1]
+
+    spec = make_spec(name="hungx", preflight={"collective_timeout_seconds": 5, "exclude_bad_cores": True}, **hang)
+    state, outcome = _preflight(spec)
+    assert state.is_completed(), outcome
+    assert outcome["results"]["sanity"]["excluded_cores"] == [1]
+    assert outcome["results"]["collectives"]["cores"] == [2, 3]
+
+
 def test_exclusion_needs_enough_healthy_cores(prefect_api, make_spec):
     spec = make_spec(name="toofew", faults=[{"kind": "corrupt", "core": 1}], preflight={"exclude_bad_cores": True})
     state, outcome = _preflight(spec)

@@ -4,9 +4,14 @@ from __future__ import annotations
 
 
 class TrnflowError(Exception):
-    """Base class. `retryable` tells the Prefect tasks whether a retry can help."""
+    """Base class. `retryable` tells the Prefect tasks whether a retry can help; `bad_cores` names
+    the NeuronCores found at fault, when any were."""
 
     retryable = False
+
+    def __init__(self, message: str = "", bad_cores: list[int] | None = None):
+        super().__init__(message)
+        self.bad_cores = sorted(bad_cores or [])
 
 
 class FatalError(TrnflowError):
@@ -23,6 +28,10 @@ class TransientError(TrnflowError):
     retryable = True
 
 
+class CollectiveTimeout(TransientError):
+    """A collective did not complete in time: a core hung or a link went down."""
+
+
 class GateFailed(FatalError):
     """The candidate model is outside the accuracy-parity band. Never retried; the champion stays."""
 
@@ -32,5 +41,6 @@ class GateFailed(FatalError):
 
 
 ERROR_TYPES: dict[str, type[TrnflowError]] = {
-    cls.__name__: cls for cls in (TrnflowError, FatalError, DataError, TransientError, GateFailed)
+    cls.__name__: cls
+    for cls in (TrnflowError, FatalError, DataError, TransientError, CollectiveTimeout, GateFailed)
 }

@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             "type": type(exc).__name__,
             "message": str(exc),
             "retryable": getattr(exc, "retryable", None),
+            "bad_cores": getattr(exc, "bad_cores", []),
             "traceback": traceback.format_exc(),
         })
         print(f"trnflow.workload {args.phase} failed on rank {rank}: {type(exc).__name__}: {exc}",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from trnflow.errors import FatalError, TransientError
+from trnflow.errors import FatalError
 from trnflow.workload.context import WorkerContext
 
 GIB = 1024**3
@@ -27,10 +27,6 @@ OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULTS = {"ops": ["all_reduce"], "minbytes": 64 * 1024, "maxbytes": 4 * 1024 * 1024, "stepfactor": 4,
             "iters": 5, "warmup": 1, "dtype": "fp32", "check": True}
-
-
-class CollectiveTimeout(TransientError):
-    """A collective did not complete in time: a core hung or a link went down."""
 
 
 class CorruptCollective(FatalError):
@@ -160,24 +156,17 @@ def run(ctx: WorkerContext) -> dict:
     rows = []
     for op in ops:
         for size in sizes:
-            ctx.faults.maybe_hang()  # a stalled core never posts its part of the op
-            ctx.progress(f"{op} {size}B")
-            try:
-                rows.append(_measure(ctx, op, size, opts["dtype"], int(opts["iters"]), int(opts["warmup"]),
-                                     bool(opts["check"])))
-            except (RuntimeError, dist.DistBackendError) as exc:
-                stuck = ctx.laggards()
-                who = ", ".join(f"core {s.get('core', '?')} (rank {s['rank']})" for s in stuck) or "a peer"
-                raise CollectiveTimeout(
-                    f"{op} of {size} B did not complete: {who} never reached it "
-                    f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). Exclude or replace that core"
-                ) from None
+            rows.append(ctx.collective(
+                f"{op} of {size} B",
+                lambda op=op, size=size: _measure(ctx, op, size, opts["dtype"], int(opts["iters"]),
+                                                  int(opts["warmup"]), bool(opts["check"]))))
             ctx.log("collective", **rows[-1])
     bad = sorted({c for row in rows for c in row.get("bad_cores", [])})
     if any(row.get("correct") is False for row in rows):
         failing = [f"{row['op']} {row['size(B)']}B" for row in rows if row.get("correct") is False]
         names = f"core(s) {bad} sent corrupted data" if bad else "the cause is not on a single core"
-        raise CorruptCollective(f"wrong results from {', '.join(failing[:4])}: {names}; run preflight")
+        raise CorruptCollective(f"wrong results from {', '.join(failing[:4])}: {names}; run preflight",
+                                bad_cores=bad)
     by_op = {op: round(sum(r["busbw(GB/s)"] for r in rows if r["op"] == op) / len(sizes), 4) for op in ops}
     avg = round(sum(r["busbw(GB/s)"] for r in rows) / len(rows), 4)
     return {"ranks": ctx.world_size, "rows": rows, "avg_busbw": avg, "avg_busbw_by_op": by_op,

@@ -11,10 +11,11 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -22,8 +23,10 @@ import torch.distributed as dist
 from jobspecs import JobSpec
 from trnflow.emulator.cores import INSTANCE_CORES_ENV, CoreLease, acquire, parse_visible_cores
 from trnflow.emulator.faults import CoreFaults
-from trnflow.errors import FatalError
+from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -65,6 +68,22 @@ class WorkerContext:
             records.append(json.loads(path.read_text()) if path.exists() else missing)
         least = min(rec["seq"] for rec in records)
         return [rec for rec in records if rec["seq"] == least and least < max(x["seq"] for x in records)]
+
+    def collective(self, label: str, fn: Callable[[], T]) -> T:
+        """Run one collective step; a rank that never arrives is cut off by the process group's
+        timeout and named, from the progress records, in a CollectiveTimeout."""
+        self.faults.maybe_hang()  # a stalled core never posts its part of the op
+        self.progress(label)
+        try:
+            return fn()
+        except (RuntimeError, dist.DistBackendError) as exc:
+            stuck = self.laggards()
+            who = ", ".join(f"core {s.get('core', '?')} (rank {s['rank']})" for s in stuck) or "a peer"
+            raise CollectiveTimeout(
+                f"{label} did not complete: {who} never reached it "
+                f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). Exclude or replace that core",
+                bad_cores=[s["core"] for s in stuck if s.get("core") is not None],
+            ) from None
 
     def write_result(self, result: dict[str, Any]) -> None:
         if self.is_main:

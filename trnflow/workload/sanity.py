@@ -162,7 +162,8 @@ def run(ctx: WorkerContext) -> dict:
     failed = [f"{c['engine']}/{c['test']}/{c['dtype']}" for c in checks if not c["passed"]]
     mine = {"rank": ctx.rank, "core": ctx.core_id, "checks": checks, "passed": not failed, "failed": failed}
     ctx.log("sanity", all_ranks=True, core=ctx.core_id, passed=mine["passed"], failed=failed)
-    per_core = gather_objects(ctx, mine)
+    # Gathering the results is also a liveness check: a core that stalls in collectives is named here.
+    per_core = ctx.collective("gathering sanity results", lambda: gather_objects(ctx, mine))
     bad = sorted(c["core"] for c in per_core if not c["passed"])
     result = {"per_core": per_core, "bad_cores": bad, "passed": not bad}
     if ctx.spec is not None:
