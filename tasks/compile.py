@@ -11,8 +11,13 @@ from tasks._jobs import run_job
 
 @task(name="compile", cache_policy=NO_CACHE)
 def compile_graphs(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
-    """Capture the training step's graphs and compile them unless the cache already holds them."""
+    """Extract every program's graphs, then compile the ones the cache does not hold yet.
+
+    Returns:
+        Per-program keys and what happened to each (`report`), with `hits` and `compiled` counts.
+    """
     result = run_job(spec, "compile", run_id, processes=1, cores=cores[:1])
-    verb = "cache hit" if result["hit"] else f"compiled in {result['seconds']:.1f}s"
-    result["summary"] = f"{result['graphs']} graph(s), {verb} ({result['key']})"
+    total = len(result["programs"])
+    compiled = f", {result['compiled']} compiled in {result['seconds']:.1f}s" if result["compiled"] else ""
+    result["summary"] = f"{total} programs: {result['hits']} cache hit(s){compiled}"
     return result

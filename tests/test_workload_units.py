@@ -116,3 +116,13 @@ def test_cache_key_is_the_same_for_the_same_model_and_flags():
     assert compiler.cache_key(graphs, compiler.compile_flags(2, "fp32")) != keys[0]
     other = compiler.capture_graphs(lambda t, m=model: m(t).sum(), torch.ones(8, 8, dtype=torch.long))
     assert compiler.cache_key(other, compiler.compile_flags(1, "fp32")) != keys[0]
+
+
+def test_static_batches_pad_the_last_batch_to_the_same_shape():
+    from trnflow.workload.data import static_batches
+
+    tokens = HashingTokenizer(300, 6).encode([f"row {i}" for i in range(10)])
+    batches = list(static_batches(tokens, torch.arange(10), 4))
+    assert [b.shape for b, _ in batches] == [(4, 6)] * 3
+    assert [real for _, real in batches] == [4, 4, 2]
+    assert torch.equal(batches[2][0][:2], tokens[8:10])

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from jobspecs import CATALOGUE, JobSpec, SpecError, load_spec
 from trnflow import render
+from trnflow.cli_cache import cache_app
 
 app = typer.Typer(
     name="trnflow",
@@ -27,6 +28,7 @@ app = typer.Typer(
 )
 data_app = typer.Typer(help="Make and inspect datasets.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
+app.add_typer(cache_app, name="cache")
 
 console = Console()
 err = Console(stderr=True)
@@ -193,6 +195,67 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
     final = document["points"][-1]
     console.print(f"reference written to {spec.gate.reference}: step {final['step']}, "
                   f"accuracy {final['accuracy']:.4f}")
+
+
+@app.command("compile")
+def compile_cmd(
+    spec_path: SpecArg,
+    check: Annotated[bool, typer.Option("--check", help="Only say which programs would hit or miss.")] = False,
+    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Compile entries that failed before.")] = False,
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Compile the spec's programs ahead of time into the persistent cache (like neuron_parallel_compile)."""
+    import re
+
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from trnflow.backends import JobRequest, JobState, backend_for, wait
+    from trnflow.errors import TrnflowError
+    from trnflow.settings import TrnflowSettings
+
+    spec = _load(spec_path, _overrides(overrides))
+    settings = TrnflowSettings()
+    options = {"check": check, "retry_failed": retry_failed}
+    try:
+        backend = backend_for(spec, settings)
+        job_id = backend.submit(JobRequest(spec, "compile", "compile", processes=1, options=options))
+    except TrnflowError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(EXIT_FAILED) from None
+    counts = re.compile(r"remaining items are \d+, locked are (\d+), failed are (\d+), done are (\d+), "
+                        r"total is (\d+)")
+    columns = (TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, disable=as_json) as progress:
+        bar = progress.add_task("extracting graphs", total=None)
+
+        def follow(text: str) -> None:
+            for match in counts.finditer(text):
+                locked, failed, done, total = map(int, match.groups())
+                progress.update(bar, total=total, completed=done + failed,
+                                description=f"locked {locked}, failed {failed}")
+
+        info = wait(backend, job_id, settings.poll_seconds, on_logs=follow)
+    if info.state is not JobState.SUCCEEDED or info.result is None:
+        failure = info.failure or {}
+        if as_json:
+            print(json.dumps({"state": "Failed", "error": failure.get("message")}))
+        err.print(f"[red]{failure.get('type', 'failed')}: {failure.get('message', '')}[/red]")
+        raise typer.Exit(EXIT_FAILED)
+    result = info.result
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    table = Table("program", "key", "state", "outcome", title=f"compile cache {result['cache']}")
+    report = result.get("report", {})
+    for row in result["programs"]:
+        done = report.get(row["key"], {})
+        outcome = row["will"] if check else f"{done.get('status', '?')} ({done.get('seconds', 0):.1f}s)"
+        table.add_row(row["program"], row["key"], row["state"], outcome)
+    console.print(table)
+    if check:
+        console.print(f"{result['hits']} hit(s), {result['misses']} miss(es)")
 
 
 def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_id: str | None, as_json: bool,

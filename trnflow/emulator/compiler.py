@@ -1,14 +1,8 @@
-"""The emulator's compiler and its persistent cache, laid out like the Neuron persistent cache.
+"""The emulator's compiler: graph capture, cache keys and compiler flags.
 
 The compiler is TorchInductor (`torch.compile`); the torch version stands for the compiler
-version. A cache entry lives at
-
-    <cache>/torch-<version>/MODULE_<graph hash>+<flags hash>/
-        model.fx.txt         the canonical graph (what the key was computed from)
-        compile_flags.json   the compiler flags
-        model.neff           the compiled artifact: the Inductor cache directory, as a tar.gz
-        model.done           written last; holds the artifact's sha256
-        model.log            instead of model.neff + model.done when compilation failed
+version. A compiled artifact is the Inductor cache directory the compilation filled, as a tar.gz
+(it holds the generated kernels and the built shared objects). See `cache.py` for where it goes.
 
 The key is a pure function of the graph's code, its input shapes and dtypes, the flags and the
 compiler version, so the same model and spec give the same key on any host.
@@ -24,8 +18,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-from trnflow.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
 
 COMPILER_VERSION = f"torch-{torch.__version__}"
 
@@ -60,18 +52,6 @@ def entry_dir(cache_root: Path, key: str) -> Path:
     return cache_root / COMPILER_VERSION / key
 
 
-def entry_state(entry: Path) -> str:
-    """"done", "failed" or "missing"; a done marker whose checksum does not match counts as missing."""
-    done = entry / "model.done"
-    if done.is_file() and (entry / "model.neff").is_file():
-        expected = json.loads(done.read_text()).get("sha256")
-        actual = hashlib.sha256((entry / "model.neff").read_bytes()).hexdigest()
-        return "done" if expected == actual else "missing"
-    if (entry / "model.log").is_file():
-        return "failed"
-    return "missing"
-
-
 def capture_graphs(fn, *args) -> list[Graph]:
     """Run `fn(*args)` under TorchDynamo with a recording backend: every graph it would compile."""
     graphs: list[Graph] = []
@@ -97,18 +77,3 @@ def pack_dir(path: Path) -> bytes:
         for child in sorted(path.rglob("*")):
             tar.add(child, arcname=str(child.relative_to(path)), recursive=False)
     return buf.getvalue()
-
-
-def commit_entry(entry: Path, graphs: list[Graph], flags: dict, artifact: bytes) -> None:
-    """Write a successful entry; `model.done` goes last."""
-    atomic_write_text(entry / "model.fx.txt", "\n".join(g.canonical() for g in graphs))
-    atomic_write_json(entry / "compile_flags.json", flags)
-    (entry / "model.log").unlink(missing_ok=True)
-    atomic_write_bytes(entry / "model.neff", artifact)
-    atomic_write_json(entry / "model.done", {"sha256": hashlib.sha256(artifact).hexdigest()})
-
-
-def record_failure(entry: Path, graphs: list[Graph], flags: dict, log: str) -> None:
-    atomic_write_text(entry / "model.fx.txt", "\n".join(g.canonical() for g in graphs))
-    atomic_write_json(entry / "compile_flags.json", flags)
-    atomic_write_text(entry / "model.log", log)

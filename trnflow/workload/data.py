@@ -116,6 +116,18 @@ def load_unlabelled(url: str, spec: DataSpec, tokenizer: HashingTokenizer) -> En
     return Encoded(tokens, None, table.column(spec.id_field).to_pylist())
 
 
+def static_batches(tokens: torch.Tensor, rows: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, int]]:
+    """Fixed-shape batches over `rows`: the last one is filled up with placeholder rows, so every
+    forward pass has the same shape and nothing recompiles. Yields (tokens, number of real rows)."""
+    filler = torch.full((1, tokens.shape[1]), PAD_ID, dtype=tokens.dtype)
+    filler[0, 0] = CLS_ID
+    for chunk in rows.split(batch_size):
+        batch = tokens[chunk]
+        if len(chunk) < batch_size:
+            batch = torch.cat([batch, filler.expand(batch_size - len(chunk), -1)])
+        yield batch, len(chunk)
+
+
 class StepSampler:
     """The data position is a pure function of the global step, so a resumed run sees the same batches.
 

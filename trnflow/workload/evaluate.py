@@ -13,7 +13,7 @@ from trnflow.gate import metrics_document
 from trnflow.storage import local_path
 from trnflow.workload.checkpoint import load_checkpoint, load_model_weights
 from trnflow.workload.context import WorkerContext
-from trnflow.workload.data import HashingTokenizer, load_labelled
+from trnflow.workload.data import HashingTokenizer, load_labelled, static_batches
 from trnflow.workload.model import build_model
 
 
@@ -32,12 +32,14 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     mine = torch.arange(ctx.rank, len(holdout.labels), ctx.world_size)
     totals = torch.zeros(3, dtype=torch.float64)  # correct, loss sum, rows
     with torch.inference_mode():
-        for chunk in mine.split(spec.inference.batch_size):
-            logits = model(holdout.tokens[chunk]).float()
-            labels = holdout.labels[chunk]
+        offset = 0
+        for batch, real in static_batches(holdout.tokens, mine, spec.inference.batch_size):
+            logits = model(batch).float()[:real]
+            labels = holdout.labels[mine[offset:offset + real]]
+            offset += real
             totals[0] += (logits.argmax(-1) == labels).sum()
             totals[1] += F.cross_entropy(logits, labels, reduction="sum")
-            totals[2] += len(chunk)
+            totals[2] += real
     if ctx.world_size > 1:
         dist.all_reduce(totals)
     correct, loss_sum, rows = totals.tolist()

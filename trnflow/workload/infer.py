@@ -16,7 +16,7 @@ from trnflow.fsutil import atomic_write_bytes
 from trnflow.storage import local_path
 from trnflow.workload.checkpoint import load_checkpoint, load_model_weights
 from trnflow.workload.context import WorkerContext, gather_objects
-from trnflow.workload.data import HashingTokenizer, load_unlabelled
+from trnflow.workload.data import HashingTokenizer, load_unlabelled, static_batches
 from trnflow.workload.model import build_model
 
 
@@ -43,8 +43,8 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     with torch.inference_mode():
         for shard in range(ctx.rank, n_shards, ctx.world_size):
             lo, hi = shard * icfg.shard_size, min((shard + 1) * icfg.shard_size, len(rows.ids))
-            parts = [model.embed(rows.tokens[i : min(i + icfg.batch_size, hi)]) for i in range(lo, hi, icfg.batch_size)]
-            emb = torch.cat(parts).float().numpy()
+            batches = static_batches(rows.tokens, torch.arange(lo, hi), icfg.batch_size)
+            emb = torch.cat([model.embed(batch)[:real] for batch, real in batches]).float().numpy()
             table = pa.table({
                 "id": pa.array(rows.ids[lo:hi]),
                 "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1]),

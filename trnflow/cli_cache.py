@@ -1,0 +1,118 @@
+"""`trnflow cache`: look after a persistent compile cache (list, stats, verify, prune)."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+cache_app = typer.Typer(help="Inspect and clean a persistent compile cache.", no_args_is_help=True)
+console = Console()
+UrlArg = Annotated[str, typer.Argument(help="The cache: a directory or file:// URL (compile.cache_url).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+
+
+def _root(url: str):
+    from jobspecs.spec import _normalise_url
+    from trnflow.storage import local_path
+
+    try:
+        return local_path(_normalise_url(url))
+    except ValueError as exc:
+        Console(stderr=True).print(f"[red]{url}: {exc}[/red]")
+        raise typer.Exit(2) from None
+
+
+def _age(ts: float | None) -> str:
+    if ts is None:
+        return "never"
+    hours = (time.time() - ts) / 3600
+    return f"{hours:.1f} h ago" if hours < 48 else f"{hours / 24:.0f} d ago"
+
+
+@cache_app.command("ls")
+def ls(url: UrlArg, as_json: JsonOpt = False):
+    """Every entry with its state, size, hit count and last use."""
+    from trnflow.emulator.cache import entries
+
+    found = entries(_root(url))
+    if as_json:
+        print(json.dumps([e.as_dict() for e in found], indent=2))
+        return
+    table = Table("compiler", "key", "state", "size", "hits", "last used")
+    for e in found:
+        table.add_row(e.compiler, e.key, e.state, f"{e.bytes / 1024:,.0f} KiB", str(e.hits), _age(e.last_used))
+    console.print(table)
+
+
+@cache_app.command()
+def stats(url: UrlArg, as_json: JsonOpt = False):
+    """Totals per compiler version and state."""
+    from trnflow.emulator.cache import entries
+
+    found = entries(_root(url))
+    totals: dict[str, dict] = {}
+    for e in found:
+        t = totals.setdefault(e.compiler, {"entries": 0, "bytes": 0, "hits": 0, "by_state": {}})
+        t["entries"] += 1
+        t["bytes"] += e.bytes
+        t["hits"] += e.hits
+        t["by_state"][e.state] = t["by_state"].get(e.state, 0) + 1
+    if as_json:
+        print(json.dumps(totals, indent=2))
+        return
+    for version, t in totals.items():
+        states = ", ".join(f"{n} {s}" for s, n in sorted(t["by_state"].items()))
+        console.print(f"{version}: {t['entries']} entries ({states}), {t['bytes'] / 1024**2:.1f} MiB, "
+                      f"{t['hits']} hits")
+    if not totals:
+        console.print("empty cache")
+
+
+@cache_app.command()
+def verify(url: UrlArg, as_json: JsonOpt = False):
+    """Check every done entry's artifact against its checksum; exit 1 if any is corrupt."""
+    from trnflow.emulator.cache import CORRUPT, entries
+
+    found = entries(_root(url))
+    corrupt = [e for e in found if e.state == CORRUPT]
+    if as_json:
+        print(json.dumps({"checked": len(found), "corrupt": [e.key for e in corrupt]}, indent=2))
+    else:
+        for e in corrupt:
+            console.print(f"[red]corrupt[/red] {e.compiler}/{e.key}: its artifact does not match its checksum; "
+                          "the next compile rebuilds it (or prune it with --failed)")
+        console.print(f"{len(found)} entries checked, {len(corrupt)} corrupt")
+    raise typer.Exit(1 if corrupt else 0)
+
+
+@cache_app.command()
+def prune(
+    url: UrlArg,
+    failed: Annotated[bool, typer.Option("--failed", help="Remove failed and corrupt entries.")] = False,
+    older_than_days: Annotated[float | None, typer.Option(help="Remove entries unused for this many days.")] = None,
+    other_versions: Annotated[bool, typer.Option("--other-versions", help="Remove other compilers' entries.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would go.")] = False,
+    compiler_version: Annotated[str | None, typer.Option(help="The version to keep (default: this torch).")] = None,
+    as_json: JsonOpt = False,
+):
+    """Remove failed entries, old ones, or other compiler versions' (never one being compiled)."""
+    from trnflow.emulator.cache import prune as prune_entries
+    from trnflow.emulator.compiler import COMPILER_VERSION
+
+    if not (failed or older_than_days is not None or other_versions):
+        Console(stderr=True).print("[red]say what to prune: --failed, --older-than-days N or --other-versions[/red]")
+        raise typer.Exit(2)
+    removed = prune_entries(_root(url), compiler_version or COMPILER_VERSION, failed=failed,
+                            older_than_days=older_than_days, other_versions=other_versions, dry_run=dry_run)
+    if as_json:
+        print(json.dumps({"removed": [e.as_dict() for e in removed], "dry_run": dry_run}, indent=2))
+        return
+    verb = "would remove" if dry_run else "removed"
+    for e in removed:
+        console.print(f"{verb} {e.compiler}/{e.key} ({e.state})")
+    console.print(f"{len(removed)} entr{'y' if len(removed) == 1 else 'ies'} {verb}")
