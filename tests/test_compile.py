@@ -114,3 +114,27 @@ def test_prune_removes_failed_and_old_entries_but_never_locked_ones(tmp_path):
     assert not failed.exists() and locked.exists() and good.exists()
     assert not (root / "torch-1").joinpath("MODULE_9+0").exists()
     assert CliRunner().invoke(app, ["cache", "prune", str(root)]).exit_code == 2  # say what to prune
+
+
+def test_optlevels_trade_compile_time_for_generated_code(make_spec, tmp_path, monkeypatch):
+    """O1 keeps the lowered forward and backward graphs; O2 runs Inductor and keeps its kernels."""
+    import tarfile
+
+    from trnflow.emulator.compiler import compile_flags
+    from trnflow.workload.compile import compile_one
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))  # compile_one points it elsewhere
+    spec = make_spec(model=TINY)
+    names = {}
+    for optlevel in (1, 2):
+        flags = compile_flags(optlevel, "fp32")
+        entry = tmp_path / f"O{optlevel}"
+        outcome = compile_one(spec.model_dump_json(), "train_step" if optlevel == 1 else "embed_step", str(entry),
+                              flags, "graph")
+        assert outcome["status"] == "done", (entry / "model.log").read_text() if (entry / "model.log").exists() else ""
+        with tarfile.open(entry / "model.neff") as tar:
+            names[optlevel] = tar.getnames()
+    assert names[1] == ["graph-01.py", "graph-02.py"]  # forward and backward
+    assert any(name.endswith(".so") for name in names[2])  # built C++ kernels
+    assert compile_flags(1, "fp32")["backend"] == "aot_eager"
+    assert compile_flags(3, "fp32")["mode"] == "max-autotune-no-cudagraphs"

@@ -21,8 +21,15 @@ import torch
 
 COMPILER_VERSION = f"torch-{torch.__version__}"
 
-# optlevel -> torch.compile mode. O1 favours compile time, O3 spends it on autotuning.
-OPTLEVEL_MODES = {1: "default", 2: "default", 3: "max-autotune-no-cudagraphs"}
+# optlevel -> how the emulator compiles, trading compile time against step time as neuronx-cc's
+# -O1/-O2/-O3 do. O1 lowers each graph to ATen forward and backward graphs (AOT autograd) without
+# generating code: seconds to compile, eager speed. O2 generates fused C++ kernels with Inductor.
+# O3 also autotunes them: the longest compile.
+OPTLEVELS = {
+    1: {"backend": "aot_eager", "mode": None},
+    2: {"backend": "inductor", "mode": "default"},
+    3: {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"},
+}
 
 
 @dataclass(frozen=True)
@@ -38,7 +45,26 @@ class Graph:
 
 
 def compile_flags(optlevel: int, precision: str) -> dict:
-    return {"optlevel": optlevel, "precision": precision, "mode": OPTLEVEL_MODES[optlevel]}
+    return {"optlevel": optlevel, "precision": precision, **OPTLEVELS[optlevel]}
+
+
+def compiled_fn(fn, flags: dict, artifact_dir: Path):
+    """`fn` compiled as `flags` say. Whatever the compiler produces lands in `artifact_dir`: for
+    Inductor its cache (kernels and built objects, via TORCHINDUCTOR_CACHE_DIR, which the caller
+    points there), for O1 the lowered forward and backward graphs."""
+    if flags["backend"] == "inductor":
+        return torch.compile(fn, mode=flags["mode"])
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+
+    lowered = {"n": 0}
+
+    def keep(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        lowered["n"] += 1
+        (artifact_dir / f"graph-{lowered['n']:02d}.py").write_text(gm.code)
+        return make_boxed_func(gm.forward)
+
+    return torch.compile(fn, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
 
 
 def cache_key(graphs: list[Graph], flags: dict) -> str:

@@ -74,7 +74,7 @@ def compile_one(spec_json: str, program: str, entry: str, flags: dict, graph_tex
         prog.prepare(model)
         with tempfile.TemporaryDirectory(prefix="trnflow-inductor-") as tmp:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
-            compiled = torch.compile(prog.fn, mode=flags["mode"])
+            compiled = compiler.compiled_fn(prog.fn, flags, Path(tmp))
             if prog.training:
                 compiled(*prog.example).backward()
             else:

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -130,7 +129,3 @@ def gather_objects(ctx: WorkerContext, obj: Any) -> list[Any]:
     out: list[Any] = [None] * ctx.world_size
     dist.all_gather_object(out, obj)
     return out
-
-
-def eprint(*args: Any) -> None:
-    print(*args, file=sys.stderr, flush=True)
