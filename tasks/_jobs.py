@@ -21,10 +21,8 @@ def classify(info: JobInfo) -> TrnflowError:
     kind, message = failure.get("type", "Unknown"), failure.get("message", "no failure report")
     text = f"job {info.job_id}: {kind}: {message}"
     bad_cores = failure.get("bad_cores") or []
-    if kind in ERROR_TYPES and kind != "GateFailed":
+    if kind in ERROR_TYPES:
         return ERROR_TYPES[kind](text, bad_cores=bad_cores)
-    if kind == "GateFailed":
-        return ERROR_TYPES[kind](text)
     if failure.get("retryable"):
         return TransientError(text, bad_cores=bad_cores)
     return FatalError(text, bad_cores=bad_cores)

@@ -40,3 +40,22 @@ def test_fatal_errors_and_failed_gates_are_never_retried(prefect_api, make_spec)
     for error in (FatalError("bad spec"), GateFailed("outside the band"), ValueError("bug")):
         state, attempts = _flaky_flow(spec, error, failures=5)
         assert state == "FAILED" and attempts == 1, error
+
+
+def test_job_failures_map_onto_the_error_classes():
+    from tasks._jobs import classify
+    from trnflow.backends import JobInfo, JobState
+    from trnflow.errors import CollectiveTimeout, DataError
+
+    def failed(**failure):
+        return classify(JobInfo("j1", JobState.FAILED, failure=failure))
+
+    assert isinstance(failed(type="DataError", message="bad column", retryable=False), DataError)
+    hung = failed(type="CollectiveTimeout", message="core 3 hung", retryable=True, bad_cores=[3])
+    assert isinstance(hung, CollectiveTimeout) and hung.retryable and hung.bad_cores == [3]
+    assert isinstance(failed(type="CoresUnavailable", message="held", retryable=True), TransientError)
+    assert isinstance(failed(type="WorkerLost", message="killed", retryable=True), TransientError)
+    unknown = failed(type="RuntimeError", message="a bug", retryable=None)
+    assert isinstance(unknown, FatalError) and "a bug" in str(unknown)
+    assert isinstance(failed(type="GateFailed", message="outside the band"), GateFailed)
+    assert isinstance(classify(JobInfo("j2", JobState.CANCELLED)), FatalError)

@@ -35,8 +35,8 @@ class CollectiveTimeout(TransientError):
 class GateFailed(FatalError):
     """The candidate model is outside the accuracy-parity band. Never retried; the champion stays."""
 
-    def __init__(self, message: str, verdict: dict | None = None):
-        super().__init__(message)
+    def __init__(self, message: str, verdict: dict | None = None, bad_cores: list[int] | None = None):
+        super().__init__(message, bad_cores)
         self.verdict = verdict or {}
 
 
