@@ -3,6 +3,7 @@ failure with the rows so far."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -22,6 +23,8 @@ class StageRunner:
     """Calls each stage task with the spec's retry policy; keeps rows and results."""
 
     def __init__(self, spec: JobSpec, run_id: str):
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id) or run_id in (".", ".."):
+            raise ValueError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-' only")
         self.spec, self.run_id = spec, run_id
         self.rows: list[dict[str, Any]] = []
         self.results: dict[str, Any] = {}

@@ -163,7 +163,9 @@ class GateSpec(Section):
     )
     metric: Literal["accuracy"] = Field("accuracy", description="Metric compared by the gate.")
     max_abs_diff: float = Field(0.001, gt=0, lt=1, description="Largest allowed |candidate - reference|.")
-    eval_every: int | None = Field(None, ge=1, description="Evaluate every this many steps (and at the end).")
+    eval_every: int | None = Field(
+        None, ge=1, description="Reserved for evaluation during training; today the gate evaluates once, at the end."
+    )
 
 
 class InferenceSpec(Section):
@@ -177,7 +179,10 @@ class InferenceSpec(Section):
 class ScheduleSpec(Section):
     """When scheduled incremental retraining runs."""
 
-    cron: str = Field(description="Five-field cron expression, for example '0 3 * * *'.")
+    cron: str = Field(
+        description="Five-field cron expression, for example '0 3 * * *'. Read by scheduled retraining; "
+        "`trnflow run` runs at once and ignores it."
+    )
     timezone: str = Field("UTC", description="IANA time zone for the cron expression.")
 
     @model_validator(mode="after")

@@ -8,7 +8,7 @@ from typing import Any
 from prefect import get_run_logger
 
 from jobspecs import JobSpec
-from trnflow.backends import JobInfo, JobRequest, JobState, backend_for, wait
+from trnflow.backends import JobInfo, JobRequest, JobState, backend_for, run_to_end
 from trnflow.errors import ERROR_TYPES, FatalError, TransientError, TrnflowError
 from trnflow.settings import TrnflowSettings
 
@@ -38,21 +38,22 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     backend = backend_for(spec, settings)
     request = JobRequest(spec, phase, run_id, processes=processes, checkpoint=checkpoint,
                          cores=tuple(cores) if cores else None, exclude_cores=frozenset(exclude_cores or ()))
-    try:
-        job_id = backend.submit(request)
-    except TrnflowError:
-        raise
-    except Exception as exc:  # submission itself failed: say so, and let the error class decide on retries
-        raise FatalError(f"{phase}: the {backend.name} backend could not submit the job: {exc}") from exc
-    logger.info("%s job %s submitted to the %s backend on %d core(s)", phase, job_id, backend.name,
-                request.world_size)
+
+    def submitted(job_id: str) -> None:
+        logger.info("%s job %s submitted to the %s backend on %d core(s)", phase, job_id, backend.name,
+                    request.world_size)
 
     def relay(text: str) -> None:
         for line in text.splitlines():
             if line.strip():
                 logger.info("%s", line)
 
-    info = wait(backend, job_id, settings.poll_seconds, on_logs=relay)
+    try:
+        _, info = run_to_end(backend, request, settings.poll_seconds, on_logs=relay, on_submit=submitted)
+    except TrnflowError:
+        raise
+    except Exception as exc:  # the backend itself failed: say so; the error class decides on retries
+        raise FatalError(f"{phase}: the {backend.name} backend failed: {exc}") from exc
     if info.state is JobState.SUCCEEDED and info.result is not None:
         return {**info.result, "cores": info.details.get("cores")}
     raise classify(info)

@@ -33,7 +33,7 @@ def sanity_check(spec: JobSpec, run_id: str) -> dict:
         try:
             result = run_job(spec, "sanity", run_id, exclude_cores=excluded)
         except TrnflowError as exc:  # a core that hangs is named by its peers
-            if not (exc.bad_cores and spec.preflight.exclude_bad_cores):
+            if not (exc.bad_cores and spec.preflight.exclude_bad_cores) or set(exc.bad_cores) <= excluded:
                 raise
             excluded |= set(exc.bad_cores)
             logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", exc.bad_cores, exc)
@@ -41,6 +41,9 @@ def sanity_check(spec: JobSpec, run_id: str) -> dict:
         bad = result["bad_cores"]
         if not bad:
             break
+        if set(bad) <= excluded:
+            raise FatalError(f"NeuronCore(s) {bad} failed again although excluded: the job is pinned to them "
+                             "(NEURON_RT_VISIBLE_CORES); unpin it or pin healthy cores", bad_cores=bad)
         if not spec.preflight.exclude_bad_cores:
             raise FatalError(
                 f"NeuronCore(s) {bad} failed known-answer tests ({_failures(result)}); replace the instance, "

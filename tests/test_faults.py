@@ -58,6 +58,14 @@ def test_a_hung_collective_is_cut_off_by_the_timeout_and_the_core_named(backend,
     assert "Timed out" in info.failure["message"]
 
 
+def test_a_hang_on_a_lone_core_is_reported_at_once(backend, make_spec):
+    spec = make_spec(compute={"cores_per_node": 1}, train={"global_batch_size": 32},
+                     faults=[{"kind": "hang", "core": 0}])
+    info = wait(backend, backend.submit(JobRequest(spec, "sanity", "lone")), 0.2)
+    assert info.state is JobState.FAILED
+    assert info.failure["type"] == "CollectiveTimeout" and info.failure["bad_cores"] == [0]
+
+
 def test_a_corrupting_core_makes_collectives_wrong_and_is_named(backend, monkeypatch):
     monkeypatch.setenv("TRNFLOW_FAULTS", "corrupt@1")
     request = JobRequest(None, "collectives", "c", processes=2, options={"maxbytes": 65536, "check": True})

@@ -122,9 +122,9 @@ def reference_checkpoint(prefect_api, dataset, tmp_path_factory, compile_cache, 
         gate={"reference": str(root / "reference" / "metrics.json")},
         inference={"output_url": str(root / "embeddings")},
     ))
-    run_reference(spec)
-    checkpoint = local_path(spec.gate.reference).parent / "checkpoints" / "reference" / "step-000020"
-    return spec, checkpoint.as_uri()
+    document = run_reference(spec)
+    assert json.loads(local_path(spec.gate.reference).read_text()) == document
+    return spec, document["checkpoint"]
 
 
 def test_missing_reference_fails_with_the_fix(reference_checkpoint, tmp_path):

@@ -210,19 +210,13 @@ def compile_cmd(
 
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    from trnflow.backends import JobRequest, JobState, backend_for, wait
+    from trnflow.backends import JobRequest, JobState, backend_for, run_to_end
     from trnflow.errors import TrnflowError
     from trnflow.settings import TrnflowSettings
 
     spec = _load(spec_path, _overrides(overrides))
     settings = TrnflowSettings()
     options = {"check": check, "retry_failed": retry_failed}
-    try:
-        backend = backend_for(spec, settings)
-        job_id = backend.submit(JobRequest(spec, "compile", "compile", processes=1, options=options))
-    except TrnflowError as exc:
-        err.print(f"[red]{exc}[/red]")
-        raise typer.Exit(EXIT_FAILED) from None
     counts = re.compile(r"remaining items are \d+, locked are (\d+), failed are (\d+), done are (\d+), "
                         r"total is (\d+)")
     columns = (TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
@@ -236,7 +230,13 @@ def compile_cmd(
                 progress.update(bar, total=total, completed=done + failed,
                                 description=f"locked {locked}, failed {failed}")
 
-        info = wait(backend, job_id, settings.poll_seconds, on_logs=follow)
+        try:
+            backend = backend_for(spec, settings)
+            request = JobRequest(spec, "compile", "compile", processes=1, options=options)
+            _, info = run_to_end(backend, request, settings.poll_seconds, on_logs=follow)
+        except TrnflowError as exc:
+            err.print(f"[red]{exc}[/red]")
+            raise typer.Exit(EXIT_FAILED) from None
     if info.state is not JobState.SUCCEEDED or info.result is None:
         failure = info.failure or {}
         if as_json:
@@ -341,7 +341,7 @@ def collectives(
     as_json: JsonOpt = False,
 ):
     """Collective tests like nccom-test: a size sweep with algbw/busbw per op, optionally checked."""
-    from trnflow.backends import JobRequest, JobState, wait
+    from trnflow.backends import JobRequest, JobState, run_to_end
     from trnflow.backends.local import LocalBackend
     from trnflow.settings import TrnflowSettings
     from trnflow.workload.collectives import OPS
@@ -372,12 +372,11 @@ def collectives(
     from trnflow.errors import TrnflowError
 
     try:
-        job_id = backend.submit(request)
+        with console.status(f"collectives on {cores} cores"):
+            _, info = run_to_end(backend, request, settings.poll_seconds)
     except TrnflowError as exc:
         err.print(f"[red]{exc}[/red]")
         raise typer.Exit(EXIT_FAILED) from None
-    with console.status(f"collectives on {cores} cores ({job_id})"):
-        info = wait(backend, job_id, settings.poll_seconds)
     if info.state is not JobState.SUCCEEDED or info.result is None:
         failure = info.failure or {}
         err.print(f"[red]{failure.get('type', 'failed')}: {failure.get('message', '')}[/red]")

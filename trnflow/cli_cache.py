@@ -18,11 +18,12 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 
 def _root(url: str):
     from jobspecs.spec import _normalise_url
+    from trnflow.errors import TrnflowError
     from trnflow.storage import local_path
 
     try:
         return local_path(_normalise_url(url))
-    except ValueError as exc:
+    except (ValueError, TrnflowError) as exc:
         Console(stderr=True).print(f"[red]{url}: {exc}[/red]")
         raise typer.Exit(2) from None
 

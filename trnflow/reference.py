@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from jobspecs import JobSpec
-from trnflow.backends import JobRequest, JobState, backend_for, wait
+from trnflow.backends import JobRequest, JobState, backend_for, run_to_end
 from trnflow.errors import FatalError
 from trnflow.fsutil import atomic_write_json
 from trnflow.gate import metrics_document
@@ -27,7 +27,7 @@ def reference_spec(spec: JobSpec) -> JobSpec:
     folder = local_path(spec.gate.reference).parent / "checkpoints"
     return spec.model_copy(update={
         "compute": spec.compute.model_copy(update={"precision": "fp32"}),
-        "train": spec.train.model_copy(update={"checkpoint_url": folder.as_uri(), "init_from": spec.train.init_from}),
+        "train": spec.train.model_copy(update={"checkpoint_url": folder.as_uri()}),
     })
 
 
@@ -38,9 +38,11 @@ def run_reference(spec: JobSpec, settings: TrnflowSettings | None = None,
     ref = reference_spec(spec)
     backend = backend_for(ref, settings)
 
+    run_id = f"{RUN_ID}-{spec.digest()[:12]}"  # a changed spec never resumes an old reference
+
     def run(phase: str, checkpoint: str | None = None) -> dict:
-        job_id = backend.submit(JobRequest(ref, phase, RUN_ID, checkpoint=checkpoint))
-        info = wait(backend, job_id, settings.poll_seconds, on_logs=on_logs)
+        job_id, info = run_to_end(backend, JobRequest(ref, phase, run_id, checkpoint=checkpoint),
+                                  settings.poll_seconds, on_logs=on_logs)
         if info.state is not JobState.SUCCEEDED or info.result is None:
             failure = info.failure or {}
             raise FatalError(f"reference {phase} job {job_id} failed: {failure.get('type')}: {failure.get('message')}")
@@ -48,7 +50,8 @@ def run_reference(spec: JobSpec, settings: TrnflowSettings | None = None,
 
     trained = run("train")
     evaluated = run("evaluate", trained["checkpoint"])
-    document = metrics_document(evaluated["points"], source="fp32-reference")
+    document = {**metrics_document(evaluated["points"], source="fp32-reference"),
+                "checkpoint": trained["checkpoint"]}
     assert spec.gate.reference is not None
     atomic_write_json(local_path(spec.gate.reference), document)
     return document

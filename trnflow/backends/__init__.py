@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 from jobspecs import JobSpec
-from trnflow.backends.base import Backend, JobInfo, JobRequest, JobState, wait
+from trnflow.backends.base import Backend, JobInfo, JobRequest, JobState, run_to_end, wait
 from trnflow.errors import FatalError
 from trnflow.settings import TrnflowSettings
 
-__all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "backend_for", "wait"]
+__all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "backend_for", "run_to_end", "wait"]
 
 
 def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None) -> Backend:

@@ -78,23 +78,36 @@ class Backend(Protocol):
 
     def describe(self, job_id: str) -> JobInfo: ...
 
-    def logs(self, job_id: str, since: int = 0) -> str:
-        """The job's log text from byte offset `since` (of its UTF-8 encoding)."""
+    def logs(self, job_id: str, since: int = 0) -> tuple[str, int]:
+        """The job's complete log lines from byte offset `since`, and the offset after them."""
         ...
 
     def cancel(self, job_id: str) -> None: ...
 
 
 def wait(backend: Backend, job_id: str, poll_seconds: float = 0.5, on_logs=None) -> JobInfo:
-    """Poll until the job ends; `on_logs(text)` receives new log text as it appears."""
+    """Poll until the job ends; `on_logs(text)` receives new complete log lines as they appear."""
     offset = 0
     while True:
         info = backend.describe(job_id)
         if on_logs is not None:
-            text = backend.logs(job_id, since=offset)
-            offset += len(text.encode())
+            text, offset = backend.logs(job_id, since=offset)
             if text:
                 on_logs(text)
         if info.state.terminal:
             return info
         time.sleep(poll_seconds)
+
+
+def run_to_end(backend: Backend, request: JobRequest, poll_seconds: float = 0.5, on_logs=None,
+               on_submit=None) -> tuple[str, JobInfo]:
+    """Submit, then wait for the end. If the caller is interrupted (Ctrl-C, a cancelled flow run),
+    the job is cancelled rather than left holding its cores."""
+    job_id = backend.submit(request)
+    if on_submit is not None:
+        on_submit(job_id)
+    try:
+        return job_id, wait(backend, job_id, poll_seconds, on_logs)
+    except BaseException:
+        backend.cancel(job_id)
+        raise

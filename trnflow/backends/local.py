@@ -29,12 +29,20 @@ from trnflow.emulator.memory import check_fits
 from trnflow.errors import FatalError
 from trnflow.fsutil import atomic_write_json, atomic_write_text
 
-# Secrets never go into job.json: the runner's environment passes them on, the record does not.
-_SECRET_MARKERS = ("SECRET", "TOKEN", "PASSWORD", "SESSION", "CREDENTIAL", "API_KEY")
+# job.json records only the variables that describe the job; everything else (credentials among
+# it) reaches the workers by inheritance and is never written down.
+_RECORDED = ("NEURON_", "TRNFLOW_", "OMP_", "PYTHON", "TORCH", "FI_", "SM_", "AWS_BATCH_JOB_")
 
 
-def _redacted(env: dict[str, str]) -> dict[str, str]:
-    return {k: ("***" if any(m in k.upper() for m in _SECRET_MARKERS) else v) for k, v in env.items()}
+def _recorded(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in sorted(env.items()) if k.startswith(_RECORDED)}
+
+
+def _lost_peer(report: dict) -> bool:
+    """Whether a rank's error only says that a peer went away."""
+    text = f"{report.get('type')}: {report.get('message')}"
+    return report.get("type") == "DistBackendError" or any(
+        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "gloo", "Broken pipe"))
 
 
 class LocalBackend:
@@ -86,15 +94,11 @@ class LocalBackend:
         env = launch_env(spec, cores, request.itype)
         record = {"job_id": job_id, "phase": request.phase, "run_id": request.run_id, "argv": argv,
                   "cwd": os.getcwd(), "processes": len(cores), "cores": cores}
-        atomic_write_json(job_dir / "job.json", {**record, "env": _redacted(env)})
-        # The runner gets the real environment through a private file it deletes after reading.
-        runner_job = job_dir / ".runner.json"
-        atomic_write_json(runner_job, {**record, "env": env})
-        os.chmod(runner_job, 0o600)
+        atomic_write_json(job_dir / "job.json", {**record, "env": _recorded(env)})
         proc = subprocess.Popen(
             [sys.executable, "-m", "trnflow.backends.local_runner", str(job_dir)],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True,
+            start_new_session=True, env=env,
         )
         atomic_write_json(job_dir / "pid.json", {"pid": proc.pid})
         self._procs[job_id] = proc
@@ -132,23 +136,35 @@ class LocalBackend:
         return JobInfo(job_id, JobState.FAILED, failure=self._root_failure(job_dir, exit_info), details=details)
 
     def _root_failure(self, job_dir: Path, exit_info: dict) -> dict:
-        """The failure that caused the others: a rank's own error before the peers' broken links."""
+        """The failure that caused the others: a rank's own error before its peers' broken links.
+
+        A rank that died without a word (SIGKILL, the OOM killer) leaves only its peers' errors
+        about the lost connection: that is a lost worker, which a retry can cure.
+        """
         reports = [json.loads(p.read_text()) for p in sorted((job_dir / "output").glob("failure-rank*.json"))]
         own = [r for r in reports if r.get("retryable") is not None]
-        if own or reports:
-            return min(own or reports, key=lambda r: r["rank"])
-        tail = "\n".join(self.logs(job_dir.name).splitlines()[-15:])
-        return {"type": "WorkerLost", "retryable": True,
-                "message": f"a worker exited with code {exit_info['exit_code']} without reporting why\n{tail}"}
+        if own:
+            return min(own, key=lambda r: r["rank"])
+        causes = [r for r in reports if not _lost_peer(r)]
+        if causes:
+            return min(causes, key=lambda r: r["rank"])  # a plain error (a bug): not retryable
+        processes = json.loads((job_dir / "job.json").read_text())["processes"]
+        silent = sorted(set(range(processes)) - {r["rank"] for r in reports})
+        tail = "\n".join(self.logs(job_dir.name)[0].splitlines()[-15:])
+        return {"type": "WorkerLost", "retryable": True, "ranks": silent,
+                "message": f"rank(s) {silent} exited without reporting why (exit code {exit_info['exit_code']}; "
+                           f"killed, or out of memory)\n{tail}"}
 
-    def logs(self, job_id: str, since: int = 0) -> str:
-        """Log text from byte offset `since`."""
+    def logs(self, job_id: str, since: int = 0) -> tuple[str, int]:
+        """Complete log lines from byte offset `since`, and the offset after them."""
         path = self._dir(job_id) / "job.log"
         if not path.exists():
-            return ""
+            return "", since
         with open(path, "rb") as fh:
             fh.seek(since)
-            return fh.read().decode("utf-8", errors="replace")
+            data = fh.read()
+        end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
+        return data[:end].decode("utf-8", errors="replace"), since + end
 
     def cancel(self, job_id: str, grace_seconds: float = 10.0) -> None:
         """Stop the job's whole process group: SIGTERM, then SIGKILL after `grace_seconds`."""

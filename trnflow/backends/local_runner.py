@@ -1,5 +1,7 @@
 """Supervises one local job: runs its command, then records the exit code in `exit.json`.
 
+It inherits the job's environment from the backend, so credentials are never written to disk.
+
 Started by the local backend in its own session, so the job outlives nothing it should not and
 `cancel` can end the whole process group at once.
 """
@@ -17,12 +19,10 @@ from trnflow.fsutil import atomic_write_json
 
 def main(job_dir: str) -> int:
     root = Path(job_dir)
-    private = root / ".runner.json"  # holds the unredacted environment; gone once read
-    job = json.loads(private.read_text())
-    private.unlink()
+    job = json.loads((root / "job.json").read_text())
     began = time.time()
-    with open(root / "job.log", "ab", buffering=0) as log:
-        code = subprocess.call(job["argv"], env=job["env"], stdout=log, stderr=subprocess.STDOUT, cwd=job["cwd"])
+    with open(root / "job.log", "ab", buffering=0) as log:  # the environment is inherited, never read from disk
+        code = subprocess.call(job["argv"], stdout=log, stderr=subprocess.STDOUT, cwd=job["cwd"])
     atomic_write_json(root / "exit.json", {"exit_code": code, "started": began, "ended": time.time()})
     return 0
 

@@ -1,8 +1,10 @@
 """The device-memory budget of one NeuronCore: estimated before launch, measured during a run.
 
-The estimate counts what a data-parallel training step keeps on each core: weights, gradients,
-AdamW's two moments and the activations saved for the backward pass, in the spec's precision.
-A job whose estimate exceeds the instance's memory per core is refused before it starts.
+The estimate counts what a data-parallel training step keeps on each core of the real device:
+weights, gradients, AdamW's two moments and the activations saved for the backward pass, in the
+spec's precision. A job whose estimate exceeds the instance's memory per core is refused before it
+starts. (The emulator itself holds bf16-sr weights in fp32 tensors whose values lie on the bf16
+grid, so what a run measures for bf16-sr is about twice the device estimate.)
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import traceback
 from pathlib import Path
@@ -18,7 +19,14 @@ from jobspecs import JobSpec
 from trnflow.errors import TrnflowError
 from trnflow.fsutil import atomic_write_json
 
+RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 PHASES = ("sanity", "collectives", "compile", "train", "evaluate", "infer")
+
+
+def _run_id(value: str) -> str:
+    if not RUN_ID.fullmatch(value) or value in (".", ".."):
+        raise argparse.ArgumentTypeError(f"{value!r}: use letters, digits, '.', '_' and '-' only")
+    return value
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -29,7 +37,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--options", type=Path, default=None, help="phase options as JSON (collective sweep sizes)")
     parser.add_argument("--output", type=Path, default=None,
                         help="result directory (default: $SM_OUTPUT_DATA_DIR, then ./output)")
-    parser.add_argument("--run-id", default="adhoc", help="names the run's checkpoint folder")
+    parser.add_argument("--run-id", default="adhoc", type=_run_id, help="names the run's checkpoint folder")
     parser.add_argument("--checkpoint", default=None, help="checkpoint URL for evaluate and infer")
     return parser.parse_args(argv)
 

@@ -71,13 +71,17 @@ class WorkerContext:
     def collective(self, label: str, fn: Callable[[], T]) -> T:
         """Run one collective step; a rank that never arrives is cut off by the process group's
         timeout and named, from the progress records, in a CollectiveTimeout."""
+        if self.world_size == 1 and "hang" in self.faults.kinds:  # no peer to time it out: say so at once
+            raise CollectiveTimeout(f"{label}: core {self.core_id} stalled", bad_cores=[self.core_id])
         self.faults.maybe_hang()  # a stalled core never posts its part of the op
         self.progress(label)
         try:
             return fn()
         except (RuntimeError, dist.DistBackendError) as exc:
             stuck = self.laggards()
-            who = ", ".join(f"core {s.get('core', '?')} (rank {s['rank']})" for s in stuck) or "a peer"
+            if not stuck:  # every rank got here: not a hang, a plain error
+                raise
+            who = ", ".join(f"core {s.get('core', '?')} (rank {s['rank']})" for s in stuck)
             raise CollectiveTimeout(
                 f"{label} did not complete: {who} never reached it "
                 f"({type(exc).__name__}: {str(exc).splitlines()[0][:200]}). Exclude or replace that core",

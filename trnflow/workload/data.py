@@ -98,6 +98,8 @@ class Encoded:
 
 def load_labelled(url: str, spec: DataSpec, tokenizer: HashingTokenizer, num_classes: int) -> Encoded:
     table = read_table(url, spec, [spec.text_field, spec.label_field])
+    if table.num_rows == 0:
+        raise DataError(f"{url}: has no rows; point the spec at data that has some")
     labels = torch.tensor(table.column(spec.label_field).to_pylist(), dtype=torch.long)
     bad = (labels < 0) | (labels >= num_classes)
     if bool(bad.any()):

@@ -55,6 +55,10 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
             ctx.log("infer_shard", shard=shard, rows=hi - lo)
     seconds = time.perf_counter() - began
     shards = sorted((s for per_rank in gather_objects(ctx, written) for s in per_rank), key=lambda s: s["shard"])
+    if ctx.is_main:  # shards of an earlier, larger inference set would mix into this one's output
+        for stale in out_dir.glob("part-*.parquet"):
+            if int(stale.stem.removeprefix("part-")) >= n_shards:
+                stale.unlink()
     total = sum(s["rows"] for s in shards)
     return {"output_url": icfg.output_url, "model_version": version, "rows": total, "shards": shards,
             "rows_per_s": round(total / seconds, 1) if seconds else 0.0}

@@ -79,7 +79,7 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
             load_model_weights(model, init.model, source)
             ctx.log("init", checkpoint=str(source))
         torch.manual_seed(tcfg.seed + 1000 * ctx.rank)  # each rank its own dropout stream
-    if use_sr:
+    if use_sr and latest is None:  # put fresh weights on the bf16 grid; resumed ones already are
         with torch.no_grad():
             for p in model.parameters():
                 stochastic_round_bf16_(p.data, sr_gen)
