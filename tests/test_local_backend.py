@@ -77,7 +77,8 @@ def test_a_rank_killed_without_a_word_is_a_lost_worker_and_retryable(backend, ma
     info = wait(backend, job_id, 0.2)
     assert info.state is JobState.FAILED
     assert info.failure["type"] == "WorkerLost" and info.failure["retryable"] is True
-    assert info.failure["ranks"] == [1]
+    # torchrun may stop rank 0 before it notices the broken link, so rank 0 can be silent too
+    assert 1 in info.failure["ranks"]
 
 
 def test_run_ids_cannot_leave_the_checkpoint_folder(make_spec):
