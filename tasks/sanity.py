@@ -54,5 +54,5 @@ def sanity_check(spec: JobSpec, run_id: str) -> dict:
     result["excluded_cores"] = sorted(excluded)
     cores = result["cores"]
     note = f"; excluded bad core(s) {sorted(excluded)}" if excluded else ""
-    result["summary"] = f"{len(cores)}/{len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
+    result["summary"] = f"all {len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
     return result

@@ -56,6 +56,16 @@ def _overrides(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def _unknown_instance_type(name: str) -> str:
+    return f"--instance-type {name!r} is unknown; choose one of: {', '.join(CATALOGUE)}"
+
+
+def _check_instance_type(name: str) -> None:
+    if name not in CATALOGUE:
+        err.print(f"[red]{_unknown_instance_type(name)}[/red]")
+        raise typer.Exit(EXIT_BAD_INPUT)
+
+
 def _load(path: Path, overrides: dict[str, Any] | None = None) -> JobSpec:
     try:
         return load_spec(path, overrides)
@@ -107,9 +117,7 @@ def devices(
     """List the emulated instance's Neuron devices and which process holds each core, like `neuron-ls`."""
     from trnflow.emulator.topology import core_owners, neuron_ls
 
-    if instance_type not in CATALOGUE:
-        err.print(f"[red]--instance-type {instance_type!r} is unknown; choose one of: {', '.join(CATALOGUE)}[/red]")
-        raise typer.Exit(EXIT_BAD_INPUT)
+    _check_instance_type(instance_type)
     records = neuron_ls(instance_type, core_owners(instance_type))
     if as_json:
         print(json.dumps(records, indent=2))
@@ -139,9 +147,7 @@ def top(
 
     from trnflow.emulator.monitor import CoreMonitor
 
-    if instance_type not in CATALOGUE:
-        err.print(f"[red]--instance-type {instance_type!r} is unknown; choose one of: {', '.join(CATALOGUE)}[/red]")
-        raise typer.Exit(EXIT_BAD_INPUT)
+    _check_instance_type(instance_type)
     monitor = CoreMonitor(instance_type)
     if once or as_json:
         snapshot = monitor.sample(interval)
@@ -351,7 +357,7 @@ def collectives(
     if dtype not in ("fp32", "bf16"):
         problems.append(f"--datatype {dtype!r}: choose fp32 or bf16")
     if instance_type not in CATALOGUE:
-        problems.append(f"--instance-type {instance_type!r} is unknown; choose one of: {', '.join(CATALOGUE)}")
+        problems.append(_unknown_instance_type(instance_type))
     try:
         lo, hi = render.parse_size(minbytes), render.parse_size(maxbytes)
     except ValueError as exc:
