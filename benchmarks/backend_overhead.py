@@ -46,8 +46,8 @@ def main() -> None:
             (job_dir / "output").mkdir(parents=True)
             (job_dir / "spec.json").write_text(spec.model_dump_json())
             began = time.perf_counter()
-            subprocess.run(launch_command("sanity", 2, job_dir, "bench"), env=launch_env(spec, 2), check=True,
-                           capture_output=True)
+            env = launch_env(spec, [0, 1], spec.compute.instance_type)
+            subprocess.run(launch_command("sanity", 2, job_dir, "bench"), env=env, check=True, capture_output=True)
             direct.append(time.perf_counter() - began)
 
             began = time.perf_counter()

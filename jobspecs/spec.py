@@ -128,9 +128,15 @@ class CompileSpec(Section):
 
     optlevel: Literal[1, 2, 3] = Field(2, description="Compiler optimisation level, as neuronx-cc --optlevel.")
     cache_url: Url = Field(
-        "file:///var/tmp/neuron-compile-cache", description="Persistent compile cache: a directory or s3:// URL."
+        "file:///var/tmp/neuron-compile-cache",
+        description="Persistent compile cache: a directory or s3:// URL, shared by every job and host that uses it.",
     )
     workers: int = Field(1, ge=1, le=64, description="Parallel compile processes.")
+    fail_on_recompile: bool = Field(
+        False,
+        description="Stop a training, evaluation or inference run at the first graph that was not compiled "
+        "ahead of time (a recompilation, usually from a changed shape) instead of compiling it on the spot.",
+    )
 
 
 class TrainSpec(Section):
@@ -145,6 +151,11 @@ class TrainSpec(Section):
     init_from: Url | None = Field(None, description="Checkpoint to start from; none starts from scratch.")
     seed: int = Field(1234, ge=0, description="Seed for weights, data order and dropout.")
     log_every: int = Field(10, ge=1, description="Log loss and throughput every this many steps.")
+    drop_last: bool = Field(
+        True,
+        description="Drop each epoch's last partial batch so every step has the same shape, as Trainium needs. "
+        "false trains on it too: a smaller batch, which recompiles the training graph.",
+    )
 
 
 class RetrySpec(Section):

@@ -57,3 +57,14 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     if info.state is JobState.SUCCEEDED and info.result is not None:
         return {**info.result, "cores": info.details.get("cores")}
     raise classify(info)
+
+
+def recompile_note(result: dict[str, Any]) -> str:
+    """', N recompilation(s)' when the job compiled graphs the compile cache did not have (each is
+    logged with its shapes), else ''."""
+    recompiles = (result.get("compile") or {}).get("recompiles") or []
+    logger = get_run_logger()
+    for r in recompiles:
+        logger.warning("recompilation: %s needed %s (%s) because %s", r["program"], r["key"], r["shapes"],
+                       r["reason"])
+    return f", {len(recompiles)} recompilation(s)" if recompiles else ""

@@ -6,7 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from jobspecs import JobSpec
-from tasks._jobs import run_job
+from tasks._jobs import recompile_note, run_job
 from trnflow.errors import FatalError, GateFailed
 from trnflow.gate import compare, parse_metrics
 from trnflow.storage import local_path
@@ -20,11 +20,12 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
         GateFailed: the candidate is outside `gate.max_abs_diff` of the reference (never retried).
     """
     result = run_job(spec, "evaluate", run_id, checkpoint=checkpoint, cores=cores)
+    recompiled = recompile_note(result)
     gate, points = spec.gate, result["points"]
     final = points[-1][gate.metric]
     if gate.reference is None:
         result["verdict"] = {"passed": True, "points": [], "reason": "no reference: this run is the baseline"}
-        result["summary"] = f"{gate.metric} {final:.4f}; no reference set, recorded as baseline"
+        result["summary"] = f"{gate.metric} {final:.4f}; no reference set, recorded as baseline{recompiled}"
         return result
     path = local_path(gate.reference)
     if not path.is_file():
@@ -36,5 +37,5 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
     if not verdict["passed"]:
         raise GateFailed(f"accuracy-parity gate failed: {verdict['reason']}", verdict)
     worst = max(abs(p["diff"]) for p in verdict["points"])
-    result["summary"] = f"{gate.metric} {final:.4f}, max |diff| {worst:.4f} <= {gate.max_abs_diff}: passed"
+    result["summary"] = f"{gate.metric} {final:.4f}, max |diff| {worst:.4f} <= {gate.max_abs_diff}: passed{recompiled}"
     return result

@@ -6,12 +6,12 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from jobspecs import JobSpec
-from tasks._jobs import run_job
+from tasks._jobs import recompile_note, run_job
 
 
 @task(name="infer", cache_policy=NO_CACHE)
 def batch_infer(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int]) -> dict:
     """Embed the inference set with the checkpoint; one Parquet shard per `inference.shard_size` rows."""
     result = run_job(spec, "infer", run_id, checkpoint=checkpoint, cores=cores)
-    result["summary"] = f"{result['rows']} embeddings in {len(result['shards'])} shard(s)"
+    result["summary"] = f"{result['rows']} embeddings in {len(result['shards'])} shard(s){recompile_note(result)}"
     return result

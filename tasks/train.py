@@ -6,7 +6,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from jobspecs import JobSpec
-from tasks._jobs import run_job
+from tasks._jobs import recompile_note, run_job
 
 
 @task(name="train", cache_policy=NO_CACHE)
@@ -19,5 +19,5 @@ def train_model(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
     result = run_job(spec, "train", run_id, cores=cores)
     resumed = f", resumed at step {result['start_step']}" if result["resumed_from"] else ""
     result["summary"] = (f"{result['steps_trained']} steps, loss {result['loss']:.4f}, "
-                         f"{result['samples_per_s']:.0f} samples/s{resumed}")
+                         f"{result['samples_per_s']:.0f} samples/s{resumed}{recompile_note(result)}")
     return result

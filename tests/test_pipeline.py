@@ -47,6 +47,9 @@ def test_quickstart_pipeline_end_to_end(prefect_api, make_spec, dataset):
     for program in compiled["programs"]:
         entry = cache_root / compiled["compiler"] / program["key"]
         assert {"model.fx.txt", "compile_flags.json", "model.neff", "model.done"} <= {p.name for p in entry.iterdir()}
+    # and the later stages loaded their graphs from it: nothing was compiled on the spot
+    for stage in ("train", "evaluate", "infer"):
+        assert results[stage]["compile"]["hits"] == 1 and results[stage]["compile"]["recompiles"] == [], stage
 
     # the gate compared every point with the fp32 reference (the same maths: identical here)
     verdict = results["evaluate"]["verdict"]

@@ -104,18 +104,33 @@ def test_visible_cores_accept_an_index_or_an_inclusive_range():
     assert parse_visible_cores("4-7") == [4, 5, 6, 7]
 
 
+def _keys(model, tokens, optlevel=1) -> list[str]:
+    from trnflow.emulator.jit import CachedCompiler
+
+    recorder = CachedCompiler(compiler.compile_flags(optlevel, "fp32"), mode="extract")
+    torch._dynamo.reset()
+    torch.compile(model, backend=recorder, fullgraph=True, dynamic=False)(tokens)
+    return [s.key for s in recorder.seen]
+
+
 def test_cache_key_is_the_same_for_the_same_model_and_flags():
     cfg = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
     tokens = torch.ones(4, 8, dtype=torch.long)
-    keys = []
-    for _ in range(2):
-        model = build_model(cfg, seed=0)
-        graphs = compiler.capture_graphs(lambda t, m=model: m(t).sum(), tokens)
-        keys.append(compiler.cache_key(graphs, compiler.compile_flags(1, "fp32")))
-    assert keys[0] == keys[1] and keys[0].startswith("MODULE_")
-    assert compiler.cache_key(graphs, compiler.compile_flags(2, "fp32")) != keys[0]
-    other = compiler.capture_graphs(lambda t, m=model: m(t).sum(), torch.ones(8, 8, dtype=torch.long))
-    assert compiler.cache_key(other, compiler.compile_flags(1, "fp32")) != keys[0]
+    keys = [_keys(build_model(cfg, seed=0), tokens) for _ in range(2)]
+    assert keys[0] == keys[1] and len(keys[0]) == 1 and keys[0][0].startswith("MODULE_")
+    model = build_model(cfg, seed=0)
+    assert _keys(model, tokens, optlevel=2) != keys[0]  # other flags
+    assert _keys(model, torch.ones(8, 8, dtype=torch.long)) != keys[0]  # other shapes
+    with torch.no_grad():
+        assert _keys(model, tokens) != keys[0]  # no backward: another program
+
+
+def test_without_drop_last_the_epoch_ends_with_a_smaller_batch():
+    dropping = StepSampler(100, 32, rank=1, world=2, seed=1)
+    keeping = StepSampler(100, 32, rank=1, world=2, seed=1, drop_last=False)
+    assert dropping.steps_per_epoch == 3 and keeping.steps_per_epoch == 4
+    assert [len(keeping.indices(s)) for s in range(5)] == [16, 16, 16, 2, 16]  # 4 left over: 2 per rank
+    assert torch.equal(keeping.indices(4), dropping.indices(3))  # the next epoch starts the same way
 
 
 def test_static_batches_pad_the_last_batch_to_the_same_shape():

@@ -206,7 +206,8 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
 @app.command("compile")
 def compile_cmd(
     spec_path: SpecArg,
-    check: Annotated[bool, typer.Option("--check", help="Only say which programs would hit or miss.")] = False,
+    check: Annotated[bool, typer.Option("--check", help="Only say which graphs would hit or miss; compile nothing.")
+                     ] = False,
     retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Compile entries that failed before.")] = False,
     overrides: SetOpt = None,
     as_json: JsonOpt = False,
@@ -253,12 +254,12 @@ def compile_cmd(
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    table = Table("program", "key", "state", "outcome", title=f"compile cache {result['cache']}")
+    table = Table("program", "input shapes", "key", "state", "outcome", title=f"compile cache {result['cache']}")
     report = result.get("report", {})
     for row in result["programs"]:
         done = report.get(row["key"], {})
         outcome = row["will"] if check else f"{done.get('status', '?')} ({done.get('seconds', 0):.1f}s)"
-        table.add_row(row["program"], row["key"], row["state"], outcome)
+        table.add_row(row["program"], row.get("shapes", ""), row["key"], row["state"], outcome)
     console.print(table)
     if check:
         console.print(f"{result['hits']} hit(s), {result['misses']} miss(es)")

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
+from collections.abc import Iterator
 from typing import Annotated
 
 import typer
@@ -12,20 +14,33 @@ from rich.table import Table
 
 cache_app = typer.Typer(help="Inspect and clean a persistent compile cache.", no_args_is_help=True)
 console = Console()
-UrlArg = Annotated[str, typer.Argument(help="The cache: a directory or file:// URL (compile.cache_url).")]
+UrlArg = Annotated[str, typer.Argument(help="The cache: a directory, file:// or s3:// URL (compile.cache_url).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
 
-def _root(url: str):
+@contextlib.contextmanager
+def _cache(url: str) -> Iterator:
+    """The cache at `url`; a bad URL, missing credentials or a missing bucket end the command with
+    what went wrong (exit 2)."""
     from jobspecs.spec import _normalise_url
-    from trnflow.errors import TrnflowError
-    from trnflow.storage import local_path
+    from trnflow.emulator.cache import CompileCache
 
     try:
-        return local_path(_normalise_url(url))
-    except (ValueError, TrnflowError) as exc:
+        yield CompileCache(_normalise_url(url))
+    except ValueError as exc:
         Console(stderr=True).print(f"[red]{url}: {exc}[/red]")
         raise typer.Exit(2) from None
+    except Exception as exc:
+        if type(exc).__module__.startswith("botocore"):
+            Console(stderr=True).print(f"[red]{url}: {exc}. Check the bucket name and your AWS credentials "
+                                       "(AWS_PROFILE, AWS_ENDPOINT_URL for a moto server)[/red]")
+            raise typer.Exit(2) from None
+        raise
+
+
+def _entries(url: str) -> list:
+    with _cache(url) as cache:
+        return cache.entries()
 
 
 def _age(ts: float | None) -> str:
@@ -38,9 +53,7 @@ def _age(ts: float | None) -> str:
 @cache_app.command("ls")
 def ls(url: UrlArg, as_json: JsonOpt = False):
     """Every entry with its state, size, hit count and last use."""
-    from trnflow.emulator.cache import entries
-
-    found = entries(_root(url))
+    found = _entries(url)
     if as_json:
         print(json.dumps([e.as_dict() for e in found], indent=2))
         return
@@ -53,9 +66,7 @@ def ls(url: UrlArg, as_json: JsonOpt = False):
 @cache_app.command()
 def stats(url: UrlArg, as_json: JsonOpt = False):
     """Totals per compiler version and state."""
-    from trnflow.emulator.cache import entries
-
-    found = entries(_root(url))
+    found = _entries(url)
     totals: dict[str, dict] = {}
     for e in found:
         t = totals.setdefault(e.compiler, {"entries": 0, "bytes": 0, "hits": 0, "by_state": {}})
@@ -77,9 +88,9 @@ def stats(url: UrlArg, as_json: JsonOpt = False):
 @cache_app.command()
 def verify(url: UrlArg, as_json: JsonOpt = False):
     """Check every done entry's artifact against its checksum; exit 1 if any is corrupt."""
-    from trnflow.emulator.cache import CORRUPT, entries
+    from trnflow.emulator.cache import CORRUPT
 
-    found = entries(_root(url))
+    found = _entries(url)
     corrupt = [e for e in found if e.state == CORRUPT]
     if as_json:
         print(json.dumps({"checked": len(found), "corrupt": [e.key for e in corrupt]}, indent=2))
@@ -102,14 +113,14 @@ def prune(
     as_json: JsonOpt = False,
 ):
     """Remove failed entries, old ones, or other compiler versions' (never one being compiled)."""
-    from trnflow.emulator.cache import prune as prune_entries
     from trnflow.emulator.compiler import COMPILER_VERSION
 
     if not (failed or older_than_days is not None or other_versions):
         Console(stderr=True).print("[red]say what to prune: --failed, --older-than-days N or --other-versions[/red]")
         raise typer.Exit(2)
-    removed = prune_entries(_root(url), compiler_version or COMPILER_VERSION, failed=failed,
-                            older_than_days=older_than_days, other_versions=other_versions, dry_run=dry_run)
+    with _cache(url) as cache:
+        removed = cache.prune(compiler_version or COMPILER_VERSION, failed=failed, older_than_days=older_than_days,
+                              other_versions=other_versions, dry_run=dry_run)
     if as_json:
         print(json.dumps({"removed": [e.as_dict() for e in removed], "dry_run": dry_run}, indent=2))
         return

@@ -22,6 +22,10 @@ class DataError(FatalError):
     """Input data that cannot be read or does not match the spec."""
 
 
+class Recompilation(FatalError):
+    """A graph that was not compiled ahead of time, met with `compile.fail_on_recompile: true`."""
+
+
 class TransientError(TrnflowError):
     """A lost core, a timeout or missing capacity: the stage is retried and resumes from its checkpoint."""
 
@@ -42,5 +46,5 @@ class GateFailed(FatalError):
 
 ERROR_TYPES: dict[str, type[TrnflowError]] = {
     cls.__name__: cls
-    for cls in (TrnflowError, FatalError, DataError, TransientError, CollectiveTimeout, GateFailed)
+    for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout, GateFailed)
 }

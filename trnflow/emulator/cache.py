@@ -1,17 +1,17 @@
-"""The persistent compile cache on disk, laid out like the Neuron persistent cache:
+"""The persistent compile cache, laid out like the Neuron persistent cache, in a directory or on S3:
 
     <cache>/<compiler version>/MODULE_<graph hash>+<flags hash>/
         model.fx.txt         the canonical graph (what the key was computed from)
         compile_flags.json   the compiler flags
         model.neff           the compiled artifact
-        model.done           written last; holds the artifact's sha256 and size
+        model.done           written last; the sha256 and size of the three files above
         model.log            instead of model.neff + model.done when compilation failed
-        model.lock           while a process compiles the entry (its pid and host)
+        model.lock           while a process compiles the entry (its pid, host and start time)
         usage.json           hit count and last use
 
 A failed entry is remembered: it is not compiled again unless asked (`retry_failed`). A done
-entry whose artifact does not match its checksum is reported as corrupt and compiled again,
-never loaded.
+entry whose files do not match their checksums is reported as corrupt and compiled again, never
+loaded. Entries are named `<compiler version>/<key>` in this module's functions.
 """
 
 from __future__ import annotations
@@ -19,125 +19,43 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import socket
 import time
+import uuid
 from dataclasses import dataclass
-from pathlib import Path
 
-from trnflow.fsutil import atomic_write_bytes, atomic_write_json, atomic_write_text
+from trnflow.storage import Store, open_store
 
 DONE, FAILED, CORRUPT, LOCKED, MISSING = "done", "failed", "corrupt", "locked", "missing"
+CHECKED_FILES = ("model.fx.txt", "compile_flags.json", "model.neff")
+STALE_LOCK_SECONDS = 24 * 3600.0
+"""A lock held this long by a process on another host is taken for abandoned."""
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def lock_owner(entry: Path) -> dict | None:
-    """The live process compiling this entry, or None. A lock left by a dead process is stale."""
-    lock = entry / "model.lock"
-    try:
-        owner = json.loads(lock.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
-    if owner.get("host") == socket.gethostname() and not _alive(int(owner.get("pid", -1))):
-        return None
-    return owner
+class EntryLocked(Exception):
+    def __init__(self, entry: str, owner: dict):
+        super().__init__(f"{entry} is being compiled by pid {owner.get('pid')} on {owner.get('host')}")
+        self.owner = owner
+
+
+class CorruptEntry(Exception):
+    """A done entry whose files do not match their recorded checksums."""
 
 
 def _alive(pid: int) -> bool:
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return pid > 0
-
-
-def state(entry: Path) -> str:
-    if (entry / "model.done").is_file():
-        return DONE if verify(entry) else CORRUPT
-    if lock_owner(entry) is not None:
-        return LOCKED
-    if (entry / "model.log").is_file():
-        return FAILED
-    return MISSING
-
-
-def verify(entry: Path) -> bool:
-    """Whether the artifact is whole: present, of the recorded size and checksum."""
-    try:
-        record = json.loads((entry / "model.done").read_text())
-        data = (entry / "model.neff").read_bytes()
-    except (FileNotFoundError, json.JSONDecodeError):
-        return False
-    return len(data) == record.get("bytes") and sha256(data) == record.get("sha256")
-
-
-class EntryLocked(Exception):
-    def __init__(self, entry: Path, owner: dict):
-        super().__init__(f"{entry.name} is being compiled by pid {owner.get('pid')} on {owner.get('host')}")
-        self.owner = owner
-
-
-def acquire_lock(entry: Path) -> bool:
-    """Take the entry's lock. Returns True when a stale lock (dead holder) had to be cleared.
-
-    Raises EntryLocked when a live process holds it.
-    """
-    entry.mkdir(parents=True, exist_ok=True)
-    lock = entry / "model.lock"
-    cleared = False
-    for _ in range(2):
-        try:
-            fd = os.open(lock, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        except FileExistsError:
-            owner = lock_owner(entry)
-            if owner is not None:
-                raise EntryLocked(entry, owner) from None
-            lock.unlink(missing_ok=True)  # stale: its process is gone
-            cleared = True
-            continue
-        with os.fdopen(fd, "w") as fh:
-            json.dump({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}, fh)
-        return cleared
-    raise EntryLocked(entry, {"pid": "?", "host": "?"})
-
-
-def release_lock(entry: Path) -> None:
-    (entry / "model.lock").unlink(missing_ok=True)
-
-
-def commit(entry: Path, graph_text: str, flags: dict, artifact: bytes) -> None:
-    """Write a successful entry; `model.done` goes last."""
-    atomic_write_text(entry / "model.fx.txt", graph_text)
-    atomic_write_json(entry / "compile_flags.json", flags)
-    (entry / "model.log").unlink(missing_ok=True)
-    atomic_write_bytes(entry / "model.neff", artifact)
-    atomic_write_json(entry / "model.done", {"sha256": sha256(artifact), "bytes": len(artifact)})
-
-
-def record_failure(entry: Path, graph_text: str, flags: dict, log: str) -> None:
-    atomic_write_text(entry / "model.fx.txt", graph_text)
-    atomic_write_json(entry / "compile_flags.json", flags)
-    atomic_write_text(entry / "model.log", log)
-
-
-def discard(entry: Path) -> None:
-    """Forget a corrupt or failed entry's result so it is compiled again."""
-    for name in ("model.done", "model.neff", "model.log"):
-        (entry / name).unlink(missing_ok=True)
-
-
-def record_hit(entry: Path) -> None:
-    usage = entry / "usage.json"
-    try:
-        hits = json.loads(usage.read_text())["hits"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
-        hits = 0
-    atomic_write_json(usage, {"hits": hits + 1, "last_used": time.time()})
+    return True
 
 
 @dataclass
@@ -154,34 +72,157 @@ class EntryInfo:
         return dict(self.__dict__)
 
 
-def entries(root: Path) -> list[EntryInfo]:
-    out = []
-    if not root.is_dir():
-        return out
-    for version in sorted(p for p in root.iterdir() if p.is_dir()):
-        for entry in sorted(p for p in version.iterdir() if p.is_dir() and p.name.startswith("MODULE_")):
+class CompileCache:
+    """One compile cache, by URL (`file://`, a path, or `s3://bucket/prefix`)."""
+
+    def __init__(self, url: str, store: Store | None = None):
+        self.store = store or open_store(url)
+        self.url = self.store.url
+        self._token = uuid.uuid4().hex
+
+    # -- state -----------------------------------------------------------------------------------
+
+    def _json(self, name: str) -> dict | None:
+        try:
+            value = json.loads(self.store.read(name))
+        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        return value if isinstance(value, dict) else None
+
+    def lock_owner(self, entry: str) -> dict | None:
+        """The live process compiling this entry, or None. A lock whose process is gone is stale."""
+        owner = self._json(f"{entry}/model.lock")
+        if owner is None:
+            return None
+        if owner.get("host") == socket.gethostname():
+            return owner if _alive(int(owner.get("pid", -1))) else None
+        return owner if time.time() - float(owner.get("since", 0)) < STALE_LOCK_SECONDS else None
+
+    def state(self, entry: str) -> str:
+        names = {o.name.rsplit("/", 1)[-1] for o in self.store.list(f"{entry}/")}
+        if "model.done" in names:
+            return DONE if self.verify(entry) else CORRUPT
+        if "model.lock" in names and self.lock_owner(entry) is not None:
+            return LOCKED
+        return FAILED if "model.log" in names else MISSING
+
+    def verify(self, entry: str) -> bool:
+        """Whether every checked file is present, of its recorded size and checksum."""
+        try:
+            self._verified(entry, "model.neff")
+        except CorruptEntry:
+            return False
+        return True
+
+    def _verified(self, entry: str, wanted: str) -> bytes:
+        record = self._json(f"{entry}/model.done") or {}
+        files, out = record.get("files", {}), b""
+        for name in CHECKED_FILES:
             try:
-                usage = json.loads((entry / "usage.json").read_text())
-            except (FileNotFoundError, json.JSONDecodeError):
-                usage = {}
-            size = sum(f.stat().st_size for f in entry.iterdir() if f.is_file())
-            out.append(EntryInfo(version.name, entry.name, state(entry), size, usage.get("hits", 0),
-                                 usage.get("last_used"), entry.stat().st_mtime))
-    return out
+                data = self.store.read(f"{entry}/{name}")
+            except FileNotFoundError:
+                raise CorruptEntry(f"{entry}/{name} is missing") from None
+            expected = files.get(name, {})
+            if len(data) != expected.get("bytes") or sha256(data) != expected.get("sha256"):
+                raise CorruptEntry(f"{entry}/{name} does not match its checksum in model.done")
+            if name == wanted:
+                out = data
+        return out
 
+    def load_artifact(self, entry: str) -> bytes:
+        """The compiled artifact, checked against its checksum first (CorruptEntry if it fails)."""
+        return self._verified(entry, "model.neff")
 
-def prune(root: Path, current_compiler: str, *, failed: bool = False, older_than_days: float | None = None,
-          other_versions: bool = False, dry_run: bool = False) -> list[EntryInfo]:
-    """Remove what is asked for; never an entry being compiled (locked)."""
-    now, removed = time.time(), []
-    for info in entries(root):
-        if info.state == LOCKED:
-            continue
-        last = info.last_used or info.created
-        if ((failed and info.state in (FAILED, CORRUPT))
-                or (older_than_days is not None and now - last > older_than_days * 86400)
-                or (other_versions and info.compiler != current_compiler)):
-            removed.append(info)
-            if not dry_run:
-                shutil.rmtree(root / info.compiler / info.key, ignore_errors=True)
-    return removed
+    def failure_log(self, entry: str) -> str:
+        try:
+            return self.store.read(f"{entry}/model.log").decode(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    # -- locks -----------------------------------------------------------------------------------
+
+    def acquire_lock(self, entry: str) -> bool:
+        """Take the entry's lock. Returns True when a stale lock (dead holder) had to be cleared.
+
+        Raises EntryLocked when a live process holds it.
+        """
+        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
+                             "token": self._token}).encode()
+        cleared = False
+        for _ in range(3):
+            if self.store.create(f"{entry}/model.lock", record):
+                return cleared
+            owner = self.lock_owner(entry)
+            if owner is not None:
+                raise EntryLocked(entry, owner)
+            self.store.delete(f"{entry}/model.lock")  # stale: its process is gone
+            cleared = True
+        raise EntryLocked(entry, {"pid": "?", "host": "?"})
+
+    def release_lock(self, entry: str) -> None:
+        owner = self._json(f"{entry}/model.lock")
+        if owner is not None and owner.get("token") == self._token:
+            self.store.delete(f"{entry}/model.lock")
+
+    # -- writes ----------------------------------------------------------------------------------
+
+    def commit(self, entry: str, graph_text: str, flags: dict, artifact: bytes, seconds: float = 0.0) -> None:
+        """Write a successful entry; `model.done`, with every file's checksum, goes last."""
+        files = {"model.fx.txt": graph_text.encode(),
+                 "compile_flags.json": (json.dumps(flags, indent=2, sort_keys=True) + "\n").encode(),
+                 "model.neff": artifact}
+        self.store.delete(f"{entry}/model.log")
+        for name, data in files.items():
+            self.store.write(f"{entry}/{name}", data)
+        done = {"files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in files.items()},
+                "compile_seconds": round(seconds, 3), "created": time.time()}
+        self.store.write(f"{entry}/model.done", json.dumps(done, indent=2, sort_keys=True).encode())
+
+    def record_failure(self, entry: str, graph_text: str, flags: dict, log: str) -> None:
+        self.store.write(f"{entry}/model.fx.txt", graph_text.encode())
+        self.store.write(f"{entry}/compile_flags.json", json.dumps(flags, sort_keys=True).encode())
+        self.store.write(f"{entry}/model.log", log.encode())
+
+    def discard(self, entry: str) -> None:
+        """Forget a corrupt or failed entry's result so it is compiled again (`model.done` first,
+        so a reader never takes a half-removed entry for a done one)."""
+        for name in ("model.done", "model.neff", "model.log"):
+            self.store.delete(f"{entry}/{name}")
+
+    def record_hit(self, entry: str) -> None:
+        usage = self._json(f"{entry}/usage.json") or {}
+        record = {"hits": int(usage.get("hits", 0)) + 1, "last_used": time.time()}
+        self.store.write(f"{entry}/usage.json", json.dumps(record).encode())
+
+    # -- maintenance -----------------------------------------------------------------------------
+
+    def entries(self) -> list[EntryInfo]:
+        grouped: dict[str, list] = {}
+        for obj in self.store.list():
+            parts = obj.name.split("/")
+            if len(parts) == 3 and parts[1].startswith("MODULE_"):
+                grouped.setdefault(f"{parts[0]}/{parts[1]}", []).append(obj)
+        out = []
+        for entry, objects in sorted(grouped.items()):
+            usage = self._json(f"{entry}/usage.json") or {}
+            compiler, key = entry.split("/")
+            out.append(EntryInfo(compiler, key, self.state(entry), sum(o.size for o in objects),
+                                 int(usage.get("hits", 0)), usage.get("last_used"),
+                                 min(o.modified for o in objects)))
+        return out
+
+    def prune(self, current_compiler: str, *, failed: bool = False, older_than_days: float | None = None,
+              other_versions: bool = False, dry_run: bool = False) -> list[EntryInfo]:
+        """Remove what is asked for; never an entry being compiled (locked)."""
+        now, removed = time.time(), []
+        for info in self.entries():
+            if info.state == LOCKED:
+                continue
+            last = info.last_used or info.created
+            if ((failed and info.state in (FAILED, CORRUPT))
+                    or (older_than_days is not None and now - last > older_than_days * 86400)
+                    or (other_versions and info.compiler != current_compiler)):
+                removed.append(info)
+                if not dry_run:
+                    self.store.delete_prefix(f"{info.compiler}/{info.key}/")
+        return removed

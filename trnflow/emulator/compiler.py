@@ -1,11 +1,10 @@
-"""The emulator's compiler: graph capture, cache keys and compiler flags.
+"""The emulator's compiler: graphs, cache keys, compiler flags and lowering.
 
-The compiler is TorchInductor (`torch.compile`); the torch version stands for the compiler
-version. A compiled artifact is the Inductor cache directory the compilation filled, as a tar.gz
-(it holds the generated kernels and the built shared objects). See `cache.py` for where it goes.
-
-The key is a pure function of the graph's code, its input shapes and dtypes, the flags and the
-compiler version, so the same model and spec give the same key on any host.
+The compiler is TorchInductor; the torch version stands for the compiler version. A graph is one
+TorchDynamo graph: the whole of a program, traced with `fullgraph=True` and static shapes. Its
+key is a pure function of the graph's code, its inputs' shapes and dtypes, the grad and autocast
+modes it was traced in, the compiler flags and the compiler version, so the same model and spec
+give the same key on any host.
 """
 
 from __future__ import annotations
@@ -13,6 +12,8 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import os
+import shlex
 import tarfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,73 +34,117 @@ OPTLEVELS = {
 
 
 @dataclass(frozen=True)
+class Input:
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def is_state(self) -> bool:
+        """A parameter or buffer of the model (lifted into the graph), not data."""
+        return "_parameters_" in self.name or "_buffers_" in self.name
+
+    def __str__(self) -> str:
+        name = self.name.removeprefix("l_").removesuffix("_")  # Dynamo's l_tokens_ is the argument `tokens`
+        return f"{name} {list(self.shape)} {self.dtype}"
+
+
+@dataclass(frozen=True)
 class Graph:
-    """One captured graph: its generated code and the shapes and dtypes it was traced with."""
+    """One captured graph: its code, its inputs, and the modes it was traced in."""
 
     code: str
-    inputs: tuple[tuple[tuple[int, ...], str], ...]
+    inputs: tuple[Input, ...]
+    grad: bool
+    autocast: str | None
+
+    @classmethod
+    def of(cls, gm: torch.fx.GraphModule, example_inputs: list) -> Graph:
+        names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+        inputs = tuple(
+            Input(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
+            for name, t in zip(names, example_inputs, strict=False) if isinstance(t, torch.Tensor)
+        )
+        autocast = str(torch.get_autocast_dtype("cpu")).removeprefix("torch.") \
+            if torch.is_autocast_enabled("cpu") else None
+        return cls(gm.code, inputs, torch.is_grad_enabled(), autocast)
+
+    @property
+    def data_shapes(self) -> str:
+        """The data inputs' shapes, as a person reads them: `tokens [8, 32] int64`."""
+        return ", ".join(str(i) for i in self.inputs if not i.is_state) or "no data inputs"
 
     def canonical(self) -> str:
-        shapes = "\n".join(f"input {i}: {list(s)} {d}" for i, (s, d) in enumerate(self.inputs))
-        return f"{self.code.strip()}\n# inputs\n{shapes}\n"
+        inputs = "\n".join(f"# input {i}: {x}" for i, x in enumerate(self.inputs))
+        return (f"{self.code.strip()}\n# grad: {self.grad}\n# autocast: {self.autocast}\n{inputs}\n")
 
 
 def compile_flags(optlevel: int, precision: str) -> dict:
     return {"optlevel": optlevel, "precision": precision, **OPTLEVELS[optlevel]}
 
 
-def compiled_fn(fn, flags: dict, artifact_dir: Path):
-    """`fn` compiled as `flags` say. Whatever the compiler produces lands in `artifact_dir`: for
-    Inductor its cache (kernels and built objects, via TORCHINDUCTOR_CACHE_DIR, which the caller
-    points there), for O1 the lowered forward and backward graphs."""
+def cache_key(graph: Graph, flags: dict) -> str:
+    """`MODULE_<graph hash>+<flags hash>`, as the Neuron cache names its entries."""
+    graph_hash = hashlib.sha256(graph.canonical().encode()).hexdigest()[:20]
+    flags_hash = hashlib.md5(json.dumps(flags, sort_keys=True).encode(), usedforsecurity=False).hexdigest()[:8]
+    return f"MODULE_{graph_hash}+{flags_hash}"
+
+
+def entry_name(key: str) -> str:
+    """Where a key lives in the cache: `<compiler version>/<key>`."""
+    return f"{COMPILER_VERSION}/{key}"
+
+
+def lower(gm: torch.fx.GraphModule, example_inputs: list, flags: dict, keep_graphs: Path | None = None):
+    """Compile one graph as `flags` say. Inductor reads and fills its cache in
+    TORCHINDUCTOR_CACHE_DIR (kernels and built objects); O1 writes its lowered forward and backward
+    graphs to `keep_graphs` when given."""
     if flags["backend"] == "inductor":
-        return torch.compile(fn, mode=flags["mode"])
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs, config_patches=list_mode_options(flags["mode"]))
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 
     lowered = {"n": 0}
 
-    def keep(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+    def keep(graph: torch.fx.GraphModule, inputs: list) -> object:
         lowered["n"] += 1
-        (artifact_dir / f"graph-{lowered['n']:02d}.py").write_text(gm.code)
-        return make_boxed_func(gm.forward)
+        if keep_graphs is not None:
+            (keep_graphs / f"graph-{lowered['n']:02d}.py").write_text(graph.code)
+        return make_boxed_func(graph.forward)
 
-    return torch.compile(fn, backend=aot_autograd(fw_compiler=keep, bw_compiler=keep))
-
-
-def cache_key(graphs: list[Graph], flags: dict) -> str:
-    """`MODULE_<graph hash>+<flags hash>`, as the Neuron cache names its entries."""
-    graph_hash = hashlib.sha256("\n".join(g.canonical() for g in graphs).encode()).hexdigest()[:20]
-    flags_hash = hashlib.md5(json.dumps(flags, sort_keys=True).encode(), usedforsecurity=False).hexdigest()[:8]
-    return f"MODULE_{graph_hash}+{flags_hash}"
-
-
-def entry_dir(cache_root: Path, key: str) -> Path:
-    return cache_root / COMPILER_VERSION / key
-
-
-def capture_graphs(fn, *args) -> list[Graph]:
-    """Run `fn(*args)` under TorchDynamo with a recording backend: every graph it would compile."""
-    graphs: list[Graph] = []
-
-    def record(gm: torch.fx.GraphModule, example_inputs: list) -> object:
-        inputs = tuple(
-            (tuple(t.shape), str(t.dtype).removeprefix("torch."))
-            for t in example_inputs
-            if isinstance(t, torch.Tensor)
-        )
-        graphs.append(Graph(gm.code, inputs))
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.compile(fn, backend=record, fullgraph=False)(*args)
-    torch._dynamo.reset()
-    return graphs
+    return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
 
 
 def pack_dir(path: Path) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w:gz") as tar:
         for child in sorted(path.rglob("*")):
-            tar.add(child, arcname=str(child.relative_to(path)), recursive=False)
+            if child.is_file() and not child.name.endswith(".lock"):
+                tar.add(child, arcname=str(child.relative_to(path)), recursive=False)
     return buf.getvalue()
+
+
+def unpack_into(artifact: bytes, path: Path) -> None:
+    """Extract an artifact safely: regular files and folders only, nothing outside `path`."""
+    path.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(fileobj=io.BytesIO(artifact), mode="r:gz") as tar:
+        tar.extractall(path, filter="data")
+
+
+def cache_url(default: str, env: dict[str, str] | None = None) -> str:
+    """Where the persistent cache is, decided as the Neuron compiler wrapper does: `--cache_dir` in
+    NEURON_CC_FLAGS, then NEURON_COMPILE_CACHE_URL, then `default` (the spec's compile.cache_url)."""
+    env = os.environ if env is None else env
+    for flag in shlex.split(env.get("NEURON_CC_FLAGS", "")):
+        if flag.startswith("--cache_dir="):
+            return flag.split("=", 1)[1]
+    return env.get("NEURON_COMPILE_CACHE_URL") or default
+
+
+def retry_failed_requested(env: dict[str, str] | None = None) -> bool:
+    """`--retry_failed_compilation` in NEURON_CC_FLAGS, as on Neuron."""
+    env = os.environ if env is None else env
+    return "--retry_failed_compilation" in shlex.split(env.get("NEURON_CC_FLAGS", ""))

@@ -8,6 +8,7 @@ SageMaker's /opt/ml/output/failure) before exiting non-zero.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import re
@@ -94,5 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         return 1
 
 
+def _exit(code: int) -> None:
+    """Leave without tearing down the interpreter's C++ side. Everything is written by now; what is
+    left are torch's native threads, whose destructors can abort a finished worker (SIGABRT,
+    "terminate called without an active exception") and turn a complete run into a failed one."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    _exit(main())

@@ -1,14 +1,14 @@
-"""The ahead-of-time compile phase, like neuron_parallel_compile: extract every program's graphs
-(without training), look each key up in the persistent cache, and compile the misses in a pool
-of `compile.workers` processes.
+"""The ahead-of-time compile phase, like neuron_parallel_compile: a trial run extracts every
+program's graph (nothing is trained or saved), each key is looked up in the persistent cache, and
+the misses are compiled by a pool of `compile.workers` processes.
 
-Options: `check` (only say which programs would hit or miss) and `retry_failed` (compile entries
-that failed before, which are otherwise remembered and skipped).
+Options: `check` (only say which graphs would hit or miss) and `retry_failed` (compile entries
+that failed before, which are otherwise remembered and skipped; `--retry_failed_compilation` in
+NEURON_CC_FLAGS asks for it too).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import multiprocessing
 import os
@@ -22,73 +22,105 @@ from pathlib import Path
 import torch
 
 from jobspecs import JobSpec
-from trnflow.emulator import cache, compiler
+from trnflow.emulator import cache as states
+from trnflow.emulator import plans
+from trnflow.emulator.cache import CompileCache, EntryLocked
+from trnflow.emulator.compiler import (
+    COMPILER_VERSION,
+    Graph,
+    cache_url,
+    compile_flags,
+    entry_name,
+    pack_dir,
+    retry_failed_requested,
+)
+from trnflow.emulator.jit import CachedCompiler
 from trnflow.errors import FatalError
-from trnflow.storage import local_path
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.model import build_model
-from trnflow.workload.programs import programs
+from trnflow.workload.programs import PROGRAMS, TRIAL_STEPS, Programs
 
-LOCK_WAIT_SECONDS = 600.0
+LOCK_WAIT_SECONDS = 3600.0
+LOCK_POLL_SECONDS = 0.5
 
 
 @dataclass
 class Planned:
     program: str
-    graphs: list[compiler.Graph]
+    graph: Graph
     key: str
-    entry: Path
 
     @property
-    def graph_text(self) -> str:
-        return "\n".join(g.canonical() for g in self.graphs)
+    def entry(self) -> str:
+        return entry_name(self.key)
 
 
-def extract(spec: JobSpec, root: Path) -> list[Planned]:
-    """Every program's graphs and cache entry, found by tracing only (nothing is trained)."""
-    flags = compiler.compile_flags(spec.compile.optlevel, spec.compute.precision)
-    model = build_model(spec.model, spec.train.seed)
+def extract(spec: JobSpec) -> list[Planned]:
+    """Every distinct graph of the spec's programs, found by a trial run in extraction mode:
+    a few training steps, one evaluation batch and one embedding batch, all run eagerly."""
+    flags = compile_flags(spec.compile.optlevel, spec.compute.precision)
+    compiler = CachedCompiler(flags, mode="extract")
+    programs = Programs(spec, build_model(spec.model, spec.train.seed), compiler)
+    for program in PROGRAMS:
+        programs.exercise(program, steps=TRIAL_STEPS)
     planned: dict[str, Planned] = {}
-    for program in programs(spec, model):
-        program.prepare(model)
-        with contextlib.nullcontext() if program.training else torch.no_grad():
-            graphs = compiler.capture_graphs(program.fn, *program.example)
-        key = compiler.cache_key(graphs, flags)
-        planned.setdefault(key, Planned(program.name, graphs, key, compiler.entry_dir(root, key)))
+    for seen in compiler.seen:
+        planned.setdefault(seen.key, Planned(seen.program, seen.graph, seen.key))
+    torch._dynamo.reset()
     return list(planned.values())
 
 
-def compile_one(spec_json: str, program: str, entry: str, flags: dict, graph_text: str) -> dict:
-    """One compilation, in its own process: lock the entry, compile, commit or record the failure."""
-    entry_path, began = Path(entry), time.perf_counter()
-    torch.set_num_threads(1)
+def _threads(spec: JobSpec) -> int:
+    """The host threads each rank of the run will use: Inductor's generated code depends on it."""
+    return max(1, (os.cpu_count() or 1) // spec.compute.world_size)
+
+
+def compile_one(spec_json: str, program: str, key: str, retry_failed: bool = False) -> dict:
+    """One compilation, in its own process: lock the entry, compile, commit or record the failure.
+
+    An entry another process is compiling is waited for; if that process finished it, this one
+    reports a hit and compiles nothing."""
+    spec = JobSpec.model_validate_json(spec_json)
+    cache = CompileCache(cache_url(spec.compile.cache_url))
+    entry, began = entry_name(key), time.perf_counter()
+    outcome = {"program": program, "key": key, "retries": 0}
+    deadline = time.monotonic() + LOCK_WAIT_SECONDS
+    while True:
+        try:
+            stale = cache.acquire_lock(entry)
+            break
+        except EntryLocked as exc:
+            if time.monotonic() > deadline:
+                return {**outcome, "status": "locked", "owner": exc.owner, "seconds": 0.0}
+            time.sleep(LOCK_POLL_SECONDS)
     try:
-        stale = cache.acquire_lock(entry_path)
-    except cache.EntryLocked as exc:
-        return {"program": program, "key": entry_path.name, "status": "locked", "owner": exc.owner, "seconds": 0.0}
-    status = "done"
-    try:
-        spec = JobSpec.model_validate_json(spec_json)
-        model = build_model(spec.model, spec.train.seed)
-        prog = next(p for p in programs(spec, model) if p.name == program)
-        prog.prepare(model)
+        state = cache.state(entry)  # under the lock: someone may have finished it meanwhile
+        if state == states.DONE:
+            return {**outcome, "status": "hit", "seconds": 0.0, "waited": True}
+        if state == states.FAILED and not retry_failed:
+            return {**outcome, "status": "failed", "seconds": 0.0, "cached_failure": True}
+        cache.discard(entry)
+        flags = compile_flags(spec.compile.optlevel, spec.compute.precision)
+        torch.set_num_threads(_threads(spec))
         with tempfile.TemporaryDirectory(prefix="trnflow-inductor-") as tmp:
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
-            compiled = compiler.compiled_fn(prog.fn, flags, Path(tmp))
-            if prog.training:
-                compiled(*prog.example).backward()
-            else:
-                with torch.no_grad():
-                    compiled(*prog.example)
-            artifact = compiler.pack_dir(Path(tmp))
-        cache.commit(entry_path, graph_text, flags, artifact)
-    except Exception:
-        status = "failed"
-        cache.record_failure(entry_path, graph_text, flags, traceback.format_exc())
+            compiler = CachedCompiler(flags, mode="compile", inductor_dir=Path(tmp))
+            graph_text = ""
+            try:
+                Programs(spec, build_model(spec.model, spec.train.seed), compiler).exercise(program)
+                graph = next((s.graph for s in compiler.seen if s.key == key), None)
+                if graph is None:
+                    raise FatalError(f"{program} traced to {[s.key for s in compiler.seen]}, not {key}: "
+                                     "the program's graph is not deterministic")
+                graph_text = graph.canonical()
+                artifact = pack_dir(Path(tmp))
+            except Exception:
+                cache.record_failure(entry, graph_text, flags, traceback.format_exc())
+                return {**outcome, "status": "failed", "seconds": round(time.perf_counter() - began, 3)}
+        seconds = time.perf_counter() - began
+        cache.commit(entry, graph_text, flags, artifact, seconds)
+        return {**outcome, "status": "done", "seconds": round(seconds, 3), "stale_lock_cleared": stale}
     finally:
-        cache.release_lock(entry_path)
-    return {"program": program, "key": entry_path.name, "status": status, "retries": 0,
-            "seconds": round(time.perf_counter() - began, 3), "stale_lock_cleared": stale}
+        cache.release_lock(entry)
 
 
 def _counts(report: dict[str, dict], total: int) -> str:
@@ -100,76 +132,79 @@ def _counts(report: dict[str, dict], total: int) -> str:
             f"failed are {failed}, done are {done}, total is {total}")
 
 
-def _wait_for_other_compiler(entry: Path) -> str:
-    deadline = time.monotonic() + LOCK_WAIT_SECONDS
-    while cache.state(entry) == cache.LOCKED and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return cache.state(entry)
-
-
 def run(ctx: WorkerContext) -> dict:
     spec = ctx.spec
     assert spec is not None
-    root = local_path(spec.compile.cache_url)
-    flags = compiler.compile_flags(spec.compile.optlevel, spec.compute.precision)
-    print(f"INFO ||NEURON_CACHE||: Compile cache path: {root}", flush=True)
-    plan = extract(spec, root)
-    states = {p.key: cache.state(p.entry) for p in plan}
-    retry_failed = bool(ctx.options.get("retry_failed"))
-    prediction = [{"program": p.program, "key": p.key, "state": states[p.key],
-                   "will": "hit" if states[p.key] == cache.DONE
-                   else "skip (failed before)" if states[p.key] == cache.FAILED and not retry_failed
-                   else "compile"} for p in plan]
+    cache = CompileCache(cache_url(spec.compile.cache_url))
+    flags = compile_flags(spec.compile.optlevel, spec.compute.precision)
+    retry_failed = bool(ctx.options.get("retry_failed")) or retry_failed_requested()
+    print(f"INFO ||NEURON_CACHE||: Compile cache path: {cache.url}", flush=True)
+    plan = extract(spec)
+    prediction = plans.predict([{"program": p.program, "key": p.key, "shapes": p.graph.data_shapes} for p in plan],
+                               cache, retry_failed)
+    plans.record(cache, spec, prediction)
     for row in prediction:
         print(f"INFO ||NEURON_CC_WRAPPER||: {row['program']}: {row['key']} is {row['state']}; will {row['will']}",
               flush=True)
-    result = {"programs": prediction, "graphs": sum(len(p.graphs) for p in plan), "flags": flags,
-              "compiler": compiler.COMPILER_VERSION, "cache": root.as_uri()}
+    result = {"programs": prediction, "graphs": len(plan), "flags": flags, "compiler": COMPILER_VERSION,
+              "cache": cache.url}
     if ctx.options.get("check"):
         return {**result, "check": True, "hits": sum(r["will"] == "hit" for r in prediction),
                 "misses": sum(r["will"] != "hit" for r in prediction)}
 
     report: dict[str, dict] = {}
     todo = []
-    for p in plan:
-        state = states[p.key]
-        if state == cache.LOCKED:
-            state = _wait_for_other_compiler(p.entry)
-        if state == cache.CORRUPT:
-            print(f"WARNING ||NEURON_CACHE||: {p.entry} is corrupt (checksum mismatch); compiling it again",
-                  flush=True)
-        if state == cache.DONE:
+    for p, row in zip(plan, prediction, strict=True):
+        if row["state"] == states.CORRUPT:
+            print(f"WARNING ||NEURON_CACHE||: {cache.url}/{p.entry} is corrupt (checksum mismatch); "
+                  "compiling it again", flush=True)
+        if row["will"] == "hit":
             cache.record_hit(p.entry)
             report[p.key] = {"program": p.program, "key": p.key, "status": "hit", "seconds": 0.0, "retries": 0}
-        elif state == cache.FAILED and not retry_failed:
+        elif row["will"].startswith("skip"):
+            print(f"INFO ||NCC_WRAPPER||: Got a cached failed neff at {cache.url}/{p.entry}. Will skip compilation, "
+                  "please set --retry-failed for recompilation.", flush=True)
             report[p.key] = {"program": p.program, "key": p.key, "status": "failed", "seconds": 0.0,
                              "retries": 0, "cached_failure": True}
         else:
-            cache.discard(p.entry)
             todo.append(p)
     print(_counts(report, len(plan)), flush=True)
     if todo:
-        print("INFO ||NEURON_PARALLEL_COMPILE||: master grab hlos to compile: "
-              f"{[str(p.entry / 'model.fx.txt') for p in todo]}", flush=True)
-        workers = min(spec.compile.workers, len(todo))
+        print("INFO ||NEURON_PARALLEL_COMPILE||: master grab graphs to compile: "
+              f"{[f'{cache.url}/{p.entry}/model.fx.txt' for p in todo]}", flush=True)
         spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(workers, mp_context=spawn, max_tasks_per_child=1) as pool:
-            futures = [pool.submit(compile_one, spec.model_dump_json(), p.program, str(p.entry), flags, p.graph_text)
+        with ProcessPoolExecutor(min(spec.compile.workers, len(todo)), mp_context=spawn,
+                                 max_tasks_per_child=1) as pool:
+            futures = [pool.submit(compile_one, spec.model_dump_json(), p.program, p.key, retry_failed)
                        for p in todo]
             for future in as_completed(futures):
                 outcome = future.result()
                 report[outcome["key"]] = outcome
+                ctx.log("compiled", **{k: outcome.get(k) for k in ("program", "key", "status", "seconds")})
                 print(_counts(report, len(plan)), flush=True)
-    summary = {"compilation_summary": {status: sum(r["status"] == status for r in report.values())
-                                       for status in ("hit", "done", "failed", "locked")},
+    return _summarise(result, report, cache)
+
+
+def _summarise(result: dict, report: dict[str, dict], cache: CompileCache) -> dict:
+    statuses = ("hit", "done", "failed", "locked")
+    summary = {"compilation_summary": {s: sum(r["status"] == s for r in report.values()) for s in statuses},
                "compilation_report": report}
     print(f"INFO ||NEURON_PARALLEL_COMPILE||: {json.dumps(summary)}", flush=True)
-    failed = [r for r in report.values() if r["status"] == "failed"]
-    if failed:
-        names = ", ".join(f"{r['program']} ({r.get('key')})" for r in failed)
-        hint = ("it failed before and is not retried; fix the cause, then run `trnflow compile SPEC --retry-failed`"
-                if all(r.get("cached_failure") for r in failed) else f"see model.log under {root}")
+    print(f"INFO ||NEURON_PARALLEL_COMPILE||: Total graphs: {len(report)}", flush=True)
+    print(f"INFO ||NEURON_PARALLEL_COMPILE||: Total successful compilations: "
+          f"{summary['compilation_summary']['done']}", flush=True)
+    print(f"INFO ||NEURON_PARALLEL_COMPILE||: Total failed compilations: "
+          f"{summary['compilation_summary']['failed']}", flush=True)
+    unfinished = [r for r in report.values() if r["status"] in ("failed", "locked")]
+    if unfinished:
+        names = ", ".join(f"{r['program']} ({r['key']}: {r['status']})" for r in unfinished)
+        if all(r.get("cached_failure") for r in unfinished):
+            hint = "it failed before and is not retried; fix the cause, then run `trnflow compile SPEC --retry-failed`"
+        elif any(r["status"] == "locked" for r in unfinished):
+            hint = "another process held its lock for too long; check for a hung compile, then run again"
+        else:
+            hint = f"see model.log in those entries under {cache.url}"
         raise FatalError(f"compilation failed for {names}: {hint}")
-    return {**result, "hits": summary["compilation_summary"]["hit"],
-            "compiled": summary["compilation_summary"]["done"], "report": report,
+    counts = summary["compilation_summary"]
+    return {**result, "hits": counts["hit"], "compiled": counts["done"], "report": report,
             "seconds": round(sum(r["seconds"] for r in report.values()), 3)}

@@ -136,18 +136,23 @@ class StepSampler:
     Epoch e visits the rows in `randperm(n, seed + e)` order, `global_batch` rows per step; rank r
     takes its contiguous slice of each global batch. The same global batches are seen whatever the
     world size, which lets a checkpoint from 4 ranks resume on 2.
+
+    With `drop_last` (the default, and what Trainium needs) an epoch ends with its last full batch.
+    Without it, the epoch's last step takes the rows left over, shared evenly across the ranks: a
+    smaller batch, which is a new shape and so a recompilation.
     """
 
-    def __init__(self, n_rows: int, global_batch: int, rank: int, world: int, seed: int):
+    def __init__(self, n_rows: int, global_batch: int, rank: int, world: int, seed: int, drop_last: bool = True):
         if n_rows < global_batch:
             raise DataError(
                 f"the training set has {n_rows} rows, fewer than one global batch ({global_batch}); "
                 "add data or lower train.global_batch_size"
             )
         self.n, self.global_batch, self.seed = n_rows, global_batch, seed
+        self.rank, self.world = rank, world
         self.per_rank = global_batch // world
-        self.offset = rank * self.per_rank
-        self.steps_per_epoch = n_rows // global_batch
+        full, left = divmod(n_rows, global_batch)
+        self.steps_per_epoch = full + (1 if not drop_last and left >= world else 0)
         self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
 
     def indices(self, step: int) -> torch.Tensor:
@@ -155,8 +160,9 @@ class StepSampler:
         if epoch != self._epoch:
             gen = torch.Generator().manual_seed(self.seed + epoch)
             self._epoch, self._perm = epoch, torch.randperm(self.n, generator=gen)
-        start = within * self.global_batch + self.offset
-        return self._perm[start : start + self.per_rank]
+        batch = self._perm[within * self.global_batch : (within + 1) * self.global_batch]
+        per_rank = len(batch) // self.world
+        return batch[self.rank * per_rank : (self.rank + 1) * per_rank]
 
     def batches(self, first_step: int, last_step: int) -> Iterator[tuple[int, torch.Tensor]]:
         for step in range(first_step, last_step):

@@ -15,6 +15,7 @@ from trnflow.workload.checkpoint import load_checkpoint, load_model_weights
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.data import HashingTokenizer, load_labelled, static_batches
 from trnflow.workload.model import build_model
+from trnflow.workload.programs import for_run
 
 
 def run(ctx: WorkerContext, checkpoint: str) -> dict:
@@ -24,17 +25,17 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     ckpt = load_checkpoint(source)
     model = build_model(cfg, spec.train.seed)
     load_model_weights(model, ckpt.model, source)
-    model.eval()
+    programs = for_run(ctx, model)
 
     holdout = load_labelled(spec.data.holdout, spec.data, HashingTokenizer(cfg.vocab_size, cfg.seq_len),
                             cfg.num_classes)
     assert holdout.labels is not None
     mine = torch.arange(ctx.rank, len(holdout.labels), ctx.world_size)
     totals = torch.zeros(3, dtype=torch.float64)  # correct, loss sum, rows
-    with torch.inference_mode():
-        offset = 0
-        for batch, real in static_batches(holdout.tokens, mine, spec.inference.batch_size):
-            logits = model(batch).float()[:real]
+    offset = 0
+    for batch, real in static_batches(holdout.tokens, mine, spec.inference.batch_size):
+        with torch.inference_mode():
+            logits = programs.logits(batch).float()[:real]
             labels = holdout.labels[mine[offset:offset + real]]
             offset += real
             totals[0] += (logits.argmax(-1) == labels).sum()
@@ -50,4 +51,4 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
         points = json.loads(series.read_text())["points"] if series.exists() else []
         points = [p for p in points if p["step"] != point["step"]] + [point]
         atomic_write_json(series, metrics_document(points, source=ckpt.meta.get("run_id", "trnflow")))
-    return {"checkpoint": checkpoint, "points": [point]}
+    return {"checkpoint": checkpoint, "points": [point], "compile": programs.compiler.summary()}

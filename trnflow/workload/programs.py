@@ -1,64 +1,134 @@
-"""The programs a job runs on a core, each with static shapes: what ahead-of-time compilation
-extracts and compiles.
+"""The programs a job runs on a core, each one whole graph with static shapes: what ahead-of-time
+compilation extracts and compiles, and what training, evaluation and inference then call.
 
-- `train_step`: forward and loss on one per-core training batch (and its backward);
+- `train_step`: the model's forward pass in train mode, under the spec's autocast, and its backward
+  (the loss is computed outside the graph, in fp32);
 - `eval_step`: logits for one evaluation batch;
 - `embed_step`: embeddings for one inference batch.
 
-Evaluation and inference pad their last batch (see `data.static_batches`), so these three shapes
-are all a run ever sees.
+Evaluation and inference pad their last batch (see `data.static_batches`), and training drops
+the last partial batch unless told otherwise, so these three shapes are all a run ever sees.
+Compilation and the real run call the same methods, so the graphs a trial run extracts are the
+graphs the run needs.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
-from collections.abc import Callable
-from dataclasses import dataclass
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from jobspecs import JobSpec
+from trnflow.emulator.cache import CompileCache
+from trnflow.emulator.compiler import cache_url, compile_flags
+from trnflow.emulator.jit import CachedCompiler
+from trnflow.errors import TrnflowError
+from trnflow.workload.context import WorkerContext
 from trnflow.workload.model import TextEncoderClassifier
 
-
-@dataclass
-class Program:
-    name: str
-    fn: Callable[..., torch.Tensor]
-    example: tuple[torch.Tensor, ...]
-    training: bool
-    """Train mode, and compiled with its backward pass."""
-
-    def prepare(self, model: torch.nn.Module) -> None:
-        model.train(self.training)
+PROGRAMS = ("train_step", "eval_step", "embed_step")
+TRIAL_STEPS = 2
+"""Training steps in a trial run (forward, backward and optimizer step each)."""
 
 
-def _autocast(precision: str):
+def autocast(precision: str):
     return torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32" else contextlib.nullcontext()
 
 
-def programs(spec: JobSpec, model: TextEncoderClassifier) -> list[Program]:
-    cfg, precision = spec.model, spec.compute.precision
+@contextlib.contextmanager
+def _compiler_errors() -> Iterator[None]:
+    """Dynamo wraps what a backend raises; our own errors (a recompilation refused) come out as themselves."""
+    from torch._dynamo.exc import BackendCompilerFailed
+
+    try:
+        yield
+    except BackendCompilerFailed as exc:
+        inner = getattr(exc, "inner_exception", None)
+        if isinstance(inner, TrnflowError):
+            raise inner from None
+        raise
+
+
+class Programs:
+    """One model's three programs, compiled through `compiler` (whole graphs, static shapes)."""
+
+    def __init__(self, spec: JobSpec, model: TextEncoderClassifier, compiler: CachedCompiler, ddp: bool = False):
+        # A fresh Dynamo state: compiled code is cached per function, and a process builds its
+        # programs once (tests build several; stale entries would count against the recompile limit).
+        torch._dynamo.reset()
+        self.spec, self.model, self.compiler = spec, model, compiler
+        options = {"backend": compiler, "fullgraph": True, "dynamic": False}
+        self._forward = torch.compile(model, **options)
+        self._embed = torch.compile(model.embed, **options)
+        # DDP wraps the compiled module, so the graph is the model's alone, whatever the world size.
+        self._train_forward = DDP(self._forward) if ddp else self._forward
+
+    def train_logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.model.train()
+        with self.compiler.naming("train_step"), _compiler_errors(), autocast(self.spec.compute.precision):
+            return self._train_forward(tokens)
+
+    def train_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.train_logits(tokens).float(), labels)
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.model.eval()
+        with self.compiler.naming("eval_step"), _compiler_errors(), torch.inference_mode():
+            return self._forward(tokens)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.model.eval()
+        with self.compiler.naming("embed_step"), _compiler_errors(), torch.inference_mode():
+            return self._embed(tokens)
+
+    def exercise(self, program: str, steps: int = 1) -> None:
+        """Run `program` on inputs of the run's shapes, as a trial run does: for `train_step`,
+        `steps` full training steps (forward, backward, optimizer step)."""
+        tokens, labels, batch = example_inputs(self.spec)
+        if program == "train_step":
+            tcfg = self.spec.train
+            optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+            for _ in range(steps):
+                optimizer.zero_grad(set_to_none=True)
+                self.train_loss(tokens, labels).backward()
+                optimizer.step()
+        elif program == "eval_step":
+            self.logits(batch)
+        elif program == "embed_step":
+            self.embed(batch)
+        else:
+            raise ValueError(f"unknown program {program!r}; the programs are {', '.join(PROGRAMS)}")
+
+
+def example_inputs(spec: JobSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Training tokens and labels of one per-core batch, and one evaluation/inference batch."""
+    cfg = spec.model
     gen = torch.Generator().manual_seed(0)
-    batch, infer_batch = spec.per_core_batch, spec.inference.batch_size
-    tokens = torch.randint(2, cfg.vocab_size, (batch, cfg.seq_len), generator=gen)
-    labels = torch.randint(0, cfg.num_classes, (batch,), generator=gen)
-    infer_tokens = torch.randint(2, cfg.vocab_size, (infer_batch, cfg.seq_len), generator=gen)
+    tokens = torch.randint(2, cfg.vocab_size, (spec.per_core_batch, cfg.seq_len), generator=gen)
+    labels = torch.randint(0, cfg.num_classes, (spec.per_core_batch,), generator=gen)
+    batch = torch.randint(2, cfg.vocab_size, (spec.inference.batch_size, cfg.seq_len), generator=gen)
+    return tokens, labels, batch
 
-    def train_step(tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        with _autocast(precision):
-            logits = model(tokens)
-        return F.cross_entropy(logits.float(), labels)
 
-    def eval_step(tokens: torch.Tensor) -> torch.Tensor:
-        return model(tokens)
-
-    def embed_step(tokens: torch.Tensor) -> torch.Tensor:
-        return model.embed(tokens)
-
-    return [
-        Program("train_step", train_step, (tokens, labels), training=True),
-        Program("eval_step", eval_step, (infer_tokens,), training=False),
-        Program("embed_step", embed_step, (infer_tokens,), training=False),
-    ]
+def for_run(ctx: WorkerContext, model: TextEncoderClassifier, ddp: bool = False) -> Programs:
+    """The programs of a training, evaluation or inference run: graphs come from the persistent
+    compile cache, and any other graph is a recompilation (see `trnflow.emulator.jit`)."""
+    spec = ctx.spec
+    inductor_dir = Path(tempfile.mkdtemp(prefix="trnflow-inductor-"))
+    atexit.register(shutil.rmtree, inductor_dir, ignore_errors=True)
+    compiler = CachedCompiler(
+        compile_flags(spec.compile.optlevel, spec.compute.precision),
+        CompileCache(cache_url(spec.compile.cache_url)),
+        mode="run",
+        fail_on_recompile=spec.compile.fail_on_recompile,
+        inductor_dir=inductor_dir,
+        log=ctx.log,
+    )
+    return Programs(spec, model, compiler, ddp=ddp)

@@ -10,11 +10,10 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import statistics
 import time
 
 import torch
-import torch.nn.functional as F
-from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trnflow.emulator.memory import estimate, saved_activation_peak, tensor_bytes
 from trnflow.emulator.numerics import stochastic_round_bf16_
@@ -29,6 +28,7 @@ from trnflow.workload.checkpoint import (
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.data import HashingTokenizer, StepSampler, load_labelled
 from trnflow.workload.model import build_model
+from trnflow.workload.programs import for_run
 
 
 def stochastic_rounding(precision: str) -> bool:
@@ -51,7 +51,6 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
     model = build_model(cfg, tcfg.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
     use_sr = stochastic_rounding(spec.compute.precision)
-    autocast = spec.compute.precision != "fp32"
     # Replicas must round identically, so the rounding stream is seeded the same on every rank.
     sr_seed = int(os.environ.get("NEURON_RT_STOCHASTIC_ROUNDING_SEED", "0")) + tcfg.seed
     sr_gen = torch.Generator().manual_seed(sr_seed)
@@ -84,20 +83,20 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
             for p in model.parameters():
                 stochastic_round_bf16_(p.data, sr_gen)
 
-    ddp = DDP(model) if ctx.world_size > 1 else model
-    sampler = StepSampler(len(data.labels), tcfg.global_batch_size, ctx.rank, ctx.world_size, tcfg.seed)
-    model.train()
+    programs = for_run(ctx, model, ddp=ctx.world_size > 1)
+    sampler = StepSampler(len(data.labels), tcfg.global_batch_size, ctx.rank, ctx.world_size, tcfg.seed,
+                          drop_last=tcfg.drop_last)
     window_start, window_steps = time.perf_counter(), 0
     began = time.perf_counter()
     memory: dict = {}
+    step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
     for step, idx in sampler.batches(start, tcfg.steps):
+        step_began = time.perf_counter()
         tokens, labels = data.tokens[idx], data.labels[idx]
-        amp = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else contextlib.nullcontext()
         # Shapes are static, so the first step's saved activations are every step's.
         probe = saved_activation_peak() if not memory else contextlib.nullcontext({})
-        with amp, probe as saved:
-            logits = ddp(tokens)
-            loss = F.cross_entropy(logits.float(), labels)
+        with probe as saved:
+            loss = programs.train_loss(tokens, labels)
         if not math.isfinite(loss.item()):
             raise FatalError(
                 f"loss is {loss.item()} at step {step + 1} on rank {ctx.rank}; the run diverged. "
@@ -113,6 +112,7 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
                 for p in model.parameters():
                     stochastic_round_bf16_(p.data, sr_gen)
         last_loss, done = loss.item(), step + 1
+        step_times.append(time.perf_counter() - step_began)
         window_steps += 1
         if done % tcfg.log_every == 0 or done == tcfg.steps:
             elapsed = time.perf_counter() - window_start
@@ -141,6 +141,9 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
         "loss": last_loss,
         "samples_per_s": round(trained * tcfg.global_batch_size / seconds, 1) if trained else 0.0,
         "seconds": round(seconds, 3),
+        "first_step_seconds": round(step_times[0], 4) if step_times else 0.0,
+        "median_step_seconds": round(statistics.median(step_times[1:]), 5) if len(step_times) > 1 else 0.0,
+        "compile": programs.compiler.summary(),
         "device_memory": {"estimated_per_core": estimate(spec).total, "peak_per_rank": per_rank, **memory},
     }
 

@@ -1,0 +1,38 @@
+"""The quickstart spec in a scratch folder, with its own data, for the benchmarks."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from jobspecs import JobSpec, validate_spec
+from trnflow.synth import synthesize
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "jobspecs" / "examples" / "quickstart.yaml"
+
+
+def scratch_home(root: Path) -> None:
+    """Job folders and Prefect's database under `root`, so a benchmark leaves nothing behind."""
+    os.environ["TRNFLOW_HOME"] = str(root / "trnflow-home")
+    os.environ["PREFECT_HOME"] = str(root / "prefect-home")
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def quickstart(root: Path, **sections: dict[str, Any]) -> JobSpec:
+    """The quickstart example with its data under `root/data` (made on first use) and every output
+    under `root`; `sections` update the example's sections."""
+    data = root / "data"
+    if not (data / "holdout").exists():
+        synthesize(data, days=2, rows_per_day=800, seed=7)
+    raw = yaml.safe_load(EXAMPLE.read_text())
+    raw["data"] = {**raw["data"], "train": str(data / "train"), "holdout": str(data / "holdout"),
+                   "inference": str(data / "inference")}
+    raw["train"]["checkpoint_url"] = str(root / "checkpoints")
+    raw["inference"]["output_url"] = str(root / "embeddings")
+    raw["gate"]["reference"] = None
+    for name, values in sections.items():
+        raw[name] = {**raw.get(name, {}), **values}
+    return validate_spec(raw)

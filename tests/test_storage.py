@@ -1,0 +1,67 @@
+"""The object stores behind the compile cache: a directory and an S3 prefix (moto), one contract."""
+
+import pytest
+from botocore.exceptions import ClientError
+from moto import mock_aws
+
+from trnflow import aws
+from trnflow.s3store import S3Store
+from trnflow.storage import LocalStore
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path, monkeypatch):
+    if request.param == "local":
+        yield LocalStore(tmp_path / "store")
+        return
+    for name in ("AWS_ENDPOINT_URL", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    with mock_aws():
+        aws.client("s3").create_bucket(Bucket="cache-bucket")
+        yield S3Store("s3://cache-bucket/some/prefix")
+
+
+def test_both_stores_keep_the_same_contract(store):
+    with pytest.raises(FileNotFoundError):
+        store.read("a/missing")
+    store.write("a/b/one", b"1")
+    store.write("a/b/one", b"11")  # replaced whole
+    assert store.read("a/b/one") == b"11"
+    assert store.create("a/lock", b"mine") is True
+    assert store.create("a/lock", b"theirs") is False  # the second writer loses and is told
+    assert store.read("a/lock") == b"mine"
+    store.write("z/other", b"x")
+    assert [(o.name, o.size) for o in store.list("a/")] == [("a/b/one", 2), ("a/lock", 4)]
+    store.delete("a/lock")
+    store.delete("a/lock")  # deleting what is gone is harmless
+    store.delete_prefix("a/")
+    assert [o.name for o in store.list()] == ["z/other"]
+    with pytest.raises(ValueError, match="outside the store"):
+        store.read("../escape")
+
+
+def _client_error(code: str, status: int) -> ClientError:
+    return ClientError({"Error": {"Code": code}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject")
+
+
+def test_only_throttling_and_server_errors_are_retried(monkeypatch):
+    monkeypatch.setattr(aws, "FIRST_WAIT_SECONDS", 0.0)
+    monkeypatch.setattr(aws, "MAX_WAIT_SECONDS", 0.0)
+    assert aws.is_retryable(_client_error("SlowDown", 503))
+    assert aws.is_retryable(_client_error("ThrottlingException", 400))
+    assert aws.is_retryable(_client_error("InternalError", 500))
+    assert not aws.is_retryable(_client_error("AccessDenied", 403))
+    assert not aws.is_retryable(_client_error("NoSuchKey", 404))
+
+    answers = [_client_error("SlowDown", 503), _client_error("InternalError", 500), "ok"]
+
+    def flaky():
+        answer = answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    assert aws.call(flaky) == "ok" and answers == []
+    with pytest.raises(ClientError, match="AccessDenied"):
+        aws.call(lambda: (_ for _ in ()).throw(_client_error("AccessDenied", 403)))

@@ -1,0 +1,60 @@
+"""AWS clients, and the one place that retries their calls.
+
+Throttling, 5xx answers and dropped connections are retried here, with exponential backoff and
+jitter, and a log line per retry. Nothing else is: botocore's own retries are switched off so that
+these failures have a single retry owner. Endpoints come from the usual AWS variables, so
+`AWS_ENDPOINT_URL=http://127.0.0.1:5000` points every client at a moto server.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
+
+T = TypeVar("T")
+log = logging.getLogger("trnflow.aws")
+
+ATTEMPTS = 6
+FIRST_WAIT_SECONDS = 0.5
+MAX_WAIT_SECONDS = 20.0
+THROTTLING = {"Throttling", "ThrottlingException", "ThrottledException", "RequestLimitExceeded",
+              "TooManyRequestsException", "SlowDown", "ProvisionedThroughputExceededException"}
+
+
+def client(service: str, endpoint_url: str | None = None) -> Any:
+    import boto3
+    from botocore.config import Config
+
+    config = Config(retries={"total_max_attempts": 1}, connect_timeout=10, read_timeout=60)
+    return boto3.session.Session().client(service, endpoint_url=endpoint_url, config=config)
+
+
+def is_retryable(exc: BaseException) -> bool:
+    """Throttling, a 5xx answer or a connection that failed: worth another try."""
+    from botocore.exceptions import ClientError, ConnectionError, ReadTimeoutError
+
+    if isinstance(exc, ConnectionError | ReadTimeoutError):
+        return True
+    if isinstance(exc, ClientError):
+        error = exc.response.get("Error", {})
+        status = exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0)
+        return error.get("Code") in THROTTLING or status >= 500
+    return False
+
+
+def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
+    """`fn(*args, **kwargs)`, retried on throttling and 5xx only."""
+    retrying = Retrying(
+        retry=retry_if_exception(is_retryable),
+        stop=stop_after_attempt(ATTEMPTS),
+        wait=wait_exponential_jitter(initial=FIRST_WAIT_SECONDS, max=MAX_WAIT_SECONDS),
+        reraise=True,
+        before_sleep=lambda state: log.warning(
+            "%s failed (%s); retrying in %.1fs (attempt %d/%d)", getattr(fn, "__name__", "AWS call"),
+            state.outcome.exception() if state.outcome else "?", state.next_action.sleep if state.next_action else 0,
+            state.attempt_number, ATTEMPTS),
+    )
+    return retrying(fn, *args, **kwargs)

@@ -1,0 +1,138 @@
+"""The `torch.compile` backend every program runs through: cache lookups, warm loads, the
+recompilation guard, and graph extraction.
+
+One `CachedCompiler` per process. TorchDynamo hands it each graph it traces; what happens next
+depends on the mode:
+
+- `extract`: the graph and its key are recorded and the graph runs eagerly (nothing is compiled),
+  like a script run under neuron_parallel_compile's extraction;
+- `compile`: the graph is lowered with the real compiler into this process's Inductor cache
+  folder, which the compile worker then packs into the persistent cache;
+- `run`: a graph whose key is in the persistent cache is a hit: its artifact (the Inductor cache
+  it was built into) is unpacked into this process's private Inductor folder, so lowering finds
+  the kernels already built. Any other graph is a recompilation: counted, logged with its shapes,
+  and fatal when `fail_on_recompile` is set.
+
+The private Inductor folder (TORCHINDUCTOR_CACHE_DIR) keeps a machine-wide Inductor cache from
+making a cold compile look warm, or a miss look like a hit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from trnflow.emulator import cache as cache_states
+from trnflow.emulator.cache import CompileCache, CorruptEntry
+from trnflow.emulator.compiler import Graph, cache_key, entry_name, lower, unpack_into
+from trnflow.errors import Recompilation
+
+Log = Callable[..., None]
+
+
+@dataclass
+class Seen:
+    program: str
+    key: str
+    graph: Graph
+    outcome: str
+    """extracted, compiled, hit, or recompiled."""
+    reason: str = ""
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"program": self.program, "key": self.key, "outcome": self.outcome, "reason": self.reason,
+                "shapes": self.graph.data_shapes, "seconds": round(self.seconds, 3)}
+
+
+@dataclass
+class CachedCompiler:
+    flags: dict
+    cache: CompileCache | None = None
+    mode: str = "run"
+    fail_on_recompile: bool = False
+    inductor_dir: Path | None = None
+    log: Log = field(default=lambda event, **fields: None)
+    program: str = "program"
+    seen: list[Seen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("extract", "compile", "run"):
+            raise ValueError(f"unknown mode {self.mode!r}")
+        if self.inductor_dir is not None:
+            self.inductor_dir.mkdir(parents=True, exist_ok=True)
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.inductor_dir)
+
+    @contextlib.contextmanager
+    def naming(self, program: str) -> Iterator[None]:
+        """Graphs traced inside are attributed to `program`."""
+        before, self.program = self.program, program
+        try:
+            yield
+        finally:
+            self.program = before
+
+    def __call__(self, gm: Any, example_inputs: list) -> Callable:
+        graph = Graph.of(gm, example_inputs)
+        key = cache_key(graph, self.flags)
+        if self.mode == "extract":
+            self.seen.append(Seen(self.program, key, graph, "extracted"))
+            return gm.forward
+        began = time.perf_counter()
+        if self.mode == "compile":
+            keep = self.inductor_dir if self.flags["backend"] != "inductor" else None
+            compiled = lower(gm, example_inputs, self.flags, keep_graphs=keep)
+            self.seen.append(Seen(self.program, key, graph, "compiled", seconds=time.perf_counter() - began))
+            return compiled
+        reason = self._load(key, graph)
+        compiled = lower(gm, example_inputs, self.flags)
+        seen = Seen(self.program, key, graph, "hit" if not reason else "recompiled", reason,
+                    time.perf_counter() - began)
+        self.seen.append(seen)
+        if reason:
+            self.log("recompile", program=self.program, key=key, reason=reason, shapes=graph.data_shapes,
+                     seconds=round(seen.seconds, 3))
+        else:
+            self.log("compile_cache_hit", program=self.program, key=key, seconds=round(seen.seconds, 3))
+        return compiled
+
+    def _load(self, key: str, graph: Graph) -> str:
+        """Unpack the key's artifact for the compiler to find; '' on a hit, else why it missed.
+
+        Raises Recompilation on a miss when `fail_on_recompile` is set."""
+        entry = entry_name(key)
+        state = self.cache.state(entry) if self.cache else cache_states.MISSING
+        reason = ""
+        if state == cache_states.DONE:
+            try:
+                artifact = self.cache.load_artifact(entry)
+                if self.inductor_dir is not None:
+                    unpack_into(artifact, self.inductor_dir)
+                self.cache.record_hit(entry)
+            except CorruptEntry as exc:  # changed since state() looked: still never loaded
+                reason = f"the cache entry is corrupt ({exc})"
+        else:
+            reason = {cache_states.CORRUPT: "the cache entry is corrupt (checksum mismatch)",
+                      cache_states.FAILED: "its ahead-of-time compile failed",
+                      cache_states.LOCKED: "it is still being compiled"}.get(state, "it is not in the compile cache")
+        if reason and self.fail_on_recompile:
+            where = self.cache.url if self.cache else "the compile cache"
+            raise Recompilation(
+                f"{self.program} needs a graph that was not compiled ahead of time: {key} "
+                f"for inputs {graph.data_shapes}; {reason} ({where}). Dynamic shapes are the usual "
+                "cause: keep every batch the same shape (a fixed per-core batch with train.drop_last: true, "
+                "a fixed model.seq_len), then run `trnflow compile SPEC` so the cache holds every graph"
+            )
+        return reason
+
+    def summary(self) -> dict:
+        """What this process compiled, loaded and recompiled."""
+        hits = [s for s in self.seen if s.outcome == "hit"]
+        recompiles = [s.as_dict() for s in self.seen if s.outcome == "recompiled"]
+        return {"graphs": len(self.seen), "hits": len(hits), "recompiles": recompiles,
+                "seconds": round(sum(s.seconds for s in self.seen), 3)}

@@ -1,0 +1,76 @@
+"""Knowing before launch: the graphs a spec needs, as its last trial run found them.
+
+Extracting graphs means building the model and tracing it in a job. Once a compile job has done
+that, it records the plan (each program's key and input shapes) in the cache, named by a digest of
+everything that decides the graphs: the model section, the batch shapes, precision and optlevel,
+the compiler version, and the source of the code that builds and traces the programs. The next
+compile stage for an equal digest knows every key without launching anything, so a warm stage
+costs a few cache reads. A plan that went stale anyway is no silent failure: the run's
+recompilation guard reports any graph missing from the cache.
+
+Nothing here imports torch, so the orchestrator can answer quickly.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import metadata
+from pathlib import Path
+
+from jobspecs import JobSpec
+from trnflow.emulator import cache as states
+from trnflow.emulator.cache import CompileCache
+
+_ROOT = Path(__file__).resolve().parents[1]
+GRAPH_SOURCES = ("workload/model.py", "workload/programs.py", "emulator/compiler.py", "emulator/jit.py")
+
+
+def compiler_version() -> str:
+    """The same string as `compiler.COMPILER_VERSION`, read without importing torch."""
+    return f"torch-{metadata.version('torch')}"
+
+
+def plan_digest(spec: JobSpec) -> str:
+    sources = {name: hashlib.sha256((_ROOT / name).read_bytes()).hexdigest() for name in GRAPH_SOURCES}
+    shaping = {
+        "model": spec.model.model_dump(mode="json"),
+        "per_core_batch": spec.per_core_batch,
+        "inference_batch": spec.inference.batch_size,
+        "precision": spec.compute.precision,
+        "optlevel": spec.compile.optlevel,
+        "compiler": compiler_version(),
+        "sources": sources,
+    }
+    return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:24]
+
+
+def _name(spec: JobSpec) -> str:
+    return f"{compiler_version()}/plans/{plan_digest(spec)}.json"
+
+
+def record(cache: CompileCache, spec: JobSpec, programs: list[dict]) -> None:
+    """Remember which program has which key and shapes (from a trial run)."""
+    rows = [{"program": p["program"], "key": p["key"], "shapes": p["shapes"]} for p in programs]
+    cache.store.write(_name(spec), json.dumps({"programs": rows}, indent=2).encode())
+
+
+def recorded(cache: CompileCache, spec: JobSpec) -> list[dict] | None:
+    """The plan a trial run recorded for an equal spec, or None."""
+    try:
+        return json.loads(cache.store.read(_name(spec)))["programs"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return None
+
+
+def predict(programs: list[dict], cache: CompileCache, retry_failed: bool) -> list[dict]:
+    """For each graph: its cache state and what compiling would do (hit, compile, skip or wait)."""
+    rows = []
+    for p in programs:
+        state = cache.state(f"{compiler_version()}/{p['key']}")
+        will = ("hit" if state == states.DONE
+                else "skip (failed before)" if state == states.FAILED and not retry_failed
+                else "wait (being compiled)" if state == states.LOCKED
+                else "compile")
+        rows.append({**p, "state": state, "will": will})
+    return rows

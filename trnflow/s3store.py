@@ -1,0 +1,72 @@
+"""An S3 prefix as a `Store`.
+
+A put is atomic in S3 (readers see the old object or the new one), and `create` uses a conditional
+put (`If-None-Match: *`), so two writers racing for the same name cannot both win. Calls go
+through `trnflow.aws`, which retries throttling and 5xx answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trnflow import aws
+from trnflow.storage import ObjectInfo
+
+
+def split_s3_url(url: str) -> tuple[str, str]:
+    """`s3://bucket/some/prefix` -> ("bucket", "some/prefix/")."""
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    prefix = prefix.strip("/")
+    return bucket, f"{prefix}/" if prefix else ""
+
+
+class S3Store:
+    def __init__(self, url: str, client: Any = None):
+        self.url = url.rstrip("/")
+        self.bucket, self.prefix = split_s3_url(url)
+        self._s3 = client or aws.client("s3")
+
+    def _key(self, name: str) -> str:
+        if name.startswith("/") or ".." in name.split("/"):
+            raise ValueError(f"{name!r} is outside the store {self.url}")
+        return self.prefix + name
+
+    def read(self, name: str) -> bytes:
+        try:
+            return aws.call(self._s3.get_object, Bucket=self.bucket, Key=self._key(name))["Body"].read()
+        except self._s3.exceptions.NoSuchKey:
+            raise FileNotFoundError(f"{self.url}/{name}") from None
+
+    def write(self, name: str, data: bytes) -> None:
+        aws.call(self._s3.put_object, Bucket=self.bucket, Key=self._key(name), Body=data)
+
+    def create(self, name: str, data: bytes) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            aws.call(self._s3.put_object, Bucket=self.bucket, Key=self._key(name), Body=data, IfNoneMatch="*")
+        except ClientError as exc:
+            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+                return False
+            raise
+        return True
+
+    def delete(self, name: str) -> None:
+        aws.call(self._s3.delete_object, Bucket=self.bucket, Key=self._key(name))
+
+    def list(self, prefix: str = "") -> list[ObjectInfo]:
+        found, token = [], None
+        while True:
+            extra = {"ContinuationToken": token} if token else {}
+            page = aws.call(self._s3.list_objects_v2, Bucket=self.bucket, Prefix=self._key(prefix), **extra)
+            for obj in page.get("Contents", []):
+                found.append(ObjectInfo(obj["Key"][len(self.prefix):], obj["Size"], obj["LastModified"].timestamp()))
+            if not page.get("IsTruncated"):
+                return sorted(found, key=lambda o: o.name)
+            token = page["NextContinuationToken"]
+
+    def delete_prefix(self, prefix: str) -> None:
+        names = [o.name for o in self.list(prefix)]
+        for start in range(0, len(names), 1000):
+            chunk = [{"Key": self._key(n)} for n in names[start:start + 1000]]
+            aws.call(self._s3.delete_objects, Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True})
