@@ -112,10 +112,11 @@ class LocalStore:
         self._path(name).unlink(missing_ok=True)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        if not self.root.is_dir():
+        folder = self._path(prefix.rsplit("/", 1)[0]) if "/" in prefix else self.root  # walk only what can match
+        if not folder.is_dir():
             return []
         found = []
-        for path in self.root.rglob("*"):
+        for path in folder.rglob("*"):
             name = path.relative_to(self.root).as_posix()
             if name.startswith(prefix) and path.is_file() and not path.name.endswith(".tmp"):
                 stat = path.stat()
