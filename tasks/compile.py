@@ -10,7 +10,7 @@ from prefect.cache_policies import NO_CACHE
 from jobspecs import JobSpec
 from tasks._jobs import run_job
 from trnflow.emulator import plans
-from trnflow.emulator.cache import CompileCache
+from trnflow.emulator.cache import COMPILER_VERSION, CompileCache, entry_name
 
 
 @task(name="compile", cache_policy=NO_CACHE)
@@ -44,10 +44,10 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
 
 def _all_hits(spec: JobSpec, cache: CompileCache, prediction: list[dict]) -> dict[str, Any]:
     for row in prediction:
-        cache.record_hit(f"{plans.compiler_version()}/{row['key']}")
+        cache.record_hit(entry_name(row["key"]))
     report = {row["key"]: {"program": row["program"], "key": row["key"], "status": "hit", "seconds": 0.0,
                            "retries": 0} for row in prediction}
-    return {"programs": prediction, "graphs": len(prediction), "compiler": plans.compiler_version(),
+    return {"programs": prediction, "graphs": len(prediction), "compiler": COMPILER_VERSION,
             "cache": cache.url, "hits": len(prediction), "compiled": 0, "report": report, "seconds": 0.0,
             "launched": False, "cores": None,
             "summary": f"{len(prediction)} programs: {len(prediction)} cache hit(s), known before launch"}

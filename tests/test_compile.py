@@ -11,8 +11,17 @@ from typer.testing import CliRunner
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.cli import app
-from trnflow.emulator.cache import DONE, FAILED, LOCKED, MISSING, CompileCache, EntryLocked
-from trnflow.emulator.compiler import COMPILER_VERSION, compile_flags, entry_name
+from trnflow.emulator.cache import (
+    COMPILER_VERSION,
+    DONE,
+    FAILED,
+    LOCKED,
+    MISSING,
+    CompileCache,
+    EntryLocked,
+    entry_name,
+)
+from trnflow.emulator.compiler import compile_flags
 from trnflow.settings import TrnflowSettings
 from trnflow.workload.compile import extract
 

@@ -44,6 +44,7 @@ def test_a_warm_run_from_an_s3_cache_compiles_nothing_and_trains_like_a_cold_one
     entries = {e["key"]: e for e in json.loads(listing.stdout)}
     assert len(entries) == 3 and {e["state"] for e in entries.values()} == {"done"}
     train_key = next(p["key"] for p in compiled.result["programs"] if p["program"] == "train_step")
+    assert train_key == miss["key"]  # the same graph, keyed alike by a run on a local cache and a compile on S3
     assert entries[train_key]["hits"] >= 1  # the warm run's ranks (racing to count, so maybe 1, not 2)
 
     s3 = boto3.client("s3")

@@ -113,7 +113,7 @@ def prune(
     as_json: JsonOpt = False,
 ):
     """Remove failed entries, old ones, or other compiler versions' (never one being compiled)."""
-    from trnflow.emulator.compiler import COMPILER_VERSION
+    from trnflow.emulator.cache import COMPILER_VERSION
 
     if not (failed or older_than_days is not None or other_versions):
         Console(stderr=True).print("[red]say what to prune: --failed, --older-than-days N or --other-versions[/red]")

@@ -23,13 +23,21 @@ import socket
 import time
 import uuid
 from dataclasses import dataclass
+from importlib import metadata
 
 from trnflow.storage import Store, open_store
 
+COMPILER_VERSION = f"torch-{metadata.version('torch')}"
+"""The compiler version entries are filed under: the torch version stands for neuronx-cc's."""
 DONE, FAILED, CORRUPT, LOCKED, MISSING = "done", "failed", "corrupt", "locked", "missing"
 CHECKED_FILES = ("model.fx.txt", "compile_flags.json", "model.neff")
 STALE_LOCK_SECONDS = 24 * 3600.0
 """A lock held this long by a process on another host is taken for abandoned."""
+
+
+def entry_name(key: str) -> str:
+    """Where a key lives in the cache: `<compiler version>/<key>`."""
+    return f"{COMPILER_VERSION}/{key}"
 
 
 def sha256(data: bytes) -> str:

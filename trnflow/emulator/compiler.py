@@ -3,8 +3,8 @@
 The compiler is TorchInductor; the torch version stands for the compiler version. A graph is one
 TorchDynamo graph: the whole of a program, traced with `fullgraph=True` and static shapes. Its
 key is a pure function of the graph's code, its inputs' shapes and dtypes, the grad and autocast
-modes it was traced in, the compiler flags and the compiler version, so the same model and spec
-give the same key on any host.
+modes it was traced in and the compiler flags, and its entry is filed under the compiler version
+(`cache.entry_name`), so the same model and spec find the same entry on any host.
 """
 
 from __future__ import annotations
@@ -19,8 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
-COMPILER_VERSION = f"torch-{torch.__version__}"
 
 # optlevel -> how the emulator compiles, trading compile time against step time as neuronx-cc's
 # -O1/-O2/-O3 do. O1 lowers each graph to ATen forward and backward graphs (AOT autograd) without
@@ -88,11 +86,6 @@ def cache_key(graph: Graph, flags: dict) -> str:
     graph_hash = hashlib.sha256(graph.canonical().encode()).hexdigest()[:20]
     flags_hash = hashlib.md5(json.dumps(flags, sort_keys=True).encode(), usedforsecurity=False).hexdigest()[:8]
     return f"MODULE_{graph_hash}+{flags_hash}"
-
-
-def entry_name(key: str) -> str:
-    """Where a key lives in the cache: `<compiler version>/<key>`."""
-    return f"{COMPILER_VERSION}/{key}"
 
 
 def lower(gm: torch.fx.GraphModule, example_inputs: list, flags: dict, keep_graphs: Path | None = None):

@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from trnflow.emulator import cache as cache_states
-from trnflow.emulator.cache import CompileCache, CorruptEntry
-from trnflow.emulator.compiler import Graph, cache_key, entry_name, lower, unpack_into
+from trnflow.emulator.cache import CompileCache, CorruptEntry, entry_name
+from trnflow.emulator.compiler import Graph, cache_key, lower, unpack_into
 from trnflow.errors import Recompilation
 
 Log = Callable[..., None]
@@ -105,18 +105,17 @@ class CachedCompiler:
         """Unpack the key's artifact for the compiler to find; '' on a hit, else why it missed.
 
         Raises Recompilation on a miss when `fail_on_recompile` is set."""
-        entry = entry_name(key)
-        state = self.cache.state(entry) if self.cache else cache_states.MISSING
-        reason = ""
-        if state == cache_states.DONE:
-            try:
-                artifact = self.cache.load_artifact(entry)
-                if self.inductor_dir is not None:
-                    unpack_into(artifact, self.inductor_dir)
-                self.cache.record_hit(entry)
-            except CorruptEntry as exc:  # changed since state() looked: still never loaded
-                reason = f"the cache entry is corrupt ({exc})"
-        else:
+        entry, reason = entry_name(key), ""
+        try:  # one read, checked against model.done: an entry that is not whole is never loaded
+            artifact = self.cache.load_artifact(entry) if self.cache else None
+        except CorruptEntry:
+            artifact = None
+        if artifact is not None:
+            if self.inductor_dir is not None:
+                unpack_into(artifact, self.inductor_dir)
+            self.cache.record_hit(entry)
+        else:  # only a miss pays for finding out why
+            state = self.cache.state(entry) if self.cache else cache_states.MISSING
             reason = {cache_states.CORRUPT: "the cache entry is corrupt (checksum mismatch)",
                       cache_states.FAILED: "its ahead-of-time compile failed",
                       cache_states.LOCKED: "it is still being compiled"}.get(state, "it is not in the compile cache")

@@ -15,20 +15,14 @@ from __future__ import annotations
 
 import hashlib
 import json
-from importlib import metadata
 from pathlib import Path
 
 from jobspecs import JobSpec
 from trnflow.emulator import cache as states
-from trnflow.emulator.cache import CompileCache
+from trnflow.emulator.cache import COMPILER_VERSION, CompileCache, entry_name
 
 _ROOT = Path(__file__).resolve().parents[1]
 GRAPH_SOURCES = ("workload/model.py", "workload/programs.py", "emulator/compiler.py", "emulator/jit.py")
-
-
-def compiler_version() -> str:
-    """The same string as `compiler.COMPILER_VERSION`, read without importing torch."""
-    return f"torch-{metadata.version('torch')}"
 
 
 def plan_digest(spec: JobSpec) -> str:
@@ -39,14 +33,14 @@ def plan_digest(spec: JobSpec) -> str:
         "inference_batch": spec.inference.batch_size,
         "precision": spec.compute.precision,
         "optlevel": spec.compile.optlevel,
-        "compiler": compiler_version(),
+        "compiler": COMPILER_VERSION,
         "sources": sources,
     }
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:24]
 
 
 def _name(spec: JobSpec) -> str:
-    return f"{compiler_version()}/plans/{plan_digest(spec)}.json"
+    return f"{COMPILER_VERSION}/plans/{plan_digest(spec)}.json"
 
 
 def record(cache: CompileCache, spec: JobSpec, programs: list[dict]) -> None:
@@ -67,7 +61,7 @@ def predict(programs: list[dict], cache: CompileCache, retry_failed: bool) -> li
     """For each graph: its cache state and what compiling would do (hit, compile, skip or wait)."""
     rows = []
     for p in programs:
-        state = cache.state(f"{compiler_version()}/{p['key']}")
+        state = cache.state(entry_name(p["key"]))
         will = ("hit" if state == states.DONE
                 else "skip (failed before)" if state == states.FAILED and not retry_failed
                 else "wait (being compiled)" if state == states.LOCKED

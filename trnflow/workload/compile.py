@@ -24,16 +24,8 @@ import torch
 from jobspecs import JobSpec
 from trnflow.emulator import cache as states
 from trnflow.emulator import plans
-from trnflow.emulator.cache import CompileCache, EntryLocked
-from trnflow.emulator.compiler import (
-    COMPILER_VERSION,
-    Graph,
-    cache_url,
-    compile_flags,
-    entry_name,
-    pack_dir,
-    retry_failed_requested,
-)
+from trnflow.emulator.cache import COMPILER_VERSION, CompileCache, EntryLocked, entry_name
+from trnflow.emulator.compiler import Graph, cache_url, compile_flags, pack_dir, retry_failed_requested
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.errors import FatalError
 from trnflow.workload.context import WorkerContext
@@ -71,7 +63,8 @@ def extract(spec: JobSpec) -> list[Planned]:
 
 
 def _threads(spec: JobSpec) -> int:
-    """The host threads each rank of the run will use: Inductor's generated code depends on it."""
+    """The host threads each rank of the run will use. Inductor's CPU kernels specialise on the thread
+    count, and its cache keys include it, so the compile must use the run's."""
     return max(1, (os.cpu_count() or 1) // spec.compute.world_size)
 
 

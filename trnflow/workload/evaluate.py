@@ -34,13 +34,12 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     totals = torch.zeros(3, dtype=torch.float64)  # correct, loss sum, rows
     offset = 0
     for batch, real in static_batches(holdout.tokens, mine, spec.inference.batch_size):
-        with torch.inference_mode():
-            logits = programs.logits(batch).float()[:real]
-            labels = holdout.labels[mine[offset:offset + real]]
-            offset += real
-            totals[0] += (logits.argmax(-1) == labels).sum()
-            totals[1] += F.cross_entropy(logits, labels, reduction="sum")
-            totals[2] += real
+        logits = programs.logits(batch).float()[:real]
+        labels = holdout.labels[mine[offset:offset + real]]
+        offset += real
+        totals[0] += (logits.argmax(-1) == labels).sum()
+        totals[1] += F.cross_entropy(logits, labels, reduction="sum")
+        totals[2] += real
     if ctx.world_size > 1:
         dist.all_reduce(totals)
     correct, loss_sum, rows = totals.tolist()

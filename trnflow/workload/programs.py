@@ -38,7 +38,7 @@ TRIAL_STEPS = 2
 """Training steps in a trial run (forward, backward and optimizer step each)."""
 
 
-def autocast(precision: str):
+def _autocast(precision: str):
     return torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32" else contextlib.nullcontext()
 
 
@@ -72,7 +72,7 @@ class Programs:
 
     def train_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         self.model.train()
-        with self.compiler.naming("train_step"), _compiler_errors(), autocast(self.spec.compute.precision):
+        with self.compiler.naming("train_step"), _compiler_errors(), _autocast(self.spec.compute.precision):
             return self._train_forward(tokens)
 
     def train_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
