@@ -33,6 +33,7 @@ def quickstart(root: Path, **sections: dict[str, Any]) -> JobSpec:
     raw["train"]["checkpoint_url"] = str(root / "checkpoints")
     raw["inference"]["output_url"] = str(root / "embeddings")
     raw["gate"]["reference"] = None
+    raw["registry_url"] = str(root / "registry")
     for name, values in sections.items():
         raw[name] = {**raw.get(name, {}), **values}
     return validate_spec(raw)

@@ -36,13 +36,18 @@ class StageRunner:
         seconds = time.monotonic() - began
         if state.is_completed():
             result = state.result()
-            self.rows.append({"stage": name, "state": "Completed", "seconds": seconds, "summary": result["summary"]})
+            label = "Skipped" if state.name == "Skipped" else "Completed"
+            self.rows.append({"stage": name, "state": label, "seconds": seconds, "summary": result["summary"]})
             self.results[name] = result
             return result
         error = state.result(raise_on_failure=False)
         self.rows.append({"stage": name, "state": state.type.value.title(), "seconds": seconds,
                           "summary": str(error)})
         raise PipelineFailed(name, error, self.rows)
+
+    def skip(self, name: str, reason: str) -> None:
+        """Record a stage that did not run because there was nothing for it to do."""
+        self.rows.append({"stage": name, "state": "Skipped", "seconds": 0.0, "summary": reason})
 
     def outcome(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "stages": self.rows, "results": self.results}

@@ -44,7 +44,12 @@ def pipeline(spec: JobSpec, run_id: str | None = None) -> dict[str, Any]:
     cores = stage("sanity", sanity_check)["cores"]
     stage("collectives", collective_test, cores)
     stage("compile", compile_graphs, cores)
-    checkpoint = stage("train", train_model, cores)["checkpoint"]
+    trained = stage("train", train_model, cores)
+    if trained.get("skipped"):  # incremental training found no new data: nothing to evaluate or embed
+        for later in ("evaluate", "infer"):
+            stage.skip(later, "no new model: training was skipped")
+        return stage.outcome()
+    checkpoint = trained["checkpoint"]
     stage("evaluate", evaluate_gate, checkpoint, cores)
     stage("infer", batch_infer, checkpoint, cores)
     return stage.outcome()

@@ -40,6 +40,8 @@ def _normalise_url(value: str) -> str:
 
 
 Url = Annotated[str, AfterValidator(_normalise_url)]
+ChampionOrUrl = Annotated[Literal["champion"] | Url, Field(union_mode="left_to_right")]
+"""`champion` (the registry's current champion for this spec's name) or a location."""
 
 
 class Section(BaseModel):
@@ -79,7 +81,16 @@ class DataSpec(Section):
     train: Url = Field(description="Training data: a file or a directory (optionally of dt=YYYY-MM-DD parts).")
     holdout: Url = Field(description="Holdout data used by the evaluation gate.")
     inference: Url = Field(description="Rows to embed in the batch-inference stage.")
-    format: Literal["jsonl", "parquet", "csv"] = Field("jsonl", description="File format of all three sets.")
+    format: Literal["jsonl", "parquet", "csv", "amazon-polarity"] = Field(
+        "jsonl",
+        description="File format of all three sets. amazon-polarity is the headerless CSV layout "
+        "label (1 negative, 2 positive), title, content; its rows are identified as <file>:<row>.",
+    )
+    window: Literal["all", "since-watermark"] = Field(
+        "all",
+        description="Which training partitions a run reads: all, or only the dt=YYYY-MM-DD partitions after "
+        "the watermark of the checkpoint it starts from (incremental training).",
+    )
     text_field: str = Field("text", description="Column holding the input text.")
     label_field: str = Field("label", description="Column holding the integer class label.")
     id_field: str = Field("id", description="Column holding a unique row id (used by inference output).")
@@ -148,7 +159,15 @@ class TrainSpec(Section):
     weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
     checkpoint_every: int = Field(100, ge=1, description="Save a checkpoint every this many steps.")
     checkpoint_url: Url = Field(description="Where checkpoints are written: a directory or s3:// URL.")
-    init_from: Url | None = Field(None, description="Checkpoint to start from; none starts from scratch.")
+    init_from: ChampionOrUrl | None = Field(
+        None,
+        description="Checkpoint to start from: `champion` (the registered champion of this job's name, from "
+        "registry_url; scratch if there is none yet), a trnflow checkpoint folder (its tokenizer and data "
+        "watermark come with it) or a plain PyTorch state_dict file. None starts from scratch.",
+    )
+    keep_latest: int | None = Field(
+        3, ge=1, description="Committed checkpoints kept per run (older ones are deleted); none keeps all."
+    )
     seed: int = Field(1234, ge=0, description="Seed for weights, data order and dropout.")
     log_every: int = Field(10, ge=1, description="Log loss and throughput every this many steps.")
     drop_last: bool = Field(
@@ -169,13 +188,32 @@ class RetrySpec(Section):
 class GateSpec(Section):
     """The accuracy-parity gate: candidate against reference, within max_abs_diff."""
 
-    reference: Url | None = Field(
-        None, description="Reference metrics JSON (for example a GPU run's); none records a baseline only."
+    reference: ChampionOrUrl | None = Field(
+        None,
+        description="What the candidate is compared with: a metrics JSON file (a previous run's, or another "
+        "platform's such as a GPU run), or `champion` (the registered champion's series). None records a "
+        "baseline only.",
     )
     metric: Literal["accuracy"] = Field("accuracy", description="Metric compared by the gate.")
     max_abs_diff: float = Field(0.001, gt=0, lt=1, description="Largest allowed |candidate - reference|.")
+    mode: Literal["every-point", "final"] = Field(
+        "every-point",
+        description="every-point: each evaluation step both series share must be within max_abs_diff (the M5 "
+        "rule); final: only the last shared step.",
+    )
     eval_every: int | None = Field(
-        None, ge=1, description="Reserved for evaluation during training; today the gate evaluates once, at the end."
+        None, ge=1, description="Evaluate on the holdout set every this many training steps (and always at the end)."
+    )
+    metrics: list[Literal["loss", "f1", "auc"]] = Field(
+        default_factory=lambda: ["loss"], description="Metrics recorded beside accuracy at each evaluation point."
+    )
+    significance: float = Field(
+        0.05, gt=0, lt=1, description="Level of the paired McNemar test on per-example predictions."
+    )
+    fail_on_significant: bool = Field(
+        False,
+        description="Also fail the gate when McNemar's test finds the candidate and reference differ, even "
+        "within max_abs_diff (by default that is reported as a warning).",
     )
 
 
@@ -223,11 +261,25 @@ class PreflightSpec(Section):
 class FaultSpec(Section):
     """A fault to inject, to rehearse how the pipeline copes (the TRNFLOW_FAULTS variable adds more)."""
 
-    kind: Literal["corrupt", "hang", "memory"] = Field(
+    kind: Literal["corrupt", "hang", "memory", "kill", "timeout", "hw", "nan"] = Field(
         description="corrupt: wrong results from the core's engines; hang: the core stalls in a collective; "
-        "memory: the core's memory pattern test fails."
+        "memory: the core's memory pattern test fails. During training, once per run at `step`: kill: the "
+        "rank is killed with SIGKILL; timeout: an execution timeout; hw: an uncorrectable hardware error; "
+        "nan: the step's result turns to NaN."
     )
     core: int = Field(ge=0, description="The NeuronCore id the fault hits.")
+    step: int | None = Field(
+        None, ge=1, description="The training step a kill, timeout, hw or nan fault strikes at (required for those)."
+    )
+
+    @model_validator(mode="after")
+    def _step_for_training_faults(self) -> FaultSpec:
+        training = self.kind in ("kill", "timeout", "hw", "nan")
+        if training and self.step is None:
+            raise ValueError(f"faults: a {self.kind} fault needs `step`, the training step it strikes at")
+        if not training and self.step is not None:
+            raise ValueError(f"faults: a {self.kind} fault is a property of the core; remove `step`")
+        return self
 
 
 class JobSpec(Section):
@@ -248,6 +300,11 @@ class JobSpec(Section):
     schedule: ScheduleSpec | None = Field(None, description="Cron schedule for incremental retraining.")
     preflight: PreflightSpec = Field(default_factory=PreflightSpec, description="Preflight checks.")
     faults: list[FaultSpec] = Field(default_factory=list, description="Faults to inject, for rehearsals and tests.")
+    registry_url: Url | None = Field(
+        None,
+        description="Model registry (a directory or s3:// URL): versions, and the champion that a passed gate "
+        "promotes. Needed for `champion` in train.init_from and gate.reference.",
+    )
 
     @model_validator(mode="after")
     def _batch_divides(self) -> JobSpec:
@@ -259,6 +316,14 @@ class JobSpec(Section):
                 f"train.global_batch_size: {gbs} is not divisible by the {world} NeuronCores "
                 f"(compute.nodes x compute.cores_per_node); use {fixed}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _champion_needs_a_registry(self) -> JobSpec:
+        uses = [f for f, v in (("train.init_from", self.train.init_from), ("gate.reference", self.gate.reference))
+                if v == "champion"]
+        if uses and self.registry_url is None:
+            raise ValueError(f"{uses[0]}: `champion` needs registry_url, the registry the champion is kept in")
         return self
 
     @property

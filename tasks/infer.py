@@ -11,7 +11,10 @@ from tasks._jobs import recompile_note, run_job
 
 @task(name="infer", cache_policy=NO_CACHE)
 def batch_infer(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int]) -> dict:
-    """Embed the inference set with the checkpoint; one Parquet shard per `inference.shard_size` rows."""
+    """Embed the inference set with the checkpoint; one Parquet shard per `inference.shard_size` rows.
+    A retry (or rerun) keeps the shards already committed and embeds only the rest."""
     result = run_job(spec, "infer", run_id, checkpoint=checkpoint, cores=cores)
-    result["summary"] = f"{result['rows']} embeddings in {len(result['shards'])} shard(s){recompile_note(result)}"
+    reused = f", {result['shards_reused']} reused" if result["shards_reused"] else ""
+    result["summary"] = (f"{result['rows']} embeddings in {len(result['shards'])} shard(s){reused}, "
+                         f"{result['rows_per_s']:.0f} rows/s{recompile_note(result)}")
     return result

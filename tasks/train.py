@@ -1,22 +1,57 @@
-"""Stage 4: training from a checkpoint, resumed exactly when a retry follows a transient failure."""
+"""Stage 4: training from a checkpoint, resumed exactly when a retry follows a transient failure.
+
+A hardware error names the cores at fault; they are recorded for the run, and every later attempt
+runs on other cores (resuming from the checkpoint like any retry).
+"""
 
 from __future__ import annotations
 
-from prefect import task
+import json
+
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed, State
 
 from jobspecs import JobSpec
 from tasks._jobs import recompile_note, run_job
+from trnflow.errors import HardwareError
+from trnflow.fsutil import atomic_write_json
+from trnflow.settings import TrnflowSettings
+
+
+def _bad_cores_file(run_id: str):
+    return TrnflowSettings().home.expanduser().resolve() / "runs" / run_id / "bad-cores.json"
+
+
+def bad_cores(run_id: str) -> set[int]:
+    """The cores earlier attempts of this run found at fault."""
+    path = _bad_cores_file(run_id)
+    return set(json.loads(path.read_text())) if path.is_file() else set()
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train_model(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
+def train_model(spec: JobSpec, run_id: str, cores: list[int]) -> dict | State:
     """Train on every core with DDP. A retry of the same run resumes from its newest checkpoint.
 
     Returns:
-        The train result; `checkpoint` is the URL of the final checkpoint.
+        The train result; `checkpoint` is the URL of the final checkpoint. With no new data
+        (`data.window: since-watermark`) the task ends Completed, named Skipped.
     """
-    result = run_job(spec, "train", run_id, cores=cores)
+    logger = get_run_logger()
+    avoid = bad_cores(run_id)
+    placement: dict = {"cores": cores}
+    if avoid & set(cores):
+        placement = {"exclude_cores": avoid}
+        logger.warning("NeuronCore(s) %s failed in an earlier attempt; this attempt runs on other cores",
+                       sorted(avoid))
+    try:
+        result = run_job(spec, "train", run_id, **placement)
+    except HardwareError as exc:
+        atomic_write_json(_bad_cores_file(run_id), sorted(avoid | set(exc.bad_cores)))
+        raise
+    if result.get("skipped"):
+        result["summary"] = f"skipped: {result['reason']}"
+        return Completed(name="Skipped", message=result["summary"], data=result)
     resumed = f", resumed at step {result['start_step']}" if result["resumed_from"] else ""
     result["summary"] = (f"{result['steps_trained']} steps, loss {result['loss']:.4f}, "
                          f"{result['samples_per_s']:.0f} samples/s{resumed}{recompile_note(result)}")

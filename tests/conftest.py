@@ -65,6 +65,7 @@ def make_spec(dataset, tmp_path, trnflow_home, compile_cache):
             "compile": {"cache_url": str(compile_cache)},
             "gate": {"reference": str(tmp_path / "reference" / "metrics.json")},
             "inference": {"output_url": str(tmp_path / "embeddings"), "shard_size": 100},
+            "registry_url": str(tmp_path / "registry"),
         }
         for name, values in sections.items():
             base[name] = {**base.get(name, {}), **values} if isinstance(values, dict) else values

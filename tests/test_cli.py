@@ -84,3 +84,24 @@ def test_the_installed_command_runs_in_a_real_process():
     helped = subprocess.run([*exe, "--help"], capture_output=True, text=True, timeout=120)
     for command in ("validate", "schema", "devices", "run", "data", "reference"):
         assert command in helped.stdout
+
+
+def test_training_events_in_the_task_log_move_the_progress_bar():
+    import io
+    import logging
+
+    from rich.console import Console
+
+    from trnflow.progress import training_progress
+
+    console = Console(file=io.StringIO(), force_terminal=True)
+    logger = logging.getLogger("prefect.task_runs")
+    with training_progress(console) as _:
+        handler = next(h for h in logger.handlers if type(h).__name__ == "TrainingProgress")
+        for step in (10, 20):
+            logger.warning('{"ts": 1.0, "event": "train", "rank": 0, "steps": 40, "step": %d, "loss": 0.5, '
+                           '"samples_per_s": 300.0}', step)
+        logger.warning("a line that is not an event")
+        task = handler.progress.tasks[0]
+        assert (task.completed, task.total) == (20, 40) and "loss 0.5000" in task.description
+    assert handler not in logger.handlers

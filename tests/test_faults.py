@@ -97,22 +97,6 @@ def test_preflight_names_the_bad_core_and_stops(prefect_api, make_spec):
     assert "NeuronCore(s) [1] failed known-answer tests" in str(outcome.cause)
 
 
-def test_excluding_a_bad_core_runs_the_pipeline_on_healthy_cores(prefect_api, make_spec):
-    from flows.pipeline import pipeline
-
-    spec = make_spec(name="exclude", compute={"instance_type": "trn1.32xlarge"},
-                     faults=[{"kind": "corrupt", "core": 1}], preflight={"exclude_bad_cores": True},
-                     gate={"reference": None}, train={"steps": 20, "checkpoint_every": 20})
-    state = pipeline(spec, return_state=True)
-    outcome = state.result(raise_on_failure=False)
-    assert state.is_completed(), outcome
-    sanity = outcome["results"]["sanity"]
-    assert sanity["excluded_cores"] == [1] and sanity["cores"] == [2, 3]
-    assert "excluded bad core(s) [1]" in sanity["summary"]
-    for stage in ("collectives", "train", "evaluate", "infer"):
-        assert outcome["results"][stage]["cores"] == [2, 3], stage
-
-
 def test_a_hung_core_is_named_by_preflight_and_can_be_excluded(prefect_api, make_spec):
     hang = {"compute": {"instance_type": "trn1.32xlarge"}, "faults": [{"kind": "hang", "core": 1}],
             "retries": {"max_retries": 0}}

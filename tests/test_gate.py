@@ -33,10 +33,72 @@ def test_no_common_step_fails_with_explanation():
 def test_metrics_document_round_trips():
     doc = metrics_document([{"step": 200, "accuracy": 0.85}, {"step": 100, "accuracy": 0.8}], "gpu")
     assert [p["step"] for p in doc["points"]] == [100, 200]
-    assert parse_metrics(json.dumps(doc), "ref.json", "accuracy") == doc["points"]
+    assert parse_metrics(json.dumps(doc), "ref.json", "accuracy")["points"] == doc["points"]
 
 
 @pytest.mark.parametrize("text", ["not json", "[]", '{"points": []}', '{"points": [{"step": "1", "accuracy": 1}]}'])
 def test_bad_metrics_files_are_refused_clearly(text):
     with pytest.raises(DataError, match=r"ref\.json"):
         parse_metrics(text, "ref.json", "accuracy")
+
+
+def _doc(points, correct, step, holdout="h1"):
+    return {"points": points, "holdout_sha256": holdout, "predictions": {"step": step, "correct": correct}}
+
+
+def test_final_mode_judges_only_the_last_shared_point():
+    cand = [{"step": 100, "accuracy": 0.79}, {"step": 200, "accuracy": 0.8495}]
+    assert not compare(cand, REF, "accuracy", 0.001, mode="every-point")["passed"]
+    verdict = compare(cand, REF, "accuracy", 0.001, mode="final")
+    assert verdict["passed"] and not verdict["points"][0]["passed"]  # listed, but not judged
+
+
+def test_mcnemar_flags_a_difference_the_band_misses_on_a_large_holdout():
+    """1,000,000 rows: the candidate is right on 900 rows the reference got wrong and wrong on 100
+    it got right: +0.08 points of accuracy, inside the 0.1% band, yet far from chance."""
+    rows, both, cand_only, ref_only = 1_000_000, 800_000, 900, 100
+    cand = "1" * both + "1" * cand_only + "0" * ref_only + "0" * (rows - both - cand_only - ref_only)
+    ref = "1" * both + "0" * cand_only + "1" * ref_only + "0" * (rows - both - cand_only - ref_only)
+    acc_c, acc_r = cand.count("1") / rows, ref.count("1") / rows
+    verdict = compare(_doc([{"step": 5, "accuracy": acc_c}], cand, 5), _doc([{"step": 5, "accuracy": acc_r}], ref, 5),
+                      "accuracy", 0.001)
+    assert verdict["passed"]  # the point-wise rule sees nothing
+    paired = verdict["paired"]
+    assert (paired["candidate_only"], paired["reference_only"]) == (900, 100)
+    assert paired["significant"] and paired["p_value"] < 1e-100 and not paired["underpowered"]
+    strict = compare(_doc([{"step": 5, "accuracy": acc_c}], cand, 5), _doc([{"step": 5, "accuracy": acc_r}], ref, 5),
+                     "accuracy", 0.001, fail_on_significant=True)
+    assert not strict["passed"] and "McNemar" in strict["reason"]
+
+
+def test_mcnemar_on_a_tiny_holdout_says_it_is_underpowered():
+    cand, ref = "1101101110" * 20, "1101101011" * 20  # 200 rows, 20 + 20 discordant
+    verdict = compare(_doc([{"step": 5, "accuracy": 0.7}], cand, 5), _doc([{"step": 5, "accuracy": 0.7}], ref, 5),
+                      "accuracy", 0.001)
+    paired = verdict["paired"]
+    assert paired["p_value"] == pytest.approx(1.0) and not paired["significant"]
+    assert paired["underpowered"] and paired["rows_needed"] > 100_000
+
+
+def test_the_paired_check_needs_the_same_holdout_and_step():
+    a, b = _doc([{"step": 5, "accuracy": 0.7}], "10", 5), _doc([{"step": 5, "accuracy": 0.7}], "10", 5, holdout="h2")
+    assert compare(a, b, "accuracy", 0.001)["paired"] == {
+        "available": False, "reason": "the two runs were evaluated on different holdout sets"}
+    assert compare(a, {"points": b["points"]}, "accuracy", 0.001)["paired"]["available"] is False
+
+
+def test_the_exact_and_the_large_sample_mcnemar_agree_where_they_meet():
+    from trnflow.gate import EXACT_LIMIT, mcnemar_p
+
+    assert mcnemar_p(0, 0) == 1.0
+    assert mcnemar_p(10, 0) == pytest.approx(2 * 0.5 ** 10)
+    half = EXACT_LIMIT // 2
+    exact = mcnemar_p(half + 150, half - 150)  # 20,000 discordant pairs: the exact test
+    approx = mcnemar_p(half + 151, half - 150)  # one more: the chi-square approximation
+    assert exact == pytest.approx(approx, rel=0.05)
+
+
+def test_metrics_with_bad_predictions_are_refused():
+    with pytest.raises(DataError, match="predictions"):
+        parse_metrics('{"points": [{"step": 1, "accuracy": 0.5}], "predictions": {"step": 1, "correct": "01x"}}',
+                      "ref.json", "accuracy")

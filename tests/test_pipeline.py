@@ -9,9 +9,9 @@ from flows.pipeline import STAGES, PipelineFailed, pipeline
 from trnflow.errors import GateFailed
 from trnflow.gate import metrics_document
 from trnflow.reference import run_reference
-from trnflow.settings import TrnflowSettings
+from trnflow.registry import Registry
 from trnflow.storage import local_path
-from trnflow.workload.checkpoint import MARKER, load_checkpoint
+from trnflow.workload.checkpoint import MARKER, load
 
 
 def _run(spec, **kwargs):
@@ -19,26 +19,41 @@ def _run(spec, **kwargs):
     return state, state.result(raise_on_failure=False)
 
 
-def test_quickstart_pipeline_end_to_end(prefect_api, make_spec, dataset):
-    spec = make_spec()
+def _artifacts(flow_run_id) -> dict:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {a.key: a for a in found}
+
+
+def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_spec, dataset):
+    """The whole pipeline on a trn1.32xlarge whose core 1 computes wrong answers: preflight finds it,
+    excludes it, and every later stage runs on the cores it verified."""
+    spec = make_spec(gate={"eval_every": 20}, compute={"instance_type": "trn1.32xlarge"},
+                     faults=[{"kind": "corrupt", "core": 1}], preflight={"exclude_bad_cores": True})
     reference = run_reference(spec)
-    assert reference["points"][-1]["step"] == spec.train.steps
+    assert [p["step"] for p in reference["points"]] == [20, 40]
 
     state, outcome = _run(spec)
     assert state.is_completed(), outcome
     assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
     results = outcome["results"]
 
-    # sanity and collectives ran on every core and checked their answers
-    assert results["sanity"]["cores"] == [0, 1] and results["sanity"]["excluded_cores"] == []
-    assert {c["engine"] for c in results["sanity"]["per_core"][0]["checks"]} == {
-        "tensor", "vector", "scalar", "gpsimd", "memory"}
+    # sanity checked every engine, named the bad core and moved on; collectives checked their answers
+    sanity = results["sanity"]
+    assert sanity["excluded_cores"] == [1] and sanity["cores"] == [2, 3]
+    assert "excluded bad core(s) [1]" in sanity["summary"]
+    assert {c["engine"] for c in sanity["per_core"][0]["checks"]} == {"tensor", "vector", "scalar", "gpsimd", "memory"}
     assert all(row["correct"] for row in results["collectives"]["rows"])
+    for stage in ("collectives", "train", "infer"):  # evaluation runs inside the training job
+        assert results[stage]["cores"] == [2, 3], stage
 
     # a committed checkpoint with the trained weights
     ckpt = local_path(results["train"]["checkpoint"])
     assert (ckpt / MARKER).is_file()
-    assert load_checkpoint(ckpt).step == spec.train.steps
+    assert load(results["train"]["checkpoint"]).step == spec.train.steps
 
     # a compile cache entry per program, laid out like Neuron's, committed with its done marker
     compiled = results["compile"]
@@ -48,19 +63,39 @@ def test_quickstart_pipeline_end_to_end(prefect_api, make_spec, dataset):
         entry = cache_root / compiled["compiler"] / program["key"]
         assert {"model.fx.txt", "compile_flags.json", "model.neff", "model.done"} <= {p.name for p in entry.iterdir()}
     # and the later stages loaded their graphs from it: nothing was compiled on the spot
-    for stage in ("train", "evaluate", "infer"):
-        assert results[stage]["compile"]["hits"] == 1 and results[stage]["compile"]["recompiles"] == [], stage
+    assert results["train"]["compile"]["hits"] == 2  # the training step, and evaluation as it trains
+    assert results["infer"]["compile"]["hits"] == 1
+    assert results["train"]["compile"]["recompiles"] == results["infer"]["compile"]["recompiles"] == []
 
-    # the gate compared every point with the fp32 reference (the same maths: identical here)
+    # the gate compared every evaluation point with the fp32 reference (the same maths: identical)
     verdict = results["evaluate"]["verdict"]
-    assert verdict["passed"] and verdict["points"][0]["diff"] == 0.0
+    assert verdict["passed"] and [(p["step"], p["diff"]) for p in verdict["points"]] == [(20, 0.0), (40, 0.0)]
+    paired = verdict["paired"]
+    assert paired["available"] and paired["candidate_only"] == paired["reference_only"] == 0
+    assert paired["rows"] == 400 and paired["underpowered"]  # 400 rows cannot resolve 0.1%
+    assert {"loss", "f1", "auc"} <= set(results["evaluate"]["points"][-1])
+
+    # the parity chart beside the checkpoint, and the verdict and chart on the flow run
+    assert local_path(results["evaluate"]["chart"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    artifacts = _artifacts(state.state_details.flow_run_id)
+    assert artifacts["quickstart-parity"].type == "image"
+    assert artifacts["quickstart-parity"].data.startswith("data:image/png;base64,")
+    assert "| 40 | 40 |" in artifacts["quickstart-gate"].data
+
+    # the candidate is registered and, having passed, promoted
+    assert results["evaluate"]["registry"] == {"version": 1, "promoted": True}
+    champion = Registry(spec.registry_url).champion(spec.name)
+    assert champion.checkpoint == results["train"]["checkpoint"] and champion.watermark == "2026-01-02"
 
     # one embedding row per inference row, in Parquet shards
     table = pq.read_table(local_path(spec.inference.output_url))
     inputs = [json.loads(line)["id"] for line in (dataset / "inference" / "part-00000.jsonl").read_text().splitlines()]
     assert sorted(table.column("id").to_pylist()) == sorted(inputs)
     assert len(table.column("embedding")[0]) == spec.model.d_model
-    assert len(list(local_path(spec.inference.output_url).glob("part-*.parquet"))) == -(-len(inputs) // 100)
+    shards = -(-len(inputs) // 100)
+    assert len(list(local_path(spec.inference.output_url).glob("part-*.parquet"))) == shards
+    manifest = json.loads((local_path(spec.inference.output_url) / "_manifest.json").read_text())
+    assert [s["rows"] for s in manifest["shards"]] == [100, 100, 100, 50] and manifest["rows"] == len(inputs)
 
     # the next run's compile stage hits the cache for every program and compiles nothing
     from prefect import flow
@@ -77,11 +112,13 @@ def test_quickstart_pipeline_end_to_end(prefect_api, make_spec, dataset):
     assert "3 cache hit(s)" in again["summary"]
 
 
-def test_failed_gate_stops_before_inference_and_is_never_retried(prefect_api, make_spec):
+def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champion(prefect_api, make_spec):
     spec = make_spec(name="gatefail", retries={"max_retries": 2, "backoff_seconds": 0})
     ref_path = local_path(spec.gate.reference)
     ref_path.parent.mkdir(parents=True)
     ref_path.write_text(json.dumps(metrics_document([{"step": spec.train.steps, "accuracy": 0.999}], "gpu")))
+    registry = Registry(spec.registry_url)
+    registry.promote("gatefail", registry.register("gatefail", {"checkpoint": "file:///earlier/step-000010"}).version)
 
     state, outcome = _run(spec)
     assert state.is_failed()
@@ -90,8 +127,18 @@ def test_failed_gate_stops_before_inference_and_is_never_retried(prefect_api, ma
     assert f"step {spec.train.steps}" in str(outcome.cause)
     assert [r["stage"] for r in outcome.stages] == ["sanity", "collectives", "compile", "train", "evaluate"]
     assert not local_path(spec.inference.output_url).exists()
-    evaluate_jobs = list(TrnflowSettings().jobs_dir.glob("gatefail-evaluate-*"))
-    assert len(evaluate_jobs) == 1  # a failed gate is not retried
+    assert _task_run_counts(state.state_details.flow_run_id)["evaluate"] == 1  # a failed gate is not retried
+    assert registry.champion("gatefail").version == 1
+    assert registry.version("gatefail", 2).entry["status"] == "rejected"
+
+
+def _task_run_counts(flow_run_id) -> dict:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
+    return {run.name.rsplit("-", 1)[0]: run.run_count for run in runs}
 
 
 def _evaluate_once(spec, checkpoint):

@@ -6,9 +6,8 @@ from jobspecs import ModelSpec
 from trnflow.emulator import compiler
 from trnflow.emulator.cores import parse_visible_cores
 from trnflow.emulator.numerics import stochastic_round_bf16_
-from trnflow.workload.checkpoint import MARKER, latest_checkpoint, load_checkpoint, save_checkpoint
 from trnflow.workload.collectives import bus_factor
-from trnflow.workload.data import HashingTokenizer, StepSampler
+from trnflow.workload.data import StepSampler
 from trnflow.workload.model import build_model
 from trnflow.workload.sanity import check_matmul
 
@@ -35,46 +34,14 @@ def test_epochs_drop_the_partial_batch_and_reshuffle():
     assert not torch.equal(s.indices(0), s.indices(3))
 
 
-def test_tokenizer_is_fixed_shape_and_stable():
-    tok = HashingTokenizer(512, 8)
-    out = tok.encode(["Great kettle, very sturdy!", "", "a " * 50])
-    assert out.shape == (3, 8)
-    assert out[1].tolist() == [1] + [0] * 7  # empty text still has its [CLS]
-    assert (out[2] != 0).all()  # long text cut to seq_len
-    assert torch.equal(out, HashingTokenizer(512, 8).encode(["Great kettle, very sturdy!", "", "a " * 50]))
-
-
 def test_model_embeds_and_classifies():
     cfg = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
     model = build_model(cfg, seed=0).eval()
-    tokens = HashingTokenizer(300, 8).encode(["nice lamp", "broken fan and slow motor"])
+    tokens = torch.tensor([[1, 5, 9, 0, 0, 0, 0, 0], [1, 7, 3, 8, 2, 4, 0, 0]])
     assert model.embed(tokens).shape == (2, 16)
     assert model(tokens).shape == (2, 2)
     same = build_model(cfg, seed=0)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), same.state_dict().values(), strict=True))
-
-
-def test_checkpoint_without_marker_is_ignored(tmp_path):
-    cfg = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
-    model = build_model(cfg, seed=0)
-    rng = [{"torch": torch.get_rng_state(), "sr": torch.Generator().get_state()}]
-    save_checkpoint(tmp_path, 10, model.state_dict(), {}, rng, {"run_id": "r"})
-    save_checkpoint(tmp_path, 20, model.state_dict(), {}, rng, {"run_id": "r"})
-    (tmp_path / "step-000020" / MARKER).unlink()  # a torn write
-    latest = latest_checkpoint(tmp_path)
-    assert latest is not None and latest.name == "step-000010"
-    loaded = load_checkpoint(latest)
-    assert loaded.step == 10
-    assert torch.equal(loaded.model["head.0.weight"], model.state_dict()["head.0.weight"])
-
-
-def test_checkpoint_weights_load_in_plain_pytorch(tmp_path):
-    cfg = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
-    model = build_model(cfg, seed=0)
-    rng = [{"torch": torch.get_rng_state(), "sr": torch.Generator().get_state()}]
-    path = save_checkpoint(tmp_path, 5, model.state_dict(), {}, rng, {})
-    state = torch.load(path / "model.pt", weights_only=True)
-    assert set(state) == set(model.state_dict())
 
 
 def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
@@ -136,7 +103,7 @@ def test_without_drop_last_the_epoch_ends_with_a_smaller_batch():
 def test_static_batches_pad_the_last_batch_to_the_same_shape():
     from trnflow.workload.data import static_batches
 
-    tokens = HashingTokenizer(300, 6).encode([f"row {i}" for i in range(10)])
+    tokens = torch.randint(2, 300, (10, 6))
     batches = list(static_batches(tokens, torch.arange(10), 4))
     assert [b.shape for b, _ in batches] == [(4, 6)] * 3
     assert [real for _, real in batches] == [4, 4, 2]

@@ -19,6 +19,7 @@ from rich.table import Table
 from jobspecs import CATALOGUE, JobSpec, SpecError, load_spec
 from trnflow import render
 from trnflow.cli_cache import cache_app
+from trnflow.cli_models import models_app
 
 app = typer.Typer(
     name="trnflow",
@@ -29,6 +30,7 @@ app = typer.Typer(
 data_app = typer.Typer(help="Make and inspect datasets.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 app.add_typer(cache_app, name="cache")
+app.add_typer(models_app, name="models")
 
 console = Console()
 err = Console(stderr=True)
@@ -170,15 +172,15 @@ def data_synth(
     days: Annotated[int, typer.Option(min=1, help="Daily training partitions.")] = 3,
     rows_per_day: Annotated[int, typer.Option(min=1, help="Rows per partition.")] = 1500,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 7,
-    fmt: Annotated[str, typer.Option("--format", help="jsonl, parquet or csv.")] = "jsonl",
+    fmt: Annotated[str, typer.Option("--format", help="jsonl, parquet, csv or amazon-polarity.")] = "jsonl",
     holdout_rows: Annotated[int | None, typer.Option(help="Holdout rows (default: rows per day).")] = None,
     inference_rows: Annotated[int | None, typer.Option(help="Inference rows (default: rows per day).")] = None,
 ):
     """Write synthetic product reviews: train/dt=*/, holdout/ and inference/."""
     from trnflow.synth import synthesize
 
-    if fmt not in ("jsonl", "parquet", "csv"):
-        err.print(f"[red]--format {fmt!r}: choose jsonl, parquet or csv[/red]")
+    if fmt not in ("jsonl", "parquet", "csv", "amazon-polarity"):
+        err.print(f"[red]--format {fmt!r}: choose jsonl, parquet, csv or amazon-polarity[/red]")
         raise typer.Exit(EXIT_BAD_INPUT)
     summary = synthesize(out, days, rows_per_day, seed, fmt, holdout_rows, inference_rows)
     console.print(f"wrote {summary['train_rows']} training rows in {summary['train_partitions']} partition(s), "
@@ -271,8 +273,10 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     from flows._stages import PipelineFailed
     from trnflow.errors import GateFailed
+    from trnflow.progress import training_progress
 
-    state = flow_fn(spec, run_id=run_id, return_state=True)
+    with training_progress(err, enabled=not as_json and err.is_terminal):
+        state = flow_fn(spec, run_id=run_id, return_state=True)
     outcome = state.result(raise_on_failure=False)
     if isinstance(outcome, PipelineFailed):
         rows, code = outcome.stages, EXIT_GATE if isinstance(outcome.cause, GateFailed) else EXIT_FAILED

@@ -36,6 +36,14 @@ class CollectiveTimeout(TransientError):
     """A collective did not complete in time: a core hung or a link went down."""
 
 
+class ExecutionTimeout(TransientError):
+    """The runtime gave up on a program that did not finish in time; a retry resumes from the checkpoint."""
+
+
+class HardwareError(TransientError):
+    """A NeuronCore reported a hardware fault (`bad_cores`); the retry runs on other cores."""
+
+
 class GateFailed(FatalError):
     """The candidate model is outside the accuracy-parity band. Never retried; the champion stays."""
 
@@ -46,5 +54,6 @@ class GateFailed(FatalError):
 
 ERROR_TYPES: dict[str, type[TrnflowError]] = {
     cls.__name__: cls
-    for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout, GateFailed)
+    for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout,
+                ExecutionTimeout, HardwareError, GateFailed)
 }

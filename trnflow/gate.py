@@ -1,28 +1,61 @@
 """The accuracy-parity gate: a candidate's metric series against a reference series.
 
-Metrics files (a previous run's, or another platform's such as a GPU run) are JSON:
+A metrics file (a trnflow run's `metrics.json`, or another platform's, such as a GPU run's) is JSON:
 
-    {"format": 1, "source": "gpu-p4d", "points": [{"step": 300, "accuracy": 0.7913, "loss": 0.45}, ...]}
+    {"format": 1, "source": "gpu-p4d",
+     "points": [{"step": 300, "accuracy": 0.7913, "loss": 0.45}, ...],
+     "holdout_sha256": "...",                                  optional
+     "predictions": {"step": 300, "correct": "0110..."}}       optional
 
-Points are matched by step. Every matched point must be within `max_abs_diff` (the M5 rule: less
-than 0.1% apart at every evaluation point).
+Points are matched by step. In `every-point` mode every matched point must be within
+`max_abs_diff` (the M5 rule: less than 0.1% apart at every evaluation point); in `final` mode, the
+last matched point. `predictions.correct` has one character per holdout row, in holdout order: '1'
+when that row was predicted right. When both sides have it for the same holdout (the same
+`holdout_sha256`) at the same step, the gate adds McNemar's paired test: on a large holdout it
+finds differences smaller than the band, and on a small one it says how many rows a 0.1%
+difference would need.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from statistics import NormalDist
 from typing import Any
 
 from trnflow.errors import DataError
+from trnflow.storage import open_store
 
 FORMAT = 1
+SERIES = "metrics.json"
+"""A run's metric series, in its checkpoint folder."""
+POWER = 0.8
+EXACT_LIMIT = 20_000
+"""Discordant pairs up to which McNemar's test is the exact binomial one (above: chi-square)."""
 
 
 def metrics_document(points: list[dict[str, Any]], source: str) -> dict[str, Any]:
     return {"format": FORMAT, "source": source, "points": sorted(points, key=lambda p: p["step"])}
 
 
-def parse_metrics(text: str, origin: str, metric: str) -> list[dict[str, Any]]:
+def write_series(run_url: str, run_id: str, points: list[dict], holdout: str, step: int, correct: str) -> str:
+    """Write a run's metric series beside its checkpoints, with the per-example outcome at `step`;
+    returns its URL."""
+    document = {**metrics_document(points, source=run_id), "holdout_sha256": holdout,
+                "predictions": {"step": step, "correct": correct}}
+    open_store(run_url).write(SERIES, json.dumps(document, indent=1).encode())
+    return f"{run_url}/{SERIES}"
+
+
+def read_series(run_url: str) -> dict | None:
+    try:
+        return json.loads(open_store(run_url).read(SERIES))
+    except FileNotFoundError:
+        return None
+
+
+def parse_metrics(text: str, origin: str, metric: str) -> dict[str, Any]:
+    """A checked metrics document, or DataError naming the file and what a good one looks like."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -33,33 +66,96 @@ def parse_metrics(text: str, origin: str, metric: str) -> list[dict[str, Any]]:
     for i, p in enumerate(points):
         if not isinstance(p, dict) or not isinstance(p.get("step"), int) or not isinstance(p.get(metric), float | int):
             raise DataError(f"{origin}: points[{i}] needs an integer 'step' and a numeric '{metric}'")
-    return points
+    predictions = doc.get("predictions")
+    if predictions is not None and not (
+            isinstance(predictions, dict) and isinstance(predictions.get("step"), int)
+            and isinstance(predictions.get("correct"), str) and set(predictions["correct"]) <= {"0", "1"}):
+        raise DataError(f'{origin}: "predictions" must be {{"step": N, "correct": "0110..."}} with one 0 or 1 '
+                        "per holdout row; remove it if the file has no per-example outcomes")
+    return doc
 
 
-def compare(candidate: list[dict], reference: list[dict], metric: str, max_abs_diff: float) -> dict[str, Any]:
-    """The verdict: every matched point with both values, their difference and pass or fail."""
-    ref_by_step = {p["step"]: p[metric] for p in reference}
+def mcnemar_p(candidate_only: int, reference_only: int) -> float:
+    """Two-sided p-value of McNemar's test on the discordant pairs."""
+    n = candidate_only + reference_only
+    if n == 0:
+        return 1.0
+    k = min(candidate_only, reference_only)
+    if n <= EXACT_LIMIT:  # exact: the discordant pairs split like fair coin flips under the null
+        head = math.lgamma(n + 1) - n * math.log(2)
+        logs = [head - math.lgamma(i + 1) - math.lgamma(n - i + 1) for i in range(k + 1)]
+        top = max(logs)
+        tail = math.exp(top) * sum(math.exp(v - top) for v in logs)
+        return min(1.0, 2 * tail)
+    chi2 = (abs(candidate_only - reference_only) - 1) ** 2 / n  # with continuity correction
+    return math.erfc(math.sqrt(chi2 / 2))
+
+
+def rows_needed(discordant: float, delta: float, alpha: float, power: float = POWER) -> int:
+    """Holdout rows for McNemar's test to detect an accuracy difference of `delta` (Connor's
+    formula), given the share of rows on which the two models disagree."""
+    psi = max(discordant, 2 * delta)  # a difference of delta needs at least that much disagreement
+    z_a, z_b = NormalDist().inv_cdf(1 - alpha / 2), NormalDist().inv_cdf(power)
+    return math.ceil((z_a * math.sqrt(psi) + z_b * math.sqrt(psi - delta ** 2)) ** 2 / delta ** 2)
+
+
+def paired_check(candidate: dict, reference: dict, delta: float, alpha: float) -> dict[str, Any]:
+    """McNemar's test on per-example outcomes, when both documents have them for the same holdout."""
+    cand, ref = candidate.get("predictions"), reference.get("predictions")
+    if not cand or not ref:
+        return {"available": False, "reason": "per-example predictions missing on the "
+                f"{'candidate' if not cand else 'reference'} side"}
+    if candidate.get("holdout_sha256") != reference.get("holdout_sha256"):
+        return {"available": False, "reason": "the two runs were evaluated on different holdout sets"}
+    if cand["step"] != ref["step"] or len(cand["correct"]) != len(ref["correct"]):
+        return {"available": False, "reason": f"predictions are at different steps ({cand['step']} and {ref['step']})"}
+    pairs = list(zip(cand["correct"], ref["correct"], strict=True))
+    candidate_only = sum(1 for c, r in pairs if c == "1" and r == "0")
+    reference_only = sum(1 for c, r in pairs if c == "0" and r == "1")
+    rows = len(pairs)
+    p = mcnemar_p(candidate_only, reference_only)
+    needed = rows_needed((candidate_only + reference_only) / rows, delta, alpha)
+    return {
+        "available": True, "step": cand["step"], "rows": rows,
+        "both_right": sum(1 for c, r in pairs if c == r == "1"), "candidate_only": candidate_only,
+        "reference_only": reference_only, "both_wrong": sum(1 for c, r in pairs if c == r == "0"),
+        "p_value": p, "alpha": alpha, "significant": p < alpha,
+        "rows_needed": needed, "underpowered": rows < needed,
+    }
+
+
+def compare(candidate: dict | list[dict], reference: dict | list[dict], metric: str, max_abs_diff: float,
+            mode: str = "every-point", alpha: float = 0.05, fail_on_significant: bool = False) -> dict[str, Any]:
+    """The verdict: every matched point with both values, their difference and pass or fail, plus
+    the paired check. Documents or bare point lists are accepted."""
+    cand_doc = candidate if isinstance(candidate, dict) else {"points": candidate}
+    ref_doc = reference if isinstance(reference, dict) else {"points": reference}
+    ref_by_step = {p["step"]: p[metric] for p in ref_doc["points"]}
     rows = []
-    for point in sorted(candidate, key=lambda p: p["step"]):
+    for point in sorted(cand_doc["points"], key=lambda p: p["step"]):
         if point["step"] not in ref_by_step:
             continue
         ref = ref_by_step[point["step"]]
         diff = point[metric] - ref
-        rows.append({"step": point["step"], "candidate": point[metric], "reference": ref,
-                     "diff": diff, "passed": abs(diff) <= max_abs_diff})
-    verdict: dict[str, Any] = {"metric": metric, "max_abs_diff": max_abs_diff, "points": rows}
+        rows.append({"step": point["step"], "global_step": point.get("global_step", point["step"]),
+                     "candidate": point[metric], "reference": ref, "diff": diff, "passed": abs(diff) <= max_abs_diff})
+    verdict: dict[str, Any] = {"metric": metric, "mode": mode, "max_abs_diff": max_abs_diff, "points": rows,
+                               "paired": paired_check(cand_doc, ref_doc, max_abs_diff, alpha)}
     if not rows:
         verdict["passed"] = False
         verdict["reason"] = (
-            f"no common evaluation step: candidate steps {[p['step'] for p in candidate]}, "
+            f"no common evaluation step: candidate steps {[p['step'] for p in cand_doc['points']]}, "
             f"reference steps {sorted(ref_by_step)}; evaluate both at the same steps"
         )
-    else:
-        failing = [r for r in rows if not r["passed"]]
-        verdict["passed"] = not failing
-        if failing:
-            verdict["reason"] = "; ".join(
-                f"step {r['step']}: {metric} {r['candidate']:.4f} vs reference {r['reference']:.4f} "
-                f"(diff {r['diff']:+.4f}, allowed ±{max_abs_diff})" for r in failing
-            )
+        return verdict
+    judged = rows if mode == "every-point" else rows[-1:]
+    failing = [r for r in judged if not r["passed"]]
+    reasons = [f"step {r['step']}: {metric} {r['candidate']:.4f} vs reference {r['reference']:.4f} "
+               f"(diff {r['diff']:+.4f}, allowed ±{max_abs_diff})" for r in failing]
+    paired = verdict["paired"]
+    if fail_on_significant and paired.get("significant"):
+        reasons.append(f"McNemar's test finds the two models differ (p = {paired['p_value']:.2g} < {alpha})")
+    verdict["passed"] = not reasons
+    if reasons:
+        verdict["reason"] = "; ".join(reasons)
     return verdict

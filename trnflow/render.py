@@ -6,7 +6,7 @@ from typing import Any
 
 from rich.table import Table
 
-STATE_COLOURS = {"Completed": "green", "Failed": "red", "NotRun": "dim"}
+STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim"}
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
 
 

@@ -14,6 +14,7 @@ Layout written under OUT:
 
 from __future__ import annotations
 
+import csv
 import datetime as dt
 import io
 import json
@@ -76,7 +77,19 @@ def _rows(rng: random.Random, day: int, n: int, prefix: str, noise: float) -> li
     return rows
 
 
+def _polarity_csv(rows: list[dict]) -> bytes:
+    """The Amazon Polarity layout: no header; label 1 (negative) or 2 (positive), title, content."""
+    out = io.StringIO()
+    writer = csv.writer(out, quoting=csv.QUOTE_ALL, lineterminator="\n")
+    for r in rows:
+        words = r["text"].split()
+        writer.writerow([r.get("label", 0) + 1, " ".join(words[:3]), " ".join(words[3:])])
+    return out.getvalue().encode()
+
+
 def _encode(rows: list[dict], fmt: str) -> bytes:
+    if fmt == "amazon-polarity":
+        return _polarity_csv(rows)
     if fmt == "jsonl":
         return "".join(json.dumps(r) + "\n" for r in rows).encode()
     table = pa.Table.from_pylist(rows)
@@ -93,19 +106,20 @@ def synthesize(out: Path, days: int, rows_per_day: int, seed: int, fmt: str = "j
                noise: float = 0.05, start: dt.date = dt.date(2026, 1, 1)) -> dict:
     """Write the three datasets; returns a summary of what was written."""
     rng = random.Random(seed)
+    ext = "csv" if fmt == "amazon-polarity" else fmt
     holdout_rows = holdout_rows if holdout_rows is not None else rows_per_day
     inference_rows = inference_rows if inference_rows is not None else rows_per_day
     written = []
     for day in range(days):
         date = (start + dt.timedelta(days=day)).isoformat()
-        path = out / "train" / f"dt={date}" / f"part-00000.{fmt}"
+        path = out / "train" / f"dt={date}" / f"part-00000.{ext}"
         atomic_write_bytes(path, _encode(_rows(rng, day, rows_per_day, f"tr-{date}", noise), fmt))
         written.append(path)
     last = days - 1
-    holdout = out / "holdout" / f"part-00000.{fmt}"
+    holdout = out / "holdout" / f"part-00000.{ext}"
     atomic_write_bytes(holdout, _encode(_rows(rng, last, holdout_rows, "ho", noise), fmt))
     inference_rows_data = [{"id": r["id"], "text": r["text"]} for r in _rows(rng, last, inference_rows, "inf", 0)]
-    inference = out / "inference" / f"part-00000.{fmt}"
+    inference = out / "inference" / f"part-00000.{ext}"
     atomic_write_bytes(inference, _encode(inference_rows_data, fmt))
     return {"train_partitions": len(written), "train_rows": days * rows_per_day,
             "holdout_rows": holdout_rows, "inference_rows": inference_rows, "out": str(out)}

@@ -1,29 +1,46 @@
 """Fault injection: reproducible failures of chosen emulated cores.
 
 Faults come from the spec's `faults` list and from `TRNFLOW_FAULTS`, a comma-separated list of
-`kind@core` (for example `corrupt@1,hang@3`). The launcher hands the merged list to every worker;
-a worker applies the faults of the core it owns.
+`kind@core` or, for faults that strike during training, `kind@core:step` (for example
+`corrupt@1,hang@3,kill@0:30`). The launcher hands the merged list to every worker; a worker
+applies the faults of the core it owns.
+
+Device faults (corrupt, hang, memory) are properties of a core and strike every time. Training
+faults strike once per run, at a step:
+- `kill`: the rank's process is killed with SIGKILL (as the OOM killer or a lost host would);
+- `timeout`: the runtime reports an execution timeout (transient: retry and resume);
+- `hw`: the core reports an uncorrectable hardware error (retry on other cores);
+- `nan`: the core's result turns to NaN, so the loss is not finite (fatal: never retried).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from trnflow.errors import FatalError
+from trnflow.errors import ExecutionTimeout, FatalError, HardwareError
 
 FAULTS_ENV = "TRNFLOW_FAULTS"
-KINDS = ("corrupt", "hang", "memory")
+DEVICE_KINDS = ("corrupt", "hang", "memory")
+TRAINING_KINDS = ("kill", "timeout", "hw", "nan")
+KINDS = DEVICE_KINDS + TRAINING_KINDS
 
 
 @dataclass(frozen=True)
 class Fault:
     kind: str
     core: int
+    step: int | None = None
+
+    @property
+    def label(self) -> str:
+        return f"{self.kind}@{self.core}" + (f":{self.step}" if self.step is not None else "")
 
 
 def parse(text: str) -> list[Fault]:
@@ -32,18 +49,24 @@ def parse(text: str) -> list[Fault]:
     if not text:
         return []
     if text.startswith("["):
-        return [Fault(f["kind"], int(f["core"])) for f in json.loads(text)]
+        return [Fault(f["kind"], int(f["core"]), f.get("step")) for f in json.loads(text)]
     faults = []
     for item in text.split(","):
-        kind, sep, core = item.strip().partition("@")
-        if not sep or kind not in KINDS or not core.isdigit():
-            raise FatalError(f"{FAULTS_ENV}: {item!r} is not kind@core with kind one of {', '.join(KINDS)}")
-        faults.append(Fault(kind, int(core)))
+        kind, sep, where = item.strip().partition("@")
+        core, colon, step = where.partition(":")
+        training = kind in TRAINING_KINDS
+        if not sep or kind not in KINDS or not core.isdigit() or training != bool(colon) or (
+                colon and not step.isdigit()):
+            raise FatalError(
+                f"{FAULTS_ENV}: {item!r} is not kind@core ({', '.join(DEVICE_KINDS)}) "
+                f"or kind@core:step ({', '.join(TRAINING_KINDS)})"
+            )
+        faults.append(Fault(kind, int(core), int(step) if colon else None))
     return faults
 
 
 def encode(faults: list[Fault]) -> str:
-    return json.dumps([{"kind": f.kind, "core": f.core} for f in faults])
+    return json.dumps([{"kind": f.kind, "core": f.core, "step": f.step} for f in faults])
 
 
 class CoreFaults:
@@ -52,7 +75,29 @@ class CoreFaults:
     def __init__(self, core: int, faults: list[Fault] | None = None):
         if faults is None:
             faults = parse(os.environ.get(FAULTS_ENV, ""))
-        self.kinds = {f.kind for f in faults if f.core == core}
+        self.core = core
+        self.kinds = {f.kind for f in faults if f.core == core and f.step is None}
+        self.training = [f for f in faults if f.core == core and f.step is not None]
+
+    def strike(self, step: int, first_time: Callable[[Fault], bool]) -> bool:
+        """Fire this core's training faults due at `step` (steps count from 1), each once per run:
+        `first_time(fault)` records the fault and says whether it had fired before. True means the
+        step's result must be poisoned with NaN."""
+        poison = False
+        for fault in self.training:
+            if fault.step != step or not first_time(fault):
+                continue
+            if fault.kind == "nan":
+                poison = True
+                continue
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "timeout":
+                raise ExecutionTimeout(f"NeuronCore {self.core}: execution timed out at step {step} "
+                                       "(injected fault); the run resumes from its last checkpoint")
+            raise HardwareError(f"NeuronCore {self.core}: uncorrectable hardware error at step {step} "
+                                "(injected fault); retry on other cores", bad_cores=[self.core])
+        return poison
 
     def corrupt(self, t: torch.Tensor) -> torch.Tensor:
         """A wrong answer from this core's engines: a few elements off by a visible margin."""

@@ -67,7 +67,7 @@ def launch_env(spec: JobSpec | None, cores: list[int], itype: str, base: dict[st
     env.update(neuron_env(spec, cores, itype))
     injected = fault_injection.parse(env.get(fault_injection.FAULTS_ENV, ""))
     if spec is not None:
-        injected += [fault_injection.Fault(f.kind, f.core) for f in spec.faults]
+        injected += [fault_injection.Fault(f.kind, f.core, f.step) for f in spec.faults]
     if injected:
         env[fault_injection.FAULTS_ENV] = fault_injection.encode(injected)
     return env

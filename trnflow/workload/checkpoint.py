@@ -1,110 +1,192 @@
 """Checkpoints: unsharded, written by rank 0, counted only once their commit marker exists.
 
-Layout under `<checkpoint_url>/<run_id>/`:
+Layout under `<checkpoint_url>/<run_id>/` (a local folder or an S3 prefix):
 
-    step-000040/model.pt     plain model state_dict (loads in any PyTorch program)
-    step-000040/optim.pt     optimizer state_dict
-    step-000040/state.pt     step, world size, every rank's RNG states
-    step-000040/meta.json    lineage, spec digest, metrics so far
-    step-000040/COMMITTED    written last: without it the folder is a torn write and is ignored
+    step-000040/model.pt         plain model state_dict (loads in any PyTorch program)
+    step-000040/optim.pt         optimizer state_dict
+    step-000040/state.pt         every rank's RNG states
+    step-000040/tokenizer.json   the tokenizer the run's token ids come from
+    step-000040/meta.json        step, sampler position, lineage, data watermark, metrics so far
+    step-000040/COMMITTED        written last: the sha256 and size of each file above
+
+A folder without its marker is a torn write: it is ignored, and deleted by the next save. A
+marker whose checksums do not match is a corrupted checkpoint and is skipped too. Tensors are
+loaded with `weights_only=True`, so a checkpoint cannot run code.
 """
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
-import shutil
 import time
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from trnflow.errors import FatalError
-from trnflow.fsutil import atomic_write_bytes, atomic_write_json
+from trnflow.storage import Store, open_store
+from trnflow.workload.tokenizer import FILE as TOKENIZER_FILE
 
 MARKER = "COMMITTED"
+_PREFIX = "step-"
 
 
-def step_dir(run_dir: Path, step: int) -> Path:
-    return run_dir / f"step-{step:06d}"
+def step_name(step: int) -> str:
+    return f"{_PREFIX}{step:06d}"
 
 
-def committed_steps(run_dir: Path) -> list[int]:
-    if not run_dir.is_dir():
-        return []
-    steps = []
-    for child in run_dir.iterdir():
-        if child.name.startswith("step-") and (child / MARKER).is_file():
-            steps.append(int(child.name.removeprefix("step-")))
-    return sorted(steps)
+def _tensor_bytes(obj: Any) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
 
 
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    steps = committed_steps(run_dir)
-    return step_dir(run_dir, steps[-1]) if steps else None
-
-
-def _save_tensor_file(path: Path, obj: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    torch.save(obj, tmp)
-    tmp.replace(path)
-
-
-def save_checkpoint(run_dir: Path, step: int, model_state: dict, optim_state: dict,
-                    rng_states: list[dict], meta: dict[str, Any]) -> Path:
-    """Write one checkpoint; the COMMITTED marker goes last."""
-    target = step_dir(run_dir, step)
-    if target.exists():  # a torn write from an earlier attempt at this step
-        shutil.rmtree(target)
-    target.mkdir(parents=True)
-    _save_tensor_file(target / "model.pt", model_state)
-    _save_tensor_file(target / "optim.pt", optim_state)
-    _save_tensor_file(target / "state.pt", {"step": step, "world_size": len(rng_states), "rng": rng_states})
-    atomic_write_json(target / "meta.json", {**meta, "step": step, "saved_at": time.time()})
-    atomic_write_bytes(target / MARKER, json.dumps({"step": step}).encode())
-    return target
+def _digest(data: bytes) -> dict:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
 
 @dataclass
-class Loaded:
-    path: Path
+class Checkpoint:
+    """What a checkpoint holds. `optim`, `rng` and `tokenizer` are None for a plain state_dict."""
+
+    url: str
     step: int
     model: dict
-    optim: dict | None
-    rng: list[dict] | None
-    meta: dict
+    optim: dict | None = None
+    rng: list[dict] | None = None
+    tokenizer: str | None = None
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def watermark(self) -> str | None:
+        return self.meta.get("watermark")
 
 
-def _load(path: Path) -> Any:
+class RunCheckpoints:
+    """The checkpoints of one run: save, find the newest good one, keep only the latest few."""
+
+    def __init__(self, run_url: str, store: Store | None = None):
+        self.url = run_url.rstrip("/")
+        self.store = store or open_store(self.url)
+
+    def _folders(self) -> dict[str, set[str]]:
+        folders: dict[str, set[str]] = {}
+        for obj in self.store.list(_PREFIX):
+            folder, _, name = obj.name.partition("/")
+            folders.setdefault(folder, set()).add(name)
+        return folders
+
+    def committed(self) -> list[int]:
+        return sorted(int(f.removeprefix(_PREFIX)) for f, names in self._folders().items() if MARKER in names)
+
+    def latest(self, on_skip=None) -> Checkpoint | None:
+        """The newest committed checkpoint that passes its checksums; `on_skip(url, reason)` hears of
+        each corrupted one passed over."""
+        for step in reversed(self.committed()):
+            url = f"{self.url}/{step_name(step)}"
+            try:
+                return load(url)
+            except FatalError as exc:
+                if on_skip:
+                    on_skip(url, str(exc))
+        return None
+
+    def save(self, step: int, model: dict, optim: dict, rng: list[dict], tokenizer: str, meta: dict,
+             keep_latest: int | None = None) -> str:
+        """Write one checkpoint, marker last; then delete torn folders and all but the newest
+        `keep_latest` committed ones. Returns the checkpoint's URL."""
+        folder = step_name(step)
+        self.store.delete_prefix(f"{folder}/")  # a torn write from an earlier attempt at this step
+        files = {
+            "model.pt": _tensor_bytes(model),
+            "optim.pt": _tensor_bytes(optim),
+            "state.pt": _tensor_bytes({"step": step, "world_size": len(rng), "rng": rng}),
+            TOKENIZER_FILE: tokenizer.encode(),
+            "meta.json": json.dumps({**meta, "step": step, "saved_at": round(time.time(), 3)}, indent=2).encode(),
+        }
+        for name, data in files.items():
+            self.store.write(f"{folder}/{name}", data)
+        marker = {"step": step, "files": {name: _digest(data) for name, data in files.items()}}
+        self.store.write(f"{folder}/{MARKER}", json.dumps(marker, indent=2).encode())
+        self.prune(keep_latest)
+        return f"{self.url}/{folder}"
+
+    def prune(self, keep_latest: int | None) -> list[str]:
+        """Delete torn folders and committed ones beyond the newest `keep_latest`. A committed
+        checkpoint loses its marker first, so it is never seen half-deleted."""
+        removed = []
+        committed = self.committed()
+        old = set(committed[:-keep_latest]) if keep_latest else set()
+        for folder, names in sorted(self._folders().items()):
+            if MARKER not in names or int(folder.removeprefix(_PREFIX)) in old:
+                self.store.delete(f"{folder}/{MARKER}")
+                self.store.delete_prefix(f"{folder}/")
+                removed.append(folder)
+        return removed
+
+
+def _load_tensors(data: bytes, source: str) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as exc:  # a pickle that weights_only refuses, truncation, not a torch file
-        raise FatalError(f"{path}: cannot be loaded safely ({type(exc).__name__}: {exc})") from None
+        raise FatalError(f"{source}: cannot be loaded safely ({type(exc).__name__}: {str(exc)[:300]})") from None
 
 
-def load_checkpoint(path: Path) -> Loaded:
-    """A trnflow checkpoint folder, or a plain `state_dict` file saved by any PyTorch program."""
-    if path.is_file():
-        state = _load(path)
-        if not isinstance(state, dict):
-            raise FatalError(f"{path}: expected a state_dict (a mapping of tensors), got {type(state).__name__}")
-        return Loaded(path, 0, state, None, None, {})
-    if not (path / MARKER).is_file():
-        raise FatalError(f"{path}: not a committed checkpoint (no {MARKER} marker); pick another checkpoint")
-    state = _load(path / "state.pt")
-    meta = json.loads((path / "meta.json").read_text())
-    return Loaded(path, int(state["step"]), _load(path / "model.pt"), _load(path / "optim.pt"),
-                  state["rng"], meta)
+def _read(store: Store, name: str, source: str) -> bytes:
+    try:
+        return store.read(name)
+    except FileNotFoundError:
+        raise FatalError(f"{source}: not found; check the checkpoint URL") from None
 
 
-def load_model_weights(model: torch.nn.Module, state: dict, source: Path) -> None:
+def load(url: str) -> Checkpoint:
+    """A trnflow checkpoint folder, or a plain `state_dict` file saved by any PyTorch program (a
+    `tokenizer.json` beside that file is used when there is one)."""
+    url = url.rstrip("/")
+    base, _, last = url.rpartition("/")
+    if "." in last and not last.startswith(_PREFIX):  # a file: model.pt, weights.bin, ...
+        parent = open_store(base)
+        state = _load_tensors(_read(parent, last, url), url)
+        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+            raise FatalError(f"{url}: expected a state_dict (a mapping of names to tensors), "
+                             f"got {type(state).__name__}")
+        try:
+            tokenizer = parent.read(TOKENIZER_FILE).decode()
+        except FileNotFoundError:
+            tokenizer = None
+        return Checkpoint(url, 0, state, tokenizer=tokenizer, meta={"plain_state_dict": True})
+    store = open_store(url)
+    try:
+        marker = json.loads(store.read(MARKER))
+    except FileNotFoundError:
+        raise FatalError(f"{url}: not a committed checkpoint (no {MARKER} marker); pick another checkpoint") from None
+    files = {}
+    for name, expected in marker["files"].items():
+        data = _read(store, name, f"{url}/{name}")
+        if _digest(data) != expected:
+            raise FatalError(f"{url}/{name}: does not match its checksum in {MARKER}; the checkpoint is corrupted, "
+                             "use an earlier one")
+        files[name] = data
+    state = _load_tensors(files["state.pt"], f"{url}/state.pt")
+    return Checkpoint(
+        url, int(state["step"]),
+        model=_load_tensors(files["model.pt"], f"{url}/model.pt"),
+        optim=_load_tensors(files["optim.pt"], f"{url}/optim.pt"),
+        rng=state["rng"],
+        tokenizer=files[TOKENIZER_FILE].decode(),
+        meta=json.loads(files["meta.json"]),
+    )
+
+
+def load_model_weights(model: torch.nn.Module, state: dict, source: str) -> None:
     """Load weights, turning shape or key mismatches into an error that says which keys."""
-    state = {k.removeprefix("module."): v for k, v in state.items()}
+    state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shape mismatches
-        raise FatalError(f"{source}: does not match the spec's model: {exc}") from None
+        raise FatalError(f"{source}: does not match the spec's model: {str(exc)[:500]}") from None
     if result.missing_keys or result.unexpected_keys:
         raise FatalError(
             f"{source}: does not match the spec's model (missing {result.missing_keys[:5]}, "

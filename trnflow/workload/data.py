@@ -1,19 +1,23 @@
-"""Reading text datasets (JSONL, Parquet, CSV; a file or a tree of dt=YYYY-MM-DD partitions),
-turning them into fixed-shape token tensors, and sampling them deterministically across ranks.
+"""Reading text datasets and sampling them deterministically across ranks.
 
-Shapes are static, as on Trainium: every sequence is padded or cut to `seq_len`, every per-core
-batch has the same size (the last partial batch of an epoch is dropped).
+A dataset URL (file:// or s3://) names one file or a folder of them; a folder may be partitioned by
+day (`dt=YYYY-MM-DD/part-*.parquet`), which is what incremental training reads a window of.
+Formats: JSONL, Parquet, CSV with a header, and the Amazon Polarity CSV layout (no header; the
+columns are label 1 or 2, title and content).
+
+Shapes are static, as on Trainium: the tokenizer pads or cuts every sequence to `seq_len`, and every
+per-core batch has the same size.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import re
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
@@ -21,86 +25,129 @@ import torch
 
 from jobspecs import DataSpec
 from trnflow.errors import DataError
-from trnflow.storage import local_path
+from trnflow.storage import Store, open_store
 from trnflow.workload.model import CLS_ID, PAD_ID
 
-_EXTENSIONS = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",), "csv": (".csv",)}
-_WORD = re.compile(r"[a-z0-9']+")
+_EXTENSIONS = {"jsonl": (".jsonl", ".json"), "parquet": (".parquet",), "csv": (".csv",),
+               "amazon-polarity": (".csv",)}
+_PARTITION = re.compile(r"(?:^|/)dt=([^/]+)/")
+POLARITY_COLUMNS = ["label", "title", "content"]
 
 
-def data_files(url: str, fmt: str) -> list[Path]:
-    """The files of a dataset URL, in a stable order (partitions sort by date)."""
-    root = local_path(url)
-    if root.is_file():
-        return [root]
-    if not root.is_dir():
-        raise DataError(f"{url}: no such file or directory; check the data URLs in the spec")
-    files = sorted(p for p in root.rglob("*") if p.is_file() and p.name.endswith(_EXTENSIONS[fmt]))
-    if not files:
-        raise DataError(f"{url}: no {fmt} files ({', '.join(_EXTENSIONS[fmt])}); check data.format")
-    return files
+@dataclass(frozen=True)
+class DataFile:
+    store: Store
+    name: str
+    partition: str | None
+    """The day of a `dt=YYYY-MM-DD` folder the file sits in, if any."""
+
+    @property
+    def url(self) -> str:
+        return f"{self.store.url}/{self.name}"
 
 
-def _read_file(path: Path, fmt: str) -> pa.Table:
+def _partition(name: str, url: str) -> str | None:
+    match = _PARTITION.search(name)
+    if not match:
+        return None
     try:
+        return dt.date.fromisoformat(match.group(1)).isoformat()
+    except ValueError:
+        raise DataError(f"{url}/{name}: partition folder dt={match.group(1)} is not a date; "
+                        "name partitions dt=YYYY-MM-DD") from None
+
+
+def data_files(url: str, fmt: str) -> list[DataFile]:
+    """The files of a dataset URL, in a stable order (partitions sort by day)."""
+    extensions = _EXTENSIONS[fmt]
+    base, _, last = url.rstrip("/").rpartition("/")
+    if last.endswith(extensions):  # one file
+        store = open_store(base)
+        if not store.list(last) or store.list(last)[0].name != last:
+            raise DataError(f"{url}: no such file; check the data URLs in the spec")
+        return [DataFile(store, last, None)]
+    store = open_store(url)
+    listed = store.list()
+    names = [o.name for o in listed if o.name.endswith(extensions) and not o.name.rsplit("/", 1)[-1].startswith(".")]
+    if not names:
+        what = "no such folder, or it is empty" if not listed else f"no {fmt} files ({', '.join(extensions)})"
+        raise DataError(f"{url}: {what}; check the data URLs and data.format in the spec")
+    files = [DataFile(store, n, _partition(n, url)) for n in names]
+    return sorted(files, key=lambda f: (f.partition or "", f.name))
+
+
+def partitions(files: list[DataFile]) -> list[str]:
+    return sorted({f.partition for f in files if f.partition})
+
+
+def since_watermark(files: list[DataFile], watermark: str | None, url: str) -> list[DataFile]:
+    """The files of partitions after `watermark` (all of them when there is no watermark yet)."""
+    unpartitioned = [f.name for f in files if f.partition is None]
+    if unpartitioned:
+        raise DataError(f"{url}: data.window since-watermark needs every file in a dt=YYYY-MM-DD folder, "
+                        f"but {unpartitioned[0]} is not; partition the data or set data.window: all")
+    return [f for f in files if watermark is None or f.partition > watermark]
+
+
+def _read_file(file: DataFile, fmt: str) -> pa.Table:
+    try:
+        source = pa.BufferReader(file.store.read(file.name))
         if fmt == "jsonl":
-            return pajson.read_json(path)
+            return pajson.read_json(source)
         if fmt == "csv":
-            return pacsv.read_csv(path)
-        return pq.read_table(path)
+            return pacsv.read_csv(source)
+        if fmt == "amazon-polarity":
+            return _polarity(pacsv.read_csv(source, read_options=pacsv.ReadOptions(column_names=POLARITY_COLUMNS)))
+        return pq.read_table(source)
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path}: cannot be read as {fmt}: {exc}") from None
+        raise DataError(f"{file.url}: cannot be read as {fmt}: {exc}") from None
 
 
-def read_table(url: str, spec: DataSpec, columns: list[str]) -> pa.Table:
-    """Read every file of the dataset and keep `columns`, naming any file that lacks one."""
+def _polarity(table: pa.Table) -> pa.Table:
+    """label 1 (negative) / 2 (positive), title, content -> label 0/1 and text "title. content"."""
+    labels = table.column("label")
+    if not pa.types.is_integer(labels.type) or not pc.all(pc.is_in(labels, pa.array([1, 2]))).as_py():
+        raise DataError("the Amazon Polarity layout needs label 1 or 2 in the first column")
+    title = pc.fill_null(table.column("title").cast(pa.string()), "")
+    content = pc.fill_null(table.column("content").cast(pa.string()), "")
+    return pa.table({"label": pc.subtract(labels, 1), "text": pc.binary_join_element_wise(title, content, ". ")})
+
+
+def read_table(files: list[DataFile], spec: DataSpec, columns: list[str]) -> pa.Table:
+    """Read `files` and keep `columns`, naming any file that lacks one. The Amazon Polarity layout
+    has no id column: ids are `<file>:<row>`."""
     tables = []
-    for path in data_files(url, spec.format):
-        table = _read_file(path, spec.format)
+    for file in files:
+        table = _read_file(file, spec.format)
+        if spec.format == "amazon-polarity":
+            ids = [f"{file.name}:{i}" for i in range(table.num_rows)]
+            table = table.rename_columns([spec.label_field, spec.text_field])
+            table = table.append_column(spec.id_field, pa.array(ids))
         missing = [c for c in columns if c not in table.column_names]
         if missing:
             raise DataError(
-                f"{path}: missing column(s) {missing}; it has {table.column_names}. "
+                f"{file.url}: missing column(s) {missing}; it has {table.column_names}. "
                 "Set data.text_field / data.label_field / data.id_field to match the file"
             )
         tables.append(table.select(columns))
     return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
 
 
-class HashingTokenizer:
-    """Words hashed into a fixed vocabulary: stateless, so ids never shift between runs.
-
-    Id 0 is padding and id 1 the leading [CLS] token, so no sequence is ever empty.
-    """
-
-    def __init__(self, vocab_size: int, seq_len: int):
-        self.vocab_size, self.seq_len = vocab_size, seq_len
-
-    def ids(self, text: str) -> list[int]:
-        buckets = self.vocab_size - 2
-        words = _WORD.findall(text.lower())[: self.seq_len - 1]
-        return [CLS_ID] + [2 + zlib.crc32(w.encode()) % buckets for w in words]
-
-    def encode(self, texts: list[str]) -> torch.Tensor:
-        out = torch.full((len(texts), self.seq_len), PAD_ID, dtype=torch.long)
-        for row, text in enumerate(texts):
-            ids = self.ids(text or "")
-            out[row, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        return out
-
-
 @dataclass
-class Encoded:
-    tokens: torch.Tensor
+class Texts:
+    texts: list[str]
     labels: torch.Tensor | None
     ids: list
 
 
-def load_labelled(url: str, spec: DataSpec, tokenizer: HashingTokenizer, num_classes: int) -> Encoded:
-    table = read_table(url, spec, [spec.text_field, spec.label_field])
+def read_labelled(files: list[DataFile], spec: DataSpec, num_classes: int, url: str) -> Texts:
+    table = read_table(files, spec, [spec.text_field, spec.label_field])
     if table.num_rows == 0:
         raise DataError(f"{url}: has no rows; point the spec at data that has some")
-    labels = torch.tensor(table.column(spec.label_field).to_pylist(), dtype=torch.long)
+    try:
+        labels = torch.tensor(table.column(spec.label_field).to_pylist(), dtype=torch.long)
+    except (TypeError, RuntimeError):
+        raise DataError(f"{url}: column {spec.label_field!r} must hold integer class ids") from None
     bad = (labels < 0) | (labels >= num_classes)
     if bool(bad.any()):
         row = int(bad.nonzero()[0])
@@ -108,14 +155,13 @@ def load_labelled(url: str, spec: DataSpec, tokenizer: HashingTokenizer, num_cla
             f"{url}: label {int(labels[row])} in row {row} is outside 0..{num_classes - 1}; "
             "fix the data or set model.num_classes"
         )
-    tokens = tokenizer.encode([str(t) for t in table.column(spec.text_field).to_pylist()])
-    return Encoded(tokens, labels, list(range(len(labels))))
+    return Texts([str(t) for t in table.column(spec.text_field).to_pylist()], labels, list(range(len(labels))))
 
 
-def load_unlabelled(url: str, spec: DataSpec, tokenizer: HashingTokenizer) -> Encoded:
-    table = read_table(url, spec, [spec.id_field, spec.text_field])
-    tokens = tokenizer.encode([str(t) for t in table.column(spec.text_field).to_pylist()])
-    return Encoded(tokens, None, table.column(spec.id_field).to_pylist())
+def read_unlabelled(url: str, spec: DataSpec) -> Texts:
+    table = read_table(data_files(url, spec.format), spec, [spec.id_field, spec.text_field])
+    return Texts([str(t) for t in table.column(spec.text_field).to_pylist()], None,
+                 table.column(spec.id_field).to_pylist())
 
 
 def static_batches(tokens: torch.Tensor, rows: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, int]]:
@@ -154,6 +200,24 @@ class StepSampler:
         full, left = divmod(n_rows, global_batch)
         self.steps_per_epoch = full + (1 if not drop_last and left >= world else 0)
         self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
+
+    def position(self, step: int) -> dict:
+        """Where the sampler stands after `step` steps: saved in checkpoints, checked on resume."""
+        epoch, batch = divmod(step, self.steps_per_epoch)
+        return {"step": step, "epoch": epoch, "batch_in_epoch": batch, "rows": self.n,
+                "global_batch": self.global_batch, "seed": self.seed}
+
+    def restore(self, position: dict) -> int:
+        """The step to continue from; refuses a position saved over different data or batches."""
+        mine = self.position(position["step"])
+        changed = [k for k in ("rows", "global_batch", "seed") if position.get(k) != mine[k]]
+        if changed:
+            raise DataError(
+                f"the checkpoint's sampler saw {', '.join(f'{k}={position.get(k)}' for k in changed)} but this run "
+                f"has {', '.join(f'{k}={mine[k]}' for k in changed)}; an exact resume needs the same data and "
+                "batch size. Start a new run (a new run id) to train on different data"
+            )
+        return int(position["step"])
 
     def indices(self, step: int) -> torch.Tensor:
         epoch, within = divmod(step, self.steps_per_epoch)

@@ -1,24 +1,37 @@
-"""The offline batch-inference phase: embeddings of the inference set, written as Parquet shards.
+"""The offline batch-inference phase: embeddings of the inference set, as Parquet shards.
 
-Rows are split into shards of `inference.shard_size`; shard i is written by rank i % world as
-`part-<i>.parquet`, atomically (temporary file, then rename).
+The rows are cut into shards of `inference.shard_size`; rank r embeds shards r, r + world, ...
+Under `inference.output_url` (a folder or an S3 prefix), each shard is
+
+    part-00007.parquet               id, embedding, model_version
+    _committed/part-00007.json       written after it: rows, sha256 and size of the file, the plan
+
+and rank 0 writes `_manifest.json` last, listing every shard with its row count and checksum. A
+rerun skips every shard whose marker matches its file and the current plan (same rows, same shard
+size, same model) and redoes the others, so a run killed midway finishes without touching what
+was committed. Nothing is written outside `output_url`, and the bookkeeping names start with `_`,
+so Parquet readers that are handed the folder (pyarrow, pandas, Spark) see only the shards.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from trnflow.fsutil import atomic_write_bytes
-from trnflow.storage import local_path
-from trnflow.workload.checkpoint import load_checkpoint, load_model_weights
+from trnflow.storage import Store, open_store
+from trnflow.workload.checkpoint import load, load_model_weights
 from trnflow.workload.context import WorkerContext, gather_objects
-from trnflow.workload.data import HashingTokenizer, load_unlabelled, static_batches
+from trnflow.workload.data import read_unlabelled, static_batches
+from trnflow.workload.evaluate import tokenizer_of
 from trnflow.workload.model import build_model
 from trnflow.workload.programs import for_run
+
+MANIFEST = "_manifest.json"
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
@@ -27,38 +40,88 @@ def _parquet_bytes(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def shard_name(shard: int) -> str:
+    return f"part-{shard:05d}"
+
+
+def _marker(shard: int) -> str:
+    return f"_committed/{shard_name(shard)}.json"
+
+
+def committed(out: Store, shard: int, plan: str) -> dict | None:
+    """The shard's marker, if the shard is committed for this plan and its file matches it."""
+    try:
+        marker = json.loads(out.read(_marker(shard)))
+        if marker.get("plan") != plan:
+            return None
+        data = out.read(f"{shard_name(shard)}.parquet")
+    except (FileNotFoundError, ValueError):
+        return None
+    if hashlib.sha256(data).hexdigest() != marker.get("sha256"):
+        return None
+    return marker
+
+
 def run(ctx: WorkerContext, checkpoint: str) -> dict:
     spec = ctx.spec
-    cfg, icfg = spec.model, spec.inference
-    source = local_path(checkpoint)
-    ckpt = load_checkpoint(source)
-    model = build_model(cfg, spec.train.seed)
-    load_model_weights(model, ckpt.model, source)
+    icfg = spec.inference
+    ckpt = load(checkpoint)
+    model = build_model(spec.model, spec.train.seed)
+    load_model_weights(model, ckpt.model, ckpt.url)
     programs = for_run(ctx, model)
-    version = f"{ckpt.meta.get('run_id', source.parent.name)}/step-{ckpt.step}"
+    run_url = ckpt.url.rpartition("/")[0]
+    version = f"{ckpt.meta.get('run_id', run_url.rsplit('/', 1)[-1])}/step-{ckpt.step}"
 
-    rows = load_unlabelled(spec.data.inference, spec.data, HashingTokenizer(cfg.vocab_size, cfg.seq_len))
-    out_dir = local_path(icfg.output_url)
+    rows = read_unlabelled(spec.data.inference, spec.data)
+    tokens = tokenizer_of(ckpt, spec).encode(rows.texts)
+    ids_digest = hashlib.sha256("\n".join(map(str, rows.ids)).encode()).hexdigest()
+    plan = hashlib.sha256(json.dumps([ids_digest, icfg.shard_size, version]).encode()).hexdigest()[:16]
+    out = open_store(icfg.output_url)
+    if ctx.is_main:
+        out.delete(MANIFEST)  # the output is incomplete until the manifest is back
     n_shards = -(-len(rows.ids) // icfg.shard_size)
-    written, began = [], time.perf_counter()
-    for shard in range(ctx.rank, n_shards, ctx.world_size):
+    mine = list(range(ctx.rank, n_shards, ctx.world_size))
+    faults_store = open_store(run_url)
+    shards, written, began = [], 0, time.perf_counter()
+    for ordinal, shard in enumerate(mine, start=1):
+        ctx.faults.strike(ordinal, lambda fault: faults_store.create(f"faults/infer-{fault.label}", b""))
         lo, hi = shard * icfg.shard_size, min((shard + 1) * icfg.shard_size, len(rows.ids))
-        batches = static_batches(rows.tokens, torch.arange(lo, hi), icfg.batch_size)
-        emb = torch.cat([programs.embed(batch)[:real] for batch, real in batches]).float().numpy()
-        table = pa.table({
-            "id": pa.array(rows.ids[lo:hi]),
-            "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1]),
-            "model_version": pa.array([version] * (hi - lo)),
-        })
-        path = atomic_write_bytes(out_dir / f"part-{shard:05d}.parquet", _parquet_bytes(table))
-        written.append({"shard": shard, "rows": hi - lo, "path": path.as_uri()})
-        ctx.log("infer_shard", shard=shard, rows=hi - lo)
+        marker = committed(out, shard, plan)
+        reused = marker is not None
+        if marker is None:
+            batches = static_batches(tokens, torch.arange(lo, hi), icfg.batch_size)
+            emb = torch.cat([programs.embed(batch)[:real] for batch, real in batches]).float().numpy()
+            data = _parquet_bytes(pa.table({
+                "id": pa.array(rows.ids[lo:hi]),
+                "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1]),
+                "model_version": pa.array([version] * (hi - lo)),
+            }))
+            marker = {"shard": shard, "rows": hi - lo, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                      "plan": plan, "model_version": version}
+            out.write(f"{shard_name(shard)}.parquet", data)
+            out.write(_marker(shard), json.dumps(marker).encode())  # the commit, last
+            written += hi - lo
+        shards.append({"shard": shard, "file": f"{shard_name(shard)}.parquet", "rows": marker["rows"],
+                       "sha256": marker["sha256"], "reused": reused})
+        elapsed = time.perf_counter() - began
+        ctx.log("infer_shard", all_ranks=True, shard=shard, shards=n_shards, rows=hi - lo, reused=reused,
+                rows_per_s=round(written / elapsed, 1) if elapsed else 0.0)
     seconds = time.perf_counter() - began
-    shards = sorted((s for per_rank in gather_objects(ctx, written) for s in per_rank), key=lambda s: s["shard"])
-    if ctx.is_main:  # shards of an earlier, larger inference set would mix into this one's output
-        for stale in out_dir.glob("part-*.parquet"):
-            if int(stale.stem.removeprefix("part-")) >= n_shards:
-                stale.unlink()
-    total = sum(s["rows"] for s in shards)
-    return {"output_url": icfg.output_url, "model_version": version, "rows": total, "shards": shards,
-            "rows_per_s": round(total / seconds, 1) if seconds else 0.0, "compile": programs.compiler.summary()}
+    everything = sorted((s for per_rank in gather_objects(ctx, shards) for s in per_rank), key=lambda s: s["shard"])
+    counts = gather_objects(ctx, written)
+    if ctx.is_main:
+        for obj in out.list():  # shards of an earlier, larger inference set
+            stem = obj.name.rsplit("/", 1)[-1].split(".", 1)[0].removeprefix("part-")
+            if stem.isdigit() and int(stem) >= n_shards:
+                out.delete(obj.name)
+        manifest = {"model_version": version, "checkpoint": ckpt.url, "plan": plan, "rows": len(rows.ids),
+                    "shard_size": icfg.shard_size,
+                    "shards": [{k: s[k] for k in ("shard", "file", "rows", "sha256")} for s in everything]}
+        out.write(MANIFEST, json.dumps(manifest, indent=1).encode())
+    total = sum(s["rows"] for s in everything)
+    embedded = sum(counts)
+    return {"output_url": icfg.output_url, "model_version": version, "rows": total, "shards": everything,
+            "rows_embedded": embedded, "shards_reused": sum(1 for s in everything if s["reused"]),
+            "manifest": f"{out.url}/{MANIFEST}",
+            "rows_per_s": round(embedded / seconds, 1) if seconds and embedded else 0.0,
+            "compile": programs.compiler.summary()}

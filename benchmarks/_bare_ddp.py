@@ -1,0 +1,51 @@
+"""A bare PyTorch DDP training loop (gloo, eager): the baseline of train_throughput.py.
+
+    torchrun --nproc-per-node N _bare_ddp.py SPEC_JSON STEPS
+
+Same model, per-core batch, optimizer and sequence length as the spec; random token ids stand in
+for the data (the step costs the same). Rank 0 prints one JSON line with the median step time.
+"""
+
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from jobspecs import JobSpec
+from trnflow.workload.model import build_model
+
+
+def main() -> None:
+    spec = JobSpec.model_validate_json(Path(sys.argv[1]).read_text())
+    steps = int(sys.argv[2])
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.set_num_threads(1)
+    cfg, batch = spec.model, spec.per_core_batch
+    model = DDP(build_model(cfg, spec.train.seed))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay)
+    gen = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(2, cfg.vocab_size, (steps, batch, cfg.seq_len), generator=gen)
+    labels = torch.randint(0, cfg.num_classes, (steps, batch), generator=gen)
+    times = []
+    for step in range(steps):
+        began = time.perf_counter()
+        loss = F.cross_entropy(model(tokens[step]).float(), labels[step])
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        loss.item()
+        times.append(time.perf_counter() - began)
+    if rank == 0:
+        print(json.dumps({"median_step_seconds": statistics.median(times[1:])}), flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

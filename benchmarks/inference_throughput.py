@@ -1,0 +1,91 @@
+"""Embeddings/s of trnflow's inference stage against a bare `torch.inference_mode()` loop over the
+same model and data, and how the stage scales from 1 to 2 to 4 cores.
+
+The baseline runs in this process, one thread, batch by batch over the tokenized rows. trnflow's
+numbers come from real inference jobs through the local backend, one per core count, each into a
+fresh output folder (so nothing is reused): the compiled embed program from the compile cache,
+Parquet shards with their commit markers, and the manifest, included. rows/s counts the shard
+loop of the job (not process start-up), the same span the baseline times. Goal: a ratio of at
+least 0.9 on one core.
+
+    python benchmarks/inference_throughput.py [--rows 20000] [--shard-size 2500] [--cores 1 2 4]
+
+The last line printed is JSON: {"bare_rows_per_s": ..., "trnflow_rows_per_s": {...}, "ratio": ...,
+"scaling": {...}}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from _quickstart import quickstart, scratch_home
+
+from trnflow.backends import JobRequest, JobState, wait
+from trnflow.backends.local import LocalBackend
+from trnflow.settings import TrnflowSettings
+from trnflow.synth import synthesize
+from trnflow.workload.checkpoint import load
+from trnflow.workload.data import read_unlabelled, static_batches
+from trnflow.workload.evaluate import tokenizer_of
+from trnflow.workload.model import build_model
+
+
+def job(backend: LocalBackend, spec, phase: str, checkpoint: str | None = None) -> dict:
+    info = wait(backend, backend.submit(JobRequest(spec, phase, "bench", checkpoint=checkpoint)), 0.1)
+    if info.state is not JobState.SUCCEEDED:
+        raise SystemExit(f"{phase} job failed: {info.failure}")
+    return info.result
+
+
+def bare(spec, checkpoint: str) -> float:
+    """Rows/s of a plain inference_mode loop over the same model, rows and batch size."""
+    torch.set_num_threads(1)
+    ckpt = load(checkpoint)
+    model = build_model(spec.model, spec.train.seed)
+    model.load_state_dict(ckpt.model)
+    model.eval()
+    rows = read_unlabelled(spec.data.inference, spec.data)
+    tokens = tokenizer_of(ckpt, spec).encode(rows.texts)
+    began = time.perf_counter()
+    with torch.inference_mode():
+        for batch, real in static_batches(tokens, torch.arange(len(tokens)), spec.inference.batch_size):
+            model.embed(batch)[:real].float().numpy()
+    return len(tokens) / (time.perf_counter() - began)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--rows", type=int, default=20_000)
+    parser.add_argument("--shard-size", type=int, default=2_500)
+    parser.add_argument("--cores", type=int, nargs="+", default=[1, 2, 4])
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        scratch_home(root)
+        os.environ.setdefault("TRNFLOW_NEURON_RT_DIR", str(root / "rt"))
+        synthesize(root / "data", days=2, rows_per_day=800, seed=7, inference_rows=args.rows)
+        backend = LocalBackend(TrnflowSettings().jobs_dir)
+        base = {"compile": {"cache_url": str(root / "cache")}, "train": {"steps": 10, "checkpoint_every": 10}}
+        trained = job(backend, quickstart(root, **base), "train")
+        ours = {}
+        for cores in args.cores:
+            spec = quickstart(root, **base, compute={"cores_per_node": cores, "instance_type": "trn1.32xlarge"},
+                              inference={"output_url": str(root / f"out-{cores}"), "shard_size": args.shard_size})
+            ours[cores] = job(backend, spec, "infer", trained["checkpoint"])["rows_per_s"]
+            print(f"trnflow on {cores} core(s): {ours[cores]:.0f} rows/s", flush=True)
+        theirs = bare(quickstart(root, **base), trained["checkpoint"])
+    first = args.cores[0]
+    print(f"bare inference_mode loop: {theirs:.0f} rows/s")
+    print(json.dumps({"bare_rows_per_s": round(theirs, 1), "trnflow_rows_per_s": ours,
+                      "ratio": round(ours[first] / theirs, 3),
+                      "scaling": {str(c): round(ours[c] / ours[first], 2) for c in args.cores}}))
+
+
+if __name__ == "__main__":
+    main()

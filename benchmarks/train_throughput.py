@@ -1,0 +1,82 @@
+"""trnflow's training stage against a bare PyTorch DDP loop of the same model, batch and world size.
+
+Both run on gloo with one thread per rank, as separate torchrun process groups; each reports the
+median step time after the first step (which loads or compiles the graph). trnflow's number comes
+from a real training job through the local backend: the compiled train program from the compile
+cache, the sampler, logging and a checkpoint every `checkpoint_every` steps included. Goal: a
+samples/s ratio of at least 0.95.
+
+    python benchmarks/train_throughput.py [--steps 60] [--ranks 2] [--optlevel 1] [--repeats 3]
+
+The last line printed is JSON: {"trnflow_samples_per_s": ..., "bare_samples_per_s": ..., "ratio": ...}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from _quickstart import quickstart, scratch_home
+
+from trnflow.backends import JobRequest, JobState, wait
+from trnflow.backends.local import LocalBackend
+from trnflow.settings import TrnflowSettings
+
+HERE = Path(__file__).resolve().parent
+
+
+def bare(spec_file: Path, ranks: int, steps: int) -> float:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+         str(HERE / "_bare_ddp.py"), str(spec_file), str(steps)],
+        env=env, check=True, capture_output=True, text=True,
+    ).stdout
+    return json.loads(next(line for line in out.splitlines() if line.startswith("{")))["median_step_seconds"]
+
+
+def trnflow(backend: LocalBackend, spec, run_id: str) -> float:
+    info = wait(backend, backend.submit(JobRequest(spec, "train", run_id)), 0.1)
+    if info.state is not JobState.SUCCEEDED:
+        raise SystemExit(f"trnflow train job failed: {info.failure}")
+    return info.result["median_step_seconds"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--optlevel", type=int, default=1, choices=[1, 2, 3])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        scratch_home(root)
+        os.environ.setdefault("TRNFLOW_NEURON_RT_DIR", str(root / "rt"))
+        spec = quickstart(root, compute={"cores_per_node": args.ranks, "instance_type": "trn1.32xlarge"},
+                          compile={"optlevel": args.optlevel, "cache_url": str(root / "cache")},
+                          train={"steps": args.steps, "checkpoint_every": args.steps // 2, "log_every": 10})
+        spec_file = root / "spec.json"
+        spec_file.write_text(spec.model_dump_json())
+        backend = LocalBackend(TrnflowSettings().jobs_dir)
+        trnflow(backend, spec, "warm-up")  # compiles the train program into the cache once
+        ours, theirs = [], []
+        for i in range(args.repeats):  # interleaved, so drift on the machine hits both alike
+            theirs.append(bare(spec_file, args.ranks, args.steps))
+            ours.append(trnflow(backend, spec, f"run-{i}"))
+    batch = spec.train.global_batch_size
+    t, b = batch / statistics.median(ours), batch / statistics.median(theirs)
+    print(f"{args.ranks} ranks, global batch {batch}, O{args.optlevel}: trnflow {t:.1f} samples/s, "
+          f"bare DDP {b:.1f} samples/s (median step of {args.repeats} runs)")
+    print(json.dumps({"ranks": args.ranks, "optlevel": args.optlevel, "trnflow_samples_per_s": round(t, 1),
+                      "bare_samples_per_s": round(b, 1), "ratio": round(t / b, 3)}))
+
+
+if __name__ == "__main__":
+    main()

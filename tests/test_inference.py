@@ -1,0 +1,61 @@
+"""Offline batch inference: a run killed midway and rerun, torn shards, and the manifest."""
+
+import hashlib
+import json
+
+import pyarrow.parquet as pq
+import pytest
+
+from trnflow.backends import JobRequest, JobState, wait
+from trnflow.backends.local import LocalBackend
+from trnflow.settings import TrnflowSettings
+from trnflow.storage import local_path
+
+
+@pytest.fixture
+def backend(trnflow_home) -> LocalBackend:
+    return LocalBackend(TrnflowSettings().jobs_dir)
+
+
+def _job(backend, spec, phase, run_id, checkpoint=None):
+    return wait(backend, backend.submit(JobRequest(spec, phase, run_id, checkpoint=checkpoint)), 0.2)
+
+
+def _checksums(out) -> dict:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.glob("part-*.parquet"))}
+
+
+def test_a_killed_inference_run_is_finished_by_a_rerun_without_touching_committed_shards(make_spec, backend, dataset):
+    spec = make_spec(train={"steps": 2, "checkpoint_every": 2}, inference={"shard_size": 50})
+    trained = _job(backend, spec, "train", "model")
+    assert trained.state is JobState.SUCCEEDED, trained.failure
+    checkpoint = trained.result["checkpoint"]
+
+    killed = make_spec(train={"steps": 2, "checkpoint_every": 2}, inference={"shard_size": 50},
+                       faults=[{"kind": "kill", "core": 0, "step": 3}])  # rank 0, before its third shard
+    first = _job(backend, killed, "infer", "model", checkpoint)
+    assert first.state is JobState.FAILED and first.failure["retryable"] is True
+    out = local_path(spec.inference.output_url)
+    committed = {json.loads(m.read_text())["shard"] for m in (out / "_committed").glob("*.json")}
+    assert {0, 2} <= committed and 4 not in committed and not (out / "_manifest.json").exists()
+    before = {name: digest for name, digest in _checksums(out).items()
+              if int(name.removeprefix("part-").removesuffix(".parquet")) in committed}
+
+    rerun = _job(backend, spec, "infer", "model", checkpoint)
+    assert rerun.state is JobState.SUCCEEDED, rerun.failure
+    after = _checksums(out)
+    assert all(after[name] == digest for name, digest in before.items())  # committed shards untouched
+    assert rerun.result["shards_reused"] == len(committed) and len(after) == 7
+    inputs = [json.loads(line)["id"] for line in (dataset / "inference" / "part-00000.jsonl").read_text().splitlines()]
+    ids = pq.read_table(out).column("id").to_pylist()  # the folder reads as one table: bookkeeping is hidden
+    assert sorted(ids) == sorted(inputs) and len(ids) == len(set(ids))
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert {s["file"]: s["sha256"] for s in manifest["shards"]} == after and manifest["rows"] == len(inputs)
+
+    # a torn shard (its file cut short after the commit) is found by its checksum and redone alone
+    torn = out / "part-00003.parquet"
+    torn.write_bytes(torn.read_bytes()[:100])
+    again = _job(backend, spec, "infer", "model", checkpoint)
+    assert again.state is JobState.SUCCEEDED, again.failure
+    assert again.result["rows_embedded"] == 50 and again.result["shards_reused"] == 6
+    assert _checksums(out) == after

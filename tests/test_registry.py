@@ -1,0 +1,111 @@
+"""The model registry on a folder and on S3: versions, one winner per promotion race, rollback, CLI."""
+
+import json
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+from typer.testing import CliRunner
+
+from trnflow.cli import app
+from trnflow.errors import FatalError
+from trnflow.registry import PromotionConflict, Registry
+
+
+def _entry(n: int) -> dict:
+    return {"checkpoint": f"file:///ckpt/run-{n}/step-000010", "metrics": {"accuracy": 0.7 + n / 100},
+            "watermark": f"2026-01-0{n}", "status": "passed"}
+
+
+def test_versions_are_numbered_and_the_champion_moves_only_by_promotion(tmp_path):
+    reg = Registry(tmp_path.as_uri())
+    v1, v2 = reg.register("m", _entry(1)), reg.register("m", _entry(2))
+    assert (v1.version, v2.version) == (1, 2) and reg.champion("m") is None
+    reg.promote("m", 1)
+    reg.promote("m", 2, reason="better")
+    assert reg.champion("m").version == 2 and reg.champion("m").watermark == "2026-01-02"
+    assert [(h["action"], h["version"], h["previous"]) for h in reg.history("m")] == [
+        ("promote", 1, None), ("promote", 2, 1)]
+    assert reg.models() == ["m"]
+
+
+def test_rollback_goes_back_one_promotion_at_a_time(tmp_path):
+    reg = Registry(tmp_path.as_uri())
+    for n in (1, 2, 3):
+        reg.promote("m", reg.register("m", _entry(n)).version)
+    reg.rollback("m")
+    assert reg.champion("m").version == 2
+    reg.rollback("m")
+    assert reg.champion("m").version == 1
+    with pytest.raises(FatalError, match="no earlier champion"):
+        reg.rollback("m")
+
+
+def test_a_promotion_decided_on_a_stale_champion_is_refused(tmp_path):
+    reg = Registry(tmp_path.as_uri())
+    v1, v2 = reg.register("m", _entry(1)), reg.register("m", _entry(2))
+    seen = reg.generation("m")
+    reg.promote("m", v1.version)
+    with pytest.raises(PromotionConflict, match="is now v1"):
+        reg.promote("m", v2.version, expected_generation=seen)
+    assert reg.champion("m").version == 1
+
+
+def _race(reg: Registry, contenders: list[int]) -> list:
+    seen = reg.generation("m")
+
+    def attempt(version: int):
+        try:
+            return reg.promote("m", version, expected_generation=seen)
+        except PromotionConflict as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(contenders)) as pool:
+        return list(pool.map(attempt, contenders))
+
+
+def test_two_concurrent_promotions_on_a_folder_have_one_winner(tmp_path):
+    reg = Registry(tmp_path.as_uri())
+    versions = [reg.register("m", _entry(n)).version for n in (1, 2)]
+    for _ in range(5):
+        outcomes = _race(reg, versions)
+        winners = [o for o in outcomes if isinstance(o, dict)]
+        assert len(winners) == 1 and sum(isinstance(o, PromotionConflict) for o in outcomes) == 1
+        assert reg.champion("m").version == winners[0]["version"]
+
+
+def test_two_concurrent_promotions_on_s3_have_one_winner(s3_bucket):
+    reg = Registry(f"s3://{s3_bucket}/registry")
+    versions = [reg.register("m", _entry(n)).version for n in (1, 2)]
+    outcomes = _race(reg, versions)
+    assert sum(isinstance(o, dict) for o in outcomes) == 1
+    assert len(reg.history("m")) == 1
+
+
+def test_two_processes_registering_at_once_get_different_versions(tmp_path):
+    script = ("import sys; from trnflow.registry import Registry; "
+              f"print(Registry({tmp_path.as_uri()!r}).register('m', {{'checkpoint': sys.argv[1]}}).version)")
+    procs = [subprocess.Popen([sys.executable, "-c", script, f"c{i}"], stdout=subprocess.PIPE, text=True)
+             for i in range(4)]
+    numbers = sorted(int(p.communicate()[0]) for p in procs)
+    assert numbers == [1, 2, 3, 4]
+
+
+def test_models_commands_list_show_promote_and_roll_back(tmp_path):
+    reg = Registry(tmp_path.as_uri())
+    for n in (1, 2):
+        reg.register("m", _entry(n))
+    runner = CliRunner()
+    where = ["--registry", str(tmp_path)]
+    assert runner.invoke(app, ["models", "promote", "m", "1", *where]).exit_code == 0
+    result = runner.invoke(app, ["models", "promote", "m", "2", *where, "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["previous"] == 1
+    rows = json.loads(runner.invoke(app, ["models", "ls", *where, "--json"]).stdout)
+    assert [(r["version"], r["champion"]) for r in rows] == [(1, False), (2, True)]
+    shown = json.loads(runner.invoke(app, ["models", "show", "m", *where, "--json"]).stdout)
+    assert shown["entry"]["version"] == 2 and len(shown["history"]) == 2
+    result = runner.invoke(app, ["models", "rollback", "m", *where])
+    assert result.exit_code == 0 and "v1 is the champion again" in result.stdout
+    missing = runner.invoke(app, ["models", "show", "m", "9", *where])
+    assert missing.exit_code == 1 and "not in the registry" in missing.stderr

@@ -1,0 +1,145 @@
+"""Training end to end on the emulator: exact resume after faults, resharding, incremental runs."""
+
+import shutil
+
+import pytest
+import torch
+from prefect import flow
+
+from jobspecs import JobSpec
+from tasks.retry_policy import retry_options
+from tasks.train import bad_cores, train_model
+from trnflow.backends import JobRequest, JobState, wait
+from trnflow.backends.local import LocalBackend
+from trnflow.settings import TrnflowSettings
+from trnflow.storage import local_path
+from trnflow.synth import synthesize
+from trnflow.workload.checkpoint import RunCheckpoints, load
+from trnflow.workload.model import build_model
+
+SHORT = {"steps": 12, "checkpoint_every": 4, "log_every": 4}
+BIG = {"instance_type": "trn1.32xlarge", "cores_per_node": 2}  # spare cores to move to
+
+
+@pytest.fixture
+def backend(trnflow_home) -> LocalBackend:
+    return LocalBackend(TrnflowSettings().jobs_dir)
+
+
+def _train(backend, spec: JobSpec, run_id: str):
+    job_id = backend.submit(JobRequest(spec, "train", run_id))
+    return wait(backend, job_id, 0.2), job_id
+
+
+def _weights(result: dict) -> dict:
+    return load(result["checkpoint"]).model
+
+
+def test_a_run_hit_by_a_killed_rank_and_a_hardware_error_ends_bitwise_equal(prefect_api, make_spec,
+                                                                                        backend, tmp_path):
+    """fp32 with dropout: the train task retries each fault (a SIGKILLed rank, then a hardware error
+    raised on another), moves off the bad core, resumes from the last checkpoint each time, and ends
+    with the weights and optimizer state of an uninterrupted run."""
+    base = dict(model={"dropout": 0.1}, compute=BIG, train=SHORT, retries={"max_retries": 3, "backoff_seconds": 0})
+    clean, _ = _train(backend, make_spec(**base), "clean")
+    assert clean.state is JobState.SUCCEEDED, clean.failure
+
+    faults = [{"kind": "kill", "core": 1, "step": 6}, {"kind": "hw", "core": 0, "step": 10}]
+    spec = make_spec(**base, faults=faults)
+
+    @flow
+    def one_stage():
+        return train_model.with_options(**retry_options(spec))(spec, "faulty", [0, 1], return_state=True)
+
+    state = one_stage()
+    assert state.is_completed(), state
+    result = state.result()
+    assert result["resumed_from"].endswith("faulty/step-000008")  # the hardware error struck at step 10
+    assert result["cores"] != [0, 1] and 0 not in result["cores"]  # moved off the bad core
+    assert bad_cores("faulty") == {0}
+    clean_weights, weights = _weights(clean.result), _weights(result)
+    assert all(torch.equal(clean_weights[k], weights[k]) for k in clean_weights)
+    clean_optim, optim = load(clean.result["checkpoint"]).optim, load(result["checkpoint"]).optim
+    for index, state in clean_optim["state"].items():
+        assert all(torch.equal(value, optim["state"][index][name]) for name, value in state.items())
+    # every fault fired once, and no checkpoint was lost along the way
+    run = RunCheckpoints(f"{spec.train.checkpoint_url}/faulty")
+    assert [o.name for o in run.store.list("faults/")] == ["faults/hw@0:10", "faults/kill@1:6"]
+    assert run.committed() == [4, 8, 12]
+
+
+def test_a_checkpoint_saved_by_4_ranks_resumes_on_2(make_spec, backend):
+    four = make_spec(compute={"instance_type": "trn1.32xlarge", "cores_per_node": 4},
+                     train={"steps": 4, "checkpoint_every": 2}, faults=[{"kind": "timeout", "core": 3, "step": 3}])
+    failed, _ = _train(backend, four, "reshard")
+    assert failed.state is JobState.FAILED and failed.failure["type"] == "ExecutionTimeout"
+    assert failed.failure["retryable"] is True
+
+    two = make_spec(compute=BIG, train={"steps": 4, "checkpoint_every": 2})
+    info, job_id = _train(backend, two, "reshard")
+    assert info.state is JobState.SUCCEEDED, info.failure
+    assert info.result["start_step"] == 2 and info.result["steps_trained"] == 2
+    assert '"saved_by_ranks": 4' in backend.logs(job_id)[0] and '"ranks": 2' in backend.logs(job_id)[0]
+    meta = load(info.result["checkpoint"]).meta
+    assert meta["world_size"] == 2 and meta["sampler"]["step"] == 4
+
+
+@pytest.fixture
+def daily(tmp_path):
+    """Three days of reviews; the third is held back until the test publishes it."""
+    full = tmp_path / "full"
+    synthesize(full, days=3, rows_per_day=200, seed=11, holdout_rows=100, inference_rows=50)
+    live = tmp_path / "live"
+    shutil.copytree(full, live)
+    shutil.rmtree(live / "train" / "dt=2026-01-03")
+    return full, live
+
+
+def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are_none(make_spec, backend, daily):
+    full, live = daily
+    data = {"train": str(live / "train"), "holdout": str(live / "holdout"), "inference": str(live / "inference"),
+            "window": "since-watermark"}
+    first, _ = _train(backend, make_spec(data=data, train={"steps": 6, "checkpoint_every": 6}), "day-2")
+    assert first.state is JobState.SUCCEEDED, first.failure
+    assert first.result["partitions"] == ["2026-01-01", "2026-01-02"] and first.result["watermark"] == "2026-01-02"
+
+    shutil.copytree(full / "train" / "dt=2026-01-03", live / "train" / "dt=2026-01-03")  # a new day lands
+    follow = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": first.result["checkpoint"]})
+    second, _ = _train(backend, make_spec(**follow), "day-3")
+    assert second.state is JobState.SUCCEEDED, second.failure
+    result = second.result
+    assert result["partitions"] == ["2026-01-03"] and result["rows"] == 200 and result["watermark"] == "2026-01-03"
+    assert result["parent"] == first.result["checkpoint"] and result["global_step"] == 10
+    child, parent = load(result["checkpoint"]), load(first.result["checkpoint"])
+    assert child.tokenizer == parent.tokenizer  # token ids never shift between incremental runs
+    assert child.meta["lineage"] == [first.result["checkpoint"]]
+
+    again = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": result["checkpoint"]})
+    nothing, _ = _train(backend, make_spec(**again), "day-3-again")
+    assert nothing.state is JobState.SUCCEEDED
+    assert nothing.result["skipped"] is True and "after the watermark 2026-01-03" in nothing.result["reason"]
+    assert not local_path(make_spec(**again).train.checkpoint_url).joinpath("day-3-again").exists()
+
+
+def test_a_plain_state_dict_from_another_program_is_a_starting_point(make_spec, backend, tmp_path):
+    spec = make_spec(train={"steps": 2, "checkpoint_every": 2, "init_from": str(tmp_path / "gpu-weights.pt")})
+    gpu_run = build_model(spec.model, seed=99)  # as a GPU job that knows nothing of trnflow would save it
+    torch.save(gpu_run.state_dict(), tmp_path / "gpu-weights.pt")
+    info, job_id = _train(backend, spec, "from-gpu")
+    assert info.state is JobState.SUCCEEDED, info.failure
+    assert info.result["parent"] == (tmp_path / "gpu-weights.pt").as_uri()
+    logs = backend.logs(job_id)[0]
+    assert '"event": "init"' in logs and "no tokenizer.json beside it" in logs
+    # two AdamW steps move each weight by a few lr at most: the run started from these weights
+    trained, scratch = _weights(info.result), build_model(spec.model, seed=spec.train.seed).state_dict()
+    step = 4 * spec.train.lr
+    assert all((trained[k] - v).abs().max() <= step for k, v in gpu_run.state_dict().items())
+    assert any((trained[k] - v).abs().max() > 10 * step for k, v in scratch.items())
+
+
+def test_a_non_finite_loss_stops_the_run_with_a_clear_error_that_is_never_retried(make_spec, backend):
+    spec = make_spec(train={"steps": 4, "checkpoint_every": 4}, faults=[{"kind": "nan", "core": 1, "step": 2}])
+    info, _ = _train(backend, spec, "diverged")
+    assert info.state is JobState.FAILED
+    assert info.failure["type"] == "FatalError" and info.failure["retryable"] is False
+    assert "loss is nan at step 2 on rank 1" in info.failure["message"] and "Lower train.lr" in info.failure["message"]

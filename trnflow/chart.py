@@ -1,0 +1,66 @@
+"""The parity chart: the candidate's metric against global step, beside the reference with its
+allowed band, as a PNG."""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+
+def parity_png(verdict: dict[str, Any], candidate: list[dict], reference: list[dict] | None, title: str) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display: render to a buffer
+    from matplotlib.figure import Figure
+
+    metric, band = verdict.get("metric", "accuracy"), verdict.get("max_abs_diff", 0.0)
+    fig = Figure(figsize=(7, 4), dpi=110)
+    ax = fig.subplots()
+    steps = [p.get("global_step", p["step"]) for p in candidate]
+    ax.plot(steps, [p[metric] for p in candidate], marker="o", label="candidate", color="tab:blue", zorder=3)
+    if reference:
+        # the reference is drawn at the candidate's global steps, matched by step
+        by_step = {p["step"]: p[metric] for p in reference}
+        shared = [(p.get("global_step", p["step"]), by_step[p["step"]]) for p in candidate if p["step"] in by_step]
+        if shared:
+            xs, ys = zip(*shared, strict=True)
+            ax.plot(xs, ys, marker="s", label="reference", color="tab:gray")
+            ax.fill_between(xs, [y - band for y in ys], [y + band for y in ys], color="tab:gray", alpha=0.25,
+                            label=f"allowed band (±{band:g})")
+    for row in verdict.get("points", []):
+        if not row["passed"]:
+            ax.scatter([row["global_step"]], [row["candidate"]], color="tab:red", s=80, zorder=4)
+    outcome = "passed" if verdict.get("passed") else "FAILED"
+    ax.set(title=f"{title}: gate {outcome}", xlabel="global step", ylabel=metric)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def verdict_markdown(verdict: dict[str, Any], title: str) -> str:
+    """The verdict as a markdown table, one row per matched evaluation point, then the paired check."""
+    metric = verdict.get("metric", "accuracy")
+    lines = [f"## {title}", "", f"**{'passed' if verdict.get('passed') else 'FAILED'}** "
+             f"({verdict.get('mode', 'every-point')}, allowed |diff| <= {verdict.get('max_abs_diff')})", ""]
+    if verdict.get("reason"):
+        lines += [verdict["reason"], ""]
+    if verdict.get("points"):
+        lines += [f"| step | global step | candidate {metric} | reference {metric} | diff | result |",
+                  "|---:|---:|---:|---:|---:|---|"]
+        for r in verdict["points"]:
+            lines.append(f"| {r['step']} | {r['global_step']} | {r['candidate']:.4f} | {r['reference']:.4f} | "
+                         f"{r['diff']:+.4f} | {'pass' if r['passed'] else '**FAIL**'} |")
+    paired = verdict.get("paired") or {}
+    if paired.get("available"):
+        size = f"{verdict.get('max_abs_diff', 0):.2%}"
+        power = (f"underpowered: detecting a {size} difference needs about {paired['rows_needed']:,} rows"
+                 if paired["underpowered"] else f"enough rows to detect a {size} difference")
+        lines += ["", f"McNemar (step {paired['step']}, {paired['rows']:,} rows): candidate right only "
+                  f"{paired['candidate_only']}, reference right only {paired['reference_only']}, "
+                  f"p = {paired['p_value']:.3g}{' (significant)' if paired['significant'] else ''}; {power}."]
+    elif paired:
+        lines += ["", f"No paired check: {paired.get('reason')}."]
+    return "\n".join(lines) + "\n"

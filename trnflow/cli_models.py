@@ -1,0 +1,119 @@
+"""`trnflow models`: the model registry (list, show, promote, roll back)."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+from collections.abc import Iterator
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+models_app = typer.Typer(help="Look at and change the model registry (registry_url).", no_args_is_help=True)
+console = Console()
+err = Console(stderr=True)
+RegistryOpt = Annotated[str, typer.Option("--registry", "-r", help="The registry: a directory or s3:// URL "
+                                          "(the spec's registry_url).", envvar="TRNFLOW_REGISTRY_URL")]
+ModelArg = Annotated[str, typer.Argument(help="The model: the job spec's name.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_CONFLICT = 1, 2, 4
+
+
+@contextlib.contextmanager
+def _registry(url: str) -> Iterator:
+    from jobspecs.spec import _normalise_url
+    from trnflow.errors import FatalError
+    from trnflow.registry import PromotionConflict, Registry
+
+    try:
+        yield Registry(_normalise_url(url))
+    except ValueError as exc:
+        err.print(f"[red]--registry {url}: {exc}[/red]")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
+    except PromotionConflict as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(EXIT_CONFLICT) from None
+    except FatalError as exc:
+        err.print(f"[red]{exc}[/red]")
+        raise typer.Exit(EXIT_FAILED) from None
+
+
+def _when(ts: float | None) -> str:
+    return dt.datetime.fromtimestamp(ts, dt.UTC).strftime("%Y-%m-%d %H:%M") if ts else ""
+
+
+@models_app.command("ls")
+def ls(model: Annotated[str | None, typer.Argument(help="One model's versions; all models when left out.")] = None,
+       registry: RegistryOpt = ..., as_json: JsonOpt = False):
+    """Every version with its accuracy, watermark and gate outcome; the champion is starred."""
+    with _registry(registry) as reg:
+        names = [model] if model else reg.models()
+        rows = []
+        for name in names:
+            champion = reg.champion(name)
+            for v in reg.versions(name):
+                starred = bool(champion and champion.version == v.version)
+                rows.append({"model": name, "version": v.version, "champion": starred,
+                             **{k: v.entry.get(k) for k in ("status", "watermark", "global_step", "checkpoint",
+                                                             "registered_at")},
+                             "accuracy": (v.entry.get("metrics") or {}).get("accuracy")})
+    if as_json:
+        print(json.dumps(rows, indent=2))
+        return
+    table = Table("model", "version", "", "status", "accuracy", "watermark", "global step", "registered", "checkpoint")
+    for r in rows:
+        accuracy = f"{r['accuracy']:.4f}" if r["accuracy"] is not None else ""
+        table.add_row(r["model"], f"v{r['version']}", "[green]★ champion[/green]" if r["champion"] else "",
+                      r["status"] or "", accuracy, r["watermark"] or "", str(r["global_step"] or ""),
+                      _when(r["registered_at"]), r["checkpoint"])
+    console.print(table if rows else f"no models in {registry}")
+
+
+@models_app.command("show")
+def show(model: ModelArg, version: Annotated[int | None, typer.Argument(help="Default: the champion.")] = None,
+         registry: RegistryOpt = ..., as_json: JsonOpt = False):
+    """One version's whole entry (the champion's by default), and the history of champions."""
+    with _registry(registry) as reg:
+        entry = reg.version(model, version) if version is not None else reg.champion(model)
+        if entry is None:
+            err.print(f"[red]{model} has no champion in {registry}; name a version (`trnflow models ls`)[/red]")
+            raise typer.Exit(EXIT_FAILED)
+        history = reg.history(model)
+    if as_json:
+        print(json.dumps({"entry": entry.entry, "history": history}, indent=2))
+        return
+    console.print_json(json.dumps(entry.entry))
+    for record in history:
+        console.print(f"generation {record['generation']}: {record['action']} v{record['version']} "
+                      f"(was {'v' + str(record['previous']) if record['previous'] else 'none'}) {_when(record['at'])} "
+                      f"{record.get('reason') or ''}")
+
+
+@models_app.command("promote")
+def promote(model: ModelArg, version: Annotated[int, typer.Argument(help="The version to make champion.")],
+            registry: RegistryOpt = ..., reason: Annotated[str, typer.Option(help="Why, for the history.")] = "manual",
+            as_json: JsonOpt = False):
+    """Make a version the champion (exit 4 if another promotion wins the race)."""
+    with _registry(registry) as reg:
+        record = reg.promote(model, version, reason=reason, expected_generation=reg.generation(model))
+    if as_json:
+        print(json.dumps(record))
+    else:
+        console.print(f"[green]{model} v{version} is the champion[/green] (generation {record['generation']})")
+
+
+@models_app.command("rollback")
+def rollback(model: ModelArg, registry: RegistryOpt = ...,
+             reason: Annotated[str, typer.Option(help="Why, for the history.")] = "manual rollback",
+             as_json: JsonOpt = False):
+    """Make the previous champion the champion again."""
+    with _registry(registry) as reg:
+        record = reg.rollback(model, reason=reason)
+    if as_json:
+        print(json.dumps(record))
+    else:
+        console.print(f"[green]{model} v{record['version']} is the champion again[/green] "
+                      f"(rolled back from v{record['previous']})")

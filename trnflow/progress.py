@@ -1,0 +1,67 @@
+"""Live progress bars for training and inference, drawn from the JSON lines the workload logs.
+
+Every backend carries the workload's log lines into the stage task's Prefect log; this handler
+listens there and moves a rich progress bar on each `train` event (step, loss, samples/s) and each
+`infer_shard` event (shards done, rows/s), so a terminal user sees the work advance while the task
+log keeps every line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+
+class TrainingProgress(logging.Handler):
+    def __init__(self, progress: Progress):
+        super().__init__()
+        self.progress = progress
+        self.bar = None
+        self.shards = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if not text.startswith('{"ts"'):
+            return
+        try:
+            event = json.loads(text)
+        except ValueError:
+            return
+        kind = event.get("event")
+        if kind == "resume" and self.bar is not None:
+            self.progress.update(self.bar, completed=event["step"], description=f"resumed at step {event['step']}")
+        elif kind == "train":
+            if self.bar is None:
+                self.bar = self.progress.add_task("training", total=event["steps"], stage="train")
+            self.progress.update(self.bar, total=event["steps"], completed=event["step"],
+                                 description=f"loss {event['loss']:.4f}, {event['samples_per_s']:.0f} samples/s")
+        elif kind == "infer_shard":
+            if self.shards is None:
+                self.shards = self.progress.add_task("embedding", total=event["shards"], stage="infer")
+            self.progress.update(self.shards, advance=1, description=f"{event['rows_per_s']:.0f} rows/s (rank "
+                                 f"{event['rank']})")
+
+
+@contextlib.contextmanager
+def training_progress(console: Console, enabled: bool = True) -> Iterator[None]:
+    """Show a training progress bar on `console` while the block runs (transient: it is gone after)."""
+    if not enabled:
+        yield
+        return
+    columns = (TextColumn("{task.fields[stage]}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+               TimeElapsedColumn(), TimeRemainingColumn())
+    loggers = [logging.getLogger("prefect.task_runs"), logging.getLogger("prefect.flow_runs")]
+    with Progress(*columns, console=console, transient=True) as progress:
+        handler = TrainingProgress(progress)
+        for logger in loggers:
+            logger.addHandler(handler)
+        try:
+            yield
+        finally:
+            for logger in loggers:
+                logger.removeHandler(handler)
