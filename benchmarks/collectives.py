@@ -16,27 +16,19 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
+
+from _torchrun import torchrun_json
 
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.render import parse_size
 from trnflow.workload.collectives import GIB, bus_factor
 
-HERE = Path(__file__).resolve().parent
-
 
 def bare_busbw(ranks: int, size: int, iters: int) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-         str(HERE / "_bare_allreduce.py"), str(size), str(iters)],
-        env=env, check=True, capture_output=True, text=True,
-    ).stdout
-    seconds = json.loads(next(line for line in out.splitlines() if line.startswith("{")))["seconds"]
+    seconds = torchrun_json("_bare_allreduce.py", ranks, size, iters)["seconds"]
     return size / seconds / GIB * bus_factor("all_reduce", ranks)
 
 

@@ -17,28 +17,19 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 from _quickstart import quickstart, scratch_home
+from _torchrun import torchrun_json
 
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
 
-HERE = Path(__file__).resolve().parent
-
 
 def bare(spec_file: Path, ranks: int, steps: int) -> float:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-         str(HERE / "_bare_ddp.py"), str(spec_file), str(steps)],
-        env=env, check=True, capture_output=True, text=True,
-    ).stdout
-    return json.loads(next(line for line in out.splitlines() if line.startswith("{")))["median_step_seconds"]
+    return torchrun_json("_bare_ddp.py", ranks, spec_file, steps)["median_step_seconds"]
 
 
 def trnflow(backend: LocalBackend, spec, run_id: str) -> float:

@@ -60,10 +60,28 @@ def _attach(spec: JobSpec, run_url: str, verdict: dict, candidate: dict, referen
     return f"{run_url}/parity.png"
 
 
+def _up_to(series: dict, step: int | None) -> dict:
+    """The series as it stood at the checkpoint being gated: later points (a newer checkpoint's)
+    are not this model's, nor is a per-example outcome taken at another step."""
+    if step is None:
+        return series
+    trimmed = {**series, "points": [p for p in series["points"] if p["step"] <= step]}
+    if (series.get("predictions") or {}).get("step") != step:
+        trimmed.pop("predictions", None)
+    return trimmed
+
+
 def _register(spec: JobSpec, registry: Registry, checkpoint: str, run_id: str, candidate: dict, verdict: dict,
               generation: int) -> dict:
     meta = json.loads(open_store(checkpoint).read("meta.json"))
     versions = {v.checkpoint: v.version for v in registry.versions(spec.name)}
+    if checkpoint in versions:  # a rerun of the same run: its model is registered already
+        version = versions[checkpoint]
+        champion = registry.champion(spec.name)
+        promote = verdict["passed"] and not (champion and champion.version == version)
+        if promote:
+            registry.promote(spec.name, version, reason=f"gate passed ({run_id})", expected_generation=generation)
+        return {"version": version, "promoted": promote, "registered_before": True}
     entry = registry.register(spec.name, {
         "checkpoint": checkpoint, "run_id": run_id, "status": "passed" if verdict["passed"] else "rejected",
         "metrics": candidate["points"][-1], "series": f"{checkpoint.rpartition('/')[0]}/metrics.json",
@@ -96,6 +114,7 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
     if candidate is None or step not in {p["step"] for p in candidate["points"]}:
         result = {**run_job(spec, "evaluate", run_id, checkpoint=checkpoint, cores=cores), **result}
         candidate = read_series(run_url) or {"points": result["points"]}
+    candidate = _up_to(candidate, step)
     reference, against = _reference(spec, registry)
     title = f"{spec.name} {run_id}"
     if reference is None:
@@ -118,7 +137,8 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
     if reference is None:
         summary = f"{gate.metric} {final:.4f}; {against}, recorded as baseline"
     else:
-        worst = max(abs(p["diff"]) for p in verdict["points"])
+        judged = verdict["points"] if gate.mode == "every-point" else verdict["points"][-1:]
+        worst = max(abs(p["diff"]) for p in judged)
         summary = f"{gate.metric} {final:.4f}, max |diff| {worst:.4f} <= {gate.max_abs_diff} vs {against}: passed"
     if result.get("registry", {}).get("promoted"):
         summary += f"; champion v{result['registry']['version']}"

@@ -25,7 +25,8 @@ def _save(run: RunCheckpoints, step: int, keep_latest=None, seed=0):
     model = build_model(CFG, seed=seed)
     rng = [{"torch": torch.get_rng_state(), "sr": torch.Generator().get_state()}]
     url = run.save(step, model.state_dict(), {"state": {}, "param_groups": []}, rng, TOKENIZER,
-                   {"run_id": "r", "watermark": "2026-01-02"}, keep_latest=keep_latest)
+                   {"run_id": "r", "watermark": "2026-01-02", "sampler": {"step": step}, "data": {}},
+                   keep_latest=keep_latest)
     return url, model
 
 
@@ -104,6 +105,7 @@ class Payload:
         return (print, ("this ran at load time",))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_a_pickled_object_is_refused_by_weights_only(tmp_path):
     path = tmp_path / "evil.pt"
     torch.save({"weight": Payload()}, path)
@@ -137,3 +139,26 @@ def test_the_marker_records_every_file_with_its_checksum(tmp_path):
     marker = json.loads((tmp_path / "r" / "step-000007" / MARKER).read_text())
     assert set(marker["files"]) == {"model.pt", "optim.pt", "state.pt", "tokenizer.json", "meta.json"}
     assert all(len(f["sha256"]) == 64 for f in marker["files"].values())
+
+
+def test_after_resuming_past_a_corrupt_checkpoint_the_new_saves_are_never_pruned_away(tmp_path):
+    run = RunCheckpoints((tmp_path / "r").as_uri())
+    _save(run, 60)
+    _save(run, 80)
+    weights = tmp_path / "r" / "step-000080" / "model.pt"
+    weights.write_bytes(b"corrupt")
+    assert run.latest(on_skip=lambda *_: None).step == 60  # the run resumes at 60 ...
+    _save(run, 70, keep_latest=1)  # ... and its next save outlives both 60 and the corrupt 80
+    assert run.committed() == [70]
+
+
+def test_a_marker_from_an_older_trnflow_is_skipped_with_the_reason(tmp_path):
+    run = RunCheckpoints((tmp_path / "r").as_uri())
+    _save(run, 10)
+    _save(run, 20)
+    (tmp_path / "r" / "step-000020" / MARKER).write_text('{"step": 20}')
+    reasons = []
+    assert run.latest(on_skip=lambda url, why: reasons.append(why)).step == 10
+    assert "older trnflow" in reasons[0]
+    with pytest.raises(FatalError, match="Use an earlier one or retrain"):
+        load((tmp_path / "r" / "step-000020").as_uri())

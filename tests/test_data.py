@@ -77,6 +77,8 @@ def test_partitioned_parquet_is_read_from_s3(tmp_path, s3_bucket):
     ('{"text": "ok", "label": 5}\n', "label 5 in row 0 is outside 0..1"),
     ('{"body": "ok", "label": 1}\n', "missing column"),
     ('{"text": "ok", "label": 1\n', "cannot be read as jsonl"),
+    ('{"text": "ok", "label": "positive"}\n', "must hold integer class ids"),
+    ('{"text": "ok", "label": 0.5}\n', "holds double values"),
 ])
 def test_bad_rows_are_named_with_the_fix(tmp_path, content, message):
     (tmp_path / "d.jsonl").write_text(content)

@@ -102,3 +102,12 @@ def test_metrics_with_bad_predictions_are_refused():
     with pytest.raises(DataError, match="predictions"):
         parse_metrics('{"points": [{"step": 1, "accuracy": 0.5}], "predictions": {"step": 1, "correct": "01x"}}',
                       "ref.json", "accuracy")
+
+
+def test_the_paired_check_refuses_empty_or_mismatched_outcomes():
+    empty = compare(_doc([{"step": 5, "accuracy": 0.7}], "", 5), _doc([{"step": 5, "accuracy": 0.7}], "", 5),
+                    "accuracy", 0.001)
+    assert empty["paired"]["available"] is False and empty["passed"]
+    short = compare(_doc([{"step": 5, "accuracy": 0.7}], "10", 5), _doc([{"step": 5, "accuracy": 0.7}], "101", 5),
+                    "accuracy", 0.001)
+    assert "2 and 3 rows" in short["paired"]["reason"]

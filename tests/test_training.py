@@ -11,6 +11,7 @@ from tasks.retry_policy import retry_options
 from tasks.train import bad_cores, train_model
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
+from trnflow.registry import Registry
 from trnflow.settings import TrnflowSettings
 from trnflow.storage import local_path
 from trnflow.synth import synthesize
@@ -104,9 +105,12 @@ def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are
     assert first.result["partitions"] == ["2026-01-01", "2026-01-02"] and first.result["watermark"] == "2026-01-02"
 
     shutil.copytree(full / "train" / "dt=2026-01-03", live / "train" / "dt=2026-01-03")  # a new day lands
-    follow = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": first.result["checkpoint"]})
-    second, _ = _train(backend, make_spec(**follow), "day-3")
+    registry = Registry(make_spec().registry_url)  # the first run is the champion the next one starts from
+    registry.promote("quickstart", registry.register("quickstart", {"checkpoint": first.result["checkpoint"]}).version)
+    follow = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": "champion"})
+    second, job_id = _train(backend, make_spec(**follow), "day-3")
     assert second.state is JobState.SUCCEEDED, second.failure
+    assert '"event": "champion", "rank": 0, "version": 1' in backend.logs(job_id)[0]
     result = second.result
     assert result["partitions"] == ["2026-01-03"] and result["rows"] == 200 and result["watermark"] == "2026-01-03"
     assert result["parent"] == first.result["checkpoint"] and result["global_step"] == 10

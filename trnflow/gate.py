@@ -107,8 +107,11 @@ def paired_check(candidate: dict, reference: dict, delta: float, alpha: float) -
                 f"{'candidate' if not cand else 'reference'} side"}
     if candidate.get("holdout_sha256") != reference.get("holdout_sha256"):
         return {"available": False, "reason": "the two runs were evaluated on different holdout sets"}
-    if cand["step"] != ref["step"] or len(cand["correct"]) != len(ref["correct"]):
+    if cand["step"] != ref["step"]:
         return {"available": False, "reason": f"predictions are at different steps ({cand['step']} and {ref['step']})"}
+    if len(cand["correct"]) != len(ref["correct"]) or not cand["correct"]:
+        return {"available": False, "reason": f"predictions cover {len(cand['correct'])} and {len(ref['correct'])} "
+                "rows: not the same holdout"}
     pairs = list(zip(cand["correct"], ref["correct"], strict=True))
     candidate_only = sum(1 for c, r in pairs if c == "1" and r == "0")
     reference_only = sum(1 for c, r in pairs if c == "0" and r == "1")

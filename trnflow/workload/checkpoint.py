@@ -31,10 +31,15 @@ from trnflow.workload.tokenizer import FILE as TOKENIZER_FILE
 
 MARKER = "COMMITTED"
 _PREFIX = "step-"
+RESUME_KEYS = ("sampler", "data")
+"""What a checkpoint's meta.json must hold for a run to resume from it."""
 
 
 def step_name(step: int) -> str:
     return f"{_PREFIX}{step:06d}"
+
+
+REQUIRED = ("model.pt", "optim.pt", "state.pt", TOKENIZER_FILE, "meta.json")
 
 
 def _tensor_bytes(obj: Any) -> bytes:
@@ -58,6 +63,8 @@ class Checkpoint:
     rng: list[dict] | None = None
     tokenizer: str | None = None
     meta: dict = field(default_factory=dict)
+    model_sha256: str = ""
+    """The digest of the weights file: it tells two models apart whatever their names."""
 
     @property
     def watermark(self) -> str | None:
@@ -82,12 +89,17 @@ class RunCheckpoints:
         return sorted(int(f.removeprefix(_PREFIX)) for f, names in self._folders().items() if MARKER in names)
 
     def latest(self, on_skip=None) -> Checkpoint | None:
-        """The newest committed checkpoint that passes its checksums; `on_skip(url, reason)` hears of
-        each corrupted one passed over."""
+        """The newest committed checkpoint that passes its checksums and can be resumed;
+        `on_skip(url, reason)` hears of each one passed over."""
         for step in reversed(self.committed()):
             url = f"{self.url}/{step_name(step)}"
             try:
-                return load(url)
+                ckpt = load(url)
+                missing = [k for k in RESUME_KEYS if k not in ckpt.meta]
+                if missing or ckpt.optim is None:
+                    raise FatalError(f"{url}: has no {', '.join(missing) or 'optimizer state'} to resume from "
+                                     "(written by an older trnflow?)")
+                return ckpt
             except FatalError as exc:
                 if on_skip:
                     on_skip(url, str(exc))
@@ -110,17 +122,22 @@ class RunCheckpoints:
             self.store.write(f"{folder}/{name}", data)
         marker = {"step": step, "files": {name: _digest(data) for name, data in files.items()}}
         self.store.write(f"{folder}/{MARKER}", json.dumps(marker, indent=2).encode())
-        self.prune(keep_latest)
+        self.prune(keep_latest, newest=step)
         return f"{self.url}/{folder}"
 
-    def prune(self, keep_latest: int | None) -> list[str]:
-        """Delete torn folders and committed ones beyond the newest `keep_latest`. A committed
-        checkpoint loses its marker first, so it is never seen half-deleted."""
+    def prune(self, keep_latest: int | None, newest: int) -> list[str]:
+        """Delete torn folders, committed ones after `newest` (the step just saved: anything later
+        belongs to an attempt that was resumed from an earlier checkpoint, because it was corrupt),
+        and all but the newest `keep_latest` of the rest. `newest` itself is always kept. A
+        committed checkpoint loses its marker first, so it is never seen half-deleted."""
         removed = []
-        committed = self.committed()
-        old = set(committed[:-keep_latest]) if keep_latest else set()
+        kept = [s for s in self.committed() if s <= newest]
+        doomed = {s for s in self.committed() if s > newest}
+        if keep_latest:
+            doomed |= set(kept[:-keep_latest])
+        doomed.discard(newest)
         for folder, names in sorted(self._folders().items()):
-            if MARKER not in names or int(folder.removeprefix(_PREFIX)) in old:
+            if MARKER not in names or int(folder.removeprefix(_PREFIX)) in doomed:
                 self.store.delete(f"{folder}/{MARKER}")
                 self.store.delete_prefix(f"{folder}/")
                 removed.append(folder)
@@ -148,7 +165,8 @@ def load(url: str) -> Checkpoint:
     base, _, last = url.rpartition("/")
     if "." in last and not last.startswith(_PREFIX):  # a file: model.pt, weights.bin, ...
         parent = open_store(base)
-        state = _load_tensors(_read(parent, last, url), url)
+        raw = _read(parent, last, url)
+        state = _load_tensors(raw, url)
         if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
             raise FatalError(f"{url}: expected a state_dict (a mapping of names to tensors), "
                              f"got {type(state).__name__}")
@@ -156,20 +174,30 @@ def load(url: str) -> Checkpoint:
             tokenizer = parent.read(TOKENIZER_FILE).decode()
         except FileNotFoundError:
             tokenizer = None
-        return Checkpoint(url, 0, state, tokenizer=tokenizer, meta={"plain_state_dict": True})
+        return Checkpoint(url, 0, state, tokenizer=tokenizer, meta={"plain_state_dict": True},
+                          model_sha256=hashlib.sha256(raw).hexdigest())
     store = open_store(url)
     try:
         marker = json.loads(store.read(MARKER))
+        listed = marker["files"]
+        if not isinstance(listed, dict) or not set(REQUIRED) <= set(listed):
+            raise ValueError(f"it lists {sorted(listed)}")
     except FileNotFoundError:
         raise FatalError(f"{url}: not a committed checkpoint (no {MARKER} marker); pick another checkpoint") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FatalError(f"{url}/{MARKER}: not a marker this version of trnflow understands ({exc}); the "
+                         "checkpoint is damaged or was written by an older trnflow. Use an earlier one or retrain"
+                         ) from None
     files = {}
-    for name, expected in marker["files"].items():
+    for name, expected in listed.items():
         data = _read(store, name, f"{url}/{name}")
         if _digest(data) != expected:
             raise FatalError(f"{url}/{name}: does not match its checksum in {MARKER}; the checkpoint is corrupted, "
                              "use an earlier one")
         files[name] = data
     state = _load_tensors(files["state.pt"], f"{url}/state.pt")
+    if not isinstance(state, dict) or "step" not in state or "rng" not in state:
+        raise FatalError(f"{url}/state.pt: has no step and RNG states; use an earlier checkpoint")
     return Checkpoint(
         url, int(state["step"]),
         model=_load_tensors(files["model.pt"], f"{url}/model.pt"),
@@ -177,6 +205,7 @@ def load(url: str) -> Checkpoint:
         rng=state["rng"],
         tokenizer=files[TOKENIZER_FILE].decode(),
         meta=json.loads(files["meta.json"]),
+        model_sha256=listed["model.pt"]["sha256"],
     )
 
 

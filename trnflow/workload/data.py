@@ -144,10 +144,12 @@ def read_labelled(files: list[DataFile], spec: DataSpec, num_classes: int, url: 
     table = read_table(files, spec, [spec.text_field, spec.label_field])
     if table.num_rows == 0:
         raise DataError(f"{url}: has no rows; point the spec at data that has some")
-    try:
-        labels = torch.tensor(table.column(spec.label_field).to_pylist(), dtype=torch.long)
-    except (TypeError, RuntimeError):
-        raise DataError(f"{url}: column {spec.label_field!r} must hold integer class ids") from None
+    column = table.column(spec.label_field)
+    if not pa.types.is_integer(column.type) or column.null_count:
+        raise DataError(f"{url}: column {spec.label_field!r} holds {column.type} values"
+                        f"{' with nulls' if column.null_count else ''}; it must hold integer class ids "
+                        f"0..{num_classes - 1}. Map the labels to integers, or set data.label_field")
+    labels = torch.tensor(column.to_pylist(), dtype=torch.long)
     bad = (labels < 0) | (labels >= num_classes)
     if bool(bad.any()):
         row = int(bad.nonzero()[0])

@@ -83,7 +83,12 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
         run_url = ckpt.url.rpartition("/")[0]
         known = read_series(run_url) or {}
         points = [p for p in known.get("points", []) if p["step"] != ckpt.step] + [point]
-        series_url = write_series(run_url, ckpt.meta.get("run_id", "trnflow"), points, holdout.digest, ckpt.step,
-                                  correct)
+        newest = max(p["step"] for p in points)
+        kept = known.get("predictions") or {}
+        if ckpt.step < newest and kept.get("step") == newest:  # keep the newest point's per-example outcome
+            correct, at = kept["correct"], newest
+        else:
+            at = ckpt.step
+        series_url = write_series(run_url, ckpt.meta.get("run_id", "trnflow"), points, holdout.digest, at, correct)
     return {"checkpoint": checkpoint, "points": [point], "series": series_url, "holdout_sha256": holdout.digest,
             "compile": programs.compiler.summary()}

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import time
 
 import pyarrow as pa
@@ -32,6 +33,7 @@ from trnflow.workload.model import build_model
 from trnflow.workload.programs import for_run
 
 MANIFEST = "_manifest.json"
+_OURS = re.compile(r"(?:_committed/)?part-(\d{5})\.(?:parquet|json)")
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
@@ -70,12 +72,23 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     load_model_weights(model, ckpt.model, ckpt.url)
     programs = for_run(ctx, model)
     run_url = ckpt.url.rpartition("/")[0]
-    version = f"{ckpt.meta.get('run_id', run_url.rsplit('/', 1)[-1])}/step-{ckpt.step}"
+    if ckpt.meta.get("plain_state_dict"):
+        version = f"{ckpt.url.rsplit('/', 1)[-1]}@{ckpt.model_sha256[:12]}"
+    else:
+        version = f"{ckpt.meta.get('run_id', run_url.rsplit('/', 1)[-1])}/step-{ckpt.step}"
 
     rows = read_unlabelled(spec.data.inference, spec.data)
-    tokens = tokenizer_of(ckpt, spec).encode(rows.texts)
-    ids_digest = hashlib.sha256("\n".join(map(str, rows.ids)).encode()).hexdigest()
-    plan = hashlib.sha256(json.dumps([ids_digest, icfg.shard_size, version]).encode()).hexdigest()[:16]
+    tokenizer = tokenizer_of(ckpt, spec)
+    tokens = tokenizer.encode(rows.texts)
+    # A shard can be reused only if it was made from the same rows by the same weights, tokenizer
+    # and shapes: the plan digests all of them.
+    inputs = hashlib.sha256()
+    for row_id, text in zip(rows.ids, rows.texts, strict=True):
+        inputs.update(f"{row_id}\t{text}\n".encode())
+    plan = hashlib.sha256(json.dumps([
+        inputs.hexdigest(), icfg.shard_size, icfg.batch_size, ckpt.model_sha256, version,
+        hashlib.sha256(tokenizer.to_json().encode()).hexdigest(), spec.model.model_dump(mode="json"),
+    ]).encode()).hexdigest()[:16]
     out = open_store(icfg.output_url)
     if ctx.is_main:
         out.delete(MANIFEST)  # the output is incomplete until the manifest is back
@@ -110,9 +123,9 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     everything = sorted((s for per_rank in gather_objects(ctx, shards) for s in per_rank), key=lambda s: s["shard"])
     counts = gather_objects(ctx, written)
     if ctx.is_main:
-        for obj in out.list():  # shards of an earlier, larger inference set
-            stem = obj.name.rsplit("/", 1)[-1].split(".", 1)[0].removeprefix("part-")
-            if stem.isdigit() and int(stem) >= n_shards:
+        for obj in out.list():  # shards of an earlier, larger inference set, and their markers
+            match = _OURS.fullmatch(obj.name)
+            if match and int(match.group(1)) >= n_shards:
                 out.delete(obj.name)
         manifest = {"model_version": version, "checkpoint": ckpt.url, "plan": plan, "rows": len(rows.ids),
                     "shard_size": icfg.shard_size,

@@ -15,7 +15,7 @@ from trnflow.errors import DataError
 from trnflow.registry import Registry
 from trnflow.storage import join
 from trnflow.workload.checkpoint import Checkpoint, RunCheckpoints, load
-from trnflow.workload.context import WorkerContext
+from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.data import DataFile, data_files, partitions, since_watermark
 
 LINEAGE_DEPTH = 20
@@ -54,15 +54,16 @@ class Start:
 def _init_from(ctx: WorkerContext) -> Checkpoint | None:
     spec: JobSpec = ctx.spec
     source = spec.train.init_from
-    if source == "champion":
+    if source == "champion":  # looked up once, by rank 0: a promotion meanwhile must not split the ranks
         assert spec.registry_url is not None  # the spec checks it
-        champion = Registry(spec.registry_url).champion(spec.name)
-        if champion is None:
-            ctx.log("init", checkpoint=None, message=f"{spec.name} has no champion in {spec.registry_url} yet: "
-                    "starting from scratch")
-            return None
-        ctx.log("champion", version=champion.version, checkpoint=champion.checkpoint)
-        source = champion.checkpoint
+        champion = Registry(spec.registry_url).champion(spec.name) if ctx.is_main else None
+        if ctx.is_main:
+            if champion is None:
+                ctx.log("init", checkpoint=None, message=f"{spec.name} has no champion in {spec.registry_url} yet: "
+                        "starting from scratch")
+            else:
+                ctx.log("champion", version=champion.version, checkpoint=champion.checkpoint)
+        source = gather_objects(ctx, champion.checkpoint if champion else None)[0]
     return load(source) if source else None
 
 
@@ -72,7 +73,7 @@ def find_start(ctx: WorkerContext, run_id: str) -> Start:
     resumed = checkpoints.latest(on_skip=lambda url, why: ctx.log("checkpoint_skipped", url=url, reason=why))
     files = data_files(spec.data.train, spec.data.format)
     if resumed:
-        wanted = resumed.meta["data"]["files"]
+        wanted = resumed.meta["data"].get("files", [])
         by_name = {f.name: f for f in files}
         gone = [n for n in wanted if n not in by_name]
         if gone:
