@@ -44,7 +44,8 @@ def _reference(spec: JobSpec, registry: Registry | None) -> tuple[dict | None, s
     except FileNotFoundError:
         raise FatalError(f"gate.reference {gate.reference} does not exist; create it with "
                          "`trnflow reference SPEC` or point gate.reference at an existing metrics file") from None
-    return parse_metrics(text, gate.reference, gate.metric), gate.reference
+    document = parse_metrics(text, gate.reference, gate.metric)
+    return document, str(document.get("source") or name)
 
 
 def _attach(spec: JobSpec, run_url: str, verdict: dict, candidate: dict, reference: dict | None, title: str) -> str:
