@@ -110,6 +110,17 @@ class ComputeSpec(Section):
     precision: Literal["fp32", "bf16", "bf16-sr"] = Field(
         "fp32", description="fp32, bf16 autocast, or bf16 weights with stochastic rounding (bf16-sr)."
     )
+    max_runtime_hours: float = Field(
+        24.0, gt=0, le=28 * 24, description="A cloud job still running after this long is stopped (per attempt)."
+    )
+    volume_gb: int = Field(200, ge=1, le=16384, description="Local disk per instance for SageMaker jobs (GB).")
+    share_identifier: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_]{1,255}$",
+        description="Batch fair-share identifier (for queues with a fair-share scheduling policy), e.g. a team.",
+    )
+    scheduling_priority: int = Field(
+        0, ge=0, le=9999, description="Batch scheduling priority within a fair-share queue (higher runs first)."
+    )
 
     @property
     def world_size(self) -> int:

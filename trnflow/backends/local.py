@@ -27,6 +27,7 @@ from trnflow.emulator.cores import allocate, parse_visible_cores
 from trnflow.emulator.launcher import launch_command, launch_env
 from trnflow.emulator.memory import check_fits
 from trnflow.errors import FatalError
+from trnflow.failures import read_reports, root_failure
 from trnflow.fsutil import atomic_write_json, atomic_write_text
 
 # job.json records only the variables that describe the job; everything else (credentials among
@@ -36,13 +37,6 @@ _RECORDED = ("NEURON_", "TRNFLOW_", "OMP_", "PYTHON", "TORCH", "FI_", "SM_", "AW
 
 def _recorded(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in sorted(env.items()) if k.startswith(_RECORDED)}
-
-
-def _lost_peer(report: dict) -> bool:
-    """Whether a rank's error only says that a peer went away."""
-    text = f"{report.get('type')}: {report.get('message')}"
-    return report.get("type") == "DistBackendError" or any(
-        sign in text for sign in ("Connection closed by peer", "Connection reset by peer", "gloo", "Broken pipe"))
 
 
 class LocalBackend:
@@ -141,19 +135,13 @@ class LocalBackend:
         A rank that died without a word (SIGKILL, the OOM killer) leaves only its peers' errors
         about the lost connection: that is a lost worker, which a retry can cure.
         """
-        reports = [json.loads(p.read_text()) for p in sorted((job_dir / "output").glob("failure-rank*.json"))]
-        own = [r for r in reports if r.get("retryable") is not None]
-        if own:
-            return min(own, key=lambda r: r["rank"])
-        causes = [r for r in reports if not _lost_peer(r)]
-        if causes:
-            return min(causes, key=lambda r: r["rank"])  # a plain error (a bug): not retryable
         processes = json.loads((job_dir / "job.json").read_text())["processes"]
-        silent = sorted(set(range(processes)) - {r["rank"] for r in reports})
-        tail = "\n".join(self.logs(job_dir.name)[0].splitlines()[-15:])
-        return {"type": "WorkerLost", "retryable": True, "ranks": silent,
-                "message": f"rank(s) {silent} exited without reporting why (exit code {exit_info['exit_code']}; "
-                           f"killed, or out of memory)\n{tail}"}
+        failure = root_failure(read_reports(job_dir / "output"), processes)
+        if failure["type"] == "WorkerLost":
+            tail = "\n".join(self.logs(job_dir.name)[0].splitlines()[-15:])
+            failure["message"] = (f"rank(s) {failure['ranks']} exited without reporting why (exit code "
+                                  f"{exit_info['exit_code']}; killed, or out of memory)\n{tail}")
+        return failure
 
     def logs(self, job_id: str, since: int = 0) -> tuple[str, int]:
         """Complete log lines from byte offset `since`, and the offset after them."""

@@ -1,0 +1,201 @@
+"""The SageMaker and Batch requests, built by pure functions and checked whole, and the container's
+reading of each service's contract."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from jobspecs import validate_spec
+from tests.conftest import quickstart_data
+from trnflow.backends import JobRequest
+from trnflow.backends.batch_request import build_job_definition, build_submit_job
+from trnflow.backends.cloud import CloudTarget
+from trnflow.backends.sagemaker_request import build_training_job_request
+from trnflow.container import batch_rendezvous, sagemaker_rendezvous, torchrun_argv
+from trnflow.errors import FatalError
+
+TARGET = CloudTarget(image="123456789012.dkr.ecr.us-east-1.amazonaws.com/trnflow:0.1.0",
+                     staging_url="s3://acme-staging/trnflow", role_arn="arn:aws:iam::123456789012:role/trnflow-sm",
+                     job_queue="trn1-fair-share")
+
+
+def _spec(itype="trn1n.32xlarge", nodes=2, cores=32, **sections):
+    return validate_spec(quickstart_data(
+        name="embed",
+        data={"train": "s3://acme-data/reviews/train", "holdout": "s3://acme-data/reviews/holdout",
+              "inference": "s3://acme-data/reviews/catalogue", "format": "parquet"},
+        compute={"backend": "sagemaker", "instance_type": itype, "nodes": nodes, "cores_per_node": cores,
+                 "precision": "bf16-sr", "max_runtime_hours": 6, **sections.pop("compute", {})},
+        compile={"optlevel": 1, "cache_url": "s3://acme-cache/neuron"},
+        train={"steps": 100, "global_batch_size": 64 * nodes * cores // 32, "checkpoint_url": "s3://acme-ckpt/embed",
+               **sections.pop("train", {})},
+        retries={"max_retries": 3},
+        inference={"output_url": "s3://acme-out/embed"},
+        **sections,
+    ))
+
+
+def test_the_sagemaker_request_for_a_training_stage_whole():
+    request = JobRequest(_spec(), "train", "20261123-run")
+    env = {"NEURON_CC_FLAGS": "--optlevel=1 --cache_dir=s3://acme-cache/neuron",
+           "NEURON_COMPILE_CACHE_URL": "s3://acme-cache/neuron", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1",
+           "TRNFLOW_PHASE": "train", "TRNFLOW_RUN_ID": "20261123-run",
+           "TRNFLOW_SPEC_URL": "s3://acme-staging/trnflow/20261123-run/embed-train-20261123-run/spec.json",
+           "TRNFLOW_NPROC_PER_NODE": "32", "TRNFLOW_CHECKPOINT_DIR": "/opt/ml/checkpoints",
+           "TRNFLOW_CHECKPOINT_S3_URI": "s3://acme-ckpt/embed/20261123-run",
+           # trn1n: SageMaker sets these only for trn1.32xlarge, so trnflow does
+           "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1", "RDMAV_FORK_SAFE": "1"}
+
+    def channel(name, uri):
+        return {"ChannelName": name, "InputMode": "File", "DataSource": {"S3DataSource": {
+            "S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}}}
+
+    assert build_training_job_request(request, TARGET) == {
+        "TrainingJobName": "embed-train-20261123-run",
+        "RoleArn": TARGET.role_arn,
+        "AlgorithmSpecification": {"TrainingImage": TARGET.image, "TrainingInputMode": "File",
+                                   "ContainerEntrypoint": ["python", "-m", "trnflow.container"],
+                                   "ContainerArguments": ["sagemaker"]},
+        "HyperParameters": {"phase": "train", "run-id": "20261123-run"},
+        "ResourceConfig": {"InstanceType": "ml.trn1n.32xlarge", "InstanceCount": 2, "VolumeSizeInGB": 200},
+        "StoppingCondition": {"MaxRuntimeInSeconds": 6 * 3600},
+        "CheckpointConfig": {"S3Uri": "s3://acme-ckpt/embed/20261123-run", "LocalPath": "/opt/ml/checkpoints"},
+        "RetryStrategy": {"MaximumRetryAttempts": 3},
+        "InputDataConfig": [
+            channel("spec", "s3://acme-staging/trnflow/20261123-run/embed-train-20261123-run"),
+            channel("train", "s3://acme-data/reviews/train"), channel("holdout", "s3://acme-data/reviews/holdout")],
+        "OutputDataConfig": {"S3OutputPath": "s3://acme-staging/trnflow/20261123-run/output"},
+        "Environment": env,
+        "Tags": [{"Key": "trnflow:job", "Value": "embed"}, {"Key": "trnflow:phase", "Value": "train"},
+                 {"Key": "trnflow:run-id", "Value": "20261123-run"},
+                 {"Key": "trnflow:spec-digest", "Value": request.spec.digest()}],
+    }
+
+
+def test_an_inference_stage_gets_its_checkpoint_and_the_inference_channel_only():
+    request = JobRequest(_spec(itype="trn1.2xlarge", nodes=1, cores=2), "infer", "r1",
+                         checkpoint="s3://acme-ckpt/embed/r1/step-000100")
+    built = build_training_job_request(request, TARGET)
+    assert [c["ChannelName"] for c in built["InputDataConfig"]] == ["spec", "inference"]
+    assert built["HyperParameters"]["checkpoint"] == "s3://acme-ckpt/embed/r1/step-000100"
+    assert built["Environment"]["TRNFLOW_CHECKPOINT"] == "s3://acme-ckpt/embed/r1/step-000100"
+    assert not any(k.startswith("FI_") for k in built["Environment"])  # no EFA on trn1.2xlarge
+
+
+def test_local_data_cannot_become_a_sagemaker_channel():
+    spec = validate_spec(quickstart_data(compute={"backend": "sagemaker"}))
+    with pytest.raises(FatalError, match=r"data\.train: .* is not on S3"):
+        build_training_job_request(JobRequest(spec, "train", "r"), TARGET)
+
+
+def test_the_batch_job_definition_whole_and_named_by_its_content():
+    spec = _spec(itype="trn1.32xlarge", nodes=4, compute={"share_identifier": "search", "scheduling_priority": 7})
+    definition = build_job_definition(spec, TARGET)
+    container = definition["nodeProperties"]["nodeRangeProperties"][0]["container"]
+    devices = [d["hostPath"] for d in container["linuxParameters"]["devices"]]
+    assert devices == [f"/dev/neuron{i}" for i in range(16)] + [f"/dev/infiniband/uverbs{i}" for i in range(8)]
+    assert definition["type"] == "multinode"
+    assert definition["nodeProperties"] == {
+        "numNodes": 4, "mainNode": 0, "nodeRangeProperties": [{"targetNodes": "0:", "container": container}]}
+    assert container["command"] == ["python", "-m", "trnflow.container", "batch"]
+    assert container["instanceType"] == "trn1.32xlarge" and container["image"] == TARGET.image
+    assert container["ulimits"] == [{"name": "memlock", "softLimit": -1, "hardLimit": -1}]
+    assert container["resourceRequirements"] == [{"type": "VCPU", "value": "96"},
+                                                 {"type": "MEMORY", "value": str(512 * 1024 - 12 * 1024)}]
+    rules = definition["retryStrategy"]["evaluateOnExit"]
+    assert definition["retryStrategy"]["attempts"] == 4 and len(rules) <= 5
+    assert {"action": "RETRY", "onStatusReason": "Host EC2*"} in rules
+    assert {"action": "RETRY", "onExitCode": "75"} in rules
+    assert rules[-1] == {"action": "EXIT", "onReason": "*"}  # anything unmatched ends the job
+    # the same nodes give the same name; another run, stage or share does not change it
+    again = build_job_definition(_spec(itype="trn1.32xlarge", nodes=4, train={"steps": 7, "checkpoint_url": "s3://x-y/z"}),
+                                 TARGET)
+    assert again["jobDefinitionName"] == definition["jobDefinitionName"]
+    bigger = build_job_definition(_spec(itype="trn1.32xlarge", nodes=8), TARGET)
+    assert bigger["jobDefinitionName"] != definition["jobDefinitionName"]
+    assert definition["jobDefinitionName"].startswith("trnflow-embed-")
+
+
+def test_the_batch_submission_carries_the_run_the_node_count_and_fair_share():
+    spec = _spec(itype="trn1.32xlarge", nodes=4, compute={"share_identifier": "search", "scheduling_priority": 7})
+    request = JobRequest(spec, "train", "r9")
+    submit = build_submit_job(request, TARGET, "trnflow-embed-0123456789ab")
+    assert submit["jobName"] == "embed-train-r9" and submit["jobQueue"] == "trn1-fair-share"
+    assert submit["jobDefinition"] == "trnflow-embed-0123456789ab"
+    assert submit["shareIdentifier"] == "search" and submit["schedulingPriorityOverride"] == 7
+    overrides = submit["nodeOverrides"]
+    assert overrides["numNodes"] == 4
+    env = {e["name"]: e["value"] for e in overrides["nodePropertyOverrides"][0]["containerOverrides"]["environment"]}
+    assert env["TRNFLOW_PHASE"] == "train" and env["TRNFLOW_NPROC_PER_NODE"] == "32"
+    assert env["TRNFLOW_CHECKPOINT_S3_URI"] == "s3://acme-ckpt/embed/r9"  # every attempt resumes from here
+    assert submit["retryStrategy"]["evaluateOnExit"][-1] == {"action": "EXIT", "onReason": "*"}
+    plain = build_submit_job(JobRequest(_spec(itype="trn1.32xlarge", nodes=2), "train", "r9"), TARGET, "d")
+    assert "shareIdentifier" not in plain and "schedulingPriorityOverride" not in plain
+
+
+def test_batch_refuses_an_instance_without_efa():
+    with pytest.raises(FatalError, match="has no EFA"):
+        build_job_definition(_spec(itype="trn1.2xlarge", nodes=1, cores=2), TARGET)
+
+
+ENV = {"TRNFLOW_NPROC_PER_NODE": "32", "TRNFLOW_PHASE": "train", "TRNFLOW_RUN_ID": "r9"}
+
+
+def test_batch_nodes_rendezvous_at_the_main_node():
+    main = batch_rendezvous({"AWS_BATCH_JOB_NUM_NODES": "4", "AWS_BATCH_JOB_NODE_INDEX": "0",
+                             "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0"}, own_address="10.0.0.5")
+    child = batch_rendezvous({"AWS_BATCH_JOB_NUM_NODES": "4", "AWS_BATCH_JOB_NODE_INDEX": "2",
+                              "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0",
+                              "AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS": "10.0.0.5"})
+    assert (main.master_addr, main.node_rank, main.nnodes) == ("10.0.0.5", 0, 4)
+    assert (child.master_addr, child.node_rank, child.master_port) == ("10.0.0.5", 2, 41000)
+    argv = torchrun_argv(child, ENV, Path("/tmp/spec.json"))
+    assert argv[argv.index("--nnodes") + 1] == "4" and argv[argv.index("--node-rank") + 1] == "2"
+    assert argv[argv.index("--nproc-per-node") + 1] == "32" and argv[argv.index("--master-addr") + 1] == "10.0.0.5"
+    assert argv[argv.index("-m", argv.index("--master-port")) + 1:][:2] == ["trnflow.workload", "train"]
+    with pytest.raises(FatalError, match="no AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"):
+        batch_rendezvous({"AWS_BATCH_JOB_NUM_NODES": "4", "AWS_BATCH_JOB_NODE_INDEX": "3"})
+
+
+def test_sagemaker_hosts_rendezvous_at_algo_1():
+    env = {"SM_HOSTS": json.dumps(["algo-2", "algo-1"]), "SM_CURRENT_HOST": "algo-2", "SM_MASTER_ADDR": "algo-1",
+           "SM_MASTER_PORT": "7777", "SM_OUTPUT_DATA_DIR": "/opt/ml/output/data"}
+    r = sagemaker_rendezvous(env)
+    assert (r.nnodes, r.node_rank, r.master_addr, r.master_port) == (2, 1, "algo-1", 7777)
+    argv = torchrun_argv(r, {**ENV, "TRNFLOW_CHECKPOINT": "s3://c/r/step-000010"}, Path("/opt/ml/input/spec.json"))
+    assert argv[-2:] == ["--checkpoint", "s3://c/r/step-000010"]
+    assert argv[argv.index("--output") + 1] == "/opt/ml/output/data"
+
+
+def test_the_batch_container_runs_the_workload_exits_75_when_transient_and_the_next_attempt_resumes(
+        make_spec, tmp_path, monkeypatch):
+    """`python -m trnflow.container batch` on a one-node job, as Batch would start it: a timeout
+    on the first attempt exits 75 (which the retry strategy retries), the second attempt resumes."""
+    import os
+    import subprocess
+    import sys
+
+    from trnflow.backends.cloud import container_environment
+    from trnflow.workload.checkpoint import load
+
+    spec = make_spec(train={"steps": 3, "checkpoint_every": 1})
+    (tmp_path / "staging").mkdir()
+    target = CloudTarget(image="local", staging_url=(tmp_path / "staging").as_uri())
+    request = JobRequest(spec, "train", "batch-run")
+    batch = {"AWS_BATCH_JOB_NUM_NODES": "1", "AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0"}
+    env = container_environment(request, target) | batch
+    spec_file = Path(env["TRNFLOW_SPEC_URL"].removeprefix("file://"))
+    spec_file.parent.mkdir(parents=True)
+    spec_file.write_text(spec.model_dump_json())
+
+    def attempt(n: int, **extra: str) -> int:
+        run_env = {**os.environ, **env, "AWS_BATCH_JOB_ATTEMPT": str(n),
+                   "TRNFLOW_OUTPUT_DIR": str(tmp_path / f"attempt-{n}" / "output"), **extra}
+        return subprocess.run([sys.executable, "-m", "trnflow.container", "batch"], env=run_env, timeout=300,
+                              capture_output=True).returncode
+
+    assert attempt(1, TRNFLOW_FAULTS="timeout@0:2") == 75
+    assert attempt(2) == 0
+    result = json.loads((tmp_path / "attempt-2" / "output" / "result.json").read_text())
+    assert result["start_step"] == 1 and load(result["checkpoint"]).step == 3

@@ -1,0 +1,114 @@
+"""AWS Batch multi-node parallel requests for one stage job: the job definition and the
+`SubmitJob` call, as pure functions.
+
+The job definition depends only on what shapes the nodes (image, instance type, node count,
+devices), and is named by a hash of its content: registering it twice is harmless, and a changed
+one gets a new name. Each node runs `python -m trnflow.container batch`, which reads
+`AWS_BATCH_JOB_NODE_INDEX`, `AWS_BATCH_JOB_NUM_NODES` and
+`AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS` (absent on the main node itself) and starts torchrun.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Any
+
+from jobspecs import JobSpec, instance
+from trnflow.backends.base import JobRequest
+from trnflow.backends.cloud import CloudTarget, container_environment, efa_environment, job_name, tags
+from trnflow.container import TRANSIENT_EXIT_CODE
+from trnflow.errors import FatalError
+
+COMMAND = ["python", "-m", "trnflow.container", "batch"]
+HOST_RESERVED_VCPUS = 32
+HOST_RESERVED_MEMORY_MIB = 12 * 1024
+"""Left to the ECS agent and the OS on each node (the Neuron samples ask 96 of 128 vCPUs)."""
+
+
+def retry_strategy(spec: JobSpec) -> dict[str, Any]:
+    """Host and capacity failures and transient device faults are retried by Batch; anything else
+    (a user error, a bad spec, a failed gate) ends the job. The last rule matters: without it,
+    Batch retries every failure that no rule matched."""
+    return {
+        "attempts": min(10, 1 + spec.retries.max_retries),
+        "evaluateOnExit": [
+            {"action": "RETRY", "onStatusReason": "Host EC2*"},
+            {"action": "RETRY", "onReason": "AGENT"},
+            {"action": "RETRY", "onStatusReason": "Task failed to start"},
+            {"action": "RETRY", "onExitCode": str(TRANSIENT_EXIT_CODE)},
+            {"action": "EXIT", "onReason": "*"},
+        ],
+    }
+
+
+def _devices(itype: str) -> list[dict[str, Any]]:
+    t = instance(itype)
+    neuron = [{"hostPath": f"/dev/neuron{i}", "containerPath": f"/dev/neuron{i}",
+               "permissions": ["READ", "WRITE", "MKNOD"]} for i in range(t.chips)]
+    efa = [{"hostPath": f"/dev/infiniband/uverbs{i}", "containerPath": f"/dev/infiniband/uverbs{i}",
+            "permissions": ["READ", "WRITE", "MKNOD"]} for i in range(t.efa_devices)]
+    return neuron + efa
+
+
+def _container(spec: JobSpec, target: CloudTarget) -> dict[str, Any]:
+    t = instance(spec.compute.instance_type)
+    return {
+        "image": target.image,
+        "command": COMMAND,
+        "instanceType": t.name,
+        "resourceRequirements": [
+            {"type": "VCPU", "value": str(max(1, t.vcpus - HOST_RESERVED_VCPUS))},
+            {"type": "MEMORY", "value": str(t.host_memory_gib * 1024 - HOST_RESERVED_MEMORY_MIB)},
+        ],
+        "user": "root",
+        "ulimits": [{"name": "memlock", "softLimit": -1, "hardLimit": -1}],
+        "linuxParameters": {"devices": _devices(t.name), "sharedMemorySize": 64 * 1024},
+        "environment": [{"name": k, "value": v} for k, v in sorted(efa_environment(t.name).items())],
+    }
+
+
+def build_job_definition(spec: JobSpec, target: CloudTarget) -> dict[str, Any]:
+    """`RegisterJobDefinition` for the spec's nodes, named `trnflow-<name>-<content hash>`."""
+    if not instance(spec.compute.instance_type).multi_node:
+        raise FatalError(f"compute.instance_type: {spec.compute.instance_type} has no EFA; AWS Batch multi-node "
+                         "jobs need trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge")
+    body = {
+        "type": "multinode",
+        "nodeProperties": {
+            "numNodes": spec.compute.nodes,
+            "mainNode": 0,
+            "nodeRangeProperties": [{"targetNodes": "0:", "container": _container(spec, target)}],
+        },
+        "retryStrategy": retry_strategy(spec),
+        "timeout": {"attemptDurationSeconds": int(spec.compute.max_runtime_hours * 3600)},
+        "platformCapabilities": ["EC2"],
+        "propagateTags": True,
+    }
+    digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
+    return {"jobDefinitionName": f"trnflow-{spec.name}-{digest}", **body, "tags": {"trnflow:job": spec.name}}
+
+
+def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: str) -> dict[str, Any]:
+    """`SubmitJob` for one stage: the run's environment on every node, the node count, and fair share."""
+    spec = request.spec
+    if spec is None:
+        raise FatalError("a Batch job needs a job spec")
+    environment = [{"name": k, "value": v} for k, v in sorted(container_environment(request, target).items())]
+    submit: dict[str, Any] = {
+        "jobName": job_name(request),
+        "jobQueue": target.job_queue,
+        "jobDefinition": job_definition,
+        "nodeOverrides": {
+            "numNodes": spec.compute.nodes,
+            "nodePropertyOverrides": [{"targetNodes": "0:", "containerOverrides": {"environment": environment}}],
+        },
+        "retryStrategy": retry_strategy(spec),
+        "timeout": {"attemptDurationSeconds": int(spec.compute.max_runtime_hours * 3600)},
+        "propagateTags": True,
+        "tags": tags(request),
+    }
+    if spec.compute.share_identifier:
+        submit["shareIdentifier"] = spec.compute.share_identifier
+        submit["schedulingPriorityOverride"] = spec.compute.scheduling_priority
+    return submit

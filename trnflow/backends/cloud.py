@@ -1,0 +1,81 @@
+"""What SageMaker and Batch jobs share: where they run (the deployment's target), their names, and
+the environment the container gets. Pure functions: nothing here calls AWS.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from jobspecs import JobSpec, instance
+from trnflow.backends.base import JobRequest
+
+CHECKPOINT_DIR = "/opt/ml/checkpoints"
+"""Where SageMaker syncs `CheckpointConfig.S3Uri`."""
+
+
+@dataclass(frozen=True)
+class CloudTarget:
+    """The deployment a cloud job goes to: the outputs of the CloudFormation stack in `infra/`."""
+
+    image: str
+    """The training container (built from infra/docker/Dockerfile)."""
+    staging_url: str
+    """s3:// prefix for what a job needs handed over: its spec, and SageMaker's output path."""
+    role_arn: str = ""
+    """SageMaker execution role."""
+    job_queue: str = ""
+    """Batch job queue (with its fair-share scheduling policy)."""
+
+
+def job_name(request: JobRequest) -> str:
+    """`<spec name>-<phase>-<run id>`, cut to 63 characters of letters, digits and dashes (the
+    SageMaker limit; Batch allows 128)."""
+    raw = f"{request.name}-{request.phase}-{request.run_id}"
+    return re.sub(r"[^A-Za-z0-9-]", "-", raw)[:63].rstrip("-")
+
+
+def spec_url(target: CloudTarget, request: JobRequest) -> str:
+    return f"{target.staging_url.rstrip('/')}/{request.run_id}/{job_name(request)}/spec.json"
+
+
+def checkpoint_s3_uri(spec: JobSpec, run_id: str) -> str:
+    """The run's checkpoint folder: SageMaker syncs it to CHECKPOINT_DIR, and every retry or
+    resubmission of the run sees it, which is what makes them resume."""
+    return f"{spec.train.checkpoint_url.rstrip('/')}/{run_id}"
+
+
+def efa_environment(itype: str) -> dict[str, str]:
+    """libfabric over EFA, for instance types that have it. SageMaker's torchrun driver sets these
+    only for ml.trn1.32xlarge; trnflow sets them for every EFA type."""
+    if not instance(itype).multi_node:
+        return {}
+    return {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1", "RDMAV_FORK_SAFE": "1"}
+
+
+def container_environment(request: JobRequest, target: CloudTarget) -> dict[str, str]:
+    """The variables every cloud job of this request gets, whatever the service."""
+    spec = request.spec
+    assert spec is not None, "cloud jobs always carry a spec"
+    cache = spec.compile.cache_url
+    env = {
+        "NEURON_CC_FLAGS": f"--optlevel={spec.compile.optlevel} --cache_dir={cache}",
+        "NEURON_COMPILE_CACHE_URL": cache,
+        "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if spec.compute.precision == "bf16-sr" else "0",
+        "TRNFLOW_PHASE": request.phase,
+        "TRNFLOW_RUN_ID": request.run_id,
+        "TRNFLOW_SPEC_URL": spec_url(target, request),
+        "TRNFLOW_NPROC_PER_NODE": str(spec.compute.cores_per_node),
+        "TRNFLOW_CHECKPOINT_DIR": CHECKPOINT_DIR,
+        "TRNFLOW_CHECKPOINT_S3_URI": checkpoint_s3_uri(spec, request.run_id),
+    }
+    if request.checkpoint:
+        env["TRNFLOW_CHECKPOINT"] = request.checkpoint
+    return env | efa_environment(spec.compute.instance_type)
+
+
+def tags(request: JobRequest) -> dict[str, str]:
+    spec = request.spec
+    assert spec is not None
+    return {"trnflow:job": request.name, "trnflow:phase": request.phase, "trnflow:run-id": request.run_id,
+            "trnflow:spec-digest": spec.digest()}

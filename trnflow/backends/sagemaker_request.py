@@ -1,0 +1,77 @@
+"""The SageMaker `CreateTrainingJob` request for one stage job: a pure function of the request
+and the deployment target.
+
+The container runs `python -m trnflow.container sagemaker`, which reads SageMaker's `SM_*`
+variables and starts torchrun with one process per NeuronCore of the instance. The run's
+checkpoint folder is the job's `CheckpointConfig.S3Uri`, so a retried or resubmitted job finds
+its checkpoints in /opt/ml/checkpoints and resumes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from trnflow.backends.base import JobRequest
+from trnflow.backends.cloud import (
+    CHECKPOINT_DIR,
+    CloudTarget,
+    checkpoint_s3_uri,
+    container_environment,
+    job_name,
+    spec_url,
+    tags,
+)
+from trnflow.errors import FatalError
+
+ENTRYPOINT = ["python", "-m", "trnflow.container"]
+MAX_RETRY_ATTEMPTS = 30
+"""SageMaker's limit for RetryStrategy.MaximumRetryAttempts."""
+
+
+def _channel(name: str, url: str, field: str) -> dict[str, Any]:
+    if not url.startswith("s3://"):
+        raise FatalError(f"{field}: {url} is not on S3; SageMaker jobs read their data from s3:// locations. "
+                         "Upload it, or run with compute.backend: local")
+    return {"ChannelName": name, "InputMode": "File", "DataSource": {"S3DataSource": {
+        "S3DataType": "S3Prefix", "S3Uri": url, "S3DataDistributionType": "FullyReplicated"}}}
+
+
+def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict[str, Any]:
+    spec = request.spec
+    if spec is None:
+        raise FatalError("a SageMaker job needs a job spec")
+    compute = spec.compute
+    channels = [_channel("spec", spec_url(target, request).rpartition("/")[0], "staging_url")]
+    if request.phase in ("train", "evaluate"):
+        channels += [_channel("train", spec.data.train, "data.train"),
+                     _channel("holdout", spec.data.holdout, "data.holdout")]
+    if request.phase == "infer":
+        channels.append(_channel("inference", spec.data.inference, "data.inference"))
+    hyperparameters = {"phase": request.phase, "run-id": request.run_id}
+    if request.checkpoint:
+        hyperparameters["checkpoint"] = request.checkpoint
+    return {
+        "TrainingJobName": job_name(request),
+        "RoleArn": target.role_arn,
+        "AlgorithmSpecification": {
+            "TrainingImage": target.image,
+            "TrainingInputMode": "File",
+            "ContainerEntrypoint": ENTRYPOINT,
+            "ContainerArguments": ["sagemaker"],
+        },
+        "HyperParameters": hyperparameters,
+        "ResourceConfig": {
+            "InstanceType": f"ml.{compute.instance_type}",
+            "InstanceCount": compute.nodes,
+            "VolumeSizeInGB": compute.volume_gb,
+        },
+        "StoppingCondition": {"MaxRuntimeInSeconds": int(compute.max_runtime_hours * 3600)},
+        "CheckpointConfig": {"S3Uri": checkpoint_s3_uri(spec, request.run_id), "LocalPath": CHECKPOINT_DIR},
+        # SageMaker retries a job that failed with an internal error itself; trnflow's own retries
+        # (resubmissions) are for the failures SageMaker does not retry.
+        "RetryStrategy": {"MaximumRetryAttempts": min(MAX_RETRY_ATTEMPTS, max(1, spec.retries.max_retries))},
+        "InputDataConfig": channels,
+        "OutputDataConfig": {"S3OutputPath": f"{target.staging_url.rstrip('/')}/{request.run_id}/output"},
+        "Environment": container_environment(request, target),
+        "Tags": [{"Key": k, "Value": v} for k, v in tags(request).items()],
+    }
