@@ -9,6 +9,7 @@ from typing import Any
 
 from jobspecs import JobSpec
 from tasks.retry_policy import retry_options
+from trnflow.cost import job_cost, total
 
 
 class PipelineFailed(Exception):
@@ -28,6 +29,7 @@ class StageRunner:
         self.spec, self.run_id = spec, run_id
         self.rows: list[dict[str, Any]] = []
         self.results: dict[str, Any] = {}
+        self.costs: list[dict[str, Any]] = []
         self._options = retry_options(spec)
 
     def __call__(self, name: str, task, *args) -> dict:
@@ -38,6 +40,8 @@ class StageRunner:
             result = state.result()
             label = "Skipped" if state.name == "Skipped" else "Completed"
             self.rows.append({"stage": name, "state": label, "seconds": seconds, "summary": result["summary"]})
+            if result.get("billable_seconds") is not None:  # the stage ran a job
+                self.costs.append(job_cost(self.spec, name, result["billable_seconds"]))
             self.results[name] = result
             return result
         error = state.result(raise_on_failure=False)
@@ -50,7 +54,8 @@ class StageRunner:
         self.rows.append({"stage": name, "state": "Skipped", "seconds": 0.0, "summary": reason})
 
     def outcome(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "stages": self.rows, "results": self.results}
+        return {"run_id": self.run_id, "stages": self.rows, "results": self.results,
+                "cost": {"rows": self.costs, "total_usd": total(self.costs)}}
 
 
 def new_run_id() -> str:

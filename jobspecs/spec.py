@@ -114,6 +114,9 @@ class ComputeSpec(Section):
         24.0, gt=0, le=28 * 24, description="A cloud job still running after this long is stopped (per attempt)."
     )
     volume_gb: int = Field(200, ge=1, le=16384, description="Local disk per instance for SageMaker jobs (GB).")
+    price_per_hour: float | None = Field(
+        None, ge=0, description="USD per instance-hour for the cost table; default: the catalogue's on-demand price."
+    )
     share_identifier: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_]{1,255}$",
         description="Batch fair-share identifier (for queues with a fair-share scheduling policy), e.g. a team.",

@@ -55,7 +55,7 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     except Exception as exc:  # the backend itself failed: say so; the error class decides on retries
         raise FatalError(f"{phase}: the {backend.name} backend failed: {exc}") from exc
     if info.state is JobState.SUCCEEDED and info.result is not None:
-        return {**info.result, "cores": info.details.get("cores")}
+        return {**info.result, "cores": info.details.get("cores"), "billable_seconds": info.details.get("seconds")}
     raise classify(info)
 
 

@@ -75,7 +75,7 @@ def test_a_second_job_on_held_cores_fails_and_runs_once_they_are_free(make_spec,
     spec = make_spec(name="owner", train={"steps": 100_000, "checkpoint_every": 100_000})
     first = backend.submit(JobRequest(spec, "train", "long", cores=(0, 1)))
     deadline = time.monotonic() + 120
-    while '"event": "train"' not in backend.logs(first)[0] and time.monotonic() < deadline:
+    while '"event": "data"' not in backend.logs(first)[0] and time.monotonic() < deadline:
         time.sleep(0.2)
     owners = {core: h["pid"] for core, h in holders(2).items()}
     assert set(owners) == {0, 1}

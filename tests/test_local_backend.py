@@ -49,7 +49,7 @@ def test_cancel_ends_the_whole_process_group(backend, make_spec):
     spec = make_spec(train={"steps": 100_000, "checkpoint_every": 100_000})
     job_id = backend.submit(JobRequest(spec, "train", "t3"))
     deadline = time.monotonic() + 60
-    while '"event": "train"' not in backend.logs(job_id)[0] and time.monotonic() < deadline:
+    while '"event": "data"' not in backend.logs(job_id)[0] and time.monotonic() < deadline:
         time.sleep(0.2)
     pid = json.loads((backend.jobs_dir / job_id / "pid.json").read_text())["pid"]
     backend.cancel(job_id)
@@ -71,7 +71,7 @@ def test_a_rank_killed_without_a_word_is_a_lost_worker_and_retryable(backend, ma
     spec = make_spec(name="lostrank", train={"steps": 100_000, "checkpoint_every": 100_000})
     job_id = backend.submit(JobRequest(spec, "train", "t4", cores=(0, 1)))
     deadline = time.monotonic() + 60
-    while '"event": "train"' not in backend.logs(job_id)[0] and time.monotonic() < deadline:
+    while '"event": "data"' not in backend.logs(job_id)[0] and time.monotonic() < deadline:
         time.sleep(0.2)
     os.kill(holders(2)[1]["pid"], signal.SIGKILL)  # rank 1 dies as the OOM killer would end it
     info = wait(backend, job_id, 0.2)

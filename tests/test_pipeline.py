@@ -82,6 +82,12 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     assert artifacts["quickstart-parity"].data.startswith("data:image/png;base64,")
     assert "| 40 | 40 |" in artifacts["quickstart-gate"].data
 
+    # each job's billable time at trn1.32xlarge's price, and the run's total
+    cost = outcome["cost"]
+    assert {"sanity", "collectives", "train", "infer"} <= {r["stage"] for r in cost["rows"]}
+    assert all(r["price_per_node_hour"] == 21.50 and r["billable_seconds"] > 0 for r in cost["rows"])
+    assert cost["total_usd"] == pytest.approx(sum(r["cost_usd"] for r in cost["rows"]), abs=1e-3)
+
     # the candidate is registered and, having passed, promoted
     assert results["evaluate"]["registry"] == {"version": 1, "promoted": True}
     champion = Registry(spec.registry_url).champion(spec.name)

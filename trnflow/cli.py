@@ -286,13 +286,16 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
         payload = {"state": "Failed", "error": f"{type(outcome).__name__}: {outcome}", "stages": rows}
     else:
         rows, code = outcome["stages"], 0
-        payload = {"state": "Completed", "run_id": outcome["run_id"], "stages": rows, "results": outcome["results"]}
+        payload = {"state": "Completed", "run_id": outcome["run_id"], "stages": rows, "results": outcome["results"],
+                   "cost": outcome.get("cost")}
     if as_json:
         print(json.dumps(payload, indent=2, default=str))
     else:
         if show and code == 0:
             show(outcome["results"])
         console.print(render.stage_table(rows, stages, title))
+        if code == 0 and (outcome.get("cost") or {}).get("rows"):
+            console.print(render.cost_table(outcome["cost"]))
         if code:
             err.print(f"[red]{title} failed: {payload['error']}[/red]")
         else:

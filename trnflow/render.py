@@ -76,3 +76,17 @@ def top_table(itype: str, rows: list[dict[str, Any]]) -> Table:
         table.add_row(f"nc{r['core']}", str(r["device"]), f"{bar} {r['utilization']:5.1f}%", memory,
                       str(r["pid"] or "-"), r["command"] or "[dim]free[/dim]")
     return table
+
+
+def cost_table(cost: dict[str, Any]) -> Table:
+    """Each job's instances, price, billable time and cost, and the run's total."""
+    table = Table("stage", "instance type", "nodes", "price ($/node-hour)", "billable time (s)", "cost ($)",
+                  title="what the jobs cost (on-demand prices)")
+    for r in cost["rows"]:
+        price = "unknown" if r["price_per_node_hour"] is None else f"{r['price_per_node_hour']:.4g}"
+        spent = "unknown" if r["cost_usd"] is None else f"{r['cost_usd']:.4f}"
+        table.add_row(r["stage"], r["instance_type"], str(r["nodes"]), price, f"{r['billable_seconds']:.1f}", spent)
+    total = cost.get("total_usd")
+    table.add_row("[bold]total[/bold]", "", "", "", "", "unknown (set compute.price_per_hour)" if total is None
+                  else f"[bold]{total:.4f}[/bold]")
+    return table

@@ -1,0 +1,31 @@
+"""The cost table: billable time times the instances' hourly price."""
+
+import io
+
+from rich.console import Console
+
+from jobspecs import validate_spec
+from tests.conftest import quickstart_data
+from trnflow.cost import job_cost, price_per_hour, total
+from trnflow.render import cost_table
+
+
+def test_a_job_costs_its_billable_time_on_every_node_at_the_hourly_price():
+    spec = validate_spec(quickstart_data(compute={"instance_type": "trn1.32xlarge", "nodes": 4, "cores_per_node": 32},
+                                         train={"global_batch_size": 128}))
+    row = job_cost(spec, "train", 6033)
+    assert row == {"stage": "train", "instance_type": "trn1.32xlarge", "nodes": 4, "price_per_node_hour": 21.50,
+                   "billable_seconds": 6033, "cost_usd": round(21.50 * 4 * 6033 / 3600, 4)}
+    assert total([row, job_cost(spec, "infer", 60)]) == round(row["cost_usd"] + 21.50 * 4 * 60 / 3600, 4)
+
+
+def test_the_spec_price_overrides_the_catalogue_and_an_unknown_price_says_so():
+    trn2 = validate_spec(quickstart_data(compute={"instance_type": "trn2.48xlarge"}))
+    assert price_per_hour(trn2) is None  # no reliable public figure
+    rows = [job_cost(trn2, "train", 100)]
+    assert rows[0]["cost_usd"] is None and total(rows) is None
+    console = Console(file=io.StringIO(), width=150)
+    console.print(cost_table({"rows": rows, "total_usd": None}))
+    assert "set compute.price_per_hour" in console.file.getvalue()
+    priced = validate_spec(quickstart_data(compute={"instance_type": "trn2.48xlarge", "price_per_hour": 40.0}))
+    assert job_cost(priced, "train", 90)["cost_usd"] == 1.0
