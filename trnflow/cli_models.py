@@ -48,7 +48,8 @@ def _when(ts: float | None) -> str:
 @models_app.command("ls")
 def ls(model: Annotated[str | None, typer.Argument(help="One model's versions; all models when left out.")] = None,
        registry: RegistryOpt = ..., as_json: JsonOpt = False):
-    """Every version with its accuracy, watermark and gate outcome; the champion is starred."""
+    """Every version with its accuracy, watermark and gate outcome; the champion is starred
+    (`--json` adds each version's checkpoint)."""
     with _registry(registry) as reg:
         names = [model] if model else reg.models()
         rows = []
@@ -63,12 +64,13 @@ def ls(model: Annotated[str | None, typer.Argument(help="One model's versions; a
     if as_json:
         print(json.dumps(rows, indent=2))
         return
-    table = Table("model", "version", "", "status", "accuracy", "watermark", "global step", "registered", "checkpoint")
+    table = Table("model", "version", "", "status", "accuracy", "watermark", "global step", "registered",
+                  caption="`trnflow models show MODEL VERSION` for a version's checkpoint, metrics and verdict")
     for r in rows:
         accuracy = f"{r['accuracy']:.4f}" if r["accuracy"] is not None else ""
         table.add_row(r["model"], f"v{r['version']}", "[green]★ champion[/green]" if r["champion"] else "",
                       r["status"] or "", accuracy, r["watermark"] or "", str(r["global_step"] or ""),
-                      _when(r["registered_at"]), r["checkpoint"])
+                      _when(r["registered_at"]))
     console.print(table if rows else f"no models in {registry}")
 
 
