@@ -9,16 +9,28 @@ from typing import Any
 import yaml
 
 from jobspecs import JobSpec, validate_spec
+from trnflow.backends import JobRequest, JobState, wait
+from trnflow.backends.local import LocalBackend
 from trnflow.synth import synthesize
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "jobspecs" / "examples" / "quickstart.yaml"
 
 
 def scratch_home(root: Path) -> None:
-    """Job folders and Prefect's database under `root`, so a benchmark leaves nothing behind."""
+    """Job folders, core leases and Prefect's database under `root`, so a benchmark leaves nothing
+    behind."""
     os.environ["TRNFLOW_HOME"] = str(root / "trnflow-home")
+    os.environ.setdefault("TRNFLOW_NEURON_RT_DIR", str(root / "rt"))
     os.environ["PREFECT_HOME"] = str(root / "prefect-home")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+
+
+def run_job(backend: LocalBackend, spec: JobSpec, phase: str, run_id: str, checkpoint: str | None = None) -> dict:
+    """Run one phase through the local backend and return its result; a failed job ends the benchmark."""
+    info = wait(backend, backend.submit(JobRequest(spec, phase, run_id, checkpoint=checkpoint)), 0.1)
+    if info.state is not JobState.SUCCEEDED:
+        raise SystemExit(f"{phase} job {run_id} failed: {info.failure}")
+    return info.result
 
 
 def quickstart(root: Path, **sections: dict[str, Any]) -> JobSpec:

@@ -26,9 +26,8 @@ import time
 from pathlib import Path
 
 import torch
-from _quickstart import quickstart, scratch_home
+from _quickstart import quickstart, run_job, scratch_home
 
-from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
 from trnflow.synth import synthesize
@@ -36,13 +35,6 @@ from trnflow.workload.checkpoint import load
 from trnflow.workload.data import read_unlabelled, static_batches
 from trnflow.workload.evaluate import tokenizer_of
 from trnflow.workload.model import build_model
-
-
-def job(backend: LocalBackend, spec, phase: str, checkpoint: str | None = None) -> dict:
-    info = wait(backend, backend.submit(JobRequest(spec, phase, "bench", checkpoint=checkpoint)), 0.1)
-    if info.state is not JobState.SUCCEEDED:
-        raise SystemExit(f"{phase} job failed: {info.failure}")
-    return info.result
 
 
 def bare(spec, checkpoint: str, threads: int) -> float:
@@ -72,11 +64,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         scratch_home(root)
-        os.environ.setdefault("TRNFLOW_NEURON_RT_DIR", str(root / "rt"))
         synthesize(root / "data", days=2, rows_per_day=800, seed=7, inference_rows=args.rows)
         backend = LocalBackend(TrnflowSettings().jobs_dir)
         base = {"compile": {"cache_url": str(root / "cache")}, "train": {"steps": 10, "checkpoint_every": 10}}
-        trained = job(backend, quickstart(root, **base), "train")
+        trained = run_job(backend, quickstart(root, **base), "train", "bench")
         first = args.cores[0]
         threads = max(1, (os.cpu_count() or 1) // first)  # what the launcher gives each core's process
         runs: dict[int, list[float]] = {c: [] for c in args.cores}
@@ -87,7 +78,7 @@ def main() -> None:
                 spec = quickstart(root, **base, compute={"cores_per_node": cores, "instance_type": "trn1.32xlarge"},
                                   inference={"output_url": str(root / f"out-{cores}-{repeat}"),
                                              "shard_size": args.shard_size})
-                runs[cores].append(job(backend, spec, "infer", trained["checkpoint"])["rows_per_s"])
+                runs[cores].append(run_job(backend, spec, "infer", "bench", trained["checkpoint"])["rows_per_s"])
             print(f"repeat {repeat + 1}: bare {bares[-1]:.0f} rows/s, trnflow "
                   + ", ".join(f"{c} core(s) {runs[c][-1]:.0f}" for c in args.cores), flush=True)
         ours = {c: statistics.median(v) for c, v in runs.items()}

@@ -14,24 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 
-from _quickstart import quickstart, scratch_home
+from _quickstart import quickstart, run_job, scratch_home
 
-from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
 
 PRECISIONS = ("fp32", "bf16", "bf16-sr")
-
-
-def run(backend: LocalBackend, spec, phase: str, run_id: str, checkpoint: str | None = None) -> dict:
-    info = wait(backend, backend.submit(JobRequest(spec, phase, run_id, checkpoint=checkpoint)), 0.1)
-    if info.state is not JobState.SUCCEEDED:
-        raise SystemExit(f"{phase} job for {run_id} failed: {info.failure}")
-    return info.result
 
 
 def main() -> None:
@@ -43,14 +34,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         scratch_home(root)
-        os.environ.setdefault("TRNFLOW_NEURON_RT_DIR", str(root / "rt"))
         backend = LocalBackend(TrnflowSettings().jobs_dir)
         for precision in PRECISIONS:
             spec = quickstart(root, compute={"precision": precision},
                               compile={"cache_url": str(root / "cache")},
                               train={"steps": args.steps, "checkpoint_every": args.steps, "lr": args.lr})
-            trained = run(backend, spec, "train", precision)
-            point = run(backend, spec, "evaluate", precision, trained["checkpoint"])["points"][0]
+            trained = run_job(backend, spec, "train", precision)
+            point = run_job(backend, spec, "evaluate", precision, trained["checkpoint"])["points"][0]
             accuracy[precision] = point["accuracy"]
             print(f"{precision:8s} loss {trained['loss']:.4f}  holdout accuracy {point['accuracy']:.4f} "
                   f"({point['rows']} rows)", flush=True)

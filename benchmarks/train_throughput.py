@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import tempfile
 from pathlib import Path
 
-from _quickstart import quickstart, scratch_home
+from _quickstart import quickstart, run_job, scratch_home
 from _torchrun import torchrun_json
 
-from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
 
@@ -33,10 +31,7 @@ def bare(spec_file: Path, ranks: int, steps: int) -> float:
 
 
 def trnflow(backend: LocalBackend, spec, run_id: str) -> float:
-    info = wait(backend, backend.submit(JobRequest(spec, "train", run_id)), 0.1)
-    if info.state is not JobState.SUCCEEDED:
-        raise SystemExit(f"trnflow train job failed: {info.failure}")
-    return info.result["median_step_seconds"]
+    return run_job(backend, spec, "train", run_id)["median_step_seconds"]
 
 
 def main() -> None:
@@ -49,7 +44,6 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         scratch_home(root)
-        os.environ.setdefault("TRNFLOW_NEURON_RT_DIR", str(root / "rt"))
         spec = quickstart(root, compute={"cores_per_node": args.ranks, "instance_type": "trn1.32xlarge"},
                           compile={"optlevel": args.optlevel, "cache_url": str(root / "cache")},
                           train={"steps": args.steps, "checkpoint_every": args.steps // 2, "log_every": 10})
