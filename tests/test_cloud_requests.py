@@ -199,3 +199,15 @@ def test_the_batch_container_runs_the_workload_exits_75_when_transient_and_the_n
     assert attempt(2) == 0
     result = json.loads((tmp_path / "attempt-2" / "output" / "result.json").read_text())
     assert result["start_step"] == 1 and load(result["checkpoint"]).step == 3
+
+
+def test_the_cloud_target_comes_from_settings_and_names_what_is_missing(monkeypatch):
+    from trnflow.settings import TrnflowSettings
+
+    monkeypatch.setenv("TRNFLOW_IMAGE", TARGET.image)
+    monkeypatch.setenv("TRNFLOW_STAGING_URL", TARGET.staging_url)
+    monkeypatch.setenv("TRNFLOW_BATCH_JOB_QUEUE", TARGET.job_queue)
+    monkeypatch.delenv("TRNFLOW_SAGEMAKER_ROLE_ARN", raising=False)
+    assert TrnflowSettings().cloud_target("batch").job_queue == "trn1-fair-share"
+    with pytest.raises(FatalError, match="needs TRNFLOW_SAGEMAKER_ROLE_ARN; set them from the outputs"):
+        TrnflowSettings().cloud_target("sagemaker")
