@@ -87,22 +87,22 @@ class Registry:
         """Every change of champion, oldest first."""
         return [self._read(f"{model}/champion/g{g:06d}.json") for g in self._numbers(model, _GENERATION, "champion")]
 
+    def _champion_at(self, model: str, generation: int) -> int | None:
+        """The champion's version as of `generation` (None before the first promotion)."""
+        return self._read(f"{model}/champion/g{generation:06d}.json")["version"] if generation else None
+
     def champion(self, model: str) -> ModelVersion | None:
-        generations = self._numbers(model, _GENERATION, "champion")
-        if not generations:
-            return None
-        record = self._read(f"{model}/champion/g{generations[-1]:06d}.json")
-        return self.version(model, record["version"])
+        version = self._champion_at(model, self.generation(model))
+        return None if version is None else self.version(model, version)
 
     def _set_champion(self, model: str, version: int, action: str, expected: int | None, reason: str) -> dict:
         self.version(model, version)  # it must exist
-        generations = self._numbers(model, _GENERATION, "champion")
-        current = generations[-1] if generations else 0
+        current = self.generation(model)
         if expected is not None and current != expected:
             raise PromotionConflict(self._conflict(model, version))
-        previous = self.champion(model)
+        # the champion this change replaces is the one at `current`, whatever happens meanwhile
         record = {"generation": current + 1, "version": version, "action": action, "reason": reason,
-                  "previous": previous.version if previous else None, "at": round(time.time(), 3)}
+                  "previous": self._champion_at(model, current), "at": round(time.time(), 3)}
         if not self.store.create(f"{model}/champion/g{current + 1:06d}.json", json.dumps(record, indent=2).encode()):
             raise PromotionConflict(self._conflict(model, version))
         return record

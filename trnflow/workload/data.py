@@ -63,7 +63,7 @@ def data_files(url: str, fmt: str) -> list[DataFile]:
     base, _, last = url.rstrip("/").rpartition("/")
     if last.endswith(extensions):  # one file
         store = open_store(base)
-        if not store.list(last) or store.list(last)[0].name != last:
+        if last not in {o.name for o in store.list(last)}:
             raise DataError(f"{url}: no such file; check the data URLs in the spec")
         return [DataFile(store, last, None)]
     store = open_store(url)

@@ -35,6 +35,13 @@ def stochastic_rounding(precision: str) -> bool:
     return precision == "bf16-sr" or (precision == "bf16" and flag == "1")
 
 
+@torch.no_grad()
+def _round_weights(model: torch.nn.Module, generator: torch.Generator) -> None:
+    """Every weight onto the bf16 grid, rounded stochastically (the same on every rank)."""
+    for p in model.parameters():
+        stochastic_round_bf16_(p.data, generator)
+
+
 def _rng_state(sr_gen: torch.Generator) -> dict:
     return {"torch": torch.get_rng_state(), "sr": sr_gen.get_state()}
 
@@ -100,9 +107,7 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
             ctx.log("init", checkpoint=start.init.url, watermark=start.init.watermark)
         torch.manual_seed(tcfg.seed + 1000 * ctx.rank)  # each rank its own dropout stream
         if use_sr:  # put the starting weights on the bf16 grid; resumed ones already are
-            with torch.no_grad():
-                for p in model.parameters():
-                    stochastic_round_bf16_(p.data, sr_gen)
+            _round_weights(model, sr_gen)
     lineage = start.lineage()
     data_meta = {"files": [f.name for f in start.files], "partitions": partitions(start.files),
                  "watermark": start.watermark, "rows": len(labels)}
@@ -138,9 +143,7 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
         if not memory:
             memory = _memory_held(model, optimizer, saved.get("peak", 0))
         if use_sr:
-            with torch.no_grad():
-                for p in model.parameters():
-                    stochastic_round_bf16_(p.data, sr_gen)
+            _round_weights(model, sr_gen)
         last_loss, done = loss.item(), step + 1
         step_times.append(time.perf_counter() - step_began)
         window_steps += 1
