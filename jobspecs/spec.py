@@ -275,20 +275,21 @@ class PreflightSpec(Section):
 class FaultSpec(Section):
     """A fault to inject, to rehearse how the pipeline copes (the TRNFLOW_FAULTS variable adds more)."""
 
-    kind: Literal["corrupt", "hang", "memory", "kill", "timeout", "hw", "nan"] = Field(
+    kind: Literal["corrupt", "hang", "memory", "kill", "timeout", "hw", "nan", "stall"] = Field(
         description="corrupt: wrong results from the core's engines; hang: the core stalls in a collective; "
         "memory: the core's memory pattern test fails. During training, once per run at `step`: kill: the "
         "rank is killed with SIGKILL; timeout: an execution timeout; hw: an uncorrectable hardware error; "
-        "nan: the step's result turns to NaN."
+        "nan: the step's result turns to NaN; stall: the rank stops making progress (a host that stopped answering)."
     )
     core: int = Field(ge=0, description="The NeuronCore id the fault hits.")
     step: int | None = Field(
-        None, ge=1, description="The training step a kill, timeout, hw or nan fault strikes at (required for those)."
+        None, ge=1, description="The training step a kill, timeout, hw, nan or stall fault strikes at (required "
+        "for those)."
     )
 
     @model_validator(mode="after")
     def _step_for_training_faults(self) -> FaultSpec:
-        training = self.kind in ("kill", "timeout", "hw", "nan")
+        training = self.kind in ("kill", "timeout", "hw", "nan", "stall")
         if training and self.step is None:
             raise ValueError(f"faults: a {self.kind} fault needs `step`, the training step it strikes at")
         if not training and self.step is not None:

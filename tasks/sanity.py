@@ -52,7 +52,11 @@ def sanity_check(spec: JobSpec, run_id: str) -> dict:
         excluded |= set(bad)
         logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", bad, _failures(result))
     result["excluded_cores"] = sorted(excluded)
-    cores = result["cores"]
     note = f"; excluded bad core(s) {sorted(excluded)}" if excluded else ""
-    result["summary"] = f"all {len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
+    cores = result["cores"]
+    if cores is None:  # a cloud job: its instances were checked, each on its own cores
+        result["cores"] = sorted({c["core"] for c in result["per_core"]})
+        result["summary"] = f"all {len(result['per_core'])} cores passed on every instance"
+    else:
+        result["summary"] = f"all {len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
     return result

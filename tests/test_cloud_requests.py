@@ -41,29 +41,28 @@ def test_the_sagemaker_request_for_a_training_stage_whole():
     env = {"NEURON_CC_FLAGS": "--optlevel=1 --cache_dir=s3://acme-cache/neuron",
            "NEURON_COMPILE_CACHE_URL": "s3://acme-cache/neuron", "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1",
            "TRNFLOW_PHASE": "train", "TRNFLOW_RUN_ID": "20261123-run",
-           "TRNFLOW_SPEC_URL": "s3://acme-staging/trnflow/20261123-run/embed-train-20261123-run/spec.json",
-           "TRNFLOW_NPROC_PER_NODE": "32", "TRNFLOW_CHECKPOINT_DIR": "/opt/ml/checkpoints",
-           "TRNFLOW_CHECKPOINT_S3_URI": "s3://acme-ckpt/embed/20261123-run",
+           "TRNFLOW_SPEC_URL": "s3://acme-staging/trnflow/20261123-run/embed-train-20261123-run/input/spec.json",
+           "TRNFLOW_NPROC_PER_NODE": "32", "TRNFLOW_CHECKPOINT_S3_URI": "s3://acme-ckpt/embed/20261123-run",
+           "TRNFLOW_RESULT_URL": "s3://acme-staging/trnflow/20261123-run/embed-train-20261123-run/output",
            # trn1n: SageMaker sets these only for trn1.32xlarge, so trnflow does
            "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1", "RDMAV_FORK_SAFE": "1"}
 
-    def channel(name, uri):
-        return {"ChannelName": name, "InputMode": "File", "DataSource": {"S3DataSource": {
+    def channel(name, uri, mode="FastFile"):
+        return {"ChannelName": name, "InputMode": mode, "DataSource": {"S3DataSource": {
             "S3DataType": "S3Prefix", "S3Uri": uri, "S3DataDistributionType": "FullyReplicated"}}}
 
     assert build_training_job_request(request, TARGET) == {
         "TrainingJobName": "embed-train-20261123-run",
         "RoleArn": TARGET.role_arn,
-        "AlgorithmSpecification": {"TrainingImage": TARGET.image, "TrainingInputMode": "File",
-                                   "ContainerEntrypoint": ["python", "-m", "trnflow.container"],
-                                   "ContainerArguments": ["sagemaker"]},
+        # the image's entrypoint is `python -m trnflow.container`; SageMaker adds `train`
+        "AlgorithmSpecification": {"TrainingImage": TARGET.image, "TrainingInputMode": "File"},
         "HyperParameters": {"phase": "train", "run-id": "20261123-run"},
         "ResourceConfig": {"InstanceType": "ml.trn1n.32xlarge", "InstanceCount": 2, "VolumeSizeInGB": 200},
         "StoppingCondition": {"MaxRuntimeInSeconds": 6 * 3600},
         "CheckpointConfig": {"S3Uri": "s3://acme-ckpt/embed/20261123-run", "LocalPath": "/opt/ml/checkpoints"},
         "RetryStrategy": {"MaximumRetryAttempts": 3},
         "InputDataConfig": [
-            channel("spec", "s3://acme-staging/trnflow/20261123-run/embed-train-20261123-run"),
+            channel("spec", "s3://acme-staging/trnflow/20261123-run/embed-train-20261123-run/input", mode="File"),
             channel("train", "s3://acme-data/reviews/train"), channel("holdout", "s3://acme-data/reviews/holdout")],
         "OutputDataConfig": {"S3OutputPath": "s3://acme-staging/trnflow/20261123-run/output"},
         "Environment": env,
@@ -98,7 +97,7 @@ def test_the_batch_job_definition_whole_and_named_by_its_content():
     assert definition["type"] == "multinode"
     assert definition["nodeProperties"] == {
         "numNodes": 4, "mainNode": 0, "nodeRangeProperties": [{"targetNodes": "0:", "container": container}]}
-    assert container["command"] == ["python", "-m", "trnflow.container", "batch"]
+    assert container["command"] == ["batch"]  # after the image's entrypoint, python -m trnflow.container
     assert container["instanceType"] == "trn1.32xlarge" and container["image"] == TARGET.image
     assert container["ulimits"] == [{"name": "memlock", "softLimit": -1, "hardLimit": -1}]
     assert container["resourceRequirements"] == [{"type": "VCPU", "value": "96"},
@@ -166,39 +165,6 @@ def test_sagemaker_hosts_rendezvous_at_algo_1():
     argv = torchrun_argv(r, {**ENV, "TRNFLOW_CHECKPOINT": "s3://c/r/step-000010"}, Path("/opt/ml/input/spec.json"))
     assert argv[-2:] == ["--checkpoint", "s3://c/r/step-000010"]
     assert argv[argv.index("--output") + 1] == "/opt/ml/output/data"
-
-
-def test_the_batch_container_runs_the_workload_exits_75_when_transient_and_the_next_attempt_resumes(
-        make_spec, tmp_path, monkeypatch):
-    """`python -m trnflow.container batch` on a one-node job, as Batch would start it: a timeout
-    on the first attempt exits 75 (which the retry strategy retries), the second attempt resumes."""
-    import os
-    import subprocess
-    import sys
-
-    from trnflow.backends.cloud import container_environment
-    from trnflow.workload.checkpoint import load
-
-    spec = make_spec(train={"steps": 3, "checkpoint_every": 1})
-    (tmp_path / "staging").mkdir()
-    target = CloudTarget(image="local", staging_url=(tmp_path / "staging").as_uri())
-    request = JobRequest(spec, "train", "batch-run")
-    batch = {"AWS_BATCH_JOB_NUM_NODES": "1", "AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0"}
-    env = container_environment(request, target) | batch
-    spec_file = Path(env["TRNFLOW_SPEC_URL"].removeprefix("file://"))
-    spec_file.parent.mkdir(parents=True)
-    spec_file.write_text(spec.model_dump_json())
-
-    def attempt(n: int, **extra: str) -> int:
-        run_env = {**os.environ, **env, "AWS_BATCH_JOB_ATTEMPT": str(n),
-                   "TRNFLOW_OUTPUT_DIR": str(tmp_path / f"attempt-{n}" / "output"), **extra}
-        return subprocess.run([sys.executable, "-m", "trnflow.container", "batch"], env=run_env, timeout=300,
-                              capture_output=True).returncode
-
-    assert attempt(1, TRNFLOW_FAULTS="timeout@0:2") == 75
-    assert attempt(2) == 0
-    result = json.loads((tmp_path / "attempt-2" / "output" / "result.json").read_text())
-    assert result["start_step"] == 1 and load(result["checkpoint"]).step == 3
 
 
 def test_the_cloud_target_comes_from_settings_and_names_what_is_missing(monkeypatch):

@@ -56,3 +56,20 @@ def test_flows_and_tasks_never_read_the_backend_choice():
                 reads_backend = (isinstance(node, ast.Attribute) and node.attr == "backend"
                                  and isinstance(node.value, ast.Attribute) and node.value.attr == "compute")
                 assert not reads_backend, f"{path}:{node.lineno} reads spec.compute.backend"
+
+
+def test_the_sagemaker_sdk_is_imported_only_where_jobs_are_sent_and_only_lazily():
+    """`from sagemaker.train import ModelTrainer` takes about 3 s: only the submitting module may
+    import it, and only inside a function."""
+    users = {rel for rel, hits in _offenders("trnflow", {"sagemaker"}).items()}
+    assert users == {"trnflow/backends/sagemaker_trainer.py"}
+    tree = ast.parse((ROOT / "trnflow/backends/sagemaker_trainer.py").read_text())
+    top_level = {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
+    assert "sagemaker" not in top_level
+
+
+def test_the_mock_cloud_is_not_part_of_the_product_path():
+    """Only the tests and the `mock-aws` command start the mocked cloud."""
+    users = {rel for rel, hits in _offenders("trnflow", {"moto"}).items()}
+    assert all(rel.startswith("trnflow/mockcloud/") or rel == "trnflow/cli_mock.py" for rel in users), users
+    assert _offenders("trnflow/backends", {"moto"}) == {} and _offenders("flows", {"moto"}) == {}

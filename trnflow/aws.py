@@ -24,12 +24,36 @@ THROTTLING = {"Throttling", "ThrottlingException", "ThrottledException", "Reques
               "TooManyRequestsException", "SlowDown", "ProvisionedThroughputExceededException"}
 
 
-def client(service: str, endpoint_url: str | None = None) -> Any:
+def emulated() -> bool:
+    """Whether AWS_ENDPOINT_URL points at a local emulator (a moto server on this machine)."""
+    import os
+    from urllib.parse import urlparse
+
+    return urlparse(os.environ.get("AWS_ENDPOINT_URL", "")).hostname in ("127.0.0.1", "localhost", "::1")
+
+
+def session() -> Any:
+    """A boto3 session. Pointed at a local AWS emulator (`AWS_ENDPOINT_URL` on 127.0.0.1) with no
+    credentials or region configured, it uses placeholder ones: the emulator checks neither, and
+    nothing can leave the machine with them."""
     import boto3
+
+    base = boto3.session.Session()
+    if not emulated():
+        return base
+    kwargs: dict[str, str] = {}
+    if base.get_credentials() is None:
+        kwargs = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing"}
+    if kwargs or base.region_name is None:
+        return boto3.session.Session(region_name=base.region_name or "us-east-1", **kwargs)
+    return base
+
+
+def client(service: str, endpoint_url: str | None = None, boto_session: Any = None) -> Any:
     from botocore.config import Config
 
     config = Config(retries={"total_max_attempts": 1}, connect_timeout=10, read_timeout=60)
-    return boto3.session.Session().client(service, endpoint_url=endpoint_url, config=config)
+    return (boto_session or session()).client(service, endpoint_url=endpoint_url, config=config)
 
 
 def is_retryable(exc: BaseException) -> bool:

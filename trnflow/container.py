@@ -1,15 +1,18 @@
-"""The training container's entrypoint: `python -m trnflow.container sagemaker|batch`.
+"""The training container's entrypoint: `python -m trnflow.container train|batch`.
 
 It turns the service's contract into a torchrun rendezvous and runs the one workload program:
-- SageMaker: `SM_HOSTS`, `SM_CURRENT_HOST` and `SM_MASTER_ADDR`/`SM_MASTER_PORT`; results in
-  `SM_OUTPUT_DATA_DIR`, failures in `/opt/ml/output/failure`; the run's checkpoints arrive
-  in /opt/ml/checkpoints from `CheckpointConfig.S3Uri`;
-- Batch: `AWS_BATCH_JOB_NODE_INDEX`, `AWS_BATCH_JOB_NUM_NODES`, and
-  `AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS`, which is absent on the main node itself.
+- SageMaker runs the image as `<entrypoint> train`. Hosts come from `SM_HOSTS`/`SM_CURRENT_HOST`
+  (or /opt/ml/input/config/resourceconfig.json), the rendezvous from `SM_MASTER_ADDR`/`SM_MASTER_PORT`;
+  the result goes to /opt/ml/output/data (uploaded as output.tar.gz), and a failure to
+  /opt/ml/output/failure, which SageMaker reports as `AlgorithmError: <its text>`.
+- Batch starts every node with the command `batch`. `AWS_BATCH_JOB_NODE_INDEX`,
+  `AWS_BATCH_JOB_NUM_NODES` and `AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS` (absent on the main
+  node itself) give the rendezvous. Batch has no output channel, so each node uploads its root
+  failure, and the main node the result, under `TRNFLOW_RESULT_URL/<job id>/`.
 
-The job's phase, run id, spec location and cores per node come from `TRNFLOW_*` variables set
-by the request builders. A transient failure exits with 75, which Batch's retry strategy retries;
-the retry resumes from the run's checkpoints, because they live in the run's own folder.
+The job's phase, run id, spec location and cores per node come from `TRNFLOW_*` variables set by
+the request builders. A transient failure exits with 75, which Batch's retry strategy retries;
+every attempt and resubmission resumes from the run's checkpoints, which live in the run's folder.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ TRANSIENT_EXIT_CODE = 75
 retries it, and the next attempt resumes from the run's checkpoint."""
 BATCH_MASTER_PORT = 41000
 """torchrun's rendezvous port between Batch nodes (the port the Neuron Batch samples use)."""
+FAILURE_TEXT_LIMIT = 900
+"""SageMaker keeps the first 1024 characters of the failure file as the job's FailureReason."""
 
 
 @dataclass(frozen=True)
@@ -41,15 +46,25 @@ class Rendezvous:
     output_dir: Path
 
 
+def opt_ml(env: dict[str, str]) -> Path:
+    """SageMaker's /opt/ml (`TRNFLOW_OPT_ML` moves it, as a bind mount would)."""
+    return Path(env.get("TRNFLOW_OPT_ML", "/opt/ml"))
+
+
 def sagemaker_rendezvous(env: dict[str, str]) -> Rendezvous:
-    hosts = sorted(json.loads(env.get("SM_HOSTS", '["algo-1"]')))
-    current = env.get("SM_CURRENT_HOST", hosts[0])
+    if "SM_HOSTS" in env:
+        hosts, current = json.loads(env["SM_HOSTS"]), env.get("SM_CURRENT_HOST")
+    else:
+        config = json.loads((opt_ml(env) / "input" / "config" / "resourceconfig.json").read_text())
+        hosts, current = config["hosts"], config["current_host"]
+    hosts = sorted(hosts)
+    current = current or hosts[0]
     return Rendezvous(
         nnodes=len(hosts),
         node_rank=hosts.index(current),
         master_addr=env.get("SM_MASTER_ADDR", hosts[0]),
         master_port=int(env.get("SM_MASTER_PORT", "7777")),
-        output_dir=Path(env.get("SM_OUTPUT_DATA_DIR", "/opt/ml/output/data")),
+        output_dir=Path(env.get("SM_OUTPUT_DATA_DIR", opt_ml(env) / "output" / "data")),
     )
 
 
@@ -64,7 +79,7 @@ def batch_rendezvous(env: dict[str, str], own_address: str | None = None) -> Ren
         nnodes=nodes,
         node_rank=rank,
         master_addr=main or own_address or socket.gethostbyname(socket.gethostname()),
-        master_port=BATCH_MASTER_PORT,
+        master_port=int(env.get("TRNFLOW_MASTER_PORT", BATCH_MASTER_PORT)),
         output_dir=Path(env.get("TRNFLOW_OUTPUT_DIR", "/tmp/trnflow-output")),  # noqa: S108 (the container's own)
     )
 
@@ -83,9 +98,9 @@ def torchrun_argv(r: Rendezvous, env: dict[str, str], spec_file: Path) -> list[s
 
 def _fetch_spec(env: dict[str, str], into: Path) -> Path:
     """The spec from SageMaker's `spec` channel when there is one, else from TRNFLOW_SPEC_URL."""
-    channel = env.get("SM_CHANNEL_SPEC")
-    if channel and (Path(channel) / "spec.json").is_file():
-        return Path(channel) / "spec.json"
+    channel = Path(env.get("SM_CHANNEL_SPEC", opt_ml(env) / "input" / "data" / "spec"))
+    if (channel / "spec.json").is_file():
+        return channel / "spec.json"
     from trnflow.storage import open_store
 
     base, _, name = env["TRNFLOW_SPEC_URL"].rpartition("/")
@@ -95,21 +110,46 @@ def _fetch_spec(env: dict[str, str], into: Path) -> Path:
     return target
 
 
-def _transient(output_dir: Path, processes: int) -> bool:
-    """Whether the job's root failure is one a retry can help."""
-    return bool(root_failure(read_reports(output_dir), processes).get("retryable"))
+def _report(env: dict[str, str], service: str, r: Rendezvous, failure: dict | None) -> None:
+    """Leave the node's outcome where the service's caller finds it."""
+    if service == "sagemaker":
+        if failure is not None:
+            path = opt_ml(env) / "output" / "failure"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            brief = {k: failure[k] for k in ("type", "retryable", "bad_cores", "ranks") if k in failure}
+            text = json.dumps({**brief, "message": str(failure.get("message", ""))[:FAILURE_TEXT_LIMIT // 2]})
+            path.write_text(text[:FAILURE_TEXT_LIMIT])
+        return
+    if not env.get("TRNFLOW_RESULT_URL"):
+        return
+    from trnflow.storage import open_store
+
+    job_id = env.get("AWS_BATCH_JOB_ID", "job").split("#")[0]
+    store = open_store(f"{env['TRNFLOW_RESULT_URL'].rstrip('/')}/{job_id}")
+    if failure is not None:
+        store.write(f"failure-node{r.node_rank}.json", json.dumps(failure).encode())
+    elif r.node_rank == 0 and (r.output_dir / "result.json").is_file():
+        store.write("result.json", (r.output_dir / "result.json").read_bytes())
 
 
 def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
-    if not args or args[0] not in ("sagemaker", "batch"):
-        print("usage: python -m trnflow.container sagemaker|batch", file=sys.stderr)
+    modes = {"train": "sagemaker", "sagemaker": "sagemaker", "batch": "batch"}
+    if not args or args[0] not in modes:
+        print("usage: python -m trnflow.container train|batch  (SageMaker runs the image with `train`)",
+              file=sys.stderr)
         return 2
+    service = modes[args[0]]
     env = dict(os.environ)
-    r = sagemaker_rendezvous(env) if args[0] == "sagemaker" else batch_rendezvous(env)
+    r = sagemaker_rendezvous(env) if service == "sagemaker" else batch_rendezvous(env)
     spec_file = _fetch_spec(env, r.output_dir.parent / "trnflow-input")
     code = subprocess.call(torchrun_argv(r, env, spec_file))
-    if code and _transient(r.output_dir, int(env["TRNFLOW_NPROC_PER_NODE"])):
+    failure = None
+    if code:
+        nproc = int(env["TRNFLOW_NPROC_PER_NODE"])
+        failure = root_failure(read_reports(r.output_dir), nproc, first_rank=r.node_rank * nproc)
+    _report(env, service, r, failure)
+    if failure is not None and failure.get("retryable"):
         return TRANSIENT_EXIT_CODE
     return code
 

@@ -44,6 +44,31 @@ class HardwareError(TransientError):
     """A NeuronCore reported a hardware fault (`bad_cores`); the retry runs on other cores."""
 
 
+class CapacityError(TransientError):
+    """The service had no capacity for the instances asked for; a later submission may get them.
+    Neither SageMaker nor Batch retries this itself, so trnflow resubmits."""
+
+
+class InternalServiceError(FatalError):
+    """SageMaker failed the job with an internal error after its own `RetryStrategy` was used up.
+    That strategy is the one retry owner of internal errors, so trnflow does not resubmit."""
+
+
+class HostFailure(FatalError):
+    """AWS Batch ended the job for a host, agent or start-up failure (or a transient device fault)
+    after its own `retryStrategy` was used up; that strategy owns these retries."""
+
+
+class UserError(FatalError):
+    """The job's own code failed (SageMaker's AlgorithmError, a non-zero exit on Batch). Fix the
+    cause shown in the job's log and rerun."""
+
+
+class JobTimeout(FatalError):
+    """The job reached `compute.max_runtime_hours`. Raise it, or checkpoint more often and rerun:
+    the rerun resumes from the last checkpoint."""
+
+
 class GateFailed(FatalError):
     """The candidate model is outside the accuracy-parity band. Never retried; the champion stays."""
 
@@ -55,5 +80,6 @@ class GateFailed(FatalError):
 ERROR_TYPES: dict[str, type[TrnflowError]] = {
     cls.__name__: cls
     for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout,
-                ExecutionTimeout, HardwareError, GateFailed)
+                ExecutionTimeout, HardwareError, CapacityError, InternalServiceError, HostFailure, UserError,
+                JobTimeout, GateFailed)
 }

@@ -21,14 +21,15 @@ def read_reports(output_dir: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(output_dir.glob("failure-rank*.json"))]
 
 
-def root_failure(reports: list[dict], processes: int) -> dict:
-    """The failure that caused the others; `retryable` says whether a retry can help."""
+def root_failure(reports: list[dict], processes: int, first_rank: int = 0) -> dict:
+    """The failure that caused the others among ranks `first_rank`.. of `processes` ranks;
+    `retryable` says whether a retry can help."""
     own = [r for r in reports if r.get("retryable") is not None]
     if own:
         return min(own, key=lambda r: r["rank"])
     causes = [r for r in reports if not lost_peer(r)]
     if causes:
         return min(causes, key=lambda r: r["rank"])  # a plain error (a bug): not retryable
-    silent = sorted(set(range(processes)) - {r["rank"] for r in reports})
+    silent = sorted(set(range(first_rank, first_rank + processes)) - {r["rank"] for r in reports})
     return {"type": "WorkerLost", "retryable": True, "ranks": silent,
             "message": f"rank(s) {silent} exited without reporting why (killed, or out of memory)"}

@@ -17,7 +17,12 @@ def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None) -> Backe
         from trnflow.backends.local import LocalBackend
 
         return LocalBackend(settings.jobs_dir)
-    raise FatalError(
-        f"compute.backend {spec.compute.backend!r} is not available in this version of trnflow; "
-        "use compute.backend: local (the NeuronCore emulator)"
-    )
+    if spec.compute.backend == "sagemaker":
+        from trnflow.backends.sagemaker import SageMakerBackend
+
+        return SageMakerBackend(settings.cloud_target("sagemaker"))
+    if spec.compute.backend == "batch":
+        from trnflow.backends.batch import BatchBackend
+
+        return BatchBackend(settings.cloud_target("batch"))
+    raise FatalError(f"compute.backend {spec.compute.backend!r} is unknown; use local, sagemaker or batch")

@@ -3,8 +3,8 @@
 
 The job definition depends only on what shapes the nodes (image, instance type, node count,
 devices), and is named by a hash of its content: registering it twice is harmless, and a changed
-one gets a new name. Each node runs `python -m trnflow.container batch`, which reads
-`AWS_BATCH_JOB_NODE_INDEX`, `AWS_BATCH_JOB_NUM_NODES` and
+one gets a new name. Each node runs the image's entrypoint, `python -m trnflow.container`, with
+the command `batch`; it reads `AWS_BATCH_JOB_NODE_INDEX`, `AWS_BATCH_JOB_NUM_NODES` and
 `AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS` (absent on the main node itself) and starts torchrun.
 """
 
@@ -12,15 +12,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from fnmatch import fnmatchcase
 from typing import Any
 
 from jobspecs import JobSpec, instance
 from trnflow.backends.base import JobRequest
-from trnflow.backends.cloud import CloudTarget, container_environment, efa_environment, job_name, tags
+from trnflow.backends.cloud import CloudTarget, container_environment, efa_environment, job_name, placement, tags
 from trnflow.container import TRANSIENT_EXIT_CODE
 from trnflow.errors import FatalError
 
-COMMAND = ["python", "-m", "trnflow.container", "batch"]
+COMMAND = ["batch"]
+"""The container's command: the image's entrypoint is `python -m trnflow.container`."""
 HOST_RESERVED_VCPUS = 32
 HOST_RESERVED_MEMORY_MIB = 12 * 1024
 """Left to the ECS agent and the OS on each node (the Neuron samples ask 96 of 128 vCPUs)."""
@@ -40,6 +42,18 @@ def retry_strategy(spec: JobSpec) -> dict[str, Any]:
             {"action": "EXIT", "onReason": "*"},
         ],
     }
+
+
+def exit_action(rules: list[dict[str, str]], exit_code: int | None, reason: str, status_reason: str) -> str:
+    """What Batch does with a failed attempt: the action of the first `evaluateOnExit` rule whose
+    every condition matches (globs), else RETRY, as the service does."""
+    values = {"onExitCode": None if exit_code is None else str(exit_code), "onReason": reason or "",
+              "onStatusReason": status_reason or ""}
+    for rule in rules:
+        conditions = {k: v for k, v in rule.items() if k in values}
+        if all(values[k] is not None and fnmatchcase(values[k], v) for k, v in conditions.items()):
+            return rule["action"].upper()
+    return "RETRY"
 
 
 def _devices(itype: str) -> list[dict[str, Any]]:
@@ -100,7 +114,7 @@ def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: s
         "jobQueue": target.job_queue,
         "jobDefinition": job_definition,
         "nodeOverrides": {
-            "numNodes": spec.compute.nodes,
+            "numNodes": placement(request)[0],
             "nodePropertyOverrides": [{"targetNodes": "0:", "containerOverrides": {"environment": environment}}],
         },
         "retryStrategy": retry_strategy(spec),

@@ -11,7 +11,9 @@ from jobspecs import JobSpec, instance
 from trnflow.backends.base import JobRequest
 
 CHECKPOINT_DIR = "/opt/ml/checkpoints"
-"""Where SageMaker syncs `CheckpointConfig.S3Uri`."""
+"""Where SageMaker copies `CheckpointConfig.S3Uri` at the start of a job. trnflow writes its
+checkpoints straight to that S3 folder (each object whole, the commit marker last), so a retry or
+a resubmission finds every committed checkpoint even when an instance is lost mid-sync."""
 
 
 @dataclass(frozen=True)
@@ -28,21 +30,37 @@ class CloudTarget:
     """Batch job queue (with its fair-share scheduling policy)."""
 
 
-def job_name(request: JobRequest) -> str:
-    """`<spec name>-<phase>-<run id>`, cut to 63 characters of letters, digits and dashes (the
-    SageMaker limit; Batch allows 128)."""
+def job_name(request: JobRequest, limit: int = 63) -> str:
+    """`<spec name>-<phase>-<run id>`, cut to `limit` characters of letters, digits and dashes (63 is
+    the SageMaker limit; Batch allows 128)."""
     raw = f"{request.name}-{request.phase}-{request.run_id}"
-    return re.sub(r"[^A-Za-z0-9-]", "-", raw)[:63].rstrip("-")
+    return re.sub(r"[^A-Za-z0-9-]", "-", raw)[:limit].rstrip("-")
+
+
+def staging_prefix(target: CloudTarget, request: JobRequest) -> str:
+    """Where this request's spec is handed over, and where a Batch job leaves its result."""
+    return f"{target.staging_url.rstrip('/')}/{request.run_id}/{job_name(request)}"
 
 
 def spec_url(target: CloudTarget, request: JobRequest) -> str:
-    return f"{target.staging_url.rstrip('/')}/{request.run_id}/{job_name(request)}/spec.json"
+    return f"{staging_prefix(target, request)}/input/spec.json"
 
 
 def checkpoint_s3_uri(spec: JobSpec, run_id: str) -> str:
     """The run's checkpoint folder: SageMaker syncs it to CHECKPOINT_DIR, and every retry or
     resubmission of the run sees it, which is what makes them resume."""
     return f"{spec.train.checkpoint_url.rstrip('/')}/{run_id}"
+
+
+def placement(request: JobRequest) -> tuple[int, int]:
+    """(nodes, processes per node) of a cloud job: the spec's, unless the request asks for fewer
+    processes (the compile job runs one), which then fit on as few nodes as they can."""
+    spec = request.spec
+    assert spec is not None, "cloud jobs always carry a spec"
+    per_node = spec.compute.cores_per_node
+    if request.processes and request.processes < spec.compute.world_size:
+        return -(-request.processes // per_node), min(request.processes, per_node)
+    return spec.compute.nodes, per_node
 
 
 def efa_environment(itype: str) -> dict[str, str]:
@@ -65,9 +83,9 @@ def container_environment(request: JobRequest, target: CloudTarget) -> dict[str,
         "TRNFLOW_PHASE": request.phase,
         "TRNFLOW_RUN_ID": request.run_id,
         "TRNFLOW_SPEC_URL": spec_url(target, request),
-        "TRNFLOW_NPROC_PER_NODE": str(spec.compute.cores_per_node),
-        "TRNFLOW_CHECKPOINT_DIR": CHECKPOINT_DIR,
+        "TRNFLOW_NPROC_PER_NODE": str(placement(request)[1]),
         "TRNFLOW_CHECKPOINT_S3_URI": checkpoint_s3_uri(spec, request.run_id),
+        "TRNFLOW_RESULT_URL": f"{staging_prefix(target, request)}/output",
     }
     if request.checkpoint:
         env["TRNFLOW_CHECKPOINT"] = request.checkpoint

@@ -1,10 +1,10 @@
 """The SageMaker `CreateTrainingJob` request for one stage job: a pure function of the request
-and the deployment target.
+and the deployment target. `sagemaker_trainer` sends it through the SDK's ModelTrainer.
 
-The container runs `python -m trnflow.container sagemaker`, which reads SageMaker's `SM_*`
-variables and starts torchrun with one process per NeuronCore of the instance. The run's
-checkpoint folder is the job's `CheckpointConfig.S3Uri`, so a retried or resubmitted job finds
-its checkpoints in /opt/ml/checkpoints and resumes.
+SageMaker runs the image as `<entrypoint> train`; the image's entrypoint is
+`python -m trnflow.container`, which reads SageMaker's contract and starts torchrun with one
+process per NeuronCore of the instance. The run's checkpoint folder is the job's
+`CheckpointConfig.S3Uri`, so a retried or resubmitted job resumes from it.
 """
 
 from __future__ import annotations
@@ -18,21 +18,27 @@ from trnflow.backends.cloud import (
     checkpoint_s3_uri,
     container_environment,
     job_name,
+    placement,
     spec_url,
     tags,
 )
 from trnflow.errors import FatalError
 
-ENTRYPOINT = ["python", "-m", "trnflow.container"]
 MAX_RETRY_ATTEMPTS = 30
 """SageMaker's limit for RetryStrategy.MaximumRetryAttempts."""
 
 
-def _channel(name: str, url: str, field: str) -> dict[str, Any]:
+BASE_NAME_LENGTH = 48
+"""ModelTrainer appends `-<YYYYmmddHHMMSS>` to the base name and cuts the whole to 63 characters."""
+
+
+def _channel(name: str, url: str, field: str, mode: str = "FastFile") -> dict[str, Any]:
+    """An S3 channel. Data channels are FastFile: the workload reads its shards from S3 itself (the
+    sampler picks them by step), so SageMaker copies nothing before the job starts."""
     if not url.startswith("s3://"):
         raise FatalError(f"{field}: {url} is not on S3; SageMaker jobs read their data from s3:// locations. "
                          "Upload it, or run with compute.backend: local")
-    return {"ChannelName": name, "InputMode": "File", "DataSource": {"S3DataSource": {
+    return {"ChannelName": name, "InputMode": mode, "DataSource": {"S3DataSource": {
         "S3DataType": "S3Prefix", "S3Uri": url, "S3DataDistributionType": "FullyReplicated"}}}
 
 
@@ -41,7 +47,7 @@ def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict
     if spec is None:
         raise FatalError("a SageMaker job needs a job spec")
     compute = spec.compute
-    channels = [_channel("spec", spec_url(target, request).rpartition("/")[0], "staging_url")]
+    channels = [_channel("spec", spec_url(target, request).rpartition("/")[0], "staging_url", mode="File")]
     if request.phase in ("train", "evaluate"):
         channels += [_channel("train", spec.data.train, "data.train"),
                      _channel("holdout", spec.data.holdout, "data.holdout")]
@@ -51,18 +57,16 @@ def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict
     if request.checkpoint:
         hyperparameters["checkpoint"] = request.checkpoint
     return {
-        "TrainingJobName": job_name(request),
+        "TrainingJobName": job_name(request, BASE_NAME_LENGTH),
         "RoleArn": target.role_arn,
         "AlgorithmSpecification": {
             "TrainingImage": target.image,
             "TrainingInputMode": "File",
-            "ContainerEntrypoint": ENTRYPOINT,
-            "ContainerArguments": ["sagemaker"],
         },
         "HyperParameters": hyperparameters,
         "ResourceConfig": {
             "InstanceType": f"ml.{compute.instance_type}",
-            "InstanceCount": compute.nodes,
+            "InstanceCount": placement(request)[0],
             "VolumeSizeInGB": compute.volume_gb,
         },
         "StoppingCondition": {"MaxRuntimeInSeconds": int(compute.max_runtime_hours * 3600)},

@@ -10,7 +10,9 @@ faults strike once per run, at a step:
 - `kill`: the rank's process is killed with SIGKILL (as the OOM killer or a lost host would);
 - `timeout`: the runtime reports an execution timeout (transient: retry and resume);
 - `hw`: the core reports an uncorrectable hardware error (retry on other cores);
-- `nan`: the core's result turns to NaN, so the loss is not finite (fatal: never retried).
+- `nan`: the core's result turns to NaN, so the loss is not finite (fatal: never retried);
+- `stall`: the rank stops making progress, as on a host that stopped answering; only the service
+  (which replaces the host) or the peers' collective timeout ends it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from trnflow.errors import ExecutionTimeout, FatalError, HardwareError
 
 FAULTS_ENV = "TRNFLOW_FAULTS"
 DEVICE_KINDS = ("corrupt", "hang", "memory")
-TRAINING_KINDS = ("kill", "timeout", "hw", "nan")
+TRAINING_KINDS = ("kill", "timeout", "hw", "nan", "stall")
 KINDS = DEVICE_KINDS + TRAINING_KINDS
 
 
@@ -92,6 +94,9 @@ class CoreFaults:
                 continue
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
+            if fault.kind == "stall":
+                while True:
+                    time.sleep(3600)
             if fault.kind == "timeout":
                 raise ExecutionTimeout(f"NeuronCore {self.core}: execution timed out at step {step} "
                                        "(injected fault); the run resumes from its last checkpoint")

@@ -65,9 +65,5 @@ def launch_env(spec: JobSpec | None, cores: list[int], itype: str, base: dict[st
     env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(cores)))
     env["PYTHONUNBUFFERED"] = "1"
     env.update(neuron_env(spec, cores, itype))
-    injected = fault_injection.parse(env.get(fault_injection.FAULTS_ENV, ""))
-    if spec is not None:
-        injected += [fault_injection.Fault(f.kind, f.core, f.step) for f in spec.faults]
-    if injected:
-        env[fault_injection.FAULTS_ENV] = fault_injection.encode(injected)
+    fault_injection.parse(env.get(fault_injection.FAULTS_ENV, ""))  # a malformed list fails before launch
     return env

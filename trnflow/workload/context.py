@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from jobspecs import JobSpec
 from trnflow.emulator.cores import INSTANCE_CORES_ENV, CoreLease, acquire, parse_visible_cores
-from trnflow.emulator.faults import CoreFaults
+from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
 from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
 
@@ -93,6 +93,14 @@ class WorkerContext:
             atomic_write_json(self.output_dir / "result.json", result)
 
 
+def _faults(spec: JobSpec | None) -> list[Fault]:
+    """The faults to inject: the spec's and TRNFLOW_FAULTS's, whichever backend started the worker."""
+    injected = parse(os.environ.get(FAULTS_ENV, ""))
+    if spec is not None:
+        injected += [Fault(f.kind, f.core, f.step) for f in spec.faults]
+    return list(dict.fromkeys(injected))
+
+
 def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dict[str, Any] | None = None
                 ) -> WorkerContext:
     """Own this rank's emulated NeuronCore, then join the process group (gloo)."""
@@ -116,7 +124,7 @@ def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dic
     if world > 1 and not dist.is_initialized():
         dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
     ctx = WorkerContext(spec, output_dir, rank, world, local_rank, core_id, dict(options or {}),
-                        CoreFaults(core_id), lease)
+                        CoreFaults(core_id, _faults(spec)), lease)
     ctx.progress("started")
     return ctx
 

@@ -1,0 +1,244 @@
+"""The SageMaker and Batch backends against moto, with each submitted job run for real by MockCloud
+under its service's contract: what each service's failures mean, who retries them, and the whole
+pipeline on both services."""
+
+import contextlib
+import io
+import json
+import logging
+
+import pyarrow.parquet as pq
+import pytest
+
+from flows.pipeline import STAGES, pipeline
+from tests.conftest import quickstart_data
+from trnflow.backends import JobRequest
+from trnflow.backends.service_status import batch_failure, sagemaker_failure
+from trnflow.mockcloud import MockCloud, ServiceFault
+from trnflow.mockcloud.provision import provision
+
+HOST_LOST = "Host EC2 (instance i-0d4c3b2a10f9e8d7c) terminated."
+
+
+def _upload(s3, folder, bucket, prefix):
+    for path in sorted(folder.rglob("*")):
+        if path.is_file():
+            s3.upload_file(str(path), bucket, f"{prefix}/{path.relative_to(folder)}")
+
+
+@contextlib.contextmanager
+def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=False):
+    """The emulated AWS with trnflow's deployment in it and the session's dataset uploaded. The
+    client reaches it in-process (`mock_aws`) or through the moto server on 127.0.0.1; the job
+    containers always reach it through the server, as containers reach AWS over the network."""
+    import boto3
+    from moto import mock_aws
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    if in_process:  # the SDK's role check calls IAM's policy simulator, which moto lacks
+        monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+        monkeypatch.setenv("SAGEMAKER_VALIDATE_ROLE", "false")
+    else:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
+    with mock_aws() if in_process else contextlib.nullcontext():
+        cloud = MockCloud(moto_endpoint, tmp_path / "cloud", faults=list(faults))
+        with cloud:
+            outputs = provision(cloud.client)
+            for name in ("IMAGE", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE"):
+                monkeypatch.setenv(f"TRNFLOW_{name}", outputs[name])
+            _upload(boto3.client("s3"), dataset, outputs["DATA_BUCKET"], "reviews")
+            yield cloud, outputs["DATA_BUCKET"]
+
+
+STALL = [{"kind": "stall", "core": 0, "step": 15}]
+"""Rank 0 stops at step 15, after the step-10 checkpoint: the moment the service's fault strikes."""
+
+
+def _cloud_spec(make_spec, bucket, backend, **sections):
+    s3 = f"s3://{bucket}"
+    compute = {"backend": backend, "instance_type": "trn1.2xlarge", "nodes": 1, "cores_per_node": 2}
+    if backend == "batch":  # two trn1.32xlarge nodes, one core each: a real two-node rendezvous
+        compute |= {"instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1}
+    return make_spec(
+        data={"train": f"{s3}/reviews/train", "holdout": f"{s3}/reviews/holdout",
+              "inference": f"{s3}/reviews/inference"},
+        compute=compute, compile={"cache_url": f"{s3}/neuron-cache"}, registry_url=f"{s3}/registry",
+        train={"checkpoint_url": f"{s3}/checkpoints", "steps": 40, "checkpoint_every": 10},
+        gate={"reference": "champion", "eval_every": 20}, inference={"output_url": f"{s3}/embeddings"},
+        retries={"max_retries": 2, "backoff_seconds": 0.5}, **sections)
+
+
+def _keys(s3, bucket, prefix):
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
+    return [o["Key"] for page in pages for o in page.get("Contents", [])]
+
+
+def _assert_artifacts_in_s3(spec, bucket, results):
+    import boto3
+
+    s3 = boto3.client("s3")
+    run = results["train"]["checkpoint"].rsplit("/", 2)[1]
+    assert any(k.endswith("/COMMITTED") for k in _keys(s3, bucket, f"checkpoints/{run}/"))
+    done = [k for k in _keys(s3, bucket, "neuron-cache/") if k.endswith("/model.done")]
+    assert len(done) == 3  # the training, evaluation and embedding programs
+    assert results["train"]["compile"]["recompiles"] == [] and results["train"]["compile"]["hits"] == 2, (
+        results["train"]["compile"], results["train"]["start_step"])
+    shards = [k for k in _keys(s3, bucket, "embeddings/") if k.endswith(".parquet")]
+    assert shards and any(k.endswith("_manifest.json") for k in _keys(s3, bucket, "embeddings/"))
+    table = pq.read_table(io.BytesIO(s3.get_object(Bucket=bucket, Key=shards[0])["Body"].read()))
+    assert table.num_rows and "embedding" in table.column_names
+    champion = [k for k in _keys(s3, bucket, "registry/") if "/champion/" in k]
+    assert champion, "the gate passed, so the run was registered and promoted"
+
+
+def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    """In-process moto. Preflight first meets a capacity error, which trnflow resubmits; training
+    loses its instance after a checkpoint, which SageMaker's own RetryStrategy retries within the
+    job, and the retry resumes from the checkpoint."""
+    import boto3
+
+    faults = [ServiceFault("sagemaker", "sanity", "CapacityError: Unable to provision requested ML compute capacity"),
+              ServiceFault("sagemaker", "train", "InternalServerError: We encountered an internal error.",
+                           when="checkpoint")]
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults, in_process=True) as (_, bucket):
+        spec = _cloud_spec(make_spec, bucket, "sagemaker", faults=STALL)
+        state = pipeline(spec, return_state=True)
+        outcome = state.result(raise_on_failure=False)
+        assert state.is_completed(), outcome
+        assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
+        results = outcome["results"]
+        _assert_artifacts_in_s3(spec, bucket, results)
+
+        sm = boto3.client("sagemaker")
+        jobs = [sm.describe_training_job(TrainingJobName=j["TrainingJobName"])
+                for j in sm.list_training_jobs(MaxResults=100)["TrainingJobSummaries"]]
+        phases = sorted(j["HyperParameters"]["phase"] for j in jobs)
+        # the capacity error cost one resubmission; the internal error none (SageMaker retried it);
+        # evaluation ran inside the training job, so the evaluate stage launched none
+        assert phases == ["collectives", "compile", "infer", "sanity", "sanity", "train"]
+        train = next(j for j in jobs if j["HyperParameters"]["phase"] == "train")
+        assert train["TrainingJobStatus"] == "Completed"
+        assert "Restarting" in [t["Status"] for t in train["SecondaryStatusTransitions"]]
+        assert results["train"]["start_step"] == 10  # the retry resumed from the checkpoint
+        assert all(row["billable_seconds"] > 0 for row in outcome["cost"]["rows"])
+
+
+def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    """Through the moto server on 127.0.0.1. Every stage is a two-node Batch job. Training loses a
+    host after its step-10 checkpoint; Batch's retry strategy retries it and the retry resumes, then
+    meets an execution timeout at step 25, which the container reports with exit code 75; Batch
+    retries that too, and the third attempt resumes from step 20."""
+    import boto3
+
+    faults = [ServiceFault("batch", "train", HOST_LOST, when="checkpoint")]
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults) as (_, bucket):
+        spec = _cloud_spec(make_spec, bucket, "batch", faults=[*STALL, {"kind": "timeout", "core": 0, "step": 25}])
+        state = pipeline(spec, return_state=True)
+        outcome = state.result(raise_on_failure=False)
+        assert state.is_completed(), outcome
+        results = outcome["results"]
+        _assert_artifacts_in_s3(spec, bucket, results)
+
+        batch = boto3.client("batch")
+        queue = batch.list_jobs(jobQueue="trnflow-trn1", jobStatus="SUCCEEDED")["jobSummaryList"]
+        described = batch.describe_jobs(jobs=[j["jobId"] for j in queue])["jobs"]
+        by_phase = {j["tags"]["trnflow:phase"]: j for j in described}
+        # one job a stage, nothing resubmitted (evaluation ran inside the training job)
+        assert set(by_phase) == set(STAGES) - {"evaluate"} and len(described) == len(by_phase)
+        train = by_phase["train"]
+        assert [(a["statusReason"], a["container"].get("exitCode")) for a in train["attempts"]] == [
+            (HOST_LOST, None), ("Essential container in task exited", 75), ("Essential container in task exited", 0)]
+        assert train["nodeProperties"]["numNodes"] == 2
+        assert results["train"]["start_step"] == 20
+
+
+@pytest.mark.parametrize("service", ["sagemaker", "batch"])
+def test_a_user_error_fails_the_stage_once_and_is_never_retried(
+        service, prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    import boto3
+
+    report = json.dumps({"type": "DataError", "retryable": False, "message": "data.train has no rows"})
+    fault = (ServiceFault("sagemaker", "sanity", f"AlgorithmError: {report}") if service == "sagemaker" else
+             ServiceFault("batch", "sanity", "Essential container in task exited", exit_code=1))
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [fault]) as (_, bucket):
+        state = pipeline(_cloud_spec(make_spec, bucket, service), return_state=True)
+        assert state.is_failed()
+        message = str(state.result(raise_on_failure=False))
+        if service == "sagemaker":
+            assert "DataError" in message and "data.train has no rows" in message
+            assert len(boto3.client("sagemaker").list_training_jobs()["TrainingJobSummaries"]) == 1
+        else:
+            assert "exit code 1" in message
+            jobs = boto3.client("batch").list_jobs(jobQueue="trnflow-trn1", jobStatus="FAILED")["jobSummaryList"]
+            assert len(jobs) == 1
+            (job,) = boto3.client("batch").describe_jobs(jobs=[jobs[0]["jobId"]])["jobs"]
+            assert len(job["attempts"]) == 1  # the EXIT rule: Batch did not retry it either
+
+
+def test_throttling_while_polling_is_retried_without_failing(moto_endpoint, tmp_path, monkeypatch, dataset,
+                                                             make_spec, caplog):
+    from botocore.awsrequest import AWSResponse
+
+    from trnflow.backends.sagemaker import SageMakerBackend
+    from trnflow.settings import TrnflowSettings
+
+    fault = ServiceFault("sagemaker", "train", "AlgorithmError: bad input")
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [fault]) as (cloud, bucket):
+        backend = SageMakerBackend(TrnflowSettings().cloud_target("sagemaker"))
+        job = backend.submit(JobRequest(_cloud_spec(make_spec, bucket, "sagemaker"), "train", "throttled"))
+        cloud.wait_idle()
+        throttles = iter(range(2))
+
+        def throttle(**_):
+            if next(throttles, None) is not None:
+                error = {"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"},
+                         "ResponseMetadata": {"HTTPStatusCode": 400}}
+                return AWSResponse("http://sagemaker", 400, {}, None), error
+            return None
+
+        backend._sm.meta.events.register("before-call.sagemaker.DescribeTrainingJob", throttle)
+        monkeypatch.setattr("trnflow.aws.FIRST_WAIT_SECONDS", 0.01)
+        with caplog.at_level(logging.WARNING, logger="trnflow.aws"):
+            info = backend.describe(job)
+        assert info.state.value == "FAILED" and info.failure["type"] == "UserError"
+        assert len([r for r in caplog.records if "ThrottlingException" in r.getMessage()]) == 2
+
+
+def test_each_service_failure_maps_to_its_error_class_and_retry_owner():
+    def sm(reason, secondary="Failed"):
+        return sagemaker_failure({"TrainingJobName": "j", "FailureReason": reason, "SecondaryStatus": secondary,
+                                  "StoppingCondition": {"MaxRuntimeInSeconds": 60}})
+
+    assert sm("CapacityError: Unable to provision")["type"] == "CapacityError"  # trnflow resubmits
+    assert sm("CapacityError: Unable to provision")["retryable"]
+    assert sm("InternalServerError: oops")["type"] == "InternalServiceError"  # SageMaker retried it already
+    transient = sm('AlgorithmError: {"type": "ExecutionTimeout", "retryable": true, "message": "nc3"}')
+    assert transient["type"] == "ExecutionTimeout" and transient["retryable"]  # a device fault: resubmitted
+    assert sm("AlgorithmError: Traceback ...")["type"] == "UserError"
+    assert sm("", secondary="MaxRuntimeExceeded")["type"] == "JobTimeout"
+
+    from trnflow.backends.batch_request import retry_strategy
+
+    rules = retry_strategy(_spec_for_rules())["evaluateOnExit"]
+
+    def batch(code, status_reason, report=None):
+        return batch_failure({"jobId": "id", "jobName": "n", "attempts": [
+            {"container": {"exitCode": code}, "statusReason": status_reason}] * 3}, rules, report)
+
+    host = batch(None, HOST_LOST)
+    assert host["type"] == "HostFailure" and not host["retryable"] and "retried n (id) 3 time(s)" in host["message"]
+    assert batch(75, "Essential container in task exited")["type"] == "HostFailure"  # exit 75: Batch's to retry
+    user = batch(1, "Essential container in task exited")
+    assert user["type"] == "UserError" and "exit code 1" in user["message"]
+    named = batch(1, "Essential container in task exited", {"type": "GateFailed", "message": "outside the band"})
+    assert named["type"] == "GateFailed" and not named["retryable"]
+
+
+def _spec_for_rules():
+    from jobspecs import validate_spec
+
+    return validate_spec(quickstart_data(compute={"backend": "batch", "instance_type": "trn1.32xlarge"}))

@@ -1,0 +1,109 @@
+"""The AWS Batch backend: each stage job is a multi-node parallel job on the deployment's queue.
+
+`submit` registers the job definition unless one with its content-hash name is active, hands the
+spec over in the staging bucket and submits; `describe` polls `DescribeJobs` (through `trnflow.aws`,
+which retries throttling and 5xx) and reads the result or the nodes' failure reports the container
+uploaded; `logs` reads the main node's CloudWatch stream; `cancel` terminates the job.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from trnflow import aws
+from trnflow.backends.base import JobInfo, JobRequest, JobState
+from trnflow.backends.batch_request import build_job_definition, build_submit_job
+from trnflow.backends.cloud import CloudTarget, spec_url
+from trnflow.backends.cloudwatch import read_stream
+from trnflow.backends.service_status import (
+    CANCEL_REASON,
+    batch_billable_seconds,
+    batch_failure,
+    batch_state,
+)
+from trnflow.errors import FatalError
+from trnflow.failures import lost_peer
+from trnflow.storage import open_store
+
+LOG_GROUP = "/aws/batch/job"
+
+
+class BatchBackend:
+    name = "batch"
+
+    def __init__(self, target: CloudTarget):
+        self.target = target
+        session = aws.session()
+        self._batch = aws.client("batch", boto_session=session)
+        self._logs = aws.client("logs", boto_session=session)
+        self._rules: dict[str, list[dict[str, str]]] = {}
+        self._streams: dict[str, str] = {}
+
+    def _job_definition(self, body: dict[str, Any]) -> str:
+        """The name of an active definition with this content, registering it if there is none."""
+        name = body["jobDefinitionName"]
+        found = aws.call(self._batch.describe_job_definitions, jobDefinitionName=name, status="ACTIVE")
+        if not found["jobDefinitions"]:
+            aws.call(self._batch.register_job_definition, **body)
+        return name
+
+    def submit(self, request: JobRequest) -> str:
+        if request.spec is None:
+            raise FatalError(f"the {request.phase} phase needs a job spec to run on AWS Batch")
+        definition = self._job_definition(build_job_definition(request.spec, self.target))
+        base, _, name = spec_url(self.target, request).rpartition("/")
+        open_store(base).write(name, request.spec.model_dump_json(indent=2).encode())
+        submitted = aws.call(self._batch.submit_job, **build_submit_job(request, self.target, definition))
+        return submitted["jobId"]
+
+    def _describe(self, job_id: str) -> dict[str, Any]:
+        jobs = aws.call(self._batch.describe_jobs, jobs=[job_id])["jobs"]
+        if not jobs:
+            raise KeyError(f"AWS Batch has no job {job_id!r}")
+        return jobs[0]
+
+    def _exit_rules(self, desc: dict[str, Any]) -> list[dict[str, str]]:
+        if "retryStrategy" in desc:
+            return desc["retryStrategy"].get("evaluateOnExit", [])
+        arn = desc["jobDefinition"]
+        if arn not in self._rules:
+            found = aws.call(self._batch.describe_job_definitions, jobDefinitions=[arn])["jobDefinitions"]
+            self._rules[arn] = (found[0].get("retryStrategy") or {}).get("evaluateOnExit", []) if found else []
+        return self._rules[arn]
+
+    def _outputs(self, desc: dict[str, Any]) -> Any:
+        """Where the job's nodes left their result and failure reports."""
+        run_id = desc.get("tags", {}).get("trnflow:run-id", "")
+        return open_store(f"{self.target.staging_url.rstrip('/')}/{run_id}/{desc['jobName']}/output/{desc['jobId']}")
+
+    def _failure_report(self, desc: dict[str, Any]) -> dict[str, Any] | None:
+        """The root failure among the nodes' reports: a node's own error before a lost peer."""
+        store = self._outputs(desc)
+        reports = [json.loads(store.read(o.name)) for o in store.list("failure-node")]
+        if not reports:
+            return None
+        return sorted(reports, key=lambda r: (r.get("retryable") is None, lost_peer(r), r.get("rank", 0)))[0]
+
+    def describe(self, job_id: str) -> JobInfo:
+        desc = self._describe(job_id)
+        state = batch_state(desc)
+        details = {"seconds": batch_billable_seconds(desc), "status": desc["status"],
+                   "attempts": len(desc.get("attempts") or []), "cores": None}
+        if state is JobState.SUCCEEDED:
+            result = json.loads(self._outputs(desc).read("result.json"))
+            return JobInfo(job_id, state, result=result, details=details)
+        if state is JobState.FAILED:
+            failure = batch_failure(desc, self._exit_rules(desc), self._failure_report(desc))
+            return JobInfo(job_id, state, failure=failure, details=details)
+        return JobInfo(job_id, state, details=details)
+
+    def logs(self, job_id: str, since: int = 0) -> tuple[str, int]:
+        stream = self._streams.get(job_id) or (self._describe(job_id).get("container") or {}).get("logStreamName")
+        if not stream:
+            return "", since
+        self._streams[job_id] = stream
+        return read_stream(self._logs, LOG_GROUP, stream, since)
+
+    def cancel(self, job_id: str) -> None:
+        aws.call(self._batch.terminate_job, jobId=job_id, reason=CANCEL_REASON)

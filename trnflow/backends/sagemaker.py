@@ -1,0 +1,100 @@
+"""The SageMaker backend: each stage job is a SageMaker training job.
+
+`submit` hands the spec over in the staging bucket and sends the request built by
+`sagemaker_request` through the SDK's ModelTrainer; `describe` polls `DescribeTrainingJob`
+(through `trnflow.aws`, which retries throttling and 5xx) and, once the job has completed, reads
+rank 0's result from the job's output.tar.gz; `logs` reads CloudWatch; `cancel` stops the job.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from trnflow import aws
+from trnflow.backends.base import JobInfo, JobRequest, JobState
+from trnflow.backends.cloud import CloudTarget, spec_url
+from trnflow.backends.cloudwatch import first_stream, read_stream
+from trnflow.backends.sagemaker_request import build_training_job_request
+from trnflow.backends.service_status import sagemaker_failure, sagemaker_state
+from trnflow.errors import FatalError
+from trnflow.s3store import split_s3_url
+from trnflow.safetar import extract
+from trnflow.storage import open_store
+
+LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+
+
+class SageMakerBackend:
+    name = "sagemaker"
+
+    def __init__(self, target: CloudTarget):
+        self.target = target
+        self._session = aws.session()
+        self._sm = aws.client("sagemaker", boto_session=self._session)
+        self._logs = aws.client("logs", boto_session=self._session)
+        self._s3 = aws.client("s3", boto_session=self._session)
+        self._streams: dict[str, str] = {}
+
+    def submit(self, request: JobRequest) -> str:
+        if request.spec is None:
+            raise FatalError(f"the {request.phase} phase needs a job spec to run on SageMaker")
+        from trnflow.backends import sagemaker_trainer
+
+        body = build_training_job_request(request, self.target)
+        base, _, name = spec_url(self.target, request).rpartition("/")
+        open_store(base).write(name, request.spec.model_dump_json(indent=2).encode())
+        bucket, _ = split_s3_url(self.target.staging_url)
+        for attempt in range(3):
+            try:
+                return aws.call(sagemaker_trainer.submit, body, self._session, bucket)
+            except self._sm.exceptions.ResourceInUse:
+                # ModelTrainer names jobs to the second; a resubmission within the same second waits
+                if attempt == 2:
+                    raise
+                time.sleep(1.1)
+        raise AssertionError("unreachable")
+
+    def _describe(self, job_id: str) -> dict[str, Any]:
+        return aws.call(self._sm.describe_training_job, TrainingJobName=job_id)
+
+    def describe(self, job_id: str) -> JobInfo:
+        desc = self._describe(job_id)
+        state = sagemaker_state(desc)
+        restarts = sum(1 for t in desc.get("SecondaryStatusTransitions", []) if t.get("Status") == "Restarting")
+        details = {"seconds": desc.get("BillableTimeInSeconds"), "status": desc["TrainingJobStatus"],
+                   "secondary_status": desc.get("SecondaryStatus"), "restarts": restarts, "cores": None}
+        if state is JobState.SUCCEEDED:
+            return JobInfo(job_id, state, result=self._result(desc), details=details)
+        if state is JobState.FAILED:
+            return JobInfo(job_id, state, failure=sagemaker_failure(desc), details=details)
+        return JobInfo(job_id, state, details=details)
+
+    def _result(self, desc: dict[str, Any]) -> dict[str, Any]:
+        """Rank 0's result.json, from `<S3OutputPath>/<job>/output/output.tar.gz`."""
+        name = desc["TrainingJobName"]
+        url = f"{desc['OutputDataConfig']['S3OutputPath'].rstrip('/')}/{name}/output/output.tar.gz"
+        bucket, _, key = url.removeprefix("s3://").partition("/")
+        data = aws.call(self._s3.get_object, Bucket=bucket, Key=key)["Body"].read()
+        with tempfile.TemporaryDirectory(prefix="trnflow-output-") as tmp:
+            result = extract(data, Path(tmp), url) / "result.json"
+            if not result.is_file():
+                raise FatalError(f"{url} has no result.json; the job completed without its workload's result")
+            return json.loads(result.read_text())
+
+    def logs(self, job_id: str, since: int = 0) -> tuple[str, int]:
+        stream = self._streams.get(job_id) or first_stream(self._logs, LOG_GROUP, f"{job_id}/")
+        if stream is None:
+            return "", since
+        self._streams[job_id] = stream
+        return read_stream(self._logs, LOG_GROUP, stream, since)
+
+    def cancel(self, job_id: str) -> None:
+        try:
+            aws.call(self._sm.stop_training_job, TrainingJobName=job_id)
+        except self._sm.exceptions.ClientError as exc:
+            if "ValidationException" not in str(exc):  # already ended: nothing to stop
+                raise

@@ -1,0 +1,117 @@
+"""What a SageMaker or Batch job's state means to trnflow: pure functions from a describe answer
+to a `JobState` and, for a failure, the failure record whose `type` names a trnflow error class.
+
+Each failure class has one retry owner:
+- SageMaker retries internal errors itself (`RetryStrategy`); one that still ends `Failed` is an
+  `InternalServiceError`, not resubmitted. Capacity errors, and transient faults the container
+  reported (a lost core, a timeout), are resubmitted by the Prefect task.
+- Batch retries host, agent and start-up failures and the container's transient exit code itself
+  (`retryStrategy.evaluateOnExit`); a job that still fails on one of them is a `HostFailure`.
+- Anything else is the job's own failure (`UserError`, or the trnflow error the container named),
+  and is never retried.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from trnflow.backends.base import JobState
+from trnflow.backends.batch_request import exit_action
+
+_SAGEMAKER_PENDING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingTrainingStack", "Downloading",
+                      "DownloadingTrainingImage", "Restarting"}
+_BATCH_PENDING = {"SUBMITTED", "PENDING", "RUNNABLE", "STARTING"}
+CANCEL_REASON = "Cancelled by trnflow"
+
+
+def failure(kind: str, message: str, retryable: bool, **extra: Any) -> dict[str, Any]:
+    return {"type": kind, "message": message, "retryable": retryable, **extra}
+
+
+def container_report(text: str) -> dict[str, Any] | None:
+    """The root-failure record the container wrote (one line of JSON), or None if `text` is not one."""
+    try:
+        report = json.loads(text.strip())
+    except (ValueError, TypeError):
+        return None
+    return report if isinstance(report, dict) and "type" in report else None
+
+
+def sagemaker_state(desc: dict[str, Any]) -> JobState:
+    status, secondary = desc["TrainingJobStatus"], desc.get("SecondaryStatus", "")
+    if status == "InProgress":
+        return JobState.PENDING if secondary in _SAGEMAKER_PENDING else JobState.RUNNING
+    if status == "Completed":
+        return JobState.SUCCEEDED
+    if status in ("Stopping", "Stopped"):
+        return JobState.FAILED if secondary == "MaxRuntimeExceeded" else JobState.CANCELLED
+    return JobState.FAILED
+
+
+def sagemaker_failure(desc: dict[str, Any]) -> dict[str, Any]:
+    """The failure record of a `Failed` (or timed-out) training job, from its `FailureReason`."""
+    name = desc["TrainingJobName"]
+    if desc.get("SecondaryStatus") == "MaxRuntimeExceeded":
+        limit = desc.get("StoppingCondition", {}).get("MaxRuntimeInSeconds")
+        return failure("JobTimeout", f"SageMaker stopped {name} at its MaxRuntimeInSeconds ({limit}); raise "
+                       "compute.max_runtime_hours, and rerun to resume from the last checkpoint", False)
+    reason = desc.get("FailureReason", "no FailureReason given")
+    head, _, rest = reason.partition(":")
+    if head == "AlgorithmError":
+        report = container_report(rest)
+        if report is not None:
+            return {**report, "message": f"{report.get('message', '')} (SageMaker job {name})"}
+        return failure("UserError", f"the training code of {name} failed: {rest.strip()}", False)
+    if head == "CapacityError" or "InsufficientCapacity" in reason:
+        return failure("CapacityError", f"SageMaker had no capacity for {name}: {reason}", True)
+    if head == "InternalServerError":
+        return failure("InternalServiceError", f"SageMaker failed {name} with an internal error after its "
+                       f"RetryStrategy retries: {reason}", False)
+    return failure("UserError", f"SageMaker failed {name}: {reason}", False)
+
+
+def batch_state(desc: dict[str, Any]) -> JobState:
+    status = desc["status"]
+    if status in _BATCH_PENDING:
+        return JobState.PENDING
+    if status == "RUNNING":
+        return JobState.RUNNING
+    if status == "SUCCEEDED":
+        return JobState.SUCCEEDED
+    if desc.get("statusReason") == CANCEL_REASON:
+        return JobState.CANCELLED
+    return JobState.FAILED
+
+
+def last_attempt(desc: dict[str, Any]) -> tuple[int | None, str, str]:
+    """(exit code, container reason, status reason) of the job's last attempt."""
+    attempts = desc.get("attempts") or [{}]
+    last = attempts[-1]
+    container = last.get("container") or desc.get("container") or {}
+    return container.get("exitCode"), container.get("reason", ""), last.get("statusReason") or desc.get(
+        "statusReason", "")
+
+
+def batch_failure(desc: dict[str, Any], rules: list[dict[str, str]], report: dict[str, Any] | None
+                  ) -> dict[str, Any]:
+    """The failure record of a `FAILED` Batch job. `rules` is its `evaluateOnExit` list; `report` the
+    root failure the container uploaded, if any."""
+    job = f"{desc.get('jobName')} ({desc['jobId']})"
+    code, reason, status_reason = last_attempt(desc)
+    attempts = len(desc.get("attempts") or [])
+    cause = "; ".join(x for x in (status_reason, reason, None if code is None else f"exit code {code}") if x)
+    if exit_action(rules, code, reason, status_reason) == "RETRY":
+        kind = report["type"] if report else "host failure"
+        return failure("HostFailure", f"AWS Batch retried {job} {attempts} time(s) per its retryStrategy and it "
+                       f"still failed ({kind}: {cause}); {(report or {}).get('message', '')}".rstrip("; "), False)
+    if report is not None:
+        return {**report, "retryable": False, "message": f"{report.get('message', '')} (Batch job {job})"}
+    return failure("UserError", f"Batch job {job} failed: {cause or 'no reason given'}", False)
+
+
+def batch_billable_seconds(desc: dict[str, Any]) -> float | None:
+    """Seconds per node over all attempts (what EC2 bills while the job holds the nodes)."""
+    spans = [(a.get("stoppedAt") or 0) - (a.get("startedAt") or 0) for a in desc.get("attempts") or []]
+    spans = [s for s in spans if s > 0]
+    return sum(spans) / 1000 if spans else None

@@ -1,0 +1,132 @@
+"""One AWS Batch multi-node parallel job, run the way Batch runs it: per attempt, one container per
+node with the `AWS_BATCH_JOB_*` variables (the main node's address only on the child nodes), the
+job ending with its main node; a failed attempt is retried or not as `retryStrategy.evaluateOnExit`
+says, and every attempt is recorded in the job's `attempts`."""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any
+
+from jobspecs import instance
+from trnflow.backends.batch_request import exit_action
+from trnflow.emulator.cores import INSTANCE_CORES_ENV, RT_DIR_ENV
+from trnflow.mockcloud.nodes import Node, container_env, free_port, run_nodes
+from trnflow.mockcloud.sagemaker_job import committed_checkpoints
+
+LOG_GROUP = "/aws/batch/job"
+
+
+def _millis(moment: float) -> int:
+    return int(moment * 1000)
+
+
+class BatchJob:
+    def __init__(self, cloud: Any, job: Any, body: dict[str, Any]):
+        from moto.batch.models import JobStatus
+
+        self.cloud, self.job, self.body = cloud, job, body
+        self.status = JobStatus
+        props = job.job_definition.node_properties or {}
+        self.container = props["nodeRangeProperties"][0]["container"]
+        overrides = body.get("nodeOverrides") or {}
+        self.nodes = overrides.get("numNodes") or props.get("numNodes", 1)
+        env = {e["name"]: e["value"] for e in self.container.get("environment", [])}
+        for override in overrides.get("nodePropertyOverrides", []):
+            env |= {e["name"]: e["value"] for e in override.get("containerOverrides", {}).get("environment", [])}
+        self.env = env
+        self.phase = env.get("TRNFLOW_PHASE", "")
+        strategy = body.get("retryStrategy") or job.job_definition.retry_strategy or {}
+        self.attempts = int(strategy.get("attempts", 1))
+        self.rules = strategy.get("evaluateOnExit", [])
+        self._stop: str | None = None
+        # moto (without Docker) has already marked the job SUCCEEDED: take it back to the queue
+        job.job_stopped, job.job_stopped_reason, job.exit_code = False, None, None
+        job.attempts, job.latest_attempt = [], None
+        job.status = JobStatus.RUNNABLE
+
+    def stop(self, reason: str) -> None:
+        self._stop = reason
+
+    def run(self) -> None:
+        job = self.job
+        try:
+            for attempt in range(1, self.attempts + 1):
+                code, reason, status_reason = self._attempt(attempt)
+                if code == 0 or self._stop:
+                    break
+                if attempt == self.attempts or exit_action(self.rules, code, reason, status_reason) == "EXIT":
+                    break
+                job.status = self.status.RUNNABLE  # Batch puts a retried job back in the queue
+        except Exception as exc:  # the emulation itself failed: say so, as the service would
+            code, status_reason = None, f"mock cloud could not run the job: {exc!r}"
+        job.exit_code = code
+        job.job_stopped_reason = self._stop or (status_reason if code != 0 else "Essential container in task exited")
+        job.job_stopped_at = datetime.now()
+        job.job_stopped = True
+        job.status = self.status.SUCCEEDED if code == 0 and not self._stop else self.status.FAILED
+
+    def _record(self, began: float, code: int | None, reason: str, status_reason: str) -> None:
+        self.job.attempts.append({
+            "container": {"exitCode": code, "reason": reason, "logStreamName": self.job.log_stream_name,
+                          "networkInterfaces": []},
+            "startedAt": _millis(began), "stoppedAt": _millis(time.time()), "statusReason": status_reason,
+        })
+
+    def _node_env(self, attempt: int, index: int, port: int) -> dict[str, str]:
+        itype = self.container.get("instanceType", "trn1.32xlarge")
+        root = self.cloud.work_dir / "batch" / self.job.job_id / f"attempt-{attempt}" / f"node-{index}"
+        batch = {"AWS_BATCH_JOB_ID": f"{self.job.job_id}#{index}", "AWS_BATCH_JOB_ATTEMPT": str(attempt),
+                 "AWS_BATCH_JOB_NODE_INDEX": str(index), "AWS_BATCH_JOB_NUM_NODES": str(self.nodes),
+                 "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0", "AWS_BATCH_JQ_NAME": self.job.job_queue.name}
+        if index:
+            batch["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"  # every node is this machine
+        emulator = {INSTANCE_CORES_ENV: str(instance(itype).cores), RT_DIR_ENV: str(root / "neuron-rt"),
+                    "TRNFLOW_HOME": str(root / "trnflow-home"), "TRNFLOW_OUTPUT_DIR": str(root / "output"),
+                    "TRNFLOW_MASTER_PORT": str(port)}
+        return container_env(self.cloud.endpoint_url, self.cloud.region, self.env, batch, emulator)
+
+    def _attempt(self, attempt: int) -> tuple[int | None, str, str]:
+        job, began = self.job, time.time()
+        job.job_started_at = datetime.now()
+        fault = self.cloud.take_fault("batch", self.phase, "start")
+        if fault is not None:
+            self._record(began, fault.exit_code, "", fault.reason)
+            return fault.exit_code, "", fault.reason
+        job.status = self.status.STARTING
+        port, command = free_port(), self.container.get("command", ["batch"])
+        root = self.cloud.work_dir / "batch" / job.job_id / f"attempt-{attempt}"
+        nodes = [Node(list(command), self._node_env(attempt, i, port), root / f"node-{i}" / "container.log",
+                      job.log_stream_name if i == 0 else f"{job.log_stream_name}/node-{i}")
+                 for i in range(self.nodes)]
+        job.status = self.status.RUNNING
+        watch = self._checkpoint_watch()
+
+        def interrupt() -> str | None:
+            if self._stop:
+                return self._stop
+            if watch is not None and watch():
+                fault = self.cloud.take_fault("batch", self.phase, "checkpoint")
+                self._fault = fault
+                return fault.reason if fault else None
+            return None
+
+        self._fault = None
+        codes, reason, _ = run_nodes(nodes, LOG_GROUP, self.cloud.client("logs"), interrupt)
+        if reason is not None:
+            code = self._fault.exit_code if self._fault else None
+            self._record(began, code, "", reason)
+            return code, "", reason
+        code = codes[0]
+        status_reason = "Essential container in task exited"
+        self._record(began, code, "", status_reason)
+        return code, "", status_reason
+
+    def _checkpoint_watch(self) -> Any:
+        url = self.env.get("TRNFLOW_CHECKPOINT_S3_URI")
+        if not url or not self.cloud.pending_fault("batch", self.phase, "checkpoint"):
+            return None
+        s3 = self.cloud.client("s3")
+        before = committed_checkpoints(s3, url)
+        return lambda: committed_checkpoints(s3, url) > before

@@ -1,0 +1,163 @@
+"""`MockCloud`: moto with the jobs run for real.
+
+moto accepts SageMaker training jobs and Batch jobs but runs nothing: a training job is
+`Completed` at once and (without Docker) a Batch job `SUCCEEDED`. Attached to the moto of this
+process (in-process `mock_aws`, a `ThreadedMotoServer`, or both, which share one state), a
+MockCloud takes over each job as it is created: it marks it running, runs its containers on the
+NeuronCore emulator under the service's contract, and writes the final state, attempts, failure
+reason and billable time back into moto, where `describe` calls find them.
+
+moto drops parts of the requests it does not model (a training job's `Environment` and
+`RetryStrategy`, a Batch job's `nodeOverrides` and `retryStrategy`), so MockCloud reads each
+request as it was sent. The containers reach AWS at `endpoint_url`, a moto server in this process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class ServiceFault:
+    """A failure the emulated service inflicts on a job attempt."""
+
+    service: str
+    """`sagemaker` or `batch`."""
+    phase: str
+    """The workload phase of the jobs it strikes (`train`, `evaluate`, ...)."""
+    reason: str
+    """SageMaker's `FailureReason` (`InternalServerError: ...`, `AlgorithmError: ...`) or Batch's
+    `statusReason` (`Host EC2 (instance i-...) terminated.`)."""
+    when: str = "start"
+    """`start`: the attempt fails before its containers run; `checkpoint`: it fails once the attempt
+    has committed a new checkpoint (an instance lost mid-training)."""
+    exit_code: int | None = None
+    """Batch: the attempt's exit code (None when the host went away)."""
+    times: int = 1
+    """How many attempts it strikes."""
+
+
+class MockCloud:
+    def __init__(self, endpoint_url: str, work_dir: Path, faults: list[ServiceFault] | None = None,
+                 region: str = "us-east-1"):
+        self.endpoint_url = endpoint_url.rstrip("/")
+        self.work_dir = Path(work_dir)
+        self.region = region
+        self._faults = list(faults or [])
+        self._lock = threading.Lock()
+        self._jobs: dict[str, Any] = {}
+        self._threads: list[threading.Thread] = []
+        self._saved: list[tuple[type, str, Any]] = []
+
+    def client(self, service: str) -> Any:
+        """A client of the emulated AWS, as the containers reach it."""
+        import boto3
+
+        from trnflow import aws
+
+        session = boto3.session.Session(aws_access_key_id="testing", aws_secret_access_key="testing",  # noqa: S106
+                                        region_name=self.region)
+        return aws.client(service, endpoint_url=self.endpoint_url, boto_session=session)
+
+    # faults ---------------------------------------------------------------------------------
+    def take_fault(self, service: str, phase: str, when: str) -> ServiceFault | None:
+        with self._lock:
+            for fault in self._faults:
+                if (fault.service, fault.phase, fault.when) == (service, phase, when) and fault.times > 0:
+                    fault.times -= 1
+                    return fault
+        return None
+
+    def pending_fault(self, service: str, phase: str, when: str) -> bool:
+        with self._lock:
+            return any((f.service, f.phase, f.when) == (service, phase, when) and f.times > 0 for f in self._faults)
+
+    # jobs -----------------------------------------------------------------------------------
+    def _start(self, key: str, runner: Any) -> None:
+        self._jobs[key] = runner
+        thread = threading.Thread(target=runner.run, name=f"mockcloud-{key}", daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    def wait_idle(self, timeout: float = 600) -> None:
+        for thread in list(self._threads):
+            thread.join(timeout)
+
+    # moto hooks -----------------------------------------------------------------------------
+    def _patch(self, cls: type, name: str, fn: Any) -> None:
+        self._saved.append((cls, name, cls.__dict__.get(name)))
+        setattr(cls, name, fn)
+
+    def attach(self) -> MockCloud:
+        from moto.batch.responses import BatchResponse
+        from moto.core.config import default_user_config
+        from moto.sagemaker.responses import SageMakerResponse
+
+        from trnflow.mockcloud.batch_job import BatchJob
+        from trnflow.mockcloud.sagemaker_job import SageMakerJob
+
+        default_user_config["batch"] = {**default_user_config.get("batch", {}), "use_docker": False}
+        cloud = self
+        create_training_job, submit_job = SageMakerResponse.create_training_job, BatchResponse.submitjob
+        terminate_job, cancel_job = BatchResponse.terminatejob, BatchResponse.canceljob
+
+        def on_create_training_job(response: Any) -> Any:
+            answer = create_training_job(response)
+            body = json.loads(response.body)
+            job = response.sagemaker_backend.training_jobs[body["TrainingJobName"]]
+            cloud._start(body["TrainingJobName"], SageMakerJob(cloud, job, body))
+            return answer
+
+        def on_stop_training_job(response: Any) -> Any:
+            from moto.core.responses import ActionResult
+
+            name = json.loads(response.body)["TrainingJobName"]
+            response.sagemaker_backend.describe_training_job(name)  # ValidationException when unknown
+            runner = cloud._jobs.get(name)
+            if runner is not None:
+                runner.stop("Stopped by the caller")
+            return ActionResult({})
+
+        def on_submit_job(response: Any) -> str:
+            answer = submit_job(response)
+            job_id = json.loads(answer)["jobId"]
+            job = response.batch_backend._jobs[job_id]
+            cloud._start(job_id, BatchJob(cloud, job, json.loads(response.body)))
+            return answer
+
+        def stopper(original: Any) -> Any:
+            def on_stop(response: Any) -> str:
+                runner = cloud._jobs.get(response._get_param("jobId"))
+                if runner is not None:
+                    runner.stop(response._get_param("reason"))
+                    return ""
+                return original(response)
+            return on_stop
+
+        self._patch(SageMakerResponse, "create_training_job", on_create_training_job)
+        self._patch(SageMakerResponse, "stop_training_job", on_stop_training_job)
+        self._patch(BatchResponse, "submitjob", on_submit_job)
+        self._patch(BatchResponse, "terminatejob", stopper(terminate_job))
+        self._patch(BatchResponse, "canceljob", stopper(cancel_job))
+        return self
+
+    def detach(self) -> None:
+        for runner in list(self._jobs.values()):
+            runner.stop("MockCloud detached")
+        self.wait_idle(60)
+        for cls, name, original in reversed(self._saved):
+            if original is None:
+                delattr(cls, name)
+            else:
+                setattr(cls, name, original)
+        self._saved.clear()
+
+    def __enter__(self) -> MockCloud:
+        return self.attach()
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()

@@ -1,0 +1,140 @@
+"""The instances of one job attempt, on this machine: one container process per node, each in its
+own process group and with its own emulated devices, and their output copied into CloudWatch Logs
+as the services' log drivers do."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ENTRYPOINT = [sys.executable, "-m", "trnflow.container"]
+"""The training image's entrypoint."""
+CHILD_GRACE_SECONDS = 30
+"""How long the other nodes may take to end after the main node has."""
+PASSED_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR", "TRNFLOW_FAULTS")
+"""What a container inherits from this machine: enough to run the image's Python, nothing else."""
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@dataclass
+class Node:
+    args: list[str]
+    """The container's arguments after the image's entrypoint (`train`, `batch`)."""
+    env: dict[str, str]
+    log: Path
+    stream: str
+    """CloudWatch log stream for the node's output."""
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    def start(self) -> None:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab", buffering=0) as out:
+            self.proc = subprocess.Popen([*ENTRYPOINT, *self.args], env=self.env, stdout=out,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         start_new_session=True)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+class LogPump(threading.Thread):
+    """Copies new complete lines of each node's log file into its CloudWatch stream."""
+
+    def __init__(self, group: str, nodes: list[Node], logs: Any):
+        super().__init__(daemon=True)
+        self.group, self.nodes = group, nodes
+        self._logs = logs
+        self._offsets = {n.stream: 0 for n in nodes}
+        self._done = threading.Event()
+        exists = logs.exceptions.ResourceAlreadyExistsException
+        with contextlib.suppress(exists):
+            logs.create_log_group(logGroupName=group)
+        for node in nodes:
+            with contextlib.suppress(exists):
+                logs.create_log_stream(logGroupName=group, logStreamName=node.stream)
+
+    def _copy(self) -> None:
+        for node in self.nodes:
+            if not node.log.exists():
+                continue
+            with open(node.log, "rb") as fh:
+                fh.seek(self._offsets[node.stream])
+                data = fh.read()
+            end = data.rfind(b"\n") + 1
+            if not end:
+                continue
+            self._offsets[node.stream] += end
+            now = int(time.time() * 1000)
+            lines = data[:end].decode("utf-8", errors="replace").splitlines()
+            for i in range(0, len(lines), 500):
+                events = [{"timestamp": now, "message": line or " "} for line in lines[i:i + 500]]
+                self._logs.put_log_events(logGroupName=self.group, logStreamName=node.stream, logEvents=events)
+
+    def run(self) -> None:
+        while not self._done.wait(0.5):
+            self._copy()
+
+    def finish(self) -> None:
+        self._done.set()
+        self.join()
+        self._copy()
+
+
+def run_nodes(nodes: list[Node], group: str, logs: Any, interrupt: Callable[[], str | None]
+              ) -> tuple[list[int | None], str | None, float]:
+    """Start every node and wait for all of them. `interrupt()` is asked twice a second; when it
+    returns a reason, every node is killed. Returns the exit codes (None for a killed node), the
+    interrupting reason, and the wall seconds the attempt held its instances."""
+    pump = LogPump(group, nodes, logs)
+    began = time.time()
+    for node in nodes:
+        node.start()
+    pump.start()
+    reason = None
+    main = nodes[0].proc
+    assert main is not None
+    try:
+        while main.poll() is None:  # the job ends with its main node, as on both services
+            reason = interrupt()
+            if reason is not None:
+                break
+            time.sleep(0.5)
+        deadline = time.monotonic() + CHILD_GRACE_SECONDS
+        while reason is None and time.monotonic() < deadline and any(
+                n.proc is not None and n.proc.poll() is None for n in nodes):
+            time.sleep(0.2)
+    finally:
+        for node in nodes:
+            node.kill()
+        pump.finish()
+    codes: list[int | None] = [None if reason else n.proc.returncode for n in nodes if n.proc is not None]
+    return codes, reason, time.time() - began
+
+
+def container_env(endpoint_url: str, region: str, *layers: dict[str, Any]) -> dict[str, str]:
+    """A container's environment: the image's Python, the emulated AWS endpoint with placeholder
+    credentials, then `layers` in order (the job's variables, then the service's)."""
+    env = {k: v for k, v in os.environ.items() if k in PASSED_THROUGH}
+    env |= {"AWS_ENDPOINT_URL": endpoint_url, "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+            "AWS_DEFAULT_REGION": region, "PYTHONUNBUFFERED": "1"}
+    for layer in layers:
+        env |= {k: str(v) for k, v in layer.items()}
+    return env

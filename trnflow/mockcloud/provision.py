@@ -1,0 +1,50 @@
+"""The deployment trnflow's cloud backends expect, created in the emulated AWS: buckets, the
+SageMaker role, and a Batch compute environment with its queue and fair-share policy. In the real
+account `infra/cloudformation/trnflow.yaml` creates them; this is the same shape, made through the
+APIs so it works on any moto."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+ACCOUNT = "123456789012"
+"""moto's account."""
+TRUST = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole", "Principal": {
+    "Service": ["sagemaker.amazonaws.com", "batch.amazonaws.com", "ec2.amazonaws.com"]}}]}
+
+
+def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
+    """Create the deployment with `client(service)`; returns the settings that point trnflow at it
+    (the names of TRNFLOW_* variables, without the prefix)."""
+    s3, iam, ec2, batch = (client(s) for s in ("s3", "iam", "ec2", "batch"))
+    buckets = {kind: f"{prefix}-{kind}-{ACCOUNT}" for kind in ("data", "staging")}
+    existing = {b["Name"] for b in s3.list_buckets().get("Buckets", [])}
+    for bucket in buckets.values():
+        if bucket not in existing:
+            s3.create_bucket(Bucket=bucket)
+    roles = {r["RoleName"]: r["Arn"] for r in iam.list_roles()["Roles"]}
+    role = roles.get(f"{prefix}-sagemaker") or iam.create_role(
+        RoleName=f"{prefix}-sagemaker", AssumeRolePolicyDocument=json.dumps(TRUST))["Role"]["Arn"]
+    queue = f"{prefix}-trn1"
+    if not batch.describe_job_queues(jobQueues=[queue])["jobQueues"]:
+        vpc = ec2.create_vpc(CidrBlock="10.42.0.0/16")["Vpc"]["VpcId"]
+        subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.42.0.0/20")["Subnet"]["SubnetId"]
+        group = ec2.create_security_group(GroupName=f"{prefix}-efa", Description="EFA", VpcId=vpc)["GroupId"]
+        service_role = iam.create_role(RoleName=f"{prefix}-batch-service",
+                                       AssumeRolePolicyDocument=json.dumps(TRUST))["Role"]["Arn"]
+        iam.create_role(RoleName=f"{prefix}-batch-instance", AssumeRolePolicyDocument=json.dumps(TRUST))
+        profile = iam.create_instance_profile(InstanceProfileName=f"{prefix}-batch-instance")["InstanceProfile"]
+        environment = batch.create_compute_environment(
+            computeEnvironmentName=f"{prefix}-trn1", type="MANAGED", state="ENABLED", serviceRole=service_role,
+            computeResources={"type": "EC2", "minvCpus": 0, "maxvCpus": 2048, "instanceTypes": ["trn1.32xlarge"],
+                              "subnets": [subnet], "securityGroupIds": [group], "instanceRole": profile["Arn"]})
+        policy = batch.create_scheduling_policy(name=f"{prefix}-fair-share", fairsharePolicy={
+            "shareDecaySeconds": 3600, "computeReservation": 10,
+            "shareDistribution": [{"shareIdentifier": "default", "weightFactor": 1.0}]})
+        batch.create_job_queue(jobQueueName=queue, state="ENABLED", priority=1, schedulingPolicyArn=policy["arn"],
+                               computeEnvironmentOrder=[{"order": 1, "computeEnvironment": environment[
+                                   "computeEnvironmentArn"]}])
+    return {"IMAGE": f"{ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com/trnflow:latest",
+            "STAGING_URL": f"s3://{buckets['staging']}/jobs", "SAGEMAKER_ROLE_ARN": role, "BATCH_JOB_QUEUE": queue,
+            "DATA_BUCKET": buckets["data"]}
