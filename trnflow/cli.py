@@ -32,6 +32,15 @@ app.add_typer(data_app, name="data")
 app.add_typer(cache_app, name="cache")
 app.add_typer(models_app, name="models")
 
+
+@app.command("mock-aws")
+def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
+                     seed_data: bool = typer.Option(True, help="Upload the quickstart's synthetic dataset.")) -> None:
+    """Run SageMaker, Batch, S3 and CloudWatch on 127.0.0.1 (moto), with submitted jobs run for real."""
+    from trnflow.cli_mock import mock_aws
+
+    mock_aws(port=port, work_dir=None, seed_data=seed_data)
+
 console = Console()
 err = Console(stderr=True)
 

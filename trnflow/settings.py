@@ -26,9 +26,16 @@ class TrnflowSettings(BaseSettings):
     def cloud_target(self, service: str):
         """Where cloud jobs go, from TRNFLOW_IMAGE, TRNFLOW_STAGING_URL and, for `service`,
         TRNFLOW_SAGEMAKER_ROLE_ARN or TRNFLOW_BATCH_JOB_QUEUE (the infra stack's outputs)."""
+        from trnflow import aws
         from trnflow.backends.cloud import CloudTarget
         from trnflow.errors import FatalError
 
+        if aws.emulated():  # `trnflow mock-aws`: its deployment has fixed names
+            from trnflow.mockcloud.provision import mock_outputs
+
+            mock = mock_outputs()
+            self = self.model_copy(update={k: getattr(self, k) or mock[k.upper()] for k in (
+                "image", "staging_url", "sagemaker_role_arn", "batch_job_queue")})
         needed = {"image": self.image, "staging_url": self.staging_url}
         needed |= {"sagemaker_role_arn": self.sagemaker_role_arn} if service == "sagemaker" else {
             "batch_job_queue": self.batch_job_queue}

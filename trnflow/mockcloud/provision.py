@@ -45,6 +45,14 @@ def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
         batch.create_job_queue(jobQueueName=queue, state="ENABLED", priority=1, schedulingPolicyArn=policy["arn"],
                                computeEnvironmentOrder=[{"order": 1, "computeEnvironment": environment[
                                    "computeEnvironmentArn"]}])
-    return {"IMAGE": f"{ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com/trnflow:latest",
-            "STAGING_URL": f"s3://{buckets['staging']}/jobs", "SAGEMAKER_ROLE_ARN": role, "BATCH_JOB_QUEUE": queue,
-            "DATA_BUCKET": buckets["data"]}
+    outputs = mock_outputs(prefix)
+    assert outputs["SAGEMAKER_ROLE_ARN"] == role
+    return outputs
+
+
+def mock_outputs(prefix: str = "trnflow") -> dict[str, str]:
+    """The settings of the deployment `provision` makes (its names are fixed)."""
+    return {"IMAGE": f"{ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com/{prefix}-train:latest",
+            "STAGING_URL": f"s3://{prefix}-staging-{ACCOUNT}/jobs",
+            "SAGEMAKER_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/{prefix}-sagemaker",
+            "BATCH_JOB_QUEUE": f"{prefix}-trn1", "DATA_BUCKET": f"{prefix}-data-{ACCOUNT}"}

@@ -1,0 +1,132 @@
+"""The infrastructure as code: the CloudFormation template lints clean, deploys into moto (with
+the one change moto needs, below), and its resources are then found through the service APIs;
+no IAM statement allows `*` on `*`; every bucket is encrypted and private; the training image's
+entrypoint is the container contract."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import boto3
+import pytest
+from cfnlint.decode import decode_str
+from moto import mock_aws
+
+INFRA = Path(__file__).resolve().parents[1]
+TEMPLATE = INFRA / "cloudformation" / "trnflow.yaml"
+
+
+def _template() -> dict:
+    template, errors = decode_str(TEMPLATE.read_text())
+    assert not errors, errors
+    return json.loads(json.dumps(template))
+
+
+def _of_type(template: dict, kind: str) -> dict:
+    return {name: r["Properties"] for name, r in template["Resources"].items() if r["Type"] == kind}
+
+
+def test_the_template_lints_clean():
+    lint = Path(sys.executable).with_name("cfn-lint")
+    result = subprocess.run([str(lint), str(TEMPLATE)], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def _statements(template: dict):
+    for name, props in template["Resources"].items():
+        documents = [props["Properties"].get("PolicyDocument")] + [
+            p["PolicyDocument"] for p in props["Properties"].get("Policies", [])]
+        for document in filter(None, documents):
+            for statement in document["Statement"]:
+                yield name, statement
+
+
+def test_no_statement_allows_every_action_or_a_wildcard_action_on_every_resource():
+    statements = list(_statements(_template()))
+    assert len(statements) >= 6
+    for name, statement in statements:
+        actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
+        resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
+        assert "*" not in actions and not any(a.endswith(":*") for a in actions), (name, statement)
+        if "*" in resources:  # only actions that AWS defines on no resource, each named
+            assert set(actions) <= {"ecr:GetAuthorizationToken", "cloudwatch:PutMetricData"}, (name, statement)
+
+
+def test_every_bucket_is_encrypted_private_and_versioned_where_loss_matters():
+    buckets = _of_type(_template(), "AWS::S3::Bucket")
+    assert len(buckets) == 5
+    for name, props in buckets.items():
+        block = props["PublicAccessBlockConfiguration"]
+        assert all(block[k] for k in ("BlockPublicAcls", "BlockPublicPolicy", "IgnorePublicAcls",
+                                      "RestrictPublicBuckets")), name
+        assert props["BucketEncryption"]["ServerSideEncryptionConfiguration"], name
+    for name in ("DataBucket", "CheckpointBucket", "OutputBucket"):
+        assert buckets[name]["VersioningConfiguration"] == {"Status": "Enabled"}
+
+
+@pytest.fixture
+def aws(monkeypatch):
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    with mock_aws():
+        yield
+
+
+def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis(aws):
+    ec2 = boto3.client("ec2")
+    vpc = ec2.create_vpc(CidrBlock="10.1.0.0/16")["Vpc"]["VpcId"]
+    subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.1.0.0/20")["Subnet"]["SubnetId"]
+    template = _template()
+    # moto's compute environment requires securityGroupIds; on AWS the launch template's EFA
+    # interfaces carry the security group instead
+    template["Resources"]["ComputeEnvironment"]["Properties"]["ComputeResources"]["SecurityGroupIds"] = [
+        {"Ref": "NodeSecurityGroup"}]
+    cloudformation = boto3.client("cloudformation")
+    cloudformation.create_stack(StackName="trnflow", TemplateBody=json.dumps(template), Capabilities=[
+        "CAPABILITY_NAMED_IAM"], Parameters=[{"ParameterKey": "VpcId", "ParameterValue": vpc},
+                                             {"ParameterKey": "SubnetId", "ParameterValue": subnet}])
+    (stack,) = cloudformation.describe_stacks(StackName="trnflow")["Stacks"]
+    assert stack["StackStatus"] == "CREATE_COMPLETE"
+    outputs = {o["OutputKey"]: o["OutputValue"] for o in stack["Outputs"]}
+    assert outputs["StagingUrl"] == "s3://trnflow-staging-123456789012/jobs"
+
+    s3 = boto3.client("s3")
+    for key in ("DataBucket", "CheckpointBucket", "CompileCacheBucket", "OutputBucket"):
+        bucket = outputs[key]  # moto's CloudFormation applies the encryption but neither the public
+        rules = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
+        assert rules[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"  # access block nor
+    # the versioning, which the template tests above check
+
+    iam = boto3.client("iam")
+    role = iam.get_role(RoleName="trnflow-sagemaker")["Role"]
+    assert role["Arn"] == outputs["SageMakerRoleArn"]
+    assert "sagemaker.amazonaws.com" in json.dumps(role["AssumeRolePolicyDocument"])
+
+    batch = boto3.client("batch")
+    (queue,) = batch.describe_job_queues(jobQueues=[outputs["BatchJobQueue"]])["jobQueues"]
+    assert queue["state"] == "ENABLED" and queue["status"] == "VALID"
+    (environment,) = batch.describe_compute_environments(computeEnvironments=["trnflow-trn1"])[
+        "computeEnvironments"]
+    resources = environment["computeResources"]
+    assert resources["instanceTypes"] == ["trn1.32xlarge"] and resources["minvCpus"] == 0
+    (version,) = ec2.describe_launch_template_versions(LaunchTemplateName="trnflow-trn1-efa")[
+        "LaunchTemplateVersions"]
+    interfaces = version["LaunchTemplateData"]["NetworkInterfaces"]
+    assert [i["InterfaceType"] for i in interfaces] == ["efa"] * 8
+    assert sorted(i["NetworkCardIndex"] for i in interfaces) == list(range(8))
+    assert version["LaunchTemplateData"]["MetadataOptions"]["HttpTokens"] == "required"
+    assert boto3.client("ecr").describe_repositories(repositoryNames=["trnflow-train"])["repositories"]
+    # moto's CloudFormation has no AWS::Batch::SchedulingPolicy: the queue's fair share is checked
+    # on the template instead
+    (policy,) = _of_type(template, "AWS::Batch::SchedulingPolicy").values()
+    assert policy["FairsharePolicy"]["ShareDistribution"]
+    assert template["Resources"]["JobQueue"]["Properties"]["SchedulingPolicyArn"] == {"Ref": "FairShare"}
+
+
+def test_the_training_image_runs_the_container_contract():
+    dockerfile = (INFRA / "Dockerfile").read_text()
+    assert 'ENTRYPOINT ["python", "-m", "trnflow.container"]' in dockerfile
+    assert "FROM ${NEURON_DLC}" in dockerfile and "pytorch-training-neuronx" in dockerfile

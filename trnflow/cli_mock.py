@@ -1,0 +1,60 @@
+"""`trnflow mock-aws`: SageMaker, Batch, S3 and CloudWatch on 127.0.0.1, with the jobs run for real.
+
+It starts moto's server with trnflow's MockCloud attached (moto alone accepts jobs but never runs
+them), creates the deployment the cloud backends expect, and uploads a synthetic dataset. Point
+trnflow at it with `export AWS_ENDPOINT_URL=http://127.0.0.1:PORT`.
+"""
+
+from __future__ import annotations
+
+import logging
+import tempfile
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+console = Console()
+
+
+def mock_aws(
+    port: Annotated[int, typer.Option(help="Port on 127.0.0.1.")] = 5000,
+    work_dir: Annotated[Path | None, typer.Option(help="Where the jobs' containers keep their files "
+                                                  "(default: a temporary folder).")] = None,
+    seed_data: Annotated[bool, typer.Option(help="Upload the quickstart's synthetic dataset to the data "
+                                            "bucket.")] = True,
+) -> None:
+    """Run an emulated AWS for the sagemaker and batch backends until Ctrl-C."""
+    from moto.server import ThreadedMotoServer
+
+    from trnflow.mockcloud import MockCloud
+    from trnflow.mockcloud.provision import provision
+    from trnflow.synth import synthesize
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)
+    endpoint = f"http://127.0.0.1:{port}"
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    root = work_dir or Path(tempfile.mkdtemp(prefix="trnflow-mock-aws-"))
+    cloud = MockCloud(endpoint, root / "jobs").attach()
+    try:
+        outputs = provision(cloud.client)
+        if seed_data:
+            data = root / "quickstart-data"
+            synthesize(data, days=3, rows_per_day=1500, seed=7)
+            s3 = cloud.client("s3")
+            for path in sorted(p for p in data.rglob("*") if p.is_file()):
+                s3.upload_file(str(path), outputs["DATA_BUCKET"], f"quickstart/{path.relative_to(data)}")
+        console.print(f"[bold]Emulated AWS on {endpoint}[/bold]; jobs run under {root / 'jobs'}")
+        console.print(f"  data bucket  s3://{outputs['DATA_BUCKET']}/quickstart  |  queue {outputs['BATCH_JOB_QUEUE']}")
+        console.print(f"In another shell:  export AWS_ENDPOINT_URL={endpoint}")
+        console.print("                   trnflow run jobspecs/examples/quickstart-batch.yaml")
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        cloud.detach()
+        server.stop()
