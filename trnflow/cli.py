@@ -39,7 +39,7 @@ def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
     """Run SageMaker, Batch, S3 and CloudWatch on 127.0.0.1 (moto), with submitted jobs run for real."""
     from trnflow.cli_mock import mock_aws
 
-    mock_aws(port=port, work_dir=None, seed_data=seed_data)
+    mock_aws(port=port, seed_data=seed_data)
 
 console = Console()
 err = Console(stderr=True)

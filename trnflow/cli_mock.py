@@ -11,22 +11,15 @@ import logging
 import tempfile
 import time
 from pathlib import Path
-from typing import Annotated
 
-import typer
 from rich.console import Console
 
 console = Console()
 
 
-def mock_aws(
-    port: Annotated[int, typer.Option(help="Port on 127.0.0.1.")] = 5000,
-    work_dir: Annotated[Path | None, typer.Option(help="Where the jobs' containers keep their files "
-                                                  "(default: a temporary folder).")] = None,
-    seed_data: Annotated[bool, typer.Option(help="Upload the quickstart's synthetic dataset to the data "
-                                            "bucket.")] = True,
-) -> None:
-    """Run an emulated AWS for the sagemaker and batch backends until Ctrl-C."""
+def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None) -> None:
+    """Run an emulated AWS for the sagemaker and batch backends until Ctrl-C; the jobs' containers
+    keep their files under `work_dir` (default: a temporary folder)."""
     from moto.server import ThreadedMotoServer
 
     from trnflow.mockcloud import MockCloud

@@ -14,8 +14,8 @@ from typing import Any
 from trnflow import aws
 from trnflow.backends.base import JobInfo, JobRequest, JobState
 from trnflow.backends.batch_request import build_job_definition, build_submit_job
-from trnflow.backends.cloud import CloudTarget, spec_url
-from trnflow.backends.cloudwatch import read_stream
+from trnflow.backends.cloud import CloudTarget, stage_spec
+from trnflow.backends.cloudwatch import StreamReader
 from trnflow.backends.service_status import (
     CANCEL_REASON,
     batch_billable_seconds,
@@ -39,6 +39,7 @@ class BatchBackend:
         self._logs = aws.client("logs", boto_session=session)
         self._rules: dict[str, list[dict[str, str]]] = {}
         self._streams: dict[str, str] = {}
+        self._reader = StreamReader(self._logs, LOG_GROUP)
 
     def _job_definition(self, body: dict[str, Any]) -> str:
         """The name of an active definition with this content, registering it if there is none."""
@@ -52,8 +53,7 @@ class BatchBackend:
         if request.spec is None:
             raise FatalError(f"the {request.phase} phase needs a job spec to run on AWS Batch")
         definition = self._job_definition(build_job_definition(request.spec, self.target))
-        base, _, name = spec_url(self.target, request).rpartition("/")
-        open_store(base).write(name, request.spec.model_dump_json(indent=2).encode())
+        stage_spec(self.target, request)
         submitted = aws.call(self._batch.submit_job, **build_submit_job(request, self.target, definition))
         return submitted["jobId"]
 
@@ -103,7 +103,7 @@ class BatchBackend:
         if not stream:
             return "", since
         self._streams[job_id] = stream
-        return read_stream(self._logs, LOG_GROUP, stream, since)
+        return self._reader.read(stream, since)
 
     def cancel(self, job_id: str) -> None:
         aws.call(self._batch.terminate_job, jobId=job_id, reason=CANCEL_REASON)

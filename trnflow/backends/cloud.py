@@ -46,6 +46,15 @@ def spec_url(target: CloudTarget, request: JobRequest) -> str:
     return f"{staging_prefix(target, request)}/input/spec.json"
 
 
+def stage_spec(target: CloudTarget, request: JobRequest) -> None:
+    """Hand the job's spec over in the staging bucket, where the container fetches it."""
+    from trnflow.storage import open_store
+
+    assert request.spec is not None, "cloud jobs always carry a spec"
+    base, _, name = spec_url(target, request).rpartition("/")
+    open_store(base).write(name, request.spec.model_dump_json(indent=2).encode())
+
+
 def checkpoint_s3_uri(spec: JobSpec, run_id: str) -> str:
     """The run's checkpoint folder: SageMaker syncs it to CHECKPOINT_DIR, and every retry or
     resubmission of the run sees it, which is what makes them resume."""

@@ -16,14 +16,13 @@ from typing import Any
 
 from trnflow import aws
 from trnflow.backends.base import JobInfo, JobRequest, JobState
-from trnflow.backends.cloud import CloudTarget, spec_url
-from trnflow.backends.cloudwatch import first_stream, read_stream
+from trnflow.backends.cloud import CloudTarget, stage_spec
+from trnflow.backends.cloudwatch import StreamReader, first_stream
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.backends.service_status import sagemaker_failure, sagemaker_state
 from trnflow.errors import FatalError
 from trnflow.s3store import split_s3_url
 from trnflow.safetar import extract
-from trnflow.storage import open_store
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 
@@ -38,6 +37,7 @@ class SageMakerBackend:
         self._logs = aws.client("logs", boto_session=self._session)
         self._s3 = aws.client("s3", boto_session=self._session)
         self._streams: dict[str, str] = {}
+        self._reader = StreamReader(self._logs, LOG_GROUP)
 
     def submit(self, request: JobRequest) -> str:
         if request.spec is None:
@@ -45,8 +45,7 @@ class SageMakerBackend:
         from trnflow.backends import sagemaker_trainer
 
         body = build_training_job_request(request, self.target)
-        base, _, name = spec_url(self.target, request).rpartition("/")
-        open_store(base).write(name, request.spec.model_dump_json(indent=2).encode())
+        stage_spec(self.target, request)
         bucket, _ = split_s3_url(self.target.staging_url)
         for attempt in range(3):
             try:
@@ -90,7 +89,7 @@ class SageMakerBackend:
         if stream is None:
             return "", since
         self._streams[job_id] = stream
-        return read_stream(self._logs, LOG_GROUP, stream, since)
+        return self._reader.read(stream, since)
 
     def cancel(self, job_id: str) -> None:
         try:

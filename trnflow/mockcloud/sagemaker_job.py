@@ -17,25 +17,23 @@ from typing import Any
 from jobspecs import instance
 from trnflow.emulator.cores import INSTANCE_CORES_ENV, RT_DIR_ENV
 from trnflow.mockcloud.nodes import Node, container_env, free_port, run_nodes
-from trnflow.s3store import split_s3_url
+from trnflow.s3store import S3Store, split_s3_url
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 
 
 def download_prefix(s3: Any, url: str, into: Path) -> None:
-    bucket, prefix = split_s3_url(url)
-    prefix = prefix.rstrip("/") + "/" if prefix else ""
-    for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
-        for obj in page.get("Contents", []):
-            target = into / obj["Key"][len(prefix):]
-            target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(s3.get_object(Bucket=bucket, Key=obj["Key"])["Body"].read())
+    store = S3Store(url, client=s3)
+    for obj in store.list():
+        target = into / obj.name
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_bytes(store.read(obj.name))
 
 
 def committed_checkpoints(s3: Any, url: str) -> int:
-    bucket, prefix = split_s3_url(url)
-    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix.rstrip("/") + "/")
-    return sum(1 for page in pages for obj in page.get("Contents", []) if obj["Key"].endswith("/COMMITTED"))
+    from trnflow.workload.checkpoint import MARKER
+
+    return sum(1 for obj in S3Store(url, client=s3).list() if obj.name.endswith(f"/{MARKER}"))
 
 
 def tar_gz(folder: Path) -> bytes:
