@@ -53,8 +53,8 @@ def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=
             yield cloud, outputs["DATA_BUCKET"]
 
 
-STALL = [{"kind": "stall", "core": 0, "step": 15}]
-"""Rank 0 stops at step 15, after the step-10 checkpoint: the moment the service's fault strikes."""
+# A service fault `when="checkpoint"` strikes within half a second of the step-10 checkpoint, and
+# the attempt's ranks die with its instances (the next checkpoint, at step 20, is seconds away).
 
 
 def _cloud_spec(make_spec, bucket, backend, **sections):
@@ -105,7 +105,7 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
               ServiceFault("sagemaker", "train", "InternalServerError: We encountered an internal error.",
                            when="checkpoint")]
     with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults, in_process=True) as (_, bucket):
-        spec = _cloud_spec(make_spec, bucket, "sagemaker", faults=STALL)
+        spec = _cloud_spec(make_spec, bucket, "sagemaker")
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False)
         assert state.is_completed(), outcome
@@ -137,7 +137,7 @@ def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
 
     faults = [ServiceFault("batch", "train", HOST_LOST, when="checkpoint")]
     with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults) as (_, bucket):
-        spec = _cloud_spec(make_spec, bucket, "batch", faults=[*STALL, {"kind": "timeout", "core": 0, "step": 25}])
+        spec = _cloud_spec(make_spec, bucket, "batch", faults=[{"kind": "timeout", "core": 0, "step": 25}])
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False)
         assert state.is_completed(), outcome
@@ -265,7 +265,8 @@ def test_the_log_reader_returns_only_new_lines_and_continues_from_its_page_token
                                 logEvents=[{"timestamp": int(time.time() * 1000), "message": m} for m in lines])
 
         reader, calls = StreamReader(logs, "/g"), []
-        logs.meta.events.register("provide-client-params.logs.GetLogEvents", lambda params, **_: calls.append(dict(params)))
+        logs.meta.events.register("provide-client-params.logs.GetLogEvents",
+                                  lambda params, **_: calls.append(dict(params)))
         assert reader.read("s", 0) == ("", 0)
         put("one", "two")
         text, cursor = reader.read("s", 0)

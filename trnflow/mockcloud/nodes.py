@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,10 @@ CHILD_GRACE_SECONDS = 30
 """How long the other nodes may take to end after the main node has."""
 PASSED_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR", "TRNFLOW_FAULTS")
 """What a container inherits from this machine: enough to run the image's Python, nothing else."""
+NODE_MARK = "TRNFLOW_MOCK_NODE"
+"""Set in a container's environment and inherited by everything it starts, even processes that
+leave its process group (torchrun starts each worker in a session of its own): a killed node's
+processes are found by it, as a cgroup would hold them."""
 
 
 def free_port() -> int:
@@ -41,18 +46,50 @@ class Node:
     """CloudWatch log stream for the node's output."""
     proc: subprocess.Popen | None = field(default=None, repr=False)
 
+    mark: str = field(default_factory=lambda: uuid.uuid4().hex)
+
     def start(self) -> None:
         self.log.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log, "ab", buffering=0) as out:
-            self.proc = subprocess.Popen([*ENTRYPOINT, *self.args], env=self.env, stdout=out,
-                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.proc = subprocess.Popen([*ENTRYPOINT, *self.args], env={**self.env, NODE_MARK: self.mark},
+                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          start_new_session=True)
 
     def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
+        """Stop the instance: the container and every process it started, wherever they went."""
+        if self.proc is None:
+            return
+        if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+        for _ in range(5):  # again, for anything forked while the last round was being killed
+            left = marked_processes(self.mark)
+            if not left:
+                break
+            for pid in left:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+
+
+def marked_processes(mark: str) -> list[int]:
+    """The processes whose environment carries this node's mark."""
+    needle = b"\0" + f"{NODE_MARK}={mark}".encode() + b"\0"
+    proc = Path("/proc")
+    found: list[int] = []
+    if not proc.is_dir():  # not Linux: the process group is all there is
+        return found
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if needle in b"\0" + environ:
+            found.append(int(entry.name))
+    return found
 
 
 class LogPump(threading.Thread):
