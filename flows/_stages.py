@@ -5,11 +5,15 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Callable
 from typing import Any
+
+from prefect.states import Failed, State
 
 from jobspecs import JobSpec
 from tasks.retry_policy import retry_options
 from trnflow.cost import job_cost, total
+from trnflow.errors import GateFailed
 
 
 class PipelineFailed(Exception):
@@ -32,9 +36,9 @@ class StageRunner:
         self.costs: list[dict[str, Any]] = []
         self._options = retry_options(spec)
 
-    def __call__(self, name: str, task, *args) -> dict:
+    def __call__(self, name: str, task, *args, **kwargs) -> dict:
         began = time.monotonic()
-        state = task.with_options(**self._options)(self.spec, self.run_id, *args, return_state=True)
+        state = task.with_options(**self._options)(self.spec, self.run_id, *args, return_state=True, **kwargs)
         seconds = time.monotonic() - began
         if state.is_completed():
             result = state.result()
@@ -53,9 +57,57 @@ class StageRunner:
         """Record a stage that did not run because there was nothing for it to do."""
         self.rows.append({"stage": name, "state": "Skipped", "seconds": 0.0, "summary": reason})
 
+    def report(self, stages: tuple[str, ...] = ()) -> None:
+        """Attach the run's summary to the flow run: the stage table, the cost table and links to
+        what it wrote. Called however the run ended; a failure to publish is only logged."""
+        from tasks import _artifacts
+        from trnflow.report import cost_markdown, links_markdown, outputs, stage_summary
+
+        title = f"{self.spec.name} run {self.run_id}"
+        text = stage_summary(title, self.rows, stages or tuple(r["stage"] for r in self.rows))
+        if self.costs:
+            text += "\n" + cost_markdown({"rows": self.costs, "total_usd": total(self.costs)})
+        links = outputs(self.results)
+        if links:
+            text += "\n" + links_markdown(links)
+        _artifacts.markdown(self.spec, "summary", text, f"stages, cost and outputs of run {self.run_id}")
+
     def outcome(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "stages": self.rows, "results": self.results,
                 "cost": {"rows": self.costs, "total_usd": total(self.costs)}}
+
+
+def run_stages(stage: StageRunner, body: Callable[[StageRunner], dict[str, Any]], stages: tuple[str, ...]
+               ) -> dict[str, Any] | State:
+    """Run a flow's stages and attach its summary, however it ends. A failed gate ends the flow
+    run in a state of its own, `GateFailed`, so that the UI, the API and `trnflow submit --wait`
+    (exit 3) tell it apart from a broken run."""
+    try:
+        return body(stage)
+    except PipelineFailed as exc:
+        if isinstance(exc.cause, GateFailed):
+            return Failed(name="GateFailed", message=str(exc), data=exc)
+        raise
+    finally:
+        stage.report(stages)
+
+
+def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[int], dict[str, Any]]:
+    """Sanity, collectives, compile and train: the cores verified and the training result. When
+    training found no new data, the `later` stages are recorded as skipped."""
+    from tasks.collectives import collective_test
+    from tasks.compile import compile_graphs
+    from tasks.sanity import sanity_check
+    from tasks.train import train_model
+
+    cores = stage("sanity", sanity_check)["cores"]
+    stage("collectives", collective_test, cores)
+    stage("compile", compile_graphs, cores)
+    trained = stage("train", train_model, cores)
+    if trained.get("skipped"):
+        for name in later:
+            stage.skip(name, "no new model: training was skipped")
+    return cores, trained
 
 
 def new_run_id() -> str:

@@ -11,15 +11,13 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
+from prefect.states import State
 
-from flows._stages import PipelineFailed, StageRunner, new_run_id
+from flows._params import name_run, resolve_spec, window
+from flows._stages import PipelineFailed, StageRunner, new_run_id, run_stages, through_training
 from jobspecs import JobSpec
-from tasks.collectives import collective_test
-from tasks.compile import compile_graphs
 from tasks.evaluate import evaluate_gate
 from tasks.infer import batch_infer
-from tasks.sanity import sanity_check
-from tasks.train import train_model
 
 STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer")
 
@@ -27,27 +25,30 @@ __all__ = ["STAGES", "PipelineFailed", "pipeline"]
 
 
 @flow(name="trnflow-pipeline", log_prints=True)
-def pipeline(spec: JobSpec, run_id: str | None = None) -> dict[str, Any]:
+def pipeline(spec: JobSpec | None = None, spec_url: str | None = None,
+             run_id: str | None = None) -> dict[str, Any] | State:
     """Run all six stages for one job spec.
 
     Args:
         spec: the job spec (validated; the Prefect UI renders it as a form).
+        spec_url: where to read the spec instead (a path, file:// or s3:// URL).
         run_id: names this run's checkpoint folder; a rerun with the same id resumes it.
 
     Returns:
         `run_id`, one summary row per stage, and each stage's full result under `results`.
+        A failed gate ends the run in the state `GateFailed`.
 
     Raises:
         PipelineFailed: at the first failed stage, with the rows of the stages that ran.
     """
-    stage = StageRunner(spec, run_id or new_run_id())
-    cores = stage("sanity", sanity_check)["cores"]
-    stage("collectives", collective_test, cores)
-    stage("compile", compile_graphs, cores)
-    trained = stage("train", train_model, cores)
+    spec = resolve_spec(spec, spec_url)
+    name_run(spec, window(spec))
+    return run_stages(StageRunner(spec, run_id or new_run_id()), _stages, STAGES)
+
+
+def _stages(stage: StageRunner) -> dict[str, Any]:
+    cores, trained = through_training(stage, later=("evaluate", "infer"))
     if trained.get("skipped"):  # incremental training found no new data: nothing to evaluate or embed
-        for later in ("evaluate", "infer"):
-            stage.skip(later, "no new model: training was skipped")
         return stage.outcome()
     checkpoint = trained["checkpoint"]
     stage("evaluate", evaluate_gate, checkpoint, cores)

@@ -7,6 +7,7 @@ from typing import Any
 
 from prefect import flow
 
+from flows._params import name_run, resolve_spec
 from flows._stages import StageRunner, new_run_id
 from jobspecs import JobSpec
 from tasks.collectives import collective_test
@@ -16,13 +17,19 @@ STAGES = ("sanity", "collectives")
 
 
 @flow(name="trnflow-preflight", log_prints=True)
-def preflight(spec: JobSpec, run_id: str | None = None) -> dict[str, Any]:
+def preflight(spec: JobSpec | None = None, spec_url: str | None = None, run_id: str | None = None) -> dict[str, Any]:
     """Check every engine of each core, then the links between them.
 
     Raises:
         PipelineFailed: naming the bad core, the hung collective or the slow link.
     """
+    spec = resolve_spec(spec, spec_url)
+    compute = spec.compute
+    name_run(spec, f"preflight of {compute.world_size} cores on {compute.nodes}x {compute.instance_type}")
     stage = StageRunner(spec, run_id or new_run_id())
-    cores = stage("sanity", sanity_check)["cores"]
-    stage("collectives", collective_test, cores)
-    return stage.outcome()
+    try:
+        cores = stage("sanity", sanity_check)["cores"]
+        stage("collectives", collective_test, cores)
+        return stage.outcome()
+    finally:
+        stage.report(STAGES)

@@ -1,7 +1,7 @@
 """Job specs: pydantic models for a trnflow job, loaded from YAML."""
 
 from jobspecs.instances import CATALOGUE, InstanceType, instance
-from jobspecs.loader import SpecError, apply_overrides, load_spec, validate_spec
+from jobspecs.loader import SpecError, apply_overrides, load_spec, parse_spec, validate_spec
 from jobspecs.spec import (
     CompileSpec,
     ComputeSpec,
@@ -36,5 +36,6 @@ __all__ = [
     "apply_overrides",
     "instance",
     "load_spec",
+    "parse_spec",
     "validate_spec",
 ]

@@ -66,16 +66,21 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobS
         raise SpecError(str(path), ["(file): not found; check the path"]) from None
     except UnicodeDecodeError as exc:
         raise SpecError(str(path), [f"(file): not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
+    return parse_spec(text, str(path), overrides)
+
+
+def parse_spec(text: str, source: str, overrides: dict[str, Any] | None = None) -> JobSpec:
+    """A job spec from YAML (or JSON) text read from `source`, which error messages name."""
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
         problem = getattr(exc, "problem", None) or str(exc)
-        raise SpecError(str(path), [f"{where}: malformed YAML: {problem}"]) from None
+        raise SpecError(source, [f"{where}: malformed YAML: {problem}"]) from None
     if overrides:
         data = apply_overrides(data if isinstance(data, dict) else {}, overrides)
-    return validate_spec(data, str(path))
+    return validate_spec(data, source)
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

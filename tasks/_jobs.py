@@ -10,6 +10,7 @@ from prefect import get_run_logger
 from jobspecs import JobSpec
 from trnflow.backends import JobInfo, JobRequest, JobState, backend_for, run_to_end
 from trnflow.errors import ERROR_TYPES, FatalError, TransientError, TrnflowError
+from trnflow.redact import Redactor
 from trnflow.settings import TrnflowSettings
 
 
@@ -19,7 +20,7 @@ def classify(info: JobInfo) -> TrnflowError:
         return FatalError(f"job {info.job_id} was cancelled")
     failure = info.failure or {}
     kind, message = failure.get("type", "Unknown"), failure.get("message", "no failure report")
-    text = f"job {info.job_id}: {kind}: {message}"
+    text = Redactor.from_env()(f"job {info.job_id}: {kind}: {message}")
     bad_cores = failure.get("bad_cores") or []
     if kind in ERROR_TYPES:
         return ERROR_TYPES[kind](text, bad_cores=bad_cores)
@@ -43,10 +44,12 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
         logger.info("%s job %s submitted to the %s backend on %d core(s)", phase, job_id, backend.name,
                     request.world_size)
 
+    redact = Redactor.from_env()
+
     def relay(text: str) -> None:
         for line in text.splitlines():
             if line.strip():
-                logger.info("%s", line)
+                logger.info("%s", redact(line))
 
     try:
         _, info = run_to_end(backend, request, settings.poll_seconds, on_logs=relay, on_submit=submitted)

@@ -6,8 +6,10 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from jobspecs import JobSpec
+from tasks import _artifacts
 from tasks._jobs import run_job
 from trnflow.errors import FatalError
+from trnflow.report import collectives_markdown
 
 
 @task(name="collectives", cache_policy=NO_CACHE)
@@ -18,6 +20,7 @@ def collective_test(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
     if result["avg_busbw"] is None:
         result["summary"] = result.get("note", "skipped")
         return result
+    _artifacts.markdown(spec, "collectives", collectives_markdown(result), "nccom-test-style collective sweep")
     pf = spec.preflight
     allreduce = [r for r in result["rows"] if r["op"] == "all_reduce"]
     busbw = result["avg_busbw_by_op"]["all_reduce"]

@@ -8,13 +8,15 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from jobspecs import JobSpec
+from tasks import _artifacts
 from tasks._jobs import run_job
 from trnflow.emulator import plans
 from trnflow.emulator.cache import COMPILER_VERSION, CompileCache, entry_name
+from trnflow.report import compile_markdown
 
 
 @task(name="compile", cache_policy=NO_CACHE)
-def compile_graphs(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
+def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> dict:
     """Say which graphs will hit the cache, then compile the ones it does not hold yet.
 
     When an earlier trial run recorded this spec's plan, the prediction comes before any job is
@@ -34,11 +36,14 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
             logger.info("before launch: %s (%s) %s is %s; will %s", row["program"], row["shapes"], row["key"],
                         row["state"], row["will"])
         if all(row["will"] == "hit" for row in prediction):
-            return _all_hits(spec, cache, prediction)
-    result = run_job(spec, "compile", run_id, processes=1, cores=cores[:1])
+            result = _all_hits(spec, cache, prediction)
+            _artifacts.markdown(spec, "compile", compile_markdown(result), "compile cache hits and misses")
+            return result
+    result = run_job(spec, "compile", run_id, processes=1, cores=cores[:1] if cores else None)
     total = len(result["programs"])
     compiled = f", {result['compiled']} compiled in {result['seconds']:.1f}s" if result["compiled"] else ""
     result["summary"] = f"{total} programs: {result['hits']} cache hit(s){compiled}"
+    _artifacts.markdown(spec, "compile", compile_markdown(result), "compile cache hits and misses")
     return result
 
 

@@ -6,8 +6,10 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from jobspecs import JobSpec
+from tasks import _artifacts
 from tasks._jobs import run_job
 from trnflow.errors import FatalError, TrnflowError
+from trnflow.report import sanity_markdown
 
 
 def _failures(result: dict) -> str:
@@ -29,6 +31,28 @@ def sanity_check(spec: JobSpec, run_id: str) -> dict:
     """
     logger = get_run_logger()
     excluded: set[int] = set()
+    checked: list[dict] = []  # the cores that failed, then every core of the attempt that decided
+    try:
+        result = _check(spec, run_id, excluded, checked, logger)
+    finally:
+        if checked:
+            _artifacts.markdown(spec, "sanity", sanity_markdown({
+                "per_core": sorted(checked, key=lambda c: c["core"]), "excluded_cores": sorted(excluded),
+                "cores": sorted({c["core"] for c in checked} - excluded)}),
+                "known-answer tests per NeuronCore and engine")
+    result["excluded_cores"] = sorted(excluded)
+    note = f"; excluded bad core(s) {sorted(excluded)}" if excluded else ""
+    cores = result["cores"]
+    if cores is None:  # a cloud job: its instances were checked, each on its own cores
+        result["cores"] = sorted({c["core"] for c in result["per_core"]})
+        result["summary"] = f"all {len(result['per_core'])} cores passed on every instance"
+    else:
+        result["summary"] = f"all {len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
+    return result
+
+
+def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], logger) -> dict:
+    """Check placements until one is healthy; `excluded` and `checked` grow as it goes."""
     while True:
         try:
             result = run_job(spec, "sanity", run_id, exclude_cores=excluded)
@@ -39,8 +63,10 @@ def sanity_check(spec: JobSpec, run_id: str) -> dict:
             logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", exc.bad_cores, exc)
             continue
         bad = result["bad_cores"]
+        final = not bad or not spec.preflight.exclude_bad_cores or set(bad) <= excluded
+        checked.extend(c for c in result["per_core"] if final or not c["passed"])
         if not bad:
-            break
+            return result
         if set(bad) <= excluded:
             raise FatalError(f"NeuronCore(s) {bad} failed again although excluded: the job is pinned to them "
                              "(NEURON_RT_VISIBLE_CORES); unpin it or pin healthy cores", bad_cores=bad)
@@ -51,12 +77,3 @@ def sanity_check(spec: JobSpec, run_id: str) -> dict:
             )
         excluded |= set(bad)
         logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", bad, _failures(result))
-    result["excluded_cores"] = sorted(excluded)
-    note = f"; excluded bad core(s) {sorted(excluded)}" if excluded else ""
-    cores = result["cores"]
-    if cores is None:  # a cloud job: its instances were checked, each on its own cores
-        result["cores"] = sorted({c["core"] for c in result["per_core"]})
-        result["summary"] = f"all {len(result['per_core'])} cores passed on every instance"
-    else:
-        result["summary"] = f"all {len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
-    return result

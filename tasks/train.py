@@ -13,7 +13,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
 from jobspecs import JobSpec
+from tasks import _artifacts
 from tasks._jobs import recompile_note, run_job
+from trnflow.chart import training_png
 from trnflow.errors import HardwareError
 from trnflow.fsutil import atomic_write_json
 from trnflow.settings import TrnflowSettings
@@ -52,6 +54,9 @@ def train_model(spec: JobSpec, run_id: str, cores: list[int]) -> dict | State:
     if result.get("skipped"):
         result["summary"] = f"skipped: {result['reason']}"
         return Completed(name="Skipped", message=result["summary"], data=result)
+    if result.get("curve"):
+        png = training_png(result["curve"], result.get("evaluations") or [], spec.gate.metric, f"{spec.name} {run_id}")
+        _artifacts.image(spec, "training", png, "training loss and holdout metric against global step")
     resumed = f", resumed at step {result['start_step']}" if result["resumed_from"] else ""
     result["summary"] = (f"{result['steps_trained']} steps, loss {result['loss']:.4f}, "
                          f"{result['samples_per_s']:.0f} samples/s{resumed}{recompile_note(result)}")

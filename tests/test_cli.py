@@ -105,3 +105,11 @@ def test_training_events_in_the_task_log_move_the_progress_bar():
         task = handler.progress.tasks[0]
         assert (task.completed, task.total) == (20, 40) and "loss 0.5000" in task.description
     assert handler not in logger.handlers
+
+
+def test_submitted_runs_exit_0_when_completed_3_for_a_failed_gate_and_1_otherwise():
+    from trnflow.cli_runs import exit_code
+
+    assert exit_code("COMPLETED", "Completed") == 0
+    assert exit_code("FAILED", "GateFailed") == 3
+    assert [exit_code(t, t.title()) for t in ("FAILED", "CRASHED", "CANCELLED")] == [1, 1, 1]

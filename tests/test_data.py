@@ -9,9 +9,10 @@ import pytest
 import torch
 
 from jobspecs import DataSpec
+from trnflow.datafiles import data_files, partitions, since_watermark
 from trnflow.errors import DataError, FatalError
 from trnflow.synth import synthesize
-from trnflow.workload.data import StepSampler, data_files, partitions, read_labelled, read_unlabelled, since_watermark
+from trnflow.workload.data import StepSampler, read_labelled, read_unlabelled
 from trnflow.workload.tokenizer import TextTokenizer, train_tokenizer
 
 

@@ -146,13 +146,14 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
                           timeout=600)
 
 
-def test_preflight_enforces_the_bandwidth_threshold(prefect_api, make_spec, tmp_path):
+def test_preflight_enforces_the_bandwidth_threshold(prefect_api, make_spec):
+    from flows.preflight import preflight
+
     spec = make_spec(name="slowlink", preflight={"min_busbw_gbps": 10_000.0})
-    path = tmp_path / "slow.yaml"
-    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
-    result = _cli("preflight", str(path))
-    assert result.returncode == 1, result.stderr
-    assert "below preflight.min_busbw_gbps" in result.stderr
+    state = preflight(spec, return_state=True)
+    outcome = state.result(raise_on_failure=False)
+    assert state.is_failed() and outcome.stage == "collectives"
+    assert "below preflight.min_busbw_gbps" in str(outcome.cause)
 
 
 def test_preflight_command_reports_every_core_and_link(prefect_api, make_spec, tmp_path):

@@ -81,6 +81,15 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     assert artifacts["quickstart-parity"].type == "image"
     assert artifacts["quickstart-parity"].data.startswith("data:image/png;base64,")
     assert "| 40 | 40 |" in artifacts["quickstart-gate"].data
+    # and every stage's table or chart, with the run's summary, cost and outputs
+    assert "| nc1 | **FAIL**" in artifacts["quickstart-sanity"].data
+    assert "| all_reduce | 65,536 |" in artifacts["quickstart-collectives"].data
+    assert f"{compiled['hits']} hit(s), {compiled['compiled']} compiled" in artifacts["quickstart-compile"].data
+    assert artifacts["quickstart-training"].data.startswith("data:image/png;base64,")
+    assert "_manifest.json" in artifacts["quickstart-embeddings"].data
+    summary = artifacts["quickstart-summary"].data
+    assert all(f"| {stage} | Completed |" in summary for stage in STAGES)
+    assert "## What the jobs cost" in summary and results["train"]["checkpoint"] in summary
 
     # each job's billable time at trn1.32xlarge's price, and the run's total
     cost = outcome["cost"]
@@ -89,7 +98,7 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     assert cost["total_usd"] == pytest.approx(sum(r["cost_usd"] for r in cost["rows"]), abs=1e-3)
 
     # the candidate is registered and, having passed, promoted
-    assert results["evaluate"]["registry"] == {"version": 1, "promoted": True}
+    assert results["evaluate"]["registry"] == {"version": 1, "promoted": True, "generation": 0}
     champion = Registry(spec.registry_url).champion(spec.name)
     assert champion.checkpoint == results["train"]["checkpoint"] and champion.watermark == "2026-01-02"
 
@@ -127,7 +136,7 @@ def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champ
     registry.promote("gatefail", registry.register("gatefail", {"checkpoint": "file:///earlier/step-000010"}).version)
 
     state, outcome = _run(spec)
-    assert state.is_failed()
+    assert state.is_failed() and state.name == "GateFailed"  # its own state: `trnflow submit --wait` exits 3
     assert isinstance(outcome, PipelineFailed) and isinstance(outcome.cause, GateFailed)
     assert outcome.stage == "evaluate"
     assert f"step {spec.train.steps}" in str(outcome.cause)

@@ -64,3 +64,30 @@ def verdict_markdown(verdict: dict[str, Any], title: str) -> str:
     elif paired:
         lines += ["", f"No paired check: {paired.get('reason')}."]
     return "\n".join(lines) + "\n"
+
+
+def training_png(curve: list[dict], evaluations: list[dict], metric: str, title: str) -> bytes:
+    """The training loss against global step, with the holdout metric on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4), dpi=110)
+    ax = fig.subplots()
+    ax.plot([p["global_step"] for p in curve], [p["loss"] for p in curve], color="tab:orange", label="training loss")
+    ax.set(title=f"{title}: training", xlabel="global step", ylabel="loss")
+    ax.grid(alpha=0.3)
+    handles, labels = ax.get_legend_handles_labels()
+    if evaluations:
+        right = ax.twinx()
+        right.plot([p.get("global_step", p["step"]) for p in evaluations], [p[metric] for p in evaluations],
+                   marker="o", color="tab:blue", label=f"holdout {metric}")
+        right.set_ylabel(metric)
+        more = right.get_legend_handles_labels()
+        handles, labels = handles + more[0], labels + more[1]
+    ax.legend(handles, labels, loc="center right")
+    fig.tight_layout()
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.table import Table
 
 from jobspecs import CATALOGUE, JobSpec, SpecError, load_spec
-from trnflow import render
+from trnflow import cli_runs, cli_serve, render
 from trnflow.cli_cache import cache_app
 from trnflow.cli_models import models_app
 
@@ -184,14 +184,26 @@ def data_synth(
     fmt: Annotated[str, typer.Option("--format", help="jsonl, parquet, csv or amazon-polarity.")] = "jsonl",
     holdout_rows: Annotated[int | None, typer.Option(help="Holdout rows (default: rows per day).")] = None,
     inference_rows: Annotated[int | None, typer.Option(help="Inference rows (default: rows per day).")] = None,
+    start: Annotated[str, typer.Option(help="The first day, YYYY-MM-DD.")] = "2026-01-01",
+    train_only: Annotated[bool, typer.Option("--train-only", help="Only add day partitions (new data arriving); "
+                                             "keep holdout/ and inference/ as they are.")] = False,
 ):
     """Write synthetic product reviews: train/dt=*/, holdout/ and inference/."""
+    import datetime as dt
+
     from trnflow.synth import synthesize
+
+    try:
+        first = dt.date.fromisoformat(start)
+    except ValueError:
+        err.print(f"[red]--start {start!r}: expected a date, YYYY-MM-DD[/red]")
+        raise typer.Exit(EXIT_BAD_INPUT) from None
 
     if fmt not in ("jsonl", "parquet", "csv", "amazon-polarity"):
         err.print(f"[red]--format {fmt!r}: choose jsonl, parquet, csv or amazon-polarity[/red]")
         raise typer.Exit(EXIT_BAD_INPUT)
-    summary = synthesize(out, days, rows_per_day, seed, fmt, holdout_rows, inference_rows)
+    summary = synthesize(out, days, rows_per_day, seed, fmt, holdout_rows, inference_rows, start=first,
+                         train_only=train_only)
     console.print(f"wrote {summary['train_rows']} training rows in {summary['train_partitions']} partition(s), "
                   f"{summary['holdout_rows']} holdout and {summary['inference_rows']} inference rows to {out}")
 
@@ -293,6 +305,10 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
     elif isinstance(outcome, BaseException):
         rows, code = [], EXIT_FAILED
         payload = {"state": "Failed", "error": f"{type(outcome).__name__}: {outcome}", "stages": rows}
+    elif outcome.get("nothing_new"):  # scheduled retraining with no new data: no job was launched
+        payload = {"state": "Completed", "nothing_new": True, "message": state.message, "stages": []}
+        print(json.dumps(payload, indent=2)) if as_json else console.print(f"[cyan]{title}: {state.message}[/cyan]")
+        raise typer.Exit(0)
     else:
         rows, code = outcome["stages"], 0
         payload = {"state": "Completed", "run_id": outcome["run_id"], "stages": rows, "results": outcome["results"],
@@ -328,6 +344,24 @@ def run(
     from flows.pipeline import STAGES, pipeline
 
     _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json)
+
+
+@app.command()
+def retrain(
+    spec_path: SpecArg,
+    run_id: Annotated[str | None, typer.Option(help="Resume or name a run (default: a new id).")] = None,
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Retrain the champion on the data after its watermark now, in this process (as the schedule does)."""
+    spec = _load(spec_path, _overrides(overrides))
+    if spec.registry_url is None:
+        err.print(f"[red]{spec_path}: registry_url: retraining keeps its champion and watermark in a model "
+                  "registry; set registry_url[/red]")
+        raise typer.Exit(EXIT_BAD_INPUT)
+    from flows.incremental_retrain import STAGES, incremental_retrain
+
+    _run_flow(incremental_retrain, STAGES, "trnflow retrain", spec, run_id, as_json)
 
 
 @app.command()
@@ -412,6 +446,10 @@ def collectives(
                          indent=2))
     else:
         print(render.nccom_text(rows))
+
+
+cli_serve.register(app)  # deployments of every flow
+cli_runs.register(app)  # runs on a Prefect server: submit, runs, status, logs, cancel
 
 
 def main() -> None:

@@ -127,6 +127,31 @@ def paired_check(candidate: dict, reference: dict, delta: float, alpha: float) -
     }
 
 
+def no_regression(candidate: dict, champion: dict, metric: str, max_abs_diff: float, champion_label: str,
+                  alpha: float = 0.05) -> dict[str, Any]:
+    """The verdict of a retrained model against the champion it started from: its final point may
+    be better by any amount, and worse by at most `max_abs_diff`. The two series come from
+    different runs on different data windows, so their last points are compared, not their steps."""
+    last, best = candidate["points"][-1], champion["points"][-1]
+    diff = last[metric] - best[metric]
+    passed = diff >= -max_abs_diff
+
+    def final(document: dict) -> dict:  # each model's outcome at its own last step, paired row by row
+        predictions = document.get("predictions")
+        return {**document, "predictions": predictions and {**predictions, "step": "final"}}
+
+    verdict: dict[str, Any] = {
+        "metric": metric, "mode": "no-regression", "max_abs_diff": max_abs_diff, "passed": passed,
+        "points": [{"step": last["step"], "global_step": last.get("global_step", last["step"]),
+                    "candidate": last[metric], "reference": best[metric], "diff": diff, "passed": passed}],
+        "paired": paired_check(final(candidate), final(champion), max_abs_diff, alpha),
+    }
+    if not passed:
+        verdict["reason"] = (f"{metric} {last[metric]:.4f} is {-diff:.4f} below {champion_label}'s "
+                             f"{best[metric]:.4f} (allowed regression {max_abs_diff})")
+    return verdict
+
+
 def compare(candidate: dict | list[dict], reference: dict | list[dict], metric: str, max_abs_diff: float,
             mode: str = "every-point", alpha: float = 0.05, fail_on_significant: bool = False) -> dict[str, Any]:
     """The verdict: every matched point with both values, their difference and pass or fail, plus

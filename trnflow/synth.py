@@ -103,8 +103,9 @@ def _encode(rows: list[dict], fmt: str) -> bytes:
 
 def synthesize(out: Path, days: int, rows_per_day: int, seed: int, fmt: str = "jsonl",
                holdout_rows: int | None = None, inference_rows: int | None = None,
-               noise: float = 0.05, start: dt.date = dt.date(2026, 1, 1)) -> dict:
-    """Write the three datasets; returns a summary of what was written."""
+               noise: float = 0.05, start: dt.date = dt.date(2026, 1, 1), train_only: bool = False) -> dict:
+    """Write the three datasets (with `train_only`, just the day partitions: a new day arriving);
+    returns a summary of what was written."""
     rng = random.Random(seed)
     ext = "csv" if fmt == "amazon-polarity" else fmt
     holdout_rows = holdout_rows if holdout_rows is not None else rows_per_day
@@ -115,6 +116,9 @@ def synthesize(out: Path, days: int, rows_per_day: int, seed: int, fmt: str = "j
         path = out / "train" / f"dt={date}" / f"part-00000.{ext}"
         atomic_write_bytes(path, _encode(_rows(rng, day, rows_per_day, f"tr-{date}", noise), fmt))
         written.append(path)
+    if train_only:
+        return {"train_partitions": len(written), "train_rows": days * rows_per_day, "holdout_rows": 0,
+                "inference_rows": 0, "out": str(out)}
     last = days - 1
     holdout = out / "holdout" / f"part-00000.{ext}"
     atomic_write_bytes(holdout, _encode(_rows(rng, last, holdout_rows, "ho", noise), fmt))

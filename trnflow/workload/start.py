@@ -11,12 +11,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jobspecs import JobSpec
+from trnflow.datafiles import DataFile, data_files, partitions, since_watermark
 from trnflow.errors import DataError
 from trnflow.registry import Registry
 from trnflow.storage import join
 from trnflow.workload.checkpoint import Checkpoint, RunCheckpoints, load
 from trnflow.workload.context import WorkerContext, gather_objects
-from trnflow.workload.data import DataFile, data_files, partitions, since_watermark
 
 LINEAGE_DEPTH = 20
 

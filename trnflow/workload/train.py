@@ -15,13 +15,14 @@ import time
 
 import torch
 
+from trnflow.datafiles import partitions
 from trnflow.emulator.memory import estimate, saved_activation_peak, tensor_bytes
 from trnflow.emulator.numerics import stochastic_round_bf16_
 from trnflow.errors import FatalError
 from trnflow.gate import SERIES, write_series
 from trnflow.workload.checkpoint import load_model_weights
 from trnflow.workload.context import WorkerContext, gather_objects
-from trnflow.workload.data import StepSampler, partitions, read_labelled
+from trnflow.workload.data import StepSampler, read_labelled
 from trnflow.workload.evaluate import Holdout
 from trnflow.workload.model import build_model
 from trnflow.workload.programs import for_run
@@ -192,6 +193,7 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
         "rows": len(labels),
         "loss": last_loss,
         "evaluations": evaluations,
+        "curve": metrics,
         "series": series_url,
         "holdout_sha256": holdout.digest,
         "samples_per_s": round(trained * tcfg.global_batch_size / seconds, 1) if trained else 0.0,

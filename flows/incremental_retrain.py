@@ -1,0 +1,90 @@
+"""Scheduled incremental retraining: train the champion further on the days that arrived since
+its watermark, gate the result, embed with it, and only then make it the champion.
+
+    nothing new since the champion's watermark -> Completed("nothing new"), no job launched
+    else: sanity -> collectives -> compile -> train (from the champion) -> evaluate (against the
+          champion, and gate.reference when that is a file) -> infer -> promote
+
+One run per model at a time (`flows._lock`). Promotion is the last step, so a run that fails
+anywhere leaves the champion, and the watermark that comes with it, unchanged: the next scheduled
+run retries the same window.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+from prefect import flow, get_run_logger
+from prefect.states import Completed, State
+
+from flows._lock import model_lock
+from flows._params import name_run, resolve_spec
+from flows._stages import StageRunner, new_run_id, run_stages, through_training
+from jobspecs import JobSpec, SpecError
+from tasks.evaluate import evaluate_gate
+from tasks.infer import batch_infer
+from tasks.promote import promote_champion
+from trnflow.datafiles import new_partitions
+from trnflow.registry import Registry
+
+STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote")
+
+
+def retrain_spec(spec: JobSpec) -> JobSpec:
+    """The spec as retraining runs it: from the champion, on the partitions after its watermark."""
+    if spec.registry_url is None:
+        raise SpecError(spec.name, ["registry_url: incremental retraining keeps its champion and watermark in a "
+                                    "model registry; set registry_url"])
+    changes = []
+    if spec.train.init_from != "champion":
+        changes.append("train.init_from: champion")
+    if spec.data.window != "since-watermark":
+        changes.append("data.window: since-watermark")
+    if changes:
+        get_run_logger().info("retraining runs the spec with %s", " and ".join(changes))
+    return spec.model_copy(update={"train": spec.train.model_copy(update={"init_from": "champion"}),
+                                   "data": spec.data.model_copy(update={"window": "since-watermark"})})
+
+
+@flow(name="trnflow-incremental-retrain", log_prints=True)
+def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None, run_id: str | None = None,
+                        lock_timeout_seconds: float | None = 3600.0) -> dict[str, Any] | State:
+    """Retrain the champion on the new days of data, if there are any.
+
+    Args:
+        spec: the job spec (the Prefect UI renders it as a form).
+        spec_url: where to read the spec instead (a path, file:// or s3:// URL).
+        run_id: names the run's checkpoint folder; a rerun with the same id resumes it.
+        lock_timeout_seconds: how long to wait while another retraining of the same model runs
+            before this run is refused; none waits as long as it takes.
+    """
+    spec = retrain_spec(resolve_spec(spec, spec_url))
+    with model_lock(spec.name, lock_timeout_seconds):
+        assert spec.registry_url is not None
+        registry = Registry(spec.registry_url)
+        generation = registry.generation(spec.name)  # a champion changed after this is never overwritten
+        champion = registry.champion(spec.name)
+        watermark = champion.watermark if champion else None
+        days = new_partitions(spec.data.train, spec.data.format, watermark)
+        if not days:
+            after = f"after {watermark}" if watermark else "at all"
+            name_run(spec, f"nothing new {after}")
+            return Completed(message=f"nothing new: {spec.data.train} has no partitions {after}",
+                             data={"nothing_new": True, "watermark": watermark, "stages": []})
+        base = f"champion v{champion.version}" if champion else "scratch"
+        name_run(spec, f"dt={days[0]}..{days[-1]} from {base}" if len(days) > 1 else f"dt={days[0]} from {base}")
+        return run_stages(StageRunner(spec, run_id or new_run_id()), partial(_stages, generation=generation), STAGES)
+
+
+def _stages(stage: StageRunner, generation: int) -> dict[str, Any]:
+    cores, trained = through_training(stage, later=("evaluate", "infer", "promote"))
+    if trained.get("skipped"):  # the new partitions went away between the listing and the job
+        return stage.outcome()
+    checkpoint = trained["checkpoint"]
+    gated = stage("evaluate", evaluate_gate, checkpoint, cores, against_champion=True, promote=False,
+                  generation=generation)
+    stage("infer", batch_infer, checkpoint, cores)
+    entry = gated["registry"]
+    stage("promote", promote_champion, entry["version"], entry["generation"])
+    return stage.outcome()

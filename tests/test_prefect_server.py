@@ -1,0 +1,236 @@
+"""trnflow against a real `prefect server` on 127.0.0.1 (embedded SQLite): prefect.yaml deploys
+every flow onto a process work pool with the retraining schedule; `trnflow serve` serves them;
+`trnflow submit --wait` runs the pipeline through a deployment and the run carries its artifacts;
+`runs`, `status` and `logs` find it; and the UI shows the deployment in a real browser."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT
+
+TRNFLOW = str(Path(sys.executable).with_name("trnflow"))
+PREFECT = str(Path(sys.executable).with_name("prefect"))
+FLOW_NAMES = {"trnflow-pipeline", "trnflow-preflight", "trnflow-compile", "trnflow-incremental-retrain",
+              "trnflow-batch-inference"}
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _wait_for(check, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = check()
+        if found:
+            return found
+        time.sleep(0.5)
+    raise AssertionError(f"gave up waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """`prefect server start` with its own home and database; yields the environment that points at it."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = _free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+           "PREFECT_UI_URL": f"http://127.0.0.1:{port}"}
+    log = open(home / "server.log", "wb")  # noqa: SIM115 (closed at teardown)
+    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+                            env={**env, "PREFECT_LOGGING_LEVEL": "WARNING"},
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def healthy() -> bool:
+        try:
+            with urllib.request.urlopen(f"{api}/health", timeout=2) as answer:  # noqa: S310 (loopback)
+                return answer.status == 200
+        except OSError:
+            assert proc.poll() is None, (home / "server.log").read_text()
+            return False
+
+    _wait_for(healthy, 120, "the Prefect server")
+    yield env
+    os.killpg(proc.pid, signal.SIGTERM)
+    proc.wait(timeout=30)
+    log.close()
+
+
+def _client(env):
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    class Scoped:
+        def __enter__(self):
+            self._settings = temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]})
+            self._settings.__enter__()
+            self._client = get_client(sync_client=True).__enter__()
+            return self._client
+
+        def __exit__(self, *exc):
+            self._client.__exit__(*exc)
+            self._settings.__exit__(*exc)
+
+    return Scoped()
+
+
+def _deployments(env) -> dict:
+    with _client(env) as client:
+        flows = {f.id: f.name for f in client.read_flows()}
+        return {f"{flows[d.flow_id]}/{d.name}": d for d in client.read_deployments()}
+
+
+def test_prefect_yaml_is_current_and_deploys_every_flow_with_the_retraining_schedule(server):
+    generated = subprocess.run([TRNFLOW, "prefect-yaml"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert generated.stdout == (ROOT / "prefect.yaml").read_text(), "regenerate it: trnflow prefect-yaml > prefect.yaml"
+
+    subprocess.run([PREFECT, "work-pool", "create", "trnflow", "--type", "process"], cwd=ROOT, env=server,
+                   check=True, capture_output=True)
+    deploy = subprocess.run([PREFECT, "--no-prompt", "deploy", "--all"], cwd=ROOT, env=server, capture_output=True,
+                            text=True, timeout=300)
+    assert deploy.returncode == 0, deploy.stdout + deploy.stderr
+
+    deployed = {name: d for name, d in _deployments(server).items() if name.endswith("/quickstart")}
+    assert {name.split("/")[0] for name in deployed} == FLOW_NAMES
+    retrain = deployed["trnflow-incremental-retrain/quickstart"]
+    assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in retrain.schedules] == [("0 3 * * *", "UTC",
+                                                                                              True)]
+    assert retrain.global_concurrency_limit.limit == 1
+    assert retrain.concurrency_options.collision_strategy.value == "ENQUEUE"  # a second run waits its turn
+    assert all(d.work_pool_name == "trnflow" for d in deployed.values())
+    assert all(d.parameters == {"spec_url": "jobspecs/examples/quickstart.yaml"} for d in deployed.values())
+    assert not deployed["trnflow-pipeline/quickstart"].schedules
+
+
+@pytest.fixture(scope="module")
+def served(server, tmp_path_factory, dataset, compile_cache):
+    """`trnflow serve` on a small spec, from its own process, until the module's tests are done."""
+    root = tmp_path_factory.mktemp("served")
+    spec = yaml.safe_load((ROOT / "jobspecs" / "examples" / "quickstart.yaml").read_text())
+    spec.update(
+        name="served",
+        data={"train": str(dataset / "train"), "holdout": str(dataset / "holdout"),
+              "inference": str(dataset / "inference"), "format": "jsonl"},
+        train={**spec["train"], "steps": 20, "checkpoint_every": 10, "log_every": 10,
+               "checkpoint_url": str(root / "checkpoints")},
+        compile={**spec["compile"], "cache_url": str(compile_cache)},
+        gate={"reference": None, "eval_every": 10},
+        inference={**spec["inference"], "output_url": str(root / "embeddings"), "shard_size": 200},
+        registry_url=str(root / "registry"),
+        schedule={"cron": "30 4 * * *", "timezone": "Europe/Berlin"},
+    )
+    path = root / "served.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    env = {**server, "TRNFLOW_HOME": str(root / "home"), "TRNFLOW_POLL_SECONDS": "0.2",
+           "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    log = open(root / "serve.log", "wb")  # noqa: SIM115 (closed at teardown)
+    proc = subprocess.Popen([TRNFLOW, "serve", str(path)], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    _wait_for(lambda: proc.poll() is None and {f"{f}/served" for f in FLOW_NAMES} <= set(_deployments(server)),
+              120, "the served deployments")
+    yield env, path, root
+    os.killpg(proc.pid, signal.SIGKILL)  # nothing of it is needed any more
+    proc.wait(timeout=30)
+    log.close()
+
+
+def test_submit_runs_the_pipeline_through_the_served_deployment(served):
+    env, path, root = served
+    deployed = _deployments(env)
+    retrain = deployed["trnflow-incremental-retrain/served"]
+    assert [(s.schedule.cron, s.schedule.timezone) for s in retrain.schedules] == [("30 4 * * *", "Europe/Berlin")]
+    form = deployed["trnflow-pipeline/served"].parameter_openapi_schema  # what the UI renders the run form from
+    assert set(form["properties"]) == {"spec", "spec_url", "run_id"}
+    assert {"name", "model", "data", "compute", "train", "gate"} <= set(form["definitions"]["JobSpec"]["properties"])
+    assert retrain.global_concurrency_limit.limit == 1
+
+    done = subprocess.run([TRNFLOW, "submit", str(path), "--wait", "--json"], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stdout + done.stderr + (root / "serve.log").read_text()[-4000:]
+    run = json.loads(done.stdout)
+    assert run["state"] == "Completed" and run["deployment"] == "trnflow-pipeline/served"
+    assert run["name"] == "served: all partitions"
+    assert [s["stage"] for s in run["stages"]] == ["sanity", "collectives", "compile", "train", "evaluate", "infer"]
+    assert {f"served-{k}" for k in ("summary", "sanity", "collectives", "compile", "training", "gate", "parity",
+                                    "embeddings")} <= set(run["artifacts"])
+    assert run["url"].endswith(f"/runs/flow-run/{run['id']}")
+    assert (root / "embeddings" / "_manifest.json").is_file()  # the served process ran it, for real
+
+    listed = json.loads(subprocess.run([TRNFLOW, "runs", "--json"], env=env, capture_output=True, text=True,
+                                       check=True).stdout)
+    assert run["id"] in {r["id"] for r in listed}
+    status = subprocess.run([TRNFLOW, "status", run["id"][:8], "--json"], env=env, capture_output=True, text=True)
+    assert status.returncode == 0 and json.loads(status.stdout)["state"] == "Completed"
+    logs = subprocess.run([TRNFLOW, "logs", run["id"]], env=env, capture_output=True, text=True, check=True).stdout
+    assert "train job" in logs and '"event": "checkpoint"' in logs
+
+
+def _processes_under(folder: Path) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if str(folder).encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+def test_cancel_stops_the_run_and_the_jobs_it_launched(served):
+    env, path, root = served
+    started = subprocess.run([TRNFLOW, "submit", str(path), "--deployment", "preflight", "--json"], env=env,
+                             capture_output=True, text=True, check=True)
+    run_id = json.loads(started.stdout)["id"]
+    jobs = root / "home" / "jobs"
+    _wait_for(lambda: jobs.is_dir() and _processes_under(jobs), 120, "the preflight's first job")
+
+    cancelled = subprocess.run([TRNFLOW, "cancel", run_id], env=env, capture_output=True, text=True)
+    assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+
+    followed = subprocess.run([TRNFLOW, "logs", run_id, "--follow"], env=env, capture_output=True, text=True,
+                              timeout=180)  # returns once the run has ended
+    assert followed.returncode == 0 and "sanity job" in followed.stdout
+
+    def final_state():
+        shown = subprocess.run([TRNFLOW, "status", run_id, "--json"], env=env, capture_output=True, text=True)
+        state = json.loads(shown.stdout)["state"]
+        return state if state in ("Cancelled", "Completed", "Failed", "Crashed") else None
+
+    assert _wait_for(final_state, 120, "the run to end") == "Cancelled"
+    _wait_for(lambda: not _processes_under(jobs), 60, "the run's jobs to stop")
+    again = subprocess.run([TRNFLOW, "cancel", run_id], env=env, capture_output=True, text=True)
+    assert again.returncode == 1 and "already ended (Cancelled)" in " ".join(again.stderr.split())
+
+
+def test_the_ui_shows_the_deployment(served, tmp_path):
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("Debian's chromium is not installed (make test installs it where apt-get can)")
+    env, _, _ = served
+    deployment = _deployments(env)["trnflow-incremental-retrain/served"]
+    page = f"{env['PREFECT_UI_URL']}/deployments/deployment/{deployment.id}"
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+             "--disable-background-networking", "--disable-component-update", "--disable-sync",
+             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=15000", "--window-size=1400,1000"]
+    shot = tmp_path / "deployment.png"
+    subprocess.run([chromium, *flags, f"--screenshot={shot}", page], capture_output=True, timeout=120, check=True)
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    dom = subprocess.run([chromium, *flags, "--dump-dom", page], capture_output=True, text=True, timeout=120,
+                         check=True).stdout
+    assert "served" in dom and "trnflow-incremental-retrain" in dom

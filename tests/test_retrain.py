@@ -1,0 +1,98 @@
+"""Scheduled incremental retraining, under a real Prefect API: a failed run changes nothing, a good
+one trains from the champion on the new days only and promotes last, a run with nothing new
+launches no job, and two runs of the same model never overlap."""
+
+import datetime as dt
+import shutil
+
+import pytest
+
+from flows._lock import model_lock
+from flows._stages import PipelineFailed
+from flows.incremental_retrain import STAGES, incremental_retrain
+from trnflow.registry import Registry
+from trnflow.synth import synthesize
+
+
+@pytest.fixture
+def retrain_spec(make_spec, tmp_path):
+    data = tmp_path / "data"
+    synthesize(data, days=2, rows_per_day=300, seed=5, holdout_rows=200, inference_rows=120)
+
+    def make(**sections):
+        base = {"data": {"train": str(data / "train"), "holdout": str(data / "holdout"),
+                         "inference": str(data / "inference")},
+                "train": {"steps": 10, "checkpoint_every": 10, "log_every": 10},
+                # retraining on a new day moves the model: this test is about the orchestration
+                "gate": {"reference": "champion", "max_abs_diff": 0.2}}
+        for name, values in sections.items():
+            base[name] = {**base.get(name, {}), **values}
+        return make_spec(**base)
+
+    return make, data
+
+
+def _jobs(home) -> int:
+    jobs = home / "jobs"
+    return len(list(jobs.iterdir())) if jobs.is_dir() else 0
+
+
+def _run(spec, **kwargs):
+    state = incremental_retrain(spec, return_state=True, **kwargs)
+    return state, state.result(raise_on_failure=False)
+
+
+def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_api, retrain_spec, trnflow_home):
+    make, data = retrain_spec
+    spec = make()
+    registry = Registry(spec.registry_url)
+
+    # a run that fails after its gate (the inference data is missing) promotes nothing
+    broken = make(data={"inference": str(data / "no-such-folder")})
+    state, outcome = _run(broken)
+    assert state.is_failed() and isinstance(outcome, PipelineFailed) and outcome.stage == "infer"
+    assert [r["stage"] for r in outcome.stages] == ["sanity", "collectives", "compile", "train", "evaluate", "infer"]
+    assert registry.champion(spec.name) is None
+    assert [v.entry["status"] for v in registry.versions(spec.name)] == ["passed"]  # gated, never promoted
+
+    # the next run retries the same window, and promotes as its last step
+    state, outcome = _run(spec)
+    assert state.is_completed(), outcome
+    assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
+    first = registry.champion(spec.name)
+    assert first.version == 2 and first.watermark == "2026-01-02"
+    assert outcome["results"]["train"]["partitions"] == ["2026-01-01", "2026-01-02"]
+    assert outcome["results"]["evaluate"]["against"] == "no champion"
+
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(state.state_details.flow_run_id).name == (
+            "quickstart: dt=2026-01-01..2026-01-02 from scratch")
+
+    # nothing new since the champion's watermark: Completed, and no job launched
+    launched = _jobs(trnflow_home)
+    state, outcome = _run(spec)
+    assert state.is_completed() and outcome["nothing_new"]
+    assert state.message == f"nothing new: {spec.data.train} has no partitions after 2026-01-02"
+    assert _jobs(trnflow_home) == launched
+
+    # a new day arrives while another retraining of the model holds its lock: this one is refused
+    shutil.copytree(data / "train" / "dt=2026-01-02", data / "train" / "dt=2026-01-03")
+    with model_lock(spec.name, timeout_seconds=10):
+        state, outcome = _run(spec, lock_timeout_seconds=1)
+    assert state.is_failed() and "was refused" in str(outcome)
+    assert _jobs(trnflow_home) == launched and registry.champion(spec.name).version == 2
+
+    # with the lock free, it trains from the champion on the new day only, and gates against it
+    state, outcome = _run(spec)
+    assert state.is_completed(), outcome
+    results = outcome["results"]
+    assert results["train"]["partitions"] == ["2026-01-03"] and results["train"]["parent"] == first.checkpoint
+    assert results["evaluate"]["against"] == "champion v2"
+    assert results["evaluate"]["verdict"]["mode"] == "no-regression"
+    second = registry.champion(spec.name)
+    assert second.version == 3 and second.watermark == "2026-01-03"
+    assert second.entry["parent_version"] == 2
+    assert results["promote"]["summary"] == "champion v3 (was v2), data up to 2026-01-03"
+    assert dt.date.fromisoformat(second.watermark) > dt.date.fromisoformat(first.watermark)

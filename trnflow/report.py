@@ -1,0 +1,102 @@
+"""Markdown for what a run shows in the Prefect UI: the stage summary, the preflight and collective
+tables, the compile cache's hits and misses, the cost table and the links to what was written.
+Pure functions of the stage results; the tasks and flows publish them as artifacts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
+
+
+def _table(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:
+    align = align or ["---"] * len(header)
+    cells = [[str(c).replace("|", "\\|") for c in row] for row in rows]
+    return ["| " + " | ".join(header) + " |", "|" + "|".join(align) + "|",
+            *("| " + " | ".join(r) + " |" for r in cells)]
+
+
+def stage_summary(title: str, rows: list[dict[str, Any]], stages: tuple[str, ...]) -> str:
+    """One row per stage: state, duration and key figure; stages that never ran say NotRun."""
+    seen = {r["stage"] for r in rows}
+    rest = [{"stage": s, "state": "NotRun", "seconds": None, "summary": ""} for s in stages if s not in seen]
+    body = [[r["stage"], f"**{r['state']}**" if r["state"] != "Completed" else r["state"],
+             "" if r["seconds"] is None else f"{r['seconds']:.1f} s", r["summary"]] for r in rows + rest]
+    return "\n".join([f"## {title}", "", *_table(["stage", "state", "duration", "key figure"], body,
+                                                 ["---", "---", "---:", "---"])]) + "\n"
+
+
+def sanity_markdown(result: dict[str, Any]) -> str:
+    """Known-answer tests per core and engine: ok (tests run) or the tests that failed."""
+    rows = []
+    for core in result["per_core"]:
+        cells = []
+        for engine in ENGINES:
+            checks = [c for c in core["checks"] if c["engine"] == engine]
+            failed = [f"{c['test']}/{c['dtype']}" for c in checks if not c["passed"]]
+            cells.append("**FAIL** " + ", ".join(failed) if failed else f"ok ({len(checks)})")
+        rows.append([f"nc{core['core']}", *cells])
+    lines = ["## Hardware sanity: known-answer tests per engine", "", *_table(["core", *ENGINES], rows)]
+    if result.get("excluded_cores"):
+        lines += ["", f"Excluded bad core(s): {result['excluded_cores']}; later stages ran on {result['cores']}."]
+    return "\n".join(lines) + "\n"
+
+
+def collectives_markdown(result: dict[str, Any]) -> str:
+    """The nccom-test-style sweep: size, time, algbw and busbw per op, and whether the answers were right."""
+    rows = [[r["op"], f"{r['size(B)']:,}", r.get("type", ""), f"{r['time(us)']:.0f}", f"{r['algbw(GB/s)']:.3f}",
+             f"{r['busbw(GB/s)']:.3f}", "ok" if r.get("correct", True) else "**WRONG**"] for r in result["rows"]]
+    lines = [f"## Collectives on {result.get('ranks', '?')} cores", "",
+             *_table(["op", "size (B)", "dtype", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "result"], rows,
+                     ["---", "---:", "---", "---:", "---:", "---:", "---"])]
+    averages = result.get("avg_busbw_by_op") or {}
+    if averages:
+        lines += ["", "Average bus bandwidth: " + ", ".join(f"{op} {bw:.3f} GB/s" for op, bw in averages.items())]
+    return "\n".join(lines) + "\n"
+
+
+def compile_markdown(result: dict[str, Any]) -> str:
+    """Each program's cache key and what happened to it: a hit, compiled, or failed."""
+    report = result.get("report") or {}
+    rows = []
+    for program in result["programs"]:
+        done = report.get(program["key"], {})
+        rows.append([program["program"], program.get("shapes", ""), f"`{program['key']}`",
+                     done.get("status", program.get("state", "")), f"{done.get('seconds', 0.0):.1f} s"])
+    lines = [f"## Compile cache {result.get('cache', '')}", "",
+             f"{result.get('hits', 0)} hit(s), {result.get('compiled', 0)} compiled", "",
+             *_table(["program", "input shapes", "key", "outcome", "time"], rows)]
+    return "\n".join(lines) + "\n"
+
+
+def cost_markdown(cost: dict[str, Any]) -> str:
+    rows = [[r["stage"], r["instance_type"], str(r["nodes"]),
+             "unknown" if r["price_per_node_hour"] is None else f"{r['price_per_node_hour']:.4g}",
+             f"{r['billable_seconds']:.1f}", "unknown" if r["cost_usd"] is None else f"{r['cost_usd']:.4f}"]
+            for r in cost["rows"]]
+    total = cost.get("total_usd")
+    rows.append(["**total**", "", "", "", "", "unknown" if total is None else f"**{total:.4f}**"])
+    return "\n".join(["## What the jobs cost (on-demand prices)", "",
+                      *_table(["stage", "instance type", "nodes", "$/node-hour", "billable s", "cost ($)"], rows,
+                              ["---", "---", "---:", "---:", "---:", "---:"])]) + "\n"
+
+
+def outputs(results: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+    """(what, URL) for everything the run wrote that a person may want to open."""
+    found = []
+    train, gate, infer = results.get("train") or {}, results.get("evaluate") or {}, results.get("infer") or {}
+    if train.get("checkpoint"):
+        found.append(("final checkpoint", train["checkpoint"]))
+    if train.get("series"):
+        found.append(("metric series", train["series"]))
+    if gate.get("chart"):
+        found.append(("parity chart", gate["chart"]))
+    if infer.get("output_url") or infer.get("manifest"):
+        found.append(("embeddings", infer.get("manifest") or infer["output_url"]))
+    if (results.get("compile") or {}).get("cache"):
+        found.append(("compile cache", results["compile"]["cache"]))
+    return found
+
+
+def links_markdown(links: list[tuple[str, str]]) -> str:
+    return "\n".join(["## Outputs", "", *(f"- {what}: [{url}]({url})" for what, url in links)]) + "\n"
