@@ -125,3 +125,17 @@ def test_the_sampler_position_round_trips_and_refuses_other_data():
     assert StepSampler(1000, 32, rank=1, world=4, seed=5).restore(position) == 45
     with pytest.raises(DataError, match="rows=1000"):
         StepSampler(1200, 32, rank=0, world=2, seed=5).restore(position)
+
+
+def test_the_reference_run_is_a_new_one_when_a_partition_arrives(make_spec, tmp_path):
+    import shutil
+
+    from trnflow.reference import _data_digest
+
+    data = tmp_path / "data"
+    synthesize(data, days=2, rows_per_day=20, seed=1)
+    spec = make_spec(data={"train": str(data / "train")})
+    before = _data_digest(spec)
+    assert _data_digest(spec) == before  # the same data resumes the same reference run
+    shutil.copytree(data / "train" / "dt=2026-01-02", data / "train" / "dt=2026-01-03")
+    assert _data_digest(spec) != before

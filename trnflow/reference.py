@@ -7,11 +7,13 @@ with. Same seed, same data order and same global batches as the candidate; only 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 
 from jobspecs import JobSpec
 from trnflow.backends import JobRequest, JobState, backend_for, run_to_end
+from trnflow.datafiles import data_files
 from trnflow.errors import FatalError
 from trnflow.gate import read_series
 from trnflow.settings import TrnflowSettings
@@ -31,6 +33,14 @@ def reference_spec(spec: JobSpec) -> JobSpec:
     })
 
 
+def _data_digest(spec: JobSpec) -> str:
+    """Which training files there are, and their sizes: a new partition makes a new reference run."""
+    files = data_files(spec.data.train, spec.data.format)
+    sizes = {(f.store.url, o.name): o.size for f in files for o in f.store.list(f.name)}
+    listing = "\n".join(f"{f.url}\t{sizes.get((f.store.url, f.name), -1)}" for f in files)
+    return hashlib.sha256(listing.encode()).hexdigest()[:8]
+
+
 def run_reference(spec: JobSpec, settings: TrnflowSettings | None = None,
                   on_logs: Callable[[str], None] | None = None) -> dict:
     """Train the reference (it evaluates as it goes, at the candidate's steps); write its metric
@@ -39,7 +49,7 @@ def run_reference(spec: JobSpec, settings: TrnflowSettings | None = None,
     ref = reference_spec(spec)
     backend = backend_for(ref, settings)
 
-    run_id = f"{RUN_ID}-{spec.digest()[:12]}"  # a changed spec never resumes an old reference
+    run_id = f"{RUN_ID}-{spec.digest()[:12]}-{_data_digest(spec)}"  # new spec or data: never an old reference's
 
     job_id, info = run_to_end(backend, JobRequest(ref, "train", run_id), settings.poll_seconds, on_logs=on_logs)
     if info.state is not JobState.SUCCEEDED or info.result is None:
