@@ -39,7 +39,7 @@ chromium:
 	  echo "chromium could not be installed: the UI screenshot test will be skipped"
 
 test: lint chromium
-	$(BIN)/python -m pytest --durations=15
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 clean:
 	rm -rf runs .trnflow

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "jobspecs" / "examples"
 
 os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# The tests own their emulated cores: nothing else on this machine can hold them.
+# The tests own their emulated cores: nothing else on this machine can hold them, not even the other
+# test process of `pytest -n 2` (each has its own folder).
 os.environ["TRNFLOW_NEURON_RT_DIR"] = tempfile.mkdtemp(prefix="trnflow-rt-")
 
 
