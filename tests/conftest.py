@@ -84,6 +84,19 @@ def prefect_api():
         yield
 
 
+@pytest.fixture
+def in_process_aws(monkeypatch):
+    """moto in this process, with placeholder credentials and no endpoint override."""
+    from moto import mock_aws
+
+    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    with mock_aws():
+        yield
+
+
 @pytest.fixture(scope="session")
 def moto_endpoint():
     """A real moto server on 127.0.0.1, so that worker processes reach the same fake AWS."""

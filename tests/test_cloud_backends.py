@@ -245,33 +245,27 @@ def _spec_for_rules():
     return validate_spec(quickstart_data(compute={"backend": "batch", "instance_type": "trn1.32xlarge"}))
 
 
-def test_the_log_reader_returns_only_new_lines_and_continues_from_its_page_token(monkeypatch):
+def test_the_log_reader_returns_only_new_lines_and_continues_from_its_page_token(in_process_aws):
     import boto3
-    from moto import mock_aws
 
     from trnflow.backends.cloudwatch import StreamReader
 
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    with mock_aws():
-        logs = boto3.client("logs")
-        logs.create_log_group(logGroupName="/g")
-        logs.create_log_stream(logGroupName="/g", logStreamName="s")
+    logs = boto3.client("logs")
+    logs.create_log_group(logGroupName="/g")
+    logs.create_log_stream(logGroupName="/g", logStreamName="s")
 
-        def put(*lines):
-            logs.put_log_events(logGroupName="/g", logStreamName="s",
-                                logEvents=[{"timestamp": int(time.time() * 1000), "message": m} for m in lines])
+    def put(*lines):
+        logs.put_log_events(logGroupName="/g", logStreamName="s",
+                            logEvents=[{"timestamp": int(time.time() * 1000), "message": m} for m in lines])
 
-        reader, calls = StreamReader(logs, "/g"), []
-        logs.meta.events.register("provide-client-params.logs.GetLogEvents",
-                                  lambda params, **_: calls.append(dict(params)))
-        assert reader.read("s", 0) == ("", 0)
-        put("one", "two")
-        text, cursor = reader.read("s", 0)
-        assert (text, cursor) == ("one\ntwo\n", 2)
-        put("three")
-        assert reader.read("s", cursor) == ("three\n", 3)
-        assert "nextToken" in calls[-1] or "nextToken" in calls[-2]  # it did not start from the head again
-        assert StreamReader(logs, "/g").read("s", 2) == ("three\n", 3)  # a new reader skips what was read
+    reader, calls = StreamReader(logs, "/g"), []
+    logs.meta.events.register("provide-client-params.logs.GetLogEvents",
+                              lambda params, **_: calls.append(dict(params)))
+    assert reader.read("s", 0) == ("", 0)
+    put("one", "two")
+    text, cursor = reader.read("s", 0)
+    assert (text, cursor) == ("one\ntwo\n", 2)
+    put("three")
+    assert reader.read("s", cursor) == ("three\n", 3)
+    assert "nextToken" in calls[-1] or "nextToken" in calls[-2]  # it did not start from the head again
+    assert StreamReader(logs, "/g").read("s", 2) == ("three\n", 3)  # a new reader skips what was read

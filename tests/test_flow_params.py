@@ -11,32 +11,25 @@ from trnflow.redact import MASK, Redactor, secret_values
 QUICKSTART = EXAMPLES / "quickstart.yaml"
 
 
-def test_the_spec_parameter_wins_and_a_url_is_read_from_a_path_or_s3(monkeypatch, make_spec):
-    from moto import mock_aws
+def test_the_spec_parameter_wins_and_a_url_is_read_from_a_path_or_s3(in_process_aws, make_spec):
+    import boto3
 
     given = make_spec()
     assert resolve_spec(given, str(QUICKSTART)) is given  # a deployment's default spec_url does not override it
     assert resolve_spec(None, str(QUICKSTART)).name == "quickstart"
     assert resolve_spec(None, QUICKSTART.as_uri()).name == "quickstart"
 
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    with mock_aws():
-        import boto3
-
-        s3 = boto3.client("s3")
-        s3.create_bucket(Bucket="specs")
-        s3.put_object(Bucket="specs", Key="jobs/quickstart.yaml", Body=QUICKSTART.read_bytes())
-        assert resolve_spec(None, "s3://specs/jobs/quickstart.yaml").name == "quickstart"
-        with pytest.raises(SpecError, match="not found"):
-            resolve_spec(None, "s3://specs/jobs/missing.yaml")
-        bad = yaml.safe_load(QUICKSTART.read_text()) | {"colour": "blue"}
-        s3.put_object(Bucket="specs", Key="jobs/bad.yaml", Body=yaml.safe_dump(bad).encode())
-        with pytest.raises(SpecError) as caught:
-            resolve_spec(None, "s3://specs/jobs/bad.yaml")
-        assert caught.value.source == "s3://specs/jobs/bad.yaml" and caught.value.problems[0].startswith("colour:")
+    s3 = boto3.client("s3")
+    s3.create_bucket(Bucket="specs")
+    s3.put_object(Bucket="specs", Key="jobs/quickstart.yaml", Body=QUICKSTART.read_bytes())
+    assert resolve_spec(None, "s3://specs/jobs/quickstart.yaml").name == "quickstart"
+    with pytest.raises(SpecError, match="not found"):
+        resolve_spec(None, "s3://specs/jobs/missing.yaml")
+    bad = yaml.safe_load(QUICKSTART.read_text()) | {"colour": "blue"}
+    s3.put_object(Bucket="specs", Key="jobs/bad.yaml", Body=yaml.safe_dump(bad).encode())
+    with pytest.raises(SpecError) as caught:
+        resolve_spec(None, "s3://specs/jobs/bad.yaml")
+    assert caught.value.source == "s3://specs/jobs/bad.yaml" and caught.value.problems[0].startswith("colour:")
 
 
 def test_a_missing_spec_or_an_unknown_scheme_is_a_clear_error():
