@@ -1,0 +1,50 @@
+"""Archives from elsewhere (SageMaker's output.tar.gz) are unpacked safely: a member that climbs out
+with `..`, an absolute path or a link leaving the folder is refused, and nothing lands outside."""
+
+import io
+import tarfile
+
+import pytest
+
+from trnflow.errors import FatalError
+from trnflow.safetar import extract
+
+
+def _tar(*members: tarfile.TarInfo, data: bytes = b"payload") -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as archive:
+        for member in members:
+            if member.isreg():
+                member.size = len(data)
+                archive.addfile(member, io.BytesIO(data))
+            else:
+                archive.addfile(member)
+    return buffer.getvalue()
+
+
+def _member(name: str, kind: bytes = tarfile.REGTYPE, target: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info
+
+
+@pytest.mark.parametrize("member", [
+    _member("../escaped.txt"),
+    _member("nested/../../escaped.txt"),
+    _member("/tmp/trnflow-absolute-escape.txt"),
+    _member("link", tarfile.SYMTYPE, "../../escaped.txt"),
+    _member("hard", tarfile.LNKTYPE, "/etc/passwd"),
+], ids=["dotdot", "nested-dotdot", "absolute", "symlink-out", "hardlink-out"])
+def test_an_archive_that_climbs_out_of_its_folder_is_refused(tmp_path, member):
+    dest = tmp_path / "out" / "inner"
+    with pytest.raises(FatalError, match="refused to unpack") as caught:
+        extract(_tar(member), dest, "s3://bucket/job/output/output.tar.gz")
+    assert "s3://bucket/job/output/output.tar.gz" in str(caught.value)
+    assert not (tmp_path / "out" / "escaped.txt").exists() and not (tmp_path / "escaped.txt").exists()
+
+
+def test_a_plain_archive_unpacks_and_garbage_is_a_clear_error(tmp_path):
+    extract(_tar(_member("model/weights.pt"), data=b"w"), tmp_path / "ok", "model.tar.gz")
+    assert (tmp_path / "ok" / "model" / "weights.pt").read_bytes() == b"w"
+    with pytest.raises(FatalError, match=r"model\.tar\.gz: not a readable tar archive"):
+        extract(b"not a tar at all", tmp_path / "bad", "model.tar.gz")
