@@ -107,3 +107,11 @@ def runner_deployments(spec: JobSpec, spec_url: str) -> list[Any]:
             if limit else None,
         ))
     return out
+
+
+def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None) -> None:
+    """Serve every flow's deployment for each (spec, spec_url) from this process until stopped."""
+    from prefect import serve
+
+    serve(*[d for spec, url in specs for d in runner_deployments(spec, url)], limit=limit,
+          print_starting_message=False)

@@ -5,6 +5,7 @@ every flow onto a process work pool with the retraining schedule; `trnflow serve
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -71,22 +72,14 @@ def server(tmp_path_factory):
     log.close()
 
 
+@contextlib.contextmanager
 def _client(env):
+    """A Prefect client of the test server, whatever API this process otherwise uses."""
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    class Scoped:
-        def __enter__(self):
-            self._settings = temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]})
-            self._settings.__enter__()
-            self._client = get_client(sync_client=True).__enter__()
-            return self._client
-
-        def __exit__(self, *exc):
-            self._client.__exit__(*exc)
-            self._settings.__exit__(*exc)
-
-    return Scoped()
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
+        yield client
 
 
 def _deployments(env) -> dict:

@@ -307,7 +307,10 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
         payload = {"state": "Failed", "error": f"{type(outcome).__name__}: {outcome}", "stages": rows}
     elif outcome.get("nothing_new"):  # scheduled retraining with no new data: no job was launched
         payload = {"state": "Completed", "nothing_new": True, "message": state.message, "stages": []}
-        print(json.dumps(payload, indent=2)) if as_json else console.print(f"[cyan]{title}: {state.message}[/cyan]")
+        if as_json:
+            print(json.dumps(payload, indent=2))
+        else:
+            console.print(f"[cyan]{title}: {state.message}[/cyan]")
         raise typer.Exit(0)
     else:
         rows, code = outcome["stages"], 0

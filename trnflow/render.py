@@ -6,16 +6,15 @@ from typing import Any
 
 from rich.table import Table
 
+from trnflow.report import ENGINES, cost_cells, engine_outcomes, with_not_run
+
 STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim"}
-ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
 
 
 def stage_table(rows: list[dict[str, Any]], stages: tuple[str, ...], title: str) -> Table:
     """One row per stage: state, duration, key figure; stages that never ran show NotRun."""
     table = Table("stage", "state", "duration", "key figure", title=title)
-    seen = {r["stage"] for r in rows}
-    rest = [{"stage": s, "state": "NotRun", "seconds": None, "summary": ""} for s in stages if s not in seen]
-    for r in rows + rest:
+    for r in with_not_run(rows, stages):
         colour = STATE_COLOURS.get(r["state"], "yellow")
         duration = "" if r["seconds"] is None else f"{r['seconds']:.1f}s"
         table.add_row(r["stage"], f"[{colour}]{r['state']}[/{colour}]", duration, r["summary"])
@@ -26,12 +25,8 @@ def sanity_table(per_core: list[dict[str, Any]]) -> Table:
     """One row per core, one column per engine: pass, or the tests that failed."""
     table = Table("core", *ENGINES, title="known-answer tests per engine")
     for core in per_core:
-        cells = []
-        for engine in ENGINES:
-            checks = [c for c in core["checks"] if c["engine"] == engine]
-            failed = [f"{c['test']}/{c['dtype']}" for c in checks if not c["passed"]]
-            ok = f"[green]ok[/green] ({len(checks)})"
-            cells.append("[red]FAIL " + ", ".join(failed) + "[/red]" if failed else ok)
+        cells = ("[red]FAIL " + ", ".join(failed) + "[/red]" if failed else f"[green]ok[/green] ({ran})"
+                 for ran, failed in engine_outcomes(core))
         table.add_row(f"nc{core['core']}", *cells)
     return table
 
@@ -82,11 +77,8 @@ def cost_table(cost: dict[str, Any]) -> Table:
     """Each job's instances, price, billable time and cost, and the run's total."""
     table = Table("stage", "instance type", "nodes", "price ($/node-hour)", "billable time (s)", "cost ($)",
                   title="what the jobs cost (on-demand prices)")
-    for r in cost["rows"]:
-        price = "unknown" if r["price_per_node_hour"] is None else f"{r['price_per_node_hour']:.4g}"
-        spent = "unknown" if r["cost_usd"] is None else f"{r['cost_usd']:.4f}"
-        table.add_row(r["stage"], r["instance_type"], str(r["nodes"]), price, f"{r['billable_seconds']:.1f}", spent)
-    total = cost.get("total_usd")
-    table.add_row("[bold]total[/bold]", "", "", "", "", "unknown (set compute.price_per_hour)" if total is None
-                  else f"[bold]{total:.4f}[/bold]")
+    rows, total = cost_cells(cost)
+    for row in rows:
+        table.add_row(*row)
+    table.add_row("[bold]total[/bold]", "", "", "", "", f"[bold]{total}[/bold]")
     return table

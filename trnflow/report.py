@@ -1,12 +1,38 @@
 """Markdown for what a run shows in the Prefect UI: the stage summary, the preflight and collective
 tables, the compile cache's hits and misses, the cost table and the links to what was written.
-Pure functions of the stage results; the tasks and flows publish them as artifacts."""
+Pure functions of the stage results; the tasks and flows publish them as artifacts, and the rows
+they share with the command's rich tables (`trnflow.render`) are made here once."""
 
 from __future__ import annotations
 
 from typing import Any
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
+
+
+def with_not_run(rows: list[dict[str, Any]], stages: tuple[str, ...]) -> list[dict[str, Any]]:
+    """The stage rows, then a NotRun row for each stage that never ran."""
+    seen = {r["stage"] for r in rows}
+    return rows + [{"stage": s, "state": "NotRun", "seconds": None, "summary": ""} for s in stages if s not in seen]
+
+
+def engine_outcomes(core: dict[str, Any]) -> list[tuple[int, list[str]]]:
+    """Per engine, in ENGINES order: how many tests ran, and the `test/dtype` of each that failed."""
+    out = []
+    for engine in ENGINES:
+        checks = [c for c in core["checks"] if c["engine"] == engine]
+        out.append((len(checks), [f"{c['test']}/{c['dtype']}" for c in checks if not c["passed"]]))
+    return out
+
+
+def cost_cells(cost: dict[str, Any]) -> tuple[list[list[str]], str]:
+    """Each job's row of the cost table as text, and the run's total."""
+    rows = [[r["stage"], r["instance_type"], str(r["nodes"]),
+             "unknown" if r["price_per_node_hour"] is None else f"{r['price_per_node_hour']:.4g}",
+             f"{r['billable_seconds']:.1f}", "unknown" if r["cost_usd"] is None else f"{r['cost_usd']:.4f}"]
+            for r in cost["rows"]]
+    total = cost.get("total_usd")
+    return rows, "unknown (set compute.price_per_hour)" if total is None else f"{total:.4f}"
 
 
 def _table(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:
@@ -18,24 +44,16 @@ def _table(header: list[str], rows: list[list[str]], align: list[str] | None = N
 
 def stage_summary(title: str, rows: list[dict[str, Any]], stages: tuple[str, ...]) -> str:
     """One row per stage: state, duration and key figure; stages that never ran say NotRun."""
-    seen = {r["stage"] for r in rows}
-    rest = [{"stage": s, "state": "NotRun", "seconds": None, "summary": ""} for s in stages if s not in seen]
     body = [[r["stage"], f"**{r['state']}**" if r["state"] != "Completed" else r["state"],
-             "" if r["seconds"] is None else f"{r['seconds']:.1f} s", r["summary"]] for r in rows + rest]
+             "" if r["seconds"] is None else f"{r['seconds']:.1f} s", r["summary"]] for r in with_not_run(rows, stages)]
     return "\n".join([f"## {title}", "", *_table(["stage", "state", "duration", "key figure"], body,
                                                  ["---", "---", "---:", "---"])]) + "\n"
 
 
 def sanity_markdown(result: dict[str, Any]) -> str:
     """Known-answer tests per core and engine: ok (tests run) or the tests that failed."""
-    rows = []
-    for core in result["per_core"]:
-        cells = []
-        for engine in ENGINES:
-            checks = [c for c in core["checks"] if c["engine"] == engine]
-            failed = [f"{c['test']}/{c['dtype']}" for c in checks if not c["passed"]]
-            cells.append("**FAIL** " + ", ".join(failed) if failed else f"ok ({len(checks)})")
-        rows.append([f"nc{core['core']}", *cells])
+    rows = [[f"nc{core['core']}", *("**FAIL** " + ", ".join(failed) if failed else f"ok ({ran})"
+                                    for ran, failed in engine_outcomes(core))] for core in result["per_core"]]
     lines = ["## Hardware sanity: known-answer tests per engine", "", *_table(["core", *ENGINES], rows)]
     if result.get("excluded_cores"):
         lines += ["", f"Excluded bad core(s): {result['excluded_cores']}; later stages ran on {result['cores']}."]
@@ -70,12 +88,8 @@ def compile_markdown(result: dict[str, Any]) -> str:
 
 
 def cost_markdown(cost: dict[str, Any]) -> str:
-    rows = [[r["stage"], r["instance_type"], str(r["nodes"]),
-             "unknown" if r["price_per_node_hour"] is None else f"{r['price_per_node_hour']:.4g}",
-             f"{r['billable_seconds']:.1f}", "unknown" if r["cost_usd"] is None else f"{r['cost_usd']:.4f}"]
-            for r in cost["rows"]]
-    total = cost.get("total_usd")
-    rows.append(["**total**", "", "", "", "", "unknown" if total is None else f"**{total:.4f}**"])
+    rows, total = cost_cells(cost)
+    rows.append(["**total**", "", "", "", "", f"**{total}**"])
     return "\n".join(["## What the jobs cost (on-demand prices)", "",
                       *_table(["stage", "instance type", "nodes", "$/node-hour", "billable s", "cost ($)"], rows,
                               ["---", "---", "---:", "---:", "---:", "---:"])]) + "\n"

@@ -11,7 +11,8 @@ from pathlib import Path
 import boto3
 import pytest
 from cfnlint.decode import decode_str
-from moto import mock_aws
+
+from tests.conftest import in_process_aws  # noqa: F401 (a fixture)
 
 INFRA = Path(__file__).resolve().parents[1]
 TEMPLATE = INFRA / "cloudformation" / "trnflow.yaml"
@@ -65,17 +66,8 @@ def test_every_bucket_is_encrypted_private_and_versioned_where_loss_matters():
         assert buckets[name]["VersioningConfiguration"] == {"Status": "Enabled"}
 
 
-@pytest.fixture
-def aws(monkeypatch):
-    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    with mock_aws():
-        yield
-
-
-def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis(aws):
+@pytest.mark.usefixtures("in_process_aws")
+def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis():
     ec2 = boto3.client("ec2")
     vpc = ec2.create_vpc(CidrBlock="10.1.0.0/16")["Vpc"]["VpcId"]
     subnet = ec2.create_subnet(VpcId=vpc, CidrBlock="10.1.0.0/20")["Subnet"]["SubnetId"]

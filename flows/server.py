@@ -1,0 +1,168 @@
+"""trnflow's flow runs on a running Prefect server (PREFECT_API_URL): start one from a deployment,
+list, describe, follow, cancel. Everything comes back as plain data; an unset or unreachable
+server, a refused request or an unknown run is a `ServerError` whose message says what to do."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from flows.deployments import FLOWS
+
+FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
+LOG_PAGE = 200
+
+
+class ServerError(Exception):
+    """The server cannot do what was asked; the message names the fix."""
+
+
+def api_url() -> str:
+    from prefect.settings import PREFECT_API_URL
+
+    url = PREFECT_API_URL.value()
+    if not url:
+        raise ServerError("no Prefect server: set PREFECT_API_URL, for example export "
+                          "PREFECT_API_URL=http://127.0.0.1:4200/api (start one with `prefect server start`)")
+    return url
+
+
+def ui_link(run_id: Any) -> str:
+    from prefect.settings import PREFECT_UI_URL
+
+    base = PREFECT_UI_URL.value() or api_url().removesuffix("/api")
+    return f"{base.rstrip('/')}/runs/flow-run/{run_id}"
+
+
+@contextlib.contextmanager
+def connect() -> Iterator[Server]:
+    """The server at PREFECT_API_URL, with its transport and HTTP errors turned into ServerError."""
+    import httpx
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    api = api_url()
+    try:
+        with get_client(sync_client=True) as client:
+            yield Server(client)
+    except httpx.TransportError as exc:
+        raise ServerError(f"cannot reach the Prefect server at {api} ({exc}); is it running?") from None
+    except PrefectHTTPStatusError as exc:
+        detail = exc.response.text[:500] if exc.response is not None else str(exc)
+        raise ServerError(f"the Prefect server refused the request: {detail}") from None
+
+
+def _seconds(duration: dt.timedelta | None) -> float | None:
+    return duration.total_seconds() if duration else None
+
+
+class Server:
+    def __init__(self, client: Any):
+        self.client = client
+
+    def start(self, deployment: str, parameters: dict[str, Any]) -> str:
+        """Create a run of `deployment` (flow/deployment) and return its id without waiting."""
+        from prefect.deployments import run_deployment
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            return str(run_deployment(deployment, parameters=parameters, timeout=0, as_subflow=False).id)
+        except ObjectNotFound:
+            raise ServerError(f"no deployment {deployment} on {api_url()}: start `trnflow serve SPEC` or run "
+                              "`prefect deploy --all`, then submit again") from None
+
+    def _recent(self, limit: int) -> list[Any]:
+        """trnflow's newest flow runs that have started (not the scheduler's future ones)."""
+        from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterStartTime
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        return self.client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[f.flow_name for f in FLOWS])),
+            flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(is_null_=False)),
+            sort=FlowRunSort.START_TIME_DESC, limit=limit)
+
+    def recent(self, limit: int) -> list[dict[str, Any]]:
+        found = self._recent(limit)
+        flows = {f.id: f.name for f in self.client.read_flows()} if found else {}
+        return [{"id": str(r.id), "name": r.name, "flow": flows.get(r.flow_id, ""),
+                 "state": r.state.name if r.state else "", "started": r.start_time,
+                 "seconds": _seconds(r.total_run_time)} for r in found]
+
+    def find(self, ref: str) -> str:
+        """The id of the run a full id or a unique id prefix names."""
+        from prefect.exceptions import ObjectNotFound
+
+        try:
+            return str(self.client.read_flow_run(uuid.UUID(ref)).id)
+        except ValueError:
+            pass
+        except ObjectNotFound:
+            raise ServerError(f"no flow run {ref} on {api_url()}") from None
+        matches = [str(r.id) for r in self._recent(200) if str(r.id).startswith(ref)]
+        if len(matches) != 1:
+            what = "no flow run" if not matches else f"{len(matches)} flow runs"
+            raise ServerError(f"{what} with an id starting {ref!r}; give more of the id (`trnflow runs` lists them)")
+        return matches[0]
+
+    def state(self, run_id: str) -> tuple[str | None, str | None, str]:
+        """(state type, state name, run name)."""
+        run = self.client.read_flow_run(uuid.UUID(run_id))
+        return (run.state.type.value, run.state.name, run.name) if run.state else (None, None, run.name)
+
+    def summary(self, run_id: str) -> dict[str, Any]:
+        """State, each stage's state and duration, the artifacts' keys and the UI link."""
+        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+        run = self.client.read_flow_run(uuid.UUID(run_id))
+        only = FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
+        tasks = sorted(self.client.read_task_runs(flow_run_filter=only),
+                       key=lambda t: t.start_time or t.expected_start_time)
+        artifacts = self.client.read_artifacts(flow_run_filter=only)
+        return {
+            "id": str(run.id), "name": run.name, "state": run.state.name if run.state else None,
+            "state_type": run.state.type.value if run.state else None,
+            "message": run.state.message if run.state else None, "url": ui_link(run.id),
+            "started": run.start_time, "seconds": _seconds(run.total_run_time),
+            "parameters": {k: v for k, v in run.parameters.items() if k != "spec"},
+            "stages": [{"stage": t.name.rsplit("-", 1)[0], "state": t.state.name if t.state else None,
+                        "seconds": _seconds(t.total_run_time)} for t in tasks],
+            "artifacts": sorted({a.key for a in artifacts if a.key}),
+        }
+
+    def wait(self, run_id: str, on_state: Callable[[str, str], None] | None = None) -> dict[str, Any]:
+        """Poll until the run ends (telling `on_state` each new state); its summary."""
+        last = None
+        while True:
+            kind, name, run_name = self.state(run_id)
+            if name != last and name is not None and on_state is not None:
+                on_state(run_name, name)
+            last = name
+            if kind in FINAL:
+                return self.summary(run_id)
+            time.sleep(1.0)
+
+    def logs(self, run_id: str, offset: int) -> list[dict[str, Any]]:
+        """Up to LOG_PAGE log lines of the run from `offset`, oldest first."""
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+        from prefect.client.schemas.sorting import LogSort
+
+        page = self.client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(run_id)])),
+                                     sort=LogSort.TIMESTAMP_ASC, offset=offset, limit=LOG_PAGE)
+        return [{"time": line.timestamp, "logger": line.name, "message": line.message} for line in page]
+
+    def cancel(self, run_id: str) -> None:
+        """Ask for the run to be cancelled; ServerError when it has ended or the server declines."""
+        from prefect.states import Cancelling
+
+        kind, name, run_name = self.state(run_id)
+        if kind in FINAL:
+            raise ServerError(f"{run_name} has already ended ({name})")
+        result = self.client.set_flow_run_state(uuid.UUID(run_id),
+                                                Cancelling(message="cancelled from the trnflow command"))
+        if result.status.value != "ACCEPT":
+            reason = getattr(result.details, "reason", None) or result.status.value.lower()
+            raise ServerError(f"{run_name}: the server did not cancel it ({reason})")
