@@ -134,6 +134,12 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
+def barrier(ctx: WorkerContext) -> None:
+    """Wait until every rank gets here."""
+    if ctx.world_size > 1:
+        dist.barrier()
+
+
 def gather_objects(ctx: WorkerContext, obj: Any) -> list[Any]:
     """Every rank's `obj`, in rank order (on every rank)."""
     if ctx.world_size == 1:

@@ -21,7 +21,7 @@ from trnflow.emulator.numerics import stochastic_round_bf16_
 from trnflow.errors import FatalError
 from trnflow.gate import SERIES, write_series
 from trnflow.workload.checkpoint import load_model_weights
-from trnflow.workload.context import WorkerContext, gather_objects
+from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import StepSampler, read_labelled
 from trnflow.workload.evaluate import Holdout
 from trnflow.workload.model import build_model
@@ -172,6 +172,9 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
                 checkpoint_url = start.checkpoints.save(done, model.state_dict(), optimizer.state_dict(), rng,
                                                         tokenizer.to_json(), meta, keep_latest=tcfg.keep_latest)
                 ctx.log("checkpoint", step=done, url=checkpoint_url)
+            # No rank runs ahead while the checkpoint is written: a fault on another rank in the
+            # next step would otherwise take rank 0 down mid-save and lose the interval.
+            barrier(ctx)
     seconds = time.perf_counter() - began
     trained = tcfg.steps - first
     per_rank = gather_objects(ctx, memory.get("total", 0))
