@@ -87,3 +87,41 @@ def test_run_ids_cannot_leave_the_checkpoint_folder(make_spec):
     for bad in ("../escape", "a/b", ".."):
         with pytest.raises(ValueError, match="run id"):
             StageRunner(make_spec(), bad)
+
+
+def test_a_job_whose_submitter_is_killed_ends_with_it(backend, make_spec, tmp_path):
+    """A flow process killed with SIGKILL leaves no job behind holding its cores."""
+    import signal
+    import subprocess
+    import sys
+
+    spec = make_spec(train={"steps": 100_000, "checkpoint_every": 100_000})
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    submitter = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from jobspecs import JobSpec\n"
+        "from trnflow.backends import JobRequest\n"
+        "from trnflow.backends.local import LocalBackend\n"
+        "from trnflow.settings import TrnflowSettings\n"
+        "spec = JobSpec.model_validate_json(open(sys.argv[1]).read())\n"
+        "print(LocalBackend(TrnflowSettings().jobs_dir).submit(JobRequest(spec, 'train', 'orphan')), flush=True)\n"
+        "time.sleep(600)\n"), str(tmp_path / "spec.json")], stdout=subprocess.PIPE, text=True)
+    job_id = submitter.stdout.readline().strip()
+    deadline = time.monotonic() + 60
+    while '"event": "data"' not in backend.logs(job_id)[0] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pid = json.loads((backend.jobs_dir / job_id / "pid.json").read_text())["pid"]
+    submitter.send_signal(signal.SIGKILL)
+    submitter.wait()
+    while time.monotonic() < deadline:
+        try:
+            os.killpg(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.2)
+    with pytest.raises(ProcessLookupError):
+        os.killpg(pid, 0)  # the job's supervisor and workers are gone
+    info = backend.describe(job_id)
+    assert info.state is JobState.FAILED
+    assert json.loads((backend.jobs_dir / job_id / "exit.json").read_text())["orphaned"] is True
+    assert "is gone; ending the job" in backend.logs(job_id)[0]

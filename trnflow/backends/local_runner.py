@@ -2,13 +2,17 @@
 
 It inherits the job's environment from the backend, so credentials are never written to disk.
 
-Started by the local backend in its own session, so the job outlives nothing it should not and
-`cancel` can end the whole process group at once.
+Started by the local backend in its own session, so `cancel` can end the whole process group at
+once. The job belongs to the process that submitted it: if that process dies (a flow process
+killed with SIGKILL, say), nobody will read the job's result, so the job is ended too. Its cores
+are then free for the flow's rerun, which resumes from the job's last checkpoint.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -16,13 +20,28 @@ from pathlib import Path
 
 from trnflow.fsutil import atomic_write_json
 
+ORPHANED = -int(signal.SIGKILL)
+"""The exit code recorded for a job whose submitter died: the job was killed."""
 
-def main(job_dir: str) -> int:
+
+def main(job_dir: str, poll_seconds: float = 0.5) -> int:
     root = Path(job_dir)
     job = json.loads((root / "job.json").read_text())
+    submitter = os.getppid()
     began = time.time()
     with open(root / "job.log", "ab", buffering=0) as log:  # the environment is inherited, never read from disk
-        code = subprocess.call(job["argv"], stdout=log, stderr=subprocess.STDOUT, cwd=job["cwd"])
+        proc = subprocess.Popen(job["argv"], stdout=log, stderr=subprocess.STDOUT, cwd=job["cwd"])
+        while True:
+            try:
+                code = proc.wait(timeout=poll_seconds)
+                break
+            except subprocess.TimeoutExpired:
+                if os.getppid() != submitter:  # reparented: the submitter is gone
+                    log.write(f"trnflow: the process that submitted this job ({submitter}) is gone; "
+                              "ending the job\n".encode())
+                    atomic_write_json(root / "exit.json", {"exit_code": ORPHANED, "started": began,
+                                                           "ended": time.time(), "orphaned": True})
+                    os.killpg(os.getpgid(0), signal.SIGKILL)  # the workers, and this supervisor
     atomic_write_json(root / "exit.json", {"exit_code": code, "started": began, "ended": time.time()})
     return 0
 
