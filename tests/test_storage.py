@@ -65,3 +65,28 @@ def test_only_throttling_and_server_errors_are_retried(monkeypatch):
     assert aws.call(flaky) == "ok" and answers == []
     with pytest.raises(ClientError, match="AccessDenied"):
         aws.call(lambda: (_ for _ in ()).throw(_client_error("AccessDenied", 403)))
+
+
+@pytest.mark.parametrize("code", ["SlowDown", "InternalError"])
+def test_injected_s3_errors_on_reads_and_writes_are_retried_and_lose_nothing(code, in_process_aws, monkeypatch,
+                                                                            tmp_path):
+    from trnflow.emulator.s3faults import parse
+
+    log = tmp_path / "injected.log"
+    monkeypatch.setenv("TRNFLOW_S3_FAULTS", f"{code}/3")
+    monkeypatch.setenv("TRNFLOW_S3_FAULTS_LOG", str(log))
+    monkeypatch.setattr(aws, "FIRST_WAIT_SECONDS", 0.0)
+    client = aws.client("s3")
+    aws.call(client.create_bucket, Bucket="rehearsal")
+    store = S3Store("s3://rehearsal/run", client=client)
+    for i in range(6):
+        store.write(f"part-{i}", bytes([i]) * 10)
+    assert [store.read(f"part-{i}") for i in range(6)] == [bytes([i]) * 10 for i in range(6)]
+    assert [o.name for o in store.list()] == [f"part-{i}" for i in range(6)]
+    injected = [line.split()[1:] for line in log.read_text().splitlines()]
+    assert {op for op, _ in injected} >= {"PutObject", "GetObject"} and {c for _, c in injected} == {code}
+    with pytest.raises(ClientError, match=code):  # outside trnflow.aws.call nothing retries it
+        for _ in range(3):
+            client.head_bucket(Bucket="rehearsal")
+    with pytest.raises(Exception, match="TRNFLOW_S3_FAULTS: 'SlowDown/1' is not Code/N"):
+        parse("SlowDown/1")

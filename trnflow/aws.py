@@ -9,6 +9,7 @@ these failures have a single retry owner. Endpoints come from the usual AWS vari
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -26,7 +27,6 @@ THROTTLING = {"Throttling", "ThrottlingException", "ThrottledException", "Reques
 
 def emulated() -> bool:
     """Whether AWS_ENDPOINT_URL points at a local emulator (a moto server on this machine)."""
-    import os
     from urllib.parse import urlparse
 
     return urlparse(os.environ.get("AWS_ENDPOINT_URL", "")).hostname in ("127.0.0.1", "localhost", "::1")
@@ -53,7 +53,12 @@ def client(service: str, endpoint_url: str | None = None, boto_session: Any = No
     from botocore.config import Config
 
     config = Config(retries={"total_max_attempts": 1}, connect_timeout=10, read_timeout=60)
-    return (boto_session or session()).client(service, endpoint_url=endpoint_url, config=config)
+    made = (boto_session or session()).client(service, endpoint_url=endpoint_url, config=config)
+    if service == "s3" and os.environ.get("TRNFLOW_S3_FAULTS"):  # a rehearsal: see trnflow.emulator.s3faults
+        from trnflow.emulator.s3faults import install
+
+        install(made)
+    return made
 
 
 def is_retryable(exc: BaseException) -> bool:
@@ -74,7 +79,7 @@ def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     retrying = Retrying(
         retry=retry_if_exception(is_retryable),
         stop=stop_after_attempt(ATTEMPTS),
-        wait=wait_exponential_jitter(initial=FIRST_WAIT_SECONDS, max=MAX_WAIT_SECONDS),
+        wait=wait_exponential_jitter(initial=FIRST_WAIT_SECONDS, max=MAX_WAIT_SECONDS, jitter=FIRST_WAIT_SECONDS),
         reraise=True,
         before_sleep=lambda state: log.warning(
             "%s failed (%s); retrying in %.1fs (attempt %d/%d)", getattr(fn, "__name__", "AWS call"),

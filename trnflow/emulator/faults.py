@@ -1,18 +1,21 @@
 """Fault injection: reproducible failures of chosen emulated cores.
 
 Faults come from the spec's `faults` list and from `TRNFLOW_FAULTS`, a comma-separated list of
-`kind@core` or, for faults that strike during training, `kind@core:step` (for example
-`corrupt@1,hang@3,kill@0:30`). The launcher hands the merged list to every worker; a worker
+`kind@core` or, for faults that strike at a step, `kind@core:step` or `kind@core:phase:step` (for
+example `corrupt@1,hang@3,kill@0:30,torn@0:infer:2`). The launcher hands the merged list to every worker; a worker
 applies the faults of the core it owns.
 
-Device faults (corrupt, hang, memory) are properties of a core and strike every time. Training
-faults strike once per run, at a step:
+Device faults (corrupt, hang, memory) are properties of a core and strike every time. Step faults
+strike once per run, at a training step or, in inference, at the rank's n-th shard (`phase` picks
+one; without it, whichever comes first):
 - `kill`: the rank's process is killed with SIGKILL (as the OOM killer or a lost host would);
 - `timeout`: the runtime reports an execution timeout (transient: retry and resume);
 - `hw`: the core reports an uncorrectable hardware error (retry on other cores);
 - `nan`: the core's result turns to NaN, so the loss is not finite (fatal: never retried);
 - `stall`: the rank stops making progress, as on a host that stopped answering; only the service
-  (which replaces the host) or the peers' collective timeout ends it.
+  (which replaces the host) or the peers' collective timeout ends it;
+- `torn`: the rank is killed halfway through writing its next checkpoint or shard, which is left
+  cut short under its own name (as a copy that died, or a storage fault, leaves it).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -30,7 +34,8 @@ from trnflow.errors import ExecutionTimeout, FatalError, HardwareError
 
 FAULTS_ENV = "TRNFLOW_FAULTS"
 DEVICE_KINDS = ("corrupt", "hang", "memory")
-TRAINING_KINDS = ("kill", "timeout", "hw", "nan", "stall")
+TRAINING_KINDS = ("kill", "timeout", "hw", "nan", "stall", "torn")
+PHASES = ("train", "infer")
 KINDS = DEVICE_KINDS + TRAINING_KINDS
 
 
@@ -39,10 +44,12 @@ class Fault:
     kind: str
     core: int
     step: int | None = None
+    phase: str | None = None
 
     @property
     def label(self) -> str:
-        return f"{self.kind}@{self.core}" + (f":{self.step}" if self.step is not None else "")
+        where = "".join(f":{part}" for part in (self.phase, self.step) if part is not None)
+        return f"{self.kind}@{self.core}{where}"
 
 
 def parse(text: str) -> list[Fault]:
@@ -51,24 +58,25 @@ def parse(text: str) -> list[Fault]:
     if not text:
         return []
     if text.startswith("["):
-        return [Fault(f["kind"], int(f["core"]), f.get("step")) for f in json.loads(text)]
+        return [Fault(f["kind"], int(f["core"]), f.get("step"), f.get("phase")) for f in json.loads(text)]
     faults = []
     for item in text.split(","):
         kind, sep, where = item.strip().partition("@")
-        core, colon, step = where.partition(":")
+        core, *at = where.split(":")
+        phase, step = (at[0] if len(at) == 2 else None), (at[-1] if at else None)
         training = kind in TRAINING_KINDS
-        if not sep or kind not in KINDS or not core.isdigit() or training != bool(colon) or (
-                colon and not step.isdigit()):
+        if not sep or kind not in KINDS or not core.isdigit() or training != bool(at) or len(at) > 2 or (
+                at and not step.isdigit()) or (phase is not None and phase not in PHASES):
             raise FatalError(
-                f"{FAULTS_ENV}: {item!r} is not kind@core ({', '.join(DEVICE_KINDS)}) "
-                f"or kind@core:step ({', '.join(TRAINING_KINDS)})"
+                f"{FAULTS_ENV}: {item!r} is not kind@core ({', '.join(DEVICE_KINDS)}) or kind@core:step or "
+                f"kind@core:phase:step ({', '.join(TRAINING_KINDS)}; phase {' or '.join(PHASES)})"
             )
-        faults.append(Fault(kind, int(core), int(step) if colon else None))
+        faults.append(Fault(kind, int(core), int(step) if step else None, phase))
     return faults
 
 
 def encode(faults: list[Fault]) -> str:
-    return json.dumps([{"kind": f.kind, "core": f.core, "step": f.step} for f in faults])
+    return json.dumps([{"kind": f.kind, "core": f.core, "step": f.step, "phase": f.phase} for f in faults])
 
 
 class CoreFaults:
@@ -81,16 +89,17 @@ class CoreFaults:
         self.kinds = {f.kind for f in faults if f.core == core and f.step is None}
         self.training = [f for f in faults if f.core == core and f.step is not None]
 
-    def strike(self, step: int, first_time: Callable[[Fault], bool]) -> bool:
-        """Fire this core's training faults due at `step` (steps count from 1), each once per run:
-        `first_time(fault)` records the fault and says whether it had fired before. True means the
-        step's result must be poisoned with NaN."""
-        poison = False
+    def strike(self, step: int, first_time: Callable[[Fault], bool], phase: str = "train") -> set[str]:
+        """Fire this core's step faults due at `step` of `phase` (steps count from 1), each once per
+        run: `first_time(fault)` records the fault and says whether it had fired before. Returns
+        the kinds the caller must act on: `nan` (poison the step's result), `torn` (write the next
+        checkpoint or shard through `tearing`)."""
+        act: set[str] = set()
         for fault in self.training:
-            if fault.step != step or not first_time(fault):
+            if fault.step != step or fault.phase not in (None, phase) or not first_time(fault):
                 continue
-            if fault.kind == "nan":
-                poison = True
+            if fault.kind in ("nan", "torn"):
+                act.add(fault.kind)
                 continue
             if fault.kind == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
@@ -102,7 +111,7 @@ class CoreFaults:
                                        "(injected fault); the run resumes from its last checkpoint")
             raise HardwareError(f"NeuronCore {self.core}: uncorrectable hardware error at step {step} "
                                 "(injected fault); retry on other cores", bad_cores=[self.core])
-        return poison
+        return act
 
     def corrupt(self, t: torch.Tensor) -> torch.Tensor:
         """A wrong answer from this core's engines: a few elements off by a visible margin."""
@@ -123,3 +132,17 @@ class CoreFaults:
         if "hang" in self.kinds:
             while True:
                 time.sleep(3600)
+
+
+class TearingStore:
+    """A store whose first write is cut short, after which the process is killed: a `torn` fault."""
+
+    def __init__(self, store: Any):
+        self._store = store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._store, name)
+
+    def write(self, name: str, data: bytes) -> None:
+        self._store.write(name, data[: len(data) // 2])
+        os.kill(os.getpid(), signal.SIGKILL)

@@ -97,7 +97,7 @@ def _faults(spec: JobSpec | None) -> list[Fault]:
     """The faults to inject: the spec's and TRNFLOW_FAULTS's, whichever backend started the worker."""
     injected = parse(os.environ.get(FAULTS_ENV, ""))
     if spec is not None:
-        injected += [Fault(f.kind, f.core, f.step) for f in spec.faults]
+        injected += [Fault(f.kind, f.core, f.step, f.phase) for f in spec.faults]
     return list(dict.fromkeys(injected))
 
 

@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from trnflow.emulator.faults import TearingStore
 from trnflow.storage import Store, open_store
 from trnflow.workload.checkpoint import load, load_model_weights
 from trnflow.workload.context import WorkerContext, gather_objects
@@ -105,7 +106,9 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     load_seconds = time.perf_counter() - loading
     shards, written, began = [], 0, time.perf_counter()
     for ordinal, shard in enumerate(mine, start=1):
-        ctx.faults.strike(ordinal, lambda fault: faults_store.create(f"faults/infer-{fault.label}", b""))
+        due = ctx.faults.strike(ordinal, lambda fault: faults_store.create(f"faults/infer-{fault.label}", b""),
+                                phase="infer")
+        shard_store = TearingStore(out) if "torn" in due else out  # a torn fault: killed mid-write
         lo, hi = shard * icfg.shard_size, min((shard + 1) * icfg.shard_size, len(rows.ids))
         marker = committed(out, shard, plan)
         reused = marker is not None
@@ -119,7 +122,7 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
             }))
             marker = {"shard": shard, "rows": hi - lo, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
                       "plan": plan, "model_version": version}
-            out.write(f"{shard_name(shard)}.parquet", data)
+            shard_store.write(f"{shard_name(shard)}.parquet", data)
             out.write(_marker(shard), json.dumps(marker).encode())  # the commit, last
             written += hi - lo
         shards.append({"shard": shard, "file": f"{shard_name(shard)}.parquet", "rows": marker["rows"],

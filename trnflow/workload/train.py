@@ -10,17 +10,19 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import statistics
 import time
 
 import torch
 
 from trnflow.datafiles import partitions
+from trnflow.emulator.faults import TearingStore
 from trnflow.emulator.memory import estimate, saved_activation_peak, tensor_bytes
 from trnflow.emulator.numerics import stochastic_round_bf16_
 from trnflow.errors import FatalError
 from trnflow.gate import SERIES, write_series
-from trnflow.workload.checkpoint import load_model_weights
+from trnflow.workload.checkpoint import RunCheckpoints, load_model_weights
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import StepSampler, read_labelled
 from trnflow.workload.evaluate import Holdout
@@ -124,8 +126,10 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
     memory: dict = {}
     step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
     last_loss, checkpoint_url = float(resumed.meta.get("loss", "nan")) if resumed else float("nan"), None
+    tear = False
     for step, idx in sampler.batches(first, tcfg.steps):
-        poison = ctx.faults.strike(step + 1, lambda fault: start.checkpoints.store.create(f"faults/{fault.label}", b""))
+        due = ctx.faults.strike(step + 1, lambda fault: start.checkpoints.store.create(f"faults/{fault.label}", b""))
+        poison, tear = "nan" in due, tear or "torn" in due
         step_began = time.perf_counter()
         # Shapes are static, so the first step's saved activations are every step's.
         probe = saved_activation_peak() if not memory else contextlib.nullcontext({})
@@ -162,6 +166,11 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
                 series_url = write_series(start.checkpoints.url, run_id, evaluations, holdout.digest, done, correct)
         if done % tcfg.checkpoint_every == 0 or done == tcfg.steps:
             rng = gather_objects(ctx, _rng_state(sr_gen))
+            checkpoints = start.checkpoints
+            if tear:  # a torn fault: the rank dies halfway through writing this checkpoint
+                checkpoints = RunCheckpoints(checkpoints.url, TearingStore(checkpoints.store))
+                if not ctx.is_main:
+                    os.kill(os.getpid(), signal.SIGKILL)
             if ctx.is_main:
                 meta = {"run_id": run_id, **lineage, "global_step": lineage["base_step"] + done,
                         "spec_digest": spec.digest(), "precision": spec.compute.precision,
@@ -169,7 +178,7 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
                         "data": data_meta, "watermark": start.watermark, "metrics": metrics,
                         "evaluations": evaluations, "holdout_sha256": holdout.digest,
                         "torch": torch.__version__}
-                checkpoint_url = start.checkpoints.save(done, model.state_dict(), optimizer.state_dict(), rng,
+                checkpoint_url = checkpoints.save(done, model.state_dict(), optimizer.state_dict(), rng,
                                                         tokenizer.to_json(), meta, keep_latest=tcfg.keep_latest)
                 ctx.log("checkpoint", step=done, url=checkpoint_url)
             # No rank runs ahead while the checkpoint is written: a fault on another rank in the
