@@ -90,3 +90,23 @@ def test_injected_s3_errors_on_reads_and_writes_are_retried_and_lose_nothing(cod
             client.head_bucket(Bucket="rehearsal")
     with pytest.raises(Exception, match="TRNFLOW_S3_FAULTS: 'SlowDown/1' is not Code/N"):
         parse("SlowDown/1")
+
+
+def test_a_full_disk_is_a_clear_error_that_leaves_the_old_file_whole(tmp_path, monkeypatch):
+    import errno
+    import os
+
+    from trnflow.errors import DiskFull
+    from trnflow.fsutil import atomic_write_bytes
+
+    target = tmp_path / "step-000030" / "model.pt"
+    atomic_write_bytes(target, b"old")
+
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(DiskFull, match=r"no space left on the device writing .*model.pt: free space there"):
+        atomic_write_bytes(target, b"new" * 1000)
+    assert target.read_bytes() == b"old" and [p.name for p in target.parent.iterdir()] == ["model.pt"]
+    assert not DiskFull.retryable  # the same disk would fill again: the operator frees space and reruns

@@ -69,6 +69,12 @@ class JobTimeout(FatalError):
     the rerun resumes from the last checkpoint."""
 
 
+class DiskFull(FatalError):
+    """No space left where a file was being written. Retrying at once would fill the same disk, so
+    it is not retried: free space, then rerun with the same run id to resume from the last
+    committed checkpoint (the failed write left nothing half-written behind)."""
+
+
 class GateFailed(FatalError):
     """The candidate model is outside the accuracy-parity band. Never retried; the champion stays."""
 
@@ -81,5 +87,5 @@ ERROR_TYPES: dict[str, type[TrnflowError]] = {
     cls.__name__: cls
     for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout,
                 ExecutionTimeout, HardwareError, CapacityError, InternalServiceError, HostFailure, UserError,
-                JobTimeout, GateFailed)
+                JobTimeout, DiskFull, GateFailed)
 }

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+from trnflow.errors import DiskFull
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
@@ -19,8 +22,12 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise DiskFull(f"no space left on the device writing {path}: free space there (or write to another "
+                           "place), then rerun with the same run id; it resumes from its last committed "
+                           "checkpoint, and nothing half-written was left behind") from exc
         raise
     return path
 
