@@ -9,7 +9,7 @@ DATA   ?= runs/quickstart/data
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install demo test lint clean chromium
+.PHONY: install demo test faults lint clean chromium
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,11 @@ chromium:
 
 test: lint chromium
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
+
+# The fault matrix: the quickstart pipeline (shortened) once without faults, then once per fault, each
+# compared with the fault-free run. About 20 minutes on 2 cores; `make test` runs its CI case.
+faults: install
+	$(BIN)/python -m tests.faults --json runs/faults.json
 
 clean:
 	rm -rf runs .trnflow

@@ -4,18 +4,15 @@ import shutil
 
 import pytest
 import torch
-from prefect import flow
 
 from jobspecs import JobSpec
-from tasks.retry_policy import retry_options
-from tasks.train import bad_cores, train_model
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.registry import Registry
 from trnflow.settings import TrnflowSettings
 from trnflow.storage import local_path
 from trnflow.synth import synthesize
-from trnflow.workload.checkpoint import RunCheckpoints, load
+from trnflow.workload.checkpoint import load
 from trnflow.workload.model import build_model
 
 SHORT = {"steps": 12, "checkpoint_every": 4, "log_every": 4}
@@ -34,39 +31,6 @@ def _train(backend, spec: JobSpec, run_id: str):
 
 def _weights(result: dict) -> dict:
     return load(result["checkpoint"]).model
-
-
-def test_a_run_hit_by_a_killed_rank_and_a_hardware_error_ends_bitwise_equal(prefect_api, make_spec,
-                                                                                        backend, tmp_path):
-    """fp32 with dropout: the train task retries each fault (a SIGKILLed rank, then a hardware error
-    raised on another), moves off the bad core, resumes from the last checkpoint each time, and ends
-    with the weights and optimizer state of an uninterrupted run."""
-    base = dict(model={"dropout": 0.1}, compute=BIG, train=SHORT, retries={"max_retries": 3, "backoff_seconds": 0})
-    clean, _ = _train(backend, make_spec(**base), "clean")
-    assert clean.state is JobState.SUCCEEDED, clean.failure
-
-    faults = [{"kind": "kill", "core": 1, "step": 6}, {"kind": "hw", "core": 0, "step": 10}]
-    spec = make_spec(**base, faults=faults)
-
-    @flow
-    def one_stage():
-        return train_model.with_options(**retry_options(spec))(spec, "faulty", [0, 1], return_state=True)
-
-    state = one_stage()
-    assert state.is_completed(), state
-    result = state.result()
-    assert result["resumed_from"].endswith("faulty/step-000008")  # the hardware error struck at step 10
-    assert result["cores"] != [0, 1] and 0 not in result["cores"]  # moved off the bad core
-    assert bad_cores("faulty") == {0}
-    clean_weights, weights = _weights(clean.result), _weights(result)
-    assert all(torch.equal(clean_weights[k], weights[k]) for k in clean_weights)
-    clean_optim, optim = load(clean.result["checkpoint"]).optim, load(result["checkpoint"]).optim
-    for index, state in clean_optim["state"].items():
-        assert all(torch.equal(value, optim["state"][index][name]) for name, value in state.items())
-    # every fault fired once, and no checkpoint was lost along the way
-    run = RunCheckpoints(f"{spec.train.checkpoint_url}/faulty")
-    assert [o.name for o in run.store.list("faults/")] == ["faults/hw@0:10", "faults/kill@1:6"]
-    assert run.committed() == [4, 8, 12]
 
 
 def test_a_checkpoint_saved_by_4_ranks_resumes_on_2(make_spec, backend):

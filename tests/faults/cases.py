@@ -1,0 +1,213 @@
+"""The fault cases: what each one breaks, and how the run around it goes."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tests.faults.world import EVERY, World
+from trnflow.workload.checkpoint import MARKER, step_name
+
+HOST_LOST = "Host EC2 (instance i-0d4c3b2a10f9e8d7c) terminated."
+
+
+
+@dataclass
+class Run:
+    """One case's spec and environment, and how to run the flow (once, or killed and run again)."""
+
+    world: World
+    folder: Path
+    out: str
+    sections: dict[str, Any]
+    run_id: str
+    env: dict[str, str] = field(default_factory=dict)
+    reruns: int = 0
+
+    @property
+    def spec(self):
+        return self.world.spec(self.out, **self.sections)
+
+    def flow(self):
+        from flows.pipeline import pipeline
+
+        return pipeline(self.spec, run_id=self.run_id, return_state=True)
+
+    def checkpoint_dir(self, step: int) -> Path:
+        return Path(self.out) / "checkpoints" / self.run_id / step_name(step)
+
+
+Setup = Callable[[Run], contextlib.AbstractContextManager]
+
+
+@dataclass
+class Case:
+    name: str
+    what: str
+    sections: dict[str, Any] = field(default_factory=dict)
+    setup: Setup | None = None
+    """Arranges the fault around the flow (a watcher, a mount, moto); may rerun the flow itself."""
+    storage: str = "local"
+    interruptions: int = 1
+    """Training interruptions the case causes: each may redo at most one checkpoint interval."""
+    ci: bool = False
+    """The case `make test` runs: the matrix's cases take about a minute each."""
+
+
+def _faults(*faults: dict) -> dict:
+    return {"faults": list(faults)}
+
+
+# --- faults that need more than a line in the spec ---------------------------------------------
+
+
+def _wait_for(path: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.05)
+
+
+def _training_job(run: Run) -> Path:
+    from trnflow.settings import TrnflowSettings
+
+    for record in TrnflowSettings().jobs_dir.glob("*/job.json"):
+        job = json.loads(record.read_text())
+        if job["phase"] == "train" and job["run_id"] == run.run_id and not (record.parent / "exit.json").exists():
+            return record.parent
+    raise LookupError(f"no running training job of run {run.run_id}")
+
+
+@contextlib.contextmanager
+def kill_process_group(run: Run) -> Iterator[None]:
+    """SIGKILL the training job's whole process group (supervisor, torchrun and every rank) as
+    soon as the step-10 checkpoint is committed."""
+
+    def strike() -> None:
+        _wait_for(run.checkpoint_dir(EVERY) / MARKER)
+        pid = json.loads((_training_job(run) / "pid.json").read_text())["pid"]
+        os.killpg(pid, signal.SIGKILL)
+
+    watcher = threading.Thread(target=strike, daemon=True)
+    watcher.start()
+    yield
+    watcher.join(timeout=5)
+
+
+def _cli(*args: str) -> list[str]:
+    return [str(Path(sys.executable).with_name("trnflow")), *args]
+
+
+@contextlib.contextmanager
+def kill_flow_process(run: Run) -> Iterator[None]:
+    """Run the flow as `trnflow run` in its own process, SIGKILL that process once the step-10
+    checkpoint is committed, then let the case run the flow again with the same run id."""
+    from prefect.settings import PREFECT_API_URL
+
+    spec_file = run.folder / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(run.spec.model_dump(mode="json"), sort_keys=False))
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    with open(run.folder / "killed-flow.log", "wb") as log:
+        flow = subprocess.Popen(_cli("run", str(spec_file), "--run-id", run.run_id), env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
+            _wait_for(run.checkpoint_dir(EVERY) / MARKER)
+            job = _training_job(run)
+            flow.send_signal(signal.SIGKILL)
+        finally:
+            flow.kill()
+            flow.wait()
+    _wait_for(job / "exit.json", timeout=30)  # the orphaned job ends with its flow, freeing its cores
+    run.reruns += 1
+    yield
+
+
+@contextlib.contextmanager
+def corrupt_cache_entry(run: Run) -> Iterator[None]:
+    """A copy of the warm compile cache with one compiled artifact cut short."""
+    cache = run.folder / "compile-cache"
+    shutil.copytree(run.world.root / "compile-cache", cache)
+    neff = sorted(cache.rglob("model.neff"))[0]
+    neff.write_bytes(neff.read_bytes()[: neff.stat().st_size // 3])
+    run.sections["compile"] = {"cache_url": str(cache)}
+    yield
+
+
+@contextlib.contextmanager
+def disk_full(run: Run) -> Iterator[None]:
+    """Checkpoints on a tmpfs with room for two and a half of them: the step-30 save fails with
+    ENOSPC. The operator then makes room (a larger tmpfs) and runs the flow again."""
+    disk = run.folder / "disk"
+    disk.mkdir()
+    one = sum(p.stat().st_size for p in (run.world.root / "baseline" / "checkpoints").rglob("step-000010/*"))
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(one * 2.5)}", "tmpfs", str(disk)], check=True,
+                   capture_output=True)
+    try:
+        run.sections["train"] = {"checkpoint_url": str(disk / "checkpoints")}
+        state = run.flow()
+        failure = str(state.result(raise_on_failure=False))
+        if state.is_completed() or "DiskFull" not in failure:
+            raise AssertionError(f"the disk did not fill as planned: {state.name}: {failure}")
+        subprocess.run(["mount", "-o", "remount,size=256m", str(disk)], check=True)  # the operator's fix
+        run.reruns += 1
+        yield
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False, capture_output=True)
+
+
+def can_mount() -> bool:
+    return os.geteuid() == 0 and shutil.which("mount") is not None
+
+
+# --- the matrix ----------------------------------------------------------------------------------
+
+CASES = [
+    Case("rank-sigkill", "a rank SIGKILLed at step 15",
+         _faults({"kind": "kill", "core": 1, "step": 15, "phase": "train"})),
+    Case("process-group-kill", "training's whole process group SIGKILLed after the step-10 checkpoint",
+         setup=kill_process_group),
+    Case("flow-process-kill", "the flow process SIGKILLed mid-training, then the flow run again",
+         setup=kill_flow_process),
+    Case("execution-timeout", "a runtime execution timeout on core 0 at step 15",
+         _faults({"kind": "timeout", "core": 0, "step": 15})),
+    Case("hardware-error", "an uncorrectable hardware error on core 1 at step 25",
+         _faults({"kind": "hw", "core": 1, "step": 25})),
+    Case("hung-collective-preflight", "core 1 hangs in collectives: preflight names it, the run goes on without it",
+         {**_faults({"kind": "hang", "core": 1}), "preflight": {"exclude_bad_cores": True,
+                                                               "collective_timeout_seconds": 15}}),
+    Case("hung-collective-training", "rank 1 stops answering at step 15: the all-reduce times out",
+         _faults({"kind": "stall", "core": 1, "step": 15})),
+    Case("s3-slowdown", "every 4th S3 request answers SlowDown (503), reads and writes", storage="s3-SlowDown/4"),
+    Case("s3-5xx", "every 4th S3 request answers InternalError (500), reads and writes",
+         storage="s3-InternalError/4"),
+    Case("torn-checkpoint", "rank 0 killed halfway through writing the step-20 checkpoint",
+         _faults({"kind": "torn", "core": 0, "step": 20, "phase": "train"})),
+    Case("corrupt-cache-entry", "a compiled artifact in the compile cache cut short", setup=corrupt_cache_entry),
+    Case("torn-inference-shard", "rank 0 killed halfway through writing its second embedding shard",
+         _faults({"kind": "torn", "core": 0, "step": 2, "phase": "infer"})),
+    Case("sagemaker-internal-error", "SageMaker loses training's instance after a checkpoint (InternalServerError)",
+         storage="sagemaker"),
+    Case("batch-host-failure", "AWS Batch loses a host of the two-node training job after a checkpoint",
+         storage="batch"),
+    Case("disk-full", "no space left on the device while writing the step-30 checkpoint", setup=disk_full),
+    Case("kill-torn-hw", "three in one run: a rank SIGKILLed at step 13, the step-20 checkpoint torn, then a "
+         "hardware error on core 0 at step 25",
+         {**_faults({"kind": "kill", "core": 1, "step": 13, "phase": "train"},
+                    {"kind": "torn", "core": 0, "step": 20, "phase": "train"},
+                    {"kind": "hw", "core": 0, "step": 25, "phase": "train"}),
+          "retries": {"max_retries": 3, "backoff_seconds": 0}}, interruptions=3, ci=True),
+]

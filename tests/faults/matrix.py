@@ -1,0 +1,203 @@
+"""Running the cases and reporting them: each case's run is compared with the fault-free one."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from tests.faults.cases import CASES, HOST_LOST, Case, Run, can_mount, disk_full
+from tests.faults.outcome import Snapshot, local_train_logs, prefect_runs, steps_redone
+from tests.faults.world import EVERY, STEPS, World
+
+COLUMNS = ("case", "recovered", "retries", "steps redone", "weights", "registry", "outputs", "nothing lost")
+
+
+@contextlib.contextmanager
+def _env(values: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+class Matrix:
+    def __init__(self, world: World):
+        self.world = world
+        self.baseline: Snapshot | None = None
+        self._stack = contextlib.ExitStack()
+        self._moto: str | None = None
+
+    def __enter__(self) -> Matrix:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    # -- AWS, started only for the cases that need it --
+
+    def moto(self) -> str:
+        if self._moto is None:
+            import logging
+            import socket
+
+            from moto.server import ThreadedMotoServer
+
+            logging.getLogger("werkzeug").setLevel(logging.WARNING)
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
+            server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+            server.start()
+            self._stack.callback(server.stop)
+            self._moto = f"http://127.0.0.1:{port}"
+        return self._moto
+
+    def _aws_env(self) -> dict[str, str]:
+        return {"AWS_ENDPOINT_URL": self.moto(), "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                "AWS_DEFAULT_REGION": "us-east-1"}
+
+    @contextlib.contextmanager
+    def _storage(self, case: Case, run: Run) -> Iterator[None]:
+        """Where the case writes: its folder, a bucket with S3 faults injected, or a cloud service."""
+        if case.storage == "local":
+            yield
+            return
+        import boto3
+
+        with _env(self._aws_env()):
+            if case.storage.startswith("s3-"):
+                bucket = f"faults-{case.name}"
+                boto3.client("s3").create_bucket(Bucket=bucket)
+                run.out = f"s3://{bucket}/{case.name}"
+                injected = run.folder / "s3-injected.log"
+                with _env({"TRNFLOW_S3_FAULTS": case.storage.removeprefix("s3-"),
+                           "TRNFLOW_S3_FAULTS_LOG": str(injected)}):
+                    yield
+                return
+            with self._cloud(case, run):
+                yield
+
+    @contextlib.contextmanager
+    def _cloud(self, case: Case, run: Run) -> Iterator[None]:
+        import boto3
+
+        from trnflow.mockcloud import MockCloud, ServiceFault
+        from trnflow.mockcloud.provision import provision
+
+        fault = (ServiceFault("sagemaker", "train", "InternalServerError: We encountered an internal error.",
+                              when="checkpoint") if case.storage == "sagemaker" else
+                 ServiceFault("batch", "train", HOST_LOST, when="checkpoint"))
+        with MockCloud(self.moto(), run.folder / "cloud", faults=[fault]) as cloud:
+            outputs = provision(cloud.client, prefix=f"f{case.storage[:2]}")
+            bucket = outputs["DATA_BUCKET"]
+            s3 = boto3.client("s3")
+            for path in sorted(self.world.data.rglob("*")):
+                if path.is_file():
+                    s3.upload_file(str(path), bucket, f"reviews/{path.relative_to(self.world.data)}")
+            s3.upload_file(str(self.world.reference), bucket, "reference/metrics.json")
+            compute = {"backend": case.storage, "instance_type": "trn1.2xlarge", "nodes": 1, "cores_per_node": 2}
+            if case.storage == "batch":  # two nodes of one core: the same two ranks as the baseline
+                compute = {"backend": "batch", "instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1}
+            run.out = f"s3://{bucket}/{case.name}"
+            run.sections.update(
+                compute=compute,
+                data={part: f"s3://{bucket}/reviews/{part}" for part in ("train", "holdout", "inference")},
+                compile={"cache_url": f"s3://{bucket}/neuron-cache"},
+                gate={"reference": f"s3://{bucket}/reference/metrics.json"})
+            names = {f"TRNFLOW_{k}": outputs[k] for k in ("IMAGE", "STAGING_URL", "SAGEMAKER_ROLE_ARN",
+                                                          "BATCH_JOB_QUEUE")}
+            with _env(names):
+                yield
+
+    # -- the runs --
+
+    def run_baseline(self) -> float:
+        began = time.monotonic()
+        run = Run(self.world, self.world.root / "baseline", str(self.world.root / "baseline"), {}, "baseline")
+        state = run.flow()
+        if not state.is_completed():
+            raise RuntimeError(f"the fault-free run failed: {state.result(raise_on_failure=False)}")
+        self.baseline = Snapshot.of(run.spec, state.result()["results"]["train"]["checkpoint"])
+        return time.monotonic() - began
+
+    def run_case(self, case: Case) -> dict[str, Any]:
+        assert self.baseline is not None, "run the baseline first"
+        row: dict[str, Any] = {"case": case.name, "what": case.what, "max_redone": EVERY * case.interruptions}
+        if case.setup is disk_full and not can_mount():
+            return {**row, "recovered": None, "skipped": "needs root to mount a size-limited tmpfs"}
+        folder = self.world.root / "cases" / case.name
+        folder.mkdir(parents=True, exist_ok=True)
+        run = Run(self.world, folder, str(folder), dict(case.sections), f"fault-{case.name}")
+        since, began = datetime.now(UTC), time.time()
+        with self._storage(case, run), case.setup(run) if case.setup else contextlib.nullcontext():
+            state = run.flow()
+            recovered = state.is_completed()
+            row["state"] = state.name
+            if not recovered:
+                row["error"] = str(state.result(raise_on_failure=False))[:2000]
+                return {**row, "recovered": False, "seconds": round(time.time() - began, 1)}
+            snapshot = Snapshot.of(run.spec, state.result()["results"]["train"]["checkpoint"])
+            injected = run.folder / "s3-injected.log"
+            api = len(injected.read_text().splitlines()) if injected.exists() else 0
+        retries, relayed = prefect_runs(since)
+        logs = relayed if case.storage in ("sagemaker", "batch") else local_train_logs(self._jobs_dir(), began)
+        redone, attempts = steps_redone(logs, STEPS)
+        by = {f"task:{name}": n for name, n in sorted(retries.items())}
+        service = attempts - 1 - sum(v for k, v in retries.items() if k == "train") - run.reruns
+        if service > 0:
+            by["service"] = service
+        if run.reruns:
+            by["flow rerun"] = run.reruns
+        if api:
+            by["api"] = api
+        same = snapshot.differences(self.baseline)
+        cores = state.result()["results"]["train"]["cores"]
+        return {**row, "recovered": True, "retries": sum(by.values()), "retries_by": by, "steps_redone": redone,
+                "training_attempts": attempts, "train_cores": cores, **same,
+                "nothing_lost": same["checkpoints"] and same["outputs"], "seconds": round(time.time() - began, 1)}
+
+    @staticmethod
+    def _jobs_dir() -> Path:
+        from trnflow.settings import TrnflowSettings
+
+        return TrnflowSettings().jobs_dir
+
+
+
+def passed(row: dict[str, Any]) -> bool:
+    """Recovered, with at most one checkpoint interval redone per interruption, and everything equal
+    (or skipped, saying why)."""
+    if row.get("skipped"):
+        return True
+    return bool(row.get("recovered")) and row.get("steps_redone", EVERY + 1) <= row["max_redone"] and all(
+        row.get(k) for k in ("weights", "registry", "outputs", "nothing_lost"))
+
+
+def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
+    def mark(value: Any) -> str:
+        return {True: "yes", False: "NO", None: "-"}.get(value, str(value))
+
+    out = []
+    for r in rows:
+        if r.get("skipped"):
+            out.append([r["case"], f"skipped: {r['skipped']}", *["-"] * (len(COLUMNS) - 2)])
+            continue
+        by = ", ".join(f"{k} {v}" for k, v in r.get("retries_by", {}).items())
+        out.append([r["case"], mark(r["recovered"]), f"{r.get('retries', '-')}" + (f" ({by})" if by else ""),
+                    str(r.get("steps_redone", "-")), *(mark(r.get(k)) for k in ("weights", "registry", "outputs",
+                                                                                 "nothing_lost"))])
+    return out
+
+
+__all__ = ["CASES", "COLUMNS", "Matrix", "World", "passed", "table_rows"]

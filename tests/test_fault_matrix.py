@@ -1,0 +1,34 @@
+"""The fault matrix's CI case: one run hit by three faults, compared with the fault-free run.
+`make faults` runs every case of the matrix (tests/faults)."""
+
+from tests.faults.matrix import CASES, Matrix, passed
+from tests.faults.outcome import steps_redone
+from tests.faults.world import world
+
+
+def test_a_run_hit_by_a_kill_a_torn_checkpoint_and_a_hardware_error_ends_like_the_fault_free_one(prefect_api,
+                                                                                                 tmp_path):
+    (case,) = [c for c in CASES if c.ci]
+    with world(tmp_path, reference=False, prefect=False) as w, Matrix(w) as matrix:
+        matrix.run_baseline()
+        row = matrix.run_case(case)
+    assert passed(row), row
+    # the train task retried each fault once; the hardware error moved the run off core 0
+    assert row["retries_by"] == {"task:train": 3} and row["training_attempts"] == 4
+    assert 0 not in row["train_cores"]
+    # steps 11-12 (rank 0 waits in step 13's all-reduce), 11-20 for the torn step-20 checkpoint, 21-24
+    assert row["steps_redone"] == 16
+    # final weights and optimizer state, registry, embeddings and checkpoints as without faults
+    assert row["weights"] and row["registry"] and row["outputs"] and row["checkpoints"]
+
+
+def test_steps_redone_are_counted_across_attempts_and_jobs():
+    def log(*events):
+        return "\n".join(f'{{"event": "{e}", "step": {s}}}' for e, s in events)
+
+    first = log(*[("train", s) for s in range(1, 15)])
+    resumed = log(("data", 0), ("resume", 10), *[("train", s) for s in range(11, 41)])
+    assert steps_redone([first, resumed], 40) == (4, 2)
+    assert steps_redone([first + "\n" + resumed], 40) == (4, 2)  # one cloud job, two attempts
+    restarted = log(*[("train", s) for s in range(1, 41)])  # no checkpoint to resume from
+    assert steps_redone([first, restarted], 40) == (14, 2)
