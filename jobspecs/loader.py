@@ -66,6 +66,11 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobS
         raise SpecError(str(path), ["(file): not found; check the path"]) from None
     except UnicodeDecodeError as exc:
         raise SpecError(str(path), [f"(file): not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
+    except IsADirectoryError:
+        raise SpecError(str(path), ["(file): is a folder, not a spec file; give the path of a .yaml spec"]) from None
+    except OSError as exc:
+        raise SpecError(str(path), [f"(file): cannot be read ({exc.strerror}); check the path and its "
+                                    "permissions"]) from None
     return parse_spec(text, str(path), overrides)
 
 

@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from jobspecs import CATALOGUE, JobSpec, SpecError, load_spec
 from trnflow import cli_runs, cli_serve, render
 from trnflow.cli_cache import cache_app
 from trnflow.cli_models import models_app
+from trnflow.render import RED
 
 app = typer.Typer(
     name="trnflow",
@@ -61,9 +64,14 @@ def _overrides(pairs: list[str] | None) -> dict[str, Any]:
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key:
-            err.print(f"[red]--set {pair!r}: expected FIELD=VALUE, for example --set train.steps=50[/red]")
+            err.print(f"--set {pair!r}: expected FIELD=VALUE, for example --set train.steps=50", **RED)
             raise typer.Exit(EXIT_BAD_INPUT)
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            err.print(f"--set {pair!r}: the value is not valid YAML ({getattr(exc, 'problem', exc)}); quote it, "
+                      f"for example --set '{key.strip()}=\"{value}\"'", **RED)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
     return out
 
 
@@ -73,7 +81,7 @@ def _unknown_instance_type(name: str) -> str:
 
 def _check_instance_type(name: str) -> None:
     if name not in CATALOGUE:
-        err.print(f"[red]{_unknown_instance_type(name)}[/red]")
+        err.print(f"{_unknown_instance_type(name)}", **RED)
         raise typer.Exit(EXIT_BAD_INPUT)
 
 
@@ -81,7 +89,7 @@ def _load(path: Path, overrides: dict[str, Any] | None = None) -> JobSpec:
     try:
         return load_spec(path, overrides)
     except SpecError as exc:
-        err.print(f"[red]{exc.source}: invalid job spec[/red]")
+        err.print(f"{exc.source}: invalid job spec", **RED)
         for problem in exc.problems:
             err.print(f"  {problem}", markup=False, highlight=False)
         raise typer.Exit(EXIT_BAD_INPUT) from None
@@ -106,9 +114,9 @@ def validate(
     else:
         for item in report:
             if item["valid"]:
-                console.print(f"[green]ok[/green] {item['file']} ({item['name']})")
+                console.print(f"[green]ok[/green] {escape(item['file'])} ({item['name']})")
             else:
-                err.print(f"[red]invalid[/red] {item['file']}")
+                err.print(f"[red]invalid[/red] {escape(item['file'])}")
                 for problem in item["problems"]:
                     err.print(f"  {problem}", markup=False, highlight=False)
     raise typer.Exit(EXIT_BAD_INPUT if failed else 0)
@@ -196,11 +204,11 @@ def data_synth(
     try:
         first = dt.date.fromisoformat(start)
     except ValueError:
-        err.print(f"[red]--start {start!r}: expected a date, YYYY-MM-DD[/red]")
+        err.print(f"--start {start!r}: expected a date, YYYY-MM-DD", **RED)
         raise typer.Exit(EXIT_BAD_INPUT) from None
 
     if fmt not in ("jsonl", "parquet", "csv", "amazon-polarity"):
-        err.print(f"[red]--format {fmt!r}: choose jsonl, parquet, csv or amazon-polarity[/red]")
+        err.print(f"--format {fmt!r}: choose jsonl, parquet, csv or amazon-polarity", **RED)
         raise typer.Exit(EXIT_BAD_INPUT)
     summary = synthesize(out, days, rows_per_day, seed, fmt, holdout_rows, inference_rows, start=first,
                          train_only=train_only)
@@ -219,7 +227,7 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
         with console.status("training the fp32 reference"):
             document = run_reference(spec)
     except TrnflowError as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"{exc}", **RED)
         raise typer.Exit(EXIT_FAILED) from None
     final = document["points"][-1]
     console.print(f"reference written to {spec.gate.reference}: step {final['step']}, "
@@ -265,13 +273,13 @@ def compile_cmd(
             request = JobRequest(spec, "compile", "compile", processes=1, options=options)
             _, info = run_to_end(backend, request, settings.poll_seconds, on_logs=follow)
         except TrnflowError as exc:
-            err.print(f"[red]{exc}[/red]")
+            err.print(f"{exc}", **RED)
             raise typer.Exit(EXIT_FAILED) from None
     if info.state is not JobState.SUCCEEDED or info.result is None:
         failure = info.failure or {}
         if as_json:
             print(json.dumps({"state": "Failed", "error": failure.get("message")}))
-        err.print(f"[red]{failure.get('type', 'failed')}: {failure.get('message', '')}[/red]")
+        err.print(f"{failure.get('type', 'failed')}: {failure.get('message', '')}", **RED)
         raise typer.Exit(EXIT_FAILED)
     result = info.result
     if as_json:
@@ -286,6 +294,13 @@ def compile_cmd(
     console.print(table)
     if check:
         console.print(f"{result['hits']} hit(s), {result['misses']} miss(es)")
+
+
+def _check_run_id(run_id: str | None) -> None:
+    """Refuse a run id that could not name a checkpoint folder, before anything starts."""
+    if run_id is not None and (not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id) or run_id in (".", "..")):
+        err.print(f"--run-id {run_id!r}: use letters, digits, '.', '_' and '-' only (at most 128)", **RED)
+        raise typer.Exit(EXIT_BAD_INPUT)
 
 
 def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_id: str | None, as_json: bool,
@@ -325,7 +340,7 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
         if code == 0 and (outcome.get("cost") or {}).get("rows"):
             console.print(render.cost_table(outcome["cost"]))
         if code:
-            err.print(f"[red]{title} failed: {payload['error']}[/red]")
+            err.print(f"{title} failed: {payload['error']}", **RED)
         else:
             console.print(f"[green]{title} completed[/green] (run {payload['run_id']})")
     raise typer.Exit(code)
@@ -343,6 +358,7 @@ def run(
     extra = _overrides(overrides)
     if backend:
         extra["compute.backend"] = backend
+    _check_run_id(run_id)
     spec = _load(spec_path, extra)
     from flows.pipeline import STAGES, pipeline
 
@@ -357,10 +373,11 @@ def retrain(
     as_json: JsonOpt = False,
 ):
     """Retrain the champion on the data after its watermark now, in this process (as the schedule does)."""
+    _check_run_id(run_id)
     spec = _load(spec_path, _overrides(overrides))
     if spec.registry_url is None:
-        err.print(f"[red]{spec_path}: registry_url: retraining keeps its champion and watermark in a model "
-                  "registry; set registry_url[/red]")
+        err.print(f"{spec_path}: registry_url: retraining keeps its champion and watermark in a model "
+                  "registry; set registry_url", **RED)
         raise typer.Exit(EXIT_BAD_INPUT)
     from flows.incremental_retrain import STAGES, incremental_retrain
 
@@ -421,7 +438,7 @@ def collectives(
         problems.append(f"--minbytes {minbytes} is larger than --maxbytes {maxbytes}")
     if problems:
         for p in problems:
-            err.print(f"[red]{p}[/red]")
+            err.print(f"{p}", **RED)
         raise typer.Exit(EXIT_BAD_INPUT)
     settings = TrnflowSettings()
     backend = LocalBackend(settings.jobs_dir)
@@ -435,11 +452,11 @@ def collectives(
         with console.status(f"collectives on {cores} cores"):
             _, info = run_to_end(backend, request, settings.poll_seconds)
     except TrnflowError as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"{exc}", **RED)
         raise typer.Exit(EXIT_FAILED) from None
     if info.state is not JobState.SUCCEEDED or info.result is None:
         failure = info.failure or {}
-        err.print(f"[red]{failure.get('type', 'failed')}: {failure.get('message', '')}[/red]")
+        err.print(f"{failure.get('type', 'failed')}: {failure.get('message', '')}", **RED)
         if as_json:
             print(json.dumps({"results": [], "error": failure.get("message")}))
         raise typer.Exit(EXIT_FAILED)

@@ -1,5 +1,4 @@
 """`trnflow cache`: look after a persistent compile cache (list, stats, verify, prune)."""
-
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +10,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from trnflow.render import RED
 
 cache_app = typer.Typer(help="Inspect and clean a persistent compile cache.", no_args_is_help=True)
 console = Console()
@@ -28,12 +29,12 @@ def _cache(url: str) -> Iterator:
     try:
         yield CompileCache(_normalise_url(url))
     except ValueError as exc:
-        Console(stderr=True).print(f"[red]{url}: {exc}[/red]")
+        Console(stderr=True).print(f"{url}: {exc}", **RED)
         raise typer.Exit(2) from None
     except Exception as exc:
         if type(exc).__module__.startswith("botocore"):
-            Console(stderr=True).print(f"[red]{url}: {exc}. Check the bucket name and your AWS credentials "
-                                       "(AWS_PROFILE, AWS_ENDPOINT_URL for a moto server)[/red]")
+            Console(stderr=True).print(f"{url}: {exc}. Check the bucket name and your AWS credentials "
+                                       "(AWS_PROFILE, AWS_ENDPOINT_URL for a moto server)", **RED)
             raise typer.Exit(2) from None
         raise
 

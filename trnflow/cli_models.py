@@ -1,5 +1,4 @@
 """`trnflow models`: the model registry (list, show, promote, roll back)."""
-
 from __future__ import annotations
 
 import contextlib
@@ -11,6 +10,8 @@ from typing import Annotated
 import typer
 from rich.console import Console
 from rich.table import Table
+
+from trnflow.render import RED
 
 models_app = typer.Typer(help="Look at and change the model registry (registry_url).", no_args_is_help=True)
 console = Console()
@@ -31,13 +32,13 @@ def _registry(url: str) -> Iterator:
     try:
         yield Registry(_normalise_url(url))
     except ValueError as exc:
-        err.print(f"[red]--registry {url}: {exc}[/red]")
+        err.print(f"--registry {url}: {exc}", **RED)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except PromotionConflict as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"{exc}", **RED)
         raise typer.Exit(EXIT_CONFLICT) from None
     except FatalError as exc:
-        err.print(f"[red]{exc}[/red]")
+        err.print(f"{exc}", **RED)
         raise typer.Exit(EXIT_FAILED) from None
 
 
@@ -81,7 +82,7 @@ def show(model: ModelArg, version: Annotated[int | None, typer.Argument(help="De
     with _registry(registry) as reg:
         entry = reg.version(model, version) if version is not None else reg.champion(model)
         if entry is None:
-            err.print(f"[red]{model} has no champion in {registry}; name a version (`trnflow models ls`)[/red]")
+            err.print(f"{model} has no champion in {registry}; name a version (`trnflow models ls`)", **RED)
             raise typer.Exit(EXIT_FAILED)
         history = reg.history(model)
     if as_json:

@@ -21,6 +21,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from trnflow.render import RED
+
 console = Console()
 err = Console(stderr=True)
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
@@ -38,7 +40,7 @@ def _server(code: int = EXIT_BAD_INPUT) -> Iterator[Any]:
         with server.connect() as connected:
             yield connected
     except server.ServerError as exc:
-        err.print(str(exc), style="red", markup=False, highlight=False)
+        err.print(str(exc), **RED)
         raise typer.Exit(code) from None
 
 
@@ -55,9 +57,14 @@ def _parse_params(pairs: list[str] | None) -> dict[str, Any]:
     for pair in pairs or []:
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
-            err.print(f"[red]--param {pair!r}: expected NAME=VALUE, for example --param run_id=nightly-1[/red]")
+            err.print(f"--param {pair!r}: expected NAME=VALUE, for example --param run_id=nightly-1", **RED)
             raise typer.Exit(EXIT_BAD_INPUT)
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            out[key.strip()] = yaml.safe_load(value)
+        except yaml.YAMLError as exc:
+            err.print(f"--param {pair!r}: the value is not valid YAML ({getattr(exc, 'problem', exc)}); quote it, "
+                      f"for example --param '{key.strip()}=\"{value}\"'", **RED)
+            raise typer.Exit(EXIT_BAD_INPUT) from None
     return out
 
 
@@ -84,7 +91,7 @@ def submit(
     try:
         name = full_name(deployment, spec.name)
     except KeyError as exc:
-        err.print(f"[red]{exc.args[0]}[/red]")
+        err.print(f"{exc.args[0]}", **RED)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     parameters = {"spec": spec.model_dump(mode="json"), "spec_url": None, **_parse_params(params)}
     with _server() as server:

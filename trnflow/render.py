@@ -10,6 +10,9 @@ from trnflow.report import ENGINES, cost_cells, engine_outcomes, with_not_run
 
 STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim"}
 
+RED = {"style": "red", "markup": False, "highlight": False}
+"""`console.print(text, **RED)`: an error line in red, its text printed as it is (never as markup)."""
+
 
 def stage_table(rows: list[dict[str, Any]], stages: tuple[str, ...], title: str) -> Table:
     """One row per stage: state, duration, key figure; stages that never ran show NotRun."""
