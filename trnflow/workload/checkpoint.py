@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import pickle
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -147,8 +148,13 @@ class RunCheckpoints:
 def _load_tensors(data: bytes, source: str) -> Any:
     try:
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as exc:  # a pickle that weights_only refuses, truncation, not a torch file
-        raise FatalError(f"{source}: cannot be loaded safely ({type(exc).__name__}: {str(exc)[:300]})") from None
+    except pickle.UnpicklingError:  # weights_only refused it: never retried without
+        raise FatalError(f"{source}: holds pickled Python objects besides tensors, which trnflow never loads (they "
+                         "could run code). Re-save it as a plain state_dict: torch.save(model.state_dict(), path)"
+                         ) from None
+    except Exception as exc:  # truncation, not a torch file at all
+        raise FatalError(f"{source}: not a complete PyTorch file ({type(exc).__name__}); copy it again, or use an "
+                         "earlier checkpoint") from None
 
 
 def _read(store: Store, name: str, source: str) -> bytes:
@@ -188,6 +194,10 @@ def load(url: str) -> Checkpoint:
         raise FatalError(f"{url}/{MARKER}: not a marker this version of trnflow understands ({exc}); the "
                          "checkpoint is damaged or was written by an older trnflow. Use an earlier one or retrain"
                          ) from None
+    outside = sorted(set(listed) - set(REQUIRED))
+    if outside:
+        raise FatalError(f"{url}/{MARKER}: lists {outside}, which a checkpoint never holds; the checkpoint is "
+                         "damaged or tampered with, use an earlier one")
     files = {}
     for name, expected in listed.items():
         data = _read(store, name, f"{url}/{name}")
@@ -196,15 +206,26 @@ def load(url: str) -> Checkpoint:
                              "use an earlier one")
         files[name] = data
     state = _load_tensors(files["state.pt"], f"{url}/state.pt")
-    if not isinstance(state, dict) or "step" not in state or "rng" not in state:
-        raise FatalError(f"{url}/state.pt: has no step and RNG states; use an earlier checkpoint")
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "rng" not in state:
+        raise FatalError(f"{url}/state.pt: has no step number and RNG states; use an earlier checkpoint")
+    try:
+        tokenizer = files[TOKENIZER_FILE].decode()
+    except UnicodeDecodeError:
+        raise FatalError(f"{url}/{TOKENIZER_FILE}: not UTF-8 text; the checkpoint is damaged, use an earlier one"
+                         ) from None
+    try:
+        meta = json.loads(files["meta.json"])
+    except ValueError:
+        meta = None
+    if not isinstance(meta, dict):
+        raise FatalError(f"{url}/meta.json: not a JSON object; the checkpoint is damaged, use an earlier one")
     return Checkpoint(
-        url, int(state["step"]),
+        url, state["step"],
         model=_load_tensors(files["model.pt"], f"{url}/model.pt"),
         optim=_load_tensors(files["optim.pt"], f"{url}/optim.pt"),
         rng=state["rng"],
-        tokenizer=files[TOKENIZER_FILE].decode(),
-        meta=json.loads(files["meta.json"]),
+        tokenizer=tokenizer,
+        meta=meta,
         model_sha256=listed["model.pt"]["sha256"],
     )
 
@@ -215,7 +236,9 @@ def load_model_weights(model: torch.nn.Module, state: dict, source: str) -> None
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shape mismatches
-        raise FatalError(f"{source}: does not match the spec's model: {str(exc)[:500]}") from None
+        raise FatalError(f"{source}: does not match the spec's model: {str(exc)[:500]}. Set the model section to "
+                         "the shapes the checkpoint was trained with, or start from scratch (train.init_from: null)"
+                         ) from None
     if result.missing_keys or result.unexpected_keys:
         raise FatalError(
             f"{source}: does not match the spec's model (missing {result.missing_keys[:5]}, "
