@@ -210,6 +210,9 @@ def data_synth(
     if fmt not in ("jsonl", "parquet", "csv", "amazon-polarity"):
         err.print(f"--format {fmt!r}: choose jsonl, parquet, csv or amazon-polarity", **RED)
         raise typer.Exit(EXIT_BAD_INPUT)
+    if out.exists() and not out.is_dir():
+        err.print(f"OUT {out} is a file; give a folder (it will hold train/, holdout/ and inference/)", **RED)
+        raise typer.Exit(EXIT_BAD_INPUT)
     summary = synthesize(out, days, rows_per_day, seed, fmt, holdout_rows, inference_rows, start=first,
                          train_only=train_only)
     console.print(f"wrote {summary['train_rows']} training rows in {summary['train_partitions']} partition(s), "

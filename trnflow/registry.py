@@ -63,7 +63,9 @@ class Registry:
         try:
             return json.loads(self.store.read(name))
         except FileNotFoundError:
-            raise FatalError(f"{self.url}/{name}: not in the registry") from None
+            model = name.split("/", 1)[0]
+            raise FatalError(f"{self.url}/{name}: not in the registry; `trnflow models ls {model} -r {self.url}` "
+                             "lists the versions it has") from None
 
     def models(self) -> list[str]:
         return sorted({o.name.split("/", 1)[0] for o in self.store.list() if "/versions/" in o.name})

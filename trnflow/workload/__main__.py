@@ -16,8 +16,8 @@ import sys
 import traceback
 from pathlib import Path
 
-from jobspecs import JobSpec
-from trnflow.errors import TrnflowError
+from jobspecs import JobSpec, SpecError, load_spec
+from trnflow.errors import FatalError, TrnflowError
 from trnflow.fsutil import atomic_write_json
 
 RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -63,6 +63,14 @@ def _dispatch(args: argparse.Namespace, ctx) -> dict:
             return infer.run(ctx, args.checkpoint)
 
 
+def _spec(path: Path) -> JobSpec:
+    """The job spec the backend wrote (JSON, which the YAML loader reads too)."""
+    try:
+        return load_spec(path)
+    except SpecError as exc:
+        raise FatalError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     output = args.output or Path(os.environ.get("SM_OUTPUT_DATA_DIR", "output"))
@@ -70,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     from trnflow.workload.context import init_worker, shutdown
 
     try:
-        spec = JobSpec.model_validate_json(args.spec.read_text()) if args.spec else None
+        spec = _spec(args.spec) if args.spec else None
         if spec is None and args.phase not in ("sanity", "collectives"):
             raise TrnflowError(f"{args.phase} needs --spec")
         options = json.loads(args.options.read_text()) if args.options else {}
