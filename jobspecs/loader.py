@@ -22,11 +22,12 @@ class SpecError(ValueError):
 
 
 # Our cross-field validators start their message with the field to fix: "train.steps: ...".
-_OWN_PATH = re.compile(r"^([a-z_]+(?:\.[a-z_]+)+): (.*)$", re.DOTALL)
+_OWN_PATH = re.compile(r"^([a-z_]+(?:\.[a-z0-9_]+)+): (.*)$", re.DOTALL)
 
 
 def _field_path(loc: tuple[Any, ...]) -> str:
-    return ".".join(str(part) for part in loc) or "(top level)"
+    """`train.init_from`, without pydantic's names for the branches of a union (`literal[...]`)."""
+    return ".".join(str(part) for part in loc if not (isinstance(part, str) and "[" in part)) or "(top level)"
 
 
 def _describe(err: dict[str, Any]) -> str:
@@ -39,6 +40,20 @@ def _describe(err: dict[str, Any]) -> str:
     return msg.removeprefix("Value error, ")
 
 
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.safe_load that refuses a key given twice in one mapping (safe_load keeps the last)."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        seen: set = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"{key!r} is given twice in the same section; keep one of them", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def validate_spec(data: Any, source: str = "<spec>") -> JobSpec:
     """Validate a parsed mapping into a JobSpec, or raise SpecError listing every problem."""
     if not isinstance(data, dict):
@@ -46,15 +61,18 @@ def validate_spec(data: Any, source: str = "<spec>") -> JobSpec:
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
-        problems = []
+        problems: dict[str, str] = {}
         for err in exc.errors():
             message = _describe(err)
             own = _OWN_PATH.match(message)
-            if own:
-                problems.append(f"{own.group(1)}: {own.group(2)}")
+            path, message = (own.group(1), own.group(2)) if own else (_field_path(err["loc"]), message)
+            if err["type"] == "literal_error" and path in problems:
+                continue  # a union's other branch (`champion` or a URL) said what is wrong already
+            if path in problems and problems[path].startswith("Input should be"):
+                problems[path] = message  # ...and the literal branch spoke first
             else:
-                problems.append(f"{_field_path(err['loc'])}: {message}")
-        raise SpecError(source, problems) from None
+                problems[path] = f"{problems[path]}; {message}" if path in problems else message
+        raise SpecError(source, [f"{path}: {message}" for path, message in problems.items()]) from None
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSpec:
@@ -77,7 +95,7 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobS
 def parse_spec(text: str, source: str, overrides: dict[str, Any] | None = None) -> JobSpec:
     """A job spec from YAML (or JSON) text read from `source`, which error messages name."""
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader, refusing duplicate keys)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import zoneinfo
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -250,9 +251,44 @@ class ScheduleSpec(Section):
 
     @model_validator(mode="after")
     def _five_fields(self) -> ScheduleSpec:
-        if len(self.cron.split()) != 5:
+        fields = self.cron.split()
+        if len(fields) != 5:
             raise ValueError(f"schedule.cron: {self.cron!r} must have 5 fields (minute hour day month weekday)")
+        for text, (name, low, high, names) in zip(fields, _CRON_FIELDS, strict=True):
+            problem = _cron_field_problem(text, low, high, names)
+            if problem:
+                raise ValueError(f"schedule.cron: {self.cron!r}: the {name} field {text!r} {problem}; "
+                                 f"it takes {low}-{high}, *, lists (a,b), ranges (a-b) and steps (*/n)")
+        try:
+            zoneinfo.ZoneInfo(self.timezone)
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            raise ValueError(f"schedule.timezone: {self.timezone!r} is not an IANA time zone; use for example "
+                             "UTC or Europe/Paris") from None
         return self
+
+
+_MONTHS = ("jan", "feb", "mar", "apr", "may", "jun", "jul", "aug", "sep", "oct", "nov", "dec")
+_DAYS = ("sun", "mon", "tue", "wed", "thu", "fri", "sat")
+_CRON_FIELDS = (("minute", 0, 59, ()), ("hour", 0, 23, ()), ("day", 1, 31, ()), ("month", 1, 12, _MONTHS),
+                ("weekday", 0, 7, _DAYS))
+
+
+def _cron_field_problem(text: str, low: int, high: int, names: tuple[str, ...]) -> str | None:
+    """What is wrong with one cron field, or None."""
+    for item in text.split(","):
+        span, _, step = item.partition("/")
+        if step and not (step.isdigit() and int(step) >= 1):
+            return f"has step {step!r}, not a positive number"
+        if span == "*":
+            continue
+        for bound in span.split("-", 1):
+            value = names.index(bound.lower()) + (low if names is _MONTHS else 0) if bound.lower() in names else (
+                int(bound) if bound.isdigit() else None)
+            if value is None:
+                return f"has {bound!r}, which is not a number"
+            if not low <= value <= high:
+                return f"has {value}, outside {low}-{high}"
+    return None
 
 
 class PreflightSpec(Section):
@@ -335,6 +371,15 @@ class JobSpec(Section):
                 f"train.global_batch_size: {gbs} is not divisible by the {world} NeuronCores "
                 f"(compute.nodes x compute.cores_per_node); use {fixed}"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _faults_on_real_cores(self) -> JobSpec:
+        itype = instance(self.compute.instance_type)
+        for i, fault in enumerate(self.faults):
+            if fault.core >= itype.cores:
+                raise ValueError(f"faults.{i}.core: {itype.name} has {itype.cores} NeuronCores (0-{itype.cores - 1}); "
+                                 f"pick a core below {itype.cores}")
         return self
 
     @model_validator(mode="after")

@@ -306,6 +306,22 @@ def _check_run_id(run_id: str | None) -> None:
         raise typer.Exit(EXIT_BAD_INPUT)
 
 
+def _check_data(spec: JobSpec) -> None:
+    """Refuse local data folders that are missing or hold no files of `data.format` before the
+    pipeline starts (S3 data is listed by the stages that read it)."""
+    from trnflow.datafiles import data_files
+    from trnflow.errors import DataError
+
+    for field in ("train", "holdout", "inference"):
+        url = getattr(spec.data, field)
+        if url and url.startswith("file://"):
+            try:
+                data_files(url, spec.data.format)
+            except DataError as exc:
+                err.print(f"data.{field}: {exc}", **RED)
+                raise typer.Exit(EXIT_BAD_INPUT) from None
+
+
 def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_id: str | None, as_json: bool,
               show=None) -> None:
     """Run a flow in-process on Prefect's local API; print its stage table; exit with its outcome."""
@@ -363,6 +379,7 @@ def run(
         extra["compute.backend"] = backend
     _check_run_id(run_id)
     spec = _load(spec_path, extra)
+    _check_data(spec)
     from flows.pipeline import STAGES, pipeline
 
     _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json)
