@@ -28,6 +28,9 @@ def _normalise_url(value: str) -> str:
     if not value:
         raise ValueError("must not be empty; give a file:// or s3:// URL or a path")
     scheme, sep, rest = value.partition("://")
+    if sep and "@" in rest.split("/", 1)[0]:  # user:password@host: never repeat it, not even in an error
+        raise ValueError(f"a {scheme}:// URL with credentials in it; remove them (user:secret@) and give AWS "
+                         "credentials through AWS_PROFILE, the AWS_* variables or the instance's role")
     if not sep:
         return Path(value).expanduser().resolve().as_uri()
     if scheme == "file":
