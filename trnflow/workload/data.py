@@ -33,43 +33,85 @@ def _read_file(file: DataFile, fmt: str) -> pa.Table:
         source = pa.BufferReader(file.store.read(file.name))
         if fmt == "jsonl":
             return pajson.read_json(source)
+        # Text that is not UTF-8 stays a string column, refused with the fix in _read_columns.
+        text = pacsv.ConvertOptions(check_utf8=False)
         if fmt == "csv":
-            return pacsv.read_csv(source)
+            return pacsv.read_csv(source, convert_options=text)
         if fmt == "amazon-polarity":
-            return _polarity(pacsv.read_csv(source, read_options=pacsv.ReadOptions(column_names=POLARITY_COLUMNS)))
+            names = pacsv.ReadOptions(column_names=POLARITY_COLUMNS)
+            return _polarity(pacsv.read_csv(source, read_options=names, convert_options=text), file.url)
         return pq.read_table(source)
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as exc:
-        raise DataError(f"{file.url}: cannot be read as {fmt}: {exc}") from None
+        raise DataError(f"{file.url}: cannot be read as {fmt} ({exc}); fix or remove the file "
+                        "(or check data.format)") from None
 
 
-def _polarity(table: pa.Table) -> pa.Table:
+def _polarity(table: pa.Table, url: str) -> pa.Table:
     """label 1 (negative) / 2 (positive), title, content -> label 0/1 and text "title. content"."""
     labels = table.column("label")
     if not pa.types.is_integer(labels.type) or not pc.all(pc.is_in(labels, pa.array([1, 2]))).as_py():
-        raise DataError("the Amazon Polarity layout needs label 1 or 2 in the first column")
+        raise DataError(f"{url}: the Amazon Polarity layout needs label 1 or 2 in the first column; "
+                        "fix the file or check data.format")
     title = pc.fill_null(table.column("title").cast(pa.string()), "")
     content = pc.fill_null(table.column("content").cast(pa.string()), "")
     return pa.table({"label": pc.subtract(labels, 1), "text": pc.binary_join_element_wise(title, content, ". ")})
 
 
+def _read_columns(file: DataFile, spec: DataSpec, columns: list[str]) -> pa.Table:
+    """One file's `columns`, naming the file if it lacks one or holds text that is not UTF-8."""
+    table = _read_file(file, spec.format)
+    if spec.format == "amazon-polarity":
+        ids = [f"{file.name}:{i}" for i in range(table.num_rows)]
+        table = table.rename_columns([spec.label_field, spec.text_field])
+        table = table.append_column(spec.id_field, pa.array(ids))
+    missing = [c for c in columns if c not in table.column_names]
+    if missing:
+        raise DataError(
+            f"{file.url}: missing column(s) {missing}; it has {table.column_names}. "
+            "Set data.text_field / data.label_field / data.id_field to match the file"
+        )
+    for name in columns:
+        try:
+            table.column(name).validate(full=True)
+        except pa.ArrowInvalid:
+            raise DataError(f"{file.url}: column {name!r} is not valid UTF-8 text; "
+                            "re-encode the file as UTF-8") from None
+    return table.select(columns)
+
+
+def _concat(files: list[DataFile], tables: list[pa.Table]) -> pa.Table:
+    """One table from each file's, naming the first file whose column types disagree with the ones
+    before it (integers of different widths, and columns of nulls, do mix)."""
+    schema = tables[0].schema
+    for file, table in zip(files[1:], tables[1:], strict=True):
+        try:
+            schema = pa.unify_schemas([schema, table.schema], promote_options="permissive")
+        except (pa.ArrowTypeError, pa.ArrowInvalid):
+            types = {f.name: str(f.type) for f in table.schema}
+            before = {f.name: str(f.type) for f in schema}
+            raise DataError(f"{file.url}: its column types {types} disagree with {before} in the files "
+                            "before it; make the files agree") from None
+    return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+
+
 def read_table(files: list[DataFile], spec: DataSpec, columns: list[str]) -> pa.Table:
     """Read `files` and keep `columns`, naming any file that lacks one. The Amazon Polarity layout
     has no id column: ids are `<file>:<row>`."""
-    tables = []
-    for file in files:
-        table = _read_file(file, spec.format)
-        if spec.format == "amazon-polarity":
-            ids = [f"{file.name}:{i}" for i in range(table.num_rows)]
-            table = table.rename_columns([spec.label_field, spec.text_field])
-            table = table.append_column(spec.id_field, pa.array(ids))
-        missing = [c for c in columns if c not in table.column_names]
-        if missing:
-            raise DataError(
-                f"{file.url}: missing column(s) {missing}; it has {table.column_names}. "
-                "Set data.text_field / data.label_field / data.id_field to match the file"
-            )
-        tables.append(table.select(columns))
-    return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
+    return _concat(files, [_read_columns(file, spec, columns) for file in files])
+
+
+def _check_labels(column: pa.ChunkedArray, url: str, field: str, num_classes: int) -> None:
+    """One file's labels must be integer class ids 0..num_classes-1; rows count from 0 in the file."""
+    if not pa.types.is_integer(column.type) or column.null_count:
+        raise DataError(f"{url}: column {field!r} holds {column.type} values"
+                        f"{' with nulls' if column.null_count else ''}; it must hold integer class ids "
+                        f"0..{num_classes - 1}. Map the labels to integers, or set data.label_field")
+    row = pc.index(pc.or_(pc.less(column, 0), pc.greater_equal(column, num_classes)), True).as_py()
+    if row >= 0:
+        raise DataError(
+            f"{url}: label {column[row].as_py()} in row {row} is outside 0..{num_classes - 1}; "
+            "fix the data or set model.num_classes"
+        )
 
 
 @dataclass
@@ -80,22 +122,14 @@ class Texts:
 
 
 def read_labelled(files: list[DataFile], spec: DataSpec, num_classes: int, url: str) -> Texts:
-    table = read_table(files, spec, [spec.text_field, spec.label_field])
-    if table.num_rows == 0:
+    tables = [_read_columns(file, spec, [spec.text_field, spec.label_field]) for file in files]
+    if not sum(t.num_rows for t in tables):
         raise DataError(f"{url}: has no rows; point the spec at data that has some")
-    column = table.column(spec.label_field)
-    if not pa.types.is_integer(column.type) or column.null_count:
-        raise DataError(f"{url}: column {spec.label_field!r} holds {column.type} values"
-                        f"{' with nulls' if column.null_count else ''}; it must hold integer class ids "
-                        f"0..{num_classes - 1}. Map the labels to integers, or set data.label_field")
-    labels = torch.tensor(column.to_pylist(), dtype=torch.long)
-    bad = (labels < 0) | (labels >= num_classes)
-    if bool(bad.any()):
-        row = int(bad.nonzero()[0])
-        raise DataError(
-            f"{url}: label {int(labels[row])} in row {row} is outside 0..{num_classes - 1}; "
-            "fix the data or set model.num_classes"
-        )
+    for file, table in zip(files, tables, strict=True):
+        if table.num_rows:  # an empty file's columns may be typed null
+            _check_labels(table.column(spec.label_field), file.url, spec.label_field, num_classes)
+    table = _concat(files, tables)
+    labels = torch.tensor(table.column(spec.label_field).to_pylist(), dtype=torch.long)
     return Texts([str(t) for t in table.column(spec.text_field).to_pylist()], labels, list(range(len(labels))))
 
 
