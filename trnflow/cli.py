@@ -20,6 +20,7 @@ from rich.table import Table
 
 from jobspecs import CATALOGUE, JobSpec, SpecError, load_spec
 from trnflow import cli_runs, cli_serve, render
+from trnflow.cli_args import assignments
 from trnflow.cli_cache import cache_app
 from trnflow.cli_models import models_app
 from trnflow.render import RED
@@ -58,21 +59,7 @@ SetOpt = Annotated[
 
 
 def _overrides(pairs: list[str] | None) -> dict[str, Any]:
-    import yaml
-
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            err.print(f"--set {pair!r}: expected FIELD=VALUE, for example --set train.steps=50", **RED)
-            raise typer.Exit(EXIT_BAD_INPUT)
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            err.print(f"--set {pair!r}: the value is not valid YAML ({getattr(exc, 'problem', exc)}); quote it, "
-                      f"for example --set '{key.strip()}=\"{value}\"'", **RED)
-            raise typer.Exit(EXIT_BAD_INPUT) from None
-    return out
+    return assignments(pairs, "--set", "train.steps=50", name="FIELD")
 
 
 def _unknown_instance_type(name: str) -> str:

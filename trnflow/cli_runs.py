@@ -21,6 +21,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from trnflow.cli_args import assignments
 from trnflow.render import RED
 
 console = Console()
@@ -51,21 +52,7 @@ def exit_code(state_type: str, state_name: str) -> int:
 
 
 def _parse_params(pairs: list[str] | None) -> dict[str, Any]:
-    import yaml
-
-    out: dict[str, Any] = {}
-    for pair in pairs or []:
-        key, sep, value = pair.partition("=")
-        if not sep or not key.strip():
-            err.print(f"--param {pair!r}: expected NAME=VALUE, for example --param run_id=nightly-1", **RED)
-            raise typer.Exit(EXIT_BAD_INPUT)
-        try:
-            out[key.strip()] = yaml.safe_load(value)
-        except yaml.YAMLError as exc:
-            err.print(f"--param {pair!r}: the value is not valid YAML ({getattr(exc, 'problem', exc)}); quote it, "
-                      f"for example --param '{key.strip()}=\"{value}\"'", **RED)
-            raise typer.Exit(EXIT_BAD_INPUT) from None
-    return out
+    return assignments(pairs, "--param", "run_id=nightly-1")
 
 
 def submit(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -12,23 +11,9 @@ from typing import Any
 
 from tests.faults.cases import CASES, HOST_LOST, Case, Run, can_mount, disk_full
 from tests.faults.outcome import Snapshot, local_train_logs, prefect_runs, steps_redone
-from tests.faults.world import EVERY, STEPS, World
+from tests.faults.world import EVERY, STEPS, World, patched_env
 
 COLUMNS = ("case", "recovered", "retries", "steps redone", "weights", "registry", "outputs", "nothing lost")
-
-
-@contextlib.contextmanager
-def _env(values: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 class Matrix:
@@ -75,13 +60,13 @@ class Matrix:
             return
         import boto3
 
-        with _env(self._aws_env()):
+        with patched_env(self._aws_env()):
             if case.storage.startswith("s3-"):
                 bucket = f"faults-{case.name}"
                 boto3.client("s3").create_bucket(Bucket=bucket)
                 run.out = f"s3://{bucket}/{case.name}"
                 injected = run.folder / "s3-injected.log"
-                with _env({"TRNFLOW_S3_FAULTS": case.storage.removeprefix("s3-"),
+                with patched_env({"TRNFLOW_S3_FAULTS": case.storage.removeprefix("s3-"),
                            "TRNFLOW_S3_FAULTS_LOG": str(injected)}):
                     yield
                 return
@@ -117,7 +102,7 @@ class Matrix:
                 gate={"reference": f"s3://{bucket}/reference/metrics.json"})
             names = {f"TRNFLOW_{k}": outputs[k] for k in ("IMAGE", "STAGING_URL", "SAGEMAKER_ROLE_ARN",
                                                           "BATCH_JOB_QUEUE")}
-            with _env(names):
+            with patched_env(names):
                 yield
 
     # -- the runs --

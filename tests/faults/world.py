@@ -52,6 +52,21 @@ class World:
 
 
 @contextlib.contextmanager
+def patched_env(values: dict[str, str]) -> Iterator[None]:
+    """`os.environ` with `values` set, restored afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
 def world(root: Path, *, reference: bool = True, prefect: bool = True) -> Iterator[World]:
     """Environment, data and (with `prefect`) a Prefect API of its own for the matrix; with
     `reference`, the gate's fp32 reference is trained once. The environment is restored after."""
@@ -65,9 +80,7 @@ def world(root: Path, *, reference: bool = True, prefect: bool = True) -> Iterat
         "TRNFLOW_NEURON_RT_DIR": str(root / "neuron-rt"),  # the matrix's own emulated cores
         "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     }
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with patched_env(env):
         if not (root / "data" / "holdout").is_dir():
             synthesize(root / "data", days=2, rows_per_day=600, seed=3, holdout_rows=400, inference_rows=350)
         w = World(root, root / "reference" / "metrics.json" if reference else None)
@@ -75,9 +88,3 @@ def world(root: Path, *, reference: bool = True, prefect: bool = True) -> Iterat
             if w.reference and not w.reference.is_file():
                 run_reference(w.spec(str(root / "reference-run")))
             yield w
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
