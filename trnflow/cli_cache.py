@@ -21,13 +21,17 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 
 @contextlib.contextmanager
 def _cache(url: str) -> Iterator:
-    """The cache at `url`; a bad URL, missing credentials or a missing bucket end the command with
-    what went wrong (exit 2)."""
+    """The cache at `url`; a bad URL, missing credentials or a missing bucket, a folder that is not a
+    cache root or a garbled record end the command with what went wrong (exit 2)."""
     from jobspecs.spec import _normalise_url
     from trnflow.emulator.cache import CompileCache
+    from trnflow.errors import TrnflowError
 
     try:
         yield CompileCache(_normalise_url(url))
+    except TrnflowError as exc:  # says where and what to do
+        Console(stderr=True).print(str(exc), **RED)
+        raise typer.Exit(2) from None
     except ValueError as exc:
         Console(stderr=True).print(f"{url}: {exc}", **RED)
         raise typer.Exit(2) from None
@@ -91,14 +95,16 @@ def verify(url: UrlArg, as_json: JsonOpt = False):
     """Check every done entry's artifact against its checksum; exit 1 if any is corrupt."""
     from trnflow.emulator.cache import CORRUPT
 
-    found = _entries(url)
-    corrupt = [e for e in found if e.state == CORRUPT]
+    with _cache(url) as cache:
+        found = cache.entries()
+        corrupt = {f"{e.compiler}/{e.key}": e for e in found if e.state == CORRUPT}
+        problems = {entry: cache.problem(entry) for entry in corrupt}
     if as_json:
-        print(json.dumps({"checked": len(found), "corrupt": [e.key for e in corrupt]}, indent=2))
+        print(json.dumps({"checked": len(found), "corrupt": [e.key for e in corrupt.values()]}, indent=2))
     else:
-        for e in corrupt:
-            console.print(f"[red]corrupt[/red] {e.compiler}/{e.key}: its artifact does not match its checksum; "
-                          "the next compile rebuilds it (or prune it with --failed)")
+        for entry, problem in problems.items():
+            console.print(f"[red]corrupt[/red] {problem or entry}; the next compile rebuilds it "
+                          "(or prune it with --failed)", highlight=False)
         console.print(f"{len(found)} entries checked, {len(corrupt)} corrupt")
     raise typer.Exit(1 if corrupt else 0)
 

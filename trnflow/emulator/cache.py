@@ -25,7 +25,8 @@ import uuid
 from dataclasses import dataclass
 from importlib import metadata
 
-from trnflow.storage import Store, open_store
+from trnflow.errors import FatalError
+from trnflow.storage import Store, join, open_store
 
 COMPILER_VERSION = f"torch-{metadata.version('torch')}"
 """The compiler version entries are filed under: the torch version stands for neuronx-cc's."""
@@ -88,6 +89,13 @@ class CompileCache:
         self.url = self.store.url
         self._token = uuid.uuid4().hex
 
+    def where(self, name: str = "") -> str:
+        """Where a cache object is, as a person writes it: a path for a local cache, else its URL."""
+        root = getattr(self.store, "root", None)
+        if root is not None:
+            return str(root / name)
+        return join(self.url, name) if name else self.url
+
     # -- state -----------------------------------------------------------------------------------
 
     def _json(self, name: str) -> dict | None:
@@ -98,13 +106,21 @@ class CompileCache:
         return value if isinstance(value, dict) else None
 
     def lock_owner(self, entry: str) -> dict | None:
-        """The live process compiling this entry, or None. A lock whose process is gone is stale."""
+        """The live process compiling this entry, or None. A lock whose process is gone is stale.
+
+        Raises FatalError for a lock record whose pid or start time is not a number."""
         owner = self._json(f"{entry}/model.lock")
         if owner is None:
             return None
+        try:
+            pid, since = int(owner.get("pid", -1)), float(owner.get("since", 0))
+        except (TypeError, ValueError):
+            raise FatalError(f"{self.where(f'{entry}/model.lock')}: a garbled lock record (pid "
+                             f"{owner.get('pid')!r}, since {owner.get('since')!r}); trnflow did not write it "
+                             "this way and no compile holds it: remove that file") from None
         if owner.get("host") == socket.gethostname():
-            return owner if _alive(int(owner.get("pid", -1))) else None
-        return owner if time.time() - float(owner.get("since", 0)) < STALE_LOCK_SECONDS else None
+            return owner if _alive(pid) else None
+        return owner if time.time() - since < STALE_LOCK_SECONDS else None
 
     def state(self, entry: str) -> str:
         names = {o.name.rsplit("/", 1)[-1] for o in self.store.list(f"{entry}/")}
@@ -116,21 +132,27 @@ class CompileCache:
 
     def verify(self, entry: str) -> bool:
         """Whether every checked file is present, of its recorded size and checksum."""
+        return self.problem(entry) is None
+
+    def problem(self, entry: str) -> str | None:
+        """Why a done entry is corrupt, or None when it is whole."""
         try:
             self._verified(entry, "model.neff")
-        except CorruptEntry:
-            return False
-        return True
+        except CorruptEntry as exc:
+            return str(exc)
+        return None
 
     def _verified(self, entry: str, wanted: str) -> bytes:
         record = self._json(f"{entry}/model.done") or {}
-        files, out = record.get("files", {}), b""
+        files, out = record.get("files"), b""
+        if not isinstance(files, dict) or not all(isinstance(files.get(n), dict) for n in CHECKED_FILES):
+            raise CorruptEntry(f"{entry}/model.done is missing, unreadable or not a checksum record")
         for name in CHECKED_FILES:
             try:
                 data = self.store.read(f"{entry}/{name}")
             except FileNotFoundError:
                 raise CorruptEntry(f"{entry}/{name} is missing") from None
-            expected = files.get(name, {})
+            expected = files[name]
             if len(data) != expected.get("bytes") or sha256(data) != expected.get("sha256"):
                 raise CorruptEntry(f"{entry}/{name} does not match its checksum in model.done")
             if name == wanted:
@@ -160,10 +182,13 @@ class CompileCache:
         for _ in range(3):
             if self.store.create(f"{entry}/model.lock", record):
                 return cleared
-            owner = self.lock_owner(entry)
+            try:
+                owner = self.lock_owner(entry)
+            except FatalError:  # garbled: no live compile holds it
+                owner = None
             if owner is not None:
                 raise EntryLocked(entry, owner)
-            self.store.delete(f"{entry}/model.lock")  # stale: its process is gone
+            self.store.delete(f"{entry}/model.lock")  # stale: its process is gone (or it is garbled)
             cleared = True
         raise EntryLocked(entry, {"pid": "?", "host": "?"})
 
@@ -197,26 +222,41 @@ class CompileCache:
         for name in ("model.done", "model.neff", "model.log"):
             self.store.delete(f"{entry}/{name}")
 
-    def record_hit(self, entry: str) -> None:
+    def _usage(self, entry: str) -> tuple[int, float | None]:
+        """The entry's hit count and last use; a garbled usage.json counts as none (the next hit rewrites it)."""
         usage = self._json(f"{entry}/usage.json") or {}
-        record = {"hits": int(usage.get("hits", 0)) + 1, "last_used": time.time()}
+        hits, last = usage.get("hits"), usage.get("last_used")
+        return hits if type(hits) is int else 0, last if type(last) in (int, float) else None
+
+    def record_hit(self, entry: str) -> None:
+        record = {"hits": self._usage(entry)[0] + 1, "last_used": time.time()}
         self.store.write(f"{entry}/usage.json", json.dumps(record).encode())
 
     # -- maintenance -----------------------------------------------------------------------------
 
     def entries(self) -> list[EntryInfo]:
+        """Every entry. Raises FatalError when the URL is not a cache root: a missing local folder, or
+        one compiler version's folder (its entries sit at the top, not one level down)."""
+        root = getattr(self.store, "root", None)  # an S3 prefix is never missing, only empty
+        if root is not None and not root.is_dir():
+            raise FatalError(f"{self.where()}: no such folder; check compile.cache_url")
         grouped: dict[str, list] = {}
+        version_folder = False
         for obj in self.store.list():
             parts = obj.name.split("/")
             if len(parts) == 3 and parts[1].startswith("MODULE_"):
                 grouped.setdefault(f"{parts[0]}/{parts[1]}", []).append(obj)
+            version_folder = version_folder or (len(parts) == 2 and parts[0].startswith("MODULE_"))
+        if version_folder and not grouped:
+            raise FatalError(f"{self.where()}: holds compile cache entries directly, so it is one compiler "
+                             "version's folder; pass its parent, the cache root (the folder compile.cache_url "
+                             "names, which holds one folder per compiler version)")
         out = []
         for entry, objects in sorted(grouped.items()):
-            usage = self._json(f"{entry}/usage.json") or {}
+            hits, last_used = self._usage(entry)
             compiler, key = entry.split("/")
             out.append(EntryInfo(compiler, key, self.state(entry), sum(o.size for o in objects),
-                                 int(usage.get("hits", 0)), usage.get("last_used"),
-                                 min(o.modified for o in objects)))
+                                 hits, last_used, min(o.modified for o in objects)))
         return out
 
     def prune(self, current_compiler: str, *, failed: bool = False, older_than_days: float | None = None,

@@ -9,16 +9,20 @@ modes it was traced in and the compiler flags, and its entry is filed under the 
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import io
 import json
 import os
 import shlex
 import tarfile
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+from trnflow.emulator.cache import CorruptEntry
 
 # optlevel -> how the emulator compiles, trading compile time against step time as neuronx-cc's
 # -O1/-O2/-O3 do. O1 lowers each graph to ATen forward and backward graphs (AOT autograd) without
@@ -121,10 +125,17 @@ def pack_dir(path: Path) -> bytes:
 
 
 def unpack_into(artifact: bytes, path: Path) -> None:
-    """Extract an artifact safely: regular files and folders only, nothing outside `path`."""
-    path.mkdir(parents=True, exist_ok=True)
-    with tarfile.open(fileobj=io.BytesIO(artifact), mode="r:gz") as tar:
-        tar.extractall(path, filter="data")
+    """Extract an artifact safely: regular files and folders only, nothing outside `path`.
+
+    The whole archive is read before anything is written; raises CorruptEntry when the artifact is
+    not a readable, safe gzipped tar."""
+    try:
+        with tarfile.open(fileobj=io.BytesIO(artifact), mode="r:gz") as tar:
+            tar.getmembers()
+            path.mkdir(parents=True, exist_ok=True)
+            tar.extractall(path, filter="data")
+    except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
+        raise CorruptEntry(f"its artifact is not a readable archive: {exc}") from None
 
 
 def cache_url(default: str, env: dict[str, str] | None = None) -> str:

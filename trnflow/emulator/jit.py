@@ -30,7 +30,7 @@ from typing import Any
 from trnflow.emulator import cache as cache_states
 from trnflow.emulator.cache import CompileCache, CorruptEntry, entry_name
 from trnflow.emulator.compiler import Graph, cache_key, lower, unpack_into
-from trnflow.errors import Recompilation
+from trnflow.errors import FatalError, Recompilation
 
 Log = Callable[..., None]
 
@@ -110,15 +110,15 @@ class CachedCompiler:
             artifact = self.cache.load_artifact(entry) if self.cache else None
         except CorruptEntry:
             artifact = None
-        if artifact is not None:
-            if self.inductor_dir is not None:
+        if artifact is not None and self.inductor_dir is not None:
+            try:
                 unpack_into(artifact, self.inductor_dir)
+            except CorruptEntry as exc:  # its checksums match, but what they cover is no archive
+                artifact, reason = None, f"the cache entry is corrupt ({exc})"
+        if artifact is not None:
             self.cache.record_hit(entry)
-        else:  # only a miss pays for finding out why
-            state = self.cache.state(entry) if self.cache else cache_states.MISSING
-            reason = {cache_states.CORRUPT: "the cache entry is corrupt (checksum mismatch)",
-                      cache_states.FAILED: "its ahead-of-time compile failed",
-                      cache_states.LOCKED: "it is still being compiled"}.get(state, "it is not in the compile cache")
+        elif not reason:  # only a miss pays for finding out why
+            reason = self._why_missed(entry)
         if reason and self.fail_on_recompile:
             where = self.cache.url if self.cache else "the compile cache"
             raise Recompilation(
@@ -128,6 +128,15 @@ class CachedCompiler:
                 "a fixed model.seq_len), then run `trnflow compile SPEC` so the cache holds every graph"
             )
         return reason
+
+    def _why_missed(self, entry: str) -> str:
+        try:
+            state = self.cache.state(entry) if self.cache else cache_states.MISSING
+        except FatalError as exc:  # a garbled lock record: the graph is compiled here all the same
+            return str(exc)
+        return {cache_states.CORRUPT: "the cache entry is corrupt (a file is missing or not as model.done says)",
+                cache_states.FAILED: "its ahead-of-time compile failed",
+                cache_states.LOCKED: "it is still being compiled"}.get(state, "it is not in the compile cache")
 
     def summary(self) -> dict:
         """What this process compiled, loaded and recompiled."""
