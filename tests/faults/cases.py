@@ -153,7 +153,8 @@ def disk_full(run: Run) -> Iterator[None]:
     ENOSPC. The operator then makes room (a larger tmpfs) and runs the flow again."""
     disk = run.folder / "disk"
     disk.mkdir()
-    one = sum(p.stat().st_size for p in (run.world.root / "baseline" / "checkpoints").rglob("step-000010/*"))
+    folders = (run.world.root / "baseline" / "checkpoints").rglob("step-*")
+    one = max(sum(p.stat().st_size for p in folder.iterdir()) for folder in folders)  # one checkpoint's size
     subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={int(one * 2.5)}", "tmpfs", str(disk)], check=True,
                    capture_output=True)
     try:

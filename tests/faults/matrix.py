@@ -125,6 +125,13 @@ class Matrix:
         folder.mkdir(parents=True, exist_ok=True)
         run = Run(self.world, folder, str(folder), dict(case.sections), f"fault-{case.name}")
         since, began = datetime.now(UTC), time.time()
+        try:
+            return self._run(case, run, row, since, began)
+        except Exception as exc:  # the rehearsal itself went wrong: report it as not recovered
+            return {**row, "recovered": False, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                    "seconds": round(time.time() - began, 1)}
+
+    def _run(self, case: Case, run: Run, row: dict[str, Any], since: datetime, began: float) -> dict[str, Any]:
         with self._storage(case, run), case.setup(run) if case.setup else contextlib.nullcontext():
             state = run.flow()
             recovered = state.is_completed()
