@@ -6,10 +6,10 @@ from tests.faults.outcome import steps_redone
 from tests.faults.world import world
 
 
-def test_a_run_hit_by_a_kill_a_torn_checkpoint_and_a_hardware_error_ends_like_the_fault_free_one(prefect_api,
-                                                                                                 tmp_path):
+def test_a_run_hit_by_a_kill_a_torn_checkpoint_and_a_hardware_error_ends_like_the_fault_free_one(
+        prefect_api, tmp_path, compile_cache):
     (case,) = [c for c in CASES if c.ci]
-    with world(tmp_path, reference=False, prefect=False) as w, Matrix(w) as matrix:
+    with world(tmp_path, reference=False, prefect=False, compile_cache=compile_cache) as w, Matrix(w) as matrix:
         matrix.run_baseline()
         row = matrix.run_case(case)
     assert passed(row), row

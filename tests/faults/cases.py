@@ -140,7 +140,7 @@ def kill_flow_process(run: Run) -> Iterator[None]:
 def corrupt_cache_entry(run: Run) -> Iterator[None]:
     """A copy of the warm compile cache with one compiled artifact cut short."""
     cache = run.folder / "compile-cache"
-    shutil.copytree(run.world.root / "compile-cache", cache)
+    shutil.copytree(run.world.compile_cache, cache)
     neff = sorted(cache.rglob("model.neff"))[0]
     neff.write_bytes(neff.read_bytes()[: neff.stat().st_size // 3])
     run.sections["compile"] = {"cache_url": str(cache)}

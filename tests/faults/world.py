@@ -24,6 +24,7 @@ class World:
     root: Path
     reference: Path | None
     """The fp32 reference the gate compares with; None: the gate compares with the champion."""
+    compile_cache: Path
 
     @property
     def data(self) -> Path:
@@ -36,7 +37,7 @@ class World:
             "data": {"train": str(self.data / "train"), "holdout": str(self.data / "holdout"),
                      "inference": str(self.data / "inference")},
             "compute": {"instance_type": "trn1.32xlarge", "cores_per_node": 2},  # spare cores to move to
-            "compile": {"cache_url": str(self.root / "compile-cache")},
+            "compile": {"cache_url": str(self.compile_cache)},
             "train": {"steps": STEPS, "checkpoint_every": EVERY, "log_every": 1,
                       "checkpoint_url": f"{out}/checkpoints"},
             "retries": {"max_retries": 2, "backoff_seconds": 0},
@@ -67,9 +68,11 @@ def patched_env(values: dict[str, str]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def world(root: Path, *, reference: bool = True, prefect: bool = True) -> Iterator[World]:
+def world(root: Path, *, reference: bool = True, prefect: bool = True,
+          compile_cache: Path | None = None) -> Iterator[World]:
     """Environment, data and (with `prefect`) a Prefect API of its own for the matrix; with
-    `reference`, the gate's fp32 reference is trained once. The environment is restored after."""
+    `reference`, the gate's fp32 reference is trained once. The environment is restored after.
+    `compile_cache` may be one that already holds the quickstart model's graphs."""
     from prefect.testing.utilities import prefect_test_harness
 
     from trnflow.reference import run_reference
@@ -83,7 +86,8 @@ def world(root: Path, *, reference: bool = True, prefect: bool = True) -> Iterat
     with patched_env(env):
         if not (root / "data" / "holdout").is_dir():
             synthesize(root / "data", days=2, rows_per_day=600, seed=3, holdout_rows=400, inference_rows=350)
-        w = World(root, root / "reference" / "metrics.json" if reference else None)
+        w = World(root, root / "reference" / "metrics.json" if reference else None,
+                  compile_cache or root / "compile-cache")
         with prefect_test_harness(server_startup_timeout=120) if prefect else contextlib.nullcontext():
             if w.reference and not w.reference.is_file():
                 run_reference(w.spec(str(root / "reference-run")))
