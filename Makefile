@@ -42,7 +42,7 @@ test: lint chromium
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 # The fault matrix: the quickstart pipeline (shortened) once without faults, then once per fault, each
-# compared with the fault-free run. About 20 minutes on 2 cores; `make test` runs its CI case.
+# compared with the fault-free run. About 25 minutes on 2 cores; `make test` runs its CI case.
 faults: install
 	$(BIN)/python -m tests.faults --json runs/faults.json
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -46,7 +47,11 @@ class _UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         seen: set = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged by the base class
+                continue
             key = self.construct_object(key_node, deep=True)
+            if not isinstance(key, Hashable):
+                break  # the base class says what is wrong with an unhashable key
             if key in seen:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"{key!r} is given twice in the same section; keep one of them", key_node.start_mark)

@@ -29,7 +29,7 @@ def _normalise_url(value: str) -> str:
         raise ValueError("must not be empty; give a file:// or s3:// URL or a path")
     scheme, sep, rest = value.partition("://")
     if sep and "@" in rest.split("/", 1)[0]:  # user:password@host: never repeat it, not even in an error
-        raise ValueError(f"a {scheme}:// URL with credentials in it; remove them (user:secret@) and give AWS "
+        raise ValueError(f"credentials in a {scheme}:// URL; remove them (user:secret@) and give AWS "
                          "credentials through AWS_PROFILE, the AWS_* variables or the instance's role")
     if not sep:
         return Path(value).expanduser().resolve().as_uri()
@@ -264,7 +264,7 @@ class ScheduleSpec(Section):
                                  f"it takes {low}-{high}, *, lists (a,b), ranges (a-b) and steps (*/n)")
         try:
             zoneinfo.ZoneInfo(self.timezone)
-        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a folder such as "Europe"
             raise ValueError(f"schedule.timezone: {self.timezone!r} is not an IANA time zone; use for example "
                              "UTC or Europe/Paris") from None
         return self
@@ -278,6 +278,8 @@ _CRON_FIELDS = (("minute", 0, 59, ()), ("hour", 0, 23, ()), ("day", 1, 31, ()), 
 
 def _cron_field_problem(text: str, low: int, high: int, names: tuple[str, ...]) -> str | None:
     """What is wrong with one cron field, or None."""
+    if any(sign in text.upper() for sign in "LW#?"):
+        return None  # last day, nearest weekday, n-th weekday, no value: the scheduler checks those
     for item in text.split(","):
         span, _, step = item.partition("/")
         if step and not (step.isdigit() and int(step) >= 1):
@@ -327,7 +329,7 @@ class FaultSpec(Section):
         "the training step, or in inference the rank's n-th shard."
     )
     phase: Literal["train", "infer"] | None = Field(
-        None, description="Strike only in this phase (default: whichever reaches `step` first)."
+        None, description="Strike only in this phase (default: once in each, training and inference)."
     )
 
     @model_validator(mode="after")

@@ -120,8 +120,25 @@ def test_a_job_whose_submitter_is_killed_ends_with_it(backend, make_spec, tmp_pa
             break
         time.sleep(0.2)
     with pytest.raises(ProcessLookupError):
-        os.killpg(pid, 0)  # the job's supervisor and workers are gone
+        os.killpg(pid, 0)  # the job's supervisor and launcher are gone...
+    job_dir = str(backend.jobs_dir / job_id)
+    while _processes_of(job_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert _processes_of(job_dir) == []  # ...and so are its workers, which torchrun runs in sessions of their own
     info = backend.describe(job_id)
     assert info.state is JobState.FAILED
     assert json.loads((backend.jobs_dir / job_id / "exit.json").read_text())["orphaned"] is True
     assert "is gone; ending the job" in backend.logs(job_id)[0]
+
+
+def _processes_of(job_dir: str) -> list[int]:
+    """The processes whose command line names the job's folder."""
+    found = []
+    for proc in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{proc}/cmdline", "rb") as fh:
+                if job_dir.encode() in fh.read():
+                    found.append(int(proc))
+        except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError, ValueError):
+            continue
+    return found

@@ -91,5 +91,5 @@ def test_cloud_requests_carry_no_secret_from_the_environment(planted):
 def test_a_spec_cannot_carry_credentials_in_a_url_and_the_error_does_not_repeat_them(url):
     with pytest.raises(SpecError) as caught:
         validate_spec(quickstart_data(data={"train": url}))
-    assert "data.train: a" in str(caught.value) and "remove them" in str(caught.value)
+    assert "data.train: credentials in a" in str(caught.value) and "remove them" in str(caught.value)
     assert CANARY not in str(caught.value)

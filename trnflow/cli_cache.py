@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from trnflow.redact import without_credentials
 from trnflow.render import RED
 
 cache_app = typer.Typer(help="Inspect and clean a persistent compile cache.", no_args_is_help=True)
@@ -33,12 +34,12 @@ def _cache(url: str) -> Iterator:
         Console(stderr=True).print(str(exc), **RED)
         raise typer.Exit(2) from None
     except ValueError as exc:
-        Console(stderr=True).print(f"{url}: {exc}", **RED)
+        Console(stderr=True).print(f"{without_credentials(url)}: {exc}", **RED)
         raise typer.Exit(2) from None
     except Exception as exc:
         if type(exc).__module__.startswith("botocore"):
-            Console(stderr=True).print(f"{url}: {exc}. Check the bucket name and your AWS credentials "
-                                       "(AWS_PROFILE, AWS_ENDPOINT_URL for a moto server)", **RED)
+            Console(stderr=True).print(f"{without_credentials(url)}: {exc}. Check the bucket name and your AWS "
+                                       "credentials (AWS_PROFILE, AWS_ENDPOINT_URL for a moto server)", **RED)
             raise typer.Exit(2) from None
         raise
 

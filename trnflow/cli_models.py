@@ -11,6 +11,7 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from trnflow.redact import without_credentials
 from trnflow.render import RED
 
 models_app = typer.Typer(help="Look at and change the model registry (registry_url).", no_args_is_help=True)
@@ -32,7 +33,7 @@ def _registry(url: str) -> Iterator:
     try:
         yield Registry(_normalise_url(url))
     except ValueError as exc:
-        err.print(f"--registry {url}: {exc}", **RED)
+        err.print(f"--registry {without_credentials(url)}: {exc}", **RED)
         raise typer.Exit(EXIT_BAD_INPUT) from None
     except PromotionConflict as exc:
         err.print(f"{exc}", **RED)

@@ -28,15 +28,16 @@ def root_failure(reports: list[dict], processes: int, first_rank: int = 0) -> di
     own = [r for r in reports if r.get("retryable") is not None]
     if own:
         return min(own, key=lambda r: r["rank"])
-    waited = [r for r in reports if any(sign in str(r.get("message")) for sign in _TIMEOUT_SIGNS)]
+    waited = [r for r in reports if r.get("type") in ("RuntimeError", "DistBackendError")
+              and any(sign in str(r.get("message")) for sign in _TIMEOUT_SIGNS)]
     causes = [r for r in reports if not lost_peer(r) and r not in waited]
     if causes:
         return min(causes, key=lambda r: r["rank"])  # a plain error (a bug): not retryable
     silent = sorted(set(range(first_rank, first_rank + processes)) - {r["rank"] for r in reports})
     if waited:  # the ranks that reported timed out waiting for the silent ones
+        who = f"rank(s) {silent} stopped answering" if silent else "the ranks waited for each other"
         return {"type": "CollectiveTimeout", "retryable": True, "ranks": silent,
-                "message": f"rank(s) {silent} stopped answering: rank(s) {[r['rank'] for r in waited]} timed out "
-                           f"waiting for them in a collective ({waited[0].get('message')}); a retry resumes "
-                           "from the last checkpoint"}
+                "message": f"{who}: rank(s) {[r['rank'] for r in waited]} timed out waiting in a collective "
+                           f"({waited[0].get('message')}); a retry resumes from the last checkpoint"}
     return {"type": "WorkerLost", "retryable": True, "ranks": silent,
             "message": f"rank(s) {silent} exited without reporting why (killed, or out of memory)"}

@@ -26,8 +26,8 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
         Path(tmp).unlink(missing_ok=True)
         if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise DiskFull(f"no space left on the device writing {path}: free space there (or write to another "
-                           "place), then rerun with the same run id; it resumes from its last committed "
-                           "checkpoint, and nothing half-written was left behind") from exc
+                           "place) and run again; nothing half-written was left behind, and a training run "
+                           "rerun with the same run id resumes from its last committed checkpoint") from exc
         raise
     return path
 

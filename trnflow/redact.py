@@ -31,3 +31,12 @@ class Redactor:
 
     def __call__(self, text: str) -> str:
         return self._pattern.sub(MASK, text) if self._pattern else text
+
+
+def without_credentials(url: str) -> str:
+    """`s3://user:secret@bucket/x` -> `s3://***@bucket/x`: a URL safe to repeat in a message."""
+    scheme, sep, rest = url.partition("://")
+    host, slash, path = rest.partition("/")
+    if sep and "@" in host:
+        return f"{scheme}://***@{host.rpartition('@')[2]}{slash}{path}"
+    return url

@@ -69,11 +69,13 @@ def _public(version: str) -> str:
 def ignored(path: Path = IGNORED) -> dict[str, str]:
     """Vulnerability ids accepted on purpose, each with its reason."""
     out = {}
-    for line in path.read_text().splitlines() if path.exists() else []:
+    for number, line in enumerate(path.read_text().splitlines() if path.exists() else [], start=1):
         line = line.split("#", 1)[0].strip()
         if line:
-            vuln, _, reason = line.partition(" ")
-            out[vuln] = reason.strip()
+            vuln, *reason = line.split(None, 1)
+            if not reason:
+                raise ValueError(f"{path.name} line {number}: {vuln} has no reason; say why it is accepted")
+            out[vuln] = reason[0]
     return out
 
 

@@ -34,8 +34,11 @@ def test_each_package_is_checked_at_its_version_or_at_the_newest_release_or_call
 
 def test_accepted_vulnerabilities_need_a_reason_each(tmp_path):
     listed = tmp_path / "ignored.txt"
-    listed.write_text("# comment\nPYSEC-2099-1  the parser is never given untrusted input\n\n")
+    listed.write_text("# comment\nPYSEC-2099-1\tthe parser is never given untrusted input\n\n")
     assert audit.ignored(listed) == {"PYSEC-2099-1": "the parser is never given untrusted input"}
+    listed.write_text("GHSA-xxxx-yyyy-zzzz\n")
+    with pytest.raises(ValueError, match="line 1: GHSA-xxxx-yyyy-zzzz has no reason"):
+        audit.ignored(listed)
     assert audit.ignored(AUDIT.with_name("ignored.txt")) == {}  # none accepted today
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -63,6 +65,9 @@ class Case:
     storage: str = "local"
     interruptions: int = 1
     """Training interruptions the case causes: each may redo at most one checkpoint interval."""
+    seen: Callable[[dict], bool] | None = None
+    """Whether a case's report shows its fault struck (default: a training attempt per interruption),
+    so that a fault that never fired cannot pass as recovered."""
     ci: bool = False
     """The case `make test` runs: the matrix's cases take about a minute each."""
 
@@ -97,15 +102,22 @@ def kill_process_group(run: Run) -> Iterator[None]:
     """SIGKILL the training job's whole process group (supervisor, torchrun and every rank) as
     soon as the step-10 checkpoint is committed."""
 
+    failed: list[BaseException] = []
+
     def strike() -> None:
-        _wait_for(run.checkpoint_dir(EVERY) / MARKER)
-        pid = json.loads((_training_job(run) / "pid.json").read_text())["pid"]
-        os.killpg(pid, signal.SIGKILL)
+        try:
+            _wait_for(run.checkpoint_dir(EVERY) / MARKER)
+            pid = json.loads((_training_job(run) / "pid.json").read_text())["pid"]
+            os.killpg(pid, signal.SIGKILL)
+        except BaseException as exc:  # told after the run: the fault never struck
+            failed.append(exc)
 
     watcher = threading.Thread(target=strike, daemon=True)
     watcher.start()
     yield
     watcher.join(timeout=5)
+    if failed:
+        raise RuntimeError(f"the process group was never killed: {failed[0]}")
 
 
 def _cli(*args: str) -> list[str]:
@@ -170,8 +182,20 @@ def disk_full(run: Run) -> Iterator[None]:
         subprocess.run(["umount", "-l", str(disk)], check=False, capture_output=True)
 
 
+@functools.cache
 def can_mount() -> bool:
-    return os.geteuid() == 0 and shutil.which("mount") is not None
+    """Whether this process may mount a tmpfs (root, with the capability to mount)."""
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        return False
+    with tempfile.TemporaryDirectory() as probe:
+        if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", probe], capture_output=True).returncode:
+            return False
+        subprocess.run(["umount", probe], capture_output=True)
+    return True
+
+
+def _api_retries(row: dict) -> bool:
+    return row["retries_by"].get("api", 0) > 0
 
 
 # --- the matrix ----------------------------------------------------------------------------------
@@ -184,26 +208,30 @@ CASES = [
     Case("flow-process-kill", "the flow process SIGKILLed mid-training, then the flow run again",
          setup=kill_flow_process),
     Case("execution-timeout", "a runtime execution timeout on core 0 at step 15",
-         _faults({"kind": "timeout", "core": 0, "step": 15})),
+         _faults({"kind": "timeout", "core": 0, "step": 15, "phase": "train"})),
     Case("hardware-error", "an uncorrectable hardware error on core 1 at step 25",
-         _faults({"kind": "hw", "core": 1, "step": 25})),
+         _faults({"kind": "hw", "core": 1, "step": 25, "phase": "train"})),
     Case("hung-collective-preflight", "core 1 hangs in collectives: preflight names it, the run goes on without it",
          {**_faults({"kind": "hang", "core": 1}), "preflight": {"exclude_bad_cores": True,
-                                                               "collective_timeout_seconds": 15}}),
+                                                               "collective_timeout_seconds": 15}},
+         seen=lambda row: 1 not in row["train_cores"]),
     Case("hung-collective-training", "rank 1 stops answering at step 15: the all-reduce times out",
-         _faults({"kind": "stall", "core": 1, "step": 15})),
-    Case("s3-slowdown", "every 4th S3 request answers SlowDown (503), reads and writes", storage="s3-SlowDown/4"),
+         _faults({"kind": "stall", "core": 1, "step": 15, "phase": "train"})),
+    Case("s3-slowdown", "every 4th S3 request answers SlowDown (503), reads and writes", storage="s3-SlowDown/4",
+         seen=_api_retries),
     Case("s3-5xx", "every 4th S3 request answers InternalError (500), reads and writes",
-         storage="s3-InternalError/4"),
+         storage="s3-InternalError/4", seen=_api_retries),
     Case("torn-checkpoint", "rank 0 killed halfway through writing the step-20 checkpoint",
          _faults({"kind": "torn", "core": 0, "step": 20, "phase": "train"})),
-    Case("corrupt-cache-entry", "a compiled artifact in the compile cache cut short", setup=corrupt_cache_entry),
+    Case("corrupt-cache-entry", "a compiled artifact in the compile cache cut short", setup=corrupt_cache_entry,
+         seen=lambda row: row["compiled"] == 1),
     Case("torn-inference-shard", "rank 0 killed halfway through writing its second embedding shard",
-         _faults({"kind": "torn", "core": 0, "step": 2, "phase": "infer"})),
+         _faults({"kind": "torn", "core": 0, "step": 2, "phase": "infer"}),
+         seen=lambda row: row["retries_by"].get("task:infer", 0) == 1),
     Case("sagemaker-internal-error", "SageMaker loses training's instance after a checkpoint (InternalServerError)",
-         storage="sagemaker"),
+         storage="sagemaker", seen=lambda row: row["retries_by"].get("service", 0) == 1),
     Case("batch-host-failure", "AWS Batch loses a host of the two-node training job after a checkpoint",
-         storage="batch"),
+         storage="batch", seen=lambda row: row["retries_by"].get("service", 0) == 1),
     Case("disk-full", "no space left on the device while writing the step-30 checkpoint", setup=disk_full),
     Case("kill-torn-hw", "three in one run: a rank SIGKILLed at step 13, the step-20 checkpoint torn, then a "
          "hardware error on core 0 at step 25",

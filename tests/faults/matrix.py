@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import shutil
 import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
@@ -13,7 +14,8 @@ from tests.faults.cases import CASES, HOST_LOST, Case, Run, can_mount, disk_full
 from tests.faults.outcome import Snapshot, local_train_logs, prefect_runs, steps_redone
 from tests.faults.world import EVERY, STEPS, World, patched_env
 
-COLUMNS = ("case", "recovered", "retries", "steps redone", "weights", "registry", "outputs", "nothing lost")
+COLUMNS = ("case", "fault struck", "recovered", "retries", "steps redone", "weights", "registry", "outputs",
+           "nothing lost")
 
 
 class Matrix:
@@ -109,7 +111,9 @@ class Matrix:
 
     def run_baseline(self) -> float:
         began = time.monotonic()
-        run = Run(self.world, self.world.root / "baseline", str(self.world.root / "baseline"), {}, "baseline")
+        folder = self.world.root / "baseline"
+        shutil.rmtree(folder, ignore_errors=True)
+        run = Run(self.world, folder, str(folder), {}, "baseline")
         state = run.flow()
         if not state.is_completed():
             raise RuntimeError(f"the fault-free run failed: {state.result(raise_on_failure=False)}")
@@ -122,7 +126,8 @@ class Matrix:
         if case.setup is disk_full and not can_mount():
             return {**row, "recovered": None, "skipped": "needs root to mount a size-limited tmpfs"}
         folder = self.world.root / "cases" / case.name
-        folder.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(folder, ignore_errors=True)  # a rerun of the matrix starts each case afresh
+        folder.mkdir(parents=True)
         run = Run(self.world, folder, str(folder), dict(case.sections), f"fault-{case.name}")
         since, began = datetime.now(UTC), time.time()
         try:
@@ -139,14 +144,14 @@ class Matrix:
             if not recovered:
                 row["error"] = str(state.result(raise_on_failure=False))[:2000]
                 return {**row, "recovered": False, "seconds": round(time.time() - began, 1)}
-            snapshot = Snapshot.of(run.spec, state.result()["results"]["train"]["checkpoint"])
-            injected = run.folder / "s3-injected.log"
+            injected = run.folder / "s3-injected.log"  # counted before the snapshot's own reads add to it
             api = len(injected.read_text().splitlines()) if injected.exists() else 0
+            snapshot = Snapshot.of(run.spec, state.result()["results"]["train"]["checkpoint"])
         retries, relayed = prefect_runs(since)
         logs = relayed if case.storage in ("sagemaker", "batch") else local_train_logs(self._jobs_dir(), began)
         redone, attempts = steps_redone(logs, STEPS)
         by = {f"task:{name}": n for name, n in sorted(retries.items())}
-        service = attempts - 1 - sum(v for k, v in retries.items() if k == "train") - run.reruns
+        service = attempts - 1 - retries.get("train", 0) - run.reruns
         if service > 0:
             by["service"] = service
         if run.reruns:
@@ -154,10 +159,13 @@ class Matrix:
         if api:
             by["api"] = api
         same = snapshot.differences(self.baseline)
-        cores = state.result()["results"]["train"]["cores"]
-        return {**row, "recovered": True, "retries": sum(by.values()), "retries_by": by, "steps_redone": redone,
-                "training_attempts": attempts, "train_cores": cores, **same,
+        results = state.result()["results"]
+        row |= {"recovered": True, "retries": sum(by.values()), "retries_by": by, "steps_redone": redone,
+                "training_attempts": attempts, "train_cores": results["train"]["cores"],
+                "compiled": results["compile"]["compiled"], **same,
                 "nothing_lost": same["checkpoints"] and same["outputs"], "seconds": round(time.time() - began, 1)}
+        row["fault_seen"] = case.seen(row) if case.seen else attempts >= 1 + case.interruptions
+        return row
 
     @staticmethod
     def _jobs_dir() -> Path:
@@ -173,7 +181,7 @@ def passed(row: dict[str, Any]) -> bool:
     if row.get("skipped"):
         return True
     return bool(row.get("recovered")) and row.get("steps_redone", EVERY + 1) <= row["max_redone"] and all(
-        row.get(k) for k in ("weights", "registry", "outputs", "nothing_lost"))
+        row.get(k) for k in ("fault_seen", "weights", "registry", "outputs", "nothing_lost"))
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
@@ -186,7 +194,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
             out.append([r["case"], f"skipped: {r['skipped']}", *["-"] * (len(COLUMNS) - 2)])
             continue
         by = ", ".join(f"{k} {v}" for k, v in r.get("retries_by", {}).items())
-        out.append([r["case"], mark(r["recovered"]), f"{r.get('retries', '-')}" + (f" ({by})" if by else ""),
+        out.append([r["case"], mark(r.get("fault_seen")), mark(r["recovered"]),
+                    f"{r.get('retries', '-')}" + (f" ({by})" if by else ""),
                     str(r.get("steps_redone", "-")), *(mark(r.get(k)) for k in ("weights", "registry", "outputs",
                                                                                  "nothing_lost"))])
     return out

@@ -8,6 +8,9 @@ Every job gets a folder under the settings' jobs directory:
     output/       result.json from rank 0, failure-rank<r>.json from failing ranks
     exit.json     written by the supervisor when the job ends
     cancelled     written by cancel()
+
+A job belongs to the process that submitted it, which waits for it: if that process dies, the job
+is ended too (see `local_runner`), so its cores are free for a rerun.
 """
 
 from __future__ import annotations
@@ -90,7 +93,7 @@ class LocalBackend:
                   "cwd": os.getcwd(), "processes": len(cores), "cores": cores}
         atomic_write_json(job_dir / "job.json", {**record, "env": _recorded(env)})
         proc = subprocess.Popen(
-            [sys.executable, "-m", "trnflow.backends.local_runner", str(job_dir)],
+            [sys.executable, "-m", "trnflow.backends.local_runner", str(job_dir), str(os.getpid())],
             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True, env=env,
         )
@@ -122,6 +125,10 @@ class LocalBackend:
                 "message": "the job's supervisor process died before the job ended",
             })
         exit_info = json.loads(exit_file.read_text())
+        if exit_info.get("orphaned"):
+            return JobInfo(job_id, JobState.FAILED, failure={
+                "type": "FatalError", "retryable": False,
+                "message": "the job was ended because the process that submitted it died"})
         details = {"exit_code": exit_info["exit_code"], "seconds": exit_info["ended"] - exit_info["started"],
                    "cores": json.loads((job_dir / "job.json").read_text())["cores"]}
         result_file = job_dir / "output" / "result.json"

@@ -24,10 +24,9 @@ ORPHANED = -int(signal.SIGKILL)
 """The exit code recorded for a job whose submitter died: the job was killed."""
 
 
-def main(job_dir: str, poll_seconds: float = 0.5) -> int:
+def main(job_dir: str, submitter: int, poll_seconds: float = 0.5) -> int:
     root = Path(job_dir)
     job = json.loads((root / "job.json").read_text())
-    submitter = os.getppid()
     began = time.time()
     with open(root / "job.log", "ab", buffering=0) as log:  # the environment is inherited, never read from disk
         proc = subprocess.Popen(job["argv"], stdout=log, stderr=subprocess.STDOUT, cwd=job["cwd"])
@@ -39,12 +38,24 @@ def main(job_dir: str, poll_seconds: float = 0.5) -> int:
                 if os.getppid() != submitter:  # reparented: the submitter is gone
                     log.write(f"trnflow: the process that submitted this job ({submitter}) is gone; "
                               "ending the job\n".encode())
+                    _end_group(proc)
                     atomic_write_json(root / "exit.json", {"exit_code": ORPHANED, "started": began,
                                                            "ended": time.time(), "orphaned": True})
-                    os.killpg(os.getpgid(0), signal.SIGKILL)  # the workers, and this supervisor
+                    os.killpg(os.getpgid(0), signal.SIGKILL)  # anything left, and this supervisor
     atomic_write_json(root / "exit.json", {"exit_code": code, "started": began, "ended": time.time()})
     return 0
 
 
+def _end_group(proc: subprocess.Popen, grace_seconds: float = 10.0) -> None:
+    """SIGTERM the job's process group (this supervisor excepted) and wait for the launcher, so
+    that the job's cores are free by the time `exit.json` says it ended."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    os.killpg(os.getpgid(0), signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_seconds)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1]))
+    sys.exit(main(sys.argv[1], int(sys.argv[2])))

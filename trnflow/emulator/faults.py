@@ -7,7 +7,7 @@ applies the faults of the core it owns.
 
 Device faults (corrupt, hang, memory) are properties of a core and strike every time. Step faults
 strike once per run, at a training step or, in inference, at the rank's n-th shard (`phase` picks
-one; without it, whichever comes first):
+one; without it, once in each):
 - `kill`: the rank's process is killed with SIGKILL (as the OOM killer or a lost host would);
 - `timeout`: the runtime reports an execution timeout (transient: retry and resume);
 - `hw`: the core reports an uncorrectable hardware error (retry on other cores);
@@ -15,7 +15,8 @@ one; without it, whichever comes first):
 - `stall`: the rank stops making progress, as on a host that stopped answering; only the service
   (which replaces the host) or the peers' collective timeout ends it;
 - `torn`: the rank is killed halfway through writing its next checkpoint or shard, which is left
-  cut short under its own name (as a copy that died, or a storage fault, leaves it).
+  cut short under its own name (as a copy that died, or a storage fault, leaves it). Only rank 0
+  writes checkpoints: another rank is killed once the checkpoint is whole.
 """
 
 from __future__ import annotations

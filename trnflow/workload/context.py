@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -101,9 +102,25 @@ def _faults(spec: JobSpec | None) -> list[Fault]:
     return list(dict.fromkeys(injected))
 
 
+def exit_with_launcher(poll_seconds: float = 0.5) -> None:
+    """End this worker when the process that launched it dies. torchrun starts each worker in a
+    session of its own, so a launcher killed with SIGKILL (or a job's process group killed) would
+    otherwise leave the workers training on, holding their cores and writing the run's checkpoints
+    while its retry does the same."""
+    launcher = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == launcher:
+            time.sleep(poll_seconds)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
+
+
 def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dict[str, Any] | None = None
                 ) -> WorkerContext:
     """Own this rank's emulated NeuronCore, then join the process group (gloo)."""
+    exit_with_launcher()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

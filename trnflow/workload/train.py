@@ -167,10 +167,8 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
         if done % tcfg.checkpoint_every == 0 or done == tcfg.steps:
             rng = gather_objects(ctx, _rng_state(sr_gen))
             checkpoints = start.checkpoints
-            if tear:  # a torn fault: the rank dies halfway through writing this checkpoint
+            if tear and ctx.is_main:  # a torn fault: the writing rank dies halfway through this checkpoint
                 checkpoints = RunCheckpoints(checkpoints.url, TearingStore(checkpoints.store))
-                if not ctx.is_main:
-                    os.kill(os.getpid(), signal.SIGKILL)
             if ctx.is_main:
                 meta = {"run_id": run_id, **lineage, "global_step": lineage["base_step"] + done,
                         "spec_digest": spec.digest(), "precision": spec.compute.precision,
@@ -184,6 +182,8 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
             # No rank runs ahead while the checkpoint is written: a fault on another rank in the
             # next step would otherwise take rank 0 down mid-save and lose the interval.
             barrier(ctx)
+            if tear:  # a torn fault on a rank that writes nothing: it is lost once the checkpoint is whole
+                os.kill(os.getpid(), signal.SIGKILL)
     seconds = time.perf_counter() - began
     trained = tcfg.steps - first
     per_rank = gather_objects(ctx, memory.get("total", 0))
