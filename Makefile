@@ -39,7 +39,7 @@ chromium:
 	  echo "chromium could not be installed: the UI screenshot test will be skipped"
 
 test: lint chromium
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
 
 # The fault matrix: the quickstart pipeline (shortened) once without faults, then once per fault, each
 # compared with the fault-free run. About 25 minutes on 2 cores; `make test` runs its CI case.

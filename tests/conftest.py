@@ -129,16 +129,3 @@ def s3_bucket(moto_endpoint, monkeypatch) -> str:
     bucket = f"trnflow-test-{uuid.uuid4().hex[:8]}"
     boto3.client("s3").create_bucket(Bucket=bucket)
     return bucket
-
-
-# The files that take longest, longest first. `make test` hands out whole files to its two processes
-# in collection order (`--dist loadfile --no-loadscope-reorder`): starting with these keeps one
-# process from being left alone with a long file at the end.
-LONGEST_FIRST = ("test_cloud_backends.py", "test_prefect_server.py", "test_fault_matrix.py", "test_compile.py",
-                 "test_retrain.py", "test_pipeline.py", "test_compile_runs.py", "test_training.py", "test_faults.py",
-                 "test_inference.py")
-
-
-def pytest_collection_modifyitems(items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
