@@ -39,11 +39,10 @@ class StreamReader:
         return "".join(m if m.endswith("\n") else m + "\n" for m in new), cursor
 
 
-def first_stream(logs: Any, group: str, prefix: str) -> str | None:
-    """The first log stream (by name) under `prefix`: the main host's, for SageMaker."""
+def streams(logs: Any, group: str, prefix: str) -> list[str]:
+    """The log streams under `prefix`, by name."""
     try:
         page = aws.call(logs.describe_log_streams, logGroupName=group, logStreamNamePrefix=prefix)
     except logs.exceptions.ResourceNotFoundException:
-        return None
-    names = sorted(s["logStreamName"] for s in page.get("logStreams", []))
-    return names[0] if names else None
+        return []
+    return sorted(s["logStreamName"] for s in page.get("logStreams", []))

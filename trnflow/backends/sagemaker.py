@@ -17,7 +17,7 @@ from typing import Any
 from trnflow import aws
 from trnflow.backends.base import JobInfo, JobRequest, JobState
 from trnflow.backends.cloud import CloudTarget, stage_spec
-from trnflow.backends.cloudwatch import StreamReader, first_stream
+from trnflow.backends.cloudwatch import StreamReader, streams
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.backends.service_status import sagemaker_failure, sagemaker_state
 from trnflow.errors import FatalError
@@ -36,7 +36,7 @@ class SageMakerBackend:
         self._sm = aws.client("sagemaker", boto_session=self._session)
         self._logs = aws.client("logs", boto_session=self._session)
         self._s3 = aws.client("s3", boto_session=self._session)
-        self._streams: dict[str, str] = {}
+        self._read: dict[str, dict[str, int]] = {}  # job -> stream -> events read
         self._reader = StreamReader(self._logs, LOG_GROUP)
 
     def submit(self, request: JobRequest) -> str:
@@ -85,11 +85,19 @@ class SageMakerBackend:
             return json.loads(result.read_text())
 
     def logs(self, job_id: str, since: int = 0) -> tuple[str, int]:
-        stream = self._streams.get(job_id) or first_stream(self._logs, LOG_GROUP, f"{job_id}/")
-        if stream is None:
-            return "", since
-        self._streams[job_id] = stream
-        return self._reader.read(stream, since)
+        """The main host's lines. Each attempt of the job writes a stream of its own
+        (`<job>/algo-1-<start time>`: SageMaker's retry of an internal error starts a new one), so
+        they are read in order; `since` counts the events read across them."""
+        read = self._read.setdefault(job_id, {})
+        if since != sum(read.values()):  # not where this reader left off: start again, skip `since`
+            read.clear()
+        skip = since - sum(read.values())
+        parts = []
+        for stream in streams(self._logs, LOG_GROUP, f"{job_id}/algo-1-"):
+            text, read[stream] = self._reader.read(stream, read.get(stream, 0))
+            parts.append(text)
+        lines = "".join(parts).splitlines(keepends=True)[skip:]
+        return "".join(lines), since + len(lines)
 
     def cancel(self, job_id: str) -> None:
         try:
