@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Hashable
 from pathlib import Path
 from typing import Any
 
@@ -41,22 +40,21 @@ def _describe(err: dict[str, Any]) -> str:
     return msg.removeprefix("Value error, ")
 
 
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.safe_load that refuses a key given twice in one mapping (safe_load keeps the last)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
-        seen: set = set()
-        for key_node, _ in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: merged by the base class
-                continue
-            key = self.construct_object(key_node, deep=True)
-            if not isinstance(key, Hashable):
-                break  # the base class says what is wrong with an unhashable key
-            if key in seen:
-                raise yaml.constructor.ConstructorError(
-                    None, None, f"{key!r} is given twice in the same section; keep one of them", key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
+def _refuse_duplicate_keys(node: yaml.Node | None) -> None:
+    """A key given twice in one mapping is an error (`yaml.safe_load` would keep the last)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key, value in node.value:
+            if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
+                if key.value in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"{key.value!r} is given twice in the same section; keep one of them",
+                        key.start_mark)
+                seen.add(key.value)
+            _refuse_duplicate_keys(value)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _refuse_duplicate_keys(item)
 
 
 def validate_spec(data: Any, source: str = "<spec>") -> JobSpec:
@@ -100,7 +98,8 @@ def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobS
 def parse_spec(text: str, source: str, overrides: dict[str, Any] | None = None) -> JobSpec:
     """A job spec from YAML (or JSON) text read from `source`, which error messages name."""
     try:
-        data = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 (a SafeLoader, refusing duplicate keys)
+        _refuse_duplicate_keys(yaml.compose(text, Loader=yaml.SafeLoader))  # nodes only: nothing is built
+        data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}" if mark else "(file)"
