@@ -8,6 +8,7 @@ from prefect.cache_policies import NO_CACHE
 from jobspecs import JobSpec
 from tasks import _artifacts
 from tasks._jobs import run_job
+from trnflow.emulator.memory import estimate
 from trnflow.errors import FatalError, TrnflowError
 from trnflow.report import sanity_markdown
 
@@ -41,6 +42,7 @@ def sanity_check(spec: JobSpec, run_id: str) -> dict:
                 "cores": sorted({c["core"] for c in checked} - excluded)}),
                 "known-answer tests per NeuronCore and engine")
     result["excluded_cores"] = sorted(excluded)
+    result["memory"] = estimate(spec).as_dict()  # what each core must hold to train this spec
     note = f"; excluded bad core(s) {sorted(excluded)}" if excluded else ""
     cores = result["cores"]
     if cores is None:  # a cloud job: its instances were checked, each on its own cores

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 
 from trnflow.emulator.faults import CoreFaults
-from trnflow.emulator.memory import estimate
 from trnflow.workload.context import WorkerContext, gather_objects
 
 MATMUL_SIZE = 256
@@ -102,10 +101,18 @@ def _scalar_checks(dtype: torch.dtype, faults: CoreFaults) -> list[dict]:
     return out
 
 
-@torch.library.custom_op("trnflow::segmented_prefix_sum", mutates_args=())
-def segmented_prefix_sum(values: torch.Tensor, segment: int) -> torch.Tensor:
-    """A GPSIMD-style custom operator: inclusive prefix sums restarting every `segment` elements."""
+def _segmented_prefix_sum(values: torch.Tensor, segment: int) -> torch.Tensor:
     return values.view(-1, segment).cumsum(-1).view(-1)
+
+
+# A GPSIMD-style custom operator, `torch.ops.trnflow.segmented_prefix_sum`: inclusive prefix sums
+# restarting every `segment` elements. Registered with a schema and a CPU kernel through
+# torch.library.Library rather than the `custom_op` decorator, whose first call imports
+# TorchDynamo (over a second of start-up in every sanity worker).
+_OPS = torch.library.Library("trnflow", "DEF")
+_OPS.define("segmented_prefix_sum(Tensor values, int segment) -> Tensor")
+_OPS.impl("segmented_prefix_sum", _segmented_prefix_sum, "CPU")
+segmented_prefix_sum = torch.ops.trnflow.segmented_prefix_sum
 
 
 def _gpsimd_check(seed: int, faults: CoreFaults) -> dict:
@@ -165,7 +172,4 @@ def run(ctx: WorkerContext) -> dict:
     # Gathering the results is also a liveness check: a core that stalls in collectives is named here.
     per_core = ctx.collective("gathering sanity results", lambda: gather_objects(ctx, mine))
     bad = sorted(c["core"] for c in per_core if not c["passed"])
-    result = {"per_core": per_core, "bad_cores": bad, "passed": not bad}
-    if ctx.spec is not None:
-        result["memory"] = estimate(ctx.spec).as_dict()
-    return result
+    return {"per_core": per_core, "bad_cores": bad, "passed": not bad}
