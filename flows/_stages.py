@@ -15,6 +15,9 @@ from tasks.retry_policy import retry_options
 from trnflow.cost import job_cost, total
 from trnflow.errors import GateFailed
 
+STAGE_COLUMNS = {"stage": "stage", "state": "state", "seconds": "seconds", "summary": "key figure"}
+"""The `<name>-stages` table artifact's columns, by the stage row field each shows."""
+
 
 class PipelineFailed(Exception):
     """A stage failed. `stages` has a row per stage that ran; `cause` is the stage's own error."""
@@ -61,16 +64,20 @@ class StageRunner:
         """Attach the run's summary to the flow run: the stage table, the cost table and links to
         what it wrote. Called however the run ended; a failure to publish is only logged."""
         from tasks import _artifacts
-        from trnflow.report import cost_markdown, links_markdown, outputs, stage_summary
+        from trnflow.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
 
         title = f"{self.spec.name} run {self.run_id}"
-        text = stage_summary(title, self.rows, stages or tuple(r["stage"] for r in self.rows))
+        stages = stages or tuple(r["stage"] for r in self.rows)
+        text = stage_summary(title, self.rows, stages)
         if self.costs:
             text += "\n" + cost_markdown({"rows": self.costs, "total_usd": total(self.costs)})
         links = outputs(self.results)
         if links:
             text += "\n" + links_markdown(links)
         _artifacts.markdown(self.spec, "summary", text, f"stages, cost and outputs of run {self.run_id}")
+        _artifacts.table(self.spec, "stages", [{STAGE_COLUMNS[k]: r[k] for k in STAGE_COLUMNS}
+                                                for r in with_not_run(self.rows, stages)],
+                         f"each stage's state, duration and key figure in run {self.run_id}")
 
     def outcome(self) -> dict[str, Any]:
         return {"run_id": self.run_id, "stages": self.rows, "results": self.results,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import json
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -58,6 +59,21 @@ def connect() -> Iterator[Server]:
 
 def _seconds(duration: dt.timedelta | None) -> float | None:
     return duration.total_seconds() if duration else None
+
+
+def _stage_rows(artifacts: list[Any]) -> list[dict[str, Any]]:
+    """The stage table a run attached when it ended (`<name>-stages`, with each stage's key
+    figure); empty while the run is still going or when it never got that far."""
+    from flows._stages import STAGE_COLUMNS
+
+    for artifact in artifacts:
+        if artifact.type == "table" and (artifact.key or "").endswith("-stages"):
+            try:
+                rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
+                return [{field: row[column] for field, column in STAGE_COLUMNS.items()} for row in rows]
+            except (TypeError, KeyError, ValueError):
+                return []  # not a table of trnflow's
+    return []
 
 
 class Server:
@@ -128,8 +144,9 @@ class Server:
             "message": run.state.message if run.state else None, "url": ui_link(run.id),
             "started": run.start_time, "seconds": _seconds(run.total_run_time),
             "parameters": {k: v for k, v in run.parameters.items() if k != "spec"},
-            "stages": [{"stage": t.name.rsplit("-", 1)[0], "state": t.state.name if t.state else None,
-                        "seconds": _seconds(t.total_run_time)} for t in tasks],
+            "stages": _stage_rows(artifacts) or [
+                {"stage": t.name.rsplit("-", 1)[0], "state": t.state.name if t.state else None,
+                 "seconds": _seconds(t.total_run_time), "summary": ""} for t in tasks],
             "artifacts": sorted({a.key for a in artifacts if a.key}),
         }
 

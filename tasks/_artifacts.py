@@ -9,8 +9,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from prefect import get_run_logger
-from prefect.artifacts import create_image_artifact, create_link_artifact, create_markdown_artifact
+from prefect import artifacts, get_run_logger
 
 from jobspecs import JobSpec
 
@@ -28,15 +27,20 @@ def _logged(publish: Callable[..., None]) -> Callable[..., None]:
 
 @_logged
 def markdown(spec: JobSpec, what: str, text: str, description: str) -> None:
-    create_markdown_artifact(text, key=f"{spec.name}-{what}", description=description)
+    artifacts.create_markdown_artifact(text, key=f"{spec.name}-{what}", description=description)
 
 
 @_logged
 def image(spec: JobSpec, what: str, png: bytes, description: str) -> None:
-    create_image_artifact(f"data:image/png;base64,{base64.b64encode(png).decode()}", key=f"{spec.name}-{what}",
-                          description=description)
+    artifacts.create_image_artifact(f"data:image/png;base64,{base64.b64encode(png).decode()}",
+                                    key=f"{spec.name}-{what}", description=description)
 
 
 @_logged
 def link(spec: JobSpec, what: str, url: str, text: str) -> None:
-    create_link_artifact(url, link_text=text, key=f"{spec.name}-{what}", description=text)
+    artifacts.create_link_artifact(url, link_text=text, key=f"{spec.name}-{what}", description=text)
+
+
+@_logged
+def table(spec: JobSpec, what: str, rows: list[dict[str, Any]], description: str) -> None:
+    artifacts.create_table_artifact(rows, key=f"{spec.name}-{what}", description=description)

@@ -113,3 +113,29 @@ def test_submitted_runs_exit_0_when_completed_3_for_a_failed_gate_and_1_otherwis
     assert exit_code("COMPLETED", "Completed") == 0
     assert exit_code("FAILED", "GateFailed") == 3
     assert [exit_code(t, t.title()) for t in ("FAILED", "CRASHED", "CANCELLED")] == [1, 1, 1]
+
+
+def test_piped_output_is_not_cut_at_80_columns():
+    """Rich folds tables at 80 columns when stdout is a pipe; the CLI's stay one line a row."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    piped = subprocess.run([sys.executable, "-m", "trnflow.cli", "devices", "--instance-type", "trn1.32xlarge"],
+                           capture_output=True, text=True, timeout=120, env=env)
+    assert piped.returncode == 0, piped.stderr
+    rows = [line for line in piped.stdout.splitlines() if line.startswith("│")]
+    assert len(rows) == 16 and all(len(line) > 80 and "10:1e.0" in rows[0] for line in rows)  # a device a line
+
+
+def test_a_key_figure_is_printed_as_it_is():
+    import io
+
+    from rich.console import Console
+
+    from trnflow.render import stage_table
+
+    out = Console(file=io.StringIO(), width=200)
+    out.print(stage_table([{"stage": "train", "state": "Failed", "seconds": 1.0,
+                            "summary": "[Errno 2] No such file: '/data/[red]x'"}], ("train", "evaluate")))
+    text = out.file.getvalue()
+    assert "[Errno 2] No such file: '/data/[red]x'" in text and "NotRun" in text

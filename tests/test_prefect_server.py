@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -159,8 +160,11 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     assert run["state"] == "Completed" and run["deployment"] == "trnflow-pipeline/served"
     assert run["name"] == "served: all partitions"
     assert [s["stage"] for s in run["stages"]] == ["sanity", "collectives", "compile", "train", "evaluate", "infer"]
-    assert {f"served-{k}" for k in ("summary", "sanity", "collectives", "compile", "training", "gate", "parity",
-                                    "embeddings")} <= set(run["artifacts"])
+    figures = {s["stage"]: s["summary"] for s in run["stages"]}  # each stage's key figure, from the stages table
+    assert re.match(r"all \d+ cores passed", figures["sanity"]) and figures["train"].startswith("20 steps, loss ")
+    assert figures["infer"].startswith("350 embeddings") and "all_reduce ok" in figures["collectives"]
+    assert {f"served-{k}" for k in ("summary", "stages", "sanity", "collectives", "compile", "training", "gate",
+                                    "parity", "embeddings")} <= set(run["artifacts"])
     assert run["url"].endswith(f"/runs/flow-run/{run['id']}")
     assert (root / "embeddings" / "_manifest.json").is_file()  # the served process ran it, for real
 

@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
@@ -23,7 +22,7 @@ from trnflow import cli_runs, cli_serve, render
 from trnflow.cli_args import assignments
 from trnflow.cli_cache import cache_app
 from trnflow.cli_models import models_app
-from trnflow.render import RED
+from trnflow.render import RED, cli_console
 
 app = typer.Typer(
     name="trnflow",
@@ -45,8 +44,8 @@ def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
 
     mock_aws(port=port, seed_data=seed_data)
 
-console = Console()
-err = Console(stderr=True)
+console = cli_console()
+err = cli_console(stderr=True)
 
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
 

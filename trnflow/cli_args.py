@@ -5,9 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import typer
-from rich.console import Console
 
-from trnflow.render import RED
+from trnflow.render import RED, cli_console
 
 EXIT_BAD_INPUT = 2
 
@@ -16,7 +15,7 @@ def assignments(pairs: list[str] | None, option: str, example: str, name: str = 
     """`["a.b=1", "c=x"]` -> `{"a.b": 1, "c": "x"}`; a malformed pair is one red line and exit 2."""
     import yaml
 
-    err = Console(stderr=True)
+    err = cli_console(stderr=True)
     out: dict[str, Any] = {}
     for pair in pairs or []:
         key, sep, value = pair.partition("=")

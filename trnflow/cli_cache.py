@@ -8,14 +8,14 @@ from collections.abc import Iterator
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from trnflow.redact import without_credentials
-from trnflow.render import RED
+from trnflow.render import RED, cli_console
 
 cache_app = typer.Typer(help="Inspect and clean a persistent compile cache.", no_args_is_help=True)
-console = Console()
+console = cli_console()
+err = cli_console(stderr=True)
 UrlArg = Annotated[str, typer.Argument(help="The cache: a directory, file:// or s3:// URL (compile.cache_url).")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
 
@@ -31,14 +31,14 @@ def _cache(url: str) -> Iterator:
     try:
         yield CompileCache(_normalise_url(url))
     except TrnflowError as exc:  # says where and what to do
-        Console(stderr=True).print(str(exc), **RED)
+        err.print(str(exc), **RED)
         raise typer.Exit(2) from None
     except ValueError as exc:
-        Console(stderr=True).print(f"{without_credentials(url)}: {exc}", **RED)
+        err.print(f"{without_credentials(url)}: {exc}", **RED)
         raise typer.Exit(2) from None
     except Exception as exc:
         if type(exc).__module__.startswith("botocore"):
-            Console(stderr=True).print(f"{without_credentials(url)}: {exc}. Check the bucket name and your AWS "
+            err.print(f"{without_credentials(url)}: {exc}. Check the bucket name and your AWS "
                                        "credentials (AWS_PROFILE, AWS_ENDPOINT_URL for a moto server)", **RED)
             raise typer.Exit(2) from None
         raise
@@ -124,7 +124,7 @@ def prune(
     from trnflow.emulator.cache import COMPILER_VERSION
 
     if not (failed or older_than_days is not None or other_versions):
-        Console(stderr=True).print("[red]say what to prune: --failed, --older-than-days N or --other-versions[/red]")
+        err.print("[red]say what to prune: --failed, --older-than-days N or --other-versions[/red]")
         raise typer.Exit(2)
     with _cache(url) as cache:
         removed = cache.prune(compiler_version or COMPILER_VERSION, failed=failed, older_than_days=older_than_days,

@@ -12,9 +12,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from rich.console import Console
+from trnflow.render import cli_console
 
-console = Console()
+console = cli_console()
 
 
 def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None) -> None:

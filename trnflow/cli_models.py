@@ -8,15 +8,14 @@ from collections.abc import Iterator
 from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from trnflow.redact import without_credentials
-from trnflow.render import RED
+from trnflow.render import RED, cli_console
 
 models_app = typer.Typer(help="Look at and change the model registry (registry_url).", no_args_is_help=True)
-console = Console()
-err = Console(stderr=True)
+console = cli_console()
+err = cli_console(stderr=True)
 RegistryOpt = Annotated[str, typer.Option("--registry", "-r", help="The registry: a directory or s3:// URL "
                                           "(the spec's registry_url).", envvar="TRNFLOW_REGISTRY_URL")]
 ModelArg = Annotated[str, typer.Argument(help="The model: the job spec's name.")]

@@ -18,14 +18,13 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
 from trnflow.cli_args import assignments
-from trnflow.render import RED
+from trnflow.render import RED, cli_console, stage_table
 
-console = Console()
-err = Console(stderr=True)
+console = cli_console()
+err = cli_console(stderr=True)
 EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
 RunArg = Annotated[str, typer.Argument(help="Flow run id (or a unique prefix of one, as `trnflow runs` shows).",
                                        show_default=False)]
@@ -106,10 +105,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     if summary["message"]:
         console.print(summary["message"], markup=False, highlight=False)
     if summary["stages"]:
-        table = Table("stage", "state", "duration")
-        for row in summary["stages"]:
-            table.add_row(row["stage"], row["state"] or "", "" if row["seconds"] is None else f"{row['seconds']:.1f}s")
-        console.print(table)
+        console.print(stage_table([{**row, "state": row["state"] or ""} for row in summary["stages"]]))
     if summary["artifacts"]:
         console.print("artifacts: " + ", ".join(summary["artifacts"]))
     console.print(summary["url"])

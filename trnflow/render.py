@@ -2,25 +2,41 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from trnflow.report import ENGINES, cost_cells, engine_outcomes, with_not_run
 
 STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim"}
 
+PIPED_WIDTH = 200
+"""How wide printed output may be when it goes to a file or pipe rather than a terminal."""
+
 RED = {"style": "red", "markup": False, "highlight": False}
 """`console.print(text, **RED)`: an error line in red, its text printed as it is (never as markup)."""
 
 
-def stage_table(rows: list[dict[str, Any]], stages: tuple[str, ...], title: str) -> Table:
-    """One row per stage: state, duration, key figure; stages that never ran show NotRun."""
+def cli_console(stderr: bool = False) -> Console:
+    """The CLI's console. On a terminal it is as wide as the terminal; piped or redirected, Rich
+    would cut tables at 80 columns, so it is PIPED_WIDTH wide unless COLUMNS says otherwise."""
+    out = Console(stderr=stderr)
+    if out.is_terminal or "COLUMNS" in os.environ:
+        return out
+    return Console(stderr=stderr, width=PIPED_WIDTH)
+
+
+def stage_table(rows: list[dict[str, Any]], stages: tuple[str, ...] = (), title: str | None = None) -> Table:
+    """One row per stage: state, duration, key figure; stages that never ran show NotRun. The key
+    figure is printed as it is (an error message is never read as markup)."""
     table = Table("stage", "state", "duration", "key figure", title=title)
     for r in with_not_run(rows, stages):
-        colour = STATE_COLOURS.get(r["state"], "yellow")
         duration = "" if r["seconds"] is None else f"{r['seconds']:.1f}s"
-        table.add_row(r["stage"], f"[{colour}]{r['state']}[/{colour}]", duration, r["summary"])
+        table.add_row(r["stage"], Text(r["state"], style=STATE_COLOURS.get(r["state"], "yellow")), duration,
+                      Text(r["summary"] or ""))
     return table
 
 
