@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from jobspecs import JobSpec
+from jobspecs import JobSpec, PreflightSpec
 from tasks import _artifacts
 from tasks._jobs import run_job
 from trnflow.errors import FatalError
@@ -21,7 +21,14 @@ def collective_test(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
         result["summary"] = result.get("note", "skipped")
         return result
     _artifacts.markdown(spec, "collectives", collectives_markdown(result), "nccom-test-style collective sweep")
-    pf = spec.preflight
+    busbw, latency = check_thresholds(spec.preflight, result)
+    result["summary"] = f"all_reduce ok on {result['ranks']} cores, busbw {busbw:.3f} GB/s, {latency:.0f} us min"
+    return result
+
+
+def check_thresholds(pf: PreflightSpec, result: dict) -> tuple[float, float]:
+    """The all-reduce bus bandwidth (GB/s) and smallest-size latency (us) of a sweep; FatalError
+    when either misses the spec's threshold."""
     allreduce = [r for r in result["rows"] if r["op"] == "all_reduce"]
     busbw = result["avg_busbw_by_op"]["all_reduce"]
     latency = min(allreduce, key=lambda r: r["size(B)"])["time(us)"]
@@ -31,5 +38,4 @@ def collective_test(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
     if pf.max_latency_us is not None and latency > pf.max_latency_us:
         raise FatalError(f"the smallest all_reduce took {latency:.0f} us, above preflight.max_latency_us "
                          f"({pf.max_latency_us})")
-    result["summary"] = f"all_reduce ok on {result['ranks']} cores, busbw {busbw:.3f} GB/s, {latency:.0f} us min"
-    return result
+    return busbw, latency

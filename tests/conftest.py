@@ -53,6 +53,33 @@ def compile_cache(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("compile-cache")
 
 
+@pytest.fixture(scope="session")
+def warm_compile_cache(compile_cache, dataset, trnflow_home, tmp_path_factory) -> Path:
+    """The session's compile cache, holding the graphs of `make_spec`'s model and their plan: a
+    compile job fills it here unless an earlier test of the session already did."""
+    from trnflow.backends import JobRequest, JobState, wait
+    from trnflow.backends.local import LocalBackend
+    from trnflow.emulator import plans
+    from trnflow.emulator.cache import DONE, CompileCache, entry_name
+    from trnflow.settings import TrnflowSettings
+
+    out = tmp_path_factory.mktemp("warm")
+    spec = validate_spec(quickstart_data(
+        data={"train": str(dataset / "train"), "holdout": str(dataset / "holdout"),
+              "inference": str(dataset / "inference")},
+        compile={"cache_url": str(compile_cache)}, train={"checkpoint_url": str(out / "checkpoints")},
+        gate={"reference": None}, inference={"output_url": str(out / "embeddings")},
+        registry_url=str(out / "registry")))
+    cache = CompileCache(str(compile_cache))
+    known = plans.recorded(cache, spec)
+    if known is None or any(row["will"] != "hit" for row in plans.predict(known, cache, retry_failed=False)):
+        backend = LocalBackend(TrnflowSettings().jobs_dir)
+        job = wait(backend, backend.submit(JobRequest(spec, "compile", "warm", processes=1)), 0.2)
+        assert job.state is JobState.SUCCEEDED, job.failure
+    assert {cache.state(entry_name(row["key"])) for row in plans.recorded(cache, spec)} == {DONE}
+    return compile_cache
+
+
 @pytest.fixture
 def make_spec(dataset, tmp_path, trnflow_home, compile_cache):
     """A small quickstart spec whose data is the session dataset and whose outputs go to tmp_path."""

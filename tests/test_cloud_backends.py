@@ -28,10 +28,11 @@ def _upload(s3, folder, bucket, prefix):
 
 
 @contextlib.contextmanager
-def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=False):
-    """The emulated AWS with trnflow's deployment in it and the session's dataset uploaded. The
-    client reaches it in-process (`mock_aws`) or through the moto server on 127.0.0.1; the job
-    containers always reach it through the server, as containers reach AWS over the network."""
+def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=False, compile_cache=None):
+    """The emulated AWS with trnflow's deployment in it and the session's dataset uploaded (and a
+    compile cache, when given, as the S3 cache). The client reaches it in-process (`mock_aws`) or
+    through the moto server on 127.0.0.1; the job containers always reach it through the server,
+    as containers reach AWS over the network."""
     import boto3
     from moto import mock_aws
 
@@ -50,6 +51,8 @@ def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=
             for name in ("IMAGE", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE"):
                 monkeypatch.setenv(f"TRNFLOW_{name}", outputs[name])
             _upload(boto3.client("s3"), dataset, outputs["DATA_BUCKET"], "reviews")
+            if compile_cache is not None:
+                _upload(boto3.client("s3"), compile_cache, outputs["DATA_BUCKET"], "neuron-cache")
             yield cloud, outputs["DATA_BUCKET"]
 
 
@@ -95,16 +98,18 @@ def _assert_artifacts_in_s3(spec, bucket, results):
 
 
 def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
-        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
-    """In-process moto. Preflight first meets a capacity error, which trnflow resubmits; training
-    loses its instance after a checkpoint, which SageMaker's own RetryStrategy retries within the
-    job, and the retry resumes from the checkpoint."""
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warm_compile_cache):
+    """In-process moto. Preflight first meets a capacity error, which trnflow resubmits; the S3
+    compile cache already holds every graph, so the compile stage launches no job; training loses
+    its instance after a checkpoint, which SageMaker's own RetryStrategy retries within the job,
+    and the retry resumes from the checkpoint. (The Batch test below compiles on the service.)"""
     import boto3
 
     faults = [ServiceFault("sagemaker", "sanity", "CapacityError: Unable to provision requested ML compute capacity"),
               ServiceFault("sagemaker", "train", "InternalServerError: We encountered an internal error.",
                            when="checkpoint")]
-    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults, in_process=True) as (_, bucket):
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults, in_process=True,
+                compile_cache=warm_compile_cache) as (_, bucket):
         spec = _cloud_spec(make_spec, bucket, "sagemaker")
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False)
@@ -118,8 +123,9 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
                 for j in sm.list_training_jobs(MaxResults=100)["TrainingJobSummaries"]]
         phases = sorted(j["HyperParameters"]["phase"] for j in jobs)
         # the capacity error cost one resubmission; the internal error none (SageMaker retried it);
-        # evaluation ran inside the training job, so the evaluate stage launched none
-        assert phases == ["collectives", "compile", "infer", "sanity", "sanity", "train"]
+        # evaluation ran inside the training job, and a warm cache needs no compile job
+        assert phases == ["collectives", "infer", "sanity", "sanity", "train"]
+        assert results["compile"]["launched"] is False and results["compile"]["hits"] == 3
         train = next(j for j in jobs if j["HyperParameters"]["phase"] == "train")
         assert train["TrainingJobStatus"] == "Completed"
         assert "Restarting" in [t["Status"] for t in train["SecondaryStatusTransitions"]]
