@@ -163,6 +163,10 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
                            paired["p_value"])
     if reference is None and len(judged) == 1:
         summary = f"{gate.metric} {final:.4f}; {against}, recorded as baseline"
+    elif all(v["mode"] == "no-regression" for v, _, _ in judged):  # better by any amount, worse by at most the band
+        change = min((p["diff"] for v, _, _ in judged for p in v["points"]), default=0.0)
+        summary = (f"{gate.metric} {final:.4f}, {change:+.4f} vs {against} (allowed regression "
+                   f"{gate.max_abs_diff}): passed")
     else:
         rows = [p for v, _, _ in judged for p in (v["points"] if v["mode"] == "every-point" else v["points"][-1:])]
         worst = max((abs(p["diff"]) for p in rows), default=0.0)
