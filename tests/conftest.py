@@ -21,6 +21,20 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ["TRNFLOW_NEURON_RT_DIR"] = tempfile.mkdtemp(prefix="trnflow-rt-")
 
 
+def _tree(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*")} if folder.is_dir() else set()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _project_outputs_untouched():
+    """Tests write under their own temporary folders, never into the project's `runs/` (where the
+    quickstart's relative paths point): a test that forgets one path fails the session here."""
+    before = _tree(ROOT / "runs")
+    yield
+    added = sorted(_tree(ROOT / "runs") - before)
+    assert not added, f"a test wrote into {ROOT / 'runs'}: {added[:5]} (give its spec a temporary path)"
+
+
 @pytest.fixture(scope="session")
 def dataset(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("data")

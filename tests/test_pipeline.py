@@ -186,6 +186,7 @@ def reference_checkpoint(prefect_api, dataset, tmp_path_factory, compile_cache, 
         compile={"cache_url": str(compile_cache)},
         gate={"reference": str(root / "reference" / "metrics.json")},
         inference={"output_url": str(root / "embeddings")},
+        registry_url=str(root / "registry"),
     ))
     document = run_reference(spec)
     assert json.loads(local_path(spec.gate.reference).read_text()) == document
