@@ -1,7 +1,8 @@
 """trnflow against a real `prefect server` on 127.0.0.1 (embedded SQLite): prefect.yaml deploys
 every flow onto a process work pool with the retraining schedule; `trnflow serve` serves them;
 `trnflow submit --wait` runs the pipeline through a deployment and the run carries its artifacts;
-`runs`, `status` and `logs` find it; and the UI shows the deployment in a real browser."""
+`runs`, `status` and `logs` find it; `cancel` stops it and its jobs; a second retraining run waits
+for the first; and the UI shows the deployment in a real browser."""
 
 from __future__ import annotations
 
@@ -52,7 +53,9 @@ def server(tmp_path_factory):
     port = _free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_URL": f"http://127.0.0.1:{port}"}
+           "PREFECT_UI_URL": f"http://127.0.0.1:{port}",
+           # a run turned away by a deployment's concurrency limit is retried after this (30 s by default)
+           "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "2"}
     log = open(home / "server.log", "wb")  # noqa: SIM115 (closed at teardown)
     proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
                             env={**env, "PREFECT_LOGGING_LEVEL": "WARNING"},
@@ -213,6 +216,44 @@ def test_cancel_stops_the_run_and_the_jobs_it_launched(served):
     _wait_for(lambda: not _processes_under(jobs), 60, "the run's jobs to stop")
     again = subprocess.run([TRNFLOW, "cancel", run_id], env=env, capture_output=True, text=True)
     assert again.returncode == 1 and "already ended (Cancelled)" in " ".join(again.stderr.split())
+
+
+def _run_of(env, run_id: str):
+    with _client(env) as client:
+        return client.read_flow_run(run_id)
+
+
+def test_a_second_retraining_run_waits_for_the_first_to_end(served):
+    """Another retraining of the model holds its lock (a run started elsewhere, here this test):
+    the first submitted run waits for the lock, holding the deployment's one slot, and the
+    second waits for that slot, so the two never run at once and both complete in turn."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    from flows._lock import model_lock
+
+    env, path, _ = served
+
+    def submit() -> str:
+        started = subprocess.run([TRNFLOW, "submit", str(path), "--deployment", "incremental-retrain", "--json"],
+                                 env=env, capture_output=True, text=True, check=True)
+        return json.loads(started.stdout)["id"]
+
+    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), model_lock("served", timeout_seconds=60):
+        first = submit()
+        _wait_for(lambda: _run_of(env, first).state_name == "Running", 120, "the first run to start")
+        second = submit()
+        _wait_for(lambda: _run_of(env, second).state_name == "AwaitingConcurrencySlot", 120,
+                  "the second run to be held back")
+        assert _run_of(env, first).state_name == "Running"  # still waiting for the model's lock
+
+    def ended(run_id):
+        run = _run_of(env, run_id)
+        return run if run.state_type.value in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+
+    first_run = _wait_for(lambda: ended(first), 300, "the first run to end")
+    second_run = _wait_for(lambda: ended(second), 300, "the second run to end")
+    assert (first_run.state_name, second_run.state_name) == ("Completed", "Completed")
+    assert second_run.start_time >= first_run.end_time  # one after the other, never side by side
 
 
 def test_the_ui_shows_the_deployment(served, tmp_path):
