@@ -92,6 +92,31 @@ def test_injected_s3_errors_on_reads_and_writes_are_retried_and_lose_nothing(cod
         parse("SlowDown/1")
 
 
+def test_a_conditional_put_that_landed_but_lost_its_answer_is_still_the_callers(in_process_aws, monkeypatch):
+    """S3 wrote the object, then the answer was a 500: the retry is refused (the object exists),
+    and the store tells its own object from someone else's by its content."""
+    monkeypatch.setattr(aws, "FIRST_WAIT_SECONDS", 0.0)
+    client = aws.client("s3")
+    aws.call(client.create_bucket, Bucket="lossy")
+    store = S3Store("s3://lossy/run", client=client)
+    lost = []
+
+    def lose_the_first_answer(http_response, parsed, **_):
+        if not lost:
+            lost.append(parsed["ResponseMetadata"]["HTTPStatusCode"])
+            http_response.status_code = parsed["ResponseMetadata"]["HTTPStatusCode"] = 500
+            parsed["Error"] = {"Code": "InternalError", "Message": "answer lost after the write"}
+
+    client.meta.events.register("after-call.s3.PutObject", lose_the_first_answer)
+    assert store.create("registry/v000001.json", b"run A") is True
+    assert lost == [200] and store.read("registry/v000001.json") == b"run A"
+    store.write("registry/v000002.json", b"run B")  # another writer's
+    assert store.create("registry/v000002.json", b"run A") is False  # refused at once
+    lost.clear()
+    assert store.create("registry/v000002.json", b"run A") is False  # refused after a retry, and still not ours
+    assert lost == [412] and store.read("registry/v000002.json") == b"run B"
+
+
 def test_a_full_disk_is_a_clear_error_that_leaves_the_old_file_whole(tmp_path, monkeypatch):
     import errno
     import os

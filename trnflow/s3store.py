@@ -41,14 +41,29 @@ class S3Store:
         aws.call(self._s3.put_object, Bucket=self.bucket, Key=self._key(name), Body=data)
 
     def create(self, name: str, data: bytes) -> bool:
+        """A conditional put (If-None-Match). When a retried put is refused because the object
+        exists, an earlier attempt may have landed and lost only its answer (a 5xx after the write):
+        the object is then this caller's if it holds exactly `data`, which callers make unique."""
         from botocore.exceptions import ClientError
 
+        attempts = 0
+
+        def put_object() -> None:
+            nonlocal attempts
+            attempts += 1
+            self._s3.put_object(Bucket=self.bucket, Key=self._key(name), Body=data, IfNoneMatch="*")
+
         try:
-            aws.call(self._s3.put_object, Bucket=self.bucket, Key=self._key(name), Body=data, IfNoneMatch="*")
+            aws.call(put_object)
         except ClientError as exc:
-            if exc.response.get("Error", {}).get("Code") in ("PreconditionFailed", "ConditionalRequestConflict"):
+            if exc.response.get("Error", {}).get("Code") not in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise
+            if attempts == 1:
                 return False
-            raise
+            try:
+                return self.read(name) == data
+            except FileNotFoundError:  # deleted meanwhile: whoever held it has let go, but not to us
+                return False
         return True
 
     def delete(self, name: str) -> None:

@@ -57,7 +57,8 @@ class Store(Protocol):
         ...
 
     def create(self, name: str, data: bytes) -> bool:
-        """Write the object only if it does not exist yet; False when it did."""
+        """Write the object only if it does not exist yet; False when it did. Give it content unique
+        to the caller (a token, a time): a retried request tells its own object by it."""
         ...
 
     def delete(self, name: str) -> None:

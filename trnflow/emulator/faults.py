@@ -90,6 +90,10 @@ class CoreFaults:
         self.kinds = {f.kind for f in faults if f.core == core and f.step is None}
         self.training = [f for f in faults if f.core == core and f.step is not None]
 
+    def marker(self) -> bytes:
+        """What a fired fault's marker holds: who fired it, unique to this process."""
+        return f"core {self.core} pid {os.getpid()} at {time.time():.6f}".encode()
+
     def strike(self, step: int, first_time: Callable[[Fault], bool], phase: str = "train") -> set[str]:
         """Fire this core's step faults due at `step` of `phase` (steps count from 1), each once per
         run: `first_time(fault)` records the fault and says whether it had fired before. Returns

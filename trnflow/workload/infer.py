@@ -106,8 +106,8 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     load_seconds = time.perf_counter() - loading
     shards, written, began = [], 0, time.perf_counter()
     for ordinal, shard in enumerate(mine, start=1):
-        due = ctx.faults.strike(ordinal, lambda fault: faults_store.create(f"faults/infer-{fault.label}", b""),
-                                phase="infer")
+        due = ctx.faults.strike(ordinal, lambda fault: faults_store.create(f"faults/infer-{fault.label}",
+                                                                           ctx.faults.marker()), phase="infer")
         shard_store = TearingStore(out) if "torn" in due else out  # a torn fault: killed mid-write
         lo, hi = shard * icfg.shard_size, min((shard + 1) * icfg.shard_size, len(rows.ids))
         marker = committed(out, shard, plan)

@@ -128,7 +128,8 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
     last_loss, checkpoint_url = float(resumed.meta.get("loss", "nan")) if resumed else float("nan"), None
     tear = False
     for step, idx in sampler.batches(first, tcfg.steps):
-        due = ctx.faults.strike(step + 1, lambda fault: start.checkpoints.store.create(f"faults/{fault.label}", b""))
+        due = ctx.faults.strike(step + 1, lambda fault: start.checkpoints.store.create(f"faults/{fault.label}",
+                                                                                       ctx.faults.marker()))
         poison, tear = "nan" in due, tear or "torn" in due
         step_began = time.perf_counter()
         # Shapes are static, so the first step's saved activations are every step's.
