@@ -35,12 +35,26 @@ def _member(name: str, kind: bytes = tarfile.REGTYPE, target: str = "") -> tarfi
     _member("link", tarfile.SYMTYPE, "../../escaped.txt"),
     _member("hard", tarfile.LNKTYPE, "/etc/passwd"),
 ], ids=["dotdot", "nested-dotdot", "absolute", "symlink-out", "hardlink-out"])
-def test_an_archive_that_climbs_out_of_its_folder_is_refused(tmp_path, member):
+def test_an_archive_that_climbs_out_of_its_folder_is_refused_before_anything_is_written(tmp_path, member):
     dest = tmp_path / "out" / "inner"
     with pytest.raises(FatalError, match="refused to unpack") as caught:
-        extract(_tar(member), dest, "s3://bucket/job/output/output.tar.gz")
+        extract(_tar(_member("model/first.pt"), member), dest, "s3://bucket/job/output/output.tar.gz")
     assert "s3://bucket/job/output/output.tar.gz" in str(caught.value)
     assert not (tmp_path / "out" / "escaped.txt").exists() and not (tmp_path / "escaped.txt").exists()
+    assert not dest.exists()  # not even the safe member before it
+
+
+def test_a_compile_artifact_with_an_unsafe_member_is_a_corrupt_entry_that_writes_nothing(tmp_path):
+    from trnflow.emulator.cache import CorruptEntry
+    from trnflow.emulator.compiler import unpack_into
+
+    inductor = tmp_path / "inductor"
+    inductor.mkdir()
+    with pytest.raises(CorruptEntry, match=r"unsafe member, refused: '\.\./escaped\.py'"):
+        unpack_into(_tar(_member("fx/graph.py"), _member("../escaped.py")), inductor)
+    assert list(inductor.iterdir()) == [] and not (tmp_path / "escaped.py").exists()
+    unpack_into(_tar(_member("fx/graph.py"), data=b"code"), inductor)
+    assert (inductor / "fx" / "graph.py").read_bytes() == b"code"
 
 
 def test_a_plain_archive_unpacks_and_garbage_is_a_clear_error(tmp_path):

@@ -1,6 +1,7 @@
 """Tar archives from elsewhere (SageMaker's output.tar.gz) are unpacked safely: no absolute
 paths, no `..`, no links leaving the folder, no devices. Absolute names are refused here; the
-standard library's `data` filter refuses the rest."""
+standard library's `data` filter refuses the rest. Every member is checked before the first is
+written."""
 
 from __future__ import annotations
 
@@ -11,16 +12,22 @@ from pathlib import Path
 from trnflow.errors import FatalError
 
 
+def unpack(archive: tarfile.TarFile, dest: Path) -> None:
+    """Extract `archive` into `dest` once every member has been checked, so that an unsafe member
+    leaves nothing written at all. Raises tarfile.FilterError naming the first unsafe member."""
+    for member in archive.getmembers():
+        if member.name.startswith(("/", "\\")):  # the data filter would only strip the leading '/'
+            raise tarfile.AbsolutePathError(member)
+        tarfile.data_filter(member, str(dest))
+    dest.mkdir(parents=True, exist_ok=True)
+    archive.extractall(dest, filter="data")
+
+
 def extract(data: bytes, dest: Path, source: str) -> Path:
     """Unpack the gzipped tar `data` into `dest`; `source` names it in errors."""
-    dest.mkdir(parents=True, exist_ok=True)
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:*") as archive:
-            for member in archive.getmembers():  # the data filter would only strip the leading '/'
-                if member.name.startswith(("/", "\\")):
-                    raise FatalError(f"{source}: refused to unpack {member.name!r}: an absolute path; the "
-                                     "archive tries to write outside its folder")
-            archive.extractall(dest, filter="data")
+            unpack(archive, dest)
     except tarfile.FilterError as exc:
         raise FatalError(f"{source}: refused to unpack {exc.tarinfo.name!r}: {exc}; the archive tries to "
                          "write outside its folder") from exc

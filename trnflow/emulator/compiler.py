@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from trnflow.emulator.cache import CorruptEntry
+from trnflow.safetar import unpack
 
 # optlevel -> how the emulator compiles, trading compile time against step time as neuronx-cc's
 # -O1/-O2/-O3 do. O1 lowers each graph to ATen forward and backward graphs (AOT autograd) without
@@ -127,13 +128,13 @@ def pack_dir(path: Path) -> bytes:
 def unpack_into(artifact: bytes, path: Path) -> None:
     """Extract an artifact safely: regular files and folders only, nothing outside `path`.
 
-    The whole archive is read before anything is written; raises CorruptEntry when the artifact is
-    not a readable, safe gzipped tar."""
+    The whole archive is read and every member checked before anything is written; raises
+    CorruptEntry when the artifact is not a readable, safe gzipped tar."""
     try:
         with tarfile.open(fileobj=io.BytesIO(artifact), mode="r:gz") as tar:
-            tar.getmembers()
-            path.mkdir(parents=True, exist_ok=True)
-            tar.extractall(path, filter="data")
+            unpack(tar, path)
+    except tarfile.FilterError as exc:
+        raise CorruptEntry(f"its artifact holds an unsafe member, refused: {exc}") from None
     except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise CorruptEntry(f"its artifact is not a readable archive: {exc}") from None
 
