@@ -21,6 +21,20 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ["TRNFLOW_NEURON_RT_DIR"] = tempfile.mkdtemp(prefix="trnflow-rt-")
 
 
+def archive(files: dict[str, bytes]) -> bytes:
+    """A gzipped tar of `files` (name -> content), shaped like a compile artifact."""
+    import io
+    import tarfile
+
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for name, data in files.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return buffer.getvalue()
+
+
 def _tree(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*")} if folder.is_dir() else set()
 

@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 import trnflow.backends
 import trnflow.cli
 from jobspecs import DataSpec, ModelSpec, SpecError
-from tests.conftest import quickstart_data
+from tests.conftest import archive, quickstart_data
 from trnflow.cli import app
 from trnflow.datafiles import data_files
 from trnflow.emulator.cache import COMPILER_VERSION, CompileCache
@@ -251,7 +251,7 @@ def cache_entry(change: Callable[[Path], object], where: Callable[[Path], Path] 
     """`trnflow cache verify` on a cache whose one done entry is altered by `change(entry folder)`."""
     def make(tmp: Path):
         root = tmp / "cache"
-        CompileCache(str(root)).commit(ENTRY, "graph", {"optlevel": 1}, b"compiled artifact")
+        CompileCache(str(root)).commit(ENTRY, "graph", {"optlevel": 1}, archive({"fx/graph.py": b"compiled"}))
         change(root / ENTRY)
         return lambda: _invoke(["cache", "verify", str(where(root))], code)
     return make

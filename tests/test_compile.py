@@ -8,11 +8,13 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
+from tests.conftest import archive
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.cli import app
 from trnflow.emulator.cache import (
     COMPILER_VERSION,
+    CORRUPT,
     DONE,
     FAILED,
     LOCKED,
@@ -118,16 +120,21 @@ def test_a_live_lock_is_respected_and_only_its_owner_releases_it(tmp_path):
 def test_prune_removes_failed_and_old_entries_but_never_locked_ones(tmp_path):
     root = tmp_path / "cache"
     cache = CompileCache(str(root))
-    failed, locked, good, old = (f"torch-9/MODULE_{i}+0" for i in range(4))
+    failed, locked, good, old, garbage = (f"torch-9/MODULE_{i}+0" for i in range(5))
+    artifact = archive({"fx/graph.py": b"compiled"})
     cache.record_failure(failed, "g", {}, "boom")
     cache.acquire_lock(locked)
-    cache.commit(good, "g", {}, b"artifact")
-    cache.commit(old, "g", {}, b"artifact")
-    cache.commit("torch-1/MODULE_9+0", "g", {}, b"artifact")
+    cache.commit(good, "g", {}, artifact)
+    cache.commit(old, "g", {}, artifact)
+    cache.commit(garbage, "g", {}, b"checksummed, but no archive")
+    cache.commit("torch-1/MODULE_9+0", "g", {}, artifact)
+    assert (cache.state(good), cache.state(garbage)) == (DONE, CORRUPT)
+    assert "matches its checksum but is no archive" in cache.problem(garbage)
     result = CliRunner().invoke(app, ["cache", "prune", str(root), "--failed", "--other-versions",
                                       "--compiler-version", "torch-9"])
     assert result.exit_code == 0, result.output
     assert not (root / failed).exists() and (root / locked).exists() and (root / good / "model.done").exists()
+    assert not (root / garbage).exists()
     assert not (root / "torch-1" / "MODULE_9+0").exists()
     assert CliRunner().invoke(app, ["cache", "prune", str(root)]).exit_code == 2  # say what to prune
 

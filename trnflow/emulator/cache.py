@@ -36,6 +36,20 @@ STALE_LOCK_SECONDS = 24 * 3600.0
 """A lock held this long by a process on another host is taken for abandoned."""
 
 
+def _not_an_archive(data: bytes) -> str | None:
+    """Why an artifact is not a readable gzipped tar, or None when it is."""
+    import io
+    import tarfile
+    import zlib
+
+    try:
+        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
+            archive.getmembers()
+    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
+        return str(exc) or type(exc).__name__
+    return None
+
+
 def entry_name(key: str) -> str:
     """Where a key lives in the cache: `<compiler version>/<key>`."""
     return f"{COMPILER_VERSION}/{key}"
@@ -155,6 +169,8 @@ class CompileCache:
             expected = files[name]
             if len(data) != expected.get("bytes") or sha256(data) != expected.get("sha256"):
                 raise CorruptEntry(f"{entry}/{name} does not match its checksum in model.done")
+            if name == "model.neff" and (why := _not_an_archive(data)):  # checksummed as it was written
+                raise CorruptEntry(f"{entry}/model.neff matches its checksum but is no archive ({why})")
             if name == wanted:
                 out = data
         return out
