@@ -1,25 +1,48 @@
 """One retraining run per model at a time, whatever started it (a schedule, the UI, the CLI): a
 Prefect global concurrency limit of one slot per model, held for the whole run.
 
-The slot is a lease the run renews while it lives, so a run whose process dies gives it back when
-the server's lease service sees the lease run out (`LEASE_SECONDS`), instead of blocking every later
-run. A lease the server lost (in-memory leases and a restart) leaves the slot taken:
-`prefect gcl update trnflow-retrain-<model> --active-slots 0` frees it. A renewal that fails (the
-server restarting) does not stop the run.
+The slot is a lease. The run renews it every `RENEW_EVERY_SECONDS` and, when the server does not
+answer, keeps trying until the lease would have run out: a server restart shorter than that costs
+nothing. A run whose process dies gives the slot back once the lease runs out (`LEASE_SECONDS`,
+plus the server's lease check). A lease that was lost (the server unreachable for longer, or a
+restart of a server that keeps leases in memory) is noticed, and `ModelLock.check` refuses the
+step that must not run unguarded: promotion. A slot a lost lease left taken is freed by hand with
+`prefect gcl update trnflow-retrain-<model> --active-slots 0`.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import logging
+import threading
+import time
+import uuid
 from collections.abc import Iterator
 
 from trnflow.errors import FatalError
 
-LEASE_SECONDS = 60.0
+LEASE_SECONDS = 120.0
+RENEW_EVERY_SECONDS = 10.0
+log = logging.getLogger("trnflow.lock")
+
+
+def _logger() -> logging.Logger | logging.LoggerAdapter:
+    """The run's logger inside a flow run (the thread copies its context), else this module's."""
+    from prefect.logging import get_run_logger
+
+    try:
+        return get_run_logger()
+    except Exception:
+        return log
 
 
 def limit_name(model: str) -> str:
     return f"trnflow-retrain-{model}"
+
+
+def _freeing(name: str) -> str:
+    return f"`prefect gcl update {name} --active-slots 0` frees a slot no run holds"
 
 
 def ensure_limit(model: str) -> str:
@@ -39,19 +62,94 @@ def ensure_limit(model: str) -> str:
     return name
 
 
-@contextlib.contextmanager
-def model_lock(model: str, timeout_seconds: float | None) -> Iterator[None]:
-    """Hold the model's slot; wait up to `timeout_seconds` for it (None: as long as it takes)."""
-    from prefect.concurrency.sync import concurrency
+class ModelLock:
+    """A held slot of the model's limit, renewed in a thread of its own until released."""
 
+    def __init__(self, model: str, name: str, lease_id: uuid.UUID):
+        self.model, self.name, self.lease_id = model, name, lease_id
+        self.lost: str | None = None
+        self._expires = time.monotonic() + LEASE_SECONDS
+        self._stop = threading.Event()
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=lambda: context.run(self._renew), name=f"{name}-lease", daemon=True)
+        self._thread.start()
+
+    def _renew(self) -> None:
+        from prefect.client.orchestration import get_client
+
+        with get_client(sync_client=True) as client:
+            while not self._stop.wait(RENEW_EVERY_SECONDS) and self.lost is None:
+                try:
+                    client.renew_concurrency_lease(self.lease_id, LEASE_SECONDS)
+                    self._expires = time.monotonic() + LEASE_SECONDS
+                except Exception as exc:
+                    status = getattr(getattr(exc, "response", None), "status_code", None)
+                    if status in (404, 410):
+                        self.lost = "the server no longer knows its lease (it expired, or the server restarted)"
+                    elif time.monotonic() >= self._expires:
+                        self.lost = f"the server did not answer for over {LEASE_SECONDS:g} s ({exc})"
+                    else:
+                        _logger().warning("could not renew the lease on %s (%s); trying again in %g s", self.name, exc,
+                                    RENEW_EVERY_SECONDS)
+
+    def check(self) -> None:
+        """Raise FatalError when the lease was lost: another run of the model may hold the slot now."""
+        if self.lost is not None:
+            raise FatalError(f"this run lost its hold on {self.name}: {self.lost}. Another retraining of "
+                             f"{self.model} may be running, so this run stops before promoting; the champion "
+                             "is unchanged and the next run retries the same window")
+
+    def release(self) -> None:
+        from prefect.client.orchestration import get_client
+
+        self._stop.set()
+        self._thread.join(timeout=RENEW_EVERY_SECONDS)
+        if self.lost is None:
+            try:
+                with get_client(sync_client=True) as client:
+                    client.release_concurrency_slots_with_lease(self.lease_id)
+            except Exception as exc:  # the lease runs out by itself
+                _logger().warning("could not release %s (%s); it frees itself within %g s", self.name, exc,
+                                  LEASE_SECONDS)
+
+
+def _acquire(name: str, timeout_seconds: float | None) -> uuid.UUID:
+    """A lease on the limit's one slot, waiting while another run holds it (TimeoutError past the timeout)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
+    told = False
+    with get_client(sync_client=True) as client:
+        while True:
+            try:
+                answer = client.increment_concurrency_slots_with_lease(
+                    names=[name], slots=1, mode="concurrency", lease_duration=LEASE_SECONDS)
+                return uuid.UUID(answer.json()["lease_id"])
+            except PrefectHTTPStatusError as exc:
+                if exc.response.status_code != 423:  # 423 Locked: the slot is taken
+                    raise
+                pause = float(exc.response.headers.get("Retry-After", 1.0))
+            if deadline is not None and time.monotonic() >= deadline:
+                raise TimeoutError(name)
+            if not told:
+                _logger().info("another retraining run holds %s; waiting for it to end", name)
+                told = True
+            time.sleep(max(0.1, min(pause, deadline - time.monotonic() if deadline is not None else pause)))
+
+
+@contextlib.contextmanager
+def model_lock(model: str, timeout_seconds: float | None) -> Iterator[ModelLock]:
+    """Hold the model's slot; wait up to `timeout_seconds` for it (None: as long as it takes)."""
     name = ensure_limit(model)
-    with contextlib.ExitStack() as held:
-        try:
-            held.enter_context(concurrency(name, occupy=1, timeout_seconds=timeout_seconds,
-                                           lease_duration=LEASE_SECONDS, strict=True,
-                                           raise_on_lease_renewal_failure=False))
-        except TimeoutError:
-            raise FatalError(f"another retraining run of {model} has held the concurrency limit {name} for over "
-                             f"{timeout_seconds:g} s, so this run was refused; it is safe to run again later "
-                             f"(`prefect gcl inspect {name}` shows the limit)") from None
-        yield
+    try:
+        lease_id = _acquire(name, timeout_seconds)
+    except TimeoutError:
+        raise FatalError(f"another retraining run of {model} has held the concurrency limit {name} for over "
+                         f"{timeout_seconds:g} s, so this run was refused; it is safe to run again later. If no "
+                         f"such run is going, {_freeing(name)}") from None
+    held = ModelLock(model, name, lease_id)
+    try:
+        yield held
+    finally:
+        held.release()

@@ -18,7 +18,7 @@ from typing import Any
 from prefect import flow, get_run_logger
 from prefect.states import Completed, State
 
-from flows._lock import model_lock
+from flows._lock import ModelLock, model_lock
 from flows._params import name_run, resolve_spec
 from flows._stages import StageRunner, new_run_id, run_stages, through_training
 from jobspecs import JobSpec, SpecError
@@ -60,7 +60,7 @@ def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None
             before this run is refused; none waits as long as it takes.
     """
     spec = retrain_spec(resolve_spec(spec, spec_url))
-    with model_lock(spec.name, lock_timeout_seconds):
+    with model_lock(spec.name, lock_timeout_seconds) as lock:
         assert spec.registry_url is not None
         registry = Registry(spec.registry_url)
         generation = registry.generation(spec.name)  # a champion changed after this is never overwritten
@@ -74,10 +74,11 @@ def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None
                              data={"nothing_new": True, "watermark": watermark, "stages": []})
         base = f"champion v{champion.version}" if champion else "scratch"
         name_run(spec, f"dt={days[0]}..{days[-1]} from {base}" if len(days) > 1 else f"dt={days[0]} from {base}")
-        return run_stages(StageRunner(spec, run_id or new_run_id()), partial(_stages, generation=generation), STAGES)
+        return run_stages(StageRunner(spec, run_id or new_run_id()),
+                          partial(_stages, generation=generation, lock=lock), STAGES)
 
 
-def _stages(stage: StageRunner, generation: int) -> dict[str, Any]:
+def _stages(stage: StageRunner, generation: int, lock: ModelLock) -> dict[str, Any]:
     cores, trained = through_training(stage, later=("evaluate", "infer", "promote"))
     if trained.get("skipped"):  # the new partitions went away between the listing and the job
         return stage.outcome()
@@ -86,5 +87,6 @@ def _stages(stage: StageRunner, generation: int) -> dict[str, Any]:
                   generation=generation)
     stage("infer", batch_infer, checkpoint, cores)
     entry = gated["registry"]
+    lock.check()  # promotion is what must never happen outside the model's lock
     stage("promote", promote_champion, entry["version"], entry["generation"])
     return stage.outcome()

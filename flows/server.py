@@ -53,6 +53,9 @@ def connect() -> Iterator[Server]:
     except httpx.TransportError as exc:
         raise ServerError(f"cannot reach the Prefect server at {api} ({exc}); is it running?") from None
     except PrefectHTTPStatusError as exc:
+        if exc.response is not None and exc.response.status_code == 401:
+            raise ServerError(f"the Prefect server at {api} asks for credentials: set PREFECT_API_AUTH_STRING to "
+                              "the user:password its PREFECT_SERVER_API_AUTH_STRING names") from None
         detail = exc.response.text[:500] if exc.response is not None else str(exc)
         raise ServerError(f"the Prefect server refused the request: {detail}") from None
 
@@ -101,8 +104,28 @@ class Server:
             flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(is_null_=False)),
             sort=FlowRunSort.START_TIME_DESC, limit=limit)
 
+    def _waiting(self, limit: int) -> list[Any]:
+        """trnflow's runs due by now that have not started: queued, late, or waiting for a slot
+        (not the scheduler's future ones)."""
+        from prefect.client.schemas.filters import (
+            FlowFilter,
+            FlowFilterName,
+            FlowRunFilter,
+            FlowRunFilterExpectedStartTime,
+            FlowRunFilterStartTime,
+        )
+        from prefect.client.schemas.sorting import FlowRunSort
+
+        due = dt.datetime.now(dt.UTC) + dt.timedelta(minutes=1)
+        return self.client.read_flow_runs(
+            flow_filter=FlowFilter(name=FlowFilterName(any_=[f.flow_name for f in FLOWS])),
+            flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(is_null_=True),
+                                          expected_start_time=FlowRunFilterExpectedStartTime(before_=due)),
+            sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=limit)
+
     def recent(self, limit: int) -> list[dict[str, Any]]:
-        found = self._recent(limit)
+        """The runs due that have not started, then the newest that have: `limit` in all."""
+        found = (self._waiting(limit) + self._recent(limit))[:limit]
         flows = {f.id: f.name for f in self.client.read_flows()} if found else {}
         return [{"id": str(r.id), "name": r.name, "flow": flows.get(r.flow_id, ""),
                  "state": r.state.name if r.state else "", "started": r.start_time,
@@ -118,7 +141,7 @@ class Server:
             pass
         except ObjectNotFound:
             raise ServerError(f"no flow run {ref} on {api_url()}") from None
-        matches = [str(r.id) for r in self._recent(200) if str(r.id).startswith(ref)]
+        matches = [str(r.id) for r in self._waiting(200) + self._recent(200) if str(r.id).startswith(ref)]
         if len(matches) != 1:
             what = "no flow run" if not matches else f"{len(matches)} flow runs"
             raise ServerError(f"{what} with an id starting {ref!r}; give more of the id (`trnflow runs` lists them)")
@@ -162,17 +185,25 @@ class Server:
                 return self.summary(run_id)
             time.sleep(1.0)
 
-    def logs(self, run_id: str, offset: int) -> list[dict[str, Any]]:
-        """Up to LOG_PAGE log lines of the run from `offset`, oldest first."""
-        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    def logs(self, run_id: str, since: dt.datetime | None = None) -> list[dict[str, Any]]:
+        """Every log line of the run stamped at or after `since` (all of them without), oldest first."""
+        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTimestamp
         from prefect.client.schemas.sorting import LogSort
 
-        page = self.client.read_logs(log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(run_id)])),
-                                     sort=LogSort.TIMESTAMP_ASC, offset=offset, limit=LOG_PAGE)
-        return [{"time": line.timestamp, "logger": line.name, "message": line.message} for line in page]
+        only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(run_id)]),
+                         timestamp=LogFilterTimestamp(after_=since) if since else None)
+        lines: list[dict[str, Any]] = []
+        while True:
+            page = self.client.read_logs(log_filter=only, sort=LogSort.TIMESTAMP_ASC, offset=len(lines),
+                                         limit=LOG_PAGE)
+            lines += [{"id": str(line.id), "time": line.timestamp, "logger": line.name, "message": line.message}
+                      for line in page]
+            if len(page) < LOG_PAGE:
+                return lines
 
-    def cancel(self, run_id: str) -> None:
-        """Ask for the run to be cancelled; ServerError when it has ended or the server declines."""
+    def cancel(self, run_id: str) -> str:
+        """Ask for the run to be cancelled and say what became of it; ServerError when it has ended
+        or the server declines."""
         from prefect.states import Cancelling
 
         kind, name, run_name = self.state(run_id)
@@ -180,6 +211,9 @@ class Server:
             raise ServerError(f"{run_name} has already ended ({name})")
         result = self.client.set_flow_run_state(uuid.UUID(run_id),
                                                 Cancelling(message="cancelled from the trnflow command"))
-        if result.status.value != "ACCEPT":
-            reason = getattr(result.details, "reason", None) or result.status.value.lower()
-            raise ServerError(f"{run_name}: the server did not cancel it ({reason})")
+        if result.status.value == "ACCEPT":
+            return f"cancelling {run_id}"
+        if result.state is not None and result.state.type.value == "CANCELLED":  # nothing was running it yet
+            return f"cancelled {run_id} before it started"
+        reason = getattr(result.details, "reason", None) or result.status.value.lower()
+        raise ServerError(f"{run_name}: the server did not cancel it ({reason})")

@@ -2,6 +2,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -139,3 +140,53 @@ def test_a_key_figure_is_printed_as_it_is():
                             "summary": "[Errno 2] No such file: '/data/[red]x'"}], ("train", "evaluate")))
     text = out.file.getvalue()
     assert "[Errno 2] No such file: '/data/[red]x'" in text and "NotRun" in text
+
+
+def test_submit_params_keep_text_parameters_as_text_and_refuse_a_second_spec():
+    import typer
+
+    from trnflow.cli_runs import _parse_params
+
+    assert _parse_params(["run_id=20260105", "lock_timeout_seconds=60"]) == {"run_id": "20260105",
+                                                                            "lock_timeout_seconds": 60}
+    for key in ("spec_url", "spec"):
+        with pytest.raises(typer.Exit) as refused:
+            _parse_params([f"{key}=s3://bucket/spec.yaml"])
+        assert refused.value.exit_code == 2
+
+
+def test_a_server_that_asks_for_credentials_is_told_apart(monkeypatch):
+    """A Prefect server behind basic auth (the production compose file) answers 401: the CLI says
+    which variable to set rather than echoing the server's JSON."""
+    import http.server
+    import threading
+
+    class Refuse(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self._refuse()
+
+        def do_POST(self):
+            self._refuse()
+
+        def _refuse(self):
+            body = b'{"exception_message": "Unauthorized"}'
+            self.send_response(401)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refuse)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        from prefect.settings import PREFECT_API_URL, temporary_settings
+
+        with temporary_settings({PREFECT_API_URL: f"http://127.0.0.1:{server.server_address[1]}/api"}):
+            result = CliRunner().invoke(app, ["runs"])
+    finally:
+        server.shutdown()
+    assert result.exit_code == 2
+    assert "PREFECT_API_AUTH_STRING" in " ".join(result.stderr.split())

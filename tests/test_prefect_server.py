@@ -245,6 +245,16 @@ def test_a_second_retraining_run_waits_for_the_first_to_end(served):
         _wait_for(lambda: _run_of(env, second).state_name == "AwaitingConcurrencySlot", 120,
                   "the second run to be held back")
         assert _run_of(env, first).state_name == "Running"  # still waiting for the model's lock
+        still = subprocess.run([TRNFLOW, "status", first[:8]], env=env, capture_output=True, text=True)
+        assert still.returncode == 4  # not ended yet
+
+        third = submit()  # one too many: it is cancelled while it waits, found by its prefix
+        listed = json.loads(subprocess.run([TRNFLOW, "runs", "--json"], env=env, capture_output=True, text=True,
+                                           check=True).stdout)
+        assert {first, second, third} <= {r["id"] for r in listed}
+        cancelled = subprocess.run([TRNFLOW, "cancel", third[:8]], env=env, capture_output=True, text=True)
+        assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
+        assert "before it started" in cancelled.stdout and _run_of(env, third).state_name == "Cancelled"
 
     def ended(run_id):
         run = _run_of(env, run_id)

@@ -98,3 +98,29 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert second.entry["parent_version"] == 2
     assert results["promote"]["summary"] == "champion v3 (was v2), data up to 2026-01-03"
     assert dt.date.fromisoformat(second.watermark) > dt.date.fromisoformat(first.watermark)
+
+
+def test_a_lost_lease_is_noticed_and_stops_promotion(prefect_api, monkeypatch):
+    """The server forgets the run's lease (it expired, or a server keeping leases in memory
+    restarted): the renewal notices, another run can take the slot, and `check` refuses to go on."""
+    import time
+
+    from prefect.client.orchestration import get_client
+
+    from flows import _lock
+    from trnflow.errors import FatalError
+
+    monkeypatch.setattr(_lock, "RENEW_EVERY_SECONDS", 0.2)
+    with model_lock("leased", timeout_seconds=10) as held:
+        held.check()  # renewed, still ours
+        time.sleep(0.5)
+        held.check()
+        with get_client(sync_client=True) as client:
+            client.release_concurrency_slots_with_lease(held.lease_id)  # what an expiry does
+        deadline = time.monotonic() + 10
+        while held.lost is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        with pytest.raises(FatalError, match=r"lost its hold on trnflow-retrain-leased.*stops before promoting"):
+            held.check()
+        with model_lock("leased", timeout_seconds=1) as other:  # the slot is free for another run
+            other.check()

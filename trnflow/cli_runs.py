@@ -4,7 +4,7 @@ to the server is `flows.server`'s; this module prints.
 
 Exit codes scripts can rely on: 0 Completed, 1 failed (or crashed, or cancelled), 2 bad input
 (including a server that is unset, unreachable or refuses the request), 3 the accuracy-parity gate
-failed.
+failed, 4 (`status` only) the run has not ended yet.
 """
 
 from __future__ import annotations
@@ -25,7 +25,13 @@ from trnflow.render import RED, cli_console, stage_table
 
 console = cli_console()
 err = cli_console(stderr=True)
-EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE, EXIT_NOT_ENDED = 1, 2, 3, 4
+STRING_PARAMS = ("run_id", "checkpoint")
+"""Flow parameters that are text whatever they look like (`--param run_id=20260105` stays a string)."""
+TAIL_SECONDS = 5.0
+"""How long `logs --follow` keeps reading after the run ended: its last lines arrive in batches."""
+LATE_LINES_SECONDS = 10.0
+"""How far back each `logs --follow` read looks again, for lines that arrive out of order."""
 RunArg = Annotated[str, typer.Argument(help="Flow run id (or a unique prefix of one, as `trnflow runs` shows).",
                                        show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
@@ -51,7 +57,14 @@ def exit_code(state_type: str, state_name: str) -> int:
 
 
 def _parse_params(pairs: list[str] | None) -> dict[str, Any]:
-    return assignments(pairs, "--param", "run_id=nightly-1")
+    params = assignments(pairs, "--param", "run_id=nightly-1")
+    for key in ("spec", "spec_url"):
+        if key in params:
+            err.print(f"--param {key}: submit sends SPEC whole as the run's spec; edit the file or use --set "
+                      "field=value instead (a deployment's own spec_url is what its scheduled runs read)", **RED)
+            raise typer.Exit(EXIT_BAD_INPUT)
+    raw = dict(pair.partition("=")[::2] for pair in pairs or [])
+    return {k: raw[k].strip() if k in STRING_PARAMS and v is not None else v for k, v in params.items()}
 
 
 def submit(
@@ -90,13 +103,22 @@ def submit(
                 print(json.dumps({"id": run_id, "deployment": name, "url": link}))
             return
         with contextlib.nullcontext() if as_json else console.status("waiting") as status:
-            summary = server.wait(run_id, None if status is None else
-                                  lambda run_name, state: status.update(f"{run_name}: {state}"))
+            summary = server.wait(run_id, lambda run_name, state: _waiting(status, run_name, state))
     if as_json:
         print(json.dumps({**summary, "deployment": name}, indent=2, default=str))
     else:
         _print_summary(summary)
     raise typer.Exit(exit_code(summary["state_type"], summary["state"]))
+
+
+def _waiting(status: Any, run_name: str, state: str) -> None:
+    """Show the run's state while waiting; a run nobody picks up says what to start."""
+    if status is not None:
+        status.update(f"{run_name}: {state}")
+    if state == "Late":
+        err.print(f"{run_name} is late: nothing is running its deployment. Start `trnflow serve SPEC`, or a "
+                  "worker with `prefect worker start --pool trnflow`; it starts as soon as one runs", style="yellow",
+                  markup=False, highlight=False)
 
 
 def _print_summary(summary: dict[str, Any]) -> None:
@@ -115,7 +137,7 @@ def runs(
     limit: Annotated[int, typer.Option(min=1, max=200, help="How many of the newest runs.")] = 20,
     as_json: JsonOpt = False,
 ):
-    """List the newest trnflow flow runs that have started on the Prefect server."""
+    """List trnflow's flow runs on the Prefect server: those due but not started, then the newest."""
     from flows.server import api_url
 
     with _server() as server:
@@ -132,7 +154,8 @@ def runs(
 
 
 def status(run: RunArg, as_json: JsonOpt = False):
-    """One run: its state, each stage's state and duration, its artifacts and UI link."""
+    """One run: its state, each stage's state and duration, its artifacts and UI link (exit 4 while it has not
+    ended)."""
     from flows.server import FINAL
 
     with _server() as server:
@@ -141,8 +164,8 @@ def status(run: RunArg, as_json: JsonOpt = False):
         print(json.dumps(summary, indent=2, default=str))
     else:
         _print_summary(summary)
-    if summary["state_type"] in FINAL:
-        raise typer.Exit(exit_code(summary["state_type"], summary["state"]))
+    raise typer.Exit(exit_code(summary["state_type"], summary["state"]) if summary["state_type"] in FINAL
+                     else EXIT_NOT_ENDED)
 
 
 def logs(
@@ -151,23 +174,24 @@ def logs(
                       ] = False,
 ):
     """Print a run's log lines (its stages' and their jobs' output), oldest first."""
-    from flows.server import FINAL, LOG_PAGE
+    from flows.server import FINAL
 
     with _server() as server:
-        run_id, seen = server.find(run), 0
+        run_id, shown, since, quiet = server.find(run), set(), None, None
         while True:
-            page = server.logs(run_id, seen)
-            for line in page:
+            fresh = [line for line in server.logs(run_id, since) if line["id"] not in shown]
+            for line in fresh:
                 stamp = line["time"].astimezone(dt.UTC).strftime("%H:%M:%S")
-                print(f"{stamp} {line['logger'].removeprefix('prefect.')}: {line['message']}")
-            seen += len(page)
-            if len(page) == LOG_PAGE:
-                continue
+                print(f"{stamp} {line['logger'].removeprefix('prefect.')}: {line['message']}", flush=True)
+                shown.add(line["id"])
             if not follow:
                 return
+            if fresh:  # look back a little each time: lines from other processes can arrive late
+                since = max(line["time"] for line in fresh) - dt.timedelta(seconds=LATE_LINES_SECONDS)
             if server.state(run_id)[0] in FINAL:
-                follow = False  # one more read for the last lines
-                continue
+                quiet = time.monotonic() if fresh or quiet is None else quiet
+                if time.monotonic() - quiet >= TAIL_SECONDS:  # the last batches have come in
+                    return
             time.sleep(1.0)
 
 
@@ -176,8 +200,8 @@ def cancel(run: RunArg):
     with _server() as server:
         run_id = server.find(run)
     with _server(EXIT_FAILED) as server:  # an ended run, or a cancel the server declines, is a failure
-        server.cancel(run_id)
-    console.print(f"cancelling {run_id}")
+        outcome = server.cancel(run_id)
+    console.print(outcome)
 
 
 def register(app: typer.Typer) -> None:
