@@ -3,11 +3,13 @@ its watermark, gate the result, embed with it, and only then make it the champio
 
     nothing new since the champion's watermark -> Completed("nothing new"), no job launched
     else: sanity -> collectives -> compile -> train (from the champion) -> evaluate (against the
-          champion, and gate.reference when that is a file) -> infer -> promote
+          champion, and gate.reference when that is a file) -> infer (into the run's staging
+          folder) -> promote (then publish the staged embeddings)
 
 One run per model at a time (`flows._lock`). Promotion is the last step, so a run that fails
-anywhere leaves the champion, and the watermark that comes with it, unchanged: the next scheduled
-run retries the same window.
+anywhere leaves the champion, the watermark that comes with it, and the published embeddings
+unchanged: the next scheduled run retries the same window. Embeddings whose publication was cut
+short after their model was promoted are published by the next run, before anything else.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from flows._stages import StageRunner, new_run_id, run_stages, through_training
 from jobspecs import JobSpec, SpecError
 from tasks.evaluate import evaluate_gate
 from tasks.infer import batch_infer
-from tasks.promote import promote_champion
+from tasks.promote import promote_champion, publish_embeddings
 from trnflow.datafiles import new_partitions
 from trnflow.registry import Registry
 
@@ -65,6 +67,10 @@ def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None
         registry = Registry(spec.registry_url)
         generation = registry.generation(spec.name)  # a champion changed after this is never overwritten
         champion = registry.champion(spec.name)
+        staged_by = champion.entry.get("run_id") if champion else None
+        if staged_by and publish_embeddings(spec, staged_by).get("published"):  # promoted, publication cut short
+            get_run_logger().info("published the embeddings of champion v%d, which its own run staged but did "
+                                  "not publish", champion.version)
         watermark = champion.watermark if champion else None
         days = new_partitions(spec.data.train, spec.data.format, watermark)
         if not days:
@@ -85,7 +91,7 @@ def _stages(stage: StageRunner, generation: int, lock: ModelLock) -> dict[str, A
     checkpoint = trained["checkpoint"]
     gated = stage("evaluate", evaluate_gate, checkpoint, cores, against_champion=True, promote=False,
                   generation=generation)
-    stage("infer", batch_infer, checkpoint, cores)
+    stage("infer", batch_infer, checkpoint, cores, staged=True)
     entry = gated["registry"]
     lock.check()  # promotion is what must never happen outside the model's lock
     stage("promote", promote_champion, entry["version"], entry["generation"])

@@ -1,7 +1,9 @@
-"""The last step of scheduled retraining: make the gated model the champion.
+"""The last step of scheduled retraining: make the gated model the champion, then publish the
+embeddings it made.
 
-It comes after batch inference, so a run that fails anywhere leaves the champion, and with it the
-data watermark the next run starts from, as they were.
+It comes after batch inference (into the run's staging folder), so a run that fails anywhere
+before it leaves the champion, the data watermark the next run starts from, and the published
+embeddings as they were.
 """
 
 from __future__ import annotations
@@ -10,13 +12,17 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from jobspecs import JobSpec
+from tasks import _artifacts
+from trnflow.embeddings import MANIFEST, publish, staging_url
 from trnflow.registry import Registry
+from trnflow.storage import join
 
 
 @task(name="promote", cache_policy=NO_CACHE)
 def promote_champion(spec: JobSpec, run_id: str, version: int, generation: int) -> dict:
     """Promote `version`, unless the champion changed since `generation` (the one the gate judged
-    against): then PromotionConflict, never retried, names the champion that won."""
+    against): then PromotionConflict, never retried, names the champion that won. Then publish
+    the embeddings staged by this run's inference."""
     assert spec.registry_url is not None  # retraining checks it
     registry = Registry(spec.registry_url)
     before = registry.champion(spec.name)
@@ -24,5 +30,18 @@ def promote_champion(spec: JobSpec, run_id: str, version: int, generation: int) 
                               expected_generation=generation)
     was = f" (was v{before.version})" if before else " (the first)"
     watermark = registry.version(spec.name, version).watermark
-    return {"version": version, "generation": record["generation"], "watermark": watermark,
-            "summary": f"champion v{version}{was}, data up to {watermark}"}
+    result = {"version": version, "generation": record["generation"], "watermark": watermark,
+              "summary": f"champion v{version}{was}, data up to {watermark}"}
+    return {**result, **publish_embeddings(spec, run_id, result["summary"])}
+
+
+def publish_embeddings(spec: JobSpec, run_id: str, summary: str = "") -> dict:
+    """Publish the embeddings `run_id` staged, if it staged a complete set; the link artifact names them."""
+    output_url = spec.inference.output_url
+    document = publish(staging_url(output_url, run_id), output_url)
+    if document is None:
+        return {"summary": summary}
+    manifest = join(output_url, MANIFEST)
+    _artifacts.link(spec, "embeddings", manifest, f"{document['rows']} embeddings of {document['model_version']} "
+                    f"in {len(document['shards'])} Parquet shard(s) under {output_url}")
+    return {"published": manifest, "summary": f"{summary}; {document['rows']} embeddings published".lstrip("; ")}

@@ -10,7 +10,9 @@ import pytest
 from flows._lock import model_lock
 from flows._stages import PipelineFailed
 from flows.incremental_retrain import STAGES, incremental_retrain
+from trnflow.embeddings import MANIFEST, STAGING, manifest
 from trnflow.registry import Registry
+from trnflow.storage import local_path
 from trnflow.synth import synthesize
 
 
@@ -54,6 +56,8 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert [r["stage"] for r in outcome.stages] == ["sanity", "collectives", "compile", "train", "evaluate", "infer"]
     assert registry.champion(spec.name) is None
     assert [v.entry["status"] for v in registry.versions(spec.name)] == ["passed"]  # gated, never promoted
+    published = local_path(spec.inference.output_url)
+    assert manifest(str(published)) is None
 
     # the next run retries the same window, and promotes as its last step
     state, outcome = _run(spec)
@@ -63,6 +67,9 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert first.version == 2 and first.watermark == "2026-01-02"
     assert outcome["results"]["train"]["partitions"] == ["2026-01-01", "2026-01-02"]
     assert outcome["results"]["evaluate"]["against"] == "no champion"
+    assert manifest(str(published))["checkpoint"] == first.checkpoint  # the champion's embeddings, published
+    assert not (published / STAGING).exists()
+    assert outcome["results"]["promote"]["summary"].endswith("; 120 embeddings published")
 
     from prefect.client.orchestration import get_client
 
@@ -70,10 +77,15 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
         assert client.read_flow_run(state.state_details.flow_run_id).name == (
             "quickstart: dt=2026-01-01..2026-01-02 from scratch")
 
-    # nothing new since the champion's watermark: Completed, and no job launched
+    # nothing new since the champion's watermark: Completed, and no job launched; but a publication
+    # of the champion's embeddings that was cut short (staged, manifest gone) is finished first
+    staged = published / STAGING / first.entry["run_id"]
+    shutil.copytree(published, staged)
+    (published / MANIFEST).unlink()
     launched = _jobs(trnflow_home)
     state, outcome = _run(spec)
     assert state.is_completed() and outcome["nothing_new"]
+    assert manifest(str(published))["checkpoint"] == first.checkpoint and not staged.exists()
     assert state.message == f"nothing new: {spec.data.train} has no partitions after 2026-01-02"
     assert _jobs(trnflow_home) == launched
 
@@ -95,8 +107,9 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert results["evaluate"]["summary"].endswith(f"{change:+.4f} vs champion v2 (allowed regression 0.2): passed")
     second = registry.champion(spec.name)
     assert second.version == 3 and second.watermark == "2026-01-03"
+    assert manifest(str(published))["checkpoint"] == second.checkpoint
     assert second.entry["parent_version"] == 2
-    assert results["promote"]["summary"] == "champion v3 (was v2), data up to 2026-01-03"
+    assert results["promote"]["summary"] == "champion v3 (was v2), data up to 2026-01-03; 120 embeddings published"
     assert dt.date.fromisoformat(second.watermark) > dt.date.fromisoformat(first.watermark)
 
 

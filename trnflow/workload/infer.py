@@ -1,40 +1,32 @@
 """The offline batch-inference phase: embeddings of the inference set, as Parquet shards.
 
 The rows are cut into shards of `inference.shard_size`; rank r embeds shards r, r + world, ...
-Under `inference.output_url` (a folder or an S3 prefix), each shard is
-
-    part-00007.parquet               id, embedding, model_version
-    _committed/part-00007.json       written after it: rows, sha256 and size of the file, the plan
-
-and rank 0 writes `_manifest.json` last, listing every shard with its row count and checksum. A
-rerun skips every shard whose marker matches its file and the current plan (same rows, same shard
-size, same model) and redoes the others, so a run killed midway finishes without touching what
-was committed. Nothing is written outside `output_url`, and the bookkeeping names start with `_`,
-so Parquet readers that are handed the folder (pyarrow, pandas, Spark) see only the shards.
+Each shard is written under `inference.output_url`, then its commit marker; rank 0 writes the
+manifest last (the layout is `trnflow.embeddings`'). A rerun skips every shard whose marker
+matches its file and the current plan (same rows, same shard size, same model) and redoes the
+others, so a run killed midway finishes without touching what was committed. Nothing is written
+outside `output_url`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import re
 import time
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
+from trnflow.embeddings import MANIFEST, committed, marker_name, remove_beyond, shard_name
 from trnflow.emulator.faults import TearingStore
-from trnflow.storage import Store, open_store
+from trnflow.storage import open_store
 from trnflow.workload.checkpoint import load, load_model_weights
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.data import read_unlabelled, static_batches
 from trnflow.workload.evaluate import tokenizer_of
 from trnflow.workload.model import build_model
 from trnflow.workload.programs import for_run
-
-MANIFEST = "_manifest.json"
-_OURS = re.compile(r"(?:_committed/)?part-(\d{5})\.(?:parquet|json)")
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
@@ -43,28 +35,6 @@ def _parquet_bytes(table: pa.Table) -> bytes:
     # only the repeated model version is worth a dictionary.
     pq.write_table(table, sink, use_dictionary=["model_version"])
     return sink.getvalue().to_pybytes()
-
-
-def shard_name(shard: int) -> str:
-    return f"part-{shard:05d}"
-
-
-def _marker(shard: int) -> str:
-    return f"_committed/{shard_name(shard)}.json"
-
-
-def committed(out: Store, shard: int, plan: str) -> dict | None:
-    """The shard's marker, if the shard is committed for this plan and its file matches it."""
-    try:
-        marker = json.loads(out.read(_marker(shard)))
-        if marker.get("plan") != plan:
-            return None
-        data = out.read(f"{shard_name(shard)}.parquet")
-    except (FileNotFoundError, ValueError):
-        return None
-    if hashlib.sha256(data).hexdigest() != marker.get("sha256"):
-        return None
-    return marker
 
 
 def run(ctx: WorkerContext, checkpoint: str) -> dict:
@@ -123,7 +93,7 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
             marker = {"shard": shard, "rows": hi - lo, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
                       "plan": plan, "model_version": version}
             shard_store.write(f"{shard_name(shard)}.parquet", data)
-            out.write(_marker(shard), json.dumps(marker).encode())  # the commit, last
+            out.write(marker_name(shard), json.dumps(marker).encode())  # the commit, last
             written += hi - lo
         shards.append({"shard": shard, "file": f"{shard_name(shard)}.parquet", "rows": marker["rows"],
                        "sha256": marker["sha256"], "reused": reused})
@@ -134,10 +104,7 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     everything = sorted((s for per_rank in gather_objects(ctx, shards) for s in per_rank), key=lambda s: s["shard"])
     counts = gather_objects(ctx, written)
     if ctx.is_main:
-        for obj in out.list():  # shards of an earlier, larger inference set, and their markers
-            match = _OURS.fullmatch(obj.name)
-            if match and int(match.group(1)) >= n_shards:
-                out.delete(obj.name)
+        remove_beyond(out, n_shards)  # shards of an earlier, larger inference set, and their markers
         manifest = {"model_version": version, "checkpoint": ckpt.url, "plan": plan, "rows": len(rows.ids),
                     "shard_size": icfg.shard_size,
                     "shards": [{k: s[k] for k in ("shard", "file", "rows", "sha256")} for s in everything]}
