@@ -72,11 +72,12 @@ def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None
             get_run_logger().info("published the embeddings of champion v%d, which its own run staged but did "
                                   "not publish", champion.version)
         watermark = champion.watermark if champion else None
-        days = new_partitions(spec.data.train, spec.data.format, watermark)
+        days = new_partitions(spec.data.train, spec.data.format, watermark, spec.data.ready_marker)
         if not days:
             after = f"after {watermark}" if watermark else "at all"
             name_run(spec, f"nothing new {after}")
-            return Completed(message=f"nothing new: {spec.data.train} has no partitions {after}",
+            ready = f" marked ready by {spec.data.ready_marker}" if spec.data.ready_marker else ""
+            return Completed(message=f"nothing new: {spec.data.train} has no partitions{ready} {after}",
                              data={"nothing_new": True, "watermark": watermark, "stages": []})
         base = f"champion v{champion.version}" if champion else "scratch"
         name_run(spec, f"dt={days[0]}..{days[-1]} from {base}" if len(days) > 1 else f"dt={days[0]} from {base}")

@@ -95,6 +95,13 @@ class DataSpec(Section):
         description="Which training partitions a run reads: all, or only the dt=YYYY-MM-DD partitions after "
         "the watermark of the checkpoint it starts from (incremental training).",
     )
+    ready_marker: str | None = Field(
+        None,
+        description="A file, such as _SUCCESS, whose presence in a dt=YYYY-MM-DD folder of the training data "
+        "marks that day as complete: training reads, and retraining looks for, only days that have it, so "
+        "a day still being written is left for a later run. None: every day is read as soon as it appears.",
+        pattern=r"^[A-Za-z0-9._-]+$",
+    )
     text_field: str = Field("text", description="Column holding the input text.")
     label_field: str = Field("label", description="Column holding the integer class label.")
     id_field: str = Field("id", description="Column holding a unique row id (used by inference output).")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from jobspecs import DataSpec
-from trnflow.datafiles import data_files, partitions, since_watermark
+from trnflow.datafiles import data_files, new_partitions, partitions, since_watermark
 from trnflow.errors import DataError, FatalError
 from trnflow.synth import synthesize
 from trnflow.workload.data import StepSampler, read_labelled, read_unlabelled
@@ -55,6 +55,18 @@ def test_partitions_sort_by_day_and_the_window_starts_after_the_watermark(tmp_pa
     (tmp_path / "train" / "loose.parquet").write_bytes((tmp_path / "holdout" / "part-00000.parquet").read_bytes())
     with pytest.raises(DataError, match=r"loose\.parquet is not"):
         since_watermark(data_files(str(tmp_path / "train"), "parquet"), None, "train")
+
+
+def test_with_a_ready_marker_only_the_days_marked_complete_count(tmp_path):
+    synthesize(tmp_path, days=3, rows_per_day=10, seed=1)
+    train = str(tmp_path / "train")
+    for day in ("2026-01-01", "2026-01-02"):
+        (tmp_path / "train" / f"dt={day}" / "_SUCCESS").write_text("")
+    assert partitions(data_files(train, "jsonl", "_SUCCESS")) == ["2026-01-01", "2026-01-02"]
+    assert new_partitions(train, "jsonl", "2026-01-01", "_SUCCESS") == ["2026-01-02"]
+    assert new_partitions(train, "jsonl", "2026-01-02", "_SUCCESS") == []  # 01-03 is still being written
+    assert new_partitions(train, "jsonl", "2026-01-02") == ["2026-01-03"]  # without a marker, every day counts
+    assert {f.name.rpartition("/")[2] for f in data_files(train, "jsonl", "_SUCCESS")} == {"part-00000.jsonl"}
 
 
 def test_partitioned_parquet_is_read_from_s3(tmp_path, s3_bucket):

@@ -89,8 +89,15 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert state.message == f"nothing new: {spec.data.train} has no partitions after 2026-01-02"
     assert _jobs(trnflow_home) == launched
 
-    # a new day arrives while another retraining of the model holds its lock: this one is refused
+    # a new day is being written; with data.ready_marker, it waits until it is marked complete
     shutil.copytree(data / "train" / "dt=2026-01-02", data / "train" / "dt=2026-01-03")
+    spec = make(data={"ready_marker": "_SUCCESS"})
+    state, outcome = _run(spec)
+    assert state.is_completed() and outcome["nothing_new"] and _jobs(trnflow_home) == launched
+    assert state.message.endswith("has no partitions marked ready by _SUCCESS after 2026-01-02")
+    (data / "train" / "dt=2026-01-03" / "_SUCCESS").write_text("")
+
+    # the day is complete, but another retraining of the model holds its lock: this run is refused
     with model_lock(spec.name, timeout_seconds=10):
         state, outcome = _run(spec, lock_timeout_seconds=1)
     assert state.is_failed() and "was refused" in str(outcome)

@@ -42,8 +42,10 @@ def _partition(name: str, url: str) -> str | None:
                         "name partitions dt=YYYY-MM-DD") from None
 
 
-def data_files(url: str, fmt: str) -> list[DataFile]:
-    """The files of a dataset URL, in a stable order (partitions sort by day)."""
+def data_files(url: str, fmt: str, ready_marker: str | None = None) -> list[DataFile]:
+    """The files of a dataset URL, in a stable order (partitions sort by day). With `ready_marker`,
+    a `dt=` partition counts only once that file is in its folder (one still being written is
+    left for a later run); files outside partitions are unaffected."""
     extensions = EXTENSIONS[fmt]
     base, _, last = url.rstrip("/").rpartition("/")
     if last.endswith(extensions):  # one file
@@ -58,6 +60,9 @@ def data_files(url: str, fmt: str) -> list[DataFile]:
         what = "no such folder, or it is empty" if not listed else f"no {fmt} files ({', '.join(extensions)})"
         raise DataError(f"{url}: {what}; check the data URLs and data.format in the spec")
     files = [DataFile(store, n, _partition(n, url)) for n in names]
+    if ready_marker:
+        ready = {o.name.rpartition("/")[0] for o in listed if o.name.rpartition("/")[2] == ready_marker}
+        files = [f for f in files if f.partition is None or f.name.rpartition("/")[0] in ready]
     return sorted(files, key=lambda f: (f.partition or "", f.name))
 
 
@@ -74,6 +79,6 @@ def since_watermark(files: list[DataFile], watermark: str | None, url: str) -> l
     return [f for f in files if watermark is None or f.partition > watermark]
 
 
-def new_partitions(url: str, fmt: str, watermark: str | None) -> list[str]:
+def new_partitions(url: str, fmt: str, watermark: str | None, ready_marker: str | None = None) -> list[str]:
     """The day partitions of a dataset after `watermark`: what an incremental run would read."""
-    return partitions(since_watermark(data_files(url, fmt), watermark, url))
+    return partitions(since_watermark(data_files(url, fmt, ready_marker), watermark, url))

@@ -35,7 +35,7 @@ def reference_spec(spec: JobSpec) -> JobSpec:
 
 def _data_digest(spec: JobSpec) -> str:
     """Which training files there are, and their sizes: a new partition makes a new reference run."""
-    files = data_files(spec.data.train, spec.data.format)
+    files = data_files(spec.data.train, spec.data.format, spec.data.ready_marker)
     sizes = {(f.store.url, o.name): o.size for f in files for o in f.store.list(f.name)}
     listing = "\n".join(f"{f.url}\t{sizes.get((f.store.url, f.name), -1)}" for f in files)
     return hashlib.sha256(listing.encode()).hexdigest()[:8]

@@ -71,7 +71,7 @@ def find_start(ctx: WorkerContext, run_id: str) -> Start:
     spec: JobSpec = ctx.spec
     checkpoints = RunCheckpoints(join(spec.train.checkpoint_url, run_id))
     resumed = checkpoints.latest(on_skip=lambda url, why: ctx.log("checkpoint_skipped", url=url, reason=why))
-    files = data_files(spec.data.train, spec.data.format)
+    files = data_files(spec.data.train, spec.data.format, spec.data.ready_marker)
     if resumed:
         wanted = resumed.meta["data"].get("files", [])
         by_name = {f.name: f for f in files}
