@@ -75,7 +75,8 @@ def training_png(curve: list[dict], evaluations: list[dict], metric: str, title:
 
     fig = Figure(figsize=(7, 4), dpi=110)
     ax = fig.subplots()
-    ax.plot([p["global_step"] for p in curve], [p["loss"] for p in curve], color="tab:orange", label="training loss")
+    ax.plot([p["global_step"] for p in curve], [p["loss"] for p in curve], color="tab:orange",
+            label="training loss (mean since the last point)")
     ax.set(title=f"{title}: training", xlabel="global step", ylabel="loss")
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
@@ -86,7 +87,7 @@ def training_png(curve: list[dict], evaluations: list[dict], metric: str, title:
         right.set_ylabel(metric)
         more = right.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]
-    ax.legend(handles, labels, loc="center right")
+    ax.legend(handles, labels, loc="best", framealpha=0.8)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")

@@ -121,7 +121,7 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
     holdout = Holdout(ctx, tokenizer)
     evaluations: list[dict] = list(resumed.meta.get("evaluations", [])) if resumed else []
     eval_every, series_url = spec.gate.eval_every, None
-    window_start, window_steps = time.perf_counter(), 0
+    window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
     began = time.perf_counter()
     memory: dict = {}
     step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
@@ -152,14 +152,16 @@ def run(ctx: WorkerContext, run_id: str) -> dict:
             _round_weights(model, sr_gen)
         last_loss, done = loss.item(), step + 1
         step_times.append(time.perf_counter() - step_began)
-        window_steps += 1
+        window_steps, window_loss = window_steps + 1, window_loss + last_loss
         if done % tcfg.log_every == 0 or done == tcfg.steps:
             elapsed = time.perf_counter() - window_start
-            point = {"step": done, "global_step": lineage["base_step"] + done, "loss": round(last_loss, 5),
+            # the mean over the steps since the last point: one batch's loss is too noisy to plot
+            point = {"step": done, "global_step": lineage["base_step"] + done,
+                     "loss": round(window_loss / window_steps, 5),
                      "samples_per_s": round(window_steps * tcfg.global_batch_size / elapsed, 1)}
             metrics.append(point)
             ctx.log("train", steps=tcfg.steps, **point)
-            window_start, window_steps = time.perf_counter(), 0
+            window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
         if (eval_every and done % eval_every == 0) or done == tcfg.steps:
             point, correct = holdout.evaluate(programs, done, lineage["base_step"] + done)
             evaluations = [p for p in evaluations if p["step"] != done] + [point]
