@@ -24,6 +24,8 @@ from trnflow.errors import FatalError
 
 LEASE_SECONDS = 120.0
 RENEW_EVERY_SECONDS = 10.0
+MARGIN_SECONDS = 15.0
+"""How long before the lease would run out `check` already counts it lost."""
 log = logging.getLogger("trnflow.lock")
 
 
@@ -77,11 +79,13 @@ class ModelLock:
     def _renew(self) -> None:
         from prefect.client.orchestration import get_client
 
-        with get_client(sync_client=True) as client:
+        # a client of its own, with a short timeout: not the flow engine's, whose calls may wait minutes
+        with get_client(sync_client=True, httpx_settings={"timeout": RENEW_EVERY_SECONDS}) as client:
             while not self._stop.wait(RENEW_EVERY_SECONDS) and self.lost is None:
+                asked = time.monotonic()  # the lease runs from when the server renewed it, at the latest now
                 try:
                     client.renew_concurrency_lease(self.lease_id, LEASE_SECONDS)
-                    self._expires = time.monotonic() + LEASE_SECONDS
+                    self._expires = asked + LEASE_SECONDS
                 except Exception as exc:
                     status = getattr(getattr(exc, "response", None), "status_code", None)
                     if status in (404, 410):
@@ -89,11 +93,14 @@ class ModelLock:
                     elif time.monotonic() >= self._expires:
                         self.lost = f"the server did not answer for over {LEASE_SECONDS:g} s ({exc})"
                     else:
-                        _logger().warning("could not renew the lease on %s (%s); trying again in %g s", self.name, exc,
-                                    RENEW_EVERY_SECONDS)
+                        _logger().warning("could not renew the lease on %s (%s); trying again in %g s", self.name,
+                                          exc, RENEW_EVERY_SECONDS)
 
     def check(self) -> None:
-        """Raise FatalError when the lease was lost: another run of the model may hold the slot now."""
+        """Raise FatalError when the lease was lost, or is about to run out unrenewed: another run of
+        the model may hold the slot by the time this one acts."""
+        if self.lost is None and time.monotonic() >= self._expires - MARGIN_SECONDS:
+            self.lost = f"its lease was last renewed over {LEASE_SECONDS - MARGIN_SECONDS:g} s ago"
         if self.lost is not None:
             raise FatalError(f"this run lost its hold on {self.name}: {self.lost}. Another retraining of "
                              f"{self.model} may be running, so this run stops before promoting; the champion "
@@ -103,10 +110,10 @@ class ModelLock:
         from prefect.client.orchestration import get_client
 
         self._stop.set()
-        self._thread.join(timeout=RENEW_EVERY_SECONDS)
+        self._thread.join(timeout=2 * RENEW_EVERY_SECONDS)
         if self.lost is None:
             try:
-                with get_client(sync_client=True) as client:
+                with get_client(sync_client=True, httpx_settings={"timeout": RENEW_EVERY_SECONDS}) as client:
                     client.release_concurrency_slots_with_lease(self.lease_id)
             except Exception as exc:  # the lease runs out by itself
                 _logger().warning("could not release %s (%s); it frees itself within %g s", self.name, exc,

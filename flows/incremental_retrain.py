@@ -68,7 +68,7 @@ def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None
         generation = registry.generation(spec.name)  # a champion changed after this is never overwritten
         champion = registry.champion(spec.name)
         staged_by = champion.entry.get("run_id") if champion else None
-        if staged_by and publish_embeddings(spec, staged_by).get("published"):  # promoted, publication cut short
+        if staged_by and publish_embeddings(spec, staged_by, champion.checkpoint).get("published"):  # cut short
             get_run_logger().info("published the embeddings of champion v%d, which its own run staged but did "
                                   "not publish", champion.version)
         watermark = champion.watermark if champion else None

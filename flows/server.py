@@ -112,20 +112,28 @@ class Server:
             FlowFilterName,
             FlowRunFilter,
             FlowRunFilterExpectedStartTime,
-            FlowRunFilterStartTime,
+            FlowRunFilterState,
+            FlowRunFilterStateType,
         )
+        from prefect.client.schemas.objects import StateType
         from prefect.client.schemas.sorting import FlowRunSort
 
         due = dt.datetime.now(dt.UTC) + dt.timedelta(minutes=1)
         return self.client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=[f.flow_name for f in FLOWS])),
-            flow_run_filter=FlowRunFilter(start_time=FlowRunFilterStartTime(is_null_=True),
-                                          expected_start_time=FlowRunFilterExpectedStartTime(before_=due)),
+            flow_run_filter=FlowRunFilter(
+                state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED, StateType.PENDING])),
+                expected_start_time=FlowRunFilterExpectedStartTime(before_=due)),
             sort=FlowRunSort.EXPECTED_START_TIME_DESC, limit=limit)
+
+    def _listed(self, limit: int) -> list[Any]:
+        """The runs due that have not started, then the newest that have: each once, as last read
+        (one may start between the two reads)."""
+        return list({r.id: r for r in self._waiting(limit) + self._recent(limit)}.values())
 
     def recent(self, limit: int) -> list[dict[str, Any]]:
         """The runs due that have not started, then the newest that have: `limit` in all."""
-        found = (self._waiting(limit) + self._recent(limit))[:limit]
+        found = self._listed(limit)[:limit]
         flows = {f.id: f.name for f in self.client.read_flows()} if found else {}
         return [{"id": str(r.id), "name": r.name, "flow": flows.get(r.flow_id, ""),
                  "state": r.state.name if r.state else "", "started": r.start_time,
@@ -141,7 +149,7 @@ class Server:
             pass
         except ObjectNotFound:
             raise ServerError(f"no flow run {ref} on {api_url()}") from None
-        matches = [str(r.id) for r in self._waiting(200) + self._recent(200) if str(r.id).startswith(ref)]
+        matches = [str(r.id) for r in self._listed(200) if str(r.id).startswith(ref)]
         if len(matches) != 1:
             what = "no flow run" if not matches else f"{len(matches)} flow runs"
             raise ServerError(f"{what} with an id starting {ref!r}; give more of the id (`trnflow runs` lists them)")

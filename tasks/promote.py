@@ -29,16 +29,17 @@ def promote_champion(spec: JobSpec, run_id: str, version: int, generation: int) 
     record = registry.promote(spec.name, version, reason=f"retrained and gated ({run_id})",
                               expected_generation=generation)
     was = f" (was v{before.version})" if before else " (the first)"
-    watermark = registry.version(spec.name, version).watermark
-    result = {"version": version, "generation": record["generation"], "watermark": watermark,
-              "summary": f"champion v{version}{was}, data up to {watermark}"}
-    return {**result, **publish_embeddings(spec, run_id, result["summary"])}
+    champion = registry.version(spec.name, version)
+    result = {"version": version, "generation": record["generation"], "watermark": champion.watermark,
+              "summary": f"champion v{version}{was}, data up to {champion.watermark}"}
+    return {**result, **publish_embeddings(spec, run_id, champion.checkpoint, result["summary"])}
 
 
-def publish_embeddings(spec: JobSpec, run_id: str, summary: str = "") -> dict:
-    """Publish the embeddings `run_id` staged, if it staged a complete set; the link artifact names them."""
+def publish_embeddings(spec: JobSpec, run_id: str, checkpoint: str, summary: str = "") -> dict:
+    """Publish the embeddings `run_id` staged with `checkpoint`, if it staged a complete set of
+    them; the link artifact names them."""
     output_url = spec.inference.output_url
-    document = publish(staging_url(output_url, run_id), output_url)
+    document = publish(staging_url(output_url, run_id), output_url, checkpoint)
     if document is None:
         return {"summary": summary}
     manifest = join(output_url, MANIFEST)

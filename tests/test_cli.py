@@ -149,6 +149,8 @@ def test_submit_params_keep_text_parameters_as_text_and_refuse_a_second_spec():
 
     assert _parse_params(["run_id=20260105", "lock_timeout_seconds=60"]) == {"run_id": "20260105",
                                                                             "lock_timeout_seconds": 60}
+    assert _parse_params(["run_id = 0105 ", 'checkpoint="s3://b/run/step-000010"']) == {
+        "run_id": "0105", "checkpoint": "s3://b/run/step-000010"}
     for key in ("spec_url", "spec"):
         with pytest.raises(typer.Exit) as refused:
             _parse_params([f"{key}=s3://bucket/spec.yaml"])

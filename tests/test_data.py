@@ -66,7 +66,11 @@ def test_with_a_ready_marker_only_the_days_marked_complete_count(tmp_path):
     assert new_partitions(train, "jsonl", "2026-01-01", "_SUCCESS") == ["2026-01-02"]
     assert new_partitions(train, "jsonl", "2026-01-02", "_SUCCESS") == []  # 01-03 is still being written
     assert new_partitions(train, "jsonl", "2026-01-02") == ["2026-01-03"]  # without a marker, every day counts
-    assert {f.name.rpartition("/")[2] for f in data_files(train, "jsonl", "_SUCCESS")} == {"part-00000.jsonl"}
+    nested = tmp_path / "train" / "dt=2026-01-02" / "region=eu"
+    nested.mkdir()
+    (nested / "part-00001.jsonl").write_bytes((tmp_path / "train" / "dt=2026-01-02" / "part-00000.jsonl").read_bytes())
+    assert [f.name for f in data_files(train, "jsonl", "_SUCCESS")] == [
+        "dt=2026-01-01/part-00000.jsonl", "dt=2026-01-02/part-00000.jsonl", "dt=2026-01-02/region=eu/part-00001.jsonl"]
 
 
 def test_partitioned_parquet_is_read_from_s3(tmp_path, s3_bucket):

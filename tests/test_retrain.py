@@ -82,10 +82,12 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     staged = published / STAGING / first.entry["run_id"]
     shutil.copytree(published, staged)
     (published / MANIFEST).unlink()
+    (published / "part-00000.parquet").unlink()  # the copy had not got that far
     launched = _jobs(trnflow_home)
     state, outcome = _run(spec)
     assert state.is_completed() and outcome["nothing_new"]
     assert manifest(str(published))["checkpoint"] == first.checkpoint and not staged.exists()
+    assert (published / "part-00000.parquet").is_file()
     assert state.message == f"nothing new: {spec.data.train} has no partitions after 2026-01-02"
     assert _jobs(trnflow_home) == launched
 
@@ -144,3 +146,8 @@ def test_a_lost_lease_is_noticed_and_stops_promotion(prefect_api, monkeypatch):
             held.check()
         with model_lock("leased", timeout_seconds=1) as other:  # the slot is free for another run
             other.check()
+            other._stop.set()  # its renewals stop (a server that does not answer) ...
+            other._thread.join()
+            other._expires = time.monotonic() + _lock.MARGIN_SECONDS - 1  # ... until the lease nearly runs out
+            with pytest.raises(FatalError, match="last renewed over"):
+                other.check()

@@ -53,6 +53,10 @@ def test_a_compile_artifact_with_an_unsafe_member_is_a_corrupt_entry_that_writes
     with pytest.raises(CorruptEntry, match=r"unsafe member, refused: '\.\./escaped\.py'"):
         unpack_into(_tar(_member("fx/graph.py"), _member("../escaped.py")), inductor)
     assert list(inductor.iterdir()) == [] and not (tmp_path / "escaped.py").exists()
+    with pytest.raises(CorruptEntry, match="'b', which is not a file or folder"):  # links: none of ours
+        unpack_into(_tar(_member("fx/graph.py"), _member("b", tarfile.SYMTYPE, "c"), _member("c", tarfile.SYMTYPE,
+                                                                                            ".")), inductor)
+    assert list(inductor.iterdir()) == []
     unpack_into(_tar(_member("fx/graph.py"), data=b"code"), inductor)
     assert (inductor / "fx" / "graph.py").read_bytes() == b"code"
 

@@ -63,8 +63,9 @@ def _parse_params(pairs: list[str] | None) -> dict[str, Any]:
             err.print(f"--param {key}: submit sends SPEC whole as the run's spec; edit the file or use --set "
                       "field=value instead (a deployment's own spec_url is what its scheduled runs read)", **RED)
             raise typer.Exit(EXIT_BAD_INPUT)
-    raw = dict(pair.partition("=")[::2] for pair in pairs or [])
-    return {k: raw[k].strip() if k in STRING_PARAMS and v is not None else v for k, v in params.items()}
+    raw = {key.strip(): value.strip() for key, _, value in (pair.partition("=") for pair in pairs or [])}
+    return {k: raw[k] if k in STRING_PARAMS and v is not None and not isinstance(v, str) else v
+            for k, v in params.items()}
 
 
 def submit(

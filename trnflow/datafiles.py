@@ -42,6 +42,13 @@ def _partition(name: str, url: str) -> str | None:
                         "name partitions dt=YYYY-MM-DD") from None
 
 
+def _day_folder(name: str) -> str:
+    """`a/dt=2026-01-03/region=eu/part-1.parquet` -> `a/dt=2026-01-03`."""
+    match = _PARTITION.search(name)
+    assert match is not None
+    return name[:match.end() - 1]
+
+
 def data_files(url: str, fmt: str, ready_marker: str | None = None) -> list[DataFile]:
     """The files of a dataset URL, in a stable order (partitions sort by day). With `ready_marker`,
     a `dt=` partition counts only once that file is in its folder (one still being written is
@@ -60,9 +67,9 @@ def data_files(url: str, fmt: str, ready_marker: str | None = None) -> list[Data
         what = "no such folder, or it is empty" if not listed else f"no {fmt} files ({', '.join(extensions)})"
         raise DataError(f"{url}: {what}; check the data URLs and data.format in the spec")
     files = [DataFile(store, n, _partition(n, url)) for n in names]
-    if ready_marker:
+    if ready_marker:  # the marker sits in the day's own folder; the day's files may be nested below it
         ready = {o.name.rpartition("/")[0] for o in listed if o.name.rpartition("/")[2] == ready_marker}
-        files = [f for f in files if f.partition is None or f.name.rpartition("/")[0] in ready]
+        files = [f for f in files if f.partition is None or _day_folder(f.name) in ready]
     return sorted(files, key=lambda f: (f.partition or "", f.name))
 
 

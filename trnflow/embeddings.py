@@ -70,13 +70,14 @@ def manifest(url: str) -> dict | None:
         return None
 
 
-def publish(staged_url: str, output_url: str) -> dict | None:
-    """Make the complete staged output at `staged_url` the published one at `output_url`, and
-    clear the staging area. Returns the published manifest, or None when nothing complete is
-    staged there (an inference cut short, or a publication that already finished)."""
+def publish(staged_url: str, output_url: str, checkpoint: str) -> dict | None:
+    """Make the complete staged output at `staged_url`, embedded by `checkpoint`, the published one
+    at `output_url`, and clear the staging area. Returns the published manifest, or None when
+    nothing complete from that checkpoint is staged there (an inference cut short, a publication
+    that already finished, or another run's candidate staged under a reused run id)."""
     staged, out = open_store(staged_url), open_store(output_url)
     document = manifest(staged_url)
-    if document is None:
+    if document is None or document.get("checkpoint") != checkpoint:
         return None
     out.delete(MANIFEST)  # the output is incomplete until the manifest is back
     for shard in (s["shard"] for s in document["shards"]):

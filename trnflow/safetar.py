@@ -1,7 +1,8 @@
 """Tar archives from elsewhere (SageMaker's output.tar.gz) are unpacked safely: no absolute
 paths, no `..`, no links leaving the folder, no devices. Absolute names are refused here; the
 standard library's `data` filter refuses the rest. Every member is checked before the first is
-written."""
+written; a chain of links that only resolves outside once earlier members exist is still refused,
+during extraction."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from trnflow.errors import FatalError
 
 def unpack(archive: tarfile.TarFile, dest: Path) -> None:
     """Extract `archive` into `dest` once every member has been checked, so that an unsafe member
-    leaves nothing written at all. Raises tarfile.FilterError naming the first unsafe member."""
+    is refused before anything is written (a link chain that only leaves `dest` once extracted is
+    refused midway). Raises tarfile.FilterError naming the first unsafe member."""
     for member in archive.getmembers():
         if member.name.startswith(("/", "\\")):  # the data filter would only strip the leading '/'
             raise tarfile.AbsolutePathError(member)

@@ -129,9 +129,12 @@ def unpack_into(artifact: bytes, path: Path) -> None:
     """Extract an artifact safely: regular files and folders only, nothing outside `path`.
 
     The whole archive is read and every member checked before anything is written; raises
-    CorruptEntry when the artifact is not a readable, safe gzipped tar."""
+    CorruptEntry when the artifact is not a readable gzipped tar of files and folders inside `path`."""
     try:
         with tarfile.open(fileobj=io.BytesIO(artifact), mode="r:gz") as tar:
+            odd = next((m for m in tar.getmembers() if not (m.isfile() or m.isdir())), None)
+            if odd is not None:  # pack_dir writes files only: a link or device is no artifact of ours
+                raise CorruptEntry(f"its artifact holds {odd.name!r}, which is not a file or folder")
             unpack(tar, path)
     except tarfile.FilterError as exc:
         raise CorruptEntry(f"its artifact holds an unsafe member, refused: {exc}") from None
