@@ -11,6 +11,7 @@ from typing import Any
 from prefect.states import Failed, State
 
 from jobspecs import JobSpec
+from tasks._jobs import jobs_billed
 from tasks.retry_policy import retry_options
 from trnflow.cost import job_cost, total
 from trnflow.errors import GateFailed
@@ -43,12 +44,13 @@ class StageRunner:
         began = time.monotonic()
         state = task.with_options(**self._options)(self.spec, self.run_id, *args, return_state=True, **kwargs)
         seconds = time.monotonic() - began
+        billed = jobs_billed(self.run_id)  # every job the stage ran, its retries' included
+        if billed:
+            self.costs.append(job_cost(self.spec, name, sum(billed), jobs=len(billed)))
         if state.is_completed():
             result = state.result()
             label = "Skipped" if state.name == "Skipped" else "Completed"
             self.rows.append({"stage": name, "state": label, "seconds": seconds, "summary": result["summary"]})
-            if result.get("billable_seconds") is not None:  # the stage ran a job
-                self.costs.append(job_cost(self.spec, name, result["billable_seconds"]))
             self.results[name] = result
             return result
         error = state.result(raise_on_failure=False)

@@ -3,6 +3,7 @@ failed job into the error class that decides whether Prefect retries it."""
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 from prefect import get_run_logger
@@ -27,6 +28,17 @@ def classify(info: JobInfo) -> TrnflowError:
     if failure.get("retryable"):
         return TransientError(text, bad_cores=bad_cores)
     return FatalError(text, bad_cores=bad_cores)
+
+
+_billed: dict[str, list[float]] = {}
+_billed_lock = threading.Lock()
+
+
+def jobs_billed(run_id: str) -> list[float]:
+    """The billable seconds of every job `run_job` ran for `run_id` since the last call, failed
+    ones included (a job that never started bills nothing): what a stage's attempts cost."""
+    with _billed_lock:
+        return _billed.pop(run_id, [])
 
 
 def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = None,
@@ -57,6 +69,8 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
         raise
     except Exception as exc:  # the backend itself failed: say so; the error class decides on retries
         raise FatalError(f"{phase}: the {backend.name} backend failed: {exc}") from exc
+    with _billed_lock:
+        _billed.setdefault(run_id, []).append(info.details.get("seconds") or 0.0)
     if info.state is JobState.SUCCEEDED and info.result is not None:
         return {**info.result, "cores": info.details.get("cores"), "billable_seconds": info.details.get("seconds")}
     raise classify(info)

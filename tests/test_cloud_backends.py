@@ -131,6 +131,8 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
         assert "Restarting" in [t["Status"] for t in train["SecondaryStatusTransitions"]]
         assert results["train"]["start_step"] == 10  # the retry resumed from the checkpoint
         assert all(row["billable_seconds"] > 0 for row in outcome["cost"]["rows"])
+        jobs = {row["stage"]: row["jobs"] for row in outcome["cost"]["rows"]}
+        assert jobs == {"sanity": 2, "collectives": 1, "train": 1, "infer": 1}  # the resubmission is counted
 
 
 def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(

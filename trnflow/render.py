@@ -94,10 +94,10 @@ def top_table(itype: str, rows: list[dict[str, Any]]) -> Table:
 
 def cost_table(cost: dict[str, Any]) -> Table:
     """Each job's instances, price, billable time and cost, and the run's total."""
-    table = Table("stage", "instance type", "nodes", "price ($/node-hour)", "billable time (s)", "cost ($)",
-                  title="what the jobs cost (on-demand prices)")
+    table = Table("stage", "instance type", "nodes", "jobs", "price ($/node-hour)", "billable time (s)", "cost ($)",
+                  title="what the jobs cost (on-demand prices; failed jobs included)")
     rows, total = cost_cells(cost)
     for row in rows:
         table.add_row(*row)
-    table.add_row("[bold]total[/bold]", "", "", "", "", f"[bold]{total}[/bold]")
+    table.add_row("[bold]total[/bold]", "", "", "", "", "", f"[bold]{total}[/bold]")
     return table

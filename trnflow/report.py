@@ -27,7 +27,7 @@ def engine_outcomes(core: dict[str, Any]) -> list[tuple[int, list[str]]]:
 
 def cost_cells(cost: dict[str, Any]) -> tuple[list[list[str]], str]:
     """Each job's row of the cost table as text, and the run's total."""
-    rows = [[r["stage"], r["instance_type"], str(r["nodes"]),
+    rows = [[r["stage"], r["instance_type"], str(r["nodes"]), str(r.get("jobs", 1)),
              "unknown" if r["price_per_node_hour"] is None else f"{r['price_per_node_hour']:.4g}",
              f"{r['billable_seconds']:.1f}", "unknown" if r["cost_usd"] is None else f"{r['cost_usd']:.4f}"]
             for r in cost["rows"]]
@@ -89,10 +89,10 @@ def compile_markdown(result: dict[str, Any]) -> str:
 
 def cost_markdown(cost: dict[str, Any]) -> str:
     rows, total = cost_cells(cost)
-    rows.append(["**total**", "", "", "", "", f"**{total}**"])
+    rows.append(["**total**", "", "", "", "", "", f"**{total}**"])
     return "\n".join(["## What the jobs cost (on-demand prices)", "",
-                      *_table(["stage", "instance type", "nodes", "$/node-hour", "billable s", "cost ($)"], rows,
-                              ["---", "---", "---:", "---:", "---:", "---:"])]) + "\n"
+                      *_table(["stage", "instance type", "nodes", "jobs", "$/node-hour", "billable s", "cost ($)"],
+                              rows, ["---", "---", "---:", "---:", "---:", "---:", "---:"])]) + "\n"
 
 
 def outputs(results: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
