@@ -80,15 +80,21 @@ def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None
             return Completed(message=f"nothing new: {spec.data.train} has no partitions{ready} {after}",
                              data={"nothing_new": True, "watermark": watermark, "stages": []})
         base = f"champion v{champion.version}" if champion else "scratch"
-        name_run(spec, f"dt={days[0]}..{days[-1]} from {base}" if len(days) > 1 else f"dt={days[0]} from {base}")
+        name_run(spec, _window_name(days, base))
         return run_stages(StageRunner(spec, run_id or new_run_id()),
-                          partial(_stages, generation=generation, lock=lock), STAGES)
+                          partial(_stages, generation=generation, lock=lock, days=days, base=base), STAGES)
 
 
-def _stages(stage: StageRunner, generation: int, lock: ModelLock) -> dict[str, Any]:
+def _window_name(days: list[str], base: str) -> str:
+    return f"dt={days[0]}..{days[-1]} from {base}" if len(days) > 1 else f"dt={days[0]} from {base}"
+
+
+def _stages(stage: StageRunner, generation: int, lock: ModelLock, days: list[str], base: str) -> dict[str, Any]:
     cores, trained = through_training(stage, later=("evaluate", "infer", "promote"))
     if trained.get("skipped"):  # the new partitions went away between the listing and the job
         return stage.outcome()
+    if trained.get("partitions") and trained["partitions"] != days:  # a day landed while preflight ran
+        name_run(stage.spec, _window_name(trained["partitions"], base))
     checkpoint = trained["checkpoint"]
     gated = stage("evaluate", evaluate_gate, checkpoint, cores, against_champion=True, promote=False,
                   generation=generation)

@@ -181,15 +181,17 @@ class Server:
             "artifacts": sorted({a.key for a in artifacts if a.key}),
         }
 
-    def wait(self, run_id: str, on_state: Callable[[str, str], None] | None = None) -> dict[str, Any]:
-        """Poll until the run ends (telling `on_state` each new state); its summary."""
-        last = None
+    def wait(self, run_id: str, on_state: Callable[[str, str], None] | None = None,
+             timeout: float | None = None) -> dict[str, Any]:
+        """Poll until the run ends, or `timeout` seconds have passed (telling `on_state` each new
+        state); its summary, whose state says which."""
+        last, deadline = None, None if timeout is None else time.monotonic() + timeout
         while True:
             kind, name, run_name = self.state(run_id)
             if name != last and name is not None and on_state is not None:
                 on_state(run_name, name)
             last = name
-            if kind in FINAL:
+            if kind in FINAL or (deadline is not None and time.monotonic() >= deadline):
                 return self.summary(run_id)
             time.sleep(1.0)
 

@@ -39,7 +39,7 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> dict:
             result = _all_hits(spec, cache, prediction)
             _artifacts.markdown(spec, "compile", compile_markdown(result), "compile cache hits and misses")
             return result
-    result = run_job(spec, "compile", run_id, processes=1, cores=cores[:1] if cores else None)
+    result = {**run_job(spec, "compile", run_id, processes=1, cores=cores[:1] if cores else None), "launched": True}
     total = len(result["programs"])
     compiled = f", {result['compiled']} compiled in {result['seconds']:.1f}s" if result["compiled"] else ""
     result["summary"] = f"{total} programs: {result['hits']} cache hit(s){compiled}"

@@ -95,8 +95,10 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     cost = outcome["cost"]
     assert {"sanity", "collectives", "train", "infer"} <= {r["stage"] for r in cost["rows"]}
     assert all(r["price_per_node_hour"] == 21.50 and r["billable_seconds"] > 0 for r in cost["rows"])
-    # the placement with the bad core cost a sanity job of its own; nothing else ran twice
-    assert {r["stage"]: r["jobs"] for r in cost["rows"]} == {"sanity": 2, "collectives": 1, "compile": 1, "train": 1,
+    # the placement with the bad core cost a sanity job of its own; nothing else ran twice (and a
+    # compile stage whose cache an earlier test filled launches no job at all)
+    launched = {"compile": 1} if results["compile"]["launched"] else {}
+    assert {r["stage"]: r["jobs"] for r in cost["rows"]} == {"sanity": 2, "collectives": 1, **launched, "train": 1,
                                                             "infer": 1}
     assert cost["total_usd"] == pytest.approx(sum(r["cost_usd"] for r in cost["rows"]), abs=1e-3)
 

@@ -248,7 +248,11 @@ def test_a_second_retraining_run_waits_for_the_first_to_end(served):
         still = subprocess.run([TRNFLOW, "status", first[:8]], env=env, capture_output=True, text=True)
         assert still.returncode == 4  # not ended yet
 
-        third = submit()  # one too many: it is cancelled while it waits, found by its prefix
+        # one too many: waited for a little, then cancelled while it waits, found by its prefix
+        waited = subprocess.run([TRNFLOW, "submit", str(path), "--deployment", "incremental-retrain", "--wait",
+                                 "--timeout", "2", "--json"], env=env, capture_output=True, text=True)
+        assert waited.returncode == 4 and "stopped waiting after 2 s" in waited.stderr
+        third = json.loads(waited.stdout)["id"]
         listed = json.loads(subprocess.run([TRNFLOW, "runs", "--json"], env=env, capture_output=True, text=True,
                                            check=True).stdout)
         assert {first, second, third} <= {r["id"] for r in listed}

@@ -44,7 +44,8 @@ def _run(spec, **kwargs):
     return state, state.result(raise_on_failure=False)
 
 
-def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_api, retrain_spec, trnflow_home):
+def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_api, retrain_spec, trnflow_home,
+                                                                        monkeypatch):
     make, data = retrain_spec
     spec = make()
     registry = Registry(spec.registry_url)
@@ -105,11 +106,18 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert state.is_failed() and "was refused" in str(outcome)
     assert _jobs(trnflow_home) == launched and registry.champion(spec.name).version == 2
 
-    # with the lock free, it trains from the champion on the new day only, and gates against it
+    # with the lock free, it trains from the champion on the new day only, and gates against it; the
+    # run is named after what it trained on (here the flow's own listing is made to see one day too many)
+    import flows.incremental_retrain
+
+    monkeypatch.setattr(flows.incremental_retrain, "new_partitions", lambda *_: ["2026-01-02", "2026-01-03"])
     state, outcome = _run(spec)
     assert state.is_completed(), outcome
     results = outcome["results"]
     assert results["train"]["partitions"] == ["2026-01-03"] and results["train"]["parent"] == first.checkpoint
+    with get_client(sync_client=True) as client:
+        renamed = client.read_flow_run(state.state_details.flow_run_id).name
+    assert renamed == "quickstart: dt=2026-01-03 from champion v2"
     assert results["evaluate"]["against"] == "champion v2"
     assert results["evaluate"]["verdict"]["mode"] == "no-regression"
     change = results["evaluate"]["verdict"]["points"][-1]["diff"]

@@ -4,7 +4,7 @@ to the server is `flows.server`'s; this module prints.
 
 Exit codes scripts can rely on: 0 Completed, 1 failed (or crashed, or cancelled), 2 bad input
 (including a server that is unset, unreachable or refuses the request), 3 the accuracy-parity gate
-failed, 4 (`status` only) the run has not ended yet.
+failed, 4 (`status`, and `submit --wait --timeout`) the run has not ended yet.
 """
 
 from __future__ import annotations
@@ -80,11 +80,13 @@ def submit(
                          ] = None,
     wait: Annotated[bool, typer.Option("--wait", help="Wait for the run to end, then exit with its outcome.")
                     ] = False,
+    timeout: Annotated[float | None, typer.Option(min=0, help="With --wait: stop waiting after this many seconds "
+                                                  "and exit 4; the run goes on.", show_default=False)] = None,
     as_json: JsonOpt = False,
 ):
     """Start a run of a deployment on the Prefect server; print its id and UI link."""
     from flows.deployments import full_name
-    from flows.server import ui_link
+    from flows.server import FINAL, ui_link
     from trnflow.cli import _load, _overrides
 
     spec = _load(spec_path, _overrides(overrides))
@@ -104,11 +106,15 @@ def submit(
                 print(json.dumps({"id": run_id, "deployment": name, "url": link}))
             return
         with contextlib.nullcontext() if as_json else console.status("waiting") as status:
-            summary = server.wait(run_id, lambda run_name, state: _waiting(status, run_name, state))
+            summary = server.wait(run_id, lambda run_name, state: _waiting(status, run_name, state), timeout)
     if as_json:
         print(json.dumps({**summary, "deployment": name}, indent=2, default=str))
     else:
         _print_summary(summary)
+    if summary["state_type"] not in FINAL:
+        err.print(f"stopped waiting after {timeout:g} s; the run goes on: `trnflow status {run_id}`", style="yellow",
+                  markup=False, highlight=False)
+        raise typer.Exit(EXIT_NOT_ENDED)
     raise typer.Exit(exit_code(summary["state_type"], summary["state"]))
 
 
