@@ -87,8 +87,8 @@ def training_png(curve: list[dict], evaluations: list[dict], metric: str, title:
         right.set_ylabel(metric)
         more = right.get_legend_handles_labels()
         handles, labels = handles + more[0], labels + more[1]
-    ax.legend(handles, labels, loc="best", framealpha=0.8)
-    fig.tight_layout()
+    fig.legend(handles, labels, loc="lower center", ncols=len(handles), frameon=False)  # below: no curve hidden
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png")
     return buffer.getvalue()
