@@ -72,7 +72,7 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     with _billed_lock:
         _billed.setdefault(run_id, []).append(info.details.get("seconds") or 0.0)
     if info.state is JobState.SUCCEEDED and info.result is not None:
-        return {**info.result, "cores": info.details.get("cores"), "billable_seconds": info.details.get("seconds")}
+        return {**info.result, "cores": info.details.get("cores")}
     raise classify(info)
 
 

@@ -151,10 +151,11 @@ class CompileCache:
     def problem(self, entry: str) -> str | None:
         """Why a done entry is corrupt, or None when it is whole."""
         try:
-            self._verified(entry, "model.neff")
+            artifact = self._verified(entry, "model.neff")
         except CorruptEntry as exc:
             return str(exc)
-        return None
+        why = _not_an_archive(artifact)  # checksummed as it was written; a load finds out as it unpacks
+        return f"{entry}/model.neff matches its checksum but is no archive ({why})" if why else None
 
     def _verified(self, entry: str, wanted: str) -> bytes:
         record = self._json(f"{entry}/model.done") or {}
@@ -169,8 +170,6 @@ class CompileCache:
             expected = files[name]
             if len(data) != expected.get("bytes") or sha256(data) != expected.get("sha256"):
                 raise CorruptEntry(f"{entry}/{name} does not match its checksum in model.done")
-            if name == "model.neff" and (why := _not_an_archive(data)):  # checksummed as it was written
-                raise CorruptEntry(f"{entry}/model.neff matches its checksum but is no archive ({why})")
             if name == wanted:
                 out = data
         return out
