@@ -7,11 +7,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from trnflow.specs import JobSpec, validate_spec
 
-from jobspecs import JobSpec, validate_spec
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
-from trnflow.synth import synthesize
+from trnflow.workload.synth import synthesize
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "jobspecs" / "examples" / "quickstart.yaml"
 

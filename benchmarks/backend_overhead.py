@@ -18,11 +18,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from jobspecs import validate_spec
+from trnflow.specs import validate_spec
+
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.emulator.launcher import launch_command, launch_env
-from trnflow.synth import synthesize
+from trnflow.workload.synth import synthesize
 
 
 def main() -> None:

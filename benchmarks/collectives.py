@@ -23,7 +23,7 @@ from _torchrun import torchrun_json
 
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
-from trnflow.render import parse_size
+from trnflow.cli.render import parse_size
 from trnflow.workload.collectives import GIB, bus_factor
 
 

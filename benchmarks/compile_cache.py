@@ -29,8 +29,8 @@ def main() -> None:
         root = Path(tmp)
         scratch_home(root)
         from prefect import flow
+        from trnflow.tasks.compile import compile_graphs
 
-        from tasks.compile import compile_graphs
         from trnflow.backends import JobRequest, JobState, wait
         from trnflow.backends.local import LocalBackend
         from trnflow.settings import TrnflowSettings

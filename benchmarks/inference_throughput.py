@@ -30,11 +30,11 @@ from _quickstart import quickstart, run_job, scratch_home
 
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
-from trnflow.synth import synthesize
 from trnflow.workload.checkpoint import load
 from trnflow.workload.data import read_unlabelled, static_batches
 from trnflow.workload.evaluate import tokenizer_of
 from trnflow.workload.model import build_model
+from trnflow.workload.synth import synthesize
 
 
 def bare(spec, checkpoint: str, threads: int) -> float:

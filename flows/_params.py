@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from jobspecs import JobSpec, SpecError, load_spec, parse_spec
+from trnflow.specs import JobSpec, SpecError, load_spec, parse_spec
 
 
 def resolve_spec(spec: JobSpec | None, spec_url: str | None) -> JobSpec:

@@ -9,12 +9,12 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect.states import Failed, State
+from trnflow.specs import JobSpec
+from trnflow.tasks._jobs import jobs_billed
+from trnflow.tasks.retry_policy import retry_options
 
-from jobspecs import JobSpec
-from tasks._jobs import jobs_billed
-from tasks.retry_policy import retry_options
-from trnflow.cost import job_cost, total
 from trnflow.errors import GateFailed
+from trnflow.reporting.cost import job_cost, total
 
 STAGE_COLUMNS = {"stage": "stage", "state": "state", "seconds": "seconds", "summary": "key figure"}
 """The `<name>-stages` table artifact's columns, by the stage row field each shows."""
@@ -65,8 +65,9 @@ class StageRunner:
     def report(self, stages: tuple[str, ...] = ()) -> None:
         """Attach the run's summary to the flow run: the stage table, the cost table and links to
         what it wrote. Called however the run ended; a failure to publish is only logged."""
-        from tasks import _artifacts
-        from trnflow.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
+        from trnflow.tasks import _artifacts
+
+        from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
 
         title = f"{self.spec.name} run {self.run_id}"
         stages = stages or tuple(r["stage"] for r in self.rows)
@@ -104,10 +105,10 @@ def run_stages(stage: StageRunner, body: Callable[[StageRunner], dict[str, Any]]
 def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[int], dict[str, Any]]:
     """Sanity, collectives, compile and train: the cores verified and the training result. When
     training found no new data, the `later` stages are recorded as skipped."""
-    from tasks.collectives import collective_test
-    from tasks.compile import compile_graphs
-    from tasks.sanity import sanity_check
-    from tasks.train import train_model
+    from trnflow.tasks.collectives import collective_test
+    from trnflow.tasks.compile import compile_graphs
+    from trnflow.tasks.sanity import sanity_check
+    from trnflow.tasks.train import train_model
 
     cores = stage("sanity", sanity_check)["cores"]
     stage("collectives", collective_test, cores)

@@ -6,11 +6,10 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
-
-from flows._params import name_run, resolve_spec
-from flows._stages import StageRunner, new_run_id
-from jobspecs import JobSpec
-from tasks.compile import compile_graphs
+from trnflow.flows._params import name_run, resolve_spec
+from trnflow.flows._stages import StageRunner, new_run_id
+from trnflow.specs import JobSpec
+from trnflow.tasks.compile import compile_graphs
 
 STAGES = ("compile",)
 

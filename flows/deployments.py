@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from jobspecs import JobSpec
+from trnflow.specs import JobSpec
 
 WORK_POOL = "trnflow"
 """The process work pool `prefect.yaml` deploys to."""
@@ -88,12 +88,11 @@ def runner_deployments(spec: JobSpec, spec_url: str) -> list[Any]:
     """The same deployments as Prefect runner deployments, for `prefect.serve`."""
     from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
     from prefect.schedules import Cron
-
-    from flows.batch_inference import batch_inference
-    from flows.compile import compile_cache
-    from flows.incremental_retrain import incremental_retrain
-    from flows.pipeline import pipeline
-    from flows.preflight import preflight
+    from trnflow.flows.batch_inference import batch_inference
+    from trnflow.flows.compile import compile_cache
+    from trnflow.flows.incremental_retrain import incremental_retrain
+    from trnflow.flows.pipeline import pipeline
+    from trnflow.flows.preflight import preflight
 
     flows = {"trnflow-pipeline": pipeline, "trnflow-preflight": preflight, "trnflow-compile": compile_cache,
              "trnflow-incremental-retrain": incremental_retrain, "trnflow-batch-inference": batch_inference}

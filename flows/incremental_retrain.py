@@ -6,7 +6,7 @@ its watermark, gate the result, embed with it, and only then make it the champio
           champion, and gate.reference when that is a file) -> infer (into the run's staging
           folder) -> promote (then publish the staged embeddings)
 
-One run per model at a time (`flows._lock`). Promotion is the last step, so a run that fails
+One run per model at a time (`trnflow.flows._lock`). Promotion is the last step, so a run that fails
 anywhere leaves the champion, the watermark that comes with it, and the published embeddings
 unchanged: the next scheduled run retries the same window. Embeddings whose publication was cut
 short after their model was promoted are published by the next run, before anything else.
@@ -19,16 +19,16 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.states import Completed, State
+from trnflow.flows._lock import ModelLock, model_lock
+from trnflow.flows._params import name_run, resolve_spec
+from trnflow.flows._stages import StageRunner, new_run_id, run_stages, through_training
+from trnflow.specs import JobSpec, SpecError
+from trnflow.tasks.evaluate import evaluate_gate
+from trnflow.tasks.infer import batch_infer
+from trnflow.tasks.promote import promote_champion, publish_embeddings
 
-from flows._lock import ModelLock, model_lock
-from flows._params import name_run, resolve_spec
-from flows._stages import StageRunner, new_run_id, run_stages, through_training
-from jobspecs import JobSpec, SpecError
-from tasks.evaluate import evaluate_gate
-from tasks.infer import batch_infer
-from tasks.promote import promote_champion, publish_embeddings
-from trnflow.datafiles import new_partitions
-from trnflow.registry import Registry
+from trnflow.lifecycle.registry import Registry
+from trnflow.storage.datafiles import new_partitions
 
 STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote")
 

@@ -12,12 +12,11 @@ from typing import Any
 
 from prefect import flow
 from prefect.states import State
-
-from flows._params import name_run, resolve_spec, window
-from flows._stages import PipelineFailed, StageRunner, new_run_id, run_stages, through_training
-from jobspecs import JobSpec
-from tasks.evaluate import evaluate_gate
-from tasks.infer import batch_infer
+from trnflow.flows._params import name_run, resolve_spec, window
+from trnflow.flows._stages import PipelineFailed, StageRunner, new_run_id, run_stages, through_training
+from trnflow.specs import JobSpec
+from trnflow.tasks.evaluate import evaluate_gate
+from trnflow.tasks.infer import batch_infer
 
 STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer")
 

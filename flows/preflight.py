@@ -6,12 +6,11 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
-
-from flows._params import name_run, resolve_spec
-from flows._stages import StageRunner, new_run_id
-from jobspecs import JobSpec
-from tasks.collectives import collective_test
-from tasks.sanity import sanity_check
+from trnflow.flows._params import name_run, resolve_spec
+from trnflow.flows._stages import StageRunner, new_run_id
+from trnflow.specs import JobSpec
+from trnflow.tasks.collectives import collective_test
+from trnflow.tasks.sanity import sanity_check
 
 STAGES = ("sanity", "collectives")
 

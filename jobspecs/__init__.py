@@ -1,8 +1,8 @@
 """Job specs: pydantic models for a trnflow job, loaded from YAML."""
 
-from jobspecs.instances import CATALOGUE, InstanceType, instance
-from jobspecs.loader import SpecError, apply_overrides, load_spec, parse_spec, validate_spec
-from jobspecs.spec import (
+from trnflow.specs.instances import CATALOGUE, InstanceType, instance
+from trnflow.specs.loader import SpecError, apply_overrides, load_spec, parse_spec, validate_spec
+from trnflow.specs.spec import (
     CompileSpec,
     ComputeSpec,
     DataSpec,

@@ -8,8 +8,7 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
-
-from jobspecs.spec import JobSpec
+from trnflow.specs.spec import JobSpec
 
 
 class SpecError(ValueError):

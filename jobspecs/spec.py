@@ -14,8 +14,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
-
-from jobspecs.instances import CATALOGUE, TRAINING_TYPES, instance
+from trnflow.specs.instances import CATALOGUE, TRAINING_TYPES, instance
 
 
 def _normalise_url(value: str) -> str:

@@ -10,8 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import artifacts, get_run_logger
-
-from jobspecs import JobSpec
+from trnflow.specs import JobSpec
 
 
 def _logged(publish: Callable[..., None]) -> Callable[..., None]:

@@ -7,8 +7,8 @@ import threading
 from typing import Any
 
 from prefect import get_run_logger
+from trnflow.specs import JobSpec
 
-from jobspecs import JobSpec
 from trnflow.backends import JobInfo, JobRequest, JobState, backend_for, run_to_end
 from trnflow.errors import ERROR_TYPES, FatalError, TransientError, TrnflowError
 from trnflow.redact import Redactor

@@ -6,13 +6,13 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from trnflow.specs import JobSpec
+from trnflow.tasks import _artifacts
+from trnflow.tasks._jobs import run_job
 
-from jobspecs import JobSpec
-from tasks import _artifacts
-from tasks._jobs import run_job
 from trnflow.emulator import plans
 from trnflow.emulator.cache import COMPILER_VERSION, CompileCache, entry_name
-from trnflow.report import compile_markdown
+from trnflow.reporting.report import compile_markdown
 
 
 @task(name="compile", cache_policy=NO_CACHE)

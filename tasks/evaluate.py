@@ -16,14 +16,14 @@ import json
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from trnflow.specs import JobSpec
+from trnflow.tasks import _artifacts
+from trnflow.tasks._jobs import recompile_note, run_job
 
-from jobspecs import JobSpec
-from tasks import _artifacts
-from tasks._jobs import recompile_note, run_job
-from trnflow.chart import parity_png, verdict_markdown
 from trnflow.errors import FatalError, GateFailed
-from trnflow.gate import compare, no_regression, parse_metrics, read_series
-from trnflow.registry import Registry
+from trnflow.lifecycle.gate import compare, no_regression, parse_metrics, read_series
+from trnflow.lifecycle.registry import Registry
+from trnflow.reporting.chart import parity_png, verdict_markdown
 from trnflow.storage import open_store
 
 

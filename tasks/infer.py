@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from trnflow.specs import JobSpec
+from trnflow.tasks import _artifacts
+from trnflow.tasks._jobs import recompile_note, run_job
 
-from jobspecs import JobSpec
-from tasks import _artifacts
-from tasks._jobs import recompile_note, run_job
-from trnflow.embeddings import staging_url
+from trnflow.workload.embeddings import staging_url
 
 
 @task(name="infer", cache_policy=NO_CACHE)

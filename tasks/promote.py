@@ -10,12 +10,12 @@ from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+from trnflow.specs import JobSpec
+from trnflow.tasks import _artifacts
 
-from jobspecs import JobSpec
-from tasks import _artifacts
-from trnflow.embeddings import MANIFEST, publish, staging_url
-from trnflow.registry import Registry
+from trnflow.lifecycle.registry import Registry
 from trnflow.storage import join
+from trnflow.workload.embeddings import MANIFEST, publish, staging_url
 
 
 @task(name="promote", cache_policy=NO_CACHE)

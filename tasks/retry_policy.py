@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from prefect.tasks import exponential_backoff
+from trnflow.specs import JobSpec
 
-from jobspecs import JobSpec
 from trnflow.errors import TransientError
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from trnflow.specs import JobSpec
+from trnflow.tasks import _artifacts
+from trnflow.tasks._jobs import run_job
 
-from jobspecs import JobSpec
-from tasks import _artifacts
-from tasks._jobs import run_job
 from trnflow.emulator.memory import estimate
 from trnflow.errors import FatalError, TrnflowError
-from trnflow.report import sanity_markdown
+from trnflow.reporting.report import sanity_markdown
 
 
 def _failures(result: dict) -> str:

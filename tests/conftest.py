@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import yaml
+from trnflow.specs import JobSpec, validate_spec
 
-from jobspecs import JobSpec, validate_spec
-from trnflow.synth import synthesize
+from trnflow.workload.synth import synthesize
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "jobspecs" / "examples"

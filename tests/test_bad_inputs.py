@@ -25,22 +25,22 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
+from trnflow.specs import DataSpec, ModelSpec, SpecError
 from typer.testing import CliRunner
 
 import trnflow.backends
-import trnflow.cli
-from jobspecs import DataSpec, ModelSpec, SpecError
+import trnflow.cli.app
 from tests.conftest import archive, quickstart_data
-from trnflow.cli import app
-from trnflow.datafiles import data_files
+from trnflow.cli.app import app
 from trnflow.emulator.cache import COMPILER_VERSION, CompileCache
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.errors import ERROR_TYPES, TrnflowError
-from trnflow.synth import synthesize
+from trnflow.storage.datafiles import data_files
 from trnflow.workload.__main__ import main as workload_main
 from trnflow.workload.checkpoint import MARKER, RunCheckpoints, load, load_model_weights
 from trnflow.workload.data import StepSampler, read_labelled, read_unlabelled
 from trnflow.workload.model import build_model
+from trnflow.workload.synth import synthesize
 from trnflow.workload.tokenizer import TextTokenizer, train_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
@@ -512,7 +512,7 @@ def _nothing_launches(monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("a job or flow was launched")
 
-    monkeypatch.setattr(trnflow.cli, "_run_flow", launched)
+    monkeypatch.setattr(trnflow.cli.app, "_run_flow", launched)
     monkeypatch.setattr(trnflow.backends, "run_to_end", launched)
 
 

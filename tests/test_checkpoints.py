@@ -9,8 +9,8 @@ import textwrap
 
 import pytest
 import torch
+from trnflow.specs import ModelSpec
 
-from jobspecs import ModelSpec
 from trnflow.errors import FatalError
 from trnflow.storage import LocalStore
 from trnflow.workload.checkpoint import MARKER, RunCheckpoints, load, load_model_weights
@@ -82,7 +82,7 @@ def test_a_checkpoint_loads_in_a_plain_pytorch_program(tmp_path):
     script = textwrap.dedent(f"""
         import sys, torch
         from torch import nn
-        assert not any(m.startswith(("trnflow", "jobspecs")) for m in sys.modules)
+        assert not any(m.startswith(("trnflow", "trnflow.specs")) for m in sys.modules)
         class Encoder(nn.Module):
             def __init__(self):
                 super().__init__()

@@ -7,7 +7,7 @@ import yaml
 from typer.testing import CliRunner
 
 from tests.conftest import EXAMPLES, quickstart_data
-from trnflow.cli import app
+from trnflow.cli.app import app
 
 runner = CliRunner()
 
@@ -93,7 +93,7 @@ def test_training_events_in_the_task_log_move_the_progress_bar():
 
     from rich.console import Console
 
-    from trnflow.progress import training_progress
+    from trnflow.cli.progress import training_progress
 
     console = Console(file=io.StringIO(), force_terminal=True)
     logger = logging.getLogger("prefect.task_runs")
@@ -109,7 +109,7 @@ def test_training_events_in_the_task_log_move_the_progress_bar():
 
 
 def test_submitted_runs_exit_0_when_completed_3_for_a_failed_gate_and_1_otherwise():
-    from trnflow.cli_runs import exit_code
+    from trnflow.cli.runs import exit_code
 
     assert exit_code("COMPLETED", "Completed") == 0
     assert exit_code("FAILED", "GateFailed") == 3
@@ -133,7 +133,7 @@ def test_a_key_figure_is_printed_as_it_is():
 
     from rich.console import Console
 
-    from trnflow.render import stage_table
+    from trnflow.cli.render import stage_table
 
     out = Console(file=io.StringIO(), width=200)
     out.print(stage_table([{"stage": "train", "state": "Failed", "seconds": 1.0,
@@ -145,7 +145,7 @@ def test_a_key_figure_is_printed_as_it_is():
 def test_submit_params_keep_text_parameters_as_text_and_refuse_a_second_spec():
     import typer
 
-    from trnflow.cli_runs import _parse_params
+    from trnflow.cli.runs import _parse_params
 
     assert _parse_params(["run_id=20260105", "lock_timeout_seconds=60"]) == {"run_id": "20260105",
                                                                             "lock_timeout_seconds": 60}

@@ -10,13 +10,13 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
+from trnflow.flows.pipeline import STAGES, pipeline
 
-from flows.pipeline import STAGES, pipeline
 from tests.conftest import quickstart_data
 from trnflow.backends import JobRequest
 from trnflow.backends.service_status import batch_failure, sagemaker_failure
-from trnflow.mockcloud import MockCloud, ServiceFault
-from trnflow.mockcloud.provision import provision
+from trnflow.testing.mockcloud import MockCloud, ServiceFault
+from trnflow.testing.mockcloud.provision import provision
 
 HOST_LOST = "Host EC2 (instance i-0d4c3b2a10f9e8d7c) terminated."
 
@@ -248,7 +248,7 @@ def test_each_service_failure_maps_to_its_error_class_and_retry_owner():
 
 
 def _spec_for_rules():
-    from jobspecs import validate_spec
+    from trnflow.specs import validate_spec
 
     return validate_spec(quickstart_data(compute={"backend": "batch", "instance_type": "trn1.32xlarge"}))
 

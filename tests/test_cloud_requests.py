@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
+from trnflow.specs import validate_spec
 
-from jobspecs import validate_spec
 from tests.conftest import quickstart_data
 from trnflow.backends import JobRequest
 from trnflow.backends.batch_request import build_job_definition, build_submit_job

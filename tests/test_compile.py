@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from tests.conftest import archive
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
-from trnflow.cli import app
+from trnflow.cli.app import app
 from trnflow.emulator.cache import (
     COMPILER_VERSION,
     CORRUPT,

@@ -7,7 +7,7 @@ from typer.testing import CliRunner
 
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
-from trnflow.cli import app
+from trnflow.cli.app import app
 from trnflow.settings import TrnflowSettings
 
 SHORT = {"steps": 10, "checkpoint_every": 10, "log_every": 5}

@@ -96,7 +96,7 @@ def test_a_second_job_on_held_cores_fails_and_runs_once_they_are_free(make_spec,
 def test_devices_shows_who_holds_each_core(held_by_other_process):
     from typer.testing import CliRunner
 
-    from trnflow.cli import app
+    from trnflow.cli.app import app
 
     proc = held_by_other_process("3")
     records = json.loads(CliRunner().invoke(app, ["devices", "--instance-type", "trn1.32xlarge", "--json"]).stdout)
@@ -108,7 +108,7 @@ def test_devices_shows_who_holds_each_core(held_by_other_process):
 def test_top_shows_owner_utilisation_and_memory_per_core(held_by_other_process):
     from typer.testing import CliRunner
 
-    from trnflow.cli import app
+    from trnflow.cli.app import app
 
     proc = held_by_other_process("1")
     result = CliRunner().invoke(app, ["top", "--instance-type", "trn1.2xlarge", "--json", "--interval", "0.2"])

@@ -3,11 +3,11 @@
 import io
 
 from rich.console import Console
+from trnflow.specs import validate_spec
 
-from jobspecs import validate_spec
 from tests.conftest import quickstart_data
-from trnflow.cost import job_cost, price_per_hour, total
-from trnflow.render import cost_table
+from trnflow.cli.render import cost_table
+from trnflow.reporting.cost import job_cost, price_per_hour, total
 
 
 def test_a_job_costs_its_billable_time_on_every_node_at_the_hourly_price():
@@ -33,7 +33,7 @@ def test_the_spec_price_overrides_the_catalogue_and_an_unknown_price_says_so():
 
 
 def test_a_stage_that_ran_its_job_twice_costs_both_and_says_so():
-    from trnflow.report import cost_markdown
+    from trnflow.reporting.report import cost_markdown
 
     spec = validate_spec(quickstart_data(compute={"instance_type": "trn1.32xlarge"}))
     row = job_cost(spec, "train", 1800 + 600, jobs=2)  # a failed job of 10 minutes, then the one that finished

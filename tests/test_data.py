@@ -7,12 +7,12 @@ import sys
 import boto3
 import pytest
 import torch
+from trnflow.specs import DataSpec
 
-from jobspecs import DataSpec
-from trnflow.datafiles import data_files, new_partitions, partitions, since_watermark
 from trnflow.errors import DataError, FatalError
-from trnflow.synth import synthesize
+from trnflow.storage.datafiles import data_files, new_partitions, partitions, since_watermark
 from trnflow.workload.data import StepSampler, read_labelled, read_unlabelled
+from trnflow.workload.synth import synthesize
 from trnflow.workload.tokenizer import TextTokenizer, train_tokenizer
 
 
@@ -146,7 +146,7 @@ def test_the_sampler_position_round_trips_and_refuses_other_data():
 def test_the_reference_run_is_a_new_one_when_a_partition_arrives(make_spec, tmp_path):
     import shutil
 
-    from trnflow.reference import _data_digest
+    from trnflow.lifecycle.reference import _data_digest
 
     data = tmp_path / "data"
     synthesize(data, days=2, rows_per_day=20, seed=1)

@@ -8,7 +8,7 @@ import json
 import pytest
 
 from trnflow import storage
-from trnflow.embeddings import MANIFEST, STAGING, manifest, marker_name, publish, shard_name, staging_url
+from trnflow.workload.embeddings import MANIFEST, STAGING, manifest, marker_name, publish, shard_name, staging_url
 
 
 def _output(root, plan: str, shards: int, tag: bytes) -> dict:

@@ -8,13 +8,13 @@ import sys
 import pytest
 import yaml
 from rich.console import Console
+from trnflow.flows._stages import PipelineFailed
 from typer.testing import CliRunner
 
-from flows._stages import PipelineFailed
-from trnflow import render
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
-from trnflow.cli import app
+from trnflow.cli import render
+from trnflow.cli.app import app
 from trnflow.emulator.faults import parse
 from trnflow.errors import FatalError
 from trnflow.settings import TrnflowSettings
@@ -82,7 +82,7 @@ def test_fault_syntax_errors_are_clear():
 
 
 def _preflight(spec):
-    from flows.preflight import preflight
+    from trnflow.flows.preflight import preflight
 
     state = preflight(spec, return_state=True)
     return state, state.result(raise_on_failure=False)
@@ -162,7 +162,7 @@ def test_preflight_command_reports_every_core_and_link(prefect_api, make_spec, t
     assert "Avg bus bandwidth" in render.nccom_text(report["results"]["collectives"]["rows"])
 
     # the thresholds the collectives stage enforces, on this real sweep
-    from tasks.collectives import check_thresholds
+    from trnflow.tasks.collectives import check_thresholds
 
     swept, preflight = report["results"]["collectives"], make_spec().preflight
     busbw, latency = check_thresholds(preflight, swept)

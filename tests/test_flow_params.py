@@ -2,9 +2,9 @@
 
 import pytest
 import yaml
+from trnflow.flows._params import resolve_spec
+from trnflow.specs import SpecError
 
-from flows._params import resolve_spec
-from jobspecs import SpecError
 from tests.conftest import EXAMPLES
 from trnflow.redact import MASK, Redactor, secret_values
 

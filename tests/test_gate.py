@@ -3,7 +3,7 @@ import json
 import pytest
 
 from trnflow.errors import DataError
-from trnflow.gate import compare, metrics_document, parse_metrics
+from trnflow.lifecycle.gate import compare, metrics_document, parse_metrics
 
 REF = [{"step": 100, "accuracy": 0.80}, {"step": 200, "accuracy": 0.85}]
 
@@ -88,7 +88,7 @@ def test_the_paired_check_needs_the_same_holdout_and_step():
 
 
 def test_the_exact_and_the_large_sample_mcnemar_agree_where_they_meet():
-    from trnflow.gate import EXACT_LIMIT, mcnemar_p
+    from trnflow.lifecycle.gate import EXACT_LIMIT, mcnemar_p
 
     assert mcnemar_p(0, 0) == 1.0
     assert mcnemar_p(10, 0) == pytest.approx(2 * 0.5 ** 10)

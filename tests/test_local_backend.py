@@ -82,7 +82,7 @@ def test_a_rank_killed_without_a_word_is_a_lost_worker_and_retryable(backend, ma
 
 
 def test_run_ids_cannot_leave_the_checkpoint_folder(make_spec):
-    from flows._stages import StageRunner
+    from trnflow.flows._stages import StageRunner
 
     for bad in ("../escape", "a/b", ".."):
         with pytest.raises(ValueError, match="run id"):

@@ -1,8 +1,8 @@
 """The device-memory budget: estimated before launch, refused when it cannot fit, measured in a run."""
 
 import pytest
+from trnflow.specs import ModelSpec
 
-from jobspecs import ModelSpec
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.emulator.memory import check_fits, estimate, parameter_count

@@ -5,7 +5,7 @@ import os
 import sys
 import time
 
-from trnflow.mockcloud import nodes
+from trnflow.testing.mockcloud import nodes
 
 LEAVER = """
 import subprocess, sys, time

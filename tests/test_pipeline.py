@@ -4,12 +4,12 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
+from trnflow.flows.pipeline import STAGES, PipelineFailed, pipeline
 
-from flows.pipeline import STAGES, PipelineFailed, pipeline
 from trnflow.errors import GateFailed
-from trnflow.gate import metrics_document
-from trnflow.reference import run_reference
-from trnflow.registry import Registry
+from trnflow.lifecycle.gate import metrics_document
+from trnflow.lifecycle.reference import run_reference
+from trnflow.lifecycle.registry import Registry
 from trnflow.storage import local_path
 from trnflow.workload.checkpoint import MARKER, load
 
@@ -119,8 +119,7 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
 
     # the next run's compile stage hits the cache for every program and compiles nothing
     from prefect import flow
-
-    from tasks.compile import compile_graphs
+    from trnflow.tasks.compile import compile_graphs
 
     @flow
     def compile_again():
@@ -164,9 +163,8 @@ def _task_run_counts(flow_run_id) -> dict:
 def _evaluate_once(spec, checkpoint):
     """The evaluate stage alone, as the pipeline calls it (with the spec's retry policy)."""
     from prefect import flow
-
-    from tasks.evaluate import evaluate_gate
-    from tasks.retry_policy import retry_options
+    from trnflow.tasks.evaluate import evaluate_gate
+    from trnflow.tasks.retry_policy import retry_options
 
     @flow
     def evaluate_only():
@@ -179,7 +177,8 @@ def _evaluate_once(spec, checkpoint):
 @pytest.fixture(scope="module")
 def reference_checkpoint(prefect_api, dataset, tmp_path_factory, compile_cache, trnflow_home):
     """One trained fp32 checkpoint (the reference run's), shared by the evaluate-stage tests."""
-    from jobspecs import validate_spec
+    from trnflow.specs import validate_spec
+
     from tests.conftest import quickstart_data
 
     root = tmp_path_factory.mktemp("evaluate")

@@ -8,9 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from typer.testing import CliRunner
 
-from trnflow.cli import app
+from trnflow.cli.app import app
 from trnflow.errors import FatalError
-from trnflow.registry import PromotionConflict, Registry
+from trnflow.lifecycle.registry import PromotionConflict, Registry
 
 
 def _entry(n: int) -> dict:
@@ -84,7 +84,7 @@ def test_two_concurrent_promotions_on_s3_have_one_winner(s3_bucket):
 
 
 def test_two_processes_registering_at_once_get_different_versions(tmp_path):
-    script = ("import sys; from trnflow.registry import Registry; "
+    script = ("import sys; from trnflow.lifecycle.registry import Registry; "
               f"print(Registry({tmp_path.as_uri()!r}).register('m', {{'checkpoint': sys.argv[1]}}).version)")
     procs = [subprocess.Popen([sys.executable, "-c", script, f"c{i}"], stdout=subprocess.PIPE, text=True)
              for i in range(4)]

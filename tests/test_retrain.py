@@ -6,14 +6,14 @@ import datetime as dt
 import shutil
 
 import pytest
+from trnflow.flows._lock import model_lock
+from trnflow.flows._stages import PipelineFailed
+from trnflow.flows.incremental_retrain import STAGES, incremental_retrain
 
-from flows._lock import model_lock
-from flows._stages import PipelineFailed
-from flows.incremental_retrain import STAGES, incremental_retrain
-from trnflow.embeddings import MANIFEST, STAGING, manifest
-from trnflow.registry import Registry
+from trnflow.lifecycle.registry import Registry
 from trnflow.storage import local_path
-from trnflow.synth import synthesize
+from trnflow.workload.embeddings import MANIFEST, STAGING, manifest
+from trnflow.workload.synth import synthesize
 
 
 @pytest.fixture
@@ -108,9 +108,9 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
 
     # with the lock free, it trains from the champion on the new day only, and gates against it; the
     # run is named after what it trained on (here the flow's own listing is made to see one day too many)
-    import flows.incremental_retrain
+    import trnflow.flows.incremental_retrain
 
-    monkeypatch.setattr(flows.incremental_retrain, "new_partitions", lambda *_: ["2026-01-02", "2026-01-03"])
+    monkeypatch.setattr(trnflow.flows.incremental_retrain, "new_partitions", lambda *_: ["2026-01-02", "2026-01-03"])
     state, outcome = _run(spec)
     assert state.is_completed(), outcome
     results = outcome["results"]
@@ -136,8 +136,8 @@ def test_a_lost_lease_is_noticed_and_stops_promotion(prefect_api, monkeypatch):
     import time
 
     from prefect.client.orchestration import get_client
+    from trnflow.flows import _lock
 
-    from flows import _lock
     from trnflow.errors import FatalError
 
     monkeypatch.setattr(_lock, "RENEW_EVERY_SECONDS", 0.2)

@@ -5,10 +5,10 @@ import json
 
 import pytest
 from prefect import flow
+from trnflow.flows._stages import StageRunner, run_stages
+from trnflow.specs import SpecError, validate_spec
+from trnflow.tasks.train import train_model
 
-from flows._stages import StageRunner, run_stages
-from jobspecs import SpecError, validate_spec
-from tasks.train import train_model
 from tests.conftest import quickstart_data
 from trnflow.backends import JobRequest
 from trnflow.backends.batch_request import build_job_definition, build_submit_job

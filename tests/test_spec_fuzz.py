@@ -6,8 +6,8 @@ import copy
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from trnflow.specs import JobSpec, SpecError, parse_spec, validate_spec
 
-from jobspecs import JobSpec, SpecError, parse_spec, validate_spec
 from tests.conftest import EXAMPLES
 
 QUICKSTART = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())

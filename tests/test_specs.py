@@ -2,8 +2,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+from trnflow.specs import JobSpec, SpecError, load_spec, validate_spec
 
-from jobspecs import JobSpec, SpecError, load_spec, validate_spec
 from tests.conftest import EXAMPLES, quickstart_data
 
 

@@ -5,8 +5,8 @@ from botocore.exceptions import ClientError
 from moto import mock_aws
 
 from trnflow import aws
-from trnflow.s3store import S3Store
 from trnflow.storage import LocalStore
+from trnflow.storage.s3 import S3Store
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -70,7 +70,7 @@ def test_only_throttling_and_server_errors_are_retried(monkeypatch):
 @pytest.mark.parametrize("code", ["SlowDown", "InternalError"])
 def test_injected_s3_errors_on_reads_and_writes_are_retried_and_lose_nothing(code, in_process_aws, monkeypatch,
                                                                             tmp_path):
-    from trnflow.emulator.s3faults import parse
+    from trnflow.testing.s3faults import parse
 
     log = tmp_path / "injected.log"
     monkeypatch.setenv("TRNFLOW_S3_FAULTS", f"{code}/3")

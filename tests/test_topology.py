@@ -1,6 +1,7 @@
-from jobspecs import CATALOGUE, instance
-from jobspecs.instances import GIB
-from trnflow.emulator.topology import neuron_ls, torus_neighbours
+from trnflow.specs import CATALOGUE, instance
+from trnflow.specs.instances import GIB
+
+from trnflow.neuron.topology import neuron_ls, torus_neighbours
 
 
 def test_trn1_32xlarge_has_16_devices_of_2_cores_and_32_gib():

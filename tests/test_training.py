@@ -4,16 +4,16 @@ import shutil
 
 import pytest
 import torch
+from trnflow.specs import JobSpec
 
-from jobspecs import JobSpec
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
-from trnflow.registry import Registry
+from trnflow.lifecycle.registry import Registry
 from trnflow.settings import TrnflowSettings
 from trnflow.storage import local_path
-from trnflow.synth import synthesize
 from trnflow.workload.checkpoint import load
 from trnflow.workload.model import build_model
+from trnflow.workload.synth import synthesize
 
 SHORT = {"steps": 12, "checkpoint_every": 4, "log_every": 4}
 BIG = {"instance_type": "trn1.32xlarge", "cores_per_node": 2}  # spare cores to move to

@@ -1,8 +1,8 @@
 """The workload's pieces, each checked on its own, in-process."""
 
 import torch
+from trnflow.specs import ModelSpec
 
-from jobspecs import ModelSpec
 from trnflow.emulator import compiler
 from trnflow.emulator.cores import parse_visible_cores
 from trnflow.emulator.numerics import stochastic_round_bf16_
@@ -111,7 +111,7 @@ def test_static_batches_pad_the_last_batch_to_the_same_shape():
 
 
 def test_the_root_failure_of_a_job_is_the_rank_that_caused_it():
-    from trnflow.failures import root_failure
+    from trnflow.backends.failures import root_failure
 
     own = {"rank": 1, "type": "HardwareError", "retryable": True, "message": "nc3"}
     peer = {"rank": 0, "type": "DistBackendError", "retryable": None, "message": "Connection closed by peer"}

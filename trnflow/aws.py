@@ -54,8 +54,8 @@ def client(service: str, endpoint_url: str | None = None, boto_session: Any = No
 
     config = Config(retries={"total_max_attempts": 1}, connect_timeout=10, read_timeout=60)
     made = (boto_session or session()).client(service, endpoint_url=endpoint_url, config=config)
-    if service == "s3" and os.environ.get("TRNFLOW_S3_FAULTS"):  # a rehearsal: see trnflow.emulator.s3faults
-        from trnflow.emulator.s3faults import install
+    if service == "s3" and os.environ.get("TRNFLOW_S3_FAULTS"):  # a rehearsal: see trnflow.testing.s3faults
+        from trnflow.testing.s3faults import install
 
         install(made)
     return made

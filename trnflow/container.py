@@ -25,8 +25,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trnflow.backends.failures import read_reports, root_failure
 from trnflow.errors import FatalError
-from trnflow.failures import read_reports, root_failure
 
 TRANSIENT_EXIT_CODE = 75
 """The exit code after a transient failure (a lost core, a timeout): Batch's retry strategy

@@ -31,7 +31,7 @@ class TrnflowSettings(BaseSettings):
         from trnflow.errors import FatalError
 
         if aws.emulated():  # `trnflow mock-aws`: its deployment has fixed names
-            from trnflow.mockcloud.provision import mock_outputs
+            from trnflow.testing.mockcloud.provision import mock_outputs
 
             mock = mock_outputs()
             self = self.model_copy(update={k: getattr(self, k) or mock[k.upper()] for k in (

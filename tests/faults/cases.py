@@ -44,7 +44,7 @@ class Run:
         return self.world.spec(self.out, **self.sections)
 
     def flow(self):
-        from flows.pipeline import pipeline
+        from trnflow.flows.pipeline import pipeline
 
         return pipeline(self.spec, run_id=self.run_id, return_state=True)
 

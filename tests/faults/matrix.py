@@ -79,8 +79,8 @@ class Matrix:
     def _cloud(self, case: Case, run: Run) -> Iterator[None]:
         import boto3
 
-        from trnflow.mockcloud import MockCloud, ServiceFault
-        from trnflow.mockcloud.provision import provision
+        from trnflow.testing.mockcloud import MockCloud, ServiceFault
+        from trnflow.testing.mockcloud.provision import provision
 
         fault = (ServiceFault("sagemaker", "train", "InternalServerError: We encountered an internal error.",
                               when="checkpoint") if case.storage == "sagemaker" else

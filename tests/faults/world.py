@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+from trnflow.specs import JobSpec, validate_spec
 
-from jobspecs import JobSpec, validate_spec
-from trnflow.synth import synthesize
+from trnflow.workload.synth import synthesize
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "jobspecs" / "examples" / "quickstart.yaml"
@@ -75,7 +75,7 @@ def world(root: Path, *, reference: bool = True, prefect: bool = True,
     `compile_cache` may be one that already holds the quickstart model's graphs."""
     from prefect.testing.utilities import prefect_test_harness
 
-    from trnflow.reference import run_reference
+    from trnflow.lifecycle.reference import run_reference
 
     root.mkdir(parents=True, exist_ok=True)
     env = {

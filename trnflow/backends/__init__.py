@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from jobspecs import JobSpec
 from trnflow.backends.base import Backend, JobInfo, JobRequest, JobState, run_to_end, wait
 from trnflow.errors import FatalError
 from trnflow.settings import TrnflowSettings
+from trnflow.specs import JobSpec
 
 __all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "backend_for", "run_to_end", "wait"]
 

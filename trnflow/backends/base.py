@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
-from jobspecs import JobSpec
+from trnflow.specs import JobSpec
 
 
 class JobState(StrEnum):

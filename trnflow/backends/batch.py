@@ -16,6 +16,7 @@ from trnflow.backends.base import JobInfo, JobRequest, JobState
 from trnflow.backends.batch_request import build_job_definition, build_submit_job
 from trnflow.backends.cloud import CloudTarget, stage_spec
 from trnflow.backends.cloudwatch import StreamReader
+from trnflow.backends.failures import lost_peer
 from trnflow.backends.service_status import (
     CANCEL_REASON,
     batch_billable_seconds,
@@ -23,7 +24,6 @@ from trnflow.backends.service_status import (
     batch_state,
 )
 from trnflow.errors import FatalError
-from trnflow.failures import lost_peer
 from trnflow.storage import open_store
 
 LOG_GROUP = "/aws/batch/job"

@@ -15,11 +15,11 @@ import json
 from fnmatch import fnmatchcase
 from typing import Any
 
-from jobspecs import JobSpec, instance
 from trnflow.backends.base import JobRequest
 from trnflow.backends.cloud import CloudTarget, container_environment, efa_environment, job_name, placement, tags
 from trnflow.container import TRANSIENT_EXIT_CODE
 from trnflow.errors import FatalError
+from trnflow.specs import JobSpec, instance
 
 COMMAND = ["batch"]
 """The container's command: the image's entrypoint is `python -m trnflow.container`."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from jobspecs import JobSpec, instance
 from trnflow.backends.base import JobRequest
+from trnflow.specs import JobSpec, instance
 
 CHECKPOINT_DIR = "/opt/ml/checkpoints"
 """Where SageMaker copies `CheckpointConfig.S3Uri` at the start of a job. trnflow writes its

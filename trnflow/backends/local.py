@@ -24,14 +24,14 @@ import time
 import uuid
 from pathlib import Path
 
-from jobspecs import instance
 from trnflow.backends.base import JobInfo, JobRequest, JobState
+from trnflow.backends.failures import read_reports, root_failure
 from trnflow.emulator.cores import allocate, parse_visible_cores
 from trnflow.emulator.launcher import launch_command, launch_env
 from trnflow.emulator.memory import check_fits
 from trnflow.errors import FatalError
-from trnflow.failures import read_reports, root_failure
 from trnflow.fsutil import atomic_write_json, atomic_write_text
+from trnflow.specs import instance
 
 # job.json records only the variables that describe the job; everything else (credentials among
 # it) reaches the workers by inheritance and is never written down.

@@ -21,8 +21,8 @@ from trnflow.backends.cloudwatch import StreamReader, streams
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.backends.service_status import sagemaker_failure, sagemaker_state
 from trnflow.errors import FatalError
-from trnflow.s3store import split_s3_url
 from trnflow.safetar import extract
+from trnflow.storage.s3 import split_s3_url
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 

@@ -10,10 +10,10 @@ import os
 import sys
 from pathlib import Path
 
-from jobspecs import JobSpec, instance
 from trnflow.emulator import faults as fault_injection
 from trnflow.emulator.cores import INSTANCE_CORES_ENV
 from trnflow.errors import FatalError
+from trnflow.specs import JobSpec, instance
 
 
 def visible_cores_value(cores: list[int]) -> str:

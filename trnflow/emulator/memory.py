@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from jobspecs import JobSpec, ModelSpec, instance
 from trnflow.errors import FatalError
+from trnflow.specs import JobSpec, ModelSpec, instance
 
 GIB = 1024**3
 

@@ -10,8 +10,8 @@ import os
 import time
 from pathlib import Path
 
-from jobspecs import instance
 from trnflow.emulator.cores import holders
+from trnflow.specs import instance
 
 _TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 

@@ -17,9 +17,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from jobspecs import JobSpec
 from trnflow.emulator import cache as states
 from trnflow.emulator.cache import COMPILER_VERSION, CompileCache, entry_name
+from trnflow.specs import JobSpec
 
 _ROOT = Path(__file__).resolve().parents[1]
 GRAPH_SOURCES = ("workload/model.py", "workload/programs.py", "emulator/compiler.py", "emulator/jit.py")

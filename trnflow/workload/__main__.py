@@ -16,9 +16,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from jobspecs import JobSpec, SpecError, load_spec
 from trnflow.errors import FatalError, TrnflowError
 from trnflow.fsutil import atomic_write_json
+from trnflow.specs import JobSpec, SpecError, load_spec
 
 RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 PHASES = ("sanity", "collectives", "compile", "train", "evaluate", "infer")

@@ -21,13 +21,13 @@ from pathlib import Path
 
 import torch
 
-from jobspecs import JobSpec
 from trnflow.emulator import cache as states
 from trnflow.emulator import plans
 from trnflow.emulator.cache import COMPILER_VERSION, CompileCache, EntryLocked, entry_name
 from trnflow.emulator.compiler import Graph, cache_url, compile_flags, pack_dir, retry_failed_requested
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.errors import FatalError
+from trnflow.specs import JobSpec
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.model import build_model
 from trnflow.workload.programs import PROGRAMS, TRIAL_STEPS, Programs

@@ -20,11 +20,11 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from jobspecs import JobSpec
 from trnflow.emulator.cores import INSTANCE_CORES_ENV, CoreLease, acquire, parse_visible_cores
 from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
 from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
+from trnflow.specs import JobSpec
 
 T = TypeVar("T")
 

@@ -1,6 +1,6 @@
 """Reading text datasets and sampling them deterministically across ranks.
 
-Which files a dataset holds, and their day partitions, is `trnflow.datafiles`' business. Formats:
+Which files a dataset holds, and their day partitions, is `trnflow.storage.datafiles`' business. Formats:
 JSONL, Parquet, CSV with a header, and the Amazon Polarity CSV layout (no header; the columns are
 label 1 or 2, title and content).
 
@@ -20,9 +20,9 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 import torch
 
-from jobspecs import DataSpec
-from trnflow.datafiles import DataFile, data_files
 from trnflow.errors import DataError
+from trnflow.specs import DataSpec
+from trnflow.storage.datafiles import DataFile, data_files
 from trnflow.workload.model import CLS_ID, PAD_ID
 
 POLARITY_COLUMNS = ["label", "title", "content"]

@@ -14,13 +14,13 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from trnflow.datafiles import data_files
 from trnflow.errors import FatalError
-from trnflow.gate import SERIES, read_series, write_series
-from trnflow.metrics import classification_metrics
+from trnflow.lifecycle.gate import SERIES, read_series, write_series
+from trnflow.storage.datafiles import data_files
 from trnflow.workload.checkpoint import Checkpoint, load, load_model_weights
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.data import read_labelled, static_batches
+from trnflow.workload.metrics import classification_metrics
 from trnflow.workload.model import build_model
 from trnflow.workload.programs import Programs, for_run
 from trnflow.workload.tokenizer import TextTokenizer

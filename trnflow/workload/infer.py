@@ -2,7 +2,7 @@
 
 The rows are cut into shards of `inference.shard_size`; rank r embeds shards r, r + world, ...
 Each shard is written under `inference.output_url`, then its commit marker; rank 0 writes the
-manifest last (the layout is `trnflow.embeddings`'). A rerun skips every shard whose marker
+manifest last (the layout is `trnflow.workload.embeddings`'). A rerun skips every shard whose marker
 matches its file and the current plan (same rows, same shard size, same model) and redoes the
 others, so a run killed midway finishes without touching what was committed. Nothing is written
 outside `output_url`.
@@ -18,12 +18,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from trnflow.embeddings import MANIFEST, committed, marker_name, remove_beyond, shard_name
 from trnflow.emulator.faults import TearingStore
 from trnflow.storage import open_store
 from trnflow.workload.checkpoint import load, load_model_weights
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.data import read_unlabelled, static_batches
+from trnflow.workload.embeddings import MANIFEST, committed, marker_name, remove_beyond, shard_name
 from trnflow.workload.evaluate import tokenizer_of
 from trnflow.workload.model import build_model
 from trnflow.workload.programs import for_run

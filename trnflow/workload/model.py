@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jobspecs import ModelSpec
+from trnflow.specs import ModelSpec
 
 PAD_ID = 0
 CLS_ID = 1

@@ -25,11 +25,11 @@ import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from jobspecs import JobSpec
 from trnflow.emulator.cache import CompileCache
 from trnflow.emulator.compiler import cache_url, compile_flags
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.errors import TrnflowError
+from trnflow.specs import JobSpec
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.model import TextEncoderClassifier
 

@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from jobspecs import JobSpec
-from trnflow.datafiles import DataFile, data_files, partitions, since_watermark
 from trnflow.errors import DataError
-from trnflow.registry import Registry
+from trnflow.lifecycle.registry import Registry
+from trnflow.specs import JobSpec
 from trnflow.storage import join
+from trnflow.storage.datafiles import DataFile, data_files, partitions, since_watermark
 from trnflow.workload.checkpoint import Checkpoint, RunCheckpoints, load
 from trnflow.workload.context import WorkerContext, gather_objects
 

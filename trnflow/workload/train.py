@@ -16,12 +16,12 @@ import time
 
 import torch
 
-from trnflow.datafiles import partitions
 from trnflow.emulator.faults import TearingStore
 from trnflow.emulator.memory import estimate, saved_activation_peak, tensor_bytes
 from trnflow.emulator.numerics import stochastic_round_bf16_
 from trnflow.errors import FatalError
-from trnflow.gate import SERIES, write_series
+from trnflow.lifecycle.gate import SERIES, write_series
+from trnflow.storage.datafiles import partitions
 from trnflow.workload.checkpoint import RunCheckpoints, load_model_weights
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import StepSampler, read_labelled

@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from trnflow.cli.render import RED, cli_console
 from trnflow.redact import without_credentials
-from trnflow.render import RED, cli_console
 
 models_app = typer.Typer(help="Look at and change the model registry (registry_url).", no_args_is_help=True)
 console = cli_console()
@@ -25,9 +25,9 @@ EXIT_FAILED, EXIT_BAD_INPUT, EXIT_CONFLICT = 1, 2, 4
 
 @contextlib.contextmanager
 def _registry(url: str) -> Iterator:
-    from jobspecs.spec import _normalise_url
     from trnflow.errors import FatalError
-    from trnflow.registry import PromotionConflict, Registry
+    from trnflow.lifecycle.registry import PromotionConflict, Registry
+    from trnflow.specs.spec import _normalise_url
 
     try:
         yield Registry(_normalise_url(url))

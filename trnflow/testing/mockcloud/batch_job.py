@@ -9,11 +9,11 @@ import time
 from datetime import datetime
 from typing import Any
 
-from jobspecs import instance
 from trnflow.backends.batch_request import exit_action
 from trnflow.emulator.cores import INSTANCE_CORES_ENV, RT_DIR_ENV
-from trnflow.mockcloud.nodes import Node, container_env, free_port, run_nodes
-from trnflow.mockcloud.sagemaker_job import committed_checkpoints
+from trnflow.specs import instance
+from trnflow.testing.mockcloud.nodes import Node, container_env, free_port, run_nodes
+from trnflow.testing.mockcloud.sagemaker_job import committed_checkpoints
 
 LOG_GROUP = "/aws/batch/job"
 

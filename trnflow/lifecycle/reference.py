@@ -11,13 +11,13 @@ import hashlib
 import json
 from collections.abc import Callable
 
-from jobspecs import JobSpec
 from trnflow.backends import JobRequest, JobState, backend_for, run_to_end
-from trnflow.datafiles import data_files
 from trnflow.errors import FatalError
-from trnflow.gate import read_series
+from trnflow.lifecycle.gate import read_series
 from trnflow.settings import TrnflowSettings
+from trnflow.specs import JobSpec
 from trnflow.storage import open_store
+from trnflow.storage.datafiles import data_files
 
 RUN_ID = "reference"
 

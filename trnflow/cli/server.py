@@ -12,7 +12,7 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from flows.deployments import FLOWS
+from trnflow.flows.deployments import FLOWS
 
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
 LOG_PAGE = 200
@@ -67,7 +67,7 @@ def _seconds(duration: dt.timedelta | None) -> float | None:
 def _stage_rows(artifacts: list[Any]) -> list[dict[str, Any]]:
     """The stage table a run attached when it ended (`<name>-stages`, with each stage's key
     figure); empty while the run is still going or when it never got that far."""
-    from flows._stages import STAGE_COLUMNS
+    from trnflow.flows._stages import STAGE_COLUMNS
 
     for artifact in artifacts:
         if artifact.type == "table" and (artifact.key or "").endswith("-stages"):

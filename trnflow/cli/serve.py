@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from trnflow.render import cli_console
+from trnflow.cli.render import cli_console
 
 console = cli_console()
 err = cli_console(stderr=True)
@@ -30,9 +30,9 @@ def serve(
     limit: Annotated[int | None, typer.Option(min=1, help="Most flow runs at once (default: no limit).")] = None,
 ):
     """Serve every flow of each spec as deployments, schedules included, from this process (Ctrl-C stops)."""
-    from flows.deployments import definitions, serve_all
-    from flows.server import ServerError, api_url
-    from trnflow.cli import _load
+    from trnflow.cli.app import _load
+    from trnflow.cli.server import ServerError, api_url
+    from trnflow.flows.deployments import definitions, serve_all
 
     try:
         api = api_url()
@@ -57,8 +57,8 @@ def prefect_yaml(
     """Print prefect.yaml: a deployment of each flow for the spec, on the `trnflow` process work pool."""
     import yaml
 
-    from flows.deployments import prefect_yaml as document
-    from trnflow.cli import _load
+    from trnflow.cli.app import _load
+    from trnflow.flows.deployments import prefect_yaml as document
 
     spec = _load(spec_path)
     text = HEADER.format(spec=spec_path) + yaml.safe_dump(document(spec, str(spec_path)), sort_keys=False)

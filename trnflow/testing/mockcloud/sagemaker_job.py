@@ -14,10 +14,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from jobspecs import instance
 from trnflow.emulator.cores import INSTANCE_CORES_ENV, RT_DIR_ENV
-from trnflow.mockcloud.nodes import Node, container_env, free_port, run_nodes
-from trnflow.s3store import S3Store, split_s3_url
+from trnflow.specs import instance
+from trnflow.storage.s3 import S3Store, split_s3_url
+from trnflow.testing.mockcloud.nodes import Node, container_env, free_port, run_nodes
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 

@@ -2,6 +2,6 @@
 the NeuronCore emulator under the service's container contract. Used by the tests, and by
 `trnflow mock-aws` for trying the cloud backends on one machine."""
 
-from trnflow.mockcloud.cloud import MockCloud, ServiceFault
+from trnflow.testing.mockcloud.cloud import MockCloud, ServiceFault
 
 __all__ = ["MockCloud", "ServiceFault"]

@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from trnflow.report import ENGINES, cost_cells, engine_outcomes, with_not_run
+from trnflow.reporting.report import ENGINES, cost_cells, engine_outcomes, with_not_run
 
 STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim"}
 

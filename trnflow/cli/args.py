@@ -6,7 +6,7 @@ from typing import Any
 
 import typer
 
-from trnflow.render import RED, cli_console
+from trnflow.cli.render import RED, cli_console
 
 EXIT_BAD_INPUT = 2
 

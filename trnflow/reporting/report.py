@@ -1,7 +1,7 @@
 """Markdown for what a run shows in the Prefect UI: the stage summary, the preflight and collective
 tables, the compile cache's hits and misses, the cost table and the links to what was written.
 Pure functions of the stage results; the tasks and flows publish them as artifacts, and the rows
-they share with the command's rich tables (`trnflow.render`) are made here once."""
+they share with the command's rich tables (`trnflow.cli.render`) are made here once."""
 
 from __future__ import annotations
 

@@ -97,8 +97,8 @@ class MockCloud:
         from moto.core.config import default_user_config
         from moto.sagemaker.responses import SageMakerResponse
 
-        from trnflow.mockcloud.batch_job import BatchJob
-        from trnflow.mockcloud.sagemaker_job import SageMakerJob
+        from trnflow.testing.mockcloud.batch_job import BatchJob
+        from trnflow.testing.mockcloud.sagemaker_job import SageMakerJob
 
         default_user_config["batch"] = {**default_user_config.get("batch", {}), "use_docker": False}
         cloud = self

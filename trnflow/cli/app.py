@@ -17,12 +17,14 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from jobspecs import CATALOGUE, JobSpec, SpecError, load_spec
-from trnflow import cli_runs, cli_serve, render
-from trnflow.cli_args import assignments
-from trnflow.cli_cache import cache_app
-from trnflow.cli_models import models_app
-from trnflow.render import RED, cli_console
+from trnflow.cli import render
+from trnflow.cli import runs as cli_runs
+from trnflow.cli import serve as cli_serve
+from trnflow.cli.args import assignments
+from trnflow.cli.cache import cache_app
+from trnflow.cli.models import models_app
+from trnflow.cli.render import RED, cli_console
+from trnflow.specs import CATALOGUE, JobSpec, SpecError, load_spec
 
 app = typer.Typer(
     name="trnflow",
@@ -40,7 +42,7 @@ app.add_typer(models_app, name="models")
 def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
                      seed_data: bool = typer.Option(True, help="Upload the quickstart's synthetic dataset.")) -> None:
     """Run SageMaker, Batch, S3 and CloudWatch on 127.0.0.1 (moto), with submitted jobs run for real."""
-    from trnflow.cli_mock import mock_aws
+    from trnflow.cli.mock import mock_aws
 
     mock_aws(port=port, seed_data=seed_data)
 
@@ -120,7 +122,7 @@ def devices(
     as_json: JsonOpt = False,
 ):
     """List the emulated instance's Neuron devices and which process holds each core, like `neuron-ls`."""
-    from trnflow.emulator.topology import core_owners, neuron_ls
+    from trnflow.neuron.topology import core_owners, neuron_ls
 
     _check_instance_type(instance_type)
     records = neuron_ls(instance_type, core_owners(instance_type))
@@ -185,7 +187,7 @@ def data_synth(
     """Write synthetic product reviews: train/dt=*/, holdout/ and inference/."""
     import datetime as dt
 
-    from trnflow.synth import synthesize
+    from trnflow.workload.synth import synthesize
 
     try:
         first = dt.date.fromisoformat(start)
@@ -209,7 +211,7 @@ def data_synth(
 def reference(spec_path: SpecArg, overrides: SetOpt = None):
     """Train the spec in plain fp32 (as a GPU run would) and write its metrics to gate.reference."""
     from trnflow.errors import TrnflowError
-    from trnflow.reference import run_reference
+    from trnflow.lifecycle.reference import run_reference
 
     spec = _load(spec_path, _overrides(overrides))
     try:
@@ -295,8 +297,8 @@ def _check_run_id(run_id: str | None) -> None:
 def _check_data(spec: JobSpec) -> None:
     """Refuse local data folders that are missing or hold no files of `data.format` before the
     pipeline starts (S3 data is listed by the stages that read it)."""
-    from trnflow.datafiles import data_files
     from trnflow.errors import DataError
+    from trnflow.storage.datafiles import data_files
 
     for field in ("train", "holdout", "inference"):
         url = getattr(spec.data, field)
@@ -312,9 +314,9 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
               show=None) -> None:
     """Run a flow in-process on Prefect's local API; print its stage table; exit with its outcome."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    from flows._stages import PipelineFailed
+    from trnflow.cli.progress import training_progress
     from trnflow.errors import GateFailed
-    from trnflow.progress import training_progress
+    from trnflow.flows._stages import PipelineFailed
 
     with training_progress(err, enabled=not as_json and err.is_terminal):
         state = flow_fn(spec, run_id=run_id, return_state=True)
@@ -366,7 +368,7 @@ def run(
     _check_run_id(run_id)
     spec = _load(spec_path, extra)
     _check_data(spec)
-    from flows.pipeline import STAGES, pipeline
+    from trnflow.flows.pipeline import STAGES, pipeline
 
     _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json)
 
@@ -385,7 +387,7 @@ def retrain(
         err.print(f"{spec_path}: registry_url: retraining keeps its champion and watermark in a model "
                   "registry; set registry_url", **RED)
         raise typer.Exit(EXIT_BAD_INPUT)
-    from flows.incremental_retrain import STAGES, incremental_retrain
+    from trnflow.flows.incremental_retrain import STAGES, incremental_retrain
 
     _run_flow(incremental_retrain, STAGES, "trnflow retrain", spec, run_id, as_json)
 
@@ -394,8 +396,8 @@ def retrain(
 def preflight(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = False):
     """Sanity-check every engine of each core the spec uses, then the collectives between them."""
     spec = _load(spec_path, _overrides(overrides))
-    from flows.preflight import STAGES
-    from flows.preflight import preflight as preflight_flow
+    from trnflow.flows.preflight import STAGES
+    from trnflow.flows.preflight import preflight as preflight_flow
 
     def show(results: dict) -> None:
         console.print(render.sanity_table(results["sanity"]["per_core"]))

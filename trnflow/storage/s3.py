@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from trnflow import aws
-from trnflow.storage import ObjectInfo
+from trnflow.storage.base import ObjectInfo
 
 
 def split_s3_url(url: str) -> tuple[str, str]:

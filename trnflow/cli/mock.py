@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from trnflow.render import cli_console
+from trnflow.cli.render import cli_console
 
 console = cli_console()
 
@@ -22,9 +22,9 @@ def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None) -> None:
     keep their files under `work_dir` (default: a temporary folder)."""
     from moto.server import ThreadedMotoServer
 
-    from trnflow.mockcloud import MockCloud
-    from trnflow.mockcloud.provision import provision
-    from trnflow.synth import synthesize
+    from trnflow.testing.mockcloud import MockCloud
+    from trnflow.testing.mockcloud.provision import provision
+    from trnflow.workload.synth import synthesize
 
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     endpoint = f"http://127.0.0.1:{port}"

@@ -1,6 +1,6 @@
 """`trnflow submit`, `runs`, `status`, `logs` and `cancel`: flow runs on a running Prefect server
 (PREFECT_API_URL), started from its deployments (`trnflow serve` or `prefect deploy`). The talking
-to the server is `flows.server`'s; this module prints.
+to the server is `trnflow.cli.server`'s; this module prints.
 
 Exit codes scripts can rely on: 0 Completed, 1 failed (or crashed, or cancelled), 2 bad input
 (including a server that is unset, unreachable or refuses the request), 3 the accuracy-parity gate
@@ -20,8 +20,8 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from trnflow.cli_args import assignments
-from trnflow.render import RED, cli_console, stage_table
+from trnflow.cli.args import assignments
+from trnflow.cli.render import RED, cli_console, stage_table
 
 console = cli_console()
 err = cli_console(stderr=True)
@@ -40,7 +40,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 @contextlib.contextmanager
 def _server(code: int = EXIT_BAD_INPUT) -> Iterator[Any]:
     """The connected server; its errors become one red line and exit `code`."""
-    from flows import server
+    from trnflow.cli import server
 
     try:
         with server.connect() as connected:
@@ -85,9 +85,9 @@ def submit(
     as_json: JsonOpt = False,
 ):
     """Start a run of a deployment on the Prefect server; print its id and UI link."""
-    from flows.deployments import full_name
-    from flows.server import FINAL, ui_link
-    from trnflow.cli import _load, _overrides
+    from trnflow.cli.app import _load, _overrides
+    from trnflow.cli.server import FINAL, ui_link
+    from trnflow.flows.deployments import full_name
 
     spec = _load(spec_path, _overrides(overrides))
     try:
@@ -145,7 +145,7 @@ def runs(
     as_json: JsonOpt = False,
 ):
     """List trnflow's flow runs on the Prefect server: those due but not started, then the newest."""
-    from flows.server import api_url
+    from trnflow.cli.server import api_url
 
     with _server() as server:
         rows = server.recent(limit)
@@ -163,7 +163,7 @@ def runs(
 def status(run: RunArg, as_json: JsonOpt = False):
     """One run: its state, each stage's state and duration, its artifacts and UI link (exit 4 while it has not
     ended)."""
-    from flows.server import FINAL
+    from trnflow.cli.server import FINAL
 
     with _server() as server:
         summary = server.summary(server.find(run))
@@ -181,7 +181,7 @@ def logs(
                       ] = False,
 ):
     """Print a run's log lines (its stages' and their jobs' output), oldest first."""
-    from flows.server import FINAL
+    from trnflow.cli.server import FINAL
 
     with _server() as server:
         run_id, shown, since, quiet = server.find(run), set(), None, None

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobspecs import JobSpec, instance
+from trnflow.specs import JobSpec, instance
 
 
 def price_per_hour(spec: JobSpec) -> float | None:

@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from trnflow.cli.render import RED, cli_console
 from trnflow.redact import without_credentials
-from trnflow.render import RED, cli_console
 
 cache_app = typer.Typer(help="Inspect and clean a persistent compile cache.", no_args_is_help=True)
 console = cli_console()
@@ -24,9 +24,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 def _cache(url: str) -> Iterator:
     """The cache at `url`; a bad URL, missing credentials or a missing bucket, a folder that is not a
     cache root or a garbled record end the command with what went wrong (exit 2)."""
-    from jobspecs.spec import _normalise_url
     from trnflow.emulator.cache import CompileCache
     from trnflow.errors import TrnflowError
+    from trnflow.specs.spec import _normalise_url
 
     try:
         yield CompileCache(_normalise_url(url))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from jobspecs.instances import GIB, InstanceType, instance
+from trnflow.specs.instances import GIB, InstanceType, instance
 
 
 def torus_neighbours(device: int, devices: int) -> list[int]:
