@@ -22,7 +22,7 @@ from trnflow.specs import validate_spec
 
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
-from trnflow.emulator.launcher import launch_command, launch_env
+from trnflow.neuron.launch import launch_command, launch_env
 from trnflow.workload.synth import synthesize
 
 

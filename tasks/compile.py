@@ -10,8 +10,8 @@ from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
 
-from trnflow.emulator import plans
-from trnflow.emulator.cache import COMPILER_VERSION, CompileCache, entry_name
+from trnflow.device import plans
+from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name
 from trnflow.reporting.report import compile_markdown
 
 

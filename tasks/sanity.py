@@ -8,9 +8,9 @@ from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
 
-from trnflow.emulator.memory import estimate
 from trnflow.errors import FatalError, TrnflowError
 from trnflow.reporting.report import sanity_markdown
+from trnflow.workload.memory import estimate
 
 
 def _failures(result: dict) -> str:

@@ -87,8 +87,8 @@ def warm_compile_cache(compile_cache, dataset, trnflow_home, tmp_path_factory) -
     compile job fills it here unless an earlier test of the session already did."""
     from trnflow.backends import JobRequest, JobState, wait
     from trnflow.backends.local import LocalBackend
-    from trnflow.emulator import plans
-    from trnflow.emulator.cache import DONE, CompileCache, entry_name
+    from trnflow.device import plans
+    from trnflow.device.cache import DONE, CompileCache, entry_name
     from trnflow.settings import TrnflowSettings
 
     out = tmp_path_factory.mktemp("warm")

@@ -32,7 +32,7 @@ import trnflow.backends
 import trnflow.cli.app
 from tests.conftest import archive, quickstart_data
 from trnflow.cli.app import app
-from trnflow.emulator.cache import COMPILER_VERSION, CompileCache
+from trnflow.device.cache import COMPILER_VERSION, CompileCache
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.errors import ERROR_TYPES, TrnflowError
 from trnflow.storage.datafiles import data_files

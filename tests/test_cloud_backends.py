@@ -192,12 +192,13 @@ def test_throttling_while_polling_is_retried_without_failing(moto_endpoint, tmp_
                                                              make_spec, caplog):
     from botocore.awsrequest import AWSResponse
 
+    from trnflow.backends.cloud import cloud_target
     from trnflow.backends.sagemaker import SageMakerBackend
     from trnflow.settings import TrnflowSettings
 
     fault = ServiceFault("sagemaker", "train", "AlgorithmError: bad input")
     with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [fault]) as (cloud, bucket):
-        backend = SageMakerBackend(TrnflowSettings().cloud_target("sagemaker"))
+        backend = SageMakerBackend(cloud_target(TrnflowSettings(), "sagemaker"))
         job = backend.submit(JobRequest(_cloud_spec(make_spec, bucket, "sagemaker"), "train", "throttled"))
         cloud.wait_idle()
         throttles = iter(range(2))

@@ -168,12 +168,13 @@ def test_sagemaker_hosts_rendezvous_at_algo_1():
 
 
 def test_the_cloud_target_comes_from_settings_and_names_what_is_missing(monkeypatch):
+    from trnflow.backends.cloud import cloud_target
     from trnflow.settings import TrnflowSettings
 
     monkeypatch.setenv("TRNFLOW_IMAGE", TARGET.image)
     monkeypatch.setenv("TRNFLOW_STAGING_URL", TARGET.staging_url)
     monkeypatch.setenv("TRNFLOW_BATCH_JOB_QUEUE", TARGET.job_queue)
     monkeypatch.delenv("TRNFLOW_SAGEMAKER_ROLE_ARN", raising=False)
-    assert TrnflowSettings().cloud_target("batch").job_queue == "trn1-fair-share"
+    assert cloud_target(TrnflowSettings(), "batch").job_queue == "trn1-fair-share"
     with pytest.raises(FatalError, match="needs TRNFLOW_SAGEMAKER_ROLE_ARN; set them from the outputs"):
-        TrnflowSettings().cloud_target("sagemaker")
+        cloud_target(TrnflowSettings(), "sagemaker")

@@ -12,7 +12,7 @@ from tests.conftest import archive
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.cli.app import app
-from trnflow.emulator.cache import (
+from trnflow.device.cache import (
     COMPILER_VERSION,
     CORRUPT,
     DONE,

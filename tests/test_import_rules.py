@@ -1,65 +1,176 @@
-"""The architecture's import rules, checked on the source (every import statement, at any depth)."""
+"""The architecture's import rules, checked on the source: every import statement, at any depth.
+
+trnflow is one package of rooms, lowest first; a room imports only the rooms below it. The map
+below is the contract; `docs/architecture.md` says what each room owns.
+"""
 
 import ast
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+FOLDERS = {"trnflow": ROOT / "trnflow", "trnflow.flows": ROOT / "flows", "trnflow.tasks": ROOT / "tasks",
+           "trnflow.specs": ROOT / "jobspecs"}
+BASE = ("trnflow", "trnflow.errors", "trnflow.fsutil", "trnflow.redact", "trnflow.safetar", "trnflow.aws",
+        "trnflow.settings")
+
+# room -> the rooms it may import (besides itself and the base modules)
+BELOW = {
+    "specs": set(),
+    "storage": {"specs"},
+    "neuron": {"specs"},
+    "device": {"specs", "storage", "neuron"},
+    "emulator": {"specs", "storage", "neuron", "device"},
+    "lifecycle": {"specs", "storage", "neuron"},
+    "workload": {"specs", "storage", "neuron", "device", "lifecycle"},
+    "backends": {"specs", "storage", "neuron", "device", "lifecycle", "workload"},
+    "reporting": {"specs", "storage", "lifecycle"},
+    "tasks": {"specs", "storage", "neuron", "device", "lifecycle", "workload", "backends", "reporting"},
+    "flows": {"specs", "storage", "neuron", "device", "lifecycle", "workload", "backends", "reporting", "tasks"},
+    "cli": {"specs", "storage", "neuron", "device", "emulator", "lifecycle", "workload", "backends", "reporting",
+            "tasks", "flows"},
+    "testing": set(),  # anything: it is never imported by the product
+}
+# Known edges still to move (each one a note on the issue that tracks it).
+PENDING = {
+    ("trnflow.lifecycle.reference", "backends"),
+    ("trnflow.aws", "testing"),
+    ("trnflow.cli.app", "testing"),  # `trnflow mock-aws`: the [mock] extra's one entry point, imported lazily
+}
 
 
-def _imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    found = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            found |= {alias.name.split(".")[0] for alias in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            found.add(node.module.split(".")[0])
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in FOLDERS.items():
+        for path in folder.rglob("*.py"):
+            if package == "trnflow" and path.relative_to(folder).parts[0] in ("flows", "tasks", "specs"):
+                continue
+            parts = list(path.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            found[".".join([package, *parts])] = path
     return found
 
 
-def _full_imports(path: Path) -> set[str]:
-    tree = ast.parse(path.read_text(), filename=str(path))
-    return {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
+MODULES = _modules()
 
 
-def _offenders(folder: str, banned: set[str], allow: tuple[str, ...] = ()) -> dict[str, set[str]]:
-    out = {}
-    for path in sorted((ROOT / folder).rglob("*.py")):
-        rel = str(path.relative_to(ROOT))
-        if rel in allow:
-            continue
-        hits = _imports(path) & banned
-        if hits:
-            out[rel] = hits
-    assert any((ROOT / folder).rglob("*.py")), f"{folder} has no Python files"
+def _imports(module: str, path: Path) -> set[str]:
+    """The modules `module` imports, resolved to full names (relative imports included)."""
+    out = set()
+    is_package = path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
+                base = ".".join([*anchor, base]) if base else ".".join(anchor)
+            out.add(base)
+            out |= {f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES}
     return out
 
 
-def test_engine_never_imports_prefect():
-    allow = (*(f"trnflow/cli/{n}" for n in ("app.py", "runs.py", "serve.py", "server.py", "progress.py")),
-             "trnflow/testing/mockcloud/cloud.py")
-    assert _offenders("trnflow", {"prefect"}, allow=allow) == {}
+def room(module: str) -> str | None:
+    if module in BASE:
+        return "base"
+    parts = module.split(".")
+    if parts[0] != "trnflow":
+        return None
+    if module == "trnflow.container":
+        return "backends"
+    return parts[1] if len(parts) > 1 and parts[1] in BELOW else None
 
 
-def test_jobspecs_import_nothing_else_of_ours():
-    tree_imports = set().union(*(_full_imports(p) for p in (ROOT / "jobspecs").rglob("*.py")))
-    assert {m for m in tree_imports if m.startswith("trnflow") and not m.startswith("trnflow.specs")} == set()
+def test_every_module_belongs_to_a_room():
+    assert {m for m in MODULES if room(m) is None} == set()
 
 
-def test_flows_never_talk_to_aws_directly():
-    assert _offenders("flows", {"boto3", "botocore", "sagemaker"}) == {}
+def _edges() -> list[tuple[str, str, str, str]]:
+    edges = []
+    for module, path in MODULES.items():
+        for target in _imports(module, path):
+            if room(target) is not None:
+                edges.append((module, room(module), target, room(target)))
+    return edges
 
 
-def test_workload_and_emulator_do_not_reach_into_orchestration_or_backends():
-    banned = {"prefect", "flows", "tasks"}
-    assert _offenders("trnflow/workload", banned | {"boto3"}) == {}
-    assert _offenders("trnflow/emulator", banned) == {}
-    assert _offenders("trnflow/backends", banned) == {}
+def test_each_room_imports_only_the_rooms_below_it():
+    wrong = []
+    for module, src, target, dst in _edges():
+        allowed = dst == src or dst == "base" or src == "testing" or dst in BELOW.get(src, set())
+        if src == "base" and dst != "base":
+            allowed = False
+        if not allowed and (module, dst) not in PENDING:
+            wrong.append(f"{module} ({src}) imports {target} ({dst})")
+    assert wrong == []
+
+
+def test_the_pending_exceptions_are_still_needed():
+    """An exception that no longer happens is taken off the list, so the list only shrinks."""
+    happening = {(module, dst) for module, _, _, dst in _edges()}
+    assert PENDING - happening == set()
+
+
+def test_the_workload_never_reaches_the_emulator_prefect_or_aws():
+    for module, path in MODULES.items():
+        if room(module) == "workload":
+            bad = {m for m in _imports(module, path)
+                   if m.split(".")[0] in ("prefect", "boto3", "botocore", "moto") or room(m) == "emulator"}
+            assert bad == set(), module
+
+
+def test_moto_is_imported_only_by_the_testing_room():
+    users = {module for module, path in MODULES.items()
+             if any(m.split(".")[0] == "moto" for m in _imports(module, path))}
+    assert {u for u in users if room(u) != "testing"} == set()
+
+
+def test_prefect_stays_in_tasks_flows_and_the_cli():
+    users = {module for module, path in MODULES.items()
+             if any(m.split(".")[0] == "prefect" for m in _imports(module, path))}
+    assert {room(u) for u in users} <= {"tasks", "flows", "cli", "testing"}, users
+
+
+def test_there_are_no_import_cycles():
+    graph = {m: {t for t in _imports(m, p) if t in MODULES and t != m} for m, p in MODULES.items()}
+    # a package imports its own submodules to re-export them: that is not a cycle
+    graph = {m: {t for t in ts if not (t.startswith(m + ".") and MODULES[m].name == "__init__.py")}
+             for m, ts in graph.items()}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert cycles == []
 
 
 def test_flows_and_tasks_never_read_the_backend_choice():
-    for folder in ("flows", "tasks"):
-        for path in (ROOT / folder).rglob("*.py"):
+    for folder in (FOLDERS["trnflow.flows"], FOLDERS["trnflow.tasks"]):
+        for path in folder.rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 reads_backend = (isinstance(node, ast.Attribute) and node.attr == "backend"
                                  and isinstance(node.value, ast.Attribute) and node.value.attr == "compute")
@@ -69,15 +180,14 @@ def test_flows_and_tasks_never_read_the_backend_choice():
 def test_the_sagemaker_sdk_is_imported_only_where_jobs_are_sent_and_only_lazily():
     """`from sagemaker.train import ModelTrainer` takes about 3 s: only the submitting module may
     import it, and only inside a function."""
-    users = {rel for rel, hits in _offenders("trnflow", {"sagemaker"}).items()}
-    assert users == {"trnflow/backends/sagemaker_trainer.py"}
-    tree = ast.parse((ROOT / "trnflow/backends/sagemaker_trainer.py").read_text())
+    users = {m for m, p in MODULES.items() if any(i.split(".")[0] == "sagemaker" for i in _imports(m, p))}
+    assert users == {"trnflow.backends.sagemaker_trainer"}
+    tree = ast.parse(MODULES["trnflow.backends.sagemaker_trainer"].read_text())
     top_level = {n.module.split(".")[0] for n in tree.body if isinstance(n, ast.ImportFrom) and n.module}
     assert "sagemaker" not in top_level
 
 
-def test_the_mock_cloud_is_not_part_of_the_product_path():
-    """Only the tests and the `mock-aws` command start the mocked cloud."""
-    users = {rel for rel, hits in _offenders("trnflow", {"moto"}).items()}
-    assert all(rel.startswith("trnflow/testing/") or rel == "trnflow/cli/mock.py" for rel in users), users
-    assert _offenders("trnflow/backends", {"moto"}) == {} and _offenders("flows", {"moto"}) == {}
+@pytest.mark.parametrize("package", sorted(m for m, p in MODULES.items() if p.name == "__init__.py"))
+def test_every_room_says_what_it_owns(package):
+    doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
+    assert len(doc) > 80 and "TODO" not in doc, f"{package} needs a docstring saying what it owns and may import"

@@ -5,9 +5,9 @@ from trnflow.specs import ModelSpec
 
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
-from trnflow.emulator.memory import check_fits, estimate, parameter_count
 from trnflow.errors import FatalError
 from trnflow.settings import TrnflowSettings
+from trnflow.workload.memory import check_fits, estimate, parameter_count
 from trnflow.workload.model import build_model
 
 

@@ -45,7 +45,7 @@ def test_an_archive_that_climbs_out_of_its_folder_is_refused_before_anything_is_
 
 
 def test_a_compile_artifact_with_an_unsafe_member_is_a_corrupt_entry_that_writes_nothing(tmp_path):
-    from trnflow.emulator.cache import CorruptEntry
+    from trnflow.device.cache import CorruptEntry
     from trnflow.emulator.compiler import unpack_into
 
     inductor = tmp_path / "inductor"

@@ -26,11 +26,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trnflow.backends.failures import read_reports, root_failure
-from trnflow.errors import FatalError
+from trnflow.errors import ExitCode, FatalError
 
-TRANSIENT_EXIT_CODE = 75
-"""The exit code after a transient failure (a lost core, a timeout): Batch's retry strategy
-retries it, and the next attempt resumes from the run's checkpoint."""
 BATCH_MASTER_PORT = 41000
 """torchrun's rendezvous port between Batch nodes (the port the Neuron Batch samples use)."""
 FAILURE_TEXT_LIMIT = 900
@@ -138,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args or args[0] not in modes:
         print("usage: python -m trnflow.container train|batch  (SageMaker runs the image with `train`)",
               file=sys.stderr)
-        return 2
+        return ExitCode.BAD_INPUT
     service = modes[args[0]]
     env = dict(os.environ)
     r = sagemaker_rendezvous(env) if service == "sagemaker" else batch_rendezvous(env)
@@ -150,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         failure = root_failure(read_reports(r.output_dir), nproc, first_rank=r.node_rank * nproc)
     _report(env, service, r, failure)
     if failure is not None and failure.get("retryable"):
-        return TRANSIENT_EXIT_CODE
+        return ExitCode.TRANSIENT
     return code
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 
 class TrnflowError(Exception):
     """Base class. `retryable` tells the Prefect tasks whether a retry can help; `bad_cores` names
@@ -89,3 +91,22 @@ ERROR_TYPES: dict[str, type[TrnflowError]] = {
                 ExecutionTimeout, HardwareError, CapacityError, InternalServiceError, HostFailure, UserError,
                 JobTimeout, DiskFull, GateFailed)
 }
+
+
+class ExitCode(IntEnum):
+    """How a trnflow process ends: the `trnflow` command, the workload and the training container
+    all exit with these, so a script or a service's retry strategy can rely on them."""
+
+    OK = 0
+    FAILED = 1
+    """The job or run failed (a retry of the whole thing may help, or the logs say why not)."""
+    BAD_INPUT = 2
+    """A spec, file, argument or server setting is wrong: fix it and run again."""
+    GATE_FAILED = 3
+    """The candidate did not pass the accuracy-parity gate: nothing was promoted."""
+    NOT_ENDED = 4
+    """Not now: the run has not ended yet (`status`, `submit --wait --timeout`)."""
+    CONFLICT = 4
+    """Not now: someone else changed the registry first; look again and retry."""
+    TRANSIENT = 75
+    """A transient fault in the container (EX_TEMPFAIL): the service's retry strategy retries it."""

@@ -22,29 +22,9 @@ class TrnflowSettings(BaseSettings):
     )
     sagemaker_role_arn: str | None = Field(None, description="The SageMaker execution role.")
     batch_job_queue: str | None = Field(None, description="The Batch job queue (with its fair-share policy).")
-
-    def cloud_target(self, service: str):
-        """Where cloud jobs go, from TRNFLOW_IMAGE, TRNFLOW_STAGING_URL and, for `service`,
-        TRNFLOW_SAGEMAKER_ROLE_ARN or TRNFLOW_BATCH_JOB_QUEUE (the infra stack's outputs)."""
-        from trnflow import aws
-        from trnflow.backends.cloud import CloudTarget
-        from trnflow.errors import FatalError
-
-        if aws.emulated():  # `trnflow mock-aws`: its deployment has fixed names
-            from trnflow.testing.mockcloud.provision import mock_outputs
-
-            mock = mock_outputs()
-            self = self.model_copy(update={k: getattr(self, k) or mock[k.upper()] for k in (
-                "image", "staging_url", "sagemaker_role_arn", "batch_job_queue")})
-        needed = {"image": self.image, "staging_url": self.staging_url}
-        needed |= {"sagemaker_role_arn": self.sagemaker_role_arn} if service == "sagemaker" else {
-            "batch_job_queue": self.batch_job_queue}
-        missing = [f"TRNFLOW_{name.upper()}" for name, value in needed.items() if not value]
-        if missing:
-            raise FatalError(f"compute.backend {service} needs {', '.join(missing)}; set them from the outputs of "
-                             "the CloudFormation stack in infra/")
-        return CloudTarget(image=self.image, staging_url=self.staging_url, role_arn=self.sagemaker_role_arn or "",
-                           job_queue=self.batch_job_queue or "")
+    parameters_path: str = Field(
+        "/trnflow", description="Where the infra stack publishes the four settings above as SSM parameters, "
+        "read when they are not set here.")
 
     @property
     def jobs_dir(self) -> Path:

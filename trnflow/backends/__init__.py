@@ -1,8 +1,15 @@
-"""Backends: where a stage job runs. Flows and tasks see only the `Backend` protocol."""
+"""The backends room: where a stage job runs. Flows and tasks see only the `Backend` protocol.
+
+It owns the local backend (torchrun processes on this host's device), SageMaker training jobs and
+AWS Batch multi-node jobs (their requests, status and logs), the root-failure classification and
+the training container's entrypoint (`trnflow.container`). Every boto3 client comes from
+`trnflow.aws`. It imports the rooms below it, never the emulator or `testing`.
+"""
 
 from __future__ import annotations
 
 from trnflow.backends.base import Backend, JobInfo, JobRequest, JobState, run_to_end, wait
+from trnflow.backends.cloud import cloud_target
 from trnflow.errors import FatalError
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
@@ -20,9 +27,9 @@ def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None) -> Backe
     if spec.compute.backend == "sagemaker":
         from trnflow.backends.sagemaker import SageMakerBackend
 
-        return SageMakerBackend(settings.cloud_target("sagemaker"))
+        return SageMakerBackend(cloud_target(settings, "sagemaker"))
     if spec.compute.backend == "batch":
         from trnflow.backends.batch import BatchBackend
 
-        return BatchBackend(settings.cloud_target("batch"))
+        return BatchBackend(cloud_target(settings, "batch"))
     raise FatalError(f"compute.backend {spec.compute.backend!r} is unknown; use local, sagemaker or batch")

@@ -17,8 +17,7 @@ from typing import Any
 
 from trnflow.backends.base import JobRequest
 from trnflow.backends.cloud import CloudTarget, container_environment, efa_environment, job_name, placement, tags
-from trnflow.container import TRANSIENT_EXIT_CODE
-from trnflow.errors import FatalError
+from trnflow.errors import ExitCode, FatalError
 from trnflow.specs import JobSpec, instance
 
 COMMAND = ["batch"]
@@ -38,7 +37,7 @@ def retry_strategy(spec: JobSpec) -> dict[str, Any]:
             {"action": "RETRY", "onStatusReason": "Host EC2*"},
             {"action": "RETRY", "onReason": "AGENT"},
             {"action": "RETRY", "onStatusReason": "Task failed to start"},
-            {"action": "RETRY", "onExitCode": str(TRANSIENT_EXIT_CODE)},
+            {"action": "RETRY", "onExitCode": str(int(ExitCode.TRANSIENT))},
             {"action": "EXIT", "onReason": "*"},
         ],
     }

@@ -1,5 +1,6 @@
 """What SageMaker and Batch jobs share: where they run (the deployment's target), their names, and
-the environment the container gets. Pure functions: nothing here calls AWS.
+the environment the container gets. Pure functions, but for `cloud_target`, which may read the
+deployment's published settings, and `stage_spec`, which hands a spec over.
 """
 
 from __future__ import annotations
@@ -7,8 +8,14 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from botocore.exceptions import BotoCoreError, ClientError
+
+from trnflow import aws
 from trnflow.backends.base import JobRequest
+from trnflow.errors import FatalError
+from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, instance
+from trnflow.storage import open_store
 
 CHECKPOINT_DIR = "/opt/ml/checkpoints"
 """Where SageMaker copies `CheckpointConfig.S3Uri` at the start of a job. trnflow writes its
@@ -30,6 +37,37 @@ class CloudTarget:
     """Batch job queue (with its fair-share scheduling policy)."""
 
 
+SETTINGS = ("image", "staging_url", "sagemaker_role_arn", "batch_job_queue")
+
+
+def published_settings(path: str) -> dict[str, str]:
+    """The settings the infra stack publishes as SSM parameters under `path` (`/trnflow/image`, ...),
+    by settings field; empty when they cannot be read (no account, no access, none published)."""
+    try:
+        answer = aws.client("ssm").get_parameters_by_path(Path=path.rstrip("/") or "/", Recursive=False)
+    except (BotoCoreError, ClientError):
+        return {}
+    named = {p["Name"].rsplit("/", 1)[-1].replace("-", "_"): p["Value"] for p in answer.get("Parameters", [])}
+    return {k: v for k, v in named.items() if k in SETTINGS}
+
+
+def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
+    """Where `service`'s jobs go: TRNFLOW_IMAGE, TRNFLOW_STAGING_URL and TRNFLOW_SAGEMAKER_ROLE_ARN or
+    TRNFLOW_BATCH_JOB_QUEUE, each taken, when unset, from the SSM parameters the infra stack publishes."""
+    values = {name: getattr(settings, name) for name in SETTINGS}
+    needed = ["image", "staging_url", "sagemaker_role_arn" if service == "sagemaker" else "batch_job_queue"]
+    if any(not values[name] for name in needed):
+        published = published_settings(settings.parameters_path)
+        values = {name: values[name] or published.get(name) for name in SETTINGS}
+    missing = [f"TRNFLOW_{name.upper()}" for name in needed if not values[name]]
+    if missing:
+        raise FatalError(f"compute.backend {service} needs {', '.join(missing)}; set them from the outputs of "
+                         f"the CloudFormation stack in infra/ (which also publishes them under "
+                         f"{settings.parameters_path}/ in SSM)")
+    return CloudTarget(image=values["image"], staging_url=values["staging_url"],
+                       role_arn=values["sagemaker_role_arn"] or "", job_queue=values["batch_job_queue"] or "")
+
+
 def job_name(request: JobRequest, limit: int = 63) -> str:
     """`<spec name>-<phase>-<run id>`, cut to `limit` characters of letters, digits and dashes (63 is
     the SageMaker limit; Batch allows 128)."""
@@ -48,8 +86,6 @@ def spec_url(target: CloudTarget, request: JobRequest) -> str:
 
 def stage_spec(target: CloudTarget, request: JobRequest) -> None:
     """Hand the job's spec over in the staging bucket, where the container fetches it."""
-    from trnflow.storage import open_store
-
     assert request.spec is not None, "cloud jobs always carry a spec"
     base, _, name = spec_url(target, request).rpartition("/")
     open_store(base).write(name, request.spec.model_dump_json(indent=2).encode())

@@ -26,12 +26,13 @@ from pathlib import Path
 
 from trnflow.backends.base import JobInfo, JobRequest, JobState
 from trnflow.backends.failures import read_reports, root_failure
-from trnflow.emulator.cores import allocate, parse_visible_cores
-from trnflow.emulator.launcher import launch_command, launch_env
-from trnflow.emulator.memory import check_fits
+from trnflow.device.base import Device
+from trnflow.device.registry import get_device
 from trnflow.errors import FatalError
 from trnflow.fsutil import atomic_write_json, atomic_write_text
+from trnflow.neuron.launch import launch_command, launch_env, parse_visible_cores
 from trnflow.specs import instance
+from trnflow.workload.memory import check_fits
 
 # job.json records only the variables that describe the job; everything else (credentials among
 # it) reaches the workers by inheritance and is never written down.
@@ -45,8 +46,9 @@ def _recorded(env: dict[str, str]) -> dict[str, str]:
 class LocalBackend:
     name = "local"
 
-    def __init__(self, jobs_dir: Path):
+    def __init__(self, jobs_dir: Path, device: Device | None = None):
         self.jobs_dir = jobs_dir
+        self.device = device or get_device()
         self._procs: dict[str, subprocess.Popen] = {}
 
     def _dir(self, job_id: str) -> Path:
@@ -72,7 +74,7 @@ class LocalBackend:
         if allowed and allowed != "0" and int(allowed) < request.world_size:
             raise FatalError(f"NEURON_RT_NUM_CORES={allowed} allows fewer cores than the {request.world_size} "
                              "the job needs; raise it or unset it")
-        return allocate(request.world_size, total, request.exclude_cores)
+        return self.device.allocate(request.world_size, total, request.exclude_cores)
 
     def submit(self, request: JobRequest) -> str:
         spec = request.spec
@@ -89,6 +91,7 @@ class LocalBackend:
         argv = launch_command(request.phase, len(cores), job_dir, request.run_id, request.checkpoint,
                               with_spec=spec is not None, with_options=bool(request.options))
         env = launch_env(spec, cores, request.itype)
+        self.device.check_launch_env(env)
         record = {"job_id": job_id, "phase": request.phase, "run_id": request.run_id, "argv": argv,
                   "cwd": os.getcwd(), "processes": len(cores), "cores": cores}
         atomic_write_json(job_dir / "job.json", {**record, "env": _recorded(env)})

@@ -11,7 +11,7 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated
 
 import typer
 from rich.markup import escape
@@ -20,10 +20,22 @@ from rich.table import Table
 from trnflow.cli import render
 from trnflow.cli import runs as cli_runs
 from trnflow.cli import serve as cli_serve
-from trnflow.cli.args import assignments
 from trnflow.cli.cache import cache_app
+from trnflow.cli.common import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    EXIT_GATE,
+    JsonOpt,
+    SetOpt,
+    SpecArg,
+    check_instance_type,
+    console,
+    err,
+    load,
+    unknown_instance_type,
+)
 from trnflow.cli.models import models_app
-from trnflow.cli.render import RED, cli_console
+from trnflow.cli.render import RED
 from trnflow.specs import CATALOGUE, JobSpec, SpecError, load_spec
 
 app = typer.Typer(
@@ -42,46 +54,13 @@ app.add_typer(models_app, name="models")
 def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
                      seed_data: bool = typer.Option(True, help="Upload the quickstart's synthetic dataset.")) -> None:
     """Run SageMaker, Batch, S3 and CloudWatch on 127.0.0.1 (moto), with submitted jobs run for real."""
-    from trnflow.cli.mock import mock_aws
-
-    mock_aws(port=port, seed_data=seed_data)
-
-console = cli_console()
-err = cli_console(stderr=True)
-
-EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = 1, 2, 3
-
-SpecArg = Annotated[Path, typer.Argument(help="Job spec YAML file.", show_default=False)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
-SetOpt = Annotated[
-    list[str] | None,
-    typer.Option("--set", help="Override a spec field: --set train.steps=50 (repeatable; value parsed as YAML)."),
-]
-
-
-def _overrides(pairs: list[str] | None) -> dict[str, Any]:
-    return assignments(pairs, "--set", "train.steps=50", name="FIELD")
-
-
-def _unknown_instance_type(name: str) -> str:
-    return f"--instance-type {name!r} is unknown; choose one of: {', '.join(CATALOGUE)}"
-
-
-def _check_instance_type(name: str) -> None:
-    if name not in CATALOGUE:
-        err.print(f"{_unknown_instance_type(name)}", **RED)
-        raise typer.Exit(EXIT_BAD_INPUT)
-
-
-def _load(path: Path, overrides: dict[str, Any] | None = None) -> JobSpec:
-    try:
-        return load_spec(path, overrides)
-    except SpecError as exc:
-        err.print(f"{exc.source}: invalid job spec", **RED)
-        for problem in exc.problems:
-            err.print(f"  {problem}", markup=False, highlight=False)
+    try:  # the mocked cloud is test machinery: it comes with the [mock] extra (moto), not with trnflow
+        from trnflow.testing.aws_server import mock_aws
+    except ModuleNotFoundError as exc:
+        err.print(f"trnflow mock-aws needs {exc.name}, which comes with the mock extra: "
+                  "pip install 'trnflow[mock]' (or 'trnflow[dev]' in a checkout)", **RED)
         raise typer.Exit(EXIT_BAD_INPUT) from None
-
+    mock_aws(port=port, seed_data=seed_data)
 
 @app.command()
 def validate(
@@ -122,10 +101,11 @@ def devices(
     as_json: JsonOpt = False,
 ):
     """List the emulated instance's Neuron devices and which process holds each core, like `neuron-ls`."""
+    from trnflow.emulator.cores import holders
     from trnflow.neuron.topology import core_owners, neuron_ls
 
-    _check_instance_type(instance_type)
-    records = neuron_ls(instance_type, core_owners(instance_type))
+    check_instance_type(instance_type)
+    records = neuron_ls(instance_type, core_owners(instance_type, holders(CATALOGUE[instance_type].cores)))
     if as_json:
         print(json.dumps(records, indent=2))
         return
@@ -154,7 +134,7 @@ def top(
 
     from trnflow.emulator.monitor import CoreMonitor
 
-    _check_instance_type(instance_type)
+    check_instance_type(instance_type)
     monitor = CoreMonitor(instance_type)
     if once or as_json:
         snapshot = monitor.sample(interval)
@@ -213,7 +193,7 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
     from trnflow.errors import TrnflowError
     from trnflow.lifecycle.reference import run_reference
 
-    spec = _load(spec_path, _overrides(overrides))
+    spec = load(spec_path, overrides(overrides))
     try:
         with console.status("training the fp32 reference"):
             document = run_reference(spec)
@@ -243,7 +223,7 @@ def compile_cmd(
     from trnflow.errors import TrnflowError
     from trnflow.settings import TrnflowSettings
 
-    spec = _load(spec_path, _overrides(overrides))
+    spec = load(spec_path, overrides(overrides))
     settings = TrnflowSettings()
     options = {"check": check, "retry_failed": retry_failed}
     counts = re.compile(r"remaining items are \d+, locked are (\d+), failed are (\d+), done are (\d+), "
@@ -362,11 +342,11 @@ def run(
     as_json: JsonOpt = False,
 ):
     """Run the whole pipeline now, in this process, on Prefect's local API."""
-    extra = _overrides(overrides)
+    extra = overrides(overrides)
     if backend:
         extra["compute.backend"] = backend
     _check_run_id(run_id)
-    spec = _load(spec_path, extra)
+    spec = load(spec_path, extra)
     _check_data(spec)
     from trnflow.flows.pipeline import STAGES, pipeline
 
@@ -382,7 +362,7 @@ def retrain(
 ):
     """Retrain the champion on the data after its watermark now, in this process (as the schedule does)."""
     _check_run_id(run_id)
-    spec = _load(spec_path, _overrides(overrides))
+    spec = load(spec_path, overrides(overrides))
     if spec.registry_url is None:
         err.print(f"{spec_path}: registry_url: retraining keeps its champion and watermark in a model "
                   "registry; set registry_url", **RED)
@@ -395,7 +375,7 @@ def retrain(
 @app.command()
 def preflight(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = False):
     """Sanity-check every engine of each core the spec uses, then the collectives between them."""
-    spec = _load(spec_path, _overrides(overrides))
+    spec = load(spec_path, overrides(overrides))
     from trnflow.flows.preflight import STAGES
     from trnflow.flows.preflight import preflight as preflight_flow
 
@@ -436,7 +416,7 @@ def collectives(
     if dtype not in ("fp32", "bf16"):
         problems.append(f"--datatype {dtype!r}: choose fp32 or bf16")
     if instance_type not in CATALOGUE:
-        problems.append(_unknown_instance_type(instance_type))
+        problems.append(unknown_instance_type(instance_type))
     try:
         lo, hi = render.parse_size(minbytes), render.parse_size(maxbytes)
     except ValueError as exc:

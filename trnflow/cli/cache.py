@@ -24,7 +24,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 def _cache(url: str) -> Iterator:
     """The cache at `url`; a bad URL, missing credentials or a missing bucket, a folder that is not a
     cache root or a garbled record end the command with what went wrong (exit 2)."""
-    from trnflow.emulator.cache import CompileCache
+    from trnflow.device.cache import CompileCache
     from trnflow.errors import TrnflowError
     from trnflow.specs.spec import _normalise_url
 
@@ -94,7 +94,7 @@ def stats(url: UrlArg, as_json: JsonOpt = False):
 @cache_app.command()
 def verify(url: UrlArg, as_json: JsonOpt = False):
     """Check every done entry's artifact against its checksum; exit 1 if any is corrupt."""
-    from trnflow.emulator.cache import CORRUPT
+    from trnflow.device.cache import CORRUPT
 
     with _cache(url) as cache:
         found = cache.entries()
@@ -121,7 +121,7 @@ def prune(
     as_json: JsonOpt = False,
 ):
     """Remove failed entries, old ones, or other compiler versions' (never one being compiled)."""
-    from trnflow.emulator.cache import COMPILER_VERSION
+    from trnflow.device.cache import COMPILER_VERSION
 
     if not (failed or older_than_days is not None or other_versions):
         err.print("[red]say what to prune: --failed, --older-than-days N or --other-versions[/red]")

@@ -21,6 +21,7 @@ import typer
 from rich.table import Table
 
 from trnflow.cli.args import assignments
+from trnflow.cli.common import load
 from trnflow.cli.render import RED, cli_console, stage_table
 
 console = cli_console()
@@ -85,11 +86,10 @@ def submit(
     as_json: JsonOpt = False,
 ):
     """Start a run of a deployment on the Prefect server; print its id and UI link."""
-    from trnflow.cli.app import _load, _overrides
     from trnflow.cli.server import FINAL, ui_link
     from trnflow.flows.deployments import full_name
 
-    spec = _load(spec_path, _overrides(overrides))
+    spec = load(spec_path, overrides(overrides))
     try:
         name = full_name(deployment, spec.name)
     except KeyError as exc:

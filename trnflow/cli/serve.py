@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from trnflow.cli.common import load
 from trnflow.cli.render import cli_console
 
 console = cli_console()
@@ -30,7 +31,6 @@ def serve(
     limit: Annotated[int | None, typer.Option(min=1, help="Most flow runs at once (default: no limit).")] = None,
 ):
     """Serve every flow of each spec as deployments, schedules included, from this process (Ctrl-C stops)."""
-    from trnflow.cli.app import _load
     from trnflow.cli.server import ServerError, api_url
     from trnflow.flows.deployments import definitions, serve_all
 
@@ -39,7 +39,7 @@ def serve(
     except ServerError as exc:
         err.print(str(exc), style="red", markup=False, highlight=False)
         raise typer.Exit(2) from None
-    specs = [(_load(path), str(path.resolve())) for path in specs or [DEFAULT_SPEC]]
+    specs = [(load(path), str(path.resolve())) for path in specs or [DEFAULT_SPEC]]
     table = Table("deployment", "schedule", "parameters", title=f"serving on {api}")
     for spec, url in specs:
         for item in definitions(spec, url):
@@ -57,10 +57,9 @@ def prefect_yaml(
     """Print prefect.yaml: a deployment of each flow for the spec, on the `trnflow` process work pool."""
     import yaml
 
-    from trnflow.cli.app import _load
     from trnflow.flows.deployments import prefect_yaml as document
 
-    spec = _load(spec_path)
+    spec = load(spec_path)
     text = HEADER.format(spec=spec_path) + yaml.safe_dump(document(spec, str(spec_path)), sort_keys=False)
     if output is None:
         print(text, end="")

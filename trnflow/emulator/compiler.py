@@ -13,8 +13,6 @@ import gzip
 import hashlib
 import io
 import json
-import os
-import shlex
 import tarfile
 import zlib
 from dataclasses import dataclass
@@ -22,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from trnflow.emulator.cache import CorruptEntry
+from trnflow.device.cache import CorruptEntry
 from trnflow.safetar import unpack
 
 # optlevel -> how the emulator compiles, trading compile time against step time as neuronx-cc's
@@ -140,19 +138,3 @@ def unpack_into(artifact: bytes, path: Path) -> None:
         raise CorruptEntry(f"its artifact holds an unsafe member, refused: {exc}") from None
     except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise CorruptEntry(f"its artifact is not a readable archive: {exc}") from None
-
-
-def cache_url(default: str, env: dict[str, str] | None = None) -> str:
-    """Where the persistent cache is, decided as the Neuron compiler wrapper does: `--cache_dir` in
-    NEURON_CC_FLAGS, then NEURON_COMPILE_CACHE_URL, then `default` (the spec's compile.cache_url)."""
-    env = os.environ if env is None else env
-    for flag in shlex.split(env.get("NEURON_CC_FLAGS", "")):
-        if flag.startswith("--cache_dir="):
-            return flag.split("=", 1)[1]
-    return env.get("NEURON_COMPILE_CACHE_URL") or default
-
-
-def retry_failed_requested(env: dict[str, str] | None = None) -> bool:
-    """`--retry_failed_compilation` in NEURON_CC_FLAGS, as on Neuron."""
-    env = os.environ if env is None else env
-    return "--retry_failed_compilation" in shlex.split(env.get("NEURON_CC_FLAGS", ""))

@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from trnflow.errors import FatalError, TransientError
+from trnflow.neuron.launch import aligned_ranges, format_cores
 
 RT_DIR_ENV = "TRNFLOW_NEURON_RT_DIR"
-INSTANCE_CORES_ENV = "TRNFLOW_INSTANCE_CORES"
-"""How many NeuronCores the emulated instance has (the launcher sets it for the workers)."""
 
 
 class CoresUnavailable(TransientError):
@@ -37,13 +36,6 @@ def runtime_dir() -> Path:
 
 def _lock_path(core: int) -> Path:
     return runtime_dir() / f"nc{core}.lock"
-
-
-def format_cores(cores: list[int]) -> str:
-    """`nc0-nc3` for a range, as the runtime prints it; `nc1,nc5` otherwise."""
-    if cores and cores == list(range(cores[0], cores[-1] + 1)):
-        return f"nc{cores[0]}-nc{cores[-1]}"
-    return ",".join(f"nc{c}" for c in cores)
 
 
 def holder(core: int) -> dict | None:
@@ -124,32 +116,9 @@ def unavailable(requested: list[int], total: int) -> CoresUnavailable:
 def allocate(count: int, total: int, exclude: frozenset[int] = frozenset()) -> list[int]:
     """A free, contiguous range of `count` cores starting at a multiple of `count` (the runtime's
     placement rule for collective jobs), avoiding `exclude`; the first such range wins."""
-    if count > total:
-        raise FatalError(f"{count} NeuronCores requested but the instance has {total}")
-    step = count if total % count == 0 else 1
-    ranges = [list(range(start, start + count)) for start in range(0, total - count + 1, step)]
-    healthy = [cores for cores in ranges if not exclude.intersection(cores)]
-    if not healthy:  # no waiting helps: the instance lacks healthy cores
-        raise FatalError(
-            f"only {total - len(exclude)} healthy NeuronCore(s) left after excluding "
-            f"{format_cores(sorted(exclude))}; the job needs {count} contiguous ones. "
-            "Replace the instance or lower compute.cores_per_node"
-        )
+    healthy = aligned_ranges(count, total, exclude)
     held = holders(total)
     for cores in healthy:
         if not held.keys() & set(cores):
             return cores
     raise unavailable(healthy[0], total)
-
-
-def parse_visible_cores(value: str) -> list[int]:
-    """`NEURON_RT_VISIBLE_CORES` is a single index ("3") or an inclusive range ("0-7")."""
-    text = value.strip()
-    first, sep, last = text.partition("-")
-    try:
-        lo, hi = int(first), int(last) if sep else int(first)
-    except ValueError:
-        raise FatalError(f"NEURON_RT_VISIBLE_CORES={value!r}: expected an index (3) or a range (0-7)") from None
-    if hi < lo:
-        raise FatalError(f"NEURON_RT_VISIBLE_CORES={value!r}: the range ends before it starts")
-    return list(range(lo, hi + 1))

@@ -89,6 +89,31 @@ class CoreFaults:
         self.core = core
         self.kinds = {f.kind for f in faults if f.core == core and f.step is None}
         self.training = [f for f in faults if f.core == core and f.step is not None]
+        self._poison = self._torn = False
+
+    # The training loop's hooks: a step begins, its result comes back, a checkpoint is written.
+    def begin_step(self, step: int, first_time: Callable[[Fault], bool]) -> None:
+        """Fire the faults due at training step `step`; a `nan` poisons this step's result, a `torn`
+        the next checkpoint."""
+        due = self.strike(step, first_time, "train")
+        self._poison, self._torn = "nan" in due, self._torn or "torn" in due
+
+    def result(self, t: torch.Tensor) -> torch.Tensor:
+        return t * float("nan") if self._poison else t
+
+    def checkpoint_store(self, checkpoints: Any, writer: bool) -> Any:
+        """The checkpoints to write through: torn halfway (and the writer killed) after a `torn` fault."""
+        if self._torn and writer:
+            return type(checkpoints)(checkpoints.url, TearingStore(checkpoints.store))
+        return checkpoints
+
+    def checkpoint_written(self) -> None:
+        """A torn fault on a rank that writes nothing: it is lost once the checkpoint is whole."""
+        if self._torn:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def tearing(self, store: Any) -> Any:
+        return TearingStore(store)
 
     def marker(self) -> bytes:
         """What a fired fault's marker holds: who fired it, unique to this process."""

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trnflow.emulator import cache as cache_states
-from trnflow.emulator.cache import CompileCache, CorruptEntry, entry_name
+from trnflow.device import cache as cache_states
+from trnflow.device.base import CompileMetrics
+from trnflow.device.cache import CompileCache, CorruptEntry, entry_name
 from trnflow.emulator.compiler import Graph, cache_key, lower, unpack_into
 from trnflow.errors import FatalError, Recompilation
 
@@ -138,9 +139,8 @@ class CachedCompiler:
                 cache_states.FAILED: "its ahead-of-time compile failed",
                 cache_states.LOCKED: "it is still being compiled"}.get(state, "it is not in the compile cache")
 
-    def summary(self) -> dict:
+    def metrics(self) -> CompileMetrics:
         """What this process compiled, loaded and recompiled."""
-        hits = [s for s in self.seen if s.outcome == "hit"]
-        recompiles = [s.as_dict() for s in self.seen if s.outcome == "recompiled"]
-        return {"graphs": len(self.seen), "hits": len(hits), "recompiles": recompiles,
-                "seconds": round(sum(s.seconds for s in self.seen), 3)}
+        return CompileMetrics(graphs=len(self.seen), hits=sum(s.outcome == "hit" for s in self.seen),
+                              recompiles=[s.as_dict() for s in self.seen if s.outcome == "recompiled"],
+                              seconds=round(sum(s.seconds for s in self.seen), 3))

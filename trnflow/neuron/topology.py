@@ -45,13 +45,12 @@ def neuron_ls(itype: str | InstanceType, processes: dict[int, list[dict[str, Any
     return records
 
 
-def core_owners(itype: str | InstanceType) -> dict[int, list[dict[str, Any]]]:
-    """The processes holding each device's cores, in `neuron-ls -j`'s `neuron_processes` shape."""
-    from trnflow.emulator.cores import holders
-
+def core_owners(itype: str | InstanceType, held: dict[int, dict]) -> dict[int, list[dict[str, Any]]]:
+    """The processes holding each device's cores (`held`: core -> its holder's pid and command), in
+    `neuron-ls -j`'s `neuron_processes` shape."""
     t = instance(itype) if isinstance(itype, str) else itype
     by_device: dict[int, dict[Any, dict[str, Any]]] = {}
-    for core, holder in sorted(holders(t.cores).items()):
+    for core, holder in sorted(held.items()):
         device = core // t.cores_per_chip
         entry = by_device.setdefault(device, {}).setdefault(holder.get("pid"), {
             "pid": holder.get("pid"), "command": holder.get("command", "?"), "neuroncore_ids": []})

@@ -1,1 +1,7 @@
-"""The workload: the program every backend runs on the NeuronCores, phase by phase."""
+"""The workload room: the one program that runs on the NeuronCores, `python -m trnflow.workload <phase>`.
+
+It owns the phases (sanity, collectives, compile, train, evaluate, infer), the `Trainer`, the
+model, data reading, tokenizer, checkpoints and the inference layout. Every backend launches it
+the same way. It reaches the hardware only through `trnflow.device`, and never imports Prefect,
+boto3 or the emulator.
+"""

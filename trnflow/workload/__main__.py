@@ -16,7 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from trnflow.errors import FatalError, TrnflowError
+from trnflow.errors import ExitCode, FatalError, TrnflowError
 from trnflow.fsutil import atomic_write_json
 from trnflow.specs import JobSpec, SpecError, load_spec
 
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
         result = _dispatch(args, ctx)
         ctx.write_result({"phase": args.phase, **result})
         shutdown()
-        return 0
+        return ExitCode.OK
     except BaseException as exc:
         if isinstance(exc, SystemExit | KeyboardInterrupt):
             raise
@@ -96,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
         })
         print(f"trnflow.workload {args.phase} failed on rank {rank}: {type(exc).__name__}: {exc}",
               file=sys.stderr, flush=True)
-        return 1
+        return ExitCode.FAILED
 
 
 def _exit(code: int) -> None:

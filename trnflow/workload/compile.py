@@ -18,15 +18,17 @@ import traceback
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from trnflow.emulator import cache as states
-from trnflow.emulator import plans
-from trnflow.emulator.cache import COMPILER_VERSION, CompileCache, EntryLocked, entry_name
-from trnflow.emulator.compiler import Graph, cache_url, compile_flags, pack_dir, retry_failed_requested
-from trnflow.emulator.jit import CachedCompiler
+from trnflow.device import cache as states
+from trnflow.device import plans
+from trnflow.device.base import Device
+from trnflow.device.cache import COMPILER_VERSION, CompileCache, EntryLocked, entry_name
+from trnflow.device.registry import get_device
 from trnflow.errors import FatalError
+from trnflow.neuron.launch import cache_url, retry_failed_requested
 from trnflow.specs import JobSpec
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.model import build_model
@@ -39,7 +41,8 @@ LOCK_POLL_SECONDS = 0.5
 @dataclass
 class Planned:
     program: str
-    graph: Graph
+    graph: Any
+    """The traced graph: its `data_shapes` and `canonical()` text."""
     key: str
 
     @property
@@ -47,12 +50,12 @@ class Planned:
         return entry_name(self.key)
 
 
-def extract(spec: JobSpec) -> list[Planned]:
+def extract(spec: JobSpec, device: Device | None = None) -> list[Planned]:
     """Every distinct graph of the spec's programs, found by a trial run in extraction mode:
     a few training steps, one evaluation batch and one embedding batch, all run eagerly."""
-    flags = compile_flags(spec.compile.optlevel, spec.compute.precision)
-    compiler = CachedCompiler(flags, mode="extract")
-    programs = Programs(spec, build_model(spec.model, spec.train.seed), compiler)
+    device = device or get_device()
+    compiler = device.compiler(spec, mode="extract")
+    programs = Programs(spec, build_model(spec.model, spec.train.seed), compiler, device)
     for program in PROGRAMS:
         programs.exercise(program, steps=TRIAL_STEPS)
     planned: dict[str, Planned] = {}
@@ -74,6 +77,7 @@ def compile_one(spec_json: str, program: str, key: str, retry_failed: bool = Fal
     An entry another process is compiling is waited for; if that process finished it, this one
     reports a hit and compiles nothing."""
     spec = JobSpec.model_validate_json(spec_json)
+    device = get_device()
     cache = CompileCache(cache_url(spec.compile.cache_url))
     entry, began = entry_name(key), time.perf_counter()
     outcome = {"program": program, "key": key, "retries": 0}
@@ -93,19 +97,18 @@ def compile_one(spec_json: str, program: str, key: str, retry_failed: bool = Fal
         if state == states.FAILED and not retry_failed:
             return {**outcome, "status": "failed", "seconds": 0.0, "cached_failure": True}
         cache.discard(entry)
-        flags = compile_flags(spec.compile.optlevel, spec.compute.precision)
         torch.set_num_threads(_threads(spec))
-        with tempfile.TemporaryDirectory(prefix="trnflow-inductor-") as tmp:
-            compiler = CachedCompiler(flags, mode="compile", inductor_dir=Path(tmp))
-            graph_text = ""
+        with tempfile.TemporaryDirectory(prefix="trnflow-compile-") as tmp:
+            compiler = device.compiler(spec, mode="compile", workdir=Path(tmp))
+            flags, graph_text = compiler.flags, ""
             try:
-                Programs(spec, build_model(spec.model, spec.train.seed), compiler).exercise(program)
+                Programs(spec, build_model(spec.model, spec.train.seed), compiler, device).exercise(program)
                 graph = next((s.graph for s in compiler.seen if s.key == key), None)
                 if graph is None:
                     raise FatalError(f"{program} traced to {[s.key for s in compiler.seen]}, not {key}: "
                                      "the program's graph is not deterministic")
                 graph_text = graph.canonical()
-                artifact = pack_dir(Path(tmp))
+                artifact = device.artifact(Path(tmp))
             except Exception:
                 cache.record_failure(entry, graph_text, flags, traceback.format_exc())
                 return {**outcome, "status": "failed", "seconds": round(time.perf_counter() - began, 3)}
@@ -129,10 +132,9 @@ def run(ctx: WorkerContext) -> dict:
     spec = ctx.spec
     assert spec is not None
     cache = CompileCache(cache_url(spec.compile.cache_url))
-    flags = compile_flags(spec.compile.optlevel, spec.compute.precision)
     retry_failed = bool(ctx.options.get("retry_failed")) or retry_failed_requested()
     print(f"INFO ||NEURON_CACHE||: Compile cache path: {cache.url}", flush=True)
-    plan = extract(spec)
+    plan, flags = extract(spec, ctx.device), ctx.device.compiler(spec, mode="extract").flags
     prediction = plans.predict([{"program": p.program, "key": p.key, "shapes": p.graph.data_shapes} for p in plan],
                                cache, retry_failed)
     plans.record(cache, spec, prediction)

@@ -13,17 +13,17 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from trnflow.emulator.cores import INSTANCE_CORES_ENV, CoreLease, acquire, parse_visible_cores
-from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
+from trnflow.device.base import Device, FaultHooks, Lease, NoFaults
+from trnflow.device.registry import get_device
 from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
+from trnflow.neuron.launch import INSTANCE_CORES_ENV
 from trnflow.specs import JobSpec
 
 T = TypeVar("T")
@@ -38,8 +38,9 @@ class WorkerContext:
     local_rank: int
     core_id: int
     options: dict[str, Any] = field(default_factory=dict)
-    faults: CoreFaults = field(default_factory=lambda: CoreFaults(-1, []))
-    lease: CoreLease | None = None
+    faults: FaultHooks = field(default_factory=NoFaults)
+    lease: Lease | None = None
+    device: Device = field(default_factory=get_device)
     _progress: int = 0
 
     @property
@@ -94,14 +95,6 @@ class WorkerContext:
             atomic_write_json(self.output_dir / "result.json", result)
 
 
-def _faults(spec: JobSpec | None) -> list[Fault]:
-    """The faults to inject: the spec's and TRNFLOW_FAULTS's, whichever backend started the worker."""
-    injected = parse(os.environ.get(FAULTS_ENV, ""))
-    if spec is not None:
-        injected += [Fault(f.kind, f.core, f.step, f.phase) for f in spec.faults]
-    return list(dict.fromkeys(injected))
-
-
 def exit_with_launcher(poll_seconds: float = 0.5) -> None:
     """End this worker when the process that launched it dies. torchrun starts each worker in a
     session of its own, so a launcher killed with SIGKILL (or a job's process group killed) would
@@ -119,29 +112,28 @@ def exit_with_launcher(poll_seconds: float = 0.5) -> None:
 
 def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dict[str, Any] | None = None
                 ) -> WorkerContext:
-    """Own this rank's emulated NeuronCore, then join the process group (gloo)."""
+    """Own this rank's NeuronCore, then join the process group (the device's backend)."""
     exit_with_launcher()
+    device = get_device()
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    visible = parse_visible_cores(os.environ.get("NEURON_RT_VISIBLE_CORES", f"0-{local_world - 1}"))
+    visible = device.visible_cores()
     if local_rank >= len(visible):
         raise FatalError(f"NEURON_RT_VISIBLE_CORES gives {len(visible)} core(s) but this is local rank {local_rank}; "
                          "give one core per worker process")
     core_id = visible[local_rank]
     total = int(os.environ.get(INSTANCE_CORES_ENV, str(max(visible) + 1)))
-    lease = acquire([core_id], total, command=f"trnflow.workload {phase} rank {rank}")
-    # One host thread per emulated core keeps ranks from fighting over CPUs (oversubscription is slow).
+    lease = device.claim([core_id], total, command=f"trnflow.workload {phase} rank {rank}")
+    # One host thread per core keeps ranks from fighting over CPUs (oversubscription is slow).
     threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, world))
     torch.set_num_threads(threads)
     output_dir.mkdir(parents=True, exist_ok=True)
     timeout = spec.preflight.collective_timeout_seconds if spec else float(
         (options or {}).get("timeout_seconds", 60.0))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=timeout))
+    device.init_process_group(world, timeout)
     ctx = WorkerContext(spec, output_dir, rank, world, local_rank, core_id, dict(options or {}),
-                        CoreFaults(core_id, _faults(spec)), lease)
+                        device.fault_hooks(core_id, spec), lease, device)
     ctx.progress("started")
     return ctx
 

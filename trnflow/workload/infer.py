@@ -18,7 +18,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from trnflow.emulator.faults import TearingStore
 from trnflow.storage import open_store
 from trnflow.workload.checkpoint import load, load_model_weights
 from trnflow.workload.context import WorkerContext, gather_objects
@@ -78,7 +77,7 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     for ordinal, shard in enumerate(mine, start=1):
         due = ctx.faults.strike(ordinal, lambda fault: faults_store.create(f"faults/infer-{fault.label}",
                                                                            ctx.faults.marker()), phase="infer")
-        shard_store = TearingStore(out) if "torn" in due else out  # a torn fault: killed mid-write
+        shard_store = ctx.faults.tearing(out) if "torn" in due else out  # a torn fault: killed mid-write
         lo, hi = shard * icfg.shard_size, min((shard + 1) * icfg.shard_size, len(rows.ids))
         marker = committed(out, shard, plan)
         reused = marker is not None
@@ -116,4 +115,4 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
             "manifest": f"{out.url}/{MANIFEST}",
             "rows_per_s": round(embedded / seconds, 1) if seconds and embedded else 0.0,
             "program_load_seconds": round(load_seconds, 3),
-            "compile": programs.compiler.summary()}
+            "compile": programs.compiler.metrics().as_dict()}

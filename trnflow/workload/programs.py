@@ -14,20 +14,14 @@ graphs the run needs.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import shutil
-import tempfile
 from collections.abc import Iterator
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trnflow.emulator.cache import CompileCache
-from trnflow.emulator.compiler import cache_url, compile_flags
-from trnflow.emulator.jit import CachedCompiler
+from trnflow.device.base import CompileBackend, Device
 from trnflow.errors import TrnflowError
 from trnflow.specs import JobSpec
 from trnflow.workload.context import WorkerContext
@@ -36,10 +30,6 @@ from trnflow.workload.model import TextEncoderClassifier
 PROGRAMS = ("train_step", "eval_step", "embed_step")
 TRIAL_STEPS = 2
 """Training steps in a trial run (forward, backward and optimizer step each)."""
-
-
-def _autocast(precision: str):
-    return torch.autocast("cpu", dtype=torch.bfloat16) if precision != "fp32" else contextlib.nullcontext()
 
 
 @contextlib.contextmanager
@@ -57,22 +47,22 @@ def _compiler_errors() -> Iterator[None]:
 
 
 class Programs:
-    """One model's three programs, compiled through `compiler` (whole graphs, static shapes)."""
+    """One model's three programs, compiled through `compiler` (whole graphs, static shapes) on `device`."""
 
-    def __init__(self, spec: JobSpec, model: TextEncoderClassifier, compiler: CachedCompiler, ddp: bool = False):
+    def __init__(self, spec: JobSpec, model: TextEncoderClassifier, compiler: CompileBackend, device: Device,
+                 ddp: bool = False):
         # A fresh Dynamo state: compiled code is cached per function, and a process builds its
         # programs once (tests build several; stale entries would count against the recompile limit).
         torch._dynamo.reset()
-        self.spec, self.model, self.compiler = spec, model, compiler
-        options = {"backend": compiler, "fullgraph": True, "dynamic": False}
-        self._forward = torch.compile(model, **options)
-        self._embed = torch.compile(model.embed, **options)
+        self.spec, self.model, self.compiler, self.device = spec, model, compiler, device
+        self._forward = device.compile(model, compiler)
+        self._embed = device.compile(model.embed, compiler)
         # DDP wraps the compiled module, so the graph is the model's alone, whatever the world size.
         self._train_forward = DDP(self._forward) if ddp else self._forward
 
     def train_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         self.model.train()
-        with self.compiler.naming("train_step"), _compiler_errors(), _autocast(self.spec.compute.precision):
+        with self.compiler.naming("train_step"), _compiler_errors(), self.device.autocast(self.spec.compute.precision):
             return self._train_forward(tokens)
 
     def train_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -119,16 +109,5 @@ def example_inputs(spec: JobSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
 
 def for_run(ctx: WorkerContext, model: TextEncoderClassifier, ddp: bool = False) -> Programs:
     """The programs of a training, evaluation or inference run: graphs come from the persistent
-    compile cache, and any other graph is a recompilation (see `trnflow.emulator.jit`)."""
-    spec = ctx.spec
-    inductor_dir = Path(tempfile.mkdtemp(prefix="trnflow-inductor-"))
-    atexit.register(shutil.rmtree, inductor_dir, ignore_errors=True)
-    compiler = CachedCompiler(
-        compile_flags(spec.compile.optlevel, spec.compute.precision),
-        CompileCache(cache_url(spec.compile.cache_url)),
-        mode="run",
-        fail_on_recompile=spec.compile.fail_on_recompile,
-        inductor_dir=inductor_dir,
-        log=ctx.log,
-    )
-    return Programs(spec, model, compiler, ddp=ddp)
+    compile cache, and any other graph is a recompilation."""
+    return Programs(ctx.spec, model, ctx.device.compiler(ctx.spec, "run", ctx.log), ctx.device, ddp=ddp)

@@ -22,7 +22,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from trnflow.emulator.faults import CoreFaults
+from trnflow.device.base import FaultHooks, NoFaults
 from trnflow.workload.context import WorkerContext, gather_objects
 
 MATMUL_SIZE = 256
@@ -57,8 +57,8 @@ def _record(engine: str, test: str, dtype: torch.dtype, err: float, seconds: flo
             "tolerance": tol, "passed": err <= tol, "us": round(seconds * 1e6, 1), **extra}
 
 
-def check_matmul(dtype: torch.dtype, seed: int, faults: CoreFaults | None = None) -> dict:
-    faults = faults or CoreFaults(-1, [])
+def check_matmul(dtype: torch.dtype, seed: int, faults: FaultHooks | None = None) -> dict:
+    faults = faults or NoFaults()
     a, b, exact = _known_matmul(MATMUL_SIZE, seed)
     began = time.perf_counter()
     got = faults.corrupt(a.to(dtype) @ b.to(dtype))
@@ -67,7 +67,7 @@ def check_matmul(dtype: torch.dtype, seed: int, faults: CoreFaults | None = None
                    gflops=round(2 * MATMUL_SIZE**3 / max(seconds, 1e-9) / 1e9, 2))
 
 
-def _vector_checks(dtype: torch.dtype, seed: int, faults: CoreFaults) -> list[dict]:
+def _vector_checks(dtype: torch.dtype, seed: int, faults: FaultHooks) -> list[dict]:
     gen = torch.Generator().manual_seed(seed)
     x64 = torch.randn(64, 512, generator=gen, dtype=torch.float64)
     x = x64.to(dtype)
@@ -87,7 +87,7 @@ def _vector_checks(dtype: torch.dtype, seed: int, faults: CoreFaults) -> list[di
     return out
 
 
-def _scalar_checks(dtype: torch.dtype, faults: CoreFaults) -> list[dict]:
+def _scalar_checks(dtype: torch.dtype, faults: FaultHooks) -> list[dict]:
     x = torch.linspace(-6, 6, 4099, dtype=torch.float64).to(dtype)
     ref_in = x.double()
     gelu_ref = 0.5 * ref_in * (1 + torch.erf(ref_in / math.sqrt(2)))
@@ -115,7 +115,7 @@ _OPS.impl("segmented_prefix_sum", _segmented_prefix_sum, "CPU")
 segmented_prefix_sum = torch.ops.trnflow.segmented_prefix_sum
 
 
-def _gpsimd_check(seed: int, faults: CoreFaults) -> dict:
+def _gpsimd_check(seed: int, faults: FaultHooks) -> dict:
     gen = torch.Generator().manual_seed(seed)
     values = torch.randint(-1000, 1000, (8192,), generator=gen, dtype=torch.int64)
     began = time.perf_counter()
@@ -130,7 +130,7 @@ def _gpsimd_check(seed: int, faults: CoreFaults) -> dict:
             "tolerance": 0, "passed": mismatches == 0, "us": round(seconds * 1e6, 1)}
 
 
-def _memory_check(faults: CoreFaults) -> dict:
+def _memory_check(faults: FaultHooks) -> dict:
     buf = torch.empty(MEMORY_WORDS, dtype=torch.int32)
     patterns = {"0x55555555": 0x55555555, "0xAAAAAAAA": -0x55555556}
     bad, began = 0, time.perf_counter()
@@ -150,7 +150,7 @@ def _memory_check(faults: CoreFaults) -> dict:
             "us": round((time.perf_counter() - began) * 1e6, 1)}
 
 
-def core_checks(core: int, precision: str, faults: CoreFaults) -> list[dict]:
+def core_checks(core: int, precision: str, faults: FaultHooks) -> list[dict]:
     """Every known-answer test of one core."""
     dtypes = [torch.float32] if precision == "fp32" else [torch.float32, torch.bfloat16]
     checks = []

@@ -10,39 +10,24 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import signal
 import statistics
 import time
+from typing import Any
 
 import torch
 
-from trnflow.emulator.faults import TearingStore
-from trnflow.emulator.memory import estimate, saved_activation_peak, tensor_bytes
-from trnflow.emulator.numerics import stochastic_round_bf16_
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.storage.datafiles import partitions
-from trnflow.workload.checkpoint import RunCheckpoints, load_model_weights
+from trnflow.workload.checkpoint import load_model_weights
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import StepSampler, read_labelled
 from trnflow.workload.evaluate import Holdout
+from trnflow.workload.memory import estimate, saved_activation_peak, tensor_bytes
 from trnflow.workload.model import build_model
 from trnflow.workload.programs import for_run
 from trnflow.workload.start import Start, find_start
 from trnflow.workload.tokenizer import TextTokenizer, train_tokenizer
-
-
-def stochastic_rounding(precision: str) -> bool:
-    """bf16-sr in the spec, or NEURON_RT_STOCHASTIC_ROUNDING_EN=1 with bf16, as the Neuron runtime does."""
-    flag = os.environ.get("NEURON_RT_STOCHASTIC_ROUNDING_EN")
-    return precision == "bf16-sr" or (precision == "bf16" and flag == "1")
-
-
-@torch.no_grad()
-def _round_weights(model: torch.nn.Module, generator: torch.Generator) -> None:
-    """Every weight onto the bf16 grid, rounded stochastically (the same on every rank)."""
-    for p in model.parameters():
-        stochastic_round_bf16_(p.data, generator)
 
 
 def _rng_state(sr_gen: torch.Generator) -> dict:
@@ -71,153 +56,193 @@ def _skipped(ctx: WorkerContext, start: Start) -> dict:
             "checkpoint": start.init.url if start.init else None, "steps_trained": 0}
 
 
+class Trainer:
+    """One training run on this rank: the model, its optimizer and data, resumed or started afresh.
+
+    `run` is the loop; the methods it calls say what each step, evaluation and checkpoint does.
+    The device decides precision and stochastic rounding; its fault hooks are where injected
+    faults strike (a step, its result, a checkpoint)."""
+
+    def __init__(self, ctx: WorkerContext, run_id: str, start: Start):
+        self.ctx, self.run_id, self.start = ctx, run_id, start
+        self.spec, self.device, self.faults = ctx.spec, ctx.device, ctx.faults
+        cfg, tcfg = self.spec.model, self.spec.train
+        texts = read_labelled(start.files, self.spec.data, cfg.num_classes, self.spec.data.train)
+        assert texts.labels is not None
+        self.tokenizer = _tokenizer(ctx, start, texts.texts)
+        self.tokens, self.labels = self.tokenizer.encode(texts.texts), texts.labels
+        self.model = build_model(cfg, tcfg.seed)
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+        self.use_sr = self.device.stochastic_rounding(self.spec.compute.precision)
+        # Replicas must round identically, so the rounding stream is seeded the same on every rank.
+        self.sr_seed = int(os.environ.get("NEURON_RT_STOCHASTIC_ROUNDING_SEED", "0")) + tcfg.seed
+        self.sr_gen = torch.Generator().manual_seed(self.sr_seed)
+        self.sampler = StepSampler(len(self.labels), tcfg.global_batch_size, ctx.rank, ctx.world_size, tcfg.seed,
+                                   drop_last=tcfg.drop_last)
+        self.first, self.metrics = self._resume_or_init()
+        self.lineage = start.lineage()
+        self.data_meta = {"files": [f.name for f in start.files], "partitions": partitions(start.files),
+                          "watermark": start.watermark, "rows": len(self.labels)}
+        ctx.log("data", files=len(start.files), rows=len(self.labels), partitions=self.data_meta["partitions"],
+                watermark=start.watermark, tokenizer_vocab=self.tokenizer.vocab_size)
+        self.programs = for_run(ctx, self.model, ddp=ctx.world_size > 1)
+        self.holdout = Holdout(ctx, self.tokenizer)
+        resumed = start.resumed
+        self.evaluations: list[dict] = list(resumed.meta.get("evaluations", [])) if resumed else []
+        self.last_loss = float(resumed.meta.get("loss", "nan")) if resumed else float("nan")
+        self.series_url: str | None = None
+        self.checkpoint_url: str | None = None
+        self.memory: dict = {}
+        self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
+        self._window = (time.perf_counter(), 0, 0.0)  # since the last logged point: start, steps, summed loss
+
+    def run(self) -> dict:
+        tcfg = self.spec.train
+        began = time.perf_counter()
+        for step, idx in self.sampler.batches(self.first, tcfg.steps):
+            self.faults.begin_step(step + 1, self._first_time)
+            self.last_loss = self._step(idx, step + 1)
+            done = step + 1
+            if done % tcfg.log_every == 0 or done == tcfg.steps:
+                self._log_point(done)
+            if (self.spec.gate.eval_every and done % self.spec.gate.eval_every == 0) or done == tcfg.steps:
+                self._evaluate(done)
+            if done % tcfg.checkpoint_every == 0 or done == tcfg.steps:
+                self._checkpoint(done)
+        return self._result(time.perf_counter() - began)
+
+    def _first_time(self, fault: Any) -> bool:
+        """Record a fault as fired, once per run (a retry resumes past it)."""
+        return self.start.checkpoints.store.create(f"faults/{fault.label}", self.faults.marker())
+
+    def _resume_or_init(self) -> tuple[int, list[dict]]:
+        """The step to start from and the curve so far: a retry resumes its own checkpoint exactly."""
+        ctx, tcfg, start, resumed = self.ctx, self.spec.train, self.start, self.start.resumed
+        if resumed is not None:
+            load_model_weights(self.model, resumed.model, resumed.url)
+            self.optimizer.load_state_dict(resumed.optim)
+            first = self.sampler.restore(resumed.meta["sampler"])
+            if resumed.rng and len(resumed.rng) == ctx.world_size:
+                torch.set_rng_state(resumed.rng[ctx.rank]["torch"])
+                self.sr_gen.set_state(resumed.rng[ctx.rank]["sr"])
+            else:  # a different world size: per-rank streams cannot carry over, so derive new ones
+                torch.manual_seed(tcfg.seed + 1000 * ctx.rank + first)
+                self.sr_gen.manual_seed(self.sr_seed + first)
+            ctx.log("resume", step=first, checkpoint=resumed.url, saved_by_ranks=len(resumed.rng or []),
+                    ranks=ctx.world_size)
+            return first, list(resumed.meta.get("metrics", []))
+        if start.init is not None:
+            load_model_weights(self.model, start.init.model, start.init.url)
+            ctx.log("init", checkpoint=start.init.url, watermark=start.init.watermark)
+        torch.manual_seed(tcfg.seed + 1000 * ctx.rank)  # each rank its own dropout stream
+        if self.use_sr:  # put the starting weights on the bf16 grid; resumed ones already are
+            self.device.round_weights(self.model, self.sr_gen)
+        return 0, []
+
+    def _step(self, idx: torch.Tensor, done: int) -> float:
+        """Forward, backward and optimizer step on one global batch; the loss, which must be finite."""
+        began = time.perf_counter()
+        # Shapes are static, so the first step's saved activations are every step's.
+        probe = saved_activation_peak() if not self.memory else contextlib.nullcontext({})
+        with probe as saved:
+            loss = self.faults.result(self.programs.train_loss(self.tokens[idx], self.labels[idx]))
+        if not math.isfinite(loss.item()):
+            raise FatalError(
+                f"loss is {loss.item()} at step {done} on rank {self.ctx.rank}; the run diverged. "
+                "Lower train.lr or use fp32; retrying would diverge again"
+            )
+        self.optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.device.sync()
+        self.optimizer.step()
+        self.device.sync()
+        if not self.memory:
+            self.memory = _memory_held(self.model, self.optimizer, saved.get("peak", 0))
+        if self.use_sr:
+            self.device.round_weights(self.model, self.sr_gen)
+        self.step_times.append(time.perf_counter() - began)
+        start, steps, summed = self._window
+        self._window = (start, steps + 1, summed + loss.item())
+        return loss.item()
+
+    def _log_point(self, done: int) -> None:
+        """A point of the training curve: the mean loss since the last point (one batch's is too noisy)."""
+        start, steps, summed = self._window
+        elapsed = time.perf_counter() - start
+        point = {"step": done, "global_step": self.lineage["base_step"] + done, "loss": round(summed / steps, 5),
+                 "samples_per_s": round(steps * self.spec.train.global_batch_size / elapsed, 1)}
+        self.metrics.append(point)
+        self.ctx.log("train", steps=self.spec.train.steps, **point)
+        self._window = (time.perf_counter(), 0, 0.0)
+
+    def _evaluate(self, done: int) -> None:
+        point, correct = self.holdout.evaluate(self.programs, done, self.lineage["base_step"] + done)
+        self.evaluations = [p for p in self.evaluations if p["step"] != done] + [point]
+        if self.ctx.is_main:
+            self.series_url = write_series(self.start.checkpoints.url, self.run_id, self.evaluations,
+                                           self.holdout.digest, done, correct)
+
+    def _checkpoint(self, done: int) -> None:
+        ctx, spec = self.ctx, self.spec
+        rng = gather_objects(ctx, _rng_state(self.sr_gen))
+        if ctx.is_main:
+            checkpoints = self.faults.checkpoint_store(self.start.checkpoints, writer=True)
+            meta = {"run_id": self.run_id, **self.lineage, "global_step": self.lineage["base_step"] + done,
+                    "spec_digest": spec.digest(), "precision": spec.compute.precision,
+                    "world_size": ctx.world_size, "loss": self.last_loss, "sampler": self.sampler.position(done),
+                    "data": self.data_meta, "watermark": self.start.watermark, "metrics": self.metrics,
+                    "evaluations": self.evaluations, "holdout_sha256": self.holdout.digest,
+                    "torch": torch.__version__}
+            self.checkpoint_url = checkpoints.save(done, self.model.state_dict(), self.optimizer.state_dict(), rng,
+                                                   self.tokenizer.to_json(), meta, keep_latest=spec.train.keep_latest)
+            ctx.log("checkpoint", step=done, url=self.checkpoint_url)
+        # No rank runs ahead while the checkpoint is written: a fault on another rank in the
+        # next step would otherwise take rank 0 down mid-save and lose the interval.
+        barrier(ctx)
+        self.faults.checkpoint_written()
+
+    def _result(self, seconds: float) -> dict:
+        tcfg, start, lineage = self.spec.train, self.start, self.lineage
+        trained = tcfg.steps - self.first
+        per_rank = gather_objects(self.ctx, self.memory.get("total", 0))
+        checkpoint_url, series_url = self.checkpoint_url, self.series_url
+        if checkpoint_url is None and start.resumed is not None:  # resumed at the last step: nothing left to do
+            checkpoint_url = start.resumed.url
+        if series_url is None and self.evaluations:
+            series_url = f"{start.checkpoints.url}/{SERIES}"
+        times = self.step_times
+        return {
+            "run_id": self.run_id,
+            "checkpoint": checkpoint_url,
+            "start_step": self.first,
+            "steps": tcfg.steps,
+            "steps_trained": trained,
+            "resumed_from": start.resumed.url if start.resumed else None,
+            "parent": lineage["parent"],
+            "global_step": lineage["base_step"] + tcfg.steps,
+            "watermark": start.watermark,
+            "partitions": self.data_meta["partitions"],
+            "rows": len(self.labels),
+            "loss": self.last_loss,
+            "evaluations": self.evaluations,
+            "curve": self.metrics,
+            "series": series_url,
+            "holdout_sha256": self.holdout.digest,
+            "samples_per_s": round(trained * tcfg.global_batch_size / seconds, 1) if trained else 0.0,
+            "seconds": round(seconds, 3),
+            "first_step_seconds": round(times[0], 4) if times else 0.0,
+            "median_step_seconds": round(statistics.median(times[1:]), 5) if len(times) > 1 else 0.0,
+            "compile": self.programs.compiler.metrics().as_dict(),
+            "device_memory": {"estimated_per_core": estimate(self.spec).total, "peak_per_rank": per_rank,
+                              **self.memory},
+        }
+
+
 def run(ctx: WorkerContext, run_id: str) -> dict:
-    spec = ctx.spec
-    cfg, tcfg = spec.model, spec.train
     start = find_start(ctx, run_id)
     if not start.files:
         return _skipped(ctx, start)
-    texts = read_labelled(start.files, spec.data, cfg.num_classes, spec.data.train)
-    assert texts.labels is not None
-    tokenizer = _tokenizer(ctx, start, texts.texts)
-    tokens, labels = tokenizer.encode(texts.texts), texts.labels
-
-    model = build_model(cfg, tcfg.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
-    use_sr = stochastic_rounding(spec.compute.precision)
-    # Replicas must round identically, so the rounding stream is seeded the same on every rank.
-    sr_seed = int(os.environ.get("NEURON_RT_STOCHASTIC_ROUNDING_SEED", "0")) + tcfg.seed
-    sr_gen = torch.Generator().manual_seed(sr_seed)
-    sampler = StepSampler(len(labels), tcfg.global_batch_size, ctx.rank, ctx.world_size, tcfg.seed,
-                          drop_last=tcfg.drop_last)
-
-    first, resumed, metrics = 0, start.resumed, []
-    if resumed is not None:
-        load_model_weights(model, resumed.model, resumed.url)
-        optimizer.load_state_dict(resumed.optim)
-        first, metrics = sampler.restore(resumed.meta["sampler"]), list(resumed.meta.get("metrics", []))
-        if resumed.rng and len(resumed.rng) == ctx.world_size:
-            torch.set_rng_state(resumed.rng[ctx.rank]["torch"])
-            sr_gen.set_state(resumed.rng[ctx.rank]["sr"])
-        else:  # a different world size: per-rank streams cannot carry over, so derive new ones
-            torch.manual_seed(tcfg.seed + 1000 * ctx.rank + first)
-            sr_gen.manual_seed(sr_seed + first)
-        ctx.log("resume", step=first, checkpoint=resumed.url, saved_by_ranks=len(resumed.rng or []),
-                ranks=ctx.world_size)
-    else:
-        if start.init is not None:
-            load_model_weights(model, start.init.model, start.init.url)
-            ctx.log("init", checkpoint=start.init.url, watermark=start.init.watermark)
-        torch.manual_seed(tcfg.seed + 1000 * ctx.rank)  # each rank its own dropout stream
-        if use_sr:  # put the starting weights on the bf16 grid; resumed ones already are
-            _round_weights(model, sr_gen)
-    lineage = start.lineage()
-    data_meta = {"files": [f.name for f in start.files], "partitions": partitions(start.files),
-                 "watermark": start.watermark, "rows": len(labels)}
-    ctx.log("data", files=len(start.files), rows=len(labels), partitions=data_meta["partitions"],
-            watermark=start.watermark, tokenizer_vocab=tokenizer.vocab_size)
-
-    programs = for_run(ctx, model, ddp=ctx.world_size > 1)
-    holdout = Holdout(ctx, tokenizer)
-    evaluations: list[dict] = list(resumed.meta.get("evaluations", [])) if resumed else []
-    eval_every, series_url = spec.gate.eval_every, None
-    window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
-    began = time.perf_counter()
-    memory: dict = {}
-    step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
-    last_loss, checkpoint_url = float(resumed.meta.get("loss", "nan")) if resumed else float("nan"), None
-    tear = False
-    for step, idx in sampler.batches(first, tcfg.steps):
-        due = ctx.faults.strike(step + 1, lambda fault: start.checkpoints.store.create(f"faults/{fault.label}",
-                                                                                       ctx.faults.marker()))
-        poison, tear = "nan" in due, tear or "torn" in due
-        step_began = time.perf_counter()
-        # Shapes are static, so the first step's saved activations are every step's.
-        probe = saved_activation_peak() if not memory else contextlib.nullcontext({})
-        with probe as saved:
-            loss = programs.train_loss(tokens[idx], labels[idx])
-        if poison:
-            loss = loss * float("nan")
-        if not math.isfinite(loss.item()):
-            raise FatalError(
-                f"loss is {loss.item()} at step {step + 1} on rank {ctx.rank}; the run diverged. "
-                "Lower train.lr or use fp32; retrying would diverge again"
-            )
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        if not memory:
-            memory = _memory_held(model, optimizer, saved.get("peak", 0))
-        if use_sr:
-            _round_weights(model, sr_gen)
-        last_loss, done = loss.item(), step + 1
-        step_times.append(time.perf_counter() - step_began)
-        window_steps, window_loss = window_steps + 1, window_loss + last_loss
-        if done % tcfg.log_every == 0 or done == tcfg.steps:
-            elapsed = time.perf_counter() - window_start
-            # the mean over the steps since the last point: one batch's loss is too noisy to plot
-            point = {"step": done, "global_step": lineage["base_step"] + done,
-                     "loss": round(window_loss / window_steps, 5),
-                     "samples_per_s": round(window_steps * tcfg.global_batch_size / elapsed, 1)}
-            metrics.append(point)
-            ctx.log("train", steps=tcfg.steps, **point)
-            window_start, window_steps, window_loss = time.perf_counter(), 0, 0.0
-        if (eval_every and done % eval_every == 0) or done == tcfg.steps:
-            point, correct = holdout.evaluate(programs, done, lineage["base_step"] + done)
-            evaluations = [p for p in evaluations if p["step"] != done] + [point]
-            if ctx.is_main:
-                series_url = write_series(start.checkpoints.url, run_id, evaluations, holdout.digest, done, correct)
-        if done % tcfg.checkpoint_every == 0 or done == tcfg.steps:
-            rng = gather_objects(ctx, _rng_state(sr_gen))
-            checkpoints = start.checkpoints
-            if tear and ctx.is_main:  # a torn fault: the writing rank dies halfway through this checkpoint
-                checkpoints = RunCheckpoints(checkpoints.url, TearingStore(checkpoints.store))
-            if ctx.is_main:
-                meta = {"run_id": run_id, **lineage, "global_step": lineage["base_step"] + done,
-                        "spec_digest": spec.digest(), "precision": spec.compute.precision,
-                        "world_size": ctx.world_size, "loss": last_loss, "sampler": sampler.position(done),
-                        "data": data_meta, "watermark": start.watermark, "metrics": metrics,
-                        "evaluations": evaluations, "holdout_sha256": holdout.digest,
-                        "torch": torch.__version__}
-                checkpoint_url = checkpoints.save(done, model.state_dict(), optimizer.state_dict(), rng,
-                                                        tokenizer.to_json(), meta, keep_latest=tcfg.keep_latest)
-                ctx.log("checkpoint", step=done, url=checkpoint_url)
-            # No rank runs ahead while the checkpoint is written: a fault on another rank in the
-            # next step would otherwise take rank 0 down mid-save and lose the interval.
-            barrier(ctx)
-            if tear:  # a torn fault on a rank that writes nothing: it is lost once the checkpoint is whole
-                os.kill(os.getpid(), signal.SIGKILL)
-    seconds = time.perf_counter() - began
-    trained = tcfg.steps - first
-    per_rank = gather_objects(ctx, memory.get("total", 0))
-    if checkpoint_url is None and start.resumed is not None:  # resumed at the last step: nothing left to do
-        checkpoint_url = start.resumed.url
-    if series_url is None and evaluations:
-        series_url = f"{start.checkpoints.url}/{SERIES}"
-    return {
-        "run_id": run_id,
-        "checkpoint": checkpoint_url,
-        "start_step": first,
-        "steps": tcfg.steps,
-        "steps_trained": trained,
-        "resumed_from": start.resumed.url if start.resumed else None,
-        "parent": lineage["parent"],
-        "global_step": lineage["base_step"] + tcfg.steps,
-        "watermark": start.watermark,
-        "partitions": data_meta["partitions"],
-        "rows": len(labels),
-        "loss": last_loss,
-        "evaluations": evaluations,
-        "curve": metrics,
-        "series": series_url,
-        "holdout_sha256": holdout.digest,
-        "samples_per_s": round(trained * tcfg.global_batch_size / seconds, 1) if trained else 0.0,
-        "seconds": round(seconds, 3),
-        "first_step_seconds": round(step_times[0], 4) if step_times else 0.0,
-        "median_step_seconds": round(statistics.median(step_times[1:]), 5) if len(step_times) > 1 else 0.0,
-        "compile": programs.compiler.summary(),
-        "device_memory": {"estimated_per_core": estimate(spec).total, "peak_per_rank": per_rank, **memory},
-    }
+    return Trainer(ctx, run_id, start).run()
 
 
 def _memory_held(model: torch.nn.Module, optimizer: torch.optim.Optimizer, activations: int) -> dict:

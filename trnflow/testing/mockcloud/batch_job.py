@@ -10,7 +10,8 @@ from datetime import datetime
 from typing import Any
 
 from trnflow.backends.batch_request import exit_action
-from trnflow.emulator.cores import INSTANCE_CORES_ENV, RT_DIR_ENV
+from trnflow.emulator.cores import RT_DIR_ENV
+from trnflow.neuron.launch import INSTANCE_CORES_ENV
 from trnflow.specs import instance
 from trnflow.testing.mockcloud.nodes import Node, container_env, free_port, run_nodes
 from trnflow.testing.mockcloud.sagemaker_job import committed_checkpoints

@@ -1,5 +1,6 @@
 """The deployment trnflow's cloud backends expect, created in the emulated AWS: buckets, the
-SageMaker role, and a Batch compute environment with its queue and fair-share policy. In the real
+SageMaker role, a Batch compute environment with its queue and fair-share policy, and the
+settings published as SSM parameters. In the real
 account `infra/cloudformation/trnflow.yaml` creates them; this is the same shape, made through the
 APIs so it works on any moto."""
 
@@ -47,6 +48,10 @@ def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
                                    "computeEnvironmentArn"]}])
     outputs = mock_outputs(prefix)
     assert outputs["SAGEMAKER_ROLE_ARN"] == role
+    ssm = client("ssm")
+    for name in ("IMAGE", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE"):  # as the infra stack publishes them
+        ssm.put_parameter(Name=f"/{prefix}/{name.lower().replace('_', '-')}", Value=outputs[name], Type="String",
+                          Overwrite=True)
     return outputs
 
 

@@ -12,7 +12,12 @@ import tempfile
 import time
 from pathlib import Path
 
+from moto.server import ThreadedMotoServer
+
 from trnflow.cli.render import cli_console
+from trnflow.testing.mockcloud import MockCloud
+from trnflow.testing.mockcloud.provision import provision
+from trnflow.workload.synth import synthesize
 
 console = cli_console()
 
@@ -20,12 +25,6 @@ console = cli_console()
 def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None) -> None:
     """Run an emulated AWS for the sagemaker and batch backends until Ctrl-C; the jobs' containers
     keep their files under `work_dir` (default: a temporary folder)."""
-    from moto.server import ThreadedMotoServer
-
-    from trnflow.testing.mockcloud import MockCloud
-    from trnflow.testing.mockcloud.provision import provision
-    from trnflow.workload.synth import synthesize
-
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     endpoint = f"http://127.0.0.1:{port}"
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)

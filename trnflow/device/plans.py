@@ -17,8 +17,8 @@ import hashlib
 import json
 from pathlib import Path
 
-from trnflow.emulator import cache as states
-from trnflow.emulator.cache import COMPILER_VERSION, CompileCache, entry_name
+from trnflow.device import cache as states
+from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name
 from trnflow.specs import JobSpec
 
 _ROOT = Path(__file__).resolve().parents[1]

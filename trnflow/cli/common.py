@@ -1,0 +1,49 @@
+"""What every command group shares: the consoles, the options they all take, and reading a spec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+
+from trnflow.cli.args import assignments
+from trnflow.cli.render import RED, cli_console
+from trnflow.errors import ExitCode
+from trnflow.specs import CATALOGUE, JobSpec, SpecError, load_spec
+
+console = cli_console()
+err = cli_console(stderr=True)
+
+EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = ExitCode.FAILED, ExitCode.BAD_INPUT, ExitCode.GATE_FAILED
+
+SpecArg = Annotated[Path, typer.Argument(help="Job spec YAML file.", show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
+SetOpt = Annotated[
+    list[str] | None,
+    typer.Option("--set", help="Override a spec field: --set train.steps=50 (repeatable; value parsed as YAML)."),
+]
+
+
+def overrides(pairs: list[str] | None) -> dict[str, Any]:
+    return assignments(pairs, "--set", "train.steps=50", name="FIELD")
+
+
+def unknown_instance_type(name: str) -> str:
+    return f"--instance-type {name!r} is unknown; choose one of: {', '.join(CATALOGUE)}"
+
+
+def check_instance_type(name: str) -> None:
+    if name not in CATALOGUE:
+        err.print(f"{unknown_instance_type(name)}", **RED)
+        raise typer.Exit(EXIT_BAD_INPUT)
+
+
+def load(path: Path, overrides: dict[str, Any] | None = None) -> JobSpec:
+    try:
+        return load_spec(path, overrides)
+    except SpecError as exc:
+        err.print(f"{exc.source}: invalid job spec", **RED)
+        for problem in exc.problems:
+            err.print(f"  {problem}", markup=False, highlight=False)
+        raise typer.Exit(EXIT_BAD_INPUT) from None

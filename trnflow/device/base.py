@@ -1,0 +1,205 @@
+"""What the workload needs from a NeuronCore, whatever kind it is: the `Device` interface.
+
+A device says which torch device tensors live on, how programs are compiled (the `torch.compile`
+backend and its persistent cache), which process-group backend joins the ranks, how precision is
+handled (autocast, bf16, stochastic rounding), where the program must synchronise, which cores
+this process may use and how many graphs it compiled. The workload asks these questions and never
+imports a device's implementation: `trnflow.device.registry` finds it by name.
+
+Injected faults (the emulator's fault model) enter through `FaultHooks`. A device without a fault
+model hands out `NoFaults`, whose hooks do nothing, so training code calls them unconditionally.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+import torch.distributed as dist
+
+from trnflow.errors import FatalError
+from trnflow.neuron.launch import aligned_ranges, parse_visible_cores
+from trnflow.specs import JobSpec
+
+Log = Callable[..., None]
+
+
+@dataclass(frozen=True)
+class CompileMetrics:
+    """What one process compiled: graphs seen, cache hits, and each recompilation with its reason."""
+
+    graphs: int = 0
+    hits: int = 0
+    recompiles: list[dict] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"graphs": self.graphs, "hits": self.hits, "recompiles": list(self.recompiles),
+                "seconds": self.seconds}
+
+
+class CompileBackend(Protocol):
+    """A `torch.compile` backend that also names programs and counts what it compiled."""
+
+    flags: dict
+    """The compiler flags its cache keys and artifacts are made with."""
+    seen: list
+    """Each graph traced so far: its program, cache key, graph and outcome."""
+
+    def __call__(self, gm: Any, example_inputs: list) -> Callable: ...
+
+    def naming(self, program: str) -> contextlib.AbstractContextManager: ...
+
+    def metrics(self) -> CompileMetrics: ...
+
+
+class Lease(Protocol):
+    cores: list[int]
+
+    def release(self) -> None: ...
+
+
+class FaultHooks(Protocol):
+    """Where injected faults strike: a step, a result, a write, an engine's answer, a collective."""
+
+    kinds: set[str]
+
+    def strike(self, step: int, first_time: Callable[[Any], bool], phase: str = "train") -> set[str]: ...
+
+    def marker(self) -> bytes: ...
+
+    def corrupt(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def flip_bits(self, buf: torch.Tensor) -> None: ...
+
+    def maybe_hang(self) -> None: ...
+
+    def tearing(self, store: Any) -> Any: ...
+
+    def begin_step(self, step: int, first_time: Callable[[Any], bool]) -> None: ...
+
+    def result(self, t: torch.Tensor) -> torch.Tensor: ...
+
+    def checkpoint_store(self, checkpoints: Any, writer: bool) -> Any: ...
+
+    def checkpoint_written(self) -> None: ...
+
+
+class NoFaults:
+    """The fault hooks of a device that injects none: each hook leaves things as they are."""
+
+    kinds: set[str] = frozenset()  # type: ignore[assignment]
+
+    def strike(self, step: int, first_time: Callable[[Any], bool], phase: str = "train") -> set[str]:
+        return set()
+
+    def marker(self) -> bytes:
+        return f"pid {os.getpid()}".encode()
+
+    def corrupt(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def flip_bits(self, buf: torch.Tensor) -> None:
+        return None
+
+    def maybe_hang(self) -> None:
+        return None
+
+    def tearing(self, store: Any) -> Any:
+        return store
+
+    def begin_step(self, step: int, first_time: Callable[[Any], bool]) -> None:
+        return None
+
+    def result(self, t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    def checkpoint_store(self, checkpoints: Any, writer: bool) -> Any:
+        return checkpoints
+
+    def checkpoint_written(self) -> None:
+        return None
+
+
+class Device(ABC):
+    """One kind of NeuronCore, as the workload sees it."""
+
+    name: str
+    process_group_backend: str
+    """The `torch.distributed` backend that joins the ranks (gloo, neuron, xla)."""
+    init_method: str = "env://"
+
+    @property
+    @abstractmethod
+    def torch_device(self) -> torch.device:
+        """Where the model, its inputs and its optimizer state live."""
+
+    def visible_cores(self, env: dict[str, str] | None = None) -> list[int]:
+        """The cores this process group may use, from NEURON_RT_VISIBLE_CORES (all local ranks' by default)."""
+        env = os.environ if env is None else env
+        local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
+        return parse_visible_cores(env.get("NEURON_RT_VISIBLE_CORES", f"0-{local_world - 1}"))
+
+    def claim(self, cores: list[int], total: int, command: str) -> Lease | None:
+        """Own `cores` for this process. The Neuron runtime enforces ownership on real devices."""
+        return None
+
+    def init_process_group(self, world_size: int, timeout_seconds: float) -> None:
+        if world_size > 1 and not dist.is_initialized():
+            dist.init_process_group(self.process_group_backend, init_method=self.init_method,
+                                    timeout=timedelta(seconds=timeout_seconds))
+
+    @abstractmethod
+    def compiler(self, spec: JobSpec, mode: str = "run", log: Log | None = None,
+                 workdir: Path | None = None) -> CompileBackend:
+        """The compile backend for the spec's programs. `run`: graphs come from the spec's persistent
+        compile cache, and any other graph is a recompilation; `extract`: graphs are recorded and run
+        eagerly (a trial run of ahead-of-time compilation); `compile`: graphs are compiled into
+        `workdir`, which `artifact` packs for the cache."""
+
+    def artifact(self, workdir: Path) -> bytes:
+        """The cache artifact of what `compiler(mode="compile")` built in `workdir`."""
+        raise FatalError(f"the {self.name} device compiles ahead of time with its own tools, not trnflow's")
+
+    def compile(self, fn: Callable, backend: CompileBackend) -> Callable:
+        """`fn` as one whole graph with static shapes, compiled through `backend`."""
+        return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+
+    def autocast(self, precision: str) -> contextlib.AbstractContextManager:
+        """Mixed precision for a forward pass: bf16 autocast unless the spec trains in fp32."""
+        if precision == "fp32":
+            return contextlib.nullcontext()
+        return torch.autocast(self.torch_device.type, dtype=torch.bfloat16)
+
+    def stochastic_rounding(self, precision: str, env: dict[str, str] | None = None) -> bool:
+        """bf16-sr in the spec, or NEURON_RT_STOCHASTIC_ROUNDING_EN=1 with bf16, as the Neuron runtime reads it."""
+        env = os.environ if env is None else env
+        return precision == "bf16-sr" or (precision == "bf16" and env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN") == "1")
+
+    def round_weights(self, model: torch.nn.Module, generator: torch.Generator) -> None:
+        """Put the weights on the bf16 grid after an update, when stochastic rounding is on. The
+        hardware rounds as it writes, so a real device has nothing to do here."""
+        return None
+
+    def sync(self) -> None:
+        """Where a lazy device runs what it has traced (after backward, after the optimizer step)."""
+        return None
+
+    def fault_hooks(self, core: int, spec: JobSpec | None) -> FaultHooks:
+        """The faults injected into `core`; none on a device without a fault model."""
+        return NoFaults()
+
+    def check_launch_env(self, env: dict[str, str]) -> None:
+        """Refuse, before anything starts, an environment the device's workers could not run with."""
+        return None
+
+    def allocate(self, count: int, total: int, exclude: frozenset[int] = frozenset()) -> list[int]:
+        """`count` free contiguous cores, aligned to `count`, avoiding `exclude`."""
+        return aligned_ranges(count, total, exclude)[0]

@@ -1,0 +1,42 @@
+"""Devices by name. The workload asks for a device here and never imports its implementation, so
+the emulator (or a real NeuronCore's runtime) is loaded only where it runs.
+
+`TRNFLOW_DEVICE` picks the device of a worker process (default `emulator`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+
+from trnflow.device.base import Device
+from trnflow.errors import FatalError
+
+DEVICE_ENV = "TRNFLOW_DEVICE"
+DEFAULT = "emulator"
+
+_DEVICES: dict[str, str] = {
+    "emulator": "trnflow.emulator.device:EmulatorDevice",
+}
+_made: dict[str, Device] = {}
+
+
+def register(name: str, target: str) -> None:
+    """Make `module:Class` (a `Device` subclass) the device called `name`."""
+    _DEVICES[name] = target
+    _made.pop(name, None)
+
+
+def names() -> list[str]:
+    return sorted(_DEVICES)
+
+
+def get_device(name: str | None = None) -> Device:
+    """The device called `name`, else the one TRNFLOW_DEVICE names, else the emulator (one per process)."""
+    name = name or os.environ.get(DEVICE_ENV) or DEFAULT
+    if name not in _DEVICES:
+        raise FatalError(f"{DEVICE_ENV}={name!r} is not a device; choose one of: {', '.join(names())}")
+    if name not in _made:
+        module, _, cls = _DEVICES[name].partition(":")
+        _made[name] = getattr(importlib.import_module(module), cls)()
+    return _made[name]

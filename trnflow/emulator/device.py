@@ -1,0 +1,76 @@
+"""The emulator as a `Device`: NeuronCores emulated by CPU processes.
+
+Tensors live on the CPU, ranks join over gloo, programs compile through the emulator's compiler
+(TorchInductor, or AOT autograd at -O1) into the persistent compile cache, stochastic rounding is
+done in software after each update, and each core is owned through a lock file as the Neuron
+runtime enforces it. The emulator's fault model (`trnflow.emulator.faults`) is its fault hooks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from trnflow.device.base import Device, FaultHooks, Lease, Log
+from trnflow.device.cache import CompileCache
+from trnflow.emulator import cores
+from trnflow.emulator.compiler import compile_flags, pack_dir
+from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
+from trnflow.emulator.jit import CachedCompiler
+from trnflow.emulator.numerics import stochastic_round_bf16_
+from trnflow.neuron.launch import cache_url
+from trnflow.specs import JobSpec
+
+
+class EmulatorDevice(Device):
+    name = "emulator"
+    process_group_backend = "gloo"
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cpu")
+
+    def claim(self, cores_: list[int], total: int, command: str) -> Lease:
+        return cores.acquire(cores_, total, command=command)
+
+    def allocate(self, count: int, total: int, exclude: frozenset[int] = frozenset()) -> list[int]:
+        return cores.allocate(count, total, exclude)
+
+    def compiler(self, spec: JobSpec, mode: str = "run", log: Log | None = None,
+                 workdir: Path | None = None) -> CachedCompiler:
+        """`run`: graphs load from the spec's persistent cache into a private Inductor folder (so a
+        machine-wide Inductor cache cannot make a cold compile look warm); `extract`: graphs are only
+        recorded; `compile`: graphs are lowered into `workdir`, which `artifact` then packs."""
+        flags = compile_flags(spec.compile.optlevel, spec.compute.precision)
+        if mode == "extract":
+            return CachedCompiler(flags, mode="extract")
+        if mode == "compile":
+            return CachedCompiler(flags, mode="compile", inductor_dir=workdir)
+        inductor_dir = Path(tempfile.mkdtemp(prefix="trnflow-inductor-"))
+        atexit.register(shutil.rmtree, inductor_dir, ignore_errors=True)
+        return CachedCompiler(flags, CompileCache(cache_url(spec.compile.cache_url)), mode="run",
+                              fail_on_recompile=spec.compile.fail_on_recompile, inductor_dir=inductor_dir,
+                              log=log or (lambda event, **fields: None))
+
+    def artifact(self, workdir: Path) -> bytes:
+        return pack_dir(workdir)
+
+    def round_weights(self, model: torch.nn.Module, generator: torch.Generator) -> None:
+        with torch.no_grad():
+            for p in model.parameters():
+                stochastic_round_bf16_(p.data, generator)
+
+    def fault_hooks(self, core: int, spec: JobSpec | None) -> FaultHooks:
+        """The spec's faults and TRNFLOW_FAULTS's, whichever backend started the worker, for `core`."""
+        injected = parse(os.environ.get(FAULTS_ENV, ""))
+        if spec is not None:
+            injected += [Fault(f.kind, f.core, f.step, f.phase) for f in spec.faults]
+        return CoreFaults(core, list(dict.fromkeys(injected)))
+
+    def check_launch_env(self, env: dict[str, str]) -> None:
+        parse(env.get(FAULTS_ENV, ""))  # a malformed fault list fails before launch

@@ -1,0 +1,124 @@
+"""How a phase is launched on one host: torchrun, one worker process per NeuronCore, and the
+Neuron runtime's view of which cores those are (NEURON_RT_VISIBLE_CORES).
+
+Pure functions of the request, torch-free, so the command and environment can be checked without
+running anything. The environment carries the same contract a Trainium host gives its workers.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+
+from trnflow.errors import FatalError
+from trnflow.specs import JobSpec, instance
+
+INSTANCE_CORES_ENV = "TRNFLOW_INSTANCE_CORES"
+"""How many NeuronCores the instance has (the launcher sets it for the workers)."""
+
+
+def format_cores(cores: list[int]) -> str:
+    """`nc0-nc3` for a range, as the runtime prints it; `nc1,nc5` otherwise."""
+    if cores and cores == list(range(cores[0], cores[-1] + 1)):
+        return f"nc{cores[0]}-nc{cores[-1]}"
+    return ",".join(f"nc{c}" for c in cores)
+
+
+def parse_visible_cores(value: str) -> list[int]:
+    """`NEURON_RT_VISIBLE_CORES` is a single index ("3") or an inclusive range ("0-7")."""
+    text = value.strip()
+    first, sep, last = text.partition("-")
+    try:
+        lo, hi = int(first), int(last) if sep else int(first)
+    except ValueError:
+        raise FatalError(f"NEURON_RT_VISIBLE_CORES={value!r}: expected an index (3) or a range (0-7)") from None
+    if hi < lo:
+        raise FatalError(f"NEURON_RT_VISIBLE_CORES={value!r}: the range ends before it starts")
+    return list(range(lo, hi + 1))
+
+
+def aligned_ranges(count: int, total: int, exclude: frozenset[int] = frozenset()) -> list[list[int]]:
+    """Every contiguous range of `count` cores starting at a multiple of `count` (the runtime's
+    placement rule for collective jobs) that avoids `exclude`, first to last."""
+    if count > total:
+        raise FatalError(f"{count} NeuronCores requested but the instance has {total}")
+    step = count if total % count == 0 else 1
+    ranges = [list(range(start, start + count)) for start in range(0, total - count + 1, step)]
+    healthy = [cores for cores in ranges if not exclude.intersection(cores)]
+    if not healthy:  # no waiting helps: the instance lacks healthy cores
+        raise FatalError(
+            f"only {total - len(exclude)} healthy NeuronCore(s) left after excluding "
+            f"{format_cores(sorted(exclude))}; the job needs {count} contiguous ones. "
+            "Replace the instance or lower compute.cores_per_node"
+        )
+    return healthy
+
+
+def visible_cores_value(cores: list[int]) -> str:
+    """NEURON_RT_VISIBLE_CORES takes one index or one inclusive range."""
+    if cores != list(range(cores[0], cores[-1] + 1)):
+        raise FatalError(f"NeuronCores {cores} are not one contiguous range; NEURON_RT_VISIBLE_CORES needs one")
+    return str(cores[0]) if len(cores) == 1 else f"{cores[0]}-{cores[-1]}"
+
+
+def neuron_env(spec: JobSpec | None, cores: list[int], itype: str) -> dict[str, str]:
+    """The Neuron runtime and compiler variables a job sees."""
+    env = {
+        "NEURON_RT_VISIBLE_CORES": visible_cores_value(cores),
+        "NEURON_RT_NUM_CORES": str(len(cores)),
+        INSTANCE_CORES_ENV: str(instance(itype).cores),
+    }
+    if spec is not None:
+        cache = spec.compile.cache_url
+        env |= {
+            "NEURON_CC_FLAGS": f"--optlevel={spec.compile.optlevel} --cache_dir={cache}",
+            "NEURON_COMPILE_CACHE_URL": cache,
+            "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if spec.compute.precision == "bf16-sr" else "0",
+        }
+    return env
+
+
+def launch_command(phase: str, processes: int, job_dir: Path, run_id: str, checkpoint: str | None = None,
+                   with_spec: bool = True, with_options: bool = False) -> list[str]:
+    argv = [
+        sys.executable, "-m", "torch.distributed.run",
+        "--standalone", "--nnodes", "1", "--nproc-per-node", str(processes),
+        "-m", "trnflow.workload", phase,
+        "--output", str(job_dir / "output"),
+        "--run-id", run_id,
+    ]
+    if with_spec:
+        argv += ["--spec", str(job_dir / "spec.json")]
+    if with_options:
+        argv += ["--options", str(job_dir / "options.json")]
+    if checkpoint:
+        argv += ["--checkpoint", checkpoint]
+    return argv
+
+
+def launch_env(spec: JobSpec | None, cores: list[int], itype: str, base: dict[str, str] | None = None
+               ) -> dict[str, str]:
+    env = dict(os.environ if base is None else base)
+    # One host thread per core: oversubscribed threads slow gloo training several-fold.
+    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(cores)))
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(neuron_env(spec, cores, itype))
+    return env
+
+
+def cache_url(default: str, env: dict[str, str] | None = None) -> str:
+    """Where the persistent cache is, decided as the Neuron compiler wrapper does: `--cache_dir` in
+    NEURON_CC_FLAGS, then NEURON_COMPILE_CACHE_URL, then `default` (the spec's compile.cache_url)."""
+    env = os.environ if env is None else env
+    for flag in shlex.split(env.get("NEURON_CC_FLAGS", "")):
+        if flag.startswith("--cache_dir="):
+            return flag.split("=", 1)[1]
+    return env.get("NEURON_COMPILE_CACHE_URL") or default
+
+
+def retry_failed_requested(env: dict[str, str] | None = None) -> bool:
+    """`--retry_failed_compilation` in NEURON_CC_FLAGS, as on Neuron."""
+    env = os.environ if env is None else env
+    return "--retry_failed_compilation" in shlex.split(env.get("NEURON_CC_FLAGS", ""))
