@@ -128,7 +128,8 @@ def test_prune_removes_failed_and_old_entries_but_never_locked_ones(tmp_path):
     cache.commit(old, "g", {}, artifact)
     cache.commit(garbage, "g", {}, b"checksummed, but no archive")
     cache.commit("torch-1/MODULE_9+0", "g", {}, artifact)
-    assert (cache.state(good), cache.state(garbage)) == (DONE, CORRUPT)
+    assert (cache.state(good), cache.state(garbage)) == (DONE, DONE)  # the sizes match: a listing reads no artifact
+    assert (cache.state(good, deep=True), cache.state(garbage, deep=True)) == (DONE, CORRUPT)
     assert "matches its checksum but is no archive" in cache.problem(garbage)
     result = CliRunner().invoke(app, ["cache", "prune", str(root), "--failed", "--other-versions",
                                       "--compiler-version", "torch-9"])
@@ -160,3 +161,28 @@ def test_optlevels_trade_compile_time_for_generated_code(make_spec, tmp_path, mo
     assert any(name.endswith(".so") for name in names[2])  # built C++ kernels
     assert compile_flags(1, "fp32")["backend"] == "aot_eager"
     assert compile_flags(3, "fp32")["mode"] == "max-autotune-no-cudagraphs"
+
+
+def test_listing_and_warm_checks_read_only_metadata_never_an_artifact(tmp_path):
+    from trnflow.device import plans
+    from trnflow.storage import LocalStore
+
+    class Reads(LocalStore):
+        def __init__(self, root):
+            super().__init__(root)
+            self.names: list[str] = []
+
+        def read(self, name):
+            self.names.append(name)
+            return super().read(name)
+
+    store = Reads(tmp_path / "cache")
+    cache = CompileCache(str(tmp_path / "cache"), store=store)
+    key = "MODULE_abc+def"
+    cache.commit(entry_name(key), "graph", {"optlevel": 2}, archive({"kernel.py": b"x" * 1000}))
+    store.names.clear()
+    assert [e.state for e in cache.entries()] == [DONE]
+    assert plans.predict([{"program": "train_step", "key": key}], cache, retry_failed=False)[0]["will"] == "hit"
+    assert not any(n.endswith(("model.neff", "model.fx.txt")) for n in store.names), store.names
+    assert [e.state for e in cache.entries(deep=True)] == [DONE]  # `cache verify` reads them, on purpose
+    assert any(n.endswith("model.neff") for n in store.names)

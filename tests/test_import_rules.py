@@ -35,7 +35,6 @@ BELOW = {
 # Known edges still to move (each one a note on the issue that tracks it).
 PENDING = {
     ("trnflow.lifecycle.reference", "backends"),
-    ("trnflow.aws", "testing"),
     ("trnflow.cli.app", "testing"),  # `trnflow mock-aws`: the [mock] extra's one entry point, imported lazily
 }
 

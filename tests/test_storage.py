@@ -1,5 +1,7 @@
 """The object stores behind the compile cache: a directory and an S3 prefix (moto), one contract."""
 
+import os
+
 import pytest
 from botocore.exceptions import ClientError
 from moto import mock_aws
@@ -70,9 +72,12 @@ def test_only_throttling_and_server_errors_are_retried(monkeypatch):
 @pytest.mark.parametrize("code", ["SlowDown", "InternalError"])
 def test_injected_s3_errors_on_reads_and_writes_are_retried_and_lose_nothing(code, in_process_aws, monkeypatch,
                                                                             tmp_path):
+    from trnflow.testing import s3faults
     from trnflow.testing.s3faults import parse
 
     log = tmp_path / "injected.log"
+    monkeypatch.setattr(aws, "CLIENT_HOOKS", [])
+    s3faults.activate()
     monkeypatch.setenv("TRNFLOW_S3_FAULTS", f"{code}/3")
     monkeypatch.setenv("TRNFLOW_S3_FAULTS_LOG", str(log))
     monkeypatch.setattr(aws, "FIRST_WAIT_SECONDS", 0.0)
@@ -135,3 +140,17 @@ def test_a_full_disk_is_a_clear_error_that_leaves_the_old_file_whole(tmp_path, m
         atomic_write_bytes(target, b"new" * 1000)
     assert target.read_bytes() == b"old" and [p.name for p in target.parent.iterdir()] == ["model.pt"]
     assert not DiskFull.retryable  # the same disk would fill again: the operator frees space and reruns
+
+
+def test_the_fault_environment_turns_the_injector_on_in_every_process_it_starts():
+    """Workers are separate processes: the variables alone must turn the injector on there."""
+    import subprocess
+    import sys
+
+    from trnflow.testing import s3faults
+
+    probe = "import trnflow.aws as aws; print([h.__module__ for h in aws.CLIENT_HOOKS])"
+    env = {**os.environ, **s3faults.environment("SlowDown/3")}
+    hooked = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    plain = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert hooked.stdout.strip() == "['trnflow.testing.s3faults']" and plain.stdout.strip() == "[]"

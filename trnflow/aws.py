@@ -25,6 +25,11 @@ THROTTLING = {"Throttling", "ThrottlingException", "ThrottledException", "Reques
               "TooManyRequestsException", "SlowDown", "ProvisionedThroughputExceededException"}
 
 
+CLIENT_HOOKS: list[Callable[[str, Any], None]] = []
+"""Called with each client this module makes (its service name and the client). Empty in the
+product; a rehearsal adds its fault injector here (see trnflow.testing.s3faults)."""
+
+
 def emulated() -> bool:
     """Whether AWS_ENDPOINT_URL points at a local emulator (a moto server on this machine)."""
     from urllib.parse import urlparse
@@ -54,10 +59,8 @@ def client(service: str, endpoint_url: str | None = None, boto_session: Any = No
 
     config = Config(retries={"total_max_attempts": 1}, connect_timeout=10, read_timeout=60)
     made = (boto_session or session()).client(service, endpoint_url=endpoint_url, config=config)
-    if service == "s3" and os.environ.get("TRNFLOW_S3_FAULTS"):  # a rehearsal: see trnflow.testing.s3faults
-        from trnflow.testing.s3faults import install
-
-        install(made)
+    for hook in CLIENT_HOOKS:
+        hook(service, made)
     return made
 
 

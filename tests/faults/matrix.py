@@ -13,6 +13,7 @@ from typing import Any
 from tests.faults.cases import CASES, HOST_LOST, Case, Run, can_mount, disk_full
 from tests.faults.outcome import Snapshot, local_train_logs, prefect_runs, steps_redone
 from tests.faults.world import EVERY, STEPS, World, patched_env
+from trnflow.testing import s3faults
 
 COLUMNS = ("case", "fault struck", "recovered", "retries", "steps redone", "weights", "registry", "outputs",
            "nothing lost")
@@ -68,8 +69,8 @@ class Matrix:
                 boto3.client("s3").create_bucket(Bucket=bucket)
                 run.out = f"s3://{bucket}/{case.name}"
                 injected = run.folder / "s3-injected.log"
-                with patched_env({"TRNFLOW_S3_FAULTS": case.storage.removeprefix("s3-"),
-                           "TRNFLOW_S3_FAULTS_LOG": str(injected)}):
+                s3faults.activate()  # this process's clients; the environment reaches the workers'
+                with patched_env(s3faults.environment(case.storage.removeprefix("s3-"), str(injected))):
                     yield
                 return
             with self._cloud(case, run):

@@ -32,6 +32,7 @@ from trnflow.cli.common import (
     console,
     err,
     load,
+    set_overrides,
     unknown_instance_type,
 )
 from trnflow.cli.models import models_app
@@ -193,7 +194,7 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
     from trnflow.errors import TrnflowError
     from trnflow.lifecycle.reference import run_reference
 
-    spec = load(spec_path, overrides(overrides))
+    spec = load(spec_path, set_overrides(overrides))
     try:
         with console.status("training the fp32 reference"):
             document = run_reference(spec)
@@ -223,7 +224,7 @@ def compile_cmd(
     from trnflow.errors import TrnflowError
     from trnflow.settings import TrnflowSettings
 
-    spec = load(spec_path, overrides(overrides))
+    spec = load(spec_path, set_overrides(overrides))
     settings = TrnflowSettings()
     options = {"check": check, "retry_failed": retry_failed}
     counts = re.compile(r"remaining items are \d+, locked are (\d+), failed are (\d+), done are (\d+), "
@@ -342,7 +343,7 @@ def run(
     as_json: JsonOpt = False,
 ):
     """Run the whole pipeline now, in this process, on Prefect's local API."""
-    extra = overrides(overrides)
+    extra = set_overrides(overrides)
     if backend:
         extra["compute.backend"] = backend
     _check_run_id(run_id)
@@ -362,7 +363,7 @@ def retrain(
 ):
     """Retrain the champion on the data after its watermark now, in this process (as the schedule does)."""
     _check_run_id(run_id)
-    spec = load(spec_path, overrides(overrides))
+    spec = load(spec_path, set_overrides(overrides))
     if spec.registry_url is None:
         err.print(f"{spec_path}: registry_url: retraining keeps its champion and watermark in a model "
                   "registry; set registry_url", **RED)
@@ -375,7 +376,7 @@ def retrain(
 @app.command()
 def preflight(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = False):
     """Sanity-check every engine of each core the spec uses, then the collectives between them."""
-    spec = load(spec_path, overrides(overrides))
+    spec = load(spec_path, set_overrides(overrides))
     from trnflow.flows.preflight import STAGES
     from trnflow.flows.preflight import preflight as preflight_flow
 

@@ -97,7 +97,7 @@ def verify(url: UrlArg, as_json: JsonOpt = False):
     from trnflow.device.cache import CORRUPT
 
     with _cache(url) as cache:
-        found = cache.entries()
+        found = cache.entries(deep=True)
         corrupt = {f"{e.compiler}/{e.key}": e for e in found if e.state == CORRUPT}
         problems = {entry: cache.problem(entry) for entry in corrupt}
     if as_json:

@@ -25,7 +25,7 @@ SetOpt = Annotated[
 ]
 
 
-def overrides(pairs: list[str] | None) -> dict[str, Any]:
+def set_overrides(pairs: list[str] | None) -> dict[str, Any]:
     return assignments(pairs, "--set", "train.steps=50", name="FIELD")
 
 

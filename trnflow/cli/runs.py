@@ -21,7 +21,7 @@ import typer
 from rich.table import Table
 
 from trnflow.cli.args import assignments
-from trnflow.cli.common import load
+from trnflow.cli.common import load, set_overrides
 from trnflow.cli.render import RED, cli_console, stage_table
 
 console = cli_console()
@@ -89,7 +89,7 @@ def submit(
     from trnflow.cli.server import FINAL, ui_link
     from trnflow.flows.deployments import full_name
 
-    spec = load(spec_path, overrides(overrides))
+    spec = load(spec_path, set_overrides(overrides))
     try:
         name = full_name(deployment, spec.name)
     except KeyError as exc:

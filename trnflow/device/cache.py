@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from trnflow.errors import FatalError
-from trnflow.storage import Store, join, open_store
+from trnflow.storage import ObjectInfo, Store, join, open_store
 
 COMPILER_VERSION = f"torch-{metadata.version('torch')}"
 """The compiler version entries are filed under: the torch version stands for neuronx-cc's."""
@@ -136,13 +136,25 @@ class CompileCache:
             return owner if _alive(pid) else None
         return owner if time.time() - since < STALE_LOCK_SECONDS else None
 
-    def state(self, entry: str) -> str:
-        names = {o.name.rsplit("/", 1)[-1] for o in self.store.list(f"{entry}/")}
-        if "model.done" in names:
-            return DONE if self.verify(entry) else CORRUPT
-        if "model.lock" in names and self.lock_owner(entry) is not None:
+    def state(self, entry: str, deep: bool = False, listed: list[ObjectInfo] | None = None) -> str:
+        """The entry's state from its metadata: which files it has, and whether their sizes are the
+        ones model.done records. `deep` also checks every file's checksum and that the artifact is
+        an archive, which reads the artifact (`cache verify` and a compile do; a listing never does).
+        `listed` is the entry's objects when the caller has listed them already."""
+        listed = self.store.list(f"{entry}/") if listed is None else listed
+        sizes = {o.name.rsplit("/", 1)[-1]: o.size for o in listed}
+        if "model.done" in sizes:
+            whole = self.verify(entry) if deep else self._sizes_match(entry, sizes)
+            return DONE if whole else CORRUPT
+        if "model.lock" in sizes and self.lock_owner(entry) is not None:
             return LOCKED
-        return FAILED if "model.log" in names else MISSING
+        return FAILED if "model.log" in sizes else MISSING
+
+    def _sizes_match(self, entry: str, sizes: dict[str, int]) -> bool:
+        """Whether every checked file is listed at the size model.done records (no file is read)."""
+        files = (self._json(f"{entry}/model.done") or {}).get("files")
+        return isinstance(files, dict) and all(
+            isinstance(files.get(name), dict) and sizes.get(name) == files[name].get("bytes") for name in CHECKED_FILES)
 
     def verify(self, entry: str) -> bool:
         """Whether every checked file is present, of its recorded size and checksum."""
@@ -249,9 +261,10 @@ class CompileCache:
 
     # -- maintenance -----------------------------------------------------------------------------
 
-    def entries(self) -> list[EntryInfo]:
-        """Every entry. Raises FatalError when the URL is not a cache root: a missing local folder, or
-        one compiler version's folder (its entries sit at the top, not one level down)."""
+    def entries(self, deep: bool = False) -> list[EntryInfo]:
+        """Every entry, from one listing and each entry's small metadata files (`deep`: checksums too).
+        Raises FatalError when the URL is not a cache root: a missing local folder, or one compiler
+        version's folder (its entries sit at the top, not one level down)."""
         root = getattr(self.store, "root", None)  # an S3 prefix is never missing, only empty
         if root is not None and not root.is_dir():
             raise FatalError(f"{self.where()}: no such folder; check compile.cache_url")
@@ -270,7 +283,7 @@ class CompileCache:
         for entry, objects in sorted(grouped.items()):
             hits, last_used = self._usage(entry)
             compiler, key = entry.split("/")
-            out.append(EntryInfo(compiler, key, self.state(entry), sum(o.size for o in objects),
+            out.append(EntryInfo(compiler, key, self.state(entry, deep, objects), sum(o.size for o in objects),
                                  hits, last_used, min(o.modified for o in objects)))
         return out
 
@@ -278,7 +291,7 @@ class CompileCache:
               other_versions: bool = False, dry_run: bool = False) -> list[EntryInfo]:
         """Remove what is asked for; never an entry being compiled (locked)."""
         now, removed = time.time(), []
-        for info in self.entries():
+        for info in self.entries(deep=failed):  # a corrupt entry is found only by reading it
             if info.state == LOCKED:
                 continue
             last = info.last_used or info.created

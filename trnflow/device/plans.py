@@ -57,11 +57,13 @@ def recorded(cache: CompileCache, spec: JobSpec) -> list[dict] | None:
         return None
 
 
-def predict(programs: list[dict], cache: CompileCache, retry_failed: bool) -> list[dict]:
-    """For each graph: its cache state and what compiling would do (hit, compile, skip or wait)."""
+def predict(programs: list[dict], cache: CompileCache, retry_failed: bool, deep: bool = False) -> list[dict]:
+    """For each graph: its cache state and what compiling would do (hit, compile, skip or wait). The
+    state comes from metadata alone unless `deep` (a compile job checks the artifacts it relies on;
+    a warm check before launch does not read them, and a run still verifies what it loads)."""
     rows = []
     for p in programs:
-        state = cache.state(entry_name(p["key"]))
+        state = cache.state(entry_name(p["key"]), deep=deep)
         will = ("hit" if state == states.DONE
                 else "skip (failed before)" if state == states.FAILED and not retry_failed
                 else "wait (being compiled)" if state == states.LOCKED

@@ -6,6 +6,10 @@ never reaches the server and the client parses the error as S3 would have sent i
 fails with that code (for example `SlowDown/3,InternalError/7`). A request that fails is retried
 by `trnflow.aws.call`, the one retry owner for these errors. `TRNFLOW_S3_FAULTS_LOG`, if set,
 names a file that gets a line per injected error, from every process.
+
+The injector is off until `activate()` adds it to `trnflow.aws.CLIENT_HOOKS`. `environment()` gives
+the variables that turn it on in every process a rehearsal starts (workers included): they put
+this package's `site/` folder on PYTHONPATH, whose `sitecustomize` activates it at start-up.
 """
 
 from __future__ import annotations
@@ -13,8 +17,12 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+from pathlib import Path
 from typing import Any
 
+from botocore.awsrequest import AWSResponse
+
+from trnflow import aws
 from trnflow.errors import FatalError
 
 S3_FAULTS_ENV = "TRNFLOW_S3_FAULTS"
@@ -46,8 +54,6 @@ class _Body:
 
 
 def _error_response(code: str, url: str) -> Any:
-    from botocore.awsrequest import AWSResponse
-
     body = (f'<?xml version="1.0" encoding="UTF-8"?>\n<Error><Code>{code}</Code>'
             f"<Message>injected fault: {code}</Message></Error>").encode()
     return AWSResponse(url, STATUS[code], {"Content-Type": "application/xml"}, _Body(body))
@@ -72,3 +78,24 @@ def install(client: Any) -> None:
         return _error_response(code, request.url)
 
     client.meta.events.register("before-send.s3", before_send)
+
+
+def _hook(service: str, client: Any) -> None:
+    if service == "s3":
+        install(client)
+
+
+def activate() -> None:
+    """Inject into every S3 client trnflow makes from now on in this process, while TRNFLOW_S3_FAULTS is set."""
+    if _hook not in aws.CLIENT_HOOKS:
+        aws.CLIENT_HOOKS.append(_hook)
+
+
+SITE = Path(__file__).resolve().parent / "site"
+
+
+def environment(faults: str, log: str | None = None, base: dict[str, str] | None = None) -> dict[str, str]:
+    """The variables that inject `faults` into every process started with them."""
+    base = os.environ if base is None else base
+    path = os.pathsep.join(p for p in (str(SITE), base.get("PYTHONPATH", "")) if p)
+    return {S3_FAULTS_ENV: faults, "PYTHONPATH": path, **({S3_FAULTS_LOG_ENV: log} if log else {})}

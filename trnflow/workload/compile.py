@@ -136,7 +136,7 @@ def run(ctx: WorkerContext) -> dict:
     print(f"INFO ||NEURON_CACHE||: Compile cache path: {cache.url}", flush=True)
     plan, flags = extract(spec, ctx.device), ctx.device.compiler(spec, mode="extract").flags
     prediction = plans.predict([{"program": p.program, "key": p.key, "shapes": p.graph.data_shapes} for p in plan],
-                               cache, retry_failed)
+                               cache, retry_failed, deep=True)
     plans.record(cache, spec, prediction)
     for row in prediction:
         print(f"INFO ||NEURON_CC_WRAPPER||: {row['program']}: {row['key']} is {row['state']}; will {row['will']}",
