@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
-from trnflow.specs import JobSpec
 
+from trnflow.specs import JobSpec
 from trnflow.workload.model import build_model
 
 

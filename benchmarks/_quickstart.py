@@ -7,10 +7,10 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from trnflow.specs import JobSpec, validate_spec
 
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
+from trnflow.specs import JobSpec, validate_spec
 from trnflow.workload.synth import synthesize
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "jobspecs" / "examples" / "quickstart.yaml"

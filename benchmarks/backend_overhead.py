@@ -18,11 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from trnflow.specs import validate_spec
-
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.neuron.launch import launch_command, launch_env
+from trnflow.specs import validate_spec
 from trnflow.workload.synth import synthesize
 
 

@@ -29,11 +29,11 @@ def main() -> None:
         root = Path(tmp)
         scratch_home(root)
         from prefect import flow
-        from trnflow.tasks.compile import compile_graphs
 
         from trnflow.backends import JobRequest, JobState, wait
         from trnflow.backends.local import LocalBackend
         from trnflow.settings import TrnflowSettings
+        from trnflow.tasks.compile import compile_graphs
 
         def spec(cache: str, run: str):
             return quickstart(root, compile={"optlevel": args.optlevel, "cache_url": str(root / cache)},

@@ -20,6 +20,11 @@ import time
 import uuid
 from collections.abc import Iterator
 
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound, PrefectHTTPStatusError
+from prefect.logging import get_run_logger
+
 from trnflow.errors import FatalError
 
 LEASE_SECONDS = 120.0
@@ -31,8 +36,6 @@ log = logging.getLogger("trnflow.lock")
 
 def _logger() -> logging.Logger | logging.LoggerAdapter:
     """The run's logger inside a flow run (the thread copies its context), else this module's."""
-    from prefect.logging import get_run_logger
-
     try:
         return get_run_logger()
     except Exception:
@@ -49,16 +52,11 @@ def _freeing(name: str) -> str:
 
 def ensure_limit(model: str) -> str:
     """Create the model's limit (one slot) if the server has none yet."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
-
     name = limit_name(model)
     with get_client(sync_client=True) as client:
         try:
             client.read_global_concurrency_limit_by_name(name)
         except ObjectNotFound:
-            from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
-
             with contextlib.suppress(ObjectAlreadyExists):  # another run created it meanwhile
                 client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=1))
     return name
@@ -77,8 +75,6 @@ class ModelLock:
         self._thread.start()
 
     def _renew(self) -> None:
-        from prefect.client.orchestration import get_client
-
         # a client of its own, with a short timeout: not the flow engine's, whose calls may wait minutes
         with get_client(sync_client=True, httpx_settings={"timeout": RENEW_EVERY_SECONDS}) as client:
             while not self._stop.wait(RENEW_EVERY_SECONDS) and self.lost is None:
@@ -107,8 +103,6 @@ class ModelLock:
                              "is unchanged and the next run retries the same window")
 
     def release(self) -> None:
-        from prefect.client.orchestration import get_client
-
         self._stop.set()
         self._thread.join(timeout=2 * RENEW_EVERY_SECONDS)
         if self.lost is None:
@@ -122,9 +116,6 @@ class ModelLock:
 
 def _acquire(name: str, timeout_seconds: float | None) -> uuid.UUID:
     """A lease on the limit's one slot, waiting while another run holds it (TimeoutError past the timeout)."""
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import PrefectHTTPStatusError
-
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
     told = False
     with get_client(sync_client=True) as client:

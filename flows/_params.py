@@ -5,7 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from prefect.client.orchestration import get_client
+from prefect.runtime import flow_run
+
 from trnflow.specs import JobSpec, SpecError, load_spec, parse_spec
+from trnflow.storage import open_store
 
 
 def resolve_spec(spec: JobSpec | None, spec_url: str | None) -> JobSpec:
@@ -23,7 +27,6 @@ def resolve_spec(spec: JobSpec | None, spec_url: str | None) -> JobSpec:
         return load_spec(Path(spec_url.removeprefix("file://")))
     if scheme != "s3":
         raise SpecError(spec_url, [f"spec_url: unsupported scheme {scheme!r}; use a path, file:// or s3://"])
-    from trnflow.storage import open_store
 
     base, _, name = spec_url.rpartition("/")
     try:
@@ -35,9 +38,6 @@ def resolve_spec(spec: JobSpec | None, spec_url: str | None) -> JobSpec:
 
 def name_run(spec: JobSpec, what: str) -> str:
     """Rename the current flow run to `<spec name>: <what>`, as the UI and `trnflow runs` list it."""
-    from prefect.client.orchestration import get_client
-    from prefect.runtime import flow_run
-
     name = f"{spec.name}: {what}"
     run_id = flow_run.get_id()
     if run_id:

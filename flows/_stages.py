@@ -5,16 +5,25 @@ from __future__ import annotations
 
 import re
 import time
+import uuid
 from collections.abc import Callable
 from typing import Any
 
+from prefect.runtime import flow_run
 from prefect.states import Failed, State
-from trnflow.specs import JobSpec
-from trnflow.tasks._jobs import jobs_billed
-from trnflow.tasks.retry_policy import retry_options
 
 from trnflow.errors import GateFailed
 from trnflow.reporting.cost import job_cost, total
+from trnflow.reporting.ledger import JobLedger
+from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
+from trnflow.settings import TrnflowSettings
+from trnflow.specs import JobSpec
+from trnflow.tasks import _artifacts
+from trnflow.tasks.collectives import collective_test
+from trnflow.tasks.compile import compile_graphs
+from trnflow.tasks.retry_policy import retry_options
+from trnflow.tasks.sanity import sanity_check
+from trnflow.tasks.train import train_model
 
 STAGE_COLUMNS = {"stage": "stage", "state": "state", "seconds": "seconds", "summary": "key figure"}
 """The `<name>-stages` table artifact's columns, by the stage row field each shows."""
@@ -38,15 +47,17 @@ class StageRunner:
         self.rows: list[dict[str, Any]] = []
         self.results: dict[str, Any] = {}
         self.costs: list[dict[str, Any]] = []
+        self.ledger = JobLedger(TrnflowSettings().home, run_id)
+        self.ledger.new_entries()  # jobs of an earlier flow run with this id were costed by that run
         self._options = retry_options(spec)
 
     def __call__(self, name: str, task, *args, **kwargs) -> dict:
         began = time.monotonic()
         state = task.with_options(**self._options)(self.spec, self.run_id, *args, return_state=True, **kwargs)
         seconds = time.monotonic() - began
-        billed = jobs_billed(self.run_id)  # every job the stage ran, its retries' included
+        billed = self.ledger.new_entries()  # every job the stage ran, its retries' included
         if billed:
-            self.costs.append(job_cost(self.spec, name, sum(billed), jobs=len(billed)))
+            self.costs.append(job_cost(self.spec, name, sum(e.seconds for e in billed), jobs=len(billed)))
         if state.is_completed():
             result = state.result()
             label = "Skipped" if state.name == "Skipped" else "Completed"
@@ -65,10 +76,6 @@ class StageRunner:
     def report(self, stages: tuple[str, ...] = ()) -> None:
         """Attach the run's summary to the flow run: the stage table, the cost table and links to
         what it wrote. Called however the run ended; a failure to publish is only logged."""
-        from trnflow.tasks import _artifacts
-
-        from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
-
         title = f"{self.spec.name} run {self.run_id}"
         stages = stages or tuple(r["stage"] for r in self.rows)
         text = stage_summary(title, self.rows, stages)
@@ -105,11 +112,6 @@ def run_stages(stage: StageRunner, body: Callable[[StageRunner], dict[str, Any]]
 def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[int], dict[str, Any]]:
     """Sanity, collectives, compile and train: the cores verified and the training result. When
     training found no new data, the `later` stages are recorded as skipped."""
-    from trnflow.tasks.collectives import collective_test
-    from trnflow.tasks.compile import compile_graphs
-    from trnflow.tasks.sanity import sanity_check
-    from trnflow.tasks.train import train_model
-
     cores = stage("sanity", sanity_check)["cores"]
     stage("collectives", collective_test, cores)
     stage("compile", compile_graphs, cores)
@@ -121,10 +123,6 @@ def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[i
 
 
 def new_run_id() -> str:
-    import uuid
-
-    from prefect.runtime import flow_run
-
     flow_run_id = flow_run.get_id()
     suffix = str(flow_run_id)[:8] if flow_run_id else uuid.uuid4().hex[:8]
     return f"{time.strftime('%Y%m%dT%H%M%S')}-{suffix}"

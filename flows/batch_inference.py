@@ -7,13 +7,13 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
-from trnflow.flows._params import name_run, resolve_spec
-from trnflow.flows._stages import StageRunner, new_run_id
-from trnflow.specs import JobSpec
-from trnflow.tasks.infer import batch_infer
 
 from trnflow.errors import FatalError
+from trnflow.flows._params import name_run, resolve_spec
+from trnflow.flows._stages import StageRunner, new_run_id
 from trnflow.lifecycle.registry import Registry
+from trnflow.specs import JobSpec
+from trnflow.tasks.infer import batch_infer
 
 STAGES = ("infer",)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from prefect import flow
+
 from trnflow.flows._params import name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id
 from trnflow.specs import JobSpec

@@ -11,6 +11,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from prefect import serve
+from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.schedules import Cron
+
+from trnflow.flows.batch_inference import batch_inference
+from trnflow.flows.compile import compile_cache
+from trnflow.flows.incremental_retrain import incremental_retrain
+from trnflow.flows.pipeline import pipeline
+from trnflow.flows.preflight import preflight
 from trnflow.specs import JobSpec
 
 WORK_POOL = "trnflow"
@@ -86,14 +95,6 @@ def prefect_yaml(spec: JobSpec, spec_url: str) -> dict[str, Any]:
 
 def runner_deployments(spec: JobSpec, spec_url: str) -> list[Any]:
     """The same deployments as Prefect runner deployments, for `prefect.serve`."""
-    from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
-    from prefect.schedules import Cron
-    from trnflow.flows.batch_inference import batch_inference
-    from trnflow.flows.compile import compile_cache
-    from trnflow.flows.incremental_retrain import incremental_retrain
-    from trnflow.flows.pipeline import pipeline
-    from trnflow.flows.preflight import preflight
-
     flows = {"trnflow-pipeline": pipeline, "trnflow-preflight": preflight, "trnflow-compile": compile_cache,
              "trnflow-incremental-retrain": incremental_retrain, "trnflow-batch-inference": batch_inference}
     out = []
@@ -110,7 +111,5 @@ def runner_deployments(spec: JobSpec, spec_url: str) -> list[Any]:
 
 def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None) -> None:
     """Serve every flow's deployment for each (spec, spec_url) from this process until stopped."""
-    from prefect import serve
-
     serve(*[d for spec, url in specs for d in runner_deployments(spec, url)], limit=limit,
           print_starting_message=False)

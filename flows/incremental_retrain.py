@@ -19,16 +19,16 @@ from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.states import Completed, State
+
 from trnflow.flows._lock import ModelLock, model_lock
 from trnflow.flows._params import name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id, run_stages, through_training
+from trnflow.lifecycle.registry import Registry
 from trnflow.specs import JobSpec, SpecError
+from trnflow.storage.datafiles import new_partitions
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
 from trnflow.tasks.promote import promote_champion, publish_embeddings
-
-from trnflow.lifecycle.registry import Registry
-from trnflow.storage.datafiles import new_partitions
 
 STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote")
 

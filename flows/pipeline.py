@@ -12,6 +12,7 @@ from typing import Any
 
 from prefect import flow
 from prefect.states import State
+
 from trnflow.flows._params import name_run, resolve_spec, window
 from trnflow.flows._stages import PipelineFailed, StageRunner, new_run_id, run_stages, through_training
 from trnflow.specs import JobSpec

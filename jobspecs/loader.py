@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 from pydantic import ValidationError
+
 from trnflow.specs.spec import JobSpec
 
 

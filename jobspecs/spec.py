@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+
 from trnflow.specs.instances import CATALOGUE, TRAINING_TYPES, instance
 
 

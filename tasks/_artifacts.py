@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 from prefect import artifacts, get_run_logger
+
 from trnflow.specs import JobSpec
 
 

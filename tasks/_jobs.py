@@ -3,16 +3,16 @@ failed job into the error class that decides whether Prefect retries it."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from prefect import get_run_logger
-from trnflow.specs import JobSpec
 
 from trnflow.backends import JobInfo, JobRequest, JobState, backend_for, run_to_end
 from trnflow.errors import ERROR_TYPES, FatalError, TransientError, TrnflowError
 from trnflow.redact import Redactor
+from trnflow.reporting.ledger import JobLedger, LedgerEntry
 from trnflow.settings import TrnflowSettings
+from trnflow.specs import JobSpec
 
 
 def classify(info: JobInfo) -> TrnflowError:
@@ -28,17 +28,6 @@ def classify(info: JobInfo) -> TrnflowError:
     if failure.get("retryable"):
         return TransientError(text, bad_cores=bad_cores)
     return FatalError(text, bad_cores=bad_cores)
-
-
-_billed: dict[str, list[float]] = {}
-_billed_lock = threading.Lock()
-
-
-def jobs_billed(run_id: str) -> list[float]:
-    """The billable seconds of every job `run_job` ran for `run_id` since the last call, failed
-    ones included (a job that never started bills nothing): what a stage's attempts cost."""
-    with _billed_lock:
-        return _billed.pop(run_id, [])
 
 
 def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = None,
@@ -69,8 +58,8 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
         raise
     except Exception as exc:  # the backend itself failed: say so; the error class decides on retries
         raise FatalError(f"{phase}: the {backend.name} backend failed: {exc}") from exc
-    with _billed_lock:
-        _billed.setdefault(run_id, []).append(info.details.get("seconds") or 0.0)
+    JobLedger(settings.home, run_id).record(LedgerEntry(phase, info.job_id, str(info.state),
+                                                        info.details.get("seconds") or 0.0))
     if info.state is JobState.SUCCEEDED and info.result is not None:
         return {**info.result, "cores": info.details.get("cores")}
     raise classify(info)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from trnflow.specs import JobSpec, PreflightSpec
-from trnflow.tasks import _artifacts
-from trnflow.tasks._jobs import run_job
 
 from trnflow.errors import FatalError
 from trnflow.reporting.report import collectives_markdown
+from trnflow.specs import JobSpec, PreflightSpec
+from trnflow.tasks import _artifacts
+from trnflow.tasks._jobs import run_job
 
 
 @task(name="collectives", cache_policy=NO_CACHE)

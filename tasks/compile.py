@@ -6,13 +6,13 @@ from typing import Any
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from trnflow.specs import JobSpec
-from trnflow.tasks import _artifacts
-from trnflow.tasks._jobs import run_job
 
 from trnflow.device import plans
 from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name
 from trnflow.reporting.report import compile_markdown
+from trnflow.specs import JobSpec
+from trnflow.tasks import _artifacts
+from trnflow.tasks._jobs import run_job
 
 
 @task(name="compile", cache_policy=NO_CACHE)

@@ -16,15 +16,15 @@ import json
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from trnflow.specs import JobSpec
-from trnflow.tasks import _artifacts
-from trnflow.tasks._jobs import recompile_note, run_job
 
 from trnflow.errors import FatalError, GateFailed
 from trnflow.lifecycle.gate import compare, no_regression, parse_metrics, read_series
 from trnflow.lifecycle.registry import Registry
 from trnflow.reporting.chart import parity_png, verdict_markdown
+from trnflow.specs import JobSpec
 from trnflow.storage import open_store
+from trnflow.tasks import _artifacts
+from trnflow.tasks._jobs import recompile_note, run_job
 
 
 def _reference(spec: JobSpec, registry: Registry | None) -> tuple[dict | None, str]:

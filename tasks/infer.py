@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
+
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import recompile_note, run_job
-
 from trnflow.workload.embeddings import staging_url
 
 

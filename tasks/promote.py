@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
-from trnflow.specs import JobSpec
-from trnflow.tasks import _artifacts
 
 from trnflow.lifecycle.registry import Registry
+from trnflow.specs import JobSpec
 from trnflow.storage import join
+from trnflow.tasks import _artifacts
 from trnflow.workload.embeddings import MANIFEST, publish, staging_url
 
 

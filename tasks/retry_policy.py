@@ -6,9 +6,9 @@ from __future__ import annotations
 from typing import Any
 
 from prefect.tasks import exponential_backoff
-from trnflow.specs import JobSpec
 
 from trnflow.errors import TransientError
+from trnflow.specs import JobSpec
 
 
 def only_transient(task: Any, task_run: Any, state: Any) -> bool:

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from trnflow.specs import JobSpec
-from trnflow.tasks import _artifacts
-from trnflow.tasks._jobs import run_job
 
 from trnflow.errors import FatalError, TrnflowError
 from trnflow.reporting.report import sanity_markdown
+from trnflow.specs import JobSpec
+from trnflow.tasks import _artifacts
+from trnflow.tasks._jobs import run_job
 from trnflow.workload.memory import estimate
 
 

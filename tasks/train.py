@@ -11,14 +11,14 @@ import json
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
-from trnflow.specs import JobSpec
-from trnflow.tasks import _artifacts
-from trnflow.tasks._jobs import recompile_note, run_job
 
 from trnflow.errors import HardwareError
 from trnflow.fsutil import atomic_write_json
 from trnflow.reporting.chart import training_png
 from trnflow.settings import TrnflowSettings
+from trnflow.specs import JobSpec
+from trnflow.tasks import _artifacts
+from trnflow.tasks._jobs import recompile_note, run_job
 
 
 def _bad_cores_file(run_id: str):

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from trnflow.specs import JobSpec, validate_spec
 
+from trnflow.specs import JobSpec, validate_spec
 from trnflow.workload.synth import synthesize
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -25,7 +25,6 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
-from trnflow.specs import DataSpec, ModelSpec, SpecError
 from typer.testing import CliRunner
 
 import trnflow.backends
@@ -35,6 +34,7 @@ from trnflow.cli.app import app
 from trnflow.device.cache import COMPILER_VERSION, CompileCache
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.errors import ERROR_TYPES, TrnflowError
+from trnflow.specs import DataSpec, ModelSpec, SpecError
 from trnflow.storage.datafiles import data_files
 from trnflow.workload.__main__ import main as workload_main
 from trnflow.workload.checkpoint import MARKER, RunCheckpoints, load, load_model_weights

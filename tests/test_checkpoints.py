@@ -9,9 +9,9 @@ import textwrap
 
 import pytest
 import torch
-from trnflow.specs import ModelSpec
 
 from trnflow.errors import FatalError
+from trnflow.specs import ModelSpec
 from trnflow.storage import LocalStore
 from trnflow.workload.checkpoint import MARKER, RunCheckpoints, load, load_model_weights
 from trnflow.workload.model import build_model

@@ -10,11 +10,11 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
-from trnflow.flows.pipeline import STAGES, pipeline
 
 from tests.conftest import quickstart_data
 from trnflow.backends import JobRequest
 from trnflow.backends.service_status import batch_failure, sagemaker_failure
+from trnflow.flows.pipeline import STAGES, pipeline
 from trnflow.testing.mockcloud import MockCloud, ServiceFault
 from trnflow.testing.mockcloud.provision import provision
 

@@ -5,7 +5,6 @@ import json
 from pathlib import Path
 
 import pytest
-from trnflow.specs import validate_spec
 
 from tests.conftest import quickstart_data
 from trnflow.backends import JobRequest
@@ -14,6 +13,7 @@ from trnflow.backends.cloud import CloudTarget
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.container import batch_rendezvous, sagemaker_rendezvous, torchrun_argv
 from trnflow.errors import FatalError
+from trnflow.specs import validate_spec
 
 TARGET = CloudTarget(image="123456789012.dkr.ecr.us-east-1.amazonaws.com/trnflow:0.1.0",
                      staging_url="s3://acme-staging/trnflow", role_arn="arn:aws:iam::123456789012:role/trnflow-sm",

@@ -3,11 +3,11 @@
 import io
 
 from rich.console import Console
-from trnflow.specs import validate_spec
 
 from tests.conftest import quickstart_data
 from trnflow.cli.render import cost_table
 from trnflow.reporting.cost import job_cost, price_per_hour, total
+from trnflow.specs import validate_spec
 
 
 def test_a_job_costs_its_billable_time_on_every_node_at_the_hourly_price():
@@ -40,3 +40,20 @@ def test_a_stage_that_ran_its_job_twice_costs_both_and_says_so():
     assert row["jobs"] == 2 and row["cost_usd"] == round(21.50 * 2400 / 3600, 4)
     assert "| train | trn1.32xlarge | 1 | 2 | 21.5 | 2400.0 | 14.3333 |" in cost_markdown({"rows": [row],
                                                                                         "total_usd": row["cost_usd"]})
+
+
+def test_the_ledger_hands_each_job_to_its_reader_once_whoever_wrote_it(tmp_path):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trnflow.reporting.ledger import JobLedger, LedgerEntry
+
+    reader = JobLedger(tmp_path, "run-1")
+    assert reader.new_entries() == []
+    with ThreadPoolExecutor(4) as pool:  # tasks run in threads: every writer opens the ledger itself
+        list(pool.map(lambda i: JobLedger(tmp_path, "run-1").record(LedgerEntry("train", f"j{i}", "FAILED", 1.5)),
+                      range(8)))
+    first = reader.new_entries()
+    assert sorted(e.job_id for e in first) == [f"j{i}" for i in range(8)] and sum(e.seconds for e in first) == 12.0
+    JobLedger(tmp_path, "run-1").record(LedgerEntry("train", "j8", "SUCCEEDED", 2.0))
+    assert reader.new_entries() == [LedgerEntry("train", "j8", "SUCCEEDED", 2.0)]
+    assert reader.new_entries() == [] and JobLedger(tmp_path, "run-2").new_entries() == []

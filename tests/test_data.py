@@ -7,9 +7,9 @@ import sys
 import boto3
 import pytest
 import torch
-from trnflow.specs import DataSpec
 
 from trnflow.errors import DataError, FatalError
+from trnflow.specs import DataSpec
 from trnflow.storage.datafiles import data_files, new_partitions, partitions, since_watermark
 from trnflow.workload.data import StepSampler, read_labelled, read_unlabelled
 from trnflow.workload.synth import synthesize

@@ -8,7 +8,6 @@ import sys
 import pytest
 import yaml
 from rich.console import Console
-from trnflow.flows._stages import PipelineFailed
 from typer.testing import CliRunner
 
 from trnflow.backends import JobRequest, JobState, wait
@@ -17,6 +16,7 @@ from trnflow.cli import render
 from trnflow.cli.app import app
 from trnflow.emulator.faults import parse
 from trnflow.errors import FatalError
+from trnflow.flows._stages import PipelineFailed
 from trnflow.settings import TrnflowSettings
 from trnflow.workload.collectives import bus_factor
 

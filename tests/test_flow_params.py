@@ -2,11 +2,11 @@
 
 import pytest
 import yaml
-from trnflow.flows._params import resolve_spec
-from trnflow.specs import SpecError
 
 from tests.conftest import EXAMPLES
+from trnflow.flows._params import resolve_spec
 from trnflow.redact import MASK, Redactor, secret_values
+from trnflow.specs import SpecError
 
 QUICKSTART = EXAMPLES / "quickstart.yaml"
 

@@ -2,9 +2,8 @@
 
 import json
 
-from trnflow.tasks.evaluate import _register, _up_to
-
 from trnflow.lifecycle.registry import Registry
+from trnflow.tasks.evaluate import _register, _up_to
 
 
 def test_a_rerun_of_the_same_run_reuses_its_version_and_does_not_promote_again(make_spec, tmp_path):

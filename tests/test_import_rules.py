@@ -190,3 +190,4 @@ def test_the_sagemaker_sdk_is_imported_only_where_jobs_are_sent_and_only_lazily(
 def test_every_room_says_what_it_owns(package):
     doc = ast.get_docstring(ast.parse(MODULES[package].read_text())) or ""
     assert len(doc) > 80 and "TODO" not in doc, f"{package} needs a docstring saying what it owns and may import"
+

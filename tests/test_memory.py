@@ -1,12 +1,12 @@
 """The device-memory budget: estimated before launch, refused when it cannot fit, measured in a run."""
 
 import pytest
-from trnflow.specs import ModelSpec
 
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.errors import FatalError
 from trnflow.settings import TrnflowSettings
+from trnflow.specs import ModelSpec
 from trnflow.workload.memory import check_fits, estimate, parameter_count
 from trnflow.workload.model import build_model
 

@@ -4,9 +4,9 @@ import json
 
 import pyarrow.parquet as pq
 import pytest
-from trnflow.flows.pipeline import STAGES, PipelineFailed, pipeline
 
 from trnflow.errors import GateFailed
+from trnflow.flows.pipeline import STAGES, PipelineFailed, pipeline
 from trnflow.lifecycle.gate import metrics_document
 from trnflow.lifecycle.reference import run_reference
 from trnflow.lifecycle.registry import Registry
@@ -119,6 +119,7 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
 
     # the next run's compile stage hits the cache for every program and compiles nothing
     from prefect import flow
+
     from trnflow.tasks.compile import compile_graphs
 
     @flow
@@ -163,6 +164,7 @@ def _task_run_counts(flow_run_id) -> dict:
 def _evaluate_once(spec, checkpoint):
     """The evaluate stage alone, as the pipeline calls it (with the spec's retry policy)."""
     from prefect import flow
+
     from trnflow.tasks.evaluate import evaluate_gate
     from trnflow.tasks.retry_policy import retry_options
 
@@ -177,9 +179,8 @@ def _evaluate_once(spec, checkpoint):
 @pytest.fixture(scope="module")
 def reference_checkpoint(prefect_api, dataset, tmp_path_factory, compile_cache, trnflow_home):
     """One trained fp32 checkpoint (the reference run's), shared by the evaluate-stage tests."""
-    from trnflow.specs import validate_spec
-
     from tests.conftest import quickstart_data
+    from trnflow.specs import validate_spec
 
     root = tmp_path_factory.mktemp("evaluate")
     spec = validate_spec(quickstart_data(

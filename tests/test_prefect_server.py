@@ -228,6 +228,7 @@ def test_a_second_retraining_run_waits_for_the_first_to_end(served):
     the first submitted run waits for the lock, holding the deployment's one slot, and the
     second waits for that slot, so the two never run at once and both complete in turn."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
+
     from trnflow.flows._lock import model_lock
 
     env, path, _ = served

@@ -6,10 +6,10 @@ import datetime as dt
 import shutil
 
 import pytest
+
 from trnflow.flows._lock import model_lock
 from trnflow.flows._stages import PipelineFailed
 from trnflow.flows.incremental_retrain import STAGES, incremental_retrain
-
 from trnflow.lifecycle.registry import Registry
 from trnflow.storage import local_path
 from trnflow.workload.embeddings import MANIFEST, STAGING, manifest
@@ -136,9 +136,9 @@ def test_a_lost_lease_is_noticed_and_stops_promotion(prefect_api, monkeypatch):
     import time
 
     from prefect.client.orchestration import get_client
-    from trnflow.flows import _lock
 
     from trnflow.errors import FatalError
+    from trnflow.flows import _lock
 
     monkeypatch.setattr(_lock, "RENEW_EVERY_SECONDS", 0.2)
     with model_lock("leased", timeout_seconds=10) as held:

@@ -1,9 +1,9 @@
 """Only transient failures are retried, by Prefect, with the spec's policy."""
 
 from prefect import flow, task
-from trnflow.tasks.retry_policy import retry_options
 
 from trnflow.errors import FatalError, GateFailed, TransientError
+from trnflow.tasks.retry_policy import retry_options
 
 
 def _flaky_flow(spec, error: Exception, failures: int):
@@ -43,10 +43,9 @@ def test_fatal_errors_and_failed_gates_are_never_retried(prefect_api, make_spec)
 
 
 def test_job_failures_map_onto_the_error_classes():
-    from trnflow.tasks._jobs import classify
-
     from trnflow.backends import JobInfo, JobState
     from trnflow.errors import CollectiveTimeout, DataError
+    from trnflow.tasks._jobs import classify
 
     def failed(**failure):
         return classify(JobInfo("j1", JobState.FAILED, failure=failure))

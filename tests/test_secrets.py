@@ -5,17 +5,17 @@ import json
 
 import pytest
 from prefect import flow
-from trnflow.flows._stages import StageRunner, run_stages
-from trnflow.specs import SpecError, validate_spec
-from trnflow.tasks.train import train_model
 
 from tests.conftest import quickstart_data
 from trnflow.backends import JobRequest
 from trnflow.backends.batch_request import build_job_definition, build_submit_job
 from trnflow.backends.cloud import CloudTarget
 from trnflow.backends.sagemaker_request import build_training_job_request
+from trnflow.flows._stages import StageRunner, run_stages
 from trnflow.redact import MASK
 from trnflow.settings import TrnflowSettings
+from trnflow.specs import SpecError, validate_spec
+from trnflow.tasks.train import train_model
 
 CANARY = "cnry-7d1e0c5b9a"
 SECRETS = {"AWS_SECRET_ACCESS_KEY": f"{CANARY}-aws", "AWS_SESSION_TOKEN": f"{CANARY}-session",

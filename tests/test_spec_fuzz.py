@@ -6,9 +6,9 @@ import copy
 import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from trnflow.specs import JobSpec, SpecError, parse_spec, validate_spec
 
 from tests.conftest import EXAMPLES
+from trnflow.specs import JobSpec, SpecError, parse_spec, validate_spec
 
 QUICKSTART = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])

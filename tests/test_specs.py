@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from trnflow.specs import JobSpec, SpecError, load_spec, validate_spec
 
 from tests.conftest import EXAMPLES, quickstart_data
+from trnflow.specs import JobSpec, SpecError, load_spec, validate_spec
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)

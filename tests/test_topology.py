@@ -1,7 +1,6 @@
+from trnflow.neuron.topology import neuron_ls, torus_neighbours
 from trnflow.specs import CATALOGUE, instance
 from trnflow.specs.instances import GIB
-
-from trnflow.neuron.topology import neuron_ls, torus_neighbours
 
 
 def test_trn1_32xlarge_has_16_devices_of_2_cores_and_32_gib():

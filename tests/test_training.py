@@ -4,12 +4,12 @@ import shutil
 
 import pytest
 import torch
-from trnflow.specs import JobSpec
 
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.lifecycle.registry import Registry
 from trnflow.settings import TrnflowSettings
+from trnflow.specs import JobSpec
 from trnflow.storage import local_path
 from trnflow.workload.checkpoint import load
 from trnflow.workload.model import build_model

@@ -1,11 +1,11 @@
 """The workload's pieces, each checked on its own, in-process."""
 
 import torch
-from trnflow.specs import ModelSpec
 
 from trnflow.emulator import compiler
 from trnflow.emulator.numerics import stochastic_round_bf16_
 from trnflow.neuron.launch import parse_visible_cores
+from trnflow.specs import ModelSpec
 from trnflow.workload.collectives import bus_factor
 from trnflow.workload.data import StepSampler
 from trnflow.workload.model import build_model

@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Callable
 from typing import Any, TypeVar
+from urllib.parse import urlparse
 
 from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_exponential_jitter
 
@@ -32,8 +33,6 @@ product; a rehearsal adds its fault injector here (see trnflow.testing.s3faults)
 
 def emulated() -> bool:
     """Whether AWS_ENDPOINT_URL points at a local emulator (a moto server on this machine)."""
-    from urllib.parse import urlparse
-
     return urlparse(os.environ.get("AWS_ENDPOINT_URL", "")).hostname in ("127.0.0.1", "localhost", "::1")
 
 
@@ -41,7 +40,7 @@ def session() -> Any:
     """A boto3 session. Pointed at a local AWS emulator (`AWS_ENDPOINT_URL` on 127.0.0.1) with no
     credentials or region configured, it uses placeholder ones: the emulator checks neither, and
     nothing can leave the machine with them."""
-    import boto3
+    import boto3  # ~0.3 s to import: only what talks to AWS pays for it
 
     base = boto3.session.Session()
     if not emulated():
@@ -55,7 +54,7 @@ def session() -> Any:
 
 
 def client(service: str, endpoint_url: str | None = None, boto_session: Any = None) -> Any:
-    from botocore.config import Config
+    from botocore.config import Config  # botocore loads with boto3, lazily (see session)
 
     config = Config(retries={"total_max_attempts": 1}, connect_timeout=10, read_timeout=60)
     made = (boto_session or session()).client(service, endpoint_url=endpoint_url, config=config)
@@ -66,7 +65,7 @@ def client(service: str, endpoint_url: str | None = None, boto_session: Any = No
 
 def is_retryable(exc: BaseException) -> bool:
     """Throttling, a 5xx answer or a connection that failed: worth another try."""
-    from botocore.exceptions import ClientError, ConnectionError, ReadTimeoutError
+    from botocore.exceptions import ClientError, ConnectionError, ReadTimeoutError  # lazily, as boto3
 
     if isinstance(exc, ConnectionError | ReadTimeoutError):
         return True

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from trnflow.backends.failures import read_reports, root_failure
 from trnflow.errors import ExitCode, FatalError
+from trnflow.storage import open_store
 
 BATCH_MASTER_PORT = 41000
 """torchrun's rendezvous port between Batch nodes (the port the Neuron Batch samples use)."""
@@ -98,7 +99,6 @@ def _fetch_spec(env: dict[str, str], into: Path) -> Path:
     channel = Path(env.get("SM_CHANNEL_SPEC", opt_ml(env) / "input" / "data" / "spec"))
     if (channel / "spec.json").is_file():
         return channel / "spec.json"
-    from trnflow.storage import open_store
 
     base, _, name = env["TRNFLOW_SPEC_URL"].rpartition("/")
     into.mkdir(parents=True, exist_ok=True)
@@ -119,7 +119,6 @@ def _report(env: dict[str, str], service: str, r: Rendezvous, failure: dict | No
         return
     if not env.get("TRNFLOW_RESULT_URL"):
         return
-    from trnflow.storage import open_store
 
     job_id = env.get("AWS_BATCH_JOB_ID", "job").split("#")[0]
     store = open_store(f"{env['TRNFLOW_RESULT_URL'].rstrip('/')}/{job_id}")

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import torch
-from trnflow.specs import JobSpec
 
 from trnflow.lifecycle.registry import Registry
+from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 from trnflow.workload.checkpoint import RunCheckpoints, load
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
-from trnflow.specs import JobSpec, validate_spec
 
+from trnflow.specs import JobSpec, validate_spec
 from trnflow.workload.synth import synthesize
 
 ROOT = Path(__file__).resolve().parents[2]

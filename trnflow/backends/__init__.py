@@ -21,15 +21,15 @@ def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None) -> Backe
     """The backend named by `spec.compute.backend`: the one place that chooses."""
     settings = settings or TrnflowSettings()
     if spec.compute.backend == "local":
-        from trnflow.backends.local import LocalBackend
+        from trnflow.backends.local import LocalBackend  # loads torch (the device): only local runs need it
 
         return LocalBackend(settings.jobs_dir)
     if spec.compute.backend == "sagemaker":
-        from trnflow.backends.sagemaker import SageMakerBackend
+        from trnflow.backends.sagemaker import SageMakerBackend  # boto3 and the SDK glue: cloud runs only
 
         return SageMakerBackend(cloud_target(settings, "sagemaker"))
     if spec.compute.backend == "batch":
-        from trnflow.backends.batch import BatchBackend
+        from trnflow.backends.batch import BatchBackend  # boto3: cloud runs only
 
         return BatchBackend(cloud_target(settings, "batch"))
     raise FatalError(f"compute.backend {spec.compute.backend!r} is unknown; use local, sagemaker or batch")

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from trnflow import aws
+from trnflow.backends import sagemaker_trainer
 from trnflow.backends.base import JobInfo, JobRequest, JobState
 from trnflow.backends.cloud import CloudTarget, stage_spec
 from trnflow.backends.cloudwatch import StreamReader, streams
@@ -42,7 +43,6 @@ class SageMakerBackend:
     def submit(self, request: JobRequest) -> str:
         if request.spec is None:
             raise FatalError(f"the {request.phase} phase needs a job spec to run on SageMaker")
-        from trnflow.backends import sagemaker_trainer
 
         body = build_training_job_request(request, self.target)
         stage_spec(self.target, request)

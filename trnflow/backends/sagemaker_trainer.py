@@ -6,13 +6,17 @@ The SDK is imported here only, when a job is submitted: importing it takes about
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+from trnflow import aws
 
 TELEMETRY_OFF = {"SchemaVersion": "1.0", "SageMaker": {"PythonSDK": {"Modules": {"TelemetryOptOut": True}}}}
 """The SDK reports usage from a background thread unless told not to; trnflow tells it not to."""
 
 
 def _channel(body: dict[str, Any]) -> Any:
+    # The SageMaker SDK takes ~3 s and 200 MB to import: only a SageMaker submission loads it.
     from sagemaker.core.shapes import Channel, DataSource, S3DataSource
 
     s3 = body["DataSource"]["S3DataSource"]
@@ -23,6 +27,7 @@ def _channel(body: dict[str, Any]) -> Any:
 
 def model_trainer(body: dict[str, Any], boto_session: Any, default_bucket: str) -> Any:
     """A ModelTrainer that sends `body` (its `TrainingJobName` is the base of the unique name)."""
+    # The SageMaker SDK takes ~3 s and 200 MB to import: only a SageMaker submission loads it.
     from sagemaker.core.helper.session_helper import Session
     from sagemaker.core.training.configs import (
         CheckpointConfig,
@@ -58,10 +63,6 @@ def model_trainer(body: dict[str, Any], boto_session: Any, default_bucket: str) 
 
 def submit(body: dict[str, Any], boto_session: Any, default_bucket: str) -> str:
     """Send the job; returns the training job's name (the base name plus a timestamp)."""
-    import os
-
-    from trnflow import aws
-
     if aws.emulated():  # the SDK checks the role with iam:SimulatePrincipalPolicy, which moto lacks
         os.environ["SAGEMAKER_VALIDATE_ROLE"] = "false"
     trainer = model_trainer(body, boto_session, default_bucket)

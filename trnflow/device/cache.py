@@ -17,11 +17,14 @@ loaded. Entries are named `<compiler version>/<key>` in this module's functions.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import os
 import socket
+import tarfile
 import time
 import uuid
+import zlib
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -38,10 +41,6 @@ STALE_LOCK_SECONDS = 24 * 3600.0
 
 def _not_an_archive(data: bytes) -> str | None:
     """Why an artifact is not a readable gzipped tar, or None when it is."""
-    import io
-    import tarfile
-    import zlib
-
     try:
         with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
             archive.getmembers()

@@ -96,10 +96,12 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, flags: dict, keep_grap
     TORCHINDUCTOR_CACHE_DIR (kernels and built objects); O1 writes its lowered forward and backward
     graphs to `keep_graphs` when given."""
     if flags["backend"] == "inductor":
+        # Inductor and AOT autograd take seconds to import: only a process that lowers a graph loads them.
         from torch._inductor import list_mode_options
         from torch._inductor.compile_fx import compile_fx
 
         return compile_fx(gm, example_inputs, config_patches=list_mode_options(flags["mode"]))
+    # AOT autograd takes seconds to import: only a process that lowers a graph loads it.
     from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
 

@@ -44,7 +44,7 @@ class S3Store:
         """A conditional put (If-None-Match). When a retried put is refused because the object
         exists, an earlier attempt may have landed and lost only its answer (a 5xx after the write):
         the object is then this caller's if it holds exactly `data`, which callers make unique."""
-        from botocore.exceptions import ClientError
+        from botocore.exceptions import ClientError  # lazily, as trnflow.aws loads boto3
 
         attempts = 0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import importlib
 import json
 import os
 import re
@@ -45,7 +46,6 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def _dispatch(args: argparse.Namespace, ctx) -> dict:
     """Run the phase; only its own module is imported, since each import costs every worker's start."""
-    import importlib
 
     if args.phase in ("evaluate", "infer") and not args.checkpoint:
         raise TrnflowError(f"{args.phase} needs --checkpoint")
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse(argv)
     output = args.output or Path(os.environ.get("SM_OUTPUT_DATA_DIR", "output"))
     rank = int(os.environ.get("RANK", "0"))
-    from trnflow.workload.context import init_worker, shutdown
+    from trnflow.workload.context import init_worker, shutdown  # torch: after the arguments are checked
 
     try:
         spec = _spec(args.spec) if args.spec else None

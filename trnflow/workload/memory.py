@@ -17,14 +17,13 @@ import torch
 
 from trnflow.errors import FatalError
 from trnflow.specs import JobSpec, ModelSpec, instance
+from trnflow.workload.model import TextEncoderClassifier
 
 GIB = 1024**3
 
 
 def parameter_count(cfg: ModelSpec) -> int:
     """Exact, without allocating: the model is built on the meta device."""
-    from trnflow.workload.model import TextEncoderClassifier
-
     with torch.device("meta"):
         model = TextEncoderClassifier(cfg)
     return sum(p.numel() for p in model.parameters())

@@ -35,7 +35,7 @@ TRIAL_STEPS = 2
 @contextlib.contextmanager
 def _compiler_errors() -> Iterator[None]:
     """Dynamo wraps what a backend raises; our own errors (a recompilation refused) come out as themselves."""
-    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._dynamo.exc import BackendCompilerFailed  # TorchDynamo costs ~1.6 s: only compiling phases load it
 
     try:
         yield

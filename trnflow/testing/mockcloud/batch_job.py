@@ -9,6 +9,8 @@ import time
 from datetime import datetime
 from typing import Any
 
+from moto.batch.models import JobStatus
+
 from trnflow.backends.batch_request import exit_action
 from trnflow.emulator.cores import RT_DIR_ENV
 from trnflow.neuron.launch import INSTANCE_CORES_ENV
@@ -25,8 +27,6 @@ def _millis(moment: float) -> int:
 
 class BatchJob:
     def __init__(self, cloud: Any, job: Any, body: dict[str, Any]):
-        from moto.batch.models import JobStatus
-
         self.cloud, self.job, self.body = cloud, job, body
         self.status = JobStatus
         props = job.job_definition.node_properties or {}

@@ -20,6 +20,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import boto3
+from moto.batch.responses import BatchResponse
+from moto.core.config import default_user_config
+from moto.core.responses import ActionResult
+from moto.sagemaker.responses import SageMakerResponse
+
+from trnflow import aws
+from trnflow.testing.mockcloud.batch_job import BatchJob
+from trnflow.testing.mockcloud.sagemaker_job import SageMakerJob
+
 
 @dataclass
 class ServiceFault:
@@ -55,10 +65,6 @@ class MockCloud:
 
     def client(self, service: str) -> Any:
         """A client of the emulated AWS, as the containers reach it."""
-        import boto3
-
-        from trnflow import aws
-
         session = boto3.session.Session(aws_access_key_id="testing", aws_secret_access_key="testing",  # noqa: S106
                                         region_name=self.region)
         return aws.client(service, endpoint_url=self.endpoint_url, boto_session=session)
@@ -93,13 +99,6 @@ class MockCloud:
         setattr(cls, name, fn)
 
     def attach(self) -> MockCloud:
-        from moto.batch.responses import BatchResponse
-        from moto.core.config import default_user_config
-        from moto.sagemaker.responses import SageMakerResponse
-
-        from trnflow.testing.mockcloud.batch_job import BatchJob
-        from trnflow.testing.mockcloud.sagemaker_job import SageMakerJob
-
         default_user_config["batch"] = {**default_user_config.get("batch", {}), "use_docker": False}
         cloud = self
         create_training_job, submit_job = SageMakerResponse.create_training_job, BatchResponse.submitjob
@@ -113,8 +112,6 @@ class MockCloud:
             return answer
 
         def on_stop_training_job(response: Any) -> Any:
-            from moto.core.responses import ActionResult
-
             name = json.loads(response.body)["TrainingJobName"]
             response.sagemaker_backend.describe_training_job(name)  # ValidationException when unknown
             runner = cloud._jobs.get(name)

@@ -19,6 +19,7 @@ from trnflow.neuron.launch import INSTANCE_CORES_ENV
 from trnflow.specs import instance
 from trnflow.storage.s3 import S3Store, split_s3_url
 from trnflow.testing.mockcloud.nodes import Node, container_env, free_port, run_nodes
+from trnflow.workload.checkpoint import MARKER
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 
@@ -32,8 +33,6 @@ def download_prefix(s3: Any, url: str, into: Path) -> None:
 
 
 def committed_checkpoints(s3: Any, url: str) -> int:
-    from trnflow.workload.checkpoint import MARKER
-
     return sum(1 for obj in S3Store(url, client=s3).list() if obj.name.endswith(f"/{MARKER}"))
 
 

@@ -1,0 +1,50 @@
+"""Every job a run launched and what it bills, failed attempts and retries included.
+
+The ledger is a file per run, `<TRNFLOW_HOME>/ledger/<run id>.jsonl`, a JSON line per finished job,
+appended by the task that ran the job and read by the flow that costs each stage. It lives on disk
+rather than in memory so that any process of the run can add to it and a reader can never miss a
+job that ran in another thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class LedgerEntry:
+    phase: str
+    job_id: str
+    state: str
+    seconds: float
+    """Billable seconds (zero for a job that never started)."""
+
+
+class JobLedger:
+    def __init__(self, home: Path, run_id: str):
+        self.path = home.expanduser().resolve() / "ledger" / f"{run_id}.jsonl"
+        self._read = 0
+
+    def record(self, entry: LedgerEntry) -> None:
+        """Append one job. One short `write` of a whole line: lines from many writers stay whole."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.write(fd, (json.dumps(asdict(entry)) + "\n").encode())
+        finally:
+            os.close(fd)
+
+    def new_entries(self) -> list[LedgerEntry]:
+        """The jobs recorded since this reader last looked."""
+        try:
+            with self.path.open("rb") as fh:
+                fh.seek(self._read)
+                data = fh.read()
+        except FileNotFoundError:
+            return []
+        whole = data[: data.rfind(b"\n") + 1]  # a line still being written waits for the next look
+        self._read += len(whole)
+        return [LedgerEntry(**json.loads(line)) for line in whole.decode().splitlines() if line.strip()]
