@@ -9,7 +9,7 @@ DATA   ?= runs/quickstart/data
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install demo test faults lint clean chromium
+.PHONY: install demo test test-fast faults lint clean chromium
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,8 +38,13 @@ chromium:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 	  echo "chromium could not be installed: the UI screenshot test will be skipped"
 
-test: lint chromium
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15
+# The unit tests first (quick, in-process; no browser needed), then everything that starts jobs,
+# flows, servers or a mock cloud.
+test-fast: install
+	$(BIN)/python -m pytest -n 2 -q -m unit tests/unit
+
+test: lint test-fast chromium
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 tests/integration infra/tests
 
 # The fault matrix: the quickstart pipeline (shortened) once without faults, then once per fault, each
 # compared with the fault-free run. About 25 minutes on 2 cores; `make test` runs its CI case.

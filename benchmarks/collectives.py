@@ -24,7 +24,8 @@ from _torchrun import torchrun_json
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.cli.render import parse_size
-from trnflow.workload.collectives import GIB, bus_factor
+from trnflow.neuron.nccom import bus_factor
+from trnflow.workload.collectives import GIB
 
 
 def bare_busbw(ranks: int, size: int, iters: int) -> float:

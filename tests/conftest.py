@@ -21,6 +21,16 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ["TRNFLOW_NEURON_RT_DIR"] = tempfile.mkdtemp(prefix="trnflow-rt-")
 
 
+def pytest_collection_modifyitems(items):
+    """A test's folder is its kind: tests/unit are quick checks of one part in this process (`make
+    test-fast`); tests/integration start jobs, flows, servers or clouds."""
+    for item in items:
+        parts = Path(str(item.path)).parts
+        for kind in ("unit", "integration"):
+            if kind in parts:
+                item.add_marker(kind)
+
+
 def archive(files: dict[str, bytes]) -> bytes:
     """A gzipped tar of `files` (name -> content), shaped like a compile artifact."""
     import io

@@ -75,7 +75,7 @@ def world(root: Path, *, reference: bool = True, prefect: bool = True,
     `compile_cache` may be one that already holds the quickstart model's graphs."""
     from prefect.testing.utilities import prefect_test_harness
 
-    from trnflow.lifecycle.reference import run_reference
+    from trnflow.backends.reference import run_reference
 
     root.mkdir(parents=True, exist_ok=True)
     env = {

@@ -5,15 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 import typer
+import yaml
 
 from trnflow.cli.render import RED, cli_console
-
-EXIT_BAD_INPUT = 2
+from trnflow.errors import ExitCode
 
 
 def assignments(pairs: list[str] | None, option: str, example: str, name: str = "NAME") -> dict[str, Any]:
     """`["a.b=1", "c=x"]` -> `{"a.b": 1, "c": "x"}`; a malformed pair is one red line and exit 2."""
-    import yaml
 
     err = cli_console(stderr=True)
     out: dict[str, Any] = {}
@@ -22,11 +21,11 @@ def assignments(pairs: list[str] | None, option: str, example: str, name: str = 
         key = key.strip()
         if not sep or not key:
             err.print(f"{option} {pair!r}: expected {name}=VALUE, for example {option} {example}", **RED)
-            raise typer.Exit(EXIT_BAD_INPUT)
+            raise typer.Exit(ExitCode.BAD_INPUT)
         try:
             out[key] = yaml.safe_load(value)
         except yaml.YAMLError as exc:
             err.print(f"{option} {pair!r}: the value is not valid YAML ({getattr(exc, 'problem', exc)}); quote it, "
                       f"for example {option} '{key}=\"{value}\"'", **RED)
-            raise typer.Exit(EXIT_BAD_INPUT) from None
+            raise typer.Exit(ExitCode.BAD_INPUT) from None
     return out

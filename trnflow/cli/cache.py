@@ -11,7 +11,10 @@ import typer
 from rich.table import Table
 
 from trnflow.cli.render import RED, cli_console
+from trnflow.device.cache import COMPILER_VERSION, CORRUPT, CompileCache
+from trnflow.errors import ExitCode, TrnflowError
 from trnflow.redact import without_credentials
+from trnflow.specs.spec import _normalise_url
 
 cache_app = typer.Typer(help="Inspect and clean a persistent compile cache.", no_args_is_help=True)
 console = cli_console()
@@ -24,23 +27,20 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 def _cache(url: str) -> Iterator:
     """The cache at `url`; a bad URL, missing credentials or a missing bucket, a folder that is not a
     cache root or a garbled record end the command with what went wrong (exit 2)."""
-    from trnflow.device.cache import CompileCache
-    from trnflow.errors import TrnflowError
-    from trnflow.specs.spec import _normalise_url
 
     try:
         yield CompileCache(_normalise_url(url))
     except TrnflowError as exc:  # says where and what to do
         err.print(str(exc), **RED)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
     except ValueError as exc:
         err.print(f"{without_credentials(url)}: {exc}", **RED)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
     except Exception as exc:
         if type(exc).__module__.startswith("botocore"):
             err.print(f"{without_credentials(url)}: {exc}. Check the bucket name and your AWS "
                                        "credentials (AWS_PROFILE, AWS_ENDPOINT_URL for a moto server)", **RED)
-            raise typer.Exit(2) from None
+            raise typer.Exit(ExitCode.BAD_INPUT) from None
         raise
 
 
@@ -94,7 +94,6 @@ def stats(url: UrlArg, as_json: JsonOpt = False):
 @cache_app.command()
 def verify(url: UrlArg, as_json: JsonOpt = False):
     """Check every done entry's artifact against its checksum; exit 1 if any is corrupt."""
-    from trnflow.device.cache import CORRUPT
 
     with _cache(url) as cache:
         found = cache.entries(deep=True)
@@ -107,7 +106,7 @@ def verify(url: UrlArg, as_json: JsonOpt = False):
             console.print(f"[red]corrupt[/red] {problem or entry}; the next compile rebuilds it "
                           "(or prune it with --failed)", highlight=False)
         console.print(f"{len(found)} entries checked, {len(corrupt)} corrupt")
-    raise typer.Exit(1 if corrupt else 0)
+    raise typer.Exit(ExitCode.FAILED if corrupt else ExitCode.OK)
 
 
 @cache_app.command()
@@ -121,11 +120,10 @@ def prune(
     as_json: JsonOpt = False,
 ):
     """Remove failed entries, old ones, or other compiler versions' (never one being compiled)."""
-    from trnflow.device.cache import COMPILER_VERSION
 
     if not (failed or older_than_days is not None or other_versions):
         err.print("[red]say what to prune: --failed, --older-than-days N or --other-versions[/red]")
-        raise typer.Exit(2)
+        raise typer.Exit(ExitCode.BAD_INPUT)
     with _cache(url) as cache:
         removed = cache.prune(compiler_version or COMPILER_VERSION, failed=failed, older_than_days=older_than_days,
                               other_versions=other_versions, dry_run=dry_run)

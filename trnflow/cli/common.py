@@ -15,7 +15,6 @@ from trnflow.specs import CATALOGUE, JobSpec, SpecError, load_spec
 console = cli_console()
 err = cli_console(stderr=True)
 
-EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE = ExitCode.FAILED, ExitCode.BAD_INPUT, ExitCode.GATE_FAILED
 
 SpecArg = Annotated[Path, typer.Argument(help="Job spec YAML file.", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of a table.")]
@@ -36,7 +35,7 @@ def unknown_instance_type(name: str) -> str:
 def check_instance_type(name: str) -> None:
     if name not in CATALOGUE:
         err.print(f"{unknown_instance_type(name)}", **RED)
-        raise typer.Exit(EXIT_BAD_INPUT)
+        raise typer.Exit(ExitCode.BAD_INPUT)
 
 
 def load(path: Path, overrides: dict[str, Any] | None = None) -> JobSpec:
@@ -46,4 +45,4 @@ def load(path: Path, overrides: dict[str, Any] | None = None) -> JobSpec:
         err.print(f"{exc.source}: invalid job spec", **RED)
         for problem in exc.problems:
             err.print(f"  {problem}", markup=False, highlight=False)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+        raise typer.Exit(ExitCode.BAD_INPUT) from None

@@ -11,7 +11,10 @@ import typer
 from rich.table import Table
 
 from trnflow.cli.render import RED, cli_console
+from trnflow.errors import ExitCode, FatalError
+from trnflow.lifecycle.registry import PromotionConflict, Registry
 from trnflow.redact import without_credentials
+from trnflow.specs.spec import _normalise_url
 
 models_app = typer.Typer(help="Look at and change the model registry (registry_url).", no_args_is_help=True)
 console = cli_console()
@@ -20,26 +23,22 @@ RegistryOpt = Annotated[str, typer.Option("--registry", "-r", help="The registry
                                           "(the spec's registry_url).", envvar="TRNFLOW_REGISTRY_URL")]
 ModelArg = Annotated[str, typer.Argument(help="The model: the job spec's name.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON.")]
-EXIT_FAILED, EXIT_BAD_INPUT, EXIT_CONFLICT = 1, 2, 4
 
 
 @contextlib.contextmanager
 def _registry(url: str) -> Iterator:
-    from trnflow.errors import FatalError
-    from trnflow.lifecycle.registry import PromotionConflict, Registry
-    from trnflow.specs.spec import _normalise_url
 
     try:
         yield Registry(_normalise_url(url))
     except ValueError as exc:
         err.print(f"--registry {without_credentials(url)}: {exc}", **RED)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
     except PromotionConflict as exc:
         err.print(f"{exc}", **RED)
-        raise typer.Exit(EXIT_CONFLICT) from None
+        raise typer.Exit(ExitCode.CONFLICT) from None
     except FatalError as exc:
         err.print(f"{exc}", **RED)
-        raise typer.Exit(EXIT_FAILED) from None
+        raise typer.Exit(ExitCode.FAILED) from None
 
 
 def _when(ts: float | None) -> str:
@@ -83,7 +82,7 @@ def show(model: ModelArg, version: Annotated[int | None, typer.Argument(help="De
         entry = reg.version(model, version) if version is not None else reg.champion(model)
         if entry is None:
             err.print(f"{model} has no champion in {registry}; name a version (`trnflow models ls`)", **RED)
-            raise typer.Exit(EXIT_FAILED)
+            raise typer.Exit(ExitCode.FAILED)
         history = reg.history(model)
     if as_json:
         print(json.dumps({"entry": entry.entry, "history": history}, indent=2))

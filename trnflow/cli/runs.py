@@ -23,10 +23,10 @@ from rich.table import Table
 from trnflow.cli.args import assignments
 from trnflow.cli.common import load, set_overrides
 from trnflow.cli.render import RED, cli_console, stage_table
+from trnflow.errors import ExitCode
 
 console = cli_console()
 err = cli_console(stderr=True)
-EXIT_FAILED, EXIT_BAD_INPUT, EXIT_GATE, EXIT_NOT_ENDED = 1, 2, 3, 4
 STRING_PARAMS = ("run_id", "checkpoint")
 """Flow parameters that are text whatever they look like (`--param run_id=20260105` stays a string)."""
 TAIL_SECONDS = 5.0
@@ -39,9 +39,9 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 
 
 @contextlib.contextmanager
-def _server(code: int = EXIT_BAD_INPUT) -> Iterator[Any]:
+def _server(code: int = ExitCode.BAD_INPUT) -> Iterator[Any]:
     """The connected server; its errors become one red line and exit `code`."""
-    from trnflow.cli import server
+    from trnflow.cli import server  # heavy: prefect's client
 
     try:
         with server.connect() as connected:
@@ -54,7 +54,7 @@ def _server(code: int = EXIT_BAD_INPUT) -> Iterator[Any]:
 def exit_code(state_type: str, state_name: str) -> int:
     if state_type == "COMPLETED":
         return 0
-    return EXIT_GATE if state_name == "GateFailed" else EXIT_FAILED
+    return ExitCode.GATE_FAILED if state_name == "GateFailed" else ExitCode.FAILED
 
 
 def _parse_params(pairs: list[str] | None) -> dict[str, Any]:
@@ -63,7 +63,7 @@ def _parse_params(pairs: list[str] | None) -> dict[str, Any]:
         if key in params:
             err.print(f"--param {key}: submit sends SPEC whole as the run's spec; edit the file or use --set "
                       "field=value instead (a deployment's own spec_url is what its scheduled runs read)", **RED)
-            raise typer.Exit(EXIT_BAD_INPUT)
+            raise typer.Exit(ExitCode.BAD_INPUT)
     raw = {key.strip(): value.strip() for key, _, value in (pair.partition("=") for pair in pairs or [])}
     return {k: raw[k] if k in STRING_PARAMS and v is not None and not isinstance(v, str) else v
             for k, v in params.items()}
@@ -86,15 +86,15 @@ def submit(
     as_json: JsonOpt = False,
 ):
     """Start a run of a deployment on the Prefect server; print its id and UI link."""
-    from trnflow.cli.server import FINAL, ui_link
-    from trnflow.flows.deployments import full_name
+    from trnflow.cli.server import FINAL, ui_link  # heavy: prefect's client
+    from trnflow.flows.deployments import full_name  # heavy: prefect
 
     spec = load(spec_path, set_overrides(overrides))
     try:
         name = full_name(deployment, spec.name)
     except KeyError as exc:
         err.print(f"{exc.args[0]}", **RED)
-        raise typer.Exit(EXIT_BAD_INPUT) from None
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
     parameters = {"spec": spec.model_dump(mode="json"), "spec_url": None, **_parse_params(params)}
     with _server() as server:
         run_id = server.start(name, parameters)
@@ -114,7 +114,7 @@ def submit(
     if summary["state_type"] not in FINAL:
         err.print(f"stopped waiting after {timeout:g} s; the run goes on: `trnflow status {run_id}`", style="yellow",
                   markup=False, highlight=False)
-        raise typer.Exit(EXIT_NOT_ENDED)
+        raise typer.Exit(ExitCode.NOT_ENDED)
     raise typer.Exit(exit_code(summary["state_type"], summary["state"]))
 
 
@@ -145,7 +145,7 @@ def runs(
     as_json: JsonOpt = False,
 ):
     """List trnflow's flow runs on the Prefect server: those due but not started, then the newest."""
-    from trnflow.cli.server import api_url
+    from trnflow.cli.server import api_url  # heavy: prefect's client
 
     with _server() as server:
         rows = server.recent(limit)
@@ -163,7 +163,7 @@ def runs(
 def status(run: RunArg, as_json: JsonOpt = False):
     """One run: its state, each stage's state and duration, its artifacts and UI link (exit 4 while it has not
     ended)."""
-    from trnflow.cli.server import FINAL
+    from trnflow.cli.server import FINAL  # heavy: prefect's client
 
     with _server() as server:
         summary = server.summary(server.find(run))
@@ -172,7 +172,7 @@ def status(run: RunArg, as_json: JsonOpt = False):
     else:
         _print_summary(summary)
     raise typer.Exit(exit_code(summary["state_type"], summary["state"]) if summary["state_type"] in FINAL
-                     else EXIT_NOT_ENDED)
+                     else ExitCode.NOT_ENDED)
 
 
 def logs(
@@ -181,7 +181,7 @@ def logs(
                       ] = False,
 ):
     """Print a run's log lines (its stages' and their jobs' output), oldest first."""
-    from trnflow.cli.server import FINAL
+    from trnflow.cli.server import FINAL  # heavy: prefect's client
 
     with _server() as server:
         run_id, shown, since, quiet = server.find(run), set(), None, None
@@ -206,7 +206,7 @@ def cancel(run: RunArg):
     """Cancel a run: its flow process is stopped, and with it the jobs it launched."""
     with _server() as server:
         run_id = server.find(run)
-    with _server(EXIT_FAILED) as server:  # an ended run, or a cancel the server declines, is a failure
+    with _server(ExitCode.FAILED) as server:  # an ended run, or a cancel the server declines, is a failure
         outcome = server.cancel(run_id)
     console.print(outcome)
 

@@ -7,10 +7,13 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+import yaml
 from rich.table import Table
 
 from trnflow.cli.common import load
 from trnflow.cli.render import cli_console
+from trnflow.errors import ExitCode
+from trnflow.fsutil import atomic_write_bytes
 
 console = cli_console()
 err = cli_console(stderr=True)
@@ -31,14 +34,14 @@ def serve(
     limit: Annotated[int | None, typer.Option(min=1, help="Most flow runs at once (default: no limit).")] = None,
 ):
     """Serve every flow of each spec as deployments, schedules included, from this process (Ctrl-C stops)."""
-    from trnflow.cli.server import ServerError, api_url
-    from trnflow.flows.deployments import definitions, serve_all
+    from trnflow.cli.server import ServerError, api_url  # heavy: prefect
+    from trnflow.flows.deployments import definitions, serve_all  # heavy: prefect
 
     try:
         api = api_url()
     except ServerError as exc:
         err.print(str(exc), style="red", markup=False, highlight=False)
-        raise typer.Exit(2) from None
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
     specs = [(load(path), str(path.resolve())) for path in specs or [DEFAULT_SPEC]]
     table = Table("deployment", "schedule", "parameters", title=f"serving on {api}")
     for spec, url in specs:
@@ -55,16 +58,14 @@ def prefect_yaml(
     output: Annotated[Path | None, typer.Option("--output", "-o", help="Write here instead of printing.")] = None,
 ):
     """Print prefect.yaml: a deployment of each flow for the spec, on the `trnflow` process work pool."""
-    import yaml
 
-    from trnflow.flows.deployments import prefect_yaml as document
+    from trnflow.flows.deployments import prefect_yaml as document  # heavy: prefect
 
     spec = load(spec_path)
     text = HEADER.format(spec=spec_path) + yaml.safe_dump(document(spec, str(spec_path)), sort_keys=False)
     if output is None:
         print(text, end="")
         return
-    from trnflow.fsutil import atomic_write_bytes
 
     atomic_write_bytes(output, text.encode())
     console.print(f"wrote {output}")

@@ -12,6 +12,29 @@ import uuid
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import httpx
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowFilter,
+    FlowFilterName,
+    FlowRunFilter,
+    FlowRunFilterExpectedStartTime,
+    FlowRunFilterId,
+    FlowRunFilterStartTime,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+    LogFilter,
+    LogFilterFlowRunId,
+    LogFilterTimestamp,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.sorting import FlowRunSort, LogSort
+from prefect.deployments import run_deployment
+from prefect.exceptions import ObjectNotFound, PrefectHTTPStatusError
+from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
+from prefect.states import Cancelling
+
+from trnflow.flows._stages import STAGE_COLUMNS
 from trnflow.flows.deployments import FLOWS
 
 FINAL = ("COMPLETED", "FAILED", "CRASHED", "CANCELLED")
@@ -23,7 +46,6 @@ class ServerError(Exception):
 
 
 def api_url() -> str:
-    from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()
     if not url:
@@ -33,7 +55,6 @@ def api_url() -> str:
 
 
 def ui_link(run_id: Any) -> str:
-    from prefect.settings import PREFECT_UI_URL
 
     base = PREFECT_UI_URL.value() or api_url().removesuffix("/api")
     return f"{base.rstrip('/')}/runs/flow-run/{run_id}"
@@ -42,9 +63,6 @@ def ui_link(run_id: Any) -> str:
 @contextlib.contextmanager
 def connect() -> Iterator[Server]:
     """The server at PREFECT_API_URL, with its transport and HTTP errors turned into ServerError."""
-    import httpx
-    from prefect.client.orchestration import get_client
-    from prefect.exceptions import PrefectHTTPStatusError
 
     api = api_url()
     try:
@@ -67,7 +85,6 @@ def _seconds(duration: dt.timedelta | None) -> float | None:
 def _stage_rows(artifacts: list[Any]) -> list[dict[str, Any]]:
     """The stage table a run attached when it ended (`<name>-stages`, with each stage's key
     figure); empty while the run is still going or when it never got that far."""
-    from trnflow.flows._stages import STAGE_COLUMNS
 
     for artifact in artifacts:
         if artifact.type == "table" and (artifact.key or "").endswith("-stages"):
@@ -85,8 +102,6 @@ class Server:
 
     def start(self, deployment: str, parameters: dict[str, Any]) -> str:
         """Create a run of `deployment` (flow/deployment) and return its id without waiting."""
-        from prefect.deployments import run_deployment
-        from prefect.exceptions import ObjectNotFound
 
         try:
             return str(run_deployment(deployment, parameters=parameters, timeout=0, as_subflow=False).id)
@@ -96,8 +111,6 @@ class Server:
 
     def _recent(self, limit: int) -> list[Any]:
         """trnflow's newest flow runs that have started (not the scheduler's future ones)."""
-        from prefect.client.schemas.filters import FlowFilter, FlowFilterName, FlowRunFilter, FlowRunFilterStartTime
-        from prefect.client.schemas.sorting import FlowRunSort
 
         return self.client.read_flow_runs(
             flow_filter=FlowFilter(name=FlowFilterName(any_=[f.flow_name for f in FLOWS])),
@@ -107,16 +120,6 @@ class Server:
     def _waiting(self, limit: int) -> list[Any]:
         """trnflow's runs due by now that have not started: queued, late, or waiting for a slot
         (not the scheduler's future ones)."""
-        from prefect.client.schemas.filters import (
-            FlowFilter,
-            FlowFilterName,
-            FlowRunFilter,
-            FlowRunFilterExpectedStartTime,
-            FlowRunFilterState,
-            FlowRunFilterStateType,
-        )
-        from prefect.client.schemas.objects import StateType
-        from prefect.client.schemas.sorting import FlowRunSort
 
         due = dt.datetime.now(dt.UTC) + dt.timedelta(minutes=1)
         return self.client.read_flow_runs(
@@ -141,7 +144,6 @@ class Server:
 
     def find(self, ref: str) -> str:
         """The id of the run a full id or a unique id prefix names."""
-        from prefect.exceptions import ObjectNotFound
 
         try:
             return str(self.client.read_flow_run(uuid.UUID(ref)).id)
@@ -162,7 +164,6 @@ class Server:
 
     def summary(self, run_id: str) -> dict[str, Any]:
         """State, each stage's state and duration, the artifacts' keys and the UI link."""
-        from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
 
         run = self.client.read_flow_run(uuid.UUID(run_id))
         only = FlowRunFilter(id=FlowRunFilterId(any_=[run.id]))
@@ -197,8 +198,6 @@ class Server:
 
     def logs(self, run_id: str, since: dt.datetime | None = None) -> list[dict[str, Any]]:
         """Every log line of the run stamped at or after `since` (all of them without), oldest first."""
-        from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId, LogFilterTimestamp
-        from prefect.client.schemas.sorting import LogSort
 
         only = LogFilter(flow_run_id=LogFilterFlowRunId(any_=[uuid.UUID(run_id)]),
                          timestamp=LogFilterTimestamp(after_=since) if since else None)
@@ -214,7 +213,6 @@ class Server:
     def cancel(self, run_id: str) -> str:
         """Ask for the run to be cancelled and say what became of it; ServerError when it has ended
         or the server declines."""
-        from prefect.states import Cancelling
 
         kind, name, run_name = self.state(run_id)
         if kind in FINAL:

@@ -20,10 +20,10 @@ import torch
 import torch.distributed as dist
 
 from trnflow.errors import FatalError
+from trnflow.neuron.nccom import OPS, bus_factor
 from trnflow.workload.context import WorkerContext
 
 GIB = 1024**3
-OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DEFAULTS = {"ops": ["all_reduce"], "minbytes": 64 * 1024, "maxbytes": 4 * 1024 * 1024, "stepfactor": 4,
             "iters": 5, "warmup": 1, "dtype": "fp32", "check": True}
@@ -31,12 +31,6 @@ DEFAULTS = {"ops": ["all_reduce"], "minbytes": 64 * 1024, "maxbytes": 4 * 1024 *
 
 class CorruptCollective(FatalError):
     """A collective returned wrong values."""
-
-
-def bus_factor(op: str, ranks: int) -> float:
-    if op == "all_reduce":
-        return 2 * (ranks - 1) / ranks
-    return (ranks - 1) / ranks
 
 
 def sweep_sizes(minbytes: int, maxbytes: int, stepfactor: int) -> list[int]:

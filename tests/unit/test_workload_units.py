@@ -5,8 +5,8 @@ import torch
 from trnflow.emulator import compiler
 from trnflow.emulator.numerics import stochastic_round_bf16_
 from trnflow.neuron.launch import parse_visible_cores
+from trnflow.neuron.nccom import bus_factor
 from trnflow.specs import ModelSpec
-from trnflow.workload.collectives import bus_factor
 from trnflow.workload.data import StepSampler
 from trnflow.workload.model import build_model
 from trnflow.workload.sanity import check_matmul

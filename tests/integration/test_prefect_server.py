@@ -146,6 +146,7 @@ def served(server, tmp_path_factory, dataset, compile_cache):
     log.close()
 
 
+@pytest.mark.slow
 def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     env, path, root = served
     deployed = _deployments(env)
@@ -192,6 +193,7 @@ def _processes_under(folder: Path) -> list[int]:
     return found
 
 
+@pytest.mark.slow
 def test_cancel_stops_the_run_and_the_jobs_it_launched(served):
     env, path, root = served
     started = subprocess.run([TRNFLOW, "submit", str(path), "--deployment", "preflight", "--json"], env=env,
@@ -223,6 +225,7 @@ def _run_of(env, run_id: str):
         return client.read_flow_run(run_id)
 
 
+@pytest.mark.slow
 def test_a_second_retraining_run_waits_for_the_first_to_end(served):
     """Another retraining of the model holds its lock (a run started elsewhere, here this test):
     the first submitted run waits for the lock, holding the deployment's one slot, and the
@@ -270,6 +273,7 @@ def test_a_second_retraining_run_waits_for_the_first_to_end(served):
     assert second_run.start_time >= first_run.end_time  # one after the other, never side by side
 
 
+@pytest.mark.browser
 def test_the_ui_shows_the_deployment(served, tmp_path):
     chromium = shutil.which("chromium") or shutil.which("chromium-browser")
     if chromium is None:

@@ -28,7 +28,9 @@ import yaml
 from typer.testing import CliRunner
 
 import trnflow.backends
-import trnflow.cli.app
+import trnflow.backends.reference
+import trnflow.cli.devices
+import trnflow.cli.pipeline
 from tests.conftest import archive, quickstart_data
 from trnflow.cli.app import app
 from trnflow.device.cache import COMPILER_VERSION, CompileCache
@@ -512,8 +514,9 @@ def _nothing_launches(monkeypatch):
     def launched(*args, **kwargs):
         raise AssertionError("a job or flow was launched")
 
-    monkeypatch.setattr(trnflow.cli.app, "_run_flow", launched)
-    monkeypatch.setattr(trnflow.backends, "run_to_end", launched)
+    monkeypatch.setattr(trnflow.cli.pipeline, "_run_flow", launched)
+    for module in (trnflow.backends, trnflow.backends.reference, trnflow.cli.pipeline, trnflow.cli.devices):
+        monkeypatch.setattr(module, "run_to_end", launched)
 
 
 def _files(root: Path) -> dict[str, tuple[int, int] | None]:

@@ -44,6 +44,7 @@ def _run(spec, **kwargs):
     return state, state.result(raise_on_failure=False)
 
 
+@pytest.mark.slow
 def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_api, retrain_spec, trnflow_home,
                                                                         monkeypatch):
     make, data = retrain_spec

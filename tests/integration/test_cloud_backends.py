@@ -97,6 +97,7 @@ def _assert_artifacts_in_s3(spec, bucket, results):
     assert champion, "the gate passed, so the run was registered and promoted"
 
 
+@pytest.mark.slow
 def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
         prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warm_compile_cache):
     """In-process moto. Preflight first meets a capacity error, which trnflow resubmits; the S3
@@ -135,6 +136,7 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
         assert jobs == {"sanity": 2, "collectives": 1, "train": 1, "infer": 1}  # the resubmission is counted
 
 
+@pytest.mark.slow
 def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
         prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
     """Through the moto server on 127.0.0.1. Every stage is a two-node Batch job. Training loses a

@@ -146,7 +146,7 @@ def test_the_sampler_position_round_trips_and_refuses_other_data():
 def test_the_reference_run_is_a_new_one_when_a_partition_arrives(make_spec, tmp_path):
     import shutil
 
-    from trnflow.lifecycle.reference import _data_digest
+    from trnflow.backends.reference import _data_digest
 
     data = tmp_path / "data"
     synthesize(data, days=2, rows_per_day=20, seed=1)

@@ -17,8 +17,8 @@ from trnflow.cli.app import app
 from trnflow.emulator.faults import parse
 from trnflow.errors import FatalError
 from trnflow.flows._stages import PipelineFailed
+from trnflow.neuron.nccom import bus_factor
 from trnflow.settings import TrnflowSettings
-from trnflow.workload.collectives import bus_factor
 
 
 @pytest.fixture

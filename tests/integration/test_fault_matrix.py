@@ -1,11 +1,14 @@
 """The fault matrix's CI case: one run hit by three faults, compared with the fault-free run.
 `make faults` runs every case of the matrix (tests/faults)."""
 
+import pytest
+
 from tests.faults.matrix import CASES, Matrix, passed
 from tests.faults.outcome import steps_redone
 from tests.faults.world import world
 
 
+@pytest.mark.slow
 def test_a_run_hit_by_a_kill_a_torn_checkpoint_and_a_hardware_error_ends_like_the_fault_free_one(
         prefect_api, tmp_path, compile_cache):
     (case,) = [c for c in CASES if c.ci]

@@ -33,6 +33,7 @@ def _weights(result: dict) -> dict:
     return load(result["checkpoint"]).model
 
 
+@pytest.mark.slow
 def test_a_checkpoint_saved_by_4_ranks_resumes_on_2(make_spec, backend):
     four = make_spec(compute={"instance_type": "trn1.32xlarge", "cores_per_node": 4},
                      train={"steps": 4, "checkpoint_every": 2}, faults=[{"kind": "timeout", "core": 3, "step": 3}])
@@ -60,6 +61,7 @@ def daily(tmp_path):
     return full, live
 
 
+@pytest.mark.slow
 def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are_none(make_spec, backend, daily):
     full, live = daily
     data = {"train": str(live / "train"), "holdout": str(live / "holdout"), "inference": str(live / "inference"),

@@ -3,6 +3,7 @@
 import json
 
 import boto3
+import pytest
 from typer.testing import CliRunner
 
 from trnflow.backends import JobRequest, JobState, wait
@@ -20,6 +21,7 @@ def _run(spec, phase, run_id="r", **options):
     return info
 
 
+@pytest.mark.slow
 def test_a_warm_run_from_an_s3_cache_compiles_nothing_and_trains_like_a_cold_one(make_spec, tmp_path, s3_bucket):
     cold = _run(make_spec(compile={"cache_url": str(tmp_path / "empty-cache")}, train=SHORT), "train", "cold")
     assert cold.state is JobState.SUCCEEDED, cold.failure

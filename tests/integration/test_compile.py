@@ -56,6 +56,7 @@ def _dead_pid() -> int:
     return proc.pid
 
 
+@pytest.mark.slow
 def test_check_predicts_compile_and_the_cache_survives_corruption_failure_and_stale_locks(make_spec, tmp_path,
                                                                                           compile_cache):
     # The session's shared cache: this cold compile is the one every later pipeline test hits.
@@ -140,6 +141,7 @@ def test_prune_removes_failed_and_old_entries_but_never_locked_ones(tmp_path):
     assert CliRunner().invoke(app, ["cache", "prune", str(root)]).exit_code == 2  # say what to prune
 
 
+@pytest.mark.slow
 def test_optlevels_trade_compile_time_for_generated_code(make_spec, tmp_path, monkeypatch):
     """O1 keeps the lowered forward and backward graphs; O2 runs Inductor and keeps its built kernels."""
     import io

@@ -5,10 +5,10 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from trnflow.backends.reference import run_reference
 from trnflow.errors import GateFailed
 from trnflow.flows.pipeline import STAGES, PipelineFailed, pipeline
 from trnflow.lifecycle.gate import metrics_document
-from trnflow.lifecycle.reference import run_reference
 from trnflow.lifecycle.registry import Registry
 from trnflow.storage import local_path
 from trnflow.workload.checkpoint import MARKER, load
@@ -28,6 +28,7 @@ def _artifacts(flow_run_id) -> dict:
     return {a.key: a for a in found}
 
 
+@pytest.mark.slow
 def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_spec, dataset):
     """The whole pipeline on a trn1.32xlarge whose core 1 computes wrong answers: preflight finds it,
     excludes it, and every later stage runs on the cores it verified."""

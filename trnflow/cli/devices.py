@@ -1,0 +1,136 @@
+"""`trnflow devices`, `top` and `collectives`: the emulated instance's NeuronCores, like the Neuron
+SDK's neuron-ls, neuron-top and nccom-test."""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated
+
+import typer
+from rich.live import Live
+from rich.table import Table
+
+from trnflow.backends import JobRequest, JobState, run_to_end
+from trnflow.cli import render
+from trnflow.cli.common import JsonOpt, check_instance_type, console, err, unknown_instance_type
+from trnflow.cli.render import RED
+from trnflow.emulator.cores import holders
+from trnflow.emulator.monitor import CoreMonitor
+from trnflow.errors import ExitCode, TrnflowError
+from trnflow.neuron.nccom import OPS
+from trnflow.neuron.topology import core_owners, neuron_ls
+from trnflow.settings import TrnflowSettings
+from trnflow.specs import CATALOGUE
+
+
+def devices(
+    instance_type: Annotated[str, typer.Option(help="Instance type to emulate.")] = "trn1.2xlarge",
+    as_json: JsonOpt = False,
+):
+    """List the emulated instance's Neuron devices and which process holds each core, like `neuron-ls`."""
+
+    check_instance_type(instance_type)
+    records = neuron_ls(instance_type, core_owners(instance_type, holders(CATALOGUE[instance_type].cores)))
+    if as_json:
+        print(json.dumps(records, indent=2))
+        return
+    t = CATALOGUE[instance_type]
+    console.print(f"instance-type: {instance_type}  ({t.cores} NeuronCores, {t.chips} device(s))")
+    table = Table("NEURON DEVICE", "NEURON CORES", "NEURON CORE IDS", "NEURON MEMORY", "CONNECTED DEVICES", "BDF",
+                  "PID", "COMMAND")
+    for r in records:
+        ids = r["neuroncore_ids"]
+        procs = r["neuron_processes"]
+        table.add_row(str(r["neuron_device"]), str(r["nc_count"]), f"{ids[0]}-{ids[-1]}",
+                      f"{r['memory_size'] // 1024**3} GB", ", ".join(map(str, r["connected_to"])), r["bdf"],
+                      "\n".join(str(p["pid"]) for p in procs), "\n".join(p["command"] for p in procs))
+    console.print(table)
+
+
+def top(
+    instance_type: Annotated[str, typer.Option(help="Instance type to emulate.")] = "trn1.2xlarge",
+    interval: Annotated[float, typer.Option(min=0.1, help="Seconds between refreshes.")] = 1.0,
+    once: Annotated[bool, typer.Option("--once", help="Print one snapshot and exit.")] = False,
+    as_json: JsonOpt = False,
+):
+    """A live view of each emulated NeuronCore: owner, utilisation and memory held, like neuron-top."""
+
+    check_instance_type(instance_type)
+    monitor = CoreMonitor(instance_type)
+    if once or as_json:
+        snapshot = monitor.sample(interval)
+        if as_json:
+            print(json.dumps(snapshot, indent=2))
+        else:
+            console.print(render.top_table(instance_type, snapshot))
+        return
+    try:
+        with Live(render.top_table(instance_type, monitor.sample(0.1)), console=console, screen=False) as live:
+            while True:
+                live.update(render.top_table(instance_type, monitor.sample(interval)))
+    except KeyboardInterrupt:
+        pass
+
+
+def collectives(
+    cores: Annotated[int, typer.Option("--cores", "-r", min=2, help="Ranks (emulated NeuronCores).")] = 2,
+    op: Annotated[str, typer.Option(help="all_reduce, all_gather, reduce_scatter, all_to_all or all.")] = "all_reduce",
+    minbytes: Annotated[str, typer.Option("--minbytes", "-b", help="Smallest size (65536, 64KB, 1MB).")] = "64KB",
+    maxbytes: Annotated[str, typer.Option("--maxbytes", "-e", help="Largest size.")] = "4MB",
+    stepfactor: Annotated[int, typer.Option("--stepfactor", "-f", min=1, help="Size multiplier per step.")] = 4,
+    iters: Annotated[int, typer.Option("--iters", "-n", min=1, help="Timed iterations per size.")] = 5,
+    dtype: Annotated[str, typer.Option("--datatype", "-d", help="fp32 or bf16.")] = "fp32",
+    check: Annotated[bool, typer.Option("--check", "-c", help="Check every result.")] = False,
+    instance_type: Annotated[str, typer.Option(help="Instance to emulate.")] = "trn1.32xlarge",
+    timeout: Annotated[float, typer.Option(help="Seconds before a stuck collective is reported hung.")] = 60.0,
+    as_json: JsonOpt = False,
+):
+    """Collective tests like nccom-test: a size sweep with algbw/busbw per op, optionally checked."""
+    from trnflow.backends.local import LocalBackend  # heavy: torch (the local backend starts torchrun)
+
+    ops = list(OPS) if op == "all" else [op]
+    problems = [f"--op {o!r}: choose one of {', '.join(OPS)} or all" for o in ops if o not in OPS]
+    if dtype not in ("fp32", "bf16"):
+        problems.append(f"--datatype {dtype!r}: choose fp32 or bf16")
+    if instance_type not in CATALOGUE:
+        problems.append(unknown_instance_type(instance_type))
+    try:
+        lo, hi = render.parse_size(minbytes), render.parse_size(maxbytes)
+    except ValueError as exc:
+        problems.append(str(exc))
+        lo = hi = 0
+    if lo > hi:
+        problems.append(f"--minbytes {minbytes} is larger than --maxbytes {maxbytes}")
+    if problems:
+        for p in problems:
+            err.print(f"{p}", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    settings = TrnflowSettings()
+    backend = LocalBackend(settings.jobs_dir)
+    options = {"ops": ops, "minbytes": lo, "maxbytes": hi, "stepfactor": stepfactor, "iters": iters,
+               "dtype": dtype, "check": check, "timeout_seconds": timeout}
+    request = JobRequest(None, "collectives", "collectives", processes=cores, options=options,
+                         instance_type=instance_type)
+    try:
+        with console.status(f"collectives on {cores} cores"):
+            _, info = run_to_end(backend, request, settings.poll_seconds)
+    except TrnflowError as exc:
+        err.print(f"{exc}", **RED)
+        raise typer.Exit(ExitCode.FAILED) from None
+    if info.state is not JobState.SUCCEEDED or info.result is None:
+        failure = info.failure or {}
+        err.print(f"{failure.get('type', 'failed')}: {failure.get('message', '')}", **RED)
+        if as_json:
+            print(json.dumps({"results": [], "error": failure.get("message")}))
+        raise typer.Exit(ExitCode.FAILED)
+    rows = info.result["rows"]
+    if as_json:
+        print(json.dumps({"results": rows, "avg_busbw": info.result["avg_busbw"], "cores": info.details["cores"]},
+                         indent=2))
+    else:
+        print(render.nccom_text(rows))
+
+
+def register(app: typer.Typer) -> None:
+    for command in (devices, top, collectives):
+        app.command()(command)

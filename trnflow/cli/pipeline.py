@@ -1,0 +1,218 @@
+"""`trnflow reference`, `compile`, `run`, `retrain` and `preflight`: the pipeline and its parts, run
+now in this process on Prefect's local API (flows) or straight on a backend (the reference and the
+ahead-of-time compile). Prefect is imported only when a flow is about to run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from trnflow.backends import JobRequest, JobState, backend_for, run_to_end
+from trnflow.backends.reference import run_reference
+from trnflow.cli import render
+from trnflow.cli.common import JsonOpt, SetOpt, SpecArg, console, err, load, set_overrides
+from trnflow.cli.progress import training_progress
+from trnflow.cli.render import RED
+from trnflow.errors import DataError, ExitCode, GateFailed, TrnflowError
+from trnflow.settings import TrnflowSettings
+from trnflow.specs import JobSpec
+from trnflow.storage.datafiles import data_files
+
+
+def reference(spec_path: SpecArg, overrides: SetOpt = None):
+    """Train the spec in plain fp32 (as a GPU run would) and write its metrics to gate.reference."""
+
+    spec = load(spec_path, set_overrides(overrides))
+    try:
+        with console.status("training the fp32 reference"):
+            document = run_reference(spec)
+    except TrnflowError as exc:
+        err.print(f"{exc}", **RED)
+        raise typer.Exit(ExitCode.FAILED) from None
+    final = document["points"][-1]
+    console.print(f"reference written to {spec.gate.reference}: step {final['step']}, "
+                  f"accuracy {final['accuracy']:.4f}")
+
+
+def compile_cmd(
+    spec_path: SpecArg,
+    check: Annotated[bool, typer.Option("--check", help="Only say which graphs would hit or miss; compile nothing.")
+                     ] = False,
+    retry_failed: Annotated[bool, typer.Option("--retry-failed", help="Compile entries that failed before.")] = False,
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Compile the spec's programs ahead of time into the persistent cache (like neuron_parallel_compile)."""
+
+    spec = load(spec_path, set_overrides(overrides))
+    settings = TrnflowSettings()
+    options = {"check": check, "retry_failed": retry_failed}
+    counts = re.compile(r"remaining items are \d+, locked are (\d+), failed are (\d+), done are (\d+), "
+                        r"total is (\d+)")
+    columns = (TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+               TimeElapsedColumn())
+    with Progress(*columns, console=err, transient=True, disable=as_json) as progress:
+        bar = progress.add_task("extracting graphs", total=None)
+
+        def follow(text: str) -> None:
+            for match in counts.finditer(text):
+                locked, failed, done, total = map(int, match.groups())
+                progress.update(bar, total=total, completed=done + failed,
+                                description=f"locked {locked}, failed {failed}")
+
+        try:
+            backend = backend_for(spec, settings)
+            request = JobRequest(spec, "compile", "compile", processes=1, options=options)
+            _, info = run_to_end(backend, request, settings.poll_seconds, on_logs=follow)
+        except TrnflowError as exc:
+            err.print(f"{exc}", **RED)
+            raise typer.Exit(ExitCode.FAILED) from None
+    if info.state is not JobState.SUCCEEDED or info.result is None:
+        failure = info.failure or {}
+        if as_json:
+            print(json.dumps({"state": "Failed", "error": failure.get("message")}))
+        err.print(f"{failure.get('type', 'failed')}: {failure.get('message', '')}", **RED)
+        raise typer.Exit(ExitCode.FAILED)
+    result = info.result
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    table = Table("program", "input shapes", "key", "state", "outcome", title=f"compile cache {result['cache']}")
+    report = result.get("report", {})
+    for row in result["programs"]:
+        done = report.get(row["key"], {})
+        outcome = row["will"] if check else f"{done.get('status', '?')} ({done.get('seconds', 0):.1f}s)"
+        table.add_row(row["program"], row.get("shapes", ""), row["key"], row["state"], outcome)
+    console.print(table)
+    if check:
+        console.print(f"{result['hits']} hit(s), {result['misses']} miss(es)")
+
+
+def _check_run_id(run_id: str | None) -> None:
+    """Refuse a run id that could not name a checkpoint folder, before anything starts."""
+    if run_id is not None and (not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id) or run_id in (".", "..")):
+        err.print(f"--run-id {run_id!r}: use letters, digits, '.', '_' and '-' only (at most 128)", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+
+
+def _check_data(spec: JobSpec) -> None:
+    """Refuse local data folders that are missing or hold no files of `data.format` before the
+    pipeline starts (S3 data is listed by the stages that read it)."""
+    for field in ("train", "holdout", "inference"):
+        url = getattr(spec.data, field)
+        if url and url.startswith("file://"):
+            try:
+                data_files(url, spec.data.format)
+            except DataError as exc:
+                err.print(f"data.{field}: {exc}", **RED)
+                raise typer.Exit(ExitCode.BAD_INPUT) from None
+
+
+def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_id: str | None, as_json: bool,
+              show=None) -> None:
+    """Run a flow in-process on Prefect's local API; print its stage table; exit with its outcome."""
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    from trnflow.flows._stages import PipelineFailed  # heavy: prefect
+
+    with training_progress(err, enabled=not as_json and err.is_terminal):
+        state = flow_fn(spec, run_id=run_id, return_state=True)
+    outcome = state.result(raise_on_failure=False)
+    if isinstance(outcome, PipelineFailed):
+        rows, code = outcome.stages, ExitCode.GATE_FAILED if isinstance(outcome.cause, GateFailed) else ExitCode.FAILED
+        payload = {"state": "Failed", "failed_stage": outcome.stage, "error": str(outcome.cause), "stages": rows}
+    elif isinstance(outcome, BaseException):
+        rows, code = [], ExitCode.FAILED
+        payload = {"state": "Failed", "error": f"{type(outcome).__name__}: {outcome}", "stages": rows}
+    elif outcome.get("nothing_new"):  # scheduled retraining with no new data: no job was launched
+        payload = {"state": "Completed", "nothing_new": True, "message": state.message, "stages": []}
+        if as_json:
+            print(json.dumps(payload, indent=2))
+        else:
+            console.print(f"[cyan]{title}: {state.message}[/cyan]")
+        raise typer.Exit(ExitCode.OK)
+    else:
+        rows, code = outcome["stages"], 0
+        payload = {"state": "Completed", "run_id": outcome["run_id"], "stages": rows, "results": outcome["results"],
+                   "cost": outcome.get("cost")}
+    if as_json:
+        print(json.dumps(payload, indent=2, default=str))
+    else:
+        if show and code == 0:
+            show(outcome["results"])
+        console.print(render.stage_table(rows, stages, title))
+        if code == 0 and (outcome.get("cost") or {}).get("rows"):
+            console.print(render.cost_table(outcome["cost"]))
+        if code:
+            err.print(f"{title} failed: {payload['error']}", **RED)
+        else:
+            console.print(f"[green]{title} completed[/green] (run {payload['run_id']})")
+    raise typer.Exit(code)
+
+
+def run(
+    spec_path: SpecArg,
+    backend: Annotated[str | None, typer.Option(help="Override compute.backend: local, sagemaker or batch.")] = None,
+    run_id: Annotated[str | None, typer.Option(help="Resume or name a run (default: a new id).")] = None,
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Run the whole pipeline now, in this process, on Prefect's local API."""
+    extra = set_overrides(overrides)
+    if backend:
+        extra["compute.backend"] = backend
+    _check_run_id(run_id)
+    spec = load(spec_path, extra)
+    _check_data(spec)
+    from trnflow.flows.pipeline import STAGES, pipeline  # heavy: prefect and torch
+
+    _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json)
+
+
+def retrain(
+    spec_path: SpecArg,
+    run_id: Annotated[str | None, typer.Option(help="Resume or name a run (default: a new id).")] = None,
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Retrain the champion on the data after its watermark now, in this process (as the schedule does)."""
+    _check_run_id(run_id)
+    spec = load(spec_path, set_overrides(overrides))
+    if spec.registry_url is None:
+        err.print(f"{spec_path}: registry_url: retraining keeps its champion and watermark in a model "
+                  "registry; set registry_url", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    from trnflow.flows.incremental_retrain import STAGES, incremental_retrain  # heavy: prefect and torch
+
+    _run_flow(incremental_retrain, STAGES, "trnflow retrain", spec, run_id, as_json)
+
+
+def preflight(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = False):
+    """Sanity-check every engine of each core the spec uses, then the collectives between them."""
+    spec = load(spec_path, set_overrides(overrides))
+    # heavy: prefect and torch
+    from trnflow.flows.preflight import STAGES
+    from trnflow.flows.preflight import preflight as preflight_flow
+
+    def show(results: dict) -> None:
+        console.print(render.sanity_table(results["sanity"]["per_core"]))
+        mem = results["sanity"].get("memory")
+        if mem:
+            console.print(f"device memory per core: {mem['total'] / 1024**3:.2f} GiB estimated of "
+                          f"{mem['per_core_limit'] / 1024**3:.1f} GiB ({mem['parameters']:,} parameters)")
+        if results["collectives"]["rows"]:
+            print(render.nccom_text(results["collectives"]["rows"]))
+
+    _run_flow(preflight_flow, STAGES, "trnflow preflight", spec, None, as_json, show)
+
+
+def register(app: typer.Typer) -> None:
+    app.command()(reference)
+    app.command("compile")(compile_cmd)
+    for command in (run, retrain, preflight):
+        app.command()(command)

@@ -1,0 +1,224 @@
+"""The gate's decision about one checkpoint: which references it is judged against, the verdict,
+its registration in the model registry and the one-line summary a run shows.
+
+A first run of a spec judges the candidate's series against `gate.reference` (a metrics file, or
+the champion's series). Scheduled retraining judges twice: against the champion it started from
+and against `gate.reference` when that is a file, each as "no regression beyond
+`gate.max_abs_diff`" on the final point (a retrained model has seen other data, so its curve is not
+the reference's).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from trnflow.errors import FatalError
+from trnflow.lifecycle.gate import compare, no_regression, parse_metrics, read_series
+from trnflow.lifecycle.registry import Registry
+from trnflow.specs import JobSpec
+from trnflow.storage import open_store
+
+
+@dataclass(frozen=True)
+class Check:
+    """One comparison the candidate must pass: its verdict, the series it was judged against
+    (None when there was nothing to compare with) and what that series is."""
+
+    verdict: dict[str, Any]
+    reference: dict[str, Any] | None
+    against: str
+
+
+@dataclass(frozen=True)
+class Decision:
+    """Every check of one candidate, and the verdict they add up to."""
+
+    checks: list[Check]
+    verdict: dict[str, Any]
+    """The one check's verdict, or for several: passed only when all passed, each under `checks`."""
+    against: str
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.verdict["passed"])
+
+    @property
+    def reference(self) -> dict[str, Any] | None:
+        """The series the chart draws beside the candidate's: the first check's."""
+        return self.checks[0].reference
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Where the candidate stands in the registry after the gate."""
+
+    version: int
+    promoted: bool
+    generation: int
+    """The registry generation the decision was made against."""
+    registered_before: bool = False
+    """A rerun of the same run: its checkpoint was registered already."""
+
+    def as_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"version": self.version, "promoted": self.promoted, "generation": self.generation}
+        return {**out, "registered_before": True} if self.registered_before else out
+
+
+@dataclass
+class Candidate:
+    """The candidate's metric series as it stood at the checkpoint being gated."""
+
+    checkpoint: str
+    series: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def run_url(self) -> str:
+        return self.checkpoint.rpartition("/")[0]
+
+    @property
+    def step(self) -> int | None:
+        return step_of(self.checkpoint)
+
+    def evaluated(self) -> bool:
+        """Whether training left a point for this checkpoint (else the evaluate phase must run)."""
+        return bool(self.series) and self.step in {p["step"] for p in self.series["points"]}
+
+    @classmethod
+    def read(cls, checkpoint: str) -> Candidate:
+        return cls(checkpoint, read_series(checkpoint.rpartition("/")[0]) or {})
+
+
+def step_of(checkpoint: str) -> int | None:
+    name = checkpoint.rpartition("/")[2]
+    return int(name.removeprefix("step-")) if name.startswith("step-") else None
+
+
+def up_to(series: dict, step: int | None) -> dict:
+    """The series as it stood at the checkpoint being gated: later points (a newer checkpoint's)
+    are not this model's, nor is a per-example outcome taken at another step."""
+    if step is None:
+        return series
+    trimmed = {**series, "points": [p for p in series["points"] if p["step"] <= step]}
+    if (series.get("predictions") or {}).get("step") != step:
+        trimmed.pop("predictions", None)
+    return trimmed
+
+
+def champion_series(spec: JobSpec, registry: Registry) -> tuple[dict | None, str]:
+    """The champion's series up to its own checkpoint, and its name; None before the first."""
+    champion = registry.champion(spec.name)
+    if champion is None:
+        return None, f"no champion of {spec.name} yet"
+    series = read_series(champion.checkpoint.rpartition("/")[0])
+    if series is None:
+        raise FatalError(f"champion v{champion.version} ({champion.checkpoint}) has no metrics.json beside it; "
+                         "evaluate it with the evaluate phase, or set gate.reference to a metrics file")
+    return up_to(series, step_of(champion.checkpoint)), f"champion v{champion.version}"
+
+
+def reference_series(spec: JobSpec, registry: Registry | None) -> tuple[dict | None, str]:
+    """The reference document and what it is; None for a first run with nothing to compare with."""
+    gate = spec.gate
+    if gate.reference is None:
+        return None, "no reference set"
+    if gate.reference == "champion":
+        assert registry is not None  # the spec checks it
+        return champion_series(spec, registry)
+    base, _, name = gate.reference.rpartition("/")
+    try:
+        text = open_store(base).read(name).decode()
+    except FileNotFoundError:
+        raise FatalError(f"gate.reference {gate.reference} does not exist; create it with "
+                         "`trnflow reference SPEC` or point gate.reference at an existing metrics file") from None
+    document = parse_metrics(text, gate.reference, gate.metric)
+    return document, str(document.get("source") or name)
+
+
+def _baseline(spec: JobSpec, mode: str, reason: str) -> dict[str, Any]:
+    return {"passed": True, "metric": spec.gate.metric, "mode": mode, "points": [],
+            "max_abs_diff": spec.gate.max_abs_diff, "reason": reason}
+
+
+def _checks(spec: JobSpec, registry: Registry | None, candidate: dict, against_champion: bool) -> list[Check]:
+    gate = spec.gate
+    checks = []
+    if against_champion:
+        assert registry is not None  # retraining needs a registry
+        champion, who = champion_series(spec, registry)
+        if champion is not None:
+            checks.append(Check(no_regression(candidate, champion, gate.metric, gate.max_abs_diff, who,
+                                              gate.significance), champion, who))
+    if not (against_champion and gate.reference == "champion"):  # the check above covers the champion
+        reference, who = reference_series(spec, registry)
+        if reference is not None and against_champion:  # a retrained model must stay as good as the reference
+            checks.append(Check(no_regression(candidate, reference, gate.metric, gate.max_abs_diff, who,
+                                              gate.significance), reference, who))
+        elif reference is not None:
+            checks.append(Check(compare(candidate, reference, gate.metric, gate.max_abs_diff, gate.mode,
+                                        gate.significance, gate.fail_on_significant), reference, who))
+        elif not checks:
+            checks.append(Check(_baseline(spec, gate.mode, f"{who}: this run is the baseline"), None, who))
+    if not checks:  # retraining the first model: nothing to compare with yet
+        checks.append(Check(_baseline(spec, "no-regression",
+                                      f"no champion of {spec.name} yet: this run is the baseline"),
+                            None, "no champion"))
+    return checks
+
+
+def decide(spec: JobSpec, registry: Registry | None, candidate: dict, against_champion: bool) -> Decision:
+    """Judge the candidate's series against each reference it must pass."""
+    checks = _checks(spec, registry, candidate, against_champion)
+    if len(checks) == 1:
+        return Decision(checks, checks[0].verdict, checks[0].against)
+    failed = [f"against {c.against}: {c.verdict['reason']}" for c in checks if not c.verdict["passed"]]
+    verdict = {**checks[0].verdict, "passed": not failed, "reason": "; ".join(failed) or None,
+               "checks": {c.against: c.verdict for c in checks}}
+    return Decision(checks, verdict, " and ".join(c.against for c in checks))
+
+
+def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: str, verdict: dict,
+             generation: int, promote: bool = True) -> Registration:
+    """Register the candidate (once per checkpoint) and, when it passed and `promote`, make it the
+    champion unless the champion changed since `generation`."""
+    checkpoint = candidate.checkpoint
+    meta = json.loads(open_store(checkpoint).read("meta.json"))
+    versions = {v.checkpoint: v.version for v in registry.versions(spec.name)}
+    reason = f"gate passed ({run_id})"
+    if checkpoint in versions:  # a rerun of the same run: its model is registered already
+        version = versions[checkpoint]
+        champion = registry.champion(spec.name)
+        promoted = promote and verdict["passed"] and not (champion and champion.version == version)
+        if promoted:
+            registry.promote(spec.name, version, reason=reason, expected_generation=generation)
+        return Registration(version, bool(promoted), generation, registered_before=True)
+    entry = registry.register(spec.name, {
+        "checkpoint": checkpoint, "run_id": run_id, "status": "passed" if verdict["passed"] else "rejected",
+        "metrics": candidate.series["points"][-1], "series": f"{candidate.run_url}/metrics.json",
+        "watermark": meta.get("watermark"), "global_step": meta.get("global_step"),
+        "parent": meta.get("parent"), "parent_version": versions.get(meta.get("parent")),
+        "spec_digest": spec.digest(), "verdict": {k: verdict.get(k) for k in ("passed", "mode", "reason", "paired")},
+    })
+    promoted = bool(verdict["passed"] and promote)
+    if promoted:
+        registry.promote(spec.name, entry.version, reason=reason, expected_generation=generation)
+    return Registration(entry.version, promoted, generation)
+
+
+def summary(spec: JobSpec, decision: Decision, final: float, registration: Registration | None) -> str:
+    """The gate's key figure: the final metric and how it compares with what it was judged against."""
+    gate, verdicts = spec.gate, [c.verdict for c in decision.checks]
+    if decision.reference is None and len(verdicts) == 1:
+        text = f"{gate.metric} {final:.4f}; {decision.against}, recorded as baseline"
+    elif all(v["mode"] == "no-regression" for v in verdicts):  # better by any amount, worse by at most the band
+        change = min((p["diff"] for v in verdicts for p in v["points"]), default=0.0)
+        text = (f"{gate.metric} {final:.4f}, {change:+.4f} vs {decision.against} (allowed regression "
+                f"{gate.max_abs_diff}): passed")
+    else:
+        rows = [p for v in verdicts for p in (v["points"] if v["mode"] == "every-point" else v["points"][-1:])]
+        worst = max((abs(p["diff"]) for p in rows), default=0.0)
+        text = f"{gate.metric} {final:.4f}, max |diff| {worst:.4f} <= {gate.max_abs_diff} vs {decision.against}: passed"
+    if registration is not None and registration.promoted:
+        text += f"; champion v{registration.version}"
+    return text
