@@ -16,6 +16,7 @@ import json
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from _quickstart import quickstart, scratch_home
 
@@ -41,7 +42,7 @@ def main() -> None:
                                      "checkpoint_url": str(root / run)})
 
         @flow(name="compile-stage-benchmark")
-        def compile_stage(spec, run_id: str) -> tuple[dict, float]:
+        def compile_stage(spec, run_id: str) -> tuple[Any, float]:
             began = time.perf_counter()
             result = compile_graphs(spec, run_id, [0, 1])
             return result, time.perf_counter() - began
@@ -57,13 +58,13 @@ def main() -> None:
         warm_result, warm_s = compile_stage(warm_spec, "warm")
         step_cold = first_step(spec("empty-cache", "ckpt-cold"), "cold")  # compiles its graph on the spot
         step_warm = first_step(warm_spec, "warm")  # loads it from the cache
-        print(f"O{args.optlevel} compile stage: cold {cold_s:.1f}s ({cold_result['compiled']} compiled), "
-              f"warm {warm_s:.2f}s ({warm_result['compiled']} compiled)")
+        print(f"O{args.optlevel} compile stage: cold {cold_s:.1f}s ({cold_result.compiled} compiled), "
+              f"warm {warm_s:.2f}s ({warm_result.compiled} compiled)")
         print(f"first training step: empty cache {step_cold:.2f}s, warm cache {step_warm:.2f}s")
         print(json.dumps({
             "optlevel": args.optlevel,
             "cold_compile_s": round(cold_s, 3), "warm_compile_s": round(warm_s, 3),
-            "warm_compiles": warm_result["compiled"],
+            "warm_compiles": warm_result.compiled,
             "warm_over_cold_compile_s": round(warm_s / cold_s, 4),
             "first_step_cold_s": round(step_cold, 3), "first_step_warm_s": round(step_warm, 3),
             "first_step_warm_over_cold": round(step_warm / step_cold, 4),

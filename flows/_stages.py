@@ -7,7 +7,6 @@ import re
 import time
 import uuid
 from collections.abc import Callable
-from typing import Any
 
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
@@ -16,6 +15,7 @@ from trnflow.errors import GateFailed
 from trnflow.reporting.cost import job_cost, total
 from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
+from trnflow.results import Cost, CostRow, RunOutcome, StageResult, StageRow, TrainResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
@@ -26,13 +26,13 @@ from trnflow.tasks.sanity import sanity_check
 from trnflow.tasks.train import train_model
 
 STAGE_COLUMNS = {"stage": "stage", "state": "state", "seconds": "seconds", "summary": "key figure"}
-"""The `<name>-stages` table artifact's columns, by the stage row field each shows."""
+"""The `<name>-stages` table artifact's columns, by the `StageRow` field each shows."""
 
 
 class PipelineFailed(Exception):
     """A stage failed. `stages` has a row per stage that ran; `cause` is the stage's own error."""
 
-    def __init__(self, stage: str, cause: BaseException, stages: list[dict[str, Any]]):
+    def __init__(self, stage: str, cause: BaseException, stages: list[StageRow]):
         super().__init__(f"stage {stage} failed: {cause}")
         self.stage, self.cause, self.stages = stage, cause, stages
 
@@ -44,14 +44,14 @@ class StageRunner:
         if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id) or run_id in (".", ".."):
             raise ValueError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-' only")
         self.spec, self.run_id = spec, run_id
-        self.rows: list[dict[str, Any]] = []
-        self.results: dict[str, Any] = {}
-        self.costs: list[dict[str, Any]] = []
+        self.rows: list[StageRow] = []
+        self.results: dict[str, StageResult] = {}
+        self.costs: list[CostRow] = []
         self.ledger = JobLedger(TrnflowSettings().home, run_id)
         self.ledger.new_entries()  # jobs of an earlier flow run with this id were costed by that run
         self._options = retry_options(spec)
 
-    def __call__(self, name: str, task, *args, **kwargs) -> dict:
+    def __call__(self, name: str, task, *args, **kwargs) -> StageResult:
         began = time.monotonic()
         state = task.with_options(**self._options)(self.spec, self.run_id, *args, return_state=True, **kwargs)
         seconds = time.monotonic() - began
@@ -61,41 +61,42 @@ class StageRunner:
         if state.is_completed():
             result = state.result()
             label = "Skipped" if state.name == "Skipped" else "Completed"
-            self.rows.append({"stage": name, "state": label, "seconds": seconds, "summary": result["summary"]})
+            self.rows.append(StageRow(stage=name, state=label, seconds=seconds, summary=result.summary))
             self.results[name] = result
             return result
         error = state.result(raise_on_failure=False)
-        self.rows.append({"stage": name, "state": state.type.value.title(), "seconds": seconds,
-                          "summary": str(error)})
+        self.rows.append(StageRow(stage=name, state=state.type.value.title(), seconds=seconds, summary=str(error)))
         raise PipelineFailed(name, error, self.rows)
 
     def skip(self, name: str, reason: str) -> None:
         """Record a stage that did not run because there was nothing for it to do."""
-        self.rows.append({"stage": name, "state": "Skipped", "seconds": 0.0, "summary": reason})
+        self.rows.append(StageRow(stage=name, state="Skipped", seconds=0.0, summary=reason))
 
     def report(self, stages: tuple[str, ...] = ()) -> None:
         """Attach the run's summary to the flow run: the stage table, the cost table and links to
         what it wrote. Called however the run ended; a failure to publish is only logged."""
         title = f"{self.spec.name} run {self.run_id}"
-        stages = stages or tuple(r["stage"] for r in self.rows)
+        stages = stages or tuple(r.stage for r in self.rows)
         text = stage_summary(title, self.rows, stages)
         if self.costs:
-            text += "\n" + cost_markdown({"rows": self.costs, "total_usd": total(self.costs)})
+            text += "\n" + cost_markdown(self.cost())
         links = outputs(self.results)
         if links:
             text += "\n" + links_markdown(links)
         _artifacts.markdown(self.spec, "summary", text, f"stages, cost and outputs of run {self.run_id}")
-        _artifacts.table(self.spec, "stages", [{STAGE_COLUMNS[k]: r[k] for k in STAGE_COLUMNS}
+        _artifacts.table(self.spec, "stages", [{STAGE_COLUMNS[k]: getattr(r, k) for k in STAGE_COLUMNS}
                                                 for r in with_not_run(self.rows, stages)],
                          f"each stage's state, duration and key figure in run {self.run_id}")
 
-    def outcome(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "stages": self.rows, "results": self.results,
-                "cost": {"rows": self.costs, "total_usd": total(self.costs)}}
+    def cost(self) -> Cost:
+        return Cost(rows=self.costs, total_usd=total(self.costs))
+
+    def outcome(self) -> RunOutcome:
+        return RunOutcome(run_id=self.run_id, stages=self.rows, results=self.results, cost=self.cost())
 
 
-def run_stages(stage: StageRunner, body: Callable[[StageRunner], dict[str, Any]], stages: tuple[str, ...]
-               ) -> dict[str, Any] | State:
+def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], stages: tuple[str, ...]
+               ) -> RunOutcome | State:
     """Run a flow's stages and attach its summary, however it ends. A failed gate ends the flow
     run in a state of its own, `GateFailed`, so that the UI, the API and `trnflow submit --wait`
     (exit 3) tell it apart from a broken run."""
@@ -109,14 +110,15 @@ def run_stages(stage: StageRunner, body: Callable[[StageRunner], dict[str, Any]]
         stage.report(stages)
 
 
-def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[int], dict[str, Any]]:
+def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[int], TrainResult]:
     """Sanity, collectives, compile and train: the cores verified and the training result. When
     training found no new data, the `later` stages are recorded as skipped."""
-    cores = stage("sanity", sanity_check)["cores"]
+    cores = stage("sanity", sanity_check).cores or []
     stage("collectives", collective_test, cores)
     stage("compile", compile_graphs, cores)
     trained = stage("train", train_model, cores)
-    if trained.get("skipped"):
+    assert isinstance(trained, TrainResult)
+    if trained.skipped:
         for name in later:
             stage.skip(name, "no new model: training was skipped")
     return cores, trained

@@ -4,14 +4,13 @@ interrupted one without rewriting committed shards."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 
 from trnflow.errors import FatalError
 from trnflow.flows._params import name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id
 from trnflow.lifecycle.registry import Registry
+from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec
 from trnflow.tasks.infer import batch_infer
 
@@ -20,7 +19,7 @@ STAGES = ("infer",)
 
 @flow(name="trnflow-batch-inference", log_prints=True)
 def batch_inference(spec: JobSpec | None = None, spec_url: str | None = None, checkpoint: str | None = None,
-                    run_id: str | None = None) -> dict[str, Any]:
+                    run_id: str | None = None) -> RunOutcome:
     """Embed `data.inference` into `inference.output_url`.
 
     Args:

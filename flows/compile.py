@@ -3,12 +3,11 @@ training runs, as neuron_parallel_compile does (`trnflow compile` runs the same 
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 
 from trnflow.flows._params import name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id
+from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec
 from trnflow.tasks.compile import compile_graphs
 
@@ -16,7 +15,7 @@ STAGES = ("compile",)
 
 
 @flow(name="trnflow-compile", log_prints=True)
-def compile_cache(spec: JobSpec | None = None, spec_url: str | None = None) -> dict[str, Any]:
+def compile_cache(spec: JobSpec | None = None, spec_url: str | None = None) -> RunOutcome:
     """Compile every program of the spec that the cache does not hold yet.
 
     Raises:

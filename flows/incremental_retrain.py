@@ -15,7 +15,6 @@ short after their model was promoted are published by the next run, before anyth
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
 
 from prefect import flow, get_run_logger
 from prefect.states import Completed, State
@@ -24,6 +23,7 @@ from trnflow.flows._lock import ModelLock, model_lock
 from trnflow.flows._params import name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id, run_stages, through_training
 from trnflow.lifecycle.registry import Registry
+from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec, SpecError
 from trnflow.storage.datafiles import new_partitions
 from trnflow.tasks.evaluate import evaluate_gate
@@ -51,7 +51,7 @@ def retrain_spec(spec: JobSpec) -> JobSpec:
 
 @flow(name="trnflow-incremental-retrain", log_prints=True)
 def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None, run_id: str | None = None,
-                        lock_timeout_seconds: float | None = 3600.0) -> dict[str, Any] | State:
+                        lock_timeout_seconds: float | None = 3600.0) -> RunOutcome | State:
     """Retrain the champion on the new days of data, if there are any.
 
     Args:
@@ -68,7 +68,7 @@ def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None
         generation = registry.generation(spec.name)  # a champion changed after this is never overwritten
         champion = registry.champion(spec.name)
         staged_by = champion.entry.get("run_id") if champion else None
-        if staged_by and publish_embeddings(spec, staged_by, champion.checkpoint).get("published"):  # cut short
+        if staged_by and publish_embeddings(spec, staged_by, champion.checkpoint):  # cut short
             get_run_logger().info("published the embeddings of champion v%d, which its own run staged but did "
                                   "not publish", champion.version)
         watermark = champion.watermark if champion else None
@@ -78,7 +78,7 @@ def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None
             name_run(spec, f"nothing new {after}")
             ready = f" marked ready by {spec.data.ready_marker}" if spec.data.ready_marker else ""
             return Completed(message=f"nothing new: {spec.data.train} has no partitions{ready} {after}",
-                             data={"nothing_new": True, "watermark": watermark, "stages": []})
+                             data=RunOutcome(nothing_new=True, watermark=watermark))
         base = f"champion v{champion.version}" if champion else "scratch"
         name_run(spec, _window_name(days, base))
         return run_stages(StageRunner(spec, run_id or new_run_id()),
@@ -89,17 +89,18 @@ def _window_name(days: list[str], base: str) -> str:
     return f"dt={days[0]}..{days[-1]} from {base}" if len(days) > 1 else f"dt={days[0]} from {base}"
 
 
-def _stages(stage: StageRunner, generation: int, lock: ModelLock, days: list[str], base: str) -> dict[str, Any]:
+def _stages(stage: StageRunner, generation: int, lock: ModelLock, days: list[str], base: str) -> RunOutcome:
     cores, trained = through_training(stage, later=("evaluate", "infer", "promote"))
-    if trained.get("skipped"):  # the new partitions went away between the listing and the job
+    if trained.skipped:  # the new partitions went away between the listing and the job
         return stage.outcome()
-    if trained.get("partitions") and trained["partitions"] != days:  # a day landed while preflight ran
-        name_run(stage.spec, _window_name(trained["partitions"], base))
-    checkpoint = trained["checkpoint"]
+    if trained.partitions and trained.partitions != days:  # a day landed while preflight ran
+        name_run(stage.spec, _window_name(trained.partitions, base))
+    checkpoint = trained.checkpoint
     gated = stage("evaluate", evaluate_gate, checkpoint, cores, against_champion=True, promote=False,
                   generation=generation)
     stage("infer", batch_infer, checkpoint, cores, staged=True)
-    entry = gated["registry"]
+    entry = gated.registry
+    assert entry is not None  # retraining has a registry
     lock.check()  # promotion is what must never happen outside the model's lock
     stage("promote", promote_champion, entry["version"], entry["generation"])
     return stage.outcome()

@@ -8,13 +8,12 @@ sanity runs on the cores sanity verified.
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 from prefect.states import State
 
 from trnflow.flows._params import name_run, resolve_spec, window
 from trnflow.flows._stages import PipelineFailed, StageRunner, new_run_id, run_stages, through_training
+from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
@@ -26,7 +25,7 @@ __all__ = ["STAGES", "PipelineFailed", "pipeline"]
 
 @flow(name="trnflow-pipeline", log_prints=True)
 def pipeline(spec: JobSpec | None = None, spec_url: str | None = None,
-             run_id: str | None = None) -> dict[str, Any] | State:
+             run_id: str | None = None) -> RunOutcome | State:
     """Run all six stages for one job spec.
 
     Args:
@@ -46,11 +45,11 @@ def pipeline(spec: JobSpec | None = None, spec_url: str | None = None,
     return run_stages(StageRunner(spec, run_id or new_run_id()), _stages, STAGES)
 
 
-def _stages(stage: StageRunner) -> dict[str, Any]:
+def _stages(stage: StageRunner) -> RunOutcome:
     cores, trained = through_training(stage, later=("evaluate", "infer"))
-    if trained.get("skipped"):  # incremental training found no new data: nothing to evaluate or embed
+    if trained.skipped:  # incremental training found no new data: nothing to evaluate or embed
         return stage.outcome()
-    checkpoint = trained["checkpoint"]
+    checkpoint = trained.checkpoint
     stage("evaluate", evaluate_gate, checkpoint, cores)
     stage("infer", batch_infer, checkpoint, cores)
     return stage.outcome()

@@ -3,12 +3,11 @@ between them. The pipeline's first two stages, runnable on their own (`trnflow p
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 
 from trnflow.flows._params import name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id
+from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec
 from trnflow.tasks.collectives import collective_test
 from trnflow.tasks.sanity import sanity_check
@@ -17,7 +16,7 @@ STAGES = ("sanity", "collectives")
 
 
 @flow(name="trnflow-preflight", log_prints=True)
-def preflight(spec: JobSpec | None = None, spec_url: str | None = None, run_id: str | None = None) -> dict[str, Any]:
+def preflight(spec: JobSpec | None = None, spec_url: str | None = None, run_id: str | None = None) -> RunOutcome:
     """Check every engine of each core, then the links between them.
 
     Raises:
@@ -28,7 +27,7 @@ def preflight(spec: JobSpec | None = None, spec_url: str | None = None, run_id: 
     name_run(spec, f"preflight of {compute.world_size} cores on {compute.nodes}x {compute.instance_type}")
     stage = StageRunner(spec, run_id or new_run_id())
     try:
-        cores = stage("sanity", sanity_check)["cores"]
+        cores = stage("sanity", sanity_check).cores
         stage("collectives", collective_test, cores)
         return stage.outcome()
     finally:

@@ -3,14 +3,13 @@ failed job into the error class that decides whether Prefect retries it."""
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import get_run_logger
 
 from trnflow.backends import JobInfo, JobRequest, JobState, backend_for, run_to_end
 from trnflow.errors import ERROR_TYPES, FatalError, TransientError, TrnflowError
 from trnflow.redact import Redactor
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
+from trnflow.results import StageResult, parse
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 
@@ -32,9 +31,9 @@ def classify(info: JobInfo) -> TrnflowError:
 
 def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = None,
             checkpoint: str | None = None, cores: list[int] | None = None,
-            exclude_cores: set[int] | None = None) -> dict[str, Any]:
-    """Submit one phase, stream its log into the task's log, and return rank 0's result with the
-    cores it ran on (`cores`)."""
+            exclude_cores: set[int] | None = None) -> StageResult:
+    """Submit one phase, stream its log into the task's log, and return rank 0's result, typed, with
+    the cores it ran on (`cores`)."""
     logger = get_run_logger()
     settings = TrnflowSettings()
     backend = backend_for(spec, settings)
@@ -61,14 +60,14 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     JobLedger(settings.home, run_id).record(LedgerEntry(phase, info.job_id, str(info.state),
                                                         info.details.get("seconds") or 0.0))
     if info.state is JobState.SUCCEEDED and info.result is not None:
-        return {**info.result, "cores": info.details.get("cores")}
+        return parse(phase, {**info.result, "cores": info.details.get("cores")})
     raise classify(info)
 
 
-def recompile_note(result: dict[str, Any]) -> str:
+def recompile_note(result: StageResult) -> str:
     """', N recompilation(s)' when the job compiled graphs the compile cache did not have (each is
     logged with its shapes), else ''."""
-    recompiles = (result.get("compile") or {}).get("recompiles") or []
+    recompiles = result.compile.recompiles if result.compile else []
     logger = get_run_logger()
     for r in recompiles:
         logger.warning("recompilation: %s needed %s (%s) because %s", r["program"], r["key"], r["shapes"],

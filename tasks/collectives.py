@@ -7,30 +7,32 @@ from prefect.cache_policies import NO_CACHE
 
 from trnflow.errors import FatalError
 from trnflow.reporting.report import collectives_markdown
+from trnflow.results import CollectivesResult
 from trnflow.specs import JobSpec, PreflightSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
 
 
 @task(name="collectives", cache_policy=NO_CACHE)
-def collective_test(spec: JobSpec, run_id: str, cores: list[int]) -> dict:
+def collective_test(spec: JobSpec, run_id: str, cores: list[int]) -> CollectivesResult:
     """All-reduce sweep across the verified cores, every result checked; enforces the spec's
     bus-bandwidth and latency thresholds."""
     result = run_job(spec, "collectives", run_id, cores=cores)
-    if result["avg_busbw"] is None:
-        result["summary"] = result.get("note", "skipped")
+    assert isinstance(result, CollectivesResult)
+    if result.avg_busbw is None:
+        result.summary = result.note or "skipped"
         return result
     _artifacts.markdown(spec, "collectives", collectives_markdown(result), "nccom-test-style collective sweep")
     busbw, latency = check_thresholds(spec.preflight, result)
-    result["summary"] = f"all_reduce ok on {result['ranks']} cores, busbw {busbw:.3f} GB/s, {latency:.0f} us min"
+    result.summary = f"all_reduce ok on {result.ranks} cores, busbw {busbw:.3f} GB/s, {latency:.0f} us min"
     return result
 
 
-def check_thresholds(pf: PreflightSpec, result: dict) -> tuple[float, float]:
+def check_thresholds(pf: PreflightSpec, result: CollectivesResult) -> tuple[float, float]:
     """The all-reduce bus bandwidth (GB/s) and smallest-size latency (us) of a sweep; FatalError
     when either misses the spec's threshold."""
-    allreduce = [r for r in result["rows"] if r["op"] == "all_reduce"]
-    busbw = result["avg_busbw_by_op"]["all_reduce"]
+    allreduce = [r for r in result.rows if r["op"] == "all_reduce"]
+    busbw = result.avg_busbw_by_op["all_reduce"]
     latency = min(allreduce, key=lambda r: r["size(B)"])["time(us)"]
     if pf.min_busbw_gbps is not None and busbw < pf.min_busbw_gbps:
         raise FatalError(f"all_reduce bus bandwidth {busbw:.3f} GB/s is below preflight.min_busbw_gbps "

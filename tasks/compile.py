@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from trnflow.device import plans
 from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name
 from trnflow.reporting.report import compile_markdown
+from trnflow.results import CompileResult
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
 
 
 @task(name="compile", cache_policy=NO_CACHE)
-def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> dict:
+def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> CompileResult:
     """Say which graphs will hit the cache, then compile the ones it does not hold yet.
 
     When an earlier trial run recorded this spec's plan, the prediction comes before any job is
@@ -39,20 +38,19 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> dict:
             result = _all_hits(spec, cache, prediction)
             _artifacts.markdown(spec, "compile", compile_markdown(result), "compile cache hits and misses")
             return result
-    result = {**run_job(spec, "compile", run_id, processes=1, cores=cores[:1] if cores else None), "launched": True}
-    total = len(result["programs"])
-    compiled = f", {result['compiled']} compiled in {result['seconds']:.1f}s" if result["compiled"] else ""
-    result["summary"] = f"{total} programs: {result['hits']} cache hit(s){compiled}"
+    result = run_job(spec, "compile", run_id, processes=1, cores=cores[:1] if cores else None)
+    assert isinstance(result, CompileResult)
+    compiled = f", {result.compiled} compiled in {result.seconds:.1f}s" if result.compiled else ""
+    result.summary = f"{len(result.programs)} programs: {result.hits} cache hit(s){compiled}"
     _artifacts.markdown(spec, "compile", compile_markdown(result), "compile cache hits and misses")
     return result
 
 
-def _all_hits(spec: JobSpec, cache: CompileCache, prediction: list[dict]) -> dict[str, Any]:
+def _all_hits(spec: JobSpec, cache: CompileCache, prediction: list[dict]) -> CompileResult:
     for row in prediction:
         cache.record_hit(entry_name(row["key"]))
     report = {row["key"]: {"program": row["program"], "key": row["key"], "status": "hit", "seconds": 0.0,
                            "retries": 0} for row in prediction}
-    return {"programs": prediction, "graphs": len(prediction), "compiler": COMPILER_VERSION,
-            "cache": cache.url, "hits": len(prediction), "compiled": 0, "report": report, "seconds": 0.0,
-            "launched": False, "cores": None,
-            "summary": f"{len(prediction)} programs: {len(prediction)} cache hit(s), known before launch"}
+    return CompileResult(programs=prediction, graphs=len(prediction), compiler=COMPILER_VERSION, cache=cache.url,
+                         hits=len(prediction), report=report, launched=False,
+                         summary=f"{len(prediction)} programs: {len(prediction)} cache hit(s), known before launch")

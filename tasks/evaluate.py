@@ -20,6 +20,7 @@ from trnflow.errors import GateFailed
 from trnflow.lifecycle import judge
 from trnflow.lifecycle.registry import Registry
 from trnflow.reporting.chart import parity_png, verdict_markdown
+from trnflow.results import EvaluateResult
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 from trnflow.tasks import _artifacts
@@ -42,7 +43,8 @@ def _attach(spec: JobSpec, candidate: judge.Candidate, decision: judge.Decision,
 
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | None = None, *,
-                  against_champion: bool = False, promote: bool = True, generation: int | None = None) -> dict:
+                  against_champion: bool = False, promote: bool = True, generation: int | None = None
+                  ) -> EvaluateResult:
     """Compare the candidate's metric series with the gate's reference; register and promote it.
 
     Args:
@@ -59,19 +61,22 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
     if generation is None:  # the champion this decision is about
         generation = registry.generation(spec.name) if registry else 0
     candidate = judge.Candidate.read(checkpoint)
-    result: dict = {"checkpoint": checkpoint}
+    result = EvaluateResult(checkpoint=checkpoint, points=[])
     if not candidate.evaluated():
-        result = {**run_job(spec, "evaluate", run_id, checkpoint=checkpoint, cores=cores), **result}
+        result = run_job(spec, "evaluate", run_id, checkpoint=checkpoint, cores=cores)
+        assert isinstance(result, EvaluateResult)
+        result.checkpoint = checkpoint
         candidate = judge.Candidate.read(checkpoint)
-        candidate.series = candidate.series or {"points": result["points"]}
+        candidate.series = candidate.series or {"points": result.points}
     candidate.series = judge.up_to(candidate.series, candidate.step)
     decision = judge.decide(spec, registry, candidate.series, against_champion)
     chart = _attach(spec, candidate, decision, f"{spec.name} {run_id}")
-    result.update(points=candidate.series["points"], verdict=decision.verdict, against=decision.against, chart=chart)
+    result.points, result.verdict, result.against, result.chart = (candidate.series["points"], decision.verdict,
+                                                                   decision.against, chart)
     registration = None
     if registry is not None:
         registration = judge.register(spec, registry, candidate, run_id, decision.verdict, generation, promote)
-        result["registry"] = registration.as_dict()
+        result.registry = registration.as_dict()
     if not decision.passed:
         raise GateFailed(f"accuracy-parity gate failed against {decision.against}: {decision.verdict['reason']}",
                          decision.verdict)
@@ -81,5 +86,5 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
             get_run_logger().warning("McNemar's test finds the candidate and %s differ (p = %.3g), within the band",
                                      check.against, paired["p_value"])
     final = candidate.series["points"][-1][spec.gate.metric]
-    result["summary"] = judge.summary(spec, decision, final, registration) + recompile_note(result)
+    result.summary = judge.summary(spec, decision, final, registration) + recompile_note(result)
     return result

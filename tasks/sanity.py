@@ -7,18 +7,19 @@ from prefect.cache_policies import NO_CACHE
 
 from trnflow.errors import FatalError, TrnflowError
 from trnflow.reporting.report import sanity_markdown
+from trnflow.results import SanityResult
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
 from trnflow.workload.memory import estimate
 
 
-def _failures(result: dict) -> str:
-    return "; ".join(f"nc{c['core']}: {', '.join(c['failed'])}" for c in result["per_core"] if not c["passed"])
+def _failures(result: SanityResult) -> str:
+    return "; ".join(f"nc{c['core']}: {', '.join(c['failed'])}" for c in result.per_core if not c["passed"])
 
 
 @task(name="sanity", cache_policy=NO_CACHE)
-def sanity_check(spec: JobSpec, run_id: str) -> dict:
+def sanity_check(spec: JobSpec, run_id: str) -> SanityResult:
     """Known-answer tests of every engine of each core the job is placed on.
 
     With `preflight.exclude_bad_cores`, cores that fail are excluded and another placement is
@@ -37,36 +38,37 @@ def sanity_check(spec: JobSpec, run_id: str) -> dict:
         result = _check(spec, run_id, excluded, checked, logger)
     finally:
         if checked:
-            _artifacts.markdown(spec, "sanity", sanity_markdown({
-                "per_core": sorted(checked, key=lambda c: c["core"]), "excluded_cores": sorted(excluded),
-                "cores": sorted({c["core"] for c in checked} - excluded)}),
+            everything = sorted(checked, key=lambda c: c["core"])
+            _artifacts.markdown(spec, "sanity", sanity_markdown(
+                everything, sorted(excluded), sorted({c["core"] for c in checked} - excluded)),
                 "known-answer tests per NeuronCore and engine")
-    result["excluded_cores"] = sorted(excluded)
-    result["memory"] = estimate(spec).as_dict()  # what each core must hold to train this spec
+    result.excluded_cores = sorted(excluded)
+    result.memory = estimate(spec).as_dict()  # what each core must hold to train this spec
     note = f"; excluded bad core(s) {sorted(excluded)}" if excluded else ""
-    cores = result["cores"]
+    cores = result.cores
     if cores is None:  # a cloud job: its instances were checked, each on its own cores
-        result["cores"] = sorted({c["core"] for c in result["per_core"]})
-        result["summary"] = f"all {len(result['per_core'])} cores passed on every instance"
+        result.cores = sorted({c["core"] for c in result.per_core})
+        result.summary = f"all {len(result.per_core)} cores passed on every instance"
     else:
-        result["summary"] = f"all {len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
+        result.summary = f"all {len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
     return result
 
 
-def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], logger) -> dict:
+def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], logger) -> SanityResult:
     """Check placements until one is healthy; `excluded` and `checked` grow as it goes."""
     while True:
         try:
             result = run_job(spec, "sanity", run_id, exclude_cores=excluded)
+            assert isinstance(result, SanityResult)
         except TrnflowError as exc:  # a core that hangs is named by its peers
             if not (exc.bad_cores and spec.preflight.exclude_bad_cores) or set(exc.bad_cores) <= excluded:
                 raise
             excluded |= set(exc.bad_cores)
             logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", exc.bad_cores, exc)
             continue
-        bad = result["bad_cores"]
+        bad = result.bad_cores
         final = not bad or not spec.preflight.exclude_bad_cores or set(bad) <= excluded
-        checked.extend(c for c in result["per_core"] if final or not c["passed"])
+        checked.extend(c for c in result.per_core if final or not c["passed"])
         if not bad:
             return result
         if set(bad) <= excluded:

@@ -15,6 +15,7 @@ from prefect.states import Completed, State
 from trnflow.errors import HardwareError
 from trnflow.fsutil import atomic_write_json
 from trnflow.reporting.chart import training_png
+from trnflow.results import TrainResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
@@ -32,7 +33,7 @@ def bad_cores(run_id: str) -> set[int]:
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train_model(spec: JobSpec, run_id: str, cores: list[int]) -> dict | State:
+def train_model(spec: JobSpec, run_id: str, cores: list[int]) -> TrainResult | State:
     """Train on every core with DDP. A retry of the same run resumes from its newest checkpoint.
 
     Returns:
@@ -51,13 +52,14 @@ def train_model(spec: JobSpec, run_id: str, cores: list[int]) -> dict | State:
     except HardwareError as exc:
         atomic_write_json(_bad_cores_file(run_id), sorted(avoid | set(exc.bad_cores)))
         raise
-    if result.get("skipped"):
-        result["summary"] = f"skipped: {result['reason']}"
-        return Completed(name="Skipped", message=result["summary"], data=result)
-    if result.get("curve"):
-        png = training_png(result["curve"], result.get("evaluations") or [], spec.gate.metric, f"{spec.name} {run_id}")
+    assert isinstance(result, TrainResult)
+    if result.skipped:
+        result.summary = f"skipped: {result.reason}"
+        return Completed(name="Skipped", message=result.summary, data=result)
+    if result.curve:
+        png = training_png(result.curve, result.evaluations, spec.gate.metric, f"{spec.name} {run_id}")
         _artifacts.image(spec, "training", png, "training loss and holdout metric against global step")
-    resumed = f", resumed at step {result['start_step']}" if result["resumed_from"] else ""
-    result["summary"] = (f"{result['steps_trained']} steps, loss {result['loss']:.4f}, "
-                         f"{result['samples_per_s']:.0f} samples/s{resumed}{recompile_note(result)}")
+    resumed = f", resumed at step {result.start_step}" if result.resumed_from else ""
+    result.summary = (f"{result.steps_trained} steps, loss {result.loss:.4f}, "
+                      f"{result.samples_per_s:.0f} samples/s{resumed}{recompile_note(result)}")
     return result

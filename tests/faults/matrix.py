@@ -118,7 +118,7 @@ class Matrix:
         state = run.flow()
         if not state.is_completed():
             raise RuntimeError(f"the fault-free run failed: {state.result(raise_on_failure=False)}")
-        self.baseline = Snapshot.of(run.spec, state.result()["results"]["train"]["checkpoint"])
+        self.baseline = Snapshot.of(run.spec, state.result().results["train"].checkpoint)
         return time.monotonic() - began
 
     def run_case(self, case: Case) -> dict[str, Any]:
@@ -147,7 +147,7 @@ class Matrix:
                 return {**row, "recovered": False, "seconds": round(time.time() - began, 1)}
             injected = run.folder / "s3-injected.log"  # counted before the snapshot's own reads add to it
             api = len(injected.read_text().splitlines()) if injected.exists() else 0
-            snapshot = Snapshot.of(run.spec, state.result()["results"]["train"]["checkpoint"])
+            snapshot = Snapshot.of(run.spec, state.result().results["train"].checkpoint)
         retries, relayed = prefect_runs(since)
         logs = relayed if case.storage in ("sagemaker", "batch") else local_train_logs(self._jobs_dir(), began)
         redone, attempts = steps_redone(logs, STEPS)
@@ -160,10 +160,10 @@ class Matrix:
         if api:
             by["api"] = api
         same = snapshot.differences(self.baseline)
-        results = state.result()["results"]
+        results = state.result().results
         row |= {"recovered": True, "retries": sum(by.values()), "retries_by": by, "steps_redone": redone,
-                "training_attempts": attempts, "train_cores": results["train"]["cores"],
-                "compiled": results["compile"]["compiled"], **same,
+                "training_attempts": attempts, "train_cores": results["train"].cores,
+                "compiled": results["compile"].compiled, **same,
                 "nothing_lost": same["checkpoints"] and same["outputs"], "seconds": round(time.time() - began, 1)}
         row["fault_seen"] = case.seen(row) if case.seen else attempts >= 1 + case.interruptions
         return row

@@ -115,6 +115,7 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False)
         assert state.is_completed(), outcome
+        outcome = outcome.model_dump(mode="json")
         assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
         results = outcome["results"]
         _assert_artifacts_in_s3(spec, bucket, results)
@@ -151,7 +152,7 @@ def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False)
         assert state.is_completed(), outcome
-        results = outcome["results"]
+        results = outcome.model_dump(mode="json")["results"]
         _assert_artifacts_in_s3(spec, bucket, results)
 
         batch = boto3.client("batch")

@@ -18,6 +18,7 @@ from trnflow.emulator.faults import parse
 from trnflow.errors import FatalError
 from trnflow.flows._stages import PipelineFailed
 from trnflow.neuron.nccom import bus_factor
+from trnflow.results import CollectivesResult, RunOutcome
 from trnflow.settings import TrnflowSettings
 
 
@@ -85,7 +86,8 @@ def _preflight(spec):
     from trnflow.flows.preflight import preflight
 
     state = preflight(spec, return_state=True)
-    return state, state.result(raise_on_failure=False)
+    outcome = state.result(raise_on_failure=False)
+    return state, outcome.model_dump(mode="json") if isinstance(outcome, RunOutcome) else outcome
 
 
 def test_preflight_names_the_bad_core_and_stops(prefect_api, make_spec):
@@ -164,9 +166,9 @@ def test_preflight_command_reports_every_core_and_link(prefect_api, make_spec, t
     # the thresholds the collectives stage enforces, on this real sweep
     from trnflow.tasks.collectives import check_thresholds
 
-    swept, preflight = report["results"]["collectives"], make_spec().preflight
+    swept, preflight = CollectivesResult.model_validate(report["results"]["collectives"]), make_spec().preflight
     busbw, latency = check_thresholds(preflight, swept)
-    assert busbw == swept["avg_busbw_by_op"]["all_reduce"] and latency > 0
+    assert busbw == swept.avg_busbw_by_op["all_reduce"] and latency > 0
     with pytest.raises(FatalError, match=r"below preflight\.min_busbw_gbps"):
         check_thresholds(preflight.model_copy(update={"min_busbw_gbps": busbw * 2}), swept)
     with pytest.raises(FatalError, match=r"above preflight\.max_latency_us"):

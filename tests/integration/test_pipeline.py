@@ -10,6 +10,14 @@ from trnflow.errors import GateFailed
 from trnflow.flows.pipeline import STAGES, PipelineFailed, pipeline
 from trnflow.lifecycle.gate import metrics_document
 from trnflow.lifecycle.registry import Registry
+from trnflow.results import (
+    CollectivesResult,
+    CompileResult,
+    EvaluateResult,
+    InferResult,
+    SanityResult,
+    TrainResult,
+)
 from trnflow.storage import local_path
 from trnflow.workload.checkpoint import MARKER, load
 
@@ -39,8 +47,10 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
 
     state, outcome = _run(spec)
     assert state.is_completed(), outcome
-    assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
-    results = outcome["results"]
+    assert [(r.stage, r.state) for r in outcome.stages] == [(s, "Completed") for s in STAGES]
+    assert [type(outcome.results[s]) for s in STAGES] == [SanityResult, CollectivesResult, CompileResult, TrainResult,
+                                                          EvaluateResult, InferResult]
+    results = outcome.model_dump(mode="json")["results"]
 
     # sanity checked every engine, named the bad core and moved on; collectives checked their answers
     sanity = results["sanity"]
@@ -93,7 +103,7 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     assert "## What the jobs cost" in summary and results["train"]["checkpoint"] in summary
 
     # each job's billable time at trn1.32xlarge's price, and the run's total
-    cost = outcome["cost"]
+    cost = outcome.cost.model_dump()
     assert {"sanity", "collectives", "train", "infer"} <= {r["stage"] for r in cost["rows"]}
     assert all(r["price_per_node_hour"] == 21.50 and r["billable_seconds"] > 0 for r in cost["rows"])
     # the placement with the bad core cost a sanity job of its own; nothing else ran twice (and a
@@ -128,9 +138,9 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
         return compile_graphs(spec, "second-run", results["sanity"]["cores"])
 
     again = compile_again()
-    assert again["hits"] == 3 and again["compiled"] == 0
-    assert again["programs"] == [{**p, "state": "done", "will": "hit"} for p in compiled["programs"]]
-    assert "3 cache hit(s)" in again["summary"]
+    assert again.hits == 3 and again.compiled == 0
+    assert again.programs == [{**p, "state": "done", "will": "hit"} for p in compiled["programs"]]
+    assert "3 cache hit(s)" in again.summary
 
 
 def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champion(prefect_api, make_spec):
@@ -146,7 +156,7 @@ def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champ
     assert isinstance(outcome, PipelineFailed) and isinstance(outcome.cause, GateFailed)
     assert outcome.stage == "evaluate"
     assert f"step {spec.train.steps}" in str(outcome.cause)
-    assert [r["stage"] for r in outcome.stages] == ["sanity", "collectives", "compile", "train", "evaluate"]
+    assert [r.stage for r in outcome.stages] == ["sanity", "collectives", "compile", "train", "evaluate"]
     assert not local_path(spec.inference.output_url).exists()
     assert _task_run_counts(state.state_details.flow_run_id)["evaluate"] == 1  # a failed gate is not retried
     assert registry.champion("gatefail").version == 1
@@ -212,14 +222,14 @@ def test_no_reference_configured_records_a_baseline(reference_checkpoint):
     spec = spec.model_copy(update={"gate": spec.gate.model_copy(update={"reference": None})})
     state, result = _evaluate_once(spec, checkpoint)
     assert state.is_completed(), result
-    assert "baseline" in result["summary"]
-    assert result["points"][0]["step"] == 20
+    assert "baseline" in result.summary
+    assert result.points[0]["step"] == 20
 
 
 def test_evaluation_matches_the_reference_it_came_from(reference_checkpoint):
     spec, checkpoint = reference_checkpoint
     state, result = _evaluate_once(spec, checkpoint)
     assert state.is_completed(), result
-    assert result["verdict"]["passed"] and result["verdict"]["points"][0]["diff"] == 0.0
+    assert result.verdict["passed"] and result.verdict["points"][0]["diff"] == 0.0
     series = json.loads((local_path(checkpoint).parent / "metrics.json").read_text())
     assert [p["step"] for p in series["points"]] == [20]

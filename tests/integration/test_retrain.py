@@ -11,6 +11,7 @@ from trnflow.flows._lock import model_lock
 from trnflow.flows._stages import PipelineFailed
 from trnflow.flows.incremental_retrain import STAGES, incremental_retrain
 from trnflow.lifecycle.registry import Registry
+from trnflow.results import RunOutcome
 from trnflow.storage import local_path
 from trnflow.workload.embeddings import MANIFEST, STAGING, manifest
 from trnflow.workload.synth import synthesize
@@ -40,8 +41,10 @@ def _jobs(home) -> int:
 
 
 def _run(spec, **kwargs):
+    """The flow run's state and outcome: a RunOutcome as JSON, or the exception it ended with."""
     state = incremental_retrain(spec, return_state=True, **kwargs)
-    return state, state.result(raise_on_failure=False)
+    outcome = state.result(raise_on_failure=False)
+    return state, outcome.model_dump(mode="json") if isinstance(outcome, RunOutcome) else outcome
 
 
 @pytest.mark.slow
@@ -55,7 +58,7 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     broken = make(data={"inference": str(data / "no-such-folder")})
     state, outcome = _run(broken)
     assert state.is_failed() and isinstance(outcome, PipelineFailed) and outcome.stage == "infer"
-    assert [r["stage"] for r in outcome.stages] == ["sanity", "collectives", "compile", "train", "evaluate", "infer"]
+    assert [r.stage for r in outcome.stages] == ["sanity", "collectives", "compile", "train", "evaluate", "infer"]
     assert registry.champion(spec.name) is None
     assert [v.entry["status"] for v in registry.versions(spec.name)] == ["passed"]  # gated, never promoted
     published = local_path(spec.inference.output_url)

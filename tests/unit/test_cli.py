@@ -134,10 +134,11 @@ def test_a_key_figure_is_printed_as_it_is():
     from rich.console import Console
 
     from trnflow.cli.render import stage_table
+    from trnflow.results import StageRow
 
     out = Console(file=io.StringIO(), width=200)
-    out.print(stage_table([{"stage": "train", "state": "Failed", "seconds": 1.0,
-                            "summary": "[Errno 2] No such file: '/data/[red]x'"}], ("train", "evaluate")))
+    out.print(stage_table([StageRow(stage="train", state="Failed", seconds=1.0,
+                                    summary="[Errno 2] No such file: '/data/[red]x'")], ("train", "evaluate")))
     text = out.file.getvalue()
     assert "[Errno 2] No such file: '/data/[red]x'" in text and "NotRun" in text
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from trnflow.backends import JobRequest, JobState, backend_for, run_to_end
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import read_series
+from trnflow.results import TrainResult, parse
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
@@ -55,11 +56,14 @@ def run_reference(spec: JobSpec, settings: TrnflowSettings | None = None,
     if info.state is not JobState.SUCCEEDED or info.result is None:
         failure = info.failure or {}
         raise FatalError(f"reference training job {job_id} failed: {failure.get('type')}: {failure.get('message')}")
-    trained = info.result
-    series = read_series(trained["checkpoint"].rpartition("/")[0])
+    trained = parse("train", info.result)
+    assert isinstance(trained, TrainResult)
+    if trained.checkpoint is None:
+        raise FatalError(f"reference training job {job_id} trained nothing: {trained.reason}")
+    series = read_series(trained.checkpoint.rpartition("/")[0])
     if series is None:
-        raise FatalError(f"reference training job {job_id} wrote no metric series beside {trained['checkpoint']}")
-    document = {**series, "source": "fp32-reference", "checkpoint": trained["checkpoint"]}
+        raise FatalError(f"reference training job {job_id} wrote no metric series beside {trained.checkpoint}")
+    document = {**series, "source": "fp32-reference", "checkpoint": trained.checkpoint}
     assert spec.gate.reference is not None and spec.gate.reference != "champion"
     base, _, name = spec.gate.reference.rpartition("/")
     open_store(base).write(name, json.dumps(document, indent=1).encode())

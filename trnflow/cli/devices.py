@@ -19,6 +19,7 @@ from trnflow.emulator.monitor import CoreMonitor
 from trnflow.errors import ExitCode, TrnflowError
 from trnflow.neuron.nccom import OPS
 from trnflow.neuron.topology import core_owners, neuron_ls
+from trnflow.results import CollectivesResult, parse
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import CATALOGUE
 
@@ -123,12 +124,13 @@ def collectives(
         if as_json:
             print(json.dumps({"results": [], "error": failure.get("message")}))
         raise typer.Exit(ExitCode.FAILED)
-    rows = info.result["rows"]
+    result = parse("collectives", info.result)
+    assert isinstance(result, CollectivesResult)
     if as_json:
-        print(json.dumps({"results": rows, "avg_busbw": info.result["avg_busbw"], "cores": info.details["cores"]},
+        print(json.dumps({"results": result.rows, "avg_busbw": result.avg_busbw, "cores": info.details["cores"]},
                          indent=2))
     else:
-        print(render.nccom_text(rows))
+        print(render.nccom_text(result.rows))
 
 
 def register(app: typer.Typer) -> None:

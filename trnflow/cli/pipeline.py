@@ -20,6 +20,7 @@ from trnflow.cli.common import JsonOpt, SetOpt, SpecArg, console, err, load, set
 from trnflow.cli.progress import training_progress
 from trnflow.cli.render import RED
 from trnflow.errors import DataError, ExitCode, GateFailed, TrnflowError
+from trnflow.results import CollectivesResult, CompileResult, RunOutcome, SanityResult, StageResult, parse
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.storage.datafiles import data_files
@@ -79,19 +80,19 @@ def compile_cmd(
             print(json.dumps({"state": "Failed", "error": failure.get("message")}))
         err.print(f"{failure.get('type', 'failed')}: {failure.get('message', '')}", **RED)
         raise typer.Exit(ExitCode.FAILED)
-    result = info.result
+    result = parse("compile", info.result)
+    assert isinstance(result, CompileResult)
     if as_json:
-        print(json.dumps(result, indent=2))
+        print(result.model_dump_json(indent=2))
         return
-    table = Table("program", "input shapes", "key", "state", "outcome", title=f"compile cache {result['cache']}")
-    report = result.get("report", {})
-    for row in result["programs"]:
-        done = report.get(row["key"], {})
+    table = Table("program", "input shapes", "key", "state", "outcome", title=f"compile cache {result.cache}")
+    for row in result.programs:
+        done = result.report.get(row["key"], {})
         outcome = row["will"] if check else f"{done.get('status', '?')} ({done.get('seconds', 0):.1f}s)"
         table.add_row(row["program"], row.get("shapes", ""), row["key"], row["state"], outcome)
     console.print(table)
     if check:
-        console.print(f"{result['hits']} hit(s), {result['misses']} miss(es)")
+        console.print(f"{result.hits} hit(s), {result.misses} miss(es)")
 
 
 def _check_run_id(run_id: str | None) -> None:
@@ -125,11 +126,12 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
     outcome = state.result(raise_on_failure=False)
     if isinstance(outcome, PipelineFailed):
         rows, code = outcome.stages, ExitCode.GATE_FAILED if isinstance(outcome.cause, GateFailed) else ExitCode.FAILED
-        payload = {"state": "Failed", "failed_stage": outcome.stage, "error": str(outcome.cause), "stages": rows}
-    elif isinstance(outcome, BaseException):
+        payload = {"state": "Failed", "failed_stage": outcome.stage, "error": str(outcome.cause),
+                   "stages": [r.model_dump(mode="json") for r in rows]}
+    elif not isinstance(outcome, RunOutcome):  # the flow raised before any stage
         rows, code = [], ExitCode.FAILED
-        payload = {"state": "Failed", "error": f"{type(outcome).__name__}: {outcome}", "stages": rows}
-    elif outcome.get("nothing_new"):  # scheduled retraining with no new data: no job was launched
+        payload = {"state": "Failed", "error": f"{type(outcome).__name__}: {outcome}", "stages": []}
+    elif outcome.nothing_new:  # scheduled retraining with no new data: no job was launched
         payload = {"state": "Completed", "nothing_new": True, "message": state.message, "stages": []}
         if as_json:
             print(json.dumps(payload, indent=2))
@@ -137,17 +139,16 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
             console.print(f"[cyan]{title}: {state.message}[/cyan]")
         raise typer.Exit(ExitCode.OK)
     else:
-        rows, code = outcome["stages"], 0
-        payload = {"state": "Completed", "run_id": outcome["run_id"], "stages": rows, "results": outcome["results"],
-                   "cost": outcome.get("cost")}
+        rows, code = outcome.stages, 0
+        payload = {"state": "Completed", **outcome.model_dump(mode="json", exclude={"nothing_new", "watermark"})}
     if as_json:
         print(json.dumps(payload, indent=2, default=str))
     else:
         if show and code == 0:
-            show(outcome["results"])
+            show(outcome.results)
         console.print(render.stage_table(rows, stages, title))
-        if code == 0 and (outcome.get("cost") or {}).get("rows"):
-            console.print(render.cost_table(outcome["cost"]))
+        if code == 0 and outcome.cost.rows:
+            console.print(render.cost_table(outcome.cost))
         if code:
             err.print(f"{title} failed: {payload['error']}", **RED)
         else:
@@ -199,14 +200,16 @@ def preflight(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = F
     from trnflow.flows.preflight import STAGES
     from trnflow.flows.preflight import preflight as preflight_flow
 
-    def show(results: dict) -> None:
-        console.print(render.sanity_table(results["sanity"]["per_core"]))
-        mem = results["sanity"].get("memory")
+    def show(results: dict[str, StageResult]) -> None:
+        sanity, collectives = results["sanity"], results["collectives"]
+        assert isinstance(sanity, SanityResult) and isinstance(collectives, CollectivesResult)
+        console.print(render.sanity_table(sanity.per_core))
+        mem = sanity.memory
         if mem:
             console.print(f"device memory per core: {mem['total'] / 1024**3:.2f} GiB estimated of "
                           f"{mem['per_core_limit'] / 1024**3:.1f} GiB ({mem['parameters']:,} parameters)")
-        if results["collectives"]["rows"]:
-            print(render.nccom_text(results["collectives"]["rows"]))
+        if collectives.rows:
+            print(render.nccom_text(collectives.rows))
 
     _run_flow(preflight_flow, STAGES, "trnflow preflight", spec, None, as_json, show)
 

@@ -10,6 +10,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trnflow.reporting.report import ENGINES, cost_cells, engine_outcomes, with_not_run
+from trnflow.results import Cost, StageRow
 
 STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim"}
 
@@ -29,14 +30,13 @@ def cli_console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, width=PIPED_WIDTH)
 
 
-def stage_table(rows: list[dict[str, Any]], stages: tuple[str, ...] = (), title: str | None = None) -> Table:
+def stage_table(rows: list[StageRow], stages: tuple[str, ...] = (), title: str | None = None) -> Table:
     """One row per stage: state, duration, key figure; stages that never ran show NotRun. The key
     figure is printed as it is (an error message is never read as markup)."""
     table = Table("stage", "state", "duration", "key figure", title=title)
     for r in with_not_run(rows, stages):
-        duration = "" if r["seconds"] is None else f"{r['seconds']:.1f}s"
-        table.add_row(r["stage"], Text(r["state"], style=STATE_COLOURS.get(r["state"], "yellow")), duration,
-                      Text(r["summary"] or ""))
+        duration = "" if r.seconds is None else f"{r.seconds:.1f}s"
+        table.add_row(r.stage, Text(r.state, style=STATE_COLOURS.get(r.state, "yellow")), duration, Text(r.summary))
     return table
 
 
@@ -92,7 +92,7 @@ def top_table(itype: str, rows: list[dict[str, Any]]) -> Table:
     return table
 
 
-def cost_table(cost: dict[str, Any]) -> Table:
+def cost_table(cost: Cost) -> Table:
     """Each job's instances, price, billable time and cost, and the run's total."""
     table = Table("stage", "instance type", "nodes", "jobs", "price ($/node-hour)", "billable time (s)", "cost ($)",
                   title="what the jobs cost (on-demand prices; failed jobs included)")

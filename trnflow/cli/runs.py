@@ -24,6 +24,7 @@ from trnflow.cli.args import assignments
 from trnflow.cli.common import load, set_overrides
 from trnflow.cli.render import RED, cli_console, stage_table
 from trnflow.errors import ExitCode
+from trnflow.results import StageRow
 
 console = cli_console()
 err = cli_console(stderr=True)
@@ -134,7 +135,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
     if summary["message"]:
         console.print(summary["message"], markup=False, highlight=False)
     if summary["stages"]:
-        console.print(stage_table([{**row, "state": row["state"] or ""} for row in summary["stages"]]))
+        console.print(stage_table([StageRow(stage=row["stage"], state=row["state"] or "", seconds=row["seconds"],
+                                            summary=row["summary"] or "") for row in summary["stages"]]))
     if summary["artifacts"]:
         console.print("artifacts: " + ", ".join(summary["artifacts"]))
     console.print(summary["url"])

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from trnflow.results import CollectivesResult, CompileResult, Cost, StageResult, StageRow
+
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
 
 
-def with_not_run(rows: list[dict[str, Any]], stages: tuple[str, ...]) -> list[dict[str, Any]]:
+def with_not_run(rows: list[StageRow], stages: tuple[str, ...]) -> list[StageRow]:
     """The stage rows, then a NotRun row for each stage that never ran."""
-    seen = {r["stage"] for r in rows}
-    return rows + [{"stage": s, "state": "NotRun", "seconds": None, "summary": ""} for s in stages if s not in seen]
+    seen = {r.stage for r in rows}
+    return rows + [StageRow(stage=s, state="NotRun") for s in stages if s not in seen]
 
 
 def engine_outcomes(core: dict[str, Any]) -> list[tuple[int, list[str]]]:
@@ -25,13 +27,13 @@ def engine_outcomes(core: dict[str, Any]) -> list[tuple[int, list[str]]]:
     return out
 
 
-def cost_cells(cost: dict[str, Any]) -> tuple[list[list[str]], str]:
+def cost_cells(cost: Cost) -> tuple[list[list[str]], str]:
     """Each job's row of the cost table as text, and the run's total."""
-    rows = [[r["stage"], r["instance_type"], str(r["nodes"]), str(r.get("jobs", 1)),
-             "unknown" if r["price_per_node_hour"] is None else f"{r['price_per_node_hour']:.4g}",
-             f"{r['billable_seconds']:.1f}", "unknown" if r["cost_usd"] is None else f"{r['cost_usd']:.4f}"]
-            for r in cost["rows"]]
-    total = cost.get("total_usd")
+    rows = [[r.stage, r.instance_type, str(r.nodes), str(r.jobs),
+             "unknown" if r.price_per_node_hour is None else f"{r.price_per_node_hour:.4g}",
+             f"{r.billable_seconds:.1f}", "unknown" if r.cost_usd is None else f"{r.cost_usd:.4f}"]
+            for r in cost.rows]
+    total = cost.total_usd
     return rows, "unknown (set compute.price_per_hour)" if total is None else f"{total:.4f}"
 
 
@@ -42,52 +44,53 @@ def _table(header: list[str], rows: list[list[str]], align: list[str] | None = N
             *("| " + " | ".join(r) + " |" for r in cells)]
 
 
-def stage_summary(title: str, rows: list[dict[str, Any]], stages: tuple[str, ...]) -> str:
+def stage_summary(title: str, rows: list[StageRow], stages: tuple[str, ...]) -> str:
     """One row per stage: state, duration and key figure; stages that never ran say NotRun."""
-    body = [[r["stage"], f"**{r['state']}**" if r["state"] != "Completed" else r["state"],
-             "" if r["seconds"] is None else f"{r['seconds']:.1f} s", r["summary"]] for r in with_not_run(rows, stages)]
+    body = [[r.stage, f"**{r.state}**" if r.state != "Completed" else r.state,
+             "" if r.seconds is None else f"{r.seconds:.1f} s", r.summary] for r in with_not_run(rows, stages)]
     return "\n".join([f"## {title}", "", *_table(["stage", "state", "duration", "key figure"], body,
                                                  ["---", "---", "---:", "---"])]) + "\n"
 
 
-def sanity_markdown(result: dict[str, Any]) -> str:
-    """Known-answer tests per core and engine: ok (tests run) or the tests that failed."""
+def sanity_markdown(per_core: list[dict[str, Any]], excluded: list[int], cores: list[int]) -> str:
+    """Known-answer tests per core and engine: ok (tests run) or the tests that failed; then the bad
+    cores `excluded` and the `cores` the later stages ran on."""
     rows = [[f"nc{core['core']}", *("**FAIL** " + ", ".join(failed) if failed else f"ok ({ran})"
-                                    for ran, failed in engine_outcomes(core))] for core in result["per_core"]]
+                                    for ran, failed in engine_outcomes(core))] for core in per_core]
     lines = ["## Hardware sanity: known-answer tests per engine", "", *_table(["core", *ENGINES], rows)]
-    if result.get("excluded_cores"):
-        lines += ["", f"Excluded bad core(s): {result['excluded_cores']}; later stages ran on {result['cores']}."]
+    if excluded:
+        lines += ["", f"Excluded bad core(s): {excluded}; later stages ran on {cores}."]
     return "\n".join(lines) + "\n"
 
 
-def collectives_markdown(result: dict[str, Any]) -> str:
+def collectives_markdown(result: CollectivesResult) -> str:
     """The nccom-test-style sweep: size, time, algbw and busbw per op, and whether the answers were right."""
     rows = [[r["op"], f"{r['size(B)']:,}", r.get("type", ""), f"{r['time(us)']:.0f}", f"{r['algbw(GB/s)']:.3f}",
-             f"{r['busbw(GB/s)']:.3f}", "ok" if r.get("correct", True) else "**WRONG**"] for r in result["rows"]]
-    lines = [f"## Collectives on {result.get('ranks', '?')} cores", "",
+             f"{r['busbw(GB/s)']:.3f}", "ok" if r.get("correct", True) else "**WRONG**"] for r in result.rows]
+    lines = [f"## Collectives on {result.ranks} cores", "",
              *_table(["op", "size (B)", "dtype", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "result"], rows,
                      ["---", "---:", "---", "---:", "---:", "---:", "---"])]
-    averages = result.get("avg_busbw_by_op") or {}
+    averages = result.avg_busbw_by_op
     if averages:
         lines += ["", "Average bus bandwidth: " + ", ".join(f"{op} {bw:.3f} GB/s" for op, bw in averages.items())]
     return "\n".join(lines) + "\n"
 
 
-def compile_markdown(result: dict[str, Any]) -> str:
+def compile_markdown(result: CompileResult) -> str:
     """Each program's cache key and what happened to it: a hit, compiled, or failed."""
-    report = result.get("report") or {}
+    report = result.report
     rows = []
-    for program in result["programs"]:
+    for program in result.programs:
         done = report.get(program["key"], {})
         rows.append([program["program"], program.get("shapes", ""), f"`{program['key']}`",
                      done.get("status", program.get("state", "")), f"{done.get('seconds', 0.0):.1f} s"])
-    lines = [f"## Compile cache {result.get('cache', '')}", "",
-             f"{result.get('hits', 0)} hit(s), {result.get('compiled', 0)} compiled", "",
+    lines = [f"## Compile cache {result.cache}", "",
+             f"{result.hits} hit(s), {result.compiled} compiled", "",
              *_table(["program", "input shapes", "key", "outcome", "time"], rows)]
     return "\n".join(lines) + "\n"
 
 
-def cost_markdown(cost: dict[str, Any]) -> str:
+def cost_markdown(cost: Cost) -> str:
     rows, total = cost_cells(cost)
     rows.append(["**total**", "", "", "", "", "", f"**{total}**"])
     return "\n".join(["## What the jobs cost (on-demand prices)", "",
@@ -95,20 +98,20 @@ def cost_markdown(cost: dict[str, Any]) -> str:
                               rows, ["---", "---", "---:", "---:", "---:", "---:", "---:"])]) + "\n"
 
 
-def outputs(results: dict[str, dict[str, Any]]) -> list[tuple[str, str]]:
+def outputs(results: dict[str, StageResult]) -> list[tuple[str, str]]:
     """(what, URL) for everything the run wrote that a person may want to open."""
     found = []
-    train, gate, infer = results.get("train") or {}, results.get("evaluate") or {}, results.get("infer") or {}
-    if train.get("checkpoint"):
-        found.append(("final checkpoint", train["checkpoint"]))
-    if train.get("series"):
-        found.append(("metric series", train["series"]))
-    if gate.get("chart"):
-        found.append(("parity chart", gate["chart"]))
-    if infer.get("output_url") or infer.get("manifest"):
-        found.append(("embeddings", infer.get("manifest") or infer["output_url"]))
-    if (results.get("compile") or {}).get("cache"):
-        found.append(("compile cache", results["compile"]["cache"]))
+    train, gate, infer, compiled = (results.get(stage) for stage in ("train", "evaluate", "infer", "compile"))
+    if getattr(train, "checkpoint", None):
+        found.append(("final checkpoint", train.checkpoint))
+    if getattr(train, "series", None):
+        found.append(("metric series", train.series))
+    if getattr(gate, "chart", None):
+        found.append(("parity chart", gate.chart))
+    if getattr(infer, "output_url", None):
+        found.append(("embeddings", infer.manifest or infer.output_url))
+    if getattr(compiled, "cache", None):
+        found.append(("compile cache", compiled.cache))
     return found
 
 

@@ -1,0 +1,175 @@
+"""The results that cross rooms, as types: what each workload phase reports (rank 0's `result.json`),
+what each stage task returns, and what a flow run ends with.
+
+The workload writes a phase's result as JSON; `parse` reads it back into the phase's model at the one
+place a job's result enters the orchestrating side (`trnflow.tasks._jobs.run_job`). A field the model
+does not know is an error there, so producer and consumers cannot drift apart unnoticed. Tables of
+rows (per-core checks, collective sweep rows, compile reports, shards) stay lists of JSON objects:
+they are the tools' own formats (nccom-test's columns, neuron_parallel_compile's report).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class CompileMetrics(_Model):
+    """What a job's compile backend did: graphs compiled, cache hits, recompilations after warm-up."""
+
+    graphs: int = Field(0, description="graphs compiled by this job")
+    hits: int = Field(0, description="graphs loaded from the compile cache")
+    recompiles: list[dict[str, Any]] = Field(default_factory=list,
+                                             description="each recompilation: program, key, shapes and reason")
+    seconds: float = Field(0.0, description="time spent compiling")
+
+
+class StageResult(_Model):
+    """What every stage's result carries."""
+
+    phase: str | None = Field(None, description="the workload phase that produced it, when a job ran")
+    cores: list[int] | None = Field(None, description="the NeuronCores the job ran on (None: the service placed it)")
+    summary: str = Field("", description="the stage's key figure, one line")
+    compile: CompileMetrics | None = Field(None, description="what the job compiled")
+
+
+class SanityResult(StageResult):
+    per_core: list[dict[str, Any]] = Field(description="each core's known-answer checks and which failed")
+    bad_cores: list[int] = Field(default_factory=list, description="cores that failed a check")
+    passed: bool = Field(description="every core passed")
+    excluded_cores: list[int] = Field(default_factory=list, description="bad cores left out of the run")
+    memory: dict[str, Any] | None = Field(None, description="what each core must hold to train the spec")
+
+
+class CollectivesResult(StageResult):
+    ranks: int = Field(description="cores in the sweep")
+    rows: list[dict[str, Any]] = Field(description="nccom-test's rows: op, size(B), time(us), algbw, busbw, correct")
+    avg_busbw: float | None = Field(description="mean bus bandwidth (GB/s); None when one core had no peer")
+    avg_busbw_by_op: dict[str, float] = Field(default_factory=dict, description="mean bus bandwidth per op")
+    passed: bool = Field(True, description="every result was correct")
+    bad_cores: list[int] = Field(default_factory=list, description="cores that sent corrupted data")
+    note: str | None = Field(None, description="why the sweep did not run")
+
+
+class CompileResult(StageResult):
+    programs: list[dict[str, Any]] = Field(description="each program's key, input shapes and cache state")
+    graphs: int = Field(description="programs in the plan")
+    flags: dict[str, Any] | None = Field(None, description="the compiler flags the keys were made with")
+    compiler: str = Field(description="the compiler version in the cache layout")
+    cache: str = Field(description="the compile cache URL")
+    check: bool = Field(False, description="a warm check only: nothing was compiled")
+    hits: int = Field(0, description="programs the cache held")
+    misses: int = Field(0, description="programs a warm check found missing")
+    compiled: int = Field(0, description="programs compiled by this job")
+    report: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per key: status, seconds, retries")
+    seconds: float = Field(0.0, description="compile time of every program together")
+    launched: bool = Field(True, description="a compile job ran (False: every program was known to hit)")
+
+
+class TrainResult(StageResult):
+    skipped: bool = Field(False, description="no new data after the watermark: nothing trained")
+    reason: str | None = Field(None, description="why training was skipped")
+    run_id: str | None = None
+    checkpoint: str | None = Field(description="the final checkpoint's URL")
+    start_step: int = 0
+    steps: int = 0
+    steps_trained: int = 0
+    resumed_from: str | None = Field(None, description="the checkpoint a retry resumed from")
+    parent: str | None = Field(None, description="the model this one was trained further from")
+    global_step: int = 0
+    watermark: str | None = Field(None, description="the newest day partition trained on")
+    partitions: list[str] = Field(default_factory=list, description="the day partitions trained on")
+    rows: int = 0
+    loss: float | None = None
+    evaluations: list[dict[str, Any]] = Field(default_factory=list, description="holdout points during training")
+    curve: list[dict[str, Any]] = Field(default_factory=list, description="logged loss against step")
+    series: str | None = Field(None, description="the metric series the gate reads")
+    holdout_sha256: str | None = None
+    samples_per_s: float = 0.0
+    seconds: float = 0.0
+    first_step_seconds: float = 0.0
+    median_step_seconds: float = 0.0
+    device_memory: dict[str, Any] | None = None
+
+
+class EvaluateResult(StageResult):
+    checkpoint: str = Field(description="the checkpoint judged")
+    points: list[dict[str, Any]] = Field(description="the candidate's metric points")
+    series: str | None = None
+    holdout_sha256: str | None = None
+    verdict: dict[str, Any] | None = Field(None, description="the gate's verdict (`trnflow.lifecycle.gate`)")
+    against: str | None = Field(None, description="what the candidate was judged against")
+    chart: str | None = Field(None, description="the parity chart's URL")
+    registry: dict[str, Any] | None = Field(None, description="version, generation and whether it was promoted")
+
+
+class InferResult(StageResult):
+    output_url: str
+    model_version: str | None = None
+    rows: int = Field(description="rows embedded in all shards")
+    shards: list[dict[str, Any]] = Field(description="each shard: index, file, rows, sha256, reused")
+    rows_embedded: int = Field(0, description="rows embedded by this job (the rest were committed before)")
+    shards_reused: int = 0
+    manifest: str | None = None
+    rows_per_s: float = 0.0
+    program_load_seconds: float = 0.0
+
+
+class PromoteResult(StageResult):
+    version: int | None = None
+    generation: int | None = None
+    watermark: str | None = None
+    published: str | None = Field(None, description="the manifest of the embeddings published")
+
+
+RESULTS: dict[str, type[StageResult]] = {
+    "sanity": SanityResult, "collectives": CollectivesResult, "compile": CompileResult, "train": TrainResult,
+    "evaluate": EvaluateResult, "infer": InferResult, "promote": PromoteResult,
+}
+
+
+def parse(phase: str, data: dict[str, Any]) -> StageResult:
+    """A phase's `result.json` as its model."""
+    return RESULTS[phase].model_validate(data)
+
+
+class StageRow(_Model):
+    """One row of a run's stage table."""
+
+    stage: str
+    state: str = Field(description="Completed, Skipped, Failed, Crashed, ... or NotRun")
+    seconds: float | None = Field(None, description="wall time; None when it never ran")
+    summary: str = ""
+
+
+class CostRow(_Model):
+    """One stage's jobs (its failed attempts included) and what they cost."""
+
+    stage: str
+    instance_type: str
+    nodes: int
+    jobs: int = 1
+    price_per_node_hour: float | None = Field(description="on-demand price; None when unknown")
+    billable_seconds: float
+    cost_usd: float | None
+
+
+class Cost(_Model):
+    rows: list[CostRow] = Field(default_factory=list)
+    total_usd: float | None = Field(None, description="None when any instance has no known price")
+
+
+class RunOutcome(_Model):
+    """What a flow run ends with."""
+
+    run_id: str | None = None
+    stages: list[StageRow] = Field(default_factory=list)
+    results: dict[str, SerializeAsAny[StageResult]] = Field(default_factory=dict, description="by stage")
+    cost: Cost = Field(default_factory=Cost)
+    nothing_new: bool = Field(False, description="scheduled retraining found no new data and launched nothing")
+    watermark: str | None = None
