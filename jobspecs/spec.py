@@ -118,6 +118,11 @@ class ComputeSpec(Section):
     )
     nodes: int = Field(1, ge=1, le=512, description="Number of instances.")
     cores_per_node: int = Field(2, ge=1, description="NeuronCores used per instance, one worker process each.")
+    device: Literal["auto", "emulator", "neuron", "xla"] = Field(
+        "auto", description="What runs the job's tensors: neuron (native TorchNeuron, trn2/trn3), xla (torch-xla, "
+        "trn1), emulator (the NeuronCore emulator, any machine), or auto: the one the instance family and the "
+        "installed Neuron SDK allow, else the emulator.",
+    )
     precision: Literal["fp32", "bf16", "bf16-sr"] = Field(
         "fp32", description="fp32, bf16 autocast, or bf16 weights with stochastic rounding (bf16-sr)."
     )
@@ -150,6 +155,11 @@ class ComputeSpec(Section):
             raise ValueError(
                 f"compute.cores_per_node: {itype.name} has {itype.cores} NeuronCores; "
                 f"set compute.cores_per_node <= {itype.cores}{fix}"
+            )
+        if self.device == "neuron" and itype.device_type == "trainium":
+            raise ValueError(
+                f"compute.device: neuron (native TorchNeuron) runs on trn2 and later, not on {itype.name}; "
+                "trn1 runs the xla device: set compute.device to xla or auto"
             )
         if self.nodes > 1 and not itype.multi_node:
             raise ValueError(

@@ -60,7 +60,10 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     JobLedger(settings.home, run_id).record(LedgerEntry(phase, info.job_id, str(info.state),
                                                         info.details.get("seconds") or 0.0))
     if info.state is JobState.SUCCEEDED and info.result is not None:
-        return parse(phase, {**info.result, "cores": info.details.get("cores")})
+        result = parse(phase, {**info.result, "cores": info.details.get("cores")})
+        if result.device is not None:
+            logger.info("%s ran on the %s device (%s)", phase, result.device.name, result.device.reason)
+        return result
     raise classify(info)
 
 

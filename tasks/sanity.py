@@ -51,6 +51,8 @@ def sanity_check(spec: JobSpec, run_id: str) -> SanityResult:
         result.summary = f"all {len(result.per_core)} cores passed on every instance"
     else:
         result.summary = f"all {len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
+    if result.device is not None:
+        result.summary += f" on the {result.device.name}" + (" device" if result.device.name != "emulator" else "")
     return result
 
 

@@ -29,10 +29,18 @@ class CompileMetrics(_Model):
     seconds: float = Field(0.0, description="time spent compiling")
 
 
+class DeviceUsed(_Model):
+    """The device a job ran on, and why (`compute.device`, resolved where the job ran)."""
+
+    name: str = Field(description="emulator, neuron or xla")
+    reason: str = Field(description="what chose it")
+
+
 class StageResult(_Model):
     """What every stage's result carries."""
 
     phase: str | None = Field(None, description="the workload phase that produced it, when a job ran")
+    device: DeviceUsed | None = Field(None, description="the device the job ran on, and why")
     cores: list[int] | None = Field(None, description="the NeuronCores the job ran on (None: the service placed it)")
     summary: str = Field("", description="the stage's key figure, one line")
     compile: CompileMetrics | None = Field(None, description="what the job compiled")

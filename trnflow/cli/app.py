@@ -21,12 +21,12 @@ from trnflow.cli import pipeline as cli_pipeline
 from trnflow.cli import runs as cli_runs
 from trnflow.cli import serve as cli_serve
 from trnflow.cli.cache import cache_app
-from trnflow.cli.common import JsonOpt, console, err
+from trnflow.cli.common import JsonOpt, checked, console, err
 from trnflow.cli.data import data_app
 from trnflow.cli.models import models_app
 from trnflow.cli.render import RED
 from trnflow.errors import ExitCode
-from trnflow.specs import JobSpec, SpecError, load_spec
+from trnflow.specs import JobSpec, SpecError
 
 app = typer.Typer(
     name="trnflow",
@@ -58,7 +58,7 @@ def validate(
     report, failed = [], False
     for path in specs:
         try:
-            spec = load_spec(path)
+            spec = checked(path)
             report.append({"file": str(path), "valid": True, "name": spec.name})
         except SpecError as exc:
             failed = True

@@ -10,6 +10,7 @@ import typer
 from trnflow.cli.args import assignments
 from trnflow.cli.render import RED, cli_console
 from trnflow.errors import ExitCode
+from trnflow.neuron.devices import problems as device_problems
 from trnflow.specs import CATALOGUE, JobSpec, SpecError, load_spec
 
 console = cli_console()
@@ -38,9 +39,19 @@ def check_instance_type(name: str) -> None:
         raise typer.Exit(ExitCode.BAD_INPUT)
 
 
+def checked(path: Path, overrides: dict[str, Any] | None = None) -> JobSpec:
+    """The spec at `path`, valid in itself and runnable from here: a local job's device must have
+    its SDK in this environment (`trnflow.neuron.devices.problems`)."""
+    spec = load_spec(path, overrides)
+    found = device_problems(spec, local=spec.compute.backend == "local")
+    if found:
+        raise SpecError(str(path), found)
+    return spec
+
+
 def load(path: Path, overrides: dict[str, Any] | None = None) -> JobSpec:
     try:
-        return load_spec(path, overrides)
+        return checked(path, overrides)
     except SpecError as exc:
         err.print(f"{exc.source}: invalid job spec", **RED)
         for problem in exc.problems:

@@ -1,7 +1,8 @@
 """Devices by name. The workload asks for a device here and never imports its implementation, so
 the emulator (or a real NeuronCore's runtime) is loaded only where it runs.
 
-`TRNFLOW_DEVICE` picks the device of a worker process (default `emulator`).
+A worker runs on the device its spec's `compute.device` resolves to on its own host
+(`trnflow.neuron.devices`); `TRNFLOW_DEVICE` overrides that for a process (default `emulator`).
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import os
 
 from trnflow.device.base import Device
 from trnflow.errors import FatalError
+from trnflow.neuron.devices import Choice, resolve
+from trnflow.specs import JobSpec
 
 DEVICE_ENV = "TRNFLOW_DEVICE"
 DEFAULT = "emulator"
@@ -29,6 +32,16 @@ def register(name: str, target: str) -> None:
 
 def names() -> list[str]:
     return sorted(_DEVICES)
+
+
+def choose(spec: JobSpec | None) -> Choice:
+    """The device this process runs `spec` on, and why: TRNFLOW_DEVICE when set, else the spec's
+    `compute.device` resolved here, else the emulator."""
+    if os.environ.get(DEVICE_ENV):
+        return Choice(os.environ[DEVICE_ENV], f"{DEVICE_ENV}={os.environ[DEVICE_ENV]}")
+    if spec is None:
+        return Choice(DEFAULT, "no job spec: the default device")
+    return resolve(spec)
 
 
 def get_device(name: str | None = None) -> Device:

@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         options = json.loads(args.options.read_text()) if args.options else {}
         ctx = init_worker(spec, output, args.phase, options)
         result = _dispatch(args, ctx)
-        ctx.write_result({"phase": args.phase, **result})
+        device = {"name": ctx.device.name, "reason": ctx.device_reason}
+        ctx.write_result({"phase": args.phase, "device": device, **result})
         shutdown()
         return ExitCode.OK
     except BaseException as exc:

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trnflow.device.base import Device, FaultHooks, Lease, NoFaults
-from trnflow.device.registry import get_device
+from trnflow.device.registry import choose, get_device
 from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
 from trnflow.neuron.launch import INSTANCE_CORES_ENV
@@ -41,6 +41,8 @@ class WorkerContext:
     faults: FaultHooks = field(default_factory=NoFaults)
     lease: Lease | None = None
     device: Device = field(default_factory=get_device)
+    device_reason: str = ""
+    """Why this device runs the job (`trnflow.device.registry.choose`)."""
     _progress: int = 0
 
     @property
@@ -114,7 +116,8 @@ def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dic
                 ) -> WorkerContext:
     """Own this rank's NeuronCore, then join the process group (the device's backend)."""
     exit_with_launcher()
-    device = get_device()
+    choice = choose(spec)
+    device = get_device(choice.device)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -133,7 +136,7 @@ def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dic
         (options or {}).get("timeout_seconds", 60.0))
     device.init_process_group(world, timeout)
     ctx = WorkerContext(spec, output_dir, rank, world, local_rank, core_id, dict(options or {}),
-                        device.fault_hooks(core_id, spec), lease, device)
+                        device.fault_hooks(core_id, spec), lease, device, choice.reason)
     ctx.progress("started")
     return ctx
 

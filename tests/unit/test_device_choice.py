@@ -1,0 +1,75 @@
+"""`compute.device`: what `auto` picks on each instance family with each SDK installed, the choices
+the spec refuses whatever is installed, and the ones `trnflow validate` refuses in this environment."""
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.conftest import quickstart_data
+from trnflow.cli.app import app
+from trnflow.device.registry import DEVICE_ENV, choose
+from trnflow.neuron import devices
+from trnflow.specs import SpecError, validate_spec
+
+
+def _spec(device="auto", instance_type="trn1.2xlarge", backend="local"):
+    return validate_spec(quickstart_data(compute={"device": device, "instance_type": instance_type,
+                                                  "backend": backend}))
+
+
+def test_the_sdks_are_told_apart_by_their_modules():
+    def has(*names):
+        return lambda name: name in names
+
+    assert devices.installed(has()) == frozenset()
+    assert devices.installed(has("torch_neuronx")) == {"neuron"}  # native TorchNeuron
+    assert devices.installed(has("torch_neuronx", "libneuronxla", "torch_xla")) == {"xla"}  # the legacy XLA path
+    assert devices.installed(has("torch_xla")) == {"xla"}
+    assert devices.installed() == frozenset()  # this environment has neither SDK
+
+
+def test_auto_takes_the_family_device_only_when_installed_and_provided(monkeypatch):
+    monkeypatch.setattr(devices, "PROVIDED", ("emulator", "neuron", "xla"))
+    assert devices.resolve(_spec(instance_type="trn2.48xlarge"), frozenset({"neuron"})) == devices.Choice(
+        "neuron", "auto: trn2.48xlarge with native TorchNeuron installed")
+    assert devices.resolve(_spec(instance_type="trn1.32xlarge"), frozenset({"xla", "neuron"})).device == "xla"
+    fallback = devices.resolve(_spec(instance_type="trn2.48xlarge"), frozenset({"xla"}))
+    assert fallback.device == "emulator" and "no Neuron SDK for trn2.48xlarge" in fallback.reason
+    monkeypatch.setattr(devices, "PROVIDED", ("emulator",))
+    assert devices.resolve(_spec(instance_type="trn1.32xlarge"), frozenset({"xla"})).device == "emulator"
+    chosen = devices.resolve(_spec("emulator"), frozenset({"xla"}))
+    assert chosen == devices.Choice("emulator", "compute.device: emulator")
+
+
+def test_the_spec_refuses_a_device_the_instance_family_cannot_run():
+    with pytest.raises(SpecError) as bad:
+        _spec("neuron", "trn1.32xlarge")
+    assert any(p.startswith("compute.device: neuron (native TorchNeuron) runs on trn2") and "xla or auto" in p
+               for p in bad.value.problems), bad.value.problems
+    assert _spec("neuron", "trn2.48xlarge").compute.device == "neuron"
+
+
+def test_problems_name_the_field_and_the_fix(monkeypatch):
+    assert devices.problems(_spec("auto"), local=True) == devices.problems(_spec("emulator"), local=True) == []
+    (unprovided,) = devices.problems(_spec("xla"), local=True, available=frozenset({"xla"}))
+    assert unprovided.startswith("compute.device: xla is not one this trnflow can run yet")
+    monkeypatch.setattr(devices, "PROVIDED", ("emulator", "xla"))
+    (missing,) = devices.problems(_spec("xla"), local=True, available=frozenset())
+    assert missing.startswith("compute.device: xla needs its SDK") and "pip install torch-xla" in missing
+    assert devices.problems(_spec("xla", backend="sagemaker"), local=False, available=frozenset()) == []
+
+
+def test_validate_reports_the_device_problem_for_the_file(tmp_path):
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(quickstart_data(compute={"device": "xla"})))
+    result = CliRunner().invoke(app, ["validate", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "invalid" in result.output and "compute.device: xla" in result.output
+
+
+def test_a_worker_takes_the_environments_device_first(monkeypatch):
+    monkeypatch.setenv(DEVICE_ENV, "emulator")
+    assert choose(_spec()) == devices.Choice("emulator", f"{DEVICE_ENV}=emulator")
+    monkeypatch.delenv(DEVICE_ENV)
+    assert choose(_spec()).reason.startswith("auto: no Neuron SDK for trn1.2xlarge")
+    assert choose(None).device == "emulator"

@@ -1,0 +1,87 @@
+"""Which device a job runs on: `compute.device` (auto, emulator, neuron or xla) resolved against the
+instance family and the Neuron SDK that is installed where the job runs. Torch-free: the CLI checks
+a spec with it before any job starts, and each worker resolves `auto` again on its own host.
+
+- `neuron`: native TorchNeuron (`torch_neuronx` as a PrivateUse1 device), Neuron SDK 2.33 and later,
+  on trn2 and trn3. Told apart from the legacy torch-neuronx, which ships the same module name, by
+  the legacy path's XLA runtime (`libneuronxla`) being absent.
+- `xla`: torch-xla lazy tensors, the legacy torch-neuronx path that trn1 fleets run (and, with
+  `PJRT_DEVICE=CPU`, a local rehearsal of it).
+- `emulator`: trnflow's NeuronCore emulator, on any machine.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from trnflow.specs import JobSpec, instance
+
+DEVICES = ("emulator", "neuron", "xla")
+PROVIDED: tuple[str, ...] = ("emulator",)
+"""The devices this trnflow can run a job on (see `trnflow.device.registry`)."""
+INSTALL = {
+    "neuron": "install the Neuron SDK's torch-neuronx (2.33 or later) from the Neuron repository",
+    "xla": "pip install torch-xla (2.9 runs here on the CPU with PJRT_DEVICE=CPU)",
+}
+
+
+def has_module(name: str) -> bool:
+    """Whether `import name` would find the module, without importing it."""
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def installed(has: Callable[[str], bool] = has_module) -> frozenset[str]:
+    """The real devices whose SDK this environment has."""
+    found = set()
+    if has("torch_neuronx") and not has("libneuronxla"):
+        found.add("neuron")
+    if has("torch_xla"):
+        found.add("xla")
+    return frozenset(found)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The device a job runs on, and why."""
+
+    device: str
+    reason: str
+
+
+def resolve(spec: JobSpec, available: frozenset[str] | None = None) -> Choice:
+    """The device for `spec` where `available` (by default: the SDKs installed here) are the real
+    devices at hand. `auto` takes the device that matches the instance family when its SDK is
+    installed and trnflow provides it, else the emulator."""
+    wanted, itype = spec.compute.device, spec.compute.instance_type
+    available = installed() if available is None else available
+    if wanted != "auto":
+        return Choice(wanted, f"compute.device: {wanted}")
+    family = instance(itype).device_type
+    native = family != "trainium"  # trn2 and later run native TorchNeuron
+    for device in ("neuron",) if native else ("xla",):
+        if device in available and device in PROVIDED:
+            sdk = "native TorchNeuron" if device == "neuron" else "torch-xla"
+            return Choice(device, f"auto: {itype} with {sdk} installed")
+    return Choice("emulator", f"auto: no Neuron SDK for {itype} here ({family}), so the NeuronCore emulator")
+
+
+def problems(spec: JobSpec, local: bool, available: frozenset[str] | None = None) -> list[str]:
+    """What stops the spec's device choice, as `field: message` lines. `local`: the job runs in
+    this environment, so the device's SDK must be installed here (a cloud job's image has its own).
+    The instance family is the spec's own check (`ComputeSpec`)."""
+    wanted = spec.compute.device
+    found: list[str] = []
+    if wanted in ("auto", "emulator"):
+        return found
+    if wanted not in PROVIDED:
+        found.append(f"compute.device: {wanted} is not one this trnflow can run yet (it runs: "
+                     f"{', '.join(PROVIDED)}); set compute.device to auto or emulator")
+    elif local and wanted not in (installed() if available is None else available):
+        found.append(f"compute.device: {wanted} needs its SDK where the job runs, and this environment has none: "
+                     f"{INSTALL[wanted]}, or set compute.device to auto or emulator")
+    return found
