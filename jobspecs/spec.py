@@ -178,11 +178,27 @@ class CompileSpec(Section):
         description="Persistent compile cache: a directory or s3:// URL, shared by every job and host that uses it.",
     )
     workers: int = Field(1, ge=1, le=64, description="Parallel compile processes.")
-    fail_on_recompile: bool = Field(
-        False,
-        description="Stop a training, evaluation or inference run at the first graph that was not compiled "
-        "ahead of time (a recompilation, usually from a changed shape) instead of compiling it on the spot.",
+    max_recompiles: int | None = Field(
+        None, ge=0,
+        description="Stop a training, evaluation or inference run when it meets more graphs than this that were "
+        "not compiled ahead of time (recompilations, usually from a changed input shape), on any device; each one "
+        "is logged with the shapes that caused it. None: no limit; 0: stop at the first.",
     )
+    fail_on_recompile: bool = Field(
+        False, description="Stop at the first recompilation: the same as compile.max_recompiles: 0.",
+    )
+
+    @property
+    def recompile_limit(self) -> int | None:
+        """The recompilations a run may make; None: any number."""
+        return 0 if self.fail_on_recompile else self.max_recompiles
+
+    @model_validator(mode="after")
+    def _one_limit(self) -> CompileSpec:
+        if self.fail_on_recompile and self.max_recompiles:
+            raise ValueError(f"compile.fail_on_recompile: true stops at the first recompilation, but "
+                             f"compile.max_recompiles is {self.max_recompiles}; set only one of them")
+        return self
 
 
 class TrainSpec(Section):

@@ -25,7 +25,7 @@ class DataError(FatalError):
 
 
 class Recompilation(FatalError):
-    """A graph that was not compiled ahead of time, met with `compile.fail_on_recompile: true`."""
+    """More graphs compiled during a run than `compile.max_recompiles` allows (a changed shape, usually)."""
 
 
 class TransientError(TrnflowError):

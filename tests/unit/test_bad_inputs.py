@@ -33,6 +33,7 @@ import trnflow.cli.devices
 import trnflow.cli.pipeline
 from tests.conftest import archive, quickstart_data
 from trnflow.cli.app import app
+from trnflow.device.base import RecompileGuard
 from trnflow.device.cache import COMPILER_VERSION, CompileCache
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.errors import ERROR_TYPES, TrnflowError
@@ -260,13 +261,13 @@ def cache_entry(change: Callable[[Path], object], where: Callable[[Path], Path] 
 
 
 def cache_lookup(artifact: bytes | None):
-    """A run's lookup of KEY with compile.fail_on_recompile, the entry holding `artifact` (None: absent)."""
+    """A run's lookup of KEY with compile.max_recompiles 0, the entry holding `artifact` (None: absent)."""
     def make(tmp: Path):
         cache = CompileCache(str(tmp / "cache"))
         if artifact is not None:
             cache.commit(ENTRY, "graph", {"optlevel": 1}, artifact)
         with mock.patch.dict(os.environ):  # the compiler points TORCHINDUCTOR_CACHE_DIR at its folder
-            compiler = CachedCompiler({}, cache, fail_on_recompile=True, inductor_dir=tmp / "inductor",
+            compiler = CachedCompiler({}, cache, guard=RecompileGuard(0), inductor_dir=tmp / "inductor",
                                       program="train_step")
         graph = SimpleNamespace(data_shapes="tokens [16, 8] int64")
         return lambda: refused(lambda: compiler._load(KEY, graph))

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
-from trnflow.errors import FatalError
+from trnflow.errors import FatalError, Recompilation
 from trnflow.neuron.launch import aligned_ranges, parse_visible_cores
 from trnflow.specs import JobSpec
 
@@ -43,6 +43,28 @@ class CompileMetrics:
     def as_dict(self) -> dict[str, Any]:
         return {"graphs": self.graphs, "hits": self.hits, "recompiles": list(self.recompiles),
                 "seconds": self.seconds}
+
+
+@dataclass
+class RecompileGuard:
+    """The limit on recompilations in a run, the same on every device: each graph a run meets that
+    was not compiled ahead of time (or in warm-up) is counted, and the one over `limit` stops the run
+    with the shapes that caused it. `limit` None: count only."""
+
+    limit: int | None = None
+    count: int = 0
+
+    def recompiled(self, program: str, key: str, shapes: str, reason: str, where: str) -> None:
+        self.count += 1
+        if self.limit is None or self.count <= self.limit:
+            return
+        raise Recompilation(
+            f"{program} needs a graph that was not compiled ahead of time: {key} for inputs {shapes}; {reason} "
+            f"({where}). That is recompilation {self.count}, over compile.max_recompiles ({self.limit}). Dynamic "
+            "shapes are the usual cause: keep every batch the same shape (a fixed per-core batch with "
+            "train.drop_last: true, a fixed model.seq_len), then run `trnflow compile SPEC` so the cache holds "
+            "every graph"
+        )
 
 
 class CompileBackend(Protocol):

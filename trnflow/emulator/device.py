@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from trnflow.device.base import Device, FaultHooks, Lease, Log
+from trnflow.device.base import Device, FaultHooks, Lease, Log, RecompileGuard
 from trnflow.device.cache import CompileCache
 from trnflow.emulator import cores
 from trnflow.emulator.compiler import compile_flags, pack_dir
@@ -54,7 +54,7 @@ class EmulatorDevice(Device):
         inductor_dir = Path(tempfile.mkdtemp(prefix="trnflow-inductor-"))
         atexit.register(shutil.rmtree, inductor_dir, ignore_errors=True)
         return CachedCompiler(flags, CompileCache(cache_url(spec.compile.cache_url)), mode="run",
-                              fail_on_recompile=spec.compile.fail_on_recompile, inductor_dir=inductor_dir,
+                              guard=RecompileGuard(spec.compile.recompile_limit), inductor_dir=inductor_dir,
                               log=log or (lambda event, **fields: None))
 
     def artifact(self, workdir: Path) -> bytes:

@@ -28,10 +28,10 @@ from pathlib import Path
 from typing import Any
 
 from trnflow.device import cache as cache_states
-from trnflow.device.base import CompileMetrics
+from trnflow.device.base import CompileMetrics, RecompileGuard
 from trnflow.device.cache import CompileCache, CorruptEntry, entry_name
 from trnflow.emulator.compiler import Graph, cache_key, lower, unpack_into
-from trnflow.errors import FatalError, Recompilation
+from trnflow.errors import FatalError
 
 Log = Callable[..., None]
 
@@ -56,7 +56,7 @@ class CachedCompiler:
     flags: dict
     cache: CompileCache | None = None
     mode: str = "run"
-    fail_on_recompile: bool = False
+    guard: RecompileGuard = field(default_factory=RecompileGuard)
     inductor_dir: Path | None = None
     log: Log = field(default=lambda event, **fields: None)
     program: str = "program"
@@ -105,7 +105,7 @@ class CachedCompiler:
     def _load(self, key: str, graph: Graph) -> str:
         """Unpack the key's artifact for the compiler to find; '' on a hit, else why it missed.
 
-        Raises Recompilation on a miss when `fail_on_recompile` is set."""
+        Raises Recompilation on a miss over the guard's limit."""
         entry, reason = entry_name(key), ""
         try:  # one read, checked against model.done: an entry that is not whole is never loaded
             artifact = self.cache.load_artifact(entry) if self.cache else None
@@ -120,14 +120,9 @@ class CachedCompiler:
             self.cache.record_hit(entry)
         elif not reason:  # only a miss pays for finding out why
             reason = self._why_missed(entry)
-        if reason and self.fail_on_recompile:
+        if reason:
             where = self.cache.url if self.cache else "the compile cache"
-            raise Recompilation(
-                f"{self.program} needs a graph that was not compiled ahead of time: {key} "
-                f"for inputs {graph.data_shapes}; {reason} ({where}). Dynamic shapes are the usual "
-                "cause: keep every batch the same shape (a fixed per-core batch with train.drop_last: true, "
-                "a fixed model.seq_len), then run `trnflow compile SPEC` so the cache holds every graph"
-            )
+            self.guard.recompiled(self.program, key, graph.data_shapes, reason, where)
         return reason
 
     def _why_missed(self, entry: str) -> str:
