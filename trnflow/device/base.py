@@ -169,6 +169,21 @@ class Device(ABC):
         local_world = int(env.get("LOCAL_WORLD_SIZE", "1"))
         return parse_visible_cores(env.get("NEURON_RT_VISIBLE_CORES", f"0-{local_world - 1}"))
 
+    def put(self, t: torch.Tensor) -> torch.Tensor:
+        """`t` where the programs run (the same tensor when it is there already)."""
+        return t.to(self.torch_device)
+
+    def to_host(self, tree: Any) -> Any:
+        """A state dict (or any nest of dicts, lists and tensors) with its tensors in host memory, as
+        checkpoints are saved and outputs are written; tensors already there are not copied."""
+        if isinstance(tree, torch.Tensor):
+            return tree.cpu()
+        if isinstance(tree, dict):
+            return {k: self.to_host(v) for k, v in tree.items()}
+        if isinstance(tree, list | tuple):
+            return type(tree)(self.to_host(v) for v in tree)
+        return tree
+
     def claim(self, cores: list[int], total: int, command: str) -> Lease | None:
         """Own `cores` for this process. The Neuron runtime enforces ownership on real devices."""
         return None

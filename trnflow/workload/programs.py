@@ -54,29 +54,32 @@ class Programs:
         # A fresh Dynamo state: compiled code is cached per function, and a process builds its
         # programs once (tests build several; stale entries would count against the recompile limit).
         torch._dynamo.reset()
+        model.to(device.torch_device)  # a no-op for a model already there (a trainer's, with its optimizer)
         self.spec, self.model, self.compiler, self.device = spec, model, compiler, device
         self._forward = device.compile(model, compiler)
         self._embed = device.compile(model.embed, compiler)
         # DDP wraps the compiled module, so the graph is the model's alone, whatever the world size.
         self._train_forward = DDP(self._forward) if ddp else self._forward
 
+    # Inputs go to the device here; the loss stays there for backward, logits and embeddings come
+    # back to the host, where they are compared and written.
     def train_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         self.model.train()
         with self.compiler.naming("train_step"), _compiler_errors(), self.device.autocast(self.spec.compute.precision):
-            return self._train_forward(tokens)
+            return self._train_forward(self.device.put(tokens))
 
     def train_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.train_logits(tokens).float(), labels)
+        return F.cross_entropy(self.train_logits(tokens).float(), self.device.put(labels))
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         self.model.eval()
         with self.compiler.naming("eval_step"), _compiler_errors(), torch.inference_mode():
-            return self._forward(tokens)
+            return self._forward(self.device.put(tokens)).cpu()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         self.model.eval()
         with self.compiler.naming("embed_step"), _compiler_errors(), torch.inference_mode():
-            return self._embed(tokens)
+            return self._embed(self.device.put(tokens)).cpu()
 
     def exercise(self, program: str, steps: int = 1) -> None:
         """Run `program` on inputs of the run's shapes, as a trial run does: for `train_step`,

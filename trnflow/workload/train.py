@@ -71,7 +71,7 @@ class Trainer:
         assert texts.labels is not None
         self.tokenizer = _tokenizer(ctx, start, texts.texts)
         self.tokens, self.labels = self.tokenizer.encode(texts.texts), texts.labels
-        self.model = build_model(cfg, tcfg.seed)
+        self.model = build_model(cfg, tcfg.seed).to(self.device.torch_device)  # before its optimizer holds it
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
         self.use_sr = self.device.stochastic_rounding(self.spec.compute.precision)
         # Replicas must round identically, so the rounding stream is seeded the same on every rank.
@@ -193,8 +193,10 @@ class Trainer:
                     "data": self.data_meta, "watermark": self.start.watermark, "metrics": self.metrics,
                     "evaluations": self.evaluations, "holdout_sha256": self.holdout.digest,
                     "torch": torch.__version__}
-            self.checkpoint_url = checkpoints.save(done, self.model.state_dict(), self.optimizer.state_dict(), rng,
-                                                   self.tokenizer.to_json(), meta, keep_latest=spec.train.keep_latest)
+            host = self.device.to_host  # checkpoints hold CPU copies, whatever the device
+            self.checkpoint_url = checkpoints.save(
+                done, host(self.model.state_dict()), host(self.optimizer.state_dict()), rng,
+                self.tokenizer.to_json(), meta, keep_latest=spec.train.keep_latest)
             ctx.log("checkpoint", step=done, url=self.checkpoint_url)
         # No rank runs ahead while the checkpoint is written: a fault on another rank in the
         # next step would otherwise take rank 0 down mid-save and lose the interval.
