@@ -173,6 +173,11 @@ class Device(ABC):
         """`t` where the programs run (the same tensor when it is there already)."""
         return t.to(self.torch_device)
 
+    def inference(self) -> contextlib.AbstractContextManager:
+        """No autograd, for evaluation and embedding: inference mode, where the device supports it
+        (torch-xla's tensors do not)."""
+        return torch.inference_mode()
+
     def to_host(self, tree: Any) -> Any:
         """A state dict (or any nest of dicts, lists and tensors) with its tensors in host memory, as
         checkpoints are saved and outputs are written; tensors already there are not copied."""

@@ -73,12 +73,12 @@ class Programs:
 
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         self.model.eval()
-        with self.compiler.naming("eval_step"), _compiler_errors(), torch.inference_mode():
+        with self.compiler.naming("eval_step"), _compiler_errors(), self.device.inference():
             return self._forward(self.device.put(tokens)).cpu()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         self.model.eval()
-        with self.compiler.naming("embed_step"), _compiler_errors(), torch.inference_mode():
+        with self.compiler.naming("embed_step"), _compiler_errors(), self.device.inference():
             return self._embed(self.device.put(tokens)).cpu()
 
     def exercise(self, program: str, steps: int = 1) -> None:
