@@ -154,15 +154,21 @@ def wheel(tmp_path_factory) -> Path:
     return _build_wheel(tmp_path_factory.getbasetemp() / "trnflow-wheel")
 
 
-@pytest.fixture(scope="module")
-def image_python_env(wheel, tmp_path_factory) -> Path:
-    """A fresh venv of the image's Python and torch, after exactly the image's install step."""
+def image_venv(tmp_path_factory, name: str) -> Path:
+    """The python of a fresh venv of the image's Python (or the oldest newer one here); skips
+    when this machine has none."""
     _, minor = image_python()
     python = find_python(minor)
     if python is None:
         pytest.skip(f"no Python 3.{minor} or newer on this machine to stand for the image's Python 3.{minor}")
-    venv = tmp_path_factory.mktemp("image") / "venv"
-    venv_python = make_venv(python, venv)
+    return make_venv(python, tmp_path_factory.mktemp(name) / "venv")
+
+
+@pytest.fixture(scope="module")
+def image_python_env(wheel, tmp_path_factory) -> Path:
+    """A fresh venv of the image's Python and torch, after exactly the image's install step."""
+    venv_python = image_venv(tmp_path_factory, "image")
+    venv = venv_python.parents[1]
     commands = install_commands(wheel)
     # First whether the image's Python takes trnflow at all: one it refuses fails here, whether or
     # not this machine has a torch for it.

@@ -11,14 +11,12 @@ import yaml
 from test_image_install import (  # noqa: F401 (wheel is a fixture)
     EXAMPLES,
     clean_env,
-    find_python,
+    image_venv,
     install_torch,
-    make_venv,
     pip,
     run,
     wheel,
 )
-from test_python_version import image_python
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]
 
@@ -26,12 +24,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.integration]
 @pytest.fixture(scope="module")
 def installed(wheel, tmp_path_factory):  # noqa: F811 (the fixture imported above)
     """A fresh venv of the image's Python (trnflow's oldest) with torch, then `pip install <wheel>`."""
-    _, minor = image_python()
-    python = find_python(minor)
-    if python is None:
-        pytest.skip(f"no Python 3.{minor} or newer on this machine")
-    venv = tmp_path_factory.mktemp("wheel") / "venv"
-    venv_python = make_venv(python, venv)
+    venv_python = image_venv(tmp_path_factory, "wheel")
+    venv = venv_python.parents[1]
     install_torch(venv_python)  # first, so that the wheel's torch pin finds it installed
     done = pip(venv_python, "install", str(wheel), cwd=venv.parent)
     assert done.returncode == 0, done.stderr

@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT
+from tests.markdown import shell_blocks
 
 README = ROOT / "README.md"
 TRNFLOW = Path(sys.executable).with_name("trnflow")
@@ -44,28 +45,6 @@ and checks against the demo target's recipe; `make test` and `make test-fast` ar
 themselves, and the Makefile target must hold the pytest call."""
 
 pytestmark = [pytest.mark.integration]
-
-FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
-
-
-def shell_blocks(text: str) -> list[list[str]]:
-    """The commands of each shell block, by the convention above."""
-    blocks = []
-    for language, body in FENCE.findall(text):
-        if language not in ("sh", "bash", "console"):
-            continue
-        commands = []
-        for line in re.sub(r"\\\n\s*", " ", body).splitlines():
-            line = line.strip()
-            if language == "console":
-                if not line.startswith("$ "):
-                    continue
-                line = line[2:]
-            line = re.split(r"\s+#", line, maxsplit=1)[0].strip()
-            if line and not line.startswith("#"):
-                commands.append(line)
-        blocks.append(commands)
-    return blocks
 
 
 def readme_commands() -> list[str]:

@@ -9,6 +9,7 @@ from tests.conftest import quickstart_data
 from trnflow.cli.app import app
 from trnflow.device.registry import DEVICE_ENV, choose
 from trnflow.neuron import devices
+from trnflow.results import DeviceUsed
 from trnflow.specs import SpecError, validate_spec
 
 
@@ -30,15 +31,15 @@ def test_the_sdks_are_told_apart_by_their_modules():
 
 def test_auto_takes_the_family_device_only_when_installed_and_provided(monkeypatch):
     monkeypatch.setattr(devices, "PROVIDED", ("emulator", "neuron", "xla"))
-    assert devices.resolve(_spec(instance_type="trn2.48xlarge"), frozenset({"neuron"})) == devices.Choice(
-        "neuron", "auto: trn2.48xlarge with native TorchNeuron installed")
-    assert devices.resolve(_spec(instance_type="trn1.32xlarge"), frozenset({"xla", "neuron"})).device == "xla"
+    assert devices.resolve(_spec(instance_type="trn2.48xlarge"), frozenset({"neuron"})) == DeviceUsed(
+        name="neuron", reason="auto: trn2.48xlarge with native TorchNeuron installed")
+    assert devices.resolve(_spec(instance_type="trn1.32xlarge"), frozenset({"xla", "neuron"})).name == "xla"
     fallback = devices.resolve(_spec(instance_type="trn2.48xlarge"), frozenset({"xla"}))
-    assert fallback.device == "emulator" and "no Neuron SDK for trn2.48xlarge" in fallback.reason
+    assert fallback.name == "emulator" and "no Neuron SDK for trn2.48xlarge" in fallback.reason
     monkeypatch.setattr(devices, "PROVIDED", ("emulator",))
-    assert devices.resolve(_spec(instance_type="trn1.32xlarge"), frozenset({"xla"})).device == "emulator"
+    assert devices.resolve(_spec(instance_type="trn1.32xlarge"), frozenset({"xla"})).name == "emulator"
     chosen = devices.resolve(_spec("emulator"), frozenset({"xla"}))
-    assert chosen == devices.Choice("emulator", "compute.device: emulator")
+    assert chosen == DeviceUsed(name="emulator", reason="compute.device: emulator")
 
 
 def test_the_spec_refuses_a_device_the_instance_family_cannot_run():
@@ -69,7 +70,7 @@ def test_validate_reports_the_device_problem_for_the_file(tmp_path):
 
 def test_a_worker_takes_the_environments_device_first(monkeypatch):
     monkeypatch.setenv(DEVICE_ENV, "emulator")
-    assert choose(_spec()) == devices.Choice("emulator", f"{DEVICE_ENV}=emulator")
+    assert choose(_spec()) == DeviceUsed(name="emulator", reason=f"{DEVICE_ENV}=emulator")
     monkeypatch.delenv(DEVICE_ENV)
     assert choose(_spec()).reason.startswith("auto: no Neuron SDK for trn1.2xlarge")
-    assert choose(None).device == "emulator"
+    assert choose(None).name == "emulator"

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import typer
 
+from tests.markdown import FENCE, shell_blocks
 from trnflow.cli.app import app
 from trnflow.specs import JobSpec, reference
 
@@ -19,9 +20,6 @@ ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 SPEC_REFERENCE = ROOT / "docs" / "spec-reference.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
-SHELL_LANGUAGES = {"sh", "bash", "console", "shell"}
-
-FENCE = re.compile(r"^```([\w-]*)[^\n]*\n(.*?)^```", re.DOTALL | re.MULTILINE)
 INLINE_CODE = re.compile(r"(?<!`)`([^`\n]+)`(?!`)")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 
@@ -36,22 +34,8 @@ def _prose(text: str) -> str:
 
 
 def _shell_lines(text: str) -> list[str]:
-    """Command lines of the page's shell blocks: `$ ` lines of console blocks, every other line of
-    sh/bash blocks; comments dropped, continuation lines joined."""
-    out = []
-    for language, body in FENCE.findall(text):
-        if language not in SHELL_LANGUAGES:
-            continue
-        for line in re.sub(r"\\\n\s*", " ", body).splitlines():
-            line = line.strip()
-            if language == "console":
-                if not line.startswith("$ "):
-                    continue
-                line = line[2:]
-            line = re.split(r"\s+#", line, maxsplit=1)[0].strip()
-            if line and not line.startswith("#"):
-                out.append(line)
-    return out
+    """Command lines of the page's shell blocks (`tests.markdown.shell_blocks`)."""
+    return [line for block in shell_blocks(text) for line in block]
 
 
 def _mentions(page: Path) -> list[str]:

@@ -16,7 +16,7 @@ import contextlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Protocol
@@ -26,23 +26,10 @@ import torch.distributed as dist
 
 from trnflow.errors import FatalError, Recompilation
 from trnflow.neuron.launch import aligned_ranges, parse_visible_cores
+from trnflow.results import CompileMetrics
 from trnflow.specs import JobSpec
 
 Log = Callable[..., None]
-
-
-@dataclass(frozen=True)
-class CompileMetrics:
-    """What one process compiled: graphs seen, cache hits, and each recompilation with its reason."""
-
-    graphs: int = 0
-    hits: int = 0
-    recompiles: list[dict] = field(default_factory=list)
-    seconds: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"graphs": self.graphs, "hits": self.hits, "recompiles": list(self.recompiles),
-                "seconds": self.seconds}
 
 
 @dataclass

@@ -12,7 +12,8 @@ import os
 
 from trnflow.device.base import Device
 from trnflow.errors import FatalError
-from trnflow.neuron.devices import Choice, resolve
+from trnflow.neuron.devices import resolve
+from trnflow.results import DeviceUsed
 from trnflow.specs import JobSpec
 
 DEVICE_ENV = "TRNFLOW_DEVICE"
@@ -34,13 +35,13 @@ def names() -> list[str]:
     return sorted(_DEVICES)
 
 
-def choose(spec: JobSpec | None) -> Choice:
+def choose(spec: JobSpec | None) -> DeviceUsed:
     """The device this process runs `spec` on, and why: TRNFLOW_DEVICE when set, else the spec's
     `compute.device` resolved here, else the emulator."""
     if os.environ.get(DEVICE_ENV):
-        return Choice(os.environ[DEVICE_ENV], f"{DEVICE_ENV}={os.environ[DEVICE_ENV]}")
+        return DeviceUsed(name=os.environ[DEVICE_ENV], reason=f"{DEVICE_ENV}={os.environ[DEVICE_ENV]}")
     if spec is None:
-        return Choice(DEFAULT, "no job spec: the default device")
+        return DeviceUsed(name=DEFAULT, reason="no job spec: the default device")
     return resolve(spec)
 
 

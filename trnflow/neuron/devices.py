@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from trnflow.results import DeviceUsed
 from trnflow.specs import JobSpec, instance
 
-DEVICES = ("emulator", "neuron", "xla")
 PROVIDED: tuple[str, ...] = ("emulator",)
 """The devices this trnflow can run a job on (see `trnflow.device.registry`)."""
 INSTALL = {
@@ -45,29 +44,22 @@ def installed(has: Callable[[str], bool] = has_module) -> frozenset[str]:
     return frozenset(found)
 
 
-@dataclass(frozen=True)
-class Choice:
-    """The device a job runs on, and why."""
-
-    device: str
-    reason: str
-
-
-def resolve(spec: JobSpec, available: frozenset[str] | None = None) -> Choice:
+def resolve(spec: JobSpec, available: frozenset[str] | None = None) -> DeviceUsed:
     """The device for `spec` where `available` (by default: the SDKs installed here) are the real
     devices at hand. `auto` takes the device that matches the instance family when its SDK is
     installed and trnflow provides it, else the emulator."""
     wanted, itype = spec.compute.device, spec.compute.instance_type
     available = installed() if available is None else available
     if wanted != "auto":
-        return Choice(wanted, f"compute.device: {wanted}")
+        return DeviceUsed(name=wanted, reason=f"compute.device: {wanted}")
     family = instance(itype).device_type
     native = family != "trainium"  # trn2 and later run native TorchNeuron
     for device in ("neuron",) if native else ("xla",):
         if device in available and device in PROVIDED:
             sdk = "native TorchNeuron" if device == "neuron" else "torch-xla"
-            return Choice(device, f"auto: {itype} with {sdk} installed")
-    return Choice("emulator", f"auto: no Neuron SDK for {itype} here ({family}), so the NeuronCore emulator")
+            return DeviceUsed(name=device, reason=f"auto: {itype} with {sdk} installed")
+    return DeviceUsed(name="emulator", reason=f"auto: no Neuron SDK for {itype} here ({family}), so the NeuronCore "
+                      "emulator")
 
 
 def problems(spec: JobSpec, local: bool, available: frozenset[str] | None = None) -> list[str]:

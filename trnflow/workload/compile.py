@@ -53,7 +53,7 @@ class Planned:
 def extract(spec: JobSpec, device: Device | None = None) -> list[Planned]:
     """Every distinct graph of the spec's programs, found by a trial run in extraction mode:
     a few training steps, one evaluation batch and one embedding batch, all run eagerly."""
-    device = device or get_device(choose(spec).device)
+    device = device or get_device(choose(spec).name)
     compiler = device.compiler(spec, mode="extract")
     programs = Programs(spec, build_model(spec.model, spec.train.seed), compiler, device)
     for program in PROGRAMS:
@@ -77,7 +77,7 @@ def compile_one(spec_json: str, program: str, key: str, retry_failed: bool = Fal
     An entry another process is compiling is waited for; if that process finished it, this one
     reports a hit and compiles nothing."""
     spec = JobSpec.model_validate_json(spec_json)
-    device = get_device(choose(spec).device)
+    device = get_device(choose(spec).name)
     cache = CompileCache(cache_url(spec.compile.cache_url))
     entry, began = entry_name(key), time.perf_counter()
     outcome = {"program": program, "key": key, "retries": 0}

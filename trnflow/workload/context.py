@@ -117,7 +117,7 @@ def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dic
     """Own this rank's NeuronCore, then join the process group (the device's backend)."""
     exit_with_launcher()
     choice = choose(spec)
-    device = get_device(choice.device)
+    device = get_device(choice.name)
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -92,4 +92,4 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
             at = ckpt.step
         series_url = write_series(run_url, ckpt.meta.get("run_id", "trnflow"), points, holdout.digest, at, correct)
     return {"checkpoint": checkpoint, "points": [point], "series": series_url, "holdout_sha256": holdout.digest,
-            "compile": programs.compiler.metrics().as_dict()}
+            "compile": programs.compiler.metrics().model_dump()}

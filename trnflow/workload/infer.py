@@ -115,4 +115,4 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
             "manifest": f"{out.url}/{MANIFEST}",
             "rows_per_s": round(embedded / seconds, 1) if seconds and embedded else 0.0,
             "program_load_seconds": round(load_seconds, 3),
-            "compile": programs.compiler.metrics().as_dict()}
+            "compile": programs.compiler.metrics().model_dump()}

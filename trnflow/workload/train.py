@@ -234,7 +234,7 @@ class Trainer:
             "seconds": round(seconds, 3),
             "first_step_seconds": round(times[0], 4) if times else 0.0,
             "median_step_seconds": round(statistics.median(times[1:]), 5) if len(times) > 1 else 0.0,
-            "compile": self.programs.compiler.metrics().as_dict(),
+            "compile": self.programs.compiler.metrics().model_dump(),
             "device_memory": {"estimated_per_core": estimate(self.spec).total, "peak_per_rank": per_rank,
                               **self.memory},
         }
