@@ -9,7 +9,7 @@ DATA   ?= runs/quickstart/data
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install demo test test-fast faults lint clean chromium
+.PHONY: install demo test test-fast test-xla faults lint clean chromium
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,25 @@ test-fast: install
 
 test: lint test-fast chromium
 	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 tests/integration infra/tests
+	$(MAKE) test-xla
+
+# The XLA lane: torch-xla's CPU runtime (PJRT_DEVICE=CPU) runs the `xla` device's lazy-tensor program
+# for real, one rank. It has its own venv, because torch-xla 2.9 needs torch 2.9: about 7 GB (that
+# torch wheel pulls in CUDA libraries) and a few minutes to create the first time.
+XLA_VENV ?= .venv-xla
+XLA_BIN  := $(XLA_VENV)/bin
+
+$(XLA_BIN)/.installed: pyproject.toml tests/xla/requirements.py
+	$(PYTHON) -m venv $(XLA_VENV)
+	$(XLA_BIN)/python -m pip install --quiet --upgrade pip
+	$(XLA_BIN)/python -m pip install --quiet torch==2.9.0 torch-xla==2.9.0
+	$(XLA_BIN)/python tests/xla/requirements.py > $(XLA_VENV)/requirements.txt
+	$(XLA_BIN)/python -m pip install --quiet -r $(XLA_VENV)/requirements.txt
+	$(XLA_BIN)/python -m pip install --quiet --no-deps -e .
+	touch $@
+
+test-xla: $(XLA_BIN)/.installed
+	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -n 2 -q -p no:cacheprovider --durations=8 tests/xla
 
 # The fault matrix: the quickstart pipeline (shortened) once without faults, then once per fault, each
 # compared with the fault-free run. About 25 minutes on 2 cores; `make test` runs its CI case.

@@ -25,7 +25,7 @@ from trnflow.tasks.retry_policy import retry_options
 from trnflow.tasks.sanity import sanity_check
 from trnflow.tasks.train import train_model
 
-STAGE_COLUMNS = {"stage": "stage", "state": "state", "seconds": "seconds", "summary": "key figure"}
+STAGE_COLUMNS = {"stage": "stage", "state": "state", "seconds": "seconds", "device": "device", "summary": "key figure"}
 """The `<name>-stages` table artifact's columns, by the `StageRow` field each shows."""
 
 
@@ -61,7 +61,8 @@ class StageRunner:
         if state.is_completed():
             result = state.result()
             label = "Skipped" if state.name == "Skipped" else "Completed"
-            self.rows.append(StageRow(stage=name, state=label, seconds=seconds, summary=result.summary))
+            self.rows.append(StageRow(stage=name, state=label, seconds=seconds, summary=result.summary,
+                                      device=result.device.name if result.device else ""))
             self.results[name] = result
             return result
         error = state.result(raise_on_failure=False)

@@ -88,6 +88,8 @@ class TrainResult(StageResult):
     steps: int = 0
     steps_trained: int = 0
     resumed_from: str | None = Field(None, description="the checkpoint a retry resumed from")
+    resumed_weights: str | None = Field(None, description="the weights it resumed with, as placed on the device "
+                                        "(the sha256 of their tensors)")
     parent: str | None = Field(None, description="the model this one was trained further from")
     global_step: int = 0
     watermark: str | None = Field(None, description="the newest day partition trained on")
@@ -153,6 +155,7 @@ class StageRow(_Model):
     state: str = Field(description="Completed, Skipped, Failed, Crashed, ... or NotRun")
     seconds: float | None = Field(None, description="wall time; None when it never ran")
     summary: str = ""
+    device: str = Field("", description="the device its job ran on ('' when no job ran)")
 
 
 class CostRow(_Model):

@@ -36,3 +36,14 @@ def extract(data: bytes, dest: Path, source: str) -> Path:
     except tarfile.TarError as exc:
         raise FatalError(f"{source}: not a readable tar archive ({exc})") from exc
     return dest
+
+
+def pack(path: Path) -> bytes:
+    """The files under `path` (no lock files) as a gzipped tar, named relative to it: what a
+    compile cache entry holds as its artifact."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
+        for child in sorted(path.rglob("*")):
+            if child.is_file() and not child.name.endswith(".lock"):
+                tar.add(child, arcname=str(child.relative_to(path)), recursive=False)
+    return buf.getvalue()

@@ -167,6 +167,7 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     figures = {s["stage"]: s["summary"] for s in run["stages"]}  # each stage's key figure, from the stages table
     assert re.match(r"all \d+ cores passed", figures["sanity"]) and figures["train"].startswith("20 steps, loss ")
     assert figures["infer"].startswith("350 embeddings") and "all_reduce ok" in figures["collectives"]
+    assert {s["stage"]: s["device"] for s in run["stages"]}["train"] == "emulator"  # which device each job ran on
     assert {f"served-{k}" for k in ("summary", "stages", "sanity", "collectives", "compile", "training", "gate",
                                     "parity", "embeddings")} <= set(run["artifacts"])
     assert run["url"].endswith(f"/runs/flow-run/{run['id']}")

@@ -52,9 +52,11 @@ def test_the_spec_refuses_a_device_the_instance_family_cannot_run():
 
 def test_problems_name_the_field_and_the_fix(monkeypatch):
     assert devices.problems(_spec("auto"), local=True) == devices.problems(_spec("emulator"), local=True) == []
+    monkeypatch.setattr(devices, "PROVIDED", ("emulator",))
     (unprovided,) = devices.problems(_spec("xla"), local=True, available=frozenset({"xla"}))
     assert unprovided.startswith("compute.device: xla is not one this trnflow can run yet")
     monkeypatch.setattr(devices, "PROVIDED", ("emulator", "xla"))
+    assert devices.problems(_spec("xla"), local=True, available=frozenset({"xla"})) == []
     (missing,) = devices.problems(_spec("xla"), local=True, available=frozenset())
     assert missing.startswith("compute.device: xla needs its SDK") and "pip install torch-xla" in missing
     assert devices.problems(_spec("xla", backend="sagemaker"), local=False, available=frozenset()) == []

@@ -126,6 +126,15 @@ def test_moto_is_imported_only_by_the_testing_room():
     assert {u for u in users if room(u) != "testing"} == set()
 
 
+def test_the_neuron_sdks_are_imported_only_by_their_devices():
+    """torch-xla and torch-neuronx are each one device's business: nothing outside `trnflow.device`
+    (and only the module of that device) imports them, so the workload runs unchanged on any."""
+    users = {module: {m.split(".")[0] for m in _imports(module, path)} & {"torch_xla", "torch_neuronx"}
+             for module, path in MODULES.items()}
+    assert {m: sdks for m, sdks in users.items() if sdks} == {"trnflow.device.xla": {"torch_xla"},
+                                                              "trnflow.device.neuron": {"torch_neuronx"}}
+
+
 def test_prefect_stays_in_tasks_flows_and_the_cli():
     users = {module for module, path in MODULES.items()
              if any(m.split(".")[0] == "prefect" for m in _imports(module, path))}

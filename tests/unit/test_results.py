@@ -45,14 +45,16 @@ def test_a_field_the_model_does_not_know_or_lacks_is_refused_and_named():
 
 
 def test_a_run_outcome_keeps_each_stages_fields_in_json():
-    outcome = RunOutcome(run_id="r1", stages=[StageRow(stage="infer", state="Completed", seconds=1.5, summary="ok")],
+    outcome = RunOutcome(run_id="r1", stages=[StageRow(stage="infer", state="Completed", seconds=1.5, summary="ok",
+                                                            device="emulator")],
                          results={"infer": parse("infer", _infer())},
                          cost=Cost(rows=[CostRow(stage="infer", instance_type="trn1.2xlarge", nodes=1,
                                                  price_per_node_hour=1.0, billable_seconds=3.6, cost_usd=0.001)],
                                    total_usd=0.001))
     document = json.loads(outcome.model_dump_json())
     assert document["results"]["infer"]["manifest"] == "file:///e/_manifest.json"  # a subclass field, kept
-    assert document["stages"] == [{"stage": "infer", "state": "Completed", "seconds": 1.5, "summary": "ok"}]
+    assert document["stages"] == [{"stage": "infer", "state": "Completed", "seconds": 1.5, "summary": "ok",
+                                   "device": "emulator"}]
     assert document["cost"]["total_usd"] == 0.001
 
 

@@ -31,12 +31,13 @@ def cli_console(stderr: bool = False) -> Console:
 
 
 def stage_table(rows: list[StageRow], stages: tuple[str, ...] = (), title: str | None = None) -> Table:
-    """One row per stage: state, duration, key figure; stages that never ran show NotRun. The key
-    figure is printed as it is (an error message is never read as markup)."""
-    table = Table("stage", "state", "duration", "key figure", title=title)
+    """One row per stage: state, duration, the device its job ran on, key figure; stages that never
+    ran show NotRun. The key figure is printed as it is (an error message is never read as markup)."""
+    table = Table("stage", "state", "duration", "device", "key figure", title=title)
     for r in with_not_run(rows, stages):
         duration = "" if r.seconds is None else f"{r.seconds:.1f}s"
-        table.add_row(r.stage, Text(r.state, style=STATE_COLOURS.get(r.state, "yellow")), duration, Text(r.summary))
+        table.add_row(r.stage, Text(r.state, style=STATE_COLOURS.get(r.state, "yellow")), duration, r.device,
+                      Text(r.summary))
     return table
 
 

@@ -136,7 +136,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
         console.print(summary["message"], markup=False, highlight=False)
     if summary["stages"]:
         console.print(stage_table([StageRow(stage=row["stage"], state=row["state"] or "", seconds=row["seconds"],
-                                            summary=row["summary"] or "") for row in summary["stages"]]))
+                                            summary=row["summary"] or "", device=row.get("device") or "")
+                                   for row in summary["stages"]]))
     if summary["artifacts"]:
         console.print("artifacts: " + ", ".join(summary["artifacts"]))
     console.print(summary["url"])

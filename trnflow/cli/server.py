@@ -90,7 +90,8 @@ def _stage_rows(artifacts: list[Any]) -> list[dict[str, Any]]:
         if artifact.type == "table" and (artifact.key or "").endswith("-stages"):
             try:
                 rows = json.loads(artifact.data) if isinstance(artifact.data, str) else artifact.data
-                return [{field: row[column] for field, column in STAGE_COLUMNS.items()} for row in rows]
+                return [{field: row.get(column, "") if field == "device" else row[column]  # older runs: no device
+                         for field, column in STAGE_COLUMNS.items()} for row in rows]
             except (TypeError, KeyError, ValueError):
                 return []  # not a table of trnflow's
     return []

@@ -54,6 +54,31 @@ class RecompileGuard:
         )
 
 
+@dataclass
+class Seen:
+    """One graph a compile backend met: which program traced it, its cache key, and what became of it."""
+
+    program: str
+    key: str
+    graph: Any
+    """The graph: its `data_shapes` (as a person reads them) and its `canonical()` text."""
+    outcome: str
+    """extracted, compiled, hit, or recompiled."""
+    reason: str = ""
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict:
+        return {"program": self.program, "key": self.key, "outcome": self.outcome, "reason": self.reason,
+                "shapes": self.graph.data_shapes, "seconds": round(self.seconds, 3)}
+
+
+def summarise(seen: list[Seen]) -> CompileMetrics:
+    """What a process compiled, loaded from the cache and recompiled."""
+    return CompileMetrics(graphs=len(seen), hits=sum(s.outcome == "hit" for s in seen),
+                          recompiles=[s.as_dict() for s in seen if s.outcome == "recompiled"],
+                          seconds=round(sum(s.seconds for s in seen), 3))
+
+
 class CompileBackend(Protocol):
     """A `torch.compile` backend that also names programs and counts what it compiled."""
 
@@ -64,7 +89,8 @@ class CompileBackend(Protocol):
 
     def __call__(self, gm: Any, example_inputs: list) -> Callable: ...
 
-    def naming(self, program: str) -> contextlib.AbstractContextManager: ...
+    def naming(self, program: str, *inputs: Any) -> contextlib.AbstractContextManager:
+        """Graphs traced inside are `program`'s, run on `inputs` (its data, for the report of a recompile)."""
 
     def metrics(self) -> CompileMetrics: ...
 

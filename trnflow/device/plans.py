@@ -2,7 +2,7 @@
 
 Extracting graphs means building the model and tracing it in a job. Once a compile job has done
 that, it records the plan (each program's key and input shapes) in the cache, named by a digest of
-everything that decides the graphs: the model section, the batch shapes, precision and optlevel,
+everything that decides the graphs: the model section, the device, the batch shapes, precision and optlevel,
 the compiler version, and the source of the code that builds and traces the programs. The next
 compile stage for an equal digest knows every key without launching anything, so a warm stage
 costs a few cache reads. A plan that went stale anyway is no silent failure: the run's
@@ -22,13 +22,15 @@ from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name
 from trnflow.specs import JobSpec
 
 _ROOT = Path(__file__).resolve().parents[1]
-GRAPH_SOURCES = ("workload/model.py", "workload/programs.py", "emulator/compiler.py", "emulator/jit.py")
+GRAPH_SOURCES = ("workload/model.py", "workload/programs.py", "emulator/compiler.py", "emulator/jit.py",
+                 "device/indexed.py", "device/xla.py", "device/neuron.py")
 
 
 def plan_digest(spec: JobSpec) -> str:
     sources = {name: hashlib.sha256((_ROOT / name).read_bytes()).hexdigest() for name in GRAPH_SOURCES}
     shaping = {
         "model": spec.model.model_dump(mode="json"),
+        "device": spec.compute.device,
         "per_core_batch": spec.per_core_batch,
         "inference_batch": spec.inference.batch_size,
         "precision": spec.compute.precision,

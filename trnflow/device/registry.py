@@ -21,6 +21,8 @@ DEFAULT = "emulator"
 
 _DEVICES: dict[str, str] = {
     "emulator": "trnflow.emulator.device:EmulatorDevice",
+    "neuron": "trnflow.device.neuron:NeuronDevice",
+    "xla": "trnflow.device.xla:XlaDevice",
 }
 _made: dict[str, Device] = {}
 

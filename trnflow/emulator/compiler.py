@@ -116,15 +116,6 @@ def lower(gm: torch.fx.GraphModule, example_inputs: list, flags: dict, keep_grap
     return aot_autograd(fw_compiler=keep, bw_compiler=keep)(gm, example_inputs)
 
 
-def pack_dir(path: Path) -> bytes:
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w:gz") as tar:
-        for child in sorted(path.rglob("*")):
-            if child.is_file() and not child.name.endswith(".lock"):
-                tar.add(child, arcname=str(child.relative_to(path)), recursive=False)
-    return buf.getvalue()
-
-
 def unpack_into(artifact: bytes, path: Path) -> None:
     """Extract an artifact safely: regular files and folders only, nothing outside `path`.
 
@@ -133,7 +124,7 @@ def unpack_into(artifact: bytes, path: Path) -> None:
     try:
         with tarfile.open(fileobj=io.BytesIO(artifact), mode="r:gz") as tar:
             odd = next((m for m in tar.getmembers() if not (m.isfile() or m.isdir())), None)
-            if odd is not None:  # pack_dir writes files only: a link or device is no artifact of ours
+            if odd is not None:  # safetar.pack writes files only: a link or device is no artifact of ours
                 raise CorruptEntry(f"its artifact holds {odd.name!r}, which is not a file or folder")
             unpack(tar, path)
     except tarfile.FilterError as exc:

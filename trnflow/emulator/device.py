@@ -19,11 +19,12 @@ import torch
 from trnflow.device.base import Device, FaultHooks, Lease, Log, RecompileGuard
 from trnflow.device.cache import CompileCache
 from trnflow.emulator import cores
-from trnflow.emulator.compiler import compile_flags, pack_dir
+from trnflow.emulator.compiler import compile_flags
 from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.emulator.numerics import stochastic_round_bf16_
 from trnflow.neuron.launch import cache_url
+from trnflow.safetar import pack
 from trnflow.specs import JobSpec
 
 
@@ -58,7 +59,7 @@ class EmulatorDevice(Device):
                               log=log or (lambda event, **fields: None))
 
     def artifact(self, workdir: Path) -> bytes:
-        return pack_dir(workdir)
+        return pack(workdir)
 
     def round_weights(self, model: torch.nn.Module, generator: torch.Generator) -> None:
         with torch.no_grad():

@@ -28,27 +28,12 @@ from pathlib import Path
 from typing import Any
 
 from trnflow.device import cache as cache_states
-from trnflow.device.base import CompileMetrics, RecompileGuard
+from trnflow.device.base import CompileMetrics, RecompileGuard, Seen, summarise
 from trnflow.device.cache import CompileCache, CorruptEntry, entry_name
 from trnflow.emulator.compiler import Graph, cache_key, lower, unpack_into
 from trnflow.errors import FatalError
 
 Log = Callable[..., None]
-
-
-@dataclass
-class Seen:
-    program: str
-    key: str
-    graph: Graph
-    outcome: str
-    """extracted, compiled, hit, or recompiled."""
-    reason: str = ""
-    seconds: float = 0.0
-
-    def as_dict(self) -> dict:
-        return {"program": self.program, "key": self.key, "outcome": self.outcome, "reason": self.reason,
-                "shapes": self.graph.data_shapes, "seconds": round(self.seconds, 3)}
 
 
 @dataclass
@@ -70,8 +55,8 @@ class CachedCompiler:
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.inductor_dir)
 
     @contextlib.contextmanager
-    def naming(self, program: str) -> Iterator[None]:
-        """Graphs traced inside are attributed to `program`."""
+    def naming(self, program: str, *inputs: Any) -> Iterator[None]:
+        """Graphs traced inside are attributed to `program` (their inputs come with each graph)."""
         before, self.program = self.program, program
         try:
             yield
@@ -136,6 +121,4 @@ class CachedCompiler:
 
     def metrics(self) -> CompileMetrics:
         """What this process compiled, loaded and recompiled."""
-        return CompileMetrics(graphs=len(self.seen), hits=sum(s.outcome == "hit" for s in self.seen),
-                              recompiles=[s.as_dict() for s in self.seen if s.outcome == "recompiled"],
-                              seconds=round(sum(s.seconds for s in self.seen), 3))
+        return summarise(self.seen)

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from trnflow.results import DeviceUsed
 from trnflow.specs import JobSpec, instance
 
-PROVIDED: tuple[str, ...] = ("emulator",)
+PROVIDED: tuple[str, ...] = ("emulator", "neuron", "xla")
 """The devices this trnflow can run a job on (see `trnflow.device.registry`)."""
 INSTALL = {
     "neuron": "install the Neuron SDK's torch-neuronx (2.33 or later) from the Neuron repository",

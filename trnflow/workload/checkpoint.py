@@ -49,6 +49,17 @@ def _tensor_bytes(obj: Any) -> bytes:
     return buffer.getvalue()
 
 
+def weights_digest(state: dict[str, torch.Tensor]) -> str:
+    """The sha256 of a state dict's tensors (names, dtypes, shapes and values, on the host): equal
+    exactly when the weights are, however and wherever they were saved."""
+    h = hashlib.sha256()
+    for name in sorted(state):
+        t = state[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
 def _digest(data: bytes) -> dict:
     return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 

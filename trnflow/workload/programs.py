@@ -15,7 +15,7 @@ graphs the run needs.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -65,21 +65,40 @@ class Programs:
     # back to the host, where they are compared and written.
     def train_logits(self, tokens: torch.Tensor) -> torch.Tensor:
         self.model.train()
-        with self.compiler.naming("train_step"), _compiler_errors(), self.device.autocast(self.spec.compute.precision):
-            return self._train_forward(self.device.put(tokens))
+        tokens = self.device.put(tokens)
+        with self.compiler.naming("train_step", tokens), _compiler_errors(), \
+                self.device.autocast(self.spec.compute.precision):
+            return self._train_forward(tokens)
 
     def train_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(self.train_logits(tokens).float(), self.device.put(labels))
 
+    def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, optimizer: torch.optim.Optimizer,
+                   checked: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss) -> torch.Tensor:
+        """One training step, the same on every device and in every trial run: forward and loss,
+        backward, sync, optimizer step, sync; then `checked` reads the loss (and may refuse it,
+        which stops the run before anything is saved). A lazy device compiles the step's graphs at
+        its two syncs and runs them while the next is traced; the loss is read only once both are
+        done, so reading it neither adds a graph nor waits in the middle of the step."""
+        loss = self.train_loss(tokens, labels)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        self.device.sync()
+        optimizer.step()
+        self.device.sync()
+        return checked(loss)
+
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         self.model.eval()
-        with self.compiler.naming("eval_step"), _compiler_errors(), self.device.inference():
-            return self._forward(self.device.put(tokens)).cpu()
+        tokens = self.device.put(tokens)
+        with self.compiler.naming("eval_step", tokens), _compiler_errors(), self.device.inference():
+            return self._forward(tokens).cpu()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         self.model.eval()
-        with self.compiler.naming("embed_step"), _compiler_errors(), self.device.inference():
-            return self._embed(self.device.put(tokens)).cpu()
+        tokens = self.device.put(tokens)
+        with self.compiler.naming("embed_step", tokens), _compiler_errors(), self.device.inference():
+            return self._embed(tokens).cpu()
 
     def exercise(self, program: str, steps: int = 1) -> None:
         """Run `program` on inputs of the run's shapes, as a trial run does: for `train_step`,
@@ -89,9 +108,7 @@ class Programs:
             tcfg = self.spec.train
             optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
             for _ in range(steps):
-                optimizer.zero_grad(set_to_none=True)
-                self.train_loss(tokens, labels).backward()
-                optimizer.step()
+                self.train_step(tokens, labels, optimizer)
         elif program == "eval_step":
             self.logits(batch)
         elif program == "embed_step":

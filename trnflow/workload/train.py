@@ -19,7 +19,7 @@ import torch
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.storage.datafiles import partitions
-from trnflow.workload.checkpoint import load_model_weights
+from trnflow.workload.checkpoint import load_model_weights, weights_digest
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import StepSampler, read_labelled
 from trnflow.workload.evaluate import Holdout
@@ -79,6 +79,7 @@ class Trainer:
         self.sr_gen = torch.Generator().manual_seed(self.sr_seed)
         self.sampler = StepSampler(len(self.labels), tcfg.global_batch_size, ctx.rank, ctx.world_size, tcfg.seed,
                                    drop_last=tcfg.drop_last)
+        self.resumed_weights: str | None = None
         self.first, self.metrics = self._resume_or_init()
         self.lineage = start.lineage()
         self.data_meta = {"files": [f.name for f in start.files], "partitions": partitions(start.files),
@@ -120,6 +121,7 @@ class Trainer:
         ctx, tcfg, start, resumed = self.ctx, self.spec.train, self.start, self.start.resumed
         if resumed is not None:
             load_model_weights(self.model, resumed.model, resumed.url)
+            self.resumed_weights = weights_digest(self.device.to_host(self.model.state_dict()))
             self.optimizer.load_state_dict(resumed.optim)
             first = self.sampler.restore(resumed.meta["sampler"])
             if resumed.rng and len(resumed.rng) == ctx.world_size:
@@ -145,17 +147,8 @@ class Trainer:
         # Shapes are static, so the first step's saved activations are every step's.
         probe = saved_activation_peak() if not self.memory else contextlib.nullcontext({})
         with probe as saved:
-            loss = self.faults.result(self.programs.train_loss(self.tokens[idx], self.labels[idx]))
-        if not math.isfinite(loss.item()):
-            raise FatalError(
-                f"loss is {loss.item()} at step {done} on rank {self.ctx.rank}; the run diverged. "
-                "Lower train.lr or use fp32; retrying would diverge again"
-            )
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.device.sync()
-        self.optimizer.step()
-        self.device.sync()
+            loss = self.programs.train_step(self.tokens[idx], self.labels[idx], self.optimizer,
+                                            lambda loss: self._finite(self.faults.result(loss), done))
         if not self.memory:
             self.memory = _memory_held(self.model, self.optimizer, saved.get("peak", 0))
         if self.use_sr:
@@ -165,12 +158,22 @@ class Trainer:
         self._window = (start, steps + 1, summed + loss.item())
         return loss.item()
 
+    def _finite(self, loss: torch.Tensor, done: int) -> torch.Tensor:
+        """The step's loss, refused when it is not finite: the run stops before it saves anything more."""
+        if not math.isfinite(loss.item()):
+            raise FatalError(
+                f"loss is {loss.item()} at step {done} on rank {self.ctx.rank}; the run diverged. "
+                "Lower train.lr or use fp32; retrying would diverge again"
+            )
+        return loss
+
     def _log_point(self, done: int) -> None:
         """A point of the training curve: the mean loss since the last point (one batch's is too noisy)."""
         start, steps, summed = self._window
         elapsed = time.perf_counter() - start
-        point = {"step": done, "global_step": self.lineage["base_step"] + done, "loss": round(summed / steps, 5),
-                 "samples_per_s": round(steps * self.spec.train.global_batch_size / elapsed, 1)}
+        point = {"step": done, "global_step": self.lineage["base_step"] + done, "loss": round(summed / steps, 7),
+                 "samples_per_s": round(steps * self.spec.train.global_batch_size / elapsed, 1),
+                 "graphs": len(self.programs.compiler.seen)}
         self.metrics.append(point)
         self.ctx.log("train", steps=self.spec.train.steps, **point)
         self._window = (time.perf_counter(), 0, 0.0)
@@ -220,6 +223,7 @@ class Trainer:
             "steps": tcfg.steps,
             "steps_trained": trained,
             "resumed_from": start.resumed.url if start.resumed else None,
+            "resumed_weights": self.resumed_weights,
             "parent": lineage["parent"],
             "global_step": lineage["base_step"] + tcfg.steps,
             "watermark": start.watermark,

@@ -1,0 +1,122 @@
+"""The `neuron` device's logic, without a Neuron host: a stand-in `torch_neuronx` registers what the
+real one does (the `neuron` PrivateUse1 name, a `neuron` torch.compile backend, the dynamo metrics
+helper API), and its backend runs graphs eagerly on the CPU, listing one metrics entry per compiled
+graph as torch-neuronx does. What runs on a real trn2 host is in docs/devices.md."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.conftest import quickstart_data
+from trnflow.device.cache import CompileCache, entry_name
+from trnflow.errors import Recompilation
+from trnflow.specs import validate_spec
+
+pytestmark = pytest.mark.unit
+
+
+class FakeNeuronBackend:
+    """What the device reads of torch-neuronx: compiled graphs listed in its dynamo metrics."""
+
+    def __init__(self) -> None:
+        self.metrics: list[types.SimpleNamespace] = []
+        self.names: list[str] = []
+
+    def compile(self, gm: torch.fx.GraphModule, example_inputs: list):
+        shapes = [tuple(t.shape) for t in example_inputs if isinstance(t, torch.Tensor)]
+        graph_id = hashlib.sha256(f"{gm.code}{shapes}".encode()).hexdigest()[:16]
+        self.metrics.append(types.SimpleNamespace(
+            graph_id=graph_id, graph_name=f"{self.names[-1] if self.names else 'model'}_{len(self.metrics)}",
+            model_name=self.names[-1] if self.names else "", has_collectives=False,
+            graph_node_count=len(gm.graph.nodes), timestamp=0.0, torch_neuronx_fx_passes_us=1,
+            torch_neuronx_lower_us=1, torch_neuronx_compile_us=2500))
+        return gm.forward
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    backend = FakeNeuronBackend()
+    module = types.ModuleType("torch_neuronx")
+    module.__version__ = "2.14.3.0"
+    helpers = types.ModuleType("torch_neuronx.neuron_dynamo_backend")
+    helpers.get_dynamo_metrics = lambda: list(backend.metrics)
+    helpers.set_model_name = backend.names.append
+    module.neuron_dynamo_backend = helpers
+    monkeypatch.setitem(sys.modules, "torch_neuronx", module)
+    monkeypatch.setitem(sys.modules, "torch_neuronx.neuron_dynamo_backend", helpers)
+    runtime = types.SimpleNamespace(device_count=lambda: 2, is_available=lambda: False)  # torch.neuron
+    monkeypatch.setattr(torch, "neuron", runtime, raising=False)
+    if torch._C._get_privateuse1_backend_name() != "neuron":  # what importing torch-neuronx does, once a process
+        torch.utils.rename_privateuse1_backend("neuron")
+    from torch._dynamo.backends import registry  # torch-neuronx registers its backend the same way
+
+    monkeypatch.setitem(registry._BACKENDS, "neuron", None)
+    monkeypatch.setitem(registry._COMPILER_FNS, "neuron", backend.compile)
+    monkeypatch.delitem(sys.modules, "trnflow.device.neuron", raising=False)
+    for name in ("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "TORCH_NEURONX_NEFF_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+    torch._dynamo.reset()
+    from trnflow.device.neuron import NeuronDevice
+
+    yield NeuronDevice(), backend
+    torch._dynamo.reset()
+
+
+def _spec(tmp_path: Path, **compile_section):
+    return validate_spec(quickstart_data(compute={"device": "neuron", "instance_type": "trn2.48xlarge"},
+                                         compile={"cache_url": str(tmp_path / "cache"), **compile_section}))
+
+
+def test_the_device_is_the_neuron_privateuse1_device_joined_by_the_neuron_backend(fake, monkeypatch):
+    device, _ = fake
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert device.torch_device == torch.device("neuron", 1)
+    monkeypatch.setenv("LOCAL_RANK", "5")  # a process that sees only its own cores: its first one
+    assert device.torch_device == torch.device("neuron", 0)
+    assert (device.process_group_backend, device.init_method) == ("neuron", "env://")
+
+
+def test_the_compiler_sets_the_native_cache_and_refuses_eager_fallback(fake, tmp_path, monkeypatch):
+    device, _ = fake
+    spec = _spec(tmp_path)
+    backend = device.compiler(spec)
+    assert backend.flags["backend"] == "neuron" and backend.flags["torch_neuronx"] == "2.14.3.0"
+    assert os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
+    assert os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(tmp_path / "cache" / "neff")
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", "/shared/neff")  # the user's choice stays
+    device.compiler(spec)
+    assert os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] == "/shared/neff"
+
+
+def test_graphs_are_named_filed_and_a_new_shape_trips_the_guard(fake, tmp_path):
+    device, neuron = fake
+    spec = _spec(tmp_path, max_recompiles=0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU())
+
+    extract = device.compiler(spec, mode="extract")
+    compiled = device.compile(model, extract)
+    with extract.naming("eval_step", torch.zeros(4, 8)):
+        compiled(torch.zeros(4, 8))
+    (planned,) = extract.seen
+    assert planned.program == "eval_step" and planned.graph.data_shapes == "[4, 8] float32"
+    assert neuron.names == ["eval_step"]  # the backend names its artifacts after the program
+    assert planned.key.startswith(f"MODULE_{neuron.metrics[0].graph_id}+")
+
+    cache = CompileCache(str(tmp_path / "cache"))
+    cache.commit(entry_name(planned.key), planned.graph.canonical(), extract.flags, b"artifact")
+    torch._dynamo.reset()
+    run = device.compiler(spec, log=lambda event, **fields: None)
+    compiled = device.compile(model, run)
+    with run.naming("eval_step", torch.zeros(4, 8)):
+        compiled(torch.zeros(4, 8))
+    assert run.metrics().hits == 1 and run.metrics().recompiles == []
+    with pytest.raises(Recompilation) as stopped, run.naming("eval_step", torch.zeros(3, 8)):
+        compiled(torch.zeros(3, 8))
+    assert "[3, 8] float32" in str(stopped.value) and "compile.max_recompiles (0)" in str(stopped.value)

@@ -1,0 +1,147 @@
+"""The `xla` device on torch-xla's CPU runtime (or the device TRNFLOW_LANE_DEVICE names on a Neuron
+host): the same workload as on the emulator, the same numbers, checkpoints that cross between the
+two, a flat graph count and a recompile guard that holds.
+
+Training runs call the workload itself (`python -m trnflow.workload train`), as every backend
+does, with the spec's `compute.device` the only difference between the two devices."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.xla.conftest import DEVICE, INSTANCE, trnflow, write_spec
+from trnflow.workload import checkpoint
+
+LOSS_RTOL = 1e-4
+
+
+def train(folder: Path, device: str, steps: int, run_id: str = "lane", **sections) -> tuple[int, dict]:
+    """Train `steps` steps of the lane's spec on `device` in `folder` (resuming its checkpoints):
+    the exit code, and the result (or the failure)."""
+    spec = write_spec(folder, compute={"device": device},
+                      train={"steps": steps, "log_every": 1, "checkpoint_every": 10, **sections.pop("train", {})},
+                      gate={"eval_every": 1000}, **sections)  # evaluated at the end only
+    out = folder / f"out-{device}-{steps}"
+    env = {k: v for k, v in os.environ.items() if k != "TRNFLOW_DEVICE"}
+    done = subprocess.run([sys.executable, "-m", "trnflow.workload", "train", "--spec", str(spec), "--output",
+                           str(out), "--run-id", run_id], cwd=folder, env=env, capture_output=True, text=True,
+                          timeout=900)
+    found = out / ("result.json" if done.returncode == 0 else "failure-rank0.json")
+    assert found.exists(), f"train on {device} wrote no {found.name}:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
+    return done.returncode, json.loads(found.read_text())
+
+
+def losses(result: dict) -> list[float]:
+    return [p["loss"] for p in result["curve"]]
+
+
+def relative(a: list[float], b: list[float]) -> float:
+    assert len(a) == len(b) > 0
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_the_first_losses_match_the_emulators_and_the_graph_count_stays_flat(workdir, lane):
+    for sub in ("emulator", DEVICE):
+        (workdir / sub).mkdir()
+        (workdir / sub / "data").symlink_to(workdir / "data")
+    code, on_emulator = train(workdir / "emulator", "emulator", 20)
+    assert code == 0
+    code, on_xla = train(workdir / DEVICE, DEVICE, 20)
+    assert code == 0
+    assert on_xla["device"]["name"] == DEVICE and on_emulator["device"]["name"] == "emulator"
+    worst = relative(losses(on_xla), losses(on_emulator))
+    assert worst <= LOSS_RTOL, (losses(on_xla), losses(on_emulator))
+    lane["fp32 losses, steps 1-20"] = f"max relative difference from the emulator {worst:.2e} (limit {LOSS_RTOL:.0e})"
+
+    graphs = [p["graphs"] for p in on_xla["curve"]]
+    warm = graphs[1]  # a step's graphs are all known after two steps: the optimizer's state exists from step 2
+    assert warm > 0 and graphs[2:] == [warm] * (len(graphs) - 2), graphs
+    assert on_xla["compile"]["graphs"] == warm + 1  # and the final evaluation's
+    lane["graphs compiled"] = f"{graphs[0]} after step 1, {warm} after step 2, {graphs[-1]} after step 20 (flat)"
+
+
+def test_a_checkpoint_moves_between_xla_and_the_emulator(workdir, lane):
+    """xla trains steps 1-10, the emulator resumes its checkpoint for steps 11-20, xla resumes that
+    for 21-30. Each resumed run holds, on its device, exactly the weights the other one saved, and
+    the losses are those of 30 steps on the emulator alone."""
+    crossed, alone = workdir / "crossed", workdir / "alone"
+    for folder in (crossed, alone):
+        folder.mkdir()
+        (folder / "data").symlink_to(workdir / "data")
+    curve: list[float] = []
+    for device, steps, first in ((DEVICE, 10, 0), ("emulator", 20, 10), (DEVICE, 30, 20)):
+        code, result = train(crossed, device, steps)
+        assert code == 0 and result["start_step"] == first, result
+        if first:
+            saved = checkpoint.load(result["resumed_from"])
+            assert saved.meta["global_step"] == first
+            assert result["resumed_weights"] == checkpoint.weights_digest(saved.model), f"resumed on {device}"
+        curve += losses(result)[-10:]
+    code, reference = train(alone, "emulator", 30)
+    assert code == 0
+    worst = relative(curve, losses(reference))
+    assert worst <= LOSS_RTOL, (curve, losses(reference))
+    lane["checkpoints across devices"] = (f"{DEVICE} -> emulator -> {DEVICE}: each resumed with the saved weights "
+                                          f"bit for bit; losses within {worst:.2e} of 30 steps on the emulator alone")
+
+
+def test_weights_make_the_round_trip_through_the_device_bit_for_bit(workdir):
+    """What a resume loads is what was saved: the state dict moved to the device and back is unchanged."""
+    from trnflow.device.registry import get_device
+
+    code, result = train(workdir, "emulator", 10)
+    assert code == 0
+    saved = checkpoint.load(result["checkpoint"])
+    device = get_device(DEVICE)
+    back = device.to_host({k: device.put(v) for k, v in saved.model.items()})
+    assert all(torch.equal(back[k], v) for k, v in saved.model.items())
+
+
+def test_a_new_input_shape_mid_run_trips_the_recompile_guard(workdir, lane):
+    """With the last partial batch kept (3000 rows, 32 a batch), step 94 has 24 rows: a graph the
+    ahead-of-time compile never saw, which compile.max_recompiles: 0 refuses, naming its shape."""
+    spec = write_spec(workdir, train={"drop_last": False})
+    report = json.loads(trnflow("compile", str(spec), "--json", cwd=workdir).stdout)
+    assert report["graphs"] >= 3 and report["compiled"] == report["graphs"], report
+    assert {row["program"] for row in report["programs"]} == {"train_step", "eval_step", "embed_step"}, report
+    checked = json.loads(trnflow("compile", str(spec), "--check", "--json", cwd=workdir).stdout)
+    assert checked["misses"] == 0, checked
+
+    code, failure = train(workdir, DEVICE, 100, compile={"max_recompiles": 0}, train={"drop_last": False})
+    assert code != 0, failure
+    message = json.dumps(failure)
+    assert "over compile.max_recompiles (0)" in message and "[24, 32] int64" in message, message
+    lane["recompile guard"] = "step 94's 24-row batch was refused as recompilation 1 over max_recompiles 0"
+
+
+@pytest.mark.parametrize("device", [DEVICE, "emulator"])
+def test_the_pipeline_runs_end_to_end(workdir, device, lane):
+    """The lane's spec file through all six stages; the emulator run changes only compute.device."""
+    spec = str(Path(__file__).with_name("one-core.yaml"))
+    sets = ["--set", f"compute.device={device}", "--set", f"compute.instance_type={INSTANCE}"]
+    if INSTANCE == "trn1.2xlarge":  # the file as it is (validate takes no --set)
+        trnflow("validate", spec, cwd=workdir)
+    trnflow("reference", spec, *sets, cwd=workdir)
+    done = trnflow("run", spec, *sets, "--json", cwd=workdir)
+    outcome = json.loads(done.stdout)
+    assert outcome["state"] == "Completed", outcome
+    states = {row["stage"]: row["state"] for row in outcome["stages"]}
+    assert states == dict.fromkeys(("sanity", "collectives", "compile", "train", "evaluate", "infer"),
+                                   "Completed"), states
+    ran_on = {stage: r["device"]["name"] for stage, r in outcome["results"].items() if r.get("device")}
+    assert set(ran_on.values()) == {device} and "train" in ran_on, ran_on
+    results = outcome["results"]
+    assert results["evaluate"]["verdict"]["passed"] is True, results["evaluate"]
+    trained = results["train"]["compile"]  # every graph training met was compiled ahead of time
+    assert trained["recompiles"] == [] and trained["hits"] == trained["graphs"] > 0, trained
+    shards = sorted((workdir / "embeddings").rglob("*.parquet"))
+    assert shards, "no embeddings were written"
+    lane[f"pipeline on {device}"] = (f"six stages completed, gate passed, training met {trained['graphs']} graphs "
+                                     f"all from the compile cache, {len(shards)} embedding shards")

@@ -1,0 +1,118 @@
+"""The compile backend of a device whose runtime compiles graphs itself (torch-xla, torch-neuronx):
+it names the programs, learns from the runtime which graphs were compiled, and files each in the
+spec's compile cache as `MODULE_<graph hash>+<flags hash>`, the way the emulator files its own.
+
+- `extract`: each graph is recorded (a trial run of ahead-of-time compilation);
+- `compile`: each graph is recorded and what the runtime keeps of it is written into the work
+  folder, which becomes the cache entry's artifact;
+- `run`: a graph whose entry is in the cache is a hit; any other is a recompilation, counted and
+  refused over `compile.max_recompiles` by the same guard as on every device.
+
+A device subclasses `IndexedGraphs` with `observe`, which asks its runtime for new graphs and hands
+each to `file`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trnflow.device.base import CompileMetrics, Log, RecompileGuard, Seen, summarise
+from trnflow.device.cache import DONE, CompileCache, entry_name
+from trnflow.errors import FatalError
+
+
+def shapes_of(inputs: tuple) -> str:
+    """A program's data inputs as a person reads them: `[8, 32] int64`."""
+    return ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
+                     for t in inputs if isinstance(t, torch.Tensor)) or "no data inputs"
+
+
+def cache_key(graph_hash: str, flags: dict) -> str:
+    """`MODULE_<graph hash>+<flags hash>`, as the Neuron cache names its entries."""
+    flags_hash = hashlib.md5(json.dumps(flags, sort_keys=True).encode(), usedforsecurity=False).hexdigest()[:8]
+    return f"MODULE_{graph_hash}+{flags_hash}"
+
+
+@dataclass(frozen=True)
+class RuntimeGraph:
+    """One graph the runtime compiled: its hash, and the program and inputs that traced it."""
+
+    hash: str
+    program: str
+    data_shapes: str
+
+    def canonical(self) -> str:
+        return f"# runtime graph {self.hash}\n# program: {self.program}\n# inputs: {self.data_shapes}\n"
+
+
+@dataclass
+class IndexedGraphs:
+    flags: dict
+    cache: CompileCache | None = None
+    mode: str = "run"
+    guard: RecompileGuard = field(default_factory=RecompileGuard)
+    workdir: Path | None = None
+    log: Log = field(default=lambda event, **fields: None)
+    program: str = "program"
+    shapes: dict[str, str] = field(default_factory=dict)
+    seen: list[Seen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("extract", "compile", "run"):
+            raise ValueError(f"unknown mode {self.mode!r}")
+
+    def __call__(self, gm: Any, example_inputs: list) -> Callable:
+        raise FatalError("this device's runtime compiles its own graphs: they do not pass through trnflow's backend")
+
+    @contextlib.contextmanager
+    def naming(self, program: str, *inputs: Any) -> Iterator[None]:
+        """Graphs compiled inside (and, on a lazy device, at the next sync) are `program`'s."""
+        self.program, self.shapes[program] = program, shapes_of(inputs)
+        self.named(program)
+        yield
+        self.observe()
+
+    def named(self, program: str) -> None:
+        """Tell the runtime which program runs next (where it names its artifacts after it)."""
+
+    def observe(self) -> None:
+        """File each graph the runtime compiled since the last look."""
+        raise NotImplementedError
+
+    def file(self, graph_hash: str, seconds: float, kept: Callable[[], bytes]) -> None:
+        """File one compiled graph; `kept` gives what the runtime keeps of it (the artifact)."""
+        graph = RuntimeGraph(graph_hash, self.program, self.shapes.get(self.program, "no data inputs"))
+        key = cache_key(graph_hash, self.flags)
+        if self.mode == "extract":
+            self.seen.append(Seen(self.program, key, graph, "extracted", seconds=seconds))
+        elif self.mode == "compile":
+            assert self.workdir is not None
+            (self.workdir / graph_hash).write_bytes(kept())
+            self.seen.append(Seen(self.program, key, graph, "compiled", seconds=seconds))
+        else:
+            self._check(key, graph, seconds)
+
+    def _check(self, key: str, graph: RuntimeGraph, seconds: float) -> None:
+        entry = entry_name(key)
+        if self.cache is not None and self.cache.state(entry) == DONE:
+            self.cache.record_hit(entry)
+            self.seen.append(Seen(graph.program, key, graph, "hit", seconds=seconds))
+            self.log("compile_cache_hit", program=graph.program, key=key, seconds=round(seconds, 3))
+            return
+        reason = "it is not in the compile cache"
+        self.seen.append(Seen(graph.program, key, graph, "recompiled", reason, seconds))
+        self.log("recompile", program=graph.program, key=key, reason=reason, shapes=graph.data_shapes,
+                 seconds=round(seconds, 3))
+        self.guard.recompiled(graph.program, key, graph.data_shapes, reason,
+                              self.cache.url if self.cache else "the compile cache")
+
+    def metrics(self) -> CompileMetrics:
+        return summarise(self.seen)
