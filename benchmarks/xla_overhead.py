@@ -4,8 +4,8 @@ batch and step count, on torch-xla's CPU runtime, one rank.
 trnflow's number comes from a real training job through the local backend (sampler, tokenized
 data, logging and checkpoints included); the baseline is the better of two plain loops, one
 `torch_xla.sync()` per step (the usual loop) or two (after backward too, as trnflow syncs). Both
-report the median step after the first two, which compile the step's graphs. Goal: a ratio of at
-least 0.95. Run it in the XLA lane's environment:
+report the median step after the first (step 2 also compiles a graph; the median sees past it).
+Goal: a ratio of at least 0.95. Run it in the XLA lane's environment:
 
     PJRT_DEVICE=CPU .venv-xla/bin/python benchmarks/xla_overhead.py [--steps 120] [--repeats 3]
 

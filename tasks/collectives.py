@@ -25,6 +25,8 @@ def collective_test(spec: JobSpec, run_id: str, cores: list[int]) -> Collectives
     _artifacts.markdown(spec, "collectives", collectives_markdown(result), "nccom-test-style collective sweep")
     busbw, latency = check_thresholds(spec.preflight, result)
     result.summary = f"all_reduce ok on {result.ranks} cores, busbw {busbw:.3f} GB/s, {latency:.0f} us min"
+    if result.source != "trnflow":
+        result.summary += f" ({result.source})"
     return result
 
 

@@ -53,6 +53,12 @@ def sanity_check(spec: JobSpec, run_id: str) -> SanityResult:
         result.summary = f"all {len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
     if result.device is not None:
         result.summary += f" on the {result.device.name}" + (" device" if result.device.name != "emulator" else "")
+    listed = result.inventory
+    if listed and listed["source"] != "emulator":
+        result.summary += f"; {listed['source']} lists {listed['devices']} devices, {listed['cores']} cores"
+    if listed and listed["held"]:
+        result.summary += "; held by other processes: " + ", ".join(
+            f"nc{core} (pid {h['pid']} {h['command']})" for core, h in listed["held"].items())
     return result
 
 

@@ -52,6 +52,8 @@ class SanityResult(StageResult):
     passed: bool = Field(description="every core passed")
     excluded_cores: list[int] = Field(default_factory=list, description="bad cores left out of the run")
     memory: dict[str, Any] | None = Field(None, description="what each core must hold to train the spec")
+    inventory: dict[str, Any] | None = Field(None, description="the host's device list against the job's cores: "
+                                             "its source (neuron-ls or emulator), devices, cores, missing, held")
 
 
 class CollectivesResult(StageResult):
@@ -62,6 +64,7 @@ class CollectivesResult(StageResult):
     passed: bool = Field(True, description="every result was correct")
     bad_cores: list[int] = Field(default_factory=list, description="cores that sent corrupted data")
     note: str | None = Field(None, description="why the sweep did not run")
+    source: str = Field("trnflow", description="what swept: nccom-test on a Neuron host, else trnflow's own test")
 
 
 class CompileResult(StageResult):

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from tests.sdk_tools import NCCOM_TEST, fake_neuron_ls, fake_tool
 from trnflow.backends import Backend, JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
@@ -142,3 +143,27 @@ def _processes_of(job_dir: str) -> list[int]:
         except (FileNotFoundError, ProcessLookupError, NotADirectoryError, PermissionError, ValueError):
             continue
     return found
+
+
+def test_on_a_neuron_host_sanity_reads_neuron_ls_and_collectives_run_nccom_test(backend, make_spec, tmp_path,
+                                                                                 monkeypatch):
+    """With the SDK's tools on PATH the jobs use them (here: executables printing their real formats),
+    and say so; a core neuron-ls does not list is a bad core."""
+    one_core_listed = {"neuron_device": 0, "bdf": "00:1e.0", "cpu_affinity": "0-7", "numa_node": "0",
+                       "connected_to": [], "nc_count": 1, "memory_size": 34359738368, "neuroncore_ids": [0],
+                       "neuron_processes": []}
+    bin_dir = tmp_path / "bin"
+    fake_neuron_ls(bin_dir, [one_core_listed])
+    fake_tool(bin_dir, "nccom-test", NCCOM_TEST)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    spec = make_spec()
+    sanity = wait(backend, backend.submit(JobRequest(spec, "sanity", "host")), 0.2)
+    assert sanity.state is JobState.SUCCEEDED, backend.logs(sanity.job_id)[0]
+    assert sanity.result["inventory"] == {"source": "neuron-ls", "devices": 1, "cores": 1, "missing": [1],
+                                          "held": {}}
+    assert sanity.result["bad_cores"] == [1] and sanity.result["passed"] is False
+    swept = wait(backend, backend.submit(JobRequest(spec, "collectives", "host")), 0.2)
+    assert swept.state is JobState.SUCCEEDED, backend.logs(swept.job_id)[0]
+    assert swept.result["source"] == "nccom-test" and swept.result["ranks"] == 2
+    assert swept.result["rows"] == [{"op": "all_reduce", "size(B)": 65536, "count(elems)": 16384, "type": "fp32",
+                                     "time(us)": 61.0, "algbw(GB/s)": 1.0, "busbw(GB/s)": 1.0, "correct": True}]

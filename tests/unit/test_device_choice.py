@@ -13,9 +13,9 @@ from trnflow.results import DeviceUsed
 from trnflow.specs import SpecError, validate_spec
 
 
-def _spec(device="auto", instance_type="trn1.2xlarge", backend="local"):
+def _spec(device="auto", instance_type="trn1.2xlarge", backend="local", cores=1):
     return validate_spec(quickstart_data(compute={"device": device, "instance_type": instance_type,
-                                                  "backend": backend}))
+                                                  "backend": backend, "cores_per_node": cores}))
 
 
 def test_the_sdks_are_told_apart_by_their_modules():
@@ -40,6 +40,15 @@ def test_auto_takes_the_family_device_only_when_installed_and_provided(monkeypat
     assert devices.resolve(_spec(instance_type="trn1.32xlarge"), frozenset({"xla"})).name == "emulator"
     chosen = devices.resolve(_spec("emulator"), frozenset({"xla"}))
     assert chosen == DeviceUsed(name="emulator", reason="compute.device: emulator")
+
+
+def test_the_real_devices_run_one_rank_for_now(monkeypatch):
+    monkeypatch.setattr(devices, "PROVIDED", ("emulator", "neuron", "xla"))
+    (problem,) = devices.problems(_spec("xla", cores=2), local=False)
+    assert problem.startswith("compute.device: xla runs one rank") and "is 2; set both to 1" in problem
+    chosen = devices.resolve(_spec(instance_type="trn1.32xlarge", cores=2), frozenset({"xla"}))
+    assert chosen.name == "emulator" and "the xla device runs one rank" in chosen.reason
+    assert devices.resolve(_spec(instance_type="trn1.32xlarge"), frozenset({"xla"})).name == "xla"
 
 
 def test_the_spec_refuses_a_device_the_instance_family_cannot_run():

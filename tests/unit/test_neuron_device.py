@@ -6,8 +6,11 @@ graph as torch-neuronx does. What runs on a real trn2 host is in docs/devices.md
 from __future__ import annotations
 
 import hashlib
+import io
+import json
 import os
 import sys
+import tarfile
 import types
 from pathlib import Path
 
@@ -61,7 +64,8 @@ def fake(monkeypatch):
     monkeypatch.setitem(registry._COMPILER_FNS, "neuron", backend.compile)
     monkeypatch.delitem(sys.modules, "trnflow.device.neuron", raising=False)
     for name in ("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "TORCH_NEURONX_NEFF_CACHE_DIR"):
-        monkeypatch.delenv(name, raising=False)
+        monkeypatch.setenv(name, "")  # recorded, so that what the device sets is undone after the test
+        monkeypatch.delenv(name)
     torch._dynamo.reset()
     from trnflow.device.neuron import NeuronDevice
 
@@ -87,11 +91,13 @@ def test_the_compiler_sets_the_native_cache_and_refuses_eager_fallback(fake, tmp
     device, _ = fake
     spec = _spec(tmp_path)
     backend = device.compiler(spec)
-    assert backend.flags["backend"] == "neuron" and backend.flags["torch_neuronx"] == "2.14.3.0"
+    assert backend.flags == {"backend": "neuron", "torch_neuronx": "2.14.3.0", "precision": "fp32"}
     assert os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
     assert os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(tmp_path / "cache" / "neff")
-    monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", "/shared/neff")  # the user's choice stays
-    device.compiler(spec)
+    device.compiler(_spec(tmp_path / "other"))  # another spec's cache: nothing carries over
+    assert os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(tmp_path / "other" / "cache" / "neff")
+    monkeypatch.setenv("TORCH_NEURONX_NEFF_CACHE_DIR", "/shared/neff")  # the user's own choice stays
+    type(device)().compiler(spec)
     assert os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] == "/shared/neff"
 
 
@@ -109,8 +115,21 @@ def test_graphs_are_named_filed_and_a_new_shape_trips_the_guard(fake, tmp_path):
     assert neuron.names == ["eval_step"]  # the backend names its artifacts after the program
     assert planned.key.startswith(f"MODULE_{neuron.metrics[0].graph_id}+")
 
+    torch._dynamo.reset()
+    workdir = tmp_path / "work"
+    workdir.mkdir()
+    compiling = device.compiler(spec, mode="compile", workdir=workdir)  # what an ahead-of-time compile job does
+    compiled = device.compile(model, compiling)
+    with compiling.naming("eval_step", torch.zeros(4, 8)):
+        compiled(torch.zeros(4, 8))
+    (built,) = compiling.seen
+    assert (built.key, built.outcome) == (planned.key, "compiled")
+    artifact = device.artifact(workdir)
+    with tarfile.open(fileobj=io.BytesIO(artifact)) as packed:
+        record = json.loads(packed.extractfile(neuron.metrics[1].graph_id).read())
+    assert record["graph_id"] == neuron.metrics[1].graph_id and record["compile_us"] == 2500
     cache = CompileCache(str(tmp_path / "cache"))
-    cache.commit(entry_name(planned.key), planned.graph.canonical(), extract.flags, b"artifact")
+    cache.commit(entry_name(planned.key), planned.graph.canonical(), extract.flags, artifact)
     torch._dynamo.reset()
     run = device.compiler(spec, log=lambda event, **fields: None)
     compiled = device.compile(model, run)

@@ -78,7 +78,7 @@ def test_a_checkpoint_moves_between_xla_and_the_emulator(workdir, lane):
     curve: list[float] = []
     for device, steps, first in ((DEVICE, 10, 0), ("emulator", 20, 10), (DEVICE, 30, 20)):
         code, result = train(crossed, device, steps)
-        assert code == 0 and result["start_step"] == first, result
+        assert code == 0 and result["start_step"] == first and result["device"]["name"] == device, result
         if first:
             saved = checkpoint.load(result["resumed_from"])
             assert saved.meta["global_step"] == first
@@ -93,7 +93,7 @@ def test_a_checkpoint_moves_between_xla_and_the_emulator(workdir, lane):
 
 
 def test_weights_make_the_round_trip_through_the_device_bit_for_bit(workdir):
-    """What a resume loads is what was saved: the state dict moved to the device and back is unchanged."""
+    """The device's host copies (what checkpoints are saved from) are the weights put there, bit for bit."""
     from trnflow.device.registry import get_device
 
     code, result = train(workdir, "emulator", 10)

@@ -54,6 +54,23 @@ def entry_name(key: str) -> str:
     return f"{COMPILER_VERSION}/{key}"
 
 
+def module_key(graph_hash: str, flags: dict) -> str:
+    """`MODULE_<graph hash>+<flags hash>`, as the Neuron cache names its entries."""
+    flags_hash = hashlib.md5(json.dumps(flags, sort_keys=True).encode(), usedforsecurity=False).hexdigest()[:8]
+    return f"MODULE_{graph_hash}+{flags_hash}"
+
+
+def miss_reason(cache: CompileCache | None, entry: str) -> str:
+    """Why a graph's entry could not be used, as a recompilation report says it."""
+    try:
+        state = cache.state(entry) if cache else MISSING
+    except FatalError as exc:  # a garbled lock record: the graph is compiled here all the same
+        return str(exc)
+    return {CORRUPT: "the cache entry is corrupt (a file is missing or not as model.done says)",
+            FAILED: "its ahead-of-time compile failed",
+            LOCKED: "it is still being compiled"}.get(state, "it is not in the compile cache")
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 

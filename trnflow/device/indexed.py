@@ -15,30 +15,29 @@ each to `file`.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import json
+import os
+from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 import torch
 
-from trnflow.device.base import CompileMetrics, Log, RecompileGuard, Seen, summarise
-from trnflow.device.cache import DONE, CompileCache, entry_name
+from trnflow.device.base import CompileMetrics, Device, Log, RecompileGuard, Seen, summarise
+from trnflow.device.cache import DONE, CompileCache, entry_name, miss_reason, module_key
 from trnflow.errors import FatalError
+from trnflow.neuron.launch import cache_url
+from trnflow.safetar import pack
+from trnflow.specs import JobSpec
+from trnflow.storage.base import local_path
 
 
 def shapes_of(inputs: tuple) -> str:
     """A program's data inputs as a person reads them: `[8, 32] int64`."""
     return ", ".join(f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')}"
                      for t in inputs if isinstance(t, torch.Tensor)) or "no data inputs"
-
-
-def cache_key(graph_hash: str, flags: dict) -> str:
-    """`MODULE_<graph hash>+<flags hash>`, as the Neuron cache names its entries."""
-    flags_hash = hashlib.md5(json.dumps(flags, sort_keys=True).encode(), usedforsecurity=False).hexdigest()[:8]
-    return f"MODULE_{graph_hash}+{flags_hash}"
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,8 @@ class IndexedGraphs:
 
     @contextlib.contextmanager
     def naming(self, program: str, *inputs: Any) -> Iterator[None]:
-        """Graphs compiled inside (and, on a lazy device, at the next sync) are `program`'s."""
+        """Graphs compiled inside (and, where the device compiles backward or a lazy step later, up to
+        the next sync) are `program`'s, run on `inputs`."""
         self.program, self.shapes[program] = program, shapes_of(inputs)
         self.named(program)
         yield
@@ -90,7 +90,7 @@ class IndexedGraphs:
     def file(self, graph_hash: str, seconds: float, kept: Callable[[], bytes]) -> None:
         """File one compiled graph; `kept` gives what the runtime keeps of it (the artifact)."""
         graph = RuntimeGraph(graph_hash, self.program, self.shapes.get(self.program, "no data inputs"))
-        key = cache_key(graph_hash, self.flags)
+        key = module_key(graph_hash, self.flags)
         if self.mode == "extract":
             self.seen.append(Seen(self.program, key, graph, "extracted", seconds=seconds))
         elif self.mode == "compile":
@@ -107,7 +107,7 @@ class IndexedGraphs:
             self.seen.append(Seen(graph.program, key, graph, "hit", seconds=seconds))
             self.log("compile_cache_hit", program=graph.program, key=key, seconds=round(seconds, 3))
             return
-        reason = "it is not in the compile cache"
+        reason = miss_reason(self.cache, entry)
         self.seen.append(Seen(graph.program, key, graph, "recompiled", reason, seconds))
         self.log("recompile", program=graph.program, key=key, reason=reason, shapes=graph.data_shapes,
                  seconds=round(seconds, 3))
@@ -116,3 +116,67 @@ class IndexedGraphs:
 
     def metrics(self) -> CompileMetrics:
         return summarise(self.seen)
+
+
+def is_local(url: str) -> bool:
+    """Whether a cache URL names a folder on this machine (a path or file://)."""
+    return urlparse(url).scheme in ("", "file")
+
+
+def native_cache(url: str, folder: str) -> str:
+    """Where a device's own compiler keeps its artifacts for the compile cache at `url`: `folder`
+    inside it (a path for a local cache, a URL for S3), two levels below trnflow's entries so that
+    listing and pruning trnflow's cache never touch them."""
+    if is_local(url):
+        return str(local_path(url) / folder)
+    return f"{url.rstrip('/')}/{folder}"
+
+
+class RuntimeDevice(Device):
+    """A real device whose runtime compiles the programs: its compile backend (an `IndexedGraphs`)
+    learns each graph at the syncs and as a program ends; autograd is turned off with no_grad;
+    the cache artifact is what the backend kept in the work folder.
+
+    The environment variables a device sets for its runtime (`settings`) are worked out from the
+    environment as the process started, so a user's own values win and one spec's do not carry
+    over to the next."""
+
+    def __init__(self) -> None:
+        self.backend: IndexedGraphs | None = None
+        self._started_with = dict(os.environ)
+
+    @abstractmethod
+    def flags(self, spec: JobSpec) -> dict:
+        """What decides the compiled code besides the graph (part of every cache key)."""
+
+    @abstractmethod
+    def graphs(self, flags: dict, cache: CompileCache | None, mode: str, guard: RecompileGuard,
+               workdir: Path | None, log: Log) -> IndexedGraphs:
+        """The device's compile backend."""
+
+    def settings(self, url: str, started_with: dict[str, str]) -> dict[str, str]:
+        """The runtime's environment variables for the compile cache at `url`."""
+        return {}
+
+    def compiler(self, spec: JobSpec, mode: str = "run", log: Log | None = None,
+                 workdir: Path | None = None) -> IndexedGraphs:
+        url = cache_url(spec.compile.cache_url)
+        os.environ.update(self.settings(url, self._started_with))
+        self.backend = self.graphs(self.flags(spec), CompileCache(url) if mode == "run" else None, mode,
+                                   RecompileGuard(spec.compile.recompile_limit), workdir,
+                                   log or (lambda event, **fields: None))
+        return self.backend
+
+    def artifact(self, workdir: Path) -> bytes:
+        return pack(workdir)
+
+    def inference(self) -> contextlib.AbstractContextManager:
+        return torch.no_grad()  # inference tensors are not supported on every real device (torch-xla's)
+
+    def runtime_sync(self) -> None:
+        """Let the runtime run what it has queued or traced."""
+
+    def sync(self) -> None:
+        self.runtime_sync()
+        if self.backend is not None:
+            self.backend.observe()

@@ -12,43 +12,31 @@ Which graphs a process compiled comes from the backend's helper API,
 warms the native NEFF cache by compiling one batch of each shape) and the recompile guard mean the
 same here. The native NEFF cache goes where `TORCH_NEURONX_NEFF_CACHE_DIR` says; for a compile
 cache in a local folder the device points it at `neff/` inside that folder unless it is set.
+Several ranks are not supported yet (`trnflow validate` says so).
 A graph that fails to compile is an error, never a silent fall back to eager
 (`TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1` unless set).
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 import torch_neuronx
 from torch_neuronx import neuron_dynamo_backend
 
-from trnflow.device.base import Device, Log, RecompileGuard
+from trnflow.device.base import Log, RecompileGuard
 from trnflow.device.cache import CompileCache
-from trnflow.device.indexed import IndexedGraphs
-from trnflow.neuron.launch import cache_url
-from trnflow.safetar import pack
+from trnflow.device.indexed import IndexedGraphs, RuntimeDevice, is_local, native_cache
 from trnflow.specs import JobSpec
-from trnflow.storage.base import local_path
 
 BACKEND = "neuron"
 """The `torch.compile` backend torch-neuronx registers."""
-
-
-def settings(cache: str, env: dict[str, str]) -> dict[str, str]:
-    """The TORCH_NEURONX_* variables a job runs with, those already set left as they are."""
-    wanted = {"TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": "1"}
-    if urlparse(cache).scheme in ("", "file"):  # the native cache is a folder; with an S3 cache it keeps its own
-        wanted["TORCH_NEURONX_NEFF_CACHE_DIR"] = str(local_path(cache) / "neff")
-    return {k: v for k, v in wanted.items() if k not in env}
 
 
 @dataclass
@@ -74,7 +62,7 @@ class NeuronGraphs(IndexedGraphs):
                       lambda r=record: json.dumps(r).encode())
 
 
-class NeuronDevice(Device):
+class NeuronDevice(RuntimeDevice):
     name = "neuron"
     process_group_backend = "neuron"
 
@@ -84,21 +72,20 @@ class NeuronDevice(Device):
         local = int(os.environ.get("LOCAL_RANK", "0"))
         return torch.device(BACKEND, local if local < torch.neuron.device_count() else 0)
 
-    def compiler(self, spec: JobSpec, mode: str = "run", log: Log | None = None,
-                 workdir: Path | None = None) -> NeuronGraphs:
-        url = cache_url(spec.compile.cache_url)
-        os.environ.update(settings(url, os.environ))
-        flags = {"backend": BACKEND, "torch_neuronx": torch_neuronx.__version__, "optlevel": spec.compile.optlevel,
-                 "precision": spec.compute.precision}
-        return NeuronGraphs(flags, CompileCache(url) if mode == "run" else None, mode,
-                            RecompileGuard(spec.compile.recompile_limit), workdir,
-                            log or (lambda event, **fields: None))
+    def flags(self, spec: JobSpec) -> dict:
+        return {"backend": BACKEND, "torch_neuronx": torch_neuronx.__version__, "precision": spec.compute.precision}
 
-    def artifact(self, workdir: Path) -> bytes:
-        return pack(workdir)
+    def settings(self, url: str, started_with: dict[str, str]) -> dict[str, str]:
+        """A failed compile is an error (never a silent fall back to eager); the NEFF cache sits
+        beside trnflow's entries for a local cache. A variable the user set stays as it is."""
+        wanted = {"TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION": "1"}
+        if is_local(url):  # torch-neuronx's NEFF cache is a folder
+            wanted["TORCH_NEURONX_NEFF_CACHE_DIR"] = native_cache(url, "neff")
+        return {k: v for k, v in wanted.items() if k not in started_with}
+
+    def graphs(self, flags: dict, cache: CompileCache | None, mode: str, guard: RecompileGuard,
+               workdir: Path | None, log: Log) -> NeuronGraphs:
+        return NeuronGraphs(flags, cache, mode, guard, workdir, log)
 
     def compile(self, fn: Callable, backend: Any) -> Callable:
         return torch.compile(fn, backend=BACKEND, fullgraph=True, dynamic=False)
-
-    def inference(self) -> contextlib.AbstractContextManager:
-        return torch.no_grad()

@@ -14,50 +14,59 @@ recompilation, so `compile.max_recompiles` and `trnflow compile --check` mean th
 emulator. torch-xla's CPU runtime cannot load a serialized executable back (it reports
 "Deserializing serialized executable not supported"), so there a cached graph is still compiled
 again: the cache is the index of graphs a run may meet. On Trainium the Neuron compiler keeps its
-own artifacts in the cache folder that `NEURON_CC_FLAGS=--cache_dir=...` names, which this device
-sets to the spec's cache when the flags do not name one.
+own artifacts where `NEURON_CC_FLAGS=--cache_dir=...` says: the spec's compile cache, as every
+backend's launcher sets it (and this device, for a process started without it). Several ranks
+are not supported yet (`trnflow validate` says so).
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import os
+import shlex
 import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-from urllib.parse import urlparse
 
 import torch
 import torch_xla
 import torch_xla.debug.metrics as xla_metrics
 import torch_xla.runtime as xla_runtime
 
-from trnflow.device.base import Device, Log, RecompileGuard
+from trnflow.device.base import Log, RecompileGuard
 from trnflow.device.cache import CompileCache
-from trnflow.device.indexed import IndexedGraphs
-from trnflow.neuron.launch import cache_url
-from trnflow.safetar import pack
+from trnflow.device.indexed import IndexedGraphs, RuntimeDevice
+from trnflow.errors import FatalError
 from trnflow.specs import JobSpec
-from trnflow.storage.base import local_path
 
 
 class Journal:
     """The folder this process's runtime writes each compiled executable into, by graph hash."""
 
     def __init__(self) -> None:
+        if xla_metrics.metric_data("CompileTime"):
+            raise FatalError("the xla device must be made before torch-xla compiles anything in the process: it "
+                             "reads which graphs were compiled from the runtime's persistent cache")
         self.path = Path(tempfile.mkdtemp(prefix="trnflow-xla-graphs-"))
         atexit.register(shutil.rmtree, self.path, ignore_errors=True)
-        xla_runtime.initialize_cache(str(self.path), readonly=False)  # before the runtime compiles anything
+        xla_runtime.initialize_cache(str(self.path), readonly=False)
         self.known: set[str] = set()
+        self.compiles = 0
 
     def new(self) -> list[str]:
         """The graphs compiled since the last call, oldest first."""
-        fresh = sorted((p for p in self.path.iterdir() if p.name not in self.known), key=lambda p: p.stat().st_mtime_ns)
+        fresh = sorted((p for p in self.path.iterdir() if p.name not in self.known),
+                       key=lambda p: (p.stat().st_mtime_ns, p.name))
         self.known |= {p.name for p in fresh}
+        data = xla_metrics.metric_data("CompileTime")
+        compiles, self.compiles = (data[0] if data else 0), (data[0] if data else 0)
+        if len(self.known) < compiles:  # the runtime compiled a graph it did not write down
+            raise FatalError(f"torch-xla compiled {compiles} graphs but its persistent cache at {self.path} holds "
+                             f"{len(self.known)}: another persistent cache was set up first "
+                             "(XLA_PERSISTENT_CACHE_PATH?); the recompile guard cannot work without it")
         return [p.name for p in fresh]
 
 
@@ -91,23 +100,20 @@ class XlaGraphs(IndexedGraphs):
             self.file(graph_hash, seconds, (self.journal.path / graph_hash).read_bytes)
 
 
-def neuron_cc_flags(cache: str, env: dict[str, str]) -> str:
-    """NEURON_CC_FLAGS with the persistent cache folder set to `cache`, unless the flags name one."""
-    flags = env.get("NEURON_CC_FLAGS", "")
-    if "--cache_dir" in flags:
-        return flags
-    where = str(local_path(cache)) if urlparse(cache).scheme in ("", "file") else cache
-    return f"{flags} --cache_dir={where}".strip()
+def compiler_options(flags: str) -> str:
+    """NEURON_CC_FLAGS without the cache folder (where, not what, it compiles) and the optimisation
+    level (the spec's, in the key on its own): what else shapes the compiled code."""
+    return " ".join(f for f in shlex.split(flags) if not f.startswith(("--cache_dir", "--optlevel", "-O")))
 
 
-class XlaDevice(Device):
+class XlaDevice(RuntimeDevice):
     name = "xla"
     process_group_backend = "xla"
     init_method = "xla://"
 
     def __init__(self) -> None:
+        super().__init__()
         self._journal: Journal | None = None
-        self._backend: XlaGraphs | None = None
 
     @property
     def journal(self) -> Journal:
@@ -117,36 +123,29 @@ class XlaDevice(Device):
 
     @property
     def torch_device(self) -> torch.device:
-        self.journal  # noqa: B018 - the journal must exist before the runtime starts
+        self.journal  # noqa: B018 - the journal must exist before the runtime compiles
         return torch_xla.device()
 
-    def init_process_group(self, world_size: int, timeout_seconds: float) -> None:
-        if world_size > 1:
-            import torch_xla.distributed.xla_backend  # noqa: F401  # optional: registers the "xla" backend
-        super().init_process_group(world_size, timeout_seconds)
+    def flags(self, spec: JobSpec) -> dict:
+        return {"backend": "xla", "torch_xla": torch_xla.__version__, "runtime": xla_runtime.device_type(),
+                "optlevel": spec.compile.optlevel, "precision": spec.compute.precision,
+                "neuron_cc_flags": compiler_options(os.environ.get("NEURON_CC_FLAGS", ""))}
 
-    def compiler(self, spec: JobSpec, mode: str = "run", log: Log | None = None,
-                 workdir: Path | None = None) -> XlaGraphs:
-        url = cache_url(spec.compile.cache_url)
-        os.environ["NEURON_CC_FLAGS"] = neuron_cc_flags(url, os.environ)
-        flags = {"backend": "xla", "torch_xla": torch_xla.__version__, "runtime": xla_runtime.device_type(),
-                 "optlevel": spec.compile.optlevel, "precision": spec.compute.precision}
-        self._backend = XlaGraphs(flags, CompileCache(url) if mode == "run" else None, mode,
-                                  RecompileGuard(spec.compile.recompile_limit), workdir,
-                                  log or (lambda event, **fields: None), journal=self.journal)
-        return self._backend
+    def settings(self, url: str, started_with: dict[str, str]) -> dict[str, str]:
+        """The Neuron compiler's cache folder is the compile cache, as neuron_parallel_compile has it
+        (every backend's launcher sets it so); a process started without it gets it here."""
+        flags = started_with.get("NEURON_CC_FLAGS", "")
+        if "--cache_dir" in flags:
+            return {}
+        return {"NEURON_CC_FLAGS": f"{flags} --cache_dir={url}".strip()}
 
-    def artifact(self, workdir: Path) -> bytes:
-        return pack(workdir)
+    def graphs(self, flags: dict, cache: CompileCache | None, mode: str, guard: RecompileGuard,
+               workdir: Path | None, log: Log) -> XlaGraphs:
+        return XlaGraphs(flags, cache, mode, guard, workdir, log, journal=self.journal)
 
     def compile(self, fn: Callable, backend: Any) -> Callable:
         """Lazy tensors are traced as they run and compiled where they synchronise: `fn` as it is."""
         return fn
 
-    def inference(self) -> contextlib.AbstractContextManager:
-        return torch.no_grad()  # torch-xla's tensors cannot be inference tensors
-
-    def sync(self) -> None:
+    def runtime_sync(self) -> None:
         torch_xla.sync()
-        if self._backend is not None:
-            self._backend.observe()

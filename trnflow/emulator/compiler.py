@@ -12,7 +12,6 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
-import json
 import tarfile
 import zlib
 from dataclasses import dataclass
@@ -20,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from trnflow.device.cache import CorruptEntry
+from trnflow.device.cache import CorruptEntry, module_key
 from trnflow.safetar import unpack
 
 # optlevel -> how the emulator compiles, trading compile time against step time as neuronx-cc's
@@ -86,9 +85,7 @@ def compile_flags(optlevel: int, precision: str) -> dict:
 
 def cache_key(graph: Graph, flags: dict) -> str:
     """`MODULE_<graph hash>+<flags hash>`, as the Neuron cache names its entries."""
-    graph_hash = hashlib.sha256(graph.canonical().encode()).hexdigest()[:20]
-    flags_hash = hashlib.md5(json.dumps(flags, sort_keys=True).encode(), usedforsecurity=False).hexdigest()[:8]
-    return f"MODULE_{graph_hash}+{flags_hash}"
+    return module_key(hashlib.sha256(graph.canonical().encode()).hexdigest()[:20], flags)
 
 
 def lower(gm: torch.fx.GraphModule, example_inputs: list, flags: dict, keep_graphs: Path | None = None):

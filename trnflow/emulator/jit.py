@@ -27,11 +27,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from trnflow.device import cache as cache_states
 from trnflow.device.base import CompileMetrics, RecompileGuard, Seen, summarise
-from trnflow.device.cache import CompileCache, CorruptEntry, entry_name
+from trnflow.device.cache import CompileCache, CorruptEntry, entry_name, miss_reason
 from trnflow.emulator.compiler import Graph, cache_key, lower, unpack_into
-from trnflow.errors import FatalError
 
 Log = Callable[..., None]
 
@@ -104,20 +102,11 @@ class CachedCompiler:
         if artifact is not None:
             self.cache.record_hit(entry)
         elif not reason:  # only a miss pays for finding out why
-            reason = self._why_missed(entry)
+            reason = miss_reason(self.cache, entry)
         if reason:
             where = self.cache.url if self.cache else "the compile cache"
             self.guard.recompiled(self.program, key, graph.data_shapes, reason, where)
         return reason
-
-    def _why_missed(self, entry: str) -> str:
-        try:
-            state = self.cache.state(entry) if self.cache else cache_states.MISSING
-        except FatalError as exc:  # a garbled lock record: the graph is compiled here all the same
-            return str(exc)
-        return {cache_states.CORRUPT: "the cache entry is corrupt (a file is missing or not as model.done says)",
-                cache_states.FAILED: "its ahead-of-time compile failed",
-                cache_states.LOCKED: "it is still being compiled"}.get(state, "it is not in the compile cache")
 
     def metrics(self) -> CompileMetrics:
         """What this process compiled, loaded and recompiled."""

@@ -20,6 +20,9 @@ from trnflow.specs import JobSpec, instance
 
 PROVIDED: tuple[str, ...] = ("emulator", "neuron", "xla")
 """The devices this trnflow can run a job on (see `trnflow.device.registry`)."""
+ONE_RANK_ONLY = {"neuron": 1, "xla": 1}
+"""Devices that run one rank in this version: their multi-rank paths (DDP inside a lazy graph, the
+evaluation's all-reduce of host tensors) are not built yet."""
 INSTALL = {
     "neuron": "install the Neuron SDK's torch-neuronx (2.33 or later) from the Neuron repository",
     "xla": "pip install torch-xla (2.9 runs here on the CPU with PJRT_DEVICE=CPU)",
@@ -57,6 +60,10 @@ def resolve(spec: JobSpec, available: frozenset[str] | None = None) -> DeviceUse
     for device in ("neuron",) if native else ("xla",):
         if device in available and device in PROVIDED:
             sdk = "native TorchNeuron" if device == "neuron" else "torch-xla"
+            if spec.compute.world_size > ONE_RANK_ONLY.get(device, spec.compute.world_size):
+                return DeviceUsed(name="emulator", reason=f"auto: {itype} has {sdk}, but the {device} device runs "
+                                  f"one rank in this version and the spec has {spec.compute.world_size}, so the "
+                                  "NeuronCore emulator")
             return DeviceUsed(name=device, reason=f"auto: {itype} with {sdk} installed")
     return DeviceUsed(name="emulator", reason=f"auto: no Neuron SDK for {itype} here ({family}), so the NeuronCore "
                       "emulator")
@@ -73,6 +80,10 @@ def problems(spec: JobSpec, local: bool, available: frozenset[str] | None = None
     if wanted not in PROVIDED:
         found.append(f"compute.device: {wanted} is not one this trnflow can run yet (it runs: "
                      f"{', '.join(PROVIDED)}); set compute.device to auto or emulator")
+    elif spec.compute.world_size > ONE_RANK_ONLY.get(wanted, spec.compute.world_size):
+        found.append(f"compute.device: {wanted} runs one rank in this version, and compute.nodes x "
+                     f"compute.cores_per_node is {spec.compute.world_size}; set both to 1, or set compute.device to "
+                     "emulator (or auto)")
     elif local and wanted not in (installed() if available is None else available):
         found.append(f"compute.device: {wanted} needs its SDK where the job runs, and this environment has none: "
                      f"{INSTALL[wanted]}, or set compute.device to auto or emulator")

@@ -54,7 +54,7 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
     exactly when the weights are, however and wherever they were saved."""
     h = hashlib.sha256()
     for name in sorted(state):
-        t = state[name].detach().cpu().contiguous()
+        t = state[name].detach().cpu().contiguous().reshape(-1)
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from trnflow.errors import FatalError
+from trnflow.neuron import tools
 from trnflow.neuron.nccom import OPS, bus_factor
 from trnflow.workload.context import WorkerContext
 
@@ -154,6 +155,8 @@ def run(ctx: WorkerContext) -> dict:
     if opts["dtype"] not in DTYPES:
         raise FatalError(f"collective dtype {opts['dtype']!r}: choose one of {', '.join(DTYPES)}")
     sizes = sweep_sizes(int(opts["minbytes"]), int(opts["maxbytes"]), int(opts["stepfactor"]))
+    if tools.which(tools.NCCOM_TEST):
+        return _with_nccom_test(ctx, ops, sizes, opts)
     rows = []
     for op in ops:
         for size in sizes:
@@ -162,13 +165,35 @@ def run(ctx: WorkerContext) -> dict:
                 lambda op=op, size=size: _measure(ctx, op, size, opts["dtype"], int(opts["iters"]),
                                                   int(opts["warmup"]), bool(opts["check"]))))
             ctx.log("collective", **rows[-1])
+    return _summarise(ctx, ops, sizes, rows, "trnflow")
+
+
+def _with_nccom_test(ctx: WorkerContext, ops: list[str], sizes: list[int], opts: dict) -> dict:
+    """On a Neuron host: the SDK's nccom-test sweeps the job's cores, started once by rank 0 while
+    the other ranks wait; its rows are the result."""
+    rows: list[dict] = []
+    if ctx.is_main:
+        for op in ops:
+            swept = tools.nccom_sweep(op, ctx.world_size, sizes[0], sizes[-1], int(opts["stepfactor"]),
+                                      opts["dtype"], int(opts["iters"]), int(opts["warmup"]), bool(opts["check"]))
+            for row in swept:
+                ctx.log("collective", **row)
+            rows += swept
+    ctx.collective("waiting for nccom-test", dist.barrier)
+    if not ctx.is_main:  # rank 0 reports
+        return {"ranks": ctx.world_size, "rows": [], "avg_busbw": None, "source": tools.NCCOM_TEST}
+    return _summarise(ctx, ops, sizes, rows, tools.NCCOM_TEST)
+
+
+def _summarise(ctx: WorkerContext, ops: list[str], sizes: list[int], rows: list[dict], source: str) -> dict:
     bad = sorted({c for row in rows for c in row.get("bad_cores", [])})
     if any(row.get("correct") is False for row in rows):
         failing = [f"{row['op']} {row['size(B)']}B" for row in rows if row.get("correct") is False]
         names = f"core(s) {bad} sent corrupted data" if bad else "the cause is not on a single core"
         raise CorruptCollective(f"wrong results from {', '.join(failing[:4])}: {names}; run preflight",
                                 bad_cores=bad)
-    by_op = {op: round(sum(r["busbw(GB/s)"] for r in rows if r["op"] == op) / len(sizes), 4) for op in ops}
+    per_op = {op: [r["busbw(GB/s)"] for r in rows if r["op"] == op] for op in ops}
+    by_op = {op: round(sum(b) / len(b), 4) for op, b in per_op.items() if b}
     avg = round(sum(r["busbw(GB/s)"] for r in rows) / len(rows), 4)
     return {"ranks": ctx.world_size, "rows": rows, "avg_busbw": avg, "avg_busbw_by_op": by_op,
-            "passed": True, "bad_cores": []}
+            "passed": True, "bad_cores": [], "source": source}

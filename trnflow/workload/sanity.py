@@ -16,6 +16,7 @@ Each runs in fp32, and also in bf16 when the spec trains in bf16. Tolerances are
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Callable
 
@@ -23,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from trnflow.device.base import FaultHooks, NoFaults
+from trnflow.neuron import tools, topology
 from trnflow.workload.context import WorkerContext, gather_objects
 
 MATMUL_SIZE = 256
@@ -163,13 +165,31 @@ def core_checks(core: int, precision: str, faults: FaultHooks) -> list[dict]:
     return checks
 
 
+def host_inventory(ctx: WorkerContext, per_core: list[dict]) -> dict | None:
+    """The host's device list against the job's cores: from `neuron-ls --json-output` when it is on
+    PATH (a Neuron host), else the emulated instance's (with a spec). A core the list lacks is bad;
+    one another process holds is named."""
+    cores = sorted(c["core"] for c in per_core)
+    if tools.which(tools.NEURON_LS):
+        records, source = tools.neuron_ls(), tools.NEURON_LS
+    elif ctx.spec is not None:
+        records, source = topology.neuron_ls(ctx.spec.compute.instance_type), "emulator"
+    else:
+        return None
+    return {"source": source, **tools.inventory(records, cores, {c["pid"] for c in per_core})}
+
+
 def run(ctx: WorkerContext) -> dict:
     precision = ctx.spec.compute.precision if ctx.spec else "fp32"
     checks = core_checks(ctx.core_id, precision, ctx.faults)
     failed = [f"{c['engine']}/{c['test']}/{c['dtype']}" for c in checks if not c["passed"]]
-    mine = {"rank": ctx.rank, "core": ctx.core_id, "checks": checks, "passed": not failed, "failed": failed}
+    mine = {"rank": ctx.rank, "core": ctx.core_id, "pid": os.getpid(), "checks": checks, "passed": not failed,
+            "failed": failed}
     ctx.log("sanity", all_ranks=True, core=ctx.core_id, passed=mine["passed"], failed=failed)
     # Gathering the results is also a liveness check: a core that stalls in collectives is named here.
     per_core = ctx.collective("gathering sanity results", lambda: gather_objects(ctx, mine))
-    bad = sorted(c["core"] for c in per_core if not c["passed"])
-    return {"per_core": per_core, "bad_cores": bad, "passed": not bad}
+    found = host_inventory(ctx, per_core) if ctx.is_main else None
+    bad = sorted({c["core"] for c in per_core if not c["passed"]} | set(found["missing"] if found else []))
+    if found and found["missing"]:
+        ctx.log("sanity", missing=found["missing"], source=found["source"])
+    return {"per_core": per_core, "bad_cores": bad, "passed": not bad, "inventory": found}

@@ -154,15 +154,17 @@ class Trainer:
         if self.use_sr:
             self.device.round_weights(self.model, self.sr_gen)
         self.step_times.append(time.perf_counter() - began)
+        value = loss.item()
         start, steps, summed = self._window
-        self._window = (start, steps + 1, summed + loss.item())
-        return loss.item()
+        self._window = (start, steps + 1, summed + value)
+        return value
 
     def _finite(self, loss: torch.Tensor, done: int) -> torch.Tensor:
         """The step's loss, refused when it is not finite: the run stops before it saves anything more."""
-        if not math.isfinite(loss.item()):
+        value = loss.item()
+        if not math.isfinite(value):
             raise FatalError(
-                f"loss is {loss.item()} at step {done} on rank {self.ctx.rank}; the run diverged. "
+                f"loss is {value} at step {done} on rank {self.ctx.rank}; the run diverged. "
                 "Lower train.lr or use fp32; retrying would diverge again"
             )
         return loss

@@ -1,0 +1,70 @@
+"""The Neuron SDK's tools as a Neuron host has them: `neuron-ls --json-output` and `nccom-test`'s
+JSON report, read in their real formats, and run when on PATH (here: scripts that print what the
+real tools print, since no Neuron host is reachable)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from tests.sdk_tools import NCCOM_TEST, fake_neuron_ls, fake_tool
+from trnflow.errors import FatalError
+from trnflow.neuron import tools
+
+pytestmark = pytest.mark.unit
+
+TRN2_DEVICE = {"neuron_device": 0, "bdf": "cc:00.0", "cpu_affinity": "48-95,144-191", "numa_node": "1",
+               "connected_to": [12, 3, 4, 1], "nc_count": 4, "logical_neuroncore_config": 2,
+               "memory_size": 103079215104, "neuroncore_ids": [0, 1, 2, 3],
+               "neuron_processes": [{"pid": 113985, "command": "neuron-bench exec", "neuron_runtime_version": "2.0.0"}]}
+
+
+def test_neuron_ls_json_is_read_with_its_real_fields_and_checked_against_the_jobs_cores():
+    second = {**TRN2_DEVICE, "neuron_device": 1, "neuroncore_ids": [4, 5, 6, 7], "neuron_processes": []}
+    records = tools.parse_neuron_ls(json.dumps([TRN2_DEVICE, second]))
+    assert records[0]["cpu_affinity"] == "48-95,144-191" and records[0]["numa_node"] == "1"
+    found = tools.inventory(records, cores=[2, 3, 8], own_pids={4242})
+    assert found == {"devices": 2, "cores": 8, "missing": [8],
+                     "held": {"2": {"pid": 113985, "command": "neuron-bench exec"},
+                              "3": {"pid": 113985, "command": "neuron-bench exec"}}}
+    assert tools.inventory(records, cores=[2, 3], own_pids={113985})["held"] == {}  # the job's own processes
+
+
+@pytest.mark.parametrize("text, problem", [("not json", "not JSON"), ('{"a": 1}', "expected a list"),
+                                           ('[{"neuron_device": 0}]', "has no nc_count, neuroncore_ids")])
+def test_neuron_ls_output_it_cannot_read_is_an_error_that_says_what(text, problem):
+    with pytest.raises(FatalError, match=problem):
+        tools.parse_neuron_ls(text)
+
+
+def test_nccom_json_is_read_with_either_time_column():
+    current = {"results": [{"size(B)": 1024, "count(elems)": 256, "type": "fp32", "algbw(GB/s)": 0.1655,
+                            "busbw(GB/s)": 0.1604, "time:avg(us)": 6.19}]}
+    older = {"results": [{"size(B)": 33554432, "count(elems)": 33554432, "type": "uint8", "algbw(GB/s)": 40.69,
+                          "busbw(GB/s)": 40.69, "time(us)": 768}]}
+    assert tools.parse_nccom_json(json.dumps(current), "all_reduce") == [
+        {"op": "all_reduce", "size(B)": 1024, "count(elems)": 256, "type": "fp32", "time(us)": 6.19,
+         "algbw(GB/s)": 0.1655, "busbw(GB/s)": 0.1604}]
+    assert tools.parse_nccom_json(json.dumps(older), "all_gather")[0]["time(us)"] == 768.0
+    with pytest.raises(FatalError, match="a time column"):
+        tools.parse_nccom_json('{"results": [{"size(B)": 8}]}', "all_reduce")
+
+
+def test_the_tools_run_from_path_with_the_real_command_lines(tmp_path, monkeypatch):
+    bin_dir = tmp_path / "bin"
+    fake_neuron_ls(bin_dir, [TRN2_DEVICE])
+    fake_tool(bin_dir, "nccom-test", NCCOM_TEST)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    assert tools.which("neuron-ls") == str(bin_dir / "neuron-ls")
+    assert tools.neuron_ls()[0]["nc_count"] == 4
+    rows = tools.nccom_sweep("all_reduce", 4, 65536, 65536, 4, "fp32", 5, 1, check=True)
+    assert rows == [{"op": "all_reduce", "size(B)": 65536, "count(elems)": 16384, "type": "fp32",
+                     "time(us)": 61.0, "algbw(GB/s)": 1.0, "busbw(GB/s)": 1.5, "correct": True}]
+    (wrong,) = tools.nccom_sweep("all_to_all", 4, 65536, 65536, 4, "fp32", 5, 1, check=True)
+    assert wrong["correct"] is False
+    argv = tools.nccom_command("all_gather", 8, 1024, 4096, 2, "bf16", 20, 5, True, Path("/r.json"))
+    assert argv == ["nccom-test", "all_gather", "-r", "8", "-b", "1024", "-e", "4096", "-f", "2", "-d", "bf16",
+                    "-n", "20", "-w", "5", "--non-interactive", "--report-to-json-file", "/r.json", "-c", "all_ones"]

@@ -1,0 +1,116 @@
+"""The Neuron SDK's own tools on a real host: `neuron-ls --json-output` for the device inventory and
+`nccom-test` for the collectives sweep, run when they are on PATH and read in their real formats.
+
+Without them (on any machine but a Neuron host) the sanity and collectives phases use trnflow's own
+checks; each result says which source it used. Torch-free.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from trnflow.errors import FatalError
+
+NEURON_LS, NCCOM_TEST = "neuron-ls", "nccom-test"
+NCCOM_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
+             "all_to_all": "alltoall"}
+"""trnflow's op names -> nccom-test's positional operation."""
+REQUIRED = ("neuron_device", "nc_count", "neuroncore_ids")
+
+
+def which(tool: str) -> str | None:
+    """The tool's path when it is on PATH."""
+    return shutil.which(tool)
+
+
+def parse_neuron_ls(text: str, source: str = NEURON_LS) -> list[dict[str, Any]]:
+    """The device records of `neuron-ls --json-output`: one object per Neuron device, each with at
+    least its index, core count and core ids (its BDF, CPU affinity, NUMA node, memory size and the
+    processes holding it when the tool prints them)."""
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FatalError(f"{source}: its output is not JSON ({exc}); is this neuron-ls --json-output?") from None
+    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
+        raise FatalError(f"{source}: expected a list of device objects, got {type(records).__name__}")
+    for record in records:
+        missing = [k for k in REQUIRED if k not in record]
+        if missing:
+            raise FatalError(f"{source}: device {record.get('neuron_device', '?')} has no {', '.join(missing)}; "
+                             "a neuron-ls this version of trnflow does not know")
+    return records
+
+
+def neuron_ls(timeout: float = 60.0) -> list[dict[str, Any]]:
+    """Run `neuron-ls --json-output` and read its device records."""
+    done = subprocess.run([NEURON_LS, "--json-output"], capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise FatalError(f"{NEURON_LS} --json-output failed (exit {done.returncode}): "
+                         f"{(done.stderr or done.stdout).strip()[-500:]}")
+    return parse_neuron_ls(done.stdout)
+
+
+def inventory(records: list[dict[str, Any]], cores: list[int], own_pids: set[int]) -> dict[str, Any]:
+    """What the host's device list says about the job's `cores`: the devices and cores it lists,
+    the job's cores it does not list, and those another process holds."""
+    listed = {core for r in records for core in r["neuroncore_ids"]}
+    held = {}
+    for record in records:
+        for proc in record.get("neuron_processes") or []:
+            if proc.get("pid") in own_pids:
+                continue
+            for core in proc.get("neuroncore_ids") or record["neuroncore_ids"]:
+                if core in cores:
+                    held[core] = {"pid": proc.get("pid"), "command": proc.get("command", "?")}
+    return {"devices": len(records), "cores": sum(int(r["nc_count"]) for r in records),
+            "missing": sorted(set(cores) - listed), "held": {str(c): h for c, h in sorted(held.items())}}
+
+
+def nccom_command(op: str, ranks: int, minbytes: int, maxbytes: int, stepfactor: int, dtype: str, iters: int,
+                  warmup: int, check: bool, report: Path) -> list[str]:
+    """nccom-test's command line for one op's sweep on this host's `ranks` cores."""
+    argv = [NCCOM_TEST, NCCOM_OPS[op], "-r", str(ranks), "-b", str(minbytes), "-e", str(maxbytes),
+            "-f", str(stepfactor), "-d", dtype, "-n", str(iters), "-w", str(warmup), "--non-interactive",
+            "--report-to-json-file", str(report)]
+    return [*argv, "-c", "all_ones"] if check else argv
+
+
+def parse_nccom_json(text: str, op: str, source: str = NCCOM_TEST) -> list[dict[str, Any]]:
+    """nccom-test's JSON report as trnflow's sweep rows: the time column is `time:avg(us)` in current
+    versions and `time(us)` in older ones."""
+    try:
+        results = json.loads(text)["results"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise FatalError(f"{source}: not an nccom-test JSON report ({exc})") from None
+    rows = []
+    for r in results:
+        time_us = r.get("time:avg(us)", r.get("time(us)"))
+        if time_us is None or "size(B)" not in r:
+            raise FatalError(f"{source}: a result without size(B) or a time column: {r}")
+        rows.append({"op": op, "size(B)": int(r["size(B)"]), "count(elems)": int(r.get("count(elems)", 0)),
+                     "type": r.get("type", ""), "time(us)": float(time_us),
+                     "algbw(GB/s)": float(r.get("algbw(GB/s)", 0.0)), "busbw(GB/s)": float(r.get("busbw(GB/s)", 0.0))})
+    return rows
+
+
+def nccom_sweep(op: str, ranks: int, minbytes: int, maxbytes: int, stepfactor: int, dtype: str, iters: int,
+                warmup: int, check: bool, timeout: float = 1800.0) -> list[dict[str, Any]]:
+    """Run nccom-test for one op and read its rows; `correct` is False on every row when it reports
+    errors (with --check, a wrong result fails the run)."""
+    with tempfile.TemporaryDirectory(prefix="trnflow-nccom-") as tmp:
+        report = Path(tmp) / "report.json"
+        argv = nccom_command(op, ranks, minbytes, maxbytes, stepfactor, dtype, iters, warmup, check, report)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=dict(os.environ))
+        if not report.exists():
+            raise FatalError(f"{' '.join(argv)} failed (exit {done.returncode}) and wrote no report: "
+                             f"{(done.stderr or done.stdout).strip()[-500:]}")
+        rows = parse_nccom_json(report.read_text(), op)
+    for row in rows:
+        row["correct"] = done.returncode == 0 if check else None
+    return rows
