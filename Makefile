@@ -50,7 +50,7 @@ test: lint test-fast chromium
 # The XLA lane: torch-xla's CPU runtime (PJRT_DEVICE=CPU) runs the `xla` device's lazy-tensor program
 # for real, one rank. It has its own venv, because torch-xla 2.9 needs torch 2.9: about 8 GB (that
 # torch wheel pulls in CUDA libraries) and a few minutes to create the first time.
-XLA_VENV ?= .venv-xla
+XLA_VENV ?= .venv/xla
 XLA_BIN  := $(XLA_VENV)/bin
 
 $(XLA_BIN)/.installed: pyproject.toml tests/xla/requirements.py

@@ -7,7 +7,7 @@ data, logging and checkpoints included); the baseline is the better of two plain
 report the median step after the first (step 2 also compiles a graph; the median sees past it).
 Goal: a ratio of at least 0.95. Run it in the XLA lane's environment:
 
-    PJRT_DEVICE=CPU .venv-xla/bin/python benchmarks/xla_overhead.py [--steps 120] [--repeats 3]
+    PJRT_DEVICE=CPU .venv/xla/bin/python benchmarks/xla_overhead.py [--steps 120] [--repeats 3]
 
 The last line printed is JSON: {"trnflow_step_s": ..., "plain_step_s": ..., "ratio": ...}.
 """

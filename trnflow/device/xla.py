@@ -54,7 +54,6 @@ class Journal:
         atexit.register(shutil.rmtree, self.path, ignore_errors=True)
         xla_runtime.initialize_cache(str(self.path), readonly=False)
         self.known: set[str] = set()
-        self.compiles = 0
 
     def new(self) -> list[str]:
         """The graphs compiled since the last call, oldest first."""
@@ -62,7 +61,7 @@ class Journal:
                        key=lambda p: (p.stat().st_mtime_ns, p.name))
         self.known |= {p.name for p in fresh}
         data = xla_metrics.metric_data("CompileTime")
-        compiles, self.compiles = (data[0] if data else 0), (data[0] if data else 0)
+        compiles = data[0] if data else 0
         if len(self.known) < compiles:  # the runtime compiled a graph it did not write down
             raise FatalError(f"torch-xla compiled {compiles} graphs but its persistent cache at {self.path} holds "
                              f"{len(self.known)}: another persistent cache was set up first "
