@@ -44,6 +44,12 @@ class InstanceType:
         return self.device_type.startswith("trainium")
 
     @property
+    def native_torch(self) -> bool:
+        """Whether native TorchNeuron runs here: NeuronCore-v3 and later (trn2, trn3). NeuronCore-v2
+        (trn1, inf2) runs PyTorch through torch-xla."""
+        return self.neuroncore_version != "v2"
+
+    @property
     def multi_node(self) -> bool:
         """Whether instances of this type can train together (EFA)."""
         return self.efa_devices > 0

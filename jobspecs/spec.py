@@ -156,10 +156,10 @@ class ComputeSpec(Section):
                 f"compute.cores_per_node: {itype.name} has {itype.cores} NeuronCores; "
                 f"set compute.cores_per_node <= {itype.cores}{fix}"
             )
-        if self.device == "neuron" and itype.device_type == "trainium":
+        if self.device == "neuron" and not itype.native_torch:
             raise ValueError(
-                f"compute.device: neuron (native TorchNeuron) runs on trn2 and later, not on {itype.name}; "
-                "trn1 runs the xla device: set compute.device to xla or auto"
+                f"compute.device: neuron (native TorchNeuron) runs on trn2 and later, not on {itype.name} "
+                f"(NeuronCore-{itype.neuroncore_version}), which runs the xla device: set compute.device to xla or auto"
             )
         if self.nodes > 1 and not itype.multi_node:
             raise ValueError(

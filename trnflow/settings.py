@@ -16,14 +16,19 @@ class TrnflowSettings(BaseSettings):
 
     home: Path = Field(Path(".trnflow"), description="Folder for local job directories and logs.")
     poll_seconds: float = Field(0.5, gt=0, description="How often a running job's state is polled.")
-    image: str | None = Field(None, description="The training container image for SageMaker and Batch jobs.")
+    image: str | None = Field(None, description="The training container image for SageMaker and Batch jobs of every "
+                              "instance family, unless the image for a job's device is set below.")
+    image_neuron: str | None = Field(None, description="The training image for the neuron device (TorchNeuron; trn2, "
+                                     "trn3): jobs with compute.device neuron, or auto on those families.")
+    image_xla: str | None = Field(None, description="The training image for the xla device (torch-xla; trn1): jobs "
+                                  "with compute.device xla, or auto on trn1.")
     staging_url: str | None = Field(
         None, description="s3:// prefix where cloud jobs get their spec and SageMaker writes its output."
     )
     sagemaker_role_arn: str | None = Field(None, description="The SageMaker execution role.")
     batch_job_queue: str | None = Field(None, description="The Batch job queue (with its fair-share policy).")
     parameters_path: str = Field(
-        "/trnflow", description="Where the infra stack publishes the four settings above as SSM parameters, "
+        "/trnflow", description="Where the infra stack publishes the settings above as SSM parameters, "
         "read when they are not set here.")
 
     @property

@@ -1,5 +1,5 @@
 """The training image's install step, rehearsed without a Docker engine: the Dockerfile's own
-`pip install` instruction runs in a fresh virtual environment of the base image's Python, on a torch
+`pip install` instruction runs in a fresh virtual environment of the oldest base image's Python, on a torch
 that stands for the base image's, with trnflow's wheel built from exactly what the image copies.
 What it installs must run trnflow as the image does: the `trnflow` command, and a training step
 through the container entrypoint with SageMaker's variables. The Python before the image's (3.10,

@@ -13,6 +13,7 @@ import pytest
 from cfnlint.decode import decode_str
 
 from tests.conftest import in_process_aws  # noqa: F401 (a fixture)
+from trnflow.backends.cloud import published_settings
 
 INFRA = Path(__file__).resolve().parents[1]
 TEMPLATE = INFRA / "cloudformation" / "trnflow.yaml"
@@ -110,7 +111,15 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
     assert [i["InterfaceType"] for i in interfaces] == ["efa"] * 8
     assert sorted(i["NetworkCardIndex"] for i in interfaces) == list(range(8))
     assert version["LaunchTemplateData"]["MetadataOptions"]["HttpTokens"] == "required"
-    assert boto3.client("ecr").describe_repositories(repositoryNames=["trnflow-train"])["repositories"]
+    (repository,) = boto3.client("ecr").describe_repositories(repositoryNames=["trnflow-train"])["repositories"]
+    assert outputs["ImageRepositoryUri"] == repository["repositoryUri"]
+
+    # what trnflow reads from SSM when its TRNFLOW_* variables are unset: one image per device
+    published = published_settings("/trnflow")
+    assert published == {"image_neuron": f"{repository['repositoryUri']}:neuron",
+                         "image_xla": f"{repository['repositoryUri']}:xla",
+                         "staging_url": outputs["StagingUrl"], "sagemaker_role_arn": outputs["SageMakerRoleArn"],
+                         "batch_job_queue": outputs["BatchJobQueue"]}
     # moto's CloudFormation has no AWS::Batch::SchedulingPolicy: the queue's fair share is checked
     # on the template instead
     (policy,) = _of_type(template, "AWS::Batch::SchedulingPolicy").values()

@@ -1,7 +1,8 @@
-"""The package keeps to the Python of the training image: the image's Python is the oldest one
-trnflow runs on, so `requires-python`, ruff's target version and the code itself (checked by
+"""The package keeps to the Python of the training images: the oldest image's Python is the oldest
+one trnflow runs on, so `requires-python`, ruff's target version and the code itself (checked by
 vermin, which knows the version each feature arrived in) must all agree with it."""
 
+import json
 import re
 import subprocess
 import sys
@@ -12,14 +13,27 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ["trnflow", "flows", "tasks", "jobspecs"]
 
 
+def image_pythons() -> dict[str, tuple[int, int]]:
+    """Each training image's Python, by device, from its base image's tag in infra/docker-bake.json
+    (`...-py311-...` -> (3, 11))."""
+    targets = json.loads((ROOT / "infra" / "docker-bake.json").read_text())["target"]
+    found = {}
+    for device, target in targets.items():
+        base = target["args"]["NEURON_DLC"]
+        tag = re.search(r"-py3(\d+)-", base)
+        assert tag, f"infra/docker-bake.json, target {device}: {base} does not say its Python (-py3XX-)"
+        found[device] = (3, int(tag.group(1)))
+    return found
+
+
 def image_python() -> tuple[int, int]:
-    """The Python of the Dockerfile's base image, from its tag (`...-py311-...` -> (3, 11))."""
-    text = (ROOT / "infra" / "Dockerfile").read_text()
-    base = re.search(r"^ARG NEURON_DLC=(\S+)", text, re.M)
-    assert base, "infra/Dockerfile names its base image in `ARG NEURON_DLC=...`"
-    tag = re.search(r"-py3(\d+)-", base.group(1))
-    assert tag, f"{base.group(1)}: the tag does not say its Python (-py3XX-)"
-    return 3, int(tag.group(1))
+    """The oldest Python among the training images: the one trnflow must run on. The Dockerfile's
+    own default base image is that one, so a plain `docker build` gets the image the tests rehearse."""
+    oldest = min(image_pythons().values())
+    default = re.search(r"^ARG NEURON_DLC=\S+-py3(\d+)-", (ROOT / "infra" / "Dockerfile").read_text(), re.M)
+    assert default, "infra/Dockerfile names its default base image in `ARG NEURON_DLC=...-py3XX-...`"
+    assert (3, int(default.group(1))) == oldest, "infra/Dockerfile's default base image is the oldest Python's"
+    return oldest
 
 
 def _vermin(target: str, *paths: str) -> subprocess.CompletedProcess:

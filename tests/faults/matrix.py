@@ -81,7 +81,7 @@ class Matrix:
         import boto3
 
         from trnflow.testing.mockcloud import MockCloud, ServiceFault
-        from trnflow.testing.mockcloud.provision import provision
+        from trnflow.testing.mockcloud.provision import SETTINGS, provision
 
         fault = (ServiceFault("sagemaker", "train", "InternalServerError: We encountered an internal error.",
                               when="checkpoint") if case.storage == "sagemaker" else
@@ -103,8 +103,7 @@ class Matrix:
                 data={part: f"s3://{bucket}/reviews/{part}" for part in ("train", "holdout", "inference")},
                 compile={"cache_url": f"s3://{bucket}/neuron-cache"},
                 gate={"reference": f"s3://{bucket}/reference/metrics.json"})
-            names = {f"TRNFLOW_{k}": outputs[k] for k in ("IMAGE", "STAGING_URL", "SAGEMAKER_ROLE_ARN",
-                                                          "BATCH_JOB_QUEUE")}
+            names = {f"TRNFLOW_{k}": outputs[k] for k in SETTINGS}
             with patched_env(names):
                 yield
 

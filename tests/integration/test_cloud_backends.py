@@ -16,7 +16,7 @@ from trnflow.backends import JobRequest
 from trnflow.backends.service_status import batch_failure, sagemaker_failure
 from trnflow.flows.pipeline import STAGES, pipeline
 from trnflow.testing.mockcloud import MockCloud, ServiceFault
-from trnflow.testing.mockcloud.provision import provision
+from trnflow.testing.mockcloud.provision import SETTINGS, provision
 
 HOST_LOST = "Host EC2 (instance i-0d4c3b2a10f9e8d7c) terminated."
 
@@ -48,7 +48,7 @@ def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=
         cloud = MockCloud(moto_endpoint, tmp_path / "cloud", faults=list(faults))
         with cloud:
             outputs = provision(cloud.client)
-            for name in ("IMAGE", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE"):
+            for name in SETTINGS:
                 monkeypatch.setenv(f"TRNFLOW_{name}", outputs[name])
             _upload(boto3.client("s3"), dataset, outputs["DATA_BUCKET"], "reviews")
             if compile_cache is not None:

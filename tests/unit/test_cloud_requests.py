@@ -178,3 +178,46 @@ def test_the_cloud_target_comes_from_settings_and_names_what_is_missing(monkeypa
     assert cloud_target(TrnflowSettings(), "batch").job_queue == "trn1-fair-share"
     with pytest.raises(FatalError, match="needs TRNFLOW_SAGEMAKER_ROLE_ARN; set them from the outputs"):
         cloud_target(TrnflowSettings(), "sagemaker")
+
+
+REPOSITORY = "123456789012.dkr.ecr.us-east-1.amazonaws.com/trnflow-train"
+BY_DEVICE = CloudTarget(staging_url=TARGET.staging_url, role_arn=TARGET.role_arn, job_queue=TARGET.job_queue,
+                        images={"neuron": f"{REPOSITORY}:neuron", "xla": f"{REPOSITORY}:xla"})
+
+
+@pytest.mark.parametrize(("itype", "device", "image"), [
+    ("trn1n.32xlarge", "auto", "xla"), ("trn1.32xlarge", "emulator", "xla"), ("trn2.48xlarge", "auto", "neuron"),
+    ("trn2.48xlarge", "emulator", "neuron"), ("trn2.48xlarge", "xla", "xla")])
+def test_both_services_run_the_image_of_the_jobs_device(itype, device, image):
+    """trn1 runs torch-xla's image, trn2 TorchNeuron's; a spec that names a device gets that device's."""
+    spec = _spec(itype, compute={"device": device})
+    request = JobRequest(spec, "train", "20261123-run")
+    assert build_training_job_request(request, BY_DEVICE)["AlgorithmSpecification"]["TrainingImage"] == \
+        f"{REPOSITORY}:{image}"
+    definition = build_job_definition(spec, BY_DEVICE)
+    assert definition["nodeProperties"]["nodeRangeProperties"][0]["container"]["image"] == f"{REPOSITORY}:{image}"
+
+
+def test_a_job_whose_image_is_not_set_says_which_setting_to_set():
+    only_xla = CloudTarget(staging_url=TARGET.staging_url, role_arn=TARGET.role_arn, images={"xla": "r:xla"})
+    with pytest.raises(FatalError, match="runs the neuron training image, and none is set: set TRNFLOW_IMAGE_NEURON"):
+        build_training_job_request(JobRequest(_spec("trn2.48xlarge"), "train", "r1"), only_xla)
+
+
+def test_the_images_come_from_settings_one_per_device_or_one_for_all(monkeypatch):
+    from trnflow.backends.cloud import cloud_target
+    from trnflow.settings import TrnflowSettings
+
+    for name, value in {"TRNFLOW_IMAGE_NEURON": f"{REPOSITORY}:neuron", "TRNFLOW_IMAGE_XLA": f"{REPOSITORY}:xla",
+                        "TRNFLOW_STAGING_URL": TARGET.staging_url, "TRNFLOW_BATCH_JOB_QUEUE": "q"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TRNFLOW_IMAGE", raising=False)
+    assert cloud_target(TrnflowSettings(), "batch").images == BY_DEVICE.images
+    monkeypatch.delenv("TRNFLOW_IMAGE_NEURON")
+    monkeypatch.delenv("TRNFLOW_IMAGE_XLA")
+    monkeypatch.setenv("TRNFLOW_PARAMETERS_PATH", "/nowhere")
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # no account: the published settings cannot be read
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    with pytest.raises(FatalError, match="needs TRNFLOW_IMAGE or TRNFLOW_IMAGE_NEURON or TRNFLOW_IMAGE_XLA"):
+        cloud_target(TrnflowSettings(), "batch")

@@ -67,7 +67,7 @@ def _devices(itype: str) -> list[dict[str, Any]]:
 def _container(spec: JobSpec, target: CloudTarget) -> dict[str, Any]:
     t = instance(spec.compute.instance_type)
     return {
-        "image": target.image,
+        "image": target.image_for(spec),
         "command": COMMAND,
         "instanceType": t.name,
         "resourceRequirements": [

@@ -6,13 +6,14 @@ deployment's published settings, and `stage_spec`, which hands a spec over.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from botocore.exceptions import BotoCoreError, ClientError
 
 from trnflow import aws
 from trnflow.backends.base import JobRequest
 from trnflow.errors import FatalError
+from trnflow.neuron.devices import IMAGES, image_device
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, instance
 from trnflow.storage import open_store
@@ -27,22 +28,37 @@ a resubmission finds every committed checkpoint even when an instance is lost mi
 class CloudTarget:
     """The deployment a cloud job goes to: the outputs of the CloudFormation stack in `infra/`."""
 
-    image: str
-    """The training container (built from infra/docker/Dockerfile)."""
     staging_url: str
     """s3:// prefix for what a job needs handed over: its spec, and SageMaker's output path."""
+    image: str = ""
+    """The training container for every instance family (one of `infra/docker-bake.json`'s images),
+    unless `images` has one for the job's device."""
+    images: dict[str, str] = field(default_factory=dict)
+    """The training container by device (`neuron`, `xla`): see `image_for`."""
     role_arn: str = ""
     """SageMaker execution role."""
     job_queue: str = ""
     """Batch job queue (with its fair-share scheduling policy)."""
 
+    def image_for(self, spec: JobSpec) -> str:
+        """The image that runs `spec`: the one for its device (`neuron` on trn2 and trn3, `xla` on
+        trn1, unless `compute.device` names one), else the image for every family."""
+        device = image_device(spec)
+        chosen = self.images.get(device) or self.image
+        if not chosen:
+            raise FatalError(f"compute.instance_type {spec.compute.instance_type} (compute.device "
+                             f"{spec.compute.device}) runs the {device} training image, and none is set: set "
+                             f"TRNFLOW_IMAGE_{device.upper()} (or TRNFLOW_IMAGE for every family) to the image built "
+                             f"by `docker buildx bake -f infra/docker-bake.json {device}`")
+        return chosen
 
-SETTINGS = ("image", "staging_url", "sagemaker_role_arn", "batch_job_queue")
+
+SETTINGS = ("image", "image_neuron", "image_xla", "staging_url", "sagemaker_role_arn", "batch_job_queue")
 
 
 def published_settings(path: str) -> dict[str, str]:
-    """The settings the infra stack publishes as SSM parameters under `path` (`/trnflow/image`, ...),
-    by settings field; empty when they cannot be read (no account, no access, none published)."""
+    """The settings the infra stack publishes as SSM parameters under `path` (`/trnflow/image-xla`,
+    ...), by settings field; empty when they cannot be read (no account, no access, none published)."""
     try:
         answer = aws.client("ssm").get_parameters_by_path(Path=path.rstrip("/") or "/", Recursive=False)
     except (BotoCoreError, ClientError):
@@ -52,19 +68,24 @@ def published_settings(path: str) -> dict[str, str]:
 
 
 def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
-    """Where `service`'s jobs go: TRNFLOW_IMAGE, TRNFLOW_STAGING_URL and TRNFLOW_SAGEMAKER_ROLE_ARN or
+    """Where `service`'s jobs go: the images (TRNFLOW_IMAGE_NEURON, TRNFLOW_IMAGE_XLA, or
+    TRNFLOW_IMAGE for both), TRNFLOW_STAGING_URL and TRNFLOW_SAGEMAKER_ROLE_ARN or
     TRNFLOW_BATCH_JOB_QUEUE, each taken, when unset, from the SSM parameters the infra stack publishes."""
     values = {name: getattr(settings, name) for name in SETTINGS}
-    needed = ["image", "staging_url", "sagemaker_role_arn" if service == "sagemaker" else "batch_job_queue"]
-    if any(not values[name] for name in needed):
+    needed = ["staging_url", "sagemaker_role_arn" if service == "sagemaker" else "batch_job_queue"]
+    images = ("image", *(f"image_{d}" for d in IMAGES))
+    if any(not values[name] for name in needed) or not any(values[name] for name in images):
         published = published_settings(settings.parameters_path)
         values = {name: values[name] or published.get(name) for name in SETTINGS}
     missing = [f"TRNFLOW_{name.upper()}" for name in needed if not values[name]]
+    if not any(values[name] for name in images):
+        missing.append(" or ".join(f"TRNFLOW_{name.upper()}" for name in images))
     if missing:
         raise FatalError(f"compute.backend {service} needs {', '.join(missing)}; set them from the outputs of "
                          f"the CloudFormation stack in infra/ (which also publishes them under "
                          f"{settings.parameters_path}/ in SSM)")
-    return CloudTarget(image=values["image"], staging_url=values["staging_url"],
+    return CloudTarget(staging_url=values["staging_url"], image=values["image"] or "",
+                       images={d: values[f"image_{d}"] for d in IMAGES if values[f"image_{d}"]},
                        role_arn=values["sagemaker_role_arn"] or "", job_queue=values["batch_job_queue"] or "")
 
 

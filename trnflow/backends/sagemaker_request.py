@@ -60,7 +60,7 @@ def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict
         "TrainingJobName": job_name(request, BASE_NAME_LENGTH),
         "RoleArn": target.role_arn,
         "AlgorithmSpecification": {
-            "TrainingImage": target.image,
+            "TrainingImage": target.image_for(spec),
             "TrainingInputMode": "File",
         },
         "HyperParameters": hyperparameters,

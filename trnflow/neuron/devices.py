@@ -29,6 +29,19 @@ INSTALL = {
 }
 
 
+IMAGES: tuple[str, ...] = ("neuron", "xla")
+"""The training images, one per real device: `neuron` on the TorchNeuron deep-learning container
+(trn2, trn3), `xla` on the torch-xla one (trn1). The emulator runs in either."""
+
+
+def image_device(spec: JobSpec) -> str:
+    """Which training image runs a cloud job of `spec`: its device's, or for `auto` and the
+    emulator, the one its instance family's SDK comes in (trn1: xla; trn2, trn3: neuron)."""
+    if spec.compute.device in IMAGES:
+        return spec.compute.device
+    return "neuron" if instance(spec.compute.instance_type).native_torch else "xla"
+
+
 def has_module(name: str) -> bool:
     """Whether `import name` would find the module, without importing it."""
     try:
@@ -56,8 +69,7 @@ def resolve(spec: JobSpec, available: frozenset[str] | None = None) -> DeviceUse
     if wanted != "auto":
         return DeviceUsed(name=wanted, reason=f"compute.device: {wanted}")
     family = instance(itype).device_type
-    native = family != "trainium"  # trn2 and later run native TorchNeuron
-    for device in ("neuron",) if native else ("xla",):
+    for device in ("neuron",) if instance(itype).native_torch else ("xla",):
         if device in available and device in PROVIDED:
             sdk = "native TorchNeuron" if device == "neuron" else "torch-xla"
             if spec.compute.world_size > ONE_RANK_ONLY.get(device, spec.compute.world_size):

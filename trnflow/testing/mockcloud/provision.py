@@ -13,6 +13,8 @@ ACCOUNT = "123456789012"
 """moto's account."""
 TRUST = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole", "Principal": {
     "Service": ["sagemaker.amazonaws.com", "batch.amazonaws.com", "ec2.amazonaws.com"]}}]}
+SETTINGS = ("IMAGE_NEURON", "IMAGE_XLA", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE")
+"""The settings the deployment publishes (TRNFLOW_<name>, and /<prefix>/<name in kebab case> in SSM)."""
 
 
 def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
@@ -49,7 +51,7 @@ def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
     outputs = mock_outputs(prefix)
     assert outputs["SAGEMAKER_ROLE_ARN"] == role
     ssm = client("ssm")
-    for name in ("IMAGE", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE"):  # as the infra stack publishes them
+    for name in SETTINGS:  # as the infra stack publishes them
         ssm.put_parameter(Name=f"/{prefix}/{name.lower().replace('_', '-')}", Value=outputs[name], Type="String",
                           Overwrite=True)
     return outputs
@@ -57,7 +59,8 @@ def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
 
 def mock_outputs(prefix: str = "trnflow") -> dict[str, str]:
     """The settings of the deployment `provision` makes (its names are fixed)."""
-    return {"IMAGE": f"{ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com/{prefix}-train:latest",
+    repository = f"{ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com/{prefix}-train"
+    return {"IMAGE_NEURON": f"{repository}:neuron", "IMAGE_XLA": f"{repository}:xla",
             "STAGING_URL": f"s3://{prefix}-staging-{ACCOUNT}/jobs",
             "SAGEMAKER_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/{prefix}-sagemaker",
             "BATCH_JOB_QUEUE": f"{prefix}-trn1", "DATA_BUCKET": f"{prefix}-data-{ACCOUNT}"}
