@@ -12,6 +12,7 @@ import re
 import zoneinfo
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import unquote
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
@@ -33,8 +34,8 @@ def _normalise_url(value: str) -> str:
                          "credentials through AWS_PROFILE, the AWS_* variables or the instance's role")
     if not sep:
         return Path(value).expanduser().resolve().as_uri()
-    if scheme == "file":
-        return Path(rest).expanduser().resolve().as_uri()
+    if scheme == "file":  # a URL's %-escapes are the path's characters (as_uri escapes them again)
+        return Path(unquote(rest)).expanduser().resolve().as_uri()
     if scheme == "s3":
         bucket = rest.split("/", 1)[0]
         if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):

@@ -80,6 +80,9 @@ class CompileResult(StageResult):
     report: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per key: status, seconds, retries")
     seconds: float = Field(0.0, description="compile time of every program together")
     launched: bool = Field(True, description="a compile job ran (False: every program was known to hit)")
+    parallel_compile: dict[str, Any] | None = Field(
+        None, description="what the SDK's neuron_parallel_compile reported (tool, workers, graphs, compiled, "
+        "failed), where it ran the trial first")
 
 
 class TrainResult(StageResult):

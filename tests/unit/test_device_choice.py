@@ -13,9 +13,10 @@ from trnflow.results import DeviceUsed
 from trnflow.specs import SpecError, validate_spec
 
 
-def _spec(device="auto", instance_type="trn1.2xlarge", backend="local", cores=1):
+def _spec(device="auto", instance_type="trn1.2xlarge", backend="local", cores=1, nodes=1):
     return validate_spec(quickstart_data(compute={"device": device, "instance_type": instance_type,
-                                                  "backend": backend, "cores_per_node": cores}))
+                                                  "backend": backend, "cores_per_node": cores, "nodes": nodes},
+                                         train={"global_batch_size": 64 * nodes * cores}))
 
 
 def test_the_sdks_are_told_apart_by_their_modules():
@@ -42,8 +43,11 @@ def test_auto_takes_the_family_device_only_when_installed_and_provided(monkeypat
     assert chosen == DeviceUsed(name="emulator", reason="compute.device: emulator")
 
 
-def test_the_real_devices_run_one_rank_for_now(monkeypatch):
+def test_xla_runs_one_rank_for_now_and_neuron_any_number(monkeypatch):
     monkeypatch.setattr(devices, "PROVIDED", ("emulator", "neuron", "xla"))
+    assert devices.problems(_spec("neuron", "trn2.48xlarge", cores=64, nodes=2), local=False) == []
+    chosen = devices.resolve(_spec(instance_type="trn2.48xlarge", cores=64, nodes=2), frozenset({"neuron"}))
+    assert chosen.name == "neuron"
     (problem,) = devices.problems(_spec("xla", cores=2), local=False)
     assert problem.startswith("compute.device: xla runs one rank") and "is 2; set both to 1" in problem
     chosen = devices.resolve(_spec(instance_type="trn1.32xlarge", cores=2), frozenset({"xla"}))

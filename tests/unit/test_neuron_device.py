@@ -8,14 +8,19 @@ from __future__ import annotations
 import hashlib
 import io
 import json
+import operator
 import os
+import socket
 import sys
 import tarfile
 import types
+import typing
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.conftest import quickstart_data
 from trnflow.device.cache import CompileCache, entry_name
@@ -43,25 +48,30 @@ class FakeNeuronBackend:
         return gm.forward
 
 
-@pytest.fixture
-def fake(monkeypatch):
-    backend = FakeNeuronBackend()
+def stand_in(backend: FakeNeuronBackend, setitem: Callable, setattr_: Callable) -> None:
+    """What importing torch-neuronx does that the device relies on, through `setitem` and `setattr_`
+    (a test's monkeypatch, so that it is undone; plain ones in a process of its own)."""
     module = types.ModuleType("torch_neuronx")
     module.__version__ = "2.14.3.0"
     helpers = types.ModuleType("torch_neuronx.neuron_dynamo_backend")
     helpers.get_dynamo_metrics = lambda: list(backend.metrics)
     helpers.set_model_name = backend.names.append
     module.neuron_dynamo_backend = helpers
-    monkeypatch.setitem(sys.modules, "torch_neuronx", module)
-    monkeypatch.setitem(sys.modules, "torch_neuronx.neuron_dynamo_backend", helpers)
-    runtime = types.SimpleNamespace(device_count=lambda: 2, is_available=lambda: False)  # torch.neuron
-    monkeypatch.setattr(torch, "neuron", runtime, raising=False)
-    if torch._C._get_privateuse1_backend_name() != "neuron":  # what importing torch-neuronx does, once a process
+    setitem(sys.modules, "torch_neuronx", module)
+    setitem(sys.modules, "torch_neuronx.neuron_dynamo_backend", helpers)
+    setattr_(torch, "neuron", types.SimpleNamespace(device_count=lambda: 2, is_available=lambda: False))
+    if torch._C._get_privateuse1_backend_name() != "neuron":  # once a process, as torch-neuronx does
         torch.utils.rename_privateuse1_backend("neuron")
     from torch._dynamo.backends import registry  # torch-neuronx registers its backend the same way
 
-    monkeypatch.setitem(registry._BACKENDS, "neuron", None)
-    monkeypatch.setitem(registry._COMPILER_FNS, "neuron", backend.compile)
+    setitem(registry._BACKENDS, "neuron", None)
+    setitem(registry._COMPILER_FNS, "neuron", backend.compile)
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    backend = FakeNeuronBackend()
+    stand_in(backend, monkeypatch.setitem, lambda o, name, v: monkeypatch.setattr(o, name, v, raising=False))
     monkeypatch.delitem(sys.modules, "trnflow.device.neuron", raising=False)
     for name in ("TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION", "TORCH_NEURONX_NEFF_CACHE_DIR"):
         monkeypatch.setenv(name, "")  # recorded, so that what the device sets is undone after the test
@@ -85,6 +95,52 @@ def test_the_device_is_the_neuron_privateuse1_device_joined_by_the_neuron_backen
     monkeypatch.setenv("LOCAL_RANK", "5")  # a process that sees only its own cores: its first one
     assert device.torch_device == torch.device("neuron", 0)
     assert (device.process_group_backend, device.init_method) == ("neuron", "env://")
+    assert device.process_group_backends() == "cpu:gloo,neuron:neuron"
+
+
+def _rank(rank: int, port: int, out: Path) -> None:
+    """One rank of a two-rank group on the stand-in: the `neuron` process-group backend is gloo
+    under another name, as far as host tensors can tell (there are no Neuron tensors here)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
+                      LOCAL_RANK=str(rank))
+    # the C++ side of a PrivateUse1 device (hooks, device guard) that torch-neuronx registers
+    torch.utils.backend_registration._setup_privateuseone_for_python_backend("neuron")
+    stand_in(FakeNeuronBackend(), operator.setitem, setattr)
+    created = []
+
+    def neuron_backend(store, group_rank, size, timeout):
+        created.append(size)
+        return dist.ProcessGroupGloo(store, group_rank, size, timeout)
+
+    dist.Backend.register_backend("neuron", neuron_backend, devices=["neuron"])
+    from trnflow.device.neuron import NeuronDevice
+    from trnflow.workload.context import WorkerContext, gather_objects
+
+    NeuronDevice().init_process_group(2, 60)
+    logits = torch.zeros(4, dtype=torch.float64)  # as the evaluation fills its rows: each rank its own
+    logits[rank::2] = rank + 1.0
+    dist.all_reduce(logits)
+    ctx = types.SimpleNamespace(world_size=2)
+    everyone = gather_objects(typing.cast(WorkerContext, ctx), {"rank": rank})
+    dist.barrier()
+    (out / f"rank{rank}.json").write_text(json.dumps({"logits": logits.tolist(), "gathered": everyone,
+                                                      "neuron_backend_sizes": created}))
+    dist.destroy_process_group()
+
+
+def test_ranks_join_one_group_whose_host_tensors_go_to_gloo_and_device_tensors_to_neuron(tmp_path):
+    """`cpu:gloo,neuron:neuron` across two real processes: the Neuron backend is created for the
+    group, and the host-tensor collectives the workload makes (the evaluation's all-reduce, object
+    gathers, barriers) go through gloo."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_rank, args=(port, tmp_path), nprocs=2, join=True)
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert seen["logits"] == [1.0, 2.0, 1.0, 2.0]
+        assert seen["gathered"] == [{"rank": 0}, {"rank": 1}]
+        assert seen["neuron_backend_sizes"] == [2]
 
 
 def test_the_compiler_sets_the_native_cache_and_refuses_eager_fallback(fake, tmp_path, monkeypatch):

@@ -68,3 +68,48 @@ def test_the_tools_run_from_path_with_the_real_command_lines(tmp_path, monkeypat
     argv = tools.nccom_command("all_gather", 8, 1024, 4096, 2, "bf16", 20, 5, True, Path("/r.json"))
     assert argv == ["nccom-test", "all_gather", "-r", "8", "-b", "1024", "-e", "4096", "-f", "2", "-d", "bf16",
                     "-n", "20", "-w", "5", "--non-interactive", "--report-to-json-file", "/r.json", "-c", "all_ones"]
+
+
+def test_neuron_parallel_compile_wraps_the_trial_and_its_totals_are_read(tmp_path, monkeypatch):
+    log = """INFO ||NEURON_CACHE||: Current remaining items are 0, locked are 0, failed are 0, done are 5, total is 5
+INFO ||NEURON_PARALLEL_COMPILE||: {"compilation_summary": {"true": 5}, "compilation_report": {}}
+INFO ||NEURON_PARALLEL_COMPILE||: Total graphs: 5
+INFO ||NEURON_PARALLEL_COMPILE||: Total successful compilations: 4
+INFO ||NEURON_PARALLEL_COMPILE||: Total failed compilations: 1
+"""
+    assert tools.parse_parallel_compile(log) == {"graphs": 5, "compiled": 4, "failed": 1}
+    assert tools.parse_parallel_compile("no totals here") == {}
+    assert tools.parallel_compile_command("/opt/npc", 4, ["python", "-m", "x"]) == [
+        "/opt/npc", "--num_parallel", "4", "python", "-m", "x"]
+
+    from tests.sdk_tools import fake_parallel_compile
+
+    trial = tmp_path / "trial.py"
+    out = tmp_path / "out"
+    trial.write_text(f"import json, pathlib; p = pathlib.Path({str(out)!r}); p.mkdir(); "
+                     "(p / 'result.json').write_text(json.dumps({'trial': True}))")
+    command = ["python3", str(trial), "--output", str(out)]
+    fake_parallel_compile(tmp_path / "bin", tmp_path / "record.json", failed=1)
+    monkeypatch.setenv("PATH", f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}")
+    with pytest.raises(FatalError, match=r"(?s)neuron_parallel_compile failed \(exit 1, 1 failed compilations\).*"
+                                         r"Received error code"):
+        tools.parallel_compile(2, command, dict(os.environ))
+    seen = json.loads((tmp_path / "record.json").read_text())
+    assert seen["workers"] == 2 and seen["command"] == command and seen["trial_result"] == {"trial": True}
+
+
+def test_the_compiler_is_given_a_local_cache_as_a_path_and_trnflow_reads_it_back_as_a_url(tmp_path):
+    """neuronx-cc's --cache_dir and NEURON_COMPILE_CACHE_URL take an s3:// URL or a folder; a spec
+    names a local cache as file://, which the compiler would take for a relative folder."""
+    from tests.conftest import quickstart_data
+    from trnflow.neuron.launch import cache_url, neuron_env
+    from trnflow.specs import validate_spec
+
+    cache = tmp_path / "compile cache"
+    spec = validate_spec(quickstart_data(compile={"cache_url": cache.as_uri()}))
+    env = neuron_env(spec, [0], "trn1.2xlarge")
+    assert env["NEURON_COMPILE_CACHE_URL"] == str(cache)
+    assert env["NEURON_CC_FLAGS"].endswith(f"--cache_dir={cache}")
+    assert cache_url("file:///elsewhere", {"NEURON_COMPILE_CACHE_URL": str(cache)}) == cache.as_uri()
+    s3 = validate_spec(quickstart_data(compile={"cache_url": "s3://acme-cache/neuron"}))
+    assert neuron_env(s3, [0], "trn1.2xlarge")["NEURON_COMPILE_CACHE_URL"] == "s3://acme-cache/neuron"

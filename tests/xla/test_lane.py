@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.sdk_tools import fake_parallel_compile
 from tests.xla.conftest import DEVICE, INSTANCE, trnflow, write_spec
 from trnflow.workload import checkpoint
 
@@ -119,6 +120,34 @@ def test_a_new_input_shape_mid_run_trips_the_recompile_guard(workdir, lane):
     message = json.dumps(failure)
     assert "over compile.max_recompiles (0)" in message and "[24, 32] int64" in message, message
     lane["recompile guard"] = "step 94's 24-row batch was refused as recompilation 1 over max_recompiles 0"
+
+
+def test_the_trial_runs_under_neuron_parallel_compile_where_it_is_on_path(workdir, lane):
+    """Where the SDK's neuron_parallel_compile is on PATH (here, an executable that acts as it does),
+    the compile stage runs the trial under it first, with the cache in NEURON_CC_FLAGS, then records
+    each graph; a failed compilation fails the stage with the tool's words."""
+    if DEVICE != "xla":
+        pytest.skip("neuron_parallel_compile serves the xla device; native TorchNeuron compiles through torch.compile")
+    record, tools = workdir / "parallel-compile.json", workdir / "bin"
+    fake_parallel_compile(tools, record)
+    spec = write_spec(workdir, compile={"workers": 3})
+    env = {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+    report = json.loads(trnflow("compile", str(spec), "--json", cwd=workdir, env=env).stdout)
+    seen = json.loads(record.read_text())
+    assert seen["workers"] == 3 and seen["command"][1:4] == ["-m", "trnflow.workload", "compile"], seen
+    assert seen["trial_exit"] == 0 and seen["trial_result"]["trial"] is True, seen
+    assert f"--cache_dir={workdir / 'compile-cache'} " in f"{seen['neuron_cc_flags']} ", seen  # a path, not a URL
+    assert report["parallel_compile"] == {"tool": "neuron_parallel_compile", "workers": 3, "graphs": 3,
+                                          "compiled": 3, "failed": 0}, report
+    assert report["graphs"] >= 3 and report["compiled"] == report["graphs"], report
+
+    fake_parallel_compile(tools, record, failed=1)
+    failed = trnflow("compile", str(write_spec(workdir, compile={"workers": 3, "cache_url": str(workdir / "c2")})),
+                     cwd=workdir, env=env, check=False)
+    said = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and "neuron_parallel_compile failed (exit 1, 1 failed compilations)" in said, said
+    lane["parallel compile"] = "the trial ran under neuron_parallel_compile --num_parallel 3 with the cache in " \
+        "NEURON_CC_FLAGS; a failed compilation failed the stage"
 
 
 @pytest.mark.parametrize("device", [DEVICE, "emulator"])

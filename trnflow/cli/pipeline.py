@@ -91,6 +91,10 @@ def compile_cmd(
         outcome = row["will"] if check else f"{done.get('status', '?')} ({done.get('seconds', 0):.1f}s)"
         table.add_row(row["program"], row.get("shapes", ""), row["key"], row["state"], outcome)
     console.print(table)
+    if result.parallel_compile:
+        totals = result.parallel_compile
+        console.print(f"{totals['tool']} compiled {totals.get('compiled', '?')} of {totals.get('graphs', '?')} "
+                      f"graph(s), {totals['workers']} at a time, before trnflow recorded them")
     if check:
         console.print(f"{result.hits} hit(s), {result.misses} miss(es)")
 

@@ -168,7 +168,7 @@ class Device(ABC):
 
     name: str
     process_group_backend: str
-    """The `torch.distributed` backend that joins the ranks (gloo, neuron, xla)."""
+    """The `torch.distributed` backend that joins the ranks' device tensors (gloo, neuron, xla)."""
     init_method: str = "env://"
 
     @property
@@ -206,9 +206,19 @@ class Device(ABC):
         """Own `cores` for this process. The Neuron runtime enforces ownership on real devices."""
         return None
 
+    def process_group_backends(self) -> str:
+        """What `init_process_group` is given: the device's backend for its own tensors and, on a
+        device that is not the host, gloo for host tensors (the evaluation's logits, object
+        gathers, barriers), as `cpu:gloo,neuron:neuron`. One group: each collective goes to the
+        backend of its tensors' device."""
+        device_type = self.torch_device.type
+        if device_type == "cpu":
+            return self.process_group_backend
+        return f"cpu:gloo,{device_type}:{self.process_group_backend}"
+
     def init_process_group(self, world_size: int, timeout_seconds: float) -> None:
         if world_size > 1 and not dist.is_initialized():
-            dist.init_process_group(self.process_group_backend, init_method=self.init_method,
+            dist.init_process_group(self.process_group_backends(), init_method=self.init_method,
                                     timeout=timedelta(seconds=timeout_seconds))
 
     @abstractmethod
@@ -217,7 +227,14 @@ class Device(ABC):
         """The compile backend for the spec's programs. `run`: graphs come from the spec's persistent
         compile cache, and any other graph is a recompilation; `extract`: graphs are recorded and run
         eagerly (a trial run of ahead-of-time compilation); `compile`: graphs are compiled into
-        `workdir`, which `artifact` packs for the cache."""
+        `workdir`, which `artifact` packs for the cache; `trial` (runtime devices): nothing is
+        recorded, for a trial run that the SDK's own parallel compiler wraps."""
+
+    def precompile(self, spec: JobSpec, trial: list[str]) -> dict | None:
+        """Compile the spec's programs ahead of time with the device's own SDK tools, where they are
+        at hand, before trnflow records the graphs; `trial` is the command that runs the trial steps
+        alone. What the tool reported, or None where the device has no such tool here."""
+        return None
 
     def artifact(self, workdir: Path) -> bytes:
         """The cache artifact of what `compiler(mode="compile")` built in `workdir`."""

@@ -6,7 +6,9 @@ spec's compile cache as `MODULE_<graph hash>+<flags hash>`, the way the emulator
 - `compile`: each graph is recorded and what the runtime keeps of it is written into the work
   folder, which becomes the cache entry's artifact;
 - `run`: a graph whose entry is in the cache is a hit; any other is a recompilation, counted and
-  refused over `compile.max_recompiles` by the same guard as on every device.
+  refused over `compile.max_recompiles` by the same guard as on every device;
+- `trial`: nothing is learned or filed (the trial run that the SDK's own parallel compiler wraps,
+  which extracts and compiles the graphs itself).
 
 A device subclasses `IndexedGraphs` with `observe`, which asks its runtime for new graphs and hands
 each to `file`.
@@ -65,7 +67,7 @@ class IndexedGraphs:
     seen: list[Seen] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("extract", "compile", "run"):
+        if self.mode not in ("extract", "compile", "run", "trial"):
             raise ValueError(f"unknown mode {self.mode!r}")
 
     def __call__(self, gm: Any, example_inputs: list) -> Callable:
@@ -78,7 +80,12 @@ class IndexedGraphs:
         self.program, self.shapes[program] = program, shapes_of(inputs)
         self.named(program)
         yield
-        self.observe()
+        self.look()
+
+    def look(self) -> None:
+        """Learn the graphs compiled since the last look (not in a trial run)."""
+        if self.mode != "trial":
+            self.observe()
 
     def named(self, program: str) -> None:
         """Tell the runtime which program runs next (where it names its artifacts after it)."""
@@ -179,4 +186,4 @@ class RuntimeDevice(Device):
     def sync(self) -> None:
         self.runtime_sync()
         if self.backend is not None:
-            self.backend.observe()
+            self.backend.look()

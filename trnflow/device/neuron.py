@@ -12,7 +12,10 @@ Which graphs a process compiled comes from the backend's helper API,
 warms the native NEFF cache by compiling one batch of each shape) and the recompile guard mean the
 same here. The native NEFF cache goes where `TORCH_NEURONX_NEFF_CACHE_DIR` says; for a compile
 cache in a local folder the device points it at `neff/` inside that folder unless it is set.
-Several ranks are not supported yet (`trnflow validate` says so).
+Ranks join one process group, `cpu:gloo,neuron:neuron`: the Neuron backend carries the device
+tensors (DDP's gradient all-reduce), gloo the host tensors the workload gathers. DDP wraps the
+compiled module, so its all-reduce stays outside the graphs and a graph is the same at every world
+size: the one-process trial run of ahead-of-time compilation compiles what every rank runs.
 A graph that fails to compile is an error, never a silent fall back to eager
 (`TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION=1` unless set).
 """

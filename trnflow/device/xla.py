@@ -15,8 +15,10 @@ emulator. torch-xla's CPU runtime cannot load a serialized executable back (it r
 "Deserializing serialized executable not supported"), so there a cached graph is still compiled
 again: the cache is the index of graphs a run may meet. On Trainium the Neuron compiler keeps its
 own artifacts where `NEURON_CC_FLAGS=--cache_dir=...` says: the spec's compile cache, as every
-backend's launcher sets it (and this device, for a process started without it). Several ranks
-are not supported yet (`trnflow validate` says so).
+backend's launcher sets it (and this device, for a process started without it). Where the SDK's
+`neuron_parallel_compile` is on PATH, ahead-of-time compilation first runs the trial under it, so
+the Neuron compiler builds every graph in parallel before trnflow records them. One rank for now
+(`trnflow validate` says so): DDP's all-reduce is part of a multi-rank step's graph.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ from trnflow.device.base import Log, RecompileGuard
 from trnflow.device.cache import CompileCache
 from trnflow.device.indexed import IndexedGraphs, RuntimeDevice
 from trnflow.errors import FatalError
+from trnflow.neuron import tools
+from trnflow.neuron.launch import cache_url, compiler_cache_dir
 from trnflow.specs import JobSpec
 
 
@@ -85,7 +89,8 @@ class XlaGraphs(IndexedGraphs):
     def __post_init__(self) -> None:
         super().__post_init__()
         assert self.journal is not None
-        self.journal.new()  # graphs compiled before this backend existed are not its own
+        if self.mode != "trial":
+            self.journal.new()  # graphs compiled before this backend existed are not its own
         self._seconds = compile_seconds()
 
     def observe(self) -> None:
@@ -136,7 +141,7 @@ class XlaDevice(RuntimeDevice):
         flags = started_with.get("NEURON_CC_FLAGS", "")
         if "--cache_dir" in flags:
             return {}
-        return {"NEURON_CC_FLAGS": f"{flags} --cache_dir={url}".strip()}
+        return {"NEURON_CC_FLAGS": f"{flags} --cache_dir={compiler_cache_dir(url)}".strip()}
 
     def graphs(self, flags: dict, cache: CompileCache | None, mode: str, guard: RecompileGuard,
                workdir: Path | None, log: Log) -> XlaGraphs:
@@ -145,6 +150,15 @@ class XlaDevice(RuntimeDevice):
     def compile(self, fn: Callable, backend: Any) -> Callable:
         """Lazy tensors are traced as they run and compiled where they synchronise: `fn` as it is."""
         return fn
+
+    def precompile(self, spec: JobSpec, trial: list[str]) -> dict | None:
+        """On a host with the Neuron SDK's `neuron_parallel_compile`, the trial run under it, which
+        compiles every graph the trial meets into the Neuron compiler's cache (the spec's compile
+        cache, through NEURON_CC_FLAGS' --cache_dir), `compile.workers` at a time."""
+        if tools.which(tools.PARALLEL_COMPILE) is None:
+            return None
+        env = {**os.environ, **self.settings(cache_url(spec.compile.cache_url), self._started_with)}
+        return tools.parallel_compile(spec.compile.workers, trial, env)
 
     def runtime_sync(self) -> None:
         torch_xla.sync()

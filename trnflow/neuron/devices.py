@@ -20,9 +20,11 @@ from trnflow.specs import JobSpec, instance
 
 PROVIDED: tuple[str, ...] = ("emulator", "neuron", "xla")
 """The devices this trnflow can run a job on (see `trnflow.device.registry`)."""
-ONE_RANK_ONLY = {"neuron": 1, "xla": 1}
-"""Devices that run one rank in this version: their multi-rank paths (DDP inside a lazy graph, the
-evaluation's all-reduce of host tensors) are not built yet."""
+ONE_RANK_ONLY = {"xla": 1}
+"""Devices that run one rank in this version. On xla, DDP's all-reduce is traced into the training
+step's graph, so a multi-rank run's graphs differ from those the one-process trial run of
+ahead-of-time compilation records; until the trial runs every rank, the recompile guard would
+refuse the run."""
 INSTALL = {
     "neuron": "install the Neuron SDK's torch-neuronx (2.33 or later) from the Neuron repository",
     "xla": "pip install torch-xla (2.9 runs here on the CPU with PJRT_DEVICE=CPU)",

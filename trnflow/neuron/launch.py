@@ -11,6 +11,7 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 from trnflow.errors import FatalError
 from trnflow.specs import JobSpec, instance
@@ -71,7 +72,7 @@ def neuron_env(spec: JobSpec | None, cores: list[int], itype: str) -> dict[str, 
         INSTANCE_CORES_ENV: str(instance(itype).cores),
     }
     if spec is not None:
-        cache = spec.compile.cache_url
+        cache = compiler_cache_dir(spec.compile.cache_url)
         env |= {
             "NEURON_CC_FLAGS": f"--optlevel={spec.compile.optlevel} --cache_dir={cache}",
             "NEURON_COMPILE_CACHE_URL": cache,
@@ -108,14 +109,23 @@ def launch_env(spec: JobSpec | None, cores: list[int], itype: str, base: dict[st
     return env
 
 
+def compiler_cache_dir(url: str) -> str:
+    """The compile cache as the Neuron compiler takes it (`--cache_dir`, NEURON_COMPILE_CACHE_URL):
+    an s3:// URL, or a local folder as a path (the compiler reads no file:// URL)."""
+    parsed = urlparse(url)
+    return unquote(parsed.path) if parsed.scheme == "file" else url
+
+
 def cache_url(default: str, env: dict[str, str] | None = None) -> str:
     """Where the persistent cache is, decided as the Neuron compiler wrapper does: `--cache_dir` in
-    NEURON_CC_FLAGS, then NEURON_COMPILE_CACHE_URL, then `default` (the spec's compile.cache_url)."""
+    NEURON_CC_FLAGS, then NEURON_COMPILE_CACHE_URL, then `default` (the spec's compile.cache_url).
+    A local folder comes back as a file:// URL, as specs name it."""
     env = os.environ if env is None else env
-    for flag in shlex.split(env.get("NEURON_CC_FLAGS", "")):
-        if flag.startswith("--cache_dir="):
-            return flag.split("=", 1)[1]
-    return env.get("NEURON_COMPILE_CACHE_URL") or default
+    found = next((f.split("=", 1)[1] for f in shlex.split(env.get("NEURON_CC_FLAGS", ""))
+                  if f.startswith("--cache_dir=")), None) or env.get("NEURON_COMPILE_CACHE_URL") or default
+    if urlparse(found).scheme:
+        return found
+    return Path(found).resolve().as_uri()
 
 
 def retry_failed_requested(env: dict[str, str] | None = None) -> bool:

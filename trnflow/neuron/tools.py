@@ -1,14 +1,16 @@
-"""The Neuron SDK's own tools on a real host: `neuron-ls --json-output` for the device inventory and
-`nccom-test` for the collectives sweep, run when they are on PATH and read in their real formats.
+"""The Neuron SDK's own tools on a real host: `neuron-ls --json-output` for the device inventory,
+`nccom-test` for the collectives sweep and `neuron_parallel_compile` for the xla device's trial run,
+run when they are on PATH and read in their real formats.
 
-Without them (on any machine but a Neuron host) the sanity and collectives phases use trnflow's own
-checks; each result says which source it used. Torch-free.
+Without them (on any machine but a Neuron host) the sanity, collectives and compile phases use
+trnflow's own checks and compiler; each result says which source it used. Torch-free.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -17,7 +19,7 @@ from typing import Any
 
 from trnflow.errors import FatalError
 
-NEURON_LS, NCCOM_TEST = "neuron-ls", "nccom-test"
+NEURON_LS, NCCOM_TEST, PARALLEL_COMPILE = "neuron-ls", "nccom-test", "neuron_parallel_compile"
 NCCOM_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
              "all_to_all": "alltoall"}
 """trnflow's op names -> nccom-test's positional operation."""
@@ -114,3 +116,42 @@ def nccom_sweep(op: str, ranks: int, minbytes: int, maxbytes: int, stepfactor: i
     for row in rows:
         row["correct"] = done.returncode == 0 if check else None
     return rows
+
+
+def parallel_compile_command(tool: str, workers: int, command: list[str]) -> list[str]:
+    """`neuron_parallel_compile --num_parallel N <command>`: runs `command` as a trial in graph
+    extraction mode (NEURON_EXTRACT_GRAPHS_ONLY), then compiles the graphs N at a time into the
+    persistent cache that NEURON_CC_FLAGS' --cache_dir names."""
+    return [tool, "--num_parallel", str(workers), *command]
+
+
+TOTALS = {"graphs": "Total graphs", "compiled": "Total successful compilations",
+          "failed": "Total failed compilations"}
+
+
+def parse_parallel_compile(text: str) -> dict[str, int]:
+    """The totals neuron_parallel_compile prints as it finishes (`INFO ||NEURON_PARALLEL_COMPILE||:
+    Total graphs: 2`, ...); a total it did not print is left out."""
+    found = {}
+    for name, label in TOTALS.items():
+        hits = re.findall(rf"\|\|NEURON_PARALLEL_COMPILE\|\|: {label}: (\d+)", text)
+        if hits:
+            found[name] = int(hits[-1])
+    return found
+
+
+def parallel_compile(workers: int, command: list[str], env: dict[str, str], timeout: float = 6 * 3600.0
+                     ) -> dict[str, Any]:
+    """Run `command` under neuron_parallel_compile; its totals, or an error with the end of its
+    output when it fails or reports a failed compilation (a compiler error: never retried)."""
+    tool = which(PARALLEL_COMPILE)
+    assert tool is not None, "parallel_compile runs only where neuron_parallel_compile is on PATH"
+    argv = parallel_compile_command(tool, workers, command)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+    output = done.stdout + done.stderr
+    totals = parse_parallel_compile(output)
+    if done.returncode != 0 or totals.get("failed"):
+        raise FatalError(f"{PARALLEL_COMPILE} failed (exit {done.returncode}, "
+                         f"{totals.get('failed', 'an unknown number of')} failed compilations): "
+                         f"{output.strip()[-1500:]}")
+    return {"tool": PARALLEL_COMPILE, "workers": workers, **totals}

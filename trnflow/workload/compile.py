@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import sys
 import tempfile
 import time
 import traceback
@@ -129,12 +130,38 @@ def _counts(report: dict[str, dict], total: int) -> str:
             f"failed are {failed}, done are {done}, total is {total}")
 
 
+def trial(spec: JobSpec, device: Device) -> dict:
+    """The trial steps alone, for the SDK's parallel compiler to wrap: every program on inputs of the
+    run's shapes, nothing recorded or saved (the wrapper extracts and compiles the graphs)."""
+    programs = Programs(spec, build_model(spec.model, spec.train.seed), device.compiler(spec, mode="trial"), device)
+    for program in PROGRAMS:
+        programs.exercise(program, steps=TRIAL_STEPS)
+    return {"trial": True, "programs": list(PROGRAMS), "steps": TRIAL_STEPS}
+
+
+def precompile(spec: JobSpec, device: Device) -> dict | None:
+    """The device's own parallel compiler over the trial (`compile --options '{"trial": true}'` in a
+    process of its own), where the device has one here."""
+    with tempfile.TemporaryDirectory(prefix="trnflow-trial-") as tmp:
+        folder = Path(tmp)
+        (folder / "spec.json").write_text(spec.model_dump_json())
+        (folder / "options.json").write_text(json.dumps({"trial": True}))
+        command = [sys.executable, "-m", "trnflow.workload", "compile", "--spec", str(folder / "spec.json"),
+                   "--options", str(folder / "options.json"), "--output", str(folder / "output")]
+        return device.precompile(spec, command)
+
+
 def run(ctx: WorkerContext) -> dict:
     spec = ctx.spec
     assert spec is not None
+    if ctx.options.get("trial"):
+        return trial(spec, ctx.device)
     cache = CompileCache(cache_url(spec.compile.cache_url))
     retry_failed = bool(ctx.options.get("retry_failed")) or retry_failed_requested()
     print(f"INFO ||NEURON_CACHE||: Compile cache path: {cache.url}", flush=True)
+    parallel = None if ctx.options.get("check") else precompile(spec, ctx.device)
+    if parallel is not None:
+        ctx.log("parallel_compile", **parallel)
     plan, flags = extract(spec, ctx.device), ctx.device.compiler(spec, mode="extract").flags
     prediction = plans.predict([{"program": p.program, "key": p.key, "shapes": p.graph.data_shapes} for p in plan],
                                cache, retry_failed, deep=True)
@@ -143,7 +170,7 @@ def run(ctx: WorkerContext) -> dict:
         print(f"INFO ||NEURON_CC_WRAPPER||: {row['program']}: {row['key']} is {row['state']}; will {row['will']}",
               flush=True)
     result = {"programs": prediction, "graphs": len(plan), "flags": flags, "compiler": COMPILER_VERSION,
-              "cache": cache.url}
+              "cache": cache.url, **({"parallel_compile": parallel} if parallel else {})}
     if ctx.options.get("check"):
         return {**result, "check": True, "hits": sum(r["will"] == "hit" for r in prediction),
                 "misses": sum(r["will"] != "hit" for r in prediction)}

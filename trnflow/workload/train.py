@@ -1,4 +1,4 @@
-"""The training phase: DDP over gloo, one rank per NeuronCore, resumable from its own checkpoints.
+"""The training phase: DDP over the device's process group, one rank per NeuronCore, resumable from its own checkpoints.
 
 A run's checkpoints live under `<checkpoint_url>/<run_id>/`. A retried attempt of the same run
 finds its newest committed checkpoint there and continues from that exact step and sample; a new
