@@ -11,10 +11,12 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
 .PHONY: install demo test test-fast test-xla faults lint clean chromium
 
-$(BIN)/.installed: pyproject.toml
+# The example recipe (examples/recipes) goes in too: the tests run it as an installed plug-in.
+$(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps -e examples/recipes
 	touch $@
 
 install: $(BIN)/.installed
@@ -53,13 +55,13 @@ test: lint test-fast chromium
 XLA_VENV ?= .venv/xla
 XLA_BIN  := $(XLA_VENV)/bin
 
-$(XLA_BIN)/.installed: pyproject.toml tests/xla/requirements.py
+$(XLA_BIN)/.installed: pyproject.toml tests/xla/requirements.py examples/recipes/pyproject.toml
 	$(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_BIN)/python -m pip install --quiet --upgrade pip
 	$(XLA_BIN)/python -m pip install --quiet torch==2.9.0 torch-xla==2.9.0
 	$(XLA_BIN)/python tests/xla/requirements.py > $(XLA_VENV)/requirements.txt
 	$(XLA_BIN)/python -m pip install --quiet -r $(XLA_VENV)/requirements.txt
-	$(XLA_BIN)/python -m pip install --quiet --no-deps -e .
+	$(XLA_BIN)/python -m pip install --quiet --no-deps -e . -e examples/recipes
 	touch $@
 
 test-xla: $(XLA_BIN)/.installed

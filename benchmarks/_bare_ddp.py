@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trnflow.specs import JobSpec
-from trnflow.workload.model import build_model
+from trnflow.workload.programs import build_model
+from trnflow.workload.recipes import recipe_for
 
 
 def main() -> None:
@@ -27,12 +28,12 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
-    cfg, batch = spec.model, spec.per_core_batch
-    model = DDP(build_model(cfg, spec.train.seed))
+    recipe, batch = recipe_for(spec), spec.per_core_batch
+    model = DDP(build_model(recipe, spec.train.seed))
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay)
     gen = torch.Generator().manual_seed(rank)
-    tokens = torch.randint(2, cfg.vocab_size, (steps, batch, cfg.seq_len), generator=gen)
-    labels = torch.randint(0, cfg.num_classes, (steps, batch), generator=gen)
+    tokens = torch.stack([recipe.example(batch, gen) for _ in range(steps)])
+    labels = torch.randint(0, recipe.num_classes, (steps, batch), generator=gen)
     times = []
     for step in range(steps):
         began = time.perf_counter()

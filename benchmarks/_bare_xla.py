@@ -19,19 +19,20 @@ import torch.nn.functional as F
 import torch_xla
 
 from trnflow.specs import JobSpec
-from trnflow.workload.model import build_model
+from trnflow.workload.programs import build_model
+from trnflow.workload.recipes import recipe_for
 
 
 def main() -> None:
     spec = JobSpec.model_validate_json(Path(sys.argv[1]).read_text())
     steps, syncs = int(sys.argv[2]), int(sys.argv[3])
     device = torch_xla.device()
-    cfg, batch = spec.model, spec.per_core_batch
-    model = build_model(cfg, spec.train.seed).to(device)
+    recipe, batch = recipe_for(spec), spec.per_core_batch
+    model = build_model(recipe, spec.train.seed).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay)
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(2, cfg.vocab_size, (steps, batch, cfg.seq_len), generator=gen)
-    labels = torch.randint(0, cfg.num_classes, (steps, batch), generator=gen)
+    tokens = torch.stack([recipe.example(batch, gen) for _ in range(steps)])
+    labels = torch.randint(0, recipe.num_classes, (steps, batch), generator=gen)
     times = []
     for step in range(steps):
         began = time.perf_counter()

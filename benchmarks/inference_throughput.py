@@ -32,8 +32,9 @@ from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
 from trnflow.workload.checkpoint import load
 from trnflow.workload.data import read_unlabelled, static_batches
-from trnflow.workload.evaluate import tokenizer_of
-from trnflow.workload.model import build_model
+from trnflow.workload.evaluate import featurized
+from trnflow.workload.programs import build_model
+from trnflow.workload.recipes import recipe_for
 from trnflow.workload.synth import synthesize
 
 
@@ -41,12 +42,13 @@ def bare(spec, checkpoint: str, threads: int) -> float:
     """Rows/s of a plain inference_mode loop over the same model, rows and batch size, on as many
     threads as the emulator gives one core of a job on `cores` cores."""
     torch.set_num_threads(threads)
-    ckpt = load(checkpoint)
-    model = build_model(spec.model, spec.train.seed)
+    recipe = recipe_for(spec)
+    ckpt = load(checkpoint, recipe.featurizer_file)
+    model = build_model(recipe, spec.train.seed)
     model.load_state_dict(ckpt.model)
     model.eval()
-    rows = read_unlabelled(spec.data.inference, spec.data)
-    tokens = tokenizer_of(ckpt, spec).encode(rows.texts)
+    rows = read_unlabelled(spec.data.inference, spec.data, recipe.columns())
+    tokens = featurized(recipe, ckpt).features(rows.table)
     began = time.perf_counter()
     with torch.inference_mode():
         for batch, real in static_batches(tokens, torch.arange(len(tokens)), spec.inference.batch_size):

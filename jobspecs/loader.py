@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -57,12 +58,19 @@ def _refuse_duplicate_keys(node: yaml.Node | None) -> None:
             _refuse_duplicate_keys(item)
 
 
+MODEL_CHECKS: list[Callable[[dict[str, Any]], list[str]]] = []
+"""Checks of a spec's model section that need the recipe (registered by `trnflow.workload.recipes`
+when it is imported): each takes the parsed spec and returns `field.path: message` lines."""
+
+
 def validate_spec(data: Any, source: str = "<spec>") -> JobSpec:
-    """Validate a parsed mapping into a JobSpec, or raise SpecError listing every problem."""
+    """Validate a parsed mapping into a JobSpec, or raise SpecError listing every problem (those of
+    the recipe's params too, where a recipe check is registered)."""
     if not isinstance(data, dict):
         raise SpecError(source, [f"(top level): expected a mapping of sections, got {type(data).__name__}"])
+    recipe_problems = [line for check in MODEL_CHECKS for line in check(data)]
     try:
-        return JobSpec.model_validate(data)
+        spec = JobSpec.model_validate(data)
     except ValidationError as exc:
         problems: dict[str, str] = {}
         for err in exc.errors():
@@ -75,7 +83,11 @@ def validate_spec(data: Any, source: str = "<spec>") -> JobSpec:
                 problems[path] = message  # ...and the literal branch spoke first
             else:
                 problems[path] = f"{problems[path]}; {message}" if path in problems else message
-        raise SpecError(source, [f"{path}: {message}" for path, message in problems.items()]) from None
+        raise SpecError(source, recipe_problems + [f"{path}: {message}" for path, message in problems.items()]
+                        ) from None
+    if recipe_problems:
+        raise SpecError(source, recipe_problems)
+    return spec
 
 
 def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSpec:

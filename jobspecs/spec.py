@@ -11,7 +11,7 @@ import json
 import re
 import zoneinfo
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 from urllib.parse import unquote
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -54,30 +54,30 @@ class Section(BaseModel):
 
 
 class ModelSpec(Section):
-    """The M5-style model: a transformer text encoder followed by an MLP head."""
+    """Which model the pipeline trains: a recipe and its settings."""
 
-    vocab_size: int = Field(8192, ge=256, le=1_000_000, description="Token vocabulary size.")
-    d_model: int = Field(128, ge=8, le=8192, description="Width of the encoder (embedding size).")
-    n_heads: int = Field(4, ge=1, le=128, description="Attention heads per encoder block.")
-    n_layers: int = Field(2, ge=1, le=96, description="Number of transformer encoder blocks.")
-    ffn_dim: int = Field(512, ge=8, le=65536, description="Hidden size of each block's feed-forward layer.")
-    mlp_hidden: list[int] = Field(
-        default_factory=lambda: [64], description="Hidden layer sizes of the MLP head, in order."
-    )
-    num_classes: int = Field(2, ge=2, le=100_000, description="Number of output classes.")
-    seq_len: int = Field(64, ge=4, le=32768, description="Fixed sequence length: texts are padded or cut.")
-    dropout: float = Field(0.1, ge=0.0, lt=1.0, description="Dropout probability in encoder and head.")
+    recipe: str = Field(
+        "m5-text", min_length=1,
+        description="The model recipe: an installed recipe's name (`trnflow recipes` lists them; m5-text is "
+        "built in) or package.module:attr.")
+    params: dict[str, Any] = Field(
+        default_factory=dict,
+        description="The recipe's settings, checked against its parameters (`trnflow recipes` lists them with "
+        "their defaults); unset ones take the defaults.")
 
-    @model_validator(mode="after")
-    def _heads_divide_width(self) -> ModelSpec:
-        if self.d_model % self.n_heads:
+    @model_validator(mode="before")
+    @classmethod
+    def _recipe_and_params(cls, data: Any) -> Any:
+        """A spec from before recipes had the model's settings directly under `model:`: say how to
+        write it now, with its own values."""
+        if isinstance(data, dict) and (stray := [k for k in data if k not in ("recipe", "params")]):
+            old = {k: data[k] for k in stray}
+            recipe = data.get("recipe", "m5-text")
             raise ValueError(
-                f"model.d_model: {self.d_model} is not divisible by model.n_heads ({self.n_heads}); "
-                "pick a width that is a multiple of the head count"
-            )
-        if any(h < 1 for h in self.mlp_hidden):
-            raise ValueError("model.mlp_hidden: every layer size must be >= 1")
-        return self
+                f"model.params: {', '.join(stray)} are the recipe's settings and go under model.params, with "
+                f"model.recipe beside them; write  model: "
+                f"{json.dumps({'recipe': recipe, 'params': {**data.get('params', {}), **old}})}")
+        return data
 
 
 class DataSpec(Section):
@@ -383,7 +383,7 @@ class JobSpec(Section):
         pattern=r"^[a-z0-9][a-z0-9-]{0,62}$",
         description="Job name: lower-case letters, digits and dashes (it becomes part of cloud job names).",
     )
-    model: ModelSpec = Field(default_factory=ModelSpec, description="Model architecture.")
+    model: ModelSpec = Field(default_factory=ModelSpec, description="The model: its recipe and the recipe's settings.")
     data: DataSpec = Field(description="Input data.")
     compute: ComputeSpec = Field(default_factory=ComputeSpec, description="Backend and topology.")
     compile: CompileSpec = Field(default_factory=CompileSpec, description="Ahead-of-time compilation.")

@@ -12,6 +12,7 @@ from trnflow.results import CompileResult
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
+from trnflow.workload.recipes import plan_digest
 
 
 @task(name="compile", cache_policy=NO_CACHE)
@@ -26,7 +27,7 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> Compi
     """
     logger = get_run_logger()
     cache = CompileCache(spec.compile.cache_url)
-    known = plans.recorded(cache, spec)
+    known = plans.recorded(cache, plan_digest(spec))
     if known is None:
         logger.info("no compile plan recorded in %s for this spec yet; the compile job extracts it", cache.url)
     else:

@@ -28,10 +28,10 @@ def batch_infer(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | 
     result = run_job(spec, "infer", run_id, checkpoint=checkpoint, cores=cores)
     assert isinstance(result, InferResult)
     reused = f", {result.shards_reused} reused" if result.shards_reused else ""
-    result.summary = (f"{result.rows} embeddings in {len(result.shards)} shard(s){reused}, "
+    result.summary = (f"{result.rows} {result.published} in {len(result.shards)} shard(s){reused}, "
                       f"{result.rows_per_s:.0f} rows/s{recompile_note(result)}"
                       + (", staged until promotion" if staged else ""))
     if not staged and result.manifest:
-        _artifacts.link(spec, "embeddings", result.manifest, f"{result.rows} embeddings in "
+        _artifacts.link(spec, "embeddings", result.manifest, f"{result.rows} {result.published} in "
                         f"{len(result.shards)} Parquet shard(s) under {result.output_url}")
     return result

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+import trnflow.workload.recipes  # noqa: F401 (validating a spec then checks its recipe's params, as the CLI does)
 from trnflow.specs import JobSpec, validate_spec
 from trnflow.workload.synth import synthesize
 
@@ -79,14 +80,28 @@ def trnflow_home(tmp_path_factory) -> Path:
 
 
 def quickstart_data(**sections) -> dict:
-    """The quickstart example as a mapping, with sections replaced or updated."""
+    """The quickstart example as a mapping, with sections replaced or updated (`model={"params":
+    {...}}` updates the recipe's params; with another `recipe`, they are that recipe's alone)."""
     data = yaml.safe_load((EXAMPLES / "quickstart.yaml").read_text())
     for name, values in sections.items():
         if isinstance(values, dict) and isinstance(data.get(name), dict):
-            data[name] = {**data[name], **values}
+            other_recipe = values.get("recipe", data[name].get("recipe")) != data[name].get("recipe")
+            base = {} if other_recipe else data[name].get("params", {})  # another recipe: its own params only
+            params = {**base, **values["params"]} if "params" in values else ({} if other_recipe else None)
+            data[name] = {**data[name], **values, **({"params": params} if params is not None else {})}
         else:
             data[name] = values
     return data
+
+
+def tiny_m5(**params):
+    """The built-in m5-text recipe with a model small enough for unit tests (params override)."""
+    from trnflow.specs import validate_spec
+    from trnflow.workload.recipes import recipe_for
+
+    small = {"vocab_size": 300, "d_model": 16, "n_heads": 2, "n_layers": 1, "ffn_dim": 32, "mlp_hidden": [8],
+             "seq_len": 8, "num_classes": 2, "dropout": 0.1}
+    return recipe_for(validate_spec(quickstart_data(model={"params": {**small, **params}})))
 
 
 @pytest.fixture(scope="session")
@@ -104,6 +119,7 @@ def warm_compile_cache(compile_cache, dataset, trnflow_home, tmp_path_factory) -
     from trnflow.device import plans
     from trnflow.device.cache import DONE, CompileCache, entry_name
     from trnflow.settings import TrnflowSettings
+    from trnflow.workload.recipes import plan_digest
 
     out = tmp_path_factory.mktemp("warm")
     spec = validate_spec(quickstart_data(
@@ -112,13 +128,13 @@ def warm_compile_cache(compile_cache, dataset, trnflow_home, tmp_path_factory) -
         compile={"cache_url": str(compile_cache)}, train={"checkpoint_url": str(out / "checkpoints")},
         gate={"reference": None}, inference={"output_url": str(out / "embeddings")},
         registry_url=str(out / "registry")))
-    cache = CompileCache(str(compile_cache))
-    known = plans.recorded(cache, spec)
+    cache, digest = CompileCache(str(compile_cache)), plan_digest(spec)
+    known = plans.recorded(cache, digest)
     if known is None or any(row["will"] != "hit" for row in plans.predict(known, cache, retry_failed=False)):
         backend = LocalBackend(TrnflowSettings().jobs_dir)
         job = wait(backend, backend.submit(JobRequest(spec, "compile", "warm", processes=1)), 0.2)
         assert job.state is JobState.SUCCEEDED, job.failure
-    assert {cache.state(entry_name(row["key"])) for row in plans.recorded(cache, spec)} == {DONE}
+    assert {cache.state(entry_name(row["key"])) for row in plans.recorded(cache, digest)} == {DONE}
     return compile_cache
 
 

@@ -97,6 +97,7 @@ class TrainResult(StageResult):
     resumed_weights: str | None = Field(None, description="the weights it resumed with, as placed on the device "
                                         "(the sha256 of their tensors)")
     parent: str | None = Field(None, description="the model this one was trained further from")
+    recipe: dict[str, Any] | None = Field(None, description="the model's recipe: name, version and params")
     global_step: int = 0
     watermark: str | None = Field(None, description="the newest day partition trained on")
     partitions: list[str] = Field(default_factory=list, description="the day partitions trained on")
@@ -127,6 +128,8 @@ class EvaluateResult(StageResult):
 class InferResult(StageResult):
     output_url: str
     model_version: str | None = None
+    published: str = Field("embeddings", description="what each row gets: embeddings, or predictions (the predicted "
+                           "class and class probabilities) for a recipe without embeddings")
     rows: int = Field(description="rows embedded in all shards")
     shards: list[dict[str, Any]] = Field(description="each shard: index, file, rows, sha256, reused")
     rows_embedded: int = Field(0, description="rows embedded by this job (the rest were committed before)")

@@ -32,15 +32,16 @@ TINY = {"vocab_size": 256, "d_model": 16, "n_heads": 2, "n_layers": 1, "ffn_dim"
 
 
 def test_the_same_spec_gives_the_same_keys_on_any_host_and_cache(make_spec, tmp_path):
-    spec = make_spec(model=TINY)
-    first, second = extract(spec), extract(make_spec(model=TINY, compile={"cache_url": str(tmp_path / "other")}))
+    spec = make_spec(model={"params": TINY})
+    other = make_spec(model={"params": TINY}, compile={"cache_url": str(tmp_path / "other")})
+    first, second = extract(spec), extract(other)
     assert [p.key for p in first] == [p.key for p in second]
     assert [p.program for p in first] == ["train_step", "eval_step", "embed_step"]
     assert first[0].graph.data_shapes == "tokens [16, 8] int64"  # the per-core batch of 32 on 2 cores
-    other = extract(make_spec(model=TINY, train={"global_batch_size": 16}))
+    other = extract(make_spec(model={"params": TINY}, train={"global_batch_size": 16}))
     assert other[0].key != first[0].key  # a new batch shape is a new graph
     assert other[1].key == first[1].key  # evaluation shapes did not change
-    bf16 = extract(make_spec(model=TINY, compute={"precision": "bf16"}))
+    bf16 = extract(make_spec(model={"params": TINY}, compute={"precision": "bf16"}))
     assert {p.key for p in bf16}.isdisjoint(p.key for p in first)  # precision is a compiler flag
 
 
@@ -152,7 +153,8 @@ def test_optlevels_trade_compile_time_for_generated_code(make_spec, tmp_path, mo
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))  # compile_one uses its own
     names = {}
     for optlevel, program in ((1, "train_step"), (2, "embed_step")):
-        spec = make_spec(model=TINY, compile={"optlevel": optlevel, "cache_url": str(tmp_path / f"O{optlevel}")})
+        spec = make_spec(model={"params": TINY},
+                         compile={"optlevel": optlevel, "cache_url": str(tmp_path / f"O{optlevel}")})
         key = next(p.key for p in extract(spec) if p.program == program)
         outcome = compile_one(spec.model_dump_json(), program, key)
         cache = CompileCache(spec.compile.cache_url)

@@ -27,18 +27,21 @@ def _checksums(out) -> dict:
 
 def _checkpoint(spec, dataset) -> str:
     """A committed checkpoint of the spec's model, made in this process (no training job needed)."""
+    import pyarrow as pa
     import torch
 
     from trnflow.workload.checkpoint import RunCheckpoints
-    from trnflow.workload.model import build_model
-    from trnflow.workload.tokenizer import train_tokenizer
+    from trnflow.workload.programs import build_model
+    from trnflow.workload.recipes import recipe_for
 
     texts = [json.loads(line)["text"] for line in (dataset / "inference" / "part-00000.jsonl").read_text().splitlines()]
-    tokenizer = train_tokenizer(texts, spec.model.vocab_size, spec.model.seq_len)
-    model = build_model(spec.model, seed=5)
+    recipe = recipe_for(spec)
+    recipe.fit(pa.table({spec.data.text_field: texts}))
+    model = build_model(recipe, seed=5)
     rng = [{"torch": torch.get_rng_state(), "sr": torch.Generator().get_state()}]
     run = RunCheckpoints(f"{spec.train.checkpoint_url}/model")
-    return run.save(2, model.state_dict(), {"state": {}, "param_groups": []}, rng, tokenizer.to_json(),
+    featurizer = (recipe.featurizer_file, recipe.state())
+    return run.save(2, model.state_dict(), {"state": {}, "param_groups": []}, rng, featurizer,
                     {"run_id": "model", "sampler": {}, "data": {}})
 
 

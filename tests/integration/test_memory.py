@@ -2,23 +2,23 @@
 
 import pytest
 
+from tests.conftest import tiny_m5
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.errors import FatalError
 from trnflow.settings import TrnflowSettings
-from trnflow.specs import ModelSpec
 from trnflow.workload.memory import check_fits, estimate, parameter_count
-from trnflow.workload.model import build_model
+from trnflow.workload.programs import build_model
 
 
 def test_parameter_count_is_exact():
-    cfg = ModelSpec(vocab_size=500, d_model=32, n_heads=4, n_layers=2, ffn_dim=64, mlp_hidden=[16], seq_len=16)
-    assert parameter_count(cfg) == sum(p.numel() for p in build_model(cfg, 0).parameters())
+    recipe = tiny_m5(vocab_size=500, d_model=32, n_heads=4, n_layers=2, ffn_dim=64, mlp_hidden=[16], seq_len=16)
+    assert parameter_count(recipe) == sum(p.numel() for p in build_model(recipe, 0).parameters())
 
 
 def test_an_oversized_job_is_refused_before_launch_with_both_numbers(make_spec, trnflow_home):
-    spec = make_spec(model={"d_model": 4096, "n_heads": 32, "n_layers": 24, "ffn_dim": 16384, "vocab_size": 32000,
-                            "seq_len": 2048})
+    spec = make_spec(model={"params": {"d_model": 4096, "n_heads": 32, "n_layers": 24, "ffn_dim": 16384,
+                                       "vocab_size": 32000, "seq_len": 2048}})
     with pytest.raises(FatalError) as info:
         check_fits(spec)
     message = str(info.value)

@@ -122,7 +122,7 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     table = pq.read_table(local_path(spec.inference.output_url))
     inputs = [json.loads(line)["id"] for line in (dataset / "inference" / "part-00000.jsonl").read_text().splitlines()]
     assert sorted(table.column("id").to_pylist()) == sorted(inputs)
-    assert len(table.column("embedding")[0]) == spec.model.d_model
+    assert len(table.column("embedding")[0]) == spec.model.params["d_model"]
     shards = -(-len(inputs) // 100)
     assert len(list(local_path(spec.inference.output_url).glob("part-*.parquet"))) == shards
     manifest = json.loads((local_path(spec.inference.output_url) / "_manifest.json").read_text())

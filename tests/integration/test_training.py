@@ -12,7 +12,8 @@ from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.storage import local_path
 from trnflow.workload.checkpoint import load
-from trnflow.workload.model import build_model
+from trnflow.workload.programs import build_model
+from trnflow.workload.recipes import recipe_for
 from trnflow.workload.synth import synthesize
 
 SHORT = {"steps": 12, "checkpoint_every": 4, "log_every": 4}
@@ -81,7 +82,7 @@ def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are
     assert result["partitions"] == ["2026-01-03"] and result["rows"] == 200 and result["watermark"] == "2026-01-03"
     assert result["parent"] == first.result["checkpoint"] and result["global_step"] == 10
     child, parent = load(result["checkpoint"]), load(first.result["checkpoint"])
-    assert child.tokenizer == parent.tokenizer  # token ids never shift between incremental runs
+    assert child.featurizer == parent.featurizer  # token ids never shift between incremental runs
     assert child.meta["lineage"] == [first.result["checkpoint"]]
 
     again = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": result["checkpoint"]})
@@ -93,7 +94,7 @@ def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are
 
 def test_a_plain_state_dict_from_another_program_is_a_starting_point(make_spec, backend, tmp_path):
     spec = make_spec(train={"steps": 2, "checkpoint_every": 2, "init_from": str(tmp_path / "gpu-weights.pt")})
-    gpu_run = build_model(spec.model, seed=99)  # as a GPU job that knows nothing of trnflow would save it
+    gpu_run = build_model(recipe_for(spec), seed=99)  # as a GPU job that knows nothing of trnflow would save it
     torch.save(gpu_run.state_dict(), tmp_path / "gpu-weights.pt")
     info, job_id = _train(backend, spec, "from-gpu")
     assert info.state is JobState.SUCCEEDED, info.failure
@@ -101,7 +102,7 @@ def test_a_plain_state_dict_from_another_program_is_a_starting_point(make_spec, 
     logs = backend.logs(job_id)[0]
     assert '"event": "init"' in logs and "no tokenizer.json beside it" in logs
     # two AdamW steps move each weight by a few lr at most: the run started from these weights
-    trained, scratch = _weights(info.result), build_model(spec.model, seed=spec.train.seed).state_dict()
+    trained, scratch = _weights(info.result), build_model(recipe_for(spec), seed=spec.train.seed).state_dict()
     step = 4 * spec.train.lr
     assert all((trained[k] - v).abs().max() <= step for k, v in gpu_run.state_dict().items())
     assert any((trained[k] - v).abs().max() > 10 * step for k, v in scratch.items())

@@ -31,20 +31,20 @@ import trnflow.backends
 import trnflow.backends.reference
 import trnflow.cli.devices
 import trnflow.cli.pipeline
-from tests.conftest import archive, quickstart_data
+from tests.conftest import archive, quickstart_data, tiny_m5
 from trnflow.cli.app import app
 from trnflow.device.base import RecompileGuard
 from trnflow.device.cache import COMPILER_VERSION, CompileCache
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.errors import ERROR_TYPES, TrnflowError
-from trnflow.specs import DataSpec, ModelSpec, SpecError
+from trnflow.specs import DataSpec, SpecError
 from trnflow.storage.datafiles import data_files
 from trnflow.workload.__main__ import main as workload_main
 from trnflow.workload.checkpoint import MARKER, RunCheckpoints, load, load_model_weights
 from trnflow.workload.data import StepSampler, read_labelled, read_unlabelled
-from trnflow.workload.model import build_model
+from trnflow.workload.programs import build_model
+from trnflow.workload.recipes.m5_text.tokenizer import TextTokenizer, train_tokenizer
 from trnflow.workload.synth import synthesize
-from trnflow.workload.tokenizer import TextTokenizer, train_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 
@@ -161,8 +161,9 @@ def data(files: dict[str, str | bytes | pa.Table | None], fmt: str = "jsonl", nu
                 path.write_text(content)
         spec = DataSpec(train=str(root), holdout=str(root), inference=str(root), format=fmt)
         if inference:
-            return lambda: refused(lambda: read_unlabelled(spec.inference, spec))
-        return lambda: refused(lambda: read_labelled(data_files(spec.train, fmt), spec, num_classes, spec.train))
+            return lambda: refused(lambda: read_unlabelled(spec.inference, spec, [spec.text_field]))
+        return lambda: refused(lambda: read_labelled(data_files(spec.train, fmt), spec, [spec.text_field], num_classes,
+                                                     spec.train))
     return make
 
 
@@ -173,7 +174,7 @@ def call(fn: Callable, *args):
 
 # -- checkpoints -----------------------------------------------------------------------------------
 
-CFG = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
+CFG = tiny_m5()
 
 
 class RunsAtLoad:
@@ -210,7 +211,8 @@ def checkpoint(change: Callable[[Path, Path], object]):
     def make(tmp: Path):
         RunCheckpoints((tmp / "run").as_uri()).save(
             10, build_model(CFG, seed=0).state_dict(), {"state": {}, "param_groups": []},
-            [{"torch": torch.get_rng_state()}], _tokenizer(), {"run_id": "r", "sampler": {"step": 10}, "data": {}})
+            [{"torch": torch.get_rng_state()}], ("tokenizer.json", _tokenizer().encode()),
+            {"run_id": "r", "sampler": {"step": 10}, "data": {}})
         folder = tmp / "run" / "step-000010"
         change(folder, tmp)
         return lambda: refused(lambda: load(folder.as_uri()))
@@ -321,8 +323,8 @@ CASES = [
     case("spec-not-utf8", spec("name: caf\xe9\n".encode("latin-1")), "spec.yaml", "(file)", fix="not UTF-8 text"),
     case("spec-unknown-section", spec(quickstart_data(trainer={"steps": 3})), "trainer", fix=UNKNOWN),
     case("spec-unknown-field", spec(quickstart_data(compute={"gpus": 8})), "compute.gpus", fix=UNKNOWN),
-    case("spec-number-where-list", spec(quickstart_data(model={"mlp_hidden": 64})), "model.mlp_hidden",
-         fix="should be a valid list"),
+    case("spec-number-where-list", spec(quickstart_data(model={"params": {"mlp_hidden": 64}})),
+         "model.params.mlp_hidden", fix="should be a valid list"),
     case("spec-text-where-number", spec(quickstart_data(train={"lr": "fast"})), "train.lr",
          fix="should be a valid number"),
     case("spec-more-cores-than-trn2-has",
@@ -333,8 +335,8 @@ CASES = [
          "train.global_batch_size", fix=AT_LEAST_ONE),
     case("spec-negative-shard-size", spec(quickstart_data(inference={"shard_size": -1})), "inference.shard_size",
          fix=AT_LEAST_ONE),
-    case("spec-negative-layer-size", spec(quickstart_data(model={"mlp_hidden": [64, -1]})), "model.mlp_hidden",
-         fix="every layer size must be >= 1"),
+    case("spec-negative-layer-size", spec(quickstart_data(model={"params": {"mlp_hidden": [64, -1]}})),
+         "model.params.mlp_hidden", fix="every layer size must be >= 1"),
     case("spec-negative-volume", spec(quickstart_data(compute={"volume_gb": -5})), "compute.volume_gb",
          fix=AT_LEAST_ONE),
     case("spec-ftp-output-url", spec(quickstart_data(inference={"output_url": "ftp://example.com/out"})),
@@ -412,9 +414,9 @@ CASES = [
                                                         "label": pa.array([], pa.int64())})}, "parquet"),
          "reviews", fix="point the spec at data that has some"),
     case("data-negative-label", data({"p.parquet": pa.table({"text": ["a", "b"], "label": [0, -1]})}, "parquet"),
-         "label -1", "row 1", fix="set model.num_classes"),
+         "label -1", "row 1", fix="model.params.num_classes"),
     case("data-label-beyond-num-classes", data({"p.csv": "text,label\na,0\nb,3\n"}, "csv", num_classes=3),
-         "label 3", fix="set model.num_classes"),
+         "label 3", fix="model.params.num_classes"),
     case("data-null-label", data({"p.jsonl": OK_ROW + '{"text": "b", "label": null}\n'}), "'label'",
          fix="Map the labels to integers"),
     case("data-partition-not-a-date", data({"dt=2026-13-45/part-0.jsonl": OK_ROW}), "dt=2026-13-45",
@@ -432,7 +434,7 @@ CASES = [
          fix="UTF-8"),
     case("data-bad-label-in-second-partition",
          data({"dt=2026-01-01/p.jsonl": OK_ROW * 5, "dt=2026-01-02/p.jsonl": '{"text": "x", "label": 7}\n'}),
-         "dt=2026-01-02", fix="set model.num_classes"),
+         "dt=2026-01-02", fix="model.params.num_classes"),
     case("data-label-types-differ",
          data({"dt=2026-01-01/p.jsonl": OK_ROW, "dt=2026-01-02/p.jsonl": '{"text": "x", "label": "pos"}\n'}),
          "dt=2026-01-02", fix="integer"),
@@ -464,8 +466,8 @@ CASES = [
     case("ckpt-truncated-file", weights_file(lambda tmp: _tensors(build_model(CFG, seed=0).state_dict())[:200]),
          "weights.pt", fix="copy it again|earlier"),
     case("ckpt-weights-wrong-shape",
-         weights_into_model(lambda: build_model(CFG.model_copy(update={"num_classes": 5}), seed=0).state_dict()),
-         "model.pt", "head.3.weight", fix="model section|model.num_classes"),
+         weights_into_model(lambda: build_model(tiny_m5(num_classes=5), seed=0).state_dict()),
+         "model.pt", "head.3.weight", fix="model.params"),
     case("ckpt-meta-not-json", checkpoint(lambda f, tmp: _recommit(f, "meta.json", b"{not json")), "meta.json",
          fix="earlier"),
     case("ckpt-meta-not-a-mapping", checkpoint(lambda f, tmp: _recommit(f, "meta.json", b"[1, 2]")), "meta.json",
@@ -473,7 +475,7 @@ CASES = [
     case("ckpt-step-not-a-number",
          checkpoint(lambda f, tmp: _recommit(f, "state.pt", _tensors({"step": "ten", "rng": []}))), "state.pt",
          fix="earlier"),
-    case("ckpt-tokenizer-not-utf8", checkpoint(lambda f, tmp: _recommit(f, "tokenizer.json", b"\xff\xfe")),
+    case("ckpt-tokenizer-not-utf8", call(lambda: tiny_m5().load(b"\xff\xfe", "file:///ckpt/step-000010")),
          "tokenizer.json", fix="earlier"),
     case("ckpt-marker-names-a-file-outside", checkpoint(_marker_naming("../../secret.pt")), MARKER,
          fix="earlier"),

@@ -10,21 +10,21 @@ import textwrap
 import pytest
 import torch
 
+from tests.conftest import tiny_m5
 from trnflow.errors import FatalError
-from trnflow.specs import ModelSpec
 from trnflow.storage import LocalStore
 from trnflow.workload.checkpoint import MARKER, RunCheckpoints, load, load_model_weights
-from trnflow.workload.model import build_model
-from trnflow.workload.tokenizer import train_tokenizer
+from trnflow.workload.programs import build_model
+from trnflow.workload.recipes.m5_text.tokenizer import train_tokenizer
 
-CFG = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
-TOKENIZER = train_tokenizer(["a sturdy kettle", "a flimsy lamp"], 300, 8).to_json()
+CFG = tiny_m5()
+TOKENIZER = train_tokenizer(["a sturdy kettle", "a flimsy lamp"], 300, 8).to_json().encode()
 
 
 def _save(run: RunCheckpoints, step: int, keep_latest=None, seed=0):
     model = build_model(CFG, seed=seed)
     rng = [{"torch": torch.get_rng_state(), "sr": torch.Generator().get_state()}]
-    url = run.save(step, model.state_dict(), {"state": {}, "param_groups": []}, rng, TOKENIZER,
+    url = run.save(step, model.state_dict(), {"state": {}, "param_groups": []}, rng, ("tokenizer.json", TOKENIZER),
                    {"run_id": "r", "watermark": "2026-01-02", "sampler": {"step": step}, "data": {}},
                    keep_latest=keep_latest)
     return url, model
@@ -37,7 +37,7 @@ def test_a_torn_checkpoint_is_passed_over_and_cleaned_by_the_next_save(tmp_path)
     (tmp_path / "r" / "step-000020" / MARKER).unlink()  # the writer died before its marker
     latest = run.latest()
     assert latest is not None and latest.step == 10
-    assert latest.watermark == "2026-01-02" and latest.tokenizer == TOKENIZER
+    assert latest.watermark == "2026-01-02" and latest.featurizer == TOKENIZER
     _save(run, 30)
     assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["step-000010", "step-000030"]
 
@@ -120,16 +120,16 @@ def test_a_plain_state_dict_file_is_a_starting_point_with_its_tokenizer(tmp_path
     model = build_model(CFG, seed=3)
     torch.save(model.state_dict(), tmp_path / "weights.pt")
     plain = load((tmp_path / "weights.pt").as_uri())
-    assert plain.step == 0 and plain.tokenizer is None and plain.optim is None
-    LocalStore(tmp_path).write("tokenizer.json", TOKENIZER.encode())
-    assert load((tmp_path / "weights.pt").as_uri()).tokenizer == TOKENIZER
+    assert plain.step == 0 and plain.featurizer is None and plain.optim is None
+    LocalStore(tmp_path).write("tokenizer.json", TOKENIZER)
+    assert load((tmp_path / "weights.pt").as_uri(), "tokenizer.json").featurizer == TOKENIZER
     other = build_model(CFG, seed=4)
     load_model_weights(other, plain.model, plain.url)
     assert torch.equal(other.state_dict()["head.0.weight"], model.state_dict()["head.0.weight"])
 
 
 def test_weights_of_another_shape_are_refused_naming_the_source(tmp_path):
-    wide = build_model(CFG.model_copy(update={"d_model": 32}), seed=0)
+    wide = build_model(tiny_m5(d_model=32), seed=0)
     with pytest.raises(FatalError, match="does not match the spec's model"):
         load_model_weights(build_model(CFG, seed=0), wide.state_dict(), "file:///x/weights.pt")
 

@@ -21,10 +21,10 @@ def test_validate_accepts_every_example():
 def test_validate_names_every_bad_field(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(quickstart_data(
-        model={"colour": "blue"}, train={"steps": "many"}, compute={"cores_per_node": 64})))
+        model={"params": {"colour": "blue"}}, train={"steps": "many"}, compute={"cores_per_node": 64})))
     result = runner.invoke(app, ["validate", str(bad)])
     assert result.exit_code == 2
-    for field in ("model.colour", "train.steps", "compute.cores_per_node"):
+    for field in ("model.params.colour", "train.steps", "compute.cores_per_node"):
         assert field in result.stderr
 
 

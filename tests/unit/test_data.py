@@ -12,8 +12,11 @@ from trnflow.errors import DataError, FatalError
 from trnflow.specs import DataSpec
 from trnflow.storage.datafiles import data_files, new_partitions, partitions, since_watermark
 from trnflow.workload.data import StepSampler, read_labelled, read_unlabelled
+from trnflow.workload.recipes.m5_text.tokenizer import TextTokenizer, train_tokenizer
 from trnflow.workload.synth import synthesize
-from trnflow.workload.tokenizer import TextTokenizer, train_tokenizer
+
+TEXT = ["text"]
+"""The column the built-in recipe reads."""
 
 
 def _spec(root, fmt="jsonl") -> DataSpec:
@@ -25,24 +28,24 @@ def _spec(root, fmt="jsonl") -> DataSpec:
 def test_every_format_reads_the_same_rows(tmp_path, fmt):
     synthesize(tmp_path / "j", days=2, rows_per_day=30, seed=1, fmt="jsonl")
     synthesize(tmp_path / fmt, days=2, rows_per_day=30, seed=1, fmt=fmt)
-    want = read_labelled(data_files(str(tmp_path / "j" / "train"), "jsonl"), _spec(tmp_path / "j"), 2, "j")
+    want = read_labelled(data_files(str(tmp_path / "j" / "train"), "jsonl"), _spec(tmp_path / "j"), TEXT, 2, "j")
     spec = _spec(tmp_path / fmt, fmt)
-    got = read_labelled(data_files(spec.train, fmt), spec, 2, spec.train)
+    got = read_labelled(data_files(spec.train, fmt), spec, TEXT, 2, spec.train)
     assert torch.equal(got.labels, want.labels)
-    squash = [" ".join(t.replace(". ", " ").split()) for t in got.texts]
-    assert squash == want.texts
-    ids = read_unlabelled(spec.inference, spec).ids
+    squash = [" ".join(t.replace(". ", " ").split()) for t in got.lines()]
+    assert squash == want.lines()
+    ids = read_unlabelled(spec.inference, spec, TEXT).ids
     assert len(ids) == 30 and len(set(ids)) == 30
 
 
 def test_amazon_polarity_labels_map_to_zero_and_one_and_others_are_refused(tmp_path):
     (tmp_path / "ok.csv").write_text('"2","Great","works well"\n"1","Bad","broke, sadly"\n')
     spec = DataSpec(train=str(tmp_path / "ok.csv"), holdout=".", inference=".", format="amazon-polarity")
-    rows = read_labelled(data_files(spec.train, spec.format), spec, 2, spec.train)
-    assert rows.labels.tolist() == [1, 0] and rows.texts == ["Great. works well", "Bad. broke, sadly"]
+    rows = read_labelled(data_files(spec.train, spec.format), spec, TEXT, 2, spec.train)
+    assert rows.labels.tolist() == [1, 0] and rows.lines() == ["Great. works well", "Bad. broke, sadly"]
     (tmp_path / "bad.csv").write_text('"3","Meh","so so"\n')
     with pytest.raises(DataError, match="label 1 or 2"):
-        read_labelled(data_files(str(tmp_path / "bad.csv"), spec.format), spec, 2, "bad")
+        read_labelled(data_files(str(tmp_path / "bad.csv"), spec.format), spec, TEXT, 2, "bad")
 
 
 def test_partitions_sort_by_day_and_the_window_starts_after_the_watermark(tmp_path):
@@ -84,8 +87,8 @@ def test_partitioned_parquet_is_read_from_s3(tmp_path, s3_bucket):
     assert files[0].url == f"{url}/dt=2026-01-01/part-00000.parquet"
     spec = DataSpec(train=url, holdout=url, inference=url, format="parquet")
     local = _spec(tmp_path, "parquet")
-    assert read_labelled(files, spec, 2, url).texts == read_labelled(
-        data_files(local.train, "parquet"), local, 2, local.train).texts
+    assert read_labelled(files, spec, TEXT, 2, url).lines() == read_labelled(
+        data_files(local.train, "parquet"), local, TEXT, 2, local.train).lines()
     with pytest.raises(DataError, match="no such folder"):
         data_files(f"s3://{s3_bucket}/nothing-here", "parquet")
 
@@ -101,7 +104,7 @@ def test_bad_rows_are_named_with_the_fix(tmp_path, content, message):
     (tmp_path / "d.jsonl").write_text(content)
     spec = DataSpec(train=str(tmp_path / "d.jsonl"), holdout=".", inference=".")
     with pytest.raises(DataError, match=message):
-        read_labelled(data_files(spec.train, "jsonl"), spec, 2, spec.train)
+        read_labelled(data_files(spec.train, "jsonl"), spec, TEXT, 2, spec.train)
 
 
 def test_a_missing_dataset_says_where_it_looked(tmp_path):
@@ -120,7 +123,7 @@ def test_the_tokenizer_is_fixed_shape_and_the_same_in_every_process():
     assert out.shape == (3, 8)
     assert out[1].tolist() == [1] + [0] * 7  # an empty text still has its [CLS]
     assert out[0, 0] == 1 and (out[2] != 0).all()  # long text cut to seq_len
-    script = ("from trnflow.workload.tokenizer import train_tokenizer; "
+    script = ("from trnflow.workload.recipes.m5_text.tokenizer import train_tokenizer; "
               f"print(train_tokenizer({TEXTS!r}, 512, 8).to_json())")
     other = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert other.strip() == tok.to_json()
@@ -130,7 +133,7 @@ def test_the_tokenizer_is_fixed_shape_and_the_same_in_every_process():
 
 def test_a_tokenizer_larger_than_the_model_vocabulary_is_refused():
     tok = train_tokenizer(TEXTS, 512, 8)
-    with pytest.raises(FatalError, match=r"raise model\.vocab_size"):
+    with pytest.raises(FatalError, match=r"raise model\.params\.vocab_size"):
         TextTokenizer.from_json(tok.to_json(), 8, 10, "file:///ckpt/tokenizer.json")
 
 

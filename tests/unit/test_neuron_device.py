@@ -146,8 +146,9 @@ def test_ranks_join_one_group_whose_host_tensors_go_to_gloo_and_device_tensors_t
 def test_the_compiler_sets_the_native_cache_and_refuses_eager_fallback(fake, tmp_path, monkeypatch):
     device, _ = fake
     spec = _spec(tmp_path)
-    backend = device.compiler(spec)
-    assert backend.flags == {"backend": "neuron", "torch_neuronx": "2.14.3.0", "precision": "fp32"}
+    backend = device.compiler(spec, model="m5-text@1")
+    assert backend.flags == {"backend": "neuron", "torch_neuronx": "2.14.3.0", "precision": "fp32",
+                             "model": "m5-text@1"}
     assert os.environ["TORCH_NEURONX_DISABLE_FALLBACK_EXECUTION"] == "1"
     assert os.environ["TORCH_NEURONX_NEFF_CACHE_DIR"] == str(tmp_path / "cache" / "neff")
     device.compiler(_spec(tmp_path / "other"))  # another spec's cache: nothing carries over

@@ -26,10 +26,11 @@ def _problems(data) -> list[str]:
 
 
 def test_unknown_field_wrong_type_and_impossible_cores_are_all_named():
-    data = quickstart_data(model={"colour": "blue"}, train={"steps": "many"}, compute={"cores_per_node": 32})
+    data = quickstart_data(model={"params": {"colour": "blue"}}, train={"steps": "many"},
+                           compute={"cores_per_node": 32})
     problems = _problems(data)
     text = "\n".join(problems)
-    assert any(p.startswith("model.colour: unknown field") for p in problems), text
+    assert any(p.startswith("model.params.colour: Extra inputs are not permitted") for p in problems), text
     assert any(p.startswith("train.steps:") for p in problems), text
     assert (
         "compute.cores_per_node: trn1.2xlarge has 2 NeuronCores; set compute.cores_per_node <= 2 "
@@ -59,7 +60,7 @@ def test_multi_node_needs_efa():
         ({"compute": {"instance_type": "p4d.24xlarge"}}, None, "compute.instance_type"),
         ({"train": {"steps": -5}}, None, "train.steps"),
         ({"gate": {"max_abs_diff": 0}}, None, "gate.max_abs_diff"),
-        ({"model": {"d_model": 66, "n_heads": 4}}, None, "model.d_model"),
+        ({"model": {"params": {"d_model": 66, "n_heads": 4}}}, None, "model.params.d_model"),
         ({"schedule": {"cron": "every day"}}, None, "schedule.cron"),
         ({"name": "Bad Name!"}, None, "name"),
         ({"compile": {"optlevel": 4}}, None, "compile.optlevel"),

@@ -2,13 +2,13 @@
 
 import torch
 
+from tests.conftest import tiny_m5
 from trnflow.emulator import compiler
 from trnflow.emulator.numerics import stochastic_round_bf16_
 from trnflow.neuron.launch import parse_visible_cores
 from trnflow.neuron.nccom import bus_factor
-from trnflow.specs import ModelSpec
 from trnflow.workload.data import StepSampler
-from trnflow.workload.model import build_model
+from trnflow.workload.programs import build_model
 from trnflow.workload.sanity import check_matmul
 
 
@@ -35,7 +35,7 @@ def test_epochs_drop_the_partial_batch_and_reshuffle():
 
 
 def test_model_embeds_and_classifies():
-    cfg = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
+    cfg = tiny_m5()
     model = build_model(cfg, seed=0).eval()
     tokens = torch.tensor([[1, 5, 9, 0, 0, 0, 0, 0], [1, 7, 3, 8, 2, 4, 0, 0]])
     assert model.embed(tokens).shape == (2, 16)
@@ -81,7 +81,7 @@ def _keys(model, tokens, optlevel=1) -> list[str]:
 
 
 def test_cache_key_is_the_same_for_the_same_model_and_flags():
-    cfg = ModelSpec(vocab_size=300, d_model=16, n_heads=2, n_layers=1, ffn_dim=32, mlp_hidden=[8], seq_len=8)
+    cfg = tiny_m5()
     tokens = torch.ones(4, 8, dtype=torch.long)
     keys = [_keys(build_model(cfg, seed=0), tokens) for _ in range(2)]
     assert keys[0] == keys[1] and len(keys[0]) == 1 and keys[0][0].startswith("MODULE_")

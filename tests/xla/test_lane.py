@@ -174,3 +174,33 @@ def test_the_pipeline_runs_end_to_end(workdir, device, lane):
     assert shards, "no embeddings were written"
     lane[f"pipeline on {device}"] = (f"six stages completed, gate passed, training met {trained['graphs']} graphs "
                                      f"all from the compile cache, {len(shards)} embedding shards")
+
+
+def test_an_external_recipe_runs_the_pipeline_on_the_device(workdir, lane):
+    """The example recipe tabular-mlp (examples/recipes, installed in the lane's venv): its spec file
+    on the lane's device, one core, through the six stages; it publishes predictions."""
+    import numpy as np
+    import pyarrow.parquet as pq
+    import yaml
+    from tabular_recipe.data import rows
+
+    rng = np.random.default_rng(5)
+    for name, n, labelled in (("train/dt=2026-01-01", 600, True), ("holdout", 300, True), ("inference", 200, False)):
+        (workdir / "tabular" / name).mkdir(parents=True)
+        pq.write_table(rows(rng, n, 0, labelled), workdir / "tabular" / name / "part-00000.parquet")
+    spec = yaml.safe_load((Path(__file__).parents[2] / "examples" / "recipes" / "tabular.yaml").read_text())
+    spec["data"].update({name: f"tabular/{name}" for name in ("train", "holdout", "inference")})
+    spec["compute"].update(device=DEVICE, instance_type=INSTANCE, cores_per_node=1)
+    spec["train"].update(steps=30, checkpoint_every=30, global_batch_size=32)
+    spec["gate"].update(reference="champion", eval_every=None)
+    path = workdir / "tabular.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    outcome = json.loads(trnflow("run", str(path), "--json", cwd=workdir).stdout)
+    assert outcome["state"] == "Completed", outcome
+    results = outcome["results"]
+    assert results["train"]["device"]["name"] == DEVICE and results["train"]["recipe"]["recipe"] == "tabular-mlp"
+    assert results["infer"]["published"] == "predictions" and results["infer"]["rows"] == 200
+    trained = results["train"]["compile"]
+    assert trained["recompiles"] == [] and trained["hits"] == trained["graphs"] > 0, trained
+    lane["external recipe"] = (f"tabular-mlp ran six stages on {DEVICE}: {trained['graphs']} graphs, all from the "
+                               f"compile cache; {results['infer']['rows']} predictions published")

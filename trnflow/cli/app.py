@@ -18,6 +18,7 @@ from rich.markup import escape
 
 from trnflow.cli import devices as cli_devices
 from trnflow.cli import pipeline as cli_pipeline
+from trnflow.cli import recipes as cli_recipes
 from trnflow.cli import runs as cli_runs
 from trnflow.cli import serve as cli_serve
 from trnflow.cli.cache import cache_app
@@ -83,6 +84,7 @@ def schema():
 
 
 cli_devices.register(app)  # devices, top, collectives: the emulated NeuronCores
+cli_recipes.register(app)  # recipes: the models this trnflow can train
 app.add_typer(data_app, name="data")
 cli_pipeline.register(app)  # reference, compile, run, retrain, preflight
 app.add_typer(cache_app, name="cache")

@@ -123,6 +123,8 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
               show=None) -> None:
     """Run a flow in-process on Prefect's local API; print its stage table; exit with its outcome."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # Prefect's local API starts in a process of its own; its 20 s default is short on a busy laptop.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from trnflow.flows._stages import PipelineFailed  # heavy: prefect
 
     with training_progress(err, enabled=not as_json and err.is_terminal):

@@ -49,8 +49,8 @@ class RecompileGuard:
             f"{program} needs a graph that was not compiled ahead of time: {key} for inputs {shapes}; {reason} "
             f"({where}). That is recompilation {self.count}, over compile.max_recompiles ({self.limit}). Dynamic "
             "shapes are the usual cause: keep every batch the same shape (a fixed per-core batch with "
-            "train.drop_last: true, a fixed model.seq_len), then run `trnflow compile SPEC` so the cache holds "
-            "every graph"
+            "train.drop_last: true, and features of one shape per row from the recipe), then run `trnflow "
+            "compile SPEC` so the cache holds every graph"
         )
 
 
@@ -223,8 +223,9 @@ class Device(ABC):
 
     @abstractmethod
     def compiler(self, spec: JobSpec, mode: str = "run", log: Log | None = None,
-                 workdir: Path | None = None) -> CompileBackend:
-        """The compile backend for the spec's programs. `run`: graphs come from the spec's persistent
+                 workdir: Path | None = None, model: str = "") -> CompileBackend:
+        """The compile backend for the spec's programs, whose cache keys hold `model` (the recipe's
+        `name@version`) beside the device's own flags. `run`: graphs come from the spec's persistent
         compile cache, and any other graph is a recompilation; `extract`: graphs are recorded and run
         eagerly (a trial run of ahead-of-time compilation); `compile`: graphs are compiled into
         `workdir`, which `artifact` packs for the cache; `trial` (runtime devices): nothing is

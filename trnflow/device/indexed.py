@@ -166,10 +166,11 @@ class RuntimeDevice(Device):
         return {}
 
     def compiler(self, spec: JobSpec, mode: str = "run", log: Log | None = None,
-                 workdir: Path | None = None) -> IndexedGraphs:
+                 workdir: Path | None = None, model: str = "") -> IndexedGraphs:
         url = cache_url(spec.compile.cache_url)
         os.environ.update(self.settings(url, self._started_with))
-        self.backend = self.graphs(self.flags(spec), CompileCache(url) if mode == "run" else None, mode,
+        flags = {**self.flags(spec), "model": model}
+        self.backend = self.graphs(flags, CompileCache(url) if mode == "run" else None, mode,
                                    RecompileGuard(spec.compile.recompile_limit), workdir,
                                    log or (lambda event, **fields: None))
         return self.backend

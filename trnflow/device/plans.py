@@ -22,14 +22,19 @@ from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name
 from trnflow.specs import JobSpec
 
 _ROOT = Path(__file__).resolve().parents[1]
-GRAPH_SOURCES = ("workload/model.py", "workload/programs.py", "emulator/compiler.py", "emulator/jit.py",
+GRAPH_SOURCES = ("workload/programs.py", "emulator/compiler.py", "emulator/jit.py",
                  "device/indexed.py", "device/xla.py", "device/neuron.py")
+"""trnflow's files that shape the graphs; the recipe's own files come from its caller."""
 
 
-def plan_digest(spec: JobSpec) -> str:
+def plan_digest(spec: JobSpec, model: str, model_sources: list[Path]) -> str:
+    """What decides a spec's graphs: the model (`model`, the recipe's `name@version`, its params and
+    its source files), the shapes, precision, optimisation level, compiler and trnflow's own files."""
     sources = {name: hashlib.sha256((_ROOT / name).read_bytes()).hexdigest() for name in GRAPH_SOURCES}
+    sources |= {f"model/{path.name}": hashlib.sha256(path.read_bytes()).hexdigest() for path in model_sources}
     shaping = {
         "model": spec.model.model_dump(mode="json"),
+        "recipe": model,
         "device": spec.compute.device,
         "per_core_batch": spec.per_core_batch,
         "inference_batch": spec.inference.batch_size,
@@ -41,20 +46,20 @@ def plan_digest(spec: JobSpec) -> str:
     return hashlib.sha256(json.dumps(shaping, sort_keys=True).encode()).hexdigest()[:24]
 
 
-def _name(spec: JobSpec) -> str:
-    return f"{COMPILER_VERSION}/plans/{plan_digest(spec)}.json"
+def _name(digest: str) -> str:
+    return f"{COMPILER_VERSION}/plans/{digest}.json"
 
 
-def record(cache: CompileCache, spec: JobSpec, programs: list[dict]) -> None:
+def record(cache: CompileCache, digest: str, programs: list[dict]) -> None:
     """Remember which program has which key and shapes (from a trial run)."""
     rows = [{"program": p["program"], "key": p["key"], "shapes": p["shapes"]} for p in programs]
-    cache.store.write(_name(spec), json.dumps({"programs": rows}, indent=2).encode())
+    cache.store.write(_name(digest), json.dumps({"programs": rows}, indent=2).encode())
 
 
-def recorded(cache: CompileCache, spec: JobSpec) -> list[dict] | None:
-    """The plan a trial run recorded for an equal spec, or None."""
+def recorded(cache: CompileCache, digest: str) -> list[dict] | None:
+    """The plan a trial run recorded for an equal spec (`plan_digest`), or None."""
     try:
-        return json.loads(cache.store.read(_name(spec)))["programs"]
+        return json.loads(cache.store.read(_name(digest)))["programs"]
     except (FileNotFoundError, json.JSONDecodeError, KeyError):
         return None
 

@@ -43,11 +43,11 @@ class EmulatorDevice(Device):
         return cores.allocate(count, total, exclude)
 
     def compiler(self, spec: JobSpec, mode: str = "run", log: Log | None = None,
-                 workdir: Path | None = None) -> CachedCompiler:
+                 workdir: Path | None = None, model: str = "") -> CachedCompiler:
         """`run`: graphs load from the spec's persistent cache into a private Inductor folder (so a
         machine-wide Inductor cache cannot make a cold compile look warm); `extract`: graphs are only
         recorded; `compile`: graphs are lowered into `workdir`, which `artifact` then packs."""
-        flags = compile_flags(spec.compile.optlevel, spec.compute.precision)
+        flags = {**compile_flags(spec.compile.optlevel, spec.compute.precision), "model": model}
         if mode == "extract":
             return CachedCompiler(flags, mode="extract")
         if mode == "compile":

@@ -197,7 +197,8 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
         "checkpoint": checkpoint, "run_id": run_id, "status": "passed" if verdict["passed"] else "rejected",
         "metrics": candidate.series["points"][-1], "series": f"{candidate.run_url}/metrics.json",
         "watermark": meta.get("watermark"), "global_step": meta.get("global_step"),
-        "parent": meta.get("parent"), "parent_version": versions.get(meta.get("parent")),
+        "parent": meta.get("parent"), "parent_version": versions.get(meta.get("parent")), "recipe": meta.get("recipe"),
+        "export": meta.get("export"),
         "spec_digest": spec.digest(), "verdict": {k: verdict.get(k) for k in ("passed", "mode", "reason", "paired")},
     })
     promoted = bool(verdict["passed"] and promote)

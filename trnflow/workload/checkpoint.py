@@ -5,7 +5,7 @@ Layout under `<checkpoint_url>/<run_id>/` (a local folder or an S3 prefix):
     step-000040/model.pt         plain model state_dict (loads in any PyTorch program)
     step-000040/optim.pt         optimizer state_dict
     step-000040/state.pt         every rank's RNG states
-    step-000040/tokenizer.json   the tokenizer the run's token ids come from
+    step-000040/<featurizer>     the recipe's featurizer (m5-text: tokenizer.json, its tokenizer)
     step-000040/meta.json        step, sampler position, lineage, data watermark, metrics so far
     step-000040/COMMITTED        written last: the sha256 and size of each file above
 
@@ -28,7 +28,6 @@ import torch
 
 from trnflow.errors import FatalError
 from trnflow.storage import Store, open_store
-from trnflow.workload.tokenizer import FILE as TOKENIZER_FILE
 
 MARKER = "COMMITTED"
 _PREFIX = "step-"
@@ -40,7 +39,8 @@ def step_name(step: int) -> str:
     return f"{_PREFIX}{step:06d}"
 
 
-REQUIRED = ("model.pt", "optim.pt", "state.pt", TOKENIZER_FILE, "meta.json")
+REQUIRED = ("model.pt", "optim.pt", "state.pt", "meta.json")
+"""Every checkpoint's files, besides its one featurizer file (named by the recipe)."""
 
 
 def _tensor_bytes(obj: Any) -> bytes:
@@ -66,14 +66,16 @@ def _digest(data: bytes) -> dict:
 
 @dataclass
 class Checkpoint:
-    """What a checkpoint holds. `optim`, `rng` and `tokenizer` are None for a plain state_dict."""
+    """What a checkpoint holds. `optim` and `rng` are None for a plain state_dict, and `featurizer`
+    too when no featurizer file lies beside it."""
 
     url: str
     step: int
     model: dict
     optim: dict | None = None
     rng: list[dict] | None = None
-    tokenizer: str | None = None
+    featurizer: bytes | None = None
+    featurizer_file: str | None = None
     meta: dict = field(default_factory=dict)
     model_sha256: str = ""
     """The digest of the weights file: it tells two models apart whatever their names."""
@@ -86,9 +88,10 @@ class Checkpoint:
 class RunCheckpoints:
     """The checkpoints of one run: save, find the newest good one, keep only the latest few."""
 
-    def __init__(self, run_url: str, store: Store | None = None):
+    def __init__(self, run_url: str, store: Store | None = None, featurizer_file: str | None = None):
         self.url = run_url.rstrip("/")
         self.store = store or open_store(self.url)
+        self.featurizer_file = featurizer_file
 
     def _folders(self) -> dict[str, set[str]]:
         folders: dict[str, set[str]] = {}
@@ -106,7 +109,7 @@ class RunCheckpoints:
         for step in reversed(self.committed()):
             url = f"{self.url}/{step_name(step)}"
             try:
-                ckpt = load(url)
+                ckpt = load(url, self.featurizer_file)
                 missing = [k for k in RESUME_KEYS if k not in ckpt.meta]
                 if missing or ckpt.optim is None:
                     raise FatalError(f"{url}: has no {', '.join(missing) or 'optimizer state'} to resume from "
@@ -117,7 +120,7 @@ class RunCheckpoints:
                     on_skip(url, str(exc))
         return None
 
-    def save(self, step: int, model: dict, optim: dict, rng: list[dict], tokenizer: str, meta: dict,
+    def save(self, step: int, model: dict, optim: dict, rng: list[dict], featurizer: tuple[str, bytes], meta: dict,
              keep_latest: int | None = None) -> str:
         """Write one checkpoint, marker last; then delete torn folders and all but the newest
         `keep_latest` committed ones. Returns the checkpoint's URL."""
@@ -127,7 +130,7 @@ class RunCheckpoints:
             "model.pt": _tensor_bytes(model),
             "optim.pt": _tensor_bytes(optim),
             "state.pt": _tensor_bytes({"step": step, "world_size": len(rng), "rng": rng}),
-            TOKENIZER_FILE: tokenizer.encode(),
+            featurizer[0]: featurizer[1],
             "meta.json": json.dumps({**meta, "step": step, "saved_at": round(time.time(), 3)}, indent=2).encode(),
         }
         for name, data in files.items():
@@ -175,9 +178,10 @@ def _read(store: Store, name: str, source: str) -> bytes:
         raise FatalError(f"{source}: not found; check the checkpoint URL") from None
 
 
-def load(url: str) -> Checkpoint:
-    """A trnflow checkpoint folder, or a plain `state_dict` file saved by any PyTorch program (a
-    `tokenizer.json` beside that file is used when there is one)."""
+def load(url: str, featurizer_file: str | None = None) -> Checkpoint:
+    """A trnflow checkpoint folder, or a plain `state_dict` file saved by any PyTorch program (the
+    recipe's `featurizer_file` beside that file is used when there is one). With `featurizer_file`,
+    a checkpoint whose featurizer is another recipe's is refused."""
     url = url.rstrip("/")
     base, _, last = url.rpartition("/")
     if "." in last and not last.startswith(_PREFIX):  # a file: model.pt, weights.bin, ...
@@ -188,11 +192,11 @@ def load(url: str) -> Checkpoint:
             raise FatalError(f"{url}: expected a state_dict (a mapping of names to tensors), "
                              f"got {type(state).__name__}")
         try:
-            tokenizer = parent.read(TOKENIZER_FILE).decode()
+            featurizer = parent.read(featurizer_file) if featurizer_file else None
         except FileNotFoundError:
-            tokenizer = None
-        return Checkpoint(url, 0, state, tokenizer=tokenizer, meta={"plain_state_dict": True},
-                          model_sha256=hashlib.sha256(raw).hexdigest())
+            featurizer = None
+        return Checkpoint(url, 0, state, featurizer=featurizer, featurizer_file=featurizer_file,
+                          meta={"plain_state_dict": True}, model_sha256=hashlib.sha256(raw).hexdigest())
     store = open_store(url)
     try:
         marker = json.loads(store.read(MARKER))
@@ -206,9 +210,14 @@ def load(url: str) -> Checkpoint:
                          "checkpoint is damaged or was written by an older trnflow. Use an earlier one or retrain"
                          ) from None
     outside = sorted(set(listed) - set(REQUIRED))
-    if outside:
-        raise FatalError(f"{url}/{MARKER}: lists {outside}, which a checkpoint never holds; the checkpoint is "
-                         "damaged or tampered with, use an earlier one")
+    if len(outside) != 1:
+        raise FatalError(f"{url}/{MARKER}: lists {outside or 'no file'} besides {list(REQUIRED)}, where a "
+                         "checkpoint holds its one featurizer file; the checkpoint is damaged or tampered with, use "
+                         "an earlier one")
+    if featurizer_file and outside[0] != featurizer_file:
+        raise FatalError(f"{url}: holds the featurizer {outside[0]}, but the spec's recipe keeps {featurizer_file}: "
+                         "it was trained with another recipe. Set model.recipe to the one it was trained with, or "
+                         "start from scratch (train.init_from: null)")
     files = {}
     for name, expected in listed.items():
         data = _read(store, name, f"{url}/{name}")
@@ -220,11 +229,6 @@ def load(url: str) -> Checkpoint:
     if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "rng" not in state:
         raise FatalError(f"{url}/state.pt: has no step number and RNG states; use an earlier checkpoint")
     try:
-        tokenizer = files[TOKENIZER_FILE].decode()
-    except UnicodeDecodeError:
-        raise FatalError(f"{url}/{TOKENIZER_FILE}: not UTF-8 text; the checkpoint is damaged, use an earlier one"
-                         ) from None
-    try:
         meta = json.loads(files["meta.json"])
     except ValueError:
         meta = None
@@ -235,7 +239,8 @@ def load(url: str) -> Checkpoint:
         model=_load_tensors(files["model.pt"], f"{url}/model.pt"),
         optim=_load_tensors(files["optim.pt"], f"{url}/optim.pt"),
         rng=state["rng"],
-        tokenizer=tokenizer,
+        featurizer=files[outside[0]],
+        featurizer_file=outside[0],
         meta=meta,
         model_sha256=listed["model.pt"]["sha256"],
     )
@@ -247,7 +252,7 @@ def load_model_weights(model: torch.nn.Module, state: dict, source: str) -> None
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shape mismatches
-        raise FatalError(f"{source}: does not match the spec's model: {str(exc)[:500]}. Set the model section to "
+        raise FatalError(f"{source}: does not match the spec's model: {str(exc)[:500]}. Set model.params to "
                          "the shapes the checkpoint was trained with, or start from scratch (train.init_from: null)"
                          ) from None
     if result.missing_keys or result.unexpected_keys:

@@ -32,8 +32,8 @@ from trnflow.errors import FatalError
 from trnflow.neuron.launch import cache_url, retry_failed_requested
 from trnflow.specs import JobSpec
 from trnflow.workload.context import WorkerContext
-from trnflow.workload.model import build_model
-from trnflow.workload.programs import PROGRAMS, TRIAL_STEPS, Programs
+from trnflow.workload.programs import PROGRAMS, TRIAL_STEPS, Programs, build_model
+from trnflow.workload.recipes import for_job, plan_digest
 
 LOCK_WAIT_SECONDS = 3600.0
 LOCK_POLL_SECONDS = 0.5
@@ -55,8 +55,9 @@ def extract(spec: JobSpec, device: Device | None = None) -> list[Planned]:
     """Every distinct graph of the spec's programs, found by a trial run in extraction mode:
     a few training steps, one evaluation batch and one embedding batch, all run eagerly."""
     device = device or get_device(choose(spec).name)
-    compiler = device.compiler(spec, mode="extract")
-    programs = Programs(spec, build_model(spec.model, spec.train.seed), compiler, device)
+    recipe = for_job(spec)
+    compiler = device.compiler(spec, mode="extract", model=recipe.key)
+    programs = Programs(spec, recipe, build_model(recipe, spec.train.seed), compiler, device)
     for program in PROGRAMS:
         programs.exercise(program, steps=TRIAL_STEPS)
     planned: dict[str, Planned] = {}
@@ -100,10 +101,11 @@ def compile_one(spec_json: str, program: str, key: str, retry_failed: bool = Fal
         cache.discard(entry)
         torch.set_num_threads(_threads(spec))
         with tempfile.TemporaryDirectory(prefix="trnflow-compile-") as tmp:
-            compiler = device.compiler(spec, mode="compile", workdir=Path(tmp))
+            recipe = for_job(spec)
+            compiler = device.compiler(spec, mode="compile", workdir=Path(tmp), model=recipe.key)
             flags, graph_text = compiler.flags, ""
             try:
-                programs = Programs(spec, build_model(spec.model, spec.train.seed), compiler, device)
+                programs = Programs(spec, recipe, build_model(recipe, spec.train.seed), compiler, device)
                 programs.exercise(program, steps=TRIAL_STEPS)  # a lazy device meets step 2's graphs only there
                 graph = next((s.graph for s in compiler.seen if s.key == key), None)
                 if graph is None:
@@ -133,7 +135,9 @@ def _counts(report: dict[str, dict], total: int) -> str:
 def trial(spec: JobSpec, device: Device) -> dict:
     """The trial steps alone, for the SDK's parallel compiler to wrap: every program on inputs of the
     run's shapes, nothing recorded or saved (the wrapper extracts and compiles the graphs)."""
-    programs = Programs(spec, build_model(spec.model, spec.train.seed), device.compiler(spec, mode="trial"), device)
+    recipe = for_job(spec)
+    compiler = device.compiler(spec, mode="trial", model=recipe.key)
+    programs = Programs(spec, recipe, build_model(recipe, spec.train.seed), compiler, device)
     for program in PROGRAMS:
         programs.exercise(program, steps=TRIAL_STEPS)
     return {"trial": True, "programs": list(PROGRAMS), "steps": TRIAL_STEPS}
@@ -162,10 +166,10 @@ def run(ctx: WorkerContext) -> dict:
     parallel = None if ctx.options.get("check") else precompile(spec, ctx.device)
     if parallel is not None:
         ctx.log("parallel_compile", **parallel)
-    plan, flags = extract(spec, ctx.device), ctx.device.compiler(spec, mode="extract").flags
+    plan, flags = extract(spec, ctx.device), ctx.device.compiler(spec, mode="extract", model=for_job(spec).key).flags
     prediction = plans.predict([{"program": p.program, "key": p.key, "shapes": p.graph.data_shapes} for p in plan],
                                cache, retry_failed, deep=True)
-    plans.record(cache, spec, prediction)
+    plans.record(cache, plan_digest(spec), prediction)
     for row in prediction:
         print(f"INFO ||NEURON_CC_WRAPPER||: {row['program']}: {row['key']} is {row['state']}; will {row['will']}",
               flush=True)

@@ -1,11 +1,12 @@
-"""Reading text datasets and sampling them deterministically across ranks.
+"""Reading datasets and sampling them deterministically across ranks.
 
 Which files a dataset holds, and their day partitions, is `trnflow.storage.datafiles`' business. Formats:
 JSONL, Parquet, CSV with a header, and the Amazon Polarity CSV layout (no header; the columns are
 label 1 or 2, title and content).
 
-Shapes are static, as on Trainium: the tokenizer pads or cuts every sequence to `seq_len`, and every
-per-core batch has the same size.
+Which columns are read is the recipe's business (`Recipe.columns`), beside the label and id columns.
+Shapes are static, as on Trainium: the recipe's features have one shape per row, and every per-core
+batch has the same size.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import torch
 from trnflow.errors import DataError
 from trnflow.specs import DataSpec
 from trnflow.storage.datafiles import DataFile, data_files
-from trnflow.workload.model import CLS_ID, PAD_ID
 
 POLARITY_COLUMNS = ["label", "title", "content"]
 
@@ -110,19 +110,25 @@ def _check_labels(column: pa.ChunkedArray, url: str, field: str, num_classes: in
     if row >= 0:
         raise DataError(
             f"{url}: label {column[row].as_py()} in row {row} is outside 0..{num_classes - 1}; "
-            "fix the data or set model.num_classes"
+            "fix the data or set the recipe's number of classes (model.params.num_classes)"
         )
 
 
 @dataclass
-class Texts:
-    texts: list[str]
+class Rows:
+    table: pa.Table
+    """The recipe's columns."""
     labels: torch.Tensor | None
     ids: list
 
+    def lines(self) -> list[str]:
+        """Each row's columns as one line of text (tab-separated), for digests of what was read."""
+        columns = [[str(v) for v in self.table.column(i).to_pylist()] for i in range(self.table.num_columns)]
+        return ["\t".join(values) for values in zip(*columns, strict=True)] if columns else [""] * len(self.ids)
 
-def read_labelled(files: list[DataFile], spec: DataSpec, num_classes: int, url: str) -> Texts:
-    tables = [_read_columns(file, spec, [spec.text_field, spec.label_field]) for file in files]
+
+def read_labelled(files: list[DataFile], spec: DataSpec, columns: list[str], num_classes: int, url: str) -> Rows:
+    tables = [_read_columns(file, spec, [*columns, spec.label_field]) for file in files]
     if not sum(t.num_rows for t in tables):
         raise DataError(f"{url}: has no rows; point the spec at data that has some")
     for file, table in zip(files, tables, strict=True):
@@ -130,24 +136,23 @@ def read_labelled(files: list[DataFile], spec: DataSpec, num_classes: int, url: 
             _check_labels(table.column(spec.label_field), file.url, spec.label_field, num_classes)
     table = _concat(files, tables)
     labels = torch.tensor(table.column(spec.label_field).to_pylist(), dtype=torch.long)
-    return Texts([str(t) for t in table.column(spec.text_field).to_pylist()], labels, list(range(len(labels))))
+    return Rows(table.select(columns), labels, list(range(len(labels))))
 
 
-def read_unlabelled(url: str, spec: DataSpec) -> Texts:
-    table = read_table(data_files(url, spec.format), spec, [spec.id_field, spec.text_field])
-    return Texts([str(t) for t in table.column(spec.text_field).to_pylist()], None,
-                 table.column(spec.id_field).to_pylist())
+def read_unlabelled(url: str, spec: DataSpec, columns: list[str]) -> Rows:
+    table = read_table(data_files(url, spec.format), spec, [spec.id_field, *columns])
+    return Rows(table.select(columns), None, table.column(spec.id_field).to_pylist())
 
 
-def static_batches(tokens: torch.Tensor, rows: torch.Tensor, batch_size: int) -> Iterator[tuple[torch.Tensor, int]]:
-    """Fixed-shape batches over `rows`: the last one is filled up with placeholder rows, so every
-    forward pass has the same shape and nothing recompiles. Yields (tokens, number of real rows)."""
-    filler = torch.full((1, tokens.shape[1]), PAD_ID, dtype=tokens.dtype)
-    filler[0, 0] = CLS_ID
+def static_batches(features: torch.Tensor, rows: torch.Tensor, batch_size: int
+                   ) -> Iterator[tuple[torch.Tensor, int]]:
+    """Fixed-shape batches over `rows`: the last one is filled up with copies of its first row, so
+    every forward pass has the same shape and nothing recompiles; their outputs are dropped.
+    Yields (features, number of real rows)."""
     for chunk in rows.split(batch_size):
-        batch = tokens[chunk]
+        batch = features[chunk]
         if len(chunk) < batch_size:
-            batch = torch.cat([batch, filler.expand(batch_size - len(chunk), -1)])
+            batch = torch.cat([batch, batch[:1].expand(batch_size - len(chunk), *batch.shape[1:])])
         yield batch, len(chunk)
 
 

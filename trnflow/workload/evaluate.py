@@ -21,41 +21,41 @@ from trnflow.workload.checkpoint import Checkpoint, load, load_model_weights
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.data import read_labelled, static_batches
 from trnflow.workload.metrics import classification_metrics
-from trnflow.workload.model import build_model
-from trnflow.workload.programs import Programs, for_run
-from trnflow.workload.tokenizer import TextTokenizer
+from trnflow.workload.programs import Programs, build_model, for_run
+from trnflow.workload.recipes import Recipe, for_job
 
-__all__ = ["SERIES", "Holdout", "run", "tokenizer_of", "write_series"]
+__all__ = ["SERIES", "Holdout", "featurized", "run", "write_series"]
 
 
-def tokenizer_of(ckpt: Checkpoint, spec) -> TextTokenizer:
-    """The tokenizer a checkpoint's token ids come from."""
-    if ckpt.tokenizer is None:
-        raise FatalError(f"{ckpt.url}: has no tokenizer.json beside it; put the tokenizer the weights were "
-                         "trained with there")
-    return TextTokenizer.from_json(ckpt.tokenizer, spec.model.seq_len, spec.model.vocab_size, ckpt.url)
+def featurized(recipe: Recipe, ckpt: Checkpoint) -> Recipe:
+    """`recipe` with the featurizer a checkpoint's weights were trained with."""
+    if ckpt.featurizer is None:
+        raise FatalError(f"{ckpt.url}: has no {recipe.featurizer_file} beside it; put the featurizer the weights "
+                         "were trained with there")
+    recipe.load(ckpt.featurizer, ckpt.url)
+    return recipe
 
 
 class Holdout:
-    """The holdout set, tokenized once; each rank evaluates every world-th row."""
+    """The holdout set, featurized once; each rank evaluates every world-th row."""
 
-    def __init__(self, ctx: WorkerContext, tokenizer: TextTokenizer):
+    def __init__(self, ctx: WorkerContext, recipe: Recipe):
         spec = ctx.spec
-        texts = read_labelled(data_files(spec.data.holdout, spec.data.format), spec.data, spec.model.num_classes,
-                              spec.data.holdout)
-        assert texts.labels is not None
-        self.ctx, self.labels = ctx, texts.labels
-        self.tokens = tokenizer.encode(texts.texts)
+        rows = read_labelled(data_files(spec.data.holdout, spec.data.format), spec.data, recipe.columns(),
+                             recipe.num_classes, spec.data.holdout)
+        assert rows.labels is not None
+        self.ctx, self.labels, self.num_classes = ctx, rows.labels, recipe.num_classes
+        self.tokens = recipe.features(rows.table)
         digest = hashlib.sha256()
-        for text, label in zip(texts.texts, texts.labels.tolist(), strict=True):
-            digest.update(f"{label}\t{text}\n".encode())
+        for line, label in zip(rows.lines(), rows.labels.tolist(), strict=True):
+            digest.update(f"{label}\t{line}\n".encode())
         self.digest = digest.hexdigest()
 
     def evaluate(self, programs: Programs, step: int, global_step: int) -> tuple[dict, str]:
         """One evaluation point, and the per-example outcome as a string of '0' and '1'."""
         ctx, spec = self.ctx, self.ctx.spec
         mine = torch.arange(ctx.rank, len(self.labels), ctx.world_size)
-        logits = torch.zeros(len(self.labels), spec.model.num_classes, dtype=torch.float64)
+        logits = torch.zeros(len(self.labels), self.num_classes, dtype=torch.float64)
         offset = 0
         for batch, real in static_batches(self.tokens, mine, spec.inference.batch_size):
             logits[mine[offset:offset + real]] = programs.logits(batch)[:real].double()
@@ -72,11 +72,12 @@ class Holdout:
 def run(ctx: WorkerContext, checkpoint: str) -> dict:
     """Evaluate one checkpoint; a trnflow checkpoint's point joins its run's series."""
     spec = ctx.spec
-    ckpt = load(checkpoint)
-    model = build_model(spec.model, spec.train.seed)
+    recipe = for_job(spec)
+    ckpt = load(checkpoint, recipe.featurizer_file)
+    model = build_model(recipe, spec.train.seed)
     load_model_weights(model, ckpt.model, ckpt.url)
-    programs = for_run(ctx, model)
-    holdout = Holdout(ctx, tokenizer_of(ckpt, spec))
+    programs = for_run(ctx, recipe, model)
+    holdout = Holdout(ctx, featurized(recipe, ckpt))
     global_step = int(ckpt.meta.get("global_step", ckpt.step))
     point, correct = holdout.evaluate(programs, ckpt.step, global_step)
     series_url = None

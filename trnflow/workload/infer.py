@@ -1,4 +1,5 @@
-"""The offline batch-inference phase: embeddings of the inference set, as Parquet shards.
+"""The offline batch-inference phase: embeddings of the inference set (or, for a recipe without
+embeddings, its predictions), as Parquet shards.
 
 The rows are cut into shards of `inference.shard_size`; rank r embeds shards r, r + world, ...
 Each shard is written under `inference.output_url`, then its commit marker; rank 0 writes the
@@ -23,9 +24,9 @@ from trnflow.workload.checkpoint import load, load_model_weights
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.data import read_unlabelled, static_batches
 from trnflow.workload.embeddings import MANIFEST, committed, marker_name, remove_beyond, shard_name
-from trnflow.workload.evaluate import tokenizer_of
-from trnflow.workload.model import build_model
-from trnflow.workload.programs import for_run
+from trnflow.workload.evaluate import featurized
+from trnflow.workload.programs import build_model, for_run
+from trnflow.workload.recipes import for_job
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:
@@ -36,30 +37,46 @@ def _parquet_bytes(table: pa.Table) -> bytes:
     return sink.getvalue().to_pybytes()
 
 
+def _shard_table(ids: list, out: torch.Tensor, version: str, embeds: bool) -> pa.Table:
+    """One shard's rows: the embedding of each, or for a recipe without embeddings its predicted
+    class and the class probabilities."""
+    def fixed(values: torch.Tensor) -> pa.Array:
+        array = values.numpy()
+        return pa.FixedSizeListArray.from_arrays(pa.array(array.reshape(-1)), array.shape[1])
+
+    columns = {"id": pa.array(ids)}
+    if embeds:
+        columns["embedding"] = fixed(out)
+    else:
+        columns["prediction"] = pa.array(out.argmax(-1).numpy())
+        columns["probabilities"] = fixed(out.double().softmax(-1).float())
+    return pa.table({**columns, "model_version": pa.array([version] * len(ids))})
+
+
 def run(ctx: WorkerContext, checkpoint: str) -> dict:
     spec = ctx.spec
     icfg = spec.inference
-    ckpt = load(checkpoint)
-    model = build_model(spec.model, spec.train.seed)
+    recipe = for_job(spec)
+    ckpt = load(checkpoint, recipe.featurizer_file)
+    model = build_model(recipe, spec.train.seed)
     load_model_weights(model, ckpt.model, ckpt.url)
-    programs = for_run(ctx, model)
+    programs = for_run(ctx, recipe, model)
     run_url = ckpt.url.rpartition("/")[0]
     if ckpt.meta.get("plain_state_dict"):
         version = f"{ckpt.url.rsplit('/', 1)[-1]}@{ckpt.model_sha256[:12]}"
     else:
         version = f"{ckpt.meta.get('run_id', run_url.rsplit('/', 1)[-1])}/step-{ckpt.step}"
 
-    rows = read_unlabelled(spec.data.inference, spec.data)
-    tokenizer = tokenizer_of(ckpt, spec)
-    tokens = tokenizer.encode(rows.texts)
-    # A shard can be reused only if it was made from the same rows by the same weights, tokenizer
+    rows = read_unlabelled(spec.data.inference, spec.data, recipe.columns())
+    tokens = featurized(recipe, ckpt).features(rows.table)
+    # A shard can be reused only if it was made from the same rows by the same weights, featurizer
     # and shapes: the plan digests all of them.
     inputs = hashlib.sha256()
-    for row_id, text in zip(rows.ids, rows.texts, strict=True):
-        inputs.update(f"{row_id}\t{text}\n".encode())
+    for row_id, line in zip(rows.ids, rows.lines(), strict=True):
+        inputs.update(f"{row_id}\t{line}\n".encode())
     plan = hashlib.sha256(json.dumps([
         inputs.hexdigest(), icfg.shard_size, icfg.batch_size, ckpt.model_sha256, version,
-        hashlib.sha256(tokenizer.to_json().encode()).hexdigest(), spec.model.model_dump(mode="json"),
+        hashlib.sha256(recipe.state()).hexdigest(), recipe.describe(),
     ]).encode()).hexdigest()[:16]
     out = open_store(icfg.output_url)
     if ctx.is_main:
@@ -70,8 +87,9 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     # Load the embed program (trace it, take its graph from the compile cache) before the clock
     # starts: rows/s is the steady rate, and the one-time load is reported on its own.
     loading = time.perf_counter()
+    outputs = programs.embed if recipe.embeds else programs.logits  # predictions, for a recipe without embeddings
     if mine:
-        programs.embed(next(static_batches(tokens, torch.arange(1), icfg.batch_size))[0])
+        outputs(next(static_batches(tokens, torch.arange(1), icfg.batch_size))[0])
     load_seconds = time.perf_counter() - loading
     shards, written, began = [], 0, time.perf_counter()
     for ordinal, shard in enumerate(mine, start=1):
@@ -83,12 +101,8 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
         reused = marker is not None
         if marker is None:
             batches = static_batches(tokens, torch.arange(lo, hi), icfg.batch_size)
-            emb = torch.cat([programs.embed(batch)[:real] for batch, real in batches]).float().numpy()
-            data = _parquet_bytes(pa.table({
-                "id": pa.array(rows.ids[lo:hi]),
-                "embedding": pa.FixedSizeListArray.from_arrays(pa.array(emb.reshape(-1)), emb.shape[1]),
-                "model_version": pa.array([version] * (hi - lo)),
-            }))
+            values = torch.cat([outputs(batch)[:real] for batch, real in batches]).float()
+            data = _parquet_bytes(_shard_table(rows.ids[lo:hi], values, version, recipe.embeds))
             marker = {"shard": shard, "rows": hi - lo, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
                       "plan": plan, "model_version": version}
             shard_store.write(f"{shard_name(shard)}.parquet", data)
@@ -111,6 +125,7 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     total = sum(s["rows"] for s in everything)
     embedded = sum(counts)
     return {"output_url": icfg.output_url, "model_version": version, "rows": total, "shards": everything,
+            "published": "embeddings" if recipe.embeds else "predictions",
             "rows_embedded": embedded, "shards_reused": sum(1 for s in everything if s["reused"]),
             "manifest": f"{out.url}/{MANIFEST}",
             "rows_per_s": round(embedded / seconds, 1) if seconds and embedded else 0.0,

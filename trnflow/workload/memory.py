@@ -16,16 +16,16 @@ from dataclasses import asdict, dataclass
 import torch
 
 from trnflow.errors import FatalError
-from trnflow.specs import JobSpec, ModelSpec, instance
-from trnflow.workload.model import TextEncoderClassifier
+from trnflow.specs import JobSpec, instance
+from trnflow.workload.recipes import Recipe, for_job
 
 GIB = 1024**3
 
 
-def parameter_count(cfg: ModelSpec) -> int:
+def parameter_count(recipe: Recipe) -> int:
     """Exact, without allocating: the model is built on the meta device."""
     with torch.device("meta"):
-        model = TextEncoderClassifier(cfg)
+        model = recipe.build_model()
     return sum(p.numel() for p in model.parameters())
 
 
@@ -50,17 +50,15 @@ class MemoryEstimate:
         return {**asdict(self), "total": self.total, "fits": self.fits}
 
 
-def estimate(spec: JobSpec) -> MemoryEstimate:
-    cfg = spec.model
-    params = parameter_count(cfg)
+def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:
+    recipe = recipe or for_job(spec)
+    params = parameter_count(recipe)
     precision = spec.compute.precision
     # bf16-sr keeps weights, gradients and optimizer state in bf16 on the device; fp32 and bf16
     # autocast keep fp32 master weights. Activations follow the compute dtype.
     state_bytes = 2 if precision == "bf16-sr" else 4
     act_bytes = 4 if precision == "fp32" else 2
-    b, seq, d, f, h = spec.per_core_batch, cfg.seq_len, cfg.d_model, cfg.ffn_dim, cfg.n_heads
-    per_layer = b * seq * (6 * d + 2 * f) + 2 * b * h * seq * seq  # projections, FFN, scores + softmax
-    activations = (cfg.n_layers * per_layer + 2 * b * seq * d) * act_bytes
+    activations = recipe.activation_bytes(spec.per_core_batch, act_bytes)
     return MemoryEstimate(
         parameters=params,
         weights=params * state_bytes,
@@ -80,8 +78,8 @@ def check_fits(spec: JobSpec) -> MemoryEstimate:
             f"the job needs about {est.total / GIB:.1f} GiB of device memory per NeuronCore "
             f"(weights {est.weights / GIB:.1f}, gradients {est.gradients / GIB:.1f}, optimizer "
             f"{est.optimizer / GIB:.1f}, activations {est.activations / GIB:.1f}) but a {t.name} core has "
-            f"{est.per_core_limit / GIB:.1f} GiB. Lower train.global_batch_size or model.seq_len, shrink the "
-            "model, use compute.precision bf16-sr, or spread the batch over more cores"
+            f"{est.per_core_limit / GIB:.1f} GiB. Lower train.global_batch_size, shrink the model "
+            "(model.params), use compute.precision bf16-sr, or spread the batch over more cores"
         )
     return est
 

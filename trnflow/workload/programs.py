@@ -2,7 +2,7 @@
 compilation extracts and compiles, and what training, evaluation and inference then call.
 
 - `train_step`: the model's forward pass in train mode, under the spec's autocast, and its backward
-  (the loss is computed outside the graph, in fp32);
+  (the recipe's loss is computed outside the graph);
 - `eval_step`: logits for one evaluation batch;
 - `embed_step`: embeddings for one inference batch.
 
@@ -18,14 +18,14 @@ import contextlib
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trnflow.device.base import CompileBackend, Device
 from trnflow.errors import TrnflowError
 from trnflow.specs import JobSpec
 from trnflow.workload.context import WorkerContext
-from trnflow.workload.model import TextEncoderClassifier
+from trnflow.workload.recipes import Recipe
 
 PROGRAMS = ("train_step", "eval_step", "embed_step")
 TRIAL_STEPS = 2
@@ -49,15 +49,15 @@ def _compiler_errors() -> Iterator[None]:
 class Programs:
     """One model's three programs, compiled through `compiler` (whole graphs, static shapes) on `device`."""
 
-    def __init__(self, spec: JobSpec, model: TextEncoderClassifier, compiler: CompileBackend, device: Device,
+    def __init__(self, spec: JobSpec, recipe: Recipe, model: nn.Module, compiler: CompileBackend, device: Device,
                  ddp: bool = False):
         # A fresh Dynamo state: compiled code is cached per function, and a process builds its
         # programs once (tests build several; stale entries would count against the recompile limit).
         torch._dynamo.reset()
         model.to(device.torch_device)  # a no-op for a model already there (a trainer's, with its optimizer)
-        self.spec, self.model, self.compiler, self.device = spec, model, compiler, device
+        self.spec, self.recipe, self.model, self.compiler, self.device = spec, recipe, model, compiler, device
         self._forward = device.compile(model, compiler)
-        self._embed = device.compile(model.embed, compiler)
+        self._embed = device.compile(model.embed, compiler) if recipe.embeds else None
         # DDP wraps the compiled module, so the graph is the model's alone, whatever the world size.
         self._train_forward = DDP(self._forward) if ddp else self._forward
 
@@ -71,7 +71,7 @@ class Programs:
             return self._train_forward(tokens)
 
     def train_loss(self, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.train_logits(tokens).float(), self.device.put(labels))
+        return self.recipe.loss(self.train_logits(tokens), self.device.put(labels))
 
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, optimizer: torch.optim.Optimizer,
                    checked: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss) -> torch.Tensor:
@@ -95,6 +95,7 @@ class Programs:
             return self._forward(tokens).cpu()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        assert self._embed is not None, f"recipe {self.recipe.name} has no embeddings"
         self.model.eval()
         tokens = self.device.put(tokens)
         with self.compiler.naming("embed_step", tokens), _compiler_errors(), self.device.inference():
@@ -103,7 +104,7 @@ class Programs:
     def exercise(self, program: str, steps: int = 1) -> None:
         """Run `program` on inputs of the run's shapes, as a trial run does: for `train_step`,
         `steps` full training steps (forward, backward, optimizer step)."""
-        tokens, labels, batch = example_inputs(self.spec)
+        tokens, labels, batch = example_inputs(self.spec, self.recipe)
         if program == "train_step":
             tcfg = self.spec.train
             optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
@@ -112,22 +113,29 @@ class Programs:
         elif program == "eval_step":
             self.logits(batch)
         elif program == "embed_step":
-            self.embed(batch)
+            if self._embed is not None:
+                self.embed(batch)
         else:
             raise ValueError(f"unknown program {program!r}; the programs are {', '.join(PROGRAMS)}")
 
 
-def example_inputs(spec: JobSpec) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Training tokens and labels of one per-core batch, and one evaluation/inference batch."""
-    cfg = spec.model
+def example_inputs(spec: JobSpec, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs and labels of one per-core training batch, and one evaluation/inference batch."""
     gen = torch.Generator().manual_seed(0)
-    tokens = torch.randint(2, cfg.vocab_size, (spec.per_core_batch, cfg.seq_len), generator=gen)
-    labels = torch.randint(0, cfg.num_classes, (spec.per_core_batch,), generator=gen)
-    batch = torch.randint(2, cfg.vocab_size, (spec.inference.batch_size, cfg.seq_len), generator=gen)
+    tokens = recipe.example(spec.per_core_batch, gen)
+    labels = torch.randint(0, recipe.num_classes, (spec.per_core_batch,), generator=gen)
+    batch = recipe.example(spec.inference.batch_size, gen)
     return tokens, labels, batch
 
 
-def for_run(ctx: WorkerContext, model: TextEncoderClassifier, ddp: bool = False) -> Programs:
+def build_model(recipe: Recipe, seed: int) -> nn.Module:
+    """The recipe's network: the same seed gives the same initial weights on every rank and backend."""
+    torch.manual_seed(seed)
+    return recipe.build_model()
+
+
+def for_run(ctx: WorkerContext, recipe: Recipe, model: nn.Module, ddp: bool = False) -> Programs:
     """The programs of a training, evaluation or inference run: graphs come from the persistent
     compile cache, and any other graph is a recompilation."""
-    return Programs(ctx.spec, model, ctx.device.compiler(ctx.spec, "run", ctx.log), ctx.device, ddp=ddp)
+    compiler = ctx.device.compiler(ctx.spec, "run", ctx.log, model=recipe.key)
+    return Programs(ctx.spec, recipe, model, compiler, ctx.device, ddp=ddp)

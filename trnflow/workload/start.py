@@ -51,7 +51,7 @@ class Start:
         return {"parent": None, "lineage": [], "base_step": 0}
 
 
-def _init_from(ctx: WorkerContext) -> Checkpoint | None:
+def _init_from(ctx: WorkerContext, featurizer_file: str) -> Checkpoint | None:
     spec: JobSpec = ctx.spec
     source = spec.train.init_from
     if source == "champion":  # looked up once, by rank 0: a promotion meanwhile must not split the ranks
@@ -64,12 +64,13 @@ def _init_from(ctx: WorkerContext) -> Checkpoint | None:
             else:
                 ctx.log("champion", version=champion.version, checkpoint=champion.checkpoint)
         source = gather_objects(ctx, champion.checkpoint if champion else None)[0]
-    return load(source) if source else None
+    return load(source, featurizer_file) if source else None
 
 
-def find_start(ctx: WorkerContext, run_id: str) -> Start:
+def find_start(ctx: WorkerContext, run_id: str, featurizer_file: str) -> Start:
+    """`featurizer_file`: the recipe's, which every checkpoint the run starts from must hold."""
     spec: JobSpec = ctx.spec
-    checkpoints = RunCheckpoints(join(spec.train.checkpoint_url, run_id))
+    checkpoints = RunCheckpoints(join(spec.train.checkpoint_url, run_id), featurizer_file=featurizer_file)
     resumed = checkpoints.latest(on_skip=lambda url, why: ctx.log("checkpoint_skipped", url=url, reason=why))
     files = data_files(spec.data.train, spec.data.format, spec.data.ready_marker)
     if resumed:
@@ -81,7 +82,7 @@ def find_start(ctx: WorkerContext, run_id: str) -> Start:
                             "cannot resume exactly; restore the file or start a new run")
         chosen = [by_name[n] for n in wanted]
         return Start(checkpoints, resumed, None, chosen, resumed.meta["data"].get("watermark"))
-    init = _init_from(ctx)
+    init = _init_from(ctx, featurizer_file)
     parent_mark = init.watermark if init else None
     if spec.data.window == "since-watermark":
         files = since_watermark(files, parent_mark, spec.data.train)

@@ -8,10 +8,14 @@ run starts from `train.init_from` (or from scratch). See `start` for which data 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import math
 import os
 import statistics
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -19,33 +23,33 @@ import torch
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.storage.datafiles import partitions
-from trnflow.workload.checkpoint import load_model_weights, weights_digest
+from trnflow.workload.checkpoint import load_model_weights, step_name, weights_digest
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import StepSampler, read_labelled
 from trnflow.workload.evaluate import Holdout
 from trnflow.workload.memory import estimate, saved_activation_peak, tensor_bytes
-from trnflow.workload.model import build_model
-from trnflow.workload.programs import for_run
+from trnflow.workload.programs import build_model, for_run
+from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.start import Start, find_start
-from trnflow.workload.tokenizer import TextTokenizer, train_tokenizer
 
 
 def _rng_state(sr_gen: torch.Generator) -> dict:
     return {"torch": torch.get_rng_state(), "sr": sr_gen.get_state()}
 
 
-def _tokenizer(ctx: WorkerContext, start: Start, texts: list[str]) -> TextTokenizer:
-    """The parent's tokenizer, or one trained on this run's corpus (by rank 0, shared with all)."""
-    cfg = ctx.spec.model
+def _featurizer(ctx: WorkerContext, recipe: Recipe, start: Start, rows) -> None:
+    """The parent's featurizer, or one fitted on this run's rows (by rank 0, shared with all)."""
     source = start.source
-    if source is not None and source.tokenizer is not None:
-        return TextTokenizer.from_json(source.tokenizer, cfg.seq_len, cfg.vocab_size, source.url)
+    if source is not None and source.featurizer is not None:
+        recipe.load(source.featurizer, source.url)
+        return
     if source is not None:
-        ctx.log("warning", message=f"{source.url} has no tokenizer.json beside it, so a new tokenizer is trained; "
-                "put the tokenizer the weights were trained with beside the file to keep token ids")
-    trained = train_tokenizer(texts, cfg.vocab_size, cfg.seq_len).to_json() if ctx.is_main else None
-    shared = gather_objects(ctx, trained)[0]
-    return TextTokenizer.from_json(shared, cfg.seq_len, cfg.vocab_size, "the trained tokenizer")
+        ctx.log("warning", message=f"{source.url} has no {recipe.featurizer_file} beside it, so a new featurizer is "
+                "fitted; put the one the weights were trained with beside the file to keep the features the same")
+    if ctx.is_main:
+        recipe.fit(rows.table)
+    shared = gather_objects(ctx, recipe.state() if ctx.is_main else None)[0]
+    recipe.load(shared, "the fitted featurizer")
 
 
 def _skipped(ctx: WorkerContext, start: Start) -> dict:
@@ -63,15 +67,15 @@ class Trainer:
     The device decides precision and stochastic rounding; its fault hooks are where injected
     faults strike (a step, its result, a checkpoint)."""
 
-    def __init__(self, ctx: WorkerContext, run_id: str, start: Start):
-        self.ctx, self.run_id, self.start = ctx, run_id, start
+    def __init__(self, ctx: WorkerContext, run_id: str, start: Start, recipe: Recipe):
+        self.ctx, self.run_id, self.start, self.recipe = ctx, run_id, start, recipe
         self.spec, self.device, self.faults = ctx.spec, ctx.device, ctx.faults
-        cfg, tcfg = self.spec.model, self.spec.train
-        texts = read_labelled(start.files, self.spec.data, cfg.num_classes, self.spec.data.train)
-        assert texts.labels is not None
-        self.tokenizer = _tokenizer(ctx, start, texts.texts)
-        self.tokens, self.labels = self.tokenizer.encode(texts.texts), texts.labels
-        self.model = build_model(cfg, tcfg.seed).to(self.device.torch_device)  # before its optimizer holds it
+        tcfg = self.spec.train
+        rows = read_labelled(start.files, self.spec.data, recipe.columns(), recipe.num_classes, self.spec.data.train)
+        assert rows.labels is not None
+        _featurizer(ctx, recipe, start, rows)
+        self.tokens, self.labels = recipe.features(rows.table), rows.labels
+        self.model = build_model(recipe, tcfg.seed).to(self.device.torch_device)  # before its optimizer holds it
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
         self.use_sr = self.device.stochastic_rounding(self.spec.compute.precision)
         # Replicas must round identically, so the rounding stream is seeded the same on every rank.
@@ -85,9 +89,9 @@ class Trainer:
         self.data_meta = {"files": [f.name for f in start.files], "partitions": partitions(start.files),
                           "watermark": start.watermark, "rows": len(self.labels)}
         ctx.log("data", files=len(start.files), rows=len(self.labels), partitions=self.data_meta["partitions"],
-                watermark=start.watermark, tokenizer_vocab=self.tokenizer.vocab_size)
-        self.programs = for_run(ctx, self.model, ddp=ctx.world_size > 1)
-        self.holdout = Holdout(ctx, self.tokenizer)
+                watermark=start.watermark, recipe=recipe.key)
+        self.programs = for_run(ctx, recipe, self.model, ddp=ctx.world_size > 1)
+        self.holdout = Holdout(ctx, recipe)
         resumed = start.resumed
         self.evaluations: list[dict] = list(resumed.meta.get("evaluations", [])) if resumed else []
         self.last_loss = float(resumed.meta.get("loss", "nan")) if resumed else float("nan")
@@ -197,16 +201,42 @@ class Trainer:
                     "world_size": ctx.world_size, "loss": self.last_loss, "sampler": self.sampler.position(done),
                     "data": self.data_meta, "watermark": self.start.watermark, "metrics": self.metrics,
                     "evaluations": self.evaluations, "holdout_sha256": self.holdout.digest,
-                    "torch": torch.__version__}
+                    "recipe": self.recipe.describe(), "torch": torch.__version__}
+            if done == spec.train.steps:
+                meta["export"] = self._export(done)
             host = self.device.to_host  # checkpoints hold CPU copies, whatever the device
             self.checkpoint_url = checkpoints.save(
                 done, host(self.model.state_dict()), host(self.optimizer.state_dict()), rng,
-                self.tokenizer.to_json(), meta, keep_latest=spec.train.keep_latest)
+                (self.recipe.featurizer_file, self.recipe.state()), meta, keep_latest=spec.train.keep_latest)
             ctx.log("checkpoint", step=done, url=self.checkpoint_url)
         # No rank runs ahead while the checkpoint is written: a fault on another rank in the
         # next step would otherwise take rank 0 down mid-save and lose the interval.
         barrier(ctx)
         self.faults.checkpoint_written()
+
+    def _export(self, done: int) -> str | None:
+        """The trained model in its own library's format, under `<run>/export/step-NNNNNN/` (the
+        marker EXPORTED last, with each file's checksum), for recipes that export; its URL."""
+        with tempfile.TemporaryDirectory(prefix="trnflow-export-") as tmp:
+            with torch.random.fork_rng(devices=[]):  # building it must not move the run's random streams
+                model = self.recipe.build_model()
+            model.load_state_dict(self.device.to_host(self.model.state_dict()))
+            if not self.recipe.export(model, Path(tmp)):
+                return None
+            folder = f"export/{step_name(done)}"
+            store = self.start.checkpoints.store
+            store.delete_prefix(f"{folder}/")
+            files = {}
+            for path in sorted(Path(tmp).rglob("*")):
+                if path.is_file():
+                    name = path.relative_to(tmp).as_posix()
+                    data = path.read_bytes()
+                    store.write(f"{folder}/{name}", data)
+                    files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+            store.write(f"{folder}/EXPORTED", json.dumps({"recipe": self.recipe.describe(), "files": files}).encode())
+        url = f"{self.start.checkpoints.url}/{folder}"
+        self.ctx.log("export", step=done, url=url, files=len(files))
+        return url
 
     def _result(self, seconds: float) -> dict:
         tcfg, start, lineage = self.spec.train, self.start, self.lineage
@@ -241,16 +271,18 @@ class Trainer:
             "first_step_seconds": round(times[0], 4) if times else 0.0,
             "median_step_seconds": round(statistics.median(times[1:]), 5) if len(times) > 1 else 0.0,
             "compile": self.programs.compiler.metrics().model_dump(),
-            "device_memory": {"estimated_per_core": estimate(self.spec).total, "peak_per_rank": per_rank,
+            "recipe": self.recipe.describe(),
+            "device_memory": {"estimated_per_core": estimate(self.spec, self.recipe).total, "peak_per_rank": per_rank,
                               **self.memory},
         }
 
 
 def run(ctx: WorkerContext, run_id: str) -> dict:
-    start = find_start(ctx, run_id)
+    recipe = for_job(ctx.spec)
+    start = find_start(ctx, run_id, recipe.featurizer_file)
     if not start.files:
         return _skipped(ctx, start)
-    return Trainer(ctx, run_id, start).run()
+    return Trainer(ctx, run_id, start, recipe).run()
 
 
 def _memory_held(model: torch.nn.Module, optimizer: torch.optim.Optimizer, activations: int) -> dict:

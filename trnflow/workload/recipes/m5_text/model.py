@@ -8,14 +8,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trnflow.specs import ModelSpec
+from trnflow.workload.recipes.m5_text.params import M5TextParams
 
 PAD_ID = 0
 CLS_ID = 1
 
 
 class TextEncoderClassifier(nn.Module):
-    def __init__(self, cfg: ModelSpec):
+    def __init__(self, cfg: M5TextParams):
         super().__init__()
         self.cfg = cfg
         self.tokens = nn.Embedding(cfg.vocab_size, cfg.d_model, padding_idx=PAD_ID)
@@ -45,9 +45,3 @@ class TextEncoderClassifier(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.head(self.embed(tokens))
-
-
-def build_model(cfg: ModelSpec, seed: int) -> TextEncoderClassifier:
-    """Same seed, same initial weights on every rank and every backend."""
-    torch.manual_seed(seed)
-    return TextEncoderClassifier(cfg)

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 import torch
 
 from trnflow.errors import FatalError
-from trnflow.workload.model import CLS_ID, PAD_ID
+from trnflow.workload.recipes.m5_text.model import CLS_ID, PAD_ID
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # worker processes are forked per core
 
@@ -55,8 +55,8 @@ class TextTokenizer:
             raise FatalError(f"{source}: not a tokenizer file ({exc}); remove it or train from scratch") from None
         if tokenizer.get_vocab_size() > vocab_limit:
             raise FatalError(
-                f"{source}: the tokenizer has {tokenizer.get_vocab_size()} tokens but model.vocab_size is "
-                f"{vocab_limit}; raise model.vocab_size to at least that"
+                f"{source}: the tokenizer has {tokenizer.get_vocab_size()} tokens but model.params.vocab_size is "
+                f"{vocab_limit}; raise model.params.vocab_size to at least that"
             )
         return cls(tokenizer, seq_len)
 

@@ -1,0 +1,185 @@
+"""Recipes other than m5-text through the six stages. A model from outside trnflow, the example
+recipe `tabular-mlp` (examples/recipes, installed as a package of its own), on the local backend
+and on SageMaker and Batch in the mock cloud; and the built-in `hf-encoder`, locally and on
+SageMaker, whose export loads with transformers' own `from_pretrained`. The gate, the registry's
+promotion and the published predictions or embeddings are checked."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from tests.integration.test_cloud_backends import _cloud, _keys
+from trnflow.flows.pipeline import STAGES, pipeline
+from trnflow.lifecycle.registry import Registry
+from trnflow.specs import validate_spec
+from trnflow.workload.checkpoint import load
+
+SPEC = Path(__file__).resolve().parents[2] / "examples" / "recipes" / "tabular.yaml"
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tabular(tmp_path_factory) -> Path:
+    """Two days of numeric rows, a holdout and an inference set, written by the recipe's own generator."""
+    import numpy as np
+    from tabular_recipe.data import rows
+
+    root = tmp_path_factory.mktemp("tabular")
+    rng = np.random.default_rng(11)
+    for day, name in enumerate(("dt=2026-01-01", "dt=2026-01-02")):
+        (root / "train" / name).mkdir(parents=True)
+        pq.write_table(rows(rng, 400, day * 400, True), root / "train" / name / "part-00000.parquet")
+    for name, n, labelled in (("holdout", 300, True), ("inference", 230, False)):
+        (root / name).mkdir()
+        pq.write_table(rows(rng, n, 1_000_000, labelled), root / name / "part-00000.parquet")
+    return root
+
+
+def _spec(root: str, out: str, **compute):
+    data = yaml.safe_load(SPEC.read_text())
+    data["data"].update(train=f"{root}/train", holdout=f"{root}/holdout", inference=f"{root}/inference")
+    data["compute"].update(compute)
+    data["compile"]["cache_url"] = f"{out}/compile-cache"
+    data["train"].update(steps=40, checkpoint_every=20, log_every=10, checkpoint_url=f"{out}/checkpoints")
+    data["gate"].update(reference="champion", eval_every=20)
+    data["inference"].update(output_url=f"{out}/predictions", shard_size=100)
+    data["registry_url"] = f"{out}/registry"
+    data["retries"] = {"max_retries": 1, "backoff_seconds": 0.5}
+    return validate_spec(data)
+
+
+def _check_outcome(outcome, spec, read: callable) -> dict:
+    """Every stage completed; the model was trained by the recipe, registered and promoted; each
+    inference row has a prediction and class probabilities. `read(url)` gives a file's bytes."""
+    assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES], outcome
+    results = outcome["results"]
+    train = results["train"]
+    assert train["recipe"]["recipe"] == "tabular-mlp" and train["recipe"]["version"] == "1"
+    assert train["compile"]["recompiles"] == [] and train["compile"]["hits"] == train["compile"]["graphs"]
+    assert results["compile"]["graphs"] == 2  # training and evaluation: no embedding program
+    assert results["evaluate"]["verdict"]["passed"] is True and results["evaluate"]["registry"]["promoted"]
+    assert results["infer"]["published"] == "predictions" and results["infer"]["rows"] == 230
+    meta = json.loads(read(f"{train['checkpoint']}/meta.json"))
+    assert meta["recipe"]["params"]["features"] == ["f0", "f1", "f2", "f3"]
+    scaler = json.loads(read(f"{train['checkpoint']}/scaler.json"))
+    assert len(scaler["mean"]) == 4 and all(s > 0 for s in scaler["std"])
+    champion = Registry(spec.registry_url).champion(spec.name)
+    assert champion is not None and champion.entry["recipe"]["recipe"] == "tabular-mlp"
+    shard = results["infer"]["shards"][0]["file"]
+    table = pq.read_table(io.BytesIO(read(f"{results['infer']['output_url']}/{shard}")))
+    assert table.column_names == ["id", "prediction", "probabilities", "model_version"]
+    assert set(table.column("prediction").to_pylist()) <= {0, 1}
+    assert all(abs(sum(p) - 1) < 1e-5 for p in table.column("probabilities").to_pylist())
+    return results
+
+
+def test_the_external_recipe_runs_the_six_stages_locally(prefect_api, tabular, tmp_path):
+    spec = _spec(str(tabular), str(tmp_path))
+    state = pipeline(spec, return_state=True)
+    outcome = state.result(raise_on_failure=False)
+    assert state.is_completed(), outcome
+    results = _check_outcome(outcome.model_dump(mode="json"), spec,
+                             lambda url: Path(url.removeprefix("file://")).read_bytes())
+    assert results["evaluate"]["points"][-1]["accuracy"] > 0.8  # the columns decide the label
+    assert load(results["train"]["checkpoint"], "scaler.json").featurizer_file == "scaler.json"
+
+
+@pytest.mark.parametrize("service", ["sagemaker", "batch"])
+def test_the_external_recipe_runs_on_sagemaker_and_batch(
+        service, prefect_api, moto_endpoint, tmp_path, monkeypatch, tabular):
+    import boto3
+
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, tabular, in_process=service == "sagemaker") as (_, bucket):
+        compute = {"backend": service}
+        if service == "batch":  # two nodes, one core each
+            compute |= {"instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1}
+        spec = _spec(f"s3://{bucket}/reviews", f"s3://{bucket}/tabular", **compute)
+        state = pipeline(spec, return_state=True)
+        outcome = state.result(raise_on_failure=False)
+        assert state.is_completed(), outcome
+        s3 = boto3.client("s3")
+
+        def read(url: str) -> bytes:
+            key = url.removeprefix(f"s3://{bucket}/")
+            return s3.get_object(Bucket=bucket, Key=key)["Body"].read()
+
+        _check_outcome(outcome.model_dump(mode="json"), spec, read)
+        assert any(k.endswith("/scaler.json") for k in _keys(s3, bucket, "tabular/checkpoints/"))
+
+
+HF_PARAMS = {"vocab_size": 1024, "seq_len": 24, "config": {"hidden_size": 32, "num_hidden_layers": 1,
+                                                            "num_attention_heads": 2, "intermediate_size": 64}}
+
+
+def _hf_spec(make_spec, tmp_path, **sections):
+    return make_spec(model={"recipe": "hf-encoder", "params": HF_PARAMS},
+                     compile={"cache_url": str(tmp_path / "hf-cache")},
+                     train={"steps": 20, "checkpoint_every": 20, "log_every": 10},
+                     gate={"reference": "champion", "eval_every": None}, **sections)
+
+
+def _check_export(read_dir: Path, checkpoint_state: dict) -> None:
+    """The exported encoder loads with transformers' own from_pretrained, with the trained weights."""
+    from transformers import AutoModel
+
+    encoder = AutoModel.from_pretrained(read_dir, local_files_only=True)
+    trained = {k.removeprefix("encoder."): v for k, v in checkpoint_state.items() if k.startswith("encoder.")}
+    loaded = encoder.state_dict()
+    assert trained and all(torch.equal(loaded[k], v) for k, v in trained.items())
+
+
+def test_the_hugging_face_encoder_runs_the_six_stages_and_exports_with_save_pretrained(
+        prefect_api, make_spec, tmp_path):
+    spec = _hf_spec(make_spec, tmp_path)
+    state = pipeline(spec, return_state=True)
+    outcome = state.result(raise_on_failure=False).model_dump(mode="json")
+    assert state.is_completed(), outcome
+    assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
+    results = outcome["results"]
+    assert results["train"]["recipe"]["recipe"] == "hf-encoder"
+    assert results["evaluate"]["registry"]["promoted"] and results["infer"]["published"] == "embeddings"
+    champion = Registry(spec.registry_url).champion(spec.name)
+    export = Path(champion.entry["export"].removeprefix("file://"))
+    assert {"config.json", "model.safetensors", "head.pt", "tokenizer.json", "EXPORTED"} <= {
+        p.name for p in export.iterdir()}
+    _check_export(export, load(results["train"]["checkpoint"]).model)
+    shard = results["infer"]["shards"][0]["file"]
+    table = pq.read_table(Path(results["infer"]["output_url"].removeprefix("file://")) / shard)
+    assert len(table.column("embedding")[0]) == HF_PARAMS["config"]["hidden_size"]
+
+
+def test_the_hugging_face_encoder_runs_on_sagemaker(prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch,
+                                                    dataset):
+    import boto3
+
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, in_process=True) as (_, bucket):
+        s3 = f"s3://{bucket}"
+        spec = _hf_spec(make_spec, tmp_path, data={"train": f"{s3}/reviews/train", "holdout": f"{s3}/reviews/holdout",
+                                                   "inference": f"{s3}/reviews/inference"},
+                        compute={"backend": "sagemaker"}, registry_url=f"{s3}/registry",
+                        inference={"output_url": f"{s3}/embeddings"})
+        spec = spec.model_copy(update={
+            "compile": spec.compile.model_copy(update={"cache_url": f"{s3}/hf-cache"}),
+            "train": spec.train.model_copy(update={"checkpoint_url": f"{s3}/checkpoints"})})
+        state = pipeline(spec, return_state=True)
+        outcome = state.result(raise_on_failure=False).model_dump(mode="json")
+        assert state.is_completed(), outcome
+        champion = Registry(spec.registry_url).champion(spec.name)
+        prefix = champion.entry["export"].removeprefix(f"{s3}/")
+        client = boto3.client("s3")
+        folder = tmp_path / "export"
+        folder.mkdir()
+        for key in _keys(client, bucket, f"{prefix}/"):
+            client.download_file(bucket, key, str(folder / key.rsplit("/", 1)[-1]))
+        ckpt = outcome["results"]["train"]["checkpoint"].removeprefix(f"{s3}/")
+        state_dict = torch.load(io.BytesIO(client.get_object(Bucket=bucket, Key=f"{ckpt}/model.pt")["Body"].read()),
+                                weights_only=True)
+        _check_export(folder, state_dict)

@@ -1,0 +1,138 @@
+"""Recipes: the built-in m5-text keeps the recipe contract, recipes are found by name or by import
+path, a spec's params are checked against its recipe's, and a spec in the form from before recipes
+is told how to write it now."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import pyarrow as pa
+import pytest
+
+from tests.conftest import quickstart_data
+from trnflow.errors import FatalError
+from trnflow.specs import SpecError, validate_spec
+from trnflow.testing.recipe_contract import RecipeContract
+from trnflow.workload.recipes import installed, recipe_class, recipe_for
+from trnflow.workload.recipes.m5_text import M5Text
+from trnflow.workload.synth import synthesize
+
+
+@pytest.fixture(scope="module")
+def reviews(tmp_path_factory) -> pa.Table:
+    import pyarrow.json as pajson
+
+    root = tmp_path_factory.mktemp("reviews")
+    synthesize(root, days=1, rows_per_day=60, seed=3, fmt="jsonl")
+    return pa.concat_tables([pajson.read_json(f) for f in sorted((root / "train").rglob("*.jsonl"))])
+
+
+class TestM5Text(RecipeContract):
+    recipe = "m5-text"
+    params: ClassVar[dict] = {"vocab_size": 300, "d_model": 16, "n_heads": 2, "n_layers": 1, "ffn_dim": 32,
+                              "mlp_hidden": [8], "seq_len": 12}
+
+    @pytest.fixture(autouse=True)
+    def _rows(self, reviews):
+        self._table = reviews
+
+    def rows(self) -> pa.Table:
+        return self._table
+
+
+def test_recipes_are_found_by_name_or_import_path_and_a_wrong_one_says_what_is_installed():
+    assert installed()["m5-text"] == "trnflow.workload.recipes.m5_text:M5Text"
+    assert installed()["hf-encoder"] == "trnflow.workload.recipes.hf_encoder:HfEncoder"
+    assert recipe_class("m5-text") is M5Text is recipe_class("trnflow.workload.recipes.m5_text:M5Text")
+    installed_ones = r"\(installed: hf-encoder, m5-text, tabular-mlp\)"
+    with pytest.raises(FatalError, match=rf"'m6-text' is not an installed recipe {installed_ones}"):
+        recipe_class("m6-text")
+    with pytest.raises(FatalError, match="cannot be loaded"):
+        recipe_class("no_such_package.recipes:Thing")
+    with pytest.raises(FatalError, match="not a trnflow Recipe subclass"):
+        recipe_class("trnflow.workload.recipes.m5_text.params:M5TextParams")
+
+
+def test_params_are_checked_against_the_recipe_and_named_under_model_params():
+    spec = validate_spec(quickstart_data(model={"params": {"d_model": 32}}))
+    assert recipe_for(spec).params.d_model == 32 and recipe_for(spec).params.vocab_size == 4096
+    with pytest.raises(SpecError) as bad:
+        validate_spec(quickstart_data(model={"params": {"d_model": 30, "n_heads": 4, "depth": 3}}))
+    assert "model.params.depth: Extra inputs are not permitted" in bad.value.problems
+    with pytest.raises(SpecError) as bad:
+        validate_spec(quickstart_data(model={"params": {"d_model": 30, "n_heads": 4}}))
+    assert bad.value.problems == ["model.params.d_model: 30 is not divisible by n_heads (4); pick a width that is "
+                                  "a multiple of the head count"]
+    with pytest.raises(SpecError) as bad:
+        validate_spec(quickstart_data(model={"recipe": "tabular-thing"}))
+    assert bad.value.problems[0].startswith("model.recipe: 'tabular-thing' is not an installed recipe")
+
+
+def test_a_spec_from_before_recipes_is_shown_its_new_form_with_its_own_values():
+    data = quickstart_data()
+    data["model"] = {"vocab_size": 5000, "d_model": 64, "recipe": "m5-text"}
+    with pytest.raises(SpecError) as old:
+        validate_spec(data)
+    (problem,) = old.value.problems
+    assert problem == ('model.params: vocab_size, d_model are the recipe\'s settings and go under model.params, with '
+                       'model.recipe beside them; write  model: {"recipe": "m5-text", "params": '
+                       '{"vocab_size": 5000, "d_model": 64}}')
+
+
+def test_the_recipe_and_its_version_are_part_of_every_compile_key_and_plan():
+    from trnflow.emulator.device import EmulatorDevice
+    from trnflow.workload.recipes import plan_digest
+
+    spec = validate_spec(quickstart_data())
+    flags = EmulatorDevice().compiler(spec, mode="extract", model=recipe_for(spec).key).flags
+    assert flags["model"] == "m5-text@1"
+    wider = validate_spec(quickstart_data(model={"params": {"d_model": 128}}))
+    assert plan_digest(spec) != plan_digest(wider)
+
+
+def test_a_recipe_without_embeddings_publishes_predictions_and_class_probabilities():
+    import torch
+
+    from trnflow.workload.infer import _shard_table
+
+    logits = torch.tensor([[2.0, 0.0], [0.0, 3.0]])
+    table = _shard_table(["a", "b"], logits, "run/step-2", embeds=False)
+    assert table.column_names == ["id", "prediction", "probabilities", "model_version"]
+    assert table.column("prediction").to_pylist() == [0, 1]
+    probabilities = table.column("probabilities").to_pylist()
+    assert all(abs(sum(p) - 1) < 1e-6 for p in probabilities) and probabilities[0][0] > 0.8
+    embedded = _shard_table(["a", "b"], logits, "run/step-2", embeds=True)
+    assert embedded.column_names == ["id", "embedding", "model_version"]
+
+
+class TestTabularMLP(RecipeContract):
+    """The example recipe in examples/recipes, installed as a package of its own (make install)."""
+
+    recipe = "tabular-mlp"
+    params: ClassVar[dict] = {"features": ["f0", "f1", "f2", "f3"], "hidden": [8]}
+
+    def rows(self) -> pa.Table:
+        import numpy as np
+        from tabular_recipe.data import rows
+
+        return rows(np.random.default_rng(0), 40, 0, labelled=True)
+
+
+def test_the_external_recipe_is_installed_through_its_entry_point():
+    assert installed()["tabular-mlp"] == "tabular_recipe:TabularMLP"
+    assert recipe_class("tabular-mlp").embeds is False
+
+
+class TestHfEncoder(RecipeContract):
+    """The built-in Hugging Face encoder, built from a small BERT config (no download)."""
+
+    recipe = "hf-encoder"
+    params: ClassVar[dict] = {"vocab_size": 300, "seq_len": 12, "config": {
+        "hidden_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2, "intermediate_size": 32}}
+
+    @pytest.fixture(autouse=True)
+    def _rows(self, reviews):
+        self._table = reviews
+
+    def rows(self) -> pa.Table:
+        return self._table

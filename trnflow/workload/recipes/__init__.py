@@ -1,0 +1,137 @@
+"""Recipes: the models trnflow can train, each a `Recipe` (see `base`).
+
+A spec names one as `model.recipe`: the name of an installed recipe, or `package.module:attr` for
+one that is importable but not installed. Installed recipes register under the entry-point group
+`trnflow.recipes` (trnflow's own `m5-text` does too):
+
+    [project.entry-points."trnflow.recipes"]
+    tabular-mlp = "tabular_recipe:TabularMLP"
+
+`trnflow recipes` lists them with their parameters.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import sys
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from trnflow.device import plans
+from trnflow.errors import FatalError
+from trnflow.specs import JobSpec, SpecError
+from trnflow.specs.loader import MODEL_CHECKS
+from trnflow.workload.recipes.base import METRICS, Recipe
+
+GROUP = "trnflow.recipes"
+BUILTIN = {"m5-text": "trnflow.workload.recipes.m5_text:M5Text"}
+"""trnflow's own recipes, found even where the package's entry points are not installed (a source tree)."""
+
+__all__ = ["BUILTIN", "GROUP", "METRICS", "Recipe", "for_job", "installed", "problems", "recipe_class",
+           "recipe_for"]
+
+
+def installed() -> dict[str, str]:
+    """Every installed recipe: name -> `module:attr`."""
+    found = dict(BUILTIN)
+    found.update({ep.name: ep.value for ep in entry_points(group=GROUP)})
+    return dict(sorted(found.items()))
+
+
+def recipe_class(ref: str) -> type[Recipe]:
+    """The recipe `ref` names: an installed recipe's name, or `package.module:attr`."""
+    target = ref if ":" in ref else installed().get(ref)
+    if target is None:
+        raise FatalError(f"model.recipe: {ref!r} is not an installed recipe (installed: {', '.join(installed())}); "
+                         "install the package that provides it, or give it as package.module:attr")
+    module_name, _, attr = target.partition(":")
+    try:
+        found = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise FatalError(f"model.recipe: {ref!r} points at {target}, which cannot be loaded ({exc}); "
+                         "check that its package is installed in this environment") from None
+    if not (isinstance(found, type) and issubclass(found, Recipe)):
+        raise FatalError(f"model.recipe: {target} is not a trnflow Recipe subclass")
+    return found
+
+
+def _params_problems(exc: ValidationError) -> list[str]:
+    lines = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"])
+        message = str(error["msg"]).removeprefix("Value error, ")
+        own = re.match(r"^(\w+): (.*)$", message, re.DOTALL)
+        if not where and own:  # a Params validator that names the field it is about
+            where, message = own.groups()
+        lines.append(f"model.params{'.' + where if where else ''}: {message}")
+    return lines
+
+
+def model_problems(data: dict[str, Any]) -> list[str]:
+    """What stops a parsed spec's model: its recipe cannot be found, its params do not fit the
+    recipe's Params, or the gate asks for a metric the recipe does not support; as `field: message`
+    lines. A model section that is not of the recipe-and-params form is the spec's own error."""
+    model = data.get("model", {})
+    if not isinstance(model, dict) or set(model) - {"recipe", "params"}:
+        return []
+    recipe, params = model.get("recipe", "m5-text"), model.get("params", {})
+    if not isinstance(recipe, str) or not isinstance(params, dict):
+        return []
+    try:
+        cls = recipe_class(recipe)
+    except FatalError as exc:
+        return [str(exc)]
+    try:
+        cls.Params.model_validate(params)
+    except ValidationError as exc:
+        return _params_problems(exc)
+    gate = data.get("gate") or {}
+    if not isinstance(gate, dict):
+        return []  # the spec's own error
+    extra = gate.get("metrics") or []
+    wanted = [gate.get("metric", "accuracy"), *(extra if isinstance(extra, list) else [])]
+    return [f"gate: metric {name!r} is not one recipe {cls.name} supports ({', '.join(cls.metrics)})"
+            for name in wanted if isinstance(name, str) and name not in cls.metrics]
+
+
+def problems(spec: JobSpec) -> list[str]:
+    """`model_problems` of a validated spec."""
+    return model_problems(spec.model_dump(mode="json"))
+
+
+if model_problems not in MODEL_CHECKS:  # every spec validated from here on checks its recipe too
+    MODEL_CHECKS.append(model_problems)
+
+
+def recipe_for(spec: JobSpec) -> Recipe:
+    """The spec's recipe with its params validated; SpecError lists what is wrong."""
+    found = problems(spec)
+    if found:
+        raise SpecError("<spec>", found)
+    cls = recipe_class(spec.model.recipe)
+    return cls(cls.Params.model_validate(spec.model.params), spec.data)
+
+
+def for_job(spec: JobSpec) -> Recipe:
+    """`recipe_for` in a job, where a spec that got this far and still does not fit is fatal."""
+    try:
+        return recipe_for(spec)
+    except SpecError as exc:
+        raise FatalError("; ".join(exc.problems)) from None
+
+
+def source_files(recipe: type[Recipe] | Recipe) -> list[Path]:
+    """The files the recipe's code is in: its module, or every module of its package."""
+    module = sys.modules[recipe.__module__]
+    path = Path(module.__file__ or "")
+    return sorted(path.parent.glob("*.py")) if path.name == "__init__.py" else [path]
+
+
+def plan_digest(spec: JobSpec) -> str:
+    """The compile plan's digest for `spec` (`trnflow.device.plans`), with its recipe's code."""
+    cls = recipe_class(spec.model.recipe)
+    return plans.plan_digest(spec, f"{cls.name}@{cls.version}", source_files(cls))

@@ -1,0 +1,124 @@
+"""What the pipeline needs from a model, and nothing more: a `Recipe`.
+
+The pipeline (sanity, collectives, ahead-of-time compilation, training with exact resume, the
+parity gate, batch inference, the registry, cloud dispatch) never looks inside the model. A recipe
+says which columns of a row it reads, how those become tensors, which network maps them to logits,
+and what its loss is:
+
+- `Params`: a pydantic model of its settings, given in the spec as `model.params`;
+- a featurizer (`fit`, `state`, `load`): what is learned from the training rows before training
+  (a tokenizer, feature scales), saved beside every checkpoint and model version so that a later
+  run or an inference job turns rows into the same numbers;
+- `features`: rows to one tensor of a fixed shape per row (padded or cut), so every batch has
+  the same shape, the compile cache stays warm and the recompile guard holds;
+- `build_model`: the network, whose `forward` maps a batch of features to logits, and whose
+  `embed`, if the recipe publishes embeddings, maps it to one vector per row;
+- `loss`: the training loss of logits and labels, computed outside the compiled graph;
+- `metrics`: the gate metrics its predictions support.
+
+Shapes are static: every tensor `features` returns has the same shape for each row, and the
+pipeline batches rows into fixed-size batches (filling the last with copies of a real row, whose
+outputs are thrown away).
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Any, ClassVar
+
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel
+from torch import nn
+
+from trnflow.specs import DataSpec
+
+METRICS = ("accuracy", "loss", "f1", "auc")
+"""What the evaluation computes from logits and labels (the gate's `metric` and `metrics`)."""
+
+
+class Recipe(ABC):
+    """One kind of model. Subclasses set the class attributes and the abstract methods; an instance
+    holds validated `params`, the spec's data section and, once `fit` or `load` ran, its featurizer."""
+
+    name: ClassVar[str]
+    """How specs name it (`model.recipe`) and `trnflow recipes` lists it."""
+    version: ClassVar[str]
+    """Part of every compile-cache key, registry version and run record: bump it when the
+    recipe's maths changes, so that nothing made by the old one is taken for the new one's."""
+    Params: ClassVar[type[BaseModel]]
+    """Its settings; a spec's `model.params` is validated against it."""
+    featurizer_file: ClassVar[str] = "featurizer.json"
+    """The file the featurizer's state is saved as, beside each checkpoint and model version."""
+    metrics: ClassVar[tuple[str, ...]] = METRICS
+    """The gate metrics its predictions support."""
+    embeds: ClassVar[bool] = True
+    """Whether its model has `embed`: the inference stage publishes embeddings, else predictions."""
+
+    def __init__(self, params: BaseModel, data: DataSpec):
+        self.params, self.data = params, data
+
+    # -- rows to tensors -------------------------------------------------------------------------
+
+    @property
+    @abstractmethod
+    def num_classes(self) -> int:
+        """Labels are integers 0..num_classes-1; logits have this many columns."""
+
+    @abstractmethod
+    def columns(self) -> list[str]:
+        """The columns of a row it reads (besides `data.label_field` and `data.id_field`)."""
+
+    @abstractmethod
+    def fit(self, rows: pa.Table) -> None:
+        """Learn the featurizer from the training rows (the same rows always give the same state)."""
+
+    @abstractmethod
+    def state(self) -> bytes:
+        """The featurizer, as saved in `featurizer_file`."""
+
+    @abstractmethod
+    def load(self, state: bytes, source: str) -> None:
+        """Take a saved featurizer; refuse, naming `source` and the fix, one this recipe cannot use."""
+
+    @abstractmethod
+    def features(self, rows: pa.Table) -> torch.Tensor:
+        """The model's input for each row: one tensor of shape (rows, ...), the same per-row shape
+        whatever the rows."""
+
+    @abstractmethod
+    def example(self, rows: int, generator: torch.Generator) -> torch.Tensor:
+        """Made-up input of `rows` rows with the run's shape and dtype (for trial runs: the compile
+        stage traces the programs on it before any data is read)."""
+
+    # -- the network -----------------------------------------------------------------------------
+
+    @abstractmethod
+    def build_model(self) -> nn.Module:
+        """A fresh network (torch's global seed is set before this is called)."""
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The training loss, outside the compiled graph: cross-entropy in fp32."""
+        return F.cross_entropy(logits.float(), labels)
+
+    def activation_bytes(self, batch: int, value_bytes: int) -> int:
+        """An estimate of the activations one training step keeps for backward (the memory check);
+        0 when the recipe cannot say."""
+        return 0
+
+    def export(self, model: nn.Module, folder: Path) -> bool:
+        """Write the trained model into `folder` in the model's own library's format (for example
+        `save_pretrained`), for users outside trnflow; whether the recipe exports at all. A run
+        exports once, at its last step, and the registry version records where."""
+        return False
+
+    @property
+    def key(self) -> str:
+        """`name@version`: part of every compile-cache key."""
+        return f"{self.name}@{self.version}"
+
+    def describe(self) -> dict[str, Any]:
+        """What a run record says of the model."""
+        return {"recipe": self.name, "version": self.version, "params": self.params.model_dump(mode="json")}
