@@ -136,3 +136,24 @@ class TestHfEncoder(RecipeContract):
 
     def rows(self) -> pa.Table:
         return self._table
+
+
+def test_the_hugging_face_encoder_starts_from_a_local_save_pretrained_folder(tmp_path):
+    """model.params.pretrained: the encoder's config and weights come from the folder (no download)."""
+    import torch
+
+    source = recipe_for(validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": TestHfEncoder.params})))
+    torch.manual_seed(3)
+    trained = source.build_model()
+    trained.encoder.save_pretrained(tmp_path / "encoder")
+    again = recipe_for(validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": {
+        **TestHfEncoder.params, "pretrained": str(tmp_path / "encoder"), "config": {}}})))
+    loaded = again.build_model().encoder.state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in trained.encoder.state_dict().items())
+    too_big = recipe_for(validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": {
+        **TestHfEncoder.params, "pretrained": str(tmp_path / "encoder"), "vocab_size": 5000}})))
+    with pytest.raises(FatalError, match=r"model\.params\.vocab_size: 5000 is more than the pretrained encoder.s 300"):
+        too_big.build_model()
+    with pytest.raises(FatalError, match=r"has no config\.json"):
+        recipe_for(validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": {
+            "pretrained": str(tmp_path)}}))).build_model()
