@@ -179,7 +179,4 @@ def test_the_hugging_face_encoder_runs_on_sagemaker(prefect_api, make_spec, moto
         folder.mkdir()
         for key in _keys(client, bucket, f"{prefix}/"):
             client.download_file(bucket, key, str(folder / key.rsplit("/", 1)[-1]))
-        ckpt = outcome["results"]["train"]["checkpoint"].removeprefix(f"{s3}/")
-        state_dict = torch.load(io.BytesIO(client.get_object(Bucket=bucket, Key=f"{ckpt}/model.pt")["Body"].read()),
-                                weights_only=True)
-        _check_export(folder, state_dict)
+        _check_export(folder, load(outcome["results"]["train"]["checkpoint"]).model)

@@ -15,15 +15,13 @@ import json
 from pathlib import Path
 from typing import Any
 
-import pyarrow as pa
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from trnflow.errors import FatalError
-from trnflow.workload.recipes.base import Recipe
 from trnflow.workload.recipes.m5_text.model import PAD_ID
-from trnflow.workload.recipes.m5_text.tokenizer import FILE, TextTokenizer, train_tokenizer
+from trnflow.workload.recipes.m5_text.tokenizer import FILE, BpeTextRecipe
 
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,
          "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
@@ -72,43 +70,13 @@ class EncoderClassifier(nn.Module):
         return self.head(self.embed(tokens))
 
 
-class HfEncoder(Recipe):
+class HfEncoder(BpeTextRecipe):
     """A transformers encoder (from a config or a save_pretrained folder) with a classification head."""
 
     name = "hf-encoder"
     version = "1"
     Params = HfEncoderParams
-    featurizer_file = FILE
     params: HfEncoderParams
-    tokenizer: TextTokenizer | None = None
-
-    @property
-    def num_classes(self) -> int:
-        return self.params.num_classes
-
-    def columns(self) -> list[str]:
-        return [self.data.text_field]
-
-    def fit(self, rows: pa.Table) -> None:
-        self.tokenizer = train_tokenizer(self._texts(rows), self.params.vocab_size, self.params.seq_len)
-
-    def state(self) -> bytes:
-        assert self.tokenizer is not None, "fit or load the tokenizer first"
-        return self.tokenizer.to_json().encode()
-
-    def load(self, state: bytes, source: str) -> None:
-        try:
-            text = state.decode()
-        except UnicodeDecodeError:
-            raise FatalError(f"{source}: its {FILE} is not UTF-8 text; use an earlier checkpoint") from None
-        self.tokenizer = TextTokenizer.from_json(text, self.params.seq_len, self.params.vocab_size, source)
-
-    def features(self, rows: pa.Table) -> torch.Tensor:
-        assert self.tokenizer is not None, "fit or load the tokenizer first"
-        return self.tokenizer.encode(self._texts(rows))
-
-    def example(self, rows: int, generator: torch.Generator) -> torch.Tensor:
-        return torch.randint(2, self.params.vocab_size, (rows, self.params.seq_len), generator=generator)
 
     def build_model(self) -> EncoderClassifier:
         transformers, p = _transformers(), self.params
@@ -138,6 +106,3 @@ class HfEncoder(Recipe):
         (folder / FILE).write_bytes(self.state())
         (folder / "trnflow.json").write_text(json.dumps(self.describe(), indent=2))
         return True
-
-    def _texts(self, rows: pa.Table) -> list[str]:
-        return [str(t) for t in rows.column(self.data.text_field).to_pylist()]

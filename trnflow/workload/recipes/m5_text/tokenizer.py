@@ -13,9 +13,11 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+import pyarrow as pa
 import torch
 
 from trnflow.errors import FatalError
+from trnflow.workload.recipes.base import Recipe
 from trnflow.workload.recipes.m5_text.model import CLS_ID, PAD_ID
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # worker processes are forked per core
@@ -71,3 +73,44 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int, seq_len: int) -> Text
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL, show_progress=False)
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return TextTokenizer(tokenizer, seq_len)
+
+
+class BpeTextRecipe(Recipe):
+    """The featurizer half of a recipe that reads text: a BPE tokenizer trained on the first run's
+    texts (`data.text_field`) and saved as `tokenizer.json`, every text padded or cut to
+    `params.seq_len`. Its params have `vocab_size`, `seq_len` and `num_classes`."""
+
+    featurizer_file = FILE
+    tokenizer: TextTokenizer | None = None
+
+    @property
+    def num_classes(self) -> int:
+        return self.params.num_classes
+
+    def columns(self) -> list[str]:
+        return [self.data.text_field]
+
+    def fit(self, rows: pa.Table) -> None:
+        self.tokenizer = train_tokenizer(self._texts(rows), self.params.vocab_size, self.params.seq_len)
+
+    def state(self) -> bytes:
+        assert self.tokenizer is not None, "fit or load the tokenizer first"
+        return self.tokenizer.to_json().encode()
+
+    def load(self, state: bytes, source: str) -> None:
+        try:
+            text = state.decode()
+        except UnicodeDecodeError:
+            raise FatalError(f"{source}: its {FILE} is not UTF-8 text; the file is damaged, use an earlier "
+                             "checkpoint") from None
+        self.tokenizer = TextTokenizer.from_json(text, self.params.seq_len, self.params.vocab_size, source)
+
+    def features(self, rows: pa.Table) -> torch.Tensor:
+        assert self.tokenizer is not None, "fit or load the tokenizer first"
+        return self.tokenizer.encode(self._texts(rows))
+
+    def example(self, rows: int, generator: torch.Generator) -> torch.Tensor:
+        return torch.randint(2, self.params.vocab_size, (rows, self.params.seq_len), generator=generator)
+
+    def _texts(self, rows: pa.Table) -> list[str]:
+        return [str(t) for t in rows.column(self.data.text_field).to_pylist()]
