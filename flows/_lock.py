@@ -1,5 +1,7 @@
-"""One retraining run per model at a time, whatever started it (a schedule, the UI, the CLI): a
-Prefect global concurrency limit of one slot per model, held for the whole run.
+"""One training run per model at a time, whatever started it (a schedule, the UI, the CLI; the
+pipeline or scheduled retraining): a Prefect global concurrency limit of one slot per model, held
+for the whole run. The run holding it is named in a Prefect variable beside it, so that a run that
+waits or is refused can say which run it is waiting for.
 
 The slot is a lease. The run renews it every `RENEW_EVERY_SECONDS` and, when the server does not
 answer, keeps trying until the lease would have run out: a server restart shorter than that costs
@@ -7,7 +9,7 @@ nothing. A run whose process dies gives the slot back once the lease runs out (`
 plus the server's lease check). A lease that was lost (the server unreachable for longer, or a
 restart of a server that keeps leases in memory) is noticed, and `ModelLock.check` refuses the
 step that must not run unguarded: promotion. A slot a lost lease left taken is freed by hand with
-`prefect gcl update trnflow-retrain-<model> --active-slots 0`.
+`prefect gcl update trnflow-model-<model> --active-slots 0`.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import re
 import threading
 import time
 import uuid
@@ -24,6 +27,8 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound, PrefectHTTPStatusError
 from prefect.logging import get_run_logger
+from prefect.runtime import flow_run
+from prefect.variables import Variable
 
 from trnflow.errors import FatalError
 
@@ -43,7 +48,34 @@ def _logger() -> logging.Logger | logging.LoggerAdapter:
 
 
 def limit_name(model: str) -> str:
-    return f"trnflow-retrain-{model}"
+    return f"trnflow-model-{model}"
+
+
+def _holder_variable(model: str) -> str:
+    """The Prefect variable naming the run that holds the model's slot (variable names are
+    lowercase letters, digits, '_' and '-')."""
+    return "trnflow-holder-" + re.sub(r"[^a-z0-9_-]", "_", model.lower())
+
+
+def holder_label(run_id: str) -> str:
+    """How a run that holds a model's slot is named to the runs that wait for it."""
+    name = flow_run.get_name()
+    return f"run {run_id}" + (f" (flow run {name!r})" if name else "")
+
+
+def holder(model: str) -> str | None:
+    """Which run holds (or last held) the model's slot, as it described itself; None if unknown."""
+    try:
+        return Variable.get(_holder_variable(model), default=None)
+    except Exception:  # only a nicer message depends on it
+        return None
+
+
+def _announce(model: str, who: str) -> None:
+    try:
+        Variable.set(_holder_variable(model), who, overwrite=True)
+    except Exception as exc:
+        _logger().warning("could not record this run as the holder of %s (%s)", limit_name(model), exc)
 
 
 def _freeing(name: str) -> str:
@@ -98,7 +130,7 @@ class ModelLock:
         if self.lost is None and time.monotonic() >= self._expires - MARGIN_SECONDS:
             self.lost = f"its lease was last renewed over {LEASE_SECONDS - MARGIN_SECONDS:g} s ago"
         if self.lost is not None:
-            raise FatalError(f"this run lost its hold on {self.name}: {self.lost}. Another retraining of "
+            raise FatalError(f"this run lost its hold on {self.name}: {self.lost}. Another run of "
                              f"{self.model} may be running, so this run stops before promoting; the champion "
                              "is unchanged and the next run retries the same window")
 
@@ -114,7 +146,7 @@ class ModelLock:
                                   LEASE_SECONDS)
 
 
-def _acquire(name: str, timeout_seconds: float | None) -> uuid.UUID:
+def _acquire(name: str, timeout_seconds: float | None, model: str) -> uuid.UUID:
     """A lease on the limit's one slot, waiting while another run holds it (TimeoutError past the timeout)."""
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
     told = False
@@ -131,21 +163,24 @@ def _acquire(name: str, timeout_seconds: float | None) -> uuid.UUID:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(name)
             if not told:
-                _logger().info("another retraining run holds %s; waiting for it to end", name)
+                _logger().info("%s holds %s; waiting for it to end", holder(model) or "another run", name)
                 told = True
             time.sleep(max(0.1, min(pause, deadline - time.monotonic() if deadline is not None else pause)))
 
 
 @contextlib.contextmanager
-def model_lock(model: str, timeout_seconds: float | None) -> Iterator[ModelLock]:
-    """Hold the model's slot; wait up to `timeout_seconds` for it (None: as long as it takes)."""
+def model_lock(model: str, timeout_seconds: float | None, who: str = "a run") -> Iterator[ModelLock]:
+    """Hold the model's slot as `who` (the run, described for others to read); wait up to
+    `timeout_seconds` for it (None: as long as it takes)."""
     name = ensure_limit(model)
     try:
-        lease_id = _acquire(name, timeout_seconds)
+        lease_id = _acquire(name, timeout_seconds, model)
     except TimeoutError:
-        raise FatalError(f"another retraining run of {model} has held the concurrency limit {name} for over "
-                         f"{timeout_seconds:g} s, so this run was refused; it is safe to run again later. If no "
-                         f"such run is going, {_freeing(name)}") from None
+        holding = holder(model)
+        raise FatalError(f"{holding or 'another run'} of {model} has held the concurrency limit {name} for over "
+                         f"{timeout_seconds:g} s, so this run was refused; it is safe to run again once that run "
+                         f"has ended. If no such run is going, {_freeing(name)}") from None
+    _announce(model, who)
     held = ModelLock(model, name, lease_id)
     try:
         yield held

@@ -11,8 +11,9 @@ from collections.abc import Callable
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from trnflow.errors import GateFailed
-from trnflow.reporting.cost import job_cost, total
+from trnflow.errors import ChampionKept, GateFailed
+from trnflow.lifecycle.locations import check_locations
+from trnflow.reporting.cost import stage_cost, total
 from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
 from trnflow.results import Cost, CostRow, RunOutcome, StageResult, StageRow, TrainResult
@@ -57,7 +58,7 @@ class StageRunner:
         seconds = time.monotonic() - began
         billed = self.ledger.new_entries()  # every job the stage ran, its retries' included
         if billed:
-            self.costs.append(job_cost(self.spec, name, sum(e.seconds for e in billed), jobs=len(billed)))
+            self.costs.append(stage_cost(self.spec, name, billed))  # each job on the nodes it held
         if state.is_completed():
             result = state.result()
             label = "Skipped" if state.name == "Skipped" else "Completed"
@@ -99,13 +100,14 @@ class StageRunner:
 def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], stages: tuple[str, ...]
                ) -> RunOutcome | State:
     """Run a flow's stages and attach its summary, however it ends. A failed gate ends the flow
-    run in a state of its own, `GateFailed`, so that the UI, the API and `trnflow submit --wait`
-    (exit 3) tell it apart from a broken run."""
+    run in a state of its own, `GateFailed`, and a candidate worse than the champion in
+    `ChampionKept`, so that the UI, the API and `trnflow submit --wait` (exit 3 and 5) tell them
+    apart from a broken run."""
     try:
         return body(stage)
     except PipelineFailed as exc:
-        if isinstance(exc.cause, GateFailed):
-            return Failed(name="GateFailed", message=str(exc), data=exc)
+        if isinstance(exc.cause, GateFailed | ChampionKept):
+            return Failed(name=type(exc.cause).__name__, message=str(exc), data=exc)
         raise
     finally:
         stage.report(stages)
@@ -114,6 +116,7 @@ def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], st
 def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[int], TrainResult]:
     """Sanity, collectives, compile and train: the cores verified and the training result. When
     training found no new data, the `later` stages are recorded as skipped."""
+    check_locations(stage.spec)  # a location it cannot write fails the run now, not after training
     cores = stage("sanity", sanity_check).cores or []
     stage("collectives", collective_test, cores)
     stage("compile", compile_graphs, cores)

@@ -1,6 +1,11 @@
-"""Offline batch inference on its own: embed the spec's inference set with the registered champion
-(or a given checkpoint), writing Parquet shards. A rerun with the same run id finishes an
-interrupted one without rewriting committed shards."""
+"""Offline batch inference on its own: run the spec's inference set through a registered model
+version (the champion by default) or a given checkpoint, writing Parquet shards. A rerun with the
+same run id finishes an interrupted one without rewriting committed shards.
+
+A registered version writes into its own output folder; when it is the champion, `current` is
+pointed at it afterwards (republishing it, say after the folder was deleted). A bare checkpoint
+writes to the output itself.
+"""
 
 from __future__ import annotations
 
@@ -9,34 +14,57 @@ from prefect import flow
 from trnflow.errors import FatalError
 from trnflow.flows._params import name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id
-from trnflow.lifecycle.registry import Registry
+from trnflow.lifecycle.registry import ModelVersion, Registry
 from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec
 from trnflow.tasks.infer import batch_infer
+from trnflow.tasks.promote import publish_outputs
 
 STAGES = ("infer",)
 
 
+def _version(spec: JobSpec, model: str) -> tuple[Registry, ModelVersion]:
+    """The registered version `model` names: "champion" or a version number."""
+    if spec.registry_url is None:
+        raise FatalError(f"model {model!r}: {spec.name} has no registry_url to find it in; pass `checkpoint`")
+    registry = Registry(spec.registry_url)
+    if model == "champion":
+        found = registry.champion(spec.name)
+        if found is None:
+            raise FatalError(f"{spec.name} has no champion in {spec.registry_url}; pass a version or a checkpoint, "
+                             "or train and gate a model first")
+        return registry, found
+    number = model.lower().removeprefix("v")
+    if not number.isdigit():
+        raise FatalError(f"model {model!r}: give `champion` or a version number (`trnflow models ls`)")
+    return registry, registry.version(spec.name, int(number))
+
+
 @flow(name="trnflow-batch-inference", log_prints=True)
 def batch_inference(spec: JobSpec | None = None, spec_url: str | None = None, checkpoint: str | None = None,
-                    run_id: str | None = None) -> RunOutcome:
-    """Embed `data.inference` into `inference.output_url`.
+                    run_id: str | None = None, model: str = "champion") -> RunOutcome:
+    """Run `data.inference` through a model into `inference.output_url`.
 
     Args:
-        checkpoint: the model to embed with; by default the champion of the spec's name.
+        checkpoint: a checkpoint to use instead of a registered version (its outputs go to the
+            output itself, unversioned).
+        model: the registered version to use: `champion` or a version number.
     """
     spec = resolve_spec(spec, spec_url)
-    label = checkpoint
+    version = None
     if checkpoint is None:
-        champion = Registry(spec.registry_url).champion(spec.name) if spec.registry_url else None
-        if champion is None:
-            raise FatalError(f"{spec.name} has no champion{' in ' + spec.registry_url if spec.registry_url else ''}"
-                             "; pass `checkpoint`, or train and gate a model first")
-        checkpoint, label = champion.checkpoint, f"champion v{champion.version}"
-    name_run(spec, f"embed {spec.data.inference} with {label}")
+        registry, version = _version(spec, model)
+        checkpoint, label = version.checkpoint, f"v{version.version}"
+    else:
+        label = checkpoint
+    name_run(spec, f"infer {spec.data.inference} with {label}")
     stage = StageRunner(spec, run_id or new_run_id())
     try:
-        stage("infer", batch_infer, checkpoint, None)
+        stage("infer", batch_infer, checkpoint, None, version=version.version if version else None)
+        if version is not None:
+            champion = registry.champion(spec.name)
+            if champion is not None and champion.version == version.version:
+                publish_outputs(spec, champion)
         return stage.outcome()
     finally:
         stage.report(STAGES)

@@ -1,14 +1,15 @@
 """Scheduled incremental retraining: train the champion further on the days that arrived since
-its watermark, gate the result, embed with it, and only then make it the champion.
+its watermark, gate the result, embed with it (into its version's own output folder), and only
+then make it the champion and publish its outputs.
 
     nothing new since the champion's watermark -> Completed("nothing new"), no job launched
     else: sanity -> collectives -> compile -> train (from the champion) -> evaluate (against the
-          champion, and gate.reference when that is a file) -> infer (into the run's staging
-          folder) -> promote (then publish the staged embeddings)
+          champion, and gate.reference when that is a file) -> infer (into the version's own
+          output folder) -> promote (and point `current` at that folder)
 
 One run per model at a time (`trnflow.flows._lock`). Promotion is the last step, so a run that fails
 anywhere leaves the champion, the watermark that comes with it, and the published embeddings
-unchanged: the next scheduled run retries the same window. Embeddings whose publication was cut
+unchanged: the next scheduled run retries the same window. Outputs whose publication was cut
 short after their model was promoted are published by the next run, before anything else.
 """
 
@@ -19,7 +20,7 @@ from functools import partial
 from prefect import flow, get_run_logger
 from prefect.states import Completed, State
 
-from trnflow.flows._lock import ModelLock, model_lock
+from trnflow.flows._lock import ModelLock, holder_label, model_lock
 from trnflow.flows._params import name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id, run_stages, through_training
 from trnflow.lifecycle.registry import Registry
@@ -28,7 +29,7 @@ from trnflow.specs import JobSpec, SpecError
 from trnflow.storage.datafiles import new_partitions
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
-from trnflow.tasks.promote import promote_champion, publish_embeddings
+from trnflow.tasks.promote import promote_champion, publish_outputs, unpublished
 
 STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote")
 
@@ -51,7 +52,8 @@ def retrain_spec(spec: JobSpec) -> JobSpec:
 
 @flow(name="trnflow-incremental-retrain", log_prints=True)
 def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None, run_id: str | None = None,
-                        lock_timeout_seconds: float | None = 3600.0) -> RunOutcome | State:
+                        lock_timeout_seconds: float | None = 3600.0, force_promote: str | None = None
+                        ) -> RunOutcome | State:
     """Retrain the champion on the new days of data, if there are any.
 
     Args:
@@ -60,16 +62,19 @@ def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None
         run_id: names the run's checkpoint folder; a rerun with the same id resumes it.
         lock_timeout_seconds: how long to wait while another retraining of the same model runs
             before this run is refused; none waits as long as it takes.
+        force_promote: why to promote the retrained model even if it is worse than the champion
+            (it must still pass the gate); recorded in the registry.
     """
     spec = retrain_spec(resolve_spec(spec, spec_url))
-    with model_lock(spec.name, lock_timeout_seconds) as lock:
+    run_id = run_id or new_run_id()
+    with model_lock(spec.name, lock_timeout_seconds, holder_label(run_id)) as lock:
         assert spec.registry_url is not None
         registry = Registry(spec.registry_url)
         generation = registry.generation(spec.name)  # a champion changed after this is never overwritten
         champion = registry.champion(spec.name)
-        staged_by = champion.entry.get("run_id") if champion else None
-        if staged_by and publish_embeddings(spec, staged_by, champion.checkpoint):  # cut short
-            get_run_logger().info("published the embeddings of champion v%d, which its own run staged but did "
+        if champion is not None and unpublished(spec, champion):  # its run was cut short after promoting
+            publish_outputs(spec, champion)
+            get_run_logger().info("published the outputs of champion v%d, which its own run wrote but did "
                                   "not publish", champion.version)
         watermark = champion.watermark if champion else None
         days = new_partitions(spec.data.train, spec.data.format, watermark, spec.data.ready_marker)
@@ -81,15 +86,17 @@ def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None
                              data=RunOutcome(nothing_new=True, watermark=watermark))
         base = f"champion v{champion.version}" if champion else "scratch"
         name_run(spec, _window_name(days, base))
-        return run_stages(StageRunner(spec, run_id or new_run_id()),
-                          partial(_stages, generation=generation, lock=lock, days=days, base=base), STAGES)
+        return run_stages(StageRunner(spec, run_id),
+                          partial(_stages, generation=generation, lock=lock, days=days, base=base,
+                                  force_promote=force_promote), STAGES)
 
 
 def _window_name(days: list[str], base: str) -> str:
     return f"dt={days[0]}..{days[-1]} from {base}" if len(days) > 1 else f"dt={days[0]} from {base}"
 
 
-def _stages(stage: StageRunner, generation: int, lock: ModelLock, days: list[str], base: str) -> RunOutcome:
+def _stages(stage: StageRunner, generation: int, lock: ModelLock, days: list[str], base: str,
+            force_promote: str | None) -> RunOutcome:
     cores, trained = through_training(stage, later=("evaluate", "infer", "promote"))
     if trained.skipped:  # the new partitions went away between the listing and the job
         return stage.outcome()
@@ -97,10 +104,11 @@ def _stages(stage: StageRunner, generation: int, lock: ModelLock, days: list[str
         name_run(stage.spec, _window_name(trained.partitions, base))
     checkpoint = trained.checkpoint
     gated = stage("evaluate", evaluate_gate, checkpoint, cores, against_champion=True, promote=False,
-                  generation=generation)
-    stage("infer", batch_infer, checkpoint, cores, staged=True)
+                  generation=generation, force_promote=force_promote)
+    stage("infer", batch_infer, checkpoint, cores, version=gated.registry["version"] if gated.registry else None)
     entry = gated.registry
     assert entry is not None  # retraining has a registry
     lock.check()  # promotion is what must never happen outside the model's lock
-    stage("promote", promote_champion, entry["version"], entry["generation"])
+    stage("promote", promote_champion, entry["version"], entry["generation"],
+          forced=force_promote if entry.get("forced") else None)
     return stage.outcome()

@@ -1,6 +1,8 @@
-"""The six-stage training pipeline as one Prefect flow.
+"""The training pipeline's six stages, then promotion, as one Prefect flow.
 
-sanity -> collectives -> compile -> train -> evaluate (parity gate) -> infer
+sanity -> collectives -> compile -> train -> evaluate (parity gate, champion's protection; registers)
+-> infer (into the new version's own output folder) -> promote (the champion and the published
+outputs move together)
 
 The flow only composes tasks; where the jobs run is the spec's business. Every stage after
 sanity runs on the cores sanity verified.
@@ -8,48 +10,68 @@ sanity runs on the cores sanity verified.
 
 from __future__ import annotations
 
+from functools import partial
+
 from prefect import flow
 from prefect.states import State
 
+from trnflow.flows._lock import ModelLock, holder_label, model_lock
 from trnflow.flows._params import name_run, resolve_spec, window
 from trnflow.flows._stages import PipelineFailed, StageRunner, new_run_id, run_stages, through_training
 from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
+from trnflow.tasks.promote import promote_champion
 
-STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer")
+STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote")
 
 __all__ = ["STAGES", "PipelineFailed", "pipeline"]
 
 
 @flow(name="trnflow-pipeline", log_prints=True)
 def pipeline(spec: JobSpec | None = None, spec_url: str | None = None,
-             run_id: str | None = None) -> RunOutcome | State:
+             run_id: str | None = None, force_promote: str | None = None,
+             lock_timeout_seconds: float | None = 3600.0) -> RunOutcome | State:
     """Run all six stages for one job spec.
 
     Args:
         spec: the job spec (validated; the Prefect UI renders it as a form).
         spec_url: where to read the spec instead (a path, file:// or s3:// URL).
         run_id: names this run's checkpoint folder; a rerun with the same id resumes it.
+        force_promote: why to promote the candidate even if it is worse than the champion (it
+            must still pass the gate); recorded in the registry.
+        lock_timeout_seconds: how long to wait while another run of the same model (a pipeline or
+            a retraining) holds it before this run is refused; none waits as long as it takes.
 
     Returns:
         `run_id`, one summary row per stage, and each stage's full result under `results`.
-        A failed gate ends the run in the state `GateFailed`.
+        A failed gate ends the run in the state `GateFailed`; a candidate that passed it but is
+        worse than the champion is registered, not promoted, and ends it in `ChampionKept`.
 
     Raises:
         PipelineFailed: at the first failed stage, with the rows of the stages that ran.
     """
     spec = resolve_spec(spec, spec_url)
     name_run(spec, window(spec))
-    return run_stages(StageRunner(spec, run_id or new_run_id()), _stages, STAGES)
+    runner = StageRunner(spec, run_id or new_run_id())
+    with model_lock(spec.name, lock_timeout_seconds, holder_label(runner.run_id)) as lock:
+        return run_stages(runner, partial(_stages, force_promote=force_promote, lock=lock), STAGES)
 
 
-def _stages(stage: StageRunner) -> RunOutcome:
-    cores, trained = through_training(stage, later=("evaluate", "infer"))
+def _stages(stage: StageRunner, force_promote: str | None, lock: ModelLock) -> RunOutcome:
+    cores, trained = through_training(stage, later=("evaluate", "infer", "promote"))
     if trained.skipped:  # incremental training found no new data: nothing to evaluate or embed
         return stage.outcome()
     checkpoint = trained.checkpoint
-    stage("evaluate", evaluate_gate, checkpoint, cores)
-    stage("infer", batch_infer, checkpoint, cores)
+    registered = stage.spec.registry_url is not None
+    gated = stage("evaluate", evaluate_gate, checkpoint, cores, promote=False, force_promote=force_promote)
+    entry = gated.registry
+    stage("infer", batch_infer, checkpoint, cores, version=entry["version"] if entry else None)
+    if not registered or entry is None:
+        stage.skip("promote", "no registry_url: nothing to promote")
+        return stage.outcome()
+    lock.check()  # promotion is what must never happen outside the model's lock
+    stage("promote", promote_champion, entry["version"], entry["generation"],
+          forced=force_promote if entry.get("forced") else None)
     return stage.outcome()

@@ -6,8 +6,17 @@ nothing else of trnflow.
 """
 
 from trnflow.specs.instances import CATALOGUE, InstanceType, instance
-from trnflow.specs.loader import SpecError, apply_overrides, load_spec, parse_spec, validate_spec
+from trnflow.specs.loader import (
+    MAX_SPEC_BYTES,
+    MAX_SPEC_VALUES,
+    SpecError,
+    apply_overrides,
+    load_spec,
+    parse_spec,
+    validate_spec,
+)
 from trnflow.specs.spec import (
+    HOST_RESERVED_MEMORY_GIB,
     CompileSpec,
     ComputeSpec,
     DataSpec,
@@ -20,10 +29,16 @@ from trnflow.specs.spec import (
     RetrySpec,
     ScheduleSpec,
     TrainSpec,
+    container_memory_limit_gib,
+    memory_problem,
+    sagemaker_checkpoint_problem,
 )
 
 __all__ = [
     "CATALOGUE",
+    "HOST_RESERVED_MEMORY_GIB",
+    "MAX_SPEC_BYTES",
+    "MAX_SPEC_VALUES",
     "CompileSpec",
     "ComputeSpec",
     "DataSpec",
@@ -39,8 +54,11 @@ __all__ = [
     "SpecError",
     "TrainSpec",
     "apply_overrides",
+    "container_memory_limit_gib",
     "instance",
     "load_spec",
+    "memory_problem",
     "parse_spec",
+    "sagemaker_checkpoint_problem",
     "validate_spec",
 ]

@@ -44,6 +44,40 @@ def _normalise_url(value: str) -> str:
     raise ValueError(f"unsupported URL scheme {scheme!r} in {value!r}; use file:// or s3:// (or a plain path)")
 
 
+HOST_RESERVED_MEMORY_GIB = 12
+"""Host memory each AWS Batch node keeps for the ECS agent and the OS, outside the job's container."""
+
+
+def container_memory_limit_gib(instance_type: str) -> int:
+    """The most memory a Batch container can reserve on `instance_type`: what the instance has, less
+    HOST_RESERVED_MEMORY_GIB. Batch never places a job that asks for more: it waits in RUNNABLE."""
+    return instance(instance_type).host_memory_gib - HOST_RESERVED_MEMORY_GIB
+
+
+def memory_problem(instance_type: str, memory_gib: int) -> str | None:
+    """What is wrong with a Batch container asking `memory_gib` GiB on `instance_type`, or None."""
+    limit = container_memory_limit_gib(instance_type)
+    if memory_gib <= limit:
+        return None
+    bigger = next((t for t in CATALOGUE.values()
+                   if t.trainium and container_memory_limit_gib(t.name) >= memory_gib), None)
+    fix = f" or pick {bigger.name} ({bigger.host_memory_gib} GiB)" if bigger else ""
+    return (f"compute.memory_gib: {memory_gib} GiB is more than a {instance_type} container can have: the instance "
+            f"has {instance(instance_type).host_memory_gib} GiB, less {HOST_RESERVED_MEMORY_GIB} GiB for the ECS agent "
+            f"and the OS, which leaves {limit} GiB; set compute.memory_gib <= {limit}{fix}")
+
+
+def sagemaker_checkpoint_problem(url: str) -> str | None:
+    """What is wrong with `url` as a SageMaker job's checkpoint folder, or None. SageMaker copies
+    `CheckpointConfig.S3Uri` into the container and back, and only from S3: a local folder would be
+    on an instance that is gone when the job is retried or resubmitted."""
+    if url.startswith("s3://"):
+        return None
+    return (f"train.checkpoint_url: {url} is not on S3; a SageMaker job keeps its checkpoints in an s3:// folder "
+            "(CheckpointConfig.S3Uri), where a retried or resubmitted job resumes from them: set "
+            "train.checkpoint_url to s3://<bucket>/<prefix>, or run with compute.backend: local")
+
+
 Url = Annotated[str, AfterValidator(_normalise_url)]
 ChampionOrUrl = Annotated[Literal["champion"] | Url, Field(union_mode="left_to_right")]
 """`champion` (the registry's current champion for this spec's name) or a location."""
@@ -132,7 +166,8 @@ class ComputeSpec(Section):
     )
     volume_gb: int = Field(200, ge=1, le=16384, description="Local disk per instance for SageMaker jobs (GB).")
     price_per_hour: float | None = Field(
-        None, ge=0, description="USD per instance-hour for the cost table; default: the catalogue's on-demand price."
+        None, ge=0, description="USD per instance-hour for the cost table; default: the catalogue's on-demand price "
+        "for the service that runs the jobs (SageMaker's ml.* price for sagemaker, EC2's for batch and local)."
     )
     share_identifier: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_]{1,255}$",
@@ -141,10 +176,28 @@ class ComputeSpec(Section):
     scheduling_priority: int = Field(
         0, ge=0, le=9999, description="Batch scheduling priority within a fair-share queue (higher runs first)."
     )
+    fair_share: bool | None = Field(
+        None,
+        description="Batch: whether the job queue (TRNFLOW_BATCH_JOB_QUEUE) has a fair-share scheduling policy, as "
+        "the infra stack's queue does. Batch refuses a job without a share identifier on such a queue, and one "
+        "with a share identifier on any other: true needs compute.share_identifier, false refuses it. None: not "
+        "declared; the queue itself is checked before the first job is submitted.",
+    )
+    memory_gib: int | None = Field(
+        None, ge=1,
+        description="Batch: host memory (GiB) each node's container reserves. None: all the instance type has, "
+        "less 12 GiB for the ECS agent and the OS. More is refused: no instance could place the job, which would "
+        "wait in RUNNABLE for ever.",
+    )
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.cores_per_node
+
+    @property
+    def container_memory_gib(self) -> int:
+        """The memory each Batch node's container reserves: memory_gib, else all it can have."""
+        return self.memory_gib or container_memory_limit_gib(self.instance_type)
 
     @model_validator(mode="after")
     def _fits_instance(self) -> ComputeSpec:
@@ -167,6 +220,28 @@ class ComputeSpec(Section):
                 f"compute.nodes: {itype.name} has no EFA for multi-node training; set compute.nodes: 1 "
                 "or pick trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _fits_memory(self) -> ComputeSpec:
+        problem = self.memory_gib and memory_problem(self.instance_type, self.memory_gib)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+    @model_validator(mode="after")
+    def _share_identifier_as_the_queue_needs(self) -> ComputeSpec:
+        """A fair-share queue refuses a job without a share identifier, any other queue one with it."""
+        if self.fair_share and not self.share_identifier:
+            raise ValueError(
+                "compute.share_identifier: compute.fair_share says the Batch job queue has a fair-share scheduling "
+                "policy, which refuses every job without a share identifier (shareIdentifier must be specified); "
+                "set compute.share_identifier, for example to a team name in the policy's shareDistribution")
+        if self.fair_share is False and self.share_identifier:
+            raise ValueError(
+                "compute.share_identifier: compute.fair_share: false says the Batch job queue has no fair-share "
+                "scheduling policy, and Batch refuses a share identifier on such a queue; remove "
+                "compute.share_identifier, or set compute.fair_share: true if the queue has one")
         return self
 
 
@@ -427,6 +502,13 @@ class JobSpec(Section):
                 if v == "champion"]
         if uses and self.registry_url is None:
             raise ValueError(f"{uses[0]}: `champion` needs registry_url, the registry the champion is kept in")
+        return self
+
+    @model_validator(mode="after")
+    def _sagemaker_checkpoints_on_s3(self) -> JobSpec:
+        problem = self.compute.backend == "sagemaker" and sagemaker_checkpoint_problem(self.train.checkpoint_url)
+        if problem:
+            raise ValueError(problem)
         return self
 
     @property

@@ -6,6 +6,7 @@ from __future__ import annotations
 from prefect import get_run_logger
 
 from trnflow.backends import JobInfo, JobRequest, JobState, backend_for, run_to_end
+from trnflow.backends.cloud import placement
 from trnflow.errors import ERROR_TYPES, FatalError, TransientError, TrnflowError
 from trnflow.redact import Redactor
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
@@ -58,7 +59,8 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     except Exception as exc:  # the backend itself failed: say so; the error class decides on retries
         raise FatalError(f"{phase}: the {backend.name} backend failed: {exc}") from exc
     JobLedger(settings.home, run_id).record(LedgerEntry(phase, info.job_id, str(info.state),
-                                                        info.details.get("seconds") or 0.0))
+                                                        info.details.get("seconds") or 0.0,
+                                                        nodes=placement(request)[0]))
     if info.state is JobState.SUCCEEDED and info.result is not None:
         result = parse(phase, {**info.result, "cores": info.details.get("cores")})
         if result.device is not None:

@@ -16,8 +16,9 @@ import json
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from trnflow.errors import GateFailed
+from trnflow.errors import ChampionKept, GateFailed
 from trnflow.lifecycle import judge
+from trnflow.lifecycle.gate import read_series
 from trnflow.lifecycle.registry import Registry
 from trnflow.reporting.chart import parity_png, verdict_markdown
 from trnflow.results import EvaluateResult
@@ -41,21 +42,46 @@ def _attach(spec: JobSpec, candidate: judge.Candidate, decision: judge.Decision,
     return f"{candidate.run_url}/parity.png"
 
 
+def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candidate, run_id: str,
+              cores: list[int] | None) -> tuple[dict, str] | None:
+    """The champion's series on the candidate's holdout, and its name; None before the first. A
+    champion measured on another holdout (or never measured) is evaluated on this one first, so
+    that the two are compared row for row."""
+    champion = registry.champion(spec.name) if registry else None
+    if champion is None:
+        return None
+    who = f"champion v{champion.version}"
+    series = read_series(champion.checkpoint.rpartition("/")[0])
+    if series is not None:
+        series = judge.up_to(series, judge.step_of(champion.checkpoint))
+    if series is None or not series["points"] or not judge.same_holdout(candidate.series, series):
+        get_run_logger().info("%s was not measured on this holdout; evaluating it on this one", who)
+        result = run_job(spec, "evaluate", run_id, checkpoint=champion.checkpoint, cores=cores)
+        assert isinstance(result, EvaluateResult)
+        series = judge.evaluated_series(result.points, result.holdout_sha256, result.points[-1]["step"],
+                                        result.correct)
+    return series, who
+
+
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | None = None, *,
-                  against_champion: bool = False, promote: bool = True, generation: int | None = None
-                  ) -> EvaluateResult:
-    """Compare the candidate's metric series with the gate's reference; register and promote it.
+                  against_champion: bool = False, promote: bool = True, generation: int | None = None,
+                  force_promote: str | None = None) -> EvaluateResult:
+    """Compare the candidate's metric series with the gate's reference and with the champion on
+    the same holdout; register it, and promote it when it passed both.
 
     Args:
-        against_champion: also require no regression against the current champion (retraining).
+        against_champion: judge as retraining does (no regression against the reference file).
         promote: promote a candidate that passed; False leaves that to `promote_champion`, and the
             result's `registry.generation` is the champion the decision was made against.
         generation: the registry generation the caller saw when it chose the champion to start
             from (default: the one now); a champion changed since is never overwritten.
+        force_promote: the reason to promote a candidate worse than the champion anyway (it must
+            still pass the gate); recorded in the registry.
 
     Raises:
         GateFailed: the candidate is outside the band (never retried; the champion stays).
+        ChampionKept: it passed the gate but is worse than the champion (never retried).
     """
     registry = Registry(spec.registry_url) if spec.registry_url else None
     if generation is None:  # the champion this decision is about
@@ -70,16 +96,30 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
         candidate.series = candidate.series or {"points": result.points}
     candidate.series = judge.up_to(candidate.series, candidate.step)
     decision = judge.decide(spec, registry, candidate.series, against_champion)
+    if decision.gate_passed:  # only a candidate that passed the gate can take the champion's place
+        champion = _champion(spec, registry, candidate, run_id, cores)
+        if champion is not None:
+            decision = judge.decide(spec, registry, candidate.series, against_champion, champion)
     chart = _attach(spec, candidate, decision, f"{spec.name} {run_id}")
     result.points, result.verdict, result.against, result.chart = (candidate.series["points"], decision.verdict,
                                                                    decision.against, chart)
+    worse = decision.worse_than_champion
+    forced = force_promote if worse is not None else None
     registration = None
     if registry is not None:
-        registration = judge.register(spec, registry, candidate, run_id, decision.verdict, generation, promote)
+        registration = judge.register(spec, registry, candidate, run_id, decision, generation, promote,
+                                      forced=forced)
         result.registry = registration.as_dict()
-    if not decision.passed:
+    if not decision.gate_passed:
         raise GateFailed(f"accuracy-parity gate failed against {decision.against}: {decision.verdict['reason']}",
                          decision.verdict)
+    if worse is not None and forced is None:
+        version = f"v{registration.version}" if registration else "the candidate"
+        raise ChampionKept(f"{version} passed the gate but was not promoted: {worse.verdict['reason']}. "
+                           f"{worse.against} stays the champion; to promote it anyway, run again with "
+                           "--force-promote --reason \"why\"", worse.verdict)
+    if worse is not None:
+        get_run_logger().warning("promoting a candidate worse than %s, as asked: %s", worse.against, forced)
     for check in decision.checks:
         paired = check.verdict.get("paired") or {}
         if paired.get("significant"):

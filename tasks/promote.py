@@ -1,9 +1,9 @@
-"""The last step of scheduled retraining: make the gated model the champion, then publish the
-embeddings it made.
+"""The last step of a run that trains: make the gated model the champion and publish its outputs.
 
-It comes after batch inference (into the run's staging folder), so a run that fails anywhere
-before it leaves the champion, the data watermark the next run starts from, and the published
-embeddings as they were.
+It comes after batch inference wrote the model's outputs into its own version folder, so a run
+that fails anywhere before it leaves the champion, the data watermark the next run starts from and
+the published outputs as they were. The champion and the `current` pointer move together: if the
+pointer cannot be moved, the promotion is rolled back.
 """
 
 from __future__ import annotations
@@ -11,42 +11,61 @@ from __future__ import annotations
 from prefect import task
 from prefect.cache_policies import NO_CACHE
 
-from trnflow.lifecycle.registry import Registry
+from trnflow.errors import FatalError
+from trnflow.lifecycle.registry import ModelVersion, Registry
 from trnflow.results import PromoteResult
 from trnflow.specs import JobSpec
 from trnflow.storage import join
 from trnflow.tasks import _artifacts
-from trnflow.workload.embeddings import MANIFEST, publish, staging_url
+from trnflow.workload.embeddings import MANIFEST, current, manifest, point_current, version_url
 
 
 @task(name="promote", cache_policy=NO_CACHE)
-def promote_champion(spec: JobSpec, run_id: str, version: int, generation: int) -> PromoteResult:
+def promote_champion(spec: JobSpec, run_id: str, version: int, generation: int, forced: str | None = None
+                     ) -> PromoteResult:
     """Promote `version`, unless the champion changed since `generation` (the one the gate judged
-    against): then PromotionConflict, never retried, names the champion that won. Then publish
-    the embeddings staged by this run's inference."""
-    assert spec.registry_url is not None  # retraining checks it
+    against): then PromotionConflict, never retried, names the champion that won. Then point
+    `current` at the outputs this run's inference wrote for it."""
+    assert spec.registry_url is not None  # the flows promote only with a registry
     registry = Registry(spec.registry_url)
     before = registry.champion(spec.name)
-    record = registry.promote(spec.name, version, reason=f"retrained and gated ({run_id})",
-                              expected_generation=generation)
     was = f" (was v{before.version})" if before else " (the first)"
+    if before is None or before.version != version:
+        why = f"forced: {forced} ({run_id})" if forced else f"gated ({run_id})"
+        record = registry.promote(spec.name, version, reason=why, expected_generation=generation)
+        generation = record["generation"]
+    else:  # a rerun of a run that promoted already
+        was = " (already)"
     champion = registry.version(spec.name, version)
-    result = PromoteResult(version=version, generation=record["generation"], watermark=champion.watermark,
+    result = PromoteResult(version=version, generation=generation, watermark=champion.watermark,
                            summary=f"champion v{version}{was}, data up to {champion.watermark}")
-    published = publish_embeddings(spec, run_id, champion.checkpoint)
-    if published is not None:
-        result.published, result.summary = published[0], f"{result.summary}; {published[1]}"
+    try:
+        published = publish_outputs(spec, champion)
+    except Exception as exc:  # the champion and its published outputs change together, or not at all
+        if before is not None and before.version != version:
+            registry.rollback(spec.name, reason=f"publishing v{version}'s outputs failed ({run_id})")
+        kept = before.version if before else version
+        raise FatalError(f"v{version}'s outputs could not be published ({exc}); the champion is v{kept} and "
+                         "`current` is unchanged") from exc
+    result.published, result.summary = published[0], f"{result.summary}; {published[1]}"
     return result
 
 
-def publish_embeddings(spec: JobSpec, run_id: str, checkpoint: str) -> tuple[str, str] | None:
-    """Publish the embeddings `run_id` staged with `checkpoint`, if it staged a complete set of
-    them (the link artifact names them): their manifest's URL and how many, else None."""
+def publish_outputs(spec: JobSpec, champion: ModelVersion) -> tuple[str, str]:
+    """Point `current` at the champion's outputs (its own version folder): the manifest's URL and
+    what was published."""
     output_url = spec.inference.output_url
-    document = publish(staging_url(output_url, run_id), output_url, checkpoint)
-    if document is None:
-        return None
-    manifest = join(output_url, MANIFEST)
-    _artifacts.link(spec, "embeddings", manifest, f"{document['rows']} embeddings of {document['model_version']} "
-                    f"in {len(document['shards'])} Parquet shard(s) under {output_url}")
-    return manifest, f"{document['rows']} embeddings published"
+    pointer = point_current(output_url, spec.name, champion.version)
+    manifest = join(version_url(output_url, champion.version), MANIFEST)
+    _artifacts.link(spec, "embeddings", manifest, f"{pointer['rows']} rows of champion v{champion.version} in "
+                    f"{pointer['shards']} Parquet shard(s), published as current under {output_url}")
+    return manifest, f"{pointer['rows']} rows published"
+
+
+def unpublished(spec: JobSpec, champion: ModelVersion) -> bool:
+    """Whether the champion has complete outputs that `current` does not point at yet (a run cut
+    short between its promotion and its publication)."""
+    pointer = current(spec.inference.output_url)
+    if pointer is not None and pointer.get("version") == champion.version:
+        return False
+    return manifest(version_url(spec.inference.output_url, champion.version)) is not None

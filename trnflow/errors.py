@@ -85,11 +85,20 @@ class GateFailed(FatalError):
         self.verdict = verdict or {}
 
 
+class ChampionKept(FatalError):
+    """The candidate passed the gate but is worse than the champion on the same holdout: it is
+    registered, not promoted. Never retried; `--force-promote --reason` overrides."""
+
+    def __init__(self, message: str, verdict: dict | None = None, bad_cores: list[int] | None = None):
+        super().__init__(message, bad_cores)
+        self.verdict = verdict or {}
+
+
 ERROR_TYPES: dict[str, type[TrnflowError]] = {
     cls.__name__: cls
     for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout,
                 ExecutionTimeout, HardwareError, CapacityError, InternalServiceError, HostFailure, UserError,
-                JobTimeout, DiskFull, GateFailed)
+                JobTimeout, DiskFull, GateFailed, ChampionKept)
 }
 
 
@@ -108,5 +117,10 @@ class ExitCode(IntEnum):
     """Not now: the run has not ended yet (`status`, `submit --wait --timeout`)."""
     CONFLICT = 4
     """Not now: someone else changed the registry first; look again and retry."""
+    CHAMPION_KEPT = 5
+    """The candidate passed the gate but is worse than the champion: registered, not promoted
+    (`--force-promote --reason` overrides)."""
     TRANSIENT = 75
     """A transient fault in the container (EX_TEMPFAIL): the service's retry strategy retries it."""
+    INTERRUPTED = 130
+    """Stopped by Ctrl-C or SIGTERM: the message names the run and the command that resumes it."""

@@ -119,6 +119,7 @@ class EvaluateResult(StageResult):
     points: list[dict[str, Any]] = Field(description="the candidate's metric points")
     series: str | None = None
     holdout_sha256: str | None = None
+    correct: str | None = Field(None, description="per holdout row, '1' when the last point's prediction was right")
     verdict: dict[str, Any] | None = Field(None, description="the gate's verdict (`trnflow.lifecycle.gate`)")
     against: str | None = Field(None, description="what the candidate was judged against")
     chart: str | None = Field(None, description="the parity chart's URL")
@@ -177,6 +178,11 @@ class CostRow(_Model):
     price_per_node_hour: float | None = Field(description="on-demand price; None when unknown")
     billable_seconds: float
     cost_usd: float | None
+    service: str | None = Field(None, description="whose price: ec2 (AWS Batch, and the local emulator's "
+                                "estimate) or sagemaker (its ml.* price)")
+    region: str | None = Field(None, description="the region the catalogue's price is for; None when "
+                               "compute.price_per_hour set the price or none is known")
+    price_as_of: str | None = Field(None, description="the day the catalogue's price was read (YYYY-MM-DD)")
 
 
 class Cost(_Model):
@@ -193,3 +199,28 @@ class RunOutcome(_Model):
     cost: Cost = Field(default_factory=Cost)
     nothing_new: bool = Field(False, description="scheduled retraining found no new data and launched nothing")
     watermark: str | None = None
+
+
+class DataFileCheck(_Model):
+    """One file of a data set as `trnflow data check` read it."""
+
+    name: str = Field(description="the file, relative to its set's URL")
+    rows_read: int = Field(0, description="rows a run reads from it")
+    rows_rejected: int | None = Field(0, description="rows it holds that no run reads; None when they cannot be "
+                                                     "counted (the file cannot be parsed)")
+    problem: str | None = Field(None, description="why its rows are rejected")
+
+
+class DataPartCheck(_Model):
+    """One part of a spec's data as `trnflow data check` read it: a day partition of a set, or the
+    set's files outside day folders."""
+
+    field: str = Field(description="the spec field: data.train, data.holdout or data.inference")
+    url: str = Field(description="the set's URL")
+    day: str | None = Field(None, description="the dt=YYYY-MM-DD day; None for files outside day folders")
+    state: str = Field(description="ok; failed: a run reading it stops; waiting: not marked ready, not read")
+    files: list[DataFileCheck] = Field(default_factory=list, description="each file, read or rejected")
+    rows_read: int = Field(0, description="rows a run reads")
+    rows_rejected: int = Field(0, description="rows of its files that no run reads (those that can be counted)")
+    problems: list[str] = Field(default_factory=list, description="why it failed, or waits")
+    notes: list[str] = Field(default_factory=list, description="what a run leaves alone without failing")

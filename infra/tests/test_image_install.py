@@ -140,9 +140,10 @@ def install_commands(wheel: Path) -> list[list[str]]:
 @functools.cache
 def _build_wheel(out: Path) -> Path:
     context = image_context(out / "context")
-    built = run([sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check", "--no-deps",
+    built = run([sys.executable, "-m", "pip", "wheel", "-v", "--disable-pip-version-check", "--no-deps",
                  "-w", out / "dist", context], out)
     assert built.returncode == 0, built.stderr
+    (out / "build.log").write_text(built.stdout + built.stderr)  # the build backend's output, for its warnings
     (wheel,) = (out / "dist").glob("trnflow-*.whl")
     return wheel
 

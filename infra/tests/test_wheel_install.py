@@ -42,6 +42,15 @@ def test_every_example_spec_validates(installed, tmp_path):
     assert sorted(p.name for p in shipped) == [p.name for p in examples]
 
 
+def test_building_the_wheel_gives_no_setuptools_warning(wheel):  # noqa: F811 (the fixture imported above)
+    """The package configuration is complete: setuptools finds no package data folder that is not
+    declared (its BuildBackendWarning), and nothing deprecated."""
+    log = (wheel.parents[1] / "build.log").read_text()
+    warnings = [line.strip() for line in log.splitlines()
+                if "Warning" in line or ("warning:" in line and "byte-compiling is disabled" not in line)]
+    assert warnings == []
+
+
 def test_the_quickstart_pipeline_runs_on_the_local_backend(installed, tmp_path):
     trnflow = installed.with_name("trnflow")
     synth = run([trnflow, "data", "synth", tmp_path / "data", "--days", "1", "--rows-per-day", "128",
@@ -65,11 +74,13 @@ def test_the_quickstart_pipeline_runs_on_the_local_backend(installed, tmp_path):
     outcome = json.loads(ran.stdout)
     assert outcome["state"] == "Completed"
     assert [(s["stage"], s["state"]) for s in outcome["stages"]] == [
-        (stage, "Completed") for stage in ("sanity", "collectives", "compile", "train", "evaluate", "infer")]
+        (stage, "Completed") for stage in ("sanity", "collectives", "compile", "train", "evaluate", "infer",
+                                           "promote")]
     checkpoint = tmp_path / "checkpoints" / outcome["run_id"] / "step-000002"
     assert outcome["results"]["train"]["checkpoint"] == checkpoint.as_uri()
     assert (checkpoint / "COMMITTED").is_file()
-    manifest = json.loads((tmp_path / "embeddings" / "_manifest.json").read_text())
+    assert json.loads((tmp_path / "embeddings" / "_current.json").read_text())["folder"] == "v000001"
+    manifest = json.loads((tmp_path / "embeddings" / "v000001" / "_manifest.json").read_text())
     assert manifest["rows"] == 48
 
 

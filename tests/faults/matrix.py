@@ -96,7 +96,8 @@ class Matrix:
             s3.upload_file(str(self.world.reference), bucket, "reference/metrics.json")
             compute = {"backend": case.storage, "instance_type": "trn1.2xlarge", "nodes": 1, "cores_per_node": 2}
             if case.storage == "batch":  # two nodes of one core: the same two ranks as the baseline
-                compute = {"backend": "batch", "instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1}
+                compute = {"backend": "batch", "instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1,
+                           "share_identifier": "default", "fair_share": True}
             run.out = f"s3://{bucket}/{case.name}"
             run.sections.update(
                 compute=compute,

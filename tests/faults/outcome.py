@@ -16,6 +16,7 @@ from trnflow.lifecycle.registry import Registry
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 from trnflow.workload.checkpoint import RunCheckpoints, load
+from trnflow.workload.embeddings import current_url
 
 _EVENT = re.compile(r"\{.*\"event\".*\}")
 
@@ -38,7 +39,7 @@ class Snapshot:
         keep = ("version", "status", "metrics", "watermark", "global_step")
         view = {"champion": champion and {k: champion.entry.get(k) for k in keep},
                 "versions": len(registry.versions(spec.name)), "promotions": len(registry.history(spec.name))}
-        out = open_store(spec.inference.output_url)
+        out = open_store(current_url(spec.inference.output_url))
         rows: dict[str, list[float]] = {}
         for obj in out.list():
             if obj.name.endswith(".parquet") and "/" not in obj.name:

@@ -63,8 +63,11 @@ def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=
 def _cloud_spec(make_spec, bucket, backend, **sections):
     s3 = f"s3://{bucket}"
     compute = {"backend": backend, "instance_type": "trn1.2xlarge", "nodes": 1, "cores_per_node": 2}
-    if backend == "batch":  # two trn1.32xlarge nodes, one core each: a real two-node rendezvous
-        compute |= {"instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1}
+    if backend == "batch":  # two trn1.32xlarge nodes, one core each: a real two-node rendezvous; the
+        # deployment's queue has a fair-share policy, which refuses jobs without a share identifier
+        compute |= {"instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1, "fair_share": True,
+                    "share_identifier": "default"}
+    compute |= sections.pop("compute", {})
     return make_spec(
         data={"train": f"{s3}/reviews/train", "holdout": f"{s3}/reviews/holdout",
               "inference": f"{s3}/reviews/inference"},
@@ -160,7 +163,7 @@ def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
         described = batch.describe_jobs(jobs=[j["jobId"] for j in queue])["jobs"]
         by_phase = {j["tags"]["trnflow:phase"]: j for j in described}
         # one job a stage, nothing resubmitted (evaluation ran inside the training job)
-        assert set(by_phase) == set(STAGES) - {"evaluate"} and len(described) == len(by_phase)
+        assert set(by_phase) == set(STAGES) - {"evaluate", "promote"} and len(described) == len(by_phase)
         train = by_phase["train"]
         assert [(a["statusReason"], a["container"].get("exitCode")) for a in train["attempts"]] == [
             (HOST_LOST, None), ("Essential container in task exited", 75), ("Essential container in task exited", 0)]
@@ -219,6 +222,84 @@ def test_throttling_while_polling_is_retried_without_failing(moto_endpoint, tmp_
             info = backend.describe(job)
         assert info.state.value == "FAILED" and info.failure["type"] == "UserError"
         assert len([r for r in caplog.records if "ThrottlingException" in r.getMessage()]) == 2
+
+
+def _batch_backend():
+    from trnflow.backends.batch import BatchBackend
+    from trnflow.backends.cloud import cloud_target
+    from trnflow.settings import TrnflowSettings
+
+    return BatchBackend(cloud_target(TrnflowSettings(), "batch"))
+
+
+def test_a_fair_share_queue_refuses_a_job_without_a_share_identifier(
+        moto_endpoint, tmp_path, monkeypatch, dataset, make_spec):
+    """The deployment's queue has a fair-share policy: the service refuses a job without a share
+    identifier there, and trnflow refuses to submit one, naming the field, before any job exists."""
+    import boto3
+    from botocore.exceptions import ClientError
+
+    from trnflow.backends.batch_request import build_job_definition, build_submit_job
+    from trnflow.errors import FatalError
+
+    fault = ServiceFault("batch", "sanity", "Essential container in task exited", exit_code=1)
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [fault], in_process=True) as (cloud, bucket):
+        batch, backend = boto3.client("batch"), _batch_backend()
+        shared = _cloud_spec(make_spec, bucket, "batch")
+        plain = shared.model_copy(update={"compute": shared.compute.model_copy(
+            update={"fair_share": None, "share_identifier": None})})
+        with pytest.raises(FatalError) as caught:
+            backend.submit(JobRequest(plain, "sanity", "unshared"))
+        assert str(caught.value).startswith("compute.share_identifier: the job queue trnflow-trn1 has a fair-share "
+                                            "scheduling policy (arn:aws:batch:")
+        assert "set compute.share_identifier" in str(caught.value)
+        assert batch.list_jobs(jobQueue="trnflow-trn1")["jobSummaryList"] == []
+        assert batch.describe_job_definitions()["jobDefinitions"] == []  # refused before anything was registered
+
+        definition = build_job_definition(plain, backend.target)
+        batch.register_job_definition(**definition)
+        with pytest.raises(ClientError) as refused:  # sent anyway: the service refuses it as Batch does
+            batch.submit_job(**build_submit_job(JobRequest(plain, "sanity", "raw"), backend.target,
+                                                definition["jobDefinitionName"]))
+        assert refused.value.response["Error"] == {"Code": "ClientException",
+                                                   "Message": "shareIdentifier must be specified."}
+        assert batch.list_jobs(jobQueue="trnflow-trn1")["jobSummaryList"] == []
+
+        job = backend.submit(JobRequest(shared, "sanity", "shared"))
+        cloud.wait_idle()
+        assert [j["jobId"] for j in batch.list_jobs(jobQueue="trnflow-trn1")["jobSummaryList"]] == [job]
+
+
+def test_the_batch_retry_strategy_and_fair_share_read_back_from_the_service(
+        moto_endpoint, tmp_path, monkeypatch, dataset, make_spec):
+    """The registered job definition keeps the retry strategy and the container's memory, and
+    DescribeJobs tells the job's own strategy, share and priority, as Batch does."""
+    import boto3
+
+    from trnflow.backends.batch_request import build_job_definition, retry_strategy
+
+    fault = ServiceFault("batch", "sanity", "Essential container in task exited", exit_code=1)
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [fault], in_process=True) as (cloud, bucket):
+        batch, backend = boto3.client("batch"), _batch_backend()
+        spec = _cloud_spec(make_spec, bucket, "batch", compute={"scheduling_priority": 7, "memory_gib": 256})
+        job = backend.submit(JobRequest(spec, "sanity", "strategy"))
+        cloud.wait_idle()
+        expected = retry_strategy(spec)
+        assert expected["attempts"] == 3 and expected["evaluateOnExit"][-1] == {"action": "EXIT", "onReason": "*"}
+
+        name = build_job_definition(spec, backend.target)["jobDefinitionName"]
+        (definition,) = batch.describe_job_definitions(jobDefinitionName=name, status="ACTIVE")["jobDefinitions"]
+        kept = definition["retryStrategy"]  # Batch reads `action` in any case (moto keeps it lower-case)
+        assert {**kept, "evaluateOnExit": [{**r, "action": r["action"].upper()} for r in kept["evaluateOnExit"]]} \
+            == expected
+        container = definition["nodeProperties"]["nodeRangeProperties"][0]["container"]
+        assert {"type": "MEMORY", "value": str(256 * 1024)} in container["resourceRequirements"]
+
+        (described,) = batch.describe_jobs(jobs=[job])["jobs"]
+        assert described["retryStrategy"] == expected
+        assert (described["shareIdentifier"], described["schedulingPriority"]) == ("default", 7)
+        assert len(described["attempts"]) == 1  # exit code 1 met the EXIT rule: not retried
+        assert backend.describe(job).failure["type"] == "UserError"
 
 
 def test_each_service_failure_maps_to_its_error_class_and_retry_owner():

@@ -167,6 +167,34 @@ def test_optlevels_trade_compile_time_for_generated_code(make_spec, tmp_path, mo
     assert compile_flags(3, "fp32")["mode"] == "max-autotune-no-cudagraphs"
 
 
+def test_a_compile_files_its_graph_in_the_neuron_cache_layout(make_spec, tmp_path, monkeypatch):
+    """`neuronxcc-<compiler version>/MODULE_<graph hash>+<8-hex flags hash>/`, holding the artifact,
+    the flags and an empty done marker, as a real Neuron cache entry does; trnflow's checksums
+    have a file of their own."""
+    import io
+    import re
+    import tarfile
+
+    from trnflow.workload.compile import compile_one
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))  # compile_one uses its own
+    spec = make_spec(model={"params": TINY}, compile={"optlevel": 1, "cache_url": str(tmp_path / "cache")})
+    key = next(p.key for p in extract(spec) if p.program == "eval_step")
+    assert compile_one(spec.model_dump_json(), "eval_step", key)["status"] == "done"
+
+    (version,) = (tmp_path / "cache").iterdir()
+    assert version.name == COMPILER_VERSION and re.fullmatch(r"neuronxcc-torch-[0-9].*", version.name)
+    (entry,) = version.iterdir()
+    assert entry.name == key and re.fullmatch(r"MODULE_[0-9a-f]+\+[0-9a-f]{8}", key)
+    assert {p.name for p in entry.iterdir()} == {"model.fx.txt", "compile_flags.json", "model.neff",
+                                                 "trnflow.json", "model.done"}
+    assert (entry / "model.done").read_bytes() == b""
+    assert json.loads((entry / "compile_flags.json").read_text())["optlevel"] == 1
+    with tarfile.open(fileobj=io.BytesIO((entry / "model.neff").read_bytes())) as tar:
+        assert tar.getnames() == ["graph-01.py"]  # the lowered forward graph (evaluation has no backward)
+    assert CompileCache(str(tmp_path / "cache")).state(entry_name(key), deep=True) == DONE
+
+
 def test_listing_and_warm_checks_read_only_metadata_never_an_artifact(tmp_path):
     from trnflow.device import plans
     from trnflow.storage import LocalStore

@@ -76,6 +76,42 @@ def test_a_corrupting_core_makes_collectives_wrong_and_is_named(backend, monkeyp
     assert "core(s) [1] sent corrupted data" in info.failure["message"]
 
 
+def _train_two_ranks(backend, make_spec, name: str, fault: dict):
+    spec = make_spec(name=name, train={"steps": 6, "checkpoint_every": 100, "log_every": 1}, faults=[fault])
+    job_id = backend.submit(JobRequest(spec, "train", name, cores=(0, 1)))
+    info = wait(backend, job_id, 0.2)
+    assert info.state is JobState.FAILED, backend.logs(job_id)[0]
+    return info, backend.jobs_dir / job_id
+
+
+def test_a_rank_killed_by_a_signal_is_named_alone_with_its_signal_and_its_log(backend, make_spec):
+    """Rank 1 is SIGKILLed; rank 0 then loses its peer, or is stopped by torchrun: only rank 1 is named."""
+    info, job_dir = _train_two_ranks(backend, make_spec, "sigkilled", {"kind": "kill", "core": 1, "step": 3})
+    failure = info.failure
+    assert failure["type"] == "WorkerLost" and failure["retryable"] is True
+    assert failure["ranks"] == [1] and (failure["exitcode"], failure["signal"]) == (-9, "SIGKILL")
+    message = failure["message"]
+    assert message.startswith("rank 1 exited without reporting why (signal SIGKILL")
+    assert "rank 1 failed first (signal SIGKILL); the last lines of its log (" in message
+    assert f"{job_dir / 'ranks'}" in message and "/attempt_0/1)" in message  # its own log's folder
+    assert "rank 0" not in message and "rank(s)" not in message and "Connection reset" not in message
+
+
+def test_a_rank_that_fails_is_named_with_its_exit_code_and_the_last_lines_of_its_own_log(backend, make_spec):
+    info, job_dir = _train_two_ranks(backend, make_spec, "hwfail", {"kind": "hw", "core": 1, "step": 3})
+    failure = info.failure
+    assert failure["type"] == "HardwareError" and failure["bad_cores"] == [1] and failure["exitcode"] == 1
+    message = failure["message"]
+    assert message.startswith("NeuronCore 1: uncorrectable hardware error at step 3")
+    _, _, tail = message.partition("\nrank 1 failed first (exit code 1); the last lines of its log (")
+    assert tail, message
+    assert "trnflow.workload train failed on rank 1: HardwareError" in tail  # what rank 1 itself wrote last
+    assert '"rank": 0' not in tail and "rank 0" not in message  # nothing of rank 0's log
+    rank_log = next((job_dir / "ranks").glob("*/attempt_0/1/stderr.log")).read_text()
+    assert "failed on rank 1: HardwareError" in rank_log
+    assert "failed on rank 1: HardwareError" in backend.logs(job_dir.name)[0]  # job.log still has every line
+
+
 def test_fault_syntax_errors_are_clear():
     assert [(f.kind, f.core) for f in parse("corrupt@1, hang@3")] == [("corrupt", 1), ("hang", 3)]
     with pytest.raises(FatalError, match="kind@core"):

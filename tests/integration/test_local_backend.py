@@ -34,7 +34,12 @@ def test_sanity_job_runs_one_process_per_core_with_the_neuron_contract(backend, 
     assert record["env"]["NEURON_RT_VISIBLE_CORES"] == "0-1"
     assert "AWS_SECRET_ACCESS_KEY" not in record["env"]
     assert not any("canary-secret-value" in p.read_text(errors="replace") for p in job_dir.rglob("*") if p.is_file())
-    assert "torch.distributed.run" in record["argv"]
+    assert record["argv"][1:4] == ["-m", "trnflow.neuron.launch", str(job_dir / "ranks")]  # torchrun, wrapped
+    job_log = [json.loads(line) for line in (job_dir / "job.log").read_text().splitlines() if line.startswith("{")]
+    for rank in (0, 1):  # each rank's output in its own log, and all of it, whole lines, in the job's
+        own = next((job_dir / "ranks").glob(f"*/attempt_0/{rank}/stdout.log")).read_text()
+        assert f'"event": "sanity", "rank": {rank}' in own
+        assert any(e["event"] == "sanity" and e["rank"] == rank for e in job_log)
 
 
 def test_failing_job_reports_its_root_cause(backend, make_spec, tmp_path):
@@ -78,8 +83,8 @@ def test_a_rank_killed_without_a_word_is_a_lost_worker_and_retryable(backend, ma
     info = wait(backend, job_id, 0.2)
     assert info.state is JobState.FAILED
     assert info.failure["type"] == "WorkerLost" and info.failure["retryable"] is True
-    # torchrun may stop rank 0 before it notices the broken link, so rank 0 can be silent too
-    assert 1 in info.failure["ranks"]
+    # torchrun may stop rank 0 before it notices the broken link: its record tells it from rank 1
+    assert info.failure["ranks"] == [1] and info.failure["signal"] == "SIGKILL"
 
 
 def test_run_ids_cannot_leave_the_checkpoint_folder(make_spec):

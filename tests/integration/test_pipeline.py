@@ -1,12 +1,16 @@
 """The six-stage pipeline end to end on the emulator, under a real Prefect API."""
 
 import json
+import shutil
 
 import pyarrow.parquet as pq
 import pytest
+from typer.testing import CliRunner
 
 from trnflow.backends.reference import run_reference
+from trnflow.cli.app import app
 from trnflow.errors import GateFailed
+from trnflow.flows.batch_inference import batch_inference
 from trnflow.flows.pipeline import STAGES, PipelineFailed, pipeline
 from trnflow.lifecycle.gate import metrics_document
 from trnflow.lifecycle.registry import Registry
@@ -15,11 +19,13 @@ from trnflow.results import (
     CompileResult,
     EvaluateResult,
     InferResult,
+    PromoteResult,
     SanityResult,
     TrainResult,
 )
 from trnflow.storage import local_path
 from trnflow.workload.checkpoint import MARKER, load
+from trnflow.workload.embeddings import current, current_url, manifest
 
 
 def _run(spec, **kwargs):
@@ -49,7 +55,7 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     assert state.is_completed(), outcome
     assert [(r.stage, r.state) for r in outcome.stages] == [(s, "Completed") for s in STAGES]
     assert [type(outcome.results[s]) for s in STAGES] == [SanityResult, CollectivesResult, CompileResult, TrainResult,
-                                                          EvaluateResult, InferResult]
+                                                          EvaluateResult, InferResult, PromoteResult]
     results = outcome.model_dump(mode="json")["results"]
 
     # sanity checked every engine, named the bad core and moved on; collectives checked their answers
@@ -113,19 +119,22 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
                                                             "infer": 1}
     assert cost["total_usd"] == pytest.approx(sum(r["cost_usd"] for r in cost["rows"]), abs=1e-3)
 
-    # the candidate is registered and, having passed, promoted
-    assert results["evaluate"]["registry"] == {"version": 1, "promoted": True, "generation": 0}
+    # the candidate is registered, and, having passed and its outputs written, promoted
+    assert results["evaluate"]["registry"] == {"version": 1, "promoted": False, "generation": 0}
+    assert results["promote"]["version"] == 1 and results["promote"]["generation"] == 1
     champion = Registry(spec.registry_url).champion(spec.name)
     assert champion.checkpoint == results["train"]["checkpoint"] and champion.watermark == "2026-01-02"
 
-    # one embedding row per inference row, in Parquet shards
-    table = pq.read_table(local_path(spec.inference.output_url))
+    # one embedding row per inference row, in Parquet shards of the version's own folder, published
+    out = local_path(current_url(spec.inference.output_url))
+    assert out == local_path(spec.inference.output_url) / "v000001"
+    table = pq.read_table(out)
     inputs = [json.loads(line)["id"] for line in (dataset / "inference" / "part-00000.jsonl").read_text().splitlines()]
     assert sorted(table.column("id").to_pylist()) == sorted(inputs)
     assert len(table.column("embedding")[0]) == spec.model.params["d_model"]
     shards = -(-len(inputs) // 100)
-    assert len(list(local_path(spec.inference.output_url).glob("part-*.parquet"))) == shards
-    manifest = json.loads((local_path(spec.inference.output_url) / "_manifest.json").read_text())
+    assert len(list(out.glob("part-*.parquet"))) == shards
+    manifest = json.loads((out / "_manifest.json").read_text())
     assert [s["rows"] for s in manifest["shards"]] == [100, 100, 100, 50] and manifest["rows"] == len(inputs)
 
     # the next run's compile stage hits the cache for every program and compiles nothing
@@ -157,10 +166,77 @@ def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champ
     assert outcome.stage == "evaluate"
     assert f"step {spec.train.steps}" in str(outcome.cause)
     assert [r.stage for r in outcome.stages] == ["sanity", "collectives", "compile", "train", "evaluate"]
-    assert not local_path(spec.inference.output_url).exists()
+    assert not list(local_path(spec.inference.output_url).rglob("*"))  # checked writable before training; no shard
     assert _task_run_counts(state.state_details.flow_run_id)["evaluate"] == 1  # a failed gate is not retried
     assert registry.champion("gatefail").version == 1
     assert registry.version("gatefail", 2).entry["status"] == "rejected"
+
+
+def test_a_candidate_worse_than_the_champion_is_kept_out_unless_forced_with_a_reason(prefect_api, make_spec):
+    """Item 1: a plain run whose model is worse than the champion on the same holdout is registered
+    but not promoted, ends in `ChampionKept` (exit 5) before inference, and says why; the same run
+    again with `force_promote` promotes it and the registry records the reason."""
+    from trnflow.errors import ChampionKept
+
+    spec = make_spec(name="protect", gate={"reference": None})
+    state, outcome = _run(spec, run_id="strong")
+    assert state.is_completed(), outcome
+    registry = Registry(spec.registry_url)
+    assert registry.champion("protect").version == 1
+
+    weak = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": 4, "checkpoint_every": 4})})
+    state, outcome = _run(weak, run_id="weak")
+    assert state.is_failed() and state.name == "ChampionKept"
+    assert isinstance(outcome.cause, ChampionKept) and outcome.stage == "evaluate"
+    assert "v2 passed the gate but was not promoted" in str(outcome.cause)
+    assert "below champion v1" in str(outcome.cause) and "--force-promote" in str(outcome.cause)
+    assert [r.stage for r in outcome.stages][-1] == "evaluate"
+    assert registry.champion("protect").version == 1
+    assert registry.version("protect", 2).entry["status"] == "worse-than-champion"
+
+    state, outcome = _run(weak, run_id="weak", force_promote="the old champion leaked labels")
+    assert state.is_completed(), outcome
+    assert registry.champion("protect").version == 2
+    assert registry.history("protect")[-1]["reason"] == "forced: the old champion leaked labels (weak)"
+    assert len(registry.versions("protect")) == 2
+
+    # item 2: each version's outputs are its own; a rollback republishes the old ones
+    out = local_path(spec.inference.output_url)
+    assert current(str(out))["version"] == 2
+    v1 = (out / "v000001" / "_manifest.json").read_text()
+    models = ["models", "rollback", "protect", "-r", spec.registry_url, "--json"]
+    rolled = CliRunner().invoke(app, models)
+    assert rolled.exit_code == 0, rolled.output
+    assert json.loads(rolled.stdout)["published"].startswith("350 rows published as current")
+    assert registry.champion("protect").version == 1 and current(str(out))["version"] == 1
+    assert (out / "v000001" / "_manifest.json").read_text() == v1 and (out / "v000002" / "_manifest.json").is_file()
+
+    # a version whose outputs are gone cannot become champion until `trnflow infer --model` writes them
+    shutil.rmtree(out / "v000002")
+    refused = CliRunner().invoke(app, ["models", "promote", "protect", "2", "-r", spec.registry_url])
+    assert refused.exit_code == 1 and "trnflow infer SPEC --model 2" in " ".join(refused.stderr.split())
+    assert registry.champion("protect").version == 1
+    state = batch_inference(spec, model="2", return_state=True)
+    assert state.is_completed() and manifest(str(out / "v000002"))["rows"] == 350
+    assert current(str(out))["version"] == 1  # v2 is not the champion: nothing republished
+    promoted = CliRunner().invoke(app, ["models", "promote", "protect", "2", "-r", spec.registry_url])
+    assert promoted.exit_code == 0, promoted.output
+    assert current(str(out))["version"] == 2
+
+
+def test_a_second_run_of_the_same_model_is_refused_naming_the_run_that_holds_it(prefect_api, make_spec, tmp_path):
+    """Item 17: while a run of the model holds its lock, another `pipeline` of the same spec waits,
+    then is refused naming that run, having trained and registered nothing."""
+    from trnflow.flows._lock import model_lock
+
+    spec = make_spec(name="onejob")
+    with model_lock("onejob", timeout_seconds=10, who="run nightly-7 (flow run 'tidy-otter')"):
+        state, outcome = _run(spec, lock_timeout_seconds=1)
+    assert state.is_failed()
+    assert "run nightly-7 (flow run 'tidy-otter') of onejob has held the concurrency limit trnflow-model-onejob" \
+        in str(outcome)
+    assert not local_path(spec.train.checkpoint_url).exists()
+    assert Registry(spec.registry_url).versions("onejob") == []
 
 
 def _task_run_counts(flow_run_id) -> dict:

@@ -153,7 +153,7 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     retrain = deployed["trnflow-incremental-retrain/served"]
     assert [(s.schedule.cron, s.schedule.timezone) for s in retrain.schedules] == [("30 4 * * *", "Europe/Berlin")]
     form = deployed["trnflow-pipeline/served"].parameter_openapi_schema  # what the UI renders the run form from
-    assert set(form["properties"]) == {"spec", "spec_url", "run_id"}
+    assert set(form["properties"]) == {"spec", "spec_url", "run_id", "force_promote", "lock_timeout_seconds"}
     assert {"name", "model", "data", "compute", "train", "gate"} <= set(form["definitions"]["JobSpec"]["properties"])
     assert retrain.global_concurrency_limit.limit == 1
 
@@ -163,7 +163,8 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     run = json.loads(done.stdout)
     assert run["state"] == "Completed" and run["deployment"] == "trnflow-pipeline/served"
     assert run["name"] == "served: all partitions"
-    assert [s["stage"] for s in run["stages"]] == ["sanity", "collectives", "compile", "train", "evaluate", "infer"]
+    assert [s["stage"] for s in run["stages"]] == ["sanity", "collectives", "compile", "train", "evaluate", "infer",
+                                                   "promote"]
     figures = {s["stage"]: s["summary"] for s in run["stages"]}  # each stage's key figure, from the stages table
     assert re.match(r"all \d+ cores passed", figures["sanity"]) and figures["train"].startswith("20 steps, loss ")
     assert figures["infer"].startswith("350 embeddings") and "all_reduce ok" in figures["collectives"]
@@ -171,7 +172,8 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     assert {f"served-{k}" for k in ("summary", "stages", "sanity", "collectives", "compile", "training", "gate",
                                     "parity", "embeddings")} <= set(run["artifacts"])
     assert run["url"].endswith(f"/runs/flow-run/{run['id']}")
-    assert (root / "embeddings" / "_manifest.json").is_file()  # the served process ran it, for real
+    assert (root / "embeddings" / "v000001" / "_manifest.json").is_file()  # the served process ran it, for real
+    assert (root / "embeddings" / "_current.json").is_file()
 
     listed = json.loads(subprocess.run([TRNFLOW, "runs", "--json"], env=env, capture_output=True, text=True,
                                        check=True).stdout)

@@ -65,7 +65,8 @@ def _check_outcome(outcome, spec, read: callable) -> dict:
     assert train["recipe"]["recipe"] == "tabular-mlp" and train["recipe"]["version"] == "1"
     assert train["compile"]["recompiles"] == [] and train["compile"]["hits"] == train["compile"]["graphs"]
     assert results["compile"]["graphs"] == 2  # training and evaluation: no embedding program
-    assert results["evaluate"]["verdict"]["passed"] is True and results["evaluate"]["registry"]["promoted"]
+    assert results["evaluate"]["verdict"]["passed"] is True
+    assert results["promote"]["version"] == results["evaluate"]["registry"]["version"]
     assert results["infer"]["published"] == "predictions" and results["infer"]["rows"] == 230
     meta = json.loads(read(f"{train['checkpoint']}/meta.json"))
     assert meta["recipe"]["params"]["features"] == ["f0", "f1", "f2", "f3"]
@@ -100,7 +101,8 @@ def test_the_external_recipe_runs_on_sagemaker_and_batch(
     with _cloud(moto_endpoint, tmp_path, monkeypatch, tabular, in_process=service == "sagemaker") as (_, bucket):
         compute = {"backend": service}
         if service == "batch":  # two nodes, one core each
-            compute |= {"instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1}
+            compute |= {"instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1,
+                        "share_identifier": "default", "fair_share": True}
         spec = _spec(f"s3://{bucket}/reviews", f"s3://{bucket}/tabular", **compute)
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False)
@@ -122,7 +124,7 @@ HF_PARAMS = {"vocab_size": 1024, "seq_len": 24, "config": {"hidden_size": 32, "n
 def _hf_spec(make_spec, tmp_path, **sections):
     return make_spec(model={"recipe": "hf-encoder", "params": HF_PARAMS},
                      compile={"cache_url": str(tmp_path / "hf-cache")},
-                     train={"steps": 20, "checkpoint_every": 20, "log_every": 10},
+                     train={"steps": 20, "checkpoint_every": 20, "log_every": 10, **sections.pop("train", {})},
                      gate={"reference": "champion", "eval_every": None}, **sections)
 
 
@@ -145,7 +147,8 @@ def test_the_hugging_face_encoder_runs_the_six_stages_and_exports_with_save_pret
     assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
     results = outcome["results"]
     assert results["train"]["recipe"]["recipe"] == "hf-encoder"
-    assert results["evaluate"]["registry"]["promoted"] and results["infer"]["published"] == "embeddings"
+    assert results["promote"]["version"] == results["evaluate"]["registry"]["version"]
+    assert results["infer"]["published"] == "embeddings"
     champion = Registry(spec.registry_url).champion(spec.name)
     export = Path(champion.entry["export"].removeprefix("file://"))
     assert {"config.json", "model.safetensors", "head.pt", "tokenizer.json", "EXPORTED"} <= {
@@ -165,10 +168,8 @@ def test_the_hugging_face_encoder_runs_on_sagemaker(prefect_api, make_spec, moto
         spec = _hf_spec(make_spec, tmp_path, data={"train": f"{s3}/reviews/train", "holdout": f"{s3}/reviews/holdout",
                                                    "inference": f"{s3}/reviews/inference"},
                         compute={"backend": "sagemaker"}, registry_url=f"{s3}/registry",
-                        inference={"output_url": f"{s3}/embeddings"})
-        spec = spec.model_copy(update={
-            "compile": spec.compile.model_copy(update={"cache_url": f"{s3}/hf-cache"}),
-            "train": spec.train.model_copy(update={"checkpoint_url": f"{s3}/checkpoints"})})
+                        inference={"output_url": f"{s3}/embeddings"}, train={"checkpoint_url": f"{s3}/checkpoints"})
+        spec = spec.model_copy(update={"compile": spec.compile.model_copy(update={"cache_url": f"{s3}/hf-cache"})})
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False).model_dump(mode="json")
         assert state.is_completed(), outcome

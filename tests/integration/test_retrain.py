@@ -13,7 +13,7 @@ from trnflow.flows.incremental_retrain import STAGES, incremental_retrain
 from trnflow.lifecycle.registry import Registry
 from trnflow.results import RunOutcome
 from trnflow.storage import local_path
-from trnflow.workload.embeddings import MANIFEST, STAGING, manifest
+from trnflow.workload.embeddings import CURRENT, MANIFEST, current, current_url, manifest
 from trnflow.workload.synth import synthesize
 
 
@@ -62,7 +62,7 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert registry.champion(spec.name) is None
     assert [v.entry["status"] for v in registry.versions(spec.name)] == ["passed"]  # gated, never promoted
     published = local_path(spec.inference.output_url)
-    assert manifest(str(published)) is None
+    assert current(str(published)) is None
 
     # the next run retries the same window, and promotes as its last step
     state, outcome = _run(spec)
@@ -72,9 +72,9 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert first.version == 2 and first.watermark == "2026-01-02"
     assert outcome["results"]["train"]["partitions"] == ["2026-01-01", "2026-01-02"]
     assert outcome["results"]["evaluate"]["against"] == "no champion"
-    assert manifest(str(published))["checkpoint"] == first.checkpoint  # the champion's embeddings, published
-    assert not (published / STAGING).exists()
-    assert outcome["results"]["promote"]["summary"].endswith("; 120 embeddings published")
+    assert manifest(current_url(str(published)))["checkpoint"] == first.checkpoint  # the champion's, published
+    assert current(str(published))["version"] == 2 and (published / "v000002" / MANIFEST).is_file()
+    assert outcome["results"]["promote"]["summary"].endswith("; 120 rows published")
 
     from prefect.client.orchestration import get_client
 
@@ -83,16 +83,12 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
             "quickstart: dt=2026-01-01..2026-01-02 from scratch")
 
     # nothing new since the champion's watermark: Completed, and no job launched; but a publication
-    # of the champion's embeddings that was cut short (staged, manifest gone) is finished first
-    staged = published / STAGING / first.entry["run_id"]
-    shutil.copytree(published, staged)
-    (published / MANIFEST).unlink()
-    (published / "part-00000.parquet").unlink()  # the copy had not got that far
+    # of the champion's outputs that was cut short (promoted, `current` not moved yet) is finished first
+    (published / CURRENT).unlink()
     launched = _jobs(trnflow_home)
     state, outcome = _run(spec)
     assert state.is_completed() and outcome["nothing_new"]
-    assert manifest(str(published))["checkpoint"] == first.checkpoint and not staged.exists()
-    assert (published / "part-00000.parquet").is_file()
+    assert current(str(published))["version"] == 2
     assert state.message == f"nothing new: {spec.data.train} has no partitions after 2026-01-02"
     assert _jobs(trnflow_home) == launched
 
@@ -128,9 +124,10 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert results["evaluate"]["summary"].endswith(f"{change:+.4f} vs champion v2 (allowed regression 0.2): passed")
     second = registry.champion(spec.name)
     assert second.version == 3 and second.watermark == "2026-01-03"
-    assert manifest(str(published))["checkpoint"] == second.checkpoint
+    assert manifest(current_url(str(published)))["checkpoint"] == second.checkpoint
+    assert manifest(str(published / "v000002"))["checkpoint"] == first.checkpoint  # kept for a rollback
     assert second.entry["parent_version"] == 2
-    assert results["promote"]["summary"] == "champion v3 (was v2), data up to 2026-01-03; 120 embeddings published"
+    assert results["promote"]["summary"] == "champion v3 (was v2), data up to 2026-01-03; 120 rows published"
     assert dt.date.fromisoformat(second.watermark) > dt.date.fromisoformat(first.watermark)
 
 
@@ -154,7 +151,7 @@ def test_a_lost_lease_is_noticed_and_stops_promotion(prefect_api, monkeypatch):
         deadline = time.monotonic() + 10
         while held.lost is None and time.monotonic() < deadline:
             time.sleep(0.1)
-        with pytest.raises(FatalError, match=r"lost its hold on trnflow-retrain-leased.*stops before promoting"):
+        with pytest.raises(FatalError, match=r"lost its hold on trnflow-model-leased.*stops before promoting"):
             held.check()
         with model_lock("leased", timeout_seconds=1) as other:  # the slot is free for another run
             other.check()
@@ -163,3 +160,71 @@ def test_a_lost_lease_is_noticed_and_stops_promotion(prefect_api, monkeypatch):
             other._expires = time.monotonic() + _lock.MARGIN_SECONDS - 1  # ... until the lease nearly runs out
             with pytest.raises(FatalError, match="last renewed over"):
                 other.check()
+
+
+def test_a_day_in_another_format_fails_the_training_job_naming_it(prefect_api, retrain_spec, trnflow_home):
+    """A day written as CSV in a JSONL dataset is not passed over (which would let the watermark move
+    past a day never trained on): the training job fails with a DataError naming the day and its
+    files, is not retried, and the registry is left as it was."""
+    import csv
+    import json
+
+    from trnflow.errors import DataError
+
+    make, data = retrain_spec
+    day = data / "train" / "dt=2026-01-02"
+    rows = [json.loads(line) for line in (day / "part-00000.jsonl").read_text().splitlines()]
+    with (day / "part-00000.csv").open("w", newline="") as out:
+        writer = csv.DictWriter(out, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    (day / "part-00000.jsonl").unlink()
+    spec = make()
+
+    def train_jobs() -> int:
+        return len(list((trnflow_home / "jobs").glob("*-train-*")))
+
+    before = train_jobs()
+    state, outcome = _run(spec)
+    assert state.is_failed() and isinstance(outcome, PipelineFailed) and outcome.stage == "train", outcome
+    assert isinstance(outcome.cause, DataError)
+    message = " ".join(str(outcome.cause).split())
+    assert ("day dt=2026-01-02 (dt=2026-01-02/part-00000.csv) holds no jsonl files (data.format), only .csv files; "
+            "write the day as jsonl, or remove its folder") in message
+    assert train_jobs() == before + 1  # a DataError is never retried
+    registry = Registry(spec.registry_url)
+    assert registry.champion(spec.name) is None and registry.versions(spec.name) == []
+
+
+def test_the_champion_and_its_published_outputs_change_together(make_spec, prefect_api):
+    """Item 18: `current` cannot be moved (here it is a folder, which not even root can overwrite
+    with a file): the promotion is rolled back, so the champion is still the one `current` names."""
+    import json
+
+    from prefect import flow
+
+    from trnflow.errors import FatalError
+    from trnflow.tasks.promote import promote_champion
+
+    spec = make_spec(name="together")
+    out = local_path(spec.inference.output_url)
+    registry = Registry(spec.registry_url)
+    for version in (1, 2):
+        folder = out / f"v{version:06d}"
+        folder.mkdir(parents=True)
+        (folder / MANIFEST).write_text(json.dumps({"rows": 3, "shards": [], "checkpoint": f"file:///c/{version}"}))
+        registry.register(spec.name, {"checkpoint": f"file:///c/{version}", "output_url": spec.inference.output_url})
+    registry.promote(spec.name, 1)
+    (out / CURRENT).mkdir()
+
+    @flow
+    def promote_two():
+        return promote_champion(spec, "run-2", 2, registry.generation(spec.name))
+
+    state = promote_two(return_state=True)
+    error = state.result(raise_on_failure=False)
+    assert isinstance(error, FatalError) and "v2's outputs could not be published" in str(error)
+    assert "the champion is v1" in str(error)
+    assert registry.champion(spec.name).version == 1
+    assert [(h["action"], h["version"]) for h in registry.history(spec.name)] == [
+        ("promote", 1), ("promote", 2), ("rollback", 1)]

@@ -162,3 +162,28 @@ def test_a_marker_from_an_older_trnflow_is_skipped_with_the_reason(tmp_path):
     assert "older trnflow" in reasons[0]
     with pytest.raises(FatalError, match="Use an earlier one or retrain"):
         load((tmp_path / "r" / "step-000020").as_uri())
+
+
+def test_a_checkpoint_write_that_runs_out_of_disk_leaves_no_step_folder(tmp_path, monkeypatch):
+    """The disk fills while optim.pt is written: the error says so, and neither the step folder nor
+    a temporary file is left behind, so the run resumes from the last whole checkpoint."""
+    import errno
+
+    import trnflow.fsutil
+    from trnflow.errors import DiskFull
+
+    run = RunCheckpoints((tmp_path / "r").as_uri())
+    _save(run, 10)
+    real_fsync = trnflow.fsutil.os.fsync
+
+    def full_on_optimizer(fd):
+        if "optim.pt" in __import__("os").readlink(f"/proc/self/fd/{fd}"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real_fsync(fd)
+
+    monkeypatch.setattr(trnflow.fsutil.os, "fsync", full_on_optimizer)
+    with pytest.raises(DiskFull, match="no space left"):
+        _save(run, 20)
+    monkeypatch.undo()
+    assert sorted(p.name for p in (tmp_path / "r").iterdir()) == ["step-000010"]
+    assert run.latest().step == 10

@@ -193,3 +193,102 @@ def test_a_server_that_asks_for_credentials_is_told_apart(monkeypatch):
         server.shutdown()
     assert result.exit_code == 2
     assert "PREFECT_API_AUTH_STRING" in " ".join(result.stderr.split())
+
+
+def _data_spec(tmp_path, fmt="parquet", **data) -> str:
+    """A quickstart spec over `tmp_path/data` (synthesized, 3 days of 20 rows), written to a file."""
+    from trnflow.workload.synth import synthesize
+
+    root = tmp_path / "data"
+    if not root.exists():
+        synthesize(root, days=3, rows_per_day=20, seed=1, fmt=fmt)
+    urls = {"train": str(root / "train"), "holdout": str(root / "holdout"), "inference": str(root / "inference")}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(quickstart_data(data={**urls, "format": fmt, **data})))
+    return str(path)
+
+
+def _csv_day(tmp_path, day="2026-01-02"):
+    """Rewrite one training day as CSV: the spec says Parquet."""
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    folder = tmp_path / "data" / "train" / f"dt={day}"
+    pacsv.write_csv(pq.read_table(folder / "part-00000.parquet"), folder / "part-00000.csv")
+    (folder / "part-00000.parquet").unlink()
+
+
+def test_validate_checks_the_data_locations_and_names_the_field_and_path(tmp_path):
+    import shutil
+
+    spec = _data_spec(tmp_path)
+    assert runner.invoke(app, ["validate", spec]).exit_code == 0
+    shutil.rmtree(tmp_path / "data" / "holdout")
+    _csv_day(tmp_path)
+    result = runner.invoke(app, ["validate", spec])
+    assert result.exit_code == 2, result.output
+    problems = "".join(result.stderr.split())  # Rich may wrap a line anywhere
+    assert f"data.holdout:{(tmp_path / 'data' / 'holdout').as_uri()}:nosuchfolder" in problems
+    assert "data.train:" in problems and "daydt=2026-01-02(dt=2026-01-02/part-00000.csv)holdsnoparquet" in problems
+    report = json.loads(runner.invoke(app, ["validate", "--json", spec]).stdout)
+    assert not report[0]["valid"] and [p.split(":")[0] for p in report[0]["problems"]] == ["data.train", "data.holdout"]
+    skipped = runner.invoke(app, ["validate", "--no-data-check", spec])
+    assert skipped.exit_code == 0, skipped.output
+
+
+def test_validate_passes_a_spec_written_before_its_data_unless_told_to_check(tmp_path):
+    missing = tmp_path / "not-yet"
+    spec = tmp_path / "spec.yaml"
+    urls = {field: str(missing / field) for field in ("train", "holdout", "inference")}
+    spec.write_text(yaml.safe_dump(quickstart_data(data=urls)))
+    result = runner.invoke(app, ["validate", str(spec)])
+    assert result.exit_code == 0, result.output
+    assert "none exists yet" in result.stdout
+    strict = runner.invoke(app, ["validate", "--data-check", "--json", str(spec)])
+    assert strict.exit_code == 2
+    problems = json.loads(strict.stdout)[0]["problems"]
+    assert [p.split(":")[0] for p in problems] == ["data.train", "data.holdout", "data.inference"]
+    for field, problem in zip(("train", "holdout", "inference"), problems, strict=True):
+        assert problem.startswith(f"data.{field}: {(missing / field).as_uri()}: no such folder")
+
+
+def test_validate_data_check_lists_s3_locations(tmp_path, s3_bucket):
+    import boto3
+
+    from trnflow.workload.synth import synthesize
+
+    synthesize(tmp_path, days=2, rows_per_day=10, seed=1)
+    for path in tmp_path.rglob("*.jsonl"):
+        boto3.client("s3").upload_file(str(path), s3_bucket, f"reviews/{path.relative_to(tmp_path).as_posix()}")
+    base = f"s3://{s3_bucket}/reviews"
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(quickstart_data(data={
+        "train": f"{base}/train", "holdout": f"{base}/holdout", "inference": f"{base}/catalogue"})))
+    assert "not checked, on S3" in runner.invoke(app, ["validate", str(spec)]).stdout
+    result = runner.invoke(app, ["validate", "--data-check", str(spec)])
+    assert result.exit_code == 2
+    assert "".join(result.stderr.split()).endswith("".join(
+        f"data.inference: {base}/catalogue: no such folder, or it is empty; check the data URLs and data.format in the "
+        "spec".split()))
+
+
+def test_data_check_reports_every_day_and_fails_on_one_without_readable_rows(tmp_path):
+    spec = _data_spec(tmp_path)
+    good = runner.invoke(app, ["data", "check", spec])
+    assert good.exit_code == 0, good.output
+    assert good.stdout.count("│ ok ") == 5
+    _csv_day(tmp_path)
+    result = runner.invoke(app, ["data", "check", spec, "--json"])
+    assert result.exit_code == 2
+    report = json.loads(result.stdout)
+    assert not report["ok"] and report["columns"] == ["text"]
+    rows = {(p["field"], p["day"]): (p["state"], p["rows_read"], p["rows_rejected"]) for p in report["parts"]}
+    assert rows == {("data.train", "2026-01-01"): ("ok", 20, 0), ("data.train", "2026-01-02"): ("failed", 0, 20),
+                    ("data.train", "2026-01-03"): ("ok", 20, 0), ("data.holdout", None): ("ok", 20, 0),
+                    ("data.inference", None): ("ok", 20, 0)}
+    assert [p["problems"] for p in report["parts"] if p["state"] == "failed"] == [[
+        "dt=2026-01-02/part-00000.csv: not parquet (data.format), so no run reads it", "no readable rows in parquet"]]
+    table = runner.invoke(app, ["data", "check", spec])
+    assert table.exit_code == 2 and table.stdout.count("│ failed ") == 1
+    assert "data.traindt=2026-01-02:dt=2026-01-02/part-00000.csv:notparquet(data.format)" in "".join(
+        table.stderr.split())

@@ -5,15 +5,16 @@ import json
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.conftest import quickstart_data
 from trnflow.backends import JobRequest
-from trnflow.backends.batch_request import build_job_definition, build_submit_job
+from trnflow.backends.batch_request import build_job_definition, build_submit_job, queue_problems
 from trnflow.backends.cloud import CloudTarget
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.container import batch_rendezvous, sagemaker_rendezvous, torchrun_argv
 from trnflow.errors import FatalError
-from trnflow.specs import validate_spec
+from trnflow.specs import SpecError, load_spec, validate_spec
 
 TARGET = CloudTarget(image="123456789012.dkr.ecr.us-east-1.amazonaws.com/trnflow:0.1.0",
                      staging_url="s3://acme-staging/trnflow", role_arn="arn:aws:iam::123456789012:role/trnflow-sm",
@@ -83,9 +84,38 @@ def test_an_inference_stage_gets_its_checkpoint_and_the_inference_channel_only()
 
 
 def test_local_data_cannot_become_a_sagemaker_channel():
-    spec = validate_spec(quickstart_data(compute={"backend": "sagemaker"}))
+    spec = validate_spec(quickstart_data(compute={"backend": "sagemaker"},
+                                         train={"checkpoint_url": "s3://acme-ckpt/embed"}))
     with pytest.raises(FatalError, match=r"data\.train: .* is not on S3"):
         build_training_job_request(JobRequest(spec, "train", "r"), TARGET)
+
+
+@pytest.mark.parametrize("url", ["runs/checkpoints", "/var/ckpt", "file:///var/ckpt"])
+def test_a_sagemaker_spec_with_checkpoints_off_s3_is_refused_at_validation(url):
+    with pytest.raises(SpecError) as caught:
+        validate_spec(quickstart_data(compute={"backend": "sagemaker"}, train={"checkpoint_url": url}), "s.yaml")
+    (problem,) = caught.value.problems
+    assert problem.startswith("train.checkpoint_url: file:///") and "is not on S3" in problem
+    assert "CheckpointConfig.S3Uri" in problem and "set train.checkpoint_url to s3://<bucket>/<prefix>" in problem
+    # the same checkpoints are fine where they are written by this machine
+    assert validate_spec(quickstart_data(train={"checkpoint_url": url})).compute.backend == "local"
+
+
+def test_switching_a_spec_with_local_checkpoints_to_sagemaker_is_refused(tmp_path):
+    path = tmp_path / "q.yaml"
+    path.write_text(yaml.safe_dump(quickstart_data(train={"checkpoint_url": str(tmp_path / "ckpt")})))
+    with pytest.raises(SpecError, match=r"train\.checkpoint_url: file://.* is not on S3"):
+        load_spec(path, {"compute.backend": "sagemaker"})  # as `trnflow run --backend sagemaker` does
+
+
+def test_the_sagemaker_request_never_carries_a_checkpoint_uri_off_s3():
+    """A spec changed after validation (`model_copy` does not validate) is refused by the builder."""
+    spec = _spec(itype="trn1.2xlarge", nodes=1, cores=2)
+    local = spec.model_copy(update={"train": spec.train.model_copy(update={"checkpoint_url": "file:///var/ckpt"})})
+    with pytest.raises(FatalError, match=r"train\.checkpoint_url: file:///var/ckpt is not on S3"):
+        build_training_job_request(JobRequest(local, "train", "r1"), TARGET)
+    built = build_training_job_request(JobRequest(spec, "train", "r1"), TARGET)
+    assert built["CheckpointConfig"]["S3Uri"] == "s3://acme-ckpt/embed/r1"
 
 
 def test_the_batch_job_definition_whole_and_named_by_its_content():
@@ -131,6 +161,76 @@ def test_the_batch_submission_carries_the_run_the_node_count_and_fair_share():
     assert submit["retryStrategy"]["evaluateOnExit"][-1] == {"action": "EXIT", "onReason": "*"}
     plain = build_submit_job(JobRequest(_spec(itype="trn1.32xlarge", nodes=2), "train", "r9"), TARGET, "d")
     assert "shareIdentifier" not in plain and "schedulingPriorityOverride" not in plain
+
+
+def _container(spec):
+    return build_job_definition(spec, TARGET)["nodeProperties"]["nodeRangeProperties"][0]["container"]
+
+
+def test_batch_container_memory_is_the_spec_s_or_what_the_instance_can_give():
+    memory = {r["type"]: r["value"] for r in _container(_spec(itype="trn1.32xlarge", nodes=2))["resourceRequirements"]}
+    assert memory["MEMORY"] == str((512 - 12) * 1024)  # trn1.32xlarge has 512 GiB; 12 GiB stay with the host
+    asked = _spec(itype="trn1.32xlarge", nodes=2, compute={"memory_gib": 256})
+    assert {"type": "MEMORY", "value": str(256 * 1024)} in _container(asked)["resourceRequirements"]
+    assert validate_spec(quickstart_data(compute={"instance_type": "trn2.48xlarge", "cores_per_node": 2,
+                                                  "memory_gib": 2036})).compute.container_memory_gib == 2036
+
+
+@pytest.mark.parametrize(("itype", "asked", "has", "limit", "bigger"), [
+    ("trn1.32xlarge", 600, 512, 500, "trn2.48xlarge (2048 GiB)"),
+    ("trn1.2xlarge", 32, 32, 20, "trn1.32xlarge (512 GiB)"),
+    ("trn2.48xlarge", 4096, 2048, 2036, None)])
+def test_batch_memory_beyond_the_instance_is_refused_with_the_numbers(itype, asked, has, limit, bigger):
+    with pytest.raises(SpecError) as caught:
+        validate_spec(quickstart_data(compute={"backend": "batch", "instance_type": itype, "memory_gib": asked}))
+    (problem,) = caught.value.problems
+    assert problem.startswith(f"compute.memory_gib: {asked} GiB is more than a {itype} container can have: "
+                              f"the instance has {has} GiB, less 12 GiB")
+    assert f"leaves {limit} GiB; set compute.memory_gib <= {limit}" in problem
+    assert (f"or pick {bigger}" in problem) if bigger else "or pick" not in problem
+
+
+def test_the_batch_definition_never_asks_more_memory_than_the_instance_has():
+    """A spec changed after validation (`model_copy` does not validate) is refused by the builder."""
+    spec = _spec(itype="trn1.32xlarge", nodes=2)
+    greedy = spec.model_copy(update={"compute": spec.compute.model_copy(update={"memory_gib": 512})})
+    with pytest.raises(FatalError, match=r"compute\.memory_gib: 512 GiB is more than a trn1\.32xlarge container"):
+        build_job_definition(greedy, TARGET)
+
+
+def test_a_spec_that_declares_a_fair_share_queue_needs_a_share_identifier():
+    with pytest.raises(SpecError) as caught:
+        validate_spec(quickstart_data(compute={"backend": "batch", "instance_type": "trn1.32xlarge",
+                                               "fair_share": True}))
+    (problem,) = caught.value.problems
+    assert problem.startswith("compute.share_identifier: compute.fair_share says the Batch job queue has a "
+                              "fair-share scheduling policy")
+    assert "shareIdentifier must be specified" in problem and "set compute.share_identifier" in problem
+    with pytest.raises(SpecError, match=r"compute\.share_identifier: compute\.fair_share: false .* remove "
+                                        r"compute\.share_identifier"):
+        validate_spec(quickstart_data(compute={"fair_share": False, "share_identifier": "search"}))
+    declared = _spec(itype="trn1.32xlarge", compute={"fair_share": True, "share_identifier": "search"})
+    assert build_submit_job(JobRequest(declared, "train", "r1"), TARGET, "d")["shareIdentifier"] == "search"
+
+
+FAIR_SHARE = {"jobQueueName": "trn1-fair-share", "state": "ENABLED",
+              "schedulingPolicyArn": "arn:aws:batch:us-east-1:123456789012:scheduling-policy/trnflow-fair-share"}
+
+
+def test_the_job_queue_s_fair_share_policy_decides_the_share_identifier():
+    plain = _spec(itype="trn1.32xlarge", nodes=2)
+    shared = _spec(itype="trn1.32xlarge", nodes=2, compute={"share_identifier": "search"})
+    (missing,) = queue_problems(plain, "trn1-fair-share", FAIR_SHARE)
+    assert missing.startswith("compute.share_identifier: the job queue trn1-fair-share has a fair-share scheduling "
+                              f"policy ({FAIR_SHARE['schedulingPolicyArn']})")
+    assert "shareIdentifier must be specified" in missing and "set compute.share_identifier" in missing
+    assert queue_problems(shared, "trn1-fair-share", FAIR_SHARE) == []
+    fifo = {"jobQueueName": "fifo", "state": "ENABLED"}
+    assert queue_problems(plain, "fifo", fifo) == []
+    (stray,) = queue_problems(shared, "fifo", fifo)
+    assert stray.startswith("compute.share_identifier: the job queue fifo has no fair-share scheduling policy")
+    (unknown,) = queue_problems(plain, "nosuch", None)
+    assert unknown.startswith("TRNFLOW_BATCH_JOB_QUEUE: AWS Batch has no job queue 'nosuch'")
 
 
 def test_batch_refuses_an_instance_without_efa():

@@ -158,3 +158,132 @@ def test_the_reference_run_is_a_new_one_when_a_partition_arrives(make_spec, tmp_
     assert _data_digest(spec) == before  # the same data resumes the same reference run
     shutil.copytree(data / "train" / "dt=2026-01-02", data / "train" / "dt=2026-01-03")
     assert _data_digest(spec) != before
+
+
+# -- a day that cannot be read is an error, and the watermark never passes a day that was not read ----
+
+
+def _parquet_days(root, days=3):
+    synthesize(root, days=days, rows_per_day=10, seed=2, fmt="parquet")
+    return root / "train"
+
+
+def test_a_day_written_in_another_format_is_listed_and_refused_naming_it(tmp_path):
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from trnflow.storage.datafiles import training_window
+
+    train = _parquet_days(tmp_path)
+    day = train / "dt=2026-01-02"
+    pacsv.write_csv(pq.read_table(day / "part-00000.parquet"), day / "part-00000.csv")
+    (day / "part-00000.parquet").unlink()
+    url = str(train)
+    # the retraining flow sees the day, so a run is started for it rather than the day passed over
+    assert new_partitions(url, "parquet", "2026-01-01") == ["2026-01-02", "2026-01-03"]
+    listing = data_files(url, "parquet", every=True)
+    for window in ("since-watermark", "all"):
+        with pytest.raises(DataError, match=r"day dt=2026-01-02 \(dt=2026-01-02/part-00000\.csv\) holds no parquet "
+                                            r"files \(data\.format\), only \.csv files; write the day as parquet"):
+            training_window(listing, window, None, url, "parquet")
+    # a day already behind the watermark is not read again, so it stops nothing
+    assert partitions(training_window(listing, "since-watermark", "2026-01-02", url, "parquet").files) == [
+        "2026-01-03"]
+    # a day holding a file of another format beside its own is refused too: those rows would never be read
+    pacsv.write_csv(pq.read_table(train / "dt=2026-01-03" / "part-00000.parquet"), train / "dt=2026-01-03" / "x.csv")
+    with pytest.raises(DataError, match=r"dt=2026-01-03 .*holds dt=2026-01-03/x\.csv, which is not parquet"):
+        training_window(data_files(url, "parquet", every=True), "since-watermark", "2026-01-02", url, "parquet")
+
+
+def test_a_day_without_the_recipes_columns_or_rows_fails_naming_the_day(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    train = _parquet_days(tmp_path)
+    spec = _spec(tmp_path, "parquet")
+    part = train / "dt=2026-01-02" / "part-00000.parquet"
+    rows = pq.read_table(part)
+    pq.write_table(rows.rename_columns(["body" if c == "text" else c for c in rows.column_names]), part)
+    with pytest.raises(DataError, match=r"day dt=2026-01-02 \(dt=2026-01-02/part-00000\.parquet\) cannot be read: "
+                                        r".*missing column\(s\) \['text'\]"):
+        read_labelled(data_files(spec.train, "parquet"), spec, TEXT, 2, spec.train)
+    pq.write_table(rows.slice(0, 0), part)  # the day's file is there, with the columns, but no rows
+    with pytest.raises(DataError, match=r"day dt=2026-01-02 \(dt=2026-01-02/part-00000\.parquet\) has no rows"):
+        read_labelled(data_files(spec.train, "parquet"), spec, TEXT, 2, spec.train)
+    pq.write_table(rows.slice(0, 0).append_column("extra", pa.array([], pa.int64())), part)
+    files = [f for f in data_files(spec.train, "parquet") if f.partition != "2026-01-02"]
+    assert len(read_labelled(files, spec, TEXT, 2, spec.train).ids) == 20  # the other days read as before
+
+
+def test_the_watermark_never_passes_a_day_that_is_not_ready(tmp_path):
+    from trnflow.storage.datafiles import training_window
+
+    synthesize(tmp_path, days=4, rows_per_day=10, seed=1)
+    url = str(tmp_path / "train")
+    for day in ("2026-01-01", "2026-01-03", "2026-01-04"):  # 01-02 is still being written
+        (tmp_path / "train" / f"dt={day}" / "_SUCCESS").write_text("")
+    assert new_partitions(url, "jsonl", None, "_SUCCESS") == ["2026-01-01"]
+    assert new_partitions(url, "jsonl", "2026-01-01", "_SUCCESS") == []  # 01-03 and 01-04 wait for 01-02
+    listing = data_files(url, "jsonl", "_SUCCESS", every=True)
+    incremental = training_window(listing, "since-watermark", None, url, "jsonl")
+    assert (partitions(incremental.files), incremental.watermark) == (["2026-01-01"], "2026-01-01")
+    everything = training_window(listing, "all", None, url, "jsonl")  # reads every ready day ...
+    assert partitions(everything.files) == ["2026-01-01", "2026-01-03", "2026-01-04"]
+    assert everything.watermark == "2026-01-01"  # ... but records no watermark past the day it left
+    (tmp_path / "train" / "dt=2026-01-02" / "_SUCCESS").write_text("")
+    assert new_partitions(url, "jsonl", "2026-01-01", "_SUCCESS") == ["2026-01-02", "2026-01-03", "2026-01-04"]
+
+
+def test_a_day_marked_ready_with_no_files_is_refused(tmp_path):
+    from trnflow.storage.datafiles import training_window
+
+    synthesize(tmp_path, days=2, rows_per_day=10, seed=1)
+    empty = tmp_path / "train" / "dt=2026-01-03"
+    empty.mkdir()
+    for day in ("2026-01-01", "2026-01-02", "2026-01-03"):
+        (tmp_path / "train" / f"dt={day}" / "_SUCCESS").write_text("")
+    url = str(tmp_path / "train")
+    assert new_partitions(url, "jsonl", "2026-01-02", "_SUCCESS") == ["2026-01-03"]
+    with pytest.raises(DataError, match=r"dt=2026-01-03 \(dt=2026-01-03/_SUCCESS\) is marked ready by _SUCCESS but "
+                                        r"holds no jsonl files"):
+        training_window(data_files(url, "jsonl", "_SUCCESS", every=True), "since-watermark", "2026-01-02", url,
+                        "jsonl")
+    # files of another format outside the day folders are left alone, as before
+    (tmp_path / "train" / "README.md").write_text("reviews, by day\n")
+    assert [f.name for f in data_files(url, "jsonl")] == ["dt=2026-01-01/part-00000.jsonl",
+                                                          "dt=2026-01-02/part-00000.jsonl"]
+
+
+def test_data_check_counts_each_days_rows_read_and_rejected(tmp_path):
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    from trnflow.workload.data import check_data
+
+    train = _parquet_days(tmp_path)
+    day = train / "dt=2026-01-02"
+    pacsv.write_csv(pq.read_table(day / "part-00000.parquet"), day / "part-00000.csv")
+    (day / "part-00000.parquet").unlink()
+    parts = {(p.field, p.day): p for p in check_data(_spec(tmp_path, "parquet"), TEXT, 2)}
+    assert sorted(parts) == [("data.holdout", None), ("data.inference", None), ("data.train", "2026-01-01"),
+                             ("data.train", "2026-01-02"), ("data.train", "2026-01-03")]
+    bad = parts["data.train", "2026-01-02"]
+    assert (bad.state, bad.rows_read, bad.rows_rejected) == ("failed", 0, 10)
+    assert bad.problems == ["dt=2026-01-02/part-00000.csv: not parquet (data.format), so no run reads it",
+                            "no readable rows in parquet"]
+    good = parts["data.train", "2026-01-03"]
+    assert (good.state, good.rows_read, good.rows_rejected, good.problems) == ("ok", 10, 0, [])
+    assert parts["data.inference", None].rows_read == 10 and parts["data.holdout", None].state == "ok"
+
+
+def test_data_check_shows_a_day_not_ready_as_waiting_and_the_days_it_holds_back(tmp_path):
+    from trnflow.workload.data import check_set
+
+    synthesize(tmp_path, days=3, rows_per_day=10, seed=1)
+    for day in ("2026-01-01", "2026-01-03"):
+        (tmp_path / "train" / f"dt={day}" / "_SUCCESS").write_text("")
+    spec = DataSpec(train=str(tmp_path / "train"), holdout=".", inference=".", ready_marker="_SUCCESS")
+    parts = check_set("data.train", spec.train, spec, TEXT, 2, spec.ready_marker)
+    assert [(p.day, p.state, p.rows_read) for p in parts] == [("2026-01-01", "ok", 10), ("2026-01-02", "waiting", 0),
+                                                              ("2026-01-03", "ok", 10)]
+    assert parts[2].notes == ["read once dt=2026-01-02 is ready"]

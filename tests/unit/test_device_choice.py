@@ -16,7 +16,9 @@ from trnflow.specs import SpecError, validate_spec
 def _spec(device="auto", instance_type="trn1.2xlarge", backend="local", cores=1, nodes=1):
     return validate_spec(quickstart_data(compute={"device": device, "instance_type": instance_type,
                                                   "backend": backend, "cores_per_node": cores, "nodes": nodes},
-                                         train={"global_batch_size": 64 * nodes * cores}))
+                                         train={"global_batch_size": 64 * nodes * cores,
+                                                **({"checkpoint_url": "s3://acme-ckpt/x"} if backend == "sagemaker"
+                                                   else {})}))
 
 
 def test_the_sdks_are_told_apart_by_their_modules():

@@ -1,9 +1,20 @@
 """The placement half of the device seam, on the emulator (whose torch device is the CPU): inputs
-stay the same tensors, host copies are the tensors themselves, and state dicts keep their shape."""
+stay the same tensors, host copies are the tensors themselves, and state dicts keep their shape;
+and the compile half a runtime device shares with the Neuron compiler: its cache."""
 
+import json
+
+import pytest
 import torch
+from typer.testing import CliRunner
 
+from trnflow.cli.app import app
+from trnflow.device.base import RecompileGuard
+from trnflow.device.cache import CompileCache, entry_name
+from trnflow.device.indexed import IndexedGraphs
 from trnflow.device.registry import get_device
+from trnflow.errors import Recompilation
+from trnflow.neuron.launch import compiler_cache_dir
 
 
 def test_on_the_cpu_nothing_is_copied_and_nests_keep_their_shape():
@@ -27,3 +38,37 @@ def test_on_the_cpu_nothing_is_copied_and_nests_keep_their_shape():
 def test_evaluation_runs_without_autograd():
     with get_device("emulator").inference():
         assert not torch.is_grad_enabled()
+
+
+def test_a_runtime_devices_graphs_are_filed_beside_the_neuron_compilers_own_entries(tmp_path):
+    """The `xla` device points neuronx-cc's --cache_dir at the compile cache's root: the compiler's
+    entries and trnflow's index of the runtime's graphs share it, and each reads as what it is."""
+
+    class Journal(IndexedGraphs):
+        def observe(self) -> None:
+            return None
+
+    url = tmp_path.as_uri()
+    real = tmp_path / "neuronxcc-2.15.128.0+56dc5a86" / "MODULE_12486829708343293975+d41d8cd9"
+    assert compiler_cache_dir(url) == str(tmp_path)  # where neuronx-cc writes its own entries
+    real.mkdir(parents=True)
+    for name, data in {"model.hlo_module.pb": b"hlo", "model.neff": b"NEFF", "model.done": b""}.items():
+        (real / name).write_bytes(data)
+
+    flags = {"backend": "xla", "runtime": "NEURON"}
+    compiled = Journal(flags, mode="compile", workdir=tmp_path / "work")
+    (tmp_path / "work").mkdir()
+    compiled.file("1f2e3d4c", 0.5, lambda: b"serialized executable")
+    key = compiled.seen[0].key
+    CompileCache(url).commit(entry_name(key), compiled.seen[0].graph.canonical(), flags,
+                             (tmp_path / "work" / "1f2e3d4c").read_bytes())
+
+    run = Journal(flags, CompileCache(url), "run", RecompileGuard(0))
+    run.file("1f2e3d4c", 0.5, lambda: b"")
+    assert [s.outcome for s in run.seen] == ["hit"]
+    with pytest.raises(Recompilation, match="it is not in the compile cache"):
+        run.file("99aa", 0.5, lambda: b"")
+
+    listed = json.loads(CliRunner().invoke(app, ["cache", "ls", str(tmp_path), "--json"]).stdout)
+    assert {(e["compiler"], e["state"], e["origin"]) for e in listed} == {
+        ("neuronxcc-2.15.128.0+56dc5a86", "done", "neuronx-cc"), (entry_name(key).split("/")[0], "done", "trnflow")}

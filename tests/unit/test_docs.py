@@ -215,3 +215,39 @@ REPO_PATH = re.compile(r"^(?:trnflow|flows|tasks|jobspecs|tests|infra|benchmarks
 def test_every_repository_path_named_exists(page):
     named = {m.split(":")[0] for m in _mentions(page) if REPO_PATH.match(m.split(":")[0])}
     assert sorted(p for p in named if not (ROOT / p).exists()) == [], f"{_rel(page)} names paths that do not exist"
+
+
+def _commands(group, prefix: tuple[str, ...] = ()):
+    """Every command of the `trnflow` app with its path of names, subcommands included."""
+    import typer.main
+
+    click_group = typer.main.get_command(group) if not hasattr(group, "commands") else group
+    for name, command in sorted(click_group.commands.items()):
+        if command.hidden:
+            continue
+        if hasattr(command, "commands"):
+            yield from _commands(command, (*prefix, name))
+        else:
+            yield (*prefix, name), command
+
+
+def test_every_command_line_flag_is_in_the_command_table():
+    """Item 14: each command's row of the table in docs/operations.md names every one of its
+    options (`--help` aside), so a reader of the table knows all a command takes."""
+    from trnflow.cli.app import app
+
+    text = (ROOT / "docs" / "operations.md").read_text()
+    table = [line for line in text.splitlines() if line.startswith("| `trnflow ")]
+    missing = []
+    for path, command in _commands(app):
+        name = " ".join(path)
+        rows = [r for r in table if re.match(rf"\| `trnflow {re.escape(path[0])}\b", r)
+                and (len(path) == 1 or re.search(rf"\b{re.escape(path[-1])}\b", re.split(r"(?<!\\)\|", r)[1]))]
+        text = " ".join(rows)
+        for param in command.params:
+            if param.param_type_name != "option" or "--help" in param.opts:
+                continue
+            flags = [*param.opts, *param.secondary_opts]
+            if not any(re.search(rf"(?<![\w-]){re.escape(f)}(?![\w-])", text) for f in flags):
+                missing.append(f"trnflow {name} {flags[0]}")
+    assert missing == [], "\n".join(missing)

@@ -1,14 +1,21 @@
-"""Publishing staged embeddings: the staged set replaces the published one shard by shard, the
-manifest last; a publication cut short is finished by publishing again; nothing staged (or staged by
-another checkpoint), nothing done."""
+"""Versioned outputs: each model version writes its own folder, and `_current.json`, written in one
+atomic step after the folder is complete, says which is published."""
 
 import hashlib
 import json
 
 import pytest
 
-from trnflow import storage
-from trnflow.workload.embeddings import MANIFEST, STAGING, manifest, marker_name, publish, shard_name, staging_url
+from trnflow.workload.embeddings import (
+    CURRENT,
+    MANIFEST,
+    current,
+    current_url,
+    marker_name,
+    point_current,
+    shard_name,
+    version_url,
+)
 
 
 def _output(root, plan: str, shards: int, tag: bytes) -> dict:
@@ -29,52 +36,32 @@ def _output(root, plan: str, shards: int, tag: bytes) -> dict:
     return document
 
 
-def test_a_staged_set_replaces_the_published_one_and_the_staging_folder_goes(tmp_path):
-    out = tmp_path / "embeddings"
-    _output(out, "old-plan", 4, b"champion-v1")
-    staged = _output(out / STAGING / "run-2", "new-plan", 3, b"candidate-v2")
-    _output(out / STAGING / "failed-run", "other-plan", 2, b"rejected")  # a run that never promoted
-
-    v2 = staged["checkpoint"]
-    assert publish(staging_url(str(out), "run-2"), str(out), "file:///ckpt/another-candidate") is None
-    assert (out / STAGING / "run-2").exists() and manifest(str(out))["checkpoint"] == "file:///ckpt/champion-v1"
-    assert publish(staging_url(str(out), "run-2"), str(out), v2) == staged
-    assert manifest(str(out)) == staged
-    assert [(out / f"{shard_name(s)}.parquet").read_bytes()[:12] for s in range(3)] == [b"candidate-v2"] * 3
-    assert not (out / "part-00003.parquet").exists() and not (out / marker_name(3)).exists()
-    assert not (out / STAGING).exists()
-    assert publish(staging_url(str(out), "run-2"), str(out), v2) is None  # done: nothing staged any more
-    assert manifest(str(out)) == staged
-
-
-def test_a_publication_cut_short_is_finished_by_the_next_one(tmp_path, monkeypatch):
-    out = tmp_path / "embeddings"
-    _output(out, "old-plan", 3, b"champion-v1")
-    staged = _output(out / STAGING / "run-2", "new-plan", 3, b"candidate-v2")
-    real_write, writes = storage.LocalStore.write, []
-
-    def write_then_fail(self, name, data):
-        writes.append(name)
-        if len(writes) == 3:  # shard 0 and its marker went through; shard 1 does not
-            raise OSError("connection reset")
-        real_write(self, name, data)
-
-    monkeypatch.setattr(storage.LocalStore, "write", write_then_fail)
-    with pytest.raises(OSError, match="connection reset"):
-        publish(staging_url(str(out), "run-2"), str(out), staged["checkpoint"])
-    monkeypatch.setattr(storage.LocalStore, "write", real_write)
-    assert manifest(str(out)) is None  # incomplete, and readers of the manifest can tell
-    assert (out / STAGING / "run-2" / MANIFEST).exists()
-
-    assert publish(staging_url(str(out), "run-2"), str(out), staged["checkpoint"]) == staged
-    assert [(out / f"{shard_name(s)}.parquet").read_bytes()[:12] for s in range(3)] == [b"candidate-v2"] * 3
+def test_each_version_keeps_its_outputs_and_the_pointer_moves_back_and_forth(tmp_path):
+    """Item 2: a new version does not overwrite the outputs of the one before, and pointing back at
+    the old one (a rollback) republishes it unchanged."""
+    out = str(tmp_path)
+    assert version_url(out, 3).endswith("/v000003")
+    first = _output(tmp_path / "v000001", "plan-1", 2, b"v1")
+    second = _output(tmp_path / "v000002", "plan-2", 3, b"v2")
+    assert current(out) is None and current_url(out) == out  # nothing published yet
+    point_current(out, "m", 1)
+    point_current(out, "m", 2)
+    assert current(out)["version"] == 2 and current(out)["rows"] == 24
+    assert current_url(out).endswith("/v000002")
+    point_current(out, "m", 1)  # a rollback
+    pointer = json.loads((tmp_path / CURRENT).read_text())
+    assert pointer["version"] == 1 and pointer["folder"] == "v000001" and pointer["checkpoint"] == first["checkpoint"]
+    assert json.loads((tmp_path / "v000002" / MANIFEST).read_text()) == second  # untouched
 
 
-def test_nothing_complete_staged_leaves_the_published_set_alone(tmp_path):
-    out = tmp_path / "embeddings"
-    published = _output(out, "plan", 2, b"champion-v1")
-    _output(out / STAGING / "cut-short", "plan-2", 2, b"candidate")
-    (out / STAGING / "cut-short" / MANIFEST).unlink()  # its inference never finished
-    assert publish(staging_url(str(out), "cut-short"), str(out), "file:///ckpt/candidate") is None
-    assert publish(staging_url(str(out), "never-ran"), str(out), "file:///ckpt/candidate") is None
-    assert manifest(str(out)) == published
+def test_the_pointer_never_names_an_incomplete_folder(tmp_path):
+    out = str(tmp_path)
+    _output(tmp_path / "v000001", "plan-1", 2, b"v1")
+    point_current(out, "m", 1)
+    _output(tmp_path / "v000002", "plan-2", 2, b"v2")
+    (tmp_path / "v000002" / MANIFEST).unlink()  # its inference was cut short
+    with pytest.raises(FileNotFoundError, match=r"v000002 has no complete output"):
+        point_current(out, "m", 2)
+    with pytest.raises(FileNotFoundError):
+        point_current(out, "m", 7)  # never ran
+    assert current(out)["version"] == 1

@@ -111,3 +111,23 @@ def test_the_paired_check_refuses_empty_or_mismatched_outcomes():
     short = compare(_doc([{"step": 5, "accuracy": 0.7}], "10", 5), _doc([{"step": 5, "accuracy": 0.7}], "101", 5),
                     "accuracy", 0.001)
     assert "2 and 3 rows" in short["paired"]["reason"]
+
+
+def test_the_paired_test_is_told_in_plain_words_with_its_power():
+    """Item 14: what McNemar's test compared, what it found, and when the holdout is too small for it."""
+    from trnflow.lifecycle.gate import paired_check
+    from trnflow.reporting.chart import paired_sentence
+
+    small = {"holdout_sha256": "h", "predictions": {"step": 40, "correct": "1" * 390 + "0" * 10}}
+    sentence = paired_sentence(paired_check(small, small, 0.001, 0.05), 0.001)
+    assert sentence.startswith("Paired test (McNemar's) on the same 400 holdout rows at step 40: the candidate "
+                               "alone was right on 0 rows, the reference alone on 0; no evidence that the two "
+                               "models differ (p = 1).")
+    assert "The holdout is too small for this test to see a 0.10% difference: that takes about" in sentence
+    assert "only the band above decided the gate" in sentence
+    big_c = {"holdout_sha256": "h", "predictions": {"step": 40, "correct": "1" * 60_000 + "0" * 40_000}}
+    big_r = {"holdout_sha256": "h", "predictions": {"step": 40, "correct": "0" * 2_000 + "1" * 58_000 + "0" * 40_000}}
+    enough = paired_sentence(paired_check(big_c, big_r, 0.02, 0.05), 0.02)
+    assert "the two models differ (p = " in enough and "100,000 rows are enough to see a 2.00% difference" in enough
+    missing = paired_sentence(paired_check(small, {"holdout_sha256": "other"}, 0.001, 0.05), 0.001)
+    assert missing.startswith("No paired test (McNemar's): per-example predictions missing")

@@ -2,8 +2,71 @@
 
 import json
 
-from trnflow.lifecycle.judge import Candidate, Registration, register, up_to
+import pytest
+
+from trnflow.lifecycle.judge import Candidate, Check, Decision, Registration, decide, register, up_to
 from trnflow.lifecycle.registry import Registry
+
+PASSED = Decision([Check({"passed": True}, None, "no reference set")], {"passed": True}, "no reference set")
+
+
+def _checkpoint(root, run: str, files=("dt=2026-01-01/part-0.parquet",)):
+    ckpt = root / "ckpt" / run / "step-000040"
+    ckpt.mkdir(parents=True)
+    meta = {"watermark": "2026-01-02", "global_step": 40, "parent": None, "recipe": "m5-text@1",
+            "data": {"files": list(files), "rows": 100}}
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    return Candidate(ckpt.as_uri(), {"points": [{"step": 40, "accuracy": 0.8}]})
+
+
+def test_a_rerun_of_the_same_spec_on_the_same_data_registers_no_second_version(make_spec, tmp_path):
+    """Item 3: another run id, the same spec and data files: the version it would make is there."""
+    spec = make_spec()
+    registry = Registry(spec.registry_url)
+    first = register(spec, registry, _checkpoint(tmp_path, "run-a"), "run-a", PASSED, 0)
+    again = register(spec, registry, _checkpoint(tmp_path, "run-b"), "run-b", PASSED, registry.generation(spec.name))
+    assert again.version == first.version == 1 and again.registered_before and not again.promoted
+    newer = register(spec, registry, _checkpoint(tmp_path, "run-c", files=("dt=2026-01-01/part-0.parquet",
+                                                                           "dt=2026-01-02/part-0.parquet")),
+                     "run-c", PASSED, registry.generation(spec.name))
+    assert newer.version == 2 and [v.version for v in registry.versions(spec.name)] == [1, 2]
+
+
+def _series(accuracy: float, correct: str) -> dict:
+    return {"points": [{"step": 40, "accuracy": accuracy}], "holdout_sha256": "h",
+            "predictions": {"step": 40, "correct": correct}}
+
+
+def test_a_candidate_worse_than_the_champion_passes_the_gate_but_is_not_promoted(make_spec, tmp_path):
+    """Item 1: no reference file, a champion 0.3 points better on the same holdout: the decision
+    passes the parity gate and names the champion's check as the one that failed."""
+    spec = make_spec(gate={"reference": None})
+    registry = Registry(spec.registry_url)
+    decision = decide(spec, registry, _series(0.80, "1" * 800 + "0" * 200), False,
+                      (_series(0.803, "1" * 803 + "0" * 197), "champion v1"))
+    assert decision.gate_passed and not decision.passed
+    worse = decision.worse_than_champion
+    assert worse is not None and worse.against == "champion v1" and "below champion v1" in worse.verdict["reason"]
+    better = decide(spec, registry, _series(0.81, "1" * 810 + "0" * 190), False,
+                    (_series(0.803, "1" * 803 + "0" * 197), "champion v1"))
+    assert better.passed and better.worse_than_champion is None
+
+
+@pytest.mark.parametrize("forced, status, promoted", [(None, "worse-than-champion", False),
+                                                      ("hot fix for a label bug", "passed", True)])
+def test_a_worse_candidate_is_registered_and_promoted_only_when_forced(make_spec, tmp_path, forced, status, promoted):
+    spec = make_spec(gate={"reference": None})
+    registry = Registry(spec.registry_url)
+    register(spec, registry, _checkpoint(tmp_path, "champ"), "champ", PASSED, 0)
+    decision = decide(spec, registry, _series(0.70, "1" * 7 + "0" * 3), False, (_series(0.8, "1" * 8 + "00"), "v1"))
+    got = register(spec, registry, _checkpoint(tmp_path, "cand", files=("dt=2026-01-03/part-0.parquet",)), "cand",
+                   decision, registry.generation(spec.name), forced=forced)
+    entry = registry.version(spec.name, got.version).entry
+    assert got.promoted is promoted and entry["status"] == status
+    assert registry.champion(spec.name).version == (2 if promoted else 1)
+    if forced:
+        assert entry["forced"] == forced
+        assert registry.history(spec.name)[-1]["reason"] == "forced: hot fix for a label bug (cand)"
 
 
 def test_a_rerun_of_the_same_run_reuses_its_version_and_does_not_promote_again(make_spec, tmp_path):
@@ -13,8 +76,8 @@ def test_a_rerun_of_the_same_run_reuses_its_version_and_does_not_promote_again(m
     (ckpt / "meta.json").write_text(json.dumps({"watermark": "2026-01-02", "global_step": 40, "parent": None}))
     registry = Registry(spec.registry_url)
     candidate = Candidate(ckpt.as_uri(), {"points": [{"step": 40, "accuracy": 0.8}]})
-    first = register(spec, registry, candidate, "run", {"passed": True}, registry.generation(spec.name))
-    again = register(spec, registry, candidate, "run", {"passed": True}, registry.generation(spec.name))
+    first = register(spec, registry, candidate, "run", PASSED, registry.generation(spec.name))
+    again = register(spec, registry, candidate, "run", PASSED, registry.generation(spec.name))
     assert first == Registration(version=1, promoted=True, generation=0)
     assert again == Registration(version=1, promoted=False, generation=1, registered_before=True)
     assert again.as_dict() == {"version": 1, "promoted": False, "generation": 1, "registered_before": True}

@@ -25,7 +25,7 @@ TRN2_DEVICE = {"neuron_device": 0, "bdf": "cc:00.0", "cpu_affinity": "48-95,144-
 def test_neuron_ls_json_is_read_with_its_real_fields_and_checked_against_the_jobs_cores():
     second = {**TRN2_DEVICE, "neuron_device": 1, "neuroncore_ids": [4, 5, 6, 7], "neuron_processes": []}
     records = tools.parse_neuron_ls(json.dumps([TRN2_DEVICE, second]))
-    assert records[0]["cpu_affinity"] == "48-95,144-191" and records[0]["numa_node"] == "1"
+    assert records[0]["cpu_affinity"] == "48-95,144-191" and records[0]["numa_node"] == 1
     found = tools.inventory(records, cores=[2, 3, 8], own_pids={4242})
     assert found == {"devices": 2, "cores": 8, "missing": [8],
                      "held": {"2": {"pid": 113985, "command": "neuron-bench exec"},
@@ -49,8 +49,44 @@ def test_nccom_json_is_read_with_either_time_column():
         {"op": "all_reduce", "size(B)": 1024, "count(elems)": 256, "type": "fp32", "time(us)": 6.19,
          "algbw(GB/s)": 0.1655, "busbw(GB/s)": 0.1604}]
     assert tools.parse_nccom_json(json.dumps(older), "all_gather")[0]["time(us)"] == 768.0
-    with pytest.raises(FatalError, match="a time column"):
+    with pytest.raises(FatalError, match=r"no time column \(neither time:avg\(us\) nor time\(us\)\)"):
         tools.parse_nccom_json('{"results": [{"size(B)": 8}]}', "all_reduce")
+    with pytest.raises(FatalError, match=r"no time column"):  # a null time is no time
+        tools.parse_nccom_json('{"results": [{"size(B)": 8, "time:avg(us)": null}]}', "all_reduce")
+    with pytest.raises(FatalError, match=r"no size\(B\)"):
+        tools.parse_nccom_json('{"results": [{"time(us)": 8}]}', "all_reduce")
+
+
+def test_numa_node_is_read_as_a_number_however_neuron_ls_writes_it():
+    records = [{**TRN2_DEVICE, "numa_node": value} for value in ("1", 0, "-1", "n/a")]
+    assert [r["numa_node"] for r in tools.parse_neuron_ls(json.dumps(records))] == [1, 0, -1, None]
+    without = {k: v for k, v in TRN2_DEVICE.items() if k not in ("cpu_affinity", "numa_node")}  # an older neuron-ls
+    assert "numa_node" not in tools.parse_neuron_ls(json.dumps([without]))[0]
+
+
+def test_rows_read_from_either_time_column_show_the_same_in_every_table():
+    from trnflow.cli.render import nccom_text
+    from trnflow.reporting.report import collectives_markdown
+    from trnflow.results import CollectivesResult
+
+    base = {"size(B)": 65536, "count(elems)": 16384, "type": "fp32", "algbw(GB/s)": 1.0, "busbw(GB/s)": 1.5}
+    for column in ("time:avg(us)", "time(us)"):
+        rows = tools.parse_nccom_json(json.dumps({"results": [{**base, column: 61.0}]}), "all_reduce")
+        result = CollectivesResult(ranks=4, rows=rows, avg_busbw=1.5, avg_busbw_by_op={"all_reduce": 1.5})
+        assert "| all_reduce | 65,536 | fp32 | 61 | 1.000 | 1.500 | - |" in collectives_markdown(result)
+        assert nccom_text(rows).splitlines()[2].split() == ["65536", "16384", "fp32", "61.0", "1.0000", "1.5000", "-"]
+
+
+def test_an_unchecked_nccom_test_sweep_is_not_reported_wrong(tmp_path, monkeypatch):
+    from trnflow.reporting.report import collectives_markdown
+    from trnflow.results import CollectivesResult
+
+    fake_tool(tmp_path, "nccom-test", NCCOM_TEST)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    rows = tools.nccom_sweep("all_reduce", 4, 65536, 65536, 4, "fp32", 5, 1, check=False)
+    assert rows[0]["correct"] is None  # without -c, nccom-test says nothing of the results
+    shown = collectives_markdown(CollectivesResult(ranks=4, rows=rows, avg_busbw=1.5))
+    assert "WRONG" not in shown and shown.rstrip().endswith("| - |")
 
 
 def test_the_tools_run_from_path_with_the_real_command_lines(tmp_path, monkeypatch):

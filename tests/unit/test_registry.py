@@ -109,3 +109,46 @@ def test_models_commands_list_show_promote_and_roll_back(tmp_path):
     assert result.exit_code == 0 and "v1 is the champion again" in result.stdout
     missing = runner.invoke(app, ["models", "show", "m", "9", *where])
     assert missing.exit_code == 1 and "not in the registry" in missing.stderr
+
+
+def test_a_truncated_version_file_is_named_and_the_intact_versions_are_listed(tmp_path):
+    """Item 16: one version file cut short. `models ls` names it and what to do, lists the other
+    versions, and exits non-zero; reading the champion through it names the file too."""
+    reg = Registry(tmp_path.as_uri())
+    for n in (1, 2, 3):
+        reg.register("m", _entry(n))
+    reg.promote("m", 2)
+    bad = tmp_path / "m" / "versions" / "v000002.json"
+    bad.write_bytes(bad.read_bytes()[:72])
+    result = CliRunner().invoke(app, ["models", "ls", "m", "-r", str(tmp_path), "--json"])
+    assert result.exit_code == 1
+    assert [r["version"] for r in json.loads(result.stdout)] == [1, 3]
+    assert "v000002.json: corrupt registry file" in result.stderr and "Restore it" in result.stderr
+    with pytest.raises(FatalError, match=r"v000002\.json: corrupt registry file"):
+        reg.champion("m")
+
+
+def test_a_truncated_champion_record_fails_the_location_check_before_training(make_spec):
+    """Item 16: the check every training run makes first names the corrupt file."""
+    from trnflow.lifecycle.locations import check_locations
+
+    spec = make_spec()
+    reg = Registry(spec.registry_url)
+    reg.register(spec.name, _entry(1))
+    reg.promote(spec.name, 1)
+    check_locations(spec)
+    record = next((reg.store.root / spec.name / "champion").iterdir())
+    record.write_text(record.read_text()[:40])
+    with pytest.raises(FatalError, match=r"registry_url: .*g000001\.json: corrupt registry file"):
+        check_locations(spec)
+
+
+def test_an_output_location_that_cannot_be_written_fails_the_check_before_training(make_spec, tmp_path):
+    """Items 16 and 18: an output location that cannot be written (here a folder inside a file, which
+    not even root can create) is found before any training, by field name."""
+    from trnflow.lifecycle.locations import check_locations
+
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("a file where the output folder's parent should be")
+    with pytest.raises(FatalError, match=r"inference.output_url .*not-a-folder/out: cannot be written"):
+        check_locations(make_spec(inference={"output_url": str(blocker / "out")}))

@@ -4,7 +4,7 @@ import pytest
 import yaml
 
 from tests.conftest import EXAMPLES, quickstart_data
-from trnflow.specs import JobSpec, SpecError, load_spec, validate_spec
+from trnflow.specs import MAX_SPEC_BYTES, MAX_SPEC_VALUES, JobSpec, SpecError, load_spec, parse_spec, validate_spec
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
@@ -150,3 +150,95 @@ def test_spec_files_stay_untouched_by_loading(tmp_path):
     path.write_text(text)
     load_spec(path, {"train.steps": 3})
     assert Path(path).read_text() == text
+
+
+# -- bounded input: what a bad file can cost -----------------------------------------------------
+
+def _billion_laughs() -> str:
+    """Nine levels of nine aliases each: a few hundred bytes standing for 9**9 * 9 strings."""
+    lines = ['a0: &a0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"a{i}: &a{i} [{', '.join([f'*a{i - 1}'] * 9)}]" for i in range(1, 10)]
+    return "\n".join(lines) + "\n"
+
+
+def test_a_billion_laughs_document_is_refused_not_expanded(tmp_path):
+    path = tmp_path / "laughs.yaml"
+    path.write_text(_billion_laughs())
+    assert path.stat().st_size < 600
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    assert str(caught.value).startswith(f"{path}: invalid job spec")
+    (problem,) = caught.value.problems
+    assert problem.startswith("line ") and "aliases (*name) expand the spec to more than 20,000 values" in problem
+    assert "alias expansion refused" in problem and "write the values out" in problem
+
+
+def test_a_recursive_alias_is_refused():
+    with pytest.raises(SpecError) as caught:
+        parse_spec("name: &loop [a, *loop]\n", "loop.yaml")
+    assert caught.value.problems == ["line 1, column 17: an alias inside the value it names (a recursive alias); "
+                                     "a job spec is a tree: write the value out"]
+
+
+def test_aliases_within_the_bound_still_work():
+    text = yaml.safe_dump(quickstart_data(train={"steps": 300, "checkpoint_every": 300}))
+    text = text.replace("checkpoint_every: 300", "checkpoint_every: &every 300").replace("steps: 300", "steps: *every")
+    assert "*every" in text
+    spec = parse_spec(text, "aliases.yaml")
+    assert (spec.train.steps, spec.train.checkpoint_every) == (300, 300)
+
+
+def test_an_oversize_spec_is_refused_before_it_is_parsed(tmp_path):
+    path = tmp_path / "huge.yaml"
+    path.write_text("name: " + "x" * (2 * MAX_SPEC_BYTES) + "\n")
+    size = path.stat().st_size
+    with pytest.raises(SpecError) as caught:
+        load_spec(path)
+    assert caught.value.source == str(path)
+    assert caught.value.problems == [
+        f"(file): is {size:,} bytes, more than the 1,048,576 (1 MiB) a job spec may have; a spec names its data "
+        "(data.train, ...) rather than holding it: check that this is the spec file"]
+    with pytest.raises(SpecError, match=r"huge\.json: invalid job spec\n  \(file\): is 2,097,164 bytes"):
+        parse_spec('{"name": "' + "x" * (2 * MAX_SPEC_BYTES) + '"}', "huge.json")  # text from anywhere: the same
+    at_the_limit = yaml.safe_dump(quickstart_data()) + "#" * (MAX_SPEC_BYTES - len(yaml.safe_dump(quickstart_data())))
+    assert len(at_the_limit.encode()) == MAX_SPEC_BYTES
+    assert parse_spec(at_the_limit, "full.yaml").name == "quickstart"
+
+
+def test_too_many_values_or_too_deep_a_nesting_is_refused():
+    with pytest.raises(SpecError) as caught:
+        parse_spec("name: [" + "1, " * (MAX_SPEC_VALUES + 1) + "1]\n", "many.yaml")
+    (problem,) = caught.value.problems
+    assert f"the spec holds more than {MAX_SPEC_VALUES:,} values; a job spec has a few hundred" in problem
+    with pytest.raises(SpecError) as caught:
+        parse_spec("name: " + "[" * 100 + "]" * 100 + "\n", "deep.yaml")
+    assert caught.value.problems == ["line 1, column 70: values nested more than 64 levels deep; a job spec has "
+                                     "a few levels"]
+
+
+def test_every_duplicate_key_is_named_in_file_order():
+    text = "name: a\nmodel: {recipe: m5-text, recipe: m5-text}\nname: b\n"
+    with pytest.raises(SpecError) as caught:
+        parse_spec(text, "dup.yaml")
+    assert caught.value.problems == [
+        "line 2, column 26: 'recipe' is given twice in the same section; keep one of them",
+        "line 3, column 1: 'name' is given twice in the same section; keep one of them"]
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_the_loader_reads_what_yaml_safe_load_reads_with_libyaml_where_installed(path):
+    from trnflow.specs.loader import _read_yaml, _SpecLoader
+
+    text = path.read_text() + "extra: [2026-11-25, 0x1f, 1e3, .inf, ~, yes, '007', !!binary aGk=]\n"
+    assert _read_yaml(text, path.name) == yaml.safe_load(text)
+    if yaml.__with_libyaml__:
+        assert yaml.CSafeLoader.__mro__[1] in _SpecLoader.__mro__  # libyaml's parser, not PyYAML's own
+
+
+def test_a_spec_with_thousands_of_problems_lists_the_first_fifty():
+    faults = [{"kind": "bogus", "core": 0}] * 3000
+    with pytest.raises(SpecError) as caught:
+        validate_spec(quickstart_data(faults=faults), "faults.yaml")
+    problems = caught.value.problems
+    assert len(problems) == 51 and problems[0].startswith("faults.0.kind: Input should be")
+    assert problems[-1] == "(and 2,950 more): not listed; fix these and validate again"

@@ -162,7 +162,7 @@ def test_the_pipeline_runs_end_to_end(workdir, device, lane):
     outcome = json.loads(done.stdout)
     assert outcome["state"] == "Completed", outcome
     states = {row["stage"]: row["state"] for row in outcome["stages"]}
-    assert states == dict.fromkeys(("sanity", "collectives", "compile", "train", "evaluate", "infer"),
+    assert states == dict.fromkeys(("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote"),
                                    "Completed"), states
     ran_on = {stage: r["device"]["name"] for stage, r in outcome["results"].items() if r.get("device")}
     assert set(ran_on.values()) == {device} and "train" in ran_on, ran_on

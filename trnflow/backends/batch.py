@@ -13,7 +13,7 @@ from typing import Any
 
 from trnflow import aws
 from trnflow.backends.base import JobInfo, JobRequest, JobState
-from trnflow.backends.batch_request import build_job_definition, build_submit_job
+from trnflow.backends.batch_request import build_job_definition, build_submit_job, queue_problems
 from trnflow.backends.cloud import CloudTarget, stage_spec
 from trnflow.backends.cloudwatch import StreamReader
 from trnflow.backends.failures import lost_peer
@@ -24,6 +24,7 @@ from trnflow.backends.service_status import (
     batch_state,
 )
 from trnflow.errors import FatalError
+from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 
 LOG_GROUP = "/aws/batch/job"
@@ -38,6 +39,7 @@ class BatchBackend:
         self._batch = aws.client("batch", boto_session=session)
         self._logs = aws.client("logs", boto_session=session)
         self._rules: dict[str, list[dict[str, str]]] = {}
+        self._queues: dict[str, dict[str, Any] | None] = {}
         self._streams: dict[str, str] = {}
         self._reader = StreamReader(self._logs, LOG_GROUP)
 
@@ -49,9 +51,21 @@ class BatchBackend:
             aws.call(self._batch.register_job_definition, **body)
         return name
 
+    def problems(self, spec: JobSpec) -> list[str]:
+        """What the deployment's job queue would refuse about `spec` (`queue_problems`): the queue is
+        described once, so a spec that would be refused fails before any job is submitted."""
+        name = self.target.job_queue
+        if name not in self._queues:
+            found = aws.call(self._batch.describe_job_queues, jobQueues=[name])["jobQueues"]
+            self._queues[name] = found[0] if found else None
+        return queue_problems(spec, name, self._queues[name])
+
     def submit(self, request: JobRequest) -> str:
         if request.spec is None:
             raise FatalError(f"the {request.phase} phase needs a job spec to run on AWS Batch")
+        problems = self.problems(request.spec)
+        if problems:
+            raise FatalError("; ".join(problems))
         definition = self._job_definition(build_job_definition(request.spec, self.target))
         stage_spec(self.target, request)
         submitted = aws.call(self._batch.submit_job, **build_submit_job(request, self.target, definition))

@@ -18,13 +18,13 @@ from typing import Any
 from trnflow.backends.base import JobRequest
 from trnflow.backends.cloud import CloudTarget, container_environment, efa_environment, job_name, placement, tags
 from trnflow.errors import ExitCode, FatalError
-from trnflow.specs import JobSpec, instance
+from trnflow.specs import JobSpec, instance, memory_problem
 
 COMMAND = ["batch"]
 """The container's command: the image's entrypoint is `python -m trnflow.container`."""
 HOST_RESERVED_VCPUS = 32
-HOST_RESERVED_MEMORY_MIB = 12 * 1024
-"""Left to the ECS agent and the OS on each node (the Neuron samples ask 96 of 128 vCPUs)."""
+"""Left to the ECS agent and the OS on each node (the Neuron samples ask 96 of 128 vCPUs); memory
+is left to them as `trnflow.specs.HOST_RESERVED_MEMORY_GIB` says."""
 
 
 def retry_strategy(spec: JobSpec) -> dict[str, Any]:
@@ -64,6 +64,16 @@ def _devices(itype: str) -> list[dict[str, Any]]:
     return neuron + efa
 
 
+def _memory_mib(spec: JobSpec) -> int:
+    """The MEMORY each node's container reserves (MiB, as Batch counts it), never more than the
+    instance can give: Batch would accept such a job and leave it RUNNABLE for ever. Spec
+    validation refuses it first; this refuses a spec changed since (`model_copy` does not validate)."""
+    problem = memory_problem(spec.compute.instance_type, spec.compute.container_memory_gib)
+    if problem:
+        raise FatalError(problem)
+    return spec.compute.container_memory_gib * 1024
+
+
 def _container(spec: JobSpec, target: CloudTarget) -> dict[str, Any]:
     t = instance(spec.compute.instance_type)
     return {
@@ -72,7 +82,7 @@ def _container(spec: JobSpec, target: CloudTarget) -> dict[str, Any]:
         "instanceType": t.name,
         "resourceRequirements": [
             {"type": "VCPU", "value": str(max(1, t.vcpus - HOST_RESERVED_VCPUS))},
-            {"type": "MEMORY", "value": str(t.host_memory_gib * 1024 - HOST_RESERVED_MEMORY_MIB)},
+            {"type": "MEMORY", "value": str(_memory_mib(spec))},
         ],
         "user": "root",
         "ulimits": [{"name": "memlock", "softLimit": -1, "hardLimit": -1}],
@@ -125,3 +135,24 @@ def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: s
         submit["shareIdentifier"] = spec.compute.share_identifier
         submit["schedulingPriorityOverride"] = spec.compute.scheduling_priority
     return submit
+
+
+def queue_problems(spec: JobSpec, name: str, queue: dict[str, Any] | None) -> list[str]:
+    """What Batch would refuse about submitting `spec`'s jobs to the job queue `name`, described as
+    `DescribeJobQueues` gives it (None: there is no such queue). A queue with a fair-share scheduling
+    policy refuses a job without a share identifier ("shareIdentifier must be specified"), and a
+    queue without one refuses a share identifier."""
+    if queue is None:
+        return [f"TRNFLOW_BATCH_JOB_QUEUE: AWS Batch has no job queue {name!r} here; set it to the BatchJobQueue "
+                "output of the CloudFormation stack in infra/"]
+    policy, share = queue.get("schedulingPolicyArn"), spec.compute.share_identifier
+    if policy and not share:
+        return [f"compute.share_identifier: the job queue {name} has a fair-share scheduling policy ({policy}), "
+                "and Batch refuses every job without a share identifier there (shareIdentifier must be "
+                "specified); set compute.share_identifier (and compute.fair_share: true, so that "
+                "`trnflow validate` checks it)"]
+    if share and not policy:
+        return [f"compute.share_identifier: the job queue {name} has no fair-share scheduling policy, and Batch "
+                "refuses a share identifier there; remove compute.share_identifier (and set compute.fair_share: "
+                "false)"]
+    return []

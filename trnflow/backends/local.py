@@ -5,6 +5,8 @@ Every job gets a folder under the settings' jobs directory:
     job.json      the command and environment (the request, as sent)
     spec.json     the job spec the workers read
     job.log       everything the workers print
+    ranks/        each rank's own stdout.log and stderr.log (torchrun's log folder) and, when
+                  ranks failed, exits.json: how each one ended
     output/       result.json from rank 0, failure-rank<r>.json from failing ranks
     exit.json     written by the supervisor when the job ends
     cancelled     written by cancel()
@@ -25,12 +27,12 @@ import uuid
 from pathlib import Path
 
 from trnflow.backends.base import JobInfo, JobRequest, JobState
-from trnflow.backends.failures import read_reports, root_failure
+from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.device.base import Device
 from trnflow.device.registry import get_device
 from trnflow.errors import FatalError
 from trnflow.fsutil import atomic_write_json, atomic_write_text
-from trnflow.neuron.launch import launch_command, launch_env, parse_visible_cores
+from trnflow.neuron.launch import RANK_LOGS, launch_command, launch_env, parse_visible_cores
 from trnflow.specs import instance
 from trnflow.workload.memory import check_fits
 
@@ -143,10 +145,16 @@ class LocalBackend:
         """The failure that caused the others: a rank's own error before its peers' broken links.
 
         A rank that died without a word (SIGKILL, the OOM killer) leaves only its peers' errors
-        about the lost connection: that is a lost worker, which a retry can cure.
+        about the lost connection: that is a lost worker, which a retry can cure. torchrun's record
+        of how the ranks ended tells the rank that failed first from those it stopped afterwards:
+        the failure names that rank, its exit code or signal and the last lines of its log. Without
+        that record (the launcher itself was killed), the job log's last lines stand in.
         """
         processes = json.loads((job_dir / "job.json").read_text())["processes"]
-        failure = root_failure(read_reports(job_dir / "output"), processes)
+        exits = read_exits(job_dir / RANK_LOGS)
+        failure = root_failure(read_reports(job_dir / "output"), processes, exits=exits)
+        if exits and (processes > 1 or failure["type"] == "WorkerLost"):
+            return name_first_rank(failure, exits)
         if failure["type"] == "WorkerLost":
             tail = "\n".join(self.logs(job_dir.name)[0].splitlines()[-15:])
             failure["message"] = (f"rank(s) {failure['ranks']} exited without reporting why (exit code "

@@ -23,6 +23,7 @@ from trnflow.backends.cloud import (
     tags,
 )
 from trnflow.errors import FatalError
+from trnflow.specs import JobSpec, sagemaker_checkpoint_problem
 
 MAX_RETRY_ATTEMPTS = 30
 """SageMaker's limit for RetryStrategy.MaximumRetryAttempts."""
@@ -40,6 +41,16 @@ def _channel(name: str, url: str, field: str, mode: str = "FastFile") -> dict[st
                          "Upload it, or run with compute.backend: local")
     return {"ChannelName": name, "InputMode": mode, "DataSource": {"S3DataSource": {
         "S3DataType": "S3Prefix", "S3Uri": url, "S3DataDistributionType": "FullyReplicated"}}}
+
+
+def _checkpoint_config(spec: JobSpec, run_id: str) -> dict[str, str]:
+    """The run's checkpoint folder, which SageMaker syncs with CHECKPOINT_DIR. Spec validation
+    refuses a SageMaker spec whose checkpoints are not on S3; this refuses it again for a spec
+    changed since (`model_copy` does not validate), so no file:// URI ever reaches SageMaker."""
+    problem = sagemaker_checkpoint_problem(spec.train.checkpoint_url)
+    if problem:
+        raise FatalError(problem)
+    return {"S3Uri": checkpoint_s3_uri(spec, run_id), "LocalPath": CHECKPOINT_DIR}
 
 
 def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict[str, Any]:
@@ -70,7 +81,7 @@ def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict
             "VolumeSizeInGB": compute.volume_gb,
         },
         "StoppingCondition": {"MaxRuntimeInSeconds": int(compute.max_runtime_hours * 3600)},
-        "CheckpointConfig": {"S3Uri": checkpoint_s3_uri(spec, request.run_id), "LocalPath": CHECKPOINT_DIR},
+        "CheckpointConfig": _checkpoint_config(spec, request.run_id),
         # SageMaker retries a job that failed with an internal error itself; trnflow's own retries
         # (resubmissions) are for the failures SageMaker does not retry.
         "RetryStrategy": {"MaximumRetryAttempts": min(MAX_RETRY_ATTEMPTS, max(1, spec.retries.max_retries))},

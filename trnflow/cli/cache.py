@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 
 from trnflow.cli.render import RED, cli_console
-from trnflow.device.cache import COMPILER_VERSION, CORRUPT, CompileCache
+from trnflow.device.cache import COMPILER_VERSION, CORRUPT, NEURONXCC, CompileCache
 from trnflow.errors import ExitCode, TrnflowError
 from trnflow.redact import without_credentials
 from trnflow.specs.spec import _normalise_url
@@ -58,14 +58,16 @@ def _age(ts: float | None) -> str:
 
 @cache_app.command("ls")
 def ls(url: UrlArg, as_json: JsonOpt = False):
-    """Every entry with its state, size, hit count and last use."""
+    """Every entry with its state, size, hit count and last use, and who wrote it: trnflow, or the
+    Neuron compiler (in a cache the `xla` device shares with it)."""
     found = _entries(url)
     if as_json:
         print(json.dumps([e.as_dict() for e in found], indent=2))
         return
-    table = Table("compiler", "key", "state", "size", "hits", "last used")
+    table = Table("compiler", "key", "state", "size", "hits", "last used", "written by")
     for e in found:
-        table.add_row(e.compiler, e.key, e.state, f"{e.bytes / 1024:,.0f} KiB", str(e.hits), _age(e.last_used))
+        table.add_row(e.compiler, e.key, e.state, f"{e.bytes / 1024:,.0f} KiB", str(e.hits), _age(e.last_used),
+                      e.origin)
     console.print(table)
 
 
@@ -93,7 +95,8 @@ def stats(url: UrlArg, as_json: JsonOpt = False):
 
 @cache_app.command()
 def verify(url: UrlArg, as_json: JsonOpt = False):
-    """Check every done entry's artifact against its checksum; exit 1 if any is corrupt."""
+    """Check every done entry's artifact against its checksum; exit 1 if any is corrupt. The Neuron
+    compiler's entries have no checksums of trnflow's: they are counted, not checked."""
 
     with _cache(url) as cache:
         found = cache.entries(deep=True)
@@ -105,7 +108,9 @@ def verify(url: UrlArg, as_json: JsonOpt = False):
         for entry, problem in problems.items():
             console.print(f"[red]corrupt[/red] {problem or entry}; the next compile rebuilds it "
                           "(or prune it with --failed)", highlight=False)
-        console.print(f"{len(found)} entries checked, {len(corrupt)} corrupt")
+        unchecked = sum(e.origin == NEURONXCC for e in found)
+        note = f" ({unchecked} written by neuronx-cc, which records no checksums)" if unchecked else ""
+        console.print(f"{len(found)} entries checked, {len(corrupt)} corrupt{note}")
     raise typer.Exit(ExitCode.FAILED if corrupt else ExitCode.OK)
 
 
@@ -114,12 +119,15 @@ def prune(
     url: UrlArg,
     failed: Annotated[bool, typer.Option("--failed", help="Remove failed and corrupt entries.")] = False,
     older_than_days: Annotated[float | None, typer.Option(help="Remove entries unused for this many days.")] = None,
-    other_versions: Annotated[bool, typer.Option("--other-versions", help="Remove other compilers' entries.")] = False,
+    other_versions: Annotated[bool, typer.Option(
+        "--other-versions", help="Remove trnflow's entries of other compiler versions.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Only list what would go.")] = False,
-    compiler_version: Annotated[str | None, typer.Option(help="The version to keep (default: this torch).")] = None,
+    compiler_version: Annotated[str | None, typer.Option(
+        help="The version folder to keep, as `cache ls` names it (default: this torch's).")] = None,
     as_json: JsonOpt = False,
 ):
-    """Remove failed entries, old ones, or other compiler versions' (never one being compiled)."""
+    """Remove failed entries, old ones, or other compiler versions' (never one being compiled). Of the
+    Neuron compiler's own entries only failed ones go: their age and version are its tools' to manage."""
 
     if not (failed or older_than_days is not None or other_versions):
         err.print("[red]say what to prune: --failed, --older-than-days N or --other-versions[/red]")

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.table import Table
+from rich.text import Text
 
-from trnflow.cli.common import console, err
+from trnflow.cli.common import JsonOpt, SetOpt, SpecArg, console, err, load, set_overrides
 from trnflow.cli.render import RED
 from trnflow.errors import ExitCode
+from trnflow.results import DataPartCheck
 
 data_app = typer.Typer(help="Make and inspect datasets.", no_args_is_help=True)
 
@@ -47,3 +51,39 @@ def data_synth(
                          train_only=train_only)
     console.print(f"wrote {summary['train_rows']} training rows in {summary['train_partitions']} partition(s), "
                   f"{summary['holdout_rows']} holdout and {summary['inference_rows']} inference rows to {out}")
+
+
+STATE_STYLES = {"ok": "green", "failed": "red", "waiting": "cyan"}
+
+
+def check_table(parts: list[DataPartCheck], title: str) -> Table:
+    """A row per training day and per set: files, rows read and rejected, and why (printed as it is)."""
+    table = Table("data", "day", "files", "rows read", "rows rejected", "state", "why", title=title)
+    for p in parts:
+        table.add_row(p.field, f"dt={p.day}" if p.day else "", str(len(p.files)), str(p.rows_read),
+                      str(p.rows_rejected), Text(p.state, style=STATE_STYLES.get(p.state, "yellow")),
+                      Text("; ".join([*p.problems, *p.notes])))
+    return table
+
+
+@data_app.command("check")
+def data_check(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = False):
+    """Read a spec's data as its runs do: per day of data.train, and for data.holdout and
+    data.inference, the rows read and the rows rejected, with why. Exits 2 when a run would stop on
+    one (a day with no readable rows, a file it cannot read)."""
+    from trnflow.workload.data import check_data  # heavy: pyarrow and torch
+    from trnflow.workload.recipes import recipe_for
+
+    spec = load(spec_path, set_overrides(overrides))
+    recipe = recipe_for(spec)  # the recipe decides which columns a row needs
+    parts = check_data(spec.data, recipe.columns(), recipe.num_classes)
+    failed = [p for p in parts if p.state == "failed"]
+    if as_json:
+        print(json.dumps({"spec": str(spec_path), "format": spec.data.format, "columns": recipe.columns(),
+                          "ok": not failed, "parts": [p.model_dump(mode="json") for p in parts]}, indent=2))
+    else:
+        console.print(check_table(parts, f"{spec.name}: {spec.data.format} data, columns "
+                                         f"{', '.join(recipe.columns())}"))
+        for p in failed:
+            err.print(f"{p.field}{f' dt={p.day}' if p.day else ''}: {'; '.join(p.problems)}", **RED)
+    raise typer.Exit(ExitCode.BAD_INPUT if failed else ExitCode.OK)

@@ -3,12 +3,13 @@ SDK's neuron-ls, neuron-top and nccom-test."""
 
 from __future__ import annotations
 
+import hashlib
 import json
+import socket
 from typing import Annotated
 
 import typer
 from rich.live import Live
-from rich.table import Table
 
 from trnflow.backends import JobRequest, JobState, run_to_end
 from trnflow.cli import render
@@ -31,21 +32,20 @@ def devices(
     """List the emulated instance's Neuron devices and which process holds each core, like `neuron-ls`."""
 
     check_instance_type(instance_type)
-    records = neuron_ls(instance_type, core_owners(instance_type, holders(CATALOGUE[instance_type].cores)))
+    t = CATALOGUE[instance_type]
+    records = neuron_ls(instance_type, core_owners(instance_type, holders(t.cores)))
     if as_json:
         print(json.dumps(records, indent=2))
         return
-    t = CATALOGUE[instance_type]
-    console.print(f"instance-type: {instance_type}  ({t.cores} NeuronCores, {t.chips} device(s))")
-    table = Table("NEURON DEVICE", "NEURON CORES", "NEURON CORE IDS", "NEURON MEMORY", "CONNECTED DEVICES", "BDF",
-                  "PID", "COMMAND")
-    for r in records:
-        ids = r["neuroncore_ids"]
-        procs = r["neuron_processes"]
-        table.add_row(str(r["neuron_device"]), str(r["nc_count"]), f"{ids[0]}-{ids[-1]}",
-                      f"{r['memory_size'] // 1024**3} GB", ", ".join(map(str, r["connected_to"])), r["bdf"],
-                      "\n".join(str(p["pid"]) for p in procs), "\n".join(p["command"] for p in procs))
-    console.print(table)
+    for line in render.neuron_ls_header(instance_type, emulated_instance_id(), records):
+        console.print(line, markup=False, highlight=False)
+    console.print(render.neuron_ls_table(records))
+
+
+def emulated_instance_id() -> str:
+    """neuron-ls's `instance-id:` line reads the instance metadata; an emulated host has none, so
+    an id in EC2's form made from the host name, the same on every call."""
+    return "i-" + hashlib.sha256(socket.gethostname().encode()).hexdigest()[:17]
 
 
 def top(

@@ -12,9 +12,10 @@ from rich.table import Table
 
 from trnflow.cli.render import RED, cli_console
 from trnflow.errors import ExitCode, FatalError
-from trnflow.lifecycle.registry import PromotionConflict, Registry
+from trnflow.lifecycle.registry import PromotionConflict, Registry, RegistryCorrupt
 from trnflow.redact import without_credentials
 from trnflow.specs.spec import _normalise_url
+from trnflow.workload.embeddings import manifest, point_current, version_url
 
 models_app = typer.Typer(help="Look at and change the model registry (registry_url).", no_args_is_help=True)
 console = cli_console()
@@ -52,18 +53,32 @@ def ls(model: Annotated[str | None, typer.Argument(help="One model's versions; a
     (`--json` adds each version's checkpoint)."""
     with _registry(registry) as reg:
         names = [model] if model else reg.models()
-        rows = []
+        rows, unreadable = [], []
         for name in names:
-            champion = reg.champion(name)
-            for v in reg.versions(name):
+            try:
+                champion = reg.champion(name)
+            except RegistryCorrupt as exc:
+                champion = None
+                unreadable.append(str(exc))
+            versions, corrupt = reg.readable(name)
+            unreadable += [str(c) for c in corrupt]
+            for v in versions:
                 starred = bool(champion and champion.version == v.version)
                 rows.append({"model": name, "version": v.version, "champion": starred,
                              **{k: v.entry.get(k) for k in ("status", "watermark", "global_step", "checkpoint",
                                                              "registered_at")},
                              "accuracy": (v.entry.get("metrics") or {}).get("accuracy")})
+    for problem in unreadable:
+        err.print(problem, **RED)
     if as_json:
         print(json.dumps(rows, indent=2))
-        return
+    else:
+        _versions_table(rows, registry)
+    if unreadable:
+        raise typer.Exit(ExitCode.FAILED)
+
+
+def _versions_table(rows: list[dict], registry: str) -> None:
     table = Table("model", "version", "", "status", "accuracy", "watermark", "global step", "registered",
                   caption="`trnflow models show MODEL VERSION` for a version's checkpoint, metrics and verdict")
     for r in rows:
@@ -94,28 +109,63 @@ def show(model: ModelArg, version: Annotated[int | None, typer.Argument(help="De
                       f"{record.get('reason') or ''}")
 
 
+def _outputs(reg: Registry, model: str, version: int) -> str | None:
+    """The output location of `version`, checked to hold its complete outputs (None: none recorded,
+    as for a version registered before outputs were versioned)."""
+    out = reg.version(model, version).entry.get("output_url")
+    if out and manifest(version_url(out, version)) is None:
+        raise FatalError(f"{model} v{version} has no complete outputs at {version_url(out, version)}, so it cannot "
+                         f"be published with the change of champion; write them with `trnflow infer SPEC --model "
+                         f"{version}`, then try again")
+    return out
+
+
+def _change_champion(reg: Registry, model: str, version: int, change) -> tuple[dict, str]:
+    """Make `version` the champion by `change()` and point `current` at its outputs; if the pointer
+    cannot be moved, the champion goes back to what it was. Returns the record and what was published."""
+    out = _outputs(reg, model, version)
+    before = reg.champion(model)
+    record = change()
+    if out is None:
+        return record, "no outputs recorded for it"
+    try:
+        pointer = point_current(out, model, version)
+    except Exception as exc:
+        if before is not None:
+            reg.promote(model, before.version, reason=f"publishing v{version} failed: {exc}",
+                        expected_generation=record["generation"])
+        raise FatalError(f"could not publish v{version}'s outputs at {out} ({exc}); the champion is back to "
+                         f"v{before.version if before else version}") from None
+    return record, f"{pointer['rows']} rows published as current under {without_credentials(out)}"
+
+
 @models_app.command("promote")
 def promote(model: ModelArg, version: Annotated[int, typer.Argument(help="The version to make champion.")],
             registry: RegistryOpt = ..., reason: Annotated[str, typer.Option(help="Why, for the history.")] = "manual",
             as_json: JsonOpt = False):
-    """Make a version the champion (exit 4 if another promotion wins the race)."""
+    """Make a version the champion and publish its outputs (exit 4 if another promotion wins the race)."""
     with _registry(registry) as reg:
-        record = reg.promote(model, version, reason=reason, expected_generation=reg.generation(model))
+        record, published = _change_champion(reg, model, version, lambda: reg.promote(
+            model, version, reason=reason, expected_generation=reg.generation(model)))
     if as_json:
-        print(json.dumps(record))
+        print(json.dumps({**record, "published": published}))
     else:
-        console.print(f"[green]{model} v{version} is the champion[/green] (generation {record['generation']})")
+        console.print(f"[green]{model} v{version} is the champion[/green] (generation {record['generation']}); "
+                      f"{published}")
 
 
 @models_app.command("rollback")
 def rollback(model: ModelArg, registry: RegistryOpt = ...,
              reason: Annotated[str, typer.Option(help="Why, for the history.")] = "manual rollback",
              as_json: JsonOpt = False):
-    """Make the previous champion the champion again."""
+    """Make the previous champion the champion again, and publish its outputs again."""
     with _registry(registry) as reg:
-        record = reg.rollback(model, reason=reason)
+        target = reg.rollback_target(model)
+        generation = reg.generation(model)
+        record, published = _change_champion(reg, model, target, lambda: reg.rollback(
+            model, reason=reason, expected_generation=generation))
     if as_json:
-        print(json.dumps(record))
+        print(json.dumps({**record, "published": published}))
     else:
         console.print(f"[green]{model} v{record['version']} is the champion again[/green] "
-                      f"(rolled back from v{record['previous']})")
+                      f"(rolled back from v{record['previous']}); {published}")

@@ -4,9 +4,17 @@ ahead-of-time compile). Prefect is imported only when a flow is about to run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
+import shlex
+import signal
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
 from typing import Annotated
 
 import typer
@@ -19,8 +27,17 @@ from trnflow.cli import render
 from trnflow.cli.common import JsonOpt, SetOpt, SpecArg, console, err, load, set_overrides
 from trnflow.cli.progress import training_progress
 from trnflow.cli.render import RED
-from trnflow.errors import DataError, ExitCode, GateFailed, TrnflowError
-from trnflow.results import CollectivesResult, CompileResult, RunOutcome, SanityResult, StageResult, parse
+from trnflow.errors import ChampionKept, DataError, ExitCode, GateFailed, TrnflowError
+from trnflow.reporting.chart import paired_sentence
+from trnflow.results import (
+    CollectivesResult,
+    CompileResult,
+    EvaluateResult,
+    RunOutcome,
+    SanityResult,
+    StageResult,
+    parse,
+)
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.storage.datafiles import data_files
@@ -119,19 +136,87 @@ def _check_data(spec: JobSpec) -> None:
                 raise typer.Exit(ExitCode.BAD_INPUT) from None
 
 
+def fresh_run_id() -> str:
+    return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
+
+
+def resume_command(run_id: str, argv: list[str] | None = None) -> str:
+    """The command line that runs this command again on the same run id, which resumes it."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if "--run-id" not in args and not any(a.startswith("--run-id=") for a in args):
+        args += ["--run-id", run_id]
+    return shlex.join(["trnflow", *args])
+
+
+@contextlib.contextmanager
+def _resumable(run_id: str) -> Iterator[None]:
+    """On Ctrl-C or SIGTERM, say which run stopped and the command that resumes it, then exit 130."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, stop) if threading.current_thread() is threading.main_thread() else None
+    try:
+        yield
+    except KeyboardInterrupt:
+        err.print(f"interrupted: run {run_id} stopped; its committed checkpoints are kept. Resume it with:", **RED)
+        err.print(f"  {resume_command(run_id)}", soft_wrap=True, markup=False, highlight=False)  # one line to copy
+        raise typer.Exit(ExitCode.INTERRUPTED) from None
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _gate_notes(results: dict[str, StageResult]) -> None:
+    """The gate's paired test in plain words, under the stage table."""
+    evaluated = results.get("evaluate")
+    verdict = evaluated.verdict if isinstance(evaluated, EvaluateResult) else None
+    if not verdict:
+        return
+    for who, check in (verdict.get("checks") or {"": verdict}).items():
+        if check.get("paired"):
+            label = f"against {who}: " if who else ""
+            console.print(f"{label}{paired_sentence(check['paired'], check.get('max_abs_diff', 0.0))}",
+                          highlight=False)
+
+
+def _exit_code(cause: BaseException) -> ExitCode:
+    if isinstance(cause, GateFailed):
+        return ExitCode.GATE_FAILED
+    return ExitCode.CHAMPION_KEPT if isinstance(cause, ChampionKept) else ExitCode.FAILED
+
+
+ForceOpt = Annotated[bool, typer.Option("--force-promote", help="Promote the candidate even if it is worse than the "
+                                        "champion (it must still pass the gate); needs --reason.")]
+ReasonOpt = Annotated[str | None, typer.Option("--reason", help="Why --force-promote: recorded in the registry.")]
+
+
+def _forced(force: bool, reason: str | None) -> dict[str, str]:
+    """The flow parameter for --force-promote, refusing it without a reason."""
+    if reason and not force:
+        err.print("--reason goes with --force-promote: it records why a worse candidate was promoted", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    if not force:
+        return {}
+    if not (reason or "").strip():
+        err.print('--force-promote needs --reason "why": the registry records it with the promotion', **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    return {"force_promote": reason.strip()}
+
+
 def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_id: str | None, as_json: bool,
-              show=None) -> None:
+              show=None, **params) -> None:
     """Run a flow in-process on Prefect's local API; print its stage table; exit with its outcome."""
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     # Prefect's local API starts in a process of its own; its 20 s default is short on a busy laptop.
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from trnflow.flows._stages import PipelineFailed  # heavy: prefect
 
-    with training_progress(err, enabled=not as_json and err.is_terminal):
-        state = flow_fn(spec, run_id=run_id, return_state=True)
+    run_id = run_id or fresh_run_id()  # known before anything starts, so an interrupt can name it
+    with training_progress(err, enabled=not as_json and err.is_terminal), _resumable(run_id):
+        state = flow_fn(spec, run_id=run_id, return_state=True, **params)
     outcome = state.result(raise_on_failure=False)
     if isinstance(outcome, PipelineFailed):
-        rows, code = outcome.stages, ExitCode.GATE_FAILED if isinstance(outcome.cause, GateFailed) else ExitCode.FAILED
+        rows, code = outcome.stages, _exit_code(outcome.cause)
         payload = {"state": "Failed", "failed_stage": outcome.stage, "error": str(outcome.cause),
                    "stages": [r.model_dump(mode="json") for r in rows]}
     elif not isinstance(outcome, RunOutcome):  # the flow raised before any stage
@@ -155,6 +240,8 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
         console.print(render.stage_table(rows, stages, title))
         if code == 0 and outcome.cost.rows:
             console.print(render.cost_table(outcome.cost))
+        if code == 0:
+            _gate_notes(outcome.results)
         if code:
             err.print(f"{title} failed: {payload['error']}", **RED)
         else:
@@ -167,9 +254,13 @@ def run(
     backend: Annotated[str | None, typer.Option(help="Override compute.backend: local, sagemaker or batch.")] = None,
     run_id: Annotated[str | None, typer.Option(help="Resume or name a run (default: a new id).")] = None,
     overrides: SetOpt = None,
+    force_promote: ForceOpt = False,
+    reason: ReasonOpt = None,
     as_json: JsonOpt = False,
 ):
-    """Run the whole pipeline now, in this process, on Prefect's local API."""
+    """Run the whole pipeline now, in this process, on Prefect's local API. A candidate worse than
+    the champion is registered but not promoted (exit 5)."""
+    forced = _forced(force_promote, reason)
     extra = set_overrides(overrides)
     if backend:
         extra["compute.backend"] = backend
@@ -178,16 +269,19 @@ def run(
     _check_data(spec)
     from trnflow.flows.pipeline import STAGES, pipeline  # heavy: prefect and torch
 
-    _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json)
+    _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json, **forced)
 
 
 def retrain(
     spec_path: SpecArg,
     run_id: Annotated[str | None, typer.Option(help="Resume or name a run (default: a new id).")] = None,
     overrides: SetOpt = None,
+    force_promote: ForceOpt = False,
+    reason: ReasonOpt = None,
     as_json: JsonOpt = False,
 ):
     """Retrain the champion on the data after its watermark now, in this process (as the schedule does)."""
+    forced = _forced(force_promote, reason)
     _check_run_id(run_id)
     spec = load(spec_path, set_overrides(overrides))
     if spec.registry_url is None:
@@ -196,7 +290,26 @@ def retrain(
         raise typer.Exit(ExitCode.BAD_INPUT)
     from trnflow.flows.incremental_retrain import STAGES, incremental_retrain  # heavy: prefect and torch
 
-    _run_flow(incremental_retrain, STAGES, "trnflow retrain", spec, run_id, as_json)
+    _run_flow(incremental_retrain, STAGES, "trnflow retrain", spec, run_id, as_json, **forced)
+
+
+def infer(
+    spec_path: SpecArg,
+    model: Annotated[str, typer.Option("--model", help="The registered version to use: champion, or a version "
+                                       "number (`trnflow models ls`).")] = "champion",
+    checkpoint: Annotated[str | None, typer.Option(help="Use this checkpoint instead of a registered version "
+                                                   "(its outputs go to inference.output_url itself).")] = None,
+    run_id: Annotated[str | None, typer.Option(help="Resume or name a run (default: a new id).")] = None,
+    overrides: SetOpt = None,
+    as_json: JsonOpt = False,
+):
+    """Run the inference set through a model now: into that version's own output folder, published as
+    current when it is the champion."""
+    _check_run_id(run_id)
+    spec = load(spec_path, set_overrides(overrides))
+    from trnflow.flows.batch_inference import STAGES, batch_inference  # heavy: prefect and torch
+
+    _run_flow(batch_inference, STAGES, "trnflow infer", spec, run_id, as_json, model=model, checkpoint=checkpoint)
 
 
 def preflight(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = False):
@@ -223,5 +336,5 @@ def preflight(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = F
 def register(app: typer.Typer) -> None:
     app.command()(reference)
     app.command("compile")(compile_cmd)
-    for command in (run, retrain, preflight):
+    for command in (run, retrain, infer, preflight):
         app.command()(command)

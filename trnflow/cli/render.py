@@ -9,7 +9,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from trnflow.reporting.report import ENGINES, cost_cells, engine_outcomes, with_not_run
+from trnflow.reporting.report import COST_COLUMNS, ENGINES, check_cell, cost_cells, engine_outcomes, with_not_run
 from trnflow.results import Cost, StageRow
 
 STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim"}
@@ -59,9 +59,8 @@ def nccom_text(rows: list[dict[str, Any]]) -> str:
         lines.append(f"{'size(B)':>12}{'count(elems)':>16}{'type':>9}{'time(us)':>12}{'algbw(GB/s)':>15}"
                      f"{'busbw(GB/s)':>15}{'check':>8}")
         for r in (r for r in rows if r["op"] == op):
-            check = {True: "ok", False: "WRONG", None: "-"}[r.get("correct")]
-            lines.append(f"{r['size(B)']:>12}{r['count(elems)']:>16}{r['type']:>9}{r['time(us)']:>12.1f}"
-                         f"{r['algbw(GB/s)']:>15.4f}{r['busbw(GB/s)']:>15.4f}{check:>8}")
+            lines.append(f"{r['size(B)']:>12}{r.get('count(elems)', 0):>16}{r.get('type', ''):>9}"
+                         f"{r['time(us)']:>12.1f}{r['algbw(GB/s)']:>15.4f}{r['busbw(GB/s)']:>15.4f}{check_cell(r):>8}")
     if rows:
         avg = sum(r["busbw(GB/s)"] for r in rows) / len(rows)
         lines.append(f"Avg bus bandwidth:\t{avg:.4f}GB/s")
@@ -80,6 +79,42 @@ def parse_size(text: str) -> int:
     raise ValueError(f"{text!r} is not a size; write for example 65536, 64KB or 1MB")
 
 
+NEURON_LS_COLUMNS = ("NEURON DEVICE", "NEURON CORES", "NEURON CORE IDS", "NEURON MEMORY", "CONNECTED DEVICES",
+                     "PCI BDF", "CPU AFFINITY", "NUMA NODE")
+"""neuron-ls's table columns, in its order; `trnflow devices` adds PID and COMMAND, as `neuron-ls -w` does."""
+
+
+def core_ids(ids: list[int]) -> str:
+    """A device's core ids as neuron-ls prints them: `0-3`, or one id."""
+    return f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else str(ids[0]) if ids else ""
+
+
+def neuron_ls_header(itype: str, instance_id: str, records: list[dict[str, Any]]) -> list[str]:
+    """The lines neuron-ls prints above its table: the instance type and id, and on trn2 the
+    logical NeuronCore config."""
+    lines = [f"instance-type: {itype}", f"instance-id: {instance_id}"]
+    lnc = sorted({r["logical_neuroncore_config"] for r in records if "logical_neuroncore_config" in r})
+    if lnc:
+        lines.append(f"logical-neuroncore-config: {lnc[0]}")
+    return lines
+
+
+def neuron_ls_table(records: list[dict[str, Any]]) -> Table:
+    """One row per device in neuron-ls's columns (`NEURON_LS_COLUMNS`), then the processes holding it.
+    A narrow terminal wraps a cell rather than cut it: a CPU list cut short would name other CPUs."""
+    table = Table(caption="emulated by trnflow")
+    for column in (*NEURON_LS_COLUMNS, "PID", "COMMAND"):
+        table.add_column(column, overflow="fold")
+    for r in records:
+        procs = r.get("neuron_processes") or []
+        table.add_row(str(r["neuron_device"]), str(r["nc_count"]), core_ids(r["neuroncore_ids"]),
+                      f"{r['memory_size'] // 1024**3} GB" if "memory_size" in r else "",
+                      ", ".join(map(str, r.get("connected_to", []))), r.get("bdf", ""),
+                      str(r.get("cpu_affinity", "")), str(r.get("numa_node", "")),
+                      "\n".join(str(p["pid"]) for p in procs), Text("\n".join(p["command"] for p in procs)))
+    return table
+
+
 def top_table(itype: str, rows: list[dict[str, Any]]) -> Table:
     """The `trnflow top` view: a row per core with a utilisation bar."""
     table = Table("core", "device", "utilization", "memory held", "pid", "command",
@@ -94,11 +129,11 @@ def top_table(itype: str, rows: list[dict[str, Any]]) -> Table:
 
 
 def cost_table(cost: Cost) -> Table:
-    """Each job's instances, price, billable time and cost, and the run's total."""
-    table = Table("stage", "instance type", "nodes", "jobs", "price ($/node-hour)", "billable time (s)", "cost ($)",
-                  title="what the jobs cost (on-demand prices; failed jobs included)")
+    """Each job's instances, price and where the price comes from (service, region, the day it was
+    read), billable time and cost, and the run's total."""
+    table = Table(*COST_COLUMNS, title="what the jobs cost (on-demand prices; failed jobs included)")
     rows, total = cost_cells(cost)
     for row in rows:
-        table.add_row(*row)
-    table.add_row("[bold]total[/bold]", "", "", "", "", "", f"[bold]{total}[/bold]")
+        table.add_row(*(Text(cell) for cell in row))
+    table.add_row(Text("total", style="bold"), *[""] * (len(COST_COLUMNS) - 2), Text(total, style="bold"))
     return table

@@ -55,7 +55,7 @@ def _server(code: int = ExitCode.BAD_INPUT) -> Iterator[Any]:
 def exit_code(state_type: str, state_name: str) -> int:
     if state_type == "COMPLETED":
         return 0
-    return ExitCode.GATE_FAILED if state_name == "GateFailed" else ExitCode.FAILED
+    return {"GateFailed": ExitCode.GATE_FAILED, "ChampionKept": ExitCode.CHAMPION_KEPT}.get(state_name, ExitCode.FAILED)
 
 
 def _parse_params(pairs: list[str] | None) -> dict[str, Any]:

@@ -1,17 +1,31 @@
-"""The persistent compile cache, laid out like the Neuron persistent cache, in a directory or on S3:
+"""The persistent compile cache, in a directory or on S3, laid out as the Neuron persistent cache is
+so that the Neuron tools read trnflow's entries and trnflow reads theirs:
 
-    <cache>/<compiler version>/MODULE_<graph hash>+<flags hash>/
+    <cache>/neuronxcc-<compiler version>/MODULE_<graph hash>+<flags hash>/
         model.fx.txt         the canonical graph (what the key was computed from)
         compile_flags.json   the compiler flags
         model.neff           the compiled artifact
-        model.done           written last; the sha256 and size of the three files above
+        trnflow.json         the sha256 and size of the files above and of model.done
+        model.done           written last, empty, as neuronx-cc writes it
         model.log            instead of model.neff + model.done when compilation failed
         model.lock           while a process compiles the entry (its pid, host and start time)
         usage.json           hit count and last use
 
 A failed entry is remembered: it is not compiled again unless asked (`retry_failed`). A done
 entry whose files do not match their checksums is reported as corrupt and compiled again, never
-loaded. Entries are named `<compiler version>/<key>` in this module's functions.
+loaded. Entries are named `<version folder>/<key>` in this module's functions.
+
+An entry neuronx-cc wrote (in a cache the `xla` device shares with the Neuron compiler: its
+`model.hlo_module.pb`, `model.neff` and `model.done`, with no graph text or record of trnflow's)
+is listed with the state the Neuron tools give it: done when it holds `model.neff` and
+`model.done`, failed when it holds only `model.log`, locked while a `*.lock` is there. trnflow
+cannot check its files, so it never calls one corrupt, and of the Neuron compiler's entries it
+prunes only failed ones: their age and version are the Neuron tools' to manage.
+
+trnflow's old layout, `<cache>/torch-<version>/<key>/` with the checksums in model.done, is still
+read: those entries are listed as another compiler version's, and a lookup that misses copies this
+torch's done entry from there into the new layout (checked first), so an upgrade compiles nothing
+again. `trnflow cache prune --other-versions` removes the old folder once no older trnflow uses it.
 """
 
 from __future__ import annotations
@@ -31,10 +45,23 @@ from importlib import metadata
 from trnflow.errors import FatalError
 from trnflow.storage import ObjectInfo, Store, join, open_store
 
-COMPILER_VERSION = f"torch-{metadata.version('torch')}"
-"""The compiler version entries are filed under: the torch version stands for neuronx-cc's."""
+_TORCH = metadata.version("torch")
+COMPILER_VERSION = f"neuronxcc-torch-{_TORCH}"
+"""The folder entries are filed under, named as neuronx-cc names its own (`neuronxcc-<version>`).
+The torch version stands for the compiler's, marked `torch-` so that no tool takes it for a
+release of neuronx-cc (whose folders sit beside it in a cache the `xla` device shares)."""
+LEGACY_VERSION = f"torch-{_TORCH}"
+"""Where trnflow's old layout filed this torch's entries (their checksums in model.done)."""
 DONE, FAILED, CORRUPT, LOCKED, MISSING = "done", "failed", "corrupt", "locked", "missing"
+TRNFLOW, NEURONXCC = "trnflow", "neuronx-cc"
+"""Who wrote an entry (`EntryInfo.origin`)."""
 CHECKED_FILES = ("model.fx.txt", "compile_flags.json", "model.neff")
+DONE_MARKER = "model.done"
+RECORD = "trnflow.json"
+"""trnflow's record of a done entry: each file's checksum. model.done stays the empty marker the
+Neuron tools expect, so the record has a file of its own."""
+_OWN_FILES = frozenset({RECORD, "model.fx.txt", "model.lock", "usage.json"})
+"""Files only trnflow writes into an entry: an entry holding none of them is neuronx-cc's."""
 STALE_LOCK_SECONDS = 24 * 3600.0
 """A lock held this long by a process on another host is taken for abandoned."""
 
@@ -50,7 +77,7 @@ def _not_an_archive(data: bytes) -> str | None:
 
 
 def entry_name(key: str) -> str:
-    """Where a key lives in the cache: `<compiler version>/<key>`."""
+    """Where a key lives in the cache: `<version folder>/<key>`."""
     return f"{COMPILER_VERSION}/{key}"
 
 
@@ -66,13 +93,34 @@ def miss_reason(cache: CompileCache | None, entry: str) -> str:
         state = cache.state(entry) if cache else MISSING
     except FatalError as exc:  # a garbled lock record: the graph is compiled here all the same
         return str(exc)
-    return {CORRUPT: "the cache entry is corrupt (a file is missing or not as model.done says)",
+    return {CORRUPT: f"the cache entry is corrupt (a file is missing or not as {RECORD} records it)",
             FAILED: "its ahead-of-time compile failed",
             LOCKED: "it is still being compiled"}.get(state, "it is not in the compile cache")
 
 
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def origin(names: set[str]) -> str:
+    """Who wrote an entry holding the files `names`: trnflow, or neuronx-cc (none of trnflow's own)."""
+    return TRNFLOW if names & _OWN_FILES else NEURONXCC
+
+
+def _marked_done(listed: list[ObjectInfo]) -> bool:
+    """Whether an entry's listing holds its done marker (whole or not: a corrupt one is compiled
+    again, never replaced by an older copy)."""
+    return any(o.name.rsplit("/", 1)[-1] == DONE_MARKER for o in listed)
+
+
+def _checked(record: dict | None) -> dict[str, dict] | None:
+    """The files a checksum record covers (the artifact, graph and flags at least, and model.done
+    where the record is a file of its own), or None when it is no such record."""
+    files = record.get("files") if isinstance(record, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(files.get(n), dict) for n in CHECKED_FILES):
+        return None
+    covered = (*CHECKED_FILES, DONE_MARKER) if isinstance(files.get(DONE_MARKER), dict) else CHECKED_FILES
+    return {name: files[name] for name in covered}
 
 
 class EntryLocked(Exception):
@@ -100,12 +148,15 @@ def _alive(pid: int) -> bool:
 @dataclass
 class EntryInfo:
     compiler: str
+    """The version folder: `neuronxcc-torch-<version>` for trnflow's, `neuronxcc-<version>` for the
+    Neuron compiler's, `torch-<version>` in trnflow's old layout."""
     key: str
     state: str
     bytes: int
     hits: int
     last_used: float | None
     created: float
+    origin: str = TRNFLOW
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -154,23 +205,39 @@ class CompileCache:
 
     def state(self, entry: str, deep: bool = False, listed: list[ObjectInfo] | None = None) -> str:
         """The entry's state from its metadata: which files it has, and whether their sizes are the
-        ones model.done records. `deep` also checks every file's checksum and that the artifact is
+        ones trnflow.json records. `deep` also checks every file's checksum and that the artifact is
         an archive, which reads the artifact (`cache verify` and a compile do; a listing never does).
-        `listed` is the entry's objects when the caller has listed them already."""
-        listed = self.store.list(f"{entry}/") if listed is None else listed
+        `listed` is the entry's objects when the caller has listed them already. An entry not done
+        here that trnflow's old layout holds done is copied over first (`adopt`)."""
+        if listed is None:
+            listed = self.store.list(f"{entry}/")
+            if not _marked_done(listed) and self.adopt(entry):
+                listed = self.store.list(f"{entry}/")
         sizes = {o.name.rsplit("/", 1)[-1]: o.size for o in listed}
-        if "model.done" in sizes:
-            whole = self.verify(entry) if deep else self._sizes_match(entry, sizes)
-            return DONE if whole else CORRUPT
+        if DONE_MARKER in sizes:
+            return self._done_state(entry, sizes, deep)
         if "model.lock" in sizes and self.lock_owner(entry) is not None:
             return LOCKED
+        if any(name.endswith(".lock") and name != "model.lock" for name in sizes):
+            return LOCKED  # neuronx-cc is compiling it (its lock records no owner to check)
         return FAILED if "model.log" in sizes else MISSING
 
+    def _done_state(self, entry: str, sizes: dict[str, int], deep: bool) -> str:
+        """A done-marked entry's state: trnflow's is checked against its record; the Neuron
+        compiler's is done when it holds its artifact, as the Neuron tools judge it."""
+        if origin(set(sizes)) == NEURONXCC:
+            return DONE if "model.neff" in sizes else FAILED if "model.log" in sizes else MISSING
+        whole = self.verify(entry) if deep else self._sizes_match(entry, sizes)
+        return DONE if whole else CORRUPT
+
+    def _record(self, entry: str) -> dict | None:
+        """trnflow's checksum record of an entry: trnflow.json, or model.done in the old layout."""
+        return self._json(f"{entry}/{RECORD}") or self._json(f"{entry}/{DONE_MARKER}")
+
     def _sizes_match(self, entry: str, sizes: dict[str, int]) -> bool:
-        """Whether every checked file is listed at the size model.done records (no file is read)."""
-        files = (self._json(f"{entry}/model.done") or {}).get("files")
-        return isinstance(files, dict) and all(
-            isinstance(files.get(name), dict) and sizes.get(name) == files[name].get("bytes") for name in CHECKED_FILES)
+        """Whether every checked file is listed at the size the record holds (no file is read)."""
+        files = _checked(self._record(entry))
+        return files is not None and all(sizes.get(name) == files[name].get("bytes") for name in files)
 
     def verify(self, entry: str) -> bool:
         """Whether every checked file is present, of its recorded size and checksum."""
@@ -179,32 +246,57 @@ class CompileCache:
     def problem(self, entry: str) -> str | None:
         """Why a done entry is corrupt, or None when it is whole."""
         try:
-            artifact = self._verified(entry, "model.neff")
+            artifact = self._verified(entry)["model.neff"]
         except CorruptEntry as exc:
             return str(exc)
         why = _not_an_archive(artifact)  # checksummed as it was written; a load finds out as it unpacks
         return f"{entry}/model.neff matches its checksum but is no archive ({why})" if why else None
 
-    def _verified(self, entry: str, wanted: str) -> bytes:
-        record = self._json(f"{entry}/model.done") or {}
-        files, out = record.get("files"), b""
-        if not isinstance(files, dict) or not all(isinstance(files.get(n), dict) for n in CHECKED_FILES):
-            raise CorruptEntry(f"{entry}/model.done is missing, unreadable or not a checksum record")
-        for name in CHECKED_FILES:
+    def _verified(self, entry: str) -> dict[str, bytes]:
+        """Every checked file of the entry, each read and matched against its checksum."""
+        files = _checked(self._record(entry))
+        if files is None:
+            raise CorruptEntry(f"{entry}/{RECORD} is missing, unreadable or not a checksum record")
+        out = {}
+        for name, expected in files.items():
             try:
                 data = self.store.read(f"{entry}/{name}")
             except FileNotFoundError:
                 raise CorruptEntry(f"{entry}/{name} is missing") from None
-            expected = files[name]
             if len(data) != expected.get("bytes") or sha256(data) != expected.get("sha256"):
-                raise CorruptEntry(f"{entry}/{name} does not match its checksum in model.done")
-            if name == wanted:
-                out = data
+                raise CorruptEntry(f"{entry}/{name} does not match its checksum in {RECORD}")
+            out[name] = data
         return out
 
     def load_artifact(self, entry: str) -> bytes:
-        """The compiled artifact, checked against its checksum first (CorruptEntry if it fails)."""
-        return self._verified(entry, "model.neff")
+        """The compiled artifact, checked against its checksum first (CorruptEntry if it fails). An
+        entry not done here that trnflow's old layout holds done is copied over first (`adopt`)."""
+        try:
+            return self._verified(entry)["model.neff"]
+        except CorruptEntry:
+            if _marked_done(self.store.list(f"{entry}/")) or not self.adopt(entry):
+                raise
+        return self._verified(entry)["model.neff"]
+
+    def adopt(self, entry: str) -> bool:
+        """Copy this torch's done entry from trnflow's old layout (`torch-<version>/<key>`, its
+        checksums in model.done) to `entry`, checked first, so an upgrade compiles nothing again.
+        The old entry stays, for an older trnflow that shares the cache. Two processes that adopt
+        one entry at once write the same files. Whether it copied one."""
+        version, _, key = entry.partition("/")
+        if version != COMPILER_VERSION:
+            return False
+        old = f"{LEGACY_VERSION}/{key}"
+        try:
+            files = self._verified(old)
+        except CorruptEntry:  # not there, or not whole: compiled again as any miss is
+            return False
+        record = self._record(old) or {}
+        seconds, created = record.get("compile_seconds"), record.get("created")
+        self._write_done(entry, {name: files[name] for name in CHECKED_FILES},
+                         seconds if isinstance(seconds, int | float) else 0.0,
+                         created if isinstance(created, int | float) else time.time())
+        return True
 
     def failure_log(self, entry: str) -> str:
         try:
@@ -243,16 +335,23 @@ class CompileCache:
     # -- writes ----------------------------------------------------------------------------------
 
     def commit(self, entry: str, graph_text: str, flags: dict, artifact: bytes, seconds: float = 0.0) -> None:
-        """Write a successful entry; `model.done`, with every file's checksum, goes last."""
+        """Write a successful entry; `model.done` goes last."""
         files = {"model.fx.txt": graph_text.encode(),
                  "compile_flags.json": (json.dumps(flags, indent=2, sort_keys=True) + "\n").encode(),
                  "model.neff": artifact}
+        self._write_done(entry, files, seconds, time.time())
+
+    def _write_done(self, entry: str, files: dict[str, bytes], seconds: float, created: float) -> None:
+        """The entry's files, then trnflow.json with their checksums and that of model.done, then
+        model.done itself, empty as neuronx-cc writes it: a reader that finds the marker finds the rest."""
         self.store.delete(f"{entry}/model.log")
         for name, data in files.items():
             self.store.write(f"{entry}/{name}", data)
-        done = {"files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in files.items()},
-                "compile_seconds": round(seconds, 3), "created": time.time()}
-        self.store.write(f"{entry}/model.done", json.dumps(done, indent=2, sort_keys=True).encode())
+        checked = {**files, DONE_MARKER: b""}
+        record = {"files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in checked.items()},
+                  "compile_seconds": round(seconds, 3), "created": created}
+        self.store.write(f"{entry}/{RECORD}", json.dumps(record, indent=2, sort_keys=True).encode())
+        self.store.write(f"{entry}/{DONE_MARKER}", checked[DONE_MARKER])
 
     def record_failure(self, entry: str, graph_text: str, flags: dict, log: str) -> None:
         self.store.write(f"{entry}/model.fx.txt", graph_text.encode())
@@ -262,7 +361,7 @@ class CompileCache:
     def discard(self, entry: str) -> None:
         """Forget a corrupt or failed entry's result so it is compiled again (`model.done` first,
         so a reader never takes a half-removed entry for a done one)."""
-        for name in ("model.done", "model.neff", "model.log"):
+        for name in (DONE_MARKER, RECORD, "model.neff", "model.log"):
             self.store.delete(f"{entry}/{name}")
 
     def _usage(self, entry: str) -> tuple[int, float | None]:
@@ -278,9 +377,9 @@ class CompileCache:
     # -- maintenance -----------------------------------------------------------------------------
 
     def entries(self, deep: bool = False) -> list[EntryInfo]:
-        """Every entry, from one listing and each entry's small metadata files (`deep`: checksums too).
-        Raises FatalError when the URL is not a cache root: a missing local folder, or one compiler
-        version's folder (its entries sit at the top, not one level down)."""
+        """Every entry, trnflow's and neuronx-cc's, from one listing and each entry's small metadata
+        files (`deep`: checksums too). Raises FatalError when the URL is not a cache root: a missing
+        local folder, or one compiler version's folder (its entries sit at the top, not one level down)."""
         root = getattr(self.store, "root", None)  # an S3 prefix is never missing, only empty
         if root is not None and not root.is_dir():
             raise FatalError(f"{self.where()}: no such folder; check compile.cache_url")
@@ -300,20 +399,22 @@ class CompileCache:
             hits, last_used = self._usage(entry)
             compiler, key = entry.split("/")
             out.append(EntryInfo(compiler, key, self.state(entry, deep, objects), sum(o.size for o in objects),
-                                 hits, last_used, min(o.modified for o in objects)))
+                                 hits, last_used, min(o.modified for o in objects),
+                                 origin({o.name.rsplit("/", 1)[-1] for o in objects})))
         return out
 
     def prune(self, current_compiler: str, *, failed: bool = False, older_than_days: float | None = None,
               other_versions: bool = False, dry_run: bool = False) -> list[EntryInfo]:
-        """Remove what is asked for; never an entry being compiled (locked)."""
+        """Remove what is asked for; never an entry being compiled (locked). Of neuronx-cc's entries
+        only failed ones go: trnflow records no use of them, and their version is not trnflow's."""
         now, removed = time.time(), []
         for info in self.entries(deep=failed):  # a corrupt entry is found only by reading it
             if info.state == LOCKED:
                 continue
-            last = info.last_used or info.created
+            ours, last = info.origin == TRNFLOW, info.last_used or info.created
             if ((failed and info.state in (FAILED, CORRUPT))
-                    or (older_than_days is not None and now - last > older_than_days * 86400)
-                    or (other_versions and info.compiler != current_compiler)):
+                    or (ours and older_than_days is not None and now - last > older_than_days * 86400)
+                    or (ours and other_versions and info.compiler != current_compiler)):
                 removed.append(info)
                 if not dry_run:
                     self.store.delete_prefix(f"{info.compiler}/{info.key}/")

@@ -90,7 +90,7 @@ class CachedCompiler:
 
         Raises Recompilation on a miss over the guard's limit."""
         entry, reason = entry_name(key), ""
-        try:  # one read, checked against model.done: an entry that is not whole is never loaded
+        try:  # one read, checked against trnflow.json: an entry that is not whole is never loaded
             artifact = self.cache.load_artifact(entry) if self.cache else None
         except CorruptEntry:
             artifact = None

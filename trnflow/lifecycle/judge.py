@@ -10,6 +10,7 @@ the reference's).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,8 @@ class Check:
     verdict: dict[str, Any]
     reference: dict[str, Any] | None
     against: str
+    champion: bool = False
+    """This check protects the champion: failing it keeps the champion rather than failing the gate."""
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,17 @@ class Decision:
         return bool(self.verdict["passed"])
 
     @property
+    def gate_passed(self) -> bool:
+        """Whether the accuracy-parity checks passed (the champion's protection aside)."""
+        return all(c.verdict["passed"] for c in self.checks if not c.champion)
+
+    @property
+    def worse_than_champion(self) -> Check | None:
+        """The champion's check, when the candidate passed the gate but failed it."""
+        failed = [c for c in self.checks if c.champion and not c.verdict["passed"]]
+        return failed[0] if failed and self.gate_passed else None
+
+    @property
     def reference(self) -> dict[str, Any] | None:
         """The series the chart draws beside the candidate's: the first check's."""
         return self.checks[0].reference
@@ -59,10 +73,14 @@ class Registration:
     generation: int
     """The registry generation the decision was made against."""
     registered_before: bool = False
-    """A rerun of the same run: its checkpoint was registered already."""
+    """A rerun (of the same run, or of the same spec on the same data): registered already."""
+    forced: bool = False
+    """Promotable only because `--force-promote` said why: it is worse than the champion."""
 
     def as_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {"version": self.version, "promoted": self.promoted, "generation": self.generation}
+        if self.forced:
+            out["forced"] = True
         return {**out, "registered_before": True} if self.registered_before else out
 
 
@@ -118,6 +136,20 @@ def champion_series(spec: JobSpec, registry: Registry) -> tuple[dict | None, str
     return up_to(series, step_of(champion.checkpoint)), f"champion v{champion.version}"
 
 
+def same_holdout(candidate: dict, champion: dict) -> bool:
+    """Whether the champion's series was measured on the candidate's holdout, row for row."""
+    theirs, ours = champion.get("holdout_sha256"), candidate.get("holdout_sha256")
+    return theirs is None or ours is None or theirs == ours
+
+
+def evaluated_series(points: list[dict], holdout: str | None, step: int, correct: str | None) -> dict:
+    """A series from one evaluation (the champion's, on the candidate's holdout)."""
+    document: dict[str, Any] = {"points": points, "holdout_sha256": holdout}
+    if correct:
+        document["predictions"] = {"step": step, "correct": correct}
+    return document
+
+
 def reference_series(spec: JobSpec, registry: Registry | None) -> tuple[dict | None, str]:
     """The reference document and what it is; None for a first run with nothing to compare with."""
     gate = spec.gate
@@ -141,15 +173,28 @@ def _baseline(spec: JobSpec, mode: str, reason: str) -> dict[str, Any]:
             "max_abs_diff": spec.gate.max_abs_diff, "reason": reason}
 
 
-def _checks(spec: JobSpec, registry: Registry | None, candidate: dict, against_champion: bool) -> list[Check]:
+def protect(spec: JobSpec, candidate: dict, champion: dict, who: str) -> Check:
+    """The champion's protection: the candidate may be better by any amount and worse by at most
+    `gate.max_abs_diff` on the final point, on the same holdout; with `gate.fail_on_significant`,
+    McNemar's test must also not find the champion better."""
+    gate = spec.gate
+    verdict = no_regression(candidate, champion, gate.metric, gate.max_abs_diff, who, gate.significance)
+    paired = verdict["paired"]
+    if (verdict["passed"] and gate.fail_on_significant and paired.get("significant")
+            and paired["reference_only"] > paired["candidate_only"]):
+        verdict["passed"] = verdict["points"][0]["passed"] = False
+        verdict["reason"] = (f"McNemar's test finds {who} better on the same holdout (it alone is right on "
+                             f"{paired['reference_only']} rows, the candidate alone on {paired['candidate_only']}; "
+                             f"p = {paired['p_value']:.2g} < {gate.significance})")
+    return Check(verdict, champion, who, champion=True)
+
+
+def _checks(spec: JobSpec, registry: Registry | None, candidate: dict, against_champion: bool,
+            champion: tuple[dict, str] | None) -> list[Check]:
     gate = spec.gate
     checks = []
-    if against_champion:
-        assert registry is not None  # retraining needs a registry
-        champion, who = champion_series(spec, registry)
-        if champion is not None:
-            checks.append(Check(no_regression(candidate, champion, gate.metric, gate.max_abs_diff, who,
-                                              gate.significance), champion, who))
+    if champion is not None:
+        checks.append(protect(spec, candidate, *champion))
     if not (against_champion and gate.reference == "champion"):  # the check above covers the champion
         reference, who = reference_series(spec, registry)
         if reference is not None and against_champion:  # a retrained model must stay as good as the reference
@@ -160,6 +205,8 @@ def _checks(spec: JobSpec, registry: Registry | None, candidate: dict, against_c
                                         gate.significance, gate.fail_on_significant), reference, who))
         elif not checks:
             checks.append(Check(_baseline(spec, gate.mode, f"{who}: this run is the baseline"), None, who))
+        if not against_champion and checks[0].champion and len(checks) > 1:  # the chart draws the reference
+            checks.append(checks.pop(0))
     if not checks:  # retraining the first model: nothing to compare with yet
         checks.append(Check(_baseline(spec, "no-regression",
                                       f"no champion of {spec.name} yet: this run is the baseline"),
@@ -167,9 +214,11 @@ def _checks(spec: JobSpec, registry: Registry | None, candidate: dict, against_c
     return checks
 
 
-def decide(spec: JobSpec, registry: Registry | None, candidate: dict, against_champion: bool) -> Decision:
-    """Judge the candidate's series against each reference it must pass."""
-    checks = _checks(spec, registry, candidate, against_champion)
+def decide(spec: JobSpec, registry: Registry | None, candidate: dict, against_champion: bool,
+           champion: tuple[dict, str] | None = None) -> Decision:
+    """Judge the candidate's series against each reference it must pass, and against `champion`
+    (its series on the candidate's holdout, and its name) when there is one."""
+    checks = _checks(spec, registry, candidate, against_champion, champion)
     if len(checks) == 1:
         return Decision(checks, checks[0].verdict, checks[0].against)
     failed = [f"against {c.against}: {c.verdict['reason']}" for c in checks if not c.verdict["passed"]]
@@ -178,33 +227,59 @@ def decide(spec: JobSpec, registry: Registry | None, candidate: dict, against_ch
     return Decision(checks, verdict, " and ".join(c.against for c in checks))
 
 
-def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: str, verdict: dict,
-             generation: int, promote: bool = True) -> Registration:
-    """Register the candidate (once per checkpoint) and, when it passed and `promote`, make it the
-    champion unless the champion changed since `generation`."""
-    checkpoint = candidate.checkpoint
+def inputs_digest(spec: JobSpec, meta: dict) -> str:
+    """What a trained model is a function of: the spec, the recipe, the model it started from and
+    the data files it read (names and sizes). Two runs with the same digest train the same model."""
+    data = meta.get("data") or {}
+    read = set(data.get("files") or [])
+    sizes = sorted((o.name, o.size) for o in open_store(spec.data.train).list() if o.name in read) if read else []
+    blob = {"spec": spec.digest(), "recipe": meta.get("recipe"), "parent": meta.get("parent"),
+            "watermark": meta.get("watermark"), "files": sorted(read), "sizes": sizes, "rows": data.get("rows")}
+    return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:24]
+
+
+def _status(decision: Decision, forced: str | None) -> str:
+    if not decision.gate_passed:
+        return "rejected"
+    return "passed" if decision.passed or forced else "worse-than-champion"
+
+
+def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: str, decision: Decision,
+             generation: int, promote: bool = True, forced: str | None = None) -> Registration:
+    """Register the candidate (once per model: a rerun of the same run, or of the same spec on the
+    same data, finds its version) and, when it passed the gate and its champion's protection (or
+    `forced` gives the reason to promote it anyway) and `promote`, make it the champion unless the
+    champion changed since `generation`."""
+    checkpoint, verdict = candidate.checkpoint, decision.verdict
     meta = json.loads(open_store(checkpoint).read("meta.json"))
-    versions = {v.checkpoint: v.version for v in registry.versions(spec.name)}
-    reason = f"gate passed ({run_id})"
-    if checkpoint in versions:  # a rerun of the same run: its model is registered already
-        version = versions[checkpoint]
+    inputs = inputs_digest(spec, meta)
+    versions = registry.versions(spec.name)
+    by_checkpoint = {v.checkpoint: v.version for v in versions}
+    reason = f"forced: {forced} ({run_id})" if forced else f"gate passed ({run_id})"
+    promotable = promote and (decision.passed or forced is not None)
+    same = [v for v in versions if v.checkpoint == checkpoint or v.entry.get("inputs") == inputs]
+    if same:  # a rerun: of the same run, or of the same spec on the same data
+        version = same[0].version
         champion = registry.champion(spec.name)
-        promoted = promote and verdict["passed"] and not (champion and champion.version == version)
+        promoted = promotable and not (champion and champion.version == version)
         if promoted:
             registry.promote(spec.name, version, reason=reason, expected_generation=generation)
-        return Registration(version, bool(promoted), generation, registered_before=True)
+        return Registration(version, bool(promoted), generation, registered_before=True, forced=forced is not None)
+    status = _status(decision, forced)
     entry = registry.register(spec.name, {
-        "checkpoint": checkpoint, "run_id": run_id, "status": "passed" if verdict["passed"] else "rejected",
+        "checkpoint": checkpoint, "run_id": run_id, "status": status,
         "metrics": candidate.series["points"][-1], "series": f"{candidate.run_url}/metrics.json",
         "watermark": meta.get("watermark"), "global_step": meta.get("global_step"),
-        "parent": meta.get("parent"), "parent_version": versions.get(meta.get("parent")), "recipe": meta.get("recipe"),
-        "export": meta.get("export"),
+        "parent": meta.get("parent"), "parent_version": by_checkpoint.get(meta.get("parent")),
+        "recipe": meta.get("recipe"), "export": meta.get("export"), "inputs": inputs,
+        "output_url": spec.inference.output_url,
         "spec_digest": spec.digest(), "verdict": {k: verdict.get(k) for k in ("passed", "mode", "reason", "paired")},
+        **({"forced": forced} if forced else {}),
     })
-    promoted = bool(verdict["passed"] and promote)
+    promoted = bool(promotable)
     if promoted:
         registry.promote(spec.name, entry.version, reason=reason, expected_generation=generation)
-    return Registration(entry.version, promoted, generation)
+    return Registration(entry.version, promoted, generation, forced=forced is not None)
 
 
 def summary(spec: JobSpec, decision: Decision, final: float, registration: Registration | None) -> str:

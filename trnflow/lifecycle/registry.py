@@ -31,6 +31,16 @@ class PromotionConflict(TrnflowError):
     """Another promotion changed the champion first."""
 
 
+class RegistryCorrupt(FatalError):
+    """A registry file that cannot be read: named, with what to do."""
+
+    def __init__(self, url: str, problem: str):
+        super().__init__(f"{url}: corrupt registry file ({problem}). Restore it from a backup or from the "
+                         "storage's object versions; if it cannot be restored and it is a version nobody uses, "
+                         "move it out of the registry. The other versions are intact (`trnflow models ls`)")
+        self.url = url
+
+
 @dataclass(frozen=True)
 class ModelVersion:
     model: str
@@ -60,18 +70,41 @@ class Registry:
         return sorted(found)
 
     def _read(self, name: str) -> dict:
+        model = name.split("/", 1)[0]
         try:
-            return json.loads(self.store.read(name))
+            record = json.loads(self.store.read(name))
         except FileNotFoundError:
-            model = name.split("/", 1)[0]
             raise FatalError(f"{self.url}/{name}: not in the registry; `trnflow models ls {model} -r {self.url}` "
                              "lists the versions it has") from None
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise RegistryCorrupt(f"{self.url}/{name}", str(exc)) from None
+        if not isinstance(record, dict) or not isinstance(record.get("version"), int):
+            raise RegistryCorrupt(f"{self.url}/{name}", "not a registry record (no integer 'version')")
+        return record
 
     def models(self) -> list[str]:
         return sorted({o.name.split("/", 1)[0] for o in self.store.list() if "/versions/" in o.name})
 
     def versions(self, model: str) -> list[ModelVersion]:
+        """Every version, oldest first; a version file that cannot be read is a RegistryCorrupt
+        naming it (`readable` lists the others)."""
         return [self.version(model, v) for v in self._numbers(model, _VERSION, "versions")]
+
+    def readable(self, model: str) -> tuple[list[ModelVersion], list[RegistryCorrupt]]:
+        """The versions that can be read, and what is wrong with each one that cannot."""
+        good, bad = [], []
+        for number in self._numbers(model, _VERSION, "versions"):
+            try:
+                good.append(self.version(model, number))
+            except RegistryCorrupt as exc:
+                bad.append(exc)
+        return good, bad
+
+    def check(self, model: str) -> None:
+        """Read every record of `model` (versions and changes of champion): a corrupt one is a
+        RegistryCorrupt naming its file, found before a run spends time training."""
+        self.versions(model)
+        self.history(model)
 
     def version(self, model: str, version: int) -> ModelVersion:
         return ModelVersion(model, version, self._read(f"{model}/versions/v{version:06d}.json"))
@@ -124,9 +157,9 @@ class Registry:
         decided), a champion that changed since is a PromotionConflict rather than overwritten."""
         return self._set_champion(model, version, "promote", expected_generation, reason)
 
-    def rollback(self, model: str, reason: str = "") -> dict:
-        """Make the champion before the current one the champion again (repeatable: each rollback
-        goes one promotion further back)."""
+    def rollback_target(self, model: str) -> int:
+        """The version a rollback would make champion: the one before the current champion
+        (repeatable: each rollback goes one promotion further back)."""
         stack: list[int] = []
         for record in self.history(model):
             if record["action"] == "rollback":
@@ -135,4 +168,9 @@ class Registry:
                 stack.append(record["version"])
         if len(stack) < 2:
             raise FatalError(f"{model}: there is no earlier champion to roll back to")
-        return self._set_champion(model, stack[-2], "rollback", self.generation(model), reason)
+        return stack[-2]
+
+    def rollback(self, model: str, reason: str = "", expected_generation: int | None = None) -> dict:
+        """Make the champion before the current one the champion again."""
+        generation = self.generation(model) if expected_generation is None else expected_generation
+        return self._set_champion(model, self.rollback_target(model), "rollback", generation, reason)

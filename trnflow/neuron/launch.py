@@ -3,6 +3,11 @@ Neuron runtime's view of which cores those are (NEURON_RT_VISIBLE_CORES).
 
 Pure functions of the request, torch-free, so the command and environment can be checked without
 running anything. The environment carries the same contract a Trainium host gives its workers.
+
+The command is torchrun run by `python -m trnflow.neuron.launch RANKS ...` (`main`), which keeps
+each rank's output in a log of its own under RANKS (torchrun's `--log-dir`, `--redirects 3`) and,
+when ranks fail, writes how each one ended (exit code or signal, and when) to RANKS/exits.json: the
+only place a rank killed without a word is known by name, and by the signal that ended it.
 """
 
 from __future__ import annotations
@@ -14,10 +19,15 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from trnflow.errors import FatalError
+from trnflow.fsutil import atomic_write_json
 from trnflow.specs import JobSpec, instance
 
 INSTANCE_CORES_ENV = "TRNFLOW_INSTANCE_CORES"
 """How many NeuronCores the instance has (the launcher sets it for the workers)."""
+RANK_LOGS = "ranks"
+"""The job folder's folder of per-rank logs and torchrun's exit record."""
+EXITS = "exits.json"
+"""torchrun's record of the ranks that ended non-zero, in RANK_LOGS."""
 
 
 def format_cores(cores: list[int]) -> str:
@@ -84,7 +94,7 @@ def neuron_env(spec: JobSpec | None, cores: list[int], itype: str) -> dict[str, 
 def launch_command(phase: str, processes: int, job_dir: Path, run_id: str, checkpoint: str | None = None,
                    with_spec: bool = True, with_options: bool = False) -> list[str]:
     argv = [
-        sys.executable, "-m", "torch.distributed.run",
+        sys.executable, "-m", "trnflow.neuron.launch", str(job_dir / RANK_LOGS),
         "--standalone", "--nnodes", "1", "--nproc-per-node", str(processes),
         "-m", "trnflow.workload", phase,
         "--output", str(job_dir / "output"),
@@ -132,3 +142,41 @@ def retry_failed_requested(env: dict[str, str] | None = None) -> bool:
     """`--retry_failed_compilation` in NEURON_CC_FLAGS, as on Neuron."""
     env = os.environ if env is None else env
     return "--retry_failed_compilation" in shlex.split(env.get("NEURON_CC_FLAGS", ""))
+
+
+def rank_logs(folder: Path, local_rank: int) -> Path | None:
+    """The folder torchrun keeps a rank's stdout.log and stderr.log in (under `--log-dir`), or None."""
+    found = sorted(folder.glob(f"*/attempt_*/{local_rank}"))
+    return found[-1] if found else None
+
+
+def exits_record(folder: Path, failures: dict) -> dict:
+    """torchrun's failures (its `ChildFailedError.failures`: rank -> ProcessFailure) as exits.json
+    holds them: each rank's exit code (negative: the signal), when torchrun saw it end, its logs."""
+    ranks = []
+    for rank, failure in sorted(failures.items()):
+        logs = rank_logs(folder, failure.local_rank)
+        ranks.append({"rank": rank, "local_rank": failure.local_rank, "pid": failure.pid,
+                      "exitcode": failure.exitcode, "observed": failure.timestamp,
+                      "logs": str(logs) if logs else ""})
+    return {"ranks": ranks}
+
+
+def main(argv: list[str]) -> None:
+    """`python -m trnflow.neuron.launch RANKS <torchrun arguments>`: torchrun, with each rank's
+    output in its own log under RANKS and, when ranks fail, how each ended in RANKS/exits.json.
+    torchrun's own output, error and exit status are left as they are."""
+    from torch.distributed import run  # torch: only the launcher process loads it
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    folder = Path(argv[0])
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        run.main(["--log-dir", str(folder), "--redirects", "3", *argv[1:]])
+    except ChildFailedError as exc:
+        atomic_write_json(folder / EXITS, exits_record(folder, exc.failures))
+        raise
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -8,6 +8,9 @@ reduce-scatter and all-to-all.
 from __future__ import annotations
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
+TIME_COLUMNS = ("time:avg(us)", "time(us)")
+"""nccom-test's time column, newest spelling first: `time:avg(us)` in current versions, `time(us)` in
+older ones. trnflow's sweep rows always say `time(us)`, whichever the tool wrote."""
 
 
 def bus_factor(op: str, ranks: int) -> float:

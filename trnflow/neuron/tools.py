@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trnflow.errors import FatalError
+from trnflow.neuron.nccom import TIME_COLUMNS
 
 NEURON_LS, NCCOM_TEST, PARALLEL_COMPILE = "neuron-ls", "nccom-test", "neuron_parallel_compile"
 NCCOM_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
@@ -31,10 +32,20 @@ def which(tool: str) -> str | None:
     return shutil.which(tool)
 
 
+def numa_node(value: Any) -> int | None:
+    """A record's `numa_node` as a number: neuron-ls writes it as a string ("1"), and a host
+    without NUMA information as -1 or nothing readable (None)."""
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        return None
+
+
 def parse_neuron_ls(text: str, source: str = NEURON_LS) -> list[dict[str, Any]]:
     """The device records of `neuron-ls --json-output`: one object per Neuron device, each with at
     least its index, core count and core ids (its BDF, CPU affinity, NUMA node, memory size and the
-    processes holding it when the tool prints them)."""
+    processes holding it when the tool prints them). `cpu_affinity` stays the tool's CPU list
+    ("48-95,144-191"); `numa_node`, a string in the tool's output, is read as a number."""
     try:
         records = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -46,6 +57,8 @@ def parse_neuron_ls(text: str, source: str = NEURON_LS) -> list[dict[str, Any]]:
         if missing:
             raise FatalError(f"{source}: device {record.get('neuron_device', '?')} has no {', '.join(missing)}; "
                              "a neuron-ls this version of trnflow does not know")
+        if "numa_node" in record:
+            record["numa_node"] = numa_node(record["numa_node"])
     return records
 
 
@@ -83,20 +96,29 @@ def nccom_command(op: str, ranks: int, minbytes: int, maxbytes: int, stepfactor:
     return [*argv, "-c", "all_ones"] if check else argv
 
 
+def nccom_time(result: dict[str, Any], source: str = NCCOM_TEST) -> float:
+    """One nccom-test result's time in microseconds, under whichever name its version wrote it
+    (`TIME_COLUMNS`)."""
+    for column in TIME_COLUMNS:
+        if result.get(column) is not None:
+            return float(result[column])
+    raise FatalError(f"{source}: a result with no time column (neither {' nor '.join(TIME_COLUMNS)}): {result}")
+
+
 def parse_nccom_json(text: str, op: str, source: str = NCCOM_TEST) -> list[dict[str, Any]]:
-    """nccom-test's JSON report as trnflow's sweep rows: the time column is `time:avg(us)` in current
-    versions and `time(us)` in older ones."""
+    """nccom-test's JSON report as trnflow's sweep rows, whose time column is `time(us)` whichever
+    spelling the tool wrote (`time:avg(us)` in current versions, `time(us)` in older ones), so the
+    tables and reports that read the rows need not know the tool's version."""
     try:
         results = json.loads(text)["results"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise FatalError(f"{source}: not an nccom-test JSON report ({exc})") from None
     rows = []
     for r in results:
-        time_us = r.get("time:avg(us)", r.get("time(us)"))
-        if time_us is None or "size(B)" not in r:
-            raise FatalError(f"{source}: a result without size(B) or a time column: {r}")
+        if "size(B)" not in r:
+            raise FatalError(f"{source}: a result with no size(B): {r}")
         rows.append({"op": op, "size(B)": int(r["size(B)"]), "count(elems)": int(r.get("count(elems)", 0)),
-                     "type": r.get("type", ""), "time(us)": float(time_us),
+                     "type": r.get("type", ""), "time(us)": nccom_time(r, source),
                      "algbw(GB/s)": float(r.get("algbw(GB/s)", 0.0)), "busbw(GB/s)": float(r.get("busbw(GB/s)", 0.0))})
     return rows
 

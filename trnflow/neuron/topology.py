@@ -33,6 +33,8 @@ def neuron_ls(itype: str | InstanceType, processes: dict[int, list[dict[str, Any
         record: dict[str, Any] = {
             "neuron_device": dev,
             "bdf": f"{0x10 + dev:02x}:1e.0",
+            "cpu_affinity": t.cpu_affinity(dev),
+            "numa_node": str(t.numa_node(dev)),
             "connected_to": torus_neighbours(dev, t.chips),
             "nc_count": t.cores_per_chip,
             "memory_size": t.device_memory_gib * GIB,

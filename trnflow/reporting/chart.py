@@ -54,16 +54,27 @@ def verdict_markdown(verdict: dict[str, Any], title: str) -> str:
             lines.append(f"| {r['step']} | {r['global_step']} | {r['candidate']:.4f} | {r['reference']:.4f} | "
                          f"{r['diff']:+.4f} | {'pass' if r['passed'] else '**FAIL**'} |")
     paired = verdict.get("paired") or {}
-    if paired.get("available"):
-        size = f"{verdict.get('max_abs_diff', 0):.2%}"
-        power = (f"underpowered: detecting a {size} difference needs about {paired['rows_needed']:,} rows"
-                 if paired["underpowered"] else f"enough rows to detect a {size} difference")
-        lines += ["", f"McNemar (step {paired['step']}, {paired['rows']:,} rows): candidate right only "
-                  f"{paired['candidate_only']}, reference right only {paired['reference_only']}, "
-                  f"p = {paired['p_value']:.3g}{' (significant)' if paired['significant'] else ''}; {power}."]
-    elif paired:
-        lines += ["", f"No paired check: {paired.get('reason')}."]
+    if paired:
+        lines += ["", paired_sentence(paired, verdict.get("max_abs_diff", 0.0))]
     return "\n".join(lines) + "\n"
+
+
+def paired_sentence(paired: dict[str, Any], band: float) -> str:
+    """McNemar's paired test in plain words: what it compared, what it found, and whether the
+    holdout was large enough for it to find a difference the size of the band."""
+    if not paired.get("available"):
+        return f"No paired test (McNemar's): {paired.get('reason')}."
+    rows, size = paired["rows"], f"{band:.2%}"
+    found = (f"the two models differ (p = {paired['p_value']:.2g}, below {paired['alpha']})" if paired["significant"]
+             else f"no evidence that the two models differ (p = {paired['p_value']:.2g})")
+    at = f"at step {paired['step']}" if isinstance(paired["step"], int) else "at each model's last step"
+    text = (f"Paired test (McNemar's) on the same {rows:,} holdout rows {at}: the candidate alone "
+            f"was right on {paired['candidate_only']:,} rows, the reference alone on {paired['reference_only']:,}; "
+            f"{found}.")
+    if paired["underpowered"]:
+        return (f"{text} The holdout is too small for this test to see a {size} difference: that takes about "
+                f"{paired['rows_needed']:,} rows, so only the band above decided the gate.")
+    return f"{text} {rows:,} rows are enough to see a {size} difference."
 
 
 def training_png(curve: list[dict], evaluations: list[dict], metric: str, title: str) -> bytes:

@@ -1,31 +1,85 @@
-"""What a run costs: each job's billable time times its instances' hourly price.
+"""What a run costs: each job's billable time, on every node it held, at its instances' hourly price.
 
-Prices come from the instance catalogue (on-demand, us-east-1) unless the spec sets
-`compute.price_per_hour`. For the local emulator, the billable time is the job's wall time: what
-the same job would have cost on the instances the spec names. A job that failed and was submitted
-again costs its time too.
+The price is the one the backend's service bills (`SERVICE`): AWS Batch launches EC2 instances and
+pays EC2's on-demand price; SageMaker bills its own, higher, `ml.*` price for the same hardware. It
+comes from the instance catalogue's price table (`trnflow.specs.instances.PRICES`), with the region
+and the day it was read, unless the spec sets `compute.price_per_hour`, which always wins. The local
+emulator bills nothing: its jobs are priced as EC2 instances of the spec's type, and a job's
+billable time is its wall time, so its rows say what the same jobs would have cost on the instances
+the spec names.
+
+A job is billed on the nodes it held: the compile job runs one worker process, so it holds one
+node whatever `compute.nodes` says. A job that failed and was submitted again costs its time too.
 """
 
 from __future__ import annotations
 
+from trnflow.reporting.ledger import LedgerEntry
 from trnflow.results import CostRow
-from trnflow.specs import JobSpec, instance
+from trnflow.specs import JobSpec
+from trnflow.specs.instances import Price, price
+
+SERVICE = {"local": "ec2", "batch": "ec2", "sagemaker": "sagemaker"}
+"""Whose price each backend's jobs are billed at (`compute.backend` -> service)."""
+PHASE_PROCESSES = {"compile": 1}
+"""Worker processes of the phases whose job runs fewer than the spec's world: the compile stage
+submits its job with one (`trnflow.tasks.compile`). Every other phase runs one per core."""
+
+
+def service(spec: JobSpec) -> str:
+    """The service that bills `spec`'s instances."""
+    return SERVICE[spec.compute.backend]
+
+
+def catalogue_price(spec: JobSpec) -> Price | None:
+    """The price table's entry for the spec's service and instance type; None when none is known."""
+    return price(service(spec), spec.compute.instance_type)
 
 
 def price_per_hour(spec: JobSpec) -> float | None:
+    """USD per instance-hour: the spec's `compute.price_per_hour`, else the catalogue's price for the
+    backend's service; None when neither is known."""
     if spec.compute.price_per_hour is not None:
         return spec.compute.price_per_hour
-    return instance(spec.compute.instance_type).price_per_hour
+    found = catalogue_price(spec)
+    return None if found is None else found.usd_per_hour
 
 
-def job_cost(spec: JobSpec, stage: str, billable_seconds: float, jobs: int = 1) -> CostRow:
+def job_nodes(spec: JobSpec, phase: str) -> int:
+    """The instances a job of `phase` holds: as few as hold its worker processes (the cloud
+    backends place them so), never more than the spec's nodes."""
+    processes = PHASE_PROCESSES.get(phase)
+    if processes is None:
+        return spec.compute.nodes
+    return min(spec.compute.nodes, -(-processes // spec.compute.cores_per_node))
+
+
+def job_cost(spec: JobSpec, stage: str, billable_seconds: float, jobs: int = 1, nodes: int | None = None
+             ) -> CostRow:
     """One row of the cost table, in the shape of the usual price-performance tables: a stage's
-    `jobs` (its failed attempts included) and their billable time together."""
-    price = price_per_hour(spec)
-    nodes = spec.compute.nodes
+    `jobs` (its failed attempts included), their billable time per node together, and the `nodes`
+    each held (by default, those a job of the stage's phase holds)."""
+    nodes = job_nodes(spec, stage) if nodes is None else nodes
+    rate = price_per_hour(spec)
+    found = None if spec.compute.price_per_hour is not None else catalogue_price(spec)
     return CostRow(stage=stage, instance_type=spec.compute.instance_type, nodes=nodes, jobs=jobs,
-                   price_per_node_hour=price, billable_seconds=round(billable_seconds, 1),
-                   cost_usd=None if price is None else round(price * nodes * billable_seconds / 3600, 4))
+                   price_per_node_hour=rate, billable_seconds=round(billable_seconds, 1),
+                   cost_usd=None if rate is None else round(rate * nodes * billable_seconds / 3600, 4),
+                   service=service(spec), region=found.region if found else None,
+                   price_as_of=found.as_of if found else None)
+
+
+def stage_cost(spec: JobSpec, stage: str, entries: list[LedgerEntry]) -> CostRow:
+    """The cost row of the jobs a stage ran, from its ledger entries: each billed on the nodes it
+    held (the entry's, else its phase's usual placement). The row's time is the jobs' time per
+    node; its nodes the most any job held."""
+    held = [e.nodes if e.nodes is not None else job_nodes(spec, e.phase) for e in entries]
+    row = job_cost(spec, stage, sum(e.seconds for e in entries), jobs=len(entries),
+                   nodes=max(held, default=job_nodes(spec, stage)))
+    if row.price_per_node_hour is not None:  # exact also when its jobs held different numbers of nodes
+        node_seconds = sum(n * e.seconds for n, e in zip(held, entries, strict=True))
+        row.cost_usd = round(row.price_per_node_hour * node_seconds / 3600, 4)
+    return row
 
 
 def total(rows: list[CostRow]) -> float | None:

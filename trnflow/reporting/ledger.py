@@ -20,7 +20,10 @@ class LedgerEntry:
     job_id: str
     state: str
     seconds: float
-    """Billable seconds (zero for a job that never started)."""
+    """Billable seconds per node (zero for a job that never started)."""
+    nodes: int | None = None
+    """The instances the job held; None in entries that do not say (the cost then takes the
+    phase's usual placement, `trnflow.reporting.cost.job_nodes`)."""
 
 
 class JobLedger:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trnflow.results import CollectivesResult, CompileResult, Cost, StageResult, StageRow
+from trnflow.results import CollectivesResult, CompileResult, Cost, CostRow, StageResult, StageRow
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
 
@@ -27,11 +27,25 @@ def engine_outcomes(core: dict[str, Any]) -> list[tuple[int, list[str]]]:
     return out
 
 
+COST_COLUMNS = ("stage", "instance type", "nodes", "jobs", "$/node-hour", "priced as", "billable s", "cost ($)")
+"""The cost table's columns, the Markdown summary's and the command's alike."""
+
+
+def price_basis(row: CostRow) -> str:
+    """Where a row's price comes from: the service, region and day of the catalogue's figure, the
+    spec's own price, or none known. A price is only as good as these, so the table shows them."""
+    if row.price_per_node_hour is None:
+        return f"{row.service or 'on-demand'}: no price known"
+    if row.region is None:
+        return "compute.price_per_hour"
+    return f"{row.service} {row.region}, {row.price_as_of}"
+
+
 def cost_cells(cost: Cost) -> tuple[list[list[str]], str]:
-    """Each job's row of the cost table as text, and the run's total."""
-    rows = [[r.stage, r.instance_type, str(r.nodes), str(r.jobs),
-             "unknown" if r.price_per_node_hour is None else f"{r.price_per_node_hour:.4g}",
-             f"{r.billable_seconds:.1f}", "unknown" if r.cost_usd is None else f"{r.cost_usd:.4f}"]
+    """Each job's row of the cost table as text (`COST_COLUMNS`), and the run's total."""
+    rows = [[r.stage, f"ml.{r.instance_type}" if r.service == "sagemaker" else r.instance_type, str(r.nodes),
+             str(r.jobs), "unknown" if r.price_per_node_hour is None else f"{r.price_per_node_hour:.7g}",
+             price_basis(r), f"{r.billable_seconds:.1f}", "unknown" if r.cost_usd is None else f"{r.cost_usd:.4f}"]
             for r in cost.rows]
     total = cost.total_usd
     return rows, "unknown (set compute.price_per_hour)" if total is None else f"{total:.4f}"
@@ -63,10 +77,20 @@ def sanity_markdown(per_core: list[dict[str, Any]], excluded: list[int], cores: 
     return "\n".join(lines) + "\n"
 
 
+def check_cell(row: dict[str, Any]) -> str:
+    """A sweep row's verdict: ok, WRONG, or `-` when nothing checked it (a sweep without --check;
+    nccom-test run without -c says nothing of its results, and its rows carry `correct: None`)."""
+    return {True: "ok", False: "WRONG"}.get(row.get("correct"), "-")
+
+
 def collectives_markdown(result: CollectivesResult) -> str:
     """The nccom-test-style sweep: size, time, algbw and busbw per op, and whether the answers were right."""
-    rows = [[r["op"], f"{r['size(B)']:,}", r.get("type", ""), f"{r['time(us)']:.0f}", f"{r['algbw(GB/s)']:.3f}",
-             f"{r['busbw(GB/s)']:.3f}", "ok" if r.get("correct", True) else "**WRONG**"] for r in result.rows]
+    rows = []
+    for r in result.rows:
+        verdict = check_cell(r)
+        rows.append([r["op"], f"{r['size(B)']:,}", r.get("type", ""), f"{r['time(us)']:.0f}",
+                     f"{r['algbw(GB/s)']:.3f}", f"{r['busbw(GB/s)']:.3f}",
+                     f"**{verdict}**" if verdict == "WRONG" else verdict])
     lines = [f"## Collectives on {result.ranks} cores", "",
              *_table(["op", "size (B)", "dtype", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "result"], rows,
                      ["---", "---:", "---", "---:", "---:", "---:", "---"])]
@@ -92,10 +116,10 @@ def compile_markdown(result: CompileResult) -> str:
 
 def cost_markdown(cost: Cost) -> str:
     rows, total = cost_cells(cost)
-    rows.append(["**total**", "", "", "", "", "", f"**{total}**"])
+    rows.append(["**total**", *[""] * (len(COST_COLUMNS) - 2), f"**{total}**"])
     return "\n".join(["## What the jobs cost (on-demand prices)", "",
-                      *_table(["stage", "instance type", "nodes", "jobs", "$/node-hour", "billable s", "cost ($)"],
-                              rows, ["---", "---", "---:", "---:", "---:", "---:", "---:"])]) + "\n"
+                      *_table(list(COST_COLUMNS), rows,
+                              ["---", "---", "---:", "---:", "---:", "---", "---:", "---:"])]) + "\n"
 
 
 def outputs(results: dict[str, StageResult]) -> list[tuple[str, str]]:

@@ -8,6 +8,8 @@ trnflow at it with `export AWS_ENDPOINT_URL=http://127.0.0.1:PORT`.
 from __future__ import annotations
 
 import logging
+import shutil
+import signal
 import tempfile
 import time
 from pathlib import Path
@@ -22,11 +24,16 @@ from trnflow.workload.synth import synthesize
 console = cli_console()
 
 
+def _stop(signum, frame):
+    raise KeyboardInterrupt
+
+
 def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None) -> None:
-    """Run an emulated AWS for the sagemaker and batch backends until Ctrl-C; the jobs' containers
-    keep their files under `work_dir` (default: a temporary folder)."""
+    """Run an emulated AWS for the sagemaker and batch backends until Ctrl-C or SIGTERM; the jobs'
+    containers keep their files under `work_dir` (default: a temporary folder, removed on exit)."""
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     endpoint = f"http://127.0.0.1:{port}"
+    signal.signal(signal.SIGTERM, _stop)  # a service manager's stop cleans up as Ctrl-C does
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     root = work_dir or Path(tempfile.mkdtemp(prefix="trnflow-mock-aws-"))
@@ -40,7 +47,7 @@ def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None) -> None:
             for path in sorted(p for p in data.rglob("*") if p.is_file()):
                 s3.upload_file(str(path), outputs["DATA_BUCKET"], f"quickstart/{path.relative_to(data)}")
         console.print(f"[bold]Emulated AWS on {endpoint}[/bold]; jobs run under {root / 'jobs'}")
-        console.print(f"  data bucket  s3://{outputs['DATA_BUCKET']}/quickstart  |  queue {outputs['BATCH_JOB_QUEUE']}")
+        console.print(f"  data bucket  s3://{outputs['DATA_BUCKET']}  |  queue {outputs['BATCH_JOB_QUEUE']}")
         console.print(f"In another shell:  export AWS_ENDPOINT_URL={endpoint}")
         console.print("                   trnflow run jobspecs/examples/quickstart-batch.yaml")
         while True:
@@ -50,3 +57,6 @@ def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None) -> None:
     finally:
         cloud.detach()
         server.stop()
+        if work_dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+            console.print(f"removed {root}")

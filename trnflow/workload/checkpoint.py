@@ -133,10 +133,14 @@ class RunCheckpoints:
             featurizer[0]: featurizer[1],
             "meta.json": json.dumps({**meta, "step": step, "saved_at": round(time.time(), 3)}, indent=2).encode(),
         }
-        for name, data in files.items():
-            self.store.write(f"{folder}/{name}", data)
         marker = {"step": step, "files": {name: _digest(data) for name, data in files.items()}}
-        self.store.write(f"{folder}/{MARKER}", json.dumps(marker, indent=2).encode())
+        try:
+            for name, data in files.items():
+                self.store.write(f"{folder}/{name}", data)
+            self.store.write(f"{folder}/{MARKER}", json.dumps(marker, indent=2).encode())
+        except BaseException:  # a full disk, a lost bucket, an interrupt: leave no torn folder behind
+            self.store.delete_prefix(f"{folder}/")
+            raise
         self.prune(keep_latest, newest=step)
         return f"{self.url}/{folder}"
 

@@ -7,11 +7,15 @@ label 1 or 2, title and content).
 Which columns are read is the recipe's business (`Recipe.columns`), beside the label and id columns.
 Shapes are static, as on Trainium: the recipe's features have one shape per row, and every per-core
 batch has the same size.
+
+A day partition that cannot be read, or has no rows, stops the run with a DataError naming the day
+and its files: skipping it would let the watermark pass a day that was never trained on.
+`check_set` reads a set the same way without stopping, for `trnflow data check`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -22,8 +26,18 @@ import pyarrow.parquet as pq
 import torch
 
 from trnflow.errors import DataError
+from trnflow.results import DataFileCheck, DataPartCheck
 from trnflow.specs import DataSpec
-from trnflow.storage.datafiles import DataFile, data_files
+from trnflow.storage.datafiles import (
+    EXTENSIONS,
+    DataFile,
+    cannot_list,
+    data_files,
+    day_problem,
+    first_waiting,
+    partitions,
+    unreachable_errors,
+)
 
 POLARITY_COLUMNS = ["label", "title", "content"]
 
@@ -127,13 +141,49 @@ class Rows:
         return ["\t".join(values) for values in zip(*columns, strict=True)] if columns else [""] * len(self.ids)
 
 
+def _labelled_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int) -> pa.Table:
+    """One file's columns and its labels, checked; DataError names the file."""
+    table = _read_columns(file, spec, [*columns, spec.label_field])
+    if table.num_rows:  # an empty file's columns may be typed null
+        _check_labels(table.column(spec.label_field), file.url, spec.label_field, num_classes)
+    return table
+
+
+def _day_files(files: list[DataFile], day: str) -> list[str]:
+    return [f.name for f in files if f.partition == day]
+
+
+def _read_day_file(file: DataFile, files: list[DataFile], url: str, read: Callable[[DataFile], pa.Table]
+                   ) -> pa.Table:
+    """`read(file)`; a file of a day partition that cannot be read fails naming its day and the day's files."""
+    try:
+        return read(file)
+    except DataError as exc:
+        if file.partition is None:
+            raise
+        raise DataError(day_problem(url, file.partition, _day_files(files, file.partition),
+                                    f"cannot be read: {exc}")) from None
+
+
+def _check_days_have_rows(files: list[DataFile], tables: list[pa.Table], url: str) -> None:
+    """Every day partition among `files` must give rows: an empty day is refused, not passed over."""
+    rows: dict[str, int] = {}
+    for file, table in zip(files, tables, strict=True):
+        if file.partition is not None:
+            rows[file.partition] = rows.get(file.partition, 0) + table.num_rows
+    empty = sorted(day for day, n in rows.items() if n == 0)
+    if empty:
+        raise DataError(day_problem(url, empty[0], _day_files(files, empty[0]), "has no rows",
+                                    "write the day's rows, or remove its folder"))
+
+
 def read_labelled(files: list[DataFile], spec: DataSpec, columns: list[str], num_classes: int, url: str) -> Rows:
-    tables = [_read_columns(file, spec, [*columns, spec.label_field]) for file in files]
+    """Every row of `files`, with its label. Each day partition must be readable and give rows."""
+    tables = [_read_day_file(file, files, url, lambda f: _labelled_file(f, spec, columns, num_classes))
+              for file in files]
+    _check_days_have_rows(files, tables, url)
     if not sum(t.num_rows for t in tables):
         raise DataError(f"{url}: has no rows; point the spec at data that has some")
-    for file, table in zip(files, tables, strict=True):
-        if table.num_rows:  # an empty file's columns may be typed null
-            _check_labels(table.column(spec.label_field), file.url, spec.label_field, num_classes)
     table = _concat(files, tables)
     labels = torch.tensor(table.column(spec.label_field).to_pylist(), dtype=torch.long)
     return Rows(table.select(columns), labels, list(range(len(labels))))
@@ -142,6 +192,82 @@ def read_labelled(files: list[DataFile], spec: DataSpec, columns: list[str], num
 def read_unlabelled(url: str, spec: DataSpec, columns: list[str]) -> Rows:
     table = read_table(data_files(url, spec.format), spec, [spec.id_field, *columns])
     return Rows(table.select(columns), None, table.column(spec.id_field).to_pylist())
+
+
+def _format_of(name: str) -> str | None:
+    """The format a file's extension says it is in (csv for .csv), if any."""
+    return next((fmt for fmt, ext in EXTENSIONS.items() if name.endswith(ext)), None)
+
+
+def _count_rows(file: DataFile, fmt: str | None) -> int | None:
+    """How many rows a rejected file holds, when it can be read at all as `fmt`."""
+    try:
+        return _read_file(file, fmt).num_rows if fmt else None
+    except DataError:
+        return None
+
+
+def _own_words(message: str, file: DataFile) -> str:
+    return message.removeprefix(f"{file.url}: ")
+
+
+def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int | None) -> DataFileCheck:
+    """One file read as a run reads it (`num_classes` None: unlabelled, as inference reads it)."""
+    if file.role == "other":
+        return DataFileCheck(name=file.name, rows_rejected=_count_rows(file, _format_of(file.name)),
+                             problem=f"not {spec.format} (data.format), so no run reads it")
+    try:
+        if num_classes is None:
+            table = _read_columns(file, spec, [spec.id_field, *columns])
+        else:
+            table = _labelled_file(file, spec, columns, num_classes)
+    except DataError as exc:
+        return DataFileCheck(name=file.name, rows_rejected=_count_rows(file, spec.format),
+                             problem=_own_words(str(exc), file))
+    return DataFileCheck(name=file.name, rows_read=table.num_rows)
+
+
+def _check_part(field: str, url: str, day: str | None, files: list[DataFile], spec: DataSpec, columns: list[str],
+                num_classes: int | None, waiting: str | None) -> DataPartCheck:
+    """A day (or a set's files outside day folders): read, rejected, and whether a run could read it."""
+    part = {"field": field, "url": url, "day": day}
+    if any(not f.ready for f in files):
+        return DataPartCheck(**part, state="waiting", problems=[f"not marked ready by {spec.ready_marker} yet, "
+                                                                  "so not read; the watermark stays before it"])
+    checked = [_check_file(f, spec, columns, num_classes) for f in files if f.role != "marker"]
+    read, rejected = sum(c.rows_read for c in checked), sum(c.rows_rejected or 0 for c in checked)
+    ignored = {f.name for f in files if f.role == "other"} if day is None else set()  # runs leave these be
+    problems = [f"{c.name}: {c.problem}" for c in checked if c.problem and c.name not in ignored]
+    notes = [f"{c.name}: {c.problem}" for c in checked if c.name in ignored]
+    if not read and (day is not None or len(ignored) < len(checked)):
+        problems.append("no readable rows" + (f" in {spec.format}" if any(f.role == "other" for f in files) else ""))
+    if day is not None and waiting is not None and day > waiting:
+        notes.append(f"read once dt={waiting} is ready")
+    return DataPartCheck(**part, state="failed" if problems else "ok", files=checked, rows_read=read,
+                         rows_rejected=rejected, problems=problems, notes=notes)
+
+
+def check_set(field: str, url: str, spec: DataSpec, columns: list[str], num_classes: int | None,
+              ready_marker: str | None = None) -> list[DataPartCheck]:
+    """How runs read the set at `url` (the spec's `field`), one part per day partition and one for
+    the files outside day folders: rows read, rows rejected and why. What a run would stop on is a
+    part in state `failed`; this never raises for the data itself."""
+    try:
+        files = data_files(url, spec.format, ready_marker, every=True)
+    except DataError as exc:
+        return [DataPartCheck(field=field, url=url, state="failed", problems=[str(exc)])]
+    except unreachable_errors() as exc:
+        return [DataPartCheck(field=field, url=url, state="failed", problems=[cannot_list(url, exc)])]
+    waiting = first_waiting(files)
+    groups = [(day, [f for f in files if f.partition == day]) for day in [None, *partitions(files)]]
+    return [_check_part(field, url, day, mine, spec, columns, num_classes, waiting) for day, mine in groups if mine]
+
+
+def check_data(spec: DataSpec, columns: list[str], num_classes: int) -> list[DataPartCheck]:
+    """Every data set of a spec, as `check_set` reads it: training days, holdout, inference."""
+    return [*check_set("data.train", spec.train, spec, columns, num_classes, spec.ready_marker),
+            *check_set("data.holdout", spec.holdout, spec, columns, num_classes),
+            *check_set("data.inference", spec.inference, spec, columns, None)]
 
 
 def static_batches(features: torch.Tensor, rows: torch.Tensor, batch_size: int

@@ -1,17 +1,19 @@
-"""The layout of an inference output, and publishing one that was staged.
+"""The layout of an inference output, versioned by model, and the pointer to the champion's.
 
-Under `inference.output_url` (a folder or an S3 prefix):
+Under `inference.output_url` (a folder or an S3 prefix), for a spec with a model registry:
 
-    part-00007.parquet               id, embedding, model_version
-    _committed/part-00007.json       written after it: rows, sha256 and size of the file, the plan
-    _manifest.json                   written last: every shard with its row count and checksum
-    _staging/<run id>/...            the same layout, for a candidate model not yet champion
+    v000003/part-00007.parquet       id, embedding (or prediction), model_version
+    v000003/_committed/part-00007.json   written after it: rows, sha256 and size of the file, the plan
+    v000003/_manifest.json           written last: every shard with its row count and checksum
+    _current.json                    the champion's folder: {"version": 3, "folder": "v000003", ...}
 
-The bookkeeping names start with `_`, so Parquet readers that are handed the folder (pyarrow,
-pandas, Spark) see only the published shards. Retraining embeds with its candidate into its run's
-staging folder, and only a promoted candidate's embeddings are published: copied shard by shard
-(a shard already there with the same plan is kept), the manifest last. A publication cut short
-is finished by publishing again, since the staged copy stays until the manifest is written.
+Each registered model version embeds into a folder of its own, so a new model never overwrites
+the outputs of the one before, and a rollback only moves the pointer back. The pointer is one
+object written atomically, after the folder it names is complete; readers start from it. A spec
+without a registry has no versions: its shards, markers and manifest sit at the top of the output.
+
+The bookkeeping names start with `_`, so Parquet readers that are handed a folder (pyarrow, pandas,
+Spark) see only its shards.
 """
 
 from __future__ import annotations
@@ -19,11 +21,12 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import time
 
 from trnflow.storage import Store, join, open_store
 
 MANIFEST = "_manifest.json"
-STAGING = "_staging"
+CURRENT = "_current.json"
 _OURS = re.compile(r"(?:_committed/)?part-(\d{5})\.(?:parquet|json)")
 
 
@@ -35,9 +38,13 @@ def marker_name(shard: int) -> str:
     return f"_committed/{shard_name(shard)}.json"
 
 
-def staging_url(output_url: str, run_id: str) -> str:
-    """Where a retraining run embeds with its candidate before the candidate is champion."""
-    return join(output_url, STAGING, run_id)
+def version_folder(version: int) -> str:
+    return f"v{version:06d}"
+
+
+def version_url(output_url: str, version: int) -> str:
+    """Where model `version` writes its outputs."""
+    return join(output_url, version_folder(version))
 
 
 def committed(out: Store, shard: int, plan: str) -> dict | None:
@@ -70,21 +77,29 @@ def manifest(url: str) -> dict | None:
         return None
 
 
-def publish(staged_url: str, output_url: str, checkpoint: str) -> dict | None:
-    """Make the complete staged output at `staged_url`, embedded by `checkpoint`, the published one
-    at `output_url`, and clear the staging area. Returns the published manifest, or None when
-    nothing complete from that checkpoint is staged there (an inference cut short, a publication
-    that already finished, or another run's candidate staged under a reused run id)."""
-    staged, out = open_store(staged_url), open_store(output_url)
-    document = manifest(staged_url)
-    if document is None or document.get("checkpoint") != checkpoint:
+def current(output_url: str) -> dict | None:
+    """The pointer to the champion's outputs, or None when nothing was published yet."""
+    try:
+        return json.loads(open_store(output_url).read(CURRENT))
+    except FileNotFoundError:
         return None
-    out.delete(MANIFEST)  # the output is incomplete until the manifest is back
-    for shard in (s["shard"] for s in document["shards"]):
-        if committed(out, shard, document["plan"]) is None:
-            out.write(f"{shard_name(shard)}.parquet", staged.read(f"{shard_name(shard)}.parquet"))
-            out.write(marker_name(shard), staged.read(marker_name(shard)))  # the commit, last
-    remove_beyond(out, len(document["shards"]))
-    out.write(MANIFEST, json.dumps(document, indent=1).encode())
-    out.delete_prefix(f"{STAGING}/")  # this run's copy, and those of runs that failed before promoting
-    return document
+
+
+def current_url(output_url: str) -> str:
+    """Where the champion's outputs are: the folder the pointer names, or (a spec without a registry,
+    or before the first publication) the output itself."""
+    pointer = current(output_url)
+    return join(output_url, pointer["folder"]) if pointer else output_url
+
+
+def point_current(output_url: str, model: str, version: int) -> dict:
+    """Make version `version`'s complete outputs the published ones by moving the pointer (one
+    atomic write). FileNotFoundError when that version has no complete output to point at."""
+    document = manifest(version_url(output_url, version))
+    if document is None:
+        raise FileNotFoundError(f"{version_url(output_url, version)} has no complete output ({MANIFEST} missing)")
+    pointer = {"format": 1, "model": model, "version": version, "folder": version_folder(version),
+               "rows": document["rows"], "shards": len(document["shards"]), "checkpoint": document["checkpoint"],
+               "at": round(time.time(), 3)}
+    open_store(output_url).write(CURRENT, json.dumps(pointer, indent=1).encode())
+    return pointer

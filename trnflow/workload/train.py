@@ -8,6 +8,7 @@ run starts from `train.init_from` (or from scratch). See `start` for which data 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import math
@@ -22,7 +23,7 @@ import torch
 
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import SERIES, write_series
-from trnflow.storage.datafiles import partitions
+from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload.checkpoint import load_model_weights, step_name, weights_digest
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import StepSampler, read_labelled
@@ -277,9 +278,23 @@ class Trainer:
         }
 
 
+def _window(ctx: WorkerContext, start: Start) -> Start:
+    """A new run's files and watermark, chosen from a listing that also holds what it would not
+    read: a day of files it cannot read (another format, or marked ready but empty) stops the run
+    with a DataError naming the day, and the watermark never passes a day that was not read (a day
+    not marked ready holds back the days after it). A resumed run reads exactly the files it began on."""
+    if start.resumed is not None:
+        return start
+    data = ctx.spec.data
+    listing = data_files(data.train, data.format, data.ready_marker, every=True)
+    window = training_window(listing, data.window, start.init.watermark if start.init else None, data.train,
+                             data.format)
+    return dataclasses.replace(start, files=window.files, watermark=window.watermark)
+
+
 def run(ctx: WorkerContext, run_id: str) -> dict:
     recipe = for_job(ctx.spec)
-    start = find_start(ctx, run_id, recipe.featurizer_file)
+    start = _window(ctx, find_start(ctx, run_id, recipe.featurizer_file))
     if not start.files:
         return _skipped(ctx, start)
     return Trainer(ctx, run_id, start, recipe).run()

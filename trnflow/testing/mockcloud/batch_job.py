@@ -25,6 +25,15 @@ def _millis(moment: float) -> int:
     return int(moment * 1000)
 
 
+def submit_refusal(backend: Any, body: dict[str, Any]) -> str | None:
+    """What AWS Batch's SubmitJob refuses and moto accepts, as the service words it, or None: a job
+    without a share identifier on a queue with a fair-share scheduling policy."""
+    queue = backend.get_job_queue(body.get("jobQueue", ""))
+    if queue is not None and queue.schedule_policy and not body.get("shareIdentifier"):
+        return "shareIdentifier must be specified."
+    return None
+
+
 class BatchJob:
     def __init__(self, cloud: Any, job: Any, body: dict[str, Any]):
         self.cloud, self.job, self.body = cloud, job, body
@@ -39,6 +48,7 @@ class BatchJob:
         self.env = env
         self.phase = env.get("TRNFLOW_PHASE", "")
         strategy = body.get("retryStrategy") or job.job_definition.retry_strategy or {}
+        self.strategy = strategy
         self.attempts = int(strategy.get("attempts", 1))
         self.rules = strategy.get("evaluateOnExit", [])
         self._stop: str | None = None
@@ -46,6 +56,15 @@ class BatchJob:
         job.job_stopped, job.job_stopped_reason, job.exit_code = False, None, None
         job.attempts, job.latest_attempt = [], None
         job.status = JobStatus.RUNNABLE
+
+    def described(self) -> dict[str, Any]:
+        """What DescribeJobs tells of the job that moto drops: the retry strategy it runs under (the
+        submission's, else its definition's), and its share identifier and scheduling priority."""
+        described: dict[str, Any] = {"retryStrategy": self.strategy} if self.strategy else {}
+        if self.body.get("shareIdentifier"):
+            described["shareIdentifier"] = self.body["shareIdentifier"]
+            described["schedulingPriority"] = self.body.get("schedulingPriorityOverride", 0)
+        return described
 
     def stop(self, reason: str) -> None:
         self._stop = reason

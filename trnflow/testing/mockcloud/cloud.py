@@ -8,8 +8,12 @@ NeuronCore emulator under the service's contract, and writes the final state, at
 reason and billable time back into moto, where `describe` calls find them.
 
 moto drops parts of the requests it does not model (a training job's `Environment` and
-`RetryStrategy`, a Batch job's `nodeOverrides` and `retryStrategy`), so MockCloud reads each
-request as it was sent. The containers reach AWS at `endpoint_url`, a moto server in this process.
+`RetryStrategy`, a Batch job's `nodeOverrides`, `retryStrategy` and `shareIdentifier`, a
+multi-node job definition's `nodeProperties` when described), so MockCloud reads each request as
+it was sent, and puts what Batch's `DescribeJobs` and `DescribeJobDefinitions` tell of them back
+in their answers. It refuses what the service refuses and moto does not: a Batch job without a
+share identifier on a fair-share queue. The containers reach AWS at `endpoint_url`, a moto server
+in this process.
 """
 
 from __future__ import annotations
@@ -21,13 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import boto3
+from moto.batch.exceptions import ClientException
 from moto.batch.responses import BatchResponse
 from moto.core.config import default_user_config
 from moto.core.responses import ActionResult
 from moto.sagemaker.responses import SageMakerResponse
 
 from trnflow import aws
-from trnflow.testing.mockcloud.batch_job import BatchJob
+from trnflow.testing.mockcloud.batch_job import BatchJob, submit_refusal
 from trnflow.testing.mockcloud.sagemaker_job import SageMakerJob
 
 
@@ -103,6 +108,7 @@ class MockCloud:
         cloud = self
         create_training_job, submit_job = SageMakerResponse.create_training_job, BatchResponse.submitjob
         terminate_job, cancel_job = BatchResponse.terminatejob, BatchResponse.canceljob
+        describe_jobs, describe_definitions = BatchResponse.describejobs, BatchResponse.describejobdefinitions
 
         def on_create_training_job(response: Any) -> Any:
             answer = create_training_job(response)
@@ -120,11 +126,31 @@ class MockCloud:
             return ActionResult({})
 
         def on_submit_job(response: Any) -> str:
+            body = json.loads(response.body)
+            refusal = submit_refusal(response.batch_backend, body)
+            if refusal:
+                raise ClientException(refusal)
             answer = submit_job(response)
             job_id = json.loads(answer)["jobId"]
             job = response.batch_backend._jobs[job_id]
-            cloud._start(job_id, BatchJob(cloud, job, json.loads(response.body)))
+            cloud._start(job_id, BatchJob(cloud, job, body))
             return answer
+
+        def on_describe_jobs(response: Any) -> str:
+            answer = json.loads(describe_jobs(response))
+            for job in answer["jobs"]:
+                runner = cloud._jobs.get(job["jobId"])
+                if isinstance(runner, BatchJob):
+                    job.update(runner.described())
+            return json.dumps(answer)
+
+        def on_describe_job_definitions(response: Any) -> str:
+            answer = json.loads(describe_definitions(response))
+            for described in answer["jobDefinitions"]:
+                definition = response.batch_backend.get_job_definition_by_arn(described["jobDefinitionArn"])
+                if definition is not None and definition.node_properties:
+                    described.setdefault("nodeProperties", definition.node_properties)
+            return json.dumps(answer)
 
         def stopper(original: Any) -> Any:
             def on_stop(response: Any) -> str:
@@ -138,6 +164,8 @@ class MockCloud:
         self._patch(SageMakerResponse, "create_training_job", on_create_training_job)
         self._patch(SageMakerResponse, "stop_training_job", on_stop_training_job)
         self._patch(BatchResponse, "submitjob", on_submit_job)
+        self._patch(BatchResponse, "describejobs", on_describe_jobs)
+        self._patch(BatchResponse, "describejobdefinitions", on_describe_job_definitions)
         self._patch(BatchResponse, "terminatejob", stopper(terminate_job))
         self._patch(BatchResponse, "canceljob", stopper(cancel_job))
         return self
