@@ -17,14 +17,16 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import os
 import re
+import socket
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 
 from prefect.client.orchestration import get_client
-from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate
+from prefect.client.schemas.actions import GlobalConcurrencyLimitCreate, GlobalConcurrencyLimitUpdate
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound, PrefectHTTPStatusError
 from prefect.logging import get_run_logger
 from prefect.runtime import flow_run
@@ -63,19 +65,56 @@ def holder_label(run_id: str) -> str:
     return f"run {run_id}" + (f" (flow run {name!r})" if name else "")
 
 
+def _holding(model: str) -> dict:
+    """The record the holder of the model's slot left: who, and its process (host and pid); empty
+    when no run holds it or the record cannot be read."""
+    try:
+        record = Variable.get(_holder_variable(model), default=None)
+    except Exception:  # only a nicer message, and freeing a dead holder's slot, depend on it
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
 def holder(model: str) -> str | None:
-    """Which run holds (or last held) the model's slot, as it described itself; None if unknown."""
-    try:
-        return Variable.get(_holder_variable(model), default=None)
-    except Exception:  # only a nicer message depends on it
-        return None
+    """Which run holds the model's slot, as it described itself; None if unknown."""
+    return _holding(model).get("who")
 
 
-def _announce(model: str, who: str) -> None:
+def _announce(model: str, record: dict | None) -> None:
+    """Record (or with None, clear) who holds the model's slot."""
     try:
-        Variable.set(_holder_variable(model), who, overwrite=True)
+        Variable.set(_holder_variable(model), record or {}, overwrite=True)
     except Exception as exc:
-        _logger().warning("could not record this run as the holder of %s (%s)", limit_name(model), exc)
+        _logger().warning("could not record the holder of %s (%s)", limit_name(model), exc)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def _free_if_dead(client, name: str, model: str) -> bool:
+    """Free the slot when the run holding it was a process on this host that is gone (killed, out
+    of memory) without giving it back: a server that keeps leases in memory, such as the local
+    API `trnflow run` starts, forgets the lease when it stops, and the slot would stay taken."""
+    record = _holding(model)
+    pid = record.get("pid")
+    if record.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid() or _alive(pid):
+        return False
+    _logger().warning("%s (pid %d on this host) ended without giving back %s; freeing it", record.get("who"), pid,
+                      name)
+    with contextlib.suppress(Exception):  # the lease may be gone with the server that had it
+        client.release_concurrency_slots_with_lease(uuid.UUID(record["lease"]))
+    limit = client.read_global_concurrency_limit_by_name(name)
+    if limit.active_slots:
+        client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(active_slots=0))
+    _announce(model, None)
+    return True
 
 
 def _freeing(name: str) -> str:
@@ -160,6 +199,8 @@ def _acquire(name: str, timeout_seconds: float | None, model: str) -> uuid.UUID:
                 if exc.response.status_code != 423:  # 423 Locked: the slot is taken
                     raise
                 pause = float(exc.response.headers.get("Retry-After", 1.0))
+            if _free_if_dead(client, name, model):
+                continue
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(name)
             if not told:
@@ -180,9 +221,10 @@ def model_lock(model: str, timeout_seconds: float | None, who: str = "a run") ->
         raise FatalError(f"{holding or 'another run'} of {model} has held the concurrency limit {name} for over "
                          f"{timeout_seconds:g} s, so this run was refused; it is safe to run again once that run "
                          f"has ended. If no such run is going, {_freeing(name)}") from None
-    _announce(model, who)
+    _announce(model, {"who": who, "host": socket.gethostname(), "pid": os.getpid(), "lease": str(lease_id)})
     held = ModelLock(model, name, lease_id)
     try:
         yield held
     finally:
+        _announce(model, None)
         held.release()

@@ -2,9 +2,9 @@
 version (the champion by default) or a given checkpoint, writing Parquet shards. A rerun with the
 same run id finishes an interrupted one without rewriting committed shards.
 
-A registered version writes into its own output folder; when it is the champion, `current` is
-pointed at it afterwards (republishing it, say after the folder was deleted). A bare checkpoint
-writes to the output itself.
+A registered version writes into its own output folder. The champion's outputs are published, so
+they are never rewritten in place: its run writes a folder of its own beside them, and `current`
+is moved to it once it is complete. A bare checkpoint writes to the output itself.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec
 from trnflow.tasks.infer import batch_infer
 from trnflow.tasks.promote import publish_outputs
+from trnflow.workload.embeddings import version_folder
 
 STAGES = ("infer",)
 
@@ -60,11 +61,16 @@ def batch_inference(spec: JobSpec | None = None, spec_url: str | None = None, ch
     name_run(spec, f"infer {spec.data.inference} with {label}")
     stage = StageRunner(spec, run_id or new_run_id())
     try:
-        stage("infer", batch_infer, checkpoint, None, version=version.version if version else None)
-        if version is not None:
-            champion = registry.champion(spec.name)
-            if champion is not None and champion.version == version.version:
-                publish_outputs(spec, champion)
+        if version is None:
+            stage("infer", batch_infer, checkpoint, None)
+            return stage.outcome()
+        champion = registry.champion(spec.name)
+        published = champion is not None and champion.version == version.version
+        # the champion's published outputs are never rewritten in place: a folder of this run's
+        folder = f"{version_folder(version.version)}-{stage.run_id}" if published else None
+        stage("infer", batch_infer, checkpoint, None, version=version.version, folder=folder)
+        if published:
+            publish_outputs(spec, version, folder)
         return stage.outcome()
     finally:
         stage.report(STAGES)

@@ -26,10 +26,10 @@ from trnflow.flows._stages import StageRunner, new_run_id, run_stages, through_t
 from trnflow.lifecycle.registry import Registry
 from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec, SpecError
-from trnflow.storage.datafiles import new_partitions
+from trnflow.storage.datafiles import check_new_days, new_partitions
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
-from trnflow.tasks.promote import promote_champion, publish_outputs, unpublished
+from trnflow.tasks.promote import promote_champion, repair_publication
 
 STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote")
 
@@ -72,12 +72,11 @@ def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None
         registry = Registry(spec.registry_url)
         generation = registry.generation(spec.name)  # a champion changed after this is never overwritten
         champion = registry.champion(spec.name)
-        if champion is not None and unpublished(spec, champion):  # its run was cut short after promoting
-            publish_outputs(spec, champion)
-            get_run_logger().info("published the outputs of champion v%d, which its own run wrote but did "
-                                  "not publish", champion.version)
+        repair_publication(spec)
         watermark = champion.watermark if champion else None
         days = new_partitions(spec.data.train, spec.data.format, watermark, spec.data.ready_marker)
+        # a new day with nothing readable fails the run now, naming it, before any job is paid for
+        check_new_days(spec.data.train, spec.data.format, watermark, spec.data.ready_marker)
         if not days:
             after = f"after {watermark}" if watermark else "at all"
             name_run(spec, f"nothing new {after}")
@@ -102,12 +101,12 @@ def _stages(stage: StageRunner, generation: int, lock: ModelLock, days: list[str
         return stage.outcome()
     if trained.partitions and trained.partitions != days:  # a day landed while preflight ran
         name_run(stage.spec, _window_name(trained.partitions, base))
-    checkpoint = trained.checkpoint
-    gated = stage("evaluate", evaluate_gate, checkpoint, cores, against_champion=True, promote=False,
+    gated = stage("evaluate", evaluate_gate, trained.checkpoint, cores, against_champion=True, promote=False,
                   generation=generation, force_promote=force_promote)
-    stage("infer", batch_infer, checkpoint, cores, version=gated.registry["version"] if gated.registry else None)
     entry = gated.registry
     assert entry is not None  # retraining has a registry
+    # the registered version's model: a rerun on the same inputs uses the first run's
+    stage("infer", batch_infer, entry["checkpoint"], cores, version=entry["version"])
     lock.check()  # promotion is what must never happen outside the model's lock
     stage("promote", promote_champion, entry["version"], entry["generation"],
           forced=force_promote if entry.get("forced") else None)

@@ -22,7 +22,7 @@ from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
-from trnflow.tasks.promote import promote_champion
+from trnflow.tasks.promote import promote_champion, repair_publication
 
 STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote")
 
@@ -55,22 +55,25 @@ def pipeline(spec: JobSpec | None = None, spec_url: str | None = None,
     spec = resolve_spec(spec, spec_url)
     name_run(spec, window(spec))
     runner = StageRunner(spec, run_id or new_run_id())
+    if spec.registry_url is None:  # nothing shared to protect: runs of the spec may overlap
+        return run_stages(runner, partial(_stages, force_promote=force_promote, lock=None), STAGES)
     with model_lock(spec.name, lock_timeout_seconds, holder_label(runner.run_id)) as lock:
+        repair_publication(spec)
         return run_stages(runner, partial(_stages, force_promote=force_promote, lock=lock), STAGES)
 
 
-def _stages(stage: StageRunner, force_promote: str | None, lock: ModelLock) -> RunOutcome:
+def _stages(stage: StageRunner, force_promote: str | None, lock: ModelLock | None) -> RunOutcome:
     cores, trained = through_training(stage, later=("evaluate", "infer", "promote"))
     if trained.skipped:  # incremental training found no new data: nothing to evaluate or embed
         return stage.outcome()
-    checkpoint = trained.checkpoint
-    registered = stage.spec.registry_url is not None
-    gated = stage("evaluate", evaluate_gate, checkpoint, cores, promote=False, force_promote=force_promote)
+    gated = stage("evaluate", evaluate_gate, trained.checkpoint, cores, promote=False, force_promote=force_promote)
     entry = gated.registry
-    stage("infer", batch_infer, checkpoint, cores, version=entry["version"] if entry else None)
-    if not registered or entry is None:
+    if lock is None or entry is None:
+        stage("infer", batch_infer, trained.checkpoint, cores)
         stage.skip("promote", "no registry_url: nothing to promote")
         return stage.outcome()
+    # the registered version's model: a rerun on the same inputs uses the first run's
+    stage("infer", batch_infer, entry["checkpoint"], cores, version=entry["version"])
     lock.check()  # promotion is what must never happen outside the model's lock
     stage("promote", promote_champion, entry["version"], entry["generation"],
           forced=force_promote if entry.get("forced") else None)

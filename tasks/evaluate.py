@@ -42,8 +42,12 @@ def _attach(spec: JobSpec, candidate: judge.Candidate, decision: judge.Decision,
     return f"{candidate.run_url}/parity.png"
 
 
+def _model(recipe: dict) -> str:
+    return f"{recipe.get('recipe')}@{recipe.get('version')} {json.dumps(recipe.get('params'), sort_keys=True)}"
+
+
 def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candidate, run_id: str,
-              cores: list[int] | None) -> tuple[dict, str] | None:
+              cores: list[int] | None) -> tuple[dict, str] | judge.Check | None:
     """The champion's series on the candidate's holdout, and its name; None before the first. A
     champion measured on another holdout (or never measured) is evaluated on this one first, so
     that the two are compared row for row."""
@@ -55,6 +59,11 @@ def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candida
     if series is not None:
         series = judge.up_to(series, judge.step_of(champion.checkpoint))
     if series is None or not series["points"] or not judge.same_holdout(candidate.series, series):
+        theirs, ours = champion.entry.get("recipe"), judge.recipe_of(candidate.checkpoint)
+        if theirs and ours and theirs != ours:  # this spec's model cannot load the champion's weights
+            return judge.incomparable(spec, who, f"{who} is another model ({_model(theirs)}; this run's is "
+                                      f"{_model(ours)}) measured on another holdout, so the two cannot be compared "
+                                      "row for row")
         get_run_logger().info("%s was not measured on this holdout; evaluating it on this one", who)
         result = run_job(spec, "evaluate", run_id, checkpoint=champion.checkpoint, cores=cores)
         assert isinstance(result, EvaluateResult)
@@ -93,7 +102,7 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
         assert isinstance(result, EvaluateResult)
         result.checkpoint = checkpoint
         candidate = judge.Candidate.read(checkpoint)
-        candidate.series = candidate.series or {"points": result.points}
+        candidate.series = candidate.series or {"points": result.points, "holdout_sha256": result.holdout_sha256}
     candidate.series = judge.up_to(candidate.series, candidate.step)
     decision = judge.decide(spec, registry, candidate.series, against_champion)
     if decision.gate_passed:  # only a candidate that passed the gate can take the champion's place
@@ -116,8 +125,9 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
     if worse is not None and forced is None:
         version = f"v{registration.version}" if registration else "the candidate"
         raise ChampionKept(f"{version} passed the gate but was not promoted: {worse.verdict['reason']}. "
-                           f"{worse.against} stays the champion; to promote it anyway, run again with "
-                           "--force-promote --reason \"why\"", worse.verdict)
+                           f"{worse.against} stays the champion; to promote it anyway, run the same run again "
+                           f"(nothing is trained twice) with --run-id {run_id} --force-promote --reason \"why\"",
+                           worse.verdict)
     if worse is not None:
         get_run_logger().warning("promoting a candidate worse than %s, as asked: %s", worse.against, forced)
     for check in decision.checks:

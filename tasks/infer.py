@@ -7,14 +7,15 @@ from prefect.cache_policies import NO_CACHE
 
 from trnflow.results import InferResult
 from trnflow.specs import JobSpec
+from trnflow.storage import join
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import recompile_note, run_job
 from trnflow.workload.embeddings import version_url
 
 
 @task(name="infer", cache_policy=NO_CACHE)
-def batch_infer(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | None, *, version: int | None = None
-                ) -> InferResult:
+def batch_infer(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | None, *, version: int | None = None,
+                folder: str | None = None) -> InferResult:
     """Embed the inference set with the checkpoint; one Parquet shard per `inference.shard_size` rows.
     A retry (or rerun) keeps the shards already committed and embeds only the rest.
 
@@ -22,9 +23,11 @@ def batch_infer(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | 
         version: the registered model version the checkpoint is: its outputs go to a folder of
             their own under the output (`trnflow.workload.embeddings`), published when that version
             is the champion. None (no registry): to the output itself.
+        folder: the version's folder to write, when not its own (an on-demand run's).
     """
     if version is not None:
-        where = spec.inference.model_copy(update={"output_url": version_url(spec.inference.output_url, version)})
+        url = join(spec.inference.output_url, folder) if folder else version_url(spec.inference.output_url, version)
+        where = spec.inference.model_copy(update={"output_url": url})
         spec = spec.model_copy(update={"inference": where})
     result = run_job(spec, "infer", run_id, checkpoint=checkpoint, cores=cores)
     assert isinstance(result, InferResult)

@@ -8,16 +8,19 @@ pointer cannot be moved, the promotion is rolled back.
 
 from __future__ import annotations
 
-from prefect import task
+import contextlib
+import json
+
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from trnflow.errors import FatalError
 from trnflow.lifecycle.registry import ModelVersion, Registry
 from trnflow.results import PromoteResult
 from trnflow.specs import JobSpec
-from trnflow.storage import join
+from trnflow.storage import join, open_store
 from trnflow.tasks import _artifacts
-from trnflow.workload.embeddings import MANIFEST, current, manifest, point_current, version_url
+from trnflow.workload.embeddings import CURRENT, MANIFEST, current, latest_folder, point_current
 
 
 @task(name="promote", cache_policy=NO_CACHE)
@@ -35,28 +38,56 @@ def promote_champion(spec: JobSpec, run_id: str, version: int, generation: int, 
         record = registry.promote(spec.name, version, reason=why, expected_generation=generation)
         generation = record["generation"]
     else:  # a rerun of a run that promoted already
-        was = " (already)"
+        was, generation = " (already)", registry.generation(spec.name)
     champion = registry.version(spec.name, version)
     result = PromoteResult(version=version, generation=generation, watermark=champion.watermark,
                            summary=f"champion v{version}{was}, data up to {champion.watermark}")
     try:
+        pointer = current(spec.inference.output_url)  # to put back if publishing fails
+    except Exception:  # unreadable: publishing it will fail too, and say why
+        pointer = None
+    try:
         published = publish_outputs(spec, champion)
     except Exception as exc:  # the champion and its published outputs change together, or not at all
-        if before is not None and before.version != version:
-            registry.rollback(spec.name, reason=f"publishing v{version}'s outputs failed ({run_id})")
-        kept = before.version if before else version
-        raise FatalError(f"v{version}'s outputs could not be published ({exc}); the champion is v{kept} and "
-                         "`current` is unchanged") from exc
+        raise _undo(spec, registry, before, version, pointer, run_id, exc) from exc
     result.published, result.summary = published[0], f"{result.summary}; {published[1]}"
     return result
 
 
-def publish_outputs(spec: JobSpec, champion: ModelVersion) -> tuple[str, str]:
-    """Point `current` at the champion's outputs (its own version folder): the manifest's URL and
-    what was published."""
+def _undo(spec: JobSpec, registry: Registry, before: ModelVersion | None, version: int, pointer: dict | None,
+          run_id: str, exc: Exception) -> FatalError:
+    """Put the champion and the pointer back as they were after publishing `version` failed; the
+    error to raise says what they are now."""
+    if before is not None and before.version != version:
+        registry.rollback(spec.name, reason=f"publishing v{version}'s outputs failed ({run_id})")
+    if pointer is not None:  # a write that raised may still have landed
+        with contextlib.suppress(Exception):
+            open_store(spec.inference.output_url).write(CURRENT, json.dumps(pointer, indent=1).encode())
+    if before is None:
+        return FatalError(f"v{version}'s outputs could not be published ({exc}); v{version} is the first champion, "
+                          "so nothing was rolled back: the next run of the spec publishes them once the output "
+                          "location can be written")
+    return FatalError(f"v{version}'s outputs could not be published ({exc}); the champion is v{before.version} "
+                      "again and `current` is unchanged")
+
+
+def repair_publication(spec: JobSpec) -> None:
+    """Point `current` at the champion's outputs if its run was cut short between promoting it and
+    publishing them (run under the model's lock, before anything else)."""
+    assert spec.registry_url is not None
+    champion = Registry(spec.registry_url).champion(spec.name)
+    if champion is not None and unpublished(spec, champion):
+        publish_outputs(spec, champion)
+        get_run_logger().info("published the outputs of champion v%d, which its own run wrote but did not publish",
+                              champion.version)
+
+
+def publish_outputs(spec: JobSpec, champion: ModelVersion, folder: str | None = None) -> tuple[str, str]:
+    """Point `current` at the champion's outputs (`folder`, by default its newest complete one):
+    the manifest's URL and what was published."""
     output_url = spec.inference.output_url
-    pointer = point_current(output_url, spec.name, champion.version)
-    manifest = join(version_url(output_url, champion.version), MANIFEST)
+    pointer = point_current(output_url, spec.name, champion.version, folder)
+    manifest = join(output_url, pointer["folder"], MANIFEST)
     _artifacts.link(spec, "embeddings", manifest, f"{pointer['rows']} rows of champion v{champion.version} in "
                     f"{pointer['shards']} Parquet shard(s), published as current under {output_url}")
     return manifest, f"{pointer['rows']} rows published"
@@ -68,4 +99,4 @@ def unpublished(spec: JobSpec, champion: ModelVersion) -> bool:
     pointer = current(spec.inference.output_url)
     if pointer is not None and pointer.get("version") == champion.version:
         return False
-    return manifest(version_url(spec.inference.output_url, champion.version)) is not None
+    return latest_folder(spec.inference.output_url, champion.version) is not None

@@ -120,7 +120,8 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     assert cost["total_usd"] == pytest.approx(sum(r["cost_usd"] for r in cost["rows"]), abs=1e-3)
 
     # the candidate is registered, and, having passed and its outputs written, promoted
-    assert results["evaluate"]["registry"] == {"version": 1, "promoted": False, "generation": 0}
+    assert results["evaluate"]["registry"] == {"version": 1, "promoted": False, "generation": 0,
+                                               "checkpoint": results["train"]["checkpoint"]}
     assert results["promote"]["version"] == 1 and results["promote"]["generation"] == 1
     champion = Registry(spec.registry_url).champion(spec.name)
     assert champion.checkpoint == results["train"]["checkpoint"] and champion.watermark == "2026-01-02"
@@ -222,6 +223,13 @@ def test_a_candidate_worse_than_the_champion_is_kept_out_unless_forced_with_a_re
     promoted = CliRunner().invoke(app, ["models", "promote", "protect", "2", "-r", spec.registry_url])
     assert promoted.exit_code == 0, promoted.output
     assert current(str(out))["version"] == 2
+
+    # inference with the champion on demand never rewrites its published folder in place
+    published = (out / "v000002" / "_manifest.json").read_text()
+    state = batch_inference(spec, model="champion", run_id="on-demand", return_state=True)
+    assert state.is_completed()
+    assert current(str(out))["folder"] == "v000002-on-demand" and manifest(str(out / "v000002-on-demand"))
+    assert (out / "v000002" / "_manifest.json").read_text() == published
 
 
 def test_a_second_run_of_the_same_model_is_refused_naming_the_run_that_holds_it(prefect_api, make_spec, tmp_path):

@@ -3,6 +3,7 @@ one trains from the champion on the new days only and promotes last, a run with 
 launches no job, and two runs of the same model never overlap."""
 
 import datetime as dt
+import os
 import shutil
 
 import pytest
@@ -164,8 +165,9 @@ def test_a_lost_lease_is_noticed_and_stops_promotion(prefect_api, monkeypatch):
 
 def test_a_day_in_another_format_fails_the_training_job_naming_it(prefect_api, retrain_spec, trnflow_home):
     """A day written as CSV in a JSONL dataset is not passed over (which would let the watermark move
-    past a day never trained on): the training job fails with a DataError naming the day and its
-    files, is not retried, and the registry is left as it was."""
+    past a day never trained on): retraining refuses it before launching a job, the training job of
+    a pipeline run fails with a DataError naming the day and its files and is not retried, and the
+    registry is left as it was."""
     import csv
     import json
 
@@ -184,13 +186,22 @@ def test_a_day_in_another_format_fails_the_training_job_naming_it(prefect_api, r
     def train_jobs() -> int:
         return len(list((trnflow_home / "jobs").glob("*-train-*")))
 
+    expected = ("day dt=2026-01-02 (dt=2026-01-02/part-00000.csv) holds no jsonl files (data.format), only .csv "
+                "files; write the day as jsonl, or remove its folder")
     before = train_jobs()
+    # retraining finds it in the listing, before it launches any job
     state, outcome = _run(spec)
+    assert state.is_failed() and isinstance(outcome, DataError), outcome
+    assert expected in " ".join(str(outcome).split())
+    assert train_jobs() == before
+    # a run that reads every day finds it in the training job, which fails naming it
+    from trnflow.flows.pipeline import pipeline
+
+    state = pipeline(spec, return_state=True)
+    outcome = state.result(raise_on_failure=False)
     assert state.is_failed() and isinstance(outcome, PipelineFailed) and outcome.stage == "train", outcome
     assert isinstance(outcome.cause, DataError)
-    message = " ".join(str(outcome.cause).split())
-    assert ("day dt=2026-01-02 (dt=2026-01-02/part-00000.csv) holds no jsonl files (data.format), only .csv files; "
-            "write the day as jsonl, or remove its folder") in message
+    assert expected in " ".join(str(outcome.cause).split())
     assert train_jobs() == before + 1  # a DataError is never retried
     registry = Registry(spec.registry_url)
     assert registry.champion(spec.name) is None and registry.versions(spec.name) == []
@@ -228,3 +239,30 @@ def test_the_champion_and_its_published_outputs_change_together(make_spec, prefe
     assert registry.champion(spec.name).version == 1
     assert [(h["action"], h["version"]) for h in registry.history(spec.name)] == [
         ("promote", 1), ("promote", 2), ("rollback", 1)]
+
+
+def test_a_slot_left_by_a_killed_run_on_this_host_is_freed_for_the_next(prefect_api):
+    """Item 17: a run holding the model's slot is SIGKILLed (out of memory, say) and never gives it
+    back; the next run of the model sees that its holder's process is gone and takes the slot at
+    once, rather than waiting for a lease a restarted local API has forgotten."""
+    import signal
+    import subprocess
+    import sys
+
+    from prefect.settings import PREFECT_API_URL
+
+    from trnflow.flows._lock import holder, model_lock
+
+    code = ("from trnflow.flows._lock import model_lock\nimport time\n"
+            "with model_lock('crashy', 10, 'run doomed-1'):\n    print('held', flush=True)\n    time.sleep(600)\n")
+    env = {**os.environ, "PREFECT_API_URL": PREFECT_API_URL.value()}
+    doomed = subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+    try:
+        assert doomed.stdout.readline().strip() == "held"
+        assert holder("crashy") == "run doomed-1"
+    finally:
+        doomed.send_signal(signal.SIGKILL)
+        doomed.wait()
+    with model_lock("crashy", timeout_seconds=5, who="run next-2"):
+        assert holder("crashy") == "run next-2"
+    assert holder("crashy") is None

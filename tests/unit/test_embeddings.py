@@ -65,3 +65,19 @@ def test_the_pointer_never_names_an_incomplete_folder(tmp_path):
     with pytest.raises(FileNotFoundError):
         point_current(out, "m", 7)  # never ran
     assert current(out)["version"] == 1
+
+
+def test_the_newest_complete_folder_of_a_version_is_the_one_published(tmp_path):
+    import os
+
+    from trnflow.workload.embeddings import latest_folder
+
+    out = str(tmp_path)
+    _output(tmp_path / "v000003", "plan-1", 1, b"v3")
+    _output(tmp_path / "v000003-rerun", "plan-2", 1, b"v3")
+    _output(tmp_path / "v000031", "plan-3", 1, b"v31")  # another version, whose name starts the same
+    os.utime(tmp_path / "v000003" / MANIFEST, (1, 1))
+    assert latest_folder(out, 3) == "v000003-rerun" and latest_folder(out, 31) == "v000031"
+    (tmp_path / "v000003-rerun" / MANIFEST).unlink()  # being written
+    assert latest_folder(out, 3) == "v000003" and latest_folder(out, 4) is None
+    assert point_current(out, "m", 3)["folder"] == "v000003"

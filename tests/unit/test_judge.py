@@ -26,6 +26,7 @@ def test_a_rerun_of_the_same_spec_on_the_same_data_registers_no_second_version(m
     first = register(spec, registry, _checkpoint(tmp_path, "run-a"), "run-a", PASSED, 0)
     again = register(spec, registry, _checkpoint(tmp_path, "run-b"), "run-b", PASSED, registry.generation(spec.name))
     assert again.version == first.version == 1 and again.registered_before and not again.promoted
+    assert again.checkpoint == first.checkpoint  # later stages use the registered model, not the rerun's
     newer = register(spec, registry, _checkpoint(tmp_path, "run-c", files=("dt=2026-01-01/part-0.parquet",
                                                                            "dt=2026-01-02/part-0.parquet")),
                      "run-c", PASSED, registry.generation(spec.name))
@@ -78,9 +79,11 @@ def test_a_rerun_of_the_same_run_reuses_its_version_and_does_not_promote_again(m
     candidate = Candidate(ckpt.as_uri(), {"points": [{"step": 40, "accuracy": 0.8}]})
     first = register(spec, registry, candidate, "run", PASSED, registry.generation(spec.name))
     again = register(spec, registry, candidate, "run", PASSED, registry.generation(spec.name))
-    assert first == Registration(version=1, promoted=True, generation=0)
-    assert again == Registration(version=1, promoted=False, generation=1, registered_before=True)
-    assert again.as_dict() == {"version": 1, "promoted": False, "generation": 1, "registered_before": True}
+    assert first == Registration(version=1, promoted=True, generation=0, checkpoint=ckpt.as_uri())
+    assert again == Registration(version=1, promoted=False, generation=1, checkpoint=ckpt.as_uri(),
+                                 registered_before=True)
+    assert again.as_dict() == {"version": 1, "promoted": False, "generation": 1, "checkpoint": ckpt.as_uri(),
+                               "registered_before": True}
     assert len(registry.versions(spec.name)) == 1 and len(registry.history(spec.name)) == 1
 
 
@@ -90,3 +93,18 @@ def test_an_older_checkpoint_is_gated_on_its_own_points():
     at_20 = up_to(series, 20)
     assert [p["step"] for p in at_20["points"]] == [20] and "predictions" not in at_20
     assert up_to(series, 40) == series
+
+
+def test_a_champion_that_cannot_be_compared_keeps_its_place_and_a_series_without_a_holdout_is_not_the_same(
+        make_spec):
+    """A champion of another model measured on another holdout cannot be compared row for row:
+    the candidate may pass the gate, but only a forced promotion replaces the champion. A series
+    that does not say which holdout it was measured on is never taken for the candidate's."""
+    from trnflow.lifecycle.judge import incomparable, same_holdout
+
+    spec = make_spec(gate={"reference": None})
+    check = incomparable(spec, "champion v1", "champion v1 is another model")
+    decision = decide(spec, Registry(spec.registry_url), _series(0.9, "1" * 9 + "0"), False, check)
+    assert decision.gate_passed and decision.worse_than_champion is check
+    assert not same_holdout({"holdout_sha256": "h"}, {"points": []})
+    assert same_holdout({"holdout_sha256": "h"}, {"holdout_sha256": "h"})

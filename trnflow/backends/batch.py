@@ -92,12 +92,14 @@ class BatchBackend:
         return open_store(f"{self.target.staging_url.rstrip('/')}/{run_id}/{desc['jobName']}/output/{desc['jobId']}")
 
     def _failure_report(self, desc: dict[str, Any]) -> dict[str, Any] | None:
-        """The root failure among the nodes' reports: a node's own error before a lost peer."""
+        """The root failure among the nodes' reports: a node's own error before a lost peer, then the
+        one written first (the nodes' other ranks were stopped after it)."""
         store = self._outputs(desc)
         reports = [json.loads(store.read(o.name)) for o in store.list("failure-node")]
         if not reports:
             return None
-        return sorted(reports, key=lambda r: (r.get("retryable") is None, lost_peer(r), r.get("rank", 0)))[0]
+        return min(reports, key=lambda r: (r.get("retryable") is None, lost_peer(r), r.get("reported_at", 0.0),
+                                           r.get("rank", 0)))
 
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)

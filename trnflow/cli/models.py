@@ -15,7 +15,7 @@ from trnflow.errors import ExitCode, FatalError
 from trnflow.lifecycle.registry import PromotionConflict, Registry, RegistryCorrupt
 from trnflow.redact import without_credentials
 from trnflow.specs.spec import _normalise_url
-from trnflow.workload.embeddings import manifest, point_current, version_url
+from trnflow.workload.embeddings import latest_folder, point_current, version_url
 
 models_app = typer.Typer(help="Look at and change the model registry (registry_url).", no_args_is_help=True)
 console = cli_console()
@@ -113,29 +113,37 @@ def _outputs(reg: Registry, model: str, version: int) -> str | None:
     """The output location of `version`, checked to hold its complete outputs (None: none recorded,
     as for a version registered before outputs were versioned)."""
     out = reg.version(model, version).entry.get("output_url")
-    if out and manifest(version_url(out, version)) is None:
+    if out and latest_folder(out, version) is None:
         raise FatalError(f"{model} v{version} has no complete outputs at {version_url(out, version)}, so it cannot "
                          f"be published with the change of champion; write them with `trnflow infer SPEC --model "
                          f"{version}`, then try again")
     return out
 
 
-def _change_champion(reg: Registry, model: str, version: int, change) -> tuple[dict, str]:
-    """Make `version` the champion by `change()` and point `current` at its outputs; if the pointer
-    cannot be moved, the champion goes back to what it was. Returns the record and what was published."""
+def _change_champion(reg: Registry, model: str, version: int, action: str, reason: str) -> tuple[dict, str]:
+    """Make `version` the champion (`action` promote or rollback) and point `current` at its
+    outputs; if the pointer cannot be moved, the change is undone by its inverse, so the history
+    stays a stack. Returns the record and what was published."""
     out = _outputs(reg, model, version)
     before = reg.champion(model)
-    record = change()
+    generation = reg.generation(model)
+    if action == "rollback":
+        record = reg.rollback(model, reason=reason, expected_generation=generation)
+    else:
+        record = reg.promote(model, version, reason=reason, expected_generation=generation)
     if out is None:
-        return record, "no outputs recorded for it"
+        return record, "no outputs recorded for it, so `current` was not moved"
     try:
         pointer = point_current(out, model, version)
     except Exception as exc:
-        if before is not None:
-            reg.promote(model, before.version, reason=f"publishing v{version} failed: {exc}",
-                        expected_generation=record["generation"])
-        raise FatalError(f"could not publish v{version}'s outputs at {out} ({exc}); the champion is back to "
-                         f"v{before.version if before else version}") from None
+        why = f"publishing v{version}'s outputs failed: {exc}"
+        if action == "rollback":
+            assert before is not None  # a rollback needs a champion to roll back from
+            reg.promote(model, before.version, reason=why, expected_generation=record["generation"])
+        elif before is not None:
+            reg.rollback(model, reason=why, expected_generation=record["generation"])
+        raise FatalError(f"could not publish v{version}'s outputs at {out} ({exc}); the champion is "
+                         f"v{before.version if before else version} and `current` is unchanged") from None
     return record, f"{pointer['rows']} rows published as current under {without_credentials(out)}"
 
 
@@ -145,8 +153,7 @@ def promote(model: ModelArg, version: Annotated[int, typer.Argument(help="The ve
             as_json: JsonOpt = False):
     """Make a version the champion and publish its outputs (exit 4 if another promotion wins the race)."""
     with _registry(registry) as reg:
-        record, published = _change_champion(reg, model, version, lambda: reg.promote(
-            model, version, reason=reason, expected_generation=reg.generation(model)))
+        record, published = _change_champion(reg, model, version, "promote", reason)
     if as_json:
         print(json.dumps({**record, "published": published}))
     else:
@@ -160,10 +167,7 @@ def rollback(model: ModelArg, registry: RegistryOpt = ...,
              as_json: JsonOpt = False):
     """Make the previous champion the champion again, and publish its outputs again."""
     with _registry(registry) as reg:
-        target = reg.rollback_target(model)
-        generation = reg.generation(model)
-        record, published = _change_champion(reg, model, target, lambda: reg.rollback(
-            model, reason=reason, expected_generation=generation))
+        record, published = _change_champion(reg, model, reg.rollback_target(model), "rollback", reason)
     if as_json:
         print(json.dumps({**record, "published": published}))
     else:

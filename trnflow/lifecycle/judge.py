@@ -72,13 +72,17 @@ class Registration:
     promoted: bool
     generation: int
     """The registry generation the decision was made against."""
+    checkpoint: str = ""
+    """The registered version's checkpoint: a rerun on the same inputs gets the first run's, which
+    is what later stages must use, so that a version has one model and one output folder."""
     registered_before: bool = False
     """A rerun (of the same run, or of the same spec on the same data): registered already."""
     forced: bool = False
     """Promotable only because `--force-promote` said why: it is worse than the champion."""
 
     def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"version": self.version, "promoted": self.promoted, "generation": self.generation}
+        out: dict[str, Any] = {"version": self.version, "promoted": self.promoted, "generation": self.generation,
+                               "checkpoint": self.checkpoint}
         if self.forced:
             out["forced"] = True
         return {**out, "registered_before": True} if self.registered_before else out
@@ -136,10 +140,27 @@ def champion_series(spec: JobSpec, registry: Registry) -> tuple[dict | None, str
     return up_to(series, step_of(champion.checkpoint)), f"champion v{champion.version}"
 
 
+def recipe_of(checkpoint: str) -> dict | None:
+    """The recipe (name, version and params) a trnflow checkpoint was trained with."""
+    try:
+        return json.loads(open_store(checkpoint).read("meta.json")).get("recipe")
+    except (FileNotFoundError, ValueError):
+        return None
+
+
+def incomparable(spec: JobSpec, who: str, reason: str) -> Check:
+    """The champion's check when the candidate cannot be compared with it: failed, so the champion
+    stays unless a promotion is forced."""
+    verdict = {"passed": False, "metric": spec.gate.metric, "mode": "no-regression", "points": [],
+               "max_abs_diff": spec.gate.max_abs_diff, "reason": reason}
+    return Check(verdict, None, who, champion=True)
+
+
 def same_holdout(candidate: dict, champion: dict) -> bool:
-    """Whether the champion's series was measured on the candidate's holdout, row for row."""
+    """Whether the champion's series was measured on the candidate's holdout, row for row (a series
+    that does not say which holdout it was measured on is not known to be)."""
     theirs, ours = champion.get("holdout_sha256"), candidate.get("holdout_sha256")
-    return theirs is None or ours is None or theirs == ours
+    return theirs is not None and theirs == ours
 
 
 def evaluated_series(points: list[dict], holdout: str | None, step: int, correct: str | None) -> dict:
@@ -190,10 +211,12 @@ def protect(spec: JobSpec, candidate: dict, champion: dict, who: str) -> Check:
 
 
 def _checks(spec: JobSpec, registry: Registry | None, candidate: dict, against_champion: bool,
-            champion: tuple[dict, str] | None) -> list[Check]:
+            champion: tuple[dict, str] | Check | None) -> list[Check]:
     gate = spec.gate
     checks = []
-    if champion is not None:
+    if isinstance(champion, Check):  # decided already: it could not be compared
+        checks.append(champion)
+    elif champion is not None:
         checks.append(protect(spec, candidate, *champion))
     if not (against_champion and gate.reference == "champion"):  # the check above covers the champion
         reference, who = reference_series(spec, registry)
@@ -215,9 +238,10 @@ def _checks(spec: JobSpec, registry: Registry | None, candidate: dict, against_c
 
 
 def decide(spec: JobSpec, registry: Registry | None, candidate: dict, against_champion: bool,
-           champion: tuple[dict, str] | None = None) -> Decision:
+           champion: tuple[dict, str] | Check | None = None) -> Decision:
     """Judge the candidate's series against each reference it must pass, and against `champion`
-    (its series on the candidate's holdout, and its name) when there is one."""
+    (its series on the candidate's holdout, and its name; or a failed check when the two could
+    not be compared) when there is one."""
     checks = _checks(spec, registry, candidate, against_champion, champion)
     if len(checks) == 1:
         return Decision(checks, checks[0].verdict, checks[0].against)
@@ -229,10 +253,12 @@ def decide(spec: JobSpec, registry: Registry | None, candidate: dict, against_ch
 
 def inputs_digest(spec: JobSpec, meta: dict) -> str:
     """What a trained model is a function of: the spec, the recipe, the model it started from and
-    the data files it read (names and sizes). Two runs with the same digest train the same model."""
+    the data files it read (names, sizes and modification times: a file rewritten in place is new
+    data). Two runs with the same digest train the same model."""
     data = meta.get("data") or {}
     read = set(data.get("files") or [])
-    sizes = sorted((o.name, o.size) for o in open_store(spec.data.train).list() if o.name in read) if read else []
+    sizes = sorted((o.name, o.size, o.modified) for o in open_store(spec.data.train).list() if o.name in read) \
+        if read else []
     blob = {"spec": spec.digest(), "recipe": meta.get("recipe"), "parent": meta.get("parent"),
             "watermark": meta.get("watermark"), "files": sorted(read), "sizes": sizes, "rows": data.get("rows")}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:24]
@@ -264,7 +290,8 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
         promoted = promotable and not (champion and champion.version == version)
         if promoted:
             registry.promote(spec.name, version, reason=reason, expected_generation=generation)
-        return Registration(version, bool(promoted), generation, registered_before=True, forced=forced is not None)
+        return Registration(version, bool(promoted), generation, same[0].checkpoint, registered_before=True,
+                            forced=forced is not None)
     status = _status(decision, forced)
     entry = registry.register(spec.name, {
         "checkpoint": checkpoint, "run_id": run_id, "status": status,
@@ -279,7 +306,7 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
     promoted = bool(promotable)
     if promoted:
         registry.promote(spec.name, entry.version, reason=reason, expected_generation=generation)
-    return Registration(entry.version, promoted, generation, forced=forced is not None)
+    return Registration(entry.version, promoted, generation, checkpoint, forced=forced is not None)
 
 
 def summary(spec: JobSpec, decision: Decision, final: float, registration: Registration | None) -> str:

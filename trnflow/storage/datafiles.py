@@ -215,6 +215,12 @@ def training_window(files: list[DataFile], window: str, watermark: str | None, u
     return Window(read, max([watermark or "", *days]) or None)
 
 
+def check_new_days(url: str, fmt: str, watermark: str | None, ready_marker: str | None = None) -> None:
+    """DataError naming the first day after `watermark` that holds nothing a run could read: found
+    from the listing, before a run launches any job for it."""
+    checked_days(since_watermark(data_files(url, fmt, ready_marker, every=True), watermark, url), fmt, url)
+
+
 def new_partitions(url: str, fmt: str, watermark: str | None, ready_marker: str | None = None) -> list[str]:
     """The day partitions of a dataset after `watermark`: what an incremental run would read. A day
     of files in another format is listed too, so the run that reads it fails naming it rather

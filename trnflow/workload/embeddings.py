@@ -5,10 +5,13 @@ Under `inference.output_url` (a folder or an S3 prefix), for a spec with a model
     v000003/part-00007.parquet       id, embedding (or prediction), model_version
     v000003/_committed/part-00007.json   written after it: rows, sha256 and size of the file, the plan
     v000003/_manifest.json           written last: every shard with its row count and checksum
+    v000003-<run id>/...             an on-demand inference of a published version, beside it
     _current.json                    the champion's folder: {"version": 3, "folder": "v000003", ...}
 
 Each registered model version embeds into a folder of its own, so a new model never overwrites
-the outputs of the one before, and a rollback only moves the pointer back. The pointer is one
+the outputs of the one before, and a rollback only moves the pointer back. Published outputs are
+never rewritten in place: inference with the champion on demand writes a new folder and then
+moves the pointer. The pointer is one
 object written atomically, after the folder it names is complete; readers start from it. A spec
 without a registry has no versions: its shards, markers and manifest sit at the top of the output.
 
@@ -92,13 +95,25 @@ def current_url(output_url: str) -> str:
     return join(output_url, pointer["folder"]) if pointer else output_url
 
 
-def point_current(output_url: str, model: str, version: int) -> dict:
-    """Make version `version`'s complete outputs the published ones by moving the pointer (one
-    atomic write). FileNotFoundError when that version has no complete output to point at."""
-    document = manifest(version_url(output_url, version))
+def latest_folder(output_url: str, version: int) -> str | None:
+    """The newest complete output folder of `version`: its own (`v000003`), or one an on-demand
+    inference wrote beside it (`v000003-<run id>`, so as never to rewrite published outputs in
+    place); None when it has none."""
+    pattern = re.compile(rf"({version_folder(version)}(?:-[A-Za-z0-9._-]+)?)/{re.escape(MANIFEST)}")
+    found = [(o.modified, m.group(1)) for o in open_store(output_url).list(version_folder(version))
+             if (m := pattern.fullmatch(o.name))]
+    return max(found)[1] if found else None
+
+
+def point_current(output_url: str, model: str, version: int, folder: str | None = None) -> dict:
+    """Make version `version`'s complete outputs (in `folder`, by default its newest) the published
+    ones by moving the pointer (one atomic write). FileNotFoundError when there is no complete
+    output to point at."""
+    folder = folder or latest_folder(output_url, version) or version_folder(version)
+    document = manifest(join(output_url, folder))
     if document is None:
-        raise FileNotFoundError(f"{version_url(output_url, version)} has no complete output ({MANIFEST} missing)")
-    pointer = {"format": 1, "model": model, "version": version, "folder": version_folder(version),
+        raise FileNotFoundError(f"{join(output_url, folder)} has no complete output ({MANIFEST} missing)")
+    pointer = {"format": 1, "model": model, "version": version, "folder": folder,
                "rows": document["rows"], "shards": len(document["shards"]), "checkpoint": document["checkpoint"],
                "at": round(time.time(), 3)}
     open_store(output_url).write(CURRENT, json.dumps(pointer, indent=1).encode())
