@@ -18,7 +18,6 @@ from prefect.cache_policies import NO_CACHE
 
 from trnflow.errors import ChampionKept, GateFailed
 from trnflow.lifecycle import judge
-from trnflow.lifecycle.gate import read_series
 from trnflow.lifecycle.registry import Registry
 from trnflow.reporting.chart import parity_png, verdict_markdown
 from trnflow.results import EvaluateResult
@@ -55,9 +54,7 @@ def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candida
     if champion is None:
         return None
     who = f"champion v{champion.version}"
-    series = read_series(champion.checkpoint.rpartition("/")[0])
-    if series is not None:
-        series = judge.up_to(series, judge.step_of(champion.checkpoint))
+    series = judge.recorded_series(champion.checkpoint)
     if series is None or not series["points"] or not judge.same_holdout(candidate.series, series):
         theirs, ours = champion.entry.get("recipe"), judge.recipe_of(candidate.checkpoint)
         if theirs and ours and theirs != ours:  # this spec's model cannot load the champion's weights

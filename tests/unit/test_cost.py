@@ -97,16 +97,20 @@ def test_every_catalogue_price_says_its_service_region_and_the_day_it_was_read()
 
 
 def test_the_compile_job_is_billed_on_the_one_node_it_held_not_the_training_jobs_nodes(tmp_path):
+    from trnflow.backends import JobRequest
+    from trnflow.backends.cloud import placement
+
     spec = _spec("batch")  # 4 nodes for training; the compile job runs one process, so on one node
-    assert job_cost(spec, "compile", 600).nodes == 1 and job_cost(spec, "train", 600).nodes == 4
+    compile_nodes = placement(JobRequest(spec, "compile", "run-1", processes=1))[0]  # what run_job records
+    assert compile_nodes == 1 and placement(JobRequest(spec, "train", "run-1"))[0] == 4
     ledger = JobLedger(tmp_path, "run-1")
-    ledger.record(LedgerEntry("compile", "c1", "FAILED", 120.0))
-    ledger.record(LedgerEntry("compile", "c2", "SUCCEEDED", 600.0))
+    ledger.record(LedgerEntry("compile", "c1", "FAILED", 120.0, nodes=compile_nodes))
+    ledger.record(LedgerEntry("compile", "c2", "SUCCEEDED", 600.0, nodes=compile_nodes))
     compile_row = stage_cost(spec, "compile", ledger.new_entries())
     assert (compile_row.nodes, compile_row.jobs, compile_row.billable_seconds) == (1, 2, 720.0)
     assert compile_row.cost_usd == round(21.50 * 720 / 3600, 4)
     ledger.record(LedgerEntry("train", "t1", "SUCCEEDED", 3600.0))
     train_row = stage_cost(spec, "train", ledger.new_entries())
     assert (train_row.nodes, train_row.cost_usd) == (4, 86.0)
-    ledger.record(LedgerEntry("train", "t2", "SUCCEEDED", 3600.0, nodes=2))  # an entry that says its nodes
+    ledger.record(LedgerEntry("train", "t2", "SUCCEEDED", 3600.0, nodes=2))  # a job that held two
     assert stage_cost(spec, "train", ledger.new_entries()).cost_usd == 43.0

@@ -133,11 +133,17 @@ def champion_series(spec: JobSpec, registry: Registry) -> tuple[dict | None, str
     champion = registry.champion(spec.name)
     if champion is None:
         return None, f"no champion of {spec.name} yet"
-    series = read_series(champion.checkpoint.rpartition("/")[0])
+    series = recorded_series(champion.checkpoint)
     if series is None:
         raise FatalError(f"champion v{champion.version} ({champion.checkpoint}) has no metrics.json beside it; "
                          "evaluate it with the evaluate phase, or set gate.reference to a metrics file")
-    return up_to(series, step_of(champion.checkpoint)), f"champion v{champion.version}"
+    return series, f"champion v{champion.version}"
+
+
+def recorded_series(checkpoint: str) -> dict | None:
+    """The series of `checkpoint`'s run as it stood at that checkpoint; None when it has none."""
+    series = read_series(checkpoint.rpartition("/")[0])
+    return None if series is None else up_to(series, step_of(checkpoint))
 
 
 def recipe_of(checkpoint: str) -> dict | None:

@@ -21,9 +21,6 @@ from trnflow.specs.instances import Price, price
 
 SERVICE = {"local": "ec2", "batch": "ec2", "sagemaker": "sagemaker"}
 """Whose price each backend's jobs are billed at (`compute.backend` -> service)."""
-PHASE_PROCESSES = {"compile": 1}
-"""Worker processes of the phases whose job runs fewer than the spec's world: the compile stage
-submits its job with one (`trnflow.tasks.compile`). Every other phase runs one per core."""
 
 
 def service(spec: JobSpec) -> str:
@@ -45,21 +42,12 @@ def price_per_hour(spec: JobSpec) -> float | None:
     return None if found is None else found.usd_per_hour
 
 
-def job_nodes(spec: JobSpec, phase: str) -> int:
-    """The instances a job of `phase` holds: as few as hold its worker processes (the cloud
-    backends place them so), never more than the spec's nodes."""
-    processes = PHASE_PROCESSES.get(phase)
-    if processes is None:
-        return spec.compute.nodes
-    return min(spec.compute.nodes, -(-processes // spec.compute.cores_per_node))
-
-
 def job_cost(spec: JobSpec, stage: str, billable_seconds: float, jobs: int = 1, nodes: int | None = None
              ) -> CostRow:
     """One row of the cost table, in the shape of the usual price-performance tables: a stage's
     `jobs` (its failed attempts included), their billable time per node together, and the `nodes`
-    each held (by default, those a job of the stage's phase holds)."""
-    nodes = job_nodes(spec, stage) if nodes is None else nodes
+    each held (by default, the spec's)."""
+    nodes = spec.compute.nodes if nodes is None else nodes
     rate = price_per_hour(spec)
     found = None if spec.compute.price_per_hour is not None else catalogue_price(spec)
     return CostRow(stage=stage, instance_type=spec.compute.instance_type, nodes=nodes, jobs=jobs,
@@ -71,11 +59,11 @@ def job_cost(spec: JobSpec, stage: str, billable_seconds: float, jobs: int = 1, 
 
 def stage_cost(spec: JobSpec, stage: str, entries: list[LedgerEntry]) -> CostRow:
     """The cost row of the jobs a stage ran, from its ledger entries: each billed on the nodes it
-    held (the entry's, else its phase's usual placement). The row's time is the jobs' time per
-    node; its nodes the most any job held."""
-    held = [e.nodes if e.nodes is not None else job_nodes(spec, e.phase) for e in entries]
+    held, as `run_job` recorded it (an entry that does not say: the spec's nodes). The row's time
+    is the jobs' time per node; its nodes the most any job held."""
+    held = [e.nodes if e.nodes is not None else spec.compute.nodes for e in entries]
     row = job_cost(spec, stage, sum(e.seconds for e in entries), jobs=len(entries),
-                   nodes=max(held, default=job_nodes(spec, stage)))
+                   nodes=max(held, default=spec.compute.nodes))
     if row.price_per_node_hour is not None:  # exact also when its jobs held different numbers of nodes
         node_seconds = sum(n * e.seconds for n, e in zip(held, entries, strict=True))
         row.cost_usd = round(row.price_per_node_hour * node_seconds / 3600, 4)

@@ -22,8 +22,8 @@ class LedgerEntry:
     seconds: float
     """Billable seconds per node (zero for a job that never started)."""
     nodes: int | None = None
-    """The instances the job held; None in entries that do not say (the cost then takes the
-    phase's usual placement, `trnflow.reporting.cost.job_nodes`)."""
+    """The instances the job held (`trnflow.backends.cloud.placement` of its request); None in
+    entries written before trnflow recorded it, which are billed on the spec's nodes."""
 
 
 class JobLedger:
