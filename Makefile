@@ -1,5 +1,6 @@
 # The two commands: `make demo` runs the quickstart pipeline on the emulator, `make test` runs the tests.
-# Both create .venv on first use and reinstall when pyproject.toml changes.
+# Both create .venv on first use and reinstall when pyproject.toml changes. Installs skip byte-compiling
+# every module of every package (minutes of CPU); Python compiles the modules it imports as it goes.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -9,14 +10,14 @@ DATA   ?= runs/quickstart/data
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
-.PHONY: install demo test test-fast test-xla faults lint clean chromium
+.PHONY: install demo test test-main test-fast test-xla xla-env faults bench lint clean chromium
 
 # The example recipe (examples/recipes) goes in too: the tests run it as an installed plug-in.
 $(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
-	$(BIN)/python -m pip install --quiet --no-deps -e examples/recipes
+	$(BIN)/python -m pip install --quiet --no-compile -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-compile --no-deps -e examples/recipes
 	touch $@
 
 install: $(BIN)/.installed
@@ -45,9 +46,14 @@ chromium:
 test-fast: install
 	$(BIN)/python -m pytest -n 2 -q -m unit tests/unit
 
-test: lint test-fast chromium
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 tests/integration infra/tests
+# The XLA lane's environment (about 3 GB to download) is built beside the other tests, not after them:
+# `make -j2` runs the two branches at once, and the lane's tests start when both are done.
+test: install
+	$(MAKE) -j2 test-main xla-env
 	$(MAKE) test-xla
+
+test-main: lint test-fast chromium
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 tests/integration infra/tests
 
 # The XLA lane: torch-xla's CPU runtime (PJRT_DEVICE=CPU) runs the `xla` device's lazy-tensor program
 # for real, one rank. It has its own venv, because torch-xla 2.9 needs torch 2.9: about 8 GB (that
@@ -58,11 +64,13 @@ XLA_BIN  := $(XLA_VENV)/bin
 $(XLA_BIN)/.installed: pyproject.toml tests/xla/requirements.py examples/recipes/pyproject.toml
 	$(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_BIN)/python -m pip install --quiet --upgrade pip
-	$(XLA_BIN)/python -m pip install --quiet torch==2.9.0 torch-xla==2.9.0
+	$(XLA_BIN)/python -m pip install --quiet --no-compile torch==2.9.0 torch-xla==2.9.0
 	$(XLA_BIN)/python tests/xla/requirements.py > $(XLA_VENV)/requirements.txt
-	$(XLA_BIN)/python -m pip install --quiet -r $(XLA_VENV)/requirements.txt
-	$(XLA_BIN)/python -m pip install --quiet --no-deps -e . -e examples/recipes
+	$(XLA_BIN)/python -m pip install --quiet --no-compile -r $(XLA_VENV)/requirements.txt
+	$(XLA_BIN)/python -m pip install --quiet --no-compile --no-deps -e . -e examples/recipes
 	touch $@
+
+xla-env: $(XLA_BIN)/.installed
 
 test-xla: $(XLA_BIN)/.installed
 	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -n 2 -q -p no:cacheprovider --durations=8 tests/xla
@@ -71,6 +79,11 @@ test-xla: $(XLA_BIN)/.installed
 # compared with the fault-free run. About 25 minutes on 2 cores; `make test` runs its CI case.
 faults: install
 	$(BIN)/python -m tests.faults --json runs/faults.json
+
+# Every benchmark against its baseline: runs/bench/results.json, a plot per benchmark and a table of
+# ratios. About an hour on 2 cores; `$(BIN)/python benchmarks/bench.py --only NAME` runs one.
+bench: install
+	$(BIN)/python benchmarks/bench.py
 
 clean:
 	rm -rf runs .trnflow

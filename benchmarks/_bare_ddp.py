@@ -1,6 +1,6 @@
-"""A bare PyTorch DDP training loop (gloo, eager): the baseline of train_throughput.py.
+"""A bare PyTorch DDP training loop (gloo), eager or under torch.compile: the baselines of train_throughput.py.
 
-    torchrun --nproc-per-node N _bare_ddp.py SPEC_JSON STEPS
+    torchrun --nproc-per-node N _bare_ddp.py SPEC_JSON STEPS eager|compiled
 
 Same model, per-core batch, optimizer and sequence length as the spec; random token ids stand in
 for the data (the step costs the same). Rank 0 prints one JSON line with the median step time.
@@ -24,12 +24,14 @@ from trnflow.workload.recipes import recipe_for
 
 def main() -> None:
     spec = JobSpec.model_validate_json(Path(sys.argv[1]).read_text())
-    steps = int(sys.argv[2])
+    steps, mode = int(sys.argv[2]), sys.argv[3]
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
     recipe, batch = recipe_for(spec), spec.per_core_batch
-    model = DDP(build_model(recipe, spec.train.seed))
+    model = build_model(recipe, spec.train.seed)
+    # Compiled as trnflow compiles it: the model's own graph, with DDP around it.
+    model = DDP(torch.compile(model) if mode == "compiled" else model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay)
     gen = torch.Generator().manual_seed(rank)
     tokens = torch.stack([recipe.example(batch, gen) for _ in range(steps)])
@@ -44,7 +46,8 @@ def main() -> None:
         loss.item()
         times.append(time.perf_counter() - began)
     if rank == 0:
-        print(json.dumps({"median_step_seconds": statistics.median(times[1:])}), flush=True)
+        # The first steps load or compile the graph (a compiled DDP model settles over the first two).
+        print(json.dumps({"mode": mode, "median_step_seconds": statistics.median(times[2:])}), flush=True)
     dist.destroy_process_group()
 
 

@@ -5,18 +5,19 @@ the difference is what trnflow adds around a job: the supervisor process, job re
 
     python benchmarks/backend_overhead.py [--repeats 3]
 
-The last line printed is JSON: {"direct_s": ..., "trnflow_s": ..., "overhead_ratio": ...}.
+The last line printed is JSON (`_report`'s shape), with {"direct_s", "trnflow_s", "overhead_ratio"}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
+
+from _report import emit, ratio_figure
 
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
@@ -56,7 +57,9 @@ def main() -> None:
             assert info.state is JobState.SUCCEEDED
         d, t = statistics.median(direct), statistics.median(through)
         print(f"direct torchrun: {d:.2f}s   through trnflow's local backend: {t:.2f}s (median of {args.repeats})")
-        print(json.dumps({"direct_s": round(d, 3), "trnflow_s": round(t, 3), "overhead_ratio": round(t / d, 3)}))
+        emit("backend_overhead", [ratio_figure("seconds per stage job", through, direct, unit="s",
+                                               baseline_name="torchrun directly", better="lower")],
+             direct_s=round(d, 3), trnflow_s=round(t, 3), overhead_ratio=round(t / d, 3))
 
 
 if __name__ == "__main__":

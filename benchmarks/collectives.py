@@ -6,19 +6,19 @@ Both run under torchrun with one thread per rank; trnflow's number comes from it
 
     python benchmarks/collectives.py [--ranks 4] [--size 16MB] [--iters 10] [--repeats 5]
 
-The last line printed is JSON: {"size": ..., "ranks": ..., "trnflow_busbw": ..., "bare_busbw": ...,
-"busbw_ratio": ...}.
+The last line printed is JSON (`_report`'s shape), with {"size", "ranks", "trnflow_busbw", "bare_busbw",
+"busbw_ratio"}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 from pathlib import Path
 
+from _report import emit, ratio_figure
 from _torchrun import torchrun_json
 
 from trnflow.backends import JobRequest, JobState, wait
@@ -61,8 +61,9 @@ def main() -> None:
     t, b = statistics.median(ours), statistics.median(bare)
     print(f"all_reduce {size} B on {args.ranks} ranks: trnflow {t:.4f} GB/s, bare gloo {b:.4f} GB/s "
           f"(busbw, median of {args.repeats})")
-    print(json.dumps({"size": size, "ranks": args.ranks, "trnflow_busbw": round(t, 4), "bare_busbw": round(b, 4),
-                      "busbw_ratio": round(t / b, 3)}))
+    emit("collectives", [ratio_figure(f"all_reduce busbw, {args.ranks} ranks", ours, bare, unit="GB/s",
+                                      baseline_name="bare gloo loop", goal=0.9)],
+         size=size, ranks=args.ranks, trnflow_busbw=round(t, 4), bare_busbw=round(b, 4), busbw_ratio=round(t / b, 3))
 
 
 if __name__ == "__main__":

@@ -4,21 +4,21 @@ there).
 
     python benchmarks/compile_cache.py [--optlevel 2]
 
-The last line printed is JSON: {"warm_compiles": 0, "warm_over_cold_compile_s": ...,
-"first_step_warm_over_cold": ..., ...}. Goals: no compiles warm, a warm compile stage under 5% of
-a cold one.
+The last line printed is JSON (`_report`'s shape), with {"warm_compiles": 0,
+"warm_over_cold_compile_s": ..., "first_step_warm_over_cold": ..., ...}. Goals: no compiles warm,
+a warm compile stage under 5% of a cold one.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 from _quickstart import quickstart, scratch_home
+from _report import emit, ratio_figure
 
 
 def main() -> None:
@@ -61,14 +61,19 @@ def main() -> None:
         print(f"O{args.optlevel} compile stage: cold {cold_s:.1f}s ({cold_result.compiled} compiled), "
               f"warm {warm_s:.2f}s ({warm_result.compiled} compiled)")
         print(f"first training step: empty cache {step_cold:.2f}s, warm cache {step_warm:.2f}s")
-        print(json.dumps({
+        emit("compile_cache", [
+            ratio_figure("compile stage, warm cache", [warm_s], [cold_s], unit="s", baseline_name="cold cache",
+                         better="lower", goal=0.05),
+            ratio_figure("first training step, warm cache", [step_warm], [step_cold], unit="s",
+                         baseline_name="empty cache", better="lower"),
+        ], **{
             "optlevel": args.optlevel,
             "cold_compile_s": round(cold_s, 3), "warm_compile_s": round(warm_s, 3),
             "warm_compiles": warm_result.compiled,
             "warm_over_cold_compile_s": round(warm_s / cold_s, 4),
             "first_step_cold_s": round(step_cold, 3), "first_step_warm_s": round(step_warm, 3),
             "first_step_warm_over_cold": round(step_warm / step_cold, 4),
-        }))
+        })
 
 
 if __name__ == "__main__":

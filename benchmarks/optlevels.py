@@ -7,17 +7,18 @@ steps after the first.
 
     python benchmarks/optlevels.py [--steps 60]
 
-The last line printed is JSON: {"o1_over_o2_compile_s": ..., "o1_over_o2_step_s": ..., ...}.
+The last line printed is JSON (`_report`'s shape), with {"o1_over_o2_compile_s": ...,
+"o1_over_o2_step_s": ..., ...}.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 from _quickstart import quickstart, scratch_home
+from _report import emit, ratio_figure
 
 
 def main() -> None:
@@ -51,12 +52,17 @@ def main() -> None:
             print(f"O{optlevel}: compile {compiled['seconds']:.1f}s for {compiled['compiled']} programs, "
                   f"median step {trained['median_step_seconds'] * 1000:.1f} ms")
         o1, o2 = measured[1], measured[2]
-        print(json.dumps({
+        emit("optlevels", [
+            ratio_figure("compile seconds, O1", [o1["compile_s"]], [o2["compile_s"]], unit="s", baseline_name="O2",
+                         better="lower"),
+            ratio_figure("median step, O1", [o1["step_s"]], [o2["step_s"]], unit="s", baseline_name="O2",
+                         better="lower"),
+        ], **{
             "o1_compile_s": o1["compile_s"], "o2_compile_s": o2["compile_s"],
             "o1_step_s": o1["step_s"], "o2_step_s": o2["step_s"],
             "o1_over_o2_compile_s": round(o1["compile_s"] / o2["compile_s"], 4),
             "o1_over_o2_step_s": round(o1["step_s"] / o2["step_s"], 4),
-        }))
+        })
 
 
 if __name__ == "__main__":

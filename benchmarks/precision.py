@@ -1,52 +1,109 @@
-"""Holdout accuracy after the same training in fp32, bf16 (autocast) and bf16-sr (bf16 weights,
-every update rounded stochastically), with the same seed, data and steps.
+"""Holdout accuracy of the quickstart model trained in fp32 and three bf16 variants, over several
+seeds, in two regimes: does stochastic rounding match fp32, and when does it matter?
 
-Each precision is a real training job and an evaluation job through the local backend. bf16-sr is
-what lets Trainium train in bf16 without fp32 master weights; the figure to watch is
-`sr_minus_fp32`, the accuracy it gives up (or gains) against fp32.
+Variants (`compute.precision`):
+- `fp32`: the baseline;
+- `bf16-rne`: pure bf16, weights and Adam's moments rounded to nearest even after each update;
+- `bf16-sr`: pure bf16, rounded stochastically (what Trainium does with NEURON_RT_STOCHASTIC_ROUNDING_EN=1);
+- `bf16`: bf16 autocast over fp32 master weights.
 
-    python benchmarks/precision.py [--steps 300] [--lr 0.002]
+Regimes:
+- `standard`: the quickstart's learning rate: updates well above bf16's spacing, so all should agree;
+- `small-updates`: a learning rate several times smaller over twice the steps: Adam moves each
+  weight by about the learning rate a step, which for most of the word embeddings (around 1 in
+  size, where bf16's spacing is 2^-8 to 2^-7) is under half the spacing, so round-to-nearest drops
+  those updates and learning stalls, while stochastic rounding keeps them in expectation.
 
-The last line printed is JSON: {"fp32": ..., "bf16": ..., "bf16_sr": ..., "sr_minus_fp32": ...}.
+Each (regime, variant, seed) is one real training job through the local backend, on one core,
+which evaluates the whole holdout at its last step. A seed fixes the initial weights, the data
+order and the rounding stream, so each variant is compared with fp32 on the same seed (a paired
+difference), and the mean difference is given with its 95% confidence interval (Student's t).
+
+    python benchmarks/precision.py [--seeds 5] [--holdout 20000] [--regimes standard small-updates]
+
+The last line printed is JSON: a figure per regime and variant (its paired difference from fp32),
+and per regime each variant's accuracy (mean, interval, values) and the verdict on stochastic rounding.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import tempfile
 from pathlib import Path
 
 from _quickstart import quickstart, run_job, scratch_home
+from _report import difference_figure, emit
+from _stats import interval, paired, show
 
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
+from trnflow.workload.synth import synthesize
 
-PRECISIONS = ("fp32", "bf16", "bf16-sr")
+VARIANTS = ("fp32", "bf16-rne", "bf16-sr", "bf16")
+REGIMES = {
+    "standard": {"lr": 0.002, "steps": 300},
+    "small-updates": {"lr": 0.0003, "steps": 600},
+}
+WITHIN = 0.001
+"""The claim to test: stochastic rounding within 0.1 accuracy points of fp32."""
+
+
+def train(backend: LocalBackend, root: Path, regime: str, precision: str, seed: int) -> float:
+    lr, steps = REGIMES[regime]["lr"], REGIMES[regime]["steps"]
+    spec = quickstart(root, compute={"precision": precision, "cores_per_node": 1},
+                      compile={"cache_url": str(root / "cache")},
+                      train={"steps": steps, "checkpoint_every": steps, "lr": lr, "seed": seed, "log_every": steps},
+                      gate={"eval_every": None, "metrics": []})
+    result = run_job(backend, spec, "train", f"{regime}-{precision}-{seed}")
+    return result["evaluations"][-1]["accuracy"]
+
+
+def verdict(diffs: dict) -> dict:
+    """Whether SR is within WITHIN of fp32 (its mean difference, and its whole interval) and closer
+    to fp32 than round-to-nearest."""
+    sr, rne = diffs["bf16-sr"], diffs["bf16-rne"]
+    return {"sr_mean_within": abs(sr["mean"]) <= WITHIN,
+            "sr_interval_within": sr["low"] >= -WITHIN and sr["high"] <= WITHIN,
+            "sr_closer_than_rne": abs(sr["mean"]) < abs(rne["mean"])}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=300)
-    parser.add_argument("--lr", type=float, default=0.002)
+    parser.add_argument("--seeds", type=int, default=5, help="Training seeds per variant (at least 2).")
+    parser.add_argument("--holdout", type=int, default=20_000, help="Holdout rows each run is evaluated on.")
+    parser.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
     args = parser.parse_args()
-    accuracy = {}
+    out: dict = {"holdout_rows": args.holdout, "seeds": args.seeds, "within": WITHIN, "regimes": {}}
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         scratch_home(root)
+        synthesize(root / "data", days=2, rows_per_day=2000, seed=7, holdout_rows=args.holdout, inference_rows=10)
         backend = LocalBackend(TrnflowSettings().jobs_dir)
-        for precision in PRECISIONS:
-            spec = quickstart(root, compute={"precision": precision},
-                              compile={"cache_url": str(root / "cache")},
-                              train={"steps": args.steps, "checkpoint_every": args.steps, "lr": args.lr})
-            trained = run_job(backend, spec, "train", precision)
-            point = run_job(backend, spec, "evaluate", precision, trained["checkpoint"])["points"][0]
-            accuracy[precision] = point["accuracy"]
-            print(f"{precision:8s} loss {trained['loss']:.4f}  holdout accuracy {point['accuracy']:.4f} "
-                  f"({point['rows']} rows)", flush=True)
-    print(json.dumps({"steps": args.steps, "fp32": accuracy["fp32"], "bf16": accuracy["bf16"],
-                      "bf16_sr": accuracy["bf16-sr"],
-                      "sr_minus_fp32": round(accuracy["bf16-sr"] - accuracy["fp32"], 4)}))
+        for regime in args.regimes:
+            acc: dict[str, list[float]] = {v: [] for v in VARIANTS}
+            for seed in range(1, args.seeds + 1):
+                for variant in VARIANTS:
+                    acc[variant].append(train(backend, root, regime, variant, seed))
+                print(f"{regime} seed {seed}: " + ", ".join(f"{v} {acc[v][-1]:.4f}" for v in VARIANTS), flush=True)
+            stats = {v: interval(acc[v]) for v in VARIANTS}
+            diffs = {v: paired(acc[v], acc["fp32"]) for v in VARIANTS if v != "fp32"}
+            out["regimes"][regime] = {**REGIMES[regime], "accuracy": stats, "minus_fp32": diffs,
+                                      "verdict": verdict(diffs)}
+    print(f"\nholdout accuracy in points, mean [95% interval] over {args.seeds} seeds, {args.holdout:,} rows each")
+    for regime, r in out["regimes"].items():
+        print(f"{regime} (lr {r['lr']}, {r['steps']} steps):")
+        for v in VARIANTS:
+            diff = f"   minus fp32 {show(r['minus_fp32'][v], 100)}" if v != "fp32" else ""
+            print(f"  {v:9s} {show(r['accuracy'][v], 100)}{diff}")
+        v = r["verdict"]
+        print(f"  SR within {WITHIN * 100:.1f} point of fp32: mean {'yes' if v['sr_mean_within'] else 'NO'}, "
+              f"whole interval {'yes' if v['sr_interval_within'] else 'no'}; "
+              f"SR closer to fp32 than RNE: {'yes' if v['sr_closer_than_rne'] else 'NO'}")
+    figures = [difference_figure(f"{v}, {regime}", r["accuracy"][v]["values"],
+                                 r["accuracy"]["fp32"]["values"], unit="accuracy", baseline_name="fp32",
+                                 goal=WITHIN if v == "bf16-sr" else None)
+               for regime, r in out["regimes"].items() for v in VARIANTS if v != "fp32"]
+    emit("precision", figures, **out)
 
 
 if __name__ == "__main__":

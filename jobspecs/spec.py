@@ -158,8 +158,10 @@ class ComputeSpec(Section):
         "trn1), emulator (the NeuronCore emulator, any machine), or auto: the one the instance family and the "
         "installed Neuron SDK allow, else the emulator.",
     )
-    precision: Literal["fp32", "bf16", "bf16-sr"] = Field(
-        "fp32", description="fp32, bf16 autocast, or bf16 weights with stochastic rounding (bf16-sr)."
+    precision: Literal["fp32", "bf16", "bf16-rne", "bf16-sr"] = Field(
+        "fp32", description="fp32; bf16 autocast over fp32 master weights (bf16); or pure bf16, weights and optimizer "
+        "state held in bf16 and rounded after each update to nearest even (bf16-rne) or stochastically (bf16-sr, "
+        "as Trainium does with NEURON_RT_STOCHASTIC_ROUNDING_EN=1).",
     )
     max_runtime_hours: float = Field(
         24.0, gt=0, le=28 * 24, description="A cloud job still running after this long is stopped (per attempt)."

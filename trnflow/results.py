@@ -65,6 +65,9 @@ class CollectivesResult(StageResult):
     bad_cores: list[int] = Field(default_factory=list, description="cores that sent corrupted data")
     note: str | None = Field(None, description="why the sweep did not run")
     source: str = Field("trnflow", description="what swept: nccom-test on a Neuron host, else trnflow's own test")
+    plans: list[dict[str, Any]] = Field(
+        default_factory=list, description="each swept op's ring and tree plan over the job's cores at the largest "
+        "size: steps, steps crossing nodes, bytes sent per rank, bus factor")
 
 
 class CompileResult(StageResult):

@@ -169,6 +169,9 @@ def test_collectives_command_sweeps_every_op_with_nccom_busbw(trnflow_home):
     for r in rows:
         assert r["busbw(GB/s)"] == pytest.approx(r["algbw(GB/s)"] * bus_factor(r["op"], 4), abs=2e-4)
     assert len(report["cores"]) == 4
+    steps = {(p["op"], p["algorithm"]): p["steps"] for p in report["plans"]}  # all_to_all has no plan
+    assert steps == {("all_reduce", "ring"): 2 * (4 - 1), ("all_reduce", "tree"): 2 * 2, ("all_gather", "ring"): 3,
+                     ("all_gather", "tree"): 2, ("reduce_scatter", "ring"): 3, ("reduce_scatter", "tree"): 2}
     table = CliRunner().invoke(app, ["collectives", "--cores", "4", "--op", "all", "--check", "-e", "64KB"])
     assert table.exit_code == 0, table.output
     assert "Avg bus bandwidth:" in table.stdout and "busbw(GB/s)" in table.stdout

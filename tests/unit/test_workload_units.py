@@ -4,7 +4,8 @@ import torch
 
 from tests.conftest import tiny_m5
 from trnflow.emulator import compiler
-from trnflow.emulator.numerics import stochastic_round_bf16_
+from trnflow.emulator.device import EmulatorDevice
+from trnflow.emulator.numerics import nearest_round_bf16_, stochastic_round_bf16_
 from trnflow.neuron.launch import parse_visible_cores
 from trnflow.neuron.nccom import bus_factor
 from trnflow.workload.data import StepSampler
@@ -52,6 +53,31 @@ def test_stochastic_rounding_is_unbiased_and_lands_on_neighbours():
     assert abs(rounded.mean().item() - (1.0 + 2**-10)) < 1e-4  # nearest-even would be off by ~1e-3
     again = stochastic_round_bf16_(x.clone(), torch.Generator().manual_seed(0))
     assert torch.equal(rounded, again)
+
+
+def test_rounding_to_nearest_loses_an_update_below_half_the_bf16_spacing():
+    weight = torch.full((1000,), 1.0)
+    nudged = nearest_round_bf16_(weight + 2**-10)  # a quarter of bf16's spacing at 1.0
+    assert torch.equal(nudged, weight)  # the update is gone: pure bf16 without SR stalls here
+    assert nearest_round_bf16_(torch.tensor([1.0 + 3 * 2**-9])).item() == 1.0078125  # over half: rounds up
+
+
+def test_pure_bf16_rounds_weights_and_adam_moments_but_never_the_step_count():
+    device = EmulatorDevice()
+    assert device.rounding("bf16-rne") == "nearest" and device.rounding("bf16-sr") == "stochastic"
+    assert device.rounding("fp32") is None and device.rounding("bf16") is None
+    assert device.rounding("bf16", env={"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1"}) == "stochastic"
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(16, 8)).square().mean().backward()
+    optimizer.step()
+    for _ in range(300):  # step counts above 256 are not bf16-representable
+        optimizer.state[model.weight]["step"] += 1
+    device.round_state(model, optimizer, "nearest", torch.Generator().manual_seed(0))
+    on_grid = [model.weight, model.bias] + [optimizer.state[p][k] for p in (model.weight, model.bias)
+                                            for k in ("exp_avg", "exp_avg_sq")]
+    assert all(torch.equal(t, t.to(torch.bfloat16).float()) for t in on_grid)
+    assert optimizer.state[model.weight]["step"].item() == 301.0
 
 
 def test_known_answer_matmul_is_exact_in_fp32():

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from typing import Annotated
 
 import typer
-from rich.table import Table
 
 from trnflow.cli.render import RED, cli_console
 from trnflow.device.cache import COMPILER_VERSION, CORRUPT, NEURONXCC, CompileCache
@@ -56,19 +55,33 @@ def _age(ts: float | None) -> str:
     return f"{hours:.1f} h ago" if hours < 48 else f"{hours / 24:.0f} d ago"
 
 
+LS_COLUMNS = ("compiler", "key", "state", "size", "hits", "last used", "written by")
+RIGHT_ALIGNED = frozenset({"size", "hits"})
+
+
+def _columns(header: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    """The rows as aligned text columns under their header. A cache can hold thousands of entries, which
+    Rich would take seconds to lay out as a table."""
+    widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(header)]
+
+    def line(cells: tuple[str, ...]) -> str:
+        return "  ".join(c.rjust(w) if h in RIGHT_ALIGNED else c.ljust(w)
+                         for h, c, w in zip(header, cells, widths, strict=True)).rstrip()
+
+    return "\n".join([line(header), *(line(row) for row in rows)])
+
+
 @cache_app.command("ls")
 def ls(url: UrlArg, as_json: JsonOpt = False):
     """Every entry with its state, size, hit count and last use, and who wrote it: trnflow, or the
-    Neuron compiler (in a cache the `xla` device shares with it)."""
+    Neuron compiler (in a cache the `xla` device shares with it). It reads the cache's listing and
+    index, never an artifact."""
     found = _entries(url)
-    if as_json:
-        print(json.dumps([e.as_dict() for e in found], indent=2))
+    if as_json:  # one entry a line: thousands of them dump far faster unindented
+        print("[" + ",\n ".join(json.dumps(e.as_dict()) for e in found) + "]")
         return
-    table = Table("compiler", "key", "state", "size", "hits", "last used", "written by")
-    for e in found:
-        table.add_row(e.compiler, e.key, e.state, f"{e.bytes / 1024:,.0f} KiB", str(e.hits), _age(e.last_used),
-                      e.origin)
-    console.print(table)
+    print(_columns(LS_COLUMNS, [(e.compiler, e.key, e.state, f"{e.bytes / 1024:,.0f} KiB", str(e.hits),
+                                 _age(e.last_used), e.origin) for e in found]))
 
 
 @cache_app.command()

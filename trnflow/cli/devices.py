@@ -127,8 +127,8 @@ def collectives(
     result = parse("collectives", info.result)
     assert isinstance(result, CollectivesResult)
     if as_json:
-        print(json.dumps({"results": result.rows, "avg_busbw": result.avg_busbw, "cores": info.details["cores"]},
-                         indent=2))
+        print(json.dumps({"results": result.rows, "avg_busbw": result.avg_busbw, "cores": info.details["cores"],
+                          "plans": result.plans}, indent=2))
     else:
         print(render.nccom_text(result.rows))
 

@@ -29,6 +29,9 @@ from trnflow.neuron.launch import aligned_ranges, parse_visible_cores
 from trnflow.results import CompileMetrics
 from trnflow.specs import JobSpec
 
+STOCHASTIC, NEAREST = "stochastic", "nearest"
+"""The two ways a pure-bf16 run rounds its updated state onto the bf16 grid (`Device.rounding`)."""
+
 Log = Callable[..., None]
 
 
@@ -251,14 +254,19 @@ class Device(ABC):
             return contextlib.nullcontext()
         return torch.autocast(self.torch_device.type, dtype=torch.bfloat16)
 
-    def stochastic_rounding(self, precision: str, env: dict[str, str] | None = None) -> bool:
-        """bf16-sr in the spec, or NEURON_RT_STOCHASTIC_ROUNDING_EN=1 with bf16, as the Neuron runtime reads it."""
+    def rounding(self, precision: str, env: dict[str, str] | None = None) -> str | None:
+        """How weights and optimizer state reach the bf16 grid after each update: "stochastic" for
+        bf16-sr (or bf16 with NEURON_RT_STOCHASTIC_ROUNDING_EN=1, as the Neuron runtime reads it),
+        "nearest" (to even) for bf16-rne, None where fp32 master weights are kept."""
         env = os.environ if env is None else env
-        return precision == "bf16-sr" or (precision == "bf16" and env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN") == "1")
+        if precision == "bf16-sr" or (precision == "bf16" and env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN") == "1"):
+            return STOCHASTIC
+        return NEAREST if precision == "bf16-rne" else None
 
-    def round_weights(self, model: torch.nn.Module, generator: torch.Generator) -> None:
-        """Put the weights on the bf16 grid after an update, when stochastic rounding is on. The
-        hardware rounds as it writes, so a real device has nothing to do here."""
+    def round_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, mode: str,
+                    generator: torch.Generator) -> None:
+        """Put the weights and the optimizer's per-weight state on the bf16 grid after an update,
+        rounding as `mode` says. The hardware rounds as it writes, so a real device has nothing to do here."""
         return None
 
     def sync(self) -> None:

@@ -26,6 +26,15 @@ trnflow's old layout, `<cache>/torch-<version>/<key>/` with the checksums in mod
 read: those entries are listed as another compiler version's, and a lookup that misses copies this
 torch's done entry from there into the new layout (checked first), so an upgrade compiles nothing
 again. `trnflow cache prune --other-versions` removes the old folder once no older trnflow uses it.
+
+A listing of every entry (`entries`, behind `trnflow cache ls`) reads one listing of the cache and,
+per version folder that holds trnflow's entries, one index, `<version folder>/trnflow-index.json`:
+what the last listing read from each entry's trnflow.json and usage.json, each with the size and
+time of the files it came from. The listing stays the truth: an entry the index does not know, or
+whose files are not listed as the index saw them, is read again, and an entry the index knows but
+the listing lacks is not listed. Only listings write the index (and a prune drops what it removed
+from it); compiles and hits never touch it, so concurrent writers on any number of hosts, on S3
+without appends or renames, cannot make it wrong, only out of date, which costs a read again.
 """
 
 from __future__ import annotations
@@ -39,8 +48,10 @@ import tarfile
 import time
 import uuid
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from typing import Any
 
 from trnflow.errors import FatalError
 from trnflow.storage import ObjectInfo, Store, join, open_store
@@ -60,10 +71,25 @@ DONE_MARKER = "model.done"
 RECORD = "trnflow.json"
 """trnflow's record of a done entry: each file's checksum. model.done stays the empty marker the
 Neuron tools expect, so the record has a file of its own."""
-_OWN_FILES = frozenset({RECORD, "model.fx.txt", "model.lock", "usage.json"})
+USAGE = "usage.json"
+"""An entry's hit count and last use."""
+_RECORDED_NAMES = (frozenset(CHECKED_FILES), frozenset((*CHECKED_FILES, DONE_MARKER)))
+"""The files a checksum record can cover (`_checked`): the old layout's, and trnflow.json's."""
+_OWN_FILES = frozenset({RECORD, "model.fx.txt", "model.lock", USAGE})
 """Files only trnflow writes into an entry: an entry holding none of them is neuronx-cc's."""
 STALE_LOCK_SECONDS = 24 * 3600.0
 """A lock held this long by a process on another host is taken for abandoned."""
+INDEX = "trnflow-index.json"
+"""Each version folder's index of what listings read from its entries' small files (see above)."""
+INDEXED = (RECORD, DONE_MARKER, USAGE)
+"""The files of an entry an index row is read from (model.done holds the old layout's record)."""
+INDEX_FORMAT = 1
+"""The index's layout: an index in another is read as none (and written again in this one)."""
+SETTLE_SECONDS = 2.0
+"""How much older a file must be than the newest object of a listing before the index keeps what was
+read from it. Listed times are coarse (a second on S3, two seconds on some file systems): a rewrite
+within that time, at the same size, is listed as the file it replaced. The newest object was written
+before the listing began, so a file this much older was rewritten since, if at all, at a later time."""
 
 
 def _not_an_archive(data: bytes) -> str | None:
@@ -121,6 +147,59 @@ def _checked(record: dict | None) -> dict[str, dict] | None:
         return None
     covered = (*CHECKED_FILES, DONE_MARKER) if isinstance(files.get(DONE_MARKER), dict) else CHECKED_FILES
     return {name: files[name] for name in covered}
+
+
+def _stamp(listed: dict[str, ObjectInfo]) -> list:
+    """How a listing shows the files an index row is read from (`INDEXED`): each one's size and time,
+    or null where the entry has no such file."""
+    return [[listed[name].size, listed[name].modified] if name in listed else None for name in INDEXED]
+
+
+def _same_stamp(stamp: list, listed: dict[str, ObjectInfo]) -> bool:
+    """Whether the files an index row was read from are listed as they were then (`_stamp`)."""
+    for name, seen in zip(INDEXED, stamp, strict=True):
+        now = listed.get(name)
+        if now is None or seen is None:
+            if now is not seen:
+                return False
+        elif seen[0] != now.size or seen[1] != now.modified:
+            return False
+    return True
+
+
+def _row(value: Any) -> bool:
+    """Whether an index row is one `_Index.row` keeps: [stamp, recorded sizes or null, hits, last use]."""
+    if not (isinstance(value, list) and len(value) == 4 and isinstance(value[0], list)
+            and len(value[0]) == len(INDEXED)):
+        return False
+    stamp, sizes, hits, last = value
+    return (all(seen is None or (isinstance(seen, list) and len(seen) == 2) for seen in stamp)
+            and (sizes is None or (isinstance(sizes, dict) and sizes.keys() in _RECORDED_NAMES))
+            and type(hits) is int and (last is None or type(last) in (int, float)))
+
+
+class _Index:
+    """One version folder's index as a listing uses and renews it: `kept`, the rows it was read with;
+    `rows`, what this listing read or took over from it, for the next listing."""
+
+    def __init__(self, kept: dict, settled_before: float):
+        self.kept, self.settled_before = kept, settled_before
+        self.rows: dict[str, list] = {}
+        self.unsettled = False
+        """Whether a row was left out because its files had not settled (`SETTLE_SECONDS`)."""
+
+    def row(self, key: str, listed: dict[str, ObjectInfo], read: Callable[[], list]) -> list:
+        """An entry's row, [stamp, recorded sizes, hits, last use]: as the index kept it while the entry's
+        files are listed as they were then, else `read` again; kept for the next listing once settled."""
+        row = self.kept.get(key)
+        if not (_row(row) and _same_stamp(row[0], listed)):
+            row = [_stamp(listed), *read()]
+        for seen in row[0]:
+            if seen is not None and seen[1] > self.settled_before:
+                self.unsettled = True
+                return row
+        self.rows[key] = row
+        return row
 
 
 class EntryLocked(Exception):
@@ -213,31 +292,41 @@ class CompileCache:
             listed = self.store.list(f"{entry}/")
             if not _marked_done(listed) and self.adopt(entry):
                 listed = self.store.list(f"{entry}/")
-        sizes = {o.name.rsplit("/", 1)[-1]: o.size for o in listed}
+        return self._state(entry, {o.name.rsplit("/", 1)[-1]: o.size for o in listed}, deep)
+
+    def _state(self, entry: str, sizes: dict[str, int], deep: bool,
+               recorded: Callable[[], dict[str, Any] | None] | None = None) -> str:
+        """`state` from the entry's files and their sizes; `recorded` gives the sizes its record holds
+        (`_recorded_sizes`, or what the index kept of them)."""
         if DONE_MARKER in sizes:
-            return self._done_state(entry, sizes, deep)
+            return self._done_state(entry, sizes, deep, recorded or (lambda: self._recorded_sizes(entry)))
         if "model.lock" in sizes and self.lock_owner(entry) is not None:
             return LOCKED
         if any(name.endswith(".lock") and name != "model.lock" for name in sizes):
             return LOCKED  # neuronx-cc is compiling it (its lock records no owner to check)
         return FAILED if "model.log" in sizes else MISSING
 
-    def _done_state(self, entry: str, sizes: dict[str, int], deep: bool) -> str:
-        """A done-marked entry's state: trnflow's is checked against its record; the Neuron
-        compiler's is done when it holds its artifact, as the Neuron tools judge it."""
+    def _done_state(self, entry: str, sizes: dict[str, int], deep: bool,
+                    recorded: Callable[[], dict[str, Any] | None]) -> str:
+        """A done-marked entry's state: trnflow's is checked against its record (every checked file
+        listed at the size the record holds; `deep`: its checksums too); the Neuron compiler's is done
+        when it holds its artifact, as the Neuron tools judge it."""
         if origin(set(sizes)) == NEURONXCC:
             return DONE if "model.neff" in sizes else FAILED if "model.log" in sizes else MISSING
-        whole = self.verify(entry) if deep else self._sizes_match(entry, sizes)
+        if deep:
+            return DONE if self.verify(entry) else CORRUPT
+        expected = recorded()
+        whole = expected is not None and all(sizes.get(name) == size for name, size in expected.items())
         return DONE if whole else CORRUPT
 
     def _record(self, entry: str) -> dict | None:
         """trnflow's checksum record of an entry: trnflow.json, or model.done in the old layout."""
         return self._json(f"{entry}/{RECORD}") or self._json(f"{entry}/{DONE_MARKER}")
 
-    def _sizes_match(self, entry: str, sizes: dict[str, int]) -> bool:
-        """Whether every checked file is listed at the size the record holds (no file is read)."""
+    def _recorded_sizes(self, entry: str) -> dict[str, Any] | None:
+        """The size the entry's record gives each checked file, or None when it has no such record."""
         files = _checked(self._record(entry))
-        return files is not None and all(sizes.get(name) == files[name].get("bytes") for name in files)
+        return None if files is None else {name: f.get("bytes") for name, f in files.items()}
 
     def verify(self, entry: str) -> bool:
         """Whether every checked file is present, of its recorded size and checksum."""
@@ -366,42 +455,94 @@ class CompileCache:
 
     def _usage(self, entry: str) -> tuple[int, float | None]:
         """The entry's hit count and last use; a garbled usage.json counts as none (the next hit rewrites it)."""
-        usage = self._json(f"{entry}/usage.json") or {}
+        usage = self._json(f"{entry}/{USAGE}") or {}
         hits, last = usage.get("hits"), usage.get("last_used")
         return hits if type(hits) is int else 0, last if type(last) in (int, float) else None
 
     def record_hit(self, entry: str) -> None:
         record = {"hits": self._usage(entry)[0] + 1, "last_used": time.time()}
-        self.store.write(f"{entry}/usage.json", json.dumps(record).encode())
+        self.store.write(f"{entry}/{USAGE}", json.dumps(record).encode())
 
     # -- maintenance -----------------------------------------------------------------------------
 
     def entries(self, deep: bool = False) -> list[EntryInfo]:
-        """Every entry, trnflow's and neuronx-cc's, from one listing and each entry's small metadata
-        files (`deep`: checksums too). Raises FatalError when the URL is not a cache root: a missing
-        local folder, or one compiler version's folder (its entries sit at the top, not one level down)."""
+        """Every entry, trnflow's and neuronx-cc's, from one listing of the cache and each version
+        folder's index (an entry's record and usage are read only where the index lacks them or its
+        files changed since; `deep`: every checksum is checked, which reads every file). Raises
+        FatalError when the URL is not a cache root: a missing local folder, or one compiler version's
+        folder (its entries sit at the top, not one level down)."""
         root = getattr(self.store, "root", None)  # an S3 prefix is never missing, only empty
         if root is not None and not root.is_dir():
             raise FatalError(f"{self.where()}: no such folder; check compile.cache_url")
-        grouped: dict[str, list] = {}
-        version_folder = False
+        grouped: dict[str, dict[str, ObjectInfo]] = {}  # entry -> its files by name
+        indexed: set[str] = set()
+        version_folder, newest = False, 0.0
         for obj in self.store.list():
             parts = obj.name.split("/")
+            if obj.modified > newest:
+                newest = obj.modified
             if len(parts) == 3 and parts[1].startswith("MODULE_"):
-                grouped.setdefault(f"{parts[0]}/{parts[1]}", []).append(obj)
+                grouped.setdefault(f"{parts[0]}/{parts[1]}", {})[parts[2]] = obj
+            elif len(parts) == 2 and parts[1] == INDEX:
+                indexed.add(parts[0])
             version_folder = version_folder or (len(parts) == 2 and parts[0].startswith("MODULE_"))
         if version_folder and not grouped:
             raise FatalError(f"{self.where()}: holds compile cache entries directly, so it is one compiler "
                              "version's folder; pass its parent, the cache root (the folder compile.cache_url "
                              "names, which holds one folder per compiler version)")
+        indexes: dict[str, _Index] = {}
         out = []
-        for entry, objects in sorted(grouped.items()):
-            hits, last_used = self._usage(entry)
-            compiler, key = entry.split("/")
-            out.append(EntryInfo(compiler, key, self.state(entry, deep, objects), sum(o.size for o in objects),
-                                 hits, last_used, min(o.modified for o in objects),
-                                 origin({o.name.rsplit("/", 1)[-1] for o in objects})))
+        for entry, listed in sorted(grouped.items()):
+            compiler = entry.split("/")[0]
+            if compiler not in indexes:
+                kept = self._index(compiler) if compiler in indexed else {}
+                indexes[compiler] = _Index(kept, newest - SETTLE_SECONDS)
+            out.append(self._listed(entry, listed, deep, indexes[compiler]))
+        if not deep:  # a deep listing (`cache verify`) reads every file anyway, and writes nothing
+            for compiler in sorted(indexed | set(indexes)):
+                self._renew_index(compiler, indexes.get(compiler) or _Index({}, newest), compiler in indexed)
         return out
+
+    def _listed(self, entry: str, listed: dict[str, ObjectInfo], deep: bool, index: _Index) -> EntryInfo:
+        """One entry of a listing (`listed`: its files by name), its record's sizes and its usage taken
+        from `index` where it holds them."""
+        compiler, key = entry.split("/")
+        names, sizes = set(listed), {name: o.size for name, o in listed.items()}
+        writer = origin(names)
+        recorded, hits, last_used = None, 0, None
+        if writer == TRNFLOW and not names.isdisjoint(INDEXED):
+            _, recorded, hits, last_used = index.row(key, listed, lambda: self._small_files(entry, names))
+        return EntryInfo(compiler, key, self._state(entry, sizes, deep, lambda: recorded), sum(sizes.values()),
+                         hits, last_used, min(o.modified for o in listed.values()), writer)
+
+    def _small_files(self, entry: str, names: set[str]) -> list:
+        """What an index row holds, read from the entry's files (`names`, as listed): the sizes its record
+        gives the checked files (done entries only), its hits and its last use."""
+        recorded = self._recorded_sizes(entry) if DONE_MARKER in names else None
+        hits, last_used = self._usage(entry) if USAGE in names else (0, None)
+        return [recorded, hits, last_used]
+
+    def _index(self, version: str) -> dict:
+        """The rows of a version folder's index; none when it is missing, garbled or of another format."""
+        index = self._json(f"{version}/{INDEX}")
+        rows = index.get("entries") if index is not None and index.get("format") == INDEX_FORMAT else None
+        return rows if isinstance(rows, dict) else {}
+
+    def _renew_index(self, version: str, index: _Index, exists: bool) -> None:
+        """Bring a version folder's index up to date with a listing: write it when the listing read what
+        it lacked, or left out a row whose files had not settled (written again, the index is newer than
+        they are, and the next listing keeps the row); remove it when the folder holds nothing to index.
+        A cache this process may only read keeps the index it has."""
+        name = f"{version}/{INDEX}"
+        try:
+            if index.rows or index.unsettled:
+                if index.unsettled or not exists or index.rows != index.kept:
+                    document = {"format": INDEX_FORMAT, "entries": index.rows}
+                    self.store.write(name, json.dumps(document, separators=(",", ":")).encode())
+            elif exists:
+                self.store.delete(name)
+        except Exception:  # read-only credentials or file system, say: the next listing reads the entries again
+            return
 
     def prune(self, current_compiler: str, *, failed: bool = False, older_than_days: float | None = None,
               other_versions: bool = False, dry_run: bool = False) -> list[EntryInfo]:
@@ -418,4 +559,13 @@ class CompileCache:
                 removed.append(info)
                 if not dry_run:
                     self.store.delete_prefix(f"{info.compiler}/{info.key}/")
+        if not dry_run:
+            for version in sorted({info.compiler for info in removed}):
+                self._forget(version, {info.key for info in removed if info.compiler == version})
         return removed
+
+    def _forget(self, version: str, keys: set[str]) -> None:
+        """Drop removed entries' rows from a version folder's index, and the index once it has none."""
+        index = _Index(self._index(version), 0.0)
+        index.rows = {key: row for key, row in index.kept.items() if key not in keys}
+        self._renew_index(version, index, exists=True)

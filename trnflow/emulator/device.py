@@ -1,8 +1,8 @@
 """The emulator as a `Device`: NeuronCores emulated by CPU processes.
 
 Tensors live on the CPU, ranks join over gloo, programs compile through the emulator's compiler
-(TorchInductor, or AOT autograd at -O1) into the persistent compile cache, stochastic rounding is
-done in software after each update, and each core is owned through a lock file as the Neuron
+(TorchInductor, or AOT autograd at -O1) into the persistent compile cache, bf16 rounding (stochastic or
+to nearest) is done in software after each update, and each core is owned through a lock file as the Neuron
 runtime enforces it. The emulator's fault model (`trnflow.emulator.faults`) is its fault hooks.
 """
 
@@ -22,7 +22,7 @@ from trnflow.emulator import cores
 from trnflow.emulator.compiler import compile_flags
 from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
 from trnflow.emulator.jit import CachedCompiler
-from trnflow.emulator.numerics import stochastic_round_bf16_
+from trnflow.emulator.numerics import round_bf16_
 from trnflow.neuron.launch import cache_url
 from trnflow.safetar import pack
 from trnflow.specs import JobSpec
@@ -61,10 +61,17 @@ class EmulatorDevice(Device):
     def artifact(self, workdir: Path) -> bytes:
         return pack(workdir)
 
-    def round_weights(self, model: torch.nn.Module, generator: torch.Generator) -> None:
+    def round_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, mode: str,
+                    generator: torch.Generator) -> None:
+        """Weights, then each weight's optimizer state (Adam's moments; never a 0-d step count),
+        rounded in place in a fixed order, so every replica draws the same rounding stream."""
         with torch.no_grad():
             for p in model.parameters():
-                stochastic_round_bf16_(p.data, generator)
+                round_bf16_(p.data, mode, generator)
+                state = optimizer.state.get(p, {}) if optimizer is not None else {}
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and value.dim() and value.dtype == torch.float32:
+                        round_bf16_(value, mode, generator)
 
     def fault_hooks(self, core: int, spec: JobSpec | None) -> FaultHooks:
         """The spec's faults and TRNFLOW_FAULTS's, whichever backend started the worker, for `core`."""

@@ -1,4 +1,4 @@
-"""bf16 numerics as on Trainium: stochastic rounding of fp32 values onto the bf16 grid."""
+"""bf16 numerics as on Trainium: fp32 values rounded onto the bf16 grid, stochastically or to nearest even."""
 
 from __future__ import annotations
 
@@ -17,3 +17,20 @@ def stochastic_round_bf16_(t: torch.Tensor, generator: torch.Generator) -> torch
     noise = torch.randint(0, 1 << 16, t.shape, dtype=torch.int32, generator=generator)
     bits.add_(noise).bitwise_and_(-65536)
     return t
+
+
+def nearest_round_bf16_(t: torch.Tensor) -> torch.Tensor:
+    """Round an fp32 tensor in place to the nearest bf16-representable value (ties to even), as a
+    plain cast does: an update smaller than half the spacing of bf16 there is lost."""
+    if t.dtype != torch.float32:
+        raise TypeError(f"rounding to bf16 expects float32, got {t.dtype}")
+    return t.copy_(t.to(torch.bfloat16))
+
+
+def round_bf16_(t: torch.Tensor, mode: str, generator: torch.Generator) -> torch.Tensor:
+    """`t` on the bf16 grid, rounded as `mode` ("stochastic" or "nearest") says."""
+    if mode == "stochastic":
+        return stochastic_round_bf16_(t, generator)
+    if mode == "nearest":
+        return nearest_round_bf16_(t)
+    raise ValueError(f"unknown rounding {mode!r}; use 'stochastic' or 'nearest'")

@@ -23,6 +23,7 @@ from trnflow.fsutil import atomic_write_json
 from trnflow.specs import JobSpec, instance
 
 INSTANCE_CORES_ENV = "TRNFLOW_INSTANCE_CORES"
+INSTANCE_TYPE_ENV = "TRNFLOW_INSTANCE_TYPE"
 """How many NeuronCores the instance has (the launcher sets it for the workers)."""
 RANK_LOGS = "ranks"
 """The job folder's folder of per-rank logs and torchrun's exit record."""
@@ -80,6 +81,7 @@ def neuron_env(spec: JobSpec | None, cores: list[int], itype: str) -> dict[str, 
         "NEURON_RT_VISIBLE_CORES": visible_cores_value(cores),
         "NEURON_RT_NUM_CORES": str(len(cores)),
         INSTANCE_CORES_ENV: str(instance(itype).cores),
+        INSTANCE_TYPE_ENV: instance(itype).name,
     }
     if spec is not None:
         cache = compiler_cache_dir(spec.compile.cache_url)

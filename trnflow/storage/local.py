@@ -50,16 +50,32 @@ class LocalStore:
         self._path(name).unlink(missing_ok=True)
 
     def list(self, prefix: str = "") -> list[ObjectInfo]:
-        folder = self._path(prefix.rsplit("/", 1)[0]) if "/" in prefix else self.root  # walk only what can match
-        if not folder.is_dir():
-            return []
-        found = []
-        for path in folder.rglob("*"):
-            name = path.relative_to(self.root).as_posix()
-            if name.startswith(prefix) and path.is_file() and not path.name.endswith(".tmp"):
-                stat = path.stat()
-                found.append(ObjectInfo(name, stat.st_size, stat.st_mtime))
-        return sorted(found, key=lambda o: o.name)
+        """Every file under the prefix, walked with one `scandir` per folder (symlinked folders are not
+        entered, as `Path.rglob` does not enter them); a file or folder removed during the walk is left out."""
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self._path(base) if base else self.root  # walk only what can match
+        found: list[ObjectInfo] = []
+        pending = [(str(start), f"{base}/" if base else "")]
+        while pending:
+            folder, named = pending.pop()
+            try:
+                with os.scandir(folder) as listing:
+                    children = list(listing)
+            except (FileNotFoundError, NotADirectoryError):
+                continue
+            for child in children:
+                name = named + child.name
+                try:
+                    if child.is_dir(follow_symlinks=False):
+                        if f"{name}/".startswith(prefix):
+                            pending.append((child.path, f"{name}/"))
+                    elif name.startswith(prefix) and not name.endswith(".tmp") and child.is_file():
+                        stat = child.stat()
+                        found.append(ObjectInfo(name, stat.st_size, stat.st_mtime))
+                except FileNotFoundError:
+                    continue
+        found.sort(key=lambda o: o.name)
+        return found
 
     def delete_prefix(self, prefix: str) -> None:
         shutil.rmtree(self._path(prefix), ignore_errors=True)

@@ -12,6 +12,8 @@ from the progress records every rank leaves before each op.
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from trnflow.errors import FatalError
-from trnflow.neuron import tools
+from trnflow.neuron import plan, tools
+from trnflow.neuron.launch import INSTANCE_TYPE_ENV
 from trnflow.neuron.nccom import OPS, bus_factor
 from trnflow.workload.context import WorkerContext
 
@@ -196,4 +199,19 @@ def _summarise(ctx: WorkerContext, ops: list[str], sizes: list[int], rows: list[
     by_op = {op: round(sum(b) / len(b), 4) for op, b in per_op.items() if b}
     avg = round(sum(r["busbw(GB/s)"] for r in rows) / len(rows), 4)
     return {"ranks": ctx.world_size, "rows": rows, "avg_busbw": avg, "avg_busbw_by_op": by_op,
-            "passed": True, "bad_cores": [], "source": source}
+            "passed": True, "bad_cores": [], "source": source, "plans": _plans(ctx, ops, sizes[-1])}
+
+
+def _plans(ctx: WorkerContext, ops: list[str], size: int) -> list[dict]:
+    """What the ring and tree forms of each swept op cost over this job's cores at the sweep's
+    largest size: steps, steps that cross nodes, bytes each rank sends. None where the instance
+    type is unknown (a worker started by hand)."""
+    spec = ctx.spec
+    itype = spec.compute.instance_type if spec is not None else os.environ.get(INSTANCE_TYPE_ENV)
+    if itype is None:
+        return []
+    whole = spec is not None and spec.compute.nodes * spec.compute.cores_per_node == ctx.world_size
+    nodes = spec.compute.nodes if whole else 1
+    topology = plan.build_topology(itype, nodes, ctx.world_size // nodes)
+    planned = tuple(op for op in ops if op in plan.OPS)
+    return [dataclasses.asdict(s) for s in plan.summaries(topology, size, ops=planned)]

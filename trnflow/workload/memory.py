@@ -3,8 +3,8 @@
 The estimate counts what a data-parallel training step keeps on each core of the real device:
 weights, gradients, AdamW's two moments and the activations saved for the backward pass, in the
 spec's precision. A job whose estimate exceeds the instance's memory per core is refused before it
-starts. (The emulator itself holds bf16-sr weights in fp32 tensors whose values lie on the bf16
-grid, so what a run measures for bf16-sr is about twice the device estimate.)
+starts. (The emulator itself holds pure-bf16 state in fp32 tensors whose values lie on the bf16
+grid, so what a run measures for bf16-sr or bf16-rne is about twice the device estimate.)
 """
 
 from __future__ import annotations
@@ -54,9 +54,9 @@ def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:
     recipe = recipe or for_job(spec)
     params = parameter_count(recipe)
     precision = spec.compute.precision
-    # bf16-sr keeps weights, gradients and optimizer state in bf16 on the device; fp32 and bf16
-    # autocast keep fp32 master weights. Activations follow the compute dtype.
-    state_bytes = 2 if precision == "bf16-sr" else 4
+    # Pure bf16 (bf16-sr, bf16-rne) keeps weights, gradients and optimizer state in bf16 on the
+    # device; fp32 and bf16 autocast keep fp32 master weights. Activations follow the compute dtype.
+    state_bytes = 2 if precision in ("bf16-sr", "bf16-rne") else 4
     act_bytes = 4 if precision == "fp32" else 2
     activations = recipe.activation_bytes(spec.per_core_batch, act_bytes)
     return MemoryEstimate(

@@ -78,7 +78,7 @@ class Trainer:
         self.tokens, self.labels = recipe.features(rows.table), rows.labels
         self.model = build_model(recipe, tcfg.seed).to(self.device.torch_device)  # before its optimizer holds it
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
-        self.use_sr = self.device.stochastic_rounding(self.spec.compute.precision)
+        self.rounding = self.device.rounding(self.spec.compute.precision)
         # Replicas must round identically, so the rounding stream is seeded the same on every rank.
         self.sr_seed = int(os.environ.get("NEURON_RT_STOCHASTIC_ROUNDING_SEED", "0")) + tcfg.seed
         self.sr_gen = torch.Generator().manual_seed(self.sr_seed)
@@ -142,8 +142,8 @@ class Trainer:
             load_model_weights(self.model, start.init.model, start.init.url)
             ctx.log("init", checkpoint=start.init.url, watermark=start.init.watermark)
         torch.manual_seed(tcfg.seed + 1000 * ctx.rank)  # each rank its own dropout stream
-        if self.use_sr:  # put the starting weights on the bf16 grid; resumed ones already are
-            self.device.round_weights(self.model, self.sr_gen)
+        if self.rounding:  # put the starting weights on the bf16 grid; resumed ones already are
+            self.device.round_state(self.model, None, self.rounding, self.sr_gen)
         return 0, []
 
     def _step(self, idx: torch.Tensor, done: int) -> float:
@@ -156,8 +156,8 @@ class Trainer:
                                             lambda loss: self._finite(self.faults.result(loss), done))
         if not self.memory:
             self.memory = _memory_held(self.model, self.optimizer, saved.get("peak", 0))
-        if self.use_sr:
-            self.device.round_weights(self.model, self.sr_gen)
+        if self.rounding:
+            self.device.round_state(self.model, self.optimizer, self.rounding, self.sr_gen)
         self.step_times.append(time.perf_counter() - began)
         value = loss.item()
         start, steps, summed = self._window
