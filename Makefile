@@ -1,6 +1,5 @@
 # The two commands: `make demo` runs the quickstart pipeline on the emulator, `make test` runs the tests.
-# Both create .venv on first use and reinstall when pyproject.toml changes. Installs skip byte-compiling
-# every module of every package (minutes of CPU); Python compiles the modules it imports as it goes.
+# Both create .venv on first use and reinstall when pyproject.toml changes.
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -16,8 +15,8 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 $(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --no-compile -e ".[dev]"
-	$(BIN)/python -m pip install --quiet --no-compile --no-deps -e examples/recipes
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps -e examples/recipes
 	touch $@
 
 install: $(BIN)/.installed
@@ -49,7 +48,7 @@ test-fast: install
 # The XLA lane's environment (about 3 GB to download) is built beside the other tests, not after them:
 # `make -j2` runs the two branches at once, and the lane's tests start when both are done.
 test: install
-	$(MAKE) -j2 test-main xla-env
+	$(MAKE) -j2 xla-env test-main
 	$(MAKE) test-xla
 
 test-main: lint test-fast chromium
@@ -64,10 +63,10 @@ XLA_BIN  := $(XLA_VENV)/bin
 $(XLA_BIN)/.installed: pyproject.toml tests/xla/requirements.py examples/recipes/pyproject.toml
 	$(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_BIN)/python -m pip install --quiet --upgrade pip
-	$(XLA_BIN)/python -m pip install --quiet --no-compile torch==2.9.0 torch-xla==2.9.0
+	$(XLA_BIN)/python -m pip install --quiet torch==2.9.0 torch-xla==2.9.0
 	$(XLA_BIN)/python tests/xla/requirements.py > $(XLA_VENV)/requirements.txt
-	$(XLA_BIN)/python -m pip install --quiet --no-compile -r $(XLA_VENV)/requirements.txt
-	$(XLA_BIN)/python -m pip install --quiet --no-compile --no-deps -e . -e examples/recipes
+	$(XLA_BIN)/python -m pip install --quiet -r $(XLA_VENV)/requirements.txt
+	$(XLA_BIN)/python -m pip install --quiet --no-deps -e . -e examples/recipes
 	touch $@
 
 xla-env: $(XLA_BIN)/.installed

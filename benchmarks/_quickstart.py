@@ -33,7 +33,7 @@ def run_job(backend: LocalBackend, spec: JobSpec, phase: str, run_id: str, check
     return info.result
 
 
-def quickstart(root: Path, **sections: dict[str, Any]) -> JobSpec:
+def quickstart(root: Path, **sections: Any) -> JobSpec:
     """The quickstart example with its data under `root/data` (made on first use) and every output
     under `root`; `sections` update the example's sections."""
     data = root / "data"
@@ -46,6 +46,6 @@ def quickstart(root: Path, **sections: dict[str, Any]) -> JobSpec:
     raw["inference"]["output_url"] = str(root / "embeddings")
     raw["gate"]["reference"] = None
     raw["registry_url"] = str(root / "registry")
-    for name, values in sections.items():
-        raw[name] = {**raw.get(name, {}), **values}
+    for name, values in sections.items():  # a section's values update it; anything else (faults) replaces
+        raw[name] = {**raw.get(name, {}), **values} if isinstance(values, dict) else values
     return validate_spec(raw)

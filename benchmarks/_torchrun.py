@@ -15,9 +15,11 @@ def torchrun_json(script: str, ranks: int, *args: object) -> dict:
     """`torchrun --standalone --nproc-per-node RANKS benchmarks/SCRIPT ARGS...`, one thread per rank;
     returns the first JSON object printed."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
-         str(HERE / script), *map(str, args)],
-        env=env, check=True, capture_output=True, text=True,
-    ).stdout
-    return json.loads(next(line for line in out.splitlines() if line.startswith("{")))
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks),
+            str(HERE / script), *map(str, args)]
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    found = next((line for line in done.stdout.splitlines() if line.startswith("{")), None)
+    if done.returncode != 0 or found is None:  # say why, so a rare failure can be traced to its cause
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+        raise SystemExit(f"{' '.join(argv[2:])} exited {done.returncode}:\n{tail}")
+    return json.loads(found)

@@ -26,7 +26,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 XLA_PYTHON = ROOT / ".venv" / "xla" / "bin" / "python"
 BENCHMARKS = ("backend_overhead", "train_throughput", "inference_throughput", "collectives", "compile_cache",
-              "optlevels", "precision", "scale_cache", "scale_topology", "xla_overhead")
+              "optlevels", "precision", "scale_cache", "scale_topology", "scale_inference", "xla_overhead")
 
 
 def machine() -> dict:

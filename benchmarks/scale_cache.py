@@ -21,9 +21,9 @@ ones every compile writes. A thousandth of the entries each is failed, locked, m
 
     python benchmarks/scale_cache.py [--entries 10000] [--repeats 5] [--dir DIR] [--no-compile-check]
 
-The last line printed is JSON: {"entries": ..., "ls_s": ..., "ls_cpu_s": ..., "ls_json_s": ...,
-"ls_first_s": ..., "startup_s": ..., "startup_cpu_s": ..., "ls_limit_s": 2, "check_s": ...,
-"check_limit_s": 1, "compile_check_s": ..., "within": ...}. It exits 1 when `ls`, `ls --json` or the
+The last line printed is JSON (`_report`'s shape), with {"entries", "ls_s", "ls_cpu_s", "ls_json_s",
+"ls_first_s", "startup_s", "startup_cpu_s", "ls_limit_s": 2, "check_s", "check_limit_s": 1,
+"compile_check_s", "within"}. It exits 1 when `ls`, `ls --json` or the
 check (medians, wall clock) is over its limit.
 """
 
@@ -33,7 +33,6 @@ import argparse
 import contextlib
 import hashlib
 import io
-import json
 import os
 import resource
 import statistics
@@ -46,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from _quickstart import quickstart, scratch_home
+from _report import emit, limit_figure
 
 from trnflow.device import plans
 from trnflow.device.cache import (
@@ -248,12 +248,16 @@ def main() -> None:
           f"{len(checks[-1][1])} graphs {check_s * 1000:.1f} ms"
           + (f"; `trnflow compile --check`, which launches a job, {compile_check:.1f}s" if compile_check else "")
           + f". {'Within' if within else 'Over'} the limits ({LS_LIMIT_S:g}s, {CHECK_LIMIT_S:g}s)")
-    print(json.dumps({"entries": len(built.states), "build_s": round(build_s, 2), "ls_s": round(ls_s, 3),
+    figures = [limit_figure(f"`cache ls`, {len(built.states):,} entries", [t for t, _ in ls], LS_LIMIT_S, unit="s"),
+               limit_figure(f"`cache ls --json`, {len(built.states):,} entries", [t for t, _ in ls_json], LS_LIMIT_S,
+                            unit="s"),
+               limit_figure("warm check of a spec's graphs", [t for t, _ in checks], CHECK_LIMIT_S, unit="s")]
+    emit("scale_cache", figures, **{"entries": len(built.states), "build_s": round(build_s, 2), "ls_s": round(ls_s, 3),
                       "ls_cpu_s": round(ls_cpu, 3), "ls_json_s": round(ls_json_s, 3), "ls_first_s": round(first, 3),
                       "startup_s": round(startup_s, 3), "startup_cpu_s": round(startup_cpu, 3),
                       "ls_limit_s": LS_LIMIT_S, "check_s": round(check_s, 4), "check_limit_s": CHECK_LIMIT_S,
                       "compile_check_s": None if compile_check is None else round(compile_check, 2),
-                      "within": within}))
+                      "within": within})
     if not within:
         sys.exit(1)
 

@@ -72,10 +72,7 @@ def find_python(minor: int, or_newer: bool = True) -> Path | None:
 
 
 def pip(python: Path, command: str, *args: str, cwd: Path) -> subprocess.CompletedProcess:
-    """`pip COMMAND ARGS` in the venv of `python`. Installs skip byte-compiling every module (most of
-    torch's and prefect's thousands are never imported here): imports compile what they load."""
-    quick = ["--no-compile"] if command == "install" else []
-    return run([python, "-m", "pip", command, "--quiet", "--disable-pip-version-check", *quick, *args], cwd)
+    return run([python, "-m", "pip", command, "--quiet", "--disable-pip-version-check", *args], cwd)
 
 
 def make_venv(python: Path, where: Path) -> Path:

@@ -77,3 +77,40 @@ def test_a_killed_inference_run_is_finished_by_a_rerun_without_touching_committe
     assert again.state is JobState.SUCCEEDED, again.failure
     assert again.result["rows_embedded"] == 50 and again.result["shards_reused"] == 6
     assert _checksums(out) == after
+
+
+def test_a_thousand_shard_plan_resumes_after_a_kill_and_publishes_each_shard_once(make_spec, backend, tmp_path):
+    """At scale: 2,000 rows in 1,000 shards of 2, rank 0 killed before its 300th shard; the rerun
+    reuses every committed shard and finishes the rest, the manifest names each shard once, and the
+    pointer publishes them. (How its time grows with shards: benchmarks/scale_inference.py.)"""
+    from trnflow.workload.embeddings import current_url, point_current, version_url
+    from trnflow.workload.synth import synthesize
+
+    data = tmp_path / "many"
+    synthesize(data, days=1, rows_per_day=100, seed=11, holdout_rows=20, inference_rows=2000)
+    sections = {"data": {"inference": str(data / "inference")}, "train": {"steps": 2, "checkpoint_every": 2},
+                "inference": {"shard_size": 2, "output_url": version_url(str(tmp_path / "published"), 1)}}
+    spec = make_spec(**sections)
+    checkpoint = _checkpoint(spec, data)
+    killed = _job(backend, make_spec(**sections, faults=[{"kind": "kill", "core": 0, "step": 300}]), "infer",
+                  "model", checkpoint)
+    assert killed.state is JobState.FAILED
+    out = local_path(spec.inference.output_url)
+    committed = {json.loads(m.read_text())["shard"] for m in (out / "_committed").glob("*.json")}
+    assert set(range(0, 598, 2)) <= committed and 598 not in committed  # rank 0's first 299 shards, not its 300th
+    before = {name: digest for name, digest in _checksums(out).items()
+              if int(name.removeprefix("part-").removesuffix(".parquet")) in committed}
+
+    rerun = _job(backend, spec, "infer", "model", checkpoint)
+    assert rerun.state is JobState.SUCCEEDED, rerun.failure
+    assert rerun.result["shards_reused"] == len(committed) and rerun.result["rows"] == 2000
+    after = _checksums(out)
+    assert len(after) == 1000 and all(after[name] == digest for name, digest in before.items())
+    manifest = json.loads((out / "_manifest.json").read_text())
+    assert [s["shard"] for s in manifest["shards"]] == list(range(1000))
+    assert {s["file"]: s["sha256"] for s in manifest["shards"]} == after
+    ids = pq.read_table(out).column("id").to_pylist()
+    assert len(ids) == len(set(ids)) == 2000
+    pointer = point_current(str(tmp_path / "published"), "quickstart", 1)
+    assert (pointer["folder"], pointer["shards"], pointer["rows"]) == ("v000001", 1000, 2000)
+    assert local_path(current_url(str(tmp_path / "published"))) == out

@@ -51,6 +51,18 @@ def test_failing_job_reports_its_root_cause(backend, make_spec, tmp_path):
     assert "missing" in info.failure["message"]
 
 
+
+def test_a_finished_job_leaves_no_zombie_behind(backend, make_spec):
+    """The submitting process reaps each job's supervisor once the job ends (a flow or benchmark
+    submits hundreds of jobs)."""
+    ended = [wait(backend, backend.submit(JobRequest(make_spec(), "sanity", f"z{i}")), 0.2) for i in range(2)]
+    assert [info.state for info in ended] == [JobState.SUCCEEDED] * 2
+    for job_id in (info.job_id for info in ended):
+        pid = json.loads((backend.jobs_dir / job_id / "pid.json").read_text())["pid"]
+        with pytest.raises(ChildProcessError):  # already reaped: no such child left to wait for
+            os.waitpid(pid, os.WNOHANG)
+
+
 def test_cancel_ends_the_whole_process_group(backend, make_spec):
     spec = make_spec(train={"steps": 100_000, "checkpoint_every": 100_000})
     job_id = backend.submit(JobRequest(spec, "train", "t3"))

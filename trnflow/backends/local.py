@@ -106,6 +106,17 @@ class LocalBackend:
         self._procs[job_id] = proc
         return job_id
 
+    def _reap(self, job_id: str) -> None:
+        """Collect the exit status of a job's supervisor once the job has ended: it exits as soon as
+        `exit.json` is written, and a process that submits many jobs (a flow, a benchmark) must not
+        keep one finished child per job as a zombie."""
+        proc = self._procs.pop(job_id, None)
+        if proc is not None:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:  # still closing down: reaped at the next look
+                self._procs[job_id] = proc
+
     def _alive(self, job_id: str, job_dir: Path) -> bool:
         proc = self._procs.get(job_id)
         if proc is not None:
@@ -130,6 +141,7 @@ class LocalBackend:
                 "message": "the job's supervisor process died before the job ended",
             })
         exit_info = json.loads(exit_file.read_text())
+        self._reap(job_id)
         if exit_info.get("orphaned"):
             return JobInfo(job_id, JobState.FAILED, failure={
                 "type": "FatalError", "retryable": False,
