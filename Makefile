@@ -40,10 +40,10 @@ chromium:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 	  echo "chromium could not be installed: the UI screenshot test will be skipped"
 
-# The unit tests first (quick, in-process; no browser needed), then everything that starts jobs,
-# flows, servers or a mock cloud.
+# The unit tests first (quick, in-process; no browser needed; the `slow` ones wait), then everything
+# that starts jobs, flows, servers or a mock cloud.
 test-fast: install
-	$(BIN)/python -m pytest -n 2 -q -m unit tests/unit
+	$(BIN)/python -m pytest -n 2 -q -m "unit and not slow" tests/unit
 
 # The XLA lane's environment (about 3 GB to download) is built beside the other tests, not after them:
 # `make -j2` runs the two branches at once, and the lane's tests start when both are done.
@@ -51,8 +51,10 @@ test: install
 	$(MAKE) -j2 xla-env test-main
 	$(MAKE) test-xla
 
+# The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests.
 test-main: lint test-fast chromium
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 tests/integration infra/tests
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 tests/integration infra/tests \
+	  tests/unit -m "not unit or slow"
 
 # The XLA lane: torch-xla's CPU runtime (PJRT_DEVICE=CPU) runs the `xla` device's lazy-tensor program
 # for real, one rank. It has its own venv, because torch-xla 2.9 needs torch 2.9: about 8 GB (that

@@ -17,6 +17,7 @@ import importlib.metadata
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -88,7 +89,7 @@ def rows(results: list[dict]) -> list[tuple[str, ...]]:
             table.append((r["benchmark"], r.get("skipped") or r.get("failed", "no figures"), "", "", "", "", ""))
             continue
         for f in r["figures"]:
-            ours, theirs = _median(f["trnflow"]), _median(f["baseline"])
+            ours, theirs = statistics.median(f["trnflow"]), statistics.median(f["baseline"])
             if f["kind"] in ("ratio", "limit"):
                 s = f["ratio"]
                 comparison = f"x{s['median']:.3f} [{s['low']:.3f}, {s['high']:.3f}]"
@@ -101,12 +102,6 @@ def rows(results: list[dict]) -> list[tuple[str, ...]]:
             table.append((r["benchmark"], f["name"], f"{ours:.4g} {f['unit']}",
                           f"{theirs:.4g} ({f['baseline_name']})", comparison, goal, met))
     return table
-
-
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def plot(result: dict, path: Path) -> None:
@@ -127,7 +122,7 @@ def plot(result: dict, path: Path) -> None:
                                                                                   if differences else [])})
     for ax, f in zip(axes[0], ratios, strict=False):
         for x, values in enumerate((f["trnflow"], f["baseline"])):
-            ax.bar(x, _median(values), color=("#1f77b4", "#aaaaaa")[x], alpha=0.6)
+            ax.bar(x, statistics.median(values), color=("#1f77b4", "#aaaaaa")[x], alpha=0.6)
             ax.scatter([x] * len(values), values, color="black", s=12, zorder=3)
         if f["kind"] == "limit":  # no baseline bar: the bound as a line
             ax.axhline(f["baseline"][0], color="#d62728", lw=1.2, ls="--")

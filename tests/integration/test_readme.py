@@ -38,7 +38,7 @@ RUN_ELSEWHERE = {
     # README command: (the file that runs it, the call in that file that runs it)
     "make demo": ("tests/integration/test_readme.py", "def test_make_demo_runs_the_readme_main_job"),
     "make test": ("Makefile", "$(MAKE) -j2 xla-env test-main"),
-    "make test-fast": ("Makefile", "-m unit tests/unit"),
+    "make test-fast": ("Makefile", '-m "unit and not slow" tests/unit'),
     "trnflow mock-aws --port 5000": ("tests/integration/test_mock_aws_docs.py", '"mock-aws", "--port"'),
     "export AWS_ENDPOINT_URL=http://127.0.0.1:5000": ("tests/integration/test_mock_aws_docs.py",
                                                       '"AWS_ENDPOINT_URL": endpoint'),

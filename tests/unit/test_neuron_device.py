@@ -128,6 +128,7 @@ def _rank(rank: int, port: int, out: Path) -> None:
     dist.destroy_process_group()
 
 
+@pytest.mark.slow  # two real processes: `make test` runs it, `make test-fast` leaves it out
 def test_ranks_join_one_group_whose_host_tensors_go_to_gloo_and_device_tensors_to_neuron(tmp_path):
     """`cpu:gloo,neuron:neuron` across two real processes: the Neuron backend is created for the
     group, and the host-tensor collectives the workload makes (the evaluation's all-reduce, object

@@ -14,6 +14,7 @@ import pytest
 from moto import mock_aws
 from typer.testing import CliRunner
 
+from tests.conftest import ROOT
 from trnflow import aws
 from trnflow.cli.app import app
 from trnflow.device import cache as cache_module
@@ -30,9 +31,10 @@ from trnflow.device.cache import (
 )
 from trnflow.storage import LocalStore, S3Store
 
-ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark builds its cache the same way
-from scale_cache import NEURON_VERSION, Built, build_cache  # noqa: E402
+from scale_cache import NEURON_VERSION, Built, build_cache
+
+pytestmark = pytest.mark.slow  # building 10,000 entries: `make test` runs these, `make test-fast` leaves them out
 
 ENTRIES = 10_000
 HOUR = 3600.0

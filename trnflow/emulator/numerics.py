@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from trnflow.device.base import NEAREST, STOCHASTIC
+
 
 def stochastic_round_bf16_(t: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """Round an fp32 tensor in place to a bf16-representable value, up or down at random.
@@ -29,8 +31,8 @@ def nearest_round_bf16_(t: torch.Tensor) -> torch.Tensor:
 
 def round_bf16_(t: torch.Tensor, mode: str, generator: torch.Generator) -> torch.Tensor:
     """`t` on the bf16 grid, rounded as `mode` ("stochastic" or "nearest") says."""
-    if mode == "stochastic":
+    if mode == STOCHASTIC:
         return stochastic_round_bf16_(t, generator)
-    if mode == "nearest":
+    if mode == NEAREST:
         return nearest_round_bf16_(t)
-    raise ValueError(f"unknown rounding {mode!r}; use 'stochastic' or 'nearest'")
+    raise ValueError(f"unknown rounding {mode!r}; use {STOCHASTIC!r} or {NEAREST!r}")
