@@ -1,4 +1,5 @@
 import json
+import os
 import subprocess
 import sys
 
@@ -292,3 +293,24 @@ def test_data_check_reports_every_day_and_fails_on_one_without_readable_rows(tmp
     assert table.exit_code == 2 and table.stdout.count("│ failed ") == 1
     assert "data.traindt=2026-01-02:dt=2026-01-02/part-00000.csv:notparquet(data.format)" in "".join(
         table.stderr.split())
+
+
+def test_run_gives_prefect_its_startup_timeout_before_prefect_is_first_imported(make_spec, tmp_path):
+    """Prefect reads its settings when first imported, and `trnflow run` imports its flows before it runs them."""
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(make_spec().model_dump(mode="json", exclude_none=True)))
+    probe = (
+        "import sys\n"
+        "import trnflow.cli.pipeline as pipeline\n"
+        "def seen(*args, **kwargs):\n"
+        "    from prefect.settings import get_current_settings\n"
+        "    print(get_current_settings().server.ephemeral.startup_timeout_seconds)\n"
+        "pipeline._run_flow = seen\n"
+        "from trnflow.cli.app import main\n"
+        f"sys.argv = ['trnflow', 'run', {str(spec)!r}]\n"
+        "main()\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "120"

@@ -9,6 +9,7 @@ Each command group has a module of its own (`devices`, `data`, `pipeline`, `cach
 from __future__ import annotations
 
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -136,6 +137,11 @@ cli_runs.register(app)  # runs on a Prefect server: submit, runs, status, logs, 
 
 
 def main() -> None:
+    # Prefect reads its settings once, when it is first imported (a command imports its flows before
+    # running them), so these defaults are set before anything else. Its local API starts in a process
+    # of its own, and the 20 s default start timeout is short on a busy laptop.
+    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     try:
         app()
     except KeyboardInterrupt:

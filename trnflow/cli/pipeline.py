@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
 import shlex
 import signal
@@ -206,9 +205,6 @@ def _forced(force: bool, reason: str | None) -> dict[str, str]:
 def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_id: str | None, as_json: bool,
               show=None, **params) -> None:
     """Run a flow in-process on Prefect's local API; print its stage table; exit with its outcome."""
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    # Prefect's local API starts in a process of its own; its 20 s default is short on a busy laptop.
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
     from trnflow.flows._stages import PipelineFailed  # heavy: prefect
 
     run_id = run_id or fresh_run_id()  # known before anything starts, so an interrupt can name it
