@@ -27,7 +27,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 XLA_PYTHON = ROOT / ".venv" / "xla" / "bin" / "python"
 BENCHMARKS = ("backend_overhead", "train_throughput", "inference_throughput", "collectives", "compile_cache",
-              "optlevels", "precision", "scale_cache", "scale_topology", "scale_inference", "xla_overhead")
+              "optlevels", "precision", "scale_cache", "scale_topology", "scale_inference", "scale_data",
+              "xla_overhead")
 
 
 def machine() -> dict:

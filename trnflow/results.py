@@ -88,6 +88,10 @@ class CompileResult(StageResult):
         "failed), where it ran the trial first")
 
 
+HOST_MEMORY = ("host memory: each rank's peak resident set in MB, and whether the featurized rows were spilled "
+               "to local disk (the rows are read a batch at a time)")
+
+
 class TrainResult(StageResult):
     skipped: bool = Field(False, description="no new data after the watermark: nothing trained")
     reason: str | None = Field(None, description="why training was skipped")
@@ -115,6 +119,7 @@ class TrainResult(StageResult):
     first_step_seconds: float = 0.0
     median_step_seconds: float = 0.0
     device_memory: dict[str, Any] | None = None
+    host_memory: dict[str, Any] | None = Field(None, description=HOST_MEMORY)
 
 
 class EvaluateResult(StageResult):
@@ -141,6 +146,7 @@ class InferResult(StageResult):
     manifest: str | None = None
     rows_per_s: float = 0.0
     program_load_seconds: float = 0.0
+    host_memory: dict[str, Any] | None = Field(None, description=HOST_MEMORY)
 
 
 class PromoteResult(StageResult):

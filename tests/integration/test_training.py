@@ -12,6 +12,7 @@ from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.storage import local_path
 from trnflow.workload.checkpoint import load
+from trnflow.workload.features import IN_MEMORY_ENV
 from trnflow.workload.programs import build_model
 from trnflow.workload.recipes import recipe_for
 from trnflow.workload.synth import synthesize
@@ -35,7 +36,8 @@ def _weights(result: dict) -> dict:
 
 
 @pytest.mark.slow
-def test_a_checkpoint_saved_by_4_ranks_resumes_on_2(make_spec, backend):
+def test_a_checkpoint_saved_by_4_ranks_resumes_on_2(make_spec, backend, monkeypatch):
+    monkeypatch.setenv(IN_MEMORY_ENV, "0")  # the featurized rows go to local disk, as a large training set's do
     four = make_spec(compute={"instance_type": "trn1.32xlarge", "cores_per_node": 4},
                      train={"steps": 4, "checkpoint_every": 2}, faults=[{"kind": "timeout", "core": 3, "step": 3}])
     failed, _ = _train(backend, four, "reshard")
@@ -49,6 +51,8 @@ def test_a_checkpoint_saved_by_4_ranks_resumes_on_2(make_spec, backend):
     assert '"saved_by_ranks": 4' in backend.logs(job_id)[0] and '"ranks": 2' in backend.logs(job_id)[0]
     meta = load(info.result["checkpoint"]).meta
     assert meta["world_size"] == 2 and meta["sampler"]["step"] == 4
+    memory = info.result["host_memory"]
+    assert memory["features_spilled_to_disk"] is True and len(memory["peak_rss_mb_per_rank"]) == 2
 
 
 @pytest.fixture

@@ -30,6 +30,10 @@ def test_both_stores_keep_the_same_contract(store):
     store.write("a/b/one", b"1")
     store.write("a/b/one", b"11")  # replaced whole
     assert store.read("a/b/one") == b"11"
+    with store.open("a/b/one") as f:  # read a part at a time, and seek
+        assert f.read(1) == b"1" and f.seek(0) == 0 and f.read() == b"11"
+    with pytest.raises(FileNotFoundError):
+        store.open("a/missing")
     assert store.create("a/lock", b"mine") is True
     assert store.create("a/lock", b"theirs") is False  # the second writer loses and is told
     assert store.read("a/lock") == b"mine"
@@ -41,6 +45,22 @@ def test_both_stores_keep_the_same_contract(store):
     assert [o.name for o in store.list()] == ["z/other"]
     with pytest.raises(ValueError, match="outside the store"):
         store.read("../escape")
+
+
+def test_an_s3_object_opened_for_reading_goes_to_disk_beyond_the_spool_size(in_process_aws, monkeypatch):
+    from trnflow.storage import s3
+
+    monkeypatch.setattr(s3, "SPOOL_BYTES", 1000)
+    aws.client("s3").create_bucket(Bucket="data")
+    store = S3Store("s3://data/train")
+    data = os.urandom(5000)
+    store.write("part-0.parquet", data)
+    with store.open("part-0.parquet") as f:
+        assert f._rolled  # a real file on local disk, not 5,000 bytes in memory
+        f.seek(-10, os.SEEK_END)
+        assert f.read() == data[-10:]
+        f.seek(0)
+        assert f.read() == data
 
 
 def _client_error(code: str, status: int) -> ClientError:

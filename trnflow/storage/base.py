@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import BinaryIO, Protocol, runtime_checkable
 from urllib.parse import unquote, urlparse
 
 from trnflow.errors import FatalError
@@ -45,6 +45,11 @@ class Store(Protocol):
 
     def read(self, name: str) -> bytes:
         """The object's bytes; FileNotFoundError when there is none."""
+        ...
+
+    def open(self, name: str) -> BinaryIO:
+        """The object as a seekable file to read a part at a time (a large data file need not fit in
+        memory); close it when done. FileNotFoundError when there is none."""
         ...
 
     def write(self, name: str, data: bytes) -> None:

@@ -6,6 +6,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import BinaryIO
 
 from trnflow.fsutil import atomic_write_bytes
 from trnflow.storage.base import ObjectInfo
@@ -26,6 +27,9 @@ class LocalStore:
 
     def read(self, name: str) -> bytes:
         return self._path(name).read_bytes()
+
+    def open(self, name: str) -> BinaryIO:
+        return self._path(name).open("rb")
 
     def write(self, name: str, data: bytes) -> None:
         atomic_write_bytes(self._path(name), data)

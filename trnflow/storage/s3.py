@@ -7,7 +7,9 @@ through `trnflow.aws`, which retries throttling and 5xx answers.
 
 from __future__ import annotations
 
-from typing import Any
+import shutil
+import tempfile
+from typing import Any, BinaryIO
 
 from trnflow import aws
 from trnflow.storage.base import ObjectInfo
@@ -18,6 +20,10 @@ def split_s3_url(url: str) -> tuple[str, str]:
     bucket, _, prefix = url.removeprefix("s3://").partition("/")
     prefix = prefix.strip("/")
     return bucket, f"{prefix}/" if prefix else ""
+
+
+SPOOL_BYTES = 32 << 20
+"""How much of an opened object is held in memory before the rest goes to a temporary file."""
 
 
 class S3Store:
@@ -34,6 +40,26 @@ class S3Store:
     def read(self, name: str) -> bytes:
         try:
             return aws.call(self._s3.get_object, Bucket=self.bucket, Key=self._key(name))["Body"].read()
+        except self._s3.exceptions.NoSuchKey:
+            raise FileNotFoundError(f"{self.url}/{name}") from None
+
+    def open(self, name: str) -> BinaryIO:
+        """The object copied, 1 MiB at a time, into a temporary file that stays in memory up to
+        SPOOL_BYTES and is on local disk beyond (Parquet is read from its end, so a stream will not do).
+        A download cut short is retried whole, like any call."""
+        def download() -> BinaryIO:
+            body = self._s3.get_object(Bucket=self.bucket, Key=self._key(name))["Body"]
+            spool = tempfile.SpooledTemporaryFile(max_size=SPOOL_BYTES)  # noqa: SIM115 (the caller closes it)
+            try:
+                shutil.copyfileobj(body, spool, 1 << 20)
+            except BaseException:
+                spool.close()
+                raise
+            spool.seek(0)
+            return spool
+
+        try:
+            return aws.call(download)
         except self._s3.exceptions.NoSuchKey:
             raise FileNotFoundError(f"{self.url}/{name}") from None
 

@@ -15,7 +15,7 @@ and its files: skipping it would let the watermark pass a day that was never tra
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import pyarrow as pa
@@ -40,21 +40,38 @@ from trnflow.storage.datafiles import (
 )
 
 POLARITY_COLUMNS = ["label", "title", "content"]
+BATCH_ROWS = 8192
+"""Rows a read hands on at a time: a file of any size is read in batches of at most this many rows."""
+BLOCK_BYTES = 1 << 20
+"""Bytes of JSONL or CSV parsed at a time."""
 
 
-def _read_file(file: DataFile, fmt: str) -> pa.Table:
+def _stream_file(file: DataFile, fmt: str) -> Iterator[pa.Table]:
+    """A file's rows, at most BATCH_ROWS at a time and never the whole file in memory. A file without
+    rows gives one empty table, so that its columns can still be checked."""
     try:
-        source = pa.BufferReader(file.store.read(file.name))
-        if fmt == "jsonl":
-            return pajson.read_json(source)
-        # Text that is not UTF-8 stays a string column, refused with the fix in _read_columns.
-        text = pacsv.ConvertOptions(check_utf8=False)
-        if fmt == "csv":
-            return pacsv.read_csv(source, convert_options=text)
-        if fmt == "amazon-polarity":
-            names = pacsv.ReadOptions(column_names=POLARITY_COLUMNS)
-            return _polarity(pacsv.read_csv(source, read_options=names, convert_options=text), file.url)
-        return pq.read_table(source)
+        with file.store.open(file.name) as handle:
+            source = pa.PythonFile(handle, mode="r")
+            if fmt == "parquet":
+                parquet = pq.ParquetFile(source)
+                schema, batches = parquet.schema_arrow, parquet.iter_batches(batch_size=BATCH_ROWS)
+            elif fmt == "jsonl":
+                reader = pajson.open_json(source, read_options=pajson.ReadOptions(block_size=BLOCK_BYTES))
+                schema, batches = reader.schema, reader
+            else:
+                names = POLARITY_COLUMNS if fmt == "amazon-polarity" else None
+                # Text that is not UTF-8 stays a string column, refused with the fix in _stream_columns.
+                reader = pacsv.open_csv(source, read_options=pacsv.ReadOptions(block_size=BLOCK_BYTES,
+                                                                                column_names=names),
+                                        convert_options=pacsv.ConvertOptions(check_utf8=False))
+                schema, batches = reader.schema, reader
+            empty = True
+            for batch in batches:
+                for first in range(0, batch.num_rows, BATCH_ROWS):
+                    empty = False
+                    yield pa.Table.from_batches([batch.slice(first, BATCH_ROWS)])
+            if empty:
+                yield schema.empty_table()
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{file.url}: cannot be read as {fmt} ({exc}); fix or remove the file "
                         "(or check data.format)") from None
@@ -63,59 +80,84 @@ def _read_file(file: DataFile, fmt: str) -> pa.Table:
 def _polarity(table: pa.Table, url: str) -> pa.Table:
     """label 1 (negative) / 2 (positive), title, content -> label 0/1 and text "title. content"."""
     labels = table.column("label")
-    if not pa.types.is_integer(labels.type) or not pc.all(pc.is_in(labels, pa.array([1, 2]))).as_py():
+    if table.num_rows and (not pa.types.is_integer(labels.type)
+                           or not pc.all(pc.is_in(labels, pa.array([1, 2]))).as_py()):
         raise DataError(f"{url}: the Amazon Polarity layout needs label 1 or 2 in the first column; "
                         "fix the file or check data.format")
     title = pc.fill_null(table.column("title").cast(pa.string()), "")
     content = pc.fill_null(table.column("content").cast(pa.string()), "")
-    return pa.table({"label": pc.subtract(labels, 1), "text": pc.binary_join_element_wise(title, content, ". ")})
+    return pa.table({"label": pc.subtract(labels.cast(pa.int64()), 1),
+                     "text": pc.binary_join_element_wise(title, content, ". ")})
 
 
-def _read_columns(file: DataFile, spec: DataSpec, columns: list[str]) -> pa.Table:
-    """One file's `columns`, naming the file if it lacks one or holds text that is not UTF-8."""
-    table = _read_file(file, spec.format)
-    if spec.format == "amazon-polarity":
-        ids = [f"{file.name}:{i}" for i in range(table.num_rows)]
-        table = table.rename_columns([spec.label_field, spec.text_field])
-        table = table.append_column(spec.id_field, pa.array(ids))
-    missing = [c for c in columns if c not in table.column_names]
-    if missing:
-        raise DataError(
-            f"{file.url}: missing column(s) {missing}; it has {table.column_names}. "
-            "Set data.text_field / data.label_field / data.id_field to match the file"
-        )
-    for name in columns:
+def _stream_columns(file: DataFile, spec: DataSpec, columns: list[str]) -> Iterator[tuple[int, pa.Table]]:
+    """One file's `columns`, a batch at a time with the file row each starts at; names the file if
+    it lacks a column or holds text that is not UTF-8."""
+    first = 0
+    for table in _stream_file(file, spec.format):
+        if spec.format == "amazon-polarity":
+            table = _polarity(table, file.url)
+            ids = [f"{file.name}:{i}" for i in range(first, first + table.num_rows)]
+            table = table.rename_columns([spec.label_field, spec.text_field])
+            table = table.append_column(spec.id_field, pa.array(ids, pa.string()))
+        missing = [c for c in columns if c not in table.column_names]
+        if missing:
+            raise DataError(
+                f"{file.url}: missing column(s) {missing}; it has {table.column_names}. "
+                "Set data.text_field / data.label_field / data.id_field to match the file"
+            )
+        for name in columns:
+            try:
+                table.column(name).validate(full=True)
+            except pa.ArrowInvalid:
+                raise DataError(f"{file.url}: column {name!r} is not valid UTF-8 text; "
+                                "re-encode the file as UTF-8") from None
+        yield first, table.select(columns)
+        first += table.num_rows
+
+
+class _Agreeing:
+    """Column types must agree across files (integers of different widths, and columns of nulls, do
+    mix): the first file that disagrees with the ones before it is named."""
+
+    def __init__(self) -> None:
+        self.schema: pa.Schema | None = None
+
+    def check(self, file: DataFile, table: pa.Table) -> None:
+        if self.schema is None:
+            self.schema = table.schema
+            return
         try:
-            table.column(name).validate(full=True)
-        except pa.ArrowInvalid:
-            raise DataError(f"{file.url}: column {name!r} is not valid UTF-8 text; "
-                            "re-encode the file as UTF-8") from None
-    return table.select(columns)
-
-
-def _concat(files: list[DataFile], tables: list[pa.Table]) -> pa.Table:
-    """One table from each file's, naming the first file whose column types disagree with the ones
-    before it (integers of different widths, and columns of nulls, do mix)."""
-    schema = tables[0].schema
-    for file, table in zip(files[1:], tables[1:], strict=True):
-        try:
-            schema = pa.unify_schemas([schema, table.schema], promote_options="permissive")
+            self.schema = pa.unify_schemas([self.schema, table.schema], promote_options="permissive")
         except (pa.ArrowTypeError, pa.ArrowInvalid):
             types = {f.name: str(f.type) for f in table.schema}
-            before = {f.name: str(f.type) for f in schema}
+            before = {f.name: str(f.type) for f in self.schema}
             raise DataError(f"{file.url}: its column types {types} disagree with {before} in the files "
                             "before it; make the files agree") from None
+
+
+def _concat(tables: list[pa.Table]) -> pa.Table:
     return pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0]
 
 
+def iter_table(files: list[DataFile], spec: DataSpec, columns: list[str]) -> Iterator[pa.Table]:
+    """`files`' `columns`, a batch at a time, naming any file that lacks one. The Amazon Polarity
+    layout has no id column: ids are `<file>:<row>`."""
+    agreeing = _Agreeing()
+    for file in files:
+        for _, table in _stream_columns(file, spec, columns):
+            agreeing.check(file, table)
+            yield table
+
+
 def read_table(files: list[DataFile], spec: DataSpec, columns: list[str]) -> pa.Table:
-    """Read `files` and keep `columns`, naming any file that lacks one. The Amazon Polarity layout
-    has no id column: ids are `<file>:<row>`."""
-    return _concat(files, [_read_columns(file, spec, columns) for file in files])
+    """`iter_table`'s batches as one table."""
+    return _concat(list(iter_table(files, spec, columns)))
 
 
-def _check_labels(column: pa.ChunkedArray, url: str, field: str, num_classes: int) -> None:
-    """One file's labels must be integer class ids 0..num_classes-1; rows count from 0 in the file."""
+def _check_labels(column: pa.ChunkedArray, url: str, field: str, num_classes: int, first: int = 0) -> None:
+    """One batch's labels must be integer class ids 0..num_classes-1; rows count from 0 in the file,
+    whose row `first` the batch starts at."""
     if not pa.types.is_integer(column.type) or column.null_count:
         raise DataError(f"{url}: column {field!r} holds {column.type} values"
                         f"{' with nulls' if column.null_count else ''}; it must hold integer class ids "
@@ -123,9 +165,15 @@ def _check_labels(column: pa.ChunkedArray, url: str, field: str, num_classes: in
     row = pc.index(pc.or_(pc.less(column, 0), pc.greater_equal(column, num_classes)), True).as_py()
     if row >= 0:
         raise DataError(
-            f"{url}: label {column[row].as_py()} in row {row} is outside 0..{num_classes - 1}; "
+            f"{url}: label {column[row].as_py()} in row {first + row} is outside 0..{num_classes - 1}; "
             "fix the data or set the recipe's number of classes (model.params.num_classes)"
         )
+
+
+def lines(table: pa.Table) -> list[str]:
+    """Each row's columns as one line of text (tab-separated), for digests of what was read."""
+    columns = [[str(v) for v in table.column(i).to_pylist()] for i in range(table.num_columns)]
+    return ["\t".join(values) for values in zip(*columns, strict=True)] if columns else [""] * table.num_rows
 
 
 @dataclass
@@ -136,28 +184,25 @@ class Rows:
     ids: list
 
     def lines(self) -> list[str]:
-        """Each row's columns as one line of text (tab-separated), for digests of what was read."""
-        columns = [[str(v) for v in self.table.column(i).to_pylist()] for i in range(self.table.num_columns)]
-        return ["\t".join(values) for values in zip(*columns, strict=True)] if columns else [""] * len(self.ids)
+        return lines(self.table)
 
 
-def _labelled_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int) -> pa.Table:
-    """One file's columns and its labels, checked; DataError names the file."""
-    table = _read_columns(file, spec, [*columns, spec.label_field])
-    if table.num_rows:  # an empty file's columns may be typed null
-        _check_labels(table.column(spec.label_field), file.url, spec.label_field, num_classes)
-    return table
+def _labelled_batches(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int) -> Iterator[pa.Table]:
+    """One file's columns and its labels, checked, a batch at a time; DataError names the file."""
+    for first, table in _stream_columns(file, spec, [*columns, spec.label_field]):
+        if table.num_rows:  # an empty file's columns may be typed null
+            _check_labels(table.column(spec.label_field), file.url, spec.label_field, num_classes, first)
+        yield table
 
 
 def _day_files(files: list[DataFile], day: str) -> list[str]:
     return [f.name for f in files if f.partition == day]
 
 
-def _read_day_file(file: DataFile, files: list[DataFile], url: str, read: Callable[[DataFile], pa.Table]
-                   ) -> pa.Table:
-    """`read(file)`; a file of a day partition that cannot be read fails naming its day and the day's files."""
+def _day_batches(file: DataFile, files: list[DataFile], url: str, batches: Iterator[pa.Table]) -> Iterator[pa.Table]:
+    """`batches` of `file`; a file of a day partition that cannot be read fails naming its day and the day's files."""
     try:
-        return read(file)
+        yield from batches
     except DataError as exc:
         if file.partition is None:
             raise
@@ -165,32 +210,45 @@ def _read_day_file(file: DataFile, files: list[DataFile], url: str, read: Callab
                                     f"cannot be read: {exc}")) from None
 
 
-def _check_days_have_rows(files: list[DataFile], tables: list[pa.Table], url: str) -> None:
-    """Every day partition among `files` must give rows: an empty day is refused, not passed over."""
-    rows: dict[str, int] = {}
-    for file, table in zip(files, tables, strict=True):
-        if file.partition is not None:
-            rows[file.partition] = rows.get(file.partition, 0) + table.num_rows
+def iter_labelled(files: list[DataFile], spec: DataSpec, columns: list[str], num_classes: int, url: str
+                  ) -> Iterator[pa.Table]:
+    """Every row of `files` with its label, a batch at a time (`columns` and then the label column).
+    Each day partition must be readable and give rows: an empty day is refused, not passed over,
+    once the stream reaches its end."""
+    agreeing, rows, total = _Agreeing(), {}, 0
+    for file in files:
+        for table in _day_batches(file, files, url, _labelled_batches(file, spec, columns, num_classes)):
+            agreeing.check(file, table)
+            if file.partition is not None:
+                rows[file.partition] = rows.get(file.partition, 0) + table.num_rows
+            total += table.num_rows
+            yield table
     empty = sorted(day for day, n in rows.items() if n == 0)
     if empty:
         raise DataError(day_problem(url, empty[0], _day_files(files, empty[0]), "has no rows",
                                     "write the day's rows, or remove its folder"))
+    if not total:
+        raise DataError(f"{url}: has no rows; point the spec at data that has some")
+
+
+def labels_of(table: pa.Table, field: str) -> torch.Tensor:
+    return torch.tensor(table.column(field).to_pylist(), dtype=torch.long)
 
 
 def read_labelled(files: list[DataFile], spec: DataSpec, columns: list[str], num_classes: int, url: str) -> Rows:
-    """Every row of `files`, with its label. Each day partition must be readable and give rows."""
-    tables = [_read_day_file(file, files, url, lambda f: _labelled_file(f, spec, columns, num_classes))
-              for file in files]
-    _check_days_have_rows(files, tables, url)
-    if not sum(t.num_rows for t in tables):
-        raise DataError(f"{url}: has no rows; point the spec at data that has some")
-    table = _concat(files, tables)
-    labels = torch.tensor(table.column(spec.label_field).to_pylist(), dtype=torch.long)
+    """Every row of `files`, with its label, in memory (a holdout set); `iter_labelled` reads them."""
+    table = _concat(list(iter_labelled(files, spec, columns, num_classes, url)))
+    labels = labels_of(table, spec.label_field)
     return Rows(table.select(columns), labels, list(range(len(labels))))
 
 
+def iter_unlabelled(url: str, spec: DataSpec, columns: list[str]) -> Iterator[pa.Table]:
+    """The inference set's ids and `columns`, a batch at a time."""
+    return iter_table(data_files(url, spec.format), spec, [spec.id_field, *columns])
+
+
 def read_unlabelled(url: str, spec: DataSpec, columns: list[str]) -> Rows:
-    table = read_table(data_files(url, spec.format), spec, [spec.id_field, *columns])
+    table = _concat(list(iter_unlabelled(url, spec, columns)))
     return Rows(table.select(columns), None, table.column(spec.id_field).to_pylist())
 
 
@@ -202,7 +260,7 @@ def _format_of(name: str) -> str | None:
 def _count_rows(file: DataFile, fmt: str | None) -> int | None:
     """How many rows a rejected file holds, when it can be read at all as `fmt`."""
     try:
-        return _read_file(file, fmt).num_rows if fmt else None
+        return sum(table.num_rows for table in _stream_file(file, fmt)) if fmt else None
     except DataError:
         return None
 
@@ -218,13 +276,13 @@ def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes:
                              problem=f"not {spec.format} (data.format), so no run reads it")
     try:
         if num_classes is None:
-            table = _read_columns(file, spec, [spec.id_field, *columns])
+            read = sum(t.num_rows for _, t in _stream_columns(file, spec, [spec.id_field, *columns]))
         else:
-            table = _labelled_file(file, spec, columns, num_classes)
+            read = sum(t.num_rows for t in _labelled_batches(file, spec, columns, num_classes))
     except DataError as exc:
         return DataFileCheck(name=file.name, rows_rejected=_count_rows(file, spec.format),
                              problem=_own_words(str(exc), file))
-    return DataFileCheck(name=file.name, rows_read=table.num_rows)
+    return DataFileCheck(name=file.name, rows_read=read)
 
 
 def _check_part(field: str, url: str, day: str | None, files: list[DataFile], spec: DataSpec, columns: list[str],

@@ -22,9 +22,10 @@ import torch
 from trnflow.storage import open_store
 from trnflow.workload.checkpoint import load, load_model_weights
 from trnflow.workload.context import WorkerContext, gather_objects
-from trnflow.workload.data import read_unlabelled, static_batches
+from trnflow.workload.data import iter_unlabelled, static_batches
 from trnflow.workload.embeddings import MANIFEST, committed, marker_name, remove_beyond, shard_name
 from trnflow.workload.evaluate import featurized
+from trnflow.workload.features import featurize, host_memory
 from trnflow.workload.programs import build_model, for_run
 from trnflow.workload.recipes import for_job
 
@@ -67,21 +68,21 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     else:
         version = f"{ckpt.meta.get('run_id', run_url.rsplit('/', 1)[-1])}/step-{ckpt.step}"
 
-    rows = read_unlabelled(spec.data.inference, spec.data, recipe.columns())
-    tokens = featurized(recipe, ckpt).features(rows.table)
+    # Streamed and featurized a batch at a time: an inference set of any size is never read whole.
+    rows = featurize(iter_unlabelled(spec.data.inference, spec.data, recipe.columns()), featurized(recipe, ckpt),
+                     id_field=spec.data.id_field, digest=True)
+    tokens, ids = rows.features, rows.ids
+    assert ids is not None
     # A shard can be reused only if it was made from the same rows by the same weights, featurizer
     # and shapes: the plan digests all of them.
-    inputs = hashlib.sha256()
-    for row_id, line in zip(rows.ids, rows.lines(), strict=True):
-        inputs.update(f"{row_id}\t{line}\n".encode())
     plan = hashlib.sha256(json.dumps([
-        inputs.hexdigest(), icfg.shard_size, icfg.batch_size, ckpt.model_sha256, version,
+        rows.digest, icfg.shard_size, icfg.batch_size, ckpt.model_sha256, version,
         hashlib.sha256(recipe.state()).hexdigest(), recipe.describe(),
     ]).encode()).hexdigest()[:16]
     out = open_store(icfg.output_url)
     if ctx.is_main:
         out.delete(MANIFEST)  # the output is incomplete until the manifest is back
-    n_shards = -(-len(rows.ids) // icfg.shard_size)
+    n_shards = -(-len(rows) // icfg.shard_size)
     mine = list(range(ctx.rank, n_shards, ctx.world_size))
     faults_store = open_store(run_url)
     # Load the embed program (trace it, take its graph from the compile cache) before the clock
@@ -96,13 +97,13 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
         due = ctx.faults.strike(ordinal, lambda fault: faults_store.create(f"faults/infer-{fault.label}",
                                                                            ctx.faults.marker()), phase="infer")
         shard_store = ctx.faults.tearing(out) if "torn" in due else out  # a torn fault: killed mid-write
-        lo, hi = shard * icfg.shard_size, min((shard + 1) * icfg.shard_size, len(rows.ids))
+        lo, hi = shard * icfg.shard_size, min((shard + 1) * icfg.shard_size, len(rows))
         marker = committed(out, shard, plan)
         reused = marker is not None
         if marker is None:
             batches = static_batches(tokens, torch.arange(lo, hi), icfg.batch_size)
             values = torch.cat([outputs(batch)[:real] for batch, real in batches]).float()
-            data = _parquet_bytes(_shard_table(rows.ids[lo:hi], values, version, recipe.embeds))
+            data = _parquet_bytes(_shard_table(ids.slice(lo, hi - lo).to_pylist(), values, version, recipe.embeds))
             marker = {"shard": shard, "rows": hi - lo, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
                       "plan": plan, "model_version": version}
             shard_store.write(f"{shard_name(shard)}.parquet", data)
@@ -116,9 +117,10 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     seconds = time.perf_counter() - began
     everything = sorted((s for per_rank in gather_objects(ctx, shards) for s in per_rank), key=lambda s: s["shard"])
     counts = gather_objects(ctx, written)
+    memory = host_memory(ctx, tokens)
     if ctx.is_main:
         remove_beyond(out, n_shards)  # shards of an earlier, larger inference set, and their markers
-        manifest = {"model_version": version, "checkpoint": ckpt.url, "plan": plan, "rows": len(rows.ids),
+        manifest = {"model_version": version, "checkpoint": ckpt.url, "plan": plan, "rows": len(rows),
                     "shard_size": icfg.shard_size,
                     "shards": [{k: s[k] for k in ("shard", "file", "rows", "sha256")} for s in everything]}
         out.write(MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -129,5 +131,5 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
             "rows_embedded": embedded, "shards_reused": sum(1 for s in everything if s["reused"]),
             "manifest": f"{out.url}/{MANIFEST}",
             "rows_per_s": round(embedded / seconds, 1) if seconds and embedded else 0.0,
-            "program_load_seconds": round(load_seconds, 3),
+            "program_load_seconds": round(load_seconds, 3), "host_memory": memory,
             "compile": programs.compiler.metrics().model_dump()}

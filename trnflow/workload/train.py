@@ -16,9 +16,11 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import torch
 
 from trnflow.errors import FatalError
@@ -26,8 +28,9 @@ from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload.checkpoint import load_model_weights, step_name, weights_digest
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
-from trnflow.workload.data import StepSampler, read_labelled
+from trnflow.workload.data import StepSampler, iter_labelled
 from trnflow.workload.evaluate import Holdout
+from trnflow.workload.features import featurize, host_memory
 from trnflow.workload.memory import estimate, saved_activation_peak, tensor_bytes
 from trnflow.workload.programs import build_model, for_run
 from trnflow.workload.recipes import Recipe, for_job
@@ -38,8 +41,9 @@ def _rng_state(sr_gen: torch.Generator) -> dict:
     return {"torch": torch.get_rng_state(), "sr": sr_gen.get_state()}
 
 
-def _featurizer(ctx: WorkerContext, recipe: Recipe, start: Start, rows) -> None:
-    """The parent's featurizer, or one fitted on this run's rows (by rank 0, shared with all)."""
+def _featurizer(ctx: WorkerContext, recipe: Recipe, start: Start, rows: Callable[[], Iterator[pa.Table]]) -> None:
+    """The parent's featurizer, or one fitted on this run's rows (`rows()` streams them) by rank 0
+    and shared with all."""
     source = start.source
     if source is not None and source.featurizer is not None:
         recipe.load(source.featurizer, source.url)
@@ -48,7 +52,7 @@ def _featurizer(ctx: WorkerContext, recipe: Recipe, start: Start, rows) -> None:
         ctx.log("warning", message=f"{source.url} has no {recipe.featurizer_file} beside it, so a new featurizer is "
                 "fitted; put the one the weights were trained with beside the file to keep the features the same")
     if ctx.is_main:
-        recipe.fit(rows.table)
+        recipe.fit_batches(rows())
     shared = gather_objects(ctx, recipe.state() if ctx.is_main else None)[0]
     recipe.load(shared, "the fitted featurizer")
 
@@ -72,10 +76,15 @@ class Trainer:
         self.ctx, self.run_id, self.start, self.recipe = ctx, run_id, start, recipe
         self.spec, self.device, self.faults = ctx.spec, ctx.device, ctx.faults
         tcfg = self.spec.train
-        rows = read_labelled(start.files, self.spec.data, recipe.columns(), recipe.num_classes, self.spec.data.train)
-        assert rows.labels is not None
+        data = self.spec.data
+
+        def rows() -> Iterator[pa.Table]:  # streamed: a training set of any size is never read whole
+            return iter_labelled(start.files, data, recipe.columns(), recipe.num_classes, data.train)
+
         _featurizer(ctx, recipe, start, rows)
-        self.tokens, self.labels = recipe.features(rows.table), rows.labels
+        train = featurize(rows(), recipe, label_field=data.label_field)
+        assert train.labels is not None
+        self.tokens, self.labels = train.features, train.labels
         self.model = build_model(recipe, tcfg.seed).to(self.device.torch_device)  # before its optimizer holds it
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
         self.rounding = self.device.rounding(self.spec.compute.precision)
@@ -275,6 +284,7 @@ class Trainer:
             "recipe": self.recipe.describe(),
             "device_memory": {"estimated_per_core": estimate(self.spec, self.recipe).total, "peak_per_rank": per_rank,
                               **self.memory},
+            "host_memory": host_memory(self.ctx, self.tokens),
         }
 
 

@@ -24,6 +24,7 @@ outputs are thrown away).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -74,6 +75,13 @@ class Recipe(ABC):
     @abstractmethod
     def fit(self, rows: pa.Table) -> None:
         """Learn the featurizer from the training rows (the same rows always give the same state)."""
+
+    def fit_batches(self, batches: Iterable[pa.Table]) -> None:
+        """`fit` on training rows that arrive a batch at a time (a training set need not fit in memory).
+        This default gathers them into one table for `fit`; a featurizer that can learn from a stream
+        (as the BPE tokenizer does) overrides it and holds only one batch at a time."""
+        tables = list(batches)
+        self.fit(pa.concat_tables(tables, promote_options="permissive") if len(tables) > 1 else tables[0])
 
     @abstractmethod
     def state(self) -> bytes:

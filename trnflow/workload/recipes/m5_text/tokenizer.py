@@ -91,7 +91,11 @@ class BpeTextRecipe(Recipe):
         return [self.data.text_field]
 
     def fit(self, rows: pa.Table) -> None:
-        self.tokenizer = train_tokenizer(self._texts(rows), self.params.vocab_size, self.params.seq_len)
+        self.fit_batches([rows])
+
+    def fit_batches(self, batches: Iterable[pa.Table]) -> None:
+        texts = (text for rows in batches for text in self._texts(rows))
+        self.tokenizer = train_tokenizer(texts, self.params.vocab_size, self.params.seq_len)
 
     def state(self) -> bytes:
         assert self.tokenizer is not None, "fit or load the tokenizer first"
