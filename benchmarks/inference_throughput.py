@@ -1,12 +1,13 @@
 """Embeddings/s of trnflow's inference stage against a bare `torch.inference_mode()` loop over the
 same model and data, and how the stage scales from 1 to 2 to 4 cores.
 
-The baseline runs in this process, batch by batch over the tokenized rows, on the threads the
-emulator gives a one-core job (the host's CPUs). trnflow's
-numbers come from real inference jobs through the local backend, one per core count, each into a
-fresh output folder (so nothing is reused): the compiled embed program from the compile cache,
-Parquet shards with their commit markers, and the manifest, included. rows/s counts the shard
-loop of the job (not process start-up), the same span the baseline times.
+Every core gets one host thread, pinned to a CPU of its own (`compute.threads_per_core: 1`), so
+that scaling measures the cores and not threads that one core could have used too. The baseline
+runs in this process on one thread, batch by batch over the tokenized rows. trnflow's numbers come
+from real inference jobs through the local backend, one per core count, each into a fresh output
+folder (so nothing is reused): the compiled embed program from the compile cache, Parquet shards
+with their commit markers, and the manifest, included. rows/s counts the shard loop of the job
+(not process start-up), the same span the baseline times.
 
     python benchmarks/inference_throughput.py [--rows 20000] [--shard-size 2500] [--cores 1 2 4] [--repeats 3]
 
@@ -38,8 +39,8 @@ from trnflow.workload.synth import synthesize
 
 
 def bare(spec, checkpoint: str, threads: int) -> float:
-    """Rows/s of a plain inference_mode loop over the same model, rows and batch size, on as many
-    threads as the emulator gives one core of a job on `cores` cores."""
+    """Rows/s of a plain inference_mode loop over the same model, rows and batch size, on `threads`
+    threads, as one core of the jobs has."""
     torch.set_num_threads(threads)
     recipe = recipe_for(spec)
     ckpt = load(checkpoint, recipe.featurizer_file)
@@ -70,13 +71,16 @@ def main() -> None:
         base = {"compile": {"cache_url": str(root / "cache")}, "train": {"steps": 10, "checkpoint_every": 10}}
         trained = run_job(backend, quickstart(root, **base), "train", "bench")
         first = args.cores[0]
-        threads = max(1, (os.cpu_count() or 1) // first)  # what the launcher gives each core's process
+        threads = 1  # each core's worker: threads_per_core
+        if max(args.cores) > (os.cpu_count() or 1):
+            print(f"note: {max(args.cores)} cores on {os.cpu_count()} CPUs share CPUs; their scaling is not the cores'")
         runs: dict[int, list[float]] = {c: [] for c in args.cores}
         bares = []
         for repeat in range(args.repeats):  # interleaved, so drift on the machine hits all alike
             bares.append(bare(quickstart(root, **base), trained["checkpoint"], threads))
             for cores in args.cores:
-                spec = quickstart(root, **base, compute={"cores_per_node": cores, "instance_type": "trn1.32xlarge"},
+                spec = quickstart(root, **base, compute={"cores_per_node": cores, "instance_type": "trn1.32xlarge",
+                                                         "threads_per_core": threads},
                                   inference={"output_url": str(root / f"out-{cores}-{repeat}"),
                                              "shard_size": args.shard_size})
                 runs[cores].append(run_job(backend, spec, "infer", "bench", trained["checkpoint"])["rows_per_s"])

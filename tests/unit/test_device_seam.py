@@ -3,18 +3,23 @@ stay the same tensors, host copies are the tensors themselves, and state dicts k
 and the compile half a runtime device shares with the Neuron compiler: its cache."""
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
+from tests.conftest import quickstart_data
 from trnflow.cli.app import app
 from trnflow.device.base import RecompileGuard
 from trnflow.device.cache import CompileCache, entry_name
 from trnflow.device.indexed import IndexedGraphs
 from trnflow.device.registry import get_device
 from trnflow.errors import Recompilation
-from trnflow.neuron.launch import compiler_cache_dir
+from trnflow.neuron.launch import PIN_CPUS_ENV, compiler_cache_dir, launch_env
+from trnflow.specs import validate_spec
 
 
 def test_on_the_cpu_nothing_is_copied_and_nests_keep_their_shape():
@@ -72,3 +77,20 @@ def test_a_runtime_devices_graphs_are_filed_beside_the_neuron_compilers_own_entr
     listed = json.loads(CliRunner().invoke(app, ["cache", "ls", str(tmp_path), "--json"]).stdout)
     assert {(e["compiler"], e["state"], e["origin"]) for e in listed} == {
         ("neuronxcc-2.15.128.0+56dc5a86", "done", "neuronx-cc"), (entry_name(key).split("/")[0], "done", "trnflow")}
+
+
+def test_threads_per_core_sets_each_workers_threads_and_pins_it_to_cpus_of_its_own(tmp_path):
+    shared = launch_env(validate_spec(quickstart_data()), [0, 1], "trn1.2xlarge", base={PIN_CPUS_ENV: "1"})
+    assert shared["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2)) and PIN_CPUS_ENV not in shared
+    pinned = launch_env(validate_spec(quickstart_data(compute={"threads_per_core": 1})), [0, 1], "trn1.2xlarge",
+                        base={})
+    assert pinned["OMP_NUM_THREADS"] == "1" and pinned[PIN_CPUS_ENV] == "1"
+    # In a process of its own, as a worker would: local rank r takes the r-th CPU it may run on.
+    probe = ("import os, sys; from trnflow.workload.context import pin_cpus; "
+             "allowed = sorted(os.sched_getaffinity(0)); got = pin_cpus(int(sys.argv[1]), 1); "
+             "print(got == sorted(os.sched_getaffinity(0)), got == allowed[int(sys.argv[1]):int(sys.argv[1]) + 1])")
+    allowed = len(os.sched_getaffinity(0))
+    last = subprocess.run([sys.executable, "-c", probe, str(allowed - 1)], capture_output=True, text=True, check=True)
+    assert last.stdout.split() == ["True", "True"]
+    beyond = subprocess.run([sys.executable, "-c", probe, str(allowed)], capture_output=True, text=True, check=True)
+    assert beyond.stdout.split() == ["True", "False"]  # more workers than CPUs: left to the scheduler

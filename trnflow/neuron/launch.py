@@ -111,11 +111,20 @@ def launch_command(phase: str, processes: int, job_dir: Path, run_id: str, check
     return argv
 
 
+PIN_CPUS_ENV = "TRNFLOW_PIN_CPUS"
+"""Set to 1 when the spec gives threads_per_core: each worker pins itself to CPUs of its own."""
+
+
 def launch_env(spec: JobSpec | None, cores: list[int], itype: str, base: dict[str, str] | None = None
                ) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    # One host thread per core: oversubscribed threads slow gloo training several-fold.
-    env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // len(cores)))
+    # The host's CPUs shared between the cores: oversubscribed threads slow gloo training several-fold.
+    threads = spec.compute.threads_per_core if spec is not None else None
+    env["OMP_NUM_THREADS"] = str(threads or max(1, (os.cpu_count() or 1) // len(cores)))
+    if threads:
+        env[PIN_CPUS_ENV] = "1"
+    else:
+        env.pop(PIN_CPUS_ENV, None)
     env["PYTHONUNBUFFERED"] = "1"
     env.update(neuron_env(spec, cores, itype))
     return env

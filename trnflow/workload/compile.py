@@ -70,7 +70,7 @@ def extract(spec: JobSpec, device: Device | None = None) -> list[Planned]:
 def _threads(spec: JobSpec) -> int:
     """The host threads each rank of the run will use. Inductor's CPU kernels specialise on the thread
     count, and its cache keys include it, so the compile must use the run's."""
-    return max(1, (os.cpu_count() or 1) // spec.compute.world_size)
+    return spec.compute.threads_per_core or max(1, (os.cpu_count() or 1) // spec.compute.world_size)
 
 
 def compile_one(spec_json: str, program: str, key: str, retry_failed: bool = False) -> dict:

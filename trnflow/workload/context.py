@@ -23,7 +23,7 @@ from trnflow.device.base import Device, FaultHooks, Lease, NoFaults
 from trnflow.device.registry import choose, get_device
 from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
-from trnflow.neuron.launch import INSTANCE_CORES_ENV
+from trnflow.neuron.launch import INSTANCE_CORES_ENV, PIN_CPUS_ENV
 from trnflow.specs import JobSpec
 
 T = TypeVar("T")
@@ -128,8 +128,10 @@ def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dic
     core_id = visible[local_rank]
     total = int(os.environ.get(INSTANCE_CORES_ENV, str(max(visible) + 1)))
     lease = device.claim([core_id], total, command=f"trnflow.workload {phase} rank {rank}")
-    # One host thread per core keeps ranks from fighting over CPUs (oversubscription is slow).
+    # The host's CPUs shared between the ranks keeps them from fighting over CPUs (oversubscription is slow).
     threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, world))
+    if os.environ.get(PIN_CPUS_ENV) == "1":
+        pin_cpus(local_rank, threads)
     torch.set_num_threads(threads)
     output_dir.mkdir(parents=True, exist_ok=True)
     timeout = spec.preflight.collective_timeout_seconds if spec else float(
@@ -150,6 +152,17 @@ def barrier(ctx: WorkerContext) -> None:
     """Wait until every rank gets here."""
     if ctx.world_size > 1:
         dist.barrier()
+
+
+def pin_cpus(local_rank: int, threads: int) -> list[int]:
+    """Pin this worker to CPUs of its own, the local_rank-th `threads` of those it may run on, when
+    the node's workers fit; otherwise leave it to the scheduler. The CPUs it runs on."""
+    allowed = sorted(os.sched_getaffinity(0))
+    mine = allowed[local_rank * threads:(local_rank + 1) * threads]
+    if len(mine) == threads:
+        os.sched_setaffinity(0, mine)
+        return mine
+    return allowed
 
 
 def gather_objects(ctx: WorkerContext, obj: Any) -> list[Any]:
