@@ -84,8 +84,10 @@ def make_venv(python: Path, where: Path) -> Path:
 
 def install_torch(venv_python: Path) -> None:
     """torch at pyproject's pin, from a wheel file on this machine only (the CPU build): from an index,
-    a torch for another Python would bring several GB of CUDA libraries. Its dependencies come as usual."""
-    local = pip(venv_python, "install", "--no-index", "--no-deps", f"torch=={TORCH}", cwd=venv_python.parents[2])
+    a torch for another Python would bring several GB of CUDA libraries. Its dependencies come as usual.
+    Not byte-compiled on install: of its thousands of modules the tests import a few, compiled then."""
+    local = pip(venv_python, "install", "--no-index", "--no-deps", "--no-compile", f"torch=={TORCH}",
+                cwd=venv_python.parents[2])
     if local.returncode:
         pytest.skip(f"no local wheel of torch {TORCH} for this Python: {local.stderr.strip()[-300:]}")
     deps = pip(venv_python, "install", f"torch=={TORCH}", cwd=venv_python.parents[2])

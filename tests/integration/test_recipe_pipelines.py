@@ -1,8 +1,9 @@
 """Recipes other than m5-text through the six stages. A model from outside trnflow, the example
 recipe `tabular-mlp` (examples/recipes, installed as a package of its own), on the local backend
-and on SageMaker and Batch in the mock cloud; and the built-in `hf-encoder`, locally and on
-SageMaker, whose export loads with transformers' own `from_pretrained`. The gate, the registry's
-promotion and the published predictions or embeddings are checked."""
+and on two Batch nodes in the mock cloud (the container finds the plug-in the same way on
+SageMaker); and the built-in `hf-encoder` on SageMaker, whose export loads with transformers' own
+`from_pretrained`. The gate, the registry's promotion and the published predictions or embeddings
+are checked."""
 
 from __future__ import annotations
 
@@ -93,16 +94,12 @@ def test_the_external_recipe_runs_the_six_stages_locally(prefect_api, tabular, t
     assert load(results["train"]["checkpoint"], "scaler.json").featurizer_file == "scaler.json"
 
 
-@pytest.mark.parametrize("service", ["sagemaker", "batch"])
-def test_the_external_recipe_runs_on_sagemaker_and_batch(
-        service, prefect_api, moto_endpoint, tmp_path, monkeypatch, tabular):
+def test_the_external_recipe_runs_on_two_batch_nodes(prefect_api, moto_endpoint, tmp_path, monkeypatch, tabular):
     import boto3
 
-    with _cloud(moto_endpoint, tmp_path, monkeypatch, tabular, in_process=service == "sagemaker") as (_, bucket):
-        compute = {"backend": service}
-        if service == "batch":  # two nodes, one core each
-            compute |= {"instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1,
-                        "share_identifier": "default", "fair_share": True}
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, tabular, in_process=False) as (_, bucket):
+        compute = {"backend": "batch", "instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1,
+                   "share_identifier": "default", "fair_share": True}
         spec = _spec(f"s3://{bucket}/reviews", f"s3://{bucket}/tabular", **compute)
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False)
@@ -138,29 +135,8 @@ def _check_export(read_dir: Path, checkpoint_state: dict) -> None:
     assert trained and all(torch.equal(loaded[k], v) for k, v in trained.items())
 
 
-def test_the_hugging_face_encoder_runs_the_six_stages_and_exports_with_save_pretrained(
-        prefect_api, make_spec, tmp_path):
-    spec = _hf_spec(make_spec, tmp_path)
-    state = pipeline(spec, return_state=True)
-    outcome = state.result(raise_on_failure=False).model_dump(mode="json")
-    assert state.is_completed(), outcome
-    assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
-    results = outcome["results"]
-    assert results["train"]["recipe"]["recipe"] == "hf-encoder"
-    assert results["promote"]["version"] == results["evaluate"]["registry"]["version"]
-    assert results["infer"]["published"] == "embeddings"
-    champion = Registry(spec.registry_url).champion(spec.name)
-    export = Path(champion.entry["export"].removeprefix("file://"))
-    assert {"config.json", "model.safetensors", "head.pt", "tokenizer.json", "EXPORTED"} <= {
-        p.name for p in export.iterdir()}
-    _check_export(export, load(results["train"]["checkpoint"]).model)
-    shard = results["infer"]["shards"][0]["file"]
-    table = pq.read_table(Path(results["infer"]["output_url"].removeprefix("file://")) / shard)
-    assert len(table.column("embedding")[0]) == HF_PARAMS["config"]["hidden_size"]
-
-
-def test_the_hugging_face_encoder_runs_on_sagemaker(prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch,
-                                                    dataset):
+def test_the_hugging_face_encoder_runs_the_six_stages_on_sagemaker_and_exports_with_save_pretrained(
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
     import boto3
 
     with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, in_process=True) as (_, bucket):
@@ -173,6 +149,11 @@ def test_the_hugging_face_encoder_runs_on_sagemaker(prefect_api, make_spec, moto
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False).model_dump(mode="json")
         assert state.is_completed(), outcome
+        assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
+        results = outcome["results"]
+        assert results["train"]["recipe"]["recipe"] == "hf-encoder"
+        assert results["promote"]["version"] == results["evaluate"]["registry"]["version"]
+        assert results["infer"]["published"] == "embeddings"
         champion = Registry(spec.registry_url).champion(spec.name)
         prefix = champion.entry["export"].removeprefix(f"{s3}/")
         client = boto3.client("s3")
@@ -180,4 +161,10 @@ def test_the_hugging_face_encoder_runs_on_sagemaker(prefect_api, make_spec, moto
         folder.mkdir()
         for key in _keys(client, bucket, f"{prefix}/"):
             client.download_file(bucket, key, str(folder / key.rsplit("/", 1)[-1]))
-        _check_export(folder, load(outcome["results"]["train"]["checkpoint"]).model)
+        assert {"config.json", "model.safetensors", "head.pt", "tokenizer.json", "EXPORTED"} <= {
+            p.name for p in folder.iterdir()}
+        _check_export(folder, load(results["train"]["checkpoint"]).model)
+        shard = results["infer"]["shards"][0]["file"]
+        key = f"{results['infer']['output_url'].removeprefix(f'{s3}/')}/{shard}"
+        table = pq.read_table(io.BytesIO(client.get_object(Bucket=bucket, Key=key)["Body"].read()))
+        assert len(table.column("embedding")[0]) == HF_PARAMS["config"]["hidden_size"]
