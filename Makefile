@@ -53,7 +53,7 @@ test: install
 
 # The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests.
 test-main: lint test-fast chromium
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=15 tests/integration infra/tests \
+	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=30 tests/integration infra/tests \
 	  tests/unit -m "not unit or slow"
 
 # The XLA lane: torch-xla's CPU runtime (PJRT_DEVICE=CPU) runs the `xla` device's lazy-tensor program
