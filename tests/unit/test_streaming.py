@@ -113,3 +113,33 @@ def test_the_inference_digest_is_the_one_the_plan_always_had(tmp_path, small_bat
     assert got.digest == want.hexdigest()
     assert got.ids.to_pylist() == table.column("id").to_pylist()
     assert torch.equal(got.features[torch.arange(300)], recipe.features(table.select(TEXT)))
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "csv"])
+def test_a_column_empty_in_the_first_pieces_and_text_later_reads_as_a_whole_read_does(tmp_path, fmt, small_batches):
+    """Column types are inferred a piece at a time, so text after 2,000 empty rows is still text,
+    and a count after 2,000 whole numbers may have a fraction."""
+    rows = [{"id": f"r{i}", "text": None if i < 2000 else f"late {i}", "label": i % 2, "x": 1 if i < 2000 else 1.5}
+            for i in range(2010)]
+    folder = tmp_path / "train"
+    folder.mkdir()
+    if fmt == "jsonl":
+        (folder / "part.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        (folder / "part.csv").write_text("id,text,label,x\n" + "".join(
+            f"{r['id']},{r['text'] or ''},{r['label']},{r['x']}\n" for r in rows))
+    spec = _spec(tmp_path, fmt)
+    table = read_labelled(data_files(spec.train, fmt), spec, ["text", "x"], 2, spec.train).table
+    assert table.column("text").to_pylist()[-1] == "late 2009" and table.column("x").to_pylist()[-1] == 1.5
+
+
+def test_a_quoted_line_break_in_a_csv_field_never_splits_its_record(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_module, "BLOCK_BYTES", 64)  # pieces far shorter than a record
+    texts = [f'line one of {i}\nline "two" of {i}, with a comma' for i in range(50)]
+    folder = tmp_path / "train"
+    folder.mkdir()
+    (folder / "part.csv").write_text("id,text,label\n" + "".join(
+        f'r{i},"{t.replace(chr(34), chr(34) * 2)}",{i % 2}\n' for i, t in enumerate(texts)))
+    spec = _spec(tmp_path, "csv")
+    rows = read_labelled(data_files(spec.train, "csv"), spec, TEXT, 2, spec.train)
+    assert rows.table.column("text").to_pylist() == texts and rows.labels.tolist() == [i % 2 for i in range(50)]

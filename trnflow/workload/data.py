@@ -15,6 +15,7 @@ and its files: skipping it would let the watermark pass a day that was never tra
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -43,7 +44,56 @@ POLARITY_COLUMNS = ["label", "title", "content"]
 BATCH_ROWS = 8192
 """Rows a read hands on at a time: a file of any size is read in batches of at most this many rows."""
 BLOCK_BYTES = 1 << 20
-"""Bytes of JSONL or CSV parsed at a time."""
+"""Bytes of JSONL or CSV read and parsed at a time."""
+
+
+def _records(handle, quoted: bool) -> Iterator[bytes]:
+    """The file's bytes about BLOCK_BYTES at a time, each piece ending at the end of a line that ends a
+    record. With `quoted` (CSV), a line break inside a quoted field does not end a record: one that
+    follows an even number of '"' since the start of the file does (a quote in a field is doubled)."""
+    carry, quotes = b"", 0  # the unfinished record, and the quotes before it
+    while block := handle.read(BLOCK_BYTES):
+        data, cut = carry + block, len(carry) + len(block)
+        while (cut := data.rfind(b"\n", 0, cut)) >= 0:
+            if not quoted or (quotes + data.count(b'"', 0, cut)) % 2 == 0:
+                break
+        if cut < 0:  # no record ends in this block yet
+            carry = data
+            continue
+        if quoted:
+            quotes += data.count(b'"', 0, cut + 1)
+        yield data[: cut + 1]
+        carry = data[cut + 1:]
+    if carry.strip():
+        yield carry
+
+
+def _parse(fmt: str, data: bytes) -> pa.Table:
+    """One piece of a JSONL or CSV file. Column types are inferred from the piece: a column can be
+    empty in one and text in the next, and later steps take either."""
+    if fmt == "jsonl":
+        return pajson.read_json(pa.BufferReader(data))
+    names = POLARITY_COLUMNS if fmt == "amazon-polarity" else None
+    # Text that is not UTF-8 stays a string column, refused with the fix in _stream_columns.
+    return pacsv.read_csv(pa.BufferReader(data), read_options=pacsv.ReadOptions(column_names=names),
+                          convert_options=pacsv.ConvertOptions(check_utf8=False))
+
+
+def _text_pieces(handle, fmt: str) -> Iterator[pa.Table]:
+    """A JSONL or CSV file a piece at a time; a CSV header goes in front of every piece."""
+    header = b""
+    pieces = _records(handle, quoted=fmt != "jsonl")
+    if fmt == "csv":
+        header = next(pieces, b"")
+        first = header.find(b"\n") + 1 if b"\n" in header else len(header)
+        header, rest = header[:first], header[first:]  # the first piece: the header line, then records
+        pieces = itertools.chain([rest] if rest else [], pieces)
+    empty = True
+    for piece in pieces:
+        empty = False
+        yield _parse(fmt, header + piece)
+    if empty:  # the columns of a file with none (or the parser's own words for an empty file)
+        yield _parse(fmt, header)
 
 
 def _stream_file(file: DataFile, fmt: str) -> Iterator[pa.Table]:
@@ -51,27 +101,22 @@ def _stream_file(file: DataFile, fmt: str) -> Iterator[pa.Table]:
     rows gives one empty table, so that its columns can still be checked."""
     try:
         with file.store.open(file.name) as handle:
-            source = pa.PythonFile(handle, mode="r")
             if fmt == "parquet":
-                parquet = pq.ParquetFile(source)
-                schema, batches = parquet.schema_arrow, parquet.iter_batches(batch_size=BATCH_ROWS)
-            elif fmt == "jsonl":
-                reader = pajson.open_json(source, read_options=pajson.ReadOptions(block_size=BLOCK_BYTES))
-                schema, batches = reader.schema, reader
+                parquet = pq.ParquetFile(pa.PythonFile(handle, mode="r"))
+                tables = (pa.Table.from_batches([b]) for b in parquet.iter_batches(batch_size=BATCH_ROWS))
+                empty = parquet.schema_arrow.empty_table()
             else:
-                names = POLARITY_COLUMNS if fmt == "amazon-polarity" else None
-                # Text that is not UTF-8 stays a string column, refused with the fix in _stream_columns.
-                reader = pacsv.open_csv(source, read_options=pacsv.ReadOptions(block_size=BLOCK_BYTES,
-                                                                                column_names=names),
-                                        convert_options=pacsv.ConvertOptions(check_utf8=False))
-                schema, batches = reader.schema, reader
-            empty = True
-            for batch in batches:
-                for first in range(0, batch.num_rows, BATCH_ROWS):
-                    empty = False
-                    yield pa.Table.from_batches([batch.slice(first, BATCH_ROWS)])
-            if empty:
-                yield schema.empty_table()
+                tables, empty = _text_pieces(handle, fmt), None
+            rows = False
+            for table in tables:
+                if not table.num_rows:
+                    empty = table if empty is None else empty
+                    continue
+                rows = True
+                for first in range(0, table.num_rows, BATCH_ROWS):
+                    yield table.slice(first, BATCH_ROWS)
+            if not rows and empty is not None:
+                yield empty
     except (pa.ArrowInvalid, OSError, UnicodeDecodeError) as exc:
         raise DataError(f"{file.url}: cannot be read as {fmt} ({exc}); fix or remove the file "
                         "(or check data.format)") from None
