@@ -54,6 +54,20 @@ def _shard_table(ids: list, out: torch.Tensor, version: str, embeds: bool) -> pa
     return pa.table({**columns, "model_version": pa.array([version] * len(ids))})
 
 
+def _outputs(program, batches, rows: int) -> torch.Tensor:
+    """The program's outputs for `rows` rows, copied batch by batch into one tensor: a compiled
+    program's output keeps more than itself alive, so a shard's outputs are not kept as a list."""
+    values, done = None, 0
+    for batch, real in batches:
+        out = program(batch)[:real]
+        if values is None:
+            values = torch.empty(rows, *out.shape[1:], dtype=torch.float32)
+        values[done:done + real] = out
+        done += real
+    assert values is not None and done == rows
+    return values
+
+
 def run(ctx: WorkerContext, checkpoint: str) -> dict:
     spec = ctx.spec
     icfg = spec.inference
@@ -101,8 +115,7 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
         marker = committed(out, shard, plan)
         reused = marker is not None
         if marker is None:
-            batches = static_batches(tokens, torch.arange(lo, hi), icfg.batch_size)
-            values = torch.cat([outputs(batch)[:real] for batch, real in batches]).float()
+            values = _outputs(outputs, static_batches(tokens, torch.arange(lo, hi), icfg.batch_size), hi - lo)
             data = _parquet_bytes(_shard_table(ids.slice(lo, hi - lo).to_pylist(), values, version, recipe.embeds))
             marker = {"shard": shard, "rows": hi - lo, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
                       "plan": plan, "model_version": version}
