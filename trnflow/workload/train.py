@@ -42,8 +42,10 @@ def _rng_state(sr_gen: torch.Generator) -> dict:
 
 
 def _featurizer(ctx: WorkerContext, recipe: Recipe, start: Start, rows: Callable[[], Iterator[pa.Table]]) -> None:
-    """The parent's featurizer, or one fitted on this run's rows (`rows()` streams them) by rank 0
-    and shared with all."""
+    """The parent's featurizer, or one fitted on this run's rows (`rows()` streams them). Every rank
+    fits it, as every rank featurizes every row: the same rows give the same state, and no rank
+    waits for another's fit on a large set (a wait longer than the collective timeout would look
+    like a hung rank). Should a recipe's fit differ between processes, rank 0's is everyone's."""
     source = start.source
     if source is not None and source.featurizer is not None:
         recipe.load(source.featurizer, source.url)
@@ -51,10 +53,11 @@ def _featurizer(ctx: WorkerContext, recipe: Recipe, start: Start, rows: Callable
     if source is not None:
         ctx.log("warning", message=f"{source.url} has no {recipe.featurizer_file} beside it, so a new featurizer is "
                 "fitted; put the one the weights were trained with beside the file to keep the features the same")
-    if ctx.is_main:
-        recipe.fit_batches(rows())
-    shared = gather_objects(ctx, recipe.state() if ctx.is_main else None)[0]
-    recipe.load(shared, "the fitted featurizer")
+    recipe.fit_batches(rows())
+    state = recipe.state()
+    if len(set(gather_objects(ctx, hashlib.sha256(state).hexdigest()))) > 1:
+        shared = gather_objects(ctx, state if ctx.is_main else None)[0]
+        recipe.load(shared, "rank 0's fitted featurizer")
 
 
 def _skipped(ctx: WorkerContext, start: Start) -> dict:
