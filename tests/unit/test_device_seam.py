@@ -86,7 +86,7 @@ def test_threads_per_core_sets_each_workers_threads_and_pins_it_to_cpus_of_its_o
                         base={})
     assert pinned["OMP_NUM_THREADS"] == "1" and pinned[PIN_CPUS_ENV] == "1"
     # In a process of its own, as a worker would: local rank r takes the r-th CPU it may run on.
-    probe = ("import os, sys; from trnflow.workload.context import pin_cpus; "
+    probe = ("import os, sys; from trnflow.neuron.launch import pin_cpus; "
              "allowed = sorted(os.sched_getaffinity(0)); got = pin_cpus(int(sys.argv[1]), 1); "
              "print(got == sorted(os.sched_getaffinity(0)), got == allowed[int(sys.argv[1]):int(sys.argv[1]) + 1])")
     allowed = len(os.sched_getaffinity(0))

@@ -115,6 +115,17 @@ PIN_CPUS_ENV = "TRNFLOW_PIN_CPUS"
 """Set to 1 when the spec gives threads_per_core: each worker pins itself to CPUs of its own."""
 
 
+def pin_cpus(local_rank: int, threads: int) -> list[int]:
+    """Pin this worker to CPUs of its own, the local_rank-th `threads` of those it may run on, when
+    the node's workers fit; otherwise leave it to the scheduler. The CPUs it runs on."""
+    allowed = sorted(os.sched_getaffinity(0))
+    mine = allowed[local_rank * threads:(local_rank + 1) * threads]
+    if len(mine) == threads:
+        os.sched_setaffinity(0, mine)
+        return mine
+    return allowed
+
+
 def launch_env(spec: JobSpec | None, cores: list[int], itype: str, base: dict[str, str] | None = None
                ) -> dict[str, str]:
     env = dict(os.environ if base is None else base)

@@ -23,7 +23,7 @@ from trnflow.device.base import Device, FaultHooks, Lease, NoFaults
 from trnflow.device.registry import choose, get_device
 from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
-from trnflow.neuron.launch import INSTANCE_CORES_ENV, PIN_CPUS_ENV
+from trnflow.neuron.launch import INSTANCE_CORES_ENV, PIN_CPUS_ENV, pin_cpus
 from trnflow.specs import JobSpec
 
 T = TypeVar("T")
@@ -152,17 +152,6 @@ def barrier(ctx: WorkerContext) -> None:
     """Wait until every rank gets here."""
     if ctx.world_size > 1:
         dist.barrier()
-
-
-def pin_cpus(local_rank: int, threads: int) -> list[int]:
-    """Pin this worker to CPUs of its own, the local_rank-th `threads` of those it may run on, when
-    the node's workers fit; otherwise leave it to the scheduler. The CPUs it runs on."""
-    allowed = sorted(os.sched_getaffinity(0))
-    mine = allowed[local_rank * threads:(local_rank + 1) * threads]
-    if len(mine) == threads:
-        os.sched_setaffinity(0, mine)
-        return mine
-    return allowed
 
 
 def gather_objects(ctx: WorkerContext, obj: Any) -> list[Any]:
