@@ -195,11 +195,6 @@ def iter_table(files: list[DataFile], spec: DataSpec, columns: list[str]) -> Ite
             yield table
 
 
-def read_table(files: list[DataFile], spec: DataSpec, columns: list[str]) -> pa.Table:
-    """`iter_table`'s batches as one table."""
-    return _concat(list(iter_table(files, spec, columns)))
-
-
 def _check_labels(column: pa.ChunkedArray, url: str, field: str, num_classes: int, first: int = 0) -> None:
     """One batch's labels must be integer class ids 0..num_classes-1; rows count from 0 in the file,
     whose row `first` the batch starts at."""

@@ -71,7 +71,7 @@ class FeatureRows:
         return math.prod(self.shape) * self.dtype.itemsize
 
     def _write(self, features: torch.Tensor) -> None:
-        self._file.write(features.contiguous().numpy().tobytes())
+        self._file.write(features.contiguous().numpy())  # its buffer, not a copy of it
 
     def finish(self) -> FeatureRows:
         if self._file is not None:
