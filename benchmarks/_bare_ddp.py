@@ -7,6 +7,7 @@ for the data (the step costs the same). Rank 0 prints one JSON line with the med
 """
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -28,6 +29,10 @@ def main() -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
     torch.set_num_threads(1)
+    # Each rank on a CPU of its own, as trnflow's workers are with compute.threads_per_core: 1.
+    allowed = sorted(os.sched_getaffinity(0))
+    if len(allowed) >= dist.get_world_size():
+        os.sched_setaffinity(0, [allowed[int(os.environ["LOCAL_RANK"])]])
     recipe, batch = recipe_for(spec), spec.per_core_batch
     model = build_model(recipe, spec.train.seed)
     # Compiled as trnflow compiles it: the model's own graph, with DDP around it.

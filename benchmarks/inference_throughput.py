@@ -3,7 +3,8 @@ same model and data, and how the stage scales from 1 to 2 to 4 cores.
 
 Every core gets one host thread, pinned to a CPU of its own (`compute.threads_per_core: 1`), so
 that scaling measures the cores and not threads that one core could have used too. The baseline
-runs in this process on one thread, batch by batch over the tokenized rows. trnflow's numbers come
+runs in this process on one thread, pinned to the CPU a one-core job's worker gets, batch by
+batch over the tokenized rows. trnflow's numbers come
 from real inference jobs through the local backend, one per core count, each into a fresh output
 folder (so nothing is reused): the compiled embed program from the compile cache, Parquet shards
 with their commit markers, and the manifest, included. rows/s counts the shard loop of the job
@@ -40,8 +41,17 @@ from trnflow.workload.synth import synthesize
 
 def bare(spec, checkpoint: str, threads: int) -> float:
     """Rows/s of a plain inference_mode loop over the same model, rows and batch size, on `threads`
-    threads, as one core of the jobs has."""
+    threads pinned to the CPUs a one-core job's worker is pinned to, as that core has."""
     torch.set_num_threads(threads)
+    allowed = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, sorted(allowed)[:threads])
+    try:
+        return _bare_loop(spec, checkpoint)
+    finally:
+        os.sched_setaffinity(0, allowed)
+
+
+def _bare_loop(spec, checkpoint: str) -> float:
     recipe = recipe_for(spec)
     ckpt = load(checkpoint, recipe.featurizer_file)
     model = build_model(recipe, spec.train.seed)

@@ -1,14 +1,15 @@
 """trnflow's training stage against the best bare PyTorch DDP loop of the same model, batch and world size.
 
 The baseline is the faster of two bare loops, each its own torchrun process group on gloo with one
-thread per rank: plain eager, and the model under `torch.compile` (TorchInductor) with DDP around
+thread per rank, each rank pinned to a CPU of its own (as trnflow's workers are, with
+`compute.threads_per_core: 1`): plain eager, and the model under `torch.compile` (TorchInductor) with DDP around
 it. Whichever has the better median step is the one trnflow is held to. trnflow's number comes from
 a real training job through the local backend: the compiled train program from the compile cache,
 the sampler, stochastic rounding when the spec asks for it, logging and a checkpoint every
 `checkpoint_every` steps included. Each reports its median step time after the graph is loaded
 or compiled. Goal: a samples/s ratio of at least 0.95.
 
-    python benchmarks/train_throughput.py [--steps 60] [--ranks 2] [--optlevel 1] [--repeats 3]
+    python benchmarks/train_throughput.py [--steps 300] [--ranks 2] [--optlevel 1] [--repeats 5]
 
 The last line printed is JSON (`_report`'s shape), with {"trnflow_samples_per_s",
 "bare_samples_per_s", "ratio", "baseline", "bare_eager_samples_per_s", "bare_compiled_samples_per_s"}.
@@ -41,17 +42,17 @@ def trnflow(backend: LocalBackend, spec, run_id: str) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--optlevel", type=int, default=1, choices=[1, 2, 3])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "bf16-rne", "bf16-sr"])
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         scratch_home(root)
         spec = quickstart(root, compute={"cores_per_node": args.ranks, "instance_type": "trn1.32xlarge",
-                                         "precision": args.precision},
+                                         "precision": args.precision, "threads_per_core": 1},
                           compile={"optlevel": args.optlevel, "cache_url": str(root / "cache")},
                           train={"steps": args.steps, "checkpoint_every": args.steps // 2, "log_every": 10})
         spec_file = root / "spec.json"

@@ -96,13 +96,15 @@ def test_a_recipe_without_embeddings_publishes_predictions_and_class_probabiliti
     from trnflow.workload.infer import _shard_table
 
     logits = torch.tensor([[2.0, 0.0], [0.0, 3.0]])
-    table = _shard_table(["a", "b"], logits, "run/step-2", embeds=False)
+    table = _shard_table(pa.array(["a", "b"]), logits, "run/step-2", embeds=False)
     assert table.column_names == ["id", "prediction", "probabilities", "model_version"]
     assert table.column("prediction").to_pylist() == [0, 1]
     probabilities = table.column("probabilities").to_pylist()
     assert all(abs(sum(p) - 1) < 1e-6 for p in probabilities) and probabilities[0][0] > 0.8
-    embedded = _shard_table(["a", "b"], logits, "run/step-2", embeds=True)
+    embedded = _shard_table(pa.array(["a", "b"]), logits, "run/step-2", embeds=True)
     assert embedded.column_names == ["id", "embedding", "model_version"]
+    assert embedded.column("embedding").to_pylist() == [[2.0, 0.0], [0.0, 3.0]]
+    assert embedded.column("id").to_pylist() == ["a", "b"]
 
 
 class TestTabularMLP(RecipeContract):

@@ -118,6 +118,30 @@ def test_cache_key_is_the_same_for_the_same_model_and_flags():
         assert _keys(model, tokens) != keys[0]  # no backward: another program
 
 
+def test_a_run_at_o1_counts_each_graph_against_the_cache_then_runs_the_captured_graph(tmp_path):
+    """O1 builds no code, so a run executes the captured graph itself (not its lowered ATen graphs),
+    after the cache lookup and the recompilation guard; the gradients are eager's."""
+    from trnflow.device.base import RecompileGuard
+    from trnflow.device.cache import CompileCache
+    from trnflow.emulator.jit import CachedCompiler
+
+    flags = compiler.compile_flags(1, "fp32")
+    gm = torch.fx.symbolic_trace(torch.nn.Linear(3, 2))
+    assert compiler.runnable(gm, [torch.ones(1, 3)], flags) == gm.forward
+    assert compiler.runnable(gm, [torch.ones(1, 3)], compiler.compile_flags(2, "fp32")) != gm.forward
+
+    model, tokens = build_model(tiny_m5(dropout=0.0), seed=0), torch.ones(4, 8, dtype=torch.long)
+    runner = CachedCompiler(flags, CompileCache(str(tmp_path / "cache")), mode="run", guard=RecompileGuard(limit=1),
+                            inductor_dir=tmp_path / "inductor")
+    torch._dynamo.reset()
+    torch.compile(model, backend=runner, fullgraph=True, dynamic=False)(tokens).sum().backward()
+    ran = [p.grad.clone() for p in model.parameters()]
+    assert [s.outcome for s in runner.seen] == ["recompiled"] and runner.guard.count == 1  # an empty cache: a miss
+    model.zero_grad()
+    model(tokens).sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(ran, model.parameters(), strict=True))
+
+
 def test_without_drop_last_the_epoch_ends_with_a_smaller_batch():
     dropping = StepSampler(100, 32, rank=1, world=2, seed=1)
     keeping = StepSampler(100, 32, rank=1, world=2, seed=1, drop_last=False)

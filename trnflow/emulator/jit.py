@@ -10,8 +10,9 @@ depends on the mode:
   folder, which the compile worker then packs into the persistent cache;
 - `run`: a graph whose key is in the persistent cache is a hit: its artifact (the Inductor cache
   it was built into) is unpacked into this process's private Inductor folder, so lowering finds
-  the kernels already built. Any other graph is a recompilation: counted, logged with its shapes,
-  and fatal when `fail_on_recompile` is set.
+  the kernels already built (at O1, which builds none, the captured graph runs: `runnable`). Any
+  other graph is a recompilation: counted, logged with its shapes, and fatal when
+  `fail_on_recompile` is set.
 
 The private Inductor folder (TORCHINDUCTOR_CACHE_DIR) keeps a machine-wide Inductor cache from
 making a cold compile look warm, or a miss look like a hit.
@@ -29,7 +30,7 @@ from typing import Any
 
 from trnflow.device.base import CompileMetrics, RecompileGuard, Seen, summarise
 from trnflow.device.cache import CompileCache, CorruptEntry, entry_name, miss_reason
-from trnflow.emulator.compiler import Graph, cache_key, lower, unpack_into
+from trnflow.emulator.compiler import Graph, cache_key, lower, runnable, unpack_into
 
 Log = Callable[..., None]
 
@@ -74,7 +75,7 @@ class CachedCompiler:
             self.seen.append(Seen(self.program, key, graph, "compiled", seconds=time.perf_counter() - began))
             return compiled
         reason = self._load(key, graph)
-        compiled = lower(gm, example_inputs, self.flags)
+        compiled = runnable(gm, example_inputs, self.flags)
         seen = Seen(self.program, key, graph, "hit" if not reason else "recompiled", reason,
                     time.perf_counter() - began)
         self.seen.append(seen)
