@@ -61,10 +61,13 @@ def main() -> None:
         trnflow(backend, spec, "warm-up")  # compiles the train program into the cache once
         ours: list[float] = []
         theirs: dict[str, list[float]] = {mode: [] for mode in BARE}
-        for i in range(args.repeats):  # interleaved, so drift on the machine hits all alike
-            for mode in BARE:
-                theirs[mode].append(bare(spec_file, args.ranks, args.steps, mode))
-            ours.append(trnflow(backend, spec, f"run-{i}"))
+        runs = ("trnflow", *BARE)
+        for i in range(args.repeats):  # interleaved, each repeat starting with another, so drift hits all alike
+            for what in runs[i % len(runs):] + runs[:i % len(runs)]:
+                if what == "trnflow":
+                    ours.append(trnflow(backend, spec, f"run-{i}"))
+                else:
+                    theirs[what].append(bare(spec_file, args.ranks, args.steps, what))
             print(f"repeat {i + 1}: step ms trnflow {ours[-1] * 1000:.2f}, "
                   + ", ".join(f"bare {m} {theirs[m][-1] * 1000:.2f}" for m in BARE), flush=True)
     batch = spec.train.global_batch_size
