@@ -111,7 +111,7 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     outputs = programs.embed if recipe.embeds else programs.logits  # predictions, for a recipe without embeddings
     if mine:
         first = outputs(next(static_batches(tokens, torch.arange(1), icfg.batch_size))[0])
-        _parquet_bytes(_shard_table(ids.slice(0, 1), first[:1], version, recipe.embeds))
+        _parquet_bytes(_shard_table(ids.slice(0, 1), first[:1].float(), version, recipe.embeds))
     load_seconds = time.perf_counter() - loading
     shards, written, began = [], 0, time.perf_counter()
     for ordinal, shard in enumerate(mine, start=1):
