@@ -33,8 +33,10 @@ from trnflow.workload.synth import synthesize
 ROWS_PER_SHARD = 2
 
 
-def one_size(backend: LocalBackend, root: Path, checkpoint: str, shards: int, tag: str) -> float:
-    """Seconds to run `shards` shards killed a quarter through, rerun them to the end and publish."""
+def one_size(backend: LocalBackend, root: Path, checkpoint: str, shards: int, tag: str, repeat: int) -> float:
+    """Seconds to run `shards` shards killed a quarter through, rerun them to the end and publish.
+    A fault fires once per checkpoint's run (its marker is kept there), so each repeat kills at a
+    shard of its own."""
     data = root / f"data-{shards}"
     if not data.exists():
         synthesize(data, days=1, rows_per_day=50, seed=5, holdout_rows=10, inference_rows=shards * ROWS_PER_SHARD)
@@ -43,7 +45,7 @@ def one_size(backend: LocalBackend, root: Path, checkpoint: str, shards: int, ta
                 "compile": {"cache_url": str(root / "cache")}, "train": {"steps": 10, "checkpoint_every": 10},
                 "inference": {"shard_size": ROWS_PER_SHARD, "output_url": version_url(str(published), 1)}}
     began = time.perf_counter()
-    killed = quickstart(root, **sections, faults=[{"kind": "kill", "core": 0, "step": max(2, shards // 8)}])
+    killed = quickstart(root, **sections, faults=[{"kind": "kill", "core": 0, "step": max(2, shards // 8) + repeat}])
     info = wait(backend, backend.submit(JobRequest(killed, "infer", tag, checkpoint=checkpoint)), 0.1)
     if info.state is not JobState.FAILED:
         raise SystemExit(f"the killed run of {shards} shards ended {info.state}, not failed")
@@ -72,7 +74,7 @@ def main() -> None:
         slopes = []
         for repeat in range(args.repeats):
             for n in args.sizes:
-                seconds[n].append(one_size(backend, root, checkpoint, n, f"r{repeat}-{n}"))
+                seconds[n].append(one_size(backend, root, checkpoint, n, f"r{repeat}-{n}", repeat))
             first = (seconds[middle][-1] - seconds[small][-1]) / (middle - small)
             second = (seconds[large][-1] - seconds[middle][-1]) / (large - middle)
             slopes.append(second / first)
