@@ -77,6 +77,7 @@ def test_data_synth_writes_partitions(tmp_path):
                      "train/dt=2026-01-01/part-00000.parquet", "train/dt=2026-01-02/part-00000.parquet"]
 
 
+@pytest.mark.slow  # a real process importing the CLI (and Prefect): with the integration tests
 def test_the_installed_command_runs_in_a_real_process():
     exe = [sys.executable, "-m", "trnflow.cli"]
     proc = subprocess.run([*exe, "validate", str(EXAMPLES / "quickstart.yaml")], capture_output=True, text=True,
@@ -295,6 +296,7 @@ def test_data_check_reports_every_day_and_fails_on_one_without_readable_rows(tmp
         table.stderr.split())
 
 
+@pytest.mark.slow  # a real process importing the CLI (and Prefect): with the integration tests
 def test_run_gives_prefect_its_startup_timeout_before_prefect_is_first_imported(make_spec, tmp_path):
     """Prefect reads its settings when first imported, and `trnflow run` imports its flows before it runs them."""
     spec = tmp_path / "spec.yaml"

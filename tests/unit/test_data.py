@@ -117,6 +117,7 @@ def test_a_missing_dataset_says_where_it_looked(tmp_path):
 TEXTS = ["the kettle is very sturdy", "broken lid and slow motor", "my lamp arrived late", "great strap"] * 50
 
 
+@pytest.mark.slow  # a second Python process importing torch: with the integration tests
 def test_the_tokenizer_is_fixed_shape_and_the_same_in_every_process():
     tok = train_tokenizer(TEXTS, 512, 8)
     out = tok.encode(["the kettle is very sturdy", "", "great strap " * 20])
