@@ -16,7 +16,7 @@ from trnflow.lifecycle.locations import check_locations
 from trnflow.reporting.cost import stage_cost, total
 from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
-from trnflow.results import Cost, CostRow, RunOutcome, StageResult, StageRow, TrainResult
+from trnflow.results import Cost, CostRow, RunOutcome, SanityResult, StageResult, StageRow, TrainResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
@@ -117,8 +117,10 @@ def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[i
     """Sanity, collectives, compile and train: the cores verified and the training result. When
     training found no new data, the `later` stages are recorded as skipped."""
     check_locations(stage.spec)  # a location it cannot write fails the run now, not after training
-    cores = stage("sanity", sanity_check).cores or []
-    stage("collectives", collective_test, cores)
+    checked = stage("sanity", sanity_check)
+    assert isinstance(checked, SanityResult)
+    cores = checked.cores or []
+    stage("collectives", collective_test, cores, swept=checked.collectives)
     stage("compile", compile_graphs, cores)
     trained = stage("train", train_model, cores)
     assert isinstance(trained, TrainResult)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prefect import task
+from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from trnflow.errors import FatalError
@@ -14,11 +14,24 @@ from trnflow.tasks._jobs import run_job
 
 
 @task(name="collectives", cache_policy=NO_CACHE)
-def collective_test(spec: JobSpec, run_id: str, cores: list[int]) -> CollectivesResult:
+def collective_test(spec: JobSpec, run_id: str, cores: list[int],
+                    swept: CollectivesResult | None = None) -> CollectivesResult:
     """All-reduce sweep across the verified cores, every result checked; enforces the spec's
-    bus-bandwidth and latency thresholds."""
-    result = run_job(spec, "collectives", run_id, cores=cores)
+    bus-bandwidth and latency thresholds.
+
+    Args:
+        swept: the sweep the sanity job already ran between these cores; without it, a job sweeps.
+
+    Raises:
+        FatalError: wrong results (naming the cores that sent corrupted data), or a threshold missed.
+    """
+    result = run_job(spec, "collectives", run_id, cores=cores) if swept is None else swept
     assert isinstance(result, CollectivesResult)
+    if not result.passed:
+        raise FatalError(result.note or "wrong collective results", bad_cores=result.bad_cores)
+    if swept is not None:
+        get_run_logger().info("the sanity job swept the links between the same %d core(s): no job of its own",
+                              swept.ranks)
     if result.avg_busbw is None:
         result.summary = result.note or "skipped"
         return result

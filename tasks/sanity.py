@@ -23,10 +23,12 @@ def sanity_check(spec: JobSpec, run_id: str) -> SanityResult:
     """Known-answer tests of every engine of each core the job is placed on.
 
     With `preflight.exclude_bad_cores`, cores that fail are excluded and another placement is
-    checked, until a healthy set is found or too few cores remain.
+    checked, until a healthy set is found or too few cores remain. The job that finds every core
+    healthy also sweeps the collectives between them, for the collectives stage.
 
     Returns:
-        The per-core results; `cores` lists the verified cores the later stages run on.
+        The per-core results; `cores` lists the verified cores the later stages run on, and
+        `collectives` the sweep between them.
 
     Raises:
         FatalError: naming each bad core and the tests it failed.
@@ -43,6 +45,9 @@ def sanity_check(spec: JobSpec, run_id: str) -> SanityResult:
                 everything, sorted(excluded), sorted({c["core"] for c in checked} - excluded)),
                 "known-answer tests per NeuronCore and engine")
     result.excluded_cores = sorted(excluded)
+    if result.collectives is not None:  # the links between these cores, swept by the same job
+        result.collectives = result.collectives.model_copy(
+            update={"phase": "sanity", "device": result.device, "cores": result.cores})
     result.memory = estimate(spec).as_dict()  # what each core must hold to train this spec
     note = f"; excluded bad core(s) {sorted(excluded)}" if excluded else ""
     cores = result.cores

@@ -46,6 +46,20 @@ class StageResult(_Model):
     compile: CompileMetrics | None = Field(None, description="what the job compiled")
 
 
+class CollectivesResult(StageResult):
+    ranks: int = Field(description="cores in the sweep")
+    rows: list[dict[str, Any]] = Field(description="nccom-test's rows: op, size(B), time(us), algbw, busbw, correct")
+    avg_busbw: float | None = Field(description="mean bus bandwidth (GB/s); None when one core had no peer")
+    avg_busbw_by_op: dict[str, float] = Field(default_factory=dict, description="mean bus bandwidth per op")
+    passed: bool = Field(True, description="every result was correct")
+    bad_cores: list[int] = Field(default_factory=list, description="cores that sent corrupted data")
+    note: str | None = Field(None, description="why the sweep did not run, or what it found wrong")
+    source: str = Field("trnflow", description="what swept: nccom-test on a Neuron host, else trnflow's own test")
+    plans: list[dict[str, Any]] = Field(
+        default_factory=list, description="each swept op's ring and tree plan over the job's cores at the largest "
+        "size: steps, steps crossing nodes, bytes sent per rank, bus factor")
+
+
 class SanityResult(StageResult):
     per_core: list[dict[str, Any]] = Field(description="each core's known-answer checks and which failed")
     bad_cores: list[int] = Field(default_factory=list, description="cores that failed a check")
@@ -54,20 +68,9 @@ class SanityResult(StageResult):
     memory: dict[str, Any] | None = Field(None, description="what each core must hold to train the spec")
     inventory: dict[str, Any] | None = Field(None, description="the host's device list against the job's cores: "
                                              "its source (neuron-ls or emulator), devices, cores, missing, held")
-
-
-class CollectivesResult(StageResult):
-    ranks: int = Field(description="cores in the sweep")
-    rows: list[dict[str, Any]] = Field(description="nccom-test's rows: op, size(B), time(us), algbw, busbw, correct")
-    avg_busbw: float | None = Field(description="mean bus bandwidth (GB/s); None when one core had no peer")
-    avg_busbw_by_op: dict[str, float] = Field(default_factory=dict, description="mean bus bandwidth per op")
-    passed: bool = Field(True, description="every result was correct")
-    bad_cores: list[int] = Field(default_factory=list, description="cores that sent corrupted data")
-    note: str | None = Field(None, description="why the sweep did not run")
-    source: str = Field("trnflow", description="what swept: nccom-test on a Neuron host, else trnflow's own test")
-    plans: list[dict[str, Any]] = Field(
-        default_factory=list, description="each swept op's ring and tree plan over the job's cores at the largest "
-        "size: steps, steps crossing nodes, bytes sent per rank, bus factor")
+    collectives: CollectivesResult | None = Field(
+        None, description="the collective sweep the same job ran between its cores once every core passed (a "
+        "pipeline's preflight, which then needs no collectives job); None when a core failed or no spec was given")
 
 
 class CompileResult(StageResult):

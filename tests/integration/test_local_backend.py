@@ -179,6 +179,7 @@ def test_on_a_neuron_host_sanity_reads_neuron_ls_and_collectives_run_nccom_test(
     assert sanity.result["inventory"] == {"source": "neuron-ls", "devices": 1, "cores": 1, "missing": [1],
                                           "held": {}}
     assert sanity.result["bad_cores"] == [1] and sanity.result["passed"] is False
+    assert sanity.result["collectives"] is None  # rank 1 never saw the list, yet knew not to sweep
     swept = wait(backend, backend.submit(JobRequest(spec, "collectives", "host")), 0.2)
     assert swept.state is JobState.SUCCEEDED, backend.logs(swept.job_id)[0]
     assert swept.result["source"] == "nccom-test" and swept.result["ranks"] == 2

@@ -1,5 +1,6 @@
 """The workload's pieces, each checked on its own, in-process."""
 
+import pytest
 import torch
 
 from tests.conftest import tiny_m5
@@ -90,6 +91,30 @@ def test_bus_bandwidth_factors_match_nccom_test():
     assert bus_factor("all_reduce", 4) == 1.5
     assert bus_factor("all_gather", 4) == 0.75
     assert bus_factor("reduce_scatter", 8) == 0.875
+
+
+def test_wrong_collective_results_are_raised_or_reported_for_the_collectives_stage_to_fail_on(make_spec):
+    """The sanity job's sweep reports wrong results instead of raising; the collectives stage, handed
+    that sweep, fails naming the cores, as a sweep job of its own would have."""
+    from types import SimpleNamespace
+
+    from trnflow.errors import FatalError
+    from trnflow.results import CollectivesResult
+    from trnflow.tasks.collectives import collective_test
+    from trnflow.workload.collectives import CorruptCollective, _summarise
+
+    rows = [{"op": "all_reduce", "size(B)": 65536, "busbw(GB/s)": 1.0, "correct": False, "bad_cores": [3]}]
+    ctx = SimpleNamespace(world_size=2)
+    with pytest.raises(CorruptCollective, match=r"core\(s\) \[3\] sent corrupted data") as raised:
+        _summarise(ctx, ["all_reduce"], [65536], rows, "trnflow")
+    assert raised.value.bad_cores == [3]
+    reported = _summarise(ctx, ["all_reduce"], [65536], rows, "trnflow", report_wrong=True)
+    assert reported["passed"] is False and reported["bad_cores"] == [3] and str(raised.value) == reported["note"]
+
+    swept = CollectivesResult.model_validate({**reported, "phase": "sanity", "cores": [2, 3]})
+    with pytest.raises(FatalError, match=r"all_reduce 65536B: core\(s\) \[3\]") as failed:
+        collective_test.fn(make_spec(), "run", [2, 3], swept=swept)
+    assert failed.value.bad_cores == [3] and not failed.value.retryable
 
 
 def test_visible_cores_accept_an_index_or_an_inclusive_range():

@@ -111,7 +111,8 @@ def _case(ctx: WorkerContext, op: str, count: int, dtype: torch.dtype) -> Case:
                 lambda: torch.equal(inp, intended), lambda: torch.equal(out, expected))
 
 
-def _all_true(flag: bool) -> bool:
+def all_true(flag: bool) -> bool:
+    """Whether `flag` holds on every rank (on every rank)."""
     t = torch.tensor([1 if flag else 0])
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return bool(t.item())
@@ -141,7 +142,7 @@ def _measure(ctx: WorkerContext, op: str, size: int, dtype_name: str, iters: int
     if check:  # one more, from fresh inputs, whose result is checked
         case.prepare()
         case.run()
-        row["correct"] = _all_true(case.result_ok())
+        row["correct"] = all_true(case.result_ok())
         if not row["correct"]:
             sent_ok = [None] * ctx.world_size
             dist.all_gather_object(sent_ok, (ctx.core_id, case.sent_ok()))
@@ -150,7 +151,15 @@ def _measure(ctx: WorkerContext, op: str, size: int, dtype_name: str, iters: int
 
 
 def run(ctx: WorkerContext) -> dict:
-    opts = {**DEFAULTS, **ctx.options}
+    return sweep(ctx, ctx.options)
+
+
+def sweep(ctx: WorkerContext, options: dict, report_wrong: bool = False) -> dict:
+    """The sweep `options` ask for (DEFAULTS fill the rest). Wrong results raise CorruptCollective,
+    or with `report_wrong` come back as the result (`passed` false, the bad cores and why in
+    `note`): how the sanity job, which runs the sweep after its own checks, hands them on to the
+    collectives stage."""
+    opts = {**DEFAULTS, **options}
     ops = list(OPS) if opts["ops"] in ("all", ["all"]) else list(opts["ops"])
     if ctx.world_size < 2:
         return {"ranks": 1, "rows": [], "avg_busbw": None, "passed": True, "bad_cores": [],
@@ -159,7 +168,7 @@ def run(ctx: WorkerContext) -> dict:
         raise FatalError(f"collective dtype {opts['dtype']!r}: choose one of {', '.join(DTYPES)}")
     sizes = sweep_sizes(int(opts["minbytes"]), int(opts["maxbytes"]), int(opts["stepfactor"]))
     if tools.which(tools.NCCOM_TEST):
-        return _with_nccom_test(ctx, ops, sizes, opts)
+        return _with_nccom_test(ctx, ops, sizes, opts, report_wrong)
     rows = []
     for op in ops:
         for size in sizes:
@@ -168,10 +177,10 @@ def run(ctx: WorkerContext) -> dict:
                 lambda op=op, size=size: _measure(ctx, op, size, opts["dtype"], int(opts["iters"]),
                                                   int(opts["warmup"]), bool(opts["check"]))))
             ctx.log("collective", **rows[-1])
-    return _summarise(ctx, ops, sizes, rows, "trnflow")
+    return _summarise(ctx, ops, sizes, rows, "trnflow", report_wrong)
 
 
-def _with_nccom_test(ctx: WorkerContext, ops: list[str], sizes: list[int], opts: dict) -> dict:
+def _with_nccom_test(ctx: WorkerContext, ops: list[str], sizes: list[int], opts: dict, report_wrong: bool) -> dict:
     """On a Neuron host: the SDK's nccom-test sweeps the job's cores, started once by rank 0 while
     the other ranks wait; its rows are the result."""
     rows: list[dict] = []
@@ -185,16 +194,20 @@ def _with_nccom_test(ctx: WorkerContext, ops: list[str], sizes: list[int], opts:
     ctx.collective("waiting for nccom-test", dist.barrier)
     if not ctx.is_main:  # rank 0 reports
         return {"ranks": ctx.world_size, "rows": [], "avg_busbw": None, "source": tools.NCCOM_TEST}
-    return _summarise(ctx, ops, sizes, rows, tools.NCCOM_TEST)
+    return _summarise(ctx, ops, sizes, rows, tools.NCCOM_TEST, report_wrong)
 
 
-def _summarise(ctx: WorkerContext, ops: list[str], sizes: list[int], rows: list[dict], source: str) -> dict:
+def _summarise(ctx: WorkerContext, ops: list[str], sizes: list[int], rows: list[dict], source: str,
+               report_wrong: bool = False) -> dict:
     bad = sorted({c for row in rows for c in row.get("bad_cores", [])})
     if any(row.get("correct") is False for row in rows):
         failing = [f"{row['op']} {row['size(B)']}B" for row in rows if row.get("correct") is False]
         names = f"core(s) {bad} sent corrupted data" if bad else "the cause is not on a single core"
-        raise CorruptCollective(f"wrong results from {', '.join(failing[:4])}: {names}; run preflight",
-                                bad_cores=bad)
+        why = f"wrong results from {', '.join(failing[:4])}: {names}; run preflight"
+        if not report_wrong:
+            raise CorruptCollective(why, bad_cores=bad)
+        return {"ranks": ctx.world_size, "rows": rows, "avg_busbw": None, "passed": False, "bad_cores": bad,
+                "note": why, "source": source}
     per_op = {op: [r["busbw(GB/s)"] for r in rows if r["op"] == op] for op in ops}
     by_op = {op: round(sum(b) / len(b), 4) for op, b in per_op.items() if b}
     avg = round(sum(r["busbw(GB/s)"] for r in rows) / len(rows), 4)

@@ -11,6 +11,10 @@ independently of the core under test:
 - memory: write-and-read-back patterns (0x55.., 0xAA.., walking ones, address as data).
 
 Each runs in fp32, and also in bf16 when the spec trains in bf16. Tolerances are stated per test.
+
+With a job spec (a pipeline's preflight), the same ranks then sweep the collectives between their
+cores once every core has passed, so that preflight costs one job, not two; the collectives stage
+takes that sweep (`collectives` in the result) and launches nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import torch.nn.functional as F
 
 from trnflow.device.base import FaultHooks, NoFaults
 from trnflow.neuron import tools, topology
+from trnflow.workload import collectives
 from trnflow.workload.context import WorkerContext, gather_objects
 
 MATMUL_SIZE = 256
@@ -192,4 +197,16 @@ def run(ctx: WorkerContext) -> dict:
     bad = sorted({c["core"] for c in per_core if not c["passed"]} | set(found["missing"] if found else []))
     if found and found["missing"]:
         ctx.log("sanity", missing=found["missing"], source=found["source"])
-    return {"per_core": per_core, "bad_cores": bad, "passed": not bad, "inventory": found}
+    result = {"per_core": per_core, "bad_cores": bad, "passed": not bad, "inventory": found}
+    if ctx.spec is not None:
+        result["collectives"] = _links(ctx, healthy=not bad)
+    return result
+
+
+def _links(ctx: WorkerContext, healthy: bool) -> dict | None:
+    """The collective sweep, once every rank knows every core passed (only rank 0 read the host's
+    device list); None when one did not. Wrong results are reported, not raised: they are the
+    collectives stage's to fail on."""
+    if ctx.world_size > 1:
+        healthy = ctx.collective("agreeing on the sanity verdict", lambda: collectives.all_true(healthy))
+    return collectives.sweep(ctx, {}, report_wrong=True) if healthy else None
