@@ -76,7 +76,7 @@ $(XLA_BIN)/.installed: pyproject.toml tests/xla/requirements.py examples/recipes
 xla-env: $(XLA_BIN)/.installed
 
 test-xla: $(XLA_BIN)/.installed
-	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -n 2 -q -p no:cacheprovider --durations=8 tests/xla
+	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -n 2 --dist worksteal -q -p no:cacheprovider --durations=8 tests/xla
 
 # The fault matrix: the quickstart pipeline (shortened) once without faults, then once per fault, each
 # compared with the fault-free run. About 25 minutes on 2 cores; `make test` runs its CI case.

@@ -48,78 +48,32 @@ def relative(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-def test_the_first_losses_match_the_emulators_and_the_graph_count_stays_flat(workdir, lane):
-    for sub in ("emulator", DEVICE):
-        (workdir / sub).mkdir()
-        (workdir / sub / "data").symlink_to(workdir / "data")
-    code, on_emulator = train(workdir / "emulator", "emulator", 20)
-    assert code == 0
-    code, on_xla = train(workdir / DEVICE, DEVICE, 20)
-    assert code == 0
-    assert on_xla["device"]["name"] == DEVICE and on_emulator["device"]["name"] == "emulator"
-    worst = relative(losses(on_xla), losses(on_emulator))
-    assert worst <= LOSS_RTOL, (losses(on_xla), losses(on_emulator))
-    lane["fp32 losses, steps 1-20"] = f"max relative difference from the emulator {worst:.2e} (limit {LOSS_RTOL:.0e})"
-
-    graphs = [p["graphs"] for p in on_xla["curve"]]
-    warm = graphs[1]  # a step's graphs are all known after two steps: the optimizer's state exists from step 2
-    assert warm > 0 and graphs[2:] == [warm] * (len(graphs) - 2), graphs
-    assert on_xla["compile"]["graphs"] == warm + 1  # and the final evaluation's
-    lane["graphs compiled"] = f"{graphs[0]} after step 1, {warm} after step 2, {graphs[-1]} after step 20 (flat)"
-
-
-def test_a_checkpoint_moves_between_xla_and_the_emulator(workdir, lane):
-    """xla trains steps 1-10, the emulator resumes its checkpoint for steps 11-20, xla resumes that
-    for 21-30. Each resumed run holds, on its device, exactly the weights the other one saved, and
-    the losses are those of 30 steps on the emulator alone."""
-    crossed, alone = workdir / "crossed", workdir / "alone"
-    for folder in (crossed, alone):
-        folder.mkdir()
-        (folder / "data").symlink_to(workdir / "data")
-    curve: list[float] = []
-    for device, steps, first in ((DEVICE, 10, 0), ("emulator", 20, 10), (DEVICE, 30, 20)):
-        code, result = train(crossed, device, steps)
-        assert code == 0 and result["start_step"] == first and result["device"]["name"] == device, result
-        if first:
-            saved = checkpoint.load(result["resumed_from"])
-            assert saved.meta["global_step"] == first
-            assert result["resumed_weights"] == checkpoint.weights_digest(saved.model), f"resumed on {device}"
-        curve += losses(result)[-10:]
-    code, reference = train(alone, "emulator", 30)
-    assert code == 0
-    worst = relative(curve, losses(reference))
-    assert worst <= LOSS_RTOL, (curve, losses(reference))
-    lane["checkpoints across devices"] = (f"{DEVICE} -> emulator -> {DEVICE}: each resumed with the saved weights "
-                                          f"bit for bit; losses within {worst:.2e} of 30 steps on the emulator alone")
-
-
-def test_weights_make_the_round_trip_through_the_device_bit_for_bit(workdir):
-    """The device's host copies (what checkpoints are saved from) are the weights put there, bit for bit."""
-    from trnflow.device.registry import get_device
-
-    code, result = train(workdir, "emulator", 10)
-    assert code == 0
-    saved = checkpoint.load(result["checkpoint"])
-    device = get_device(DEVICE)
-    back = device.to_host({k: device.put(v) for k, v in saved.model.items()})
-    assert all(torch.equal(back[k], v) for k, v in saved.model.items())
-
-
-def test_a_new_input_shape_mid_run_trips_the_recompile_guard(workdir, lane):
-    """With the last partial batch kept (3000 rows, 32 a batch), step 94 has 24 rows: a graph the
-    ahead-of-time compile never saw, which compile.max_recompiles: 0 refuses, naming its shape."""
-    spec = write_spec(workdir, train={"drop_last": False})
-    report = json.loads(trnflow("compile", str(spec), "--json", cwd=workdir).stdout)
-    assert report["graphs"] >= 3 and report["compiled"] == report["graphs"], report
-    assert {row["program"] for row in report["programs"]} == {"train_step", "eval_step", "embed_step"}, report
-    checked = json.loads(trnflow("compile", str(spec), "--check", "--json", cwd=workdir).stdout)
-    assert checked["misses"] == 0, checked
-
-    code, failure = train(workdir, DEVICE, 100, compile={"max_recompiles": 0}, train={"drop_last": False})
-    assert code != 0, failure
-    message = json.dumps(failure)
-    assert "over compile.max_recompiles (0)" in message and "[24, 32] int64" in message, message
-    lane["recompile guard"] = "step 94's 24-row batch was refused as recompilation 1 over max_recompiles 0"
+# The tests run longest first (`--dist worksteal`), so that the lane's two workers end together.
+def test_the_pipeline_runs_end_to_end(workdir, lane):
+    """The lane's spec file through all six stages on the lane's device, 40 steps instead of 120. (The
+    emulator trains on the same file, compute.device changed, in the checkpoint test below.)"""
+    spec, device = str(Path(__file__).with_name("one-core.yaml")), DEVICE
+    sets = ["--set", f"compute.device={device}", "--set", f"compute.instance_type={INSTANCE}",
+            "--set", "train.steps=40", "--set", "train.checkpoint_every=20", "--set", "gate.eval_every=20"]
+    if INSTANCE == "trn1.2xlarge":  # the file as it is (validate takes no --set)
+        trnflow("validate", spec, cwd=workdir)
+    trnflow("reference", spec, *sets, cwd=workdir)
+    done = trnflow("run", spec, *sets, "--json", cwd=workdir)
+    outcome = json.loads(done.stdout)
+    assert outcome["state"] == "Completed", outcome
+    states = {row["stage"]: row["state"] for row in outcome["stages"]}
+    assert states == dict.fromkeys(("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote"),
+                                   "Completed"), states
+    ran_on = {stage: r["device"]["name"] for stage, r in outcome["results"].items() if r.get("device")}
+    assert set(ran_on.values()) == {device} and "train" in ran_on, ran_on
+    results = outcome["results"]
+    assert results["evaluate"]["verdict"]["passed"] is True, results["evaluate"]
+    trained = results["train"]["compile"]  # every graph training met was compiled ahead of time
+    assert trained["recompiles"] == [] and trained["hits"] == trained["graphs"] > 0, trained
+    shards = sorted((workdir / "embeddings").rglob("*.parquet"))
+    assert shards, "no embeddings were written"
+    lane[f"pipeline on {device}"] = (f"six stages completed, gate passed, training met {trained['graphs']} graphs "
+                                     f"all from the compile cache, {len(shards)} embedding shards")
 
 
 def test_the_trial_runs_under_neuron_parallel_compile_where_it_is_on_path(workdir, lane):
@@ -150,31 +104,46 @@ def test_the_trial_runs_under_neuron_parallel_compile_where_it_is_on_path(workdi
         "NEURON_CC_FLAGS; a failed compilation failed the stage"
 
 
-def test_the_pipeline_runs_end_to_end(workdir, lane):
-    """The lane's spec file through all six stages on the lane's device, 40 steps instead of 120. (The
-    emulator trains on the same file, compute.device changed, in the checkpoint test above.)"""
-    spec, device = str(Path(__file__).with_name("one-core.yaml")), DEVICE
-    sets = ["--set", f"compute.device={device}", "--set", f"compute.instance_type={INSTANCE}",
-            "--set", "train.steps=40", "--set", "train.checkpoint_every=20", "--set", "gate.eval_every=20"]
-    if INSTANCE == "trn1.2xlarge":  # the file as it is (validate takes no --set)
-        trnflow("validate", spec, cwd=workdir)
-    trnflow("reference", spec, *sets, cwd=workdir)
-    done = trnflow("run", spec, *sets, "--json", cwd=workdir)
-    outcome = json.loads(done.stdout)
-    assert outcome["state"] == "Completed", outcome
-    states = {row["stage"]: row["state"] for row in outcome["stages"]}
-    assert states == dict.fromkeys(("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote"),
-                                   "Completed"), states
-    ran_on = {stage: r["device"]["name"] for stage, r in outcome["results"].items() if r.get("device")}
-    assert set(ran_on.values()) == {device} and "train" in ran_on, ran_on
-    results = outcome["results"]
-    assert results["evaluate"]["verdict"]["passed"] is True, results["evaluate"]
-    trained = results["train"]["compile"]  # every graph training met was compiled ahead of time
-    assert trained["recompiles"] == [] and trained["hits"] == trained["graphs"] > 0, trained
-    shards = sorted((workdir / "embeddings").rglob("*.parquet"))
-    assert shards, "no embeddings were written"
-    lane[f"pipeline on {device}"] = (f"six stages completed, gate passed, training met {trained['graphs']} graphs "
-                                     f"all from the compile cache, {len(shards)} embedding shards")
+def test_a_new_input_shape_mid_run_trips_the_recompile_guard(workdir, lane):
+    """With the last partial batch kept (3000 rows, 32 a batch), step 94 has 24 rows: a graph the
+    ahead-of-time compile never saw, which compile.max_recompiles: 0 refuses, naming its shape."""
+    spec = write_spec(workdir, train={"drop_last": False})
+    report = json.loads(trnflow("compile", str(spec), "--json", cwd=workdir).stdout)
+    assert report["graphs"] >= 3 and report["compiled"] == report["graphs"], report
+    assert {row["program"] for row in report["programs"]} == {"train_step", "eval_step", "embed_step"}, report
+    checked = json.loads(trnflow("compile", str(spec), "--check", "--json", cwd=workdir).stdout)
+    assert checked["misses"] == 0, checked
+
+    code, failure = train(workdir, DEVICE, 100, compile={"max_recompiles": 0}, train={"drop_last": False})
+    assert code != 0, failure
+    message = json.dumps(failure)
+    assert "over compile.max_recompiles (0)" in message and "[24, 32] int64" in message, message
+    lane["recompile guard"] = "step 94's 24-row batch was refused as recompilation 1 over max_recompiles 0"
+
+
+def test_a_checkpoint_moves_between_xla_and_the_emulator(workdir, lane):
+    """xla trains steps 1-10, the emulator resumes its checkpoint for steps 11-20, xla resumes that
+    for 21-30. Each resumed run holds, on its device, exactly the weights the other one saved, and
+    the losses are those of 30 steps on the emulator alone."""
+    crossed, alone = workdir / "crossed", workdir / "alone"
+    for folder in (crossed, alone):
+        folder.mkdir()
+        (folder / "data").symlink_to(workdir / "data")
+    curve: list[float] = []
+    for device, steps, first in ((DEVICE, 10, 0), ("emulator", 20, 10), (DEVICE, 30, 20)):
+        code, result = train(crossed, device, steps)
+        assert code == 0 and result["start_step"] == first and result["device"]["name"] == device, result
+        if first:
+            saved = checkpoint.load(result["resumed_from"])
+            assert saved.meta["global_step"] == first
+            assert result["resumed_weights"] == checkpoint.weights_digest(saved.model), f"resumed on {device}"
+        curve += losses(result)[-10:]
+    code, reference = train(alone, "emulator", 30)
+    assert code == 0
+    worst = relative(curve, losses(reference))
+    assert worst <= LOSS_RTOL, (curve, losses(reference))
+    lane["checkpoints across devices"] = (f"{DEVICE} -> emulator -> {DEVICE}: each resumed with the saved weights "
+                                          f"bit for bit; losses within {worst:.2e} of 30 steps on the emulator alone")
 
 
 def test_an_external_recipe_runs_the_pipeline_on_the_device(workdir, lane):
@@ -205,3 +174,35 @@ def test_an_external_recipe_runs_the_pipeline_on_the_device(workdir, lane):
     assert trained["recompiles"] == [] and trained["hits"] == trained["graphs"] > 0, trained
     lane["external recipe"] = (f"tabular-mlp ran six stages on {DEVICE}: {trained['graphs']} graphs, all from the "
                                f"compile cache; {results['infer']['rows']} predictions published")
+
+
+def test_the_first_losses_match_the_emulators_and_the_graph_count_stays_flat(workdir, lane):
+    for sub in ("emulator", DEVICE):
+        (workdir / sub).mkdir()
+        (workdir / sub / "data").symlink_to(workdir / "data")
+    code, on_emulator = train(workdir / "emulator", "emulator", 20)
+    assert code == 0
+    code, on_xla = train(workdir / DEVICE, DEVICE, 20)
+    assert code == 0
+    assert on_xla["device"]["name"] == DEVICE and on_emulator["device"]["name"] == "emulator"
+    worst = relative(losses(on_xla), losses(on_emulator))
+    assert worst <= LOSS_RTOL, (losses(on_xla), losses(on_emulator))
+    lane["fp32 losses, steps 1-20"] = f"max relative difference from the emulator {worst:.2e} (limit {LOSS_RTOL:.0e})"
+
+    graphs = [p["graphs"] for p in on_xla["curve"]]
+    warm = graphs[1]  # a step's graphs are all known after two steps: the optimizer's state exists from step 2
+    assert warm > 0 and graphs[2:] == [warm] * (len(graphs) - 2), graphs
+    assert on_xla["compile"]["graphs"] == warm + 1  # and the final evaluation's
+    lane["graphs compiled"] = f"{graphs[0]} after step 1, {warm} after step 2, {graphs[-1]} after step 20 (flat)"
+
+
+def test_weights_make_the_round_trip_through_the_device_bit_for_bit(workdir):
+    """The device's host copies (what checkpoints are saved from) are the weights put there, bit for bit."""
+    from trnflow.device.registry import get_device
+
+    code, result = train(workdir, "emulator", 10)
+    assert code == 0
+    saved = checkpoint.load(result["checkpoint"])
+    device = get_device(DEVICE)
+    back = device.to_host({k: device.put(v) for k, v in saved.model.items()})
+    assert all(torch.equal(back[k], v) for k, v in saved.model.items())
