@@ -59,9 +59,12 @@ def stand_in(backend: FakeNeuronBackend, setitem: Callable, setattr_: Callable) 
     module.neuron_dynamo_backend = helpers
     setitem(sys.modules, "torch_neuronx", module)
     setitem(sys.modules, "torch_neuronx.neuron_dynamo_backend", helpers)
-    setattr_(torch, "neuron", types.SimpleNamespace(device_count=lambda: 2, is_available=lambda: False))
     if torch._C._get_privateuse1_backend_name() != "neuron":  # once a process, as torch-neuronx does
         torch.utils.rename_privateuse1_backend("neuron")
+        # and for good: with the name taken, torch looks up `torch.neuron` whenever it asks for the
+        # accelerator (TorchDynamo does, on every frame it compiles), in later tests too
+        torch.neuron = types.SimpleNamespace(device_count=lambda: 0, is_available=lambda: False)
+    setattr_(torch, "neuron", types.SimpleNamespace(device_count=lambda: 2, is_available=lambda: False))
     from torch._dynamo.backends import registry  # torch-neuronx registers its backend the same way
 
     setitem(registry._BACKENDS, "neuron", None)
