@@ -164,8 +164,12 @@ def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
         queue = batch.list_jobs(jobQueue="trnflow-trn1", jobStatus="SUCCEEDED")["jobSummaryList"]
         described = batch.describe_jobs(jobs=[j["jobId"] for j in queue])["jobs"]
         by_phase = {j["tags"]["trnflow:phase"]: j for j in described}
-        # one job a stage, nothing resubmitted (evaluation ran inside the training job)
-        assert set(by_phase) == set(STAGES) - {"evaluate", "promote"} and len(described) == len(by_phase)
+        # one job a stage, nothing resubmitted (evaluation ran inside the training job, and the
+        # collectives inside the sanity job, across both nodes)
+        assert set(by_phase) == set(STAGES) - {"collectives", "evaluate", "promote"}
+        assert len(described) == len(by_phase)
+        swept = results["collectives"]
+        assert swept["phase"] == "sanity" and swept["ranks"] == spec.compute.world_size == 2
         train = by_phase["train"]
         assert [(a["statusReason"], a["container"].get("exitCode")) for a in train["attempts"]] == [
             (HOST_LOST, None), ("Essential container in task exited", 75), ("Essential container in task exited", 0)]
