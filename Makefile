@@ -58,16 +58,17 @@ test-main: lint test-fast chromium
 
 # The XLA lane: torch-xla's CPU runtime (PJRT_DEVICE=CPU) runs the `xla` device's lazy-tensor program
 # for real, one rank. It has its own venv, because torch-xla 2.9 needs torch 2.9: about 8 GB (that
-# torch wheel pulls in CUDA libraries) and a few minutes to create the first time. Its two big
-# packages are not byte-compiled on install (it is built while other tests run; the few modules
-# the lane imports are compiled on first import).
+# torch wheel pulls in CUDA libraries) and a few minutes to create the first time. Its packages
+# are byte-compiled on install, torch and torch-xla included: where PYTHONDONTWRITEBYTECODE is set,
+# as on many CI machines, nothing is compiled later, and every process of the lane would compile
+# the modules it imports from source again (about 11 s more for each import of torch and torch-xla).
 XLA_VENV ?= .venv/xla
 XLA_BIN  := $(XLA_VENV)/bin
 
 $(XLA_BIN)/.installed: pyproject.toml tests/xla/requirements.py examples/recipes/pyproject.toml
 	$(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_BIN)/python -m pip install --quiet --upgrade pip
-	$(XLA_BIN)/python -m pip install --quiet --no-compile torch==2.9.0 torch-xla==2.9.0
+	$(XLA_BIN)/python -m pip install --quiet torch==2.9.0 torch-xla==2.9.0
 	$(XLA_BIN)/python tests/xla/requirements.py > $(XLA_VENV)/requirements.txt
 	$(XLA_BIN)/python -m pip install --quiet -r $(XLA_VENV)/requirements.txt
 	$(XLA_BIN)/python -m pip install --quiet --no-deps -e . -e examples/recipes

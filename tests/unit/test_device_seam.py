@@ -94,3 +94,15 @@ def test_threads_per_core_sets_each_workers_threads_and_pins_it_to_cpus_of_its_o
     assert last.stdout.split() == ["True", "True"]
     beyond = subprocess.run([sys.executable, "-c", probe, str(allowed)], capture_output=True, text=True, check=True)
     assert beyond.stdout.split() == ["True", "False"]  # more workers than CPUs: left to the scheduler
+
+
+@pytest.mark.parametrize("optlevel", [1, 2, 3])
+def test_every_module_the_compile_pool_preloads_exists(optlevel):
+    """The compile pool's server imports these before forking workers, and skips a name it cannot
+    import without a word: a misspelt one would only make every worker import it again."""
+    import importlib.util
+
+    spec = validate_spec(quickstart_data(compile={"optlevel": optlevel}))
+    names = get_device("emulator").compile_imports(spec)
+    assert "torch._dynamo" in names
+    assert [n for n in names if importlib.util.find_spec(n) is None] == []

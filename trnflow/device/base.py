@@ -234,6 +234,11 @@ class Device(ABC):
         `workdir`, which `artifact` packs for the cache; `trial` (runtime devices): nothing is
         recorded, for a trial run that the SDK's own parallel compiler wraps."""
 
+    def compile_imports(self, spec: JobSpec) -> list[str]:
+        """The modules a compile worker imports to compile the spec's graphs: the compile pool's
+        server imports them once, and each worker starts from it with them loaded."""
+        return []
+
     def precompile(self, spec: JobSpec, trial: list[str]) -> dict | None:
         """Compile the spec's programs ahead of time with the device's own SDK tools, where they are
         at hand, before trnflow records the graphs; `trial` is the command that runs the trial steps
