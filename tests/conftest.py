@@ -161,12 +161,16 @@ def make_spec(dataset, tmp_path, trnflow_home, compile_cache):
 
 
 @pytest.fixture(scope="session")
-def prefect_api():
-    """One real Prefect API (SQLite) for the whole session; starting one takes several seconds."""
+def prefect_api() -> str:
+    """One real Prefect API (SQLite) for the whole session; starting one takes several seconds.
+    Yields its URL, for the `trnflow` commands a test runs in processes of their own."""
+    from prefect.settings import PREFECT_API_URL
     from prefect.testing.utilities import prefect_test_harness
 
     with prefect_test_harness(server_startup_timeout=120):
-        yield
+        url = PREFECT_API_URL.value()
+        assert url, "the Prefect test harness set no API URL"
+        yield url
 
 
 @pytest.fixture

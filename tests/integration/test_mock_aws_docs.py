@@ -1,6 +1,7 @@
 """Item 14: the mock cloud as the README and docs/cloud.md show it. `trnflow mock-aws` serves the
 Batch example, the page's boto3 snippet runs as written with no AWS credentials configured
-against the bucket and queue it names, and stopping the server removes its temporary folder."""
+against the bucket and queue it names, and stopping the server removes its temporary folder.
+The run talks to the session's Prefect API, as a user's does once a server is configured."""
 
 import json
 import os
@@ -37,7 +38,7 @@ def _started(server: subprocess.Popen) -> str:
 
 
 @pytest.mark.slow
-def test_the_batch_example_runs_on_the_mock_cloud_and_the_docs_snippet_reads_it(tmp_path):
+def test_the_batch_example_runs_on_the_mock_cloud_and_the_docs_snippet_reads_it(tmp_path, prefect_api):
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -54,8 +55,8 @@ def test_the_batch_example_runs_on_the_mock_cloud_and_the_docs_snippet_reads_it(
         assert work.is_dir() and "s3://trnflow-data-123456789012" in printed
         endpoint = f"http://127.0.0.1:{port}"
         ran = subprocess.run([str(TRNFLOW), "run", "jobspecs/examples/quickstart-batch.yaml", *SHORTER, "--json"],
-                             env=env | {"AWS_ENDPOINT_URL": endpoint}, cwd=ROOT, capture_output=True, text=True,
-                             timeout=900)
+                             env=env | {"AWS_ENDPOINT_URL": endpoint, "PREFECT_API_URL": prefect_api}, cwd=ROOT,
+                             capture_output=True, text=True, timeout=900)
         assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
         assert json.loads(ran.stdout)["state"] == "Completed"
         code = _snippet().replace("http://127.0.0.1:5000", endpoint)

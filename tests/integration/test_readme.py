@@ -7,10 +7,13 @@ output or code and are not run.
 
 Each `trnflow ...` command runs for real, in README order, in a temporary working copy: its own
 TRNFLOW_HOME and PREFECT_HOME, and a folder where `jobspecs/examples/` and `runs/` resolve as they
-do at the project root, so nothing is written into the project. Two things keep it to a minute or
-two: the working copy's quickstart spec trains 40 steps instead of 300, and its `runs/compile-cache`
-is the test session's warm compile cache, as it would be the second time `make demo` runs. The
-other commands are in RUN_ELSEWHERE, each with the file that runs it and the call that shows it.
+do at the project root, so nothing is written into the project. Three things keep it to a minute
+or two: the working copy's quickstart spec trains 40 steps instead of 300; its `runs/compile-cache`
+is the test session's warm compile cache, as it would be the second time `make demo` runs; and the
+commands talk to the session's Prefect API (PREFECT_API_URL), as a user's do once a server is
+configured, instead of each starting a temporary one (the wheel's quickstart in
+infra/tests/test_image_install.py runs without one). The other commands are in RUN_ELSEWHERE,
+each with the file that runs it and the call that shows it.
 """
 
 from __future__ import annotations
@@ -122,7 +125,7 @@ def test_make_demo_runs_the_readme_main_job():
 
 
 @pytest.fixture
-def working_copy(tmp_path, warm_compile_cache) -> tuple[Path, dict[str, str]]:
+def working_copy(tmp_path, warm_compile_cache, prefect_api) -> tuple[Path, dict[str, str]]:
     """A folder where the README's relative paths resolve, and the environment to run it in."""
     work = tmp_path / "work"
     shutil.copytree(ROOT / "jobspecs" / "examples", work / "jobspecs" / "examples")
@@ -135,7 +138,7 @@ def working_copy(tmp_path, warm_compile_cache) -> tuple[Path, dict[str, str]]:
     (work / "runs" / "compile-cache").symlink_to(warm_compile_cache, target_is_directory=True)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "TRNFLOW_", "AWS_"))}
     env |= {"TRNFLOW_HOME": str(tmp_path / "trnflow-home"), "PREFECT_HOME": str(tmp_path / "prefect-home"),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TRNFLOW_POLL_SECONDS": "0.2",
+            "PREFECT_API_URL": prefect_api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TRNFLOW_POLL_SECONDS": "0.2",
             "TRNFLOW_NEURON_RT_DIR": os.environ["TRNFLOW_NEURON_RT_DIR"], "COLUMNS": "200"}
     return work, env
 
