@@ -69,6 +69,8 @@ def test_the_pipeline_runs_end_to_end(workdir, lane):
     assert set(ran_on.values()) == {device} and "train" in ran_on, ran_on
     results = outcome["results"]
     assert results["evaluate"]["verdict"]["passed"] is True, results["evaluate"]
+    jobs = [json.loads(f.read_text()) for f in (workdir / ".trnflow" / "jobs").glob("*-train-*/output/result.json")]
+    assert sorted(j["device"]["name"] for j in jobs) == sorted(["emulator", device]), jobs  # the reference's, the run's
     trained = results["train"]["compile"]  # every graph training met was compiled ahead of time
     assert trained["recompiles"] == [] and trained["hits"] == trained["graphs"] > 0, trained
     shards = sorted((workdir / "embeddings").rglob("*.parquet"))

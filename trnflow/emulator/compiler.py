@@ -88,6 +88,11 @@ def cache_key(graph: Graph, flags: dict) -> str:
     return module_key(hashlib.sha256(graph.canonical().encode()).hexdigest()[:20], flags)
 
 
+LOWERING_IMPORTS = {"inductor": ["torch._inductor", "torch._inductor.compile_fx"],
+                    "aot_eager": ["functorch.compile", "torch._dynamo.backends.common"]}
+"""What `lower` imports for each backend: a process that will lower graphs can load them ahead."""
+
+
 def lower(gm: torch.fx.GraphModule, example_inputs: list, flags: dict, keep_graphs: Path | None = None):
     """Compile one graph as `flags` say. Inductor reads and fills its cache in
     TORCHINDUCTOR_CACHE_DIR (kernels and built objects); O1 writes its lowered forward and backward

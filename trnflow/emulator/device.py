@@ -19,7 +19,7 @@ import torch
 from trnflow.device.base import Device, FaultHooks, Lease, Log, RecompileGuard
 from trnflow.device.cache import CompileCache
 from trnflow.emulator import cores
-from trnflow.emulator.compiler import OPTLEVELS, compile_flags
+from trnflow.emulator.compiler import LOWERING_IMPORTS, OPTLEVELS, compile_flags
 from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.emulator.numerics import round_bf16_
@@ -63,9 +63,7 @@ class EmulatorDevice(Device):
 
     def compile_imports(self, spec: JobSpec) -> list[str]:
         """TorchDynamo, which traces each program, and the lowering the optlevel uses."""
-        if OPTLEVELS[spec.compile.optlevel]["backend"] == "inductor":
-            return ["torch._dynamo", "torch._inductor.compile_fx"]
-        return ["torch._dynamo", "functorch.compile", "torch._dynamo.backends.common"]
+        return ["torch._dynamo", *LOWERING_IMPORTS[OPTLEVELS[spec.compile.optlevel]["backend"]]]
 
     def round_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, mode: str,
                     generator: torch.Generator) -> None:

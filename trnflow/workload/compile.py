@@ -136,8 +136,9 @@ def _pool_context(spec: JobSpec, device: Device) -> multiprocessing.context.Base
     """How compile workers start: each is a fresh process (one graph each, so a compiler that
     crashes or leaks takes nothing else with it), forked from a server that imported torch, this
     module and the device's compiler once. Spawning each worker afresh cost its imports every time:
-    about 5 CPU-seconds a worker, more than a small graph takes to compile. The server starts with
-    the pool, so workers see the environment as it is now, as spawned ones would."""
+    about 5 CPU-seconds a worker, more than a small graph takes to compile. The server is one per
+    process and starts with its first pool (a compile job has one), so workers see the environment
+    as it is then, as spawned ones would."""
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload([__name__, *device.compile_imports(spec)])
     return context
