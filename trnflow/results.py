@@ -83,7 +83,9 @@ class CompileResult(StageResult):
     hits: int = Field(0, description="programs the cache held")
     misses: int = Field(0, description="programs a warm check found missing")
     compiled: int = Field(0, description="programs compiled by this job")
-    report: dict[str, dict[str, Any]] = Field(default_factory=dict, description="per key: status, seconds, retries")
+    report: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="per key: status, seconds, retries and, for a compiled one, how many "
+        "graphs one run of its program compiled (together)")
     seconds: float = Field(0.0, description="compile time of every program together")
     launched: bool = Field(True, description="a compile job ran (False: every program was known to hit)")
     parallel_compile: dict[str, Any] | None = Field(

@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,10 @@ def test_a_new_input_shape_mid_run_trips_the_recompile_guard(workdir, lane):
     report = json.loads(trnflow("compile", str(spec), "--json", cwd=workdir).stdout)
     assert report["graphs"] >= 3 and report["compiled"] == report["graphs"], report
     assert {row["program"] for row in report["programs"]} == {"train_step", "eval_step", "embed_step"}, report
+    # training's first steps trace graphs of their own; one run of each program compiled all of its graphs
+    graphs = Counter(row["program"] for row in report["report"].values())
+    assert {row["program"]: row["together"] for row in report["report"].values()} == graphs, report
+    assert graphs["train_step"] > 1, report
     checked = json.loads(trnflow("compile", str(spec), "--check", "--json", cwd=workdir).stdout)
     assert checked["misses"] == 0, checked
 

@@ -1,6 +1,6 @@
 """The ahead-of-time compile phase, like neuron_parallel_compile: a trial run extracts every
 program's graph (nothing is trained or saved), each key is looked up in the persistent cache, and
-the misses are compiled by a pool of `compile.workers` processes.
+the misses are compiled by a pool of `compile.workers` processes, one program's graphs in each.
 
 Options: `check` (only say which graphs would hit or miss) and `retry_failed` (compile entries
 that failed before, which are otherwise remembered and skipped; `--retry_failed_compilation` in
@@ -74,53 +74,93 @@ def _threads(spec: JobSpec) -> int:
 
 
 def compile_one(spec_json: str, program: str, key: str, retry_failed: bool = False) -> dict:
-    """One compilation, in its own process: lock the entry, compile, commit or record the failure.
+    """One graph's compilation, in its own process (see `compile_program`)."""
+    (outcome,) = compile_program(spec_json, program, [key], retry_failed)
+    return outcome
 
-    An entry another process is compiling is waited for; if that process finished it, this one
-    reports a hit and compiles nothing."""
-    spec = JobSpec.model_validate_json(spec_json)
-    device = get_device(choose(spec).name)
-    cache = CompileCache(cache_url(spec.compile.cache_url))
-    entry, began = entry_name(key), time.perf_counter()
-    outcome = {"program": program, "key": key, "retries": 0}
+
+def _lock(cache: CompileCache, entry: str) -> bool | EntryLocked:
+    """Take an entry's lock, waiting while another process holds it: whether a stale lock was
+    cleared, or the holder that never let go."""
     deadline = time.monotonic() + LOCK_WAIT_SECONDS
     while True:
         try:
-            stale = cache.acquire_lock(entry)
-            break
+            return cache.acquire_lock(entry)
         except EntryLocked as exc:
             if time.monotonic() > deadline:
-                return {**outcome, "status": "locked", "owner": exc.owner, "seconds": 0.0}
+                return exc
             time.sleep(LOCK_POLL_SECONDS)
+
+
+def compile_program(spec_json: str, program: str, keys: list[str], retry_failed: bool = False) -> list[dict]:
+    """One program's missing graphs, in one process of their own: lock their entries, run the
+    program once, commit each graph or record its failure.
+
+    A program can have several graphs (a lazy device traces its first training steps apart), and
+    running it compiles all of them, so they are compiled together rather than once per graph.
+    Entries are locked in name order, so two compiles of overlapping graphs never wait on each
+    other in a circle. An entry another process is compiling is waited for; if that process
+    finished it, this one reports a hit for it."""
+    spec = JobSpec.model_validate_json(spec_json)
+    device = get_device(choose(spec).name)
+    cache = CompileCache(cache_url(spec.compile.cache_url))
+    began = time.perf_counter()
+    outcomes: dict[str, dict] = {}
+    held: dict[str, bool] = {}  # key -> a stale lock was cleared
     try:
-        state = cache.state(entry)  # under the lock: someone may have finished it meanwhile
-        if state == states.DONE:
-            return {**outcome, "status": "hit", "seconds": 0.0, "waited": True}
-        if state == states.FAILED and not retry_failed:
-            return {**outcome, "status": "failed", "seconds": 0.0, "cached_failure": True}
-        cache.discard(entry)
-        torch.set_num_threads(_threads(spec))
-        with tempfile.TemporaryDirectory(prefix="trnflow-compile-") as tmp:
-            recipe = for_job(spec)
-            compiler = device.compiler(spec, mode="compile", workdir=Path(tmp), model=recipe.key)
-            flags, graph_text = compiler.flags, ""
-            try:
-                programs = Programs(spec, recipe, build_model(recipe, spec.train.seed), compiler, device)
-                programs.exercise(program, steps=TRIAL_STEPS)  # a lazy device meets step 2's graphs only there
-                graph = next((s.graph for s in compiler.seen if s.key == key), None)
-                if graph is None:
-                    raise FatalError(f"{program} traced to {[s.key for s in compiler.seen]}, not {key}: "
-                                     "the program's graph is not deterministic")
-                graph_text = graph.canonical()
-                artifact = device.artifact(Path(tmp))
-            except Exception:
-                cache.record_failure(entry, graph_text, flags, traceback.format_exc())
-                return {**outcome, "status": "failed", "seconds": round(time.perf_counter() - began, 3)}
-        seconds = time.perf_counter() - began
-        cache.commit(entry, graph_text, flags, artifact, seconds)
-        return {**outcome, "status": "done", "seconds": round(seconds, 3), "stale_lock_cleared": stale}
+        for key in sorted(keys, key=entry_name):
+            entry, outcome = entry_name(key), {"program": program, "key": key, "retries": 0}
+            taken = _lock(cache, entry)
+            if isinstance(taken, EntryLocked):
+                outcomes[key] = {**outcome, "status": "locked", "owner": taken.owner, "seconds": 0.0}
+                continue
+            held[key] = taken
+            state = cache.state(entry)  # under the lock: someone may have finished it meanwhile
+            if state == states.DONE:
+                outcomes[key] = {**outcome, "status": "hit", "seconds": 0.0, "waited": True}
+            elif state == states.FAILED and not retry_failed:
+                outcomes[key] = {**outcome, "status": "failed", "seconds": 0.0, "cached_failure": True}
+        todo = [key for key in keys if key not in outcomes]
+        if todo:
+            outcomes |= _compile_graphs(spec, device, cache, program, todo, held, began)
     finally:
-        cache.release_lock(entry)
+        for key in held:
+            cache.release_lock(entry_name(key))
+    return [outcomes[key] for key in keys]
+
+
+def _compile_graphs(spec: JobSpec, device: Device, cache: CompileCache, program: str, keys: list[str],
+                    stale: dict[str, bool], began: float) -> dict[str, dict]:
+    """Run `program` once in compile mode and file each of `keys` (their locks held)."""
+    for key in keys:
+        cache.discard(entry_name(key))
+    torch.set_num_threads(_threads(spec))
+    with tempfile.TemporaryDirectory(prefix="trnflow-compile-") as tmp:
+        recipe = for_job(spec)
+        compiler = device.compiler(spec, mode="compile", workdir=Path(tmp), model=recipe.key)
+        flags, graphs = compiler.flags, {}
+        try:
+            programs = Programs(spec, recipe, build_model(recipe, spec.train.seed), compiler, device)
+            programs.exercise(program, steps=TRIAL_STEPS)  # a lazy device meets step 2's graphs only there
+            graphs = {s.key: s.graph for s in compiler.seen}
+            missing = [key for key in keys if key not in graphs]
+            if missing:
+                raise FatalError(f"{program} traced to {list(graphs)}, not {missing}: "
+                                 "the program's graph is not deterministic")
+            artifact = device.artifact(Path(tmp))
+        except Exception:
+            failure = traceback.format_exc()
+            for key in keys:
+                cache.record_failure(entry_name(key), graphs[key].canonical() if key in graphs else "", flags,
+                                     failure)
+            seconds = round(time.perf_counter() - began, 3)
+            return {key: {"program": program, "key": key, "retries": 0, "status": "failed", "seconds": seconds}
+                    for key in keys}
+    seconds = (time.perf_counter() - began) / len(keys)  # one run compiled them all (`together`): each its share
+    for key in keys:
+        cache.commit(entry_name(key), graphs[key].canonical(), flags, artifact, seconds)
+    return {key: {"program": program, "key": key, "retries": 0, "status": "done", "seconds": round(seconds, 3),
+                  "together": len(keys), "stale_lock_cleared": stale[key]} for key in keys}
 
 
 def _counts(report: dict[str, dict], total: int) -> str:
@@ -133,8 +173,8 @@ def _counts(report: dict[str, dict], total: int) -> str:
 
 
 def _pool_context(spec: JobSpec, device: Device) -> multiprocessing.context.BaseContext:
-    """How compile workers start: each is a fresh process (one graph each, so a compiler that
-    crashes or leaks takes nothing else with it), forked from a server that imported torch, this
+    """How compile workers start: each is a fresh process (one program each, so a compiler that
+    crashes or leaks takes no other program with it), forked from a server that imported torch, this
     module and the device's compiler once. Spawning each worker afresh cost its imports every time:
     about 5 CPU-seconds a worker, more than a small graph takes to compile. The server is one per
     process and starts with its first pool (a compile job has one), so workers see the environment
@@ -211,14 +251,17 @@ def run(ctx: WorkerContext) -> dict:
     if todo:
         print("INFO ||NEURON_PARALLEL_COMPILE||: master grab graphs to compile: "
               f"{[f'{cache.url}/{p.entry}/model.fx.txt' for p in todo]}", flush=True)
-        with ProcessPoolExecutor(min(spec.compile.workers, len(todo)), mp_context=_pool_context(spec, ctx.device),
-                                 max_tasks_per_child=1) as pool:
-            futures = [pool.submit(compile_one, spec.model_dump_json(), p.program, p.key, retry_failed)
-                       for p in todo]
+        by_program: dict[str, list[str]] = {}
+        for p in todo:
+            by_program.setdefault(p.program, []).append(p.key)
+        with ProcessPoolExecutor(min(spec.compile.workers, len(by_program)),
+                                 mp_context=_pool_context(spec, ctx.device), max_tasks_per_child=1) as pool:
+            futures = [pool.submit(compile_program, spec.model_dump_json(), program, keys, retry_failed)
+                       for program, keys in by_program.items()]
             for future in as_completed(futures):
-                outcome = future.result()
-                report[outcome["key"]] = outcome
-                ctx.log("compiled", **{k: outcome.get(k) for k in ("program", "key", "status", "seconds")})
+                for outcome in future.result():
+                    report[outcome["key"]] = outcome
+                    ctx.log("compiled", **{k: outcome.get(k) for k in ("program", "key", "status", "seconds")})
                 print(_counts(report, len(plan)), flush=True)
     return _summarise(result, report, cache)
 
