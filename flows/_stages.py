@@ -113,14 +113,20 @@ def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], st
         stage.report(stages)
 
 
+def preflight_stages(stage: StageRunner) -> list[int]:
+    """Sanity, then collectives: the cores verified. The sanity job sweeps the collectives too, and
+    the collectives stage judges its sweep, so preflight starts one job, not two."""
+    checked = stage("sanity", sanity_check)
+    assert isinstance(checked, SanityResult)
+    stage("collectives", collective_test, checked.cores or [], swept=checked.collectives)
+    return checked.cores or []
+
+
 def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[int], TrainResult]:
     """Sanity, collectives, compile and train: the cores verified and the training result. When
     training found no new data, the `later` stages are recorded as skipped."""
     check_locations(stage.spec)  # a location it cannot write fails the run now, not after training
-    checked = stage("sanity", sanity_check)
-    assert isinstance(checked, SanityResult)
-    cores = checked.cores or []
-    stage("collectives", collective_test, cores, swept=checked.collectives)
+    cores = preflight_stages(stage)
     stage("compile", compile_graphs, cores)
     trained = stage("train", train_model, cores)
     assert isinstance(trained, TrainResult)

@@ -6,11 +6,9 @@ from __future__ import annotations
 from prefect import flow
 
 from trnflow.flows._params import name_run, resolve_spec
-from trnflow.flows._stages import StageRunner, new_run_id
-from trnflow.results import RunOutcome, SanityResult
+from trnflow.flows._stages import StageRunner, new_run_id, preflight_stages
+from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec
-from trnflow.tasks.collectives import collective_test
-from trnflow.tasks.sanity import sanity_check
 
 STAGES = ("sanity", "collectives")
 
@@ -27,9 +25,7 @@ def preflight(spec: JobSpec | None = None, spec_url: str | None = None, run_id: 
     name_run(spec, f"preflight of {compute.world_size} cores on {compute.nodes}x {compute.instance_type}")
     stage = StageRunner(spec, run_id or new_run_id())
     try:
-        checked = stage("sanity", sanity_check)
-        assert isinstance(checked, SanityResult)
-        stage("collectives", collective_test, checked.cores, swept=checked.collectives)
+        preflight_stages(stage)
         return stage.outcome()
     finally:
         stage.report(STAGES)
