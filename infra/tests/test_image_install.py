@@ -286,8 +286,10 @@ def test_the_python_before_the_images_is_refused(wheel, tmp_path):
 @pytest.fixture(scope="module")
 def installed(image_python_env, wheel):
     """The image's environment after `pip install <wheel>`, as a user installs trnflow: the wheel's
-    own dependencies come in beside the image's packages (its torch is the wheel's pin)."""
-    done = pip(image_python_env, "install", str(wheel), cwd=image_python_env.parents[2])
+    own dependencies come in beside the image's packages (its torch is the wheel's pin). Not
+    byte-compiled on install (as torch above): the tests import a part of those packages, compiled
+    then, since their processes may write bytecode."""
+    done = pip(image_python_env, "install", "--no-compile", str(wheel), cwd=image_python_env.parents[2])
     assert done.returncode == 0, done.stderr
     return image_python_env
 
