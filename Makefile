@@ -45,9 +45,10 @@ chromium:
 test-fast: install
 	$(BIN)/python -m pytest -n 2 -q -m "unit and not slow" tests/unit
 
-# The XLA lane's environment (about 3 GB to download) is built beside the other tests, not after them:
-# `make -j2` runs the two branches at once, and the lane's tests start when both are done.
-test: install
+# The XLA lane's environment (about 3 GB to download) is built beside the rest, not after it: `make -j2`
+# runs the two branches at once, so its install starts with .venv's (which leaves a core idle) and
+# goes on beside the first tests; the lane's tests start when both are done.
+test:
 	$(MAKE) -j2 xla-env test-main
 	$(MAKE) test-xla
 
@@ -65,12 +66,17 @@ test-main: lint test-fast chromium
 XLA_VENV ?= .venv/xla
 XLA_BIN  := $(XLA_VENV)/bin
 
-$(XLA_BIN)/.installed: pyproject.toml tests/xla/requirements.py examples/recipes/pyproject.toml
+# Its packages first, beside .venv's install; trnflow itself (editable) only after .venv's, since
+# both editable installs write trnflow.egg-info in the checkout.
+$(XLA_VENV)/.packages: pyproject.toml tests/xla/requirements.py
 	$(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_BIN)/python -m pip install --quiet --upgrade pip
 	$(XLA_BIN)/python -m pip install --quiet torch==2.9.0 torch-xla==2.9.0
 	$(XLA_BIN)/python tests/xla/requirements.py > $(XLA_VENV)/requirements.txt
 	$(XLA_BIN)/python -m pip install --quiet -r $(XLA_VENV)/requirements.txt
+	touch $@
+
+$(XLA_BIN)/.installed: $(XLA_VENV)/.packages $(BIN)/.installed examples/recipes/pyproject.toml
 	$(XLA_BIN)/python -m pip install --quiet --no-deps -e . -e examples/recipes
 	touch $@
 
