@@ -54,8 +54,8 @@ test:
 
 # The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests.
 test-main: lint test-fast chromium
-	$(BIN)/python -m pytest -n 2 --dist loadfile --durations=30 tests/integration infra/tests \
-	  tests/unit -m "not unit or slow"
+	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests/integration \
+	  infra/tests tests/unit -m "not unit or slow"
 
 # The XLA lane: torch-xla's CPU runtime (PJRT_DEVICE=CPU) runs the `xla` device's lazy-tensor program
 # for real, one rank. It has its own venv, because torch-xla 2.9 needs torch 2.9: about 8 GB (that

@@ -26,14 +26,24 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ["TRNFLOW_NEURON_RT_DIR"] = tempfile.mkdtemp(prefix="trnflow-rt-")
 
 
+# The longest files (minutes each on 2 cores), longest first. `make test` hands whole files to its two
+# workers (`--dist loadfile`, in collection order), so these start first and the run ends on short
+# ones, not with one worker busy on a long file while the other has nothing left.
+LONGEST_FILES = ("test_prefect_server.py", "test_cloud_backends.py", "test_image_install.py",
+                 "test_recipe_pipelines.py", "test_pipeline.py", "test_faults.py", "test_mock_aws_docs.py",
+                 "test_retrain.py", "test_fault_matrix.py", "test_inference.py", "test_readme.py")
+
+
 def pytest_collection_modifyitems(items):
     """A test's folder is its kind: tests/unit are quick checks of one part in this process (`make
-    test-fast`); tests/integration start jobs, flows, servers or clouds."""
+    test-fast`); tests/integration start jobs, flows, servers or clouds. The longest files run first."""
     for item in items:
         parts = Path(str(item.path)).parts
         for kind in ("unit", "integration"):
             if kind in parts:
                 item.add_marker(kind)
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(Path(str(item.path)).name, len(LONGEST_FILES)))  # stable: file order kept
 
 
 def archive(files: dict[str, bytes]) -> bytes:
