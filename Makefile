@@ -13,6 +13,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
 # The example recipe (examples/recipes) goes in too: the tests run it as an installed plug-in.
 $(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml
+	mkdir -p $(VENV)  # the XLA venv's install may be creating it at this moment, as its parent
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[dev]"

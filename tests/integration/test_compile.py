@@ -167,6 +167,25 @@ def test_optlevels_trade_compile_time_for_generated_code(make_spec, tmp_path, mo
     assert compile_flags(3, "fp32")["mode"] == "max-autotune-no-cudagraphs"
 
 
+def test_one_run_of_a_program_files_its_graphs_and_one_it_did_not_trace_fails_alone(make_spec, tmp_path,
+                                                                                       monkeypatch):
+    """A worker compiles a program's missing graphs with one run of it: each graph the run traced is
+    filed; a key it did not trace (a program that is not deterministic) fails alone, with the reason
+    in its log."""
+    from trnflow.workload.compile import compile_program
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))  # compile_program uses its own
+    spec = make_spec(model={"params": TINY}, compile={"optlevel": 1, "cache_url": str(tmp_path / "cache")})
+    key = next(p.key for p in extract(spec) if p.program == "eval_step")
+    ghost = "MODULE_1+" + key.split("+")[1]  # the same flags, a graph the program never traces
+    done, failed = compile_program(spec.model_dump_json(), "eval_step", [key, ghost])
+    cache = CompileCache(spec.compile.cache_url)
+    assert (done["status"], done["together"], cache.state(entry_name(key))) == ("done", 1, DONE), done
+    assert (failed["status"], cache.state(entry_name(ghost))) == ("failed", FAILED), failed
+    assert "not deterministic" in cache.failure_log(entry_name(ghost))
+    assert not cache.failure_log(entry_name(key))
+
+
 def test_a_compile_files_its_graph_in_the_neuron_cache_layout(make_spec, tmp_path, monkeypatch):
     """`neuronxcc-<compiler version>/MODULE_<graph hash>+<8-hex flags hash>/`, holding the artifact,
     the flags and an empty done marker, as a real Neuron cache entry does; trnflow's checksums

@@ -79,10 +79,9 @@ def compile_one(spec_json: str, program: str, key: str, retry_failed: bool = Fal
     return outcome
 
 
-def _lock(cache: CompileCache, entry: str) -> bool | EntryLocked:
-    """Take an entry's lock, waiting while another process holds it: whether a stale lock was
-    cleared, or the holder that never let go."""
-    deadline = time.monotonic() + LOCK_WAIT_SECONDS
+def _lock(cache: CompileCache, entry: str, deadline: float) -> bool | EntryLocked:
+    """Take an entry's lock, waiting until `deadline` (monotonic) while another process holds it:
+    whether a stale lock was cleared, or the holder that never let go."""
     while True:
         try:
             return cache.acquire_lock(entry)
@@ -104,13 +103,13 @@ def compile_program(spec_json: str, program: str, keys: list[str], retry_failed:
     spec = JobSpec.model_validate_json(spec_json)
     device = get_device(choose(spec).name)
     cache = CompileCache(cache_url(spec.compile.cache_url))
-    began = time.perf_counter()
+    began, deadline = time.perf_counter(), time.monotonic() + LOCK_WAIT_SECONDS  # one wait for all the locks
     outcomes: dict[str, dict] = {}
     held: dict[str, bool] = {}  # key -> a stale lock was cleared
     try:
         for key in sorted(keys, key=entry_name):
             entry, outcome = entry_name(key), {"program": program, "key": key, "retries": 0}
-            taken = _lock(cache, entry)
+            taken = _lock(cache, entry, deadline)
             if isinstance(taken, EntryLocked):
                 outcomes[key] = {**outcome, "status": "locked", "owner": taken.owner, "seconds": 0.0}
                 continue
@@ -131,36 +130,35 @@ def compile_program(spec_json: str, program: str, keys: list[str], retry_failed:
 
 def _compile_graphs(spec: JobSpec, device: Device, cache: CompileCache, program: str, keys: list[str],
                     stale: dict[str, bool], began: float) -> dict[str, dict]:
-    """Run `program` once in compile mode and file each of `keys` (their locks held)."""
+    """Run `program` once in compile mode and file each of `keys` (their locks held). An error in the
+    run fails them all; a graph the run did not trace fails alone (the program is not deterministic)."""
     for key in keys:
         cache.discard(entry_name(key))
     torch.set_num_threads(_threads(spec))
     with tempfile.TemporaryDirectory(prefix="trnflow-compile-") as tmp:
         recipe = for_job(spec)
         compiler = device.compiler(spec, mode="compile", workdir=Path(tmp), model=recipe.key)
-        flags, graphs = compiler.flags, {}
+        flags, texts = compiler.flags, {}
         try:
             programs = Programs(spec, recipe, build_model(recipe, spec.train.seed), compiler, device)
             programs.exercise(program, steps=TRIAL_STEPS)  # a lazy device meets step 2's graphs only there
-            graphs = {s.key: s.graph for s in compiler.seen}
-            missing = [key for key in keys if key not in graphs]
-            if missing:
-                raise FatalError(f"{program} traced to {list(graphs)}, not {missing}: "
-                                 "the program's graph is not deterministic")
+            texts = {s.key: s.graph.canonical() for s in compiler.seen}
             artifact = device.artifact(Path(tmp))
         except Exception:
-            failure = traceback.format_exc()
-            for key in keys:
-                cache.record_failure(entry_name(key), graphs[key].canonical() if key in graphs else "", flags,
-                                     failure)
-            seconds = round(time.perf_counter() - began, 3)
-            return {key: {"program": program, "key": key, "retries": 0, "status": "failed", "seconds": seconds}
-                    for key in keys}
-    seconds = (time.perf_counter() - began) / len(keys)  # one run compiled them all (`together`): each its share
-    for key in keys:
-        cache.commit(entry_name(key), graphs[key].canonical(), flags, artifact, seconds)
-    return {key: {"program": program, "key": key, "retries": 0, "status": "done", "seconds": round(seconds, 3),
-                  "together": len(keys), "stale_lock_cleared": stale[key]} for key in keys}
+            failures = dict.fromkeys(keys, traceback.format_exc())
+        else:
+            failures = {key: f"{program} traced to {sorted(texts)}, not {key}: the program's graph is not "
+                             "deterministic\n" for key in keys if key not in texts}
+    compiled = [key for key in keys if key not in failures]
+    seconds = round((time.perf_counter() - began) / len(keys), 3)  # one run for them all: each its share
+    for key in compiled:
+        cache.commit(entry_name(key), texts[key], flags, artifact, seconds)
+    for key, failure in failures.items():
+        cache.record_failure(entry_name(key), texts.get(key, ""), flags, failure)
+    row = {"program": program, "retries": 0, "seconds": seconds}
+    return {key: {**row, "key": key, "status": "failed"} if key in failures else
+            {**row, "key": key, "status": "done", "together": len(compiled), "stale_lock_cleared": stale[key]}
+            for key in keys}
 
 
 def _counts(report: dict[str, dict], total: int) -> str:
