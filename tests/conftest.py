@@ -152,11 +152,14 @@ def warm_compile_cache(compile_cache, dataset, trnflow_home, tmp_path_factory) -
 def make_spec(dataset, tmp_path, trnflow_home, compile_cache):
     """A small quickstart spec whose data is the session dataset and whose outputs go to tmp_path."""
 
-    def make(**sections) -> JobSpec:
+    def make(cores: int = 2, **sections) -> JobSpec:
+        """`cores` NeuronCores (ranks), 16 samples a core a step: the same graphs on any number of
+        cores. A test about the pipeline's logic, not about ranks, asks for 1: half the processes."""
         base = {
             "data": {"train": str(dataset / "train"), "holdout": str(dataset / "holdout"),
                      "inference": str(dataset / "inference")},
-            "train": {"steps": 40, "checkpoint_every": 20, "log_every": 10,
+            "compute": {"cores_per_node": cores},
+            "train": {"steps": 40, "checkpoint_every": 20, "log_every": 10, "global_batch_size": 16 * cores,
                       "checkpoint_url": str(tmp_path / "checkpoints")},
             "compile": {"cache_url": str(compile_cache)},
             "gate": {"reference": str(tmp_path / "reference" / "metrics.json")},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 from urllib.parse import urlparse
@@ -36,12 +37,29 @@ def emulated() -> bool:
     return urlparse(os.environ.get("AWS_ENDPOINT_URL", "")).hostname in ("127.0.0.1", "localhost", "::1")
 
 
-def session() -> Any:
-    """A boto3 session. Pointed at a local AWS emulator (`AWS_ENDPOINT_URL` on 127.0.0.1) with no
-    credentials or region configured, it uses placeholder ones: the emulator checks neither, and
-    nothing can leave the machine with them."""
-    import boto3  # ~0.3 s to import: only what talks to AWS pays for it
+_SESSIONS: dict[tuple, Any] = {}
+_LOCK = threading.Lock()  # boto3 sessions are not thread-safe; the clients they make are
 
+
+def session() -> Any:
+    """The process's boto3 session for the current AWS settings (the `AWS_*` variables). One is
+    kept per setting: each new session reads botocore's service models from disk again, about a
+    quarter of a second of CPU for every client it makes. Pointed at a local AWS emulator
+    (`AWS_ENDPOINT_URL` on 127.0.0.1) with no credentials or region configured, it uses
+    placeholder ones: the emulator checks neither, and nothing can leave the machine with them."""
+    import boto3  # ~0.3 s to import: only what talks to AWS pays for it
+    from botocore.handlers import BUILTIN_HANDLERS
+
+    # A library that adds botocore handlers (an AWS emulator in-process does) gets a new session:
+    # sessions take the handlers there are when they are made.
+    key = (tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("AWS_"))), len(BUILTIN_HANDLERS))
+    with _LOCK:
+        if key not in _SESSIONS:
+            _SESSIONS[key] = _new_session(boto3)
+        return _SESSIONS[key]
+
+
+def _new_session(boto3: Any) -> Any:
     base = boto3.session.Session()
     if not emulated():
         return base
@@ -57,7 +75,9 @@ def client(service: str, endpoint_url: str | None = None, boto_session: Any = No
     from botocore.config import Config  # botocore loads with boto3, lazily (see session)
 
     config = Config(retries={"total_max_attempts": 1}, connect_timeout=10, read_timeout=60)
-    made = (boto_session or session()).client(service, endpoint_url=endpoint_url, config=config)
+    boto_session = boto_session or session()
+    with _LOCK:
+        made = boto_session.client(service, endpoint_url=endpoint_url, config=config)
     for hook in CLIENT_HOOKS:
         hook(service, made)
     return made

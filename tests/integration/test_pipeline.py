@@ -156,7 +156,7 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
 
 
 def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champion(prefect_api, make_spec):
-    spec = make_spec(name="gatefail", retries={"max_retries": 2, "backoff_seconds": 0})
+    spec = make_spec(cores=1, name="gatefail", retries={"max_retries": 2, "backoff_seconds": 0})
     ref_path = local_path(spec.gate.reference)
     ref_path.parent.mkdir(parents=True)
     ref_path.write_text(json.dumps(metrics_document([{"step": spec.train.steps, "accuracy": 0.999}], "gpu")))
@@ -181,7 +181,7 @@ def test_a_candidate_worse_than_the_champion_is_kept_out_unless_forced_with_a_re
     again with `force_promote` promotes it and the registry records the reason."""
     from trnflow.errors import ChampionKept
 
-    spec = make_spec(name="protect", gate={"reference": None})
+    spec = make_spec(cores=1, name="protect", gate={"reference": None}, train={"steps": 80, "checkpoint_every": 40})
     state, outcome = _run(spec, run_id="strong")
     assert state.is_completed(), outcome
     registry = Registry(spec.registry_url)

@@ -31,7 +31,7 @@ def retrain_spec(make_spec, tmp_path):
                 "gate": {"reference": "champion", "max_abs_diff": 0.2}}
         for name, values in sections.items():
             base[name] = {**base.get(name, {}), **values}
-        return make_spec(**base)
+        return make_spec(cores=1, **base)
 
     return make, data
 
@@ -217,7 +217,7 @@ def test_the_champion_and_its_published_outputs_change_together(make_spec, prefe
     from trnflow.errors import FatalError
     from trnflow.tasks.promote import promote_champion
 
-    spec = make_spec(name="together")
+    spec = make_spec(cores=1, name="together")
     out = local_path(spec.inference.output_url)
     registry = Registry(spec.registry_url)
     for version in (1, 2):

@@ -71,7 +71,7 @@ def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are
     full, live = daily
     data = {"train": str(live / "train"), "holdout": str(live / "holdout"), "inference": str(live / "inference"),
             "window": "since-watermark"}
-    first, _ = _train(backend, make_spec(data=data, train={"steps": 6, "checkpoint_every": 6}), "day-2")
+    first, _ = _train(backend, make_spec(cores=1, data=data, train={"steps": 6, "checkpoint_every": 6}), "day-2")
     assert first.state is JobState.SUCCEEDED, first.failure
     assert first.result["partitions"] == ["2026-01-01", "2026-01-02"] and first.result["watermark"] == "2026-01-02"
 
@@ -79,7 +79,7 @@ def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are
     registry = Registry(make_spec().registry_url)  # the first run is the champion the next one starts from
     registry.promote("quickstart", registry.register("quickstart", {"checkpoint": first.result["checkpoint"]}).version)
     follow = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": "champion"})
-    second, job_id = _train(backend, make_spec(**follow), "day-3")
+    second, job_id = _train(backend, make_spec(cores=1, **follow), "day-3")
     assert second.state is JobState.SUCCEEDED, second.failure
     assert '"event": "champion", "rank": 0, "version": 1' in backend.logs(job_id)[0]
     result = second.result
@@ -90,10 +90,10 @@ def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are
     assert child.meta["lineage"] == [first.result["checkpoint"]]
 
     again = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": result["checkpoint"]})
-    nothing, _ = _train(backend, make_spec(**again), "day-3-again")
+    nothing, _ = _train(backend, make_spec(cores=1, **again), "day-3-again")
     assert nothing.state is JobState.SUCCEEDED
     assert nothing.result["skipped"] is True and "after the watermark 2026-01-03" in nothing.result["reason"]
-    assert not local_path(make_spec(**again).train.checkpoint_url).joinpath("day-3-again").exists()
+    assert not local_path(make_spec(cores=1, **again).train.checkpoint_url).joinpath("day-3-again").exists()
 
 
 def test_a_plain_state_dict_from_another_program_is_a_starting_point(make_spec, backend, tmp_path):

@@ -89,6 +89,23 @@ def test_only_throttling_and_server_errors_are_retried(monkeypatch):
         aws.call(lambda: (_ for _ in ()).throw(_client_error("AccessDenied", 403)))
 
 
+def test_clients_share_a_session_while_the_aws_settings_stay_the_same(in_process_aws, monkeypatch):
+    """A new boto3 session reads the service models again (a quarter of a second a client): the
+    same settings reuse one, and a changed setting gets one of its own, with the new value."""
+    first = aws.session()
+    assert aws.session() is first
+    first_bucket = aws.client("s3")
+    first_bucket.create_bucket(Bucket="shared")
+    assert "shared" in [b["Name"] for b in aws.client("s3").list_buckets()["Buckets"]]  # the same mocked account
+
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
+    moved = aws.session()
+    assert moved is not first and moved.region_name == "eu-west-1"
+    assert aws.client("sqs").meta.region_name == "eu-west-1"
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    assert aws.session() is first
+
+
 @pytest.mark.parametrize("code", ["SlowDown", "InternalError"])
 def test_injected_s3_errors_on_reads_and_writes_are_retried_and_lose_nothing(code, in_process_aws, monkeypatch,
                                                                             tmp_path):

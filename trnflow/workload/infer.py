@@ -56,7 +56,15 @@ def _shard_table(ids: pa.Array, out: torch.Tensor, version: str, embeds: bool) -
     else:
         columns["prediction"] = _column(out.argmax(-1))
         columns["probabilities"] = _column(out.double().softmax(-1).float())
-    return pa.table({**columns, "model_version": pa.array([version] * len(ids))})
+    return pa.table({**columns, "model_version": _repeated(version, len(ids))})
+
+
+def _repeated(text: str, rows: int) -> pa.Array:
+    """A string column holding `text` in each of `rows` rows, from its memory (`pa.array` on a list
+    of strings would import pandas too)."""
+    data = text.encode()
+    offsets = torch.arange(rows + 1, dtype=torch.int32) * len(data)
+    return pa.Array.from_buffers(pa.string(), rows, [None, pa.py_buffer(offsets.numpy()), pa.py_buffer(data * rows)])
 
 
 def _outputs(program, batches, rows: int) -> torch.Tensor:
