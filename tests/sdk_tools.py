@@ -37,12 +37,15 @@ import os, pathlib, subprocess
 args = sys.argv[1:]
 assert args[0] == "--num_parallel", args
 workers, command = int(args[1]), args[2:]
-done = subprocess.run(command, env={{**os.environ, "NEURON_EXTRACT_GRAPHS_ONLY": "1"}})  # the extraction pass
+if {trial}:  # the extraction pass
+    done = subprocess.run(command, env={{**os.environ, "NEURON_EXTRACT_GRAPHS_ONLY": "1"}})
+else:
+    done = subprocess.CompletedProcess(command, 0)
 output = pathlib.Path(command[command.index("--output") + 1])
 pathlib.Path({record!r}).write_text(json.dumps({{
     "workers": workers, "command": command, "trial_exit": done.returncode,
     "neuron_cc_flags": os.environ.get("NEURON_CC_FLAGS", ""),
-    "trial_result": json.loads((output / "result.json").read_text()) if done.returncode == 0 else None}}))
+    "trial_result": json.loads((output / "result.json").read_text()) if {trial} and done.returncode == 0 else None}}))
 graphs, failed = 3, {failed}
 print("INFO ||NEURON_PARALLEL_COMPILE||: master grab hlos to compile: [...]")
 print("INFO ||NEURON_PARALLEL_COMPILE||: Total graphs: %d" % graphs)
@@ -54,8 +57,10 @@ sys.exit(done.returncode or (1 if failed else 0))
 """
 
 
-def fake_parallel_compile(folder: Path, record: Path, failed: int = 0) -> Path:
-    """neuron_parallel_compile: runs the trial command it wraps with NEURON_EXTRACT_GRAPHS_ONLY=1,
-    writes what it was given and what the trial reported to `record`, and prints the real tool's
-    closing totals (three graphs, `failed` of them failed)."""
-    return fake_tool(folder, "neuron_parallel_compile", PARALLEL_COMPILE.format(record=str(record), failed=failed))
+def fake_parallel_compile(folder: Path, record: Path, failed: int = 0, trial: bool = True) -> Path:
+    """neuron_parallel_compile: runs the trial command it wraps with NEURON_EXTRACT_GRAPHS_ONLY=1
+    (unless `trial` is false, for a test of what follows it only), writes what it was given and what
+    the trial reported to `record`, and prints the real tool's closing totals (three graphs, `failed`
+    of them failed)."""
+    body = PARALLEL_COMPILE.format(record=str(record), failed=failed, trial=trial)
+    return fake_tool(folder, "neuron_parallel_compile", body)

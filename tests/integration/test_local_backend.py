@@ -43,7 +43,7 @@ def test_sanity_job_runs_one_process_per_core_with_the_neuron_contract(backend, 
 
 
 def test_failing_job_reports_its_root_cause(backend, make_spec, tmp_path):
-    spec = make_spec(data={"train": str(tmp_path / "missing")})
+    spec = make_spec(cores=1, data={"train": str(tmp_path / "missing")})
     info = wait(backend, backend.submit(JobRequest(spec, "train", "t2")), 0.2)
     assert info.state is JobState.FAILED
     assert info.failure["type"] == "DataError"
@@ -55,7 +55,7 @@ def test_failing_job_reports_its_root_cause(backend, make_spec, tmp_path):
 def test_a_finished_job_leaves_no_zombie_behind(backend, make_spec):
     """The submitting process reaps each job's supervisor once the job ends (a flow or benchmark
     submits hundreds of jobs)."""
-    ended = [wait(backend, backend.submit(JobRequest(make_spec(), "sanity", f"z{i}")), 0.2) for i in range(2)]
+    ended = [wait(backend, backend.submit(JobRequest(make_spec(cores=1), "sanity", f"z{i}")), 0.2) for i in range(2)]
     assert [info.state for info in ended] == [JobState.SUCCEEDED] * 2
     for job_id in (info.job_id for info in ended):
         pid = json.loads((backend.jobs_dir / job_id / "pid.json").read_text())["pid"]

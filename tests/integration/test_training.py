@@ -97,7 +97,7 @@ def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are
 
 
 def test_a_plain_state_dict_from_another_program_is_a_starting_point(make_spec, backend, tmp_path):
-    spec = make_spec(train={"steps": 2, "checkpoint_every": 2, "init_from": str(tmp_path / "gpu-weights.pt")})
+    spec = make_spec(cores=1, train={"steps": 2, "checkpoint_every": 2, "init_from": str(tmp_path / "gpu-weights.pt")})
     gpu_run = build_model(recipe_for(spec), seed=99)  # as a GPU job that knows nothing of trnflow would save it
     torch.save(gpu_run.state_dict(), tmp_path / "gpu-weights.pt")
     info, job_id = _train(backend, spec, "from-gpu")
