@@ -9,6 +9,13 @@ DATA   ?= runs/quickstart/data
 
 export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 
+# The venvs are installed without byte-compiling (pip's compile of every module of torch, Prefect,
+# moto and the rest is most of an install: about 100 of its 150 CPU seconds). A module is compiled
+# when first imported instead, and its bytecode kept for the next process, so a machine that sets
+# PYTHONDONTWRITEBYTECODE (many CI images do) has it left out of everything run from here: there,
+# every process would compile what it imports from source again.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: install demo test test-main test-fast test-xla xla-env faults bench lint clean chromium
 
 # The example recipe (examples/recipes) goes in too: the tests run it as an installed plug-in.
@@ -16,7 +23,7 @@ $(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml
 	mkdir -p $(VENV)  # the XLA venv's install may be creating it at this moment, as its parent
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-compile -e ".[dev]"
 	$(BIN)/python -m pip install --quiet --no-deps -e examples/recipes
 	touch $@
 
@@ -60,10 +67,8 @@ test-main: lint test-fast chromium
 
 # The XLA lane: torch-xla's CPU runtime (PJRT_DEVICE=CPU) runs the `xla` device's lazy-tensor program
 # for real, one rank. It has its own venv, because torch-xla 2.9 needs torch 2.9: about 8 GB (that
-# torch wheel pulls in CUDA libraries) and a few minutes to create the first time. Its packages
-# are byte-compiled on install, torch and torch-xla included: where PYTHONDONTWRITEBYTECODE is set,
-# as on many CI machines, nothing is compiled later, and every process of the lane would compile
-# the modules it imports from source again (about 11 s more for each import of torch and torch-xla).
+# torch wheel pulls in CUDA libraries) and a few minutes to create the first time. Like .venv's,
+# its packages are compiled as they are first imported, not on install.
 XLA_VENV ?= .venv/xla
 XLA_BIN  := $(XLA_VENV)/bin
 
@@ -72,9 +77,9 @@ XLA_BIN  := $(XLA_VENV)/bin
 $(XLA_VENV)/.packages: pyproject.toml tests/xla/requirements.py
 	$(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_BIN)/python -m pip install --quiet --upgrade pip
-	$(XLA_BIN)/python -m pip install --quiet torch==2.9.0 torch-xla==2.9.0
+	$(XLA_BIN)/python -m pip install --quiet --no-compile torch==2.9.0 torch-xla==2.9.0
 	$(XLA_BIN)/python tests/xla/requirements.py > $(XLA_VENV)/requirements.txt
-	$(XLA_BIN)/python -m pip install --quiet -r $(XLA_VENV)/requirements.txt
+	$(XLA_BIN)/python -m pip install --quiet --no-compile -r $(XLA_VENV)/requirements.txt
 	touch $@
 
 $(XLA_BIN)/.installed: $(XLA_VENV)/.packages $(BIN)/.installed examples/recipes/pyproject.toml
