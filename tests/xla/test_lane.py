@@ -49,7 +49,10 @@ def relative(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-# The tests run longest first (`--dist worksteal`), so that the lane's two workers end together.
+# The lane's two workers take the tests in file order (`--dist worksteal`): the first three go to one,
+# the other four to the other, and a worker with two or fewer left keeps them. So the order balances
+# the two: the pipeline (the longest) with the recompile guard and the weights' round trip, against
+# the external recipe, the checkpoints across devices, the parallel compile and the first losses.
 def test_the_pipeline_runs_end_to_end(workdir, lane):
     """The lane's spec file through all six stages on the lane's device, 40 steps instead of 120,
     gated against the reference run of the same spec on the emulator: the device's accuracy must
@@ -81,34 +84,6 @@ def test_the_pipeline_runs_end_to_end(workdir, lane):
                                      f"all from the compile cache, {len(shards)} embedding shards")
 
 
-def test_the_trial_runs_under_neuron_parallel_compile_where_it_is_on_path(workdir, lane):
-    """Where the SDK's neuron_parallel_compile is on PATH (here, an executable that acts as it does),
-    the compile stage runs the trial under it first, with the cache in NEURON_CC_FLAGS, then records
-    each graph; a failed compilation fails the stage with the tool's words."""
-    if DEVICE != "xla":
-        pytest.skip("neuron_parallel_compile serves the xla device; native TorchNeuron compiles through torch.compile")
-    record, tools = workdir / "parallel-compile.json", workdir / "bin"
-    fake_parallel_compile(tools, record)
-    spec = write_spec(workdir, compile={"workers": 3})
-    env = {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
-    report = json.loads(trnflow("compile", str(spec), "--json", cwd=workdir, env=env).stdout)
-    seen = json.loads(record.read_text())
-    assert seen["workers"] == 3 and seen["command"][1:4] == ["-m", "trnflow.workload", "compile"], seen
-    assert seen["trial_exit"] == 0 and seen["trial_result"]["trial"] is True, seen
-    assert f"--cache_dir={workdir / 'compile-cache'} " in f"{seen['neuron_cc_flags']} ", seen  # a path, not a URL
-    assert report["parallel_compile"] == {"tool": "neuron_parallel_compile", "workers": 3, "graphs": 3,
-                                          "compiled": 3, "failed": 0}, report
-    assert report["graphs"] >= 3 and report["compiled"] == report["graphs"], report
-
-    fake_parallel_compile(tools, record, failed=1, trial=False)  # its words on failing: no second trial
-    failed = trnflow("compile", str(write_spec(workdir, compile={"workers": 3, "cache_url": str(workdir / "c2")})),
-                     cwd=workdir, env=env, check=False)
-    said = failed.stdout + failed.stderr
-    assert failed.returncode != 0 and "neuron_parallel_compile failed (exit 1, 1 failed compilations)" in said, said
-    lane["parallel compile"] = "the trial ran under neuron_parallel_compile --num_parallel 3 with the cache in " \
-        "NEURON_CC_FLAGS; a failed compilation failed the stage"
-
-
 def test_a_new_input_shape_mid_run_trips_the_recompile_guard(workdir, lane):
     """With the last partial batch kept (3000 rows, 32 a batch), step 94 has 24 rows: a graph the
     ahead-of-time compile never saw, which compile.max_recompiles: 0 refuses, naming its shape."""
@@ -130,29 +105,16 @@ def test_a_new_input_shape_mid_run_trips_the_recompile_guard(workdir, lane):
     lane["recompile guard"] = "step 94's 24-row batch was refused as recompilation 1 over max_recompiles 0"
 
 
-def test_a_checkpoint_moves_between_xla_and_the_emulator(workdir, lane):
-    """xla trains steps 1-10, the emulator resumes its checkpoint for steps 11-20, xla resumes that
-    for 21-30. Each resumed run holds, on its device, exactly the weights the other one saved, and
-    the losses are those of 30 steps on the emulator alone."""
-    crossed, alone = workdir / "crossed", workdir / "alone"
-    for folder in (crossed, alone):
-        folder.mkdir()
-        (folder / "data").symlink_to(workdir / "data")
-    curve: list[float] = []
-    for device, steps, first in ((DEVICE, 10, 0), ("emulator", 20, 10), (DEVICE, 30, 20)):
-        code, result = train(crossed, device, steps)
-        assert code == 0 and result["start_step"] == first and result["device"]["name"] == device, result
-        if first:
-            saved = checkpoint.load(result["resumed_from"])
-            assert saved.meta["global_step"] == first
-            assert result["resumed_weights"] == checkpoint.weights_digest(saved.model), f"resumed on {device}"
-        curve += losses(result)[-10:]
-    code, reference = train(alone, "emulator", 30)
+def test_weights_make_the_round_trip_through_the_device_bit_for_bit(workdir):
+    """The device's host copies (what checkpoints are saved from) are the weights put there, bit for bit."""
+    from trnflow.device.registry import get_device
+
+    code, result = train(workdir, "emulator", 10)
     assert code == 0
-    worst = relative(curve, losses(reference))
-    assert worst <= LOSS_RTOL, (curve, losses(reference))
-    lane["checkpoints across devices"] = (f"{DEVICE} -> emulator -> {DEVICE}: each resumed with the saved weights "
-                                          f"bit for bit; losses within {worst:.2e} of 30 steps on the emulator alone")
+    saved = checkpoint.load(result["checkpoint"])
+    device = get_device(DEVICE)
+    back = device.to_host({k: device.put(v) for k, v in saved.model.items()})
+    assert all(torch.equal(back[k], v) for k, v in saved.model.items())
 
 
 def test_an_external_recipe_runs_the_pipeline_on_the_device(workdir, lane):
@@ -185,6 +147,59 @@ def test_an_external_recipe_runs_the_pipeline_on_the_device(workdir, lane):
                                f"compile cache; {results['infer']['rows']} predictions published")
 
 
+def test_a_checkpoint_moves_between_xla_and_the_emulator(workdir, lane):
+    """xla trains steps 1-10, the emulator resumes its checkpoint for steps 11-20, xla resumes that
+    for 21-30. Each resumed run holds, on its device, exactly the weights the other one saved, and
+    the losses are those of 30 steps on the emulator alone."""
+    crossed, alone = workdir / "crossed", workdir / "alone"
+    for folder in (crossed, alone):
+        folder.mkdir()
+        (folder / "data").symlink_to(workdir / "data")
+    curve: list[float] = []
+    for device, steps, first in ((DEVICE, 10, 0), ("emulator", 20, 10), (DEVICE, 30, 20)):
+        code, result = train(crossed, device, steps)
+        assert code == 0 and result["start_step"] == first and result["device"]["name"] == device, result
+        if first:
+            saved = checkpoint.load(result["resumed_from"])
+            assert saved.meta["global_step"] == first
+            assert result["resumed_weights"] == checkpoint.weights_digest(saved.model), f"resumed on {device}"
+        curve += losses(result)[-10:]
+    code, reference = train(alone, "emulator", 30)
+    assert code == 0
+    worst = relative(curve, losses(reference))
+    assert worst <= LOSS_RTOL, (curve, losses(reference))
+    lane["checkpoints across devices"] = (f"{DEVICE} -> emulator -> {DEVICE}: each resumed with the saved weights "
+                                          f"bit for bit; losses within {worst:.2e} of 30 steps on the emulator alone")
+
+
+def test_the_trial_runs_under_neuron_parallel_compile_where_it_is_on_path(workdir, lane):
+    """Where the SDK's neuron_parallel_compile is on PATH (here, an executable that acts as it does),
+    the compile stage runs the trial under it first, with the cache in NEURON_CC_FLAGS, then records
+    each graph; a failed compilation fails the stage with the tool's words."""
+    if DEVICE != "xla":
+        pytest.skip("neuron_parallel_compile serves the xla device; native TorchNeuron compiles through torch.compile")
+    record, tools = workdir / "parallel-compile.json", workdir / "bin"
+    fake_parallel_compile(tools, record)
+    spec = write_spec(workdir, compile={"workers": 3})
+    env = {"PATH": f"{tools}{os.pathsep}{os.environ['PATH']}"}
+    report = json.loads(trnflow("compile", str(spec), "--json", cwd=workdir, env=env).stdout)
+    seen = json.loads(record.read_text())
+    assert seen["workers"] == 3 and seen["command"][1:4] == ["-m", "trnflow.workload", "compile"], seen
+    assert seen["trial_exit"] == 0 and seen["trial_result"]["trial"] is True, seen
+    assert f"--cache_dir={workdir / 'compile-cache'} " in f"{seen['neuron_cc_flags']} ", seen  # a path, not a URL
+    assert report["parallel_compile"] == {"tool": "neuron_parallel_compile", "workers": 3, "graphs": 3,
+                                          "compiled": 3, "failed": 0}, report
+    assert report["graphs"] >= 3 and report["compiled"] == report["graphs"], report
+
+    fake_parallel_compile(tools, record, failed=1, trial=False)  # its words on failing: no second trial
+    failed = trnflow("compile", str(write_spec(workdir, compile={"workers": 3, "cache_url": str(workdir / "c2")})),
+                     cwd=workdir, env=env, check=False)
+    said = failed.stdout + failed.stderr
+    assert failed.returncode != 0 and "neuron_parallel_compile failed (exit 1, 1 failed compilations)" in said, said
+    lane["parallel compile"] = "the trial ran under neuron_parallel_compile --num_parallel 3 with the cache in " \
+        "NEURON_CC_FLAGS; a failed compilation failed the stage"
+
+
 def test_the_first_losses_match_the_emulators_and_the_graph_count_stays_flat(workdir, lane):
     for sub in ("emulator", DEVICE):
         (workdir / sub).mkdir()
@@ -203,15 +218,3 @@ def test_the_first_losses_match_the_emulators_and_the_graph_count_stays_flat(wor
     assert warm > 0 and graphs[2:] == [warm] * (len(graphs) - 2), graphs
     assert on_xla["compile"]["graphs"] == warm + 1  # and the final evaluation's
     lane["graphs compiled"] = f"{graphs[0]} after step 1, {warm} after step 2, {graphs[-1]} after step 20 (flat)"
-
-
-def test_weights_make_the_round_trip_through_the_device_bit_for_bit(workdir):
-    """The device's host copies (what checkpoints are saved from) are the weights put there, bit for bit."""
-    from trnflow.device.registry import get_device
-
-    code, result = train(workdir, "emulator", 10)
-    assert code == 0
-    saved = checkpoint.load(result["checkpoint"])
-    device = get_device(DEVICE)
-    back = device.to_host({k: device.put(v) for k, v in saved.model.items()})
-    assert all(torch.equal(back[k], v) for k, v in saved.model.items())
