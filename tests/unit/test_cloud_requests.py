@@ -321,3 +321,31 @@ def test_the_images_come_from_settings_one_per_device_or_one_for_all(monkeypatch
     monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
     with pytest.raises(FatalError, match="needs TRNFLOW_IMAGE or TRNFLOW_IMAGE_NEURON or TRNFLOW_IMAGE_XLA"):
         cloud_target(TrnflowSettings(), "batch")
+
+
+@pytest.mark.slow  # imports the SageMaker SDK (about 3 s): with the integration tests
+def test_the_sdk_checks_trnflows_config_once_per_submission_and_any_other_config_every_time(
+        in_process_aws, monkeypatch):
+    """The SDK checks a session's config against its schema at every value it reads, a dozen times
+    per submission at 0.45 CPU-s each; trnflow's constant config is checked when its session is made."""
+    import boto3
+    import jsonschema
+    from sagemaker.core.config.config_manager import SageMakerConfig
+
+    from trnflow.backends import sagemaker_trainer
+
+    real, checked = jsonschema.validate, []
+    monkeypatch.setattr(jsonschema, "validate", lambda instance, schema, *a, **k: (
+        checked.append(instance), real(instance, schema, *a, **k))[1])
+    monkeypatch.setenv("SAGEMAKER_VALIDATE_ROLE", "false")  # the SDK's role check needs IAM's simulator
+    boto3.client("s3").create_bucket(Bucket="acme-staging")
+    body = build_training_job_request(JobRequest(_spec(nodes=1), "train", "r1"), TARGET)
+    names = [sagemaker_trainer.submit(body, boto3.Session(), "acme-staging") for _ in range(2)]
+
+    sent = boto3.client("sagemaker").describe_training_job(TrainingJobName=names[-1])
+    assert sent["ResourceConfig"]["InstanceType"] == "ml.trn1n.32xlarge"
+    assert sent["HyperParameters"] == body["HyperParameters"] and sent["RoleArn"] == TARGET.role_arn
+    ours = sum(config is sagemaker_trainer.TELEMETRY_OFF for config in checked)
+    assert 2 <= ours <= 3  # each session's check, and the first submission's once per process
+    with pytest.raises(jsonschema.ValidationError):  # any other config is still checked, every time
+        SageMakerConfig.validate_sagemaker_config({"SchemaVersion": "1.0", "SageMaker": {"NoSuchKey": 1}})

@@ -15,6 +15,28 @@ TELEMETRY_OFF = {"SchemaVersion": "1.0", "SageMaker": {"PythonSDK": {"Modules": 
 """The SDK reports usage from a background thread unless told not to; trnflow tells it not to."""
 
 
+def _check_our_config_once() -> None:
+    """Have the SDK check TELEMETRY_OFF against its config schema once per process, not at every
+    lookup. The SDK checks a session's config each time it reads a value from it, a dozen times per
+    submission, and each check first re-checks the whole schema: 0.45 CPU-s each, most of the cost
+    of a submission. TELEMETRY_OFF never changes, so one check holds; any other config still goes
+    through the SDK's own check every time. Without the SDK's hook (another SDK version), nothing
+    changes but the cost."""
+    from sagemaker.core.config.config_manager import SageMakerConfig  # the SDK: loaded for submissions only
+
+    check = SageMakerConfig.__dict__.get("validate_sagemaker_config")
+    if not isinstance(check, staticmethod) or getattr(check.__func__, "trnflow_checked", False):
+        return
+    check.__func__(TELEMETRY_OFF)  # the SDK's own check, once: a schema that refuses it fails here
+
+    def validate_sagemaker_config(sagemaker_config: dict | None = None) -> None:
+        if sagemaker_config is not TELEMETRY_OFF:
+            check.__func__(sagemaker_config)
+
+    validate_sagemaker_config.trnflow_checked = True  # type: ignore[attr-defined]
+    SageMakerConfig.validate_sagemaker_config = staticmethod(validate_sagemaker_config)
+
+
 def _channel(body: dict[str, Any]) -> Any:
     # The SageMaker SDK takes ~3 s and 200 MB to import: only a SageMaker submission loads it.
     from sagemaker.core.shapes import Channel, DataSource, S3DataSource
@@ -38,6 +60,7 @@ def model_trainer(body: dict[str, Any], boto_session: Any, default_bucket: str) 
     )
     from sagemaker.train import ModelTrainer
 
+    _check_our_config_once()
     resources, checkpoint = body["ResourceConfig"], body["CheckpointConfig"]
     session = Session(boto_session=boto_session, default_bucket=default_bucket, sagemaker_config=TELEMETRY_OFF)
     trainer = ModelTrainer(
