@@ -52,15 +52,35 @@ def test_failing_job_reports_its_root_cause(backend, make_spec, tmp_path):
 
 
 
-def test_a_finished_job_leaves_no_zombie_behind(backend, make_spec):
-    """The submitting process reaps each job's supervisor once the job ends (a flow or benchmark
-    submits hundreds of jobs)."""
+@pytest.mark.parametrize("warm_start", [True, False], ids=["fork-server", "cold"])
+def test_a_finished_job_leaves_no_zombie_behind(trnflow_home, make_spec, warm_start):
+    """Each job's supervisor is reaped once its job ends (a flow or benchmark submits hundreds of
+    jobs): by the fork server that forked it, or by the submitting process that started it cold."""
+    backend = LocalBackend(TrnflowSettings().jobs_dir, warm_start=warm_start)
     ended = [wait(backend, backend.submit(JobRequest(make_spec(cores=1), "sanity", f"z{i}")), 0.2) for i in range(2)]
     assert [info.state for info in ended] == [JobState.SUCCEEDED] * 2
     for job_id in (info.job_id for info in ended):
         pid = json.loads((backend.jobs_dir / job_id / "pid.json").read_text())["pid"]
-        with pytest.raises(ChildProcessError):  # already reaped: no such child left to wait for
-            os.waitpid(pid, os.WNOHANG)
+        deadline = time.monotonic() + 10
+        while _process_state(pid) is not None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert _process_state(pid) is None  # gone: neither running nor a zombie
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of process `pid` (Z: a zombie), or None when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().rpartition(")")[2].split()[0]
+    except FileNotFoundError:
+        return None
+
+
+def _parent_command(pid: int) -> str:
+    with open(f"/proc/{pid}/stat") as fh:
+        parent = fh.read().rpartition(")")[2].split()[1]
+    with open(f"/proc/{parent}/cmdline", "rb") as fh:
+        return fh.read().replace(b"\0", b" ").decode()
 
 
 def test_cancel_ends_the_whole_process_group(backend, make_spec):
@@ -70,6 +90,7 @@ def test_cancel_ends_the_whole_process_group(backend, make_spec):
     while '"event": "data"' not in backend.logs(job_id)[0] and time.monotonic() < deadline:
         time.sleep(0.2)
     pid = json.loads((backend.jobs_dir / job_id / "pid.json").read_text())["pid"]
+    assert "-m trnflow.backends.forkserver" in _parent_command(pid)  # forked warm, torch loaded once per submitter
     backend.cancel(job_id)
     assert backend.describe(job_id).state is JobState.CANCELLED
     with pytest.raises(ProcessLookupError):

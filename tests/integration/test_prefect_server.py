@@ -185,12 +185,21 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     assert "train job" in logs and '"event": "checkpoint"' in logs
 
 
-def _processes_under(folder: Path) -> list[int]:
+def _job_processes(jobs: Path) -> list[int]:
+    """The processes of the local jobs under `jobs`: each job's supervisor and launcher (its process
+    group, named by pid.json), and its ranks (whose command lines name the job's folder)."""
     found = []
+    for pid_file in jobs.glob("*/pid.json"):
+        group = json.loads(pid_file.read_text())["pid"]
+        try:
+            os.killpg(group, 0)
+            found.append(group)
+        except ProcessLookupError:
+            pass
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if str(folder).encode() in (entry / "cmdline").read_bytes():
+                if str(jobs).encode() in (entry / "cmdline").read_bytes():
                     found.append(int(entry.name))
             except OSError:
                 continue
@@ -199,12 +208,14 @@ def _processes_under(folder: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_cancel_stops_the_run_and_the_jobs_it_launched(served):
+    """The pipeline's run, cancelled as its first job starts (the pipeline, not just the preflight: its
+    cancel must find the run still going)."""
     env, path, root = served
-    started = subprocess.run([TRNFLOW, "submit", str(path), "--deployment", "preflight", "--json"], env=env,
+    started = subprocess.run([TRNFLOW, "submit", str(path), "--deployment", "pipeline", "--json"], env=env,
                              capture_output=True, text=True, check=True)
     run_id = json.loads(started.stdout)["id"]
     jobs = root / "home" / "jobs"
-    _wait_for(lambda: jobs.is_dir() and _processes_under(jobs), 120, "the preflight's first job")
+    _wait_for(lambda: jobs.is_dir() and _job_processes(jobs), 120, "the pipeline's first job")
 
     cancelled = subprocess.run([TRNFLOW, "cancel", run_id], env=env, capture_output=True, text=True)
     assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
@@ -219,7 +230,7 @@ def test_cancel_stops_the_run_and_the_jobs_it_launched(served):
         return state if state in ("Cancelled", "Completed", "Failed", "Crashed") else None
 
     assert _wait_for(final_state, 120, "the run to end") == "Cancelled"
-    _wait_for(lambda: not _processes_under(jobs), 60, "the run's jobs to stop")
+    _wait_for(lambda: not _job_processes(jobs), 60, "the run's jobs to stop")
     again = subprocess.run([TRNFLOW, "cancel", run_id], env=env, capture_output=True, text=True)
     assert again.returncode == 1 and "already ended (Cancelled)" in " ".join(again.stderr.split())
 

@@ -12,7 +12,9 @@ Every job gets a folder under the settings' jobs directory:
     cancelled     written by cancel()
 
 A job belongs to the process that submitted it, which waits for it: if that process dies, the job
-is ended too (see `local_runner`), so its cores are free for a rerun.
+is ended too (see `local_runner`), so its cores are free for a rerun. On Linux each job's supervisor
+is forked from the submitting process's fork server, which has torch loaded (see `forkserver`);
+elsewhere, or with `warm_start=False`, it starts as a new process.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import time
 import uuid
 from pathlib import Path
 
+from trnflow.backends import forkserver
 from trnflow.backends.base import JobInfo, JobRequest, JobState
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.device.base import Device
@@ -48,9 +51,10 @@ def _recorded(env: dict[str, str]) -> dict[str, str]:
 class LocalBackend:
     name = "local"
 
-    def __init__(self, jobs_dir: Path, device: Device | None = None):
+    def __init__(self, jobs_dir: Path, device: Device | None = None, warm_start: bool = forkserver.SUPPORTED):
         self.jobs_dir = jobs_dir
         self.device = device or get_device()
+        self.warm_start = warm_start
         self._procs: dict[str, subprocess.Popen] = {}
 
     def _dir(self, job_id: str) -> Path:
@@ -97,13 +101,17 @@ class LocalBackend:
         record = {"job_id": job_id, "phase": request.phase, "run_id": request.run_id, "argv": argv,
                   "cwd": os.getcwd(), "processes": len(cores), "cores": cores}
         atomic_write_json(job_dir / "job.json", {**record, "env": _recorded(env)})
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "trnflow.backends.local_runner", str(job_dir), str(os.getpid())],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            start_new_session=True, env=env,
-        )
-        atomic_write_json(job_dir / "pid.json", {"pid": proc.pid})
-        self._procs[job_id] = proc
+        if self.warm_start:
+            pid = forkserver.start_supervisor(job_dir, env)  # reaped by the fork server
+        else:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "trnflow.backends.local_runner", str(job_dir), str(os.getpid())],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True, env=env,
+            )
+            pid = proc.pid
+            self._procs[job_id] = proc
+        atomic_write_json(job_dir / "pid.json", {"pid": pid})
         return job_id
 
     def _reap(self, job_id: str) -> None:

@@ -1,6 +1,10 @@
-"""Supervises one local job: runs its command, then records the exit code in `exit.json`.
+"""Supervises one local job: runs its launcher, then records the exit code in `exit.json`.
 
 It inherits the job's environment from the backend, so credentials are never written to disk.
+
+The launcher, torchrun (`trnflow.neuron.launch`), is a fork of this supervisor running the job's
+command line, its output and errors into `job.log`. A supervisor forked from the backend's fork
+server (see `forkserver`) has torch loaded already, so its launcher starts without loading it again.
 
 torchrun keeps each rank's output in a log of its own (`ranks/`, see `trnflow.neuron.launch`), so
 that a failure can quote the rank that failed; the supervisor copies those lines into `job.log` as
@@ -9,21 +13,25 @@ they come, whole lines at a time, so `job.log` still holds everything the job pr
 Started by the local backend in its own session, so `cancel` can end the whole process group at
 once. The job belongs to the process that submitted it: if that process dies (a flow process
 killed with SIGKILL, say), nobody will read the job's result, so the job is ended too. Its cores
-are then free for the flow's rerun, which resumes from the job's last checkpoint.
+are then free for the flow's rerun, which resumes from the job's last checkpoint. The supervisor
+knows by its parent: the submitter itself, or the fork server, which ends with the submitter.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import BinaryIO
 
 from trnflow.fsutil import atomic_write_json
+from trnflow.neuron import launch
 from trnflow.neuron.launch import RANK_LOGS
 
 ORPHANED = -int(signal.SIGKILL)
@@ -51,41 +59,85 @@ class RankLogs:
                 self.copied[path] = done + end
 
 
-def main(job_dir: str, submitter: int, poll_seconds: float = 0.25) -> int:
+def main(job_dir: str, submitter: int, parent: int | None = None, poll_seconds: float = 0.25) -> int:
+    """Run the job in `job_dir` to its end. `parent` is the process whose end ends the job (the
+    fork server, when it forked this supervisor); by default the submitter, which started it."""
     root = Path(job_dir)
     job = json.loads((root / "job.json").read_text())
+    watched = submitter if parent is None else parent
     began = time.time()
     with open(root / "job.log", "ab", buffering=0) as log:  # the environment is inherited, never read from disk
-        proc = subprocess.Popen(job["argv"], stdout=log, stderr=subprocess.STDOUT, cwd=job["cwd"])
+        launcher = Launcher(job, log)
         ranks = RankLogs(root / RANK_LOGS, log)
-        while True:
-            try:
-                code = proc.wait(timeout=poll_seconds)
-                ranks.copy(final=True)  # all of it, before exit.json says the job ended
-                break
-            except subprocess.TimeoutExpired:
-                ranks.copy()
-                if os.getppid() != submitter:  # reparented: the submitter is gone
-                    log.write(f"trnflow: the process that submitted this job ({submitter}) is gone; "
-                              "ending the job\n".encode())
-                    _end_group(proc)
-                    ranks.copy(final=True)
-                    atomic_write_json(root / "exit.json", {"exit_code": ORPHANED, "started": began,
-                                                           "ended": time.time(), "orphaned": True})
-                    os.killpg(os.getpgid(0), signal.SIGKILL)  # anything left, and this supervisor
+        while (code := launcher.wait(poll_seconds)) is None:
+            ranks.copy()
+            if os.getppid() != watched:  # reparented: the submitter is gone
+                log.write(f"trnflow: the process that submitted this job ({submitter}) is gone; "
+                          "ending the job\n".encode())
+                _end_group(launcher)
+                ranks.copy(final=True)
+                atomic_write_json(root / "exit.json", {"exit_code": ORPHANED, "started": began,
+                                                       "ended": time.time(), "orphaned": True})
+                os.killpg(os.getpgid(0), signal.SIGKILL)  # anything left, and this supervisor
+        ranks.copy(final=True)  # all of it, before exit.json says the job ended
     atomic_write_json(root / "exit.json", {"exit_code": code, "started": began, "ended": time.time()})
     return 0
 
 
-def _end_group(proc: subprocess.Popen, grace_seconds: float = 10.0) -> None:
+class Launcher:
+    """torchrun for the job: a fork of this process running `trnflow.neuron.launch` with the job's
+    command line, in the job's working folder, its output and errors into `log`. Its exit code comes
+    as a process's would: negative for the signal that ended it."""
+
+    def __init__(self, job: dict, log: BinaryIO):
+        argv = job["argv"]
+        if argv[1:3] != ["-m", launch.__name__]:
+            raise ValueError(f"job.json: the command must run {launch.__name__}, not {argv[1:3]}")
+        self.pid = os.fork()
+        if self.pid == 0:
+            _run_launcher(argv[3:], job["cwd"], log.fileno())
+        self._status: list[int] = []
+        self._waiter = threading.Thread(target=self._reap, daemon=True)
+        self._waiter.start()
+
+    def _reap(self) -> None:
+        self._status.append(os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1]))
+
+    def wait(self, timeout: float) -> int | None:
+        """The exit code, once the launcher has ended within `timeout` seconds; else None."""
+        self._waiter.join(timeout)
+        return self._status[0] if self._status else None
+
+
+def _run_launcher(args: list[str], cwd: str, log_fd: int) -> None:
+    """In the forked child: torchrun's run to its end, then exit as `python -m` would (0, the
+    SystemExit's code, or 1 after printing the traceback). Never returns."""
+    code = 1
+    try:
+        os.chdir(cwd)
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
+        os.dup2(log_fd, 1)
+        os.dup2(log_fd, 2)
+        launch.main(args)
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(OSError, ValueError):  # a closed stream has nothing left to write
+                stream.flush()
+        os._exit(code)
+
+
+def _end_group(launcher: Launcher, grace_seconds: float = 10.0) -> None:
     """SIGTERM the job's process group (this supervisor excepted) and wait for the launcher, so
     that the job's cores are free by the time `exit.json` says it ended."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     os.killpg(os.getpgid(0), signal.SIGTERM)
-    try:
-        proc.wait(timeout=grace_seconds)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    if launcher.wait(grace_seconds) is None:
+        os.kill(launcher.pid, signal.SIGKILL)
 
 
 if __name__ == "__main__":
