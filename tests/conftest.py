@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -24,6 +26,7 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # The tests own their emulated cores: nothing else on this machine can hold them, not even the other
 # test process of `pytest -n 2` (each has its own folder).
 os.environ["TRNFLOW_NEURON_RT_DIR"] = tempfile.mkdtemp(prefix="trnflow-rt-")
+atexit.register(shutil.rmtree, os.environ["TRNFLOW_NEURON_RT_DIR"], ignore_errors=True)
 
 
 # The longest files (minutes each on 2 cores), longest first. `make test` hands whole files to its two

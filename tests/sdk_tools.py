@@ -37,15 +37,13 @@ import os, pathlib, subprocess
 args = sys.argv[1:]
 assert args[0] == "--num_parallel", args
 workers, command = int(args[1]), args[2:]
-if {trial}:  # the extraction pass
-    done = subprocess.run(command, env={{**os.environ, "NEURON_EXTRACT_GRAPHS_ONLY": "1"}})
-else:
-    done = subprocess.CompletedProcess(command, 0)
+# the extraction pass (None: not run)
+code = subprocess.run(command, env={{**os.environ, "NEURON_EXTRACT_GRAPHS_ONLY": "1"}}).returncode if {trial} else None
 output = pathlib.Path(command[command.index("--output") + 1])
 pathlib.Path({record!r}).write_text(json.dumps({{
-    "workers": workers, "command": command, "trial_exit": done.returncode,
+    "workers": workers, "command": command, "trial_exit": code,
     "neuron_cc_flags": os.environ.get("NEURON_CC_FLAGS", ""),
-    "trial_result": json.loads((output / "result.json").read_text()) if {trial} and done.returncode == 0 else None}}))
+    "trial_result": json.loads((output / "result.json").read_text()) if code == 0 else None}}))
 graphs, failed = 3, {failed}
 print("INFO ||NEURON_PARALLEL_COMPILE||: master grab hlos to compile: [...]")
 print("INFO ||NEURON_PARALLEL_COMPILE||: Total graphs: %d" % graphs)
@@ -53,7 +51,7 @@ print("INFO ||NEURON_PARALLEL_COMPILE||: Total successful compilations: %d" % (g
 print("INFO ||NEURON_PARALLEL_COMPILE||: Total failed compilations: %d" % failed)
 if failed:
     print("ERROR ||PARALLEL_COMPILE||: parallel compilation with neuronx-cc exited with error.Received error code: 1")
-sys.exit(done.returncode or (1 if failed else 0))
+sys.exit(code or (1 if failed else 0))
 """
 
 
