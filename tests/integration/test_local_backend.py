@@ -67,6 +67,26 @@ def test_a_finished_job_leaves_no_zombie_behind(trnflow_home, make_spec, warm_st
         assert _process_state(pid) is None  # gone: neither running nor a zombie
 
 
+def test_jobs_submitted_from_two_threads_at_once_and_after_the_fork_server_died_all_run(backend, make_spec):
+    """A flow's tasks may submit from several threads: the fork server takes one request at a time.
+    A server that has died (killed, say) is replaced at the next submission."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from trnflow.backends import forkserver
+
+    spec = make_spec(cores=1)
+    with ThreadPoolExecutor(2) as pool:
+        ids = list(pool.map(lambda core: backend.submit(JobRequest(spec, "sanity", f"thread{core}", cores=(core,))),
+                            (0, 1)))
+    assert [wait(backend, job_id, 0.2).state for job_id in ids] == [JobState.SUCCEEDED] * 2
+    server = forkserver._SERVER._proc
+    server.kill()
+    server.wait()
+    again = wait(backend, backend.submit(JobRequest(spec, "sanity", "after")), 0.2)
+    assert again.state is JobState.SUCCEEDED, backend.logs(again.job_id)[0]
+    assert forkserver._SERVER._proc.pid != server.pid
+
+
 def _process_state(pid: int) -> str | None:
     """The state letter of process `pid` (Z: a zombie), or None when there is no such process."""
     try:
