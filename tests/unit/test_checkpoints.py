@@ -75,6 +75,7 @@ def test_checkpoints_on_s3_commit_and_load_the_same_way(s3_bucket):
         load(url)
 
 
+@pytest.mark.slow  # a second Python process importing torch: with the integration tests
 def test_a_checkpoint_loads_in_a_plain_pytorch_program(tmp_path):
     """A script that imports nothing but torch rebuilds the model from standard layers and loads the
     weights with weights_only=True, strictly."""

@@ -131,6 +131,7 @@ def _keys(model, tokens, optlevel=1) -> list[str]:
     return [s.key for s in recorder.seen]
 
 
+@pytest.mark.slow  # TorchDynamo traces and compiles the model: with the integration tests
 def test_cache_key_is_the_same_for_the_same_model_and_flags():
     cfg = tiny_m5()
     tokens = torch.ones(4, 8, dtype=torch.long)
@@ -143,6 +144,7 @@ def test_cache_key_is_the_same_for_the_same_model_and_flags():
         assert _keys(model, tokens) != keys[0]  # no backward: another program
 
 
+@pytest.mark.slow  # TorchDynamo traces and compiles the model: with the integration tests
 def test_a_run_at_o1_counts_each_graph_against_the_cache_then_runs_the_captured_graph(tmp_path):
     """O1 builds no code, so a run executes the captured graph itself (not its lowered ATen graphs),
     after the cache lookup and the recompilation guard; the gradients are eager's."""
