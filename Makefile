@@ -53,12 +53,12 @@ chromium:
 test-fast: install
 	$(BIN)/python -m pytest -n 2 -q -m "unit and not slow" tests/unit
 
-# The XLA lane's environment (about 3 GB to download) is built beside the rest, not after it: `make -j2`
-# runs the two branches at once, so its install starts with .venv's (which leaves a core idle) and
-# goes on beside the first tests; the lane's tests start when both are done.
+# The XLA lane runs beside the rest, not after it: `make -j2` runs the two branches at once. Its
+# environment (about 3 GB to download) is built while .venv's install leaves a core idle, and its
+# tests go on beside the unit and integration tests, filling the moments where those leave a core
+# idle. Their output is kept whole line by line (-Oline): each pytest session's lines stay intact.
 test:
-	$(MAKE) -j2 xla-env test-main
-	$(MAKE) test-xla
+	$(MAKE) -j2 -Oline test-main test-xla
 
 # The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests.
 test-main: lint test-fast chromium

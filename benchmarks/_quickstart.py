@@ -23,6 +23,9 @@ def scratch_home(root: Path) -> None:
     os.environ.setdefault("TRNFLOW_NEURON_RT_DIR", str(root / "rt"))
     os.environ["PREFECT_HOME"] = str(root / "prefect-home")
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+    # A new home's temporary server first builds its database, which can take longer than Prefect's
+    # 20 s on a busy 2-core machine; the same allowance as the `trnflow` command gives it.
+    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
 def run_job(backend: LocalBackend, spec: JobSpec, phase: str, run_id: str, checkpoint: str | None = None) -> dict:

@@ -7,6 +7,9 @@ Each benchmark runs as its own process (as a user would run it), its output kept
 the XLA lane's environment (`.venv/xla`) when it exists, and is listed as skipped otherwise.
 
     python benchmarks/bench.py [--only NAME ...] [--out runs/bench]
+
+With --only, the named benchmarks run again and replace their own entries in an existing
+results.json; the others' stay, each with the date it was measured (`measured`).
 """
 
 from __future__ import annotations
@@ -22,6 +25,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from trnflow.fsutil import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -165,19 +170,23 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench", help="Where results and plots go.")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    results = []
-    for name in args.only or BENCHMARKS:
+    path = args.out / "results.json"
+    document = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine(),
+                "versions": versions(), "benchmarks": {}}
+    if args.only and path.exists():  # the others' figures stay, each with the date it was measured
+        document["benchmarks"] = json.loads(path.read_text()).get("benchmarks", {})
+    ran = args.only or BENCHMARKS
+    for name in ran:
         print(f"running {name} ...", flush=True)
-        result = run_one(name, args.out)
-        results.append(result)
+        result = run_one(name, args.out) | {"measured": dt.datetime.now(dt.UTC).isoformat(timespec="seconds")}
         if "figures" in result:
             plot(result, args.out / f"{name}.png")
         print(f"  {name}: {result.get('skipped') or result.get('failed') or 'done'} ({result.get('seconds', 0)} s)",
               flush=True)
-    document = {"date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "machine": machine(),
-                "versions": versions(), "benchmarks": {r["benchmark"]: r for r in results}}
-    path = args.out / "results.json"
-    path.write_text(json.dumps(document, indent=1))
+        document["benchmarks"][name] = result
+        # written after each benchmark: a run stopped part of the way keeps what it measured
+        atomic_write_text(path, json.dumps(document, indent=1))
+    results = [document["benchmarks"][name] for name in BENCHMARKS if name in document["benchmarks"]]
 
     from rich.console import Console
     from rich.table import Table
@@ -188,7 +197,7 @@ def main() -> None:
         table.add_row(*row)
     Console(width=200).print(table)
     print(f"results: {path}; plots: {args.out}/<benchmark>.png")
-    failed = [r["benchmark"] for r in results if "failed" in r]
+    failed = [name for name in ran if "failed" in document["benchmarks"][name]]
     if failed:
         raise SystemExit(f"failed: {', '.join(failed)}")
 

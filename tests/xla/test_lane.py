@@ -85,9 +85,15 @@ def test_the_pipeline_runs_end_to_end(workdir, lane):
 
 
 def test_a_new_input_shape_mid_run_trips_the_recompile_guard(workdir, lane):
-    """With the last partial batch kept (3000 rows, 32 a batch), step 94 has 24 rows: a graph the
+    """With the last partial batch kept (120 rows, 32 a batch), step 4 has 24 rows: a graph the
     ahead-of-time compile never saw, which compile.max_recompiles: 0 refuses, naming its shape."""
-    spec = write_spec(workdir, train={"drop_last": False})
+    day = sorted((workdir / "data" / "train").iterdir())[0]
+    short = workdir / "short" / day.name
+    short.mkdir(parents=True)
+    rows = (day / "part-00000.jsonl").read_text().splitlines(keepends=True)
+    (short / "part-00000.jsonl").write_text("".join(rows[:120]))
+    data = {"train": "short"}
+    spec = write_spec(workdir, train={"drop_last": False}, data=data)
     report = json.loads(trnflow("compile", str(spec), "--json", cwd=workdir).stdout)
     assert report["graphs"] >= 3 and report["compiled"] == report["graphs"], report
     assert {row["program"] for row in report["programs"]} == {"train_step", "eval_step", "embed_step"}, report
@@ -98,11 +104,11 @@ def test_a_new_input_shape_mid_run_trips_the_recompile_guard(workdir, lane):
     checked = json.loads(trnflow("compile", str(spec), "--check", "--json", cwd=workdir).stdout)
     assert checked["misses"] == 0, checked
 
-    code, failure = train(workdir, DEVICE, 100, compile={"max_recompiles": 0}, train={"drop_last": False})
+    code, failure = train(workdir, DEVICE, 10, compile={"max_recompiles": 0}, train={"drop_last": False}, data=data)
     assert code != 0, failure
     message = json.dumps(failure)
     assert "over compile.max_recompiles (0)" in message and "[24, 32] int64" in message, message
-    lane["recompile guard"] = "step 94's 24-row batch was refused as recompilation 1 over max_recompiles 0"
+    lane["recompile guard"] = "step 4's 24-row batch was refused as recompilation 1 over max_recompiles 0"
 
 
 def test_weights_make_the_round_trip_through_the_device_bit_for_bit(workdir):
