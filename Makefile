@@ -53,12 +53,13 @@ chromium:
 test-fast: install
 	$(BIN)/python -m pytest -n 2 -q -m "unit and not slow" tests/unit
 
-# The XLA lane runs beside the rest, not after it: `make -j2` runs the two branches at once. Its
-# environment (about 3 GB to download) is built while .venv's install leaves a core idle, and its
-# tests go on beside the unit and integration tests, filling the moments where those leave a core
-# idle. Their output is kept whole line by line (-Oline): each pytest session's lines stay intact.
+# The XLA lane's environment (about 3 GB to download) is built beside the rest, not after it: `make -j2`
+# runs the two branches at once, so its install starts with .venv's (which leaves a core idle) and
+# goes on beside the first tests; the lane's tests start when both are done. (Running the lane's
+# tests beside the integration tests saves nothing: those keep both cores busy.)
 test:
-	$(MAKE) -j2 -Oline test-main test-xla
+	$(MAKE) -j2 xla-env test-main
+	$(MAKE) test-xla
 
 # The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests.
 test-main: lint test-fast chromium
@@ -97,7 +98,8 @@ faults: install
 	$(BIN)/python -m tests.faults --json runs/faults.json
 
 # Every benchmark against its baseline: runs/bench/results.json, a plot per benchmark and a table of
-# ratios. About an hour on 2 cores; `$(BIN)/python benchmarks/bench.py --only NAME` runs one.
+# ratios. About three hours on 2 cores, two of them precision's 40 training runs (the others take about
+# 40 minutes together); `$(BIN)/python benchmarks/bench.py --only NAME ...` runs some, keeping the rest.
 bench: install
 	$(BIN)/python benchmarks/bench.py
 
