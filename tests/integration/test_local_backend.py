@@ -117,6 +117,31 @@ def test_cancel_ends_the_whole_process_group(backend, make_spec):
         os.killpg(pid, 0)  # nothing of the job is left
 
 
+@pytest.mark.parametrize("start", ["fork", "exec"])
+def test_ranks_are_forked_from_their_launcher_unless_told_to_start_as_programs(backend, make_spec, monkeypatch,
+                                                                             start):
+    """Forked, a rank is in its job's process group (and has torch from the launcher); with
+    TRNFLOW_RANK_START=exec it is `python -m trnflow.workload`, in a session of its own, as torchrun
+    starts it."""
+    from trnflow.emulator.cores import holders
+
+    monkeypatch.setenv("TRNFLOW_RANK_START", start)
+    spec = make_spec(train={"steps": 100_000, "checkpoint_every": 100_000})
+    job_id = backend.submit(JobRequest(spec, "train", f"start-{start}"))
+    deadline = time.monotonic() + 60
+    while '"event": "data"' not in backend.logs(job_id)[0] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    group = json.loads((backend.jobs_dir / job_id / "pid.json").read_text())["pid"]
+    ranks = [h["pid"] for h in holders(2).values()]
+    groups = {os.getpgid(r) for r in ranks}
+    with open(f"/proc/{ranks[0]}/cmdline", "rb") as fh:
+        command = fh.read().replace(b"\0", b" ").decode()
+    backend.cancel(job_id)
+    assert len(ranks) == 2
+    assert (groups == {group}) == (start == "fork"), (groups, group)
+    assert ("-m trnflow.workload train" in command) == (start == "exec"), command
+
+
 def test_unknown_job_is_a_clear_error(backend):
     with pytest.raises(KeyError, match="no local job"):
         backend.describe("nope")

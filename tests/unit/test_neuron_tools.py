@@ -12,7 +12,7 @@ import pytest
 
 from tests.sdk_tools import NCCOM_TEST, fake_neuron_ls, fake_tool
 from trnflow.errors import FatalError
-from trnflow.neuron import tools
+from trnflow.neuron import launch, tools
 
 pytestmark = pytest.mark.unit
 
@@ -149,3 +149,13 @@ def test_the_compiler_is_given_a_local_cache_as_a_path_and_trnflow_reads_it_back
     assert cache_url("file:///elsewhere", {"NEURON_COMPILE_CACHE_URL": str(cache)}) == cache.as_uri()
     s3 = validate_spec(quickstart_data(compile={"cache_url": "s3://acme-cache/neuron"}))
     assert neuron_env(s3, [0], "trn1.2xlarge")["NEURON_COMPILE_CACHE_URL"] == "s3://acme-cache/neuron"
+
+
+def test_the_workloads_ranks_are_forked_on_linux_unless_the_environment_says_exec(monkeypatch):
+    monkeypatch.setattr(launch.sys, "platform", "linux")
+    assert launch.forks_ranks("trnflow.workload", {}) is True
+    assert launch.forks_ranks("trnflow.workload", {"TRNFLOW_RANK_START": "exec"}) is False
+    assert launch.forks_ranks("some.other.module", {}) is False  # only the workload offers a preload
+    assert launch.forks_ranks(None, {}) is False  # a script, not a module
+    monkeypatch.setattr(launch.sys, "platform", "darwin")  # torch cannot be forked there
+    assert launch.forks_ranks("trnflow.workload", {}) is False

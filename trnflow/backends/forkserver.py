@@ -106,6 +106,10 @@ def serve(fd: int) -> None:
     from torch.distributed import run  # noqa: F401  torch: loaded once here, for every job's launcher
     from torch.distributed.elastic.multiprocessing import errors  # noqa: F401  what the launcher uses
 
+    from trnflow.workload.__main__ import preload  # torch and TorchDynamo: once here, for every job's ranks
+
+    preload(["train"])  # what every phase's ranks import, and TorchDynamo, which the compiling phases use
+
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the supervisors: no zombies
     server = os.getpid()
     with socket.socket(fileno=fd) as sock, sock.makefile("rwb") as conn:

@@ -7,14 +7,20 @@ running anything. The environment carries the same contract a Trainium host give
 The command is torchrun run by `python -m trnflow.neuron.launch RANKS ...` (`main`), which keeps
 each rank's output in a log of its own under RANKS (torchrun's `--log-dir`, `--redirects 3`) and,
 when ranks fail, writes how each one ended (exit code or signal, and when) to RANKS/exits.json: the
-only place a rank killed without a word is known by name, and by the signal that ended it.
+only place a rank killed without a word is known by name, and by the signal that ended it. On
+Linux the launcher forks the workload's ranks (`forks_ranks`): they start with torch, and what the
+workload's `preload` imports, already loaded.
 """
 
 from __future__ import annotations
 
+import atexit
+import importlib
 import os
 import shlex
+import signal
 import sys
+import uuid
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
@@ -28,6 +34,11 @@ INSTANCE_TYPE_ENV = "TRNFLOW_INSTANCE_TYPE"
 RANK_LOGS = "ranks"
 """The job folder's folder of per-rank logs and torchrun's exit record."""
 EXITS = "exits.json"
+WORKLOAD = "trnflow.workload"
+"""The module every phase's ranks run (`python -m trnflow.workload PHASE`)."""
+RANK_START_ENV = "TRNFLOW_RANK_START"
+"""`exec` makes each rank a new interpreter, as plain torchrun starts it; by default (`fork`) the
+launcher forks the workload's ranks, on Linux."""
 """torchrun's record of the ranks that ended non-zero, in RANK_LOGS."""
 
 
@@ -98,7 +109,7 @@ def launch_command(phase: str, processes: int, job_dir: Path, run_id: str, check
     argv = [
         sys.executable, "-m", "trnflow.neuron.launch", str(job_dir / RANK_LOGS),
         "--standalone", "--nnodes", "1", "--nproc-per-node", str(processes),
-        "-m", "trnflow.workload", phase,
+        "-m", WORKLOAD, phase,
         "--output", str(job_dir / "output"),
         "--run-id", run_id,
     ]
@@ -184,20 +195,73 @@ def exits_record(folder: Path, failures: dict) -> dict:
     return {"ranks": ranks}
 
 
+def forks_ranks(module: str | None, env: dict[str, str] | None = None) -> bool:
+    """Whether the launcher forks the ranks of `-m module` (the workload, on Linux, unless
+    TRNFLOW_RANK_START=exec) rather than starting each as a new interpreter."""
+    env = os.environ if env is None else env
+    return module == WORKLOAD and sys.platform.startswith("linux") and env.get(RANK_START_ENV, "fork") != "exec"
+
+
 def main(argv: list[str]) -> None:
     """`python -m trnflow.neuron.launch RANKS <torchrun arguments>`: torchrun, with each rank's
     output in its own log under RANKS and, when ranks fail, how each ended in RANKS/exits.json.
     torchrun's own output, error and exit status are left as they are."""
-    from torch.distributed import run  # torch: only the launcher process loads it
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    # torch: only the launcher process loads it
+    from torch.distributed import run
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
     folder = Path(argv[0])
     folder.mkdir(parents=True, exist_ok=True)
+    args = run.parse_args(["--log-dir", str(folder), "--redirects", "3", *argv[1:]])
     try:
-        run.main(["--log-dir", str(folder), "--redirects", "3", *argv[1:]])
+        record(_run_forked if forks_ranks(args.training_script if args.module else None) else run.run)(args)
     except ChildFailedError as exc:
         atomic_write_json(folder / EXITS, exits_record(folder, exc.failures))
         raise
+
+
+def _run_forked(args) -> None:
+    """torchrun's `run`, with each rank forked from this launcher (torchrun's agent runs a function
+    entrypoint with `--start-method fork`) instead of started as `python -m MODULE`: a rank then
+    finds torch, and what the module's `preload` loads, already imported, seconds of start-up each.
+    The rendezvous is set up as torchrun's own `run` sets it up."""
+    # torch: only the launcher process loads it
+    from torch.distributed import run
+    from torch.distributed.launcher.api import elastic_launch
+
+    args.start_method = "fork"
+    one_node_static = (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+                       and run.parse_min_max_nnodes(args.nnodes)[1] == 1)
+    if args.standalone or one_node_static:
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+    config, _, _ = run.config_from_args(args)
+    module = importlib.import_module(f"{args.training_script}.__main__")
+    module.preload(list(args.training_script_args))
+    elastic_launch(config=config, entrypoint=_rank)(args.training_script, *args.training_script_args)
+
+
+def _rank(module: str, *argv: str) -> int:
+    """One rank, forked from the launcher, run as `python -m module argv...` would run it: Python's
+    own signal handlers back (torchrun's, inherited, would turn its SIGTERM into an exception the
+    rank reports as its failure), none of the launcher's exit handlers, and the rank's own run
+    before it leaves (multiprocessing ends a forked process without running them). A non-zero
+    exit code is the process's, as torchrun sees it."""
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    atexit._clear()
+    sys.argv = [module, *argv]
+    try:
+        code = importlib.import_module(f"{module}.__main__").main(list(argv))
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    if code:
+        raise SystemExit(code)
+    return 0
 
 
 if __name__ == "__main__":

@@ -59,6 +59,23 @@ def _dispatch(args: argparse.Namespace, ctx) -> dict:
             return phase.run(ctx)
 
 
+COMPILED = ("compile", "train", "evaluate", "infer")
+"""The phases that run programs through TorchDynamo."""
+
+
+def preload(argv: list[str]) -> None:
+    """What a launcher that forks this program's ranks imports first, so that each rank finds it
+    imported: the worker's set-up, the phase's module and, for the phases that compile, TorchDynamo
+    (about 2 CPU-s a process)."""
+    from trnflow.workload import context  # noqa: F401 (torch: the launcher has it already)
+
+    phase = argv[0] if argv and argv[0] in PHASES else None
+    if phase is not None:
+        importlib.import_module(f"trnflow.workload.{phase}")
+    if phase in COMPILED:
+        import torch._dynamo  # noqa: F401 (TorchDynamo: seconds, worth loading once for every rank)
+
+
 def _spec(path: Path) -> JobSpec:
     """The job spec the backend wrote (JSON, which the YAML loader reads too)."""
     try:
