@@ -34,12 +34,12 @@ INSTANCE_TYPE_ENV = "TRNFLOW_INSTANCE_TYPE"
 RANK_LOGS = "ranks"
 """The job folder's folder of per-rank logs and torchrun's exit record."""
 EXITS = "exits.json"
+"""torchrun's record of the ranks that ended non-zero, in RANK_LOGS."""
 WORKLOAD = "trnflow.workload"
 """The module every phase's ranks run (`python -m trnflow.workload PHASE`)."""
 RANK_START_ENV = "TRNFLOW_RANK_START"
 """`exec` makes each rank a new interpreter, as plain torchrun starts it; by default (`fork`) the
 launcher forks the workload's ranks, on Linux."""
-"""torchrun's record of the ranks that ended non-zero, in RANK_LOGS."""
 
 
 def format_cores(cores: list[int]) -> str:
