@@ -1,11 +1,16 @@
 """A multi-rank job's failure names the rank that failed first, not every rank torchrun stopped after
 it: from the ranks' own reports, torchrun's record of how each ended, and the rank's own log."""
 
+import importlib
 import json
+import os
+import signal
 from types import SimpleNamespace
 
+import pytest
+
 from trnflow.backends.failures import RankExit, name_first_rank, read_exits, root_failure
-from trnflow.neuron.launch import EXITS, exits_record
+from trnflow.neuron.launch import EXITS, exits_record, keep_every_exit
 
 
 def test_of_two_ranks_that_report_their_own_errors_the_first_to_report_is_the_cause():
@@ -55,3 +60,34 @@ def test_torchruns_failures_are_recorded_with_each_ranks_log_folder(tmp_path):
                                     RankExit(1, -9, 1700000000.0, str(tmp_path / "c0ffee_ab12/attempt_0/1"))]
     assert [(e.signal, e.stopped) for e in read_exits(tmp_path)] == [("SIGTERM", True), ("SIGKILL", False)]
     assert read_exits(tmp_path / "none") == []
+
+
+def test_forked_ranks_torchrun_did_not_name_are_recorded_with_the_one_it_named(tmp_path):
+    (tmp_path / "c0ffee_ab12" / "attempt_0" / "1").mkdir(parents=True)
+    named = {2: SimpleNamespace(local_rank=0, pid=41, exitcode=1, timestamp=1700000000)}  # node 1 of 2-rank nodes
+    ended = {0: (41, 1, 1700000000.5), 1: (42, -9, 1700000000.5)}
+    (tmp_path / EXITS).write_text(json.dumps(exits_record(tmp_path, named, ended)))
+    assert read_exits(tmp_path) == [RankExit(2, 1, 1700000000.0, ""),
+                                    RankExit(3, -9, 1700000000.5, str(tmp_path / "c0ffee_ab12/attempt_0/1"))]
+    assert exits_record(tmp_path, named, {1: (42, 0, 1.0)})["ranks"] == exits_record(tmp_path, named)["ranks"]
+
+
+def _end(code: int) -> None:
+    os.kill(os.getpid(), signal.SIGKILL) if code < 0 else os._exit(code)
+
+
+def test_the_launcher_keeps_how_every_forked_rank_ended_when_one_fails(monkeypatch):
+    """Two forked processes end before the launcher looks (one exits 1, the other is SIGKILLed):
+    torch names one of them; `keep_every_exit` has both."""
+    spawn = importlib.import_module("torch.multiprocessing.spawn")  # the module, not the function
+    monkeypatch.setattr(spawn, "ProcessContext", spawn.ProcessContext)  # put back after the test
+    ended = keep_every_exit()
+    context = spawn.start_processes(lambda i: _end(1 if i == 0 else -9), nprocs=2, join=False,
+                                    start_method="fork")
+    for process in context.processes:
+        process.join()
+    with pytest.raises((spawn.ProcessExitedException, spawn.ProcessRaisedException)):
+        while not context.join():
+            pass
+    assert {rank: code for rank, (_, code, _) in ended.items()} == {0: 1, 1: -9}
+    assert [pid for pid, _, _ in ended.values()] == [p.pid for p in context.processes]

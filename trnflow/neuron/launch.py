@@ -20,6 +20,7 @@ import os
 import shlex
 import signal
 import sys
+import time
 import uuid
 from pathlib import Path
 from urllib.parse import unquote, urlparse
@@ -183,16 +184,47 @@ def rank_logs(folder: Path, local_rank: int) -> Path | None:
     return found[-1] if found else None
 
 
-def exits_record(folder: Path, failures: dict) -> dict:
+def exits_record(folder: Path, failures: dict, ended: dict[int, tuple[int, int, float]] | None = None) -> dict:
     """torchrun's failures (its `ChildFailedError.failures`: rank -> ProcessFailure) as exits.json
-    holds them: each rank's exit code (negative: the signal), when torchrun saw it end, its logs."""
+    holds them: each rank's exit code (negative: the signal), when torchrun saw it end, its logs.
+    `ended` (local rank -> pid, exit code, when seen; from `keep_every_exit`) adds the ranks that
+    ended non-zero which torchrun did not name: of forked ranks it names only the first it saw."""
+    found = {rank: (f.local_rank, f.pid, f.exitcode, f.timestamp) for rank, f in failures.items()}
+    offset = next((rank - f.local_rank for rank, f in failures.items()), 0)  # this node's first rank
+    named = {f.local_rank for f in failures.values()}
+    for local_rank, (pid, exitcode, seen) in (ended or {}).items():
+        if exitcode and local_rank not in named:
+            found[offset + local_rank] = (local_rank, pid, exitcode, seen)
     ranks = []
-    for rank, failure in sorted(failures.items()):
-        logs = rank_logs(folder, failure.local_rank)
-        ranks.append({"rank": rank, "local_rank": failure.local_rank, "pid": failure.pid,
-                      "exitcode": failure.exitcode, "observed": failure.timestamp,
-                      "logs": str(logs) if logs else ""})
+    for rank, (local_rank, pid, exitcode, seen) in sorted(found.items()):
+        logs = rank_logs(folder, local_rank)
+        ranks.append({"rank": rank, "local_rank": local_rank, "pid": pid, "exitcode": exitcode,
+                      "observed": seen, "logs": str(logs) if logs else ""})
     return {"ranks": ranks}
+
+
+def keep_every_exit() -> dict[int, tuple[int, int, float]]:
+    """How every forked rank ended (local rank -> pid, exit code, when seen), filled in when one of
+    them fails. torchrun names only the first failed rank it sees among forked ones, which may be a
+    peer that reported the lost link in the same instant as the rank that was killed; run as a
+    subprocess, every rank that ended non-zero is named. Call it in the launcher, before its ranks
+    start: their ProcessContext (torch's, which joins forked processes) then records them all."""
+    # torch: only the launcher process loads it (the module; `torch.multiprocessing.spawn` is also a function)
+    spawn = importlib.import_module("torch.multiprocessing.spawn")
+    ended: dict[int, tuple[int, int, float]] = {}
+
+    class Recorded(spawn.ProcessContext):
+        def join(self, timeout=None, grace_period=None):
+            try:
+                return super().join(timeout, grace_period)
+            except (spawn.ProcessRaisedException, spawn.ProcessExitedException):
+                seen = time.time()  # every process has been joined (or ended) by now
+                ended.clear()
+                ended.update({i: (p.pid, p.exitcode, seen) for i, p in enumerate(self.processes)})
+                raise
+
+    spawn.ProcessContext = Recorded
+    return ended
 
 
 def forks_ranks(module: str | None, env: dict[str, str] | None = None) -> bool:
@@ -213,10 +245,12 @@ def main(argv: list[str]) -> None:
     folder = Path(argv[0])
     folder.mkdir(parents=True, exist_ok=True)
     args = run.parse_args(["--log-dir", str(folder), "--redirects", "3", *argv[1:]])
+    forked = forks_ranks(args.training_script if args.module else None)
+    ended = keep_every_exit() if forked else {}
     try:
-        record(_run_forked if forks_ranks(args.training_script if args.module else None) else run.run)(args)
+        record(_run_forked if forked else run.run)(args)
     except ChildFailedError as exc:
-        atomic_write_json(folder / EXITS, exits_record(folder, exc.failures))
+        atomic_write_json(folder / EXITS, exits_record(folder, exc.failures, ended))
         raise
 
 
