@@ -25,8 +25,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trnflow.backends.failures import read_reports, root_failure
+from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.errors import ExitCode, FatalError
+from trnflow.neuron.launch import CONSOLE, RANK_LOGS, WORKLOAD
 from trnflow.storage import open_store
 
 BATCH_MASTER_PORT = 41000
@@ -82,12 +83,19 @@ def batch_rendezvous(env: dict[str, str], own_address: str | None = None) -> Ren
     )
 
 
+def rank_folder(r: Rendezvous) -> Path:
+    """Where the launcher records how this node's ranks ended (exits.json): beside the output, not
+    in it (SageMaker uploads the output folder)."""
+    return r.output_dir.parent / f"trnflow-{RANK_LOGS}"
+
+
 def torchrun_argv(r: Rendezvous, env: dict[str, str], spec_file: Path) -> list[str]:
-    """The torchrun command for this node: one process per NeuronCore of the instance."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(r.nnodes),
+    """The torchrun command for this node, through trnflow's launcher: one process per NeuronCore of
+    the instance, forked from it (see `trnflow.neuron.launch`), writing to the container's log stream."""
+    argv = [sys.executable, "-m", "trnflow.neuron.launch", CONSOLE, str(rank_folder(r)), "--nnodes", str(r.nnodes),
             "--nproc-per-node", env["TRNFLOW_NPROC_PER_NODE"], "--node-rank", str(r.node_rank),
             "--master-addr", r.master_addr, "--master-port", str(r.master_port),
-            "-m", "trnflow.workload", env["TRNFLOW_PHASE"], "--spec", str(spec_file),
+            "-m", WORKLOAD, env["TRNFLOW_PHASE"], "--spec", str(spec_file),
             "--run-id", env["TRNFLOW_RUN_ID"], "--output", str(r.output_dir)]
     if env.get("TRNFLOW_CHECKPOINT"):
         argv += ["--checkpoint", env["TRNFLOW_CHECKPOINT"]]
@@ -143,7 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     failure = None
     if code:
         nproc = int(env["TRNFLOW_NPROC_PER_NODE"])
-        failure = root_failure(read_reports(r.output_dir), nproc, first_rank=r.node_rank * nproc)
+        exits = read_exits(rank_folder(r))
+        failure = name_first_rank(root_failure(read_reports(r.output_dir), nproc, first_rank=r.node_rank * nproc,
+                                               exits=exits), exits)
     _report(env, service, r, failure)
     if failure is not None and failure.get("retryable"):
         return ExitCode.TRANSIENT

@@ -49,6 +49,9 @@ def test_the_failure_quotes_the_exit_and_the_last_lines_of_that_ranks_own_log(tm
     assert lines[2].strip() == '{"event": "train", "step": 19}' and len(lines) == 2 + 12 + 1
     assert lines[-1].strip() == "trnflow.workload train failed on rank 1: HardwareError: nc1"
     assert name_first_rank({"ranks": [0, 1], "message": "m"}, [RankExit(1, 1, 1.0)])["message"] == "m"
+    # ranks that wrote to their launcher's output (a container's) have no log to quote
+    assert name_first_rank({"ranks": [1], "message": "m"}, [RankExit(1, -9, 1.0)]) == {
+        "ranks": [1], "message": "m", "exitcode": -9, "signal": "SIGKILL"}
 
 
 def test_torchruns_failures_are_recorded_with_each_ranks_log_folder(tmp_path):

@@ -141,11 +141,15 @@ def log_tail(logs: str, lines: int = TAIL_LINES) -> list[str]:
 
 def name_first_rank(failure: dict, exits: list[RankExit]) -> dict:
     """The failure with what torchrun knows of the rank it is about: its exit code or signal and
-    the last lines of its log. The failure as it is when torchrun recorded nothing of that rank."""
+    the last lines of its log (where it has a log of its own: not when the ranks wrote to the
+    launcher's output, as in a container). The failure as it is when torchrun recorded nothing of
+    that rank."""
     rank = failed_rank(failure)
     ended = next((e for e in exits if e.rank == rank), None)
     if ended is None:
         return failure
+    if not ended.logs:
+        return {**failure, "exitcode": ended.exitcode, "signal": ended.signal}
     tail = log_tail(ended.logs)
     lines = "\n".join(f"    {line}" for line in tail) if tail else "    (it wrote nothing)"
     where = f" ({ended.logs})" if ended.logs else ""

@@ -234,17 +234,25 @@ def forks_ranks(module: str | None, env: dict[str, str] | None = None) -> bool:
     return module == WORKLOAD and sys.platform.startswith("linux") and env.get(RANK_START_ENV, "fork") != "exec"
 
 
+CONSOLE = "--console"
+"""The launcher's own option, before RANKS: the ranks write to the launcher's stdout and stderr (a
+container's log stream) instead of logs of their own."""
+
+
 def main(argv: list[str]) -> None:
-    """`python -m trnflow.neuron.launch RANKS <torchrun arguments>`: torchrun, with each rank's
-    output in its own log under RANKS and, when ranks fail, how each ended in RANKS/exits.json.
-    torchrun's own output, error and exit status are left as they are."""
+    """`python -m trnflow.neuron.launch [--console] RANKS <torchrun arguments>`: torchrun, with each
+    rank's output in its own log under RANKS (or, with `--console`, in the launcher's own output)
+    and, when ranks fail, how each ended in RANKS/exits.json. torchrun's own output, error and exit
+    status are left as they are."""
     # torch: only the launcher process loads it
     from torch.distributed import run
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 
-    folder = Path(argv[0])
+    console = argv[:1] == [CONSOLE]
+    folder = Path(argv[1 if console else 0])
     folder.mkdir(parents=True, exist_ok=True)
-    args = run.parse_args(["--log-dir", str(folder), "--redirects", "3", *argv[1:]])
+    logs = [] if console else ["--log-dir", str(folder), "--redirects", "3"]
+    args = run.parse_args([*logs, *argv[2 if console else 1:]])
     forked = forks_ranks(args.training_script if args.module else None)
     ended = keep_every_exit() if forked else {}
     try:
