@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -95,6 +96,32 @@ def test_a_rank_killed_by_a_signal_is_named_alone_with_its_signal_and_its_log(ba
     assert "rank 1 failed first (signal SIGKILL); the last lines of its log (" in message
     assert f"{job_dir / 'ranks'}" in message and "/attempt_0/1)" in message  # its own log's folder
     assert "rank 0" not in message and "rank(s)" not in message and "Connection reset" not in message
+
+
+def test_a_container_node_names_its_killed_rank_with_its_signal(make_spec, tmp_path):
+    """A Batch node (`python -m trnflow.container batch`) whose rank 1 is SIGKILLed: the node's
+    failure names rank 1 and the signal, and the ranks' lines are in the container's own output."""
+    spec = make_spec(train={"steps": 6, "checkpoint_every": 100, "log_every": 1},
+                     faults=[{"kind": "kill", "core": 1, "step": 3}])
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "AWS_BATCH_JOB_ID": "job-1#0", "AWS_BATCH_JOB_NUM_NODES": "1",
+           "AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0", "TRNFLOW_MASTER_PORT": str(port),
+           "TRNFLOW_OUTPUT_DIR": str(tmp_path / "node" / "output"),
+           "TRNFLOW_SPEC_URL": (tmp_path / "spec.json").as_uri(),
+           "TRNFLOW_RESULT_URL": (tmp_path / "results").as_uri(), "TRNFLOW_PHASE": "train",
+           "TRNFLOW_RUN_ID": "killed", "TRNFLOW_NPROC_PER_NODE": "2"}
+    node = subprocess.run([sys.executable, "-m", "trnflow.container", "batch"], env=env, capture_output=True,
+                          text=True, timeout=300, cwd=tmp_path)
+    assert node.returncode == 75, node.stdout[-2000:] + node.stderr[-2000:]  # transient: Batch retries it
+    failure = json.loads((tmp_path / "results" / "job-1" / "failure-node0.json").read_text())
+    assert failure["type"] == "WorkerLost" and failure["ranks"] == [1]
+    assert (failure["exitcode"], failure["signal"]) == (-9, "SIGKILL")
+    assert failure["message"].startswith("rank 1 exited without reporting why (signal SIGKILL")
+    assert '"event": "train"' in node.stdout  # the ranks wrote to the container's log stream
+    assert (tmp_path / "node" / "trnflow-ranks" / "exits.json").is_file()  # beside the output, not in it
 
 
 def test_a_rank_that_fails_is_named_with_its_exit_code_and_the_last_lines_of_its_own_log(backend, make_spec):
