@@ -121,7 +121,9 @@ def test_a_container_node_names_its_killed_rank_with_its_signal(make_spec, tmp_p
     assert (failure["exitcode"], failure["signal"]) == (-9, "SIGKILL")
     assert failure["message"].startswith("rank 1 exited without reporting why (signal SIGKILL")
     assert '"event": "train"' in node.stdout  # the ranks wrote to the container's log stream
-    assert (tmp_path / "node" / "trnflow-ranks" / "exits.json").is_file()  # beside the output, not in it
+    ranks = tmp_path / "node" / "trnflow-ranks"  # beside the output (which SageMaker uploads), not in it
+    assert (ranks / "exits.json").is_file()
+    assert list(ranks.glob("*/attempt_0/1")) and not list(ranks.glob("*/attempt_0/1/std*.log"))  # torchrun's own
 
 
 def test_a_rank_that_fails_is_named_with_its_exit_code_and_the_last_lines_of_its_own_log(backend, make_spec):

@@ -56,6 +56,8 @@ def test_the_failure_quotes_the_exit_and_the_last_lines_of_that_ranks_own_log(tm
 
 def test_torchruns_failures_are_recorded_with_each_ranks_log_folder(tmp_path):
     (tmp_path / "c0ffee_ab12" / "attempt_0" / "1").mkdir(parents=True)
+    (tmp_path / "c0ffee_ab12" / "attempt_0" / "1" / "stderr.log").write_text("")
+    (tmp_path / "c0ffee_ab12" / "attempt_0" / "0").mkdir()  # torchrun's folder, without logs (--console)
     failures = {1: SimpleNamespace(local_rank=1, pid=42, exitcode=-9, timestamp=1700000000),
                 0: SimpleNamespace(local_rank=0, pid=41, exitcode=-15, timestamp=1700000001)}
     (tmp_path / EXITS).write_text(json.dumps(exits_record(tmp_path, failures)))
@@ -67,6 +69,7 @@ def test_torchruns_failures_are_recorded_with_each_ranks_log_folder(tmp_path):
 
 def test_forked_ranks_torchrun_did_not_name_are_recorded_with_the_one_it_named(tmp_path):
     (tmp_path / "c0ffee_ab12" / "attempt_0" / "1").mkdir(parents=True)
+    (tmp_path / "c0ffee_ab12" / "attempt_0" / "1" / "stdout.log").write_text("")
     named = {2: SimpleNamespace(local_rank=0, pid=41, exitcode=1, timestamp=1700000000)}  # node 1 of 2-rank nodes
     ended = {0: (41, 1, 1700000000.5), 1: (42, -9, 1700000000.5)}
     (tmp_path / EXITS).write_text(json.dumps(exits_record(tmp_path, named, ended)))

@@ -179,8 +179,10 @@ def retry_failed_requested(env: dict[str, str] | None = None) -> bool:
 
 
 def rank_logs(folder: Path, local_rank: int) -> Path | None:
-    """The folder torchrun keeps a rank's stdout.log and stderr.log in (under `--log-dir`), or None."""
-    found = sorted(folder.glob(f"*/attempt_*/{local_rank}"))
+    """The folder torchrun keeps a rank's stdout.log and stderr.log in (under `--log-dir`), or None
+    (none there: the ranks wrote to the launcher's output, `--console`)."""
+    found = sorted(p for p in folder.glob(f"*/attempt_*/{local_rank}")
+                   if (p / "stdout.log").exists() or (p / "stderr.log").exists())
     return found[-1] if found else None
 
 
@@ -251,7 +253,8 @@ def main(argv: list[str]) -> None:
     console = argv[:1] == [CONSOLE]
     folder = Path(argv[1 if console else 0])
     folder.mkdir(parents=True, exist_ok=True)
-    logs = [] if console else ["--log-dir", str(folder), "--redirects", "3"]
+    # torchrun's own files (its error files) go under RANKS either way, not into a temporary folder
+    logs = ["--log-dir", str(folder)] + ([] if console else ["--redirects", "3"])
     args = run.parse_args([*logs, *argv[2 if console else 1:]])
     forked = forks_ranks(args.training_script if args.module else None)
     ended = keep_every_exit() if forked else {}
