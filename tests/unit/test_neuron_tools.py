@@ -151,11 +151,20 @@ def test_the_compiler_is_given_a_local_cache_as_a_path_and_trnflow_reads_it_back
     assert neuron_env(s3, [0], "trn1.2xlarge")["NEURON_COMPILE_CACHE_URL"] == "s3://acme-cache/neuron"
 
 
-def test_the_workloads_ranks_are_forked_on_linux_unless_the_environment_says_exec(monkeypatch):
+def test_the_workloads_ranks_are_forked_on_linux_unless_told_to_exec_or_on_a_neuron_host(monkeypatch):
     monkeypatch.setattr(launch.sys, "platform", "linux")
-    assert launch.forks_ranks("trnflow.workload", {}) is True
+    assert launch.forks_ranks("trnflow.workload", {}, devices=False) is True
+    assert launch.forks_ranks("trnflow.workload", {}, devices=True) is False  # a Trainium host: as torchrun does
     assert launch.forks_ranks("trnflow.workload", {"TRNFLOW_RANK_START": "exec"}) is False
     assert launch.forks_ranks("some.other.module", {}) is False  # only the workload offers a preload
     assert launch.forks_ranks(None, {}) is False  # a script, not a module
     monkeypatch.setattr(launch.sys, "platform", "darwin")  # torch cannot be forked there
-    assert launch.forks_ranks("trnflow.workload", {}) is False
+    assert launch.forks_ranks("trnflow.workload", {}, devices=False) is False
+
+
+def test_neuron_devices_are_found_by_their_device_files(tmp_path):
+    assert launch.neuron_devices_here(tmp_path) is False
+    (tmp_path / "neuron_other").touch()
+    assert launch.neuron_devices_here(tmp_path) is False
+    (tmp_path / "neuron0").touch()
+    assert launch.neuron_devices_here(tmp_path) is True

@@ -8,8 +8,8 @@ The command is torchrun run by `python -m trnflow.neuron.launch RANKS ...` (`mai
 each rank's output in a log of its own under RANKS (torchrun's `--log-dir`, `--redirects 3`) and,
 when ranks fail, writes how each one ended (exit code or signal, and when) to RANKS/exits.json: the
 only place a rank killed without a word is known by name, and by the signal that ended it. On
-Linux the launcher forks the workload's ranks (`forks_ranks`): they start with torch, and what the
-workload's `preload` imports, already loaded.
+Linux, on a host without Neuron devices (the emulator's), the launcher forks the workload's ranks
+(`forks_ranks`): they start with torch, and what the workload's `preload` imports, already loaded.
 """
 
 from __future__ import annotations
@@ -229,11 +229,21 @@ def keep_every_exit() -> dict[int, tuple[int, int, float]]:
     return ended
 
 
-def forks_ranks(module: str | None, env: dict[str, str] | None = None) -> bool:
+def neuron_devices_here(dev: Path = Path("/dev")) -> bool:
+    """Whether this host has Neuron devices (/dev/neuron0, ...): a Trainium or Inferentia instance."""
+    return any(dev.glob("neuron[0-9]*"))
+
+
+def forks_ranks(module: str | None, env: dict[str, str] | None = None, devices: bool | None = None) -> bool:
     """Whether the launcher forks the ranks of `-m module` (the workload, on Linux, unless
-    TRNFLOW_RANK_START=exec) rather than starting each as a new interpreter."""
+    TRNFLOW_RANK_START=exec) rather than starting each as a new interpreter. On a host with Neuron
+    devices (`devices`, by default looked up) each rank starts as a program of its own, as the Neuron
+    SDK's torchrun launches it: a launcher that imported torch has loaded the SDK's plug-in too, and
+    nothing documents the Neuron runtime in a process forked from one."""
     env = os.environ if env is None else env
-    return module == WORKLOAD and sys.platform.startswith("linux") and env.get(RANK_START_ENV, "fork") != "exec"
+    devices = neuron_devices_here() if devices is None else devices
+    return (module == WORKLOAD and sys.platform.startswith("linux") and env.get(RANK_START_ENV, "fork") != "exec"
+            and not devices)
 
 
 CONSOLE = "--console"
