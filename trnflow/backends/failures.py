@@ -152,7 +152,6 @@ def name_first_rank(failure: dict, exits: list[RankExit]) -> dict:
         return {**failure, "exitcode": ended.exitcode, "signal": ended.signal}
     tail = log_tail(ended.logs)
     lines = "\n".join(f"    {line}" for line in tail) if tail else "    (it wrote nothing)"
-    where = f" ({ended.logs})" if ended.logs else ""
     return {**failure, "exitcode": ended.exitcode, "signal": ended.signal,
             "message": f"{failure['message']}\nrank {rank} failed first ({ended.how}); the last lines of its "
-                       f"log{where}:\n{lines}"}
+                       f"log ({ended.logs}):\n{lines}"}
