@@ -179,7 +179,9 @@ def image_venv(tmp_path_factory, name: str) -> Path:
 
 @pytest.fixture(scope="module")
 def image_python_env(wheel, tmp_path_factory) -> Path:
-    """A fresh venv of the image's Python and torch, after exactly the image's install step."""
+    """A fresh venv of the image's Python and torch, after exactly the image's install step (but
+    not byte-compiled, as torch above: transformers alone has thousands of modules, and the tests
+    import a few)."""
     venv_python = image_venv(tmp_path_factory, "image")
     venv = venv_python.parents[1]
     commands = install_commands(wheel)
@@ -189,7 +191,7 @@ def image_python_env(wheel, tmp_path_factory) -> Path:
     assert accepted.returncode == 0, f"pip {shlex.join(commands[0])}\n{accepted.stderr}"
     install_torch(venv_python)
     for command in commands:
-        done = pip(venv_python, *command, cwd=venv.parent)
+        done = pip(venv_python, *command, "--no-compile", cwd=venv.parent)
         assert done.returncode == 0, f"pip {shlex.join(command)}\n{done.stderr}"
     return venv_python
 
