@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
@@ -21,6 +20,7 @@ from trnflow.flows._stages import PipelineFailed
 from trnflow.neuron.nccom import bus_factor
 from trnflow.results import CollectivesResult, RunOutcome
 from trnflow.settings import TrnflowSettings
+from trnflow.testing.mockcloud.nodes import free_port
 
 
 @pytest.fixture
@@ -104,9 +104,7 @@ def test_a_container_node_names_its_killed_rank_with_its_signal(make_spec, tmp_p
     spec = make_spec(train={"steps": 6, "checkpoint_every": 100, "log_every": 1},
                      faults=[{"kind": "kill", "core": 1, "step": 3}])
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "AWS_BATCH_JOB_ID": "job-1#0", "AWS_BATCH_JOB_NUM_NODES": "1",
            "AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0", "TRNFLOW_MASTER_PORT": str(port),
            "TRNFLOW_OUTPUT_DIR": str(tmp_path / "node" / "output"),

@@ -30,6 +30,7 @@ import traceback
 from pathlib import Path
 
 from trnflow.backends import local_runner
+from trnflow.neuron.launch import WORKLOAD, forks_ranks
 
 SUPPORTED = sys.platform.startswith("linux")
 """Where the backend uses the fork server."""
@@ -106,9 +107,10 @@ def serve(fd: int) -> None:
     from torch.distributed import run  # noqa: F401  torch: loaded once here, for every job's launcher
     from torch.distributed.elastic.multiprocessing import errors  # noqa: F401  what the launcher uses
 
-    from trnflow.workload.__main__ import preload  # torch and TorchDynamo: once here, for every job's ranks
+    if forks_ranks(WORKLOAD):  # the ranks will be forked from the launchers forked from here
+        from trnflow.workload.__main__ import preload  # torch and TorchDynamo: once here, for every job's ranks
 
-    preload(["train"])  # what every phase's ranks import, and TorchDynamo, which the compiling phases use
+        preload(["train"])  # what every phase's ranks import, and TorchDynamo, which the compiling phases use
 
     signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the kernel reaps the supervisors: no zombies
     server = os.getpid()
