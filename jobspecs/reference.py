@@ -30,7 +30,7 @@ _SCALARS = {str: "string", int: "integer", float: "number", bool: "boolean"}
 
 def _is_url(metadata: typing.Iterable[Any]) -> bool:
     """Whether a field's validators include the URL normaliser (`Url` in spec.py)."""
-    return any(getattr(getattr(m, "func", None), "__name__", "") == "_normalise_url" for m in metadata)
+    return any(getattr(getattr(m, "func", None), "__name__", "") == "normalise_url" for m in metadata)
 
 
 def _section_models(annotation: Any) -> list[type[BaseModel]]:

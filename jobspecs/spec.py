@@ -8,41 +8,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 import zoneinfo
-from pathlib import Path
 from typing import Annotated, Any, Literal
-from urllib.parse import unquote
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from trnflow.specs.instances import CATALOGUE, TRAINING_TYPES, instance
-
-
-def _normalise_url(value: str) -> str:
-    """Accept `s3://bucket/key`, `file:///abs`, `file://rel` or a plain path; return an absolute URL.
-
-    Relative paths are resolved against the current directory when the spec is loaded, so a spec
-    handed to worker processes always carries absolute locations.
-    """
-    value = value.strip()
-    if not value:
-        raise ValueError("must not be empty; give a file:// or s3:// URL or a path")
-    scheme, sep, rest = value.partition("://")
-    if sep and "@" in rest.split("/", 1)[0]:  # user:password@host: never repeat it, not even in an error
-        raise ValueError(f"credentials in a {scheme}:// URL; remove them (user:secret@) and give AWS "
-                         "credentials through AWS_PROFILE, the AWS_* variables or the instance's role")
-    if not sep:
-        return Path(value).expanduser().resolve().as_uri()
-    if scheme == "file":  # a URL's %-escapes are the path's characters (as_uri escapes them again)
-        return Path(unquote(rest)).expanduser().resolve().as_uri()
-    if scheme == "s3":
-        bucket = rest.split("/", 1)[0]
-        if not re.fullmatch(r"[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]", bucket):
-            raise ValueError(f"{value!r} has no valid bucket name; write s3://<bucket>/<prefix>")
-        return value
-    raise ValueError(f"unsupported URL scheme {scheme!r} in {value!r}; use file:// or s3:// (or a plain path)")
-
+from trnflow.urls import normalise_url
 
 HOST_RESERVED_MEMORY_GIB = 12
 """Host memory each AWS Batch node keeps for the ECS agent and the OS, outside the job's container."""
@@ -78,7 +50,7 @@ def sagemaker_checkpoint_problem(url: str) -> str | None:
             "train.checkpoint_url to s3://<bucket>/<prefix>, or run with compute.backend: local")
 
 
-Url = Annotated[str, AfterValidator(_normalise_url)]
+Url = Annotated[str, AfterValidator(normalise_url)]
 ChampionOrUrl = Annotated[Literal["champion"] | Url, Field(union_mode="left_to_right")]
 """`champion` (the registry's current champion for this spec's name) or a location."""
 

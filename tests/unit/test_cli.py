@@ -308,7 +308,7 @@ def test_run_gives_prefect_its_startup_timeout_before_prefect_is_first_imported(
         "    from prefect.settings import get_current_settings\n"
         "    print(get_current_settings().server.ephemeral.startup_timeout_seconds)\n"
         "pipeline._run_flow = seen\n"
-        "from trnflow.cli.app import main\n"
+        "from trnflow.cli.main import main\n"
         f"sys.argv = ['trnflow', 'run', {str(spec)!r}]\n"
         "main()\n"
     )

@@ -6,6 +6,7 @@ on a directory and on S3. The speed goals are in benchmarks/scale_cache.py, not 
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -134,6 +135,31 @@ def test_a_listing_with_its_index_reads_no_entry_and_prints_every_one(big, reads
     assert sorted(line.split()[2] for line in lines[1:]) == sorted(built.states.values())
     assert _small_files_read(reads["read"]) == set()  # only the index, and the lock records of locked entries
     assert not any(path.endswith("model.neff") for path in reads["opened"])
+
+
+def test_the_command_lists_the_cache_without_loading_the_rest_of_the_app(big):
+    """`trnflow cache` starts on its own (trnflow.cli.main): the same listing as the whole app's,
+    without the job specs and their models, the backends, Prefect or the report modules."""
+    root, _ = big
+    probe = (
+        "import json, sys\n"
+        "from trnflow.cli.main import main\n"
+        f"sys.argv = ['trnflow', 'cache', 'ls', {str(root)!r}, '--json']\n"
+        "try:\n"
+        "    main()\n"
+        "except SystemExit as exc:\n"
+        "    assert not exc.code, exc.code\n"
+        "heavy = ('prefect', 'torch', 'trnflow.specs', 'trnflow.cli.app', 'trnflow.results', 'trnflow.reporting',\n"
+        "         'trnflow.backends', 'trnflow.settings')\n"
+        "sys.stderr.write(json.dumps(sorted(m for m in sys.modules if m.startswith(heavy))))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stderr) == []
+    assert {f"{e['compiler']}/{e['key']}": e for e in json.loads(done.stdout)} == _ls(root)
+    usage = subprocess.run([sys.executable, "-m", "trnflow.cli", "cache", "ls", "--help"], capture_output=True,
+                           text=True, timeout=120)
+    assert usage.returncode == 0 and "Usage: trnflow cache ls [OPTIONS]" in usage.stdout, usage.stdout
 
 
 def test_a_bit_flip_is_done_in_the_listing_and_corrupt_when_verified(big):

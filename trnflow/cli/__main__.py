@@ -1,5 +1,5 @@
 """`python -m trnflow.cli`: the `trnflow` command."""
 
-from trnflow.cli.app import main
+from trnflow.cli.main import main
 
 main()

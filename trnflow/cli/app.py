@@ -9,8 +9,6 @@ Each command group has a module of its own (`devices`, `data`, `pipeline`, `cach
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -24,9 +22,9 @@ from trnflow.cli import runs as cli_runs
 from trnflow.cli import serve as cli_serve
 from trnflow.cli.cache import cache_app
 from trnflow.cli.common import JsonOpt, checked, console, err
+from trnflow.cli.console import RED
 from trnflow.cli.data import data_app
 from trnflow.cli.models import models_app
-from trnflow.cli.render import RED
 from trnflow.errors import ExitCode
 from trnflow.specs import JobSpec, SpecError
 from trnflow.storage import local_path
@@ -134,19 +132,3 @@ app.add_typer(cache_app, name="cache")
 app.add_typer(models_app, name="models")
 cli_serve.register(app)  # deployments of every flow
 cli_runs.register(app)  # runs on a Prefect server: submit, runs, status, logs, cancel
-
-
-def main() -> None:
-    # Prefect reads its settings once, when it is first imported (a command imports its flows before
-    # running them), so these defaults are set before anything else. Its local API starts in a process
-    # of its own, and the 20 s default start timeout is short on a busy laptop.
-    os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-    os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    try:
-        app()
-    except KeyboardInterrupt:
-        sys.exit(130)
-
-
-if __name__ == "__main__":
-    main()

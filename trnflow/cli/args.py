@@ -7,7 +7,7 @@ from typing import Any
 import typer
 import yaml
 
-from trnflow.cli.render import RED, cli_console
+from trnflow.cli.console import RED, cli_console
 from trnflow.errors import ExitCode
 
 

@@ -9,11 +9,11 @@ from typing import Annotated
 
 import typer
 
-from trnflow.cli.render import RED, cli_console
+from trnflow.cli.console import RED, cli_console
 from trnflow.device.cache import COMPILER_VERSION, CORRUPT, NEURONXCC, CompileCache
 from trnflow.errors import ExitCode, TrnflowError
 from trnflow.redact import without_credentials
-from trnflow.specs.spec import _normalise_url
+from trnflow.urls import normalise_url
 
 cache_app = typer.Typer(help="Inspect and clean a persistent compile cache.", no_args_is_help=True)
 console = cli_console()
@@ -28,7 +28,7 @@ def _cache(url: str) -> Iterator:
     cache root or a garbled record end the command with what went wrong (exit 2)."""
 
     try:
-        yield CompileCache(_normalise_url(url))
+        yield CompileCache(normalise_url(url))
     except TrnflowError as exc:  # says where and what to do
         err.print(str(exc), **RED)
         raise typer.Exit(ExitCode.BAD_INPUT) from None

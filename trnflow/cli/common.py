@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 
 from trnflow.cli.args import assignments
-from trnflow.cli.render import RED, cli_console
+from trnflow.cli.console import RED, cli_console
 from trnflow.errors import ExitCode
 from trnflow.neuron.devices import problems as device_problems
 from trnflow.specs import CATALOGUE, JobSpec, SpecError, load_spec

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trnflow.cli.common import JsonOpt, SetOpt, SpecArg, console, err, load, set_overrides
-from trnflow.cli.render import RED
+from trnflow.cli.console import RED
 from trnflow.errors import ExitCode
 from trnflow.results import DataPartCheck
 

@@ -14,7 +14,7 @@ from rich.live import Live
 from trnflow.backends import JobRequest, JobState, run_to_end
 from trnflow.cli import render
 from trnflow.cli.common import JsonOpt, check_instance_type, console, err, unknown_instance_type
-from trnflow.cli.render import RED
+from trnflow.cli.console import RED
 from trnflow.emulator.cores import holders
 from trnflow.emulator.monitor import CoreMonitor
 from trnflow.errors import ExitCode, TrnflowError

@@ -10,11 +10,11 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from trnflow.cli.render import RED, cli_console
+from trnflow.cli.console import RED, cli_console
 from trnflow.errors import ExitCode, FatalError
 from trnflow.lifecycle.registry import PromotionConflict, Registry, RegistryCorrupt
 from trnflow.redact import without_credentials
-from trnflow.specs.spec import _normalise_url
+from trnflow.urls import normalise_url
 from trnflow.workload.embeddings import latest_folder, point_current, version_url
 
 models_app = typer.Typer(help="Look at and change the model registry (registry_url).", no_args_is_help=True)
@@ -30,7 +30,7 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 def _registry(url: str) -> Iterator:
 
     try:
-        yield Registry(_normalise_url(url))
+        yield Registry(normalise_url(url))
     except ValueError as exc:
         err.print(f"--registry {without_credentials(url)}: {exc}", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT) from None

@@ -24,8 +24,8 @@ from trnflow.backends import JobRequest, JobState, backend_for, run_to_end
 from trnflow.backends.reference import run_reference
 from trnflow.cli import render
 from trnflow.cli.common import JsonOpt, SetOpt, SpecArg, console, err, load, set_overrides
+from trnflow.cli.console import RED
 from trnflow.cli.progress import training_progress
-from trnflow.cli.render import RED
 from trnflow.errors import ChampionKept, DataError, ExitCode, GateFailed, TrnflowError
 from trnflow.reporting.chart import paired_sentence
 from trnflow.results import (

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from trnflow.cli.common import JsonOpt, console, err
-from trnflow.cli.render import RED
+from trnflow.cli.console import RED
 from trnflow.errors import ExitCode, FatalError
 
 

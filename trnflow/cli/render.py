@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
@@ -13,21 +11,6 @@ from trnflow.reporting.report import COST_COLUMNS, ENGINES, check_cell, cost_cel
 from trnflow.results import Cost, StageRow
 
 STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim"}
-
-PIPED_WIDTH = 200
-"""How wide printed output may be when it goes to a file or pipe rather than a terminal."""
-
-RED = {"style": "red", "markup": False, "highlight": False}
-"""`console.print(text, **RED)`: an error line in red, its text printed as it is (never as markup)."""
-
-
-def cli_console(stderr: bool = False) -> Console:
-    """The CLI's console. On a terminal it is as wide as the terminal; piped or redirected, Rich
-    would cut tables at 80 columns, so it is PIPED_WIDTH wide unless COLUMNS says otherwise."""
-    out = Console(stderr=stderr)
-    if out.is_terminal or "COLUMNS" in os.environ:
-        return out
-    return Console(stderr=stderr, width=PIPED_WIDTH)
 
 
 def stage_table(rows: list[StageRow], stages: tuple[str, ...] = (), title: str | None = None) -> Table:

@@ -22,7 +22,8 @@ from rich.table import Table
 
 from trnflow.cli.args import assignments
 from trnflow.cli.common import load, set_overrides
-from trnflow.cli.render import RED, cli_console, stage_table
+from trnflow.cli.console import RED, cli_console
+from trnflow.cli.render import stage_table
 from trnflow.errors import ExitCode
 from trnflow.results import StageRow
 

@@ -11,7 +11,7 @@ import yaml
 from rich.table import Table
 
 from trnflow.cli.common import load
-from trnflow.cli.render import cli_console
+from trnflow.cli.console import cli_console
 from trnflow.errors import ExitCode
 from trnflow.fsutil import atomic_write_bytes
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from moto.server import ThreadedMotoServer
 
-from trnflow.cli.render import cli_console
+from trnflow.cli.console import cli_console
 from trnflow.testing.mockcloud import MockCloud
 from trnflow.testing.mockcloud.provision import provision
 from trnflow.workload.synth import synthesize
