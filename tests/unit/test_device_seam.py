@@ -96,6 +96,42 @@ def test_threads_per_core_sets_each_workers_threads_and_pins_it_to_cpus_of_its_o
     assert beyond.stdout.split() == ["True", "False"]  # more workers than CPUs: left to the scheduler
 
 
+HEAP_PROBE = """
+import ctypes, resource, sys
+from trnflow.neuron.launch import steady_heap
+if sys.argv[1] == "steady":
+    assert steady_heap()
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes, libc.free.argtypes = ctypes.c_void_p, [ctypes.c_size_t], [ctypes.c_void_p]
+size = 4 << 20
+
+def batch():  # a forward pass's activations: a few blocks of a few MiB, written, then all freed
+    blocks = [libc.malloc(size) for _ in range(5)]
+    for block in blocks:
+        ctypes.memset(block, 1, size)
+    for block in blocks:
+        libc.free(block)
+
+batch()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    batch()
+print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_a_steady_heap_keeps_each_batchs_memory_instead_of_faulting_it_in_again():
+    """A worker's heap keeps the blocks a batch frees (`steady_heap`, called by every worker): with
+    glibc's starting thresholds the heap is trimmed after each batch and every page of the next
+    batch's blocks is a page fault again."""
+    faults = {mode: int(subprocess.run([sys.executable, "-c", HEAP_PROBE, mode], capture_output=True, text=True,
+                                       check=True).stdout) for mode in ("default", "steady")}
+    pages = 20 * 5 * (4 << 20) // os.sysconf("SC_PAGE_SIZE")  # what faulting every page in again would take
+    assert faults["default"] > pages // 2
+    assert faults["steady"] < pages // 50
+
+
 @pytest.mark.parametrize("optlevel", [1, 2, 3])
 def test_every_module_the_compile_pool_preloads_exists(optlevel):
     """The compile pool's server imports these before forking workers, and skips a name it cannot

@@ -23,7 +23,7 @@ from trnflow.device.base import Device, FaultHooks, Lease, NoFaults
 from trnflow.device.registry import choose, get_device
 from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
-from trnflow.neuron.launch import INSTANCE_CORES_ENV, PIN_CPUS_ENV, pin_cpus
+from trnflow.neuron.launch import INSTANCE_CORES_ENV, PIN_CPUS_ENV, pin_cpus, steady_heap
 from trnflow.specs import JobSpec
 
 T = TypeVar("T")
@@ -133,6 +133,7 @@ def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dic
     if os.environ.get(PIN_CPUS_ENV) == "1":
         pin_cpus(local_rank, threads)
     torch.set_num_threads(threads)
+    steady_heap()
     output_dir.mkdir(parents=True, exist_ok=True)
     timeout = spec.preflight.collective_timeout_seconds if spec else float(
         (options or {}).get("timeout_seconds", 60.0))
