@@ -4,7 +4,9 @@ same model and data, and how the stage scales from 1 to 2 to 4 cores.
 Every core gets one host thread, pinned to a CPU of its own (`compute.threads_per_core: 1`), so
 that scaling measures the cores and not threads that one core could have used too. The baseline
 runs in this process on one thread, pinned to the CPU a one-core job's worker gets, batch by
-batch over the tokenized rows. trnflow's numbers come
+batch over the tokenized rows, just before and just after each one-core job: a repeat's baseline
+is the mean of the two, so that the machine's drift (this one's speed wanders by a quarter over
+tens of seconds) hits both sides of the ratio alike. trnflow's numbers come
 from real inference jobs through the local backend, one per core count, each into a fresh output
 folder (so nothing is reused): the compiled embed program from the compile cache, Parquet shards
 with their commit markers, and the manifest, included. rows/s counts the shard loop of the job
@@ -87,13 +89,15 @@ def main() -> None:
         runs: dict[int, list[float]] = {c: [] for c in args.cores}
         bares = []
         for repeat in range(args.repeats):  # interleaved, so drift on the machine hits all alike
-            bares.append(bare(quickstart(root, **base), trained["checkpoint"], threads))
+            before = bare(quickstart(root, **base), trained["checkpoint"], threads)
             for cores in args.cores:
                 spec = quickstart(root, **base, compute={"cores_per_node": cores, "instance_type": "trn1.32xlarge",
                                                          "threads_per_core": threads},
                                   inference={"output_url": str(root / f"out-{cores}-{repeat}"),
                                              "shard_size": args.shard_size})
                 runs[cores].append(run_job(backend, spec, "infer", "bench", trained["checkpoint"])["rows_per_s"])
+                if cores == first:  # the baseline on either side of the job it is compared with
+                    bares.append((before + bare(quickstart(root, **base), trained["checkpoint"], threads)) / 2)
             print(f"repeat {repeat + 1}: bare {bares[-1]:.0f} rows/s, trnflow "
                   + ", ".join(f"{c} core(s) {runs[c][-1]:.0f}" for c in args.cores), flush=True)
         ours = {c: statistics.median(v) for c, v in runs.items()}
