@@ -476,16 +476,20 @@ class CompileCache:
             raise FatalError(f"{self.where()}: no such folder; check compile.cache_url")
         grouped: dict[str, dict[str, ObjectInfo]] = {}  # entry -> its files by name
         indexed: set[str] = set()
-        version_folder, newest = False, 0.0
-        for obj in self.store.list():
-            parts = obj.name.split("/")
-            if obj.modified > newest:
-                newest = obj.modified
-            if len(parts) == 3 and parts[1].startswith("MODULE_"):
-                grouped.setdefault(f"{parts[0]}/{parts[1]}", {})[parts[2]] = obj
-            elif len(parts) == 2 and parts[1] == INDEX:
-                indexed.add(parts[0])
-            version_folder = version_folder or (len(parts) == 2 and parts[0].startswith("MODULE_"))
+        listing = self.store.list()
+        newest = max((obj.modified for obj in listing), default=0.0)
+        version_folder = False
+        for obj in listing:  # `<version>/<MODULE_key>/<file>` is an entry's file, `<version>/<INDEX>` an index
+            folder, _, file = obj.name.rpartition("/")
+            version, nested, key = folder.partition("/")
+            if nested:
+                if key.startswith("MODULE_") and "/" not in key:
+                    grouped.setdefault(folder, {})[file] = obj
+            elif folder:
+                if file == INDEX:
+                    indexed.add(folder)
+                if folder.startswith("MODULE_"):
+                    version_folder = True
         if version_folder and not grouped:
             raise FatalError(f"{self.where()}: holds compile cache entries directly, so it is one compiler "
                              "version's folder; pass its parent, the cache root (the folder compile.cache_url "
