@@ -15,6 +15,8 @@ import sys
 STANDALONE = {"cache": ("trnflow.cli.cache", "cache_app")}
 """Command groups started on their own: name -> (module, its Typer app). A group belongs here when
 its module imports none of the app's other modules."""
+WHOLE = ("trnflow.cli.app", "app")
+"""Every other command, and `trnflow --help`."""
 
 
 def main() -> None:
@@ -23,13 +25,13 @@ def main() -> None:
     # of its own, and the 20 s default start timeout is short on a busy laptop.
     os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
-    group = STANDALONE.get(sys.argv[1]) if len(sys.argv) > 1 else None
+    group = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in STANDALONE else None
+    module, name = STANDALONE[group] if group else WHOLE
+    app = getattr(importlib.import_module(module), name)
     try:
         if group:
-            module, name = group
-            getattr(importlib.import_module(module), name)(args=sys.argv[2:], prog_name=f"trnflow {sys.argv[1]}")
+            app(args=sys.argv[2:], prog_name=f"trnflow {group}")
         else:
-            app = importlib.import_module("trnflow.cli.app").app
             app()
     except KeyboardInterrupt:
         sys.exit(130)
