@@ -2,8 +2,10 @@
 
     torchrun --nproc-per-node N _bare_ddp.py SPEC_JSON STEPS eager|compiled
 
-Same model, per-core batch, optimizer and sequence length as the spec; random token ids stand in
-for the data (the step costs the same). Rank 0 prints one JSON line with the median step time.
+Same model, per-core batch, optimizer and sequence length as the spec, and the same kind of data: the
+spec's holdout texts, tokenized by the recipe's featurizer fitted on them (padded to the sequence
+length as the training job's are), each step's rows picked by trnflow's own sampler. Rank 0 prints
+one JSON line with the median step time.
 """
 
 import json
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trnflow.specs import JobSpec
+from trnflow.workload.data import StepSampler, read_unlabelled
 from trnflow.workload.programs import build_model
 from trnflow.workload.recipes import recipe_for
 
@@ -38,8 +41,12 @@ def main() -> None:
     # Compiled as trnflow compiles it: the model's own graph, with DDP around it.
     model = DDP(torch.compile(model) if mode == "compiled" else model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay)
+    texts = read_unlabelled(spec.data.holdout, spec.data, recipe.columns()).table
+    recipe.fit(texts)
+    features = recipe.features(texts)
+    sampler = StepSampler(len(features), spec.train.global_batch_size, rank, dist.get_world_size(), spec.train.seed)
+    tokens = torch.stack([features[idx] for _, idx in sampler.batches(0, steps)])
     gen = torch.Generator().manual_seed(rank)
-    tokens = torch.stack([recipe.example(batch, gen) for _ in range(steps)])
     labels = torch.randint(0, recipe.num_classes, (steps, batch), generator=gen)
     times = []
     for step in range(steps):

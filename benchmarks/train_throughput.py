@@ -1,4 +1,5 @@
-"""trnflow's training stage against the best bare PyTorch DDP loop of the same model, batch and world size.
+"""trnflow's training stage against the best bare PyTorch DDP loop of the same model, batch and world size,
+on the same kind of rows (the spec's texts, tokenized and padded as the job's are).
 
 The baseline is the faster of two bare loops, each its own torchrun process group on gloo with one
 thread per rank, each rank pinned to a CPU of its own (as trnflow's workers are, with

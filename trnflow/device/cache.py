@@ -481,7 +481,7 @@ class CompileCache:
         version_folder = False
         for obj in listing:  # `<version>/<MODULE_key>/<file>` is an entry's file, `<version>/<INDEX>` an index
             folder, _, file = obj.name.rpartition("/")
-            version, nested, key = folder.partition("/")
+            _, nested, key = folder.partition("/")
             if nested:
                 if key.startswith("MODULE_") and "/" not in key:
                     grouped.setdefault(folder, {})[file] = obj
