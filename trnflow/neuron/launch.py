@@ -161,7 +161,8 @@ def steady_heap() -> bool:
         mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):
         return False
-    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES)) & bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES))
+    done = [mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES), mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD_BYTES)]
+    return all(done)
 
 
 def launch_env(spec: JobSpec | None, cores: list[int], itype: str, base: dict[str, str] | None = None
