@@ -28,9 +28,11 @@ def scratch_home(root: Path) -> None:
     os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "120")
 
 
-def run_job(backend: LocalBackend, spec: JobSpec, phase: str, run_id: str, checkpoint: str | None = None) -> dict:
-    """Run one phase through the local backend and return its result; a failed job ends the benchmark."""
-    info = wait(backend, backend.submit(JobRequest(spec, phase, run_id, checkpoint=checkpoint)), 0.1)
+def run_job(backend: LocalBackend, spec: JobSpec, phase: str, run_id: str, checkpoint: str | None = None,
+            cores: tuple[int, ...] | None = None) -> dict:
+    """Run one phase through the local backend (on `cores`, or wherever it places the job) and
+    return its result; a failed job ends the benchmark."""
+    info = wait(backend, backend.submit(JobRequest(spec, phase, run_id, checkpoint=checkpoint, cores=cores)), 0.1)
     if info.state is not JobState.SUCCEEDED:
         raise SystemExit(f"{phase} job {run_id} failed: {info.failure}")
     return info.result

@@ -15,11 +15,15 @@ Regimes:
   those updates and learning stalls, while stochastic rounding keeps them in expectation.
 
 Each (regime, variant, seed) is one real training job through the local backend, on one core,
-which evaluates the whole holdout at its last step. A seed fixes the initial weights, the data
-order and the rounding stream, so each variant is compared with fp32 on the same seed (a paired
-difference), and the mean difference is given with its 95% confidence interval (Student's t).
+which evaluates the whole holdout at its last step. The jobs run side by side, one on each of the
+instance's cores as far as the host's CPUs go (`--parallel`), each worker pinned to CPUs of its
+own with the same number of threads (`compute.threads_per_core`). A seed fixes the initial
+weights, the data order and the rounding stream, so each variant is compared with fp32 on the same
+seed (a paired difference), and the mean difference is given with its 95% confidence interval
+(Student's t).
 
     python benchmarks/precision.py [--seeds 5] [--holdout 20000] [--regimes standard small-updates]
+                                   [--parallel N]
 
 The last line printed is JSON: a figure per regime and variant (its paired difference from fp32),
 and per regime each variant's accuracy (mean, interval, values) and the verdict on stochastic rounding.
@@ -28,7 +32,10 @@ and per regime each variant's accuracy (mean, interval, values) and the verdict 
 from __future__ import annotations
 
 import argparse
+import os
+import queue
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from _quickstart import quickstart, run_job, scratch_home
@@ -37,6 +44,7 @@ from _stats import interval, paired, show
 
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
+from trnflow.specs import instance
 from trnflow.workload.synth import synthesize
 
 VARIANTS = ("fp32", "bf16-rne", "bf16-sr", "bf16")
@@ -48,13 +56,19 @@ WITHIN = 0.001
 """The claim to test: stochastic rounding within 0.1 accuracy points of fp32."""
 
 
-def train(backend: LocalBackend, root: Path, regime: str, precision: str, seed: int) -> float:
+def train(backend: LocalBackend, root: Path, regime: str, precision: str, seed: int, threads: int,
+          cores: queue.Queue) -> float:
+    """One training job on a free core (taken from `cores` and given back); its holdout accuracy."""
     lr, steps = REGIMES[regime]["lr"], REGIMES[regime]["steps"]
-    spec = quickstart(root, compute={"precision": precision, "cores_per_node": 1},
+    spec = quickstart(root, compute={"precision": precision, "cores_per_node": 1, "threads_per_core": threads},
                       compile={"cache_url": str(root / "cache")},
                       train={"steps": steps, "checkpoint_every": steps, "lr": lr, "seed": seed, "log_every": steps},
                       gate={"eval_every": None, "metrics": []})
-    result = run_job(backend, spec, "train", f"{regime}-{precision}-{seed}")
+    core = cores.get()
+    try:
+        result = run_job(backend, spec, "train", f"{regime}-{precision}-{seed}", cores=(core,))
+    finally:
+        cores.put(core)
     return result["evaluations"][-1]["accuracy"]
 
 
@@ -72,6 +86,9 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=5, help="Training seeds per variant (at least 2).")
     parser.add_argument("--holdout", type=int, default=20_000, help="Holdout rows each run is evaluated on.")
     parser.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
+    parser.add_argument("--parallel", type=int, default=None,
+                        help="Jobs at once, one a core (default: as many as the instance's cores and the host's "
+                        "CPUs allow).")
     args = parser.parse_args()
     out: dict = {"holdout_rows": args.holdout, "seeds": args.seeds, "within": WITHIN, "regimes": {}}
     with tempfile.TemporaryDirectory() as tmp:
@@ -79,14 +96,31 @@ def main() -> None:
         scratch_home(root)
         synthesize(root / "data", days=2, rows_per_day=2000, seed=7, holdout_rows=args.holdout, inference_rows=10)
         backend = LocalBackend(TrnflowSettings().jobs_dir)
+        total = instance(quickstart(root).compute.instance_type).cores
+        parallel = max(1, min(args.parallel or total, total, os.cpu_count() or 1))
+        threads = max(1, (os.cpu_count() or 1) // parallel)
+        cores: queue.Queue = queue.Queue()
+        for core in range(parallel):
+            cores.put(core)
+        jobs = [(regime, seed, variant) for regime in args.regimes for seed in range(1, args.seeds + 1)
+                for variant in VARIANTS]
+        out |= {"parallel": parallel, "threads_per_core": threads}
+        print(f"{len(jobs)} training jobs, {parallel} at once, {threads} CPU thread(s) each", flush=True)
+        acc: dict[tuple[str, str, int], float] = {}
+        pool = ThreadPoolExecutor(parallel)
+        running = {job: pool.submit(train, backend, root, job[0], job[2], job[1], threads, cores) for job in jobs}
+        try:
+            for (regime, seed, variant), future in running.items():  # in order
+                acc[regime, variant, seed] = future.result()
+                if variant == VARIANTS[-1]:
+                    print(f"{regime} seed {seed}: " + ", ".join(f"{v} {acc[regime, v, seed]:.4f}" for v in VARIANTS),
+                          flush=True)
+        finally:  # a failed job ends the run: the jobs not yet started never start
+            pool.shutdown(cancel_futures=True)
         for regime in args.regimes:
-            acc: dict[str, list[float]] = {v: [] for v in VARIANTS}
-            for seed in range(1, args.seeds + 1):
-                for variant in VARIANTS:
-                    acc[variant].append(train(backend, root, regime, variant, seed))
-                print(f"{regime} seed {seed}: " + ", ".join(f"{v} {acc[v][-1]:.4f}" for v in VARIANTS), flush=True)
-            stats = {v: interval(acc[v]) for v in VARIANTS}
-            diffs = {v: paired(acc[v], acc["fp32"]) for v in VARIANTS if v != "fp32"}
+            values = {v: [acc[regime, v, seed] for seed in range(1, args.seeds + 1)] for v in VARIANTS}
+            stats = {v: interval(values[v]) for v in VARIANTS}
+            diffs = {v: paired(values[v], values["fp32"]) for v in VARIANTS if v != "fp32"}
             out["regimes"][regime] = {**REGIMES[regime], "accuracy": stats, "minus_fp32": diffs,
                                       "verdict": verdict(diffs)}
     print(f"\nholdout accuracy in points, mean [95% interval] over {args.seeds} seeds, {args.holdout:,} rows each")

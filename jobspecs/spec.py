@@ -133,7 +133,8 @@ class ComputeSpec(Section):
     threads_per_core: int | None = Field(
         None, ge=1, le=256, description="Host CPU threads each core's worker process uses (torch's intra-op threads; "
         "on the emulator they do the tensor work). None: the host's CPUs shared evenly between the node's cores. "
-        "When set, and the node's workers fit in the host's CPUs, each worker is pinned to CPUs of its own.",
+        "When set, and the node's workers fit in the host's CPUs, each worker is pinned to CPUs of its own, "
+        "chosen by its core, so jobs on different cores of one host do not share CPUs either.",
     )
     precision: Literal["fp32", "bf16", "bf16-rne", "bf16-sr"] = Field(
         "fp32", description="fp32; bf16 autocast over fp32 master weights (bf16); or pure bf16, weights and optimizer "

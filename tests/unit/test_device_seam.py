@@ -86,15 +86,25 @@ def test_threads_per_core_sets_each_workers_threads_and_pins_it_to_cpus_of_its_o
     pinned = launch_env(validate_spec(quickstart_data(compute={"threads_per_core": 1})), [0, 1], "trn1.2xlarge",
                         base={})
     assert pinned["OMP_NUM_THREADS"] == "1" and pinned[PIN_CPUS_ENV] == "1"
-    # In a process of its own, as a worker would: local rank r takes the r-th CPU it may run on.
-    probe = ("import os, sys; from trnflow.neuron.launch import pin_cpus; "
-             "allowed = sorted(os.sched_getaffinity(0)); got = pin_cpus(int(sys.argv[1]), 1); "
-             "print(got == sorted(os.sched_getaffinity(0)), got == allowed[int(sys.argv[1]):int(sys.argv[1]) + 1])")
-    allowed = len(os.sched_getaffinity(0))
-    last = subprocess.run([sys.executable, "-c", probe, str(allowed - 1)], capture_output=True, text=True, check=True)
-    assert last.stdout.split() == ["True", "True"]
-    beyond = subprocess.run([sys.executable, "-c", probe, str(allowed)], capture_output=True, text=True, check=True)
-    assert beyond.stdout.split() == ["True", "False"]  # more workers than CPUs: left to the scheduler
+    # In a process of its own, as a worker would: local rank r of a job whose first core is c takes
+    # CPU slot (c + r) modulo the slots there are, so two one-core jobs on cores 0 and 1 do not share.
+    probe = ("import json, os, sys; from trnflow.neuron.launch import pin_cpus; "
+             "rank, workers, first = map(int, sys.argv[1:]); got = pin_cpus(rank, 1, workers, first); "
+             "print(json.dumps([got, sorted(os.sched_getaffinity(0))]))")
+    allowed = sorted(os.sched_getaffinity(0))
+
+    def runs_on(rank: int, workers: int, first: int) -> list[int]:
+        out = subprocess.run([sys.executable, "-c", probe, str(rank), str(workers), str(first)],
+                             capture_output=True, text=True, check=True).stdout
+        got, affinity = json.loads(out)
+        assert got == affinity
+        return got
+
+    assert runs_on(len(allowed) - 1, len(allowed), 0) == [allowed[-1]]
+    assert runs_on(0, 1, 1) == [allowed[1 % len(allowed)]]  # a one-core job on core 1: not the first CPU
+    if len(allowed) >= 2:
+        assert runs_on(1, 2, 2) == [allowed[3 % len(allowed)]]  # rank 1 of a job on cores 2 and 3
+    assert runs_on(0, len(allowed) + 1, 0) == allowed  # more workers than CPUs: left to the scheduler
 
 
 HEAP_PROBE = """

@@ -128,15 +128,22 @@ PIN_CPUS_ENV = "TRNFLOW_PIN_CPUS"
 """Set to 1 when the spec gives threads_per_core: each worker pins itself to CPUs of its own."""
 
 
-def pin_cpus(local_rank: int, threads: int) -> list[int]:
-    """Pin this worker to CPUs of its own, the local_rank-th `threads` of those it may run on, when
-    the node's workers fit; otherwise leave it to the scheduler. The CPUs it runs on."""
+def pin_cpus(local_rank: int, threads: int, workers: int | None = None, first_core: int = 0) -> list[int]:
+    """Pin this worker to CPUs of its own when the node's `workers` (default: local_rank + 1) fit in
+    the CPUs it may run on; otherwise leave it to the scheduler. The CPUs it runs on.
+
+    The CPUs are split into slots of `threads`, and the worker takes slot (first_core + local_rank)
+    modulo their number, `first_core` being its job's first NeuronCore: the ranks of one job get
+    slots of their own, and so do jobs on different cores of the same host (two one-core jobs on
+    cores 0 and 1 run on different CPUs, not both on the first)."""
     allowed = sorted(os.sched_getaffinity(0))
-    mine = allowed[local_rank * threads:(local_rank + 1) * threads]
-    if len(mine) == threads:
-        os.sched_setaffinity(0, mine)
-        return mine
-    return allowed
+    slots = len(allowed) // max(1, threads)
+    if (workers or local_rank + 1) > slots:
+        return allowed
+    slot = (first_core + local_rank) % slots
+    mine = allowed[slot * threads:(slot + 1) * threads]
+    os.sched_setaffinity(0, mine)
+    return mine
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3

@@ -131,7 +131,7 @@ def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dic
     # The host's CPUs shared between the ranks keeps them from fighting over CPUs (oversubscription is slow).
     threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, world))
     if os.environ.get(PIN_CPUS_ENV) == "1":
-        pin_cpus(local_rank, threads)
+        pin_cpus(local_rank, threads, len(visible), visible[0])
     torch.set_num_threads(threads)
     steady_heap()
     output_dir.mkdir(parents=True, exist_ok=True)
