@@ -54,7 +54,8 @@ def main() -> None:
             began = time.perf_counter()
             info = wait(backend, backend.submit(JobRequest(spec, "sanity", "bench")), poll_seconds=0.05)
             through.append(time.perf_counter() - began)
-            assert info.state is JobState.SUCCEEDED
+            if info.state is not JobState.SUCCEEDED:
+                raise SystemExit(f"the sanity job through the local backend failed: {info.failure}")
         d, t = statistics.median(direct), statistics.median(through)
         print(f"direct torchrun: {d:.2f}s   through trnflow's local backend: {t:.2f}s (median of {args.repeats})")
         emit("backend_overhead", [ratio_figure("seconds per stage job", through, direct, unit="s",

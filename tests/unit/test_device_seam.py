@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from trnflow.device.base import RecompileGuard
 from trnflow.device.cache import CompileCache, entry_name
 from trnflow.device.indexed import IndexedGraphs
 from trnflow.device.registry import get_device
+from trnflow.emulator.device import private_inductor_dir
 from trnflow.errors import Recompilation
 from trnflow.neuron.launch import PIN_CPUS_ENV, compiler_cache_dir, launch_env
 from trnflow.specs import validate_spec
@@ -160,3 +162,26 @@ def test_every_module_the_compile_pool_preloads_exists(optlevel):
     names = get_device("emulator").compile_imports(spec)
     assert "torch._dynamo" in names
     assert [n for n in names if importlib.util.find_spec(n) is None] == []
+
+
+def test_a_killed_ranks_inductor_folder_is_removed_by_the_next_rank(tmp_path):
+    # A rank that made its folder, then was killed by a signal: its exit handler never ran.
+    rank = subprocess.Popen([sys.executable, "-c", "import sys, time; from trnflow.emulator.device import "
+                             f"private_inductor_dir; print(private_inductor_dir({str(tmp_path)!r}), flush=True); "
+                             "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
+    assert rank.stdout is not None
+    killed = Path(rank.stdout.readline().strip())
+    (killed / "graph.py").write_text("compiled\n")
+    rank.kill()
+    rank.wait()
+    assert killed.is_dir() and killed.name.startswith(f"trnflow-inductor-{rank.pid}-")
+    running = tmp_path / f"trnflow-inductor-{os.getpid()}-live"  # a rank still running keeps its folder
+    unnamed = tmp_path / "trnflow-inductor-k3x9q2"  # one made before folders were named by process
+    running.mkdir()
+    unnamed.mkdir()
+
+    mine = private_inductor_dir(tmp_path)
+
+    assert not killed.exists()
+    assert running.is_dir() and unnamed.is_dir() and mine.is_dir()
+    assert mine.name.startswith(f"trnflow-inductor-{os.getpid()}-")

@@ -212,7 +212,8 @@ class CorruptEntry(Exception):
     """A done entry whose files do not match their recorded checksums."""
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` runs on this host (someone else's counts)."""
     if pid <= 0:
         return False
     try:
@@ -279,7 +280,7 @@ class CompileCache:
                              f"{owner.get('pid')!r}, since {owner.get('since')!r}); trnflow did not write it "
                              "this way and no compile holds it: remove that file") from None
         if owner.get("host") == socket.gethostname():
-            return owner if _alive(pid) else None
+            return owner if pid_alive(pid) else None
         return owner if time.time() - since < STALE_LOCK_SECONDS else None
 
     def state(self, entry: str, deep: bool = False, listed: list[ObjectInfo] | None = None) -> str:

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from trnflow.device.base import Device, FaultHooks, Lease, Log, RecompileGuard
-from trnflow.device.cache import CompileCache
+from trnflow.device.cache import CompileCache, pid_alive
 from trnflow.emulator import cores
 from trnflow.emulator.compiler import LOWERING_IMPORTS, OPTLEVELS, compile_flags
 from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
@@ -52,8 +52,7 @@ class EmulatorDevice(Device):
             return CachedCompiler(flags, mode="extract")
         if mode == "compile":
             return CachedCompiler(flags, mode="compile", inductor_dir=workdir)
-        inductor_dir = Path(tempfile.mkdtemp(prefix="trnflow-inductor-"))
-        atexit.register(shutil.rmtree, inductor_dir, ignore_errors=True)
+        inductor_dir = private_inductor_dir()
         return CachedCompiler(flags, CompileCache(cache_url(spec.compile.cache_url)), mode="run",
                               guard=RecompileGuard(spec.compile.recompile_limit), inductor_dir=inductor_dir,
                               log=log or (lambda event, **fields: None))
@@ -86,3 +85,20 @@ class EmulatorDevice(Device):
 
     def check_launch_env(self, env: dict[str, str]) -> None:
         parse(env.get(FAULTS_ENV, ""))  # a malformed fault list fails before launch
+
+
+INDUCTOR_PREFIX = "trnflow-inductor-"
+
+
+def private_inductor_dir(root: Path | None = None) -> Path:
+    """A folder of this process's own for Inductor's files (under the system's temporary folder),
+    removed when the process exits. Folders of processes that ended without their exit handlers (a
+    rank killed by a signal) are removed first: each is named after its process."""
+    root = Path(root or tempfile.gettempdir())
+    for folder in root.glob(f"{INDUCTOR_PREFIX}*-*"):
+        pid = folder.name[len(INDUCTOR_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not pid_alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+    path = Path(tempfile.mkdtemp(prefix=f"{INDUCTOR_PREFIX}{os.getpid()}-", dir=root))
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
