@@ -98,8 +98,8 @@ faults: install
 	$(BIN)/python -m tests.faults --json runs/faults.json
 
 # Every benchmark against its baseline: runs/bench/results.json, a plot per benchmark and a table of
-# ratios. About three hours on 2 cores, two of them precision's 40 training runs (the others take about
-# 40 minutes together); `$(BIN)/python benchmarks/bench.py --only NAME ...` runs some, keeping the rest.
+# ratios. About an hour on 2 cores, 23 minutes of it precision's 40 training runs (two at a time);
+# `$(BIN)/python benchmarks/bench.py --only NAME ...` runs some, keeping the rest.
 bench: install
 	$(BIN)/python benchmarks/bench.py
 
