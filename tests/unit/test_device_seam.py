@@ -166,14 +166,13 @@ def test_every_module_the_compile_pool_preloads_exists(optlevel):
 
 def test_a_killed_ranks_inductor_folder_is_removed_by_the_next_rank(tmp_path):
     # A rank that made its folder, then was killed by a signal: its exit handler never ran.
-    rank = subprocess.Popen([sys.executable, "-c", "import sys, time; from trnflow.emulator.device import "
-                             f"private_inductor_dir; print(private_inductor_dir({str(tmp_path)!r}), flush=True); "
-                             "time.sleep(120)"], stdout=subprocess.PIPE, text=True)
-    assert rank.stdout is not None
-    killed = Path(rank.stdout.readline().strip())
-    (killed / "graph.py").write_text("compiled\n")
-    rank.kill()
-    rank.wait()
+    with subprocess.Popen([sys.executable, "-c", "import time; from trnflow.emulator.device import "
+                           f"private_inductor_dir; print(private_inductor_dir({str(tmp_path)!r}), flush=True); "
+                           "time.sleep(120)"], stdout=subprocess.PIPE, text=True) as rank:
+        assert rank.stdout is not None
+        killed = Path(rank.stdout.readline().strip())
+        (killed / "graph.py").write_text("compiled\n")
+        rank.kill()
     assert killed.is_dir() and killed.name.startswith(f"trnflow-inductor-{rank.pid}-")
     running = tmp_path / f"trnflow-inductor-{os.getpid()}-live"  # a rank still running keeps its folder
     unnamed = tmp_path / "trnflow-inductor-k3x9q2"  # one made before folders were named by process

@@ -128,9 +128,9 @@ PIN_CPUS_ENV = "TRNFLOW_PIN_CPUS"
 """Set to 1 when the spec gives threads_per_core: each worker pins itself to CPUs of its own."""
 
 
-def pin_cpus(local_rank: int, threads: int, workers: int | None = None, first_core: int = 0) -> list[int]:
-    """Pin this worker to CPUs of its own when the node's `workers` (default: local_rank + 1) fit in
-    the CPUs it may run on; otherwise leave it to the scheduler. The CPUs it runs on.
+def pin_cpus(local_rank: int, threads: int, workers: int, first_core: int) -> list[int]:
+    """Pin this worker to CPUs of its own when the node's `workers` fit in the CPUs it may run on;
+    otherwise leave it to the scheduler. The CPUs it runs on.
 
     The CPUs are split into slots of `threads`, and the worker takes slot (first_core + local_rank)
     modulo their number, `first_core` being its job's first NeuronCore: the ranks of one job get
@@ -138,7 +138,7 @@ def pin_cpus(local_rank: int, threads: int, workers: int | None = None, first_co
     cores 0 and 1 run on different CPUs, not both on the first)."""
     allowed = sorted(os.sched_getaffinity(0))
     slots = len(allowed) // max(1, threads)
-    if (workers or local_rank + 1) > slots:
+    if workers > slots:
         return allowed
     slot = (first_core + local_rank) % slots
     mine = allowed[slot * threads:(slot + 1) * threads]
