@@ -16,7 +16,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # every process would compile what it imports from source again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo test test-main test-fast test-xla xla-env faults bench lint clean chromium
+.PHONY: install demo test test-main test-fast test-xla xla-env faults bench lint clean chromium deps-check
 
 # The example recipe (examples/recipes) goes in too: the tests run it as an installed plug-in.
 $(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml
@@ -48,6 +48,14 @@ chromium:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 	  echo "chromium could not be installed: the UI screenshot test will be skipped"
 
+# The installed set must be consistent (pip check), and the versions the tests ran with are kept in
+# runs/tested-with.txt (pip freeze) with the ones that broke Prefect before printed in the log.
+deps-check: install
+	$(BIN)/python -m pip check
+	@mkdir -p runs && $(BIN)/python -m pip freeze --exclude-editable > runs/tested-with.txt
+	@echo "tested with: $$(grep -i -E '^(prefect|sqlalchemy|fastapi|starlette|pydantic|torch|moto|boto3)==' \
+	  runs/tested-with.txt | tr '\n' ' ')(all in runs/tested-with.txt)"
+
 # The unit tests first (quick, in-process; no browser needed; the `slow` ones wait), then everything
 # that starts jobs, flows, servers or a mock cloud.
 test-fast: install
@@ -62,7 +70,7 @@ test:
 	$(MAKE) test-xla
 
 # The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests.
-test-main: lint test-fast chromium
+test-main: lint deps-check test-fast chromium
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests/integration \
 	  infra/tests tests/unit -m "not unit or slow"
 

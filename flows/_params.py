@@ -3,23 +3,88 @@ renders as a form) or by URL, and a run name that says what ran."""
 
 from __future__ import annotations
 
+import copy
+import functools
+from collections.abc import Callable
 from pathlib import Path
+from typing import Annotated, Any, ParamSpec, TypeVar
 
+from prefect import get_run_logger
 from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
+from prefect.states import Failed, State
+from pydantic import WithJsonSchema
 
-from trnflow.specs import JobSpec, SpecError, load_spec, parse_spec
+from trnflow.specs import JobSpec, SpecError, load_spec, parse_spec, validate_spec
 from trnflow.storage import open_store
 
+_CHECKED_BY_THE_FLOW = frozenset({"pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+                                  "minLength", "maxLength", "minItems", "maxItems", "multipleOf"})
+"""JSON-schema keywords the run form leaves to the flow: a value the UI would refuse with a message
+naming no field (`... is not valid under any of the given schemas`) is refused by the run instead,
+as `trnflow validate` refuses it: `name: ... ; use ...`."""
 
-def resolve_spec(spec: JobSpec | None, spec_url: str | None) -> JobSpec:
-    """The run's spec: `spec` itself when given (it wins over a deployment's default `spec_url`),
-    else the file `spec_url` names (a path, file:// or s3:// URL).
+
+def _inline(node: Any, defs: dict[str, Any], fields: bool = False) -> Any:
+    """`node` with every `$ref` replaced by its definition and the checked keywords dropped
+    (`fields`: node is a `properties` mapping, whose keys are field names, all kept)."""
+    if isinstance(node, list):
+        return [_inline(item, defs) for item in node]
+    if not isinstance(node, dict):
+        return node
+    if fields:
+        return {name: _inline(value, defs) for name, value in node.items()}
+    if "$ref" in node:
+        return _inline(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
+    return {k: _inline(v, defs, fields=k == "properties") for k, v in node.items()
+            if k != "$defs" and k not in _CHECKED_BY_THE_FLOW}
+
+
+@functools.cache
+def form_schema() -> dict[str, Any]:
+    """The JobSpec as the Prefect UI's run form shows it: every section inline, with its fields'
+    types, choices, defaults and descriptions; value checks are the flow's (see above)."""
+    schema = JobSpec.model_json_schema()
+    return _inline(copy.deepcopy(schema), schema.get("$defs", {}))
+
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+SpecParam = Annotated[JobSpec, WithJsonSchema(form_schema())]
+"""The type of every flow's `spec` parameter: a JobSpec, shown to the UI by `form_schema`. Flows
+take it unvalidated (`validate_parameters=False`) and `resolve_spec` validates it, so a bad value
+fails the run with the loader's message."""
+
+
+def refuses_bad_specs(flow_fn: Callable[P, R]) -> Callable[P, R | State]:
+    """A flow function whose run, when its spec is refused (a SpecError: a bad value from the UI's
+    form, a spec_url that cannot be read), ends Failed with the spec's problems as the state
+    message, `name: ... ; use ...` first (the UI shows its first 70 or so characters), not with
+    the exception's traceback. Apply it under `@flow`."""
+
+    @functools.wraps(flow_fn)
+    def checked(*args: P.args, **kwargs: P.kwargs) -> R | State:
+        try:
+            return flow_fn(*args, **kwargs)
+        except SpecError as exc:
+            get_run_logger().error("%s", exc)
+            return Failed(message="; ".join(exc.problems) + f" ({exc.source})")
+
+    return checked
+
+
+def resolve_spec(spec: JobSpec | dict[str, Any] | None, spec_url: str | None) -> JobSpec:
+    """The run's spec: `spec` itself when given (it wins over `spec_url`), validated when it came
+    as data (a run started from the UI or the API), else the file `spec_url` names (a path,
+    file:// or s3:// URL).
 
     Relative locations inside a spec read from a URL resolve against the flow's working directory.
     """
-    if spec is not None:
+    if isinstance(spec, JobSpec):
         return spec
+    if spec is not None:
+        return validate_spec(spec, "spec (the run's parameter)")
     if not spec_url:
         raise SpecError("parameters", ["give the job spec: `spec` (the spec itself) or `spec_url` (where to read it)"])
     scheme, sep, _ = spec_url.partition("://")

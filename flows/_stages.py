@@ -11,7 +11,7 @@ from collections.abc import Callable
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from trnflow.errors import ChampionKept, GateFailed
+from trnflow.errors import GateDecision
 from trnflow.lifecycle.locations import check_locations
 from trnflow.reporting.cost import stage_cost, total
 from trnflow.reporting.ledger import JobLedger
@@ -86,7 +86,7 @@ class StageRunner:
         if links:
             text += "\n" + links_markdown(links)
         _artifacts.markdown(self.spec, "summary", text, f"stages, cost and outputs of run {self.run_id}")
-        _artifacts.table(self.spec, "stages", [{STAGE_COLUMNS[k]: getattr(r, k) for k in STAGE_COLUMNS}
+        _artifacts.table(self.spec, "stages", [{STAGE_COLUMNS[k]: _cell(getattr(r, k)) for k in STAGE_COLUMNS}
                                                 for r in with_not_run(self.rows, stages)],
                          f"each stage's state, duration and key figure in run {self.run_id}")
 
@@ -97,17 +97,22 @@ class StageRunner:
         return RunOutcome(run_id=self.run_id, stages=self.rows, results=self.results, cost=self.cost())
 
 
+def _cell(value: object) -> object:
+    """A stage table cell: seconds to a tenth (3.8, not 3.8351991310000813)."""
+    return round(value, 1) if isinstance(value, float) else value
+
+
 def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], stages: tuple[str, ...]
                ) -> RunOutcome | State:
     """Run a flow's stages and attach its summary, however it ends. A failed gate ends the flow
     run in a state of its own, `GateFailed`, and a candidate worse than the champion in
     `ChampionKept`, so that the UI, the API and `trnflow submit --wait` (exit 3 and 5) tell them
-    apart from a broken run."""
+    apart from a broken run. Their state message is the decision's reason in one line."""
     try:
         return body(stage)
     except PipelineFailed as exc:
-        if isinstance(exc.cause, GateFailed | ChampionKept):
-            return Failed(name=type(exc.cause).__name__, message=str(exc), data=exc)
+        if isinstance(exc.cause, GateDecision):
+            return Failed(name=type(exc.cause).__name__, message=exc.cause.headline, data=exc)
         raise
     finally:
         stage.report(stages)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from prefect import flow
 
 from trnflow.errors import FatalError
-from trnflow.flows._params import name_run, resolve_spec
+from trnflow.flows._params import SpecParam, name_run, refuses_bad_specs, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id
 from trnflow.lifecycle.registry import ModelVersion, Registry
 from trnflow.results import RunOutcome
@@ -41,8 +41,9 @@ def _version(spec: JobSpec, model: str) -> tuple[Registry, ModelVersion]:
     return registry, registry.version(spec.name, int(number))
 
 
-@flow(name="trnflow-batch-inference", log_prints=True)
-def batch_inference(spec: JobSpec | None = None, spec_url: str | None = None, checkpoint: str | None = None,
+@flow(name="trnflow-batch-inference", log_prints=True, validate_parameters=False)
+@refuses_bad_specs
+def batch_inference(spec: SpecParam | None = None, spec_url: str | None = None, checkpoint: str | None = None,
                     run_id: str | None = None, model: str = "champion") -> RunOutcome:
     """Run `data.inference` through a model into `inference.output_url`.
 

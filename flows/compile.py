@@ -5,17 +5,17 @@ from __future__ import annotations
 
 from prefect import flow
 
-from trnflow.flows._params import name_run, resolve_spec
+from trnflow.flows._params import SpecParam, name_run, refuses_bad_specs, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id
 from trnflow.results import RunOutcome
-from trnflow.specs import JobSpec
 from trnflow.tasks.compile import compile_graphs
 
 STAGES = ("compile",)
 
 
-@flow(name="trnflow-compile", log_prints=True)
-def compile_cache(spec: JobSpec | None = None, spec_url: str | None = None) -> RunOutcome:
+@flow(name="trnflow-compile", log_prints=True, validate_parameters=False)
+@refuses_bad_specs
+def compile_cache(spec: SpecParam | None = None, spec_url: str | None = None) -> RunOutcome:
     """Compile every program of the spec that the cache does not hold yet.
 
     Raises:

@@ -2,18 +2,28 @@
 
 `trnflow serve` turns them into served deployments (schedules included) in one process; `trnflow
 prefect-yaml` writes them as `prefect.yaml` for `prefect deploy --all` onto a process work pool.
-Each deployment is named after the spec and reads it from `spec_url` unless a run passes `spec`.
+Each deployment is named `<spec name>-<what it runs>` (`quickstart-retrain`) and carries the whole
+spec as its `spec` parameter: the UI's run form opens filled with it, and its scheduled runs run
+it. Editing the spec file changes the deployments when they are served or deployed again.
 The retraining deployment runs on the spec's `schedule`, one run at a time.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import threading
 from dataclasses import dataclass
 from typing import Any
 
-from prefect import serve
+from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.runner import Runner
 from prefect.schedules import Cron
+from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 
 from trnflow.flows.batch_inference import batch_inference
 from trnflow.flows.compile import compile_cache
@@ -34,6 +44,12 @@ class FlowEntry:
     entrypoint: str
     description: str
     scheduled: bool = False
+    suffix: str = ""
+    """What the deployment's name adds to the spec's name (the key's own words by default)."""
+
+    @property
+    def deployment_suffix(self) -> str:
+        return self.suffix or self.key
 
 
 FLOWS = (
@@ -44,29 +60,53 @@ FLOWS = (
     FlowEntry("compile", "trnflow-compile", "flows/compile.py:compile_cache",
               "Ahead-of-time compilation into the persistent compile cache."),
     FlowEntry("incremental-retrain", "trnflow-incremental-retrain", "flows/incremental_retrain.py:incremental_retrain",
-              "Retrain the champion on the days after its watermark; gate, embed, then promote.", scheduled=True),
+              "Retrain the champion on the days after its watermark; gate, embed, then promote.", scheduled=True,
+              suffix="retrain"),
     FlowEntry("batch-inference", "trnflow-batch-inference", "flows/batch_inference.py:batch_inference",
-              "Embed the inference set with the champion, as Parquet shards."),
+              "Embed the inference set with the champion, as Parquet shards.", suffix="infer"),
 )
 BY_KEY = {f.key: f for f in FLOWS}
 
 
+def deployment_name(spec_name: str, key: str) -> str:
+    """`quickstart`, `incremental-retrain` -> `quickstart-retrain`: the spec's name and what the
+    deployment runs, short enough for the UI's list to show whole."""
+    return f"{spec_name}-{BY_KEY[key].deployment_suffix}"
+
+
 def full_name(key_or_name: str, spec_name: str) -> str:
-    """`pipeline` -> `trnflow-pipeline/<spec name>`; a `flow/deployment` name is kept as it is."""
+    """`pipeline` -> `trnflow-pipeline/<spec name>-pipeline`; a `flow/deployment` name is kept as it is."""
     if "/" in key_or_name:
         return key_or_name
     if key_or_name not in BY_KEY:
         raise KeyError(f"--deployment {key_or_name!r}: choose one of {', '.join(BY_KEY)}, or give flow/deployment")
-    return f"{BY_KEY[key_or_name].flow_name}/{spec_name}"
+    return f"{BY_KEY[key_or_name].flow_name}/{deployment_name(spec_name, key_or_name)}"
 
 
-def definitions(spec: JobSpec, spec_url: str) -> list[dict[str, Any]]:
-    """One plain description per flow: name, entrypoint, parameters, schedules, concurrency, tags."""
+def _overlay(base: dict[str, Any], written: dict[str, Any]) -> dict[str, Any]:
+    return {**base, **{k: _overlay(base[k], v) if isinstance(v, dict) and isinstance(base.get(k), dict) else v
+                       for k, v in written.items()}}
+
+
+def spec_parameter(spec: JobSpec, as_written: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The spec as a deployment's `spec` parameter: every field filled in, and where `as_written`
+    (the file's own data) is given, its values as the file has them, so a relative location stays
+    relative to the folder the flows run in."""
+    filled = spec.model_dump(mode="json")
+    return _overlay(filled, as_written) if as_written else filled
+
+
+def definitions(spec: JobSpec, source: str, as_written: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """One plain description per flow: name, entrypoint, parameters, schedules, concurrency, tags.
+    `source` is where the spec was read, which each description names; `as_written`, see
+    `spec_parameter`."""
+    parameters = {"spec": spec_parameter(spec, as_written)}
     out = []
     for entry in FLOWS:
         item: dict[str, Any] = {
-            "name": spec.name, "flow_name": entry.flow_name, "entrypoint": entry.entrypoint,
-            "description": entry.description, "parameters": {"spec_url": spec_url},
+            "name": deployment_name(spec.name, entry.key), "flow_name": entry.flow_name,
+            "entrypoint": entry.entrypoint, "description": f"{entry.description} Spec: {source}.",
+            "parameters": parameters,
             "tags": ["trnflow", spec.name, entry.key], "schedules": [], "concurrency_limit": None,
         }
         if entry.scheduled:
@@ -77,11 +117,11 @@ def definitions(spec: JobSpec, spec_url: str) -> list[dict[str, Any]]:
     return out
 
 
-def prefect_yaml(spec: JobSpec, spec_url: str) -> dict[str, Any]:
+def prefect_yaml(spec: JobSpec, source: str, as_written: dict[str, Any]) -> dict[str, Any]:
     """The `prefect.yaml` document for `prefect deploy --all` (run from the project root, whose
-    folder the process worker then runs the flows in)."""
+    folder the process worker then runs the flows in, and the spec's relative locations with them)."""
     deployments = []
-    for item in definitions(spec, spec_url):
+    for item in definitions(spec, source, as_written):
         deployment = {
             "name": item["name"], "entrypoint": item["entrypoint"], "description": item["description"],
             "tags": item["tags"], "parameters": item["parameters"], "work_pool": {"name": WORK_POOL},
@@ -93,15 +133,16 @@ def prefect_yaml(spec: JobSpec, spec_url: str) -> dict[str, Any]:
     return {"name": "trnflow", "prefect-version": "3.8.8", "deployments": deployments}
 
 
-def runner_deployments(spec: JobSpec, spec_url: str) -> list[Any]:
+def runner_deployments(spec: JobSpec, source: str) -> list[Any]:
     """The same deployments as Prefect runner deployments, for `prefect.serve`."""
     flows = {"trnflow-pipeline": pipeline, "trnflow-preflight": preflight, "trnflow-compile": compile_cache,
              "trnflow-incremental-retrain": incremental_retrain, "trnflow-batch-inference": batch_inference}
     out = []
-    for item in definitions(spec, spec_url):
+    for item in definitions(spec, source):
         limit = item["concurrency_limit"]
         out.append(flows[item["flow_name"]].to_deployment(
             name=item["name"], description=item["description"], parameters=item["parameters"], tags=item["tags"],
+            paused=False,  # serving again resumes what stopping paused
             schedules=[Cron(s["cron"], timezone=s["timezone"]) for s in item["schedules"]],
             concurrency_limit=ConcurrencyLimitConfig(limit=limit, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
             if limit else None,
@@ -109,7 +150,76 @@ def runner_deployments(spec: JobSpec, spec_url: str) -> list[Any]:
     return out
 
 
-def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None) -> None:
-    """Serve every flow's deployment for each (spec, spec_url) from this process until stopped."""
-    serve(*[d for spec, url in specs for d in runner_deployments(spec, url)], limit=limit,
-          print_starting_message=False)
+STOP_SECONDS = 20.0
+"""How long `trnflow serve` may take to stop once told to (Ctrl-C, SIGTERM): cancelling the runs it
+started and pausing its deployments need the server, which may be gone; past this it exits anyway."""
+
+
+@dataclass(frozen=True)
+class Stopped:
+    """How serving ended: the deployments it paused, or why it could not pause them."""
+    deployments: list[str]
+    paused: bool
+    problem: str = ""
+
+
+class _Deadline:
+    """Once armed, ends this process after `seconds` whatever it is waiting for; a Ctrl-C after
+    arming ends it at once."""
+
+    def __init__(self, seconds: float):
+        self.seconds, self.armed = seconds, False
+
+    def arm(self) -> None:
+        if self.armed:
+            return
+        self.armed = True
+        timer = threading.Timer(self.seconds, self._give_up)
+        timer.daemon = True
+        timer.start()
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
+    def _give_up(self) -> None:
+        print(f"trnflow serve: did not stop within {self.seconds:.0f} s (is the Prefect server gone?); exiting "
+              "without pausing the deployments", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def _pause(ids: list[Any], seconds: float) -> str:
+    """Pause the deployments with one short try each; what went wrong, or ''."""
+    try:
+        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), \
+                get_client(sync_client=True, httpx_settings={"timeout": seconds}) as client:
+            for deployment_id in ids:
+                client.pause_deployment(deployment_id)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return ""
+
+
+def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
+              stop_seconds: float = STOP_SECONDS) -> Stopped:
+    """Serve every flow's deployment for each (spec, where it was read) from this process until
+    stopped (Ctrl-C or SIGTERM), then pause them: their schedules create no runs while nothing
+    serves them. Stopping takes at most `stop_seconds`, whatever the server's state."""
+    deadline = _Deadline(stop_seconds)
+
+    class BoundedRunner(Runner):
+        def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
+            deadline.arm()
+            super().handle_sigterm(*args, **kwargs)  # cancels the runs it started, then exits
+
+    def interrupted(*_: Any) -> None:
+        deadline.arm()
+        raise KeyboardInterrupt
+
+    runner = BoundedRunner(pause_on_shutdown=False, limit=limit)
+    served = [d for spec, source in specs for d in runner_deployments(spec, source)]
+    ids = [runner.add_deployment(d) for d in served]
+    names = [f"{d.flow_name}/{d.name}" for d in served]
+    signal.signal(signal.SIGINT, interrupted)
+    with contextlib.suppress(KeyboardInterrupt, SystemExit):
+        asyncio.run(runner.start())
+    deadline.arm()
+    problem = _pause(ids, max(1.0, stop_seconds / 4))
+    return Stopped(deployments=names, paused=not problem, problem=problem)

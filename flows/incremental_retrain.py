@@ -21,7 +21,7 @@ from prefect import flow, get_run_logger
 from prefect.states import Completed, State
 
 from trnflow.flows._lock import ModelLock, holder_label, model_lock
-from trnflow.flows._params import name_run, resolve_spec
+from trnflow.flows._params import SpecParam, name_run, refuses_bad_specs, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id, run_stages, through_training
 from trnflow.lifecycle.registry import Registry
 from trnflow.results import RunOutcome
@@ -50,14 +50,16 @@ def retrain_spec(spec: JobSpec) -> JobSpec:
                                    "data": spec.data.model_copy(update={"window": "since-watermark"})})
 
 
-@flow(name="trnflow-incremental-retrain", log_prints=True)
-def incremental_retrain(spec: JobSpec | None = None, spec_url: str | None = None, run_id: str | None = None,
+@flow(name="trnflow-incremental-retrain", log_prints=True, validate_parameters=False)
+@refuses_bad_specs
+def incremental_retrain(spec: SpecParam | None = None, spec_url: str | None = None, run_id: str | None = None,
                         lock_timeout_seconds: float | None = 3600.0, force_promote: str | None = None
                         ) -> RunOutcome | State:
     """Retrain the champion on the new days of data, if there are any.
 
     Args:
-        spec: the job spec (the Prefect UI renders it as a form).
+        spec: the job spec, which the Prefect UI renders as a form (a deployment's opens filled with
+            its own); a value it refuses fails the run, naming the field.
         spec_url: where to read the spec instead (a path, file:// or s3:// URL).
         run_id: names the run's checkpoint folder; a rerun with the same id resumes it.
         lock_timeout_seconds: how long to wait while another retraining of the same model runs

@@ -16,10 +16,9 @@ from prefect import flow
 from prefect.states import State
 
 from trnflow.flows._lock import ModelLock, holder_label, model_lock
-from trnflow.flows._params import name_run, resolve_spec, window
+from trnflow.flows._params import SpecParam, name_run, refuses_bad_specs, resolve_spec, window
 from trnflow.flows._stages import PipelineFailed, StageRunner, new_run_id, run_stages, through_training
 from trnflow.results import RunOutcome
-from trnflow.specs import JobSpec
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
 from trnflow.tasks.promote import promote_champion, repair_publication
@@ -29,14 +28,16 @@ STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "pro
 __all__ = ["STAGES", "PipelineFailed", "pipeline"]
 
 
-@flow(name="trnflow-pipeline", log_prints=True)
-def pipeline(spec: JobSpec | None = None, spec_url: str | None = None,
+@flow(name="trnflow-pipeline", log_prints=True, validate_parameters=False)
+@refuses_bad_specs
+def pipeline(spec: SpecParam | None = None, spec_url: str | None = None,
              run_id: str | None = None, force_promote: str | None = None,
              lock_timeout_seconds: float | None = 3600.0) -> RunOutcome | State:
     """Run all six stages for one job spec.
 
     Args:
-        spec: the job spec (validated; the Prefect UI renders it as a form).
+        spec: the job spec, which the Prefect UI renders as a form (a deployment's opens filled with
+            its own); a value it refuses fails the run, naming the field.
         spec_url: where to read the spec instead (a path, file:// or s3:// URL).
         run_id: names this run's checkpoint folder; a rerun with the same id resumes it.
         force_promote: why to promote the candidate even if it is worse than the champion (it

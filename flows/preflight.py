@@ -5,16 +5,16 @@ from __future__ import annotations
 
 from prefect import flow
 
-from trnflow.flows._params import name_run, resolve_spec
+from trnflow.flows._params import SpecParam, name_run, refuses_bad_specs, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id, preflight_stages
 from trnflow.results import RunOutcome
-from trnflow.specs import JobSpec
 
 STAGES = ("sanity", "collectives")
 
 
-@flow(name="trnflow-preflight", log_prints=True)
-def preflight(spec: JobSpec | None = None, spec_url: str | None = None, run_id: str | None = None) -> RunOutcome:
+@flow(name="trnflow-preflight", log_prints=True, validate_parameters=False)
+@refuses_bad_specs
+def preflight(spec: SpecParam | None = None, spec_url: str | None = None, run_id: str | None = None) -> RunOutcome:
     """Check every engine of each core, then the links between them.
 
     Raises:

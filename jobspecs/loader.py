@@ -40,12 +40,33 @@ def _field_path(loc: tuple[Any, ...]) -> str:
     return ".".join(str(part) for part in loc if not (isinstance(part, str) and "[" in part)) or "(top level)"
 
 
+_PATTERN_HINTS = {
+    r"^[a-z0-9][a-z0-9-]{0,62}$": "use lower-case letters, digits and dashes, starting with a letter or digit, "
+                                  "at most 63 characters (for example {example!r})",
+    r"^[A-Za-z0-9._-]+$": "use a plain file name: letters, digits, '.', '_' and '-' (for example '_SUCCESS')",
+    r"^[A-Za-z0-9_]{1,255}$": "use letters, digits and '_' only, at most 255 characters (for example 'team_a')",
+}
+"""What to write instead, for each `pattern` a spec field has (their JSON-schema form is no help)."""
+
+
+def _pattern_problem(err: dict[str, Any]) -> str:
+    pattern = err.get("ctx", {}).get("pattern", "")
+    given = err.get("input")
+    example = re.sub(r"[^a-z0-9-]+", "-", str(given).lower()).strip("-")[:63] or "my-job"
+    hint = _PATTERN_HINTS.get(pattern)
+    if hint is None:
+        return f"{given!r} does not match {pattern!r}"
+    return f"{given!r} is not allowed here; " + hint.format(example=example)
+
+
 def _describe(err: dict[str, Any]) -> str:
     kind, msg = err["type"], err["msg"]
     if kind == "extra_forbidden":
         return "unknown field; remove it or check its spelling (`trnflow schema` lists every field)"
     if kind == "missing":
         return "required field is missing"
+    if kind == "string_pattern_mismatch":
+        return _pattern_problem(err)
     # Errors raised by our own validators already say what to do; drop pydantic's prefix.
     return msg.removeprefix("Value error, ")
 

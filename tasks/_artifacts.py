@@ -1,6 +1,8 @@
 """Publishing a stage's tables and charts on its flow run, as Prefect artifacts keyed
-`<spec name>-<what>`, so the UI shows the newest of each beside the run's history. A failure to
-publish is logged and never fails the stage: the job's outcome matters more than its report."""
+`<spec name>-<what>`, so the UI shows the newest of each beside the run's history. A chart is a
+Markdown artifact with the image inline (an image artifact's page prints its whole data URL), and
+a location is a link only where a browser can open it (S3's console), else a plain path. A failure
+to publish is logged and never fails the stage: the job's outcome matters more than its report."""
 
 from __future__ import annotations
 
@@ -11,6 +13,7 @@ from typing import Any
 
 from prefect import artifacts, get_run_logger
 
+from trnflow import urls
 from trnflow.specs import JobSpec
 
 
@@ -32,13 +35,18 @@ def markdown(spec: JobSpec, what: str, text: str, description: str) -> None:
 
 @_logged
 def image(spec: JobSpec, what: str, png: bytes, description: str) -> None:
-    artifacts.create_image_artifact(f"data:image/png;base64,{base64.b64encode(png).decode()}",
-                                    key=f"{spec.name}-{what}", description=description)
+    data = f"data:image/png;base64,{base64.b64encode(png).decode()}"
+    artifacts.create_markdown_artifact(f"![{what}]({data})\n", key=f"{spec.name}-{what}", description=description)
 
 
 @_logged
 def link(spec: JobSpec, what: str, url: str, text: str) -> None:
-    artifacts.create_link_artifact(url, link_text=text, key=f"{spec.name}-{what}", description=text)
+    shown, href = urls.shown(url)
+    if href is None:  # a local file: its path to copy, not a link that opens nothing
+        artifacts.create_markdown_artifact(f"{text}: `{shown}`\n", key=f"{spec.name}-{what}", description=text)
+    else:
+        artifacts.create_link_artifact(href, link_text=f"{text}: {shown}", key=f"{spec.name}-{what}",
+                                       description=text)
 
 
 @_logged

@@ -3,11 +3,15 @@ failed job into the error class that decides whether Prefect retries it."""
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from prefect import get_run_logger
 
 from trnflow.backends import JobInfo, JobRequest, JobState, backend_for, run_to_end
 from trnflow.backends.cloud import placement
 from trnflow.errors import ERROR_TYPES, FatalError, TransientError, TrnflowError
+from trnflow.events import EVENT_FIELD, parse_event, readable
 from trnflow.redact import Redactor
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
 from trnflow.results import StageResult, parse
@@ -30,6 +34,21 @@ def classify(info: JobInfo) -> TrnflowError:
     return FatalError(text, bad_cores=bad_cores)
 
 
+def relay(logger: Any, redact: Redactor, text: str) -> None:
+    """A job's output into the task's log: its events in words at INFO (each carrying its event,
+    for the CLI's progress bars), their JSON at DEBUG, any other line as it is; secrets masked."""
+    for line in text.splitlines():
+        if not line.strip():
+            continue
+        line = redact(line)
+        event = parse_event(line)
+        if event is None:
+            logger.info("%s", line)
+            continue
+        logger.debug("%s", line)
+        logger.info("%s", readable(event), extra={EVENT_FIELD: event})
+
+
 def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = None,
             checkpoint: str | None = None, cores: list[int] | None = None,
             exclude_cores: set[int] | None = None) -> StageResult:
@@ -45,15 +64,9 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
         logger.info("%s job %s submitted to the %s backend on %d core(s)", phase, job_id, backend.name,
                     request.world_size)
 
-    redact = Redactor.from_env()
-
-    def relay(text: str) -> None:
-        for line in text.splitlines():
-            if line.strip():
-                logger.info("%s", redact(line))
-
     try:
-        _, info = run_to_end(backend, request, settings.poll_seconds, on_logs=relay, on_submit=submitted)
+        _, info = run_to_end(backend, request, settings.poll_seconds, on_submit=submitted,
+                             on_logs=functools.partial(relay, logger, Redactor.from_env()))
     except TrnflowError:
         raise
     except Exception as exc:  # the backend itself failed: say so; the error class decides on retries

@@ -17,7 +17,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from trnflow.errors import ChampionKept, GateFailed
-from trnflow.lifecycle import judge
+from trnflow.lifecycle import gate, judge
 from trnflow.lifecycle.registry import Registry
 from trnflow.reporting.chart import parity_png, verdict_markdown
 from trnflow.results import EvaluateResult
@@ -118,13 +118,14 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
         result.registry = registration.as_dict()
     if not decision.gate_passed:
         raise GateFailed(f"accuracy-parity gate failed against {decision.against}: {decision.verdict['reason']}",
-                         decision.verdict)
+                         decision.verdict, headline=gate.headline(decision.verdict, decision.against))
     if worse is not None and forced is None:
         version = f"v{registration.version}" if registration else "the candidate"
         raise ChampionKept(f"{version} passed the gate but was not promoted: {worse.verdict['reason']}. "
                            f"{worse.against} stays the champion; to promote it anyway, run the same run again "
                            f"(nothing is trained twice) with --run-id {run_id} --force-promote --reason \"why\"",
-                           worse.verdict)
+                           worse.verdict, headline=f"{version} registered, not promoted: "
+                           f"{gate.headline(worse.verdict, worse.against)}")
     if worse is not None:
         get_run_logger().warning("promoting a candidate worse than %s, as asked: %s", worse.against, forced)
     for check in decision.checks:

@@ -37,5 +37,5 @@ def batch_infer(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | 
                       + (f", v{version}'s outputs" if version is not None else ""))
     if version is None and result.manifest:
         _artifacts.link(spec, "embeddings", result.manifest, f"{result.rows} {result.published} in "
-                        f"{len(result.shards)} Parquet shard(s) under {result.output_url}")
+                        f"{len(result.shards)} Parquet shard(s); their manifest")
     return result

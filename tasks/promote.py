@@ -89,7 +89,7 @@ def publish_outputs(spec: JobSpec, champion: ModelVersion, folder: str | None = 
     pointer = point_current(output_url, spec.name, champion.version, folder)
     manifest = join(output_url, pointer["folder"], MANIFEST)
     _artifacts.link(spec, "embeddings", manifest, f"{pointer['rows']} rows of champion v{champion.version} in "
-                    f"{pointer['shards']} Parquet shard(s), published as current under {output_url}")
+                    f"{pointer['shards']} Parquet shard(s), published as current; its manifest")
     return manifest, f"{pointer['rows']} rows published"
 
 

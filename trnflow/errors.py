@@ -77,21 +77,25 @@ class DiskFull(FatalError):
     committed checkpoint (the failed write left nothing half-written behind)."""
 
 
-class GateFailed(FatalError):
+class GateDecision(FatalError):
+    """The evaluation stage decided against the candidate: the run ends in a state named after the
+    subclass, whose message is `headline`. Never retried."""
+
+    def __init__(self, message: str, verdict: dict | None = None, bad_cores: list[int] | None = None,
+                 headline: str | None = None):
+        super().__init__(message, bad_cores)
+        self.verdict = verdict or {}
+        self.headline = headline or message
+        """The reason in one short line, for a run's state message."""
+
+
+class GateFailed(GateDecision):
     """The candidate model is outside the accuracy-parity band. Never retried; the champion stays."""
 
-    def __init__(self, message: str, verdict: dict | None = None, bad_cores: list[int] | None = None):
-        super().__init__(message, bad_cores)
-        self.verdict = verdict or {}
 
-
-class ChampionKept(FatalError):
+class ChampionKept(GateDecision):
     """The candidate passed the gate but is worse than the champion on the same holdout: it is
     registered, not promoted. Never retried; `--force-promote --reason` overrides."""
-
-    def __init__(self, message: str, verdict: dict | None = None, bad_cores: list[int] | None = None):
-        super().__init__(message, bad_cores)
-        self.verdict = verdict or {}
 
 
 ERROR_TYPES: dict[str, type[TrnflowError]] = {

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
-from urllib.parse import unquote
+from urllib.parse import quote, unquote
 
 
 def normalise_url(value: str) -> str:
@@ -30,3 +30,22 @@ def normalise_url(value: str) -> str:
             raise ValueError(f"{value!r} has no valid bucket name; write s3://<bucket>/<prefix>")
         return value
     raise ValueError(f"unsupported URL scheme {scheme!r} in {value!r}; use file:// or s3:// (or a plain path)")
+
+
+S3_CONSOLE = "https://s3.console.aws.amazon.com/s3"
+
+
+def shown(url: str) -> tuple[str, str | None]:
+    """How a location is shown to a person in a browser: its text, and a link that opens it there,
+    or None where a browser cannot open it. A local file is its plain path (a `file://` link on a
+    web page opens nothing); an `s3://` location links to the S3 console, a folder or an object."""
+    scheme, sep, rest = url.partition("://")
+    if not sep or scheme == "file":
+        return unquote(rest) if sep else url, None
+    if scheme == "s3":
+        bucket, _, key = rest.partition("/")
+        if not key or key.endswith("/") or "." not in key.rsplit("/", 1)[-1]:  # a prefix: the folder's page
+            prefix = f"{key.rstrip('/')}/" if key else ""
+            return url, f"{S3_CONSOLE}/buckets/{bucket}?prefix={quote(prefix)}"
+        return url, f"{S3_CONSOLE}/object/{bucket}?prefix={quote(key)}"
+    return url, None

@@ -1,5 +1,6 @@
-"""hadolint on the training image's Dockerfile: it lints clean at every severity, and the same file
-with its pins and pip flags taken out does not (so the clean result means something)."""
+"""hadolint on the images' Dockerfiles (training, Prefect server): they lint clean at every
+severity, and the training one with its pins and pip flags taken out does not (so the clean result
+means something)."""
 
 import os
 import re
@@ -23,6 +24,11 @@ def _hadolint(dockerfile: Path, tmp_path: Path) -> subprocess.CompletedProcess:
 
 def test_the_training_image_dockerfile_lints_clean(tmp_path):
     result = _hadolint(DOCKERFILE, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_the_prefect_server_image_dockerfile_lints_clean(tmp_path):
+    result = _hadolint(DOCKERFILE.parent / "prefect" / "Dockerfile", tmp_path)
     assert result.returncode == 0, result.stdout + result.stderr
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.faults.cases import CASES, HOST_LOST, Case, Run, can_mount, disk_full
-from tests.faults.outcome import Snapshot, local_train_logs, prefect_runs, steps_redone
+from tests.faults.outcome import Snapshot, events_in_task_logs, local_train_logs, prefect_runs, steps_redone
 from tests.faults.world import EVERY, STEPS, World, patched_env
 from trnflow.testing import s3faults
 
@@ -138,7 +138,8 @@ class Matrix:
                     "seconds": round(time.time() - began, 1)}
 
     def _run(self, case: Case, run: Run, row: dict[str, Any], since: datetime, began: float) -> dict[str, Any]:
-        with self._storage(case, run), case.setup(run) if case.setup else contextlib.nullcontext():
+        with self._storage(case, run), case.setup(run) if case.setup else contextlib.nullcontext(), \
+                events_in_task_logs():
             state = run.flow()
             recovered = state.is_completed()
             row["state"] = state.name

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
+import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -118,6 +121,19 @@ def local_train_logs(jobs_dir: Path, since: float) -> list[str]:
         if job["phase"] == "train" and record.stat().st_mtime >= since:
             jobs.append((record.stat().st_mtime, (record.parent / "job.log").read_text(errors="replace")))
     return [text for _, text in sorted(jobs)]
+
+
+@contextlib.contextmanager
+def events_in_task_logs() -> Iterator[None]:
+    """While the block runs, the tasks' relayed job events reach the runs' logs as JSON too (they
+    are logged at DEBUG, beside their readable line): a cloud job's attempts are counted from them."""
+    logger = logging.getLogger("prefect.task_runs")
+    level = logger.level
+    logger.setLevel(logging.DEBUG)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def prefect_runs(since: datetime) -> tuple[dict[str, int], list[str]]:

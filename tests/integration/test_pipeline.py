@@ -1,6 +1,7 @@
 """The six-stage pipeline end to end on the emulator, under a real Prefect API."""
 
 import json
+import re
 import shutil
 
 import pyarrow.parquet as pq
@@ -97,18 +98,21 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     # the parity chart beside the checkpoint, and the verdict and chart on the flow run
     assert local_path(results["evaluate"]["chart"]).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     artifacts = _artifacts(state.state_details.flow_run_id)
-    assert artifacts["quickstart-parity"].type == "image"
-    assert artifacts["quickstart-parity"].data.startswith("data:image/png;base64,")
+    # a chart is Markdown with the image inline (an image artifact's page prints the data URL)
+    assert artifacts["quickstart-parity"].type == "markdown"
+    assert "![parity](data:image/png;base64,iVBOR" in artifacts["quickstart-parity"].data
     assert "| 40 | 40 |" in artifacts["quickstart-gate"].data
     # and every stage's table or chart, with the run's summary, cost and outputs
     assert "| nc1 | **FAIL**" in artifacts["quickstart-sanity"].data
     assert "| all_reduce | 65,536 |" in artifacts["quickstart-collectives"].data
     assert f"{compiled['hits']} hit(s), {compiled['compiled']} compiled" in artifacts["quickstart-compile"].data
-    assert artifacts["quickstart-training"].data.startswith("data:image/png;base64,")
-    assert "_manifest.json" in artifacts["quickstart-embeddings"].data
+    assert "![training](data:image/png;base64,iVBOR" in artifacts["quickstart-training"].data
+    embeddings = artifacts["quickstart-embeddings"]  # a local file: its path, not a link that opens nothing
+    assert embeddings.type == "markdown" and "_manifest.json`" in embeddings.data and "file://" not in embeddings.data
     summary = artifacts["quickstart-summary"].data
     assert all(f"| {stage} | Completed |" in summary for stage in STAGES)
-    assert "## What the jobs cost" in summary and results["train"]["checkpoint"] in summary
+    assert "## What the jobs cost" in summary and f"`{local_path(results['train']['checkpoint'])}`" in summary
+    assert "file://" not in summary.split("## Outputs")[1]
 
     # each job's billable time at trn1.32xlarge's price, and the run's total
     cost = outcome.cost.model_dump()
@@ -165,6 +169,9 @@ def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champ
 
     state, outcome = _run(spec)
     assert state.is_failed() and state.name == "GateFailed"  # its own state: `trnflow submit --wait` exits 3
+    # the reason in one short line, as the run page's state message (the whole of it in the log and artifacts)
+    assert re.fullmatch(rf"accuracy -0\.\d{{4}} vs .+ at step {spec.train.steps} \(allowed {spec.gate.max_abs_diff}\)"
+                        r"(; \d+ more steps? outside it)?", state.message), state.message
     assert isinstance(outcome, PipelineFailed) and isinstance(outcome.cause, GateFailed)
     assert outcome.stage == "evaluate"
     assert f"step {spec.train.steps}" in str(outcome.cause)
@@ -190,6 +197,7 @@ def test_a_candidate_worse_than_the_champion_is_kept_out_unless_forced_with_a_re
     weak = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": 4, "checkpoint_every": 4})})
     state, outcome = _run(weak, run_id="weak")
     assert state.is_failed() and state.name == "ChampionKept"
+    assert state.message.startswith("v2 registered, not promoted: accuracy -0.") and " vs champion v1 " in state.message
     assert isinstance(outcome.cause, ChampionKept) and outcome.stage == "evaluate"
     assert "v2 passed the gate but was not promoted" in str(outcome.cause)
     assert "below champion v1" in str(outcome.cause) and "--force-promote" in str(outcome.cause)

@@ -6,90 +6,49 @@ for the first; and the UI shows the deployment in a real browser."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
-import signal
-import socket
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 import yaml
 
+from tests.browser import browser, chromium
 from tests.conftest import ROOT
+from tests.prefect_server import (
+    PREFECT,
+    TRNFLOW,
+    client_of,
+    deployments,
+    flow_runs,
+    prefect_server,
+    serving,
+    small_spec,
+    wait_for,
+)
+from trnflow.lifecycle.registry import Registry
+from trnflow.specs import JobSpec
 
-TRNFLOW = str(Path(sys.executable).with_name("trnflow"))
-PREFECT = str(Path(sys.executable).with_name("prefect"))
 FLOW_NAMES = {"trnflow-pipeline", "trnflow-preflight", "trnflow-compile", "trnflow-incremental-retrain",
               "trnflow-batch-inference"}
+SUFFIXES = {"trnflow-pipeline": "pipeline", "trnflow-preflight": "preflight", "trnflow-compile": "compile",
+            "trnflow-incremental-retrain": "retrain", "trnflow-batch-inference": "infer"}
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
-def _wait_for(check, seconds: float, what: str):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        found = check()
-        if found:
-            return found
-        time.sleep(0.5)
-    raise AssertionError(f"gave up waiting for {what}")
+def _names(spec: str) -> set[str]:
+    """Every deployment of one spec, as `flow/deployment`."""
+    return {f"{flow}/{spec}-{suffix}" for flow, suffix in SUFFIXES.items()}
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """`prefect server start` with its own home and database; yields the environment that points at it."""
-    home = tmp_path_factory.mktemp("prefect-home")
-    port = _free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = {**os.environ, "PREFECT_HOME": str(home), "PREFECT_API_URL": api, "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-           "PREFECT_UI_URL": f"http://127.0.0.1:{port}",
-           # a run turned away by a deployment's concurrency limit is retried after this (30 s by default)
-           "PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS": "2"}
-    log = open(home / "server.log", "wb")  # noqa: SIM115 (closed at teardown)
-    proc = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                            env={**env, "PREFECT_LOGGING_LEVEL": "WARNING"},
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-
-    def healthy() -> bool:
-        try:
-            with urllib.request.urlopen(f"{api}/health", timeout=2) as answer:  # noqa: S310 (loopback)
-                return answer.status == 200
-        except OSError:
-            assert proc.poll() is None, (home / "server.log").read_text()
-            return False
-
-    _wait_for(healthy, 120, "the Prefect server")
-    yield env
-    os.killpg(proc.pid, signal.SIGTERM)
-    proc.wait(timeout=30)
-    log.close()
-
-
-@contextlib.contextmanager
-def _client(env):
-    """A Prefect client of the test server, whatever API this process otherwise uses."""
-    from prefect.client.orchestration import get_client
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
-    with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), get_client(sync_client=True) as client:
-        yield client
-
-
-def _deployments(env) -> dict:
-    with _client(env) as client:
-        flows = {f.id: f.name for f in client.read_flows()}
-        return {f"{flows[d.flow_id]}/{d.name}": d for d in client.read_deployments()}
+    # a run turned away by a deployment's concurrency limit is retried after this (30 s by default)
+    with prefect_server(tmp_path_factory.mktemp("prefect-home"),
+                        PREFECT_SERVER_DEPLOYMENTS_CONCURRENCY_SLOT_WAIT_SECONDS="2") as env:
+        yield env
 
 
 def test_prefect_yaml_is_current_and_deploys_every_flow_with_the_retraining_schedule(server):
@@ -102,67 +61,59 @@ def test_prefect_yaml_is_current_and_deploys_every_flow_with_the_retraining_sche
                             text=True, timeout=300)
     assert deploy.returncode == 0, deploy.stdout + deploy.stderr
 
-    deployed = {name: d for name, d in _deployments(server).items() if name.endswith("/quickstart")}
-    assert {name.split("/")[0] for name in deployed} == FLOW_NAMES
-    retrain = deployed["trnflow-incremental-retrain/quickstart"]
+    deployed = {name: d for name, d in deployments(server).items() if name in _names("quickstart")}
+    assert set(deployed) == _names("quickstart")  # each deployment's name says what it runs
+    retrain = deployed["trnflow-incremental-retrain/quickstart-retrain"]
     assert [(s.schedule.cron, s.schedule.timezone, s.active) for s in retrain.schedules] == [("0 3 * * *", "UTC",
                                                                                               True)]
     assert retrain.global_concurrency_limit.limit == 1
     assert retrain.concurrency_options.collision_strategy.value == "ENQUEUE"  # a second run waits its turn
     assert all(d.work_pool_name == "trnflow" for d in deployed.values())
-    assert all(d.parameters == {"spec_url": "jobspecs/examples/quickstart.yaml"} for d in deployed.values())
-    assert not deployed["trnflow-pipeline/quickstart"].schedules
+    # each carries the whole spec, every field filled in, its locations as the file has them
+    written = yaml.safe_load((ROOT / "jobspecs" / "examples" / "quickstart.yaml").read_text())
+    (spec,) = {json.dumps(d.parameters, sort_keys=True) for d in deployed.values()}
+    spec = json.loads(spec)["spec"]
+    assert set(spec) == set(JobSpec.model_fields) and spec["data"] == {**spec["data"], **written["data"]}
+    assert spec["model"]["params"] == {**spec["model"]["params"], **written["model"]["params"]}
+    assert not deployed["trnflow-pipeline/quickstart-pipeline"].schedules
 
 
 @pytest.fixture(scope="module")
 def served(server, tmp_path_factory, dataset, compile_cache):
     """`trnflow serve` on a small spec, from its own process, until the module's tests are done."""
     root = tmp_path_factory.mktemp("served")
-    spec = yaml.safe_load((ROOT / "jobspecs" / "examples" / "quickstart.yaml").read_text())
-    spec.update(
-        name="served",
-        data={"train": str(dataset / "train"), "holdout": str(dataset / "holdout"),
-              "inference": str(dataset / "inference"), "format": "jsonl"},
-        compute={**spec["compute"], "cores_per_node": 1},  # one rank a job: these tests are about serving
-        train={**spec["train"], "steps": 20, "checkpoint_every": 10, "log_every": 10, "global_batch_size": 16,
-               "checkpoint_url": str(root / "checkpoints")},
-        compile={**spec["compile"], "cache_url": str(compile_cache)},
-        gate={"reference": None, "eval_every": 10},
-        inference={**spec["inference"], "output_url": str(root / "embeddings"), "shard_size": 200},
-        registry_url=str(root / "registry"),
-        schedule={"cron": "30 4 * * *", "timezone": "Europe/Berlin"},
-    )
-    path = root / "served.yaml"
-    path.write_text(yaml.safe_dump(spec))
+    path = small_spec(root, dataset, compile_cache, "served", {"cron": "30 4 * * *", "timezone": "Europe/Berlin"})
     env = {**server, "TRNFLOW_HOME": str(root / "home"), "TRNFLOW_POLL_SECONDS": "0.2",
            "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
-    log = open(root / "serve.log", "wb")  # noqa: SIM115 (closed at teardown)
-    proc = subprocess.Popen([TRNFLOW, "serve", str(path)], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
-    _wait_for(lambda: proc.poll() is None and {f"{f}/served" for f in FLOW_NAMES} <= set(_deployments(server)),
-              120, "the served deployments")
-    yield env, path, root
-    os.killpg(proc.pid, signal.SIGKILL)  # nothing of it is needed any more
-    proc.wait(timeout=30)
-    log.close()
+    with serving(env, [path], cwd=root, log=root / "serve.log") as proc:
+        wait_for(lambda: proc.poll() is None and _names("served") <= set(deployments(server)), 120,
+                  "the served deployments")
+        yield env, path, root
 
 
 @pytest.mark.slow
 def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     env, path, root = served
-    deployed = _deployments(env)
-    retrain = deployed["trnflow-incremental-retrain/served"]
+    deployed = deployments(env)
+    retrain = deployed["trnflow-incremental-retrain/served-retrain"]
     assert [(s.schedule.cron, s.schedule.timezone) for s in retrain.schedules] == [("30 4 * * *", "Europe/Berlin")]
-    form = deployed["trnflow-pipeline/served"].parameter_openapi_schema  # what the UI renders the run form from
+    pipeline = deployed["trnflow-pipeline/served-pipeline"]
+    form = pipeline.parameter_openapi_schema  # what the UI renders the run form from
     assert set(form["properties"]) == {"spec", "spec_url", "run_id", "force_promote", "lock_timeout_seconds"}
-    assert {"name", "model", "data", "compute", "train", "gate"} <= set(form["definitions"]["JobSpec"]["properties"])
+    job_spec = form["properties"]["spec"]["anyOf"][0]  # the JobSpec form, every section inline
+    assert {"name", "model", "data", "compute", "train", "gate"} <= set(job_spec["properties"])
+    assert "pattern" not in job_spec["properties"]["name"]  # value checks are the run's, which name the field
+    # ...and opens filled with the served spec (its absolute locations: the served process runs it)
+    filled = pipeline.parameters["spec"]
+    assert filled["name"] == "served" and filled["train"]["steps"] == 20 and filled["model"]["params"]["d_model"] == 64
+    assert filled["data"]["train"] == "file://" + yaml.safe_load(path.read_text())["data"]["train"]
     assert retrain.global_concurrency_limit.limit == 1
 
     done = subprocess.run([TRNFLOW, "submit", str(path), "--wait", "--json"], env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stdout + done.stderr + (root / "serve.log").read_text()[-4000:]
     run = json.loads(done.stdout)
-    assert run["state"] == "Completed" and run["deployment"] == "trnflow-pipeline/served"
+    assert run["state"] == "Completed" and run["deployment"] == "trnflow-pipeline/served-pipeline"
     assert run["name"] == "served: all partitions"
     assert [s["stage"] for s in run["stages"]] == ["sanity", "collectives", "compile", "train", "evaluate", "infer",
                                                    "promote"]
@@ -182,7 +133,8 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     status = subprocess.run([TRNFLOW, "status", run["id"][:8], "--json"], env=env, capture_output=True, text=True)
     assert status.returncode == 0 and json.loads(status.stdout)["state"] == "Completed"
     logs = subprocess.run([TRNFLOW, "logs", run["id"]], env=env, capture_output=True, text=True, check=True).stdout
-    assert "train job" in logs and '"event": "checkpoint"' in logs
+    assert "train job" in logs and "checkpoint: step 10, url " in logs  # the jobs' events, in words
+    assert '"event":' not in logs  # their JSON is in the jobs' own logs
 
 
 def _job_processes(jobs: Path) -> list[int]:
@@ -215,7 +167,7 @@ def test_cancel_stops_the_run_and_the_jobs_it_launched(served):
                              capture_output=True, text=True, check=True)
     run_id = json.loads(started.stdout)["id"]
     jobs = root / "home" / "jobs"
-    _wait_for(lambda: jobs.is_dir() and _job_processes(jobs), 120, "the pipeline's first job")
+    wait_for(lambda: jobs.is_dir() and _job_processes(jobs), 120, "the pipeline's first job")
 
     cancelled = subprocess.run([TRNFLOW, "cancel", run_id], env=env, capture_output=True, text=True)
     assert cancelled.returncode == 0, cancelled.stdout + cancelled.stderr
@@ -229,14 +181,14 @@ def test_cancel_stops_the_run_and_the_jobs_it_launched(served):
         state = json.loads(shown.stdout)["state"]
         return state if state in ("Cancelled", "Completed", "Failed", "Crashed") else None
 
-    assert _wait_for(final_state, 120, "the run to end") == "Cancelled"
-    _wait_for(lambda: not _job_processes(jobs), 60, "the run's jobs to stop")
+    assert wait_for(final_state, 120, "the run to end") == "Cancelled"
+    wait_for(lambda: not _job_processes(jobs), 60, "the run's jobs to stop")
     again = subprocess.run([TRNFLOW, "cancel", run_id], env=env, capture_output=True, text=True)
     assert again.returncode == 1 and "already ended (Cancelled)" in " ".join(again.stderr.split())
 
 
 def _run_of(env, run_id: str):
-    with _client(env) as client:
+    with client_of(env) as client:
         return client.read_flow_run(run_id)
 
 
@@ -258,9 +210,9 @@ def test_a_second_retraining_run_waits_for_the_first_to_end(served):
 
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), model_lock("served", timeout_seconds=60):
         first = submit()
-        _wait_for(lambda: _run_of(env, first).state_name == "Running", 120, "the first run to start")
+        wait_for(lambda: _run_of(env, first).state_name == "Running", 120, "the first run to start")
         second = submit()
-        _wait_for(lambda: _run_of(env, second).state_name == "AwaitingConcurrencySlot", 120,
+        wait_for(lambda: _run_of(env, second).state_name == "AwaitingConcurrencySlot", 120,
                   "the second run to be held back")
         assert _run_of(env, first).state_name == "Running"  # still waiting for the model's lock
         still = subprocess.run([TRNFLOW, "status", first[:8]], env=env, capture_output=True, text=True)
@@ -282,26 +234,99 @@ def test_a_second_retraining_run_waits_for_the_first_to_end(served):
         run = _run_of(env, run_id)
         return run if run.state_type.value in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
 
-    first_run = _wait_for(lambda: ended(first), 300, "the first run to end")
-    second_run = _wait_for(lambda: ended(second), 300, "the second run to end")
+    first_run = wait_for(lambda: ended(first), 300, "the first run to end")
+    second_run = wait_for(lambda: ended(second), 300, "the second run to end")
     assert (first_run.state_name, second_run.state_name) == ("Completed", "Completed")
     assert second_run.start_time >= first_run.end_time  # one after the other, never side by side
 
 
+def _run_with(env, deployment_id, check):
+    """The newest run of a deployment whose spec parameter passes `check`, once there is one."""
+    def found():
+        runs = [r for r in flow_runs(env, deployment_id) if r.parameters.get("spec") and check(r.parameters["spec"])]
+        return runs[-1] if runs else None
+    return wait_for(found, 60, "the run submitted from the UI")
+
+
+def _ended(env, run_id, seconds: float):
+    def final():
+        run = _run_of(env, run_id)
+        return run if run.state_type.value in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+    return wait_for(final, seconds, "the run to end", every=2)
+
+
 @pytest.mark.browser
-def test_the_ui_shows_the_deployment(served, tmp_path):
-    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
-    if chromium is None:
+def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
+    """In a real browser: the deployments, each named for what it runs; the retraining deployment's
+    upcoming runs (the scheduler's); a custom run whose form opens filled with the spec, one field
+    (the registry) changed and submitted, which completes with its stage table and parity chart on their pages;
+    and a bad value, which fails its run with the message `trnflow validate` gives.
+    TRNFLOW_SCREENSHOTS=<folder> keeps the screenshots."""
+    if chromium() is None:
         pytest.skip("Debian's chromium is not installed (make test installs it where apt-get can)")
-    env, _, _ = served
-    deployment = _deployments(env)["trnflow-incremental-retrain/served"]
-    page = f"{env['PREFECT_UI_URL']}/deployments/deployment/{deployment.id}"
-    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-             "--disable-background-networking", "--disable-component-update", "--disable-sync",
-             f"--user-data-dir={tmp_path / 'profile'}", "--virtual-time-budget=15000", "--window-size=1400,1000"]
-    shot = tmp_path / "deployment.png"
-    subprocess.run([chromium, *flags, f"--screenshot={shot}", page], capture_output=True, timeout=120, check=True)
-    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    dom = subprocess.run([chromium, *flags, "--dump-dom", page], capture_output=True, text=True, timeout=120,
-                         check=True).stdout
-    assert "served" in dom and "trnflow-incremental-retrain" in dom
+    env, _, root = served
+    shots = Path(os.environ.get("TRNFLOW_SCREENSHOTS") or tmp_path)
+    ui, deployed = env["PREFECT_UI_URL"], deployments(env)
+    pipeline = deployed["trnflow-pipeline/served-pipeline"]
+    retrain = deployed["trnflow-incremental-retrain/served-retrain"]
+    with browser(tmp_path / "profile") as page:
+        page.goto(f"{ui}/deployments")
+        for name in sorted(_names("served")):
+            page.wait_for_text(name.split("/")[1])
+        page.screenshot(shots / "deployments.png", full_page=False)
+
+        page.goto(f"{ui}/deployments/deployment/{retrain.id}")
+        page.click("Upcoming")
+        page.wait_for_text("Scheduled for")  # the runs the server's scheduler created
+        page.screenshot(shots / "upcoming.png", full_page=False)
+
+        # Custom run: the form holds the deployment's spec; one field changed, then submitted
+        page.goto(f"{ui}/deployments/deployment/{pipeline.id}")
+        page.click("Run")
+        page.click("Custom run")
+        page.wait_for_text("Cores Per Node")
+        assert (page.value("Name"), page.value("Steps"), page.value("Cores Per Node")) == ("served", "20", "1")
+        registry = root / "registry-from-the-ui"  # a registry of its own: the run's model becomes its champion
+        page.fill("Registry Url", str(registry))
+        page.wait("true", 1, "")  # the form takes the typed value
+        page.screenshot(shots / "custom-run.png", full_page=False)
+        page.click("Submit")
+        run = _run_with(env, pipeline.id, lambda spec: spec["registry_url"] == str(registry))
+        run = _ended(env, run.id, 600)
+        assert run.state_name == "Completed", (run.state.message, (root / "serve.log").read_text()[-3000:])
+        assert Registry(str(registry)).champion("served").version == 1  # the changed field took effect
+
+        page.goto(f"{ui}/runs/flow-run/{run.id}")
+        page.wait_for_text("Completed")
+        page.click("Artifacts")
+        page.click("served-summary")
+        page.wait_for_text("20 steps, loss")  # the stage table, rendered
+        text = page.text()
+        assert all(stage in text for stage in ("sanity", "collectives", "compile", "evaluate", "infer", "promote"))
+        assert "file://" not in text  # local outputs are paths to copy, not links that open nothing
+        page.screenshot(shots / "run-summary.png")
+        page.goto(f"{ui}/runs/flow-run/{run.id}")
+        page.click("Artifacts")
+        page.click("served-parity")
+        width = page.wait("[...document.images].filter(i => i.src.startsWith('data:image/png')).map(i => "
+                          "i.naturalWidth)[0]", 30, "the parity chart to render")
+        assert width > 300 and "base64" not in page.text()  # drawn, and its data not printed
+        page.screenshot(shots / "parity.png", full_page=False)
+
+        # a value the spec refuses: the run fails at once, saying which field and what to write
+        page.goto(f"{ui}/deployments/deployment/{pipeline.id}")
+        page.click("Run")
+        page.click("Custom run")
+        page.wait_for_text("Cores Per Node")
+        page.fill("Name", "Quick Start")
+        page.wait("true", 1, "")
+        page.click("Submit")
+        bad = _ended(env, _run_with(env, pipeline.id, lambda spec: spec["name"] == "Quick Start").id, 120)
+        assert bad.state_name == "Failed"  # its message names the field first: the UI shows about 70 characters
+        assert bad.state.message.startswith("name: 'Quick Start' is not allowed here; use lower-case letters, digits "
+                                            "and dashes"), bad.state.message
+        assert "(for example 'quick-start')" in bad.state.message and "Traceback" not in bad.state.message
+        page.goto(f"{ui}/runs/flow-run/{bad.id}")
+        page.click("Details")
+        page.wait_for_text("name: 'Quick Start' is not allowed here")  # the run page's state message
+        page.screenshot(shots / "refused.png", full_page=False)

@@ -89,25 +89,39 @@ def test_the_installed_command_runs_in_a_real_process():
         assert command in helped.stdout
 
 
-def test_training_events_in_the_task_log_move_the_progress_bar():
+def test_training_events_relayed_to_the_task_log_read_as_words_and_move_the_progress_bar():
     import io
+    import json
     import logging
 
     from rich.console import Console
 
     from trnflow.cli.progress import training_progress
+    from trnflow.redact import Redactor
+    from trnflow.tasks._jobs import relay
 
     console = Console(file=io.StringIO(), force_terminal=True)
     logger = logging.getLogger("prefect.task_runs")
+    task_log = logging.getLogger("prefect.task_runs.a-task")  # as a task's, it reaches its parent's handlers
+    records: list[logging.LogRecord] = []
+    kept = logging.Handler()
+    kept.emit = records.append
+    task_log.addHandler(kept)
     with training_progress(console) as _:
         handler = next(h for h in logger.handlers if type(h).__name__ == "TrainingProgress")
-        for step in (10, 20):
-            logger.warning('{"ts": 1.0, "event": "train", "rank": 0, "steps": 40, "step": %d, "loss": 0.5, '
-                           '"samples_per_s": 300.0}', step)
-        logger.warning("a line that is not an event")
+        events = [{"ts": 1.0, "event": "train", "rank": 0, "steps": 40, "step": step, "loss": 0.5,
+                   "samples_per_s": 3000.0, "graphs": 2} for step in (10, 20)]
+        relay(task_log, Redactor(["hunter22secret"]), "".join(json.dumps(e) + "\n" for e in events)
+              + "a line that is not an event, with hunter22secret\n")
         task = handler.progress.tasks[0]
         assert (task.completed, task.total) == (20, 40) and "loss 0.5000" in task.description
+    task_log.removeHandler(kept)
     assert handler not in logger.handlers
+    assert [(r.levelno, r.getMessage()) for r in records] == [
+        (logging.INFO, "train: step 10/40, loss 0.5000, 3,000 samples/s, graphs 2"),
+        (logging.INFO, "train: step 20/40, loss 0.5000, 3,000 samples/s, graphs 2"),
+        (logging.INFO, "a line that is not an event, with ********"),
+    ]  # the JSON went to DEBUG, below the log's level
 
 
 def test_submitted_runs_exit_0_when_completed_3_for_a_failed_gate_and_1_otherwise():

@@ -1,12 +1,16 @@
-"""What every flow takes: the spec itself or where to read it; and no secret in a relayed log line."""
+"""What every flow takes: the spec itself or where to read it, and the run form the UI shows for
+it; and no secret in a relayed log line."""
+
+import json
 
 import pytest
 import yaml
 
 from tests.conftest import EXAMPLES
-from trnflow.flows._params import resolve_spec
+from trnflow.flows._params import form_schema, resolve_spec
+from trnflow.flows.deployments import definitions, spec_parameter
 from trnflow.redact import MASK, Redactor, secret_values
-from trnflow.specs import SpecError
+from trnflow.specs import JobSpec, SpecError, load_spec, validate_spec
 
 QUICKSTART = EXAMPLES / "quickstart.yaml"
 
@@ -37,6 +41,48 @@ def test_a_missing_spec_or_an_unknown_scheme_is_a_clear_error():
         resolve_spec(None, None)
     with pytest.raises(SpecError, match="unsupported scheme 'gs'"):
         resolve_spec(None, "gs://bucket/spec.yaml")
+
+
+def test_the_run_form_is_the_spec_inline_with_its_value_checks_left_to_the_run():
+    from prefect.utilities.callables import parameter_schema
+
+    from trnflow.flows.pipeline import pipeline
+
+    form = parameter_schema(pipeline).model_dump()
+    job_spec = form["properties"]["spec"]["anyOf"][0]
+    assert job_spec == form_schema() and not form["definitions"]  # every section inline: no $ref to follow
+    text = json.dumps(job_spec)
+    assert "$ref" not in text and not {'"pattern":', '"minimum":', '"exclusiveMinimum":'} & set(text.split())
+    assert set(job_spec["properties"]) == set(JobSpec.model_fields)
+    backend = job_spec["properties"]["compute"]["properties"]["backend"]
+    assert set(backend["enum"]) == {"local", "sagemaker", "batch"}  # choices stay choices
+    assert job_spec["properties"]["train"]["properties"]["steps"]["type"] == "integer"
+
+
+def test_a_bad_value_from_the_form_fails_the_run_naming_the_field_and_the_fix():
+    filled = spec_parameter(load_spec(QUICKSTART))
+    with pytest.raises(SpecError) as caught:
+        resolve_spec({**filled, "name": "Quick Start"}, None)
+    assert caught.value.problems == ["name: 'Quick Start' is not allowed here; use lower-case letters, digits and "
+                                     "dashes, starting with a letter or digit, at most 63 characters (for example "
+                                     "'quick-start')"]
+    with pytest.raises(SpecError, match=r"train\.steps: "):
+        resolve_spec({**filled, "train": {**filled["train"], "steps": -5}}, None)
+
+
+def test_a_deployment_carries_the_whole_spec_with_its_locations_as_written(tmp_path, monkeypatch):
+    spec = load_spec(QUICKSTART)
+    filled = spec_parameter(spec)
+    assert validate_spec(filled) == spec  # every field filled in, and nothing changed
+    written = yaml.safe_load(QUICKSTART.read_text())
+    portable = spec_parameter(spec, written)
+    assert portable["data"]["train"] == "runs/quickstart/data/train"  # relative to where the flows run
+    assert portable["train"]["lr"] == filled["train"]["lr"] and set(portable) == set(filled)
+    monkeypatch.chdir(tmp_path)
+    assert validate_spec(portable).data.train == (tmp_path / "runs/quickstart/data/train").as_uri()
+    names = [d["name"] for d in definitions(spec, str(QUICKSTART))]
+    assert names == ["quickstart-pipeline", "quickstart-preflight", "quickstart-compile",
+                     "quickstart-retrain", "quickstart-infer"]
 
 
 def test_secret_looking_variables_are_masked_in_relayed_lines():

@@ -3,7 +3,7 @@ import json
 import pytest
 
 from trnflow.errors import DataError
-from trnflow.lifecycle.gate import compare, metrics_document, parse_metrics
+from trnflow.lifecycle.gate import compare, headline, metrics_document, parse_metrics
 
 REF = [{"step": 100, "accuracy": 0.80}, {"step": 200, "accuracy": 0.85}]
 
@@ -22,6 +22,15 @@ def test_outside_band_fails_and_names_the_failing_point():
     assert not verdict["passed"]
     assert [p["step"] for p in verdict["points"] if not p["passed"]] == [200]
     assert "step 200" in verdict["reason"] and "step 100" not in verdict["reason"]
+
+
+def test_a_failed_verdict_reads_in_one_short_line_naming_the_worst_point():
+    cand = [{"step": 100, "accuracy": 0.7905}, {"step": 200, "accuracy": 0.847}]
+    line = headline(compare(cand, REF, "accuracy", 0.001), "fp32-reference")
+    assert line == "accuracy -0.0095 vs fp32-reference at step 100 (allowed 0.001); 1 more step outside it"
+    assert len(line.split(";")[0]) <= 70  # what the UI's state message shows before "See More"
+    missing = compare([{"step": 150, "accuracy": 0.8}], REF, "accuracy", 0.001)
+    assert headline(missing, "gpu").startswith("against gpu: no common evaluation step")
 
 
 def test_no_common_step_fails_with_explanation():

@@ -1,7 +1,8 @@
-"""Live progress bars for training and inference, drawn from the JSON lines the workload logs.
+"""Live progress bars for training and inference, drawn from the events the workload logs.
 
-Every backend carries the workload's log lines into the stage task's Prefect log; this handler
-listens there and moves a rich progress bar on each `train` event (step, loss, samples/s) and each
+Every backend carries the workload's log lines into the stage task's Prefect log, each event as a
+readable line that carries the event itself (`trnflow.events.EVENT_FIELD`); this handler listens
+there and moves a rich progress bar on each `train` event (step, loss, samples/s) and each
 `infer_shard` event (shards done, rows/s), so a terminal user sees the work advance while the task
 log keeps every line.
 """
@@ -9,12 +10,13 @@ log keeps every line.
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 from collections.abc import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from trnflow.events import EVENT_FIELD
 
 
 class TrainingProgress(logging.Handler):
@@ -25,12 +27,8 @@ class TrainingProgress(logging.Handler):
         self.shards = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        text = record.getMessage()
-        if not text.startswith('{"ts"'):
-            return
-        try:
-            event = json.loads(text)
-        except ValueError:
+        event = getattr(record, EVENT_FIELD, None)
+        if not isinstance(event, dict):
             return
         kind = event.get("event")
         if kind == "resume" and self.bar is not None:

@@ -187,3 +187,17 @@ def compare(candidate: dict | list[dict], reference: dict | list[dict], metric: 
     if reasons:
         verdict["reason"] = "; ".join(reasons)
     return verdict
+
+
+def headline(verdict: dict[str, Any], against: str) -> str:
+    """A failed verdict in one short line (a run's state message, which the UI shows up to about 70
+    characters): the point furthest outside the band, then how many others are; the whole reason
+    when no point failed."""
+    failing = [p for p in verdict.get("points", []) if not p["passed"]]
+    if not failing:
+        return f"against {against}: {verdict.get('reason', 'failed')}"
+    worst = max(failing, key=lambda p: abs(p["diff"]))
+    others = len(failing) - 1
+    more = f"; {others} more step{'s' if others > 1 else ''} outside it" if others else ""
+    return (f"{verdict['metric']} {worst['diff']:+.4f} vs {against} at step {worst['step']} (allowed "
+            f"{verdict['max_abs_diff']}){more}")

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from trnflow.results import CollectivesResult, CompileResult, Cost, CostRow, StageResult, StageRow
+from trnflow.urls import shown
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
 
@@ -146,5 +147,12 @@ def outputs(results: dict[str, StageResult]) -> list[tuple[str, str]]:
     return found
 
 
+def location_markdown(url: str) -> str:
+    """A location in Markdown: an S3 one a link to its console page, a local one its plain path
+    (a `file://` link on the UI's page would open nothing)."""
+    text, href = shown(url)
+    return f"[{text}]({href})" if href else f"`{text}`"
+
+
 def links_markdown(links: list[tuple[str, str]]) -> str:
-    return "\n".join(["## Outputs", "", *(f"- {what}: [{url}]({url})" for what, url in links)]) + "\n"
+    return "\n".join(["## Outputs", "", *(f"- {what}: {location_markdown(url)}" for what, url in links)]) + "\n"

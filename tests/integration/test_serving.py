@@ -1,0 +1,139 @@
+"""`trnflow server` and `trnflow serve` as a scheduled deployment's users run them: the server's UI
+finds its API on any port; the served retraining schedule fires, and its run completes through
+the served process; stopping `trnflow serve` pauses its deployments and serving again resumes
+them; and with the server gone, it still stops within a bounded time."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from tests.prefect_server import TRNFLOW, client_of, deployments, flow_runs, prefect_server, small_spec, wait_for
+from trnflow.lifecycle.registry import Registry
+from trnflow.workload.embeddings import current
+
+pytestmark = pytest.mark.slow
+RETRAIN = "trnflow-incremental-retrain/nightly-retrain"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A server of this module's own: the last test stops it."""
+    with prefect_server(tmp_path_factory.mktemp("prefect-home")) as env:
+        yield env
+
+
+def _serve(env, spec, cwd):
+    """`trnflow serve SPEC`, its output in cwd/serve.log, in a session of its own."""
+    with open(cwd / "serve.log", "ab") as log:  # the child keeps its own copy of the file
+        return subprocess.Popen([TRNFLOW, "serve", str(spec)], cwd=cwd, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+
+
+def _cron_ahead(seconds: float) -> dt.datetime:
+    """The first whole minute (UTC) at least `seconds` from now."""
+    at = dt.datetime.now(dt.UTC) + dt.timedelta(seconds=seconds)
+    return at.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
+
+
+def test_the_ui_of_a_server_on_any_port_talks_to_that_port(server):
+    with urllib.request.urlopen(server["PREFECT_UI_URL"] + "/ui-settings", timeout=10) as answer:  # noqa: S310
+        assert json.load(answer)["api_url"] == server["PREFECT_API_URL"]
+
+
+def test_the_served_retraining_schedule_fires_and_its_run_promotes_a_model(server, tmp_path, dataset, compile_cache):
+    """Fails where the server's scheduler cannot create runs (Prefect 3.8 with SQLAlchemy 2.1)."""
+    due = _cron_ahead(60)  # serving starts in about 15 s, then its deployments are scheduled
+    spec = small_spec(tmp_path, dataset, compile_cache, "nightly",
+                      {"cron": f"{due.minute} {due.hour} * * *", "timezone": "UTC"})
+    env = {**server, "TRNFLOW_HOME": str(tmp_path / "trnflow-home"), "TRNFLOW_POLL_SECONDS": "0.2",
+           "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    served = _serve(env, spec, tmp_path)
+    try:
+        retrain = wait_for(lambda: deployments(env).get(RETRAIN), 120, "the served retraining deployment")
+
+        # the server's scheduler creates the schedule's runs: the next few days at the cron's time
+        def scheduled():
+            runs = [r for r in flow_runs(env, retrain.id) if r.state_name == "Scheduled"]
+            return runs if len(runs) >= 2 else None
+
+        upcoming = wait_for(scheduled, 45, f"the scheduler to create the runs of {RETRAIN} (server log: "
+                            f"{server['PREFECT_HOME']}/server.log)")
+        assert upcoming[0].expected_start_time == due
+        assert upcoming[1].expected_start_time == due + dt.timedelta(days=1)
+        assert all(r.auto_scheduled for r in upcoming)
+
+        # the one due first runs through the served process when its time comes
+        def ended():
+            (run,) = [r for r in flow_runs(env, retrain.id) if r.id == upcoming[0].id]
+            return run if run.state_type.value in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+
+        seconds = (due - dt.datetime.now(dt.UTC)).total_seconds() + 600
+        run = wait_for(ended, seconds, "the scheduled retraining run to end", every=2)
+        log = (tmp_path / "serve.log").read_text()[-4000:]
+        assert run.state_name == "Completed", f"{run.state_name}: {run.state.message}\n{log}"
+        assert run.start_time >= due
+        assert run.name == "nightly: dt=2026-01-01..2026-01-02 from scratch"  # the days that arrived
+    finally:
+        os.killpg(served.pid, signal.SIGKILL)
+        served.wait(timeout=30)
+
+    registry = Registry(str(tmp_path / "registry"))
+    champion = registry.champion("nightly")  # gated, then promoted
+    assert champion is not None and champion.watermark == "2026-01-02"
+    assert [v.entry["status"] for v in registry.versions("nightly")] == ["passed"]
+    assert current(str(tmp_path / "embeddings"))["version"] == champion.version  # its embeddings published
+
+
+def _paused(env) -> dict[str, bool]:
+    with client_of(env) as client:
+        flows = {f.id: f.name for f in client.read_flows()}
+        return {f"{flows[d.flow_id]}/{d.name}": d.paused for d in client.read_deployments()
+                if d.name.startswith("stops-")}
+
+
+def _answers(server) -> bool:
+    try:
+        with urllib.request.urlopen(server["PREFECT_API_URL"] + "/health", timeout=2):  # noqa: S310 (loopback)
+            return True
+    except OSError:
+        return False
+
+
+def _stop(served, sig: int, within: float) -> int:
+    """Signal `trnflow serve`, wait for it to exit, and check it took less than `within` seconds;
+    its exit code."""
+    began = time.monotonic()
+    os.kill(served.pid, sig)
+    served.wait(timeout=within + 30)  # a hang fails here
+    assert time.monotonic() - began < within, f"took {time.monotonic() - began:.0f} s to stop"
+    return served.returncode
+
+
+def test_stopping_serve_pauses_its_deployments_and_it_stops_even_with_the_server_gone(server, tmp_path, dataset,
+                                                                                     compile_cache):
+    spec = small_spec(tmp_path, dataset, compile_cache, "stops", {"cron": "0 3 * * *", "timezone": "UTC"})
+    env = {**server, "TRNFLOW_HOME": str(tmp_path / "trnflow-home")}
+
+    served = _serve(env, spec, tmp_path)
+    wait_for(lambda: len(_paused(env)) == 5 and served.poll() is None, 120, "the served deployments")
+    assert not any(_paused(env).values())
+    assert _stop(served, signal.SIGINT, 30) == 0  # Ctrl-C
+    log = (tmp_path / "serve.log").read_text()
+    assert "stopped: paused its 5 deployments" in " ".join(log.split()) and "Traceback" not in log
+    assert all(_paused(env).values())  # no schedule creates runs while nothing serves them
+
+    served = _serve(env, spec, tmp_path)  # serving again resumes them
+    wait_for(lambda: _paused(env) and not any(_paused(env).values()), 120, "the deployments to be resumed")
+    os.killpg(int(server["SERVER_PID"]), signal.SIGTERM)  # the server goes away first
+    wait_for(lambda: not _answers(server), 60, "the server to stop")
+    assert _stop(served, signal.SIGTERM, 45) != -signal.SIGKILL  # bounded: within the 20 s it allows itself
+    log = " ".join((tmp_path / "serve.log").read_text().split())
+    assert "could not pause its deployments" in log or "did not stop within 20 s" in log

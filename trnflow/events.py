@@ -1,0 +1,69 @@
+"""The JSON lines a job's ranks print (`WorkloadContext.log`: `{"ts", "event", "rank", ...}`), as a
+person reads them in a flow run's log: `train: step 10/300, loss 0.3760, 1,234 samples/s`.
+The JSON itself stays in the job's own log file (and at DEBUG in the run's log)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+EVENT_FIELD = "trnflow_event"
+"""The log record attribute that carries a relayed line's event (for the CLI's progress bars)."""
+
+_NOT_SHOWN = frozenset({"ts", "event", "rank"})
+_LONG = 160  # a value longer than this (a list of shapes, a URL list) is cut
+
+
+_COMPILE_SUMMARY = "INFO ||NEURON_PARALLEL_COMPILE||: {"
+"""neuron_parallel_compile's summary line (`{"compilation_summary": {...}, "compilation_report": {...}}`),
+which the compile phase prints as the tool does."""
+
+
+def parse_event(line: str) -> dict[str, Any] | None:
+    """The event a line holds, or None for any other output (a library's warning, a traceback).
+    neuron_parallel_compile's summary line is the event `compile_summary` (its counts)."""
+    text = line[len(_COMPILE_SUMMARY) - 1:] if line.startswith(_COMPILE_SUMMARY) else line
+    if not text.startswith("{"):
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(record, dict):
+        return None
+    if text is not line:
+        summary = record.get("compilation_summary")
+        return {"event": "compile_summary", **summary} if isinstance(summary, dict) else None
+    return record if isinstance(record.get("event"), str) else None
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:,.1f}" if abs(value) >= 100 else f"{value:.4g}"
+    if isinstance(value, int):
+        return f"{value:,}" if abs(value) >= 10_000 else str(value)
+    text = value if isinstance(value, str) else json.dumps(value, separators=(", ", ": "))
+    return text if len(text) <= _LONG else text[: _LONG - 1] + "…"
+
+
+def _fields(record: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
+    return [f"{key.replace('_', ' ')} {_value(value)}" for key, value in record.items()
+            if key not in _NOT_SHOWN and key not in skip]
+
+
+def readable(record: dict[str, Any]) -> str:
+    """One event as a log line: its name, then its fields in words (training points and shards of
+    inference in the form their progress is usually read)."""
+    event = record["event"]
+    head = event if not record.get("rank") else f"{event} (rank {record['rank']})"
+    if event == "train" and {"step", "steps", "loss", "samples_per_s"} <= set(record):
+        rest = _fields(record, skip=("step", "steps", "loss", "samples_per_s"))
+        return (f"{head}: step {record['step']}/{record['steps']}, loss {record['loss']:.4f}, "
+                f"{record['samples_per_s']:,.0f} samples/s" + "".join(f", {f}" for f in rest))
+    if event == "infer_shard" and {"shard", "shards"} <= set(record):
+        rest = _fields(record, skip=("shard", "shards"))
+        return f"{head}: shard {record['shard'] + 1}/{record['shards']}" + "".join(f", {f}" for f in rest)
+    fields = _fields(record)
+    return f"{head}: {', '.join(fields)}" if fields else head
