@@ -84,31 +84,29 @@ class Page:
     def fill(self, label: str, value: str, nth: int = 0) -> None:
         """Type `value` into the form field labelled `label` (the `nth` such field; an optional
         field's label is read without its "(Optional)"), as a person does: click into it, select
-        what it holds, type over it."""
-        script = f"""(() => {{
-            const labels = [...document.querySelectorAll('.schema-form-property__label, label')]
-                .filter(l => l.innerText.trim().replace(/ [(]Optional[)]$/, '') === {json.dumps(label)});
-            const field = labels[{nth}] && labels[{nth}].closest('.schema-form-property, .p-label');
-            const input = field && field.querySelector('input, textarea');
-            if (!input) return false;
-            input.scrollIntoView({{block: 'center'}}); input.focus();
-            return true;
-        }})()"""
+        what it holds, type over it; then wait until the field holds it."""
+        script = (f"(input => {{ if (!input) return false; input.scrollIntoView({{block: 'center'}}); "
+                  f"input.focus(); return true; }})({self._field_js(label, nth)})")
         self.wait(script, 30, f"the field {label!r}")
         self.call("Input.dispatchKeyEvent", type="rawKeyDown", key="a", code="KeyA", windowsVirtualKeyCode=65,
                   modifiers=2, commands=["selectAll"])  # Ctrl-A
         self.call("Input.dispatchKeyEvent", type="keyUp", key="a", code="KeyA", windowsVirtualKeyCode=65, modifiers=2)
         self.call("Input.insertText", text=value)
+        self.wait(f"{self._field_js(label, nth)}?.value === {json.dumps(value)}", 10, f"{label!r} to hold {value!r}")
 
-    def value(self, label: str, nth: int = 0) -> str | None:
-        """What the form field labelled `label` holds."""
-        return self.eval(f"""(() => {{
+    @staticmethod
+    def _field_js(label: str, nth: int) -> str:
+        """A JavaScript expression for the input of the form field labelled `label` (or undefined)."""
+        return f"""(() => {{
             const labels = [...document.querySelectorAll('.schema-form-property__label, label')]
                 .filter(l => l.innerText.trim().replace(/ [(]Optional[)]$/, '') === {json.dumps(label)});
             const field = labels[{nth}] && labels[{nth}].closest('.schema-form-property, .p-label');
-            const input = field && field.querySelector('input, textarea');
-            return input ? input.value : null;
-        }})()""")
+            return (field && field.querySelector('input, textarea')) || undefined;
+        }})()"""
+
+    def value(self, label: str, nth: int = 0) -> str | None:
+        """What the form field labelled `label` holds."""
+        return self.eval(f"{self._field_js(label, nth)}?.value ?? null")
 
     def screenshot(self, path: Path, full_page: bool = True) -> Path:
         params: dict[str, Any] = {"format": "png"}

@@ -330,3 +330,9 @@ def test_run_gives_prefect_its_startup_timeout_before_prefect_is_first_imported(
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "120"
+
+
+def test_the_prefect_server_command_listens_on_loopback_only():
+    for host in ("0.0.0.0", "::", "10.1.2.3", "myhost"):  # noqa: S104 (each must be refused)
+        refused = runner.invoke(app, ["server", "--host", host])
+        assert refused.exit_code == 2 and "loopback only" in refused.output, refused.output

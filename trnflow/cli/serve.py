@@ -3,6 +3,7 @@ served from one process on this machine, or written as prefect.yaml for a work p
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import shutil
 import sys
@@ -68,9 +69,9 @@ def serve(
 
 
 def server(
-    host: Annotated[str, typer.Option(help="Address to listen on: 127.0.0.1 is this machine only. To reach it from "
-                                      "elsewhere, use infra/prefect's server (auth, behind your proxy).")
-                    ] = "127.0.0.1",
+    host: Annotated[str, typer.Option(help="Loopback address to listen on (this machine only: the server has no "
+                                      "auth). To reach it from elsewhere, use infra/prefect's server (auth, behind "
+                                      "your proxy).")] = "127.0.0.1",
     port: Annotated[int, typer.Option(min=1, max=65535, help="Port of the API and the UI.")] = 4200,
 ):
     """Start a Prefect server (API, UI, scheduler) whose UI talks to its own API on any port.
@@ -78,7 +79,15 @@ def server(
     `prefect server start --port N` alone serves a UI that looks for its API on port 4200, unless
     PREFECT_UI_API_URL is set in the server's shell; this sets it, then runs that command.
     """
-    local = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host  # noqa: S104 (what a browser here reaches)
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        err.print(f"--host {host}: this server has no auth, so it listens on loopback only (127.0.0.1, ::1); "
+                  "to reach Prefect from other machines use infra/prefect/docker-compose.yml", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    local = f"[{host}]" if ":" in host else host
     api = f"http://{local}:{port}/api"
     prefect = Path(sys.executable).with_name("prefect")
     if not prefect.is_file():
