@@ -1,7 +1,7 @@
 """Publishing a stage's tables and charts on its flow run, as Prefect artifacts keyed
 `<spec name>-<what>`, so the UI shows the newest of each beside the run's history. A chart is a
 Markdown artifact with the image inline (an image artifact's page prints its whole data URL), and
-a location is a link only where a browser can open it (S3's console), else a plain path. A failure
+a location is Markdown too: a link only where a browser can open it (S3's console), else a plain path. A failure
 to publish is logged and never fails the stage: the job's outcome matters more than its report."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 from prefect import artifacts, get_run_logger
 
-from trnflow import urls
+from trnflow.reporting.report import location_markdown
 from trnflow.specs import JobSpec
 
 
@@ -41,11 +41,7 @@ def image(spec: JobSpec, what: str, png: bytes, description: str) -> None:
 
 @_logged
 def link(spec: JobSpec, what: str, url: str, text: str) -> None:
-    shown, href = urls.shown(url)
-    if href is None:  # a local file: its path to copy, not a link that opens nothing
-        artifacts.create_markdown_artifact(f"{text}: `{shown}`\n", key=f"{spec.name}-{what}", description=text)
-    else:
-        artifacts.create_link_artifact(href, link_text=f"{text}: {shown}", key=f"{spec.name}-{what}",
+    artifacts.create_markdown_artifact(f"{text}: {location_markdown(url)}\n", key=f"{spec.name}-{what}",
                                        description=text)
 
 
