@@ -92,7 +92,12 @@ class Page:
                   modifiers=2, commands=["selectAll"])  # Ctrl-A
         self.call("Input.dispatchKeyEvent", type="keyUp", key="a", code="KeyA", windowsVirtualKeyCode=65, modifiers=2)
         self.call("Input.insertText", text=value)
-        self.wait(f"{self._field_js(label, nth)}?.value === {json.dumps(value)}", 10, f"{label!r} to hold {value!r}")
+        self.wait_for_value(label, value, nth, seconds=10)
+
+    def wait_for_value(self, label: str, value: str, nth: int = 0, seconds: float = 30) -> None:
+        """Wait until the form field labelled `label` holds `value`."""
+        self.wait(f"{self._field_js(label, nth)}?.value === {json.dumps(value)}", seconds,
+                  f"{label!r} to hold {value!r}")
 
     @staticmethod
     def _field_js(label: str, nth: int) -> str:

@@ -190,12 +190,26 @@ def test_a_second_retraining_run_waits_for_the_first_to_end(served):
     assert second_run.start_time >= first_run.end_time  # one after the other, never side by side
 
 
+def _custom_run(page, deployment_page: str) -> None:
+    """Open a deployment's Custom run form and wait until it holds the deployment's spec: the form
+    draws its fields before the deployment's parameters arrive, and what is typed earlier is overwritten."""
+    page.goto(deployment_page)
+    page.click("Run")
+    page.click("Custom run")
+    page.wait_for_text("Cores Per Node")
+    page.wait_for_value("Name", "served")
+
+
 def _run_with(env, deployment_id, check):
     """The newest run of a deployment whose spec parameter passes `check`, once there is one."""
     def found():
         runs = [r for r in flow_runs(env, deployment_id) if r.parameters.get("spec") and check(r.parameters["spec"])]
         return runs[-1] if runs else None
-    return wait_for(found, 60, "the run submitted from the UI")
+    try:
+        return wait_for(found, 60, "the run submitted from the UI")
+    except AssertionError as none:
+        seen = [(r.name, (r.parameters.get("spec") or {}).get("name")) for r in flow_runs(env, deployment_id)]
+        raise AssertionError(f"{none}; the deployment's runs (run, spec name): {seen}") from None
 
 
 def _ended(env, run_id, seconds: float):
@@ -231,10 +245,7 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
         page.screenshot(shots / "upcoming.png", full_page=False)
 
         # Custom run: the form holds the deployment's spec; one field changed, then submitted
-        page.goto(f"{ui}/deployments/deployment/{pipeline.id}")
-        page.click("Run")
-        page.click("Custom run")
-        page.wait_for_text("Cores Per Node")
+        _custom_run(page, f"{ui}/deployments/deployment/{pipeline.id}")
         assert (page.value("Name"), page.value("Steps"), page.value("Cores Per Node")) == ("served", "20", "1")
         registry = root / "registry-from-the-ui"  # a registry of its own: the run's model becomes its champion
         page.fill("Registry Url", str(registry))
@@ -263,10 +274,7 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
         page.screenshot(shots / "parity.png", full_page=False)
 
         # a value the spec refuses: the run fails at once, saying which field and what to write
-        page.goto(f"{ui}/deployments/deployment/{pipeline.id}")
-        page.click("Run")
-        page.click("Custom run")
-        page.wait_for_text("Cores Per Node")
+        _custom_run(page, f"{ui}/deployments/deployment/{pipeline.id}")
         page.fill("Name", "Quick Start")
         page.click("Submit")
         bad = _ended(env, _run_with(env, pipeline.id, lambda spec: spec["name"] == "Quick Start").id, 120)
