@@ -26,8 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
+from trnflow.backends.launcher import CONSOLE
 from trnflow.errors import ExitCode, FatalError
-from trnflow.neuron.launch import CONSOLE, RANK_LOGS, WORKLOAD
+from trnflow.neuron.launch import LAUNCHER, RANK_LOGS, WORKLOAD
 from trnflow.storage import open_store
 
 BATCH_MASTER_PORT = 41000
@@ -91,8 +92,8 @@ def rank_folder(r: Rendezvous) -> Path:
 
 def torchrun_argv(r: Rendezvous, env: dict[str, str], spec_file: Path) -> list[str]:
     """The torchrun command for this node, through trnflow's launcher: one process per NeuronCore of
-    the instance, forked from it (see `trnflow.neuron.launch`), writing to the container's log stream."""
-    argv = [sys.executable, "-m", "trnflow.neuron.launch", CONSOLE, str(rank_folder(r)), "--nnodes", str(r.nnodes),
+    the instance, forked from it (see `trnflow.backends.launcher`), writing to the container's log stream."""
+    argv = [sys.executable, "-m", LAUNCHER, CONSOLE, str(rank_folder(r)), "--nnodes", str(r.nnodes),
             "--nproc-per-node", env["TRNFLOW_NPROC_PER_NODE"], "--node-rank", str(r.node_rank),
             "--master-addr", r.master_addr, "--master-port", str(r.master_port),
             "-m", WORKLOAD, env["TRNFLOW_PHASE"], "--spec", str(spec_file),

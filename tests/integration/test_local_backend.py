@@ -34,7 +34,7 @@ def test_sanity_job_runs_one_process_per_core_with_the_neuron_contract(backend, 
     assert record["env"]["NEURON_RT_VISIBLE_CORES"] == "0-1"
     assert "AWS_SECRET_ACCESS_KEY" not in record["env"]
     assert not any("canary-secret-value" in p.read_text(errors="replace") for p in job_dir.rglob("*") if p.is_file())
-    assert record["argv"][1:4] == ["-m", "trnflow.neuron.launch", str(job_dir / "ranks")]  # torchrun, wrapped
+    assert record["argv"][1:4] == ["-m", "trnflow.backends.launcher", str(job_dir / "ranks")]  # torchrun, wrapped
     job_log = [json.loads(line) for line in (job_dir / "job.log").read_text().splitlines() if line.startswith("{")]
     for rank in (0, 1):  # each rank's output in its own log, and all of it, whole lines, in the job's
         own = next((job_dir / "ranks").glob(f"*/attempt_0/{rank}/stdout.log")).read_text()

@@ -251,7 +251,7 @@ def test_batch_nodes_rendezvous_at_the_main_node():
     assert (child.master_addr, child.node_rank, child.master_port) == ("10.0.0.5", 2, 41000)
     argv = torchrun_argv(child, ENV, Path("/tmp/spec.json"))
     # trnflow's launcher (torchrun, ranks forked, their output in the container's log stream)
-    assert argv[1:5] == ["-m", "trnflow.neuron.launch", "--console", "/tmp/trnflow-ranks"]
+    assert argv[1:5] == ["-m", "trnflow.backends.launcher", "--console", "/tmp/trnflow-ranks"]
     assert argv[argv.index("--nnodes") + 1] == "4" and argv[argv.index("--node-rank") + 1] == "2"
     assert argv[argv.index("--nproc-per-node") + 1] == "32" and argv[argv.index("--master-addr") + 1] == "10.0.0.5"
     assert argv[argv.index("-m", argv.index("--master-port")) + 1:][:2] == ["trnflow.workload", "train"]

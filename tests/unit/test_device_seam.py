@@ -90,7 +90,7 @@ def test_threads_per_core_sets_each_workers_threads_and_pins_it_to_cpus_of_its_o
     assert pinned["OMP_NUM_THREADS"] == "1" and pinned[PIN_CPUS_ENV] == "1"
     # In a process of its own, as a worker would: local rank r of a job whose first core is c takes
     # CPU slot (c + r) modulo the slots there are, so two one-core jobs on cores 0 and 1 do not share.
-    probe = ("import json, os, sys; from trnflow.neuron.launch import pin_cpus; "
+    probe = ("import json, os, sys; from trnflow.workload.tuning import pin_cpus; "
              "rank, workers, first = map(int, sys.argv[1:]); got = pin_cpus(rank, 1, workers, first); "
              "print(json.dumps([got, sorted(os.sched_getaffinity(0))]))")
     allowed = sorted(os.sched_getaffinity(0))
@@ -111,7 +111,7 @@ def test_threads_per_core_sets_each_workers_threads_and_pins_it_to_cpus_of_its_o
 
 HEAP_PROBE = """
 import ctypes, resource, sys
-from trnflow.neuron.launch import steady_heap
+from trnflow.workload.tuning import steady_heap
 if sys.argv[1] == "steady":
     assert steady_heap()
 libc = ctypes.CDLL(None)

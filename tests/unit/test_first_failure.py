@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 
 from trnflow.backends.failures import RankExit, name_first_rank, read_exits, root_failure
-from trnflow.neuron.launch import EXITS, exits_record, keep_every_exit
+from trnflow.backends.launcher import EXITS, exits_record, keep_every_exit
 
 
 def test_of_two_ranks_that_report_their_own_errors_the_first_to_report_is_the_cause():

@@ -54,12 +54,39 @@ def _modules() -> dict[str, Path]:
 MODULES = _modules()
 
 
+def _named_import(node: ast.AST) -> str | None:
+    """The trnflow module an `importlib.import_module(...)` call names, when its name starts with a
+    literal `trnflow.`: the literal itself, or of an f-string (`f"trnflow.workload.{phase}"`) the
+    package its literal start names (`trnflow.workload`). Such a call is an import like any other,
+    and held to the same rules; a name held in a variable (a plug-in's, the device registry's) is not
+    known from the source."""
+    if not (isinstance(node, ast.Call) and node.args):
+        return None
+    func = node.func
+    if not ((isinstance(func, ast.Attribute) and func.attr == "import_module")
+            or (isinstance(func, ast.Name) and func.id == "import_module")):
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        name = arg.value
+    elif (isinstance(arg, ast.JoinedStr) and arg.values and isinstance(arg.values[0], ast.Constant)
+          and isinstance(arg.values[0].value, str)):
+        start = arg.values[0].value
+        name = start[:-1] if start.endswith(".") else start.rpartition(".")[0]
+    else:
+        return None
+    return name if name.startswith("trnflow.") else None
+
+
 def _imports(module: str, path: Path) -> set[str]:
-    """The modules `module` imports, resolved to full names (relative imports included)."""
+    """The modules `module` imports, resolved to full names (relative imports included), and those it
+    imports by name through `importlib.import_module` (`_named_import`)."""
     out = set()
     is_package = path.name == "__init__.py"
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-        if isinstance(node, ast.Import):
+        if (named := _named_import(node)) is not None:
+            out.add(named)
+        elif isinstance(node, ast.Import):
             out |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
@@ -82,6 +109,14 @@ def room(module: str) -> str | None:
     return parts[1] if len(parts) > 1 and parts[1] in BELOW else None
 
 
+def test_the_neuron_room_is_torch_free():
+    """The neuron room's functions start nothing and load no torch: the launcher program that runs
+    torchrun belongs to the backends (`trnflow.backends.launcher`)."""
+    users = {module for module, path in MODULES.items() if room(module) == "neuron"
+             and any(m.split(".")[0] in ("torch", "functorch") for m in _imports(module, path))}
+    assert users == set()
+
+
 def test_every_module_belongs_to_a_room():
     assert {m for m in MODULES if room(m) is None} == set()
 
@@ -95,15 +130,35 @@ def _edges() -> list[tuple[str, str, str, str]]:
     return edges
 
 
+def _allowed(src: str, dst: str) -> bool:
+    if src == "base":
+        return dst == "base"
+    return dst == src or dst == "base" or src == "testing" or dst in BELOW.get(src, set())
+
+
 def test_each_room_imports_only_the_rooms_below_it():
     wrong = []
     for module, src, target, dst in _edges():
-        allowed = dst == src or dst == "base" or src == "testing" or dst in BELOW.get(src, set())
-        if src == "base" and dst != "base":
-            allowed = False
-        if not allowed and (module, dst) not in PENDING:
+        if not _allowed(src, dst) and (module, dst) not in PENDING:
             wrong.append(f"{module} ({src}) imports {target} ({dst})")
     assert wrong == []
+
+
+def test_a_module_imported_by_name_through_importlib_counts_as_an_import(tmp_path):
+    """`importlib.import_module("trnflow.backends.launcher")` from the neuron room reaches up as much
+    as an import statement would, and so does an f-string that starts with a room's name."""
+    source = tmp_path / "probe.py"
+    source.write_text(
+        "import importlib\n"
+        "from importlib import import_module\n"
+        "def run(phase, name):\n"
+        "    importlib.import_module('trnflow.backends.launcher').main([])\n"
+        "    import_module(f'trnflow.workload.{phase}')\n"
+        "    importlib.import_module(f'{name}.__main__')  # a name from a variable: not known\n"
+        "    importlib.import_module('torch.multiprocessing.spawn')  # not trnflow's\n")
+    found = _imports("trnflow.neuron.probe", source)
+    assert found == {"importlib", "trnflow.backends.launcher", "trnflow.workload"}
+    assert [_allowed("neuron", room(m)) for m in sorted(found - {"importlib"})] == [False, False]
 
 
 def test_the_pending_exceptions_are_still_needed():

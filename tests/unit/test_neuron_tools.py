@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from tests.sdk_tools import NCCOM_TEST, fake_neuron_ls, fake_tool
+from trnflow.backends import launcher
 from trnflow.errors import FatalError
 from trnflow.neuron import launch, tools
 
@@ -152,14 +155,14 @@ def test_the_compiler_is_given_a_local_cache_as_a_path_and_trnflow_reads_it_back
 
 
 def test_the_workloads_ranks_are_forked_on_linux_unless_told_to_exec_or_on_a_neuron_host(monkeypatch):
-    monkeypatch.setattr(launch.sys, "platform", "linux")
-    assert launch.forks_ranks("trnflow.workload", {}, devices=False) is True
-    assert launch.forks_ranks("trnflow.workload", {}, devices=True) is False  # a Trainium host: as torchrun does
-    assert launch.forks_ranks("trnflow.workload", {"TRNFLOW_RANK_START": "exec"}) is False
-    assert launch.forks_ranks("some.other.module", {}) is False  # only the workload offers a preload
-    assert launch.forks_ranks(None, {}) is False  # a script, not a module
-    monkeypatch.setattr(launch.sys, "platform", "darwin")  # torch cannot be forked there
-    assert launch.forks_ranks("trnflow.workload", {}, devices=False) is False
+    monkeypatch.setattr(launcher.sys, "platform", "linux")
+    assert launcher.forks_ranks("trnflow.workload", {}, devices=False) is True
+    assert launcher.forks_ranks("trnflow.workload", {}, devices=True) is False  # a Trainium host: as torchrun does
+    assert launcher.forks_ranks("trnflow.workload", {"TRNFLOW_RANK_START": "exec"}) is False
+    assert launcher.forks_ranks("some.other.module", {}) is False  # only the workload offers a preload
+    assert launcher.forks_ranks(None, {}) is False  # a script, not a module
+    monkeypatch.setattr(launcher.sys, "platform", "darwin")  # torch cannot be forked there
+    assert launcher.forks_ranks("trnflow.workload", {}, devices=False) is False
 
 
 def test_neuron_devices_are_found_by_their_device_files(tmp_path):
@@ -168,3 +171,21 @@ def test_neuron_devices_are_found_by_their_device_files(tmp_path):
     assert launch.neuron_devices_here(tmp_path) is False
     (tmp_path / "neuron0").touch()
     assert launch.neuron_devices_here(tmp_path) is True
+
+
+def test_every_jobs_command_runs_the_launcher_program_the_contract_names(tmp_path):
+    """The command is built in the torch-free neuron room, which names the launcher program (the
+    backends' module) without importing it."""
+    assert launcher.__name__ == launch.LAUNCHER
+    argv = launch.launch_command("train", 2, tmp_path, "r1")
+    assert argv[1:4] == ["-m", launcher.__name__, str(tmp_path / "ranks")]
+
+
+def test_the_launch_contract_and_the_launchers_module_load_no_torch():
+    """Building a job's command and environment, and reading the launcher's records, load no torch:
+    only running torchrun (the launcher's `main`) does."""
+    probe = ("import sys, trnflow.neuron.launch, trnflow.neuron.plan, trnflow.neuron.tools, trnflow.neuron.topology, "
+             "trnflow.neuron.nccom, trnflow.neuron.devices, trnflow.backends.launcher, trnflow.backends.failures; "
+             "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch'))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

@@ -16,7 +16,7 @@ import signal
 from dataclasses import dataclass
 from pathlib import Path
 
-from trnflow.neuron.launch import EXITS
+from trnflow.backends.launcher import EXITS
 
 _PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "gloo", "Broken pipe")
 _TIMEOUT_SIGNS = ("Application timeout caused pair closure", "Timed out waiting")

@@ -30,7 +30,8 @@ import traceback
 from pathlib import Path
 
 from trnflow.backends import local_runner
-from trnflow.neuron.launch import WORKLOAD, forks_ranks
+from trnflow.backends.launcher import forks_ranks
+from trnflow.neuron.launch import WORKLOAD
 
 SUPPORTED = sys.platform.startswith("linux")
 """Where the backend uses the fork server."""

@@ -2,11 +2,11 @@
 
 It inherits the job's environment from the backend, so credentials are never written to disk.
 
-The launcher, torchrun (`trnflow.neuron.launch`), is a fork of this supervisor running the job's
+The launcher, torchrun (`trnflow.backends.launcher`), is a fork of this supervisor running the job's
 command line, its output and errors into `job.log`. A supervisor forked from the backend's fork
 server (see `forkserver`) has torch loaded already, so its launcher starts without loading it again.
 
-torchrun keeps each rank's output in a log of its own (`ranks/`, see `trnflow.neuron.launch`), so
+torchrun keeps each rank's output in a log of its own (`ranks/`, see `trnflow.backends.launcher`), so
 that a failure can quote the rank that failed; the supervisor copies those lines into `job.log` as
 they come, whole lines at a time, so `job.log` still holds everything the job printed.
 
@@ -30,9 +30,9 @@ import traceback
 from pathlib import Path
 from typing import BinaryIO
 
+from trnflow.backends.launcher import main as run_torchrun
 from trnflow.fsutil import atomic_write_json
-from trnflow.neuron import launch
-from trnflow.neuron.launch import RANK_LOGS
+from trnflow.neuron.launch import LAUNCHER, RANK_LOGS
 
 ORPHANED = -int(signal.SIGKILL)
 """The exit code recorded for a job whose submitter died: the job was killed."""
@@ -85,14 +85,14 @@ def main(job_dir: str, submitter: int, parent: int | None = None, poll_seconds: 
 
 
 class Launcher:
-    """torchrun for the job: a fork of this process running `trnflow.neuron.launch` with the job's
+    """torchrun for the job: a fork of this process running `trnflow.backends.launcher` with the job's
     command line, in the job's working folder, its output and errors into `log`. Its exit code comes
     as a process's would: negative for the signal that ended it."""
 
     def __init__(self, job: dict, log: BinaryIO):
         argv = job["argv"]
-        if argv[1:3] != ["-m", launch.__name__]:
-            raise ValueError(f"job.json: the command must run {launch.__name__}, not {argv[1:3]}")
+        if argv[1:3] != ["-m", LAUNCHER]:
+            raise ValueError(f"job.json: the command must run {LAUNCHER}, not {argv[1:3]}")
         self.pid = os.fork()
         if self.pid == 0:
             _run_launcher(argv[3:], job["cwd"], log.fileno())
@@ -118,7 +118,7 @@ def _run_launcher(args: list[str], cwd: str, log_fd: int) -> None:
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
-        launch.main(args)
+        run_torchrun(args)
         code = 0
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)

@@ -23,8 +23,9 @@ from trnflow.device.base import Device, FaultHooks, Lease, NoFaults
 from trnflow.device.registry import choose, get_device
 from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
-from trnflow.neuron.launch import INSTANCE_CORES_ENV, PIN_CPUS_ENV, pin_cpus, steady_heap
+from trnflow.neuron.launch import INSTANCE_CORES_ENV, PIN_CPUS_ENV
 from trnflow.specs import JobSpec
+from trnflow.workload.tuning import pin_cpus, steady_heap
 
 T = TypeVar("T")
 
