@@ -227,15 +227,19 @@ def validate_spec(data: Any, source: str = "<spec>") -> JobSpec:
     except ValidationError as exc:
         problems: dict[str, str] = {}
         for err in exc.errors():
-            message = _describe(err)
-            own = _OWN_PATH.match(message)
-            path, message = (own.group(1), own.group(2)) if own else (_field_path(err["loc"]), message)
-            if err["type"] == "literal_error" and path in problems:
-                continue  # a union's other branch (`champion` or a URL) said what is wrong already
-            if path in problems and problems[path].startswith("Input should be"):
-                problems[path] = message  # ...and the literal branch spoke first
-            else:
-                problems[path] = f"{problems[path]}; {message}" if path in problems else message
+            described = _describe(err)
+            lines = described.splitlines()
+            # a cross-field check that found several fields wrong says so one field per line
+            parts = lines if len(lines) > 1 and all(_OWN_PATH.match(line) for line in lines) else [described]
+            for message in parts:
+                own = _OWN_PATH.match(message)
+                path, message = (own.group(1), own.group(2)) if own else (_field_path(err["loc"]), message)
+                if err["type"] == "literal_error" and path in problems:
+                    continue  # a union's other branch (`champion` or a URL) said what is wrong already
+                if path in problems and problems[path].startswith("Input should be"):
+                    problems[path] = message  # ...and the literal branch spoke first
+                else:
+                    problems[path] = f"{problems[path]}; {message}" if path in problems else message
         raise SpecError(source, recipe_problems + [f"{path}: {message}" for path, message in problems.items()]
                         ) from None
     if recipe_problems:

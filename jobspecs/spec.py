@@ -50,6 +50,26 @@ def sagemaker_checkpoint_problem(url: str) -> str | None:
             "train.checkpoint_url to s3://<bucket>/<prefix>, or run with compute.backend: local")
 
 
+def cloud_location_problems(backend: str, locations: dict[str, str | None]) -> list[str]:
+    """What is wrong with each location (by spec field) for a job on `backend`: a SageMaker or Batch
+    job runs on hosts that see S3, never this machine's folders, so every location it reads or
+    writes must be an s3:// URL. Empty for the local backend."""
+    if backend == "local":
+        return []
+    service = {"sagemaker": "SageMaker", "batch": "AWS Batch"}[backend]
+    problems = []
+    for field, url in locations.items():
+        if url is None or url == "champion" or url.startswith("s3://"):
+            continue
+        if field == "train.checkpoint_url" and backend == "sagemaker":
+            problems.append(sagemaker_checkpoint_problem(url) or "")
+        else:
+            problems.append(f"{field}: {url} is not on S3; a {service} job runs on hosts that cannot see this "
+                            f"machine's files. Upload it (or let the job write) to s3://<bucket>/<prefix> and set "
+                            f"{field} there, or run with compute.backend: local")
+    return problems
+
+
 Url = Annotated[str, AfterValidator(normalise_url)]
 ChampionOrUrl = Annotated[Literal["champion"] | Url, Field(union_mode="left_to_right")]
 """`champion` (the registry's current champion for this spec's name) or a location."""
@@ -262,8 +282,9 @@ class TrainSpec(Section):
 
     steps: int = Field(ge=1, description="Optimizer steps in this run.")
     global_batch_size: int = Field(ge=1, description="Samples per step across all NeuronCores.")
-    lr: float = Field(1e-3, gt=0, le=10, description="Peak learning rate (AdamW).")
-    weight_decay: float = Field(0.01, ge=0, description="AdamW weight decay.")
+    lr: float = Field(1e-3, gt=0, le=10,
+                      description="Learning rate of the recipe's optimizer (AdamW unless the recipe says otherwise).")
+    weight_decay: float = Field(0.01, ge=0, description="Weight decay of the recipe's optimizer (AdamW's by default).")
     checkpoint_every: int = Field(100, ge=1, description="Save a checkpoint every this many steps.")
     checkpoint_url: Url = Field(description="Where checkpoints are written: a directory or s3:// URL.")
     init_from: ChampionOrUrl | None = Field(
@@ -485,11 +506,23 @@ class JobSpec(Section):
         return self
 
     @model_validator(mode="after")
-    def _sagemaker_checkpoints_on_s3(self) -> JobSpec:
-        problem = self.compute.backend == "sagemaker" and sagemaker_checkpoint_problem(self.train.checkpoint_url)
-        if problem:
-            raise ValueError(problem)
+    def _cloud_locations_on_s3(self) -> JobSpec:
+        problems = cloud_location_problems(self.compute.backend, self.job_locations())
+        if problems:
+            raise ValueError("\n".join(problems))  # one line per field; the loader lists each
         return self
+
+    def job_locations(self) -> dict[str, str | None]:
+        """The locations the stage jobs themselves read or write, by field. The gate's reference and
+        the registry are read by the flow's own process (the registry by the training job too, when
+        it starts from the champion), so they may be local to wherever the flow runs."""
+        found = {"data.train": self.data.train, "data.holdout": self.data.holdout,
+                 "data.inference": self.data.inference, "train.checkpoint_url": self.train.checkpoint_url,
+                 "train.init_from": self.train.init_from, "compile.cache_url": self.compile.cache_url,
+                 "inference.output_url": self.inference.output_url}
+        if self.train.init_from == "champion":
+            found["registry_url"] = self.registry_url
+        return found
 
     @property
     def per_core_batch(self) -> int:

@@ -19,6 +19,7 @@ from prefect.cache_policies import NO_CACHE
 from trnflow.errors import ChampionKept, GateFailed
 from trnflow.lifecycle import gate, judge
 from trnflow.lifecycle.registry import Registry
+from trnflow.records import dump
 from trnflow.reporting.chart import parity_png, verdict_markdown
 from trnflow.results import EvaluateResult
 from trnflow.specs import JobSpec
@@ -33,9 +34,9 @@ def _attach(spec: JobSpec, candidate: judge.Candidate, decision: judge.Decision,
     png = parity_png(verdict, candidate.series["points"], reference["points"] if reference else None, title)
     store = open_store(candidate.run_url)
     store.write("parity.png", png)
-    store.write("verdict.json", json.dumps(verdict, indent=1).encode())
-    checks = verdict.get("checks") or {"": verdict}
-    markdown = "\n".join(verdict_markdown(v, f"{title} against {who}" if who else title) for who, v in checks.items())
+    store.write("verdict.json", dump(verdict))
+    markdown = "\n".join(verdict_markdown(v, f"{title} against {who}" if who else title)
+                         for who, v in verdict.each().items())
     _artifacts.markdown(spec, "gate", markdown, f"accuracy-parity verdict of {candidate.run_url}")
     _artifacts.image(spec, "parity", png, f"{spec.gate.metric} against global step: candidate and reference")
     return f"{candidate.run_url}/parity.png"
@@ -56,7 +57,7 @@ def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candida
     who = f"champion v{champion.version}"
     series = judge.recorded_series(champion.checkpoint)
     if series is None or not series["points"] or not judge.same_holdout(candidate.series, series):
-        theirs, ours = champion.entry.get("recipe"), judge.recipe_of(candidate.checkpoint)
+        theirs, ours = champion.entry.recipe, judge.recipe_of(candidate.checkpoint)
         if theirs and ours and theirs != ours:  # this spec's model cannot load the champion's weights
             return judge.incomparable(spec, who, f"{who} is another model ({_model(theirs)}; this run's is "
                                       f"{_model(ours)}) measured on another holdout, so the two cannot be compared "
@@ -117,11 +118,11 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
                                       forced=forced)
         result.registry = registration.as_dict()
     if not decision.gate_passed:
-        raise GateFailed(f"accuracy-parity gate failed against {decision.against}: {decision.verdict['reason']}",
+        raise GateFailed(f"accuracy-parity gate failed against {decision.against}: {decision.verdict.reason}",
                          decision.verdict, headline=gate.headline(decision.verdict, decision.against))
     if worse is not None and forced is None:
         version = f"v{registration.version}" if registration else "the candidate"
-        raise ChampionKept(f"{version} passed the gate but was not promoted: {worse.verdict['reason']}. "
+        raise ChampionKept(f"{version} passed the gate but was not promoted: {worse.verdict.reason}. "
                            f"{worse.against} stays the champion; to promote it anyway, run the same run again "
                            f"(nothing is trained twice) with --run-id {run_id} --force-promote --reason \"why\"",
                            worse.verdict, headline=f"{version} registered, not promoted: "
@@ -129,10 +130,10 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
     if worse is not None:
         get_run_logger().warning("promoting a candidate worse than %s, as asked: %s", worse.against, forced)
     for check in decision.checks:
-        paired = check.verdict.get("paired") or {}
-        if paired.get("significant"):
+        paired = check.verdict.paired
+        if paired and paired.significant:
             get_run_logger().warning("McNemar's test finds the candidate and %s differ (p = %.3g), within the band",
-                                     check.against, paired["p_value"])
+                                     check.against, paired.p_value)
     final = candidate.series["points"][-1][spec.gate.metric]
     result.summary = judge.summary(spec, decision, final, registration) + recompile_note(result)
     return result

@@ -36,7 +36,7 @@ def promote_champion(spec: JobSpec, run_id: str, version: int, generation: int, 
     if before is None or before.version != version:
         why = f"forced: {forced} ({run_id})" if forced else f"gated ({run_id})"
         record = registry.promote(spec.name, version, reason=why, expected_generation=generation)
-        generation = record["generation"]
+        generation = record.generation
     else:  # a rerun of a run that promoted already
         was, generation = " (already)", registry.generation(spec.name)
     champion = registry.version(spec.name, version)

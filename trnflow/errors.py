@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from enum import IntEnum
+from typing import Any
 
 
 class TrnflowError(Exception):
@@ -81,10 +82,11 @@ class GateDecision(FatalError):
     """The evaluation stage decided against the candidate: the run ends in a state named after the
     subclass, whose message is `headline`. Never retried."""
 
-    def __init__(self, message: str, verdict: dict | None = None, bad_cores: list[int] | None = None,
+    def __init__(self, message: str, verdict: Any = None, bad_cores: list[int] | None = None,
                  headline: str | None = None):
         super().__init__(message, bad_cores)
-        self.verdict = verdict or {}
+        self.verdict = verdict
+        """The gate's verdict (a `trnflow.records.Verdict`)."""
         self.headline = headline or message
         """The reason in one short line, for a run's state message."""
 

@@ -14,6 +14,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
 
+from trnflow.records import Verdict
+
 
 class _Model(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -133,7 +135,7 @@ class EvaluateResult(StageResult):
     series: str | None = None
     holdout_sha256: str | None = None
     correct: str | None = Field(None, description="per holdout row, '1' when the last point's prediction was right")
-    verdict: dict[str, Any] | None = Field(None, description="the gate's verdict (`trnflow.lifecycle.gate`)")
+    verdict: Verdict | None = Field(None, description="the gate's verdict (`trnflow.lifecycle.gate`)")
     against: str | None = Field(None, description="what the candidate was judged against")
     chart: str | None = Field(None, description="the parity chart's URL")
     registry: dict[str, Any] | None = Field(None, description="version, generation and whether it was promoted")

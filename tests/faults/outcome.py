@@ -40,7 +40,7 @@ class Snapshot:
         registry = Registry(spec.registry_url)
         champion = registry.champion(spec.name)
         keep = ("version", "status", "metrics", "watermark", "global_step")
-        view = {"champion": champion and {k: champion.entry.get(k) for k in keep},
+        view = {"champion": champion and {k: getattr(champion.entry, k) for k in keep},
                 "versions": len(registry.versions(spec.name)), "promotions": len(registry.history(spec.name))}
         out = open_store(current_url(spec.inference.output_url))
         rows: dict[str, list[float]] = {}

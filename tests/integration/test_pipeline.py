@@ -179,7 +179,7 @@ def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champ
     assert not list(local_path(spec.inference.output_url).rglob("*"))  # checked writable before training; no shard
     assert _task_run_counts(state.state_details.flow_run_id)["evaluate"] == 1  # a failed gate is not retried
     assert registry.champion("gatefail").version == 1
-    assert registry.version("gatefail", 2).entry["status"] == "rejected"
+    assert registry.version("gatefail", 2).entry.status == "rejected"
 
 
 def test_a_candidate_worse_than_the_champion_is_kept_out_unless_forced_with_a_reason(prefect_api, make_spec):
@@ -203,12 +203,12 @@ def test_a_candidate_worse_than_the_champion_is_kept_out_unless_forced_with_a_re
     assert "below champion v1" in str(outcome.cause) and "--force-promote" in str(outcome.cause)
     assert [r.stage for r in outcome.stages][-1] == "evaluate"
     assert registry.champion("protect").version == 1
-    assert registry.version("protect", 2).entry["status"] == "worse-than-champion"
+    assert registry.version("protect", 2).entry.status == "worse-than-champion"
 
     state, outcome = _run(weak, run_id="weak", force_promote="the old champion leaked labels")
     assert state.is_completed(), outcome
     assert registry.champion("protect").version == 2
-    assert registry.history("protect")[-1]["reason"] == "forced: the old champion leaked labels (weak)"
+    assert registry.history("protect")[-1].reason == "forced: the old champion leaked labels (weak)"
     assert len(registry.versions("protect")) == 2
 
     # item 2: each version's outputs are its own; a rollback republishes the old ones
@@ -324,6 +324,6 @@ def test_evaluation_matches_the_reference_it_came_from(reference_checkpoint):
     spec, checkpoint = reference_checkpoint
     state, result = _evaluate_once(spec, checkpoint)
     assert state.is_completed(), result
-    assert result.verdict["passed"] and result.verdict["points"][0]["diff"] == 0.0
+    assert result.verdict.passed and result.verdict.points[0].diff == 0.0
     series = json.loads((local_path(checkpoint).parent / "metrics.json").read_text())
     assert [p["step"] for p in series["points"]] == [20]

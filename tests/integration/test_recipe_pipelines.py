@@ -74,7 +74,7 @@ def _check_outcome(outcome, spec, read: callable) -> dict:
     scaler = json.loads(read(f"{train['checkpoint']}/scaler.json"))
     assert len(scaler["mean"]) == 4 and all(s > 0 for s in scaler["std"])
     champion = Registry(spec.registry_url).champion(spec.name)
-    assert champion is not None and champion.entry["recipe"]["recipe"] == "tabular-mlp"
+    assert champion is not None and champion.entry.recipe["recipe"] == "tabular-mlp"
     shard = results["infer"]["shards"][0]["file"]
     table = pq.read_table(io.BytesIO(read(f"{results['infer']['output_url']}/{shard}")))
     assert table.column_names == ["id", "prediction", "probabilities", "model_version"]
@@ -146,7 +146,7 @@ def test_the_hugging_face_encoder_runs_the_six_stages_on_sagemaker_and_exports_w
         assert results["promote"]["version"] == results["evaluate"]["registry"]["version"]
         assert results["infer"]["published"] == "embeddings"
         champion = Registry(spec.registry_url).champion(spec.name)
-        prefix = champion.entry["export"].removeprefix(f"{s3}/")
+        prefix = champion.entry.export.removeprefix(f"{s3}/")
         client = boto3.client("s3")
         folder = tmp_path / "export"
         folder.mkdir()

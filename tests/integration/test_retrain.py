@@ -61,7 +61,7 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert state.is_failed() and isinstance(outcome, PipelineFailed) and outcome.stage == "infer"
     assert [r.stage for r in outcome.stages] == ["sanity", "collectives", "compile", "train", "evaluate", "infer"]
     assert registry.champion(spec.name) is None
-    assert [v.entry["status"] for v in registry.versions(spec.name)] == ["passed"]  # gated, never promoted
+    assert [v.entry.status for v in registry.versions(spec.name)] == ["passed"]  # gated, never promoted
     published = local_path(spec.inference.output_url)
     assert current(str(published)) is None
 
@@ -127,7 +127,7 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert second.version == 3 and second.watermark == "2026-01-03"
     assert manifest(current_url(str(published)))["checkpoint"] == second.checkpoint
     assert manifest(str(published / "v000002"))["checkpoint"] == first.checkpoint  # kept for a rollback
-    assert second.entry["parent_version"] == 2
+    assert second.entry.parent_version == 2
     assert results["promote"]["summary"] == "champion v3 (was v2), data up to 2026-01-03; 120 rows published"
     assert dt.date.fromisoformat(second.watermark) > dt.date.fromisoformat(first.watermark)
 
@@ -237,7 +237,7 @@ def test_the_champion_and_its_published_outputs_change_together(make_spec, prefe
     assert isinstance(error, FatalError) and "v2's outputs could not be published" in str(error)
     assert "the champion is v1" in str(error)
     assert registry.champion(spec.name).version == 1
-    assert [(h["action"], h["version"]) for h in registry.history(spec.name)] == [
+    assert [(h.action, h.version) for h in registry.history(spec.name)] == [
         ("promote", 1), ("promote", 2), ("rollback", 1)]
 
 

@@ -88,7 +88,7 @@ def test_the_served_retraining_schedule_fires_and_its_run_promotes_a_model(serve
     registry = Registry(str(tmp_path / "registry"))
     champion = registry.champion("nightly")  # gated, then promoted
     assert champion is not None and champion.watermark == "2026-01-02"
-    assert [v.entry["status"] for v in registry.versions("nightly")] == ["passed"]
+    assert [v.entry.status for v in registry.versions("nightly")] == ["passed"]
     assert current(str(tmp_path / "embeddings"))["version"] == champion.version  # its embeddings published
 
 

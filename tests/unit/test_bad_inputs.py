@@ -32,6 +32,7 @@ import trnflow.backends.reference
 import trnflow.cli.devices
 import trnflow.cli.pipeline
 from tests.conftest import archive, quickstart_data, tiny_m5
+from tests.factories import checkpoint_meta
 from trnflow.cli.app import app
 from trnflow.device.base import RecompileGuard
 from trnflow.device.cache import COMPILER_VERSION, CompileCache
@@ -212,7 +213,7 @@ def checkpoint(change: Callable[[Path, Path], object]):
         RunCheckpoints((tmp / "run").as_uri()).save(
             10, build_model(CFG, seed=0).state_dict(), {"state": {}, "param_groups": []},
             [{"torch": torch.get_rng_state()}], ("tokenizer.json", _tokenizer().encode()),
-            {"run_id": "r", "sampler": {"step": 10}, "data": {}})
+            checkpoint_meta(step=10))
         folder = tmp / "run" / "step-000010"
         change(folder, tmp)
         return lambda: refused(lambda: load(folder.as_uri()))

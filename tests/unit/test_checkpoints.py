@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import tiny_m5
+from tests.factories import checkpoint_meta
 from trnflow.errors import FatalError
 from trnflow.storage import LocalStore
 from trnflow.workload.checkpoint import MARKER, RunCheckpoints, load, load_model_weights
@@ -25,7 +26,7 @@ def _save(run: RunCheckpoints, step: int, keep_latest=None, seed=0):
     model = build_model(CFG, seed=seed)
     rng = [{"torch": torch.get_rng_state(), "sr": torch.Generator().get_state()}]
     url = run.save(step, model.state_dict(), {"state": {}, "param_groups": []}, rng, ("tokenizer.json", TOKENIZER),
-                   {"run_id": "r", "watermark": "2026-01-02", "sampler": {"step": step}, "data": {}},
+                   checkpoint_meta(step=step),
                    keep_latest=keep_latest)
     return url, model
 

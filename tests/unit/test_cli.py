@@ -118,8 +118,8 @@ def test_training_events_relayed_to_the_task_log_read_as_words_and_move_the_prog
     task_log.removeHandler(kept)
     assert handler not in logger.handlers
     assert [(r.levelno, r.getMessage()) for r in records] == [
-        (logging.INFO, "train: step 10/40, loss 0.5000, 3,000 samples/s, graphs 2"),
-        (logging.INFO, "train: step 20/40, loss 0.5000, 3,000 samples/s, graphs 2"),
+        (logging.INFO, "train: step 10/40, mean loss 0.5000, 3,000 samples/s, graphs 2"),
+        (logging.INFO, "train: step 20/40, mean loss 0.5000, 3,000 samples/s, graphs 2"),
         (logging.INFO, "a line that is not an event, with ********"),
     ]  # the JSON went to DEBUG, below the log's level
 
@@ -263,8 +263,8 @@ def test_validate_passes_a_spec_written_before_its_data_unless_told_to_check(tmp
     strict = runner.invoke(app, ["validate", "--data-check", "--json", str(spec)])
     assert strict.exit_code == 2
     problems = json.loads(strict.stdout)[0]["problems"]
-    assert [p.split(":")[0] for p in problems] == ["data.train", "data.holdout", "data.inference"]
-    for field, problem in zip(("train", "holdout", "inference"), problems, strict=True):
+    assert [p.split(":")[0] for p in problems] == ["data.train", "data.holdout", "data.inference", "gate.reference"]
+    for field, problem in zip(("train", "holdout", "inference"), problems[:3], strict=True):
         assert problem.startswith(f"data.{field}: {(missing / field).as_uri()}: no such folder")
 
 
@@ -283,9 +283,10 @@ def test_validate_data_check_lists_s3_locations(tmp_path, s3_bucket):
     assert "not checked, on S3" in runner.invoke(app, ["validate", str(spec)]).stdout
     result = runner.invoke(app, ["validate", "--data-check", str(spec)])
     assert result.exit_code == 2
-    assert "".join(result.stderr.split()).endswith("".join(
+    assert "".join(
         f"data.inference: {base}/catalogue: no such folder, or it is empty; check the data URLs and data.format in the "
-        "spec".split()))
+        "spec".split()) in "".join(result.stderr.split())
+    assert "gate.reference:" in result.stderr and "does not exist" in result.stderr  # checked too when asked
 
 
 def test_data_check_reports_every_day_and_fails_on_one_without_readable_rows(tmp_path):
@@ -314,7 +315,7 @@ def test_data_check_reports_every_day_and_fails_on_one_without_readable_rows(tmp
 def test_run_gives_prefect_its_startup_timeout_before_prefect_is_first_imported(make_spec, tmp_path):
     """Prefect reads its settings when first imported, and `trnflow run` imports its flows before it runs them."""
     spec = tmp_path / "spec.yaml"
-    spec.write_text(yaml.safe_dump(make_spec().model_dump(mode="json", exclude_none=True)))
+    spec.write_text(yaml.safe_dump(make_spec(gate={"reference": None}).model_dump(mode="json", exclude_none=True)))
     probe = (
         "import sys\n"
         "import trnflow.cli.pipeline as pipeline\n"
@@ -336,3 +337,40 @@ def test_the_prefect_server_command_listens_on_loopback_only():
     for host in ("0.0.0.0", "::", "10.1.2.3", "myhost"):  # noqa: S104 (each must be refused)
         refused = runner.invoke(app, ["server", "--host", host])
         assert refused.exit_code == 2 and "loopback only" in refused.output, refused.output
+
+
+def _written(spec, path):
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
+    return str(path)
+
+
+def test_a_cloud_run_of_a_spec_with_local_locations_is_refused_before_its_first_job(make_spec, tmp_path,
+                                                                                    trnflow_home):
+    """`trnflow run --backend sagemaker` on a spec whose data, checkpoints, cache and outputs are
+    local: exit 2 naming every one, and no job (SageMaker's or the compile cache's) is started."""
+    spec = _written(make_spec(gate={"reference": None}), tmp_path / "spec.yaml")
+    result = runner.invoke(app, ["run", spec, "--backend", "sagemaker"])
+    assert result.exit_code == 2
+    named = [line.split(":")[0].strip() for line in result.stderr.splitlines() if " is not on S3" in line]
+    assert named == ["data.train", "data.holdout", "data.inference", "train.checkpoint_url", "compile.cache_url",
+                     "inference.output_url"], result.stderr
+    assert "Traceback" not in result.output and not list((trnflow_home / "jobs").glob("*"))
+    checked = runner.invoke(app, ["validate", spec, "--set", "compute.backend=sagemaker", "--json"])
+    assert checked.exit_code == 2
+    assert len(json.loads(checked.stdout)[0]["problems"]) == 6  # the same six, before anything is run
+    assert runner.invoke(app, ["validate", spec, "--set", "train.steps=0"]).exit_code == 2
+    assert runner.invoke(app, ["validate", spec, "--set", "train.steps=5"]).exit_code == 0
+
+
+def test_a_run_whose_gate_reference_is_missing_is_refused_before_sanity(make_spec, tmp_path, trnflow_home):
+    missing = tmp_path / "refs" / "metrics.json"
+    spec = _written(make_spec(gate={"reference": str(missing)}), tmp_path / "spec.yaml")
+    result = runner.invoke(app, ["run", spec])
+    assert result.exit_code == 2, result.output
+    assert f"gate.reference: {missing.as_uri()} does not exist" in " ".join(result.stderr.split())
+    assert not list((trnflow_home / "jobs").glob("*"))  # no sanity job, no training job
+    missing.parent.mkdir()
+    missing.write_text('{"points": [{"step": 1, "accuracy": "high"}]}')
+    malformed = runner.invoke(app, ["run", spec])
+    assert malformed.exit_code == 2 and "points[0] needs an integer 'step' and a numeric 'accuracy'" in " ".join(
+        malformed.stderr.split())

@@ -84,17 +84,18 @@ def test_an_inference_stage_gets_its_checkpoint_and_the_inference_channel_only()
 
 
 def test_local_data_cannot_become_a_sagemaker_channel():
-    spec = validate_spec(quickstart_data(compute={"backend": "sagemaker"},
-                                         train={"checkpoint_url": "s3://acme-ckpt/embed"}))
+    """Validation refuses it; a spec changed since (`model_copy` does not validate) is refused again."""
+    spec = _spec()
+    changed = spec.model_copy(update={"data": spec.data.model_copy(update={"train": "file:///data/train"})})
     with pytest.raises(FatalError, match=r"data\.train: .* is not on S3"):
-        build_training_job_request(JobRequest(spec, "train", "r"), TARGET)
+        build_training_job_request(JobRequest(changed, "train", "r"), TARGET)
 
 
 @pytest.mark.parametrize("url", ["runs/checkpoints", "/var/ckpt", "file:///var/ckpt"])
 def test_a_sagemaker_spec_with_checkpoints_off_s3_is_refused_at_validation(url):
     with pytest.raises(SpecError) as caught:
         validate_spec(quickstart_data(compute={"backend": "sagemaker"}, train={"checkpoint_url": url}), "s.yaml")
-    (problem,) = caught.value.problems
+    (problem,) = [p for p in caught.value.problems if p.startswith("train.checkpoint_url")]
     assert problem.startswith("train.checkpoint_url: file:///") and "is not on S3" in problem
     assert "CheckpointConfig.S3Uri" in problem and "set train.checkpoint_url to s3://<bucket>/<prefix>" in problem
     # the same checkpoints are fine where they are written by this machine
@@ -351,3 +352,29 @@ def test_the_sdk_checks_trnflows_config_once_per_submission_and_any_other_config
     assert 2 <= ours <= 3  # each session's check, and the first submission's once per process
     with pytest.raises(jsonschema.ValidationError):  # any other config is still checked, every time
         SageMakerConfig.validate_sagemaker_config({"SchemaVersion": "1.0", "SageMaker": {"NoSuchKey": 1}})
+
+
+@pytest.mark.parametrize("backend", ["sagemaker", "batch"])
+def test_every_location_a_cloud_job_uses_must_be_on_s3_and_each_bad_one_is_named(backend):
+    """A cloud job's hosts never see this machine's folders: the data, checkpoints, compile cache,
+    outputs and starting model each must be on S3, and each one that is not is listed. The gate's
+    reference and the registry are read by the flow's own process, so they may be local."""
+    cloud = {"backend": backend, "instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1}
+    with pytest.raises(SpecError) as caught:
+        validate_spec(quickstart_data(compute=cloud, train={"init_from": "/models/base.pt"},
+                                      gate={"reference": "/refs/metrics.json"}), "s.yaml")
+    named = [p.split(":")[0] for p in caught.value.problems]
+    assert named == ["data.train", "data.holdout", "data.inference", "train.checkpoint_url", "train.init_from",
+                     "compile.cache_url", "inference.output_url"]
+    assert all("is not on S3" in p for p in caught.value.problems)
+    s3 = {"train": "s3://acme-data/train", "holdout": "s3://acme-data/holdout", "inference": "s3://acme-data/inference"}
+    spec = validate_spec(quickstart_data(
+        compute=cloud, data=s3, compile={"cache_url": "s3://acme-data/cache"}, inference={"output_url": "s3://acme-data/out"},
+        train={"checkpoint_url": "s3://acme-data/ckpt"}, gate={"reference": "/refs/metrics.json"},
+        registry_url="/registry"))
+    assert spec.gate.reference == "file:///refs/metrics.json"
+    with pytest.raises(SpecError, match=r"registry_url: file:///registry is not on S3"):
+        validate_spec(quickstart_data(compute=cloud, data=s3, compile={"cache_url": "s3://acme-data/cache"},
+                                      inference={"output_url": "s3://acme-data/out"},
+                                      train={"checkpoint_url": "s3://acme-data/ckpt", "init_from": "champion"},
+                                      registry_url="/registry"))

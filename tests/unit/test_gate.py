@@ -4,6 +4,7 @@ import pytest
 
 from trnflow.errors import DataError
 from trnflow.lifecycle.gate import compare, headline, metrics_document, parse_metrics
+from trnflow.records import PairedCheck
 
 REF = [{"step": 100, "accuracy": 0.80}, {"step": 200, "accuracy": 0.85}]
 
@@ -11,17 +12,17 @@ REF = [{"step": 100, "accuracy": 0.80}, {"step": 200, "accuracy": 0.85}]
 def test_within_band_passes_with_every_point_listed():
     cand = [{"step": 100, "accuracy": 0.8005}, {"step": 200, "accuracy": 0.8491}]
     verdict = compare(cand, REF, "accuracy", 0.001)
-    assert verdict["passed"]
-    assert [(p["step"], p["passed"]) for p in verdict["points"]] == [(100, True), (200, True)]
-    assert verdict["points"][0]["diff"] == pytest.approx(0.0005)
+    assert verdict.passed
+    assert [(p.step, p.passed) for p in verdict.points] == [(100, True), (200, True)]
+    assert verdict.points[0].diff == pytest.approx(0.0005)
 
 
 def test_outside_band_fails_and_names_the_failing_point():
     cand = [{"step": 100, "accuracy": 0.8005}, {"step": 200, "accuracy": 0.847}]
     verdict = compare(cand, REF, "accuracy", 0.001)
-    assert not verdict["passed"]
-    assert [p["step"] for p in verdict["points"] if not p["passed"]] == [200]
-    assert "step 200" in verdict["reason"] and "step 100" not in verdict["reason"]
+    assert not verdict.passed
+    assert [p.step for p in verdict.points if not p.passed] == [200]
+    assert "step 200" in verdict.reason and "step 100" not in verdict.reason
 
 
 def test_a_failed_verdict_reads_in_one_short_line_naming_the_worst_point():
@@ -35,8 +36,8 @@ def test_a_failed_verdict_reads_in_one_short_line_naming_the_worst_point():
 
 def test_no_common_step_fails_with_explanation():
     verdict = compare([{"step": 150, "accuracy": 0.8}], REF, "accuracy", 0.001)
-    assert not verdict["passed"]
-    assert "no common evaluation step" in verdict["reason"]
+    assert not verdict.passed
+    assert "no common evaluation step" in verdict.reason
 
 
 def test_metrics_document_round_trips():
@@ -57,9 +58,9 @@ def _doc(points, correct, step, holdout="h1"):
 
 def test_final_mode_judges_only_the_last_shared_point():
     cand = [{"step": 100, "accuracy": 0.79}, {"step": 200, "accuracy": 0.8495}]
-    assert not compare(cand, REF, "accuracy", 0.001, mode="every-point")["passed"]
+    assert not compare(cand, REF, "accuracy", 0.001, mode="every-point").passed
     verdict = compare(cand, REF, "accuracy", 0.001, mode="final")
-    assert verdict["passed"] and not verdict["points"][0]["passed"]  # listed, but not judged
+    assert verdict.passed and not verdict.points[0].passed  # listed, but not judged
 
 
 def test_mcnemar_flags_a_difference_the_band_misses_on_a_large_holdout():
@@ -71,29 +72,29 @@ def test_mcnemar_flags_a_difference_the_band_misses_on_a_large_holdout():
     acc_c, acc_r = cand.count("1") / rows, ref.count("1") / rows
     verdict = compare(_doc([{"step": 5, "accuracy": acc_c}], cand, 5), _doc([{"step": 5, "accuracy": acc_r}], ref, 5),
                       "accuracy", 0.001)
-    assert verdict["passed"]  # the point-wise rule sees nothing
-    paired = verdict["paired"]
-    assert (paired["candidate_only"], paired["reference_only"]) == (900, 100)
-    assert paired["significant"] and paired["p_value"] < 1e-100 and not paired["underpowered"]
+    assert verdict.passed  # the point-wise rule sees nothing
+    paired = verdict.paired
+    assert (paired.candidate_only, paired.reference_only) == (900, 100)
+    assert paired.significant and paired.p_value < 1e-100 and not paired.underpowered
     strict = compare(_doc([{"step": 5, "accuracy": acc_c}], cand, 5), _doc([{"step": 5, "accuracy": acc_r}], ref, 5),
                      "accuracy", 0.001, fail_on_significant=True)
-    assert not strict["passed"] and "McNemar" in strict["reason"]
+    assert not strict.passed and "McNemar" in strict.reason
 
 
 def test_mcnemar_on_a_tiny_holdout_says_it_is_underpowered():
     cand, ref = "1101101110" * 20, "1101101011" * 20  # 200 rows, 20 + 20 discordant
     verdict = compare(_doc([{"step": 5, "accuracy": 0.7}], cand, 5), _doc([{"step": 5, "accuracy": 0.7}], ref, 5),
                       "accuracy", 0.001)
-    paired = verdict["paired"]
-    assert paired["p_value"] == pytest.approx(1.0) and not paired["significant"]
-    assert paired["underpowered"] and paired["rows_needed"] > 100_000
+    paired = verdict.paired
+    assert paired.p_value == pytest.approx(1.0) and not paired.significant
+    assert paired.underpowered and paired.rows_needed > 100_000
 
 
 def test_the_paired_check_needs_the_same_holdout_and_step():
     a, b = _doc([{"step": 5, "accuracy": 0.7}], "10", 5), _doc([{"step": 5, "accuracy": 0.7}], "10", 5, holdout="h2")
-    assert compare(a, b, "accuracy", 0.001)["paired"] == {
-        "available": False, "reason": "the two runs were evaluated on different holdout sets"}
-    assert compare(a, {"points": b["points"]}, "accuracy", 0.001)["paired"]["available"] is False
+    assert compare(a, b, "accuracy", 0.001).paired == PairedCheck(
+        available=False, reason="the two runs were evaluated on different holdout sets")
+    assert compare(a, {"points": b["points"]}, "accuracy", 0.001).paired.available is False
 
 
 def test_the_exact_and_the_large_sample_mcnemar_agree_where_they_meet():
@@ -116,10 +117,10 @@ def test_metrics_with_bad_predictions_are_refused():
 def test_the_paired_check_refuses_empty_or_mismatched_outcomes():
     empty = compare(_doc([{"step": 5, "accuracy": 0.7}], "", 5), _doc([{"step": 5, "accuracy": 0.7}], "", 5),
                     "accuracy", 0.001)
-    assert empty["paired"]["available"] is False and empty["passed"]
+    assert empty.paired.available is False and empty.passed
     short = compare(_doc([{"step": 5, "accuracy": 0.7}], "10", 5), _doc([{"step": 5, "accuracy": 0.7}], "101", 5),
                     "accuracy", 0.001)
-    assert "2 and 3 rows" in short["paired"]["reason"]
+    assert "2 and 3 rows" in short.paired.reason
 
 
 def test_the_paired_test_is_told_in_plain_words_with_its_power():

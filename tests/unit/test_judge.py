@@ -1,21 +1,24 @@
 """The gate's decision and registration, called directly: a rerun of the same run registers nothing twice."""
 
-import json
-
 import pytest
 
+from tests.factories import checkpoint_meta
 from trnflow.lifecycle.judge import Candidate, Check, Decision, Registration, decide, register, up_to
 from trnflow.lifecycle.registry import Registry
+from trnflow.records import Verdict, dump
 
-PASSED = Decision([Check({"passed": True}, None, "no reference set")], {"passed": True}, "no reference set")
+VERDICT = Verdict(metric="accuracy", mode="every-point", max_abs_diff=0.001, passed=True)
+PASSED = Decision([Check(VERDICT, None, "no reference set")], VERDICT, "no reference set")
+
+
+def _meta(run: str, files=("dt=2026-01-01/part-0.parquet",)) -> bytes:
+    return dump(checkpoint_meta(run, files=tuple(files)))
 
 
 def _checkpoint(root, run: str, files=("dt=2026-01-01/part-0.parquet",)):
     ckpt = root / "ckpt" / run / "step-000040"
     ckpt.mkdir(parents=True)
-    meta = {"watermark": "2026-01-02", "global_step": 40, "parent": None, "recipe": "m5-text@1",
-            "data": {"files": list(files), "rows": 100}}
-    (ckpt / "meta.json").write_text(json.dumps(meta))
+    (ckpt / "meta.json").write_bytes(_meta(run, files))
     return Candidate(ckpt.as_uri(), {"points": [{"step": 40, "accuracy": 0.8}]})
 
 
@@ -47,7 +50,7 @@ def test_a_candidate_worse_than_the_champion_passes_the_gate_but_is_not_promoted
                       (_series(0.803, "1" * 803 + "0" * 197), "champion v1"))
     assert decision.gate_passed and not decision.passed
     worse = decision.worse_than_champion
-    assert worse is not None and worse.against == "champion v1" and "below champion v1" in worse.verdict["reason"]
+    assert worse is not None and worse.against == "champion v1" and "below champion v1" in worse.verdict.reason
     better = decide(spec, registry, _series(0.81, "1" * 810 + "0" * 190), False,
                     (_series(0.803, "1" * 803 + "0" * 197), "champion v1"))
     assert better.passed and better.worse_than_champion is None
@@ -63,18 +66,18 @@ def test_a_worse_candidate_is_registered_and_promoted_only_when_forced(make_spec
     got = register(spec, registry, _checkpoint(tmp_path, "cand", files=("dt=2026-01-03/part-0.parquet",)), "cand",
                    decision, registry.generation(spec.name), forced=forced)
     entry = registry.version(spec.name, got.version).entry
-    assert got.promoted is promoted and entry["status"] == status
+    assert got.promoted is promoted and entry.status == status
     assert registry.champion(spec.name).version == (2 if promoted else 1)
     if forced:
-        assert entry["forced"] == forced
-        assert registry.history(spec.name)[-1]["reason"] == "forced: hot fix for a label bug (cand)"
+        assert entry.forced == forced
+        assert registry.history(spec.name)[-1].reason == "forced: hot fix for a label bug (cand)"
 
 
 def test_a_rerun_of_the_same_run_reuses_its_version_and_does_not_promote_again(make_spec, tmp_path):
     spec = make_spec()
     ckpt = tmp_path / "ckpt" / "run" / "step-000040"
     ckpt.mkdir(parents=True)
-    (ckpt / "meta.json").write_text(json.dumps({"watermark": "2026-01-02", "global_step": 40, "parent": None}))
+    (ckpt / "meta.json").write_bytes(_meta("run"))
     registry = Registry(spec.registry_url)
     candidate = Candidate(ckpt.as_uri(), {"points": [{"step": 40, "accuracy": 0.8}]})
     first = register(spec, registry, candidate, "run", PASSED, registry.generation(spec.name))

@@ -159,3 +159,26 @@ def test_the_hugging_face_encoder_starts_from_a_local_save_pretrained_folder(tmp
     with pytest.raises(FatalError, match=r"has no config\.json"):
         recipe_for(validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": {
             "pretrained": str(tmp_path)}}))).build_model()
+
+
+def test_the_recipes_optimizer_is_the_one_the_memory_estimate_counts(make_spec):
+    """AdamW keeps two values per weight; a recipe whose optimizer is SGD with momentum keeps one,
+    and the estimate follows the hook rather than assuming AdamW."""
+    import torch
+
+    from trnflow.workload.memory import estimate, optimizer_moments
+    from trnflow.workload.recipes import for_job
+
+    spec = make_spec()
+    recipe = for_job(spec)
+    assert optimizer_moments(recipe, spec) == 2
+    adamw = estimate(spec, recipe)
+    assert adamw.optimizer == 2 * adamw.weights
+
+    class WithMomentum(type(recipe)):
+        def optimizer(self, parameters, train):
+            return torch.optim.SGD(parameters, lr=train.lr, momentum=0.9)
+
+    sgd = WithMomentum(recipe.params, recipe.data)
+    assert optimizer_moments(sgd, spec) == 1
+    assert estimate(spec, sgd).optimizer == adamw.weights

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from trnflow.cli.app import app
 from trnflow.errors import FatalError
-from trnflow.lifecycle.registry import PromotionConflict, Registry
+from trnflow.lifecycle.registry import ChampionChange, PromotionConflict, Registry
 
 
 def _entry(n: int) -> dict:
@@ -25,7 +25,7 @@ def test_versions_are_numbered_and_the_champion_moves_only_by_promotion(tmp_path
     reg.promote("m", 1)
     reg.promote("m", 2, reason="better")
     assert reg.champion("m").version == 2 and reg.champion("m").watermark == "2026-01-02"
-    assert [(h["action"], h["version"], h["previous"]) for h in reg.history("m")] == [
+    assert [(h.action, h.version, h.previous) for h in reg.history("m")] == [
         ("promote", 1, None), ("promote", 2, 1)]
     assert reg.models() == ["m"]
 
@@ -70,16 +70,16 @@ def test_two_concurrent_promotions_on_a_folder_have_one_winner(tmp_path):
     versions = [reg.register("m", _entry(n)).version for n in (1, 2)]
     for _ in range(5):
         outcomes = _race(reg, versions)
-        winners = [o for o in outcomes if isinstance(o, dict)]
+        winners = [o for o in outcomes if isinstance(o, ChampionChange)]
         assert len(winners) == 1 and sum(isinstance(o, PromotionConflict) for o in outcomes) == 1
-        assert reg.champion("m").version == winners[0]["version"]
+        assert reg.champion("m").version == winners[0].version
 
 
 def test_two_concurrent_promotions_on_s3_have_one_winner(s3_bucket):
     reg = Registry(f"s3://{s3_bucket}/registry")
     versions = [reg.register("m", _entry(n)).version for n in (1, 2)]
     outcomes = _race(reg, versions)
-    assert sum(isinstance(o, dict) for o in outcomes) == 1
+    assert sum(isinstance(o, ChampionChange) for o in outcomes) == 1
     assert len(reg.history("m")) == 1
 
 

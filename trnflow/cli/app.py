@@ -17,18 +17,17 @@ from rich.markup import escape
 
 from trnflow.cli import devices as cli_devices
 from trnflow.cli import pipeline as cli_pipeline
+from trnflow.cli import prelaunch
 from trnflow.cli import recipes as cli_recipes
 from trnflow.cli import runs as cli_runs
 from trnflow.cli import serve as cli_serve
 from trnflow.cli.cache import cache_app
-from trnflow.cli.common import JsonOpt, checked, console, err
+from trnflow.cli.common import JsonOpt, SetOpt, checked, console, err, set_overrides
 from trnflow.cli.console import RED
 from trnflow.cli.data import data_app
 from trnflow.cli.models import models_app
 from trnflow.errors import ExitCode
 from trnflow.specs import JobSpec, SpecError
-from trnflow.storage import local_path
-from trnflow.storage.datafiles import listing_problems
 
 app = typer.Typer(
     name="trnflow",
@@ -51,54 +50,25 @@ def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
     mock_aws(port=port, seed_data=seed_data)
 
 
-DATA_FIELDS = ("train", "holdout", "inference")
-
-DataCheckOpt = Annotated[bool | None, typer.Option(
-    "--data-check/--no-data-check",
-    help="Check that data.train, data.holdout and data.inference exist and hold files in data.format. "
-    "Default: the local ones, once any of them exists (a spec written before its data passes); "
-    "--data-check: every one, s3:// included; --no-data-check: none.", show_default=False)]
-
-
-def _data_report(spec: JobSpec, data_check: bool | None) -> tuple[list[str], list[str]]:
-    """The spec's data locations checked from their listings: problems as `data.FIELD: message`,
-    and notes on what was not checked and why."""
-    if data_check is False:
-        return [], []
-    urls = {f"data.{field}": getattr(spec.data, field) for field in DATA_FIELDS}
-    notes = []
-    if data_check is None:  # S3 needs credentials and a network call: only when asked for
-        remote = [field for field, url in urls.items() if url.startswith("s3://")]
-        if remote:
-            them = "them" if len(remote) > 1 else "it"
-            notes.append(f"{', '.join(remote)}: not checked, on S3; --data-check lists {them}")
-        urls = {field: url for field, url in urls.items() if field not in remote}
-        if urls and not any(local_path(url).exists() for url in urls.values()):
-            notes.append(f"{', '.join(urls)}: not checked, none exists yet (a spec written before its data); "
-                         "--data-check requires them")
-            urls = {}
-    ready = {"data.train": spec.data.ready_marker}
-    problems = [f"{field}: {message}" for field, url in urls.items()
-                for message in listing_problems(url, spec.data.format, ready.get(field))]
-    return problems, notes
-
-
 @app.command()
 def validate(
     specs: Annotated[list[Path], typer.Argument(help="One or more job spec files.")],
-    data_check: DataCheckOpt = None,
+    data_check: prelaunch.DataCheckOpt = None,
+    overrides: SetOpt = None,
     as_json: JsonOpt = False,
 ):
-    """Check job specs and their data locations; list every problem as `field.path: message`."""
+    """Check job specs (with --set overrides applied, as `run` applies them), their data locations and
+    the gate's reference; list every problem as `field.path: message`."""
     report, failed = [], False
+    changes = set_overrides(overrides)
     for path in specs:
         try:
-            spec = checked(path)
+            spec = checked(path, changes)
         except SpecError as exc:
             failed = True
             report.append({"file": str(path), "valid": False, "problems": exc.problems})
             continue
-        problems, notes = _data_report(spec, data_check)
+        problems, notes = prelaunch.report(spec, data_check)
         failed = failed or bool(problems)
         report.append({"file": str(path), "valid": not problems, "name": spec.name,
                        **({"problems": problems} if problems else {}), **({"notes": notes} if notes else {})})

@@ -12,7 +12,7 @@ from rich.table import Table
 
 from trnflow.cli.console import RED, cli_console
 from trnflow.errors import ExitCode, FatalError
-from trnflow.lifecycle.registry import PromotionConflict, Registry, RegistryCorrupt
+from trnflow.lifecycle.registry import ChampionChange, PromotionConflict, Registry, RegistryCorrupt
 from trnflow.redact import without_credentials
 from trnflow.urls import normalise_url
 from trnflow.workload.embeddings import latest_folder, point_current, version_url
@@ -65,9 +65,9 @@ def ls(model: Annotated[str | None, typer.Argument(help="One model's versions; a
             for v in versions:
                 starred = bool(champion and champion.version == v.version)
                 rows.append({"model": name, "version": v.version, "champion": starred,
-                             **{k: v.entry.get(k) for k in ("status", "watermark", "global_step", "checkpoint",
-                                                             "registered_at")},
-                             "accuracy": (v.entry.get("metrics") or {}).get("accuracy")})
+                             **v.entry.model_dump(include={"status", "watermark", "global_step", "checkpoint",
+                                                           "registered_at"}),
+                             "accuracy": v.entry.metrics.get("accuracy")})
     for problem in unreadable:
         err.print(problem, **RED)
     if as_json:
@@ -100,19 +100,20 @@ def show(model: ModelArg, version: Annotated[int | None, typer.Argument(help="De
             raise typer.Exit(ExitCode.FAILED)
         history = reg.history(model)
     if as_json:
-        print(json.dumps({"entry": entry.entry, "history": history}, indent=2))
+        print(json.dumps({"entry": entry.entry.model_dump(mode="json"),
+                          "history": [h.model_dump(mode="json") for h in history]}, indent=2))
         return
-    console.print_json(json.dumps(entry.entry))
+    console.print_json(entry.entry.model_dump_json())
     for record in history:
-        console.print(f"generation {record['generation']}: {record['action']} v{record['version']} "
-                      f"(was {'v' + str(record['previous']) if record['previous'] else 'none'}) {_when(record['at'])} "
-                      f"{record.get('reason') or ''}")
+        console.print(f"generation {record.generation}: {record.action} v{record.version} "
+                      f"(was {'v' + str(record.previous) if record.previous else 'none'}) {_when(record.at)} "
+                      f"{record.reason}")
 
 
 def _outputs(reg: Registry, model: str, version: int) -> str | None:
     """The output location of `version`, checked to hold its complete outputs (None: none recorded,
     as for a version registered before outputs were versioned)."""
-    out = reg.version(model, version).entry.get("output_url")
+    out = reg.version(model, version).entry.output_url
     if out and latest_folder(out, version) is None:
         raise FatalError(f"{model} v{version} has no complete outputs at {version_url(out, version)}, so it cannot "
                          f"be published with the change of champion; write them with `trnflow infer SPEC --model "
@@ -120,7 +121,8 @@ def _outputs(reg: Registry, model: str, version: int) -> str | None:
     return out
 
 
-def _change_champion(reg: Registry, model: str, version: int, action: str, reason: str) -> tuple[dict, str]:
+def _change_champion(reg: Registry, model: str, version: int, action: str,
+                     reason: str) -> tuple[ChampionChange, str]:
     """Make `version` the champion (`action` promote or rollback) and point `current` at its
     outputs; if the pointer cannot be moved, the change is undone by its inverse, so the history
     stays a stack. Returns the record and what was published."""
@@ -139,9 +141,9 @@ def _change_champion(reg: Registry, model: str, version: int, action: str, reaso
         why = f"publishing v{version}'s outputs failed: {exc}"
         if action == "rollback":
             assert before is not None  # a rollback needs a champion to roll back from
-            reg.promote(model, before.version, reason=why, expected_generation=record["generation"])
+            reg.promote(model, before.version, reason=why, expected_generation=record.generation)
         elif before is not None:
-            reg.rollback(model, reason=why, expected_generation=record["generation"])
+            reg.rollback(model, reason=why, expected_generation=record.generation)
         raise FatalError(f"could not publish v{version}'s outputs at {out} ({exc}); the champion is "
                          f"v{before.version if before else version} and `current` is unchanged") from None
     return record, f"{pointer['rows']} rows published as current under {without_credentials(out)}"
@@ -155,9 +157,9 @@ def promote(model: ModelArg, version: Annotated[int, typer.Argument(help="The ve
     with _registry(registry) as reg:
         record, published = _change_champion(reg, model, version, "promote", reason)
     if as_json:
-        print(json.dumps({**record, "published": published}))
+        print(json.dumps({**record.model_dump(mode="json"), "published": published}))
     else:
-        console.print(f"[green]{model} v{version} is the champion[/green] (generation {record['generation']}); "
+        console.print(f"[green]{model} v{version} is the champion[/green] (generation {record.generation}); "
                       f"{published}")
 
 
@@ -169,7 +171,7 @@ def rollback(model: ModelArg, registry: RegistryOpt = ...,
     with _registry(registry) as reg:
         record, published = _change_champion(reg, model, reg.rollback_target(model), "rollback", reason)
     if as_json:
-        print(json.dumps({**record, "published": published}))
+        print(json.dumps({**record.model_dump(mode="json"), "published": published}))
     else:
-        console.print(f"[green]{model} v{record['version']} is the champion again[/green] "
-                      f"(rolled back from v{record['previous']}); {published}")
+        console.print(f"[green]{model} v{record.version} is the champion again[/green] "
+                      f"(rolled back from v{record.previous}); {published}")

@@ -25,8 +25,10 @@ from trnflow.backends.reference import run_reference
 from trnflow.cli import render
 from trnflow.cli.common import JsonOpt, SetOpt, SpecArg, console, err, load, set_overrides
 from trnflow.cli.console import RED
+from trnflow.cli.prelaunch import refuse_unlaunchable
 from trnflow.cli.progress import training_progress
-from trnflow.errors import ChampionKept, DataError, ExitCode, GateFailed, TrnflowError
+from trnflow.errors import ChampionKept, ExitCode, GateFailed, TrnflowError
+from trnflow.neuron.compile_log import CompileProgress
 from trnflow.reporting.chart import paired_sentence
 from trnflow.results import (
     CollectivesResult,
@@ -39,7 +41,6 @@ from trnflow.results import (
 )
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
-from trnflow.storage.datafiles import data_files
 
 
 def reference(spec_path: SpecArg, overrides: SetOpt = None):
@@ -70,18 +71,15 @@ def compile_cmd(
     spec = load(spec_path, set_overrides(overrides))
     settings = TrnflowSettings()
     options = {"check": check, "retry_failed": retry_failed}
-    counts = re.compile(r"remaining items are \d+, locked are (\d+), failed are (\d+), done are (\d+), "
-                        r"total is (\d+)")
     columns = (TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                TimeElapsedColumn())
     with Progress(*columns, console=err, transient=True, disable=as_json) as progress:
         bar = progress.add_task("extracting graphs", total=None)
 
         def follow(text: str) -> None:
-            for match in counts.finditer(text):
-                locked, failed, done, total = map(int, match.groups())
-                progress.update(bar, total=total, completed=done + failed,
-                                description=f"locked {locked}, failed {failed}")
+            for p in CompileProgress.each_in(text):
+                progress.update(bar, total=p.total, completed=p.done + p.failed,
+                                description=f"locked {p.locked}, failed {p.failed}")
 
         try:
             backend = backend_for(spec, settings)
@@ -122,19 +120,6 @@ def _check_run_id(run_id: str | None) -> None:
         raise typer.Exit(ExitCode.BAD_INPUT)
 
 
-def _check_data(spec: JobSpec) -> None:
-    """Refuse local data folders that are missing or hold no files of `data.format` before the
-    pipeline starts (S3 data is listed by the stages that read it)."""
-    for field in ("train", "holdout", "inference"):
-        url = getattr(spec.data, field)
-        if url and url.startswith("file://"):
-            try:
-                data_files(url, spec.data.format)
-            except DataError as exc:
-                err.print(f"data.{field}: {exc}", **RED)
-                raise typer.Exit(ExitCode.BAD_INPUT) from None
-
-
 def fresh_run_id() -> str:
     return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
 
@@ -171,11 +156,10 @@ def _gate_notes(results: dict[str, StageResult]) -> None:
     verdict = evaluated.verdict if isinstance(evaluated, EvaluateResult) else None
     if not verdict:
         return
-    for who, check in (verdict.get("checks") or {"": verdict}).items():
-        if check.get("paired"):
+    for who, check in verdict.each().items():
+        if check.paired:
             label = f"against {who}: " if who else ""
-            console.print(f"{label}{paired_sentence(check['paired'], check.get('max_abs_diff', 0.0))}",
-                          highlight=False)
+            console.print(f"{label}{paired_sentence(check.paired, check.max_abs_diff)}", highlight=False)
 
 
 def _exit_code(cause: BaseException) -> ExitCode:
@@ -262,7 +246,7 @@ def run(
         extra["compute.backend"] = backend
     _check_run_id(run_id)
     spec = load(spec_path, extra)
-    _check_data(spec)
+    refuse_unlaunchable(spec, str(spec_path))
     from trnflow.flows.pipeline import STAGES, pipeline  # heavy: prefect and torch
 
     _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json, **forced)
@@ -284,6 +268,7 @@ def retrain(
         err.print(f"{spec_path}: registry_url: retraining keeps its champion and watermark in a model "
                   "registry; set registry_url", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
+    refuse_unlaunchable(spec, str(spec_path))
     from trnflow.flows.incremental_retrain import STAGES, incremental_retrain  # heavy: prefect and torch
 
     _run_flow(incremental_retrain, STAGES, "trnflow retrain", spec, run_id, as_json, **forced)

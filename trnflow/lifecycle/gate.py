@@ -24,6 +24,7 @@ from statistics import NormalDist
 from typing import Any
 
 from trnflow.errors import DataError
+from trnflow.records import PairedCheck, Verdict, VerdictPoint
 from trnflow.storage import open_store
 
 FORMAT = 1
@@ -99,36 +100,36 @@ def rows_needed(discordant: float, delta: float, alpha: float, power: float = PO
     return math.ceil((z_a * math.sqrt(psi) + z_b * math.sqrt(psi - delta ** 2)) ** 2 / delta ** 2)
 
 
-def paired_check(candidate: dict, reference: dict, delta: float, alpha: float) -> dict[str, Any]:
+def paired_check(candidate: dict, reference: dict, delta: float, alpha: float) -> PairedCheck:
     """McNemar's test on per-example outcomes, when both documents have them for the same holdout."""
     cand, ref = candidate.get("predictions"), reference.get("predictions")
     if not cand or not ref:
-        return {"available": False, "reason": "per-example predictions missing on the "
-                f"{'candidate' if not cand else 'reference'} side"}
+        return PairedCheck(available=False, reason="per-example predictions missing on the "
+                           f"{'candidate' if not cand else 'reference'} side")
     if candidate.get("holdout_sha256") != reference.get("holdout_sha256"):
-        return {"available": False, "reason": "the two runs were evaluated on different holdout sets"}
+        return PairedCheck(available=False, reason="the two runs were evaluated on different holdout sets")
     if cand["step"] != ref["step"]:
-        return {"available": False, "reason": f"predictions are at different steps ({cand['step']} and {ref['step']})"}
+        return PairedCheck(available=False,
+                           reason=f"predictions are at different steps ({cand['step']} and {ref['step']})")
     if len(cand["correct"]) != len(ref["correct"]) or not cand["correct"]:
-        return {"available": False, "reason": f"predictions cover {len(cand['correct'])} and {len(ref['correct'])} "
-                "rows: not the same holdout"}
+        return PairedCheck(available=False, reason=f"predictions cover {len(cand['correct'])} and "
+                           f"{len(ref['correct'])} rows: not the same holdout")
     pairs = list(zip(cand["correct"], ref["correct"], strict=True))
     candidate_only = sum(1 for c, r in pairs if c == "1" and r == "0")
     reference_only = sum(1 for c, r in pairs if c == "0" and r == "1")
     rows = len(pairs)
     p = mcnemar_p(candidate_only, reference_only)
     needed = rows_needed((candidate_only + reference_only) / rows, delta, alpha)
-    return {
-        "available": True, "step": cand["step"], "rows": rows,
-        "both_right": sum(1 for c, r in pairs if c == r == "1"), "candidate_only": candidate_only,
-        "reference_only": reference_only, "both_wrong": sum(1 for c, r in pairs if c == r == "0"),
-        "p_value": p, "alpha": alpha, "significant": p < alpha,
-        "rows_needed": needed, "underpowered": rows < needed,
-    }
+    return PairedCheck(
+        available=True, step=cand["step"], rows=rows,
+        both_right=sum(1 for c, r in pairs if c == r == "1"), candidate_only=candidate_only,
+        reference_only=reference_only, both_wrong=sum(1 for c, r in pairs if c == r == "0"),
+        p_value=p, alpha=alpha, significant=p < alpha, rows_needed=needed, underpowered=rows < needed,
+    )
 
 
 def no_regression(candidate: dict, champion: dict, metric: str, max_abs_diff: float, champion_label: str,
-                  alpha: float = 0.05) -> dict[str, Any]:
+                  alpha: float = 0.05) -> Verdict:
     """The verdict of a retrained model against the champion it started from: its final point may
     be better by any amount, and worse by at most `max_abs_diff`. The two series come from
     different runs on different data windows, so their last points are compared, not their steps."""
@@ -140,20 +141,16 @@ def no_regression(candidate: dict, champion: dict, metric: str, max_abs_diff: fl
         predictions = document.get("predictions")
         return {**document, "predictions": predictions and {**predictions, "step": "final"}}
 
-    verdict: dict[str, Any] = {
-        "metric": metric, "mode": "no-regression", "max_abs_diff": max_abs_diff, "passed": passed,
-        "points": [{"step": last["step"], "global_step": last.get("global_step", last["step"]),
-                    "candidate": last[metric], "reference": best[metric], "diff": diff, "passed": passed}],
-        "paired": paired_check(final(candidate), final(champion), max_abs_diff, alpha),
-    }
-    if not passed:
-        verdict["reason"] = (f"{metric} {last[metric]:.4f} is {-diff:.4f} below {champion_label}'s "
-                             f"{best[metric]:.4f} (allowed regression {max_abs_diff})")
-    return verdict
+    point = VerdictPoint(step=last["step"], global_step=last.get("global_step", last["step"]),
+                         candidate=last[metric], reference=best[metric], diff=diff, passed=passed)
+    reason = None if passed else (f"{metric} {last[metric]:.4f} is {-diff:.4f} below {champion_label}'s "
+                                  f"{best[metric]:.4f} (allowed regression {max_abs_diff})")
+    return Verdict(metric=metric, mode="no-regression", max_abs_diff=max_abs_diff, passed=passed, points=[point],
+                   paired=paired_check(final(candidate), final(champion), max_abs_diff, alpha), reason=reason)
 
 
 def compare(candidate: dict | list[dict], reference: dict | list[dict], metric: str, max_abs_diff: float,
-            mode: str = "every-point", alpha: float = 0.05, fail_on_significant: bool = False) -> dict[str, Any]:
+            mode: str = "every-point", alpha: float = 0.05, fail_on_significant: bool = False) -> Verdict:
     """The verdict: every matched point with both values, their difference and pass or fail, plus
     the paired check. Documents or bare point lists are accepted."""
     cand_doc = candidate if isinstance(candidate, dict) else {"points": candidate}
@@ -165,39 +162,31 @@ def compare(candidate: dict | list[dict], reference: dict | list[dict], metric: 
             continue
         ref = ref_by_step[point["step"]]
         diff = point[metric] - ref
-        rows.append({"step": point["step"], "global_step": point.get("global_step", point["step"]),
-                     "candidate": point[metric], "reference": ref, "diff": diff, "passed": abs(diff) <= max_abs_diff})
-    verdict: dict[str, Any] = {"metric": metric, "mode": mode, "max_abs_diff": max_abs_diff, "points": rows,
-                               "paired": paired_check(cand_doc, ref_doc, max_abs_diff, alpha)}
+        rows.append(VerdictPoint(step=point["step"], global_step=point.get("global_step", point["step"]),
+                                 candidate=point[metric], reference=ref, diff=diff, passed=abs(diff) <= max_abs_diff))
+    paired = paired_check(cand_doc, ref_doc, max_abs_diff, alpha)
     if not rows:
-        verdict["passed"] = False
-        verdict["reason"] = (
+        return Verdict(metric=metric, mode=mode, max_abs_diff=max_abs_diff, passed=False, paired=paired, reason=(
             f"no common evaluation step: candidate steps {[p['step'] for p in cand_doc['points']]}, "
-            f"reference steps {sorted(ref_by_step)}; evaluate both at the same steps"
-        )
-        return verdict
+            f"reference steps {sorted(ref_by_step)}; evaluate both at the same steps"))
     judged = rows if mode == "every-point" else rows[-1:]
-    failing = [r for r in judged if not r["passed"]]
-    reasons = [f"step {r['step']}: {metric} {r['candidate']:.4f} vs reference {r['reference']:.4f} "
-               f"(diff {r['diff']:+.4f}, allowed ±{max_abs_diff})" for r in failing]
-    paired = verdict["paired"]
-    if fail_on_significant and paired.get("significant"):
-        reasons.append(f"McNemar's test finds the two models differ (p = {paired['p_value']:.2g} < {alpha})")
-    verdict["passed"] = not reasons
-    if reasons:
-        verdict["reason"] = "; ".join(reasons)
-    return verdict
+    reasons = [f"step {r.step}: {metric} {r.candidate:.4f} vs reference {r.reference:.4f} "
+               f"(diff {r.diff:+.4f}, allowed ±{max_abs_diff})" for r in judged if not r.passed]
+    if fail_on_significant and paired.significant:
+        reasons.append(f"McNemar's test finds the two models differ (p = {paired.p_value:.2g} < {alpha})")
+    return Verdict(metric=metric, mode=mode, max_abs_diff=max_abs_diff, passed=not reasons, points=rows,
+                   paired=paired, reason="; ".join(reasons) or None)
 
 
-def headline(verdict: dict[str, Any], against: str) -> str:
+def headline(verdict: Verdict, against: str) -> str:
     """A failed verdict in one short line (a run's state message, which the UI shows up to about 70
     characters): the point furthest outside the band, then how many others are; the whole reason
     when no point failed."""
-    failing = [p for p in verdict.get("points", []) if not p["passed"]]
+    failing = [p for p in verdict.points if not p.passed]
     if not failing:
-        return f"against {against}: {verdict.get('reason', 'failed')}"
-    worst = max(failing, key=lambda p: abs(p["diff"]))
+        return f"against {against}: {verdict.reason or 'failed'}"
+    worst = max(failing, key=lambda p: abs(p.diff))
     others = len(failing) - 1
     more = f"; {others} more step{'s' if others > 1 else ''} outside it" if others else ""
-    return (f"{verdict['metric']} {worst['diff']:+.4f} vs {against} at step {worst['step']} (allowed "
-            f"{verdict['max_abs_diff']}){more}")
+    return (f"{verdict.metric} {worst.diff:+.4f} vs {against} at step {worst.step} (allowed "
+            f"{verdict.max_abs_diff}){more}")

@@ -17,7 +17,8 @@ from typing import Any
 
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import compare, no_regression, parse_metrics, read_series
-from trnflow.lifecycle.registry import Registry
+from trnflow.lifecycle.registry import Registry, RegistryEntry, VerdictSummary
+from trnflow.records import CheckpointMeta, Verdict, read
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 
@@ -27,7 +28,7 @@ class Check:
     """One comparison the candidate must pass: its verdict, the series it was judged against
     (None when there was nothing to compare with) and what that series is."""
 
-    verdict: dict[str, Any]
+    verdict: Verdict
     reference: dict[str, Any] | None
     against: str
     champion: bool = False
@@ -39,23 +40,23 @@ class Decision:
     """Every check of one candidate, and the verdict they add up to."""
 
     checks: list[Check]
-    verdict: dict[str, Any]
+    verdict: Verdict
     """The one check's verdict, or for several: passed only when all passed, each under `checks`."""
     against: str
 
     @property
     def passed(self) -> bool:
-        return bool(self.verdict["passed"])
+        return self.verdict.passed
 
     @property
     def gate_passed(self) -> bool:
         """Whether the accuracy-parity checks passed (the champion's protection aside)."""
-        return all(c.verdict["passed"] for c in self.checks if not c.champion)
+        return all(c.verdict.passed for c in self.checks if not c.champion)
 
     @property
     def worse_than_champion(self) -> Check | None:
         """The champion's check, when the candidate passed the gate but failed it."""
-        failed = [c for c in self.checks if c.champion and not c.verdict["passed"]]
+        failed = [c for c in self.checks if c.champion and not c.verdict.passed]
         return failed[0] if failed and self.gate_passed else None
 
     @property
@@ -146,19 +147,27 @@ def recorded_series(checkpoint: str) -> dict | None:
     return None if series is None else up_to(series, step_of(checkpoint))
 
 
+def meta_of(checkpoint: str) -> CheckpointMeta | None:
+    """A trnflow checkpoint's meta.json (a RecordError naming the file and field when it is
+    malformed); None when there is none (a plain state_dict file)."""
+    try:
+        data = open_store(checkpoint).read("meta.json")
+    except FileNotFoundError:
+        return None
+    return read(CheckpointMeta, data, f"{checkpoint}/meta.json")
+
+
 def recipe_of(checkpoint: str) -> dict | None:
     """The recipe (name, version and params) a trnflow checkpoint was trained with."""
-    try:
-        return json.loads(open_store(checkpoint).read("meta.json")).get("recipe")
-    except (FileNotFoundError, ValueError):
-        return None
+    meta = meta_of(checkpoint)
+    return meta.recipe if meta else None
 
 
 def incomparable(spec: JobSpec, who: str, reason: str) -> Check:
     """The champion's check when the candidate cannot be compared with it: failed, so the champion
     stays unless a promotion is forced."""
-    verdict = {"passed": False, "metric": spec.gate.metric, "mode": "no-regression", "points": [],
-               "max_abs_diff": spec.gate.max_abs_diff, "reason": reason}
+    verdict = Verdict(passed=False, metric=spec.gate.metric, mode="no-regression",
+                      max_abs_diff=spec.gate.max_abs_diff, reason=reason)
     return Check(verdict, None, who, champion=True)
 
 
@@ -195,9 +204,9 @@ def reference_series(spec: JobSpec, registry: Registry | None) -> tuple[dict | N
     return document, str(document.get("source") or name)
 
 
-def _baseline(spec: JobSpec, mode: str, reason: str) -> dict[str, Any]:
-    return {"passed": True, "metric": spec.gate.metric, "mode": mode, "points": [],
-            "max_abs_diff": spec.gate.max_abs_diff, "reason": reason}
+def _baseline(spec: JobSpec, mode: str, reason: str) -> Verdict:
+    return Verdict(passed=True, metric=spec.gate.metric, mode=mode, max_abs_diff=spec.gate.max_abs_diff,
+                   reason=reason)
 
 
 def protect(spec: JobSpec, candidate: dict, champion: dict, who: str) -> Check:
@@ -206,13 +215,13 @@ def protect(spec: JobSpec, candidate: dict, champion: dict, who: str) -> Check:
     McNemar's test must also not find the champion better."""
     gate = spec.gate
     verdict = no_regression(candidate, champion, gate.metric, gate.max_abs_diff, who, gate.significance)
-    paired = verdict["paired"]
-    if (verdict["passed"] and gate.fail_on_significant and paired.get("significant")
-            and paired["reference_only"] > paired["candidate_only"]):
-        verdict["passed"] = verdict["points"][0]["passed"] = False
-        verdict["reason"] = (f"McNemar's test finds {who} better on the same holdout (it alone is right on "
-                             f"{paired['reference_only']} rows, the candidate alone on {paired['candidate_only']}; "
-                             f"p = {paired['p_value']:.2g} < {gate.significance})")
+    paired = verdict.paired
+    if (verdict.passed and gate.fail_on_significant and paired and paired.significant
+            and paired.reference_only > paired.candidate_only):
+        verdict.passed = verdict.points[0].passed = False
+        verdict.reason = (f"McNemar's test finds {who} better on the same holdout (it alone is right on "
+                          f"{paired.reference_only} rows, the candidate alone on {paired.candidate_only}; "
+                          f"p = {paired.p_value:.2g} < {gate.significance})")
     return Check(verdict, champion, who, champion=True)
 
 
@@ -251,22 +260,21 @@ def decide(spec: JobSpec, registry: Registry | None, candidate: dict, against_ch
     checks = _checks(spec, registry, candidate, against_champion, champion)
     if len(checks) == 1:
         return Decision(checks, checks[0].verdict, checks[0].against)
-    failed = [f"against {c.against}: {c.verdict['reason']}" for c in checks if not c.verdict["passed"]]
-    verdict = {**checks[0].verdict, "passed": not failed, "reason": "; ".join(failed) or None,
-               "checks": {c.against: c.verdict for c in checks}}
+    failed = [f"against {c.against}: {c.verdict.reason}" for c in checks if not c.verdict.passed]
+    verdict = checks[0].verdict.model_copy(update={"passed": not failed, "reason": "; ".join(failed) or None,
+                                                   "checks": {c.against: c.verdict for c in checks}})
     return Decision(checks, verdict, " and ".join(c.against for c in checks))
 
 
-def inputs_digest(spec: JobSpec, meta: dict) -> str:
+def inputs_digest(spec: JobSpec, meta: CheckpointMeta) -> str:
     """What a trained model is a function of: the spec, the recipe, the model it started from and
     the data files it read (names, sizes and modification times: a file rewritten in place is new
     data). Two runs with the same digest train the same model."""
-    data = meta.get("data") or {}
-    read = set(data.get("files") or [])
-    sizes = sorted((o.name, o.size, o.modified) for o in open_store(spec.data.train).list() if o.name in read) \
-        if read else []
-    blob = {"spec": spec.digest(), "recipe": meta.get("recipe"), "parent": meta.get("parent"),
-            "watermark": meta.get("watermark"), "files": sorted(read), "sizes": sizes, "rows": data.get("rows")}
+    files = set(meta.data.files)
+    sizes = sorted((o.name, o.size, o.modified) for o in open_store(spec.data.train).list() if o.name in files) \
+        if files else []
+    blob = {"spec": spec.digest(), "recipe": meta.recipe, "parent": meta.parent,
+            "watermark": meta.watermark, "files": sorted(files), "sizes": sizes, "rows": meta.data.rows}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
 
@@ -283,13 +291,16 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
     `forced` gives the reason to promote it anyway) and `promote`, make it the champion unless the
     champion changed since `generation`."""
     checkpoint, verdict = candidate.checkpoint, decision.verdict
-    meta = json.loads(open_store(checkpoint).read("meta.json"))
+    meta = meta_of(checkpoint)
+    if meta is None:
+        raise FatalError(f"{checkpoint}: has no meta.json, so it is not a checkpoint a trnflow run trained; "
+                         "only those are registered")
     inputs = inputs_digest(spec, meta)
     versions = registry.versions(spec.name)
     by_checkpoint = {v.checkpoint: v.version for v in versions}
     reason = f"forced: {forced} ({run_id})" if forced else f"gate passed ({run_id})"
     promotable = promote and (decision.passed or forced is not None)
-    same = [v for v in versions if v.checkpoint == checkpoint or v.entry.get("inputs") == inputs]
+    same = [v for v in versions if v.checkpoint == checkpoint or v.entry.inputs == inputs]
     if same:  # a rerun: of the same run, or of the same spec on the same data
         version = same[0].version
         champion = registry.champion(spec.name)
@@ -299,16 +310,15 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
         return Registration(version, bool(promoted), generation, same[0].checkpoint, registered_before=True,
                             forced=forced is not None)
     status = _status(decision, forced)
-    entry = registry.register(spec.name, {
-        "checkpoint": checkpoint, "run_id": run_id, "status": status,
-        "metrics": candidate.series["points"][-1], "series": f"{candidate.run_url}/metrics.json",
-        "watermark": meta.get("watermark"), "global_step": meta.get("global_step"),
-        "parent": meta.get("parent"), "parent_version": by_checkpoint.get(meta.get("parent")),
-        "recipe": meta.get("recipe"), "export": meta.get("export"), "inputs": inputs,
-        "output_url": spec.inference.output_url,
-        "spec_digest": spec.digest(), "verdict": {k: verdict.get(k) for k in ("passed", "mode", "reason", "paired")},
-        **({"forced": forced} if forced else {}),
-    })
+    entry = registry.register(spec.name, RegistryEntry(
+        checkpoint=checkpoint, run_id=run_id, status=status,
+        metrics=candidate.series["points"][-1], series=f"{candidate.run_url}/metrics.json",
+        watermark=meta.watermark, global_step=meta.global_step,
+        parent=meta.parent, parent_version=by_checkpoint.get(meta.parent) if meta.parent else None,
+        recipe=meta.recipe, export=meta.export, inputs=inputs, output_url=spec.inference.output_url,
+        spec_digest=spec.digest(), forced=forced,
+        verdict=VerdictSummary(passed=verdict.passed, mode=verdict.mode, reason=verdict.reason, paired=verdict.paired),
+    ))
     promoted = bool(promotable)
     if promoted:
         registry.promote(spec.name, entry.version, reason=reason, expected_generation=generation)
@@ -320,13 +330,13 @@ def summary(spec: JobSpec, decision: Decision, final: float, registration: Regis
     gate, verdicts = spec.gate, [c.verdict for c in decision.checks]
     if decision.reference is None and len(verdicts) == 1:
         text = f"{gate.metric} {final:.4f}; {decision.against}, recorded as baseline"
-    elif all(v["mode"] == "no-regression" for v in verdicts):  # better by any amount, worse by at most the band
-        change = min((p["diff"] for v in verdicts for p in v["points"]), default=0.0)
+    elif all(v.mode == "no-regression" for v in verdicts):  # better by any amount, worse by at most the band
+        change = min((p.diff for v in verdicts for p in v.points), default=0.0)
         text = (f"{gate.metric} {final:.4f}, {change:+.4f} vs {decision.against} (allowed regression "
                 f"{gate.max_abs_diff}): passed")
     else:
-        rows = [p for v in verdicts for p in (v["points"] if v["mode"] == "every-point" else v["points"][-1:])]
-        worst = max((abs(p["diff"]) for p in rows), default=0.0)
+        rows = [p for v in verdicts for p in (v.points if v.mode == "every-point" else v.points[-1:])]
+        worst = max((abs(p.diff) for p in rows), default=0.0)
         text = f"{gate.metric} {final:.4f}, max |diff| {worst:.4f} <= {gate.max_abs_diff} vs {decision.against}: passed"
     if registration is not None and registration.promoted:
         text += f"; champion v{registration.version}"

@@ -1,12 +1,14 @@
-"""Before a run trains: every location it will write is writable, and the registry it will judge
-and register in can be read whole. A run that would fail on these after hours of training fails
-in seconds instead, naming the location and what is wrong."""
+"""Before a run trains: every location it will write is writable, the registry it will judge and
+register in can be read whole, and the reference it will be judged against is there. A run that
+would fail on these after hours of training fails in seconds instead, naming the location and what
+is wrong."""
 
 from __future__ import annotations
 
 import uuid
 
-from trnflow.errors import FatalError
+from trnflow.errors import DataError, FatalError
+from trnflow.lifecycle.gate import parse_metrics
 from trnflow.lifecycle.registry import Registry, RegistryCorrupt
 from trnflow.redact import without_credentials
 from trnflow.specs import JobSpec
@@ -37,10 +39,14 @@ def locations(spec: JobSpec) -> dict[str, str]:
 
 
 def check_locations(spec: JobSpec) -> None:
-    """FatalError naming each location that cannot be written, and a registry file that cannot be read."""
+    """FatalError naming each location that cannot be written, a registry file that cannot be read,
+    and a gate reference file that is missing or malformed."""
     problems = [f"{field} {without_credentials(url)}: cannot be written ({why}); make it writable for "
                 "this run, or point the field elsewhere"
                 for field, url in locations(spec).items() if (why := _probe(url)) is not None]
+    reference = reference_problem(spec)
+    if reference:
+        problems.append(reference)
     if spec.registry_url:
         try:
             Registry(spec.registry_url).check(spec.name)
@@ -48,3 +54,25 @@ def check_locations(spec: JobSpec) -> None:
             problems.append(f"registry_url: {exc}")
     if problems:
         raise FatalError("before training: " + "; ".join(problems))
+
+
+def reference_problem(spec: JobSpec, remote: bool = True) -> str | None:
+    """What is wrong with `gate.reference` when it names a metrics file: missing, unreadable, or not
+    a metrics file with `gate.metric` at every point. None when it is fine, or is `champion` or
+    unset; an s3:// one is read only when `remote`."""
+    reference = spec.gate.reference
+    if reference is None or reference == "champion" or (reference.startswith("s3://") and not remote):
+        return None
+    base, _, name = reference.rpartition("/")
+    try:
+        text = open_store(base).read(name).decode()
+    except FileNotFoundError:
+        return (f"gate.reference: {reference} does not exist; create it with `trnflow reference SPEC`, or point "
+                "gate.reference at an existing metrics file")
+    except Exception as exc:  # permissions, a missing bucket, bytes that are not text
+        return f"gate.reference: {reference} cannot be read ({type(exc).__name__}: {exc})"
+    try:
+        parse_metrics(text, reference, spec.gate.metric)
+    except DataError as exc:
+        return f"gate.reference: {exc}"
+    return None

@@ -14,13 +14,15 @@ history of champions is the list of generation records.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
+
+from pydantic import Field, StrictFloat, StrictInt
 
 from trnflow.errors import FatalError, TrnflowError
+from trnflow.records import PairedCheck, Record, RecordError, dump, read
 from trnflow.storage import Store, open_store
 
 _VERSION = re.compile(r"versions/v(\d{6})\.json$")
@@ -41,19 +43,66 @@ class RegistryCorrupt(FatalError):
         self.url = url
 
 
+class VerdictSummary(Record):
+    """The gate's verdict as a version's entry keeps it."""
+
+    passed: bool
+    mode: str
+    reason: str | None = None
+    paired: PairedCheck | None = None
+
+
+class RegistryEntry(Record):
+    """One registered model version (`versions/vNNNNNN.json`). Only `checkpoint` is required: a
+    model registered by hand has nothing else to say."""
+
+    checkpoint: str = Field(description="the model's checkpoint")
+    model: str | None = Field(None, description="the model's name (the spec's `name`); set on registration")
+    version: int | None = Field(None, description="its version number; set on registration")
+    registered_at: float | None = Field(None, description="when (Unix seconds); set on registration")
+    run_id: str | None = Field(None, description="the run that trained it")
+    status: Literal["passed", "rejected", "worse-than-champion"] | None = Field(
+        None, description="the gate's decision: passed, rejected, or passed but worse than the champion")
+    metrics: dict[str, StrictInt | StrictFloat | None] = Field(default_factory=dict,
+                                                               description="its last evaluation point")
+    series: str | None = Field(None, description="its metric series (metrics.json)")
+    watermark: str | None = Field(None, description="the newest day partition it has seen")
+    global_step: int | None = None
+    parent: str | None = Field(None, description="the checkpoint it was trained further from")
+    parent_version: int | None = Field(None, description="that checkpoint's version, when registered")
+    recipe: dict[str, Any] | None = Field(None, description="its recipe: name, version and params")
+    export: str | None = Field(None, description="the model in its own library's format")
+    inputs: str | None = Field(None, description="the digest of what it was trained from: a rerun finds it")
+    output_url: str | None = Field(None, description="where its inference outputs are published")
+    spec_digest: str | None = None
+    verdict: VerdictSummary | None = None
+    forced: str | None = Field(None, description="why it was promoted although worse than the champion")
+
+
+class ChampionChange(Record):
+    """One change of champion (`champion/gNNNNNN.json`)."""
+
+    generation: int = Field(ge=1)
+    version: int = Field(ge=1, description="the champion from this generation on")
+    action: Literal["promote", "rollback"]
+    reason: str = ""
+    previous: int | None = Field(None, description="the champion it replaced")
+    at: float = Field(description="when (Unix seconds)")
+
+
 @dataclass(frozen=True)
 class ModelVersion:
     model: str
     version: int
-    entry: dict[str, Any]
+    entry: RegistryEntry
 
     @property
     def checkpoint(self) -> str:
-        return self.entry["checkpoint"]
+        return self.entry.checkpoint
 
     @property
     def watermark(self) -> str | None:
-        return self.entry.get("watermark")
+        return self.entry.watermark
 
 
 class Registry:
@@ -69,17 +118,19 @@ class Registry:
                 found.append(int(match.group(1)))
         return sorted(found)
 
-    def _read(self, name: str) -> dict:
+    def _read(self, name: str, kind: type[RegistryEntry] | type[ChampionChange]) -> Any:
         model = name.split("/", 1)[0]
         try:
-            record = json.loads(self.store.read(name))
+            data = self.store.read(name)
         except FileNotFoundError:
             raise FatalError(f"{self.url}/{name}: not in the registry; `trnflow models ls {model} -r {self.url}` "
                              "lists the versions it has") from None
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise RegistryCorrupt(f"{self.url}/{name}", str(exc)) from None
-        if not isinstance(record, dict) or not isinstance(record.get("version"), int):
-            raise RegistryCorrupt(f"{self.url}/{name}", "not a registry record (no integer 'version')")
+        try:
+            record = read(kind, data, f"{self.url}/{name}")
+        except RecordError as exc:
+            raise RegistryCorrupt(exc.origin, exc.problem) from None
+        if isinstance(record, RegistryEntry) and record.version is None:
+            raise RegistryCorrupt(f"{self.url}/{name}", "version: missing")
         return record
 
     def models(self) -> list[str]:
@@ -107,38 +158,43 @@ class Registry:
         self.history(model)
 
     def version(self, model: str, version: int) -> ModelVersion:
-        return ModelVersion(model, version, self._read(f"{model}/versions/v{version:06d}.json"))
+        return ModelVersion(model, version, self._read(f"{model}/versions/v{version:06d}.json", RegistryEntry))
 
-    def register(self, model: str, entry: dict[str, Any]) -> ModelVersion:
+    def register(self, model: str, entry: RegistryEntry | dict[str, Any]) -> ModelVersion:
         """Add a new version (the next free number, even when several runs register at once)."""
+        if isinstance(entry, dict):
+            entry = RegistryEntry.model_validate(entry)
         number = (self._numbers(model, _VERSION, "versions") or [0])[-1] + 1
         while True:
-            record = {**entry, "model": model, "version": number, "registered_at": round(time.time(), 3)}
-            if self.store.create(f"{model}/versions/v{number:06d}.json", json.dumps(record, indent=2).encode()):
+            record = entry.model_copy(update={"model": model, "version": number,
+                                              "registered_at": round(time.time(), 3)})
+            if self.store.create(f"{model}/versions/v{number:06d}.json", dump(record)):
                 return ModelVersion(model, number, record)
             number += 1
 
-    def history(self, model: str) -> list[dict]:
+    def history(self, model: str) -> list[ChampionChange]:
         """Every change of champion, oldest first."""
-        return [self._read(f"{model}/champion/g{g:06d}.json") for g in self._numbers(model, _GENERATION, "champion")]
+        return [self._read(f"{model}/champion/g{g:06d}.json", ChampionChange)
+                for g in self._numbers(model, _GENERATION, "champion")]
 
     def _champion_at(self, model: str, generation: int) -> int | None:
         """The champion's version as of `generation` (None before the first promotion)."""
-        return self._read(f"{model}/champion/g{generation:06d}.json")["version"] if generation else None
+        return self._read(f"{model}/champion/g{generation:06d}.json", ChampionChange).version if generation else None
 
     def champion(self, model: str) -> ModelVersion | None:
         version = self._champion_at(model, self.generation(model))
         return None if version is None else self.version(model, version)
 
-    def _set_champion(self, model: str, version: int, action: str, expected: int | None, reason: str) -> dict:
+    def _set_champion(self, model: str, version: int, action: Literal["promote", "rollback"], expected: int | None,
+                      reason: str) -> ChampionChange:
         self.version(model, version)  # it must exist
         current = self.generation(model)
         if expected is not None and current != expected:
             raise PromotionConflict(self._conflict(model, version))
         # the champion this change replaces is the one at `current`, whatever happens meanwhile
-        record = {"generation": current + 1, "version": version, "action": action, "reason": reason,
-                  "previous": self._champion_at(model, current), "at": round(time.time(), 3)}
-        if not self.store.create(f"{model}/champion/g{current + 1:06d}.json", json.dumps(record, indent=2).encode()):
+        record = ChampionChange(generation=current + 1, version=version, action=action, reason=reason,
+                                previous=self._champion_at(model, current), at=round(time.time(), 3))
+        if not self.store.create(f"{model}/champion/g{current + 1:06d}.json", dump(record)):
             raise PromotionConflict(self._conflict(model, version))
         return record
 
@@ -152,7 +208,8 @@ class Registry:
         generations = self._numbers(model, _GENERATION, "champion")
         return generations[-1] if generations else 0
 
-    def promote(self, model: str, version: int, reason: str = "", expected_generation: int | None = None) -> dict:
+    def promote(self, model: str, version: int, reason: str = "",
+                expected_generation: int | None = None) -> ChampionChange:
         """Make `version` the champion. With `expected_generation` (what the caller saw when it
         decided), a champion that changed since is a PromotionConflict rather than overwritten."""
         return self._set_champion(model, version, "promote", expected_generation, reason)
@@ -162,15 +219,18 @@ class Registry:
         (repeatable: each rollback goes one promotion further back)."""
         stack: list[int] = []
         for record in self.history(model):
-            if record["action"] == "rollback":
+            if record.action == "promote":
+                stack.append(record.version)
+            elif stack:  # a rollback undoes the promotion before it
                 stack.pop()
             else:
-                stack.append(record["version"])
+                raise RegistryCorrupt(f"{self.url}/{model}/champion/g{record.generation:06d}.json",
+                                      "action: a rollback with no promotion before it")
         if len(stack) < 2:
             raise FatalError(f"{model}: there is no earlier champion to roll back to")
         return stack[-2]
 
-    def rollback(self, model: str, reason: str = "", expected_generation: int | None = None) -> dict:
+    def rollback(self, model: str, reason: str = "", expected_generation: int | None = None) -> ChampionChange:
         """Make the champion before the current one the champion again."""
         generation = self.generation(model) if expected_generation is None else expected_generation
         return self._set_champion(model, self.rollback_target(model), "rollback", generation, reason)

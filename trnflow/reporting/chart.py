@@ -4,16 +4,17 @@ allowed band, as a PNG."""
 from __future__ import annotations
 
 import io
-from typing import Any
+
+from trnflow.records import PairedCheck, Verdict
 
 
-def parity_png(verdict: dict[str, Any], candidate: list[dict], reference: list[dict] | None, title: str) -> bytes:
+def parity_png(verdict: Verdict, candidate: list[dict], reference: list[dict] | None, title: str) -> bytes:
     import matplotlib  # ~0.5 s to import: only a chart pays for it
 
     matplotlib.use("Agg")  # no display: render to a buffer
     from matplotlib.figure import Figure  # after choosing the Agg backend
 
-    metric, band = verdict.get("metric", "accuracy"), verdict.get("max_abs_diff", 0.0)
+    metric, band = verdict.metric, verdict.max_abs_diff
     fig = Figure(figsize=(7, 4), dpi=110)
     ax = fig.subplots()
     steps = [p.get("global_step", p["step"]) for p in candidate]
@@ -27,10 +28,10 @@ def parity_png(verdict: dict[str, Any], candidate: list[dict], reference: list[d
             ax.plot(xs, ys, marker="s", label="reference", color="tab:gray")
             ax.fill_between(xs, [y - band for y in ys], [y + band for y in ys], color="tab:gray", alpha=0.25,
                             label=f"allowed band (±{band:g})")
-    for row in verdict.get("points", []):
-        if not row["passed"]:
-            ax.scatter([row["global_step"]], [row["candidate"]], color="tab:red", s=80, zorder=4)
-    outcome = "passed" if verdict.get("passed") else "FAILED"
+    for row in verdict.points:
+        if not row.passed:
+            ax.scatter([row.global_step], [row.candidate], color="tab:red", s=80, zorder=4)
+    outcome = "passed" if verdict.passed else "FAILED"
     ax.set(title=f"{title}: gate {outcome}", xlabel="global step", ylabel=metric)
     ax.grid(alpha=0.3)
     ax.legend(loc="lower right")
@@ -40,40 +41,39 @@ def parity_png(verdict: dict[str, Any], candidate: list[dict], reference: list[d
     return buffer.getvalue()
 
 
-def verdict_markdown(verdict: dict[str, Any], title: str) -> str:
+def verdict_markdown(verdict: Verdict, title: str) -> str:
     """The verdict as a markdown table, one row per matched evaluation point, then the paired check."""
-    metric = verdict.get("metric", "accuracy")
-    lines = [f"## {title}", "", f"**{'passed' if verdict.get('passed') else 'FAILED'}** "
-             f"({verdict.get('mode', 'every-point')}, allowed |diff| <= {verdict.get('max_abs_diff')})", ""]
-    if verdict.get("reason"):
-        lines += [verdict["reason"], ""]
-    if verdict.get("points"):
+    metric = verdict.metric
+    lines = [f"## {title}", "", f"**{'passed' if verdict.passed else 'FAILED'}** "
+             f"({verdict.mode}, allowed |diff| <= {verdict.max_abs_diff})", ""]
+    if verdict.reason:
+        lines += [verdict.reason, ""]
+    if verdict.points:
         lines += [f"| step | global step | candidate {metric} | reference {metric} | diff | result |",
                   "|---:|---:|---:|---:|---:|---|"]
-        for r in verdict["points"]:
-            lines.append(f"| {r['step']} | {r['global_step']} | {r['candidate']:.4f} | {r['reference']:.4f} | "
-                         f"{r['diff']:+.4f} | {'pass' if r['passed'] else '**FAIL**'} |")
-    paired = verdict.get("paired") or {}
-    if paired:
-        lines += ["", paired_sentence(paired, verdict.get("max_abs_diff", 0.0))]
+        for r in verdict.points:
+            lines.append(f"| {r.step} | {r.global_step} | {r.candidate:.4f} | {r.reference:.4f} | "
+                         f"{r.diff:+.4f} | {'pass' if r.passed else '**FAIL**'} |")
+    if verdict.paired:
+        lines += ["", paired_sentence(verdict.paired, verdict.max_abs_diff)]
     return "\n".join(lines) + "\n"
 
 
-def paired_sentence(paired: dict[str, Any], band: float) -> str:
+def paired_sentence(paired: PairedCheck, band: float) -> str:
     """McNemar's paired test in plain words: what it compared, what it found, and whether the
     holdout was large enough for it to find a difference the size of the band."""
-    if not paired.get("available"):
-        return f"No paired test (McNemar's): {paired.get('reason')}."
-    rows, size = paired["rows"], f"{band:.2%}"
-    found = (f"the two models differ (p = {paired['p_value']:.2g}, below {paired['alpha']})" if paired["significant"]
-             else f"no evidence that the two models differ (p = {paired['p_value']:.2g})")
-    at = f"at step {paired['step']}" if isinstance(paired["step"], int) else "at each model's last step"
+    if not paired.available:
+        return f"No paired test (McNemar's): {paired.reason}."
+    rows, size = paired.rows, f"{band:.2%}"
+    found = (f"the two models differ (p = {paired.p_value:.2g}, below {paired.alpha})" if paired.significant
+             else f"no evidence that the two models differ (p = {paired.p_value:.2g})")
+    at = f"at step {paired.step}" if isinstance(paired.step, int) else "at each model's last step"
     text = (f"Paired test (McNemar's) on the same {rows:,} holdout rows {at}: the candidate alone "
-            f"was right on {paired['candidate_only']:,} rows, the reference alone on {paired['reference_only']:,}; "
+            f"was right on {paired.candidate_only:,} rows, the reference alone on {paired.reference_only:,}; "
             f"{found}.")
-    if paired["underpowered"]:
+    if paired.underpowered:
         return (f"{text} The holdout is too small for this test to see a {size} difference: that takes about "
-                f"{paired['rows_needed']:,} rows, so only the band above decided the gate.")
+                f"{paired.rows_needed:,} rows, so only the band above decided the gate.")
     return f"{text} {rows:,} rows are enough to see a {size} difference."
 
 

@@ -12,7 +12,7 @@
 What it checks is what the pipeline relies on (docs/recipes.md says why): the params validate and
 describe themselves; fitting the featurizer is deterministic and its saved state round-trips;
 features have one shape per row whatever the rows, and `example` has it too; the model maps a
-batch to logits of `num_classes` columns, its loss backpropagates, the same seed gives the same
+batch to logits of `num_classes` columns, its loss backpropagates and its optimizer steps, the same seed gives the same
 weights, and the forward pass and `embed` compile as one whole graph with static shapes; a row's
 outputs do not depend on the other rows of its batch (the last batch is filled with copies); and
 the gate metrics it names are ones trnflow computes.
@@ -26,7 +26,7 @@ from typing import Any, ClassVar
 import pyarrow as pa
 import torch
 
-from trnflow.specs import DataSpec
+from trnflow.specs import DataSpec, TrainSpec
 from trnflow.workload.recipes import METRICS, Recipe, recipe_class
 
 FEATURE_ROWS = (3, 7)
@@ -106,6 +106,10 @@ class RecipeContract:
         assert loss.dim() == 0 and math.isfinite(loss.item())
         loss.backward()
         assert all(p.grad is not None for p in model.parameters() if p.requires_grad), "every weight is trained"
+        before = {k: v.clone() for k, v in model.state_dict().items()}
+        trained = [p for p in model.parameters() if p.requires_grad]
+        recipe.optimizer(trained, TrainSpec(steps=1, global_batch_size=8, checkpoint_url=".")).step()
+        assert any(not torch.equal(before[k], v) for k, v in model.state_dict().items()), "its optimizer moves weights"
 
     def test_the_same_seed_gives_the_same_weights(self):
         recipe = self.make()

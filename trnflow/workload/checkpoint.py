@@ -21,18 +21,17 @@ import io
 import json
 import pickle
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from trnflow.errors import FatalError
+from trnflow.records import CheckpointMeta, dump, read
 from trnflow.storage import Store, open_store
 
 MARKER = "COMMITTED"
 _PREFIX = "step-"
-RESUME_KEYS = ("sampler", "data")
-"""What a checkpoint's meta.json must hold for a run to resume from it."""
 
 
 def step_name(step: int) -> str:
@@ -76,13 +75,19 @@ class Checkpoint:
     rng: list[dict] | None = None
     featurizer: bytes | None = None
     featurizer_file: str | None = None
-    meta: dict = field(default_factory=dict)
+    meta: CheckpointMeta | None = None
+    """None for a plain state_dict file, which says nothing of where it came from."""
     model_sha256: str = ""
     """The digest of the weights file: it tells two models apart whatever their names."""
 
     @property
     def watermark(self) -> str | None:
-        return self.meta.get("watermark")
+        return self.meta.watermark if self.meta else None
+
+    @property
+    def plain(self) -> bool:
+        """A plain state_dict file rather than a trnflow checkpoint."""
+        return self.meta is None
 
 
 class RunCheckpoints:
@@ -110,18 +115,16 @@ class RunCheckpoints:
             url = f"{self.url}/{step_name(step)}"
             try:
                 ckpt = load(url, self.featurizer_file)
-                missing = [k for k in RESUME_KEYS if k not in ckpt.meta]
-                if missing or ckpt.optim is None:
-                    raise FatalError(f"{url}: has no {', '.join(missing) or 'optimizer state'} to resume from "
-                                     "(written by an older trnflow?)")
+                if ckpt.optim is None:
+                    raise FatalError(f"{url}: has no optimizer state to resume from (written by an older trnflow?)")
                 return ckpt
             except FatalError as exc:
                 if on_skip:
                     on_skip(url, str(exc))
         return None
 
-    def save(self, step: int, model: dict, optim: dict, rng: list[dict], featurizer: tuple[str, bytes], meta: dict,
-             keep_latest: int | None = None) -> str:
+    def save(self, step: int, model: dict, optim: dict, rng: list[dict], featurizer: tuple[str, bytes],
+             meta: CheckpointMeta, keep_latest: int | None = None) -> str:
         """Write one checkpoint, marker last; then delete torn folders and all but the newest
         `keep_latest` committed ones. Returns the checkpoint's URL."""
         folder = step_name(step)
@@ -131,7 +134,7 @@ class RunCheckpoints:
             "optim.pt": _tensor_bytes(optim),
             "state.pt": _tensor_bytes({"step": step, "world_size": len(rng), "rng": rng}),
             featurizer[0]: featurizer[1],
-            "meta.json": json.dumps({**meta, "step": step, "saved_at": round(time.time(), 3)}, indent=2).encode(),
+            "meta.json": dump(meta.model_copy(update={"step": step, "saved_at": round(time.time(), 3)})),
         }
         marker = {"step": step, "files": {name: _digest(data) for name, data in files.items()}}
         try:
@@ -200,7 +203,7 @@ def load(url: str, featurizer_file: str | None = None) -> Checkpoint:
         except FileNotFoundError:
             featurizer = None
         return Checkpoint(url, 0, state, featurizer=featurizer, featurizer_file=featurizer_file,
-                          meta={"plain_state_dict": True}, model_sha256=hashlib.sha256(raw).hexdigest())
+                          model_sha256=hashlib.sha256(raw).hexdigest())
     store = open_store(url)
     try:
         marker = json.loads(store.read(MARKER))
@@ -232,12 +235,8 @@ def load(url: str, featurizer_file: str | None = None) -> Checkpoint:
     state = _load_tensors(files["state.pt"], f"{url}/state.pt")
     if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "rng" not in state:
         raise FatalError(f"{url}/state.pt: has no step number and RNG states; use an earlier checkpoint")
-    try:
-        meta = json.loads(files["meta.json"])
-    except ValueError:
-        meta = None
-    if not isinstance(meta, dict):
-        raise FatalError(f"{url}/meta.json: not a JSON object; the checkpoint is damaged, use an earlier one")
+    meta = read(CheckpointMeta, files["meta.json"], f"{url}/meta.json",
+                fix="the checkpoint is damaged or was written by another version of trnflow; use an earlier one")
     return Checkpoint(
         url, state["step"],
         model=_load_tensors(files["model.pt"], f"{url}/model.pt"),

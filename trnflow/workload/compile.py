@@ -29,6 +29,7 @@ from trnflow.device.base import Device
 from trnflow.device.cache import COMPILER_VERSION, CompileCache, EntryLocked, entry_name
 from trnflow.device.registry import choose, get_device
 from trnflow.errors import FatalError
+from trnflow.neuron.compile_log import CompileProgress
 from trnflow.neuron.launch import cache_url, retry_failed_requested
 from trnflow.specs import JobSpec
 from trnflow.workload.context import WorkerContext
@@ -162,12 +163,9 @@ def _compile_graphs(spec: JobSpec, device: Device, cache: CompileCache, program:
 
 
 def _counts(report: dict[str, dict], total: int) -> str:
-    done = sum(r["status"] in ("done", "hit") for r in report.values())
-    failed = sum(r["status"] == "failed" for r in report.values())
-    locked = sum(r["status"] == "locked" for r in report.values())
-    remaining = total - done - failed - locked
-    return (f"INFO ||NEURON_CACHE||: Current remaining items are {remaining}, locked are {locked}, "
-            f"failed are {failed}, done are {done}, total is {total}")
+    statuses = [r["status"] for r in report.values()]
+    return CompileProgress.counting(done=sum(s in ("done", "hit") for s in statuses), failed=statuses.count("failed"),
+                                    locked=statuses.count("locked"), total=total).line()
 
 
 def _pool_context(spec: JobSpec, device: Device) -> multiprocessing.context.BaseContext:

@@ -78,14 +78,14 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     load_model_weights(model, ckpt.model, ckpt.url)
     programs = for_run(ctx, recipe, model)
     holdout = Holdout(ctx, featurized(recipe, ckpt))
-    global_step = int(ckpt.meta.get("global_step", ckpt.step))
+    global_step = ckpt.meta.global_step if ckpt.meta else ckpt.step
     point, correct = holdout.evaluate(programs, ckpt.step, global_step)
     series_url, outcome = None, correct
     run_url = ckpt.url.rpartition("/")[0]
-    known = read_series(run_url) or {} if not ckpt.meta.get("plain_state_dict") else {}
+    known = read_series(run_url) or {} if ckpt.meta else {}
     theirs = known.get("holdout_sha256")
     # a point joins the run's series only when it was measured on the series' own holdout
-    if ctx.is_main and not ckpt.meta.get("plain_state_dict") and theirs in (None, holdout.digest):
+    if ctx.is_main and ckpt.meta and theirs in (None, holdout.digest):
         points = [p for p in known.get("points", []) if p["step"] != ckpt.step] + [point]
         newest = max(p["step"] for p in points)
         kept = known.get("predictions") or {}
@@ -93,6 +93,6 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
             correct, at = kept["correct"], newest
         else:
             at = ckpt.step
-        series_url = write_series(run_url, ckpt.meta.get("run_id", "trnflow"), points, holdout.digest, at, correct)
+        series_url = write_series(run_url, ckpt.meta.run_id, points, holdout.digest, at, correct)
     return {"checkpoint": checkpoint, "points": [point], "series": series_url, "holdout_sha256": holdout.digest,
             "correct": outcome, "compile": programs.compiler.metrics().model_dump()}

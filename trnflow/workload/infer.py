@@ -90,10 +90,10 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     load_model_weights(model, ckpt.model, ckpt.url)
     programs = for_run(ctx, recipe, model)
     run_url = ckpt.url.rpartition("/")[0]
-    if ckpt.meta.get("plain_state_dict"):
+    if ckpt.meta is None:  # a plain state_dict file: named by its file and weights
         version = f"{ckpt.url.rsplit('/', 1)[-1]}@{ckpt.model_sha256[:12]}"
     else:
-        version = f"{ckpt.meta.get('run_id', run_url.rsplit('/', 1)[-1])}/step-{ckpt.step}"
+        version = f"{ckpt.meta.run_id}/step-{ckpt.step}"
 
     # Streamed and featurized a batch at a time: an inference set of any size is never read whole.
     rows = featurize(iter_unlabelled(spec.data.inference, spec.data, recipe.columns()), featurized(recipe, ckpt),

@@ -1,7 +1,8 @@
 """The device-memory budget of one NeuronCore: estimated before launch, measured during a run.
 
 The estimate counts what a data-parallel training step keeps on each core of the real device:
-weights, gradients, AdamW's two moments and the activations saved for the backward pass, in the
+weights, gradients, the optimizer's state (AdamW's two moments, or whatever the recipe's optimizer
+keeps per weight) and the activations saved for the backward pass, in the
 spec's precision. A job whose estimate exceeds the instance's memory per core is refused before it
 starts. (The emulator itself holds pure-bf16 state in fp32 tensors whose values lie on the bf16
 grid, so what a run measures for bf16-sr or bf16-rne is about twice the device estimate.)
@@ -27,6 +28,19 @@ def parameter_count(recipe: Recipe) -> int:
     with torch.device("meta"):
         model = recipe.build_model()
     return sum(p.numel() for p in model.parameters())
+
+
+def optimizer_moments(recipe: Recipe, spec: JobSpec) -> int:
+    """Values the recipe's optimizer keeps per weight (AdamW: 2), found by stepping it once on a
+    small parameter: the estimate follows whatever optimizer the recipe builds."""
+    weight = torch.nn.Parameter(torch.zeros(8))
+    weight.grad = torch.ones(8)
+    optimizer = recipe.optimizer([weight], spec.train)
+    with torch.random.fork_rng(devices=[]):  # an optimizer that draws random numbers must not move the run's
+        optimizer.step()
+    held = sum(t.numel() for t in optimizer.state[weight].values()
+               if isinstance(t, torch.Tensor) and t.numel() == weight.numel())
+    return held // weight.numel()
 
 
 @dataclass(frozen=True)
@@ -63,7 +77,7 @@ def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:
         parameters=params,
         weights=params * state_bytes,
         gradients=params * state_bytes,
-        optimizer=2 * params * state_bytes,
+        optimizer=optimizer_moments(recipe, spec) * params * state_bytes,
         activations=activations,
         per_core_limit=instance(spec.compute.instance_type).core_memory_bytes,
     )

@@ -112,8 +112,7 @@ class Programs:
         `steps` full training steps (forward, backward, optimizer step)."""
         tokens, labels, batch = example_inputs(self.spec, self.recipe)
         if program == "train_step":
-            tcfg = self.spec.train
-            optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+            optimizer = self.recipe.optimizer(self.model.parameters(), self.spec.train)
             for _ in range(steps):
                 self.train_step(tokens, labels, optimizer)
         elif program == "eval_step":

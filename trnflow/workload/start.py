@@ -39,15 +39,13 @@ class Start:
 
     def lineage(self) -> dict:
         """The run's parent checkpoint, its ancestors (nearest first) and the global step it starts at."""
-        if self.resumed:
+        if self.resumed and self.resumed.meta:
             meta = self.resumed.meta
-            return {"parent": meta.get("parent"), "lineage": meta.get("lineage", []),
-                    "base_step": meta.get("base_step", 0)}
-        if self.init:
-            meta = self.init.meta
-            base = int(meta.get("base_step", 0)) + self.init.step
-            return {"parent": self.init.url, "lineage": [self.init.url, *meta.get("lineage", [])][:LINEAGE_DEPTH],
-                    "base_step": base}
+            return {"parent": meta.parent, "lineage": meta.lineage, "base_step": meta.base_step}
+        if self.init:  # a plain state_dict file starts a lineage of its own
+            ancestors = self.init.meta.lineage if self.init.meta else []
+            base = (self.init.meta.base_step if self.init.meta else 0) + self.init.step
+            return {"parent": self.init.url, "lineage": [self.init.url, *ancestors][:LINEAGE_DEPTH], "base_step": base}
         return {"parent": None, "lineage": [], "base_step": 0}
 
 
@@ -73,15 +71,15 @@ def find_start(ctx: WorkerContext, run_id: str, featurizer_file: str) -> Start:
     checkpoints = RunCheckpoints(join(spec.train.checkpoint_url, run_id), featurizer_file=featurizer_file)
     resumed = checkpoints.latest(on_skip=lambda url, why: ctx.log("checkpoint_skipped", url=url, reason=why))
     files = data_files(spec.data.train, spec.data.format, spec.data.ready_marker)
-    if resumed:
-        wanted = resumed.meta["data"].get("files", [])
+    if resumed and resumed.meta:  # a run's own checkpoints always have their meta.json
+        wanted = resumed.meta.data.files
         by_name = {f.name: f for f in files}
         gone = [n for n in wanted if n not in by_name]
         if gone:
             raise DataError(f"{spec.data.train}: {gone[0]} (read by this run before it stopped) is gone, so the run "
                             "cannot resume exactly; restore the file or start a new run")
         chosen = [by_name[n] for n in wanted]
-        return Start(checkpoints, resumed, None, chosen, resumed.meta["data"].get("watermark"))
+        return Start(checkpoints, resumed, None, chosen, resumed.meta.data.watermark)
     init = _init_from(ctx, featurizer_file)
     parent_mark = init.watermark if init else None
     if spec.data.window == "since-watermark":

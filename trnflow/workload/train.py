@@ -25,6 +25,7 @@ import torch
 
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import SERIES, write_series
+from trnflow.records import CheckpointMeta, DataRead
 from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload.checkpoint import load_model_weights, step_name, weights_digest
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
@@ -89,7 +90,7 @@ class Trainer:
         assert train.labels is not None
         self.tokens, self.labels = train.features, train.labels
         self.model = build_model(recipe, tcfg.seed).to(self.device.torch_device)  # before its optimizer holds it
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=tcfg.lr, weight_decay=tcfg.weight_decay)
+        self.optimizer = recipe.optimizer(self.model.parameters(), tcfg)
         self.rounding = self.device.rounding(self.spec.compute.precision)
         # Replicas must round identically, so the rounding stream is seeded the same on every rank.
         self.sr_seed = int(os.environ.get("NEURON_RT_STOCHASTIC_ROUNDING_SEED", "0")) + tcfg.seed
@@ -99,15 +100,15 @@ class Trainer:
         self.resumed_weights: str | None = None
         self.first, self.metrics = self._resume_or_init()
         self.lineage = start.lineage()
-        self.data_meta = {"files": [f.name for f in start.files], "partitions": partitions(start.files),
-                          "watermark": start.watermark, "rows": len(self.labels)}
-        ctx.log("data", files=len(start.files), rows=len(self.labels), partitions=self.data_meta["partitions"],
+        self.data_read = DataRead(files=[f.name for f in start.files], partitions=partitions(start.files),
+                                  watermark=start.watermark, rows=len(self.labels))
+        ctx.log("data", files=len(start.files), rows=len(self.labels), partitions=self.data_read.partitions,
                 watermark=start.watermark, recipe=recipe.key)
         self.programs = for_run(ctx, recipe, self.model, ddp=ctx.world_size > 1)
         self.holdout = Holdout(ctx, recipe)
-        resumed = start.resumed
-        self.evaluations: list[dict] = list(resumed.meta.get("evaluations", [])) if resumed else []
-        self.last_loss = float(resumed.meta.get("loss", "nan")) if resumed else float("nan")
+        resumed = start.resumed.meta if start.resumed else None
+        self.evaluations: list[dict] = list(resumed.evaluations) if resumed else []
+        self.last_loss = resumed.loss if resumed and resumed.loss is not None else float("nan")
         self.series_url: str | None = None
         self.checkpoint_url: str | None = None
         self.memory: dict = {}
@@ -140,7 +141,8 @@ class Trainer:
             load_model_weights(self.model, resumed.model, resumed.url)
             self.resumed_weights = weights_digest(self.device.to_host(self.model.state_dict()))
             self.optimizer.load_state_dict(resumed.optim)
-            first = self.sampler.restore(resumed.meta["sampler"])
+            assert resumed.meta is not None  # a run's own checkpoints always have their meta.json
+            first = self.sampler.restore(resumed.meta.sampler)
             if resumed.rng and len(resumed.rng) == ctx.world_size:
                 torch.set_rng_state(resumed.rng[ctx.rank]["torch"])
                 self.sr_gen.set_state(resumed.rng[ctx.rank]["sr"])
@@ -149,7 +151,7 @@ class Trainer:
                 self.sr_gen.manual_seed(self.sr_seed + first)
             ctx.log("resume", step=first, checkpoint=resumed.url, saved_by_ranks=len(resumed.rng or []),
                     ranks=ctx.world_size)
-            return first, list(resumed.meta.get("metrics", []))
+            return first, list(resumed.meta.metrics)
         if start.init is not None:
             load_model_weights(self.model, start.init.model, start.init.url)
             ctx.log("init", checkpoint=start.init.url, watermark=start.init.watermark)
@@ -209,14 +211,13 @@ class Trainer:
         rng = gather_objects(ctx, _rng_state(self.sr_gen))
         if ctx.is_main:
             checkpoints = self.faults.checkpoint_store(self.start.checkpoints, writer=True)
-            meta = {"run_id": self.run_id, **self.lineage, "global_step": self.lineage["base_step"] + done,
-                    "spec_digest": spec.digest(), "precision": spec.compute.precision,
-                    "world_size": ctx.world_size, "loss": self.last_loss, "sampler": self.sampler.position(done),
-                    "data": self.data_meta, "watermark": self.start.watermark, "metrics": self.metrics,
-                    "evaluations": self.evaluations, "holdout_sha256": self.holdout.digest,
-                    "recipe": self.recipe.describe(), "torch": torch.__version__}
-            if done == spec.train.steps:
-                meta["export"] = self._export(done)
+            meta = CheckpointMeta(
+                run_id=self.run_id, step=done, **self.lineage, global_step=self.lineage["base_step"] + done,
+                spec_digest=spec.digest(), precision=spec.compute.precision, world_size=ctx.world_size,
+                loss=self.last_loss if math.isfinite(self.last_loss) else None, sampler=self.sampler.position(done),
+                data=self.data_read, watermark=self.start.watermark, metrics=self.metrics,
+                evaluations=self.evaluations, holdout_sha256=self.holdout.digest, recipe=self.recipe.describe(),
+                torch=torch.__version__, export=self._export(done) if done == spec.train.steps else None)
             host = self.device.to_host  # checkpoints hold CPU copies, whatever the device
             self.checkpoint_url = checkpoints.save(
                 done, host(self.model.state_dict()), host(self.optimizer.state_dict()), rng,
@@ -272,7 +273,7 @@ class Trainer:
             "parent": lineage["parent"],
             "global_step": lineage["base_step"] + tcfg.steps,
             "watermark": start.watermark,
-            "partitions": self.data_meta["partitions"],
+            "partitions": self.data_read.partitions,
             "rows": len(self.labels),
             "loss": self.last_loss,
             "evaluations": self.evaluations,

@@ -14,6 +14,8 @@ and what its loss is:
 - `build_model`: the network, whose `forward` maps a batch of features to logits, and whose
   `embed`, if the recipe publishes embeddings, maps it to one vector per row;
 - `loss`: the training loss of logits and labels, computed outside the compiled graph;
+- `optimizer`: what updates the weights (AdamW by default); training, the ahead-of-time trial
+  (whose graphs are the compile cache's keys) and the memory estimate all take it from here;
 - `metrics`: the gate metrics its predictions support.
 
 Shapes are static: every tensor `features` returns has the same shape for each row, and the
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel
 from torch import nn
 
-from trnflow.specs import DataSpec
+from trnflow.specs import DataSpec, TrainSpec
 
 METRICS = ("accuracy", "loss", "f1", "auc")
 """What the evaluation computes from logits and labels (the gate's `metric` and `metrics`)."""
@@ -110,6 +112,13 @@ class Recipe(ABC):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The training loss, outside the compiled graph: cross-entropy in fp32."""
         return F.cross_entropy(logits.float(), labels)
+
+    def optimizer(self, parameters: Iterable[nn.Parameter], train: TrainSpec) -> torch.optim.Optimizer:
+        """The optimizer of the model's `parameters`: AdamW with `train.lr` and `train.weight_decay`.
+        Training, the ahead-of-time trial and the memory estimate (which counts the state it keeps
+        per weight) all build it here, so a recipe that changes it changes all three alike. It is
+        built after the model is on its device (and, for sharded training, after sharding)."""
+        return torch.optim.AdamW(parameters, lr=train.lr, weight_decay=train.weight_decay)
 
     def activation_bytes(self, batch: int, value_bytes: int) -> int:
         """An estimate of the activations one training step keeps for backward (the memory check);

@@ -1,0 +1,75 @@
+"""What can be checked of a spec before its first job starts, for `trnflow validate` and for the
+commands that launch jobs: its data locations (from their listings, without reading a row) and the
+gate's reference file. The spec's own checks (fields, cloud locations on S3, the recipe) come first,
+in `common.checked`."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from trnflow.cli.common import err
+from trnflow.cli.console import RED
+from trnflow.errors import ExitCode
+from trnflow.lifecycle.locations import reference_problem
+from trnflow.specs import JobSpec
+from trnflow.storage import local_path
+from trnflow.storage.datafiles import listing_problems
+
+DATA_FIELDS = ("train", "holdout", "inference")
+
+DataCheckOpt = Annotated[bool | None, typer.Option(
+    "--data-check/--no-data-check",
+    help="Check that data.train, data.holdout and data.inference exist and hold files in data.format, and that "
+    "gate.reference is a metrics file. Default: the local ones, unless none of the data exists yet; "
+    "--data-check: every one, s3:// included; --no-data-check: none.", show_default=False)]
+
+
+def report(spec: JobSpec, data_check: bool | None) -> tuple[list[str], list[str]]:
+    """`trnflow validate`'s check: problems as `FIELD: message`, and notes on what was not checked and why."""
+    if data_check is False:
+        return [], []
+    urls = {f"data.{field}": getattr(spec.data, field) for field in DATA_FIELDS}
+    notes = []
+    if data_check is None:  # S3 needs credentials and a network call: only when asked for
+        remote = [field for field, url in urls.items() if url.startswith("s3://")]
+        if remote:
+            them = "them" if len(remote) > 1 else "it"
+            notes.append(f"{', '.join(remote)}: not checked, on S3; --data-check lists {them}")
+        urls = {field: url for field, url in urls.items() if field not in remote}
+        if urls and not any(local_path(url).exists() for url in urls.values()):
+            notes.append(f"{', '.join(urls)}: not checked, none exists yet (a spec written before its data); "
+                         "--data-check requires them")
+            urls = {}
+    ready = {"data.train": spec.data.ready_marker}
+    problems = [f"{field}: {message}" for field, url in urls.items()
+                for message in listing_problems(url, spec.data.format, ready.get(field))]
+    reference = reference_problem(spec, remote=bool(data_check))
+    if reference and data_check is None and "does not exist" in reference:
+        notes.append(f"{reference} (a run refuses to start without it)")
+    elif reference:
+        problems.append(reference)
+    return problems, notes
+
+
+def launch_problems(spec: JobSpec) -> list[str]:
+    """What would stop a run that is about to start: its local data missing, empty or unreadable by
+    its listing, and its gate reference missing or malformed (s3:// ones are checked by the run
+    itself, before its first job)."""
+    problems = [f"data.{field}: {message}" for field in DATA_FIELDS
+                if (url := getattr(spec.data, field)).startswith("file://")
+                for message in listing_problems(url, spec.data.format,
+                                                spec.data.ready_marker if field == "train" else None)]
+    reference = reference_problem(spec, remote=False)
+    return problems + ([reference] if reference else [])
+
+
+def refuse_unlaunchable(spec: JobSpec, source: str) -> None:
+    """Exit 2 listing every problem `launch_problems` finds, before any job starts."""
+    problems = launch_problems(spec)
+    if problems:
+        err.print(f"{source}: cannot start", **RED)
+        for problem in problems:
+            err.print(f"  {problem}", markup=False, highlight=False)
+        raise typer.Exit(ExitCode.BAD_INPUT)

@@ -1,0 +1,149 @@
+"""The files one room writes and another reads back, as types: a checkpoint's `meta.json` (written by
+training, read by resuming, evaluation, inference and the gate's registration) and the gate's verdict
+(`verdict.json`, the evaluate stage's result, the registry entry and the CLI's notes).
+
+Each file is read through `read(model, data, origin)`, which refuses a malformed copy with a
+`DataError` naming the file and the field, so a writer and its readers cannot drift apart
+unnoticed. Unknown fields are refused too: a file written by another version of trnflow is named as
+such rather than half understood.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trnflow.errors import DataError
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+R = TypeVar("R", bound=BaseModel)
+
+
+def problems(exc: ValidationError) -> str:
+    """A validation error's problems, each as `field: what is wrong`."""
+    return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(the whole file)'}: {e['msg']}"
+                     for e in exc.errors(include_url=False))
+
+
+class RecordError(DataError):
+    """A file that is not the record it should be: `origin` names it, `problem` says which field."""
+
+    def __init__(self, origin: str, problem: str, fix: str):
+        super().__init__(f"{origin}: {problem}; {fix}")
+        self.origin, self.problem = origin, problem
+
+
+DAMAGED = "the file is damaged, or was written by another version of trnflow"
+
+
+def read(model: type[R], data: bytes | str | dict[str, Any], origin: str, fix: str = DAMAGED) -> R:
+    """`data` (JSON text, or already parsed) as `model`; a RecordError naming `origin` and the bad
+    field, then `fix` (what to do)."""
+    try:
+        parsed = json.loads(data) if isinstance(data, bytes | str) else data
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RecordError(origin, f"not JSON ({exc})", fix) from None
+    try:
+        return model.model_validate(parsed)
+    except ValidationError as exc:
+        raise RecordError(origin, f"not a {model.__name__} ({problems(exc)})", fix) from None
+
+
+def dump(record: BaseModel) -> bytes:
+    """A record as the JSON file it is stored as."""
+    return record.model_dump_json(indent=2, exclude_none=False).encode()
+
+
+# --- a checkpoint's meta.json ----------------------------------------------------------------
+
+class DataRead(Record):
+    """The training data a run read: exactly these files, so a retry resumes on the same rows."""
+
+    files: list[str] = Field(default_factory=list, description="the files read, relative to data.train")
+    partitions: list[str] = Field(default_factory=list, description="their dt=YYYY-MM-DD day partitions")
+    watermark: str | None = Field(None, description="the newest day partition read")
+    rows: int = Field(0, description="rows read")
+
+
+class CheckpointMeta(Record):
+    """A checkpoint's `meta.json`: where the run stands, where the model came from, what it read."""
+
+    run_id: str = Field(description="the training run that wrote it")
+    step: int = Field(description="steps of this run done")
+    saved_at: float | None = Field(None, description="when it was written (Unix seconds)")
+    parent: str | None = Field(None, description="the checkpoint this run started from (train.init_from)")
+    lineage: list[str] = Field(default_factory=list, description="its ancestors' checkpoints, nearest first")
+    base_step: int = Field(0, description="the global step this run started at (its ancestors' steps)")
+    global_step: int = Field(description="base_step + step")
+    spec_digest: str = Field(description="the digest of the spec the run was trained with")
+    precision: str = Field(description="compute.precision")
+    world_size: int = Field(description="ranks that trained")
+    loss: float | None = Field(None, description="the loss of the last step (None when not finite)")
+    sampler: dict[str, int] = Field(description="the sampler's position, checked on resume (rows, batch, seed)")
+    data: DataRead = Field(description="the training data read")
+    watermark: str | None = Field(None, description="the newest day partition this model has seen")
+    metrics: list[dict[str, Any]] = Field(default_factory=list, description="the training curve so far")
+    evaluations: list[dict[str, Any]] = Field(default_factory=list, description="holdout points so far")
+    holdout_sha256: str | None = Field(None, description="the holdout the evaluations were measured on")
+    recipe: dict[str, Any] = Field(description="the model's recipe: name, version and params")
+    torch: str = Field(description="the PyTorch version that wrote it")
+    export: str | None = Field(None, description="the model exported in its own library's format (last step only)")
+
+    def lineage_of_child(self, url: str, step: int, depth: int) -> dict[str, Any]:
+        """The lineage a run started from this checkpoint (at `url`, after `step` steps) carries."""
+        return {"parent": url, "lineage": [url, *self.lineage][:depth], "base_step": self.base_step + step}
+
+
+# --- the gate's verdict ----------------------------------------------------------------------
+
+class PairedCheck(Record):
+    """McNemar's paired test of two models on the same holdout rows, or why it could not run."""
+
+    available: bool = Field(description="both sides had per-row outcomes on the same holdout, at the same step")
+    reason: str | None = Field(None, description="why it could not run")
+    step: int | str | None = Field(None, description="the step compared ('final': each model's last)")
+    rows: int = 0
+    both_right: int = 0
+    candidate_only: int = Field(0, description="rows only the candidate got right")
+    reference_only: int = Field(0, description="rows only the reference got right")
+    both_wrong: int = 0
+    p_value: float = 1.0
+    alpha: float = 0.05
+    significant: bool = False
+    rows_needed: int = Field(0, description="holdout rows the test needs to see a difference the size of the band")
+    underpowered: bool = False
+
+
+class VerdictPoint(Record):
+    """One evaluation step both series have."""
+
+    step: int
+    global_step: int
+    candidate: float
+    reference: float
+    diff: float = Field(description="candidate - reference")
+    passed: bool
+
+
+class Verdict(Record):
+    """The gate's verdict: every matched point, the paired test and, for several checks, each one's."""
+
+    metric: str
+    mode: str = Field(description="every-point, final or no-regression")
+    max_abs_diff: float
+    passed: bool
+    points: list[VerdictPoint] = Field(default_factory=list)
+    paired: PairedCheck | None = None
+    reason: str | None = Field(None, description="why it failed, or why there was nothing to compare")
+    checks: dict[str, Verdict] = Field(default_factory=dict, description="each check by what it was against, when "
+                                       "the candidate was judged more than once")
+
+    def each(self) -> dict[str, Verdict]:
+        """Each check by what it was against ('' for the one check of a single verdict)."""
+        return self.checks or {"": self}
