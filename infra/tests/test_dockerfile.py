@@ -42,3 +42,16 @@ def test_hadolint_flags_the_dockerfile_without_its_pins(tmp_path):
     result = _hadolint(bad, tmp_path)
     assert result.returncode != 0
     assert "DL3013" in result.stdout and "DL3042" in result.stdout, result.stdout  # unpinned pip, pip's cache
+
+
+def test_the_recipe_image_dockerfile_in_docs_cloud_lints_clean_and_installs_as_the_image_does(tmp_path):
+    """docs/cloud.md's Dockerfile for an image with a recipe of one's own, built on the training image."""
+    page = (DOCKERFILE.parents[1] / "docs" / "cloud.md").read_text()
+    (text,) = re.findall(r"^```dockerfile\n(.*?)^```", page, re.DOTALL | re.MULTILINE)
+    (install,) = re.findall(r"^RUN (pip install .*)$", text, re.MULTILINE)
+    # as the training image installs trnflow: no dependencies, which would replace the image's torch
+    assert "--no-deps" in install and "--no-cache-dir" in install
+    recipe = tmp_path / "Dockerfile"
+    recipe.write_text(text)
+    result = _hadolint(recipe, tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr

@@ -1,11 +1,17 @@
 """Item 14: the mock cloud as the README and docs/cloud.md show it. `trnflow mock-aws` serves the
 Batch example, the page's boto3 snippet runs as written with no AWS credentials configured
 against the bucket and queue it names, and stopping the server removes its temporary folder.
-The run talks to the session's Prefect API, as a user's does once a server is configured."""
+The run talks to the session's Prefect API, as a user's does once a server is configured.
+
+Issue 42: started from a folder of the user's own, the server suggests an example spec that is
+there, and the page's recipe section puts the example recipe's data into the mock bucket as
+written (the AWS CLI's commands, where the CLI is installed, and the boto3 snippet), where its
+spec finds it."""
 
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -14,6 +20,9 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
+
+from tests.markdown import FENCE, shell_blocks
 
 ROOT = Path(__file__).resolve().parents[2]
 TRNFLOW = Path(sys.executable).with_name("trnflow")
@@ -21,9 +30,33 @@ SHORTER = ["--set", "train.steps=10", "--set", "train.checkpoint_every=10", "--s
 """The README's example with fewer steps: the same jobs, graphs and requests."""
 
 
+CLOUD_MD = ROOT / "docs" / "cloud.md"
+BUCKET = "trnflow-data-123456789012"
+
+
+def _blocks(language: str, needle: str) -> list[str]:
+    """The page's fenced blocks in `language` that contain `needle`."""
+    return [body for lang, body in FENCE.findall(CLOUD_MD.read_text()) if lang == language and needle in body]
+
+
 def _snippet() -> str:
-    (code,) = re.findall(r"```python\n(.*?)```", (ROOT / "docs" / "cloud.md").read_text(), re.DOTALL)
+    """The boto3 snippet that looks at what the example wrote."""
+    (code,) = _blocks("python", "list_jobs")
     return code
+
+
+def _port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def _clean_env(home: Path) -> dict[str, str]:
+    """This environment without AWS, trnflow or Prefect settings, and a home without ~/.aws."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TRNFLOW_", "PREFECT_"))}
+    return env | {"HOME": str(home), "COLUMNS": "400", "TMPDIR": str(home),
+                  "PREFECT_HOME": str(home / "prefect"), "TRNFLOW_HOME": str(home / "trnflow"),
+                  "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TRNFLOW_POLL_SECONDS": "0.2"}
 
 
 def _started(server: subprocess.Popen) -> str:
@@ -39,13 +72,8 @@ def _started(server: subprocess.Popen) -> str:
 
 @pytest.mark.slow
 def test_the_batch_example_runs_on_the_mock_cloud_and_the_docs_snippet_reads_it(tmp_path, prefect_api):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("AWS_", "TRNFLOW_", "PREFECT_"))}
-    env |= {"HOME": str(tmp_path), "COLUMNS": "400", "TMPDIR": str(tmp_path),  # no ~/.aws: no credentials
-            "PREFECT_HOME": str(tmp_path / "prefect"), "TRNFLOW_HOME": str(tmp_path / "trnflow"),
-            "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "TRNFLOW_POLL_SECONDS": "0.2"}
+    port = _port()
+    env = _clean_env(tmp_path)  # no ~/.aws: no credentials
     server = subprocess.Popen([str(TRNFLOW), "mock-aws", "--port", str(port)], env=env, cwd=ROOT,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -69,3 +97,76 @@ def test_the_batch_example_runs_on_the_mock_cloud_and_the_docs_snippet_reads_it(
         rest, _ = server.communicate(timeout=60)
     assert server.returncode == 0, rest
     assert not work.exists() and f"removed {work}" in " ".join(rest.split())
+
+
+def _keys(s3, prefix: str) -> list[str]:
+    pages = s3.get_paginator("list_objects_v2").paginate(Bucket=BUCKET, Prefix=prefix)
+    return sorted(o["Key"] for page in pages for o in page.get("Contents", []))
+
+
+@pytest.mark.slow
+def test_from_another_folder_the_banner_names_a_spec_there_and_the_docs_put_a_recipes_data_in_the_bucket(tmp_path):
+    import boto3
+
+    elsewhere = tmp_path / "my-project"  # a user's own folder: no jobspecs/ in it
+    elsewhere.mkdir()
+    env = _clean_env(tmp_path)
+    port = _port()
+    endpoint = f"http://127.0.0.1:{port}"
+    server = subprocess.Popen([str(TRNFLOW), "mock-aws", "--port", str(port), "--no-seed-data"], env=env,
+                              cwd=elsewhere, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        printed = _started(server) + server.stdout.readline()  # the command comes after the export
+        (suggested,) = re.findall(r"^\s+trnflow run (\S+)$", printed, re.MULTILINE)
+        assert Path(suggested).is_absolute() and (elsewhere / suggested).is_file(), printed
+        example = ROOT / "jobspecs" / "examples" / "quickstart-batch.yaml"
+        assert (elsewhere / suggested).read_text() == example.read_text()
+
+        # The shell block: the recipe is installed (make install does it), its data made and uploaded.
+        (block,) = [b for b in shell_blocks(CLOUD_MD.read_text()) if any(" s3 cp " in c for c in b)]
+        assert block[0] == "pip install -e examples/recipes"
+        commands = [c.replace("http://127.0.0.1:5000", endpoint) for c in block[1:]]
+        aws_cli = shutil.which("aws") is not None
+        if not aws_cli:  # the CLI is not trnflow's dependency; the boto3 snippet below uploads the same
+            commands = [c for c in commands if not c.startswith("aws ")]
+        path = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # `python` is this environment's
+        made = subprocess.run(["bash", "-euc", "\n".join(commands)], env=env | {"PATH": path}, cwd=elsewhere,
+                              capture_output=True, text=True, timeout=300)
+        assert made.returncode == 0, made.stdout[-3000:] + made.stderr[-3000:]
+        data = elsewhere / "runs" / "tabular" / "data"
+        files = sorted(f"tabular/{p.relative_to(data).as_posix()}" for p in data.rglob("*") if p.is_file())
+        assert any(f.startswith("tabular/train/dt=") for f in files) and "tabular/holdout/part-00000.parquet" in files
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="mock",
+                          aws_secret_access_key="mock")
+        assert _keys(s3, "tabular/") == (files if aws_cli else [])
+
+        # The boto3 snippet uploads the same files.
+        for key in files:
+            s3.delete_object(Bucket=BUCKET, Key=key)
+        (code,) = _blocks("python", "upload_file")
+        code = code.replace("http://127.0.0.1:5000", endpoint)
+        uploaded = subprocess.run([sys.executable, "-c", code], env=env, cwd=elsewhere, capture_output=True,
+                                  text=True, timeout=120)
+        assert uploaded.returncode == 0, uploaded.stderr
+        assert _keys(s3, "tabular/") == files
+
+        # The page's spec finds the data where the commands put it, as its jobs will read it.
+        (spec,) = _blocks("yaml", "recipe: tabular-mlp")
+        assert yaml.safe_load(spec)["model"]["recipe"] == "tabular-mlp"
+        (elsewhere / "tabular-batch.yaml").write_text(spec)
+        (block,) = [b for b in shell_blocks(CLOUD_MD.read_text()) if "trnflow run tabular-batch.yaml" in b]
+        assert block == ["trnflow data check tabular-batch.yaml", "trnflow run tabular-batch.yaml"]
+        checked = subprocess.run([str(TRNFLOW), *block[0].split()[1:], "--json"],
+                                 env=env | {"AWS_ENDPOINT_URL": endpoint}, cwd=elsewhere, capture_output=True,
+                                 text=True, timeout=300)
+        assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+        report = json.loads(checked.stdout)
+        assert report["ok"] and {p["field"] for p in report["parts"]} == {"data.train", "data.holdout",
+                                                                         "data.inference"}
+        assert all(p["state"] == "ok" and p["rows_read"] > 0 for p in report["parts"]), report
+        assert len([p for p in report["parts"] if p["field"] == "data.train"]) == 3  # a part per day
+        # (`trnflow run` of this spec on two Batch nodes: tests/integration/test_recipe_pipelines.py)
+    finally:
+        server.send_signal(signal.SIGTERM)
+        rest, _ = server.communicate(timeout=60)
+    assert server.returncode == 0, rest

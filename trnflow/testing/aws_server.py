@@ -12,6 +12,7 @@ import shutil
 import signal
 import tempfile
 import time
+from importlib.resources import files
 from pathlib import Path
 
 from moto.server import ThreadedMotoServer
@@ -22,6 +23,22 @@ from trnflow.testing.mockcloud.provision import provision
 from trnflow.workload.synth import synthesize
 
 console = cli_console()
+EXAMPLE = "quickstart-batch.yaml"
+"""The example spec the banner suggests: the quickstart as two-node Batch jobs, on the seeded data."""
+
+
+def example_spec() -> Path:
+    """The Batch example as installed with trnflow (`trnflow.specs.examples`), by its absolute path:
+    the banner's command then runs from any folder, not only from the repository's root."""
+    return Path(str(files("trnflow.specs.examples") / EXAMPLE)).resolve()
+
+
+def banner(endpoint: str, jobs: Path, outputs: dict[str, str]) -> list[str]:
+    """What the server prints once it is ready: where it is, its bucket and queue, and what to run."""
+    return [f"Emulated AWS on {endpoint}; jobs run under {jobs}",
+            f"  data bucket  s3://{outputs['DATA_BUCKET']}  |  queue {outputs['BATCH_JOB_QUEUE']}",
+            f"In another shell:  export AWS_ENDPOINT_URL={endpoint}",
+            f"                   trnflow run {example_spec()}"]
 
 
 def _stop(signum, frame):
@@ -46,10 +63,8 @@ def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None) -> None:
             s3 = cloud.client("s3")
             for path in sorted(p for p in data.rglob("*") if p.is_file()):
                 s3.upload_file(str(path), outputs["DATA_BUCKET"], f"quickstart/{path.relative_to(data)}")
-        console.print(f"[bold]Emulated AWS on {endpoint}[/bold]; jobs run under {root / 'jobs'}")
-        console.print(f"  data bucket  s3://{outputs['DATA_BUCKET']}  |  queue {outputs['BATCH_JOB_QUEUE']}")
-        console.print(f"In another shell:  export AWS_ENDPOINT_URL={endpoint}")
-        console.print("                   trnflow run jobspecs/examples/quickstart-batch.yaml")
+        for n, line in enumerate(banner(endpoint, root / "jobs", outputs)):  # never wrapped: paths are copied
+            console.print(line, style="bold" if n == 0 else None, markup=False, highlight=False, soft_wrap=True)
         while True:
             time.sleep(3600)
     except KeyboardInterrupt:
