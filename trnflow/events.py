@@ -1,5 +1,5 @@
 """The JSON lines a job's ranks print (`WorkloadContext.log`: `{"ts", "event", "rank", ...}`), as a
-person reads them in a flow run's log: `train: step 10/300, loss 0.3760, 1,234 samples/s`.
+person reads them in a flow run's log: `train: step 10/300, mean loss 0.3760, 1,234 samples/s`.
 The JSON itself stays in the job's own log file (and at DEBUG in the run's log)."""
 
 from __future__ import annotations
@@ -55,12 +55,14 @@ def _fields(record: dict[str, Any], skip: tuple[str, ...] = ()) -> list[str]:
 
 def readable(record: dict[str, Any]) -> str:
     """One event as a log line: its name, then its fields in words (training points and shards of
-    inference in the form their progress is usually read)."""
+    inference in the form their progress is usually read). A `train` event's loss is rank 0's mean
+    over the steps since the event before it (`train.log_every` of them, as its samples/s is), not
+    its step's alone, and its line says so: `step 200/200, mean loss 0.3760`."""
     event = record["event"]
     head = event if not record.get("rank") else f"{event} (rank {record['rank']})"
     if event == "train" and {"step", "steps", "loss", "samples_per_s"} <= set(record):
         rest = _fields(record, skip=("step", "steps", "loss", "samples_per_s"))
-        return (f"{head}: step {record['step']}/{record['steps']}, loss {record['loss']:.4f}, "
+        return (f"{head}: step {record['step']}/{record['steps']}, mean loss {record['loss']:.4f}, "
                 f"{record['samples_per_s']:,.0f} samples/s" + "".join(f", {f}" for f in rest))
     if event == "infer_shard" and {"shard", "shards"} <= set(record):
         rest = _fields(record, skip=("shard", "shards"))

@@ -12,7 +12,7 @@ def _line(**fields) -> str:
 def test_events_read_as_a_person_reads_progress():
     train = parse_event(_line(event="train", steps=300, step=100, global_step=100, loss=0.37595921,
                               samples_per_s=1315.2, graphs=2))
-    assert readable(train) == "train: step 100/300, loss 0.3760, 1,315 samples/s, global step 100, graphs 2"
+    assert readable(train) == "train: step 100/300, mean loss 0.3760, 1,315 samples/s, global step 100, graphs 2"
     shard = parse_event(_line(event="infer_shard", rank=1, shard=0, shards=4, rows=500, reused=False,
                               rows_per_s=6391.2))
     assert readable(shard) == "infer_shard (rank 1): shard 1/4, rows 500, reused false, rows per s 6,391.2"

@@ -22,3 +22,32 @@ def test_the_stage_table_artifact_rounds_seconds():
     from trnflow.flows._stages import _cell
 
     assert _cell(3.8351991310000813) == 3.8 and _cell("Completed") == "Completed" and _cell(None) is None
+
+
+def _trained(curve: list[tuple[int, float]], start_step: int = 0, loss: float | None = 0.1427):
+    from trnflow.results import TrainResult
+
+    return TrainResult(checkpoint=None, start_step=start_step, steps=200, loss=loss,
+                       curve=[{"step": s, "global_step": s, "loss": v, "samples_per_s": 900.0, "graphs": 1}
+                              for s, v in curve])
+
+
+def test_the_train_stages_loss_is_the_last_logged_mean_with_its_steps_named():
+    """Issue 42: the stage table's loss is the number of the last `train` log line (the mean since the
+    point before), named so, and not the last step's own loss (the result's `loss`), which differs."""
+    from trnflow.events import readable
+    from trnflow.reporting.report import loss_figure
+
+    curve = [(50, 0.3817), (100, 0.261), (150, 0.2578), (200, 0.2377)]
+    assert loss_figure(_trained(curve)) == "loss 0.2377 (mean of steps 151-200)"
+    line = readable({"event": "train", "rank": 0, "steps": 200, "step": 200, "loss": 0.2377, "samples_per_s": 900.0})
+    assert line.startswith("train: step 200/200, mean loss 0.2377, ")  # the same number, as the log says it
+    assert loss_figure(_trained(curve[:1])) == "loss 0.3817 (mean of steps 1-50)"
+    # resumed at step 180: the last point averages only the steps this attempt ran
+    assert loss_figure(_trained(curve, start_step=180)) == "loss 0.2377 (mean of steps 181-200)"
+    assert loss_figure(_trained([*curve[:3], (151, 0.25)], start_step=150)) == "loss 0.2500 (step 151)"
+    # resumed at its last step, nothing left to train: the last point is the earlier attempt's
+    assert loss_figure(_trained(curve, start_step=200)) == "loss 0.2377 (mean of steps 151-200)"
+    # no curve at all: the last step's loss, named so
+    assert loss_figure(_trained([])) == "loss 0.1427 (the last step's)"
+    assert loss_figure(_trained([], loss=None)) == "loss unknown"

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from trnflow.results import CollectivesResult, CompileResult, Cost, CostRow, StageResult, StageRow
+from trnflow.results import CollectivesResult, CompileResult, Cost, CostRow, StageResult, StageRow, TrainResult
 from trnflow.urls import shown
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
@@ -65,6 +65,23 @@ def stage_summary(title: str, rows: list[StageRow], stages: tuple[str, ...]) -> 
              "" if r.seconds is None else f"{r.seconds:.1f} s", r.summary] for r in with_not_run(rows, stages)]
     return "\n".join([f"## {title}", "", *_table(["stage", "state", "duration", "key figure"], body,
                                                  ["---", "---", "---:", "---"])]) + "\n"
+
+
+def loss_figure(result: TrainResult) -> str:
+    """The train stage's loss, named for what it is: the last point of the training curve, which is
+    rank 0's mean loss over the steps since the point before (`train.log_every` of them), the
+    number the run's last `train` log line and the training chart end on, with those steps named:
+    `loss 0.2377 (mean of steps 151-200)`. The result's own `loss` is the last step's alone, one
+    batch and noisier; it is shown, named so, only for a run with no curve."""
+    if not result.curve:
+        return "loss unknown" if result.loss is None else f"loss {result.loss:.4f} (the last step's)"
+    *earlier, last = result.curve
+    before = earlier[-1]["step"] if earlier else 0
+    if last["step"] > result.start_step:  # logged by this attempt, whose window began where it resumed
+        before = max(before, result.start_step)
+    first = before + 1
+    which = f"step {first}" if first == last["step"] else f"mean of steps {first}-{last['step']}"
+    return f"loss {last['loss']:.4f} ({which})"
 
 
 def sanity_markdown(per_core: list[dict[str, Any]], excluded: list[int], cores: list[int]) -> str:
