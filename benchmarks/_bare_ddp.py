@@ -21,9 +21,10 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trnflow.specs import JobSpec
-from trnflow.workload.data import StepSampler, read_unlabelled
+from trnflow.workload.data import read_unlabelled
 from trnflow.workload.programs import build_model
 from trnflow.workload.recipes import recipe_for
+from trnflow.workload.sampler import StepSampler
 
 
 def main() -> None:

@@ -34,10 +34,11 @@ from _report import emit, ratio_figure
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
 from trnflow.workload.checkpoint import load
-from trnflow.workload.data import read_unlabelled, static_batches
+from trnflow.workload.data import read_unlabelled
 from trnflow.workload.evaluate import featurized
 from trnflow.workload.programs import build_model
 from trnflow.workload.recipes import recipe_for
+from trnflow.workload.sampler import static_batches
 from trnflow.workload.synth import synthesize
 
 

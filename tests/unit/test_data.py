@@ -1,18 +1,22 @@
 """Data: every format from file:// and s3://, day partitions and the watermark window, the
 tokenizer, and the sampler's saved position."""
 
+import json
 import subprocess
 import sys
 
 import boto3
 import pytest
 import torch
+import yaml
 
+from tests.conftest import quickstart_data
 from trnflow.errors import DataError, FatalError
 from trnflow.specs import DataSpec
 from trnflow.storage.datafiles import data_files, new_partitions, partitions, since_watermark
-from trnflow.workload.data import StepSampler, read_labelled, read_unlabelled
+from trnflow.workload.data import read_labelled, read_unlabelled
 from trnflow.workload.recipes.m5_text.tokenizer import TextTokenizer, train_tokenizer
+from trnflow.workload.sampler import StepSampler
 from trnflow.workload.synth import synthesize
 
 TEXT = ["text"]
@@ -259,7 +263,7 @@ def test_data_check_counts_each_days_rows_read_and_rejected(tmp_path):
     import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
-    from trnflow.workload.data import check_data
+    from trnflow.workload.datacheck import check_data
 
     train = _parquet_days(tmp_path)
     day = train / "dt=2026-01-02"
@@ -277,8 +281,70 @@ def test_data_check_counts_each_days_rows_read_and_rejected(tmp_path):
     assert parts["data.inference", None].rows_read == 10 and parts["data.holdout", None].state == "ok"
 
 
+TORCH_PROBE = """
+import json, sys
+{run}
+print(json.dumps({{"result": result, "torch": sorted(m for m in sys.modules if m.split(".")[0] == "torch")}}))
+"""
+
+
+def _probe(run: str) -> dict:
+    """`run` (which sets `result`) in a fresh interpreter, and the torch modules loaded by then."""
+    out = subprocess.run([sys.executable, "-c", TORCH_PROBE.format(run=run)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_data_check_reads_every_set_without_loading_torch(tmp_path):
+    """`trnflow data check`'s reading (`datacheck`, and the readers under it) loads no torch: the sampler,
+    which needs it, is a module of its own."""
+    synthesize(tmp_path, days=2, rows_per_day=10, seed=1)
+    run = (f"from trnflow.specs import DataSpec\n"
+           f"from trnflow.workload.datacheck import check_data\n"
+           f"spec = DataSpec(train={str(tmp_path / 'train')!r}, holdout={str(tmp_path / 'holdout')!r}, "
+           f"inference={str(tmp_path / 'inference')!r})\n"
+           f"result = [(p.field, p.day, p.state, p.rows_read) for p in check_data(spec, ['text'], 2)]")
+    found = _probe(run)
+    assert found["result"] == [["data.train", "2026-01-01", "ok", 10], ["data.train", "2026-01-02", "ok", 10],
+                               ["data.holdout", None, "ok", 10], ["data.inference", None, "ok", 10]]
+    assert found["torch"] == []
+
+
+def test_the_sampler_is_still_found_where_the_phases_import_it():
+    """train, evaluate and infer import StepSampler and static_batches from `data`; they are the
+    sampler module's, loaded only when asked for."""
+    from trnflow.workload import data, sampler
+
+    assert (data.StepSampler, data.static_batches) == (sampler.StepSampler, sampler.static_batches)
+    with pytest.raises(AttributeError):
+        data.no_such_name  # noqa: B018
+
+
+@pytest.mark.xfail(strict=True, reason="the recipe modules import torch when loaded (trnflow.workload.recipes.base, "
+                   "m5_text): `trnflow data check` asks the spec's recipe for its columns")
+def test_the_data_check_command_loads_no_torch(tmp_path):
+    """The whole command, as a person runs it, in a fresh interpreter: its report, and no torch."""
+    synthesize(tmp_path / "data", days=2, rows_per_day=10, seed=1)
+    urls = {name: str(tmp_path / "data" / name) for name in ("train", "holdout", "inference")}
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(quickstart_data(data={**urls, "format": "jsonl"})))
+    run = ("import contextlib, io\n"
+           "from trnflow.cli import main\n"
+           f"sys.argv = ['trnflow', 'data', 'check', {str(spec)!r}, '--json']\n"
+           "out = io.StringIO()\n"
+           "with contextlib.redirect_stdout(out):\n"
+           "    try:\n"
+           "        main.main()\n"
+           "    except SystemExit as exc:\n"
+           "        code = exc.code\n"
+           "result = [code, json.loads(out.getvalue())['ok']]")
+    found = _probe(run)
+    assert found["result"] == [0, True]
+    assert found["torch"] == []
+
+
 def test_data_check_shows_a_day_not_ready_as_waiting_and_the_days_it_holds_back(tmp_path):
-    from trnflow.workload.data import check_set
+    from trnflow.workload.datacheck import check_set
 
     synthesize(tmp_path, days=3, rows_per_day=10, seed=1)
     for day in ("2026-01-01", "2026-01-03"):

@@ -9,8 +9,8 @@ from trnflow.emulator.device import EmulatorDevice
 from trnflow.emulator.numerics import nearest_round_bf16_, stochastic_round_bf16_
 from trnflow.neuron.launch import parse_visible_cores
 from trnflow.neuron.nccom import bus_factor
-from trnflow.workload.data import StepSampler
 from trnflow.workload.programs import build_model
+from trnflow.workload.sampler import StepSampler
 from trnflow.workload.sanity import check_matmul
 
 
@@ -180,7 +180,7 @@ def test_without_drop_last_the_epoch_ends_with_a_smaller_batch():
 
 
 def test_static_batches_pad_the_last_batch_to_the_same_shape():
-    from trnflow.workload.data import static_batches
+    from trnflow.workload.sampler import static_batches
 
     tokens = torch.randint(2, 300, (10, 6))
     batches = list(static_batches(tokens, torch.arange(10), 4))

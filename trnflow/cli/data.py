@@ -71,7 +71,7 @@ def data_check(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = 
     """Read a spec's data as its runs do: per day of data.train, and for data.holdout and
     data.inference, the rows read and the rows rejected, with why. Exits 2 when a run would stop on
     one (a day with no readable rows, a file it cannot read)."""
-    from trnflow.workload.data import check_data  # heavy: pyarrow and torch
+    from trnflow.workload.datacheck import check_data  # heavy: pyarrow
     from trnflow.workload.recipes import recipe_for
 
     spec = load(spec_path, set_overrides(overrides))

@@ -1,16 +1,16 @@
-"""Reading datasets and sampling them deterministically across ranks.
+"""Reading datasets: JSONL, Parquet, CSV with a header, and the Amazon Polarity CSV layout (no header;
+the columns are label 1 or 2, title and content), streamed a batch at a time.
 
-Which files a dataset holds, and their day partitions, is `trnflow.storage.datafiles`' business. Formats:
-JSONL, Parquet, CSV with a header, and the Amazon Polarity CSV layout (no header; the columns are
-label 1 or 2, title and content).
-
+Which files a dataset holds, and their day partitions, is `trnflow.storage.datafiles`' business.
 Which columns are read is the recipe's business (`Recipe.columns`), beside the label and id columns.
-Shapes are static, as on Trainium: the recipe's features have one shape per row, and every per-core
-batch has the same size.
 
 A day partition that cannot be read, or has no rows, stops the run with a DataError naming the day
 and its files: skipping it would let the watermark pass a day that was never trained on.
-`check_set` reads a set the same way without stopping, for `trnflow data check`.
+
+torch-free when imported: the readers give pyarrow tables, and only the in-memory readers
+(`read_labelled`, `labels_of`) load torch, for their labels tensor. `trnflow data check` reads a set
+the same way without stopping (`trnflow.workload.datacheck`); the sampler and the static batches
+are `trnflow.workload.sampler`.
 """
 
 from __future__ import annotations
@@ -18,27 +18,20 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
-import torch
 
 from trnflow.errors import DataError
-from trnflow.results import DataFileCheck, DataPartCheck
 from trnflow.specs import DataSpec
-from trnflow.storage.datafiles import (
-    EXTENSIONS,
-    DataFile,
-    cannot_list,
-    data_files,
-    day_problem,
-    first_waiting,
-    partitions,
-    unreachable_errors,
-)
+from trnflow.storage.datafiles import DataFile, data_files, day_problem
+
+if TYPE_CHECKING:
+    import torch  # the labels' type only: torch is loaded by `labels_of`
 
 POLARITY_COLUMNS = ["label", "title", "content"]
 BATCH_ROWS = 8192
@@ -96,7 +89,7 @@ def _text_pieces(handle, fmt: str) -> Iterator[pa.Table]:
         yield _parse(fmt, header)
 
 
-def _stream_file(file: DataFile, fmt: str) -> Iterator[pa.Table]:
+def stream_file(file: DataFile, fmt: str) -> Iterator[pa.Table]:
     """A file's rows, at most BATCH_ROWS at a time and never the whole file in memory. A file without
     rows gives one empty table, so that its columns can still be checked."""
     try:
@@ -135,11 +128,11 @@ def _polarity(table: pa.Table, url: str) -> pa.Table:
                      "text": pc.binary_join_element_wise(title, content, ". ")})
 
 
-def _stream_columns(file: DataFile, spec: DataSpec, columns: list[str]) -> Iterator[tuple[int, pa.Table]]:
+def stream_columns(file: DataFile, spec: DataSpec, columns: list[str]) -> Iterator[tuple[int, pa.Table]]:
     """One file's `columns`, a batch at a time with the file row each starts at; names the file if
     it lacks a column or holds text that is not UTF-8."""
     first = 0
-    for table in _stream_file(file, spec.format):
+    for table in stream_file(file, spec.format):
         if spec.format == "amazon-polarity":
             table = _polarity(table, file.url)
             ids = [f"{file.name}:{i}" for i in range(first, first + table.num_rows)]
@@ -190,7 +183,7 @@ def iter_table(files: list[DataFile], spec: DataSpec, columns: list[str]) -> Ite
     layout has no id column: ids are `<file>:<row>`."""
     agreeing = _Agreeing()
     for file in files:
-        for _, table in _stream_columns(file, spec, columns):
+        for _, table in stream_columns(file, spec, columns):
             agreeing.check(file, table)
             yield table
 
@@ -227,9 +220,9 @@ class Rows:
         return lines(self.table)
 
 
-def _labelled_batches(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int) -> Iterator[pa.Table]:
+def labelled_batches(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int) -> Iterator[pa.Table]:
     """One file's columns and its labels, checked, a batch at a time; DataError names the file."""
-    for first, table in _stream_columns(file, spec, [*columns, spec.label_field]):
+    for first, table in stream_columns(file, spec, [*columns, spec.label_field]):
         if table.num_rows:  # an empty file's columns may be typed null
             _check_labels(table.column(spec.label_field), file.url, spec.label_field, num_classes, first)
         yield table
@@ -257,7 +250,7 @@ def iter_labelled(files: list[DataFile], spec: DataSpec, columns: list[str], num
     once the stream reaches its end."""
     agreeing, rows, total = _Agreeing(), {}, 0
     for file in files:
-        for table in _day_batches(file, files, url, _labelled_batches(file, spec, columns, num_classes)):
+        for table in _day_batches(file, files, url, labelled_batches(file, spec, columns, num_classes)):
             agreeing.check(file, table)
             if file.partition is not None:
                 rows[file.partition] = rows.get(file.partition, 0) + table.num_rows
@@ -272,6 +265,9 @@ def iter_labelled(files: list[DataFile], spec: DataSpec, columns: list[str], num
 
 
 def labels_of(table: pa.Table, field: str) -> torch.Tensor:
+    """A table's labels as the tensor training and evaluation take."""
+    import torch  # slow to import: only the readers that hand the workload tensors load it
+
     return torch.tensor(table.column(field).to_pylist(), dtype=torch.long)
 
 
@@ -292,146 +288,14 @@ def read_unlabelled(url: str, spec: DataSpec, columns: list[str]) -> Rows:
     return Rows(table.select(columns), None, table.column(spec.id_field).to_pylist())
 
 
-def _format_of(name: str) -> str | None:
-    """The format a file's extension says it is in (csv for .csv), if any."""
-    return next((fmt for fmt, ext in EXTENSIONS.items() if name.endswith(ext)), None)
+_IN_SAMPLER = frozenset({"StepSampler", "static_batches"})
+"""The sampler's names, which moved to `trnflow.workload.sampler`: still found here for the phases
+that import them from this module, and loaded (with torch) only when one is asked for."""
 
 
-def _count_rows(file: DataFile, fmt: str | None) -> int | None:
-    """How many rows a rejected file holds, when it can be read at all as `fmt`."""
-    try:
-        return sum(table.num_rows for table in _stream_file(file, fmt)) if fmt else None
-    except DataError:
-        return None
+def __getattr__(name: str) -> Any:
+    if name in _IN_SAMPLER:
+        from trnflow.workload import sampler  # torch: loaded only when a sampler's name is asked for
 
-
-def _own_words(message: str, file: DataFile) -> str:
-    return message.removeprefix(f"{file.url}: ")
-
-
-def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int | None) -> DataFileCheck:
-    """One file read as a run reads it (`num_classes` None: unlabelled, as inference reads it)."""
-    if file.role == "other":
-        return DataFileCheck(name=file.name, rows_rejected=_count_rows(file, _format_of(file.name)),
-                             problem=f"not {spec.format} (data.format), so no run reads it")
-    try:
-        if num_classes is None:
-            read = sum(t.num_rows for _, t in _stream_columns(file, spec, [spec.id_field, *columns]))
-        else:
-            read = sum(t.num_rows for t in _labelled_batches(file, spec, columns, num_classes))
-    except DataError as exc:
-        return DataFileCheck(name=file.name, rows_rejected=_count_rows(file, spec.format),
-                             problem=_own_words(str(exc), file))
-    return DataFileCheck(name=file.name, rows_read=read)
-
-
-def _check_part(field: str, url: str, day: str | None, files: list[DataFile], spec: DataSpec, columns: list[str],
-                num_classes: int | None, waiting: str | None) -> DataPartCheck:
-    """A day (or a set's files outside day folders): read, rejected, and whether a run could read it."""
-    part = {"field": field, "url": url, "day": day}
-    if any(not f.ready for f in files):
-        return DataPartCheck(**part, state="waiting", problems=[f"not marked ready by {spec.ready_marker} yet, "
-                                                                  "so not read; the watermark stays before it"])
-    checked = [_check_file(f, spec, columns, num_classes) for f in files if f.role != "marker"]
-    read, rejected = sum(c.rows_read for c in checked), sum(c.rows_rejected or 0 for c in checked)
-    ignored = {f.name for f in files if f.role == "other"} if day is None else set()  # runs leave these be
-    problems = [f"{c.name}: {c.problem}" for c in checked if c.problem and c.name not in ignored]
-    notes = [f"{c.name}: {c.problem}" for c in checked if c.name in ignored]
-    if not read and (day is not None or len(ignored) < len(checked)):
-        problems.append("no readable rows" + (f" in {spec.format}" if any(f.role == "other" for f in files) else ""))
-    if day is not None and waiting is not None and day > waiting:
-        notes.append(f"read once dt={waiting} is ready")
-    return DataPartCheck(**part, state="failed" if problems else "ok", files=checked, rows_read=read,
-                         rows_rejected=rejected, problems=problems, notes=notes)
-
-
-def check_set(field: str, url: str, spec: DataSpec, columns: list[str], num_classes: int | None,
-              ready_marker: str | None = None) -> list[DataPartCheck]:
-    """How runs read the set at `url` (the spec's `field`), one part per day partition and one for
-    the files outside day folders: rows read, rows rejected and why. What a run would stop on is a
-    part in state `failed`; this never raises for the data itself."""
-    try:
-        files = data_files(url, spec.format, ready_marker, every=True)
-    except DataError as exc:
-        return [DataPartCheck(field=field, url=url, state="failed", problems=[str(exc)])]
-    except unreachable_errors() as exc:
-        return [DataPartCheck(field=field, url=url, state="failed", problems=[cannot_list(url, exc)])]
-    waiting = first_waiting(files)
-    groups = [(day, [f for f in files if f.partition == day]) for day in [None, *partitions(files)]]
-    return [_check_part(field, url, day, mine, spec, columns, num_classes, waiting) for day, mine in groups if mine]
-
-
-def check_data(spec: DataSpec, columns: list[str], num_classes: int) -> list[DataPartCheck]:
-    """Every data set of a spec, as `check_set` reads it: training days, holdout, inference."""
-    return [*check_set("data.train", spec.train, spec, columns, num_classes, spec.ready_marker),
-            *check_set("data.holdout", spec.holdout, spec, columns, num_classes),
-            *check_set("data.inference", spec.inference, spec, columns, None)]
-
-
-def static_batches(features: torch.Tensor, rows: torch.Tensor, batch_size: int
-                   ) -> Iterator[tuple[torch.Tensor, int]]:
-    """Fixed-shape batches over `rows`: the last one is filled up with copies of its first row, so
-    every forward pass has the same shape and nothing recompiles; their outputs are dropped.
-    Yields (features, number of real rows)."""
-    for chunk in rows.split(batch_size):
-        batch = features[chunk]
-        if len(chunk) < batch_size:
-            batch = torch.cat([batch, batch[:1].expand(batch_size - len(chunk), *batch.shape[1:])])
-        yield batch, len(chunk)
-
-
-class StepSampler:
-    """The data position is a pure function of the global step, so a resumed run sees the same batches.
-
-    Epoch e visits the rows in `randperm(n, seed + e)` order, `global_batch` rows per step; rank r
-    takes its contiguous slice of each global batch. The same global batches are seen whatever the
-    world size, which lets a checkpoint from 4 ranks resume on 2.
-
-    With `drop_last` (the default, and what Trainium needs) an epoch ends with its last full batch.
-    Without it, the epoch's last step takes the rows left over, shared evenly across the ranks: a
-    smaller batch, which is a new shape and so a recompilation.
-    """
-
-    def __init__(self, n_rows: int, global_batch: int, rank: int, world: int, seed: int, drop_last: bool = True):
-        if n_rows < global_batch:
-            raise DataError(
-                f"the training set has {n_rows} rows, fewer than one global batch ({global_batch}); "
-                "add data or lower train.global_batch_size"
-            )
-        self.n, self.global_batch, self.seed = n_rows, global_batch, seed
-        self.rank, self.world = rank, world
-        self.per_rank = global_batch // world
-        full, left = divmod(n_rows, global_batch)
-        self.steps_per_epoch = full + (1 if not drop_last and left >= world else 0)
-        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
-
-    def position(self, step: int) -> dict:
-        """Where the sampler stands after `step` steps: saved in checkpoints, checked on resume."""
-        epoch, batch = divmod(step, self.steps_per_epoch)
-        return {"step": step, "epoch": epoch, "batch_in_epoch": batch, "rows": self.n,
-                "global_batch": self.global_batch, "seed": self.seed}
-
-    def restore(self, position: dict) -> int:
-        """The step to continue from; refuses a position saved over different data or batches."""
-        mine = self.position(position["step"])
-        changed = [k for k in ("rows", "global_batch", "seed") if position.get(k) != mine[k]]
-        if changed:
-            raise DataError(
-                f"the checkpoint's sampler saw {', '.join(f'{k}={position.get(k)}' for k in changed)} but this run "
-                f"has {', '.join(f'{k}={mine[k]}' for k in changed)}; an exact resume needs the same data and "
-                "batch size. Start a new run (a new run id) to train on different data"
-            )
-        return int(position["step"])
-
-    def indices(self, step: int) -> torch.Tensor:
-        epoch, within = divmod(step, self.steps_per_epoch)
-        if epoch != self._epoch:
-            gen = torch.Generator().manual_seed(self.seed + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=gen)
-        batch = self._perm[within * self.global_batch : (within + 1) * self.global_batch]
-        per_rank = len(batch) // self.world
-        return batch[self.rank * per_rank : (self.rank + 1) * per_rank]
-
-    def batches(self, first_step: int, last_step: int) -> Iterator[tuple[int, torch.Tensor]]:
-        for step in range(first_step, last_step):
-            yield step, self.indices(step)
+        return getattr(sampler, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
