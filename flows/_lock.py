@@ -33,6 +33,7 @@ from prefect.runtime import flow_run
 from prefect.variables import Variable
 
 from trnflow.errors import FatalError
+from trnflow.processes import pid_alive
 
 LEASE_SECONDS = 120.0
 RENEW_EVERY_SECONDS = 10.0
@@ -88,23 +89,13 @@ def _announce(model: str, record: dict | None) -> None:
         _logger().warning("could not record the holder of %s (%s)", limit_name(model), exc)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
-
-
 def _free_if_dead(client, name: str, model: str) -> bool:
     """Free the slot when the run holding it was a process on this host that is gone (killed, out
     of memory) without giving it back: a server that keeps leases in memory, such as the local
     API `trnflow run` starts, forgets the lease when it stops, and the slot would stay taken."""
     record = _holding(model)
     pid = record.get("pid")
-    if record.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid() or _alive(pid):
+    if record.get("host") != socket.gethostname() or not isinstance(pid, int) or pid == os.getpid() or pid_alive(pid):
         return False
     _logger().warning("%s (pid %d on this host) ended without giving back %s; freeing it", record.get("who"), pid,
                       name)

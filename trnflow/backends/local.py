@@ -36,6 +36,7 @@ from trnflow.device.registry import get_device
 from trnflow.errors import FatalError
 from trnflow.fsutil import atomic_write_json, atomic_write_text
 from trnflow.neuron.launch import RANK_LOGS, launch_command, launch_env, parse_visible_cores
+from trnflow.processes import pid_alive
 from trnflow.specs import instance
 from trnflow.workload.memory import check_fits
 
@@ -131,10 +132,9 @@ class LocalBackend:
             return proc.poll() is None
         try:
             pid = json.loads((job_dir / "pid.json").read_text())["pid"]
-            os.kill(pid, 0)
-        except (FileNotFoundError, ProcessLookupError, PermissionError):
+        except FileNotFoundError:
             return False
-        return True
+        return pid_alive(pid, ours=True)  # the supervisor is this user's: another's at that pid is not it
 
     def describe(self, job_id: str) -> JobInfo:
         job_dir = self._dir(job_id)

@@ -54,6 +54,7 @@ from importlib import metadata
 from typing import Any
 
 from trnflow.errors import FatalError
+from trnflow.processes import pid_alive
 from trnflow.storage import ObjectInfo, Store, join, open_store
 
 _TORCH = metadata.version("torch")
@@ -210,19 +211,6 @@ class EntryLocked(Exception):
 
 class CorruptEntry(Exception):
     """A done entry whose files do not match their recorded checksums."""
-
-
-def pid_alive(pid: int) -> bool:
-    """Whether process `pid` runs on this host (someone else's counts)."""
-    if pid <= 0:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass

@@ -17,13 +17,14 @@ from pathlib import Path
 import torch
 
 from trnflow.device.base import Device, FaultHooks, Lease, Log, RecompileGuard
-from trnflow.device.cache import CompileCache, pid_alive
+from trnflow.device.cache import CompileCache
 from trnflow.emulator import cores
 from trnflow.emulator.compiler import LOWERING_IMPORTS, OPTLEVELS, compile_flags
 from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.emulator.numerics import round_bf16_
 from trnflow.neuron.launch import cache_url
+from trnflow.processes import pid_alive
 from trnflow.safetar import pack
 from trnflow.specs import JobSpec
 
