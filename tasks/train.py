@@ -15,6 +15,7 @@ from prefect.states import Completed, State
 from trnflow.errors import HardwareError
 from trnflow.fsutil import atomic_write_json
 from trnflow.reporting.chart import training_png
+from trnflow.reporting.report import loss_figure
 from trnflow.results import TrainResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
@@ -60,6 +61,6 @@ def train_model(spec: JobSpec, run_id: str, cores: list[int]) -> TrainResult | S
         png = training_png(result.curve, result.evaluations, spec.gate.metric, f"{spec.name} {run_id}")
         _artifacts.image(spec, "training", png, "training loss and holdout metric against global step")
     resumed = f", resumed at step {result.start_step}" if result.resumed_from else ""
-    result.summary = (f"{result.steps_trained} steps, loss {result.loss:.4f}, "
+    result.summary = (f"{result.steps_trained} steps, {loss_figure(result)}, "
                       f"{result.samples_per_s:.0f} samples/s{resumed}{recompile_note(result)}")
     return result

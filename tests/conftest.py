@@ -92,6 +92,12 @@ def trnflow_home(tmp_path_factory) -> Path:
     return home
 
 
+ON_S3 = {"data": {"train": "s3://acme-data/reviews/train", "holdout": "s3://acme-data/reviews/holdout",
+                  "inference": "s3://acme-data/reviews/inference"},
+         "compile": {"cache_url": "s3://acme-data/neuron-cache"}, "inference": {"output_url": "s3://acme-data/out"}}
+"""The quickstart's job locations on S3 (with `train.checkpoint_url`), as a cloud backend needs them."""
+
+
 def quickstart_data(**sections) -> dict:
     """The quickstart example as a mapping, with sections replaced or updated (`model={"params":
     {...}}` updates the recipe's params; with another `recipe`, they are that recipe's alone)."""

@@ -126,6 +126,8 @@ class ExitCode(IntEnum):
     CHAMPION_KEPT = 5
     """The candidate passed the gate but is worse than the champion: registered, not promoted
     (`--force-promote --reason` overrides)."""
+    BUG = 70
+    """trnflow itself failed (EX_SOFTWARE): the command printed the traceback to report."""
     TRANSIENT = 75
     """A transient fault in the container (EX_TEMPFAIL): the service's retry strategy retries it."""
     INTERRUPTED = 130

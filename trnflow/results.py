@@ -116,7 +116,8 @@ class TrainResult(StageResult):
     watermark: str | None = Field(None, description="the newest day partition trained on")
     partitions: list[str] = Field(default_factory=list, description="the day partitions trained on")
     rows: int = 0
-    loss: float | None = None
+    loss: float | None = Field(None, description="the last step's training loss, on rank 0's share of its batch "
+                               "(the stage's key figure is the curve's last point, a mean)")
     evaluations: list[dict[str, Any]] = Field(default_factory=list, description="holdout points during training")
     curve: list[dict[str, Any]] = Field(default_factory=list, description="logged loss against step")
     series: str | None = Field(None, description="the metric series the gate reads")

@@ -4,7 +4,7 @@ import io
 
 from rich.console import Console
 
-from tests.conftest import quickstart_data
+from tests.conftest import ON_S3, quickstart_data
 from trnflow.cli.render import cost_table
 from trnflow.reporting.cost import job_cost, price_per_hour, stage_cost, total
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
@@ -18,7 +18,8 @@ def _spec(backend: str = "local", **compute):
     """A 4-node trn1.32xlarge spec on `backend` (a cloud job keeps its checkpoints on S3)."""
     train = {"global_batch_size": 128, **({} if backend == "local" else {"checkpoint_url": "s3://acme-ckpt/run"})}
     return validate_spec(quickstart_data(compute={"backend": backend, "instance_type": "trn1.32xlarge", "nodes": 4,
-                                                  "cores_per_node": 32, **compute}, train=train))
+                                                  "cores_per_node": 32, **compute}, train=train,
+                                         **({} if backend == "local" else ON_S3)))
 
 
 def test_a_job_costs_its_billable_time_on_every_node_at_the_hourly_price():

@@ -5,7 +5,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from tests.conftest import quickstart_data
+from tests.conftest import ON_S3, quickstart_data
 from trnflow.cli.app import app
 from trnflow.device.registry import DEVICE_ENV, choose
 from trnflow.neuron import devices
@@ -17,8 +17,9 @@ def _spec(device="auto", instance_type="trn1.2xlarge", backend="local", cores=1,
     return validate_spec(quickstart_data(compute={"device": device, "instance_type": instance_type,
                                                   "backend": backend, "cores_per_node": cores, "nodes": nodes},
                                          train={"global_batch_size": 64 * nodes * cores,
-                                                **({"checkpoint_url": "s3://acme-ckpt/x"} if backend == "sagemaker"
-                                                   else {})}))
+                                                **({"checkpoint_url": "s3://acme-ckpt/x"} if backend != "local"
+                                                   else {})},
+                                         **({} if backend == "local" else ON_S3)))
 
 
 def test_the_sdks_are_told_apart_by_their_modules():

@@ -132,7 +132,7 @@ def test_a_truncated_champion_record_fails_the_location_check_before_training(ma
     """Item 16: the check every training run makes first names the corrupt file."""
     from trnflow.lifecycle.locations import check_locations
 
-    spec = make_spec()
+    spec = make_spec(gate={"reference": None})
     reg = Registry(spec.registry_url)
     reg.register(spec.name, _entry(1))
     reg.promote(spec.name, 1)

@@ -81,7 +81,7 @@ def validate(
             else:
                 err.print(f"[red]invalid[/red] {escape(item['file'])}")
                 for problem in item["problems"]:
-                    err.print(f"  {problem}", markup=False, highlight=False)
+                    err.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
             for note in item.get("notes", []):
                 (console if item["valid"] else err).print(f"  note: {note}", markup=False, highlight=False,
                                                           style="dim")

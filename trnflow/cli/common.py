@@ -58,5 +58,5 @@ def load(path: Path, overrides: dict[str, Any] | None = None) -> JobSpec:
     except SpecError as exc:
         err.print(f"{exc.source}: invalid job spec", **RED)
         for problem in exc.problems:
-            err.print(f"  {problem}", markup=False, highlight=False)
+            err.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.BAD_INPUT) from None

@@ -11,6 +11,11 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import traceback
+
+import typer
+
+from trnflow.errors import ExitCode, TrnflowError
 
 STANDALONE = {"cache": ("trnflow.cli.cache", "cache_app")}
 """Command groups started on their own: name -> (module, its Typer app). A group belongs here when
@@ -28,13 +33,52 @@ def main() -> None:
     group = sys.argv[1] if len(sys.argv) > 1 and sys.argv[1] in STANDALONE else None
     module, name = STANDALONE[group] if group else WHOLE
     app = getattr(importlib.import_module(module), name)
+    args, prog = (sys.argv[2:], f"trnflow {group}") if group else (sys.argv[1:], "trnflow")
+    sys.exit(outcome(lambda: app(args=args, prog_name=prog, standalone_mode=False)))
+
+
+BUG = ("this is a bug in trnflow, not something you did: please report it to the trnflow project's issue "
+       "tracker with the command you ran and the traceback above")
+
+PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+"""Expected failures that are a path's: exit 2, as a spec the loader refuses."""
+
+
+def _input_error(exc: BaseException) -> bool:
+    """A refused spec or a bad path. SpecError is looked up only where the spec loader was imported
+    (a spec was read), so `trnflow cache` starts without the job specs."""
+    loader = sys.modules.get("trnflow.specs.loader")
+    return isinstance(exc, PATH_ERRORS) or (loader is not None and isinstance(exc, loader.SpecError))
+
+
+def outcome(command) -> int:
+    """Run `command` (a Click main without its standalone handling) and turn how it ended into an
+    exit code: an expected failure (a usage error, a refused spec or path, any trnflow error) is one
+    message on stderr, never a traceback; anything else is a bug, shown with its traceback and a
+    line asking for a report."""
     try:
-        if group:
-            app(args=sys.argv[2:], prog_name=f"trnflow {group}")
-        else:
-            app()
+        code = command()
     except KeyboardInterrupt:
-        sys.exit(130)
+        return ExitCode.INTERRUPTED
+    except typer.Abort:
+        return ExitCode.INTERRUPTED
+    except typer.TyperException as exc:  # a usage error: Click's own message and exit code (2)
+        exc.show()
+        return exc.exit_code
+    except Exception as exc:
+        if _input_error(exc) or isinstance(exc, TrnflowError):
+            _say(exc)
+            return ExitCode.BAD_INPUT if _input_error(exc) else ExitCode.FAILED
+        traceback.print_exc()
+        print(f"\ntrnflow: {BUG}", file=sys.stderr)
+        return ExitCode.BUG
+    return code if isinstance(code, int) else ExitCode.OK
+
+
+def _say(exc: BaseException) -> None:
+    text = str(exc) or type(exc).__name__
+    prefix = f"{type(exc).__name__}: " if isinstance(exc, PATH_ERRORS) else ""
+    print(f"trnflow: {prefix}{text}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -71,5 +71,5 @@ def refuse_unlaunchable(spec: JobSpec, source: str) -> None:
     if problems:
         err.print(f"{source}: cannot start", **RED)
         for problem in problems:
-            err.print(f"  {problem}", markup=False, highlight=False)
+            err.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.BAD_INPUT)
