@@ -182,3 +182,33 @@ def test_the_recipes_optimizer_is_the_one_the_memory_estimate_counts(make_spec):
     sgd = WithMomentum(recipe.params, recipe.data)
     assert optimizer_moments(sgd, spec) == 1
     assert estimate(spec, sgd).optimizer == adamw.weights
+
+
+def test_the_recipe_written_out_in_the_docs_keeps_the_contract(reviews, tmp_path):
+    """docs/recipes.md's whole recipe, as a reader copies it, through the contract suite."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    from tests.markdown import FENCE
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "recipes.md").read_text()
+    (code,) = [body for language, body in FENCE.findall(page) if language == "python" and "class LetterCounts" in body]
+    (tmp_path / "letter_recipe.py").write_text(code)
+    spec = importlib.util.spec_from_file_location("letter_recipe", tmp_path / "letter_recipe.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["letter_recipe"] = module
+    spec.loader.exec_module(module)
+
+    class TestLetterCounts(RecipeContract):
+        recipe = module.LetterCounts
+        params: ClassVar[dict] = {"letters": 12}
+
+        def rows(self) -> pa.Table:
+            return reviews
+
+    suite = TestLetterCounts()
+    checks = [name for name in dir(RecipeContract) if name.startswith("test_")]
+    assert len(checks) >= 9
+    for name in checks:
+        getattr(suite, name)()

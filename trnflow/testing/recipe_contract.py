@@ -11,7 +11,7 @@
 
 What it checks is what the pipeline relies on (docs/recipes.md says why): the params validate and
 describe themselves; fitting the featurizer is deterministic and its saved state round-trips;
-features have one shape per row whatever the rows, and `example` has it too; the model maps a
+`load` refuses a state it cannot use with a FatalError naming its source; features have one shape per row whatever the rows, and `example` has it too; the model maps a
 batch to logits of `num_classes` columns, its loss backpropagates and its optimizer steps, the same seed gives the same
 weights, and the forward pass and `embed` compile as one whole graph with static shapes; a row's
 outputs do not depend on the other rows of its batch (the last batch is filled with copies); and
@@ -24,8 +24,10 @@ import math
 from typing import Any, ClassVar
 
 import pyarrow as pa
+import pytest
 import torch
 
+from trnflow.errors import FatalError
 from trnflow.specs import DataSpec, TrainSpec
 from trnflow.workload.recipes import METRICS, Recipe, recipe_class
 
@@ -84,6 +86,10 @@ class RecipeContract:
         loaded.load(first.state(), "the saved featurizer")
         rows = self.rows()
         assert torch.equal(loaded.features(rows), first.features(rows))
+
+    def test_a_state_it_cannot_use_is_refused_naming_its_source(self):
+        with pytest.raises(FatalError, match="the-damaged-file"):
+            self.make().load(b"\x00\xff not a featurizer state", "the-damaged-file")
 
     def test_features_have_one_shape_per_row_whatever_the_rows(self):
         recipe, rows = self.fitted(), self.rows()

@@ -42,11 +42,16 @@ class TabularMLP(Recipe):
         return json.dumps({"mean": self.mean.tolist(), "std": self.std.tolist()}).encode()
 
     def load(self, state: bytes, source: str) -> None:
-        saved = json.loads(state)
-        if len(saved["mean"]) != len(self.columns()):
-            raise FatalError(f"{source}: the scaler has {len(saved['mean'])} columns, the params name "
+        try:
+            saved = json.loads(state)
+            mean, std = list(saved["mean"]), list(saved["std"])
+        except (ValueError, TypeError, KeyError):
+            raise FatalError(f"{source}: not a scaler of the tabular-mlp recipe (JSON with 'mean' and 'std'); the "
+                             "file is damaged or another recipe's: use an earlier checkpoint") from None
+        if len(mean) != len(self.columns()):
+            raise FatalError(f"{source}: the scaler has {len(mean)} columns, the params name "
                              f"{len(self.columns())}; use the features it was fitted on")
-        self.mean, self.std = (torch.tensor(saved[k], dtype=torch.float64) for k in ("mean", "std"))
+        self.mean, self.std = (torch.tensor(v, dtype=torch.float64) for v in (mean, std))
 
     def features(self, rows: pa.Table) -> torch.Tensor:
         return ((self._raw(rows) - self.mean) / self.std).float()
