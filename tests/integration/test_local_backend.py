@@ -29,6 +29,8 @@ def test_sanity_job_runs_one_process_per_core_with_the_neuron_contract(backend, 
     assert info.state is JobState.SUCCEEDED, backend.logs(job_id)[0]
     assert [c["core"] for c in info.result["per_core"]] == [0, 1]
     assert info.result["bad_cores"] == []
+    swept = info.result["collectives"]["rows"]  # trnflow's own sweep names its columns as nccom-test does
+    assert swept and all(row["time:avg(us)"] > 0 and row["time(us)"] == row["time:avg(us)"] for row in swept)
     job_dir = backend.jobs_dir / job_id
     record = json.loads((job_dir / "job.json").read_text())
     assert record["env"]["NEURON_RT_VISIBLE_CORES"] == "0-1"
@@ -250,4 +252,5 @@ def test_on_a_neuron_host_sanity_reads_neuron_ls_and_collectives_run_nccom_test(
     assert swept.state is JobState.SUCCEEDED, backend.logs(swept.job_id)[0]
     assert swept.result["source"] == "nccom-test" and swept.result["ranks"] == 2
     assert swept.result["rows"] == [{"op": "all_reduce", "size(B)": 65536, "count(elems)": 16384, "type": "fp32",
-                                     "time(us)": 61.0, "algbw(GB/s)": 1.0, "busbw(GB/s)": 1.0, "correct": True}]
+                                     "time:avg(us)": 61.0, "time(us)": 61.0, "algbw(GB/s)": 1.0,
+                                     "busbw(GB/s)": 1.0, "correct": True}]

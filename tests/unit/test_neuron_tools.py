@@ -48,10 +48,11 @@ def test_nccom_json_is_read_with_either_time_column():
                             "busbw(GB/s)": 0.1604, "time:avg(us)": 6.19}]}
     older = {"results": [{"size(B)": 33554432, "count(elems)": 33554432, "type": "uint8", "algbw(GB/s)": 40.69,
                           "busbw(GB/s)": 40.69, "time(us)": 768}]}
+    # the rows say time:avg(us), as current versions do; the old name repeats it for the readers still on it
     assert tools.parse_nccom_json(json.dumps(current), "all_reduce") == [
-        {"op": "all_reduce", "size(B)": 1024, "count(elems)": 256, "type": "fp32", "time(us)": 6.19,
-         "algbw(GB/s)": 0.1655, "busbw(GB/s)": 0.1604}]
-    assert tools.parse_nccom_json(json.dumps(older), "all_gather")[0]["time(us)"] == 768.0
+        {"op": "all_reduce", "size(B)": 1024, "count(elems)": 256, "type": "fp32", "time:avg(us)": 6.19,
+         "time(us)": 6.19, "algbw(GB/s)": 0.1655, "busbw(GB/s)": 0.1604}]
+    assert tools.parse_nccom_json(json.dumps(older), "all_gather")[0]["time:avg(us)"] == 768.0
     with pytest.raises(FatalError, match=r"no time column \(neither time:avg\(us\) nor time\(us\)\)"):
         tools.parse_nccom_json('{"results": [{"size(B)": 8}]}', "all_reduce")
     with pytest.raises(FatalError, match=r"no time column"):  # a null time is no time
@@ -78,6 +79,12 @@ def test_rows_read_from_either_time_column_show_the_same_in_every_table():
         result = CollectivesResult(ranks=4, rows=rows, avg_busbw=1.5, avg_busbw_by_op={"all_reduce": 1.5})
         assert "| all_reduce | 65,536 | fp32 | 61 | 1.000 | 1.500 | - |" in collectives_markdown(result)
         assert nccom_text(rows).splitlines()[2].split() == ["65536", "16384", "fp32", "61.0", "1.0000", "1.5000", "-"]
+    assert nccom_text(rows).splitlines()[1].split()[3] == "time:avg(us)"  # the tool's own header
+    for column in ("time:avg(us)", "time(us)"):  # rows as stored, by this trnflow or an older one
+        stored = [{**base, "op": "all_reduce", column: 61.0}]
+        result = CollectivesResult(ranks=4, rows=stored, avg_busbw=1.5, avg_busbw_by_op={"all_reduce": 1.5})
+        assert "| all_reduce | 65,536 | fp32 | 61 | 1.000 | 1.500 | - |" in collectives_markdown(result)
+        assert nccom_text(stored).splitlines()[2].split()[3] == "61.0"
 
 
 def test_an_unchecked_nccom_test_sweep_is_not_reported_wrong(tmp_path, monkeypatch):
@@ -101,7 +108,7 @@ def test_the_tools_run_from_path_with_the_real_command_lines(tmp_path, monkeypat
     assert tools.neuron_ls()[0]["nc_count"] == 4
     rows = tools.nccom_sweep("all_reduce", 4, 65536, 65536, 4, "fp32", 5, 1, check=True)
     assert rows == [{"op": "all_reduce", "size(B)": 65536, "count(elems)": 16384, "type": "fp32",
-                     "time(us)": 61.0, "algbw(GB/s)": 1.0, "busbw(GB/s)": 1.5, "correct": True}]
+                     "time:avg(us)": 61.0, "time(us)": 61.0, "algbw(GB/s)": 1.0, "busbw(GB/s)": 1.5, "correct": True}]
     (wrong,) = tools.nccom_sweep("all_to_all", 4, 65536, 65536, 4, "fp32", 5, 1, check=True)
     assert wrong["correct"] is False
     argv = tools.nccom_command("all_gather", 8, 1024, 4096, 2, "bf16", 20, 5, True, Path("/r.json"))

@@ -7,7 +7,15 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from trnflow.reporting.report import COST_COLUMNS, ENGINES, check_cell, cost_cells, engine_outcomes, with_not_run
+from trnflow.reporting.report import (
+    COST_COLUMNS,
+    ENGINES,
+    check_cell,
+    cost_cells,
+    engine_outcomes,
+    sweep_time,
+    with_not_run,
+)
 from trnflow.results import Cost, StageRow
 
 STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim"}
@@ -39,11 +47,11 @@ def nccom_text(rows: list[dict[str, Any]]) -> str:
     lines: list[str] = []
     for op in dict.fromkeys(r["op"] for r in rows):
         lines.append(f"# {op}")
-        lines.append(f"{'size(B)':>12}{'count(elems)':>16}{'type':>9}{'time(us)':>12}{'algbw(GB/s)':>15}"
+        lines.append(f"{'size(B)':>12}{'count(elems)':>16}{'type':>9}{'time:avg(us)':>16}{'algbw(GB/s)':>15}"
                      f"{'busbw(GB/s)':>15}{'check':>8}")
         for r in (r for r in rows if r["op"] == op):
             lines.append(f"{r['size(B)']:>12}{r.get('count(elems)', 0):>16}{r.get('type', ''):>9}"
-                         f"{r['time(us)']:>12.1f}{r['algbw(GB/s)']:>15.4f}{r['busbw(GB/s)']:>15.4f}{check_cell(r):>8}")
+                         f"{sweep_time(r):>16.1f}{r['algbw(GB/s)']:>15.4f}{r['busbw(GB/s)']:>15.4f}{check_cell(r):>8}")
     if rows:
         avg = sum(r["busbw(GB/s)"] for r in rows) / len(rows)
         lines.append(f"Avg bus bandwidth:\t{avg:.4f}GB/s")

@@ -8,9 +8,26 @@ reduce-scatter and all-to-all.
 from __future__ import annotations
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-TIME_COLUMNS = ("time:avg(us)", "time(us)")
-"""nccom-test's time column, newest spelling first: `time:avg(us)` in current versions, `time(us)` in
-older ones. trnflow's sweep rows always say `time(us)`, whichever the tool wrote."""
+TIME = "time:avg(us)"
+"""The time column of trnflow's sweep rows (the average of the timed iterations, in microseconds),
+named as current nccom-test names it in its table and its JSON report, whether the rows come from
+nccom-test or from trnflow's own sweep."""
+OLD_TIME = "time(us)"
+"""What older nccom-test versions, and trnflow's rows before them, called the same column."""
+TIME_COLUMNS = (TIME, OLD_TIME)
+"""nccom-test's time column, newest spelling first. trnflow's rows say TIME whichever the tool wrote."""
+
+
+def time_columns(microseconds: float) -> dict[str, float]:
+    """A sweep row's time: under TIME and, while the collectives task's threshold check still reads
+    the old name, under OLD_TIME too (the same number)."""
+    return {TIME: microseconds, OLD_TIME: microseconds}
+
+
+def row_time(row: dict) -> float | None:
+    """A row's time under whichever name it has (TIME_COLUMNS; rows stored by an older trnflow say
+    OLD_TIME), or None."""
+    return next((float(row[c]) for c in TIME_COLUMNS if row.get(c) is not None), None)
 
 
 def bus_factor(op: str, ranks: int) -> float:

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from trnflow.errors import FatalError
-from trnflow.neuron.nccom import TIME_COLUMNS
+from trnflow.neuron.nccom import TIME_COLUMNS, row_time, time_columns
 
 NEURON_LS, NCCOM_TEST, PARALLEL_COMPILE = "neuron-ls", "nccom-test", "neuron_parallel_compile"
 NCCOM_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
@@ -99,16 +99,16 @@ def nccom_command(op: str, ranks: int, minbytes: int, maxbytes: int, stepfactor:
 def nccom_time(result: dict[str, Any], source: str = NCCOM_TEST) -> float:
     """One nccom-test result's time in microseconds, under whichever name its version wrote it
     (`TIME_COLUMNS`)."""
-    for column in TIME_COLUMNS:
-        if result.get(column) is not None:
-            return float(result[column])
+    found = row_time(result)
+    if found is not None:
+        return found
     raise FatalError(f"{source}: a result with no time column (neither {' nor '.join(TIME_COLUMNS)}): {result}")
 
 
 def parse_nccom_json(text: str, op: str, source: str = NCCOM_TEST) -> list[dict[str, Any]]:
-    """nccom-test's JSON report as trnflow's sweep rows, whose time column is `time(us)` whichever
-    spelling the tool wrote (`time:avg(us)` in current versions, `time(us)` in older ones), so the
-    tables and reports that read the rows need not know the tool's version."""
+    """nccom-test's JSON report as trnflow's sweep rows, whose time column is `time:avg(us)` (TIME, as
+    current versions write it) whichever spelling the tool wrote (`time(us)` in older versions), so
+    the tables and reports that read the rows need not know the tool's version."""
     try:
         results = json.loads(text)["results"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
@@ -118,7 +118,7 @@ def parse_nccom_json(text: str, op: str, source: str = NCCOM_TEST) -> list[dict[
         if "size(B)" not in r:
             raise FatalError(f"{source}: a result with no size(B): {r}")
         rows.append({"op": op, "size(B)": int(r["size(B)"]), "count(elems)": int(r.get("count(elems)", 0)),
-                     "type": r.get("type", ""), "time(us)": nccom_time(r, source),
+                     "type": r.get("type", ""), **time_columns(nccom_time(r, source)),
                      "algbw(GB/s)": float(r.get("algbw(GB/s)", 0.0)), "busbw(GB/s)": float(r.get("busbw(GB/s)", 0.0))})
     return rows
 

@@ -101,16 +101,26 @@ def check_cell(row: dict[str, Any]) -> str:
     return {True: "ok", False: "WRONG"}.get(row.get("correct"), "-")
 
 
+SWEEP_TIMES = ("time:avg(us)", "time(us)")
+"""A sweep row's time column: `time:avg(us)`, as nccom-test writes it now and trnflow's rows say it
+(`trnflow.neuron.nccom.TIME`); `time(us)` in rows an older trnflow stored."""
+
+
+def sweep_time(row: dict[str, Any]) -> float:
+    """A sweep row's time in microseconds, under whichever name the row has it."""
+    return float(next(row[c] for c in SWEEP_TIMES if row.get(c) is not None))
+
+
 def collectives_markdown(result: CollectivesResult) -> str:
     """The nccom-test-style sweep: size, time, algbw and busbw per op, and whether the answers were right."""
     rows = []
     for r in result.rows:
         verdict = check_cell(r)
-        rows.append([r["op"], f"{r['size(B)']:,}", r.get("type", ""), f"{r['time(us)']:.0f}",
+        rows.append([r["op"], f"{r['size(B)']:,}", r.get("type", ""), f"{sweep_time(r):.0f}",
                      f"{r['algbw(GB/s)']:.3f}", f"{r['busbw(GB/s)']:.3f}",
                      f"**{verdict}**" if verdict == "WRONG" else verdict])
     lines = [f"## Collectives on {result.ranks} cores", "",
-             *_table(["op", "size (B)", "dtype", "time (us)", "algbw (GB/s)", "busbw (GB/s)", "result"], rows,
+             *_table(["op", "size (B)", "dtype", "time:avg (us)", "algbw (GB/s)", "busbw (GB/s)", "result"], rows,
                      ["---", "---:", "---", "---:", "---:", "---:", "---"])]
     averages = result.avg_busbw_by_op
     if averages:

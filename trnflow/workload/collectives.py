@@ -24,7 +24,7 @@ import torch.distributed as dist
 from trnflow.errors import FatalError
 from trnflow.neuron import plan, tools
 from trnflow.neuron.launch import INSTANCE_TYPE_ENV
-from trnflow.neuron.nccom import OPS, bus_factor
+from trnflow.neuron.nccom import OPS, bus_factor, time_columns
 from trnflow.workload.context import WorkerContext
 
 GIB = 1024**3
@@ -137,7 +137,7 @@ def _measure(ctx: WorkerContext, op: str, size: int, dtype_name: str, iters: int
     size_bytes = count * elem
     algbw = size_bytes / seconds / GIB
     row = {"op": op, "size(B)": size_bytes, "count(elems)": count, "type": dtype_name,
-           "time(us)": round(seconds * 1e6, 1), "algbw(GB/s)": round(algbw, 4),
+           **time_columns(round(seconds * 1e6, 1)), "algbw(GB/s)": round(algbw, 4),
            "busbw(GB/s)": round(algbw * bus_factor(op, ctx.world_size), 4)}
     if check:  # one more, from fresh inputs, whose result is checked
         case.prepare()
