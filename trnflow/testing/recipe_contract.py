@@ -11,11 +11,12 @@
 
 What it checks is what the pipeline relies on (docs/recipes.md says why): the params validate and
 describe themselves; fitting the featurizer is deterministic and its saved state round-trips;
-`load` refuses a state it cannot use with a FatalError naming its source; features have one shape per row whatever the rows, and `example` has it too; the model maps a
-batch to logits of `num_classes` columns, its loss backpropagates and its optimizer steps, the same seed gives the same
-weights, and the forward pass and `embed` compile as one whole graph with static shapes; a row's
-outputs do not depend on the other rows of its batch (the last batch is filled with copies); and
-the gate metrics it names are ones trnflow computes.
+`load` refuses a state it cannot use with a FatalError naming its source; features have one shape
+per row whatever the rows, and `example` has it too; the model maps a batch to logits of
+`num_classes` columns, its loss backpropagates and its optimizer steps; the same seed gives the
+same weights, and the forward pass and `embed` compile as one whole graph with static shapes; a
+row's outputs do not depend on the other rows of its batch (the last batch is filled with copies);
+and the gate metrics it names are ones trnflow computes.
 """
 
 from __future__ import annotations
