@@ -208,7 +208,7 @@ def test_a_compile_files_its_graph_in_the_neuron_cache_layout(make_spec, tmp_pat
     assert {p.name for p in entry.iterdir()} == {"model.fx.txt", "compile_flags.json", "model.neff",
                                                  "trnflow.json", "model.done"}
     assert (entry / "model.done").read_bytes() == b""
-    assert json.loads((entry / "compile_flags.json").read_text())["optlevel"] == 1
+    assert "--optlevel=1" in json.loads((entry / "compile_flags.json").read_text())  # a list, as neuronx-cc writes it
     with tarfile.open(fileobj=io.BytesIO((entry / "model.neff").read_bytes())) as tar:
         assert tar.getnames() == ["graph-01.py"]  # the lowered forward graph (evaluation has no backward)
     assert CompileCache(str(tmp_path / "cache")).state(entry_name(key), deep=True) == DONE

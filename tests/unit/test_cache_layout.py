@@ -17,10 +17,12 @@ from trnflow.device.cache import (
     CORRUPT,
     DONE,
     LEGACY_VERSION,
+    LOCKED,
     NEURONXCC,
     TRNFLOW,
     CompileCache,
     entry_name,
+    flag_list,
     sha256,
 )
 from trnflow.emulator.jit import CachedCompiler
@@ -69,12 +71,49 @@ def test_an_entry_is_filed_as_the_neuron_cache_files_it(tmp_path):
     folder = tmp_path / entry_name(key)
     assert folder.parent.name == COMPILER_VERSION and COMPILER_VERSION.startswith("neuronxcc-")
     assert (folder / "model.neff").read_bytes() == artifact
-    assert json.loads((folder / "compile_flags.json").read_text()) == {"optlevel": 2}
+    # the settings as a list of flags, as neuronx-cc writes its own
+    assert json.loads((folder / "compile_flags.json").read_text()) == ["--optlevel=2"]
     assert (folder / "model.done").read_bytes() == b""  # the marker, empty as neuronx-cc writes it
     record = json.loads((folder / "trnflow.json").read_text())["files"]
     assert record["model.neff"] == {"sha256": sha256(artifact), "bytes": len(artifact)}
     assert record["model.done"]["bytes"] == 0
     assert cache.state(entry_name(key), deep=True) == DONE
+
+
+def test_the_settings_are_written_as_flags_and_the_lock_is_trnflows_own_record(tmp_path):
+    """compile_flags.json is a list of `--name=value`, sorted, in every state an entry is written; the
+    lock is model.lock (a record of its holder), not the Neuron compiler's model.hlo_module.pb.lock."""
+    cache = CompileCache(str(tmp_path))
+    flags = {"optlevel": 1, "precision": "bf16-sr", "backend": "aot_eager", "mode": None, "model": "m5-text@1"}
+    listed = ["--backend=aot_eager", "--mode=null", "--model=m5-text@1", "--optlevel=1", "--precision=bf16-sr"]
+    assert flag_list(flags) == listed
+    failed = entry_name("MODULE_1+2")
+    cache.record_failure(failed, "graph", flags, "boom")
+    assert json.loads((tmp_path / failed / "compile_flags.json").read_text()) == listed
+    locked = entry_name("MODULE_3+4")
+    cache.acquire_lock(locked)
+    assert {p.name for p in (tmp_path / locked).iterdir()} == {"model.lock"}
+    assert json.loads((tmp_path / locked / "model.lock").read_text())["pid"] == os.getpid()
+    assert cache.state(locked) == LOCKED
+    cache.release_lock(locked)
+    assert not (tmp_path / locked / "model.lock").exists()
+
+
+def test_an_entry_written_with_the_settings_as_an_object_is_still_a_hit(tmp_path):
+    """Entries written before compile_flags.json was a list hold a JSON object, covered by their
+    checksum record as written: they stay done and load, and nothing rewrites them."""
+    cache = CompileCache(str(tmp_path))
+    entry, artifact = entry_name("MODULE_5+6"), archive({"fx/graph.py": b"compiled"})
+    cache.commit(entry, "graph", {"optlevel": 2}, artifact)
+    folder = tmp_path / entry
+    before = b'{\n  "optlevel": 2\n}\n'  # as they were written
+    (folder / "compile_flags.json").write_bytes(before)
+    record = json.loads((folder / "trnflow.json").read_text())
+    record["files"]["compile_flags.json"] = {"sha256": sha256(before), "bytes": len(before)}
+    (folder / "trnflow.json").write_text(json.dumps(record))
+    assert cache.state(entry) == DONE and cache.state(entry, deep=True) == DONE
+    assert cache.load_artifact(entry) == artifact
+    assert (folder / "compile_flags.json").read_bytes() == before
 
 
 def test_the_neuron_compilers_entries_are_listed_as_its_tools_read_them_and_only_failed_ones_pruned(tmp_path):

@@ -1,15 +1,37 @@
-"""The persistent compile cache, in a directory or on S3, laid out as the Neuron persistent cache is
-so that the Neuron tools read trnflow's entries and trnflow reads theirs:
+"""The persistent compile cache, in a directory or on S3, in the Neuron persistent cache's folders and
+with its markers:
 
     <cache>/neuronxcc-<compiler version>/MODULE_<graph hash>+<flags hash>/
         model.fx.txt         the canonical graph (what the key was computed from)
-        compile_flags.json   the compiler flags
+        compile_flags.json   the compiler's settings, a JSON list of `--name=value` (`flag_list`)
         model.neff           the compiled artifact
         trnflow.json         the sha256 and size of the files above and of model.done
         model.done           written last, empty, as neuronx-cc writes it
         model.log            instead of model.neff + model.done when compilation failed
         model.lock           while a process compiles the entry (its pid, host and start time)
         usage.json           hit count and last use
+
+The version folders, the `MODULE_<graph hash>+<flags hash>` names, compile_flags.json (a list of
+flags, as neuronx-cc writes it), model.neff, model.done and model.log are the Neuron cache's, so one
+cache holds the Neuron compiler's entries beside trnflow's and an entry's state (done, failed,
+locked) is read the same way from both. What differs, file by file: the graph is an FX graph in
+`model.fx.txt`, where neuronx-cc keeps an HLO module in `model.hlo_module.pb`; an emulator entry's
+`model.neff` is an archive of the TorchInductor cache, not a NEFF; the lock is `model.lock`, a record
+of its holder that trnflow checks (a process gone on this host, or a day's age elsewhere, frees it),
+where neuronx-cc's is `model.hlo_module.pb.lock`, named after the HLO module it compiles; trnflow.json
+and usage.json are trnflow's own.
+
+So, of Neuron's tools: `--cache_dir` in NEURON_CC_FLAGS and NEURON_COMPILE_CACHE_URL name the cache,
+and trnflow finds it from them as the compiler wrapper does. The Neuron compiler (its wrapper,
+libneuronxla, neuron_parallel_compile) looks entries up in the folder of its own version by the hash
+of an HLO module, so it never loads, recompiles or overwrites one of trnflow's (whose folder is
+`neuronxcc-torch-<version>`). What loads a NEFF or reads an HLO module (the Neuron runtime,
+neuron-profile) cannot use an emulator entry, and `neuron_parallel_compile --command clear-locks`
+is for the compiler's locks, not trnflow's, which trnflow frees itself.
+
+Entries written before compile_flags.json was a list hold the settings as a JSON object. They are
+hits as before: the key holds the settings' hash, nothing reads the file back, and the checksum
+record covers the file as it was written.
 
 A failed entry is remembered: it is not compiled again unless asked (`retry_failed`). A done
 entry whose files do not match their checksums is reported as corrupt and compiled again, never
@@ -70,8 +92,8 @@ TRNFLOW, NEURONXCC = "trnflow", "neuronx-cc"
 CHECKED_FILES = ("model.fx.txt", "compile_flags.json", "model.neff")
 DONE_MARKER = "model.done"
 RECORD = "trnflow.json"
-"""trnflow's record of a done entry: each file's checksum. model.done stays the empty marker the
-Neuron tools expect, so the record has a file of its own."""
+"""trnflow's record of a done entry: each file's checksum. model.done stays the empty marker
+neuronx-cc writes, so the record has a file of its own."""
 USAGE = "usage.json"
 """An entry's hit count and last use."""
 _RECORDED_NAMES = (frozenset(CHECKED_FILES), frozenset((*CHECKED_FILES, DONE_MARKER)))
@@ -106,6 +128,13 @@ def _not_an_archive(data: bytes) -> str | None:
 def entry_name(key: str) -> str:
     """Where a key lives in the cache: `<version folder>/<key>`."""
     return f"{COMPILER_VERSION}/{key}"
+
+
+def flag_list(flags: dict) -> list[str]:
+    """The compiler's settings as compile_flags.json holds them: a list of flags, as neuronx-cc writes
+    its own (`["--optlevel=2", "--precision=bf16-sr", ...]`), sorted by name."""
+    return [f"--{name}={value if isinstance(value, str) else json.dumps(value, sort_keys=True)}"
+            for name, value in sorted(flags.items())]
 
 
 def module_key(graph_hash: str, flags: dict) -> str:
@@ -415,7 +444,7 @@ class CompileCache:
     def commit(self, entry: str, graph_text: str, flags: dict, artifact: bytes, seconds: float = 0.0) -> None:
         """Write a successful entry; `model.done` goes last."""
         files = {"model.fx.txt": graph_text.encode(),
-                 "compile_flags.json": (json.dumps(flags, indent=2, sort_keys=True) + "\n").encode(),
+                 "compile_flags.json": json.dumps(flag_list(flags)).encode(),
                  "model.neff": artifact}
         self._write_done(entry, files, seconds, time.time())
 
@@ -433,7 +462,7 @@ class CompileCache:
 
     def record_failure(self, entry: str, graph_text: str, flags: dict, log: str) -> None:
         self.store.write(f"{entry}/model.fx.txt", graph_text.encode())
-        self.store.write(f"{entry}/compile_flags.json", json.dumps(flags, sort_keys=True).encode())
+        self.store.write(f"{entry}/compile_flags.json", json.dumps(flag_list(flags)).encode())
         self.store.write(f"{entry}/model.log", log.encode())
 
     def discard(self, entry: str) -> None:
