@@ -64,7 +64,7 @@ def cloud_location_problems(backend: str, locations: dict[str, str | None]) -> l
         if field == "train.checkpoint_url" and backend == "sagemaker":
             problems.append(sagemaker_checkpoint_problem(url) or "")
         else:
-            problems.append(f"{field}: {url} is not on S3; a {service} job runs on hosts that cannot see this "
+            problems.append(f"{field}: {url} is not on S3; {service} jobs run on hosts that cannot see this "
                             f"machine's files. Upload it (or let the job write) to s3://<bucket>/<prefix> and set "
                             f"{field} there, or run with compute.backend: local")
     return problems
@@ -99,10 +99,11 @@ class ModelSpec(Section):
         if isinstance(data, dict) and (stray := [k for k in data if k not in ("recipe", "params")]):
             old = {k: data[k] for k in stray}
             recipe = data.get("recipe", "m5-text")
+            params = data.get("params") if isinstance(data.get("params"), dict) else {}
             raise ValueError(
                 f"model.params: {', '.join(stray)} are the recipe's settings and go under model.params, with "
                 f"model.recipe beside them; write  model: "
-                f"{json.dumps({'recipe': recipe, 'params': {**data.get('params', {}), **old}})}")
+                f"{json.dumps({'recipe': recipe, 'params': {**params, **old}}, default=str)}")
         return data
 
 

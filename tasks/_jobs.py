@@ -14,7 +14,7 @@ from trnflow.errors import ERROR_TYPES, FatalError, TransientError, TrnflowError
 from trnflow.events import EVENT_FIELD, parse_event, readable
 from trnflow.redact import Redactor
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
-from trnflow.results import StageResult, parse
+from trnflow.results import FailureReport, StageResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 
@@ -23,13 +23,12 @@ def classify(info: JobInfo) -> TrnflowError:
     """The job's root failure as a trnflow error: transient ones are retried, the rest are not."""
     if info.state is JobState.CANCELLED:
         return FatalError(f"job {info.job_id} was cancelled")
-    failure = info.failure or {}
-    kind, message = failure.get("type", "Unknown"), failure.get("message", "no failure report")
-    text = Redactor.from_env()(f"job {info.job_id}: {kind}: {message}")
-    bad_cores = failure.get("bad_cores") or []
-    if kind in ERROR_TYPES:
-        return ERROR_TYPES[kind](text, bad_cores=bad_cores)
-    if failure.get("retryable"):
+    failure = info.failure or FailureReport(type="Unknown", message="no failure report")
+    text = Redactor.from_env()(f"job {info.job_id}: {failure}")
+    bad_cores = failure.bad_cores
+    if failure.type in ERROR_TYPES:
+        return ERROR_TYPES[failure.type](text, bad_cores=bad_cores)
+    if failure.retryable:
         return TransientError(text, bad_cores=bad_cores)
     return FatalError(text, bad_cores=bad_cores)
 
@@ -75,7 +74,7 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
                                                         info.details.get("seconds") or 0.0,
                                                         nodes=placement(request)[0]))
     if info.state is JobState.SUCCEEDED and info.result is not None:
-        result = parse(phase, {**info.result, "cores": info.details.get("cores")})
+        result = info.result
         if result.device is not None:
             logger.info("%s ran on the %s device (%s)", phase, result.device.name, result.device.reason)
         return result

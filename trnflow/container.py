@@ -29,6 +29,7 @@ from trnflow.backends.failures import name_first_rank, read_exits, read_reports,
 from trnflow.backends.launcher import CONSOLE
 from trnflow.errors import ExitCode, FatalError
 from trnflow.neuron.launch import LAUNCHER, RANK_LOGS, WORKLOAD
+from trnflow.results import FailureReport
 from trnflow.storage import open_store
 
 BATCH_MASTER_PORT = 41000
@@ -116,14 +117,14 @@ def _fetch_spec(env: dict[str, str], into: Path) -> Path:
     return target
 
 
-def _report(env: dict[str, str], service: str, r: Rendezvous, failure: dict | None) -> None:
+def _report(env: dict[str, str], service: str, r: Rendezvous, failure: FailureReport | None) -> None:
     """Leave the node's outcome where the service's caller finds it."""
     if service == "sagemaker":
         if failure is not None:
             path = opt_ml(env) / "output" / "failure"
             path.parent.mkdir(parents=True, exist_ok=True)
-            brief = {k: failure[k] for k in ("type", "retryable", "bad_cores", "ranks") if k in failure}
-            text = json.dumps({**brief, "message": str(failure.get("message", ""))[:FAILURE_TEXT_LIMIT // 2]})
+            brief = failure.model_copy(update={"message": failure.message[:FAILURE_TEXT_LIMIT // 2]})
+            text = brief.model_dump_json(include={"type", "retryable", "bad_cores", "ranks", "message"})
             path.write_text(text[:FAILURE_TEXT_LIMIT])
         return
     if not env.get("TRNFLOW_RESULT_URL"):
@@ -132,7 +133,7 @@ def _report(env: dict[str, str], service: str, r: Rendezvous, failure: dict | No
     job_id = env.get("AWS_BATCH_JOB_ID", "job").split("#")[0]
     store = open_store(f"{env['TRNFLOW_RESULT_URL'].rstrip('/')}/{job_id}")
     if failure is not None:
-        store.write(f"failure-node{r.node_rank}.json", json.dumps(failure).encode())
+        store.write(f"failure-node{r.node_rank}.json", failure.model_dump_json(exclude_none=True).encode())
     elif r.node_rank == 0 and (r.output_dir / "result.json").is_file():
         store.write("result.json", (r.output_dir / "result.json").read_bytes())
 
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         failure = name_first_rank(root_failure(read_reports(r.output_dir), nproc, first_rank=r.node_rank * nproc,
                                                exits=exits), exits)
     _report(env, service, r, failure)
-    if failure is not None and failure.get("retryable"):
+    if failure is not None and failure.retryable:
         return ExitCode.TRANSIENT
     return code
 

@@ -50,7 +50,8 @@ class StageResult(_Model):
 
 class CollectivesResult(StageResult):
     ranks: int = Field(description="cores in the sweep")
-    rows: list[dict[str, Any]] = Field(description="nccom-test's rows: op, size(B), time(us), algbw, busbw, correct")
+    rows: list[dict[str, Any]] = Field(description="nccom-test's rows: op, size(B), time:avg(us), algbw, busbw, "
+                                       "correct")
     avg_busbw: float | None = Field(description="mean bus bandwidth (GB/s); None when one core had no peer")
     avg_busbw_by_op: dict[str, float] = Field(default_factory=dict, description="mean bus bandwidth per op")
     passed: bool = Field(True, description="every result was correct")
@@ -173,6 +174,27 @@ RESULTS: dict[str, type[StageResult]] = {
 def parse(phase: str, data: dict[str, Any]) -> StageResult:
     """A phase's `result.json` as its model."""
     return RESULTS[phase].model_validate(data)
+
+
+class FailureReport(_Model):
+    """Why a job failed: a rank's own report (`failure-rank<r>.json`, written by the workload as it
+    fails), the root failure a backend names among its ranks' reports, or the service's reason."""
+
+    type: str = Field(description="the error's class (FatalError, HardwareError, KeyError, ...), or what the "
+                      "launcher or service saw (WorkerLost, CollectiveTimeout, CapacityError, ...)")
+    message: str = ""
+    retryable: bool | None = Field(None, description="whether a retry can help; None when nobody knows (a bug, a "
+                                   "peer's broken link)")
+    bad_cores: list[int] = Field(default_factory=list, description="the NeuronCores found at fault")
+    rank: int | None = Field(None, description="the rank that wrote it")
+    ranks: list[int] = Field(default_factory=list, description="the ranks it is about, when no one rank wrote it")
+    traceback: str | None = None
+    reported_at: float | None = Field(None, description="when the rank wrote it (Unix seconds)")
+    exitcode: int | None = Field(None, description="how the rank's process ended, as torchrun saw it")
+    signal: str | None = Field(None, description="the signal that ended it (SIGKILL), if one did")
+
+    def __str__(self) -> str:
+        return f"{self.type}: {self.message}"
 
 
 class StageRow(_Model):

@@ -11,10 +11,11 @@ import time
 import pyarrow.parquet as pq
 import pytest
 
-from tests.conftest import quickstart_data
+from tests.conftest import ON_S3, quickstart_data
 from trnflow.backends import JobRequest
 from trnflow.backends.service_status import batch_failure, sagemaker_failure
 from trnflow.flows.pipeline import STAGES, pipeline
+from trnflow.results import FailureReport
 from trnflow.testing.mockcloud import MockCloud, ServiceFault
 from trnflow.testing.mockcloud.provision import SETTINGS, provision
 
@@ -226,7 +227,7 @@ def test_throttling_while_polling_is_retried_without_failing(moto_endpoint, tmp_
         monkeypatch.setattr("trnflow.aws.FIRST_WAIT_SECONDS", 0.01)
         with caplog.at_level(logging.WARNING, logger="trnflow.aws"):
             info = backend.describe(job)
-        assert info.state.value == "FAILED" and info.failure["type"] == "UserError"
+        assert info.state.value == "FAILED" and info.failure.type == "UserError"
         assert len([r for r in caplog.records if "ThrottlingException" in r.getMessage()]) == 2
 
 
@@ -305,7 +306,7 @@ def test_the_batch_retry_strategy_and_fair_share_read_back_from_the_service(
         assert described["retryStrategy"] == expected
         assert (described["shareIdentifier"], described["schedulingPriority"]) == ("default", 7)
         assert len(described["attempts"]) == 1  # exit code 1 met the EXIT rule: not retried
-        assert backend.describe(job).failure["type"] == "UserError"
+        assert backend.describe(job).failure.type == "UserError"
 
 
 def test_each_service_failure_maps_to_its_error_class_and_retry_owner():
@@ -313,13 +314,13 @@ def test_each_service_failure_maps_to_its_error_class_and_retry_owner():
         return sagemaker_failure({"TrainingJobName": "j", "FailureReason": reason, "SecondaryStatus": secondary,
                                   "StoppingCondition": {"MaxRuntimeInSeconds": 60}})
 
-    assert sm("CapacityError: Unable to provision")["type"] == "CapacityError"  # trnflow resubmits
-    assert sm("CapacityError: Unable to provision")["retryable"]
-    assert sm("InternalServerError: oops")["type"] == "InternalServiceError"  # SageMaker retried it already
+    assert sm("CapacityError: Unable to provision").type == "CapacityError"  # trnflow resubmits
+    assert sm("CapacityError: Unable to provision").retryable
+    assert sm("InternalServerError: oops").type == "InternalServiceError"  # SageMaker retried it already
     transient = sm('AlgorithmError: {"type": "ExecutionTimeout", "retryable": true, "message": "nc3"}')
-    assert transient["type"] == "ExecutionTimeout" and transient["retryable"]  # a device fault: resubmitted
-    assert sm("AlgorithmError: Traceback ...")["type"] == "UserError"
-    assert sm("", secondary="MaxRuntimeExceeded")["type"] == "JobTimeout"
+    assert transient.type == "ExecutionTimeout" and transient.retryable  # a device fault: resubmitted
+    assert sm("AlgorithmError: Traceback ...").type == "UserError"
+    assert sm("", secondary="MaxRuntimeExceeded").type == "JobTimeout"
 
     from trnflow.backends.batch_request import retry_strategy
 
@@ -330,18 +331,19 @@ def test_each_service_failure_maps_to_its_error_class_and_retry_owner():
             {"container": {"exitCode": code}, "statusReason": status_reason}] * 3}, rules, report)
 
     host = batch(None, HOST_LOST)
-    assert host["type"] == "HostFailure" and not host["retryable"] and "retried n (id) 3 time(s)" in host["message"]
-    assert batch(75, "Essential container in task exited")["type"] == "HostFailure"  # exit 75: Batch's to retry
+    assert host.type == "HostFailure" and not host.retryable and "retried n (id) 3 time(s)" in host.message
+    assert batch(75, "Essential container in task exited").type == "HostFailure"  # exit 75: Batch's to retry
     user = batch(1, "Essential container in task exited")
-    assert user["type"] == "UserError" and "exit code 1" in user["message"]
-    named = batch(1, "Essential container in task exited", {"type": "GateFailed", "message": "outside the band"})
-    assert named["type"] == "GateFailed" and not named["retryable"]
+    assert user.type == "UserError" and "exit code 1" in user.message
+    named = batch(1, "Essential container in task exited", FailureReport(type="GateFailed", message="outside the band"))
+    assert named.type == "GateFailed" and not named.retryable
 
 
 def _spec_for_rules():
     from trnflow.specs import validate_spec
 
-    return validate_spec(quickstart_data(compute={"backend": "batch", "instance_type": "trn1.32xlarge"}))
+    return validate_spec(quickstart_data(compute={"backend": "batch", "instance_type": "trn1.32xlarge"},
+                                         train={"checkpoint_url": "s3://acme-data/ckpt"}, **ON_S3))
 
 
 def test_the_log_reader_returns_only_new_lines_and_continues_from_its_page_token(in_process_aws):

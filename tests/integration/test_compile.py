@@ -62,11 +62,11 @@ def test_check_predicts_compile_and_the_cache_survives_corruption_failure_and_st
                                                                                           compile_cache):
     # The session's shared cache: this cold compile is the one every later pipeline test hits.
     shared = make_spec()
-    predicted = _run(shared, check=True).result["programs"]
+    predicted = _run(shared, check=True).result.programs
     compiled = _run(shared)
     assert compiled.state is JobState.SUCCEEDED, compiled.failure
-    assert compiled.result["compiled"] + compiled.result["hits"] == 3
-    outcome = {r["program"]: r["status"] for r in compiled.result["report"].values()}
+    assert compiled.result.compiled + compiled.result.hits == 3
+    outcome = {r["program"]: r["status"] for r in compiled.result.report.values()}
     assert {p["program"]: p["will"] == "hit" for p in predicted} == {p: s == "hit" for p, s in outcome.items()}
 
     # Break a copy of it.
@@ -76,26 +76,26 @@ def test_check_predicts_compile_and_the_cache_survives_corruption_failure_and_st
     shutil.copytree(compile_cache, copy)
     spec = make_spec(compile={"cache_url": str(copy), "workers": 2})
     cache = CompileCache(str(copy))
-    entries = {p["program"]: entry_name(p["key"]) for p in compiled.result["programs"]}
+    entries = {p["program"]: entry_name(p["key"]) for p in compiled.result.programs}
     cache.discard(entries["embed_step"])
     cache.store.write(f"{entries['embed_step']}/model.log", b"error: compiler crashed\n")
     failed = _run(spec)
     assert failed.state is JobState.FAILED  # a remembered failure is not compiled again...
-    assert failed.failure["type"] == "FatalError" and "--retry-failed" in failed.failure["message"]
+    assert failed.failure.type == "FatalError" and "--retry-failed" in failed.failure.message
     assert cache.state(entries["embed_step"]) == FAILED
 
     neff = copy / entries["eval_step"] / "model.neff"
     neff.write_bytes(neff.read_bytes()[:100])  # a truncated artifact
     lock = {"pid": _dead_pid(), "host": socket.gethostname(), "since": 0}
     cache.store.write(f"{entries['embed_step']}/model.lock", json.dumps(lock).encode())
-    check = _run(spec, check=True, retry_failed=True).result["programs"]
+    check = _run(spec, check=True, retry_failed=True).result.programs
     assert [(p["state"], p["will"]) for p in check] == [("done", "hit"), ("corrupt", "compile"), ("failed", "compile")]
     result = CliRunner().invoke(app, ["cache", "verify", str(copy)])
     assert result.exit_code == 1 and "1 corrupt" in result.stdout
 
     repaired = _run(spec, retry_failed=True)  # ...unless asked; the corrupt one is rebuilt, never loaded
     assert repaired.state is JobState.SUCCEEDED, repaired.failure
-    by_program = {r["program"]: r for r in repaired.result["report"].values()}
+    by_program = {r["program"]: r for r in repaired.result.report.values()}
     assert by_program["train_step"]["status"] == "hit"
     assert by_program["eval_step"]["status"] == "done" and by_program["embed_step"]["status"] == "done"
     assert by_program["embed_step"]["stale_lock_cleared"] is True

@@ -25,8 +25,8 @@ def _run(spec, phase, run_id="r", **options):
 def test_a_warm_run_from_an_s3_cache_compiles_nothing_and_trains_like_a_cold_one(make_spec, tmp_path, s3_bucket):
     cold = _run(make_spec(cores=1, compile={"cache_url": str(tmp_path / "empty-cache")}, train=SHORT), "train", "cold")
     assert cold.state is JobState.SUCCEEDED, cold.failure
-    assert cold.result["compile"]["hits"] == 0
-    misses = {m["program"]: m for m in cold.result["compile"]["recompiles"]}
+    assert cold.result.compile.hits == 0
+    misses = {m["program"]: m for m in cold.result.compile.recompiles}
     assert set(misses) == {"train_step", "eval_step"}  # training evaluates the holdout at its end, too
     miss = misses["train_step"]
     assert miss["reason"] == "it is not in the compile cache"
@@ -36,23 +36,23 @@ def test_a_warm_run_from_an_s3_cache_compiles_nothing_and_trains_like_a_cold_one
                      train={**SHORT, "checkpoint_url": str(tmp_path / "warm-checkpoints")})
     compiled = _run(spec, "compile")
     assert compiled.state is JobState.SUCCEEDED, compiled.failure
-    assert compiled.result["compiled"] == 3
+    assert compiled.result.compiled == 3
 
     warm = _run(spec, "train", "warm")
     assert warm.state is JobState.SUCCEEDED, warm.failure
-    assert warm.result["compile"] == {**warm.result["compile"], "hits": 2, "recompiles": []}
-    assert warm.result["loss"] == cold.result["loss"]  # the cached graph computes what the cold one did
+    assert (warm.result.compile.hits, warm.result.compile.recompiles) == (2, [])
+    assert warm.result.loss == cold.result.loss  # the cached graph computes what the cold one did
 
     listing = CliRunner().invoke(app, ["cache", "ls", url, "--json"])
     assert listing.exit_code == 0, listing.output
     entries = {e["key"]: e for e in json.loads(listing.stdout)}
     assert len(entries) == 3 and {e["state"] for e in entries.values()} == {"done"}
-    train_key = next(p["key"] for p in compiled.result["programs"] if p["program"] == "train_step")
+    train_key = next(p["key"] for p in compiled.result.programs if p["program"] == "train_step")
     assert train_key == miss["key"]  # the same graph, keyed alike by a run on a local cache and a compile on S3
     assert entries[train_key]["hits"] == 1  # the warm run's one rank
 
     s3 = boto3.client("s3")
-    neff = f"neuron-cache/{compiled.result['compiler']}/{train_key}/model.neff"
+    neff = f"neuron-cache/{compiled.result.compiler}/{train_key}/model.neff"
     s3.put_object(Bucket=s3_bucket, Key=neff, Body=b"truncated")
     verify = CliRunner().invoke(app, ["cache", "verify", url, "--json"])
     assert verify.exit_code == 1 and json.loads(verify.stdout)["corrupt"] == [train_key]
@@ -64,6 +64,6 @@ def test_a_batch_shape_that_changes_mid_run_is_caught_by_the_recompilation_guard
     # 1200 rows in batches of 32: the 38th step gets the 16 left over, 8 per core.
     failed = _run(spec, "train", "dynamic")
     assert failed.state is JobState.FAILED
-    assert failed.failure["type"] == "Recompilation" and failed.failure["retryable"] is False
-    message = failed.failure["message"]
+    assert failed.failure.type == "Recompilation" and failed.failure.retryable is False
+    message = failed.failure.message
     assert "train_step" in message and "tokens [8, 32] int64" in message and "drop_last" in message

@@ -82,9 +82,9 @@ def test_a_second_job_on_held_cores_fails_and_runs_once_they_are_free(make_spec,
 
     second = wait(backend, backend.submit(JobRequest(make_spec(name="second"), "sanity", "s", cores=(0, 1))), 0.2)
     assert second.state is JobState.FAILED
-    assert second.failure["type"] == "CoresUnavailable" and second.failure["retryable"] is True
-    assert "NeuronCore(s) not available" in second.failure["message"]
-    assert any(f"pid {pid}" in second.failure["message"] for pid in owners.values())
+    assert second.failure.type == "CoresUnavailable" and second.failure.retryable is True
+    assert "NeuronCore(s) not available" in second.failure.message
+    assert any(f"pid {pid}" in second.failure.message for pid in owners.values())
 
     for pid in owners.values():  # SIGKILL the holders: no cleanup code runs
         os.kill(pid, signal.SIGKILL)
@@ -125,7 +125,7 @@ def test_the_runtime_core_variables_are_honoured(make_spec, trnflow_home, monkey
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "6-7")
     info = wait(backend, backend.submit(JobRequest(make_spec(compute={"instance_type": "trn1.32xlarge"}),
                                                    "sanity", "v")), 0.2)
-    assert info.state is JobState.SUCCEEDED and [c["core"] for c in info.result["per_core"]] == [6, 7]
+    assert info.state is JobState.SUCCEEDED and [c["core"] for c in info.result.per_core] == [6, 7]
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
     monkeypatch.setenv("NEURON_RT_NUM_CORES", "1")
     with pytest.raises(FatalError, match="NEURON_RT_NUM_CORES=1"):

@@ -18,7 +18,7 @@ from trnflow.emulator.faults import parse
 from trnflow.errors import FatalError
 from trnflow.flows._stages import PipelineFailed
 from trnflow.neuron.nccom import bus_factor
-from trnflow.results import CollectivesResult, RunOutcome
+from trnflow.results import CollectivesResult, FailureReport, RunOutcome
 from trnflow.settings import TrnflowSettings
 from trnflow.testing.mockcloud.nodes import free_port
 
@@ -28,8 +28,8 @@ def backend(trnflow_home) -> LocalBackend:
     return LocalBackend(TrnflowSettings().jobs_dir)
 
 
-def _failed_engines(result: dict, core: int) -> set[str]:
-    record = next(c for c in result["per_core"] if c["core"] == core)
+def _failed_engines(result, core: int) -> set[str]:
+    record = next(c for c in result.per_core if c["core"] == core)
     return {name.split("/")[0] for name in record["failed"]}
 
 
@@ -37,7 +37,7 @@ def test_a_corrupting_core_fails_its_engine_tests_and_is_named(backend, make_spe
     spec = make_spec(faults=[{"kind": "corrupt", "core": 1}], compute={"precision": "bf16"})
     info = wait(backend, backend.submit(JobRequest(spec, "sanity", "f")), 0.2)
     assert info.state is JobState.SUCCEEDED
-    assert info.result["bad_cores"] == [1]
+    assert info.result.bad_cores == [1]
     assert _failed_engines(info.result, 1) == {"tensor", "vector", "scalar", "gpsimd"}
     assert _failed_engines(info.result, 0) == set()
 
@@ -45,7 +45,7 @@ def test_a_corrupting_core_fails_its_engine_tests_and_is_named(backend, make_spe
 def test_a_core_with_bad_memory_fails_only_the_memory_test(backend, make_spec, monkeypatch):
     monkeypatch.setenv("TRNFLOW_FAULTS", "memory@0")
     info = wait(backend, backend.submit(JobRequest(make_spec(), "sanity", "f")), 0.2)
-    assert info.result["bad_cores"] == [0]
+    assert info.result.bad_cores == [0]
     assert _failed_engines(info.result, 0) == {"memory"}
 
 
@@ -55,9 +55,9 @@ def test_a_hung_collective_is_cut_off_by_the_timeout_and_the_core_named(backend,
                          options={"maxbytes": 65536, "timeout_seconds": 5})
     info = wait(backend, backend.submit(request), 0.2)
     assert info.state is JobState.FAILED
-    assert info.failure["type"] == "CollectiveTimeout" and info.failure["retryable"] is True
-    assert "core 3 (rank 1) never reached it" in info.failure["message"]
-    assert "Timed out" in info.failure["message"]
+    assert info.failure.type == "CollectiveTimeout" and info.failure.retryable is True
+    assert "core 3 (rank 1) never reached it" in info.failure.message
+    assert "Timed out" in info.failure.message
 
 
 def test_a_hang_on_a_lone_core_is_reported_at_once(backend, make_spec):
@@ -65,7 +65,7 @@ def test_a_hang_on_a_lone_core_is_reported_at_once(backend, make_spec):
                      faults=[{"kind": "hang", "core": 0}])
     info = wait(backend, backend.submit(JobRequest(spec, "sanity", "lone")), 0.2)
     assert info.state is JobState.FAILED
-    assert info.failure["type"] == "CollectiveTimeout" and info.failure["bad_cores"] == [0]
+    assert info.failure.type == "CollectiveTimeout" and info.failure.bad_cores == [0]
 
 
 def test_a_corrupting_core_makes_collectives_wrong_and_is_named(backend, monkeypatch):
@@ -73,8 +73,8 @@ def test_a_corrupting_core_makes_collectives_wrong_and_is_named(backend, monkeyp
     request = JobRequest(None, "collectives", "c", processes=2, options={"maxbytes": 65536, "check": True})
     info = wait(backend, backend.submit(request), 0.2)
     assert info.state is JobState.FAILED
-    assert info.failure["type"] == "CorruptCollective"
-    assert "core(s) [1] sent corrupted data" in info.failure["message"]
+    assert info.failure.type == "CorruptCollective"
+    assert "core(s) [1] sent corrupted data" in info.failure.message
 
 
 def _train_two_ranks(backend, make_spec, name: str, fault: dict):
@@ -89,9 +89,9 @@ def test_a_rank_killed_by_a_signal_is_named_alone_with_its_signal_and_its_log(ba
     """Rank 1 is SIGKILLed; rank 0 then loses its peer, or is stopped by torchrun: only rank 1 is named."""
     info, job_dir = _train_two_ranks(backend, make_spec, "sigkilled", {"kind": "kill", "core": 1, "step": 3})
     failure = info.failure
-    assert failure["type"] == "WorkerLost" and failure["retryable"] is True
-    assert failure["ranks"] == [1] and (failure["exitcode"], failure["signal"]) == (-9, "SIGKILL")
-    message = failure["message"]
+    assert failure.type == "WorkerLost" and failure.retryable is True
+    assert failure.ranks == [1] and (failure.exitcode, failure.signal) == (-9, "SIGKILL")
+    message = failure.message
     assert message.startswith("rank 1 exited without reporting why (signal SIGKILL")
     assert "rank 1 failed first (signal SIGKILL); the last lines of its log (" in message
     assert f"{job_dir / 'ranks'}" in message and "/attempt_0/1)" in message  # its own log's folder
@@ -114,10 +114,10 @@ def test_a_container_node_names_its_killed_rank_with_its_signal(make_spec, tmp_p
     node = subprocess.run([sys.executable, "-m", "trnflow.container", "batch"], env=env, capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert node.returncode == 75, node.stdout[-2000:] + node.stderr[-2000:]  # transient: Batch retries it
-    failure = json.loads((tmp_path / "results" / "job-1" / "failure-node0.json").read_text())
-    assert failure["type"] == "WorkerLost" and failure["ranks"] == [1]
-    assert (failure["exitcode"], failure["signal"]) == (-9, "SIGKILL")
-    assert failure["message"].startswith("rank 1 exited without reporting why (signal SIGKILL")
+    failure = FailureReport.model_validate_json((tmp_path / "results" / "job-1" / "failure-node0.json").read_text())
+    assert failure.type == "WorkerLost" and failure.ranks == [1]
+    assert (failure.exitcode, failure.signal) == (-9, "SIGKILL")
+    assert failure.message.startswith("rank 1 exited without reporting why (signal SIGKILL")
     assert '"event": "train"' in node.stdout  # the ranks wrote to the container's log stream
     ranks = tmp_path / "node" / "trnflow-ranks"  # beside the output (which SageMaker uploads), not in it
     assert (ranks / "exits.json").is_file()
@@ -127,8 +127,8 @@ def test_a_container_node_names_its_killed_rank_with_its_signal(make_spec, tmp_p
 def test_a_rank_that_fails_is_named_with_its_exit_code_and_the_last_lines_of_its_own_log(backend, make_spec):
     info, job_dir = _train_two_ranks(backend, make_spec, "hwfail", {"kind": "hw", "core": 1, "step": 3})
     failure = info.failure
-    assert failure["type"] == "HardwareError" and failure["bad_cores"] == [1] and failure["exitcode"] == 1
-    message = failure["message"]
+    assert failure.type == "HardwareError" and failure.bad_cores == [1] and failure.exitcode == 1
+    message = failure.message
     assert message.startswith("NeuronCore 1: uncorrectable hardware error at step 3")
     _, _, tail = message.partition("\nrank 1 failed first (exit code 1); the last lines of its log (")
     assert tail, message

@@ -6,6 +6,7 @@ import json
 import pyarrow.parquet as pq
 import pytest
 
+from tests.factories import checkpoint_meta
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
@@ -42,7 +43,7 @@ def _checkpoint(spec, dataset) -> str:
     run = RunCheckpoints(f"{spec.train.checkpoint_url}/model")
     featurizer = (recipe.featurizer_file, recipe.state())
     return run.save(2, model.state_dict(), {"state": {}, "param_groups": []}, rng, featurizer,
-                    {"run_id": "model", "sampler": {}, "data": {}})
+                    checkpoint_meta("model", step=2))
 
 
 def test_a_killed_inference_run_is_finished_by_a_rerun_without_touching_committed_shards(make_spec, backend, dataset):
@@ -52,7 +53,7 @@ def test_a_killed_inference_run_is_finished_by_a_rerun_without_touching_committe
     killed = make_spec(train={"steps": 2, "checkpoint_every": 2}, inference={"shard_size": 50},
                        faults=[{"kind": "kill", "core": 0, "step": 3}])  # rank 0, before its third shard
     first = _job(backend, killed, "infer", "model", checkpoint)
-    assert first.state is JobState.FAILED and first.failure["retryable"] is True
+    assert first.state is JobState.FAILED and first.failure.retryable is True
     out = local_path(spec.inference.output_url)
     committed = {json.loads(m.read_text())["shard"] for m in (out / "_committed").glob("*.json")}
     assert {0, 2} <= committed and 4 not in committed and not (out / "_manifest.json").exists()
@@ -63,7 +64,7 @@ def test_a_killed_inference_run_is_finished_by_a_rerun_without_touching_committe
     assert rerun.state is JobState.SUCCEEDED, rerun.failure
     after = _checksums(out)
     assert all(after[name] == digest for name, digest in before.items())  # committed shards untouched
-    assert rerun.result["shards_reused"] == len(committed) and len(after) == 7
+    assert rerun.result.shards_reused == len(committed) and len(after) == 7
     inputs = [json.loads(line)["id"] for line in (dataset / "inference" / "part-00000.jsonl").read_text().splitlines()]
     ids = pq.read_table(out).column("id").to_pylist()  # the folder reads as one table: bookkeeping is hidden
     assert sorted(ids) == sorted(inputs) and len(ids) == len(set(ids))
@@ -75,7 +76,7 @@ def test_a_killed_inference_run_is_finished_by_a_rerun_without_touching_committe
     torn.write_bytes(torn.read_bytes()[:100])
     again = _job(backend, spec, "infer", "model", checkpoint)
     assert again.state is JobState.SUCCEEDED, again.failure
-    assert again.result["rows_embedded"] == 50 and again.result["shards_reused"] == 6
+    assert again.result.rows_embedded == 50 and again.result.shards_reused == 6
     assert _checksums(out) == after
 
 
@@ -103,7 +104,7 @@ def test_a_thousand_shard_plan_resumes_after_a_kill_and_publishes_each_shard_onc
 
     rerun = _job(backend, spec, "infer", "model", checkpoint)
     assert rerun.state is JobState.SUCCEEDED, rerun.failure
-    assert rerun.result["shards_reused"] == len(committed) and rerun.result["rows"] == 2000
+    assert rerun.result.shards_reused == len(committed) and rerun.result.rows == 2000
     after = _checksums(out)
     assert len(after) == 1000 and all(after[name] == digest for name, digest in before.items())
     manifest = json.loads((out / "_manifest.json").read_text())

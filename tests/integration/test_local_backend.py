@@ -27,10 +27,10 @@ def test_sanity_job_runs_one_process_per_core_with_the_neuron_contract(backend, 
     job_id = backend.submit(JobRequest(spec, "sanity", "t1"))
     info = wait(backend, job_id, 0.2)
     assert info.state is JobState.SUCCEEDED, backend.logs(job_id)[0]
-    assert [c["core"] for c in info.result["per_core"]] == [0, 1]
-    assert info.result["bad_cores"] == []
-    swept = info.result["collectives"]["rows"]  # trnflow's own sweep names its columns as nccom-test does
-    assert swept and all(row["time:avg(us)"] > 0 and row["time(us)"] == row["time:avg(us)"] for row in swept)
+    assert [c["core"] for c in info.result.per_core] == [0, 1]
+    assert info.result.bad_cores == []
+    swept = info.result.collectives.rows  # trnflow's own sweep names its columns as nccom-test does
+    assert swept and all(row["time:avg(us)"] > 0 and "time(us)" not in row for row in swept)
     job_dir = backend.jobs_dir / job_id
     record = json.loads((job_dir / "job.json").read_text())
     assert record["env"]["NEURON_RT_VISIBLE_CORES"] == "0-1"
@@ -48,9 +48,9 @@ def test_failing_job_reports_its_root_cause(backend, make_spec, tmp_path):
     spec = make_spec(cores=1, data={"train": str(tmp_path / "missing")})
     info = wait(backend, backend.submit(JobRequest(spec, "train", "t2")), 0.2)
     assert info.state is JobState.FAILED
-    assert info.failure["type"] == "DataError"
-    assert info.failure["retryable"] is False
-    assert "missing" in info.failure["message"]
+    assert info.failure.type == "DataError"
+    assert info.failure.retryable is False
+    assert "missing" in info.failure.message
 
 
 
@@ -162,9 +162,9 @@ def test_a_rank_killed_without_a_word_is_a_lost_worker_and_retryable(backend, ma
     os.kill(holders(2)[1]["pid"], signal.SIGKILL)  # rank 1 dies as the OOM killer would end it
     info = wait(backend, job_id, 0.2)
     assert info.state is JobState.FAILED
-    assert info.failure["type"] == "WorkerLost" and info.failure["retryable"] is True
+    assert info.failure.type == "WorkerLost" and info.failure.retryable is True
     # torchrun may stop rank 0 before it notices the broken link: its record tells it from rank 1
-    assert info.failure["ranks"] == [1] and info.failure["signal"] == "SIGKILL"
+    assert info.failure.ranks == [1] and info.failure.signal == "SIGKILL"
 
 
 def test_run_ids_cannot_leave_the_checkpoint_folder(make_spec):
@@ -244,13 +244,13 @@ def test_on_a_neuron_host_sanity_reads_neuron_ls_and_collectives_run_nccom_test(
     spec = make_spec()
     sanity = wait(backend, backend.submit(JobRequest(spec, "sanity", "host")), 0.2)
     assert sanity.state is JobState.SUCCEEDED, backend.logs(sanity.job_id)[0]
-    assert sanity.result["inventory"] == {"source": "neuron-ls", "devices": 1, "cores": 1, "missing": [1],
+    assert sanity.result.inventory == {"source": "neuron-ls", "devices": 1, "cores": 1, "missing": [1],
                                           "held": {}}
-    assert sanity.result["bad_cores"] == [1] and sanity.result["passed"] is False
-    assert sanity.result["collectives"] is None  # rank 1 never saw the list, yet knew not to sweep
+    assert sanity.result.bad_cores == [1] and sanity.result.passed is False
+    assert sanity.result.collectives is None  # rank 1 never saw the list, yet knew not to sweep
     swept = wait(backend, backend.submit(JobRequest(spec, "collectives", "host")), 0.2)
     assert swept.state is JobState.SUCCEEDED, backend.logs(swept.job_id)[0]
-    assert swept.result["source"] == "nccom-test" and swept.result["ranks"] == 2
-    assert swept.result["rows"] == [{"op": "all_reduce", "size(B)": 65536, "count(elems)": 16384, "type": "fp32",
-                                     "time:avg(us)": 61.0, "time(us)": 61.0, "algbw(GB/s)": 1.0,
+    assert swept.result.source == "nccom-test" and swept.result.ranks == 2
+    assert swept.result.rows == [{"op": "all_reduce", "size(B)": 65536, "count(elems)": 16384, "type": "fp32",
+                                     "time:avg(us)": 61.0, "algbw(GB/s)": 1.0,
                                      "busbw(GB/s)": 1.0, "correct": True}]

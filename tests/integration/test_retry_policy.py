@@ -45,10 +45,11 @@ def test_fatal_errors_and_failed_gates_are_never_retried(prefect_api, make_spec)
 def test_job_failures_map_onto_the_error_classes():
     from trnflow.backends import JobInfo, JobState
     from trnflow.errors import CollectiveTimeout, DataError
+    from trnflow.results import FailureReport
     from trnflow.tasks._jobs import classify
 
     def failed(**failure):
-        return classify(JobInfo("j1", JobState.FAILED, failure=failure))
+        return classify(JobInfo("j1", JobState.FAILED, failure=FailureReport(**failure)))
 
     assert isinstance(failed(type="DataError", message="bad column", retryable=False), DataError)
     hung = failed(type="CollectiveTimeout", message="core 3 hung", retryable=True, bad_cores=[3])

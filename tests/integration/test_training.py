@@ -31,8 +31,8 @@ def _train(backend, spec: JobSpec, run_id: str):
     return wait(backend, job_id, 0.2), job_id
 
 
-def _weights(result: dict) -> dict:
-    return load(result["checkpoint"]).model
+def _weights(result) -> dict:
+    return load(result.checkpoint).model
 
 
 @pytest.mark.slow
@@ -41,17 +41,17 @@ def test_a_checkpoint_saved_by_4_ranks_resumes_on_2(make_spec, backend, monkeypa
     four = make_spec(compute={"instance_type": "trn1.32xlarge", "cores_per_node": 4},
                      train={"steps": 4, "checkpoint_every": 2}, faults=[{"kind": "timeout", "core": 3, "step": 3}])
     failed, _ = _train(backend, four, "reshard")
-    assert failed.state is JobState.FAILED and failed.failure["type"] == "ExecutionTimeout"
-    assert failed.failure["retryable"] is True
+    assert failed.state is JobState.FAILED and failed.failure.type == "ExecutionTimeout"
+    assert failed.failure.retryable is True
 
     two = make_spec(compute=BIG, train={"steps": 4, "checkpoint_every": 2})
     info, job_id = _train(backend, two, "reshard")
     assert info.state is JobState.SUCCEEDED, info.failure
-    assert info.result["start_step"] == 2 and info.result["steps_trained"] == 2
+    assert info.result.start_step == 2 and info.result.steps_trained == 2
     assert '"saved_by_ranks": 4' in backend.logs(job_id)[0] and '"ranks": 2' in backend.logs(job_id)[0]
-    meta = load(info.result["checkpoint"]).meta
-    assert meta["world_size"] == 2 and meta["sampler"]["step"] == 4
-    memory = info.result["host_memory"]
+    meta = load(info.result.checkpoint).meta
+    assert meta.world_size == 2 and meta.sampler["step"] == 4
+    memory = info.result.host_memory
     assert memory["features_spilled_to_disk"] is True and len(memory["peak_rss_mb_per_rank"]) == 2
 
 
@@ -73,26 +73,26 @@ def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are
             "window": "since-watermark"}
     first, _ = _train(backend, make_spec(cores=1, data=data, train={"steps": 6, "checkpoint_every": 6}), "day-2")
     assert first.state is JobState.SUCCEEDED, first.failure
-    assert first.result["partitions"] == ["2026-01-01", "2026-01-02"] and first.result["watermark"] == "2026-01-02"
+    assert first.result.partitions == ["2026-01-01", "2026-01-02"] and first.result.watermark == "2026-01-02"
 
     shutil.copytree(full / "train" / "dt=2026-01-03", live / "train" / "dt=2026-01-03")  # a new day lands
     registry = Registry(make_spec().registry_url)  # the first run is the champion the next one starts from
-    registry.promote("quickstart", registry.register("quickstart", {"checkpoint": first.result["checkpoint"]}).version)
+    registry.promote("quickstart", registry.register("quickstart", {"checkpoint": first.result.checkpoint}).version)
     follow = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": "champion"})
     second, job_id = _train(backend, make_spec(cores=1, **follow), "day-3")
     assert second.state is JobState.SUCCEEDED, second.failure
     assert '"event": "champion", "rank": 0, "version": 1' in backend.logs(job_id)[0]
     result = second.result
-    assert result["partitions"] == ["2026-01-03"] and result["rows"] == 200 and result["watermark"] == "2026-01-03"
-    assert result["parent"] == first.result["checkpoint"] and result["global_step"] == 10
-    child, parent = load(result["checkpoint"]), load(first.result["checkpoint"])
+    assert result.partitions == ["2026-01-03"] and result.rows == 200 and result.watermark == "2026-01-03"
+    assert result.parent == first.result.checkpoint and result.global_step == 10
+    child, parent = load(result.checkpoint), load(first.result.checkpoint)
     assert child.featurizer == parent.featurizer  # token ids never shift between incremental runs
-    assert child.meta["lineage"] == [first.result["checkpoint"]]
+    assert child.meta.lineage == [first.result.checkpoint]
 
-    again = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": result["checkpoint"]})
+    again = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": result.checkpoint})
     nothing, _ = _train(backend, make_spec(cores=1, **again), "day-3-again")
     assert nothing.state is JobState.SUCCEEDED
-    assert nothing.result["skipped"] is True and "after the watermark 2026-01-03" in nothing.result["reason"]
+    assert nothing.result.skipped is True and "after the watermark 2026-01-03" in nothing.result.reason
     assert not local_path(make_spec(cores=1, **again).train.checkpoint_url).joinpath("day-3-again").exists()
 
 
@@ -102,7 +102,7 @@ def test_a_plain_state_dict_from_another_program_is_a_starting_point(make_spec, 
     torch.save(gpu_run.state_dict(), tmp_path / "gpu-weights.pt")
     info, job_id = _train(backend, spec, "from-gpu")
     assert info.state is JobState.SUCCEEDED, info.failure
-    assert info.result["parent"] == (tmp_path / "gpu-weights.pt").as_uri()
+    assert info.result.parent == (tmp_path / "gpu-weights.pt").as_uri()
     logs = backend.logs(job_id)[0]
     assert '"event": "init"' in logs and "no tokenizer.json beside it" in logs
     # two AdamW steps move each weight by a few lr at most: the run started from these weights
@@ -116,5 +116,5 @@ def test_a_non_finite_loss_stops_the_run_with_a_clear_error_that_is_never_retrie
     spec = make_spec(train={"steps": 4, "checkpoint_every": 4}, faults=[{"kind": "nan", "core": 1, "step": 2}])
     info, _ = _train(backend, spec, "diverged")
     assert info.state is JobState.FAILED
-    assert info.failure["type"] == "FatalError" and info.failure["retryable"] is False
-    assert "loss is nan at step 2 on rank 1" in info.failure["message"] and "Lower train.lr" in info.failure["message"]
+    assert info.failure.type == "FatalError" and info.failure.retryable is False
+    assert "loss is nan at step 2 on rank 1" in info.failure.message and "Lower train.lr" in info.failure.message

@@ -42,9 +42,10 @@ from trnflow.specs import DataSpec, SpecError
 from trnflow.storage.datafiles import data_files
 from trnflow.workload.__main__ import main as workload_main
 from trnflow.workload.checkpoint import MARKER, RunCheckpoints, load, load_model_weights
-from trnflow.workload.data import StepSampler, read_labelled, read_unlabelled
+from trnflow.workload.data import read_labelled, read_unlabelled
 from trnflow.workload.programs import build_model
 from trnflow.workload.recipes.m5_text.tokenizer import TextTokenizer, train_tokenizer
+from trnflow.workload.sampler import StepSampler
 from trnflow.workload.synth import synthesize
 
 pytestmark = pytest.mark.filterwarnings("ignore:Detected pickle protocol")

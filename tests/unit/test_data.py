@@ -310,18 +310,6 @@ def test_data_check_reads_every_set_without_loading_torch(tmp_path):
     assert found["torch"] == []
 
 
-def test_the_sampler_is_still_found_where_the_phases_import_it():
-    """train, evaluate and infer import StepSampler and static_batches from `data`; they are the
-    sampler module's, loaded only when asked for."""
-    from trnflow.workload import data, sampler
-
-    assert (data.StepSampler, data.static_batches) == (sampler.StepSampler, sampler.static_batches)
-    with pytest.raises(AttributeError):
-        data.no_such_name  # noqa: B018
-
-
-@pytest.mark.xfail(strict=True, reason="the recipe modules import torch when loaded (trnflow.workload.recipes.base, "
-                   "m5_text): `trnflow data check` asks the spec's recipe for its columns")
 def test_the_data_check_command_loads_no_torch(tmp_path):
     """The whole command, as a person runs it, in a fresh interpreter: its report, and no torch."""
     synthesize(tmp_path / "data", days=2, rows_per_day=10, seed=1)

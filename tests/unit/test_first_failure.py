@@ -11,28 +11,29 @@ import pytest
 
 from trnflow.backends.failures import RankExit, name_first_rank, read_exits, root_failure
 from trnflow.backends.launcher import EXITS, exits_record, keep_every_exit
+from trnflow.results import FailureReport
 
 
 def test_of_two_ranks_that_report_their_own_errors_the_first_to_report_is_the_cause():
-    late = {"rank": 0, "type": "ExecutionTimeout", "retryable": True, "message": "nc0", "reported_at": 20.0}
-    early = {"rank": 1, "type": "HardwareError", "retryable": True, "message": "nc1", "reported_at": 10.0}
-    assert root_failure([late, early], 2)["rank"] == 1
-    bug0 = {"rank": 0, "type": "KeyError", "retryable": None, "message": "'x'", "reported_at": 5.0}
-    bug1 = {**bug0, "rank": 1, "reported_at": 4.0}
-    assert root_failure([bug0, bug1], 2)["rank"] == 1
+    late = FailureReport(rank=0, type="ExecutionTimeout", retryable=True, message="nc0", reported_at=20.0)
+    early = FailureReport(rank=1, type="HardwareError", retryable=True, message="nc1", reported_at=10.0)
+    assert root_failure([late, early], 2).rank == 1
+    bug0 = FailureReport(rank=0, type="KeyError", retryable=None, message="'x'", reported_at=5.0)
+    bug1 = bug0.model_copy(update={"rank": 1, "reported_at": 4.0})
+    assert root_failure([bug0, bug1], 2).rank == 1
 
 
 def test_a_silent_death_names_the_rank_that_died_not_the_ones_torchrun_stopped():
-    peer = {"rank": 0, "type": "RuntimeError", "retryable": None, "message": "Connection reset by peer",
-            "reported_at": 100.5}
+    peer = FailureReport(rank=0, type="RuntimeError", retryable=None, message="Connection reset by peer",
+                         reported_at=100.5)
     killed = RankExit(1, -9, 100.0)
-    assert root_failure([peer], 2, exits=[killed, RankExit(0, 1, 100.0)])["ranks"] == [1]
+    assert root_failure([peer], 2, exits=[killed, RankExit(0, 1, 100.0)]).ranks == [1]
     stopped = RankExit(0, -15, 101.0)  # torchrun's SIGTERM, after rank 1 died: rank 0 said nothing
     failure = root_failure([], 2, exits=[stopped, killed])
-    assert failure["ranks"] == [1] and "signal SIGKILL" in failure["message"] and "rank 0" not in failure["message"]
-    assert root_failure([], 2)["ranks"] == [0, 1]  # without torchrun's record, no rank can be told apart
+    assert failure.ranks == [1] and "signal SIGKILL" in failure.message and "rank 0" not in failure.message
+    assert root_failure([], 2).ranks == [0, 1]  # without torchrun's record, no rank can be told apart
     segv = RankExit(0, -11, 99.0)
-    assert root_failure([], 2, exits=[killed, segv])["ranks"] == [0]  # the first to end, by when torchrun saw it
+    assert root_failure([], 2, exits=[killed, segv]).ranks == [0]  # the first to end, by when torchrun saw it
 
 
 def test_the_failure_quotes_the_exit_and_the_last_lines_of_that_ranks_own_log(tmp_path):
@@ -40,18 +41,19 @@ def test_the_failure_quotes_the_exit_and_the_last_lines_of_that_ranks_own_log(tm
     logs.mkdir(parents=True)
     (logs / "stdout.log").write_text("".join(f'{{"event": "train", "step": {i}}}\n' for i in range(1, 31)))
     (logs / "stderr.log").write_text("trnflow.workload train failed on rank 1: HardwareError: nc1\n")
-    failure = {"rank": 1, "type": "HardwareError", "retryable": True, "message": "nc1"}
+    failure = FailureReport(rank=1, type="HardwareError", retryable=True, message="nc1")
     named = name_first_rank(failure, [RankExit(0, -15, 2.0, str(tmp_path / "run_x/attempt_0/0")),
                                       RankExit(1, 1, 1.0, str(logs))])
-    assert (named["exitcode"], named["signal"]) == (1, None)
-    lines = named["message"].splitlines()
+    assert (named.exitcode, named.signal) == (1, None)
+    lines = named.message.splitlines()
     assert lines[:2] == ["nc1", f"rank 1 failed first (exit code 1); the last lines of its log ({logs}):"]
     assert lines[2].strip() == '{"event": "train", "step": 19}' and len(lines) == 2 + 12 + 1
     assert lines[-1].strip() == "trnflow.workload train failed on rank 1: HardwareError: nc1"
-    assert name_first_rank({"ranks": [0, 1], "message": "m"}, [RankExit(1, 1, 1.0)])["message"] == "m"
+    both = FailureReport(type="WorkerLost", ranks=[0, 1], message="m")
+    assert name_first_rank(both, [RankExit(1, 1, 1.0)]).message == "m"
     # ranks that wrote to their launcher's output (a container's) have no log to quote
-    assert name_first_rank({"ranks": [1], "message": "m"}, [RankExit(1, -9, 1.0)]) == {
-        "ranks": [1], "message": "m", "exitcode": -9, "signal": "SIGKILL"}
+    one = FailureReport(type="WorkerLost", ranks=[1], message="m")
+    assert name_first_rank(one, [RankExit(1, -9, 1.0)]) == one.model_copy(update={"exitcode": -9, "signal": "SIGKILL"})
 
 
 def test_torchruns_failures_are_recorded_with_each_ranks_log_folder(tmp_path):

@@ -269,7 +269,9 @@ def _function_imports() -> list[tuple[str, int, str, bool]]:
         source = path.read_text()
         lines = source.splitlines()
         tree = ast.parse(source)
-        top = {id(node) for node in tree.body}
+        typing_only = [n for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+                       for n in node.body]  # never run: names for annotations only
+        top = {id(node) for node in [*tree.body, *typing_only]}
         nested = sorted((n for n in ast.walk(tree) if isinstance(n, ast.Import | ast.ImportFrom) and id(n) not in top),
                         key=lambda n: n.lineno)
         said = False

@@ -93,3 +93,26 @@ def test_a_champion_record_with_an_unknown_action_names_the_field(tmp_path):
     record.write_text(record.read_text().replace('"promote"', '"demote"'))
     with pytest.raises(FatalError, match=r"g000001\.json: corrupt registry file \(not a ChampionChange \(action: "):
         reg.champion("m")
+
+
+def test_a_job_result_with_a_field_its_phase_does_not_know_names_it():
+    from trnflow.backends.base import stage_result
+
+    good = {"phase": "promote", "version": 3, "summary": "champion v3"}
+    assert stage_result("j1", json.dumps(good), [0, 1]).cores == [0, 1]
+    with pytest.raises(RecordError, match=r"job j1: result\.json: not a PromoteResult \(verison: Extra inputs"):
+        stage_result("j1", json.dumps({**good, "verison": 4}), None)
+    with pytest.raises(RecordError, match=r"job j2: result\.json: phase: 'tune' is none of"):
+        stage_result("j2", json.dumps({"phase": "tune"}), None)
+
+
+def test_a_ranks_failure_report_with_a_wrong_field_names_the_file(tmp_path):
+    from trnflow.backends.failures import read_reports
+
+    (tmp_path / "failure-rank0.json").write_text(json.dumps({"rank": 0, "type": "HardwareError", "message": "nc0",
+                                                             "retryable": True, "bad_cores": [0]}))
+    (report,) = read_reports(tmp_path)
+    assert report.bad_cores == [0] and report.reported_at is not None
+    (tmp_path / "failure-rank1.json").write_text(json.dumps({"rank": 1, "type": "HardwareError", "bad_cores": "nc1"}))
+    with pytest.raises(RecordError, match=r"failure-rank1\.json: not a FailureReport \(bad_cores: "):
+        read_reports(tmp_path)

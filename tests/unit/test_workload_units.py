@@ -191,14 +191,15 @@ def test_static_batches_pad_the_last_batch_to_the_same_shape():
 
 def test_the_root_failure_of_a_job_is_the_rank_that_caused_it():
     from trnflow.backends.failures import root_failure
+    from trnflow.results import FailureReport
 
-    own = {"rank": 1, "type": "HardwareError", "retryable": True, "message": "nc3"}
-    peer = {"rank": 0, "type": "DistBackendError", "retryable": None, "message": "Connection closed by peer"}
+    own = FailureReport(rank=1, type="HardwareError", retryable=True, message="nc3")
+    peer = FailureReport(rank=0, type="DistBackendError", retryable=None, message="Connection closed by peer")
     assert root_failure([peer, own], 2) == own
-    bug = {"rank": 1, "type": "KeyError", "retryable": None, "message": "'x'"}
+    bug = FailureReport(rank=1, type="KeyError", retryable=None, message="'x'")
     assert root_failure([peer, bug], 2) == bug  # a plain error is not retried
-    assert root_failure([peer], 2)["type"] == "WorkerLost"  # rank 1 died without a word
-    waited = {"rank": 0, "type": "RuntimeError", "retryable": None,
-              "message": "Application timeout caused pair closure"}
+    assert root_failure([peer], 2).type == "WorkerLost"  # rank 1 died without a word
+    waited = FailureReport(rank=0, type="RuntimeError", retryable=None,
+                           message="Application timeout caused pair closure")
     hung = root_failure([waited], 2)  # rank 1 stopped answering; rank 0 timed out waiting for it
-    assert hung["type"] == "CollectiveTimeout" and hung["retryable"] and hung["ranks"] == [1]
+    assert hung.type == "CollectiveTimeout" and hung.retryable and hung.ranks == [1]

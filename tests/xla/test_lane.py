@@ -167,7 +167,7 @@ def test_a_checkpoint_moves_between_xla_and_the_emulator(workdir, lane):
         assert code == 0 and result["start_step"] == first and result["device"]["name"] == device, result
         if first:
             saved = checkpoint.load(result["resumed_from"])
-            assert saved.meta["global_step"] == first
+            assert saved.meta.global_step == first
             assert result["resumed_weights"] == checkpoint.weights_digest(saved.model), f"resumed on {device}"
         curve += losses(result)[-10:]
     code, reference = train(alone, "emulator", 30)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
+from trnflow.records import RecordError, read
+from trnflow.results import RESULTS, FailureReport, StageResult
 from trnflow.specs import JobSpec
 
 
@@ -64,10 +67,30 @@ class JobRequest:
 class JobInfo:
     job_id: str
     state: JobState
-    result: dict[str, Any] | None = None
-    failure: dict[str, Any] | None = None
-    """type, message and retryable (True, False or None when unknown) of the root failure."""
+    result: StageResult | None = None
+    """Rank 0's result, typed by its phase (`stage_result`), once the job succeeded."""
+    failure: FailureReport | None = None
+    """The root failure, once the job failed: its type, message, and whether a retry can help."""
     details: dict[str, Any] = field(default_factory=dict)
+
+    def failed(self) -> str:
+        """The failure in one line, for a command's error message."""
+        return str(self.failure) if self.failure else f"job {self.job_id} {self.state.lower()} with no failure report"
+
+
+def stage_result(job_id: str, data: bytes | str, cores: list[int] | None) -> StageResult:
+    """A job's `result.json` (rank 0's) as the model of the phase it names, with the cores the job
+    ran on (None where the service placed it): the one place a job's result enters the
+    orchestrating side. A field its phase's model does not know is a RecordError naming the field."""
+    origin = f"job {job_id}: result.json"
+    try:
+        phase = json.loads(data).get("phase")
+    except (ValueError, AttributeError):
+        phase = None
+    if phase not in RESULTS:
+        raise RecordError(origin, f"phase: {phase!r} is none of {', '.join(RESULTS)}",
+                          "the job did not write a trnflow result")
+    return read(RESULTS[phase], {**json.loads(data), "cores": cores}, origin)
 
 
 @runtime_checkable

@@ -8,11 +8,10 @@ uploaded; `logs` reads the main node's CloudWatch stream; `cancel` terminates th
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from trnflow import aws
-from trnflow.backends.base import JobInfo, JobRequest, JobState
+from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
 from trnflow.backends.batch_request import build_job_definition, build_submit_job, queue_problems
 from trnflow.backends.cloud import CloudTarget, stage_spec
 from trnflow.backends.cloudwatch import StreamReader
@@ -24,6 +23,8 @@ from trnflow.backends.service_status import (
     batch_state,
 )
 from trnflow.errors import FatalError
+from trnflow.records import read
+from trnflow.results import FailureReport
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 
@@ -91,15 +92,14 @@ class BatchBackend:
         run_id = desc.get("tags", {}).get("trnflow:run-id", "")
         return open_store(f"{self.target.staging_url.rstrip('/')}/{run_id}/{desc['jobName']}/output/{desc['jobId']}")
 
-    def _failure_report(self, desc: dict[str, Any]) -> dict[str, Any] | None:
+    def _failure_report(self, desc: dict[str, Any]) -> FailureReport | None:
         """The root failure among the nodes' reports: a node's own error before a lost peer, then the
         one written first (the nodes' other ranks were stopped after it)."""
         store = self._outputs(desc)
-        reports = [json.loads(store.read(o.name)) for o in store.list("failure-node")]
+        reports = [read(FailureReport, store.read(o.name), f"{store.url}/{o.name}") for o in store.list("failure-node")]
         if not reports:
             return None
-        return min(reports, key=lambda r: (r.get("retryable") is None, lost_peer(r), r.get("reported_at", 0.0),
-                                           r.get("rank", 0)))
+        return min(reports, key=lambda r: (r.retryable is None, lost_peer(r), r.reported_at or 0.0, r.rank or 0))
 
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)
@@ -107,7 +107,7 @@ class BatchBackend:
         details = {"seconds": batch_billable_seconds(desc), "status": desc["status"],
                    "attempts": len(desc.get("attempts") or []), "cores": None}
         if state is JobState.SUCCEEDED:
-            result = json.loads(self._outputs(desc).read("result.json"))
+            result = stage_result(job_id, self._outputs(desc).read("result.json"), None)
             return JobInfo(job_id, state, result=result, details=details)
         if state is JobState.FAILED:
             failure = batch_failure(desc, self._exit_rules(desc), self._failure_report(desc))

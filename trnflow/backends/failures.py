@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trnflow.backends.launcher import EXITS
+from trnflow.records import read
+from trnflow.results import FailureReport
 
 _PEER_SIGNS = ("Connection closed by peer", "Connection reset by peer", "gloo", "Broken pipe")
 _TIMEOUT_SIGNS = ("Application timeout caused pair closure", "Timed out waiting")
@@ -55,16 +57,18 @@ class RankExit:
         return self.exitcode == -signal.SIGTERM
 
 
-def lost_peer(report: dict) -> bool:
+def lost_peer(report: FailureReport) -> bool:
     """Whether a rank's error only says that a peer went away."""
-    text = f"{report.get('type')}: {report.get('message')}"
-    return report.get("type") == "DistBackendError" or any(sign in text for sign in _PEER_SIGNS)
+    return report.type == "DistBackendError" or any(sign in str(report) for sign in _PEER_SIGNS)
 
 
-def read_reports(output_dir: Path) -> list[dict]:
+def read_reports(output_dir: Path) -> list[FailureReport]:
     """Each failing rank's own report, with `reported_at`: when the rank wrote it."""
-    return [{**json.loads(p.read_text()), "reported_at": p.stat().st_mtime}
-            for p in sorted(output_dir.glob("failure-rank*.json"))]
+    reports = []
+    for path in sorted(output_dir.glob("failure-rank*.json")):
+        report = read(FailureReport, path.read_bytes(), str(path))
+        reports.append(report.model_copy(update={"reported_at": path.stat().st_mtime}))
+    return reports
 
 
 def read_exits(folder: Path) -> list[RankExit]:
@@ -78,9 +82,9 @@ def read_exits(folder: Path) -> list[RankExit]:
         return []
 
 
-def _first(reports: list[dict]) -> dict:
+def _first(reports: list[FailureReport]) -> FailureReport:
     """The report written first (then the lowest rank)."""
-    return min(reports, key=lambda r: (r.get("reported_at", 0.0), r["rank"]))
+    return min(reports, key=lambda r: (r.reported_at or 0.0, r.rank or 0))
 
 
 def _failed_alone(exits: list[RankExit]) -> list[RankExit]:
@@ -90,40 +94,39 @@ def _failed_alone(exits: list[RankExit]) -> list[RankExit]:
     return own or list(exits)
 
 
-def root_failure(reports: list[dict], processes: int, first_rank: int = 0,
-                 exits: list[RankExit] | None = None) -> dict:
+def root_failure(reports: list[FailureReport], processes: int, first_rank: int = 0,
+                 exits: list[RankExit] | None = None) -> FailureReport:
     """The failure that caused the others among ranks `first_rank`.. of `processes` ranks;
     `retryable` says whether a retry can help. `exits` (torchrun's record, where it is at hand)
     narrows a silent death down to the rank that died first."""
-    own = [r for r in reports if r.get("retryable") is not None]
+    own = [r for r in reports if r.retryable is not None]
     if own:
         return _first(own)
-    waited = [r for r in reports if r.get("type") in ("RuntimeError", "DistBackendError")
-              and any(sign in str(r.get("message")) for sign in _TIMEOUT_SIGNS)]
+    waited = [r for r in reports if r.type in ("RuntimeError", "DistBackendError")
+              and any(sign in r.message for sign in _TIMEOUT_SIGNS)]
     causes = [r for r in reports if not lost_peer(r) and r not in waited]
     if causes:
         return _first(causes)  # a plain error (a bug): not retryable
-    silent = sorted(set(range(first_rank, first_rank + processes)) - {r["rank"] for r in reports})
+    silent = sorted(set(range(first_rank, first_rank + processes)) - {r.rank for r in reports})
     if waited:  # the ranks that reported timed out waiting for the silent ones
         who = f"rank(s) {silent} stopped answering" if silent else "the ranks waited for each other"
-        return {"type": "CollectiveTimeout", "retryable": True, "ranks": silent,
-                "message": f"{who}: rank(s) {[r['rank'] for r in waited]} timed out waiting in a collective "
-                           f"({waited[0].get('message')}); a retry resumes from the last checkpoint"}
+        return FailureReport(type="CollectiveTimeout", retryable=True, ranks=silent,
+                             message=f"{who}: rank(s) {[r.rank for r in waited]} timed out waiting in a collective "
+                                     f"({waited[0].message}); a retry resumes from the last checkpoint")
     died = sorted((e for e in _failed_alone(exits or []) if e.rank in silent), key=lambda e: (e.observed, e.rank))
     if died:
-        return {"type": "WorkerLost", "retryable": True, "ranks": [died[0].rank],
-                "message": f"rank {died[0].rank} exited without reporting why ({died[0].how}; killed, or out of "
-                           "memory)"}
-    return {"type": "WorkerLost", "retryable": True, "ranks": silent,
-            "message": f"rank(s) {silent} exited without reporting why (killed, or out of memory)"}
+        return FailureReport(type="WorkerLost", retryable=True, ranks=[died[0].rank],
+                             message=f"rank {died[0].rank} exited without reporting why ({died[0].how}; killed, or "
+                                     "out of memory)")
+    return FailureReport(type="WorkerLost", retryable=True, ranks=silent,
+                         message=f"rank(s) {silent} exited without reporting why (killed, or out of memory)")
 
 
-def failed_rank(failure: dict) -> int | None:
+def failed_rank(failure: FailureReport) -> int | None:
     """The one rank a failure is about, or None when it names several (or none)."""
-    if isinstance(failure.get("rank"), int):
-        return failure["rank"]
-    ranks = failure.get("ranks") or []
-    return ranks[0] if len(ranks) == 1 else None
+    if failure.rank is not None:
+        return failure.rank
+    return failure.ranks[0] if len(failure.ranks) == 1 else None
 
 
 def log_tail(logs: str, lines: int = TAIL_LINES) -> list[str]:
@@ -139,7 +142,7 @@ def log_tail(logs: str, lines: int = TAIL_LINES) -> list[str]:
     return tail
 
 
-def name_first_rank(failure: dict, exits: list[RankExit]) -> dict:
+def name_first_rank(failure: FailureReport, exits: list[RankExit]) -> FailureReport:
     """The failure with what torchrun knows of the rank it is about: its exit code or signal and
     the last lines of its log (where it has a log of its own: not when the ranks wrote to the
     launcher's output, as in a container). The failure as it is when torchrun recorded nothing of
@@ -148,10 +151,10 @@ def name_first_rank(failure: dict, exits: list[RankExit]) -> dict:
     ended = next((e for e in exits if e.rank == rank), None)
     if ended is None:
         return failure
+    how = {"exitcode": ended.exitcode, "signal": ended.signal}
     if not ended.logs:
-        return {**failure, "exitcode": ended.exitcode, "signal": ended.signal}
+        return failure.model_copy(update=how)
     tail = log_tail(ended.logs)
     lines = "\n".join(f"    {line}" for line in tail) if tail else "    (it wrote nothing)"
-    return {**failure, "exitcode": ended.exitcode, "signal": ended.signal,
-            "message": f"{failure['message']}\nrank {rank} failed first ({ended.how}); the last lines of its "
-                       f"log ({ended.logs}):\n{lines}"}
+    return failure.model_copy(update={**how, "message": f"{failure.message}\nrank {rank} failed first "
+                                      f"({ended.how}); the last lines of its log ({ended.logs}):\n{lines}"})

@@ -29,7 +29,7 @@ import uuid
 from pathlib import Path
 
 from trnflow.backends import forkserver
-from trnflow.backends.base import JobInfo, JobRequest, JobState
+from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.device.base import Device
 from trnflow.device.registry import get_device
@@ -37,6 +37,7 @@ from trnflow.errors import FatalError
 from trnflow.fsutil import atomic_write_json, atomic_write_text
 from trnflow.neuron.launch import RANK_LOGS, launch_command, launch_env, parse_visible_cores
 from trnflow.processes import pid_alive
+from trnflow.results import FailureReport
 from trnflow.specs import instance
 from trnflow.workload.memory import check_fits
 
@@ -144,24 +145,23 @@ class LocalBackend:
         if not exit_file.exists():
             if self._alive(job_id, job_dir) or exit_file.exists():
                 return JobInfo(job_id, JobState.RUNNING)
-            return JobInfo(job_id, JobState.FAILED, failure={
-                "type": "WorkerLost", "retryable": True,
-                "message": "the job's supervisor process died before the job ended",
-            })
+            return JobInfo(job_id, JobState.FAILED, failure=FailureReport(
+                type="WorkerLost", retryable=True, message="the job's supervisor process died before the job ended"))
         exit_info = json.loads(exit_file.read_text())
         self._reap(job_id)
         if exit_info.get("orphaned"):
-            return JobInfo(job_id, JobState.FAILED, failure={
-                "type": "FatalError", "retryable": False,
-                "message": "the job was ended because the process that submitted it died"})
+            return JobInfo(job_id, JobState.FAILED, failure=FailureReport(
+                type="FatalError", retryable=False,
+                message="the job was ended because the process that submitted it died"))
         details = {"exit_code": exit_info["exit_code"], "seconds": exit_info["ended"] - exit_info["started"],
                    "cores": json.loads((job_dir / "job.json").read_text())["cores"]}
         result_file = job_dir / "output" / "result.json"
         if exit_info["exit_code"] == 0 and result_file.exists():
-            return JobInfo(job_id, JobState.SUCCEEDED, result=json.loads(result_file.read_text()), details=details)
+            return JobInfo(job_id, JobState.SUCCEEDED, result=stage_result(job_id, result_file.read_bytes(),
+                                                                         details["cores"]), details=details)
         return JobInfo(job_id, JobState.FAILED, failure=self._root_failure(job_dir, exit_info), details=details)
 
-    def _root_failure(self, job_dir: Path, exit_info: dict) -> dict:
+    def _root_failure(self, job_dir: Path, exit_info: dict) -> FailureReport:
         """The failure that caused the others: a rank's own error before its peers' broken links.
 
         A rank that died without a word (SIGKILL, the OOM killer) leaves only its peers' errors
@@ -173,12 +173,13 @@ class LocalBackend:
         processes = json.loads((job_dir / "job.json").read_text())["processes"]
         exits = read_exits(job_dir / RANK_LOGS)
         failure = root_failure(read_reports(job_dir / "output"), processes, exits=exits)
-        if exits and (processes > 1 or failure["type"] == "WorkerLost"):
+        if exits and (processes > 1 or failure.type == "WorkerLost"):
             return name_first_rank(failure, exits)
-        if failure["type"] == "WorkerLost":
+        if failure.type == "WorkerLost":
             tail = "\n".join(self.logs(job_dir.name)[0].splitlines()[-15:])
-            failure["message"] = (f"rank(s) {failure['ranks']} exited without reporting why (exit code "
-                                  f"{exit_info['exit_code']}; killed, or out of memory)\n{tail}")
+            why = f"exit code {exit_info['exit_code']}; killed, or out of memory"
+            failure = failure.model_copy(
+                update={"message": f"rank(s) {failure.ranks} exited without reporting why ({why})\n{tail}"})
         return failure
 
     def logs(self, job_id: str, since: int = 0) -> tuple[str, int]:

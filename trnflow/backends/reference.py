@@ -14,7 +14,7 @@ from collections.abc import Callable
 from trnflow.backends import JobRequest, JobState, backend_for, run_to_end
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import read_series
-from trnflow.results import TrainResult, parse
+from trnflow.results import TrainResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
@@ -54,9 +54,8 @@ def run_reference(spec: JobSpec, settings: TrnflowSettings | None = None,
 
     job_id, info = run_to_end(backend, JobRequest(ref, "train", run_id), settings.poll_seconds, on_logs=on_logs)
     if info.state is not JobState.SUCCEEDED or info.result is None:
-        failure = info.failure or {}
-        raise FatalError(f"reference training job {job_id} failed: {failure.get('type')}: {failure.get('message')}")
-    trained = parse("train", info.result)
+        raise FatalError(f"reference training job {job_id} failed: {info.failed()}")
+    trained = info.result
     assert isinstance(trained, TrainResult)
     if trained.checkpoint is None:
         raise FatalError(f"reference training job {job_id} trained nothing: {trained.reason}")

@@ -8,7 +8,6 @@ rank 0's result from the job's output.tar.gz; `logs` reads CloudWatch; `cancel` 
 
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -16,12 +15,13 @@ from typing import Any
 
 from trnflow import aws
 from trnflow.backends import sagemaker_trainer
-from trnflow.backends.base import JobInfo, JobRequest, JobState
+from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
 from trnflow.backends.cloud import CloudTarget, stage_spec
 from trnflow.backends.cloudwatch import StreamReader, streams
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.backends.service_status import sagemaker_failure, sagemaker_state
 from trnflow.errors import FatalError
+from trnflow.results import StageResult
 from trnflow.safetar import extract
 from trnflow.storage.s3 import split_s3_url
 
@@ -72,7 +72,7 @@ class SageMakerBackend:
             return JobInfo(job_id, state, failure=sagemaker_failure(desc), details=details)
         return JobInfo(job_id, state, details=details)
 
-    def _result(self, desc: dict[str, Any]) -> dict[str, Any]:
+    def _result(self, desc: dict[str, Any]) -> StageResult:
         """Rank 0's result.json, from `<S3OutputPath>/<job>/output/output.tar.gz`."""
         name = desc["TrainingJobName"]
         url = f"{desc['OutputDataConfig']['S3OutputPath'].rstrip('/')}/{name}/output/output.tar.gz"
@@ -82,7 +82,7 @@ class SageMakerBackend:
             result = extract(data, Path(tmp), url) / "result.json"
             if not result.is_file():
                 raise FatalError(f"{url} has no result.json; the job completed without its workload's result")
-            return json.loads(result.read_text())
+            return stage_result(name, result.read_bytes(), None)
 
     def logs(self, job_id: str, since: int = 0) -> tuple[str, int]:
         """The main host's lines. Each attempt of the job writes a stream of its own

@@ -13,11 +13,12 @@ Each failure class has one retry owner:
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from trnflow.backends.base import JobState
 from trnflow.backends.batch_request import exit_action
+from trnflow.records import RecordError, read
+from trnflow.results import FailureReport
 
 _SAGEMAKER_PENDING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingTrainingStack", "Downloading",
                       "DownloadingTrainingImage", "Restarting"}
@@ -25,17 +26,17 @@ _BATCH_PENDING = {"SUBMITTED", "PENDING", "RUNNABLE", "STARTING"}
 CANCEL_REASON = "Cancelled by trnflow"
 
 
-def failure(kind: str, message: str, retryable: bool, **extra: Any) -> dict[str, Any]:
-    return {"type": kind, "message": message, "retryable": retryable, **extra}
+def failure(kind: str, message: str, retryable: bool) -> FailureReport:
+    return FailureReport(type=kind, message=message, retryable=retryable)
 
 
-def container_report(text: str) -> dict[str, Any] | None:
-    """The root-failure record the container wrote (one line of JSON), or None if `text` is not one."""
+def container_report(text: str) -> FailureReport | None:
+    """The root-failure record the container wrote (one line of JSON), or None if `text` is not one
+    (the job's own code failed before trnflow's container could say why)."""
     try:
-        report = json.loads(text.strip())
-    except (ValueError, TypeError):
+        return read(FailureReport, text.strip(), "the container's failure report")
+    except RecordError:
         return None
-    return report if isinstance(report, dict) and "type" in report else None
 
 
 def sagemaker_state(desc: dict[str, Any]) -> JobState:
@@ -49,7 +50,7 @@ def sagemaker_state(desc: dict[str, Any]) -> JobState:
     return JobState.FAILED
 
 
-def sagemaker_failure(desc: dict[str, Any]) -> dict[str, Any]:
+def sagemaker_failure(desc: dict[str, Any]) -> FailureReport:
     """The failure record of a `Failed` (or timed-out) training job, from its `FailureReason`."""
     name = desc["TrainingJobName"]
     if desc.get("SecondaryStatus") == "MaxRuntimeExceeded":
@@ -61,7 +62,7 @@ def sagemaker_failure(desc: dict[str, Any]) -> dict[str, Any]:
     if head == "AlgorithmError":
         report = container_report(rest)
         if report is not None:
-            return {**report, "message": f"{report.get('message', '')} (SageMaker job {name})"}
+            return report.model_copy(update={"message": f"{report.message} (SageMaker job {name})"})
         return failure("UserError", f"the training code of {name} failed: {rest.strip()}", False)
     if head == "CapacityError" or "InsufficientCapacity" in reason:
         return failure("CapacityError", f"SageMaker had no capacity for {name}: {reason}", True)
@@ -93,8 +94,8 @@ def last_attempt(desc: dict[str, Any]) -> tuple[int | None, str, str]:
         "statusReason", "")
 
 
-def batch_failure(desc: dict[str, Any], rules: list[dict[str, str]], report: dict[str, Any] | None
-                  ) -> dict[str, Any]:
+def batch_failure(desc: dict[str, Any], rules: list[dict[str, str]], report: FailureReport | None
+                  ) -> FailureReport:
     """The failure record of a `FAILED` Batch job. `rules` is its `evaluateOnExit` list; `report` the
     root failure the container uploaded, if any."""
     job = f"{desc.get('jobName')} ({desc['jobId']})"
@@ -102,11 +103,11 @@ def batch_failure(desc: dict[str, Any], rules: list[dict[str, str]], report: dic
     attempts = len(desc.get("attempts") or [])
     cause = "; ".join(x for x in (status_reason, reason, None if code is None else f"exit code {code}") if x)
     if exit_action(rules, code, reason, status_reason) == "RETRY":
-        kind = report["type"] if report else "host failure"
+        kind = report.type if report else "host failure"
         return failure("HostFailure", f"AWS Batch retried {job} {attempts} time(s) per its retryStrategy and it "
-                       f"still failed ({kind}: {cause}); {(report or {}).get('message', '')}".rstrip("; "), False)
+                       f"still failed ({kind}: {cause}); {report.message if report else ''}".rstrip("; "), False)
     if report is not None:
-        return {**report, "retryable": False, "message": f"{report.get('message', '')} (Batch job {job})"}
+        return report.model_copy(update={"retryable": False, "message": f"{report.message} (Batch job {job})"})
     return failure("UserError", f"Batch job {job} failed: {cause or 'no reason given'}", False)
 
 

@@ -20,7 +20,7 @@ from trnflow.emulator.monitor import CoreMonitor
 from trnflow.errors import ExitCode, TrnflowError
 from trnflow.neuron.nccom import OPS
 from trnflow.neuron.topology import core_owners, neuron_ls
-from trnflow.results import CollectivesResult, parse
+from trnflow.results import CollectivesResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import CATALOGUE
 
@@ -119,12 +119,11 @@ def collectives(
         err.print(f"{exc}", **RED)
         raise typer.Exit(ExitCode.FAILED) from None
     if info.state is not JobState.SUCCEEDED or info.result is None:
-        failure = info.failure or {}
-        err.print(f"{failure.get('type', 'failed')}: {failure.get('message', '')}", **RED)
+        err.print(info.failed(), **RED)
         if as_json:
-            print(json.dumps({"results": [], "error": failure.get("message")}))
+            print(json.dumps({"results": [], "error": info.failure.message if info.failure else info.failed()}))
         raise typer.Exit(ExitCode.FAILED)
-    result = parse("collectives", info.result)
+    result = info.result
     assert isinstance(result, CollectivesResult)
     if as_json:
         print(json.dumps({"results": result.rows, "avg_busbw": result.avg_busbw, "cores": info.details["cores"],

@@ -37,7 +37,6 @@ from trnflow.results import (
     RunOutcome,
     SanityResult,
     StageResult,
-    parse,
 )
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
@@ -89,12 +88,11 @@ def compile_cmd(
             err.print(f"{exc}", **RED)
             raise typer.Exit(ExitCode.FAILED) from None
     if info.state is not JobState.SUCCEEDED or info.result is None:
-        failure = info.failure or {}
         if as_json:
-            print(json.dumps({"state": "Failed", "error": failure.get("message")}))
-        err.print(f"{failure.get('type', 'failed')}: {failure.get('message', '')}", **RED)
+            print(json.dumps({"state": "Failed", "error": info.failure.message if info.failure else info.failed()}))
+        err.print(info.failed(), **RED)
         raise typer.Exit(ExitCode.FAILED)
-    result = parse("compile", info.result)
+    result = info.result
     assert isinstance(result, CompileResult)
     if as_json:
         print(result.model_dump_json(indent=2))

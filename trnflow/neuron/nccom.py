@@ -19,9 +19,8 @@ TIME_COLUMNS = (TIME, OLD_TIME)
 
 
 def time_columns(microseconds: float) -> dict[str, float]:
-    """A sweep row's time: under TIME and, while the collectives task's threshold check still reads
-    the old name, under OLD_TIME too (the same number)."""
-    return {TIME: microseconds, OLD_TIME: microseconds}
+    """A sweep row's time, under the name nccom-test writes it (TIME)."""
+    return {TIME: microseconds}
 
 
 def row_time(row: dict) -> float | None:

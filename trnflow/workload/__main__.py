@@ -19,6 +19,7 @@ from pathlib import Path
 
 from trnflow.errors import ExitCode, FatalError, TrnflowError
 from trnflow.fsutil import atomic_write_json
+from trnflow.results import FailureReport
 from trnflow.specs import JobSpec, SpecError, load_spec
 
 RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
@@ -104,14 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException as exc:
         if isinstance(exc, SystemExit | KeyboardInterrupt):
             raise
-        atomic_write_json(output / f"failure-rank{rank}.json", {
-            "rank": rank,
-            "type": type(exc).__name__,
-            "message": str(exc),
-            "retryable": getattr(exc, "retryable", None),
-            "bad_cores": getattr(exc, "bad_cores", []),
-            "traceback": traceback.format_exc(),
-        })
+        atomic_write_json(output / f"failure-rank{rank}.json", FailureReport(
+            rank=rank, type=type(exc).__name__, message=str(exc), retryable=getattr(exc, "retryable", None),
+            bad_cores=getattr(exc, "bad_cores", []), traceback=traceback.format_exc()).model_dump(exclude_none=True))
         print(f"trnflow.workload {args.phase} failed on rank {rank}: {type(exc).__name__}: {exc}",
               file=sys.stderr, flush=True)
         return ExitCode.FAILED

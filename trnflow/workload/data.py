@@ -18,7 +18,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -286,16 +286,3 @@ def iter_unlabelled(url: str, spec: DataSpec, columns: list[str]) -> Iterator[pa
 def read_unlabelled(url: str, spec: DataSpec, columns: list[str]) -> Rows:
     table = _concat(list(iter_unlabelled(url, spec, columns)))
     return Rows(table.select(columns), None, table.column(spec.id_field).to_pylist())
-
-
-_IN_SAMPLER = frozenset({"StepSampler", "static_batches"})
-"""The sampler's names, which moved to `trnflow.workload.sampler`: still found here for the phases
-that import them from this module, and loaded (with torch) only when one is asked for."""
-
-
-def __getattr__(name: str) -> Any:
-    if name in _IN_SAMPLER:
-        from trnflow.workload import sampler  # torch: loaded only when a sampler's name is asked for
-
-        return getattr(sampler, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -19,10 +19,11 @@ from trnflow.lifecycle.gate import SERIES, read_series, write_series
 from trnflow.storage.datafiles import data_files
 from trnflow.workload.checkpoint import Checkpoint, load, load_model_weights
 from trnflow.workload.context import WorkerContext
-from trnflow.workload.data import read_labelled, static_batches
+from trnflow.workload.data import read_labelled
 from trnflow.workload.metrics import classification_metrics
 from trnflow.workload.programs import Programs, build_model, for_run
 from trnflow.workload.recipes import Recipe, for_job
+from trnflow.workload.sampler import static_batches
 
 __all__ = ["SERIES", "Holdout", "featurized", "run", "write_series"]
 

@@ -22,12 +22,13 @@ import torch
 from trnflow.storage import open_store
 from trnflow.workload.checkpoint import load, load_model_weights
 from trnflow.workload.context import WorkerContext, gather_objects
-from trnflow.workload.data import iter_unlabelled, static_batches
+from trnflow.workload.data import iter_unlabelled
 from trnflow.workload.embeddings import MANIFEST, committed, marker_name, remove_beyond, shard_name
 from trnflow.workload.evaluate import featurized
 from trnflow.workload.features import featurize, host_memory
 from trnflow.workload.programs import build_model, for_run
 from trnflow.workload.recipes import for_job
+from trnflow.workload.sampler import static_batches
 
 
 def _parquet_bytes(table: pa.Table) -> bytes:

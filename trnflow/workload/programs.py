@@ -6,7 +6,7 @@ compilation extracts and compiles, and what training, evaluation and inference t
 - `eval_step`: logits for one evaluation batch;
 - `embed_step`: embeddings for one inference batch.
 
-Evaluation and inference pad their last batch (see `data.static_batches`), and training drops
+Evaluation and inference pad their last batch (see `sampler.static_batches`), and training drops
 the last partial batch unless told otherwise, so these three shapes are all a run ever sees.
 Compilation and the real run call the same methods, so the graphs a trial run extracts are the
 graphs the run needs.

@@ -29,12 +29,13 @@ from trnflow.records import CheckpointMeta, DataRead
 from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload.checkpoint import load_model_weights, step_name, weights_digest
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
-from trnflow.workload.data import StepSampler, iter_labelled
+from trnflow.workload.data import iter_labelled
 from trnflow.workload.evaluate import Holdout
 from trnflow.workload.features import featurize, host_memory
 from trnflow.workload.memory import estimate, saved_activation_peak, tensor_bytes
 from trnflow.workload.programs import build_model, for_run
 from trnflow.workload.recipes import Recipe, for_job
+from trnflow.workload.sampler import StepSampler
 from trnflow.workload.start import Start, find_start
 
 

@@ -28,15 +28,16 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pyarrow as pa
-import torch
-import torch.nn.functional as F
 from pydantic import BaseModel
-from torch import nn
 
 from trnflow.specs import DataSpec, TrainSpec
+
+if TYPE_CHECKING:  # the networks need torch; what a spec check asks of a recipe does not
+    import torch
+    from torch import nn
 
 METRICS = ("accuracy", "loss", "f1", "auc")
 """What the evaluation computes from logits and labels (the gate's `metric` and `metrics`)."""
@@ -111,6 +112,8 @@ class Recipe(ABC):
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The training loss, outside the compiled graph: cross-entropy in fp32."""
+        import torch.nn.functional as F  # torch (~1 s): only where a model trains, never for a spec check
+
         return F.cross_entropy(logits.float(), labels)
 
     def optimizer(self, parameters: Iterable[nn.Parameter], train: TrainSpec) -> torch.optim.Optimizer:
@@ -118,6 +121,8 @@ class Recipe(ABC):
         Training, the ahead-of-time trial and the memory estimate (which counts the state it keeps
         per weight) all build it here, so a recipe that changes it changes all three alike. It is
         built after the model is on its device (and, for sharded training, after sharding)."""
+        import torch  # torch (~1 s): only where a model trains, never for a spec check
+
         return torch.optim.AdamW(parameters, lr=train.lr, weight_decay=train.weight_decay)
 
     def activation_bytes(self, batch: int, value_bytes: int) -> int:

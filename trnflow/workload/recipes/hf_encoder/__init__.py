@@ -20,7 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from trnflow.errors import FatalError
-from trnflow.workload.recipes.m5_text.model import PAD_ID
+from trnflow.workload.recipes.m5_text.params import PAD_ID
 from trnflow.workload.recipes.m5_text.tokenizer import FILE, BpeTextRecipe
 
 SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128,

@@ -7,9 +7,13 @@ every run trained further from it, so a word keeps its id; texts are padded or c
 
 from __future__ import annotations
 
-from trnflow.workload.recipes.m5_text.model import TextEncoderClassifier
+from typing import TYPE_CHECKING
+
 from trnflow.workload.recipes.m5_text.params import M5TextParams
 from trnflow.workload.recipes.m5_text.tokenizer import BpeTextRecipe
+
+if TYPE_CHECKING:
+    from trnflow.workload.recipes.m5_text.model import TextEncoderClassifier
 
 
 class M5Text(BpeTextRecipe):
@@ -19,6 +23,8 @@ class M5Text(BpeTextRecipe):
     params: M5TextParams
 
     def build_model(self) -> TextEncoderClassifier:
+        from trnflow.workload.recipes.m5_text.model import TextEncoderClassifier  # torch: for a network only
+
         return TextEncoderClassifier(self.params)
 
     def activation_bytes(self, batch: int, value_bytes: int) -> int:

@@ -8,10 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trnflow.workload.recipes.m5_text.params import M5TextParams
-
-PAD_ID = 0
-CLS_ID = 1
+from trnflow.workload.recipes.m5_text.params import PAD_ID, M5TextParams
 
 
 class TextEncoderClassifier(nn.Module):

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+PAD_ID = 0
+"""The tokenizer's padding id, which the model masks out."""
+CLS_ID = 1
+"""The id of the token the tokenizer puts first."""
+
 
 class M5TextParams(BaseModel):
     """The text encoder and its head."""

@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import pyarrow as pa
-import torch
 
 from trnflow.errors import FatalError
 from trnflow.workload.recipes.base import Recipe
-from trnflow.workload.recipes.m5_text.model import CLS_ID, PAD_ID
+from trnflow.workload.recipes.m5_text.params import CLS_ID, PAD_ID
+
+if TYPE_CHECKING:
+    import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # worker processes are forked per core
 
@@ -43,6 +46,8 @@ class TextTokenizer:
         return self.tokenizer.get_vocab_size()
 
     def encode(self, texts: list[str]) -> torch.Tensor:
+        import torch  # torch (~1 s): only where rows become tensors, never for a spec check
+
         encodings = self.tokenizer.encode_batch([t or "" for t in texts])
         return torch.tensor([e.ids for e in encodings], dtype=torch.long).reshape(len(texts), self.seq_len)
 
@@ -114,6 +119,8 @@ class BpeTextRecipe(Recipe):
         return self.tokenizer.encode(self._texts(rows))
 
     def example(self, rows: int, generator: torch.Generator) -> torch.Tensor:
+        import torch  # torch (~1 s): only where rows become tensors, never for a spec check
+
         return torch.randint(2, self.params.vocab_size, (rows, self.params.seq_len), generator=generator)
 
     def _texts(self, rows: pa.Table) -> list[str]:
