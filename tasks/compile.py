@@ -26,7 +26,7 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> Compi
         Per-graph keys and what happened to each (`report`), with `hits` and `compiled` counts.
     """
     logger = get_run_logger()
-    cache = CompileCache(spec.compile.cache_url)
+    cache = plans.job_cache(spec)  # where the jobs will look, NEURON_CC_FLAGS and all
     known = plans.recorded(cache, plan_digest(spec))
     if known is None:
         logger.info("no compile plan recorded in %s for this spec yet; the compile job extracts it", cache.url)

@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import archive
 from trnflow.cli.app import app
+from trnflow.device import plans
 from trnflow.device.base import RecompileGuard
 from trnflow.device.cache import (
     COMPILER_VERSION,
@@ -198,3 +199,15 @@ def test_trnflows_old_layout_is_listed_and_a_lookup_adopts_its_done_entries(tmp_
     pruned = CliRunner().invoke(app, ["cache", "prune", str(tmp_path), "--other-versions", "--json"])
     assert pruned.exit_code == 0 and len(json.loads(pruned.stdout)["removed"]) == 3, pruned.output
     assert not list((tmp_path / LEGACY_VERSION).rglob("*.*")) and (new / "model.neff").exists()
+
+
+def test_a_jobs_cache_is_found_as_the_compiler_wrapper_finds_it(make_spec, tmp_path):
+    """One way to open a job's cache, for the jobs and for the stage that predicts their hits: the
+    flags' --cache_dir, then NEURON_COMPILE_CACHE_URL, then compile.cache_url."""
+    spec = make_spec()
+    assert plans.job_cache(spec, env={}).url == spec.compile.cache_url
+    moved = tmp_path / "elsewhere"
+    assert plans.job_cache(spec, env={"NEURON_COMPILE_CACHE_URL": str(moved)}).url == moved.as_uri()
+    flags = {"NEURON_CC_FLAGS": f"--optlevel=1 --cache_dir={tmp_path / 'flagged'}",
+             "NEURON_COMPILE_CACHE_URL": str(moved)}
+    assert plans.job_cache(spec, env=flags).url == (tmp_path / "flagged").as_uri()

@@ -25,6 +25,7 @@ from trnflow.device.cache import (
     CORRUPT,
     DONE,
     INDEX,
+    INDEX_FORMAT,
     LEGACY_VERSION,
     MISSING,
     CompileCache,
@@ -252,7 +253,7 @@ def test_a_garbled_missing_or_unwritable_index_never_changes_the_listing(tmp_pat
                                                          for k in json.loads(index.read_text())["entries"]}})):
         index.write_text(garbage)
         assert {name: (e["state"], e["hits"], e["bytes"]) for name, e in _ls(root).items()} == expected
-        assert json.loads(index.read_text())["format"] == 1  # written again, whole
+        assert json.loads(index.read_text())["format"] == INDEX_FORMAT  # written again, whole
     index.unlink()
     assert {name: (e["state"], e["hits"], e["bytes"]) for name, e in _ls(root).items()} == expected
 
@@ -301,3 +302,16 @@ def test_on_s3_the_index_is_one_object_and_the_listing_stays_the_truth(monkeypat
         assert names == [f"{COMPILER_VERSION}/{INDEX}"]
         store.delete(f"{keys[1]}/model.neff")  # removed behind the index's back: the listing is the truth
         assert [e.state for e in cache.entries()] == [DONE, CORRUPT, DONE]
+
+
+def test_an_index_row_is_typed_and_a_malformed_one_is_read_again_from_its_entry():
+    from trnflow.device.cache import INDEXED, IndexRow, _Index
+
+    good = IndexRow(stamp=((10, 1.0), None, (40, 2.0)), sizes=None, hits=3, last_used=2.5)
+    assert len(INDEXED) == 3 and IndexRow.model_validate(json.loads(good.model_dump_json())) == good
+    index = _Index({"MODULE_a": good.model_dump(mode="json"),
+                    "MODULE_b": {**good.model_dump(mode="json"), "hits": "3"},  # hand-edited: a string
+                    "MODULE_c": [[[10, 1.0], None, [40, 2.0]], None, 3, 2.5]}, settled_before=100.0)  # format 1
+    assert list(index.kept) == ["MODULE_a"]  # the others are read from their entries again
+    with pytest.raises(ValueError, match="stamp: 2 files"):
+        IndexRow(stamp=((1, 1.0), None), sizes=None, hits=0, last_used=None)

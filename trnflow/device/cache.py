@@ -75,6 +75,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
+
 from trnflow.errors import FatalError
 from trnflow.processes import pid_alive
 from trnflow.storage import ObjectInfo, Store, join, open_store
@@ -106,8 +108,9 @@ INDEX = "trnflow-index.json"
 """Each version folder's index of what listings read from its entries' small files (see above)."""
 INDEXED = (RECORD, DONE_MARKER, USAGE)
 """The files of an entry an index row is read from (model.done holds the old layout's record)."""
-INDEX_FORMAT = 1
-"""The index's layout: an index in another is read as none (and written again in this one)."""
+INDEX_FORMAT = 2
+"""The index's layout: an index in another is read as none (and written again in this one). Format 1
+kept each row as a list, [stamp, sizes, hits, last use]; format 2 keeps an `IndexRow`."""
 SETTLE_SECONDS = 2.0
 """How much older a file must be than the newest object of a listing before the index keeps what was
 read from it. Listed times are coarse (a second on S3, two seconds on some file systems): a rewrite
@@ -179,57 +182,76 @@ def _checked(record: dict | None) -> dict[str, dict] | None:
     return {name: files[name] for name in covered}
 
 
-def _stamp(listed: dict[str, ObjectInfo]) -> list:
-    """How a listing shows the files an index row is read from (`INDEXED`): each one's size and time,
-    or null where the entry has no such file."""
-    return [[listed[name].size, listed[name].modified] if name in listed else None for name in INDEXED]
+class IndexRow(BaseModel):
+    """One entry's row in its version folder's index: how the listing showed the files the row was
+    read from, and what they said."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stamp: tuple[tuple[StrictInt, float] | None, ...] = Field(
+        description="per file of INDEXED: its listed size and modification time, or null where there is none")
+    sizes: dict[str, StrictInt] | None = Field(
+        description="the sizes the entry's record gives its checked files (done entries only)")
+    hits: StrictInt = Field(ge=0)
+    last_used: float | None = Field(description="when it was last loaded (Unix seconds)")
+
+    @model_validator(mode="after")
+    def _one_stamp_per_file(self) -> IndexRow:
+        if len(self.stamp) != len(INDEXED):
+            raise ValueError(f"stamp: {len(self.stamp)} files, where an entry has {len(INDEXED)} ({INDEXED})")
+        if self.sizes is not None and self.sizes.keys() not in _RECORDED_NAMES:
+            raise ValueError(f"sizes: names {sorted(self.sizes)}, not the files a record covers")
+        return self
+
+    @staticmethod
+    def stamp_of(listed: dict[str, ObjectInfo]) -> tuple[tuple[int, float] | None, ...]:
+        """How a listing shows the files a row is read from (`INDEXED`)."""
+        return tuple((listed[name].size, listed[name].modified) if name in listed else None for name in INDEXED)
+
+    def unsettled(self, settled_before: float) -> bool:
+        """Whether one of its files was written too recently for the listing to tell a rewrite."""
+        return any(seen is not None and seen[1] > settled_before for seen in self.stamp)
 
 
-def _same_stamp(stamp: list, listed: dict[str, ObjectInfo]) -> bool:
-    """Whether the files an index row was read from are listed as they were then (`_stamp`)."""
-    for name, seen in zip(INDEXED, stamp, strict=True):
-        now = listed.get(name)
-        if now is None or seen is None:
-            if now is not seen:
-                return False
-        elif seen[0] != now.size or seen[1] != now.modified:
-            return False
-    return True
-
-
-def _row(value: Any) -> bool:
-    """Whether an index row is one `_Index.row` keeps: [stamp, recorded sizes or null, hits, last use]."""
-    if not (isinstance(value, list) and len(value) == 4 and isinstance(value[0], list)
-            and len(value[0]) == len(INDEXED)):
-        return False
-    stamp, sizes, hits, last = value
-    return (all(seen is None or (isinstance(seen, list) and len(seen) == 2) for seen in stamp)
-            and (sizes is None or (isinstance(sizes, dict) and sizes.keys() in _RECORDED_NAMES))
-            and type(hits) is int and (last is None or type(last) in (int, float)))
+def _kept_row(value: Any) -> IndexRow | None:
+    """An index's row as `IndexRow`; None for one it cannot be (garbled, or hand-edited): the entry's
+    files are then read again, which is what the index saves."""
+    try:
+        return IndexRow.model_validate(value)
+    except ValidationError:
+        return None
 
 
 class _Index:
     """One version folder's index as a listing uses and renews it: `kept`, the rows it was read with;
     `rows`, what this listing read or took over from it, for the next listing."""
 
-    def __init__(self, kept: dict, settled_before: float):
-        self.kept, self.settled_before = kept, settled_before
-        self.rows: dict[str, list] = {}
+    def __init__(self, kept: dict[str, Any], settled_before: float):
+        self.kept = {key: row for key, value in kept.items() if (row := _kept_row(value)) is not None}
+        self.settled_before = settled_before
+        self.rows: dict[str, IndexRow] = {}
         self.unsettled = False
         """Whether a row was left out because its files had not settled (`SETTLE_SECONDS`)."""
 
-    def row(self, key: str, listed: dict[str, ObjectInfo], read: Callable[[], list]) -> list:
-        """An entry's row, [stamp, recorded sizes, hits, last use]: as the index kept it while the entry's
-        files are listed as they were then, else `read` again; kept for the next listing once settled."""
+    def row(self, key: str, listed: dict[str, ObjectInfo],
+            read: Callable[[], tuple[dict[str, int] | None, int, float | None]]) -> IndexRow:
+        """An entry's row: as the index kept it while the entry's files are listed as they were then,
+        else `read` again (recorded sizes, hits, last use); kept for the next listing once settled."""
         row = self.kept.get(key)
-        if not (_row(row) and _same_stamp(row[0], listed)):
-            row = [_stamp(listed), *read()]
-        for seen in row[0]:
-            if seen is not None and seen[1] > self.settled_before:
-                self.unsettled = True
-                return row
+        stamp = IndexRow.stamp_of(listed)
+        if row is None or row.stamp != stamp:
+            sizes, hits, last_used = read()
+            row = IndexRow(stamp=stamp, sizes=sizes, hits=hits, last_used=last_used)
+        if row.unsettled(self.settled_before):
+            self.unsettled = True
+            return row
         self.rows[key] = row
         return row
+
+    def document(self) -> bytes:
+        """The index file this listing leaves for the next."""
+        entries = {key: row.model_dump(mode="json") for key, row in self.rows.items()}
+        return json.dumps({"format": INDEX_FORMAT, "entries": entries}, separators=(",", ":")).encode()
 
 
 class EntryLocked(Exception):
@@ -533,16 +555,17 @@ class CompileCache:
         writer = origin(names)
         recorded, hits, last_used = None, 0, None
         if writer == TRNFLOW and not names.isdisjoint(INDEXED):
-            _, recorded, hits, last_used = index.row(key, listed, lambda: self._small_files(entry, names))
+            row = index.row(key, listed, lambda: self._small_files(entry, names))
+            recorded, hits, last_used = row.sizes, row.hits, row.last_used
         return EntryInfo(compiler, key, self._state(entry, sizes, deep, lambda: recorded), sum(sizes.values()),
                          hits, last_used, min(o.modified for o in listed.values()), writer)
 
-    def _small_files(self, entry: str, names: set[str]) -> list:
+    def _small_files(self, entry: str, names: set[str]) -> tuple[dict[str, int] | None, int, float | None]:
         """What an index row holds, read from the entry's files (`names`, as listed): the sizes its record
         gives the checked files (done entries only), its hits and its last use."""
         recorded = self._recorded_sizes(entry) if DONE_MARKER in names else None
         hits, last_used = self._usage(entry) if USAGE in names else (0, None)
-        return [recorded, hits, last_used]
+        return recorded, hits, last_used
 
     def _index(self, version: str) -> dict:
         """The rows of a version folder's index; none when it is missing, garbled or of another format."""
@@ -559,8 +582,7 @@ class CompileCache:
         try:
             if index.rows or index.unsettled:
                 if index.unsettled or not exists or index.rows != index.kept:
-                    document = {"format": INDEX_FORMAT, "entries": index.rows}
-                    self.store.write(name, json.dumps(document, separators=(",", ":")).encode())
+                    self.store.write(name, index.document())
             elif exists:
                 self.store.delete(name)
         except Exception:  # read-only credentials or file system, say: the next listing reads the entries again

@@ -27,10 +27,10 @@ from urllib.parse import urlparse
 
 import torch
 
+from trnflow.device import plans
 from trnflow.device.base import CompileMetrics, Device, Log, RecompileGuard, Seen, summarise
 from trnflow.device.cache import DONE, CompileCache, entry_name, miss_reason, module_key
 from trnflow.errors import FatalError
-from trnflow.neuron.launch import cache_url
 from trnflow.safetar import pack
 from trnflow.specs import JobSpec
 from trnflow.storage.base import local_path
@@ -167,10 +167,10 @@ class RuntimeDevice(Device):
 
     def compiler(self, spec: JobSpec, mode: str = "run", log: Log | None = None,
                  workdir: Path | None = None, model: str = "") -> IndexedGraphs:
-        url = cache_url(spec.compile.cache_url)
-        os.environ.update(self.settings(url, self._started_with))
+        cache = plans.job_cache(spec)
+        os.environ.update(self.settings(cache.url, self._started_with))
         flags = {**self.flags(spec), "model": model}
-        self.backend = self.graphs(flags, CompileCache(url) if mode == "run" else None, mode,
+        self.backend = self.graphs(flags, cache if mode == "run" else None, mode,
                                    RecompileGuard(spec.compile.recompile_limit), workdir,
                                    log or (lambda event, **fields: None))
         return self.backend

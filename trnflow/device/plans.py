@@ -19,6 +19,7 @@ from pathlib import Path
 
 from trnflow.device import cache as states
 from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name
+from trnflow.neuron.launch import cache_url
 from trnflow.specs import JobSpec
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -77,3 +78,11 @@ def predict(programs: list[dict], cache: CompileCache, retry_failed: bool, deep:
                 else "compile")
         rows.append({**p, "state": state, "will": will})
     return rows
+
+
+def job_cache(spec: JobSpec, env: dict[str, str] | None = None) -> CompileCache:
+    """The cache a job of `spec` compiles into and loads from, found as Neuron's compiler wrapper
+    finds it: `--cache_dir` in NEURON_CC_FLAGS, then NEURON_COMPILE_CACHE_URL, then
+    `compile.cache_url` (`trnflow.neuron.launch.cache_url`). Every job, and the stage that predicts
+    their hits before launch, opens it here, so they all mean the same cache."""
+    return CompileCache(cache_url(spec.compile.cache_url, env))

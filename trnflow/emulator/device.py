@@ -16,14 +16,13 @@ from pathlib import Path
 
 import torch
 
+from trnflow.device import plans
 from trnflow.device.base import Device, FaultHooks, Lease, Log, RecompileGuard
-from trnflow.device.cache import CompileCache
 from trnflow.emulator import cores
 from trnflow.emulator.compiler import LOWERING_IMPORTS, OPTLEVELS, compile_flags
 from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.emulator.numerics import round_bf16_
-from trnflow.neuron.launch import cache_url
 from trnflow.processes import pid_alive
 from trnflow.safetar import pack
 from trnflow.specs import JobSpec
@@ -54,7 +53,7 @@ class EmulatorDevice(Device):
         if mode == "compile":
             return CachedCompiler(flags, mode="compile", inductor_dir=workdir)
         inductor_dir = private_inductor_dir()
-        return CachedCompiler(flags, CompileCache(cache_url(spec.compile.cache_url)), mode="run",
+        return CachedCompiler(flags, plans.job_cache(spec), mode="run",
                               guard=RecompileGuard(spec.compile.recompile_limit), inductor_dir=inductor_dir,
                               log=log or (lambda event, **fields: None))
 

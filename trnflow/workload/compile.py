@@ -30,7 +30,7 @@ from trnflow.device.cache import COMPILER_VERSION, CompileCache, EntryLocked, en
 from trnflow.device.registry import choose, get_device
 from trnflow.errors import FatalError
 from trnflow.neuron.compile_log import CompileProgress
-from trnflow.neuron.launch import cache_url, retry_failed_requested
+from trnflow.neuron.launch import retry_failed_requested
 from trnflow.specs import JobSpec
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.programs import PROGRAMS, TRIAL_STEPS, Programs, build_model
@@ -103,7 +103,7 @@ def compile_program(spec_json: str, program: str, keys: list[str], retry_failed:
     finished it, this one reports a hit for it."""
     spec = JobSpec.model_validate_json(spec_json)
     device = get_device(choose(spec).name)
-    cache = CompileCache(cache_url(spec.compile.cache_url))
+    cache = plans.job_cache(spec)
     began, deadline = time.perf_counter(), time.monotonic() + LOCK_WAIT_SECONDS  # one wait for all the locks
     outcomes: dict[str, dict] = {}
     held: dict[str, bool] = {}  # key -> a stale lock was cleared
@@ -208,7 +208,7 @@ def run(ctx: WorkerContext) -> dict:
     assert spec is not None
     if ctx.options.get("trial"):
         return trial(spec, ctx.device)
-    cache = CompileCache(cache_url(spec.compile.cache_url))
+    cache = plans.job_cache(spec)
     retry_failed = bool(ctx.options.get("retry_failed")) or retry_failed_requested()
     print(f"INFO ||NEURON_CACHE||: Compile cache path: {cache.url}", flush=True)
     parallel = None if ctx.options.get("check") else precompile(spec, ctx.device)
