@@ -18,7 +18,8 @@ TRNFLOW = Path(sys.executable).parent / "trnflow"
 
 @pytest.mark.slow
 def test_a_terminated_run_prints_its_id_and_the_command_that_resumes_it(make_spec, warm_compile_cache, tmp_path):
-    spec = make_spec(cores=1, name="stopped", train={"steps": 4000, "checkpoint_every": 20, "log_every": 20})
+    spec = make_spec(cores=1, name="stopped", train={"steps": 4000, "checkpoint_every": 20, "log_every": 20},
+                     gate={"reference": None})
     path = tmp_path / "stopped.yaml"
     path.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True), sort_keys=False))
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}

@@ -109,9 +109,9 @@ HF_PARAMS = {"vocab_size": 1024, "seq_len": 24, "config": {"hidden_size": 32, "n
                                                             "num_attention_heads": 2, "intermediate_size": 64}}
 
 
-def _hf_spec(make_spec, tmp_path, **sections):
+def _hf_spec(make_spec, tmp_path, cache_url: str | None = None, **sections):
     return make_spec(model={"recipe": "hf-encoder", "params": HF_PARAMS},
-                     compile={"cache_url": str(tmp_path / "hf-cache")},
+                     compile={"cache_url": cache_url or str(tmp_path / "hf-cache")},
                      train={"steps": 20, "checkpoint_every": 20, "log_every": 10, **sections.pop("train", {})},
                      gate={"reference": "champion", "eval_every": None}, **sections)
 
@@ -135,8 +135,8 @@ def test_the_hugging_face_encoder_runs_the_six_stages_on_sagemaker_and_exports_w
         spec = _hf_spec(make_spec, tmp_path, data={"train": f"{s3}/reviews/train", "holdout": f"{s3}/reviews/holdout",
                                                    "inference": f"{s3}/reviews/inference"},
                         compute={"backend": "sagemaker"}, registry_url=f"{s3}/registry",
-                        inference={"output_url": f"{s3}/embeddings"}, train={"checkpoint_url": f"{s3}/checkpoints"})
-        spec = spec.model_copy(update={"compile": spec.compile.model_copy(update={"cache_url": f"{s3}/hf-cache"})})
+                        inference={"output_url": f"{s3}/embeddings"}, train={"checkpoint_url": f"{s3}/checkpoints"},
+                        cache_url=f"{s3}/hf-cache")
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False).model_dump(mode="json")
         assert state.is_completed(), outcome
