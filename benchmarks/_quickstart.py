@@ -31,11 +31,12 @@ def scratch_home(root: Path) -> None:
 def run_job(backend: LocalBackend, spec: JobSpec, phase: str, run_id: str, checkpoint: str | None = None,
             cores: tuple[int, ...] | None = None) -> dict:
     """Run one phase through the local backend (on `cores`, or wherever it places the job) and
-    return its result; a failed job ends the benchmark."""
+    return its result as JSON data; a failed job ends the benchmark."""
     info = wait(backend, backend.submit(JobRequest(spec, phase, run_id, checkpoint=checkpoint, cores=cores)), 0.1)
     if info.state is not JobState.SUCCEEDED:
-        raise SystemExit(f"{phase} job {run_id} failed: {info.failure}")
-    return info.result
+        raise SystemExit(f"{phase} job {run_id} failed: {info.failed()}")
+    assert info.result is not None
+    return info.result.model_dump(mode="json")
 
 
 def quickstart(root: Path, **sections: Any) -> JobSpec:

@@ -40,7 +40,8 @@ def trnflow_busbw(backend: LocalBackend, ranks: int, size: int, iters: int) -> f
                 0.1)
     if info.state is not JobState.SUCCEEDED:
         raise SystemExit(f"trnflow collectives job failed: {info.failure}")
-    return info.result["rows"][0]["busbw(GB/s)"]
+    assert info.result is not None, info.failed()
+    return info.result.rows[0]["busbw(GB/s)"]
 
 
 def main() -> None:

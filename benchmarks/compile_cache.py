@@ -51,7 +51,7 @@ def main() -> None:
             backend = LocalBackend(TrnflowSettings().jobs_dir)
             info = wait(backend, backend.submit(JobRequest(spec, "train", run_id)), 0.1)
             assert info.state is JobState.SUCCEEDED, info.failure
-            return info.result["first_step_seconds"]
+            return info.result.first_step_seconds
 
         warm_spec = spec("cache", "ckpt-warm")
         cold_result, cold_s = compile_stage(warm_spec, "cold")

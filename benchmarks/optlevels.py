@@ -37,8 +37,8 @@ def main() -> None:
         def job(spec, phase: str, processes: int | None = None) -> dict:
             info = wait(backend, backend.submit(JobRequest(spec, phase, f"O{spec.compile.optlevel}",
                                                            processes=processes)), 0.1)
-            assert info.state is JobState.SUCCEEDED, info.failure
-            return info.result
+            assert info.state is JobState.SUCCEEDED and info.result is not None, info.failed()
+            return info.result.model_dump(mode="json")
 
         measured = {}
         for optlevel in (1, 2):

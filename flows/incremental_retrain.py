@@ -25,7 +25,7 @@ from trnflow.flows._params import SpecParam, name_run, refuses_bad_specs, resolv
 from trnflow.flows._stages import StageRunner, new_run_id, run_stages, through_training
 from trnflow.lifecycle.registry import Registry
 from trnflow.results import RunOutcome
-from trnflow.specs import JobSpec, SpecError
+from trnflow.specs import JobSpec, SpecError, validate_spec
 from trnflow.storage.datafiles import check_new_days, new_partitions
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
@@ -46,8 +46,9 @@ def retrain_spec(spec: JobSpec) -> JobSpec:
         changes.append("data.window: since-watermark")
     if changes:
         get_run_logger().info("retraining runs the spec with %s", " and ".join(changes))
-    return spec.model_copy(update={"train": spec.train.model_copy(update={"init_from": "champion"}),
-                                   "data": spec.data.model_copy(update={"window": "since-watermark"})})
+    data = spec.model_dump(mode="json")
+    data["train"]["init_from"], data["data"]["window"] = "champion", "since-watermark"
+    return validate_spec(data, spec.name)  # starting from the champion puts the registry in the jobs' reach
 
 
 @flow(name="trnflow-incremental-retrain", log_prints=True, validate_parameters=False)

@@ -26,7 +26,10 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> Compi
         Per-graph keys and what happened to each (`report`), with `hits` and `compiled` counts.
     """
     logger = get_run_logger()
-    cache = plans.job_cache(spec)  # where the jobs will look, NEURON_CC_FLAGS and all
+    # The cache the jobs will open: every backend gives them NEURON_CC_FLAGS and NEURON_COMPILE_CACHE_URL
+    # made from compile.cache_url (neuron_env, the cloud request builders), so it is resolved from the
+    # spec alone, whatever this process's own environment says.
+    cache = plans.job_cache(spec, env={})
     known = plans.recorded(cache, plan_digest(spec))
     if known is None:
         logger.info("no compile plan recorded in %s for this spec yet; the compile job extracts it", cache.url)

@@ -374,3 +374,18 @@ def test_a_run_whose_gate_reference_is_missing_is_refused_before_sanity(make_spe
     malformed = runner.invoke(app, ["run", spec])
     assert malformed.exit_code == 2 and "points[0] needs an integer 'step' and a numeric 'accuracy'" in " ".join(
         malformed.stderr.split())
+
+
+def test_retraining_on_a_cloud_backend_needs_the_registry_on_s3(tmp_path, trnflow_home):
+    """Retraining starts from the champion, so its jobs read the registry: a local one is refused
+    before the first job, though the spec as written (not starting from the champion) is valid."""
+    from tests.conftest import ON_S3
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(quickstart_data(
+        compute={"backend": "batch", "instance_type": "trn1.32xlarge"}, train={"checkpoint_url": "s3://acme-data/c"},
+        registry_url=str(tmp_path / "registry"), gate={"reference": None}, **ON_S3)))
+    assert runner.invoke(app, ["validate", str(spec)]).exit_code == 0
+    result = runner.invoke(app, ["retrain", str(spec)])
+    assert result.exit_code == 2 and "registry_url:" in result.stderr and "is not on S3" in result.stderr
+    assert not list((trnflow_home / "jobs").glob("*"))

@@ -13,8 +13,8 @@ import yaml
 from tests.conftest import quickstart_data
 from trnflow.cli.app import app
 from trnflow.cli.main import BUG, outcome
-from trnflow.errors import ExitCode
-from trnflow.lifecycle.registry import Registry
+from trnflow.errors import ChampionKept, ExitCode, GateFailed
+from trnflow.lifecycle.registry import PromotionConflict, Registry
 
 
 def _run(capsys, *args: str) -> tuple[int, str]:
@@ -74,3 +74,32 @@ def test_a_bug_shows_its_traceback_and_asks_for_a_report():
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert done.returncode == ExitCode.BUG
     assert "Traceback" in done.stderr and "RuntimeError: a bug" in done.stderr and BUG in done.stderr
+
+
+def _raises(exc: BaseException):
+    def command():
+        raise exc
+    return command
+
+
+@pytest.mark.parametrize("exc, code", [
+    (ConnectionError("the Prefect server at 127.0.0.1:4200 did not answer"), ExitCode.FAILED),
+    (TimeoutError("timed out"), ExitCode.FAILED),
+    (GateFailed("accuracy outside the band"), ExitCode.GATE_FAILED),
+    (ChampionKept("worse than the champion"), ExitCode.CHAMPION_KEPT),
+    (PromotionConflict("the champion changed meanwhile"), ExitCode.CONFLICT),
+])
+def test_failures_outside_trnflow_and_its_own_decisions_are_one_line_with_their_exit_codes(exc, code, capsys):
+    assert outcome(_raises(exc)) == code
+    text = capsys.readouterr().err
+    assert str(exc) in text and "Traceback" not in text and BUG not in text
+
+
+def test_the_clouds_answers_are_not_bugs(capsys):
+    from botocore.exceptions import ClientError, NoCredentialsError
+
+    denied = ClientError({"Error": {"Code": "AccessDenied", "Message": "Access Denied"}}, "PutObject")
+    for exc in (NoCredentialsError(), denied):
+        assert outcome(_raises(exc)) == ExitCode.FAILED
+        text = capsys.readouterr().err
+        assert type(exc).__name__ in text and "Traceback" not in text

@@ -212,3 +212,6 @@ def test_the_recipe_written_out_in_the_docs_keeps_the_contract(reviews, tmp_path
     assert len(checks) >= 9
     for name in checks:
         getattr(suite, name)()
+    wide = module.LetterCounts(module.LetterParams(letters=500), suite.make().data)  # more than the text has
+    wide.fit(reviews)
+    assert wide.features(reviews.slice(0, 3)).shape == (3, 500)

@@ -16,7 +16,7 @@ from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import read_series
 from trnflow.results import TrainResult
 from trnflow.settings import TrnflowSettings
-from trnflow.specs import JobSpec
+from trnflow.specs import JobSpec, SpecError
 from trnflow.storage import open_store
 from trnflow.storage.datafiles import data_files
 
@@ -27,6 +27,10 @@ def reference_spec(spec: JobSpec) -> JobSpec:
     """The spec in fp32, checkpointing beside the reference metrics file."""
     if spec.gate.reference in (None, "champion"):
         raise FatalError("gate.reference is not a file; name the metrics file the reference run should write")
+    if spec.compute.backend != "local" and not spec.gate.reference.startswith("s3://"):
+        raise SpecError(spec.name, [f"gate.reference: {spec.gate.reference} is not on S3; the reference run on "
+                                    f"{spec.compute.backend} writes it, and its checkpoints beside it, from hosts "
+                                    "that cannot see this machine's files: name an s3:// metrics file"])
     folder = spec.gate.reference.rpartition("/")[0] + "/checkpoints"
     return spec.model_copy(update={
         "compute": spec.compute.model_copy(update={"precision": "fp32"}),

@@ -15,7 +15,7 @@ import traceback
 
 import typer
 
-from trnflow.errors import ExitCode, TrnflowError
+from trnflow.errors import ChampionKept, ExitCode, GateFailed, TrnflowError
 
 STANDALONE = {"cache": ("trnflow.cli.cache", "cache_app")}
 """Command groups started on their own: name -> (module, its Typer app). A group belongs here when
@@ -44,11 +44,32 @@ PATH_ERRORS = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirect
 """Expected failures that are a path's: exit 2, as a spec the loader refuses."""
 
 
+def _loaded(module: str, *names: str) -> tuple[type, ...]:
+    """Exception classes of `module` when it was imported (then they can have been raised), else none:
+    so `trnflow cache` starts without the job specs, boto3 or httpx."""
+    found = sys.modules.get(module)
+    return tuple(getattr(found, name) for name in names) if found is not None else ()
+
+
 def _input_error(exc: BaseException) -> bool:
-    """A refused spec or a bad path. SpecError is looked up only where the spec loader was imported
-    (a spec was read), so `trnflow cache` starts without the job specs."""
-    loader = sys.modules.get("trnflow.specs.loader")
-    return isinstance(exc, PATH_ERRORS) or (loader is not None and isinstance(exc, loader.SpecError))
+    """A refused spec or a bad path."""
+    return isinstance(exc, PATH_ERRORS + _loaded("trnflow.specs.loader", "SpecError"))
+
+
+def _expected_failure(exc: BaseException) -> ExitCode | None:
+    """The exit code of a failure that is not trnflow's fault: its own errors, the cloud's answers
+    (no credentials, access denied, a bucket that is not there) and a network or server that does
+    not answer. None for anything else: a bug."""
+    if isinstance(exc, GateFailed):
+        return ExitCode.GATE_FAILED
+    if isinstance(exc, ChampionKept):
+        return ExitCode.CHAMPION_KEPT
+    if isinstance(exc, _loaded("trnflow.lifecycle.registry", "PromotionConflict")):
+        return ExitCode.CONFLICT
+    outside = (TrnflowError, ConnectionError, TimeoutError, *_loaded("botocore.exceptions", "BotoCoreError",
+                                                                     "ClientError"),
+               *_loaded("httpx", "HTTPError"))
+    return ExitCode.FAILED if isinstance(exc, outside) else None
 
 
 def outcome(command) -> int:
@@ -66,9 +87,10 @@ def outcome(command) -> int:
         exc.show()
         return exc.exit_code
     except Exception as exc:
-        if _input_error(exc) or isinstance(exc, TrnflowError):
+        code = ExitCode.BAD_INPUT if _input_error(exc) else _expected_failure(exc)
+        if code is not None:
             _say(exc)
-            return ExitCode.BAD_INPUT if _input_error(exc) else ExitCode.FAILED
+            return code
         traceback.print_exc()
         print(f"\ntrnflow: {BUG}", file=sys.stderr)
         return ExitCode.BUG
@@ -77,7 +99,7 @@ def outcome(command) -> int:
 
 def _say(exc: BaseException) -> None:
     text = str(exc) or type(exc).__name__
-    prefix = f"{type(exc).__name__}: " if isinstance(exc, PATH_ERRORS) else ""
+    prefix = "" if isinstance(exc, TrnflowError | ValueError) else f"{type(exc).__name__}: "
     print(f"trnflow: {prefix}{text}", file=sys.stderr)
 
 

@@ -250,6 +250,10 @@ def run(
     _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json, **forced)
 
 
+RETRAINED = {"train.init_from": "champion", "data.window": "since-watermark"}
+"""What retraining changes in a spec (`flows.incremental_retrain.retrain_spec`), checked before it starts."""
+
+
 def retrain(
     spec_path: SpecArg,
     run_id: Annotated[str | None, typer.Option(help="Resume or name a run (default: a new id).")] = None,
@@ -266,6 +270,7 @@ def retrain(
         err.print(f"{spec_path}: registry_url: retraining keeps its champion and watermark in a model "
                   "registry; set registry_url", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
+    load(spec_path, {**set_overrides(overrides), **RETRAINED})  # as the flow runs it: from the champion's registry
     refuse_unlaunchable(spec, str(spec_path))
     from trnflow.flows.incremental_retrain import STAGES, incremental_retrain  # heavy: prefect and torch
 

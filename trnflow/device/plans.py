@@ -84,5 +84,6 @@ def job_cache(spec: JobSpec, env: dict[str, str] | None = None) -> CompileCache:
     """The cache a job of `spec` compiles into and loads from, found as Neuron's compiler wrapper
     finds it: `--cache_dir` in NEURON_CC_FLAGS, then NEURON_COMPILE_CACHE_URL, then
     `compile.cache_url` (`trnflow.neuron.launch.cache_url`). Every job, and the stage that predicts
-    their hits before launch, opens it here, so they all mean the same cache."""
+    their hits before launch, opens it here, so they all mean the same cache. `env`: the environment
+    to resolve it in (default: this process's)."""
     return CompileCache(cache_url(spec.compile.cache_url, env))

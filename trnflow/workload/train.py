@@ -276,7 +276,7 @@ class Trainer:
             "watermark": start.watermark,
             "partitions": self.data_read.partitions,
             "rows": len(self.labels),
-            "loss": self.last_loss,
+            "loss": self.last_loss if math.isfinite(self.last_loss) else None,
             "evaluations": self.evaluations,
             "curve": self.metrics,
             "series": series_url,
