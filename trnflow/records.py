@@ -95,10 +95,6 @@ class CheckpointMeta(Record):
     torch: str = Field(description="the PyTorch version that wrote it")
     export: str | None = Field(None, description="the model exported in its own library's format (last step only)")
 
-    def lineage_of_child(self, url: str, step: int, depth: int) -> dict[str, Any]:
-        """The lineage a run started from this checkpoint (at `url`, after `step` steps) carries."""
-        return {"parent": url, "lineage": [url, *self.lineage][:depth], "base_step": self.base_step + step}
-
 
 # --- the gate's verdict ----------------------------------------------------------------------
 

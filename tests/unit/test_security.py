@@ -7,7 +7,7 @@ import tarfile
 import pytest
 
 from trnflow.errors import FatalError
-from trnflow.safetar import extract
+from trnflow.safetar import extract, read_member, unpack
 
 
 def _tar(*members: tarfile.TarInfo, data: bytes = b"payload") -> bytes:
@@ -53,7 +53,7 @@ def test_a_compile_artifact_with_an_unsafe_member_is_a_corrupt_entry_that_writes
     with pytest.raises(CorruptEntry, match=r"unsafe member, refused: '\.\./escaped\.py'"):
         unpack_into(_tar(_member("fx/graph.py"), _member("../escaped.py")), inductor)
     assert list(inductor.iterdir()) == [] and not (tmp_path / "escaped.py").exists()
-    with pytest.raises(CorruptEntry, match="'b', which is not a file or folder"):  # links: none of ours
+    with pytest.raises(CorruptEntry, match="'b': not a file or folder"):  # links: none of ours
         unpack_into(_tar(_member("fx/graph.py"), _member("b", tarfile.SYMTYPE, "c"), _member("c", tarfile.SYMTYPE,
                                                                                             ".")), inductor)
     assert list(inductor.iterdir()) == []
@@ -66,3 +66,44 @@ def test_a_plain_archive_unpacks_and_garbage_is_a_clear_error(tmp_path):
     assert (tmp_path / "ok" / "model" / "weights.pt").read_bytes() == b"w"
     with pytest.raises(FatalError, match=r"model\.tar\.gz: not a readable tar archive"):
         extract(b"not a tar at all", tmp_path / "bad", "model.tar.gz")
+
+
+def _cve_2025_4517(tmp_path) -> bytes:
+    """The shape of CVE-2025-4517's archive: a chain of symlinks whose names, once resolved one after
+    another, climb out of the folder (past `tarfile`'s data filter on unpatched Pythons), then a
+    regular file written through the chain, and a hard link to a file outside."""
+    deep = "d" * 200
+    members = [_member(deep, tarfile.DIRTYPE)]
+    members += [_member(f"{deep}/l{i}", tarfile.SYMTYPE, "../" * 3) for i in range(4)]
+    members += [_member("escape", tarfile.SYMTYPE, f"{deep}/l0/l1/l2/l3/" + "../" * 8 + str(tmp_path)),
+                _member("escape/planted.txt"),
+                _member("hard", tarfile.LNKTYPE, "escape/planted.txt")]
+    return _tar(*members)
+
+
+def test_the_cve_2025_4517_archive_writes_nothing_anywhere(tmp_path):
+    """Links are never unpacked, whatever the interpreter's tarfile filter lets through, and the
+    archive is refused before its first member is written."""
+    dest = tmp_path / "out"
+    with pytest.raises(FatalError, match=r"refused to unpack '.+': not a file or folder"):
+        extract(_cve_2025_4517(tmp_path), dest, "s3://staging/job/output/output.tar.gz")
+    assert not dest.exists() and not (tmp_path / "planted.txt").exists()
+
+
+def test_an_archive_that_unpacks_past_its_cap_is_refused_before_writing(tmp_path):
+    from trnflow.safetar import Refused
+
+    data = _tar(_member("a.bin"), _member("b.bin"), data=b"x" * 600)
+    with tarfile.open(fileobj=io.BytesIO(data)) as archive, pytest.raises(Refused, match="more than 1,000 bytes"):
+        unpack(archive, tmp_path / "capped", limit=1000)
+    assert not (tmp_path / "capped").exists()
+
+
+def test_a_jobs_result_is_read_in_memory_and_nothing_else_is_touched(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = _tar(_member("./result.json"), _member("other/notes.txt"), data=b'{"phase": "promote"}')
+    assert read_member(data, "result.json", "output.tar.gz") == b'{"phase": "promote"}'
+    assert read_member(data, "missing.json", "output.tar.gz") is None
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(FatalError, match="refused to read 'link'"):
+        read_member(_tar(_member("link", tarfile.SYMTYPE, "/etc/passwd")), "link", "output.tar.gz")

@@ -8,9 +8,7 @@ rank 0's result from the job's output.tar.gz; `logs` reads CloudWatch; `cancel` 
 
 from __future__ import annotations
 
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 from trnflow import aws
@@ -22,7 +20,7 @@ from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.backends.service_status import sagemaker_failure, sagemaker_state
 from trnflow.errors import FatalError
 from trnflow.results import StageResult
-from trnflow.safetar import extract
+from trnflow.safetar import read_member
 from trnflow.storage.s3 import split_s3_url
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
@@ -78,11 +76,10 @@ class SageMakerBackend:
         url = f"{desc['OutputDataConfig']['S3OutputPath'].rstrip('/')}/{name}/output/output.tar.gz"
         bucket, _, key = url.removeprefix("s3://").partition("/")
         data = aws.call(self._s3.get_object, Bucket=bucket, Key=key)["Body"].read()
-        with tempfile.TemporaryDirectory(prefix="trnflow-output-") as tmp:
-            result = extract(data, Path(tmp), url) / "result.json"
-            if not result.is_file():
-                raise FatalError(f"{url} has no result.json; the job completed without its workload's result")
-            return stage_result(name, result.read_bytes(), None)
+        result = read_member(data, "result.json", url)  # read in memory: nothing a job wrote is unpacked here
+        if result is None:
+            raise FatalError(f"{url} has no result.json; the job completed without its workload's result")
+        return stage_result(name, result, None)
 
     def logs(self, job_id: str, since: int = 0) -> tuple[str, int]:
         """The main host's lines. Each attempt of the job writes a stream of its own

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from trnflow.device.cache import CorruptEntry, module_key
-from trnflow.safetar import unpack
+from trnflow.safetar import Refused, unpack
 
 # optlevel -> how the emulator compiles, trading compile time against step time as neuronx-cc's
 # -O1/-O2/-O3 do. O1 lowers each graph to ATen forward and backward graphs (AOT autograd) without
@@ -136,11 +136,8 @@ def unpack_into(artifact: bytes, path: Path) -> None:
     CorruptEntry when the artifact is not a readable gzipped tar of files and folders inside `path`."""
     try:
         with tarfile.open(fileobj=io.BytesIO(artifact), mode="r:gz") as tar:
-            odd = next((m for m in tar.getmembers() if not (m.isfile() or m.isdir())), None)
-            if odd is not None:  # safetar.pack writes files only: a link or device is no artifact of ours
-                raise CorruptEntry(f"its artifact holds {odd.name!r}, which is not a file or folder")
             unpack(tar, path)
-    except tarfile.FilterError as exc:
+    except Refused as exc:  # safetar.pack writes files only: a link, a device or a path outside is none of ours
         raise CorruptEntry(f"its artifact holds an unsafe member, refused: {exc}") from None
     except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise CorruptEntry(f"its artifact is not a readable archive: {exc}") from None

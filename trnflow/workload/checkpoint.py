@@ -84,11 +84,6 @@ class Checkpoint:
     def watermark(self) -> str | None:
         return self.meta.watermark if self.meta else None
 
-    @property
-    def plain(self) -> bool:
-        """A plain state_dict file rather than a trnflow checkpoint."""
-        return self.meta is None
-
 
 class RunCheckpoints:
     """The checkpoints of one run: save, find the newest good one, keep only the latest few."""
