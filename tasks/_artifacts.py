@@ -1,8 +1,9 @@
 """Publishing a stage's tables and charts on its flow run, as Prefect artifacts keyed
 `<spec name>-<what>`, so the UI shows the newest of each beside the run's history. A chart is a
 Markdown artifact with the image inline (an image artifact's page prints its whole data URL), and
-a location is Markdown too: a link only where a browser can open it (S3's console), else a plain path. A failure
-to publish is logged and never fails the stage: the job's outcome matters more than its report."""
+a location is Markdown too: a link only where a browser can open it (S3's console), else a plain path. Text
+is published with secrets masked, as log lines are. A failure to publish is logged and never fails the
+stage: the job's outcome matters more than its report."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import Any
 
 from prefect import artifacts, get_run_logger
 
+from trnflow.redact import Redactor
 from trnflow.reporting.report import location_markdown
 from trnflow.specs import JobSpec
 
@@ -30,7 +32,7 @@ def _logged(publish: Callable[..., None]) -> Callable[..., None]:
 
 @_logged
 def markdown(spec: JobSpec, what: str, text: str, description: str) -> None:
-    artifacts.create_markdown_artifact(text, key=f"{spec.name}-{what}", description=description)
+    artifacts.create_markdown_artifact(Redactor.from_env()(text), key=f"{spec.name}-{what}", description=description)
 
 
 @_logged
@@ -41,10 +43,13 @@ def image(spec: JobSpec, what: str, png: bytes, description: str) -> None:
 
 @_logged
 def link(spec: JobSpec, what: str, url: str, text: str) -> None:
-    artifacts.create_markdown_artifact(f"{text}: {location_markdown(url)}\n", key=f"{spec.name}-{what}",
-                                       description=text)
+    redact = Redactor.from_env()
+    artifacts.create_markdown_artifact(redact(f"{text}: {location_markdown(url)}\n"), key=f"{spec.name}-{what}",
+                                       description=redact(text))
 
 
 @_logged
 def table(spec: JobSpec, what: str, rows: list[dict[str, Any]], description: str) -> None:
-    artifacts.create_table_artifact(rows, key=f"{spec.name}-{what}", description=description)
+    redact = Redactor.from_env()
+    masked = [{k: redact(v) if isinstance(v, str) else v for k, v in row.items()} for row in rows]
+    artifacts.create_table_artifact(masked, key=f"{spec.name}-{what}", description=description)

@@ -1,23 +1,59 @@
 """Secrets never reach a log: values of secret-looking environment variables (keys, tokens,
-passwords) are masked in every line trnflow relays from a job."""
+passwords) are masked in every line trnflow relays from a job, in every failure message and in every
+artifact it publishes, in the forms a secret takes on its way there (as it is, URL-encoded as in a
+presigned URL's token, JSON-escaped, base64 as in a Basic authorization header), along with the
+password of any `scheme://user:password@host` URL and the password half of a `user:password`
+auth string (PREFECT_API_AUTH_STRING)."""
 
 from __future__ import annotations
 
+import base64
+import json
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from urllib.parse import quote, quote_plus, urlsplit
 
 SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|AUTH_STRING|_KEY(_ID)?$|^KEY$",
                          re.IGNORECASE)
 MASK = "********"
 MIN_LENGTH = 6
 """Shorter values (`true`, `1`) would mask ordinary words."""
+URL_PASSWORD = re.compile(r"(?P<keep>[a-z][a-z0-9+.-]*://[^\s:/@]*):(?P<password>[^\s/@]+)@", re.IGNORECASE)
+"""The password of a URL written out in any text (a database URL in a driver's error, say)."""
+
+
+def _parts(name: str, value: str) -> Iterator[str]:
+    """The secrets one environment variable holds."""
+    if SECRET_NAME.search(name):
+        yield value
+        user, colon, password = value.partition(":")
+        if colon and user and "://" not in value:  # an auth string, user:password
+            yield password
+    for url in value.split():  # DATABASE_URL, PREFECT_API_DATABASE_CONNECTION_URL, any URL with a password
+        if "://" in url and "@" in url:
+            try:
+                password = urlsplit(url).password
+            except ValueError:
+                continue
+            if password:
+                yield password
+
+
+def _forms(secret: str) -> Iterator[str]:
+    """A secret as it is and as it appears once encoded for a URL, a JSON string or a header."""
+    yield secret
+    yield quote(secret, safe="")
+    yield quote_plus(secret, safe="")
+    yield json.dumps(secret)[1:-1]
+    yield base64.b64encode(secret.encode()).decode()
 
 
 def secret_values(environ: Mapping[str, str] | None = None) -> list[str]:
-    """The values to mask, longest first (so a secret containing another is masked whole)."""
+    """The strings to mask, longest first (so a secret containing another is masked whole)."""
     environ = os.environ if environ is None else environ
-    values = {v for k, v in environ.items() if SECRET_NAME.search(k) and len(v) >= MIN_LENGTH}
+    values = {form for name, value in environ.items() for part in _parts(name, value)
+              if len(part) >= MIN_LENGTH for form in _forms(part)}
     return sorted(values, key=len, reverse=True)
 
 
@@ -30,6 +66,7 @@ class Redactor:
         return cls(secret_values())
 
     def __call__(self, text: str) -> str:
+        text = URL_PASSWORD.sub(lambda m: f"{m['keep']}:{MASK}@", text)
         return self._pattern.sub(MASK, text) if self._pattern else text
 
 

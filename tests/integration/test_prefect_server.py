@@ -6,6 +6,7 @@ for the first; and the UI shows the deployment in a real browser."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -200,6 +201,19 @@ def _custom_run(page, deployment_page: str) -> None:
     page.wait_for_value("Name", "served")
 
 
+def _submit(page) -> None:
+    """Click the form's Submit until the form is sent: the page then leaves the form
+    (`/deployment/<id>/run`) for the deployment's page. A click while the form is still checking its
+    values is dropped without a word; a click while it is sending is ignored, so a second click never
+    creates a second run."""
+    for _ in range(3):
+        page.click("Submit")
+        with contextlib.suppress(AssertionError):
+            page.wait("!location.pathname.endsWith('/run')", 20, "the form to be sent")
+            return
+    raise AssertionError(f"three clicks on Submit sent nothing; the page says:\n{page.text()[:3000]}")
+
+
 def _run_with(env, deployment_id, check):
     """The newest run of a deployment whose spec parameter passes `check`, once there is one."""
     def found():
@@ -250,7 +264,7 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
         registry = root / "registry-from-the-ui"  # a registry of its own: the run's model becomes its champion
         page.fill("Registry Url", str(registry))
         page.screenshot(shots / "custom-run.png", full_page=False)
-        page.click("Submit")
+        _submit(page)
         run = _run_with(env, pipeline.id, lambda spec: spec["registry_url"] == str(registry))
         run = _ended(env, run.id, 600)
         assert run.state_name == "Completed", (run.state.message, (root / "serve.log").read_text()[-3000:])
@@ -276,7 +290,7 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
         # a value the spec refuses: the run fails at once, saying which field and what to write
         _custom_run(page, f"{ui}/deployments/deployment/{pipeline.id}")
         page.fill("Name", "Quick Start")
-        page.click("Submit")
+        _submit(page)
         bad = _ended(env, _run_with(env, pipeline.id, lambda spec: spec["name"] == "Quick Start").id, 120)
         assert bad.state_name == "Failed"  # its message names the field first: the UI shows about 70 characters
         assert bad.state.message.startswith("name: 'Quick Start' is not allowed here; use lower-case letters, digits "

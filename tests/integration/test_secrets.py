@@ -93,3 +93,27 @@ def test_a_spec_cannot_carry_credentials_in_a_url_and_the_error_does_not_repeat_
         validate_spec(quickstart_data(data={"train": url}))
     assert "data.train: credentials in a" in str(caught.value) and "remove them" in str(caught.value)
     assert CANARY not in str(caught.value)
+
+
+def test_published_artifacts_carry_no_secret_in_any_form(planted, prefect_api, make_spec, monkeypatch):
+    """What a stage publishes (Markdown, a link, a table) is masked as its log lines are: the session
+    token URL-encoded in a presigned link, a database URL's password in a table cell."""
+    from urllib.parse import quote
+
+    from trnflow.tasks import _artifacts
+
+    monkeypatch.setenv("PREFECT_API_DATABASE_CONNECTION_URL", f"postgresql+asyncpg://prefect:{CANARY}-pg@db/prefect")
+    spec = make_spec()
+    presigned = f"https://b.s3.amazonaws.com/k?X-Amz-Security-Token={quote(SECRETS['AWS_SESSION_TOKEN'] + '/+=')}"
+
+    @flow
+    def publish():
+        _artifacts.markdown(spec, "notes", f"read from {presigned}", "notes")
+        _artifacts.link(spec, "where", f"s3://out/{SECRETS['HF_TOKEN']}/emb", "embeddings")
+        _artifacts.table(spec, "rows", [{"stage": "train", "note": f"db pass {CANARY}-pg", "steps": 3}], "rows")
+
+    state = publish(return_state=True)
+    assert state.is_completed()
+    text = _flow_run_text(state.state_details.flow_run_id)
+    assert text.count(MASK) >= 3 and 'steps' in text
+    assert CANARY not in text

@@ -1,7 +1,9 @@
 """What every flow takes: the spec itself or where to read it, and the run form the UI shows for
 it; and no secret in a relayed log line."""
 
+import base64
 import json
+from urllib.parse import quote
 
 import pytest
 import yaml
@@ -88,8 +90,30 @@ def test_a_deployment_carries_the_whole_spec_with_its_locations_as_written(tmp_p
 def test_secret_looking_variables_are_masked_in_relayed_lines():
     environ = {"AWS_SECRET_ACCESS_KEY": "wJalrXUtnFEMI/K7MDENG", "HF_TOKEN": "hf_abcdefgh", "DB_PASSWORD": "pw",
                "HOME": "/root", "WANDB_API_KEY": "0123456789abcdef"}
-    assert set(secret_values(environ)) == {"wJalrXUtnFEMI/K7MDENG", "hf_abcdefgh", "0123456789abcdef"}  # pw: too short
+    values = set(secret_values(environ))
+    assert {"wJalrXUtnFEMI/K7MDENG", "hf_abcdefgh", "0123456789abcdef"} <= values and "pw" not in values  # too short
     redact = Redactor(secret_values(environ))
     line = "uploading to s3 with wJalrXUtnFEMI/K7MDENG and hf_abcdefgh from /root"
     assert redact(line) == f"uploading to s3 with {MASK} and {MASK} from /root"
     assert Redactor([])("nothing to hide") == "nothing to hide"
+
+
+def test_secrets_are_masked_in_the_forms_they_travel_in():
+    """URL-encoded (a presigned URL's token), JSON-escaped, base64 (a Basic header); a database URL's
+    password; the password half of PREFECT_API_AUTH_STRING; a URL's password in any line."""
+    token = 'IQoJb3JpZ2luX2VjE/Ab+c="quoted"'
+    environ = {"AWS_SESSION_TOKEN": token, "PREFECT_API_AUTH_STRING": "admin:s3cr3t-pass",
+               "PREFECT_API_DATABASE_CONNECTION_URL": "postgresql+asyncpg://prefect:db-pa55word@db:5432/prefect",
+               "DATABASE_URL": "postgres://u:another-pw@h/db", "HOME": "/root"}
+    redact = Redactor(secret_values(environ))
+    presigned = f"https://b.s3.amazonaws.com/k?X-Amz-Security-Token={quote(token, safe='')}&X-Amz-Expires=60"
+    for line in (presigned, json.dumps({"token": token}), f"auth: {base64.b64encode(token.encode()).decode()}",
+                 "login failed for password s3cr3t-pass", "could not connect with db-pa55word",
+                 "Authorization: Basic " + base64.b64encode(b"admin:s3cr3t-pass").decode(),
+                 "retrying postgres://u:another-pw@h/db", "redis://worker:never-listed-secret@cache:6379/0"):
+        masked = redact(line)
+        assert MASK in masked, line
+        for secret in (token, quote(token, safe=""), json.dumps(token)[1:-1], "s3cr3t-pass", "db-pa55word",
+                       "another-pw", "never-listed-secret"):
+            assert secret not in masked, (line, masked)
+    assert redact("https://bucket.s3.amazonaws.com/key and a@b.c") == "https://bucket.s3.amazonaws.com/key and a@b.c"
