@@ -30,6 +30,7 @@ from trnflow.specs.spec import (
     ScheduleSpec,
     TrainSpec,
     container_memory_limit_gib,
+    is_module_reference,
     memory_problem,
     sagemaker_checkpoint_problem,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "apply_overrides",
     "container_memory_limit_gib",
     "instance",
+    "is_module_reference",
     "load_spec",
     "memory_problem",
     "parse_spec",

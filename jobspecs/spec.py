@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import zoneinfo
 from typing import Annotated, Any, Literal
 
@@ -79,13 +80,35 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+"""An installed recipe's name, as entry points are named (`m5-text`, `tabular-mlp`)."""
+MODULE_REFERENCE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
+"""`package.module:Class`: a recipe named by where it is, imported only where TRNFLOW_RECIPE_MODULES allows."""
+
+
+def is_module_reference(recipe: str) -> bool:
+    """Whether model.recipe names a module (`package.module:attr`) rather than an installed recipe."""
+    return ":" in recipe
+
+
+def _recipe_reference(value: str) -> str:
+    if is_module_reference(value):
+        if not MODULE_REFERENCE.match(value):
+            raise ValueError(f"{value!r} is not package.module:attr: write the module's dotted name (letters, digits "
+                             "and underscores, no leading dot), a colon, then the recipe class's name")
+    elif not RECIPE_NAME.match(value):
+        raise ValueError(f"{value!r} is not a recipe's name; `trnflow recipes` lists the installed ones")
+    return value
+
+
 class ModelSpec(Section):
     """Which model the pipeline trains: a recipe and its settings."""
 
-    recipe: str = Field(
-        "m5-text", min_length=1,
+    recipe: Annotated[str, AfterValidator(_recipe_reference)] = Field(
+        "m5-text", min_length=1, max_length=200,
         description="The model recipe: an installed recipe's name (`trnflow recipes` lists them; m5-text is "
-        "built in) or package.module:attr.")
+        "built in), or package.module:attr where TRNFLOW_RECIPE_MODULES=1 allows importing modules by name "
+        "(which runs their code).")
     params: dict[str, Any] = Field(
         default_factory=dict,
         description="The recipe's settings, checked against its parameters (`trnflow recipes` lists them with "

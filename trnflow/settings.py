@@ -27,6 +27,10 @@ class TrnflowSettings(BaseSettings):
     )
     sagemaker_role_arn: str | None = Field(None, description="The SageMaker execution role.")
     batch_job_queue: str | None = Field(None, description="The Batch job queue (with its fair-share policy).")
+    recipe_modules: bool = Field(
+        False, description="Let a spec's model.recipe name any importable module as package.module:attr, "
+        "not only an installed recipe. Importing a module runs its code, on this machine and in every job: "
+        "turn it on only where every spec, and every module it can name, is trusted.")
     parameters_path: str = Field(
         "/trnflow", description="Where the infra stack publishes the settings above as SSM parameters, "
         "read when they are not set here.")

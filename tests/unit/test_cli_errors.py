@@ -38,6 +38,12 @@ CASES = {
     "a recipe that cannot be imported": (
         lambda tmp: ["validate", _spec(tmp, model={"recipe": "no_such_package.models:Thing", "params": {}})],
         ExitCode.BAD_INPUT, "model.recipe"),
+    "a recipe named by a module, which the settings do not allow": (
+        lambda tmp: ["validate", _spec(tmp, model={"recipe": "this:X", "params": {}})], ExitCode.BAD_INPUT,
+        "set TRNFLOW_RECIPE_MODULES=1 where every spec is trusted"),
+    "a malformed recipe": (
+        lambda tmp: ["validate", _spec(tmp, model={"recipe": ".foo:X", "params": {}})], ExitCode.BAD_INPUT,
+        "model.recipe: '.foo:X' is not package.module:attr"),
     "local data that is not there": (
         lambda tmp: ["run", _spec(tmp, data={"train": str(tmp / "none"), "holdout": str(tmp), "inference": str(tmp)},
                                   gate={"reference": None})], ExitCode.BAD_INPUT, "data.train"),

@@ -378,3 +378,18 @@ def test_every_location_a_cloud_job_uses_must_be_on_s3_and_each_bad_one_is_named
                                       inference={"output_url": "s3://acme-data/out"},
                                       train={"checkpoint_url": "s3://acme-data/ckpt", "init_from": "champion"},
                                       registry_url="/registry"))
+
+
+def test_module_recipes_reach_cloud_jobs_only_where_the_submitter_allows_them(monkeypatch):
+    """A spec naming its recipe by module is carried out by jobs that may import it only when
+    TRNFLOW_RECIPE_MODULES is set where they are submitted; an installed recipe needs nothing."""
+    import dataclasses
+
+    from trnflow.backends.cloud import container_environment
+
+    monkeypatch.setenv("TRNFLOW_RECIPE_MODULES", "1")  # so the spec validates here
+    by_module = _spec(model={"recipe": "trnflow.workload.recipes.hf_encoder:HfEncoder"})
+    allowed = dataclasses.replace(TARGET, recipe_modules=True)
+    assert container_environment(JobRequest(by_module, "train", "r"), allowed)["TRNFLOW_RECIPE_MODULES"] == "1"
+    assert "TRNFLOW_RECIPE_MODULES" not in container_environment(JobRequest(by_module, "train", "r"), TARGET)
+    assert "TRNFLOW_RECIPE_MODULES" not in container_environment(JobRequest(_spec(), "train", "r"), allowed)

@@ -4,6 +4,7 @@ is told how to write it now."""
 
 from __future__ import annotations
 
+import sys
 from typing import ClassVar
 
 import pyarrow as pa
@@ -40,7 +41,8 @@ class TestM5Text(RecipeContract):
         return self._table
 
 
-def test_recipes_are_found_by_name_or_import_path_and_a_wrong_one_says_what_is_installed():
+def test_recipes_are_found_by_name_or_import_path_and_a_wrong_one_says_what_is_installed(monkeypatch):
+    monkeypatch.setenv("TRNFLOW_RECIPE_MODULES", "1")  # modules by name: allowed here
     assert installed()["m5-text"] == "trnflow.workload.recipes.m5_text:M5Text"
     assert installed()["hf-encoder"] == "trnflow.workload.recipes.hf_encoder:HfEncoder"
     assert recipe_class("m5-text") is M5Text is recipe_class("trnflow.workload.recipes.m5_text:M5Text")
@@ -215,3 +217,48 @@ def test_the_recipe_written_out_in_the_docs_keeps_the_contract(reviews, tmp_path
     wide = module.LetterCounts(module.LetterParams(letters=500), suite.make().data)  # more than the text has
     wide.fit(reviews)
     assert wide.features(reviews.slice(0, 3)).shape == (3, 500)
+
+
+POISON = """
+from pathlib import Path
+Path({marker!r}).write_text("ran")
+"""
+
+
+@pytest.fixture
+def poison(tmp_path, monkeypatch):
+    """A module on sys.path that leaves a file behind when it is imported; the file's path."""
+    marker = tmp_path / "ran.txt"
+    (tmp_path / "poison_recipe.py").write_text(POISON.format(marker=str(marker)))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return marker
+
+
+def test_a_spec_names_no_module_unless_the_settings_allow_it(poison, monkeypatch):
+    """A spec cannot make trnflow import a module: `module:attr` is refused, in one line, unless
+    TRNFLOW_RECIPE_MODULES=1; with it, validation finds the module without running it."""
+    monkeypatch.delenv("TRNFLOW_RECIPE_MODULES", raising=False)
+    for ref in ("poison_recipe:Thing", "this:X"):
+        with pytest.raises(SpecError) as refused:
+            validate_spec(quickstart_data(model={"recipe": ref}))
+        assert refused.value.problems == [
+            f"model.recipe: {ref!r} names a module, and importing a module runs its code: trnflow takes recipes from "
+            "installed packages (`trnflow recipes` lists them); install it with an entry point under trnflow.recipes, "
+            "or set TRNFLOW_RECIPE_MODULES=1 where every spec is trusted"]
+    assert not poison.exists() and "this" not in sys.modules
+    monkeypatch.setenv("TRNFLOW_RECIPE_MODULES", "1")
+    assert validate_spec(quickstart_data(model={"recipe": "poison_recipe:Thing"})).model.recipe == "poison_recipe:Thing"
+    assert not poison.exists()  # looked up, not imported
+    with pytest.raises(SpecError, match=r"no module 'no_such_pkg\.sub' can be imported here"):
+        validate_spec(quickstart_data(model={"recipe": "no_such_pkg.sub:Thing"}))
+    # an installed recipe by its path is the installed recipe, allowed either way
+    monkeypatch.delenv("TRNFLOW_RECIPE_MODULES")
+    assert recipe_class("trnflow.workload.recipes.m5_text:M5Text") is M5Text
+
+
+@pytest.mark.parametrize("ref", [".foo:X", ":X", "foo:", "foo:X:Y", "a b:X", "../x", ""])
+def test_a_malformed_recipe_is_one_line_naming_the_field(ref):
+    with pytest.raises(SpecError) as bad:
+        validate_spec(quickstart_data(model={"recipe": ref}))
+    assert len(bad.value.problems) == 1 and bad.value.problems[0].startswith("model.recipe: "), bad.value.problems
+    assert "\n" not in bad.value.problems[0] and "Traceback" not in str(bad.value)

@@ -15,7 +15,7 @@ from trnflow.backends.base import JobRequest
 from trnflow.errors import FatalError
 from trnflow.neuron.devices import IMAGES, image_device
 from trnflow.settings import TrnflowSettings
-from trnflow.specs import JobSpec, instance
+from trnflow.specs import JobSpec, instance, is_module_reference
 from trnflow.storage import open_store
 
 CHECKPOINT_DIR = "/opt/ml/checkpoints"
@@ -39,6 +39,8 @@ class CloudTarget:
     """SageMaker execution role."""
     job_queue: str = ""
     """Batch job queue (with its fair-share scheduling policy)."""
+    recipe_modules: bool = False
+    """TRNFLOW_RECIPE_MODULES where the job is submitted: the jobs may import a recipe by module too."""
 
     def image_for(self, spec: JobSpec) -> str:
         """The image that runs `spec`: the one for its device (`neuron` on trn2 and trn3, `xla` on
@@ -86,7 +88,8 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
                          f"{settings.parameters_path}/ in SSM)")
     return CloudTarget(staging_url=values["staging_url"], image=values["image"] or "",
                        images={d: values[f"image_{d}"] for d in IMAGES if values[f"image_{d}"]},
-                       role_arn=values["sagemaker_role_arn"] or "", job_queue=values["batch_job_queue"] or "")
+                       role_arn=values["sagemaker_role_arn"] or "", job_queue=values["batch_job_queue"] or "",
+                       recipe_modules=settings.recipe_modules)
 
 
 def job_name(request: JobRequest, limit: int = 63) -> str:
@@ -155,6 +158,8 @@ def container_environment(request: JobRequest, target: CloudTarget) -> dict[str,
     }
     if request.checkpoint:
         env["TRNFLOW_CHECKPOINT"] = request.checkpoint
+    if target.recipe_modules and is_module_reference(spec.model.recipe):
+        env["TRNFLOW_RECIPE_MODULES"] = "1"  # allowed where the job was submitted, so in the job too
     return env | efa_environment(spec.compute.instance_type)
 
 

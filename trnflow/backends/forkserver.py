@@ -44,7 +44,7 @@ class ForkServer:
         ours, theirs = socket.socketpair()
         with theirs:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
+                [sys.executable, "-P", "-m", __name__, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 env={**os.environ, "PYTHONUNBUFFERED": "1"})
         self._socket = ours

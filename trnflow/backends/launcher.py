@@ -8,6 +8,11 @@ the only place a rank killed without a word is known by name, and by the signal 
 Linux, on a host without Neuron devices (the emulator's), the launcher forks the workload's ranks
 (`forks_ranks`): they start with torch, and what the workload's `preload` imports, already loaded.
 
+A store the ranks meet at on a loopback address (`--standalone`, `--local-addr 127.0.0.1`: every
+one-host job of the local backend) listens on loopback, as does gloo: torch's TCPStore listens on
+every interface whatever host it is given, so the launcher binds its socket itself
+(`loopback_stores`).
+
 The local backend's supervisor runs it in a fork of itself (`local_runner`); a container runs it as
 a program. torch is imported only inside the functions that run torchrun, so the backends that build
 and read its files (`failures`, `trnflow.container`) load none of it.
@@ -17,8 +22,10 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import ipaddress
 import os
 import signal
+import socket
 import sys
 import time
 import uuid
@@ -99,6 +106,53 @@ def forks_ranks(module: str | None, env: dict[str, str] | None = None, devices: 
 
 
 
+def is_loopback(host: str | None) -> bool:
+    """Whether `host` names this machine's loopback address (an address, or a name that resolves to one)."""
+    if not host:
+        return False
+    try:
+        return ipaddress.ip_address(socket.getaddrinfo(host, None)[0][4][0]).is_loopback
+    except (OSError, ValueError, IndexError):
+        return False
+
+
+def loopback_interface() -> str:
+    """The loopback interface's name (`lo` on Linux, `lo0` on macOS), for GLOO_SOCKET_IFNAME."""
+    names = [name for _, name in socket.if_nameindex() if name.startswith("lo")]
+    return min(names, key=len) if names else "lo"
+
+
+def loopback_stores() -> None:
+    """Make every TCPStore server this process (and its forked ranks) starts on a loopback host listen
+    on that address alone. torch's server listens on all interfaces, whatever host it is named by,
+    unless it is handed a socket that listens already (`master_listen_fd`): this binds one."""
+    # torch: only the launcher process loads it
+    import torch.distributed as dist
+    from torch.distributed.elastic.rendezvous import c10d_rendezvous_backend, static_tcp_rendezvous
+
+    if getattr(dist.TCPStore, "loopback_only", False):
+        return
+
+    class LoopbackTCPStore(dist.TCPStore):
+        loopback_only = True
+
+        def __init__(self, host_name, port, *args, **kwargs):
+            is_master = kwargs.get("is_master", args[1] if len(args) > 1 else False)
+            if is_master and kwargs.get("master_listen_fd") is None and is_loopback(host_name):
+                found = socket.getaddrinfo(host_name, port, type=socket.SOCK_STREAM)
+                family, _, _, _, address = min(found, key=lambda a: a[0] != socket.AF_INET)  # 127.0.0.1 first
+                listener = socket.socket(family, socket.SOCK_STREAM)
+                listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                listener.bind(address)
+                listener.listen(socket.SOMAXCONN)
+                port = listener.getsockname()[1]
+                kwargs["master_listen_fd"] = listener.detach()  # the store owns and closes it
+            super().__init__(host_name, port, *args, **kwargs)
+
+    for module in (dist, c10d_rendezvous_backend, static_tcp_rendezvous):
+        module.TCPStore = LoopbackTCPStore
+
+
 CONSOLE = "--console"
 """The launcher's own option, before RANKS: the ranks write to the launcher's stdout and stderr (a
 container's log stream) instead of logs of their own."""
@@ -119,6 +173,9 @@ def main(argv: list[str]) -> None:
     # torchrun's own files (its error files) go under RANKS either way, not into a temporary folder
     logs = ["--log-dir", str(folder)] + ([] if console else ["--redirects", "3"])
     args = run.parse_args([*logs, *argv[2 if console else 1:]])
+    loopback_stores()
+    if is_loopback(args.local_addr):  # one host: its ranks' gloo connections stay on it too
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())
     forked = forks_ranks(args.training_script if args.module else None)
     ended = keep_every_exit() if forked else {}
     try:

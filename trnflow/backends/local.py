@@ -107,7 +107,7 @@ class LocalBackend:
             pid = forkserver.start_supervisor(job_dir, env)  # reaped by the fork server
         else:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "trnflow.backends.local_runner", str(job_dir), str(os.getpid())],
+                [sys.executable, "-P", "-m", "trnflow.backends.local_runner", str(job_dir), str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                 start_new_session=True, env=env,
             )

@@ -93,11 +93,16 @@ def neuron_env(spec: JobSpec | None, cores: list[int], itype: str) -> dict[str, 
     return env
 
 
+LOOPBACK = "127.0.0.1"
+"""Where a one-host job's ranks meet: its rendezvous store and gloo listen on loopback only
+(`trnflow.backends.launcher`), out of the network's reach."""
+
+
 def launch_command(phase: str, processes: int, job_dir: Path, run_id: str, checkpoint: str | None = None,
                    with_spec: bool = True, with_options: bool = False) -> list[str]:
     argv = [
         sys.executable, "-m", LAUNCHER, str(job_dir / RANK_LOGS),
-        "--standalone", "--nnodes", "1", "--nproc-per-node", str(processes),
+        "--standalone", "--local-addr", LOOPBACK, "--nnodes", "1", "--nproc-per-node", str(processes),
         "-m", WORKLOAD, phase,
         "--output", str(job_dir / "output"),
         "--run-id", run_id,
@@ -127,6 +132,7 @@ def launch_env(spec: JobSpec | None, cores: list[int], itype: str, base: dict[st
     else:
         env.pop(PIN_CPUS_ENV, None)
     env["PYTHONUNBUFFERED"] = "1"
+    env["PYTHONSAFEPATH"] = "1"  # no rank puts the submitting folder on sys.path: nothing there is imported
     env.update(neuron_env(spec, cores, itype))
     return env
 

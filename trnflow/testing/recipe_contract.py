@@ -3,7 +3,7 @@
     from trnflow.testing.recipe_contract import RecipeContract
 
     class TestMyRecipe(RecipeContract):
-        recipe = "my-recipe"                  # an installed name, package.module:attr, or the class
+        recipe = "my-recipe"                  # an installed name, or the class itself
         params = {"hidden": [32]}             # model.params for the checks (small is quick)
 
         def rows(self):                       # a few dozen training rows, with the label column

@@ -1,18 +1,22 @@
 """Recipes: the models trnflow can train, each a `Recipe` (see `base`).
 
-A spec names one as `model.recipe`: the name of an installed recipe, or `package.module:attr` for
-one that is importable but not installed. Installed recipes register under the entry-point group
-`trnflow.recipes` (trnflow's own `m5-text` does too):
+A spec names one as `model.recipe`: the name of an installed recipe. Installed recipes register
+under the entry-point group `trnflow.recipes` (trnflow's own `m5-text` does too):
 
     [project.entry-points."trnflow.recipes"]
     tabular-mlp = "tabular_recipe:TabularMLP"
 
-`trnflow recipes` lists them with their parameters.
+`trnflow recipes` lists them with their parameters. A recipe is code, and a spec is not trusted
+to choose code: where the settings allow it (TRNFLOW_RECIPE_MODULES=1), and only there, a spec may
+name any importable module as `package.module:attr`. Validation then only looks the module up
+(`findable`), without running it; the job imports it.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.machinery
+import importlib.util
 import re
 import sys
 from importlib.metadata import entry_points
@@ -23,8 +27,10 @@ from pydantic import ValidationError
 
 from trnflow.device import plans
 from trnflow.errors import FatalError
-from trnflow.specs import JobSpec, SpecError
+from trnflow.settings import TrnflowSettings
+from trnflow.specs import JobSpec, SpecError, is_module_reference
 from trnflow.specs.loader import MODEL_CHECKS
+from trnflow.specs.spec import MODULE_REFERENCE, RECIPE_NAME
 from trnflow.workload.recipes.base import METRICS, Recipe
 
 GROUP = "trnflow.recipes"
@@ -42,12 +48,48 @@ def installed() -> dict[str, str]:
     return dict(sorted(found.items()))
 
 
+def _target(ref: str) -> str:
+    """`module:attr` of the recipe `ref` names, once it is one trnflow may import."""
+    known = installed()
+    if not is_module_reference(ref):
+        if ref not in known:
+            raise FatalError(f"model.recipe: {ref!r} is not an installed recipe (installed: {', '.join(known)}); "
+                             "install the package that provides it")
+        return known[ref]
+    if not MODULE_REFERENCE.match(ref):
+        raise FatalError(f"model.recipe: {ref!r} is not package.module:attr (a dotted module name, a colon, "
+                         "then the recipe class's name)")
+    if ref not in known.values() and not TrnflowSettings().recipe_modules:
+        raise FatalError(f"model.recipe: {ref!r} names a module, and importing a module runs its code: trnflow "
+                         "takes recipes from installed packages (`trnflow recipes` lists them); install it with an "
+                         "entry point under trnflow.recipes, or set TRNFLOW_RECIPE_MODULES=1 where every spec is "
+                         "trusted")
+    return ref
+
+
+def well_formed(recipe: str) -> bool:
+    """Whether model.recipe is written as a recipe's name or as package.module:attr."""
+    return bool((MODULE_REFERENCE if is_module_reference(recipe) else RECIPE_NAME).match(recipe))
+
+
+def findable(module: str) -> bool:
+    """Whether `module` (dotted) can be imported, found without running any of it or of its packages."""
+    parts = module.split(".")
+    try:
+        found = importlib.util.find_spec(parts[0])  # a top-level name is looked up, not imported
+        for part in parts[1:]:
+            if found is None or not found.submodule_search_locations:
+                return False
+            found = importlib.machinery.PathFinder.find_spec(part, list(found.submodule_search_locations))
+    except (ImportError, ValueError):
+        return False
+    return found is not None
+
+
 def recipe_class(ref: str) -> type[Recipe]:
-    """The recipe `ref` names: an installed recipe's name, or `package.module:attr`."""
-    target = ref if ":" in ref else installed().get(ref)
-    if target is None:
-        raise FatalError(f"model.recipe: {ref!r} is not an installed recipe (installed: {', '.join(installed())}); "
-                         "install the package that provides it, or give it as package.module:attr")
+    """The recipe `ref` names: an installed recipe's name, or `package.module:attr` where the settings
+    allow it (FatalError otherwise, or when it cannot be loaded). Imports its module."""
+    target = _target(ref)
     module_name, _, attr = target.partition(":")
     try:
         found = getattr(importlib.import_module(module_name), attr)
@@ -79,8 +121,16 @@ def model_problems(data: dict[str, Any]) -> list[str]:
     if not isinstance(model, dict) or set(model) - {"recipe", "params"}:
         return []
     recipe, params = model.get("recipe", "m5-text"), model.get("params", {})
-    if not isinstance(recipe, str) or not isinstance(params, dict):
-        return []
+    if not isinstance(recipe, str) or not isinstance(params, dict) or not well_formed(recipe):
+        return []  # the spec's own error
+    try:
+        target = _target(recipe)
+    except FatalError as exc:
+        return [str(exc)]
+    if target == recipe and recipe not in installed().values():  # a module by name: looked up, not run
+        module = recipe.partition(":")[0]
+        return [] if findable(module) else [f"model.recipe: no module {module!r} can be imported here; check "
+                                            "that its package is installed in this environment"]
     try:
         cls = recipe_class(recipe)
     except FatalError as exc:
