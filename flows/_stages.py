@@ -11,7 +11,8 @@ from collections.abc import Callable
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from trnflow.errors import GateDecision
+from trnflow.device.plans import cache_problem
+from trnflow.errors import FatalError, GateDecision
 from trnflow.lifecycle.locations import check_locations
 from trnflow.reporting.cost import stage_cost, total
 from trnflow.reporting.ledger import JobLedger
@@ -131,6 +132,8 @@ def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[i
     """Sanity, collectives, compile and train: the cores verified and the training result. When
     training found no new data, the `later` stages are recorded as skipped."""
     check_locations(stage.spec)  # a location it cannot write fails the run now, not after training
+    if problem := cache_problem(stage.spec):  # nor a cache folder that is not this user's alone
+        raise FatalError(f"before training: {problem}")
     cores = preflight_stages(stage)
     stage("compile", compile_graphs, cores)
     trained = stage("train", train_model, cores)

@@ -101,6 +101,9 @@ def _default(info: FieldInfo) -> str:
     if info.is_required():
         return "required"
     if info.default_factory is not None:
+        shown = getattr(info.default_factory, "shown", None)
+        if shown:  # a default that depends on the machine, in words
+            return f"`{shown}`"
         made = info.default_factory()  # type: ignore[call-arg]
         if isinstance(made, BaseModel):
             return "its fields' defaults"

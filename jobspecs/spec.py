@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
 import zoneinfo
+from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -269,13 +271,25 @@ class ComputeSpec(Section):
         return self
 
 
+def default_cache_url() -> str:
+    """`$XDG_CACHE_HOME/trnflow/neuron-compile-cache` (`~/.cache` when unset): a folder of the user's
+    own, where no other user can put entries."""
+    base = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return normalise_url(str(Path(base) / "trnflow" / "neuron-compile-cache"))
+
+
+default_cache_url.shown = "$XDG_CACHE_HOME/trnflow/neuron-compile-cache (~/.cache/... when unset)"  # type: ignore[attr-defined]
+
+
 class CompileSpec(Section):
     """Ahead-of-time compilation into the persistent compile cache."""
 
     optlevel: Literal[1, 2, 3] = Field(2, description="Compiler optimisation level, as neuronx-cc --optlevel.")
     cache_url: Url = Field(
-        "file:///var/tmp/neuron-compile-cache",
-        description="Persistent compile cache: a directory or s3:// URL, shared by every job and host that uses it.",
+        default_factory=default_cache_url,
+        description="Persistent compile cache: a directory or s3:// URL, shared by every job and host that uses it. "
+        "A local folder must be yours and not writable by others (what it holds runs in every job); a cache "
+        "shared on S3 should be written by the compile stage alone, with signed entries.",
     )
     workers: int = Field(1, ge=1, le=64, description="Parallel compile processes.")
     max_recompiles: int | None = Field(

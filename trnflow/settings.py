@@ -31,6 +31,13 @@ class TrnflowSettings(BaseSettings):
         False, description="Let a spec's model.recipe name any importable module as package.module:attr, "
         "not only an installed recipe. Importing a module runs its code, on this machine and in every job: "
         "turn it on only where every spec, and every module it can name, is trusted.")
+    cache_signing_key: str | None = Field(
+        None, description="The compile cache's signing key, for the compile stage alone: a PEM file (`trnflow cache "
+        "keygen`), or the ARN of a Secrets Manager secret holding it, which only the compile stage's role can read. "
+        "Cloud compile jobs are given an ARN, never a file.")
+    cache_public_key: str | None = Field(
+        None, description="The key every job checks compile cache entries with (`ed25519:<base64>`, as `trnflow "
+        "cache keygen` prints it): set, only entries the compile stage signed are loaded. Not a secret.")
     parameters_path: str = Field(
         "/trnflow", description="Where the infra stack publishes the settings above as SSM parameters, "
         "read when they are not set here.")

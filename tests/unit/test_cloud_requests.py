@@ -393,3 +393,20 @@ def test_module_recipes_reach_cloud_jobs_only_where_the_submitter_allows_them(mo
     assert container_environment(JobRequest(by_module, "train", "r"), allowed)["TRNFLOW_RECIPE_MODULES"] == "1"
     assert "TRNFLOW_RECIPE_MODULES" not in container_environment(JobRequest(by_module, "train", "r"), TARGET)
     assert "TRNFLOW_RECIPE_MODULES" not in container_environment(JobRequest(_spec(), "train", "r"), allowed)
+
+
+def test_every_cloud_job_checks_cache_entries_and_only_compile_jobs_are_told_where_the_signing_key_is():
+    import dataclasses
+
+    from trnflow.backends.cloud import container_environment
+
+    arn = "arn:aws:secretsmanager:us-east-1:123456789012:secret:trnflow-cache-signing-AbCdEf"
+    signed = dataclasses.replace(TARGET, cache_public_key="ed25519:" + "A" * 43 + "=", cache_signing_key=arn)
+    for phase in ("sanity", "compile", "train", "evaluate", "infer"):
+        env = container_environment(JobRequest(_spec(), phase, "r"), signed)
+        assert env["TRNFLOW_CACHE_PUBLIC_KEY"] == signed.cache_public_key
+        assert env.get("TRNFLOW_CACHE_SIGNING_KEY") == (arn if phase == "compile" else None)
+    a_file = dataclasses.replace(signed, cache_signing_key="/home/me/cache.pem")  # a path: never sent anywhere
+    assert "TRNFLOW_CACHE_SIGNING_KEY" not in container_environment(JobRequest(_spec(), "compile", "r"), a_file)
+    assert not {"TRNFLOW_CACHE_PUBLIC_KEY", "TRNFLOW_CACHE_SIGNING_KEY"} & set(
+        container_environment(JobRequest(_spec(), "compile", "r"), TARGET))

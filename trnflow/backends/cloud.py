@@ -12,6 +12,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from trnflow import aws
 from trnflow.backends.base import JobRequest
+from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV
 from trnflow.errors import FatalError
 from trnflow.neuron.devices import IMAGES, image_device
 from trnflow.settings import TrnflowSettings
@@ -41,6 +42,10 @@ class CloudTarget:
     """Batch job queue (with its fair-share scheduling policy)."""
     recipe_modules: bool = False
     """TRNFLOW_RECIPE_MODULES where the job is submitted: the jobs may import a recipe by module too."""
+    cache_public_key: str = ""
+    """The key every job checks compile cache entries with (TRNFLOW_CACHE_PUBLIC_KEY), if entries are signed."""
+    cache_signing_key: str = ""
+    """The Secrets Manager ARN of the cache's signing key, handed to compile jobs alone (their role reads it)."""
 
     def image_for(self, spec: JobSpec) -> str:
         """The image that runs `spec`: the one for its device (`neuron` on trn2 and trn3, `xla` on
@@ -55,7 +60,8 @@ class CloudTarget:
         return chosen
 
 
-SETTINGS = ("image", "image_neuron", "image_xla", "staging_url", "sagemaker_role_arn", "batch_job_queue")
+SETTINGS = ("image", "image_neuron", "image_xla", "staging_url", "sagemaker_role_arn", "batch_job_queue",
+            "cache_signing_key", "cache_public_key")
 
 
 def published_settings(path: str) -> dict[str, str]:
@@ -89,7 +95,8 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
     return CloudTarget(staging_url=values["staging_url"], image=values["image"] or "",
                        images={d: values[f"image_{d}"] for d in IMAGES if values[f"image_{d}"]},
                        role_arn=values["sagemaker_role_arn"] or "", job_queue=values["batch_job_queue"] or "",
-                       recipe_modules=settings.recipe_modules)
+                       recipe_modules=settings.recipe_modules, cache_public_key=values["cache_public_key"] or "",
+                       cache_signing_key=values["cache_signing_key"] or "")
 
 
 def job_name(request: JobRequest, limit: int = 63) -> str:
@@ -158,6 +165,10 @@ def container_environment(request: JobRequest, target: CloudTarget) -> dict[str,
     }
     if request.checkpoint:
         env["TRNFLOW_CHECKPOINT"] = request.checkpoint
+    if target.cache_public_key:
+        env[PUBLIC_KEY_ENV] = target.cache_public_key
+    if request.phase == "compile" and target.cache_signing_key.startswith("arn:"):  # an ARN: never the key itself
+        env[SIGNING_KEY_ENV] = target.cache_signing_key
     if target.recipe_modules and is_module_reference(spec.model.recipe):
         env["TRNFLOW_RECIPE_MODULES"] = "1"  # allowed where the job was submitted, so in the job too
     return env | efa_environment(spec.compute.instance_type)

@@ -33,6 +33,7 @@ from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.device.base import Device
 from trnflow.device.registry import get_device
+from trnflow.device.signing import SIGNING_KEY_ENV
 from trnflow.errors import FatalError
 from trnflow.fsutil import atomic_write_json, atomic_write_text
 from trnflow.neuron.launch import RANK_LOGS, launch_command, launch_env, parse_visible_cores
@@ -99,6 +100,8 @@ class LocalBackend:
         argv = launch_command(request.phase, len(cores), job_dir, request.run_id, request.checkpoint,
                               with_spec=spec is not None, with_options=bool(request.options))
         env = launch_env(spec, cores, request.itype)
+        if request.phase != "compile":  # the cache's signing key is the compile stage's alone
+            env.pop(SIGNING_KEY_ENV, None)
         self.device.check_launch_env(env)
         record = {"job_id": job_id, "phase": request.phase, "run_id": request.run_id, "argv": argv,
                   "cwd": os.getcwd(), "processes": len(cores), "cores": cores}

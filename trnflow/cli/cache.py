@@ -5,12 +5,14 @@ import contextlib
 import json
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from trnflow.cli.console import RED, cli_console
 from trnflow.device.cache import COMPILER_VERSION, CORRUPT, NEURONXCC, CompileCache
+from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, generate, keys_from
 from trnflow.errors import ExitCode, TrnflowError
 from trnflow.redact import without_credentials
 from trnflow.urls import normalise_url
@@ -28,7 +30,7 @@ def _cache(url: str) -> Iterator:
     cache root or a garbled record end the command with what went wrong (exit 2)."""
 
     try:
-        yield CompileCache(normalise_url(url))
+        yield CompileCache(normalise_url(url), keys=keys_from())
     except TrnflowError as exc:  # says where and what to do
         err.print(str(exc), **RED)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
@@ -125,6 +127,30 @@ def verify(url: UrlArg, as_json: JsonOpt = False):
         note = f" ({unchecked} written by neuronx-cc, which records no checksums)" if unchecked else ""
         console.print(f"{len(found)} entries checked, {len(corrupt)} corrupt{note}")
     raise typer.Exit(ExitCode.FAILED if corrupt else ExitCode.OK)
+
+
+@cache_app.command()
+def keygen(
+    path: Annotated[Path, typer.Argument(help="Where to write the private key (PEM); it must not exist yet.")],
+    as_json: JsonOpt = False,
+):
+    """Make the key pair that signs a shared cache's entries. The private key (written to PATH, readable
+    by you alone) belongs to the compile stage only; every job checks entries with the public key printed."""
+
+    try:
+        public = generate(path)
+    except FileExistsError:
+        err.print(f"{path} exists already; keygen never overwrites a key (remove it, or pick another path)", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
+    except OSError as exc:
+        err.print(f"{path}: {exc.strerror}", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
+    if as_json:
+        print(json.dumps({"private_key": str(path), "public_key": public}, indent=2))
+        return
+    console.print(f"private key: {path} (for the compile stage alone: {SIGNING_KEY_ENV}={path})", highlight=False)
+    console.print(f"public key, for every job that loads from the cache:\n  {PUBLIC_KEY_ENV}={public}",
+                  highlight=False, soft_wrap=True)
 
 
 @cache_app.command()

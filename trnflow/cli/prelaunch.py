@@ -11,6 +11,7 @@ import typer
 
 from trnflow.cli.common import err
 from trnflow.cli.console import RED
+from trnflow.device.plans import cache_problem
 from trnflow.errors import ExitCode
 from trnflow.lifecycle.locations import reference_problem
 from trnflow.specs import JobSpec
@@ -28,8 +29,9 @@ DataCheckOpt = Annotated[bool | None, typer.Option(
 
 def report(spec: JobSpec, data_check: bool | None) -> tuple[list[str], list[str]]:
     """`trnflow validate`'s check: problems as `FIELD: message`, and notes on what was not checked and why."""
+    trusted = [found] if (found := cache_problem(spec)) else []  # not data: checked whatever --data-check says
     if data_check is False:
-        return [], []
+        return trusted, []
     urls = {f"data.{field}": getattr(spec.data, field) for field in DATA_FIELDS}
     notes = []
     if data_check is None:  # S3 needs credentials and a network call: only when asked for
@@ -50,7 +52,7 @@ def report(spec: JobSpec, data_check: bool | None) -> tuple[list[str], list[str]
         notes.append(f"{reference} (a run refuses to start without it)")
     elif reference:
         problems.append(reference)
-    return problems, notes
+    return trusted + problems, notes
 
 
 def launch_problems(spec: JobSpec) -> list[str]:
@@ -61,8 +63,7 @@ def launch_problems(spec: JobSpec) -> list[str]:
                 if (url := getattr(spec.data, field)).startswith("file://")
                 for message in listing_problems(url, spec.data.format,
                                                 spec.data.ready_marker if field == "train" else None)]
-    reference = reference_problem(spec, remote=False)
-    return problems + ([reference] if reference else [])
+    return problems + [found for found in (cache_problem(spec), reference_problem(spec, remote=False)) if found]
 
 
 def refuse_unlaunchable(spec: JobSpec, source: str) -> None:

@@ -5,7 +5,8 @@ with its markers:
         model.fx.txt         the canonical graph (what the key was computed from)
         compile_flags.json   the compiler's settings, a JSON list of `--name=value` (`flag_list`)
         model.neff           the compiled artifact
-        trnflow.json         the sha256 and size of the files above and of model.done
+        trnflow.json         the sha256 and size of the files above and of model.done, and the entry's name
+        trnflow.sig          the compile stage's Ed25519 signature of trnflow.json, where entries are signed
         model.done           written last, empty, as neuronx-cc writes it
         model.log            instead of model.neff + model.done when compilation failed
         model.lock           while a process compiles the entry (its pid, host and start time)
@@ -32,6 +33,14 @@ is for the compiler's locks, not trnflow's, which trnflow frees itself.
 Entries written before compile_flags.json was a list hold the settings as a JSON object. They are
 hits as before: the key holds the settings' hash, nothing reads the file back, and the checksum
 record covers the file as it was written.
+
+An emulator entry's artifact is code: at optlevel 2 and 3 it holds TorchInductor's cache, whose
+records a job unpickles when it loads them. Whoever can write the cache can therefore run code in
+every later job, so only the compile stage may write it: a local folder is refused when another user
+owns it (or a folder above it) or others can write it (`folder_problem`), and a shared cache takes
+only entries the compile stage signed (`trnflow.device.signing`): with TRNFLOW_CACHE_PUBLIC_KEY set,
+an entry that is unsigned, signed by another key or copied to another entry's place is never loaded.
+It is a miss, reported with why, and the compile stage compiles it again.
 
 A failed entry is remembered: it is not compiled again unless asked (`retry_failed`). A done
 entry whose files do not match their checksums is reported as corrupt and compiled again, never
@@ -61,11 +70,14 @@ without appends or renames, cannot make it wrong, only out of date, which costs 
 
 from __future__ import annotations
 
+import base64
+import binascii
 import hashlib
 import io
 import json
 import os
 import socket
+import stat
 import tarfile
 import time
 import uuid
@@ -73,10 +85,12 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
 
+from trnflow.device.signing import PUBLIC_KEY_ENV, EntryKeys
 from trnflow.errors import FatalError
 from trnflow.processes import pid_alive
 from trnflow.storage import ObjectInfo, Store, join, open_store
@@ -96,11 +110,13 @@ DONE_MARKER = "model.done"
 RECORD = "trnflow.json"
 """trnflow's record of a done entry: each file's checksum. model.done stays the empty marker
 neuronx-cc writes, so the record has a file of its own."""
+SIGNATURE = "trnflow.sig"
+"""The compile stage's signature of the entry's trnflow.json (base64), where entries are signed."""
 USAGE = "usage.json"
 """An entry's hit count and last use."""
 _RECORDED_NAMES = (frozenset(CHECKED_FILES), frozenset((*CHECKED_FILES, DONE_MARKER)))
 """The files a checksum record can cover (`_checked`): the old layout's, and trnflow.json's."""
-_OWN_FILES = frozenset({RECORD, "model.fx.txt", "model.lock", USAGE})
+_OWN_FILES = frozenset({RECORD, SIGNATURE, "model.fx.txt", "model.lock", USAGE})
 """Files only trnflow writes into an entry: an entry holding none of them is neuronx-cc's."""
 STALE_LOCK_SECONDS = 24 * 3600.0
 """A lock held this long by a process on another host is taken for abandoned."""
@@ -152,6 +168,9 @@ def miss_reason(cache: CompileCache | None, entry: str) -> str:
         state = cache.state(entry) if cache else MISSING
     except FatalError as exc:  # a garbled lock record: the graph is compiled here all the same
         return str(exc)
+    unsigned = cache.signature_problem(entry) if cache and state == CORRUPT else None
+    if unsigned:
+        return f"the cache entry is not used: {unsigned}"
     return {CORRUPT: f"the cache entry is corrupt (a file is missing or not as {RECORD} records it)",
             FAILED: "its ahead-of-time compile failed",
             LOCKED: "it is still being compiled"}.get(state, "it is not in the compile cache")
@@ -260,8 +279,32 @@ class EntryLocked(Exception):
         self.owner = owner
 
 
+def folder_problem(path: Path) -> str | None:
+    """Why a local cache folder cannot be trusted, or None: another user owns it, or a folder above it
+    (who could move it aside and put another in its place), or others can write it or, without the
+    sticky bit that stops them renaming what is not theirs (as in /tmp), a folder above it."""
+    me = os.getuid()
+    for place in (path, *path.parents):
+        try:
+            info = place.stat()
+        except FileNotFoundError:
+            continue  # made by the first write, as this user
+        except OSError as exc:
+            return f"{place} cannot be checked ({exc.strerror})"
+        if info.st_uid not in (me, 0) or (place == path and info.st_uid != me):
+            return f"{place} belongs to another user (uid {info.st_uid})"
+        if info.st_mode & stat.S_IWOTH and (place == path or not info.st_mode & stat.S_ISVTX):
+            return f"{place} can be written by every user (mode {stat.filemode(info.st_mode)})"
+    return None
+
+
 class CorruptEntry(Exception):
     """A done entry whose files do not match their recorded checksums."""
+
+
+class UnsignedEntry(CorruptEntry):
+    """A done entry whose record the compile stage did not sign (or not for this entry), where the
+    cache takes only signed entries."""
 
 
 @dataclass
@@ -284,10 +327,19 @@ class EntryInfo:
 class CompileCache:
     """One compile cache, by URL (`file://`, a path, or `s3://bucket/prefix`)."""
 
-    def __init__(self, url: str, store: Store | None = None):
+    def __init__(self, url: str, store: Store | None = None, keys: EntryKeys | None = None):
+        """`keys`: the signing key (the compile stage's) and the key entries are checked with, if any.
+        Raises FatalError for a local folder another user owns or others can write (`folder_problem`)."""
         self.store = store or open_store(url)
         self.url = self.store.url
+        self.keys = keys or EntryKeys()
         self._token = uuid.uuid4().hex
+        root = getattr(self.store, "root", None)
+        problem = folder_problem(Path(root)) if root is not None else None
+        if problem:
+            raise FatalError(f"compile cache {root}: {problem}, so what it holds may not be this user's compiles, and "
+                             "loading them runs their code; use a folder of your own (the default, under "
+                             "$XDG_CACHE_HOME or ~/.cache), or share a cache on S3 with signed entries")
 
     def where(self, name: str = "") -> str:
         """Where a cache object is, as a person writes it: a path for a local cache, else its URL."""
@@ -332,7 +384,51 @@ class CompileCache:
             listed = self.store.list(f"{entry}/")
             if not _marked_done(listed) and self.adopt(entry):
                 listed = self.store.list(f"{entry}/")
-        return self._state(entry, {o.name.rsplit("/", 1)[-1]: o.size for o in listed}, deep)
+        state = self._state(entry, {o.name.rsplit("/", 1)[-1]: o.size for o in listed}, deep)
+        if state == DONE and self.keys.checks and self.signature_problem(entry):
+            return CORRUPT  # not the compile stage's: a miss, compiled again by it
+        return state
+
+    def signature_problem(self, entry: str) -> str | None:
+        """Why a trnflow entry's record is not the compile stage's (where entries are signed), or None."""
+        if not self.keys.checks:
+            return None
+        try:
+            self._signed_record(entry)
+        except UnsignedEntry as exc:
+            return str(exc)
+        except CorruptEntry:
+            return None  # not whole: a problem of another kind
+        return None
+
+    def _signed_record(self, entry: str) -> dict | None:
+        """The entry's trnflow.json, its signature verified when entries are signed (UnsignedEntry if
+        it does not verify, or was signed for another entry); None when it has none."""
+        try:
+            raw = self.store.read(f"{entry}/{RECORD}")
+        except FileNotFoundError:
+            if self.keys.checks and self._json(f"{entry}/{DONE_MARKER}"):
+                raise UnsignedEntry(f"{entry} is in trnflow's old layout, which is not signed") from None
+            return None
+        if self.keys.checks:
+            try:
+                signature = base64.b64decode(self.store.read(f"{entry}/{SIGNATURE}"), validate=True)
+            except FileNotFoundError:
+                raise UnsignedEntry(f"{entry} is not signed, and only signed entries are loaded "
+                                    f"({PUBLIC_KEY_ENV} is set)") from None
+            except (binascii.Error, ValueError):
+                signature = b""
+            if not self.keys.verifies(raw, signature):
+                raise UnsignedEntry(f"{entry}/{SIGNATURE} does not verify with {PUBLIC_KEY_ENV}: the entry was not "
+                                    "written by the compile stage, or was changed since")
+        try:
+            record = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if self.keys.checks and (not isinstance(record, dict) or record.get("entry") != entry):
+            raise UnsignedEntry(f"{entry}/{RECORD} was signed for another entry "
+                                f"({record.get('entry') if isinstance(record, dict) else None!r})")
+        return record if isinstance(record, dict) else None
 
     def _state(self, entry: str, sizes: dict[str, int], deep: bool,
                recorded: Callable[[], dict[str, Any] | None] | None = None) -> str:
@@ -360,12 +456,18 @@ class CompileCache:
         return DONE if whole else CORRUPT
 
     def _record(self, entry: str) -> dict | None:
-        """trnflow's checksum record of an entry: trnflow.json, or model.done in the old layout."""
+        """trnflow's checksum record of an entry: trnflow.json, or model.done in the old layout. Where
+        entries are signed, trnflow.json's signature is verified first (UnsignedEntry)."""
+        if self.keys.checks:
+            return self._signed_record(entry)
         return self._json(f"{entry}/{RECORD}") or self._json(f"{entry}/{DONE_MARKER}")
 
     def _recorded_sizes(self, entry: str) -> dict[str, Any] | None:
         """The size the entry's record gives each checked file, or None when it has no such record."""
-        files = _checked(self._record(entry))
+        try:
+            files = _checked(self._record(entry))
+        except UnsignedEntry:
+            return None
         return None if files is None else {name: f.get("bytes") for name, f in files.items()}
 
     def verify(self, entry: str) -> bool:
@@ -478,8 +580,13 @@ class CompileCache:
             self.store.write(f"{entry}/{name}", data)
         checked = {**files, DONE_MARKER: b""}
         record = {"files": {n: {"sha256": sha256(d), "bytes": len(d)} for n, d in checked.items()},
-                  "compile_seconds": round(seconds, 3), "created": created}
-        self.store.write(f"{entry}/{RECORD}", json.dumps(record, indent=2, sort_keys=True).encode())
+                  "compile_seconds": round(seconds, 3), "created": created, "entry": entry}
+        raw = json.dumps(record, indent=2, sort_keys=True).encode()
+        signature = base64.b64encode(self.keys.sign(raw)) if self.keys.checks else None  # refused unless signer
+        self.store.delete(f"{entry}/{SIGNATURE}")
+        self.store.write(f"{entry}/{RECORD}", raw)
+        if signature is not None:
+            self.store.write(f"{entry}/{SIGNATURE}", signature)
         self.store.write(f"{entry}/{DONE_MARKER}", checked[DONE_MARKER])
 
     def record_failure(self, entry: str, graph_text: str, flags: dict, log: str) -> None:
@@ -490,7 +597,7 @@ class CompileCache:
     def discard(self, entry: str) -> None:
         """Forget a corrupt or failed entry's result so it is compiled again (`model.done` first,
         so a reader never takes a half-removed entry for a done one)."""
-        for name in (DONE_MARKER, RECORD, "model.neff", "model.log"):
+        for name in (DONE_MARKER, RECORD, SIGNATURE, "model.neff", "model.log"):
             self.store.delete(f"{entry}/{name}")
 
     def _usage(self, entry: str) -> tuple[int, float | None]:

@@ -16,9 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 from trnflow.device import cache as states
-from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name
+from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name, folder_problem
+from trnflow.device.signing import keys_from
 from trnflow.neuron.launch import cache_url
 from trnflow.specs import JobSpec
 
@@ -80,10 +82,19 @@ def predict(programs: list[dict], cache: CompileCache, retry_failed: bool, deep:
     return rows
 
 
+def cache_problem(spec: JobSpec) -> str | None:
+    """Why the spec's local compile cache folder cannot be trusted (`folder_problem`), or None."""
+    url = spec.compile.cache_url
+    problem = folder_problem(Path(unquote(urlparse(url).path))) if url.startswith("file://") else None
+    return (f"compile.cache_url {url}: {problem}; what a cache holds runs in every job that loads it, so use a "
+            "folder of your own (the default, under $XDG_CACHE_HOME or ~/.cache)") if problem else None
+
+
 def job_cache(spec: JobSpec, env: dict[str, str] | None = None) -> CompileCache:
     """The cache a job of `spec` compiles into and loads from, found as Neuron's compiler wrapper
     finds it: `--cache_dir` in NEURON_CC_FLAGS, then NEURON_COMPILE_CACHE_URL, then
     `compile.cache_url` (`trnflow.neuron.launch.cache_url`). Every job, and the stage that predicts
     their hits before launch, opens it here, so they all mean the same cache. `env`: the environment
-    to resolve it in (default: this process's)."""
-    return CompileCache(cache_url(spec.compile.cache_url, env))
+    to resolve it in (default: this process's). The keys entries are signed and checked with are
+    this process's (`trnflow.device.signing`)."""
+    return CompileCache(cache_url(spec.compile.cache_url, env), keys=keys_from())

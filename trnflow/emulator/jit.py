@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from trnflow.device.base import CompileMetrics, RecompileGuard, Seen, summarise
-from trnflow.device.cache import CompileCache, CorruptEntry, entry_name, miss_reason
+from trnflow.device.cache import CompileCache, CorruptEntry, UnsignedEntry, entry_name, miss_reason
 from trnflow.emulator.compiler import Graph, cache_key, lower, runnable, unpack_into
 
 Log = Callable[..., None]
@@ -93,6 +93,8 @@ class CachedCompiler:
         entry, reason = entry_name(key), ""
         try:  # one read, checked against trnflow.json: an entry that is not whole is never loaded
             artifact = self.cache.load_artifact(entry) if self.cache else None
+        except UnsignedEntry as exc:  # not the compile stage's: never unpacked
+            artifact, reason = None, f"the cache entry is not used: {exc}"
         except CorruptEntry:
             artifact = None
         if artifact is not None and self.inductor_dir is not None:
