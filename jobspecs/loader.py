@@ -202,6 +202,11 @@ def _read_yaml(text: str, source: str) -> Any:
         return None if node is None else loader.construct_document(node)
     except _Refused as exc:
         raise SpecError(source, [exc.problem]) from None
+    except SpecError:
+        raise
+    except ValueError as exc:  # an integer past Python's digit limit (4300), as libyaml's constructor meets it
+        raise SpecError(source, [f"(file): a value cannot be read ({str(exc).split(';')[0]}); no field takes a "
+                                 "number that long"]) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = _at(mark) if mark else "(file)"

@@ -78,8 +78,12 @@ ChampionOrUrl = Annotated[Literal["champion"] | Url, Field(union_mode="left_to_r
 """`champion` (the registry's current champion for this spec's name) or a location."""
 
 
+MAX_STEPS = 10**9
+"""More optimizer steps than any run takes: a bound a step counter and its arithmetic honour."""
+
+
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
 
 
 RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -170,7 +174,7 @@ class ComputeSpec(Section):
         "trn1.2xlarge", description="Trainium instance type (the emulator mirrors its topology)."
     )
     nodes: int = Field(1, ge=1, le=512, description="Number of instances.")
-    cores_per_node: int = Field(2, ge=1, description="NeuronCores used per instance, one worker process each.")
+    cores_per_node: int = Field(2, ge=1, le=256, description="NeuronCores used per instance, one worker process each.")
     device: Literal["auto", "emulator", "neuron", "xla"] = Field(
         "auto", description="What runs the job's tensors: neuron (native TorchNeuron, trn2/trn3), xla (torch-xla, "
         "trn1), emulator (the NeuronCore emulator, any machine), or auto: the one the instance family and the "
@@ -192,8 +196,9 @@ class ComputeSpec(Section):
     )
     volume_gb: int = Field(200, ge=1, le=16384, description="Local disk per instance for SageMaker jobs (GB).")
     price_per_hour: float | None = Field(
-        None, ge=0, description="USD per instance-hour for the cost table; default: the catalogue's on-demand price "
-        "for the service that runs the jobs (SageMaker's ml.* price for sagemaker, EC2's for batch and local)."
+        None, ge=0, le=100_000,
+        description="USD per instance-hour for the cost table; default: the catalogue's on-demand price for the "
+        "service that runs the jobs (SageMaker's ml.* price for sagemaker, EC2's for batch and local)."
     )
     share_identifier: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_]{1,255}$",
@@ -210,7 +215,7 @@ class ComputeSpec(Section):
         "declared; the queue itself is checked before the first job is submitted.",
     )
     memory_gib: int | None = Field(
-        None, ge=1,
+        None, ge=1, le=65536,
         description="Batch: host memory (GiB) each node's container reserves. None: all the instance type has, "
         "less 12 GiB for the ECS agent and the OS. More is refused: no instance could place the job, which would "
         "wait in RUNNABLE for ever.",
@@ -293,7 +298,7 @@ class CompileSpec(Section):
     )
     workers: int = Field(1, ge=1, le=64, description="Parallel compile processes.")
     max_recompiles: int | None = Field(
-        None, ge=0,
+        None, ge=0, le=1_000_000,
         description="Stop a training, evaluation or inference run when it meets more graphs than this that were "
         "not compiled ahead of time (recompilations, usually from a changed input shape), on any device; each one "
         "is logged with the shapes that caused it. None: no limit; 0: stop at the first.",
@@ -318,12 +323,13 @@ class CompileSpec(Section):
 class TrainSpec(Section):
     """Incremental training from a checkpoint."""
 
-    steps: int = Field(ge=1, description="Optimizer steps in this run.")
-    global_batch_size: int = Field(ge=1, description="Samples per step across all NeuronCores.")
+    steps: int = Field(ge=1, le=MAX_STEPS, description="Optimizer steps in this run.")
+    global_batch_size: int = Field(ge=1, le=2**24, description="Samples per step across all NeuronCores.")
     lr: float = Field(1e-3, gt=0, le=10,
                       description="Learning rate of the recipe's optimizer (AdamW unless the recipe says otherwise).")
-    weight_decay: float = Field(0.01, ge=0, description="Weight decay of the recipe's optimizer (AdamW's by default).")
-    checkpoint_every: int = Field(100, ge=1, description="Save a checkpoint every this many steps.")
+    weight_decay: float = Field(0.01, ge=0, le=10,
+                                description="Weight decay of the recipe's optimizer (AdamW's by default).")
+    checkpoint_every: int = Field(100, ge=1, le=MAX_STEPS, description="Save a checkpoint every this many steps.")
     checkpoint_url: Url = Field(description="Where checkpoints are written: a directory or s3:// URL.")
     init_from: ChampionOrUrl | None = Field(
         None,
@@ -332,10 +338,11 @@ class TrainSpec(Section):
         "watermark come with it) or a plain PyTorch state_dict file. None starts from scratch.",
     )
     keep_latest: int | None = Field(
-        3, ge=1, description="Committed checkpoints kept per run (older ones are deleted); none keeps all."
+        3, ge=1, le=100_000, description="Committed checkpoints kept per run (older ones are deleted); none keeps all."
     )
-    seed: int = Field(1234, ge=0, description="Seed for weights, data order and dropout.")
-    log_every: int = Field(10, ge=1, description="Log loss and throughput every this many steps.")
+    seed: int = Field(1234, ge=0, le=2**63 - 1,
+                      description="Seed for weights, data order and dropout (torch takes up to 2**63 - 1).")
+    log_every: int = Field(10, ge=1, le=MAX_STEPS, description="Log loss and throughput every this many steps.")
     drop_last: bool = Field(
         True,
         description="Drop each epoch's last partial batch so every step has the same shape, as Trainium needs. "
@@ -368,7 +375,8 @@ class GateSpec(Section):
         "rule); final: only the last shared step.",
     )
     eval_every: int | None = Field(
-        None, ge=1, description="Evaluate on the holdout set every this many training steps (and always at the end)."
+        None, ge=1, le=MAX_STEPS,
+        description="Evaluate on the holdout set every this many training steps (and always at the end)."
     )
     metrics: list[Literal["loss", "f1", "auc"]] = Field(
         default_factory=lambda: ["loss"], description="Metrics recorded beside accuracy at each evaluation point."
@@ -387,8 +395,8 @@ class InferenceSpec(Section):
     """Offline batch inference: embeddings written as Parquet shards."""
 
     output_url: Url = Field(description="Directory or s3:// URL for the Parquet shards.")
-    shard_size: int = Field(10_000, ge=1, description="Rows per output shard.")
-    batch_size: int = Field(256, ge=1, description="Rows per forward pass.")
+    shard_size: int = Field(10_000, ge=1, le=100_000_000, description="Rows per output shard.")
+    batch_size: int = Field(256, ge=1, le=2**20, description="Rows per forward pass.")
 
 
 class ScheduleSpec(Section):
@@ -451,10 +459,11 @@ class PreflightSpec(Section):
         False, description="Go on without cores that fail the sanity tests, if enough healthy ones remain."
     )
     min_busbw_gbps: float | None = Field(
-        None, ge=0, description="Fail preflight when the all-reduce bus bandwidth (GB/s) falls below this."
+        None, ge=0, le=1_000_000,
+        description="Fail preflight when the all-reduce bus bandwidth (GB/s) falls below this."
     )
     max_latency_us: float | None = Field(
-        None, gt=0, description="Fail preflight when the smallest all-reduce takes longer than this (us)."
+        None, gt=0, le=3.6e9, description="Fail preflight when the smallest all-reduce takes longer than this (us)."
     )
     collective_timeout_seconds: float = Field(
         120.0, gt=0, le=3600, description="A collective that does not complete in this time is reported as hung."
@@ -471,10 +480,11 @@ class FaultSpec(Section):
         "turns to NaN; stall: the rank stops making progress (a host that stopped answering); torn: the rank is "
         "killed halfway through writing its next checkpoint or inference shard."
     )
-    core: int = Field(ge=0, description="The NeuronCore id the fault hits.")
+    core: int = Field(ge=0, le=1023, description="The NeuronCore id the fault hits.")
     step: int | None = Field(
-        None, ge=1, description="When a kill, timeout, hw, nan, stall or torn fault strikes (required for those): "
-        "the training step, or in inference the rank's n-th shard."
+        None, ge=1, le=MAX_STEPS,
+        description="When a kill, timeout, hw, nan, stall or torn fault strikes (required for those): the training "
+        "step, or in inference the rank's n-th shard."
     )
     phase: Literal["train", "infer"] | None = Field(
         None, description="Strike only in this phase (default: once in each, training and inference)."

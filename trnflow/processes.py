@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import os
 
+MAX_PID = 2**22
+"""The largest pid any Linux system hands out (its `pid_max` cannot be set higher); macOS's are smaller."""
+
 
 def pid_alive(pid: int, ours: bool = False) -> bool:
     """Whether process `pid` runs on this host. Another user's process counts as alive, unless
-    `ours` (the caller's own process is meant, so another user's at that pid is not it)."""
-    if pid <= 0:  # not a process: 0 and -1 would ask about a process group, or every process
+    `ours` (the caller's own process is meant, so another user's at that pid is not it). A number no
+    process can have (a record's garbled or crafted pid) is no live process."""
+    if not 0 < pid <= MAX_PID:  # 0 and -1 would ask about a process group, or every process
         return False
     try:
         os.kill(pid, 0)

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from trnflow.cli.console import RED, cli_console
+from trnflow.cli.console import RED, cli_console, plain, shown
 from trnflow.device.cache import COMPILER_VERSION, CORRUPT, NEURONXCC, CompileCache
 from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, generate, keys_from
 from trnflow.errors import ExitCode, TrnflowError
@@ -82,7 +82,7 @@ def ls(url: UrlArg, as_json: JsonOpt = False):
     if as_json:  # one entry a line: thousands of them dump far faster unindented
         print("[" + ",\n ".join(json.dumps(e.as_dict()) for e in found) + "]")
         return
-    print(_columns(LS_COLUMNS, [(e.compiler, e.key, e.state, f"{e.bytes / 1024:,.0f} KiB", str(e.hits),
+    print(_columns(LS_COLUMNS, [(plain(e.compiler), plain(e.key), e.state, f"{e.bytes / 1024:,.0f} KiB", str(e.hits),
                                  _age(e.last_used), e.origin) for e in found]))
 
 
@@ -121,7 +121,7 @@ def verify(url: UrlArg, as_json: JsonOpt = False):
         print(json.dumps({"checked": len(found), "corrupt": [e.key for e in corrupt.values()]}, indent=2))
     else:
         for entry, problem in problems.items():
-            console.print(f"[red]corrupt[/red] {problem or entry}; the next compile rebuilds it "
+            console.print(f"[red]corrupt[/red] {shown(problem or entry)}; the next compile rebuilds it "
                           "(or prune it with --failed)", highlight=False)
         unchecked = sum(e.origin == NEURONXCC for e in found)
         note = f" ({unchecked} written by neuronx-cc, which records no checksums)" if unchecked else ""
@@ -179,5 +179,5 @@ def prune(
         return
     verb = "would remove" if dry_run else "removed"
     for e in removed:
-        console.print(f"{verb} {e.compiler}/{e.key} ({e.state})")
+        console.print(f"{verb} {shown(e.compiler)}/{shown(e.key)} ({e.state})", highlight=False)
     console.print(f"{len(removed)} entr{'y' if len(removed) == 1 else 'ies'} {verb}")

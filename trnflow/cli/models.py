@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from trnflow.cli.console import RED, cli_console
+from trnflow.cli.console import RED, cli_console, shown
 from trnflow.errors import ExitCode, FatalError
 from trnflow.lifecycle.registry import ChampionChange, PromotionConflict, Registry, RegistryCorrupt
 from trnflow.redact import without_credentials
@@ -83,10 +83,10 @@ def _versions_table(rows: list[dict], registry: str) -> None:
                   caption="`trnflow models show MODEL VERSION` for a version's checkpoint, metrics and verdict")
     for r in rows:
         accuracy = f"{r['accuracy']:.4f}" if r["accuracy"] is not None else ""
-        table.add_row(r["model"], f"v{r['version']}", "[green]★ champion[/green]" if r["champion"] else "",
-                      r["status"] or "", accuracy, r["watermark"] or "", str(r["global_step"] or ""),
+        table.add_row(shown(r["model"]), f"v{r['version']}", "[green]★ champion[/green]" if r["champion"] else "",
+                      shown(r["status"] or ""), accuracy, shown(r["watermark"] or ""), str(r["global_step"] or ""),
                       _when(r["registered_at"]))
-    console.print(table if rows else f"no models in {registry}")
+    console.print(table if rows else f"no models in {shown(registry)}")
 
 
 @models_app.command("show")
@@ -107,7 +107,7 @@ def show(model: ModelArg, version: Annotated[int | None, typer.Argument(help="De
     for record in history:
         console.print(f"generation {record.generation}: {record.action} v{record.version} "
                       f"(was {'v' + str(record.previous) if record.previous else 'none'}) {_when(record.at)} "
-                      f"{record.reason}")
+                      f"{shown(record.reason)}", highlight=False)
 
 
 def _outputs(reg: Registry, model: str, version: int) -> str | None:
@@ -159,8 +159,8 @@ def promote(model: ModelArg, version: Annotated[int, typer.Argument(help="The ve
     if as_json:
         print(json.dumps({**record.model_dump(mode="json"), "published": published}))
     else:
-        console.print(f"[green]{model} v{version} is the champion[/green] (generation {record.generation}); "
-                      f"{published}")
+        console.print(f"[green]{shown(model)} v{version} is the champion[/green] (generation {record.generation}); "
+                      f"{shown(published)}")
 
 
 @models_app.command("rollback")
@@ -173,5 +173,5 @@ def rollback(model: ModelArg, registry: RegistryOpt = ...,
     if as_json:
         print(json.dumps({**record.model_dump(mode="json"), "published": published}))
     else:
-        console.print(f"[green]{model} v{record.version} is the champion again[/green] "
-                      f"(rolled back from v{record.previous}); {published}")
+        console.print(f"[green]{shown(model)} v{record.version} is the champion again[/green] "
+                      f"(rolled back from v{record.previous}); {shown(published)}")

@@ -119,7 +119,8 @@ _RECORDED_NAMES = (frozenset(CHECKED_FILES), frozenset((*CHECKED_FILES, DONE_MAR
 _OWN_FILES = frozenset({RECORD, SIGNATURE, "model.fx.txt", "model.lock", USAGE})
 """Files only trnflow writes into an entry: an entry holding none of them is neuronx-cc's."""
 STALE_LOCK_SECONDS = 24 * 3600.0
-"""A lock held this long by a process on another host is taken for abandoned."""
+"""A lock held this long is taken for abandoned: no compile takes a day, and a pid on this host may
+have been given to another process (pid 1 never ends) since the lock was taken."""
 INDEX = "trnflow-index.json"
 """Each version folder's index of what listings read from its entries' small files (see above)."""
 INDEXED = (RECORD, DONE_MARKER, USAGE)
@@ -142,6 +143,15 @@ def _not_an_archive(data: bytes) -> str | None:
     except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
         return str(exc) or type(exc).__name__
     return None
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    """A value read from a file, as a message may quote it: its repr, cut short."""
+    try:
+        text = repr(value)
+    except ValueError:  # an integer past Python's digit limit
+        return f"a {type(value).__name__} too long to print"
+    return text if len(text) <= limit else f"{text[:limit - 3]}..."
 
 
 def entry_name(key: str) -> str:
@@ -353,7 +363,7 @@ class CompileCache:
     def _json(self, name: str) -> dict | None:
         try:
             value = json.loads(self.store.read(name))
-        except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        except (FileNotFoundError, ValueError):  # not JSON, not UTF-8, or a number past Python's digit limit
             return None
         return value if isinstance(value, dict) else None
 
@@ -366,13 +376,15 @@ class CompileCache:
             return None
         try:
             pid, since = int(owner.get("pid", -1)), float(owner.get("since", 0))
-        except (TypeError, ValueError):
+        except (TypeError, ValueError, OverflowError):
             raise FatalError(f"{self.where(f'{entry}/model.lock')}: a garbled lock record (pid "
-                             f"{owner.get('pid')!r}, since {owner.get('since')!r}); trnflow did not write it "
-                             "this way and no compile holds it: remove that file") from None
+                             f"{_short(owner.get('pid'))}, since {_short(owner.get('since'))}); trnflow did not "
+                             "write it this way and no compile holds it: remove that file") from None
+        if not time.time() - since < STALE_LOCK_SECONDS:  # older than any compile: abandoned, whoever holds the pid
+            return None
         if owner.get("host") == socket.gethostname():
             return owner if pid_alive(pid) else None
-        return owner if time.time() - since < STALE_LOCK_SECONDS else None
+        return owner
 
     def state(self, entry: str, deep: bool = False, listed: list[ObjectInfo] | None = None) -> str:
         """The entry's state from its metadata: which files it has, and whether their sizes are the

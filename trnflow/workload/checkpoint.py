@@ -20,6 +20,8 @@ import hashlib
 import io
 import json
 import pickle
+import re
+import reprlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +59,11 @@ def weights_digest(state: dict[str, torch.Tensor]) -> str:
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
         h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
+
+
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,199}")
+"""A file a marker may list: a plain name in the checkpoint's folder."""
+_STEP_FOLDER = re.compile(re.escape(_PREFIX) + r"[0-9]{1,15}")
 
 
 def _digest(data: bytes) -> dict:
@@ -101,7 +108,9 @@ class RunCheckpoints:
         return folders
 
     def committed(self) -> list[int]:
-        return sorted(int(f.removeprefix(_PREFIX)) for f, names in self._folders().items() if MARKER in names)
+        """The steps of the folders holding a marker (a folder named otherwise is none of trnflow's)."""
+        return sorted(int(f.removeprefix(_PREFIX)) for f, names in self._folders().items()
+                      if MARKER in names and _STEP_FOLDER.fullmatch(f))
 
     def latest(self, on_skip=None) -> Checkpoint | None:
         """The newest committed checkpoint that passes its checksums and can be resumed;
@@ -204,13 +213,19 @@ def load(url: str, featurizer_file: str | None = None) -> Checkpoint:
         marker = json.loads(store.read(MARKER))
         listed = marker["files"]
         if not isinstance(listed, dict) or not set(REQUIRED) <= set(listed):
-            raise ValueError(f"it lists {sorted(listed)}")
+            raise ValueError(f"it lists {reprlib.repr(sorted(listed))}")
+        if not all(isinstance(v, dict) and isinstance(v.get("sha256"), str) for v in listed.values()):
+            raise ValueError("a file's checksum is not a sha256")
     except FileNotFoundError:
         raise FatalError(f"{url}: not a committed checkpoint (no {MARKER} marker); pick another checkpoint") from None
     except (ValueError, KeyError, TypeError) as exc:
         raise FatalError(f"{url}/{MARKER}: not a marker this version of trnflow understands ({exc}); the "
                          "checkpoint is damaged or was written by an older trnflow. Use an earlier one or retrain"
                          ) from None
+    strays = [name for name in listed if not _PLAIN_NAME.fullmatch(name)]
+    if strays:  # `../../x`, `/etc/passwd`: the checkpoint's own folder holds every file it lists
+        raise FatalError(f"{url}/{MARKER}: lists {reprlib.repr(strays[0])}, which is not a file of the checkpoint's "
+                         "folder; the checkpoint is damaged or tampered with, so it is skipped: use an earlier one")
     outside = sorted(set(listed) - set(REQUIRED))
     if len(outside) != 1:
         raise FatalError(f"{url}/{MARKER}: lists {outside or 'no file'} besides {list(REQUIRED)}, where a "
