@@ -16,7 +16,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # every process would compile what it imports from source again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo test test-main test-fast test-xla xla-env faults bench lint clean chromium deps-check
+.PHONY: install demo test test-main test-fast test-xla xla-env faults bench lint clean chromium deps-check checkov
 
 # The example recipe (examples/recipes) goes in too: the tests run it as an installed plug-in.
 $(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml
@@ -48,6 +48,19 @@ chromium:
 	  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) || \
 	  echo "chromium could not be installed: the UI screenshot test will be skipped"
 
+# checkov, the infrastructure scanner, on the CloudFormation template: every finding fails, and a check
+# the template skips says why beside it. It has a venv of its own (its pins clash with the project's).
+CHECKOV_VENV ?= .venv/checkov
+$(CHECKOV_VENV)/.installed:
+	mkdir -p $(VENV)
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install --quiet --no-compile "checkov==3.3.30"
+	touch $@
+
+checkov: $(CHECKOV_VENV)/.installed
+	$(CHECKOV_VENV)/bin/checkov --framework cloudformation -f infra/cloudformation/trnflow.yaml --compact --quiet \
+	  --skip-download
+
 # The installed set must be consistent (pip check), and the versions the tests ran with are kept in
 # runs/tested-with.txt (pip freeze) with the ones that broke Prefect before printed in the log.
 deps-check: install
@@ -70,7 +83,7 @@ test:
 	$(MAKE) test-xla
 
 # The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests.
-test-main: lint deps-check test-fast chromium
+test-main: lint deps-check checkov test-fast chromium
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests/integration \
 	  infra/tests tests/unit -m "not unit or slow"
 

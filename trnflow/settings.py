@@ -25,7 +25,16 @@ class TrnflowSettings(BaseSettings):
     staging_url: str | None = Field(
         None, description="s3:// prefix where cloud jobs get their spec and SageMaker writes its output."
     )
-    sagemaker_role_arn: str | None = Field(None, description="The SageMaker execution role.")
+    sagemaker_role_arn: str | None = Field(
+        None, description="The SageMaker execution role of every stage kind that has no role of its own below.")
+    role_preflight: str | None = Field(None, description="The role sanity and collectives jobs run as (SageMaker "
+                                       "execution role, Batch job role): it writes nothing but their results.")
+    role_compile: str | None = Field(None, description="The role compile jobs run as: the only one that writes the "
+                                     "compile cache.")
+    role_train: str | None = Field(None, description="The role training and evaluation jobs run as: it writes "
+                                   "checkpoints, never the registry.")
+    role_infer: str | None = Field(None, description="The role inference jobs run as: it writes embeddings, never "
+                                   "the `_current.json` pointers that publish them.")
     batch_job_queue: str | None = Field(None, description="The Batch job queue (with its fair-share policy).")
     recipe_modules: bool = Field(
         False, description="Let a spec's model.recipe name any importable module as package.module:attr, "

@@ -45,26 +45,30 @@ def _statements(template: dict):
 
 
 def test_no_statement_allows_every_action_or_a_wildcard_action_on_every_resource():
-    statements = list(_statements(_template()))
+    statements = [(n, s) for n, s in _statements(_template()) if s["Effect"] == "Allow"]
     assert len(statements) >= 6
     for name, statement in statements:
         actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
         resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
         assert "*" not in actions and not any(a.endswith(":*") for a in actions), (name, statement)
-        if "*" in resources:  # only actions that AWS defines on no resource, each named
-            assert set(actions) <= {"ecr:GetAuthorizationToken", "cloudwatch:PutMetricData"}, (name, statement)
+        if "*" in resources:  # only actions that AWS defines on no resource (each named), none of them a write
+            assert set(actions) <= {"ecr:GetAuthorizationToken", "cloudwatch:PutMetricData", "batch:DescribeJobs",
+                                    "batch:DescribeJobQueues", "batch:DescribeJobDefinitions", "batch:ListJobs"}, (
+                name, statement)
 
 
 def test_every_bucket_is_encrypted_private_and_versioned_where_loss_matters():
     buckets = _of_type(_template(), "AWS::S3::Bucket")
-    assert len(buckets) == 5
+    assert len(buckets) == 6  # data, checkpoints, compile cache, outputs, staging, and their access logs
     for name, props in buckets.items():
         block = props["PublicAccessBlockConfiguration"]
         assert all(block[k] for k in ("BlockPublicAcls", "BlockPublicPolicy", "IgnorePublicAcls",
                                       "RestrictPublicBuckets")), name
         assert props["BucketEncryption"]["ServerSideEncryptionConfiguration"], name
-    for name in ("DataBucket", "CheckpointBucket", "OutputBucket"):
-        assert buckets[name]["VersioningConfiguration"] == {"Status": "Enabled"}
+    for name, props in buckets.items():  # what was there before any write can be found again
+        assert props["VersioningConfiguration"] == {"Status": "Enabled"}, name
+        assert name == "AccessLogBucket" or props["LoggingConfiguration"]["DestinationBucketName"] == {
+            "Ref": "AccessLogBucket"}, name
 
 
 @pytest.mark.usefixtures("in_process_aws")
@@ -94,9 +98,13 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
     # the versioning, which the template tests above check
 
     iam = boto3.client("iam")
-    role = iam.get_role(RoleName="trnflow-sagemaker")["Role"]
-    assert role["Arn"] == outputs["SageMakerRoleArn"]
-    assert "sagemaker.amazonaws.com" in json.dumps(role["AssumeRolePolicyDocument"])
+    roles = {kind: iam.get_role(RoleName=f"trnflow-job-{kind}")["Role"] for kind in
+             ("preflight", "compile", "train", "infer")}
+    assert roles["preflight"]["Arn"] == outputs["SageMakerRoleArn"]  # the least, for a kind without its own
+    assert roles["compile"]["Arn"] == outputs["CompileRoleArn"] and roles["train"]["Arn"] == outputs["TrainRoleArn"]
+    for role in roles.values():  # SageMaker's execution role, and Batch's job role
+        trusted = json.dumps(role["AssumeRolePolicyDocument"])
+        assert "sagemaker.amazonaws.com" in trusted and "ecs-tasks.amazonaws.com" in trusted
 
     batch = boto3.client("batch")
     (queue,) = batch.describe_job_queues(jobQueues=[outputs["BatchJobQueue"]])["jobQueues"]
@@ -119,7 +127,16 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
     assert published == {"image_neuron": f"{repository['repositoryUri']}:neuron",
                          "image_xla": f"{repository['repositoryUri']}:xla",
                          "staging_url": outputs["StagingUrl"], "sagemaker_role_arn": outputs["SageMakerRoleArn"],
-                         "batch_job_queue": outputs["BatchJobQueue"]}
+                         "batch_job_queue": outputs["BatchJobQueue"],
+                         **{f"role_{kind}": role["Arn"] for kind, role in roles.items()}}
+    # where every job of a kind is sent: its role, on either service
+    from trnflow.backends.cloud import cloud_target
+    from trnflow.settings import TrnflowSettings
+
+    target = cloud_target(TrnflowSettings(parameters_path="/trnflow"), "batch")
+    assert target.role_for("compile", "batch") == outputs["CompileRoleArn"]
+    assert target.role_for("evaluate") == outputs["TrainRoleArn"]
+    assert target.role_for("infer") == outputs["InferRoleArn"]
     # moto's CloudFormation has no AWS::Batch::SchedulingPolicy: the queue's fair share is checked
     # on the template instead
     (policy,) = _of_type(template, "AWS::Batch::SchedulingPolicy").values()

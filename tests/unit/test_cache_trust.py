@@ -226,3 +226,17 @@ def test_validate_and_run_refuse_a_cache_folder_of_another_user_before_anything_
         said = " ".join(result.output.split())
         assert f"compile.cache_url {theirs.as_uri()}: {theirs} belongs to another user" in said
         assert "Traceback" not in result.output
+
+
+def test_a_compile_job_reads_its_signing_key_from_secrets_manager(in_process_aws, tmp_path):
+    """In the cloud the compile job is given the secret's ARN, never the key: it reads the PEM with
+    its role; a secret it cannot read is one line naming the setting."""
+    import boto3
+
+    public = generate(tmp_path / "cache.pem")
+    arn = boto3.client("secretsmanager").create_secret(
+        Name="trnflow-cache-signing-key", SecretString=(tmp_path / "cache.pem").read_text())["ARN"]
+    keys = keys_from({SIGNING_KEY_ENV: arn, PUBLIC_KEY_ENV: public})
+    assert keys.signer is not None and keys.verifies(b"x", keys.sign(b"x"))
+    with pytest.raises(FatalError, match=f"{SIGNING_KEY_ENV}: the secret .* cannot be read"):
+        keys_from({SIGNING_KEY_ENV: arn.replace("signing-key", "other")})

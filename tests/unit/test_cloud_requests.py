@@ -410,3 +410,28 @@ def test_every_cloud_job_checks_cache_entries_and_only_compile_jobs_are_told_whe
     assert "TRNFLOW_CACHE_SIGNING_KEY" not in container_environment(JobRequest(_spec(), "compile", "r"), a_file)
     assert not {"TRNFLOW_CACHE_PUBLIC_KEY", "TRNFLOW_CACHE_SIGNING_KEY"} & set(
         container_environment(JobRequest(_spec(), "compile", "r"), TARGET))
+
+
+def test_each_stage_kind_runs_as_its_own_role_on_either_service():
+    """sanity and collectives as the preflight role, compile as the compile role (the only one that
+    writes the cache), train and evaluate as the training role, infer as the inference role; on
+    SageMaker a kind without a role of its own falls back to the execution role, on Batch to none
+    (never the instance's)."""
+    import dataclasses
+
+    roles = {kind: f"arn:aws:iam::123456789012:role/trnflow-job-{kind}"
+             for kind in ("preflight", "compile", "train", "infer")}
+    split = dataclasses.replace(TARGET, roles=roles)
+    want = {"sanity": "preflight", "collectives": "preflight", "compile": "compile", "train": "train",
+            "evaluate": "train", "infer": "infer"}
+    spec = _spec(itype="trn1.32xlarge")
+    for phase, kind in want.items():
+        assert build_training_job_request(JobRequest(spec, phase, "r"), split)["RoleArn"] == roles[kind]
+        container = build_job_definition(spec, split, phase)["nodeProperties"]["nodeRangeProperties"][0]["container"]
+        assert container["jobRoleArn"] == roles[kind]
+    names = {build_job_definition(spec, split, phase)["jobDefinitionName"] for phase in want}
+    assert len(names) == 4  # a definition per role
+    only_train = dataclasses.replace(TARGET, roles={"train": roles["train"]})
+    assert build_training_job_request(JobRequest(spec, "compile", "r"), only_train)["RoleArn"] == TARGET.role_arn
+    container = build_job_definition(spec, only_train, "compile")["nodeProperties"]["nodeRangeProperties"][0]
+    assert "jobRoleArn" not in container["container"]

@@ -67,7 +67,7 @@ class BatchBackend:
         problems = self.problems(request.spec)
         if problems:
             raise FatalError("; ".join(problems))
-        definition = self._job_definition(build_job_definition(request.spec, self.target))
+        definition = self._job_definition(build_job_definition(request.spec, self.target, request.phase))
         stage_spec(self.target, request)
         submitted = aws.call(self._batch.submit_job, **build_submit_job(request, self.target, definition))
         return submitted["jobId"]

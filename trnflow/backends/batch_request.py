@@ -74,9 +74,9 @@ def _memory_mib(spec: JobSpec) -> int:
     return spec.compute.container_memory_gib * 1024
 
 
-def _container(spec: JobSpec, target: CloudTarget) -> dict[str, Any]:
+def _container(spec: JobSpec, target: CloudTarget, phase: str) -> dict[str, Any]:
     t = instance(spec.compute.instance_type)
-    return {
+    container: dict[str, Any] = {
         "image": target.image_for(spec),
         "command": COMMAND,
         "instanceType": t.name,
@@ -89,10 +89,15 @@ def _container(spec: JobSpec, target: CloudTarget) -> dict[str, Any]:
         "linuxParameters": {"devices": _devices(t.name), "sharedMemorySize": 64 * 1024},
         "environment": [{"name": k, "value": v} for k, v in sorted(efa_environment(t.name).items())],
     }
+    role = target.role_for(phase, "batch")
+    if role:  # the stage kind's role: the containers never use the instance's
+        container["jobRoleArn"] = role
+    return container
 
 
-def build_job_definition(spec: JobSpec, target: CloudTarget) -> dict[str, Any]:
-    """`RegisterJobDefinition` for the spec's nodes, named `trnflow-<name>-<content hash>`."""
+def build_job_definition(spec: JobSpec, target: CloudTarget, phase: str = "train") -> dict[str, Any]:
+    """`RegisterJobDefinition` for the spec's nodes running a `phase` job (as its stage kind's role),
+    named `trnflow-<name>-<content hash>`."""
     if not instance(spec.compute.instance_type).multi_node:
         raise FatalError(f"compute.instance_type: {spec.compute.instance_type} has no EFA; AWS Batch multi-node "
                          "jobs need trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge")
@@ -101,7 +106,7 @@ def build_job_definition(spec: JobSpec, target: CloudTarget) -> dict[str, Any]:
         "nodeProperties": {
             "numNodes": spec.compute.nodes,
             "mainNode": 0,
-            "nodeRangeProperties": [{"targetNodes": "0:", "container": _container(spec, target)}],
+            "nodeRangeProperties": [{"targetNodes": "0:", "container": _container(spec, target, phase)}],
         },
         "retryStrategy": retry_strategy(spec),
         "timeout": {"attemptDurationSeconds": int(spec.compute.max_runtime_hours * 3600)},

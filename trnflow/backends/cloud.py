@@ -37,7 +37,9 @@ class CloudTarget:
     images: dict[str, str] = field(default_factory=dict)
     """The training container by device (`neuron`, `xla`): see `image_for`."""
     role_arn: str = ""
-    """SageMaker execution role."""
+    """SageMaker execution role of every stage kind without a role in `roles`."""
+    roles: dict[str, str] = field(default_factory=dict)
+    """The role each stage kind's jobs run as (`STAGE_KINDS`): SageMaker's execution role, Batch's job role."""
     job_queue: str = ""
     """Batch job queue (with its fair-share scheduling policy)."""
     recipe_modules: bool = False
@@ -46,6 +48,12 @@ class CloudTarget:
     """The key every job checks compile cache entries with (TRNFLOW_CACHE_PUBLIC_KEY), if entries are signed."""
     cache_signing_key: str = ""
     """The Secrets Manager ARN of the cache's signing key, handed to compile jobs alone (their role reads it)."""
+
+    def role_for(self, phase: str, service: str = "sagemaker") -> str:
+        """The role a job of `phase` runs as: its stage kind's, else (on SageMaker, which needs one)
+        `role_arn`; '' for none (a Batch job then has no role of its own, and no AWS access)."""
+        own = self.roles.get(STAGE_KINDS.get(phase, ""), "")
+        return own or (self.role_arn if service == "sagemaker" else "")
 
     def image_for(self, spec: JobSpec) -> str:
         """The image that runs `spec`: the one for its device (`neuron` on trn2 and trn3, `xla` on
@@ -60,8 +68,11 @@ class CloudTarget:
         return chosen
 
 
+STAGE_KINDS = {"sanity": "preflight", "collectives": "preflight", "compile": "compile", "train": "train",
+               "evaluate": "train", "infer": "infer"}
+"""Each phase's stage kind: the kinds' jobs run as roles of their own, each writing only its outputs."""
 SETTINGS = ("image", "image_neuron", "image_xla", "staging_url", "sagemaker_role_arn", "batch_job_queue",
-            "cache_signing_key", "cache_public_key")
+            "cache_signing_key", "cache_public_key", *(f"role_{kind}" for kind in sorted(set(STAGE_KINDS.values()))))
 
 
 def published_settings(path: str) -> dict[str, str]:
@@ -80,7 +91,10 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
     TRNFLOW_IMAGE for both), TRNFLOW_STAGING_URL and TRNFLOW_SAGEMAKER_ROLE_ARN or
     TRNFLOW_BATCH_JOB_QUEUE, each taken, when unset, from the SSM parameters the infra stack publishes."""
     values = {name: getattr(settings, name) for name in SETTINGS}
-    needed = ["staging_url", "sagemaker_role_arn" if service == "sagemaker" else "batch_job_queue"]
+    kinds = sorted(set(STAGE_KINDS.values()))
+    every_kind = all(getattr(settings, f"role_{kind}") for kind in kinds)
+    needed = ["staging_url", *(["batch_job_queue"] if service == "batch" else
+                               [] if every_kind else ["sagemaker_role_arn"])]
     images = ("image", *(f"image_{d}" for d in IMAGES))
     if any(not values[name] for name in needed) or not any(values[name] for name in images):
         published = published_settings(settings.parameters_path)
@@ -95,6 +109,8 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
     return CloudTarget(staging_url=values["staging_url"], image=values["image"] or "",
                        images={d: values[f"image_{d}"] for d in IMAGES if values[f"image_{d}"]},
                        role_arn=values["sagemaker_role_arn"] or "", job_queue=values["batch_job_queue"] or "",
+                       roles={kind: values[f"role_{kind}"] for kind in set(STAGE_KINDS.values())
+                              if values[f"role_{kind}"]},
                        recipe_modules=settings.recipe_modules, cache_public_key=values["cache_public_key"] or "",
                        cache_signing_key=values["cache_signing_key"] or "")
 

@@ -69,7 +69,7 @@ def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict
         hyperparameters["checkpoint"] = request.checkpoint
     return {
         "TrainingJobName": job_name(request, BASE_NAME_LENGTH),
-        "RoleArn": target.role_arn,
+        "RoleArn": target.role_for(request.phase),
         "AlgorithmSpecification": {
             "TrainingImage": target.image_for(spec),
             "TrainingInputMode": "File",
