@@ -117,7 +117,7 @@ def test_a_poisoned_artifact_runs_in_an_unsigned_cache_and_is_refused_in_a_signe
         assert not marker.exists()  # never unpickled
         assert outcome == "recompiled" and "trnflow.sig does not verify" in reason, reason
         verified = CliRunner().invoke(app, ["cache", "verify", str(cache)], env=job_env)
-        assert verified.exit_code == 1 and "does not verify" in verified.output, verified.output
+        assert verified.exit_code == 1 and "does not verify" in " ".join(verified.output.split()), verified.output
 
 
 def _signed_entry(cache: CompileCache, key: str = "MODULE_1+2") -> str:
@@ -172,7 +172,7 @@ def test_mismatched_or_malformed_keys_are_one_line_errors(tmp_path):
         keys_from({SIGNING_KEY_ENV: str(tmp_path / "missing.pem")})
     assert (pem.stat().st_mode & 0o777) == 0o600
     result = CliRunner().invoke(app, ["cache", "keygen", str(pem)])
-    assert result.exit_code == 2 and "never overwrites" in result.output
+    assert result.exit_code == 2 and "never overwrites" in " ".join(result.output.split())
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="making a folder another user's takes root")
@@ -195,7 +195,7 @@ def test_a_local_cache_folder_of_another_user_or_open_to_all_is_refused(tmp_path
     below_sticky.mkdir()
     assert CompileCache(str(below_sticky)).url
     result = CliRunner().invoke(app, ["cache", "ls", str(theirs)])
-    assert result.exit_code == 2 and "belongs to another user" in result.output
+    assert result.exit_code == 2 and "belongs to another user" in " ".join(result.output.split())
 
 
 def test_the_default_cache_is_a_folder_of_the_users_own(monkeypatch, tmp_path):

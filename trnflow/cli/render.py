@@ -7,6 +7,7 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
+from trnflow.cli.console import shown
 from trnflow.reporting.report import (
     COST_COLUMNS,
     ENGINES,
@@ -115,7 +116,7 @@ def top_table(itype: str, rows: list[dict[str, Any]]) -> Table:
         bar = "[green]" + "█" * filled + "[/green]" + "·" * (10 - filled)
         memory = f"{r['memory_bytes'] / 1024**2:,.0f} MiB" if r["pid"] else "-"
         table.add_row(f"nc{r['core']}", str(r["device"]), f"{bar} {r['utilization']:5.1f}%", memory,
-                      str(r["pid"] or "-"), r["command"] or "[dim]free[/dim]")
+                      str(r["pid"] or "-"), shown(r["command"]) if r["command"] else "[dim]free[/dim]")
     return table
 
 

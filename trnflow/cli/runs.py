@@ -22,7 +22,7 @@ from rich.table import Table
 
 from trnflow.cli.args import assignments
 from trnflow.cli.common import load, set_overrides
-from trnflow.cli.console import RED, cli_console
+from trnflow.cli.console import RED, cli_console, shown
 from trnflow.cli.render import stage_table
 from trnflow.errors import ExitCode
 from trnflow.results import StageRow
@@ -159,7 +159,7 @@ def runs(
     table = Table("id", "name", "flow", "state", "started", "duration", title=f"trnflow runs on {api_url()}")
     for r in rows:
         started = r["started"].astimezone(dt.UTC).strftime("%Y-%m-%d %H:%M:%S") if r["started"] else ""
-        table.add_row(r["id"][:8], r["name"], r["flow"].removeprefix("trnflow-"), r["state"], started,
+        table.add_row(r["id"][:8], shown(r["name"]), shown(r["flow"].removeprefix("trnflow-")), r["state"], started,
                       "" if r["seconds"] is None else f"{r['seconds']:.0f}s")
     console.print(table)
 
