@@ -107,7 +107,8 @@ def test_a_poisoned_artifact_runs_in_an_unsigned_cache_and_is_refused_in_a_signe
         key, outcome, _ = _job("compile", cache, tmp_path / f"compile-{signed}", compile_env if signed else {})
         assert outcome == "compiled" and (cache / entry_name(key) / "model.done").exists()
         assert (cache / entry_name(key) / SIGNATURE).exists() is signed
-        assert _job("run", cache, tmp_path / f"honest-{signed}", job_env if signed else {})[1] == "hit"
+        if signed:  # what the compile stage signed is a hit
+            assert _job("run", cache, tmp_path / "honest", job_env)[1] == "hit"
 
         assert _poison(cache, entry_name(key), marker) > 0
         _, outcome, reason = _job("run", cache, tmp_path / f"run-{signed}", job_env if signed else {})
