@@ -24,6 +24,7 @@ from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLi
 from prefect.runner import Runner
 from prefect.schedules import Cron
 from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from trnflow.flows.batch_inference import batch_inference
 from trnflow.flows.compile import compile_cache
@@ -185,13 +186,25 @@ class _Deadline:
         os._exit(1)
 
 
+def _busy(exc: BaseException) -> bool:
+    """Whether the server answered that it is busy (429, or a 5xx such as SQLite's locked database's
+    503): worth asking again. A server that is gone does not answer at all."""
+    response = getattr(exc, "response", None)
+    status = getattr(response, "status_code", None)
+    return isinstance(status, int) and (status == 429 or status >= 500)
+
+
 def _pause(ids: list[Any], seconds: float) -> str:
-    """Pause the deployments with one short try each; what went wrong, or ''."""
+    """Pause the deployments, each request at most `seconds`, asking again for up to twice that
+    while the server answers that it is busy; what went wrong, or ''."""
     try:
         with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), \
                 get_client(sync_client=True, httpx_settings={"timeout": seconds}) as client:
-            for deployment_id in ids:
-                client.pause_deployment(deployment_id)
+            for deployment_id in ids:  # pausing twice is harmless
+                for attempt in Retrying(stop=stop_after_delay(2 * seconds), wait=wait_exponential(0.2, max=2),
+                                        retry=retry_if_exception(_busy), reraise=True):
+                    with attempt:
+                        client.pause_deployment(deployment_id)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return ""

@@ -117,3 +117,15 @@ def test_secrets_are_masked_in_the_forms_they_travel_in():
                        "another-pw", "never-listed-secret"):
             assert secret not in masked, (line, masked)
     assert redact("https://bucket.s3.amazonaws.com/key and a@b.c") == "https://bucket.s3.amazonaws.com/key and a@b.c"
+
+
+def test_stopping_serve_asks_a_busy_server_again_and_a_gone_one_never():
+    import httpx
+
+    from trnflow.flows.deployments import _busy
+
+    request = httpx.Request("PATCH", "http://127.0.0.1:4200/api/deployments/x")
+    for status, again in ((503, True), (500, True), (429, True), (404, False), (409, False)):
+        error = httpx.HTTPStatusError("x", request=request, response=httpx.Response(status, request=request))
+        assert _busy(error) is again, status
+    assert not _busy(httpx.ConnectError("refused", request=request)) and not _busy(TimeoutError())
