@@ -396,10 +396,7 @@ class CompileCache:
             listed = self.store.list(f"{entry}/")
             if not _marked_done(listed) and self.adopt(entry):
                 listed = self.store.list(f"{entry}/")
-        state = self._state(entry, {o.name.rsplit("/", 1)[-1]: o.size for o in listed}, deep)
-        if state == DONE and self.keys.checks and self.signature_problem(entry):
-            return CORRUPT  # not the compile stage's: a miss, compiled again by it
-        return state
+        return self._state(entry, {o.name.rsplit("/", 1)[-1]: o.size for o in listed}, deep)
 
     def signature_problem(self, entry: str) -> str | None:
         """Why a trnflow entry's record is not the compile stage's (where entries are signed), or None."""
@@ -414,33 +411,32 @@ class CompileCache:
         return None
 
     def _signed_record(self, entry: str) -> dict | None:
-        """The entry's trnflow.json, its signature verified when entries are signed (UnsignedEntry if
-        it does not verify, or was signed for another entry); None when it has none."""
+        """The entry's trnflow.json once its signature verifies, where entries are signed
+        (UnsignedEntry if it does not, or it was signed for another entry); None when it has none."""
         try:
             raw = self.store.read(f"{entry}/{RECORD}")
         except FileNotFoundError:
-            if self.keys.checks and self._json(f"{entry}/{DONE_MARKER}"):
+            if self._json(f"{entry}/{DONE_MARKER}"):
                 raise UnsignedEntry(f"{entry} is in trnflow's old layout, which is not signed") from None
             return None
-        if self.keys.checks:
-            try:
-                signature = base64.b64decode(self.store.read(f"{entry}/{SIGNATURE}"), validate=True)
-            except FileNotFoundError:
-                raise UnsignedEntry(f"{entry} is not signed, and only signed entries are loaded "
-                                    f"({PUBLIC_KEY_ENV} is set)") from None
-            except (binascii.Error, ValueError):
-                signature = b""
-            if not self.keys.verifies(raw, signature):
-                raise UnsignedEntry(f"{entry}/{SIGNATURE} does not verify with {PUBLIC_KEY_ENV}: the entry was not "
-                                    "written by the compile stage, or was changed since")
+        try:
+            signature = base64.b64decode(self.store.read(f"{entry}/{SIGNATURE}"), validate=True)
+        except FileNotFoundError:
+            raise UnsignedEntry(f"{entry} is not signed, and only signed entries are loaded "
+                                f"({PUBLIC_KEY_ENV} is set)") from None
+        except (binascii.Error, ValueError):
+            signature = b""
+        if not self.keys.verifies(raw, signature):
+            raise UnsignedEntry(f"{entry}/{SIGNATURE} does not verify with {PUBLIC_KEY_ENV}: the entry was not "
+                                "written by the compile stage, or was changed since")
         try:
             record = json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except ValueError:  # not JSON, not UTF-8 (a signed record always is)
             return None
-        if self.keys.checks and (not isinstance(record, dict) or record.get("entry") != entry):
+        if not isinstance(record, dict) or record.get("entry") != entry:
             raise UnsignedEntry(f"{entry}/{RECORD} was signed for another entry "
-                                f"({record.get('entry') if isinstance(record, dict) else None!r})")
-        return record if isinstance(record, dict) else None
+                                f"({_short(record.get('entry') if isinstance(record, dict) else None)})")
+        return record
 
     def _state(self, entry: str, sizes: dict[str, int], deep: bool,
                recorded: Callable[[], dict[str, Any] | None] | None = None) -> str:
