@@ -194,6 +194,13 @@ class ComputeSpec(Section):
     max_runtime_hours: float = Field(
         24.0, gt=0, le=28 * 24, description="A cloud job still running after this long is stopped (per attempt)."
     )
+    hang_timeout_minutes: float = Field(
+        30.0, gt=0, le=24 * 60,
+        description="A rank that makes no progress (no training step, inference shard, collective or compiled "
+        "program) for this long is ended as stalled, naming its rank and host; the failure is transient, so the "
+        "stage is retried and resumes from its last checkpoint. The first interval includes the rank's start and "
+        "any compilation its first step needs.",
+    )
     volume_gb: int = Field(200, ge=1, le=16384, description="Local disk per instance for SageMaker jobs (GB).")
     price_per_hour: float | None = Field(
         None, ge=0, le=100_000,

@@ -39,6 +39,11 @@ class CollectiveTimeout(TransientError):
     """A collective did not complete in time: a core hung or a link went down."""
 
 
+class Stalled(TransientError):
+    """A rank made no progress for `compute.hang_timeout_minutes` (a host or device that stopped
+    answering): it was ended, naming its rank and host, and the stage is retried."""
+
+
 class ExecutionTimeout(TransientError):
     """The runtime gave up on a program that did not finish in time; a retry resumes from the checkpoint."""
 
@@ -102,7 +107,7 @@ class ChampionKept(GateDecision):
 
 ERROR_TYPES: dict[str, type[TrnflowError]] = {
     cls.__name__: cls
-    for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout,
+    for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout, Stalled,
                 ExecutionTimeout, HardwareError, CapacityError, InternalServiceError, HostFailure, UserError,
                 JobTimeout, DiskFull, GateFailed, ChampionKept)
 }

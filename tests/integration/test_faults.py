@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -137,6 +138,26 @@ def test_a_rank_that_fails_is_named_with_its_exit_code_and_the_last_lines_of_its
     rank_log = next((job_dir / "ranks").glob("*/attempt_0/1/stderr.log")).read_text()
     assert "failed on rank 1: HardwareError" in rank_log
     assert "failed on rank 1: HardwareError" in backend.logs(job_dir.name)[0]  # job.log still has every line
+
+
+def test_a_rank_that_stalls_with_no_peer_to_notice_is_ended_by_its_watchdog_and_the_retry_resumes(
+        backend, make_spec):
+    """A lone rank stops making progress at step 3 (a host that stopped answering): nothing else would
+    end it before the attempt's timeout. Its watchdog ends it as Stalled, naming the rank, core and
+    host and what it did last; the failure is transient, and the same run then resumes and ends."""
+    spec = make_spec(name="stalled", compute={"cores_per_node": 1, "hang_timeout_minutes": 0.1},
+                     train={"steps": 6, "checkpoint_every": 2, "log_every": 1},
+                     faults=[{"kind": "stall", "core": 0, "step": 3}])
+    job_id = backend.submit(JobRequest(spec, "train", "stalled", cores=(0,)))
+    info = wait(backend, job_id, 0.2)
+    assert info.state is JobState.FAILED, backend.logs(job_id)[0]
+    failure = info.failure
+    assert failure.type == "Stalled" and failure.retryable is True and failure.rank == 0
+    assert failure.message.startswith(f"rank 0 (NeuronCore 0) on {socket.gethostname()} made no progress for ")
+    assert "its last progress was: checkpoint at step 2" in failure.message  # written after step 2
+    again = wait(backend, backend.submit(JobRequest(spec, "train", "stalled", cores=(0,))), 0.2)
+    assert again.state is JobState.SUCCEEDED, again.failed()
+    assert again.result.resumed_from and again.result.start_step == 2
 
 
 def test_fault_syntax_errors_are_clear():

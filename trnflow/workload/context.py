@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -24,7 +25,9 @@ from trnflow.device.registry import choose, get_device
 from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
 from trnflow.neuron.launch import INSTANCE_CORES_ENV, PIN_CPUS_ENV
+from trnflow.results import FailureReport
 from trnflow.specs import JobSpec
+from trnflow.workload import watchdog
 from trnflow.workload.tuning import pin_cpus, steady_heap
 
 T = TypeVar("T")
@@ -56,10 +59,12 @@ class WorkerContext:
         if all_ranks or self.is_main:
             record = {"ts": round(time.time(), 3), "event": event, "rank": self.rank, **fields}
             print(json.dumps(record), flush=True)
+        watchdog.beat(f"{event} at step {fields['step']}" if "step" in fields else event)
 
     def progress(self, label: str) -> None:
         """Record how far this rank got, so a rank that hangs can be named by its peers."""
         self._progress += 1
+        watchdog.beat(label)
         atomic_write_json(self.output_dir / f"progress-rank{self.rank}.json",
                           {"rank": self.rank, "core": self.core_id, "seq": self._progress, "label": label})
 
@@ -141,8 +146,23 @@ def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dic
     device.init_process_group(world, timeout)
     ctx = WorkerContext(spec, output_dir, rank, world, local_rank, core_id, dict(options or {}),
                         device.fault_hooks(core_id, spec), lease, device, choice.reason)
+    if spec is not None:
+        watch_progress(ctx, spec.compute.hang_timeout_minutes * 60)
     ctx.progress("started")
     return ctx
+
+
+def watch_progress(ctx: WorkerContext, limit_seconds: float) -> None:
+    """End this rank as `Stalled` once it makes no progress for `limit_seconds` (see `watchdog`)."""
+    host = watchdog.host_label()
+
+    def stalled(seconds: float, label: str) -> None:
+        message = watchdog.stalled_message(ctx.rank, ctx.core_id, host, seconds, label)
+        atomic_write_json(ctx.output_dir / f"failure-rank{ctx.rank}.json", FailureReport(
+            rank=ctx.rank, type="Stalled", message=message, retryable=True).model_dump(exclude_none=True))
+        print(f"trnflow.workload: {message}", file=sys.stderr, flush=True)
+
+    watchdog.start(limit_seconds, stalled)
 
 
 def shutdown() -> None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
+from trnflow.workload import watchdog
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.data import labels_of, lines
 from trnflow.workload.recipes import Recipe
@@ -128,6 +129,7 @@ def featurize(batches: Iterable[pa.Table], recipe: Recipe, *, label_field: str |
     features, labels, ids, hashed = FeatureRows(), [], [], hashlib.sha256()
     columns = recipe.columns()
     for table in batches:
+        watchdog.beat("reading rows")
         mine = table.select(columns)
         if digest:
             keys = table.column(label_field or id_field).to_pylist()

@@ -27,6 +27,7 @@ from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.records import CheckpointMeta, DataRead
 from trnflow.storage.datafiles import data_files, partitions, training_window
+from trnflow.workload import watchdog
 from trnflow.workload.checkpoint import load_model_weights, step_name, weights_digest
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import iter_labelled
@@ -123,6 +124,7 @@ class Trainer:
             self.faults.begin_step(step + 1, self._first_time)
             self.last_loss = self._step(idx, step + 1)
             done = step + 1
+            watchdog.beat(f"train step {done}")
             if done % tcfg.log_every == 0 or done == tcfg.steps:
                 self._log_point(done)
             if (self.spec.gate.eval_every and done % self.spec.gate.eval_every == 0) or done == tcfg.steps:
