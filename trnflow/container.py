@@ -119,22 +119,22 @@ def _fetch_spec(env: dict[str, str], into: Path) -> Path:
 
 def _report(env: dict[str, str], service: str, r: Rendezvous, failure: FailureReport | None) -> None:
     """Leave the node's outcome where the service's caller finds it."""
-    if service == "sagemaker":
-        if failure is not None:
-            path = opt_ml(env) / "output" / "failure"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            brief = failure.model_copy(update={"message": failure.message[:FAILURE_TEXT_LIMIT // 2]})
-            text = brief.model_dump_json(include={"type", "retryable", "bad_cores", "ranks", "message"})
-            path.write_text(text[:FAILURE_TEXT_LIMIT])
-        return
+    if service == "sagemaker" and failure is not None:
+        path = opt_ml(env) / "output" / "failure"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        brief = failure.model_copy(update={"message": failure.message[:FAILURE_TEXT_LIMIT // 2]})
+        text = brief.model_dump_json(include={"type", "retryable", "bad_cores", "ranks", "message"})
+        path.write_text(text[:FAILURE_TEXT_LIMIT])
     if not env.get("TRNFLOW_RESULT_URL"):
         return
-
-    job_id = env.get("AWS_BATCH_JOB_ID", "job").split("#")[0]
+    # Every node's failure is uploaded at once, on both services: the backend stops a job whose
+    # other node failed while the main node goes on (`backends.cloud.failed_node`).
+    job_id = (env.get("TRAINING_JOB_NAME") if service == "sagemaker" else
+              env.get("AWS_BATCH_JOB_ID", "job").split("#")[0]) or "job"
     store = open_store(f"{env['TRNFLOW_RESULT_URL'].rstrip('/')}/{job_id}")
     if failure is not None:
         store.write(f"failure-node{r.node_rank}.json", failure.model_dump_json(exclude_none=True).encode())
-    elif r.node_rank == 0 and (r.output_dir / "result.json").is_file():
+    elif service == "batch" and r.node_rank == 0 and (r.output_dir / "result.json").is_file():
         store.write("result.json", (r.output_dir / "result.json").read_bytes())
 
 

@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import ON_S3, quickstart_data
-from trnflow.backends import JobRequest
+from trnflow.backends import JobRequest, wait
 from trnflow.backends.service_status import batch_failure, sagemaker_failure
 from trnflow.flows.pipeline import STAGES, pipeline
 from trnflow.results import FailureReport
@@ -29,7 +29,8 @@ def _upload(s3, folder, bucket, prefix):
 
 
 @contextlib.contextmanager
-def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=False, compile_cache=None):
+def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=False, compile_cache=None,
+           node_faults=None):
     """The emulated AWS with trnflow's deployment in it and the session's dataset uploaded (and a
     compile cache, when given, as the S3 cache). The client reaches it in-process (`mock_aws`) or
     through the moto server on 127.0.0.1; the job containers always reach it through the server,
@@ -46,7 +47,7 @@ def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=
     else:
         monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     with mock_aws() if in_process else contextlib.nullcontext():
-        cloud = MockCloud(moto_endpoint, tmp_path / "cloud", faults=list(faults))
+        cloud = MockCloud(moto_endpoint, tmp_path / "cloud", faults=list(faults), node_faults=node_faults)
         with cloud:
             outputs = provision(cloud.client)
             for name in SETTINGS:
@@ -73,7 +74,7 @@ def _cloud_spec(make_spec, bucket, backend, **sections):
         data={"train": f"{s3}/reviews/train", "holdout": f"{s3}/reviews/holdout",
               "inference": f"{s3}/reviews/inference"},
         compute=compute, compile={"cache_url": f"{s3}/neuron-cache"}, registry_url=f"{s3}/registry",
-        train={"checkpoint_url": f"{s3}/checkpoints", "steps": 40, "checkpoint_every": 10},
+        train={"checkpoint_url": f"{s3}/checkpoints", "steps": 40, "checkpoint_every": 10} | sections.pop("train", {}),
         gate={"reference": "champion", "eval_every": 20}, inference={"output_url": f"{s3}/embeddings"},
         retries={"max_retries": 2, "backoff_seconds": 0.5}, **sections)
 
@@ -199,6 +200,40 @@ def test_a_user_error_fails_the_stage_once_and_is_never_retried(
             assert len(jobs) == 1
             (job,) = boto3.client("batch").describe_jobs(jobs=[jobs[0]["jobId"]])["jobs"]
             assert len(job["attempts"]) == 1  # the EXIT rule: Batch did not retry it either
+
+
+@pytest.mark.parametrize("service", ["batch", "sagemaker"])
+def test_a_job_whose_other_node_failed_while_the_main_node_stalls_is_stopped(
+        service, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    """Node 0's rank stops making progress at step 3 (its host stopped answering); node 1's rank
+    times out in the step's all-reduce and its container fails. Neither service ends a job before its
+    main node does, and the main node would sleep until the attempt's timeout. The backend, which
+    watches every node, stops the job with node 1's transient failure, so the stage is resubmitted."""
+    from trnflow.backends.batch import BatchBackend
+    from trnflow.backends.cloud import NODE_FAILED, cloud_target
+    from trnflow.backends.sagemaker import SageMakerBackend
+    from trnflow.settings import TrnflowSettings
+
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, node_faults={0: "stall@0:train:3"}) as (cloud, bucket):
+        spec = _cloud_spec(make_spec, bucket, service, preflight={"collective_timeout_seconds": 5},
+                           compute={"nodes": 2, "cores_per_node": 1, "instance_type": "trn1.32xlarge"},
+                           train={"steps": 6, "checkpoint_every": 2, "global_batch_size": 32})
+        kind = BatchBackend if service == "batch" else SageMakerBackend
+        backend = kind(cloud_target(TrnflowSettings(), service))
+        backend.node_grace_seconds = 2.0
+        job = backend.submit(JobRequest(spec, "train", f"stall-{service}"))
+        info = wait(backend, job, 0.5)
+        assert info.state.value == "FAILED"
+        failure = info.failure
+        assert failure.type == "CollectiveTimeout" and failure.retryable is True, failure
+        assert "node 1 of " in failure.message and "failed while its main node went on" in failure.message
+        if service == "batch":
+            import boto3
+
+            (described,) = boto3.client("batch").describe_jobs(jobs=[job])["jobs"]
+            assert described["statusReason"].startswith(f"{NODE_FAILED}node 1 failed (CollectiveTimeout)")
+        cloud.wait_idle(60)
+        assert not any(thread.is_alive() for thread in cloud._threads)  # the stalled main node was stopped too
 
 
 def test_throttling_while_polling_is_retried_without_failing(moto_endpoint, tmp_path, monkeypatch, dataset,

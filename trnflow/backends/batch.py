@@ -13,7 +13,14 @@ from typing import Any
 from trnflow import aws
 from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
 from trnflow.backends.batch_request import build_job_definition, build_submit_job, queue_problems
-from trnflow.backends.cloud import CloudTarget, stage_spec
+from trnflow.backends.cloud import (
+    NODE_FAILED,
+    NODE_GRACE_SECONDS,
+    CloudTarget,
+    failed_node,
+    node_failure_message,
+    stage_spec,
+)
 from trnflow.backends.cloudwatch import StreamReader
 from trnflow.backends.failures import lost_peer
 from trnflow.backends.service_status import (
@@ -42,6 +49,8 @@ class BatchBackend:
         self._rules: dict[str, list[dict[str, str]]] = {}
         self._queues: dict[str, dict[str, Any] | None] = {}
         self._streams: dict[str, str] = {}
+        self._node_failed: dict[str, tuple[int, FailureReport]] = {}  # jobs stopped because a node failed
+        self.node_grace_seconds = NODE_GRACE_SECONDS
         self._reader = StreamReader(self._logs, LOG_GROUP)
 
     def _job_definition(self, body: dict[str, Any]) -> str:
@@ -101,11 +110,31 @@ class BatchBackend:
             return None
         return min(reports, key=lambda r: (r.retryable is None, lost_peer(r), r.reported_at or 0.0, r.rank or 0))
 
+    def _stop_if_a_node_failed(self, job_id: str, desc: dict[str, Any]) -> None:
+        """Terminate a running job one of whose other nodes has failed (`failed_node`). Batch does
+        not retry a terminated job; the node's failure says whether trnflow resubmits it."""
+        if job_id in self._node_failed:
+            return
+        found = failed_node(self._outputs(desc), (desc.get("startedAt") or 0) / 1000, self.node_grace_seconds)
+        if found is None:
+            return
+        self._node_failed[job_id] = found
+        node, report = found
+        aws.call(self._batch.terminate_job, jobId=job_id,
+                 reason=f"{NODE_FAILED}node {node} failed ({report.type}) and the main node went on"[:255])
+
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)
         state = batch_state(desc)
         details = {"seconds": batch_billable_seconds(desc), "status": desc["status"],
                    "attempts": len(desc.get("attempts") or []), "cores": None}
+        if state is JobState.RUNNING:
+            self._stop_if_a_node_failed(job_id, desc)
+        if state in (JobState.FAILED, JobState.CANCELLED) and job_id in self._node_failed:
+            node, report = self._node_failed[job_id]
+            job = f"Batch job {desc.get('jobName')} ({job_id})"
+            return JobInfo(job_id, JobState.FAILED, details=details,
+                           failure=report.model_copy(update={"message": node_failure_message(node, report, job)}))
         if state is JobState.SUCCEEDED:
             result = stage_result(job_id, self._outputs(desc).read("result.json"), None)
             return JobInfo(job_id, state, result=result, details=details)

@@ -6,6 +6,7 @@ deployment's published settings, and `stage_spec`, which hands a spec over.
 from __future__ import annotations
 
 import re
+import time
 from dataclasses import dataclass, field
 
 from botocore.exceptions import BotoCoreError, ClientError
@@ -15,9 +16,11 @@ from trnflow.backends.base import JobRequest
 from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV
 from trnflow.errors import FatalError
 from trnflow.neuron.devices import IMAGES, image_device
+from trnflow.records import read
+from trnflow.results import FailureReport
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, instance, is_module_reference
-from trnflow.storage import open_store
+from trnflow.storage import Store, open_store
 
 CHECKPOINT_DIR = "/opt/ml/checkpoints"
 """Where SageMaker copies `CheckpointConfig.S3Uri` at the start of a job. trnflow writes its
@@ -136,6 +139,43 @@ def stage_spec(target: CloudTarget, request: JobRequest) -> None:
     assert request.spec is not None, "cloud jobs always carry a spec"
     base, _, name = spec_url(target, request).rpartition("/")
     open_store(base).write(name, request.spec.model_dump_json(indent=2).encode())
+
+
+NODE_REPORT = re.compile(r"failure-node(\d+)\.json")
+"""A node's root failure, which its container uploads under `TRNFLOW_RESULT_URL/<job>/` (`trnflow.container`)."""
+NODE_FAILED = "trnflow stopped the job: "
+"""How a job that trnflow stopped because one of its nodes failed says so (Batch's status reason)."""
+
+
+NODE_GRACE_SECONDS = 60.0
+"""How long the main node may go on after another node failed before the job is stopped: when the
+main node failed too (the other node only lost its peer), it has ended the job by then itself, and
+the service's own retry rules apply to that ending."""
+
+
+def failed_node(outputs: Store, since: float, grace: float = NODE_GRACE_SECONDS) -> tuple[int, FailureReport] | None:
+    """A node other than the main one whose container failed after `since` (seconds since the epoch:
+    when the job's current attempt began) and at least `grace` seconds ago, with its report; the
+    first such report, else None.
+
+    A multi-node job ends with its main node. When another node fails, the main node's ranks may be
+    stalled with nothing to end them but the attempt's timeout (a day, by default). So the backends
+    stop a job once one of its other nodes has failed and the main node has not ended within `grace`."""
+    found, latest = [], time.time() - grace
+    for listed in outputs.list("failure-node"):
+        match = NODE_REPORT.fullmatch(listed.name)
+        if match and int(match.group(1)) > 0 and since <= listed.modified <= latest:
+            found.append((listed.modified, int(match.group(1)), listed.name))
+    if not found:
+        return None
+    _, node, name = min(found)
+    return node, read(FailureReport, outputs.read(name), f"{outputs.url}/{name}")
+
+
+def node_failure_message(node: int, report: FailureReport, job: str) -> str:
+    """The failure of a job trnflow stopped because node `node` had failed: that node's own."""
+    return (f"{report.message} (node {node} of {job} failed while its main node went on; trnflow stopped the job "
+            "rather than let it run to its timeout)")
 
 
 def checkpoint_s3_uri(spec: JobSpec, run_id: str) -> str:

@@ -14,13 +14,21 @@ from typing import Any
 from trnflow import aws
 from trnflow.backends import sagemaker_trainer
 from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
-from trnflow.backends.cloud import CloudTarget, stage_spec
+from trnflow.backends.cloud import (
+    NODE_GRACE_SECONDS,
+    CloudTarget,
+    failed_node,
+    node_failure_message,
+    stage_spec,
+    staging_prefix,
+)
 from trnflow.backends.cloudwatch import StreamReader, streams
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.backends.service_status import sagemaker_failure, sagemaker_state
 from trnflow.errors import FatalError
-from trnflow.results import StageResult
+from trnflow.results import FailureReport, StageResult
 from trnflow.safetar import read_member
+from trnflow.storage import Store, open_store
 from trnflow.storage.s3 import split_s3_url
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
@@ -37,6 +45,9 @@ class SageMakerBackend:
         self._s3 = aws.client("s3", boto_session=self._session)
         self._read: dict[str, dict[str, int]] = {}  # job -> stream -> events read
         self._reader = StreamReader(self._logs, LOG_GROUP)
+        self._outputs: dict[str, Store] = {}  # job -> where its nodes upload their failures
+        self._node_failed: dict[str, tuple[int, FailureReport]] = {}  # jobs stopped because a node failed
+        self.node_grace_seconds = NODE_GRACE_SECONDS
 
     def submit(self, request: JobRequest) -> str:
         if request.spec is None:
@@ -47,7 +58,9 @@ class SageMakerBackend:
         bucket, _ = split_s3_url(self.target.staging_url)
         for attempt in range(3):
             try:
-                return aws.call(sagemaker_trainer.submit, body, self._session, bucket)
+                job_id = aws.call(sagemaker_trainer.submit, body, self._session, bucket)
+                self._outputs[job_id] = open_store(f"{staging_prefix(self.target, request)}/output/{job_id}")
+                return job_id
             except self._sm.exceptions.ResourceInUse:
                 # ModelTrainer names jobs to the second; a resubmission within the same second waits
                 if attempt == 2:
@@ -64,11 +77,31 @@ class SageMakerBackend:
         restarts = sum(1 for t in desc.get("SecondaryStatusTransitions", []) if t.get("Status") == "Restarting")
         details = {"seconds": desc.get("BillableTimeInSeconds"), "status": desc["TrainingJobStatus"],
                    "secondary_status": desc.get("SecondaryStatus"), "restarts": restarts, "cores": None}
+        if state is JobState.RUNNING:
+            self._stop_if_a_node_failed(job_id, desc)
+        if state in (JobState.FAILED, JobState.CANCELLED) and job_id in self._node_failed:
+            node, report = self._node_failed[job_id]
+            message = node_failure_message(node, report, f"SageMaker job {job_id}")
+            return JobInfo(job_id, JobState.FAILED, failure=report.model_copy(update={"message": message}),
+                           details=details)
         if state is JobState.SUCCEEDED:
             return JobInfo(job_id, state, result=self._result(desc), details=details)
         if state is JobState.FAILED:
             return JobInfo(job_id, state, failure=sagemaker_failure(desc), details=details)
         return JobInfo(job_id, state, details=details)
+
+    def _stop_if_a_node_failed(self, job_id: str, desc: dict[str, Any]) -> None:
+        """Stop a running job one of whose other hosts has failed (`failed_node`); the host's
+        failure then says whether trnflow resubmits it. Only jobs submitted here are watched (their
+        hosts' reports are in this submission's staging folder)."""
+        outputs = self._outputs.get(job_id)
+        if outputs is None or job_id in self._node_failed:
+            return
+        training = [t["StartTime"] for t in desc.get("SecondaryStatusTransitions", []) if t.get("Status") == "Training"]
+        found = failed_node(outputs, training[-1].timestamp() if training else 0.0, self.node_grace_seconds)
+        if found is not None:
+            self._node_failed[job_id] = found
+            aws.call(self._sm.stop_training_job, TrainingJobName=job_id)
 
     def _result(self, desc: dict[str, Any]) -> StageResult:
         """Rank 0's result.json, from `<S3OutputPath>/<job>/output/output.tar.gz`."""

@@ -105,7 +105,8 @@ class BatchJob:
         emulator = {INSTANCE_CORES_ENV: str(instance(itype).cores), RT_DIR_ENV: str(root / "neuron-rt"),
                     "TRNFLOW_HOME": str(root / "trnflow-home"), "TRNFLOW_OUTPUT_DIR": str(root / "output"),
                     "TRNFLOW_MASTER_PORT": str(port)}
-        return container_env(self.cloud.endpoint_url, self.cloud.region, self.env, batch, emulator)
+        return container_env(self.cloud.endpoint_url, self.cloud.region, self.env, batch, emulator,
+                             self.cloud.node_layer(index))
 
     def _attempt(self, attempt: int) -> tuple[int | None, str, str]:
         job, began = self.job, time.time()

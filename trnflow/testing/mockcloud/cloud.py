@@ -58,11 +58,14 @@ class ServiceFault:
 
 class MockCloud:
     def __init__(self, endpoint_url: str, work_dir: Path, faults: list[ServiceFault] | None = None,
-                 region: str = "us-east-1"):
+                 region: str = "us-east-1", node_faults: dict[int, str] | None = None):
         self.endpoint_url = endpoint_url.rstrip("/")
         self.work_dir = Path(work_dir)
         self.region = region
         self._faults = list(faults or [])
+        self.node_faults = dict(node_faults or {})
+        """Device faults (`TRNFLOW_FAULTS` syntax) of one node of every job, by node index (Batch's
+        node index; SageMaker's host, algo-1 being 0): a fault of that node's instance alone."""
         self._lock = threading.Lock()
         self._jobs: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
@@ -75,6 +78,10 @@ class MockCloud:
         return aws.client(service, endpoint_url=self.endpoint_url, boto_session=session)
 
     # faults ---------------------------------------------------------------------------------
+    def node_layer(self, index: int) -> dict[str, str]:
+        """What a node's environment gets for its own faults (`node_faults`)."""
+        return {"TRNFLOW_FAULTS": self.node_faults[index]} if index in self.node_faults else {}
+
     def take_fault(self, service: str, phase: str, when: str) -> ServiceFault | None:
         with self._lock:
             for fault in self._faults:

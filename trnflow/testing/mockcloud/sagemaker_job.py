@@ -127,7 +127,8 @@ class SageMakerJob:
         channels = [c["ChannelName"] for c in self.body.get("InputDataConfig") or []]
         itype = self.body["ResourceConfig"]["InstanceType"]
         env = {
-            "TRNFLOW_OPT_ML": str(opt_ml), "SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": host,
+            "TRNFLOW_OPT_ML": str(opt_ml), "TRAINING_JOB_NAME": self.name,
+            "SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": host,
             "SM_HOST_COUNT": str(len(hosts)), "SM_CURRENT_HOST_RANK": str(hosts.index(host)),
             # algo-1 resolves to the first instance in a SageMaker cluster; here every instance is this machine
             "SM_MASTER_ADDR": "127.0.0.1", "SM_MASTER_PORT": str(port),
@@ -156,7 +157,8 @@ class SageMakerJob:
             emulator = {INSTANCE_CORES_ENV: str(instance(itype).cores), RT_DIR_ENV: str(root / host / "neuron-rt"),
                         "TRNFLOW_HOME": str(root / host / "trnflow-home")}
             env = container_env(self.cloud.endpoint_url, self.cloud.region, self.env,
-                                self._sm_env(opt_ml, host, hosts, port), emulator)
+                                self._sm_env(opt_ml, host, hosts, port), emulator,
+                                self.cloud.node_layer(hosts.index(host)))
             nodes.append(Node(["train"], env, root / host / "container.log", f"{self.name}/{host}-{int(time.time())}"))
         self._transition("Training", "Training image download completed. Training in progress.")
         watch = self._checkpoint_watch(s3)
