@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import StrEnum
@@ -11,6 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 from trnflow.records import RecordError, read
 from trnflow.results import RESULTS, FailureReport, StageResult
 from trnflow.specs import JobSpec
+
+log = logging.getLogger("trnflow.backends")
 
 
 class JobState(StrEnum):
@@ -122,15 +126,46 @@ def wait(backend: Backend, job_id: str, poll_seconds: float = 0.5, on_logs=None)
         time.sleep(poll_seconds)
 
 
+CANCEL_SECONDS = 10.0
+"""How long an interrupted caller waits for its job's cancellation before it goes on stopping."""
+
+
+def cancel_within(backend: Backend, job_id: str, seconds: float = CANCEL_SECONDS) -> bool:
+    """Cancel the job, waiting at most `seconds` for the backend to take it: a caller that is being
+    stopped must stop even when the service no longer answers (a cloud endpoint that is gone, and
+    whose calls would be retried for minutes). False, with a warning naming the job, when the
+    cancellation failed or did not finish in time."""
+    outcome: list[BaseException | None] = []
+
+    def cancel() -> None:
+        try:
+            backend.cancel(job_id)
+            outcome.append(None)
+        except Exception as exc:  # reported below: the caller's own exception is the one that counts
+            outcome.append(exc)
+
+    worker = threading.Thread(target=cancel, name=f"cancel-{job_id}", daemon=True)
+    worker.start()
+    worker.join(seconds)
+    if outcome == [None]:
+        return True
+    why = f"it failed: {outcome[0]}" if outcome else f"the {backend.name} backend did not answer within {seconds:g} s"
+    command = getattr(backend, "stop_command", None)
+    how = f"`{command(job_id)}`" if command else "the service's console"
+    log.warning("could not cancel %s job %s (%s); it may still be running: stop it with %s", backend.name, job_id,
+                why, how)
+    return False
+
+
 def run_to_end(backend: Backend, request: JobRequest, poll_seconds: float = 0.5, on_logs=None,
                on_submit=None) -> tuple[str, JobInfo]:
     """Submit, then wait for the end. If the caller is interrupted (Ctrl-C, a cancelled flow run),
-    the job is cancelled rather than left holding its cores."""
+    the job is cancelled rather than left holding its cores (`cancel_within`)."""
     job_id = backend.submit(request)
     if on_submit is not None:
         on_submit(job_id)
     try:
         return job_id, wait(backend, job_id, poll_seconds, on_logs)
     except BaseException:
-        backend.cancel(job_id)
+        cancel_within(backend, job_id, CANCEL_SECONDS)
         raise

@@ -152,3 +152,8 @@ class BatchBackend:
 
     def cancel(self, job_id: str) -> None:
         aws.call(self._batch.terminate_job, jobId=job_id, reason=CANCEL_REASON)
+
+    @staticmethod
+    def stop_command(job_id: str) -> str:
+        """The AWS CLI command that stops the job, for a person to run when trnflow could not."""
+        return f'aws batch terminate-job --job-id {job_id} --reason "{CANCEL_REASON}"'

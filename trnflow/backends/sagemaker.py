@@ -135,3 +135,8 @@ class SageMakerBackend:
         except self._sm.exceptions.ClientError as exc:
             if "ValidationException" not in str(exc):  # already ended: nothing to stop
                 raise
+
+    @staticmethod
+    def stop_command(job_id: str) -> str:
+        """The AWS CLI command that stops the job, for a person to run when trnflow could not."""
+        return f"aws sagemaker stop-training-job --training-job-name {job_id}"
