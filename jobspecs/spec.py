@@ -201,6 +201,14 @@ class ComputeSpec(Section):
         "stage is retried and resumes from its last checkpoint. The first interval includes the rank's start and "
         "any compilation its first step needs.",
     )
+    max_pending_minutes: float = Field(
+        60.0, ge=0, le=28 * 24 * 60,
+        description="How long a job may wait for its instances before it is stopped as a capacity failure (which "
+        "is retried): on SageMaker its StoppingCondition.MaxPendingTimeInSeconds (30 minutes at least there); on "
+        "Batch a job still RUNNABLE after this long is cancelled, naming its queue and instance type; locally a "
+        "job waits this long for NeuronCores another run holds, saying which run holds them. 0: never wait (on "
+        "SageMaker: the service's own default).",
+    )
     volume_gb: int = Field(200, ge=1, le=16384, description="Local disk per instance for SageMaker jobs (GB).")
     price_per_hour: float | None = Field(
         None, ge=0, le=100_000,
@@ -258,6 +266,14 @@ class ComputeSpec(Section):
                 f"compute.nodes: {itype.name} has no EFA for multi-node training; set compute.nodes: 1 "
                 "or pick trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _pending_as_the_service_allows(self) -> ComputeSpec:
+        if self.backend == "sagemaker" and 0 < self.max_pending_minutes < 30:
+            raise ValueError(
+                f"compute.max_pending_minutes: {self.max_pending_minutes:g} is below SageMaker's least "
+                "MaxPendingTimeInSeconds (1800 s); set 30 or more, or 0 for SageMaker's own default")
         return self
 
     @model_validator(mode="after")

@@ -3,7 +3,11 @@ failed job into the error class that decides whether Prefect retries it."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import logging
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 from prefect import get_run_logger
@@ -48,6 +52,25 @@ def relay(logger: Any, redact: Redactor, text: str) -> None:
         logger.info("%s", readable(event), extra={EVENT_FIELD: event})
 
 
+@contextlib.contextmanager
+def _forwarded(source: logging.Logger, logger: Any) -> Iterator[None]:
+    """What `source` logs at WARNING or above while the block runs, in the task run's log too (where
+    the Prefect UI shows it), from this thread only."""
+    thread = threading.get_ident()
+
+    class Relay(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.thread == thread:
+                logger.log(record.levelno, "%s", record.getMessage())
+
+    handler = Relay(logging.WARNING)
+    source.addHandler(handler)
+    try:
+        yield
+    finally:
+        source.removeHandler(handler)
+
+
 def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = None,
             checkpoint: str | None = None, cores: list[int] | None = None,
             exclude_cores: set[int] | None = None) -> StageResult:
@@ -64,8 +87,9 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
                     request.world_size)
 
     try:
-        _, info = run_to_end(backend, request, settings.poll_seconds, on_submit=submitted,
-                             on_logs=functools.partial(relay, logger, Redactor.from_env()))
+        with _forwarded(logging.getLogger("trnflow.backends"), logger):  # waiting for cores, a failed cancel
+            _, info = run_to_end(backend, request, settings.poll_seconds, on_submit=submitted,
+                                 on_logs=functools.partial(relay, logger, Redactor.from_env()))
     except TrnflowError:
         raise
     except Exception as exc:  # the backend itself failed: say so; the error class decides on retries

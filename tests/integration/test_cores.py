@@ -1,10 +1,12 @@
 """Exclusive NeuronCore ownership: one process per core, released when the holder dies."""
 
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -12,7 +14,7 @@ import pytest
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.emulator.cores import CoresUnavailable, acquire, allocate, holder, holders
-from trnflow.errors import FatalError
+from trnflow.errors import FatalError, TransientError
 from trnflow.settings import TrnflowSettings
 
 HOLD = """
@@ -70,7 +72,9 @@ def test_allocation_skips_held_and_excluded_cores_and_keeps_alignment(held_by_ot
         allocate(2, 2, frozenset({1}))
 
 
-def test_a_second_job_on_held_cores_fails_and_runs_once_they_are_free(make_spec, trnflow_home):
+def test_a_job_on_held_cores_waits_for_them_naming_the_run_that_holds_them(make_spec, trnflow_home, caplog):
+    """Cores another run holds are waited for up to compute.max_pending_minutes, as a cloud job waits
+    for capacity; with no time to wait, the job fails as transient, naming the holders and their run."""
     backend = LocalBackend(TrnflowSettings().jobs_dir)
     spec = make_spec(name="owner", train={"steps": 100_000, "checkpoint_every": 100_000})
     first = backend.submit(JobRequest(spec, "train", "long", cores=(0, 1)))
@@ -80,16 +84,30 @@ def test_a_second_job_on_held_cores_fails_and_runs_once_they_are_free(make_spec,
     owners = {core: h["pid"] for core, h in holders(2).items()}
     assert set(owners) == {0, 1}
 
-    second = wait(backend, backend.submit(JobRequest(make_spec(name="second"), "sanity", "s", cores=(0, 1))), 0.2)
-    assert second.state is JobState.FAILED
-    assert second.failure.type == "CoresUnavailable" and second.failure.retryable is True
-    assert "NeuronCore(s) not available" in second.failure.message
-    assert any(f"pid {pid}" in second.failure.message for pid in owners.values())
+    impatient = make_spec(name="second", compute={"max_pending_minutes": 0})
+    with pytest.raises(TransientError) as refused:
+        backend.submit(JobRequest(impatient, "sanity", "s", cores=(0, 1)))
+    message = str(refused.value)
+    assert message.startswith("sanity: the NeuronCores it needs are busy: nc0 held by pid ")
+    assert all(f"pid {pid} (trnflow.workload train rank {rank} of run long)" in message
+               for rank, pid in enumerate(owners.values()))
 
-    for pid in owners.values():  # SIGKILL the holders: no cleanup code runs
-        os.kill(pid, signal.SIGKILL)
-    backend.cancel(first)
-    third = wait(backend, backend.submit(JobRequest(make_spec(name="third"), "sanity", "s", cores=(0, 1))), 0.2)
+    submitted: list[str] = []
+    with caplog.at_level(logging.WARNING, logger="trnflow.backends"):
+        waiting = threading.Thread(target=lambda: submitted.append(backend.submit(
+            JobRequest(make_spec(name="third", compute={"max_pending_minutes": 5}), "sanity", "w", cores=(0, 1)))))
+        waiting.start()
+        while not caplog.records and time.monotonic() < deadline + 60:
+            time.sleep(0.1)
+        assert not submitted  # still waiting for the cores
+        (told,) = [r.getMessage() for r in caplog.records]
+        assert told.startswith("sanity of run w waits up to 5 min for its NeuronCores: nc0 held by pid ")
+        assert "of run long" in told
+        for pid in owners.values():  # SIGKILL the holders: no cleanup code runs
+            os.kill(pid, signal.SIGKILL)
+        backend.cancel(first)
+        waiting.join(120)
+    third = wait(backend, submitted[0], 0.2)
     assert third.state is JobState.SUCCEEDED, third.failure
 
 

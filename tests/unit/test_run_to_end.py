@@ -55,3 +55,25 @@ def test_a_cancel_that_answers_is_waited_for():
     backend = Answers()
     assert cancel_within(backend, "job-1", 5.0) is True and backend.cancelling.is_set()
     assert JobInfo("job-1", JobState.CANCELLED).state.terminal
+
+
+def test_the_backends_warnings_reach_the_task_run_log_from_its_own_thread_only():
+    from trnflow.tasks._jobs import _forwarded
+
+    class TaskLog:
+        def __init__(self):
+            self.lines = []
+
+        def log(self, level, fmt, *args):
+            self.lines.append((level, fmt % args))
+
+    task_log, source = TaskLog(), logging.getLogger("trnflow.backends")
+    with _forwarded(source, task_log):
+        source.warning("sanity of run r waits up to %g min for its NeuronCores: %s", 5, "nc0 held by pid 7")
+        source.info("not a warning")
+        other = threading.Thread(target=lambda: source.warning("another task's wait"))
+        other.start()
+        other.join()
+    source.warning("after the block")
+    told = "sanity of run r waits up to 5 min for its NeuronCores: nc0 held by pid 7"
+    assert task_log.lines == [(logging.WARNING, told)]

@@ -64,6 +64,8 @@ def test_multi_node_needs_efa():
         ({"schedule": {"cron": "every day"}}, None, "schedule.cron"),
         ({"name": "Bad Name!"}, None, "name"),
         ({"compile": {"optlevel": 4}}, None, "compile.optlevel"),
+        ({"compute": {"backend": "sagemaker", "max_pending_minutes": 10}}, None, "compute.max_pending_minutes"),
+        ({"compute": {"hang_timeout_minutes": 0}}, None, "compute.hang_timeout_minutes"),
     ],
 )
 def test_bad_values_name_their_field(section, values, path):

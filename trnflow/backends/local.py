@@ -20,6 +20,7 @@ elsewhere, or with `warm_start=False`, it starts as a new process.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -34,7 +35,7 @@ from trnflow.backends.failures import name_first_rank, read_exits, read_reports,
 from trnflow.device.base import Device
 from trnflow.device.registry import get_device
 from trnflow.device.signing import SIGNING_KEY_ENV
-from trnflow.errors import FatalError
+from trnflow.errors import FatalError, TransientError
 from trnflow.fsutil import atomic_write_json, atomic_write_text
 from trnflow.neuron.launch import RANK_LOGS, launch_command, launch_env, parse_visible_cores
 from trnflow.processes import pid_alive
@@ -45,6 +46,11 @@ from trnflow.workload.memory import check_fits
 # job.json records only the variables that describe the job; everything else (credentials among
 # it) reaches the workers by inheritance and is never written down.
 _RECORDED = ("NEURON_", "TRNFLOW_", "OMP_", "PYTHON", "TORCH", "FI_", "SM_", "AWS_BATCH_JOB_")
+
+
+log = logging.getLogger("trnflow.backends")
+WAIT_POLL_SECONDS = 1.0
+"""How often a job waiting for busy NeuronCores looks again."""
 
 
 def _recorded(env: dict[str, str]) -> dict[str, str]:
@@ -85,11 +91,35 @@ class LocalBackend:
                              "the job needs; raise it or unset it")
         return self.device.allocate(request.world_size, total, request.exclude_cores)
 
+    def _free_cores(self, request: JobRequest) -> list[int]:
+        """The job's cores (`_place`) once no other process holds them. Busy cores are waited for
+        up to `compute.max_pending_minutes`, as a cloud job waits for capacity, with a log line
+        naming who holds them; after that the job fails as transient (retried)."""
+        limit = request.spec.compute.max_pending_minutes * 60 if request.spec else 0.0
+        deadline, told = time.monotonic() + limit, False
+        total = instance(request.itype).cores
+        while True:
+            try:
+                cores = self._place(request)
+                held = self.device.busy(cores, total)
+            except TransientError as exc:  # no free range of cores at all
+                cores, held = [], str(exc)
+            if held is None:
+                return cores
+            if time.monotonic() >= deadline:
+                waited = f" after waiting {limit / 60:g} min (compute.max_pending_minutes)" if limit else ""
+                raise TransientError(f"{request.phase}: the NeuronCores it needs are busy{waited}: {held}")
+            if not told:
+                log.warning("%s of run %s waits up to %g min for its NeuronCores: %s", request.phase, request.run_id,
+                            limit / 60, held)
+                told = True
+            time.sleep(WAIT_POLL_SECONDS)
+
     def submit(self, request: JobRequest) -> str:
         spec = request.spec
         if spec is not None:
             check_fits(spec)  # refuse a job that cannot fit before anything starts
-        cores = self._place(request)
+        cores = self._free_cores(request)
         job_id = f"{request.name}-{request.phase}-{uuid.uuid4().hex[:8]}"
         job_dir = self.jobs_dir / job_id
         (job_dir / "output").mkdir(parents=True)
@@ -99,7 +129,7 @@ class LocalBackend:
             atomic_write_json(job_dir / "options.json", request.options)
         argv = launch_command(request.phase, len(cores), job_dir, request.run_id, request.checkpoint,
                               with_spec=spec is not None, with_options=bool(request.options))
-        env = launch_env(spec, cores, request.itype)
+        env = launch_env(spec, cores, request.itype) | {"TRNFLOW_RUN_ID": request.run_id}
         if request.phase != "compile":  # the cache's signing key is the compile stage's alone
             env.pop(SIGNING_KEY_ENV, None)
         self.device.check_launch_env(env)

@@ -289,3 +289,8 @@ class Device(ABC):
     def allocate(self, count: int, total: int, exclude: frozenset[int] = frozenset()) -> list[int]:
         """`count` free contiguous cores, aligned to `count`, avoiding `exclude`."""
         return aligned_ranges(count, total, exclude)[0]
+
+    def busy(self, cores: list[int], total: int) -> str | None:
+        """Which of `cores` another process holds, and who (`nc0 held by pid 12 (...)`), or None when
+        all are free. None where the device cannot tell (the runtime refuses a held core at claim)."""
+        return None

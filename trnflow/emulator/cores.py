@@ -99,13 +99,14 @@ def acquire(cores: list[int], total: int, command: str, attempts: int = 3) -> Co
     return lease
 
 
+def held_text(held: dict[int, dict]) -> str:
+    """`nc0 held by pid 12 (trnflow.workload compile rank 0 of run r1); ...`"""
+    return "; ".join(f"nc{core} held by pid {h.get('pid')} ({h.get('command', '?')})" for core, h in held.items())
+
+
 def unavailable(requested: list[int], total: int) -> CoresUnavailable:
     held = holders(total)
-    owners = "; ".join(
-        f"nc{core} held by pid {h.get('pid')} ({h.get('command', '?')})"
-        for core, h in held.items()
-        if core in requested
-    )
+    owners = held_text({core: h for core, h in held.items() if core in requested})
     return CoresUnavailable(
         f"ERROR  NRT:nrt_allocate_neuron_cores  NeuronCore(s) not available - "
         f"Requested:{format_cores(requested)} Available:{total - len(held)}. {owners}. "

@@ -42,6 +42,10 @@ class EmulatorDevice(Device):
     def allocate(self, count: int, total: int, exclude: frozenset[int] = frozenset()) -> list[int]:
         return cores.allocate(count, total, exclude)
 
+    def busy(self, cores_: list[int], total: int) -> str | None:
+        held = {core: h for core, h in cores.holders(total).items() if core in cores_}
+        return cores.held_text(held) or None
+
     def compiler(self, spec: JobSpec, mode: str = "run", log: Log | None = None,
                  workdir: Path | None = None, model: str = "") -> CachedCompiler:
         """`run`: graphs load from the spec's persistent cache into a private Inductor folder (so a

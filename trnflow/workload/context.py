@@ -133,7 +133,9 @@ def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dic
                          "give one core per worker process")
     core_id = visible[local_rank]
     total = int(os.environ.get(INSTANCE_CORES_ENV, str(max(visible) + 1)))
-    lease = device.claim([core_id], total, command=f"trnflow.workload {phase} rank {rank}")
+    run = os.environ.get("TRNFLOW_RUN_ID")  # the holder's run, for a job that waits for this core
+    lease = device.claim([core_id], total, command=f"trnflow.workload {phase} rank {rank}" + (
+        f" of run {run}" if run else ""))
     # The host's CPUs shared between the ranks keeps them from fighting over CPUs (oversubscription is slow).
     threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, world))
     if os.environ.get(PIN_CPUS_ENV) == "1":
