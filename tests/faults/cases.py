@@ -70,6 +70,8 @@ class Case:
     so that a fault that never fired cannot pass as recovered."""
     ci: bool = False
     """The case `make test` runs: the matrix's cases take about a minute each."""
+    node_faults: dict[int, str] = field(default_factory=dict)
+    """On a cloud backend: device faults of one node (by node index) instead of the service's fault."""
 
 
 def _faults(*faults: dict) -> dict:
@@ -232,6 +234,10 @@ CASES = [
          storage="sagemaker", seen=lambda row: row["retries_by"].get("service", 0) == 1),
     Case("batch-host-failure", "AWS Batch loses a host of the two-node training job after a checkpoint",
          storage="batch", seen=lambda row: row["retries_by"].get("service", 0) == 1),
+    Case("batch-stalled-main-node", "the main node of the two-node Batch training job stops answering at step 15: "
+         "node 1 fails, and trnflow stops the job", {"preflight": {"collective_timeout_seconds": 15}},
+         storage="batch", node_faults={0: "stall@0:train:15"},
+         seen=lambda row: row["retries_by"].get("task:train", 0) == 1),
     Case("disk-full", "no space left on the device while writing the step-30 checkpoint", setup=disk_full),
     Case("kill-torn-hw", "three in one run: a rank SIGKILLed at step 13, the step-20 checkpoint torn, then a "
          "hardware error on core 0 at step 25",

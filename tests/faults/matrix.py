@@ -86,7 +86,8 @@ class Matrix:
         fault = (ServiceFault("sagemaker", "train", "InternalServerError: We encountered an internal error.",
                               when="checkpoint") if case.storage == "sagemaker" else
                  ServiceFault("batch", "train", HOST_LOST, when="checkpoint"))
-        with MockCloud(self.moto(), run.folder / "cloud", faults=[fault]) as cloud:
+        faults = [] if case.node_faults else [fault]
+        with MockCloud(self.moto(), run.folder / "cloud", faults=faults, node_faults=case.node_faults) as cloud:
             outputs = provision(cloud.client, prefix=f"f{case.storage[:2]}")
             bucket = outputs["DATA_BUCKET"]
             s3 = boto3.client("s3")
