@@ -173,6 +173,20 @@ class ComputeSpec(Section):
     instance_type: Literal[TRAINING_TYPES] = Field(  # type: ignore[valid-type]
         "trn1.2xlarge", description="Trainium instance type (the emulator mirrors its topology)."
     )
+    instance_preferences: list[Literal[TRAINING_TYPES]] = Field(  # type: ignore[valid-type]
+        [], max_length=5,
+        description="Instance types to try in turn, the most wanted first, when one has no capacity; "
+        "compute.instance_type is the first of them (leave it unset, or set it to the first). Each must take the "
+        "job as the first does (cores, nodes, device, memory) and run the same training image (one family: trn1 "
+        "and trn1n, or trn2 and trn3). SageMaker picks the first with capacity (ResourceConfig.InstancePreferences); "
+        "on Batch a job still waiting for capacity after compute.max_pending_minutes is resubmitted for the next. "
+        "The run records the type it got and is priced by it.",
+    )
+    training_plan: str | None = Field(
+        None, pattern=r"^arn:aws[a-z-]*:sagemaker:[a-z0-9-]+:\d{12}:training-plan/[A-Za-z0-9-]{1,64}$",
+        description="SageMaker: the ARN of a training plan (reserved capacity) the jobs run on "
+        "(ResourceConfig.TrainingPlanArn). Its instance type must be compute.instance_type.",
+    )
     nodes: int = Field(1, ge=1, le=512, description="Number of instances.")
     cores_per_node: int = Field(2, ge=1, le=256, description="NeuronCores used per instance, one worker process each.")
     device: Literal["auto", "emulator", "neuron", "xla"] = Field(
@@ -245,27 +259,75 @@ class ComputeSpec(Section):
         """The memory each Batch node's container reserves: memory_gib, else all it can have."""
         return self.memory_gib or container_memory_limit_gib(self.instance_type)
 
+    @property
+    def instance_choices(self) -> list[str]:
+        """The instance types a job may run on, the most wanted first."""
+        return list(self.instance_preferences) or [self.instance_type]
+
+    @model_validator(mode="before")
+    @classmethod
+    def _first_preference_is_the_type(cls, data: Any) -> Any:
+        """compute.instance_type left unset, with preferences: the first of them."""
+        if isinstance(data, dict) and data.get("instance_preferences") and "instance_type" not in data:
+            wanted = data["instance_preferences"]
+            if isinstance(wanted, list) and wanted:
+                return {**data, "instance_type": wanted[0]}
+        return data
+
+    @model_validator(mode="after")
+    def _preferences_agree(self) -> ComputeSpec:
+        wanted = self.instance_preferences
+        if not wanted:
+            return self
+        if self.instance_type != wanted[0]:
+            raise ValueError(f"compute.instance_type: {self.instance_type} is not the first of "
+                             f"compute.instance_preferences ({wanted[0]}); leave it unset, or set it to {wanted[0]}")
+        if len(set(wanted)) < len(wanted):
+            raise ValueError("compute.instance_preferences: an instance type is listed twice; list each once")
+        if len({instance(t).native_torch for t in wanted}) > 1:
+            raise ValueError(f"compute.instance_preferences: {', '.join(wanted)} mix trn1 with trn2/trn3, which run "
+                             "different training images; one job runs one image, so list one family only")
+        if self.training_plan:
+            raise ValueError("compute.training_plan: a training plan reserves one instance type; remove "
+                             "compute.instance_preferences, or the training plan")
+        for other in wanted[1:]:
+            self._takes_the_job(other, "compute.instance_preferences")
+        return self
+
     @model_validator(mode="after")
     def _fits_instance(self) -> ComputeSpec:
-        itype = instance(self.instance_type)
+        return self._takes_the_job(self.instance_type, "compute")
+
+    def _takes_the_job(self, name: str, where: str) -> ComputeSpec:
+        """Refuse an instance type that cannot run the job as specified (`where` names the field
+        that chose it, for an alternative in compute.instance_preferences)."""
+        itype = instance(name)
+        also = f" ({where} lists it)" if where != "compute" else ""
         if self.cores_per_node > itype.cores:
             bigger = next((t.name for t in CATALOGUE.values() if t.trainium and t.cores >= self.cores_per_node),
                           None)
             fix = f" or pick {bigger}" if bigger else ""
             raise ValueError(
-                f"compute.cores_per_node: {itype.name} has {itype.cores} NeuronCores; "
+                f"compute.cores_per_node: {itype.name}{also} has {itype.cores} NeuronCores; "
                 f"set compute.cores_per_node <= {itype.cores}{fix}"
             )
         if self.device == "neuron" and not itype.native_torch:
             raise ValueError(
-                f"compute.device: neuron (native TorchNeuron) runs on trn2 and later, not on {itype.name} "
+                f"compute.device: neuron (native TorchNeuron) runs on trn2 and later, not on {itype.name}{also} "
                 f"(NeuronCore-{itype.neuroncore_version}), which runs the xla device: set compute.device to xla or auto"
             )
         if self.nodes > 1 and not itype.multi_node:
             raise ValueError(
-                f"compute.nodes: {itype.name} has no EFA for multi-node training; set compute.nodes: 1 "
+                f"compute.nodes: {itype.name}{also} has no EFA for multi-node training; set compute.nodes: 1 "
                 "or pick trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _plans_are_sagemakers(self) -> ComputeSpec:
+        if self.training_plan and self.backend != "sagemaker":
+            raise ValueError(f"compute.training_plan: training plans are SageMaker's, and compute.backend is "
+                             f"{self.backend}; remove compute.training_plan, or run on sagemaker")
         return self
 
     @model_validator(mode="after")

@@ -18,7 +18,7 @@ from trnflow.errors import ERROR_TYPES, FatalError, TransientError, TrnflowError
 from trnflow.events import EVENT_FIELD, parse_event, readable
 from trnflow.redact import Redactor
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
-from trnflow.results import FailureReport, StageResult
+from trnflow.results import FailureReport, RanOn, StageResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 
@@ -94,11 +94,16 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
         raise
     except Exception as exc:  # the backend itself failed: say so; the error class decides on retries
         raise FatalError(f"{phase}: the {backend.name} backend failed: {exc}") from exc
+    got = info.details.get("instance_type") or spec.compute.instance_type
     JobLedger(settings.home, run_id).record(LedgerEntry(phase, info.job_id, str(info.state),
                                                         info.details.get("seconds") or 0.0,
-                                                        nodes=placement(request)[0]))
+                                                        nodes=placement(request)[0], instance_type=got))
+    if got != spec.compute.instance_type:
+        logger.info("%s job %s got %s (compute.instance_preferences)", phase, info.job_id, got)
     if info.state is JobState.SUCCEEDED and info.result is not None:
         result = info.result
+        result.ran_on = RanOn(backend=backend.name, job_id=info.job_id, instance_type=got,
+                              hosts=info.details.get("hosts") or [])
         if result.device is not None:
             logger.info("%s ran on the %s device (%s)", phase, result.device.name, result.device.reason)
         return result

@@ -38,6 +38,17 @@ class DeviceUsed(_Model):
     reason: str = Field(description="what chose it")
 
 
+class RanOn(_Model):
+    """Where a stage's job ran, as the service that ran it says."""
+
+    backend: str = Field(description="local, sagemaker or batch")
+    job_id: str = Field(description="the job: a local job's folder, a SageMaker training job, a Batch job id")
+    instance_type: str = Field(description="the instance type the job got (one of compute.instance_preferences, "
+                               "when the spec lists them)")
+    hosts: list[str] = Field(default_factory=list, description="the instances it held, where the service names "
+                             "them")
+
+
 class StageResult(_Model):
     """What every stage's result carries."""
 
@@ -46,6 +57,7 @@ class StageResult(_Model):
     cores: list[int] | None = Field(None, description="the NeuronCores the job ran on (None: the service placed it)")
     summary: str = Field("", description="the stage's key figure, one line")
     compile: CompileMetrics | None = Field(None, description="what the job compiled")
+    ran_on: RanOn | None = Field(None, description="where the job ran; None for a stage that ran no job")
 
 
 class CollectivesResult(StageResult):

@@ -30,7 +30,7 @@ def _upload(s3, folder, bucket, prefix):
 
 @contextlib.contextmanager
 def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=False, compile_cache=None,
-           node_faults=None):
+           node_faults=None, no_capacity=None):
     """The emulated AWS with trnflow's deployment in it and the session's dataset uploaded (and a
     compile cache, when given, as the S3 cache). The client reaches it in-process (`mock_aws`) or
     through the moto server on 127.0.0.1; the job containers always reach it through the server,
@@ -47,7 +47,8 @@ def _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_process=
     else:
         monkeypatch.setenv("AWS_ENDPOINT_URL", moto_endpoint)
     with mock_aws() if in_process else contextlib.nullcontext():
-        cloud = MockCloud(moto_endpoint, tmp_path / "cloud", faults=list(faults), node_faults=node_faults)
+        cloud = MockCloud(moto_endpoint, tmp_path / "cloud", faults=list(faults), node_faults=node_faults,
+                          no_capacity=no_capacity)
         with cloud:
             outputs = provision(cloud.client)
             for name in SETTINGS:
@@ -200,6 +201,45 @@ def test_a_user_error_fails_the_stage_once_and_is_never_retried(
             assert len(jobs) == 1
             (job,) = boto3.client("batch").describe_jobs(jobs=[jobs[0]["jobId"]])["jobs"]
             assert len(job["attempts"]) == 1  # the EXIT rule: Batch did not retry it either
+
+
+def test_sagemaker_launches_the_first_preferred_instance_type_with_capacity_and_the_run_is_priced_by_it(
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    """No capacity for trn1.32xlarge: SageMaker takes the next of the spec's instance preferences, the
+    stage records the type it got, and the cost table prices the job at that type's SageMaker price."""
+    import boto3
+
+    from trnflow.flows.preflight import preflight
+    from trnflow.specs.instances import price
+
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, no_capacity={"trn1.32xlarge"}) as (_, bucket):
+        spec = _cloud_spec(make_spec, bucket, "sagemaker", compute={
+            "instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"]})
+        outcome = preflight(spec, run_id="preferred")
+        sanity = outcome.results["sanity"]
+        assert sanity.ran_on.backend == "sagemaker" and sanity.ran_on.instance_type == "trn1n.32xlarge"
+        assert sanity.ran_on.hosts == ["algo-1"]
+        job = boto3.client("sagemaker").describe_training_job(TrainingJobName=sanity.ran_on.job_id)
+        assert job["ResourceConfig"]["SelectedInstanceType"] == "ml.trn1n.32xlarge"
+        assert job["StoppingCondition"]["MaxPendingTimeInSeconds"] == 3600
+        (row,) = outcome.cost.rows
+        assert row.instance_type == "trn1n.32xlarge"
+        assert row.price_per_node_hour == price("sagemaker", "trn1n.32xlarge").usd_per_hour
+
+
+def test_a_sagemaker_job_with_no_capacity_for_any_of_its_types_fails_as_a_capacity_error(
+        make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    from trnflow.backends.cloud import cloud_target
+    from trnflow.backends.sagemaker import SageMakerBackend
+    from trnflow.settings import TrnflowSettings
+
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, no_capacity={"trn1.2xlarge"}) as (_, bucket):
+        backend = SageMakerBackend(cloud_target(TrnflowSettings(), "sagemaker"))
+        info = wait(backend, backend.submit(JobRequest(_cloud_spec(make_spec, bucket, "sagemaker"), "sanity", "none")),
+                    0.2)
+        assert info.state.value == "FAILED"
+        assert info.failure.type == "CapacityError" and info.failure.retryable is True
+        assert "Unable to provision requested ML compute capacity" in info.failure.message
 
 
 @pytest.mark.parametrize("service", ["batch", "sagemaker"])

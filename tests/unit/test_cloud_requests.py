@@ -59,7 +59,8 @@ def test_the_sagemaker_request_for_a_training_stage_whole():
         "AlgorithmSpecification": {"TrainingImage": TARGET.image, "TrainingInputMode": "File"},
         "HyperParameters": {"phase": "train", "run-id": "20261123-run"},
         "ResourceConfig": {"InstanceType": "ml.trn1n.32xlarge", "InstanceCount": 2, "VolumeSizeInGB": 200},
-        "StoppingCondition": {"MaxRuntimeInSeconds": 6 * 3600},
+        # a job that waits longer than compute.max_pending_minutes for capacity is stopped
+        "StoppingCondition": {"MaxRuntimeInSeconds": 6 * 3600, "MaxPendingTimeInSeconds": 3600},
         "CheckpointConfig": {"S3Uri": "s3://acme-ckpt/embed/20261123-run", "LocalPath": "/opt/ml/checkpoints"},
         "RetryStrategy": {"MaximumRetryAttempts": 3},
         "InputDataConfig": [
@@ -71,6 +72,58 @@ def test_the_sagemaker_request_for_a_training_stage_whole():
                  {"Key": "trnflow:run-id", "Value": "20261123-run"},
                  {"Key": "trnflow:spec-digest", "Value": request.spec.digest()}],
     }
+
+
+def _valid_for_the_service(service: str, operation: str, params: dict) -> None:
+    """Refused as botocore refuses a request the service's model does not allow."""
+    import botocore.session
+    from botocore.validate import ParamValidator
+
+    model = botocore.session.get_session().get_service_model(service).operation_model(operation)
+    report = ParamValidator().validate(params, model.input_shape)
+    assert not report.has_errors(), report.generate_report()
+
+
+def test_capacity_settings_become_sagemakers_instance_preferences_pending_limit_and_training_plan():
+    wanted = _spec(itype="trn1.32xlarge", compute={"instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"],
+                                                    "max_pending_minutes": 45})
+    body = build_training_job_request(JobRequest(wanted, "train", "r1"), TARGET)
+    assert body["ResourceConfig"] == {"InstanceCount": 2, "VolumeSizeInGB": 200, "InstancePreferences": [
+        {"InstanceType": "ml.trn1.32xlarge"}, {"InstanceType": "ml.trn1n.32xlarge"}]}  # never with InstanceType
+    assert body["StoppingCondition"] == {"MaxRuntimeInSeconds": 6 * 3600, "MaxPendingTimeInSeconds": 45 * 60}
+    _valid_for_the_service("sagemaker", "CreateTrainingJob", body)
+
+    plan = "arn:aws:sagemaker:us-east-1:123456789012:training-plan/reserved-trn1"
+    planned = build_training_job_request(JobRequest(_spec(compute={"training_plan": plan, "max_pending_minutes": 0}),
+                                                    "train", "r2"), TARGET)
+    assert planned["ResourceConfig"]["TrainingPlanArn"] == plan
+    assert planned["StoppingCondition"] == {"MaxRuntimeInSeconds": 6 * 3600}  # 0: SageMaker's own default
+    _valid_for_the_service("sagemaker", "CreateTrainingJob", planned)
+
+
+@pytest.mark.parametrize(("compute", "problem"), [
+    ({"instance_type": "trn1.2xlarge", "instance_preferences": ["trn1.32xlarge"]},
+     "compute.instance_type: trn1.2xlarge is not the first of compute.instance_preferences (trn1.32xlarge)"),
+    ({"instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn2.48xlarge"]},
+     "mix trn1 with trn2/trn3, which run different training images"),
+    ({"instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn1.2xlarge"]},
+     "compute.cores_per_node: trn1.2xlarge (compute.instance_preferences lists it) has 2 NeuronCores"),
+    ({"instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"],
+      "training_plan": "arn:aws:sagemaker:us-east-1:123456789012:training-plan/p"},
+     "compute.training_plan: a training plan reserves one instance type"),
+    ({"backend": "batch", "training_plan": "arn:aws:sagemaker:us-east-1:123456789012:training-plan/p"},
+     "compute.training_plan: training plans are SageMaker's, and compute.backend is batch"),
+])
+def test_every_instance_a_job_may_get_is_checked_up_front(compute, problem):
+    with pytest.raises(SpecError) as refused:
+        _spec(compute=compute)
+    assert problem in str(refused.value)
+
+
+def test_an_unset_instance_type_is_the_first_preference():
+    data = quickstart_data(compute={"instance_preferences": ["trn1n.32xlarge", "trn1.32xlarge"], "cores_per_node": 32})
+    del data["compute"]["instance_type"]
+    assert validate_spec(data).compute.instance_type == "trn1n.32xlarge"
 
 
 def test_an_inference_stage_gets_its_checkpoint_and_the_inference_channel_only():

@@ -115,3 +115,13 @@ def test_the_compile_job_is_billed_on_the_one_node_it_held_not_the_training_jobs
     assert (train_row.nodes, train_row.cost_usd) == (4, 86.0)
     ledger.record(LedgerEntry("train", "t2", "SUCCEEDED", 3600.0, nodes=2))  # a job that held two
     assert stage_cost(spec, "train", ledger.new_entries()).cost_usd == 43.0
+
+
+def test_each_job_is_billed_at_the_price_of_the_instance_type_it_got():
+    spec = _spec("sagemaker", instance_preferences=["trn1.32xlarge", "trn1n.32xlarge"], nodes=2)
+    first, second = (price("sagemaker", t).usd_per_hour for t in ("trn1.32xlarge", "trn1n.32xlarge"))
+    row = stage_cost(spec, "train", [LedgerEntry("train", "a", "FAILED", 600.0, nodes=2),  # the spec's type
+                                     LedgerEntry("train", "b", "SUCCEEDED", 1800.0, nodes=2,
+                                                 instance_type="trn1n.32xlarge")])
+    assert row.instance_type == "trn1n.32xlarge" and row.price_per_node_hour == second and row.jobs == 2
+    assert row.cost_usd == round((first * 2 * 600 + second * 2 * 1800) / 3600, 4)

@@ -75,8 +75,13 @@ class SageMakerBackend:
         desc = self._describe(job_id)
         state = sagemaker_state(desc)
         restarts = sum(1 for t in desc.get("SecondaryStatusTransitions", []) if t.get("Status") == "Restarting")
+        config = desc.get("ResourceConfig") or {}
         details = {"seconds": desc.get("BillableTimeInSeconds"), "status": desc["TrainingJobStatus"],
-                   "secondary_status": desc.get("SecondaryStatus"), "restarts": restarts, "cores": None}
+                   "secondary_status": desc.get("SecondaryStatus"), "restarts": restarts, "cores": None,
+                   "instance_type": (config.get("SelectedInstanceType") or config.get("InstanceType") or "")
+                   .removeprefix("ml.") or None,
+                   "hosts": [f"algo-{i + 1}" for i in range(config.get("SelectedInstanceCount")
+                                                            or config.get("InstanceCount") or 0)]}
         if state is JobState.RUNNING:
             self._stop_if_a_node_failed(job_id, desc)
         if state in (JobState.FAILED, JobState.CANCELLED) and job_id in self._node_failed:

@@ -29,6 +29,9 @@ MAX_RETRY_ATTEMPTS = 30
 """SageMaker's limit for RetryStrategy.MaximumRetryAttempts."""
 
 
+MIN_PENDING_SECONDS = 1800
+"""SageMaker's least StoppingCondition.MaxPendingTimeInSeconds (the spec refuses less)."""
+
 BASE_NAME_LENGTH = 48
 """ModelTrainer appends `-<YYYYmmddHHMMSS>` to the base name and cuts the whole to 63 characters."""
 
@@ -53,11 +56,34 @@ def _checkpoint_config(spec: JobSpec, run_id: str) -> dict[str, str]:
     return {"S3Uri": checkpoint_s3_uri(spec, run_id), "LocalPath": CHECKPOINT_DIR}
 
 
+def resource_config(spec: JobSpec, instances: int) -> dict[str, Any]:
+    """The instances: one type, or (compute.instance_preferences) SageMaker's ordered
+    `InstancePreferences`, of which it launches the first that has capacity; a training plan's
+    reserved capacity when compute.training_plan names one."""
+    compute = spec.compute
+    config: dict[str, Any] = {"InstanceCount": instances, "VolumeSizeInGB": compute.volume_gb}
+    if compute.instance_preferences:
+        config["InstancePreferences"] = [{"InstanceType": f"ml.{t}"} for t in compute.instance_preferences]
+    else:
+        config["InstanceType"] = f"ml.{compute.instance_type}"
+    if compute.training_plan:
+        config["TrainingPlanArn"] = compute.training_plan
+    return config
+
+
+def stopping_condition(spec: JobSpec) -> dict[str, int]:
+    """How long a job may run, and wait for capacity before it is stopped (compute.max_pending_minutes)."""
+    compute = spec.compute
+    condition = {"MaxRuntimeInSeconds": int(compute.max_runtime_hours * 3600)}
+    if compute.max_pending_minutes:
+        condition["MaxPendingTimeInSeconds"] = max(MIN_PENDING_SECONDS, int(compute.max_pending_minutes * 60))
+    return condition
+
+
 def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict[str, Any]:
     spec = request.spec
     if spec is None:
         raise FatalError("a SageMaker job needs a job spec")
-    compute = spec.compute
     channels = [_channel("spec", spec_url(target, request).rpartition("/")[0], "staging_url", mode="File")]
     if request.phase in ("train", "evaluate"):
         channels += [_channel("train", spec.data.train, "data.train"),
@@ -75,12 +101,8 @@ def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict
             "TrainingInputMode": "File",
         },
         "HyperParameters": hyperparameters,
-        "ResourceConfig": {
-            "InstanceType": f"ml.{compute.instance_type}",
-            "InstanceCount": placement(request)[0],
-            "VolumeSizeInGB": compute.volume_gb,
-        },
-        "StoppingCondition": {"MaxRuntimeInSeconds": int(compute.max_runtime_hours * 3600)},
+        "ResourceConfig": resource_config(spec, placement(request)[0]),
+        "StoppingCondition": stopping_condition(spec),
         "CheckpointConfig": _checkpoint_config(spec, request.run_id),
         # SageMaker retries a job that failed with an internal error itself; trnflow's own retries
         # (resubmissions) are for the failures SageMaker does not retry.

@@ -7,6 +7,7 @@ The SDK is imported here only, when a job is submitted: importing it takes about
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 from trnflow import aws
@@ -51,6 +52,7 @@ def model_trainer(body: dict[str, Any], boto_session: Any, default_bucket: str) 
     """A ModelTrainer that sends `body` (its `TrainingJobName` is the base of the unique name)."""
     # The SageMaker SDK takes ~3 s and 200 MB to import: only a SageMaker submission loads it.
     from sagemaker.core.helper.session_helper import Session
+    from sagemaker.core.shapes import InstancePreference
     from sagemaker.core.training.configs import (
         CheckpointConfig,
         Compute,
@@ -69,10 +71,14 @@ def model_trainer(body: dict[str, Any], boto_session: Any, default_bucket: str) 
         base_job_name=body["TrainingJobName"],
         training_image=body["AlgorithmSpecification"]["TrainingImage"],
         training_input_mode=body["AlgorithmSpecification"]["TrainingInputMode"],
-        compute=Compute(instance_type=resources["InstanceType"], instance_count=resources["InstanceCount"],
-                        volume_size_in_gb=resources["VolumeSizeInGB"]),
+        compute=Compute(instance_type=resources.get("InstanceType"), instance_count=resources["InstanceCount"],
+                        volume_size_in_gb=resources["VolumeSizeInGB"],
+                        instance_preferences=[InstancePreference(instance_type=p["InstanceType"])
+                                              for p in resources.get("InstancePreferences", [])] or None,
+                        training_plan_arn=resources.get("TrainingPlanArn")),
         stopping_condition=StoppingCondition(
-            max_runtime_in_seconds=body["StoppingCondition"]["MaxRuntimeInSeconds"]),
+            max_runtime_in_seconds=body["StoppingCondition"]["MaxRuntimeInSeconds"],
+            max_pending_time_in_seconds=body["StoppingCondition"].get("MaxPendingTimeInSeconds")),
         checkpoint_config=CheckpointConfig(s3_uri=checkpoint["S3Uri"], local_path=checkpoint["LocalPath"]),
         output_data_config=OutputDataConfig(s3_output_path=body["OutputDataConfig"]["S3OutputPath"]),
         input_data_config=[_channel(c) for c in body["InputDataConfig"]],
@@ -88,6 +94,10 @@ def submit(body: dict[str, Any], boto_session: Any, default_bucket: str) -> str:
     """Send the job; returns the training job's name (the base name plus a timestamp)."""
     if aws.emulated():  # the SDK checks the role with iam:SimulatePrincipalPolicy, which moto lacks
         os.environ["SAGEMAKER_VALIDATE_ROLE"] = "false"
-    trainer = model_trainer(body, boto_session, default_bucket)
-    trainer.train(wait=False, logs=False)
+    with warnings.catch_warnings():
+        # The SDK's InstancePreference leaves its optional TrainingPlanArns as a sentinel that its own
+        # serializer warns about on every submission; the request it sends omits the field, as it should.
+        warnings.filterwarnings("ignore", message="Pydantic serializer warnings", category=UserWarning)
+        trainer = model_trainer(body, boto_session, default_bucket)
+        trainer.train(wait=False, logs=False)
     return trainer._latest_training_job.training_job_name

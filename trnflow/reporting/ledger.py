@@ -24,6 +24,8 @@ class LedgerEntry:
     nodes: int | None = None
     """The instances the job held (`trnflow.backends.cloud.placement` of its request); None in
     entries written before trnflow recorded it, which are billed on the spec's nodes."""
+    instance_type: str | None = None
+    """The instance type the job got (one of compute.instance_preferences); None: the spec's."""
 
 
 class JobLedger:

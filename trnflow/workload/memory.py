@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -84,10 +84,14 @@ def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:
 
 
 def check_fits(spec: JobSpec) -> MemoryEstimate:
-    """The estimate, or FatalError with both numbers and what to change."""
+    """The estimate, or FatalError with both numbers and what to change: on every instance type the
+    job may get (compute.instance_preferences)."""
     est = estimate(spec)
-    if not est.fits:
-        t = instance(spec.compute.instance_type)
+    for name in spec.compute.instance_choices:
+        t = instance(name)
+        if est.total <= t.core_memory_bytes:
+            continue
+        est = replace(est, per_core_limit=t.core_memory_bytes)
         raise FatalError(
             f"the job needs about {est.total / GIB:.1f} GiB of device memory per NeuronCore "
             f"(weights {est.weights / GIB:.1f}, gradients {est.gradients / GIB:.1f}, optimizer "

@@ -58,11 +58,16 @@ class ServiceFault:
 
 class MockCloud:
     def __init__(self, endpoint_url: str, work_dir: Path, faults: list[ServiceFault] | None = None,
-                 region: str = "us-east-1", node_faults: dict[int, str] | None = None):
+                 region: str = "us-east-1", node_faults: dict[int, str] | None = None,
+                 no_capacity: set[str] | None = None):
         self.endpoint_url = endpoint_url.rstrip("/")
         self.work_dir = Path(work_dir)
         self.region = region
         self._faults = list(faults or [])
+        self.no_capacity = set(no_capacity or ())
+        """Instance types (`trn1.32xlarge`) the services have no capacity for: SageMaker fails a job that
+        asks only for them with its capacity error, or launches the first of its InstancePreferences
+        that has capacity; a Batch job for one stays RUNNABLE, as Batch leaves it."""
         self.node_faults = dict(node_faults or {})
         """Device faults (`TRNFLOW_FAULTS` syntax) of one node of every job, by node index (Batch's
         node index; SageMaker's host, algo-1 being 0): a fault of that node's instance alone."""

@@ -22,6 +22,9 @@ from trnflow.testing.mockcloud.nodes import Node, container_env, free_port, run_
 from trnflow.workload.checkpoint import MARKER
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+CAPACITY_ERROR = ("CapacityError: Unable to provision requested ML compute capacity. Please retry using a different "
+                  "ML instance type.")
+"""SageMaker's FailureReason for a job none of whose instance types had capacity."""
 
 
 def download_prefix(s3: Any, url: str, into: Path) -> None:
@@ -125,7 +128,7 @@ class SageMakerJob:
         """The variables the training toolkit of the Neuron containers sets from /opt/ml."""
         hyper = self.body.get("HyperParameters") or {}
         channels = [c["ChannelName"] for c in self.body.get("InputDataConfig") or []]
-        itype = self.body["ResourceConfig"]["InstanceType"]
+        itype = f"ml.{self.itype}"
         env = {
             "TRNFLOW_OPT_ML": str(opt_ml), "TRAINING_JOB_NAME": self.name,
             "SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": host,
@@ -143,11 +146,29 @@ class SageMakerJob:
         env |= {f"SM_HP_{k.upper().replace('-', '_')}": str(v) for k, v in hyper.items()}
         return env
 
+    def _launch(self) -> str | None:
+        """The instance type launched: the requested one, or the first of `InstancePreferences` that
+        has capacity (recorded as `SelectedInstanceType`, as SageMaker does); None when none has."""
+        config = self.job.resource_config
+        wanted = [p["InstanceType"] for p in config.get("InstancePreferences") or []] or [config["InstanceType"]]
+        for itype in wanted:
+            if itype.removeprefix("ml.") not in self.cloud.no_capacity:
+                if "InstancePreferences" in config:
+                    config["SelectedInstanceType"] = itype
+                    config["SelectedInstanceCount"] = config.get("InstanceCount", 1)
+                return itype.removeprefix("ml.")
+            self._transition("Starting", "Insufficient capacity error from EC2 while launching instances, retrying!")
+        return None
+
     def _attempt(self, attempt: int) -> tuple[str, str, float]:
         fault = self.cloud.take_fault("sagemaker", self.phase, "start")
         if fault is not None:
             return "Failed", fault.reason, 0.0
-        s3, itype = self.cloud.client("s3"), self.body["ResourceConfig"]["InstanceType"].removeprefix("ml.")
+        itype = self._launch()
+        if itype is None:
+            return "Failed", CAPACITY_ERROR, 0.0
+        self.itype = itype
+        s3 = self.cloud.client("s3")
         root = self.cloud.work_dir / "sagemaker" / self.name / f"attempt-{attempt}"
         hosts, port, nodes = self._hosts(), free_port(), []
         self._transition("Downloading", "Downloading input data")
