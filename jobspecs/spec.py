@@ -661,6 +661,18 @@ class JobSpec(Section):
     def per_core_batch(self) -> int:
         return self.train.global_batch_size // self.compute.world_size
 
+    def on_instance(self, instance_type: str) -> JobSpec:
+        """This spec as run on `instance_type`, one of its compute.instance_choices (each was checked
+        against the job when the spec was validated): that type first, the ones after it still listed."""
+        choices = self.compute.instance_choices
+        if instance_type == self.compute.instance_type:
+            return self
+        if instance_type not in choices:
+            raise ValueError(f"{instance_type} is not one of compute.instance_preferences")
+        rest = choices[choices.index(instance_type):]
+        compute = self.compute.model_copy(update={"instance_type": instance_type, "instance_preferences": rest})
+        return self.model_copy(update={"compute": compute})
+
     def digest(self) -> str:
         """A stable hash of the whole spec (field order and formatting do not matter)."""
         blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()

@@ -8,13 +8,14 @@ import functools
 import logging
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 from prefect import get_run_logger
 
-from trnflow.backends import JobInfo, JobRequest, JobState, backend_for, run_to_end
+from trnflow.backends import Backend, JobInfo, JobRequest, JobState, backend_for, run_to_end
 from trnflow.backends.cloud import placement
-from trnflow.errors import ERROR_TYPES, FatalError, TransientError, TrnflowError
+from trnflow.errors import ERROR_TYPES, CapacityError, FatalError, TransientError, TrnflowError
 from trnflow.events import EVENT_FIELD, parse_event, readable
 from trnflow.redact import Redactor
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
@@ -75,12 +76,30 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
             checkpoint: str | None = None, cores: list[int] | None = None,
             exclude_cores: set[int] | None = None) -> StageResult:
     """Submit one phase, stream its log into the task's log, and return rank 0's result, typed, with
-    the cores it ran on (`cores`)."""
-    logger = get_run_logger()
-    settings = TrnflowSettings()
-    backend = backend_for(spec, settings)
+    the cores it ran on (`cores`) and where it ran (`ran_on`). A job that found no capacity for its
+    instance type is submitted again for the next of compute.instance_preferences, where the backend
+    does not choose among them itself (Batch)."""
+    backend = backend_for(spec, TrnflowSettings())
+    picks = getattr(backend, "picks_instance_type", True)
+    choices = [spec] if picks else [spec.on_instance(t) for t in spec.compute.instance_choices]
     request = JobRequest(spec, phase, run_id, processes=processes, checkpoint=checkpoint,
                          cores=tuple(cores) if cores else None, exclude_cores=frozenset(exclude_cores or ()))
+    for following, choice in zip([*choices[1:], None], choices, strict=True):
+        try:
+            return _run(backend, replace(request, spec=choice))
+        except CapacityError as exc:
+            if following is None:
+                raise
+            get_run_logger().warning("%s: no capacity for %s (%s); trying %s, the next of "
+                                     "compute.instance_preferences", phase, choice.compute.instance_type, exc,
+                                     following.compute.instance_type)
+    raise AssertionError("unreachable: the last choice returns or raises")
+
+
+def _run(backend: Backend, request: JobRequest) -> StageResult:
+    logger, settings = get_run_logger(), TrnflowSettings()
+    spec, phase = request.spec, request.phase
+    assert spec is not None, "stage jobs always carry a spec"
 
     def submitted(job_id: str) -> None:
         logger.info("%s job %s submitted to the %s backend on %d core(s)", phase, job_id, backend.name,
@@ -95,9 +114,9 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     except Exception as exc:  # the backend itself failed: say so; the error class decides on retries
         raise FatalError(f"{phase}: the {backend.name} backend failed: {exc}") from exc
     got = info.details.get("instance_type") or spec.compute.instance_type
-    JobLedger(settings.home, run_id).record(LedgerEntry(phase, info.job_id, str(info.state),
-                                                        info.details.get("seconds") or 0.0,
-                                                        nodes=placement(request)[0], instance_type=got))
+    JobLedger(settings.home, request.run_id).record(LedgerEntry(
+        phase, info.job_id, str(info.state), info.details.get("seconds") or 0.0, nodes=placement(request)[0],
+        instance_type=got))
     if got != spec.compute.instance_type:
         logger.info("%s job %s got %s (compute.instance_preferences)", phase, info.job_id, got)
     if info.state is JobState.SUCCEEDED and info.result is not None:

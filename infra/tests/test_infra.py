@@ -112,7 +112,8 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
     (environment,) = batch.describe_compute_environments(computeEnvironments=["trnflow-trn1"])[
         "computeEnvironments"]
     resources = environment["computeResources"]
-    assert resources["instanceTypes"] == ["trn1.32xlarge"] and resources["minvCpus"] == 0
+    # the fallback of compute.instance_preferences needs every listed type here
+    assert resources["instanceTypes"] == ["trn1.32xlarge", "trn1n.32xlarge"] and resources["minvCpus"] == 0
     (version,) = ec2.describe_launch_template_versions(LaunchTemplateName="trnflow-trn1-efa")[
         "LaunchTemplateVersions"]
     interfaces = version["LaunchTemplateData"]["NetworkInterfaces"]

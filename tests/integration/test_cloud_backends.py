@@ -227,6 +227,30 @@ def test_sagemaker_launches_the_first_preferred_instance_type_with_capacity_and_
         assert row.price_per_node_hour == price("sagemaker", "trn1n.32xlarge").usd_per_hour
 
 
+def test_a_batch_job_left_runnable_for_lack_of_capacity_is_cancelled_and_the_next_instance_type_runs_it(
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    """Batch leaves a job for trn1.32xlarge RUNNABLE while it has none. After compute.max_pending_minutes
+    trnflow cancels it, naming the queue and the instance type, and submits the job again for the next
+    of compute.instance_preferences; the stage records the type it got."""
+    import boto3
+
+    from trnflow.flows.preflight import preflight
+
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, no_capacity={"trn1.32xlarge"}) as (_, bucket):
+        spec = _cloud_spec(make_spec, bucket, "batch", compute={
+            "instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"], "max_pending_minutes": 0.05})
+        outcome = preflight(spec, run_id="fallback")
+        sanity = outcome.results["sanity"]
+        assert sanity.ran_on.backend == "batch" and sanity.ran_on.instance_type == "trn1n.32xlarge"
+        batch = boto3.client("batch")
+        failed = batch.list_jobs(jobQueue="trnflow-trn1", jobStatus="FAILED")["jobSummaryList"]
+        (starved,) = batch.describe_jobs(jobs=[j["jobId"] for j in failed])["jobs"]
+        assert starved["statusReason"].startswith("trnflow stopped the job: no trn1.32xlarge capacity after 0.05 min")
+        assert not starved.get("attempts")  # it never started: nothing was billed
+        (row,) = outcome.cost.rows
+        assert row.jobs == 2 and row.instance_type == "trn1n.32xlarge"
+
+
 def test_a_sagemaker_job_with_no_capacity_for_any_of_its_types_fails_as_a_capacity_error(
         make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
     from trnflow.backends.cloud import cloud_target
@@ -250,7 +274,7 @@ def test_a_job_whose_other_node_failed_while_the_main_node_stalls_is_stopped(
     main node does, and the main node would sleep until the attempt's timeout. The backend, which
     watches every node, stops the job with node 1's transient failure, so the stage is resubmitted."""
     from trnflow.backends.batch import BatchBackend
-    from trnflow.backends.cloud import NODE_FAILED, cloud_target
+    from trnflow.backends.cloud import STOPPED_BY_TRNFLOW, cloud_target
     from trnflow.backends.sagemaker import SageMakerBackend
     from trnflow.settings import TrnflowSettings
 
@@ -271,7 +295,7 @@ def test_a_job_whose_other_node_failed_while_the_main_node_stalls_is_stopped(
             import boto3
 
             (described,) = boto3.client("batch").describe_jobs(jobs=[job])["jobs"]
-            assert described["statusReason"].startswith(f"{NODE_FAILED}node 1 failed (CollectiveTimeout)")
+            assert described["statusReason"].startswith(f"{STOPPED_BY_TRNFLOW}node 1 failed (CollectiveTimeout)")
         cloud.wait_idle(60)
         assert not any(thread.is_alive() for thread in cloud._threads)  # the stalled main node was stopped too
 

@@ -8,14 +8,15 @@ uploaded; `logs` reads the main node's CloudWatch stream; `cancel` terminates th
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from trnflow import aws
 from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
 from trnflow.backends.batch_request import build_job_definition, build_submit_job, queue_problems
 from trnflow.backends.cloud import (
-    NODE_FAILED,
     NODE_GRACE_SECONDS,
+    STOPPED_BY_TRNFLOW,
     CloudTarget,
     failed_node,
     node_failure_message,
@@ -40,6 +41,9 @@ LOG_GROUP = "/aws/batch/job"
 
 class BatchBackend:
     name = "batch"
+    picks_instance_type = False
+    """Batch runs each job on the one instance type its definition names: `run_job` tries the next of
+    compute.instance_preferences when a job found no capacity."""
 
     def __init__(self, target: CloudTarget):
         self.target = target
@@ -51,6 +55,8 @@ class BatchBackend:
         self._streams: dict[str, str] = {}
         self._node_failed: dict[str, tuple[int, FailureReport]] = {}  # jobs stopped because a node failed
         self.node_grace_seconds = NODE_GRACE_SECONDS
+        self._waits: dict[str, tuple[float, str]] = {}  # job -> (seconds it may wait for capacity, instance type)
+        self._starved: dict[str, FailureReport] = {}  # jobs stopped for waiting longer than that
         self._reader = StreamReader(self._logs, LOG_GROUP)
 
     def _job_definition(self, body: dict[str, Any]) -> str:
@@ -79,7 +85,29 @@ class BatchBackend:
         definition = self._job_definition(build_job_definition(request.spec, self.target, request.phase))
         stage_spec(self.target, request)
         submitted = aws.call(self._batch.submit_job, **build_submit_job(request, self.target, definition))
+        compute = request.spec.compute
+        self._waits[submitted["jobId"]] = (compute.max_pending_minutes * 60, compute.instance_type)
         return submitted["jobId"]
+
+    def _stop_if_starved(self, job_id: str, desc: dict[str, Any]) -> None:
+        """Cancel a job still RUNNABLE after `compute.max_pending_minutes`: Batch would leave it waiting
+        for capacity for ever. It fails as a CapacityError, which is retried (on the next of
+        compute.instance_preferences, when the spec lists more)."""
+        limit, itype = self._waits.get(job_id, (0.0, ""))
+        if not limit or job_id in self._starved or desc["status"] != "RUNNABLE":
+            return
+        attempts = desc.get("attempts") or []
+        since = (attempts[-1].get("stoppedAt") if attempts else None) or desc.get("createdAt") or 0
+        waited = time.time() - since / 1000
+        if waited < limit:
+            return
+        why = desc.get("statusReason") or "no reason given"
+        self._starved[job_id] = FailureReport(type="CapacityError", retryable=True, message=(
+            f"AWS Batch found no capacity for {desc.get('jobName')} ({job_id}): still RUNNABLE in the job queue "
+            f"{self.target.job_queue} after {waited / 60:.1f} min (compute.max_pending_minutes) waiting for "
+            f"{itype} instances ({why})"))
+        aws.call(self._batch.terminate_job, jobId=job_id,
+                 reason=f"{STOPPED_BY_TRNFLOW}no {itype} capacity after {limit / 60:g} min in RUNNABLE"[:255])
 
     def _describe(self, job_id: str) -> dict[str, Any]:
         jobs = aws.call(self._batch.describe_jobs, jobs=[job_id])["jobs"]
@@ -121,7 +149,7 @@ class BatchBackend:
         self._node_failed[job_id] = found
         node, report = found
         aws.call(self._batch.terminate_job, jobId=job_id,
-                 reason=f"{NODE_FAILED}node {node} failed ({report.type}) and the main node went on"[:255])
+                 reason=f"{STOPPED_BY_TRNFLOW}node {node} failed ({report.type}) and the main node went on"[:255])
 
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)
@@ -130,6 +158,10 @@ class BatchBackend:
                    "attempts": len(desc.get("attempts") or []), "cores": None}
         if state is JobState.RUNNING:
             self._stop_if_a_node_failed(job_id, desc)
+        if state is JobState.PENDING:
+            self._stop_if_starved(job_id, desc)
+        if state in (JobState.FAILED, JobState.CANCELLED) and job_id in self._starved:
+            return JobInfo(job_id, JobState.FAILED, failure=self._starved[job_id], details=details)
         if state in (JobState.FAILED, JobState.CANCELLED) and job_id in self._node_failed:
             node, report = self._node_failed[job_id]
             job = f"Batch job {desc.get('jobName')} ({job_id})"

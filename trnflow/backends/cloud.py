@@ -143,8 +143,9 @@ def stage_spec(target: CloudTarget, request: JobRequest) -> None:
 
 NODE_REPORT = re.compile(r"failure-node(\d+)\.json")
 """A node's root failure, which its container uploads under `TRNFLOW_RESULT_URL/<job>/` (`trnflow.container`)."""
-NODE_FAILED = "trnflow stopped the job: "
-"""How a job that trnflow stopped because one of its nodes failed says so (Batch's status reason)."""
+STOPPED_BY_TRNFLOW = "trnflow stopped the job: "
+"""How a job trnflow stopped itself (one of its nodes failed, or it waited too long for capacity) says
+so in Batch's status reason."""
 
 
 NODE_GRACE_SECONDS = 60.0

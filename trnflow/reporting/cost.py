@@ -57,23 +57,16 @@ def job_cost(spec: JobSpec, stage: str, billable_seconds: float, jobs: int = 1, 
                    price_as_of=found.as_of if found else None)
 
 
-def on_instance(spec: JobSpec, instance_type: str | None) -> JobSpec:
-    """`spec` as priced on the instance type a job got (one of compute.instance_preferences)."""
-    if instance_type is None or instance_type == spec.compute.instance_type:
-        return spec
-    return spec.model_copy(update={"compute": spec.compute.model_copy(update={"instance_type": instance_type})})
-
-
 def stage_cost(spec: JobSpec, stage: str, entries: list[LedgerEntry]) -> CostRow:
     """The cost row of the jobs a stage ran, from its ledger entries: each billed on the nodes it
     held and at the price of the instance type it got, as `run_job` recorded them (an entry that
     does not say: the spec's). The row's time is the jobs' time per node; its nodes the most any
     job held; its instance type the last job's."""
     held = [e.nodes if e.nodes is not None else spec.compute.nodes for e in entries]
-    last = on_instance(spec, entries[-1].instance_type if entries else None)
+    last = _on(spec, entries[-1].instance_type if entries else None)
     row = job_cost(last, stage, sum(e.seconds for e in entries), jobs=len(entries),
                    nodes=max(held, default=spec.compute.nodes))
-    rates = [price_per_hour(on_instance(spec, e.instance_type)) for e in entries]
+    rates = [price_per_hour(_on(spec, e.instance_type)) for e in entries]
     if row.price_per_node_hour is not None:  # exact also when its jobs held different numbers of nodes
         if any(rate is None for rate in rates):
             row.cost_usd = None
@@ -81,6 +74,14 @@ def stage_cost(spec: JobSpec, stage: str, entries: list[LedgerEntry]) -> CostRow
             node_seconds = sum(r * n * e.seconds for r, n, e in zip(rates, held, entries, strict=True))
             row.cost_usd = round(node_seconds / 3600, 4)
     return row
+
+
+def _on(spec: JobSpec, instance_type: str | None) -> JobSpec:
+    """`spec` priced on the instance type a job got; the spec's own when the entry does not say, or
+    names a type the spec does not list (a price set by hand still applies)."""
+    if instance_type is None or instance_type not in spec.compute.instance_choices:
+        return spec
+    return spec.on_instance(instance_type)
 
 
 def total(rows: list[CostRow]) -> float | None:

@@ -19,6 +19,9 @@ from trnflow.testing.mockcloud.nodes import Node, container_env, free_port, run_
 from trnflow.testing.mockcloud.sagemaker_job import committed_checkpoints
 
 LOG_GROUP = "/aws/batch/job"
+NO_CAPACITY = ("CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - Service cannot fulfill the capacity requested for instance "
+               "type [{}]")
+"""The status reason Batch gives a job left RUNNABLE for lack of instances of its type."""
 
 
 def _millis(moment: float) -> int:
@@ -69,10 +72,25 @@ class BatchJob:
     def stop(self, reason: str) -> None:
         self._stop = reason
 
+    def _capacity(self) -> bool:
+        """Wait, RUNNABLE, while the cloud has no instance of the job's type (`no_capacity`), as Batch
+        leaves such a job queued for ever; False when the job was stopped meanwhile."""
+        itype = self.container.get("instanceType", "trn1.32xlarge")
+        while itype in self.cloud.no_capacity and not self._stop:
+            self.job.status = self.status.RUNNABLE
+            self.job.job_stopped_reason = NO_CAPACITY.format(itype)
+            time.sleep(0.2)
+        if not self._stop:
+            self.job.job_stopped_reason = None
+        return not self._stop
+
     def run(self) -> None:
         job = self.job
         try:
             for attempt in range(1, self.attempts + 1):
+                if not self._capacity():
+                    code, status_reason = None, self._stop
+                    break
                 code, reason, status_reason = self._attempt(attempt)
                 if code == 0 or self._stop:
                     break

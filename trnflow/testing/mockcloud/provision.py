@@ -40,8 +40,9 @@ def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
         profile = iam.create_instance_profile(InstanceProfileName=f"{prefix}-batch-instance")["InstanceProfile"]
         environment = batch.create_compute_environment(
             computeEnvironmentName=f"{prefix}-trn1", type="MANAGED", state="ENABLED", serviceRole=service_role,
-            computeResources={"type": "EC2", "minvCpus": 0, "maxvCpus": 2048, "instanceTypes": ["trn1.32xlarge"],
-                              "subnets": [subnet], "securityGroupIds": [group], "instanceRole": profile["Arn"]})
+            computeResources={"type": "EC2", "minvCpus": 0, "maxvCpus": 2048,
+                              "instanceTypes": ["trn1.32xlarge", "trn1n.32xlarge"], "subnets": [subnet],
+                              "securityGroupIds": [group], "instanceRole": profile["Arn"]})
         policy = batch.create_scheduling_policy(name=f"{prefix}-fair-share", fairsharePolicy={
             "shareDecaySeconds": 3600, "computeReservation": 10,
             "shareDistribution": [{"shareIdentifier": "default", "weightFactor": 1.0}]})
