@@ -72,6 +72,8 @@ class Case:
     """The case `make test` runs: the matrix's cases take about a minute each."""
     node_faults: dict[int, str] = field(default_factory=dict)
     """On a cloud backend: device faults of one node (by node index) instead of the service's fault."""
+    no_capacity: set[str] = field(default_factory=set)
+    """On a cloud backend: instance types the service has no capacity for, instead of its fault."""
 
 
 def _faults(*faults: dict) -> dict:
@@ -238,6 +240,11 @@ CASES = [
          "node 1 fails, and trnflow stops the job", {"preflight": {"collective_timeout_seconds": 15}},
          storage="batch", node_faults={0: "stall@0:train:15"},
          seen=lambda row: row["retries_by"].get("task:train", 0) == 1),
+    Case("batch-no-capacity", "AWS Batch has no trn1.32xlarge: each job waits RUNNABLE, is cancelled after "
+         "compute.max_pending_minutes and runs on trn1n.32xlarge, the spec's next instance preference",
+         {"compute": {"instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"], "max_pending_minutes": 0.05}},
+         storage="batch", no_capacity={"trn1.32xlarge"}, interruptions=0,
+         seen=lambda row: row["train_instance"] == "trn1n.32xlarge"),
     Case("disk-full", "no space left on the device while writing the step-30 checkpoint", setup=disk_full),
     Case("kill-torn-hw", "three in one run: a rank SIGKILLed at step 13, the step-20 checkpoint torn, then a "
          "hardware error on core 0 at step 25",

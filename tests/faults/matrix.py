@@ -86,8 +86,9 @@ class Matrix:
         fault = (ServiceFault("sagemaker", "train", "InternalServerError: We encountered an internal error.",
                               when="checkpoint") if case.storage == "sagemaker" else
                  ServiceFault("batch", "train", HOST_LOST, when="checkpoint"))
-        faults = [] if case.node_faults else [fault]
-        with MockCloud(self.moto(), run.folder / "cloud", faults=faults, node_faults=case.node_faults) as cloud:
+        faults = [] if case.node_faults or case.no_capacity else [fault]
+        with MockCloud(self.moto(), run.folder / "cloud", faults=faults, node_faults=case.node_faults,
+                       no_capacity=case.no_capacity) as cloud:
             outputs = provision(cloud.client, prefix=f"f{case.storage[:2]}")
             bucket = outputs["DATA_BUCKET"]
             s3 = boto3.client("s3")
@@ -101,7 +102,7 @@ class Matrix:
                            "share_identifier": "default", "fair_share": True}
             run.out = f"s3://{bucket}/{case.name}"
             run.sections.update(
-                compute=compute,
+                compute=compute | case.sections.get("compute", {}),
                 data={part: f"s3://{bucket}/reviews/{part}" for part in ("train", "holdout", "inference")},
                 compile={"cache_url": f"s3://{bucket}/neuron-cache"},
                 gate={"reference": f"s3://{bucket}/reference/metrics.json"})
@@ -165,6 +166,7 @@ class Matrix:
         results = state.result().results
         row |= {"recovered": True, "retries": sum(by.values()), "retries_by": by, "steps_redone": redone,
                 "training_attempts": attempts, "train_cores": results["train"].cores,
+                "train_instance": results["train"].ran_on.instance_type if results["train"].ran_on else None,
                 "compiled": results["compile"].compiled, **same,
                 "nothing_lost": same["checkpoints"] and same["outputs"], "seconds": round(time.time() - began, 1)}
         row["fault_seen"] = case.seen(row) if case.seen else attempts >= 1 + case.interruptions
