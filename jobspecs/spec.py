@@ -223,6 +223,19 @@ class ComputeSpec(Section):
         "job waits this long for NeuronCores another run holds, saying which run holds them. 0: never wait (on "
         "SageMaker: the service's own default).",
     )
+    spot: bool = Field(
+        False,
+        description="Run on spot capacity, which costs less and can be reclaimed: SageMaker's managed spot "
+        "training (EnableManagedSpotTraining; not with compute.instance_preferences). On the reclaim notice "
+        "(SIGTERM, about two minutes ahead), training writes a checkpoint at the next step boundary and the job "
+        "ends as transient, so the retry resumes from that checkpoint. AWS Batch cannot run multi-node jobs on "
+        "spot compute environments, so Batch specs are refused.",
+    )
+    max_wait_hours: float | None = Field(
+        None, gt=0, le=28 * 24,
+        description="Spot: how long a job may take in all, waiting for spot capacity and interruptions included "
+        "(SageMaker's MaxWaitTimeInSeconds); at least compute.max_runtime_hours. None: twice max_runtime_hours.",
+    )
     volume_gb: int = Field(200, ge=1, le=16384, description="Local disk per instance for SageMaker jobs (GB).")
     price_per_hour: float | None = Field(
         None, ge=0, le=100_000,
@@ -321,6 +334,29 @@ class ComputeSpec(Section):
                 f"compute.nodes: {itype.name}{also} has no EFA for multi-node training; set compute.nodes: 1 "
                 "or pick trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge"
             )
+        return self
+
+    @property
+    def wait_hours(self) -> float:
+        """Spot: how long a job may take in all (compute.max_wait_hours, else twice max_runtime_hours)."""
+        return self.max_wait_hours or min(28 * 24, 2 * self.max_runtime_hours)
+
+    @model_validator(mode="after")
+    def _spot_as_the_services_allow(self) -> ComputeSpec:
+        if self.max_wait_hours is not None and not self.spot:
+            raise ValueError("compute.max_wait_hours: it bounds a spot job's waits; set compute.spot: true, or "
+                             "remove it")
+        if self.spot and self.wait_hours < self.max_runtime_hours:
+            raise ValueError(f"compute.max_wait_hours: {self.wait_hours:g} is less than compute.max_runtime_hours "
+                             f"({self.max_runtime_hours:g}); a spot job's waits come on top of its runtime, so set "
+                             "it to the runtime or more")
+        if self.spot and self.backend == "sagemaker" and self.instance_preferences:
+            raise ValueError("compute.spot: SageMaker's instance preferences take on-demand capacity only; remove "
+                             "compute.instance_preferences, or compute.spot")
+        if self.spot and self.backend == "batch":
+            raise ValueError("compute.spot: AWS Batch does not run multi-node parallel jobs, which trnflow's Batch "
+                             "jobs are, on spot compute environments; run spot on sagemaker, or set "
+                             "compute.spot: false")
         return self
 
     @model_validator(mode="after")

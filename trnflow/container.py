@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -149,7 +150,11 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     r = sagemaker_rendezvous(env) if service == "sagemaker" else batch_rendezvous(env)
     spec_file = _fetch_spec(env, r.output_dir.parent / "trnflow-input")
-    code = subprocess.call(torchrun_argv(r, env, spec_file))
+    launcher = subprocess.Popen(torchrun_argv(r, env, spec_file))
+    # The service stops a container (a spot reclaim notice, a stopped job) with SIGTERM to its first
+    # process, this one: the launcher passes it on to every rank, and training checkpoints before it ends.
+    signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signal.SIGTERM))
+    code = launcher.wait()
     failure = None
     if code:
         nproc = int(env["TRNFLOW_NPROC_PER_NODE"])

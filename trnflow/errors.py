@@ -44,6 +44,11 @@ class Stalled(TransientError):
     answering): it was ended, naming its rank and host, and the stage is retried."""
 
 
+class SpotInterruption(TransientError):
+    """The spot instance was about to be reclaimed: training wrote a checkpoint at the next step
+    boundary and ended; the retry resumes from it."""
+
+
 class ExecutionTimeout(TransientError):
     """The runtime gave up on a program that did not finish in time; a retry resumes from the checkpoint."""
 
@@ -108,6 +113,7 @@ class ChampionKept(GateDecision):
 ERROR_TYPES: dict[str, type[TrnflowError]] = {
     cls.__name__: cls
     for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout, Stalled,
+                SpotInterruption,
                 ExecutionTimeout, HardwareError, CapacityError, InternalServiceError, HostFailure, UserError,
                 JobTimeout, DiskFull, GateFailed, ChampionKept)
 }

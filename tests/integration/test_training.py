@@ -118,3 +118,48 @@ def test_a_non_finite_loss_stops_the_run_with_a_clear_error_that_is_never_retrie
     assert info.state is JobState.FAILED
     assert info.failure.type == "FatalError" and info.failure.retryable is False
     assert "loss is nan at step 2 on rank 1" in info.failure.message and "Lower train.lr" in info.failure.message
+
+
+def _launcher_pid(backend, job_id: str) -> int:
+    """The job's launcher (torchrun's agent): the supervisor's child."""
+    import json
+    from pathlib import Path
+
+    supervisor = json.loads((backend.jobs_dir / job_id / "pid.json").read_text())["pid"]
+    (child,) = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+    return int(child)
+
+
+def test_a_spot_reclaim_notice_checkpoints_at_the_next_step_and_the_retry_ends_with_the_same_weights(
+        make_spec, backend):
+    """SIGTERM reaches the ranks mid-training (as SageMaker's spot reclaim notice reaches the
+    container, which passes it on): they agree on a step, checkpoint it and end as transient. The
+    rerun resumes from that step and ends with the weights of a run that was never interrupted."""
+    import os
+    import signal
+    import time
+
+    spec = make_spec(name="spot", compute={"spot": True}, train={"steps": 30, "checkpoint_every": 100,
+                                                                  "log_every": 1})
+    job_id = backend.submit(JobRequest(spec, "train", "reclaimed"))
+    deadline = time.monotonic() + 300
+    while '"step": 5,' not in backend.logs(job_id)[0]:
+        assert time.monotonic() < deadline and backend.describe(job_id).state is JobState.RUNNING, \
+            backend.logs(job_id)[0][-3000:]
+        time.sleep(0.1)
+    os.kill(_launcher_pid(backend, job_id), signal.SIGTERM)
+    info = wait(backend, job_id, 0.2)
+    assert info.state is JobState.FAILED
+    failure = info.failure
+    assert failure.type == "SpotInterruption" and failure.retryable is True, failure
+    stopped = int(failure.message.split("training stopped after step ")[1].split()[0])
+    assert 5 <= stopped < 30
+    assert (local_path(spec.train.checkpoint_url) / "reclaimed" / f"step-{stopped:06d}").is_dir()
+
+    resumed, _ = _train(backend, spec, "reclaimed")
+    assert resumed.state is JobState.SUCCEEDED, resumed.failure
+    assert resumed.result.start_step == stopped
+    whole, _ = _train(backend, spec, "never-reclaimed")
+    assert whole.state is JobState.SUCCEEDED, whole.failure
+    ours, theirs = _weights(resumed.result), _weights(whole.result)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)

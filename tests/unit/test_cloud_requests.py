@@ -101,6 +101,17 @@ def test_capacity_settings_become_sagemakers_instance_preferences_pending_limit_
     _valid_for_the_service("sagemaker", "CreateTrainingJob", planned)
 
 
+def test_spot_becomes_managed_spot_training_with_a_wait_of_at_least_the_runtime():
+    body = build_training_job_request(JobRequest(_spec(compute={"spot": True}), "train", "r3"), TARGET)
+    assert body["EnableManagedSpotTraining"] is True
+    assert body["StoppingCondition"]["MaxWaitTimeInSeconds"] == 2 * 6 * 3600  # twice the runtime, by default
+    _valid_for_the_service("sagemaker", "CreateTrainingJob", body)
+    waited = build_training_job_request(JobRequest(_spec(compute={"spot": True, "max_wait_hours": 7}), "train", "r4"),
+                                        TARGET)
+    assert waited["StoppingCondition"]["MaxWaitTimeInSeconds"] == 7 * 3600
+    assert "EnableManagedSpotTraining" not in build_training_job_request(JobRequest(_spec(), "train", "r5"), TARGET)
+
+
 @pytest.mark.parametrize(("compute", "problem"), [
     ({"instance_type": "trn1.2xlarge", "instance_preferences": ["trn1.32xlarge"]},
      "compute.instance_type: trn1.2xlarge is not the first of compute.instance_preferences (trn1.32xlarge)"),
@@ -113,6 +124,11 @@ def test_capacity_settings_become_sagemakers_instance_preferences_pending_limit_
      "compute.training_plan: a training plan reserves one instance type"),
     ({"backend": "batch", "training_plan": "arn:aws:sagemaker:us-east-1:123456789012:training-plan/p"},
      "compute.training_plan: training plans are SageMaker's, and compute.backend is batch"),
+    ({"spot": True, "max_wait_hours": 5}, "compute.max_wait_hours: 5 is less than compute.max_runtime_hours (6)"),
+    ({"max_wait_hours": 12}, "compute.max_wait_hours: it bounds a spot job's waits"),
+    ({"spot": True, "instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"]},
+     "compute.spot: SageMaker's instance preferences take on-demand capacity only"),
+    ({"spot": True, "backend": "batch"}, "compute.spot: AWS Batch does not run multi-node parallel jobs"),
 ])
 def test_every_instance_a_job_may_get_is_checked_up_front(compute, problem):
     with pytest.raises(SpecError) as refused:

@@ -75,6 +75,8 @@ def stopping_condition(spec: JobSpec) -> dict[str, int]:
     """How long a job may run, and wait for capacity before it is stopped (compute.max_pending_minutes)."""
     compute = spec.compute
     condition = {"MaxRuntimeInSeconds": int(compute.max_runtime_hours * 3600)}
+    if compute.spot:  # the runtime plus every wait for spot capacity (SageMaker: at least the runtime)
+        condition["MaxWaitTimeInSeconds"] = int(compute.wait_hours * 3600)
     if compute.max_pending_minutes:
         condition["MaxPendingTimeInSeconds"] = max(MIN_PENDING_SECONDS, int(compute.max_pending_minutes * 60))
     return condition
@@ -104,6 +106,7 @@ def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict
         "ResourceConfig": resource_config(spec, placement(request)[0]),
         "StoppingCondition": stopping_condition(spec),
         "CheckpointConfig": _checkpoint_config(spec, request.run_id),
+        **({"EnableManagedSpotTraining": True} if spec.compute.spot else {}),
         # SageMaker retries a job that failed with an internal error itself; trnflow's own retries
         # (resubmissions) are for the failures SageMaker does not retry.
         "RetryStrategy": {"MaximumRetryAttempts": min(MAX_RETRY_ATTEMPTS, max(1, spec.retries.max_retries))},

@@ -75,10 +75,12 @@ def model_trainer(body: dict[str, Any], boto_session: Any, default_bucket: str) 
                         volume_size_in_gb=resources["VolumeSizeInGB"],
                         instance_preferences=[InstancePreference(instance_type=p["InstanceType"])
                                               for p in resources.get("InstancePreferences", [])] or None,
-                        training_plan_arn=resources.get("TrainingPlanArn")),
+                        training_plan_arn=resources.get("TrainingPlanArn"),
+                        enable_managed_spot_training=body.get("EnableManagedSpotTraining")),
         stopping_condition=StoppingCondition(
             max_runtime_in_seconds=body["StoppingCondition"]["MaxRuntimeInSeconds"],
-            max_pending_time_in_seconds=body["StoppingCondition"].get("MaxPendingTimeInSeconds")),
+            max_pending_time_in_seconds=body["StoppingCondition"].get("MaxPendingTimeInSeconds"),
+            max_wait_time_in_seconds=body["StoppingCondition"].get("MaxWaitTimeInSeconds")),
         checkpoint_config=CheckpointConfig(s3_uri=checkpoint["S3Uri"], local_path=checkpoint["LocalPath"]),
         output_data_config=OutputDataConfig(s3_output_path=body["OutputDataConfig"]["S3OutputPath"]),
         input_data_config=[_channel(c) for c in body["InputDataConfig"]],

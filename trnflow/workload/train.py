@@ -23,7 +23,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from trnflow.errors import FatalError
+from trnflow.errors import FatalError, SpotInterruption
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.records import CheckpointMeta, DataRead
 from trnflow.storage.datafiles import data_files, partitions, training_window
@@ -36,6 +36,7 @@ from trnflow.workload.features import featurize, host_memory
 from trnflow.workload.memory import estimate, saved_activation_peak, tensor_bytes
 from trnflow.workload.programs import build_model, for_run
 from trnflow.workload.recipes import Recipe, for_job
+from trnflow.workload.reclaim import ReclaimNotice
 from trnflow.workload.sampler import StepSampler
 from trnflow.workload.start import Start, find_start
 
@@ -120,6 +121,7 @@ class Trainer:
     def run(self) -> dict:
         tcfg = self.spec.train
         began = time.perf_counter()
+        notice = ReclaimNotice(self.ctx) if self.spec.compute.spot else None
         for step, idx in self.sampler.batches(self.first, tcfg.steps):
             self.faults.begin_step(step + 1, self._first_time)
             self.last_loss = self._step(idx, step + 1)
@@ -129,8 +131,14 @@ class Trainer:
                 self._log_point(done)
             if (self.spec.gate.eval_every and done % self.spec.gate.eval_every == 0) or done == tcfg.steps:
                 self._evaluate(done)
-            if done % tcfg.checkpoint_every == 0 or done == tcfg.steps:
+            saved = done % tcfg.checkpoint_every == 0 or done == tcfg.steps
+            if saved:
                 self._checkpoint(done)
+            if notice is not None and done < tcfg.steps and notice.agreed():
+                if not saved:
+                    self._checkpoint(done)
+                raise SpotInterruption(f"the instance is being reclaimed (spot): training stopped after step {done} "
+                                       f"and checkpointed it; the retry resumes from step {done}")
         return self._result(time.perf_counter() - began)
 
     def _first_time(self, fault: Any) -> bool:

@@ -1,0 +1,44 @@
+"""Spot capacity's reclaim notice, as the ranks of a training job act on it.
+
+The service sends SIGTERM about two minutes before it takes a spot instance back (SageMaker's
+managed spot training; the container passes the signal on to the launcher, and torchrun to every
+rank). A rank that gets it only notes it: the ranks agree at each step boundary whether any of
+them got it (one small all-reduce), so that they all stop after the same step. Then the training
+phase writes a checkpoint of that step and ends with `SpotInterruption`, which is transient: the
+retry (the service's restart, or trnflow's resubmission) resumes from that checkpoint exactly.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+import torch
+import torch.distributed as dist
+
+from trnflow.workload import watchdog
+from trnflow.workload.context import WorkerContext
+
+
+class ReclaimNotice:
+    """Set by SIGTERM on this rank; `agreed()` says whether any rank got it (a collective: every
+    rank calls it at the same step)."""
+
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+        self.seen = False
+        signal.signal(signal.SIGTERM, self._notice)
+
+    def _notice(self, signum: int, frame: object) -> None:
+        if not self.seen:
+            print(f"trnflow.workload: rank {self.ctx.rank} got the reclaim notice (SIGTERM): checkpointing at the "
+                  "next step boundary", file=sys.stderr, flush=True)
+        self.seen = True
+        watchdog.beat("the reclaim notice")
+
+    def agreed(self) -> bool:
+        if self.ctx.world_size == 1:
+            return self.seen
+        flag = torch.tensor([1 if self.seen else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
