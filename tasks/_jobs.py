@@ -116,7 +116,7 @@ def _run(backend: Backend, request: JobRequest) -> StageResult:
     got = info.details.get("instance_type") or spec.compute.instance_type
     JobLedger(settings.home, request.run_id).record(LedgerEntry(
         phase, info.job_id, str(info.state), info.details.get("seconds") or 0.0, nodes=placement(request)[0],
-        instance_type=got))
+        instance_type=got, spot=bool(info.details.get("spot")), running_seconds=info.details.get("running_seconds")))
     if got != spec.compute.instance_type:
         logger.info("%s job %s got %s (compute.instance_preferences)", phase, info.job_id, got)
     if info.state is JobState.SUCCEEDED and info.result is not None:

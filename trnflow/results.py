@@ -234,6 +234,10 @@ class CostRow(_Model):
     region: str | None = Field(None, description="the region the catalogue's price is for; None when "
                                "compute.price_per_hour set the price or none is known")
     price_as_of: str | None = Field(None, description="the day the catalogue's price was read (YYYY-MM-DD)")
+    on_demand_usd: float | None = Field(
+        None, description="spot jobs: what their running time would have cost at the on-demand price (SageMaker "
+        "bills a managed spot job's BillableTimeInSeconds, less than its TrainingTimeInSeconds); None for "
+        "on-demand jobs")
 
 
 class Cost(_Model):

@@ -74,6 +74,8 @@ class Case:
     """On a cloud backend: device faults of one node (by node index) instead of the service's fault."""
     no_capacity: set[str] = field(default_factory=set)
     """On a cloud backend: instance types the service has no capacity for, instead of its fault."""
+    fault: str | None = None
+    """On a cloud backend, instead of its usual fault: `spot`, a spot reclaim of the training job."""
 
 
 def _faults(*faults: dict) -> dict:
@@ -244,7 +246,11 @@ CASES = [
          "compute.max_pending_minutes and runs on trn1n.32xlarge, the spec's next instance preference",
          {"compute": {"instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"], "max_pending_minutes": 0.05}},
          storage="batch", no_capacity={"trn1.32xlarge"}, interruptions=0,
-         seen=lambda row: row["train_instance"] == "trn1n.32xlarge"),
+         seen=lambda row: row["train_instance"] == "trn1n.32xlarge", ci=True),
+    Case("sagemaker-spot-reclaim", "SageMaker reclaims the managed spot training job's instance after a checkpoint: "
+         "training checkpoints the step the notice found it at, and the job restarts from there",
+         {"compute": {"spot": True}}, storage="sagemaker", fault="spot",
+         seen=lambda row: row["retries_by"].get("service", 0) == 1),
     Case("disk-full", "no space left on the device while writing the step-30 checkpoint", setup=disk_full),
     Case("kill-torn-hw", "three in one run: a rank SIGKILLed at step 13, the step-20 checkpoint torn, then a "
          "hardware error on core 0 at step 25",

@@ -86,6 +86,8 @@ class Matrix:
         fault = (ServiceFault("sagemaker", "train", "InternalServerError: We encountered an internal error.",
                               when="checkpoint") if case.storage == "sagemaker" else
                  ServiceFault("batch", "train", HOST_LOST, when="checkpoint"))
+        if case.fault == "spot":
+            fault = ServiceFault("sagemaker", "train", "spot capacity reclaimed", when="checkpoint", spot=True)
         faults = [] if case.node_faults or case.no_capacity else [fault]
         with MockCloud(self.moto(), run.folder / "cloud", faults=faults, node_faults=case.node_faults,
                        no_capacity=case.no_capacity) as cloud:
@@ -95,7 +97,8 @@ class Matrix:
             for path in sorted(self.world.data.rglob("*")):
                 if path.is_file():
                     s3.upload_file(str(path), bucket, f"reviews/{path.relative_to(self.world.data)}")
-            s3.upload_file(str(self.world.reference), bucket, "reference/metrics.json")
+            if self.world.reference is not None:  # else the gate compares with the champion
+                s3.upload_file(str(self.world.reference), bucket, "reference/metrics.json")
             compute = {"backend": case.storage, "instance_type": "trn1.2xlarge", "nodes": 1, "cores_per_node": 2}
             if case.storage == "batch":  # two nodes of one core: the same two ranks as the baseline
                 compute = {"backend": "batch", "instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1,
@@ -105,7 +108,7 @@ class Matrix:
                 compute=compute | case.sections.get("compute", {}),
                 data={part: f"s3://{bucket}/reviews/{part}" for part in ("train", "holdout", "inference")},
                 compile={"cache_url": f"s3://{bucket}/neuron-cache"},
-                gate={"reference": f"s3://{bucket}/reference/metrics.json"})
+                gate={"reference": f"s3://{bucket}/reference/metrics.json" if self.world.reference else "champion"})
             names = {f"TRNFLOW_{k}": outputs[k] for k in SETTINGS}
             with patched_env(names):
                 yield

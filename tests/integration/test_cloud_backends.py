@@ -76,7 +76,8 @@ def _cloud_spec(make_spec, bucket, backend, **sections):
               "inference": f"{s3}/reviews/inference"},
         compute=compute, compile={"cache_url": f"{s3}/neuron-cache"}, registry_url=f"{s3}/registry",
         train={"checkpoint_url": f"{s3}/checkpoints", "steps": 40, "checkpoint_every": 10} | sections.pop("train", {}),
-        gate={"reference": "champion", "eval_every": 20}, inference={"output_url": f"{s3}/embeddings"},
+        gate={"reference": "champion", "eval_every": 20} | sections.pop("gate", {}),
+        inference={"output_url": f"{s3}/embeddings"},
         retries={"max_retries": 2, "backoff_seconds": 0.5}, **sections)
 
 
@@ -249,6 +250,40 @@ def test_a_batch_job_left_runnable_for_lack_of_capacity_is_cancelled_and_the_nex
         assert not starved.get("attempts")  # it never started: nothing was billed
         (row,) = outcome.cost.rows
         assert row.jobs == 2 and row.instance_type == "trn1n.32xlarge"
+
+
+def test_a_reclaimed_sagemaker_spot_job_checkpoints_restarts_and_ends_with_the_uninterrupted_weights(
+        make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    """Managed spot training: after the step-10 checkpoint the instance is reclaimed. Its containers
+    get SIGTERM, training checkpoints the step it reached and ends; SageMaker marks the job
+    Interrupted and restarts it, which resumes from that step. The job completes with the weights
+    of a job that was never interrupted, and bills less than it ran."""
+    import boto3
+    import torch
+
+    from trnflow.backends.cloud import cloud_target
+    from trnflow.backends.sagemaker import SageMakerBackend
+    from trnflow.settings import TrnflowSettings
+    from trnflow.workload.checkpoint import load
+
+    reclaim = ServiceFault("sagemaker", "train", "spot capacity reclaimed", when="checkpoint", spot=True)
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [reclaim]) as (_, bucket):
+        backend = SageMakerBackend(cloud_target(TrnflowSettings(), "sagemaker"))
+        spec = _cloud_spec(make_spec, bucket, "sagemaker", compute={"spot": True}, gate={"eval_every": None},
+                           train={"steps": 30, "log_every": 1})
+        info = wait(backend, backend.submit(JobRequest(spec, "train", "spot")), 0.5)
+        assert info.state.value == "SUCCEEDED", info.failure
+        resumed = info.result
+        assert 10 < resumed.start_step < 30 and resumed.resumed_from  # the step the notice stopped it at
+        job = boto3.client("sagemaker").describe_training_job(TrainingJobName=info.job_id)
+        assert job["EnableManagedSpotTraining"] is True
+        assert "Interrupted" in [t["Status"] for t in job["SecondaryStatusTransitions"]]
+        assert job["BillableTimeInSeconds"] < job["TrainingTimeInSeconds"]
+
+        whole = wait(backend, backend.submit(JobRequest(spec, "train", "never-reclaimed")), 0.5)
+        assert whole.state.value == "SUCCEEDED", whole.failure
+        ours, theirs = load(resumed.checkpoint).model, load(whole.result.checkpoint).model
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
 def test_a_sagemaker_job_with_no_capacity_for_any_of_its_types_fails_as_a_capacity_error(

@@ -104,6 +104,7 @@ def test_capacity_settings_become_sagemakers_instance_preferences_pending_limit_
 def test_spot_becomes_managed_spot_training_with_a_wait_of_at_least_the_runtime():
     body = build_training_job_request(JobRequest(_spec(compute={"spot": True}), "train", "r3"), TARGET)
     assert body["EnableManagedSpotTraining"] is True
+    assert body["Environment"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "100"  # the ranks' time to checkpoint
     assert body["StoppingCondition"]["MaxWaitTimeInSeconds"] == 2 * 6 * 3600  # twice the runtime, by default
     _valid_for_the_service("sagemaker", "CreateTrainingJob", body)
     waited = build_training_job_request(JobRequest(_spec(compute={"spot": True, "max_wait_hours": 7}), "train", "r4"),

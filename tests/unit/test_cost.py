@@ -125,3 +125,18 @@ def test_each_job_is_billed_at_the_price_of_the_instance_type_it_got():
                                                  instance_type="trn1n.32xlarge")])
     assert row.instance_type == "trn1n.32xlarge" and row.price_per_node_hour == second and row.jobs == 2
     assert row.cost_usd == round((first * 2 * 600 + second * 2 * 1800) / 3600, 4)
+
+
+def test_spot_jobs_cost_their_billed_time_and_the_table_says_what_spot_saved():
+    spec = _spec("sagemaker", spot=True, nodes=1)
+    rate = price("sagemaker", "trn1.32xlarge").usd_per_hour
+    row = stage_cost(spec, "train", [LedgerEntry("train", "a", "SUCCEEDED", 300.0, nodes=1, spot=True,
+                                                 running_seconds=1000.0)])
+    assert row.cost_usd == round(rate * 300 / 3600, 4) and row.on_demand_usd == round(rate * 1000 / 3600, 4)
+    assert price_basis(row) == "sagemaker us-east-1, 2026-11-25; spot: the service's billable time"
+    cost = Cost(rows=[row, job_cost(spec, "infer", 60)], total_usd=None)
+    saved = round(rate * 700 / 3600, 2)
+    assert f"Spot saved ${saved:,.2f} (70%) against the same running time on demand." in cost_markdown(cost)
+    console = Console(file=io.StringIO(), width=300)
+    console.print(cost_table(cost))
+    assert "Spot saved" in console.file.getvalue()

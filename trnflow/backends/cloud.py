@@ -22,6 +22,9 @@ from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, instance, is_module_reference
 from trnflow.storage import Store, open_store
 
+SPOT_CHECKPOINT_SECONDS = 100
+"""How long torchrun lets a spot job's ranks take to checkpoint after the reclaim notice (SIGTERM,
+about two minutes before the instance goes) before it kills them (its default is 30 s)."""
 CHECKPOINT_DIR = "/opt/ml/checkpoints"
 """Where SageMaker copies `CheckpointConfig.S3Uri` at the start of a job. trnflow writes its
 checkpoints straight to that S3 folder (each object whole, the commit marker last), so a retry or
@@ -226,6 +229,8 @@ def container_environment(request: JobRequest, target: CloudTarget) -> dict[str,
         env[PUBLIC_KEY_ENV] = target.cache_public_key
     if request.phase == "compile" and target.cache_signing_key.startswith("arn:"):  # an ARN: never the key itself
         env[SIGNING_KEY_ENV] = target.cache_signing_key
+    if spec.compute.spot:  # the reclaim notice comes two minutes ahead: torchrun's ranks get 100 s to checkpoint
+        env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(SPOT_CHECKPOINT_SECONDS)
     if target.recipe_modules and is_module_reference(spec.model.recipe):
         env["TRNFLOW_RECIPE_MODULES"] = "1"  # allowed where the job was submitted, so in the job too
     return env | efa_environment(spec.compute.instance_type)

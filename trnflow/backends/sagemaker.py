@@ -80,6 +80,8 @@ class SageMakerBackend:
                    "secondary_status": desc.get("SecondaryStatus"), "restarts": restarts, "cores": None,
                    "instance_type": (config.get("SelectedInstanceType") or config.get("InstanceType") or "")
                    .removeprefix("ml.") or None,
+                   "spot": bool(desc.get("EnableManagedSpotTraining")),
+                   "running_seconds": desc.get("TrainingTimeInSeconds"),
                    "hosts": [f"algo-{i + 1}" for i in range(config.get("SelectedInstanceCount")
                                                             or config.get("InstanceCount") or 0)]}
         if state is JobState.RUNNING:

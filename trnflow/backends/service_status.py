@@ -21,7 +21,9 @@ from trnflow.records import RecordError, read
 from trnflow.results import FailureReport
 
 _SAGEMAKER_PENDING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingTrainingStack", "Downloading",
-                      "DownloadingTrainingImage", "Restarting"}
+                      "DownloadingTrainingImage", "Restarting", "Interrupted"}
+"""Secondary statuses of a job waiting for its instances: `Interrupted` is a spot job whose instances
+were reclaimed, waiting for spot capacity to come back."""
 _BATCH_PENDING = {"SUBMITTED", "PENDING", "RUNNABLE", "STARTING"}
 CANCEL_REASON = "Cancelled by trnflow"
 

@@ -14,6 +14,7 @@ from trnflow.reporting.report import (
     check_cell,
     cost_cells,
     engine_outcomes,
+    spot_note,
     sweep_time,
     with_not_run,
 )
@@ -128,4 +129,7 @@ def cost_table(cost: Cost) -> Table:
     for row in rows:
         table.add_row(*(Text(cell) for cell in row))
     table.add_row(Text("total", style="bold"), *[""] * (len(COST_COLUMNS) - 2), Text(total, style="bold"))
+    note = spot_note(cost)
+    if note:
+        table.caption = note
     return table

@@ -15,7 +15,7 @@ node whatever `compute.nodes` says. A job that failed and was submitted again co
 from __future__ import annotations
 
 from trnflow.reporting.ledger import LedgerEntry
-from trnflow.results import CostRow
+from trnflow.results import Cost, CostRow
 from trnflow.specs import JobSpec
 from trnflow.specs.instances import Price, price
 
@@ -73,7 +73,22 @@ def stage_cost(spec: JobSpec, stage: str, entries: list[LedgerEntry]) -> CostRow
         else:
             node_seconds = sum(r * n * e.seconds for r, n, e in zip(rates, held, entries, strict=True))
             row.cost_usd = round(node_seconds / 3600, 4)
+            if any(e.spot for e in entries):  # the same running time at the on-demand price
+                ran = sum(r * n * (e.running_seconds or e.seconds)
+                          for r, n, e in zip(rates, held, entries, strict=True))
+                row.on_demand_usd = round(ran / 3600, 4)
     return row
+
+
+def spot_savings(cost: Cost) -> tuple[float, float] | None:
+    """(USD saved, share saved) by the run's spot jobs against the same running time on demand; None
+    when no priced job ran on spot."""
+    spot = [r for r in cost.rows if r.on_demand_usd is not None and r.cost_usd is not None]
+    on_demand = sum(r.on_demand_usd or 0.0 for r in spot)
+    if not spot or not on_demand:
+        return None
+    saved = on_demand - sum(r.cost_usd or 0.0 for r in spot)
+    return round(saved, 4), saved / on_demand
 
 
 def _on(spec: JobSpec, instance_type: str | None) -> JobSpec:

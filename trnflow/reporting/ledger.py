@@ -26,6 +26,10 @@ class LedgerEntry:
     entries written before trnflow recorded it, which are billed on the spec's nodes."""
     instance_type: str | None = None
     """The instance type the job got (one of compute.instance_preferences); None: the spec's."""
+    spot: bool = False
+    """Whether the job ran on spot capacity (its `seconds` are what the service billed for it)."""
+    running_seconds: float | None = None
+    """A spot job's running time per node, of which `seconds` were billed; None: as `seconds`."""
 
 
 class JobLedger:

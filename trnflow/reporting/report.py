@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from trnflow.reporting.cost import spot_savings
 from trnflow.results import CollectivesResult, CompileResult, Cost, CostRow, StageResult, StageRow, TrainResult
 from trnflow.urls import shown
 
@@ -37,9 +38,10 @@ def price_basis(row: CostRow) -> str:
     spec's own price, or none known. A price is only as good as these, so the table shows them."""
     if row.price_per_node_hour is None:
         return f"{row.service or 'on-demand'}: no price known"
+    spot = "; spot: the service's billable time" if row.on_demand_usd is not None else ""
     if row.region is None:
-        return "compute.price_per_hour"
-    return f"{row.service} {row.region}, {row.price_as_of}"
+        return f"compute.price_per_hour{spot}"
+    return f"{row.service} {row.region}, {row.price_as_of}{spot}"
 
 
 def cost_cells(cost: Cost) -> tuple[list[list[str]], str]:
@@ -152,9 +154,20 @@ def compile_markdown(result: CompileResult) -> str:
 def cost_markdown(cost: Cost) -> str:
     rows, total = cost_cells(cost)
     rows.append(["**total**", *[""] * (len(COST_COLUMNS) - 2), f"**{total}**"])
+    note = spot_note(cost)
     return "\n".join(["## What the jobs cost (on-demand prices)", "",
                       *_table(list(COST_COLUMNS), rows,
-                              ["---", "---", "---:", "---:", "---:", "---", "---:", "---:"])]) + "\n"
+                              ["---", "---", "---:", "---:", "---:", "---", "---:", "---:"]),
+                      *(["", note] if note else [])]) + "\n"
+
+
+def spot_note(cost: Cost) -> str | None:
+    """`Spot saved $12.34 (70%) against on-demand.` when jobs ran on spot."""
+    found = spot_savings(cost)
+    if found is None:
+        return None
+    saved, share = found
+    return f"Spot saved ${saved:,.2f} ({share:.0%}) against the same running time on demand."
 
 
 def outputs(results: dict[str, StageResult]) -> list[tuple[str, str]]:

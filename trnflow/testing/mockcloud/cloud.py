@@ -54,6 +54,9 @@ class ServiceFault:
     """Batch: the attempt's exit code (None when the host went away)."""
     times: int = 1
     """How many attempts it strikes."""
+    spot: bool = False
+    """A spot reclaim: the containers get SIGTERM and `MockCloud.spot_grace_seconds` to end before the
+    instances go; SageMaker's managed spot training then restarts the job (status `Interrupted`)."""
 
 
 class MockCloud:
@@ -68,6 +71,11 @@ class MockCloud:
         """Instance types (`trn1.32xlarge`) the services have no capacity for: SageMaker fails a job that
         asks only for them with its capacity error, or launches the first of its InstancePreferences
         that has capacity; a Batch job for one stays RUNNABLE, as Batch leaves it."""
+        self.spot_discount = 0.7
+        """The share of the on-demand price a spot job does not pay (SageMaker reports it as
+        BillableTimeInSeconds below TrainingTimeInSeconds). The real figure moves by the hour."""
+        self.spot_grace_seconds = 120.0
+        """How long a reclaimed spot instance's containers have after SIGTERM (the two-minute notice)."""
         self.node_faults = dict(node_faults or {})
         """Device faults (`TRNFLOW_FAULTS` syntax) of one node of every job, by node index (Batch's
         node index; SageMaker's host, algo-1 being 0): a fault of that node's instance alone."""

@@ -135,11 +135,21 @@ class LogPump(threading.Thread):
         self._copy()
 
 
-def run_nodes(nodes: list[Node], group: str, logs: Any, interrupt: Callable[[], str | None]
+@dataclass(frozen=True)
+class Notice:
+    """An interruption that warns first: SIGTERM to every container, which may take up to
+    `grace_seconds` to end (a spot reclaim notice gives two minutes), then the instances go."""
+
+    reason: str
+    grace_seconds: float = 120.0
+
+
+def run_nodes(nodes: list[Node], group: str, logs: Any, interrupt: Callable[[], str | Notice | None]
               ) -> tuple[list[int | None], str | None, float]:
     """Start every node and wait for all of them. `interrupt()` is asked twice a second; when it
-    returns a reason, every node is killed. Returns the exit codes (None for a killed node), the
-    interrupting reason, and the wall seconds the attempt held its instances."""
+    returns a reason, every node is killed (after its `Notice`, when it gives one). Returns the exit
+    codes (None for a killed node), the interrupting reason, and the wall seconds the attempt held
+    its instances."""
     pump = LogPump(group, nodes, logs)
     began = time.time()
     for node in nodes:
@@ -150,7 +160,11 @@ def run_nodes(nodes: list[Node], group: str, logs: Any, interrupt: Callable[[], 
     assert main is not None
     try:
         while main.poll() is None:  # the job ends with its main node, as on both services
-            reason = interrupt()
+            asked = interrupt()
+            if isinstance(asked, Notice):
+                _notify(nodes, asked.grace_seconds)
+                asked = asked.reason
+            reason = asked
             if reason is not None:
                 break
             time.sleep(0.5)
@@ -164,6 +178,18 @@ def run_nodes(nodes: list[Node], group: str, logs: Any, interrupt: Callable[[], 
         pump.finish()
     codes: list[int | None] = [None if reason else n.proc.returncode for n in nodes if n.proc is not None]
     return codes, reason, time.time() - began
+
+
+def _notify(nodes: list[Node], grace_seconds: float) -> None:
+    """SIGTERM each container (its first process, as the service signals it) and wait up to
+    `grace_seconds` for all of them to end."""
+    for node in nodes:
+        if node.proc is not None and node.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                node.proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + grace_seconds
+    while time.monotonic() < deadline and any(n.proc is not None and n.proc.poll() is None for n in nodes):
+        time.sleep(0.2)
 
 
 def container_env(endpoint_url: str, region: str, *layers: dict[str, Any]) -> dict[str, str]:

@@ -18,7 +18,7 @@ from trnflow.emulator.cores import RT_DIR_ENV
 from trnflow.neuron.launch import INSTANCE_CORES_ENV
 from trnflow.specs import instance
 from trnflow.storage.s3 import S3Store, split_s3_url
-from trnflow.testing.mockcloud.nodes import Node, container_env, free_port, run_nodes
+from trnflow.testing.mockcloud.nodes import Node, Notice, container_env, free_port, run_nodes
 from trnflow.workload.checkpoint import MARKER
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
@@ -74,12 +74,17 @@ class SageMakerJob:
 
     def run(self) -> None:
         retries = (self.body.get("RetryStrategy") or {}).get("MaximumRetryAttempts", 0)
+        spot = bool(self.body.get("EnableManagedSpotTraining"))
         billable, attempt = 0.0, 0
         try:
             while True:
                 attempt += 1
                 status, reason, seconds = self._attempt(attempt)
-                billable += seconds
+                billable += seconds * (1 - self.cloud.spot_discount) if spot else seconds
+                if status == "Interrupted":  # managed spot: the job goes on once spot capacity is back
+                    self._transition("Interrupted", f"The spot instances were reclaimed ({reason}); the job "
+                                     "restarts when spot capacity is available")
+                    continue
                 if status == "Failed" and reason.startswith("InternalServerError") and attempt <= retries:
                     self._transition("Restarting", f"Retrying the job after: {reason}")
                     continue
@@ -186,17 +191,24 @@ class SageMakerJob:
         limit = self.body.get("StoppingCondition", {}).get("MaxRuntimeInSeconds")
         began = time.time()
 
-        def interrupt() -> str | None:
+        reclaimed: list[str] = []
+
+        def interrupt() -> str | Notice | None:
             if self._stop:
                 return self._stop
             if limit and time.time() - began > limit:
                 return "MaxRuntimeExceeded"
             if watch is not None and watch():
                 fault = self.cloud.take_fault("sagemaker", self.phase, "checkpoint")
+                if fault is not None and fault.spot:
+                    reclaimed.append(fault.reason)
+                    return Notice(fault.reason, self.cloud.spot_grace_seconds)
                 return fault.reason if fault else None
             return None
 
         codes, reason, seconds = run_nodes(nodes, LOG_GROUP, self.cloud.client("logs"), interrupt)
+        if reclaimed:
+            return "Interrupted", reclaimed[0], seconds
         if reason is not None:
             stopped = reason == "MaxRuntimeExceeded" or reason == self._stop
             return ("Stopped" if stopped else "Failed"), reason, seconds
