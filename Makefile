@@ -114,7 +114,7 @@ test-xla: $(XLA_BIN)/.installed
 	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -n 2 --dist worksteal -q -p no:cacheprovider --durations=8 tests/xla
 
 # The fault matrix: the quickstart pipeline (shortened) once without faults, then once per fault, each
-# compared with the fault-free run. About 25 minutes on 2 cores; `make test` runs its CI case.
+# compared with the fault-free run. About 30 minutes on 2 cores; `make test` runs its two CI cases.
 faults: install
 	$(BIN)/python -m tests.faults --json runs/faults.json
 

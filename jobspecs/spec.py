@@ -178,7 +178,7 @@ class ComputeSpec(Section):
         description="Instance types to try in turn, the most wanted first, when one has no capacity; "
         "compute.instance_type is the first of them (leave it unset, or set it to the first). Each must take the "
         "job as the first does (cores, nodes, device, memory) and run the same training image (one family: trn1 "
-        "and trn1n, or trn2 and trn3). SageMaker picks the first with capacity (ResourceConfig.InstancePreferences); "
+        "and trn1n, or trn2). SageMaker picks the first with capacity (ResourceConfig.InstancePreferences); "
         "on Batch a job still waiting for capacity after compute.max_pending_minutes is resubmitted for the next. "
         "The run records the type it got and is priced by it.",
     )
@@ -216,12 +216,12 @@ class ComputeSpec(Section):
         "any compilation its first step needs.",
     )
     max_pending_minutes: float = Field(
-        60.0, ge=0, le=28 * 24 * 60,
+        60.0, gt=0, le=28 * 24 * 60,
         description="How long a job may wait for its instances before it is stopped as a capacity failure (which "
-        "is retried): on SageMaker its StoppingCondition.MaxPendingTimeInSeconds (30 minutes at least there); on "
-        "Batch a job still RUNNABLE after this long is cancelled, naming its queue and instance type; locally a "
-        "job waits this long for NeuronCores another run holds, saying which run holds them. 0: never wait (on "
-        "SageMaker: the service's own default).",
+        "is retried): on SageMaker its StoppingCondition.MaxPendingTimeInSeconds (30 minutes at least there; a "
+        "spot job's waits are bounded by compute.max_wait_hours instead); on Batch a job still RUNNABLE after "
+        "this long is cancelled, naming its queue and instance type; locally a job waits this long for "
+        "NeuronCores another run holds, saying which run holds them.",
     )
     spot: bool = Field(
         False,
@@ -298,7 +298,7 @@ class ComputeSpec(Section):
         if len(set(wanted)) < len(wanted):
             raise ValueError("compute.instance_preferences: an instance type is listed twice; list each once")
         if len({instance(t).native_torch for t in wanted}) > 1:
-            raise ValueError(f"compute.instance_preferences: {', '.join(wanted)} mix trn1 with trn2/trn3, which run "
+            raise ValueError(f"compute.instance_preferences: {', '.join(wanted)} mix trn1 with trn2, which run "
                              "different training images; one job runs one image, so list one family only")
         if self.training_plan:
             raise ValueError("compute.training_plan: a training plan reserves one instance type; remove "
@@ -316,23 +316,25 @@ class ComputeSpec(Section):
         that chose it, for an alternative in compute.instance_preferences)."""
         itype = instance(name)
         also = f" ({where} lists it)" if where != "compute" else ""
+        drop = f", or remove {itype.name} from {where}" if also else ""
         if self.cores_per_node > itype.cores:
             bigger = next((t.name for t in CATALOGUE.values() if t.trainium and t.cores >= self.cores_per_node),
                           None)
-            fix = f" or pick {bigger}" if bigger else ""
+            fix = f" or pick {bigger}" if bigger and not also else ""
             raise ValueError(
                 f"compute.cores_per_node: {itype.name}{also} has {itype.cores} NeuronCores; "
-                f"set compute.cores_per_node <= {itype.cores}{fix}"
+                f"set compute.cores_per_node <= {itype.cores}{fix}{drop}"
             )
         if self.device == "neuron" and not itype.native_torch:
             raise ValueError(
                 f"compute.device: neuron (native TorchNeuron) runs on trn2 and later, not on {itype.name}{also} "
                 f"(NeuronCore-{itype.neuroncore_version}), which runs the xla device: set compute.device to xla or auto"
+                f"{drop}"
             )
         if self.nodes > 1 and not itype.multi_node:
             raise ValueError(
                 f"compute.nodes: {itype.name}{also} has no EFA for multi-node training; set compute.nodes: 1 "
-                "or pick trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge"
+                f"or pick trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge{drop}"
             )
         return self
 
@@ -368,10 +370,10 @@ class ComputeSpec(Section):
 
     @model_validator(mode="after")
     def _pending_as_the_service_allows(self) -> ComputeSpec:
-        if self.backend == "sagemaker" and 0 < self.max_pending_minutes < 30:
+        if self.backend == "sagemaker" and not self.spot and self.max_pending_minutes < 30:
             raise ValueError(
                 f"compute.max_pending_minutes: {self.max_pending_minutes:g} is below SageMaker's least "
-                "MaxPendingTimeInSeconds (1800 s); set 30 or more, or 0 for SageMaker's own default")
+                "MaxPendingTimeInSeconds (1800 s); set 30 or more")
         return self
 
     @model_validator(mode="after")
@@ -664,6 +666,18 @@ class JobSpec(Section):
             if fault.core >= itype.cores:
                 raise ValueError(f"faults.{i}.core: {itype.name} has {itype.cores} NeuronCores (0-{itype.cores - 1}); "
                                  f"pick a core below {itype.cores}")
+        return self
+
+    @model_validator(mode="after")
+    def _stalls_outlast_collectives(self) -> JobSpec:
+        """A rank waiting in a collective makes no progress: were it ended as stalled first, the
+        collective's timeout could never name the rank that did not come."""
+        hang, collective = self.compute.hang_timeout_minutes * 60, self.preflight.collective_timeout_seconds
+        if hang <= collective:
+            raise ValueError(f"compute.hang_timeout_minutes: {hang:g} s is not longer than "
+                             f"preflight.collective_timeout_seconds ({collective:g} s); ranks waiting in a collective "
+                             "would be ended as stalled before the collective's timeout names the one that never "
+                             f"came. Set it above {collective / 60:g} min, or shorten the collective timeout")
         return self
 
     @model_validator(mode="after")

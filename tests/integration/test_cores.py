@@ -84,15 +84,17 @@ def test_a_job_on_held_cores_waits_for_them_naming_the_run_that_holds_them(make_
     owners = {core: h["pid"] for core, h in holders(2).items()}
     assert set(owners) == {0, 1}
 
-    impatient = make_spec(name="second", compute={"max_pending_minutes": 0})
+    impatient = make_spec(name="second", compute={"max_pending_minutes": 0.001})
     with pytest.raises(TransientError) as refused:
         backend.submit(JobRequest(impatient, "sanity", "s", cores=(0, 1)))
     message = str(refused.value)
-    assert message.startswith("sanity: the NeuronCores it needs are busy: nc0 held by pid ")
+    assert message.startswith("sanity: the NeuronCores it needs are busy after waiting 0.001 min "
+                              "(compute.max_pending_minutes): nc0 held by pid ")
     assert all(f"pid {pid} (trnflow.workload train rank {rank} of run long)" in message
                for rank, pid in enumerate(owners.values()))
 
     submitted: list[str] = []
+    caplog.clear()
     with caplog.at_level(logging.WARNING, logger="trnflow.backends"):
         waiting = threading.Thread(target=lambda: submitted.append(backend.submit(
             JobRequest(make_spec(name="third", compute={"max_pending_minutes": 5}), "sanity", "w", cores=(0, 1)))))

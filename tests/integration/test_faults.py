@@ -145,7 +145,8 @@ def test_a_rank_that_stalls_with_no_peer_to_notice_is_ended_by_its_watchdog_and_
     """A lone rank stops making progress at step 3 (a host that stopped answering): nothing else would
     end it before the attempt's timeout. Its watchdog ends it as Stalled, naming the rank, core and
     host and what it did last; the failure is transient, and the same run then resumes and ends."""
-    spec = make_spec(name="stalled", compute={"cores_per_node": 1, "hang_timeout_minutes": 0.1},
+    spec = make_spec(name="stalled", compute={"cores_per_node": 1, "hang_timeout_minutes": 0.4},
+                     preflight={"collective_timeout_seconds": 10},
                      train={"steps": 6, "checkpoint_every": 2, "log_every": 1},
                      faults=[{"kind": "stall", "core": 0, "step": 3}])
     job_id = backend.submit(JobRequest(spec, "train", "stalled", cores=(0,)))
@@ -154,7 +155,7 @@ def test_a_rank_that_stalls_with_no_peer_to_notice_is_ended_by_its_watchdog_and_
     failure = info.failure
     assert failure.type == "Stalled" and failure.retryable is True and failure.rank == 0
     assert failure.message.startswith(f"rank 0 (NeuronCore 0) on {socket.gethostname()} made no progress for ")
-    assert "its last progress was: checkpoint at step 2" in failure.message  # written after step 2
+    assert "its last progress was: checkpointing step 2, done" in failure.message  # written after step 2
     again = wait(backend, backend.submit(JobRequest(spec, "train", "stalled", cores=(0,))), 0.2)
     assert again.state is JobState.SUCCEEDED, again.failed()
     assert again.result.resumed_from and again.result.start_step == 2

@@ -94,10 +94,8 @@ def test_capacity_settings_become_sagemakers_instance_preferences_pending_limit_
     _valid_for_the_service("sagemaker", "CreateTrainingJob", body)
 
     plan = "arn:aws:sagemaker:us-east-1:123456789012:training-plan/reserved-trn1"
-    planned = build_training_job_request(JobRequest(_spec(compute={"training_plan": plan, "max_pending_minutes": 0}),
-                                                    "train", "r2"), TARGET)
+    planned = build_training_job_request(JobRequest(_spec(compute={"training_plan": plan}), "train", "r2"), TARGET)
     assert planned["ResourceConfig"]["TrainingPlanArn"] == plan
-    assert planned["StoppingCondition"] == {"MaxRuntimeInSeconds": 6 * 3600}  # 0: SageMaker's own default
     _valid_for_the_service("sagemaker", "CreateTrainingJob", planned)
 
 
@@ -106,6 +104,7 @@ def test_spot_becomes_managed_spot_training_with_a_wait_of_at_least_the_runtime(
     assert body["EnableManagedSpotTraining"] is True
     assert body["Environment"]["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "100"  # the ranks' time to checkpoint
     assert body["StoppingCondition"]["MaxWaitTimeInSeconds"] == 2 * 6 * 3600  # twice the runtime, by default
+    assert "MaxPendingTimeInSeconds" not in body["StoppingCondition"]  # a spot job's waits: MaxWaitTimeInSeconds
     _valid_for_the_service("sagemaker", "CreateTrainingJob", body)
     waited = build_training_job_request(JobRequest(_spec(compute={"spot": True, "max_wait_hours": 7}), "train", "r4"),
                                         TARGET)
@@ -117,9 +116,10 @@ def test_spot_becomes_managed_spot_training_with_a_wait_of_at_least_the_runtime(
     ({"instance_type": "trn1.2xlarge", "instance_preferences": ["trn1.32xlarge"]},
      "compute.instance_type: trn1.2xlarge is not the first of compute.instance_preferences (trn1.32xlarge)"),
     ({"instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn2.48xlarge"]},
-     "mix trn1 with trn2/trn3, which run different training images"),
+     "mix trn1 with trn2, which run different training images"),
     ({"instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn1.2xlarge"]},
-     "compute.cores_per_node: trn1.2xlarge (compute.instance_preferences lists it) has 2 NeuronCores"),
+     "compute.cores_per_node: trn1.2xlarge (compute.instance_preferences lists it) has 2 NeuronCores; set "
+     "compute.cores_per_node <= 2, or remove trn1.2xlarge from compute.instance_preferences"),
     ({"instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"],
       "training_plan": "arn:aws:sagemaker:us-east-1:123456789012:training-plan/p"},
      "compute.training_plan: a training plan reserves one instance type"),

@@ -66,6 +66,7 @@ def test_multi_node_needs_efa():
         ({"compile": {"optlevel": 4}}, None, "compile.optlevel"),
         ({"compute": {"backend": "sagemaker", "max_pending_minutes": 10}}, None, "compute.max_pending_minutes"),
         ({"compute": {"hang_timeout_minutes": 0}}, None, "compute.hang_timeout_minutes"),
+        ({"compute": {"hang_timeout_minutes": 1}}, None, "compute.hang_timeout_minutes"),  # below the 120 s collective
     ],
 )
 def test_bad_values_name_their_field(section, values, path):

@@ -126,8 +126,9 @@ def wait(backend: Backend, job_id: str, poll_seconds: float = 0.5, on_logs=None)
         time.sleep(poll_seconds)
 
 
-CANCEL_SECONDS = 10.0
-"""How long an interrupted caller waits for its job's cancellation before it goes on stopping."""
+CANCEL_SECONDS = 20.0
+"""How long an interrupted caller waits for its job's cancellation before it goes on stopping (the
+local backend's own cancel gives a job 10 s after SIGTERM before it kills it)."""
 
 
 def cancel_within(backend: Backend, job_id: str, seconds: float = CANCEL_SECONDS) -> bool:

@@ -15,15 +15,13 @@ from trnflow import aws
 from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
 from trnflow.backends.batch_request import build_job_definition, build_submit_job, queue_problems
 from trnflow.backends.cloud import (
-    NODE_GRACE_SECONDS,
     STOPPED_BY_TRNFLOW,
     CloudTarget,
-    failed_node,
-    node_failure_message,
+    NodeWatch,
     stage_spec,
 )
 from trnflow.backends.cloudwatch import StreamReader
-from trnflow.backends.failures import lost_peer
+from trnflow.backends.failures import report_order
 from trnflow.backends.service_status import (
     CANCEL_REASON,
     batch_billable_seconds,
@@ -53,8 +51,7 @@ class BatchBackend:
         self._rules: dict[str, list[dict[str, str]]] = {}
         self._queues: dict[str, dict[str, Any] | None] = {}
         self._streams: dict[str, str] = {}
-        self._node_failed: dict[str, tuple[int, FailureReport]] = {}  # jobs stopped because a node failed
-        self.node_grace_seconds = NODE_GRACE_SECONDS
+        self.nodes = NodeWatch()  # stops a job whose other node failed while its main node went on
         self._waits: dict[str, tuple[float, str]] = {}  # job -> (seconds it may wait for capacity, instance type)
         self._starved: dict[str, FailureReport] = {}  # jobs stopped for waiting longer than that
         self._reader = StreamReader(self._logs, LOG_GROUP)
@@ -82,6 +79,9 @@ class BatchBackend:
         problems = self.problems(request.spec)
         if problems:
             raise FatalError("; ".join(problems))
+        from trnflow.workload.memory import check_fits  # builds the recipe's model (torch): submissions only
+
+        check_fits(request.spec)  # on every instance type the job may get, before any job exists
         definition = self._job_definition(build_job_definition(request.spec, self.target, request.phase))
         stage_spec(self.target, request)
         submitted = aws.call(self._batch.submit_job, **build_submit_job(request, self.target, definition))
@@ -136,20 +136,16 @@ class BatchBackend:
         reports = [read(FailureReport, store.read(o.name), f"{store.url}/{o.name}") for o in store.list("failure-node")]
         if not reports:
             return None
-        return min(reports, key=lambda r: (r.retryable is None, lost_peer(r), r.reported_at or 0.0, r.rank or 0))
+        return min(reports, key=report_order)
 
     def _stop_if_a_node_failed(self, job_id: str, desc: dict[str, Any]) -> None:
-        """Terminate a running job one of whose other nodes has failed (`failed_node`). Batch does
-        not retry a terminated job; the node's failure says whether trnflow resubmits it."""
-        if job_id in self._node_failed:
-            return
-        found = failed_node(self._outputs(desc), (desc.get("startedAt") or 0) / 1000, self.node_grace_seconds)
-        if found is None:
-            return
-        self._node_failed[job_id] = found
-        node, report = found
-        aws.call(self._batch.terminate_job, jobId=job_id,
-                 reason=f"{STOPPED_BY_TRNFLOW}node {node} failed ({report.type}) and the main node went on"[:255])
+        """Terminate a running job one of whose other nodes has failed (`NodeWatch`). Batch does not
+        retry a terminated job; the nodes' root failure says whether trnflow resubmits it."""
+        attempts = desc.get("attempts") or []  # a retried attempt starts after the last one stopped
+        since = max(desc.get("startedAt") or 0, (attempts[-1].get("stoppedAt") or 0) if attempts else 0) / 1000
+        why = self.nodes.should_stop(job_id, self._outputs(desc), since)
+        if why is not None:
+            aws.call(self._batch.terminate_job, jobId=job_id, reason=f"{STOPPED_BY_TRNFLOW}{why}"[:255])
 
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)
@@ -162,11 +158,9 @@ class BatchBackend:
             self._stop_if_starved(job_id, desc)
         if state in (JobState.FAILED, JobState.CANCELLED) and job_id in self._starved:
             return JobInfo(job_id, JobState.FAILED, failure=self._starved[job_id], details=details)
-        if state in (JobState.FAILED, JobState.CANCELLED) and job_id in self._node_failed:
-            node, report = self._node_failed[job_id]
-            job = f"Batch job {desc.get('jobName')} ({job_id})"
+        if state in (JobState.FAILED, JobState.CANCELLED) and self.nodes.stopped(job_id):
             return JobInfo(job_id, JobState.FAILED, details=details,
-                           failure=report.model_copy(update={"message": node_failure_message(node, report, job)}))
+                           failure=self.nodes.failure(job_id, f"Batch job {desc.get('jobName')} ({job_id})"))
         if state is JobState.SUCCEEDED:
             result = stage_result(job_id, self._outputs(desc).read("result.json"), None)
             return JobInfo(job_id, state, result=result, details=details)

@@ -13,6 +13,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from trnflow import aws
 from trnflow.backends.base import JobRequest
+from trnflow.backends.failures import report_order
 from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV
 from trnflow.errors import FatalError
 from trnflow.neuron.devices import IMAGES, image_device
@@ -155,31 +156,63 @@ NODE_GRACE_SECONDS = 60.0
 """How long the main node may go on after another node failed before the job is stopped: when the
 main node failed too (the other node only lost its peer), it has ended the job by then itself, and
 the service's own retry rules apply to that ending."""
+NODE_LOOK_SECONDS = 10.0
+"""How often a running job's nodes' reports are listed (a LIST request on the staging bucket)."""
 
 
-def failed_node(outputs: Store, since: float, grace: float = NODE_GRACE_SECONDS) -> tuple[int, FailureReport] | None:
-    """A node other than the main one whose container failed after `since` (seconds since the epoch:
-    when the job's current attempt began) and at least `grace` seconds ago, with its report; the
-    first such report, else None.
-
-    A multi-node job ends with its main node. When another node fails, the main node's ranks may be
-    stalled with nothing to end them but the attempt's timeout (a day, by default). So the backends
-    stop a job once one of its other nodes has failed and the main node has not ended within `grace`."""
-    found, latest = [], time.time() - grace
+def node_reports(outputs: Store, since: float) -> list[tuple[int, FailureReport]]:
+    """Every node's failure report written after `since` (seconds since the epoch), by node, each with
+    `reported_at`: when it was written."""
+    found = []
     for listed in outputs.list("failure-node"):
         match = NODE_REPORT.fullmatch(listed.name)
-        if match and int(match.group(1)) > 0 and since <= listed.modified <= latest:
-            found.append((listed.modified, int(match.group(1)), listed.name))
-    if not found:
-        return None
-    _, node, name = min(found)
-    return node, read(FailureReport, outputs.read(name), f"{outputs.url}/{name}")
+        if match and listed.modified >= since:
+            report = read(FailureReport, outputs.read(listed.name), f"{outputs.url}/{listed.name}")
+            found.append((int(match.group(1)), report.model_copy(update={"reported_at": listed.modified})))
+    return found
 
 
-def node_failure_message(node: int, report: FailureReport, job: str) -> str:
-    """The failure of a job trnflow stopped because node `node` had failed: that node's own."""
-    return (f"{report.message} (node {node} of {job} failed while its main node went on; trnflow stopped the job "
-            "rather than let it run to its timeout)")
+class NodeWatch:
+    """Whether a running multi-node job should be stopped because a node other than the main one
+    failed, and the failure it then ends with.
+
+    A multi-node job ends with its main node, on both services. When another node fails, the main
+    node's ranks may be stalled with nothing to end them but the attempt's timeout (a day, by
+    default). So a job is stopped once another node's container has reported a failure and the main
+    node has not ended within `grace` seconds. A spot reclaim is not such a failure: the service
+    takes every node, and managed spot training restarts the job itself."""
+
+    def __init__(self, grace: float = NODE_GRACE_SECONDS, every: float = NODE_LOOK_SECONDS):
+        self.grace, self.every = grace, every
+        self._looked: dict[str, float] = {}
+        self._stopped: dict[str, tuple[Store, float]] = {}  # job -> (its nodes' reports, its attempt's start)
+
+    def should_stop(self, job_id: str, outputs: Store, since: float) -> str | None:
+        """Why to stop the running job now (`node 1 failed (CollectiveTimeout)`), once per job; else None."""
+        now = time.time()
+        if job_id in self._stopped or now - self._looked.get(job_id, 0.0) < self.every:
+            return None
+        self._looked[job_id] = now
+        failed = sorted((r.reported_at or 0.0, node, r.type) for node, r in node_reports(outputs, since)
+                        if node > 0 and r.type != "SpotInterruption" and (r.reported_at or 0.0) <= now - self.grace)
+        if not failed:
+            return None
+        self._stopped[job_id] = (outputs, since)
+        _, node, kind = failed[0]
+        return f"node {node} failed ({kind}) and the main node went on"
+
+    def stopped(self, job_id: str) -> bool:
+        return job_id in self._stopped
+
+    def failure(self, job_id: str, job: str) -> FailureReport:
+        """The root failure among the stopped job's nodes (a node's own error before a lost peer, then
+        the first written), in its words, saying that trnflow stopped `job`."""
+        outputs, since = self._stopped[job_id]
+        reports = node_reports(outputs, since)
+        node, root = min(reports, key=lambda found: report_order(found[1]))
+        return root.model_copy(update={"message": (
+            f"{root.message} (node {node} of {job} failed while its main node went on; trnflow stopped the job "
+            "rather than let it run to its timeout)")})
 
 
 def checkpoint_s3_uri(spec: JobSpec, run_id: str) -> str:

@@ -62,6 +62,12 @@ def lost_peer(report: FailureReport) -> bool:
     return report.type == "DistBackendError" or any(sign in str(report) for sign in _PEER_SIGNS)
 
 
+def report_order(report: FailureReport) -> tuple:
+    """Sorts reports root cause first: a rank's own error (its `retryable` said), then one that is not
+    only a lost peer, then the first written, then the lowest rank."""
+    return report.retryable is None, lost_peer(report), report.reported_at or 0.0, report.rank or 0
+
+
 def read_reports(output_dir: Path) -> list[FailureReport]:
     """Each failing rank's own report, with `reported_at`: when the rank wrote it."""
     reports = []

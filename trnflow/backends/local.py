@@ -226,6 +226,14 @@ class LocalBackend:
         end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
         return data[:end].decode("utf-8", errors="replace"), since + end
 
+    def stop_command(self, job_id: str) -> str:
+        """The command that stops the job's process group, for a person to run when trnflow could not."""
+        try:
+            pid = json.loads((self._dir(job_id) / "pid.json").read_text())["pid"]
+        except (FileNotFoundError, KeyError):
+            return f"kill the processes of {self.jobs_dir / job_id}"
+        return f"kill -KILL -- -{pid}"
+
     def cancel(self, job_id: str, grace_seconds: float = 10.0) -> None:
         """Stop the job's whole process group: SIGTERM, then SIGKILL after `grace_seconds`."""
         job_dir = self._dir(job_id)

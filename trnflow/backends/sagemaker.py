@@ -15,10 +15,8 @@ from trnflow import aws
 from trnflow.backends import sagemaker_trainer
 from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
 from trnflow.backends.cloud import (
-    NODE_GRACE_SECONDS,
     CloudTarget,
-    failed_node,
-    node_failure_message,
+    NodeWatch,
     stage_spec,
     staging_prefix,
 )
@@ -26,7 +24,7 @@ from trnflow.backends.cloudwatch import StreamReader, streams
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.backends.service_status import sagemaker_failure, sagemaker_state
 from trnflow.errors import FatalError
-from trnflow.results import FailureReport, StageResult
+from trnflow.results import StageResult
 from trnflow.safetar import read_member
 from trnflow.storage import Store, open_store
 from trnflow.storage.s3 import split_s3_url
@@ -46,13 +44,15 @@ class SageMakerBackend:
         self._read: dict[str, dict[str, int]] = {}  # job -> stream -> events read
         self._reader = StreamReader(self._logs, LOG_GROUP)
         self._outputs: dict[str, Store] = {}  # job -> where its nodes upload their failures
-        self._node_failed: dict[str, tuple[int, FailureReport]] = {}  # jobs stopped because a node failed
-        self.node_grace_seconds = NODE_GRACE_SECONDS
+        self.nodes = NodeWatch()  # stops a job whose other host failed while its main host went on
 
     def submit(self, request: JobRequest) -> str:
         if request.spec is None:
             raise FatalError(f"the {request.phase} phase needs a job spec to run on SageMaker")
 
+        from trnflow.workload.memory import check_fits  # builds the recipe's model (torch): submissions only
+
+        check_fits(request.spec)  # on every instance type the job may get, before any job exists
         body = build_training_job_request(request, self.target)
         stage_spec(self.target, request)
         bucket, _ = split_s3_url(self.target.staging_url)
@@ -86,10 +86,8 @@ class SageMakerBackend:
                                                             or config.get("InstanceCount") or 0)]}
         if state is JobState.RUNNING:
             self._stop_if_a_node_failed(job_id, desc)
-        if state in (JobState.FAILED, JobState.CANCELLED) and job_id in self._node_failed:
-            node, report = self._node_failed[job_id]
-            message = node_failure_message(node, report, f"SageMaker job {job_id}")
-            return JobInfo(job_id, JobState.FAILED, failure=report.model_copy(update={"message": message}),
+        if state in (JobState.FAILED, JobState.CANCELLED) and self.nodes.stopped(job_id):
+            return JobInfo(job_id, JobState.FAILED, failure=self.nodes.failure(job_id, f"SageMaker job {job_id}"),
                            details=details)
         if state is JobState.SUCCEEDED:
             return JobInfo(job_id, state, result=self._result(desc), details=details)
@@ -98,17 +96,15 @@ class SageMakerBackend:
         return JobInfo(job_id, state, details=details)
 
     def _stop_if_a_node_failed(self, job_id: str, desc: dict[str, Any]) -> None:
-        """Stop a running job one of whose other hosts has failed (`failed_node`); the host's
+        """Stop a running job one of whose other hosts has failed (`NodeWatch`); the hosts' root
         failure then says whether trnflow resubmits it. Only jobs submitted here are watched (their
         hosts' reports are in this submission's staging folder)."""
         outputs = self._outputs.get(job_id)
-        if outputs is None or job_id in self._node_failed:
+        if outputs is None:
             return
         training = [t["StartTime"] for t in desc.get("SecondaryStatusTransitions", []) if t.get("Status") == "Training"]
-        found = failed_node(outputs, training[-1].timestamp() if training else 0.0, self.node_grace_seconds)
-        if found is not None:
-            self._node_failed[job_id] = found
-            aws.call(self._sm.stop_training_job, TrainingJobName=job_id)
+        if self.nodes.should_stop(job_id, outputs, training[-1].timestamp() if training else 0.0):
+            self.cancel(job_id)  # a job that ended meanwhile has nothing to stop
 
     def _result(self, desc: dict[str, Any]) -> StageResult:
         """Rank 0's result.json, from `<S3OutputPath>/<job>/output/output.tar.gz`."""

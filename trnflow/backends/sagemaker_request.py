@@ -72,12 +72,13 @@ def resource_config(spec: JobSpec, instances: int) -> dict[str, Any]:
 
 
 def stopping_condition(spec: JobSpec) -> dict[str, int]:
-    """How long a job may run, and wait for capacity before it is stopped (compute.max_pending_minutes)."""
+    """How long a job may run, and wait for capacity before it is stopped: compute.max_pending_minutes,
+    or for a spot job (whose waits for spot capacity come and go) compute.max_wait_hours in all."""
     compute = spec.compute
     condition = {"MaxRuntimeInSeconds": int(compute.max_runtime_hours * 3600)}
     if compute.spot:  # the runtime plus every wait for spot capacity (SageMaker: at least the runtime)
         condition["MaxWaitTimeInSeconds"] = int(compute.wait_hours * 3600)
-    if compute.max_pending_minutes:
+    else:
         condition["MaxPendingTimeInSeconds"] = max(MIN_PENDING_SECONDS, int(compute.max_pending_minutes * 60))
     return condition
 

@@ -48,13 +48,30 @@ def sagemaker_state(desc: dict[str, Any]) -> JobState:
     if status == "Completed":
         return JobState.SUCCEEDED
     if status in ("Stopping", "Stopped"):
-        return JobState.FAILED if secondary == "MaxRuntimeExceeded" else JobState.CANCELLED
+        return JobState.FAILED if secondary in ("MaxRuntimeExceeded", "MaxWaitTimeExceeded") or never_trained(
+            desc) else JobState.CANCELLED
     return JobState.FAILED
+
+
+def never_trained(desc: dict[str, Any]) -> bool:
+    """A stopped job that never reached `Training`: SageMaker stopped it at its MaxPendingTimeInSeconds
+    (a job trnflow stops itself is one it no longer describes)."""
+    return desc.get("TrainingJobStatus") == "Stopped" and "Training" not in [
+        t.get("Status") for t in desc.get("SecondaryStatusTransitions", [])]
 
 
 def sagemaker_failure(desc: dict[str, Any]) -> FailureReport:
     """The failure record of a `Failed` (or timed-out) training job, from its `FailureReason`."""
     name = desc["TrainingJobName"]
+    if desc.get("SecondaryStatus") == "MaxWaitTimeExceeded":
+        limit = desc.get("StoppingCondition", {}).get("MaxWaitTimeInSeconds")
+        return failure("CapacityError", f"SageMaker stopped the spot job {name} at its MaxWaitTimeInSeconds ({limit}): "
+                       "spot capacity did not let it finish in time; a resubmission resumes from its last checkpoint "
+                       "(raise compute.max_wait_hours, or set compute.spot: false)", True)
+    if never_trained(desc):
+        limit = desc.get("StoppingCondition", {}).get("MaxPendingTimeInSeconds")
+        return failure("CapacityError", f"SageMaker found no capacity for {name} within its MaxPendingTimeInSeconds "
+                       f"({limit}, compute.max_pending_minutes) and stopped it before it started", True)
     if desc.get("SecondaryStatus") == "MaxRuntimeExceeded":
         limit = desc.get("StoppingCondition", {}).get("MaxRuntimeInSeconds")
         return failure("JobTimeout", f"SageMaker stopped {name} at its MaxRuntimeInSeconds ({limit}); raise "

@@ -32,6 +32,7 @@ from trnflow.errors import FatalError
 from trnflow.neuron.compile_log import CompileProgress
 from trnflow.neuron.launch import retry_failed_requested
 from trnflow.specs import JobSpec
+from trnflow.workload import watchdog
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.programs import PROGRAMS, TRIAL_STEPS, Programs, build_model
 from trnflow.workload.recipes import for_job, plan_digest
@@ -211,7 +212,8 @@ def run(ctx: WorkerContext) -> dict:
     cache = plans.job_cache(spec)
     retry_failed = bool(ctx.options.get("retry_failed")) or retry_failed_requested()
     print(f"INFO ||NEURON_CACHE||: Compile cache path: {cache.url}", flush=True)
-    parallel = None if ctx.options.get("check") else precompile(spec, ctx.device)
+    with watchdog.busy("neuron_parallel_compile"):  # the compiler runs in processes of its own
+        parallel = None if ctx.options.get("check") else precompile(spec, ctx.device)
     if parallel is not None:
         ctx.log("parallel_compile", **parallel)
     plan, flags = extract(spec, ctx.device), ctx.device.compiler(spec, mode="extract", model=for_job(spec).key).flags
@@ -250,8 +252,9 @@ def run(ctx: WorkerContext) -> dict:
         by_program: dict[str, list[str]] = {}
         for p in todo:
             by_program.setdefault(p.program, []).append(p.key)
-        with ProcessPoolExecutor(min(spec.compile.workers, len(by_program)),
-                                 mp_context=_pool_context(spec, ctx.device), max_tasks_per_child=1) as pool:
+        with watchdog.busy(f"compiling {len(todo)} graph(s)"), ProcessPoolExecutor(
+                min(spec.compile.workers, len(by_program)), mp_context=_pool_context(spec, ctx.device),
+                max_tasks_per_child=1) as pool:
             futures = [pool.submit(compile_program, spec.model_dump_json(), program, keys, retry_failed)
                        for program, keys in by_program.items()]
             for future in as_completed(futures):

@@ -13,10 +13,7 @@ from __future__ import annotations
 import signal
 import sys
 
-import torch
-import torch.distributed as dist
-
-from trnflow.workload import watchdog
+from trnflow.workload.collectives import all_true
 from trnflow.workload.context import WorkerContext
 
 
@@ -34,11 +31,9 @@ class ReclaimNotice:
             print(f"trnflow.workload: rank {self.ctx.rank} got the reclaim notice (SIGTERM): checkpointing at the "
                   "next step boundary", file=sys.stderr, flush=True)
         self.seen = True
-        watchdog.beat("the reclaim notice")
 
     def agreed(self) -> bool:
         if self.ctx.world_size == 1:
             return self.seen
-        flag = torch.tensor([1 if self.seen else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return bool(flag.item())
+        # a rank that never arrives is named, as in any collective step
+        return not self.ctx.collective("agreeing on the reclaim notice", lambda: all_true(not self.seen))

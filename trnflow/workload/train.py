@@ -130,7 +130,8 @@ class Trainer:
             if done % tcfg.log_every == 0 or done == tcfg.steps:
                 self._log_point(done)
             if (self.spec.gate.eval_every and done % self.spec.gate.eval_every == 0) or done == tcfg.steps:
-                self._evaluate(done)
+                with watchdog.busy(f"evaluating at step {done}"):
+                    self._evaluate(done)
             saved = done % tcfg.checkpoint_every == 0 or done == tcfg.steps
             if saved:
                 self._checkpoint(done)
@@ -218,6 +219,10 @@ class Trainer:
                                            self.holdout.digest, done, correct)
 
     def _checkpoint(self, done: int) -> None:
+        with watchdog.busy(f"checkpointing step {done}"):  # rank 0 writes; the others wait for it
+            self._write_checkpoint(done)
+
+    def _write_checkpoint(self, done: int) -> None:
         ctx, spec = self.ctx, self.spec
         rng = gather_objects(ctx, _rng_state(self.sr_gen))
         if ctx.is_main:

@@ -11,24 +11,42 @@ The launcher then stops the node's other ranks, and the job ends with the node.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from trnflow.errors import ExitCode
 
 _lock = threading.Lock()
 _last: tuple[float, str] = (time.monotonic(), "started")
 _started = False
+_busy = 0
 
 
 def beat(label: str) -> None:
     """Record progress: `label` says what the rank was doing (the stall report quotes the last one)."""
     global _last
     _last = (time.monotonic(), label)
+
+
+@contextlib.contextmanager
+def busy(label: str) -> Iterator[None]:
+    """Work that goes on without beats while the block runs: a compiler in other processes, a
+    checkpoint being written (and the peers waiting for it), an evaluation. It is not taken for a
+    stall however long it takes; a hang inside it is left to the collective timeout and the
+    service's."""
+    global _busy
+    beat(label)
+    _busy += 1
+    try:
+        yield
+    finally:
+        _busy -= 1
+        beat(f"{label}, done")
 
 
 def host_label(env: dict[str, str] | None = None) -> str:
@@ -64,7 +82,7 @@ def start(limit_seconds: float, on_stall: Callable[[float, str], None]) -> None:
             time.sleep(poll)
             since, label = _last
             idle = time.monotonic() - since
-            if idle > limit_seconds:
+            if idle > limit_seconds and not _busy:
                 try:
                     on_stall(idle, label)
                 finally:
