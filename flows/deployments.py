@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -23,7 +24,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.runner import Runner
 from prefect.schedules import Cron
-from prefect.settings import PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from trnflow.flows.batch_inference import batch_inference
@@ -186,6 +187,53 @@ class _Deadline:
         os._exit(1)
 
 
+GONE_CHECKS = (5.0, 4)
+"""How `trnflow serve` decides its server is gone: this many seconds between health checks, and
+this many unanswered in a row. Prefect's runner gives up after three polls (about 30 s) with
+tracebacks, or sometimes hangs; this ends serving first, saying why."""
+
+
+def _server_answers(seconds: float) -> bool:
+    """Whether the Prefect server answers its health check within `seconds`."""
+    try:
+        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), \
+                get_client(sync_client=True, httpx_settings={"timeout": seconds}) as client:
+            return client.api_healthcheck() is None
+    except Exception:  # any way of not answering is an answer here
+        return False
+
+
+def _server_gone() -> None:
+    """Say that the server stopped answering and what to do, and end this process (exit 1)."""
+    sys.stdout.flush()
+    print(f"trnflow serve: the Prefect server at {PREFECT_API_URL.value()} stopped answering, so serving stopped; "
+          "its deployments were not paused, and their schedules create runs again once it is back: start the "
+          "server, then run `trnflow serve` again", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _watch_server(stopping: threading.Event, every: float, misses: int) -> None:
+    """Until `stopping` is set, check the server every `every` seconds; `misses` unanswered
+    checks in a row end serving (`_server_gone`)."""
+    missed = 0
+    while not stopping.wait(every):
+        missed = 0 if _server_answers(every) else missed + 1
+        if missed >= misses and not stopping.is_set():
+            _server_gone()
+
+
+class _OneLine(logging.Filter):
+    """Keeps a log record's message and drops its traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.exc_info, record.exc_text = None, None
+        return True
+
+
+QUIET_TRACEBACKS = ("prefect.FlowRunCancellingObserver",)
+"""Prefect loggers whose warnings about a server that went away come with a whole traceback."""
+
+
 def _busy(exc: BaseException) -> bool:
     """Whether the server answered that it is busy (429, or a 5xx such as SQLite's locked database's
     503): worth asking again. A server that is gone does not answer at all."""
@@ -214,15 +262,19 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
               stop_seconds: float = STOP_SECONDS) -> Stopped:
     """Serve every flow's deployment for each (spec, where it was read) from this process until
     stopped (Ctrl-C or SIGTERM), then pause them: their schedules create no runs while nothing
-    serves them. Stopping takes at most `stop_seconds`, whatever the server's state."""
+    serves them. Stopping takes at most `stop_seconds`, whatever the server's state. A server
+    that stops answering (`GONE_CHECKS`) ends serving and this process, exit 1, saying so."""
     deadline = _Deadline(stop_seconds)
+    stopping = threading.Event()
 
     class BoundedRunner(Runner):
         def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
+            stopping.set()
             deadline.arm()
             super().handle_sigterm(*args, **kwargs)  # cancels the runs it started, then exits
 
     def interrupted(*_: Any) -> None:
+        stopping.set()
         deadline.arm()
         raise KeyboardInterrupt
 
@@ -231,8 +283,18 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
     ids = [runner.add_deployment(d) for d in served]
     names = [f"{d.flow_name}/{d.name}" for d in served]
     signal.signal(signal.SIGINT, interrupted)
+    for name in QUIET_TRACEBACKS:
+        logging.getLogger(name).addFilter(_OneLine())
+    threading.Thread(target=_watch_server, args=(stopping, *GONE_CHECKS), daemon=True,
+                     name="trnflow-serve-watch").start()
     with contextlib.suppress(KeyboardInterrupt, SystemExit):
-        asyncio.run(runner.start())
+        try:
+            asyncio.run(runner.start())
+        except Exception:
+            if not stopping.is_set() and not _server_answers(GONE_CHECKS[0]):
+                _server_gone()  # Prefect's runner gave up on it first
+            raise
+    stopping.set()
     deadline.arm()
     problem = _pause(ids, max(1.0, stop_seconds / 4))
     return Stopped(deployments=names, paused=not problem, problem=problem)

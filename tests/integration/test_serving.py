@@ -1,7 +1,7 @@
 """`trnflow server` and `trnflow serve` as a scheduled deployment's users run them: the server's UI
 finds its API on any port; the served retraining schedule fires, and its run completes through
 the served process; stopping `trnflow serve` pauses its deployments and serving again resumes
-them; and with the server gone, it still stops within a bounded time."""
+them; and with the server gone, it still stops within a bounded time, or stops by itself saying why."""
 
 from __future__ import annotations
 
@@ -132,8 +132,19 @@ def test_stopping_serve_pauses_its_deployments_and_it_stops_even_with_the_server
 
     served = _serve(env, spec, tmp_path)  # serving again resumes them
     wait_for(lambda: _paused(env) and not any(_paused(env).values()), 120, "the deployments to be resumed")
+    (tmp_path / "left").mkdir()
+    left = _serve(env, spec, tmp_path / "left")  # a second one, never signalled
+    wait_for(lambda: "serving on" in (tmp_path / "left" / "serve.log").read_text(), 120, "the second serve")
+    time.sleep(5)  # its runner has started polling
     os.killpg(int(server["SERVER_PID"]), signal.SIGTERM)  # the server goes away first
     wait_for(lambda: not _answers(server), 60, "the server to stop")
     assert _stop(served, signal.SIGTERM, 45) != -signal.SIGKILL  # bounded: within the 20 s it allows itself
     log = " ".join((tmp_path / "serve.log").read_text().split())
-    assert "could not pause its deployments" in log or "did not stop within 20 s" in log
+    assert any(said in log for said in ("could not pause its deployments", "did not stop within 20 s",
+                                        "stopped answering, so serving stopped"))  # the last if the runner gave up
+    assert "bug in trnflow" not in log
+
+    assert left.wait(timeout=60) == 1  # four health checks 5 s apart
+    log = " ".join((tmp_path / "left" / "serve.log").read_text().split())
+    assert "stopped answering, so serving stopped" in log and "trnflow serve` again" in log
+    assert "Traceback" not in log

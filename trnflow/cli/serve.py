@@ -40,7 +40,8 @@ def serve(
     """Serve every flow of each spec as deployments, schedules included, from this process.
 
     Ctrl-C or SIGTERM stops it within 20 s, whatever the server's state: the runs it started are
-    cancelled and its deployments paused (serving again resumes them).
+    cancelled and its deployments paused (serving again resumes them). A server that stops
+    answering for about 20 s stops it too (exit 1), with a message saying so.
     """
     from trnflow.cli.server import ServerError, api_url  # heavy: prefect
     from trnflow.flows.deployments import definitions, serve_all  # heavy: prefect
