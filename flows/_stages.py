@@ -21,6 +21,7 @@ from trnflow.results import Cost, CostRow, RunOutcome, SanityResult, StageResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
+from trnflow.tasks._jobs import release_kept
 from trnflow.tasks.collectives import collective_test
 from trnflow.tasks.compile import compile_graphs
 from trnflow.tasks.retry_policy import retry_options
@@ -71,6 +72,12 @@ class StageRunner:
         self.rows.append(StageRow(stage=name, state=state.type.value.title(), seconds=seconds, summary=str(error)))
         raise PipelineFailed(name, error, self.rows)
 
+    def bill(self, name: str) -> None:
+        """Cost the jobs recorded since the last stage ended (a job let go after it) as `name`'s."""
+        billed = self.ledger.new_entries()
+        if billed:
+            self.costs.append(stage_cost(self.spec, name, billed))
+
     def skip(self, name: str, reason: str) -> None:
         """Record a stage that did not run because there was nothing for it to do."""
         self.rows.append(StageRow(stage=name, state="Skipped", seconds=0.0, summary=reason))
@@ -119,10 +126,11 @@ def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], st
         stage.report(stages)
 
 
-def preflight_stages(stage: StageRunner) -> list[int]:
+def preflight_stages(stage: StageRunner, then_train: bool = False) -> list[int]:
     """Sanity, then collectives: the cores verified. The sanity job sweeps the collectives too, and
-    the collectives stage judges its sweep, so preflight starts one job, not two."""
-    checked = stage("sanity", sanity_check)
+    the collectives stage judges its sweep, so preflight starts one job, not two. With
+    `then_train`, training runs on the instances checked (where the backend allocates them per job)."""
+    checked = stage("sanity", sanity_check, then_train=then_train)
     assert isinstance(checked, SanityResult)
     stage("collectives", collective_test, checked.cores or [], swept=checked.collectives)
     return checked.cores or []
@@ -134,9 +142,13 @@ def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[i
     check_locations(stage.spec)  # a location it cannot write fails the run now, not after training
     if problem := cache_problem(stage.spec):  # nor a cache folder that is not this user's alone
         raise FatalError(f"before training: {problem}")
-    cores = preflight_stages(stage)
-    stage("compile", compile_graphs, cores)
-    trained = stage("train", train_model, cores)
+    try:
+        cores = preflight_stages(stage, then_train=True)
+        stage("compile", compile_graphs, cores)
+        trained = stage("train", train_model, cores)
+    finally:  # instances kept for training that will not come (a failed stage, a stopped run) are let go
+        if release_kept(stage.run_id, "the run stopped before training"):
+            stage.bill("sanity")  # billed to the stage that started them
     assert isinstance(trained, TrainResult)
     if trained.skipped:
         for name in later:

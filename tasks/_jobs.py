@@ -7,19 +7,21 @@ import contextlib
 import functools
 import logging
 import threading
-from collections.abc import Iterator
-from dataclasses import replace
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 from typing import Any
 
 from prefect import get_run_logger
 
-from trnflow.backends import Backend, JobInfo, JobRequest, JobState, backend_for, run_to_end
-from trnflow.backends.cloud import placement
+from trnflow.backends import Backend, JobInfo, JobRequest, JobState, backend_for
+from trnflow.backends.base import cancel_within
+from trnflow.backends.cloud import node_identities, phase_result, placement, proceed
 from trnflow.errors import ERROR_TYPES, CapacityError, FatalError, TransientError, TrnflowError
 from trnflow.events import EVENT_FIELD, parse_event, readable
 from trnflow.redact import Redactor
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
-from trnflow.results import FailureReport, RanOn, StageResult
+from trnflow.results import FailureReport, Proceed, RanOn, StageResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 
@@ -72,21 +74,57 @@ def _forwarded(source: logging.Logger, logger: Any) -> Iterator[None]:
         source.removeHandler(handler)
 
 
+@dataclass
+class _Job:
+    """A submitted job being followed: its backend (the same object throughout, as it keeps the job's
+    watch), its request, and how much of its log has been relayed."""
+
+    backend: Backend
+    request: JobRequest
+    job_id: str
+    offset: int = 0
+
+
+_KEPT: dict[str, _Job] = {}
+"""Per run id, the job whose instances passed the preflight and now wait for the run's training
+(on backends that run both in one allocation)."""
+PREFLIGHT_FIRST = ("train",)
+"""Phases that, on such a backend, always run the preflight first on their own instances: a node
+that did not pass it never trains (a retry's new instances included)."""
+
+
 def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = None,
             checkpoint: str | None = None, cores: list[int] | None = None,
-            exclude_cores: set[int] | None = None) -> StageResult:
+            exclude_cores: set[int] | None = None, keep_for: tuple[str, ...] = ()) -> StageResult:
     """Submit one phase, stream its log into the task's log, and return rank 0's result, typed, with
     the cores it ran on (`cores`) and where it ran (`ran_on`). A job that found no capacity for its
     instance type is submitted again for the next of compute.instance_preferences, where the backend
-    does not choose among them itself (Batch)."""
+    does not choose among them itself (Batch).
+
+    On a backend that runs several phases in one allocation (SageMaker, Batch), `keep_for` names the
+    phases to run next on the same instances: the job runs them too, each waiting until `run_job`
+    is called for it, and this returns as soon as `phase` has ended. Training there runs the
+    preflight first on its own instances unless a kept job is waiting for it."""
+    kept = _KEPT.get(run_id)
+    if kept is not None and phase in kept.request.phases[1:]:
+        del _KEPT[run_id]
+        if _running(kept):
+            return _go_on(kept, phase)
+        release(kept, "it ended before its word came")  # billed; new instances pass the preflight first
+    if kept is not None and phase == kept.request.phases[0]:  # the preflight again: new instances
+        del _KEPT[run_id]
+        release(kept, f"{phase} runs again on other instances")
     backend = backend_for(spec, TrnflowSettings())
+    chain = (phase,)
+    if getattr(backend, "shares_allocation", False):
+        chain = (phase, *keep_for) if keep_for else ("sanity", phase) if phase in PREFLIGHT_FIRST else chain
     picks = getattr(backend, "picks_instance_type", True)
     choices = [spec] if picks else [spec.on_instance(t) for t in spec.compute.instance_choices]
-    request = JobRequest(spec, phase, run_id, processes=processes, checkpoint=checkpoint,
+    request = JobRequest(spec, "+".join(chain), run_id, processes=processes, checkpoint=checkpoint,
                          cores=tuple(cores) if cores else None, exclude_cores=frozenset(exclude_cores or ()))
     for following, choice in zip([*choices[1:], None], choices, strict=True):
         try:
-            return _run(backend, replace(request, spec=choice))
+            return _run(backend, replace(request, spec=choice), phase)
         except CapacityError as exc:
             if following is None:
                 raise
@@ -96,36 +134,139 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     raise AssertionError("unreachable: the last choice returns or raises")
 
 
-def _run(backend: Backend, request: JobRequest) -> StageResult:
-    logger, settings = get_run_logger(), TrnflowSettings()
-    spec, phase = request.spec, request.phase
-    assert spec is not None, "stage jobs always carry a spec"
-
-    def submitted(job_id: str) -> None:
-        logger.info("%s job %s submitted to the %s backend on %d core(s)", phase, job_id, backend.name,
-                    request.world_size)
-
+def _run(backend: Backend, request: JobRequest, phase: str) -> StageResult:
+    logger = get_run_logger()
     try:
-        with _forwarded(logging.getLogger("trnflow.backends"), logger):  # waiting for cores, a failed cancel
-            _, info = run_to_end(backend, request, settings.poll_seconds, on_submit=submitted,
-                                 on_logs=functools.partial(relay, logger, Redactor.from_env()))
+        job = _Job(backend, request, backend.submit(request))
     except TrnflowError:
         raise
     except Exception as exc:  # the backend itself failed: say so; the error class decides on retries
         raise FatalError(f"{phase}: the {backend.name} backend failed: {exc}") from exc
+    chain = " then ".join(request.phases) + " on the same instances" if len(request.phases) > 1 else phase
+    logger.info("%s job %s submitted to the %s backend on %d core(s)", chain, job.job_id, backend.name,
+                request.world_size)
+    if len(request.phases) > 1 and phase == request.phases[0]:  # the later phases wait for their word
+        info, ended = _follow(job, phase)
+        if ended is not None and not info.state.terminal:
+            _KEPT[request.run_id] = job
+            return _where(ended, job, info)
+        if ended is not None:  # the job ended after it: a failed preflight ends it
+            _record(job, info)
+            return _where(ended, job, info)
+        return _finish(job, info)
+    if len(request.phases) > 1:  # nothing to wait for before `phase`: it starts after the preflight
+        _outputs_of(job, lambda store: proceed(store, Proceed(phase=phase, go=True)))
+    return _finish(job, _follow(job, None)[0])
+
+
+def _running(job: _Job) -> bool:
+    try:
+        return not job.backend.describe(job.job_id).state.terminal
+    except Exception:  # a job the service cannot describe is not one to go on with
+        return False
+
+
+def _go_on(job: _Job, phase: str) -> StageResult:
+    """Start `phase` in the kept job (its nodes wait for the word), and follow it to the end."""
+    get_run_logger().info("%s starts in job %s, on the instances that passed the preflight", phase, job.job_id)
+    _outputs_of(job, lambda store: proceed(store, Proceed(phase=phase, go=True)))
+    return _finish(job, _follow(job, None)[0])
+
+
+def _outputs_of(job: _Job, act: Callable[[Any], None]) -> None:
+    try:
+        act(job.backend.outputs(job.job_id))  # type: ignore[attr-defined]  (backends that share allocations)
+    except TrnflowError:
+        raise
+    except Exception as exc:
+        raise FatalError(f"the {job.backend.name} backend failed: {exc}") from exc
+
+
+def release(job: _Job, reason: str) -> None:
+    """End a kept job whose next phase will not come: tell its nodes, cancel it, and bill it."""
+    with contextlib.suppress(Exception):  # the nodes' word is a courtesy: the cancel is what counts
+        proceed(job.backend.outputs(job.job_id), Proceed(phase=job.request.last_phase, go=False,  # type: ignore
+                                                         reason=reason))
+    cancel_within(job.backend, job.job_id)
+    with contextlib.suppress(Exception):
+        _record(job, job.backend.describe(job.job_id))
+
+
+def release_kept(run_id: str, reason: str) -> bool:
+    """End the run's kept job, if it has one (the run stopped before training); whether it had one,
+    now billed in the run's ledger."""
+    kept = _KEPT.pop(run_id, None)
+    if kept is not None:
+        release(kept, reason)
+    return kept is not None
+
+
+def _follow(job: _Job, phase: str | None) -> tuple[JobInfo, StageResult | None]:
+    """Relay the job's log into the task's log until `phase`'s result is uploaded, or the job ends:
+    its state then, and that result (None when the job ended first, or `phase` is None). An
+    interrupted caller cancels the job rather than leave it holding its instances."""
+    logger, settings = get_run_logger(), TrnflowSettings()
+    on_logs = functools.partial(relay, logger, Redactor.from_env())
+    try:
+        with _forwarded(logging.getLogger("trnflow.backends"), logger):  # waiting for cores, a failed cancel
+            while True:
+                info = job.backend.describe(job.job_id)
+                text, job.offset = job.backend.logs(job.job_id, since=job.offset)
+                if text:
+                    on_logs(text)
+                found = None
+                if phase is not None:
+                    found = phase_result(job.backend.outputs(job.job_id), phase, job.job_id)  # type: ignore
+                if found is not None or info.state.terminal:
+                    return info, found
+                time.sleep(settings.poll_seconds)
+    except TrnflowError:
+        raise
+    except Exception as exc:
+        cancel_within(job.backend, job.job_id)
+        raise FatalError(f"{job.request.phase}: the {job.backend.name} backend failed: {exc}") from exc
+    except BaseException:
+        cancel_within(job.backend, job.job_id)
+        raise
+
+
+def _record(job: _Job, info: JobInfo) -> str:
+    """Bill the ended job in the run's ledger; the instance type it got."""
+    spec = job.request.spec
+    assert spec is not None, "stage jobs always carry a spec"
     got = info.details.get("instance_type") or spec.compute.instance_type
-    JobLedger(settings.home, request.run_id).record(LedgerEntry(
-        phase, info.job_id, str(info.state), info.details.get("seconds") or 0.0, nodes=placement(request)[0],
-        instance_type=got, spot=bool(info.details.get("spot")), running_seconds=info.details.get("running_seconds")))
+    JobLedger(TrnflowSettings().home, job.request.run_id).record(LedgerEntry(
+        job.request.phase, info.job_id, str(info.state), info.details.get("seconds") or 0.0,
+        nodes=placement(job.request)[0], instance_type=got, spot=bool(info.details.get("spot")),
+        running_seconds=info.details.get("running_seconds")))
+    return got
+
+
+def _where(result: StageResult, job: _Job, info: JobInfo) -> StageResult:
+    """The result, with where its job ran: the instances each node found itself on, where the job
+    ran several phases (the same ones for each), else the hosts the service names."""
+    spec = job.request.spec
+    assert spec is not None
+    hosts = info.details.get("hosts") or []
+    if len(job.request.phases) > 1:
+        with contextlib.suppress(Exception):  # the identities name the instances better, when they are there
+            hosts = [n.label for n in node_identities(job.backend.outputs(job.job_id))] or hosts  # type: ignore
+    result.ran_on = RanOn(backend=job.backend.name, job_id=info.job_id, hosts=hosts,
+                          instance_type=info.details.get("instance_type") or spec.compute.instance_type)
+    if result.device is not None:
+        get_run_logger().info("%s ran on the %s device (%s)", result.phase, result.device.name, result.device.reason)
+    return result
+
+
+def _finish(job: _Job, info: JobInfo) -> StageResult:
+    """The ended job's result, billed and placed; its failure as the error class that decides on retries."""
+    spec = job.request.spec
+    assert spec is not None
+    got = _record(job, info)
     if got != spec.compute.instance_type:
-        logger.info("%s job %s got %s (compute.instance_preferences)", phase, info.job_id, got)
+        get_run_logger().info("%s job %s got %s (compute.instance_preferences)", job.request.phase, info.job_id, got)
     if info.state is JobState.SUCCEEDED and info.result is not None:
-        result = info.result
-        result.ran_on = RanOn(backend=backend.name, job_id=info.job_id, instance_type=got,
-                              hosts=info.details.get("hosts") or [])
-        if result.device is not None:
-            logger.info("%s ran on the %s device (%s)", phase, result.device.name, result.device.reason)
-        return result
+        return _where(info.result, job, info)
     raise classify(info)
 
 

@@ -19,12 +19,14 @@ def _failures(result: SanityResult) -> str:
 
 
 @task(name="sanity", cache_policy=NO_CACHE)
-def sanity_check(spec: JobSpec, run_id: str) -> SanityResult:
+def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False) -> SanityResult:
     """Known-answer tests of every engine of each core the job is placed on.
 
     With `preflight.exclude_bad_cores`, cores that fail are excluded and another placement is
     checked, until a healthy set is found or too few cores remain. The job that finds every core
-    healthy also sweeps the collectives between them, for the collectives stage.
+    healthy also sweeps the collectives between them, for the collectives stage. With `then_train`,
+    on a backend that allocates instances per job (SageMaker, Batch), the job keeps its instances
+    for the run's training, which then runs on the very instances checked here.
 
     Returns:
         The per-core results; `cores` lists the verified cores the later stages run on, and
@@ -37,7 +39,7 @@ def sanity_check(spec: JobSpec, run_id: str) -> SanityResult:
     excluded: set[int] = set()
     checked: list[dict] = []  # the cores that failed, then every core of the attempt that decided
     try:
-        result = _check(spec, run_id, excluded, checked, logger)
+        result = _check(spec, run_id, excluded, checked, logger, ("train",) if then_train else ())
     finally:
         if checked:
             everything = sorted(checked, key=lambda c: c["core"])
@@ -47,7 +49,7 @@ def sanity_check(spec: JobSpec, run_id: str) -> SanityResult:
     result.excluded_cores = sorted(excluded)
     if result.collectives is not None:  # the links between these cores, swept by the same job
         result.collectives = result.collectives.model_copy(
-            update={"phase": "sanity", "device": result.device, "cores": result.cores})
+            update={"phase": "sanity", "device": result.device, "cores": result.cores, "ran_on": result.ran_on})
     result.memory = estimate(spec).as_dict()  # what each core must hold to train this spec
     note = f"; excluded bad core(s) {sorted(excluded)}" if excluded else ""
     cores = result.cores
@@ -67,11 +69,12 @@ def sanity_check(spec: JobSpec, run_id: str) -> SanityResult:
     return result
 
 
-def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], logger) -> SanityResult:
+def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], logger,
+           keep_for: tuple[str, ...]) -> SanityResult:
     """Check placements until one is healthy; `excluded` and `checked` grow as it goes."""
     while True:
         try:
-            result = run_job(spec, "sanity", run_id, exclude_cores=excluded)
+            result = run_job(spec, "sanity", run_id, exclude_cores=excluded, keep_for=keep_for)
             assert isinstance(result, SanityResult)
         except TrnflowError as exc:  # a core that hangs is named by its peers
             if not (exc.bad_cores and spec.preflight.exclude_bad_cores) or set(exc.bad_cores) <= excluded:

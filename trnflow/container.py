@@ -13,6 +13,13 @@ It turns the service's contract into a torchrun rendezvous and runs the one work
 The job's phase, run id, spec location and cores per node come from `TRNFLOW_*` variables set by
 the request builders. A transient failure exits with 75, which Batch's retry strategy retries;
 every attempt and resubmission resumes from the run's checkpoints, which live in the run's folder.
+
+A job may run several phases on the same instances (`TRNFLOW_PHASE=sanity+train`: the preflight
+checks the very hosts that then train). Each node uploads who it is (`hosts/node<r>.json`: the
+EC2 instance id where the metadata service answers), the main node uploads each phase's result as
+it ends (`phases/<phase>.json`), and before every later phase the nodes wait for the
+orchestrator's word (`proceed-<phase>.json`). A preflight that finds a bad core, or a collective
+that fails, ends the job before the next phase: a node that failed preflight never trains.
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ import signal
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,13 +39,18 @@ from trnflow.backends.failures import name_first_rank, read_exits, read_reports,
 from trnflow.backends.launcher import CONSOLE
 from trnflow.errors import ExitCode, FatalError
 from trnflow.neuron.launch import LAUNCHER, RANK_LOGS, WORKLOAD
-from trnflow.results import FailureReport
-from trnflow.storage import open_store
+from trnflow.records import RecordError, read
+from trnflow.results import RESULTS, FailureReport, NodeIdentity, Proceed, SanityResult, StageResult
+from trnflow.storage import Store, open_store
 
 BATCH_MASTER_PORT = 41000
 """torchrun's rendezvous port between Batch nodes (the port the Neuron Batch samples use)."""
 FAILURE_TEXT_LIMIT = 900
 """SageMaker keeps the first 1024 characters of the failure file as the job's FailureReason."""
+IMDS_ENDPOINT = "http://169.254.169.254"
+"""The EC2 instance metadata service (`AWS_EC2_METADATA_SERVICE_ENDPOINT` moves it, as for the AWS SDKs)."""
+PROCEED_POLL_SECONDS = 2.0
+"""How often nodes waiting between phases look for the orchestrator's word."""
 
 
 @dataclass(frozen=True)
@@ -118,6 +132,88 @@ def _fetch_spec(env: dict[str, str], into: Path) -> Path:
     return target
 
 
+def _imds(url: str, headers: dict[str, str], timeout: float, method: str = "GET") -> str:
+    request = urllib.request.Request(url, method=method, headers=headers)  # noqa: S310 (http, checked below)
+    with urllib.request.urlopen(request, timeout=timeout) as answer:  # noqa: S310
+        return answer.read().decode().strip()
+
+
+def instance_metadata(env: dict[str, str], timeout: float = 1.0) -> dict[str, str]:
+    """This instance's id and type from the EC2 metadata service (IMDSv2: a session token, then the
+    reads); {} where it does not answer (SageMaker's containers cannot reach it)."""
+    base = env.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", IMDS_ENDPOINT).rstrip("/")
+    if not base.startswith(("http://", "https://")):
+        return {}
+    try:
+        token = _imds(f"{base}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "60"}, timeout, "PUT")
+        return {key: _imds(f"{base}/latest/meta-data/{key}", {"X-aws-ec2-metadata-token": token}, timeout)
+                for key in ("instance-id", "instance-type")}
+    except OSError:
+        return {}
+
+
+def identity(env: dict[str, str], service: str, r: Rendezvous) -> NodeIdentity:
+    """Who this node is: its host name, and its EC2 instance where the metadata service says."""
+    meta = instance_metadata(env) if service == "batch" else {}
+    host = env.get("SM_CURRENT_HOST") if service == "sagemaker" else None
+    return NodeIdentity(node=r.node_rank, host=host or socket.gethostname(), instance_id=meta.get("instance-id"),
+                        instance_type=meta.get("instance-type"), started_at=time.time())
+
+
+def job_outputs(env: dict[str, str], service: str) -> Store | None:
+    """Where this job's nodes leave what the orchestrator reads while and after it runs."""
+    if not env.get("TRNFLOW_RESULT_URL"):
+        return None
+    job_id = (env.get("TRAINING_JOB_NAME") if service == "sagemaker" else
+              env.get("AWS_BATCH_JOB_ID", "job").split("#")[0]) or "job"
+    return open_store(f"{env['TRNFLOW_RESULT_URL'].rstrip('/')}/{job_id}")
+
+
+def preflight_failure(result: StageResult) -> FailureReport | None:
+    """Why a preflight phase's result forbids the phases after it: a core that failed its checks, or
+    a collective sweep with wrong results; None when every check passed."""
+    sweep = result.collectives if isinstance(result, SanityResult) else result
+    if isinstance(result, SanityResult) and result.bad_cores:
+        return FailureReport(type="HardwareError", retryable=False, bad_cores=result.bad_cores, message=(
+            f"preflight: NeuronCore(s) {result.bad_cores} failed known-answer tests; the job ends before the "
+            "next phase, so no instance that failed preflight goes on"))
+    if sweep is not None and getattr(sweep, "passed", True) is False:
+        return FailureReport(type="HardwareError", retryable=False, bad_cores=sweep.bad_cores, message=(
+            f"preflight: the collective sweep between the instances failed ({sweep.note or 'wrong results'})"))
+    return None
+
+
+def _await(outputs: Store, name: str, stopping: list[int], deadline: float) -> bytes | None:
+    """The object once it exists; None after a stop signal or past `deadline` (monotonic)."""
+    while not stopping and time.monotonic() < deadline:
+        try:
+            return outputs.read(name)
+        except FileNotFoundError:
+            time.sleep(PROCEED_POLL_SECONDS)
+    return None
+
+
+def await_word(outputs: Store | None, phase: str, after: str, main: bool, stopping: list[int],
+               timeout: float) -> Proceed:
+    """Wait for the orchestrator's word on `phase` (`proceed-<phase>.json`), a stop signal, or
+    `timeout` seconds: instances nobody will use are not held until the job's own time limit. The
+    other nodes also wait for the main node to have ended the phase before (`phases/<after>.json`),
+    so that nobody meets the last phase's rendezvous, which used the same port."""
+    if outputs is None:  # nobody to ask: go on
+        return Proceed(phase=phase, go=True)
+    deadline = time.monotonic() + timeout
+    data = _await(outputs, f"proceed-{phase}.json", stopping, deadline)
+    if data is not None and not main:
+        data = data if _await(outputs, f"phases/{after}.json", stopping, deadline) is not None else None
+    if data is not None:
+        return read(Proceed, data, f"{outputs.url}/proceed-{phase}.json")
+    if stopping:
+        return Proceed(phase=phase, go=False, reason="the container was stopped (SIGTERM) while waiting for it")
+    return Proceed(phase=phase, go=False, reason=(
+        f"no word from the orchestrator within {timeout / 60:g} min (compute.hang_timeout_minutes); the job ends "
+        "rather than hold its instances"))
+
+
 def _report(env: dict[str, str], service: str, r: Rendezvous, failure: FailureReport | None) -> None:
     """Leave the node's outcome where the service's caller finds it."""
     if service == "sagemaker" and failure is not None:
@@ -126,17 +222,64 @@ def _report(env: dict[str, str], service: str, r: Rendezvous, failure: FailureRe
         brief = failure.model_copy(update={"message": failure.message[:FAILURE_TEXT_LIMIT // 2]})
         text = brief.model_dump_json(include={"type", "retryable", "bad_cores", "ranks", "message"})
         path.write_text(text[:FAILURE_TEXT_LIMIT])
-    if not env.get("TRNFLOW_RESULT_URL"):
+    store = job_outputs(env, service)
+    if store is None:
         return
     # Every node's failure is uploaded at once, on both services: the backend stops a job whose
-    # other node failed while the main node goes on (`backends.cloud.failed_node`).
-    job_id = (env.get("TRAINING_JOB_NAME") if service == "sagemaker" else
-              env.get("AWS_BATCH_JOB_ID", "job").split("#")[0]) or "job"
-    store = open_store(f"{env['TRNFLOW_RESULT_URL'].rstrip('/')}/{job_id}")
+    # other node failed while the main node goes on (`backends.cloud.NodeWatch`).
     if failure is not None:
         store.write(f"failure-node{r.node_rank}.json", failure.model_dump_json(exclude_none=True).encode())
     elif service == "batch" and r.node_rank == 0 and (r.output_dir / "result.json").is_file():
         store.write("result.json", (r.output_dir / "result.json").read_bytes())
+
+
+def run_phase(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str,
+              stopping: list[int]) -> tuple[int, FailureReport | None]:
+    """One phase on this node through the launcher: the launcher's exit code, and the root failure
+    among this node's ranks (None when it succeeded, or no rank left a report)."""
+    launcher = subprocess.Popen(torchrun_argv(r, {**env, "TRNFLOW_PHASE": phase}, spec_file))
+    # The service stops a container (a spot reclaim notice, a stopped job) with SIGTERM to its first
+    # process, this one: the launcher passes it on to every rank, and training checkpoints before it ends.
+    signal.signal(signal.SIGTERM, lambda signum, frame: (stopping.append(signum),
+                                                         launcher.send_signal(signal.SIGTERM)))
+    code = launcher.wait()
+    signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
+    if not code:
+        return 0, None
+    nproc = int(env["TRNFLOW_NPROC_PER_NODE"])
+    exits = read_exits(rank_folder(r))
+    return code, name_first_rank(root_failure(read_reports(r.output_dir), nproc, first_rank=r.node_rank * nproc,
+                                              exits=exits), exits)
+
+
+def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path,
+               stopping: list[int]) -> tuple[int, FailureReport | None]:
+    """Every phase of TRNFLOW_PHASE in turn on this node (see the module's docstring): the exit code
+    of the first that failed (or 0) and its root failure."""
+    phases = env["TRNFLOW_PHASE"].split("+")
+    outputs = job_outputs(env, service)
+    if outputs is not None and len(phases) > 1:
+        outputs.write(f"hosts/node{r.node_rank}.json", identity(env, service, r).model_dump_json().encode())
+    for index, phase in enumerate(phases):
+        if index:
+            word = await_word(outputs, phase, phases[index - 1], r.node_rank == 0, stopping,
+                              float(env.get("TRNFLOW_PROCEED_TIMEOUT_SECONDS", "1800")))
+            if not word.go:
+                return ExitCode.FAILED, FailureReport(type="FatalError", retryable=False, message=(
+                    f"{phase} was not started: {word.reason or 'the orchestrator said no'}"))
+        code, failure = run_phase(r, env, spec_file, phase, stopping)
+        if code or index == len(phases) - 1:
+            return code, failure
+        if r.node_rank == 0 and outputs is not None:
+            data = (r.output_dir / "result.json").read_bytes()
+            try:
+                result = read(RESULTS[phase], json.loads(data), f"{phase}: result.json")
+            except (RecordError, ValueError) as exc:
+                return ExitCode.FAILED, FailureReport(type="FatalError", retryable=False, message=f"{phase}: {exc}")
+            outputs.write(f"phases/{phase}.json", data)
+            if (failure := preflight_failure(result)) is not None:
+                return ExitCode.FAILED, failure
+    return 0, None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -150,17 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ)
     r = sagemaker_rendezvous(env) if service == "sagemaker" else batch_rendezvous(env)
     spec_file = _fetch_spec(env, r.output_dir.parent / "trnflow-input")
-    launcher = subprocess.Popen(torchrun_argv(r, env, spec_file))
-    # The service stops a container (a spot reclaim notice, a stopped job) with SIGTERM to its first
-    # process, this one: the launcher passes it on to every rank, and training checkpoints before it ends.
-    signal.signal(signal.SIGTERM, lambda signum, frame: launcher.send_signal(signal.SIGTERM))
-    code = launcher.wait()
-    failure = None
-    if code:
-        nproc = int(env["TRNFLOW_NPROC_PER_NODE"])
-        exits = read_exits(rank_folder(r))
-        failure = name_first_rank(root_failure(read_reports(r.output_dir), nproc, first_rank=r.node_rank * nproc,
-                                               exits=exits), exits)
+    stopping: list[int] = []
+    code, failure = run_phases(r, env, service, spec_file, stopping)
     _report(env, service, r, failure)
     if failure is not None and failure.retryable:
         return ExitCode.TRANSIENT

@@ -49,6 +49,33 @@ class RanOn(_Model):
                              "them")
 
 
+class NodeIdentity(_Model):
+    """One node of a cloud job as its container finds itself at the start of each attempt, uploaded
+    as `hosts/node<r>.json` beside the job's results (`trnflow.container`)."""
+
+    node: int = Field(description="the node's index in the job (Batch's node index; SageMaker's host order)")
+    host: str = Field(description="SageMaker's host name (algo-1), else the container's host name")
+    instance_id: str | None = Field(None, description="the EC2 instance id from the instance metadata service, "
+                                    "where the container can reach it (Batch; SageMaker hides it)")
+    instance_type: str | None = Field(None, description="the EC2 instance type, likewise")
+    started_at: float = Field(description="when the container started (Unix seconds)")
+
+    @property
+    def label(self) -> str:
+        """The instance id where there is one, else the host name."""
+        return self.instance_id or self.host
+
+
+class Proceed(_Model):
+    """The orchestrator's word to the nodes of a job that runs several phases in one allocation,
+    waiting between them (`proceed-<phase>.json` beside the job's results): the phase may start,
+    or the job is to end."""
+
+    phase: str = Field(description="the phase this is about")
+    go: bool = Field(description="True: start it; False: end the job")
+    reason: str = Field("", description="why not, when not")
+
+
 class StageResult(_Model):
     """What every stage's result carries."""
 

@@ -12,10 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from tests.conftest import ON_S3, quickstart_data
-from trnflow.backends import JobRequest, wait
+from trnflow.backends import JobRequest, JobState, wait
+from trnflow.backends.batch import BatchBackend
+from trnflow.backends.cloud import cloud_target
 from trnflow.backends.service_status import batch_failure, sagemaker_failure, sagemaker_state
 from trnflow.flows.pipeline import STAGES, pipeline
 from trnflow.results import FailureReport
+from trnflow.settings import TrnflowSettings
 from trnflow.testing.mockcloud import MockCloud, ServiceFault
 from trnflow.testing.mockcloud.provision import SETTINGS, provision
 
@@ -131,19 +134,22 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
         jobs = [sm.describe_training_job(TrainingJobName=j["TrainingJobName"])
                 for j in sm.list_training_jobs(MaxResults=100)["TrainingJobSummaries"]]
         phases = sorted(j["HyperParameters"]["phase"] for j in jobs)
-        # the capacity error cost one resubmission; the internal error none (SageMaker retried it);
-        # evaluation ran inside the training job, the collectives inside the sanity job, and a warm
-        # cache needs no compile job
-        assert phases == ["infer", "sanity", "sanity", "train"]
+        # the preflight and training ran in one job, on the same hosts; the capacity error cost one
+        # resubmission, the internal error none (SageMaker retried it); evaluation ran inside the
+        # training phase, the collectives inside the sanity phase, and a warm cache needs no compile job
+        assert phases == ["infer", "sanity+train", "sanity+train"]
         assert results["collectives"]["phase"] == "sanity" and results["collectives"]["rows"]
         assert results["compile"]["launched"] is False and results["compile"]["hits"] == 3
-        train = next(j for j in jobs if j["HyperParameters"]["phase"] == "train")
-        assert train["TrainingJobStatus"] == "Completed"
+        train = next(j for j in jobs if j["TrainingJobStatus"] == "Completed" and j["HyperParameters"]["phase"]
+                     == "sanity+train")
+        where = {stage: results[stage]["ran_on"] for stage in ("sanity", "collectives", "train")}
+        assert all(w == where["train"] for w in where.values()), where
+        assert where["train"]["job_id"] == train["TrainingJobName"] and where["train"]["hosts"] == ["algo-1"]
         assert "Restarting" in [t["Status"] for t in train["SecondaryStatusTransitions"]]
         assert results["train"]["start_step"] == 10  # the retry resumed from the checkpoint
         assert all(row["billable_seconds"] > 0 for row in outcome["cost"]["rows"])
         jobs = {row["stage"]: row["jobs"] for row in outcome["cost"]["rows"]}
-        assert jobs == {"sanity": 2, "train": 1, "infer": 1}  # the resubmission is counted
+        assert jobs == {"sanity": 1, "train": 1, "infer": 1}  # the job without capacity, then the one that trained
 
 
 @pytest.mark.slow
@@ -168,17 +174,51 @@ def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
         queue = batch.list_jobs(jobQueue="trnflow-trn1", jobStatus="SUCCEEDED")["jobSummaryList"]
         described = batch.describe_jobs(jobs=[j["jobId"] for j in queue])["jobs"]
         by_phase = {j["tags"]["trnflow:phase"]: j for j in described}
-        # one job a stage, nothing resubmitted (evaluation ran inside the training job, and the
-        # collectives inside the sanity job, across both nodes)
-        assert set(by_phase) == set(STAGES) - {"collectives", "evaluate", "promote"}
+        # the preflight and training in one job, then compile and infer, nothing resubmitted
+        # (evaluation ran inside the training phase, and the collectives inside the sanity phase,
+        # across both nodes)
+        assert set(by_phase) == {"sanity+train", "compile", "infer"}
         assert len(described) == len(by_phase)
         swept = results["collectives"]
         assert swept["phase"] == "sanity" and swept["ranks"] == spec.compute.world_size == 2
-        train = by_phase["train"]
+        hosts = {stage: results[stage]["ran_on"]["hosts"] for stage in ("sanity", "collectives", "train")}
+        assert hosts["sanity"] == hosts["collectives"] and len(set(hosts["sanity"])) == 2
+        # each retried attempt ran on new instances, which passed the preflight again before training
+        assert len(set(hosts["train"])) == 2 and not set(hosts["train"]) & set(hosts["sanity"])
+        running = boto3.client("ec2").describe_instances(InstanceIds=hosts["sanity"] + hosts["train"])
+        assert {i["InstanceType"] for r in running["Reservations"] for i in r["Instances"]} == {
+            spec.compute.instance_type}
+        train = by_phase["sanity+train"]
         assert [(a["statusReason"], a["container"].get("exitCode")) for a in train["attempts"]] == [
             (HOST_LOST, None), ("Essential container in task exited", 75), ("Essential container in task exited", 0)]
         assert train["nodeProperties"]["numNodes"] == 2
         assert results["train"]["start_step"] == 20
+
+
+@pytest.mark.slow
+def test_a_node_that_fails_the_cloud_preflight_never_trains(
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    """A two-node Batch job whose second instance has a corrupt NeuronCore: the sanity phase names
+    the core, the job ends before its training phase, and no step is trained anywhere."""
+    import boto3
+
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, node_faults={1: "corrupt@0"}) as (_, bucket):
+        spec = _cloud_spec(make_spec, bucket, "batch", preflight={"exclude_bad_cores": False})
+        state = pipeline(spec, return_state=True)
+        assert state.is_failed()
+        stages = state.result(raise_on_failure=False).stages
+        assert [(r.stage, r.state) for r in stages] == [("sanity", "Failed")]
+        assert "NeuronCore(s) [0] failed" in stages[0].summary and "replace the instance" in stages[0].summary
+        batch = boto3.client("batch")
+        listed = [j["jobId"] for status in ("RUNNING", "SUCCEEDED", "FAILED")
+                  for j in batch.list_jobs(jobQueue="trnflow-trn1", jobStatus=status)["jobSummaryList"]]
+        ours = [j for j in batch.describe_jobs(jobs=listed)["jobs"] if j["tags"].get("trnflow:job") == spec.name]
+        assert [j["tags"]["trnflow:phase"] for j in ours] == ["sanity+train"]
+        ended = wait(BatchBackend(cloud_target(TrnflowSettings(), "batch")), ours[0]["jobId"], 0.5)
+        assert ended.state in (JobState.FAILED, JobState.CANCELLED)  # ended by its main node, or by the flow
+        assert not _keys(boto3.client("s3"), bucket, "checkpoints/"), "nothing was trained"
+        logs = "".join(p.read_text() for p in (tmp_path / "cloud").rglob("container.log"))
+        assert '"event": "sanity"' in logs and '"event": "train"' not in logs
 
 
 @pytest.mark.parametrize("service", ["sagemaker", "batch"])

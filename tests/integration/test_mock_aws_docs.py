@@ -86,12 +86,17 @@ def test_the_batch_example_runs_on_the_mock_cloud_and_the_docs_snippet_reads_it(
                              env=env | {"AWS_ENDPOINT_URL": endpoint, "PREFECT_API_URL": prefect_api}, cwd=ROOT,
                              capture_output=True, text=True, timeout=900)
         assert ran.returncode == 0, ran.stdout[-3000:] + ran.stderr[-3000:]
-        assert json.loads(ran.stdout)["state"] == "Completed"
+        outcome = json.loads(ran.stdout)
+        assert outcome["state"] == "Completed"
+        # the preflight checked the very instances that trained: one job, the same EC2 instances
+        where = [outcome["results"][stage]["ran_on"] for stage in ("sanity", "collectives", "train")]
+        assert where[0] == where[1] == where[2] and where[0]["job_id"], where
+        assert len(where[0]["hosts"]) == 2 and all(h.startswith("i-") for h in where[0]["hosts"])
         code = _snippet().replace("http://127.0.0.1:5000", endpoint)
         looked = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
         assert looked.returncode == 0, looked.stderr
         assert "'embeddings/'" in looked.stdout and "'registry/'" in looked.stdout
-        assert re.search(r"^quickstart-batch-train-\S+ \[\{", looked.stdout, re.MULTILINE), looked.stdout
+        assert re.search(r"^quickstart-batch-sanity-train-\S+ \[\{", looked.stdout, re.MULTILINE), looked.stdout
     finally:
         server.send_signal(signal.SIGTERM)
         rest, _ = server.communicate(timeout=60)

@@ -63,6 +63,16 @@ class JobRequest:
         return self.spec.name if self.spec else "adhoc"
 
     @property
+    def phases(self) -> tuple[str, ...]:
+        """The phases the job runs in turn on the same instances (`sanity+train`: two)."""
+        return tuple(self.phase.split("+"))
+
+    @property
+    def last_phase(self) -> str:
+        """The phase whose result the job ends with, and whose stage kind it runs as."""
+        return self.phases[-1]
+
+    @property
     def itype(self) -> str:
         return self.spec.compute.instance_type if self.spec else (self.instance_type or "trn1.32xlarge")
 

@@ -32,7 +32,7 @@ from trnflow.errors import FatalError
 from trnflow.records import read
 from trnflow.results import FailureReport
 from trnflow.specs import JobSpec
-from trnflow.storage import open_store
+from trnflow.storage import Store, open_store
 
 LOG_GROUP = "/aws/batch/job"
 
@@ -42,6 +42,8 @@ class BatchBackend:
     picks_instance_type = False
     """Batch runs each job on the one instance type its definition names: `run_job` tries the next of
     compute.instance_preferences when a job found no capacity."""
+    shares_allocation = True
+    """The preflight and training run as phases of one job, on the same instances."""
 
     def __init__(self, target: CloudTarget):
         self.target = target
@@ -82,7 +84,8 @@ class BatchBackend:
         from trnflow.workload.memory import check_fits  # builds the recipe's model (torch): submissions only
 
         check_fits(request.spec)  # on every instance type the job may get, before any job exists
-        definition = self._job_definition(build_job_definition(request.spec, self.target, request.phase))
+        definition = self._job_definition(build_job_definition(request.spec, self.target,
+                                                                    request.last_phase))
         stage_spec(self.target, request)
         submitted = aws.call(self._batch.submit_job, **build_submit_job(request, self.target, definition))
         compute = request.spec.compute
@@ -128,6 +131,10 @@ class BatchBackend:
         """Where the job's nodes left their result and failure reports."""
         run_id = desc.get("tags", {}).get("trnflow:run-id", "")
         return open_store(f"{self.target.staging_url.rstrip('/')}/{run_id}/{desc['jobName']}/output/{desc['jobId']}")
+
+    def outputs(self, job_id: str) -> Store:
+        """Where the job's nodes leave their results, failures and identities as it runs."""
+        return self._outputs(self._describe(job_id))
 
     def _failure_report(self, desc: dict[str, Any]) -> FailureReport | None:
         """The root failure among the nodes' reports: a node's own error before a lost peer, then the

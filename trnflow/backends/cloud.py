@@ -12,13 +12,13 @@ from dataclasses import dataclass, field
 from botocore.exceptions import BotoCoreError, ClientError
 
 from trnflow import aws
-from trnflow.backends.base import JobRequest
+from trnflow.backends.base import JobRequest, stage_result
 from trnflow.backends.failures import report_order
 from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV
 from trnflow.errors import FatalError
 from trnflow.neuron.devices import IMAGES, image_device
 from trnflow.records import read
-from trnflow.results import FailureReport
+from trnflow.results import FailureReport, NodeIdentity, Proceed, StageResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, instance, is_module_reference
 from trnflow.storage import Store, open_store
@@ -215,6 +215,28 @@ class NodeWatch:
             "rather than let it run to its timeout)")})
 
 
+def phase_result(outputs: Store, phase: str, job_id: str) -> StageResult | None:
+    """The result of a phase that ended in a job running several (`phases/<phase>.json`, uploaded by
+    its main node as the phase ends), or None before then."""
+    try:
+        data = outputs.read(f"phases/{phase}.json")
+    except FileNotFoundError:
+        return None
+    return stage_result(job_id, data, None)
+
+
+def node_identities(outputs: Store) -> list[NodeIdentity]:
+    """The nodes of a job running several phases, as each found itself at the start of its latest
+    attempt (`hosts/node<r>.json`), by node."""
+    found = [read(NodeIdentity, outputs.read(o.name), f"{outputs.url}/{o.name}") for o in outputs.list("hosts/")]
+    return sorted(found, key=lambda n: n.node)
+
+
+def proceed(outputs: Store, word: Proceed) -> None:
+    """Tell the nodes waiting before `word.phase` to start it, or to end the job."""
+    outputs.write(f"proceed-{word.phase}.json", word.model_dump_json().encode())
+
+
 def checkpoint_s3_uri(spec: JobSpec, run_id: str) -> str:
     """The run's checkpoint folder: SageMaker syncs it to CHECKPOINT_DIR, and every retry or
     resubmission of the run sees it, which is what makes them resume."""
@@ -256,6 +278,8 @@ def container_environment(request: JobRequest, target: CloudTarget) -> dict[str,
         "TRNFLOW_CHECKPOINT_S3_URI": checkpoint_s3_uri(spec, request.run_id),
         "TRNFLOW_RESULT_URL": f"{staging_prefix(target, request)}/output",
     }
+    if len(request.phases) > 1:  # how long its nodes wait between phases for the orchestrator's word
+        env["TRNFLOW_PROCEED_TIMEOUT_SECONDS"] = str(int(spec.compute.hang_timeout_minutes * 60))
     if request.checkpoint:
         env["TRNFLOW_CHECKPOINT"] = request.checkpoint
     if target.cache_public_key:

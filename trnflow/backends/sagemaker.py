@@ -34,6 +34,8 @@ LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 
 class SageMakerBackend:
     name = "sagemaker"
+    shares_allocation = True
+    """The preflight and training run as phases of one training job, on the same instances."""
 
     def __init__(self, target: CloudTarget):
         self.target = target
@@ -70,6 +72,13 @@ class SageMakerBackend:
 
     def _describe(self, job_id: str) -> dict[str, Any]:
         return aws.call(self._sm.describe_training_job, TrainingJobName=job_id)
+
+    def outputs(self, job_id: str) -> Store:
+        """Where the job's hosts leave their failures, phase results and identities as it runs (jobs
+        submitted from this process only)."""
+        if job_id not in self._outputs:
+            raise KeyError(f"SageMaker job {job_id} was not submitted here: where its hosts report is not known")
+        return self._outputs[job_id]
 
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)

@@ -88,17 +88,17 @@ def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict
     if spec is None:
         raise FatalError("a SageMaker job needs a job spec")
     channels = [_channel("spec", spec_url(target, request).rpartition("/")[0], "staging_url", mode="File")]
-    if request.phase in ("train", "evaluate"):
+    if request.last_phase in ("train", "evaluate"):
         channels += [_channel("train", spec.data.train, "data.train"),
                      _channel("holdout", spec.data.holdout, "data.holdout")]
-    if request.phase == "infer":
+    if request.last_phase == "infer":
         channels.append(_channel("inference", spec.data.inference, "data.inference"))
     hyperparameters = {"phase": request.phase, "run-id": request.run_id}
     if request.checkpoint:
         hyperparameters["checkpoint"] = request.checkpoint
     return {
         "TrainingJobName": job_name(request, BASE_NAME_LENGTH),
-        "RoleArn": target.role_for(request.phase),
+        "RoleArn": target.role_for(request.last_phase),
         "AlgorithmSpecification": {
             "TrainingImage": target.image_for(spec),
             "TrainingInputMode": "File",

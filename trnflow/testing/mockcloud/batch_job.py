@@ -112,7 +112,7 @@ class BatchJob:
             "startedAt": _millis(began), "stoppedAt": _millis(time.time()), "statusReason": status_reason,
         })
 
-    def _node_env(self, attempt: int, index: int, port: int) -> dict[str, str]:
+    def _node_env(self, attempt: int, index: int, port: int, metadata: str) -> dict[str, str]:
         itype = self.container.get("instanceType", "trn1.32xlarge")
         root = self.cloud.work_dir / "batch" / self.job.job_id / f"attempt-{attempt}" / f"node-{index}"
         batch = {"AWS_BATCH_JOB_ID": f"{self.job.job_id}#{index}", "AWS_BATCH_JOB_ATTEMPT": str(attempt),
@@ -122,7 +122,7 @@ class BatchJob:
             batch["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"  # every node is this machine
         emulator = {INSTANCE_CORES_ENV: str(instance(itype).cores), RT_DIR_ENV: str(root / "neuron-rt"),
                     "TRNFLOW_HOME": str(root / "trnflow-home"), "TRNFLOW_OUTPUT_DIR": str(root / "output"),
-                    "TRNFLOW_MASTER_PORT": str(port)}
+                    "TRNFLOW_MASTER_PORT": str(port), "AWS_EC2_METADATA_SERVICE_ENDPOINT": metadata}
         return container_env(self.cloud.endpoint_url, self.cloud.region, self.env, batch, emulator,
                              self.cloud.node_layer(index))
 
@@ -136,9 +136,17 @@ class BatchJob:
         job.status = self.status.STARTING
         port, command = free_port(), self.container.get("command", ["batch"])
         root = self.cloud.work_dir / "batch" / job.job_id / f"attempt-{attempt}"
-        nodes = [Node(list(command), self._node_env(attempt, i, port), root / f"node-{i}" / "container.log",
-                      job.log_stream_name if i == 0 else f"{job.log_stream_name}/node-{i}")
-                 for i in range(self.nodes)]
+        instances = self.cloud.instances.start(self.container.get("instanceType", "trn1.32xlarge"), self.nodes)
+        try:
+            nodes = [Node(list(command), self._node_env(attempt, i, port, instances[i].endpoint),
+                          root / f"node-{i}" / "container.log",
+                          job.log_stream_name if i == 0 else f"{job.log_stream_name}/node-{i}")
+                     for i in range(self.nodes)]
+            return self._run_attempt(job, began, nodes)
+        finally:
+            self.cloud.instances.stop(instances)
+
+    def _run_attempt(self, job: Any, began: float, nodes: list[Node]) -> tuple[int | None, str, str]:
         job.status = self.status.RUNNING
         watch = self._checkpoint_watch()
 

@@ -12,8 +12,8 @@ moto drops parts of the requests it does not model (a training job's `Environmen
 multi-node job definition's `nodeProperties` when described), so MockCloud reads each request as
 it was sent, and puts what Batch's `DescribeJobs` and `DescribeJobDefinitions` tell of them back
 in their answers. It refuses what the service refuses and moto does not: a Batch job without a
-share identifier on a fair-share queue. The containers reach AWS at `endpoint_url`, a moto server
-in this process.
+share identifier on a fair-share queue, and a training job named as one that exists (moto would
+replace it). The containers reach AWS at `endpoint_url`, a moto server in this process.
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ from moto.batch.exceptions import ClientException
 from moto.batch.responses import BatchResponse
 from moto.core.config import default_user_config
 from moto.core.responses import ActionResult
+from moto.sagemaker.exceptions import ResourceInUseException
 from moto.sagemaker.responses import SageMakerResponse
 
 from trnflow import aws
 from trnflow.testing.mockcloud.batch_job import BatchJob, submit_refusal
+from trnflow.testing.mockcloud.instances import Instances
 from trnflow.testing.mockcloud.sagemaker_job import SageMakerJob
 
 
@@ -43,7 +45,8 @@ class ServiceFault:
     service: str
     """`sagemaker` or `batch`."""
     phase: str
-    """The workload phase of the jobs it strikes (`train`, `evaluate`, ...)."""
+    """The workload phase of the jobs it strikes (`train`, `evaluate`, ...), alone or among others
+    (`sanity+train`)."""
     reason: str
     """SageMaker's `FailureReason` (`InternalServerError: ...`, `AlgorithmError: ...`) or Batch's
     `statusReason` (`Host EC2 (instance i-...) terminated.`)."""
@@ -80,6 +83,8 @@ class MockCloud:
         """Device faults (`TRNFLOW_FAULTS` syntax) of one node of every job, by node index (Batch's
         node index; SageMaker's host, algo-1 being 0): a fault of that node's instance alone."""
         self._lock = threading.Lock()
+        self.instances = Instances(self.client("ec2"))
+        """The EC2 instances Batch job attempts run on (minted in moto's EC2), with their metadata services."""
         self._jobs: dict[str, Any] = {}
         self._threads: list[threading.Thread] = []
         self._saved: list[tuple[type, str, Any]] = []
@@ -98,14 +103,16 @@ class MockCloud:
     def take_fault(self, service: str, phase: str, when: str) -> ServiceFault | None:
         with self._lock:
             for fault in self._faults:
-                if (fault.service, fault.phase, fault.when) == (service, phase, when) and fault.times > 0:
+                if (fault.service, fault.when) == (service, when) and fault.phase in phase.split("+") \
+                        and fault.times > 0:
                     fault.times -= 1
                     return fault
         return None
 
     def pending_fault(self, service: str, phase: str, when: str) -> bool:
         with self._lock:
-            return any((f.service, f.phase, f.when) == (service, phase, when) and f.times > 0 for f in self._faults)
+            return any((f.service, f.when) == (service, when) and f.phase in phase.split("+") and f.times > 0
+                       for f in self._faults)
 
     # jobs -----------------------------------------------------------------------------------
     def _start(self, key: str, runner: Any) -> None:
@@ -131,8 +138,10 @@ class MockCloud:
         describe_jobs, describe_definitions = BatchResponse.describejobs, BatchResponse.describejobdefinitions
 
         def on_create_training_job(response: Any) -> Any:
-            answer = create_training_job(response)
             body = json.loads(response.body)
+            if body["TrainingJobName"] in response.sagemaker_backend.training_jobs:  # moto would replace it
+                raise ResourceInUseException(f"Training job {body['TrainingJobName']} already exists.")
+            answer = create_training_job(response)
             job = response.sagemaker_backend.training_jobs[body["TrainingJobName"]]
             cloud._start(body["TrainingJobName"], SageMakerJob(cloud, job, body))
             return answer

@@ -1,0 +1,72 @@
+"""The container's side of one allocation for several phases: who each node is (EC2's metadata
+service), what ends the job after a preflight phase, and waiting for the orchestrator's word."""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+
+import boto3
+import pytest
+from moto import mock_aws
+
+from trnflow import container
+from trnflow.container import await_word, instance_metadata, preflight_failure
+from trnflow.results import CollectivesResult, Proceed, SanityResult
+from trnflow.storage import open_store
+from trnflow.testing.mockcloud.instances import Instances
+
+
+@pytest.fixture
+def fast(monkeypatch):
+    monkeypatch.setattr(container, "PROCEED_POLL_SECONDS", 0.01)
+
+
+def _sanity(bad: list[int], sweep_passed: bool = True) -> SanityResult:
+    sweep = CollectivesResult(ranks=2, rows=[], avg_busbw=None, passed=sweep_passed, bad_cores=[] if sweep_passed
+                              else [1], note=None if sweep_passed else "all_reduce: rank 1 sent wrong data")
+    return SanityResult(per_core=[{"core": c, "passed": c not in bad, "failed": []} for c in (0, 1)],
+                        bad_cores=bad, passed=not bad, collectives=sweep)
+
+
+def test_a_preflight_with_a_bad_core_or_a_wrong_sweep_ends_the_job_and_a_clean_one_does_not():
+    assert preflight_failure(_sanity([])) is None
+    bad = preflight_failure(_sanity([1]))
+    assert bad is not None and bad.type == "HardwareError" and bad.bad_cores == [1] and not bad.retryable
+    wrong = preflight_failure(_sanity([], sweep_passed=False))
+    assert wrong is not None and wrong.bad_cores == [1] and "rank 1 sent wrong data" in wrong.message
+
+
+def test_the_nodes_wait_for_the_word_and_the_others_for_the_main_node_too(tmp_path, fast):
+    outputs = open_store(str(tmp_path))
+    outputs.write("proceed-train.json", Proceed(phase="train", go=True).model_dump_json().encode())
+    assert await_word(outputs, "train", "sanity", True, [], timeout=5).go  # the main node: the word is enough
+    # another node also waits for the main node's end of the phase before (the same rendezvous port)
+    waited = await_word(outputs, "train", "sanity", False, [], timeout=0.2)
+    assert not waited.go and "no word from the orchestrator within" in waited.reason
+    outputs.write("phases/sanity.json", b"{}")
+    assert await_word(outputs, "train", "sanity", False, [], timeout=5).go
+    outputs.write("proceed-train.json", Proceed(phase="train", go=False, reason="the run stopped").model_dump_json()
+                  .encode())
+    assert await_word(outputs, "train", "sanity", True, [], timeout=5).reason == "the run stopped"
+
+
+def test_a_node_stopped_while_waiting_ends_saying_so(tmp_path, fast):
+    word = await_word(open_store(str(tmp_path)), "train", "sanity", True, [15], timeout=60)
+    assert not word.go and "SIGTERM" in word.reason
+
+
+def test_each_instance_answers_its_own_id_and_type_over_imdsv2_only():
+    with mock_aws():
+        instances = Instances(boto3.client("ec2", region_name="us-east-1"))
+        started = instances.start("trn1.32xlarge", 2)
+        try:
+            found = [instance_metadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": i.endpoint}) for i in started]
+            assert found == [{"instance-id": i.instance_id, "instance-type": "trn1.32xlarge"} for i in started]
+            assert len({i.instance_id for i in started}) == 2 and instances.started == [i.instance_id for i in started]
+            with pytest.raises(urllib.error.HTTPError, match="401"):  # IMDSv1 (no token) is refused
+                urllib.request.urlopen(f"{started[0].endpoint}/latest/meta-data/instance-id", timeout=5)  # noqa: S310
+        finally:
+            instances.stop(started)
+    assert instance_metadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9"}, timeout=0.5) == {}
+    assert instance_metadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "file:///etc/passwd"}) == {}
