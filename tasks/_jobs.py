@@ -8,7 +8,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -16,7 +16,7 @@ from prefect import get_run_logger
 
 from trnflow.backends import Backend, JobInfo, JobRequest, JobState, backend_for
 from trnflow.backends.base import cancel_within
-from trnflow.backends.cloud import node_identities, phase_result, placement, proceed
+from trnflow.backends.cloud import node_identities, phase_result, placement, proceed, proceed_wait_seconds
 from trnflow.errors import ERROR_TYPES, CapacityError, FatalError, TransientError, TrnflowError
 from trnflow.events import EVENT_FIELD, parse_event, readable
 from trnflow.redact import Redactor
@@ -108,9 +108,11 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     kept = _KEPT.get(run_id)
     if kept is not None and phase in kept.request.phases[1:]:
         del _KEPT[run_id]
-        if _running(kept):
+        if _usable(kept):
             return _go_on(kept, phase)
-        release(kept, "it ended before its word came")  # billed; new instances pass the preflight first
+        get_run_logger().warning("job %s ended, or waited too long for %s; new instances pass the preflight first",
+                                 kept.job_id, phase)
+        release(kept, "it waited too long for its word")  # billed
     if kept is not None and phase == kept.request.phases[0]:  # the preflight again: new instances
         del _KEPT[run_id]
         release(kept, f"{phase} runs again on other instances")
@@ -136,60 +138,98 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
 
 def _run(backend: Backend, request: JobRequest, phase: str) -> StageResult:
     logger = get_run_logger()
-    try:
-        job = _Job(backend, request, backend.submit(request))
-    except TrnflowError:
-        raise
-    except Exception as exc:  # the backend itself failed: say so; the error class decides on retries
-        raise FatalError(f"{phase}: the {backend.name} backend failed: {exc}") from exc
+    with _forwarded(logging.getLogger("trnflow.backends"), logger):  # waiting for cores, a failed cancel
+        try:
+            job = _Job(backend, request, backend.submit(request))
+        except TrnflowError:
+            raise
+        except Exception as exc:  # the backend itself failed: say so; the error class decides on retries
+            raise FatalError(f"{phase}: the {backend.name} backend failed: {exc}") from exc
     chain = " then ".join(request.phases) + " on the same instances" if len(request.phases) > 1 else phase
     logger.info("%s job %s submitted to the %s backend on %d core(s)", chain, job.job_id, backend.name,
                 request.world_size)
-    if len(request.phases) > 1 and phase == request.phases[0]:  # the later phases wait for their word
-        info, ended = _follow(job, phase)
-        if ended is not None and not info.state.terminal:
-            _KEPT[request.run_id] = job
-            return _where(ended, job, info)
-        if ended is not None:  # the job ended after it: a failed preflight ends it
-            _record(job, info)
-            return _where(ended, job, info)
-        return _finish(job, info)
-    if len(request.phases) > 1:  # nothing to wait for before `phase`: it starts after the preflight
-        _outputs_of(job, lambda store: proceed(store, Proceed(phase=phase, go=True)))
-    return _finish(job, _follow(job, None)[0])
+    with _released_on_error(job):
+        if len(request.phases) > 1 and phase == request.phases[0]:  # the later phases wait for their word
+            info, ended = _follow(job, phase)
+            if ended is not None and not info.state.terminal:
+                _KEPT[request.run_id] = job
+                return _where(ended, job, info)
+            if ended is not None:  # the job ended after it: a failed preflight ends it
+                _record(job, info)
+                return _where(ended, job, info)
+        else:
+            if len(request.phases) > 1:  # nothing to wait for before `phase`: it starts after the preflight
+                proceed(job.backend.outputs(job.job_id), Proceed(phase=phase, go=True))  # type: ignore
+            info = _follow(job, None)[0]
+    return _finish(job, info)
 
 
-def _running(job: _Job) -> bool:
+WORD_MARGIN_SECONDS = 120.0
+"""A kept job whose nodes would give up waiting for the word sooner than this is not used: new
+instances, preflighted first, are surer than a word that may come too late."""
+
+
+def _usable(job: _Job) -> bool:
+    """Whether the kept job is still running and its nodes still wait long enough for the word."""
+    spec = job.request.spec
+    assert spec is not None
     try:
-        return not job.backend.describe(job.job_id).state.terminal
+        if job.backend.describe(job.job_id).state.terminal:
+            return False
+        ended = job.backend.outputs(job.job_id).list(f"phases/{job.request.phases[0]}.json")  # type: ignore
     except Exception:  # a job the service cannot describe is not one to go on with
         return False
+    return bool(ended) and time.time() - ended[-1].modified < proceed_wait_seconds(spec) - WORD_MARGIN_SECONDS
 
 
 def _go_on(job: _Job, phase: str) -> StageResult:
     """Start `phase` in the kept job (its nodes wait for the word), and follow it to the end."""
     get_run_logger().info("%s starts in job %s, on the instances that passed the preflight", phase, job.job_id)
-    _outputs_of(job, lambda store: proceed(store, Proceed(phase=phase, go=True)))
-    return _finish(job, _follow(job, None)[0])
+    with _released_on_error(job):
+        proceed(job.backend.outputs(job.job_id), Proceed(phase=phase, go=True))  # type: ignore[attr-defined]
+        info = _follow(job, None)[0]
+    return _finish(job, info)
 
 
-def _outputs_of(job: _Job, act: Callable[[Any], None]) -> None:
+@contextlib.contextmanager
+def _released_on_error(job: _Job) -> Iterator[None]:
+    """While following a job: if anything goes wrong here (the service, a record that does not
+    read, an interrupted caller), the job is cancelled and billed rather than left holding its
+    instances. The job's own failure is raised later, by `_finish`."""
     try:
-        act(job.backend.outputs(job.job_id))  # type: ignore[attr-defined]  (backends that share allocations)
+        yield
     except TrnflowError:
+        release(job, "the orchestrator stopped following it")
         raise
     except Exception as exc:
-        raise FatalError(f"the {job.backend.name} backend failed: {exc}") from exc
+        release(job, "the orchestrator stopped following it")
+        raise FatalError(f"{job.request.phase}: the {job.backend.name} backend failed: {exc}") from exc
+    except BaseException:  # a stopped caller stops at once: the job is billed as the service has it now
+        release(job, "the orchestrator was stopped", bill_within=0.0, tell_nodes=False)
+        raise
 
 
-def release(job: _Job, reason: str) -> None:
-    """End a kept job whose next phase will not come: tell its nodes, cancel it, and bill it."""
-    with contextlib.suppress(Exception):  # the nodes' word is a courtesy: the cancel is what counts
-        proceed(job.backend.outputs(job.job_id), Proceed(phase=job.request.last_phase, go=False,  # type: ignore
-                                                         reason=reason))
-    cancel_within(job.backend, job.job_id)
+RELEASE_BILL_SECONDS = 30.0
+"""How long a released job's end is waited for, so that its ledger line has the time the service billed."""
+
+
+def release(job: _Job, reason: str, bill_within: float = RELEASE_BILL_SECONDS, tell_nodes: bool = True) -> None:
+    """End a job whose next phase will not come: tell its nodes (unless the caller is being stopped,
+    and a service that does not answer must not hold it up), cancel it, and bill it once it ended
+    (waiting at most `bill_within` seconds for that)."""
+    if tell_nodes and len(job.request.phases) > 1:
+        with contextlib.suppress(Exception):  # the nodes' word is a courtesy: the cancel is what counts
+            proceed(job.backend.outputs(job.job_id), Proceed(phase=job.request.last_phase, go=False,  # type: ignore
+                                                             reason=reason))
+    if not cancel_within(job.backend, job.job_id):
+        return  # not billed: the warning says to stop it by hand
+    deadline = time.monotonic() + bill_within
     with contextlib.suppress(Exception):
-        _record(job, job.backend.describe(job.job_id))
+        info = job.backend.describe(job.job_id)
+        while not info.state.terminal and time.monotonic() < deadline:
+            time.sleep(1.0)
+            info = job.backend.describe(job.job_id)
+        _record(job, info)
 
 
 def release_kept(run_id: str, reason: str) -> bool:
@@ -203,31 +243,22 @@ def release_kept(run_id: str, reason: str) -> bool:
 
 def _follow(job: _Job, phase: str | None) -> tuple[JobInfo, StageResult | None]:
     """Relay the job's log into the task's log until `phase`'s result is uploaded, or the job ends:
-    its state then, and that result (None when the job ended first, or `phase` is None). An
-    interrupted caller cancels the job rather than leave it holding its instances."""
+    its state then, and that result (None when the job ended first, or `phase` is None). Callers
+    release the job if this raises (`_released_on_error`)."""
     logger, settings = get_run_logger(), TrnflowSettings()
     on_logs = functools.partial(relay, logger, Redactor.from_env())
-    try:
-        with _forwarded(logging.getLogger("trnflow.backends"), logger):  # waiting for cores, a failed cancel
-            while True:
-                info = job.backend.describe(job.job_id)
-                text, job.offset = job.backend.logs(job.job_id, since=job.offset)
-                if text:
-                    on_logs(text)
-                found = None
-                if phase is not None:
-                    found = phase_result(job.backend.outputs(job.job_id), phase, job.job_id)  # type: ignore
-                if found is not None or info.state.terminal:
-                    return info, found
-                time.sleep(settings.poll_seconds)
-    except TrnflowError:
-        raise
-    except Exception as exc:
-        cancel_within(job.backend, job.job_id)
-        raise FatalError(f"{job.request.phase}: the {job.backend.name} backend failed: {exc}") from exc
-    except BaseException:
-        cancel_within(job.backend, job.job_id)
-        raise
+    with _forwarded(logging.getLogger("trnflow.backends"), logger):  # a failed cancel, a stopped node
+        while True:
+            info = job.backend.describe(job.job_id)
+            text, job.offset = job.backend.logs(job.job_id, since=job.offset)
+            if text:
+                on_logs(text)
+            found = None
+            if phase is not None:
+                found = phase_result(job.backend.outputs(job.job_id), phase, job.job_id)  # type: ignore
+            if found is not None or info.state.terminal:
+                return info, found
+            time.sleep(settings.poll_seconds)
 
 
 def _record(job: _Job, info: JobInfo) -> str:

@@ -183,35 +183,38 @@ def preflight_failure(result: StageResult) -> FailureReport | None:
     return None
 
 
-def _await(outputs: Store, name: str, stopping: list[int], deadline: float) -> bytes | None:
-    """The object once it exists; None after a stop signal or past `deadline` (monotonic)."""
+def _await(outputs: Store, name: str, stopping: list[int], deadline: float, since: float = 0.0) -> bytes | None:
+    """The object once it exists (written at `since` or later, Unix seconds); None after a stop
+    signal or past `deadline` (monotonic). A storage error is only a reason to look again."""
     while not stopping and time.monotonic() < deadline:
         try:
-            return outputs.read(name)
-        except FileNotFoundError:
-            time.sleep(PROCEED_POLL_SECONDS)
+            if any(o.name == name and o.modified >= since for o in outputs.list(name)):
+                return outputs.read(name)
+        except Exception as exc:  # the store retried already; the deadline bounds the wait
+            print(f"trnflow.container: looking for {name}: {exc}", file=sys.stderr, flush=True)
+        time.sleep(PROCEED_POLL_SECONDS)
     return None
 
 
 def await_word(outputs: Store | None, phase: str, after: str, main: bool, stopping: list[int],
-               timeout: float) -> Proceed:
+               timeout: float, since: float = 0.0) -> Proceed:
     """Wait for the orchestrator's word on `phase` (`proceed-<phase>.json`), a stop signal, or
     `timeout` seconds: instances nobody will use are not held until the job's own time limit. The
-    other nodes also wait for the main node to have ended the phase before (`phases/<after>.json`),
-    so that nobody meets the last phase's rendezvous, which used the same port."""
+    other nodes also wait for the main node to have ended the phase before in this attempt
+    (`phases/<after>.json` written since `since`, when this node started), so that nobody meets
+    the last phase's rendezvous, which used the same port."""
     if outputs is None:  # nobody to ask: go on
         return Proceed(phase=phase, go=True)
     deadline = time.monotonic() + timeout
     data = _await(outputs, f"proceed-{phase}.json", stopping, deadline)
     if data is not None and not main:
-        data = data if _await(outputs, f"phases/{after}.json", stopping, deadline) is not None else None
+        data = data if _await(outputs, f"phases/{after}.json", stopping, deadline, since) is not None else None
     if data is not None:
         return read(Proceed, data, f"{outputs.url}/proceed-{phase}.json")
     if stopping:
         return Proceed(phase=phase, go=False, reason="the container was stopped (SIGTERM) while waiting for it")
     return Proceed(phase=phase, go=False, reason=(
-        f"no word from the orchestrator within {timeout / 60:g} min (compute.hang_timeout_minutes); the job ends "
-        "rather than hold its instances"))
+        f"no word from the orchestrator within {timeout / 60:g} min; the job ends rather than hold its instances"))
 
 
 def _report(env: dict[str, str], service: str, r: Rendezvous, failure: FailureReport | None) -> None:
@@ -258,12 +261,14 @@ def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path
     of the first that failed (or 0) and its root failure."""
     phases = env["TRNFLOW_PHASE"].split("+")
     outputs = job_outputs(env, service)
+    me = identity(env, service, r)
     if outputs is not None and len(phases) > 1:
-        outputs.write(f"hosts/node{r.node_rank}.json", identity(env, service, r).model_dump_json().encode())
+        outputs.write(f"hosts/node{r.node_rank}.json", me.model_dump_json().encode())
     for index, phase in enumerate(phases):
         if index:
+            (r.output_dir / "result.json").unlink(missing_ok=True)  # the job's result is the last phase's
             word = await_word(outputs, phase, phases[index - 1], r.node_rank == 0, stopping,
-                              float(env.get("TRNFLOW_PROCEED_TIMEOUT_SECONDS", "1800")))
+                              float(env.get("TRNFLOW_PROCEED_TIMEOUT_SECONDS", "1800")), since=me.started_at - 5)
             if not word.go:
                 return ExitCode.FAILED, FailureReport(type="FatalError", retryable=False, message=(
                     f"{phase} was not started: {word.reason or 'the orchestrator said no'}"))

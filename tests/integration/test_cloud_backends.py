@@ -202,9 +202,10 @@ def test_a_node_that_fails_the_cloud_preflight_never_trains(
     the core, the job ends before its training phase, and no step is trained anywhere."""
     import boto3
 
+    began = time.time() * 1000  # the moto server is the session's: earlier tests' jobs are in it too
     with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, node_faults={1: "corrupt@0"}) as (_, bucket):
         spec = _cloud_spec(make_spec, bucket, "batch", preflight={"exclude_bad_cores": False})
-        state = pipeline(spec, return_state=True)
+        state = pipeline(spec, run_id="a-bad-node", return_state=True)
         assert state.is_failed()
         stages = state.result(raise_on_failure=False).stages
         assert [(r.stage, r.state) for r in stages] == [("sanity", "Failed")]
@@ -212,11 +213,11 @@ def test_a_node_that_fails_the_cloud_preflight_never_trains(
         batch = boto3.client("batch")
         listed = [j["jobId"] for status in ("RUNNING", "SUCCEEDED", "FAILED")
                   for j in batch.list_jobs(jobQueue="trnflow-trn1", jobStatus=status)["jobSummaryList"]]
-        ours = [j for j in batch.describe_jobs(jobs=listed)["jobs"] if j["tags"].get("trnflow:job") == spec.name]
+        ours = [j for j in batch.describe_jobs(jobs=listed)["jobs"] if j["createdAt"] >= began]
         assert [j["tags"]["trnflow:phase"] for j in ours] == ["sanity+train"]
         ended = wait(BatchBackend(cloud_target(TrnflowSettings(), "batch")), ours[0]["jobId"], 0.5)
         assert ended.state in (JobState.FAILED, JobState.CANCELLED)  # ended by its main node, or by the flow
-        assert not _keys(boto3.client("s3"), bucket, "checkpoints/"), "nothing was trained"
+        assert not _keys(boto3.client("s3"), bucket, "checkpoints/a-bad-node/"), "nothing was trained"
         logs = "".join(p.read_text() for p in (tmp_path / "cloud").rglob("container.log"))
         assert '"event": "sanity"' in logs and '"event": "train"' not in logs
 
@@ -229,6 +230,7 @@ def test_a_user_error_fails_the_stage_once_and_is_never_retried(
     report = json.dumps({"type": "DataError", "retryable": False, "message": "data.train has no rows"})
     fault = (ServiceFault("sagemaker", "sanity", f"AlgorithmError: {report}") if service == "sagemaker" else
              ServiceFault("batch", "sanity", "Essential container in task exited", exit_code=1))
+    began = time.time() * 1000  # the moto server is the session's: earlier tests' jobs are in it too
     with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [fault]) as (_, bucket):
         state = pipeline(_cloud_spec(make_spec, bucket, service), return_state=True)
         assert state.is_failed()
@@ -238,7 +240,8 @@ def test_a_user_error_fails_the_stage_once_and_is_never_retried(
             assert len(boto3.client("sagemaker").list_training_jobs()["TrainingJobSummaries"]) == 1
         else:
             assert "exit code 1" in message
-            jobs = boto3.client("batch").list_jobs(jobQueue="trnflow-trn1", jobStatus="FAILED")["jobSummaryList"]
+            jobs = [j for j in boto3.client("batch").list_jobs(jobQueue="trnflow-trn1", jobStatus="FAILED")[
+                "jobSummaryList"] if j["createdAt"] >= began]
             assert len(jobs) == 1
             (job,) = boto3.client("batch").describe_jobs(jobs=[jobs[0]["jobId"]])["jobs"]
             assert len(job["attempts"]) == 1  # the EXIT rule: Batch did not retry it either

@@ -234,6 +234,33 @@ def test_the_batch_submission_carries_the_run_the_node_count_and_fair_share():
     assert "shareIdentifier" not in plain and "schedulingPriorityOverride" not in plain
 
 
+def test_a_job_for_the_preflight_then_training_runs_as_trainings_role_with_the_wait_in_its_time_limit():
+    roles = {kind: f"arn:aws:iam::123456789012:role/trnflow-job-{kind}" for kind in ("preflight", "train")}
+    target = CloudTarget(image=TARGET.image, staging_url=TARGET.staging_url, role_arn=TARGET.role_arn,
+                         job_queue=TARGET.job_queue, roles=roles)
+    spec = _spec(itype="trn1.32xlarge", compute={"max_pending_minutes": 40, "hang_timeout_minutes": 20})
+    chained = JobRequest(spec, "sanity+train", "r3")
+    assert chained.phases == ("sanity", "train") and chained.last_phase == "train"
+    wait = (40 + 20) * 60
+    body = build_training_job_request(chained, target)
+    assert body["RoleArn"] == roles["train"] and body["HyperParameters"]["phase"] == "sanity+train"
+    assert body["TrainingJobName"].startswith("embed-sanity-train-r3")
+    assert [c["ChannelName"] for c in body["InputDataConfig"]] == ["spec", "train", "holdout"]
+    assert body["StoppingCondition"]["MaxRuntimeInSeconds"] == 6 * 3600 + wait
+    assert body["Environment"]["TRNFLOW_PROCEED_TIMEOUT_SECONDS"] == str(wait)
+    _valid_for_the_service("sagemaker", "CreateTrainingJob", body)
+    alone = build_training_job_request(JobRequest(spec, "sanity", "r3"), target)
+    assert alone["RoleArn"] == roles["preflight"] and "TRNFLOW_PROCEED_TIMEOUT_SECONDS" not in alone["Environment"]
+    assert alone["StoppingCondition"]["MaxRuntimeInSeconds"] == 6 * 3600
+
+    submit = build_submit_job(chained, target, "trnflow-embed-0123456789ab")
+    assert submit["jobName"] == "embed-sanity-train-r3"
+    assert submit["timeout"]["attemptDurationSeconds"] == 6 * 3600 + wait
+    _valid_for_the_service("batch", "SubmitJob", submit)
+    definition = build_job_definition(spec, target, chained.last_phase)
+    assert definition["nodeProperties"]["nodeRangeProperties"][0]["container"]["jobRoleArn"] == roles["train"]
+
+
 def _container(spec):
     return build_job_definition(spec, TARGET)["nodeProperties"]["nodeRangeProperties"][0]["container"]
 

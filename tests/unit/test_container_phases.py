@@ -3,6 +3,7 @@ service), what ends the job after a preflight phase, and waiting for the orchest
 
 from __future__ import annotations
 
+import time
 import urllib.error
 import urllib.request
 
@@ -46,6 +47,9 @@ def test_the_nodes_wait_for_the_word_and_the_others_for_the_main_node_too(tmp_pa
     assert not waited.go and "no word from the orchestrator within" in waited.reason
     outputs.write("phases/sanity.json", b"{}")
     assert await_word(outputs, "train", "sanity", False, [], timeout=5).go
+    # a retried attempt's node does not take the last attempt's phase for this one's
+    stale = await_word(outputs, "train", "sanity", False, [], timeout=0.2, since=time.time() + 60)
+    assert not stale.go
     outputs.write("proceed-train.json", Proceed(phase="train", go=False, reason="the run stopped").model_dump_json()
                   .encode())
     assert await_word(outputs, "train", "sanity", True, [], timeout=5).reason == "the run stopped"

@@ -16,7 +16,15 @@ from fnmatch import fnmatchcase
 from typing import Any
 
 from trnflow.backends.base import JobRequest
-from trnflow.backends.cloud import CloudTarget, container_environment, efa_environment, job_name, placement, tags
+from trnflow.backends.cloud import (
+    CloudTarget,
+    container_environment,
+    efa_environment,
+    job_name,
+    placement,
+    runtime_seconds,
+    tags,
+)
 from trnflow.errors import ExitCode, FatalError
 from trnflow.specs import JobSpec, instance, memory_problem
 
@@ -132,7 +140,7 @@ def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: s
             "nodePropertyOverrides": [{"targetNodes": "0:", "containerOverrides": {"environment": environment}}],
         },
         "retryStrategy": retry_strategy(spec),
-        "timeout": {"attemptDurationSeconds": int(spec.compute.max_runtime_hours * 3600)},
+        "timeout": {"attemptDurationSeconds": runtime_seconds(request)},
         "propagateTags": True,
         "tags": tags(request),
     }

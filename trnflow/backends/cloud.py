@@ -237,6 +237,25 @@ def proceed(outputs: Store, word: Proceed) -> None:
     outputs.write(f"proceed-{word.phase}.json", word.model_dump_json().encode())
 
 
+MAX_RUNTIME_SECONDS = 28 * 24 * 3600
+"""The longest time limit SageMaker accepts (MaxRuntimeInSeconds), and trnflow sets on either service."""
+
+
+def proceed_wait_seconds(spec: JobSpec) -> int:
+    """How long the nodes of a job with several phases wait between them for the orchestrator's
+    word: what the stages in between may take, a compile job's wait for capacity
+    (compute.max_pending_minutes) plus compute.hang_timeout_minutes."""
+    return int((spec.compute.max_pending_minutes + spec.compute.hang_timeout_minutes) * 60)
+
+
+def runtime_seconds(request: JobRequest) -> int:
+    """The job's time limit: compute.max_runtime_hours, plus the wait between phases when it runs
+    several (the preflight's own time is minutes)."""
+    assert request.spec is not None, "cloud jobs always carry a spec"
+    extra = proceed_wait_seconds(request.spec) if len(request.phases) > 1 else 0
+    return min(MAX_RUNTIME_SECONDS, int(request.spec.compute.max_runtime_hours * 3600) + extra)
+
+
 def checkpoint_s3_uri(spec: JobSpec, run_id: str) -> str:
     """The run's checkpoint folder: SageMaker syncs it to CHECKPOINT_DIR, and every retry or
     resubmission of the run sees it, which is what makes them resume."""
@@ -279,7 +298,7 @@ def container_environment(request: JobRequest, target: CloudTarget) -> dict[str,
         "TRNFLOW_RESULT_URL": f"{staging_prefix(target, request)}/output",
     }
     if len(request.phases) > 1:  # how long its nodes wait between phases for the orchestrator's word
-        env["TRNFLOW_PROCEED_TIMEOUT_SECONDS"] = str(int(spec.compute.hang_timeout_minutes * 60))
+        env["TRNFLOW_PROCEED_TIMEOUT_SECONDS"] = str(proceed_wait_seconds(spec))
     if request.checkpoint:
         env["TRNFLOW_CHECKPOINT"] = request.checkpoint
     if target.cache_public_key:

@@ -19,6 +19,7 @@ from trnflow.backends.cloud import (
     container_environment,
     job_name,
     placement,
+    runtime_seconds,
     spec_url,
     tags,
 )
@@ -71,13 +72,16 @@ def resource_config(spec: JobSpec, instances: int) -> dict[str, Any]:
     return config
 
 
-def stopping_condition(spec: JobSpec) -> dict[str, int]:
-    """How long a job may run, and wait for capacity before it is stopped: compute.max_pending_minutes,
-    or for a spot job (whose waits for spot capacity come and go) compute.max_wait_hours in all."""
+def stopping_condition(spec: JobSpec, runtime: int | None = None) -> dict[str, int]:
+    """How long a job may run (`runtime` seconds, default compute.max_runtime_hours), and wait for
+    capacity before it is stopped: compute.max_pending_minutes, or for a spot job (whose waits for
+    spot capacity come and go) compute.max_wait_hours in all, plus what `runtime` adds."""
     compute = spec.compute
-    condition = {"MaxRuntimeInSeconds": int(compute.max_runtime_hours * 3600)}
+    ordinary = int(compute.max_runtime_hours * 3600)
+    runtime = runtime or ordinary
+    condition = {"MaxRuntimeInSeconds": runtime}
     if compute.spot:  # the runtime plus every wait for spot capacity (SageMaker: at least the runtime)
-        condition["MaxWaitTimeInSeconds"] = int(compute.wait_hours * 3600)
+        condition["MaxWaitTimeInSeconds"] = int(compute.wait_hours * 3600) + runtime - ordinary
     else:
         condition["MaxPendingTimeInSeconds"] = max(MIN_PENDING_SECONDS, int(compute.max_pending_minutes * 60))
     return condition
@@ -105,7 +109,7 @@ def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict
         },
         "HyperParameters": hyperparameters,
         "ResourceConfig": resource_config(spec, placement(request)[0]),
-        "StoppingCondition": stopping_condition(spec),
+        "StoppingCondition": stopping_condition(spec, runtime_seconds(request)),
         "CheckpointConfig": _checkpoint_config(spec, request.run_id),
         **({"EnableManagedSpotTraining": True} if spec.compute.spot else {}),
         # SageMaker retries a job that failed with an internal error itself; trnflow's own retries
