@@ -14,8 +14,19 @@ from trnflow.tasks._jobs import run_job
 from trnflow.workload.memory import estimate
 
 
-def _failures(result: SanityResult) -> str:
-    return "; ".join(f"nc{c['core']}: {', '.join(c['failed'])}" for c in result.per_core if not c["passed"])
+def _failures(result: SanityResult, per_node: int) -> str:
+    """Each failed core and its checks; on a cloud job, also the node and the instance it is on."""
+    return "; ".join(f"nc{c['core']}{_where(result, c, per_node)}: {', '.join(c['failed'])}"
+                     for c in result.per_core if not c["passed"])
+
+
+def _where(result: SanityResult, core: dict, per_node: int) -> str:
+    """' of node 1 (i-0abc...)' for a core of a cloud job whose instances are known, else ''."""
+    hosts = result.ran_on.hosts if result.ran_on and result.ran_on.backend != "local" else []
+    if not hosts or "rank" not in core:
+        return ""
+    node = core["rank"] // per_node
+    return f" of node {node} ({hosts[node]})" if node < len(hosts) else f" of node {node}"
 
 
 @task(name="sanity", cache_policy=NO_CACHE)
@@ -90,10 +101,11 @@ def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], 
         if set(bad) <= excluded:
             raise FatalError(f"NeuronCore(s) {bad} failed again although excluded: the job is pinned to them "
                              "(NEURON_RT_VISIBLE_CORES); unpin it or pin healthy cores", bad_cores=bad)
+        failures = _failures(result, spec.compute.cores_per_node)
         if not spec.preflight.exclude_bad_cores:
             raise FatalError(
-                f"NeuronCore(s) {bad} failed known-answer tests ({_failures(result)}); replace the instance, "
+                f"NeuronCore(s) {bad} failed known-answer tests ({failures}); replace the instance, "
                 "or set preflight.exclude_bad_cores: true to go on without them", bad_cores=bad,
             )
         excluded |= set(bad)
-        logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", bad, _failures(result))
+        logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", bad, failures)

@@ -210,6 +210,7 @@ def test_a_node_that_fails_the_cloud_preflight_never_trains(
         stages = state.result(raise_on_failure=False).stages
         assert [(r.stage, r.state) for r in stages] == [("sanity", "Failed")]
         assert "NeuronCore(s) [0] failed" in stages[0].summary and "replace the instance" in stages[0].summary
+        assert "nc0 of node 1 (i-" in stages[0].summary  # the node and its EC2 instance
         batch = boto3.client("batch")
         listed = [j["jobId"] for status in ("RUNNING", "SUCCEEDED", "FAILED")
                   for j in batch.list_jobs(jobQueue="trnflow-trn1", jobStatus=status)["jobSummaryList"]]
