@@ -14,7 +14,7 @@ from typing import Any
 
 from prefect import get_run_logger
 
-from trnflow.backends import Backend, JobInfo, JobRequest, JobState, backend_for
+from trnflow.backends import Backend, JobInfo, JobRequest, JobState, backend_for, wait
 from trnflow.backends.base import cancel_within
 from trnflow.backends.cloud import node_identities, phase_result, placement, proceed, proceed_wait_seconds
 from trnflow.errors import ERROR_TYPES, CapacityError, FatalError, TransientError, TrnflowError
@@ -83,6 +83,14 @@ class _Job:
     request: JobRequest
     job_id: str
     offset: int = 0
+    _outputs: Any = None
+
+    @property
+    def outputs(self) -> Any:
+        """Where the job's nodes leave their results (backends that share allocations), opened once."""
+        if self._outputs is None:
+            self._outputs = self.backend.outputs(self.job_id)  # type: ignore[attr-defined]
+        return self._outputs
 
 
 _KEPT: dict[str, _Job] = {}
@@ -159,7 +167,7 @@ def _run(backend: Backend, request: JobRequest, phase: str) -> StageResult:
                 return _where(ended, job, info)
         else:
             if len(request.phases) > 1:  # nothing to wait for before `phase`: it starts after the preflight
-                proceed(job.backend.outputs(job.job_id), Proceed(phase=phase, go=True))  # type: ignore
+                proceed(job.outputs, Proceed(phase=phase, go=True))
             info = _follow(job, None)[0]
     return _finish(job, info)
 
@@ -176,7 +184,7 @@ def _usable(job: _Job) -> bool:
     try:
         if job.backend.describe(job.job_id).state.terminal:
             return False
-        ended = job.backend.outputs(job.job_id).list(f"phases/{job.request.phases[0]}.json")  # type: ignore
+        ended = job.outputs.list(f"phases/{job.request.phases[0]}.json")
     except Exception:  # a job the service cannot describe is not one to go on with
         return False
     return bool(ended) and time.time() - ended[-1].modified < proceed_wait_seconds(spec) - WORD_MARGIN_SECONDS
@@ -186,7 +194,7 @@ def _go_on(job: _Job, phase: str) -> StageResult:
     """Start `phase` in the kept job (its nodes wait for the word), and follow it to the end."""
     get_run_logger().info("%s starts in job %s, on the instances that passed the preflight", phase, job.job_id)
     with _released_on_error(job):
-        proceed(job.backend.outputs(job.job_id), Proceed(phase=phase, go=True))  # type: ignore[attr-defined]
+        proceed(job.outputs, Proceed(phase=phase, go=True))
         info = _follow(job, None)[0]
     return _finish(job, info)
 
@@ -219,8 +227,7 @@ def release(job: _Job, reason: str, bill_within: float = RELEASE_BILL_SECONDS, t
     (waiting at most `bill_within` seconds for that)."""
     if tell_nodes and len(job.request.phases) > 1:
         with contextlib.suppress(Exception):  # the nodes' word is a courtesy: the cancel is what counts
-            proceed(job.backend.outputs(job.job_id), Proceed(phase=job.request.last_phase, go=False,  # type: ignore
-                                                             reason=reason))
+            proceed(job.outputs, Proceed(phase=job.request.last_phase, go=False, reason=reason))
     if not cancel_within(job.backend, job.job_id):
         return  # not billed: the warning says to stop it by hand
     deadline = time.monotonic() + bill_within
@@ -245,20 +252,21 @@ def _follow(job: _Job, phase: str | None) -> tuple[JobInfo, StageResult | None]:
     """Relay the job's log into the task's log until `phase`'s result is uploaded, or the job ends:
     its state then, and that result (None when the job ended first, or `phase` is None). Callers
     release the job if this raises (`_released_on_error`)."""
-    logger, settings = get_run_logger(), TrnflowSettings()
-    on_logs = functools.partial(relay, logger, Redactor.from_env())
+    logger = get_run_logger()
+    found: list[StageResult] = []
+
+    def ended(_: JobInfo) -> bool:
+        result = phase_result(job.outputs, phase, job.job_id) if phase is not None else None
+        found.extend([result] if result is not None else [])
+        return bool(found)
+
     with _forwarded(logging.getLogger("trnflow.backends"), logger):  # a failed cancel, a stopped node
-        while True:
-            info = job.backend.describe(job.job_id)
-            text, job.offset = job.backend.logs(job.job_id, since=job.offset)
-            if text:
-                on_logs(text)
-            found = None
-            if phase is not None:
-                found = phase_result(job.backend.outputs(job.job_id), phase, job.job_id)  # type: ignore
-            if found is not None or info.state.terminal:
-                return info, found
-            time.sleep(settings.poll_seconds)
+        info = wait(job.backend, job.job_id, TrnflowSettings().poll_seconds, until=ended, offset=job.offset,
+                    on_logs=functools.partial(relay, logger, Redactor.from_env()))
+    job.offset = info.details["log_offset"]
+    if phase is not None and not found:  # it ended: a result uploaded as it ended counts
+        ended(info)
+    return info, (found[0] if found else None)
 
 
 def _record(job: _Job, info: JobInfo) -> str:
@@ -281,7 +289,7 @@ def _where(result: StageResult, job: _Job, info: JobInfo) -> StageResult:
     hosts = info.details.get("hosts") or []
     if len(job.request.phases) > 1:
         with contextlib.suppress(Exception):  # the identities name the instances better, when they are there
-            hosts = [n.label for n in node_identities(job.backend.outputs(job.job_id))] or hosts  # type: ignore
+            hosts = [n.label for n in node_identities(job.outputs)] or hosts
     result.ran_on = RanOn(backend=job.backend.name, job_id=info.job_id, hosts=hosts,
                           instance_type=info.details.get("instance_type") or spec.compute.instance_type)
     if result.device is not None:

@@ -122,16 +122,19 @@ class Backend(Protocol):
     def cancel(self, job_id: str) -> None: ...
 
 
-def wait(backend: Backend, job_id: str, poll_seconds: float = 0.5, on_logs=None) -> JobInfo:
-    """Poll until the job ends; `on_logs(text)` receives new complete log lines as they appear."""
-    offset = 0
+def wait(backend: Backend, job_id: str, poll_seconds: float = 0.5, on_logs=None, until=None,
+         offset: int = 0) -> JobInfo:
+    """Poll until the job ends, or `until(info)` is true; `on_logs(text)` receives new complete log
+    lines as they appear, read from byte `offset`. Returns the job's state then; the offset after
+    the lines read is in its `details["log_offset"]` (to go on reading from there)."""
     while True:
         info = backend.describe(job_id)
         if on_logs is not None:
             text, offset = backend.logs(job_id, since=offset)
             if text:
                 on_logs(text)
-        if info.state.terminal:
+        info.details["log_offset"] = offset
+        if info.state.terminal or (until is not None and until(info)):
             return info
         time.sleep(poll_seconds)
 
