@@ -84,7 +84,7 @@ class Page:
     def fill(self, label: str, value: str, nth: int = 0) -> None:
         """Type `value` into the form field labelled `label` (the `nth` such field; an optional
         field's label is read without its "(Optional)"), as a person does: click into it, select
-        what it holds, type over it; then wait until the field holds it."""
+        what it holds, type over it, leave it; then wait until the field holds it."""
         script = (f"(input => {{ if (!input) return false; input.scrollIntoView({{block: 'center'}}); "
                   f"input.focus(); return true; }})({self._field_js(label, nth)})")
         self.wait(script, 30, f"the field {label!r}")
@@ -93,6 +93,7 @@ class Page:
         self.call("Input.dispatchKeyEvent", type="keyUp", key="a", code="KeyA", windowsVirtualKeyCode=65, modifiers=2)
         self.call("Input.insertText", text=value)
         self.wait_for_value(label, value, nth, seconds=10)
+        self.eval(f"{self._field_js(label, nth)}?.blur()")  # leaving the field commits it, as a person's Tab does
 
     def wait_for_value(self, label: str, value: str, nth: int = 0, seconds: float = 30) -> None:
         """Wait until the form field labelled `label` holds `value`."""

@@ -201,12 +201,16 @@ def _custom_run(page, deployment_page: str) -> None:
     page.wait_for_value("Name", "served")
 
 
-def _submit(page) -> None:
+def _submit(page, typed: dict[str, str]) -> None:
     """Click the form's Submit until the form is sent: the page then leaves the form
-    (`/deployment/<id>/run`) for the deployment's page. A click while the form is still checking its
-    values is dropped without a word; a click while it is sending is ignored, so a second click never
-    creates a second run."""
+    (`/deployment/<id>/run`) for the deployment's page. Before each click the `typed` fields are
+    checked (and typed again if the form redrew them from the deployment's values). A click while the
+    form is still checking its values is dropped without a word; a click while it is sending is
+    ignored, so a second click never creates a second run."""
     for _ in range(3):
+        for label, value in typed.items():
+            if page.value(label) != value:
+                page.fill(label, value)
         page.click("Submit")
         with contextlib.suppress(AssertionError):
             page.wait("!location.pathname.endsWith('/run')", 20, "the form to be sent")
@@ -264,7 +268,7 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
         registry = root / "registry-from-the-ui"  # a registry of its own: the run's model becomes its champion
         page.fill("Registry Url", str(registry))
         page.screenshot(shots / "custom-run.png", full_page=False)
-        _submit(page)
+        _submit(page, {"Registry Url": str(registry)})
         run = _run_with(env, pipeline.id, lambda spec: spec["registry_url"] == str(registry))
         run = _ended(env, run.id, 600)
         assert run.state_name == "Completed", (run.state.message, (root / "serve.log").read_text()[-3000:])
@@ -290,7 +294,7 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
         # a value the spec refuses: the run fails at once, saying which field and what to write
         _custom_run(page, f"{ui}/deployments/deployment/{pipeline.id}")
         page.fill("Name", "Quick Start")
-        _submit(page)
+        _submit(page, {"Name": "Quick Start"})
         bad = _ended(env, _run_with(env, pipeline.id, lambda spec: spec["name"] == "Quick Start").id, 120)
         assert bad.state_name == "Failed"  # its message names the field first: the UI shows about 70 characters
         assert bad.state.message.startswith("name: 'Quick Start' is not allowed here; use lower-case letters, digits "
