@@ -5,9 +5,11 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from trnflow.backends import backend_for
 from trnflow.errors import FatalError, TrnflowError
 from trnflow.reporting.report import sanity_markdown
 from trnflow.results import SanityResult
+from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
@@ -82,19 +84,23 @@ def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False) -> Sanity
 
 def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], logger,
            keep_for: tuple[str, ...]) -> SanityResult:
-    """Check placements until one is healthy; `excluded` and `checked` grow as it goes."""
+    """Check placements until one is healthy; `excluded` and `checked` grow as it goes. Cores are
+    excluded on this machine's backend only: in the cloud the service places the ranks, and an
+    instance with a bad core is replaced instead (`BadHost`)."""
+    local = not getattr(backend_for(spec, TrnflowSettings()), "shares_allocation", False)  # this machine places ranks
+    excludes = spec.preflight.exclude_bad_cores and local
     while True:
         try:
             result = run_job(spec, "sanity", run_id, exclude_cores=excluded, keep_for=keep_for)
             assert isinstance(result, SanityResult)
         except TrnflowError as exc:  # a core that hangs is named by its peers
-            if not (exc.bad_cores and spec.preflight.exclude_bad_cores) or set(exc.bad_cores) <= excluded:
+            if not (exc.bad_cores and excludes) or set(exc.bad_cores) <= excluded:
                 raise
             excluded |= set(exc.bad_cores)
             logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", exc.bad_cores, exc)
             continue
         bad = result.bad_cores
-        final = not bad or not spec.preflight.exclude_bad_cores or set(bad) <= excluded
+        final = not bad or not excludes or set(bad) <= excluded
         checked.extend(c for c in result.per_core if final or not c["passed"])
         if not bad:
             return result
@@ -102,10 +108,9 @@ def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], 
             raise FatalError(f"NeuronCore(s) {bad} failed again although excluded: the job is pinned to them "
                              "(NEURON_RT_VISIBLE_CORES); unpin it or pin healthy cores", bad_cores=bad)
         failures = _failures(result, spec.compute.cores_per_node)
-        if not spec.preflight.exclude_bad_cores:
-            raise FatalError(
-                f"NeuronCore(s) {bad} failed known-answer tests ({failures}); replace the instance, "
-                "or set preflight.exclude_bad_cores: true to go on without them", bad_cores=bad,
-            )
+        if not excludes:
+            also = ", or set preflight.exclude_bad_cores: true to go on without them" if local else ""
+            raise FatalError(f"NeuronCore(s) {bad} failed known-answer tests ({failures}); replace the instance{also}",
+                             bad_cores=bad)
         excluded |= set(bad)
         logger.warning("excluding NeuronCore(s) %s (%s) and checking other cores", bad, failures)

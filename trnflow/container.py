@@ -17,9 +17,11 @@ every attempt and resubmission resumes from the run's checkpoints, which live in
 A job may run several phases on the same instances (`TRNFLOW_PHASE=sanity+train`: the preflight
 checks the very hosts that then train). Each node uploads who it is (`hosts/node<r>.json`: the
 EC2 instance id where the metadata service answers), the main node uploads each phase's result as
-it ends (`phases/<phase>.json`), and before every later phase the nodes wait for the
-orchestrator's word (`proceed-<phase>.json`). A preflight that finds a bad core, or a collective
-that fails, ends the job before the next phase: a node that failed preflight never trains.
+it ends (`phases/<phase>.json`, only once it passed), and before every later phase the nodes wait
+for the orchestrator's word (`proceed-<phase>.json`). A preflight that finds a bad core, a node
+that hangs, or a collective that fails ends the job before the next phase with `BadHost`, naming
+the instances at fault (exit code 79, which Batch's retry strategy retries once trnflow has
+terminated them; SageMaker's job is submitted again): a node that failed preflight never trains.
 """
 
 from __future__ import annotations
@@ -169,31 +171,74 @@ def job_outputs(env: dict[str, str], service: str) -> Store | None:
     return open_store(f"{env['TRNFLOW_RESULT_URL'].rstrip('/')}/{job_id}")
 
 
-def preflight_failure(result: StageResult) -> FailureReport | None:
-    """Why a preflight phase's result forbids the phases after it: a core that failed its checks, or
-    a collective sweep with wrong results; None when every check passed."""
+def _named(nodes: list[int], identities: dict[int, NodeIdentity]) -> str:
+    """`node 1 (i-0abc...)`, ... for the nodes given, with their instances where known."""
+    return ", ".join(f"node {n} ({identities[n].label})" if n in identities else f"node {n}" for n in nodes)
+
+
+def bad_host(why: str, nodes: list[int], identities: dict[int, NodeIdentity],
+             bad_cores: list[int] | None = None) -> FailureReport:
+    """The failure that has the job's hosts replaced (`BadHost`): `why`, the nodes at fault and the
+    instances to replace."""
+    instances = [identities[n].label for n in nodes if n in identities]
+    return FailureReport(type="BadHost", retryable=True, bad_cores=sorted(bad_cores or []), instances=instances,
+                         message=f"preflight: {why}; the job ends before training, and {_named(nodes, identities)} "
+                                 "is replaced before the preflight runs again")
+
+
+def preflight_failure(result: StageResult, identities: dict[int, NodeIdentity] | None = None,
+                      per_node: int = 1, nnodes: int = 1) -> FailureReport | None:
+    """Why a preflight phase's result forbids the phases after it: a core that failed its checks (its
+    node is at fault), or a collective sweep with wrong results (every node is); None when every
+    check passed."""
+    identities = identities or {}
+    every = list(range(nnodes))
     sweep = result.collectives if isinstance(result, SanityResult) else result
     if isinstance(result, SanityResult) and result.bad_cores:
-        return FailureReport(type="HardwareError", retryable=False, bad_cores=result.bad_cores, message=(
-            f"preflight: NeuronCore(s) {result.bad_cores} failed known-answer tests; the job ends before the "
-            "next phase, so no instance that failed preflight goes on"))
+        failed = [c for c in result.per_core if not c["passed"]]
+        nodes = sorted({int(c["rank"]) // per_node for c in failed if "rank" in c}) or [0]  # else rank 0's device list
+        cores = "; ".join(f"nc{c['core']} of {_named([int(c.get('rank', 0)) // per_node], identities)}: "
+                          f"{', '.join(c['failed'])}" for c in failed) or "missing from the device list"
+        return bad_host(f"NeuronCore(s) {result.bad_cores} failed known-answer tests ({cores})", nodes, identities,
+                        result.bad_cores)
     if sweep is not None and getattr(sweep, "passed", True) is False:
-        return FailureReport(type="HardwareError", retryable=False, bad_cores=sweep.bad_cores, message=(
-            f"preflight: the collective sweep between the instances failed ({sweep.note or 'wrong results'})"))
+        return bad_host(f"the collective sweep between the instances failed ({sweep.note or 'wrong results'})",
+                        every, identities, sweep.bad_cores)
     return None
 
 
-def _await(outputs: Store, name: str, stopping: list[int], deadline: float, since: float = 0.0) -> bytes | None:
-    """The object once it exists (written at `since` or later, Unix seconds); None after a stop
-    signal or past `deadline` (monotonic). A storage error is only a reason to look again."""
+def _identities(outputs: Store | None) -> dict[int, NodeIdentity]:
+    """Each node's identity as its container uploaded it this attempt; {} where none can be read."""
+    if outputs is None:
+        return {}
+    try:
+        return {n.node: n for n in (read(NodeIdentity, outputs.read(o.name), f"{outputs.url}/{o.name}")
+                                    for o in outputs.list("hosts/"))}
+    except Exception:  # naming the instances is a courtesy: the failure stands without it
+        return {}
+
+
+def _await(outputs: Store, wanted: dict[str, float], stopping: list[int], deadline: float) -> tuple[str, bytes] | None:
+    """The first object of `wanted` to exist, written at its time or later (Unix seconds), and what
+    it holds; None after a stop signal or past `deadline` (monotonic). A storage error is only a
+    reason to look again."""
     while not stopping and time.monotonic() < deadline:
-        try:
-            if any(o.name == name and o.modified >= since for o in outputs.list(name)):
-                return outputs.read(name)
-        except Exception as exc:  # the store retried already; the deadline bounds the wait
-            print(f"trnflow.container: looking for {name}: {exc}", file=sys.stderr, flush=True)
+        for name, since in wanted.items():
+            try:
+                if any(o.name == name and o.modified >= since for o in outputs.list(name)):
+                    return name, outputs.read(name)
+            except Exception as exc:  # the store retried already; the deadline bounds the wait
+                print(f"trnflow.container: looking for {name}: {exc}", file=sys.stderr, flush=True)
         time.sleep(PROCEED_POLL_SECONDS)
     return None
+
+
+MAIN_FAILED = "failure-node0.json"
+"""The main node's failure report (`_report`): the other nodes waiting between phases end on it."""
+STORE_CLOCK_SECONDS = 1.0
+"""How much earlier than the node's start an object written since may look: S3 keeps whole seconds."""
+PHASE_MARGIN_SECONDS = 5.0
+"""The same for the main node's phase results, with room for the clocks of the nodes to differ."""
 
 
 def await_word(outputs: Store | None, phase: str, after: str, main: bool, stopping: list[int],
@@ -202,15 +247,23 @@ def await_word(outputs: Store | None, phase: str, after: str, main: bool, stoppi
     `timeout` seconds: instances nobody will use are not held until the job's own time limit. The
     other nodes also wait for the main node to have ended the phase before in this attempt
     (`phases/<after>.json` written since `since`, when this node started), so that nobody meets
-    the last phase's rendezvous, which used the same port."""
+    the last phase's rendezvous, which used the same port; and they end at once when the main node
+    reports a failure in this attempt instead (a failed preflight: no word will come). A retry
+    starts seconds after the last attempt ended at the soonest, so the last attempt's failure is
+    never taken for this one's."""
     if outputs is None:  # nobody to ask: go on
         return Proceed(phase=phase, go=True)
     deadline = time.monotonic() + timeout
-    data = _await(outputs, f"proceed-{phase}.json", stopping, deadline)
-    if data is not None and not main:
-        data = data if _await(outputs, f"phases/{after}.json", stopping, deadline, since) is not None else None
-    if data is not None:
-        return read(Proceed, data, f"{outputs.url}/proceed-{phase}.json")
+    word = f"proceed-{phase}.json"
+    failed = {} if main else {MAIN_FAILED: since - STORE_CLOCK_SECONDS}
+    found = _await(outputs, {word: 0.0, **failed}, stopping, deadline)
+    if found is not None and not main and found[0] == word:
+        ended = _await(outputs, {f"phases/{after}.json": since - PHASE_MARGIN_SECONDS, **failed}, stopping, deadline)
+        found = None if ended is None else found if ended[0] != MAIN_FAILED else ended
+    if found is not None and found[0] == MAIN_FAILED:
+        return Proceed(phase=phase, go=False, reason=f"the main node failed {after}")
+    if found is not None:
+        return read(Proceed, found[1], f"{outputs.url}/{word}")
     if stopping:
         return Proceed(phase=phase, go=False, reason="the container was stopped (SIGTERM) while waiting for it")
     return Proceed(phase=phase, go=False, reason=(
@@ -268,11 +321,15 @@ def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path
         if index:
             (r.output_dir / "result.json").unlink(missing_ok=True)  # the job's result is the last phase's
             word = await_word(outputs, phase, phases[index - 1], r.node_rank == 0, stopping,
-                              float(env.get("TRNFLOW_PROCEED_TIMEOUT_SECONDS", "1800")), since=me.started_at - 5)
+                              float(env.get("TRNFLOW_PROCEED_TIMEOUT_SECONDS", "1800")), since=me.started_at)
             if not word.go:
                 return ExitCode.FAILED, FailureReport(type="FatalError", retryable=False, message=(
                     f"{phase} was not started: {word.reason or 'the orchestrator said no'}"))
         code, failure = run_phase(r, env, spec_file, phase, stopping)
+        if code and not index and len(phases) > 1 and failure is not None and failure.retryable and not stopping:
+            # a node that hung or lost its device in the preflight: which one, the peers cannot always tell
+            return code, bad_host(f"{phase} failed ({failure})", list(range(r.nnodes)), _identities(outputs),
+                                  failure.bad_cores)
         if code or index == len(phases) - 1:
             return code, failure
         if r.node_rank == 0 and outputs is not None:
@@ -281,9 +338,10 @@ def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path
                 result = read(RESULTS[phase], json.loads(data), f"{phase}: result.json")
             except (RecordError, ValueError) as exc:
                 return ExitCode.FAILED, FailureReport(type="FatalError", retryable=False, message=f"{phase}: {exc}")
-            outputs.write(f"phases/{phase}.json", data)
-            if (failure := preflight_failure(result)) is not None:
+            failure = preflight_failure(result, _identities(outputs), int(env["TRNFLOW_NPROC_PER_NODE"]), r.nnodes)
+            if failure is not None:  # the orchestrator never sees a passed preflight of these instances
                 return ExitCode.FAILED, failure
+            outputs.write(f"phases/{phase}.json", data)
     return 0, None
 
 
@@ -301,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
     stopping: list[int] = []
     code, failure = run_phases(r, env, service, spec_file, stopping)
     _report(env, service, r, failure)
+    if failure is not None and failure.type == "BadHost":
+        return ExitCode.BAD_HOST
     if failure is not None and failure.retryable:
         return ExitCode.TRANSIENT
     return code

@@ -57,6 +57,14 @@ class HardwareError(TransientError):
     """A NeuronCore reported a hardware fault (`bad_cores`); the retry runs on other cores."""
 
 
+class BadHost(TransientError):
+    """An instance failed the preflight of the job that was to train on it (a core that failed its
+    known-answer tests, a node that hung, a collective between the nodes that failed): the job ends
+    before training so that its hosts are replaced. Batch's retry strategy retries it on other
+    instances (the bad ones are terminated first); on SageMaker trnflow submits the job again, which
+    gets new instances. The preflight then runs again on them."""
+
+
 class CapacityError(TransientError):
     """The service had no capacity for the instances asked for; a later submission may get them.
     Neither SageMaker nor Batch retries this itself, so trnflow resubmits."""
@@ -114,7 +122,7 @@ ERROR_TYPES: dict[str, type[TrnflowError]] = {
     cls.__name__: cls
     for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout, Stalled,
                 SpotInterruption,
-                ExecutionTimeout, HardwareError, CapacityError, InternalServiceError, HostFailure, UserError,
+                ExecutionTimeout, HardwareError, BadHost, CapacityError, InternalServiceError, HostFailure, UserError,
                 JobTimeout, DiskFull, GateFailed, ChampionKept)
 }
 
@@ -141,5 +149,8 @@ class ExitCode(IntEnum):
     """trnflow itself failed (EX_SOFTWARE): the command printed the traceback to report."""
     TRANSIENT = 75
     """A transient fault in the container (EX_TEMPFAIL): the service's retry strategy retries it."""
+    BAD_HOST = 79
+    """The container's instance failed the preflight (`BadHost`): Batch's retry strategy retries it on
+    other instances."""
     INTERRUPTED = 130
     """Stopped by Ctrl-C or SIGTERM: the message names the run and the command that resumes it."""

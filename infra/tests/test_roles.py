@@ -77,12 +77,22 @@ class Stack:
         documents += [p["PolicyDocument"] for p in props.get("Policies", [])]
         return [self.resolve(s) for d in documents for s in d["Statement"]]
 
-    def allows(self, role: str, action: str, resource: str) -> bool:
+    def allows(self, role: str, action: str, resource: str, context: dict[str, str] | None = None) -> bool:
+        """Whether `role` may do `action` on `resource`, the request's condition keys being `context`
+        (`aws:ResourceTag/<key>`: the resource's tags). A statement's StringEquals condition holds only
+        when the key is in the context with one of its values, as IAM evaluates a missing key."""
+        context = context or {}
+
+        def holds(statement) -> bool:
+            equals = statement.get("Condition", {}).get("StringEquals", {})
+            return all(context.get(key) in (wanted if isinstance(wanted, list) else [wanted])
+                       for key, wanted in equals.items())
+
         def matches(statement) -> bool:
             actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
             resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
             return (any(fnmatchcase(action.lower(), a.lower()) for a in actions)
-                    and any(fnmatchcase(resource, r) for r in resources))
+                    and any(fnmatchcase(resource, r) for r in resources) and holds(statement))
         found = [s for s in self.statements(role) if matches(s)]
         return not any(s["Effect"] == "Deny" for s in found) and any(s["Effect"] == "Allow" for s in found)
 
@@ -172,3 +182,18 @@ def test_checkov_passes_the_template():
     report = json.loads(result.stdout)
     failed = [(c["check_id"], c["resource"]) for c in report["results"]["failed_checks"]]
     assert result.returncode == 0 and not failed, failed
+
+
+def test_only_the_orchestrator_terminates_instances_and_only_the_compute_environments():
+    """An instance that failed a job's preflight is terminated by the orchestrator, so that Batch's
+    retry runs on another; the role can terminate no other instance, and no job can terminate any."""
+    instance = "arn:aws:ec2:us-east-1:123456789012:instance/i-0123456789abcdef0"
+    ours = {"aws:ResourceTag/trnflow:compute-environment": "trnflow-trn1"}
+    tags = STACK.resolve(STACK.resources["ComputeEnvironment"]["Properties"]["ComputeResources"]["Tags"])
+    assert {f"aws:ResourceTag/{k}": v for k, v in tags.items()} == ours  # Batch tags its instances so
+    assert STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance, ours)
+    assert not STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance)  # anyone else's instance
+    assert not STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance,
+                            {"aws:ResourceTag/trnflow:compute-environment": "another-trn1"})
+    for role in ("PreflightJobRole", "CompileJobRole", "TrainJobRole", "InferJobRole", "BatchInstanceRole"):
+        assert not STACK.allows(role, "ec2:TerminateInstances", instance, ours), role

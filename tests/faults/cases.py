@@ -38,6 +38,8 @@ class Run:
     run_id: str
     env: dict[str, str] = field(default_factory=dict)
     reruns: int = 0
+    bad_hosts: dict[str, str] = field(default_factory=dict)
+    """On a cloud backend: the instances that took the case's host faults."""
 
     @property
     def spec(self):
@@ -72,6 +74,9 @@ class Case:
     """The case `make test` runs: the matrix's cases take about a minute each."""
     node_faults: dict[int, str] = field(default_factory=dict)
     """On a cloud backend: device faults of one node (by node index) instead of the service's fault."""
+    host_faults: dict[int, str] = field(default_factory=dict)
+    """On a cloud backend: device faults of the first instance serving a node (by node index), which a
+    replacement instance does not have, instead of the service's fault."""
     no_capacity: set[str] = field(default_factory=set)
     """On a cloud backend: instance types the service has no capacity for, instead of its fault."""
     fault: str | None = None
@@ -242,6 +247,10 @@ CASES = [
          "node 1 fails, and trnflow stops the job", {"preflight": {"collective_timeout_seconds": 15}},
          storage="batch", node_faults={0: "stall@0:train:15"},
          seen=lambda row: row["retries_by"].get("task:train", 0) == 1),
+    Case("batch-bad-node-replaced", "the instance serving node 1 of the two-node Batch job hangs in the preflight: "
+         "the job exits 79, trnflow terminates its instances, and Batch's retry preflights and trains on new ones",
+         {"preflight": {"collective_timeout_seconds": 15}}, storage="batch", host_faults={1: "hang@0"},
+         interruptions=0, seen=lambda row: bool(row["bad_hosts"]) and not {*row["bad_hosts"]} & {*row["train_hosts"]}),
     Case("batch-no-capacity", "AWS Batch has no trn1.32xlarge: each job waits RUNNABLE, is cancelled after "
          "compute.max_pending_minutes and runs on trn1n.32xlarge, the spec's next instance preference",
          {"compute": {"instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"], "max_pending_minutes": 0.05}},

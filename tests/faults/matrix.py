@@ -88,9 +88,10 @@ class Matrix:
                  ServiceFault("batch", "train", HOST_LOST, when="checkpoint"))
         if case.fault == "spot":
             fault = ServiceFault("sagemaker", "train", "spot capacity reclaimed", when="checkpoint", spot=True)
-        faults = [] if case.node_faults or case.no_capacity else [fault]
+        faults = [] if case.node_faults or case.no_capacity or case.host_faults else [fault]
         with MockCloud(self.moto(), run.folder / "cloud", faults=faults, node_faults=case.node_faults,
-                       no_capacity=case.no_capacity) as cloud:
+                       no_capacity=case.no_capacity, host_faults=case.host_faults) as cloud:
+            run.bad_hosts = cloud.bad_hosts  # filled as the faults find their instances
             outputs = provision(cloud.client, prefix=f"f{case.storage[:2]}")
             bucket = outputs["DATA_BUCKET"]
             s3 = boto3.client("s3")
@@ -170,6 +171,8 @@ class Matrix:
         row |= {"recovered": True, "retries": sum(by.values()), "retries_by": by, "steps_redone": redone,
                 "training_attempts": attempts, "train_cores": results["train"].cores,
                 "train_instance": results["train"].ran_on.instance_type if results["train"].ran_on else None,
+                "train_hosts": results["train"].ran_on.hosts if results["train"].ran_on else [],
+                "bad_hosts": sorted(run.bad_hosts),
                 "compiled": results["compile"].compiled, **same,
                 "nothing_lost": same["checkpoints"] and same["outputs"], "seconds": round(time.time() - began, 1)}
         row["fault_seen"] = case.seen(row) if case.seen else attempts >= 1 + case.interruptions

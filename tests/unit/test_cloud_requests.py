@@ -9,7 +9,7 @@ import yaml
 
 from tests.conftest import quickstart_data
 from trnflow.backends import JobRequest
-from trnflow.backends.batch_request import build_job_definition, build_submit_job, queue_problems
+from trnflow.backends.batch_request import build_job_definition, build_submit_job, exit_action, queue_problems
 from trnflow.backends.cloud import CloudTarget
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.container import batch_rendezvous, sagemaker_rendezvous, torchrun_argv
@@ -207,6 +207,9 @@ def test_the_batch_job_definition_whole_and_named_by_its_content():
     assert definition["retryStrategy"]["attempts"] == 4 and len(rules) <= 5
     assert {"action": "RETRY", "onStatusReason": "Host EC2*"} in rules
     assert {"action": "RETRY", "onExitCode": "75"} in rules
+    assert {"action": "RETRY", "onExitCode": "79"} in rules  # a bad host: terminated, then retried on another
+    assert exit_action(rules, 79, "", "Essential container in task exited") == "RETRY"
+    assert exit_action(rules, 1, "", "Essential container in task exited") == "EXIT"
     assert rules[-1] == {"action": "EXIT", "onReason": "*"}  # anything unmatched ends the job
     # the same nodes give the same name; another run, stage or share does not change it
     again = build_job_definition(_spec(itype="trn1.32xlarge", nodes=4, train={"steps": 7, "checkpoint_url": "s3://x-y/z"}),

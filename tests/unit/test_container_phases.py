@@ -1,5 +1,6 @@
 """The container's side of one allocation for several phases: who each node is (EC2's metadata
-service), what ends the job after a preflight phase, and waiting for the orchestrator's word."""
+service), what ends the job after a preflight phase (and with which exit code), and waiting for the
+orchestrator's word."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from moto import mock_aws
 
 from trnflow import container
 from trnflow.container import await_word, instance_metadata, preflight_failure
-from trnflow.results import CollectivesResult, Proceed, SanityResult
+from trnflow.errors import ExitCode
+from trnflow.results import CollectivesResult, FailureReport, NodeIdentity, Proceed, SanityResult
 from trnflow.storage import open_store
 from trnflow.testing.mockcloud.instances import Instances
 
@@ -24,18 +26,35 @@ def fast(monkeypatch):
 
 
 def _sanity(bad: list[int], sweep_passed: bool = True) -> SanityResult:
+    """Two nodes of one core each: rank r is nc0 of node r."""
     sweep = CollectivesResult(ranks=2, rows=[], avg_busbw=None, passed=sweep_passed, bad_cores=[] if sweep_passed
-                              else [1], note=None if sweep_passed else "all_reduce: rank 1 sent wrong data")
-    return SanityResult(per_core=[{"core": c, "passed": c not in bad, "failed": []} for c in (0, 1)],
-                        bad_cores=bad, passed=not bad, collectives=sweep)
+                              else [0], note=None if sweep_passed else "all_reduce: rank 1 sent wrong data")
+    return SanityResult(per_core=[{"rank": r, "core": 0, "passed": r not in bad, "failed": [] if r not in bad else
+                                   ["memory/patterns/int32"]} for r in (0, 1)],
+                        bad_cores=[0] if bad else [], passed=not bad, collectives=sweep)
 
 
-def test_a_preflight_with_a_bad_core_or_a_wrong_sweep_ends_the_job_and_a_clean_one_does_not():
-    assert preflight_failure(_sanity([])) is None
-    bad = preflight_failure(_sanity([1]))
-    assert bad is not None and bad.type == "HardwareError" and bad.bad_cores == [1] and not bad.retryable
-    wrong = preflight_failure(_sanity([], sweep_passed=False))
-    assert wrong is not None and wrong.bad_cores == [1] and "rank 1 sent wrong data" in wrong.message
+def test_a_preflight_with_a_bad_core_or_a_wrong_sweep_has_the_hosts_at_fault_replaced():
+    nodes = {r: NodeIdentity(node=r, host=f"ip-10-0-0-{r}", instance_id=f"i-0{r}", started_at=0.0) for r in (0, 1)}
+    assert preflight_failure(_sanity([]), nodes, 1, 2) is None
+    bad = preflight_failure(_sanity([1]), nodes, 1, 2)
+    assert bad is not None and bad.type == "BadHost" and bad.retryable and bad.bad_cores == [0]
+    assert bad.instances == ["i-01"]  # the node whose core failed, alone
+    assert "nc0 of node 1 (i-01): memory/patterns/int32" in bad.message and "is replaced" in bad.message
+    wrong = preflight_failure(_sanity([], sweep_passed=False), nodes, 1, 2)
+    assert wrong is not None and wrong.type == "BadHost" and "rank 1 sent wrong data" in wrong.message
+    assert wrong.instances == ["i-00", "i-01"]  # between the nodes: which one is at fault is not known
+    assert preflight_failure(_sanity([1]), {}, 1, 2).instances == []  # unknown instances: named by node only
+
+
+def test_a_bad_host_exits_with_the_code_batch_retries_on_other_instances(tmp_path, monkeypatch):
+    report = FailureReport(type="BadHost", retryable=True, message="preflight: nc0 failed", instances=["i-01"])
+    monkeypatch.setattr(container, "run_phases", lambda *args: (1, report))
+    monkeypatch.setattr(container, "_fetch_spec", lambda env, into: tmp_path / "spec.json")
+    monkeypatch.setenv("TRNFLOW_OUTPUT_DIR", str(tmp_path / "output"))
+    assert container.main(["batch"]) == ExitCode.BAD_HOST == 79
+    monkeypatch.setattr(container, "run_phases", lambda *args: (1, report.model_copy(update={"type": "Stalled"})))
+    assert container.main(["batch"]) == ExitCode.TRANSIENT
 
 
 def test_the_nodes_wait_for_the_word_and_the_others_for_the_main_node_too(tmp_path, fast):
@@ -53,6 +72,18 @@ def test_the_nodes_wait_for_the_word_and_the_others_for_the_main_node_too(tmp_pa
     outputs.write("proceed-train.json", Proceed(phase="train", go=False, reason="the run stopped").model_dump_json()
                   .encode())
     assert await_word(outputs, "train", "sanity", True, [], timeout=5).reason == "the run stopped"
+
+
+def test_the_other_nodes_end_when_the_main_node_failed_the_preflight(tmp_path, fast):
+    """No word comes for a job whose preflight failed: the other nodes do not wait for one."""
+    outputs = open_store(str(tmp_path))
+    began = time.time() - 5
+    outputs.write("failure-node0.json", FailureReport(type="BadHost", message="nc0 failed").model_dump_json().encode())
+    word = await_word(outputs, "train", "sanity", False, [], timeout=30, since=began)
+    assert not word.go and word.reason == "the main node failed sanity"
+    # the main node's failure in an earlier attempt is not this attempt's
+    stale = await_word(outputs, "train", "sanity", False, [], timeout=0.2, since=time.time() + 60)
+    assert not stale.go and "no word from the orchestrator" in stale.reason
 
 
 def test_a_node_stopped_while_waiting_ends_saying_so(tmp_path, fast):

@@ -8,6 +8,7 @@ uploaded; `logs` reads the main node's CloudWatch stream; `cancel` terminates th
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -18,6 +19,7 @@ from trnflow.backends.cloud import (
     STOPPED_BY_TRNFLOW,
     CloudTarget,
     NodeWatch,
+    node_reports,
     stage_spec,
 )
 from trnflow.backends.cloudwatch import StreamReader
@@ -28,13 +30,14 @@ from trnflow.backends.service_status import (
     batch_failure,
     batch_state,
 )
-from trnflow.errors import FatalError
+from trnflow.errors import ExitCode, FatalError
 from trnflow.records import read
 from trnflow.results import FailureReport
 from trnflow.specs import JobSpec
 from trnflow.storage import Store, open_store
 
 LOG_GROUP = "/aws/batch/job"
+log = logging.getLogger("trnflow.backends")
 
 
 class BatchBackend:
@@ -49,6 +52,8 @@ class BatchBackend:
         self.target = target
         session = aws.session()
         self._batch = aws.client("batch", boto_session=session)
+        self._ec2 = aws.client("ec2", boto_session=session)
+        self._replaced: set[tuple[str, int]] = set()  # (job, attempt) whose bad instances were terminated
         self._logs = aws.client("logs", boto_session=session)
         self._rules: dict[str, list[dict[str, str]]] = {}
         self._queues: dict[str, dict[str, Any] | None] = {}
@@ -154,9 +159,35 @@ class BatchBackend:
         if why is not None:
             aws.call(self._batch.terminate_job, jobId=job_id, reason=f"{STOPPED_BY_TRNFLOW}{why}"[:255])
 
+    def _replace_bad_hosts(self, job_id: str, desc: dict[str, Any]) -> None:
+        """Terminate the instances that the last attempt's preflight found at fault (it ended with exit
+        code 79, `BadHost`), once per attempt. Batch retries that exit code, but would place the retry
+        on the instances the compute environment already holds, the bad one included; terminated, it
+        is replaced by a new instance, and the retry's preflight checks that one."""
+        attempts = desc.get("attempts") or []
+        if not attempts or (attempts[-1].get("container") or {}).get("exitCode") != ExitCode.BAD_HOST:
+            return
+        if (job_id, len(attempts)) in self._replaced:
+            return
+        self._replaced.add((job_id, len(attempts)))
+        since = (attempts[-1].get("startedAt") or 0) / 1000
+        reports = [r for _, r in node_reports(self._outputs(desc), since) if r.type == "BadHost"]
+        bad = sorted({i for r in reports for i in r.instances if i.startswith("i-")})
+        if not bad:
+            return
+        try:
+            aws.call(self._ec2.terminate_instances, InstanceIds=bad)
+        except Exception as exc:  # the retry's own preflight still keeps a bad instance from training
+            log.warning("Batch job %s: could not terminate %s, which failed the preflight (%s); Batch's retry may run "
+                        "on it again, and its preflight fail again", desc.get("jobName"), ", ".join(bad), exc)
+            return
+        log.warning("Batch job %s: attempt %d failed the preflight (%s); terminated %s, so that Batch's retry runs "
+                    "on other instances", desc.get("jobName"), len(attempts), reports[0].message, ", ".join(bad))
+
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)
         state = batch_state(desc)
+        self._replace_bad_hosts(job_id, desc)
         details = {"seconds": batch_billable_seconds(desc), "status": desc["status"],
                    "attempts": len(desc.get("attempts") or []), "cores": None}
         if state is JobState.RUNNING:

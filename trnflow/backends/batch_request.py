@@ -36,16 +36,17 @@ is left to them as `trnflow.specs.HOST_RESERVED_MEMORY_GIB` says."""
 
 
 def retry_strategy(spec: JobSpec) -> dict[str, Any]:
-    """Host and capacity failures and transient device faults are retried by Batch; anything else
-    (a user error, a bad spec, a failed gate) ends the job. The last rule matters: without it,
-    Batch retries every failure that no rule matched."""
+    """Host failures, transient device faults and instances that failed the preflight (exit code
+    79, `BadHost`: trnflow terminates them first, so the retry runs on others) are retried by Batch;
+    anything else (a user error, a bad spec, a failed gate) ends the job. The last rule matters:
+    without it, Batch retries every failure that no rule matched. Batch takes at most five rules."""
     return {
         "attempts": min(10, 1 + spec.retries.max_retries),
         "evaluateOnExit": [
             {"action": "RETRY", "onStatusReason": "Host EC2*"},
-            {"action": "RETRY", "onReason": "AGENT"},
             {"action": "RETRY", "onStatusReason": "Task failed to start"},
             {"action": "RETRY", "onExitCode": str(int(ExitCode.TRANSIENT))},
+            {"action": "RETRY", "onExitCode": str(int(ExitCode.BAD_HOST))},
             {"action": "EXIT", "onReason": "*"},
         ],
     }

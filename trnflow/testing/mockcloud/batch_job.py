@@ -1,7 +1,8 @@
 """One AWS Batch multi-node parallel job, run the way Batch runs it: per attempt, one container per
 node with the `AWS_BATCH_JOB_*` variables (the main node's address only on the child nodes), the
 job ending with its main node; a failed attempt is retried or not as `retryStrategy.evaluateOnExit`
-says, and every attempt is recorded in the job's `attempts`."""
+says, and every attempt is recorded in the job's `attempts`. A retry runs on the instances the
+last attempt had, but for those that were terminated (or lost with it), which new ones replace."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from trnflow.backends.batch_request import exit_action
 from trnflow.emulator.cores import RT_DIR_ENV
 from trnflow.neuron.launch import INSTANCE_CORES_ENV
 from trnflow.specs import instance
+from trnflow.testing.mockcloud.instances import Instance
 from trnflow.testing.mockcloud.nodes import Node, container_env, free_port, run_nodes
 from trnflow.testing.mockcloud.sagemaker_job import committed_checkpoints
 
@@ -22,6 +24,8 @@ LOG_GROUP = "/aws/batch/job"
 NO_CAPACITY = ("CAPACITY:INSUFFICIENT_INSTANCE_CAPACITY - Service cannot fulfill the capacity requested for instance "
                "type [{}]")
 """The status reason Batch gives a job left RUNNABLE for lack of instances of its type."""
+HOST_TERMINATED = "Host EC2 (instance {}) terminated."
+"""The status reason of an attempt whose instance was terminated under it."""
 
 
 def _millis(moment: float) -> int:
@@ -55,6 +59,7 @@ class BatchJob:
         self.attempts = int(strategy.get("attempts", 1))
         self.rules = strategy.get("evaluateOnExit", [])
         self._stop: str | None = None
+        self._held: list[Instance] = []  # the instances the job's attempts run on, kept between attempts
         # moto (without Docker) has already marked the job SUCCEEDED: take it back to the queue
         job.job_stopped, job.job_stopped_reason, job.exit_code = False, None, None
         job.attempts, job.latest_attempt = [], None
@@ -97,8 +102,12 @@ class BatchJob:
                 if attempt == self.attempts or exit_action(self.rules, code, reason, status_reason) == "EXIT":
                     break
                 job.status = self.status.RUNNABLE  # Batch puts a retried job back in the queue
+                time.sleep(self.cloud.requeue_seconds)
         except Exception as exc:  # the emulation itself failed: say so, as the service would
             code, status_reason = None, f"mock cloud could not run the job: {exc!r}"
+        finally:
+            self.cloud.instances.stop(self._held)  # the compute environment lets them go
+            self._held = []
         job.exit_code = code
         job.job_stopped_reason = self._stop or (status_reason if code != 0 else "Essential container in task exited")
         job.job_stopped_at = datetime.now()
@@ -112,7 +121,7 @@ class BatchJob:
             "startedAt": _millis(began), "stoppedAt": _millis(time.time()), "statusReason": status_reason,
         })
 
-    def _node_env(self, attempt: int, index: int, port: int, metadata: str) -> dict[str, str]:
+    def _node_env(self, attempt: int, index: int, port: int, host: Instance) -> dict[str, str]:
         itype = self.container.get("instanceType", "trn1.32xlarge")
         root = self.cloud.work_dir / "batch" / self.job.job_id / f"attempt-{attempt}" / f"node-{index}"
         batch = {"AWS_BATCH_JOB_ID": f"{self.job.job_id}#{index}", "AWS_BATCH_JOB_ATTEMPT": str(attempt),
@@ -122,9 +131,18 @@ class BatchJob:
             batch["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"  # every node is this machine
         emulator = {INSTANCE_CORES_ENV: str(instance(itype).cores), RT_DIR_ENV: str(root / "neuron-rt"),
                     "TRNFLOW_HOME": str(root / "trnflow-home"), "TRNFLOW_OUTPUT_DIR": str(root / "output"),
-                    "TRNFLOW_MASTER_PORT": str(port), "AWS_EC2_METADATA_SERVICE_ENDPOINT": metadata}
+                    "TRNFLOW_MASTER_PORT": str(port), "AWS_EC2_METADATA_SERVICE_ENDPOINT": host.endpoint}
         return container_env(self.cloud.endpoint_url, self.cloud.region, self.env, batch, emulator,
-                             self.cloud.node_layer(index))
+                             self.cloud.node_layer(index, host.instance_id))
+
+    def _instances(self, itype: str) -> list[Instance]:
+        """The attempt's instances: the ones the job's last attempt ran on that still run (Batch places a
+        retry on the instances the compute environment holds), and new ones for the rest."""
+        gone = self.cloud.instances.gone(self._held)
+        self.cloud.instances.stop(gone)
+        kept = [i for i in self._held if i not in gone]
+        self._held = kept + self.cloud.instances.start(itype, self.nodes - len(kept))
+        return self._held
 
     def _attempt(self, attempt: int) -> tuple[int | None, str, str]:
         job, began = self.job, time.time()
@@ -136,19 +154,22 @@ class BatchJob:
         job.status = self.status.STARTING
         port, command = free_port(), self.container.get("command", ["batch"])
         root = self.cloud.work_dir / "batch" / job.job_id / f"attempt-{attempt}"
-        instances = self.cloud.instances.start(self.container.get("instanceType", "trn1.32xlarge"), self.nodes)
-        try:
-            nodes = [Node(list(command), self._node_env(attempt, i, port, instances[i].endpoint),
-                          root / f"node-{i}" / "container.log",
-                          job.log_stream_name if i == 0 else f"{job.log_stream_name}/node-{i}")
-                     for i in range(self.nodes)]
-            return self._run_attempt(job, began, nodes)
-        finally:
-            self.cloud.instances.stop(instances)
+        instances = self._instances(self.container.get("instanceType", "trn1.32xlarge"))
+        nodes = [Node(list(command), self._node_env(attempt, i, port, instances[i]),
+                      root / f"node-{i}" / "container.log",
+                      job.log_stream_name if i == 0 else f"{job.log_stream_name}/node-{i}")
+                 for i in range(self.nodes)]
+        code, reason, status_reason = self._run_attempt(job, began, nodes, instances)
+        if self._fault is not None or self._stop:
+            self.cloud.instances.stop(self._held)  # a lost host or a stopped job: its instances went with it
+            self._held = []
+        return code, reason, status_reason
 
-    def _run_attempt(self, job: Any, began: float, nodes: list[Node]) -> tuple[int | None, str, str]:
+    def _run_attempt(self, job: Any, began: float, nodes: list[Node], instances: list[Instance]
+                     ) -> tuple[int | None, str, str]:
         job.status = self.status.RUNNING
         watch = self._checkpoint_watch()
+        looked = [time.monotonic()]
 
         def interrupt() -> str | None:
             if self._stop:
@@ -157,6 +178,10 @@ class BatchJob:
                 fault = self.cloud.take_fault("batch", self.phase, "checkpoint")
                 self._fault = fault
                 return fault.reason if fault else None
+            if time.monotonic() - looked[0] > 2.0:  # an instance terminated under the attempt ends it
+                looked[0] = time.monotonic()
+                gone = self.cloud.instances.gone(instances)
+                return HOST_TERMINATED.format(gone[0].instance_id) if gone else None
             return None
 
         self._fault = None

@@ -65,7 +65,7 @@ class ServiceFault:
 class MockCloud:
     def __init__(self, endpoint_url: str, work_dir: Path, faults: list[ServiceFault] | None = None,
                  region: str = "us-east-1", node_faults: dict[int, str] | None = None,
-                 no_capacity: set[str] | None = None):
+                 no_capacity: set[str] | None = None, host_faults: dict[int, str] | None = None):
         self.endpoint_url = endpoint_url.rstrip("/")
         self.work_dir = Path(work_dir)
         self.region = region
@@ -81,7 +81,16 @@ class MockCloud:
         """How long a reclaimed spot instance's containers have after SIGTERM (the two-minute notice)."""
         self.node_faults = dict(node_faults or {})
         """Device faults (`TRNFLOW_FAULTS` syntax) of one node of every job, by node index (Batch's
-        node index; SageMaker's host, algo-1 being 0): a fault of that node's instance alone."""
+        node index; SageMaker's host, algo-1 being 0): whichever instance serves that node, in every
+        job and attempt (a fault no replacement cures)."""
+        self.host_faults = dict(host_faults or {})
+        """Device faults of a bad host (`TRNFLOW_FAULTS` syntax), by node index: they belong to the first
+        instance that serves that node (on Batch; that host of the first job, on SageMaker) wherever it
+        serves next, and an instance that replaces it is healthy."""
+        self.bad_hosts: dict[str, str] = {}
+        """The instances (SageMaker: `<job>/<host>`) that took `host_faults`, and their faults."""
+        self.requeue_seconds = 2.0
+        """How long a Batch job whose attempt failed stays RUNNABLE before its retry is placed."""
         self._lock = threading.Lock()
         self.instances = Instances(self.client("ec2"))
         """The EC2 instances Batch job attempts run on (minted in moto's EC2), with their metadata services."""
@@ -96,9 +105,14 @@ class MockCloud:
         return aws.client(service, endpoint_url=self.endpoint_url, boto_session=session)
 
     # faults ---------------------------------------------------------------------------------
-    def node_layer(self, index: int) -> dict[str, str]:
-        """What a node's environment gets for its own faults (`node_faults`)."""
-        return {"TRNFLOW_FAULTS": self.node_faults[index]} if index in self.node_faults else {}
+    def node_layer(self, index: int, host: str) -> dict[str, str]:
+        """What a node's environment gets for its faults: its node index's (`node_faults`), and those
+        of the instance or host serving it (`host_faults`, bound to the first that serves the index)."""
+        with self._lock:
+            if index in self.host_faults and host not in self.bad_hosts:
+                self.bad_hosts[host] = self.host_faults.pop(index)
+            faults = [f for f in (self.node_faults.get(index), self.bad_hosts.get(host)) if f]
+        return {"TRNFLOW_FAULTS": ",".join(faults)} if faults else {}
 
     def take_fault(self, service: str, phase: str, when: str) -> ServiceFault | None:
         with self._lock:

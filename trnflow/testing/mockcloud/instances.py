@@ -3,7 +3,8 @@
 Each is minted in moto's EC2 (`RunInstances`), so its id and type are EC2's own, and gets an
 instance metadata service of its own (IMDSv2: a session token, then `meta-data/instance-id` and
 `instance-type`), which its container reaches at `AWS_EC2_METADATA_SERVICE_ENDPOINT` as it would
-reach 169.254.169.254. The attempt's end terminates them. Every start is counted.
+reach 169.254.169.254. A job's attempts keep them (a retry is placed on the instances already
+there) unless they were terminated; the job's end terminates them. Every start is counted.
 """
 
 from __future__ import annotations
@@ -76,12 +77,23 @@ class Instances:
         """Every instance id started, in order."""
 
     def start(self, instance_type: str, count: int) -> list[Instance]:
+        if count <= 0:
+            return []
         answer = self._ec2.run_instances(ImageId=IMAGE_ID, MinCount=count, MaxCount=count,
                                          InstanceType=instance_type)
         ids = [i["InstanceId"] for i in answer["Instances"]]
         with self._lock:
             self.started += ids
         return [Instance(i, instance_type, _metadata_server(i, instance_type)) for i in ids]
+
+    def gone(self, instances: list[Instance]) -> list[Instance]:
+        """Those no longer running in EC2 (terminated by someone)."""
+        if not instances:
+            return []
+        answer = self._ec2.describe_instances(InstanceIds=[i.instance_id for i in instances])
+        running = {i["InstanceId"] for r in answer["Reservations"] for i in r["Instances"]
+                   if i["State"]["Name"] == "running"}
+        return [i for i in instances if i.instance_id not in running]
 
     def stop(self, instances: list[Instance]) -> None:
         for instance in instances:

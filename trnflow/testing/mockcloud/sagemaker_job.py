@@ -184,7 +184,7 @@ class SageMakerJob:
                         "TRNFLOW_HOME": str(root / host / "trnflow-home")}
             env = container_env(self.cloud.endpoint_url, self.cloud.region, self.env,
                                 self._sm_env(opt_ml, host, hosts, port), emulator,
-                                self.cloud.node_layer(hosts.index(host)))
+                                self.cloud.node_layer(hosts.index(host), f"{self.name}/{host}"))
             nodes.append(Node(["train"], env, root / host / "container.log", f"{self.name}/{host}-{int(time.time())}"))
         self._transition("Training", "Training image download completed. Training in progress.")
         watch = self._checkpoint_watch(s3)
