@@ -14,7 +14,7 @@ from prefect.states import Failed, State
 from trnflow.device.plans import cache_problem
 from trnflow.errors import FatalError, GateDecision
 from trnflow.lifecycle.locations import check_locations
-from trnflow.reporting.cost import stage_cost, total
+from trnflow.reporting.cost import run_cost, stage_cost
 from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
 from trnflow.results import Cost, CostRow, RunOutcome, SanityResult, StageResult, StageRow, TrainResult
@@ -99,7 +99,7 @@ class StageRunner:
                          f"each stage's state, duration and key figure in run {self.run_id}")
 
     def cost(self) -> Cost:
-        return Cost(rows=self.costs, total_usd=total(self.costs))
+        return run_cost(self.costs)
 
     def outcome(self) -> RunOutcome:
         return RunOutcome(run_id=self.run_id, stages=self.rows, results=self.results, cost=self.cost())

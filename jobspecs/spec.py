@@ -579,8 +579,9 @@ class PreflightSpec(Section):
     """Hardware sanity and collective tests that gate a run before any training starts."""
 
     exclude_bad_cores: bool = Field(
-        False, description="Go on without cores that fail the sanity tests, if enough healthy ones remain (local "
-        "backend; on SageMaker and Batch an instance with a bad core is replaced and the preflight runs again)."
+        False, description="Go on without cores that fail the sanity tests, if enough healthy ones remain: other "
+        "cores are checked, then used (on SageMaker and Batch, other cores of the same instances; an instance "
+        "without enough healthy ones is replaced, and the preflight runs again on the new one)."
     )
     min_busbw_gbps: float | None = Field(
         None, ge=0, le=1_000_000,

@@ -277,17 +277,19 @@ def _record(job: _Job, info: JobInfo) -> str:
     JobLedger(TrnflowSettings().home, job.request.run_id).record(LedgerEntry(
         job.request.phase, info.job_id, str(info.state), info.details.get("seconds") or 0.0,
         nodes=placement(job.request)[0], instance_type=got, spot=bool(info.details.get("spot")),
-        running_seconds=info.details.get("running_seconds")))
+        running_seconds=info.details.get("running_seconds"), instances_started=info.details.get("instances_started"),
+        provisioning_seconds=info.details.get("provisioning_seconds")))
     return got
 
 
 def _where(result: StageResult, job: _Job, info: JobInfo) -> StageResult:
-    """The result, with where its job ran: the instances each node found itself on, where the job
-    ran several phases (the same ones for each), else the hosts the service names."""
+    """The result, with where its job ran: the instances each node of a cloud job found itself on in
+    its last attempt (for a job of several phases, the same ones for each), else the hosts the
+    service names."""
     spec = job.request.spec
     assert spec is not None
     hosts = info.details.get("hosts") or []
-    if len(job.request.phases) > 1:
+    if hasattr(job.backend, "outputs"):  # a cloud job: its nodes said where they ran
         with contextlib.suppress(Exception):  # the identities name the instances better, when they are there
             hosts = [n.label for n in node_identities(job.outputs)] or hosts
     result.ran_on = RanOn(backend=job.backend.name, job_id=info.job_id, hosts=hosts,

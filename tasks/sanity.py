@@ -59,16 +59,16 @@ def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False) -> Sanity
             _artifacts.markdown(spec, "sanity", sanity_markdown(
                 everything, sorted(excluded), sorted({c["core"] for c in checked} - excluded)),
                 "known-answer tests per NeuronCore and engine")
-    result.excluded_cores = sorted(excluded)
+    result.excluded_cores = sorted(excluded | set(result.excluded_cores))  # a cloud job excludes in its allocation
     if result.collectives is not None:  # the links between these cores, swept by the same job
         result.collectives = result.collectives.model_copy(
             update={"phase": "sanity", "device": result.device, "cores": result.cores, "ran_on": result.ran_on})
     result.memory = estimate(spec).as_dict()  # what each core must hold to train this spec
-    note = f"; excluded bad core(s) {sorted(excluded)}" if excluded else ""
+    note = f"; excluded bad core(s) {result.excluded_cores}" if result.excluded_cores else ""
     cores = result.cores
     if cores is None:  # a cloud job: its instances were checked, each on its own cores
         result.cores = sorted({c["core"] for c in result.per_core})
-        result.summary = f"all {len(result.per_core)} cores passed on every instance"
+        result.summary = f"all {len(result.per_core)} cores passed on every instance{note}"
     else:
         result.summary = f"all {len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
     if result.device is not None:
@@ -84,10 +84,10 @@ def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False) -> Sanity
 
 def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], logger,
            keep_for: tuple[str, ...]) -> SanityResult:
-    """Check placements until one is healthy; `excluded` and `checked` grow as it goes. Cores are
-    excluded on this machine's backend only: in the cloud the service places the ranks, and an
-    instance with a bad core is replaced instead (`BadHost`)."""
-    local = not getattr(backend_for(spec, TrnflowSettings()), "shares_allocation", False)  # this machine places ranks
+    """Check placements until one is healthy; `excluded` and `checked` grow as it goes. On a cloud
+    backend the job's own nodes do this inside their allocation (`trnflow.container`), and an
+    instance they cannot place healthy cores on is replaced (`BadHost`)."""
+    local = not getattr(backend_for(spec, TrnflowSettings()), "shares_allocation", False)  # this machine places
     excludes = spec.preflight.exclude_bad_cores and local
     while True:
         try:

@@ -15,13 +15,14 @@ the request builders. A transient failure exits with 75, which Batch's retry str
 every attempt and resubmission resumes from the run's checkpoints, which live in the run's folder.
 
 A job may run several phases on the same instances (`TRNFLOW_PHASE=sanity+train`: the preflight
-checks the very hosts that then train). Each node uploads who it is (`hosts/node<r>.json`: the
-EC2 instance id where the metadata service answers), the main node uploads each phase's result as
-it ends (`phases/<phase>.json`, only once it passed), and before every later phase the nodes wait
-for the orchestrator's word (`proceed-<phase>.json`). A preflight that finds a bad core, a node
-that hangs, or a collective that fails ends the job before the next phase with `BadHost`, naming
-the instances at fault (exit code 79, which Batch's retry strategy retries once trnflow has
-terminated them; SageMaker's job is submitted again): a node that failed preflight never trains.
+checks the very hosts that then train). Each node of every job uploads who it is
+(`hosts/attempt<a>/node<r>.json`: the EC2 instance id where the metadata service answers), the
+main node uploads each phase's result as it ends (`phases/<phase>.json`, only once it passed), and
+before every later phase the nodes wait for the orchestrator's word (`proceed-<phase>.json`). A
+preflight that finds a bad core, a node that hangs, or a collective that fails ends the job before
+the next phase with `BadHost`, naming the instances at fault (exit code 79, which Batch's retry
+strategy retries once trnflow has terminated them; SageMaker's job is submitted again): a node that
+failed preflight never trains.
 """
 
 from __future__ import annotations
@@ -37,12 +38,14 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from trnflow.backends.cloud import identity_name, node_identities
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.backends.launcher import CONSOLE
 from trnflow.errors import ExitCode, FatalError
-from trnflow.neuron.launch import LAUNCHER, RANK_LOGS, WORKLOAD
+from trnflow.neuron.launch import INSTANCE_CORES_ENV, LAUNCHER, RANK_LOGS, WORKLOAD, aligned_ranges
 from trnflow.records import RecordError, read
-from trnflow.results import RESULTS, FailureReport, NodeIdentity, Proceed, SanityResult, StageResult
+from trnflow.results import RESULTS, FailureReport, NodeIdentity, Placement, Proceed, SanityResult, StageResult
+from trnflow.specs import instance
 from trnflow.storage import Store, open_store
 
 BATCH_MASTER_PORT = 41000
@@ -155,11 +158,14 @@ def instance_metadata(env: dict[str, str], timeout: float = 1.0) -> dict[str, st
 
 
 def identity(env: dict[str, str], service: str, r: Rendezvous) -> NodeIdentity:
-    """Who this node is: its host name, and its EC2 instance where the metadata service says."""
+    """Who this node is in this attempt: its host name, and its EC2 instance where the metadata
+    service says."""
     meta = instance_metadata(env) if service == "batch" else {}
     host = env.get("SM_CURRENT_HOST") if service == "sagemaker" else None
-    return NodeIdentity(node=r.node_rank, host=host or socket.gethostname(), instance_id=meta.get("instance-id"),
-                        instance_type=meta.get("instance-type"), started_at=time.time())
+    attempt = int(env.get("AWS_BATCH_JOB_ATTEMPT", "1")) if service == "batch" else 1
+    return NodeIdentity(node=r.node_rank, attempt=attempt, host=host or socket.gethostname(),
+                        instance_id=meta.get("instance-id"), instance_type=meta.get("instance-type"),
+                        started_at=time.time())
 
 
 def job_outputs(env: dict[str, str], service: str) -> Store | None:
@@ -207,13 +213,43 @@ def preflight_failure(result: StageResult, identities: dict[int, NodeIdentity] |
     return None
 
 
-def _identities(outputs: Store | None) -> dict[int, NodeIdentity]:
-    """Each node's identity as its container uploaded it this attempt; {} where none can be read."""
+def next_placement(result: StageResult, placed: Placement | None, per_node: int, instance_cores: int,
+                   nnodes: int) -> Placement | None:
+    """Cores for every node that avoid each core the preflight found bad on it (and those excluded
+    before), as the runtime places collective jobs (a contiguous range aligned to its size); None
+    when a bad core cannot be placed on its node (a failed sweep, a core missing from the device
+    list) or a node has too few healthy cores left."""
+    if not isinstance(result, SanityResult) or not result.bad_cores:
+        return None
+    failed = [c for c in result.per_core if not c["passed"] and "rank" in c]
+    if {int(c["core"]) for c in failed} != set(result.bad_cores):
+        return None
+    excluded = {n: set(cores) for n, cores in (placed.excluded if placed else {}).items()}
+    for c in failed:
+        node = excluded.setdefault(int(c["rank"]) // per_node, set())
+        if int(c["core"]) in node:  # it failed although excluded: the node does not keep to its cores
+            return None
+        node.add(int(c["core"]))
+    cores = {}
+    for node in range(nnodes):
+        try:
+            fits = aligned_ranges(per_node, instance_cores, frozenset(excluded.get(node, ())))
+        except FatalError:  # too few healthy cores left on it
+            return None
+        if not fits:
+            return None
+        first, last = fits[0][0], fits[0][-1]
+        cores[node] = str(first) if first == last else f"{first}-{last}"
+    return Placement(round=(placed.round if placed else 0) + 1, cores=cores,
+                     excluded={n: sorted(v) for n, v in sorted(excluded.items())})
+
+
+def _identities(outputs: Store | None, attempt: int) -> dict[int, NodeIdentity]:
+    """Each node's identity in this attempt, as its container uploaded it; {} where none can be read."""
     if outputs is None:
         return {}
     try:
-        return {n.node: n for n in (read(NodeIdentity, outputs.read(o.name), f"{outputs.url}/{o.name}")
-                                    for o in outputs.list("hosts/"))}
+        return {n.node: n for n in node_identities(outputs, attempt)}
     except Exception:  # naming the instances is a courtesy: the failure stands without it
         return {}
 
@@ -293,7 +329,8 @@ def run_phase(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str,
               stopping: list[int]) -> tuple[int, FailureReport | None]:
     """One phase on this node through the launcher: the launcher's exit code, and the root failure
     among this node's ranks (None when it succeeded, or no rank left a report)."""
-    launcher = subprocess.Popen(torchrun_argv(r, {**env, "TRNFLOW_PHASE": phase}, spec_file))
+    phase_env = {**env, "TRNFLOW_PHASE": phase}  # with this node's cores, once some were excluded
+    launcher = subprocess.Popen(torchrun_argv(r, phase_env, spec_file), env=phase_env)
     # The service stops a container (a spot reclaim notice, a stopped job) with SIGTERM to its first
     # process, this one: the launcher passes it on to every rank, and training checkpoints before it ends.
     signal.signal(signal.SIGTERM, lambda signum, frame: (stopping.append(signum),
@@ -308,40 +345,96 @@ def run_phase(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str,
                                               exits=exits), exits)
 
 
+def _placed(env: dict[str, str], placed: Placement | None, node: int) -> dict[str, str]:
+    """The phase's environment: this node's cores, once the preflight excluded some."""
+    return env if placed is None else {**env, "NEURON_RT_VISIBLE_CORES": placed.cores[node]}
+
+
+def _excludes(spec_file: Path, env: dict[str, str]) -> tuple[bool, int]:
+    """Whether the spec excludes bad cores (`preflight.exclude_bad_cores`), and the instance's cores."""
+    spec = json.loads(spec_file.read_text())
+    cores = env.get(INSTANCE_CORES_ENV) or instance(spec["compute"]["instance_type"]).cores
+    return bool(spec.get("preflight", {}).get("exclude_bad_cores")), int(cores)
+
+
+def _verdict(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str, outputs: Store, me: NodeIdentity,
+             placed: Placement | None) -> tuple[FailureReport | None, Placement | None]:
+    """The main node's verdict on a preflight phase that ended: its failure (None when it passed,
+    and its result is then uploaded), or the cores to check again instead, when the spec excludes
+    bad cores and every node has enough healthy ones (uploaded for the other nodes)."""
+    data = (r.output_dir / "result.json").read_bytes()
+    try:
+        result = read(RESULTS[phase], json.loads(data), f"{phase}: result.json")
+    except (RecordError, ValueError) as exc:
+        return FailureReport(type="FatalError", retryable=False, message=f"{phase}: {exc}"), None
+    per_node = int(env["TRNFLOW_NPROC_PER_NODE"])
+    failure = preflight_failure(result, _identities(outputs, me.attempt), per_node, r.nnodes)
+    excludes, instance_cores = _excludes(spec_file, env)
+    moved = next_placement(result, placed, per_node, instance_cores, r.nnodes) if failure and excludes else None
+    if moved is not None:
+        outputs.write(f"phases/placement-{moved.round}.json", moved.model_dump_json().encode())
+        print(f"trnflow.container: {phase} found bad core(s) {result.bad_cores}; checking again without them "
+              f"(cores by node: {moved.cores})", file=sys.stderr, flush=True)
+        return None, moved
+    if failure is not None:  # the orchestrator never sees a passed preflight of these instances
+        return failure, None
+    if isinstance(result, SanityResult) and placed is not None:
+        result.excluded_cores = sorted({c for cores in placed.excluded.values() for c in cores})
+        data = result.model_dump_json().encode()
+    outputs.write(f"phases/{phase}.json", data)
+    return None, None
+
+
+def _await_placement(outputs: Store, phase: str, placed: Placement | None, stopping: list[int], timeout: float,
+                     since: float) -> Placement | None:
+    """Another node, its preflight phase done: the cores the main node chose to check again, or None
+    once it decided otherwise (passed, failed) or nothing came in time."""
+    wanted = f"phases/placement-{(placed.round if placed else 0) + 1}.json"
+    found = _await(outputs, {wanted: since - STORE_CLOCK_SECONDS, f"phases/{phase}.json": since - PHASE_MARGIN_SECONDS,
+                             MAIN_FAILED: since - STORE_CLOCK_SECONDS}, stopping, time.monotonic() + timeout)
+    return read(Placement, found[1], f"{outputs.url}/{wanted}") if found and found[0] == wanted else None
+
+
 def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path,
                stopping: list[int]) -> tuple[int, FailureReport | None]:
     """Every phase of TRNFLOW_PHASE in turn on this node (see the module's docstring): the exit code
-    of the first that failed (or 0) and its root failure."""
+    of the first that failed (or 0) and its root failure. A preflight that found bad cores, with
+    `preflight.exclude_bad_cores`, runs again on other cores of the same instances, which the later
+    phases then use."""
     phases = env["TRNFLOW_PHASE"].split("+")
     outputs = job_outputs(env, service)
     me = identity(env, service, r)
-    if outputs is not None and len(phases) > 1:
-        outputs.write(f"hosts/node{r.node_rank}.json", me.model_dump_json().encode())
+    if outputs is not None:  # where the job ran (and, with EC2's launch time, how long it took to start)
+        outputs.write(identity_name(me), me.model_dump_json().encode())
+    wait = float(env.get("TRNFLOW_PROCEED_TIMEOUT_SECONDS", "1800"))
+    placed: Placement | None = None
     for index, phase in enumerate(phases):
         if index:
             (r.output_dir / "result.json").unlink(missing_ok=True)  # the job's result is the last phase's
-            word = await_word(outputs, phase, phases[index - 1], r.node_rank == 0, stopping,
-                              float(env.get("TRNFLOW_PROCEED_TIMEOUT_SECONDS", "1800")), since=me.started_at)
+            word = await_word(outputs, phase, phases[index - 1], r.node_rank == 0, stopping, wait,
+                              since=me.started_at)
             if not word.go:
                 return ExitCode.FAILED, FailureReport(type="FatalError", retryable=False, message=(
                     f"{phase} was not started: {word.reason or 'the orchestrator said no'}"))
-        code, failure = run_phase(r, env, spec_file, phase, stopping)
-        if code and not index and len(phases) > 1 and failure is not None and failure.retryable and not stopping:
-            # a node that hung or lost its device in the preflight: which one, the peers cannot always tell
-            return code, bad_host(f"{phase} failed ({failure})", list(range(r.nnodes)), _identities(outputs),
-                                  failure.bad_cores)
-        if code or index == len(phases) - 1:
-            return code, failure
-        if r.node_rank == 0 and outputs is not None:
-            data = (r.output_dir / "result.json").read_bytes()
-            try:
-                result = read(RESULTS[phase], json.loads(data), f"{phase}: result.json")
-            except (RecordError, ValueError) as exc:
-                return ExitCode.FAILED, FailureReport(type="FatalError", retryable=False, message=f"{phase}: {exc}")
-            failure = preflight_failure(result, _identities(outputs), int(env["TRNFLOW_NPROC_PER_NODE"]), r.nnodes)
-            if failure is not None:  # the orchestrator never sees a passed preflight of these instances
-                return ExitCode.FAILED, failure
-            outputs.write(f"phases/{phase}.json", data)
+        while True:
+            code, failure = run_phase(r, _placed(env, placed, r.node_rank), spec_file, phase, stopping)
+            if code and not index and len(phases) > 1 and failure is not None and failure.retryable and not stopping:
+                # a node that hung or lost its device in the preflight: which one, the peers cannot always tell
+                return code, bad_host(f"{phase} failed ({failure})", list(range(r.nnodes)),
+                                      _identities(outputs, me.attempt), failure.bad_cores)
+            if code or index == len(phases) - 1:
+                return code, failure
+            if outputs is None:
+                break
+            if r.node_rank == 0:
+                failure, moved = _verdict(r, env, spec_file, phase, outputs, me, placed)
+                if failure is not None:
+                    return ExitCode.FAILED, failure
+            else:
+                moved = _await_placement(outputs, phase, placed, stopping, wait, me.started_at)
+            if moved is None:
+                break
+            placed = moved
     return 0, None
 
 

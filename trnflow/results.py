@@ -51,9 +51,11 @@ class RanOn(_Model):
 
 class NodeIdentity(_Model):
     """One node of a cloud job as its container finds itself at the start of each attempt, uploaded
-    as `hosts/node<r>.json` beside the job's results (`trnflow.container`)."""
+    as `hosts/attempt<a>/node<r>.json` beside the job's results (`trnflow.container`)."""
 
     node: int = Field(description="the node's index in the job (Batch's node index; SageMaker's host order)")
+    attempt: int = Field(1, ge=1, description="the job's attempt (Batch's AWS_BATCH_JOB_ATTEMPT; 1 on SageMaker, "
+                         "whose restarts replace it)")
     host: str = Field(description="SageMaker's host name (algo-1), else the container's host name")
     instance_id: str | None = Field(None, description="the EC2 instance id from the instance metadata service, "
                                     "where the container can reach it (Batch; SageMaker hides it)")
@@ -64,6 +66,16 @@ class NodeIdentity(_Model):
     def label(self) -> str:
         """The instance id where there is one, else the host name."""
         return self.instance_id or self.host
+
+
+class Placement(_Model):
+    """The cores each node's ranks run on once the preflight of a job that runs several phases
+    excluded bad ones (`phases/placement-<round>.json`, written by its main node): every node checks
+    them, then trains on them."""
+
+    round: int = Field(ge=1, description="1 for the first exclusion, 2 when the cores it chose failed too, ...")
+    cores: dict[int, str] = Field(description="each node's NEURON_RT_VISIBLE_CORES (a core, or a range)")
+    excluded: dict[int, list[int]] = Field(description="each node's cores left out, as they failed their checks")
 
 
 class Proceed(_Model):
@@ -267,11 +279,21 @@ class CostRow(_Model):
         None, description="spot jobs: what their running time would have cost at the on-demand price (SageMaker "
         "bills a managed spot job's BillableTimeInSeconds, less than its TrainingTimeInSeconds); None for "
         "on-demand jobs")
+    instances_started: int | None = Field(
+        None, description="cloud instances the stage's jobs started (retries and restarts included); None for "
+        "local jobs")
+    provisioning_seconds: float | None = Field(
+        None, description="how long the stage's jobs waited for the instances they started to be ready (boot, "
+        "image pull); None for local jobs")
 
 
 class Cost(_Model):
     rows: list[CostRow] = Field(default_factory=list)
     total_usd: float | None = Field(None, description="None when any instance has no known price")
+    instances_started: int | None = Field(None, description="cloud instances the run's jobs started; None when "
+                                          "it ran none")
+    provisioning_seconds: float | None = Field(None, description="how long the run's jobs waited for their "
+                                               "instances to be ready; None when it started none")
 
 
 class RunOutcome(_Model):

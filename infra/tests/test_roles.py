@@ -197,3 +197,4 @@ def test_only_the_orchestrator_terminates_instances_and_only_the_compute_environ
                             {"aws:ResourceTag/trnflow:compute-environment": "another-trn1"})
     for role in ("PreflightJobRole", "CompileJobRole", "TrainJobRole", "InferJobRole", "BatchInstanceRole"):
         assert not STACK.allows(role, "ec2:TerminateInstances", instance, ours), role
+    assert STACK.allows("OrchestratorRole", "ec2:DescribeInstances", "*")  # each node's launch, for the bill

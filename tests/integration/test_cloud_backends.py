@@ -74,7 +74,8 @@ def _cloud_spec(make_spec, bucket, backend, **sections):
     return make_spec(
         data={"train": f"{s3}/reviews/train", "holdout": f"{s3}/reviews/holdout",
               "inference": f"{s3}/reviews/inference"},
-        compute=compute, compile={"cache_url": f"{s3}/neuron-cache"}, registry_url=f"{s3}/registry",
+        compute=compute, compile={"cache_url": f"{s3}/neuron-cache"},
+        registry_url=sections.pop("registry_url", f"{s3}/registry"),
         train={"checkpoint_url": f"{s3}/checkpoints", "steps": 40, "checkpoint_every": 10} | sections.pop("train", {}),
         gate={"reference": "champion", "eval_every": 20} | sections.pop("gate", {}),
         inference={"output_url": f"{s3}/embeddings"},
@@ -214,7 +215,7 @@ def test_a_node_that_fails_the_cloud_preflight_never_trains(
 
     began = time.time() * 1000
     with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, node_faults={1: "corrupt@0"}) as (_, bucket):
-        spec = _cloud_spec(make_spec, bucket, "batch", preflight={"exclude_bad_cores": True})  # not on the cloud
+        spec = _cloud_spec(make_spec, bucket, "batch")  # preflight.exclude_bad_cores is off
         state = pipeline(spec, run_id="a-bad-node", return_state=True)
         assert state.is_failed()
         stages = state.result(raise_on_failure=False).stages
@@ -237,6 +238,37 @@ def test_a_node_that_fails_the_cloud_preflight_never_trains(
 
 
 @pytest.mark.slow
+def test_a_bad_core_is_excluded_inside_the_allocation_and_training_runs_on_the_cores_checked_again(
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    """preflight.exclude_bad_cores on a two-node Batch job whose node 1 has a corrupt nc0: the main
+    node places node 1 on nc1 instead, both nodes check their cores again, and training runs on them,
+    in the same job, on the same instances, in its first attempt."""
+    import boto3
+
+    began = time.time() * 1000
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, node_faults={1: "corrupt@0"}) as (_, bucket):
+        spec = _cloud_spec(make_spec, bucket, "batch", train={"steps": 20}, gate={"eval_every": None},
+                           preflight={"exclude_bad_cores": True}, registry_url=f"s3://{bucket}/registry-excluded")
+        state = pipeline(spec, run_id="a-core-excluded", return_state=True)
+        outcome = state.result(raise_on_failure=False)
+        assert state.is_completed(), outcome
+        sanity = outcome.results["sanity"]
+        assert sanity.excluded_cores == [0] and "excluded bad core(s) [0]" in sanity.summary
+        assert sorted((c["rank"], c["core"], c["passed"]) for c in sanity.per_core) == [(0, 0, True), (1, 1, True)]
+        assert sanity.ran_on == outcome.results["train"].ran_on
+        (job,) = [j for j in _our_batch_jobs(began) if j["tags"]["trnflow:phase"] == "sanity+train"]
+        assert [a["container"].get("exitCode") for a in job["attempts"]] == [0]  # no instance was replaced
+        staging = bucket.replace("-data-", "-staging-")  # where the job's nodes leave what they tell each other
+        placed = [k for k in _keys(boto3.client("s3"), staging, "jobs/a-core-excluded/") if k.endswith(
+            "phases/placement-1.json")]
+        assert len(placed) == 1, "the main node chose other cores for node 1, once"
+        main = (tmp_path / "cloud" / "batch" / job["jobId"] / "attempt-1" / "node-0" / "container.log").read_text()
+        assert main.count("checking again without them (cores by node: {0: '0', 1: '1'})") == 1
+        assert main.count('"event": "sanity", "rank": 0') == 2 and '"event": "train"' in main  # checked twice, trained
+        assert outcome.results["train"].steps == 20
+
+
+@pytest.mark.slow
 def test_a_node_that_hangs_in_the_batch_preflight_is_replaced_and_training_runs_on_checked_instances(
         prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
     """The instance serving node 1 of a two-node Batch job hangs in the preflight's first collective.
@@ -248,7 +280,8 @@ def test_a_node_that_hangs_in_the_batch_preflight_is_replaced_and_training_runs_
     began = time.time() * 1000
     with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, host_faults={1: "hang@0"}) as (cloud, bucket):
         spec = _cloud_spec(make_spec, bucket, "batch", train={"steps": 20}, gate={"eval_every": None},
-                           preflight={"collective_timeout_seconds": 10})
+                           preflight={"collective_timeout_seconds": 10},
+                           registry_url=f"s3://{bucket}/registry-hung-node")  # no other test's champion
         state = pipeline(spec, run_id="a-hung-node", return_state=True)
         outcome = state.result(raise_on_failure=False)
         assert state.is_completed(), outcome
@@ -277,7 +310,8 @@ def test_a_sagemaker_instance_with_bad_memory_is_replaced_by_a_resubmission(
     import boto3
 
     with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, host_faults={0: "memory@0"}) as (cloud, bucket):
-        spec = _cloud_spec(make_spec, bucket, "sagemaker", train={"steps": 20}, gate={"eval_every": None})
+        spec = _cloud_spec(make_spec, bucket, "sagemaker", train={"steps": 20}, gate={"eval_every": None},
+                           registry_url=f"s3://{bucket}/registry-bad-memory")  # no other test's champion
         state = pipeline(spec, run_id="bad-memory", return_state=True)
         outcome = state.result(raise_on_failure=False)
         assert state.is_completed(), outcome

@@ -92,6 +92,15 @@ def test_the_batch_example_runs_on_the_mock_cloud_and_the_docs_snippet_reads_it(
         where = [outcome["results"][stage]["ran_on"] for stage in ("sanity", "collectives", "train")]
         assert where[0] == where[1] == where[2] and where[0]["job_id"], where
         assert len(where[0]["hosts"]) == 2 and all(h.startswith("i-") for h in where[0]["hosts"])
+        # the instances each stage started, and how long they took to be ready: one allocation of two
+        # for sanity, collectives and training; one for the compile job (one worker); two for inference
+        rows = {row["stage"]: row for row in outcome["cost"]["rows"]}
+        started = {stage: row["instances_started"] for stage, row in rows.items()}
+        assert started == {"train": 2, "compile": 1, "infer": 2}, rows
+        assert outcome["cost"]["instances_started"] == 5 and outcome["cost"]["provisioning_seconds"] > 0
+        assert all(row["provisioning_seconds"] > 0 for row in rows.values())
+        infer = outcome["results"]["infer"]["ran_on"]
+        assert len(infer["hosts"]) == 2 and not set(infer["hosts"]) & set(where[0]["hosts"])  # its own allocation
         code = _snippet().replace("http://127.0.0.1:5000", endpoint)
         looked = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
         assert looked.returncode == 0, looked.stderr

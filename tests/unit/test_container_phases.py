@@ -13,7 +13,7 @@ import pytest
 from moto import mock_aws
 
 from trnflow import container
-from trnflow.container import await_word, instance_metadata, preflight_failure
+from trnflow.container import await_word, instance_metadata, next_placement, preflight_failure
 from trnflow.errors import ExitCode
 from trnflow.results import CollectivesResult, FailureReport, NodeIdentity, Proceed, SanityResult
 from trnflow.storage import open_store
@@ -105,3 +105,23 @@ def test_each_instance_answers_its_own_id_and_type_over_imdsv2_only():
             instances.stop(started)
     assert instance_metadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9"}, timeout=0.5) == {}
     assert instance_metadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "file:///etc/passwd"}) == {}
+
+
+def test_bad_cores_are_placed_around_on_their_own_node_while_healthy_ones_remain():
+    """Two nodes of one core each on 4-core instances: nc0 of node 1 failed."""
+    first = next_placement(_sanity([1]), None, per_node=1, instance_cores=4, nnodes=2)
+    assert first is not None and first.round == 1
+    assert first.cores == {0: "0", 1: "1"} and first.excluded == {1: [0]}  # node 0 keeps its core
+    again = _sanity([1]).model_copy(update={"per_core": [{"rank": 0, "core": 0, "passed": True, "failed": []},
+                                                         {"rank": 1, "core": 1, "passed": False, "failed": ["x"]}],
+                                            "bad_cores": [1]})
+    second = next_placement(again, first, per_node=1, instance_cores=4, nnodes=2)
+    assert second is not None and second.round == 2 and second.cores == {0: "0", 1: "2"}
+    assert second.excluded == {1: [0, 1]}
+    # two cores a node, aligned as the runtime places collective jobs: nc1 bad leaves nc2-nc3
+    pair = SanityResult(per_core=[{"rank": 1, "core": 1, "passed": False, "failed": ["x"]}], bad_cores=[1],
+                        passed=False)
+    assert next_placement(pair, None, per_node=2, instance_cores=4, nnodes=1).cores == {0: "2-3"}
+    assert next_placement(pair, None, per_node=2, instance_cores=2, nnodes=1) is None  # no healthy pair left
+    assert next_placement(_sanity([], sweep_passed=False), None, 1, 4, 2) is None  # a sweep names no core
+    assert next_placement(_sanity([1]), first, 1, 4, 2) is None  # nc0 failed again although excluded: no way round

@@ -19,11 +19,13 @@ from trnflow.backends.cloud import (
     STOPPED_BY_TRNFLOW,
     CloudTarget,
     NodeWatch,
+    every_identity,
     node_reports,
     stage_spec,
 )
 from trnflow.backends.cloudwatch import StreamReader
 from trnflow.backends.failures import report_order
+from trnflow.backends.provisioning import Provisioning, batch_provisioning
 from trnflow.backends.service_status import (
     CANCEL_REASON,
     batch_billable_seconds,
@@ -54,6 +56,7 @@ class BatchBackend:
         self._batch = aws.client("batch", boto_session=session)
         self._ec2 = aws.client("ec2", boto_session=session)
         self._replaced: set[tuple[str, int]] = set()  # (job, attempt) whose bad instances were terminated
+        self._provisioned: dict[str, Provisioning | None] = {}  # ended jobs: their instances, as EC2 has them
         self._logs = aws.client("logs", boto_session=session)
         self._rules: dict[str, list[dict[str, str]]] = {}
         self._queues: dict[str, dict[str, Any] | None] = {}
@@ -184,12 +187,33 @@ class BatchBackend:
         log.warning("Batch job %s: attempt %d failed the preflight (%s); terminated %s, so that Batch's retry runs "
                     "on other instances", desc.get("jobName"), len(attempts), reports[0].message, ", ".join(bad))
 
+    def _instances(self, job_id: str, desc: dict[str, Any]) -> Provisioning | None:
+        """An ended job's instances (`batch_provisioning`): where its nodes said they ran, and when EC2
+        launched each; None when that cannot be told."""
+        if job_id not in self._provisioned:
+            try:
+                identities = every_identity(self._outputs(desc))
+                ids = sorted({n.instance_id for n in identities if n.instance_id})
+                answer = aws.call(self._ec2.describe_instances, InstanceIds=ids) if ids else {"Reservations": []}
+                launched = {i["InstanceId"]: i["LaunchTime"].timestamp() for r in answer["Reservations"]
+                            for i in r["Instances"]}
+                nodes = (desc.get("nodeProperties") or {}).get("numNodes") or 1
+                self._provisioned[job_id] = batch_provisioning(desc, identities, launched, nodes)
+            except Exception as exc:  # the bill then is the attempts' running time, as Batch reports it
+                log.warning("Batch job %s: could not read which instances it started (%s); it is billed for its "
+                            "attempts' running time", desc.get("jobName"), exc)
+                self._provisioned[job_id] = None
+        return self._provisioned[job_id]
+
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)
         state = batch_state(desc)
         self._replace_bad_hosts(job_id, desc)
         details = {"seconds": batch_billable_seconds(desc), "status": desc["status"],
                    "attempts": len(desc.get("attempts") or []), "cores": None}
+        if state.terminal and (found := self._instances(job_id, desc)) is not None:
+            details |= {"seconds": found.billable_seconds, "instances_started": found.instances_started,
+                        "provisioning_seconds": found.seconds}
         if state is JobState.RUNNING:
             self._stop_if_a_node_failed(job_id, desc)
         if state is JobState.PENDING:

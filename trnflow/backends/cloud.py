@@ -225,11 +225,23 @@ def phase_result(outputs: Store, phase: str, job_id: str) -> StageResult | None:
     return stage_result(job_id, data, None)
 
 
-def node_identities(outputs: Store) -> list[NodeIdentity]:
-    """The nodes of a job running several phases, as each found itself at the start of its latest
-    attempt (`hosts/node<r>.json`), by node."""
+def identity_name(node: NodeIdentity) -> str:
+    """Where a node's identity is uploaded, beside the job's results."""
+    return f"hosts/attempt{node.attempt}/node{node.node}.json"
+
+
+def every_identity(outputs: Store) -> list[NodeIdentity]:
+    """Every node of every attempt of a job, as each found itself at its start (`hosts/`), by
+    attempt and node."""
     found = [read(NodeIdentity, outputs.read(o.name), f"{outputs.url}/{o.name}") for o in outputs.list("hosts/")]
-    return sorted(found, key=lambda n: n.node)
+    return sorted(found, key=lambda n: (n.attempt, n.node))
+
+
+def node_identities(outputs: Store, attempt: int | None = None) -> list[NodeIdentity]:
+    """The nodes of a job's attempt (the latest, unless `attempt` says), by node."""
+    found = every_identity(outputs)
+    attempt = attempt or max((n.attempt for n in found), default=1)
+    return [n for n in found if n.attempt == attempt]
 
 
 def proceed(outputs: Store, word: Proceed) -> None:

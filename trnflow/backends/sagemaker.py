@@ -21,6 +21,7 @@ from trnflow.backends.cloud import (
     staging_prefix,
 )
 from trnflow.backends.cloudwatch import StreamReader, streams
+from trnflow.backends.provisioning import sagemaker_provisioning
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.backends.service_status import sagemaker_failure, sagemaker_state
 from trnflow.errors import FatalError
@@ -93,6 +94,8 @@ class SageMakerBackend:
                    "running_seconds": desc.get("TrainingTimeInSeconds"),
                    "hosts": [f"algo-{i + 1}" for i in range(config.get("SelectedInstanceCount")
                                                             or config.get("InstanceCount") or 0)]}
+        started = sagemaker_provisioning(desc)
+        details |= {"instances_started": started.instances_started, "provisioning_seconds": started.seconds}
         if state is JobState.RUNNING:
             self._stop_if_a_node_failed(job_id, desc)
         if state in (JobState.FAILED, JobState.CANCELLED) and self.nodes.stopped(job_id):

@@ -39,15 +39,23 @@ app = typer.Typer(
 
 @app.command("mock-aws")
 def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
-                     seed_data: bool = typer.Option(True, help="Upload the quickstart's synthetic dataset.")) -> None:
-    """Run SageMaker, Batch, S3 and CloudWatch on 127.0.0.1 (moto), with submitted jobs run for real."""
+                     seed_data: bool = typer.Option(True, help="Upload the quickstart's synthetic dataset."),
+                     provision_seconds: float = typer.Option(
+                         0.5, min=0, help="How long a new instance takes to boot (a real trn1 takes minutes)."),
+                     image_pull_seconds: float = typer.Option(
+                         0.5, min=0, help="How long a new instance takes to pull the training image (a Neuron "
+                         "image of more than 10 GB takes minutes).")) -> None:
+    """Run SageMaker, Batch, S3 and CloudWatch on 127.0.0.1 (moto), with submitted jobs run for real.
+    Every instance a job starts is counted and billed from its start, as each service bills: the
+    cost table shows both."""
     try:
         from trnflow.testing.aws_server import mock_aws  # optional: the [mock] extra (moto), test machinery
     except ModuleNotFoundError as exc:
         err.print(f"trnflow mock-aws needs {exc.name}, which comes with the mock extra: "
                   "pip install 'trnflow[mock]' (or 'trnflow[dev]' in a checkout)", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
-    mock_aws(port=port, seed_data=seed_data)
+    mock_aws(port=port, seed_data=seed_data, provision_seconds=provision_seconds,
+             image_pull_seconds=image_pull_seconds)
 
 
 @app.command()

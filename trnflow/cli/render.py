@@ -16,6 +16,7 @@ from trnflow.reporting.report import (
     engine_outcomes,
     spot_note,
     sweep_time,
+    total_cells,
     with_not_run,
 )
 from trnflow.results import Cost, StageRow
@@ -128,7 +129,8 @@ def cost_table(cost: Cost) -> Table:
     rows, total = cost_cells(cost)
     for row in rows:
         table.add_row(*(Text(cell) for cell in row))
-    table.add_row(Text("total", style="bold"), *[""] * (len(COST_COLUMNS) - 2), Text(total, style="bold"))
+    *cells, last = total_cells(cost, total)
+    table.add_row(Text("total", style="bold"), *cells, Text(last, style="bold"))
     note = spot_note(cost)
     if note:
         table.caption = note

@@ -10,9 +10,14 @@ the spec names.
 
 A job is billed on the nodes it held: the compile job runs one worker process, so it holds one
 node whatever `compute.nodes` says. A job that failed and was submitted again costs its time too.
+A cloud job's billable time is what its service bills from its instances' start
+(`trnflow.backends.provisioning`), and each row counts the instances its jobs started and the time
+they took to be ready.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 from trnflow.reporting.ledger import LedgerEntry
 from trnflow.results import Cost, CostRow
@@ -77,7 +82,21 @@ def stage_cost(spec: JobSpec, stage: str, entries: list[LedgerEntry]) -> CostRow
                 ran = sum(r * n * (e.running_seconds or e.seconds)
                           for r, n, e in zip(rates, held, entries, strict=True))
                 row.on_demand_usd = round(ran / 3600, 4)
+    row.instances_started = _sum([e.instances_started for e in entries])
+    row.provisioning_seconds = _sum([e.provisioning_seconds for e in entries])
     return row
+
+
+def _sum(values: list) -> Any:
+    """The sum of the values that are known; None when none is."""
+    known = [v for v in values if v is not None]
+    return round(sum(known), 1) if known else None
+
+
+def run_cost(rows: list[CostRow]) -> Cost:
+    """The run's cost table: its rows, its total, and the instances its jobs started."""
+    return Cost(rows=rows, total_usd=total(rows), instances_started=_sum([r.instances_started for r in rows]),
+                provisioning_seconds=_sum([r.provisioning_seconds for r in rows]))
 
 
 def spot_savings(cost: Cost) -> tuple[float, float] | None:

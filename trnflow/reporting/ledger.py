@@ -30,6 +30,11 @@ class LedgerEntry:
     """Whether the job ran on spot capacity (its `seconds` are what the service billed for it)."""
     running_seconds: float | None = None
     """A spot job's running time per node, of which `seconds` were billed; None: as `seconds`."""
+    instances_started: int | None = None
+    """The instances the job started, its retries' and restarts' included; None where there are none
+    to count (a local job) or the service does not say."""
+    provisioning_seconds: float | None = None
+    """How long the job waited for the instances it started to be ready (boot, image pull)."""
 
 
 class JobLedger:

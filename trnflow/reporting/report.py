@@ -29,7 +29,8 @@ def engine_outcomes(core: dict[str, Any]) -> list[tuple[int, list[str]]]:
     return out
 
 
-COST_COLUMNS = ("stage", "instance type", "nodes", "jobs", "$/node-hour", "priced as", "billable s", "cost ($)")
+COST_COLUMNS = ("stage", "instance type", "nodes", "jobs", "instances started", "provisioning s", "$/node-hour",
+                "priced as", "billable s", "cost ($)")
 """The cost table's columns, the Markdown summary's and the command's alike."""
 
 
@@ -47,11 +48,21 @@ def price_basis(row: CostRow) -> str:
 def cost_cells(cost: Cost) -> tuple[list[list[str]], str]:
     """Each job's row of the cost table as text (`COST_COLUMNS`), and the run's total."""
     rows = [[r.stage, f"ml.{r.instance_type}" if r.service == "sagemaker" else r.instance_type, str(r.nodes),
-             str(r.jobs), "unknown" if r.price_per_node_hour is None else f"{r.price_per_node_hour:.7g}",
+             str(r.jobs), "-" if r.instances_started is None else str(r.instances_started),
+             "-" if r.provisioning_seconds is None else f"{r.provisioning_seconds:.1f}",
+             "unknown" if r.price_per_node_hour is None else f"{r.price_per_node_hour:.7g}",
              price_basis(r), f"{r.billable_seconds:.1f}", "unknown" if r.cost_usd is None else f"{r.cost_usd:.4f}"]
             for r in cost.rows]
     total = cost.total_usd
     return rows, "unknown (set compute.price_per_hour)" if total is None else f"{total:.4f}"
+
+
+def total_cells(cost: Cost, total: str) -> list[str]:
+    """The cost table's last row after its label: the instances the run started, the time they took
+    to be ready, and the run's cost."""
+    started = "" if cost.instances_started is None else str(cost.instances_started)
+    waited = "" if cost.provisioning_seconds is None else f"{cost.provisioning_seconds:.1f}"
+    return ["", "", "", started, waited, "", "", "", total]
 
 
 def _table(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:
@@ -153,11 +164,11 @@ def compile_markdown(result: CompileResult) -> str:
 
 def cost_markdown(cost: Cost) -> str:
     rows, total = cost_cells(cost)
-    rows.append(["**total**", *[""] * (len(COST_COLUMNS) - 2), f"**{total}**"])
+    rows.append(["**total**", *total_cells(cost, f"**{total}**")])
     note = spot_note(cost)
     return "\n".join(["## What the jobs cost (on-demand prices)", "",
                       *_table(list(COST_COLUMNS), rows,
-                              ["---", "---", "---:", "---:", "---:", "---", "---:", "---:"]),
+                              ["---", "---", "---:", "---:", "---:", "---:", "---:", "---", "---:", "---:"]),
                       *(["", note] if note else [])]) + "\n"
 
 

@@ -45,16 +45,19 @@ def _stop(signum, frame):
     raise KeyboardInterrupt
 
 
-def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None) -> None:
+def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None, provision_seconds: float = 0.5,
+             image_pull_seconds: float = 0.5) -> None:
     """Run an emulated AWS for the sagemaker and batch backends until Ctrl-C or SIGTERM; the jobs'
-    containers keep their files under `work_dir` (default: a temporary folder, removed on exit)."""
+    containers keep their files under `work_dir` (default: a temporary folder, removed on exit). A new
+    instance takes `provision_seconds` to boot and `image_pull_seconds` to pull the image."""
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     endpoint = f"http://127.0.0.1:{port}"
     signal.signal(signal.SIGTERM, _stop)  # a service manager's stop cleans up as Ctrl-C does
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
     server.start()
     root = work_dir or Path(tempfile.mkdtemp(prefix="trnflow-mock-aws-"))
-    cloud = MockCloud(endpoint, root / "jobs").attach()
+    cloud = MockCloud(endpoint, root / "jobs", provision_seconds=provision_seconds,
+                      image_pull_seconds=image_pull_seconds).attach()
     try:
         outputs = provision(cloud.client)
         if seed_data:

@@ -141,7 +141,10 @@ class BatchJob:
         gone = self.cloud.instances.gone(self._held)
         self.cloud.instances.stop(gone)
         kept = [i for i in self._held if i not in gone]
-        self._held = kept + self.cloud.instances.start(itype, self.nodes - len(kept))
+        new = self.cloud.instances.start(itype, self.nodes - len(kept))
+        if new:  # they boot, join the compute environment and pull the image before the containers start
+            time.sleep(self.cloud.provision_seconds + self.cloud.image_pull_seconds)
+        self._held = kept + new
         return self._held
 
     def _attempt(self, attempt: int) -> tuple[int | None, str, str]:

@@ -65,7 +65,8 @@ class ServiceFault:
 class MockCloud:
     def __init__(self, endpoint_url: str, work_dir: Path, faults: list[ServiceFault] | None = None,
                  region: str = "us-east-1", node_faults: dict[int, str] | None = None,
-                 no_capacity: set[str] | None = None, host_faults: dict[int, str] | None = None):
+                 no_capacity: set[str] | None = None, host_faults: dict[int, str] | None = None,
+                 provision_seconds: float = 0.5, image_pull_seconds: float = 0.5):
         self.endpoint_url = endpoint_url.rstrip("/")
         self.work_dir = Path(work_dir)
         self.region = region
@@ -89,6 +90,11 @@ class MockCloud:
         serves next, and an instance that replaces it is healthy."""
         self.bad_hosts: dict[str, str] = {}
         """The instances (SageMaker: `<job>/<host>`) that took `host_faults`, and their faults."""
+        self.provision_seconds = provision_seconds
+        """How long a new instance takes to boot and join (Batch's STARTING; SageMaker's `Starting`, unbilled)."""
+        self.image_pull_seconds = image_pull_seconds
+        """How long a new instance then takes to pull the training image (Batch's STARTING; SageMaker's
+        `Downloading`, billed). A real Neuron image of more than 10 GB takes minutes: set these to rehearse it."""
         self.requeue_seconds = 2.0
         """How long a Batch job whose attempt failed stays RUNNABLE before its retry is placed."""
         self._lock = threading.Lock()

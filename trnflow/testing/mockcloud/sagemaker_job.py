@@ -176,7 +176,14 @@ class SageMakerJob:
         s3 = self.cloud.client("s3")
         root = self.cloud.work_dir / "sagemaker" / self.name / f"attempt-{attempt}"
         hosts, port, nodes = self._hosts(), free_port(), []
-        self._transition("Downloading", "Downloading input data")
+        if attempt > 1:  # a restart launches its instances anew
+            self._transition("Starting", "Launching requested ML instances")
+        time.sleep(self.cloud.provision_seconds)
+        pulling = time.time()  # SageMaker bills from here (TrainingStartTime): the image and the data
+        self._transition("Downloading", "Downloading the training image and input data")
+        if self.job.training_start_time is None or attempt == 1:
+            self.job.training_start_time = datetime.now()
+        time.sleep(self.cloud.image_pull_seconds)
         for host in hosts:
             opt_ml = root / host / "opt" / "ml"
             self._prepare(s3, opt_ml, host, hosts)
@@ -207,6 +214,7 @@ class SageMakerJob:
             return None
 
         codes, reason, seconds = run_nodes(nodes, LOG_GROUP, self.cloud.client("logs"), interrupt)
+        seconds += began - pulling  # the download is billed too
         if reclaimed:
             return "Interrupted", reclaimed[0], seconds
         if reason is not None:
