@@ -271,6 +271,8 @@ def _await(outputs: Store, wanted: dict[str, float], stopping: list[int], deadli
 
 MAIN_FAILED = "failure-node0.json"
 """The main node's failure report (`_report`): the other nodes waiting between phases end on it."""
+MAIN_NODE_FAILED = "the main node failed"
+"""How a word that never came because the main node failed begins: that node's report is the job's."""
 STORE_CLOCK_SECONDS = 1.0
 """How much earlier than the node's start an object written since may look: S3 keeps whole seconds."""
 PHASE_MARGIN_SECONDS = 5.0
@@ -297,7 +299,7 @@ def await_word(outputs: Store | None, phase: str, after: str, main: bool, stoppi
         ended = _await(outputs, {f"phases/{after}.json": since - PHASE_MARGIN_SECONDS, **failed}, stopping, deadline)
         found = None if ended is None else found if ended[0] != MAIN_FAILED else ended
     if found is not None and found[0] == MAIN_FAILED:
-        return Proceed(phase=phase, go=False, reason=f"the main node failed {after}")
+        return Proceed(phase=phase, go=False, reason=f"{MAIN_NODE_FAILED} {after}")
     if found is not None:
         return read(Proceed, found[1], f"{outputs.url}/{word}")
     if stopping:
@@ -372,7 +374,7 @@ def _verdict(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str, ou
     excludes, instance_cores = _excludes(spec_file, env)
     moved = next_placement(result, placed, per_node, instance_cores, r.nnodes) if failure and excludes else None
     if moved is not None:
-        outputs.write(f"phases/placement-{moved.round}.json", moved.model_dump_json().encode())
+        outputs.write(placement_name(me.attempt, moved.round), moved.model_dump_json().encode())
         print(f"trnflow.container: {phase} found bad core(s) {result.bad_cores}; checking again without them "
               f"(cores by node: {moved.cores})", file=sys.stderr, flush=True)
         return None, moved
@@ -385,11 +387,17 @@ def _verdict(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str, ou
     return None, None
 
 
+def placement_name(attempt: int, round_: int) -> str:
+    """Where the main node leaves the cores of a preflight's `round_` in an attempt of the job."""
+    return f"phases/placement-{attempt}-{round_}.json"
+
+
 def _await_placement(outputs: Store, phase: str, placed: Placement | None, stopping: list[int], timeout: float,
-                     since: float) -> Placement | None:
+                     me: NodeIdentity) -> Placement | None:
     """Another node, its preflight phase done: the cores the main node chose to check again, or None
     once it decided otherwise (passed, failed) or nothing came in time."""
-    wanted = f"phases/placement-{(placed.round if placed else 0) + 1}.json"
+    wanted = placement_name(me.attempt, (placed.round if placed else 0) + 1)
+    since = me.started_at
     found = _await(outputs, {wanted: since - STORE_CLOCK_SECONDS, f"phases/{phase}.json": since - PHASE_MARGIN_SECONDS,
                              MAIN_FAILED: since - STORE_CLOCK_SECONDS}, stopping, time.monotonic() + timeout)
     return read(Placement, found[1], f"{outputs.url}/{wanted}") if found and found[0] == wanted else None
@@ -413,6 +421,8 @@ def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path
             (r.output_dir / "result.json").unlink(missing_ok=True)  # the job's result is the last phase's
             word = await_word(outputs, phase, phases[index - 1], r.node_rank == 0, stopping, wait,
                               since=me.started_at)
+            if not word.go and word.reason.startswith(MAIN_NODE_FAILED):
+                return ExitCode.FAILED, None  # the main node's report says why; another would only blur it
             if not word.go:
                 return ExitCode.FAILED, FailureReport(type="FatalError", retryable=False, message=(
                     f"{phase} was not started: {word.reason or 'the orchestrator said no'}"))
@@ -431,7 +441,7 @@ def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path
                 if failure is not None:
                     return ExitCode.FAILED, failure
             else:
-                moved = _await_placement(outputs, phase, placed, stopping, wait, me.started_at)
+                moved = _await_placement(outputs, phase, placed, stopping, wait, me)
             if moved is None:
                 break
             placed = moved

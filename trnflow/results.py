@@ -70,8 +70,8 @@ class NodeIdentity(_Model):
 
 class Placement(_Model):
     """The cores each node's ranks run on once the preflight of a job that runs several phases
-    excluded bad ones (`phases/placement-<round>.json`, written by its main node): every node checks
-    them, then trains on them."""
+    excluded bad ones (`phases/placement-<attempt>-<round>.json`, written by its main node): every
+    node checks them, then trains on them."""
 
     round: int = Field(ge=1, description="1 for the first exclusion, 2 when the cores it chose failed too, ...")
     cores: dict[int, str] = Field(description="each node's NEURON_RT_VISIBLE_CORES (a core, or a range)")

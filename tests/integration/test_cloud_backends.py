@@ -148,6 +148,10 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
         assert all(row["billable_seconds"] > 0 for row in outcome["cost"]["rows"])
         jobs = {row["stage"]: row["jobs"] for row in outcome["cost"]["rows"]}
         assert jobs == {"sanity": 1, "train": 1, "infer": 1}  # the job without capacity, then the one that trained
+        # instances started: none for the job without capacity; the restart after the internal error launched anew
+        started = {row["stage"]: row["instances_started"] for row in outcome["cost"]["rows"]}
+        assert started == {"sanity": 0, "train": 2, "infer": 1}, outcome["cost"]
+        assert outcome["cost"]["instances_started"] == 3 and outcome["cost"]["provisioning_seconds"] > 0
 
 
 @pytest.mark.slow
@@ -228,10 +232,11 @@ def test_a_node_that_fails_the_cloud_preflight_never_trains(
         attempts = job["attempts"]
         assert len(attempts) == 1 + spec.retries.max_retries  # Batch retried it; trnflow did not resubmit
         assert all(a["container"].get("exitCode") == 79 for a in attempts), attempts
-        ec2 = boto3.client("ec2")
-        served = [i["InstanceId"] for r in ec2.describe_instances()["Reservations"] for i in r["Instances"]
-                  if i["LaunchTime"].timestamp() * 1000 >= began - 1000]
-        assert len(served) >= 1 + len(attempts)  # node 1 got a new instance for every retry
+        s3 = boto3.client("s3")
+        staging = bucket.replace("-data-", "-staging-")  # where each node said, per attempt, which instance it was
+        node1 = [json.loads(s3.get_object(Bucket=staging, Key=k)["Body"].read())["instance_id"]
+                 for k in _keys(s3, staging, "jobs/a-bad-node/") if k.endswith("/node1.json")]
+        assert len(node1) == len(set(node1)) == len(attempts)  # node 1 got a new instance for every retry
         assert not _keys(boto3.client("s3"), bucket, "checkpoints/a-bad-node/"), "nothing was trained"
         logs = "".join(p.read_text() for p in (tmp_path / "cloud").rglob("container.log"))
         assert '"event": "sanity"' in logs and '"event": "train"' not in logs
@@ -260,7 +265,7 @@ def test_a_bad_core_is_excluded_inside_the_allocation_and_training_runs_on_the_c
         assert [a["container"].get("exitCode") for a in job["attempts"]] == [0]  # no instance was replaced
         staging = bucket.replace("-data-", "-staging-")  # where the job's nodes leave what they tell each other
         placed = [k for k in _keys(boto3.client("s3"), staging, "jobs/a-core-excluded/") if k.endswith(
-            "phases/placement-1.json")]
+            "phases/placement-1-1.json")]
         assert len(placed) == 1, "the main node chose other cores for node 1, once"
         main = (tmp_path / "cloud" / "batch" / job["jobId"] / "attempt-1" / "node-0" / "container.log").read_text()
         assert main.count("checking again without them (cores by node: {0: '0', 1: '1'})") == 1
@@ -291,8 +296,9 @@ def test_a_node_that_hangs_in_the_batch_preflight_is_replaced_and_training_runs_
         assert sanity == collectives == train and len(set(train.hosts)) == 2 and hung not in train.hosts
         (job,) = [j for j in _our_batch_jobs(began) if j["tags"]["trnflow:phase"] == "sanity+train"]
         assert train.job_id == job["jobId"]
-        codes = [a["container"].get("exitCode") for a in job["attempts"]]
-        assert codes[0] == 79 and codes[-1] == 0, job["attempts"]
+        ended = [(a["container"].get("exitCode"), a["statusReason"]) for a in job["attempts"]]
+        assert len(ended) == 2 and ended[-1][0] == 0, ended  # one retry: the bad instance was gone before it
+        assert ended[0][0] == 79 or ended[0][1].startswith("Host EC2"), ended  # exited, or terminated first
         (state_of_hung,) = [i["State"]["Name"] for r in boto3.client("ec2").describe_instances(
             InstanceIds=[hung])["Reservations"] for i in r["Instances"]]
         assert state_of_hung == "terminated"
@@ -624,13 +630,16 @@ def test_each_service_failure_maps_to_its_error_class_and_retry_owner():
 
     rules = retry_strategy(_spec_for_rules())["evaluateOnExit"]
 
-    def batch(code, status_reason, report=None):
+    def batch(code, status_reason, report=None, reason=""):
         return batch_failure({"jobId": "id", "jobName": "n", "attempts": [
-            {"container": {"exitCode": code}, "statusReason": status_reason}] * 3}, rules, report)
+            {"container": {"exitCode": code, "reason": reason}, "statusReason": status_reason}] * 3}, rules, report)
 
     host = batch(None, HOST_LOST)
     assert host.type == "HostFailure" and not host.retryable and "retried n (id) 3 time(s)" in host.message
     assert batch(75, "Essential container in task exited").type == "HostFailure"  # exit 75: Batch's to retry
+    assert batch(79, "Essential container in task exited").type == "HostFailure"  # a bad host: Batch's too
+    agent = batch(None, "Essential container in task exited", reason="AGENT")  # no rule left for it: trnflow's
+    assert agent.type == "AgentLost" and agent.retryable
     user = batch(1, "Essential container in task exited")
     assert user.type == "UserError" and "exit code 1" in user.message
     named = batch(1, "Essential container in task exited", FailureReport(type="GateFailed", message="outside the band"))

@@ -100,7 +100,8 @@ def test_the_batch_example_runs_on_the_mock_cloud_and_the_docs_snippet_reads_it(
         assert outcome["cost"]["instances_started"] == 5 and outcome["cost"]["provisioning_seconds"] > 0
         assert all(row["provisioning_seconds"] > 0 for row in rows.values())
         infer = outcome["results"]["infer"]["ran_on"]
-        assert len(infer["hosts"]) == 2 and not set(infer["hosts"]) & set(where[0]["hosts"])  # its own allocation
+        # the mock cloud gives each job instances of its own (a real compute environment may reuse idle ones)
+        assert len(infer["hosts"]) == 2 and not set(infer["hosts"]) & set(where[0]["hosts"])
         code = _snippet().replace("http://127.0.0.1:5000", endpoint)
         looked = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
         assert looked.returncode == 0, looked.stderr

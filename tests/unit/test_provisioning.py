@@ -52,6 +52,12 @@ def test_batch_bills_each_instance_from_its_launch_to_the_last_attempt_it_served
     assert found.seconds == 100 + 80  # each attempt waited for its slowest new instance
     # a: 1000..2000, b: 1000..1400 (its last attempt), c: 1500..2000; per node of the two
     assert found.billable_seconds == (1000 + 400 + 500) / 2
+    # a job placed on an instance the compute environment held from an earlier job: not started for it,
+    # billed from its submission
+    later = {"createdAt": 1_800_000, "attempts": [{"startedAt": 1_805_000, "stoppedAt": 2_100_000}]}
+    reused = batch_provisioning(later, [_node(0, 1, "i-a", 1805.0)], launched, nodes=1)
+    assert reused is not None and (reused.instances_started, reused.seconds) == (0, 0.0)
+    assert reused.billable_seconds == 2100 - 1800
     unnamed = [n.model_copy(update={"instance_id": None}) for n in identities]
     assert batch_provisioning(desc, unnamed, launched, nodes=2) is None  # no metadata service: not known
 

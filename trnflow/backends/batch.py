@@ -33,13 +33,14 @@ from trnflow.backends.service_status import (
     batch_state,
 )
 from trnflow.errors import ExitCode, FatalError
-from trnflow.records import read
 from trnflow.results import FailureReport
 from trnflow.specs import JobSpec
 from trnflow.storage import Store, open_store
 
 LOG_GROUP = "/aws/batch/job"
 log = logging.getLogger("trnflow.backends")
+BAD_HOST_LOOK_SECONDS = 2.0
+"""How often a running attempt's node reports are listed for a failed preflight (a LIST request)."""
 
 
 class BatchBackend:
@@ -56,6 +57,7 @@ class BatchBackend:
         self._batch = aws.client("batch", boto_session=session)
         self._ec2 = aws.client("ec2", boto_session=session)
         self._replaced: set[tuple[str, int]] = set()  # (job, attempt) whose bad instances were terminated
+        self._looked: dict[str, float] = {}  # job -> when a running attempt's reports were last listed
         self._provisioned: dict[str, Provisioning | None] = {}  # ended jobs: their instances, as EC2 has them
         self._logs = aws.client("logs", boto_session=session)
         self._rules: dict[str, list[dict[str, str]]] = {}
@@ -145,10 +147,11 @@ class BatchBackend:
         return self._outputs(self._describe(job_id))
 
     def _failure_report(self, desc: dict[str, Any]) -> FailureReport | None:
-        """The root failure among the nodes' reports: a node's own error before a lost peer, then the
-        one written first (the nodes' other ranks were stopped after it)."""
-        store = self._outputs(desc)
-        reports = [read(FailureReport, store.read(o.name), f"{store.url}/{o.name}") for o in store.list("failure-node")]
+        """The root failure among the nodes' reports of the last attempt (an earlier attempt's are not
+        its): a node's own error before a lost peer, then the one written first."""
+        attempts = desc.get("attempts") or []
+        since = (attempts[-1].get("startedAt") or 0) / 1000 - 1 if attempts else 0.0  # S3 keeps whole seconds
+        reports = [report for _, report in node_reports(self._outputs(desc), since)]
         if not reports:
             return None
         return min(reports, key=report_order)
@@ -163,21 +166,27 @@ class BatchBackend:
             aws.call(self._batch.terminate_job, jobId=job_id, reason=f"{STOPPED_BY_TRNFLOW}{why}"[:255])
 
     def _replace_bad_hosts(self, job_id: str, desc: dict[str, Any]) -> None:
-        """Terminate the instances that the last attempt's preflight found at fault (it ended with exit
-        code 79, `BadHost`), once per attempt. Batch retries that exit code, but would place the retry
-        on the instances the compute environment already holds, the bad one included; terminated, it
-        is replaced by a new instance, and the retry's preflight checks that one."""
+        """Terminate the instances an attempt's preflight found at fault (`BadHost`, exit code 79), once
+        per attempt: as soon as the main node's report is there while the attempt runs, else once it
+        ended. Batch retries that exit code (and a host terminated under the attempt), but would place
+        the retry on the instances the compute environment already holds, the bad one included;
+        terminated, it is replaced by a new instance, and the retry's preflight checks that one."""
         attempts = desc.get("attempts") or []
-        if not attempts or (attempts[-1].get("container") or {}).get("exitCode") != ExitCode.BAD_HOST:
+        if attempts and (attempts[-1].get("container") or {}).get("exitCode") == ExitCode.BAD_HOST:
+            number, since = len(attempts), (attempts[-1].get("startedAt") or 0) / 1000
+        elif desc["status"] == "RUNNING" and time.time() - self._looked.get(job_id, 0.0) > BAD_HOST_LOOK_SECONDS:
+            self._looked[job_id] = time.time()
+            number = len(attempts) + 1
+            since = max(desc.get("startedAt") or 0, (attempts[-1].get("stoppedAt") or 0) if attempts else 0) / 1000
+        else:
             return
-        if (job_id, len(attempts)) in self._replaced:
+        if (job_id, number) in self._replaced:
             return
-        self._replaced.add((job_id, len(attempts)))
-        since = (attempts[-1].get("startedAt") or 0) / 1000
-        reports = [r for _, r in node_reports(self._outputs(desc), since) if r.type == "BadHost"]
+        reports = [r for _, r in node_reports(self._outputs(desc), since - 1) if r.type == "BadHost"]
         bad = sorted({i for r in reports for i in r.instances if i.startswith("i-")})
         if not bad:
             return
+        self._replaced.add((job_id, number))
         try:
             aws.call(self._ec2.terminate_instances, InstanceIds=bad)
         except Exception as exc:  # the retry's own preflight still keeps a bad instance from training
@@ -185,7 +194,7 @@ class BatchBackend:
                         "on it again, and its preflight fail again", desc.get("jobName"), ", ".join(bad), exc)
             return
         log.warning("Batch job %s: attempt %d failed the preflight (%s); terminated %s, so that Batch's retry runs "
-                    "on other instances", desc.get("jobName"), len(attempts), reports[0].message, ", ".join(bad))
+                    "on other instances", desc.get("jobName"), number, reports[0].message, ", ".join(bad))
 
     def _instances(self, job_id: str, desc: dict[str, Any]) -> Provisioning | None:
         """An ended job's instances (`batch_provisioning`): where its nodes said they ran, and when EC2
@@ -194,7 +203,10 @@ class BatchBackend:
             try:
                 identities = every_identity(self._outputs(desc))
                 ids = sorted({n.instance_id for n in identities if n.instance_id})
-                answer = aws.call(self._ec2.describe_instances, InstanceIds=ids) if ids else {"Reservations": []}
+                # a filter, not InstanceIds: EC2 forgets terminated instances after about an hour, and one it
+                # forgot leaves the job on its attempts' running time instead of failing the call
+                answer = aws.call(self._ec2.describe_instances, Filters=[{"Name": "instance-id", "Values": ids}]
+                                  ) if ids else {"Reservations": []}
                 launched = {i["InstanceId"]: i["LaunchTime"].timestamp() for r in answer["Reservations"]
                             for i in r["Instances"]}
                 nodes = (desc.get("nodeProperties") or {}).get("numNodes") or 1

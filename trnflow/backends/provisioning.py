@@ -11,7 +11,8 @@ found themselves and when EC2 launched those instances).
   (`hosts/attempt<a>/node<r>.json`), and EC2's `LaunchTime` when that instance started. EC2 bills an
   instance from its launch, boot and image pull included, to the end of the last attempt it served
   (a retry runs on the instances still there); its provisioning is the time from its launch to its
-  container's start.
+  container's start. An instance the compute environment already held when the job was submitted
+  (launched for an earlier job) was not started for it: it is billed from the submission.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from typing import Any
 
 from trnflow.results import NodeIdentity
 
+SUBMIT_MARGIN_SECONDS = 1.0
+"""EC2's and Batch's clocks, and LaunchTime's whole seconds: an instance launched this close before
+the job's submission was launched for it."""
 READY = ("Downloading", "Training")
 """Secondary statuses that only come once a SageMaker job's instances are up."""
 
@@ -63,15 +67,21 @@ def batch_provisioning(desc: dict[str, Any], identities: list[NodeIdentity], lau
         return None
     attempts = desc.get("attempts") or []
     ends = {k: (a.get("stoppedAt") or 0) / 1000 for k, a in enumerate(attempts, 1)}
+    submitted = (desc.get("createdAt") or 0) / 1000
     served: dict[str, list[NodeIdentity]] = {}
     for n in identities:
         served.setdefault(str(n.instance_id), []).append(n)
     billed, waits = 0.0, {}
     for instance_id, used in served.items():
-        began = launched[instance_id]
+        # an instance the compute environment already held for an earlier job is billed to this one
+        # from its submission on, and was not started for it
+        fresh = launched[instance_id] >= submitted - SUBMIT_MARGIN_SECONDS
+        began = launched[instance_id] if fresh else max(launched[instance_id], submitted)
         first = min(used, key=lambda n: n.attempt)
         end = ends.get(max(n.attempt for n in used)) or time.time()  # still running: so far
         billed += max(0.0, end - began)
-        waits.setdefault(first.attempt, []).append(max(0.0, first.started_at - began))
+        if fresh:
+            waits.setdefault(first.attempt, []).append(max(0.0, first.started_at - began))
     seconds = sum(max(w) for w in waits.values())
-    return Provisioning(len(served), round(seconds, 1), billed / max(1, nodes))
+    started = sum(1 for i in served if launched[i] >= submitted - SUBMIT_MARGIN_SECONDS)
+    return Provisioning(started, round(seconds, 1), billed / max(1, nodes))

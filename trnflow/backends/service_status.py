@@ -5,8 +5,10 @@ Each failure class has one retry owner:
 - SageMaker retries internal errors itself (`RetryStrategy`); one that still ends `Failed` is an
   `InternalServiceError`, not resubmitted. Capacity errors, and transient faults the container
   reported (a lost core, a timeout), are resubmitted by the Prefect task.
-- Batch retries host, agent and start-up failures and the container's transient exit code itself
-  (`retryStrategy.evaluateOnExit`); a job that still fails on one of them is a `HostFailure`.
+- Batch retries host and start-up failures and the container's transient and bad-host exit codes
+  itself (`retryStrategy.evaluateOnExit`); a job that still fails on one of them is a `HostFailure`.
+  A job its host's ECS agent failed (`AgentLost`) is submitted again by the Prefect task: Batch's
+  five rules have no room for it.
 - Anything else is the job's own failure (`UserError`, or the trnflow error the container named),
   and is never retried.
 """
@@ -125,6 +127,10 @@ def batch_failure(desc: dict[str, Any], rules: list[dict[str, str]], report: Fai
         kind = report.type if report else "host failure"
         return failure("HostFailure", f"AWS Batch retried {job} {attempts} time(s) per its retryStrategy and it "
                        f"still failed ({kind}: {cause}); {report.message if report else ''}".rstrip("; "), False)
+    if report is None and "AGENT" in (reason or "").upper():  # the host's ECS agent, not the job's code
+        return failure("AgentLost", f"the ECS agent on a host of Batch job {job} failed ({cause}); the job's "
+                       "retry strategy leaves this to trnflow (Batch takes five rules, and they go to lost hosts, "
+                       "tasks that failed to start and exit codes 75 and 79), so the stage submits it again", True)
     if report is not None:
         return report.model_copy(update={"retryable": False, "message": f"{report.message} (Batch job {job})"})
     return failure("UserError", f"Batch job {job} failed: {cause or 'no reason given'}", False)
