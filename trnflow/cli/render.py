@@ -9,10 +9,10 @@ from rich.text import Text
 
 from trnflow.cli.console import shown
 from trnflow.reporting.report import (
-    COST_COLUMNS,
     ENGINES,
     check_cell,
     cost_cells,
+    cost_columns,
     engine_outcomes,
     spot_note,
     sweep_time,
@@ -125,7 +125,7 @@ def top_table(itype: str, rows: list[dict[str, Any]]) -> Table:
 def cost_table(cost: Cost) -> Table:
     """Each job's instances, price and where the price comes from (service, region, the day it was
     read), billable time and cost, and the run's total."""
-    table = Table(*COST_COLUMNS, title="what the jobs cost (on-demand prices; failed jobs included)")
+    table = Table(*cost_columns(cost), title="what the jobs cost (on-demand prices; failed jobs included)")
     rows, total = cost_cells(cost)
     for row in rows:
         table.add_row(*(Text(cell) for cell in row))

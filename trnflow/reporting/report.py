@@ -32,6 +32,21 @@ def engine_outcomes(core: dict[str, Any]) -> list[tuple[int, list[str]]]:
 COST_COLUMNS = ("stage", "instance type", "nodes", "jobs", "instances started", "provisioning s", "$/node-hour",
                 "priced as", "billable s", "cost ($)")
 """The cost table's columns, the Markdown summary's and the command's alike."""
+CLOUD_COLUMNS = ("instances started", "provisioning s")
+"""Columns shown only for a run whose jobs started cloud instances."""
+_ALIGN = dict(zip(COST_COLUMNS, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---", "---:", "---:"],
+                  strict=True))
+
+
+def cost_columns(cost: Cost) -> list[str]:
+    """The columns of this run's cost table: a local run's has no instance counts to show."""
+    return [c for c in COST_COLUMNS if c not in CLOUD_COLUMNS or cost.instances_started is not None]
+
+
+def _shown(cost: Cost, cells: list[str]) -> list[str]:
+    """A full row's cells (`COST_COLUMNS`) under this run's columns."""
+    columns = cost_columns(cost)
+    return [cell for name, cell in zip(COST_COLUMNS, cells, strict=True) if name in columns]
 
 
 def price_basis(row: CostRow) -> str:
@@ -46,23 +61,24 @@ def price_basis(row: CostRow) -> str:
 
 
 def cost_cells(cost: Cost) -> tuple[list[list[str]], str]:
-    """Each job's row of the cost table as text (`COST_COLUMNS`), and the run's total."""
-    rows = [[r.stage, f"ml.{r.instance_type}" if r.service == "sagemaker" else r.instance_type, str(r.nodes),
-             str(r.jobs), "-" if r.instances_started is None else str(r.instances_started),
-             "-" if r.provisioning_seconds is None else f"{r.provisioning_seconds:.1f}",
-             "unknown" if r.price_per_node_hour is None else f"{r.price_per_node_hour:.7g}",
-             price_basis(r), f"{r.billable_seconds:.1f}", "unknown" if r.cost_usd is None else f"{r.cost_usd:.4f}"]
-            for r in cost.rows]
+    """Each job's row of the cost table as text (`cost_columns`), and the run's total."""
+    rows = [_shown(cost, [
+        r.stage, f"ml.{r.instance_type}" if r.service == "sagemaker" else r.instance_type, str(r.nodes), str(r.jobs),
+        "-" if r.instances_started is None else str(r.instances_started),
+        "-" if r.provisioning_seconds is None else f"{r.provisioning_seconds:.1f}",
+        "unknown" if r.price_per_node_hour is None else f"{r.price_per_node_hour:.7g}",
+        price_basis(r), f"{r.billable_seconds:.1f}", "unknown" if r.cost_usd is None else f"{r.cost_usd:.4f}"])
+        for r in cost.rows]
     total = cost.total_usd
     return rows, "unknown (set compute.price_per_hour)" if total is None else f"{total:.4f}"
 
 
 def total_cells(cost: Cost, total: str) -> list[str]:
-    """The cost table's last row after its label: the instances the run started, the time they took
-    to be ready, and the run's cost."""
+    """The cost table's last row after its label: the instances the run started and the time they
+    took to be ready (where it started any), and the run's cost."""
     started = "" if cost.instances_started is None else str(cost.instances_started)
     waited = "" if cost.provisioning_seconds is None else f"{cost.provisioning_seconds:.1f}"
-    return ["", "", "", started, waited, "", "", "", total]
+    return _shown(cost, ["", "", "", "", started, waited, "", "", "", total])[1:]
 
 
 def _table(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:
@@ -167,8 +183,7 @@ def cost_markdown(cost: Cost) -> str:
     rows.append(["**total**", *total_cells(cost, f"**{total}**")])
     note = spot_note(cost)
     return "\n".join(["## What the jobs cost (on-demand prices)", "",
-                      *_table(list(COST_COLUMNS), rows,
-                              ["---", "---", "---:", "---:", "---:", "---:", "---:", "---", "---:", "---:"]),
+                      *_table(cost_columns(cost), rows, [_ALIGN[c] for c in cost_columns(cost)]),
                       *(["", note] if note else [])]) + "\n"
 
 
