@@ -42,7 +42,14 @@ from trnflow.backends.cloud import identity_name, node_identities
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.backends.launcher import CONSOLE
 from trnflow.errors import ExitCode, FatalError
-from trnflow.neuron.launch import INSTANCE_CORES_ENV, LAUNCHER, RANK_LOGS, WORKLOAD, aligned_ranges
+from trnflow.neuron.launch import (
+    INSTANCE_CORES_ENV,
+    LAUNCHER,
+    RANK_LOGS,
+    WORKLOAD,
+    aligned_ranges,
+    visible_cores_value,
+)
 from trnflow.records import RecordError, read
 from trnflow.results import RESULTS, FailureReport, NodeIdentity, Placement, Proceed, SanityResult, StageResult
 from trnflow.specs import instance
@@ -238,8 +245,7 @@ def next_placement(result: StageResult, placed: Placement | None, per_node: int,
             return None
         if not fits:
             return None
-        first, last = fits[0][0], fits[0][-1]
-        cores[node] = str(first) if first == last else f"{first}-{last}"
+        cores[node] = visible_cores_value(fits[0])
     return Placement(round=(placed.round if placed else 0) + 1, cores=cores,
                      excluded={n: sorted(v) for n, v in sorted(excluded.items())})
 
