@@ -228,13 +228,16 @@ class ComputeSpec(Section):
         description="Run on spot capacity, which costs less and can be reclaimed: SageMaker's managed spot "
         "training (EnableManagedSpotTraining; not with compute.instance_preferences). On the reclaim notice "
         "(SIGTERM, about two minutes ahead), training writes a checkpoint at the next step boundary and the job "
-        "ends as transient, so the retry resumes from that checkpoint. AWS Batch cannot run multi-node jobs on "
-        "spot compute environments, so Batch specs are refused.",
+        "ends as transient, so the retry resumes from that checkpoint. On AWS Batch, a one-node spec's jobs run as "
+        "single-node jobs on the deployment's spot queue (TRNFLOW_BATCH_SPOT_JOB_QUEUE), and the container reads "
+        "the notice from the instance metadata service; Batch cannot run multi-node jobs on spot compute "
+        "environments, so a Batch spec with more nodes is refused.",
     )
     max_wait_hours: float | None = Field(
         None, gt=0, le=28 * 24,
-        description="Spot: how long a job may take in all, waiting for spot capacity and interruptions included "
-        "(SageMaker's MaxWaitTimeInSeconds); at least compute.max_runtime_hours. None: twice max_runtime_hours.",
+        description="Spot on SageMaker: how long a job may take in all, waiting for spot capacity and interruptions "
+        "included (its MaxWaitTimeInSeconds); at least compute.max_runtime_hours. None: twice max_runtime_hours. "
+        "On Batch, compute.max_pending_minutes bounds each wait for capacity instead.",
     )
     volume_gb: int = Field(200, ge=1, le=16384, description="Local disk per instance for SageMaker jobs (GB).")
     price_per_hour: float | None = Field(
@@ -355,10 +358,14 @@ class ComputeSpec(Section):
         if self.spot and self.backend == "sagemaker" and self.instance_preferences:
             raise ValueError("compute.spot: SageMaker's instance preferences take on-demand capacity only; remove "
                              "compute.instance_preferences, or compute.spot")
-        if self.spot and self.backend == "batch":
-            raise ValueError("compute.spot: AWS Batch does not run multi-node parallel jobs, which trnflow's Batch "
-                             "jobs are, on spot compute environments; run spot on sagemaker, or set "
-                             "compute.spot: false")
+        if self.spot and self.backend == "batch" and self.nodes > 1:
+            raise ValueError(f"compute.spot: AWS Batch does not run multi-node parallel jobs on spot compute "
+                             f"environments, and this spec asks for {self.nodes} nodes; set compute.nodes: 1 (a "
+                             "single-node job runs on the spot queue), run spot on sagemaker, or set compute.spot: "
+                             "false")
+        if self.max_wait_hours is not None and self.backend == "batch":
+            raise ValueError("compute.max_wait_hours: it is SageMaker's MaxWaitTimeInSeconds; on Batch each wait for "
+                             "spot capacity is bounded by compute.max_pending_minutes, so remove it")
         return self
 
     @model_validator(mode="after")

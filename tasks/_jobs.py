@@ -278,7 +278,8 @@ def _record(job: _Job, info: JobInfo) -> str:
         job.request.phase, info.job_id, str(info.state), info.details.get("seconds") or 0.0,
         nodes=placement(job.request)[0], instance_type=got, spot=bool(info.details.get("spot")),
         running_seconds=info.details.get("running_seconds"), instances_started=info.details.get("instances_started"),
-        provisioning_seconds=info.details.get("provisioning_seconds")))
+        provisioning_seconds=info.details.get("provisioning_seconds"),
+        price_per_hour=info.details.get("price_per_hour")))
     return got
 
 

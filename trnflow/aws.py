@@ -4,6 +4,9 @@ Throttling, 5xx answers and dropped connections are retried here, with exponenti
 jitter, and a log line per retry. Nothing else is: botocore's own retries are switched off so that
 these failures have a single retry owner. Endpoints come from the usual AWS variables, so
 `AWS_ENDPOINT_URL=http://127.0.0.1:5000` points every client at a moto server.
+
+`InstanceMetadata` reads the EC2 instance metadata service (IMDSv2) from a job's container: which
+instance it runs on, and EC2's spot reclaim notice.
 """
 
 from __future__ import annotations
@@ -11,7 +14,10 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 from urllib.parse import urlparse
 
@@ -109,3 +115,53 @@ def call(fn: Callable[..., T], *args: Any, **kwargs: Any) -> T:
             state.attempt_number, ATTEMPTS),
     )
     return retrying(fn, *args, **kwargs)
+
+
+IMDS_ENDPOINT = "http://169.254.169.254"
+"""The EC2 instance metadata service (`AWS_EC2_METADATA_SERVICE_ENDPOINT` moves it, as for the AWS SDKs)."""
+RECLAIM_NOTICE_ENV = "TRNFLOW_RECLAIM_NOTICE"
+"""`imds`: the job's ranks read the spot reclaim notice from the metadata service (AWS Batch, which does
+not signal a container before EC2 takes its spot instance back); unset: the notice is SIGTERM."""
+IMDS_TOKEN_SECONDS = 21600
+"""How long an IMDSv2 session token lasts (the most EC2 grants)."""
+
+
+class InstanceMetadata:
+    """This EC2 instance's metadata service, IMDSv2 (a session token, kept until it expires, then the
+    reads). Every read is None where the service does not answer: not on EC2, a container it is
+    blocked from, SageMaker's containers, or a path it does not have (yet). A service that did not
+    answer at all is not asked again."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, timeout: float = 1.0):
+        env = os.environ if env is None else env
+        self.base = env.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", IMDS_ENDPOINT).rstrip("/")
+        self.timeout = timeout
+        self._token, self._until = "", 0.0
+        self.answers = self.base.startswith(("http://", "https://"))
+
+    def _open(self, path: str, headers: dict[str, str], method: str = "GET") -> str:
+        request = urllib.request.Request(f"{self.base}{path}", method=method, headers=headers)  # noqa: S310
+        with urllib.request.urlopen(request, timeout=self.timeout) as answer:  # noqa: S310 (http only, below)
+            return answer.read().decode().strip()
+
+    def get(self, key: str) -> str | None:
+        """`meta-data/<key>` (`instance-id`, `spot/instance-action`), or None."""
+        if not self.answers:
+            return None
+        try:
+            if time.monotonic() >= self._until:
+                self._token = self._open("/latest/api/token", {
+                    "X-aws-ec2-metadata-token-ttl-seconds": str(IMDS_TOKEN_SECONDS)}, "PUT")
+                self._until = time.monotonic() + IMDS_TOKEN_SECONDS - 60
+            return self._open(f"/latest/meta-data/{key}", {"X-aws-ec2-metadata-token": self._token})
+        except urllib.error.HTTPError:  # 404: no such path (no notice yet); 401: the token expired early
+            self._until = 0.0
+            return None
+        except OSError:  # no answer at all: a timeout, a refused connection
+            self.answers = False
+            return None
+
+    def reclaim_notice(self) -> str | None:
+        """EC2's spot interruption notice for this instance (`{"action": "terminate", "time": ...}`, two
+        minutes ahead), or None while there is none."""
+        return self.get("spot/instance-action")

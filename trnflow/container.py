@@ -34,10 +34,10 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from trnflow.aws import RECLAIM_NOTICE_ENV, InstanceMetadata
 from trnflow.backends.cloud import identity_name, node_identities
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.backends.launcher import CONSOLE
@@ -59,8 +59,6 @@ BATCH_MASTER_PORT = 41000
 """torchrun's rendezvous port between Batch nodes (the port the Neuron Batch samples use)."""
 FAILURE_TEXT_LIMIT = 900
 """SageMaker keeps the first 1024 characters of the failure file as the job's FailureReason."""
-IMDS_ENDPOINT = "http://169.254.169.254"
-"""The EC2 instance metadata service (`AWS_EC2_METADATA_SERVICE_ENDPOINT` moves it, as for the AWS SDKs)."""
 PROCEED_POLL_SECONDS = 2.0
 """How often nodes waiting between phases look for the orchestrator's word."""
 
@@ -144,24 +142,12 @@ def _fetch_spec(env: dict[str, str], into: Path) -> Path:
     return target
 
 
-def _imds(url: str, headers: dict[str, str], timeout: float, method: str = "GET") -> str:
-    request = urllib.request.Request(url, method=method, headers=headers)  # noqa: S310 (http, checked below)
-    with urllib.request.urlopen(request, timeout=timeout) as answer:  # noqa: S310
-        return answer.read().decode().strip()
-
-
 def instance_metadata(env: dict[str, str], timeout: float = 1.0) -> dict[str, str]:
-    """This instance's id and type from the EC2 metadata service (IMDSv2: a session token, then the
-    reads); {} where it does not answer (SageMaker's containers cannot reach it)."""
-    base = env.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", IMDS_ENDPOINT).rstrip("/")
-    if not base.startswith(("http://", "https://")):
-        return {}
-    try:
-        token = _imds(f"{base}/latest/api/token", {"X-aws-ec2-metadata-token-ttl-seconds": "60"}, timeout, "PUT")
-        return {key: _imds(f"{base}/latest/meta-data/{key}", {"X-aws-ec2-metadata-token": token}, timeout)
-                for key in ("instance-id", "instance-type")}
-    except OSError:
-        return {}
+    """This instance's id and type from the EC2 metadata service; {} where it does not answer
+    (SageMaker's containers cannot reach it)."""
+    imds = InstanceMetadata(env, timeout)
+    found = {key: imds.get(key) for key in ("instance-id", "instance-type")}
+    return {k: v for k, v in found.items() if v is not None}
 
 
 def identity(env: dict[str, str], service: str, r: Rendezvous) -> NodeIdentity:
@@ -429,6 +415,9 @@ def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path
                               since=me.started_at)
             if not word.go and word.reason.startswith(MAIN_NODE_FAILED):
                 return ExitCode.FAILED, None  # the main node's report says why; another would only blur it
+            if not word.go and stopping and env.get("TRNFLOW_SPOT") == "1":  # reclaimed while it waited
+                return ExitCode.TRANSIENT, FailureReport(type="SpotInterruption", retryable=True, message=(
+                    f"{phase} was not started: the spot instance is being reclaimed"))
             if not word.go:
                 return ExitCode.FAILED, FailureReport(type="FatalError", retryable=False, message=(
                     f"{phase} was not started: {word.reason or 'the orchestrator said no'}"))
@@ -466,6 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     r = sagemaker_rendezvous(env) if service == "sagemaker" else batch_rendezvous(env)
     spec_file = _fetch_spec(env, r.output_dir.parent / "trnflow-input")
     stopping: list[int] = []
+    if service == "batch" and env.get("TRNFLOW_SPOT") == "1":  # EC2's notice reaches only the metadata service
+        env[RECLAIM_NOTICE_ENV] = "imds"
     code, failure = run_phases(r, env, service, spec_file, stopping)
     _report(env, service, r, failure)
     if failure is not None and failure.type == "BadHost":

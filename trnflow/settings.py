@@ -36,6 +36,9 @@ class TrnflowSettings(BaseSettings):
     role_infer: str | None = Field(None, description="The role inference jobs run as: it writes embeddings, never "
                                    "the `_current.json` pointers that publish them.")
     batch_job_queue: str | None = Field(None, description="The Batch job queue (with its fair-share policy).")
+    batch_spot_job_queue: str | None = Field(
+        None, description="The Batch job queue of spot compute environments, for single-node specs with "
+        "compute.spot (the stack's BatchSpotJobQueue output).")
     recipe_modules: bool = Field(
         False, description="Let a spec's model.recipe name any importable module as package.module:attr, "
         "not only an installed recipe. Importing a module runs its code, on this machine and in every job: "

@@ -3,6 +3,7 @@ the one change moto needs, below), and its resources are then found through the 
 no IAM statement allows `*` on `*`; every bucket is encrypted and private; the training image's
 entrypoint is the container contract."""
 
+import base64
 import json
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def test_no_statement_allows_every_action_or_a_wildcard_action_on_every_resource
         if "*" in resources:  # only actions that AWS defines on no resource (each named), none of them a write
             assert set(actions) <= {"ecr:GetAuthorizationToken", "cloudwatch:PutMetricData", "batch:DescribeJobs",
                                     "batch:DescribeJobQueues", "batch:DescribeJobDefinitions", "batch:ListJobs",
-                                    "ec2:DescribeInstances"}, (
+                                    "ec2:DescribeInstances", "ec2:DescribeSpotPriceHistory"}, (
                 name, statement)
 
 
@@ -115,6 +116,14 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
     resources = environment["computeResources"]
     # the fallback of compute.instance_preferences needs every listed type here
     assert resources["instanceTypes"] == ["trn1.32xlarge", "trn1n.32xlarge"] and resources["minvCpus"] == 0
+    # spot: single-node jobs only, on a queue and an environment of their own
+    (spot_queue,) = batch.describe_job_queues(jobQueues=[outputs["BatchSpotJobQueue"]])["jobQueues"]
+    (spot,) = batch.describe_compute_environments(computeEnvironments=["trnflow-trn1-spot"])["computeEnvironments"]
+    assert spot_queue["computeEnvironmentOrder"][0]["computeEnvironment"] == spot["computeEnvironmentArn"]
+    assert spot["computeResources"]["type"] == "SPOT" and "trn1.2xlarge" in spot["computeResources"]["instanceTypes"]
+    (version,) = ec2.describe_launch_template_versions(LaunchTemplateName="trnflow-trn1-spot")["LaunchTemplateVersions"]
+    user_data = base64.b64decode(version["LaunchTemplateData"]["UserData"]).decode()
+    assert "ECS_ENABLE_SPOT_INSTANCE_DRAINING=true" in user_data
     (version,) = ec2.describe_launch_template_versions(LaunchTemplateName="trnflow-trn1-efa")[
         "LaunchTemplateVersions"]
     interfaces = version["LaunchTemplateData"]["NetworkInterfaces"]
@@ -130,6 +139,7 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
                          "image_xla": f"{repository['repositoryUri']}:xla",
                          "staging_url": outputs["StagingUrl"], "sagemaker_role_arn": outputs["SageMakerRoleArn"],
                          "batch_job_queue": outputs["BatchJobQueue"],
+                         "batch_spot_job_queue": outputs["BatchSpotJobQueue"],
                          **{f"role_{kind}": role["Arn"] for kind, role in roles.items()}}
     # where every job of a kind is sent: its role, on either service
     from trnflow.backends.cloud import cloud_target

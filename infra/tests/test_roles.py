@@ -192,9 +192,14 @@ def test_only_the_orchestrator_terminates_instances_and_only_the_compute_environ
     tags = STACK.resolve(STACK.resources["ComputeEnvironment"]["Properties"]["ComputeResources"]["Tags"])
     assert {f"aws:ResourceTag/{k}": v for k, v in tags.items()} == ours  # Batch tags its instances so
     assert STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance, ours)
+    spot = {"aws:ResourceTag/trnflow:compute-environment": "trnflow-trn1-spot"}
+    spot_tags = STACK.resolve(STACK.resources["SpotComputeEnvironment"]["Properties"]["ComputeResources"]["Tags"])
+    assert {f"aws:ResourceTag/{k}": v for k, v in spot_tags.items()} == spot
+    assert STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance, spot)
     assert not STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance)  # anyone else's instance
     assert not STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance,
                             {"aws:ResourceTag/trnflow:compute-environment": "another-trn1"})
     for role in ("PreflightJobRole", "CompileJobRole", "TrainJobRole", "InferJobRole", "BatchInstanceRole"):
         assert not STACK.allows(role, "ec2:TerminateInstances", instance, ours), role
     assert STACK.allows("OrchestratorRole", "ec2:DescribeInstances", "*")  # each node's launch, for the bill
+    assert STACK.allows("OrchestratorRole", "ec2:DescribeSpotPriceHistory", "*")  # and a spot job's price

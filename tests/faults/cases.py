@@ -80,7 +80,8 @@ class Case:
     no_capacity: set[str] = field(default_factory=set)
     """On a cloud backend: instance types the service has no capacity for, instead of its fault."""
     fault: str | None = None
-    """On a cloud backend, instead of its usual fault: `spot`, a spot reclaim of the training job."""
+    """On a cloud backend, instead of its usual fault: `spot`, a spot reclaim of the training job (the
+    case's compute section makes it a spot spec)."""
 
 
 def _faults(*faults: dict) -> dict:
@@ -260,6 +261,11 @@ CASES = [
          "training checkpoints the step the notice found it at, and the job restarts from there",
          {"compute": {"spot": True}}, storage="sagemaker", fault="spot",
          seen=lambda row: row["retries_by"].get("service", 0) == 1),
+    Case("batch-spot-reclaim", "EC2 reclaims the spot instance of a one-node Batch training job after a "
+         "checkpoint: training reads the notice from the metadata service, checkpoints that step and exits 75, and "
+         "Batch's retry resumes there on a new instance",
+         {"compute": {"spot": True, "instance_type": "trn1.2xlarge", "nodes": 1, "cores_per_node": 2}},
+         storage="batch", fault="spot", seen=lambda row: row["retries_by"].get("service", 0) == 1),
     Case("disk-full", "no space left on the device while writing the step-30 checkpoint", setup=disk_full),
     Case("kill-torn-hw", "three in one run: a rank SIGKILLed at step 13, the step-20 checkpoint torn, then a "
          "hardware error on core 0 at step 25",

@@ -87,7 +87,7 @@ class Matrix:
                               when="checkpoint") if case.storage == "sagemaker" else
                  ServiceFault("batch", "train", HOST_LOST, when="checkpoint"))
         if case.fault == "spot":
-            fault = ServiceFault("sagemaker", "train", "spot capacity reclaimed", when="checkpoint", spot=True)
+            fault = ServiceFault(case.storage, "train", "spot capacity reclaimed", when="checkpoint", spot=True)
         faults = [] if case.node_faults or case.no_capacity or case.host_faults else [fault]
         with MockCloud(self.moto(), run.folder / "cloud", faults=faults, node_faults=case.node_faults,
                        no_capacity=case.no_capacity, host_faults=case.host_faults) as cloud:

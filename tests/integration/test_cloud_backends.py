@@ -447,6 +447,52 @@ def test_a_reclaimed_sagemaker_spot_job_checkpoints_restarts_and_ends_with_the_u
         assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
 
 
+def test_a_reclaimed_batch_spot_job_checkpoints_on_ec2s_notice_and_its_retry_ends_with_the_same_weights(
+        make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    """A one-node spot spec on Batch runs as a single-node job on the spot queue. After the step-10
+    checkpoint EC2 gives notice in the instance's metadata service (Batch tells the container nothing):
+    training reads it at the next step boundary, checkpoints that step and exits as transient; the
+    instance is then taken back, and Batch's retry runs on a new one and resumes from that step. The
+    weights equal those of a job never reclaimed, and the job is billed at EC2's spot price."""
+    import boto3
+    import torch
+
+    from trnflow.backends.batch import BatchBackend
+    from trnflow.backends.cloud import cloud_target, every_identity
+    from trnflow.errors import ExitCode
+    from trnflow.settings import TrnflowSettings
+    from trnflow.specs.instances import price
+    from trnflow.workload.checkpoint import load
+
+    reclaim = ServiceFault("batch", "train", "spot capacity reclaimed", when="checkpoint", spot=True)
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [reclaim]) as (cloud, bucket):
+        backend = BatchBackend(cloud_target(TrnflowSettings(), "batch"))
+        spec = _cloud_spec(make_spec, bucket, "batch", gate={"eval_every": None}, train={"steps": 30, "log_every": 1},
+                           compute={"spot": True, "instance_type": "trn1.2xlarge", "nodes": 1, "cores_per_node": 2},
+                           registry_url=f"s3://{bucket}/registry-batch-spot")
+        info = wait(backend, backend.submit(JobRequest(spec, "train", "bspot")), 0.5)
+        assert info.state.value == "SUCCEEDED", info.failure
+        assert 10 <= info.result.start_step < 30 and info.result.resumed_from
+        batch = boto3.client("batch")
+        (job,) = batch.describe_jobs(jobs=[info.job_id])["jobs"]
+        assert job["jobQueue"].endswith("/trnflow-trn1-spot") and "nodeProperties" not in job
+        first, last = job["attempts"]
+        assert last["container"]["exitCode"] == 0
+        assert first["container"]["exitCode"] == ExitCode.TRANSIENT  # SpotInterruption, retried by Batch's rule
+        hosts = {n.attempt: n.instance_id for n in every_identity(backend.outputs(info.job_id))}
+        assert hosts[1] != hosts[2] and hosts[1] in cloud.instances.started
+        gone = boto3.client("ec2").describe_instances(InstanceIds=[hosts[1]])["Reservations"][0]["Instances"][0]
+        assert gone["State"]["Name"] == "terminated"  # EC2 took it back; the retry ran elsewhere
+        on_demand = price("ec2", "trn1.2xlarge").usd_per_hour
+        assert info.details["spot"] and info.details["price_per_hour"] == pytest.approx(on_demand * 0.3, rel=1e-3)
+
+        whole = wait(backend, backend.submit(JobRequest(spec, "train", "bspot-whole")), 0.5)
+        assert whole.state.value == "SUCCEEDED", whole.failure
+        assert whole.result.start_step == 0
+        ours, theirs = load(info.result.checkpoint).model, load(whole.result.checkpoint).model
+        assert all(torch.equal(ours[k], theirs[k]) for k in theirs)
+
+
 def test_a_sagemaker_job_with_no_capacity_for_any_of_its_types_fails_as_a_capacity_error(
         make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
     from trnflow.backends.cloud import cloud_target

@@ -1,6 +1,7 @@
 """The SageMaker and Batch requests, built by pure functions and checked whole, and the container's
 reading of each service's contract."""
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -129,7 +130,10 @@ def test_spot_becomes_managed_spot_training_with_a_wait_of_at_least_the_runtime(
     ({"max_wait_hours": 12}, "compute.max_wait_hours: it bounds a spot job's waits"),
     ({"spot": True, "instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"]},
      "compute.spot: SageMaker's instance preferences take on-demand capacity only"),
-    ({"spot": True, "backend": "batch"}, "compute.spot: AWS Batch does not run multi-node parallel jobs"),
+    ({"spot": True, "backend": "batch"}, "compute.spot: AWS Batch does not run multi-node parallel jobs on spot "
+     "compute environments, and this spec asks for 2 nodes; set compute.nodes: 1"),
+    ({"spot": True, "backend": "batch", "nodes": 1, "max_wait_hours": 12},
+     "compute.max_wait_hours: it is SageMaker's MaxWaitTimeInSeconds; on Batch each wait for spot capacity"),
 ])
 def test_every_instance_a_job_may_get_is_checked_up_front(compute, problem):
     with pytest.raises(SpecError) as refused:
@@ -235,6 +239,33 @@ def test_the_batch_submission_carries_the_run_the_node_count_and_fair_share():
     assert submit["retryStrategy"]["evaluateOnExit"][-1] == {"action": "EXIT", "onReason": "*"}
     plain = build_submit_job(JobRequest(_spec(itype="trn1.32xlarge", nodes=2), "train", "r9"), TARGET, "d")
     assert "shareIdentifier" not in plain and "schedulingPriorityOverride" not in plain
+
+
+def test_a_batch_spot_job_is_a_single_node_job_on_the_spot_queue_that_reads_ec2s_notice():
+    """Batch runs no multi-node job on spot compute environments: a one-node spot spec gets a
+    single-node definition (no EFA, which the spot environment's instances do not attach) and goes to
+    the spot queue; the container is told to watch for the reclaim notice. Both requests are valid
+    for the service."""
+    spec = _spec(itype="trn1.2xlarge", nodes=1, cores=2, compute={"backend": "batch", "spot": True})
+    target = dataclasses.replace(TARGET, spot_job_queue="trn1-spot")
+    definition = build_job_definition(spec, target)
+    assert definition["type"] == "container" and "nodeProperties" not in definition
+    container = definition["containerProperties"]
+    assert [d["hostPath"] for d in container["linuxParameters"]["devices"]] == ["/dev/neuron0"]
+    assert container["environment"] == [] and container["instanceType"] == "trn1.2xlarge"
+    assert {"action": "RETRY", "onExitCode": "75"} in definition["retryStrategy"]["evaluateOnExit"]
+    submit = build_submit_job(JobRequest(spec, "train", "r5"), target, definition["jobDefinitionName"])
+    assert submit["jobQueue"] == "trn1-spot" and "nodeOverrides" not in submit
+    env = {e["name"]: e["value"] for e in submit["containerOverrides"]["environment"]}
+    assert env["TRNFLOW_SPOT"] == "1" and env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "100"
+    assert submit["tags"]["trnflow:spot"] == "true"
+    _valid_for_the_service("batch", "RegisterJobDefinition", definition)
+    _valid_for_the_service("batch", "SubmitJob", submit)
+    with pytest.raises(FatalError, match="has no EFA"):  # on demand, the same type cannot be a multi-node job
+        build_job_definition(_spec(itype="trn1.2xlarge", nodes=1, cores=2, compute={"backend": "batch"}), target)
+    assert queue_problems(spec, "", None) == [
+        "compute.spot: a spot job goes to the deployment's spot queue, and TRNFLOW_BATCH_SPOT_JOB_QUEUE is not set; "
+        "set it to the BatchSpotJobQueue output of the CloudFormation stack in infra/"]
 
 
 def test_a_job_for_the_preflight_then_training_runs_as_trainings_role_with_the_wait_in_its_time_limit():

@@ -4,6 +4,7 @@ orchestrator's word."""
 
 from __future__ import annotations
 
+import json
 import time
 import urllib.error
 import urllib.request
@@ -13,6 +14,7 @@ import pytest
 from moto import mock_aws
 
 from trnflow import container
+from trnflow.aws import InstanceMetadata
 from trnflow.container import await_word, instance_metadata, next_placement, preflight_failure
 from trnflow.errors import ExitCode
 from trnflow.results import CollectivesResult, FailureReport, NodeIdentity, Proceed, SanityResult
@@ -105,6 +107,26 @@ def test_each_instance_answers_its_own_id_and_type_over_imdsv2_only():
             instances.stop(started)
     assert instance_metadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9"}, timeout=0.5) == {}
     assert instance_metadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "file:///etc/passwd"}) == {}
+
+
+def test_a_spot_instance_tells_of_its_reclaim_only_once_ec2_gave_notice():
+    """The reclaim notice is `spot/instance-action`: absent (404) until EC2 decides, then the action and
+    its time. A metadata service that does not answer at all is asked once, not at every step."""
+    with mock_aws():
+        instances = Instances(boto3.client("ec2", region_name="us-east-1"))
+        (spot,) = instances.start("trn1.2xlarge", 1)
+        try:
+            imds = InstanceMetadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": spot.endpoint})
+            assert imds.reclaim_notice() is None and imds.answers
+            spot.notify_reclaim(120)
+            notice = json.loads(imds.reclaim_notice() or "{}")
+            assert notice["action"] == "terminate" and notice["time"].endswith("Z")
+            assert imds.get("instance-id") == spot.instance_id  # the session token is kept between reads
+        finally:
+            instances.stop([spot])
+    silent = InstanceMetadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9"}, timeout=0.5)
+    assert silent.reclaim_notice() is None and not silent.answers
+    assert InstanceMetadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "file:///etc/passwd"}).get("instance-id") is None
 
 
 def test_bad_cores_are_placed_around_on_their_own_node_while_healthy_ones_remain():

@@ -128,6 +128,19 @@ def test_each_job_is_billed_at_the_price_of_the_instance_type_it_got():
     assert row.cost_usd == round((first * 2 * 600 + second * 2 * 1800) / 3600, 4)
 
 
+def test_a_batch_spot_job_costs_its_time_at_ec2s_spot_price_unless_the_spec_sets_a_price():
+    spec = _spec("batch", spot=True, nodes=1)
+    rate = price("ec2", "trn1.32xlarge").usd_per_hour
+    entry = LedgerEntry("train", "a", "SUCCEEDED", 1000.0, nodes=1, spot=True, running_seconds=1000.0,
+                        price_per_hour=round(rate * 0.3, 4))
+    row = stage_cost(spec, "train", [entry])
+    assert row.cost_usd == round(round(rate * 0.3, 4) * 1000 / 3600, 4)
+    assert row.on_demand_usd == round(rate * 1000 / 3600, 4) and row.price_per_node_hour == round(rate * 0.3, 4)
+    assert price_basis(row) == f"ec2 {row.region}, {row.price_as_of}; spot: EC2's spot price at each instance's launch"
+    priced = _spec("batch", spot=True, nodes=1, price_per_hour=5.0)
+    assert stage_cost(priced, "train", [entry]).cost_usd == round(5.0 * 1000 / 3600, 4)  # the spec's price wins
+
+
 def test_spot_jobs_cost_their_billed_time_and_the_table_says_what_spot_saved():
     spec = _spec("sagemaker", spot=True, nodes=1)
     rate = price("sagemaker", "trn1.32xlarge").usd_per_hour

@@ -59,12 +59,13 @@ class BatchBackend:
         self._replaced: set[tuple[str, int]] = set()  # (job, attempt) whose bad instances were terminated
         self._looked: dict[str, float] = {}  # job -> when a running attempt's reports were last listed
         self._provisioned: dict[str, Provisioning | None] = {}  # ended jobs: their instances, as EC2 has them
+        self._spot_prices: dict[str, float | None] = {}  # ended spot jobs: the spot price their instances paid
         self._logs = aws.client("logs", boto_session=session)
         self._rules: dict[str, list[dict[str, str]]] = {}
         self._queues: dict[str, dict[str, Any] | None] = {}
         self._streams: dict[str, str] = {}
         self.nodes = NodeWatch()  # stops a job whose other node failed while its main node went on
-        self._waits: dict[str, tuple[float, str]] = {}  # job -> (seconds it may wait for capacity, instance type)
+        self._waits: dict[str, tuple[float, str, str]] = {}  # job -> (seconds it may wait, instance type, queue)
         self._starved: dict[str, FailureReport] = {}  # jobs stopped for waiting longer than that
         self._reader = StreamReader(self._logs, LOG_GROUP)
 
@@ -79,11 +80,11 @@ class BatchBackend:
     def problems(self, spec: JobSpec) -> list[str]:
         """What the deployment's job queue would refuse about `spec` (`queue_problems`): the queue is
         described once, so a spec that would be refused fails before any job is submitted."""
-        name = self.target.job_queue
-        if name not in self._queues:
+        name = self.target.queue_for(spec)
+        if name and name not in self._queues:
             found = aws.call(self._batch.describe_job_queues, jobQueues=[name])["jobQueues"]
             self._queues[name] = found[0] if found else None
-        return queue_problems(spec, name, self._queues[name])
+        return queue_problems(spec, name, self._queues.get(name))
 
     def submit(self, request: JobRequest) -> str:
         if request.spec is None:
@@ -99,14 +100,15 @@ class BatchBackend:
         stage_spec(self.target, request)
         submitted = aws.call(self._batch.submit_job, **build_submit_job(request, self.target, definition))
         compute = request.spec.compute
-        self._waits[submitted["jobId"]] = (compute.max_pending_minutes * 60, compute.instance_type)
+        self._waits[submitted["jobId"]] = (compute.max_pending_minutes * 60, compute.instance_type,
+                                           self.target.queue_for(request.spec))
         return submitted["jobId"]
 
     def _stop_if_starved(self, job_id: str, desc: dict[str, Any]) -> None:
         """Cancel a job still RUNNABLE after `compute.max_pending_minutes`: Batch would leave it waiting
         for capacity for ever. It fails as a CapacityError, which is retried (on the next of
         compute.instance_preferences, when the spec lists more)."""
-        limit, itype = self._waits.get(job_id, (0.0, ""))
+        limit, itype, queue = self._waits.get(job_id, (0.0, "", ""))
         if not limit or job_id in self._starved or desc["status"] != "RUNNABLE":
             return
         attempts = desc.get("attempts") or []
@@ -117,7 +119,7 @@ class BatchBackend:
         why = desc.get("statusReason") or "no reason given"
         self._starved[job_id] = FailureReport(type="CapacityError", retryable=True, message=(
             f"AWS Batch found no capacity for {desc.get('jobName')} ({job_id}): still RUNNABLE in the job queue "
-            f"{self.target.job_queue} after {waited / 60:.1f} min (compute.max_pending_minutes) waiting for "
+            f"{queue} after {waited / 60:.1f} min (compute.max_pending_minutes) waiting for "
             f"{itype} instances ({why})"))
         aws.call(self._batch.terminate_job, jobId=job_id,
                  reason=f"{STOPPED_BY_TRNFLOW}no {itype} capacity after {limit / 60:g} min in RUNNABLE"[:255])
@@ -207,15 +209,34 @@ class BatchBackend:
                 # forgot leaves the job on its attempts' running time instead of failing the call
                 answer = aws.call(self._ec2.describe_instances, Filters=[{"Name": "instance-id", "Values": ids}]
                                   ) if ids else {"Reservations": []}
-                launched = {i["InstanceId"]: i["LaunchTime"].timestamp() for r in answer["Reservations"]
-                            for i in r["Instances"]}
+                found = [i for r in answer["Reservations"] for i in r["Instances"]]
+                launched = {i["InstanceId"]: i["LaunchTime"].timestamp() for i in found}
                 nodes = (desc.get("nodeProperties") or {}).get("numNodes") or 1
                 self._provisioned[job_id] = batch_provisioning(desc, identities, launched, nodes)
+                if desc.get("tags", {}).get("trnflow:spot") == "true":
+                    self._spot_prices[job_id] = self._spot_price(found)
             except Exception as exc:  # the bill then is the attempts' running time, as Batch reports it
                 log.warning("Batch job %s: could not read which instances it started (%s); it is billed for its "
                             "attempts' running time", desc.get("jobName"), exc)
                 self._provisioned[job_id] = None
         return self._provisioned[job_id]
+
+    def _spot_price(self, instances: list[dict[str, Any]]) -> float | None:
+        """The mean of EC2's spot prices (USD an hour) for these instances' types and zones when each
+        was launched; None when EC2 does not say (the job is then priced on demand)."""
+        prices = []
+        try:
+            for i in instances:
+                history = aws.call(self._ec2.describe_spot_price_history, InstanceTypes=[i["InstanceType"]],
+                                   ProductDescriptions=["Linux/UNIX"], StartTime=i["LaunchTime"],
+                                   EndTime=i["LaunchTime"], Filters=[{"Name": "availability-zone", "Values": [
+                                       i["Placement"]["AvailabilityZone"]]}])["SpotPriceHistory"]
+                if history:
+                    prices.append(float(history[0]["SpotPrice"]))
+        except Exception as exc:  # the cost table then prices the job on demand, and says no saving
+            log.warning("could not read EC2's spot prices (%s); the spot job is priced on demand", exc)
+            return None
+        return round(sum(prices) / len(prices), 6) if prices else None
 
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)
@@ -226,6 +247,9 @@ class BatchBackend:
         if state.terminal and (found := self._instances(job_id, desc)) is not None:
             details |= {"seconds": found.billable_seconds, "instances_started": found.instances_started,
                         "provisioning_seconds": found.seconds}
+            if self._spot_prices.get(job_id) is not None:  # EC2 bills spot instances at the spot price
+                details |= {"spot": True, "running_seconds": found.billable_seconds,
+                            "price_per_hour": self._spot_prices[job_id]}
         if state is JobState.RUNNING:
             self._stop_if_a_node_failed(job_id, desc)
         if state is JobState.PENDING:

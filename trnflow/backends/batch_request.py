@@ -1,5 +1,7 @@
-"""AWS Batch multi-node parallel requests for one stage job: the job definition and the
-`SubmitJob` call, as pure functions.
+"""AWS Batch requests for one stage job: the job definition and the `SubmitJob` call, as pure
+functions. A job is a multi-node parallel job on the on-demand queue, or, for a spot spec (one node:
+Batch runs no multi-node job on spot compute environments), a single-node job on the spot queue,
+which sets no node variables (its one node is the main node).
 
 The job definition depends only on what shapes the nodes (image, instance type, node count,
 devices), and is named by a hash of its content: registering it twice is harmless, and a changed
@@ -83,8 +85,11 @@ def _memory_mib(spec: JobSpec) -> int:
     return spec.compute.container_memory_gib * 1024
 
 
-def _container(spec: JobSpec, target: CloudTarget, phase: str) -> dict[str, Any]:
+def _container(spec: JobSpec, target: CloudTarget, phase: str, efa: bool = True) -> dict[str, Any]:
+    """A node's container; `efa`: with the instance's EFA devices and libfabric's settings (multi-node
+    jobs, whose launch template attaches the interfaces)."""
     t = instance(spec.compute.instance_type)
+    devices = _devices(t.name) if efa else [d for d in _devices(t.name) if d["hostPath"].startswith("/dev/neuron")]
     container: dict[str, Any] = {
         "image": target.image_for(spec),
         "command": COMMAND,
@@ -95,8 +100,8 @@ def _container(spec: JobSpec, target: CloudTarget, phase: str) -> dict[str, Any]
         ],
         "user": "root",
         "ulimits": [{"name": "memlock", "softLimit": -1, "hardLimit": -1}],
-        "linuxParameters": {"devices": _devices(t.name), "sharedMemorySize": 64 * 1024},
-        "environment": [{"name": k, "value": v} for k, v in sorted(efa_environment(t.name).items())],
+        "linuxParameters": {"devices": devices, "sharedMemorySize": 64 * 1024},
+        "environment": [{"name": k, "value": v} for k, v in sorted((efa_environment(t.name) if efa else {}).items())],
     }
     role = target.role_for(phase, "batch")
     if role:  # the stage kind's role: the containers never use the instance's
@@ -106,17 +111,23 @@ def _container(spec: JobSpec, target: CloudTarget, phase: str) -> dict[str, Any]
 
 def build_job_definition(spec: JobSpec, target: CloudTarget, phase: str = "train") -> dict[str, Any]:
     """`RegisterJobDefinition` for the spec's nodes running a `phase` job (as its stage kind's role),
-    named `trnflow-<name>-<content hash>`."""
-    if not instance(spec.compute.instance_type).multi_node:
+    named `trnflow-<name>-<content hash>`: a single-node definition for a spot spec, else a
+    multi-node one."""
+    shape: dict[str, Any]
+    if spec.compute.spot:
+        shape = {"type": "container", "containerProperties": _container(spec, target, phase, efa=False)}
+    elif not instance(spec.compute.instance_type).multi_node:
         raise FatalError(f"compute.instance_type: {spec.compute.instance_type} has no EFA; AWS Batch multi-node "
-                         "jobs need trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge")
-    body = {
-        "type": "multinode",
-        "nodeProperties": {
+                         "jobs need trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge (or set compute.spot: true, whose "
+                         "single-node jobs run on any type of the spot queue)")
+    else:
+        shape = {"type": "multinode", "nodeProperties": {
             "numNodes": spec.compute.nodes,
             "mainNode": 0,
             "nodeRangeProperties": [{"targetNodes": "0:", "container": _container(spec, target, phase)}],
-        },
+        }}
+    body = {
+        **shape,
         "retryStrategy": retry_strategy(spec),
         "timeout": {"attemptDurationSeconds": int(spec.compute.max_runtime_hours * 3600)},
         "platformCapabilities": ["EC2"],
@@ -132,14 +143,16 @@ def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: s
     if spec is None:
         raise FatalError("a Batch job needs a job spec")
     environment = [{"name": k, "value": v} for k, v in sorted(container_environment(request, target).items())]
-    submit: dict[str, Any] = {
-        "jobName": job_name(request),
-        "jobQueue": target.job_queue,
-        "jobDefinition": job_definition,
+    shape: dict[str, Any] = {"containerOverrides": {"environment": environment}} if spec.compute.spot else {
         "nodeOverrides": {
             "numNodes": placement(request)[0],
             "nodePropertyOverrides": [{"targetNodes": "0:", "containerOverrides": {"environment": environment}}],
-        },
+        }}
+    submit: dict[str, Any] = {
+        "jobName": job_name(request),
+        "jobQueue": target.queue_for(spec),
+        "jobDefinition": job_definition,
+        **shape,
         "retryStrategy": retry_strategy(spec),
         "timeout": {"attemptDurationSeconds": runtime_seconds(request)},
         "propagateTags": True,
@@ -156,9 +169,14 @@ def queue_problems(spec: JobSpec, name: str, queue: dict[str, Any] | None) -> li
     `DescribeJobQueues` gives it (None: there is no such queue). A queue with a fair-share scheduling
     policy refuses a job without a share identifier ("shareIdentifier must be specified"), and a
     queue without one refuses a share identifier."""
+    setting, output = (("TRNFLOW_BATCH_SPOT_JOB_QUEUE", "BatchSpotJobQueue") if spec.compute.spot else
+                       ("TRNFLOW_BATCH_JOB_QUEUE", "BatchJobQueue"))
+    if not name:
+        return [f"compute.spot: a spot job goes to the deployment's spot queue, and {setting} is not set; set it to "
+                f"the {output} output of the CloudFormation stack in infra/"]
     if queue is None:
-        return [f"TRNFLOW_BATCH_JOB_QUEUE: AWS Batch has no job queue {name!r} here; set it to the BatchJobQueue "
-                "output of the CloudFormation stack in infra/"]
+        return [f"{setting}: AWS Batch has no job queue {name!r} here; set it to the {output} output of the "
+                "CloudFormation stack in infra/"]
     policy, share = queue.get("schedulingPolicyArn"), spec.compute.share_identifier
     if policy and not share:
         return [f"compute.share_identifier: the job queue {name} has a fair-share scheduling policy ({policy}), "

@@ -49,6 +49,8 @@ class CloudTarget:
     """The role each stage kind's jobs run as (`STAGE_KINDS`): SageMaker's execution role, Batch's job role."""
     job_queue: str = ""
     """Batch job queue (with its fair-share scheduling policy)."""
+    spot_job_queue: str = ""
+    """Batch job queue of spot compute environments (single-node jobs only: see `queue_for`)."""
     recipe_modules: bool = False
     """TRNFLOW_RECIPE_MODULES where the job is submitted: the jobs may import a recipe by module too."""
     cache_public_key: str = ""
@@ -61,6 +63,11 @@ class CloudTarget:
         `role_arn`; '' for none (a Batch job then has no role of its own, and no AWS access)."""
         own = self.roles.get(STAGE_KINDS.get(phase, ""), "")
         return own or (self.role_arn if service == "sagemaker" else "")
+
+    def queue_for(self, spec: JobSpec) -> str:
+        """The Batch job queue of `spec`'s jobs: the spot queue for a spot spec (one node: Batch runs no
+        multi-node job on spot), else the on-demand one."""
+        return self.spot_job_queue if spec.compute.spot else self.job_queue
 
     def image_for(self, spec: JobSpec) -> str:
         """The image that runs `spec`: the one for its device (`neuron` on trn2 and trn3, `xla` on
@@ -79,7 +86,8 @@ STAGE_KINDS = {"sanity": "preflight", "collectives": "preflight", "compile": "co
                "evaluate": "train", "infer": "infer"}
 """Each phase's stage kind: the kinds' jobs run as roles of their own, each writing only its outputs."""
 SETTINGS = ("image", "image_neuron", "image_xla", "staging_url", "sagemaker_role_arn", "batch_job_queue",
-            "cache_signing_key", "cache_public_key", *(f"role_{kind}" for kind in sorted(set(STAGE_KINDS.values()))))
+            "batch_spot_job_queue", "cache_signing_key", "cache_public_key",
+            *(f"role_{kind}" for kind in sorted(set(STAGE_KINDS.values()))))
 
 
 def published_settings(path: str) -> dict[str, str]:
@@ -116,6 +124,7 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
     return CloudTarget(staging_url=values["staging_url"], image=values["image"] or "",
                        images={d: values[f"image_{d}"] for d in IMAGES if values[f"image_{d}"]},
                        role_arn=values["sagemaker_role_arn"] or "", job_queue=values["batch_job_queue"] or "",
+                       spot_job_queue=values["batch_spot_job_queue"] or "",
                        roles={kind: values[f"role_{kind}"] for kind in set(STAGE_KINDS.values())
                               if values[f"role_{kind}"]},
                        recipe_modules=settings.recipe_modules, cache_public_key=values["cache_public_key"] or "",
@@ -319,6 +328,7 @@ def container_environment(request: JobRequest, target: CloudTarget) -> dict[str,
         env[SIGNING_KEY_ENV] = target.cache_signing_key
     if spec.compute.spot:  # the reclaim notice comes two minutes ahead: torchrun's ranks get 100 s to checkpoint
         env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(SPOT_CHECKPOINT_SECONDS)
+        env["TRNFLOW_SPOT"] = "1"  # on Batch, the container watches the metadata service for the notice
     if target.recipe_modules and is_module_reference(spec.model.recipe):
         env["TRNFLOW_RECIPE_MODULES"] = "1"  # allowed where the job was submitted, so in the job too
     return env | efa_environment(spec.compute.instance_type)
@@ -328,4 +338,4 @@ def tags(request: JobRequest) -> dict[str, str]:
     spec = request.spec
     assert spec is not None
     return {"trnflow:job": request.name, "trnflow:phase": request.phase, "trnflow:run-id": request.run_id,
-            "trnflow:spec-digest": spec.digest()}
+            "trnflow:spec-digest": spec.digest(), **({"trnflow:spot": "true"} if spec.compute.spot else {})}

@@ -72,16 +72,20 @@ def stage_cost(spec: JobSpec, stage: str, entries: list[LedgerEntry]) -> CostRow
     row = job_cost(last, stage, sum(e.seconds for e in entries), jobs=len(entries),
                    nodes=max(held, default=spec.compute.nodes))
     rates = [price_per_hour(_on(spec, e.instance_type)) for e in entries]
+    paid = [r if e.price_per_hour is None or spec.compute.price_per_hour is not None else e.price_per_hour
+            for r, e in zip(rates, entries, strict=True)]  # a spot job's own price, unless the spec sets one
     if row.price_per_node_hour is not None:  # exact also when its jobs held different numbers of nodes
         if any(rate is None for rate in rates):
             row.cost_usd = None
         else:
-            node_seconds = sum(r * n * e.seconds for r, n, e in zip(rates, held, entries, strict=True))
+            node_seconds = sum(r * n * e.seconds for r, n, e in zip(paid, held, entries, strict=True))
             row.cost_usd = round(node_seconds / 3600, 4)
             if any(e.spot for e in entries):  # the same running time at the on-demand price
                 ran = sum(r * n * (e.running_seconds or e.seconds)
                           for r, n, e in zip(rates, held, entries, strict=True))
                 row.on_demand_usd = round(ran / 3600, 4)
+                if entries[-1].price_per_hour is not None and spec.compute.price_per_hour is None:
+                    row.price_per_node_hour = entries[-1].price_per_hour  # the spot price, as billed
     row.instances_started = _sum([e.instances_started for e in entries])
     row.provisioning_seconds = _sum([e.provisioning_seconds for e in entries])
     return row

@@ -35,6 +35,9 @@ class LedgerEntry:
     to count (a local job) or the service does not say."""
     provisioning_seconds: float | None = None
     """How long the job waited for the instances it started to be ready (boot, image pull)."""
+    price_per_hour: float | None = None
+    """The hourly price the job's instances were billed at where the service says it (EC2's spot price,
+    for a Batch spot job); None: the price table's, or compute.price_per_hour."""
 
 
 class JobLedger:

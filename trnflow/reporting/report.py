@@ -54,7 +54,9 @@ def price_basis(row: CostRow) -> str:
     spec's own price, or none known. A price is only as good as these, so the table shows them."""
     if row.price_per_node_hour is None:
         return f"{row.service or 'on-demand'}: no price known"
-    spot = "; spot: the service's billable time" if row.on_demand_usd is not None else ""
+    spot = "" if row.on_demand_usd is None else (
+        "; spot: EC2's spot price at each instance's launch" if row.service == "ec2" else
+        "; spot: the service's billable time")
     if row.region is None:
         return f"compute.price_per_hour{spot}"
     return f"{row.service} {row.region}, {row.price_as_of}{spot}"

@@ -1,8 +1,14 @@
-"""One AWS Batch multi-node parallel job, run the way Batch runs it: per attempt, one container per
-node with the `AWS_BATCH_JOB_*` variables (the main node's address only on the child nodes), the
-job ending with its main node; a failed attempt is retried or not as `retryStrategy.evaluateOnExit`
-says, and every attempt is recorded in the job's `attempts`. A retry runs on the instances the
-last attempt had, but for those that were terminated (or lost with it), which new ones replace."""
+"""One AWS Batch job, run the way Batch runs it: a multi-node parallel job gets, per attempt, one
+container per node with the `AWS_BATCH_JOB_*` variables (the main node's address only on the child
+nodes), the job ending with its main node; a single-node job one container, without node
+variables. A failed attempt is retried or not as `retryStrategy.evaluateOnExit` says, and every
+attempt is recorded in the job's `attempts`. A retry runs on the instances the last attempt had, but
+for those that were terminated (or lost with it), which new ones replace.
+
+A spot reclaim (a `spot` fault) is EC2's: the instance's metadata service gives the two-minute
+notice, Batch tells the container nothing, and the instance is terminated once its container has
+ended or the two minutes are up (`Host EC2 (instance i-...) terminated.`); ECS's spot draining keeps
+the retry off it."""
 
 from __future__ import annotations
 
@@ -46,12 +52,18 @@ class BatchJob:
         self.cloud, self.job, self.body = cloud, job, body
         self.status = JobStatus
         props = job.job_definition.node_properties or {}
-        self.container = props["nodeRangeProperties"][0]["container"]
+        self.multinode = bool(props)
         overrides = body.get("nodeOverrides") or {}
-        self.nodes = overrides.get("numNodes") or props.get("numNodes", 1)
+        if self.multinode:
+            self.container = props["nodeRangeProperties"][0]["container"]
+            self.nodes = overrides.get("numNodes") or props.get("numNodes", 1)
+            layers = [o.get("containerOverrides", {}) for o in overrides.get("nodePropertyOverrides", [])]
+        else:
+            self.container, self.nodes = job.job_definition.container_properties or {}, 1
+            layers = [body.get("containerOverrides") or {}]
         env = {e["name"]: e["value"] for e in self.container.get("environment", [])}
-        for override in overrides.get("nodePropertyOverrides", []):
-            env |= {e["name"]: e["value"] for e in override.get("containerOverrides", {}).get("environment", [])}
+        for layer in layers:
+            env |= {e["name"]: e["value"] for e in layer.get("environment", [])}
         self.env = env
         self.phase = env.get("TRNFLOW_PHASE", "")
         strategy = body.get("retryStrategy") or job.job_definition.retry_strategy or {}
@@ -124,9 +136,11 @@ class BatchJob:
     def _node_env(self, attempt: int, index: int, port: int, host: Instance) -> dict[str, str]:
         itype = self.container.get("instanceType", "trn1.32xlarge")
         root = self.cloud.work_dir / "batch" / self.job.job_id / f"attempt-{attempt}" / f"node-{index}"
-        batch = {"AWS_BATCH_JOB_ID": f"{self.job.job_id}#{index}", "AWS_BATCH_JOB_ATTEMPT": str(attempt),
-                 "AWS_BATCH_JOB_NODE_INDEX": str(index), "AWS_BATCH_JOB_NUM_NODES": str(self.nodes),
-                 "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0", "AWS_BATCH_JQ_NAME": self.job.job_queue.name}
+        batch = {"AWS_BATCH_JOB_ID": self.job.job_id, "AWS_BATCH_JOB_ATTEMPT": str(attempt),
+                 "AWS_BATCH_JQ_NAME": self.job.job_queue.name}
+        if self.multinode:
+            batch |= {"AWS_BATCH_JOB_ID": f"{self.job.job_id}#{index}", "AWS_BATCH_JOB_NODE_INDEX": str(index),
+                      "AWS_BATCH_JOB_NUM_NODES": str(self.nodes), "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0"}
         if index:
             batch["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"  # every node is this machine
         emulator = {INSTANCE_CORES_ENV: str(instance(itype).cores), RT_DIR_ENV: str(root / "neuron-rt"),
@@ -173,12 +187,20 @@ class BatchJob:
         job.status = self.status.RUNNING
         watch = self._checkpoint_watch()
         looked = [time.monotonic()]
+        reclaim: list[float] = []  # when EC2 takes the instances of a spot reclaim back
 
         def interrupt() -> str | None:
             if self._stop:
                 return self._stop
-            if watch is not None and watch():
+            if reclaim and time.monotonic() >= reclaim[0]:
+                self.cloud.instances.stop(instances)  # the two minutes are up
+            elif not reclaim and watch is not None and watch():
                 fault = self.cloud.take_fault("batch", self.phase, "checkpoint")
+                if fault is not None and fault.spot:  # the notice; the container goes on until it acts on it
+                    for host in instances:
+                        host.notify_reclaim(self.cloud.spot_grace_seconds)
+                    reclaim.append(time.monotonic() + self.cloud.spot_grace_seconds)
+                    return None
                 self._fault = fault
                 return fault.reason if fault else None
             if time.monotonic() - looked[0] > 2.0:  # an instance terminated under the attempt ends it
@@ -189,6 +211,8 @@ class BatchJob:
 
         self._fault = None
         codes, reason, _ = run_nodes(nodes, LOG_GROUP, self.cloud.client("logs"), interrupt)
+        if reclaim:  # EC2 takes the instances back, whether or not the containers ended first
+            self.cloud.instances.stop(instances)
         if reason is not None:
             code = self._fault.exit_code if self._fault else None
             self._record(began, code, "", reason)

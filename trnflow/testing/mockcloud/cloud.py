@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import threading
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -29,10 +30,12 @@ from moto.batch.exceptions import ClientException
 from moto.batch.responses import BatchResponse
 from moto.core.config import default_user_config
 from moto.core.responses import ActionResult
+from moto.ec2.responses.spot_instances import SpotInstances
 from moto.sagemaker.exceptions import ResourceInUseException
 from moto.sagemaker.responses import SageMakerResponse
 
 from trnflow import aws
+from trnflow.specs.instances import price
 from trnflow.testing.mockcloud.batch_job import BatchJob, submit_refusal
 from trnflow.testing.mockcloud.instances import Instances
 from trnflow.testing.mockcloud.sagemaker_job import SageMakerJob
@@ -58,8 +61,10 @@ class ServiceFault:
     times: int = 1
     """How many attempts it strikes."""
     spot: bool = False
-    """A spot reclaim: the containers get SIGTERM and `MockCloud.spot_grace_seconds` to end before the
-    instances go; SageMaker's managed spot training then restarts the job (status `Interrupted`)."""
+    """A spot reclaim, with `MockCloud.spot_grace_seconds` between the notice and the instances' end.
+    SageMaker sends the containers SIGTERM, and its managed spot training then restarts the job (status
+    `Interrupted`); on Batch the notice is only in the instance's metadata service, and the job's retry
+    strategy decides."""
 
 
 class MockCloud:
@@ -79,7 +84,7 @@ class MockCloud:
         """The share of the on-demand price a spot job does not pay (SageMaker reports it as
         BillableTimeInSeconds below TrainingTimeInSeconds). The real figure moves by the hour."""
         self.spot_grace_seconds = 120.0
-        """How long a reclaimed spot instance's containers have after SIGTERM (the two-minute notice)."""
+        """How long a reclaimed spot instance's containers have after the notice (EC2's two minutes)."""
         self.node_faults = dict(node_faults or {})
         """Device faults (`TRNFLOW_FAULTS` syntax) of one node of every job, by node index (Batch's
         node index; SageMaker's host, algo-1 being 0): whichever instance serves that node, in every
@@ -201,6 +206,20 @@ class MockCloud:
                     described.setdefault("nodeProperties", definition.node_properties)
             return json.dumps(answer)
 
+        def on_spot_price_history(response: Any) -> Any:
+            """EC2's spot prices: moto answers $0.00001 an hour; the mock's are `spot_discount` off the
+            price table's on-demand price, as of now."""
+            now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.000Z")
+            zones = response._filters_from_querystring().get("availability-zone") or [f"{cloud.region}a"]
+            history = []
+            for itype in response._get_param("InstanceTypes", []):
+                found = price("ec2", itype)
+                if found is not None:
+                    usd = f"{found.usd_per_hour * (1 - cloud.spot_discount):.6f}"
+                    history += [{"InstanceType": itype, "ProductDescription": "Linux/UNIX", "SpotPrice": usd,
+                                 "AvailabilityZone": zone, "Timestamp": now} for zone in zones]
+            return ActionResult({"SpotPriceHistory": history})
+
         def stopper(original: Any) -> Any:
             def on_stop(response: Any) -> str:
                 runner = cloud._jobs.get(response._get_param("jobId"))
@@ -215,6 +234,7 @@ class MockCloud:
         self._patch(BatchResponse, "submitjob", on_submit_job)
         self._patch(BatchResponse, "describejobs", on_describe_jobs)
         self._patch(BatchResponse, "describejobdefinitions", on_describe_job_definitions)
+        self._patch(SpotInstances, "describe_spot_price_history", on_spot_price_history)
         self._patch(BatchResponse, "terminatejob", stopper(terminate_job))
         self._patch(BatchResponse, "canceljob", stopper(cancel_job))
         return self

@@ -2,16 +2,19 @@
 
 Each is minted in moto's EC2 (`RunInstances`), so its id and type are EC2's own, and gets an
 instance metadata service of its own (IMDSv2: a session token, then `meta-data/instance-id` and
-`instance-type`), which its container reaches at `AWS_EC2_METADATA_SERVICE_ENDPOINT` as it would
-reach 169.254.169.254. A job's attempts keep them (a retry is placed on the instances already
-there) unless they were terminated; the job's end terminates them. Every start is counted.
+`instance-type`, and `spot/instance-action` once a spot instance is to be reclaimed), which its
+container reaches at `AWS_EC2_METADATA_SERVICE_ENDPOINT` as it would reach 169.254.169.254. A
+job's attempts keep them (a retry is placed on the instances already there) unless they were
+terminated; the job's end terminates them. Every start is counted.
 """
 
 from __future__ import annotations
 
+import json
 import secrets
 import threading
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -20,11 +23,17 @@ IMAGE_ID = "ami-12c6146b"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"  # noqa: S105 (a header name)
 
 
+SPOT_NOTICE = "/latest/meta-data/spot/instance-action"
+"""Where EC2's two-minute spot interruption notice appears (404 until then)."""
+
+
 @dataclass
 class Instance:
     instance_id: str
     instance_type: str
     server: ThreadingHTTPServer = field(repr=False)
+    answers: dict[str, str] = field(repr=False, default_factory=dict)
+    """What its metadata service answers, by path."""
 
     @property
     def endpoint(self) -> str:
@@ -32,10 +41,14 @@ class Instance:
         host, port = self.server.server_address[:2]
         return f"http://{host}:{port}"
 
+    def notify_reclaim(self, seconds: float = 120.0) -> None:
+        """EC2's spot interruption notice: the instance will be terminated in `seconds`."""
+        when = datetime.now(UTC) + timedelta(seconds=seconds)
+        self.answers[SPOT_NOTICE] = json.dumps({"action": "terminate", "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")})
 
-def _metadata_server(instance_id: str, instance_type: str) -> ThreadingHTTPServer:
+
+def _metadata_server(answers: dict[str, str]) -> ThreadingHTTPServer:
     token = secrets.token_hex(16)
-    answers = {"/latest/meta-data/instance-id": instance_id, "/latest/meta-data/instance-type": instance_type}
 
     class Handler(BaseHTTPRequestHandler):
         def _send(self, status: int, body: str) -> None:
@@ -63,7 +76,7 @@ def _metadata_server(instance_id: str, instance_type: str) -> ThreadingHTTPServe
             pass
 
     server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, name=f"imds-{instance_id}", daemon=True).start()
+    threading.Thread(target=server.serve_forever, name="imds", daemon=True).start()
     return server
 
 
@@ -84,7 +97,11 @@ class Instances:
         ids = [i["InstanceId"] for i in answer["Instances"]]
         with self._lock:
             self.started += ids
-        return [Instance(i, instance_type, _metadata_server(i, instance_type)) for i in ids]
+        started = []
+        for i in ids:
+            answers = {"/latest/meta-data/instance-id": i, "/latest/meta-data/instance-type": instance_type}
+            started.append(Instance(i, instance_type, _metadata_server(answers), answers))
+        return started
 
     def gone(self, instances: list[Instance]) -> list[Instance]:
         """Those no longer running in EC2 (terminated by someone)."""

@@ -1,5 +1,6 @@
 """The deployment trnflow's cloud backends expect, created in the emulated AWS: buckets, the
-SageMaker role, a Batch compute environment with its queue and fair-share policy, and the
+SageMaker role, Batch compute environments (on demand, and spot) with their queues and fair-share
+policy, and the
 settings published as SSM parameters. In the real
 account `infra/cloudformation/trnflow.yaml` creates them; this is the same shape, made through the
 APIs so it works on any moto."""
@@ -13,7 +14,7 @@ ACCOUNT = "123456789012"
 """moto's account."""
 TRUST = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole", "Principal": {
     "Service": ["sagemaker.amazonaws.com", "batch.amazonaws.com", "ec2.amazonaws.com"]}}]}
-SETTINGS = ("IMAGE_NEURON", "IMAGE_XLA", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE")
+SETTINGS = ("IMAGE_NEURON", "IMAGE_XLA", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE", "BATCH_SPOT_JOB_QUEUE")
 """The settings the deployment publishes (TRNFLOW_<name>, and /<prefix>/<name in kebab case> in SSM)."""
 
 
@@ -49,6 +50,14 @@ def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
         batch.create_job_queue(jobQueueName=queue, state="ENABLED", priority=1, schedulingPolicyArn=policy["arn"],
                                computeEnvironmentOrder=[{"order": 1, "computeEnvironment": environment[
                                    "computeEnvironmentArn"]}])
+        spot = batch.create_compute_environment(  # single-node jobs only: Batch runs no multi-node job on spot
+            computeEnvironmentName=f"{prefix}-trn1-spot", type="MANAGED", state="ENABLED", serviceRole=service_role,
+            computeResources={"type": "SPOT", "allocationStrategy": "SPOT_PRICE_CAPACITY_OPTIMIZED", "minvCpus": 0,
+                              "maxvCpus": 2048, "instanceTypes": ["trn1.2xlarge", "trn1.32xlarge"],
+                              "subnets": [subnet], "securityGroupIds": [group], "instanceRole": profile["Arn"]})
+        batch.create_job_queue(jobQueueName=f"{queue}-spot", state="ENABLED", priority=1,
+                               schedulingPolicyArn=policy["arn"], computeEnvironmentOrder=[
+                                   {"order": 1, "computeEnvironment": spot["computeEnvironmentArn"]}])
     outputs = mock_outputs(prefix)
     assert outputs["SAGEMAKER_ROLE_ARN"] == role
     ssm = client("ssm")
@@ -64,4 +73,5 @@ def mock_outputs(prefix: str = "trnflow") -> dict[str, str]:
     return {"IMAGE_NEURON": f"{repository}:neuron", "IMAGE_XLA": f"{repository}:xla",
             "STAGING_URL": f"s3://{prefix}-staging-{ACCOUNT}/jobs",
             "SAGEMAKER_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/{prefix}-sagemaker",
-            "BATCH_JOB_QUEUE": f"{prefix}-trn1", "DATA_BUCKET": f"{prefix}-data-{ACCOUNT}"}
+            "BATCH_JOB_QUEUE": f"{prefix}-trn1", "BATCH_SPOT_JOB_QUEUE": f"{prefix}-trn1-spot",
+            "DATA_BUCKET": f"{prefix}-data-{ACCOUNT}"}
