@@ -79,6 +79,9 @@ ChampionOrUrl = Annotated[Literal["champion"] | Url, Field(union_mode="left_to_r
 
 
 MAX_STEPS = 10**9
+BATCH_SPOT_TYPES = ("trn1.32xlarge",)
+"""The instance types of the infra stack's Batch spot compute environment: one, because Batch places
+a single-node job by its vCPUs and memory, so a smaller spec could land on a larger type."""
 """More optimizer steps than any run takes: a bound a step counter and its arithmetic honour."""
 
 
@@ -358,6 +361,12 @@ class ComputeSpec(Section):
         if self.spot and self.backend == "sagemaker" and self.instance_preferences:
             raise ValueError("compute.spot: SageMaker's instance preferences take on-demand capacity only; remove "
                              "compute.instance_preferences, or compute.spot")
+        if self.spot and self.backend == "batch" and self.instance_type not in BATCH_SPOT_TYPES:
+            raise ValueError(f"compute.instance_type: Batch spot jobs run on the deployment's spot compute "
+                             f"environment, which holds {', '.join(BATCH_SPOT_TYPES)} (one job to an instance: Batch "
+                             f"places a single-node job by its vCPUs and memory, not by type), not "
+                             f"{self.instance_type}; set compute.instance_type: {BATCH_SPOT_TYPES[0]}, or run spot "
+                             "on sagemaker")
         if self.spot and self.backend == "batch" and self.nodes > 1:
             raise ValueError(f"compute.spot: AWS Batch does not run multi-node parallel jobs on spot compute "
                              f"environments, and this spec asks for {self.nodes} nodes; set compute.nodes: 1 (a "

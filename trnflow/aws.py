@@ -11,7 +11,9 @@ instance it runs on, and EC2's spot reclaim notice.
 
 from __future__ import annotations
 
+import http.client
 import logging
+import math
 import os
 import threading
 import time
@@ -127,21 +129,29 @@ IMDS_TOKEN_SECONDS = 21600
 
 
 class InstanceMetadata:
-    """This EC2 instance's metadata service, IMDSv2 (a session token, kept until it expires, then the
-    reads). Every read is None where the service does not answer: not on EC2, a container it is
-    blocked from, SageMaker's containers, or a path it does not have (yet). A service that did not
-    answer at all is not asked again."""
+    """This EC2 instance's metadata service, IMDSv2: a session token, kept until it expires (or the
+    service refuses it), then the reads. Every read is None where the service does not answer: not
+    on EC2, a container it is blocked from, SageMaker's containers, or a path it does not have (yet:
+    the reclaim notice is a 404 until EC2 gives it). A service that did not answer at all is not
+    asked again for `QUIET_SECONDS`, so a blocked one costs a job one timeout a minute, not one a step."""
+
+    QUIET_SECONDS = 60.0
 
     def __init__(self, env: Mapping[str, str] | None = None, timeout: float = 1.0):
         env = os.environ if env is None else env
         self.base = env.get("AWS_EC2_METADATA_SERVICE_ENDPOINT", IMDS_ENDPOINT).rstrip("/")
         self.timeout = timeout
         self._token, self._until = "", 0.0
-        self.answers = self.base.startswith(("http://", "https://"))
+        self._quiet_until = 0.0 if self.base.startswith(("http://", "https://")) else math.inf
+
+    @property
+    def answers(self) -> bool:
+        """Whether the service is being asked (it answered, or has not been asked yet)."""
+        return time.monotonic() >= self._quiet_until
 
     def _open(self, path: str, headers: dict[str, str], method: str = "GET") -> str:
         request = urllib.request.Request(f"{self.base}{path}", method=method, headers=headers)  # noqa: S310
-        with urllib.request.urlopen(request, timeout=self.timeout) as answer:  # noqa: S310 (http only, below)
+        with urllib.request.urlopen(request, timeout=self.timeout) as answer:  # noqa: S310 (http only, above)
             return answer.read().decode().strip()
 
     def get(self, key: str) -> str | None:
@@ -154,11 +164,12 @@ class InstanceMetadata:
                     "X-aws-ec2-metadata-token-ttl-seconds": str(IMDS_TOKEN_SECONDS)}, "PUT")
                 self._until = time.monotonic() + IMDS_TOKEN_SECONDS - 60
             return self._open(f"/latest/meta-data/{key}", {"X-aws-ec2-metadata-token": self._token})
-        except urllib.error.HTTPError:  # 404: no such path (no notice yet); 401: the token expired early
-            self._until = 0.0
+        except urllib.error.HTTPError as exc:  # 404: no such path (no notice yet)
+            if exc.code == 401:  # the token was refused: take a new one next time
+                self._until = 0.0
             return None
-        except OSError:  # no answer at all: a timeout, a refused connection
-            self.answers = False
+        except (OSError, http.client.HTTPException):  # no answer, a timeout, a cut connection
+            self._quiet_until = time.monotonic() + self.QUIET_SECONDS
             return None
 
     def reclaim_notice(self) -> str | None:

@@ -7,8 +7,10 @@ It turns the service's contract into a torchrun rendezvous and runs the one work
   /opt/ml/output/failure, which SageMaker reports as `AlgorithmError: <its text>`.
 - Batch starts every node with the command `batch`. `AWS_BATCH_JOB_NODE_INDEX`,
   `AWS_BATCH_JOB_NUM_NODES` and `AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS` (absent on the main
-  node itself) give the rendezvous. Batch has no output channel, so each node uploads its root
-  failure, and the main node the result, under `TRNFLOW_RESULT_URL/<job id>/`.
+  node itself) give the rendezvous; a single-node job (a spot spec's) has none of them, and is node
+  0 of 1. There the spot reclaim notice is read from the instance metadata service. Batch has no
+  output channel, so each node uploads its root failure, and the main node the result, under
+  `TRNFLOW_RESULT_URL/<job id>/`.
 
 The job's phase, run id, spec location and cores per node come from `TRNFLOW_*` variables set by
 the request builders. A transient failure exits with 75, which Batch's retry strategy retries;
@@ -415,9 +417,9 @@ def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path
                               since=me.started_at)
             if not word.go and word.reason.startswith(MAIN_NODE_FAILED):
                 return ExitCode.FAILED, None  # the main node's report says why; another would only blur it
-            if not word.go and stopping and env.get("TRNFLOW_SPOT") == "1":  # reclaimed while it waited
+            if not word.go and stopping and env.get(RECLAIM_NOTICE_ENV) and InstanceMetadata(env).reclaim_notice():
                 return ExitCode.TRANSIENT, FailureReport(type="SpotInterruption", retryable=True, message=(
-                    f"{phase} was not started: the spot instance is being reclaimed"))
+                    f"{phase} was not started: EC2 is reclaiming the spot instance"))  # stopped by it, not a person
             if not word.go:
                 return ExitCode.FAILED, FailureReport(type="FatalError", retryable=False, message=(
                     f"{phase} was not started: {word.reason or 'the orchestrator said no'}"))

@@ -15,6 +15,7 @@ from cfnlint.decode import decode_str
 
 from tests.conftest import in_process_aws  # noqa: F401 (a fixture)
 from trnflow.backends.cloud import published_settings
+from trnflow.specs.spec import BATCH_SPOT_TYPES
 
 INFRA = Path(__file__).resolve().parents[1]
 TEMPLATE = INFRA / "cloudformation" / "trnflow.yaml"
@@ -120,7 +121,8 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
     (spot_queue,) = batch.describe_job_queues(jobQueues=[outputs["BatchSpotJobQueue"]])["jobQueues"]
     (spot,) = batch.describe_compute_environments(computeEnvironments=["trnflow-trn1-spot"])["computeEnvironments"]
     assert spot_queue["computeEnvironmentOrder"][0]["computeEnvironment"] == spot["computeEnvironmentArn"]
-    assert spot["computeResources"]["type"] == "SPOT" and "trn1.2xlarge" in spot["computeResources"]["instanceTypes"]
+    assert spot["computeResources"]["type"] == "SPOT"
+    assert tuple(spot["computeResources"]["instanceTypes"]) == BATCH_SPOT_TYPES  # what specs are checked against
     (version,) = ec2.describe_launch_template_versions(LaunchTemplateName="trnflow-trn1-spot")["LaunchTemplateVersions"]
     user_data = base64.b64decode(version["LaunchTemplateData"]["UserData"]).decode()
     assert "ECS_ENABLE_SPOT_INSTANCE_DRAINING=true" in user_data

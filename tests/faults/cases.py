@@ -264,7 +264,7 @@ CASES = [
     Case("batch-spot-reclaim", "EC2 reclaims the spot instance of a one-node Batch training job after a "
          "checkpoint: training reads the notice from the metadata service, checkpoints that step and exits 75, and "
          "Batch's retry resumes there on a new instance",
-         {"compute": {"spot": True, "instance_type": "trn1.2xlarge", "nodes": 1, "cores_per_node": 2}},
+         {"compute": {"spot": True, "nodes": 1, "cores_per_node": 2}},
          storage="batch", fault="spot", seen=lambda row: row["retries_by"].get("service", 0) == 1),
     Case("disk-full", "no space left on the device while writing the step-30 checkpoint", setup=disk_full),
     Case("kill-torn-hw", "three in one run: a rank SIGKILLed at step 13, the step-20 checkpoint torn, then a "

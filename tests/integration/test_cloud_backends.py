@@ -468,7 +468,7 @@ def test_a_reclaimed_batch_spot_job_checkpoints_on_ec2s_notice_and_its_retry_end
     with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [reclaim]) as (cloud, bucket):
         backend = BatchBackend(cloud_target(TrnflowSettings(), "batch"))
         spec = _cloud_spec(make_spec, bucket, "batch", gate={"eval_every": None}, train={"steps": 30, "log_every": 1},
-                           compute={"spot": True, "instance_type": "trn1.2xlarge", "nodes": 1, "cores_per_node": 2},
+                           compute={"spot": True, "nodes": 1, "cores_per_node": 2},
                            registry_url=f"s3://{bucket}/registry-batch-spot")
         info = wait(backend, backend.submit(JobRequest(spec, "train", "bspot")), 0.5)
         assert info.state.value == "SUCCEEDED", info.failure
@@ -483,8 +483,10 @@ def test_a_reclaimed_batch_spot_job_checkpoints_on_ec2s_notice_and_its_retry_end
         assert hosts[1] != hosts[2] and hosts[1] in cloud.instances.started
         gone = boto3.client("ec2").describe_instances(InstanceIds=[hosts[1]])["Reservations"][0]["Instances"][0]
         assert gone["State"]["Name"] == "terminated"  # EC2 took it back; the retry ran elsewhere
-        on_demand = price("ec2", "trn1.2xlarge").usd_per_hour
+        on_demand = price("ec2", "trn1.32xlarge").usd_per_hour
         assert info.details["spot"] and info.details["price_per_hour"] == pytest.approx(on_demand * 0.3, rel=1e-3)
+        text, _ = backend.logs(info.job_id, 0)  # the retry's own stream: it resumed
+        assert '"event": "resume"' in text, text[-2000:]
 
         whole = wait(backend, backend.submit(JobRequest(spec, "train", "bspot-whole")), 0.5)
         assert whole.state.value == "SUCCEEDED", whole.failure

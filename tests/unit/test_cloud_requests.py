@@ -130,9 +130,13 @@ def test_spot_becomes_managed_spot_training_with_a_wait_of_at_least_the_runtime(
     ({"max_wait_hours": 12}, "compute.max_wait_hours: it bounds a spot job's waits"),
     ({"spot": True, "instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"]},
      "compute.spot: SageMaker's instance preferences take on-demand capacity only"),
-    ({"spot": True, "backend": "batch"}, "compute.spot: AWS Batch does not run multi-node parallel jobs on spot "
+    ({"spot": True, "backend": "batch", "instance_type": "trn1.32xlarge"},
+     "compute.spot: AWS Batch does not run multi-node parallel jobs on spot "
      "compute environments, and this spec asks for 2 nodes; set compute.nodes: 1"),
-    ({"spot": True, "backend": "batch", "nodes": 1, "max_wait_hours": 12},
+    ({"spot": True, "backend": "batch", "nodes": 1, "instance_type": "trn1n.32xlarge"},
+     "compute.instance_type: Batch spot jobs run on the deployment's spot compute environment, which holds "
+     "trn1.32xlarge"),
+    ({"spot": True, "backend": "batch", "nodes": 1, "instance_type": "trn1.32xlarge", "max_wait_hours": 12},
      "compute.max_wait_hours: it is SageMaker's MaxWaitTimeInSeconds; on Batch each wait for spot capacity"),
 ])
 def test_every_instance_a_job_may_get_is_checked_up_front(compute, problem):
@@ -246,18 +250,21 @@ def test_a_batch_spot_job_is_a_single_node_job_on_the_spot_queue_that_reads_ec2s
     single-node definition (no EFA, which the spot environment's instances do not attach) and goes to
     the spot queue; the container is told to watch for the reclaim notice. Both requests are valid
     for the service."""
-    spec = _spec(itype="trn1.2xlarge", nodes=1, cores=2, compute={"backend": "batch", "spot": True})
+    spec = _spec(itype="trn1.32xlarge", nodes=1, cores=2, compute={"backend": "batch", "spot": True})
     target = dataclasses.replace(TARGET, spot_job_queue="trn1-spot")
     definition = build_job_definition(spec, target)
     assert definition["type"] == "container" and "nodeProperties" not in definition
     container = definition["containerProperties"]
-    assert [d["hostPath"] for d in container["linuxParameters"]["devices"]] == ["/dev/neuron0"]
-    assert container["environment"] == [] and container["instanceType"] == "trn1.2xlarge"
+    assert [d["hostPath"] for d in container["linuxParameters"]["devices"]] == [f"/dev/neuron{i}" for i in range(16)]
+    assert container["environment"] == [] and "instanceType" not in container  # Batch ignores it on one node
+    # all but the host's share of the vCPUs: no smaller instance can take it, and no other job can share its one
+    assert {"type": "VCPU", "value": "96"} in container["resourceRequirements"]
     assert {"action": "RETRY", "onExitCode": "75"} in definition["retryStrategy"]["evaluateOnExit"]
     submit = build_submit_job(JobRequest(spec, "train", "r5"), target, definition["jobDefinitionName"])
     assert submit["jobQueue"] == "trn1-spot" and "nodeOverrides" not in submit
     env = {e["name"]: e["value"] for e in submit["containerOverrides"]["environment"]}
     assert env["TRNFLOW_SPOT"] == "1" and env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] == "100"
+    assert not {k for k in env if k.startswith(("FI_", "RDMAV_"))}  # the spot environment attaches no EFA
     assert submit["tags"]["trnflow:spot"] == "true"
     _valid_for_the_service("batch", "RegisterJobDefinition", definition)
     _valid_for_the_service("batch", "SubmitJob", submit)

@@ -52,6 +52,7 @@ def test_batch_bills_each_instance_from_its_launch_to_the_last_attempt_it_served
     assert found.seconds == 100 + 80  # each attempt waited for its slowest new instance
     # a: 1000..2000, b: 1000..1400 (its last attempt), c: 1500..2000; per node of the two
     assert found.billable_seconds == (1000 + 400 + 500) / 2
+    assert found.instance_seconds == {"i-a": 1000, "i-b": 400, "i-c": 500}  # each priced at its own spot price
     # a job placed on an instance the compute environment held from an earlier job: not started for it,
     # billed from its submission
     later = {"createdAt": 1_800_000, "attempts": [{"startedAt": 1_805_000, "stoppedAt": 2_100_000}]}

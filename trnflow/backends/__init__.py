@@ -1,7 +1,7 @@
 """The backends room: where a stage job runs. Flows and tasks see only the `Backend` protocol.
 
 It owns the local backend (torchrun processes on this host's device), SageMaker training jobs and
-AWS Batch multi-node jobs (their requests, status and logs), the launcher program every job's
+AWS Batch jobs (multi-node, or single-node on spot; their requests, status and logs), the launcher program every job's
 command runs (`launcher`: torchrun, each rank's log, how each rank ended), the fp32 parity
 reference run (`reference`), the root-failure classification and the training container's
 entrypoint (`trnflow.container`). Every boto3 client comes from `trnflow.aws`. It depends on the

@@ -1,4 +1,5 @@
-"""The AWS Batch backend: each stage job is a multi-node parallel job on the deployment's queue.
+"""The AWS Batch backend: each stage job is a multi-node parallel job on the deployment's queue (a
+spot spec's, a single-node job on its spot queue).
 
 `submit` registers the job definition unless one with its content-hash name is active, hands the
 spec over in the staging bucket and submits; `describe` polls `DescribeJobs` (through `trnflow.aws`,
@@ -63,7 +64,7 @@ class BatchBackend:
         self._logs = aws.client("logs", boto_session=session)
         self._rules: dict[str, list[dict[str, str]]] = {}
         self._queues: dict[str, dict[str, Any] | None] = {}
-        self._streams: dict[str, str] = {}
+        self._streams: dict[str, tuple[str, int]] = {}  # job -> (its attempt's stream, the cursor it began at)
         self.nodes = NodeWatch()  # stops a job whose other node failed while its main node went on
         self._waits: dict[str, tuple[float, str, str]] = {}  # job -> (seconds it may wait, instance type, queue)
         self._starved: dict[str, FailureReport] = {}  # jobs stopped for waiting longer than that
@@ -213,30 +214,34 @@ class BatchBackend:
                 launched = {i["InstanceId"]: i["LaunchTime"].timestamp() for i in found}
                 nodes = (desc.get("nodeProperties") or {}).get("numNodes") or 1
                 self._provisioned[job_id] = batch_provisioning(desc, identities, launched, nodes)
-                if desc.get("tags", {}).get("trnflow:spot") == "true":
-                    self._spot_prices[job_id] = self._spot_price(found)
+                billed = self._provisioned[job_id]
+                if desc.get("tags", {}).get("trnflow:spot") == "true" and billed is not None:
+                    self._spot_prices[job_id] = self._spot_price(found, billed.instance_seconds)
             except Exception as exc:  # the bill then is the attempts' running time, as Batch reports it
                 log.warning("Batch job %s: could not read which instances it started (%s); it is billed for its "
                             "attempts' running time", desc.get("jobName"), exc)
                 self._provisioned[job_id] = None
         return self._provisioned[job_id]
 
-    def _spot_price(self, instances: list[dict[str, Any]]) -> float | None:
-        """The mean of EC2's spot prices (USD an hour) for these instances' types and zones when each
-        was launched; None when EC2 does not say (the job is then priced on demand)."""
-        prices = []
+    def _spot_price(self, instances: list[dict[str, Any]], seconds: dict[str, float]) -> float | None:
+        """The job's spot price (USD an hour): each instance's, for its type and zone when it was
+        launched, weighted by the seconds it is billed; None when EC2 does not say for every one (the
+        job is then priced on demand)."""
+        paid, held = 0.0, 0.0
         try:
             for i in instances:
                 history = aws.call(self._ec2.describe_spot_price_history, InstanceTypes=[i["InstanceType"]],
                                    ProductDescriptions=["Linux/UNIX"], StartTime=i["LaunchTime"],
                                    EndTime=i["LaunchTime"], Filters=[{"Name": "availability-zone", "Values": [
                                        i["Placement"]["AvailabilityZone"]]}])["SpotPriceHistory"]
-                if history:
-                    prices.append(float(history[0]["SpotPrice"]))
+                if not history:
+                    raise LookupError(f"no spot price of {i['InstanceType']} in {i['Placement']['AvailabilityZone']}")
+                paid += float(history[0]["SpotPrice"]) * seconds.get(i["InstanceId"], 0.0)
+                held += seconds.get(i["InstanceId"], 0.0)
         except Exception as exc:  # the cost table then prices the job on demand, and says no saving
             log.warning("could not read EC2's spot prices (%s); the spot job is priced on demand", exc)
             return None
-        return round(sum(prices) / len(prices), 6) if prices else None
+        return round(paid / held, 6) if held else None
 
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)
@@ -268,11 +273,17 @@ class BatchBackend:
         return JobInfo(job_id, state, details=details)
 
     def logs(self, job_id: str, since: int = 0) -> tuple[str, int]:
-        stream = self._streams.get(job_id) or (self._describe(job_id).get("container") or {}).get("logStreamName")
+        """The main node's log from `since` on. Each attempt writes a stream of its own: a retry's
+        stream is read from its start, its lines counted after the last attempt's."""
+        current = (self._describe(job_id).get("container") or {}).get("logStreamName")
+        stream, base = self._streams.get(job_id, ("", 0))
+        if current and current != stream:
+            stream, base = current, since
+            self._streams[job_id] = (stream, base)
         if not stream:
             return "", since
-        self._streams[job_id] = stream
-        return self._reader.read(stream, since)
+        text, cursor = self._reader.read(stream, since - base)
+        return text, base + cursor
 
     def cancel(self, job_id: str) -> None:
         aws.call(self._batch.terminate_job, jobId=job_id, reason=CANCEL_REASON)

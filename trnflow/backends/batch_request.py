@@ -86,14 +86,16 @@ def _memory_mib(spec: JobSpec) -> int:
 
 
 def _container(spec: JobSpec, target: CloudTarget, phase: str, efa: bool = True) -> dict[str, Any]:
-    """A node's container; `efa`: with the instance's EFA devices and libfabric's settings (multi-node
-    jobs, whose launch template attaches the interfaces)."""
+    """A node's container; `efa`: a multi-node job's, on the instance type it names, with the
+    instance's EFA devices and libfabric's settings (its launch template attaches the interfaces).
+    A single-node job names no type (Batch ignores it there): its vCPUs, all but the host's share of
+    the instance's, keep any smaller instance from taking it and any other job from sharing its one."""
     t = instance(spec.compute.instance_type)
     devices = _devices(t.name) if efa else [d for d in _devices(t.name) if d["hostPath"].startswith("/dev/neuron")]
     container: dict[str, Any] = {
         "image": target.image_for(spec),
         "command": COMMAND,
-        "instanceType": t.name,
+        **({"instanceType": t.name} if efa else {}),  # Batch places a single-node job by its vCPUs and memory
         "resourceRequirements": [
             {"type": "VCPU", "value": str(max(1, t.vcpus - HOST_RESERVED_VCPUS))},
             {"type": "MEMORY", "value": str(_memory_mib(spec))},
@@ -142,7 +144,10 @@ def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: s
     spec = request.spec
     if spec is None:
         raise FatalError("a Batch job needs a job spec")
-    environment = [{"name": k, "value": v} for k, v in sorted(container_environment(request, target).items())]
+    env = container_environment(request, target)
+    if spec.compute.spot:  # a single-node job on the spot environment, whose instances attach no EFA
+        env = {k: v for k, v in env.items() if k not in efa_environment(spec.compute.instance_type)}
+    environment = [{"name": k, "value": v} for k, v in sorted(env.items())]
     shape: dict[str, Any] = {"containerOverrides": {"environment": environment}} if spec.compute.spot else {
         "nodeOverrides": {
             "numNodes": placement(request)[0],

@@ -111,7 +111,8 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
     needed = ["staging_url", *(["batch_job_queue"] if service == "batch" else
                                [] if every_kind else ["sagemaker_role_arn"])]
     images = ("image", *(f"image_{d}" for d in IMAGES))
-    if any(not values[name] for name in needed) or not any(values[name] for name in images):
+    optional = ["batch_spot_job_queue"] if service == "batch" else []  # for spot specs; read where published too
+    if any(not values[name] for name in [*needed, *optional]) or not any(values[name] for name in images):
         published = published_settings(settings.parameters_path)
         values = {name: values[name] or published.get(name) for name in SETTINGS}
     missing = [f"TRNFLOW_{name.upper()}" for name in needed if not values[name]]

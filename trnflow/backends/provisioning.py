@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from trnflow.results import NodeIdentity
@@ -40,6 +40,8 @@ class Provisioning:
     billable_seconds: float | None = None
     """Seconds per node billed from the instances' launch (Batch); None where the service's own
     figure is the bill (SageMaker)."""
+    instance_seconds: dict[str, float] = field(default_factory=dict)
+    """Batch: the seconds billed for each instance (by id), which a spot job prices at its own price."""
 
 
 def sagemaker_provisioning(desc: dict[str, Any]) -> Provisioning:
@@ -71,7 +73,7 @@ def batch_provisioning(desc: dict[str, Any], identities: list[NodeIdentity], lau
     served: dict[str, list[NodeIdentity]] = {}
     for n in identities:
         served.setdefault(str(n.instance_id), []).append(n)
-    billed, waits = 0.0, {}
+    billed, waits, each = 0.0, {}, {}
     for instance_id, used in served.items():
         # an instance the compute environment already held for an earlier job is billed to this one
         # from its submission on, and was not started for it
@@ -79,9 +81,10 @@ def batch_provisioning(desc: dict[str, Any], identities: list[NodeIdentity], lau
         began = launched[instance_id] if fresh else max(launched[instance_id], submitted)
         first = min(used, key=lambda n: n.attempt)
         end = ends.get(max(n.attempt for n in used)) or time.time()  # still running: so far
-        billed += max(0.0, end - began)
+        each[instance_id] = max(0.0, end - began)
+        billed += each[instance_id]
         if fresh:
             waits.setdefault(first.attempt, []).append(max(0.0, first.started_at - began))
     seconds = sum(max(w) for w in waits.values())
     started = sum(1 for i in served if launched[i] >= submitted - SUBMIT_MARGIN_SECONDS)
-    return Provisioning(started, round(seconds, 1), billed / max(1, nodes))
+    return Provisioning(started, round(seconds, 1), billed / max(1, nodes), each)

@@ -124,6 +124,10 @@ def batch_failure(desc: dict[str, Any], rules: list[dict[str, str]], report: Fai
     attempts = len(desc.get("attempts") or [])
     cause = "; ".join(x for x in (status_reason, reason, None if code is None else f"exit code {code}") if x)
     if exit_action(rules, code, reason, status_reason) == "RETRY":
+        if report is not None and report.type == "SpotInterruption":  # spot capacity, not a bad host: go on
+            return failure("SpotInterruption", f"EC2 reclaimed the spot instances of {job} in each of its {attempts} "
+                           f"attempt(s) ({cause}); the stage submits it again, and it resumes from its last "
+                           "checkpoint", True)
         kind = report.type if report else "host failure"
         return failure("HostFailure", f"AWS Batch retried {job} {attempts} time(s) per its retryStrategy and it "
                        f"still failed ({kind}: {cause}); {report.message if report else ''}".rstrip("; "), False)

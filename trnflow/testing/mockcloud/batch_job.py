@@ -77,6 +77,22 @@ class BatchJob:
         job.attempts, job.latest_attempt = [], None
         job.status = JobStatus.RUNNABLE
 
+    @property
+    def itype(self) -> str:
+        """The instance type the job runs on: the one a multi-node job names; for a single-node job
+        (which names none: Batch ignores it there), the first type of its queue's compute
+        environments with the vCPUs and memory it asks for, as Batch places it."""
+        if self.multinode:
+            return self.container.get("instanceType", "trn1.32xlarge")
+        wants = {r["type"]: int(r["value"]) for r in self.container.get("resourceRequirements", [])}
+        for environment in self.job.job_queue.environments:
+            for name in (environment.compute_resources or {}).get("instanceTypes", []):
+                t = instance(name)
+                if t.vcpus >= wants.get("VCPU", 1) and t.host_memory_gib * 1024 >= wants.get("MEMORY", 0):
+                    return name
+        raise ValueError(f"no instance type of job queue {self.job.job_queue.name} has the vCPUs and memory the "
+                         f"job asks for ({wants}); Batch would leave it RUNNABLE")
+
     def described(self) -> dict[str, Any]:
         """What DescribeJobs tells of the job that moto drops: the retry strategy it runs under (the
         submission's, else its definition's), and its share identifier and scheduling priority."""
@@ -92,7 +108,7 @@ class BatchJob:
     def _capacity(self) -> bool:
         """Wait, RUNNABLE, while the cloud has no instance of the job's type (`no_capacity`), as Batch
         leaves such a job queued for ever; False when the job was stopped meanwhile."""
-        itype = self.container.get("instanceType", "trn1.32xlarge")
+        itype = self.itype
         while itype in self.cloud.no_capacity and not self._stop:
             self.job.status = self.status.RUNNABLE
             self.job.job_stopped_reason = NO_CAPACITY.format(itype)
@@ -134,7 +150,7 @@ class BatchJob:
         })
 
     def _node_env(self, attempt: int, index: int, port: int, host: Instance) -> dict[str, str]:
-        itype = self.container.get("instanceType", "trn1.32xlarge")
+        itype = self.itype
         root = self.cloud.work_dir / "batch" / self.job.job_id / f"attempt-{attempt}" / f"node-{index}"
         batch = {"AWS_BATCH_JOB_ID": self.job.job_id, "AWS_BATCH_JOB_ATTEMPT": str(attempt),
                  "AWS_BATCH_JQ_NAME": self.job.job_queue.name}
@@ -169,9 +185,10 @@ class BatchJob:
             self._record(began, fault.exit_code, "", fault.reason)
             return fault.exit_code, "", fault.reason
         job.status = self.status.STARTING
+        job.log_stream_name = f"{job._stream_name}/attempt-{attempt}" if attempt > 1 else job._stream_name
         port, command = free_port(), self.container.get("command", ["batch"])
         root = self.cloud.work_dir / "batch" / job.job_id / f"attempt-{attempt}"
-        instances = self._instances(self.container.get("instanceType", "trn1.32xlarge"))
+        instances = self._instances(self.itype)
         nodes = [Node(list(command), self._node_env(attempt, i, port, instances[i]),
                       root / f"node-{i}" / "container.log",
                       job.log_stream_name if i == 0 else f"{job.log_stream_name}/node-{i}")

@@ -34,6 +34,8 @@ class Instance:
     server: ThreadingHTTPServer = field(repr=False)
     answers: dict[str, str] = field(repr=False, default_factory=dict)
     """What its metadata service answers, by path."""
+    asked: list[str] = field(repr=False, default_factory=list)
+    """Every request its metadata service got (`PUT /latest/api/token`, `GET /latest/meta-data/...`)."""
 
     @property
     def endpoint(self) -> str:
@@ -47,7 +49,7 @@ class Instance:
         self.answers[SPOT_NOTICE] = json.dumps({"action": "terminate", "time": when.strftime("%Y-%m-%dT%H:%M:%SZ")})
 
 
-def _metadata_server(answers: dict[str, str]) -> ThreadingHTTPServer:
+def _metadata_server(answers: dict[str, str], asked: list[str]) -> ThreadingHTTPServer:
     token = secrets.token_hex(16)
 
     class Handler(BaseHTTPRequestHandler):
@@ -59,12 +61,14 @@ def _metadata_server(answers: dict[str, str]) -> ThreadingHTTPServer:
             self.wfile.write(data)
 
         def do_PUT(self) -> None:
+            asked.append(f"PUT {self.path}")
             if self.path == "/latest/api/token" and self.headers.get("X-aws-ec2-metadata-token-ttl-seconds"):
                 self._send(200, token)
             else:
                 self._send(400, "")
 
         def do_GET(self) -> None:
+            asked.append(f"GET {self.path}")
             if self.headers.get(TOKEN_HEADER) != token:
                 self._send(401, "")  # IMDSv2 only, as the deployment's launch template requires
             elif self.path in answers:
@@ -100,7 +104,8 @@ class Instances:
         started = []
         for i in ids:
             answers = {"/latest/meta-data/instance-id": i, "/latest/meta-data/instance-type": instance_type}
-            started.append(Instance(i, instance_type, _metadata_server(answers), answers))
+            asked: list[str] = []
+            started.append(Instance(i, instance_type, _metadata_server(answers, asked), answers, asked))
         return started
 
     def gone(self, instances: list[Instance]) -> list[Instance]:

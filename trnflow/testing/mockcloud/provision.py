@@ -14,7 +14,8 @@ ACCOUNT = "123456789012"
 """moto's account."""
 TRUST = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole", "Principal": {
     "Service": ["sagemaker.amazonaws.com", "batch.amazonaws.com", "ec2.amazonaws.com"]}}]}
-SETTINGS = ("IMAGE_NEURON", "IMAGE_XLA", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE", "BATCH_SPOT_JOB_QUEUE")
+SETTINGS = ("IMAGE_NEURON", "IMAGE_XLA", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE",
+            "BATCH_SPOT_JOB_QUEUE")
 """The settings the deployment publishes (TRNFLOW_<name>, and /<prefix>/<name in kebab case> in SSM)."""
 
 
@@ -53,7 +54,7 @@ def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
         spot = batch.create_compute_environment(  # single-node jobs only: Batch runs no multi-node job on spot
             computeEnvironmentName=f"{prefix}-trn1-spot", type="MANAGED", state="ENABLED", serviceRole=service_role,
             computeResources={"type": "SPOT", "allocationStrategy": "SPOT_PRICE_CAPACITY_OPTIMIZED", "minvCpus": 0,
-                              "maxvCpus": 2048, "instanceTypes": ["trn1.2xlarge", "trn1.32xlarge"],
+                              "maxvCpus": 2048, "instanceTypes": ["trn1.32xlarge"],
                               "subnets": [subnet], "securityGroupIds": [group], "instanceRole": profile["Arn"]})
         batch.create_job_queue(jobQueueName=f"{queue}-spot", state="ENABLED", priority=1,
                                schedulingPolicyArn=policy["arn"], computeEnvironmentOrder=[
