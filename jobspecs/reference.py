@@ -60,8 +60,22 @@ def _type(annotation: Any, metadata: typing.Sequence[Any] = ()) -> str:
             return f"list, each {inner}"
         return f"list of {inner}s" if args[0] in _SCALARS else f"list of {inner}"
     if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if not any(annotation in _section_models(i.annotation) for i in JobSpec.model_fields.values()):
+            return "the fields below"  # a section within a section: its fields are rows of their own
         return f"[{_section_name(annotation)}](#{_section_name(annotation)})"
     return _SCALARS.get(annotation, getattr(annotation, "__name__", str(annotation)))
+
+
+def _rows(prefix: str, model: type[BaseModel]) -> list[tuple[str, FieldInfo]]:
+    """A section's fields by path; a section within it (`train.parallelism`) by its own fields'."""
+    rows = []
+    for field, info in model.model_fields.items():
+        inner = info.annotation
+        if isinstance(inner, type) and issubclass(inner, BaseModel):
+            rows += [(f"{prefix}.{field}", info), *_rows(f"{prefix}.{field}", inner)]
+        else:
+            rows.append((f"{prefix}.{field}", info))
+    return rows
 
 
 def _section_name(model: type[BaseModel]) -> str:
@@ -156,7 +170,7 @@ def markdown() -> str:
             lines += ["", f"## {name}", "", _cell(inspect.getdoc(model) or ""), ""]
             if prefix != name:
                 lines += [f"`{name}` is a list; each item has these fields.", ""]
-            lines += _table([(f"{prefix}.{field}", sub) for field, sub in model.model_fields.items()])
+            lines += _table(_rows(prefix, model))
     return "\n".join(lines) + "\n"
 
 

@@ -79,6 +79,10 @@ ChampionOrUrl = Annotated[Literal["champion"] | Url, Field(union_mode="left_to_r
 
 
 MAX_STEPS = 10**9
+XLA_FSDP = ("train.parallelism.strategy: fsdp does not run on the xla device (trn1, through torch-xla), which "
+            "shards with its own SPMD-based FSDP that trnflow does not drive; use ddp (or auto, which refuses what "
+            "ddp cannot fit) on trn1, or the neuron device on trn2 and trn3")
+"""Why sharded training is refused on torch-xla."""
 BATCH_SPOT_TYPES = ("trn1.32xlarge",)
 """The instance types of the infra stack's Batch spot compute environment: one, because Batch places
 a single-node job by its vCPUs and memory, so a smaller spec could land on a larger type."""
@@ -459,6 +463,19 @@ class CompileSpec(Section):
         return self
 
 
+class ParallelismSpec(Section):
+    """How the model is spread over the job's NeuronCores."""
+
+    strategy: Literal["auto", "ddp", "fsdp"] = Field(
+        "auto",
+        description="ddp: every core holds the whole model, its gradients and optimizer state, and the batch is "
+        "split (data parallel). fsdp: each core holds 1/N of the weights, gradients and optimizer state "
+        "(PyTorch FSDP2, fully_shard, per block as the recipe declares its blocks) and gathers a block's weights "
+        "only while it computes, for models that do not fit one core. auto: ddp when the per-core estimate fits "
+        "the instance's core memory, else fsdp; `trnflow validate` prints the figures of both.",
+    )
+
+
 class TrainSpec(Section):
     """Incremental training from a checkpoint."""
 
@@ -487,6 +504,8 @@ class TrainSpec(Section):
         description="Drop each epoch's last partial batch so every step has the same shape, as Trainium needs. "
         "false trains on it too: a smaller batch, which recompiles the training graph.",
     )
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
+                                         description="How the model is spread over the job's cores.")
 
 
 class RetrySpec(Section):
@@ -664,6 +683,12 @@ class JobSpec(Section):
         description="Model registry (a directory or s3:// URL): versions, and the champion that a passed gate "
         "promotes. Needed for `champion` in train.init_from and gate.reference.",
     )
+
+    @model_validator(mode="after")
+    def _shards_where_it_can(self) -> JobSpec:
+        if self.train.parallelism.strategy == "fsdp" and self.compute.device == "xla":
+            raise ValueError(XLA_FSDP)
+        return self
 
     @model_validator(mode="after")
     def _batch_divides(self) -> JobSpec:

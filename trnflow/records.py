@@ -94,6 +94,8 @@ class CheckpointMeta(Record):
     recipe: dict[str, Any] = Field(description="the model's recipe: name, version and params")
     torch: str = Field(description="the PyTorch version that wrote it")
     export: str | None = Field(None, description="the model exported in its own library's format (last step only)")
+    parallelism: str = Field("ddp", description="how the run spread the model over its cores (ddp, fsdp); the "
+                             "checkpoint holds it whole either way, and resumes at any world size")
 
 
 # --- the gate's verdict ----------------------------------------------------------------------

@@ -36,7 +36,7 @@ def test_bf16_sr_halves_the_state_and_a_fitting_job_is_accepted(make_spec):
     fp32 = estimate(make_spec())
     sr = estimate(make_spec(compute={"precision": "bf16-sr"}))
     assert sr.weights * 2 == fp32.weights and sr.optimizer * 2 == fp32.optimizer
-    assert check_fits(make_spec()).fits
+    assert check_fits(make_spec()).chosen.fits
 
 
 def test_a_run_reports_the_bytes_each_rank_held(make_spec, trnflow_home):

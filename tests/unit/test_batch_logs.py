@@ -7,22 +7,11 @@ import time
 
 import boto3
 import pytest
-from moto import mock_aws
 
 from trnflow.backends.batch import LOG_GROUP, BatchBackend
 from trnflow.backends.cloud import CloudTarget
 from trnflow.backends.service_status import batch_failure
 from trnflow.results import FailureReport
-
-
-@pytest.fixture
-def aws_env(monkeypatch):
-    for name, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
-    with mock_aws():
-        yield
 
 
 def _put(logs, stream, lines):
@@ -32,7 +21,8 @@ def _put(logs, stream, lines):
                         logEvents=[{"timestamp": now + i, "message": m} for i, m in enumerate(lines)])
 
 
-def test_a_retried_jobs_log_goes_on_with_the_new_attempts_stream(aws_env, monkeypatch):
+@pytest.mark.usefixtures("in_process_aws")
+def test_a_retried_jobs_log_goes_on_with_the_new_attempts_stream(monkeypatch):
     logs = boto3.client("logs")
     logs.create_log_group(logGroupName=LOG_GROUP)
     _put(logs, "def/default/first", ["step 1", "step 2"])

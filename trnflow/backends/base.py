@@ -6,7 +6,7 @@ import json
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol, runtime_checkable
 
@@ -75,6 +75,18 @@ class JobRequest:
     @property
     def itype(self) -> str:
         return self.spec.compute.instance_type if self.spec else (self.instance_type or "trn1.32xlarge")
+
+
+def resolved(request: JobRequest, strategy: str) -> JobRequest:
+    """The request with its spec's parallelism strategy set to the memory planner's `strategy` (an
+    `auto` decided at submission), so that every rank of the job, and every later job of the run
+    submitted the same way, shards the model alike whatever its own environment."""
+    spec = request.spec
+    if spec is None or spec.train.parallelism.strategy == strategy:
+        return request
+    chosen = spec.train.parallelism.model_copy(update={"strategy": strategy})
+    train = spec.train.model_copy(update={"parallelism": chosen})
+    return replace(request, spec=spec.model_copy(update={"train": train}))
 
 
 @dataclass

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from trnflow import aws
-from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
+from trnflow.backends.base import JobInfo, JobRequest, JobState, resolved, stage_result
 from trnflow.backends.batch_request import build_job_definition, build_submit_job, queue_problems
 from trnflow.backends.cloud import (
     STOPPED_BY_TRNFLOW,
@@ -95,7 +95,8 @@ class BatchBackend:
             raise FatalError("; ".join(problems))
         from trnflow.workload.memory import check_fits  # builds the recipe's model (torch): submissions only
 
-        check_fits(request.spec)  # on every instance type the job may get, before any job exists
+        # on every instance type the job may get, before any job exists
+        request = resolved(request, check_fits(request.spec).strategy)
         definition = self._job_definition(build_job_definition(request.spec, self.target,
                                                                     request.last_phase))
         stage_spec(self.target, request)

@@ -30,7 +30,7 @@ import uuid
 from pathlib import Path
 
 from trnflow.backends import forkserver
-from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
+from trnflow.backends.base import JobInfo, JobRequest, JobState, resolved, stage_result
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.device.base import Device
 from trnflow.device.registry import get_device
@@ -116,9 +116,9 @@ class LocalBackend:
             time.sleep(WAIT_POLL_SECONDS)
 
     def submit(self, request: JobRequest) -> str:
+        if request.spec is not None:  # refuse a job that cannot fit before anything starts
+            request = resolved(request, check_fits(request.spec).strategy)
         spec = request.spec
-        if spec is not None:
-            check_fits(spec)  # refuse a job that cannot fit before anything starts
         cores = self._free_cores(request)
         job_id = f"{request.name}-{request.phase}-{uuid.uuid4().hex[:8]}"
         job_dir = self.jobs_dir / job_id

@@ -13,7 +13,7 @@ from typing import Any
 
 from trnflow import aws
 from trnflow.backends import sagemaker_trainer
-from trnflow.backends.base import JobInfo, JobRequest, JobState, stage_result
+from trnflow.backends.base import JobInfo, JobRequest, JobState, resolved, stage_result
 from trnflow.backends.cloud import (
     CloudTarget,
     NodeWatch,
@@ -55,7 +55,8 @@ class SageMakerBackend:
 
         from trnflow.workload.memory import check_fits  # builds the recipe's model (torch): submissions only
 
-        check_fits(request.spec)  # on every instance type the job may get, before any job exists
+        # on every instance type the job may get, before any job exists
+        request = resolved(request, check_fits(request.spec).strategy)
         body = build_training_job_request(request, self.target)
         stage_spec(self.target, request)
         bucket, _ = split_s3_url(self.target.staging_url)

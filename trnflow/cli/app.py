@@ -77,8 +77,12 @@ def validate(
             report.append({"file": str(path), "valid": False, "problems": exc.problems})
             continue
         problems, notes = prelaunch.report(spec, data_check)
+        memory, problem = prelaunch.memory_plan(spec)
+        problems += [problem] if problem else []
+        notes = ([memory.describe()] if memory else []) + notes
         failed = failed or bool(problems)
         report.append({"file": str(path), "valid": not problems, "name": spec.name,
+                       **({"memory": memory.as_dict()} if memory else {}),
                        **({"problems": problems} if problems else {}), **({"notes": notes} if notes else {})})
     if as_json:
         print(json.dumps(report, indent=2))

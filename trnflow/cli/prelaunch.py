@@ -5,18 +5,21 @@ in `common.checked`."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from trnflow.cli.common import err
 from trnflow.cli.console import RED
 from trnflow.device.plans import cache_problem
-from trnflow.errors import ExitCode
+from trnflow.errors import ExitCode, FatalError
 from trnflow.lifecycle.locations import reference_problem
 from trnflow.specs import JobSpec
 from trnflow.storage import local_path
 from trnflow.storage.datafiles import listing_problems
+
+if TYPE_CHECKING:  # the plan needs torch; the checks above do not
+    from trnflow.workload.memory import MemoryPlan
 
 DATA_FIELDS = ("train", "holdout", "inference")
 
@@ -53,6 +56,17 @@ def report(spec: JobSpec, data_check: bool | None) -> tuple[list[str], list[str]
     elif reference:
         problems.append(reference)
     return trusted + problems, notes
+
+
+def memory_plan(spec: JobSpec) -> tuple[MemoryPlan | None, str | None]:
+    """The device-memory plan (`train.parallelism`: both strategies' per-core figures and the one the
+    run takes), or the refusal of a job that fits no core, as a problem line."""
+    from trnflow.workload.memory import check_fits  # builds the model on the meta device: torch (~1 s)
+
+    try:
+        return check_fits(spec), None
+    except FatalError as exc:
+        return None, f"train.parallelism: {exc}"
 
 
 def launch_problems(spec: JobSpec) -> list[str]:

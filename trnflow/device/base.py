@@ -249,9 +249,26 @@ class Device(ABC):
         """The cache artifact of what `compiler(mode="compile")` built in `workdir`."""
         raise FatalError(f"the {self.name} device compiles ahead of time with its own tools, not trnflow's")
 
-    def compile(self, fn: Callable, backend: CompileBackend) -> Callable:
-        """`fn` as one whole graph with static shapes, compiled through `backend`."""
-        return torch.compile(fn, backend=backend, fullgraph=True, dynamic=False)
+    def compile(self, fn: Callable, backend: CompileBackend, whole: bool = True) -> Callable:
+        """`fn` as one whole graph with static shapes, compiled through `backend`. `whole=False`: a
+        sharded model's, whose FSDP2 hooks split it where each block's weights are gathered (TorchDynamo
+        does not trace them): the parts around the blocks are graphs, the blocks run as they are."""
+        return torch.compile(fn, backend=backend, fullgraph=whole, dynamic=False)
+
+    def shard(self, model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+        """Shard `model` in place over the job's ranks with FSDP2 (`fully_shard`): each of `blocks` as
+        a unit of its own, then the rest of the model as the root unit. Its parameters become DTensors
+        holding this rank's 1/N. A process on its own (the compile stage's trial) shards over a group of
+        one, so that it traces the programs the ranks run."""
+        from torch.distributed.device_mesh import init_device_mesh  # sharded training only
+        from torch.distributed.fsdp import fully_shard
+
+        if not dist.is_initialized():
+            dist.init_process_group(self.process_group_backends(), store=dist.HashStore(), rank=0, world_size=1)
+        mesh = init_device_mesh(self.torch_device.type, (dist.get_world_size(),))
+        for block in blocks:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
 
     def autocast(self, precision: str) -> contextlib.AbstractContextManager:
         """Mixed precision for a forward pass: bf16 autocast unless the spec trains in fp32."""

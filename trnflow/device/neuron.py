@@ -90,5 +90,5 @@ class NeuronDevice(RuntimeDevice):
                workdir: Path | None, log: Log) -> NeuronGraphs:
         return NeuronGraphs(flags, cache, mode, guard, workdir, log)
 
-    def compile(self, fn: Callable, backend: Any) -> Callable:
-        return torch.compile(fn, backend=BACKEND, fullgraph=True, dynamic=False)
+    def compile(self, fn: Callable, backend: Any, whole: bool = True) -> Callable:
+        return torch.compile(fn, backend=BACKEND, fullgraph=whole, dynamic=False)

@@ -45,6 +45,7 @@ from trnflow.errors import FatalError
 from trnflow.neuron import tools
 from trnflow.neuron.launch import cache_url, compiler_cache_dir
 from trnflow.specs import JobSpec
+from trnflow.specs.spec import XLA_FSDP
 
 
 class Journal:
@@ -147,9 +148,12 @@ class XlaDevice(RuntimeDevice):
                workdir: Path | None, log: Log) -> XlaGraphs:
         return XlaGraphs(flags, cache, mode, guard, workdir, log, journal=self.journal)
 
-    def compile(self, fn: Callable, backend: Any) -> Callable:
+    def compile(self, fn: Callable, backend: Any, whole: bool = True) -> Callable:
         """Lazy tensors are traced as they run and compiled where they synchronise: `fn` as it is."""
         return fn
+
+    def shard(self, model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+        raise FatalError(XLA_FSDP)
 
     def precompile(self, spec: JobSpec, trial: list[str]) -> dict | None:
         """On a host with the Neuron SDK's `neuron_parallel_compile`, the trial run under it, which

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from trnflow.device import plans
 from trnflow.device.base import Device, FaultHooks, Lease, Log, RecompileGuard
@@ -74,11 +75,11 @@ class EmulatorDevice(Device):
         rounded in place in a fixed order, so every replica draws the same rounding stream."""
         with torch.no_grad():
             for p in model.parameters():
-                round_bf16_(p.data, mode, generator)
+                round_bf16_(_local(p.data), mode, generator)
                 state = optimizer.state.get(p, {}) if optimizer is not None else {}
                 for value in state.values():
                     if isinstance(value, torch.Tensor) and value.dim() and value.dtype == torch.float32:
-                        round_bf16_(value, mode, generator)
+                        round_bf16_(_local(value), mode, generator)
 
     def fault_hooks(self, core: int, spec: JobSpec | None) -> FaultHooks:
         """The spec's faults and TRNFLOW_FAULTS's, whichever backend started the worker, for `core`."""
@@ -89,6 +90,11 @@ class EmulatorDevice(Device):
 
     def check_launch_env(self, env: dict[str, str]) -> None:
         parse(env.get(FAULTS_ENV, ""))  # a malformed fault list fails before launch
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `t`: its shard of a sharded (DTensor) weight, rounded in place."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 INDUCTOR_PREFIX = "trnflow-inductor-"

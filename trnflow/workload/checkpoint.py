@@ -259,6 +259,24 @@ def load(url: str, featurizer_file: str | None = None) -> Checkpoint:
     )
 
 
+def check_weights(model: torch.nn.Module, state: dict, source: str) -> dict:
+    """`state` with its keys as the model names them, refused (as `load_model_weights` refuses it)
+    when its names or shapes are not the model's; for loading into a sharded model, whose own
+    `load_state_dict` is not given whole tensors."""
+    state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
+    wanted = model.state_dict()
+    missing, unexpected = sorted(set(wanted) - set(state)), sorted(set(state) - set(wanted))
+    if missing or unexpected:
+        raise FatalError(f"{source}: does not match the spec's model (missing {missing[:5]}, unexpected "
+                         f"{unexpected[:5]}); check the model section")
+    wrong = [f"{k}: {tuple(state[k].shape)} for {tuple(v.shape)}" for k, v in wanted.items()
+             if tuple(state[k].shape) != tuple(v.shape)]
+    if wrong:
+        raise FatalError(f"{source}: does not match the spec's model: {'; '.join(wrong[:3])}. Set model.params to "
+                         "the shapes the checkpoint was trained with, or start from scratch (train.init_from: null)")
+    return state
+
+
 def load_model_weights(model: torch.nn.Module, state: dict, source: str) -> None:
     """Load weights, turning shape or key mismatches into an error that says which keys."""
     state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}

@@ -34,7 +34,7 @@ from trnflow.neuron.launch import retry_failed_requested
 from trnflow.specs import JobSpec
 from trnflow.workload import watchdog
 from trnflow.workload.context import WorkerContext
-from trnflow.workload.programs import PROGRAMS, TRIAL_STEPS, Programs, build_model
+from trnflow.workload.programs import TRIAL_STEPS, for_trial, programs_of
 from trnflow.workload.recipes import for_job, plan_digest
 
 LOCK_WAIT_SECONDS = 3600.0
@@ -59,9 +59,8 @@ def extract(spec: JobSpec, device: Device | None = None) -> list[Planned]:
     device = device or get_device(choose(spec).name)
     recipe = for_job(spec)
     compiler = device.compiler(spec, mode="extract", model=recipe.key)
-    programs = Programs(spec, recipe, build_model(recipe, spec.train.seed), compiler, device)
-    for program in PROGRAMS:
-        programs.exercise(program, steps=TRIAL_STEPS)
+    for program in programs_of(spec):
+        for_trial(spec, recipe, compiler, device, program).exercise(program, steps=TRIAL_STEPS)
     planned: dict[str, Planned] = {}
     for seen in compiler.seen:
         planned.setdefault(seen.key, Planned(seen.program, seen.graph, seen.key))
@@ -142,8 +141,8 @@ def _compile_graphs(spec: JobSpec, device: Device, cache: CompileCache, program:
         compiler = device.compiler(spec, mode="compile", workdir=Path(tmp), model=recipe.key)
         flags, texts = compiler.flags, {}
         try:
-            programs = Programs(spec, recipe, build_model(recipe, spec.train.seed), compiler, device)
-            programs.exercise(program, steps=TRIAL_STEPS)  # a lazy device meets step 2's graphs only there
+            # a lazy device meets step 2's graphs only there
+            for_trial(spec, recipe, compiler, device, program).exercise(program, steps=TRIAL_STEPS)
             texts = {s.key: s.graph.canonical() for s in compiler.seen}
             artifact = device.artifact(Path(tmp))
         except Exception:
@@ -186,10 +185,9 @@ def trial(spec: JobSpec, device: Device) -> dict:
     run's shapes, nothing recorded or saved (the wrapper extracts and compiles the graphs)."""
     recipe = for_job(spec)
     compiler = device.compiler(spec, mode="trial", model=recipe.key)
-    programs = Programs(spec, recipe, build_model(recipe, spec.train.seed), compiler, device)
-    for program in PROGRAMS:
-        programs.exercise(program, steps=TRIAL_STEPS)
-    return {"trial": True, "programs": list(PROGRAMS), "steps": TRIAL_STEPS}
+    for program in programs_of(spec):
+        for_trial(spec, recipe, compiler, device, program).exercise(program, steps=TRIAL_STEPS)
+    return {"trial": True, "programs": list(programs_of(spec)), "steps": TRIAL_STEPS}
 
 
 def precompile(spec: JobSpec, device: Device) -> dict | None:

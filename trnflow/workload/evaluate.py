@@ -10,6 +10,7 @@ digest of the holdout, so that two runs on the same holdout can be compared exam
 from __future__ import annotations
 
 import hashlib
+import math
 
 import torch
 import torch.distributed as dist
@@ -57,10 +58,15 @@ class Holdout:
         ctx, spec = self.ctx, self.ctx.spec
         mine = torch.arange(ctx.rank, len(self.labels), ctx.world_size)
         logits = torch.zeros(len(self.labels), self.num_classes, dtype=torch.float64)
-        offset = 0
+        offset, batches = 0, 0
         for batch, real in static_batches(self.tokens, mine, spec.inference.batch_size):
             logits[mine[offset:offset + real]] = programs.logits(batch)[:real].double()
-            offset += real
+            offset, batches = offset + real, batches + 1
+        if programs.sharded:  # every rank gathers each block's weights: all run as many batches as the most
+            rows = math.ceil(len(self.labels) / ctx.world_size)  # rank 0 has the most rows
+            filler, _ = next(static_batches(self.tokens, torch.arange(1), spec.inference.batch_size))
+            for _ in range(math.ceil(rows / spec.inference.batch_size) - batches):
+                programs.logits(filler)
         if ctx.world_size > 1:  # each row was filled by one rank, and is zero on the others
             dist.all_reduce(logits)
         values = classification_metrics(logits, self.labels, list(spec.gate.metrics))

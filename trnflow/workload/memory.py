@@ -1,33 +1,77 @@
 """The device-memory budget of one NeuronCore: estimated before launch, measured during a run.
 
-The estimate counts what a data-parallel training step keeps on each core of the real device:
-weights, gradients, the optimizer's state (AdamW's two moments, or whatever the recipe's optimizer
-keeps per weight) and the activations saved for the backward pass, in the
-spec's precision. A job whose estimate exceeds the instance's memory per core is refused before it
-starts. (The emulator itself holds pure-bf16 state in fp32 tensors whose values lie on the bf16
-grid, so what a run measures for bf16-sr or bf16-rne is about twice the device estimate.)
+The estimate counts what a training step keeps on each core of the real device: weights,
+gradients, the optimizer's state (AdamW's two moments, or whatever the recipe's optimizer keeps per
+weight) and the activations saved for the backward pass, in the spec's precision. Data-parallel
+training (`ddp`) keeps all of the first three on every core; sharded training (`fsdp`) keeps 1/N of
+them and gathers the weights of one block (and the next, prefetched) whole while it computes. The
+plan holds both, and `auto` takes ddp when it fits. A job whose estimate exceeds the instance's
+memory per core is refused before it starts. (The emulator itself holds pure-bf16 state in fp32
+tensors whose values lie on the bf16 grid, so what a run measures for bf16-sr or bf16-rne is about
+twice the device estimate.)
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from trnflow.errors import FatalError
 from trnflow.specs import JobSpec, instance
+from trnflow.specs.instances import TRAINING_TYPES
 from trnflow.workload.recipes import Recipe, for_job
 
 GIB = 1024**3
 
 
+REHEARSAL_CORE_ENV = "TRNFLOW_REHEARSE_CORE_GIB"
+"""Rehearsal only, never in production: the emulator models NeuronCores with this much device memory
+(GiB) instead of the instance's, so that a model the size of the quickstart's is too big for one core
+and `auto` shards it. Every estimate made under it says so."""
+MAX_SUGGESTED_NODES = 64
+"""The most nodes a refusal's suggestion considers."""
+
+
+def rehearsal_core_bytes() -> int | None:
+    """The rehearsal's core memory (TRNFLOW_REHEARSE_CORE_GIB), or None when not rehearsing."""
+    value = os.environ.get(REHEARSAL_CORE_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        gib = float(value)
+    except ValueError:
+        raise FatalError(f"{REHEARSAL_CORE_ENV}: {value!r} is not a number of GiB; unset it, or give e.g. 0.004"
+                         ) from None
+    if not 0 < gib <= 1024:
+        raise FatalError(f"{REHEARSAL_CORE_ENV}: {value} GiB is not a core's memory; unset it, or give e.g. 0.004")
+    return int(gib * GIB)
+
+
+def core_limit(itype: str) -> int:
+    """The device memory one core of `itype` has, or the rehearsal's when smaller."""
+    real = instance(itype).core_memory_bytes
+    rehearsed = rehearsal_core_bytes()
+    return real if rehearsed is None else min(real, rehearsed)
+
+
 def parameter_count(recipe: Recipe) -> int:
     """Exact, without allocating: the model is built on the meta device."""
+    return _shape(recipe)[0]
+
+
+def _shape(recipe: Recipe) -> tuple[int, int, int]:
+    """(parameters, those outside the recipe's blocks, the largest block's), counted on the meta
+    device: what sharded training keeps whole for a step (the root unit) and gathers one at a time."""
     with torch.device("meta"):
         model = recipe.build_model()
-    return sum(p.numel() for p in model.parameters())
+    total = sum(p.numel() for p in model.parameters())
+    blocks = [sum(p.numel() for p in block.parameters()) for block in recipe.blocks(model)]
+    return total, total - sum(blocks), max(blocks, default=0)
 
 
 def optimizer_moments(recipe: Recipe, spec: JobSpec) -> int:
@@ -45,16 +89,25 @@ def optimizer_moments(recipe: Recipe, spec: JobSpec) -> int:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
+    """What one core holds for a training step under one strategy, in bytes."""
+
+    strategy: str
     parameters: int
     weights: int
+    """The weights this core keeps: all of them (ddp), or its 1/N shard (fsdp)."""
     gradients: int
     optimizer: int
     activations: int
+    gathered: int
+    """fsdp: weights gathered whole while they compute (the unit outside the blocks, and the largest
+    block twice: the one computing and the next, prefetched); 0 for ddp."""
     per_core_limit: int
+    rehearsal: bool = False
+    """The limit is TRNFLOW_REHEARSE_CORE_GIB's, not the instance's."""
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations
+        return self.weights + self.gradients + self.optimizer + self.activations + self.gathered
 
     @property
     def fits(self) -> bool:
@@ -63,47 +116,125 @@ class MemoryEstimate:
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total, "fits": self.fits}
 
+    def describe(self) -> str:
+        """`fsdp 1.2 GiB of 16.0 GiB (weights 300.0 MiB, gradients ..., gathered 100.0 MiB)`."""
+        parts = [("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
+                 ("activations", self.activations)] + ([("gathered", self.gathered)] if self.strategy == "fsdp" else [])
+        return (f"{self.strategy} {_size(self.total)} of {_size(self.per_core_limit)}"
+                f"{' (rehearsal)' if self.rehearsal else ''} ("
+                + ", ".join(f"{name} {_size(value)}" for name, value in parts) + ")")
 
-def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:
-    recipe = recipe or for_job(spec)
-    params = parameter_count(recipe)
+
+def _size(value: int) -> str:
+    return f"{value / GIB:.1f} GiB" if value >= GIB else f"{value / 2**20:.1f} MiB"
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """The per-core estimate of both strategies, and the one the job uses (`train.parallelism`)."""
+
+    strategy: str
+    ddp: MemoryEstimate
+    fsdp: MemoryEstimate
+
+    @property
+    def chosen(self) -> MemoryEstimate:
+        return self.fsdp if self.strategy == "fsdp" else self.ddp
+
+    def as_dict(self) -> dict:
+        return {"strategy": self.strategy, "ddp": self.ddp.as_dict(), "fsdp": self.fsdp.as_dict()}
+
+    def describe(self) -> str:
+        """What `trnflow validate` prints."""
+        return (f"parallelism: {self.strategy} per core: {self.ddp.describe()}; {self.fsdp.describe()}")
+
+
+def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int) -> tuple[MemoryEstimate, MemoryEstimate]:
+    params, root, largest = _shape(recipe)
     precision = spec.compute.precision
     # Pure bf16 (bf16-sr, bf16-rne) keeps weights, gradients and optimizer state in bf16 on the
     # device; fp32 and bf16 autocast keep fp32 master weights. Activations follow the compute dtype.
     state_bytes = 2 if precision in ("bf16-sr", "bf16-rne") else 4
     act_bytes = 4 if precision == "fp32" else 2
     activations = recipe.activation_bytes(spec.per_core_batch, act_bytes)
-    return MemoryEstimate(
-        parameters=params,
-        weights=params * state_bytes,
-        gradients=params * state_bytes,
-        optimizer=optimizer_moments(recipe, spec) * params * state_bytes,
-        activations=activations,
-        per_core_limit=instance(spec.compute.instance_type).core_memory_bytes,
-    )
+    moments = optimizer_moments(recipe, spec)
+    limit, rehearsal = core_limit(itype), rehearsal_core_bytes() is not None
+    ddp = MemoryEstimate("ddp", params, params * state_bytes, params * state_bytes, moments * params * state_bytes,
+                         activations, 0, limit, rehearsal)
+    shard = -(-params // world)  # FSDP2 pads each parameter's shard on dim 0; the padding is small
+    gathered = (root + 2 * largest if largest else params) * state_bytes
+    fsdp = MemoryEstimate("fsdp", params, shard * state_bytes, shard * state_bytes, moments * shard * state_bytes,
+                          activations, gathered, limit, rehearsal)
+    return ddp, fsdp
 
 
-def check_fits(spec: JobSpec) -> MemoryEstimate:
-    """The estimate, or FatalError with both numbers and what to change: on every instance type the
-    job may get (compute.instance_preferences)."""
-    est = estimate(spec)
-    for name in spec.compute.instance_choices:
+def plan(spec: JobSpec, recipe: Recipe | None = None, itype: str | None = None) -> MemoryPlan:
+    """Both strategies' per-core estimates on `itype` (the spec's instance type), and the strategy
+    the job uses: the spec's, or for `auto` ddp when it fits and fsdp otherwise."""
+    recipe = recipe or for_job(spec)
+    ddp, fsdp = _estimates(spec, recipe, itype or spec.compute.instance_type, spec.compute.world_size)
+    wanted = spec.train.parallelism.strategy
+    strategy = wanted if wanted != "auto" else ("ddp" if ddp.fits else "fsdp")
+    return MemoryPlan(strategy, ddp, fsdp)
+
+
+def strategy(spec: JobSpec, recipe: Recipe | None = None) -> str:
+    """How the job spreads the model: the spec's strategy, or the plan's for `auto` (submission
+    decides it once for a run's jobs: see `trnflow.backends.base.resolved`)."""
+    wanted = spec.train.parallelism.strategy
+    return wanted if wanted != "auto" else plan(spec, recipe).strategy
+
+
+def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:
+    """The per-core estimate of the strategy the job uses."""
+    return plan(spec, recipe).chosen
+
+
+def _smallest_fit(spec: JobSpec, recipe: Recipe) -> str | None:
+    """The fewest cores, over the training instance types, on which fsdp would fit; None if none."""
+    best: tuple[int, str] | None = None
+    for name in TRAINING_TYPES:
         t = instance(name)
-        if est.total <= t.core_memory_bytes:
+        for nodes in range(1, (MAX_SUGGESTED_NODES if t.multi_node else 1) + 1):
+            world = nodes * t.cores
+            if best is not None and world >= best[0]:
+                break
+            resized = spec.model_copy(update={"compute": spec.compute.model_copy(update={
+                "instance_type": name, "nodes": nodes, "cores_per_node": t.cores, "instance_preferences": []})})
+            if _estimates(resized, recipe, name, world)[1].fits:
+                best = (world, f"{nodes} x {name} ({world} cores) with train.parallelism.strategy fsdp")
+                break
+    return best[1] if best else None
+
+
+def check_fits(spec: JobSpec) -> MemoryPlan:
+    """The plan, or FatalError with the numbers and what to change: on every instance type the job
+    may get (compute.instance_preferences)."""
+    recipe = for_job(spec)
+    for name in spec.compute.instance_choices:
+        found = plan(spec, recipe, name)
+        if found.chosen.fits:
             continue
-        est = replace(est, per_core_limit=t.core_memory_bytes)
+        est = found.chosen
+        fix = ("Lower train.global_batch_size, shrink the model (model.params), use compute.precision bf16-sr, "
+               "or spread the batch over more cores")
+        if spec.train.parallelism.strategy == "ddp" and found.fsdp.fits:
+            fix = "Set train.parallelism.strategy: fsdp (or auto), which shards it over the job's cores"
+        elif not found.fsdp.fits:
+            smallest = _smallest_fit(spec, recipe)
+            fix += f"; the smallest that fits: {smallest}" if smallest else "; no instance in the catalogue fits it"
+        other = found.fsdp if est.strategy == "ddp" else found.ddp
         raise FatalError(
-            f"the job needs about {est.total / GIB:.1f} GiB of device memory per NeuronCore "
-            f"(weights {est.weights / GIB:.1f}, gradients {est.gradients / GIB:.1f}, optimizer "
-            f"{est.optimizer / GIB:.1f}, activations {est.activations / GIB:.1f}) but a {t.name} core has "
-            f"{est.per_core_limit / GIB:.1f} GiB. Lower train.global_batch_size, shrink the model "
-            "(model.params), use compute.precision bf16-sr, or spread the batch over more cores"
-        )
-    return est
+            f"the job needs about {_size(est.total)} of device memory per NeuronCore with {est.strategy} "
+            f"({est.describe()}; {other.describe()}) but a {name} core has {_size(est.per_core_limit)}"
+            f"{' in this rehearsal' if est.rehearsal else ''}. {fix}")
+    return plan(spec, recipe)
 
 
 def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
+    """The bytes these tensors hold on this rank: of a sharded one (a DTensor), this rank's shard."""
+    local = (t.to_local() if isinstance(t, DTensor) else t for t in tensors)
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 @contextmanager

@@ -3,7 +3,8 @@ compilation extracts and compiles, and what training, evaluation and inference t
 
 - `train_step`: the model's forward pass in train mode, under the spec's autocast, and its backward
   (the recipe's loss is computed outside the graph);
-- `eval_step`: logits for one evaluation batch;
+- `eval_step`: logits for one evaluation batch (`sharded_eval_step`: of a sharded model, inside
+  sharded training);
 - `embed_step`: embeddings for one inference batch.
 
 Evaluation and inference pad their last batch (see `sampler.static_batches`), and training drops
@@ -28,6 +29,9 @@ from trnflow.workload.context import WorkerContext
 from trnflow.workload.recipes import Recipe
 
 PROGRAMS = ("train_step", "eval_step", "embed_step")
+SHARDED = ("train_step", "sharded_eval_step")
+"""The programs a sharded model runs (`train.parallelism.strategy: fsdp`): training and the
+evaluations inside it. The evaluate and infer stages load the checkpoint whole, unsharded."""
 TRIAL_STEPS = 2
 """Training steps in a trial run (forward, backward and optimizer step each)."""
 
@@ -50,14 +54,17 @@ class Programs:
     """One model's three programs, compiled through `compiler` (whole graphs, static shapes) on `device`."""
 
     def __init__(self, spec: JobSpec, recipe: Recipe, model: nn.Module, compiler: CompileBackend, device: Device,
-                 ddp: bool = False):
+                 ddp: bool = False, sharded: bool = False):
+        """`sharded`: the model was sharded (`Device.shard`): it trains and evaluates in parts around
+        its blocks, and embeds nothing (inference loads the checkpoint whole)."""
         # A fresh Dynamo state: compiled code is cached per function, and a process builds its
         # programs once (tests build several; stale entries would count against the recompile limit).
         torch._dynamo.reset()
         model.to(device.torch_device)  # a no-op for a model already there (a trainer's, with its optimizer)
         self.spec, self.recipe, self.model, self.compiler, self.device = spec, recipe, model, compiler, device
-        self._forward = device.compile(model, compiler)
-        self._embed = device.compile(model.embed, compiler) if recipe.embeds else None
+        self.sharded = sharded
+        self._forward = device.compile(model, compiler, whole=not sharded)
+        self._embed = device.compile(model.embed, compiler) if recipe.embeds and not sharded else None
         # DDP wraps the compiled module, so the graph is the model's alone, whatever the world size.
         self._train_forward = DDP(self._forward) if ddp else self._forward
 
@@ -97,7 +104,10 @@ class Programs:
     def logits(self, tokens: torch.Tensor) -> torch.Tensor:
         self._mode(training=False)
         tokens = self.device.put(tokens)
-        with self.compiler.naming("eval_step", tokens), _compiler_errors(), self.device.inference():
+        program = "sharded_eval_step" if self.sharded else "eval_step"
+        # FSDP2 gathers weights into tensors it updates in place, which inference mode forbids
+        no_grad = torch.no_grad() if self.sharded else self.device.inference()
+        with self.compiler.naming(program, tokens), _compiler_errors(), no_grad:
             return self._forward(tokens).cpu()
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -115,7 +125,7 @@ class Programs:
             optimizer = self.recipe.optimizer(self.model.parameters(), self.spec.train)
             for _ in range(steps):
                 self.train_step(tokens, labels, optimizer)
-        elif program == "eval_step":
+        elif program in ("eval_step", "sharded_eval_step"):
             self.logits(batch)
         elif program == "embed_step":
             if self._embed is not None:
@@ -139,8 +149,27 @@ def build_model(recipe: Recipe, seed: int) -> nn.Module:
     return recipe.build_model()
 
 
-def for_run(ctx: WorkerContext, recipe: Recipe, model: nn.Module, ddp: bool = False) -> Programs:
+def for_run(ctx: WorkerContext, recipe: Recipe, model: nn.Module, ddp: bool = False, sharded: bool = False
+            ) -> Programs:
     """The programs of a training, evaluation or inference run: graphs come from the persistent
     compile cache, and any other graph is a recompilation."""
     compiler = ctx.device.compiler(ctx.spec, "run", ctx.log, model=recipe.key)
-    return Programs(ctx.spec, recipe, model, compiler, ctx.device, ddp=ddp)
+    return Programs(ctx.spec, recipe, model, compiler, ctx.device, ddp=ddp, sharded=sharded)
+
+
+def programs_of(spec: JobSpec) -> tuple[str, ...]:
+    """The programs a run of `spec` needs compiled: with sharded training, the training programs of
+    the sharded model besides the evaluate and infer stages' whole ones."""
+    if spec.train.parallelism.strategy == "fsdp":
+        return ("train_step", "sharded_eval_step", "eval_step", "embed_step")
+    return PROGRAMS
+
+
+def for_trial(spec: JobSpec, recipe: Recipe, compiler: CompileBackend, device: Device, program: str) -> Programs:
+    """Fresh programs for a trial run of `program` (ahead-of-time compilation), shaped as the run
+    that needs it: sharded (over a group of one) for a sharded model's programs."""
+    model = build_model(recipe, spec.train.seed).to(device.torch_device)
+    sharded = program in SHARDED and spec.train.parallelism.strategy == "fsdp"
+    if sharded:
+        device.shard(model, recipe.blocks(model))
+    return Programs(spec, recipe, model, compiler, device, sharded=sharded)

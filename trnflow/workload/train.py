@@ -28,16 +28,17 @@ from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.records import CheckpointMeta, DataRead
 from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload import watchdog
-from trnflow.workload.checkpoint import load_model_weights, step_name, weights_digest
+from trnflow.workload.checkpoint import check_weights, load_model_weights, step_name, weights_digest
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import iter_labelled
 from trnflow.workload.evaluate import Holdout
 from trnflow.workload.features import featurize, host_memory
-from trnflow.workload.memory import estimate, saved_activation_peak, tensor_bytes
+from trnflow.workload.memory import estimate, saved_activation_peak, strategy, tensor_bytes
 from trnflow.workload.programs import build_model, for_run
 from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.reclaim import ReclaimNotice
 from trnflow.workload.sampler import StepSampler
+from trnflow.workload.sharding import load_optimizer, load_whole, whole_model, whole_optimizer
 from trnflow.workload.start import Start, find_start
 
 
@@ -93,6 +94,9 @@ class Trainer:
         assert train.labels is not None
         self.tokens, self.labels = train.features, train.labels
         self.model = build_model(recipe, tcfg.seed).to(self.device.torch_device)  # before its optimizer holds it
+        self.sharded = strategy(self.spec, recipe) == "fsdp"
+        if self.sharded:  # each rank keeps 1/N of the weights; the optimizer is built on those shards
+            self.device.shard(self.model, recipe.blocks(self.model))
         self.optimizer = recipe.optimizer(self.model.parameters(), tcfg)
         self.rounding = self.device.rounding(self.spec.compute.precision)
         # Replicas must round identically, so the rounding stream is seeded the same on every rank.
@@ -107,7 +111,8 @@ class Trainer:
                                   watermark=start.watermark, rows=len(self.labels))
         ctx.log("data", files=len(start.files), rows=len(self.labels), partitions=self.data_read.partitions,
                 watermark=start.watermark, recipe=recipe.key)
-        self.programs = for_run(ctx, recipe, self.model, ddp=ctx.world_size > 1)
+        self.programs = for_run(ctx, recipe, self.model, ddp=ctx.world_size > 1 and not self.sharded,
+                                sharded=self.sharded)
         self.holdout = Holdout(ctx, recipe)
         resumed = start.resumed.meta if start.resumed else None
         self.evaluations: list[dict] = list(resumed.evaluations) if resumed else []
@@ -150,9 +155,13 @@ class Trainer:
         """The step to start from and the curve so far: a retry resumes its own checkpoint exactly."""
         ctx, tcfg, start, resumed = self.ctx, self.spec.train, self.start, self.start.resumed
         if resumed is not None:
-            load_model_weights(self.model, resumed.model, resumed.url)
-            self.resumed_weights = weights_digest(self.device.to_host(self.model.state_dict()))
-            self.optimizer.load_state_dict(resumed.optim)
+            if self.sharded:  # the checkpoint holds them whole: each rank keeps its shard
+                load_whole(self.model, self.optimizer, check_weights(self.model, resumed.model, resumed.url),
+                           resumed.optim)
+            else:
+                load_model_weights(self.model, resumed.model, resumed.url)
+                load_optimizer(self.model, self.optimizer, resumed.optim)
+            self.resumed_weights = weights_digest(self._whole_weights())
             assert resumed.meta is not None  # a run's own checkpoints always have their meta.json
             first = self.sampler.restore(resumed.meta.sampler)
             if resumed.rng and len(resumed.rng) == ctx.world_size:
@@ -164,7 +173,9 @@ class Trainer:
             ctx.log("resume", step=first, checkpoint=resumed.url, saved_by_ranks=len(resumed.rng or []),
                     ranks=ctx.world_size)
             return first, list(resumed.meta.metrics)
-        if start.init is not None:
+        if start.init is not None and self.sharded:
+            load_whole(self.model, None, check_weights(self.model, start.init.model, start.init.url), None)
+        elif start.init is not None:
             load_model_weights(self.model, start.init.model, start.init.url)
             ctx.log("init", checkpoint=start.init.url, watermark=start.init.watermark)
         torch.manual_seed(tcfg.seed + 1000 * ctx.rank)  # each rank its own dropout stream
@@ -218,6 +229,10 @@ class Trainer:
             self.series_url = write_series(self.start.checkpoints.url, self.run_id, self.evaluations,
                                            self.holdout.digest, done, correct)
 
+    def _whole_weights(self) -> dict[str, torch.Tensor]:
+        """The weights, unsharded, on the host (of a sharded model: a collective, on every rank)."""
+        return whole_model(self.model) if self.sharded else self.device.to_host(self.model.state_dict())
+
     def _checkpoint(self, done: int) -> None:
         with watchdog.busy(f"checkpointing step {done}"):  # rank 0 writes; the others wait for it
             self._write_checkpoint(done)
@@ -225,6 +240,12 @@ class Trainer:
     def _write_checkpoint(self, done: int) -> None:
         ctx, spec = self.ctx, self.spec
         rng = gather_objects(ctx, _rng_state(self.sr_gen))
+        host = self.device.to_host  # checkpoints hold CPU copies, whatever the device
+        if self.sharded:  # gathered whole, on rank 0 (every rank takes part)
+            weights, optim = whole_model(self.model, rank0_only=True), whole_optimizer(self.model, self.optimizer,
+                                                                                      rank0_only=True)
+        elif ctx.is_main:
+            weights, optim = host(self.model.state_dict()), host(self.optimizer.state_dict())
         if ctx.is_main:
             checkpoints = self.faults.checkpoint_store(self.start.checkpoints, writer=True)
             meta = CheckpointMeta(
@@ -233,24 +254,24 @@ class Trainer:
                 loss=self.last_loss if math.isfinite(self.last_loss) else None, sampler=self.sampler.position(done),
                 data=self.data_read, watermark=self.start.watermark, metrics=self.metrics,
                 evaluations=self.evaluations, holdout_sha256=self.holdout.digest, recipe=self.recipe.describe(),
-                torch=torch.__version__, export=self._export(done) if done == spec.train.steps else None)
-            host = self.device.to_host  # checkpoints hold CPU copies, whatever the device
+                torch=torch.__version__, export=self._export(done, weights) if done == spec.train.steps else None,
+                parallelism=self.spec.train.parallelism.strategy if self.sharded else "ddp")
             self.checkpoint_url = checkpoints.save(
-                done, host(self.model.state_dict()), host(self.optimizer.state_dict()), rng,
-                (self.recipe.featurizer_file, self.recipe.state()), meta, keep_latest=spec.train.keep_latest)
+                done, weights, optim, rng, (self.recipe.featurizer_file, self.recipe.state()), meta,
+                keep_latest=spec.train.keep_latest)
             ctx.log("checkpoint", step=done, url=self.checkpoint_url)
         # No rank runs ahead while the checkpoint is written: a fault on another rank in the
         # next step would otherwise take rank 0 down mid-save and lose the interval.
         barrier(ctx)
         self.faults.checkpoint_written()
 
-    def _export(self, done: int) -> str | None:
+    def _export(self, done: int, weights: dict[str, torch.Tensor]) -> str | None:
         """The trained model in its own library's format, under `<run>/export/step-NNNNNN/` (the
         marker EXPORTED last, with each file's checksum), for recipes that export; its URL."""
         with tempfile.TemporaryDirectory(prefix="trnflow-export-") as tmp:
             with torch.random.fork_rng(devices=[]):  # building it must not move the run's random streams
                 model = self.recipe.build_model()
-            model.load_state_dict(self.device.to_host(self.model.state_dict()))
+            model.load_state_dict(weights)
             if not self.recipe.export(model, Path(tmp)):
                 return None
             folder = f"export/{step_name(done)}"

@@ -16,6 +16,7 @@ and what its loss is:
 - `loss`: the training loss of logits and labels, computed outside the compiled graph;
 - `optimizer`: what updates the weights (AdamW by default); training, the ahead-of-time trial
   (whose graphs are the compile cache's keys) and the memory estimate all take it from here;
+- `blocks`: the units sharded training gathers one at a time (the transformer layers);
 - `metrics`: the gate metrics its predictions support.
 
 Shapes are static: every tensor `features` returns has the same shape for each row, and the
@@ -124,6 +125,14 @@ class Recipe(ABC):
         import torch  # torch (~1 s): only where a model trains, never for a spec check
 
         return torch.optim.AdamW(parameters, lr=train.lr, weight_decay=train.weight_decay)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The modules sharded training (`train.parallelism.strategy: fsdp`) shards as units: each is
+        gathered whole only while it computes, so the largest of them bounds what a core holds
+        unsharded at once. Typically the transformer layers. The default, none, shards the whole
+        model as one unit (gathered whole for every step: it saves optimizer state and gradients, not
+        weights)."""
+        return []
 
     def activation_bytes(self, batch: int, value_bytes: int) -> int:
         """An estimate of the activations one training step keeps for backward (the memory check);

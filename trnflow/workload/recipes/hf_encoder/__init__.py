@@ -78,6 +78,15 @@ class HfEncoder(BpeTextRecipe):
     Params = HfEncoderParams
     params: HfEncoderParams
 
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The encoder's transformer layers, wherever the architecture keeps them (BERT's
+        `encoder.layer`, DistilBERT's `transformer.layer`); none found: the whole model."""
+        for module in model.modules():
+            layers = getattr(module, "layer", None) or getattr(module, "layers", None)
+            if isinstance(layers, nn.ModuleList) and len(layers):
+                return list(layers)
+        return []
+
     def build_model(self) -> EncoderClassifier:
         transformers, p = _transformers(), self.params
         if p.pretrained:

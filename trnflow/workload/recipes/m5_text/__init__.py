@@ -13,6 +13,8 @@ from trnflow.workload.recipes.m5_text.params import M5TextParams
 from trnflow.workload.recipes.m5_text.tokenizer import BpeTextRecipe
 
 if TYPE_CHECKING:
+    from torch import nn
+
     from trnflow.workload.recipes.m5_text.model import TextEncoderClassifier
 
 
@@ -26,6 +28,9 @@ class M5Text(BpeTextRecipe):
         from trnflow.workload.recipes.m5_text.model import TextEncoderClassifier  # torch: for a network only
 
         return TextEncoderClassifier(self.params)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        return list(model.encoder.layers)  # type: ignore[union-attr]
 
     def activation_bytes(self, batch: int, value_bytes: int) -> int:
         p = self.params

@@ -1,0 +1,80 @@
+"""The memory planner: per-core figures of both strategies, `auto`'s choice, and what a refusal
+says; and the names a sharded run keys optimizer state by."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import quickstart_data
+from trnflow.backends import JobRequest
+from trnflow.backends.base import resolved
+from trnflow.errors import FatalError
+from trnflow.specs import SpecError, validate_spec
+from trnflow.workload.memory import REHEARSAL_CORE_ENV, check_fits, plan
+from trnflow.workload.sharding import by_name
+
+
+def _spec(strategy: str = "auto", cores: int = 2, **compute):
+    train = {"global_batch_size": 16 * cores, "parallelism": {"strategy": strategy}}
+    return validate_spec(quickstart_data(compute={"cores_per_node": cores, **compute}, train=train))
+
+
+def test_auto_takes_ddp_when_the_model_fits_a_core():
+    found = plan(_spec())
+    assert found.strategy == "ddp" and found.ddp.fits and found.chosen is found.ddp
+    # sharded over 2 cores: half the weights, gradients and optimizer state, whole blocks gathered besides
+    assert found.fsdp.weights == pytest.approx(found.ddp.weights / 2, rel=0.01)
+    assert found.fsdp.optimizer == pytest.approx(found.ddp.optimizer / 2, rel=0.01)
+    assert found.fsdp.gathered > 0 and found.ddp.gathered == 0
+    assert found.fsdp.activations == found.ddp.activations
+
+
+def test_auto_shards_a_model_too_big_for_a_rehearsed_core(monkeypatch):
+    spec = _spec()
+    both = plan(spec)
+    between = (both.ddp.total + both.fsdp.total) / 2 / 1024**3  # more than fsdp needs, less than ddp
+    monkeypatch.setenv(REHEARSAL_CORE_ENV, str(between))
+    found = check_fits(spec)
+    assert found.strategy == "fsdp" and not found.ddp.fits and found.fsdp.fits and found.fsdp.rehearsal
+    assert "(rehearsal)" in found.describe() and found.describe().startswith("parallelism: fsdp per core: ddp ")
+    request = resolved(JobRequest(spec, "train", "r1"), found.strategy)
+    assert request.spec.train.parallelism.strategy == "fsdp" and spec.train.parallelism.strategy == "auto"
+
+
+def test_ddp_that_cannot_fit_is_refused_naming_fsdp(monkeypatch):
+    spec = _spec("ddp")
+    both = plan(spec)
+    monkeypatch.setenv(REHEARSAL_CORE_ENV, str((both.ddp.total + both.fsdp.total) / 2 / 1024**3))
+    with pytest.raises(FatalError, match=r"Set train\.parallelism\.strategy: fsdp"):
+        check_fits(spec)
+
+
+def test_a_model_nothing_fits_is_refused_with_the_smallest_that_would(monkeypatch):
+    spec = _spec()
+    monkeypatch.setenv(REHEARSAL_CORE_ENV, str(plan(spec).fsdp.total * 0.9 / 1024**3))
+    with pytest.raises(FatalError) as refused:
+        check_fits(spec)
+    assert "the smallest that fits:" in str(refused.value) and "with train.parallelism.strategy fsdp" in str(
+        refused.value)
+    monkeypatch.setenv(REHEARSAL_CORE_ENV, "lots")
+    with pytest.raises(FatalError, match=f"{REHEARSAL_CORE_ENV}: 'lots' is not a number of GiB"):
+        check_fits(spec)
+
+
+def test_sharding_is_refused_on_torch_xla_with_the_reason():
+    with pytest.raises(SpecError, match="fsdp does not run on the xla device"):
+        _spec("fsdp", device="xla")
+
+
+def test_optimizer_state_saved_by_position_is_read_by_name():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    plain = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    optimizer = torch.optim.AdamW([{"params": decay}, {"params": plain, "weight_decay": 0.0}])
+    model(torch.ones(1, 3)).sum().backward()
+    optimizer.step()
+    named = by_name(model, optimizer, optimizer.state_dict())
+    assert [g["params"] for g in named["param_groups"]] == [["0.weight", "2.weight"], ["0.bias", "2.bias"]]
+    assert torch.equal(named["state"]["2.bias"]["exp_avg"], optimizer.state[model[2].bias]["exp_avg"])
+    assert by_name(model, optimizer, named) is named  # already by name
