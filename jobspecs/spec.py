@@ -628,6 +628,11 @@ class PreflightSpec(Section):
     collective_timeout_seconds: float = Field(
         120.0, gt=0, le=3600, description="A collective that does not complete in this time is reported as hung."
     )
+    checkpoint_round_trip: bool = Field(
+        True, description="Before training, write a checkpoint of the spec's model and optimizer shapes where the "
+        "run's checkpoints go (`<checkpoint_url>/<run id>/preflight/`), read it back, compare it and delete it: a "
+        "location that cannot take a checkpoint fails the preflight, not the first save an interval into training."
+    )
 
 
 class FaultSpec(Section):

@@ -125,6 +125,9 @@ class SanityResult(StageResult):
     collectives: CollectivesResult | None = Field(
         None, description="the collective sweep the same job ran between its cores once every core passed (a "
         "pipeline's preflight, which then needs no collectives job); None when a core failed or no spec was given")
+    checkpoint: dict[str, Any] | None = Field(
+        None, description="the checkpoint round trip (preflight.checkpoint_round_trip): where a checkpoint of the "
+        "spec's model was written, read back and deleted, its bytes, and the seconds each way; None when off")
 
 
 class CompileResult(StageResult):

@@ -28,7 +28,8 @@ class TrnflowSettings(BaseSettings):
     sagemaker_role_arn: str | None = Field(
         None, description="The SageMaker execution role of every stage kind that has no role of its own below.")
     role_preflight: str | None = Field(None, description="The role sanity and collectives jobs run as (SageMaker "
-                                       "execution role, Batch job role): it writes nothing but their results.")
+                                       "execution role, Batch job role): it writes nothing but their results and "
+                                       "the checkpoint round trip's `preflight/` folder.")
     role_compile: str | None = Field(None, description="The role compile jobs run as: the only one that writes the "
                                      "compile cache.")
     role_train: str | None = Field(None, description="The role training and evaluation jobs run as: it writes "

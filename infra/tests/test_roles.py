@@ -102,6 +102,7 @@ CHECKPOINTS, CACHE = "arn:aws:s3:::trnflow-checkpoints-123456789012", "arn:aws:s
 OUTPUTS, STAGING = "arn:aws:s3:::trnflow-outputs-123456789012", "arn:aws:s3:::trnflow-staging-123456789012"
 WRITES = {  # what a job or flow of each kind puts, and whether it may
     "checkpoint": f"{CHECKPOINTS}/runs/m/20261128-a1/step-00000100/model.pt",
+    "preflight checkpoint": f"{CHECKPOINTS}/runs/m/20261128-a1/preflight/step-000000/model.pt",
     "registry entry": f"{CHECKPOINTS}/registry/m/versions/v000002.json",
     "champion record": f"{CHECKPOINTS}/registry/m/champion/g000002.json",
     "cache entry": f"{CACHE}/neuronxcc-torch-2.13.0+cpu/MODULE_1+2/model.neff",
@@ -110,9 +111,9 @@ WRITES = {  # what a job or flow of each kind puts, and whether it may
     "result": f"{STAGING}/jobs/r1/m-train-r1/output/result.json",
 }
 MAY_WRITE = {
-    "PreflightJobRole": {"result"},
+    "PreflightJobRole": {"result", "preflight checkpoint"},
     "CompileJobRole": {"result", "cache entry"},
-    "TrainJobRole": {"result", "checkpoint"},
+    "TrainJobRole": {"result", "checkpoint", "preflight checkpoint"},
     "InferJobRole": {"result", "embeddings"},
     "OrchestratorRole": {"result", "registry entry", "champion record", "pointer"},
 }
@@ -124,6 +125,12 @@ def test_each_role_writes_only_its_own_outputs(role):
     assert writes == MAY_WRITE[role]
     deletes = {what for what, arn in WRITES.items() if STACK.allows(role, "s3:DeleteObject", arn)}
     assert deletes <= MAY_WRITE[role]
+
+
+def test_the_preflight_writes_its_round_trip_checkpoint_and_nothing_of_the_registry():
+    # even a model named `preflight`, whose registry folder matches the round trip's pattern
+    assert not STACK.allows("PreflightJobRole", "s3:PutObject", f"{CHECKPOINTS}/registry/preflight/versions/v1.json")
+    assert not STACK.allows("PreflightJobRole", "s3:PutObject", WRITES["checkpoint"])
 
 
 def test_the_training_role_cannot_promote_and_the_inference_role_cannot_poison_the_cache():

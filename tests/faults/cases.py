@@ -82,10 +82,17 @@ class Case:
     fault: str | None = None
     """On a cloud backend, instead of its usual fault: `spot`, a spot reclaim of the training job (the
     case's compute section makes it a spot spec)."""
+    baseline: str = "ddp"
+    """The fault-free run it is compared with: `ddp`, or `fsdp` for a sharded case (the same spec with
+    train.parallelism.strategy fsdp)."""
 
 
 def _faults(*faults: dict) -> dict:
     return {"faults": list(faults)}
+
+
+SHARDED = {"train": {"parallelism": {"strategy": "fsdp"}}}
+"""The sections that make a case's run sharded (and its baseline's)."""
 
 
 # --- faults that need more than a line in the spec ---------------------------------------------
@@ -266,6 +273,11 @@ CASES = [
          "Batch's retry resumes there on a new instance",
          {"compute": {"spot": True, "nodes": 1, "cores_per_node": 2}},
          storage="batch", fault="spot", seen=lambda row: row["retries_by"].get("service", 0) == 1),
+    Case("fsdp-rank-sigkill", "sharded training (fsdp): a rank SIGKILLed at step 15",
+         {**_faults({"kind": "kill", "core": 1, "step": 15, "phase": "train"}), **SHARDED}, baseline="fsdp"),
+    Case("fsdp-torn-checkpoint", "sharded training (fsdp): rank 0 killed halfway through writing the step-20 "
+         "checkpoint it gathered", {**_faults({"kind": "torn", "core": 0, "step": 20, "phase": "train"}), **SHARDED},
+         baseline="fsdp"),
     Case("disk-full", "no space left on the device while writing the step-30 checkpoint", setup=disk_full),
     Case("kill-torn-hw", "three in one run: a rank SIGKILLed at step 13, the step-20 checkpoint torn, then a "
          "hardware error on core 0 at step 25",

@@ -22,7 +22,8 @@ COLUMNS = ("case", "fault struck", "recovered", "retries", "steps redone", "weig
 class Matrix:
     def __init__(self, world: World):
         self.world = world
-        self.baseline: Snapshot | None = None
+        self.baselines: dict[str, Snapshot] = {}
+        """The fault-free runs by strategy (`ddp`, `fsdp`): each case is compared with its own."""
         self._stack = contextlib.ExitStack()
         self._moto: str | None = None
 
@@ -116,19 +117,27 @@ class Matrix:
 
     # -- the runs --
 
-    def run_baseline(self) -> float:
+    @property
+    def baseline(self) -> Snapshot | None:
+        return self.baselines.get("ddp")
+
+    def run_baseline(self, strategy: str = "ddp") -> float:
         began = time.monotonic()
-        folder = self.world.root / "baseline"
+        name = "baseline" if strategy == "ddp" else f"baseline-{strategy}"
+        folder = self.world.root / name
         shutil.rmtree(folder, ignore_errors=True)
-        run = Run(self.world, folder, str(folder), {}, "baseline")
+        sections = {} if strategy == "ddp" else {"train": {"parallelism": {"strategy": strategy}}}
+        run = Run(self.world, folder, str(folder), sections, name)
         state = run.flow()
         if not state.is_completed():
-            raise RuntimeError(f"the fault-free run failed: {state.result(raise_on_failure=False)}")
-        self.baseline = Snapshot.of(run.spec, state.result().results["train"].checkpoint)
+            raise RuntimeError(f"the fault-free {strategy} run failed: {state.result(raise_on_failure=False)}")
+        self.baselines[strategy] = Snapshot.of(run.spec, state.result().results["train"].checkpoint)
         return time.monotonic() - began
 
     def run_case(self, case: Case) -> dict[str, Any]:
         assert self.baseline is not None, "run the baseline first"
+        if case.baseline not in self.baselines:  # a sharded case's own fault-free run, once
+            self.run_baseline(case.baseline)
         row: dict[str, Any] = {"case": case.name, "what": case.what, "max_redone": EVERY * case.interruptions}
         if case.setup is disk_full and not can_mount():
             return {**row, "recovered": None, "skipped": "needs root to mount a size-limited tmpfs"}
@@ -166,7 +175,7 @@ class Matrix:
             by["flow rerun"] = run.reruns
         if api:
             by["api"] = api
-        same = snapshot.differences(self.baseline)
+        same = snapshot.differences(self.baselines[case.baseline])
         results = state.result().results
         row |= {"recovered": True, "retries": sum(by.values()), "retries_by": by, "steps_redone": redone,
                 "training_attempts": attempts, "train_cores": results["train"].cores,

@@ -52,7 +52,7 @@ def _dispatch(args: argparse.Namespace, ctx) -> dict:
         raise TrnflowError(f"{args.phase} needs --checkpoint")
     phase = importlib.import_module(f"trnflow.workload.{args.phase}")
     match args.phase:
-        case "train":
+        case "train" | "sanity":
             return phase.run(ctx, args.run_id)
         case "evaluate" | "infer":
             return phase.run(ctx, args.checkpoint)

@@ -14,7 +14,9 @@ Each runs in fp32, and also in bf16 when the spec trains in bf16. Tolerances are
 
 With a job spec (a pipeline's preflight), the same ranks then sweep the collectives between their
 cores once every core has passed, so that preflight costs one job, not two; the collectives stage
-takes that sweep (`collectives` in the result) and launches nothing.
+takes that sweep (`collectives` in the result) and launches nothing. Last, rank 0 writes a
+checkpoint of the spec's model where the run's checkpoints go, reads it back and deletes it
+(`roundtrip`, `checkpoint` in the result), unless `preflight.checkpoint_round_trip` is off.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from trnflow.device.base import FaultHooks, NoFaults
 from trnflow.neuron import tools, topology
 from trnflow.workload import collectives
 from trnflow.workload.context import WorkerContext, gather_objects
+from trnflow.workload.roundtrip import round_trip
 
 MATMUL_SIZE = 256
 MEMORY_WORDS = 4 * 1024 * 1024  # 16 MiB of int32 per pattern
@@ -184,7 +187,7 @@ def host_inventory(ctx: WorkerContext, per_core: list[dict]) -> dict | None:
     return {"source": source, **tools.inventory(records, cores, {c["pid"] for c in per_core})}
 
 
-def run(ctx: WorkerContext) -> dict:
+def run(ctx: WorkerContext, run_id: str = "adhoc") -> dict:
     precision = ctx.spec.compute.precision if ctx.spec else "fp32"
     checks = core_checks(ctx.core_id, precision, ctx.faults)
     failed = [f"{c['engine']}/{c['test']}/{c['dtype']}" for c in checks if not c["passed"]]
@@ -200,6 +203,8 @@ def run(ctx: WorkerContext) -> dict:
     result = {"per_core": per_core, "bad_cores": bad, "passed": not bad, "inventory": found}
     if ctx.spec is not None:
         result["collectives"] = _links(ctx, healthy=not bad)
+    if ctx.spec is not None and ctx.spec.preflight.checkpoint_round_trip and ctx.is_main and not bad:
+        result["checkpoint"] = round_trip(ctx, run_id)  # last: the other ranks are done with every collective
     return result
 
 

@@ -1,0 +1,79 @@
+"""The preflight's checkpoint round trip: before anything trains, a checkpoint of the spec's real
+model and optimizer shapes is written where the run's checkpoints go, read back, compared and
+deleted.
+
+A checkpoint location that cannot be written (no access, a bucket that is not there, a full disk,
+a store that returns what it was not given) otherwise shows itself at the first save, an interval
+into training, when the instances have been billed for it. The round trip goes through the same
+code as every checkpoint (its files, then the commit marker with their checksums; read back with
+`weights_only`), under `<checkpoint_url>/<run id>/preflight/`, which resuming never looks at.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from trnflow.errors import FatalError
+from trnflow.records import CheckpointMeta, DataRead
+from trnflow.storage import join
+from trnflow.workload.checkpoint import RunCheckpoints, load, weights_digest
+from trnflow.workload.context import WorkerContext
+from trnflow.workload.programs import build_model
+from trnflow.workload.recipes import for_job
+
+FOLDER = "preflight"
+"""Where in the run's checkpoint folder the round trip writes (never a `step-*` folder)."""
+
+
+def _flat(tree: object) -> list[torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return [tree]
+    if isinstance(tree, dict):
+        return [t for key in sorted(tree, key=str) for t in _flat(tree[key])]
+    if isinstance(tree, list | tuple):
+        return [t for item in tree for t in _flat(item)]
+    return []
+
+
+def round_trip(ctx: WorkerContext, run_id: str) -> dict:
+    """Write, read back, compare and delete one checkpoint of the spec's model and its optimizer's
+    state (rank 0 alone); what it wrote and how long each way took. FatalError names the location
+    and what failed."""
+    spec = ctx.spec
+    recipe = for_job(spec)
+    url = join(spec.train.checkpoint_url, run_id, FOLDER)
+    with torch.random.fork_rng(devices=[]):  # the run's random streams are not this check's
+        model = build_model(recipe, spec.train.seed)
+        optimizer = recipe.optimizer(model.parameters(), spec.train)
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        optimizer.step()  # its state, of every weight's shape
+    meta = CheckpointMeta(run_id=run_id, step=0, global_step=0, spec_digest=spec.digest(),
+                          precision=spec.compute.precision, world_size=ctx.world_size, sampler={}, data=DataRead(),
+                          recipe=recipe.describe(), torch=torch.__version__)
+    checkpoints = RunCheckpoints(url)
+    weights, state = model.state_dict(), optimizer.state_dict()
+    began = time.perf_counter()
+    try:
+        saved = checkpoints.save(0, weights, state, [], (recipe.featurizer_file, b"{}"), meta)
+        wrote = time.perf_counter() - began
+        back = load(saved, recipe.featurizer_file)
+        read = time.perf_counter() - began - wrote
+    except Exception as exc:
+        raise FatalError(f"train.checkpoint_url: the preflight could not write a checkpoint to {url} and read it "
+                         f"back ({type(exc).__name__}: {exc}); the run would fail at its first checkpoint. Check the "
+                         "location and this job's write access to it (preflight.checkpoint_round_trip: false skips "
+                         "this check)") from None
+    finally:
+        checkpoints.store.delete_prefix("")
+    theirs, ours = _flat(back.optim), _flat(state)
+    same = weights_digest(back.model) == weights_digest(weights) and len(theirs) == len(ours) and all(
+        torch.equal(a, b) for a, b in zip(theirs, ours, strict=True))
+    if not same:
+        raise FatalError(f"train.checkpoint_url: a checkpoint written to {url} read back different from what was "
+                         "written; the store there does not keep what it is given")
+    size = sum(t.numel() * t.element_size() for t in _flat(weights) + _flat(state))
+    return {"url": url, "bytes": size, "write_seconds": round(wrote, 3), "read_seconds": round(read, 3),
+            "passed": True}
