@@ -75,6 +75,14 @@ def refuses_bad_specs(flow_fn: Callable[P, R]) -> Callable[P, R | State]:
 
 
 def resolve_spec(spec: JobSpec | dict[str, Any] | None, spec_url: str | None) -> JobSpec:
+    """The run's spec (`_spec`), with `train.parallelism.strategy: auto` decided once for all of the
+    run's jobs (the memory planner's choice), so that its compile plan and every job agree."""
+    from trnflow.workload.memory import decided  # builds the model on the meta device: torch
+
+    return decided(_spec(spec, spec_url))
+
+
+def _spec(spec: JobSpec | dict[str, Any] | None, spec_url: str | None) -> JobSpec:
     """The run's spec: `spec` itself when given (it wins over `spec_url`), validated when it came
     as data (a run started from the UI or the API), else the file `spec_url` names (a path,
     file:// or s3:// URL).

@@ -630,7 +630,7 @@ class PreflightSpec(Section):
     )
     checkpoint_round_trip: bool = Field(
         True, description="Before training, write a checkpoint of the spec's model and optimizer shapes where the "
-        "run's checkpoints go (`<checkpoint_url>/<run id>/preflight/`), read it back, compare it and delete it: a "
+        "run's checkpoints go (`<checkpoint_url>/<run id>/_preflight/`), read it back, compare it and delete it: a "
         "location that cannot take a checkpoint fails the preflight, not the first save an interval into training."
     )
 

@@ -29,7 +29,7 @@ class TrnflowSettings(BaseSettings):
         None, description="The SageMaker execution role of every stage kind that has no role of its own below.")
     role_preflight: str | None = Field(None, description="The role sanity and collectives jobs run as (SageMaker "
                                        "execution role, Batch job role): it writes nothing but their results and "
-                                       "the checkpoint round trip's `preflight/` folder.")
+                                       "the checkpoint round trip's `_preflight/` folder.")
     role_compile: str | None = Field(None, description="The role compile jobs run as: the only one that writes the "
                                      "compile cache.")
     role_train: str | None = Field(None, description="The role training and evaluation jobs run as: it writes "

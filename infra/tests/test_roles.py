@@ -102,7 +102,7 @@ CHECKPOINTS, CACHE = "arn:aws:s3:::trnflow-checkpoints-123456789012", "arn:aws:s
 OUTPUTS, STAGING = "arn:aws:s3:::trnflow-outputs-123456789012", "arn:aws:s3:::trnflow-staging-123456789012"
 WRITES = {  # what a job or flow of each kind puts, and whether it may
     "checkpoint": f"{CHECKPOINTS}/runs/m/20261128-a1/step-00000100/model.pt",
-    "preflight checkpoint": f"{CHECKPOINTS}/runs/m/20261128-a1/preflight/step-000000/model.pt",
+    "preflight checkpoint": f"{CHECKPOINTS}/runs/m/20261128-a1/_preflight/step-000000/model.pt",
     "registry entry": f"{CHECKPOINTS}/registry/m/versions/v000002.json",
     "champion record": f"{CHECKPOINTS}/registry/m/champion/g000002.json",
     "cache entry": f"{CACHE}/neuronxcc-torch-2.13.0+cpu/MODULE_1+2/model.neff",
@@ -128,8 +128,9 @@ def test_each_role_writes_only_its_own_outputs(role):
 
 
 def test_the_preflight_writes_its_round_trip_checkpoint_and_nothing_of_the_registry():
-    # even a model named `preflight`, whose registry folder matches the round trip's pattern
+    # a model named `preflight` is none of the round trip's: its checkpoints and registry entries stay the others'
     assert not STACK.allows("PreflightJobRole", "s3:PutObject", f"{CHECKPOINTS}/registry/preflight/versions/v1.json")
+    assert not STACK.allows("PreflightJobRole", "s3:DeleteObject", f"{CHECKPOINTS}/preflight/r1/step-000010/model.pt")
     assert not STACK.allows("PreflightJobRole", "s3:PutObject", WRITES["checkpoint"])
 
 

@@ -26,7 +26,7 @@ def test_the_preflight_writes_a_checkpoint_where_the_run_will_reads_it_back_and_
     info = _sanity(backend, spec, "trip")
     assert info.state is JobState.SUCCEEDED, info.failure
     trip = info.result.checkpoint
-    assert trip["passed"] and trip["url"].endswith("/trip/preflight") and trip["bytes"] > 0
+    assert trip["passed"] and trip["url"].endswith("/trip/_preflight") and trip["bytes"] > 0
     run = tmp_path / "checkpoints" / "trip"
     assert not any(p.is_file() for p in run.rglob("*")), sorted(run.rglob("*"))  # nothing left behind
 
@@ -41,4 +41,4 @@ def test_a_checkpoint_location_that_cannot_take_one_fails_the_preflight_naming_i
     assert info.state is JobState.FAILED
     assert info.failure.type == "FatalError" and info.failure.retryable is False
     assert info.failure.message.startswith("train.checkpoint_url: the preflight could not write a checkpoint to ")
-    assert "a-file/checkpoints/blocked/preflight" in info.failure.message
+    assert "a-file/checkpoints/blocked/_preflight" in info.failure.message

@@ -9,7 +9,7 @@ import torch
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
-from trnflow.workload.checkpoint import load
+from trnflow.workload.checkpoint import load, weights_digest
 from trnflow.workload.memory import REHEARSAL_CORE_ENV, plan
 
 FSDP = {"parallelism": {"strategy": "fsdp"}}
@@ -77,3 +77,23 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_cores(make_spec, back
     assert sorted(ours) == [5, 6, 7, 8]
     for step, loss in ours.items():
         assert loss == pytest.approx(theirs[step], rel=1e-6), (step, loss, theirs[step])
+
+
+@pytest.mark.slow
+def test_a_checkpoint_resumes_under_the_other_strategy_both_ways(make_spec, backend):
+    """A ddp checkpoint (its optimizer state by position) resumes sharded, and a sharded one (by
+    name) resumes under ddp: the same step, the same weights, and the run goes on to its end."""
+    train = {"steps": 8, "checkpoint_every": 4, "log_every": 4}
+    for first, then in (("ddp", "fsdp"), ("fsdp", "ddp")):
+        run = f"{first}-then-{then}"
+        stopped = make_spec(train={**train, "parallelism": {"strategy": first}},
+                            faults=[{"kind": "timeout", "core": 1, "step": 6, "phase": "train"}])
+        failed = _train(backend, stopped, run)
+        assert failed.state is JobState.FAILED and failed.failure.retryable, failed.failure
+        saved = load(f"{stopped.train.checkpoint_url}/{run}/step-000004")
+        assert saved.meta.parallelism == first
+        info = _train(backend, make_spec(train={**train, "parallelism": {"strategy": then}}), run)
+        assert info.state is JobState.SUCCEEDED, info.failure
+        assert info.result.start_step == 4 and info.result.resumed_from == saved.url
+        assert info.result.resumed_weights == weights_digest(saved.model)  # loaded as saved
+        assert load(info.result.checkpoint).meta.parallelism == then

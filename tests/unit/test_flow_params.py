@@ -21,7 +21,9 @@ def test_the_spec_parameter_wins_and_a_url_is_read_from_a_path_or_s3(in_process_
     import boto3
 
     given = make_spec()
-    assert resolve_spec(given, str(QUICKSTART)) is given  # a deployment's default spec_url does not override it
+    got = resolve_spec(given, str(QUICKSTART))  # a deployment's default spec_url does not override it
+    assert got.model_copy(update={"train": given.train}) == given  # `auto` is decided, the rest is the given spec
+    assert given.train.parallelism.strategy == "auto" and got.train.parallelism.strategy == "ddp"
     assert resolve_spec(None, str(QUICKSTART)).name == "quickstart"
     assert resolve_spec(None, QUICKSTART.as_uri()).name == "quickstart"
 

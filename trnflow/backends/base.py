@@ -79,8 +79,8 @@ class JobRequest:
 
 def resolved(request: JobRequest, strategy: str) -> JobRequest:
     """The request with its spec's parallelism strategy set to the memory planner's `strategy` (an
-    `auto` decided at submission), so that every rank of the job, and every later job of the run
-    submitted the same way, shards the model alike whatever its own environment."""
+    `auto` that reached a submission undecided: a run's flow decides it when it starts), so that
+    every rank of the job shards the model alike whatever its own environment."""
     spec = request.spec
     if spec is None or spec.train.parallelism.strategy == strategy:
         return request

@@ -6,3 +6,7 @@ checkpoints and the inference layout. Every backend launches it
 the same way. It reaches the hardware only through `trnflow.device`, and never imports Prefect,
 boto3 or the emulator.
 """
+
+PREFLIGHT_FOLDER = "_preflight"
+"""The folder in a run's checkpoint folder where the preflight's checkpoint round trip writes: never
+a run id (the preflight's IAM role may write only there), never a `step-*` checkpoint."""

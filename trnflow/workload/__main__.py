@@ -21,14 +21,16 @@ from trnflow.errors import ExitCode, FatalError, TrnflowError
 from trnflow.fsutil import atomic_write_json
 from trnflow.results import FailureReport
 from trnflow.specs import JobSpec, SpecError, load_spec
+from trnflow.workload import PREFLIGHT_FOLDER
 
 RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 PHASES = ("sanity", "collectives", "compile", "train", "evaluate", "infer")
 
 
 def _run_id(value: str) -> str:
-    if not RUN_ID.fullmatch(value) or value in (".", ".."):
-        raise argparse.ArgumentTypeError(f"{value!r}: use letters, digits, '.', '_' and '-' only")
+    if not RUN_ID.fullmatch(value) or value in (".", "..", PREFLIGHT_FOLDER):
+        raise argparse.ArgumentTypeError(f"{value!r}: use letters, digits, '.', '_' and '-' only (and not "
+                                         f"{PREFLIGHT_FOLDER}, the preflight's folder)")
     return value
 
 

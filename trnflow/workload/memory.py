@@ -170,19 +170,31 @@ def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int) -> tuple[M
 
 def plan(spec: JobSpec, recipe: Recipe | None = None, itype: str | None = None) -> MemoryPlan:
     """Both strategies' per-core estimates on `itype` (the spec's instance type), and the strategy
-    the job uses: the spec's, or for `auto` ddp when it fits and fsdp otherwise."""
+    the job uses (`strategy`)."""
     recipe = recipe or for_job(spec)
     ddp, fsdp = _estimates(spec, recipe, itype or spec.compute.instance_type, spec.compute.world_size)
-    wanted = spec.train.parallelism.strategy
-    strategy = wanted if wanted != "auto" else ("ddp" if ddp.fits else "fsdp")
-    return MemoryPlan(strategy, ddp, fsdp)
+    return MemoryPlan(strategy(spec, recipe), ddp, fsdp)
 
 
 def strategy(spec: JobSpec, recipe: Recipe | None = None) -> str:
-    """How the job spreads the model: the spec's strategy, or the plan's for `auto` (submission
-    decides it once for a run's jobs: see `trnflow.backends.base.resolved`)."""
+    """How the job spreads the model: the spec's strategy; for `auto`, ddp when it fits a core of
+    every instance type the job may get (compute.instance_preferences), else fsdp. A run decides it
+    once, when its flow starts (`decided`), so that a job that falls back to another type keeps it."""
     wanted = spec.train.parallelism.strategy
-    return wanted if wanted != "auto" else plan(spec, recipe).strategy
+    if wanted != "auto":
+        return wanted
+    recipe = recipe or for_job(spec)
+    fits = all(_estimates(spec, recipe, t, spec.compute.world_size)[0].fits for t in spec.compute.instance_choices)
+    return "ddp" if fits else "fsdp"
+
+
+def decided(spec: JobSpec) -> JobSpec:
+    """`spec` with `auto` replaced by the strategy `strategy` decides (the same spec otherwise)."""
+    chosen = strategy(spec)
+    if chosen == spec.train.parallelism.strategy:
+        return spec
+    parallelism = spec.train.parallelism.model_copy(update={"strategy": chosen})
+    return spec.model_copy(update={"train": spec.train.model_copy(update={"parallelism": parallelism})})
 
 
 def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:

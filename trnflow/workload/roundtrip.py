@@ -6,7 +6,8 @@ A checkpoint location that cannot be written (no access, a bucket that is not th
 a store that returns what it was not given) otherwise shows itself at the first save, an interval
 into training, when the instances have been billed for it. The round trip goes through the same
 code as every checkpoint (its files, then the commit marker with their checksums; read back with
-`weights_only`), under `<checkpoint_url>/<run id>/preflight/`, which resuming never looks at.
+`weights_only`), under `<checkpoint_url>/<run id>/_preflight/`, which resuming never looks at (and
+which no run id may be named: the preflight's IAM role may write only there).
 """
 
 from __future__ import annotations
@@ -18,13 +19,11 @@ import torch
 from trnflow.errors import FatalError
 from trnflow.records import CheckpointMeta, DataRead
 from trnflow.storage import join
+from trnflow.workload import PREFLIGHT_FOLDER, watchdog
 from trnflow.workload.checkpoint import RunCheckpoints, load, weights_digest
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.programs import build_model
 from trnflow.workload.recipes import for_job
-
-FOLDER = "preflight"
-"""Where in the run's checkpoint folder the round trip writes (never a `step-*` folder)."""
 
 
 def _flat(tree: object) -> list[torch.Tensor]:
@@ -43,7 +42,7 @@ def round_trip(ctx: WorkerContext, run_id: str) -> dict:
     and what failed."""
     spec = ctx.spec
     recipe = for_job(spec)
-    url = join(spec.train.checkpoint_url, run_id, FOLDER)
+    url = join(spec.train.checkpoint_url, run_id, PREFLIGHT_FOLDER)
     with torch.random.fork_rng(devices=[]):  # the run's random streams are not this check's
         model = build_model(recipe, spec.train.seed)
         optimizer = recipe.optimizer(model.parameters(), spec.train)
@@ -57,17 +56,20 @@ def round_trip(ctx: WorkerContext, run_id: str) -> dict:
     weights, state = model.state_dict(), optimizer.state_dict()
     began = time.perf_counter()
     try:
-        saved = checkpoints.save(0, weights, state, [], (recipe.featurizer_file, b"{}"), meta)
-        wrote = time.perf_counter() - began
-        back = load(saved, recipe.featurizer_file)
-        read = time.perf_counter() - began - wrote
+        with watchdog.busy("the preflight's checkpoint round trip"):  # a large model takes a while each way
+            saved = checkpoints.save(0, weights, state, [], (recipe.featurizer_file, b"{}"), meta)
+            wrote = time.perf_counter() - began
+            back = load(saved, recipe.featurizer_file)
+            read = time.perf_counter() - began - wrote
     except Exception as exc:
         raise FatalError(f"train.checkpoint_url: the preflight could not write a checkpoint to {url} and read it "
                          f"back ({type(exc).__name__}: {exc}); the run would fail at its first checkpoint. Check the "
                          "location and this job's write access to it (preflight.checkpoint_round_trip: false skips "
                          "this check)") from None
     finally:
-        checkpoints.store.delete_prefix("")
+        left = _clean(checkpoints, url)
+    if left:  # written and read, but not deleted: the run can checkpoint; say what is left
+        ctx.log("warning", message=left)
     theirs, ours = _flat(back.optim), _flat(state)
     same = weights_digest(back.model) == weights_digest(weights) and len(theirs) == len(ours) and all(
         torch.equal(a, b) for a, b in zip(theirs, ours, strict=True))
@@ -76,4 +78,16 @@ def round_trip(ctx: WorkerContext, run_id: str) -> dict:
                          "written; the store there does not keep what it is given")
     size = sum(t.numel() * t.element_size() for t in _flat(weights) + _flat(state))
     return {"url": url, "bytes": size, "write_seconds": round(wrote, 3), "read_seconds": round(read, 3),
-            "passed": True}
+            "passed": True, **({"left": left} if left else {})}
+
+
+def _clean(checkpoints: RunCheckpoints, url: str) -> str | None:
+    """Delete the round trip's checkpoint; what could not be deleted, or None. A failure here never
+    hides the round trip's own."""
+    try:
+        checkpoints.store.delete_prefix("")
+        if any(True for _ in checkpoints.store.list("")):
+            return f"the preflight's checkpoint under {url} could not all be deleted; delete it by hand"
+    except Exception as exc:  # a store that takes writes but refuses deletes
+        return f"the preflight's checkpoint under {url} could not be deleted ({type(exc).__name__}: {exc})"
+    return None

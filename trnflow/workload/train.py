@@ -156,12 +156,13 @@ class Trainer:
         ctx, tcfg, start, resumed = self.ctx, self.spec.train, self.start, self.start.resumed
         if resumed is not None:
             if self.sharded:  # the checkpoint holds them whole: each rank keeps its shard
-                load_whole(self.model, self.optimizer, check_weights(self.model, resumed.model, resumed.url),
-                           resumed.optim)
+                weights = check_weights(self.model, resumed.model, resumed.url)
+                self.resumed_weights = weights_digest(weights)  # what is loaded, never gathered whole on a core
+                load_whole(self.model, self.optimizer, weights, resumed.optim)  # (which shards `weights` in place)
             else:
                 load_model_weights(self.model, resumed.model, resumed.url)
                 load_optimizer(self.model, self.optimizer, resumed.optim)
-            self.resumed_weights = weights_digest(self._whole_weights())
+                self.resumed_weights = weights_digest(self.device.to_host(self.model.state_dict()))
             assert resumed.meta is not None  # a run's own checkpoints always have their meta.json
             first = self.sampler.restore(resumed.meta.sampler)
             if resumed.rng and len(resumed.rng) == ctx.world_size:
@@ -177,6 +178,7 @@ class Trainer:
             load_whole(self.model, None, check_weights(self.model, start.init.model, start.init.url), None)
         elif start.init is not None:
             load_model_weights(self.model, start.init.model, start.init.url)
+        if start.init is not None:
             ctx.log("init", checkpoint=start.init.url, watermark=start.init.watermark)
         torch.manual_seed(tcfg.seed + 1000 * ctx.rank)  # each rank its own dropout stream
         if self.rounding:  # put the starting weights on the bf16 grid; resumed ones already are
@@ -228,10 +230,6 @@ class Trainer:
         if self.ctx.is_main:
             self.series_url = write_series(self.start.checkpoints.url, self.run_id, self.evaluations,
                                            self.holdout.digest, done, correct)
-
-    def _whole_weights(self) -> dict[str, torch.Tensor]:
-        """The weights, unsharded, on the host (of a sharded model: a collective, on every rank)."""
-        return whole_model(self.model) if self.sharded else self.device.to_host(self.model.state_dict())
 
     def _checkpoint(self, done: int) -> None:
         with watchdog.busy(f"checkpointing step {done}"):  # rank 0 writes; the others wait for it
