@@ -36,7 +36,10 @@ def download_prefix(s3: Any, url: str, into: Path) -> None:
 
 
 def committed_checkpoints(s3: Any, url: str) -> int:
-    return sum(1 for obj in S3Store(url, client=s3).list() if obj.name.endswith(f"/{MARKER}"))
+    """The training checkpoints committed under the run's folder `url` (`step-*/COMMITTED`; not the
+    preflight's round trip, which writes one elsewhere in it and deletes it)."""
+    return sum(1 for obj in S3Store(url, client=s3).list("step-") if obj.name.endswith(f"/{MARKER}")
+               and obj.name.count("/") == 1)
 
 
 def tar_gz(folder: Path) -> bytes:
