@@ -13,6 +13,7 @@ twice the device estimate.)
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -64,9 +65,11 @@ def parameter_count(recipe: Recipe) -> int:
     return _shape(recipe)[0]
 
 
+@functools.lru_cache(maxsize=8)
 def _shape(recipe: Recipe) -> tuple[int, int, int]:
     """(parameters, those outside the recipe's blocks, the largest block's), counted on the meta
-    device: what sharded training keeps whole for a step (the root unit) and gathers one at a time."""
+    device: what sharded training keeps whole for a step (the root unit) and gathers one at a time.
+    Built once per recipe: a plan estimates many instance types and core counts."""
     with torch.device("meta"):
         model = recipe.build_model()
     total = sum(p.numel() for p in model.parameters())

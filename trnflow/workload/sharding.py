@@ -25,19 +25,19 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 WHOLE = StateDictOptions(full_state_dict=True)
-"""Unsharded tensors on every rank."""
+"""Loading: every rank passes the whole state, and keeps its shard."""
 WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
-"""Unsharded tensors in host memory, on rank 0 only (the others get nothing): what a checkpoint writes."""
+"""Saving: unsharded tensors in host memory, on rank 0 only (the others get nothing)."""
 
 
-def whole_model(model: nn.Module, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """The model's weights, unsharded (a collective: every rank calls it)."""
-    return get_model_state_dict(model, options=WHOLE_ON_RANK0 if rank0_only else WHOLE)
+def whole_model(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's weights, unsharded, on rank 0 (a collective: every rank calls it)."""
+    return get_model_state_dict(model, options=WHOLE_ON_RANK0)
 
 
-def whole_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, rank0_only: bool = False) -> dict[str, Any]:
-    """The optimizer's state, unsharded and keyed by parameter name (a collective)."""
-    return get_optimizer_state_dict(model, optimizer, options=WHOLE_ON_RANK0 if rank0_only else WHOLE)
+def whole_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's state, unsharded and keyed by parameter name, on rank 0 (a collective)."""
+    return get_optimizer_state_dict(model, optimizer, options=WHOLE_ON_RANK0)
 
 
 def load_whole(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, torch.Tensor],

@@ -240,8 +240,7 @@ class Trainer:
         rng = gather_objects(ctx, _rng_state(self.sr_gen))
         host = self.device.to_host  # checkpoints hold CPU copies, whatever the device
         if self.sharded:  # gathered whole, on rank 0 (every rank takes part)
-            weights, optim = whole_model(self.model, rank0_only=True), whole_optimizer(self.model, self.optimizer,
-                                                                                      rank0_only=True)
+            weights, optim = whole_model(self.model), whole_optimizer(self.model, self.optimizer)
         elif ctx.is_main:
             weights, optim = host(self.model.state_dict()), host(self.optimizer.state_dict())
         if ctx.is_main:
