@@ -218,9 +218,11 @@ def test_the_pipeline_with_sharded_training_on_each_cloud_backend(
         memory = train.device_memory
         assert memory["weights"] * 2 == pytest.approx(sum(p.numel() for p in load(train.checkpoint).model.values()) * 4,
                                                       rel=0.05)
-        assert load(train.checkpoint).meta.parallelism == "fsdp"
+        final = load(train.checkpoint)
+        assert final.meta.parallelism == "fsdp" and sorted(final.shards)[1:] == ["__0_0.distcp", "__1_0.distcp"]
         champion = Registry(spec.registry_url).champion(spec.name)
         assert champion is not None and champion.checkpoint == train.checkpoint
+        assert champion.entry.weights == f"{train.checkpoint}/model.pt"  # the model whole, beside its shards
 
 
 def _our_batch_jobs(began: float) -> list[dict]:

@@ -11,6 +11,7 @@ from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
 from trnflow.workload.checkpoint import load, weights_digest
 from trnflow.workload.memory import REHEARSAL_CORE_ENV, plan
+from trnflow.workload.sharding import consolidate
 
 FSDP = {"parallelism": {"strategy": "fsdp"}}
 
@@ -42,7 +43,13 @@ def test_auto_shards_a_model_too_big_for_a_core_and_each_rank_holds_half_of_it(m
     resumed = _train(backend, killed, "sharded")
     assert resumed.state is JobState.SUCCEEDED, resumed.failure
     assert resumed.result.start_step == 4 and resumed.result.resumed_from
-    assert load(resumed.result.checkpoint).meta.parallelism == "fsdp"
+    final = load(resumed.result.checkpoint)
+    assert final.meta.parallelism == "fsdp"
+    # each rank wrote its own shard; the last checkpoint holds the weights whole too, joined as its shards say
+    assert sorted(final.shards) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert weights_digest(final.model) == weights_digest(consolidate(final.shards)[0])
+    middle = load(resumed.result.resumed_from)
+    assert middle.sharded and middle._model is None  # no whole model.pt before the last step
 
     whole = _train(backend, spec, "sharded-whole")
     assert whole.state is JobState.SUCCEEDED, whole.failure
@@ -69,6 +76,7 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_cores(make_spec, back
     info = _train(backend, make_spec(compute={**compute, "cores_per_node": resumed}, train=train), "reshard")
     assert info.state is JobState.SUCCEEDED, info.failure
     assert info.result.start_step == 4 and load(info.result.checkpoint).meta.world_size == resumed
+    assert len(load(info.result.resumed_from).shards) == saved + 1  # its shards and their index
     # rank 0 logs the loss of its part of the batch: the part it has at `resumed` ranks
     whole = _train(backend, make_spec(compute={**compute, "cores_per_node": resumed}, train=train), "reshard-whole")
     assert whole.state is JobState.SUCCEEDED, whole.failure

@@ -22,6 +22,7 @@ from trnflow.cli import recipes as cli_recipes
 from trnflow.cli import runs as cli_runs
 from trnflow.cli import serve as cli_serve
 from trnflow.cli.cache import cache_app
+from trnflow.cli.checkpoints import checkpoint_app
 from trnflow.cli.common import JsonOpt, SetOpt, checked, console, err, set_overrides
 from trnflow.cli.console import RED
 from trnflow.cli.data import data_app
@@ -112,5 +113,6 @@ app.add_typer(data_app, name="data")
 cli_pipeline.register(app)  # reference, compile, run, retrain, preflight
 app.add_typer(cache_app, name="cache")
 app.add_typer(models_app, name="models")
+app.add_typer(checkpoint_app, name="checkpoint")
 cli_serve.register(app)  # deployments of every flow
 cli_runs.register(app)  # runs on a Prefect server: submit, runs, status, logs, cancel

@@ -157,6 +157,14 @@ def meta_of(checkpoint: str) -> CheckpointMeta | None:
     return read(CheckpointMeta, data, f"{checkpoint}/meta.json")
 
 
+def whole_weights(checkpoint: str) -> str | None:
+    """The checkpoint's whole weights as a plain state_dict (`model.pt`), when it holds them: every
+    unsharded checkpoint does, and a sharded run's last one (`trnflow checkpoint consolidate` adds
+    them to another)."""
+    store = open_store(checkpoint)
+    return f"{checkpoint.rstrip('/')}/model.pt" if any(o.name == "model.pt" for o in store.list("model.pt")) else None
+
+
 def recipe_of(checkpoint: str) -> dict | None:
     """The recipe (name, version and params) a trnflow checkpoint was trained with."""
     meta = meta_of(checkpoint)
@@ -315,7 +323,8 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
         metrics=candidate.series["points"][-1], series=f"{candidate.run_url}/metrics.json",
         watermark=meta.watermark, global_step=meta.global_step,
         parent=meta.parent, parent_version=by_checkpoint.get(meta.parent) if meta.parent else None,
-        recipe=meta.recipe, export=meta.export, inputs=inputs, output_url=spec.inference.output_url,
+        recipe=meta.recipe, export=meta.export, weights=whole_weights(checkpoint), inputs=inputs,
+        output_url=spec.inference.output_url,
         spec_digest=spec.digest(), forced=forced,
         verdict=VerdictSummary(passed=verdict.passed, mode=verdict.mode, reason=verdict.reason, paired=verdict.paired),
     ))

@@ -72,6 +72,8 @@ class RegistryEntry(Record):
     parent_version: int | None = Field(None, description="that checkpoint's version, when registered")
     recipe: dict[str, Any] | None = Field(None, description="its recipe: name, version and params")
     export: str | None = Field(None, description="the model in its own library's format")
+    weights: str | None = Field(None, description="the whole weights as a plain PyTorch state_dict (the checkpoint's "
+                                "model.pt; for a sharded checkpoint, the one joined from its shards)")
     inputs: str | None = Field(None, description="the digest of what it was trained from: a rerun finds it")
     output_url: str | None = Field(None, description="where its inference outputs are published")
     spec_digest: str | None = None

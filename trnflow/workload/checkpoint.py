@@ -1,4 +1,4 @@
-"""Checkpoints: unsharded, written by rank 0, counted only once their commit marker exists.
+"""Checkpoints: written under one commit protocol, counted only once their commit marker exists.
 
 Layout under `<checkpoint_url>/<run_id>/` (a local folder or an S3 prefix):
 
@@ -9,9 +9,16 @@ Layout under `<checkpoint_url>/<run_id>/` (a local folder or an S3 prefix):
     step-000040/meta.json        step, sampler position, lineage, data watermark, metrics so far
     step-000040/COMMITTED        written last: the sha256 and size of each file above
 
+A sharded run (`train.parallelism.strategy: fsdp`) writes, instead of `model.pt` and `optim.pt`,
+each rank's shard of both (`shards/__<rank>_0.distcp`, written by that rank) and DCP's index
+(`shards/.metadata`); its last checkpoint, and one `trnflow checkpoint consolidate` ran on, hold the
+whole weights as `model.pt` too. The marker, written by rank 0 once every rank's shard is stored,
+lists every shard's checksum and says `"layout": "sharded"`.
+
 A folder without its marker is a torn write: it is ignored, and deleted by the next save. A
 marker whose checksums do not match is a corrupted checkpoint and is skipped too. Tensors are
-loaded with `weights_only=True`, so a checkpoint cannot run code.
+loaded with `weights_only=True`, and a shard index only as DCP's records (`sharding`), so a
+checkpoint cannot run code.
 """
 
 from __future__ import annotations
@@ -23,7 +30,6 @@ import pickle
 import re
 import reprlib
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -31,6 +37,7 @@ import torch
 from trnflow.errors import FatalError
 from trnflow.records import CheckpointMeta, dump, read
 from trnflow.storage import Store, open_store
+from trnflow.workload import sharding
 
 MARKER = "COMMITTED"
 _PREFIX = "step-"
@@ -42,6 +49,9 @@ def step_name(step: int) -> str:
 
 REQUIRED = ("model.pt", "optim.pt", "state.pt", "meta.json")
 """Every checkpoint's files, besides its one featurizer file (named by the recipe)."""
+SHARDS = "shards/"
+SHARDED_REQUIRED = ("state.pt", "meta.json", f"{SHARDS}{sharding.METADATA}")
+"""A sharded checkpoint's, besides its shard files, its featurizer and, when consolidated, `model.pt`."""
 
 
 def _tensor_bytes(obj: Any) -> bytes:
@@ -70,22 +80,55 @@ def _digest(data: bytes) -> dict:
     return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
 
-@dataclass
 class Checkpoint:
     """What a checkpoint holds. `optim` and `rng` are None for a plain state_dict, and `featurizer`
-    too when no featurizer file lies beside it."""
+    too when no featurizer file lies beside it. A sharded checkpoint keeps its shard files
+    (`shards`, verified); its `model` and `optim` are joined whole from them when first asked for,
+    unless it holds `model.pt`."""
 
-    url: str
-    step: int
-    model: dict
-    optim: dict | None = None
-    rng: list[dict] | None = None
-    featurizer: bytes | None = None
-    featurizer_file: str | None = None
-    meta: CheckpointMeta | None = None
-    """None for a plain state_dict file, which says nothing of where it came from."""
-    model_sha256: str = ""
-    """The digest of the weights file: it tells two models apart whatever their names."""
+    def __init__(self, url: str, step: int, model: dict | None = None, optim: dict | None = None,
+                 rng: list[dict] | None = None, featurizer: bytes | None = None, featurizer_file: str | None = None,
+                 meta: CheckpointMeta | None = None, model_sha256: str = "", shards: dict[str, bytes] | None = None):
+        self.url, self.step, self.rng, self.meta = url, step, rng, meta
+        """`meta` is None for a plain state_dict file, which says nothing of where it came from."""
+        self.featurizer, self.featurizer_file = featurizer, featurizer_file
+        self.model_sha256 = model_sha256
+        """The digest of the weights file (of the shard files, when sharded): it tells two models apart
+        whatever their names."""
+        self.shards = shards
+        self._model, self._optim = model, optim
+
+    def _join(self) -> None:
+        assert self.shards is not None
+        try:
+            model, optim = sharding.consolidate(self.shards)
+        except ValueError as exc:
+            raise FatalError(f"{self.url}: its shards cannot be joined ({exc}); the checkpoint is damaged, use an "
+                             "earlier one") from None
+        self._model = self._model if self._model is not None else model
+        self._optim = self._optim if self._optim is not None else optim
+
+    @property
+    def model(self) -> dict:
+        if self._model is None and self.shards is not None:
+            self._join()
+        assert self._model is not None
+        return self._model
+
+    @property
+    def optim(self) -> dict | None:
+        if self._optim is None and self.shards is not None:
+            self._join()
+        return self._optim
+
+    @property
+    def sharded(self) -> bool:
+        return self.shards is not None
+
+    @property
+    def resumable(self) -> bool:
+        """Whether it holds an optimizer's state to resume from (without joining shards to tell)."""
+        return self._optim is not None or self.shards is not None
 
     @property
     def watermark(self) -> str | None:
@@ -119,7 +162,7 @@ class RunCheckpoints:
             url = f"{self.url}/{step_name(step)}"
             try:
                 ckpt = load(url, self.featurizer_file)
-                if ckpt.optim is None:
+                if not ckpt.resumable:
                     raise FatalError(f"{url}: has no optimizer state to resume from (written by an older trnflow?)")
                 return ckpt
             except FatalError as exc:
@@ -127,20 +170,38 @@ class RunCheckpoints:
                     on_skip(url, str(exc))
         return None
 
-    def save(self, step: int, model: dict, optim: dict, rng: list[dict], featurizer: tuple[str, bytes],
-             meta: CheckpointMeta, keep_latest: int | None = None) -> str:
+    def clear(self, step: int) -> None:
+        """Delete what an earlier attempt left of the checkpoint at `step` (a torn write)."""
+        self.store.delete_prefix(f"{step_name(step)}/")
+
+    def write_shards(self, step: int, files: dict[str, bytes]) -> dict[str, dict]:
+        """Store one rank's shard files of the checkpoint at `step`; their names in the folder, with
+        the checksums the marker will list."""
+        listed = {}
+        for name, data in files.items():
+            self.store.write(f"{step_name(step)}/{SHARDS}{name}", data)
+            listed[f"{SHARDS}{name}"] = _digest(data)
+        return listed
+
+    def save(self, step: int, model: dict | None, optim: dict | None, rng: list[dict], featurizer: tuple[str, bytes],
+             meta: CheckpointMeta, keep_latest: int | None = None, shards: dict[str, dict] | None = None) -> str:
         """Write one checkpoint, marker last; then delete torn folders and all but the newest
-        `keep_latest` committed ones. Returns the checkpoint's URL."""
+        `keep_latest` committed ones. Returns the checkpoint's URL. A sharded checkpoint's shard files
+        are stored first, by every rank (`clear`, then `write_shards`), and passed as `shards` with
+        their checksums; it then has no `optim`, and `model` (the whole weights) is optional."""
         folder = step_name(step)
-        self.store.delete_prefix(f"{folder}/")  # a torn write from an earlier attempt at this step
+        if shards is None:
+            self.clear(step)
+            assert model is not None and optim is not None, "a whole checkpoint holds its model and optimizer"
         files = {
-            "model.pt": _tensor_bytes(model),
-            "optim.pt": _tensor_bytes(optim),
+            **({"model.pt": _tensor_bytes(model)} if model is not None else {}),
+            **({"optim.pt": _tensor_bytes(optim)} if optim is not None else {}),
             "state.pt": _tensor_bytes({"step": step, "world_size": len(rng), "rng": rng}),
             featurizer[0]: featurizer[1],
             "meta.json": dump(meta.model_copy(update={"step": step, "saved_at": round(time.time(), 3)})),
         }
-        marker = {"step": step, "files": {name: _digest(data) for name, data in files.items()}}
+        marker = {"step": step, "layout": "sharded" if shards else "whole",
+                  "files": {**(shards or {}), **{name: _digest(data) for name, data in files.items()}}}
         try:
             for name, data in files.items():
                 self.store.write(f"{folder}/{name}", data)
@@ -209,26 +270,22 @@ def load(url: str, featurizer_file: str | None = None) -> Checkpoint:
         return Checkpoint(url, 0, state, featurizer=featurizer, featurizer_file=featurizer_file,
                           model_sha256=hashlib.sha256(raw).hexdigest())
     store = open_store(url)
-    try:
-        marker = json.loads(store.read(MARKER))
-        listed = marker["files"]
-        if not isinstance(listed, dict) or not set(REQUIRED) <= set(listed):
-            raise ValueError(f"it lists {reprlib.repr(sorted(listed))}")
-        if not all(isinstance(v, dict) and isinstance(v.get("sha256"), str) for v in listed.values()):
-            raise ValueError("a file's checksum is not a sha256")
-    except FileNotFoundError:
-        raise FatalError(f"{url}: not a committed checkpoint (no {MARKER} marker); pick another checkpoint") from None
-    except (ValueError, KeyError, TypeError) as exc:
-        raise FatalError(f"{url}/{MARKER}: not a marker this version of trnflow understands ({exc}); the "
-                         "checkpoint is damaged or was written by an older trnflow. Use an earlier one or retrain"
-                         ) from None
-    strays = [name for name in listed if not _PLAIN_NAME.fullmatch(name)]
+    marker, listed = _marker(store, url)
+    sharded = marker.get("layout") == "sharded"
+    shard_files = [name for name in listed if name.startswith(SHARDS)]
+    strays = [name for name in listed if not (_PLAIN_NAME.fullmatch(name) or (
+        sharded and name.startswith(SHARDS) and sharding.SHARD_NAME.fullmatch(name.removeprefix(SHARDS))))]
     if strays:  # `../../x`, `/etc/passwd`: the checkpoint's own folder holds every file it lists
         raise FatalError(f"{url}/{MARKER}: lists {reprlib.repr(strays[0])}, which is not a file of the checkpoint's "
                          "folder; the checkpoint is damaged or tampered with, so it is skipped: use an earlier one")
-    outside = sorted(set(listed) - set(REQUIRED))
+    required = SHARDED_REQUIRED if sharded else REQUIRED
+    if not set(required) <= set(listed) or (sharded and len(shard_files) < 2):
+        raise FatalError(f"{url}/{MARKER}: lists {reprlib.repr(sorted(listed))}, not every file of a "
+                         f"{'sharded ' if sharded else ''}checkpoint ({', '.join(required)}); the checkpoint is "
+                         "damaged or was written by an older trnflow. Use an earlier one or retrain")
+    outside = sorted(set(listed) - set(required) - set(shard_files) - ({"model.pt", "optim.pt"} if sharded else set()))
     if len(outside) != 1:
-        raise FatalError(f"{url}/{MARKER}: lists {outside or 'no file'} besides {list(REQUIRED)}, where a "
+        raise FatalError(f"{url}/{MARKER}: lists {outside or 'no file'} besides {list(required)}, where a "
                          "checkpoint holds its one featurizer file; the checkpoint is damaged or tampered with, use "
                          "an earlier one")
     if featurizer_file and outside[0] != featurizer_file:
@@ -242,21 +299,69 @@ def load(url: str, featurizer_file: str | None = None) -> Checkpoint:
             raise FatalError(f"{url}/{name}: does not match its checksum in {MARKER}; the checkpoint is corrupted, "
                              "use an earlier one")
         files[name] = data
+    if sharded:
+        try:
+            sharding.check_index(files[f"{SHARDS}{sharding.METADATA}"])
+        except ValueError as exc:
+            raise FatalError(f"{url}/{SHARDS}{sharding.METADATA}: {exc}; the checkpoint is damaged or tampered with, "
+                             "so it is skipped: use an earlier one") from None
     state = _load_tensors(files["state.pt"], f"{url}/state.pt")
     if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "rng" not in state:
         raise FatalError(f"{url}/state.pt: has no step number and RNG states; use an earlier checkpoint")
     meta = read(CheckpointMeta, files["meta.json"], f"{url}/meta.json",
                 fix="the checkpoint is damaged or was written by another version of trnflow; use an earlier one")
+    tensors = {name: _load_tensors(files[name], f"{url}/{name}") for name in ("model.pt", "optim.pt") if name in files}
     return Checkpoint(
         url, state["step"],
-        model=_load_tensors(files["model.pt"], f"{url}/model.pt"),
-        optim=_load_tensors(files["optim.pt"], f"{url}/optim.pt"),
+        model=tensors.get("model.pt"),
+        optim=tensors.get("optim.pt"),
         rng=state["rng"],
         featurizer=files[outside[0]],
         featurizer_file=outside[0],
         meta=meta,
-        model_sha256=listed["model.pt"]["sha256"],
+        model_sha256=_shards_digest(listed, shard_files) if sharded else listed["model.pt"]["sha256"],
+        shards={name.removeprefix(SHARDS): files[name] for name in shard_files} if sharded else None,
     )
+
+
+def _marker(store: Store, url: str) -> tuple[dict, dict]:
+    """A checkpoint's marker and the files it lists, each with a sha256."""
+    try:
+        marker = json.loads(store.read(MARKER))
+        listed = marker["files"]
+        if not isinstance(listed, dict):
+            raise ValueError(f"its files are a {type(listed).__name__}")
+        if not all(isinstance(v, dict) and isinstance(v.get("sha256"), str) for v in listed.values()):
+            raise ValueError("a file's checksum is not a sha256")
+    except FileNotFoundError:
+        raise FatalError(f"{url}: not a committed checkpoint (no {MARKER} marker); pick another checkpoint") from None
+    except (ValueError, KeyError, TypeError) as exc:
+        raise FatalError(f"{url}/{MARKER}: not a marker this version of trnflow understands ({exc}); the "
+                         "checkpoint is damaged or was written by an older trnflow. Use an earlier one or retrain"
+                         ) from None
+    return marker, listed
+
+
+def _shards_digest(listed: dict, names: list[str]) -> str:
+    """A sharded checkpoint's identity: the digest of its shard files' checksums."""
+    return hashlib.sha256("".join(f"{n}:{listed[n]['sha256']}\n" for n in sorted(names)).encode()).hexdigest()
+
+
+def consolidate(url: str) -> tuple[str, bool]:
+    """Join a committed sharded checkpoint's weights into its `model.pt`, which plain PyTorch loads,
+    and list it in the marker (rewritten last). The URL of `model.pt`, and whether it was written
+    now (False: the checkpoint already held it, or is not sharded)."""
+    url = url.rstrip("/")
+    ckpt = load(url)
+    if not ckpt.sharded or ckpt._model is not None:
+        return f"{url}/model.pt", False
+    store = open_store(url)
+    marker, listed = _marker(store, url)
+    data = _tensor_bytes(ckpt.model)
+    store.write("model.pt", data)
+    marker["files"] = {**listed, "model.pt": _digest(data)}
+    store.write(MARKER, json.dumps(marker, indent=2).encode())
+    return f"{url}/model.pt", True
 
 
 def check_weights(model: torch.nn.Module, state: dict, source: str) -> dict:

@@ -1,21 +1,37 @@
-"""Sharded training's state, whole: a sharded model's weights and optimizer state gathered into the
-plain, unsharded form every checkpoint holds, and loaded back into a model sharded over any number
-of ranks.
+"""Sharded training's state: each rank's shard of the weights and optimizer state written and read
+with `torch.distributed.checkpoint` (DCP), resharded on load over any number of ranks; and the
+same state gathered whole, as plain tensors, for everything that is not a sharded run.
 
 Under `train.parallelism.strategy: fsdp` each rank keeps 1/N of every weight and of its optimizer
-state (DTensors). A checkpoint holds them whole, as `ddp` writes them, so that evaluation, the
-registry, inference and plain PyTorch load it as they load any other, and a run resumes from it at
-any world size: loading shards it again over the ranks there are. The optimizer's state is keyed by
-parameter name (`get_optimizer_state_dict`), which needs no parameter order; a `ddp` checkpoint's,
-keyed by position, is read by the same names.
+state (DTensors). At a checkpoint each rank writes its own shard file (`__<rank>_0.distcp`) and rank
+0 DCP's index (`.metadata`); nothing is gathered. Loading reads, on each rank, the parts of every
+shard file that its new shard overlaps, so a run resumes at any world size. `consolidate` joins the
+files into whole tensors in one process, without a process group: the `model.pt` that evaluation,
+the registry, inference and plain PyTorch load.
+
+DCP's own reader unpickles its index and any non-tensor value (`torch.load(weights_only=False)`);
+here the index is read by an unpickler that builds DCP's metadata records and nothing else, every
+file it names must be a shard of the same folder, and values load with `weights_only=True`, so a
+checkpoint another job wrote cannot run code. The optimizer's state is keyed by parameter name
+(`get_optimizer_state_dict`), which needs no parameter order; a `ddp` checkpoint's, keyed by
+position, is read by the same names.
 """
 
 from __future__ import annotations
 
+import io
+import pickle
+import re
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -23,21 +39,23 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+SHARD_NAME = re.compile(r"\.metadata|__[0-9]{1,6}_[0-9]{1,6}\.distcp")
+"""The files of a DCP checkpoint's folder: its index, and one shard file per rank."""
+METADATA = ".metadata"
 
 WHOLE = StateDictOptions(full_state_dict=True)
 """Loading: every rank passes the whole state, and keeps its shard."""
 WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
 """Saving: unsharded tensors in host memory, on rank 0 only (the others get nothing)."""
+SHARDED_ON_HOST = StateDictOptions(cpu_offload=True)
+"""Saving shards: each rank's DTensors, their local parts copied to host memory."""
 
 
 def whole_model(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights, unsharded, on rank 0 (a collective: every rank calls it)."""
     return get_model_state_dict(model, options=WHOLE_ON_RANK0)
-
-
-def whole_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's state, unsharded and keyed by parameter name, on rank 0 (a collective)."""
-    return get_optimizer_state_dict(model, optimizer, options=WHOLE_ON_RANK0)
 
 
 def load_whole(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, torch.Tensor],
@@ -73,3 +91,110 @@ def by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str,
                 for index, p in zip(saved["params"], group["params"], strict=True)}
     return {"state": {position[k]: v for k, v in state["state"].items()},
             "param_groups": [{**g, "params": [position[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+# The records DCP's index is built of; nothing else is ever constructed from it.
+_METADATA_RECORDS = {("torch.distributed.checkpoint.metadata", name) for name in (
+    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
+    "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
+    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _METADATA_RECORDS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
+
+
+def check_index(data: bytes) -> Metadata:
+    """DCP's index, built of its own records alone; every file it names is a shard file of its folder."""
+    try:
+        metadata = _IndexUnpickler(io.BytesIO(data)).load()
+    except Exception as exc:  # a refused global, truncation: the checkpoint is not one to load
+        raise ValueError(f"the shard index is not one DCP wrote ({exc})") from None
+    if not isinstance(metadata, Metadata):
+        raise ValueError(f"the shard index holds a {type(metadata).__name__}, not DCP metadata")
+    for info in metadata.storage_data.values():
+        if not SHARD_NAME.fullmatch(str(info.relative_path)) or info.relative_path == METADATA:
+            raise ValueError(f"the shard index names {info.relative_path!r}, which is not a shard file")
+        if info.transform_descriptors:
+            raise ValueError("the shard index asks for transforms on read, which trnflow never writes")
+    return metadata
+
+
+class _Reader(dcp.FileSystemReader):
+    """DCP's file reader, given the index already read and checked (`check_index`): DCP's own would unpickle it."""
+
+    def __init__(self, folder: Path, metadata: Metadata):
+        super().__init__(folder)
+        self._metadata = metadata
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        self._metadata.storage_meta = StorageMeta(load_id=self.load_id)
+        return self._metadata
+
+
+class _Values:
+    """Non-tensor values (the optimizer's hyperparameters) load as plain data, never as code."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        loaded = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:  # type: ignore[attr-defined]
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)  # type: ignore
+        else:
+            self.state_dict[read_item.dest_index.fqn] = loaded  # type: ignore[attr-defined]
+
+
+class _Planner(_Values, DefaultLoadPlanner):
+    pass
+
+
+class _WholePlanner(_Values, _EmptyStateDictLoadPlanner):
+    pass
+
+
+def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> dict[str, bytes]:
+    """Write this rank's shard of the weights and optimizer state into `folder` (a local folder of
+    this rank's own), and on rank 0 the index too; the files written, by name. A collective."""
+    state = {"model": get_model_state_dict(model, options=SHARDED_ON_HOST),
+             "optim": get_optimizer_state_dict(model, optimizer, options=SHARDED_ON_HOST)}
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False))
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if SHARD_NAME.fullmatch(path.name)}
+
+
+def _unpacked(files: dict[str, bytes], folder: Path) -> _Reader:
+    """A reader of the shard files `files`, put in `folder`, once their index passed its checks."""
+    if METADATA not in files:
+        raise ValueError("the shards have no index (.metadata)")
+    metadata = check_index(files[METADATA])
+    for name, data in files.items():
+        if not SHARD_NAME.fullmatch(name):
+            raise ValueError(f"{name!r} is not a shard file")
+        (folder / name).write_bytes(data)
+    return _Reader(folder, metadata)
+
+
+def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, files: dict[str, bytes]) -> None:
+    """Load a sharded checkpoint's files (verified by the caller) into a sharded model and its
+    optimizer, each rank taking its shard of the new layout whatever the world size that wrote
+    them. A collective."""
+    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp:
+        dcp.load(state, storage_reader=_unpacked(files, Path(tmp)), planner=_Planner())
+    set_model_state_dict(model, state["model"])
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
+def consolidate(files: dict[str, bytes]) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """A sharded checkpoint's weights and optimizer state (keyed by name), whole, as plain tensors;
+    in this process alone, with no process group."""
+    state: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp:
+        _load_state_dict(state, storage_reader=_unpacked(files, Path(tmp)), planner=_WholePlanner(), no_dist=True)
+    if set(state) != {"model", "optim"}:
+        raise ValueError(f"the shards hold {sorted(state)}, not a model and its optimizer")
+    return state["model"], state["optim"]

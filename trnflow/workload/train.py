@@ -38,7 +38,7 @@ from trnflow.workload.programs import build_model, for_run
 from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.reclaim import ReclaimNotice
 from trnflow.workload.sampler import StepSampler
-from trnflow.workload.sharding import load_optimizer, load_whole, whole_model, whole_optimizer
+from trnflow.workload.sharding import load_optimizer, load_shards, load_whole, save_shards, whole_model
 from trnflow.workload.start import Start, find_start
 
 
@@ -155,7 +155,11 @@ class Trainer:
         """The step to start from and the curve so far: a retry resumes its own checkpoint exactly."""
         ctx, tcfg, start, resumed = self.ctx, self.spec.train, self.start, self.start.resumed
         if resumed is not None:
-            if self.sharded:  # the checkpoint holds them whole: each rank keeps its shard
+            if self.sharded and resumed.sharded:  # each rank reads its part of the shards, at any world size
+                load_shards(self.model, self.optimizer, resumed.shards or {})
+                weights = whole_model(self.model)  # on rank 0 alone, whose result says what was loaded
+                self.resumed_weights = weights_digest(weights) if ctx.is_main else None
+            elif self.sharded:  # a ddp run's checkpoint holds them whole: each rank keeps its shard
                 weights = check_weights(self.model, resumed.model, resumed.url)
                 self.resumed_weights = weights_digest(weights)  # what is loaded, never gathered whole on a core
                 load_whole(self.model, self.optimizer, weights, resumed.optim)  # (which shards `weights` in place)
@@ -239,8 +243,13 @@ class Trainer:
         ctx, spec = self.ctx, self.spec
         rng = gather_objects(ctx, _rng_state(self.sr_gen))
         host = self.device.to_host  # checkpoints hold CPU copies, whatever the device
-        if self.sharded:  # gathered whole, on rank 0 (every rank takes part)
-            weights, optim = whole_model(self.model), whole_optimizer(self.model, self.optimizer)
+        last = done == spec.train.steps
+        weights: dict | None = None
+        optim: dict | None = None
+        shards: dict[str, dict] | None = None
+        if self.sharded:  # every rank stores its own shard; the last checkpoint holds the whole weights too
+            shards = self._write_shards(done)
+            weights = whole_model(self.model) if last else None  # gathered on rank 0 (every rank takes part)
         elif ctx.is_main:
             weights, optim = host(self.model.state_dict()), host(self.optimizer.state_dict())
         if ctx.is_main:
@@ -251,16 +260,29 @@ class Trainer:
                 loss=self.last_loss if math.isfinite(self.last_loss) else None, sampler=self.sampler.position(done),
                 data=self.data_read, watermark=self.start.watermark, metrics=self.metrics,
                 evaluations=self.evaluations, holdout_sha256=self.holdout.digest, recipe=self.recipe.describe(),
-                torch=torch.__version__, export=self._export(done, weights) if done == spec.train.steps else None,
+                torch=torch.__version__, export=self._export(done, weights) if last and weights else None,
                 parallelism=self.spec.train.parallelism.strategy if self.sharded else "ddp")
             self.checkpoint_url = checkpoints.save(
                 done, weights, optim, rng, (self.recipe.featurizer_file, self.recipe.state()), meta,
-                keep_latest=spec.train.keep_latest)
+                keep_latest=spec.train.keep_latest, shards=shards)
             ctx.log("checkpoint", step=done, url=self.checkpoint_url)
         # No rank runs ahead while the checkpoint is written: a fault on another rank in the
         # next step would otherwise take rank 0 down mid-save and lose the interval.
         barrier(ctx)
         self.faults.checkpoint_written()
+
+    def _write_shards(self, done: int) -> dict[str, dict]:
+        """Every rank writes its shard of the weights and optimizer state (DCP) to the checkpoint's
+        folder, which rank 0 first clears of a torn earlier attempt; every shard's checksum, on every
+        rank (a collective)."""
+        if self.ctx.is_main:
+            self.start.checkpoints.clear(done)
+        barrier(self.ctx)
+        with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp:
+            files = save_shards(self.model, self.optimizer, Path(tmp))
+        checkpoints = self.faults.checkpoint_store(self.start.checkpoints, writer=True)
+        return {name: digest for listed in gather_objects(self.ctx, checkpoints.write_shards(done, files))
+                for name, digest in listed.items()}
 
     def _export(self, done: int, weights: dict[str, torch.Tensor]) -> str | None:
         """The trained model in its own library's format, under `<run>/export/step-NNNNNN/` (the
