@@ -474,6 +474,13 @@ class ParallelismSpec(Section):
         "only while it computes, for models that do not fit one core. auto: ddp when the per-core estimate fits "
         "the instance's core memory, else fsdp; `trnflow validate` prints the figures of both.",
     )
+    min_cores_per_node: int | None = Field(
+        None, ge=1, le=64,
+        description="On the local backend, after a hardware error leaves the instance fewer healthy cores than "
+        "compute.cores_per_node, later attempts train on as many as are left, down to this many (the most that "
+        "divide train.global_batch_size), resuming from the last checkpoint resharded over them. Null: an attempt "
+        "always needs compute.cores_per_node healthy cores. (A cloud retry gets new instances with every core.)",
+    )
 
 
 class TrainSpec(Section):
@@ -696,6 +703,14 @@ class JobSpec(Section):
         return self
 
     @model_validator(mode="after")
+    def _fewer_cores_than_it_has(self) -> JobSpec:
+        floor = self.train.parallelism.min_cores_per_node
+        if floor is not None and floor > self.compute.cores_per_node:
+            raise ValueError(f"train.parallelism.min_cores_per_node: {floor} is more than compute.cores_per_node "
+                             f"({self.compute.cores_per_node}); set it at most that, or leave it out")
+        return self
+
+    @model_validator(mode="after")
     def _batch_divides(self) -> JobSpec:
         world = self.compute.world_size
         gbs = self.train.global_batch_size
@@ -770,6 +785,18 @@ class JobSpec(Section):
         rest = choices[choices.index(instance_type):]
         compute = self.compute.model_copy(update={"instance_type": instance_type, "instance_preferences": rest})
         return self.model_copy(update={"compute": compute})
+
+    def on_fewer_cores(self, healthy: int) -> JobSpec | None:
+        """This spec on the `healthy` cores an instance has left, when that is fewer than
+        compute.cores_per_node and train.parallelism.min_cores_per_node allows it: the most cores, no
+        fewer than that floor, whose world size divides train.global_batch_size. None otherwise."""
+        floor, cores = self.train.parallelism.min_cores_per_node, self.compute.cores_per_node
+        if floor is None or healthy >= cores:
+            return None
+        for count in range(healthy, floor - 1, -1):
+            if self.train.global_batch_size % (count * self.compute.nodes) == 0:
+                return self.model_copy(update={"compute": self.compute.model_copy(update={"cores_per_node": count})})
+        return None
 
     def digest(self) -> str:
         """A stable hash of the whole spec (field order and formatting do not matter)."""

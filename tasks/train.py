@@ -19,8 +19,9 @@ from trnflow.reporting.report import loss_figure
 from trnflow.results import TrainResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
+from trnflow.specs.instances import instance
 from trnflow.tasks import _artifacts
-from trnflow.tasks._jobs import recompile_note, run_job
+from trnflow.tasks._jobs import keeps_instance, recompile_note, run_job
 
 
 def _bad_cores_file(run_id: str):
@@ -31,6 +32,22 @@ def bad_cores(run_id: str) -> set[int]:
     """The cores earlier attempts of this run found at fault."""
     path = _bad_cores_file(run_id)
     return set(json.loads(path.read_text())) if path.is_file() else set()
+
+
+def _on_the_cores_left(spec: JobSpec, avoid: set[int], logger) -> JobSpec:
+    """The spec for an attempt on the healthy cores its instance has left, when they are fewer than
+    it asks for and train.parallelism.min_cores_per_node allows it; on a backend whose retry runs on
+    the same instance (a cloud retry gets new instances with every core)."""
+    if not keeps_instance(spec):
+        return spec
+    total = instance(spec.compute.instance_type).cores
+    fewer = spec.on_fewer_cores(total - len({c for c in avoid if c < total}))
+    if fewer is None:
+        return spec
+    logger.warning("%s has %d healthy NeuronCore(s) left; this attempt trains on %d of them instead of %d "
+                   "(train.parallelism.min_cores_per_node) and resumes resharded", spec.compute.instance_type,
+                   total - len(avoid), fewer.compute.cores_per_node, spec.compute.cores_per_node)
+    return fewer
 
 
 @task(name="train", cache_policy=NO_CACHE)
@@ -44,12 +61,14 @@ def train_model(spec: JobSpec, run_id: str, cores: list[int]) -> TrainResult | S
     logger = get_run_logger()
     avoid = bad_cores(run_id)
     placement: dict = {"cores": cores}
+    attempt = spec
     if avoid & set(cores):
         placement = {"exclude_cores": avoid}
         logger.warning("NeuronCore(s) %s failed in an earlier attempt; this attempt runs on other cores",
                        sorted(avoid))
+        attempt = _on_the_cores_left(spec, avoid, logger)
     try:
-        result = run_job(spec, "train", run_id, **placement)
+        result = run_job(attempt, "train", run_id, **placement)
     except HardwareError as exc:
         atomic_write_json(_bad_cores_file(run_id), sorted(avoid | set(exc.bad_cores)))
         raise

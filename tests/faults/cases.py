@@ -85,6 +85,10 @@ class Case:
     baseline: str = "ddp"
     """The fault-free run it is compared with: `ddp`, or `fsdp` for a sharded case (the same spec with
     train.parallelism.strategy fsdp)."""
+    rtol: float = 0.0
+    """How far its weights, metrics and embeddings may be from the fault-free run's, relative to each
+    tensor's largest magnitude: 0, bitwise; a case that reshards onto fewer cores sums its gradients
+    in another order."""
 
 
 def _faults(*faults: dict) -> dict:
@@ -275,9 +279,16 @@ CASES = [
          storage="batch", fault="spot", seen=lambda row: row["retries_by"].get("service", 0) == 1),
     Case("fsdp-rank-sigkill", "sharded training (fsdp): a rank SIGKILLed at step 15",
          {**_faults({"kind": "kill", "core": 1, "step": 15, "phase": "train"}), **SHARDED}, baseline="fsdp"),
-    Case("fsdp-torn-checkpoint", "sharded training (fsdp): rank 0 killed halfway through writing the step-20 "
-         "checkpoint it gathered", {**_faults({"kind": "torn", "core": 0, "step": 20, "phase": "train"}), **SHARDED},
-         baseline="fsdp"),
+    Case("fsdp-torn-checkpoint", "sharded training (fsdp): rank 1 killed halfway through writing its shard of the "
+         "step-20 checkpoint", {**_faults({"kind": "torn", "core": 1, "step": 20, "phase": "train"}), **SHARDED},
+         baseline="fsdp", ci=True),
+    Case("fsdp-hardware-error-fewer-cores", "sharded training (fsdp) on a two-core trn1.2xlarge: a hardware error "
+         "on core 1 at step 25 leaves one healthy core, so the retry resumes the two ranks' shards resharded onto one",
+         {**_faults({"kind": "hw", "core": 1, "step": 25, "phase": "train"}),
+          "compute": {"instance_type": "trn1.2xlarge"},
+          "train": {"parallelism": {"strategy": "fsdp", "min_cores_per_node": 1}}},
+         baseline="fsdp", rtol=1e-6, ci=True,
+         seen=lambda row: row["train_cores"] == [0] and row["retries_by"].get("task:train", 0) == 1),
     Case("disk-full", "no space left on the device while writing the step-30 checkpoint", setup=disk_full),
     Case("kill-torn-hw", "three in one run: a rank SIGKILLed at step 13, the step-20 checkpoint torn, then a "
          "hardware error on core 0 at step 25",

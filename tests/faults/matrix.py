@@ -138,13 +138,15 @@ class Matrix:
         assert self.baseline is not None, "run the baseline first"
         if case.baseline not in self.baselines:  # a sharded case's own fault-free run, once
             self.run_baseline(case.baseline)
-        row: dict[str, Any] = {"case": case.name, "what": case.what, "max_redone": EVERY * case.interruptions}
+        row: dict[str, Any] = {"case": case.name, "what": case.what, "max_redone": EVERY * case.interruptions,
+                               **({"rtol": case.rtol} if case.rtol else {})}
         if case.setup is disk_full and not can_mount():
             return {**row, "recovered": None, "skipped": "needs root to mount a size-limited tmpfs"}
         folder = self.world.root / "cases" / case.name
         shutil.rmtree(folder, ignore_errors=True)  # a rerun of the matrix starts each case afresh
         folder.mkdir(parents=True)
         run = Run(self.world, folder, str(folder), dict(case.sections), f"fault-{case.name}")
+        shutil.rmtree(self._home() / "runs" / run.run_id, ignore_errors=True)  # and the cores it found bad
         since, began = datetime.now(UTC), time.time()
         try:
             return self._run(case, run, row, since, began)
@@ -175,7 +177,7 @@ class Matrix:
             by["flow rerun"] = run.reruns
         if api:
             by["api"] = api
-        same = snapshot.differences(self.baselines[case.baseline])
+        same = snapshot.differences(self.baselines[case.baseline], case.rtol)
         results = state.result().results
         row |= {"recovered": True, "retries": sum(by.values()), "retries_by": by, "steps_redone": redone,
                 "training_attempts": attempts, "train_cores": results["train"].cores,
@@ -186,6 +188,12 @@ class Matrix:
                 "nothing_lost": same["checkpoints"] and same["outputs"], "seconds": round(time.time() - began, 1)}
         row["fault_seen"] = case.seen(row) if case.seen else attempts >= 1 + case.interruptions
         return row
+
+    @staticmethod
+    def _home() -> Path:
+        from trnflow.settings import TrnflowSettings
+
+        return TrnflowSettings().home.expanduser().resolve()
 
     @staticmethod
     def _jobs_dir() -> Path:
@@ -205,19 +213,20 @@ def passed(row: dict[str, Any]) -> bool:
 
 
 def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
-    def mark(value: Any) -> str:
-        return {True: "yes", False: "NO", None: "-"}.get(value, str(value))
+    def mark(value: Any, within: str = "") -> str:
+        return {True: f"yes{within}", False: "NO", None: "-"}.get(value, str(value))
 
     out = []
     for r in rows:
+        within = f" ({r['rtol']:g})" if r.get("rtol") else ""
         if r.get("skipped"):
             out.append([r["case"], f"skipped: {r['skipped']}", *["-"] * (len(COLUMNS) - 2)])
             continue
         by = ", ".join(f"{k} {v}" for k, v in r.get("retries_by", {}).items())
         out.append([r["case"], mark(r.get("fault_seen")), mark(r["recovered"]),
                     f"{r.get('retries', '-')}" + (f" ({by})" if by else ""),
-                    str(r.get("steps_redone", "-")), *(mark(r.get(k)) for k in ("weights", "registry", "outputs",
-                                                                                 "nothing_lost"))])
+                    str(r.get("steps_redone", "-")),
+                    *(mark(r.get(k), within) for k in ("weights", "registry", "outputs")), mark(r.get("nothing_lost"))])
     return out
 
 

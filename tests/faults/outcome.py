@@ -33,6 +33,8 @@ class Snapshot:
     registry: dict
     embeddings: dict[str, list[float]]
     committed: list[int]
+    evaluations: list[dict]
+    """The holdout metrics at each evaluation point of training."""
 
     @classmethod
     def of(cls, spec: JobSpec, checkpoint: str) -> Snapshot:
@@ -49,25 +51,41 @@ class Snapshot:
                 table = pq.read_table(io.BytesIO(out.read(obj.name)))
                 rows.update(zip(table.column("id").to_pylist(), table.column("embedding").to_pylist(), strict=True))
         run = RunCheckpoints(checkpoint.rpartition("/")[0])
-        return cls(ckpt.model, ckpt.optim or {}, view, rows, run.committed())
+        return cls(ckpt.model, ckpt.optim or {}, view, rows, run.committed(),
+                   list(ckpt.meta.evaluations) if ckpt.meta else [])
 
-    def differences(self, base: Snapshot) -> dict[str, bool]:
-        """Which of weights, registry, outputs and checkpoints equal the fault-free run's."""
+    def differences(self, base: Snapshot, rtol: float = 0.0) -> dict[str, bool]:
+        """Which of weights, registry, outputs and checkpoints equal the fault-free run's: bitwise, or
+        within `rtol` relative to each value's (each embedding's) largest magnitude. Within `rtol`,
+        the weights are compared by what they compute, every holdout metric at every evaluation point:
+        a parameter whose gradient is zero but for rounding (an attention key bias) takes steps of the
+        learning rate's size from AdamW whatever the rounding, so after a change of summation order it
+        differs from the fault-free run's element by element while the model computes the same."""
+        weights = _same(self.evaluations, base.evaluations, rtol) and bool(base.evaluations) if rtol else (
+            _same(self.model, base.model, 0.0) and _same(self.optim, base.optim, 0.0))
         return {
-            "weights": _tensors_equal(self.model, base.model) and _tensors_equal(self.optim, base.optim),
-            "registry": self.registry == base.registry,
-            "outputs": self.embeddings == base.embeddings and bool(base.embeddings),
+            "weights": weights,
+            "registry": _same(self.registry, base.registry, rtol),
+            "outputs": _same(self.embeddings, base.embeddings, rtol) and bool(base.embeddings),
             "checkpoints": self.committed == base.committed,
         }
 
 
-def _tensors_equal(a, b) -> bool:
+def _same(a, b, rtol: float) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)) or a.shape != b.shape:
+            return False
+        return torch.equal(a, b) if not rtol else bool(
+            (a.double() - b.double()).abs().max() <= rtol * max(b.double().abs().max().item(), 1e-30)) if a.numel() \
+            else True
     if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_tensors_equal(a[k], b[k]) for k in a)
+        return a.keys() == b.keys() and all(_same(a[k], b[k], rtol) for k in a)
+    if rtol and isinstance(a, list) and isinstance(b, list) and a and all(isinstance(x, float) for x in a + b):
+        return _same(torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64), rtol)
     if isinstance(a, list | tuple) and isinstance(b, list | tuple):
-        return len(a) == len(b) and all(_tensors_equal(x, y) for x, y in zip(a, b, strict=True))
+        return len(a) == len(b) and all(_same(x, y, rtol) for x, y in zip(a, b, strict=True))
+    if rtol and isinstance(a, float) and isinstance(b, float):
+        return abs(a - b) <= rtol * max(abs(b), 1e-30)
     return a == b
 
 

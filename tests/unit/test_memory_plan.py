@@ -78,3 +78,20 @@ def test_optimizer_state_saved_by_position_is_read_by_name():
     assert [g["params"] for g in named["param_groups"]] == [["0.weight", "2.weight"], ["0.bias", "2.bias"]]
     assert torch.equal(named["state"]["2.bias"]["exp_avg"], optimizer.state[model[2].bias]["exp_avg"])
     assert by_name(model, optimizer, named) is named  # already by name
+
+
+def test_after_a_hardware_error_a_spec_trains_on_fewer_cores_only_as_far_as_it_allows():
+    def spec(**parallelism):
+        return validate_spec(quickstart_data(
+            compute={"instance_type": "trn1.32xlarge", "cores_per_node": 8},
+            train={"global_batch_size": 48, "parallelism": {"strategy": "fsdp", **parallelism}}))
+
+    assert spec().on_fewer_cores(7) is None  # no floor: an attempt needs all eight
+    floored = spec(min_cores_per_node=2)
+    assert floored.on_fewer_cores(8) is None  # enough healthy cores: unchanged
+    assert floored.on_fewer_cores(7).compute.cores_per_node == 6  # the most that divide 48
+    assert floored.on_fewer_cores(5).compute.cores_per_node == 4
+    assert floored.on_fewer_cores(1) is None  # below the floor
+    assert floored.on_fewer_cores(7).train.parallelism.strategy == "fsdp"
+    with pytest.raises(SpecError, match=r"train.parallelism.min_cores_per_node: 9 is more than compute.cores_per_node"):
+        spec(min_cores_per_node=9)

@@ -162,7 +162,8 @@ def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path
     this rank's own), and on rank 0 the index too; the files written, by name. A collective."""
     state = {"model": get_model_state_dict(model, options=SHARDED_ON_HOST),
              "optim": get_optimizer_state_dict(model, optimizer, options=SHARDED_ON_HOST)}
-    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False))
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
+             no_dist=not torch.distributed.is_initialized())  # (one process without a group: a test's)
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if SHARD_NAME.fullmatch(path.name)}
 
 
