@@ -789,13 +789,16 @@ class JobSpec(Section):
     def on_fewer_cores(self, healthy: int) -> JobSpec | None:
         """This spec on the `healthy` cores an instance has left, when that is fewer than
         compute.cores_per_node and train.parallelism.min_cores_per_node allows it: the most cores, no
-        fewer than that floor, whose world size divides train.global_batch_size. None otherwise."""
+        fewer than that floor, whose world size divides train.global_batch_size. None otherwise. (Whether
+        the model fits that many is checked when the job is submitted, as for any spec.)"""
         floor, cores = self.train.parallelism.min_cores_per_node, self.compute.cores_per_node
         if floor is None or healthy >= cores:
             return None
         for count in range(healthy, floor - 1, -1):
             if self.train.global_batch_size % (count * self.compute.nodes) == 0:
-                return self.model_copy(update={"compute": self.compute.model_copy(update={"cores_per_node": count})})
+                data = self.model_dump()
+                data["compute"]["cores_per_node"] = count
+                return type(self).model_validate(data)  # checked whole, as any spec is
         return None
 
     def digest(self) -> str:

@@ -101,11 +101,6 @@ PREFLIGHT_FIRST = ("train",)
 that did not pass it never trains (a retry's new instances included)."""
 
 
-def keeps_instance(spec: JobSpec) -> bool:
-    """Whether the spec's backend runs a retry on the same instance, bad cores and all."""
-    return bool(getattr(backend_for(spec, TrnflowSettings()), "keeps_instance", False))
-
-
 def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = None,
             checkpoint: str | None = None, cores: list[int] | None = None,
             exclude_cores: set[int] | None = None, keep_for: tuple[str, ...] = ()) -> StageResult:

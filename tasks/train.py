@@ -12,6 +12,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
+from trnflow.backends import keeps_instance
 from trnflow.errors import HardwareError
 from trnflow.fsutil import atomic_write_json
 from trnflow.reporting.chart import training_png
@@ -21,7 +22,7 @@ from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.specs.instances import instance
 from trnflow.tasks import _artifacts
-from trnflow.tasks._jobs import keeps_instance, recompile_note, run_job
+from trnflow.tasks._jobs import recompile_note, run_job
 
 
 def _bad_cores_file(run_id: str):
@@ -41,12 +42,13 @@ def _on_the_cores_left(spec: JobSpec, avoid: set[int], logger) -> JobSpec:
     if not keeps_instance(spec):
         return spec
     total = instance(spec.compute.instance_type).cores
-    fewer = spec.on_fewer_cores(total - len({c for c in avoid if c < total}))
+    healthy = total - len({c for c in avoid if c < total})
+    fewer = spec.on_fewer_cores(healthy)
     if fewer is None:
         return spec
     logger.warning("%s has %d healthy NeuronCore(s) left; this attempt trains on %d of them instead of %d "
                    "(train.parallelism.min_cores_per_node) and resumes resharded", spec.compute.instance_type,
-                   total - len(avoid), fewer.compute.cores_per_node, spec.compute.cores_per_node)
+                   healthy, fewer.compute.cores_per_node, spec.compute.cores_per_node)
     return fewer
 
 

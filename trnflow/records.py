@@ -71,6 +71,11 @@ class DataRead(Record):
     rows: int = Field(0, description="rows read")
 
 
+CHECKPOINT_MARKER = "COMMITTED"
+"""The file a checkpoint's folder gets last, listing every file of it with its checksum: a folder
+without it is not a checkpoint (`trnflow.workload.checkpoint`)."""
+
+
 class CheckpointMeta(Record):
     """A checkpoint's `meta.json`: where the run stands, where the model came from, what it read."""
 

@@ -226,7 +226,8 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         out.append([r["case"], mark(r.get("fault_seen")), mark(r["recovered"]),
                     f"{r.get('retries', '-')}" + (f" ({by})" if by else ""),
                     str(r.get("steps_redone", "-")),
-                    *(mark(r.get(k), within) for k in ("weights", "registry", "outputs")), mark(r.get("nothing_lost"))])
+                    mark(r.get("weights"), f", by outputs{within}" if within else ""),
+                    *(mark(r.get(k), within) for k in ("registry", "outputs")), mark(r.get("nothing_lost"))])
     return out
 
 

@@ -49,7 +49,7 @@ def test_auto_shards_a_model_too_big_for_a_core_and_each_rank_holds_half_of_it(m
     assert sorted(final.shards) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert weights_digest(final.model) == weights_digest(consolidate(final.shards)[0])
     middle = load(resumed.result.resumed_from)
-    assert middle.sharded and middle._model is None  # no whole model.pt before the last step
+    assert middle.sharded and not middle.consolidated and final.consolidated  # model.pt at the last step only
 
     whole = _train(backend, spec, "sharded-whole")
     assert whole.state is JobState.SUCCEEDED, whole.failure

@@ -95,3 +95,22 @@ def test_after_a_hardware_error_a_spec_trains_on_fewer_cores_only_as_far_as_it_a
     assert floored.on_fewer_cores(7).train.parallelism.strategy == "fsdp"
     with pytest.raises(SpecError, match=r"train.parallelism.min_cores_per_node: 9 is more than compute.cores_per_node"):
         spec(min_cores_per_node=9)
+
+
+def test_a_local_retry_after_a_hardware_error_trains_on_the_cores_left_and_a_cloud_one_does_not():
+    import logging
+
+    from trnflow.tasks.train import _on_the_cores_left
+
+    said: list[str] = []
+    logger = logging.getLogger("trnflow.tests.cores-left")
+    logger.addHandler(handler := logging.Handler())
+    handler.emit = lambda record: said.append(record.getMessage())  # type: ignore[method-assign]
+    local = validate_spec(quickstart_data(compute={"instance_type": "trn1.2xlarge", "cores_per_node": 2},
+                                          train={"parallelism": {"min_cores_per_node": 1}}))
+    fewer = _on_the_cores_left(local, {1}, logger)
+    assert fewer.compute.cores_per_node == 1 and fewer.compute.world_size == 1
+    assert "has 1 healthy NeuronCore(s) left; this attempt trains on 1 of them instead of 2" in said[0]
+    assert _on_the_cores_left(local, {5}, logger) is local  # not a core of this instance: both still healthy
+    cloud = local.model_copy(update={"compute": local.compute.model_copy(update={"backend": "sagemaker"})})
+    assert _on_the_cores_left(cloud, {1}, logger) is cloud  # a cloud retry gets new instances

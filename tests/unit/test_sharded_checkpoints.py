@@ -2,6 +2,7 @@
 or corrupted one passed over, an index that could run code or name another file refused, and the
 shards joined into a plain `model.pt` by hand."""
 
+import io
 import json
 import pickle
 import re
@@ -19,6 +20,7 @@ from trnflow.workload.programs import build_model
 from trnflow.workload.sharding import consolidate as join
 from trnflow.workload.sharding import save_shards
 
+pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")  # one process, no group
 CFG = tiny_m5()
 FEATURIZER = ("tokenizer.json", b"{}")
 
@@ -121,7 +123,81 @@ def test_a_shard_index_naming_a_file_outside_the_checkpoint_is_refused(tmp_path)
     for info in metadata.storage_data.values():
         info.relative_path = "../../../etc/passwd"
     _reseal(tmp_path / "r" / "step-000010", "shards/.metadata", pickle.dumps(metadata))
-    with pytest.raises(FatalError, match=re.escape("names '../../../etc/passwd', which is not a shard file")):
+    with pytest.raises(FatalError, match=re.escape("names '../../../etc/passwd', which is not one of the checkpoint")):
+        load(url)
+
+
+def test_a_shard_index_whose_path_object_pretends_to_be_a_shard_name_is_refused(tmp_path):
+    """A path object whose text says `__0_0.distcp` but which joins to another run's shard: paths
+    in an index are read as plain text, never as path objects, and nothing sets their state."""
+    import pathlib
+
+    run = RunCheckpoints((tmp_path / "r").as_uri())
+    url, _, _ = _save_sharded(run, 10, tmp_path)
+    elsewhere = RunCheckpoints((tmp_path / "other").as_uri())
+    _save_sharded(elsewhere, 10, tmp_path, seed=7)
+    theirs = tmp_path / "other" / "step-000010" / "shards" / "__0_0.distcp"
+
+    class Disguised(pickle.Pickler):
+        def reducer_override(self, obj):
+            if isinstance(obj, pathlib.PurePath):
+                return (pathlib.PosixPath, (str(theirs),), (None, {"_str": "__0_0.distcp"}))
+            return NotImplemented
+
+    folder = tmp_path / "r" / "step-000010"
+    metadata = pickle.loads((folder / "shards" / ".metadata").read_bytes())  # noqa: S301 (this test's own)
+    for info in metadata.storage_data.values():
+        info.relative_path = pathlib.PurePosixPath("x")
+    buffer = io.BytesIO()
+    Disguised(buffer, protocol=2).dump(metadata)
+    _reseal(folder, "shards/.metadata", buffer.getvalue())
+    with pytest.raises(FatalError, match=r"shards/\.metadata: the shard index is not one DCP wrote"):
+        load(url)
+
+
+def test_a_shard_index_that_would_change_a_class_for_the_whole_process_is_refused(tmp_path):
+    import pathlib
+
+    run = RunCheckpoints((tmp_path / "r").as_uri())
+    url, _, _ = _save_sharded(run, 10, tmp_path)
+    folder = tmp_path / "r" / "step-000010"
+    real = (folder / "shards" / ".metadata").read_bytes()
+    before = pathlib.PurePosixPath.__reduce__
+    # PurePosixPath itself as the target of BUILD, with slot state that would set its __reduce__
+    poisoned = (b"\x80\x02cpathlib\nPurePosixPath\nN}X\x0a\x00\x00\x00__reduce__ctorch\nSize\ns\x86b0"
+                + real[2:])
+    _reseal(folder, "shards/.metadata", poisoned)
+    with pytest.raises(FatalError, match="sets state on something that is not one of its records"):
+        load(url)
+    assert pathlib.PurePosixPath.__reduce__ is before
+
+
+def test_a_shard_index_naming_a_shard_the_marker_does_not_list_is_passed_over(tmp_path):
+    run = RunCheckpoints((tmp_path / "r").as_uri())
+    _save_sharded(run, 10, tmp_path, seed=1)
+    _save_sharded(run, 20, tmp_path, seed=2)
+    folder = tmp_path / "r" / "step-000020"
+    metadata = pickle.loads((folder / "shards" / ".metadata").read_bytes())  # noqa: S301 (this test's own)
+    for info in metadata.storage_data.values():
+        info.relative_path = "__5_0.distcp"
+    _reseal(folder, "shards/.metadata", pickle.dumps(metadata))
+    reasons = []
+    assert run.latest(on_skip=lambda url, why: reasons.append(why)).step == 10
+    assert "names '__5_0.distcp', which is not one of the checkpoint's shard files" in reasons[0]
+    metadata.storage_data = None  # a record of the wrong shape: skipped the same way, never a crash
+    _reseal(folder, "shards/.metadata", pickle.dumps(metadata))
+    assert run.latest().step == 10
+
+
+def test_a_shard_index_describing_a_tensor_larger_than_its_files_is_refused(tmp_path):
+    run = RunCheckpoints((tmp_path / "r").as_uri())
+    url, _, _ = _save_sharded(run, 10, tmp_path)
+    folder = tmp_path / "r" / "step-000010"
+    metadata = pickle.loads((folder / "shards" / ".metadata").read_bytes())  # noqa: S301 (this test's own)
+    name, item = next((k, v) for k, v in metadata.state_dict_metadata.items() if hasattr(v, "size"))
+    item.size = torch.Size([1 << 20, 1 << 20])
+    _reseal(folder, "shards/.metadata", pickle.dumps(metadata))
+    with pytest.raises(FatalError, match=f"makes '{re.escape(name)}' larger than every shard file together"):
         load(url)
 
 
@@ -139,7 +215,7 @@ def test_a_whole_checkpoint_listing_shard_files_is_refused(tmp_path):
 def test_consolidate_writes_a_model_pt_that_plain_pytorch_loads_with_equal_outputs(tmp_path):
     run = RunCheckpoints((tmp_path / "r").as_uri())
     url, model, _ = _save_sharded(run, 10, tmp_path)
-    model_url, written = consolidate(url)
+    model_url, written, _ = consolidate(url)
     assert written and model_url == f"{url}/model.pt"
     assert "model.pt" in json.loads((tmp_path / "r" / "step-000010" / MARKER).read_text())["files"]
     plain = build_model(CFG, seed=99)
@@ -149,7 +225,7 @@ def test_consolidate_writes_a_model_pt_that_plain_pytorch_loads_with_equal_outpu
     assert torch.equal(plain(tokens), model(tokens))
     ckpt = load(url)  # still sharded, still resumable, its model.pt now read as it is
     assert ckpt.sharded and ckpt.shards and weights_digest(ckpt.model) == weights_digest(join(ckpt.shards)[0])
-    assert consolidate(url) == (model_url, False)
+    assert consolidate(url)[:2] == (model_url, False)
 
 
 def test_the_checkpoint_consolidate_command(tmp_path):

@@ -19,6 +19,12 @@ from trnflow.specs import JobSpec
 __all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "backend_for", "run_to_end", "wait"]
 
 
+def keeps_instance(spec: JobSpec) -> bool:
+    """Whether a retry of the spec's jobs runs on the same instance, its failed cores still failed:
+    on the local backend; a cloud retry gets new instances."""
+    return spec.compute.backend == "local"
+
+
 def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None) -> Backend:
     """The backend named by `spec.compute.backend`: the one place that chooses."""
     settings = settings or TrnflowSettings()

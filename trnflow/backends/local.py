@@ -59,8 +59,6 @@ def _recorded(env: dict[str, str]) -> dict[str, str]:
 
 class LocalBackend:
     name = "local"
-    keeps_instance = True
-    """A retry runs on this same machine, whose failed cores stay failed (a cloud retry gets new instances)."""
 
     def __init__(self, jobs_dir: Path, device: Device | None = None, warm_start: bool = forkserver.SUPPORTED):
         self.jobs_dir = jobs_dir

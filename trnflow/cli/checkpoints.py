@@ -29,12 +29,11 @@ def consolidate_command(url: UrlArg, as_json: JsonOpt = False):
     """Join a sharded checkpoint (`train.parallelism.strategy: fsdp`) into one `model.pt` beside its
     shards, the whole weights as a plain state_dict that any PyTorch program loads; the checkpoint's
     marker then lists it. A run's last checkpoint holds one already; a whole checkpoint is left as it is."""
-    from trnflow.workload.checkpoint import consolidate, load, weights_digest  # torch: only when a command needs it
+    from trnflow.workload.checkpoint import consolidate, weights_digest  # torch: only when a command needs it
 
     url = normalise_url(url)
     try:
-        model_url, written = consolidate(url)
-        ckpt = load(url)
+        model_url, written, ckpt = consolidate(url)
         digest = weights_digest(ckpt.model)
     except TrnflowError as exc:
         raise _fail(url, str(exc)) from None

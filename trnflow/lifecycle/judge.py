@@ -18,7 +18,7 @@ from typing import Any
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import compare, no_regression, parse_metrics, read_series
 from trnflow.lifecycle.registry import Registry, RegistryEntry, VerdictSummary
-from trnflow.records import CheckpointMeta, Verdict, read
+from trnflow.records import CHECKPOINT_MARKER, CheckpointMeta, Verdict, read
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 
@@ -158,11 +158,14 @@ def meta_of(checkpoint: str) -> CheckpointMeta | None:
 
 
 def whole_weights(checkpoint: str) -> str | None:
-    """The checkpoint's whole weights as a plain state_dict (`model.pt`), when it holds them: every
-    unsharded checkpoint does, and a sharded run's last one (`trnflow checkpoint consolidate` adds
-    them to another)."""
-    store = open_store(checkpoint)
-    return f"{checkpoint.rstrip('/')}/model.pt" if any(o.name == "model.pt" for o in store.list("model.pt")) else None
+    """The checkpoint's whole weights as a plain state_dict (`model.pt`), when its marker lists them:
+    every unsharded checkpoint's does, and a sharded run's last one (`trnflow checkpoint consolidate`
+    adds them to another)."""
+    try:
+        listed = json.loads(open_store(checkpoint).read(CHECKPOINT_MARKER)).get("files", {})
+    except (FileNotFoundError, ValueError, AttributeError):  # no marker, or not one to read: no claim made
+        return None
+    return f"{checkpoint.rstrip('/')}/model.pt" if "model.pt" in listed else None
 
 
 def recipe_of(checkpoint: str) -> dict | None:

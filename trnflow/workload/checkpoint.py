@@ -35,11 +35,11 @@ from typing import Any
 import torch
 
 from trnflow.errors import FatalError
-from trnflow.records import CheckpointMeta, dump, read
+from trnflow.records import CHECKPOINT_MARKER, CheckpointMeta, dump, read
 from trnflow.storage import Store, open_store
 from trnflow.workload import sharding
 
-MARKER = "COMMITTED"
+MARKER = CHECKPOINT_MARKER
 _PREFIX = "step-"
 
 
@@ -124,6 +124,11 @@ class Checkpoint:
     @property
     def sharded(self) -> bool:
         return self.shards is not None
+
+    @property
+    def consolidated(self) -> bool:
+        """A sharded checkpoint that holds its whole weights (`model.pt`) beside its shards."""
+        return self.shards is not None and self._model is not None
 
     @property
     def resumable(self) -> bool:
@@ -301,7 +306,8 @@ def load(url: str, featurizer_file: str | None = None) -> Checkpoint:
         files[name] = data
     if sharded:
         try:
-            sharding.check_index(files[f"{SHARDS}{sharding.METADATA}"])
+            sharding.check_index(files[f"{SHARDS}{sharding.METADATA}"],
+                                 {name.removeprefix(SHARDS): len(files[name]) for name in shard_files})
         except ValueError as exc:
             raise FatalError(f"{url}/{SHARDS}{sharding.METADATA}: {exc}; the checkpoint is damaged or tampered with, "
                              "so it is skipped: use an earlier one") from None
@@ -347,21 +353,30 @@ def _shards_digest(listed: dict, names: list[str]) -> str:
     return hashlib.sha256("".join(f"{n}:{listed[n]['sha256']}\n" for n in sorted(names)).encode()).hexdigest()
 
 
-def consolidate(url: str) -> tuple[str, bool]:
+def consolidate(url: str) -> tuple[str, bool, Checkpoint]:
     """Join a committed sharded checkpoint's weights into its `model.pt`, which plain PyTorch loads,
-    and list it in the marker (rewritten last). The URL of `model.pt`, and whether it was written
-    now (False: the checkpoint already held it, or is not sharded)."""
+    and list it in the marker (rewritten last). The URL of `model.pt`, whether it was written now
+    (False: the checkpoint already held it, or is not sharded), and the checkpoint. A checkpoint
+    whose marker changed meanwhile (a run pruned it, or consolidated it) is left as it is."""
     url = url.rstrip("/")
     ckpt = load(url)
-    if not ckpt.sharded or ckpt._model is not None:
-        return f"{url}/model.pt", False
+    if not ckpt.sharded or ckpt.consolidated:
+        return f"{url}/model.pt", False, ckpt
     store = open_store(url)
-    marker, listed = _marker(store, url)
+    before = store.read(MARKER)
     data = _tensor_bytes(ckpt.model)
+    try:
+        now = store.read(MARKER)
+    except FileNotFoundError:
+        now = b""
+    if now != before:
+        raise FatalError(f"{url}: its marker changed while its shards were joined (a run deleted or rewrote it); "
+                         "nothing was written. Run the command again, or pick a checkpoint no run is writing")
+    marker, listed = _marker(store, url)
     store.write("model.pt", data)
     marker["files"] = {**listed, "model.pt": _digest(data)}
     store.write(MARKER, json.dumps(marker, indent=2).encode())
-    return f"{url}/model.pt", True
+    return f"{url}/model.pt", True, ckpt
 
 
 def check_weights(model: torch.nn.Module, state: dict, source: str) -> dict:

@@ -19,19 +19,32 @@ position, is read by the same names.
 
 from __future__ import annotations
 
+import contextlib
 import io
+import math
 import pickle
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -94,36 +107,89 @@ def by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str,
 
 
 # The records DCP's index is built of; nothing else is ever constructed from it.
-_METADATA_RECORDS = {("torch.distributed.checkpoint.metadata", name) for name in (
-    "Metadata", "MetadataIndex", "StorageMeta", "TensorProperties", "TensorStorageMetadata", "ChunkStorageMetadata",
-    "BytesStorageMetadata", "_MEM_FORMAT_ENCODING")} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-    ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
+_RECORD_TYPES = frozenset({Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata,
+                           ChunkStorageMetadata, BytesStorageMetadata, _StorageInfo})
+_RECORDS = {(record.__module__, record.__name__) for record in _RECORD_TYPES}
+_VALUES = {("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"), ("torch", "Size"),
+           ("torch.serialization", "_get_layout")}
+_PATHS = {("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
 
 
-class _IndexUnpickler(pickle.Unpickler):
+def _path_text(*parts: object) -> str:
+    """A path in the index (the folder its writer used, which nothing reads), kept as plain text."""
+    return "/".join(map(str, parts))
+
+
+class _IndexUnpickler(pickle._Unpickler):  # the Python one: its BUILD can be checked
+    """Builds DCP's index records and plain values, and nothing else: no other class or function is
+    reachable, paths become text, and state is set only on instances of the records (never on a
+    class, which would change it for the whole process)."""
+
+    dispatch: ClassVar[dict] = dict(pickle._Unpickler.dispatch)
+
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_RECORDS:
+        if (module, name) in _PATHS:
+            return _path_text
+        if (module, name) in _RECORDS or (module, name) in _VALUES:
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
             return getattr(torch, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not part of a DCP index")
 
+    def _build(self) -> None:
+        state, target = self.stack[-1], self.stack[-2]
+        own = type(target) is TensorProperties and type(state) is tuple  # its __setstate__ takes a tuple
+        if isinstance(target, type) or type(target) not in _RECORD_TYPES or not (type(state) is dict or own):
+            raise pickle.UnpicklingError("the index sets state on something that is not one of its records")
+        pickle._Unpickler.load_build(self)
 
-def check_index(data: bytes) -> Metadata:
-    """DCP's index, built of its own records alone; every file it names is a shard file of its folder."""
+    dispatch[pickle.BUILD[0]] = _build
+
+
+def check_index(data: bytes, files: dict[str, int]) -> Metadata:
+    """DCP's index, built of its own records alone (`_IndexUnpickler`), and checked against the shard
+    files beside it (`files`: name -> size): every file it names is one of them, and no tensor it
+    describes is larger than they are together, so a tampered index can neither read another file
+    nor make a reader allocate without bound. ValueError says what is wrong."""
     try:
         metadata = _IndexUnpickler(io.BytesIO(data)).load()
     except Exception as exc:  # a refused global, truncation: the checkpoint is not one to load
         raise ValueError(f"the shard index is not one DCP wrote ({exc})") from None
-    if not isinstance(metadata, Metadata):
+    if type(metadata) is not Metadata:
         raise ValueError(f"the shard index holds a {type(metadata).__name__}, not DCP metadata")
+    try:
+        _check_index(metadata, files)
+    except (AttributeError, TypeError, KeyError) as exc:  # a record of the wrong shape
+        raise ValueError(f"the shard index is not one DCP wrote ({type(exc).__name__}: {exc})") from None
+    return metadata
+
+
+def _check_index(metadata: Metadata, files: dict[str, int]) -> None:
+    if type(metadata.storage_data) is not dict or type(metadata.state_dict_metadata) is not dict:
+        raise ValueError("the shard index is not one DCP wrote (its tables are not mappings)")
     for info in metadata.storage_data.values():
-        if not SHARD_NAME.fullmatch(str(info.relative_path)) or info.relative_path == METADATA:
-            raise ValueError(f"the shard index names {info.relative_path!r}, which is not a shard file")
+        if type(info) is not _StorageInfo or type(info.relative_path) is not str:
+            raise ValueError("the shard index is not one DCP wrote (a part's location is not a file name)")
+        if info.relative_path == METADATA or info.relative_path not in files:
+            raise ValueError(f"the shard index names {info.relative_path!r}, which is not one of the checkpoint's "
+                             "shard files")
+        if type(info.offset) is not int or type(info.length) is not int or info.offset < 0 or info.length < 0 or \
+                info.offset + info.length > files[info.relative_path]:
+            raise ValueError(f"the shard index places a part outside {info.relative_path}")
         if info.transform_descriptors:
             raise ValueError("the shard index asks for transforms on read, which trnflow never writes")
-    return metadata
+    stored = sum(size for name, size in files.items() if name != METADATA)
+    for name, item in metadata.state_dict_metadata.items():
+        if type(item) is BytesStorageMetadata:
+            continue
+        if type(item) is not TensorStorageMetadata or not all(type(n) is int and n >= 0 for n in item.size):
+            raise ValueError(f"the shard index describes {name!r} as neither a tensor nor a value")
+        if math.prod(item.size) * item.properties.dtype.itemsize > stored:
+            raise ValueError(f"the shard index makes {name!r} larger than every shard file together")
+    limit = len(metadata.state_dict_metadata)
+    for path in (metadata.planner_data or {}).values():  # where each value goes in the state dict
+        if not all(type(key) is str or (type(key) is int and 0 <= key <= limit) for key in path):
+            raise ValueError("the shard index places a value at an index no state dict has")
 
 
 class _Reader(dcp.FileSystemReader):
@@ -171,7 +237,7 @@ def _unpacked(files: dict[str, bytes], folder: Path) -> _Reader:
     """A reader of the shard files `files`, put in `folder`, once their index passed its checks."""
     if METADATA not in files:
         raise ValueError("the shards have no index (.metadata)")
-    metadata = check_index(files[METADATA])
+    metadata = check_index(files[METADATA], {name: len(data) for name, data in files.items()})
     for name, data in files.items():
         if not SHARD_NAME.fullmatch(name):
             raise ValueError(f"{name!r} is not a shard file")
@@ -179,12 +245,21 @@ def _unpacked(files: dict[str, bytes], folder: Path) -> _Reader:
     return _Reader(folder, metadata)
 
 
+@contextlib.contextmanager
+def _read_errors() -> Iterator[None]:
+    """DCP's failures to read (a CheckpointException, which is not an Exception) as ValueError."""
+    try:
+        yield
+    except CheckpointException as exc:
+        raise ValueError(f"the shards could not be read ({str(exc).splitlines()[0][:300]})") from None
+
+
 def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, files: dict[str, bytes]) -> None:
     """Load a sharded checkpoint's files (verified by the caller) into a sharded model and its
     optimizer, each rank taking its shard of the new layout whatever the world size that wrote
-    them. A collective."""
+    them. A collective; ValueError when the shards cannot be read."""
     state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
-    with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp, _read_errors():
         dcp.load(state, storage_reader=_unpacked(files, Path(tmp)), planner=_Planner())
     set_model_state_dict(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optim"])
@@ -194,7 +269,7 @@ def consolidate(files: dict[str, bytes]) -> tuple[dict[str, torch.Tensor], dict[
     """A sharded checkpoint's weights and optimizer state (keyed by name), whole, as plain tensors;
     in this process alone, with no process group."""
     state: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp, _read_errors():
         _load_state_dict(state, storage_reader=_unpacked(files, Path(tmp)), planner=_WholePlanner(), no_dist=True)
     if set(state) != {"model", "optim"}:
         raise ValueError(f"the shards hold {sorted(state)}, not a model and its optimizer")

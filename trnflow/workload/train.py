@@ -156,7 +156,12 @@ class Trainer:
         ctx, tcfg, start, resumed = self.ctx, self.spec.train, self.start, self.start.resumed
         if resumed is not None:
             if self.sharded and resumed.sharded:  # each rank reads its part of the shards, at any world size
-                load_shards(self.model, self.optimizer, resumed.shards or {})
+                try:
+                    load_shards(self.model, self.optimizer, resumed.shards or {})
+                except ValueError as exc:
+                    raise FatalError(f"{resumed.url}: {exc}; the checkpoint is damaged: delete it to resume from "
+                                     "the one before") from None
+                resumed.shards = None  # read: each rank keeps its part, not every shard's bytes
                 weights = whole_model(self.model)  # on rank 0 alone, whose result says what was loaded
                 self.resumed_weights = weights_digest(weights) if ctx.is_main else None
             elif self.sharded:  # a ddp run's checkpoint holds them whole: each rank keeps its shard
