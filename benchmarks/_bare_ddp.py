@@ -1,6 +1,8 @@
-"""A bare PyTorch DDP training loop (gloo), eager or under torch.compile: the baselines of train_throughput.py.
+"""A bare PyTorch data-parallel training loop (gloo): DDP eager or under torch.compile, the baselines
+of train_throughput.py; or FSDP2 (`fully_shard` per recipe block, then the root, eager), the baseline
+of sharded_train.py.
 
-    torchrun --nproc-per-node N _bare_ddp.py SPEC_JSON STEPS eager|compiled
+    torchrun --nproc-per-node N _bare_ddp.py SPEC_JSON STEPS eager|compiled|fsdp
 
 Same model, per-core batch, optimizer and sequence length as the spec, and the same kind of data: the
 spec's holdout texts, tokenized by the recipe's featurizer fitted on them (padded to the sequence
@@ -39,8 +41,16 @@ def main() -> None:
         os.sched_setaffinity(0, [allowed[int(os.environ["LOCAL_RANK"])]])
     recipe, batch = recipe_for(spec), spec.per_core_batch
     model = build_model(recipe, spec.train.seed)
-    # Compiled as trnflow compiles it: the model's own graph, with DDP around it.
-    model = DDP(torch.compile(model) if mode == "compiled" else model)
+    if mode.startswith("fsdp"):  # each block its own unit, then the rest of the model, as trnflow shards it
+        from torch.distributed.fsdp import fully_shard
+
+        for block in recipe.blocks(model):
+            fully_shard(block)
+        fully_shard(model)
+        if mode == "fsdp-compiled":
+            model = torch.compile(model, dynamic=False)
+    else:  # compiled as trnflow compiles it: the model's own graph, with DDP around it
+        model = DDP(torch.compile(model) if mode == "compiled" else model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay)
     texts = read_unlabelled(spec.data.holdout, spec.data, recipe.columns()).table
     recipe.fit(texts)

@@ -31,9 +31,9 @@ from trnflow.fsutil import atomic_write_text
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 XLA_PYTHON = ROOT / ".venv" / "xla" / "bin" / "python"
-BENCHMARKS = ("backend_overhead", "train_throughput", "inference_throughput", "collectives", "compile_cache",
-              "optlevels", "precision", "scale_cache", "scale_topology", "scale_inference", "scale_data",
-              "xla_overhead")
+BENCHMARKS = ("backend_overhead", "train_throughput", "sharded_train", "inference_throughput", "collectives",
+              "compile_cache", "optlevels", "precision", "scale_cache", "scale_topology", "scale_inference",
+              "scale_data", "xla_overhead")
 
 
 def machine() -> dict:
