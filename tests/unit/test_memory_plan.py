@@ -114,3 +114,25 @@ def test_a_local_retry_after_a_hardware_error_trains_on_the_cores_left_and_a_clo
     assert _on_the_cores_left(local, {5}, logger) is local  # not a core of this instance: both still healthy
     cloud = local.model_copy(update={"compute": local.compute.model_copy(update={"backend": "sagemaker"})})
     assert _on_the_cores_left(cloud, {1}, logger) is cloud  # a cloud retry gets new instances
+
+
+def test_the_smallest_that_fits_is_one_the_spec_could_run(monkeypatch):
+    """A core too small for 2 but not for 32 sharded ranks: with a batch of 64 the suggestion is one
+    trn1.32xlarge; with 48, which 32 (or any multiple of it) does not divide, nothing is suggested.
+    An xla spec (trn1 only, where fsdp does not run) is not told to shard either."""
+    monkeypatch.setenv(REHEARSAL_CORE_ENV, str(8.0e6 / 1024**3))
+
+    def refusal(**sections) -> str:
+        with pytest.raises(FatalError) as refused:
+            check_fits(validate_spec(quickstart_data(**sections)))
+        return str(refused.value)
+
+    assert "the smallest that fits: 1 x trn1.32xlarge (32 cores)" in refusal(train={"global_batch_size": 64})
+    assert "no instance in the catalogue fits it" in refusal(train={"global_batch_size": 48})
+    xla = refusal(compute={"device": "xla", "instance_type": "trn1.32xlarge"},
+                  train={"global_batch_size": 64, "parallelism": {"strategy": "ddp"}})
+    assert "no instance in the catalogue fits it" in xla and "fsdp" not in xla.split(". ")[-1]
+    monkeypatch.setenv(REHEARSAL_CORE_ENV, str(9.95e6 / 1024**3))  # fsdp would fit 2 cores: not on xla
+    xla = refusal(compute={"device": "xla", "instance_type": "trn1.32xlarge"},
+                  train={"global_batch_size": 64, "parallelism": {"strategy": "ddp"}})
+    assert "Set train.parallelism.strategy: fsdp" not in xla

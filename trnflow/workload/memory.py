@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
+from pydantic import ValidationError
 from torch.distributed.tensor import DTensor
 
 from trnflow.errors import FatalError
@@ -206,7 +207,8 @@ def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:
 
 
 def _smallest_fit(spec: JobSpec, recipe: Recipe) -> str | None:
-    """The fewest cores, over the training instance types, on which fsdp would fit; None if none."""
+    """The fewest cores, over the training instance types, on which fsdp would fit and the spec could
+    run (its batch divides over them, its device runs there); None if none."""
     best: tuple[int, str] | None = None
     for name in TRAINING_TYPES:
         t = instance(name)
@@ -214,8 +216,13 @@ def _smallest_fit(spec: JobSpec, recipe: Recipe) -> str | None:
             world = nodes * t.cores
             if best is not None and world >= best[0]:
                 break
-            resized = spec.model_copy(update={"compute": spec.compute.model_copy(update={
-                "instance_type": name, "nodes": nodes, "cores_per_node": t.cores, "instance_preferences": []})})
+            data = spec.model_dump()
+            data["compute"].update(instance_type=name, nodes=nodes, cores_per_node=t.cores, instance_preferences=[])
+            data["train"]["parallelism"]["strategy"] = "fsdp"
+            try:  # a suggestion the spec could take: the batch divides, the device runs there, fsdp runs on it
+                resized = type(spec).model_validate(data)
+            except ValidationError:
+                continue
             if _estimates(resized, recipe, name, world)[1].fits:
                 best = (world, f"{nodes} x {name} ({world} cores) with train.parallelism.strategy fsdp")
                 break
@@ -233,7 +240,7 @@ def check_fits(spec: JobSpec) -> MemoryPlan:
         est = found.chosen
         fix = ("Lower train.global_batch_size, shrink the model (model.params), use compute.precision bf16-sr, "
                "or spread the batch over more cores")
-        if spec.train.parallelism.strategy == "ddp" and found.fsdp.fits:
+        if spec.train.parallelism.strategy == "ddp" and found.fsdp.fits and spec.compute.device != "xla":
             fix = "Set train.parallelism.strategy: fsdp (or auto), which shards it over the job's cores"
         elif not found.fsdp.fits:
             smallest = _smallest_fit(spec, recipe)
