@@ -35,6 +35,10 @@ THROTTLING = {"Throttling", "ThrottlingException", "ThrottledException", "Reques
               "TooManyRequestsException", "SlowDown", "ProvisionedThroughputExceededException"}
 
 
+TRANSIENT_CODES = THROTTLING | {"InternalError", "ServiceUnavailable"}
+"""Error codes S3 gives for one key of a batch delete that another try can clear (throttling, a 5xx)."""
+
+
 CLIENT_HOOKS: list[Callable[[str, Any], None]] = []
 """Called with each client this module makes (its service name and the client). Empty in the
 product; a rehearsal adds its fault injector here (see trnflow.testing.s3faults)."""

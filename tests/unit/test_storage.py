@@ -159,6 +159,48 @@ def test_a_conditional_put_that_landed_but_lost_its_answer_is_still_the_callers(
     assert lost == [412] and store.read("registry/v000002.json") == b"run B"
 
 
+def _refusing(client, refusals: dict[str, list[str]]) -> list[list[str]]:
+    """Make S3 refuse keys of a batch delete, as it does per key: each request spares the keys next
+    in `refusals` (key -> the codes of its next refusals), which S3 then lists as errors."""
+    asked: list[list[str]] = []
+    refused: list[tuple[str, str]] = []
+
+    def leave_out(params, **_):
+        keys = [o["Key"] for o in params["Delete"]["Objects"]]
+        asked.append(keys)
+        refused[:] = [(k, refusals[k].pop(0)) for k in keys if refusals.get(k)]
+        for o in params["Delete"]["Objects"]:  # asked for another, absent key instead: S3 deletes nothing there
+            o["Key"] += ".kept" if o["Key"] in dict(refused) else ""
+
+    def answer(parsed, **_):
+        parsed["Errors"] = [{"Key": k, "Code": code, "Message": f"{code} (rehearsed)"} for k, code in refused]
+
+    client.meta.events.register("before-parameter-build.s3.DeleteObjects", leave_out)
+    client.meta.events.register("after-call.s3.DeleteObjects", answer)
+    return asked
+
+
+def test_keys_a_batch_delete_could_not_delete_are_retried_or_named(in_process_aws, monkeypatch):
+    """A delete of a prefix answers 200 with the keys it could not delete: throttled ones are tried
+    again until they are gone; a refused one raises, naming it, and is still there."""
+    monkeypatch.setattr(aws, "FIRST_WAIT_SECONDS", 0.0)
+    client = aws.client("s3")
+    aws.call(client.create_bucket, Bucket="refusing")
+    store = S3Store("s3://refusing/run", client=client)
+    for name in ("a", "b", "c"):
+        store.write(f"step/{name}", b"x")
+    asked = _refusing(client, {"run/step/b": ["SlowDown", "InternalError"]})
+    store.delete_prefix("step/")
+    assert store.list("step/") == [] and asked == [["run/step/a", "run/step/b", "run/step/c"], ["run/step/b"],
+                                                   ["run/step/b"]]
+    for name in ("a", "b"):
+        store.write(f"step/{name}", b"x")
+    _refusing(client, {"run/step/b": ["AccessDenied"]})
+    with pytest.raises(OSError, match=r"s3://refusing/run/step/b: not deleted \(AccessDenied"):
+        store.delete_prefix("step/")
+    assert [o.name for o in store.list("step/")] == ["step/b"]
+
+
 def test_a_full_disk_is_a_clear_error_that_leaves_the_old_file_whole(tmp_path, monkeypatch):
     import errno
     import os

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from typing import Any, BinaryIO
 
 from trnflow import aws
@@ -109,5 +110,25 @@ class S3Store:
     def delete_prefix(self, prefix: str) -> None:
         names = [o.name for o in self.list(prefix)]
         for start in range(0, len(names), 1000):
-            chunk = [{"Key": self._key(n)} for n in names[start:start + 1000]]
-            aws.call(self._s3.delete_objects, Bucket=self.bucket, Delete={"Objects": chunk, "Quiet": True})
+            self._delete_keys([self._key(n) for n in names[start:start + 1000]])
+
+    def _delete_keys(self, keys: list[str]) -> None:
+        """Delete up to 1,000 keys in one request. S3 answers such a request with success and lists the
+        keys it could not delete: those whose error is throttling or a 5xx are tried again (with the
+        waits `trnflow.aws` gives whole requests), and any other (AccessDenied) raises, naming the key."""
+        for attempt in range(aws.ATTEMPTS):
+            answer = aws.call(self._s3.delete_objects, Bucket=self.bucket,
+                              Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
+            errors = answer.get("Errors", [])
+            lasting = [e for e in errors if e.get("Code") not in aws.TRANSIENT_CODES]
+            if lasting:
+                e = lasting[0]
+                raise OSError(f"s3://{self.bucket}/{e.get('Key')}: not deleted ({e.get('Code')}: {e.get('Message')}); "
+                              f"{len(errors)} of {len(keys)} key(s) were refused. Check that this job may "
+                              "s3:DeleteObject there")
+            if not errors:
+                return
+            keys = [e["Key"] for e in errors]
+            time.sleep(min(aws.MAX_WAIT_SECONDS, aws.FIRST_WAIT_SECONDS * 2**attempt))
+        raise OSError(f"s3://{self.bucket}: {len(keys)} key(s) still not deleted after {aws.ATTEMPTS} tries "
+                      f"(throttled or 5xx), the first {keys[0]}; try again later")
