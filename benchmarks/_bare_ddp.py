@@ -41,14 +41,12 @@ def main() -> None:
         os.sched_setaffinity(0, [allowed[int(os.environ["LOCAL_RANK"])]])
     recipe, batch = recipe_for(spec), spec.per_core_batch
     model = build_model(recipe, spec.train.seed)
-    if mode.startswith("fsdp"):  # each block its own unit, then the rest of the model, as trnflow shards it
+    if mode == "fsdp":  # each block its own unit, then the rest of the model, as trnflow shards it
         from torch.distributed.fsdp import fully_shard
 
         for block in recipe.blocks(model):
             fully_shard(block)
         fully_shard(model)
-        if mode == "fsdp-compiled":
-            model = torch.compile(model, dynamic=False)
     else:  # compiled as trnflow compiles it: the model's own graph, with DDP around it
         model = DDP(torch.compile(model) if mode == "compiled" else model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=spec.train.lr, weight_decay=spec.train.weight_decay)

@@ -117,9 +117,9 @@ def test_a_local_retry_after_a_hardware_error_trains_on_the_cores_left_and_a_clo
 
 
 def test_the_smallest_that_fits_is_one_the_spec_could_run(monkeypatch):
-    """A core too small for 2 but not for 32 sharded ranks: with a batch of 64 the suggestion is one
-    trn1.32xlarge; with 48, which 32 (or any multiple of it) does not divide, nothing is suggested.
-    An xla spec (trn1 only, where fsdp does not run) is not told to shard either."""
+    """A core too small for 2 sharded ranks: the suggestion is the fewest cores that fit and divide
+    the batch, on one instance or several. An xla spec (trn1 only, where fsdp does not run) is never
+    told to shard, and `auto` takes ddp there."""
     monkeypatch.setenv(REHEARSAL_CORE_ENV, str(8.0e6 / 1024**3))
 
     def refusal(**sections) -> str:
@@ -127,12 +127,20 @@ def test_the_smallest_that_fits_is_one_the_spec_could_run(monkeypatch):
             check_fits(validate_spec(quickstart_data(**sections)))
         return str(refused.value)
 
-    assert "the smallest that fits: 1 x trn1.32xlarge (32 cores)" in refusal(train={"global_batch_size": 64})
-    assert "no instance in the catalogue fits it" in refusal(train={"global_batch_size": 48})
+    def suggested(text: str) -> int:
+        return int(text.split("the smallest that fits: ")[1].split("(")[1].split(" cores")[0])
+
+    for batch in (48, 64, 96):
+        cores = suggested(refusal(train={"global_batch_size": batch}))
+        assert batch % cores == 0 and cores > 2, (batch, cores)
+        fewer = max(c for c in range(1, cores) if batch % c == 0)  # the next smaller count does not fit
+        assert "smallest" in refusal(compute={"instance_type": "trn1.32xlarge", "cores_per_node": fewer},
+                                     train={"global_batch_size": batch, "parallelism": {"strategy": "fsdp"}})
     xla = refusal(compute={"device": "xla", "instance_type": "trn1.32xlarge"},
                   train={"global_batch_size": 64, "parallelism": {"strategy": "ddp"}})
     assert "no instance in the catalogue fits it" in xla and "fsdp" not in xla.split(". ")[-1]
     monkeypatch.setenv(REHEARSAL_CORE_ENV, str(9.95e6 / 1024**3))  # fsdp would fit 2 cores: not on xla
-    xla = refusal(compute={"device": "xla", "instance_type": "trn1.32xlarge"},
-                  train={"global_batch_size": 64, "parallelism": {"strategy": "ddp"}})
-    assert "Set train.parallelism.strategy: fsdp" not in xla
+    for strategy in ("ddp", "auto"):
+        xla = refusal(compute={"device": "xla", "instance_type": "trn1.32xlarge"},
+                      train={"global_batch_size": 64, "parallelism": {"strategy": strategy}})
+        assert "Set train.parallelism.strategy: fsdp" not in xla and "with ddp" in xla

@@ -7,6 +7,7 @@ from botocore.exceptions import ClientError
 from moto import mock_aws
 
 from trnflow import aws
+from trnflow.errors import TransientError
 from trnflow.storage import LocalStore
 from trnflow.storage.s3 import S3Store
 
@@ -159,7 +160,7 @@ def test_a_conditional_put_that_landed_but_lost_its_answer_is_still_the_callers(
     assert lost == [412] and store.read("registry/v000002.json") == b"run B"
 
 
-def _refusing(client, refusals: dict[str, list[str]]) -> list[list[str]]:
+def _refusing(client, refusals: dict[str, list[str]]):
     """Make S3 refuse keys of a batch delete, as it does per key: each request spares the keys next
     in `refusals` (key -> the codes of its next refusals), which S3 then lists as errors."""
     asked: list[list[str]] = []
@@ -177,7 +178,8 @@ def _refusing(client, refusals: dict[str, list[str]]) -> list[list[str]]:
 
     client.meta.events.register("before-parameter-build.s3.DeleteObjects", leave_out)
     client.meta.events.register("after-call.s3.DeleteObjects", answer)
-    return asked
+    return asked, lambda: (client.meta.events.unregister("before-parameter-build.s3.DeleteObjects", leave_out),
+                           client.meta.events.unregister("after-call.s3.DeleteObjects", answer))
 
 
 def test_keys_a_batch_delete_could_not_delete_are_retried_or_named(in_process_aws, monkeypatch):
@@ -189,16 +191,21 @@ def test_keys_a_batch_delete_could_not_delete_are_retried_or_named(in_process_aw
     store = S3Store("s3://refusing/run", client=client)
     for name in ("a", "b", "c"):
         store.write(f"step/{name}", b"x")
-    asked = _refusing(client, {"run/step/b": ["SlowDown", "InternalError"]})
+    asked, undo = _refusing(client, {"run/step/b": ["SlowDown", "InternalError"]})
     store.delete_prefix("step/")
     assert store.list("step/") == [] and asked == [["run/step/a", "run/step/b", "run/step/c"], ["run/step/b"],
                                                    ["run/step/b"]]
+    undo()
     for name in ("a", "b"):
         store.write(f"step/{name}", b"x")
-    _refusing(client, {"run/step/b": ["AccessDenied"]})
-    with pytest.raises(OSError, match=r"s3://refusing/run/step/b: not deleted \(AccessDenied"):
+    _, undo = _refusing(client, {"run/step/b": ["AccessDenied"]})
+    with pytest.raises(PermissionError, match=r"s3://refusing/run/step/b: not deleted \(AccessDenied"):
         store.delete_prefix("step/")
     assert [o.name for o in store.list("step/")] == ["step/b"]
+    undo()
+    _refusing(client, {"run/step/b": ["InternalError"] * aws.ATTEMPTS})  # 5xx every time: try again later
+    with pytest.raises(TransientError, match="1 key\\(s\\) still not deleted after"):
+        store.delete_prefix("step/")
 
 
 def test_a_full_disk_is_a_clear_error_that_leaves_the_old_file_whole(tmp_path, monkeypatch):

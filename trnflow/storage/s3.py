@@ -7,12 +7,14 @@ through `trnflow.aws`, which retries throttling and 5xx answers.
 
 from __future__ import annotations
 
+import random
 import shutil
 import tempfile
 import time
 from typing import Any, BinaryIO
 
 from trnflow import aws
+from trnflow.errors import FatalError, TransientError
 from trnflow.storage.base import ObjectInfo
 
 
@@ -115,20 +117,24 @@ class S3Store:
     def _delete_keys(self, keys: list[str]) -> None:
         """Delete up to 1,000 keys in one request. S3 answers such a request with success and lists the
         keys it could not delete: those whose error is throttling or a 5xx are tried again (with the
-        waits `trnflow.aws` gives whole requests), and any other (AccessDenied) raises, naming the key."""
-        for attempt in range(aws.ATTEMPTS):
+        waits `trnflow.aws` gives whole requests), then TransientError; AccessDenied raises
+        PermissionError and any other code FatalError, each naming the key."""
+        for attempt in range(1, aws.ATTEMPTS + 1):
             answer = aws.call(self._s3.delete_objects, Bucket=self.bucket,
                               Delete={"Objects": [{"Key": k} for k in keys], "Quiet": True})
             errors = answer.get("Errors", [])
             lasting = [e for e in errors if e.get("Code") not in aws.TRANSIENT_CODES]
             if lasting:
                 e = lasting[0]
-                raise OSError(f"s3://{self.bucket}/{e.get('Key')}: not deleted ({e.get('Code')}: {e.get('Message')}); "
-                              f"{len(errors)} of {len(keys)} key(s) were refused. Check that this job may "
-                              "s3:DeleteObject there")
+                text = (f"s3://{self.bucket}/{e.get('Key')}: not deleted ({e.get('Code')}: {e.get('Message')}); "
+                        f"{len(errors)} of {len(keys)} key(s) were refused")
+                if e.get("Code") == "AccessDenied":
+                    raise PermissionError(f"{text}. Check that this job may s3:DeleteObject there")
+                raise FatalError(text)
             if not errors:
                 return
             keys = [e["Key"] for e in errors]
-            time.sleep(min(aws.MAX_WAIT_SECONDS, aws.FIRST_WAIT_SECONDS * 2**attempt))
-        raise OSError(f"s3://{self.bucket}: {len(keys)} key(s) still not deleted after {aws.ATTEMPTS} tries "
-                      f"(throttled or 5xx), the first {keys[0]}; try again later")
+            if attempt < aws.ATTEMPTS:
+                time.sleep(min(aws.MAX_WAIT_SECONDS, aws.FIRST_WAIT_SECONDS * 2**attempt * random.uniform(0.5, 1)))
+        raise TransientError(f"s3://{self.bucket}: {len(keys)} key(s) still not deleted after {aws.ATTEMPTS} tries "
+                             f"(throttled or 5xx), the first {keys[0]}; try again later")

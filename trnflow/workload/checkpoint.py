@@ -23,6 +23,7 @@ checkpoint cannot run code.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -212,7 +213,8 @@ class RunCheckpoints:
                 self.store.write(f"{folder}/{name}", data)
             self.store.write(f"{folder}/{MARKER}", json.dumps(marker, indent=2).encode())
         except BaseException:  # a full disk, a lost bucket, an interrupt: leave no torn folder behind
-            self.store.delete_prefix(f"{folder}/")
+            with contextlib.suppress(Exception):  # if it cannot go now, the next save deletes it; the error is this
+                self.store.delete_prefix(f"{folder}/")
             raise
         self.prune(keep_latest, newest=step)
         return f"{self.url}/{folder}"

@@ -182,11 +182,14 @@ def plan(spec: JobSpec, recipe: Recipe | None = None, itype: str | None = None) 
 
 def strategy(spec: JobSpec, recipe: Recipe | None = None) -> str:
     """How the job spreads the model: the spec's strategy; for `auto`, ddp when it fits a core of
-    every instance type the job may get (compute.instance_preferences), else fsdp. A run decides it
+    every instance type the job may get (compute.instance_preferences), else fsdp (never on the xla
+    device, which does not shard). A run decides it
     once, when its flow starts (`decided`), so that a job that falls back to another type keeps it."""
     wanted = spec.train.parallelism.strategy
     if wanted != "auto":
         return wanted
+    if spec.compute.device == "xla":  # torch-xla's sharding is not driven: ddp, refused if it does not fit
+        return "ddp"
     recipe = recipe or for_job(spec)
     fits = all(_estimates(spec, recipe, t, spec.compute.world_size)[0].fits for t in spec.compute.instance_choices)
     return "ddp" if fits else "fsdp"
@@ -208,25 +211,26 @@ def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:
 
 def _smallest_fit(spec: JobSpec, recipe: Recipe) -> str | None:
     """The fewest cores, over the training instance types, on which fsdp would fit and the spec could
-    run (its batch divides over them, its device runs there); None if none."""
-    best: tuple[int, str] | None = None
-    for name in TRAINING_TYPES:
-        t = instance(name)
-        for nodes in range(1, (MAX_SUGGESTED_NODES if t.multi_node else 1) + 1):
-            world = nodes * t.cores
-            if best is not None and world >= best[0]:
-                break
-            data = spec.model_dump()
-            data["compute"].update(instance_type=name, nodes=nodes, cores_per_node=t.cores, instance_preferences=[])
-            data["train"]["parallelism"]["strategy"] = "fsdp"
-            try:  # a suggestion the spec could take: the batch divides, the device runs there, fsdp runs on it
-                resized = type(spec).model_validate(data)
-            except ValidationError:
-                continue
-            if _estimates(resized, recipe, name, world)[1].fits:
-                best = (world, f"{nodes} x {name} ({world} cores) with train.parallelism.strategy fsdp")
-                break
-    return best[1] if best else None
+    run (its batch divides over them, its device runs there); None if none. One instance may give
+    fewer than all its cores; several give all of theirs."""
+    candidates = sorted(
+        (nodes * cores, name, nodes, cores) for name in TRAINING_TYPES
+        for nodes in range(1, (MAX_SUGGESTED_NODES if instance(name).multi_node else 1) + 1)
+        for cores in ([instance(name).cores] if nodes > 1 else range(1, instance(name).cores + 1))
+        if spec.train.global_batch_size % (nodes * cores) == 0)
+    for world, name, nodes, cores in candidates:
+        data = spec.model_dump()
+        data["compute"].update(instance_type=name, nodes=nodes, cores_per_node=cores, instance_preferences=[])
+        data["train"]["parallelism"]["strategy"] = "fsdp"
+        try:  # a suggestion the spec could take: the device runs there, fsdp runs on it
+            resized = type(spec).model_validate(data)
+        except ValidationError:
+            continue
+        if _estimates(resized, recipe, name, world)[1].fits:
+            shape = f"{nodes} x {name}" if nodes > 1 or cores == instance(name).cores else \
+                f"1 x {name} at compute.cores_per_node {cores}"
+            return f"{shape} ({world} cores) with train.parallelism.strategy fsdp"
+    return None
 
 
 def check_fits(spec: JobSpec) -> MemoryPlan:

@@ -300,7 +300,8 @@ class Trainer:
                 return None
             folder = f"export/{step_name(done)}"
             store = self.start.checkpoints.store
-            store.delete_prefix(f"{folder}/")
+            with contextlib.suppress(Exception):  # an earlier attempt's files: overwritten below if they stay
+                store.delete_prefix(f"{folder}/")
             files = {}
             for path in sorted(Path(tmp).rglob("*")):
                 if path.is_file():
