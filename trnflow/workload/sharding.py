@@ -9,8 +9,8 @@ shard file that its new shard overlaps, so a run resumes at any world size. `con
 files into whole tensors in one process, without a process group: the `model.pt` that evaluation,
 the registry, inference and plain PyTorch load.
 
-DCP's own reader unpickles its index and any non-tensor value (`torch.load(weights_only=False)`);
-here the index is read by an unpickler that builds DCP's metadata records and nothing else, every
+DCP's own reader unpickles its index, and any non-tensor value, without restriction; here the
+index is read by an unpickler that builds DCP's metadata records and nothing else, every
 file it names must be a shard of the same folder, and values load with `weights_only=True`, so a
 checkpoint another job wrote cannot run code. The optimizer's state is keyed by parameter name
 (`get_optimizer_state_dict`), which needs no parameter order; a `ddp` checkpoint's, keyed by
