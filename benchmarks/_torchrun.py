@@ -20,6 +20,6 @@ def torchrun_json(script: str, ranks: int, *args: object) -> dict:
     done = subprocess.run(argv, env=env, capture_output=True, text=True)
     found = next((line for line in done.stdout.splitlines() if line.startswith("{")), None)
     if done.returncode != 0 or found is None:  # say why, so a rare failure can be traced to its cause
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-40:])
+        tail = "\n".join((done.stdout + done.stderr).splitlines()[-120:])
         raise SystemExit(f"{' '.join(argv[2:])} exited {done.returncode}:\n{tail}")
     return json.loads(found)

@@ -119,7 +119,15 @@ def _rank(rank: int, port: int, out: Path) -> None:
     from trnflow.device.neuron import NeuronDevice
     from trnflow.workload.context import WorkerContext, gather_objects
 
-    NeuronDevice().init_process_group(2, 60)
+    # what torch-neuronx's `torch.neuron` module also answers, which a device mesh asks
+    torch.neuron = types.SimpleNamespace(device_count=lambda: 2, is_available=lambda: True,
+                                         is_initialized=lambda: True, set_device=lambda index: None,
+                                         current_device=lambda: rank)
+    device = NeuronDevice()
+    device.init_process_group(2, 60)
+    mesh = device.mesh()  # what FSDP2 shards over under `train.parallelism.strategy: fsdp`
+    seen_mesh = {"type": mesh.device_type, "size": mesh.size(), "world": mesh.get_group() == dist.group.WORLD,
+                 "backend": str(dist.get_backend(mesh.get_group()))}
     logits = torch.zeros(4, dtype=torch.float64)  # as the evaluation fills its rows: each rank its own
     logits[rank::2] = rank + 1.0
     dist.all_reduce(logits)
@@ -127,15 +135,15 @@ def _rank(rank: int, port: int, out: Path) -> None:
     everyone = gather_objects(typing.cast(WorkerContext, ctx), {"rank": rank})
     dist.barrier()
     (out / f"rank{rank}.json").write_text(json.dumps({"logits": logits.tolist(), "gathered": everyone,
-                                                      "neuron_backend_sizes": created}))
+                                                      "neuron_backend_sizes": created, "mesh": seen_mesh}))
     dist.destroy_process_group()
 
 
 @pytest.mark.slow  # two real processes: `make test` runs it, `make test-fast` leaves it out
 def test_ranks_join_one_group_whose_host_tensors_go_to_gloo_and_device_tensors_to_neuron(tmp_path):
     """`cpu:gloo,neuron:neuron` across two real processes: the Neuron backend is created for the
-    group, and the host-tensor collectives the workload makes (the evaluation's all-reduce, object
-    gathers, barriers) go through gloo."""
+    group, the host-tensor collectives the workload makes (the evaluation's all-reduce, object
+    gathers, barriers) go through gloo, and sharded training's device mesh is that group on `neuron`."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -145,6 +153,10 @@ def test_ranks_join_one_group_whose_host_tensors_go_to_gloo_and_device_tensors_t
         assert seen["logits"] == [1.0, 2.0, 1.0, 2.0]
         assert seen["gathered"] == [{"rank": 0}, {"rank": 1}]
         assert seen["neuron_backend_sizes"] == [2]
+        # sharded training's mesh is the job's group on the `neuron` device, so FSDP2's gathers and
+        # reduce-scatters of device tensors go to the Neuron backend (placing the shards on real
+        # NeuronCores needs a Neuron host: the stand-in has no device memory)
+        assert seen["mesh"] == {"type": "neuron", "size": 2, "world": True, "backend": "cpu:gloo,neuron:neuron"}
 
 
 def test_the_compiler_sets_the_native_cache_and_refuses_eager_fallback(fake, tmp_path, monkeypatch):

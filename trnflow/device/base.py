@@ -255,17 +255,24 @@ class Device(ABC):
         does not trace them): the parts around the blocks are graphs, the blocks run as they are."""
         return torch.compile(fn, backend=backend, fullgraph=whole, dynamic=False)
 
+    def mesh(self) -> Any:
+        """The job's ranks as a one-dimensional `DeviceMesh` of this device's type, over the job's
+        process group (on a device that is not the host, its collectives go to the device's own
+        backend): what FSDP2 shards over. A process on its own gets a group of one."""
+        from torch.distributed.device_mesh import init_device_mesh  # sharded training only
+
+        if not dist.is_initialized():
+            dist.init_process_group(self.process_group_backends(), store=dist.HashStore(), rank=0, world_size=1)
+        return init_device_mesh(self.torch_device.type, (dist.get_world_size(),))
+
     def shard(self, model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
         """Shard `model` in place over the job's ranks with FSDP2 (`fully_shard`): each of `blocks` as
         a unit of its own, then the rest of the model as the root unit. Its parameters become DTensors
         holding this rank's 1/N. A process on its own (the compile stage's trial) shards over a group of
         one, so that it traces the programs the ranks run."""
-        from torch.distributed.device_mesh import init_device_mesh  # sharded training only
-        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.fsdp import fully_shard  # sharded training only
 
-        if not dist.is_initialized():
-            dist.init_process_group(self.process_group_backends(), store=dist.HashStore(), rank=0, world_size=1)
-        mesh = init_device_mesh(self.torch_device.type, (dist.get_world_size(),))
+        mesh = self.mesh()
         for block in blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
