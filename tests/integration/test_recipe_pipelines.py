@@ -11,16 +11,20 @@ import io
 import json
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
 import yaml
 
 from tests.integration.test_cloud_backends import _cloud, _keys
+from tests.pretrained import tiny_encoder
 from trnflow.flows.pipeline import STAGES, pipeline
 from trnflow.lifecycle.registry import Registry
 from trnflow.specs import validate_spec
 from trnflow.workload.checkpoint import load
+from trnflow.workload.recipes import recipe_for
+from trnflow.workload.recipes.hf_pretrained import saved_state
 
 SPEC = Path(__file__).resolve().parents[2] / "examples" / "recipes" / "tabular.yaml"
 
@@ -105,13 +109,12 @@ def test_the_external_recipe_runs_on_two_batch_nodes(prefect_api, moto_endpoint,
         assert load(results["train"]["checkpoint"], "scaler.json").featurizer_file == "scaler.json"
 
 
-HF_PARAMS = {"vocab_size": 1024, "seq_len": 24, "config": {"hidden_size": 32, "num_hidden_layers": 1,
-                                                            "num_attention_heads": 2, "intermediate_size": 64}}
+SEQ_LEN = 24
 
 
-def _hf_spec(make_spec, tmp_path, cache_url: str | None = None, **sections):
-    return make_spec(model={"recipe": "hf-encoder", "params": HF_PARAMS},
-                     compile={"cache_url": cache_url or str(tmp_path / "hf-cache")},
+def _hf_spec(make_spec, tmp_path, pretrained: Path, cache_url: str, **sections):
+    return make_spec(model={"recipe": "hf-encoder", "params": {"pretrained": str(pretrained), "seq_len": SEQ_LEN}},
+                     compile={"cache_url": cache_url},
                      train={"steps": 20, "checkpoint_every": 20, "log_every": 10, **sections.pop("train", {})},
                      gate={"reference": "champion", "eval_every": None}, **sections)
 
@@ -128,15 +131,21 @@ def _check_export(read_dir: Path, checkpoint_state: dict) -> None:
 
 def test_the_hugging_face_encoder_runs_the_six_stages_on_sagemaker_and_exports_with_save_pretrained(
         prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+    """Fine-tuned from a pretrained folder with a tokenizer of its own: the checkpoints' featurizer
+    is that tokenizer, and the export's tokenizer gives the same token ids."""
     import boto3
+    import pyarrow.json as pajson
+    from transformers import AutoTokenizer
 
+    texts = [t for f in sorted((dataset / "train").rglob("*.jsonl"))
+             for t in pajson.read_json(f).column("text").to_pylist()]
+    folder = tiny_encoder(tmp_path / "pretrained", texts[:500])
     with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, in_process=True) as (_, bucket):
         s3 = f"s3://{bucket}"
-        spec = _hf_spec(make_spec, tmp_path, data={"train": f"{s3}/reviews/train", "holdout": f"{s3}/reviews/holdout",
-                                                   "inference": f"{s3}/reviews/inference"},
-                        compute={"backend": "sagemaker"}, registry_url=f"{s3}/registry",
-                        inference={"output_url": f"{s3}/embeddings"}, train={"checkpoint_url": f"{s3}/checkpoints"},
-                        cache_url=f"{s3}/hf-cache")
+        reviews = {part: f"{s3}/reviews/{part}" for part in ("train", "holdout", "inference")}
+        spec = _hf_spec(make_spec, tmp_path, folder, f"{s3}/hf-cache", data=reviews, compute={"backend": "sagemaker"},
+                        registry_url=f"{s3}/registry", inference={"output_url": f"{s3}/embeddings"},
+                        train={"checkpoint_url": f"{s3}/checkpoints"})
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False).model_dump(mode="json")
         assert state.is_completed(), outcome
@@ -152,10 +161,20 @@ def test_the_hugging_face_encoder_runs_the_six_stages_on_sagemaker_and_exports_w
         folder.mkdir()
         for key in _keys(client, bucket, f"{prefix}/"):
             client.download_file(bucket, key, str(folder / key.rsplit("/", 1)[-1]))
-        assert {"config.json", "model.safetensors", "head.pt", "tokenizer.json", "EXPORTED"} <= {
-            p.name for p in folder.iterdir()}
-        _check_export(folder, load(results["train"]["checkpoint"]).model)
+        assert {"config.json", "model.safetensors", "head.pt", "tokenizer.json", "tokenizer_config.json",
+                "EXPORTED"} <= {p.name for p in folder.iterdir()}
+        ckpt = load(results["train"]["checkpoint"])
+        _check_export(folder, ckpt.model)
+        assert saved_state(ckpt.featurizer) is not None  # the pretrained tokenizer, not a trained one
+        recipe = recipe_for(spec)
+        recipe.load(ckpt.featurizer, ckpt.url)
+        sample = pa.table({"text": texts[:16]})
+        for tokenizer_folder in (tmp_path / "pretrained", folder):  # the starting model's, and the export's
+            ids = AutoTokenizer.from_pretrained(tokenizer_folder, local_files_only=True)(
+                texts[:16], padding="max_length", truncation=True, max_length=SEQ_LEN,
+                return_tensors="pt")["input_ids"]
+            assert torch.equal(recipe.features(sample), ids)
         shard = results["infer"]["shards"][0]["file"]
         key = f"{results['infer']['output_url'].removeprefix(f'{s3}/')}/{shard}"
         table = pq.read_table(io.BytesIO(client.get_object(Bucket=bucket, Key=key)["Body"].read()))
-        assert len(table.column("embedding")[0]) == HF_PARAMS["config"]["hidden_size"]
+        assert len(table.column("embedding")[0]) == 32  # the pretrained encoder's width

@@ -1,25 +1,38 @@
 """`hf-encoder`: a Hugging Face `transformers` encoder with a classification head, built in.
 
 The encoder is built with `AutoModel.from_config` from a small config given in the params (no
-download), or loaded from a local `save_pretrained` folder (safetensors). Its input is text,
-tokenized by a byte-pair encoding trained on the first run's rows (as `m5-text` does, saved as
-`tokenizer.json`), padded or cut to `seq_len`. The embedding is the encoder's last hidden state
-mean-pooled over real tokens. At the end of a run the model is exported with `save_pretrained`
-(`export`), so `AutoModel.from_pretrained` loads the trained encoder. Needs the `hf` extra
+download), or loaded from a local `save_pretrained` folder (safetensors only, no remote code). Its
+input is text padded or cut to `seq_len`, tokenized by the pretrained folder's own tokenizer when
+it has one (the token ids the encoder learned), else by a byte-pair encoding trained on the first
+run's rows (as `m5-text` does); either is saved beside every checkpoint as `tokenizer.json`. The
+embedding is the encoder's last hidden state mean-pooled over real tokens. At the end of a run the
+model is exported with `save_pretrained` (`export`), so `AutoModel.from_pretrained` and
+`AutoTokenizer.from_pretrained` load the trained encoder and its tokenizer. Needs the `hf` extra
 (`pip install 'trnflow[hf]'`): transformers 5 and safetensors, imported only when a model is built.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from trnflow.errors import FatalError
+from trnflow.workload.recipes.hf_pretrained import (
+    PretrainedTokenizer,
+    has_tokenizer,
+    load_pretrained,
+    pretrained_folder,
+    saved_state,
+    transformers,
+)
 from trnflow.workload.recipes.m5_text.params import PAD_ID
 from trnflow.workload.recipes.m5_text.tokenizer import FILE, BpeTextRecipe
 
@@ -36,32 +49,27 @@ class HfEncoderParams(BaseModel):
     config: dict[str, Any] = Field(default_factory=lambda: dict(SMALL),
                                    description="Config fields of the encoder, as for AutoConfig.for_model.")
     pretrained: str | None = Field(None, description="A local save_pretrained folder to start the encoder from "
-                                   "(config.json and model.safetensors); its config replaces `config`.")
-    vocab_size: int = Field(4096, ge=256, le=1_000_000, description="Token vocabulary size of the tokenizer.")
+                                   "(config.json and model.safetensors); its config replaces `config`, and its "
+                                   "tokenizer, if it has one, is used instead of training one.")
+    vocab_size: int = Field(4096, ge=256, le=1_000_000, description="Token vocabulary size of the tokenizer "
+                            "trnflow trains (a pretrained folder's tokenizer keeps its own).")
     seq_len: int = Field(64, ge=4, le=8192, description="Fixed sequence length: texts are padded or cut.")
     num_classes: int = Field(2, ge=2, le=100_000, description="Number of output classes.")
-
-
-def _transformers():
-    try:
-        import transformers  # optional (the hf extra), and heavy: ~2 s
-    except ModuleNotFoundError:
-        raise FatalError("model.recipe hf-encoder needs transformers: pip install 'trnflow[hf]'") from None
-    return transformers
 
 
 class EncoderClassifier(nn.Module):
     """The encoder, mean-pooled over real tokens, then a linear head."""
 
-    def __init__(self, encoder: nn.Module, num_classes: int):
+    def __init__(self, encoder: nn.Module, num_classes: int, pad_id: int = PAD_ID):
         super().__init__()
+        self.pad_id = pad_id
         if getattr(encoder, "pooler", None) is not None:  # its [CLS] pooler is not used: no untrained weights
             encoder.pooler = None
         self.encoder = encoder
         self.head = nn.Linear(encoder.config.hidden_size, num_classes)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        keep = tokens != PAD_ID
+        keep = tokens != self.pad_id
         hidden = self.encoder(input_ids=tokens, attention_mask=keep.long()).last_hidden_state
         weights = keep.unsqueeze(-1).to(hidden.dtype)
         return (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
@@ -77,6 +85,8 @@ class HfEncoder(BpeTextRecipe):
     version = "1"
     Params = HfEncoderParams
     params: HfEncoderParams
+    hf_tokenizer: PretrainedTokenizer | None = None
+    """The featurizer when it is a pretrained folder's tokenizer (else `tokenizer`, trnflow's BPE)."""
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The encoder's transformer layers, wherever the architecture keeps them (BERT's
@@ -87,31 +97,84 @@ class HfEncoder(BpeTextRecipe):
                 return list(layers)
         return []
 
+    @cached_property
+    def _folder_tokenizer(self) -> PretrainedTokenizer | None:
+        """The pretrained folder's own tokenizer, if it has one."""
+        folder = self.params.pretrained
+        return PretrainedTokenizer.from_folder(folder, self.params.seq_len, self.name) if has_tokenizer(folder) \
+            else None
+
+    @property
+    def pad_id(self) -> int:
+        """The id the model masks out: the pretrained tokenizer's pad token, else trnflow's [PAD]."""
+        return self._folder_tokenizer.pad_id if self._folder_tokenizer else PAD_ID
+
+    def fit_batches(self, batches: Iterable[pa.Table]) -> None:
+        if self._folder_tokenizer is None:
+            super().fit_batches(batches)
+        else:
+            self.hf_tokenizer = self._folder_tokenizer
+
+    def state(self) -> bytes:
+        return self.hf_tokenizer.state() if self.hf_tokenizer else super().state()
+
+    def load(self, state: bytes, source: str) -> None:
+        document = saved_state(state)
+        if document is None:
+            self.hf_tokenizer = None
+            super().load(state, source)
+            pad = PAD_ID
+        else:
+            self.tokenizer = None
+            limit = self.params.vocab_size
+            if self.params.pretrained and (Path(self.params.pretrained) / "config.json").is_file():
+                limit = int(json.loads((Path(self.params.pretrained) / "config.json").read_text())["vocab_size"])
+            self.hf_tokenizer = PretrainedTokenizer.from_state(document, self.params.seq_len, limit, source, self.name)
+            pad = self.hf_tokenizer.pad_id
+        if pad != self.pad_id:
+            raise FatalError(f"{source}: its tokenizer pads with id {pad}, the model with {self.pad_id} (the "
+                             f"{'pretrained folder' if self._folder_tokenizer else 'trnflow'} tokenizer's); start "
+                             "from a checkpoint made with this model.params.pretrained")
+
+    def features(self, rows: pa.Table) -> torch.Tensor:
+        if self.hf_tokenizer is None:
+            return super().features(rows)
+        return self.hf_tokenizer.encode(self._texts(rows))[0]
+
+    def example(self, rows: int, generator: torch.Generator) -> torch.Tensor:
+        if self._folder_tokenizer is None:
+            return super().example(rows, generator)
+        return torch.randint(0, self._folder_tokenizer.vocab_size, (rows, self.params.seq_len), generator=generator)
+
     def build_model(self) -> EncoderClassifier:
-        transformers, p = _transformers(), self.params
+        transformers_, p = transformers(self.name), self.params
         if p.pretrained:
-            folder = Path(p.pretrained)
-            if not (folder / "config.json").is_file():
-                raise FatalError(f"model.params.pretrained: {folder} has no config.json; give a folder written by "
-                                 "save_pretrained")
-            encoder = transformers.AutoModel.from_pretrained(folder, local_files_only=True)
-            if encoder.config.vocab_size < p.vocab_size:
+            encoder = load_pretrained(transformers_.AutoModel, pretrained_folder(p.pretrained))
+            own = self._folder_tokenizer
+            if own is not None and own.vocab_size > encoder.config.vocab_size:
+                raise FatalError(f"model.params.pretrained: the tokenizer in {p.pretrained} has {own.vocab_size} "
+                                 f"tokens, the encoder {encoder.config.vocab_size} token embeddings; save the "
+                                 "model's own tokenizer there")
+            if own is None and encoder.config.vocab_size < p.vocab_size:
                 raise FatalError(f"model.params.vocab_size: {p.vocab_size} is more than the pretrained encoder's "
                                  f"{encoder.config.vocab_size} token embeddings; set it to at most that")
         else:
-            config = transformers.AutoConfig.for_model(
+            config = transformers_.AutoConfig.for_model(
                 p.model_type, **{"vocab_size": p.vocab_size, "max_position_embeddings": max(p.seq_len, 64),
                                  "pad_token_id": PAD_ID, **p.config})
-            encoder = transformers.AutoModel.from_config(config)
-        return EncoderClassifier(encoder, p.num_classes)
+            encoder = transformers_.AutoModel.from_config(config)
+        return EncoderClassifier(encoder, p.num_classes, self.pad_id)
 
     def export(self, model: nn.Module, folder: Path) -> bool:
         """The trained model as `save_pretrained` writes it (the encoder: config.json and
         model.safetensors, which AutoModel.from_pretrained loads), beside the head's weights and the
-        tokenizer."""
+        tokenizer (a pretrained one as its own save_pretrained writes it)."""
         assert isinstance(model, EncoderClassifier)
         model.encoder.save_pretrained(folder)
         torch.save(model.head.state_dict(), folder / "head.pt")
-        (folder / FILE).write_bytes(self.state())
+        if self.hf_tokenizer is not None:  # as AutoTokenizer.from_pretrained reads it
+            self.hf_tokenizer.save(folder)
+        else:
+            (folder / FILE).write_bytes(self.state())
         (folder / "trnflow.json").write_text(json.dumps(self.describe(), indent=2))
         return True

@@ -1,0 +1,145 @@
+"""Pretrained folders: a folder's own tokenizer is the featurizer (its token ids, its pad token),
+saved beside checkpoints as a document that is read back without naming any code; nothing in a
+folder runs, and weights come from safetensors only."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from tests.conftest import quickstart_data
+from tests.pretrained import tiny_encoder
+from trnflow.errors import FatalError
+from trnflow.specs import validate_spec
+from trnflow.testing.recipe_contract import RecipeContract
+from trnflow.workload.recipes import recipe_for
+from trnflow.workload.recipes.hf_pretrained import STATE_FORMAT, saved_state
+from trnflow.workload.synth import synthesize
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(scope="module")
+def reviews(tmp_path_factory) -> pa.Table:
+    import pyarrow.json as pajson
+
+    root = tmp_path_factory.mktemp("reviews")
+    synthesize(root, days=1, rows_per_day=60, seed=3, fmt="jsonl")
+    return pa.concat_tables([pajson.read_json(f) for f in sorted((root / "train").rglob("*.jsonl"))])
+
+
+@pytest.fixture(scope="module")
+def encoder_folder(tmp_path_factory, reviews) -> Path:
+    return tiny_encoder(tmp_path_factory.mktemp("pretrained") / "encoder", reviews.column("text").to_pylist())
+
+
+def _encoder(folder: Path, **params):
+    return recipe_for(validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": {
+        "pretrained": str(folder), "seq_len": 12, **params}})))
+
+
+class TestHfEncoderFromAPretrainedFolder(RecipeContract):
+    """hf-encoder with a pretrained folder's tokenizer keeps the recipe contract."""
+
+    recipe = "hf-encoder"
+
+    @pytest.fixture(autouse=True)
+    def _folder(self, reviews, encoder_folder):
+        self._table, self.params = reviews, {"pretrained": str(encoder_folder), "seq_len": 12}
+
+    def rows(self) -> pa.Table:
+        return self._table
+
+
+def test_the_token_ids_are_the_pretrained_tokenizers_and_its_pad_token_is_masked(encoder_folder, reviews):
+    import torch
+    from transformers import AutoTokenizer
+
+    recipe = _encoder(encoder_folder, seq_len=40)
+    recipe.fit(reviews)
+    texts = reviews.column("text").to_pylist()[:8]
+    theirs = AutoTokenizer.from_pretrained(encoder_folder, local_files_only=True)(
+        texts, padding="max_length", truncation=True, max_length=40, return_tensors="pt")
+    ids = recipe.features(reviews.slice(0, 8))
+    assert torch.equal(ids, theirs["input_ids"])
+    assert recipe.pad_id == 3 and (ids == 3).any()  # the folder's [PAD], not trnflow's id 0
+    model = recipe.build_model()
+    assert model.pad_id == 3
+    # a padded row embeds as its unpadded tokens do: the pad token is masked, not read
+    short = ids[0][theirs["attention_mask"][0].bool()]
+    padded = torch.full((1, 56), 3)
+    padded[0, :len(short)] = short
+    model.eval()
+    with torch.no_grad():
+        assert torch.allclose(model.embed(ids[:1]), model.embed(padded), atol=1e-6)
+
+    saved = recipe.state()
+    document = saved_state(saved)
+    assert document is not None and document["format"] == STATE_FORMAT
+    assert set(document) == {"format", "tokenizer", "special"} and document["special"]["pad_token"] == "[PAD]"
+    again = _encoder(encoder_folder, seq_len=40)
+    again.load(saved, "step-20")
+    assert torch.equal(again.features(reviews.slice(0, 8)), ids)
+
+
+def test_a_folder_without_a_tokenizer_keeps_the_trained_byte_pair_encoding(tmp_path, encoder_folder, reviews):
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (folder / name).write_bytes((encoder_folder / name).read_bytes())
+    recipe = _encoder(folder, vocab_size=256)
+    recipe.fit(reviews)
+    assert saved_state(recipe.state()) is None and recipe.pad_id == 0
+    assert json.loads(recipe.state())["model"]["type"] == "BPE"
+
+
+def test_a_saved_tokenizer_is_read_from_its_definition_alone(encoder_folder, reviews):
+    recipe = _encoder(encoder_folder)
+    recipe.fit(reviews)
+    document = json.loads(recipe.state())
+    for damaged, message in (({**document, "special": {"tokenizer_class": "Evil"}}, "a damaged pretrained tokenizer"),
+                             ({**document, "special": {"pad_token": ["x"]}}, "a damaged pretrained tokenizer"),
+                             ({**document, "tokenizer": "{}"}, "not a tokenizer")):
+        with pytest.raises(FatalError, match=f"step-20: {message}"):
+            _encoder(encoder_folder).load(json.dumps(damaged).encode(), "step-20")
+    bpe = _encoder(encoder_folder)  # a checkpoint made with trnflow's own tokenizer pads with 0
+    plain = recipe_for(validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": {"vocab_size": 256,
+                                                                                                 "seq_len": 12}})))
+    plain.fit(reviews)
+    with pytest.raises(FatalError, match=r"old-run: its tokenizer pads with id 0, the model with 3"):
+        bpe.load(plain.state(), "old-run")
+
+
+def test_nothing_in_a_pretrained_folder_runs_and_weights_come_from_safetensors_only(tmp_path, encoder_folder):
+    import shutil
+
+    folder = tmp_path / "named-code"
+    shutil.copytree(encoder_folder, folder)
+    ran = tmp_path / "ran"
+    (folder / "custom.py").write_text(f"open({str(ran)!r}, 'w').close()\nfrom transformers import BertModel, "
+                                      "PreTrainedTokenizerFast\nclass Model(BertModel): pass\n"
+                                      "class Tok(PreTrainedTokenizerFast): pass\n")
+    for name, auto in (("config.json", {"AutoModel": "custom.Model"}),
+                       ("tokenizer_config.json", {"AutoTokenizer": [None, "custom.Tok"]})):
+        document = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**document, "auto_map": auto}))
+    recipe = _encoder(folder)
+    assert type(recipe.build_model().encoder).__name__ == "BertModel" and recipe.pad_id == 3
+    assert not ran.exists()
+
+    pickled = tmp_path / "pickled"
+    shutil.copytree(encoder_folder, pickled)
+    (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
+    with pytest.raises(FatalError, match=r"has no \.safetensors weights; trnflow loads weights from safetensors only"):
+        _encoder(pickled).build_model()
+
+
+def test_the_memory_estimate_counts_a_pretrained_models_parameters_without_loading_them(encoder_folder):
+    """On the meta device the folder's config builds the architecture (from_pretrained refuses meta)."""
+    from trnflow.workload.memory import parameter_count
+
+    recipe = _encoder(encoder_folder)
+    assert parameter_count(recipe) == sum(p.numel() for p in recipe.build_model().parameters())

@@ -1,0 +1,152 @@
+"""What the Hugging Face recipes share: `transformers` imported on demand, pretrained folders read
+without running their code, and a pretrained tokenizer as a featurizer.
+
+A `save_pretrained` folder named by `model.params.pretrained` is read with `local_files_only`
+(nothing is downloaded), `trust_remote_code` off (a config or tokenizer that names code of its
+own is refused by transformers) and weights from safetensors only (never a pickle).
+
+When the folder has a tokenizer, that tokenizer is the featurizer: the model learned its token
+ids, so a tokenizer trained afresh would feed it ids that mean other words. It must be a fast
+(Rust `tokenizers`) one. Beside every checkpoint it is saved as one JSON document: the
+`tokenizers` definition and the names of its special tokens, and it is read back from those
+alone, never through a class name the file gives.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+from trnflow.errors import FatalError
+
+STATE_FORMAT = "trnflow-hf-tokenizer/1"
+"""The `format` of a pretrained tokenizer saved as a featurizer."""
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "cls_token", "sep_token", "mask_token")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def transformers(recipe: str) -> Any:
+    """The `transformers` module, or FatalError saying how to install it."""
+    try:
+        import transformers as module  # optional (the hf extra), and heavy: ~2 s
+    except ModuleNotFoundError:
+        raise FatalError(f"model.recipe {recipe} needs transformers: pip install 'trnflow[hf]'") from None
+    return module
+
+
+def pretrained_folder(folder: str) -> Path:
+    """The folder `model.params.pretrained` names, once it holds a model `save_pretrained` wrote."""
+    path = Path(folder)
+    if not (path / "config.json").is_file():
+        raise FatalError(f"model.params.pretrained: {path} has no config.json; give a folder written by "
+                         "save_pretrained")
+    return path
+
+
+def load_pretrained(auto_class: Any, folder: Path) -> Any:
+    """`auto_class.from_pretrained` on a local folder: no download, no remote code, safetensors only.
+    On the meta device (the memory estimate counts a model's parameters there, allocating nothing)
+    the folder's config alone builds the same architecture, without its weights."""
+    from transformers import AutoConfig  # optional (the hf extra); the caller's auto_class came from it
+
+    if torch.get_default_device().type == "meta":
+        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        return auto_class.from_config(config, trust_remote_code=False)
+    if not any(folder.glob("*.safetensors")):
+        raise FatalError(f"model.params.pretrained: {folder} has no .safetensors weights; trnflow loads weights "
+                         "from safetensors only (save the model with save_pretrained, which writes them)")
+    try:
+        return auto_class.from_pretrained(folder, local_files_only=True, trust_remote_code=False,
+                                          use_safetensors=True)
+    except (OSError, ValueError) as exc:
+        raise FatalError(f"model.params.pretrained: {folder} cannot be loaded ({exc})") from None
+
+
+def has_tokenizer(folder: str | None) -> bool:
+    return bool(folder) and any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+class PretrainedTokenizer:
+    """A fast `transformers` tokenizer that turns texts into `seq_len` token ids (cut, then padded
+    with its pad token) and an attention mask."""
+
+    def __init__(self, tokenizer: Any, seq_len: int, source: str):
+        if tokenizer.pad_token_id is None:
+            raise FatalError(f"{source}: the tokenizer has no pad token; set one (for example "
+                             "tokenizer.pad_token = tokenizer.eos_token) and save it again")
+        self.tokenizer, self.seq_len = tokenizer, seq_len
+
+    @classmethod
+    def from_folder(cls, folder: str, seq_len: int, recipe: str, pad_with_eos: bool = False) -> PretrainedTokenizer:
+        """The folder's own tokenizer (`AutoTokenizer.from_pretrained`). `pad_with_eos`: a tokenizer
+        without a pad token pads with its end-of-sequence token (as decoders are usually fine-tuned)."""
+        auto = transformers(recipe).AutoTokenizer
+        try:
+            tokenizer = auto.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
+        except (OSError, ValueError) as exc:
+            raise FatalError(f"model.params.pretrained: the tokenizer in {folder} cannot be loaded ({exc})") from None
+        if not getattr(tokenizer, "is_fast", False):
+            raise FatalError(f"model.params.pretrained: the tokenizer in {folder} is not a fast (tokenizers) one; "
+                             "save the model's fast tokenizer (a tokenizer.json) there")
+        if pad_with_eos and tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        return cls(tokenizer, seq_len, f"model.params.pretrained: {folder}")
+
+    @classmethod
+    def from_state(cls, document: dict, seq_len: int, vocab_limit: int, source: str, recipe: str
+                   ) -> PretrainedTokenizer:
+        """A tokenizer saved by `state`: built from its `tokenizers` definition and the names of its
+        special tokens (plain strings), never through a class or code the document names."""
+        special = document.get("special")
+        definition = document.get("tokenizer")
+        if not isinstance(special, dict) or not isinstance(definition, str) or not all(
+                k in SPECIAL_TOKENS and isinstance(v, str) for k, v in special.items()):
+            raise FatalError(f"{source}: a damaged pretrained tokenizer (it needs 'tokenizer' text and "
+                             f"'special' names among {', '.join(SPECIAL_TOKENS)}); use an earlier checkpoint")
+        try:
+            backend = Tokenizer.from_str(definition)
+        except Exception as exc:  # the Rust side raises its own exception type
+            raise FatalError(f"{source}: not a tokenizer ({exc}); use an earlier checkpoint") from None
+        if backend.get_vocab_size() > vocab_limit:
+            raise FatalError(f"{source}: the tokenizer has {backend.get_vocab_size()} tokens but the model has "
+                             f"{vocab_limit} token embeddings; it is not this model's tokenizer")
+        fast = transformers(recipe).PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+        return cls(fast, seq_len, source)
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.tokenizer.pad_token_id)
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokenizer)
+
+    def state(self) -> bytes:
+        special = {name: str(getattr(self.tokenizer, name)) for name in SPECIAL_TOKENS
+                   if getattr(self.tokenizer, name, None) is not None}
+        return json.dumps({"format": STATE_FORMAT, "tokenizer": self.tokenizer.backend_tokenizer.to_str(),
+                           "special": special}).encode()
+
+    def encode(self, texts: list[str], add_special_tokens: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+        """Token ids and attention mask, each (len(texts), seq_len)."""
+        encoded = self.tokenizer([t or "" for t in texts], padding="max_length", truncation=True,
+                                 max_length=self.seq_len, add_special_tokens=add_special_tokens,
+                                 return_tensors="pt")
+        return encoded["input_ids"], encoded["attention_mask"]
+
+    def save(self, folder: Path) -> None:
+        """As `save_pretrained` writes it, for `AutoTokenizer.from_pretrained`."""
+        self.tokenizer.save_pretrained(folder)
+
+
+def saved_state(state: bytes) -> dict | None:
+    """A featurizer file's document when it is a saved pretrained tokenizer, else None."""
+    try:
+        document = json.loads(state)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return document if isinstance(document, dict) and document.get("format") == STATE_FORMAT else None
