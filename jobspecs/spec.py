@@ -14,7 +14,7 @@ import zoneinfo
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from trnflow.specs.instances import CATALOGUE, TRAINING_TYPES, instance
 from trnflow.urls import normalise_url
@@ -94,6 +94,8 @@ class Section(BaseModel):
 
 
 RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+METRIC_NAME = r"^[a-z][a-z0-9_]*$"
+"""A metric's name (`gate.metric`, `gate.metrics`): lower-case letters, digits and underscores."""
 """An installed recipe's name, as entry points are named (`m5-text`, `tabular-mlp`)."""
 MODULE_REFERENCE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 """`package.module:Class`: a recipe named by where it is, imported only where TRNFLOW_RECIPE_MODULES allows."""
@@ -524,7 +526,7 @@ class RetrySpec(Section):
 
 
 class GateSpec(Section):
-    """The accuracy-parity gate: candidate against reference, within max_abs_diff."""
+    """The parity gate: candidate against reference, within max_abs_diff (or max_rel_diff)."""
 
     reference: ChampionOrUrl | None = Field(
         None,
@@ -532,8 +534,17 @@ class GateSpec(Section):
         "platform's such as a GPU run), or `champion` (the registered champion's series). None records a "
         "baseline only.",
     )
-    metric: Literal["accuracy"] = Field("accuracy", description="Metric compared by the gate.")
+    metric: str = Field(
+        "accuracy", pattern=METRIC_NAME,
+        description="Metric compared by the gate: any metric the recipe declares (`trnflow recipes` lists them, "
+        "with which way each is better). Against the champion the candidate may be better by any amount.",
+    )
     max_abs_diff: float = Field(0.001, gt=0, lt=1, description="Largest allowed |candidate - reference|.")
+    max_rel_diff: float | None = Field(
+        None, gt=0, lt=1,
+        description="Largest allowed |candidate - reference| as a share of the reference's value (0.01: 1%), for "
+        "metrics such as perplexity where an absolute band means little. Replaces max_abs_diff; set one of them.",
+    )
     mode: Literal["every-point", "final"] = Field(
         "every-point",
         description="every-point: each evaluation step both series share must be within max_abs_diff (the M5 "
@@ -543,8 +554,10 @@ class GateSpec(Section):
         None, ge=1, le=MAX_STEPS,
         description="Evaluate on the holdout set every this many training steps (and always at the end)."
     )
-    metrics: list[Literal["loss", "f1", "auc"]] = Field(
-        default_factory=lambda: ["loss"], description="Metrics recorded beside accuracy at each evaluation point."
+    metrics: list[Annotated[str, StringConstraints(pattern=METRIC_NAME)]] = Field(
+        default_factory=lambda: ["loss"],
+        description="Metrics recorded beside accuracy (and the gate's metric) at each evaluation point: any the "
+        "recipe declares.",
     )
     significance: float = Field(
         0.05, gt=0, lt=1, description="Level of the paired McNemar test on per-example predictions."
@@ -552,8 +565,16 @@ class GateSpec(Section):
     fail_on_significant: bool = Field(
         False,
         description="Also fail the gate when McNemar's test finds the candidate and reference differ, even "
-        "within max_abs_diff (by default that is reported as a warning).",
+        "within max_abs_diff (by default that is reported as a warning). The test pairs per-row correctness, "
+        "so it runs when the gate's metric is accuracy.",
     )
+
+    @model_validator(mode="after")
+    def _one_band(self) -> GateSpec:
+        if self.max_rel_diff is not None and "max_abs_diff" in self.model_fields_set:
+            raise ValueError("gate.max_rel_diff: max_abs_diff is set too; the gate uses one band, so keep "
+                             "max_abs_diff for an absolute band or max_rel_diff for a relative one")
+        return self
 
 
 class InferenceSpec(Section):

@@ -59,9 +59,9 @@ def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candida
     if series is None or not series["points"] or not judge.same_holdout(candidate.series, series):
         theirs, ours = champion.entry.recipe, judge.recipe_of(candidate.checkpoint)
         if theirs and ours and theirs != ours:  # this spec's model cannot load the champion's weights
-            return judge.incomparable(spec, who, f"{who} is another model ({_model(theirs)}; this run's is "
-                                      f"{_model(ours)}) measured on another holdout, so the two cannot be compared "
-                                      "row for row")
+            return judge.incomparable(spec, candidate.series, who,
+                                      f"{who} is another model ({_model(theirs)}; this run's is {_model(ours)}) "
+                                      "measured on another holdout, so the two cannot be compared row for row")
         get_run_logger().info("%s was not measured on this holdout; evaluating it on this one", who)
         result = run_job(spec, "evaluate", run_id, checkpoint=champion.checkpoint, cores=cores)
         assert isinstance(result, EvaluateResult)
@@ -100,7 +100,8 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
         assert isinstance(result, EvaluateResult)
         result.checkpoint = checkpoint
         candidate = judge.Candidate.read(checkpoint)
-        candidate.series = candidate.series or {"points": result.points, "holdout_sha256": result.holdout_sha256}
+        candidate.series = candidate.series or {"points": result.points, "holdout_sha256": result.holdout_sha256,
+                                                "directions": result.directions}
     candidate.series = judge.up_to(candidate.series, candidate.step)
     decision = judge.decide(spec, registry, candidate.series, against_champion)
     if decision.gate_passed:  # only a candidate that passed the gate can take the champion's place

@@ -11,7 +11,7 @@ such rather than half understood.
 from __future__ import annotations
 
 import json
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -134,12 +134,39 @@ class VerdictPoint(Record):
     passed: bool
 
 
-class Verdict(Record):
-    """The gate's verdict: every matched point, the paired test and, for several checks, each one's."""
+class Band(Record):
+    """How far a candidate's metric may be from its reference's, and which way the metric is better."""
 
     metric: str
-    mode: str = Field(description="every-point, final or no-regression")
     max_abs_diff: float
+    max_rel_diff: float | None = Field(None, description="when set, the allowed difference is this share of the "
+                                       "reference's value, and max_abs_diff is not used")
+    better: Literal["higher", "lower"] = Field("higher", description="which way the metric is better")
+
+    def allowed(self, reference: float) -> float:
+        """The largest difference allowed from a reference value."""
+        return self.max_rel_diff * abs(reference) if self.max_rel_diff is not None else self.max_abs_diff
+
+    def regression(self, diff: float) -> float:
+        """How much worse a candidate `diff` (candidate - reference) away is: positive when worse."""
+        return -diff if self.better == "higher" else diff
+
+    @property
+    def text(self) -> str:
+        """The band in words: `±0.001`, or `±1% of the reference`."""
+        return f"±{self.max_rel_diff * 100:g}% of the reference" if self.max_rel_diff is not None \
+            else f"±{self.max_abs_diff:g}"
+
+    def band(self) -> Band:
+        return Band(metric=self.metric, max_abs_diff=self.max_abs_diff, max_rel_diff=self.max_rel_diff,
+                    better=self.better)
+
+
+class Verdict(Band):
+    """The gate's verdict within its band: every matched point, the paired test and, for several
+    checks, each one's."""
+
+    mode: str = Field(description="every-point, final or no-regression")
     passed: bool
     points: list[VerdictPoint] = Field(default_factory=list)
     paired: PairedCheck | None = None

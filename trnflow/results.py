@@ -191,6 +191,8 @@ class EvaluateResult(StageResult):
     series: str | None = None
     holdout_sha256: str | None = None
     correct: str | None = Field(None, description="per holdout row, '1' when the last point's prediction was right")
+    directions: dict[str, str] = Field(default_factory=dict, description="which way each metric is better: "
+                                       "higher or lower")
     verdict: Verdict | None = Field(None, description="the gate's verdict (`trnflow.lifecycle.gate`)")
     against: str | None = Field(None, description="what the candidate was judged against")
     chart: str | None = Field(None, description="the parity chart's URL")

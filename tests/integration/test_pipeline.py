@@ -170,7 +170,7 @@ def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champ
     state, outcome = _run(spec)
     assert state.is_failed() and state.name == "GateFailed"  # its own state: `trnflow submit --wait` exits 3
     # the reason in one short line, as the run page's state message (the whole of it in the log and artifacts)
-    assert re.fullmatch(rf"accuracy -0\.\d{{4}} vs .+ at step {spec.train.steps} \(allowed {spec.gate.max_abs_diff}\)"
+    assert re.fullmatch(rf"accuracy -0\.\d{{4}} vs .+ at step {spec.train.steps} \(allowed ±{spec.gate.max_abs_diff}\)"
                         r"(; \d+ more steps? outside it)?", state.message), state.message
     assert isinstance(outcome, PipelineFailed) and isinstance(outcome.cause, GateFailed)
     assert outcome.stage == "evaluate"
@@ -327,3 +327,18 @@ def test_evaluation_matches_the_reference_it_came_from(reference_checkpoint):
     assert result.verdict.passed and result.verdict.points[0].diff == 0.0
     series = json.loads((local_path(checkpoint).parent / "metrics.json").read_text())
     assert [p["step"] for p in series["points"]] == [20]
+
+
+def test_a_gate_on_loss_judges_it_lower_is_better_within_a_relative_band(reference_checkpoint):
+    spec, checkpoint = reference_checkpoint
+    gate = {**spec.gate.model_dump(exclude={"max_abs_diff"}), "metric": "loss", "metrics": [], "max_rel_diff": 0.01}
+    spec = spec.model_copy(update={"gate": type(spec.gate).model_validate(gate)})
+    state, result = _evaluate_once(spec, checkpoint)
+    assert state.is_completed(), result
+    verdict = result.verdict
+    assert (verdict.metric, verdict.better, verdict.max_rel_diff, verdict.passed) == ("loss", "lower", 0.01, True)
+    assert verdict.points[0].candidate == verdict.points[0].reference > 0
+    assert verdict.paired.available is False  # McNemar's test speaks to accuracy only
+    series = json.loads((local_path(checkpoint).parent / "metrics.json").read_text())
+    assert {k: v for k, v in series["directions"].items() if k in ("accuracy", "loss")} == {
+        "accuracy": "higher", "loss": "lower"}  # written with every point's metrics, by the training run

@@ -122,7 +122,7 @@ def test_retraining_changes_the_champion_only_when_a_whole_run_succeeds(prefect_
     assert results["evaluate"]["against"] == "champion v2"
     assert results["evaluate"]["verdict"]["mode"] == "no-regression"
     change = results["evaluate"]["verdict"]["points"][-1]["diff"]
-    assert results["evaluate"]["summary"].endswith(f"{change:+.4f} vs champion v2 (allowed regression 0.2): passed")
+    assert results["evaluate"]["summary"].endswith(f"{change:+.4f} vs champion v2 (allowed regression ±0.2): passed")
     second = registry.champion(spec.name)
     assert second.version == 3 and second.watermark == "2026-01-03"
     assert manifest(current_url(str(published)))["checkpoint"] == second.checkpoint

@@ -389,3 +389,14 @@ def test_retraining_on_a_cloud_backend_needs_the_registry_on_s3(tmp_path, trnflo
     result = runner.invoke(app, ["retrain", str(spec)])
     assert result.exit_code == 2 and "registry_url:" in result.stderr and "is not on S3" in result.stderr
     assert not list((trnflow_home / "jobs").glob("*"))
+
+
+def test_recipes_lists_each_recipes_gate_metrics_with_which_way_each_is_better():
+    result = runner.invoke(app, ["recipes", "--json"])
+    assert result.exit_code == 0, result.output
+    found = {r["name"]: r for r in json.loads(result.output)["recipes"]}
+    assert found["m5-text"]["metrics"] == [
+        {"name": "accuracy", "better": "higher"}, {"name": "loss", "better": "lower"},
+        {"name": "f1", "better": "higher"}, {"name": "auc", "better": "higher"}]
+    shown = runner.invoke(app, ["recipes"], env={"COLUMNS": "200"})
+    assert "gate metrics: accuracy (higher is better), loss (lower is better)" in shown.output

@@ -3,15 +3,16 @@ import json
 import pytest
 
 from trnflow.errors import DataError
-from trnflow.lifecycle.gate import compare, headline, metrics_document, parse_metrics
-from trnflow.records import PairedCheck
+from trnflow.lifecycle.gate import better, compare, headline, metrics_document, no_regression, parse_metrics
+from trnflow.records import Band, PairedCheck, Verdict
 
 REF = [{"step": 100, "accuracy": 0.80}, {"step": 200, "accuracy": 0.85}]
+ACC = Band(metric="accuracy", max_abs_diff=0.001)
 
 
 def test_within_band_passes_with_every_point_listed():
     cand = [{"step": 100, "accuracy": 0.8005}, {"step": 200, "accuracy": 0.8491}]
-    verdict = compare(cand, REF, "accuracy", 0.001)
+    verdict = compare(cand, REF, ACC)
     assert verdict.passed
     assert [(p.step, p.passed) for p in verdict.points] == [(100, True), (200, True)]
     assert verdict.points[0].diff == pytest.approx(0.0005)
@@ -19,7 +20,7 @@ def test_within_band_passes_with_every_point_listed():
 
 def test_outside_band_fails_and_names_the_failing_point():
     cand = [{"step": 100, "accuracy": 0.8005}, {"step": 200, "accuracy": 0.847}]
-    verdict = compare(cand, REF, "accuracy", 0.001)
+    verdict = compare(cand, REF, ACC)
     assert not verdict.passed
     assert [p.step for p in verdict.points if not p.passed] == [200]
     assert "step 200" in verdict.reason and "step 100" not in verdict.reason
@@ -27,15 +28,15 @@ def test_outside_band_fails_and_names_the_failing_point():
 
 def test_a_failed_verdict_reads_in_one_short_line_naming_the_worst_point():
     cand = [{"step": 100, "accuracy": 0.7905}, {"step": 200, "accuracy": 0.847}]
-    line = headline(compare(cand, REF, "accuracy", 0.001), "fp32-reference")
-    assert line == "accuracy -0.0095 vs fp32-reference at step 100 (allowed 0.001); 1 more step outside it"
+    line = headline(compare(cand, REF, ACC), "fp32-reference")
+    assert line == "accuracy -0.0095 vs fp32-reference at step 100 (allowed ±0.001); 1 more step outside it"
     assert len(line.split(";")[0]) <= 70  # what the UI's state message shows before "See More"
-    missing = compare([{"step": 150, "accuracy": 0.8}], REF, "accuracy", 0.001)
+    missing = compare([{"step": 150, "accuracy": 0.8}], REF, ACC)
     assert headline(missing, "gpu").startswith("against gpu: no common evaluation step")
 
 
 def test_no_common_step_fails_with_explanation():
-    verdict = compare([{"step": 150, "accuracy": 0.8}], REF, "accuracy", 0.001)
+    verdict = compare([{"step": 150, "accuracy": 0.8}], REF, ACC)
     assert not verdict.passed
     assert "no common evaluation step" in verdict.reason
 
@@ -58,8 +59,8 @@ def _doc(points, correct, step, holdout="h1"):
 
 def test_final_mode_judges_only_the_last_shared_point():
     cand = [{"step": 100, "accuracy": 0.79}, {"step": 200, "accuracy": 0.8495}]
-    assert not compare(cand, REF, "accuracy", 0.001, mode="every-point").passed
-    verdict = compare(cand, REF, "accuracy", 0.001, mode="final")
+    assert not compare(cand, REF, ACC, mode="every-point").passed
+    verdict = compare(cand, REF, ACC, mode="final")
     assert verdict.passed and not verdict.points[0].passed  # listed, but not judged
 
 
@@ -71,20 +72,20 @@ def test_mcnemar_flags_a_difference_the_band_misses_on_a_large_holdout():
     ref = "1" * both + "0" * cand_only + "1" * ref_only + "0" * (rows - both - cand_only - ref_only)
     acc_c, acc_r = cand.count("1") / rows, ref.count("1") / rows
     verdict = compare(_doc([{"step": 5, "accuracy": acc_c}], cand, 5), _doc([{"step": 5, "accuracy": acc_r}], ref, 5),
-                      "accuracy", 0.001)
+                      ACC)
     assert verdict.passed  # the point-wise rule sees nothing
     paired = verdict.paired
     assert (paired.candidate_only, paired.reference_only) == (900, 100)
     assert paired.significant and paired.p_value < 1e-100 and not paired.underpowered
     strict = compare(_doc([{"step": 5, "accuracy": acc_c}], cand, 5), _doc([{"step": 5, "accuracy": acc_r}], ref, 5),
-                     "accuracy", 0.001, fail_on_significant=True)
+                     ACC, fail_on_significant=True)
     assert not strict.passed and "McNemar" in strict.reason
 
 
 def test_mcnemar_on_a_tiny_holdout_says_it_is_underpowered():
     cand, ref = "1101101110" * 20, "1101101011" * 20  # 200 rows, 20 + 20 discordant
     verdict = compare(_doc([{"step": 5, "accuracy": 0.7}], cand, 5), _doc([{"step": 5, "accuracy": 0.7}], ref, 5),
-                      "accuracy", 0.001)
+                      ACC)
     paired = verdict.paired
     assert paired.p_value == pytest.approx(1.0) and not paired.significant
     assert paired.underpowered and paired.rows_needed > 100_000
@@ -92,9 +93,9 @@ def test_mcnemar_on_a_tiny_holdout_says_it_is_underpowered():
 
 def test_the_paired_check_needs_the_same_holdout_and_step():
     a, b = _doc([{"step": 5, "accuracy": 0.7}], "10", 5), _doc([{"step": 5, "accuracy": 0.7}], "10", 5, holdout="h2")
-    assert compare(a, b, "accuracy", 0.001).paired == PairedCheck(
+    assert compare(a, b, ACC).paired == PairedCheck(
         available=False, reason="the two runs were evaluated on different holdout sets")
-    assert compare(a, {"points": b["points"]}, "accuracy", 0.001).paired.available is False
+    assert compare(a, {"points": b["points"]}, ACC).paired.available is False
 
 
 def test_the_exact_and_the_large_sample_mcnemar_agree_where_they_meet():
@@ -116,10 +117,10 @@ def test_metrics_with_bad_predictions_are_refused():
 
 def test_the_paired_check_refuses_empty_or_mismatched_outcomes():
     empty = compare(_doc([{"step": 5, "accuracy": 0.7}], "", 5), _doc([{"step": 5, "accuracy": 0.7}], "", 5),
-                    "accuracy", 0.001)
+                    ACC)
     assert empty.paired.available is False and empty.passed
     short = compare(_doc([{"step": 5, "accuracy": 0.7}], "10", 5), _doc([{"step": 5, "accuracy": 0.7}], "101", 5),
-                    "accuracy", 0.001)
+                    ACC)
     assert "2 and 3 rows" in short.paired.reason
 
 
@@ -129,7 +130,12 @@ def test_the_paired_test_is_told_in_plain_words_with_its_power():
     from trnflow.reporting.chart import paired_sentence
 
     small = {"holdout_sha256": "h", "predictions": {"step": 40, "correct": "1" * 390 + "0" * 10}}
-    sentence = paired_sentence(paired_check(small, small, 0.001, 0.05), 0.001)
+
+    def told(candidate: dict, reference: dict, band: float) -> str:
+        paired = paired_check(candidate, reference, "accuracy", band, 0.05)
+        return paired_sentence(Verdict(metric="accuracy", max_abs_diff=band, mode="final", passed=True, paired=paired))
+
+    sentence = told(small, small, 0.001)
     assert sentence.startswith("Paired test (McNemar's) on the same 400 holdout rows at step 40: the candidate "
                                "alone was right on 0 rows, the reference alone on 0; no evidence that the two "
                                "models differ (p = 1).")
@@ -137,7 +143,52 @@ def test_the_paired_test_is_told_in_plain_words_with_its_power():
     assert "only the band above decided the gate" in sentence
     big_c = {"holdout_sha256": "h", "predictions": {"step": 40, "correct": "1" * 60_000 + "0" * 40_000}}
     big_r = {"holdout_sha256": "h", "predictions": {"step": 40, "correct": "0" * 2_000 + "1" * 58_000 + "0" * 40_000}}
-    enough = paired_sentence(paired_check(big_c, big_r, 0.02, 0.05), 0.02)
+    enough = told(big_c, big_r, 0.02)
     assert "the two models differ (p = " in enough and "100,000 rows are enough to see a 2.00% difference" in enough
-    missing = paired_sentence(paired_check(small, {"holdout_sha256": "other"}, 0.001, 0.05), 0.001)
+    missing = told(small, {"holdout_sha256": "other"}, 0.001)
     assert missing.startswith("No paired test (McNemar's): per-example predictions missing")
+
+
+PPL = Band(metric="perplexity", max_abs_diff=0.001, max_rel_diff=0.01, better="lower")
+
+
+def _series(perplexity: float, step: int = 40) -> dict:
+    return {"points": [{"step": step, "accuracy": 0.5, "perplexity": perplexity}], "holdout_sha256": "h",
+            "directions": {"accuracy": "higher", "perplexity": "lower"}}
+
+
+def test_against_the_champion_a_lower_is_better_metric_may_only_fall_or_rise_within_the_band():
+    """A candidate of higher perplexity than the champion is kept out, as a less accurate classifier is."""
+    champion = _series(20.0)
+    improved = no_regression(_series(15.0), champion, PPL, "champion v1")
+    assert improved.passed and improved.points[0].diff == pytest.approx(-5.0)
+    within = no_regression(_series(20.19), champion, PPL, "champion v1")  # 1% of 20 is 0.2
+    assert within.passed
+    worse = no_regression(_series(20.3), champion, PPL, "champion v1")
+    assert not worse.passed
+    assert worse.reason == ("perplexity 20.3000 is 0.3000 above champion v1's 20.0000 (allowed regression 0.2, "
+                            "±1% of the reference)")
+    # McNemar's test pairs per-row correctness: it says nothing of perplexity
+    assert worse.paired.available is False and "the gate's metric is perplexity" in worse.paired.reason
+    accuracy = Band(metric="accuracy", max_abs_diff=0.001)
+    lower_accuracy = no_regression({"points": [{"step": 1, "accuracy": 0.79}]}, {"points": [{"step": 1,
+                                   "accuracy": 0.80}]}, accuracy, "champion v1")
+    assert not lower_accuracy.passed and "below champion v1's" in lower_accuracy.reason
+
+
+def test_a_relative_band_scales_with_the_reference_in_both_directions():
+    verdict = compare([{"step": 10, "perplexity": 101.5}, {"step": 20, "perplexity": 49.0}],
+                      [{"step": 10, "perplexity": 100.0}, {"step": 20, "perplexity": 50.0}], PPL)
+    assert [p.passed for p in verdict.points] == [False, False]  # 1.5 > 1.0 and 1.0 > 0.5: parity is both ways
+    assert "allowed ±1% of the reference" in verdict.reason
+    assert headline(verdict, "fp32").startswith("perplexity +1.5000 vs fp32 at step 10 (allowed ±1% of the reference)")
+    close = compare([{"step": 10, "perplexity": 100.9}], [{"step": 10, "perplexity": 100.0}], PPL)
+    assert close.passed and close.max_rel_diff == 0.01 and close.better == "lower"
+
+
+def test_which_way_is_better_comes_from_the_series_then_from_the_metrics_trnflow_knows():
+    assert better(_series(1.0), "perplexity") == "lower"
+    assert better({"directions": {"bleu": "higher"}}, "bleu") == "higher"
+    assert better({"points": []}, "loss") == "lower" and better(None, "auc") == "higher"
+    with pytest.raises(DataError, match="does not say whether a higher or a lower bleu is better"):
+        better({"points": []}, "bleu")

@@ -56,6 +56,24 @@ def test_a_candidate_worse_than_the_champion_passes_the_gate_but_is_not_promoted
     assert better.passed and better.worse_than_champion is None
 
 
+def test_a_gate_on_loss_keeps_out_a_candidate_of_higher_loss_than_the_champion(make_spec):
+    """gate.metric loss: lower is better, as the candidate's series says; the band is relative."""
+    spec = make_spec(gate={"reference": None, "metric": "loss"})
+    relative = {**spec.gate.model_dump(exclude={"max_abs_diff"}), "max_rel_diff": 0.05}
+    spec = spec.model_copy(update={"gate": type(spec.gate).model_validate(relative)})
+
+    def series(loss: float) -> dict:
+        return {"points": [{"step": 40, "accuracy": 0.8, "loss": loss}], "holdout_sha256": "h",
+                "directions": {"accuracy": "higher", "loss": "lower"}}
+
+    registry = Registry(spec.registry_url)
+    higher = decide(spec, registry, series(0.43), False, (series(0.40), "champion v1"))
+    assert higher.gate_passed and not higher.passed  # 5% of 0.40 is 0.02: 0.43 is outside
+    assert "0.0300 above champion v1's" in higher.worse_than_champion.verdict.reason
+    lower = decide(spec, registry, series(0.30), False, (series(0.40), "champion v1"))
+    assert lower.passed and lower.verdict.better == "lower" and lower.verdict.max_rel_diff == 0.05
+
+
 @pytest.mark.parametrize("forced, status, promoted", [(None, "worse-than-champion", False),
                                                       ("hot fix for a label bug", "passed", True)])
 def test_a_worse_candidate_is_registered_and_promoted_only_when_forced(make_spec, tmp_path, forced, status, promoted):
@@ -106,7 +124,7 @@ def test_a_champion_that_cannot_be_compared_keeps_its_place_and_a_series_without
     from trnflow.lifecycle.judge import incomparable, same_holdout
 
     spec = make_spec(gate={"reference": None})
-    check = incomparable(spec, "champion v1", "champion v1 is another model")
+    check = incomparable(spec, None, "champion v1", "champion v1 is another model")
     decision = decide(spec, Registry(spec.registry_url), _series(0.9, "1" * 9 + "0"), False, check)
     assert decision.gate_passed and decision.worse_than_champion is check
     assert not same_holdout({"holdout_sha256": "h"}, {"points": []})

@@ -63,7 +63,7 @@ def test_a_registry_entry_with_a_string_accuracy_is_named_by_models_ls(tmp_path)
     reg.register("m", {"checkpoint": "file:///c/1", "metrics": {"accuracy": 0.8}})
     reg.register("m", {"checkpoint": "file:///c/2", "metrics": {"accuracy": 0.9}})
     crafted = tmp_path / "m" / "versions" / "v000002.json"
-    crafted.write_text(crafted.read_text().replace("0.9", '"0.9"'))
+    crafted.write_text(crafted.read_text().replace('"accuracy": 0.9', '"accuracy": "0.9"'))
     result = runner.invoke(app, ["models", "ls", "m", "-r", str(tmp_path), "--json"])
     assert result.exit_code == 1 and not isinstance(result.exception, ValueError)
     assert [r["version"] for r in json.loads(result.stdout)] == [1]

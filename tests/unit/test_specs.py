@@ -74,6 +74,19 @@ def test_bad_values_name_their_field(section, values, path):
     assert any(p.startswith(path) for p in problems), problems
 
 
+def test_the_gate_takes_one_band_and_a_metric_its_recipe_declares():
+    data = quickstart_data(gate={"metric": "loss", "max_rel_diff": 0.02})
+    data["gate"].pop("max_abs_diff", None)
+    spec = validate_spec(data)
+    assert (spec.gate.metric, spec.gate.max_rel_diff) == ("loss", 0.02)
+    assert _problems(quickstart_data(gate={"max_abs_diff": 0.01, "max_rel_diff": 0.02})) == [
+        "gate.max_rel_diff: max_abs_diff is set too; the gate uses one band, so keep max_abs_diff for an absolute "
+        "band or max_rel_diff for a relative one"]
+    assert _problems(quickstart_data(gate={"metric": "perplexity"})) == [
+        "gate: metric 'perplexity' is not one recipe m5-text supports (accuracy, loss, f1, auc)"]
+    assert any(p.startswith("gate.metric:") for p in _problems(quickstart_data(gate={"metric": "Top-1"})))
+
+
 def test_missing_required_section():
     data = quickstart_data()
     del data["train"]

@@ -157,7 +157,7 @@ def _gate_notes(results: dict[str, StageResult]) -> None:
     for who, check in verdict.each().items():
         if check.paired:
             label = f"against {who}: " if who else ""
-            console.print(f"{label}{paired_sentence(check.paired, check.max_abs_diff)}", highlight=False)
+            console.print(f"{label}{paired_sentence(check)}", highlight=False)
 
 
 def _exit_code(cause: BaseException) -> ExitCode:

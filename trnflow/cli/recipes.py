@@ -31,7 +31,7 @@ def _parameters(params: type) -> list[dict[str, Any]]:
 
 def recipes(as_json: JsonOpt = False) -> None:
     """List the installed model recipes (model.recipe in a spec), each with its parameters
-    (model.params), their defaults, and the gate metrics it supports."""
+    (model.params), their defaults, and the gate metrics it supports with which way each is better."""
     from trnflow.workload.recipes import installed, recipe_class  # recipes are models: torch (~1 s)
 
     found, broken = [], []
@@ -42,7 +42,8 @@ def recipes(as_json: JsonOpt = False) -> None:
             broken.append({"name": name, "target": target, "error": str(exc)})
             continue
         found.append({"name": name, "version": cls.version, "target": target, "featurizer": cls.featurizer_file,
-                      "embeds": cls.embeds, "metrics": list(cls.metrics), "params": _parameters(cls.Params),
+                      "embeds": cls.embeds, "params": _parameters(cls.Params),
+                      "metrics": [{"name": m, "better": cls.direction(m)} for m in cls.metrics],
                       "about": (cls.__doc__ or "").strip().split("\n\n")[0].replace("\n", " ")})
     if as_json:
         print(json.dumps({"recipes": found, "broken": broken}, indent=2, default=str))
@@ -50,7 +51,8 @@ def recipes(as_json: JsonOpt = False) -> None:
         for recipe in found:
             table = Table("parameter", "type", "default", "description",
                           title=f"{recipe['name']} (version {recipe['version']}, {recipe['target']})",
-                          caption=f"gate metrics: {', '.join(recipe['metrics'])}; "
+                          caption="gate metrics: " + ", ".join(f"{m['name']} ({m['better']} is better)"
+                                                               for m in recipe["metrics"]) + "; "
                                   f"{'embeddings' if recipe['embeds'] else 'predictions'} published; "
                                   f"featurizer {recipe['featurizer']}")
             for row in recipe["params"]:

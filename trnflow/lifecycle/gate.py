@@ -7,13 +7,16 @@ A metrics file (a trnflow run's `metrics.json`, or another platform's, such as a
      "holdout_sha256": "...",                                  optional
      "predictions": {"step": 300, "correct": "0110..."}}       optional
 
-Points are matched by step. In `every-point` mode every matched point must be within
-`max_abs_diff` (the M5 rule: less than 0.1% apart at every evaluation point); in `final` mode, the
-last matched point. `predictions.correct` has one character per holdout row, in holdout order: '1'
-when that row was predicted right. When both sides have it for the same holdout (the same
-`holdout_sha256`) at the same step, the gate adds McNemar's paired test: on a large holdout it
-finds differences smaller than the band, and on a small one it says how many rows a 0.1%
-difference would need.
+Points are matched by step. In `every-point` mode every matched point must be within the band
+(`max_abs_diff`, the M5 rule: less than 0.1% apart at every evaluation point; or `max_rel_diff`, a
+share of the reference's value, for metrics such as perplexity where an absolute band means
+little); in `final` mode, the last matched point. A trnflow series says which way each of its
+metrics is better (`"directions": {"loss": "lower", ...}`); a comparison with the champion lets
+the candidate be better by any amount, in that direction. `predictions.correct` has one character
+per holdout row, in holdout order: '1' when that row was predicted right. When the gate's metric
+is accuracy and both sides have it for the same holdout (the same `holdout_sha256`) at the same
+step, the gate adds McNemar's paired test: on a large holdout it finds differences smaller than the
+band, and on a small one it says how many rows a 0.1% difference would need.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from statistics import NormalDist
 from typing import Any
 
 from trnflow.errors import DataError
-from trnflow.records import PairedCheck, Verdict, VerdictPoint
+from trnflow.records import Band, PairedCheck, Verdict, VerdictPoint
 from trnflow.storage import open_store
 
 FORMAT = 1
@@ -33,17 +36,25 @@ SERIES = "metrics.json"
 POWER = 0.8
 EXACT_LIMIT = 20_000
 """Discordant pairs up to which McNemar's test is the exact binomial one (above: chi-square)."""
+HIGHER, LOWER = "higher", "lower"
+DIRECTIONS = {"accuracy": HIGHER, "f1": HIGHER, "auc": HIGHER, "token_accuracy": HIGHER, "loss": LOWER,
+              "perplexity": LOWER}
+"""Which way each metric trnflow computes is better (a recipe states its own metrics' directions)."""
+PAIRED_METRIC = "accuracy"
+"""McNemar's test pairs per-row correctness: it speaks to accuracy only."""
 
 
 def metrics_document(points: list[dict[str, Any]], source: str) -> dict[str, Any]:
     return {"format": FORMAT, "source": source, "points": sorted(points, key=lambda p: p["step"])}
 
 
-def write_series(run_url: str, run_id: str, points: list[dict], holdout: str, step: int, correct: str) -> str:
-    """Write a run's metric series beside its checkpoints, with the per-example outcome at `step`;
-    returns its URL."""
-    document = {**metrics_document(points, source=run_id), "holdout_sha256": holdout,
-                "predictions": {"step": step, "correct": correct}}
+def write_series(run_url: str, run_id: str, points: list[dict], holdout: str, step: int, correct: str | None,
+                 directions: dict[str, str]) -> str:
+    """Write a run's metric series beside its checkpoints, with which way each metric is better
+    and the per-example outcome at `step` (None: its recipe has none); returns its URL."""
+    document = {**metrics_document(points, source=run_id), "holdout_sha256": holdout, "directions": directions}
+    if correct is not None:
+        document["predictions"] = {"step": step, "correct": correct}
     open_store(run_url).write(SERIES, json.dumps(document, indent=1).encode())
     return f"{run_url}/{SERIES}"
 
@@ -76,6 +87,17 @@ def parse_metrics(text: str, origin: str, metric: str) -> dict[str, Any]:
     return doc
 
 
+def better(document: dict | None, metric: str) -> str:
+    """Which way `metric` is better: as the series says, else as for trnflow's own metrics."""
+    said = ((document or {}).get("directions") or {}).get(metric)
+    if said in (HIGHER, LOWER):
+        return said
+    if metric not in DIRECTIONS:
+        raise DataError(f"the candidate's series does not say whether a higher or a lower {metric} is better; "
+                        "evaluate it again with this version of trnflow")
+    return DIRECTIONS[metric]
+
+
 def mcnemar_p(candidate_only: int, reference_only: int) -> float:
     """Two-sided p-value of McNemar's test on the discordant pairs."""
     n = candidate_only + reference_only
@@ -100,8 +122,12 @@ def rows_needed(discordant: float, delta: float, alpha: float, power: float = PO
     return math.ceil((z_a * math.sqrt(psi) + z_b * math.sqrt(psi - delta ** 2)) ** 2 / delta ** 2)
 
 
-def paired_check(candidate: dict, reference: dict, delta: float, alpha: float) -> PairedCheck:
-    """McNemar's test on per-example outcomes, when both documents have them for the same holdout."""
+def paired_check(candidate: dict, reference: dict, metric: str, delta: float, alpha: float) -> PairedCheck:
+    """McNemar's test on per-example outcomes, when the gate's metric is accuracy and both documents
+    have them for the same holdout."""
+    if metric != PAIRED_METRIC:
+        return PairedCheck(available=False, reason=f"it pairs per-row correctness, which speaks to accuracy, and "
+                           f"the gate's metric is {metric}")
     cand, ref = candidate.get("predictions"), reference.get("predictions")
     if not cand or not ref:
         return PairedCheck(available=False, reason="per-example predictions missing on the "
@@ -128,14 +154,15 @@ def paired_check(candidate: dict, reference: dict, delta: float, alpha: float) -
     )
 
 
-def no_regression(candidate: dict, champion: dict, metric: str, max_abs_diff: float, champion_label: str,
-                  alpha: float = 0.05) -> Verdict:
+def no_regression(candidate: dict, champion: dict, band: Band, champion_label: str, alpha: float = 0.05) -> Verdict:
     """The verdict of a retrained model against the champion it started from: its final point may
-    be better by any amount, and worse by at most `max_abs_diff`. The two series come from
-    different runs on different data windows, so their last points are compared, not their steps."""
+    be better by any amount, and worse by at most the band. The two series come from different
+    runs on different data windows, so their last points are compared, not their steps."""
+    metric = band.metric
     last, best = candidate["points"][-1], champion["points"][-1]
     diff = last[metric] - best[metric]
-    passed = diff >= -max_abs_diff
+    allowed = band.allowed(best[metric])
+    passed = band.regression(diff) <= allowed
 
     def final(document: dict) -> dict:  # each model's outcome at its own last step, paired row by row
         predictions = document.get("predictions")
@@ -143,16 +170,19 @@ def no_regression(candidate: dict, champion: dict, metric: str, max_abs_diff: fl
 
     point = VerdictPoint(step=last["step"], global_step=last.get("global_step", last["step"]),
                          candidate=last[metric], reference=best[metric], diff=diff, passed=passed)
-    reason = None if passed else (f"{metric} {last[metric]:.4f} is {-diff:.4f} below {champion_label}'s "
-                                  f"{best[metric]:.4f} (allowed regression {max_abs_diff})")
-    return Verdict(metric=metric, mode="no-regression", max_abs_diff=max_abs_diff, passed=passed, points=[point],
-                   paired=paired_check(final(candidate), final(champion), max_abs_diff, alpha), reason=reason)
+    worse = "below" if band.better == HIGHER else "above"
+    relative = f", {band.text}" if band.max_rel_diff is not None else ""
+    reason = None if passed else (f"{metric} {last[metric]:.4f} is {abs(diff):.4f} {worse} {champion_label}'s "
+                                  f"{best[metric]:.4f} (allowed regression {allowed:.4g}{relative})")
+    return Verdict(**band.model_dump(), mode="no-regression", passed=passed, points=[point],
+                   paired=paired_check(final(candidate), final(champion), metric, allowed, alpha), reason=reason)
 
 
-def compare(candidate: dict | list[dict], reference: dict | list[dict], metric: str, max_abs_diff: float,
-            mode: str = "every-point", alpha: float = 0.05, fail_on_significant: bool = False) -> Verdict:
+def compare(candidate: dict | list[dict], reference: dict | list[dict], band: Band, mode: str = "every-point",
+            alpha: float = 0.05, fail_on_significant: bool = False) -> Verdict:
     """The verdict: every matched point with both values, their difference and pass or fail, plus
     the paired check. Documents or bare point lists are accepted."""
+    metric = band.metric
     cand_doc = candidate if isinstance(candidate, dict) else {"points": candidate}
     ref_doc = reference if isinstance(reference, dict) else {"points": reference}
     ref_by_step = {p["step"]: p[metric] for p in ref_doc["points"]}
@@ -163,19 +193,21 @@ def compare(candidate: dict | list[dict], reference: dict | list[dict], metric: 
         ref = ref_by_step[point["step"]]
         diff = point[metric] - ref
         rows.append(VerdictPoint(step=point["step"], global_step=point.get("global_step", point["step"]),
-                                 candidate=point[metric], reference=ref, diff=diff, passed=abs(diff) <= max_abs_diff))
-    paired = paired_check(cand_doc, ref_doc, max_abs_diff, alpha)
+                                 candidate=point[metric], reference=ref, diff=diff,
+                                 passed=abs(diff) <= band.allowed(ref)))
+    delta = band.allowed(rows[-1].reference) if rows else band.max_abs_diff
+    paired = paired_check(cand_doc, ref_doc, metric, delta, alpha)
     if not rows:
-        return Verdict(metric=metric, mode=mode, max_abs_diff=max_abs_diff, passed=False, paired=paired, reason=(
+        return Verdict(**band.model_dump(), mode=mode, passed=False, paired=paired, reason=(
             f"no common evaluation step: candidate steps {[p['step'] for p in cand_doc['points']]}, "
             f"reference steps {sorted(ref_by_step)}; evaluate both at the same steps"))
     judged = rows if mode == "every-point" else rows[-1:]
     reasons = [f"step {r.step}: {metric} {r.candidate:.4f} vs reference {r.reference:.4f} "
-               f"(diff {r.diff:+.4f}, allowed ±{max_abs_diff})" for r in judged if not r.passed]
+               f"(diff {r.diff:+.4f}, allowed {band.text})" for r in judged if not r.passed]
     if fail_on_significant and paired.significant:
         reasons.append(f"McNemar's test finds the two models differ (p = {paired.p_value:.2g} < {alpha})")
-    return Verdict(metric=metric, mode=mode, max_abs_diff=max_abs_diff, passed=not reasons, points=rows,
-                   paired=paired, reason="; ".join(reasons) or None)
+    return Verdict(**band.model_dump(), mode=mode, passed=not reasons, points=rows, paired=paired,
+                   reason="; ".join(reasons) or None)
 
 
 def headline(verdict: Verdict, against: str) -> str:
@@ -188,5 +220,4 @@ def headline(verdict: Verdict, against: str) -> str:
     worst = max(failing, key=lambda p: abs(p.diff))
     others = len(failing) - 1
     more = f"; {others} more step{'s' if others > 1 else ''} outside it" if others else ""
-    return (f"{verdict.metric} {worst.diff:+.4f} vs {against} at step {worst.step} (allowed "
-            f"{verdict.max_abs_diff}){more}")
+    return f"{verdict.metric} {worst.diff:+.4f} vs {against} at step {worst.step} (allowed {verdict.text}){more}"

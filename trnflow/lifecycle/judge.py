@@ -3,9 +3,10 @@ its registration in the model registry and the one-line summary a run shows.
 
 A first run of a spec judges the candidate's series against `gate.reference` (a metrics file, or
 the champion's series). Scheduled retraining judges twice: against the champion it started from
-and against `gate.reference` when that is a file, each as "no regression beyond
-`gate.max_abs_diff`" on the final point (a retrained model has seen other data, so its curve is not
-the reference's).
+and against `gate.reference` when that is a file, each as "no regression beyond the band"
+(`gate.max_abs_diff`, or `gate.max_rel_diff` of the reference's value) on the final point, in the
+direction the metric is better (a retrained model has seen other data, so its curve is not the
+reference's).
 """
 
 from __future__ import annotations
@@ -16,9 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from trnflow.errors import FatalError
-from trnflow.lifecycle.gate import compare, no_regression, parse_metrics, read_series
+from trnflow.lifecycle.gate import better, compare, no_regression, parse_metrics, read_series
 from trnflow.lifecycle.registry import Registry, RegistryEntry, VerdictSummary
-from trnflow.records import CHECKPOINT_MARKER, CheckpointMeta, Verdict, read
+from trnflow.records import CHECKPOINT_MARKER, Band, CheckpointMeta, Verdict, read
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 
@@ -174,11 +175,17 @@ def recipe_of(checkpoint: str) -> dict | None:
     return meta.recipe if meta else None
 
 
-def incomparable(spec: JobSpec, who: str, reason: str) -> Check:
+def band(spec: JobSpec, candidate: dict | None) -> Band:
+    """The gate's band for the candidate's series (which says which way its metric is better)."""
+    gate = spec.gate
+    return Band(metric=gate.metric, max_abs_diff=gate.max_abs_diff, max_rel_diff=gate.max_rel_diff,
+                better=better(candidate, gate.metric))
+
+
+def incomparable(spec: JobSpec, candidate: dict | None, who: str, reason: str) -> Check:
     """The champion's check when the candidate cannot be compared with it: failed, so the champion
     stays unless a promotion is forced."""
-    verdict = Verdict(passed=False, metric=spec.gate.metric, mode="no-regression",
-                      max_abs_diff=spec.gate.max_abs_diff, reason=reason)
+    verdict = Verdict(**band(spec, candidate).model_dump(), passed=False, mode="no-regression", reason=reason)
     return Check(verdict, None, who, champion=True)
 
 
@@ -215,17 +222,16 @@ def reference_series(spec: JobSpec, registry: Registry | None) -> tuple[dict | N
     return document, str(document.get("source") or name)
 
 
-def _baseline(spec: JobSpec, mode: str, reason: str) -> Verdict:
-    return Verdict(passed=True, metric=spec.gate.metric, mode=mode, max_abs_diff=spec.gate.max_abs_diff,
-                   reason=reason)
+def _baseline(spec: JobSpec, candidate: dict, mode: str, reason: str) -> Verdict:
+    return Verdict(**band(spec, candidate).model_dump(), passed=True, mode=mode, reason=reason)
 
 
 def protect(spec: JobSpec, candidate: dict, champion: dict, who: str) -> Check:
     """The champion's protection: the candidate may be better by any amount and worse by at most
-    `gate.max_abs_diff` on the final point, on the same holdout; with `gate.fail_on_significant`,
-    McNemar's test must also not find the champion better."""
+    the band on the final point, on the same holdout; with `gate.fail_on_significant`, McNemar's
+    test must also not find the champion better."""
     gate = spec.gate
-    verdict = no_regression(candidate, champion, gate.metric, gate.max_abs_diff, who, gate.significance)
+    verdict = no_regression(candidate, champion, band(spec, candidate), who, gate.significance)
     paired = verdict.paired
     if (verdict.passed and gate.fail_on_significant and paired and paired.significant
             and paired.reference_only > paired.candidate_only):
@@ -247,17 +253,18 @@ def _checks(spec: JobSpec, registry: Registry | None, candidate: dict, against_c
     if not (against_champion and gate.reference == "champion"):  # the check above covers the champion
         reference, who = reference_series(spec, registry)
         if reference is not None and against_champion:  # a retrained model must stay as good as the reference
-            checks.append(Check(no_regression(candidate, reference, gate.metric, gate.max_abs_diff, who,
-                                              gate.significance), reference, who))
+            checks.append(Check(no_regression(candidate, reference, band(spec, candidate), who, gate.significance),
+                                reference, who))
         elif reference is not None:
-            checks.append(Check(compare(candidate, reference, gate.metric, gate.max_abs_diff, gate.mode,
-                                        gate.significance, gate.fail_on_significant), reference, who))
+            checks.append(Check(compare(candidate, reference, band(spec, candidate), gate.mode, gate.significance,
+                                        gate.fail_on_significant), reference, who))
         elif not checks:
-            checks.append(Check(_baseline(spec, gate.mode, f"{who}: this run is the baseline"), None, who))
+            checks.append(Check(_baseline(spec, candidate, gate.mode, f"{who}: this run is the baseline"), None,
+                                who))
         if not against_champion and checks[0].champion and len(checks) > 1:  # the chart draws the reference
             checks.append(checks.pop(0))
     if not checks:  # retraining the first model: nothing to compare with yet
-        checks.append(Check(_baseline(spec, "no-regression",
+        checks.append(Check(_baseline(spec, candidate, "no-regression",
                                       f"no champion of {spec.name} yet: this run is the baseline"),
                             None, "no champion"))
     return checks
@@ -343,13 +350,14 @@ def summary(spec: JobSpec, decision: Decision, final: float, registration: Regis
     if decision.reference is None and len(verdicts) == 1:
         text = f"{gate.metric} {final:.4f}; {decision.against}, recorded as baseline"
     elif all(v.mode == "no-regression" for v in verdicts):  # better by any amount, worse by at most the band
-        change = min((p.diff for v in verdicts for p in v.points), default=0.0)
+        change = max((p.diff for v in verdicts for p in v.points), key=verdicts[0].regression, default=0.0)
         text = (f"{gate.metric} {final:.4f}, {change:+.4f} vs {decision.against} (allowed regression "
-                f"{gate.max_abs_diff}): passed")
+                f"{verdicts[0].text}): passed")
     else:
         rows = [p for v in verdicts for p in (v.points if v.mode == "every-point" else v.points[-1:])]
         worst = max((abs(p.diff) for p in rows), default=0.0)
-        text = f"{gate.metric} {final:.4f}, max |diff| {worst:.4f} <= {gate.max_abs_diff} vs {decision.against}: passed"
+        text = (f"{gate.metric} {final:.4f}, max |diff| {worst:.4f} within {verdicts[0].text} vs "
+                f"{decision.against}: passed")
     if registration is not None and registration.promoted:
         text += f"; champion v{registration.version}"
     return text

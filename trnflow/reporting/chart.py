@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 
-from trnflow.records import PairedCheck, Verdict
+from trnflow.records import Verdict
 
 
 def parity_png(verdict: Verdict, candidate: list[dict], reference: list[dict] | None, title: str) -> bytes:
@@ -14,7 +14,7 @@ def parity_png(verdict: Verdict, candidate: list[dict], reference: list[dict] | 
     matplotlib.use("Agg")  # no display: render to a buffer
     from matplotlib.figure import Figure  # after choosing the Agg backend
 
-    metric, band = verdict.metric, verdict.max_abs_diff
+    metric = verdict.metric
     fig = Figure(figsize=(7, 4), dpi=110)
     ax = fig.subplots()
     steps = [p.get("global_step", p["step"]) for p in candidate]
@@ -26,8 +26,8 @@ def parity_png(verdict: Verdict, candidate: list[dict], reference: list[dict] | 
         if shared:
             xs, ys = zip(*shared, strict=True)
             ax.plot(xs, ys, marker="s", label="reference", color="tab:gray")
-            ax.fill_between(xs, [y - band for y in ys], [y + band for y in ys], color="tab:gray", alpha=0.25,
-                            label=f"allowed band (±{band:g})")
+            ax.fill_between(xs, [y - verdict.allowed(y) for y in ys], [y + verdict.allowed(y) for y in ys],
+                            color="tab:gray", alpha=0.25, label=f"allowed band ({verdict.text})")
     for row in verdict.points:
         if not row.passed:
             ax.scatter([row.global_step], [row.candidate], color="tab:red", s=80, zorder=4)
@@ -45,7 +45,7 @@ def verdict_markdown(verdict: Verdict, title: str) -> str:
     """The verdict as a markdown table, one row per matched evaluation point, then the paired check."""
     metric = verdict.metric
     lines = [f"## {title}", "", f"**{'passed' if verdict.passed else 'FAILED'}** "
-             f"({verdict.mode}, allowed |diff| <= {verdict.max_abs_diff})", ""]
+             f"({verdict.mode}, allowed {verdict.text}; {verdict.better} is better)", ""]
     if verdict.reason:
         lines += [verdict.reason, ""]
     if verdict.points:
@@ -55,15 +55,18 @@ def verdict_markdown(verdict: Verdict, title: str) -> str:
             lines.append(f"| {r.step} | {r.global_step} | {r.candidate:.4f} | {r.reference:.4f} | "
                          f"{r.diff:+.4f} | {'pass' if r.passed else '**FAIL**'} |")
     if verdict.paired:
-        lines += ["", paired_sentence(verdict.paired, verdict.max_abs_diff)]
+        lines += ["", paired_sentence(verdict)]
     return "\n".join(lines) + "\n"
 
 
-def paired_sentence(paired: PairedCheck, band: float) -> str:
+def paired_sentence(verdict: Verdict) -> str:
     """McNemar's paired test in plain words: what it compared, what it found, and whether the
     holdout was large enough for it to find a difference the size of the band."""
+    paired = verdict.paired
+    assert paired is not None, "a verdict with a paired check"
     if not paired.available:
         return f"No paired test (McNemar's): {paired.reason}."
+    band = verdict.allowed(verdict.points[-1].reference) if verdict.points else verdict.max_abs_diff
     rows, size = paired.rows, f"{band:.2%}"
     found = (f"the two models differ (p = {paired.p_value:.2g}, below {paired.alpha})" if paired.significant
              else f"no evidence that the two models differ (p = {paired.p_value:.2g})")

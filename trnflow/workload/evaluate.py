@@ -47,6 +47,10 @@ class Holdout:
                              recipe.num_classes, spec.data.holdout)
         assert rows.labels is not None
         self.ctx, self.labels, self.num_classes = ctx, rows.labels, recipe.num_classes
+        gate = spec.gate
+        self.metrics = list(dict.fromkeys(m for m in (gate.metric, *gate.metrics) if m != "accuracy"))
+        self.directions = {m: recipe.direction(m) for m in ("accuracy", *self.metrics)}
+        """Which way each metric of a point is better, as its series records it."""
         self.tokens = recipe.features(rows.table)
         digest = hashlib.sha256()
         for line, label in zip(rows.lines(), rows.labels.tolist(), strict=True):
@@ -69,7 +73,7 @@ class Holdout:
                 programs.logits(filler)
         if ctx.world_size > 1:  # each row was filled by one rank, and is zero on the others
             dist.all_reduce(logits)
-        values = classification_metrics(logits, self.labels, list(spec.gate.metrics))
+        values = classification_metrics(logits, self.labels, self.metrics)
         point = {"step": step, "global_step": global_step, **values, "rows": len(self.labels)}
         correct = "".join("1" if ok else "0" for ok in (logits.argmax(-1) == self.labels).tolist())
         ctx.log("evaluate", **{k: round(v, 5) if isinstance(v, float) else v for k, v in point.items()})
@@ -100,6 +104,6 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
             correct, at = kept["correct"], newest
         else:
             at = ckpt.step
-        series_url = write_series(run_url, ckpt.meta.run_id, points, holdout.digest, at, correct)
+        series_url = write_series(run_url, ckpt.meta.run_id, points, holdout.digest, at, correct, holdout.directions)
     return {"checkpoint": checkpoint, "points": [point], "series": series_url, "holdout_sha256": holdout.digest,
-            "correct": outcome, "compile": programs.compiler.metrics().model_dump()}
+            "correct": outcome, "directions": holdout.directions, "compile": programs.compiler.metrics().model_dump()}

@@ -238,7 +238,7 @@ class Trainer:
         self.evaluations = [p for p in self.evaluations if p["step"] != done] + [point]
         if self.ctx.is_main:
             self.series_url = write_series(self.start.checkpoints.url, self.run_id, self.evaluations,
-                                           self.holdout.digest, done, correct)
+                                           self.holdout.digest, done, correct, self.holdout.directions)
 
     def _checkpoint(self, done: int) -> None:
         with watchdog.busy(f"checkpointing step {done}"):  # rank 0 writes; the others wait for it

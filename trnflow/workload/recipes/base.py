@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pyarrow as pa
 from pydantic import BaseModel
 
+from trnflow.lifecycle.gate import DIRECTIONS
 from trnflow.specs import DataSpec, TrainSpec
 
 if TYPE_CHECKING:  # the networks need torch; what a spec check asks of a recipe does not
@@ -59,6 +60,9 @@ class Recipe(ABC):
     """The file the featurizer's state is saved as, beside each checkpoint and model version."""
     metrics: ClassVar[tuple[str, ...]] = METRICS
     """The gate metrics its predictions support."""
+    directions: ClassVar[dict[str, str]] = {}
+    """Which way each of its metrics that trnflow does not know is better: "higher" or "lower"
+    (trnflow knows accuracy, f1, auc and token_accuracy are better higher, loss and perplexity lower)."""
     embeds: ClassVar[bool] = True
     """Whether its model has `embed`: the inference stage publishes embeddings, else predictions."""
 
@@ -144,6 +148,11 @@ class Recipe(ABC):
         `save_pretrained`), for users outside trnflow; whether the recipe exports at all. A run
         exports once, at its last step, and the registry version records where."""
         return False
+
+    @classmethod
+    def direction(cls, metric: str) -> str:
+        """Which way `metric` is better: "higher" or "lower"."""
+        return cls.directions.get(metric) or DIRECTIONS[metric]
 
     @property
     def key(self) -> str:
