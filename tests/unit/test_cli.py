@@ -77,6 +77,17 @@ def test_data_synth_writes_partitions(tmp_path):
                      "train/dt=2026-01-01/part-00000.parquet", "train/dt=2026-01-02/part-00000.parquet"]
 
 
+def test_data_synth_writes_prompt_completion_rows_for_a_language_model(tmp_path):
+    result = runner.invoke(app, ["data", "synth", str(tmp_path), "--days", "1", "--rows-per-day", "30",
+                                 "--format", "prompt-completion"])
+    assert result.exit_code == 0, result.output
+    for part in ("train/dt=2026-01-01", "holdout", "inference"):
+        rows = [json.loads(line) for line in (tmp_path / part / "part-00000.jsonl").read_text().splitlines()]
+        assert len(rows) == 30 and all(set(r) == {"id", "prompt", "completion"} for r in rows)
+        assert all(r["prompt"].startswith("Review: ") and r["prompt"].endswith("\nSentiment:") for r in rows)
+        assert {r["completion"] for r in rows} == {" positive", " negative"}
+
+
 @pytest.mark.slow  # a real process importing the CLI (and Prefect): with the integration tests
 def test_the_installed_command_runs_in_a_real_process():
     exe = [sys.executable, "-m", "trnflow.cli"]

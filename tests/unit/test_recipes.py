@@ -46,7 +46,7 @@ def test_recipes_are_found_by_name_or_import_path_and_a_wrong_one_says_what_is_i
     assert installed()["m5-text"] == "trnflow.workload.recipes.m5_text:M5Text"
     assert installed()["hf-encoder"] == "trnflow.workload.recipes.hf_encoder:HfEncoder"
     assert recipe_class("m5-text") is M5Text is recipe_class("trnflow.workload.recipes.m5_text:M5Text")
-    installed_ones = r"\(installed: hf-encoder, m5-text, tabular-mlp\)"
+    installed_ones = r"\(installed: hf-causal-lm, hf-encoder, m5-text, tabular-mlp\)"
     with pytest.raises(FatalError, match=rf"'m6-text' is not an installed recipe {installed_ones}"):
         recipe_class("m6-text")
     with pytest.raises(FatalError, match="cannot be loaded"):
@@ -98,12 +98,14 @@ def test_a_recipe_without_embeddings_publishes_predictions_and_class_probabiliti
     from trnflow.workload.infer import _shard_table
 
     logits = torch.tensor([[2.0, 0.0], [0.0, 3.0]])
-    table = _shard_table(pa.array(["a", "b"]), logits, "run/step-2", embeds=False)
+    tabular, text = TestTabularMLP().make(), recipe_for(validate_spec(quickstart_data()))
+    assert not tabular.embeds and text.embeds
+    table = _shard_table(pa.array(["a", "b"]), logits, "run/step-2", tabular)
     assert table.column_names == ["id", "prediction", "probabilities", "model_version"]
     assert table.column("prediction").to_pylist() == [0, 1]
     probabilities = table.column("probabilities").to_pylist()
     assert all(abs(sum(p) - 1) < 1e-6 for p in probabilities) and probabilities[0][0] > 0.8
-    embedded = _shard_table(pa.array(["a", "b"]), logits, "run/step-2", embeds=True)
+    embedded = _shard_table(pa.array(["a", "b"]), logits, "run/step-2", text)
     assert embedded.column_names == ["id", "embedding", "model_version"]
     assert embedded.column("embedding").to_pylist() == [[2.0, 0.0], [0.0, 3.0]]
     assert embedded.column("id").to_pylist() == ["a", "b"]

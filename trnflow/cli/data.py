@@ -25,7 +25,9 @@ def data_synth(
     days: Annotated[int, typer.Option(min=1, help="Daily training partitions.")] = 3,
     rows_per_day: Annotated[int, typer.Option(min=1, help="Rows per partition.")] = 1500,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 7,
-    fmt: Annotated[str, typer.Option("--format", help="jsonl, parquet, csv or amazon-polarity.")] = "jsonl",
+    fmt: Annotated[str, typer.Option("--format", help="jsonl, parquet, csv or amazon-polarity; or prompt-completion: "
+                                     "JSONL rows of a review as the prompt and its label's word as the completion, "
+                                     "for a language model (hf-causal-lm).")] = "jsonl",
     holdout_rows: Annotated[int | None, typer.Option(help="Holdout rows (default: rows per day).")] = None,
     inference_rows: Annotated[int | None, typer.Option(help="Inference rows (default: rows per day).")] = None,
     start: Annotated[str, typer.Option(help="The first day, YYYY-MM-DD.")] = "2026-01-01",
@@ -41,8 +43,8 @@ def data_synth(
         err.print(f"--start {start!r}: expected a date, YYYY-MM-DD", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
 
-    if fmt not in ("jsonl", "parquet", "csv", "amazon-polarity"):
-        err.print(f"--format {fmt!r}: choose jsonl, parquet, csv or amazon-polarity", **RED)
+    if fmt not in ("jsonl", "parquet", "csv", "amazon-polarity", "prompt-completion"):
+        err.print(f"--format {fmt!r}: choose jsonl, parquet, csv, amazon-polarity or prompt-completion", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
     if out.exists() and not out.is_dir():
         err.print(f"OUT {out} is a file; give a folder (it will hold train/, holdout/ and inference/)", **RED)

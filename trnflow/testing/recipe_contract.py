@@ -12,11 +12,12 @@
 What it checks is what the pipeline relies on (docs/recipes.md says why): the params validate and
 describe themselves; fitting the featurizer is deterministic and its saved state round-trips;
 `load` refuses a state it cannot use with a FatalError naming its source; features have one shape
-per row whatever the rows, and `example` has it too; the model maps a batch to logits of
-`num_classes` columns, its loss backpropagates and its optimizer steps; the same seed gives the
-same weights, and the forward pass and `embed` compile as one whole graph with static shapes; a
-row's outputs do not depend on the other rows of its batch (the last batch is filled with copies);
-and the gate metrics it names are ones trnflow computes.
+per row whatever the rows, and `example` has it too; the model maps a batch to outputs of `width`
+columns (a classifier's logits), its loss backpropagates and its optimizer steps; the same seed
+gives the same weights, and the forward pass and `embed` compile as one whole graph with static
+shapes; a row's outputs do not depend on the other rows of its batch (the last batch is filled with
+copies); its `evaluate` gives every gate metric it declares, each of which says which way is
+better; and what it publishes is one value or vector per row.
 """
 
 from __future__ import annotations
@@ -67,6 +68,9 @@ class RecipeContract:
         return recipe.build_model()
 
     def labels(self, n: int) -> torch.Tensor:
+        """Labels of the first `n` rows (zeros for a recipe whose rows have none)."""
+        if self.make().num_classes is None:
+            return torch.zeros(n, dtype=torch.long)
         return torch.tensor(self.rows().column(self.label_field).to_pylist()[:n], dtype=torch.long)
 
     # -- the contract ------------------------------------------------------------------------------
@@ -77,7 +81,11 @@ class RecipeContract:
         assert cls.Params.model_config.get("extra") == "forbid", "Params refuses unknown fields"
         undescribed = [name for name, field in cls.Params.model_fields.items() if not field.description]
         assert not undescribed, f"every parameter has a description: {undescribed}"
-        assert set(cls.metrics) <= set(METRICS), f"the gate computes {METRICS}"
+        assert cls.metrics, "it declares the gate metrics it supports"
+        for metric in cls.metrics:
+            assert cls.direction(metric) in ("higher", "lower"), f"{metric}: say whether higher or lower is better"
+        if cls.evaluate is Recipe.evaluate:
+            assert set(cls.metrics) <= set(METRICS), f"the default evaluation computes {METRICS}"
         assert set(self.make().columns()) <= set(self.rows().column_names)
 
     def test_fitting_the_featurizer_is_deterministic_and_its_state_round_trips(self):
@@ -108,7 +116,7 @@ class RecipeContract:
         features = recipe.features(self.rows().slice(0, 8))
         model = self.model(recipe)
         logits = model(features)
-        assert logits.shape == (len(features), recipe.num_classes)
+        assert logits.shape == (len(features), recipe.width)
         loss = recipe.loss(logits, self.labels(len(features)))
         assert loss.dim() == 0 and math.isfinite(loss.item())
         loss.backward()
@@ -148,6 +156,23 @@ class RecipeContract:
                     assert out.dim() == 2 and out.shape[0] == len(features), "embed gives one vector per row"
         finally:
             torch._dynamo.reset()
+
+    def test_it_evaluates_every_metric_it_declares_and_publishes_a_value_per_row(self):
+        recipe = self.fitted()
+        features = recipe.features(self.rows().slice(0, 6))
+        model = self.model(recipe).eval()
+        with torch.no_grad():
+            outputs = model(features)
+            published = recipe.publish(model.embed(features) if recipe.embeds else outputs)
+        values = recipe.evaluate(outputs.double(), self.labels(len(features)), list(recipe.metrics))
+        missing = [m for m in recipe.metrics if m not in values]
+        assert not missing, f"evaluate gives every declared metric: {missing} missing"
+        assert all(v is None or math.isfinite(v) for v in values.values()), values
+        outcomes = recipe.outcomes(outputs.double(), self.labels(len(features)))
+        assert outcomes is None or (len(outcomes) == len(features) and set(outcomes) <= {"0", "1"})
+        for name, column in published.items():
+            assert column.shape[0] == len(features) and column.dim() in (1, 2), f"{name}: one value or vector a row"
+            assert column.dtype in (torch.float32, torch.int64), f"{name}: float32 or int64"
 
     def test_embeddings_are_declared_as_the_model_has_them(self):
         recipe = self.make()

@@ -220,8 +220,15 @@ class Rows:
         return lines(self.table)
 
 
-def labelled_batches(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int) -> Iterator[pa.Table]:
-    """One file's columns and its labels, checked, a batch at a time; DataError names the file."""
+def labelled_batches(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int | None
+                     ) -> Iterator[pa.Table]:
+    """One file's columns and its labels, checked, a batch at a time; DataError names the file.
+    `num_classes` None: a recipe whose rows have no labels; no label column is read, and each
+    row's label is 0."""
+    if num_classes is None:
+        for _, table in stream_columns(file, spec, columns):
+            yield table.append_column(spec.label_field, pa.array([0] * table.num_rows, pa.int64()))
+        return
     for first, table in stream_columns(file, spec, [*columns, spec.label_field]):
         if table.num_rows:  # an empty file's columns may be typed null
             _check_labels(table.column(spec.label_field), file.url, spec.label_field, num_classes, first)
@@ -243,7 +250,7 @@ def _day_batches(file: DataFile, files: list[DataFile], url: str, batches: Itera
                                     f"cannot be read: {exc}")) from None
 
 
-def iter_labelled(files: list[DataFile], spec: DataSpec, columns: list[str], num_classes: int, url: str
+def iter_labelled(files: list[DataFile], spec: DataSpec, columns: list[str], num_classes: int | None, url: str
                   ) -> Iterator[pa.Table]:
     """Every row of `files` with its label, a batch at a time (`columns` and then the label column).
     Each day partition must be readable and give rows: an empty day is refused, not passed over,
@@ -271,7 +278,8 @@ def labels_of(table: pa.Table, field: str) -> torch.Tensor:
     return torch.tensor(table.column(field).to_pylist(), dtype=torch.long)
 
 
-def read_labelled(files: list[DataFile], spec: DataSpec, columns: list[str], num_classes: int, url: str) -> Rows:
+def read_labelled(files: list[DataFile], spec: DataSpec, columns: list[str], num_classes: int | None, url: str
+                  ) -> Rows:
     """Every row of `files`, with its label, in memory (a holdout set); `iter_labelled` reads them."""
     table = _concat(list(iter_labelled(files, spec, columns, num_classes, url)))
     labels = labels_of(table, spec.label_field)

@@ -39,13 +39,15 @@ def _own_words(message: str, file: DataFile) -> str:
     return message.removeprefix(f"{file.url}: ")
 
 
-def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int | None) -> DataFileCheck:
-    """One file read as a run reads it (`num_classes` None: unlabelled, as inference reads it)."""
+def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int | bool | None
+                ) -> DataFileCheck:
+    """One file read as a run reads it: `num_classes` False, unlabelled as inference reads it (with
+    its ids); None, as a recipe without labels trains on it; else with labels 0..num_classes-1."""
     if file.role == "other":
         return DataFileCheck(name=file.name, rows_rejected=_count_rows(file, _format_of(file.name)),
                              problem=f"not {spec.format} (data.format), so no run reads it")
     try:
-        if num_classes is None:
+        if num_classes is False:
             read = sum(t.num_rows for _, t in stream_columns(file, spec, [spec.id_field, *columns]))
         else:
             read = sum(t.num_rows for t in labelled_batches(file, spec, columns, num_classes))
@@ -56,7 +58,7 @@ def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes:
 
 
 def _check_part(field: str, url: str, day: str | None, files: list[DataFile], spec: DataSpec, columns: list[str],
-                num_classes: int | None, waiting: str | None) -> DataPartCheck:
+                num_classes: int | bool | None, waiting: str | None) -> DataPartCheck:
     """A day (or a set's files outside day folders): read, rejected, and whether a run could read it."""
     part = {"field": field, "url": url, "day": day}
     if any(not f.ready for f in files):
@@ -75,7 +77,7 @@ def _check_part(field: str, url: str, day: str | None, files: list[DataFile], sp
                          rows_rejected=rejected, problems=problems, notes=notes)
 
 
-def check_set(field: str, url: str, spec: DataSpec, columns: list[str], num_classes: int | None,
+def check_set(field: str, url: str, spec: DataSpec, columns: list[str], num_classes: int | bool | None,
               ready_marker: str | None = None) -> list[DataPartCheck]:
     """How runs read the set at `url` (the spec's `field`), one part per day partition and one for
     the files outside day folders: rows read, rows rejected and why. What a run would stop on is a
@@ -91,8 +93,8 @@ def check_set(field: str, url: str, spec: DataSpec, columns: list[str], num_clas
     return [_check_part(field, url, day, mine, spec, columns, num_classes, waiting) for day, mine in groups if mine]
 
 
-def check_data(spec: DataSpec, columns: list[str], num_classes: int) -> list[DataPartCheck]:
+def check_data(spec: DataSpec, columns: list[str], num_classes: int | None) -> list[DataPartCheck]:
     """Every data set of a spec, as `check_set` reads it: training days, holdout, inference."""
     return [*check_set("data.train", spec.train, spec, columns, num_classes, spec.ready_marker),
             *check_set("data.holdout", spec.holdout, spec, columns, num_classes),
-            *check_set("data.inference", spec.inference, spec, columns, None)]
+            *check_set("data.inference", spec.inference, spec, columns, False)]

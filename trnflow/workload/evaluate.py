@@ -21,7 +21,6 @@ from trnflow.storage.datafiles import data_files
 from trnflow.workload.checkpoint import Checkpoint, load, load_model_weights
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.data import read_labelled
-from trnflow.workload.metrics import classification_metrics
 from trnflow.workload.programs import Programs, build_model, for_run
 from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.sampler import static_batches
@@ -46,22 +45,23 @@ class Holdout:
         rows = read_labelled(data_files(spec.data.holdout, spec.data.format), spec.data, recipe.columns(),
                              recipe.num_classes, spec.data.holdout)
         assert rows.labels is not None
-        self.ctx, self.labels, self.num_classes = ctx, rows.labels, recipe.num_classes
+        self.ctx, self.labels, self.recipe = ctx, rows.labels, recipe
         gate = spec.gate
-        self.metrics = list(dict.fromkeys(m for m in (gate.metric, *gate.metrics) if m != "accuracy"))
-        self.directions = {m: recipe.direction(m) for m in ("accuracy", *self.metrics)}
-        """Which way each metric of a point is better, as its series records it."""
+        self.metrics = list(dict.fromkeys((gate.metric, *gate.metrics)))
+        self.directions: dict[str, str] = {}
+        """Which way each metric of a point is better, as its series records it (set by `evaluate`)."""
         self.tokens = recipe.features(rows.table)
         digest = hashlib.sha256()
         for line, label in zip(rows.lines(), rows.labels.tolist(), strict=True):
             digest.update(f"{label}\t{line}\n".encode())
         self.digest = digest.hexdigest()
 
-    def evaluate(self, programs: Programs, step: int, global_step: int) -> tuple[dict, str]:
-        """One evaluation point, and the per-example outcome as a string of '0' and '1'."""
+    def evaluate(self, programs: Programs, step: int, global_step: int) -> tuple[dict, str | None]:
+        """One evaluation point, and the per-example outcome as a string of '0' and '1' (None for a
+        recipe whose outputs are not right or wrong)."""
         ctx, spec = self.ctx, self.ctx.spec
         mine = torch.arange(ctx.rank, len(self.labels), ctx.world_size)
-        logits = torch.zeros(len(self.labels), self.num_classes, dtype=torch.float64)
+        logits = torch.zeros(len(self.labels), self.recipe.width, dtype=torch.float64)
         offset, batches = 0, 0
         for batch, real in static_batches(self.tokens, mine, spec.inference.batch_size):
             logits[mine[offset:offset + real]] = programs.logits(batch)[:real].double()
@@ -73,9 +73,10 @@ class Holdout:
                 programs.logits(filler)
         if ctx.world_size > 1:  # each row was filled by one rank, and is zero on the others
             dist.all_reduce(logits)
-        values = classification_metrics(logits, self.labels, self.metrics)
+        values = self.recipe.evaluate(logits, self.labels, self.metrics)
+        self.directions = {name: self.recipe.direction(name) for name in values}
         point = {"step": step, "global_step": global_step, **values, "rows": len(self.labels)}
-        correct = "".join("1" if ok else "0" for ok in (logits.argmax(-1) == self.labels).tolist())
+        correct = self.recipe.outcomes(logits, self.labels)
         ctx.log("evaluate", **{k: round(v, 5) if isinstance(v, float) else v for k, v in point.items()})
         return point, correct
 

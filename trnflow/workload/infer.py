@@ -27,7 +27,7 @@ from trnflow.workload.embeddings import MANIFEST, committed, marker_name, remove
 from trnflow.workload.evaluate import featurized
 from trnflow.workload.features import featurize, host_memory
 from trnflow.workload.programs import build_model, for_run
-from trnflow.workload.recipes import for_job
+from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.sampler import static_batches
 
 
@@ -48,16 +48,11 @@ def _column(values: torch.Tensor) -> pa.Array:
     return data if flat.dim() == 1 else pa.FixedSizeListArray.from_arrays(data, flat.shape[1])
 
 
-def _shard_table(ids: pa.Array, out: torch.Tensor, version: str, embeds: bool) -> pa.Table:
-    """One shard's rows: the embedding of each, or for a recipe without embeddings its predicted
-    class and the class probabilities."""
-    columns = {"id": ids}
-    if embeds:
-        columns["embedding"] = _column(out)
-    else:
-        columns["prediction"] = _column(out.argmax(-1))
-        columns["probabilities"] = _column(out.double().softmax(-1).float())
-    return pa.table({**columns, "model_version": _repeated(version, len(ids))})
+def _shard_table(ids: pa.Array, out: torch.Tensor, version: str, recipe: Recipe) -> pa.Table:
+    """One shard's rows: what the recipe publishes for each (`Recipe.publish`: an embedding, or a
+    predicted class and the class probabilities, ...)."""
+    columns = {name: _column(values) for name, values in recipe.publish(out).items()}
+    return pa.table({"id": ids, **columns, "model_version": _repeated(version, len(ids))})
 
 
 def _repeated(text: str, rows: int) -> pa.Array:
@@ -120,7 +115,7 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     outputs = programs.embed if recipe.embeds else programs.logits  # predictions, for a recipe without embeddings
     if mine:
         first = outputs(next(static_batches(tokens, torch.arange(1), icfg.batch_size))[0])
-        _parquet_bytes(_shard_table(ids.slice(0, 1), first[:1].float(), version, recipe.embeds))
+        _parquet_bytes(_shard_table(ids.slice(0, 1), first[:1].float(), version, recipe))
     load_seconds = time.perf_counter() - loading
     shards, written, began = [], 0, time.perf_counter()
     for ordinal, shard in enumerate(mine, start=1):
@@ -132,7 +127,7 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
         reused = marker is not None
         if marker is None:
             values = _outputs(outputs, static_batches(tokens, torch.arange(lo, hi), icfg.batch_size), hi - lo)
-            data = _parquet_bytes(_shard_table(ids.slice(lo, hi - lo), values, version, recipe.embeds))
+            data = _parquet_bytes(_shard_table(ids.slice(lo, hi - lo), values, version, recipe))
             marker = {"shard": shard, "rows": hi - lo, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
                       "plan": plan, "model_version": version}
             shard_store.write(f"{shard_name(shard)}.parquet", data)

@@ -138,7 +138,7 @@ def example_inputs(spec: JobSpec, recipe: Recipe) -> tuple[torch.Tensor, torch.T
     """Inputs and labels of one per-core training batch, and one evaluation/inference batch."""
     gen = torch.Generator().manual_seed(0)
     tokens = recipe.example(spec.per_core_batch, gen)
-    labels = torch.randint(0, recipe.num_classes, (spec.per_core_batch,), generator=gen)
+    labels = torch.randint(0, recipe.num_classes or 1, (spec.per_core_batch,), generator=gen)
     batch = recipe.example(spec.inference.batch_size, gen)
     return tokens, labels, batch
 

@@ -10,6 +10,11 @@ Layout written under OUT:
     train/dt=YYYY-MM-DD/part-00000.<fmt>   one partition per day
     holdout/part-00000.<fmt>               drawn like the last day
     inference/part-00000.<fmt>             unlabelled rows to embed
+
+The `prompt-completion` format writes the same reviews as JSONL rows for a language model: the
+review as the prompt ("Review: ...\nSentiment:") and its label's word as the completion
+(" positive" or " negative"), in every set, so that a fine-tuned model has something real to learn
+and batch inference scores each completion given its prompt.
 """
 
 from __future__ import annotations
@@ -87,9 +92,21 @@ def _polarity_csv(rows: list[dict]) -> bytes:
     return out.getvalue().encode()
 
 
+PROMPT_COMPLETION = "prompt-completion"
+WORDS = (" negative", " positive")
+"""A label's completion."""
+
+
+def prompt_completion(row: dict) -> dict:
+    """A review as a language model's prompt and its label's word as the completion."""
+    return {"id": row["id"], "prompt": f"Review: {row['text']}\nSentiment:", "completion": WORDS[row["label"]]}
+
+
 def _encode(rows: list[dict], fmt: str) -> bytes:
     if fmt == "amazon-polarity":
         return _polarity_csv(rows)
+    if fmt == PROMPT_COMPLETION:
+        return "".join(json.dumps(prompt_completion(r)) + "\n" for r in rows).encode()
     if fmt == "jsonl":
         return "".join(json.dumps(r) + "\n" for r in rows).encode()
     table = pa.Table.from_pylist(rows)
@@ -107,7 +124,7 @@ def synthesize(out: Path, days: int, rows_per_day: int, seed: int, fmt: str = "j
     """Write the three datasets (with `train_only`, just the day partitions: a new day arriving);
     returns a summary of what was written."""
     rng = random.Random(seed)
-    ext = "csv" if fmt == "amazon-polarity" else fmt
+    ext = {"amazon-polarity": "csv", PROMPT_COMPLETION: "jsonl"}.get(fmt, fmt)
     holdout_rows = holdout_rows if holdout_rows is not None else rows_per_day
     inference_rows = inference_rows if inference_rows is not None else rows_per_day
     written = []
@@ -122,7 +139,9 @@ def synthesize(out: Path, days: int, rows_per_day: int, seed: int, fmt: str = "j
     last = days - 1
     holdout = out / "holdout" / f"part-00000.{ext}"
     atomic_write_bytes(holdout, _encode(_rows(rng, last, holdout_rows, "ho", noise), fmt))
-    inference_rows_data = [{"id": r["id"], "text": r["text"]} for r in _rows(rng, last, inference_rows, "inf", 0)]
+    unlabelled = _rows(rng, last, inference_rows, "inf", 0)
+    inference_rows_data = unlabelled if fmt == PROMPT_COMPLETION else [{"id": r["id"], "text": r["text"]}
+                                                                       for r in unlabelled]
     inference = out / "inference" / f"part-00000.{ext}"
     atomic_write_bytes(inference, _encode(inference_rows_data, fmt))
     return {"train_partitions": len(written), "train_rows": days * rows_per_day,

@@ -17,7 +17,13 @@ and what its loss is:
 - `optimizer`: what updates the weights (AdamW by default); training, the ahead-of-time trial
   (whose graphs are the compile cache's keys) and the memory estimate all take it from here;
 - `blocks`: the units sharded training gathers one at a time (the transformer layers);
-- `metrics`: the gate metrics its predictions support.
+- `metrics`: the gate metrics its outputs support, `evaluate` computing them on a holdout set and
+  `outcomes` saying which rows were right (for the gate's paired test);
+- `publish`: the columns batch inference writes for each row.
+
+A classifier's defaults need none of the last three. A recipe whose rows have no labels (a
+language model: `num_classes` None) reads no label column, and its model's output per row is what
+its own `loss`, `evaluate` and `publish` read (a language model's: summed token losses and counts).
 
 Shapes are static: every tensor `features` returns has the same shape for each row, and the
 pipeline batches rows into fixed-size batches (filling the last with copies of a real row, whose
@@ -73,8 +79,16 @@ class Recipe(ABC):
 
     @property
     @abstractmethod
-    def num_classes(self) -> int:
-        """Labels are integers 0..num_classes-1; logits have this many columns."""
+    def num_classes(self) -> int | None:
+        """Labels are integers 0..num_classes-1; logits have this many columns. None: the rows have no
+        labels (no label column is read, and each row's label is 0)."""
+
+    @property
+    def width(self) -> int:
+        """Columns of the model's output per row: the logits' for a classifier."""
+        if self.num_classes is None:
+            raise NotImplementedError(f"recipe {self.name} reads no labels: it says how wide its outputs are")
+        return self.num_classes
 
     @abstractmethod
     def columns(self) -> list[str]:
@@ -120,6 +134,26 @@ class Recipe(ABC):
         import torch.nn.functional as F  # torch (~1 s): only where a model trains, never for a spec check
 
         return F.cross_entropy(logits.float(), labels)
+
+    def evaluate(self, outputs: torch.Tensor, labels: torch.Tensor, names: list[str]) -> dict[str, float | None]:
+        """Metrics of a whole holdout set from the model's outputs for every row (float64): accuracy
+        and each of `names` that it supports. This default: classification metrics of logits."""
+        from trnflow.workload.metrics import classification_metrics  # torch (~1 s): evaluation only
+
+        return classification_metrics(outputs, labels, names)
+
+    def outcomes(self, outputs: torch.Tensor, labels: torch.Tensor) -> str | None:
+        """Per holdout row, '1' where the model was right and '0' where not (McNemar's paired test
+        compares two models' outcomes); None where its outputs are not right or wrong."""
+        return "".join("1" if ok else "0" for ok in (outputs.argmax(-1) == labels).tolist())
+
+    def publish(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The columns batch inference writes for a batch of rows, from the inference program's
+        outputs (`embed`'s, or the logits for a recipe without embeddings): each a tensor of one
+        value (1-d) or one vector (2-d) per row, float32 or int64."""
+        if self.embeds:
+            return {"embedding": outputs}
+        return {"prediction": outputs.argmax(-1), "probabilities": outputs.double().softmax(-1).float()}
 
     def optimizer(self, parameters: Iterable[nn.Parameter], train: TrainSpec) -> torch.optim.Optimizer:
         """The optimizer of the model's `parameters`: AdamW with `train.lr` and `train.weight_decay`.

@@ -15,11 +15,12 @@ alone, never through a class name the file gives.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from trnflow.errors import FatalError
 
@@ -141,6 +142,26 @@ class PretrainedTokenizer:
     def save(self, folder: Path) -> None:
         """As `save_pretrained` writes it, for `AutoTokenizer.from_pretrained`."""
         self.tokenizer.save_pretrained(folder)
+
+
+BYTE_SPECIAL = ("<pad>", "<s>", "</s>")
+"""A trained byte-level tokenizer's special tokens: ids 0, 1 and 2."""
+
+
+def train_byte_tokenizer(texts: Iterable[str], vocab_size: int, recipe: str) -> Any:
+    """A byte-level byte-pair encoding of at most `vocab_size` tokens learned from `texts` (the same
+    texts always give the same tokens), as a fast `transformers` tokenizer that starts every text
+    with `<s>` and pads with `<pad>`: for a model built from a config, which has no tokenizer."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(BYTE_SPECIAL), show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(texts, trainer=trainer)
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    pad, bos, eos = BYTE_SPECIAL
+    return transformers(recipe).PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, bos_token=bos,
+                                                        eos_token=eos)
 
 
 def saved_state(state: bytes) -> dict | None:

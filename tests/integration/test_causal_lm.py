@@ -1,0 +1,100 @@
+"""hf-causal-lm through the six stages on the emulator: fine-tuned from a pretrained decoder and
+its own tokenizer on prompt/completion rows, gated on perplexity (lower is better), its inference
+scoring each completion given its prompt, and its export loading and generating with transformers."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.json as pajson
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tests.pretrained import tiny_causal_lm
+from trnflow.flows.pipeline import STAGES, pipeline
+from trnflow.lifecycle.registry import Registry
+from trnflow.storage.base import local_path
+from trnflow.workload.checkpoint import load
+from trnflow.workload.recipes import recipe_for
+from trnflow.workload.synth import synthesize
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("prompts")
+    synthesize(root, days=1, rows_per_day=320, seed=5, fmt="prompt-completion", holdout_rows=96, inference_rows=50)
+    return root
+
+
+def _rows(folder: Path) -> pa.Table:
+    return pa.concat_tables([pajson.read_json(f) for f in sorted(folder.rglob("*.jsonl"))])
+
+
+def test_a_pretrained_decoder_is_fine_tuned_gated_on_perplexity_and_exported(prefect_api, make_spec, tmp_path,
+                                                                            prompts):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train = _rows(prompts / "train")
+    texts = train.column("prompt").to_pylist() + train.column("completion").to_pylist()
+    folder = tiny_causal_lm(tmp_path / "pretrained", texts)
+    spec = make_spec(
+        model={"recipe": "hf-causal-lm", "params": {"pretrained": str(folder), "seq_len": 64}},
+        data={"train": str(prompts / "train"), "holdout": str(prompts / "holdout"),
+              "inference": str(prompts / "inference")},
+        compile={"cache_url": str(tmp_path / "lm-cache")},
+        train={"steps": 40, "checkpoint_every": 20, "lr": 0.003},
+        gate={"metric": "perplexity", "metrics": ["token_accuracy"], "reference": "champion", "eval_every": 20},
+        inference={"shard_size": 30})
+    state = pipeline(spec, return_state=True)
+    outcome = state.result(raise_on_failure=False).model_dump(mode="json")
+    assert state.is_completed(), outcome
+    assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
+    results = outcome["results"]
+    points = results["evaluate"]["points"]
+    assert [p["step"] for p in points] == [20, 40]
+    assert all(set(p) >= {"loss", "perplexity", "token_accuracy"} and "accuracy" not in p for p in points)
+    assert all(p["perplexity"] == pytest.approx(math.exp(p["loss"])) for p in points)
+    verdict = results["evaluate"]["verdict"]
+    assert (verdict["metric"], verdict["better"], verdict["passed"]) == ("perplexity", "lower", True)
+
+    # fine-tuning lowered the holdout perplexity from the starting model's
+    recipe = recipe_for(spec)
+    ckpt = load(results["train"]["checkpoint"])
+    recipe.load(ckpt.featurizer, ckpt.url)
+    holdout = recipe.features(_rows(prompts / "holdout"))
+    start = recipe.build_model().eval()
+    with torch.no_grad():
+        before = recipe.evaluate(start(holdout).double(), torch.zeros(len(holdout)), [])["perplexity"]
+    assert points[-1]["perplexity"] < 0.8 * before, (points, before)
+
+    # inference scores each completion given its prompt
+    shard = results["infer"]["shards"][0]["file"]
+    table = pq.read_table(local_path(f"{results['infer']['output_url']}/{shard}"))
+    assert table.column_names == ["id", "embedding", "log_likelihood", "perplexity", "tokens", "model_version"]
+    assert len(table.column("embedding")[0]) == 32 and results["infer"]["rows"] == 50
+    tokens = table.column("tokens").to_pylist()
+    assert all(n >= 2 for n in tokens)  # the completion's word and the end of sequence
+    assert all(p == pytest.approx(math.exp(-ll / n), rel=1e-5) for p, ll, n in zip(
+        table.column("perplexity").to_pylist(), table.column("log_likelihood").to_pylist(), tokens, strict=True))
+
+    # the champion's export loads with transformers and continues a prompt from the trained logits
+    champion = Registry(spec.registry_url).champion(spec.name)
+    export = local_path(champion.entry.export)
+    assert json.loads((export / "trnflow.json").read_text())["recipe"] == "hf-causal-lm"
+    lm = AutoModelForCausalLM.from_pretrained(export, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(export, local_files_only=True)
+    trained = recipe.build_model()
+    trained.load_state_dict(ckpt.model)
+    prompt = tokenizer(_rows(prompts / "holdout").column("prompt")[0].as_py(), return_tensors="pt")
+    with torch.no_grad():
+        theirs = lm(**prompt).logits[0, -1]
+        torch.testing.assert_close(theirs, trained.eval().lm(**prompt).logits[0, -1])
+        generated = lm.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    word = tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert word.split()[0] in ("positive", "negative"), word  # it learned what follows "Sentiment:"

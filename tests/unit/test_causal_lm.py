@@ -1,0 +1,139 @@
+"""hf-causal-lm: the recipe contract on prompt/completion and on text rows, which tokens count, a
+pretrained folder's own tokenizer, losses as transformers computes them, and the export."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+import pyarrow as pa
+import pytest
+import torch
+
+from tests.conftest import quickstart_data
+from tests.pretrained import tiny_causal_lm
+from trnflow.specs import validate_spec
+from trnflow.testing.recipe_contract import RecipeContract
+from trnflow.workload.recipes import recipe_for
+from trnflow.workload.synth import synthesize
+
+pytestmark = pytest.mark.unit
+
+SMALL = {"config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+                    "num_key_value_heads": 1, "tie_word_embeddings": True}, "vocab_size": 300, "seq_len": 32}
+
+
+@pytest.fixture(scope="module")
+def reviews(tmp_path_factory) -> pa.Table:
+    import pyarrow.json as pajson
+
+    root = tmp_path_factory.mktemp("reviews")
+    synthesize(root, days=1, rows_per_day=60, seed=3, fmt="jsonl")
+    table = pa.concat_tables([pajson.read_json(f) for f in sorted((root / "train").rglob("*.jsonl"))])
+    words = [" positive" if label else " negative" for label in table.column("label").to_pylist()]
+    prompts = [f"Review: {text}\nSentiment:" for text in table.column("text").to_pylist()]
+    return table.append_column("prompt", pa.array(prompts)).append_column("completion", pa.array(words))
+
+
+@pytest.fixture(scope="module")
+def decoder_folder(tmp_path_factory, reviews) -> Path:
+    texts = reviews.column("prompt").to_pylist() + reviews.column("completion").to_pylist()
+    return tiny_causal_lm(tmp_path_factory.mktemp("pretrained") / "decoder", texts)
+
+
+def _recipe(**params):
+    return recipe_for(validate_spec(quickstart_data(model={"recipe": "hf-causal-lm", "params": {**SMALL, **params}},
+                                                    gate={"metric": "perplexity", "metrics": []})))
+
+
+class TestHfCausalLm(RecipeContract):
+    """Prompt/completion rows, a decoder built from a small config and a trained tokenizer."""
+
+    recipe = "hf-causal-lm"
+    params: ClassVar[dict] = SMALL
+
+    @pytest.fixture(autouse=True)
+    def _rows(self, reviews):
+        self._table = reviews
+
+    def rows(self) -> pa.Table:
+        return self._table
+
+
+class TestHfCausalLmOnText(TestHfCausalLm):
+    """Text rows: every token is trained on."""
+
+    params: ClassVar[dict] = {**SMALL, "rows": "text"}
+
+
+def test_only_the_completion_and_its_end_count_and_a_long_prompt_loses_its_start(reviews):
+    recipe = _recipe(seq_len=12)
+    recipe.fit(reviews)
+    tok = recipe.tokenizer.tokenizer
+    rows = pa.table({"prompt": ["Review: a b c d e f g h i j k l m n o p\nSentiment:", "Hi"],
+                     "completion": [" positive", " negative"]})
+    features = recipe.features(rows)
+    completion = tok(" positive", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    ids, real, counted = features[0]
+    assert real.tolist() == [1] * 12  # cut to seq_len
+    assert ids[-len(completion):].tolist() == completion and counted.tolist() == [0] * (12 - len(completion)) + [
+        1] * len(completion)
+    prompt = tok("Review: a b c d e f g h i j k l m n o p\nSentiment:")["input_ids"]
+    assert ids[:12 - len(completion)].tolist() == prompt[-(12 - len(completion)):]  # the prompt's end is kept
+    short_ids, short_real, short_counted = features[1]
+    n = int(short_real.sum())
+    assert short_ids[n:].tolist() == [tok.pad_token_id] * (12 - n)  # padded at the end, never counted
+    assert short_counted[n:].sum() == 0 and short_ids[0] == tok.bos_token_id
+
+
+def test_a_pretrained_folders_tokenizer_gives_the_ids_and_the_loss_is_transformers_own(decoder_folder, reviews):
+    """A Llama-style tokenizer without a pad token pads with its end-of-sequence token; the loss of
+    a row whose every token counts is the one transformers computes."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    recipe = _recipe(pretrained=str(decoder_folder), rows="text", seq_len=48)
+    recipe.fit(reviews)
+    theirs = AutoTokenizer.from_pretrained(decoder_folder, local_files_only=True)
+    assert theirs.pad_token is None and recipe.tokenizer.pad_id == theirs.eos_token_id
+    text = "the best thing i have bought in years"
+    features = recipe.features(pa.table({"text": [text]}))
+    expected = theirs(text)["input_ids"] + [theirs.eos_token_id]
+    assert features[0, 0, :len(expected)].tolist() == expected
+    model = recipe.build_model().eval()
+    lm = AutoModelForCausalLM.from_pretrained(decoder_folder, local_files_only=True).eval()
+    with torch.no_grad():
+        ours = recipe.loss(model(features), torch.zeros(1, dtype=torch.long))
+        ids = torch.tensor([expected])
+        assert ours.item() == pytest.approx(lm(ids, labels=ids).loss.item(), rel=1e-5)
+
+
+def test_metrics_are_per_counted_token_and_inference_publishes_likelihoods(reviews):
+    recipe = _recipe()
+    outputs = torch.tensor([[6.0, 3.0, 1.0], [2.0, 1.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    values = recipe.evaluate(outputs, torch.zeros(3, dtype=torch.long), ["perplexity"])
+    assert values == pytest.approx({"loss": 2.0, "perplexity": 7.38905609893065, "token_accuracy": 0.5})
+    assert recipe.outcomes(outputs, torch.zeros(3)) is None
+    published = recipe.publish(torch.tensor([[0.5, -0.5, 6.0, 3.0], [1.0, 1.0, 0.0, 0.0]]))
+    assert published["embedding"].tolist() == [[0.5, -0.5], [1.0, 1.0]]
+    assert published["log_likelihood"].tolist() == [-6.0, -0.0] and published["tokens"].tolist() == [3, 0]
+    assert published["perplexity"][0].item() == pytest.approx(7.389056) and published["perplexity"][1].isnan()
+
+
+def test_the_export_loads_with_transformers_and_generates_from_the_same_logits(tmp_path, reviews):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    recipe = _recipe()
+    recipe.fit(reviews)
+    torch.manual_seed(0)
+    model = recipe.build_model().eval()
+    assert recipe.export(model, tmp_path)
+    lm = AutoModelForCausalLM.from_pretrained(tmp_path, local_files_only=True).eval()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path, local_files_only=True)
+    prompt = tokenizer("Review: great value\nSentiment:", return_tensors="pt")
+    with torch.no_grad():
+        theirs = lm(**prompt).logits[0, -1]
+        ours = model.lm(**prompt).logits[0, -1]
+        torch.testing.assert_close(theirs, ours)
+        generated = lm.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
+    assert generated.shape == (1, prompt["input_ids"].shape[1] + 3)
+    assert generated[0, -3] == theirs.argmax()  # greedy: the first new token is the trained logits' best

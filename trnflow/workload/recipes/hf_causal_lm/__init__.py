@@ -1,0 +1,269 @@
+"""`hf-causal-lm`: fine-tuning a Hugging Face `transformers` causal language model, built in.
+
+The model is `AutoModelForCausalLM`: from a config given in the params (a tiny Llama-style
+decoder by default; no download), or from a local `save_pretrained` folder (safetensors only, no
+remote code) with its own tokenizer. Without a pretrained tokenizer, a byte-level byte-pair
+encoding is trained on the first run's texts. Either is the featurizer, saved beside every
+checkpoint as `tokenizer.json`.
+
+Rows are either a `text` column (`data.text_field`), every token of which is trained on, or a
+prompt and a completion (`prompt_field`, `completion_field`), of which only the completion's
+tokens (and the end-of-sequence token after it) count. Each row is one sequence, cut to `seq_len`
+(a prompt loses its start before a completion loses anything) and padded at the end, so shapes
+never change; as the model attends only backwards, the padding is never seen by a real token.
+
+The network's output per row is what every metric needs, computed inside the compiled graph in
+fp32: the summed next-token loss over the counted tokens, their number, and how many were
+predicted right. Training minimises the mean loss per counted token; the evaluation reports it as
+`loss`, with `perplexity` (its exponential) and `token_accuracy`; batch inference publishes each
+row's mean-pooled last hidden state as its embedding, its log-likelihood and perplexity. At the
+end of a run the model and its tokenizer are exported with `save_pretrained`, which
+`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load (and `generate`
+from). Needs the `hf` extra (`pip install 'trnflow[hf]'`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable, Iterator
+from functools import cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from trnflow.errors import FatalError
+from trnflow.workload.recipes.base import Recipe
+from trnflow.workload.recipes.hf_pretrained import (
+    PretrainedTokenizer,
+    has_tokenizer,
+    load_pretrained,
+    pretrained_folder,
+    saved_state,
+    train_byte_tokenizer,
+    transformers,
+)
+
+SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "tie_word_embeddings": True}
+"""The default decoder: a tiny Llama-style model that trains in minutes on two cores."""
+OUTPUTS = ("nll", "tokens", "correct")
+"""What the network gives per row: the summed loss of its counted tokens, how many there are, and
+how many of them it predicted right."""
+
+
+class HfCausalLmParams(BaseModel):
+    """The decoder's config (or its pretrained folder), the tokenizer and the rows' layout."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model_type: str = Field("llama", description="The transformers model type the config is for (llama, qwen2, "
+                            "mistral, ...).")
+    config: dict[str, Any] = Field(default_factory=lambda: dict(SMALL),
+                                   description="Config fields of the decoder, as for AutoConfig.for_model.")
+    pretrained: str | None = Field(None, description="A local save_pretrained folder to start from (config.json "
+                                   "and .safetensors weights); its config replaces `config`, and its tokenizer, if "
+                                   "it has one, is used instead of training one.")
+    vocab_size: int = Field(2048, ge=256, le=1_000_000, description="Token vocabulary size of the tokenizer trnflow "
+                            "trains (a pretrained folder's tokenizer keeps its own).")
+    seq_len: int = Field(64, ge=4, le=32768, description="Fixed sequence length: rows are cut and padded to it.")
+    rows: Literal["text", "prompt-completion"] = Field(
+        "prompt-completion", description="text: the data's text_field is trained on whole; prompt-completion: only "
+        "the completion's tokens count in the loss and the metrics.")
+    prompt_field: str = Field("prompt", description="The prompt's column (rows: prompt-completion).")
+    completion_field: str = Field("completion", description="The completion's column (rows: prompt-completion).")
+
+
+class CausalLanguageModel(nn.Module):
+    """A causal LM whose output per row is its summed token loss, token count and right guesses."""
+
+    def __init__(self, lm: nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def _hidden(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm.base_model(input_ids=ids, use_cache=False).last_hidden_state
+
+    def _scores(self, ids: torch.Tensor, counted: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm.get_output_embeddings()(hidden)[:, :-1].float()
+        target, weight = ids[:, 1:], counted[:, 1:].float()  # position t predicts token t + 1
+        nll = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
+        right = (logits.argmax(-1) == target).float()
+        return torch.stack([(nll * weight).sum(1), weight.sum(1), (right * weight).sum(1)], 1)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        """(rows, 3, seq_len) ids, real-token mask and counted-token mask -> (rows, 3) scores."""
+        ids = rows[:, 0]
+        return self._scores(ids, rows[:, 2], self._hidden(ids))
+
+    def embed(self, rows: torch.Tensor) -> torch.Tensor:
+        """Each row's last hidden state mean-pooled over its real tokens, then its summed token loss
+        and its token count: (rows, hidden_size + 2)."""
+        ids, real = rows[:, 0], rows[:, 1].unsqueeze(-1)
+        hidden = self._hidden(ids)
+        weights = real.to(hidden.dtype)
+        pooled = (hidden * weights).sum(1) / weights.sum(1).clamp_min(1.0)
+        return torch.cat([pooled.float(), self._scores(ids, rows[:, 2], hidden)[:, :2]], 1)
+
+
+class HfCausalLm(Recipe):
+    """A transformers causal LM (from a config or a save_pretrained folder) fine-tuned on text or
+    prompt/completion rows."""
+
+    name = "hf-causal-lm"
+    version = "1"
+    Params = HfCausalLmParams
+    params: HfCausalLmParams
+    featurizer_file = "tokenizer.json"
+    metrics = ("loss", "perplexity", "token_accuracy")
+    tokenizer: PretrainedTokenizer | None = None
+
+    # -- rows to tensors -------------------------------------------------------------------------
+
+    @property
+    def num_classes(self) -> None:
+        return None
+
+    @property
+    def width(self) -> int:
+        return len(OUTPUTS)
+
+    def columns(self) -> list[str]:
+        p = self.params
+        return [self.data.text_field] if p.rows == "text" else [p.prompt_field, p.completion_field]
+
+    @cached_property
+    def _folder_tokenizer(self) -> PretrainedTokenizer | None:
+        folder = self.params.pretrained
+        if not has_tokenizer(folder):
+            return None
+        return PretrainedTokenizer.from_folder(folder, self.params.seq_len, self.name, pad_with_eos=True)
+
+    def _texts(self, rows: pa.Table) -> Iterator[str]:
+        for name in self.columns():
+            yield from (str(v) for v in rows.column(name).to_pylist())
+
+    def fit(self, rows: pa.Table) -> None:
+        self.fit_batches([rows])
+
+    def fit_batches(self, batches: Iterable[pa.Table]) -> None:
+        if self._folder_tokenizer is not None:
+            self.tokenizer = self._folder_tokenizer
+            return
+        texts = (text for rows in batches for text in self._texts(rows))
+        self.tokenizer = PretrainedTokenizer(train_byte_tokenizer(texts, self.params.vocab_size, self.name),
+                                             self.params.seq_len, "the trained tokenizer")
+
+    def state(self) -> bytes:
+        assert self.tokenizer is not None, "fit or load the tokenizer first"
+        return self.tokenizer.state()
+
+    def load(self, state: bytes, source: str) -> None:
+        document = saved_state(state)
+        if document is None:
+            raise FatalError(f"{source}: its {self.featurizer_file} is not a tokenizer hf-causal-lm saved; use a "
+                             "checkpoint of this recipe")
+        self.tokenizer = PretrainedTokenizer.from_state(document, self.params.seq_len, self._embeddings, source,
+                                                        self.name)
+
+    @property
+    def _embeddings(self) -> int:
+        """How many token embeddings the model has."""
+        if self.params.pretrained and (Path(self.params.pretrained) / "config.json").is_file():
+            return int(json.loads((Path(self.params.pretrained) / "config.json").read_text())["vocab_size"])
+        return self.params.vocab_size
+
+    def features(self, rows: pa.Table) -> torch.Tensor:
+        """(rows, 3, seq_len): token ids, 1 where a token is real, 1 where a token counts."""
+        assert self.tokenizer is not None, "fit or load the tokenizer first"
+        tok, seq = self.tokenizer.tokenizer, self.params.seq_len
+        eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
+        if self.params.rows == "text":
+            texts = [str(t or "") for t in rows.column(self.data.text_field).to_pylist()]
+            parts = [([], ids + eos) for ids in tok(texts, add_special_tokens=True)["input_ids"]]
+        else:
+            p = self.params
+            prompts = tok([str(t or "") for t in rows.column(p.prompt_field).to_pylist()],
+                          add_special_tokens=True)["input_ids"]
+            completions = tok([str(t or "") for t in rows.column(p.completion_field).to_pylist()],
+                              add_special_tokens=False)["input_ids"]
+            parts = list(zip(prompts, [c + eos for c in completions], strict=True))
+        out = torch.zeros(len(parts), 3, seq, dtype=torch.long)
+        out[:, 0] = self.tokenizer.pad_id
+        for i, (prompt, counted) in enumerate(parts):
+            counted = counted[:seq]
+            prompt = prompt[max(0, len(prompt) - (seq - len(counted))):]  # a prompt loses its start first
+            ids = prompt + counted
+            out[i, 0, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+            out[i, 1, :len(ids)] = 1
+            out[i, 2, len(prompt):len(ids)] = 1
+        return out
+
+    def example(self, rows: int, generator: torch.Generator) -> torch.Tensor:
+        vocab = self._folder_tokenizer.vocab_size if self._folder_tokenizer else self.params.vocab_size
+        ids = torch.randint(0, vocab, (rows, self.params.seq_len), generator=generator)
+        return torch.stack([ids, torch.ones_like(ids), torch.ones_like(ids)], 1)
+
+    # -- the network -----------------------------------------------------------------------------
+
+    def build_model(self) -> CausalLanguageModel:
+        transformers_, p = transformers(self.name), self.params
+        if p.pretrained:
+            lm = load_pretrained(transformers_.AutoModelForCausalLM, pretrained_folder(p.pretrained))
+            own = self._folder_tokenizer
+            if own is not None and own.vocab_size > lm.config.vocab_size:
+                raise FatalError(f"model.params.pretrained: the tokenizer in {p.pretrained} has {own.vocab_size} "
+                                 f"tokens, the model {lm.config.vocab_size} token embeddings; save the model's own "
+                                 "tokenizer there")
+        else:
+            config = transformers_.AutoConfig.for_model(
+                p.model_type, **{"vocab_size": p.vocab_size, "max_position_embeddings": max(p.seq_len, 64),
+                                 "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **p.config})
+            lm = transformers_.AutoModelForCausalLM.from_config(config)
+        return CausalLanguageModel(lm)
+
+    def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean next-token loss over the batch's counted tokens."""
+        return logits[:, 0].sum() / logits[:, 1].sum().clamp_min(1.0)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The decoder's layers (Llama's `layers`, GPT-2's `h`)."""
+        for module in model.modules():
+            layers = getattr(module, "layers", None) or getattr(module, "h", None)
+            if isinstance(layers, nn.ModuleList) and len(layers):
+                return list(layers)
+        return []
+
+    # -- what its outputs mean -------------------------------------------------------------------
+
+    def evaluate(self, outputs: torch.Tensor, labels: torch.Tensor, names: list[str]) -> dict[str, float | None]:
+        """Over every counted token of the holdout set: the mean loss, perplexity and token accuracy."""
+        nll, tokens, right = (outputs[:, i].sum().item() for i in range(len(OUTPUTS)))
+        if not tokens:
+            return {"loss": None, "perplexity": None, "token_accuracy": None}
+        loss = nll / tokens
+        return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "token_accuracy": right / tokens}
+
+    def outcomes(self, outputs: torch.Tensor, labels: torch.Tensor) -> None:
+        return None  # a row's text is not right or wrong
+
+    def publish(self, outputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Each row's embedding, the log-likelihood of its counted tokens, their perplexity (NaN for
+        a row with none) and their number."""
+        nll, tokens = outputs[:, -2], outputs[:, -1]
+        return {"embedding": outputs[:, :-2].contiguous(), "log_likelihood": (-nll).contiguous(),
+                "perplexity": torch.exp(nll / tokens).where(tokens > 0, torch.tensor(float("nan"))),
+                "tokens": tokens.round().long()}
+
+    def export(self, model: nn.Module, folder: Path) -> bool:
+        """The trained model and its tokenizer as `save_pretrained` writes them."""
+        assert isinstance(model, CausalLanguageModel) and self.tokenizer is not None
+        model.lm.save_pretrained(folder)
+        self.tokenizer.save(folder)
+        (folder / "trnflow.json").write_text(json.dumps(self.describe(), indent=2))
+        return True
