@@ -525,6 +525,10 @@ class RetrySpec(Section):
     jitter: float = Field(0.5, ge=0, le=1, description="Random fraction added to each delay.")
 
 
+ABS_DIFF = 0.001
+"""The gate's band when a spec sets none: within 0.1% (the M5 rule)."""
+
+
 class GateSpec(Section):
     """The parity gate: candidate against reference, within max_abs_diff (or max_rel_diff)."""
 
@@ -539,7 +543,10 @@ class GateSpec(Section):
         description="Metric compared by the gate: any metric the recipe declares (`trnflow recipes` lists them, "
         "with which way each is better). Against the champion the candidate may be better by any amount.",
     )
-    max_abs_diff: float = Field(0.001, gt=0, lt=1, description="Largest allowed |candidate - reference|.")
+    max_abs_diff: float | None = Field(
+        None, gt=0, lt=1,
+        description="Largest allowed |candidate - reference|: 0.001 (the M5 rule's 0.1%) unless max_rel_diff is set.",
+    )
     max_rel_diff: float | None = Field(
         None, gt=0, lt=1,
         description="Largest allowed |candidate - reference| as a share of the reference's value (0.01: 1%), for "
@@ -569,9 +576,16 @@ class GateSpec(Section):
         "so it runs when the gate's metric is accuracy.",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _absolute_unless_relative(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("max_rel_diff") is None and data.get("max_abs_diff") is None:
+            return {**data, "max_abs_diff": ABS_DIFF}
+        return data
+
     @model_validator(mode="after")
     def _one_band(self) -> GateSpec:
-        if self.max_rel_diff is not None and "max_abs_diff" in self.model_fields_set:
+        if self.max_rel_diff is not None and self.max_abs_diff is not None:
             raise ValueError("gate.max_rel_diff: max_abs_diff is set too; the gate uses one band, so keep "
                              "max_abs_diff for an absolute band or max_rel_diff for a relative one")
         return self

@@ -56,13 +56,14 @@ def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candida
         return None
     who = f"champion v{champion.version}"
     series = judge.recorded_series(champion.checkpoint)
-    if series is None or not series["points"] or not judge.same_holdout(candidate.series, series):
+    if (series is None or not series["points"] or not judge.same_holdout(candidate.series, series)
+            or spec.gate.metric not in series["points"][-1]):  # measured before the gate's metric was chosen
         theirs, ours = champion.entry.recipe, judge.recipe_of(candidate.checkpoint)
         if theirs and ours and theirs != ours:  # this spec's model cannot load the champion's weights
             return judge.incomparable(spec, candidate.series, who,
                                       f"{who} is another model ({_model(theirs)}; this run's is {_model(ours)}) "
                                       "measured on another holdout, so the two cannot be compared row for row")
-        get_run_logger().info("%s was not measured on this holdout; evaluating it on this one", who)
+        get_run_logger().info("%s was not measured on this holdout in %s; evaluating it", who, spec.gate.metric)
         result = run_job(spec, "evaluate", run_id, checkpoint=champion.checkpoint, cores=cores)
         assert isinstance(result, EvaluateResult)
         series = judge.evaluated_series(result.points, result.holdout_sha256, result.points[-1]["step"],

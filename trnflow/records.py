@@ -134,18 +134,38 @@ class VerdictPoint(Record):
     passed: bool
 
 
+EXPORT_MARKER = "EXPORTED"
+"""The marker an export folder is complete with, written last."""
+
+
+class ExportedFile(Record):
+    sha256: str
+    size: int
+
+
+class ExportMarker(Record):
+    """`EXPORTED`, in a run's `export/step-NNNNNN/` folder: what the recipe exported (its name,
+    version and params) and every file of the export with its checksum."""
+
+    recipe: dict[str, Any]
+    files: dict[str, ExportedFile]
+
+
 class Band(Record):
     """How far a candidate's metric may be from its reference's, and which way the metric is better."""
 
     metric: str
-    max_abs_diff: float
+    max_abs_diff: float | None = Field(description="the largest difference allowed (None: max_rel_diff is)")
     max_rel_diff: float | None = Field(None, description="when set, the allowed difference is this share of the "
-                                       "reference's value, and max_abs_diff is not used")
+                                       "reference's value")
     better: Literal["higher", "lower"] = Field("higher", description="which way the metric is better")
 
     def allowed(self, reference: float) -> float:
         """The largest difference allowed from a reference value."""
-        return self.max_rel_diff * abs(reference) if self.max_rel_diff is not None else self.max_abs_diff
+        if self.max_rel_diff is not None:
+            return self.max_rel_diff * abs(reference)
+        assert self.max_abs_diff is not None, "a band is absolute or relative"
+        return self.max_abs_diff
 
     def regression(self, diff: float) -> float:
         """How much worse a candidate `diff` (candidate - reference) away is: positive when worse."""

@@ -329,16 +329,27 @@ def test_evaluation_matches_the_reference_it_came_from(reference_checkpoint):
     assert [p["step"] for p in series["points"]] == [20]
 
 
-def test_a_gate_on_loss_judges_it_lower_is_better_within_a_relative_band(reference_checkpoint):
+def test_a_gate_on_loss_judges_it_lower_is_better_within_a_relative_band(reference_checkpoint, tmp_path):
+    """gate.metric loss with max_rel_diff 1%: a reference whose loss is 0.5% away passes, one 2% away
+    fails; the series records loss as lower-is-better, and McNemar's test (for accuracy) is not run."""
     spec, checkpoint = reference_checkpoint
-    gate = {**spec.gate.model_dump(exclude={"max_abs_diff"}), "metric": "loss", "metrics": [], "max_rel_diff": 0.01}
-    spec = spec.model_copy(update={"gate": type(spec.gate).model_validate(gate)})
-    state, result = _evaluate_once(spec, checkpoint)
+    reference = json.loads(local_path(spec.gate.reference).read_text())
+
+    def judged(scale: float):
+        moved = {**reference, "points": [{**p, "loss": p["loss"] * scale} for p in reference["points"]]}
+        (tmp_path / f"ref-{scale}.json").write_text(json.dumps(moved))
+        gate = {**spec.gate.model_dump(exclude={"max_abs_diff"}), "metric": "loss", "metrics": [],
+                "max_rel_diff": 0.01, "reference": str(tmp_path / f"ref-{scale}.json")}
+        return _evaluate_once(spec.model_copy(update={"gate": type(spec.gate).model_validate(gate)}), checkpoint)
+
+    state, result = judged(1.005)
     assert state.is_completed(), result
     verdict = result.verdict
     assert (verdict.metric, verdict.better, verdict.max_rel_diff, verdict.passed) == ("loss", "lower", 0.01, True)
-    assert verdict.points[0].candidate == verdict.points[0].reference > 0
+    assert verdict.points[0].diff == pytest.approx(-0.005 / 1.005 * verdict.points[0].reference, rel=1e-6)
     assert verdict.paired.available is False  # McNemar's test speaks to accuracy only
+    state, error = judged(1.02)
+    assert state.is_failed() and "allowed ±1% of the reference" in str(error)
     series = json.loads((local_path(checkpoint).parent / "metrics.json").read_text())
     assert {k: v for k, v in series["directions"].items() if k in ("accuracy", "loss")} == {
         "accuracy": "higher", "loss": "lower"}  # written with every point's metrics, by the training run

@@ -79,7 +79,8 @@ def test_only_the_completion_and_its_end_count_and_a_long_prompt_loses_its_start
     assert ids[-len(completion):].tolist() == completion and counted.tolist() == [0] * (12 - len(completion)) + [
         1] * len(completion)
     prompt = tok("Review: a b c d e f g h i j k l m n o p\nSentiment:")["input_ids"]
-    assert ids[:12 - len(completion)].tolist() == prompt[-(12 - len(completion)):]  # the prompt's end is kept
+    kept = 12 - len(completion) - 1
+    assert ids[0] == tok.bos_token_id and ids[1:1 + kept].tolist() == prompt[-kept:]  # <s>, then the prompt's end
     short_ids, short_real, short_counted = features[1]
     n = int(short_real.sum())
     assert short_ids[n:].tolist() == [tok.pad_token_id] * (12 - n)  # padded at the end, never counted
@@ -88,7 +89,8 @@ def test_only_the_completion_and_its_end_count_and_a_long_prompt_loses_its_start
 
 def test_a_pretrained_folders_tokenizer_gives_the_ids_and_the_loss_is_transformers_own(decoder_folder, reviews):
     """A Llama-style tokenizer without a pad token pads with its end-of-sequence token; the loss of
-    a row whose every token counts is the one transformers computes."""
+    a row whose every token counts is the one transformers computes, and so is a padded batch's of
+    prompts and completions, transformers ignoring the prompts and padding (label -100)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     recipe = _recipe(pretrained=str(decoder_folder), rows="text", seq_len=48)
@@ -105,6 +107,15 @@ def test_a_pretrained_folders_tokenizer_gives_the_ids_and_the_loss_is_transforme
         ours = recipe.loss(model(features), torch.zeros(1, dtype=torch.long))
         ids = torch.tensor([expected])
         assert ours.item() == pytest.approx(lm(ids, labels=ids).loss.item(), rel=1e-5)
+    pairs = _recipe(pretrained=str(decoder_folder), seq_len=48)
+    pairs.fit(reviews)
+    rows = reviews.slice(0, 6)
+    features = pairs.features(rows)
+    labels = features[:, 0].masked_fill(features[:, 2] == 0, -100)
+    assert 0 < (labels != -100).sum() < features[:, 1].sum()  # prompts and padding do not count
+    with torch.no_grad():
+        ours = pairs.loss(pairs.build_model().eval()(features), torch.zeros(6, dtype=torch.long))
+        assert ours.item() == pytest.approx(lm(features[:, 0], labels=labels).loss.item(), rel=1e-5)
 
 
 def test_metrics_are_per_counted_token_and_inference_publishes_likelihoods(reviews):
@@ -137,3 +148,69 @@ def test_the_export_loads_with_transformers_and_generates_from_the_same_logits(t
         generated = lm.generate(**prompt, max_new_tokens=3, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     assert generated.shape == (1, prompt["input_ids"].shape[1] + 3)
     assert generated[0, -3] == theirs.argmax()  # greedy: the first new token is the trained logits' best
+
+
+def test_the_config_cannot_disagree_with_the_tokenizer():
+    from trnflow.specs import SpecError
+
+    for config, said in (({"vocab_size": 260}, "config: vocab_size cannot be set here"),
+                         ({"max_position_embeddings": 16}, "max_position_embeddings 16 is less than seq_len 32")):
+        with pytest.raises(SpecError) as bad:
+            _recipe(config={**SMALL["config"], **config})
+        assert any(said in p for p in bad.value.problems), bad.value.problems
+
+
+def test_a_saved_tokenizer_naming_special_tokens_it_lacks_is_refused(reviews):
+    import json
+
+    from trnflow.errors import FatalError
+
+    recipe = _recipe()
+    recipe.fit(reviews)
+    document = json.loads(recipe.state())
+    document["special"]["mask_token"] = "<brand-new>"  # would grow the vocabulary past the embeddings
+    with pytest.raises(FatalError, match=r"step-20: names special tokens \['<brand-new>'\]"):
+        _recipe().load(json.dumps(document).encode(), "step-20")
+
+
+def _ranks(rank: int, port: int, features: torch.Tensor, out: Path) -> None:
+    """One of two DDP ranks training on its half of a batch whose halves count unequal tokens."""
+    import os
+
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    recipe = _recipe()
+    torch.manual_seed(0)
+    model = DDP(recipe.build_model())
+    mine = features[rank::2]
+    recipe.loss(model(mine), torch.zeros(len(mine), dtype=torch.long)).backward()
+    if rank == 0:
+        torch.save({k: p.grad for k, p in model.module.named_parameters()}, out)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two real processes: `make test` runs it, `make test-fast` leaves it out
+def test_ranks_counting_unequal_tokens_train_on_the_mean_over_all_of_them(reviews, tmp_path):
+    """Rank 0's rows count far more tokens than rank 1's: the gradients DDP averages are those of the
+    mean loss over every counted token of the batch, as one process computes it."""
+    import socket
+
+    recipe = _recipe(rows="text")
+    recipe.fit(reviews)
+    texts = ["a long review " * 6, "ok", "another long review text " * 3, "fine"]
+    features = recipe.features(pa.table({"text": texts}))
+    counts = features[:, 2].sum(1)
+    assert counts[0::2].sum() > 3 * counts[1::2].sum()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    torch.multiprocessing.spawn(_ranks, args=(port, features, tmp_path / "grads.pt"), nprocs=2, join=True)
+    torch.manual_seed(0)
+    whole = recipe.build_model()
+    recipe.loss(whole(torch.cat([features[0::2], features[1::2]])), torch.zeros(4, dtype=torch.long)).backward()
+    ddp = torch.load(tmp_path / "grads.pt", weights_only=True)
+    for name, parameter in whole.named_parameters():
+        torch.testing.assert_close(ddp[name], parameter.grad, rtol=1e-4, atol=1e-6)

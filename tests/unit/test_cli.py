@@ -2,6 +2,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -16,7 +17,11 @@ runner = CliRunner()
 def test_validate_accepts_every_example():
     result = runner.invoke(app, ["validate", *map(str, sorted(EXAMPLES.glob("*.yaml")))])
     assert result.exit_code == 0, result.output
-    assert result.output.count("ok ") == len(list(EXAMPLES.glob("*.yaml"))) == 3
+    assert result.output.count("ok ") == len(list(EXAMPLES.glob("*.yaml"))) == 5
+    # the fine-tuning example's pretrained folder is made by the base example's run: noted, not refused
+    said = " ".join(result.output.split())
+    assert f"note: model.params.pretrained: {Path.cwd()}/runs/causal-lm/base does not exist; create it" in said
+    assert "a run refuses to start without it" in said
 
 
 def test_validate_names_every_bad_field(tmp_path):

@@ -133,7 +133,7 @@ def test_nothing_in_a_pretrained_folder_runs_and_weights_come_from_safetensors_o
     pickled = tmp_path / "pickled"
     shutil.copytree(encoder_folder, pickled)
     (pickled / "model.safetensors").rename(pickled / "pytorch_model.bin")
-    with pytest.raises(FatalError, match=r"has no \.safetensors weights; trnflow loads weights from safetensors only"):
+    with pytest.raises(FatalError, match=r"has no model\.safetensors; trnflow loads weights from safetensors only"):
         _encoder(pickled).build_model()
 
 
@@ -143,3 +143,40 @@ def test_the_memory_estimate_counts_a_pretrained_models_parameters_without_loadi
 
     recipe = _encoder(encoder_folder)
     assert parameter_count(recipe) == sum(p.numel() for p in recipe.build_model().parameters())
+
+
+def test_a_folder_that_steers_transformers_to_a_pickle_is_refused_before_anything_is_read(tmp_path, encoder_folder,
+                                                                                         monkeypatch):
+    """transformers reads a pickle despite use_safetensors when config.json names other weights or a
+    safetensors index maps weights to .bin shards: both are refused, and torch.load never runs."""
+    import shutil
+
+    import torch
+
+    calls = []
+    monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a) or {})
+    named = tmp_path / "named"
+    shutil.copytree(encoder_folder, named)
+    (named / "adapter_model.bin").write_bytes(b"pickle")
+    config = json.loads((named / "config.json").read_text())
+    (named / "config.json").write_text(json.dumps({**config, "transformers_weights": "adapter_model.bin"}))
+    with pytest.raises(FatalError, match=r"names weights 'adapter_model.bin' in config.json"):
+        _encoder(named).build_model()
+    indexed = tmp_path / "indexed"
+    shutil.copytree(encoder_folder, indexed)
+    (indexed / "model.safetensors").rename(indexed / "dummy.safetensors")
+    (indexed / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "pytorch_model-1.bin"}}))
+    with pytest.raises(FatalError, match=r"has a weight index naming \['pytorch_model-1.bin'\]"):
+        _encoder(indexed).build_model()
+    assert calls == []
+
+
+def test_while_a_pretrained_model_loads_no_pickle_can_be_read(tmp_path):
+    import torch
+
+    from trnflow.workload.recipes.hf_pretrained import _no_pickles
+
+    torch.save({"a": torch.zeros(1)}, tmp_path / "w.pt")
+    with _no_pickles(tmp_path), pytest.raises(FatalError, match="tried to read a pickle"):
+        torch.load(tmp_path / "w.pt", weights_only=True)
+    assert torch.load(tmp_path / "w.pt", weights_only=True)["a"].shape == (1,)  # and only then

@@ -78,9 +78,11 @@ def validate(
             report.append({"file": str(path), "valid": False, "problems": exc.problems})
             continue
         problems, notes = prelaunch.report(spec, data_check)
-        memory, problem = prelaunch.memory_plan(spec)
+        missing = prelaunch.missing_inputs(spec)
+        memory, problem = prelaunch.memory_plan(spec) if not missing else (None, None)
         problems += [problem] if problem else []
-        notes = ([memory.describe()] if memory else []) + notes
+        notes = ([memory.describe()] if memory else []) + notes + [
+            f"{line} (a run refuses to start without it; the memory check waits for it)" for line in missing]
         failed = failed or bool(problems)
         report.append({"file": str(path), "valid": not problems, "name": spec.name,
                        **({"memory": memory.as_dict()} if memory else {}),

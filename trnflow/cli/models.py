@@ -1,18 +1,20 @@
-"""`trnflow models`: the model registry (list, show, promote, roll back)."""
+"""`trnflow models`: the model registry (list, show, promote, roll back, export)."""
 from __future__ import annotations
 
 import contextlib
 import datetime as dt
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
 from trnflow.cli.console import RED, cli_console, shown
-from trnflow.errors import ExitCode, FatalError
-from trnflow.lifecycle.registry import ChampionChange, PromotionConflict, Registry, RegistryCorrupt
+from trnflow.errors import DataError, ExitCode, FatalError
+from trnflow.lifecycle.exports import copy_export
+from trnflow.lifecycle.registry import ChampionChange, PromotionConflict, Registry, RegistryCorrupt, RegistryEntry
 from trnflow.redact import without_credentials
 from trnflow.urls import normalise_url
 from trnflow.workload.embeddings import latest_folder, point_current, version_url
@@ -49,8 +51,8 @@ def _when(ts: float | None) -> str:
 @models_app.command("ls")
 def ls(model: Annotated[str | None, typer.Argument(help="One model's versions; all models when left out.")] = None,
        registry: RegistryOpt = ..., as_json: JsonOpt = False):
-    """Every version with its accuracy, watermark and gate outcome; the champion is starred
-    (`--json` adds each version's checkpoint)."""
+    """Every version with its gate metric's final value, watermark and gate outcome; the champion
+    is starred (`--json` adds each version's checkpoint)."""
     with _registry(registry) as reg:
         names = [model] if model else reg.models()
         rows, unreadable = [], []
@@ -67,7 +69,7 @@ def ls(model: Annotated[str | None, typer.Argument(help="One model's versions; a
                 rows.append({"model": name, "version": v.version, "champion": starred,
                              **v.entry.model_dump(include={"status", "watermark", "global_step", "checkpoint",
                                                            "registered_at"}),
-                             "accuracy": v.entry.metrics.get("accuracy")})
+                             **_gate_metric(v.entry)})
     for problem in unreadable:
         err.print(problem, **RED)
     if as_json:
@@ -78,13 +80,21 @@ def ls(model: Annotated[str | None, typer.Argument(help="One model's versions; a
         raise typer.Exit(ExitCode.FAILED)
 
 
+def _gate_metric(entry: RegistryEntry) -> dict:
+    """The metric the version was gated on (accuracy for one registered without a verdict) and its
+    final value."""
+    metric = (entry.verdict.metric if entry.verdict else None) or "accuracy"
+    value = entry.metrics.get(metric)
+    return {"metric": metric, "value": value if isinstance(value, int | float) else None}
+
+
 def _versions_table(rows: list[dict], registry: str) -> None:
-    table = Table("model", "version", "", "status", "accuracy", "watermark", "global step", "registered",
+    table = Table("model", "version", "", "status", "gate metric", "watermark", "global step", "registered",
                   caption="`trnflow models show MODEL VERSION` for a version's checkpoint, metrics and verdict")
     for r in rows:
-        accuracy = f"{r['accuracy']:.4f}" if r["accuracy"] is not None else ""
+        value = f"{r['metric']} {r['value']:.4f}" if r["value"] is not None else ""
         table.add_row(shown(r["model"]), f"v{r['version']}", "[green]★ champion[/green]" if r["champion"] else "",
-                      shown(r["status"] or ""), accuracy, shown(r["watermark"] or ""), str(r["global_step"] or ""),
+                      shown(r["status"] or ""), value, shown(r["watermark"] or ""), str(r["global_step"] or ""),
                       _when(r["registered_at"]))
     console.print(table if rows else f"no models in {shown(registry)}")
 
@@ -175,3 +185,36 @@ def rollback(model: ModelArg, registry: RegistryOpt = ...,
     else:
         console.print(f"[green]{shown(model)} v{record.version} is the champion again[/green] "
                       f"(rolled back from v{record.previous}); {shown(published)}")
+
+
+@models_app.command("export")
+def export(model: ModelArg, out: Annotated[Path, typer.Argument(help="A new or empty local folder.")],
+           version: Annotated[int | None, typer.Option(help="Default: the champion.")] = None,
+           registry: RegistryOpt = ..., as_json: JsonOpt = False):
+    """Copy a version's export (the champion's by default) to a local folder, every file checked
+    against its checksum: the model in its own library's format (for hf-encoder and hf-causal-lm,
+    what `from_pretrained` loads), for use outside trnflow or as another spec's
+    `model.params.pretrained`."""
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        err.print(f"OUT {out}: is not an empty folder; give a new or empty one", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    with _registry(registry) as reg:
+        entry = reg.version(model, version) if version is not None else reg.champion(model)
+        if entry is None:
+            err.print(f"{model} has no champion in {registry}; name a version with --version "
+                      "(`trnflow models ls`)", **RED)
+            raise typer.Exit(ExitCode.BAD_INPUT)
+        if entry.entry.export is None:
+            err.print(f"{model} v{entry.version} has no export: its recipe ({(entry.entry.recipe or {}).get('recipe')})"
+                      " writes none", **RED)
+            raise typer.Exit(ExitCode.BAD_INPUT)
+        try:
+            marker = copy_export(entry.entry.export, out)
+        except DataError as exc:
+            err.print(str(exc), **RED)
+            raise typer.Exit(ExitCode.FAILED) from None
+    if as_json:
+        print(json.dumps({"model": model, "version": entry.version, "export": entry.entry.export, "out": str(out),
+                          "files": sorted(marker.files)}))
+    else:
+        console.print(f"[green]{shown(model)} v{entry.version}[/green]: {len(marker.files)} files to {shown(str(out))}")

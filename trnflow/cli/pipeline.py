@@ -54,7 +54,7 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
         raise typer.Exit(ExitCode.FAILED) from None
     final = document["points"][-1]
     console.print(f"reference written to {spec.gate.reference}: step {final['step']}, "
-                  f"accuracy {final['accuracy']:.4f}")
+                  f"{spec.gate.metric} {final[spec.gate.metric]:.4f}")
 
 
 def compile_cmd(

@@ -5,6 +5,7 @@ in `common.checked`."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
 import typer
@@ -58,6 +59,15 @@ def report(spec: JobSpec, data_check: bool | None) -> tuple[list[str], list[str]
     return trusted + problems, notes
 
 
+def missing_inputs(spec: JobSpec) -> list[str]:
+    """The recipe's local inputs (a pretrained model's folder) that do not exist, each as a line."""
+    from trnflow.workload.recipes import recipe_for  # a recipe is a model: torch (~1 s)
+
+    return [f"{field}: {path} does not exist; create it first (for a model trained by trnflow: "
+            "`trnflow models export MODEL FOLDER -r REGISTRY`)"
+            for field, path in recipe_for(spec).local_inputs().items() if not Path(path).exists()]
+
+
 def memory_plan(spec: JobSpec) -> tuple[MemoryPlan | None, str | None]:
     """The device-memory plan (`train.parallelism`: both strategies' per-core figures and the one the
     run takes), or the refusal of a job that fits no core, as a problem line."""
@@ -77,7 +87,8 @@ def launch_problems(spec: JobSpec) -> list[str]:
                 if (url := getattr(spec.data, field)).startswith("file://")
                 for message in listing_problems(url, spec.data.format,
                                                 spec.data.ready_marker if field == "train" else None)]
-    return problems + [found for found in (cache_problem(spec), reference_problem(spec, remote=False)) if found]
+    return (problems + [found for found in (cache_problem(spec), reference_problem(spec, remote=False)) if found]
+            + missing_inputs(spec))
 
 
 def refuse_unlaunchable(spec: JobSpec, source: str) -> None:

@@ -145,7 +145,7 @@ def paired_check(candidate: dict, reference: dict, metric: str, delta: float, al
     reference_only = sum(1 for c, r in pairs if c == "0" and r == "1")
     rows = len(pairs)
     p = mcnemar_p(candidate_only, reference_only)
-    needed = rows_needed((candidate_only + reference_only) / rows, delta, alpha)
+    needed = rows_needed((candidate_only + reference_only) / rows, delta, alpha) if delta > 0 else 0
     return PairedCheck(
         available=True, step=cand["step"], rows=rows,
         both_right=sum(1 for c, r in pairs if c == r == "1"), candidate_only=candidate_only,
@@ -195,7 +195,7 @@ def compare(candidate: dict | list[dict], reference: dict | list[dict], band: Ba
         rows.append(VerdictPoint(step=point["step"], global_step=point.get("global_step", point["step"]),
                                  candidate=point[metric], reference=ref, diff=diff,
                                  passed=abs(diff) <= band.allowed(ref)))
-    delta = band.allowed(rows[-1].reference) if rows else band.max_abs_diff
+    delta = band.allowed(rows[-1].reference if rows else next(reversed(ref_by_step.values()), 0.0))
     paired = paired_check(cand_doc, ref_doc, metric, delta, alpha)
     if not rows:
         return Verdict(**band.model_dump(), mode=mode, passed=False, paired=paired, reason=(

@@ -336,7 +336,8 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
         recipe=meta.recipe, export=meta.export, weights=whole_weights(checkpoint), inputs=inputs,
         output_url=spec.inference.output_url,
         spec_digest=spec.digest(), forced=forced,
-        verdict=VerdictSummary(passed=verdict.passed, mode=verdict.mode, reason=verdict.reason, paired=verdict.paired),
+        verdict=VerdictSummary(passed=verdict.passed, mode=verdict.mode, metric=verdict.metric, reason=verdict.reason,
+                               paired=verdict.paired),
     ))
     promoted = bool(promotable)
     if promoted:

@@ -48,6 +48,8 @@ class VerdictSummary(Record):
 
     passed: bool
     mode: str
+    metric: str | None = Field(None, description="the metric judged (None in versions registered before it was "
+                               "recorded: accuracy)")
     reason: str | None = None
     paired: PairedCheck | None = None
 

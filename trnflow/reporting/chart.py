@@ -66,7 +66,7 @@ def paired_sentence(verdict: Verdict) -> str:
     assert paired is not None, "a verdict with a paired check"
     if not paired.available:
         return f"No paired test (McNemar's): {paired.reason}."
-    band = verdict.allowed(verdict.points[-1].reference) if verdict.points else verdict.max_abs_diff
+    band = verdict.allowed(verdict.points[-1].reference if verdict.points else 0.0)
     rows, size = paired.rows, f"{band:.2%}"
     found = (f"the two models differ (p = {paired.p_value:.2g}, below {paired.alpha})" if paired.significant
              else f"no evidence that the two models differ (p = {paired.p_value:.2g})")

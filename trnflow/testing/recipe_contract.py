@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from trnflow.errors import FatalError
+from trnflow.lifecycle.gate import DIRECTIONS
 from trnflow.specs import DataSpec, TrainSpec
 from trnflow.workload.recipes import METRICS, Recipe, recipe_class
 
@@ -83,7 +84,7 @@ class RecipeContract:
         assert not undescribed, f"every parameter has a description: {undescribed}"
         assert cls.metrics, "it declares the gate metrics it supports"
         for metric in cls.metrics:
-            assert cls.direction(metric) in ("higher", "lower"), f"{metric}: say whether higher or lower is better"
+            assert metric in cls.directions or metric in DIRECTIONS, f"{metric}: say whether higher or lower is better"
         if cls.evaluate is Recipe.evaluate:
             assert set(cls.metrics) <= set(METRICS), f"the default evaluation computes {METRICS}"
         assert set(self.make().columns()) <= set(self.rows().column_names)
@@ -167,7 +168,10 @@ class RecipeContract:
         values = recipe.evaluate(outputs.double(), self.labels(len(features)), list(recipe.metrics))
         missing = [m for m in recipe.metrics if m not in values]
         assert not missing, f"evaluate gives every declared metric: {missing} missing"
+        for name in values:  # a run's series records which way each of its metrics is better
+            assert name in recipe.directions or name in DIRECTIONS, f"{name}: say whether higher or lower is better"
         assert all(v is None or math.isfinite(v) for v in values.values()), values
+        assert any(v is not None for v in values.values()), "evaluate measures something on real rows"
         outcomes = recipe.outcomes(outputs.double(), self.labels(len(features)))
         assert outcomes is None or (len(outcomes) == len(features) and set(outcomes) <= {"0", "1"})
         for name, column in published.items():

@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import hashlib
-import json
 import math
 import os
 import statistics
@@ -25,7 +24,7 @@ import torch
 
 from trnflow.errors import FatalError, SpotInterruption
 from trnflow.lifecycle.gate import SERIES, write_series
-from trnflow.records import CheckpointMeta, DataRead
+from trnflow.records import EXPORT_MARKER, CheckpointMeta, DataRead, ExportedFile, ExportMarker, dump
 from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload import watchdog
 from trnflow.workload.checkpoint import check_weights, load_model_weights, step_name, weights_digest
@@ -308,8 +307,8 @@ class Trainer:
                     name = path.relative_to(tmp).as_posix()
                     data = path.read_bytes()
                     store.write(f"{folder}/{name}", data)
-                    files[name] = {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
-            store.write(f"{folder}/EXPORTED", json.dumps({"recipe": self.recipe.describe(), "files": files}).encode())
+                    files[name] = ExportedFile(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+            store.write(f"{folder}/{EXPORT_MARKER}", dump(ExportMarker(recipe=self.recipe.describe(), files=files)))
         url = f"{self.start.checkpoints.url}/{folder}"
         self.ctx.log("export", step=done, url=url, files=len(files))
         return url

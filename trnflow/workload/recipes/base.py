@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pyarrow as pa
 from pydantic import BaseModel
 
+from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import DIRECTIONS
 from trnflow.specs import DataSpec, TrainSpec
 
@@ -186,7 +187,17 @@ class Recipe(ABC):
     @classmethod
     def direction(cls, metric: str) -> str:
         """Which way `metric` is better: "higher" or "lower"."""
-        return cls.directions.get(metric) or DIRECTIONS[metric]
+        found = cls.directions.get(metric) or DIRECTIONS.get(metric)
+        if found is None:
+            raise FatalError(f"recipe {cls.name}: its metric {metric!r} does not say whether higher or lower is "
+                             "better; the recipe sets it in its `directions`")
+        return found
+
+    def local_inputs(self) -> dict[str, str]:
+        """Local files or folders its params name that must exist before a run starts (a pretrained
+        model's folder), by the spec field that names them: `trnflow validate` notes a missing one,
+        `trnflow run` refuses to start without it."""
+        return {}
 
     @property
     def key(self) -> str:

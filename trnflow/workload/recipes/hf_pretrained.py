@@ -14,8 +14,9 @@ alone, never through a class name the file gives.
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +40,12 @@ def transformers(recipe: str) -> Any:
     return module
 
 
+def absolute(folder: str | None) -> str | None:
+    """A `pretrained` folder as an absolute path: a relative one is resolved against the directory
+    trnflow runs from (as a spec's data locations are), so that every job finds the same folder."""
+    return str(Path(folder).expanduser().absolute()) if folder else folder
+
+
 def pretrained_folder(folder: str) -> Path:
     """The folder `model.params.pretrained` names, once it holds a model `save_pretrained` wrote."""
     path = Path(folder)
@@ -46,6 +53,52 @@ def pretrained_folder(folder: str) -> Path:
         raise FatalError(f"model.params.pretrained: {path} has no config.json; give a folder written by "
                          "save_pretrained")
     return path
+
+
+def _weight_files(folder: Path) -> list[str]:
+    """The weight files `from_pretrained` would read from `folder`, once every one is a safetensors
+    file inside it; FatalError otherwise. transformers reads a pickle (torch.load) in some layouts
+    even when told `use_safetensors`: a config naming other weights (`transformers_weights`), or a
+    safetensors index mapping weights to `.bin` shards."""
+    def refuse(why: str) -> FatalError:
+        return FatalError(f"model.params.pretrained: {folder} {why}; trnflow loads weights from safetensors only "
+                          "(save the model with save_pretrained, which writes them)")
+
+    def plain(name: object) -> bool:
+        return isinstance(name, str) and name.endswith(".safetensors") and "/" not in name and ".." not in name
+
+    try:
+        config = json.loads((folder / "config.json").read_text())
+        index = folder / "model.safetensors.index.json"
+        mapped = json.loads(index.read_text()).get("weight_map", {}) if index.is_file() else None
+    except (OSError, ValueError, AttributeError) as exc:
+        raise refuse(f"has a config or weight index that cannot be read ({exc})") from None
+    named = config.get("transformers_weights") if isinstance(config, dict) else None
+    if named is not None and not plain(named):
+        raise refuse(f"names weights {named!r} in config.json (transformers_weights)")
+    if mapped is not None:
+        files = sorted(set(mapped.values())) if isinstance(mapped, dict) else [mapped]
+        if not files or not all(plain(f) and (folder / f).is_file() for f in files):
+            raise refuse(f"has a weight index naming {files}, not safetensors files beside it")
+        return files
+    if not (folder / "model.safetensors").is_file():
+        raise refuse("has no model.safetensors")
+    return ["model.safetensors"]
+
+
+@contextlib.contextmanager
+def _no_pickles(folder: Path) -> Iterator[None]:
+    """While a pretrained model loads, `torch.load` (a pickle) refuses: a layout the checks above do
+    not know cannot read one either."""
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise FatalError(f"model.params.pretrained: loading {folder} tried to read a pickle ({args[:1]}); "
+                         "trnflow loads weights from safetensors only")
+
+    original, torch.load = torch.load, refuse
+    try:
+        yield
+    finally:
+        torch.load = original
 
 
 def load_pretrained(auto_class: Any, folder: Path) -> Any:
@@ -57,18 +110,35 @@ def load_pretrained(auto_class: Any, folder: Path) -> Any:
     if torch.get_default_device().type == "meta":
         config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
         return auto_class.from_config(config, trust_remote_code=False)
-    if not any(folder.glob("*.safetensors")):
-        raise FatalError(f"model.params.pretrained: {folder} has no .safetensors weights; trnflow loads weights "
-                         "from safetensors only (save the model with save_pretrained, which writes them)")
+    _weight_files(folder)
     try:
-        return auto_class.from_pretrained(folder, local_files_only=True, trust_remote_code=False,
-                                          use_safetensors=True)
+        with _no_pickles(folder):
+            return auto_class.from_pretrained(folder, local_files_only=True, trust_remote_code=False,
+                                              use_safetensors=True)
     except (OSError, ValueError) as exc:
         raise FatalError(f"model.params.pretrained: {folder} cannot be loaded ({exc})") from None
 
 
 def has_tokenizer(folder: str | None) -> bool:
     return bool(folder) and any((Path(folder) / name).is_file() for name in TOKENIZER_FILES)
+
+
+OWN_CONFIG_FIELDS = ("vocab_size", "pad_token_id", "bos_token_id", "eos_token_id")
+"""Config fields a recipe sets itself (from `vocab_size` and the tokenizer it trains), which
+`model.params.config` may not: a model whose embeddings disagree with its tokenizer's ids fails,
+or on a device that does not check indices reads other memory."""
+
+
+def config_problem(config: dict[str, Any], seq_len: int) -> str | None:
+    """What is wrong with `model.params.config` for a model of `seq_len` tokens, or None."""
+    own = [k for k in OWN_CONFIG_FIELDS if k in config]
+    if own:
+        return (f"config: {', '.join(own)} cannot be set here: the recipe sets them from model.params.vocab_size "
+                "and the tokenizer it trains; set model.params.vocab_size instead")
+    positions = config.get("max_position_embeddings")
+    if isinstance(positions, int) and positions < seq_len:
+        return f"config: max_position_embeddings {positions} is less than seq_len {seq_len}; raise it or cut seq_len"
+    return None
 
 
 class PretrainedTokenizer:
@@ -112,10 +182,14 @@ class PretrainedTokenizer:
             backend = Tokenizer.from_str(definition)
         except Exception as exc:  # the Rust side raises its own exception type
             raise FatalError(f"{source}: not a tokenizer ({exc}); use an earlier checkpoint") from None
-        if backend.get_vocab_size() > vocab_limit:
-            raise FatalError(f"{source}: the tokenizer has {backend.get_vocab_size()} tokens but the model has "
-                             f"{vocab_limit} token embeddings; it is not this model's tokenizer")
+        unknown = [token for token in special.values() if backend.token_to_id(token) is None]
+        if unknown:
+            raise FatalError(f"{source}: names special tokens {unknown} its vocabulary does not have; it is damaged, "
+                             "use an earlier checkpoint")
         fast = transformers(recipe).PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+        if len(fast) > vocab_limit:
+            raise FatalError(f"{source}: the tokenizer has {len(fast)} tokens but the model has {vocab_limit} token "
+                             "embeddings; it is not this model's tokenizer")
         return cls(fast, seq_len, source)
 
     @property

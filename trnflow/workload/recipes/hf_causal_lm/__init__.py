@@ -12,14 +12,15 @@ tokens (and the end-of-sequence token after it) count. Each row is one sequence,
 (a prompt loses its start before a completion loses anything) and padded at the end, so shapes
 never change; as the model attends only backwards, the padding is never seen by a real token.
 
-The network's output per row is what every metric needs, computed inside the compiled graph in
-fp32: the summed next-token loss over the counted tokens, their number, and how many were
-predicted right. Training minimises the mean loss per counted token; the evaluation reports it as
-`loss`, with `perplexity` (its exponential) and `token_accuracy`; batch inference publishes each
-row's mean-pooled last hidden state as its embedding, its log-likelihood and perplexity. At the
-end of a run the model and its tokenizer are exported with `save_pretrained`, which
-`AutoModelForCausalLM.from_pretrained` and `AutoTokenizer.from_pretrained` load (and `generate`
-from). Needs the `hf` extra (`pip install 'trnflow[hf]'`).
+The network's output per row is what every metric needs, computed inside the compiled graph (the
+loss in fp32 from the head's logits): the summed next-token loss over the counted tokens, their
+number, and how many were predicted right. Training minimises the mean loss per counted token of
+the whole step's batch; the evaluation reports it as `loss`, with `perplexity` (its exponential)
+and `token_accuracy`; batch inference publishes each row's mean-pooled last hidden state as its
+embedding, its log-likelihood and perplexity. At the end of a run the model and its tokenizer are
+exported with `save_pretrained`, which `AutoModelForCausalLM.from_pretrained` and
+`AutoTokenizer.from_pretrained` load (and `generate` from). Needs the `hf` extra
+(`pip install 'trnflow[hf]'`).
 """
 
 from __future__ import annotations
@@ -29,18 +30,21 @@ import math
 from collections.abc import Iterable, Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import pyarrow as pa
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from trnflow.errors import FatalError
 from trnflow.workload.recipes.base import Recipe
 from trnflow.workload.recipes.hf_pretrained import (
     PretrainedTokenizer,
+    absolute,
+    config_problem,
     has_tokenizer,
     load_pretrained,
     pretrained_folder,
@@ -66,9 +70,11 @@ class HfCausalLmParams(BaseModel):
                             "mistral, ...).")
     config: dict[str, Any] = Field(default_factory=lambda: dict(SMALL),
                                    description="Config fields of the decoder, as for AutoConfig.for_model.")
-    pretrained: str | None = Field(None, description="A local save_pretrained folder to start from (config.json "
-                                   "and .safetensors weights); its config replaces `config`, and its tokenizer, if "
-                                   "it has one, is used instead of training one.")
+    pretrained: Annotated[str | None, AfterValidator(absolute)] = Field(
+        None,
+        description="A local save_pretrained folder to start from (config.json and .safetensors weights); its config "
+        "replaces `config`, and its tokenizer, if it has one, is used instead of training one.",
+    )
     vocab_size: int = Field(2048, ge=256, le=1_000_000, description="Token vocabulary size of the tokenizer trnflow "
                             "trains (a pretrained folder's tokenizer keeps its own).")
     seq_len: int = Field(64, ge=4, le=32768, description="Fixed sequence length: rows are cut and padded to it.")
@@ -77,6 +83,13 @@ class HfCausalLmParams(BaseModel):
         "the completion's tokens count in the loss and the metrics.")
     prompt_field: str = Field("prompt", description="The prompt's column (rows: prompt-completion).")
     completion_field: str = Field("completion", description="The completion's column (rows: prompt-completion).")
+
+    @model_validator(mode="after")
+    def _config_fits(self) -> HfCausalLmParams:
+        problem = config_problem(self.config, self.seq_len)
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 class CausalLanguageModel(nn.Module):
@@ -137,6 +150,9 @@ class HfCausalLm(Recipe):
         p = self.params
         return [self.data.text_field] if p.rows == "text" else [p.prompt_field, p.completion_field]
 
+    def local_inputs(self) -> dict[str, str]:
+        return {"model.params.pretrained": self.params.pretrained} if self.params.pretrained else {}
+
     @cached_property
     def _folder_tokenizer(self) -> PretrainedTokenizer | None:
         folder = self.params.pretrained
@@ -174,9 +190,7 @@ class HfCausalLm(Recipe):
     @property
     def _embeddings(self) -> int:
         """How many token embeddings the model has."""
-        if self.params.pretrained and (Path(self.params.pretrained) / "config.json").is_file():
-            return int(json.loads((Path(self.params.pretrained) / "config.json").read_text())["vocab_size"])
-        return self.params.vocab_size
+        return int(self._config()["vocab_size"])
 
     def features(self, rows: pa.Table) -> torch.Tensor:
         """(rows, 3, seq_len): token ids, 1 where a token is real, 1 where a token counts."""
@@ -193,11 +207,14 @@ class HfCausalLm(Recipe):
             completions = tok([str(t or "") for t in rows.column(p.completion_field).to_pylist()],
                               add_special_tokens=False)["input_ids"]
             parts = list(zip(prompts, [c + eos for c in completions], strict=True))
+        special = set(tok.all_special_ids)
         out = torch.zeros(len(parts), 3, seq, dtype=torch.long)
         out[:, 0] = self.tokenizer.pad_id
         for i, (prompt, counted) in enumerate(parts):
             counted = counted[:seq]
-            prompt = prompt[max(0, len(prompt) - (seq - len(counted))):]  # a prompt loses its start first
+            lead = next((n for n, t in enumerate(prompt) if t not in special), len(prompt))  # <s> and the like
+            room = max(0, seq - len(counted) - lead)
+            prompt = prompt[:min(lead, seq - len(counted))] + prompt[lead:][max(0, len(prompt) - lead - room):]
             ids = prompt + counted
             out[i, 0, :len(ids)] = torch.tensor(ids, dtype=torch.long)
             out[i, 1, :len(ids)] = 1
@@ -228,8 +245,33 @@ class HfCausalLm(Recipe):
         return CausalLanguageModel(lm)
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """The mean next-token loss over the batch's counted tokens."""
-        return logits[:, 0].sum() / logits[:, 1].sum().clamp_min(1.0)
+        """The mean next-token loss over the counted tokens of the whole step's batch, on every rank
+        alike: ranks count different numbers of tokens, and their gradients are averaged, so each
+        rank's summed loss is divided by the tokens of all ranks (and multiplied by their number)."""
+        nll, tokens = logits[:, 0].sum(), logits[:, 1].sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            total = tokens.detach().clone()
+            dist.all_reduce(total)
+            return nll * dist.get_world_size() / total.clamp_min(1.0)
+        return nll / tokens.clamp_min(1.0)
+
+    def activation_bytes(self, batch: int, value_bytes: int) -> int:
+        """Per layer: the attention's projections and scores and the MLP's three projections; then the
+        head's logits over the vocabulary, their fp32 copy and the loss's log-softmax."""
+        config = self._config()
+        seq, hidden = self.params.seq_len, int(config.get("hidden_size", 64))
+        inner, layers = int(config.get("intermediate_size", 4 * hidden)), int(config.get("num_hidden_layers", 2))
+        heads, vocab = int(config.get("num_attention_heads", 4)), int(config.get("vocab_size", self.params.vocab_size))
+        per_layer = batch * seq * (6 * hidden + 3 * inner) + 2 * batch * heads * seq * seq
+        head = batch * seq * vocab * (value_bytes + 8)
+        return (layers * per_layer + 2 * batch * seq * hidden) * value_bytes + head
+
+    def _config(self) -> dict[str, Any]:
+        """The decoder's config: the pretrained folder's, else the params' (vocab_size from the params)."""
+        folder = self.params.pretrained
+        if folder and (Path(folder) / "config.json").is_file():
+            return json.loads((Path(folder) / "config.json").read_text())
+        return {**self.params.config, "vocab_size": self.params.vocab_size}
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The decoder's layers (Llama's `layers`, GPT-2's `h`)."""

@@ -17,16 +17,18 @@ import json
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
 import pyarrow as pa
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from torch import nn
 
 from trnflow.errors import FatalError
 from trnflow.workload.recipes.hf_pretrained import (
     PretrainedTokenizer,
+    absolute,
+    config_problem,
     has_tokenizer,
     load_pretrained,
     pretrained_folder,
@@ -48,13 +50,23 @@ class HfEncoderParams(BaseModel):
     model_type: str = Field("bert", description="The transformers model type the config is for (bert, roberta, ...).")
     config: dict[str, Any] = Field(default_factory=lambda: dict(SMALL),
                                    description="Config fields of the encoder, as for AutoConfig.for_model.")
-    pretrained: str | None = Field(None, description="A local save_pretrained folder to start the encoder from "
-                                   "(config.json and model.safetensors); its config replaces `config`, and its "
-                                   "tokenizer, if it has one, is used instead of training one.")
+    pretrained: Annotated[str | None, AfterValidator(absolute)] = Field(
+        None,
+        description="A local save_pretrained folder to start the encoder from (config.json and model.safetensors); "
+        "its config replaces `config`, and its tokenizer, if it has one, is used instead of training "
+        "one.",
+    )
     vocab_size: int = Field(4096, ge=256, le=1_000_000, description="Token vocabulary size of the tokenizer "
                             "trnflow trains (a pretrained folder's tokenizer keeps its own).")
     seq_len: int = Field(64, ge=4, le=8192, description="Fixed sequence length: texts are padded or cut.")
     num_classes: int = Field(2, ge=2, le=100_000, description="Number of output classes.")
+
+    @model_validator(mode="after")
+    def _config_fits(self) -> HfEncoderParams:
+        problem = config_problem(self.config, self.seq_len)
+        if problem:
+            raise ValueError(problem)
+        return self
 
 
 class EncoderClassifier(nn.Module):
@@ -96,6 +108,9 @@ class HfEncoder(BpeTextRecipe):
             if isinstance(layers, nn.ModuleList) and len(layers):
                 return list(layers)
         return []
+
+    def local_inputs(self) -> dict[str, str]:
+        return {"model.params.pretrained": self.params.pretrained} if self.params.pretrained else {}
 
     @cached_property
     def _folder_tokenizer(self) -> PretrainedTokenizer | None:

@@ -1,0 +1,66 @@
+"""`trnflow models export`: a registered version's export copied to a local folder, each file
+checked against the marker's checksum, the marker last; a damaged export or a bad folder refused."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from trnflow.cli.app import app
+from trnflow.lifecycle.registry import Registry
+from trnflow.records import ExportedFile, ExportMarker, dump
+
+pytestmark = pytest.mark.unit
+runner = CliRunner()
+
+FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"\x00weights", "sub/extra.txt": b"x"}
+
+
+def _export(root, files=FILES, listed=None):
+    folder = root / "run" / "export" / "step-000040"
+    for name, data in files.items():
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        (folder / name).write_bytes(data)
+    listed = listed or {n: ExportedFile(sha256=hashlib.sha256(d).hexdigest(), size=len(d)) for n, d in files.items()}
+    (folder / "EXPORTED").write_bytes(dump(ExportMarker(recipe={"recipe": "hf-causal-lm"}, files=listed)))
+    registry = Registry((root / "registry").as_uri())
+    registry.register("lm", {"checkpoint": (root / "run" / "step-000040").as_uri(), "export": folder.as_uri(),
+                             "recipe": {"recipe": "hf-causal-lm"}})
+    registry.promote("lm", 1)
+    return folder, ["models", "export", "lm", "-r", str(root / "registry")]
+
+
+def test_the_champions_export_is_copied_whole_and_checked(tmp_path):
+    _, argv = _export(tmp_path)
+    out = tmp_path / "out"
+    result = runner.invoke(app, [*argv, str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["files"] == ["config.json", "model.safetensors", "sub/extra.txt"]
+    assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()
+            and p.name != "EXPORTED"} == FILES
+    assert set(json.loads((out / "EXPORTED").read_text())["files"]) == set(FILES)
+
+
+def test_a_damaged_export_or_a_used_folder_is_refused(tmp_path):
+    folder, argv = _export(tmp_path)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "keep.txt").write_text("mine")
+    refused = runner.invoke(app, [*argv, str(used)])
+    assert refused.exit_code == 2 and "is not an empty folder" in " ".join(refused.stderr.split())
+    (folder / "model.safetensors").write_bytes(b"\x00tampered")
+    damaged = runner.invoke(app, [*argv, str(tmp_path / "out")])
+    said = " ".join(damaged.stderr.split())
+    assert damaged.exit_code == 1 and "model.safetensors: does not match its checksum" in said
+    assert not (tmp_path / "out" / "EXPORTED").exists()  # never marked whole
+
+
+def test_a_marker_naming_a_file_outside_the_export_is_refused(tmp_path):
+    escape = {"../../registry/lm/champion/g000001.json": ExportedFile(sha256="0" * 64, size=1)}
+    _, argv = _export(tmp_path / "a", listed=escape)
+    result = runner.invoke(app, [*argv, str(tmp_path / "out")])
+    assert result.exit_code == 1 and "which is not a file inside the export" in " ".join(result.stderr.split())
+    assert not (tmp_path / "registry").exists() and not (tmp_path / "out").exists()

@@ -1,0 +1,52 @@
+"""A registered model's export (`<run>/export/step-NNNNNN/`, written by training in the model's own
+library's format, such as `save_pretrained`'s), copied to a local folder for use outside trnflow:
+`trnflow models export`, and the way one run's model becomes the next one's pretrained folder.
+
+The export's marker `EXPORTED` lists each file with its sha256 and size. Only listed files are
+copied, each checked before it is kept; a name that would leave the folder is refused, and the
+marker is written last, so a folder with `EXPORTED` is whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path, PurePosixPath
+
+from trnflow.errors import DataError
+from trnflow.fsutil import atomic_write_bytes
+from trnflow.records import EXPORT_MARKER as MARKER
+from trnflow.records import ExportMarker, read
+from trnflow.storage import open_store
+
+
+def _safe(name: str, origin: str) -> PurePosixPath:
+    path = PurePosixPath(name)
+    if path.is_absolute() or ".." in path.parts or not path.parts or name == MARKER:
+        raise DataError(f"{origin}: lists {name!r}, which is not a file inside the export; the export is damaged")
+    return path
+
+
+def copy_export(url: str, dest: Path) -> ExportMarker:
+    """Copy the export at `url` into the local folder `dest` (empty or new), every file checked
+    against the marker; the marker last. DataError names what is missing or damaged."""
+    store = open_store(url)
+    try:
+        marker_bytes = store.read(MARKER)
+    except FileNotFoundError:
+        raise DataError(f"{url}: has no {MARKER} marker, so the export was never completed; export the model "
+                        "again by training it to its last step") from None
+    marker = read(ExportMarker, marker_bytes, f"{url}/{MARKER}")
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise DataError(f"{dest}: is not an empty folder; give a new or empty one")
+    for name, listed in sorted(marker.files.items()):
+        path = _safe(name, f"{url}/{MARKER}")
+        try:
+            data = store.read(name)
+        except FileNotFoundError:
+            raise DataError(f"{url}/{name}: listed in {MARKER} but missing; the export is damaged") from None
+        if len(data) != listed.size or hashlib.sha256(data).hexdigest() != listed.sha256:
+            raise DataError(f"{url}/{name}: does not match its checksum in {MARKER}; the export is damaged")
+        atomic_write_bytes(dest.joinpath(*path.parts), data)
+    atomic_write_bytes(dest / MARKER, json.dumps(marker.model_dump(mode="json"), indent=1).encode())
+    return marker
