@@ -16,7 +16,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # every process would compile what it imports from source again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo test test-main test-fast test-xla xla-env faults bench lint clean chromium deps-check checkov
+.PHONY: install demo causal-lm test test-main test-fast test-xla xla-env faults bench lint clean chromium deps-check checkov
 
 # The example recipe (examples/recipes) goes in too: the tests run it as an installed plug-in.
 $(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml
@@ -36,6 +36,19 @@ demo: install $(DATA)/holdout
 	$(BIN)/trnflow validate $(SPEC)
 	$(BIN)/trnflow reference $(SPEC)
 	$(BIN)/trnflow run $(SPEC)
+
+# Fine-tuning a pretrained language model: a tiny model of review text trained from scratch and
+# exported (the "pretrained" one), then fine-tuned on prompt/completion pairs, gated on perplexity.
+LM := runs/causal-lm
+causal-lm: install
+	$(BIN)/trnflow data synth $(LM)/reviews --days 1 --rows-per-day 2000 --inference-rows 200 --seed 3
+	$(BIN)/trnflow data synth $(LM)/prompts --format prompt-completion --days 1 --rows-per-day 1000 \
+	  --holdout-rows 300 --inference-rows 300 --seed 5
+	$(BIN)/trnflow run jobspecs/examples/causal-lm-base.yaml
+	rm -rf $(LM)/base
+	$(BIN)/trnflow models export causal-lm-base $(LM)/base -r $(LM)/registry
+	$(BIN)/trnflow reference jobspecs/examples/causal-lm.yaml
+	$(BIN)/trnflow run jobspecs/examples/causal-lm.yaml
 
 lint: install
 	$(BIN)/ruff check .

@@ -98,3 +98,72 @@ def test_a_pretrained_decoder_is_fine_tuned_gated_on_perplexity_and_exported(pre
         generated = lm.generate(**prompt, max_new_tokens=2, do_sample=False, pad_token_id=tokenizer.pad_token_id)
     word = tokenizer.decode(generated[0, prompt["input_ids"].shape[1]:], skip_special_tokens=True)
     assert word.split()[0] in ("positive", "negative"), word  # it learned what follows "Sentiment:"
+
+
+def test_fine_tuning_lowers_holdout_perplexity_from_the_starting_models_on_three_seeds(make_spec, tmp_path,
+                                                                                     prompts, trnflow_home):
+    """The training stage alone, compiled once, then run with three seeds: each ends with a holdout
+    perplexity well below the pretrained model's."""
+    from trnflow.backends import JobRequest, JobState, wait
+    from trnflow.backends.local import LocalBackend
+    from trnflow.settings import TrnflowSettings
+
+    train = _rows(prompts / "train")
+    folder = tiny_causal_lm(tmp_path / "pretrained", train.column("prompt").to_pylist()
+                            + train.column("completion").to_pylist())
+    backend = LocalBackend(TrnflowSettings().jobs_dir)
+    spec = make_spec(
+        model={"recipe": "hf-causal-lm", "params": {"pretrained": str(folder), "seq_len": 64}},
+        data={"train": str(prompts / "train"), "holdout": str(prompts / "holdout"),
+              "inference": str(prompts / "inference")},
+        compile={"cache_url": str(tmp_path / "lm-cache"), "optlevel": 1},
+        train={"steps": 30, "checkpoint_every": 30, "lr": 0.003},
+        gate={"metric": "perplexity", "metrics": [], "reference": None, "eval_every": None})
+    compiled = wait(backend, backend.submit(JobRequest(spec, "compile", "seeds", processes=1)), 0.2)
+    assert compiled.state is JobState.SUCCEEDED, compiled.failure
+    recipe = recipe_for(spec)
+    recipe.fit(train)  # the folder's own tokenizer: the same for every seed
+    holdout = recipe.features(_rows(prompts / "holdout"))
+    with torch.no_grad():
+        start = recipe.evaluate(recipe.build_model().eval()(holdout).double(), torch.zeros(len(holdout)), [])
+    tuned = {}
+    for seed in (1, 2, 3):
+        seeded = spec.model_copy(update={"train": spec.train.model_copy(update={
+            "seed": seed, "checkpoint_url": str(tmp_path / f"checkpoints-{seed}")})})
+        job = wait(backend, backend.submit(JobRequest(seeded, "train", f"seed-{seed}")), 0.2)
+        assert job.state is JobState.SUCCEEDED, job.failure
+        tuned[seed] = job.result.evaluations[-1]["perplexity"]
+    assert len(set(tuned.values())) == 3, tuned  # three different runs
+    assert all(p < 0.8 * start["perplexity"] for p in tuned.values()), (start, tuned)
+
+
+def test_the_example_runs_on_the_mock_sagemaker(prefect_api, moto_endpoint, tmp_path, monkeypatch, prompts):
+    """jobspecs/examples/causal-lm.yaml on SageMaker (the mock cloud), its data and outputs on S3, its
+    pretrained folder local to the containers: six stages, gated on perplexity."""
+    import yaml
+
+    from tests.integration.test_cloud_backends import _cloud
+    from trnflow.specs import validate_spec
+
+    train = _rows(prompts / "train")
+    folder = tiny_causal_lm(tmp_path / "pretrained", train.column("prompt").to_pylist()
+                            + train.column("completion").to_pylist())
+    data = yaml.safe_load((Path(__file__).parents[2] / "jobspecs" / "examples" / "causal-lm.yaml").read_text())
+    with _cloud(moto_endpoint, tmp_path, monkeypatch, prompts, in_process=True) as (_, bucket):
+        s3 = f"s3://{bucket}"
+        data["model"]["params"]["pretrained"] = str(folder)
+        data["data"].update({part: f"{s3}/reviews/{part}" for part in ("train", "holdout", "inference")})
+        data["compute"]["backend"] = "sagemaker"
+        data["compile"]["cache_url"] = f"{s3}/lm-cache"
+        data["train"].update(steps=20, checkpoint_every=20, checkpoint_url=f"{s3}/checkpoints")
+        data["gate"].update(reference="champion", eval_every=None)
+        data.update(registry_url=f"{s3}/registry", inference={**data["inference"], "output_url": f"{s3}/scores"})
+        spec = validate_spec(data)
+        state = pipeline(spec, return_state=True)
+        outcome = state.result(raise_on_failure=False).model_dump(mode="json")
+        assert state.is_completed(), outcome
+        assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
+        results = outcome["results"]
+        assert results["train"]["recipe"]["recipe"] == "hf-causal-lm"
+        assert results["evaluate"]["verdict"]["metric"] == "perplexity"
+        assert results["infer"]["rows"] == 50 and Registry(spec.registry_url).champion(spec.name).entry.export

@@ -49,10 +49,11 @@ def relative(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) / abs(y) for x, y in zip(a, b, strict=True))
 
 
-# The lane's two workers take the tests in file order (`--dist worksteal`): the first three go to one,
-# the other four to the other, and a worker with two or fewer left keeps them. So the order balances
-# the two: the pipeline (the longest) with the recompile guard and the weights' round trip, against
-# the external recipe, the checkpoints across devices, the parallel compile and the first losses.
+# The lane's two workers take the tests in file order (`--dist worksteal`): the first half go to one,
+# the other half to the other, and a worker done early takes work from the other's end. So the order
+# balances the two: the pipeline (the longest), the recompile guard, the weights' round trip and the
+# external recipe, against the fine-tuning example, the checkpoints across devices, the parallel
+# compile and the first losses.
 def test_the_pipeline_runs_end_to_end(workdir, lane):
     """The lane's spec file through all six stages on the lane's device, 40 steps instead of 120,
     gated against the reference run of the same spec on the emulator: the device's accuracy must
@@ -151,6 +152,41 @@ def test_an_external_recipe_runs_the_pipeline_on_the_device(workdir, lane):
     assert trained["recompiles"] == [] and trained["hits"] == trained["graphs"] > 0, trained
     lane["external recipe"] = (f"tabular-mlp ran six stages on {DEVICE}: {trained['graphs']} graphs, all from the "
                                f"compile cache; {results['infer']['rows']} predictions published")
+
+
+def test_fine_tuning_a_pretrained_language_model_runs_the_pipeline_on_the_device(workdir, lane):
+    """The fine-tuning example (jobspecs/examples/causal-lm.yaml) on the lane's device, one core: a
+    tiny pretrained decoder and its own tokenizer, prompt/completion rows, gated on perplexity, every
+    graph from the compile cache."""
+    import yaml
+
+    from tests.pretrained import tiny_causal_lm
+    from trnflow.workload.synth import synthesize
+
+    synthesize(workdir / "prompts", days=1, rows_per_day=200, seed=5, fmt="prompt-completion", holdout_rows=48,
+               inference_rows=40)
+    texts = [json.loads(line)[k] for line in (workdir / "prompts/train/dt=2026-01-01/part-00000.jsonl")
+             .read_text().splitlines() for k in ("prompt", "completion")]
+    folder = tiny_causal_lm(workdir / "decoder", texts)
+    spec = yaml.safe_load((Path(__file__).parents[2] / "jobspecs" / "examples" / "causal-lm.yaml").read_text())
+    spec["model"]["params"]["pretrained"] = str(folder)
+    spec["data"].update({part: f"prompts/{part}" for part in ("train", "holdout", "inference")})
+    spec["compute"].update(device=DEVICE, instance_type=INSTANCE, cores_per_node=1, precision="fp32")
+    spec["train"].update(steps=20, checkpoint_every=20, global_batch_size=16)
+    spec["gate"].update(reference="champion", eval_every=None)
+    path = workdir / "causal-lm.yaml"
+    path.write_text(yaml.safe_dump(spec))
+    outcome = json.loads(trnflow("run", str(path), "--json", cwd=workdir).stdout)
+    assert outcome["state"] == "Completed", outcome
+    results = outcome["results"]
+    assert results["train"]["device"]["name"] == DEVICE and results["train"]["recipe"]["recipe"] == "hf-causal-lm"
+    point = results["evaluate"]["points"][-1]
+    assert results["evaluate"]["verdict"]["metric"] == "perplexity" and point["perplexity"] > 1
+    assert results["infer"]["rows"] == 40
+    trained = results["train"]["compile"]
+    assert trained["recompiles"] == [] and trained["hits"] == trained["graphs"] > 0, trained
+    lane["fine-tuning"] = (f"hf-causal-lm ran six stages on {DEVICE}: holdout perplexity {point['perplexity']:.3f}, "
+                           f"{trained['graphs']} graphs, all from the compile cache")
 
 
 def test_a_checkpoint_moves_between_xla_and_the_emulator(workdir, lane):
