@@ -214,3 +214,13 @@ def test_ranks_counting_unequal_tokens_train_on_the_mean_over_all_of_them(review
     ddp = torch.load(tmp_path / "grads.pt", weights_only=True)
     for name, parameter in whole.named_parameters():
         torch.testing.assert_close(ddp[name], parameter.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_its_blocks_are_the_decoder_layers_and_its_activations_are_counted():
+    """Sharded training gathers one decoder layer at a time; the memory check counts the head's
+    logits over the vocabulary, which dominate a small decoder's activations."""
+    recipe = _recipe()
+    model = recipe.build_model()
+    assert recipe.blocks(model) == list(model.lm.model.layers) and len(recipe.blocks(model)) == 1
+    logits = 4 * 32 * 300 * (4 + 8)  # batch 4, seq 32, vocab 300: the head's output, its fp32 copy, log-softmax
+    assert logits < recipe.activation_bytes(4, 4) < 2 * logits
