@@ -17,11 +17,14 @@ from __future__ import annotations
 import contextlib
 import json
 from collections.abc import Iterable, Iterator
+from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import torch
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from torch import nn
 
 from trnflow.errors import FatalError
 
@@ -245,3 +248,57 @@ def saved_state(state: bytes) -> dict | None:
     except (UnicodeDecodeError, json.JSONDecodeError):
         return None
     return document if isinstance(document, dict) and document.get("format") == STATE_FORMAT else None
+
+
+class PretrainedParams(BaseModel):
+    """What the settings of a recipe on a `transformers` model share: the model's config or its
+    pretrained folder, and the fixed sequence length. Each recipe's own Params gives the defaults."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: dict[str, Any] = Field(default_factory=dict, description="Config fields of the model, as for "
+                                   "AutoConfig.for_model.")
+    pretrained: Annotated[str | None, AfterValidator(absolute)] = Field(
+        None,
+        description="A local save_pretrained folder to start from (config.json and .safetensors weights); its config "
+        "replaces `config`, and its tokenizer, if it has one, is used instead of training one.",
+    )
+    seq_len: int = Field(64, ge=4, le=32768, description="Fixed sequence length: rows are cut and padded to it.")
+
+    @model_validator(mode="after")
+    def _config_fits(self) -> PretrainedParams:
+        problem = config_problem(self.config, self.seq_len)
+        if problem:
+            raise ValueError(problem)
+        return self
+
+
+class FromPretrained:
+    """What a recipe on a `transformers` model takes from its pretrained folder: the folder as an
+    input a run needs, the folder's own tokenizer, and the model's layers as sharding's blocks."""
+
+    name: ClassVar[str]
+    params: PretrainedParams
+    pad_with_eos: ClassVar[bool] = False
+    """A folder's tokenizer without a pad token pads with its end-of-sequence token (a decoder's)."""
+
+    def local_inputs(self) -> dict[str, str]:
+        return {"model.params.pretrained": self.params.pretrained} if self.params.pretrained else {}
+
+    @cached_property
+    def _folder_tokenizer(self) -> PretrainedTokenizer | None:
+        """The pretrained folder's own tokenizer, if it has one."""
+        folder = self.params.pretrained
+        if not has_tokenizer(folder):
+            return None
+        return PretrainedTokenizer.from_folder(folder, self.params.seq_len, self.name, pad_with_eos=self.pad_with_eos)
+
+    def blocks(self, model: nn.Module) -> list[nn.Module]:
+        """The transformer layers, wherever the architecture keeps them (BERT's `encoder.layer`,
+        Llama's `model.layers`, GPT-2's `transformer.h`); none found: the whole model."""
+        for module in model.modules():
+            for name in ("layer", "layers", "h"):
+                layers = getattr(module, name, None)
+                if isinstance(layers, nn.ModuleList) and len(layers):
+                    return list(layers)
+        return []

@@ -28,24 +28,22 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterable, Iterator
-from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import pyarrow as pa
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 from torch import nn
 
 from trnflow.errors import FatalError
 from trnflow.workload.recipes.base import Recipe
 from trnflow.workload.recipes.hf_pretrained import (
+    FromPretrained,
+    PretrainedParams,
     PretrainedTokenizer,
-    absolute,
-    config_problem,
-    has_tokenizer,
     load_pretrained,
     pretrained_folder,
     saved_state,
@@ -61,35 +59,20 @@ OUTPUTS = ("nll", "tokens", "correct")
 how many of them it predicted right."""
 
 
-class HfCausalLmParams(BaseModel):
+class HfCausalLmParams(PretrainedParams):
     """The decoder's config (or its pretrained folder), the tokenizer and the rows' layout."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model_type: str = Field("llama", description="The transformers model type the config is for (llama, qwen2, "
                             "mistral, ...).")
     config: dict[str, Any] = Field(default_factory=lambda: dict(SMALL),
                                    description="Config fields of the decoder, as for AutoConfig.for_model.")
-    pretrained: Annotated[str | None, AfterValidator(absolute)] = Field(
-        None,
-        description="A local save_pretrained folder to start from (config.json and .safetensors weights); its config "
-        "replaces `config`, and its tokenizer, if it has one, is used instead of training one.",
-    )
     vocab_size: int = Field(2048, ge=256, le=1_000_000, description="Token vocabulary size of the tokenizer trnflow "
                             "trains (a pretrained folder's tokenizer keeps its own).")
-    seq_len: int = Field(64, ge=4, le=32768, description="Fixed sequence length: rows are cut and padded to it.")
     rows: Literal["text", "prompt-completion"] = Field(
         "prompt-completion", description="text: the data's text_field is trained on whole; prompt-completion: only "
         "the completion's tokens count in the loss and the metrics.")
     prompt_field: str = Field("prompt", description="The prompt's column (rows: prompt-completion).")
     completion_field: str = Field("completion", description="The completion's column (rows: prompt-completion).")
-
-    @model_validator(mode="after")
-    def _config_fits(self) -> HfCausalLmParams:
-        problem = config_problem(self.config, self.seq_len)
-        if problem:
-            raise ValueError(problem)
-        return self
 
 
 class CausalLanguageModel(nn.Module):
@@ -124,7 +107,7 @@ class CausalLanguageModel(nn.Module):
         return torch.cat([pooled.float(), self._scores(ids, rows[:, 2], hidden)[:, :2]], 1)
 
 
-class HfCausalLm(Recipe):
+class HfCausalLm(FromPretrained, Recipe):
     """A transformers causal LM (from a config or a save_pretrained folder) fine-tuned on text or
     prompt/completion rows."""
 
@@ -134,6 +117,7 @@ class HfCausalLm(Recipe):
     params: HfCausalLmParams
     featurizer_file = "tokenizer.json"
     metrics = ("loss", "perplexity", "token_accuracy")
+    pad_with_eos = True
     tokenizer: PretrainedTokenizer | None = None
 
     # -- rows to tensors -------------------------------------------------------------------------
@@ -149,16 +133,6 @@ class HfCausalLm(Recipe):
     def columns(self) -> list[str]:
         p = self.params
         return [self.data.text_field] if p.rows == "text" else [p.prompt_field, p.completion_field]
-
-    def local_inputs(self) -> dict[str, str]:
-        return {"model.params.pretrained": self.params.pretrained} if self.params.pretrained else {}
-
-    @cached_property
-    def _folder_tokenizer(self) -> PretrainedTokenizer | None:
-        folder = self.params.pretrained
-        if not has_tokenizer(folder):
-            return None
-        return PretrainedTokenizer.from_folder(folder, self.params.seq_len, self.name, pad_with_eos=True)
 
     def _texts(self, rows: pa.Table) -> Iterator[str]:
         for name in self.columns():
@@ -272,14 +246,6 @@ class HfCausalLm(Recipe):
         if folder and (Path(folder) / "config.json").is_file():
             return json.loads((Path(folder) / "config.json").read_text())
         return {**self.params.config, "vocab_size": self.params.vocab_size}
-
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        """The decoder's layers (Llama's `layers`, GPT-2's `h`)."""
-        for module in model.modules():
-            layers = getattr(module, "layers", None) or getattr(module, "h", None)
-            if isinstance(layers, nn.ModuleList) and len(layers):
-                return list(layers)
-        return []
 
     # -- what its outputs mean -------------------------------------------------------------------
 

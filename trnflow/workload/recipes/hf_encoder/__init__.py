@@ -15,21 +15,19 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
-from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Any
 
 import pyarrow as pa
 import torch
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field
 from torch import nn
 
 from trnflow.errors import FatalError
 from trnflow.workload.recipes.hf_pretrained import (
+    FromPretrained,
+    PretrainedParams,
     PretrainedTokenizer,
-    absolute,
-    config_problem,
-    has_tokenizer,
     load_pretrained,
     pretrained_folder,
     saved_state,
@@ -42,31 +40,16 @@ SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "i
          "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}
 
 
-class HfEncoderParams(BaseModel):
+class HfEncoderParams(PretrainedParams):
     """The encoder's config (or its pretrained folder), the tokenizer and the head."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model_type: str = Field("bert", description="The transformers model type the config is for (bert, roberta, ...).")
     config: dict[str, Any] = Field(default_factory=lambda: dict(SMALL),
                                    description="Config fields of the encoder, as for AutoConfig.for_model.")
-    pretrained: Annotated[str | None, AfterValidator(absolute)] = Field(
-        None,
-        description="A local save_pretrained folder to start the encoder from (config.json and model.safetensors); "
-        "its config replaces `config`, and its tokenizer, if it has one, is used instead of training "
-        "one.",
-    )
     vocab_size: int = Field(4096, ge=256, le=1_000_000, description="Token vocabulary size of the tokenizer "
                             "trnflow trains (a pretrained folder's tokenizer keeps its own).")
     seq_len: int = Field(64, ge=4, le=8192, description="Fixed sequence length: texts are padded or cut.")
     num_classes: int = Field(2, ge=2, le=100_000, description="Number of output classes.")
-
-    @model_validator(mode="after")
-    def _config_fits(self) -> HfEncoderParams:
-        problem = config_problem(self.config, self.seq_len)
-        if problem:
-            raise ValueError(problem)
-        return self
 
 
 class EncoderClassifier(nn.Module):
@@ -90,7 +73,7 @@ class EncoderClassifier(nn.Module):
         return self.head(self.embed(tokens))
 
 
-class HfEncoder(BpeTextRecipe):
+class HfEncoder(FromPretrained, BpeTextRecipe):
     """A transformers encoder (from a config or a save_pretrained folder) with a classification head."""
 
     name = "hf-encoder"
@@ -99,25 +82,6 @@ class HfEncoder(BpeTextRecipe):
     params: HfEncoderParams
     hf_tokenizer: PretrainedTokenizer | None = None
     """The featurizer when it is a pretrained folder's tokenizer (else `tokenizer`, trnflow's BPE)."""
-
-    def blocks(self, model: nn.Module) -> list[nn.Module]:
-        """The encoder's transformer layers, wherever the architecture keeps them (BERT's
-        `encoder.layer`, DistilBERT's `transformer.layer`); none found: the whole model."""
-        for module in model.modules():
-            layers = getattr(module, "layer", None) or getattr(module, "layers", None)
-            if isinstance(layers, nn.ModuleList) and len(layers):
-                return list(layers)
-        return []
-
-    def local_inputs(self) -> dict[str, str]:
-        return {"model.params.pretrained": self.params.pretrained} if self.params.pretrained else {}
-
-    @cached_property
-    def _folder_tokenizer(self) -> PretrainedTokenizer | None:
-        """The pretrained folder's own tokenizer, if it has one."""
-        folder = self.params.pretrained
-        return PretrainedTokenizer.from_folder(folder, self.params.seq_len, self.name) if has_tokenizer(folder) \
-            else None
 
     @property
     def pad_id(self) -> int:
