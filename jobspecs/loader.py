@@ -219,6 +219,10 @@ def _read_yaml(text: str, source: str) -> Any:
 MODEL_CHECKS: list[Callable[[dict[str, Any]], list[str]]] = []
 """Checks of a spec's model section that need the recipe (registered by `trnflow.workload.recipes`
 when it is imported): each takes the parsed spec and returns `field.path: message` lines."""
+MODEL_PARAMS: list[Callable[[dict[str, Any]], dict[str, Any]]] = []
+"""Rewrites of a spec's `model.params` into the form every job reads the same way (a relative path
+made absolute against the directory trnflow runs from, as data locations are), registered beside
+MODEL_CHECKS: each takes the parsed spec and returns it, rewritten or as it was."""
 
 
 def validate_spec(data: Any, source: str = "<spec>") -> JobSpec:
@@ -226,6 +230,8 @@ def validate_spec(data: Any, source: str = "<spec>") -> JobSpec:
     the recipe's params too, where a recipe check is registered)."""
     if not isinstance(data, dict):
         raise SpecError(source, [f"(top level): expected a mapping of sections, got {type(data).__name__}"])
+    for rewrite in MODEL_PARAMS:
+        data = rewrite(data)
     recipe_problems = [line for check in MODEL_CHECKS for line in check(data)]
     try:
         spec = JobSpec.model_validate(data)

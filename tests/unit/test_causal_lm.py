@@ -150,6 +150,20 @@ def test_the_export_loads_with_transformers_and_generates_from_the_same_logits(t
     assert generated[0, -3] == theirs.argmax()  # greedy: the first new token is the trained logits' best
 
 
+def test_a_pretrained_model_without_a_tokenizer_needs_room_for_the_one_trained(tmp_path, decoder_folder):
+    import shutil
+
+    from trnflow.errors import FatalError
+
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(decoder_folder / name, folder / name)
+    with pytest.raises(FatalError, match=r"model\.params\.vocab_size: 2048 is more than the pretrained model.s \d+ "
+                                         "token embeddings"):
+        _recipe(pretrained=str(folder), vocab_size=2048).build_model()
+
+
 def test_the_config_cannot_disagree_with_the_tokenizer():
     from trnflow.specs import SpecError
 
@@ -186,9 +200,10 @@ def _ranks(rank: int, port: int, features: torch.Tensor, out: Path) -> None:
     torch.manual_seed(0)
     model = DDP(recipe.build_model())
     mine = features[rank::2]
-    recipe.loss(model(mine), torch.zeros(len(mine), dtype=torch.long)).backward()
+    loss = recipe.loss(model(mine), torch.zeros(len(mine), dtype=torch.long))
+    loss.backward()
     if rank == 0:
-        torch.save({k: p.grad for k, p in model.module.named_parameters()}, out)
+        torch.save({"grads": {k: p.grad for k, p in model.module.named_parameters()}, "loss": loss.detach()}, out)
     dist.destroy_process_group()
 
 
@@ -210,10 +225,12 @@ def test_ranks_counting_unequal_tokens_train_on_the_mean_over_all_of_them(review
     torch.multiprocessing.spawn(_ranks, args=(port, features, tmp_path / "grads.pt"), nprocs=2, join=True)
     torch.manual_seed(0)
     whole = recipe.build_model()
-    recipe.loss(whole(torch.cat([features[0::2], features[1::2]])), torch.zeros(4, dtype=torch.long)).backward()
+    loss = recipe.loss(whole(torch.cat([features[0::2], features[1::2]])), torch.zeros(4, dtype=torch.long))
+    loss.backward()
     ddp = torch.load(tmp_path / "grads.pt", weights_only=True)
+    torch.testing.assert_close(ddp["loss"], loss.detach(), rtol=1e-5, atol=1e-6)  # rank 0 logs the batch's mean
     for name, parameter in whole.named_parameters():
-        torch.testing.assert_close(ddp[name], parameter.grad, rtol=1e-4, atol=1e-6)
+        torch.testing.assert_close(ddp["grads"][name], parameter.grad, rtol=1e-4, atol=1e-6)
 
 
 def test_its_blocks_are_the_decoder_layers_and_its_activations_are_counted():

@@ -55,12 +55,15 @@ def test_a_damaged_export_or_a_used_folder_is_refused(tmp_path):
     damaged = runner.invoke(app, [*argv, str(tmp_path / "out")])
     said = " ".join(damaged.stderr.split())
     assert damaged.exit_code == 1 and "model.safetensors: does not match its checksum" in said
-    assert not (tmp_path / "out" / "EXPORTED").exists()  # never marked whole
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+    unknown = runner.invoke(app, [*argv, str(tmp_path / "out"), "--version", "9"])
+    assert unknown.exit_code == 2 and "--version 9: lm has no such version" in " ".join(unknown.stderr.split())
 
 
 def test_a_marker_naming_a_file_outside_the_export_is_refused(tmp_path):
-    escape = {"../../registry/lm/champion/g000001.json": ExportedFile(sha256="0" * 64, size=1)}
-    _, argv = _export(tmp_path / "a", listed=escape)
+    escape = "../../../registry/lm/champion/g000001.json"
+    folder, argv = _export(tmp_path, listed={escape: ExportedFile(sha256="0" * 64, size=1)})
+    assert (folder / escape).resolve().is_file()  # a real file of the registry, beside the export
     result = runner.invoke(app, [*argv, str(tmp_path / "out")])
     assert result.exit_code == 1 and "which is not a file inside the export" in " ".join(result.stderr.split())
-    assert not (tmp_path / "registry").exists() and not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists()

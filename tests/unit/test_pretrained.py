@@ -171,6 +171,34 @@ def test_a_folder_that_steers_transformers_to_a_pickle_is_refused_before_anythin
     assert calls == []
 
 
+def test_a_layout_the_checks_miss_still_cannot_read_a_pickle(tmp_path, encoder_folder, monkeypatch):
+    """Were the layout checks to miss a route to a pickle, the load itself refuses it, by name."""
+    import shutil
+
+    from trnflow.workload.recipes import hf_pretrained
+
+    named = tmp_path / "named"
+    shutil.copytree(encoder_folder, named)
+    import torch
+
+    torch.save({"x": torch.zeros(1)}, named / "adapter_model.bin")
+    config = json.loads((named / "config.json").read_text())
+    (named / "config.json").write_text(json.dumps({**config, "transformers_weights": "adapter_model.bin"}))
+    monkeypatch.setattr(hf_pretrained, "_weight_files", lambda folder: [])  # as if the checks had missed it
+    with pytest.raises(FatalError, match=r"tried to read a pickle \(.*adapter_model\.bin\)"):
+        _encoder(named).build_model()
+    assert torch.load(named / "adapter_model.bin", weights_only=True)["x"].shape == (1,)  # restored after
+
+
+def test_a_relative_pretrained_folder_is_made_absolute_in_the_spec_every_job_reads(tmp_path, monkeypatch,
+                                                                                  encoder_folder):
+    monkeypatch.chdir(tmp_path)
+    spec = validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": {"pretrained": "models/base"}}))
+    assert spec.model.params["pretrained"] == str(tmp_path / "models" / "base")
+    again = validate_spec(json.loads(spec.model_dump_json()))  # as a job reads its spec.json, elsewhere
+    assert again.model.params == spec.model.params
+
+
 def test_while_a_pretrained_model_loads_no_pickle_can_be_read(tmp_path):
     import torch
 

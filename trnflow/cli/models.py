@@ -199,19 +199,23 @@ def export(model: ModelArg, out: Annotated[Path, typer.Argument(help="A new or e
         err.print(f"OUT {out}: is not an empty folder; give a new or empty one", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
     with _registry(registry) as reg:
+        if version is not None and version not in [v.version for v in reg.readable(model)[0]]:
+            err.print(f"--version {version}: {shown(model)} has no such version in {shown(registry)} "
+                      "(`trnflow models ls` lists them)", **RED)
+            raise typer.Exit(ExitCode.BAD_INPUT)
         entry = reg.version(model, version) if version is not None else reg.champion(model)
         if entry is None:
-            err.print(f"{model} has no champion in {registry}; name a version with --version "
+            err.print(f"{shown(model)} has no champion in {shown(registry)}; name a version with --version "
                       "(`trnflow models ls`)", **RED)
             raise typer.Exit(ExitCode.BAD_INPUT)
         if entry.entry.export is None:
-            err.print(f"{model} v{entry.version} has no export: its recipe ({(entry.entry.recipe or {}).get('recipe')})"
-                      " writes none", **RED)
+            err.print(f"{shown(model)} v{entry.version} has no export: its recipe "
+                      f"({shown((entry.entry.recipe or {}).get('recipe'))}) writes none", **RED)
             raise typer.Exit(ExitCode.BAD_INPUT)
         try:
             marker = copy_export(entry.entry.export, out)
         except DataError as exc:
-            err.print(str(exc), **RED)
+            err.print(shown(exc), **RED)
             raise typer.Exit(ExitCode.FAILED) from None
     if as_json:
         print(json.dumps({"model": model, "version": entry.version, "export": entry.entry.export, "out": str(out),

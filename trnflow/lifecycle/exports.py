@@ -3,14 +3,17 @@ library's format, such as `save_pretrained`'s), copied to a local folder for use
 `trnflow models export`, and the way one run's model becomes the next one's pretrained folder.
 
 The export's marker `EXPORTED` lists each file with its sha256 and size. Only listed files are
-copied, each checked before it is kept; a name that would leave the folder is refused, and the
-marker is written last, so a folder with `EXPORTED` is whole.
+copied, each checked before it is kept; a name that would leave the folder is refused; the copy is
+made in a folder beside the destination and renamed to it once whole.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path, PurePosixPath
 
 from trnflow.errors import DataError
@@ -28,8 +31,9 @@ def _safe(name: str, origin: str) -> PurePosixPath:
 
 
 def copy_export(url: str, dest: Path) -> ExportMarker:
-    """Copy the export at `url` into the local folder `dest` (empty or new), every file checked
-    against the marker; the marker last. DataError names what is missing or damaged."""
+    """Copy the export at `url` into the local folder `dest` (new, or empty), every file checked
+    against the marker: into a folder beside it first, renamed to `dest` once whole, so that `dest`
+    never holds part of an export. DataError names what is missing or damaged, or cannot be written."""
     store = open_store(url)
     try:
         marker_bytes = store.read(MARKER)
@@ -39,6 +43,25 @@ def copy_export(url: str, dest: Path) -> ExportMarker:
     marker = read(ExportMarker, marker_bytes, f"{url}/{MARKER}")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise DataError(f"{dest}: is not an empty folder; give a new or empty one")
+    staging = None
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
+        _fill(store, url, marker, staging)
+        if dest.exists():
+            dest.rmdir()  # empty, as checked: the staged folder takes its place
+        os.replace(staging, dest)
+        staging = None
+    except OSError as exc:
+        raise DataError(f"{dest}: cannot be written ({exc.strerror or exc}); check the folder and its "
+                        "permissions") from None
+    finally:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+    return marker
+
+
+def _fill(store, url: str, marker: ExportMarker, folder: Path) -> None:
     for name, listed in sorted(marker.files.items()):
         path = _safe(name, f"{url}/{MARKER}")
         try:
@@ -47,6 +70,5 @@ def copy_export(url: str, dest: Path) -> ExportMarker:
             raise DataError(f"{url}/{name}: listed in {MARKER} but missing; the export is damaged") from None
         if len(data) != listed.size or hashlib.sha256(data).hexdigest() != listed.sha256:
             raise DataError(f"{url}/{name}: does not match its checksum in {MARKER}; the export is damaged")
-        atomic_write_bytes(dest.joinpath(*path.parts), data)
-    atomic_write_bytes(dest / MARKER, json.dumps(marker.model_dump(mode="json"), indent=1).encode())
-    return marker
+        atomic_write_bytes(folder.joinpath(*path.parts), data)
+    atomic_write_bytes(folder / MARKER, json.dumps(marker.model_dump(mode="json"), indent=1).encode())

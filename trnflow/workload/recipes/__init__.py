@@ -29,7 +29,7 @@ from trnflow.device import plans
 from trnflow.errors import FatalError
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, SpecError, is_module_reference
-from trnflow.specs.loader import MODEL_CHECKS
+from trnflow.specs.loader import MODEL_CHECKS, MODEL_PARAMS
 from trnflow.specs.spec import MODULE_REFERENCE, RECIPE_NAME
 from trnflow.workload.recipes.base import METRICS, Recipe
 
@@ -148,6 +148,24 @@ def model_problems(data: dict[str, Any]) -> list[str]:
             for name in wanted if isinstance(name, str) and name not in cls.metrics]
 
 
+def canonical_params(data: dict[str, Any]) -> dict[str, Any]:
+    """The parsed spec with its model's params as the recipe writes them (`Recipe.canonical_params`);
+    as it was for a spec whose model section is not yet of the recipe-and-params form, or whose
+    recipe is a module that is only looked up, never run, before the job."""
+    model = data.get("model")
+    if not isinstance(model, dict) or not isinstance(model.get("params", {}), dict):
+        return data
+    recipe = model.get("recipe", "m5-text")
+    if not isinstance(recipe, str) or not well_formed(recipe) or recipe not in installed():
+        return data
+    try:
+        cls = recipe_class(recipe)
+    except FatalError:
+        return data  # model_problems says why
+    params = cls.canonical_params(model.get("params", {}))
+    return data if params == model.get("params", {}) else {**data, "model": {**model, "params": params}}
+
+
 def problems(spec: JobSpec) -> list[str]:
     """`model_problems` of a validated spec."""
     return model_problems(spec.model_dump(mode="json"))
@@ -155,6 +173,7 @@ def problems(spec: JobSpec) -> list[str]:
 
 if model_problems not in MODEL_CHECKS:  # every spec validated from here on checks its recipe too
     MODEL_CHECKS.append(model_problems)
+    MODEL_PARAMS.append(canonical_params)
 
 
 def recipe_for(spec: JobSpec) -> Recipe:

@@ -193,6 +193,12 @@ class Recipe(ABC):
                              "better; the recipe sets it in its `directions`")
         return found
 
+    @classmethod
+    def canonical_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """`model.params` as every job should read them, rewritten when the spec is validated (a
+        relative path made absolute against the directory trnflow runs from); as given by default."""
+        return params
+
     def local_inputs(self) -> dict[str, str]:
         """Local files or folders its params name that must exist before a run starts (a pretrained
         model's folder), by the spec field that names them: `trnflow validate` notes a missing one,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 from collections.abc import Iterable, Iterator
 from functools import cached_property
 from pathlib import Path
@@ -84,24 +85,33 @@ def _weight_files(folder: Path) -> list[str]:
         if not files or not all(plain(f) and (folder / f).is_file() for f in files):
             raise refuse(f"has a weight index naming {files}, not safetensors files beside it")
         return files
-    if not (folder / "model.safetensors").is_file():
-        raise refuse("has no model.safetensors")
-    return ["model.safetensors"]
+    weights = named or "model.safetensors"
+    if not (folder / weights).is_file():
+        raise refuse(f"has no {weights}")
+    return [weights]
+
+
+_GUARD = threading.Lock()
+"""One pretrained model loads at a time, so that `torch.load` is refused and restored in turn."""
 
 
 @contextlib.contextmanager
-def _no_pickles(folder: Path) -> Iterator[None]:
-    """While a pretrained model loads, `torch.load` (a pickle) refuses: a layout the checks above do
-    not know cannot read one either."""
+def _no_pickles(folder: Path) -> Iterator[list[str]]:
+    """While a pretrained model loads, `torch.load` (a pickle) refuses, and the files it was asked
+    to read are listed: a layout the checks above do not know cannot read one either."""
+    tried: list[str] = []
+
     def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise FatalError(f"model.params.pretrained: loading {folder} tried to read a pickle ({args[:1]}); "
+        tried.append(str(args[0]) if args else "?")
+        raise FatalError(f"model.params.pretrained: loading {folder} tried to read a pickle ({tried[-1]}); "
                          "trnflow loads weights from safetensors only")
 
-    original, torch.load = torch.load, refuse
-    try:
-        yield
-    finally:
-        torch.load = original
+    with _GUARD:
+        original, torch.load = torch.load, refuse
+        try:
+            yield tried
+        finally:
+            torch.load = original
 
 
 def load_pretrained(auto_class: Any, folder: Path) -> Any:
@@ -114,12 +124,15 @@ def load_pretrained(auto_class: Any, folder: Path) -> Any:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
         return auto_class.from_config(config, trust_remote_code=False)
     _weight_files(folder)
-    try:
-        with _no_pickles(folder):
+    with _no_pickles(folder) as tried:
+        try:
             return auto_class.from_pretrained(folder, local_files_only=True, trust_remote_code=False,
                                               use_safetensors=True)
-    except (OSError, ValueError) as exc:
-        raise FatalError(f"model.params.pretrained: {folder} cannot be loaded ({exc})") from None
+        except (OSError, ValueError) as exc:  # transformers words a refused read as its own OSError
+            if tried:
+                raise FatalError(f"model.params.pretrained: loading {folder} tried to read a pickle ({tried[0]}); "
+                                 "trnflow loads weights from safetensors only") from None
+            raise FatalError(f"model.params.pretrained: {folder} cannot be loaded ({exc})") from None
 
 
 def has_tokenizer(folder: str | None) -> bool:
@@ -281,6 +294,12 @@ class FromPretrained:
     params: PretrainedParams
     pad_with_eos: ClassVar[bool] = False
     """A folder's tokenizer without a pad token pads with its end-of-sequence token (a decoder's)."""
+
+    @classmethod
+    def canonical_params(cls, params: dict[str, Any]) -> dict[str, Any]:
+        """A relative `pretrained` folder made absolute: every job reads the folder the spec meant."""
+        folder = params.get("pretrained")
+        return {**params, "pretrained": absolute(folder)} if isinstance(folder, str) and folder else params
 
     def local_inputs(self) -> dict[str, str]:
         return {"model.params.pretrained": self.params.pretrained} if self.params.pretrained else {}

@@ -211,6 +211,10 @@ class HfCausalLm(FromPretrained, Recipe):
                 raise FatalError(f"model.params.pretrained: the tokenizer in {p.pretrained} has {own.vocab_size} "
                                  f"tokens, the model {lm.config.vocab_size} token embeddings; save the model's own "
                                  "tokenizer there")
+            if own is None and lm.config.vocab_size < p.vocab_size:
+                raise FatalError(f"model.params.vocab_size: {p.vocab_size} is more than the pretrained model's "
+                                 f"{lm.config.vocab_size} token embeddings (its folder has no tokenizer, so one is "
+                                 "trained); set it to at most that, or save the model's own tokenizer there")
         else:
             config = transformers_.AutoConfig.for_model(
                 p.model_type, **{"vocab_size": p.vocab_size, "max_position_embeddings": max(p.seq_len, 64),
@@ -221,13 +225,16 @@ class HfCausalLm(FromPretrained, Recipe):
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss over the counted tokens of the whole step's batch, on every rank
         alike: ranks count different numbers of tokens, and their gradients are averaged, so each
-        rank's summed loss is divided by the tokens of all ranks (and multiplied by their number)."""
+        rank's summed loss is divided by the tokens of all ranks (and multiplied by their number) for
+        its gradient, while its value is the batch's mean (what training logs and checks)."""
         nll, tokens = logits[:, 0].sum(), logits[:, 1].sum()
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            total = tokens.detach().clone()
-            dist.all_reduce(total)
-            return nll * dist.get_world_size() / total.clamp_min(1.0)
-        return nll / tokens.clamp_min(1.0)
+        if not (dist.is_initialized() and dist.get_world_size() > 1):
+            return nll / tokens.clamp_min(1.0)
+        both = torch.stack([nll.detach(), tokens.detach()])
+        dist.all_reduce(both)
+        total = both[1].clamp_min(1.0)
+        scaled = nll * dist.get_world_size() / total  # its gradient, averaged over the ranks, is the batch's
+        return scaled + (both[0] / total - scaled).detach()  # its value: the batch's mean, as every rank logs it
 
     def activation_bytes(self, batch: int, value_bytes: int) -> int:
         """Per layer: the attention's projections and scores and the MLP's three projections; then the
