@@ -158,7 +158,7 @@ def test_the_hugging_face_encoder_starts_from_a_local_save_pretrained_folder(tmp
     assert all(torch.equal(loaded[k], v) for k, v in trained.encoder.state_dict().items())
     too_big = recipe_for(validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": {
         **TestHfEncoder.params, "pretrained": str(tmp_path / "encoder"), "vocab_size": 5000}})))
-    with pytest.raises(FatalError, match=r"model\.params\.vocab_size: 5000 is more than the pretrained encoder.s 300"):
+    with pytest.raises(FatalError, match=r"model\.params\.vocab_size: 5000 is more than the pretrained model.s 300"):
         too_big.build_model()
     with pytest.raises(FatalError, match=r"has no config\.json"):
         recipe_for(validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": {

@@ -312,6 +312,23 @@ class FromPretrained:
             return None
         return PretrainedTokenizer.from_folder(folder, self.params.seq_len, self.name, pad_with_eos=self.pad_with_eos)
 
+    def _pretrained_model(self, auto_class: Any) -> Any:
+        """The folder's model (`auto_class`), its embeddings checked against the tokenizer it will
+        read: the folder's own, or one trained to `vocab_size` tokens."""
+        folder = self.params.pretrained
+        assert folder, "a pretrained folder"
+        model = load_pretrained(auto_class, pretrained_folder(folder))
+        own, embeddings = self._folder_tokenizer, model.config.vocab_size
+        if own is not None and own.vocab_size > embeddings:
+            raise FatalError(f"model.params.pretrained: the tokenizer in {folder} has {own.vocab_size} tokens, the "
+                             f"model {embeddings} token embeddings; save the model's own tokenizer there")
+        wanted = getattr(self.params, "vocab_size", 0)
+        if own is None and embeddings < wanted:
+            raise FatalError(f"model.params.vocab_size: {wanted} is more than the pretrained model's {embeddings} "
+                             "token embeddings (its folder has no tokenizer, so one is trained); set it to at most "
+                             "that, or save the model's own tokenizer there")
+        return model
+
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The transformer layers, wherever the architecture keeps them (BERT's `encoder.layer`,
         Llama's `model.layers`, GPT-2's `transformer.h`); none found: the whole model."""

@@ -44,8 +44,6 @@ from trnflow.workload.recipes.hf_pretrained import (
     FromPretrained,
     PretrainedParams,
     PretrainedTokenizer,
-    load_pretrained,
-    pretrained_folder,
     saved_state,
     train_byte_tokenizer,
     transformers,
@@ -205,16 +203,7 @@ class HfCausalLm(FromPretrained, Recipe):
     def build_model(self) -> CausalLanguageModel:
         transformers_, p = transformers(self.name), self.params
         if p.pretrained:
-            lm = load_pretrained(transformers_.AutoModelForCausalLM, pretrained_folder(p.pretrained))
-            own = self._folder_tokenizer
-            if own is not None and own.vocab_size > lm.config.vocab_size:
-                raise FatalError(f"model.params.pretrained: the tokenizer in {p.pretrained} has {own.vocab_size} "
-                                 f"tokens, the model {lm.config.vocab_size} token embeddings; save the model's own "
-                                 "tokenizer there")
-            if own is None and lm.config.vocab_size < p.vocab_size:
-                raise FatalError(f"model.params.vocab_size: {p.vocab_size} is more than the pretrained model's "
-                                 f"{lm.config.vocab_size} token embeddings (its folder has no tokenizer, so one is "
-                                 "trained); set it to at most that, or save the model's own tokenizer there")
+            lm = self._pretrained_model(transformers_.AutoModelForCausalLM)
         else:
             config = transformers_.AutoConfig.for_model(
                 p.model_type, **{"vocab_size": p.vocab_size, "max_position_embeddings": max(p.seq_len, 64),

@@ -28,8 +28,6 @@ from trnflow.workload.recipes.hf_pretrained import (
     FromPretrained,
     PretrainedParams,
     PretrainedTokenizer,
-    load_pretrained,
-    pretrained_folder,
     saved_state,
     transformers,
 )
@@ -128,15 +126,7 @@ class HfEncoder(FromPretrained, BpeTextRecipe):
     def build_model(self) -> EncoderClassifier:
         transformers_, p = transformers(self.name), self.params
         if p.pretrained:
-            encoder = load_pretrained(transformers_.AutoModel, pretrained_folder(p.pretrained))
-            own = self._folder_tokenizer
-            if own is not None and own.vocab_size > encoder.config.vocab_size:
-                raise FatalError(f"model.params.pretrained: the tokenizer in {p.pretrained} has {own.vocab_size} "
-                                 f"tokens, the encoder {encoder.config.vocab_size} token embeddings; save the "
-                                 "model's own tokenizer there")
-            if own is None and encoder.config.vocab_size < p.vocab_size:
-                raise FatalError(f"model.params.vocab_size: {p.vocab_size} is more than the pretrained encoder's "
-                                 f"{encoder.config.vocab_size} token embeddings; set it to at most that")
+            encoder = self._pretrained_model(transformers_.AutoModel)
         else:
             config = transformers_.AutoConfig.for_model(
                 p.model_type, **{"vocab_size": p.vocab_size, "max_position_embeddings": max(p.seq_len, 64),
