@@ -33,8 +33,9 @@ atexit.register(shutil.rmtree, os.environ["TRNFLOW_NEURON_RT_DIR"], ignore_error
 # workers (`--dist loadfile`, in collection order), so these start first and the run ends on short
 # ones, not with one worker busy on a long file while the other has nothing left.
 LONGEST_FILES = ("test_prefect_server.py", "test_cloud_backends.py", "test_image_install.py",
-                 "test_recipe_pipelines.py", "test_pipeline.py", "test_faults.py", "test_mock_aws_docs.py",
-                 "test_retrain.py", "test_fault_matrix.py", "test_inference.py", "test_readme.py")
+                 "test_recipe_pipelines.py", "test_pipeline.py", "test_causal_lm.py", "test_faults.py",
+                 "test_mock_aws_docs.py", "test_retrain.py", "test_fault_matrix.py", "test_inference.py",
+                 "test_readme.py")
 
 
 def pytest_collection_modifyitems(items):
