@@ -177,10 +177,6 @@ class Band(Record):
         return f"±{self.max_rel_diff * 100:g}% of the reference" if self.max_rel_diff is not None \
             else f"±{self.max_abs_diff:g}"
 
-    def band(self) -> Band:
-        return Band(metric=self.metric, max_abs_diff=self.max_abs_diff, max_rel_diff=self.max_rel_diff,
-                    better=self.better)
-
 
 class Verdict(Band):
     """The gate's verdict within its band: every matched point, the paired test and, for several

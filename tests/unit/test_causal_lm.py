@@ -15,7 +15,7 @@ from tests.pretrained import tiny_causal_lm
 from trnflow.specs import validate_spec
 from trnflow.testing.recipe_contract import RecipeContract
 from trnflow.workload.recipes import recipe_for
-from trnflow.workload.synth import synthesize
+from trnflow.workload.synth import prompt_completion
 
 pytestmark = pytest.mark.unit
 
@@ -24,20 +24,17 @@ SMALL = {"config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_laye
 
 
 @pytest.fixture(scope="module")
-def reviews(tmp_path_factory) -> pa.Table:
-    import pyarrow.json as pajson
-
-    root = tmp_path_factory.mktemp("reviews")
-    synthesize(root, days=1, rows_per_day=60, seed=3, fmt="jsonl")
-    table = pa.concat_tables([pajson.read_json(f) for f in sorted((root / "train").rglob("*.jsonl"))])
-    words = [" positive" if label else " negative" for label in table.column("label").to_pylist()]
-    prompts = [f"Review: {text}\nSentiment:" for text in table.column("text").to_pylist()]
-    return table.append_column("prompt", pa.array(prompts)).append_column("completion", pa.array(words))
+def prompts(reviews) -> pa.Table:
+    """The reviews with each one's prompt and completion, as `trnflow data synth --format
+    prompt-completion` writes them."""
+    pairs = [prompt_completion(row) for row in reviews.to_pylist()]
+    return reviews.append_column("prompt", pa.array([p["prompt"] for p in pairs])).append_column(
+        "completion", pa.array([p["completion"] for p in pairs]))
 
 
 @pytest.fixture(scope="module")
-def decoder_folder(tmp_path_factory, reviews) -> Path:
-    texts = reviews.column("prompt").to_pylist() + reviews.column("completion").to_pylist()
+def decoder_folder(tmp_path_factory, prompts) -> Path:
+    texts = prompts.column("prompt").to_pylist() + prompts.column("completion").to_pylist()
     return tiny_causal_lm(tmp_path_factory.mktemp("pretrained") / "decoder", texts)
 
 
@@ -53,8 +50,8 @@ class TestHfCausalLm(RecipeContract):
     params: ClassVar[dict] = SMALL
 
     @pytest.fixture(autouse=True)
-    def _rows(self, reviews):
-        self._table = reviews
+    def _rows(self, prompts):
+        self._table = prompts
 
     def rows(self) -> pa.Table:
         return self._table
@@ -66,9 +63,9 @@ class TestHfCausalLmOnText(TestHfCausalLm):
     params: ClassVar[dict] = {**SMALL, "rows": "text"}
 
 
-def test_only_the_completion_and_its_end_count_and_a_long_prompt_loses_its_start(reviews):
+def test_only_the_completion_and_its_end_count_and_a_long_prompt_loses_its_start(prompts):
     recipe = _recipe(seq_len=12)
-    recipe.fit(reviews)
+    recipe.fit(prompts)
     tok = recipe.tokenizer.tokenizer
     rows = pa.table({"prompt": ["Review: a b c d e f g h i j k l m n o p\nSentiment:", "Hi"],
                      "completion": [" positive", " negative"]})
@@ -87,14 +84,14 @@ def test_only_the_completion_and_its_end_count_and_a_long_prompt_loses_its_start
     assert short_counted[n:].sum() == 0 and short_ids[0] == tok.bos_token_id
 
 
-def test_a_pretrained_folders_tokenizer_gives_the_ids_and_the_loss_is_transformers_own(decoder_folder, reviews):
+def test_a_pretrained_folders_tokenizer_gives_the_ids_and_the_loss_is_transformers_own(decoder_folder, prompts):
     """A Llama-style tokenizer without a pad token pads with its end-of-sequence token; the loss of
     a row whose every token counts is the one transformers computes, and so is a padded batch's of
     prompts and completions, transformers ignoring the prompts and padding (label -100)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     recipe = _recipe(pretrained=str(decoder_folder), rows="text", seq_len=48)
-    recipe.fit(reviews)
+    recipe.fit(prompts)
     theirs = AutoTokenizer.from_pretrained(decoder_folder, local_files_only=True)
     assert theirs.pad_token is None and recipe.tokenizer.pad_id == theirs.eos_token_id
     text = "the best thing i have bought in years"
@@ -108,8 +105,8 @@ def test_a_pretrained_folders_tokenizer_gives_the_ids_and_the_loss_is_transforme
         ids = torch.tensor([expected])
         assert ours.item() == pytest.approx(lm(ids, labels=ids).loss.item(), rel=1e-5)
     pairs = _recipe(pretrained=str(decoder_folder), seq_len=48)
-    pairs.fit(reviews)
-    rows = reviews.slice(0, 6)
+    pairs.fit(prompts)
+    rows = prompts.slice(0, 6)
     features = pairs.features(rows)
     labels = features[:, 0].masked_fill(features[:, 2] == 0, -100)
     assert 0 < (labels != -100).sum() < features[:, 1].sum()  # prompts and padding do not count
@@ -118,7 +115,7 @@ def test_a_pretrained_folders_tokenizer_gives_the_ids_and_the_loss_is_transforme
         assert ours.item() == pytest.approx(lm(features[:, 0], labels=labels).loss.item(), rel=1e-5)
 
 
-def test_metrics_are_per_counted_token_and_inference_publishes_likelihoods(reviews):
+def test_metrics_are_per_counted_token_and_inference_publishes_likelihoods(prompts):
     recipe = _recipe()
     outputs = torch.tensor([[6.0, 3.0, 1.0], [2.0, 1.0, 1.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
     values = recipe.evaluate(outputs, torch.zeros(3, dtype=torch.long), ["perplexity"])
@@ -130,11 +127,11 @@ def test_metrics_are_per_counted_token_and_inference_publishes_likelihoods(revie
     assert published["perplexity"][0].item() == pytest.approx(7.389056) and published["perplexity"][1].isnan()
 
 
-def test_the_export_loads_with_transformers_and_generates_from_the_same_logits(tmp_path, reviews):
+def test_the_export_loads_with_transformers_and_generates_from_the_same_logits(tmp_path, prompts):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     recipe = _recipe()
-    recipe.fit(reviews)
+    recipe.fit(prompts)
     torch.manual_seed(0)
     model = recipe.build_model().eval()
     assert recipe.export(model, tmp_path)
@@ -174,13 +171,13 @@ def test_the_config_cannot_disagree_with_the_tokenizer():
         assert any(said in p for p in bad.value.problems), bad.value.problems
 
 
-def test_a_saved_tokenizer_naming_special_tokens_it_lacks_is_refused(reviews):
+def test_a_saved_tokenizer_naming_special_tokens_it_lacks_is_refused(prompts):
     import json
 
     from trnflow.errors import FatalError
 
     recipe = _recipe()
-    recipe.fit(reviews)
+    recipe.fit(prompts)
     document = json.loads(recipe.state())
     document["special"]["mask_token"] = "<brand-new>"  # would grow the vocabulary past the embeddings
     with pytest.raises(FatalError, match=r"step-20: names special tokens \['<brand-new>'\]"):
@@ -208,13 +205,13 @@ def _ranks(rank: int, port: int, features: torch.Tensor, out: Path) -> None:
 
 
 @pytest.mark.slow  # two real processes: `make test` runs it, `make test-fast` leaves it out
-def test_ranks_counting_unequal_tokens_train_on_the_mean_over_all_of_them(reviews, tmp_path):
+def test_ranks_counting_unequal_tokens_train_on_the_mean_over_all_of_them(prompts, tmp_path):
     """Rank 0's rows count far more tokens than rank 1's: the gradients DDP averages are those of the
     mean loss over every counted token of the batch, as one process computes it."""
     import socket
 
     recipe = _recipe(rows="text")
-    recipe.fit(reviews)
+    recipe.fit(prompts)
     texts = ["a long review " * 6, "ok", "another long review text " * 3, "fine"]
     features = recipe.features(pa.table({"text": texts}))
     counts = features[:, 2].sum(1)

@@ -17,18 +17,8 @@ from trnflow.specs import validate_spec
 from trnflow.testing.recipe_contract import RecipeContract
 from trnflow.workload.recipes import recipe_for
 from trnflow.workload.recipes.hf_pretrained import STATE_FORMAT, saved_state
-from trnflow.workload.synth import synthesize
 
 pytestmark = pytest.mark.unit
-
-
-@pytest.fixture(scope="module")
-def reviews(tmp_path_factory) -> pa.Table:
-    import pyarrow.json as pajson
-
-    root = tmp_path_factory.mktemp("reviews")
-    synthesize(root, days=1, rows_per_day=60, seed=3, fmt="jsonl")
-    return pa.concat_tables([pajson.read_json(f) for f in sorted((root / "train").rglob("*.jsonl"))])
 
 
 @pytest.fixture(scope="module")

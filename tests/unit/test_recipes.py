@@ -16,16 +16,6 @@ from trnflow.specs import SpecError, validate_spec
 from trnflow.testing.recipe_contract import RecipeContract
 from trnflow.workload.recipes import installed, recipe_class, recipe_for
 from trnflow.workload.recipes.m5_text import M5Text
-from trnflow.workload.synth import synthesize
-
-
-@pytest.fixture(scope="module")
-def reviews(tmp_path_factory) -> pa.Table:
-    import pyarrow.json as pajson
-
-    root = tmp_path_factory.mktemp("reviews")
-    synthesize(root, days=1, rows_per_day=60, seed=3, fmt="jsonl")
-    return pa.concat_tables([pajson.read_json(f) for f in sorted((root / "train").rglob("*.jsonl"))])
 
 
 class TestM5Text(RecipeContract):

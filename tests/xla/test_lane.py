@@ -124,32 +124,47 @@ def test_weights_make_the_round_trip_through_the_device_bit_for_bit(workdir):
     assert all(torch.equal(back[k], v) for k, v in saved.model.items())
 
 
+def _example_on_the_device(workdir: Path, example: str, recipe: str, data: str, steps: int, global_batch_size: int,
+                           precision: str | None = None, pretrained: str | None = None) -> tuple[dict, dict]:
+    """An example spec file of the project (`example`, from its root) on the lane's device, one core,
+    its data under `workdir/<data>`, through the six stages with `trnflow run`: every stage completed,
+    trained by `recipe` on the device, every graph from the compile cache. The results, and the
+    training's compile figures."""
+    import yaml
+
+    spec = yaml.safe_load((Path(__file__).parents[2] / example).read_text())
+    if pretrained:
+        spec["model"]["params"]["pretrained"] = pretrained
+    spec["data"].update({part: f"{data}/{part}" for part in ("train", "holdout", "inference")})
+    spec["compute"].update(device=DEVICE, instance_type=INSTANCE, cores_per_node=1,
+                           **({"precision": precision} if precision else {}))
+    spec["train"].update(steps=steps, checkpoint_every=steps, global_batch_size=global_batch_size)
+    spec["gate"].update(reference="champion", eval_every=None)
+    path = workdir / Path(example).name
+    path.write_text(yaml.safe_dump(spec))
+    outcome = json.loads(trnflow("run", str(path), "--json", cwd=workdir).stdout)
+    assert outcome["state"] == "Completed", outcome
+    results = outcome["results"]
+    assert results["train"]["device"]["name"] == DEVICE and results["train"]["recipe"]["recipe"] == recipe
+    trained = results["train"]["compile"]
+    assert trained["recompiles"] == [] and trained["hits"] == trained["graphs"] > 0, trained
+    return results, trained
+
+
 def test_an_external_recipe_runs_the_pipeline_on_the_device(workdir, lane):
     """The example recipe tabular-mlp (examples/recipes, installed in the lane's venv): its spec file
     on the lane's device, one core, through the six stages; it publishes predictions."""
     import numpy as np
     import pyarrow.parquet as pq
-    import yaml
     from tabular_recipe.data import rows
 
     rng = np.random.default_rng(5)
     for name, n, labelled in (("train/dt=2026-01-01", 600, True), ("holdout", 300, True), ("inference", 200, False)):
         (workdir / "tabular" / name).mkdir(parents=True)
         pq.write_table(rows(rng, n, 0, labelled), workdir / "tabular" / name / "part-00000.parquet")
-    spec = yaml.safe_load((Path(__file__).parents[2] / "examples" / "recipes" / "tabular.yaml").read_text())
-    spec["data"].update({name: f"tabular/{name}" for name in ("train", "holdout", "inference")})
-    spec["compute"].update(device=DEVICE, instance_type=INSTANCE, cores_per_node=1)
-    spec["train"].update(steps=30, checkpoint_every=30, global_batch_size=32)
-    spec["gate"].update(reference="champion", eval_every=None)
-    path = workdir / "tabular.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    outcome = json.loads(trnflow("run", str(path), "--json", cwd=workdir).stdout)
-    assert outcome["state"] == "Completed", outcome
-    results = outcome["results"]
-    assert results["train"]["device"]["name"] == DEVICE and results["train"]["recipe"]["recipe"] == "tabular-mlp"
+    results, trained = _example_on_the_device(workdir, "examples/recipes/tabular.yaml", "tabular-mlp", "tabular",
+                                              steps=30, global_batch_size=32)
     assert results["infer"]["published"] == "predictions" and results["infer"]["rows"] == 200
-    trained = results["train"]["compile"]
-    assert trained["recompiles"] == [] and trained["hits"] == trained["graphs"] > 0, trained
     lane["external recipe"] = (f"tabular-mlp ran six stages on {DEVICE}: {trained['graphs']} graphs, all from the "
                                f"compile cache; {results['infer']['rows']} predictions published")
 
@@ -158,8 +173,6 @@ def test_fine_tuning_a_pretrained_language_model_runs_the_pipeline_on_the_device
     """The fine-tuning example (jobspecs/examples/causal-lm.yaml) on the lane's device, one core: a
     tiny pretrained decoder and its own tokenizer, prompt/completion rows, gated on perplexity, every
     graph from the compile cache."""
-    import yaml
-
     from tests.pretrained import tiny_causal_lm
     from trnflow.workload.synth import synthesize
 
@@ -168,23 +181,11 @@ def test_fine_tuning_a_pretrained_language_model_runs_the_pipeline_on_the_device
     texts = [json.loads(line)[k] for line in (workdir / "prompts/train/dt=2026-01-01/part-00000.jsonl")
              .read_text().splitlines() for k in ("prompt", "completion")]
     folder = tiny_causal_lm(workdir / "decoder", texts)
-    spec = yaml.safe_load((Path(__file__).parents[2] / "jobspecs" / "examples" / "causal-lm.yaml").read_text())
-    spec["model"]["params"]["pretrained"] = str(folder)
-    spec["data"].update({part: f"prompts/{part}" for part in ("train", "holdout", "inference")})
-    spec["compute"].update(device=DEVICE, instance_type=INSTANCE, cores_per_node=1, precision="fp32")
-    spec["train"].update(steps=20, checkpoint_every=20, global_batch_size=16)
-    spec["gate"].update(reference="champion", eval_every=None)
-    path = workdir / "causal-lm.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    outcome = json.loads(trnflow("run", str(path), "--json", cwd=workdir).stdout)
-    assert outcome["state"] == "Completed", outcome
-    results = outcome["results"]
-    assert results["train"]["device"]["name"] == DEVICE and results["train"]["recipe"]["recipe"] == "hf-causal-lm"
+    results, trained = _example_on_the_device(workdir, "jobspecs/examples/causal-lm.yaml", "hf-causal-lm", "prompts",
+                                              steps=20, global_batch_size=16, precision="fp32", pretrained=str(folder))
     point = results["evaluate"]["points"][-1]
     assert results["evaluate"]["verdict"]["metric"] == "perplexity" and point["perplexity"] > 1
     assert results["infer"]["rows"] == 40
-    trained = results["train"]["compile"]
-    assert trained["recompiles"] == [] and trained["hits"] == trained["graphs"] > 0, trained
     lane["fine-tuning"] = (f"hf-causal-lm ran six stages on {DEVICE}: holdout perplexity {point['perplexity']:.3f}, "
                            f"{trained['graphs']} graphs, all from the compile cache")
 

@@ -20,10 +20,10 @@ import threading
 from collections.abc import Iterable, Iterator
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from torch import nn
 
@@ -91,6 +91,11 @@ def _weight_files(folder: Path) -> list[str]:
     return [weights]
 
 
+def _read_a_pickle(folder: Path, name: str) -> FatalError:
+    return FatalError(f"model.params.pretrained: loading {folder} tried to read a pickle ({name}); trnflow loads "
+                      "weights from safetensors only")
+
+
 _GUARD = threading.Lock()
 """One pretrained model loads at a time, so that `torch.load` is refused and restored in turn."""
 
@@ -103,8 +108,7 @@ def _no_pickles(folder: Path) -> Iterator[list[str]]:
 
     def refuse(*args: Any, **kwargs: Any) -> Any:
         tried.append(str(args[0]) if args else "?")
-        raise FatalError(f"model.params.pretrained: loading {folder} tried to read a pickle ({tried[-1]}); "
-                         "trnflow loads weights from safetensors only")
+        raise _read_a_pickle(folder, tried[-1])
 
     with _GUARD:
         original, torch.load = torch.load, refuse
@@ -130,8 +134,7 @@ def load_pretrained(auto_class: Any, folder: Path) -> Any:
                                               use_safetensors=True)
         except (OSError, ValueError) as exc:  # transformers words a refused read as its own OSError
             if tried:
-                raise FatalError(f"model.params.pretrained: loading {folder} tried to read a pickle ({tried[0]}); "
-                                 "trnflow loads weights from safetensors only") from None
+                raise _read_a_pickle(folder, tried[0]) from None
             raise FatalError(f"model.params.pretrained: {folder} cannot be loaded ({exc})") from None
 
 
@@ -159,7 +162,7 @@ def config_problem(config: dict[str, Any], seq_len: int) -> str | None:
 
 class PretrainedTokenizer:
     """A fast `transformers` tokenizer that turns texts into `seq_len` token ids (cut, then padded
-    with its pad token) and an attention mask."""
+    with its pad token)."""
 
     def __init__(self, tokenizer: Any, seq_len: int, source: str):
         if tokenizer.pad_token_id is None:
@@ -222,12 +225,10 @@ class PretrainedTokenizer:
         return json.dumps({"format": STATE_FORMAT, "tokenizer": self.tokenizer.backend_tokenizer.to_str(),
                            "special": special}).encode()
 
-    def encode(self, texts: list[str], add_special_tokens: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-        """Token ids and attention mask, each (len(texts), seq_len)."""
-        encoded = self.tokenizer([t or "" for t in texts], padding="max_length", truncation=True,
-                                 max_length=self.seq_len, add_special_tokens=add_special_tokens,
-                                 return_tensors="pt")
-        return encoded["input_ids"], encoded["attention_mask"]
+    def encode(self, texts: list[str]) -> torch.Tensor:
+        """Token ids, (len(texts), seq_len): cut, then padded with the pad token."""
+        return self.tokenizer([t or "" for t in texts], padding="max_length", truncation=True,
+                              max_length=self.seq_len, return_tensors="pt")["input_ids"]
 
     def save(self, folder: Path) -> None:
         """As `save_pretrained` writes it, for `AutoTokenizer.from_pretrained`."""
@@ -271,10 +272,11 @@ class PretrainedParams(BaseModel):
 
     config: dict[str, Any] = Field(default_factory=dict, description="Config fields of the model, as for "
                                    "AutoConfig.for_model.")
-    pretrained: Annotated[str | None, AfterValidator(absolute)] = Field(
+    pretrained: str | None = Field(
         None,
         description="A local save_pretrained folder to start from (config.json and .safetensors weights); its config "
-        "replaces `config`, and its tokenizer, if it has one, is used instead of training one.",
+        "replaces `config`, and its tokenizer, if it has one, is used instead of training one. A relative path is "
+        "made absolute when the spec is validated.",
     )
     seq_len: int = Field(64, ge=4, le=32768, description="Fixed sequence length: rows are cut and padded to it.")
 
@@ -311,6 +313,29 @@ class FromPretrained:
         if not has_tokenizer(folder):
             return None
         return PretrainedTokenizer.from_folder(folder, self.params.seq_len, self.name, pad_with_eos=self.pad_with_eos)
+
+    def _model_config(self) -> dict[str, Any]:
+        """The model's config: the pretrained folder's, else the params' (with their vocab_size)."""
+        folder = self.params.pretrained
+        if folder and (Path(folder) / "config.json").is_file():
+            return json.loads((Path(folder) / "config.json").read_text())
+        return {**self.params.config, "vocab_size": getattr(self.params, "vocab_size", 0)}
+
+    @property
+    def _embeddings(self) -> int:
+        """How many token embeddings the model has."""
+        return int(self._model_config()["vocab_size"])
+
+    def _model(self, auto_class: Any, special_ids: dict[str, int]) -> Any:
+        """The `transformers` model (`auto_class`): the pretrained folder's, or one built from the
+        params' config with the ids of the tokenizer trnflow trains (`special_ids`)."""
+        if self.params.pretrained:
+            return self._pretrained_model(auto_class)
+        p = self.params
+        config = transformers(self.name).AutoConfig.for_model(
+            p.model_type, **{"vocab_size": p.vocab_size, "max_position_embeddings": max(p.seq_len, 64),
+                             **special_ids, **p.config})
+        return auto_class.from_config(config)
 
     def _pretrained_model(self, auto_class: Any) -> Any:
         """The folder's model (`auto_class`), its embeddings checked against the tokenizer it will

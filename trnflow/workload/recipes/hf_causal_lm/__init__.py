@@ -159,11 +159,6 @@ class HfCausalLm(FromPretrained, Recipe):
         self.tokenizer = PretrainedTokenizer.from_state(document, self.params.seq_len, self._embeddings, source,
                                                         self.name)
 
-    @property
-    def _embeddings(self) -> int:
-        """How many token embeddings the model has."""
-        return int(self._config()["vocab_size"])
-
     def features(self, rows: pa.Table) -> torch.Tensor:
         """(rows, 3, seq_len): token ids, 1 where a token is real, 1 where a token counts."""
         assert self.tokenizer is not None, "fit or load the tokenizer first"
@@ -201,15 +196,8 @@ class HfCausalLm(FromPretrained, Recipe):
     # -- the network -----------------------------------------------------------------------------
 
     def build_model(self) -> CausalLanguageModel:
-        transformers_, p = transformers(self.name), self.params
-        if p.pretrained:
-            lm = self._pretrained_model(transformers_.AutoModelForCausalLM)
-        else:
-            config = transformers_.AutoConfig.for_model(
-                p.model_type, **{"vocab_size": p.vocab_size, "max_position_embeddings": max(p.seq_len, 64),
-                                 "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2, **p.config})
-            lm = transformers_.AutoModelForCausalLM.from_config(config)
-        return CausalLanguageModel(lm)
+        ids = {f"{name}_token_id": i for i, name in enumerate(("pad", "bos", "eos"))}  # as BYTE_SPECIAL
+        return CausalLanguageModel(self._model(transformers(self.name).AutoModelForCausalLM, ids))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss over the counted tokens of the whole step's batch, on every rank
@@ -228,20 +216,13 @@ class HfCausalLm(FromPretrained, Recipe):
     def activation_bytes(self, batch: int, value_bytes: int) -> int:
         """Per layer: the attention's projections and scores and the MLP's three projections; then the
         head's logits over the vocabulary, their fp32 copy and the loss's log-softmax."""
-        config = self._config()
+        config = self._model_config()
         seq, hidden = self.params.seq_len, int(config.get("hidden_size", 64))
         inner, layers = int(config.get("intermediate_size", 4 * hidden)), int(config.get("num_hidden_layers", 2))
         heads, vocab = int(config.get("num_attention_heads", 4)), int(config.get("vocab_size", self.params.vocab_size))
         per_layer = batch * seq * (6 * hidden + 3 * inner) + 2 * batch * heads * seq * seq
         head = batch * seq * vocab * (value_bytes + 8)
         return (layers * per_layer + 2 * batch * seq * hidden) * value_bytes + head
-
-    def _config(self) -> dict[str, Any]:
-        """The decoder's config: the pretrained folder's, else the params' (vocab_size from the params)."""
-        folder = self.params.pretrained
-        if folder and (Path(folder) / "config.json").is_file():
-            return json.loads((Path(folder) / "config.json").read_text())
-        return {**self.params.config, "vocab_size": self.params.vocab_size}
 
     # -- what its outputs mean -------------------------------------------------------------------
 

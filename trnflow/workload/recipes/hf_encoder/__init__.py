@@ -103,10 +103,8 @@ class HfEncoder(FromPretrained, BpeTextRecipe):
             pad = PAD_ID
         else:
             self.tokenizer = None
-            limit = self.params.vocab_size
-            if self.params.pretrained and (Path(self.params.pretrained) / "config.json").is_file():
-                limit = int(json.loads((Path(self.params.pretrained) / "config.json").read_text())["vocab_size"])
-            self.hf_tokenizer = PretrainedTokenizer.from_state(document, self.params.seq_len, limit, source, self.name)
+            self.hf_tokenizer = PretrainedTokenizer.from_state(document, self.params.seq_len, self._embeddings, source,
+                                                               self.name)
             pad = self.hf_tokenizer.pad_id
         if pad != self.pad_id:
             raise FatalError(f"{source}: its tokenizer pads with id {pad}, the model with {self.pad_id} (the "
@@ -116,7 +114,7 @@ class HfEncoder(FromPretrained, BpeTextRecipe):
     def features(self, rows: pa.Table) -> torch.Tensor:
         if self.hf_tokenizer is None:
             return super().features(rows)
-        return self.hf_tokenizer.encode(self._texts(rows))[0]
+        return self.hf_tokenizer.encode(self._texts(rows))
 
     def example(self, rows: int, generator: torch.Generator) -> torch.Tensor:
         if self._folder_tokenizer is None:
@@ -124,15 +122,8 @@ class HfEncoder(FromPretrained, BpeTextRecipe):
         return torch.randint(0, self._folder_tokenizer.vocab_size, (rows, self.params.seq_len), generator=generator)
 
     def build_model(self) -> EncoderClassifier:
-        transformers_, p = transformers(self.name), self.params
-        if p.pretrained:
-            encoder = self._pretrained_model(transformers_.AutoModel)
-        else:
-            config = transformers_.AutoConfig.for_model(
-                p.model_type, **{"vocab_size": p.vocab_size, "max_position_embeddings": max(p.seq_len, 64),
-                                 "pad_token_id": PAD_ID, **p.config})
-            encoder = transformers_.AutoModel.from_config(config)
-        return EncoderClassifier(encoder, p.num_classes, self.pad_id)
+        encoder = self._model(transformers(self.name).AutoModel, {"pad_token_id": PAD_ID})
+        return EncoderClassifier(encoder, self.params.num_classes, self.pad_id)
 
     def export(self, model: nn.Module, folder: Path) -> bool:
         """The trained model as `save_pretrained` writes it (the encoder: config.json and
