@@ -64,18 +64,44 @@ def archive(files: dict[str, bytes]) -> bytes:
     return buffer.getvalue()
 
 
-def _tree(folder: Path) -> set[str]:
-    return {str(p.relative_to(folder)) for p in folder.rglob("*")} if folder.is_dir() else set()
+# What the checkout may gain while tests run: environments, bytecode and the test tools' own caches
+# (`make test` installs the XLA lane's environment beside the first tests), never a run's outputs.
+NOT_OUTPUTS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis", "build"}
+
+
+def checkout_files(folder: Path) -> dict[str, tuple[int, int]]:
+    """Every file under the checkout that a test could have written, with its size and mtime."""
+    found = {}
+    for path in folder.rglob("*"):
+        parts = path.relative_to(folder).parts
+        if any(part in NOT_OUTPUTS or part.endswith(".egg-info") for part in parts) or not path.is_file():
+            continue
+        stat = path.stat()
+        found[path.relative_to(folder).as_posix()] = (stat.st_size, stat.st_mtime_ns)
+    return found
+
+
+def changed(before: dict[str, tuple[int, int]], after: dict[str, tuple[int, int]]) -> list[str]:
+    """The files added, changed or deleted between two `checkout_files` readings."""
+    return sorted(name for name in before.keys() | after.keys() if before.get(name) != after.get(name))
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _project_outputs_untouched():
-    """Tests write under their own temporary folders, never into the project's `runs/` (where the
-    quickstart's relative paths point): a test that forgets one path fails the session here."""
-    before = _tree(ROOT / "runs")
+def _checkout_untouched():
+    """Tests write under their own temporary folders, never into the checkout: not into the `runs/`
+    and `.trnflow/` that `make demo` has just filled (where the examples' relative paths point), nor
+    anywhere else. A test that adds, changes or deletes a file there fails the session here."""
+    before = checkout_files(ROOT)
     yield
-    added = sorted(_tree(ROOT / "runs") - before)
-    assert not added, f"a test wrote into {ROOT / 'runs'}: {added[:5]} (give its spec a temporary path)"
+    touched = changed(before, checkout_files(ROOT))
+    assert not touched, f"tests wrote into the checkout {ROOT}: {touched[:8]} (give the test a temporary path)"
+
+
+@pytest.fixture(autouse=True)
+def _elsewhere(tmp_path_factory, monkeypatch):
+    """Each test runs in a new empty folder, so a relative path (the examples' `runs/...`, the default
+    `.trnflow` home) names nothing a newcomer's `make demo` left in the checkout."""
+    monkeypatch.chdir(tmp_path_factory.mktemp("cwd"))
 
 
 @pytest.fixture(scope="session")
