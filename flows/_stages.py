@@ -136,10 +136,12 @@ def preflight_stages(stage: StageRunner, then_train: bool = False) -> list[int]:
     return checked.cores or []
 
 
-def through_training(stage: StageRunner, later: tuple[str, ...]) -> tuple[list[int], TrainResult]:
+def through_training(stage: StageRunner, later: tuple[str, ...], retraining: bool = False
+                     ) -> tuple[list[int], TrainResult]:
     """Sanity, collectives, compile and train: the cores verified and the training result. When
-    training found no new data, the `later` stages are recorded as skipped."""
-    check_locations(stage.spec)  # a location it cannot write fails the run now, not after training
+    training found no new data, the `later` stages are recorded as skipped. `retraining`: the gate
+    will judge the final point only, so the reference's steps need not be the run's."""
+    check_locations(stage.spec, retraining)  # a location it cannot write fails the run now, not after training
     if problem := cache_problem(stage.spec):  # nor a cache folder that is not this user's alone
         raise FatalError(f"before training: {problem}")
     try:

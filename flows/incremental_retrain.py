@@ -99,7 +99,7 @@ def _window_name(days: list[str], base: str) -> str:
 
 def _stages(stage: StageRunner, generation: int, lock: ModelLock, days: list[str], base: str,
             force_promote: str | None) -> RunOutcome:
-    cores, trained = through_training(stage, later=("evaluate", "infer", "promote"))
+    cores, trained = through_training(stage, later=("evaluate", "infer", "promote"), retraining=True)
     if trained.skipped:  # the new partitions went away between the listing and the job
         return stage.outcome()
     if trained.partitions and trained.partitions != days:  # a day landed while preflight ran

@@ -79,6 +79,7 @@ ChampionOrUrl = Annotated[Literal["champion"] | Url, Field(union_mode="left_to_r
 
 
 MAX_STEPS = 10**9
+"""More optimizer steps than any run takes: a bound a step counter and its arithmetic honour."""
 XLA_FSDP = ("train.parallelism.strategy: fsdp does not run on the xla device (trn1, through torch-xla), which "
             "shards with its own SPMD-based FSDP that trnflow does not drive; use ddp (or auto, which refuses what "
             "ddp cannot fit) on trn1, or the neuron device on trn2 and trn3")
@@ -86,7 +87,6 @@ XLA_FSDP = ("train.parallelism.strategy: fsdp does not run on the xla device (tr
 BATCH_SPOT_TYPES = ("trn1.32xlarge",)
 """The instance types of the infra stack's Batch spot compute environment: one, because Batch places
 a single-node job by its vCPUs and memory, so a smaller spec could land on a larger type."""
-"""More optimizer steps than any run takes: a bound a step counter and its arithmetic honour."""
 
 
 class Section(BaseModel):
@@ -94,9 +94,9 @@ class Section(BaseModel):
 
 
 RECIPE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+"""An installed recipe's name, as entry points are named (`m5-text`, `tabular-mlp`)."""
 METRIC_NAME = r"^[a-z][a-z0-9_]*$"
 """A metric's name (`gate.metric`, `gate.metrics`): lower-case letters, digits and underscores."""
-"""An installed recipe's name, as entry points are named (`m5-text`, `tabular-mlp`)."""
 MODULE_REFERENCE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 """`package.module:Class`: a recipe named by where it is, imported only where TRNFLOW_RECIPE_MODULES allows."""
 
@@ -808,6 +808,22 @@ class JobSpec(Section):
     @property
     def per_core_batch(self) -> int:
         return self.train.global_batch_size // self.compute.world_size
+
+    def evaluates_at(self, step: int) -> bool:
+        """Whether training evaluates the holdout after `step`: every gate.eval_every steps, and at the last."""
+        every, last = self.gate.eval_every, self.train.steps
+        return 1 <= step <= last and (step == last or bool(every and step % every == 0))
+
+    def evaluation_steps_text(self) -> str:
+        """The steps training evaluates at, as a short list: `[100, 200, 300]`, `[50, 100, ..., 1000]`."""
+        every, last = self.gate.eval_every, self.train.steps
+        steps = list(range(every, last, every)) if every and every < last and last // every <= 6 else None
+        if steps is not None:
+            return str([*steps, last])
+        if every and every < last:
+            tail = "" if last % every == 0 else f", {last}"
+            return f"[{every}, {2 * every}, ..., {last // every * every}{tail}]"
+        return f"[{last}]"
 
     def on_instance(self, instance_type: str) -> JobSpec:
         """This spec as run on `instance_type`, one of its compute.instance_choices (each was checked

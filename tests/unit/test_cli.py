@@ -392,6 +392,32 @@ def test_a_run_whose_gate_reference_is_missing_is_refused_before_sanity(make_spe
         malformed.stderr.split())
 
 
+def test_a_spec_evaluated_at_none_of_its_references_steps_is_refused_before_launch(make_spec, tmp_path,
+                                                                                 trnflow_home):
+    """Changing train.steps after writing the reference: the gate would find no common step after
+    training; validate and run say so first, naming the steps and the command that writes a new one.
+    Retraining is judged on its final point alone, so it may train for any number of steps."""
+    from trnflow.cli.prelaunch import launch_problems
+
+    reference = tmp_path / "reference" / "metrics.json"
+    reference.parent.mkdir()
+    reference.write_text(json.dumps({"points": [{"step": 20, "accuracy": 0.7}, {"step": 40, "accuracy": 0.75}]}))
+    spec = _written(make_spec(gate={"reference": str(reference), "eval_every": 20}), tmp_path / "spec.yaml")
+    assert runner.invoke(app, ["validate", spec]).exit_code == 0
+    assert runner.invoke(app, ["validate", spec, "--set", "train.steps=60"]).exit_code == 0  # 20 and 40 in common
+    for command in ("validate", "run"):
+        result = runner.invoke(app, [command, spec, "--set", "train.steps=30", "--set", "gate.eval_every=15"])
+        said = " ".join(result.stderr.split())
+        assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+        assert (f"gate.reference: {reference.as_uri()} was evaluated at steps [20, 40], and this spec evaluates at "
+                "steps [15, 30] (train.steps 30, gate.eval_every 15): none in common") in said
+        assert "`trnflow reference SPEC` (with the same --set options)" in said
+    assert not list((trnflow_home / "jobs").glob("*"))  # refused before the first job
+    shorter = make_spec(gate={"reference": str(reference), "eval_every": 25}, train={"steps": 30})
+    assert [p.split(":")[0] for p in launch_problems(shorter)] == ["gate.reference"]
+    assert launch_problems(shorter, retraining=True) == []
+
+
 def test_retraining_on_a_cloud_backend_needs_the_registry_on_s3(tmp_path, trnflow_home):
     """Retraining starts from the champion, so its jobs read the registry: a local one is refused
     before the first job, though the spec as written (not starting from the champion) is valid."""

@@ -271,7 +271,7 @@ def retrain(
                   "registry; set registry_url", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
     load(spec_path, {**set_overrides(overrides), **RETRAINED})  # as the flow runs it: from the champion's registry
-    refuse_unlaunchable(spec, str(spec_path))
+    refuse_unlaunchable(spec, str(spec_path), retraining=True)
     from trnflow.flows.incremental_retrain import STAGES, incremental_retrain  # heavy: prefect and torch
 
     _run_flow(incremental_retrain, STAGES, "trnflow retrain", spec, run_id, as_json, **forced)

@@ -83,21 +83,22 @@ def memory_plan(spec: JobSpec) -> tuple[MemoryPlan | None, str | None]:
         return None, f"train.parallelism: {exc}"
 
 
-def launch_problems(spec: JobSpec) -> list[str]:
+def launch_problems(spec: JobSpec, retraining: bool = False) -> list[str]:
     """What would stop a run that is about to start: its local data missing, empty or unreadable by
-    its listing, and its gate reference missing or malformed (s3:// ones are checked by the run
-    itself, before its first job)."""
+    its listing, and its gate reference missing, malformed or (for a run judged step by step, not
+    `retraining`) sharing no evaluation step with it (s3:// ones are checked by the run itself,
+    before its first job)."""
     problems = [f"data.{field}: {message}" for field in DATA_FIELDS
                 if (url := getattr(spec.data, field)).startswith("file://")
                 for message in listing_problems(url, spec.data.format,
                                                 spec.data.ready_marker if field == "train" else None)]
-    return (problems + [found for found in (cache_problem(spec), reference_problem(spec, remote=False)) if found]
+    return (problems + [found for found in (cache_problem(spec), reference_problem(spec, False, retraining)) if found]
             + missing_inputs(spec))
 
 
-def refuse_unlaunchable(spec: JobSpec, source: str) -> None:
+def refuse_unlaunchable(spec: JobSpec, source: str, retraining: bool = False) -> None:
     """Exit 2 listing every problem `launch_problems` finds, before any job starts."""
-    problems = launch_problems(spec)
+    problems = launch_problems(spec, retraining)
     if problems:
         err.print(f"{source}: cannot start", **RED)
         for problem in problems:

@@ -38,13 +38,14 @@ def locations(spec: JobSpec) -> dict[str, str]:
     return found
 
 
-def check_locations(spec: JobSpec) -> None:
+def check_locations(spec: JobSpec, retraining: bool = False) -> None:
     """FatalError naming each location that cannot be written, a registry file that cannot be read,
-    and a gate reference file that is missing or malformed."""
+    and a gate reference file that is missing, malformed or (unless `retraining`) evaluated at none
+    of the steps this run evaluates at."""
     problems = [f"{field} {without_credentials(url)}: cannot be written ({why}); make it writable for "
                 "this run, or point the field elsewhere"
                 for field, url in locations(spec).items() if (why := _probe(url)) is not None]
-    reference = reference_problem(spec)
+    reference = reference_problem(spec, retraining=retraining)
     if reference:
         problems.append(reference)
     if spec.registry_url:
@@ -56,10 +57,12 @@ def check_locations(spec: JobSpec) -> None:
         raise FatalError("before training: " + "; ".join(problems))
 
 
-def reference_problem(spec: JobSpec, remote: bool = True) -> str | None:
-    """What is wrong with `gate.reference` when it names a metrics file: missing, unreadable, or not
-    a metrics file with `gate.metric` at every point. None when it is fine, or is `champion` or
-    unset; an s3:// one is read only when `remote`."""
+def reference_problem(spec: JobSpec, remote: bool = True, retraining: bool = False) -> str | None:
+    """What is wrong with `gate.reference` when it names a metrics file: missing, unreadable, not a
+    metrics file with `gate.metric` at every point, or, for a run judged step by step (not
+    `retraining`, which is judged on its final point), sharing no evaluation step with the spec, so
+    the gate could compare nothing. None when it is fine, or is `champion` or unset; an s3:// one is
+    read only when `remote`."""
     reference = spec.gate.reference
     if reference is None or reference == "champion" or (reference.startswith("s3://") and not remote):
         return None
@@ -72,7 +75,14 @@ def reference_problem(spec: JobSpec, remote: bool = True) -> str | None:
     except Exception as exc:  # permissions, a missing bucket, bytes that are not text
         return f"gate.reference: {reference} cannot be read ({type(exc).__name__}: {exc})"
     try:
-        parse_metrics(text, reference, spec.gate.metric)
+        document = parse_metrics(text, reference, spec.gate.metric)
     except DataError as exc:
         return f"gate.reference: {exc}"
+    steps = sorted({point["step"] for point in document["points"]})
+    if not retraining and not any(spec.evaluates_at(step) for step in steps):
+        return (f"gate.reference: {reference} was evaluated at steps {steps}, and this spec evaluates at steps "
+                f"{spec.evaluation_steps_text()} (train.steps {spec.train.steps}, gate.eval_every "
+                f"{spec.gate.eval_every}): none in common, so the gate would judge nothing. Write a reference "
+                "for this spec with `trnflow reference SPEC` (with the same --set options), or evaluate at the "
+                "reference's steps")
     return None

@@ -133,7 +133,7 @@ class Trainer:
             watchdog.beat(f"train step {done}")
             if done % tcfg.log_every == 0 or done == tcfg.steps:
                 self._log_point(done)
-            if (self.spec.gate.eval_every and done % self.spec.gate.eval_every == 0) or done == tcfg.steps:
+            if self.spec.evaluates_at(done):
                 with watchdog.busy(f"evaluating at step {done}"):
                     self._evaluate(done)
             saved = done % tcfg.checkpoint_every == 0 or done == tcfg.steps
