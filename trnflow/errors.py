@@ -25,6 +25,15 @@ class DataError(FatalError):
     """Input data that cannot be read or does not match the spec."""
 
 
+class FieldError(FatalError):
+    """A spec field whose value cannot be used on this machine, such as a recipe whose optional
+    packages are not installed: `field` names it, and the message starts with it."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
 class Recompilation(FatalError):
     """More graphs compiled during a run than `compile.max_recompiles` allows (a changed shape, usually)."""
 

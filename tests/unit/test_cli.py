@@ -442,3 +442,13 @@ def test_recipes_lists_each_recipes_gate_metrics_with_which_way_each_is_better()
         {"name": "f1", "better": "higher"}, {"name": "auc", "better": "higher"}]
     shown = runner.invoke(app, ["recipes"], env={"COLUMNS": "200"})
     assert "gate metrics: accuracy (higher is better), loss (lower is better)" in shown.output
+
+
+def test_validate_of_a_hugging_face_recipe_without_the_hf_extra_names_the_recipe(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # as where `pip install 'trnflow[hf]'` was not run
+    spec = tmp_path / "lm.yaml"
+    spec.write_text((EXAMPLES / "causal-lm-base.yaml").read_text())
+    result = runner.invoke(app, ["validate", str(spec), "--json"])
+    assert result.exit_code == 2, result.output
+    assert json.loads(result.stdout)[0]["problems"] == [
+        "model.recipe: hf-causal-lm needs transformers, which is not installed here: pip install 'trnflow[hf]'"]

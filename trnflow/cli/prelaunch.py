@@ -13,7 +13,7 @@ import typer
 from trnflow.cli.common import err
 from trnflow.cli.console import RED
 from trnflow.device.plans import cache_problem
-from trnflow.errors import ExitCode, FatalError
+from trnflow.errors import ExitCode, FatalError, FieldError
 from trnflow.lifecycle.locations import reference_problem
 from trnflow.specs import JobSpec
 from trnflow.storage import local_path
@@ -79,6 +79,8 @@ def memory_plan(spec: JobSpec) -> tuple[MemoryPlan | None, str | None]:
 
     try:
         return check_fits(spec), None
+    except FieldError as exc:  # a field other than the layout, such as a recipe that cannot be built here
+        return None, str(exc)
     except FatalError as exc:
         return None, f"train.parallelism: {exc}"
 

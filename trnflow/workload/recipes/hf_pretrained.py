@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from torch import nn
 
-from trnflow.errors import FatalError
+from trnflow.errors import FatalError, FieldError
 
 STATE_FORMAT = "trnflow-hf-tokenizer/1"
 """The `format` of a pretrained tokenizer saved as a featurizer."""
@@ -40,7 +40,8 @@ def transformers(recipe: str) -> Any:
     try:
         import transformers as module  # optional (the hf extra), and heavy: ~2 s
     except ModuleNotFoundError:
-        raise FatalError(f"model.recipe {recipe} needs transformers: pip install 'trnflow[hf]'") from None
+        raise FieldError("model.recipe", f"{recipe} needs transformers, which is not installed here: "
+                         "pip install 'trnflow[hf]'") from None
     return module
 
 
