@@ -15,6 +15,8 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 from pydantic import WithJsonSchema
 
+from trnflow.errors import TrnflowError
+from trnflow.flows._stages import PipelineFailed, failed_state
 from trnflow.specs import JobSpec, SpecError, load_spec, parse_spec, validate_spec
 from trnflow.storage import open_store
 
@@ -57,11 +59,12 @@ take it unvalidated (`validate_parameters=False`) and `resolve_spec` validates i
 fails the run with the loader's message."""
 
 
-def refuses_bad_specs(flow_fn: Callable[P, R]) -> Callable[P, R | State]:
-    """A flow function whose run, when its spec is refused (a SpecError: a bad value from the UI's
-    form, a spec_url that cannot be read), ends Failed with the spec's problems as the state
-    message, `name: ... ; use ...` first (the UI shows its first 70 or so characters), not with
-    the exception's traceback. Apply it under `@flow`."""
+def ends_with_reason(flow_fn: Callable[P, R]) -> Callable[P, R | State]:
+    """A flow function whose run, when trnflow stops it, ends Failed with the reason in one line as
+    its state message (the UI shows its first 70 or so characters), logged without a traceback: a
+    refused spec (a bad value from the UI's form, a spec_url that cannot be read) with its problems,
+    `name: ... ; use ...` first; a failed stage (`train failed: ...`) or gate (`GateFailed`); a check
+    before the first job. Any other error (a bug) is raised, traceback and all. Apply it under `@flow`."""
 
     @functools.wraps(flow_fn)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R | State:
@@ -70,6 +73,10 @@ def refuses_bad_specs(flow_fn: Callable[P, R]) -> Callable[P, R | State]:
         except SpecError as exc:
             get_run_logger().error("%s", exc)
             return Failed(message="; ".join(exc.problems) + f" ({exc.source})")
+        except (PipelineFailed, TrnflowError) as exc:
+            state = failed_state(exc)
+            get_run_logger().error("%s", state.message if isinstance(exc, PipelineFailed) else exc)
+            return state
 
     return checked
 

@@ -3,6 +3,7 @@ failure with the rows so far."""
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 import uuid
@@ -12,14 +13,14 @@ from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
 from trnflow.device.plans import cache_problem
-from trnflow.errors import FatalError, GateDecision
+from trnflow.errors import FatalError, GateDecision, TrnflowError
 from trnflow.lifecycle.locations import check_locations
 from trnflow.reporting.cost import run_cost, stage_cost
 from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
 from trnflow.results import Cost, CostRow, RunOutcome, SanityResult, StageResult, StageRow, TrainResult
 from trnflow.settings import TrnflowSettings
-from trnflow.specs import JobSpec
+from trnflow.specs import JobSpec, SpecError
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import release_kept
 from trnflow.tasks.collectives import collective_test
@@ -30,6 +31,27 @@ from trnflow.tasks.train import train_model
 
 STAGE_COLUMNS = {"stage": "stage", "state": "state", "seconds": "seconds", "device": "device", "summary": "key figure"}
 """The `<name>-stages` table artifact's columns, by the `StageRow` field each shows."""
+
+
+class QuietExpectedFailures(logging.Filter):
+    """Drops the traceback Prefect's engine logs with a failed task or flow when the error is one of
+    trnflow's own (a job's failure, a refused spec, a check before launch): its message says what
+    happened and what to do, and the traceback would only show Prefect's and trnflow's internals.
+    Any other error (a bug) keeps its traceback."""
+
+    EXPECTED = (TrnflowError, SpecError)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], self.EXPECTED):
+            record.exc_info, record.exc_text = None, None
+        return True
+
+
+ENGINE_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
+"""The loggers Prefect's task and flow engines report failures on."""
+for _name in ENGINE_LOGGERS:
+    if not any(isinstance(f, QuietExpectedFailures) for f in logging.getLogger(_name).filters):
+        logging.getLogger(_name).addFilter(QuietExpectedFailures())
 
 
 class PipelineFailed(Exception):
@@ -53,6 +75,8 @@ class StageRunner:
         self.ledger = JobLedger(TrnflowSettings().home, run_id)
         self.ledger.new_entries()  # jobs of an earlier flow run with this id were costed by that run
         self._options = retry_options(spec)
+        self.ended: str | None = None
+        """How the run ended when it did not complete, in one line (its final state's message)."""
 
     def __call__(self, name: str, task, *args, **kwargs) -> StageResult:
         began = time.monotonic()
@@ -87,7 +111,7 @@ class StageRunner:
         what it wrote. Called however the run ended; a failure to publish is only logged."""
         title = f"{self.spec.name} run {self.run_id}"
         stages = stages or tuple(r.stage for r in self.rows)
-        text = stage_summary(title, self.rows, stages)
+        text = stage_summary(title, self.rows, stages, self.ended)
         if self.costs:
             text += "\n" + cost_markdown(self.cost())
         links = outputs(self.results)
@@ -95,7 +119,7 @@ class StageRunner:
             text += "\n" + links_markdown(links)
         _artifacts.markdown(self.spec, "summary", text, f"stages, cost and outputs of run {self.run_id}")
         _artifacts.table(self.spec, "stages", [{STAGE_COLUMNS[k]: _cell(getattr(r, k)) for k in STAGE_COLUMNS}
-                                                for r in with_not_run(self.rows, stages)],
+                                                for r in with_not_run(self.rows, stages, self.ended)],
                          f"each stage's state, duration and key figure in run {self.run_id}")
 
     def cost(self) -> Cost:
@@ -110,17 +134,34 @@ def _cell(value: object) -> object:
     return round(value, 1) if isinstance(value, float) else value
 
 
+def one_line(error: BaseException) -> str:
+    """An error's message as one line (a state message; the UI shows its first 70 or so characters)."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+def failed_state(error: PipelineFailed | TrnflowError) -> State:
+    """The final state of a run that `error` ended, its reason in one line as the message (the UI's
+    runs list and run page show it): `train failed: ...`, or the check that stopped it before its
+    first job. A failed gate ends it in a state of its own, `GateFailed`, and a candidate worse than
+    the champion in `ChampionKept`, so that the UI, the API and `trnflow submit --wait` (exit 3 and
+    5) tell them apart from a broken run; their message is the decision's reason. The state's data
+    is the error."""
+    cause = error.cause if isinstance(error, PipelineFailed) else error
+    if isinstance(cause, GateDecision):
+        return Failed(name=type(cause).__name__, message=cause.headline, data=error)
+    return Failed(message=f"{error.stage} failed: {one_line(cause)}" if isinstance(error, PipelineFailed)
+                  else one_line(error), data=error)
+
+
 def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], stages: tuple[str, ...]
-               ) -> RunOutcome | State:
-    """Run a flow's stages and attach its summary, however it ends. A failed gate ends the flow
-    run in a state of its own, `GateFailed`, and a candidate worse than the champion in
-    `ChampionKept`, so that the UI, the API and `trnflow submit --wait` (exit 3 and 5) tell them
-    apart from a broken run. Their state message is the decision's reason in one line."""
+               ) -> RunOutcome:
+    """Run a flow's stages and attach its summary, however it ends: a run that failed says why in
+    its first line (`failed_state`'s message), and each stage that did not run says why not."""
     try:
         return body(stage)
-    except PipelineFailed as exc:
-        if isinstance(exc.cause, GateDecision):
-            return Failed(name=type(exc.cause).__name__, message=exc.cause.headline, data=exc)
+    except (PipelineFailed, TrnflowError) as exc:
+        state = failed_state(exc)
+        stage.ended = state.message if state.name == "Failed" else f"{state.name}: {state.message}"
         raise
     finally:
         stage.report(stages)

@@ -9,11 +9,13 @@ is moved to it once it is complete. A bare checkpoint writes to the output itsel
 
 from __future__ import annotations
 
+from functools import partial
+
 from prefect import flow
 
 from trnflow.errors import FatalError
-from trnflow.flows._params import SpecParam, name_run, refuses_bad_specs, resolve_spec
-from trnflow.flows._stages import StageRunner, new_run_id
+from trnflow.flows._params import SpecParam, ends_with_reason, name_run, resolve_spec
+from trnflow.flows._stages import StageRunner, new_run_id, run_stages
 from trnflow.lifecycle.registry import ModelVersion, Registry
 from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec
@@ -42,7 +44,7 @@ def _version(spec: JobSpec, model: str) -> tuple[Registry, ModelVersion]:
 
 
 @flow(name="trnflow-batch-inference", log_prints=True, validate_parameters=False)
-@refuses_bad_specs
+@ends_with_reason
 def batch_inference(spec: SpecParam | None = None, spec_url: str | None = None, checkpoint: str | None = None,
                     run_id: str | None = None, model: str = "champion") -> RunOutcome:
     """Run `data.inference` through a model into `inference.output_url`.
@@ -53,25 +55,28 @@ def batch_inference(spec: SpecParam | None = None, spec_url: str | None = None, 
         model: the registered version to use: `champion` or a version number.
     """
     spec = resolve_spec(spec, spec_url)
-    version = None
+    registry, version = None, None
     if checkpoint is None:
         registry, version = _version(spec, model)
         checkpoint, label = version.checkpoint, f"v{version.version}"
     else:
         label = checkpoint
     name_run(spec, f"infer {spec.data.inference} with {label}")
-    stage = StageRunner(spec, run_id or new_run_id())
-    try:
-        if version is None:
-            stage("infer", batch_infer, checkpoint, None)
-            return stage.outcome()
-        champion = registry.champion(spec.name)
-        published = champion is not None and champion.version == version.version
-        # the champion's published outputs are never rewritten in place: a folder of this run's
-        folder = f"{version_folder(version.version)}-{stage.run_id}" if published else None
-        stage("infer", batch_infer, checkpoint, None, version=version.version, folder=folder)
-        if published:
-            publish_outputs(spec, version, folder)
+    return run_stages(StageRunner(spec, run_id or new_run_id()),
+                      partial(_stages, checkpoint=checkpoint, version=version, registry=registry), STAGES)
+
+
+def _stages(stage: StageRunner, checkpoint: str, version: ModelVersion | None, registry: Registry | None
+            ) -> RunOutcome:
+    if version is None:
+        stage("infer", batch_infer, checkpoint, None)
         return stage.outcome()
-    finally:
-        stage.report(STAGES)
+    assert registry is not None
+    champion = registry.champion(stage.spec.name)
+    published = champion is not None and champion.version == version.version
+    # the champion's published outputs are never rewritten in place: a folder of this run's
+    folder = f"{version_folder(version.version)}-{stage.run_id}" if published else None
+    stage("infer", batch_infer, checkpoint, None, version=version.version, folder=folder)
+    if published:
+        publish_outputs(stage.spec, version, folder)
+    return stage.outcome()

@@ -16,7 +16,7 @@ from prefect import flow
 from prefect.states import State
 
 from trnflow.flows._lock import ModelLock, holder_label, model_lock
-from trnflow.flows._params import SpecParam, name_run, refuses_bad_specs, resolve_spec, window
+from trnflow.flows._params import SpecParam, ends_with_reason, name_run, resolve_spec, window
 from trnflow.flows._stages import PipelineFailed, StageRunner, new_run_id, run_stages, through_training
 from trnflow.results import RunOutcome
 from trnflow.tasks.evaluate import evaluate_gate
@@ -29,7 +29,7 @@ __all__ = ["STAGES", "PipelineFailed", "pipeline"]
 
 
 @flow(name="trnflow-pipeline", log_prints=True, validate_parameters=False)
-@refuses_bad_specs
+@ends_with_reason
 def pipeline(spec: SpecParam | None = None, spec_url: str | None = None,
              run_id: str | None = None, force_promote: str | None = None,
              lock_timeout_seconds: float | None = 3600.0) -> RunOutcome | State:
@@ -50,8 +50,9 @@ def pipeline(spec: SpecParam | None = None, spec_url: str | None = None,
         A failed gate ends the run in the state `GateFailed`; a candidate that passed it but is
         worse than the champion is registered, not promoted, and ends it in `ChampionKept`.
 
-    Raises:
-        PipelineFailed: at the first failed stage, with the rows of the stages that ran.
+    A failed stage, or a check that stopped the run before its first job, ends it Failed with the
+    reason in one line as its state message; the state's data is the `PipelineFailed` (the failed
+    stage, its error and the rows of the stages that ran) or the check's error.
     """
     spec = resolve_spec(spec, spec_url)
     name_run(spec, window(spec))

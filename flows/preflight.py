@@ -5,27 +5,27 @@ from __future__ import annotations
 
 from prefect import flow
 
-from trnflow.flows._params import SpecParam, name_run, refuses_bad_specs, resolve_spec
-from trnflow.flows._stages import StageRunner, new_run_id, preflight_stages
+from trnflow.flows._params import SpecParam, ends_with_reason, name_run, resolve_spec
+from trnflow.flows._stages import StageRunner, new_run_id, preflight_stages, run_stages
 from trnflow.results import RunOutcome
 
 STAGES = ("sanity", "collectives")
 
 
 @flow(name="trnflow-preflight", log_prints=True, validate_parameters=False)
-@refuses_bad_specs
+@ends_with_reason
 def preflight(spec: SpecParam | None = None, spec_url: str | None = None, run_id: str | None = None) -> RunOutcome:
     """Check every engine of each core, then the links between them.
 
-    Raises:
-        PipelineFailed: naming the bad core, the hung collective or the slow link.
+    A failure ends the run Failed, its message naming the bad core, the hung collective or the
+    slow link; its data is the `PipelineFailed`.
     """
     spec = resolve_spec(spec, spec_url)
     compute = spec.compute
     name_run(spec, f"preflight of {compute.world_size} cores on {compute.nodes}x {compute.instance_type}")
-    stage = StageRunner(spec, run_id or new_run_id())
-    try:
-        preflight_stages(stage)
-        return stage.outcome()
-    finally:
-        stage.report(STAGES)
+    return run_stages(StageRunner(spec, run_id or new_run_id()), _stages, STAGES)
+
+
+def _stages(stage: StageRunner) -> RunOutcome:
+    preflight_stages(stage)
+    return stage.outcome()

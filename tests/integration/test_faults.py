@@ -11,6 +11,7 @@ import yaml
 from rich.console import Console
 from typer.testing import CliRunner
 
+from tests.integration.test_pipeline import _artifacts, _logs
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.cli import render
@@ -182,6 +183,13 @@ def test_preflight_names_the_bad_core_and_stops(prefect_api, make_spec):
     assert state.is_failed() and isinstance(outcome, PipelineFailed)
     assert outcome.stage == "sanity"
     assert "NeuronCore(s) [1] failed known-answer tests" in str(outcome.cause)
+    # the reason where a user looks: the run's state message, in one line, and its summary
+    assert state.message.startswith("sanity failed: NeuronCore(s) [1] failed known-answer tests")
+    assert "exclude_bad_cores" in state.message and "\n" not in state.message
+    summary = _artifacts(state.state_details.flow_run_id)["badcore-summary"].data
+    assert summary.splitlines()[0].endswith(state.message)
+    assert "| collectives | **NotRun** |  | not run: sanity failed |" in summary
+    assert not any("Traceback" in line for line in _logs(state.state_details.flow_run_id))
 
 
 def test_a_hung_core_is_named_by_preflight_and_can_be_excluded(prefect_api, make_spec):

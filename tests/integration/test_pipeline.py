@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 
 from trnflow.backends.reference import run_reference
 from trnflow.cli.app import app
-from trnflow.errors import GateFailed
+from trnflow.errors import FatalError, GateFailed
 from trnflow.flows.batch_inference import batch_inference
 from trnflow.flows.pipeline import STAGES, PipelineFailed, pipeline
 from trnflow.lifecycle.gate import metrics_document
@@ -41,6 +41,41 @@ def _artifacts(flow_run_id) -> dict:
     with get_client(sync_client=True) as client:
         found = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[flow_run_id])))
     return {a.key: a for a in found}
+
+
+def _logs(flow_run_id) -> list[str]:
+    """Every log line of a flow run and its tasks, as the run page shows them."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import LogFilter, LogFilterFlowRunId
+    from prefect.client.schemas.sorting import LogSort
+    from prefect.logging.handlers import APILogWorker
+
+    APILogWorker.drain_all(timeout=10)  # the handler sends in batches, from a thread of its own
+    with get_client(sync_client=True) as client:
+        return [log.message for log in client.read_logs(
+            log_filter=LogFilter(flow_run_id=LogFilterFlowRunId(any_=[flow_run_id])), sort=LogSort.TIMESTAMP_ASC)]
+
+
+def test_a_run_stopped_before_its_first_job_says_why_in_its_state_summary_and_stages(prefect_api, make_spec,
+                                                                                     trnflow_home):
+    """As a run started from the UI with a reference nobody wrote: the reason is the final state's
+    message (the runs list and the run page's header show it), the summary's first line and each
+    stage's row; the log says it once, with no traceback; no job started."""
+    spec = make_spec(cores=1, name="noref")
+    state, outcome = _run(spec, run_id="noref-run")
+    assert state.is_failed() and state.name == "Failed" and isinstance(outcome, FatalError)
+    reason = f"before training: gate.reference: {spec.gate.reference} does not exist; create it with `trnflow reference"
+    assert state.message.startswith(reason), state.message
+    artifacts = _artifacts(state.state_details.flow_run_id)
+    summary = artifacts["noref-summary"].data
+    assert summary.splitlines()[0] == f"## noref run noref-run: {state.message}"
+    assert all(f"| {stage} | **NotRun** |  | not run: {reason}" in summary for stage in STAGES), summary
+    rows = json.loads(artifacts["noref-stages"].data)
+    assert [(r["stage"], r["state"]) for r in rows] == [(stage, "NotRun") for stage in STAGES]
+    assert all(r["key figure"].startswith(f"not run: {reason}") for r in rows)
+    logs = _logs(state.state_details.flow_run_id)
+    assert any(line.startswith(reason) for line in logs) and not any("Traceback" in line for line in logs), logs
+    assert not list((trnflow_home / "jobs").glob("noref-*"))
 
 
 @pytest.mark.slow
@@ -180,6 +215,9 @@ def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champ
     assert _task_run_counts(state.state_details.flow_run_id)["evaluate"] == 1  # a failed gate is not retried
     assert registry.champion("gatefail").version == 1
     assert registry.version("gatefail", 2).entry.status == "rejected"
+    summary = _artifacts(state.state_details.flow_run_id)["gatefail-summary"].data
+    assert summary.splitlines()[0].endswith(f": GateFailed: {state.message}")
+    assert "| infer | **NotRun** |  | not run: evaluate failed |" in summary
 
 
 def test_a_candidate_worse_than_the_champion_is_kept_out_unless_forced_with_a_reason(prefect_api, make_spec):

@@ -14,10 +14,14 @@ from trnflow.urls import shown
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
 
 
-def with_not_run(rows: list[StageRow], stages: tuple[str, ...]) -> list[StageRow]:
-    """The stage rows, then a NotRun row for each stage that never ran."""
+def with_not_run(rows: list[StageRow], stages: tuple[str, ...], stopped: str | None = None) -> list[StageRow]:
+    """The stage rows, then a NotRun row for each stage that never ran, saying why: the stage that
+    ended the run, or `stopped` (why it ended before its first stage)."""
     seen = {r.stage for r in rows}
-    return rows + [StageRow(stage=s, state="NotRun") for s in stages if s not in seen]
+    ended = next((r for r in rows if r.state not in ("Completed", "Skipped")), None)
+    why = (f"not run: {ended.stage} {ended.state.lower()}" if ended
+           else f"not run: {stopped}" if stopped else "not run: the run stopped before it")
+    return rows + [StageRow(stage=s, state="NotRun", summary=why) for s in stages if s not in seen]
 
 
 def engine_outcomes(core: dict[str, Any]) -> list[tuple[int, list[str]]]:
@@ -90,12 +94,14 @@ def _table(header: list[str], rows: list[list[str]], align: list[str] | None = N
             *("| " + " | ".join(r) + " |" for r in cells)]
 
 
-def stage_summary(title: str, rows: list[StageRow], stages: tuple[str, ...]) -> str:
-    """One row per stage: state, duration and key figure; stages that never ran say NotRun."""
+def stage_summary(title: str, rows: list[StageRow], stages: tuple[str, ...], ended: str | None = None) -> str:
+    """One row per stage: state, duration and key figure; stages that never ran say NotRun and why.
+    `ended`: how a run that did not complete ended, in one line, put in the first line."""
     body = [[r.stage, f"**{r.state}**" if r.state != "Completed" else r.state,
-             "" if r.seconds is None else f"{r.seconds:.1f} s", r.summary] for r in with_not_run(rows, stages)]
-    return "\n".join([f"## {title}", "", *_table(["stage", "state", "duration", "key figure"], body,
-                                                 ["---", "---", "---:", "---"])]) + "\n"
+             "" if r.seconds is None else f"{r.seconds:.1f} s", r.summary] for r in with_not_run(rows, stages, ended)]
+    heading = f"## {title}: {ended}" if ended else f"## {title}"
+    return "\n".join([heading, "", *_table(["stage", "state", "duration", "key figure"], body,
+                                           ["---", "---", "---:", "---"])]) + "\n"
 
 
 def loss_figure(result: TrainResult) -> str:
