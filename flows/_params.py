@@ -20,15 +20,26 @@ from trnflow.flows._stages import PipelineFailed, failed_state
 from trnflow.specs import JobSpec, SpecError, load_spec, parse_spec, validate_spec
 from trnflow.storage import open_store
 
-_CHECKED_BY_THE_FLOW = frozenset({"pattern", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
-                                  "minLength", "maxLength", "minItems", "maxItems", "multipleOf"})
-"""JSON-schema keywords the run form leaves to the flow: a value the UI would refuse with a message
-naming no field (`... is not valid under any of the given schemas`) is refused by the run instead,
-as `trnflow validate` refuses it: `name: ... ; use ...`."""
+_CHECKED_BY_THE_FLOW = frozenset({"pattern"})
+"""JSON-schema keywords the run form leaves to the flow: a pattern's failure would only quote the
+regular expression, while the run refuses the value as `trnflow validate` does, naming the field
+and what to write (`name: 'Quick Start' is not allowed here; use lower-case letters, ...`)."""
+
+_TEXT = ({"type": "string"}, {"type": "null"})
+"""How the form shows a field that takes text or nothing: one text box."""
+
+
+def _one_text_box(node: dict[str, Any]) -> dict[str, Any]:
+    """A field whose choices are all text (`champion` or a URL, or nothing) as one text box: the UI
+    would show each choice as a tab of its own, the `champion` one greyed out as a constant."""
+    choices = node.get("anyOf")
+    if not choices or len(choices) < 3 or not all(c.get("type") in ("string", "null") for c in choices):
+        return node
+    return {**node, "anyOf": [dict(c) for c in _TEXT]}
 
 
 def _inline(node: Any, defs: dict[str, Any], fields: bool = False) -> Any:
-    """`node` with every `$ref` replaced by its definition and the checked keywords dropped
+    """`node` with every `$ref` replaced by its definition and the keywords left to the flow dropped
     (`fields`: node is a `properties` mapping, whose keys are field names, all kept)."""
     if isinstance(node, list):
         return [_inline(item, defs) for item in node]
@@ -38,25 +49,34 @@ def _inline(node: Any, defs: dict[str, Any], fields: bool = False) -> Any:
         return {name: _inline(value, defs) for name, value in node.items()}
     if "$ref" in node:
         return _inline(defs[node["$ref"].rsplit("/", 1)[-1]], defs)
-    return {k: _inline(v, defs, fields=k == "properties") for k, v in node.items()
-            if k != "$defs" and k not in _CHECKED_BY_THE_FLOW}
+    return _one_text_box({k: _inline(v, defs, fields=k == "properties") for k, v in node.items()
+                          if k != "$defs" and k not in _CHECKED_BY_THE_FLOW})
 
 
 @functools.cache
 def form_schema() -> dict[str, Any]:
-    """The JobSpec as the Prefect UI's run form shows it: every section inline, with its fields'
-    types, choices, defaults and descriptions; value checks are the flow's (see above)."""
+    """The JobSpec as the Prefect UI's run form shows it and the server checks it: every section
+    inline, with its fields' types, choices, bounds, defaults and descriptions. The deployments
+    enforce it, so a value out of its bounds is refused when the run is created, naming the field
+    (`spec.train.steps`: `-5 is less than the minimum of 1`); patterns and the checks between
+    fields are the run's, which refuses a bad value naming the field and the fix."""
     schema = JobSpec.model_json_schema()
     return _inline(copy.deepcopy(schema), schema.get("$defs", {}))
 
 
+PARAMETER = "spec"
+"""Where a spec given as the run's parameter came from, as its errors name it."""
+
 P = ParamSpec("P")
 R = TypeVar("R")
 
-SpecParam = Annotated[JobSpec, WithJsonSchema(form_schema())]
-"""The type of every flow's `spec` parameter: a JobSpec, shown to the UI by `form_schema`. Flows
-take it unvalidated (`validate_parameters=False`) and `resolve_spec` validates it, so a bad value
-fails the run with the loader's message."""
+SpecParam = Annotated[JobSpec | None, WithJsonSchema(form_schema())]
+"""The type of every flow's `spec` parameter: a JobSpec, or none when `spec_url` says where to read
+it. The UI sees `form_schema` alone, not "a JobSpec or null": a choice between the two would make
+the form report any bad value inside the spec as the whole spec `is not valid under any of the given
+schemas`, naming no field. Flows take it unvalidated (`validate_parameters=False`) and
+`resolve_spec` validates it, so a value the schema lets through fails the run with the loader's
+message."""
 
 
 def ends_with_reason(flow_fn: Callable[P, R]) -> Callable[P, R | State]:
@@ -72,7 +92,8 @@ def ends_with_reason(flow_fn: Callable[P, R]) -> Callable[P, R | State]:
             return flow_fn(*args, **kwargs)
         except SpecError as exc:
             get_run_logger().error("%s", exc)
-            return Failed(message="; ".join(exc.problems) + f" ({exc.source})")
+            where = "" if exc.source == PARAMETER else f" ({exc.source})"
+            return Failed(message="; ".join(exc.problems) + where)
         except (PipelineFailed, TrnflowError) as exc:
             state = failed_state(exc)
             get_run_logger().error("%s", state.message if isinstance(exc, PipelineFailed) else exc)
@@ -99,7 +120,7 @@ def _spec(spec: JobSpec | dict[str, Any] | None, spec_url: str | None) -> JobSpe
     if isinstance(spec, JobSpec):
         return spec
     if spec is not None:
-        return validate_spec(spec, "spec (the run's parameter)")
+        return validate_spec(spec, PARAMETER)
     if not spec_url:
         raise SpecError("parameters", ["give the job spec: `spec` (the spec itself) or `spec_url` (where to read it)"])
     scheme, sep, _ = spec_url.partition("://")
@@ -114,6 +135,23 @@ def _spec(spec: JobSpec | dict[str, Any] | None, spec_url: str | None) -> JobSpe
     except FileNotFoundError:
         raise SpecError(spec_url, ["(file): not found; check spec_url"]) from None
     return parse_spec(text, spec_url)
+
+
+def first_name(what: str) -> Callable[[], str]:
+    """A flow's `flow_run_name`: `<spec name>: <what>`, from the run's parameters as they came (the
+    spec, or the file `spec_url` names), so that every run is named for what it runs from its start,
+    a scheduled one or one whose spec is then refused included. The flow renames it once it knows
+    more (`name_run`)."""
+
+    def name() -> str:
+        params = flow_run.parameters
+        spec, url = params.get("spec"), params.get("spec_url")
+        named = spec.name if isinstance(spec, JobSpec) else spec.get("name") if isinstance(spec, dict) else None
+        if not isinstance(named, str) or not named.strip():
+            named = Path(str(url)).stem if url else "trnflow"
+        return f"{' '.join(named.split())[:63]}: {what}"
+
+    return name
 
 
 def name_run(spec: JobSpec, what: str) -> str:

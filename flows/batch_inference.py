@@ -14,7 +14,7 @@ from functools import partial
 from prefect import flow
 
 from trnflow.errors import FatalError
-from trnflow.flows._params import SpecParam, ends_with_reason, name_run, resolve_spec
+from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id, run_stages
 from trnflow.lifecycle.registry import ModelVersion, Registry
 from trnflow.results import RunOutcome
@@ -43,9 +43,10 @@ def _version(spec: JobSpec, model: str) -> tuple[Registry, ModelVersion]:
     return registry, registry.version(spec.name, int(number))
 
 
-@flow(name="trnflow-batch-inference", log_prints=True, validate_parameters=False)
+@flow(name="trnflow-batch-inference", flow_run_name=first_name("infer"), log_prints=True,
+      validate_parameters=False)
 @ends_with_reason
-def batch_inference(spec: SpecParam | None = None, spec_url: str | None = None, checkpoint: str | None = None,
+def batch_inference(spec: SpecParam = None, spec_url: str | None = None, checkpoint: str | None = None,
                     run_id: str | None = None, model: str = "champion") -> RunOutcome:
     """Run `data.inference` through a model into `inference.output_url`.
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from prefect import flow
 
-from trnflow.flows._params import SpecParam, ends_with_reason, name_run, resolve_spec
+from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id, run_stages
 from trnflow.results import RunOutcome
 from trnflow.tasks.compile import compile_graphs
@@ -13,9 +13,10 @@ from trnflow.tasks.compile import compile_graphs
 STAGES = ("compile",)
 
 
-@flow(name="trnflow-compile", log_prints=True, validate_parameters=False)
+@flow(name="trnflow-compile", flow_run_name=first_name("compile"), log_prints=True,
+      validate_parameters=False)
 @ends_with_reason
-def compile_cache(spec: SpecParam | None = None, spec_url: str | None = None) -> RunOutcome:
+def compile_cache(spec: SpecParam = None, spec_url: str | None = None) -> RunOutcome:
     """Compile every program of the spec that the cache does not hold yet.
 
     A compiler error (never retried: the same graph fails the same way) ends the run Failed, its

@@ -20,8 +20,10 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from prefect import Flow
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
+from prefect.deployments.runner import EntrypointType
 from prefect.runner import Runner
 from prefect.schedules import Cron
 from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
@@ -40,14 +42,25 @@ WORK_POOL = "trnflow"
 
 @dataclass(frozen=True)
 class FlowEntry:
+    """One flow as trnflow deploys it: the flow itself, from which its name and entrypoint come."""
+
     key: str
     """What `trnflow submit --deployment` calls it."""
-    flow_name: str
-    entrypoint: str
+    flow: Flow[..., Any]
     description: str
     scheduled: bool = False
     suffix: str = ""
     """What the deployment's name adds to the spec's name (the key's own words by default)."""
+
+    @property
+    def flow_name(self) -> str:
+        return self.flow.name
+
+    @property
+    def entrypoint(self) -> str:
+        """The flow as a module path (`trnflow.flows.pipeline:pipeline`): it loads wherever trnflow is
+        installed, whatever folder the worker runs in."""
+        return f"{self.flow.fn.__module__}:{self.flow.fn.__name__}"
 
     @property
     def deployment_suffix(self) -> str:
@@ -55,17 +68,15 @@ class FlowEntry:
 
 
 FLOWS = (
-    FlowEntry("pipeline", "trnflow-pipeline", "flows/pipeline.py:pipeline",
+    FlowEntry("pipeline", pipeline,
               "All six stages: sanity, collectives, compile, train, evaluate (parity gate), infer."),
-    FlowEntry("preflight", "trnflow-preflight", "flows/preflight.py:preflight",
-              "Known-answer tests on every NeuronCore, then collective tests between them."),
-    FlowEntry("compile", "trnflow-compile", "flows/compile.py:compile_cache",
-              "Ahead-of-time compilation into the persistent compile cache."),
-    FlowEntry("incremental-retrain", "trnflow-incremental-retrain", "flows/incremental_retrain.py:incremental_retrain",
+    FlowEntry("preflight", preflight, "Known-answer tests on every NeuronCore, then collective tests between them."),
+    FlowEntry("compile", compile_cache, "Ahead-of-time compilation into the persistent compile cache."),
+    FlowEntry("incremental-retrain", incremental_retrain,
               "Retrain the champion on the days after its watermark; gate, embed, then promote.", scheduled=True,
               suffix="retrain"),
-    FlowEntry("batch-inference", "trnflow-batch-inference", "flows/batch_inference.py:batch_inference",
-              "Embed the inference set with the champion, as Parquet shards.", suffix="infer"),
+    FlowEntry("batch-inference", batch_inference, "Embed the inference set with the champion, as Parquet shards.",
+              suffix="infer"),
 )
 BY_KEY = {f.key: f for f in FLOWS}
 
@@ -114,7 +125,9 @@ def definitions(spec: JobSpec, source: str, as_written: dict[str, Any] | None = 
         if entry.scheduled:
             item["concurrency_limit"] = 1  # and the model's own lock, whatever starts the run
             if spec.schedule is not None:
-                item["schedules"] = [{"cron": spec.schedule.cron, "timezone": spec.schedule.timezone}]
+                schedule = spec.schedule
+                item["schedules"] = [{"cron": schedule.cron, "timezone": schedule.timezone}]
+                item["description"] += f" Runs at `{schedule.cron}` ({schedule.timezone})."
         out.append(item)
     return out
 
@@ -126,8 +139,8 @@ def prefect_yaml(spec: JobSpec, source: str, as_written: dict[str, Any]) -> dict
     for item in definitions(spec, source, as_written):
         deployment = {
             "name": item["name"], "entrypoint": item["entrypoint"], "description": item["description"],
-            "tags": item["tags"], "parameters": item["parameters"], "work_pool": {"name": WORK_POOL},
-            "schedules": [{**s, "active": True} for s in item["schedules"]],
+            "tags": item["tags"], "parameters": item["parameters"], "enforce_parameter_schema": True,
+            "work_pool": {"name": WORK_POOL}, "schedules": [{**s, "active": True} for s in item["schedules"]],
         }
         if item["concurrency_limit"]:
             deployment["concurrency_limit"] = {"limit": item["concurrency_limit"], "collision_strategy": "ENQUEUE"}
@@ -137,14 +150,13 @@ def prefect_yaml(spec: JobSpec, source: str, as_written: dict[str, Any]) -> dict
 
 def runner_deployments(spec: JobSpec, source: str) -> list[Any]:
     """The same deployments as Prefect runner deployments, for `prefect.serve`."""
-    flows = {"trnflow-pipeline": pipeline, "trnflow-preflight": preflight, "trnflow-compile": compile_cache,
-             "trnflow-incremental-retrain": incremental_retrain, "trnflow-batch-inference": batch_inference}
     out = []
-    for item in definitions(spec, source):
+    for entry, item in zip(FLOWS, definitions(spec, source), strict=True):
         limit = item["concurrency_limit"]
-        out.append(flows[item["flow_name"]].to_deployment(
+        out.append(entry.flow.to_deployment(
             name=item["name"], description=item["description"], parameters=item["parameters"], tags=item["tags"],
             paused=False,  # serving again resumes what stopping paused
+            entrypoint_type=EntrypointType.MODULE_PATH, enforce_parameter_schema=True,
             schedules=[Cron(s["cron"], timezone=s["timezone"]) for s in item["schedules"]],
             concurrency_limit=ConcurrencyLimitConfig(limit=limit, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
             if limit else None,

@@ -21,7 +21,7 @@ from prefect import flow, get_run_logger
 from prefect.states import Completed, State
 
 from trnflow.flows._lock import ModelLock, holder_label, model_lock
-from trnflow.flows._params import SpecParam, ends_with_reason, name_run, resolve_spec
+from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id, run_stages, through_training
 from trnflow.lifecycle.registry import Registry
 from trnflow.results import RunOutcome
@@ -51,9 +51,10 @@ def retrain_spec(spec: JobSpec) -> JobSpec:
     return validate_spec(data, spec.name)  # starting from the champion puts the registry in the jobs' reach
 
 
-@flow(name="trnflow-incremental-retrain", log_prints=True, validate_parameters=False)
+@flow(name="trnflow-incremental-retrain", flow_run_name=first_name("retrain"), log_prints=True,
+      validate_parameters=False)
 @ends_with_reason
-def incremental_retrain(spec: SpecParam | None = None, spec_url: str | None = None, run_id: str | None = None,
+def incremental_retrain(spec: SpecParam = None, spec_url: str | None = None, run_id: str | None = None,
                         lock_timeout_seconds: float | None = 3600.0, force_promote: str | None = None
                         ) -> RunOutcome | State:
     """Retrain the champion on the new days of data, if there are any.

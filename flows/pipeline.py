@@ -16,7 +16,7 @@ from prefect import flow
 from prefect.states import State
 
 from trnflow.flows._lock import ModelLock, holder_label, model_lock
-from trnflow.flows._params import SpecParam, ends_with_reason, name_run, resolve_spec, window
+from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec, window
 from trnflow.flows._stages import PipelineFailed, StageRunner, new_run_id, run_stages, through_training
 from trnflow.results import RunOutcome
 from trnflow.tasks.evaluate import evaluate_gate
@@ -28,9 +28,10 @@ STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "pro
 __all__ = ["STAGES", "PipelineFailed", "pipeline"]
 
 
-@flow(name="trnflow-pipeline", log_prints=True, validate_parameters=False)
+@flow(name="trnflow-pipeline", flow_run_name=first_name("pipeline"), log_prints=True,
+      validate_parameters=False)
 @ends_with_reason
-def pipeline(spec: SpecParam | None = None, spec_url: str | None = None,
+def pipeline(spec: SpecParam = None, spec_url: str | None = None,
              run_id: str | None = None, force_promote: str | None = None,
              lock_timeout_seconds: float | None = 3600.0) -> RunOutcome | State:
     """Run all six stages for one job spec.

@@ -5,16 +5,17 @@ from __future__ import annotations
 
 from prefect import flow
 
-from trnflow.flows._params import SpecParam, ends_with_reason, name_run, resolve_spec
+from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec
 from trnflow.flows._stages import StageRunner, new_run_id, preflight_stages, run_stages
 from trnflow.results import RunOutcome
 
 STAGES = ("sanity", "collectives")
 
 
-@flow(name="trnflow-preflight", log_prints=True, validate_parameters=False)
+@flow(name="trnflow-preflight", flow_run_name=first_name("preflight"), log_prints=True,
+      validate_parameters=False)
 @ends_with_reason
-def preflight(spec: SpecParam | None = None, spec_url: str | None = None, run_id: str | None = None) -> RunOutcome:
+def preflight(spec: SpecParam = None, spec_url: str | None = None, run_id: str | None = None) -> RunOutcome:
     """Check every engine of each core, then the links between them.
 
     A failure ends the run Failed, its message naming the bad core, the hung collective or the

@@ -78,6 +78,22 @@ def test_a_run_stopped_before_its_first_job_says_why_in_its_state_summary_and_st
     assert not list((trnflow_home / "jobs").glob("noref-*"))
 
 
+def test_a_run_whose_spec_is_refused_is_named_for_its_spec_and_says_which_field(prefect_api, make_spec):
+    """As a run from the UI's form with a value the spec's own checks refuse: it fails at once, named
+    `<spec name>: pipeline` (not a random name), its message the field and the fix, no traceback."""
+    from prefect.client.orchestration import get_client
+
+    given = make_spec(cores=1, name="refused").model_dump(mode="json")
+    given["schedule"] = {"cron": "0 25 * * *"}
+    state = pipeline(given, return_state=True)
+    assert state.is_failed() and state.message.startswith("schedule.cron: '0 25 * * *': the hour field '25' has 25, "
+                                                          "outside 0-23"), state.message
+    assert "(spec" not in state.message
+    with get_client(sync_client=True) as client:
+        assert client.read_flow_run(state.state_details.flow_run_id).name == "refused: pipeline"
+    assert not any("Traceback" in line for line in _logs(state.state_details.flow_run_id))
+
+
 @pytest.mark.slow
 def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_spec, dataset):
     """The whole pipeline on a trn1.32xlarge whose core 1 computes wrong answers: preflight finds it,

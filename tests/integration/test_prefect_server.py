@@ -101,9 +101,19 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     pipeline = deployed["trnflow-pipeline/served-pipeline"]
     form = pipeline.parameter_openapi_schema  # what the UI renders the run form from
     assert set(form["properties"]) == {"spec", "spec_url", "run_id", "force_promote", "lock_timeout_seconds"}
-    job_spec = form["properties"]["spec"]["anyOf"][0]  # the JobSpec form, every section inline
+    job_spec = form["properties"]["spec"]  # the JobSpec form, every section inline
     assert {"name", "model", "data", "compute", "train", "gate"} <= set(job_spec["properties"])
-    assert "pattern" not in job_spec["properties"]["name"]  # value checks are the run's, which name the field
+    assert "pattern" not in job_spec["properties"]["name"]  # patterns are the run's, which name the field and fix
+    assert job_spec["properties"]["train"]["properties"]["steps"]["minimum"] == 1  # bounds, which the server enforces
+    assert pipeline.enforce_parameter_schema and pipeline.entrypoint == "trnflow.flows.pipeline:pipeline"
+    assert "Runs at `30 4 * * *` (Europe/Berlin)." in retrain.description
+    with client_of(env) as client:  # a value out of its bounds: refused as the run is created, naming the field
+        bad = {**pipeline.parameters["spec"], "train": {**pipeline.parameters["spec"]["train"], "steps": -5}}
+        with pytest.raises(Exception, match=r"409") as refused:
+            client.create_flow_run_from_deployment(pipeline.id, parameters={"spec": bad})
+        said = refused.value.response.json()["detail"]
+        assert said == ("Error creating flow run: Validation failed for field 'spec.train.steps'. Failure reason: -5 "
+                        "is less than the minimum of 1"), said
     # ...and opens filled with the served spec (its absolute locations: the served process runs it)
     filled = pipeline.parameters["spec"]
     assert filled["name"] == "served" and filled["train"]["steps"] == 20 and filled["model"]["params"]["d_model"] == 64

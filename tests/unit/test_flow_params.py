@@ -47,20 +47,52 @@ def test_a_missing_spec_or_an_unknown_scheme_is_a_clear_error():
         resolve_spec(None, "gs://bucket/spec.yaml")
 
 
-def test_the_run_form_is_the_spec_inline_with_its_value_checks_left_to_the_run():
+def test_the_run_form_is_the_spec_inline_with_its_bounds_and_a_text_box_for_each_text_field():
     from prefect.utilities.callables import parameter_schema
 
     from trnflow.flows.pipeline import pipeline
 
     form = parameter_schema(pipeline).model_dump()
-    job_spec = form["properties"]["spec"]["anyOf"][0]
-    assert job_spec == form_schema() and not form["definitions"]  # every section inline: no $ref to follow
+    job_spec = form["properties"]["spec"]  # the spec itself, not "a spec or null": the UI names a bad field
+    own = ("default", "description", "position", "title")  # the parameter's, from the flow's docstring
+    assert {k: v for k, v in job_spec.items() if k not in own} == {k: v for k, v in form_schema().items()
+                                                                  if k not in own}
+    assert not form["definitions"]  # every section inline: no $ref to follow
     text = json.dumps(job_spec)
-    assert "$ref" not in text and not {'"pattern":', '"minimum":', '"exclusiveMinimum":'} & set(text.split())
+    assert "$ref" not in text and '"pattern":' not in text.split()  # patterns are the run's, which explains them
     assert set(job_spec["properties"]) == set(JobSpec.model_fields)
     backend = job_spec["properties"]["compute"]["properties"]["backend"]
     assert set(backend["enum"]) == {"local", "sagemaker", "batch"}  # choices stay choices
-    assert job_spec["properties"]["train"]["properties"]["steps"]["type"] == "integer"
+    train = job_spec["properties"]["train"]["properties"]
+    steps, lr = train["steps"], train["lr"]
+    assert (steps["type"], steps["minimum"], steps["maximum"]) == ("integer", 1, 10**9)  # bounds the server enforces
+    assert lr["exclusiveMinimum"] == 0 and lr["maximum"] == 10
+    text_box = [{"type": "string"}, {"type": "null"}]  # one text box, not a tab per choice (`champion`, a URL)
+    assert job_spec["properties"]["gate"]["properties"]["reference"]["anyOf"] == text_box
+    assert job_spec["properties"]["train"]["properties"]["init_from"]["anyOf"] == text_box
+
+
+def test_the_server_refuses_a_value_out_of_its_bounds_naming_the_field():
+    """As the Prefect server checks a run's parameters against an enforcing deployment's schema."""
+    from prefect.utilities.callables import parameter_schema
+    from prefect.utilities.schema_tools.validation import ValidationError, build_error_obj, validate
+
+    from trnflow.flows.pipeline import pipeline
+
+    schema = parameter_schema(pipeline).model_dump_for_openapi()
+    filled = spec_parameter(load_spec(QUICKSTART))
+    validate({"spec": filled}, schema, raise_on_error=True)
+    for section, field, value, reason in [("train", "steps", -5, "-5 is less than the minimum of 1"),
+                                          ("train", "lr", 80, "80 is greater than the maximum of 10"),
+                                          ("train", "steps", "many", "'many' is not of type 'integer'")]:
+        bad = {"spec": {**filled, section: {**filled[section], field: value}}}
+        with pytest.raises(ValidationError) as caught:
+            validate(bad, schema, raise_on_error=True)
+        assert str(caught.value) == f"Validation failed for field 'spec.{section}.{field}'. Failure reason: {reason}"
+        # the form's own check: the error sits under the field, not over the whole spec
+        shown = build_error_obj(validate(bad, schema))["errors"][0]
+        assert shown == {"property": "spec", "errors": [{"property": section, "errors": [
+            {"property": field, "errors": [reason]}]}]}
 
 
 def test_a_bad_value_from_the_form_fails_the_run_naming_the_field_and_the_fix():
