@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import functools
+import os
+import signal
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, ParamSpec, TypeVar
@@ -79,6 +82,19 @@ schemas`, naming no field. Flows take it unvalidated (`validate_parameters=False
 message."""
 
 
+SERVED = "TRNFLOW_SERVED"
+"""Set in the environment of the flow runs `trnflow serve` starts: they share its terminal, whose
+Ctrl-C must reach only `trnflow serve`, which then cancels them (`ignore_terminal_interrupts`)."""
+
+
+def ignore_terminal_interrupts() -> None:
+    """In a flow run that `trnflow serve` started, ignore SIGINT: a Ctrl-C in serve's terminal goes
+    to every process of its group, and would end the run wherever it was, leaving it Running on the
+    server. Serve cancels it instead (SIGTERM, which Prefect turns into a clean cancellation)."""
+    if os.environ.get(SERVED) and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def ends_with_reason(flow_fn: Callable[P, R]) -> Callable[P, R | State]:
     """A flow function whose run, when trnflow stops it, ends Failed with the reason in one line as
     its state message (the UI shows its first 70 or so characters), logged without a traceback: a
@@ -88,6 +104,7 @@ def ends_with_reason(flow_fn: Callable[P, R]) -> Callable[P, R | State]:
 
     @functools.wraps(flow_fn)
     def checked(*args: P.args, **kwargs: P.kwargs) -> R | State:
+        ignore_terminal_interrupts()
         try:
             return flow_fn(*args, **kwargs)
         except SpecError as exc:

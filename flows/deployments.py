@@ -1,7 +1,8 @@
 """The deployments of every trnflow flow for a job spec: one definition, rendered two ways.
 
-`trnflow serve` turns them into served deployments (schedules included) in one process; `trnflow
-prefect-yaml` writes them as `prefect.yaml` for `prefect deploy --all` onto a process work pool.
+`trnflow serve` turns them into served deployments (schedules included) in one process
+(`trnflow.flows.serving`); `trnflow prefect-yaml` writes them as `prefect.yaml` for `prefect deploy
+--all` onto a process work pool.
 Each deployment is named `<spec name>-<what it runs>` (`quickstart-retrain`) and carries the whole
 spec as its `spec` parameter: the UI's run form opens filled with it, and its scheduled runs run
 it. Editing the spec file changes the deployments when they are served or deployed again.
@@ -10,24 +11,13 @@ The retraining deployment runs on the spec's `schedule`, one run at a time.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import logging
-import os
-import signal
-import sys
-import threading
 from dataclasses import dataclass
 from typing import Any
 
 from prefect import Flow
-from prefect.client.orchestration import get_client
 from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLimitStrategy
 from prefect.deployments.runner import EntrypointType
-from prefect.runner import Runner
 from prefect.schedules import Cron
-from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
-from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from trnflow.flows.batch_inference import batch_inference
 from trnflow.flows.compile import compile_cache
@@ -162,151 +152,3 @@ def runner_deployments(spec: JobSpec, source: str) -> list[Any]:
             if limit else None,
         ))
     return out
-
-
-STOP_SECONDS = 20.0
-"""How long `trnflow serve` may take to stop once told to (Ctrl-C, SIGTERM): cancelling the runs it
-started and pausing its deployments need the server, which may be gone; past this it exits anyway."""
-
-
-@dataclass(frozen=True)
-class Stopped:
-    """How serving ended: the deployments it paused, or why it could not pause them."""
-    deployments: list[str]
-    paused: bool
-    problem: str = ""
-
-
-class _Deadline:
-    """Once armed, ends this process after `seconds` whatever it is waiting for; a Ctrl-C after
-    arming ends it at once."""
-
-    def __init__(self, seconds: float):
-        self.seconds, self.armed = seconds, False
-
-    def arm(self) -> None:
-        if self.armed:
-            return
-        self.armed = True
-        timer = threading.Timer(self.seconds, self._give_up)
-        timer.daemon = True
-        timer.start()
-        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-
-    def _give_up(self) -> None:
-        print(f"trnflow serve: did not stop within {self.seconds:.0f} s (is the Prefect server gone?); exiting "
-              "without pausing the deployments", file=sys.stderr, flush=True)
-        os._exit(1)
-
-
-GONE_CHECKS = (5.0, 4)
-"""How `trnflow serve` decides its server is gone: this many seconds between health checks, and
-this many unanswered in a row. Prefect's runner gives up after three polls (about 30 s) with
-tracebacks, or sometimes hangs; this ends serving first, saying why."""
-
-
-def _server_answers(seconds: float) -> bool:
-    """Whether the Prefect server answers its health check within `seconds`."""
-    try:
-        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), \
-                get_client(sync_client=True, httpx_settings={"timeout": seconds}) as client:
-            return client.api_healthcheck() is None
-    except Exception:  # any way of not answering is an answer here
-        return False
-
-
-def _server_gone() -> None:
-    """Say that the server stopped answering and what to do, and end this process (exit 1)."""
-    sys.stdout.flush()
-    print(f"trnflow serve: the Prefect server at {PREFECT_API_URL.value()} stopped answering, so serving stopped; "
-          "its deployments were not paused, and their schedules create runs again once it is back: start the "
-          "server, then run `trnflow serve` again", file=sys.stderr, flush=True)
-    os._exit(1)
-
-
-def _watch_server(stopping: threading.Event, every: float, misses: int) -> None:
-    """Until `stopping` is set, check the server every `every` seconds; `misses` unanswered
-    checks in a row end serving (`_server_gone`)."""
-    missed = 0
-    while not stopping.wait(every):
-        missed = 0 if _server_answers(every) else missed + 1
-        if missed >= misses and not stopping.is_set():
-            _server_gone()
-
-
-class _OneLine(logging.Filter):
-    """Keeps a log record's message and drops its traceback."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        record.exc_info, record.exc_text = None, None
-        return True
-
-
-QUIET_TRACEBACKS = ("prefect.FlowRunCancellingObserver",)
-"""Prefect loggers whose warnings about a server that went away come with a whole traceback."""
-
-
-def _busy(exc: BaseException) -> bool:
-    """Whether the server answered that it is busy (429, or a 5xx such as SQLite's locked database's
-    503): worth asking again. A server that is gone does not answer at all."""
-    response = getattr(exc, "response", None)
-    status = getattr(response, "status_code", None)
-    return isinstance(status, int) and (status == 429 or status >= 500)
-
-
-def _pause(ids: list[Any], seconds: float) -> str:
-    """Pause the deployments, each request at most `seconds`, asking again for up to twice that
-    while the server answers that it is busy; what went wrong, or ''."""
-    try:
-        with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), \
-                get_client(sync_client=True, httpx_settings={"timeout": seconds}) as client:
-            for deployment_id in ids:  # pausing twice is harmless
-                for attempt in Retrying(stop=stop_after_delay(2 * seconds), wait=wait_exponential(0.2, max=2),
-                                        retry=retry_if_exception(_busy), reraise=True):
-                    with attempt:
-                        client.pause_deployment(deployment_id)
-    except Exception as exc:
-        return f"{type(exc).__name__}: {exc}"
-    return ""
-
-
-def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
-              stop_seconds: float = STOP_SECONDS) -> Stopped:
-    """Serve every flow's deployment for each (spec, where it was read) from this process until
-    stopped (Ctrl-C or SIGTERM), then pause them: their schedules create no runs while nothing
-    serves them. Stopping takes at most `stop_seconds`, whatever the server's state. A server
-    that stops answering (`GONE_CHECKS`) ends serving and this process, exit 1, saying so."""
-    deadline = _Deadline(stop_seconds)
-    stopping = threading.Event()
-
-    class BoundedRunner(Runner):
-        def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
-            stopping.set()
-            deadline.arm()
-            super().handle_sigterm(*args, **kwargs)  # cancels the runs it started, then exits
-
-    def interrupted(*_: Any) -> None:
-        stopping.set()
-        deadline.arm()
-        raise KeyboardInterrupt
-
-    runner = BoundedRunner(pause_on_shutdown=False, limit=limit)
-    served = [d for spec, source in specs for d in runner_deployments(spec, source)]
-    ids = [runner.add_deployment(d) for d in served]
-    names = [f"{d.flow_name}/{d.name}" for d in served]
-    signal.signal(signal.SIGINT, interrupted)
-    for name in QUIET_TRACEBACKS:
-        logging.getLogger(name).addFilter(_OneLine())
-    threading.Thread(target=_watch_server, args=(stopping, *GONE_CHECKS), daemon=True,
-                     name="trnflow-serve-watch").start()
-    with contextlib.suppress(KeyboardInterrupt, SystemExit):
-        try:
-            asyncio.run(runner.start())
-        except Exception:
-            if not stopping.is_set() and not _server_answers(GONE_CHECKS[0]):
-                _server_gone()  # Prefect's runner gave up on it first
-            raise
-    stopping.set()
-    deadline.arm()
-    problem = _pause(ids, max(1.0, stop_seconds / 4))
-    return Stopped(deployments=names, paused=not problem, problem=problem)

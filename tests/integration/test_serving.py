@@ -15,6 +15,7 @@ import urllib.request
 
 import pytest
 
+from tests.integration.test_prefect_server import _job_processes
 from tests.prefect_server import TRNFLOW, client_of, deployments, flow_runs, prefect_server, small_spec, wait_for
 from trnflow.lifecycle.registry import Registry
 from trnflow.workload.embeddings import current
@@ -105,6 +106,52 @@ def _answers(server) -> bool:
             return True
     except OSError:
         return False
+
+
+def test_ctrl_c_cancels_the_run_serve_was_executing_and_gives_its_model_back(server, tmp_path, dataset,
+                                                                             compile_cache):
+    """Ctrl-C in `trnflow serve`'s terminal (SIGINT to its process group) while a run trains: the run
+    ends Cancelled, its jobs stop, its model's slot is free at once (not when its lease runs out),
+    and serve prints no traceback."""
+    import yaml
+
+    from trnflow.flows._lock import limit_name
+
+    spec = small_spec(tmp_path, dataset, compile_cache, "interrupted", {"cron": "0 3 * * *", "timezone": "UTC"})
+    longer = yaml.safe_load(spec.read_text())
+    longer["train"].update(steps=100_000, checkpoint_every=50_000)  # still training when Ctrl-C comes
+    longer["gate"]["eval_every"] = 50_000
+    spec.write_text(yaml.safe_dump(longer))
+    env = {**server, "TRNFLOW_HOME": str(tmp_path / "trnflow-home"), "TRNFLOW_POLL_SECONDS": "0.2",
+           "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    served = _serve(env, spec, tmp_path)
+    try:
+        wait_for(lambda: "trnflow-pipeline/interrupted-pipeline" in deployments(env), 120, "the served deployments")
+        submitted = subprocess.run([TRNFLOW, "submit", str(spec), "--deployment", "pipeline", "--json"], env=env,
+                                   capture_output=True, text=True, check=True)
+        run_id = json.loads(submitted.stdout)["id"]
+        wait_for(lambda: "train: step " in (tmp_path / "serve.log").read_text(), 300, "the run to train")
+        began = time.monotonic()
+        os.killpg(served.pid, signal.SIGINT)  # Ctrl-C: the terminal signals its whole foreground group
+        served.wait(timeout=60)
+    finally:
+        if served.poll() is None:
+            os.killpg(served.pid, signal.SIGKILL)
+
+    def final_state():
+        with client_of(env) as client:
+            run = client.read_flow_run(run_id)
+        return run.state_name if run.state_type.value in ("CANCELLED", "COMPLETED", "FAILED", "CRASHED") else None
+
+    assert wait_for(final_state, 30, "the run to end") == "Cancelled"
+    assert time.monotonic() - began < 30 + 10
+    with client_of(env) as client:
+        limit = client.read_global_concurrency_limit_by_name(limit_name("interrupted"))
+    assert limit.active_slots == 0
+    wait_for(lambda: not _job_processes(tmp_path / "trnflow-home" / "jobs"), 30, "the run's jobs to stop")
+    log = (tmp_path / "serve.log").read_text()
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log and "CancelledError" not in log, log[-3000:]
+    assert "stopped: paused its 5 deployments" in " ".join(log.split())
 
 
 def _stop(served, sig: int, within: float) -> int:

@@ -156,7 +156,7 @@ def test_secrets_are_masked_in_the_forms_they_travel_in():
 def test_stopping_serve_asks_a_busy_server_again_and_a_gone_one_never():
     import httpx
 
-    from trnflow.flows.deployments import _busy
+    from trnflow.flows.serving import _busy
 
     request = httpx.Request("PATCH", "http://127.0.0.1:4200/api/deployments/x")
     for status, again in ((503, True), (500, True), (429, True), (404, False), (409, False)):

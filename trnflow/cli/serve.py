@@ -44,7 +44,8 @@ def serve(
     answering for about 20 s stops it too (exit 1), with a message saying so.
     """
     from trnflow.cli.server import ServerError, api_url  # heavy: prefect
-    from trnflow.flows.deployments import definitions, serve_all  # heavy: prefect
+    from trnflow.flows.deployments import definitions  # heavy: prefect
+    from trnflow.flows.serving import serve_all
 
     try:
         api = api_url()
