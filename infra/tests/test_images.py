@@ -17,9 +17,9 @@ import pytest
 from test_image_install import install_commands, pip, wheel  # noqa: F401 (wheel is a fixture)
 from test_python_version import image_pythons
 
-from jobspecs.instances import TRAINING_TYPES
 from trnflow.neuron.devices import IMAGES, image_device
 from trnflow.specs import validate_spec
+from trnflow.specs.instances import TRAINING_TYPES
 
 ROOT = Path(__file__).resolve().parents[2]
 TARGETS = json.loads((ROOT / "infra" / "docker-bake.json").read_text())["target"]

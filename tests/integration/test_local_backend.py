@@ -185,7 +185,7 @@ def test_a_job_whose_submitter_is_killed_ends_with_it(backend, make_spec, tmp_pa
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
     submitter = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
-        "from jobspecs import JobSpec\n"
+        "from trnflow.specs import JobSpec\n"
         "from trnflow.backends import JobRequest\n"
         "from trnflow.backends.local import LocalBackend\n"
         "from trnflow.settings import TrnflowSettings\n"
