@@ -51,3 +51,36 @@ def test_the_train_stages_loss_is_the_last_logged_mean_with_its_steps_named():
     # no curve at all: the last step's loss, named so
     assert loss_figure(_trained([])) == "loss 0.1427 (the last step's)"
     assert loss_figure(_trained([], loss=None)) == "loss unknown"
+
+
+def _drawn(fig) -> dict:
+    """What a parity figure shows: its lines' and markers' labels with their points, and its notes."""
+    ax = fig.axes[0]
+    lines = {line.get_label(): list(zip(line.get_xdata(), line.get_ydata(), strict=True)) for line in ax.lines}
+    marks = {c.get_label(): [tuple(xy) for xy in c.get_offsets()] for c in ax.collections if c.get_label()[0] != "_"}
+    return {"lines": lines, "marks": marks, "notes": [t.get_text() for t in ax.texts]}
+
+
+def test_a_failed_gate_with_no_common_step_draws_both_series_and_says_nothing_was_compared():
+    from trnflow.lifecycle.gate import Band, compare
+    from trnflow.reporting.chart import parity_figure, parity_png
+
+    candidate, reference = [{"step": 80, "accuracy": 0.71}], [{"step": 30, "accuracy": 0.6}, {"step": 60, "accuracy": 0.7}]
+    verdict = compare(candidate, reference, Band(metric="accuracy", max_abs_diff=0.001))
+    shown = _drawn(parity_figure(verdict, candidate, reference, "quickstart"))
+    assert shown["lines"] == {"candidate": [(80, 0.71)], "reference": [(30, 0.6), (60, 0.7)]}
+    assert shown["marks"] == {} and shown["notes"] == ["no evaluation step in common:\nnothing was compared"]
+    assert parity_png(verdict, candidate, reference, "quickstart").startswith(b"\x89PNG")
+
+
+def test_the_parity_chart_marks_the_compared_steps_and_those_outside_the_band():
+    from trnflow.lifecycle.gate import Band, compare
+    from trnflow.reporting.chart import parity_figure
+
+    candidate = [{"step": s, "accuracy": a} for s, a in ((100, 0.70), (200, 0.75), (300, 0.70))]
+    reference = [{"step": s, "accuracy": a} for s, a in ((100, 0.70), (200, 0.7505), (250, 0.76), (300, 0.78))]
+    verdict = compare(candidate, reference, Band(metric="accuracy", max_abs_diff=0.001))
+    shown = _drawn(parity_figure(verdict, candidate, reference, "quickstart"))
+    assert shown["lines"]["reference"] == [(100, 0.7), (200, 0.7505), (250, 0.76), (300, 0.78)]  # its own steps
+    assert shown["marks"]["compared (3 steps)"] == [(100, 0.7), (200, 0.75), (300, 0.7)]
+    assert shown["marks"]["outside the band"] == [(300, 0.7)] and shown["notes"] == []

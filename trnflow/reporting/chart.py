@@ -4,11 +4,26 @@ allowed band, as a PNG."""
 from __future__ import annotations
 
 import io
+from typing import TYPE_CHECKING
 
 from trnflow.records import Verdict
 
+if TYPE_CHECKING:  # matplotlib is imported only when a chart is drawn
+    from matplotlib.figure import Figure
+
 
 def parity_png(verdict: Verdict, candidate: list[dict], reference: list[dict] | None, title: str) -> bytes:
+    """`parity_figure` as a PNG."""
+    buffer = io.BytesIO()
+    parity_figure(verdict, candidate, reference, title).savefig(buffer, format="png")
+    return buffer.getvalue()
+
+
+def parity_figure(verdict: Verdict, candidate: list[dict], reference: list[dict] | None, title: str) -> Figure:
+    """The candidate's series and the reference's whole series, each at its own global steps; the
+    points the gate compared (the reference's value drawn at the candidate's step, with the allowed
+    band around it), the failed ones in red; and, when the two share no step, a note saying that
+    nothing was compared."""
     import matplotlib  # ~0.5 s to import: only a chart pays for it
 
     matplotlib.use("Agg")  # no display: render to a buffer
@@ -20,25 +35,28 @@ def parity_png(verdict: Verdict, candidate: list[dict], reference: list[dict] | 
     steps = [p.get("global_step", p["step"]) for p in candidate]
     ax.plot(steps, [p[metric] for p in candidate], marker="o", label="candidate", color="tab:blue", zorder=3)
     if reference:
-        # the reference is drawn at the candidate's global steps, matched by step
-        by_step = {p["step"]: p[metric] for p in reference}
-        shared = [(p.get("global_step", p["step"]), by_step[p["step"]]) for p in candidate if p["step"] in by_step]
-        if shared:
-            xs, ys = zip(*shared, strict=True)
-            ax.plot(xs, ys, marker="s", label="reference", color="tab:gray")
-            ax.fill_between(xs, [y - verdict.allowed(y) for y in ys], [y + verdict.allowed(y) for y in ys],
-                            color="tab:gray", alpha=0.25, label=f"allowed band ({verdict.text})")
-    for row in verdict.points:
-        if not row.passed:
-            ax.scatter([row.global_step], [row.candidate], color="tab:red", s=80, zorder=4)
+        ax.plot([p.get("global_step", p["step"]) for p in reference], [p[metric] for p in reference],
+                marker="s", markersize=4, linestyle="--", color="tab:gray", alpha=0.7, label="reference")
+    compared = sorted(verdict.points, key=lambda r: r.global_step)
+    if compared:
+        xs, ys = [r.global_step for r in compared], [r.reference for r in compared]
+        ax.fill_between(xs, [y - verdict.allowed(y) for y in ys], [y + verdict.allowed(y) for y in ys],
+                        color="tab:gray", alpha=0.25, label=f"allowed band ({verdict.text})")
+        ax.scatter(xs, [r.candidate for r in compared], facecolors="none", edgecolors="black", s=110, zorder=4,
+                   label=f"compared ({len(compared)} step{'s' if len(compared) > 1 else ''})")
+    elif reference:
+        ax.text(0.5, 0.5, "no evaluation step in common:\nnothing was compared", transform=ax.transAxes,
+                ha="center", va="center", color="tab:red", fontsize=11)
+    failed = [r for r in compared if not r.passed]
+    if failed:
+        ax.scatter([r.global_step for r in failed], [r.candidate for r in failed], color="tab:red", s=80, zorder=5,
+                   label="outside the band")
     outcome = "passed" if verdict.passed else "FAILED"
     ax.set(title=f"{title}: gate {outcome}", xlabel="global step", ylabel=metric)
     ax.grid(alpha=0.3)
-    ax.legend(loc="lower right")
+    ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png")
-    return buffer.getvalue()
+    return fig
 
 
 def verdict_markdown(verdict: Verdict, title: str) -> str:
