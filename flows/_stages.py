@@ -9,6 +9,7 @@ import time
 import uuid
 from collections.abc import Callable
 
+from prefect.exceptions import FailedRun
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
@@ -37,11 +38,15 @@ class QuietExpectedFailures(logging.Filter):
     """Drops the traceback Prefect's engine logs with a failed task or flow when the error is one of
     trnflow's own (a job's failure, a refused spec, a check before launch): its message says what
     happened and what to do, and the traceback would only show Prefect's and trnflow's internals.
-    Any other error (a bug) keeps its traceback."""
+    Any other error (a bug) keeps its traceback. A served run's engine also logs the run's failure
+    once more when it ends (`FailedRun`, "Engine execution exited with unexpected exception"): the
+    run's own log lines said why already, so that record is dropped."""
 
     EXPECTED = (TrnflowError, SpecError)
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], FailedRun):
+            return False
         if record.exc_info and isinstance(record.exc_info[1], self.EXPECTED):
             record.exc_info, record.exc_text = None, None
         return True

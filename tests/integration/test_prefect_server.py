@@ -252,7 +252,9 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
     """In a real browser: the deployments, each named for what it runs; the retraining deployment's
     upcoming runs (the scheduler's); a custom run whose form opens filled with the spec, one field
     (the registry) changed and submitted, which completes with its stage table and parity chart on their pages;
-    and a bad value, which fails its run with the message `trnflow validate` gives.
+    and a bad value, which fails its run with the message `trnflow validate` gives, in its log and its
+    state, the run named for its spec; a value out of its bounds, which the form refuses naming the
+    field, creating no run.
     TRNFLOW_SCREENSHOTS=<folder> keeps the screenshots."""
     if chromium() is None:
         pytest.skip("Debian's chromium is not installed (make test installs it where apt-get can)")
@@ -317,10 +319,25 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
         assert bad.state.message.startswith("name: 'Quick Start' is not allowed here; use lower-case letters, digits "
                                             "and dashes"), bad.state.message
         assert "(for example 'quick-start')" in bad.state.message and "Traceback" not in bad.state.message
-        page.goto(f"{ui}/runs/flow-run/{bad.id}")
+        page.goto(f"{ui}/runs/flow-run/{bad.id}")  # the page opens on its log, which says why in its one line
+        page.wait_for_text("name: 'Quick Start' is not allowed here")
+        assert "Traceback" not in page.text(), page.text()[-6000:]
+        page.screenshot(shots / "refused-log.png", full_page=False)
         page.click("Details")
         page.wait_for_text("name: 'Quick Start' is not allowed here")  # the run page's state message
         page.screenshot(shots / "refused.png", full_page=False)
+        page.goto(f"{ui}/runs")
+        page.wait_for_text("Quick Start: pipeline")  # named for its spec and flow, not at random
+        page.screenshot(shots / "runs-list.png", full_page=False)
+
+        # a value out of its bounds: the form names the field, and the server creates no run
+        _custom_run(page, f"{ui}/deployments/deployment/{pipeline.id}")
+        before = len(flow_runs(env, pipeline.id))
+        page.fill("Steps", "-5")
+        page.click("Submit")
+        page.wait_for_text("-5 is less than the minimum of 1")
+        page.screenshot(shots / "form-refused.png", full_page=False)
+        assert len(flow_runs(env, pipeline.id)) == before
 
 
 def _job_processes(jobs: Path) -> list[int]:
