@@ -4,9 +4,7 @@ failure with the rows so far."""
 from __future__ import annotations
 
 import logging
-import re
 import time
-import uuid
 from collections.abc import Callable
 
 from prefect.exceptions import FailedRun
@@ -21,7 +19,7 @@ from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
 from trnflow.results import Cost, CostRow, RunOutcome, SanityResult, StageResult, StageRow, TrainResult
 from trnflow.settings import TrnflowSettings
-from trnflow.specs import JobSpec, SpecError
+from trnflow.specs import JobSpec, SpecError, new_run_id, run_id_problem
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import release_kept
 from trnflow.tasks.collectives import collective_test
@@ -29,6 +27,9 @@ from trnflow.tasks.compile import compile_graphs
 from trnflow.tasks.retry_policy import retry_options
 from trnflow.tasks.sanity import sanity_check
 from trnflow.tasks.train import train_model
+
+PIPELINE_STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote")
+"""The stages of a training run, a first one (`pipeline`) or a retraining, in order."""
 
 STAGE_COLUMNS = {"stage": "stage", "state": "state", "seconds": "seconds", "device": "device", "summary": "key figure"}
 """The `<name>-stages` table artifact's columns, by the `StageRow` field each shows."""
@@ -71,8 +72,8 @@ class StageRunner:
     """Calls each stage task with the spec's retry policy; keeps rows and results."""
 
     def __init__(self, spec: JobSpec, run_id: str):
-        if not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id) or run_id in (".", ".."):
-            raise ValueError(f"run id {run_id!r}: use letters, digits, '.', '_' and '-' only")
+        if problem := run_id_problem(run_id):
+            raise ValueError(f"run id {problem}")
         self.spec, self.run_id = spec, run_id
         self.rows: list[StageRow] = []
         self.results: dict[str, StageResult] = {}
@@ -204,7 +205,7 @@ def through_training(stage: StageRunner, later: tuple[str, ...], retraining: boo
     return cores, trained
 
 
-def new_run_id() -> str:
-    flow_run_id = flow_run.get_id()
-    suffix = str(flow_run_id)[:8] if flow_run_id else uuid.uuid4().hex[:8]
-    return f"{time.strftime('%Y%m%dT%H%M%S')}-{suffix}"
+def flow_run_id() -> str:
+    """A new run id for the current flow run, ending with the start of its Prefect id."""
+    prefect_id = flow_run.get_id()
+    return new_run_id(str(prefect_id)[:8] if prefect_id else None)

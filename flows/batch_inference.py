@@ -15,7 +15,7 @@ from prefect import flow
 
 from trnflow.errors import FatalError
 from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec
-from trnflow.flows._stages import StageRunner, new_run_id, run_stages
+from trnflow.flows._stages import StageRunner, flow_run_id, run_stages
 from trnflow.lifecycle.registry import ModelVersion, Registry
 from trnflow.results import RunOutcome
 from trnflow.specs import JobSpec
@@ -63,7 +63,7 @@ def batch_inference(spec: SpecParam = None, spec_url: str | None = None, checkpo
     else:
         label = checkpoint
     name_run(spec, f"infer {spec.data.inference} with {label}")
-    return run_stages(StageRunner(spec, run_id or new_run_id()),
+    return run_stages(StageRunner(spec, run_id or flow_run_id()),
                       partial(_stages, checkpoint=checkpoint, version=version, registry=registry), STAGES)
 
 

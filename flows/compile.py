@@ -6,7 +6,7 @@ from __future__ import annotations
 from prefect import flow
 
 from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec
-from trnflow.flows._stages import StageRunner, new_run_id, run_stages
+from trnflow.flows._stages import StageRunner, flow_run_id, run_stages
 from trnflow.results import RunOutcome
 from trnflow.tasks.compile import compile_graphs
 
@@ -24,7 +24,7 @@ def compile_cache(spec: SpecParam = None, spec_url: str | None = None) -> RunOut
     """
     spec = resolve_spec(spec, spec_url)
     name_run(spec, f"compile at -O{spec.compile.optlevel} into {spec.compile.cache_url}")
-    return run_stages(StageRunner(spec, new_run_id()), _stages, STAGES)
+    return run_stages(StageRunner(spec, flow_run_id()), _stages, STAGES)
 
 
 def _stages(stage: StageRunner) -> RunOutcome:

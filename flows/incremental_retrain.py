@@ -22,16 +22,16 @@ from prefect.states import Completed, State
 
 from trnflow.flows._lock import ModelLock, holder_label, model_lock
 from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec
-from trnflow.flows._stages import StageRunner, new_run_id, run_stages, through_training
+from trnflow.flows._stages import PIPELINE_STAGES, StageRunner, flow_run_id, run_stages, through_training
 from trnflow.lifecycle.registry import Registry
 from trnflow.results import RunOutcome
-from trnflow.specs import JobSpec, SpecError, validate_spec
+from trnflow.specs import RETRAINED, JobSpec, SpecError, apply_overrides, validate_spec
 from trnflow.storage.datafiles import check_new_days, new_partitions
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
 from trnflow.tasks.promote import promote_champion, repair_publication
 
-STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote")
+STAGES = PIPELINE_STAGES
 
 
 def retrain_spec(spec: JobSpec) -> JobSpec:
@@ -39,16 +39,12 @@ def retrain_spec(spec: JobSpec) -> JobSpec:
     if spec.registry_url is None:
         raise SpecError(spec.name, ["registry_url: incremental retraining keeps its champion and watermark in a "
                                     "model registry; set registry_url"])
-    changes = []
-    if spec.train.init_from != "champion":
-        changes.append("train.init_from: champion")
-    if spec.data.window != "since-watermark":
-        changes.append("data.window: since-watermark")
+    current = {"train.init_from": spec.train.init_from, "data.window": spec.data.window}
+    changes = [f"{field}: {value}" for field, value in RETRAINED.items() if current[field] != value]
     if changes:
         get_run_logger().info("retraining runs the spec with %s", " and ".join(changes))
-    data = spec.model_dump(mode="json")
-    data["train"]["init_from"], data["data"]["window"] = "champion", "since-watermark"
-    return validate_spec(data, spec.name)  # starting from the champion puts the registry in the jobs' reach
+    # starting from the champion puts the registry in the jobs' reach: validated whole again
+    return validate_spec(apply_overrides(spec.model_dump(mode="json"), RETRAINED), spec.name)
 
 
 @flow(name="trnflow-incremental-retrain", flow_run_name=first_name("retrain"), log_prints=True,
@@ -70,7 +66,7 @@ def incremental_retrain(spec: SpecParam = None, spec_url: str | None = None, run
             (it must still pass the gate); recorded in the registry.
     """
     spec = retrain_spec(resolve_spec(spec, spec_url))
-    run_id = run_id or new_run_id()
+    run_id = run_id or flow_run_id()
     with model_lock(spec.name, lock_timeout_seconds, holder_label(run_id)) as lock:
         assert spec.registry_url is not None
         registry = Registry(spec.registry_url)

@@ -17,13 +17,20 @@ from prefect.states import State
 
 from trnflow.flows._lock import ModelLock, holder_label, model_lock
 from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec, window
-from trnflow.flows._stages import PipelineFailed, StageRunner, new_run_id, run_stages, through_training
+from trnflow.flows._stages import (
+    PIPELINE_STAGES,
+    PipelineFailed,
+    StageRunner,
+    flow_run_id,
+    run_stages,
+    through_training,
+)
 from trnflow.results import RunOutcome
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
 from trnflow.tasks.promote import promote_champion, repair_publication
 
-STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote")
+STAGES = PIPELINE_STAGES
 
 __all__ = ["STAGES", "PipelineFailed", "pipeline"]
 
@@ -57,7 +64,7 @@ def pipeline(spec: SpecParam = None, spec_url: str | None = None,
     """
     spec = resolve_spec(spec, spec_url)
     name_run(spec, window(spec))
-    runner = StageRunner(spec, run_id or new_run_id())
+    runner = StageRunner(spec, run_id or flow_run_id())
     if spec.registry_url is None:  # nothing shared to protect: runs of the spec may overlap
         return run_stages(runner, partial(_stages, force_promote=force_promote, lock=None), STAGES)
     with model_lock(spec.name, lock_timeout_seconds, holder_label(runner.run_id)) as lock:

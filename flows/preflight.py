@@ -6,7 +6,7 @@ from __future__ import annotations
 from prefect import flow
 
 from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec
-from trnflow.flows._stages import StageRunner, new_run_id, preflight_stages, run_stages
+from trnflow.flows._stages import StageRunner, flow_run_id, preflight_stages, run_stages
 from trnflow.results import RunOutcome
 
 STAGES = ("sanity", "collectives")
@@ -24,7 +24,7 @@ def preflight(spec: SpecParam = None, spec_url: str | None = None, run_id: str |
     spec = resolve_spec(spec, spec_url)
     compute = spec.compute
     name_run(spec, f"preflight of {compute.world_size} cores on {compute.nodes}x {compute.instance_type}")
-    return run_stages(StageRunner(spec, run_id or new_run_id()), _stages, STAGES)
+    return run_stages(StageRunner(spec, run_id or flow_run_id()), _stages, STAGES)
 
 
 def _stages(stage: StageRunner) -> RunOutcome:

@@ -15,6 +15,7 @@ from trnflow.specs.loader import (
     parse_spec,
     validate_spec,
 )
+from trnflow.specs.runs import PREFLIGHT_FOLDER, RETRAINED, new_run_id, run_id_problem
 from trnflow.specs.spec import (
     HOST_RESERVED_MEMORY_GIB,
     CompileSpec,
@@ -40,6 +41,8 @@ __all__ = [
     "HOST_RESERVED_MEMORY_GIB",
     "MAX_SPEC_BYTES",
     "MAX_SPEC_VALUES",
+    "PREFLIGHT_FOLDER",
+    "RETRAINED",
     "CompileSpec",
     "ComputeSpec",
     "DataSpec",
@@ -60,7 +63,9 @@ __all__ = [
     "is_module_reference",
     "load_spec",
     "memory_problem",
+    "new_run_id",
     "parse_spec",
+    "run_id_problem",
     "sagemaker_checkpoint_problem",
     "validate_spec",
 ]

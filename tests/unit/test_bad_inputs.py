@@ -409,6 +409,8 @@ CASES = [
     case("cli-param-malformed-yaml", cli("submit", "{spec}", "--param", "run_id=[x"), "--param", "run_id",
          fix="YAML"),
     case("cli-bad-run-id", cli("run", "{spec}", "--run-id", "../escape"), "--run-id", fix="letters, digits"),
+    case("cli-preflight-folder-run-id", cli("run", "{spec}", "--run-id", "_preflight"), "--run-id", "'_preflight'",
+         fix="name the run otherwise"),
     case("cli-run-missing-data", cli("run", "{spec}", "--set", "data.train={tmp}/missing/train"), "data.train",
          fix="check the data"),
     case("cli-synth-into-a-file",

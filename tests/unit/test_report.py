@@ -65,7 +65,8 @@ def test_a_failed_gate_with_no_common_step_draws_both_series_and_says_nothing_wa
     from trnflow.lifecycle.gate import Band, compare
     from trnflow.reporting.chart import parity_figure, parity_png
 
-    candidate, reference = [{"step": 80, "accuracy": 0.71}], [{"step": 30, "accuracy": 0.6}, {"step": 60, "accuracy": 0.7}]
+    candidate = [{"step": 80, "accuracy": 0.71}]
+    reference = [{"step": 30, "accuracy": 0.6}, {"step": 60, "accuracy": 0.7}]
     verdict = compare(candidate, reference, Band(metric="accuracy", max_abs_diff=0.001))
     shown = _drawn(parity_figure(verdict, candidate, reference, "quickstart"))
     assert shown["lines"] == {"candidate": [(80, 0.71)], "reference": [(30, 0.6), (60, 0.7)]}

@@ -6,13 +6,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import shlex
 import signal
 import sys
 import threading
-import time
-import uuid
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -39,7 +36,7 @@ from trnflow.results import (
     StageResult,
 )
 from trnflow.settings import TrnflowSettings
-from trnflow.specs import JobSpec
+from trnflow.specs import RETRAINED, JobSpec, new_run_id, run_id_problem
 
 
 def reference(spec_path: SpecArg, overrides: SetOpt = None):
@@ -113,13 +110,9 @@ def compile_cmd(
 
 def _check_run_id(run_id: str | None) -> None:
     """Refuse a run id that could not name a checkpoint folder, before anything starts."""
-    if run_id is not None and (not re.fullmatch(r"[A-Za-z0-9._-]{1,128}", run_id) or run_id in (".", "..")):
-        err.print(f"--run-id {run_id!r}: use letters, digits, '.', '_' and '-' only (at most 128)", **RED)
+    if run_id is not None and (problem := run_id_problem(run_id)):
+        err.print(f"--run-id {problem}", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
-
-
-def fresh_run_id() -> str:
-    return f"{time.strftime('%Y%m%dT%H%M%S')}-{uuid.uuid4().hex[:8]}"
 
 
 def resume_command(run_id: str, argv: list[str] | None = None) -> str:
@@ -189,7 +182,7 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
     """Run a flow in-process on Prefect's local API; print its stage table; exit with its outcome."""
     from trnflow.flows._stages import PipelineFailed  # heavy: prefect
 
-    run_id = run_id or fresh_run_id()  # known before anything starts, so an interrupt can name it
+    run_id = run_id or new_run_id()  # known before anything starts, so an interrupt can name it
     with training_progress(err, enabled=not as_json and err.is_terminal), _resumable(run_id):
         state = flow_fn(spec, run_id=run_id, return_state=True, **params)
     outcome = state.result(raise_on_failure=False)
@@ -248,10 +241,6 @@ def run(
     from trnflow.flows.pipeline import STAGES, pipeline  # heavy: prefect and torch
 
     _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json, **forced)
-
-
-RETRAINED = {"train.init_from": "champion", "data.window": "since-watermark"}
-"""What retraining changes in a spec (`flows.incremental_retrain.retrain_spec`), checked before it starts."""
 
 
 def retrain(

@@ -7,6 +7,6 @@ the same way. It reaches the hardware only through `trnflow.device`, and never i
 boto3 or the emulator.
 """
 
-PREFLIGHT_FOLDER = "_preflight"
-"""The folder in a run's checkpoint folder where the preflight's checkpoint round trip writes: never
-a run id (the preflight's IAM role may write only there), never a `step-*` checkpoint."""
+from trnflow.specs import PREFLIGHT_FOLDER
+
+__all__ = ["PREFLIGHT_FOLDER"]

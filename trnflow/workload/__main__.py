@@ -12,7 +12,6 @@ import atexit
 import importlib
 import json
 import os
-import re
 import sys
 import traceback
 from pathlib import Path
@@ -20,17 +19,14 @@ from pathlib import Path
 from trnflow.errors import ExitCode, FatalError, TrnflowError
 from trnflow.fsutil import atomic_write_json
 from trnflow.results import FailureReport
-from trnflow.specs import JobSpec, SpecError, load_spec
-from trnflow.workload import PREFLIGHT_FOLDER
+from trnflow.specs import JobSpec, SpecError, load_spec, run_id_problem
 
-RUN_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 PHASES = ("sanity", "collectives", "compile", "train", "evaluate", "infer")
 
 
 def _run_id(value: str) -> str:
-    if not RUN_ID.fullmatch(value) or value in (".", "..", PREFLIGHT_FOLDER):
-        raise argparse.ArgumentTypeError(f"{value!r}: use letters, digits, '.', '_' and '-' only (and not "
-                                         f"{PREFLIGHT_FOLDER}, the preflight's folder)")
+    if problem := run_id_problem(value):
+        raise argparse.ArgumentTypeError(problem)
     return value
 
 
