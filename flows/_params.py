@@ -22,6 +22,7 @@ from trnflow.errors import TrnflowError
 from trnflow.flows._stages import PipelineFailed, failed_state
 from trnflow.specs import JobSpec, SpecError, load_spec, parse_spec, validate_spec
 from trnflow.storage import open_store
+from trnflow.workload.recipes import RECIPES
 
 _CHECKED_BY_THE_FLOW = frozenset({"pattern"})
 """JSON-schema keywords the run form leaves to the flow: a pattern's failure would only quote the
@@ -137,12 +138,12 @@ def _spec(spec: JobSpec | dict[str, Any] | None, spec_url: str | None) -> JobSpe
     if isinstance(spec, JobSpec):
         return spec
     if spec is not None:
-        return validate_spec(spec, PARAMETER)
+        return validate_spec(spec, PARAMETER, RECIPES)
     if not spec_url:
         raise SpecError("parameters", ["give the job spec: `spec` (the spec itself) or `spec_url` (where to read it)"])
     scheme, sep, _ = spec_url.partition("://")
     if not sep or scheme == "file":
-        return load_spec(Path(spec_url.removeprefix("file://")))
+        return load_spec(Path(spec_url.removeprefix("file://")), model=RECIPES)
     if scheme != "s3":
         raise SpecError(spec_url, [f"spec_url: unsupported scheme {scheme!r}; use a path, file:// or s3://"])
 
@@ -151,7 +152,7 @@ def _spec(spec: JobSpec | dict[str, Any] | None, spec_url: str | None) -> JobSpe
         text = open_store(base).read(name).decode("utf-8")
     except FileNotFoundError:
         raise SpecError(spec_url, ["(file): not found; check spec_url"]) from None
-    return parse_spec(text, spec_url)
+    return parse_spec(text, spec_url, model=RECIPES)
 
 
 def first_name(what: str) -> Callable[[], str]:

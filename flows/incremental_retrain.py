@@ -30,6 +30,7 @@ from trnflow.storage.datafiles import check_new_days, new_partitions
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
 from trnflow.tasks.promote import promote_champion, repair_publication
+from trnflow.workload.recipes import RECIPES
 
 STAGES = PIPELINE_STAGES
 
@@ -44,7 +45,7 @@ def retrain_spec(spec: JobSpec) -> JobSpec:
     if changes:
         get_run_logger().info("retraining runs the spec with %s", " and ".join(changes))
     # starting from the champion puts the registry in the jobs' reach: validated whole again
-    return validate_spec(apply_overrides(spec.model_dump(mode="json"), RETRAINED), spec.name)
+    return validate_spec(apply_overrides(spec.model_dump(mode="json"), RETRAINED), spec.name, RECIPES)
 
 
 @flow(name="trnflow-incremental-retrain", flow_run_name=first_name("retrain"), log_prints=True,

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import yaml
 from pydantic import ValidationError
@@ -216,23 +215,30 @@ def _read_yaml(text: str, source: str) -> Any:
         loader.dispose()
 
 
-MODEL_CHECKS: list[Callable[[dict[str, Any]], list[str]]] = []
-"""Checks of a spec's model section that need the recipe (registered by `trnflow.workload.recipes`
-when it is imported): each takes the parsed spec and returns `field.path: message` lines."""
-MODEL_PARAMS: list[Callable[[dict[str, Any]], dict[str, Any]]] = []
-"""Rewrites of a spec's `model.params` into the form every job reads the same way (a relative path
-made absolute against the directory trnflow runs from, as data locations are), registered beside
-MODEL_CHECKS: each takes the parsed spec and returns it, rewritten or as it was."""
+class ModelChecks(Protocol):
+    """The checks of a spec's model section that need its recipe, which this room cannot import:
+    the composition roots (the command line, the flows, the workload's program) pass them in,
+    `trnflow.workload.recipes.RECIPES`, so what a spec is checked for never depends on what
+    happened to be imported before."""
+
+    def rewrite(self, data: dict[str, Any]) -> dict[str, Any]:
+        """The parsed spec with `model.params` in the form every job reads the same way (a relative
+        path made absolute against the directory trnflow runs from, as data locations are)."""
+        ...
+
+    def problems(self, data: dict[str, Any]) -> list[str]:
+        """What is wrong with the parsed spec's model section, as `field.path: message` lines."""
+        ...
 
 
-def validate_spec(data: Any, source: str = "<spec>") -> JobSpec:
+def validate_spec(data: Any, source: str = "<spec>", model: ModelChecks | None = None) -> JobSpec:
     """Validate a parsed mapping into a JobSpec, or raise SpecError listing its problems (those of
-    the recipe's params too, where a recipe check is registered)."""
+    the recipe's params too, with `model`: see `ModelChecks`)."""
     if not isinstance(data, dict):
         raise SpecError(source, [f"(top level): expected a mapping of sections, got {type(data).__name__}"])
-    for rewrite in MODEL_PARAMS:
-        data = rewrite(data)
-    recipe_problems = [line for check in MODEL_CHECKS for line in check(data)]
+    if model is not None:
+        data = model.rewrite(data)
+    recipe_problems = model.problems(data) if model is not None else []
     try:
         spec = JobSpec.model_validate(data)
     except ValidationError as exc:
@@ -258,10 +264,12 @@ def validate_spec(data: Any, source: str = "<spec>") -> JobSpec:
     return spec
 
 
-def load_spec(path: str | Path, overrides: dict[str, Any] | None = None) -> JobSpec:
-    """Read a YAML (or JSON) job spec file. `overrides` maps dotted field paths to values."""
+def load_spec(path: str | Path, overrides: dict[str, Any] | None = None, model: ModelChecks | None = None
+              ) -> JobSpec:
+    """Read a YAML (or JSON) job spec file. `overrides` maps dotted field paths to values; `model`,
+    see `ModelChecks`."""
     path = Path(path)
-    return parse_spec(_read_text(path), str(path), overrides)
+    return parse_spec(_read_text(path), str(path), overrides, model)
 
 
 def _read_text(path: Path) -> str:
@@ -286,12 +294,13 @@ def _read_text(path: Path) -> str:
         raise SpecError(str(path), [f"(file): not UTF-8 text ({exc.reason} at byte {exc.start})"]) from None
 
 
-def parse_spec(text: str, source: str, overrides: dict[str, Any] | None = None) -> JobSpec:
+def parse_spec(text: str, source: str, overrides: dict[str, Any] | None = None, model: ModelChecks | None = None
+               ) -> JobSpec:
     """A job spec from YAML (or JSON) text read from `source`, which error messages name."""
     data = _read_yaml(text, source)
     if overrides:
         data = apply_overrides(data if isinstance(data, dict) else {}, overrides)
-    return validate_spec(data, source)
+    return validate_spec(data, source, model)
 
 
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import yaml
 
-import trnflow.workload.recipes  # noqa: F401 (validating a spec then checks its recipe's params, as the CLI does)
 from trnflow.specs import JobSpec, validate_spec
 from trnflow.workload.synth import synthesize
 

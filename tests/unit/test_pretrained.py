@@ -15,7 +15,7 @@ from tests.pretrained import tiny_encoder
 from trnflow.errors import FatalError
 from trnflow.specs import validate_spec
 from trnflow.testing.recipe_contract import RecipeContract
-from trnflow.workload.recipes import recipe_for
+from trnflow.workload.recipes import RECIPES, recipe_for
 from trnflow.workload.recipes.hf_pretrained import STATE_FORMAT, saved_state
 
 pytestmark = pytest.mark.unit
@@ -183,9 +183,10 @@ def test_a_layout_the_checks_miss_still_cannot_read_a_pickle(tmp_path, encoder_f
 def test_a_relative_pretrained_folder_is_made_absolute_in_the_spec_every_job_reads(tmp_path, monkeypatch,
                                                                                   encoder_folder):
     monkeypatch.chdir(tmp_path)
-    spec = validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": {"pretrained": "models/base"}}))
+    spec = validate_spec(quickstart_data(model={"recipe": "hf-encoder", "params": {"pretrained": "models/base"}}),
+                         model=RECIPES)
     assert spec.model.params["pretrained"] == str(tmp_path / "models" / "base")
-    again = validate_spec(json.loads(spec.model_dump_json()))  # as a job reads its spec.json, elsewhere
+    again = validate_spec(json.loads(spec.model_dump_json()), model=RECIPES)  # as a job reads its spec.json
     assert again.model.params == spec.model.params
 
 

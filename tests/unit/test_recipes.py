@@ -14,7 +14,7 @@ from tests.conftest import quickstart_data
 from trnflow.errors import FatalError
 from trnflow.specs import SpecError, validate_spec
 from trnflow.testing.recipe_contract import RecipeContract
-from trnflow.workload.recipes import installed, recipe_class, recipe_for
+from trnflow.workload.recipes import RECIPES, installed, recipe_class, recipe_for
 from trnflow.workload.recipes.m5_text import M5Text
 
 
@@ -46,17 +46,17 @@ def test_recipes_are_found_by_name_or_import_path_and_a_wrong_one_says_what_is_i
 
 
 def test_params_are_checked_against_the_recipe_and_named_under_model_params():
-    spec = validate_spec(quickstart_data(model={"params": {"d_model": 32}}))
+    spec = validate_spec(quickstart_data(model={"params": {"d_model": 32}}), model=RECIPES)
     assert recipe_for(spec).params.d_model == 32 and recipe_for(spec).params.vocab_size == 4096
     with pytest.raises(SpecError) as bad:
-        validate_spec(quickstart_data(model={"params": {"d_model": 30, "n_heads": 4, "depth": 3}}))
+        validate_spec(quickstart_data(model={"params": {"d_model": 30, "n_heads": 4, "depth": 3}}), model=RECIPES)
     assert "model.params.depth: Extra inputs are not permitted" in bad.value.problems
     with pytest.raises(SpecError) as bad:
-        validate_spec(quickstart_data(model={"params": {"d_model": 30, "n_heads": 4}}))
+        validate_spec(quickstart_data(model={"params": {"d_model": 30, "n_heads": 4}}), model=RECIPES)
     assert bad.value.problems == ["model.params.d_model: 30 is not divisible by n_heads (4); pick a width that is "
                                   "a multiple of the head count"]
     with pytest.raises(SpecError) as bad:
-        validate_spec(quickstart_data(model={"recipe": "tabular-thing"}))
+        validate_spec(quickstart_data(model={"recipe": "tabular-thing"}), model=RECIPES)
     assert bad.value.problems[0].startswith("model.recipe: 'tabular-thing' is not an installed recipe")
 
 
@@ -232,17 +232,18 @@ def test_a_spec_names_no_module_unless_the_settings_allow_it(poison, monkeypatch
     monkeypatch.delenv("TRNFLOW_RECIPE_MODULES", raising=False)
     for ref in ("poison_recipe:Thing", "this:X"):
         with pytest.raises(SpecError) as refused:
-            validate_spec(quickstart_data(model={"recipe": ref}))
+            validate_spec(quickstart_data(model={"recipe": ref}), model=RECIPES)
         assert refused.value.problems == [
             f"model.recipe: {ref!r} names a module, and importing a module runs its code: trnflow takes recipes from "
             "installed packages (`trnflow recipes` lists them); install it with an entry point under trnflow.recipes, "
             "or set TRNFLOW_RECIPE_MODULES=1 where every spec is trusted"]
     assert not poison.exists() and "this" not in sys.modules
     monkeypatch.setenv("TRNFLOW_RECIPE_MODULES", "1")
-    assert validate_spec(quickstart_data(model={"recipe": "poison_recipe:Thing"})).model.recipe == "poison_recipe:Thing"
+    assert validate_spec(quickstart_data(model={"recipe": "poison_recipe:Thing"}), model=RECIPES).model.recipe == \
+        "poison_recipe:Thing"
     assert not poison.exists()  # looked up, not imported
     with pytest.raises(SpecError, match=r"no module 'no_such_pkg\.sub' can be imported here"):
-        validate_spec(quickstart_data(model={"recipe": "no_such_pkg.sub:Thing"}))
+        validate_spec(quickstart_data(model={"recipe": "no_such_pkg.sub:Thing"}), model=RECIPES)
     # an installed recipe by its path is the installed recipe, allowed either way
     monkeypatch.delenv("TRNFLOW_RECIPE_MODULES")
     assert recipe_class("trnflow.workload.recipes.m5_text:M5Text") is M5Text

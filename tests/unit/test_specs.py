@@ -5,6 +5,7 @@ import yaml
 
 from tests.conftest import EXAMPLES, quickstart_data
 from trnflow.specs import MAX_SPEC_BYTES, MAX_SPEC_VALUES, JobSpec, SpecError, load_spec, parse_spec, validate_spec
+from trnflow.workload.recipes import RECIPES
 
 
 @pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
@@ -21,7 +22,7 @@ def test_examples_include_quickstart_and_trn1_32xl():
 
 def _problems(data) -> list[str]:
     with pytest.raises(SpecError) as info:
-        validate_spec(data, "spec.yaml")
+        validate_spec(data, "spec.yaml", RECIPES)  # as the command line and the flows check a spec
     return info.value.problems
 
 
@@ -77,7 +78,7 @@ def test_bad_values_name_their_field(section, values, path):
 def test_the_gate_takes_one_band_and_a_metric_its_recipe_declares():
     data = quickstart_data(gate={"metric": "loss", "max_rel_diff": 0.02})
     data["gate"].pop("max_abs_diff", None)
-    spec = validate_spec(data)
+    spec = validate_spec(data, model=RECIPES)
     assert (spec.gate.metric, spec.gate.max_rel_diff) == ("loss", 0.02)
     assert _problems(quickstart_data(gate={"max_abs_diff": 0.01, "max_rel_diff": 0.02})) == [
         "gate.max_rel_diff: max_abs_diff is set too; the gate uses one band, so keep max_abs_diff for an absolute "
@@ -258,3 +259,36 @@ def test_a_spec_with_thousands_of_problems_lists_the_first_fifty():
     problems = caught.value.problems
     assert len(problems) == 51 and problems[0].startswith("faults.0.kind: Input should be")
     assert problems[-1] == "(and 2,950 more): not listed; fix these and validate again"
+
+
+@pytest.mark.slow  # two fresh interpreters, each importing the command line and the flows
+def test_what_a_spec_is_checked_for_does_not_depend_on_what_was_imported_first(tmp_path):
+    """The command line and the flows pass the recipe's checks to the loader themselves: in a fresh
+    interpreter, the answer is the same whether or not the recipes were imported beforehand."""
+    import json
+    import subprocess
+    import sys
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump(quickstart_data(model={"params": {"d_model": 30, "n_heads": 4}})))
+    probe = (
+        "import json, sys\n"
+        "if sys.argv[2] == 'first':\n"
+        "    import trnflow.workload.recipes\n"
+        "from pathlib import Path\n"
+        "from trnflow.specs import SpecError\n"
+        "from trnflow.cli.common import checked\n"
+        "from trnflow.flows._params import resolve_spec\n"
+        "said = []\n"
+        "for check in (lambda: checked(Path(sys.argv[1])), lambda: resolve_spec(None, sys.argv[1])):\n"
+        "    try:\n"
+        "        check(); said.append(None)\n"
+        "    except SpecError as exc:\n"
+        "        said.append(exc.problems)\n"
+        "print(json.dumps(said))\n")
+    answers = [json.loads(subprocess.run([sys.executable, "-c", probe, str(spec), order], capture_output=True,
+                                         text=True, check=True, timeout=120).stdout)
+               for order in ("first", "not")]
+    expected = ["model.params.d_model: 30 is not divisible by n_heads (4); pick a width that is a multiple of the "
+                "head count"]
+    assert answers == [[expected, expected]] * 2

@@ -43,10 +43,10 @@ def checked(path: Path, overrides: dict[str, Any] | None = None) -> JobSpec:
     """The spec at `path`, valid in itself and runnable from here: its recipe is installed and takes
     its params (`trnflow.workload.recipes.problems`), and a local job's device has its SDK in this
     environment (`trnflow.neuron.devices.problems`)."""
-    from trnflow.workload.recipes import problems as recipe_problems  # recipes are models: torch (~1 s)
+    from trnflow.workload.recipes import RECIPES  # recipes are models: torch (~1 s)
 
-    spec = load_spec(path, overrides)
-    found = recipe_problems(spec) + device_problems(spec, local=spec.compute.backend == "local")
+    spec = load_spec(path, overrides, RECIPES)
+    found = device_problems(spec, local=spec.compute.backend == "local")
     if found:
         raise SpecError(str(path), found)
     return spec

@@ -78,7 +78,9 @@ def preload(argv: list[str]) -> None:
 def _spec(path: Path) -> JobSpec:
     """The job spec the backend wrote (JSON, which the YAML loader reads too)."""
     try:
-        return load_spec(path)
+        from trnflow.workload.recipes import RECIPES  # the recipes' models: torch, imported after the arguments
+
+        return load_spec(path, model=RECIPES)
     except SpecError as exc:
         raise FatalError(str(exc)) from None
 

@@ -29,7 +29,6 @@ from trnflow.device import plans
 from trnflow.errors import FatalError
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, SpecError, is_module_reference
-from trnflow.specs.loader import MODEL_CHECKS, MODEL_PARAMS
 from trnflow.specs.spec import MODULE_REFERENCE, RECIPE_NAME
 from trnflow.workload.recipes.base import METRICS, Recipe
 
@@ -171,9 +170,18 @@ def problems(spec: JobSpec) -> list[str]:
     return model_problems(spec.model_dump(mode="json"))
 
 
-if model_problems not in MODEL_CHECKS:  # every spec validated from here on checks its recipe too
-    MODEL_CHECKS.append(model_problems)
-    MODEL_PARAMS.append(canonical_params)
+class RecipeChecks:
+    """The recipe's checks of a spec (`trnflow.specs.loader.ModelChecks`), which the composition
+    roots pass to the loader: `canonical_params`, then `model_problems`."""
+
+    def rewrite(self, data: dict[str, Any]) -> dict[str, Any]:
+        return canonical_params(data)
+
+    def problems(self, data: dict[str, Any]) -> list[str]:
+        return model_problems(data)
+
+
+RECIPES = RecipeChecks()
 
 
 def recipe_for(spec: JobSpec) -> Recipe:
