@@ -89,7 +89,7 @@ class _Job:
     def outputs(self) -> Any:
         """Where the job's nodes leave their results (backends that share allocations), opened once."""
         if self._outputs is None:
-            self._outputs = self.backend.outputs(self.job_id)  # type: ignore[attr-defined]
+            self._outputs = self.backend.outputs(self.job_id)
         return self._outputs
 
 
@@ -126,10 +126,9 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
         release(kept, f"{phase} runs again on other instances")
     backend = backend_for(spec, TrnflowSettings())
     chain = (phase,)
-    if getattr(backend, "shares_allocation", False):
+    if backend.shares_allocation:
         chain = (phase, *keep_for) if keep_for else ("sanity", phase) if phase in PREFLIGHT_FIRST else chain
-    picks = getattr(backend, "picks_instance_type", True)
-    choices = [spec] if picks else [spec.on_instance(t) for t in spec.compute.instance_choices]
+    choices = [spec] if backend.picks_instance_type else [spec.on_instance(t) for t in spec.compute.instance_choices]
     request = JobRequest(spec, "+".join(chain), run_id, processes=processes, checkpoint=checkpoint,
                          cores=tuple(cores) if cores else None, exclude_cores=frozenset(exclude_cores or ()))
     for following, choice in zip([*choices[1:], None], choices, strict=True):
@@ -263,7 +262,7 @@ def _follow(job: _Job, phase: str | None) -> tuple[JobInfo, StageResult | None]:
     with _forwarded(logging.getLogger("trnflow.backends"), logger):  # a failed cancel, a stopped node
         info = wait(job.backend, job.job_id, TrnflowSettings().poll_seconds, until=ended, offset=job.offset,
                     on_logs=functools.partial(relay, logger, Redactor.from_env()))
-    job.offset = info.details["log_offset"]
+    job.offset = info.details.log_offset
     if phase is not None and not found:  # it ended: a result uploaded as it ended counts
         ended(info)
     return info, (found[0] if found else None)
@@ -273,13 +272,13 @@ def _record(job: _Job, info: JobInfo) -> str:
     """Bill the ended job in the run's ledger; the instance type it got."""
     spec = job.request.spec
     assert spec is not None, "stage jobs always carry a spec"
-    got = info.details.get("instance_type") or spec.compute.instance_type
+    details = info.details
+    got = details.instance_type or spec.compute.instance_type
     JobLedger(TrnflowSettings().home, job.request.run_id).record(LedgerEntry(
-        job.request.phase, info.job_id, str(info.state), info.details.get("seconds") or 0.0,
-        nodes=placement(job.request)[0], instance_type=got, spot=bool(info.details.get("spot")),
-        running_seconds=info.details.get("running_seconds"), instances_started=info.details.get("instances_started"),
-        provisioning_seconds=info.details.get("provisioning_seconds"),
-        price_per_hour=info.details.get("price_per_hour")))
+        job.request.phase, info.job_id, str(info.state), details.seconds or 0.0,
+        nodes=placement(job.request)[0], instance_type=got, spot=details.spot, running_seconds=details.running_seconds,
+        instances_started=details.instances_started, provisioning_seconds=details.provisioning_seconds,
+        price_per_hour=details.price_per_hour))
     return got
 
 
@@ -289,12 +288,12 @@ def _where(result: StageResult, job: _Job, info: JobInfo) -> StageResult:
     service names."""
     spec = job.request.spec
     assert spec is not None
-    hosts = info.details.get("hosts") or []
-    if hasattr(job.backend, "outputs"):  # a cloud job: its nodes said where they ran
+    hosts = info.details.hosts
+    if job.backend.shares_allocation:  # a cloud job: its nodes said where they ran
         with contextlib.suppress(Exception):  # the identities name the instances better, when they are there
             hosts = [n.label for n in node_identities(job.outputs)] or hosts
     result.ran_on = RanOn(backend=job.backend.name, job_id=info.job_id, hosts=hosts,
-                          instance_type=info.details.get("instance_type") or spec.compute.instance_type)
+                          instance_type=info.details.instance_type or spec.compute.instance_type)
     if result.device is not None:
         get_run_logger().info("%s ran on the %s device (%s)", result.phase, result.device.name, result.device.reason)
     return result

@@ -91,7 +91,7 @@ def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], 
     """Check placements until one is healthy; `excluded` and `checked` grow as it goes. On a cloud
     backend the job's own nodes do this inside their allocation (`trnflow.container`), and an
     instance they cannot place healthy cores on is replaced (`BadHost`)."""
-    local = not getattr(backend_for(spec, TrnflowSettings()), "shares_allocation", False)  # this machine places
+    local = not backend_for(spec, TrnflowSettings()).shares_allocation  # this machine places
     excludes = spec.preflight.exclude_bad_cores and local
     while True:
         try:

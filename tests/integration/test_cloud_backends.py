@@ -512,7 +512,7 @@ def test_a_reclaimed_batch_spot_job_checkpoints_on_ec2s_notice_and_its_retry_end
         gone = boto3.client("ec2").describe_instances(InstanceIds=[hosts[1]])["Reservations"][0]["Instances"][0]
         assert gone["State"]["Name"] == "terminated"  # EC2 took it back; the retry ran elsewhere
         on_demand = price("ec2", "trn1.32xlarge").usd_per_hour
-        assert info.details["spot"] and info.details["price_per_hour"] == pytest.approx(on_demand * 0.3, rel=1e-3)
+        assert info.details.spot and info.details.price_per_hour == pytest.approx(on_demand * 0.3, rel=1e-3)
         text, _ = backend.logs(info.job_id, 0)  # the retry's own stream: it resumed
         assert '"event": "resume"' in text, text[-2000:]
 

@@ -573,3 +573,22 @@ def test_each_stage_kind_runs_as_its_own_role_on_either_service():
     assert build_training_job_request(JobRequest(spec, "compile", "r"), only_train)["RoleArn"] == TARGET.role_arn
     container = build_job_definition(spec, only_train, "compile")["nodeProperties"]["nodeRangeProperties"][0]
     assert "jobRoleArn" not in container["container"]
+
+
+def test_every_backend_declares_what_its_callers_use_of_it(tmp_path, in_process_aws):
+    """The stage tasks use only what the Backend protocol declares: whether a job's phases share
+    one allocation, who picks the instance type, where a job's nodes report, how to stop it by hand."""
+    from trnflow.backends.base import Backend
+    from trnflow.backends.batch import BatchBackend
+    from trnflow.backends.local import LocalBackend
+    from trnflow.backends.sagemaker import SageMakerBackend
+
+    local = LocalBackend(tmp_path / "jobs")
+    clouds = [SageMakerBackend(TARGET), BatchBackend(TARGET)]
+    assert all(isinstance(b, Backend) for b in (local, *clouds))
+    ways = {b.name: (b.shares_allocation, b.picks_instance_type) for b in (local, *clouds)}
+    assert ways == {"local": (False, True), "sagemaker": (True, True), "batch": (True, False)}
+    assert local.outputs("any") is None
+    assert "aws sagemaker stop-training-job" in clouds[0].stop_command("job-1")
+    assert "aws batch terminate-job" in clouds[1].stop_command("job-1")
+    assert "job-1" in local.stop_command("job-1")

@@ -77,6 +77,17 @@ class JobRequest:
         return self.spec.compute.instance_type if self.spec else (self.instance_type or "trn1.32xlarge")
 
 
+def fitted(request: JobRequest) -> JobRequest:
+    """The request as every backend submits it: refused (FatalError naming the fewest cores that
+    would fit) when the model fits no core of any instance type the job may get, before any job
+    exists, and with `auto` decided (`resolved`)."""
+    if request.spec is None:
+        return request
+    from trnflow.workload.memory import check_fits  # builds the recipe's model (torch): submissions only
+
+    return resolved(request, check_fits(request.spec).strategy)
+
+
 def resolved(request: JobRequest, strategy: str) -> JobRequest:
     """The request with its spec's parallelism strategy set to the memory planner's `strategy` (an
     `auto` that reached a submission undecided: a run's flow decides it when it starts), so that
@@ -90,6 +101,38 @@ def resolved(request: JobRequest, strategy: str) -> JobRequest:
 
 
 @dataclass
+class JobDetails:
+    """What a backend knows of a job besides its state: what it is billed for and where it ran.
+    Fields a backend cannot know stay None."""
+
+    seconds: float | None = None
+    """Billable seconds (per node), once the service has them."""
+    status: str | None = None
+    """The service's own word for the job's state (`InProgress`, `RUNNABLE`, ...)."""
+    cores: list[int] | None = None
+    """The NeuronCores the job ran on, where trnflow placed it (the local backend)."""
+    instance_type: str | None = None
+    """The instance type the service gave the job, where it chose among several."""
+    hosts: list[str] = field(default_factory=list)
+    """The hosts the service names."""
+    spot: bool = False
+    running_seconds: float | None = None
+    """Seconds the job ran, for a spot job whose billed time differs."""
+    price_per_hour: float | None = None
+    """The price per node-hour the service charged, where it is known (a spot price)."""
+    instances_started: int | None = None
+    provisioning_seconds: float | None = None
+    attempts: int | None = None
+    """Batch's attempts so far."""
+    restarts: int | None = None
+    """SageMaker's restarts so far."""
+    exit_code: int | None = None
+    """The local job's exit code."""
+    log_offset: int = 0
+    """How far its log has been read (set by `wait`)."""
+
+
+@dataclass
 class JobInfo:
     job_id: str
     state: JobState
@@ -97,7 +140,7 @@ class JobInfo:
     """Rank 0's result, typed by its phase (`stage_result`), once the job succeeded."""
     failure: FailureReport | None = None
     """The root failure, once the job failed: its type, message, and whether a retry can help."""
-    details: dict[str, Any] = field(default_factory=dict)
+    details: JobDetails = field(default_factory=JobDetails)
 
     def failed(self) -> str:
         """The failure in one line, for a command's error message."""
@@ -122,8 +165,24 @@ def stage_result(job_id: str, data: bytes | str, cores: list[int] | None) -> Sta
 @runtime_checkable
 class Backend(Protocol):
     name: str
+    shares_allocation: bool
+    """Whether one job runs several phases on the same instances (the preflight, then training),
+    its nodes placing their own cores and leaving their results in `outputs`; else this machine
+    places each job's cores."""
+    picks_instance_type: bool
+    """Whether the service itself chooses among compute.instance_preferences (else trnflow submits
+    again for the next type when one has no capacity)."""
 
     def submit(self, request: JobRequest) -> str: ...
+
+    def outputs(self, job_id: str) -> Any:
+        """Where a job's nodes leave their results, failures and identities as it runs (a store),
+        on a backend that `shares_allocation`; None elsewhere."""
+        ...
+
+    def stop_command(self, job_id: str) -> str:
+        """The command that stops the job by hand, for when trnflow could not."""
+        ...
 
     def describe(self, job_id: str) -> JobInfo: ...
 
@@ -138,14 +197,14 @@ def wait(backend: Backend, job_id: str, poll_seconds: float = 0.5, on_logs=None,
          offset: int = 0) -> JobInfo:
     """Poll until the job ends, or `until(info)` is true; `on_logs(text)` receives new complete log
     lines as they appear, read from byte `offset`. Returns the job's state then; the offset after
-    the lines read is in its `details["log_offset"]` (to go on reading from there)."""
+    the lines read is in its `details.log_offset` (to go on reading from there)."""
     while True:
         info = backend.describe(job_id)
         if on_logs is not None:
             text, offset = backend.logs(job_id, since=offset)
             if text:
                 on_logs(text)
-        info.details["log_offset"] = offset
+        info.details.log_offset = offset
         if info.state.terminal or (until is not None and until(info)):
             return info
         time.sleep(poll_seconds)
@@ -176,10 +235,8 @@ def cancel_within(backend: Backend, job_id: str, seconds: float = CANCEL_SECONDS
     if outcome == [None]:
         return True
     why = f"it failed: {outcome[0]}" if outcome else f"the {backend.name} backend did not answer within {seconds:g} s"
-    command = getattr(backend, "stop_command", None)
-    how = f"`{command(job_id)}`" if command else "the service's console"
-    log.warning("could not cancel %s job %s (%s); it may still be running: stop it with %s", backend.name, job_id,
-                why, how)
+    log.warning("could not cancel %s job %s (%s); it may still be running: stop it with `%s`", backend.name, job_id,
+                why, backend.stop_command(job_id))
     return False
 
 

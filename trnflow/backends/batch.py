@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import replace
 from typing import Any
 
 from trnflow import aws
-from trnflow.backends.base import JobInfo, JobRequest, JobState, resolved, stage_result
+from trnflow.backends.base import JobDetails, JobInfo, JobRequest, JobState, fitted, stage_result
 from trnflow.backends.batch_request import build_job_definition, build_submit_job, queue_problems
 from trnflow.backends.cloud import (
     STOPPED_BY_TRNFLOW,
@@ -93,10 +94,7 @@ class BatchBackend:
         problems = self.problems(request.spec)
         if problems:
             raise FatalError("; ".join(problems))
-        from trnflow.workload.memory import check_fits  # builds the recipe's model (torch): submissions only
-
-        # on every instance type the job may get, before any job exists
-        request = resolved(request, check_fits(request.spec).strategy)
+        request = fitted(request)
         definition = self._job_definition(build_job_definition(request.spec, self.target,
                                                                     request.last_phase))
         stage_spec(self.target, request)
@@ -248,14 +246,14 @@ class BatchBackend:
         desc = self._describe(job_id)
         state = batch_state(desc)
         self._replace_bad_hosts(job_id, desc)
-        details = {"seconds": batch_billable_seconds(desc), "status": desc["status"],
-                   "attempts": len(desc.get("attempts") or []), "cores": None}
+        details = JobDetails(seconds=batch_billable_seconds(desc), status=desc["status"],
+                             attempts=len(desc.get("attempts") or []))
         if state.terminal and (found := self._instances(job_id, desc)) is not None:
-            details |= {"seconds": found.billable_seconds, "instances_started": found.instances_started,
-                        "provisioning_seconds": found.seconds}
+            details = replace(details, seconds=found.billable_seconds, instances_started=found.instances_started,
+                              provisioning_seconds=found.seconds)
             if self._spot_prices.get(job_id) is not None:  # EC2 bills spot instances at the spot price
-                details |= {"spot": True, "running_seconds": found.billable_seconds,
-                            "price_per_hour": self._spot_prices[job_id]}
+                details = replace(details, spot=True, running_seconds=found.billable_seconds,
+                                  price_per_hour=self._spot_prices[job_id])
         if state is JobState.RUNNING:
             self._stop_if_a_node_failed(job_id, desc)
         if state is JobState.PENDING:

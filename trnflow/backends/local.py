@@ -30,7 +30,7 @@ import uuid
 from pathlib import Path
 
 from trnflow.backends import forkserver
-from trnflow.backends.base import JobInfo, JobRequest, JobState, resolved, stage_result
+from trnflow.backends.base import JobDetails, JobInfo, JobRequest, JobState, fitted, stage_result
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.device.base import Device
 from trnflow.device.registry import get_device
@@ -41,7 +41,6 @@ from trnflow.neuron.launch import RANK_LOGS, launch_command, launch_env, parse_v
 from trnflow.processes import pid_alive
 from trnflow.results import FailureReport
 from trnflow.specs import instance
-from trnflow.workload.memory import check_fits
 
 # job.json records only the variables that describe the job; everything else (credentials among
 # it) reaches the workers by inheritance and is never written down.
@@ -59,6 +58,13 @@ def _recorded(env: dict[str, str]) -> dict[str, str]:
 
 class LocalBackend:
     name = "local"
+    shares_allocation = False  # this machine places each job's cores
+    picks_instance_type = True  # one machine: nothing to choose among
+
+    @staticmethod
+    def outputs(job_id: str) -> None:
+        """A local job's nodes leave nothing to follow while it runs: its folder has its result."""
+        return None
 
     def __init__(self, jobs_dir: Path, device: Device | None = None, warm_start: bool = forkserver.SUPPORTED):
         self.jobs_dir = jobs_dir
@@ -116,8 +122,7 @@ class LocalBackend:
             time.sleep(WAIT_POLL_SECONDS)
 
     def submit(self, request: JobRequest) -> str:
-        if request.spec is not None:  # refuse a job that cannot fit before anything starts
-            request = resolved(request, check_fits(request.spec).strategy)
+        request = fitted(request)  # refuse a job that cannot fit before anything starts
         spec = request.spec
         cores = self._free_cores(request)
         job_id = f"{request.name}-{request.phase}-{uuid.uuid4().hex[:8]}"
@@ -186,12 +191,12 @@ class LocalBackend:
             return JobInfo(job_id, JobState.FAILED, failure=FailureReport(
                 type="FatalError", retryable=False,
                 message="the job was ended because the process that submitted it died"))
-        details = {"exit_code": exit_info["exit_code"], "seconds": exit_info["ended"] - exit_info["started"],
-                   "cores": json.loads((job_dir / "job.json").read_text())["cores"]}
+        details = JobDetails(exit_code=exit_info["exit_code"], seconds=exit_info["ended"] - exit_info["started"],
+                             cores=json.loads((job_dir / "job.json").read_text())["cores"])
         result_file = job_dir / "output" / "result.json"
         if exit_info["exit_code"] == 0 and result_file.exists():
             return JobInfo(job_id, JobState.SUCCEEDED, result=stage_result(job_id, result_file.read_bytes(),
-                                                                         details["cores"]), details=details)
+                                                                         details.cores), details=details)
         return JobInfo(job_id, JobState.FAILED, failure=self._root_failure(job_dir, exit_info), details=details)
 
     def _root_failure(self, job_dir: Path, exit_info: dict) -> FailureReport:

@@ -13,7 +13,7 @@ from typing import Any
 
 from trnflow import aws
 from trnflow.backends import sagemaker_trainer
-from trnflow.backends.base import JobInfo, JobRequest, JobState, resolved, stage_result
+from trnflow.backends.base import JobDetails, JobInfo, JobRequest, JobState, fitted, stage_result
 from trnflow.backends.cloud import (
     CloudTarget,
     NodeWatch,
@@ -37,6 +37,8 @@ class SageMakerBackend:
     name = "sagemaker"
     shares_allocation = True
     """The preflight and training run as phases of one training job, on the same instances."""
+    picks_instance_type = True
+    """SageMaker chooses among compute.instance_preferences itself (the request's InstancePreferences)."""
 
     def __init__(self, target: CloudTarget):
         self.target = target
@@ -52,11 +54,7 @@ class SageMakerBackend:
     def submit(self, request: JobRequest) -> str:
         if request.spec is None:
             raise FatalError(f"the {request.phase} phase needs a job spec to run on SageMaker")
-
-        from trnflow.workload.memory import check_fits  # builds the recipe's model (torch): submissions only
-
-        # on every instance type the job may get, before any job exists
-        request = resolved(request, check_fits(request.spec).strategy)
+        request = fitted(request)
         body = build_training_job_request(request, self.target)
         stage_spec(self.target, request)
         bucket, _ = split_s3_url(self.target.staging_url)
@@ -87,16 +85,14 @@ class SageMakerBackend:
         state = sagemaker_state(desc)
         restarts = sum(1 for t in desc.get("SecondaryStatusTransitions", []) if t.get("Status") == "Restarting")
         config = desc.get("ResourceConfig") or {}
-        details = {"seconds": desc.get("BillableTimeInSeconds"), "status": desc["TrainingJobStatus"],
-                   "secondary_status": desc.get("SecondaryStatus"), "restarts": restarts, "cores": None,
-                   "instance_type": (config.get("SelectedInstanceType") or config.get("InstanceType") or "")
-                   .removeprefix("ml.") or None,
-                   "spot": bool(desc.get("EnableManagedSpotTraining")),
-                   "running_seconds": desc.get("TrainingTimeInSeconds"),
-                   "hosts": [f"algo-{i + 1}" for i in range(config.get("SelectedInstanceCount")
-                                                            or config.get("InstanceCount") or 0)]}
         started = sagemaker_provisioning(desc)
-        details |= {"instances_started": started.instances_started, "provisioning_seconds": started.seconds}
+        count = config.get("SelectedInstanceCount") or config.get("InstanceCount") or 0
+        details = JobDetails(
+            seconds=desc.get("BillableTimeInSeconds"), status=desc["TrainingJobStatus"], restarts=restarts,
+            instance_type=(config.get("SelectedInstanceType") or config.get("InstanceType") or "")
+            .removeprefix("ml.") or None, spot=bool(desc.get("EnableManagedSpotTraining")),
+            running_seconds=desc.get("TrainingTimeInSeconds"), hosts=[f"algo-{i + 1}" for i in range(count)],
+            instances_started=started.instances_started, provisioning_seconds=started.seconds)
         if state is JobState.RUNNING:
             self._stop_if_a_node_failed(job_id, desc)
         if state in (JobState.FAILED, JobState.CANCELLED) and self.nodes.stopped(job_id):

@@ -126,7 +126,7 @@ def collectives(
     result = info.result
     assert isinstance(result, CollectivesResult)
     if as_json:
-        print(json.dumps({"results": result.rows, "avg_busbw": result.avg_busbw, "cores": info.details["cores"],
+        print(json.dumps({"results": result.rows, "avg_busbw": result.avg_busbw, "cores": info.details.cores,
                           "plans": result.plans}, indent=2))
     else:
         print(render.nccom_text(result.rows))
