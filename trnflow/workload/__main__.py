@@ -18,7 +18,7 @@ from pathlib import Path
 
 from trnflow.errors import ExitCode, FatalError, TrnflowError
 from trnflow.fsutil import atomic_write_json
-from trnflow.results import FailureReport
+from trnflow.results import RESULTS, DeviceUsed, FailureReport, StageResult
 from trnflow.specs import JobSpec, SpecError, load_spec, run_id_problem
 
 PHASES = ("sanity", "collectives", "compile", "train", "evaluate", "infer")
@@ -43,7 +43,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def _dispatch(args: argparse.Namespace, ctx) -> dict:
+def _dispatch(args: argparse.Namespace, ctx) -> StageResult | dict:
     """Run the phase; only its own module is imported, since each import costs every worker's start."""
 
     if args.phase in ("evaluate", "infer") and not args.checkpoint:
@@ -75,6 +75,16 @@ def preload(argv: list[str]) -> None:
         import torch._dynamo  # noqa: F401 (TorchDynamo: seconds, worth loading once for every rank)
 
 
+def _typed(phase: str, result: StageResult | dict, ctx) -> StageResult:
+    """The phase's result as the model the orchestrator reads it with (`trnflow.results.RESULTS`),
+    with the device it ran on: a phase that still returns a mapping is checked against that model
+    here, so a result that would not read on the other side fails the job that wrote it."""
+    device = DeviceUsed(name=ctx.device.name, reason=ctx.device_reason)
+    if isinstance(result, StageResult):
+        return result.model_copy(update={"phase": phase, "device": device})
+    return RESULTS[phase].model_validate({**result, "phase": phase, "device": device})
+
+
 def _spec(path: Path) -> JobSpec:
     """The job spec the backend wrote (JSON, which the YAML loader reads too)."""
     try:
@@ -97,9 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             raise TrnflowError(f"{args.phase} needs --spec")
         options = json.loads(args.options.read_text()) if args.options else {}
         ctx = init_worker(spec, output, args.phase, options)
-        result = _dispatch(args, ctx)
-        device = {"name": ctx.device.name, "reason": ctx.device_reason}
-        ctx.write_result({"phase": args.phase, "device": device, **result})
+        ctx.write_result(_typed(args.phase, _dispatch(args, ctx), ctx))
         shutdown()
         return ExitCode.OK
     except BaseException as exc:

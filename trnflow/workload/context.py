@@ -25,7 +25,7 @@ from trnflow.device.registry import choose, get_device
 from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
 from trnflow.neuron.launch import INSTANCE_CORES_ENV, PIN_CPUS_ENV
-from trnflow.results import FailureReport
+from trnflow.results import FailureReport, StageResult
 from trnflow.specs import JobSpec
 from trnflow.workload import watchdog
 from trnflow.workload.tuning import pin_cpus, steady_heap
@@ -98,9 +98,10 @@ class WorkerContext:
                 bad_cores=[s["core"] for s in stuck if s.get("core") is not None],
             ) from None
 
-    def write_result(self, result: dict[str, Any]) -> None:
+    def write_result(self, result: StageResult) -> None:
+        """Rank 0's `result.json`, which the orchestrator reads back as the same model."""
         if self.is_main:
-            atomic_write_json(self.output_dir / "result.json", result)
+            atomic_write_json(self.output_dir / "result.json", result.model_dump(mode="json"))
 
 
 def exit_with_launcher(poll_seconds: float = 0.5) -> None:

@@ -14,18 +14,22 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from trnflow.storage import open_store
-from trnflow.workload.checkpoint import load, load_model_weights
+from trnflow.results import InferResult
+from trnflow.specs import InferenceSpec
+from trnflow.storage import Store, open_store
+from trnflow.workload.checkpoint import Checkpoint, load, load_model_weights
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.data import iter_unlabelled
 from trnflow.workload.embeddings import MANIFEST, committed, marker_name, remove_beyond, shard_name
 from trnflow.workload.evaluate import featurized
-from trnflow.workload.features import featurize, host_memory
+from trnflow.workload.features import Featurized, featurize, host_memory
 from trnflow.workload.programs import build_model, for_run
 from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.sampler import static_batches
@@ -77,7 +81,91 @@ def _outputs(program, batches, rows: int) -> torch.Tensor:
     return values
 
 
-def run(ctx: WorkerContext, checkpoint: str) -> dict:
+@dataclass(frozen=True)
+class _Job:
+    """What every shard of one inference run is made with: the rows, the weights' version, the plan
+    digest that names them, and where the shards go."""
+
+    rows: Featurized
+    version: str
+    plan: str
+    out: Store
+    outputs: Callable[[torch.Tensor], torch.Tensor]
+    """The program each batch goes through: embeddings, or predictions for a recipe without them."""
+    recipe: Recipe
+    rows_per_shard: int
+    batch_size: int
+
+    @property
+    def n_shards(self) -> int:
+        return -(-len(self.rows) // self.rows_per_shard)
+
+
+def _version(ckpt: Checkpoint) -> str:
+    """What the outputs name as the model: `run/step-N`, or a plain state_dict file by its name and weights."""
+    if ckpt.meta is None:
+        return f"{ckpt.url.rsplit('/', 1)[-1]}@{ckpt.model_sha256[:12]}"
+    return f"{ckpt.meta.run_id}/step-{ckpt.step}"
+
+
+def _plan(rows: Featurized, spec_inference: InferenceSpec, ckpt: Checkpoint, version: str, recipe: Recipe) -> str:
+    """The digest a committed shard is reused under: the same rows, weights, featurizer and shapes."""
+    return hashlib.sha256(json.dumps([
+        rows.digest, spec_inference.shard_size, spec_inference.batch_size, ckpt.model_sha256, version,
+        hashlib.sha256(recipe.state()).hexdigest(), recipe.describe(),
+    ]).encode()).hexdigest()[:16]
+
+
+def _warm_up(job: _Job, mine: list[int]) -> float:
+    """Load the output program (trace it, take its graph from the compile cache) and build a one-row
+    table (Arrow's first use imports its pandas layer, about 0.3 s) before the clock starts: rows/s
+    is the steady rate, and the one-time load (seconds, returned) is reported on its own."""
+    began = time.perf_counter()
+    if mine:
+        first = job.outputs(next(static_batches(job.rows.features, torch.arange(1), job.batch_size))[0])
+        _parquet_bytes(_shard_table(job.rows.ids.slice(0, 1), first[:1].float(), job.version, job.recipe))
+    return time.perf_counter() - began
+
+
+def _write_shards(ctx: WorkerContext, job: _Job, mine: list[int], faults: Store) -> tuple[list[dict], int, float]:
+    """Write this rank's shards, each then its commit marker, reusing those committed under the same
+    plan; each shard as the manifest lists it, the rows embedded here, and the seconds it took."""
+    shards, written, began = [], 0, time.perf_counter()
+    for ordinal, shard in enumerate(mine, start=1):
+        due = ctx.faults.strike(ordinal, lambda fault: faults.create(f"faults/infer-{fault.label}",
+                                                                     ctx.faults.marker()), phase="infer")
+        shard_store = ctx.faults.tearing(job.out) if "torn" in due else job.out  # a torn fault: killed mid-write
+        lo, hi = shard * job.rows_per_shard, min((shard + 1) * job.rows_per_shard, len(job.rows))
+        marker = committed(job.out, shard, job.plan)
+        reused = marker is not None
+        if marker is None:
+            values = _outputs(job.outputs, static_batches(job.rows.features, torch.arange(lo, hi), job.batch_size),
+                              hi - lo)
+            data = _parquet_bytes(_shard_table(job.rows.ids.slice(lo, hi - lo), values, job.version, job.recipe))
+            marker = {"shard": shard, "rows": hi - lo, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
+                      "plan": job.plan, "model_version": job.version}
+            shard_store.write(f"{shard_name(shard)}.parquet", data)
+            job.out.write(marker_name(shard), json.dumps(marker).encode())  # the commit, last
+            written += hi - lo
+        shards.append({"shard": shard, "file": f"{shard_name(shard)}.parquet", "rows": marker["rows"],
+                       "sha256": marker["sha256"], "reused": reused})
+        elapsed = time.perf_counter() - began
+        ctx.log("infer_shard", all_ranks=True, shard=shard, shards=job.n_shards, rows=hi - lo, reused=reused,
+                rows_per_s=round(written / elapsed, 1) if elapsed else 0.0)
+    return shards, written, time.perf_counter() - began
+
+
+def _publish(job: _Job, checkpoint: str, shards: list[dict]) -> None:
+    """Rank 0, once every shard is committed: drop what an earlier, larger inference set left beyond
+    this one's shards, then write the manifest, which makes the output complete."""
+    remove_beyond(job.out, job.n_shards)
+    manifest = {"model_version": job.version, "checkpoint": checkpoint, "plan": job.plan, "rows": len(job.rows),
+                "shard_size": job.rows_per_shard,
+                "shards": [{k: s[k] for k in ("shard", "file", "rows", "sha256")} for s in shards]}
+    job.out.write(MANIFEST, json.dumps(manifest, indent=1).encode())
+
+
+def run(ctx: WorkerContext, checkpoint: str) -> InferResult:
     spec = ctx.spec
     icfg = spec.inference
     recipe = for_job(spec)
@@ -85,75 +173,28 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     model = build_model(recipe, spec.train.seed)
     load_model_weights(model, ckpt.model, ckpt.url)
     programs = for_run(ctx, recipe, model)
-    run_url = ckpt.url.rpartition("/")[0]
-    if ckpt.meta is None:  # a plain state_dict file: named by its file and weights
-        version = f"{ckpt.url.rsplit('/', 1)[-1]}@{ckpt.model_sha256[:12]}"
-    else:
-        version = f"{ckpt.meta.run_id}/step-{ckpt.step}"
-
+    version = _version(ckpt)
     # Streamed and featurized a batch at a time: an inference set of any size is never read whole.
     rows = featurize(iter_unlabelled(spec.data.inference, spec.data, recipe.columns()), featurized(recipe, ckpt),
                      id_field=spec.data.id_field, digest=True)
-    tokens, ids = rows.features, rows.ids
-    assert ids is not None
-    # A shard can be reused only if it was made from the same rows by the same weights, featurizer
-    # and shapes: the plan digests all of them.
-    plan = hashlib.sha256(json.dumps([
-        rows.digest, icfg.shard_size, icfg.batch_size, ckpt.model_sha256, version,
-        hashlib.sha256(recipe.state()).hexdigest(), recipe.describe(),
-    ]).encode()).hexdigest()[:16]
+    assert rows.ids is not None
     out = open_store(icfg.output_url)
+    job = _Job(rows=rows, version=version, plan=_plan(rows, icfg, ckpt, version, recipe), out=out, recipe=recipe,
+               outputs=programs.embed if recipe.embeds else programs.logits,  # predictions, without embeddings
+               rows_per_shard=icfg.shard_size, batch_size=icfg.batch_size)
     if ctx.is_main:
         out.delete(MANIFEST)  # the output is incomplete until the manifest is back
-    n_shards = -(-len(rows) // icfg.shard_size)
-    mine = list(range(ctx.rank, n_shards, ctx.world_size))
-    faults_store = open_store(run_url)
-    # Load the embed program (trace it, take its graph from the compile cache) and build a one-row
-    # table (Arrow's first use imports its pandas layer, about 0.3 s) before the clock starts:
-    # rows/s is the steady rate, and the one-time load is reported on its own.
-    loading = time.perf_counter()
-    outputs = programs.embed if recipe.embeds else programs.logits  # predictions, for a recipe without embeddings
-    if mine:
-        first = outputs(next(static_batches(tokens, torch.arange(1), icfg.batch_size))[0])
-        _parquet_bytes(_shard_table(ids.slice(0, 1), first[:1].float(), version, recipe))
-    load_seconds = time.perf_counter() - loading
-    shards, written, began = [], 0, time.perf_counter()
-    for ordinal, shard in enumerate(mine, start=1):
-        due = ctx.faults.strike(ordinal, lambda fault: faults_store.create(f"faults/infer-{fault.label}",
-                                                                           ctx.faults.marker()), phase="infer")
-        shard_store = ctx.faults.tearing(out) if "torn" in due else out  # a torn fault: killed mid-write
-        lo, hi = shard * icfg.shard_size, min((shard + 1) * icfg.shard_size, len(rows))
-        marker = committed(out, shard, plan)
-        reused = marker is not None
-        if marker is None:
-            values = _outputs(outputs, static_batches(tokens, torch.arange(lo, hi), icfg.batch_size), hi - lo)
-            data = _parquet_bytes(_shard_table(ids.slice(lo, hi - lo), values, version, recipe))
-            marker = {"shard": shard, "rows": hi - lo, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
-                      "plan": plan, "model_version": version}
-            shard_store.write(f"{shard_name(shard)}.parquet", data)
-            out.write(marker_name(shard), json.dumps(marker).encode())  # the commit, last
-            written += hi - lo
-        shards.append({"shard": shard, "file": f"{shard_name(shard)}.parquet", "rows": marker["rows"],
-                       "sha256": marker["sha256"], "reused": reused})
-        elapsed = time.perf_counter() - began
-        ctx.log("infer_shard", all_ranks=True, shard=shard, shards=n_shards, rows=hi - lo, reused=reused,
-                rows_per_s=round(written / elapsed, 1) if elapsed else 0.0)
-    seconds = time.perf_counter() - began
+    mine = list(range(ctx.rank, job.n_shards, ctx.world_size))
+    load_seconds = _warm_up(job, mine)
+    shards, written, seconds = _write_shards(ctx, job, mine, open_store(ckpt.url.rpartition("/")[0]))
     everything = sorted((s for per_rank in gather_objects(ctx, shards) for s in per_rank), key=lambda s: s["shard"])
-    counts = gather_objects(ctx, written)
-    memory = host_memory(ctx, tokens)
+    embedded = sum(gather_objects(ctx, written))
+    memory = host_memory(ctx, rows.features)
     if ctx.is_main:
-        remove_beyond(out, n_shards)  # shards of an earlier, larger inference set, and their markers
-        manifest = {"model_version": version, "checkpoint": ckpt.url, "plan": plan, "rows": len(rows),
-                    "shard_size": icfg.shard_size,
-                    "shards": [{k: s[k] for k in ("shard", "file", "rows", "sha256")} for s in everything]}
-        out.write(MANIFEST, json.dumps(manifest, indent=1).encode())
-    total = sum(s["rows"] for s in everything)
-    embedded = sum(counts)
-    return {"output_url": icfg.output_url, "model_version": version, "rows": total, "shards": everything,
-            "published": "embeddings" if recipe.embeds else "predictions",
-            "rows_embedded": embedded, "shards_reused": sum(1 for s in everything if s["reused"]),
-            "manifest": f"{out.url}/{MANIFEST}",
-            "rows_per_s": round(embedded / seconds, 1) if seconds and embedded else 0.0,
-            "program_load_seconds": round(load_seconds, 3), "host_memory": memory,
-            "compile": programs.compiler.metrics().model_dump()}
+        _publish(job, ckpt.url, everything)
+    return InferResult(
+        output_url=icfg.output_url, model_version=version, rows=sum(s["rows"] for s in everything), shards=everything,
+        published="embeddings" if recipe.embeds else "predictions", rows_embedded=embedded,
+        shards_reused=sum(1 for s in everything if s["reused"]), manifest=f"{out.url}/{MANIFEST}",
+        rows_per_s=round(embedded / seconds, 1) if seconds and embedded else 0.0,
+        program_load_seconds=round(load_seconds, 3), host_memory=memory, compile=programs.compiler.metrics())

@@ -25,6 +25,7 @@ import torch
 from trnflow.errors import FatalError, SpotInterruption
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.records import EXPORT_MARKER, CheckpointMeta, DataRead, ExportedFile, ExportMarker, dump
+from trnflow.results import TrainResult
 from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload import watchdog
 from trnflow.workload.checkpoint import check_weights, load_model_weights, step_name, weights_digest
@@ -64,12 +65,12 @@ def _featurizer(ctx: WorkerContext, recipe: Recipe, start: Start, rows: Callable
         recipe.load(shared, "rank 0's fitted featurizer")
 
 
-def _skipped(ctx: WorkerContext, start: Start) -> dict:
+def _skipped(ctx: WorkerContext, start: Start) -> TrainResult:
     mark = start.watermark or "none"
     reason = f"no training partitions after the watermark {mark} of {start.init.url if start.init else 'scratch'}"
     ctx.log("skipped", reason=reason)
-    return {"skipped": True, "reason": reason, "watermark": start.watermark,
-            "checkpoint": start.init.url if start.init else None, "steps_trained": 0}
+    return TrainResult(skipped=True, reason=reason, watermark=start.watermark,
+                       checkpoint=start.init.url if start.init else None, steps_trained=0)
 
 
 class Trainer:
@@ -122,7 +123,7 @@ class Trainer:
         self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
         self._window = (time.perf_counter(), 0, 0.0)  # since the last logged point: start, steps, summed loss
 
-    def run(self) -> dict:
+    def run(self) -> TrainResult:
         tcfg = self.spec.train
         began = time.perf_counter()
         notice = ReclaimNotice(self.ctx) if self.spec.compute.spot else None
@@ -313,7 +314,7 @@ class Trainer:
         self.ctx.log("export", step=done, url=url, files=len(files))
         return url
 
-    def _result(self, seconds: float) -> dict:
+    def _result(self, seconds: float) -> TrainResult:
         tcfg, start, lineage = self.spec.train, self.start, self.lineage
         trained = tcfg.steps - self.first
         per_rank = gather_objects(self.ctx, self.memory.get("total", 0))
@@ -323,34 +324,34 @@ class Trainer:
         if series_url is None and self.evaluations:
             series_url = f"{start.checkpoints.url}/{SERIES}"
         times = self.step_times
-        return {
-            "run_id": self.run_id,
-            "checkpoint": checkpoint_url,
-            "start_step": self.first,
-            "steps": tcfg.steps,
-            "steps_trained": trained,
-            "resumed_from": start.resumed.url if start.resumed else None,
-            "resumed_weights": self.resumed_weights,
-            "parent": lineage["parent"],
-            "global_step": lineage["base_step"] + tcfg.steps,
-            "watermark": start.watermark,
-            "partitions": self.data_read.partitions,
-            "rows": len(self.labels),
-            "loss": self.last_loss if math.isfinite(self.last_loss) else None,
-            "evaluations": self.evaluations,
-            "curve": self.metrics,
-            "series": series_url,
-            "holdout_sha256": self.holdout.digest,
-            "samples_per_s": round(trained * tcfg.global_batch_size / seconds, 1) if trained else 0.0,
-            "seconds": round(seconds, 3),
-            "first_step_seconds": round(times[0], 4) if times else 0.0,
-            "median_step_seconds": round(statistics.median(times[1:]), 5) if len(times) > 1 else 0.0,
-            "compile": self.programs.compiler.metrics().model_dump(),
-            "recipe": self.recipe.describe(),
-            "device_memory": {"estimated_per_core": estimate(self.spec, self.recipe).total, "peak_per_rank": per_rank,
-                              **self.memory},
-            "host_memory": host_memory(self.ctx, self.tokens),
-        }
+        return TrainResult(
+            run_id=self.run_id,
+            checkpoint=checkpoint_url,
+            start_step=self.first,
+            steps=tcfg.steps,
+            steps_trained=trained,
+            resumed_from=start.resumed.url if start.resumed else None,
+            resumed_weights=self.resumed_weights,
+            parent=lineage["parent"],
+            global_step=lineage["base_step"] + tcfg.steps,
+            watermark=start.watermark,
+            partitions=self.data_read.partitions,
+            rows=len(self.labels),
+            loss=self.last_loss if math.isfinite(self.last_loss) else None,
+            evaluations=self.evaluations,
+            curve=self.metrics,
+            series=series_url,
+            holdout_sha256=self.holdout.digest,
+            samples_per_s=round(trained * tcfg.global_batch_size / seconds, 1) if trained else 0.0,
+            seconds=round(seconds, 3),
+            first_step_seconds=round(times[0], 4) if times else 0.0,
+            median_step_seconds=round(statistics.median(times[1:]), 5) if len(times) > 1 else 0.0,
+            compile=self.programs.compiler.metrics(),
+            recipe=self.recipe.describe(),
+            device_memory={"estimated_per_core": estimate(self.spec, self.recipe).total, "peak_per_rank": per_rank,
+                           **self.memory},
+            host_memory=host_memory(self.ctx, self.tokens),
+        )
 
 
 def _window(ctx: WorkerContext, start: Start) -> Start:
@@ -367,7 +368,7 @@ def _window(ctx: WorkerContext, start: Start) -> Start:
     return dataclasses.replace(start, files=window.files, watermark=window.watermark)
 
 
-def run(ctx: WorkerContext, run_id: str) -> dict:
+def run(ctx: WorkerContext, run_id: str) -> TrainResult:
     recipe = for_job(ctx.spec)
     start = _window(ctx, find_start(ctx, run_id, recipe.featurizer_file))
     if not start.files:
