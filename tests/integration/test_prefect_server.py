@@ -105,7 +105,8 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     assert {"name", "model", "data", "compute", "train", "gate"} <= set(job_spec["properties"])
     assert "pattern" not in job_spec["properties"]["name"]  # patterns are the run's, which name the field and fix
     assert job_spec["properties"]["train"]["properties"]["steps"]["minimum"] == 1  # bounds, which the server enforces
-    assert pipeline.enforce_parameter_schema and pipeline.entrypoint == "trnflow.flows.pipeline:pipeline"
+    assert pipeline.enforce_parameter_schema  # by its module, wherever trnflow is installed (not a file path)
+    assert pipeline.entrypoint == "trnflow.flows.pipeline.pipeline", pipeline.entrypoint
     assert "Runs at `30 4 * * *` (Europe/Berlin)." in retrain.description
     with client_of(env) as client:  # a value out of its bounds: refused as the run is created, naming the field
         bad = {**pipeline.parameters["spec"], "train": {**pipeline.parameters["spec"]["train"], "steps": -5}}
