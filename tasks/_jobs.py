@@ -17,6 +17,7 @@ from prefect import get_run_logger
 from trnflow.backends import Backend, JobInfo, JobRequest, JobState, backend_for, wait
 from trnflow.backends.base import cancel_within
 from trnflow.backends.cloud import node_identities, phase_result, placement, proceed, proceed_wait_seconds
+from trnflow.backends.contract import JobOutputs
 from trnflow.errors import ERROR_TYPES, CapacityError, FatalError, TransientError, TrnflowError
 from trnflow.events import EVENT_FIELD, parse_event, readable
 from trnflow.redact import Redactor
@@ -183,7 +184,7 @@ def _usable(job: _Job) -> bool:
     try:
         if job.backend.describe(job.job_id).state.terminal:
             return False
-        ended = job.outputs.list(f"phases/{job.request.phases[0]}.json")
+        ended = job.outputs.list(JobOutputs.phase_result(job.request.phases[0]))
     except Exception:  # a job the service cannot describe is not one to go on with
         return False
     return bool(ended) and time.time() - ended[-1].modified < proceed_wait_seconds(spec) - WORD_MARGIN_SECONDS

@@ -89,7 +89,7 @@ def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False) -> Sanity
 def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], logger,
            keep_for: tuple[str, ...]) -> SanityResult:
     """Check placements until one is healthy; `excluded` and `checked` grow as it goes. On a cloud
-    backend the job's own nodes do this inside their allocation (`trnflow.container`), and an
+    backend the job's own nodes do this inside their allocation (`trnflow.backends.container`), and an
     instance they cannot place healthy cores on is replaced (`BadHost`)."""
     local = not backend_for(spec, TrnflowSettings()).shares_allocation  # this machine places
     excludes = spec.preflight.exclude_bad_cores and local

@@ -51,7 +51,7 @@ class RanOn(_Model):
 
 class NodeIdentity(_Model):
     """One node of a cloud job as its container finds itself at the start of each attempt, uploaded
-    as `hosts/attempt<a>/node<r>.json` beside the job's results (`trnflow.container`)."""
+    as `hosts/attempt<a>/node<r>.json` beside the job's results (`trnflow.backends.container`)."""
 
     node: int = Field(description="the node's index in the job (Batch's node index; SageMaker's host order)")
     attempt: int = Field(1, ge=1, description="the job's attempt (Batch's AWS_BATCH_JOB_ATTEMPT; 1 on SageMaker, "

@@ -199,7 +199,7 @@ def image_python_env(wheel, tmp_path_factory) -> Path:
 # Run in the image's venv: imports what the container and every workload phase import, then reports.
 PROBE = """
 import importlib, importlib.util, json, sys
-import torch, trnflow, trnflow.container, trnflow.emulator.device
+import torch, trnflow, trnflow.backends.container, trnflow.emulator.device
 from trnflow.workload.__main__ import PHASES
 for phase in PHASES:
     importlib.import_module(f"trnflow.workload.{phase}")
@@ -234,7 +234,7 @@ def _free_port() -> int:
 
 
 def test_one_training_step_through_the_container_entrypoint(image_python_env, tmp_path):
-    """`python -m trnflow.container train` as SageMaker starts the image: a one-step quickstart on
+    """`python -m trnflow.backends.container train` as SageMaker starts the image: a one-step quickstart on
     one NeuronCore of the emulator, from the spec channel to a committed checkpoint."""
     synth = run([image_python_env.with_name("trnflow"), "data", "synth", tmp_path / "data", "--days", "1",
                  "--rows-per-day", "64", "--holdout-rows", "32", "--inference-rows", "16"], tmp_path)
@@ -259,7 +259,7 @@ def test_one_training_step_through_the_container_entrypoint(image_python_env, tm
         SM_OUTPUT_DATA_DIR=str(opt_ml / "output" / "data"), TRNFLOW_PHASE="train", TRNFLOW_RUN_ID="smoke",
         TRNFLOW_NPROC_PER_NODE="1", TRNFLOW_NEURON_RT_DIR=str(tmp_path / "neuron-rt"),
         TRNFLOW_HOME=str(tmp_path / "home"))
-    trained = run([image_python_env, "-m", "trnflow.container", "train"], tmp_path, env)
+    trained = run([image_python_env, "-m", "trnflow.backends.container", "train"], tmp_path, env)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert not (opt_ml / "output" / "failure").exists()
     result = json.loads((opt_ml / "output" / "data" / "result.json").read_text())

@@ -160,5 +160,5 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
 
 def test_the_training_image_runs_the_container_contract():
     dockerfile = (INFRA / "Dockerfile").read_text()
-    assert 'ENTRYPOINT ["python", "-m", "trnflow.container"]' in dockerfile
+    assert 'ENTRYPOINT ["python", "-m", "trnflow.backends.container"]' in dockerfile
     assert "FROM ${NEURON_DLC}" in dockerfile and "pytorch-training-neuronx" in dockerfile

@@ -101,7 +101,7 @@ def test_a_rank_killed_by_a_signal_is_named_alone_with_its_signal_and_its_log(ba
 
 
 def test_a_container_node_names_its_killed_rank_with_its_signal(make_spec, tmp_path):
-    """A Batch node (`python -m trnflow.container batch`) whose rank 1 is SIGKILLed: the node's
+    """A Batch node (`python -m trnflow.backends.container batch`) whose rank 1 is SIGKILLed: the node's
     failure names rank 1 and the signal, and the ranks' lines are in the container's own output."""
     spec = make_spec(train={"steps": 6, "checkpoint_every": 100, "log_every": 1},
                      faults=[{"kind": "kill", "core": 1, "step": 3}])
@@ -113,7 +113,7 @@ def test_a_container_node_names_its_killed_rank_with_its_signal(make_spec, tmp_p
            "TRNFLOW_SPEC_URL": (tmp_path / "spec.json").as_uri(),
            "TRNFLOW_RESULT_URL": (tmp_path / "results").as_uri(), "TRNFLOW_PHASE": "train",
            "TRNFLOW_RUN_ID": "killed", "TRNFLOW_NPROC_PER_NODE": "2"}
-    node = subprocess.run([sys.executable, "-m", "trnflow.container", "batch"], env=env, capture_output=True,
+    node = subprocess.run([sys.executable, "-m", "trnflow.backends.container", "batch"], env=env, capture_output=True,
                           text=True, timeout=300, cwd=tmp_path)
     assert node.returncode == 75, node.stdout[-2000:] + node.stderr[-2000:]  # transient: Batch retries it
     failure = FailureReport.model_validate_json((tmp_path / "results" / "job-1" / "failure-node0.json").read_text())

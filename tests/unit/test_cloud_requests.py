@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import quickstart_data
+from tests.conftest import ON_S3, quickstart_data
 from trnflow.backends import JobRequest
 from trnflow.backends.batch_request import build_job_definition, build_submit_job, exit_action, queue_problems
 from trnflow.backends.cloud import CloudTarget
+from trnflow.backends.container import batch_rendezvous, sagemaker_rendezvous, torchrun_argv
 from trnflow.backends.sagemaker_request import build_training_job_request
-from trnflow.container import batch_rendezvous, sagemaker_rendezvous, torchrun_argv
 from trnflow.errors import FatalError
 from trnflow.specs import SpecError, load_spec, validate_spec
 
@@ -56,7 +56,7 @@ def test_the_sagemaker_request_for_a_training_stage_whole():
     assert build_training_job_request(request, TARGET) == {
         "TrainingJobName": "embed-train-20261123-run",
         "RoleArn": TARGET.role_arn,
-        # the image's entrypoint is `python -m trnflow.container`; SageMaker adds `train`
+        # the image's entrypoint is `python -m trnflow.backends.container`; SageMaker adds `train`
         "AlgorithmSpecification": {"TrainingImage": TARGET.image, "TrainingInputMode": "File"},
         "HyperParameters": {"phase": "train", "run-id": "20261123-run"},
         "ResourceConfig": {"InstanceType": "ml.trn1n.32xlarge", "InstanceCount": 2, "VolumeSizeInGB": 200},
@@ -206,7 +206,7 @@ def test_the_batch_job_definition_whole_and_named_by_its_content():
     assert definition["type"] == "multinode"
     assert definition["nodeProperties"] == {
         "numNodes": 4, "mainNode": 0, "nodeRangeProperties": [{"targetNodes": "0:", "container": container}]}
-    assert container["command"] == ["batch"]  # after the image's entrypoint, python -m trnflow.container
+    assert container["command"] == ["batch"]  # after the image's entrypoint, python -m trnflow.backends.container
     assert container["instanceType"] == "trn1.32xlarge" and container["image"] == TARGET.image
     assert container["ulimits"] == [{"name": "memlock", "softLimit": -1, "hardLimit": -1}]
     assert container["resourceRequirements"] == [{"type": "VCPU", "value": "96"},
@@ -592,3 +592,25 @@ def test_every_backend_declares_what_its_callers_use_of_it(tmp_path, in_process_
     assert "aws sagemaker stop-training-job" in clouds[0].stop_command("job-1")
     assert "aws batch terminate-job" in clouds[1].stop_command("job-1")
     assert "job-1" in local.stop_command("job-1")
+
+
+def test_the_jobs_contract_is_written_and_read_back_by_one_model(in_process_aws):
+    """The orchestrator writes a job's TRNFLOW_* variables from JobEnv and the container reads them
+    back with it: the same values, and a malformed one fails naming its variable's field."""
+    from pydantic import ValidationError
+
+    from trnflow.backends.cloud import container_environment
+    from trnflow.backends.contract import JobEnv, JobOutputs
+
+    spec = validate_spec(quickstart_data(compute={"backend": "sagemaker", "spot": True}, **ON_S3,
+                                         train={"checkpoint_url": "s3://acme-data/checkpoints"}))
+    env = container_environment(JobRequest(spec, "sanity+train", "run-7", checkpoint="s3://c/step-1"), TARGET)
+    job = JobEnv.from_env(env)
+    assert (job.phase, job.run_id, job.checkpoint, job.spot, job.nproc_per_node) == ("sanity+train", "run-7",
+                                                                                      "s3://c/step-1", True, 2)
+    assert job.proceed_timeout_seconds > 0 and job.result_url.endswith("/output")
+    assert JobEnv.from_env(job.to_env()) == job and {k: env[k] for k in job.to_env()} == job.to_env()
+    with pytest.raises(ValidationError, match="nproc_per_node"):
+        JobEnv.from_env({**env, JobEnv.var("nproc_per_node"): "two"})
+    assert JobOutputs.NODE_FAILURE.fullmatch(JobOutputs.node_failure(3)).group(1) == "3"
+    assert JobOutputs.host(2, 1) == "hosts/attempt2/node1.json" and JobOutputs.proceed("train") == "proceed-train.json"

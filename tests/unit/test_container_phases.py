@@ -13,9 +13,9 @@ import boto3
 import pytest
 from moto import mock_aws
 
-from trnflow import container
 from trnflow.aws import InstanceMetadata
-from trnflow.container import await_word, instance_metadata, next_placement, preflight_failure
+from trnflow.backends import container
+from trnflow.backends.container import await_word, instance_metadata, next_placement, preflight_failure
 from trnflow.errors import ExitCode
 from trnflow.results import CollectivesResult, FailureReport, NodeIdentity, Proceed, SanityResult
 from trnflow.storage import open_store

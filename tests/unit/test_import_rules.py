@@ -104,8 +104,6 @@ def room(module: str) -> str | None:
     parts = module.split(".")
     if parts[0] != "trnflow":
         return None
-    if module == "trnflow.container":
-        return "backends"
     return parts[1] if len(parts) > 1 and parts[1] in BELOW else None
 
 

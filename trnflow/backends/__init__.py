@@ -4,7 +4,7 @@ It owns the local backend (torchrun processes on this host's device), SageMaker 
 AWS Batch jobs (multi-node, or single-node on spot; their requests, status and logs), the launcher program every job's
 command runs (`launcher`: torchrun, each rank's log, how each rank ended), the fp32 parity
 reference run (`reference`), the root-failure classification and the training container's
-entrypoint (`trnflow.container`). Every boto3 client comes from `trnflow.aws`. It depends on the
+entrypoint (`trnflow.backends.container`). Every boto3 client comes from `trnflow.aws`. It depends on the
 rooms below it only, never on the emulator or `testing`.
 """
 

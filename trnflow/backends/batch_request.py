@@ -5,7 +5,7 @@ which sets no node variables (its one node is the main node).
 
 The job definition depends only on what shapes the nodes (image, instance type, node count,
 devices), and is named by a hash of its content: registering it twice is harmless, and a changed
-one gets a new name. Each node runs the image's entrypoint, `python -m trnflow.container`, with
+one gets a new name. Each node runs the image's entrypoint, `python -m trnflow.backends.container`, with
 the command `batch`; it reads `AWS_BATCH_JOB_NODE_INDEX`, `AWS_BATCH_JOB_NUM_NODES` and
 `AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS` (absent on the main node itself) and starts torchrun.
 """
@@ -31,7 +31,7 @@ from trnflow.errors import ExitCode, FatalError
 from trnflow.specs import JobSpec, instance, memory_problem
 
 COMMAND = ["batch"]
-"""The container's command: the image's entrypoint is `python -m trnflow.container`."""
+"""The container's command: the image's entrypoint is `python -m trnflow.backends.container`."""
 HOST_RESERVED_VCPUS = 32
 """Left to the ECS agent and the OS on each node (the Neuron samples ask 96 of 128 vCPUs); memory
 is left to them as `trnflow.specs.HOST_RESERVED_MEMORY_GIB` says."""

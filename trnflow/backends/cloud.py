@@ -13,6 +13,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from trnflow import aws
 from trnflow.backends.base import JobRequest, stage_result
+from trnflow.backends.contract import JobEnv, JobOutputs
 from trnflow.backends.failures import report_order
 from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV
 from trnflow.errors import FatalError
@@ -155,8 +156,6 @@ def stage_spec(target: CloudTarget, request: JobRequest) -> None:
     open_store(base).write(name, request.spec.model_dump_json(indent=2).encode())
 
 
-NODE_REPORT = re.compile(r"failure-node(\d+)\.json")
-"""A node's root failure, which its container uploads under `TRNFLOW_RESULT_URL/<job>/` (`trnflow.container`)."""
 STOPPED_BY_TRNFLOW = "trnflow stopped the job: "
 """How a job trnflow stopped itself (one of its nodes failed, or it waited too long for capacity) says
 so in Batch's status reason."""
@@ -174,8 +173,8 @@ def node_reports(outputs: Store, since: float) -> list[tuple[int, FailureReport]
     """Every node's failure report written after `since` (seconds since the epoch), by node, each with
     `reported_at`: when it was written."""
     found = []
-    for listed in outputs.list("failure-node"):
-        match = NODE_REPORT.fullmatch(listed.name)
+    for listed in outputs.list(JobOutputs.NODE_FAILURES):
+        match = JobOutputs.NODE_FAILURE.fullmatch(listed.name)
         if match and listed.modified >= since:
             report = read(FailureReport, outputs.read(listed.name), f"{outputs.url}/{listed.name}")
             found.append((int(match.group(1)), report.model_copy(update={"reported_at": listed.modified})))
@@ -229,7 +228,7 @@ def phase_result(outputs: Store, phase: str, job_id: str) -> StageResult | None:
     """The result of a phase that ended in a job running several (`phases/<phase>.json`, uploaded by
     its main node as the phase ends), or None before then."""
     try:
-        data = outputs.read(f"phases/{phase}.json")
+        data = outputs.read(JobOutputs.phase_result(phase))
     except FileNotFoundError:
         return None
     return stage_result(job_id, data, None)
@@ -237,13 +236,14 @@ def phase_result(outputs: Store, phase: str, job_id: str) -> StageResult | None:
 
 def identity_name(node: NodeIdentity) -> str:
     """Where a node's identity is uploaded, beside the job's results."""
-    return f"hosts/attempt{node.attempt}/node{node.node}.json"
+    return JobOutputs.host(node.attempt, node.node)
 
 
 def every_identity(outputs: Store) -> list[NodeIdentity]:
     """Every node of every attempt of a job, as each found itself at its start (`hosts/`), by
     attempt and node."""
-    found = [read(NodeIdentity, outputs.read(o.name), f"{outputs.url}/{o.name}") for o in outputs.list("hosts/")]
+    found = [read(NodeIdentity, outputs.read(o.name), f"{outputs.url}/{o.name}")
+             for o in outputs.list(JobOutputs.HOSTS)]
     return sorted(found, key=lambda n: (n.attempt, n.node))
 
 
@@ -256,7 +256,7 @@ def node_identities(outputs: Store, attempt: int | None = None) -> list[NodeIden
 
 def proceed(outputs: Store, word: Proceed) -> None:
     """Tell the nodes waiting before `word.phase` to start it, or to end the job."""
-    outputs.write(f"proceed-{word.phase}.json", word.model_dump_json().encode())
+    outputs.write(JobOutputs.proceed(word.phase), word.model_dump_json().encode())
 
 
 MAX_RUNTIME_SECONDS = 28 * 24 * 3600
@@ -308,30 +308,26 @@ def container_environment(request: JobRequest, target: CloudTarget) -> dict[str,
     spec = request.spec
     assert spec is not None, "cloud jobs always carry a spec"
     cache = spec.compile.cache_url
+    job = JobEnv(
+        phase=request.phase, run_id=request.run_id, spec_url=spec_url(target, request),
+        nproc_per_node=placement(request)[1], checkpoint_s3_uri=checkpoint_s3_uri(spec, request.run_id),
+        result_url=f"{staging_prefix(target, request)}/output", checkpoint=request.checkpoint,
+        # how long its nodes wait between phases for the orchestrator's word
+        proceed_timeout_seconds=proceed_wait_seconds(spec) if len(request.phases) > 1 else 1800.0,
+        spot=spec.compute.spot,  # on Batch, the container watches the metadata service for the notice
+        recipe_modules=target.recipe_modules and is_module_reference(spec.model.recipe))  # allowed here: there too
     env = {
         "NEURON_CC_FLAGS": f"--optlevel={spec.compile.optlevel} --cache_dir={cache}",
         "NEURON_COMPILE_CACHE_URL": cache,
         "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1" if spec.compute.precision == "bf16-sr" else "0",
-        "TRNFLOW_PHASE": request.phase,
-        "TRNFLOW_RUN_ID": request.run_id,
-        "TRNFLOW_SPEC_URL": spec_url(target, request),
-        "TRNFLOW_NPROC_PER_NODE": str(placement(request)[1]),
-        "TRNFLOW_CHECKPOINT_S3_URI": checkpoint_s3_uri(spec, request.run_id),
-        "TRNFLOW_RESULT_URL": f"{staging_prefix(target, request)}/output",
+        **job.to_env(),
     }
-    if len(request.phases) > 1:  # how long its nodes wait between phases for the orchestrator's word
-        env["TRNFLOW_PROCEED_TIMEOUT_SECONDS"] = str(proceed_wait_seconds(spec))
-    if request.checkpoint:
-        env["TRNFLOW_CHECKPOINT"] = request.checkpoint
     if target.cache_public_key:
         env[PUBLIC_KEY_ENV] = target.cache_public_key
     if request.phase == "compile" and target.cache_signing_key.startswith("arn:"):  # an ARN: never the key itself
         env[SIGNING_KEY_ENV] = target.cache_signing_key
     if spec.compute.spot:  # the reclaim notice comes two minutes ahead: torchrun's ranks get 100 s to checkpoint
         env["TORCH_ELASTIC_SHUTDOWN_TIMEOUT"] = str(SPOT_CHECKPOINT_SECONDS)
-        env["TRNFLOW_SPOT"] = "1"  # on Batch, the container watches the metadata service for the notice
-    if target.recipe_modules and is_module_reference(spec.model.recipe):
-        env["TRNFLOW_RECIPE_MODULES"] = "1"  # allowed where the job was submitted, so in the job too
     return env | efa_environment(spec.compute.instance_type)
 
 

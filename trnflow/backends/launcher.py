@@ -15,7 +15,7 @@ every interface whatever host it is given, so the launcher binds its socket itse
 
 The local backend's supervisor runs it in a fork of itself (`local_runner`); a container runs it as
 a program. torch is imported only inside the functions that run torchrun, so the backends that build
-and read its files (`failures`, `trnflow.container`) load none of it.
+and read its files (`failures`, `trnflow.backends.container`) load none of it.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 and the deployment target. `sagemaker_trainer` sends it through the SDK's ModelTrainer.
 
 SageMaker runs the image as `<entrypoint> train`; the image's entrypoint is
-`python -m trnflow.container`, which reads SageMaker's contract and starts torchrun with one
+`python -m trnflow.backends.container`, which reads SageMaker's contract and starts torchrun with one
 process per NeuronCore of the instance. The run's checkpoint folder is the job's
 `CheckpointConfig.S3Uri`, so a retried or resubmitted job resumes from it.
 """

@@ -19,6 +19,7 @@ from typing import Any
 from moto.batch.models import JobStatus
 
 from trnflow.backends.batch_request import exit_action
+from trnflow.backends.contract import JobEnv
 from trnflow.emulator.cores import RT_DIR_ENV
 from trnflow.neuron.launch import INSTANCE_CORES_ENV
 from trnflow.specs import instance
@@ -65,7 +66,7 @@ class BatchJob:
         for layer in layers:
             env |= {e["name"]: e["value"] for e in layer.get("environment", [])}
         self.env = env
-        self.phase = env.get("TRNFLOW_PHASE", "")
+        self.phase = env.get(JobEnv.var("phase"), "")
         strategy = body.get("retryStrategy") or job.job_definition.retry_strategy or {}
         self.strategy = strategy
         self.attempts = int(strategy.get("attempts", 1))
@@ -160,8 +161,8 @@ class BatchJob:
         if index:
             batch["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"  # every node is this machine
         emulator = {INSTANCE_CORES_ENV: str(instance(itype).cores), RT_DIR_ENV: str(root / "neuron-rt"),
-                    "TRNFLOW_HOME": str(root / "trnflow-home"), "TRNFLOW_OUTPUT_DIR": str(root / "output"),
-                    "TRNFLOW_MASTER_PORT": str(port), "AWS_EC2_METADATA_SERVICE_ENDPOINT": host.endpoint}
+                    "TRNFLOW_HOME": str(root / "trnflow-home"), JobEnv.var("output_dir"): str(root / "output"),
+                    JobEnv.var("master_port"): str(port), "AWS_EC2_METADATA_SERVICE_ENDPOINT": host.endpoint}
         return container_env(self.cloud.endpoint_url, self.cloud.region, self.env, batch, emulator,
                              self.cloud.node_layer(index, host.instance_id))
 

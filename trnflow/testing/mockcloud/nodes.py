@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-ENTRYPOINT = [sys.executable, "-m", "trnflow.container"]
+ENTRYPOINT = [sys.executable, "-m", "trnflow.backends.container"]
 """The training image's entrypoint."""
 CHILD_GRACE_SECONDS = 30
 """How long the other nodes may take to end after the main node has."""

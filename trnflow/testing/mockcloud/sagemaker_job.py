@@ -14,6 +14,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from trnflow.backends.contract import JobEnv
 from trnflow.emulator.cores import RT_DIR_ENV
 from trnflow.neuron.launch import INSTANCE_CORES_ENV
 from trnflow.specs import instance
@@ -56,7 +57,7 @@ class SageMakerJob:
         self.cloud, self.job, self.body = cloud, job, body
         self.name = body["TrainingJobName"]
         self.env = body.get("Environment") or {}
-        self.phase = self.env.get("TRNFLOW_PHASE", "")
+        self.phase = self.env.get(JobEnv.var("phase"), "")
         self._stop: str | None = None
         self._began = time.time()
         job.training_job_status, job.secondary_status = "InProgress", "Starting"
@@ -138,7 +139,7 @@ class SageMakerJob:
         channels = [c["ChannelName"] for c in self.body.get("InputDataConfig") or []]
         itype = f"ml.{self.itype}"
         env = {
-            "TRNFLOW_OPT_ML": str(opt_ml), "TRAINING_JOB_NAME": self.name,
+            JobEnv.var("opt_ml"): str(opt_ml), "TRAINING_JOB_NAME": self.name,
             "SM_HOSTS": json.dumps(hosts), "SM_CURRENT_HOST": host,
             "SM_HOST_COUNT": str(len(hosts)), "SM_CURRENT_HOST_RANK": str(hosts.index(host)),
             # algo-1 resolves to the first instance in a SageMaker cluster; here every instance is this machine

@@ -1,4 +1,4 @@
-"""The training container's entrypoint: `python -m trnflow.container train|batch`.
+"""The training container's entrypoint: `python -m trnflow.backends.container train|batch`.
 
 It turns the service's contract into a torchrun rendezvous and runs the one workload program:
 - SageMaker runs the image as `<entrypoint> train`. Hosts come from `SM_HOSTS`/`SM_CURRENT_HOST`
@@ -41,6 +41,7 @@ from pathlib import Path
 
 from trnflow.aws import RECLAIM_NOTICE_ENV, InstanceMetadata
 from trnflow.backends.cloud import identity_name, node_identities
+from trnflow.backends.contract import JobEnv, JobOutputs
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.backends.launcher import CONSOLE
 from trnflow.errors import ExitCode, FatalError
@@ -57,8 +58,6 @@ from trnflow.results import RESULTS, FailureReport, NodeIdentity, Placement, Pro
 from trnflow.specs import instance
 from trnflow.storage import Store, open_store
 
-BATCH_MASTER_PORT = 41000
-"""torchrun's rendezvous port between Batch nodes (the port the Neuron Batch samples use)."""
 FAILURE_TEXT_LIMIT = 900
 """SageMaker keeps the first 1024 characters of the failure file as the job's FailureReason."""
 PROCEED_POLL_SECONDS = 2.0
@@ -76,7 +75,7 @@ class Rendezvous:
 
 def opt_ml(env: dict[str, str]) -> Path:
     """SageMaker's /opt/ml (`TRNFLOW_OPT_ML` moves it, as a bind mount would)."""
-    return Path(env.get("TRNFLOW_OPT_ML", "/opt/ml"))
+    return JobEnv.one(env, "opt_ml")
 
 
 def sagemaker_rendezvous(env: dict[str, str]) -> Rendezvous:
@@ -107,8 +106,8 @@ def batch_rendezvous(env: dict[str, str], own_address: str | None = None) -> Ren
         nnodes=nodes,
         node_rank=rank,
         master_addr=main or own_address or socket.gethostbyname(socket.gethostname()),
-        master_port=int(env.get("TRNFLOW_MASTER_PORT", BATCH_MASTER_PORT)),
-        output_dir=Path(env.get("TRNFLOW_OUTPUT_DIR", "/tmp/trnflow-output")),  # noqa: S108 (the container's own)
+        master_port=JobEnv.one(env, "master_port"),
+        output_dir=JobEnv.one(env, "output_dir"),
     )
 
 
@@ -121,13 +120,14 @@ def rank_folder(r: Rendezvous) -> Path:
 def torchrun_argv(r: Rendezvous, env: dict[str, str], spec_file: Path) -> list[str]:
     """The torchrun command for this node, through trnflow's launcher: one process per NeuronCore of
     the instance, forked from it (see `trnflow.backends.launcher`), writing to the container's log stream."""
+    job = JobEnv.from_env(env)
     argv = [sys.executable, "-m", LAUNCHER, CONSOLE, str(rank_folder(r)), "--nnodes", str(r.nnodes),
-            "--nproc-per-node", env["TRNFLOW_NPROC_PER_NODE"], "--node-rank", str(r.node_rank),
+            "--nproc-per-node", str(job.nproc_per_node), "--node-rank", str(r.node_rank),
             "--master-addr", r.master_addr, "--master-port", str(r.master_port),
-            "-m", WORKLOAD, env["TRNFLOW_PHASE"], "--spec", str(spec_file),
-            "--run-id", env["TRNFLOW_RUN_ID"], "--output", str(r.output_dir)]
-    if env.get("TRNFLOW_CHECKPOINT"):
-        argv += ["--checkpoint", env["TRNFLOW_CHECKPOINT"]]
+            "-m", WORKLOAD, job.phase, "--spec", str(spec_file),
+            "--run-id", job.run_id, "--output", str(r.output_dir)]
+    if job.checkpoint:
+        argv += ["--checkpoint", job.checkpoint]
     return argv
 
 
@@ -137,7 +137,10 @@ def _fetch_spec(env: dict[str, str], into: Path) -> Path:
     if (channel / "spec.json").is_file():
         return channel / "spec.json"
 
-    base, _, name = env["TRNFLOW_SPEC_URL"].rpartition("/")
+    url = JobEnv.from_env(env).spec_url
+    if not url:
+        raise FatalError(f"no spec: neither SageMaker's spec channel nor {JobEnv.var('spec_url')}")
+    base, _, name = url.rpartition("/")
     into.mkdir(parents=True, exist_ok=True)
     target = into / "spec.json"
     target.write_bytes(open_store(base).read(name))
@@ -165,11 +168,12 @@ def identity(env: dict[str, str], service: str, r: Rendezvous) -> NodeIdentity:
 
 def job_outputs(env: dict[str, str], service: str) -> Store | None:
     """Where this job's nodes leave what the orchestrator reads while and after it runs."""
-    if not env.get("TRNFLOW_RESULT_URL"):
+    result_url = JobEnv.one(env, "result_url")  # alone: a failure is reported even where the rest is missing
+    if not result_url:
         return None
     job_id = (env.get("TRAINING_JOB_NAME") if service == "sagemaker" else
               env.get("AWS_BATCH_JOB_ID", "job").split("#")[0]) or "job"
-    return open_store(f"{env['TRNFLOW_RESULT_URL'].rstrip('/')}/{job_id}")
+    return open_store(f"{result_url.rstrip('/')}/{job_id}")
 
 
 def _named(nodes: list[int], identities: dict[int, NodeIdentity]) -> str:
@@ -258,12 +262,12 @@ def _await(outputs: Store, wanted: dict[str, float], stopping: list[int], deadli
                 if any(o.name == name and o.modified >= since for o in outputs.list(name)):
                     return name, outputs.read(name)
             except Exception as exc:  # the store retried already; the deadline bounds the wait
-                print(f"trnflow.container: looking for {name}: {exc}", file=sys.stderr, flush=True)
+                print(f"trnflow.backends.container: looking for {name}: {exc}", file=sys.stderr, flush=True)
         time.sleep(PROCEED_POLL_SECONDS)
     return None
 
 
-MAIN_FAILED = "failure-node0.json"
+MAIN_FAILED = JobOutputs.node_failure(0)
 """The main node's failure report (`_report`): the other nodes waiting between phases end on it."""
 MAIN_NODE_FAILED = "the main node failed"
 """How a word that never came because the main node failed begins: that node's report is the job's."""
@@ -286,11 +290,12 @@ def await_word(outputs: Store | None, phase: str, after: str, main: bool, stoppi
     if outputs is None:  # nobody to ask: go on
         return Proceed(phase=phase, go=True)
     deadline = time.monotonic() + timeout
-    word = f"proceed-{phase}.json"
+    word = JobOutputs.proceed(phase)
     failed = {} if main else {MAIN_FAILED: since - STORE_CLOCK_SECONDS}
     found = _await(outputs, {word: 0.0, **failed}, stopping, deadline)
     if found is not None and not main and found[0] == word:
-        ended = _await(outputs, {f"phases/{after}.json": since - PHASE_MARGIN_SECONDS, **failed}, stopping, deadline)
+        ended = _await(outputs, {JobOutputs.phase_result(after): since - PHASE_MARGIN_SECONDS, **failed}, stopping,
+                       deadline)
         found = None if ended is None else found if ended[0] != MAIN_FAILED else ended
     if found is not None and found[0] == MAIN_FAILED:
         return Proceed(phase=phase, go=False, reason=f"{MAIN_NODE_FAILED} {after}")
@@ -316,7 +321,7 @@ def _report(env: dict[str, str], service: str, r: Rendezvous, failure: FailureRe
     # Every node's failure is uploaded at once, on both services: the backend stops a job whose
     # other node failed while the main node goes on (`backends.cloud.NodeWatch`).
     if failure is not None:
-        store.write(f"failure-node{r.node_rank}.json", failure.model_dump_json(exclude_none=True).encode())
+        store.write(JobOutputs.node_failure(r.node_rank), failure.model_dump_json(exclude_none=True).encode())
     elif service == "batch" and r.node_rank == 0 and (r.output_dir / "result.json").is_file():
         store.write("result.json", (r.output_dir / "result.json").read_bytes())
 
@@ -325,7 +330,7 @@ def run_phase(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str,
               stopping: list[int]) -> tuple[int, FailureReport | None]:
     """One phase on this node through the launcher: the launcher's exit code, and the root failure
     among this node's ranks (None when it succeeded, or no rank left a report)."""
-    phase_env = {**env, "TRNFLOW_PHASE": phase}  # with this node's cores, once some were excluded
+    phase_env = {**env, JobEnv.var("phase"): phase}  # with this node's cores, once some were excluded
     launcher = subprocess.Popen(torchrun_argv(r, phase_env, spec_file), env=phase_env)
     # The service stops a container (a spot reclaim notice, a stopped job) with SIGTERM to its first
     # process, this one: the launcher passes it on to every rank, and training checkpoints before it ends.
@@ -335,7 +340,7 @@ def run_phase(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str,
     signal.signal(signal.SIGTERM, lambda signum, frame: stopping.append(signum))
     if not code:
         return 0, None
-    nproc = int(env["TRNFLOW_NPROC_PER_NODE"])
+    nproc = JobEnv.from_env(env).nproc_per_node
     exits = read_exits(rank_folder(r))
     return code, name_first_rank(root_failure(read_reports(r.output_dir), nproc, first_rank=r.node_rank * nproc,
                                               exits=exits), exits)
@@ -363,13 +368,13 @@ def _verdict(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str, ou
         result = read(RESULTS[phase], json.loads(data), f"{phase}: result.json")
     except (RecordError, ValueError) as exc:
         return FailureReport(type="FatalError", retryable=False, message=f"{phase}: {exc}"), None
-    per_node = int(env["TRNFLOW_NPROC_PER_NODE"])
+    per_node = JobEnv.from_env(env).nproc_per_node
     failure = preflight_failure(result, _identities(outputs, me.attempt), per_node, r.nnodes)
     excludes, instance_cores = _excludes(spec_file, env)
     moved = next_placement(result, placed, per_node, instance_cores, r.nnodes) if failure and excludes else None
     if moved is not None:
-        outputs.write(placement_name(me.attempt, moved.round), moved.model_dump_json().encode())
-        print(f"trnflow.container: {phase} found bad core(s) {result.bad_cores}; checking again without them "
+        outputs.write(JobOutputs.placement(me.attempt, moved.round), moved.model_dump_json().encode())
+        print(f"trnflow.backends.container: {phase} found bad core(s) {result.bad_cores}; checking again without them "
               f"(cores by node: {moved.cores})", file=sys.stderr, flush=True)
         return None, moved
     if failure is not None:  # the orchestrator never sees a passed preflight of these instances
@@ -377,22 +382,18 @@ def _verdict(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str, ou
     if isinstance(result, SanityResult) and placed is not None:
         result.excluded_cores = sorted({c for cores in placed.excluded.values() for c in cores})
         data = result.model_dump_json().encode()
-    outputs.write(f"phases/{phase}.json", data)
+    outputs.write(JobOutputs.phase_result(phase), data)
     return None, None
-
-
-def placement_name(attempt: int, round_: int) -> str:
-    """Where the main node leaves the cores of a preflight's `round_` in an attempt of the job."""
-    return f"phases/placement-{attempt}-{round_}.json"
 
 
 def _await_placement(outputs: Store, phase: str, placed: Placement | None, stopping: list[int], timeout: float,
                      me: NodeIdentity) -> Placement | None:
     """Another node, its preflight phase done: the cores the main node chose to check again, or None
     once it decided otherwise (passed, failed) or nothing came in time."""
-    wanted = placement_name(me.attempt, (placed.round if placed else 0) + 1)
+    wanted = JobOutputs.placement(me.attempt, (placed.round if placed else 0) + 1)
     since = me.started_at
-    found = _await(outputs, {wanted: since - STORE_CLOCK_SECONDS, f"phases/{phase}.json": since - PHASE_MARGIN_SECONDS,
+    found = _await(outputs, {wanted: since - STORE_CLOCK_SECONDS,
+                             JobOutputs.phase_result(phase): since - PHASE_MARGIN_SECONDS,
                              MAIN_FAILED: since - STORE_CLOCK_SECONDS}, stopping, time.monotonic() + timeout)
     return read(Placement, found[1], f"{outputs.url}/{wanted}") if found and found[0] == wanted else None
 
@@ -403,12 +404,13 @@ def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path
     of the first that failed (or 0) and its root failure. A preflight that found bad cores, with
     `preflight.exclude_bad_cores`, runs again on other cores of the same instances, which the later
     phases then use."""
-    phases = env["TRNFLOW_PHASE"].split("+")
+    job = JobEnv.from_env(env)
+    phases = job.phase.split("+")
     outputs = job_outputs(env, service)
     me = identity(env, service, r)
     if outputs is not None:  # where the job ran (and, with EC2's launch time, how long it took to start)
         outputs.write(identity_name(me), me.model_dump_json().encode())
-    wait = float(env.get("TRNFLOW_PROCEED_TIMEOUT_SECONDS", "1800"))
+    wait = job.proceed_timeout_seconds
     placed: Placement | None = None
     for index, phase in enumerate(phases):
         if index:
@@ -449,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     args = argv if argv is not None else sys.argv[1:]
     modes = {"train": "sagemaker", "sagemaker": "sagemaker", "batch": "batch"}
     if not args or args[0] not in modes:
-        print("usage: python -m trnflow.container train|batch  (SageMaker runs the image with `train`)",
+        print("usage: python -m trnflow.backends.container train|batch  (SageMaker runs the image with `train`)",
               file=sys.stderr)
         return ExitCode.BAD_INPUT
     service = modes[args[0]]
@@ -457,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     r = sagemaker_rendezvous(env) if service == "sagemaker" else batch_rendezvous(env)
     spec_file = _fetch_spec(env, r.output_dir.parent / "trnflow-input")
     stopping: list[int] = []
-    if service == "batch" and env.get("TRNFLOW_SPOT") == "1":  # EC2's notice reaches only the metadata service
+    if service == "batch" and JobEnv.one(env, "spot"):  # EC2's notice reaches only the metadata service
         env[RECLAIM_NOTICE_ENV] = "imds"
     code, failure = run_phases(r, env, service, spec_file, stopping)
     _report(env, service, r, failure)
