@@ -452,3 +452,16 @@ def test_validate_of_a_hugging_face_recipe_without_the_hf_extra_names_the_recipe
     assert result.exit_code == 2, result.output
     assert json.loads(result.stdout)[0]["problems"] == [
         "model.recipe: hf-causal-lm needs transformers, which is not installed here: pip install 'trnflow[hf]'"]
+
+
+def test_mock_aws_is_the_mock_extras_command_found_by_entry_point(monkeypatch):
+    """The command line names no test module: `trnflow mock-aws` loads what the mock extra registers,
+    and says how to install it where nothing does."""
+    import trnflow.cli.app as cli_app
+    from trnflow.testing.aws_server import mock_aws
+
+    assert cli_app._extra_command("mock-aws") is mock_aws
+    monkeypatch.setattr(cli_app, "entry_points", lambda group: [])
+    result = runner.invoke(app, ["mock-aws"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "pip install 'trnflow[mock]'" in " ".join(result.stderr.split())

@@ -9,8 +9,10 @@ Each command group has a module of its own (`devices`, `data`, `pipeline`, `cach
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
+from importlib.metadata import entry_points
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
@@ -38,6 +40,15 @@ app = typer.Typer(
 )
 
 
+def _extra_command(name: str) -> Callable[..., Any]:
+    """The function an installed package registers as `name` in the `trnflow.commands` group;
+    ModuleNotFoundError when it, or what it needs, is not installed."""
+    found = [ep for ep in entry_points(group="trnflow.commands") if ep.name == name]
+    if not found:
+        raise ModuleNotFoundError(f"no package registers the command {name!r}", name="trnflow[mock]")
+    return found[0].load()
+
+
 @app.command("mock-aws")
 def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
                      seed_data: bool = typer.Option(True, help="Upload the quickstart's synthetic dataset."),
@@ -50,7 +61,7 @@ def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
     Every instance a job starts is counted and billed from its start, as each service bills: the
     cost table shows both."""
     try:
-        from trnflow.testing.aws_server import mock_aws  # optional: the [mock] extra (moto), test machinery
+        mock_aws = _extra_command("mock-aws")  # the mock extra's (moto): test machinery, never imported by name
     except ModuleNotFoundError as exc:
         err.print(f"trnflow mock-aws needs {exc.name}, which comes with the mock extra: "
                   "pip install 'trnflow[mock]' (or 'trnflow[dev]' in a checkout)", **RED)
