@@ -37,6 +37,16 @@ def featurized(recipe: Recipe, ckpt: Checkpoint) -> Recipe:
     return recipe
 
 
+def loaded(ctx: WorkerContext, checkpoint: str) -> tuple[Recipe, Checkpoint, Programs]:
+    """The spec's recipe, a checkpoint of it read, and the programs of its model with the
+    checkpoint's weights: what evaluating or running inference with a checkpoint starts from."""
+    recipe = for_job(ctx.spec)
+    ckpt = load(checkpoint, recipe.featurizer_file)
+    model = build_model(recipe, ctx.spec.train.seed)
+    load_model_weights(model, ckpt.model, ckpt.url)
+    return recipe, ckpt, for_run(ctx, recipe, model)
+
+
 class Holdout:
     """The holdout set, featurized once; each rank evaluates every world-th row."""
 
@@ -83,12 +93,7 @@ class Holdout:
 
 def run(ctx: WorkerContext, checkpoint: str) -> dict:
     """Evaluate one checkpoint; a trnflow checkpoint's point joins its run's series."""
-    spec = ctx.spec
-    recipe = for_job(spec)
-    ckpt = load(checkpoint, recipe.featurizer_file)
-    model = build_model(recipe, spec.train.seed)
-    load_model_weights(model, ckpt.model, ckpt.url)
-    programs = for_run(ctx, recipe, model)
+    recipe, ckpt, programs = loaded(ctx, checkpoint)
     holdout = Holdout(ctx, featurized(recipe, ckpt))
     global_step = ckpt.meta.global_step if ckpt.meta else ckpt.step
     point, correct = holdout.evaluate(programs, ckpt.step, global_step)

@@ -24,14 +24,13 @@ import torch
 from trnflow.results import InferResult
 from trnflow.specs import InferenceSpec
 from trnflow.storage import Store, open_store
-from trnflow.workload.checkpoint import Checkpoint, load, load_model_weights
+from trnflow.workload.checkpoint import Checkpoint
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.data import iter_unlabelled
 from trnflow.workload.embeddings import MANIFEST, committed, marker_name, remove_beyond, shard_name
-from trnflow.workload.evaluate import featurized
+from trnflow.workload.evaluate import featurized, loaded
 from trnflow.workload.features import Featurized, featurize, host_memory
-from trnflow.workload.programs import build_model, for_run
-from trnflow.workload.recipes import Recipe, for_job
+from trnflow.workload.recipes import Recipe
 from trnflow.workload.sampler import static_batches
 
 
@@ -168,11 +167,7 @@ def _publish(job: _Job, checkpoint: str, shards: list[dict]) -> None:
 def run(ctx: WorkerContext, checkpoint: str) -> InferResult:
     spec = ctx.spec
     icfg = spec.inference
-    recipe = for_job(spec)
-    ckpt = load(checkpoint, recipe.featurizer_file)
-    model = build_model(recipe, spec.train.seed)
-    load_model_weights(model, ckpt.model, ckpt.url)
-    programs = for_run(ctx, recipe, model)
+    recipe, ckpt, programs = loaded(ctx, checkpoint)
     version = _version(ckpt)
     # Streamed and featurized a batch at a time: an inference set of any size is never read whole.
     rows = featurize(iter_unlabelled(spec.data.inference, spec.data, recipe.columns()), featurized(recipe, ckpt),
