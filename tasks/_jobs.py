@@ -20,7 +20,7 @@ from trnflow.backends.cloud import node_identities, phase_result, placement, pro
 from trnflow.backends.contract import JobOutputs
 from trnflow.errors import ERROR_TYPES, CapacityError, FatalError, TransientError, TrnflowError
 from trnflow.events import EVENT_FIELD, parse_event, readable
-from trnflow.redact import Redactor
+from trnflow.redact import Redactor, printable
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
 from trnflow.results import FailureReport, Proceed, RanOn, StageResult
 from trnflow.settings import TrnflowSettings
@@ -32,7 +32,7 @@ def classify(info: JobInfo) -> TrnflowError:
     if info.state is JobState.CANCELLED:
         return FatalError(f"job {info.job_id} was cancelled")
     failure = info.failure or FailureReport(type="Unknown", message="no failure report")
-    text = Redactor.from_env()(f"job {info.job_id}: {failure}")
+    text = printable(Redactor.from_env()(f"job {info.job_id}: {failure}"))
     bad_cores = failure.bad_cores
     if failure.type in ERROR_TYPES:
         return ERROR_TYPES[failure.type](text, bad_cores=bad_cores)
@@ -43,11 +43,12 @@ def classify(info: JobInfo) -> TrnflowError:
 
 def relay(logger: Any, redact: Redactor, text: str) -> None:
     """A job's output into the task's log: its events in words at INFO (each carrying its event,
-    for the CLI's progress bars), their JSON at DEBUG, any other line as it is; secrets masked."""
+    for the CLI's progress bars), their JSON at DEBUG, any other line as it is; secrets masked, and
+terminal control sequences removed (`printable`)."""
     for line in text.splitlines():
         if not line.strip():
             continue
-        line = redact(line)
+        line = printable(redact(line))
         event = parse_event(line)
         if event is None:
             logger.info("%s", line)

@@ -3,7 +3,11 @@ passwords) are masked in every line trnflow relays from a job, in every failure 
 artifact it publishes, in the forms a secret takes on its way there (as it is, URL-encoded as in a
 presigned URL's token, JSON-escaped, base64 as in a Basic authorization header), along with the
 password of any `scheme://user:password@host` URL and the password half of a `user:password`
-auth string (PREFECT_API_AUTH_STRING)."""
+auth string (PREFECT_API_AUTH_STRING).
+
+What a job wrote reaches a terminal only through `printable`: a hostile or broken recipe's output
+could otherwise set the reader's clipboard (OSC 52), plant links (OSC 8), move the cursor over
+earlier lines, or reverse the text shown (U+202E)."""
 
 from __future__ import annotations
 
@@ -19,6 +23,14 @@ SECRET_NAME = re.compile(r"SECRET|TOKEN|PASSWORD|PASSWD|CREDENTIAL|PRIVATE|AUTH_
 MASK = "********"
 MIN_LENGTH = 6
 """Shorter values (`true`, `1`) would mask ordinary words."""
+TERMINAL_SEQUENCE = re.compile(
+    r"(?:\x1b\]|\x9d|\x1bP|\x90|\x1b[X^_]|\x98|\x9e|\x9f)[^\x07\x1b\x9c]*(?:\x07|\x1b\\|\x9c)?"  # OSC, DCS, SOS/PM/APC
+    r"|(?:\x1b\[|\x9b)[\x30-\x3f]*[\x20-\x2f]*[\x40-\x7e]?"  # CSI: cursor moves, colours, ...
+    r"|\x1b[\x20-\x2f]*[\x30-\x7e]?")  # any other escape
+"""A terminal's control sequence, whole: its introducer, parameters and terminator."""
+UNSHOWN = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200b-\u200f\u202a-\u202e\u2060-\u2069\ufeff]")
+"""Characters a terminal acts on or hides rather than shows: C0 and C1 controls (but tab and newline),
+and the bidirectional and zero-width formatting marks that make text read other than it is."""
 URL_PASSWORD = re.compile(r"(?P<keep>[a-z][a-z0-9+.-]*://[^\s:/@]*):(?P<password>[^\s/@]+)@", re.IGNORECASE)
 """The password of a URL written out in any text (a database URL in a driver's error, say)."""
 
@@ -68,6 +80,15 @@ class Redactor:
     def __call__(self, text: str) -> str:
         text = URL_PASSWORD.sub(lambda m: f"{m['keep']}:{MASK}@", text)
         return self._pattern.sub(MASK, text) if self._pattern else text
+
+
+def printable(text: str) -> str:
+    """`text` (a job's log line, a failure message) with every terminal control sequence removed and
+    any other control or formatting character written out (`\\x07`, `\\u202e`): what it shows is
+    what was written, and nothing in it acts on the terminal. Newlines and tabs stay."""
+    text = TERMINAL_SEQUENCE.sub("", text)
+    return UNSHOWN.sub(lambda m: f"\\x{ord(m.group()):02x}" if ord(m.group()) < 0x100
+                       else f"\\u{ord(m.group()):04x}", text)
 
 
 def without_credentials(url: str) -> str:

@@ -7,6 +7,7 @@ for the first; and the UI shows the deployment in a real browser."""
 from __future__ import annotations
 
 import contextlib
+import datetime as dt
 import json
 import os
 import re
@@ -144,9 +145,16 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     assert run["id"] in {r["id"] for r in listed}
     status = subprocess.run([TRNFLOW, "status", run["id"][:8], "--json"], env=env, capture_output=True, text=True)
     assert status.returncode == 0 and json.loads(status.stdout)["state"] == "Completed"
+    with client_of(env) as client:  # a line a hostile job could have had logged: it sets the clipboard
+        from prefect.client.schemas.actions import LogCreate
+
+        client.create_logs([LogCreate(name="prefect.task_runs", level=20, flow_run_id=run["id"],
+                                      timestamp=dt.datetime.now(dt.UTC),
+                                      message="weights \x1b]52;c;Y3VybCBldmlsLnNo\x07loaded \u202eenod")])
     logs = subprocess.run([TRNFLOW, "logs", run["id"]], env=env, capture_output=True, text=True, check=True).stdout
     assert "train job" in logs and "checkpoint: step 10, url " in logs  # the jobs' events, in words
     assert '"event":' not in logs  # their JSON is in the jobs' own logs
+    assert "task_runs: weights loaded \\u202eenod" in logs and "\x1b" not in logs and "Y3Vyb" not in logs
 
 
 def _run_of(env, run_id: str):

@@ -4,10 +4,11 @@ command group that prints no report (`trnflow cache`) starts without the report 
 from __future__ import annotations
 
 import os
-import re
 
 from rich.console import Console
 from rich.markup import escape
+
+from trnflow.redact import printable
 
 PIPED_WIDTH = 200
 """How wide printed output may be when it goes to a file or pipe rather than a terminal."""
@@ -25,14 +26,10 @@ def cli_console(stderr: bool = False) -> Console:
     return Console(stderr=stderr, width=PIPED_WIDTH)
 
 
-CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-"""Characters a terminal acts on (escape sequences, bells, carriage returns) rather than shows."""
-
-
 def plain(value: object) -> str:
-    """A value read from a file or a server, safe to print as it is: its control characters written
-    out (`\\x1b`), so that none reaches the terminal."""
-    return CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", str(value))
+    """A value read from a file or a server, safe to print on one line: `printable`, with its line
+    breaks and tabs written out too (`\\x0a`), so that it cannot pass for other lines or columns."""
+    return printable(str(value)).replace("\n", "\\x0a").replace("\t", "\\x09")
 
 
 def shown(value: object) -> str:

@@ -25,6 +25,7 @@ from trnflow.cli.common import load, set_overrides
 from trnflow.cli.console import RED, cli_console, shown
 from trnflow.cli.render import stage_table
 from trnflow.errors import ExitCode
+from trnflow.redact import printable
 from trnflow.results import StageRow
 
 console = cli_console()
@@ -134,7 +135,7 @@ def _print_summary(summary: dict[str, Any]) -> None:
     colour = "green" if summary["state_type"] == "COMPLETED" else "red"
     console.print(f"[bold]{summary['name']}[/bold] ({summary['id']}): [{colour}]{summary['state']}[/{colour}]")
     if summary["message"]:
-        console.print(summary["message"], markup=False, highlight=False)
+        console.print(printable(summary["message"]), markup=False, highlight=False)
     if summary["stages"]:
         console.print(stage_table([StageRow(stage=row["stage"], state=row["state"] or "", seconds=row["seconds"],
                                             summary=row["summary"] or "", device=row.get("device") or "")
@@ -184,7 +185,8 @@ def logs(
     follow: Annotated[bool, typer.Option("--follow", "-f", help="Keep printing new lines until the run ends.")
                       ] = False,
 ):
-    """Print a run's log lines (its stages' and their jobs' output), oldest first."""
+    """Print a run's log lines (its stages' and their jobs' output), oldest first, with any terminal
+    control sequence a job wrote removed."""
     from trnflow.cli.server import FINAL  # heavy: prefect's client
 
     with _server() as server:
@@ -193,7 +195,7 @@ def logs(
             fresh = [line for line in server.logs(run_id, since) if line["id"] not in shown]
             for line in fresh:
                 stamp = line["time"].astimezone(dt.UTC).strftime("%H:%M:%S")
-                print(f"{stamp} {line['logger'].removeprefix('prefect.')}: {line['message']}", flush=True)
+                print(printable(f"{stamp} {line['logger'].removeprefix('prefect.')}: {line['message']}"), flush=True)
                 shown.add(line["id"])
             if not follow:
                 return

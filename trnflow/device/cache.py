@@ -75,6 +75,7 @@ import binascii
 import hashlib
 import io
 import json
+import math
 import os
 import socket
 import stat
@@ -121,6 +122,9 @@ _OWN_FILES = frozenset({RECORD, SIGNATURE, "model.fx.txt", "model.lock", USAGE})
 STALE_LOCK_SECONDS = 24 * 3600.0
 """A lock held this long is taken for abandoned: no compile takes a day, and a pid on this host may
 have been given to another process (pid 1 never ends) since the lock was taken."""
+LOCK_CLOCK_SKEW_SECONDS = 300.0
+"""How far in the future a lock's start time may be (another host's clock running ahead): a lock
+taken later than that, or at an infinite time, would never go stale, so it is read as garbled."""
 INDEX = "trnflow-index.json"
 """Each version folder's index of what listings read from its entries' small files (see above)."""
 INDEXED = (RECORD, DONE_MARKER, USAGE)
@@ -376,6 +380,8 @@ class CompileCache:
             return None
         try:
             pid, since = int(owner.get("pid", -1)), float(owner.get("since", 0))
+            if not math.isfinite(since) or since > time.time() + LOCK_CLOCK_SKEW_SECONDS:
+                raise ValueError("a start time no compile can have")  # it would never go stale
         except (TypeError, ValueError, OverflowError):
             raise FatalError(f"{self.where(f'{entry}/model.lock')}: a garbled lock record (pid "
                              f"{_short(owner.get('pid'))}, since {_short(owner.get('since'))}); trnflow did not "

