@@ -7,11 +7,14 @@ import logging
 import time
 from collections.abc import Callable
 
+from prefect import get_run_logger
 from prefect.exceptions import FailedRun
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
+from trnflow.backends import cache_keys, cache_trust_problem
 from trnflow.device.plans import cache_problem
+from trnflow.device.signing import UNSIGNED_ENV
 from trnflow.errors import FatalError, GateDecision, TrnflowError
 from trnflow.lifecycle.locations import check_locations
 from trnflow.reporting.cost import run_cost, stage_cost
@@ -81,6 +84,8 @@ class StageRunner:
         self.ledger = JobLedger(TrnflowSettings().home, run_id)
         self.ledger.new_entries()  # jobs of an earlier flow run with this id were costed by that run
         self._options = retry_options(spec)
+        self.notes: list[str] = []
+        """What the run's summary says under its heading (a cache used unsigned)."""
         self.ended: str | None = None
         """How the run ended when it did not complete, in one line (its final state's message)."""
 
@@ -102,6 +107,19 @@ class StageRunner:
         self.rows.append(StageRow(stage=name, state=state.type.value.title(), seconds=seconds, summary=str(error)))
         raise PipelineFailed(name, error, self.rows)
 
+    def check_cache(self, when: str) -> None:
+        """FatalError when the spec's compile cache cannot be trusted: a local folder that is not this
+        user's alone (`cache_problem`), or a shared one nothing checks (`cache_trust_problem`). A shared
+        cache used unsigned by choice (TRNFLOW_CACHE_UNSIGNED) is said in the log and the summary."""
+        spec = self.spec
+        if problem := cache_problem(spec) or cache_trust_problem(spec):
+            raise FatalError(f"{when}: {problem}")
+        if spec.compile.cache_url.startswith("s3://") and not cache_keys(spec).checks:
+            note = (f"compile cache {spec.compile.cache_url} is used unsigned ({UNSIGNED_ENV}): its entries are "
+                    "not checked, and anyone who can write it can change the code every job loads")
+            get_run_logger().warning(note)
+            self.notes.append(note)
+
     def bill(self, name: str) -> None:
         """Cost the jobs recorded since the last stage ended (a job let go after it) as `name`'s."""
         billed = self.ledger.new_entries()
@@ -117,7 +135,7 @@ class StageRunner:
         what it wrote. Called however the run ended; a failure to publish is only logged."""
         title = f"{self.spec.name} run {self.run_id}"
         stages = stages or tuple(r.stage for r in self.rows)
-        text = stage_summary(title, self.rows, stages, self.ended)
+        text = stage_summary(title, self.rows, stages, self.ended, self.notes)
         if self.costs:
             text += "\n" + cost_markdown(self.cost())
         links = outputs(self.results)
@@ -189,8 +207,7 @@ def through_training(stage: StageRunner, later: tuple[str, ...], retraining: boo
     training found no new data, the `later` stages are recorded as skipped. `retraining`: the gate
     will judge the final point only, so the reference's steps need not be the run's."""
     check_locations(stage.spec, retraining)  # a location it cannot write fails the run now, not after training
-    if problem := cache_problem(stage.spec):  # nor a cache folder that is not this user's alone
-        raise FatalError(f"before training: {problem}")
+    stage.check_cache("before training")  # nor a cache it cannot trust
     try:
         cores = preflight_stages(stage, then_train=True)
         stage("compile", compile_graphs, cores)

@@ -28,5 +28,6 @@ def compile_cache(spec: SpecParam = None, spec_url: str | None = None) -> RunOut
 
 
 def _stages(stage: StageRunner) -> RunOutcome:
+    stage.check_cache("before compiling")
     stage("compile", compile_graphs, None)
     return stage.outcome()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
+from trnflow.backends import cache_keys
 from trnflow.device import plans
 from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name
 from trnflow.reporting.report import compile_markdown
@@ -29,7 +30,7 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> Compi
     # The cache the jobs will open: every backend gives them NEURON_CC_FLAGS and NEURON_COMPILE_CACHE_URL
     # made from compile.cache_url (neuron_env, the cloud request builders), so it is resolved from the
     # spec alone, whatever this process's own environment says.
-    cache = plans.job_cache(spec, env={})
+    cache = plans.job_cache(spec, env={}, keys=cache_keys(spec))  # checked with the key the jobs check with
     known = plans.recorded(cache, plan_digest(spec))
     if known is None:
         logger.info("no compile plan recorded in %s for this spec yet; the compile job extracts it", cache.url)

@@ -157,13 +157,17 @@ def compile_cache(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def warm_compile_cache(compile_cache, dataset, trnflow_home, tmp_path_factory) -> Path:
-    """The session's compile cache, holding the graphs of `make_spec`'s model and their plan: a
+    """The session's compile cache, holding the graphs of `make_spec`'s model and their plan, each
+    entry signed with the mock cloud's key (so that it holds hits on the emulated services too): a
     compile job fills it here unless an earlier test of the session already did."""
+    from tests.faults.world import patched_env
     from trnflow.backends import JobRequest, JobState, wait
     from trnflow.backends.local import LocalBackend
     from trnflow.device import plans
     from trnflow.device.cache import DONE, CompileCache, entry_name
+    from trnflow.device.signing import SIGNING_KEY_ENV, EntryKeys
     from trnflow.settings import TrnflowSettings
+    from trnflow.testing.mockcloud.provision import signing_key, signing_pem
     from trnflow.workload.recipes import plan_digest
 
     out = tmp_path_factory.mktemp("warm")
@@ -173,13 +177,19 @@ def warm_compile_cache(compile_cache, dataset, trnflow_home, tmp_path_factory) -
         compile={"cache_url": str(compile_cache)}, train={"checkpoint_url": str(out / "checkpoints")},
         gate={"reference": None}, inference={"output_url": str(out / "embeddings")},
         registry_url=str(out / "registry")))
-    cache, digest = CompileCache(str(compile_cache)), plan_digest(spec)
+    cache = CompileCache(str(compile_cache), keys=EntryKeys(trusted=signing_key().public_key()))
+    digest = plan_digest(spec)
     known = plans.recorded(cache, digest)
     if known is None or any(row["will"] != "hit" for row in plans.predict(known, cache, retry_failed=False)):
+        pem = out / "cache.pem"
+        pem.write_text(signing_pem())
+        pem.chmod(0o600)
         backend = LocalBackend(TrnflowSettings().jobs_dir)
-        job = wait(backend, backend.submit(JobRequest(spec, "compile", "warm", processes=1)), 0.2)
+        with patched_env({SIGNING_KEY_ENV: str(pem)}):  # the compile job signs what it writes
+            job = wait(backend, backend.submit(JobRequest(spec, "compile", "warm", processes=1)), 0.2)
         assert job.state is JobState.SUCCEEDED, job.failure
     assert {cache.state(entry_name(row["key"])) for row in plans.recorded(cache, digest)} == {DONE}
+    assert not any(cache.signature_problem(entry_name(row["key"])) for row in plans.recorded(cache, digest))
     return compile_cache
 
 

@@ -51,6 +51,10 @@ class TrnflowSettings(BaseSettings):
     cache_public_key: str | None = Field(
         None, description="The key every job checks compile cache entries with (`ed25519:<base64>`, as `trnflow "
         "cache keygen` prints it): set, only entries the compile stage signed are loaded. Not a secret.")
+    cache_unsigned: bool = Field(
+        False, description="Use a shared (s3://) compile cache whose entries are not signed. Without it, such a "
+        "cache is refused unless cache_public_key is set: its entries are code every job runs, and anyone who "
+        "can write the bucket can change them. Every run that uses it says so in its log and summary.")
     parameters_path: str = Field(
         "/trnflow", description="Where the infra stack publishes the settings above as SSM parameters, "
         "read when they are not set here.")

@@ -22,7 +22,9 @@ def _run(spec, phase, run_id="r", **options):
 
 
 @pytest.mark.slow
-def test_a_warm_run_from_an_s3_cache_compiles_nothing_and_trains_like_a_cold_one(make_spec, tmp_path, s3_bucket):
+def test_a_warm_run_from_an_s3_cache_compiles_nothing_and_trains_like_a_cold_one(make_spec, tmp_path, s3_bucket,
+                                                                               monkeypatch, prefect_api):
+    monkeypatch.setenv("TRNFLOW_CACHE_UNSIGNED", "1")  # a shared cache used unsigned, by choice: said below
     cold = _run(make_spec(cores=1, compile={"cache_url": str(tmp_path / "empty-cache")}, train=SHORT), "train", "cold")
     assert cold.state is JobState.SUCCEEDED, cold.failure
     assert cold.result.compile.hits == 0
@@ -50,6 +52,19 @@ def test_a_warm_run_from_an_s3_cache_compiles_nothing_and_trains_like_a_cold_one
     train_key = next(p["key"] for p in compiled.result.programs if p["program"] == "train_step")
     assert train_key == miss["key"]  # the same graph, keyed alike by a run on a local cache and a compile on S3
     assert entries[train_key]["hits"] == 1  # the warm run's one rank
+
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    from trnflow.flows.compile import compile_cache
+
+    state = compile_cache(spec, return_state=True)  # every graph a hit, known before launch
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[state.state_details
+                                                                                            .flow_run_id])))
+    summary = next(a.data for a in found if a.key.endswith("-summary"))
+    assert f"**Warning:** compile cache {url} is used unsigned (TRNFLOW_CACHE_UNSIGNED)" in summary
 
     s3 = boto3.client("s3")
     neff = f"neuron-cache/{compiled.result.compiler}/{train_key}/model.neff"

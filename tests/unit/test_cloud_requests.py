@@ -11,7 +11,7 @@ import yaml
 from tests.conftest import ON_S3, quickstart_data
 from trnflow.backends import JobRequest
 from trnflow.backends.batch_request import build_job_definition, build_submit_job, exit_action, queue_problems
-from trnflow.backends.cloud import CloudTarget
+from trnflow.backends.cloud import CloudTarget, container_environment
 from trnflow.backends.container import batch_rendezvous, sagemaker_rendezvous, torchrun_argv
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.errors import FatalError
@@ -408,7 +408,7 @@ def test_sagemaker_hosts_rendezvous_at_algo_1():
     assert argv[argv.index("--output") + 1] == "/opt/ml/output/data"
 
 
-def test_the_cloud_target_comes_from_settings_and_names_what_is_missing(monkeypatch):
+def test_the_cloud_target_comes_from_settings_and_names_what_is_missing(in_process_aws, monkeypatch):
     from trnflow.backends.cloud import cloud_target
     from trnflow.settings import TrnflowSettings
 
@@ -419,6 +419,41 @@ def test_the_cloud_target_comes_from_settings_and_names_what_is_missing(monkeypa
     assert cloud_target(TrnflowSettings(), "batch").job_queue == "trn1-fair-share"
     with pytest.raises(FatalError, match="needs TRNFLOW_SAGEMAKER_ROLE_ARN; set them from the outputs"):
         cloud_target(TrnflowSettings(), "sagemaker")
+
+
+def test_the_published_cache_key_is_read_even_when_the_environment_names_everything_else(in_process_aws,
+                                                                                         monkeypatch):
+    """Every other setting is in the environment; the stack published the cache's public key in SSM
+    alone. The target has it, and the jobs check entries with it."""
+    import boto3
+
+    from trnflow.backends.cloud import cloud_target
+    from trnflow.settings import TrnflowSettings
+
+    for name, value in {"TRNFLOW_IMAGE": TARGET.image, "TRNFLOW_STAGING_URL": TARGET.staging_url,
+                        "TRNFLOW_BATCH_JOB_QUEUE": TARGET.job_queue}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.delenv("TRNFLOW_CACHE_PUBLIC_KEY", raising=False)
+    key = "ed25519:" + "B" * 43 + "="
+    boto3.client("ssm").put_parameter(Name="/trnflow/cache-public-key", Value=key, Type="String")
+    target = cloud_target(TrnflowSettings(), "batch")
+    assert target.cache_public_key == key
+    assert container_environment(JobRequest(_spec(), "train", "r1"), target)[
+        "TRNFLOW_CACHE_PUBLIC_KEY"] == key
+
+
+def test_settings_that_cannot_be_read_stop_a_cloud_run(monkeypatch):
+    """SSM cannot be reached: the run stops, naming the path, instead of going on without a key."""
+    from trnflow.backends.cloud import cloud_target
+    from trnflow.settings import TrnflowSettings
+
+    for name, value in {"TRNFLOW_IMAGE": TARGET.image, "TRNFLOW_STAGING_URL": TARGET.staging_url,
+                        "TRNFLOW_BATCH_JOB_QUEUE": TARGET.job_queue, "AWS_ACCESS_KEY_ID": "testing",
+                        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+                        "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(FatalError, match="the settings published under /trnflow/ in SSM cannot be read"):
+        cloud_target(TrnflowSettings(), "batch")
 
 
 REPOSITORY = "123456789012.dkr.ecr.us-east-1.amazonaws.com/trnflow-train"
@@ -445,7 +480,7 @@ def test_a_job_whose_image_is_not_set_says_which_setting_to_set():
         build_training_job_request(JobRequest(_spec("trn2.48xlarge"), "train", "r1"), only_xla)
 
 
-def test_the_images_come_from_settings_one_per_device_or_one_for_all(monkeypatch):
+def test_the_images_come_from_settings_one_per_device_or_one_for_all(in_process_aws, monkeypatch):
     from trnflow.backends.cloud import cloud_target
     from trnflow.settings import TrnflowSettings
 
@@ -456,10 +491,7 @@ def test_the_images_come_from_settings_one_per_device_or_one_for_all(monkeypatch
     assert cloud_target(TrnflowSettings(), "batch").images == BY_DEVICE.images
     monkeypatch.delenv("TRNFLOW_IMAGE_NEURON")
     monkeypatch.delenv("TRNFLOW_IMAGE_XLA")
-    monkeypatch.setenv("TRNFLOW_PARAMETERS_PATH", "/nowhere")
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # no account: the published settings cannot be read
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
-    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("TRNFLOW_PARAMETERS_PATH", "/nowhere")  # nothing published there
     with pytest.raises(FatalError, match="needs TRNFLOW_IMAGE or TRNFLOW_IMAGE_NEURON or TRNFLOW_IMAGE_XLA"):
         cloud_target(TrnflowSettings(), "batch")
 

@@ -75,10 +75,11 @@ def _lock(root, key: str, record: dict) -> str:
     return entry
 
 
-@pytest.mark.parametrize("since", [1e300, "1e999", "inf", time.time() + 86400 * 365])
+@pytest.mark.parametrize("since", [1e300, "1e999", "inf", "a year ahead"])
 def test_a_lock_that_would_never_go_stale_is_garbled_and_the_next_compile_takes_it(tmp_path, since):
     """Another job writes a lock whose start is far in the future: read as a number it would hold the
     entry for good. It is a garbled record instead, named, and the next compile clears it."""
+    since = time.time() + 86400 * 365 if since == "a year ahead" else since
     cache = CompileCache(str(tmp_path))
     entry = _lock(tmp_path, "MODULE_5+5", {"pid": 1, "host": "another-host", "since": since})
     with pytest.raises(FatalError, match=r"model\.lock: a garbled lock record"):
@@ -93,3 +94,56 @@ def test_a_lock_taken_a_moment_ahead_on_another_hosts_clock_is_held(tmp_path):
     assert cache.lock_owner(entry) is not None and cache.state(entry) == LOCKED
     listed = CliRunner().invoke(app, ["cache", "ls", str(tmp_path)])
     assert listed.exit_code == 0, listed.output
+
+
+# --- a shared compile cache is used only with a key that checks it --------------------------------
+
+def _spec_file(make_spec, tmp_path, cache_url: str):
+    import yaml
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(make_spec(gate={"reference": None}, compile={"cache_url": cache_url})
+                                   .model_dump(mode="json")))
+    return str(path)
+
+
+def test_a_run_on_a_shared_cache_with_no_key_is_refused_before_its_first_job(make_spec, tmp_path, trnflow_home,
+                                                                              monkeypatch):
+    monkeypatch.delenv("TRNFLOW_CACHE_PUBLIC_KEY", raising=False)
+    monkeypatch.delenv("TRNFLOW_CACHE_UNSIGNED", raising=False)
+    spec = _spec_file(make_spec, tmp_path, "s3://shared-cache/neuron")
+    result = CliRunner().invoke(app, ["run", spec])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.stderr.split())
+    assert "compile.cache_url s3://shared-cache/neuron is shared, and nothing checks its entries" in said
+    assert "Set TRNFLOW_CACHE_PUBLIC_KEY" in said and "TRNFLOW_CACHE_UNSIGNED=1" in said
+    assert "Traceback" not in result.output and not list((trnflow_home / "jobs").glob("*"))
+
+
+def test_a_job_opening_a_shared_cache_with_no_key_stops_and_the_opt_out_lets_it_through(make_spec, monkeypatch):
+    """Whatever launched it, a job fails closed: the check is where every job opens its cache."""
+    from trnflow.device import plans
+
+    monkeypatch.delenv("TRNFLOW_CACHE_PUBLIC_KEY", raising=False)
+    monkeypatch.delenv("TRNFLOW_CACHE_SIGNING_KEY", raising=False)
+    monkeypatch.delenv("TRNFLOW_CACHE_UNSIGNED", raising=False)
+    spec = make_spec(compile={"cache_url": "s3://shared-cache/neuron"})
+    with pytest.raises(FatalError, match="is shared, and nothing checks its entries"):
+        plans.job_cache(spec)
+    monkeypatch.setenv("TRNFLOW_CACHE_UNSIGNED", "1")
+    assert plans.job_cache(spec).url == "s3://shared-cache/neuron"
+    monkeypatch.delenv("TRNFLOW_CACHE_UNSIGNED")
+    monkeypatch.setenv("TRNFLOW_CACHE_PUBLIC_KEY", "ed25519:" + "C" * 43 + "=")
+    assert plans.job_cache(spec).keys.checks
+    assert plans.job_cache(make_spec()).url.startswith("file://")  # a folder of one's own needs no key
+
+
+def test_a_signing_key_file_others_can_read_is_refused(tmp_path):
+    from trnflow.device.signing import SIGNING_KEY_ENV, generate, keys_from
+
+    pem = tmp_path / "cache.pem"
+    generate(pem)
+    assert keys_from({SIGNING_KEY_ENV: str(pem)}).signer is not None  # 0600, as keygen writes it
+    pem.chmod(0o640)
+    with pytest.raises(FatalError, match=r"can be read by other users \(mode 640\).*chmod 600"):
+        keys_from({SIGNING_KEY_ENV: str(pem)})

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 from trnflow.backends.base import Backend, JobInfo, JobRequest, JobState, run_to_end, wait
 from trnflow.backends.cloud import cloud_target
+from trnflow.device.signing import EntryKeys, keys_from, public_key, shared_cache_problem
 from trnflow.errors import FatalError
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 
-__all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "backend_for", "run_to_end", "wait"]
+__all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "backend_for", "cache_keys", "cache_trust_problem",
+           "run_to_end", "wait"]
 
 
 def keeps_instance(spec: JobSpec) -> bool:
@@ -41,3 +43,27 @@ def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None) -> Backe
 
         return BatchBackend(cloud_target(settings, "batch"))
     raise FatalError(f"compute.backend {spec.compute.backend!r} is unknown; use local, sagemaker or batch")
+
+
+def cache_keys(spec: JobSpec, settings: TrnflowSettings | None = None) -> EntryKeys:
+    """The keys `spec`'s jobs check compile cache entries with, as their backend gives them: this
+    process's (TRNFLOW_CACHE_PUBLIC_KEY, TRNFLOW_CACHE_UNSIGNED) for local jobs; for cloud jobs, the
+    deployment's (`cloud_target`: the environment, then the stack's SSM parameters). No signing key:
+    the orchestrator predicts and records hits, it never writes an entry."""
+    settings = settings or TrnflowSettings()
+    if spec.compute.backend == "local":
+        own = keys_from()
+        return EntryKeys(trusted=own.trusted, unsigned_ok=own.unsigned_ok)
+    target = cloud_target(settings, spec.compute.backend)
+    trusted = public_key(target.cache_public_key) if target.cache_public_key else None
+    return EntryKeys(trusted=trusted, unsigned_ok=target.cache_unsigned)
+
+
+def cache_trust_problem(spec: JobSpec, settings: TrnflowSettings | None = None) -> str | None:
+    """Why `spec`'s jobs could not use its compile cache (a shared one nothing checks), or the
+    deployment cannot be read at all; None when they can."""
+    try:
+        keys = cache_keys(spec, settings)
+    except FatalError as exc:
+        return str(exc)
+    return shared_cache_problem(spec.compile.cache_url, keys.checks, keys.unsigned_ok)

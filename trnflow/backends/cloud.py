@@ -15,7 +15,7 @@ from trnflow import aws
 from trnflow.backends.base import JobRequest, stage_result
 from trnflow.backends.contract import JobEnv, JobOutputs
 from trnflow.backends.failures import report_order
-from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV
+from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, UNSIGNED_ENV
 from trnflow.errors import FatalError
 from trnflow.neuron.devices import IMAGES, image_device
 from trnflow.records import read
@@ -58,6 +58,8 @@ class CloudTarget:
     """The key every job checks compile cache entries with (TRNFLOW_CACHE_PUBLIC_KEY), if entries are signed."""
     cache_signing_key: str = ""
     """The Secrets Manager ARN of the cache's signing key, handed to compile jobs alone (their role reads it)."""
+    cache_unsigned: bool = False
+    """TRNFLOW_CACHE_UNSIGNED where the job is submitted: a shared cache may be used unsigned, in the jobs too."""
 
     def role_for(self, phase: str, service: str = "sagemaker") -> str:
         """The role a job of `phase` runs as: its stage kind's, else (on SageMaker, which needs one)
@@ -93,11 +95,16 @@ SETTINGS = ("image", "image_neuron", "image_xla", "staging_url", "sagemaker_role
 
 def published_settings(path: str) -> dict[str, str]:
     """The settings the infra stack publishes as SSM parameters under `path` (`/trnflow/image-xla`,
-    ...), by settings field; empty when they cannot be read (no account, no access, none published)."""
+    ...), by settings field; empty when none are published. They are read on every cloud run, as the
+    cache's public key may be among them: FatalError when they cannot be read (no access, no
+    account), since a run that went on without them could load unsigned cache entries."""
     try:
-        answer = aws.client("ssm").get_parameters_by_path(Path=path.rstrip("/") or "/", Recursive=False)
-    except (BotoCoreError, ClientError):
-        return {}
+        answer = aws.call(aws.client("ssm").get_parameters_by_path, Path=path.rstrip("/") or "/", Recursive=False)
+    except (BotoCoreError, ClientError) as exc:
+        raise FatalError(f"the settings published under {path}/ in SSM cannot be read ({exc}); they may hold the "
+                         "compile cache's public key, so no cloud job starts without them: give this identity "
+                         f"ssm:GetParametersByPath on {path}, or set TRNFLOW_PARAMETERS_PATH to where the stack "
+                         "publishes them") from None
     named = {p["Name"].rsplit("/", 1)[-1].replace("-", "_"): p["Value"] for p in answer.get("Parameters", [])}
     return {k: v for k, v in named.items() if k in SETTINGS}
 
@@ -112,10 +119,8 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
     needed = ["staging_url", *(["batch_job_queue"] if service == "batch" else
                                [] if every_kind else ["sagemaker_role_arn"])]
     images = ("image", *(f"image_{d}" for d in IMAGES))
-    optional = ["batch_spot_job_queue"] if service == "batch" else []  # for spot specs; read where published too
-    if any(not values[name] for name in [*needed, *optional]) or not any(values[name] for name in images):
-        published = published_settings(settings.parameters_path)
-        values = {name: values[name] or published.get(name) for name in SETTINGS}
+    published = published_settings(settings.parameters_path)  # always: the cache's key may be there alone
+    values = {name: values[name] or published.get(name) for name in SETTINGS}
     missing = [f"TRNFLOW_{name.upper()}" for name in needed if not values[name]]
     if not any(values[name] for name in images):
         missing.append(" or ".join(f"TRNFLOW_{name.upper()}" for name in images))
@@ -130,7 +135,7 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
                        roles={kind: values[f"role_{kind}"] for kind in set(STAGE_KINDS.values())
                               if values[f"role_{kind}"]},
                        recipe_modules=settings.recipe_modules, cache_public_key=values["cache_public_key"] or "",
-                       cache_signing_key=values["cache_signing_key"] or "")
+                       cache_signing_key=values["cache_signing_key"] or "", cache_unsigned=settings.cache_unsigned)
 
 
 def job_name(request: JobRequest, limit: int = 63) -> str:
@@ -324,6 +329,8 @@ def container_environment(request: JobRequest, target: CloudTarget) -> dict[str,
     }
     if target.cache_public_key:
         env[PUBLIC_KEY_ENV] = target.cache_public_key
+    elif target.cache_unsigned:
+        env[UNSIGNED_ENV] = "1"
     if request.phase == "compile" and target.cache_signing_key.startswith("arn:"):  # an ARN: never the key itself
         env[SIGNING_KEY_ENV] = target.cache_signing_key
     if spec.compute.spot:  # the reclaim notice comes two minutes ahead: torchrun's ranks get 100 s to checkpoint

@@ -15,14 +15,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from trnflow.device import cache as states
 from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name, folder_problem
-from trnflow.device.signing import keys_from
+from trnflow.device.signing import UNSIGNED_ENV, EntryKeys, keys_from, shared_cache_problem
+from trnflow.errors import FatalError
 from trnflow.neuron.launch import cache_url
 from trnflow.specs import JobSpec
+
+log = logging.getLogger("trnflow.device")
 
 _ROOT = Path(__file__).resolve().parents[1]
 GRAPH_SOURCES = ("workload/programs.py", "emulator/compiler.py", "emulator/jit.py",
@@ -92,11 +96,17 @@ def cache_problem(spec: JobSpec) -> str | None:
             "folder of your own (the default, under $XDG_CACHE_HOME or ~/.cache)") if problem else None
 
 
-def job_cache(spec: JobSpec, env: dict[str, str] | None = None) -> CompileCache:
+def job_cache(spec: JobSpec, env: dict[str, str] | None = None, keys: EntryKeys | None = None) -> CompileCache:
     """The cache a job of `spec` compiles into and loads from, found as Neuron's compiler wrapper
     finds it: `--cache_dir` in NEURON_CC_FLAGS, then NEURON_COMPILE_CACHE_URL, then
     `compile.cache_url` (`trnflow.neuron.launch.cache_url`). Every job, and the stage that predicts
     their hits before launch, opens it here, so they all mean the same cache. `env`: the environment
     to resolve it in (default: this process's). The keys entries are signed and checked with are
-    this process's (`trnflow.device.signing`)."""
-    return CompileCache(cache_url(spec.compile.cache_url, env), keys=keys_from())
+    `keys`, else this process's (`trnflow.device.signing`). A shared cache nothing checks is refused
+    (`shared_cache_problem`): FatalError, never retried."""
+    url, keys = cache_url(spec.compile.cache_url, env), keys or keys_from()
+    if problem := shared_cache_problem(url, keys.checks, keys.unsigned_ok):
+        raise FatalError(problem)  # fails closed in every job, whatever launched it
+    if url.startswith("s3://") and not keys.checks:
+        log.warning("compile cache %s: entries are neither signed nor checked (%s)", url, UNSIGNED_ENV)
+    return CompileCache(url, keys=keys)

@@ -13,7 +13,14 @@ not loaded (a miss, reported with why), and the compile stage compiles it again.
   prints it (`ed25519:<base64>`) or a PEM file. Not a secret.
 
 With neither set, entries are neither signed nor checked: a cache only its owner can write (a local
-folder, which trnflow refuses when another user owns it or others can write it) needs no more.
+folder, which trnflow refuses when another user owns it or others can write it) needs no more. A
+shared cache (on S3) is refused without a public key (`shared_cache_problem`), unless
+`TRNFLOW_CACHE_UNSIGNED=1` says to use it unsigned, which every run that does so says in its log
+and summary.
+
+The compile stage runs the recipe's code (it traces the model) in the process that holds the
+signing key, so a recipe can sign what it likes: signing keeps every other job, and anyone who can
+write the bucket, from putting code into the cache, not the recipes the compile stage runs.
 """
 
 from __future__ import annotations
@@ -33,6 +40,8 @@ from trnflow.errors import FatalError
 
 SIGNING_KEY_ENV = "TRNFLOW_CACHE_SIGNING_KEY"
 PUBLIC_KEY_ENV = "TRNFLOW_CACHE_PUBLIC_KEY"
+UNSIGNED_ENV = "TRNFLOW_CACHE_UNSIGNED"
+"""`1`: use a shared (S3) cache whose entries are not signed, the documented opt-out."""
 PREFIX = "ed25519:"
 
 
@@ -43,6 +52,8 @@ class EntryKeys:
 
     signer: Ed25519PrivateKey | None = None
     trusted: Ed25519PublicKey | None = None
+    unsigned_ok: bool = False
+    """TRNFLOW_CACHE_UNSIGNED: a shared cache may be used without a key."""
 
     @property
     def checks(self) -> bool:
@@ -92,8 +103,13 @@ def _private(value: str) -> Ed25519PrivateKey:
             raise FatalError(f"{SIGNING_KEY_ENV}: the secret {value} cannot be read ({exc}); only the compile "
                              "stage's role may read it") from None
     else:
+        path = Path(value).expanduser()
         try:
-            pem = Path(value).expanduser().read_bytes()
+            mode = path.stat().st_mode
+            if mode & 0o077:  # as ssh refuses a private key others can read
+                raise FatalError(f"{SIGNING_KEY_ENV}: {path} can be read by other users (mode {mode & 0o777:o}): "
+                                 f"whoever reads it can sign cache entries every job runs; `chmod 600 {path}`")
+            pem = path.read_bytes()
         except OSError as exc:
             raise FatalError(f"{SIGNING_KEY_ENV}: {value}: {exc.strerror}; give the PEM file `trnflow cache "
                              "keygen` wrote, or a Secrets Manager secret's ARN") from None
@@ -106,7 +122,9 @@ def _private(value: str) -> Ed25519PrivateKey:
     return key
 
 
-def _public(value: str) -> Ed25519PublicKey:
+def public_key(value: str) -> Ed25519PublicKey:
+    """The public key `value` gives (`ed25519:<base64>`, or a PEM file); FatalError naming the
+    setting when it gives none."""
     value = value.strip()
     try:
         if value.startswith(PREFIX):
@@ -127,10 +145,26 @@ def keys_from(env: Mapping[str, str] | None = None) -> EntryKeys:
     """The keys the environment gives. A signing key alone also verifies (with its public half)."""
     env = os.environ if env is None else env
     signer = _private(env[SIGNING_KEY_ENV]) if env.get(SIGNING_KEY_ENV) else None
-    trusted = _public(env[PUBLIC_KEY_ENV]) if env.get(PUBLIC_KEY_ENV) else None
+    trusted = public_key(env[PUBLIC_KEY_ENV]) if env.get(PUBLIC_KEY_ENV) else None
     if signer is not None and trusted is None:
         trusted = signer.public_key()
     elif signer is not None and trusted is not None and public_text(signer.public_key()) != public_text(trusted):
         raise FatalError(f"{SIGNING_KEY_ENV} and {PUBLIC_KEY_ENV} are not one key pair: entries signed here would "
                          "not verify anywhere; set the public key the signing key's `trnflow cache keygen` printed")
-    return EntryKeys(signer, trusted)
+    return EntryKeys(signer, trusted, unsigned_ok=unsigned_opt_out(env))
+
+
+def unsigned_opt_out(env: Mapping[str, str]) -> bool:
+    """Whether TRNFLOW_CACHE_UNSIGNED says to use a shared cache unsigned (`1`, `true` or `yes`)."""
+    return env.get(UNSIGNED_ENV, "").strip().lower() in ("1", "true", "yes")
+
+
+def shared_cache_problem(url: str, checks: bool, unsigned_ok: bool) -> str | None:
+    """Why a cache at `url` may not be used with these keys, or None: a shared cache (S3) holds code
+    every job that loads it runs, written by whoever can write the bucket, so it is used only with a
+    public key that checks its entries (`checks`), or with the opt-out (`unsigned_ok`)."""
+    if not url.startswith("s3://") or checks or unsigned_ok:
+        return None
+    return (f"compile.cache_url {url} is shared, and nothing checks its entries: what it holds runs in every job "
+            f"that loads it. Set {PUBLIC_KEY_ENV} (the stack's CachePublicKey, as `trnflow cache keygen` prints "
+            f"it), or set {UNSIGNED_ENV}=1 to use it unsigned (each run then says so)")

@@ -94,14 +94,17 @@ def _table(header: list[str], rows: list[list[str]], align: list[str] | None = N
             *("| " + " | ".join(r) + " |" for r in cells)]
 
 
-def stage_summary(title: str, rows: list[StageRow], stages: tuple[str, ...], ended: str | None = None) -> str:
+def stage_summary(title: str, rows: list[StageRow], stages: tuple[str, ...], ended: str | None = None,
+                  notes: list[str] | None = None) -> str:
     """One row per stage: state, duration and key figure; stages that never ran say NotRun and why.
-    `ended`: how a run that did not complete ended, in one line, put in the first line."""
+    `ended`: how a run that did not complete ended, in one line, put in the first line. `notes`:
+    what the run needs said before its table (a cache used unsigned), each a warning line."""
     body = [[r.stage, f"**{r.state}**" if r.state != "Completed" else r.state,
              "" if r.seconds is None else f"{r.seconds:.1f} s", r.summary] for r in with_not_run(rows, stages, ended)]
     heading = f"## {title}: {ended}" if ended else f"## {title}"
-    return "\n".join([heading, "", *_table(["stage", "state", "duration", "key figure"], body,
-                                           ["---", "---", "---:", "---"])]) + "\n"
+    warned = [line for note in notes or [] for line in (f"> **Warning:** {note}", "")]
+    return "\n".join([heading, "", *warned, *_table(["stage", "state", "duration", "key figure"], body,
+                                                    ["---", "---", "---:", "---"])]) + "\n"
 
 
 def loss_figure(result: TrainResult) -> str:

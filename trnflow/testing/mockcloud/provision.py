@@ -1,22 +1,41 @@
 """The deployment trnflow's cloud backends expect, created in the emulated AWS: buckets, the
 SageMaker role, Batch compute environments (on demand, and spot) with their queues and fair-share
-policy, and the
-settings published as SSM parameters. In the real
+policy, the compile cache's signing key (a Secrets Manager secret) and public key, and the settings
+published as SSM parameters. In the real
 account `infra/cloudformation/trnflow.yaml` creates them; this is the same shape, made through the
 APIs so it works on any moto."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from trnflow.device.signing import public_text
 
 ACCOUNT = "123456789012"
 """moto's account."""
 TRUST = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole", "Principal": {
     "Service": ["sagemaker.amazonaws.com", "batch.amazonaws.com", "ec2.amazonaws.com"]}}]}
 SETTINGS = ("IMAGE_NEURON", "IMAGE_XLA", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE",
-            "BATCH_SPOT_JOB_QUEUE")
+            "BATCH_SPOT_JOB_QUEUE", "CACHE_PUBLIC_KEY", "CACHE_SIGNING_KEY")
 """The settings the deployment publishes (TRNFLOW_<name>, and /<prefix>/<name in kebab case> in SSM)."""
+
+
+def signing_key(prefix: str = "trnflow") -> Ed25519PrivateKey:
+    """The compile cache's signing key of the deployment `provision` makes: the same for every
+    deployment of this prefix, so that a cache signed for one (a test session's warm cache) verifies
+    in the next. The operator of a real deployment makes one with `trnflow cache keygen`."""
+    return Ed25519PrivateKey.from_private_bytes(hashlib.sha256(f"trnflow mock cloud {prefix}".encode()).digest())
+
+
+def signing_pem(prefix: str = "trnflow") -> str:
+    """`signing_key` as the PEM text `trnflow cache keygen` writes (and the stack's secret holds)."""
+    return signing_key(prefix).private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                             serialization.NoEncryption()).decode()
 
 
 def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
@@ -59,7 +78,12 @@ def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
         batch.create_job_queue(jobQueueName=f"{queue}-spot", state="ENABLED", priority=1,
                                schedulingPolicyArn=policy["arn"], computeEnvironmentOrder=[
                                    {"order": 1, "computeEnvironment": spot["computeEnvironmentArn"]}])
-    outputs = mock_outputs(prefix)
+    secrets = client("secretsmanager")
+    try:
+        secret = secrets.describe_secret(SecretId=f"{prefix}-cache-signing-key")["ARN"]
+    except secrets.exceptions.ResourceNotFoundException:
+        secret = secrets.create_secret(Name=f"{prefix}-cache-signing-key", SecretString=signing_pem(prefix))["ARN"]
+    outputs = mock_outputs(prefix) | {"CACHE_SIGNING_KEY": secret}
     assert outputs["SAGEMAKER_ROLE_ARN"] == role
     ssm = client("ssm")
     for name in SETTINGS:  # as the infra stack publishes them
@@ -75,4 +99,5 @@ def mock_outputs(prefix: str = "trnflow") -> dict[str, str]:
             "STAGING_URL": f"s3://{prefix}-staging-{ACCOUNT}/jobs",
             "SAGEMAKER_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/{prefix}-sagemaker",
             "BATCH_JOB_QUEUE": f"{prefix}-trn1", "BATCH_SPOT_JOB_QUEUE": f"{prefix}-trn1-spot",
-            "DATA_BUCKET": f"{prefix}-data-{ACCOUNT}"}
+            "DATA_BUCKET": f"{prefix}-data-{ACCOUNT}",
+            "CACHE_PUBLIC_KEY": public_text(signing_key(prefix).public_key())}
