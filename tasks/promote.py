@@ -15,6 +15,7 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from trnflow.errors import FatalError
+from trnflow.lifecycle.digests import check_version
 from trnflow.lifecycle.registry import ModelVersion, Registry
 from trnflow.results import PromoteResult
 from trnflow.specs import JobSpec
@@ -35,6 +36,7 @@ def promote_champion(spec: JobSpec, run_id: str, version: int, generation: int, 
     was = f" (was v{before.version})" if before else " (the first)"
     if before is None or before.version != version:
         why = f"forced: {forced} ({run_id})" if forced else f"gated ({run_id})"
+        check_version(registry.version(spec.name, version))  # its files are the ones the gate passed
         record = registry.promote(spec.name, version, reason=why, expected_generation=generation)
         generation = record.generation
     else:  # a rerun of a run that promoted already

@@ -10,6 +10,7 @@ such rather than half understood.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any, Literal, TypeVar
 
@@ -74,6 +75,14 @@ class DataRead(Record):
 CHECKPOINT_MARKER = "COMMITTED"
 """The file a checkpoint's folder gets last, listing every file of it with its checksum: a folder
 without it is not a checkpoint (`trnflow.workload.checkpoint`)."""
+
+
+def manifest_digest(listed: dict[str, Any]) -> str:
+    """The digest of what a marker (`COMMITTED`, `EXPORTED`) lists: each file's name, sha256 and size,
+    in name order. Equal digests mean the same files with the same contents, once each file has been
+    checked against the marker; the registry records it for each version (`Digests`)."""
+    lines = "".join(f"{name}\t{entry['sha256']}\t{entry.get('size', '')}\n" for name, entry in sorted(listed.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()
 
 
 class CheckpointMeta(Record):

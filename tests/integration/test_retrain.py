@@ -8,9 +8,11 @@ import shutil
 
 import pytest
 
+from tests.factories import commit
 from trnflow.flows._lock import model_lock
 from trnflow.flows._stages import PipelineFailed
 from trnflow.flows.incremental_retrain import STAGES, incremental_retrain
+from trnflow.lifecycle.digests import registered_digests
 from trnflow.lifecycle.registry import Registry
 from trnflow.results import RunOutcome
 from trnflow.storage import local_path
@@ -207,7 +209,7 @@ def test_a_day_in_another_format_fails_the_training_job_naming_it(prefect_api, r
     assert registry.champion(spec.name) is None and registry.versions(spec.name) == []
 
 
-def test_the_champion_and_its_published_outputs_change_together(make_spec, prefect_api):
+def test_the_champion_and_its_published_outputs_change_together(make_spec, prefect_api, tmp_path):
     """Item 18: `current` cannot be moved (here it is a folder, which not even root can overwrite
     with a file): the promotion is rolled back, so the champion is still the one `current` names."""
     import json
@@ -223,8 +225,13 @@ def test_the_champion_and_its_published_outputs_change_together(make_spec, prefe
     for version in (1, 2):
         folder = out / f"v{version:06d}"
         folder.mkdir(parents=True)
-        (folder / MANIFEST).write_text(json.dumps({"rows": 3, "shards": [], "checkpoint": f"file:///c/{version}"}))
-        registry.register(spec.name, {"checkpoint": f"file:///c/{version}", "output_url": spec.inference.output_url})
+        checkpoint = tmp_path / "c" / str(version)
+        checkpoint.mkdir(parents=True)
+        (checkpoint / "model.pt").write_bytes(f"weights {version}".encode())
+        commit(checkpoint)
+        (folder / MANIFEST).write_text(json.dumps({"rows": 3, "shards": [], "checkpoint": checkpoint.as_uri()}))
+        registry.register(spec.name, {"checkpoint": checkpoint.as_uri(), "output_url": spec.inference.output_url,
+                                      "digests": registered_digests(checkpoint.as_uri(), None)})
     registry.promote(spec.name, 1)
     (out / CURRENT).mkdir()
 

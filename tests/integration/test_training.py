@@ -5,8 +5,10 @@ import shutil
 import pytest
 import torch
 
+from tests.factories import commit
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
+from trnflow.lifecycle.digests import registered_digests
 from trnflow.lifecycle.registry import Registry
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
@@ -77,7 +79,9 @@ def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are
 
     shutil.copytree(full / "train" / "dt=2026-01-03", live / "train" / "dt=2026-01-03")  # a new day lands
     registry = Registry(make_spec().registry_url)  # the first run is the champion the next one starts from
-    registry.promote("quickstart", registry.register("quickstart", {"checkpoint": first.result.checkpoint}).version)
+    digests = registered_digests(first.result.checkpoint, None)  # as a run's registration records them
+    registry.promote("quickstart", registry.register("quickstart", {"checkpoint": first.result.checkpoint,
+                                                                    "digests": digests}).version)
     follow = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": "champion"})
     second, job_id = _train(backend, make_spec(cores=1, **follow), "day-3")
     assert second.state is JobState.SUCCEEDED, second.failure
@@ -88,6 +92,21 @@ def test_incremental_training_reads_only_new_partitions_and_skips_when_there_are
     child, parent = load(result.checkpoint), load(first.result.checkpoint)
     assert child.featurizer == parent.featurizer  # token ids never shift between incremental runs
     assert child.meta.lineage == [first.result.checkpoint]
+
+    # Another job swaps the champion's weights and rewrites COMMITTED to match: every file matches
+    # its marker, and the marker is not the one registered, so neither inference nor a run from the
+    # champion loads it, and both say which version and which file.
+    folder = local_path(first.result.checkpoint)
+    (folder / "model.pt").write_bytes((local_path(result.checkpoint) / "model.pt").read_bytes())
+    commit(folder)
+    spec = make_spec(cores=1, **follow)
+    inferred = wait(backend, backend.submit(JobRequest(spec, "infer", "swapped", checkpoint=first.result.checkpoint)),
+                    0.2)
+    assert inferred.state is JobState.FAILED and inferred.failure.retryable is False
+    assert "quickstart v1:" in inferred.failure.message
+    assert "COMMITTED lists other files than when the checkpoint was registered" in inferred.failure.message
+    retrained, _ = _train(backend, spec, "from-a-swapped-champion")
+    assert retrained.state is JobState.FAILED and "quickstart v1:" in retrained.failure.message
 
     again = dict(data=data, train={"steps": 4, "checkpoint_every": 4, "init_from": result.checkpoint})
     nothing, _ = _train(backend, make_spec(cores=1, **again), "day-3-again")

@@ -10,8 +10,8 @@ import pytest
 from typer.testing import CliRunner
 
 from trnflow.cli.app import app
-from trnflow.lifecycle.registry import Registry
-from trnflow.records import ExportedFile, ExportMarker, dump
+from trnflow.lifecycle.registry import Digests, Registry
+from trnflow.records import ExportedFile, ExportMarker, dump, manifest_digest
 
 pytestmark = pytest.mark.unit
 runner = CliRunner()
@@ -27,8 +27,9 @@ def _export(root, files=FILES, listed=None):
     listed = listed or {n: ExportedFile(sha256=hashlib.sha256(d).hexdigest(), size=len(d)) for n, d in files.items()}
     (folder / "EXPORTED").write_bytes(dump(ExportMarker(recipe={"recipe": "hf-causal-lm"}, files=listed)))
     registry = Registry((root / "registry").as_uri())
+    digests = Digests(checkpoint="0" * 64, export=manifest_digest({n: f.model_dump() for n, f in listed.items()}))
     registry.register("lm", {"checkpoint": (root / "run" / "step-000040").as_uri(), "export": folder.as_uri(),
-                             "recipe": {"recipe": "hf-causal-lm"}})
+                             "recipe": {"recipe": "hf-causal-lm"}, "digests": digests})
     registry.promote("lm", 1)
     return folder, ["models", "export", "lm", "-r", str(root / "registry")]
 
@@ -67,3 +68,25 @@ def test_a_marker_naming_a_file_outside_the_export_is_refused(tmp_path):
     result = runner.invoke(app, [*argv, str(tmp_path / "out")])
     assert result.exit_code == 1 and "which is not a file inside the export" in " ".join(result.stderr.split())
     assert not (tmp_path / "out").exists()
+
+
+def test_an_export_rewritten_whole_after_registration_is_refused(tmp_path):
+    """A job rewrote a file and its checksum in EXPORTED both: each file matches the marker, and the
+    marker is not the one the registry recorded, so nothing is copied."""
+    folder, argv = _export(tmp_path)
+    swapped = {**FILES, "model.safetensors": b"\x00other weights"}
+    (folder / "model.safetensors").write_bytes(swapped["model.safetensors"])
+    (folder / "EXPORTED").write_bytes(dump(ExportMarker(recipe={"recipe": "hf-causal-lm"}, files={
+        n: ExportedFile(sha256=hashlib.sha256(d).hexdigest(), size=len(d)) for n, d in swapped.items()})))
+    result = runner.invoke(app, [*argv, str(tmp_path / "out")])
+    said = " ".join(result.stderr.split())
+    assert result.exit_code == 1 and "EXPORTED: lists other files than when the model was registered" in said
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_version_registered_by_hand_is_not_exported(tmp_path):
+    _, argv = _export(tmp_path)
+    registry = Registry((tmp_path / "registry").as_uri())
+    registry.register("lm", {"checkpoint": "file:///c/2", "export": "file:///e/2"})
+    result = runner.invoke(app, [*argv, str(tmp_path / "out"), "--version", "2"])
+    assert result.exit_code == 1 and "registered without a digest of its export" in " ".join(result.stderr.split())

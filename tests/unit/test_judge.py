@@ -2,7 +2,8 @@
 
 import pytest
 
-from tests.factories import checkpoint_meta
+from tests.factories import checkpoint_meta, commit
+from trnflow.lifecycle.digests import verified_manifest
 from trnflow.lifecycle.judge import Candidate, Check, Decision, Registration, decide, register, up_to
 from trnflow.lifecycle.registry import Registry
 from trnflow.records import Verdict, dump
@@ -19,6 +20,7 @@ def _checkpoint(root, run: str, files=("dt=2026-01-01/part-0.parquet",)):
     ckpt = root / "ckpt" / run / "step-000040"
     ckpt.mkdir(parents=True)
     (ckpt / "meta.json").write_bytes(_meta(run, files))
+    commit(ckpt)
     return Candidate(ckpt.as_uri(), {"points": [{"step": 40, "accuracy": 0.8}]})
 
 
@@ -30,6 +32,8 @@ def test_a_rerun_of_the_same_spec_on_the_same_data_registers_no_second_version(m
     again = register(spec, registry, _checkpoint(tmp_path, "run-b"), "run-b", PASSED, registry.generation(spec.name))
     assert again.version == first.version == 1 and again.registered_before and not again.promoted
     assert again.checkpoint == first.checkpoint  # later stages use the registered model, not the rerun's
+    recorded = registry.version(spec.name, 1).entry.digests  # what the gate passed, pinned
+    assert recorded is not None and recorded.checkpoint == verified_manifest(first.checkpoint, "COMMITTED")
     newer = register(spec, registry, _checkpoint(tmp_path, "run-c", files=("dt=2026-01-01/part-0.parquet",
                                                                            "dt=2026-01-02/part-0.parquet")),
                      "run-c", PASSED, registry.generation(spec.name))
@@ -96,6 +100,7 @@ def test_a_rerun_of_the_same_run_reuses_its_version_and_does_not_promote_again(m
     ckpt = tmp_path / "ckpt" / "run" / "step-000040"
     ckpt.mkdir(parents=True)
     (ckpt / "meta.json").write_bytes(_meta("run"))
+    commit(ckpt)
     registry = Registry(spec.registry_url)
     candidate = Candidate(ckpt.as_uri(), {"points": [{"step": 40, "accuracy": 0.8}]})
     first = register(spec, registry, candidate, "run", PASSED, registry.generation(spec.name))

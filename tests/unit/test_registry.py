@@ -92,10 +92,23 @@ def test_two_processes_registering_at_once_get_different_versions(tmp_path):
     assert numbers == [1, 2, 3, 4]
 
 
+def _committed(root, n: int) -> dict:
+    """`_entry(n)` for a checkpoint folder that exists, registered with its digests as a run registers it."""
+    from tests.factories import commit
+    from trnflow.lifecycle.digests import registered_digests
+
+    folder = root / "ckpt" / f"run-{n}" / "step-000010"
+    folder.mkdir(parents=True)
+    (folder / "model.pt").write_bytes(f"weights {n}".encode())
+    commit(folder)
+    return {**_entry(n), "checkpoint": folder.as_uri(), "digests": registered_digests(folder.as_uri(), None)}
+
+
 def test_models_commands_list_show_promote_and_roll_back(tmp_path):
-    reg = Registry(tmp_path.as_uri())
+    reg = Registry((tmp_path / "registry").as_uri())
     for n in (1, 2):
-        reg.register("m", _entry(n))
+        reg.register("m", _committed(tmp_path, n))
+    tmp_path = tmp_path / "registry"
     runner = CliRunner()
     where = ["--registry", str(tmp_path)]
     assert runner.invoke(app, ["models", "promote", "m", "1", *where]).exit_code == 0
@@ -109,6 +122,36 @@ def test_models_commands_list_show_promote_and_roll_back(tmp_path):
     assert result.exit_code == 0 and "v1 is the champion again" in result.stdout
     missing = runner.invoke(app, ["models", "show", "m", "9", *where])
     assert missing.exit_code == 1 and "not in the registry" in missing.stderr
+
+
+def test_a_version_whose_files_changed_after_registration_is_neither_promoted_nor_rolled_back_to(tmp_path):
+    """A job swapped v1's weights and rewrote its COMMITTED to match: the registry's record of v1
+    no longer does, so neither command makes it champion; a version registered by hand has no
+    record, and is refused too."""
+    import hashlib
+
+    reg = Registry((tmp_path / "registry").as_uri())
+    for n in (1, 2):
+        reg.register("m", _committed(tmp_path, n))
+    reg.register("m", _entry(3))
+    where = ["--registry", str(tmp_path / "registry")]
+    runner = CliRunner()
+    assert runner.invoke(app, ["models", "promote", "m", "1", *where]).exit_code == 0
+    assert runner.invoke(app, ["models", "promote", "m", "2", *where]).exit_code == 0
+    folder = tmp_path / "ckpt" / "run-1" / "step-000010"
+    (folder / "model.pt").write_bytes(b"other weights")
+    swapped = runner.invoke(app, ["models", "rollback", "m", *where])
+    said = " ".join(swapped.stderr.split())
+    assert swapped.exit_code == 1 and "m v1:" in said and "model.pt: does not match its checksum" in said
+    data = b"other weights"
+    (folder / "COMMITTED").write_text(json.dumps({"files": {"model.pt": {
+        "sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}}}))
+    rewritten = runner.invoke(app, ["models", "rollback", "m", *where])
+    said = " ".join(rewritten.stderr.split())
+    assert rewritten.exit_code == 1 and "m v1:" in said and "COMMITTED lists other files than when it was" in said
+    by_hand = runner.invoke(app, ["models", "promote", "m", "3", *where])
+    assert by_hand.exit_code == 1 and "m v3: registered without digests" in " ".join(by_hand.stderr.split())
+    assert reg.champion("m").version == 2 and len(reg.history("m")) == 2  # nothing changed
 
 
 def test_a_truncated_version_file_is_named_and_the_intact_versions_are_listed(tmp_path):

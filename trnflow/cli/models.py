@@ -13,6 +13,7 @@ from rich.table import Table
 
 from trnflow.cli.console import RED, cli_console, shown
 from trnflow.errors import DataError, ExitCode, FatalError
+from trnflow.lifecycle.digests import check_version
 from trnflow.lifecycle.exports import copy_export
 from trnflow.lifecycle.registry import ChampionChange, PromotionConflict, Registry, RegistryCorrupt, RegistryEntry
 from trnflow.redact import without_credentials
@@ -136,6 +137,7 @@ def _change_champion(reg: Registry, model: str, version: int, action: str,
     """Make `version` the champion (`action` promote or rollback) and point `current` at its
     outputs; if the pointer cannot be moved, the change is undone by its inverse, so the history
     stays a stack. Returns the record and what was published."""
+    check_version(reg.version(model, version))  # its files are still the ones registered
     out = _outputs(reg, model, version)
     before = reg.champion(model)
     generation = reg.generation(model)
@@ -212,8 +214,13 @@ def export(model: ModelArg, out: Annotated[Path, typer.Argument(help="A new or e
             err.print(f"{shown(model)} v{entry.version} has no export: its recipe "
                       f"({shown((entry.entry.recipe or {}).get('recipe'))}) writes none", **RED)
             raise typer.Exit(ExitCode.BAD_INPUT)
+        digests = entry.entry.digests
+        if digests is None or digests.export is None:
+            err.print(f"{shown(model)} v{entry.version}: registered without a digest of its export, so nothing shows "
+                      "it is the one that was registered; register the model again from a run", **RED)
+            raise typer.Exit(ExitCode.FAILED)
         try:
-            marker = copy_export(entry.entry.export, out)
+            marker = copy_export(entry.entry.export, out, digests.export)
         except DataError as exc:
             err.print(shown(exc), **RED)
             raise typer.Exit(ExitCode.FAILED) from None

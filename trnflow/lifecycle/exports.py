@@ -19,7 +19,7 @@ from pathlib import Path, PurePosixPath
 from trnflow.errors import DataError
 from trnflow.fsutil import atomic_write_bytes
 from trnflow.records import EXPORT_MARKER as MARKER
-from trnflow.records import ExportMarker, read
+from trnflow.records import ExportMarker, manifest_digest, read
 from trnflow.storage import open_store
 
 
@@ -30,10 +30,11 @@ def _safe(name: str, origin: str) -> PurePosixPath:
     return path
 
 
-def copy_export(url: str, dest: Path) -> ExportMarker:
+def copy_export(url: str, dest: Path, digest: str | None = None) -> ExportMarker:
     """Copy the export at `url` into the local folder `dest` (new, or empty), every file checked
-    against the marker: into a folder beside it first, renamed to `dest` once whole, so that `dest`
-    never holds part of an export. DataError names what is missing or damaged, or cannot be written."""
+    against the marker, and the marker against `digest` (the registry's record of it) when given:
+    into a folder beside it first, renamed to `dest` once whole, so that `dest` never holds part of
+    an export. DataError names what is missing, damaged or changed, or cannot be written."""
     store = open_store(url)
     try:
         marker_bytes = store.read(MARKER)
@@ -41,6 +42,9 @@ def copy_export(url: str, dest: Path) -> ExportMarker:
         raise DataError(f"{url}: has no {MARKER} marker, so the export was never completed; export the model "
                         "again by training it to its last step") from None
     marker = read(ExportMarker, marker_bytes, f"{url}/{MARKER}")
+    if digest is not None and manifest_digest(marker.model_dump(mode="json")["files"]) != digest:
+        raise DataError(f"{url}/{MARKER}: lists other files than when the model was registered, so the export was "
+                        "changed since and is not copied; export another version (`trnflow models ls`)")
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise DataError(f"{dest}: is not an empty folder; give a new or empty one")
     staging = None

@@ -16,9 +16,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from trnflow.errors import FatalError
+from trnflow.errors import DataError, FatalError
+from trnflow.lifecycle.digests import check_version, registered_digests
 from trnflow.lifecycle.gate import better, compare, no_regression, parse_metrics, read_series
-from trnflow.lifecycle.registry import Registry, RegistryEntry, VerdictSummary
+from trnflow.lifecycle.registry import Digests, Registry, RegistryEntry, VerdictSummary
 from trnflow.records import CHECKPOINT_MARKER, Band, CheckpointMeta, Verdict, read
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
@@ -324,6 +325,7 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
         champion = registry.champion(spec.name)
         promoted = promotable and not (champion and champion.version == version)
         if promoted:
+            check_version(same[0])  # its files are still the ones registered
             registry.promote(spec.name, version, reason=reason, expected_generation=generation)
         return Registration(version, bool(promoted), generation, same[0].checkpoint, registered_before=True,
                             forced=forced is not None)
@@ -335,7 +337,7 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
         parent=meta.parent, parent_version=by_checkpoint.get(meta.parent) if meta.parent else None,
         recipe=meta.recipe, export=meta.export, weights=whole_weights(checkpoint), inputs=inputs,
         output_url=spec.inference.output_url,
-        spec_digest=spec.digest(), forced=forced,
+        spec_digest=spec.digest(), forced=forced, digests=_digests(checkpoint, meta.export),
         verdict=VerdictSummary(passed=verdict.passed, mode=verdict.mode, metric=verdict.metric, reason=verdict.reason,
                                paired=verdict.paired),
     ))
@@ -343,6 +345,15 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
     if promoted:
         registry.promote(spec.name, entry.version, reason=reason, expected_generation=generation)
     return Registration(entry.version, promoted, generation, checkpoint, forced=forced is not None)
+
+
+def _digests(checkpoint: str, export: str | None) -> Digests:
+    """The candidate's files as this process reads and checks them now, for its registry entry."""
+    try:
+        return registered_digests(checkpoint, export)
+    except DataError as exc:
+        raise FatalError(f"{exc}: the candidate's files changed after its job ended, so it is not registered; "
+                         "run it again") from None
 
 
 def summary(spec: JobSpec, decision: Decision, final: float, registration: Registration | None) -> str:

@@ -54,6 +54,15 @@ class VerdictSummary(Record):
     paired: PairedCheck | None = None
 
 
+class Digests(Record):
+    """What a version's files were when it was registered, each a `manifest_digest` of a marker
+    whose every file the registering process read and checked: the files are the same later only
+    if the marker still lists exactly these (`trnflow.lifecycle.digests`)."""
+
+    checkpoint: str = Field(description="the checkpoint's COMMITTED manifest")
+    export: str | None = Field(None, description="the export's EXPORTED manifest, when it has one")
+
+
 class RegistryEntry(Record):
     """One registered model version (`versions/vNNNNNN.json`). Only `checkpoint` is required: a
     model registered by hand has nothing else to say."""
@@ -81,6 +90,8 @@ class RegistryEntry(Record):
     spec_digest: str | None = None
     verdict: VerdictSummary | None = None
     forced: str | None = Field(None, description="why it was promoted although worse than the champion")
+    digests: Digests | None = Field(None, description="its files as registered; a version without them (one "
+                                    "registered by hand) cannot be promoted, served or trained from")
 
 
 class ChampionChange(Record):
@@ -136,6 +147,10 @@ class Registry:
         if isinstance(record, RegistryEntry) and record.version is None:
             raise RegistryCorrupt(f"{self.url}/{name}", "version: missing")
         return record
+
+    def numbers(self, model: str) -> list[int]:
+        """The model's version numbers, oldest first."""
+        return self._numbers(model, _VERSION, "versions")
 
     def models(self) -> list[str]:
         return sorted({o.name.split("/", 1)[0] for o in self.store.list() if "/versions/" in o.name})

@@ -36,9 +36,11 @@ from typing import Any
 import torch
 
 from trnflow.errors import FatalError
-from trnflow.records import CHECKPOINT_MARKER, CheckpointMeta, dump, read
+from trnflow.lifecycle.digests import registered_as
+from trnflow.records import CHECKPOINT_MARKER, CheckpointMeta, dump, manifest_digest, read
 from trnflow.storage import Store, open_store
 from trnflow.workload import sharding
+from trnflow.workload.context import WorkerContext, gather_objects
 
 MARKER = CHECKPOINT_MARKER
 _PREFIX = "step-"
@@ -257,10 +259,31 @@ def _read(store: Store, name: str, source: str) -> bytes:
         raise FatalError(f"{source}: not found; check the checkpoint URL") from None
 
 
-def load(url: str, featurizer_file: str | None = None) -> Checkpoint:
+def load_checked(ctx: WorkerContext, url: str, featurizer_file: str | None = None) -> Checkpoint:
+    """`load`, where `url` is a registered version's checkpoint only once its marker is the one the
+    registry recorded (`trnflow.lifecycle.digests`): a file changed since it was registered stops the
+    job, naming the version and the file. Rank 0 looks the version up and tells the others."""
+    spec = ctx.spec
+    found = registered_as(spec.registry_url, spec.name, url) if ctx.is_main else None
+    pinned = gather_objects(ctx, None if found is None else (found.version, found.entry.digests))[0]
+    if pinned is None:
+        return load(url, featurizer_file)
+    number, digests = pinned
+    who = f"{spec.name} v{number}"
+    if digests is None:
+        raise FatalError(f"{who}: registered without digests of its files (by hand, or by an older trnflow), so "
+                         f"nothing shows {url} is the checkpoint that was registered; register it again from a run")
+    try:
+        return load(url, featurizer_file, digest=digests.checkpoint)
+    except FatalError as exc:
+        raise FatalError(f"{who}: {exc}") from None
+
+
+def load(url: str, featurizer_file: str | None = None, digest: str | None = None) -> Checkpoint:
     """A trnflow checkpoint folder, or a plain `state_dict` file saved by any PyTorch program (the
     recipe's `featurizer_file` beside that file is used when there is one). With `featurizer_file`,
-    a checkpoint whose featurizer is another recipe's is refused."""
+    a checkpoint whose featurizer is another recipe's is refused; with `digest` (a registered
+    version's), a folder whose marker lists other files than it did then."""
     url = url.rstrip("/")
     base, _, last = url.rpartition("/")
     if "." in last and not last.startswith(_PREFIX):  # a file: model.pt, weights.bin, ...
@@ -278,6 +301,9 @@ def load(url: str, featurizer_file: str | None = None) -> Checkpoint:
                           model_sha256=hashlib.sha256(raw).hexdigest())
     store = open_store(url)
     marker, listed = _marker(store, url)
+    if digest is not None and manifest_digest(listed) != digest:
+        raise FatalError(f"{url}/{MARKER} lists other files than when the checkpoint was registered, so it was "
+                         "changed since and is not loaded; use another version (`trnflow models ls`)")
     sharded = marker.get("layout") == "sharded"
     shard_files = [name for name in listed if name.startswith(SHARDS)]
     strays = [name for name in listed if not (_PLAIN_NAME.fullmatch(name) or (

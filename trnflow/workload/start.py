@@ -15,7 +15,7 @@ from trnflow.lifecycle.registry import Registry
 from trnflow.specs import JobSpec
 from trnflow.storage import join
 from trnflow.storage.datafiles import DataFile, data_files, partitions, since_watermark
-from trnflow.workload.checkpoint import Checkpoint, RunCheckpoints, load
+from trnflow.workload.checkpoint import Checkpoint, RunCheckpoints, load_checked
 from trnflow.workload.context import WorkerContext, gather_objects
 
 LINEAGE_DEPTH = 20
@@ -62,7 +62,7 @@ def _init_from(ctx: WorkerContext, featurizer_file: str) -> Checkpoint | None:
             else:
                 ctx.log("champion", version=champion.version, checkpoint=champion.checkpoint)
         source = gather_objects(ctx, champion.checkpoint if champion else None)[0]
-    return load(source, featurizer_file) if source else None
+    return load_checked(ctx, source, featurizer_file) if source else None  # the champion: as registered
 
 
 def find_start(ctx: WorkerContext, run_id: str, featurizer_file: str) -> Start:
