@@ -84,9 +84,16 @@ class Stack:
         context = context or {}
 
         def holds(statement) -> bool:
-            equals = statement.get("Condition", {}).get("StringEquals", {})
-            return all(context.get(key) in (wanted if isinstance(wanted, list) else [wanted])
-                       for key, wanted in equals.items())
+            conditions = statement.get("Condition", {})
+            unknown = set(conditions) - {"StringEquals", "StringLike"}
+            assert not unknown, f"this evaluator reads StringEquals and StringLike only, not {unknown}"
+
+            def listed(wanted):
+                return wanted if isinstance(wanted, list) else [wanted]
+            return (all(context.get(key) in listed(wanted)
+                        for key, wanted in conditions.get("StringEquals", {}).items())
+                    and all(key in context and any(fnmatchcase(context[key], w) for w in listed(wanted))
+                            for key, wanted in conditions.get("StringLike", {}).items()))
 
         def matches(statement) -> bool:
             actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
@@ -211,3 +218,17 @@ def test_only_the_orchestrator_terminates_instances_and_only_the_compute_environ
         assert not STACK.allows(role, "ec2:TerminateInstances", instance, ours), role
     assert STACK.allows("OrchestratorRole", "ec2:DescribeInstances", "*")  # each node's launch, for the bill
     assert STACK.allows("OrchestratorRole", "ec2:DescribeSpotPriceHistory", "*")  # and a spot job's price
+
+
+def test_the_orchestrator_stops_only_trnflows_jobs_and_reads_where_their_nodes_ran():
+    """TerminateJob reaches only jobs tagged with a trnflow run (every job it submits is); and to
+    replace a bad node it reads the job's own placement from ECS, never a node's word."""
+    job = "arn:aws:batch:us-east-1:123456789012:job/5d9e1b2c-0000-4000-8000-000000000000"
+    assert STACK.allows("OrchestratorRole", "batch:TerminateJob", job, {"aws:ResourceTag/trnflow:run-id": "r1"})
+    assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job)  # another team's untagged job
+    assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job, {"aws:ResourceTag/trnflow:run-id": ""})
+    instance = "arn:aws:ecs:us-east-1:123456789012:container-instance/OnDemand_Batch_x/0f1e2d3c"
+    assert STACK.allows("OrchestratorRole", "ecs:DescribeContainerInstances", instance)
+    assert STACK.allows("OrchestratorRole", "batch:DescribeComputeEnvironments", "*")
+    for role in ("PreflightJobRole", "CompileJobRole", "TrainJobRole", "InferJobRole"):
+        assert not STACK.allows(role, "batch:TerminateJob", job, {"aws:ResourceTag/trnflow:run-id": "r1"}), role

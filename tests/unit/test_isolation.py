@@ -9,11 +9,13 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from tests.conftest import ON_S3, quickstart_data
 from trnflow.cli.app import app
 from trnflow.cli.console import plain
 from trnflow.device.cache import LOCKED, CompileCache, entry_name
 from trnflow.errors import FatalError
 from trnflow.redact import Redactor, printable
+from trnflow.specs import validate_spec
 
 pytestmark = pytest.mark.unit
 
@@ -147,3 +149,54 @@ def test_a_signing_key_file_others_can_read_is_refused(tmp_path):
     pem.chmod(0o640)
     with pytest.raises(FatalError, match=r"can be read by other users \(mode 640\).*chmod 600"):
         keys_from({SIGNING_KEY_ENV: str(pem)})
+
+
+# --- a job's report cannot make the orchestrator terminate another job's instances ---------------
+
+def test_a_forged_bad_host_report_terminates_only_the_jobs_own_instance(in_process_aws, caplog,
+                                                                       monkeypatch):
+    """A single-node job's preflight exits 79 (BadHost). Its report names its own instance and
+    another job's (whose id it could read in the staging bucket): Batch and ECS say which instance the
+    attempt ran on, and only that one is terminated; the other keeps running, and the refusal is
+    logged."""
+    import boto3
+    from moto.batch.models import batch_backends
+    from moto.ecs.models import ecs_backends
+
+    from trnflow.backends import JobRequest
+    from trnflow.backends.batch import BatchBackend
+    from trnflow.backends.cloud import cloud_target
+    from trnflow.backends.contract import JobOutputs
+    from trnflow.results import FailureReport
+    from trnflow.settings import TrnflowSettings
+    from trnflow.testing.mockcloud.instances import IMAGE_ID
+    from trnflow.testing.mockcloud.provision import ACCOUNT, SETTINGS, provision
+
+    outputs = provision(boto3.client)
+    for name in SETTINGS:
+        monkeypatch.setenv(f"TRNFLOW_{name}", outputs[name])
+    ec2 = boto3.client("ec2")
+    own, victim = (ec2.run_instances(ImageId=IMAGE_ID, MinCount=1, MaxCount=1, InstanceType="trn1.32xlarge")[
+        "Instances"][0]["InstanceId"] for _ in range(2))
+    spec = validate_spec(quickstart_data(**ON_S3, train={"checkpoint_url": "s3://acme-data/checkpoints"},
+                                         gate={"reference": None}, compute={
+                                             "backend": "batch", "instance_type": "trn1.32xlarge", "nodes": 1,
+                                             "cores_per_node": 1, "spot": True, "share_identifier": "default",
+                                             "fair_share": True}))
+    backend = BatchBackend(cloud_target(TrnflowSettings(), "batch"))
+    job_id = backend.submit(JobRequest(spec, "sanity", "hostile-run"))
+    job = batch_backends[ACCOUNT]["us-east-1"]._jobs[job_id]  # as the service ran it: on `own`, exit 79
+    joined = ecs_backends[ACCOUNT]["us-east-1"].register_container_instance(job.job_queue.environments[0].ecs_name, own)
+    now = int(time.time() * 1000)
+    job.status, job.attempts = "FAILED", [{"container": {"exitCode": 79, "containerInstanceArn":
+                                                         joined.container_instance_arn},
+                                           "startedAt": now - 5000, "stoppedAt": now, "statusReason": "exited"}]
+    forged = FailureReport(type="BadHost", retryable=True, message="stuck memory bits", instances=[own, victim])
+    backend.outputs(job_id).write(JobOutputs.node_failure(0), forged.model_dump_json().encode())
+    with caplog.at_level(logging.WARNING, logger="trnflow.backends"):
+        backend.describe(job_id)
+    states = {i["InstanceId"]: i["State"]["Name"] for r in ec2.describe_instances(InstanceIds=[own, victim])[
+        "Reservations"] for i in r["Instances"]}
+    assert states == {own: "terminated", victim: "running"}
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"names {victim}, which attempt 1 did not run on (its instances: {own}); refused" in said

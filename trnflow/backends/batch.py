@@ -62,6 +62,8 @@ class BatchBackend:
         self._looked: dict[str, float] = {}  # job -> when a running attempt's reports were last listed
         self._provisioned: dict[str, Provisioning | None] = {}  # ended jobs: their instances, as EC2 has them
         self._spot_prices: dict[str, float | None] = {}  # ended spot jobs: the spot price their instances paid
+        self._ecs = aws.client("ecs", boto_session=session)
+        self._clusters: dict[str, list[str]] = {}  # job queue -> the ECS clusters of its compute environments
         self._logs = aws.client("logs", boto_session=session)
         self._rules: dict[str, list[dict[str, str]]] = {}
         self._queues: dict[str, dict[str, Any] | None] = {}
@@ -172,7 +174,9 @@ class BatchBackend:
         per attempt: as soon as the main node's report is there while the attempt runs, else once it
         ended. Batch retries that exit code (and a host terminated under the attempt), but would place
         the retry on the instances the compute environment already holds, the bad one included;
-        terminated, it is replaced by a new instance, and the retry's preflight checks that one."""
+        terminated, it is replaced by a new instance, and the retry's preflight checks that one. Only
+        instances the services say the attempt ran on are terminated: a report naming any other (a
+        job can write another run's files, and read their instance ids) is refused and logged."""
         attempts = desc.get("attempts") or []
         if attempts and (attempts[-1].get("container") or {}).get("exitCode") == ExitCode.BAD_HOST:
             number, since = len(attempts), (attempts[-1].get("startedAt") or 0) / 1000
@@ -185,10 +189,23 @@ class BatchBackend:
         if (job_id, number) in self._replaced:
             return
         reports = [r for _, r in node_reports(self._outputs(desc), since - 1) if r.type == "BadHost"]
-        bad = sorted({i for r in reports for i in r.instances if i.startswith("i-")})
-        if not bad:
+        named = sorted({i for r in reports for i in r.instances})
+        if not named:
             return
         self._replaced.add((job_id, number))
+        try:  # the job's own nodes as Batch and ECS place them: a report, which the job wrote, proves nothing
+            own = self._attempt_instances(desc, number, running=number > len(attempts))
+        except Exception as exc:  # fails closed: nothing is terminated; the retry's own preflight still checks
+            log.warning("Batch job %s: could not tell which instances attempt %d ran on (%s), so none of %s is "
+                        "terminated", desc.get("jobName"), number, exc, ", ".join(named))
+            return
+        bad = [i for i in named if i in own]
+        if refused := [i for i in named if i not in own]:
+            log.warning("Batch job %s: its nodes' preflight report names %s, which attempt %d did not run on (its "
+                        "instances: %s); refused, as a report naming another job's instances is",
+                        desc.get("jobName"), ", ".join(refused), number, ", ".join(sorted(own)) or "none found")
+        if not bad:
+            return
         try:
             aws.call(self._ec2.terminate_instances, InstanceIds=bad)
         except Exception as exc:  # the retry's own preflight still keeps a bad instance from training
@@ -197,6 +214,38 @@ class BatchBackend:
             return
         log.warning("Batch job %s: attempt %d failed the preflight (%s); terminated %s, so that Batch's retry runs "
                     "on other instances", desc.get("jobName"), number, reports[0].message, ", ".join(bad))
+
+    def _attempt_instances(self, desc: dict[str, Any], number: int, running: bool) -> set[str]:
+        """The EC2 instances the job's nodes ran on in attempt `number` (the running one when
+        `running`), as the services have them: each node's container instance (`DescribeJobs` of
+        `<job id>#<node>` for a multi-node job), then its EC2 instance (ECS's
+        `DescribeContainerInstances`, in the clusters of the job queue's compute environments)."""
+        nodes = (desc.get("nodeProperties") or {}).get("numNodes")
+        children = aws.call(self._batch.describe_jobs, jobs=[f"{desc['jobId']}#{i}" for i in range(nodes)]
+                            )["jobs"] if nodes else [desc]
+        arns = set()
+        for child in children:
+            attempts = child.get("attempts") or []
+            placed = (child.get("container") if running else
+                      attempts[number - 1].get("container") if len(attempts) >= number else None) or {}
+            if placed.get("containerInstanceArn"):
+                arns.add(placed["containerInstanceArn"])
+        found: set[str] = set()
+        for cluster in self._queue_clusters(desc["jobQueue"]) if arns else []:
+            answer = aws.call(self._ecs.describe_container_instances, cluster=cluster,
+                              containerInstances=sorted(arns))
+            found |= {c["ec2InstanceId"] for c in answer.get("containerInstances", []) if c.get("ec2InstanceId")}
+        return found
+
+    def _queue_clusters(self, queue: str) -> list[str]:
+        """The ECS clusters of the compute environments behind job queue `queue` (name or ARN)."""
+        if queue not in self._clusters:
+            found = aws.call(self._batch.describe_job_queues, jobQueues=[queue])["jobQueues"]
+            environments = [e["computeEnvironment"] for q in found for e in q.get("computeEnvironmentOrder", [])]
+            described = aws.call(self._batch.describe_compute_environments, computeEnvironments=environments
+                                 )["computeEnvironments"] if environments else []
+            self._clusters[queue] = [e["ecsClusterArn"] for e in described if e.get("ecsClusterArn")]
+        return self._clusters[queue]
 
     def _instances(self, job_id: str, desc: dict[str, Any]) -> Provisioning | None:
         """An ended job's instances (`batch_provisioning`): where its nodes said they ran, and when EC2

@@ -73,6 +73,9 @@ class BatchJob:
         self.rules = strategy.get("evaluateOnExit", [])
         self._stop: str | None = None
         self._held: list[Instance] = []  # the instances the job's attempts run on, kept between attempts
+        self._arns: dict[str, str] = {}  # instance id -> its ECS container instance, once it joined
+        self._placed: list[list[str]] = []  # each recorded attempt's nodes' container instances, by node
+        self._current: list[str] = []  # the running attempt's
         # moto (without Docker) has already marked the job SUCCEEDED: take it back to the queue
         job.job_stopped, job.job_stopped_reason, job.exit_code = False, None, None
         job.attempts, job.latest_attempt = [], None
@@ -96,12 +99,44 @@ class BatchJob:
 
     def described(self) -> dict[str, Any]:
         """What DescribeJobs tells of the job that moto drops: the retry strategy it runs under (the
-        submission's, else its definition's), and its share identifier and scheduling priority."""
+        submission's, else its definition's), its node count, and its share identifier and
+        scheduling priority."""
         described: dict[str, Any] = {"retryStrategy": self.strategy} if self.strategy else {}
+        if self.multinode:
+            described["nodeProperties"] = {"numNodes": self.nodes, "mainNode": 0}
         if self.body.get("shareIdentifier"):
             described["shareIdentifier"] = self.body["shareIdentifier"]
             described["schedulingPriority"] = self.body.get("schedulingPriorityOverride", 0)
         return described
+
+    def child(self, index: int) -> dict[str, Any]:
+        """What DescribeJobs tells of node `index` of a multi-node job (`<job id>#<index>`): where each
+        attempt placed it (`containerInstanceArn`, the ECS container instance on the EC2 instance)."""
+        job = self.job
+        attempts = [{**{k: v for k, v in attempt.items() if k != "container"},
+                     "container": {**attempt["container"], "containerInstanceArn": placed[index]}
+                     if index < len(placed) else {k: v for k, v in attempt["container"].items()
+                                                   if k != "containerInstanceArn"}}
+                    for attempt, placed in zip(job.attempts, self._placed, strict=False)]
+        described = {"jobId": f"{job.job_id}#{index}", "jobName": job.job_name, "status": job.status,
+                     "attempts": attempts, "nodeDetails": {"nodeIndex": index, "isMainNode": index == 0}}
+        if self._current and index < len(self._current):
+            described["container"] = {"containerInstanceArn": self._current[index]}
+        return described
+
+    def _joined(self, instances: list[Instance]) -> list[str]:
+        """Each instance's ECS container instance in the cluster of the queue's compute environment,
+        registered as the ECS agent registers an instance that joins it."""
+        from moto.ecs.models import ecs_backends
+
+        environment = self.job.job_queue.environments[0]
+        region, account = environment.arn.split(":")[3:5]
+        for host in instances:
+            if host.instance_id not in self._arns:
+                joined = ecs_backends[account][region].register_container_instance(environment.ecs_name,
+                                                                                   host.instance_id)
+                self._arns[host.instance_id] = joined.container_instance_arn
+        return [self._arns[host.instance_id] for host in instances]
 
     def stop(self, reason: str) -> None:
         self._stop = reason
@@ -144,11 +179,14 @@ class BatchJob:
         job.status = self.status.SUCCEEDED if code == 0 and not self._stop else self.status.FAILED
 
     def _record(self, began: float, code: int | None, reason: str, status_reason: str) -> None:
-        self.job.attempts.append({
-            "container": {"exitCode": code, "reason": reason, "logStreamName": self.job.log_stream_name,
-                          "networkInterfaces": []},
-            "startedAt": _millis(began), "stoppedAt": _millis(time.time()), "statusReason": status_reason,
-        })
+        placed, self._current = self._current, []
+        container = {"exitCode": code, "reason": reason, "logStreamName": self.job.log_stream_name,
+                     "networkInterfaces": []}
+        if placed:  # the main node's, as the job's own attempts say
+            container["containerInstanceArn"] = placed[0]
+        self._placed.append(placed)
+        self.job.attempts.append({"container": container, "startedAt": _millis(began),
+                                  "stoppedAt": _millis(time.time()), "statusReason": status_reason})
 
     def _node_env(self, attempt: int, index: int, port: int, host: Instance) -> dict[str, str]:
         itype = self.itype
@@ -190,6 +228,7 @@ class BatchJob:
         port, command = free_port(), self.container.get("command", ["batch"])
         root = self.cloud.work_dir / "batch" / job.job_id / f"attempt-{attempt}"
         instances = self._instances(self.itype)
+        self._current = self._joined(instances)
         nodes = [Node(list(command), self._node_env(attempt, i, port, instances[i]),
                       root / f"node-{i}" / "container.log",
                       job.log_stream_name if i == 0 else f"{job.log_stream_name}/node-{i}")

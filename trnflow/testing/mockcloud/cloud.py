@@ -196,6 +196,11 @@ class MockCloud:
                 runner = cloud._jobs.get(job["jobId"])
                 if isinstance(runner, BatchJob):
                     job.update(runner.described())
+            for asked in json.loads(response.body or "{}").get("jobs") or []:  # a multi-node job's nodes
+                parent, hash_sign, index = str(asked).partition("#")
+                runner = cloud._jobs.get(parent)
+                if hash_sign and index.isdigit() and isinstance(runner, BatchJob) and int(index) < runner.nodes:
+                    answer["jobs"].append(runner.child(int(index)))
             return json.dumps(answer)
 
         def on_describe_job_definitions(response: Any) -> str:
