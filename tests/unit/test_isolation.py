@@ -200,3 +200,20 @@ def test_a_forged_bad_host_report_terminates_only_the_jobs_own_instance(in_proce
     assert states == {own: "terminated", victim: "running"}
     said = " ".join(r.getMessage() for r in caplog.records)
     assert f"names {victim}, which attempt 1 did not run on (its instances: {own}); refused" in said
+
+
+def test_the_fork_server_that_starts_every_local_job_does_not_hold_the_signing_key(monkeypatch, tmp_path):
+    """The key's path reaches a compile job in its own request; the long-lived process that forks
+    every job (and every job it forks without one) never has it."""
+    from pathlib import Path
+
+    from trnflow.backends.forkserver import ForkServer
+
+    monkeypatch.setenv("TRNFLOW_CACHE_SIGNING_KEY", str(tmp_path / "cache.pem"))
+    server = ForkServer()
+    try:
+        environ = Path(f"/proc/{server._proc.pid}/environ").read_bytes().split(b"\0")
+        assert not [v for v in environ if v.startswith(b"TRNFLOW_CACHE_SIGNING_KEY=")]
+        assert b"PYTHONUNBUFFERED=1" in environ
+    finally:
+        server.stop()

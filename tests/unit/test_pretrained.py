@@ -162,22 +162,35 @@ def test_a_folder_that_steers_transformers_to_a_pickle_is_refused_before_anythin
 
 
 def test_a_layout_the_checks_miss_still_cannot_read_a_pickle(tmp_path, encoder_folder, monkeypatch):
-    """Were the layout checks to miss a route to a pickle, the load itself refuses it, by name."""
+    """Were the layout checks to miss a route to a pickle, the folder is still refused, naming the
+    file, before transformers reads anything: whatever its name, a file that starts as a pickle, a
+    zip (torch.save's format) or a NumPy array is one nothing may read. No global is patched, so a
+    thread loading a checkpoint meanwhile is not affected."""
     import shutil
+
+    import numpy as np
+    import torch
 
     from trnflow.workload.recipes import hf_pretrained
 
-    named = tmp_path / "named"
-    shutil.copytree(encoder_folder, named)
-    import torch
-
-    torch.save({"x": torch.zeros(1)}, named / "adapter_model.bin")
-    config = json.loads((named / "config.json").read_text())
-    (named / "config.json").write_text(json.dumps({**config, "transformers_weights": "adapter_model.bin"}))
+    calls = []
     monkeypatch.setattr(hf_pretrained, "_weight_files", lambda folder: [])  # as if the checks had missed it
-    with pytest.raises(FatalError, match=r"tried to read a pickle \(.*adapter_model\.bin\)"):
-        _encoder(named).build_model()
-    assert torch.load(named / "adapter_model.bin", weights_only=True)["x"].shape == (1,)  # restored after
+    for name, write in [("adapter_model.bin", lambda p: torch.save({"x": torch.zeros(1)}, p)),
+                        ("weights.data", lambda p: torch.save({"x": torch.zeros(1)}, p)),
+                        ("extra/state", lambda p: p.write_bytes(b"\x80\x04\x95" + b"\x00" * 8)),
+                        ("table.txt", lambda p: np.save(p.open("wb"), np.array([object()], dtype=object),
+                                                        allow_pickle=True))]:
+        folder = tmp_path / name.replace("/", "-")
+        shutil.copytree(encoder_folder, folder)
+        (folder / name).parent.mkdir(parents=True, exist_ok=True)
+        write(folder / name)
+        monkeypatch.setattr(torch, "load", lambda *a, **k: calls.append(a) or {})
+        with pytest.raises(FatalError, match=rf"holds a file that could be unpickled \({name}\)"):
+            _encoder(folder).build_model()
+        monkeypatch.undo()
+        monkeypatch.setattr(hf_pretrained, "_weight_files", lambda folder: [])
+    assert calls == []
+    assert hf_pretrained._pickles(encoder_folder) == []  # the safetensors, config and tokenizer are none
 
 
 def test_a_relative_pretrained_folder_is_made_absolute_in_the_spec_every_job_reads(tmp_path, monkeypatch,
@@ -188,14 +201,3 @@ def test_a_relative_pretrained_folder_is_made_absolute_in_the_spec_every_job_rea
     assert spec.model.params["pretrained"] == str(tmp_path / "models" / "base")
     again = validate_spec(json.loads(spec.model_dump_json()), model=RECIPES)  # as a job reads its spec.json
     assert again.model.params == spec.model.params
-
-
-def test_while_a_pretrained_model_loads_no_pickle_can_be_read(tmp_path):
-    import torch
-
-    from trnflow.workload.recipes.hf_pretrained import _no_pickles
-
-    torch.save({"a": torch.zeros(1)}, tmp_path / "w.pt")
-    with _no_pickles(tmp_path), pytest.raises(FatalError, match="tried to read a pickle"):
-        torch.load(tmp_path / "w.pt", weights_only=True)
-    assert torch.load(tmp_path / "w.pt", weights_only=True)["a"].shape == (1,)  # and only then

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from trnflow.backends import local_runner
 from trnflow.backends.launcher import forks_ranks
+from trnflow.device.signing import SIGNING_KEY_ENV
 from trnflow.neuron.launch import WORKLOAD
 
 SUPPORTED = sys.platform.startswith("linux")
@@ -46,7 +47,8 @@ class ForkServer:
             self._proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", __name__, str(theirs.fileno())], pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                # the cache's signing key is the compile job's alone: its request brings it, nothing else holds it
+                env={**{k: v for k, v in os.environ.items() if k != SIGNING_KEY_ENV}, "PYTHONUNBUFFERED": "1"})
         self._socket = ours
         self._conn = ours.makefile("rwb")
         self.owner = os.getpid()

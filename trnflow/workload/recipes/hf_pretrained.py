@@ -14,10 +14,8 @@ alone, never through a class name the file gives.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -93,30 +91,30 @@ def _weight_files(folder: Path) -> list[str]:
 
 
 def _read_a_pickle(folder: Path, name: str) -> FatalError:
-    return FatalError(f"model.params.pretrained: loading {folder} tried to read a pickle ({name}); trnflow loads "
-                      "weights from safetensors only")
+    return FatalError(f"model.params.pretrained: {folder} holds a file that could be unpickled ({name}); trnflow "
+                      "loads weights from safetensors only, and refuses a folder a pickle could be read from: remove "
+                      "it, or save the model again with save_pretrained")
 
 
-_GUARD = threading.Lock()
-"""One pretrained model loads at a time, so that `torch.load` is refused and restored in turn."""
+PICKLE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".npy", ".npz", ".joblib"})
+"""Names of files that torch.load, pickle or np.load would unpickle."""
+PICKLE_MAGIC = (b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05", b"PK\x03\x04", b"\x93NUMPY")
+"""How such files begin, whatever they are named: a pickle (protocols 2 to 5), a zip (torch.save's
+format, np.savez's), a NumPy array (which may hold pickled objects)."""
 
 
-@contextlib.contextmanager
-def _no_pickles(folder: Path) -> Iterator[list[str]]:
-    """While a pretrained model loads, `torch.load` (a pickle) refuses, and the files it was asked
-    to read are listed: a layout the checks above do not know cannot read one either."""
-    tried: list[str] = []
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        tried.append(str(args[0]) if args else "?")
-        raise _read_a_pickle(folder, tried[-1])
-
-    with _GUARD:
-        original, torch.load = torch.load, refuse
-        try:
-            yield tried
-        finally:
-            torch.load = original
+def _pickles(folder: Path) -> list[str]:
+    """The files in `folder` (at any depth) that could be unpickled, by name or by their first
+    bytes; safetensors files, which only safetensors reads, are the weights and never one."""
+    found = []
+    for path in sorted(folder.rglob("*")):
+        if not path.is_file() or path.suffix == ".safetensors":
+            continue
+        with path.open("rb") as f:
+            head = f.read(8)
+        if path.suffix.lower() in PICKLE_SUFFIXES or head.startswith(PICKLE_MAGIC):
+            found.append(path.relative_to(folder).as_posix())
+    return found
 
 
 def load_pretrained(auto_class: Any, folder: Path) -> Any:
@@ -129,14 +127,13 @@ def load_pretrained(auto_class: Any, folder: Path) -> Any:
         config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
         return auto_class.from_config(config, trust_remote_code=False)
     _weight_files(folder)
-    with _no_pickles(folder) as tried:
-        try:
-            return auto_class.from_pretrained(folder, local_files_only=True, trust_remote_code=False,
-                                              use_safetensors=True)
-        except (OSError, ValueError) as exc:  # transformers words a refused read as its own OSError
-            if tried:
-                raise _read_a_pickle(folder, tried[0]) from None
-            raise FatalError(f"model.params.pretrained: {folder} cannot be loaded ({exc})") from None
+    if found := _pickles(folder):  # nothing in the folder can be unpickled, whatever route a layout takes
+        raise _read_a_pickle(folder, found[0])
+    try:
+        return auto_class.from_pretrained(folder, local_files_only=True, trust_remote_code=False,
+                                          use_safetensors=True)
+    except (OSError, ValueError) as exc:
+        raise FatalError(f"model.params.pretrained: {folder} cannot be loaded ({exc})") from None
 
 
 def has_tokenizer(folder: str | None) -> bool:
