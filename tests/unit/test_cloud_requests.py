@@ -604,7 +604,10 @@ def test_each_stage_kind_runs_as_its_own_role_on_either_service():
     only_train = dataclasses.replace(TARGET, roles={"train": roles["train"]})
     assert build_training_job_request(JobRequest(spec, "compile", "r"), only_train)["RoleArn"] == TARGET.role_arn
     container = build_job_definition(spec, only_train, "compile")["nodeProperties"]["nodeRangeProperties"][0]
-    assert "jobRoleArn" not in container["container"]
+    assert container["container"]["jobRoleArn"] == TARGET.role_arn  # never none: never the instance's role
+    no_role = dataclasses.replace(TARGET, role_arn="", roles={"train": roles["train"]})
+    with pytest.raises(FatalError, match="the compile phase has no role to run as: set TRNFLOW_ROLE_COMPILE"):
+        build_job_definition(spec, no_role, "compile")
 
 
 def test_every_backend_declares_what_its_callers_use_of_it(tmp_path, in_process_aws):

@@ -105,9 +105,7 @@ def _container(spec: JobSpec, target: CloudTarget, phase: str, efa: bool = True)
         "linuxParameters": {"devices": devices, "sharedMemorySize": 64 * 1024},
         "environment": [{"name": k, "value": v} for k, v in sorted((efa_environment(t.name) if efa else {}).items())],
     }
-    role = target.role_for(phase, "batch")
-    if role:  # the stage kind's role: the containers never use the instance's
-        container["jobRoleArn"] = role
+    container["jobRoleArn"] = target.role_for(phase)  # always one: the containers never use the instance's
     return container
 
 

@@ -61,11 +61,18 @@ class CloudTarget:
     cache_unsigned: bool = False
     """TRNFLOW_CACHE_UNSIGNED where the job is submitted: a shared cache may be used unsigned, in the jobs too."""
 
-    def role_for(self, phase: str, service: str = "sagemaker") -> str:
-        """The role a job of `phase` runs as: its stage kind's, else (on SageMaker, which needs one)
-        `role_arn`; '' for none (a Batch job then has no role of its own, and no AWS access)."""
-        own = self.roles.get(STAGE_KINDS.get(phase, ""), "")
-        return own or (self.role_arn if service == "sagemaker" else "")
+    def role_for(self, phase: str) -> str:
+        """The role a job of `phase` runs as (SageMaker's execution role, Batch's job role): its stage
+        kind's, else `role_arn` (the stack publishes the least, the preflight role, there). A Batch job
+        without a role of its own would run as its instance's role, so there is always one: FatalError
+        when neither is set."""
+        kind = STAGE_KINDS.get(phase, "")
+        role = self.roles.get(kind, "") or self.role_arn
+        if not role:
+            raise FatalError(f"the {phase} phase has no role to run as: set TRNFLOW_ROLE_{kind.upper() or 'TRAIN'} "
+                             "(the stack's role for its stage kind) or TRNFLOW_SAGEMAKER_ROLE_ARN; a job without a "
+                             "role of its own would run as its instance's")
+        return role
 
     def queue_for(self, spec: JobSpec) -> str:
         """The Batch job queue of `spec`'s jobs: the spot queue for a spot spec (one node: Batch runs no
