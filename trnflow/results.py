@@ -150,6 +150,16 @@ class CompileResult(StageResult):
         "failed), where it ran the trial first")
 
 
+class TrialResult(StageResult):
+    """The compile phase's trial alone (`--options '{"trial": true}'`), which the SDK's
+    neuron_parallel_compile wraps: every program run on inputs of its shapes, its graphs compiled
+    into the cache by the tool."""
+
+    trial: bool = Field(True, description="always true: the trial ran, and nothing was recorded")
+    programs: list[str] = Field(description="the programs the trial ran")
+    steps: int = Field(ge=1, description="steps of each")
+
+
 HOST_MEMORY = ("host memory: each rank's peak resident set in MB, and whether the featurized rows were spilled "
                "to local disk (the rows are read a batch at a time)")
 

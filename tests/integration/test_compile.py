@@ -239,3 +239,21 @@ def test_listing_and_warm_checks_read_only_metadata_never_an_artifact(tmp_path):
     assert not any(n.endswith(("model.neff", "model.fx.txt")) for n in store.names), store.names
     assert [e.state for e in cache.entries(deep=True)] == [DONE]  # `cache verify` reads them, on purpose
     assert any(n.endswith("model.neff") for n in store.names)
+
+
+def test_the_trial_the_parallel_compiler_wraps_writes_a_result_of_its_own_kind(make_spec, tmp_path):
+    """`compile --options '{"trial": true}'`, the program the SDK's neuron_parallel_compile runs: every
+    program run for its trial steps, and a result.json that reads as a TrialResult (not a compile
+    stage's result, which the job would refuse to write)."""
+    from trnflow.results import TrialResult
+    from trnflow.workload.programs import TRIAL_STEPS, programs_of
+
+    spec = make_spec(cores=1)
+    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    (tmp_path / "options.json").write_text(json.dumps({"trial": True}))
+    done = subprocess.run([sys.executable, "-m", "trnflow.workload", "compile", "--spec", str(tmp_path / "spec.json"),
+                           "--options", str(tmp_path / "options.json"), "--output", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = TrialResult.model_validate_json((tmp_path / "out" / "result.json").read_text())
+    assert result.trial and result.programs == list(programs_of(spec)) and result.steps == TRIAL_STEPS

@@ -31,6 +31,7 @@ from trnflow.device.registry import choose, get_device
 from trnflow.errors import FatalError
 from trnflow.neuron.compile_log import CompileProgress
 from trnflow.neuron.launch import retry_failed_requested
+from trnflow.results import TrialResult
 from trnflow.specs import JobSpec
 from trnflow.workload import watchdog
 from trnflow.workload.context import WorkerContext
@@ -180,14 +181,14 @@ def _pool_context(spec: JobSpec, device: Device) -> multiprocessing.context.Base
     return context
 
 
-def trial(spec: JobSpec, device: Device) -> dict:
+def trial(spec: JobSpec, device: Device) -> TrialResult:
     """The trial steps alone, for the SDK's parallel compiler to wrap: every program on inputs of the
     run's shapes, nothing recorded or saved (the wrapper extracts and compiles the graphs)."""
     recipe = for_job(spec)
     compiler = device.compiler(spec, mode="trial", model=recipe.key)
     for program in programs_of(spec):
         for_trial(spec, recipe, compiler, device, program).exercise(program, steps=TRIAL_STEPS)
-    return {"trial": True, "programs": list(programs_of(spec)), "steps": TRIAL_STEPS}
+    return TrialResult(programs=list(programs_of(spec)), steps=TRIAL_STEPS)
 
 
 def precompile(spec: JobSpec, device: Device) -> dict | None:
@@ -202,7 +203,7 @@ def precompile(spec: JobSpec, device: Device) -> dict | None:
         return device.precompile(spec, command)
 
 
-def run(ctx: WorkerContext) -> dict:
+def run(ctx: WorkerContext) -> dict | TrialResult:
     spec = ctx.spec
     assert spec is not None
     if ctx.options.get("trial"):
