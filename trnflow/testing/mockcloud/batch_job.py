@@ -17,6 +17,7 @@ from datetime import datetime
 from typing import Any
 
 from moto.batch.models import JobStatus
+from moto.ecs.models import ecs_backends
 
 from trnflow.backends.batch_request import exit_action
 from trnflow.backends.contract import JobEnv
@@ -127,8 +128,6 @@ class BatchJob:
     def _joined(self, instances: list[Instance]) -> list[str]:
         """Each instance's ECS container instance in the cluster of the queue's compute environment,
         registered as the ECS agent registers an instance that joins it."""
-        from moto.ecs.models import ecs_backends
-
         environment = self.job.job_queue.environments[0]
         region, account = environment.arn.split(":")[3:5]
         for host in instances:
