@@ -56,7 +56,8 @@ def test_no_statement_allows_every_action_or_a_wildcard_action_on_every_resource
         if "*" in resources:  # only actions that AWS defines on no resource (each named), none of them a write
             assert set(actions) <= {"ecr:GetAuthorizationToken", "cloudwatch:PutMetricData", "batch:DescribeJobs",
                                     "batch:DescribeJobQueues", "batch:DescribeJobDefinitions", "batch:ListJobs",
-                                    "ec2:DescribeInstances", "ec2:DescribeSpotPriceHistory"}, (
+                                    "batch:DescribeComputeEnvironments", "ec2:DescribeInstances",
+                                    "ec2:DescribeSpotPriceHistory"}, (
                 name, statement)
 
 
@@ -148,7 +149,7 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
     from trnflow.settings import TrnflowSettings
 
     target = cloud_target(TrnflowSettings(parameters_path="/trnflow"), "batch")
-    assert target.role_for("compile", "batch") == outputs["CompileRoleArn"]
+    assert target.role_for("compile") == outputs["CompileRoleArn"]
     assert target.role_for("evaluate") == outputs["TrainRoleArn"]
     assert target.role_for("infer") == outputs["InferRoleArn"]
     # moto's CloudFormation has no AWS::Batch::SchedulingPolicy: the queue's fair share is checked
