@@ -12,7 +12,7 @@ from prefect.exceptions import FailedRun
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from trnflow.backends import cache_keys, cache_trust_problem
+from trnflow.backends import trusted_cache_keys
 from trnflow.device.plans import cache_problem
 from trnflow.device.signing import UNSIGNED_ENV
 from trnflow.errors import FatalError, GateDecision, TrnflowError
@@ -109,12 +109,16 @@ class StageRunner:
 
     def check_cache(self, when: str) -> None:
         """FatalError when the spec's compile cache cannot be trusted: a local folder that is not this
-        user's alone (`cache_problem`), or a shared one nothing checks (`cache_trust_problem`). A shared
+        user's alone (`cache_problem`), or a shared one nothing checks (`trusted_cache_keys`). A shared
         cache used unsigned by choice (TRNFLOW_CACHE_UNSIGNED) is said in the log and the summary."""
         spec = self.spec
-        if problem := cache_problem(spec) or cache_trust_problem(spec):
+        if problem := cache_problem(spec):
             raise FatalError(f"{when}: {problem}")
-        if spec.compile.cache_url.startswith("s3://") and not cache_keys(spec).checks:
+        try:
+            keys = trusted_cache_keys(spec)  # for a cloud spec, the deployment's settings: read once
+        except FatalError as exc:
+            raise FatalError(f"{when}: {exc}") from None
+        if spec.compile.cache_url.startswith("s3://") and not keys.checks:
             note = (f"compile cache {spec.compile.cache_url} is used unsigned ({UNSIGNED_ENV}): its entries are "
                     "not checked, and anyone who can write it can change the code every job loads")
             get_run_logger().warning(note)

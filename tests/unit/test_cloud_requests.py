@@ -442,15 +442,19 @@ def test_the_published_cache_key_is_read_even_when_the_environment_names_everyth
         "TRNFLOW_CACHE_PUBLIC_KEY"] == key
 
 
-def test_settings_that_cannot_be_read_stop_a_cloud_run(monkeypatch):
-    """SSM cannot be reached: the run stops, naming the path, instead of going on without a key."""
+def test_settings_that_cannot_be_read_stop_a_cloud_run(monkeypatch, tmp_path):
+    """SSM cannot be read (here: no credentials at all): the run stops, naming the path, instead of
+    going on without a key."""
     from trnflow.backends.cloud import cloud_target
     from trnflow.settings import TrnflowSettings
 
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
     for name, value in {"TRNFLOW_IMAGE": TARGET.image, "TRNFLOW_STAGING_URL": TARGET.staging_url,
-                        "TRNFLOW_BATCH_JOB_QUEUE": TARGET.job_queue, "AWS_ACCESS_KEY_ID": "testing",
-                        "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
-                        "AWS_ENDPOINT_URL": "http://127.0.0.1:9", "AWS_MAX_ATTEMPTS": "1"}.items():
+                        "TRNFLOW_BATCH_JOB_QUEUE": TARGET.job_queue, "AWS_DEFAULT_REGION": "us-east-1",
+                        "AWS_CONFIG_FILE": str(tmp_path / "none"),
+                        "AWS_SHARED_CREDENTIALS_FILE": str(tmp_path / "none"), "AWS_EC2_METADATA_DISABLED": "true"
+                        }.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(FatalError, match="the settings published under /trnflow/ in SSM cannot be read"):
         cloud_target(TrnflowSettings(), "batch")

@@ -153,6 +153,7 @@ def test_a_signing_key_file_others_can_read_is_refused(tmp_path):
 
 # --- a job's report cannot make the orchestrator terminate another job's instances ---------------
 
+@pytest.mark.slow  # a whole Batch deployment in moto: with the integration tests
 def test_a_forged_bad_host_report_terminates_only_the_jobs_own_instance(in_process_aws, caplog,
                                                                        monkeypatch):
     """A single-node job's preflight exits 79 (BadHost). Its report names its own instance and
@@ -202,6 +203,7 @@ def test_a_forged_bad_host_report_terminates_only_the_jobs_own_instance(in_proce
     assert f"names {victim}, which attempt 1 did not run on (its instances: {own}); refused" in said
 
 
+@pytest.mark.slow  # starts the fork server, which imports torch: with the integration tests
 def test_the_fork_server_that_starts_every_local_job_does_not_hold_the_signing_key(monkeypatch, tmp_path):
     """The key's path reaches a compile job in its own request; the long-lived process that forks
     every job (and every job it forks without one) never has it."""

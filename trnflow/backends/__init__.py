@@ -18,7 +18,7 @@ from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 
 __all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "backend_for", "cache_keys", "cache_trust_problem",
-           "run_to_end", "wait"]
+           "run_to_end", "trusted_cache_keys", "wait"]
 
 
 def keeps_instance(spec: JobSpec) -> bool:
@@ -59,11 +59,19 @@ def cache_keys(spec: JobSpec, settings: TrnflowSettings | None = None) -> EntryK
     return EntryKeys(trusted=trusted, unsigned_ok=target.cache_unsigned)
 
 
+def trusted_cache_keys(spec: JobSpec, settings: TrnflowSettings | None = None) -> EntryKeys:
+    """`cache_keys`, once they let `spec`'s jobs use its compile cache: FatalError when it is a
+    shared one nothing checks, or the deployment cannot be read at all."""
+    keys = cache_keys(spec, settings)
+    if problem := shared_cache_problem(spec.compile.cache_url, keys.checks, keys.unsigned_ok):
+        raise FatalError(problem)
+    return keys
+
+
 def cache_trust_problem(spec: JobSpec, settings: TrnflowSettings | None = None) -> str | None:
-    """Why `spec`'s jobs could not use its compile cache (a shared one nothing checks), or the
-    deployment cannot be read at all; None when they can."""
+    """Why `trusted_cache_keys` refuses `spec`, or None."""
     try:
-        keys = cache_keys(spec, settings)
+        trusted_cache_keys(spec, settings)
     except FatalError as exc:
         return str(exc)
-    return shared_cache_problem(spec.compile.cache_url, keys.checks, keys.unsigned_ok)
+    return None
