@@ -285,15 +285,15 @@ def _record(job: _Job, info: JobInfo) -> str:
 
 
 def _where(result: StageResult, job: _Job, info: JobInfo) -> StageResult:
-    """The result, with where its job ran: the instances each node of a cloud job found itself on in
-    its last attempt (for a job of several phases, the same ones for each), else the hosts the
-    service names."""
+    """The result, with where its job ran: the hosts the service names for its nodes (Batch: the EC2
+    instance of each, in its latest attempt; SageMaker: algo-1, ...), else, for a cloud job, the host
+    names its nodes found themselves on (for a job of several phases, the same ones for each)."""
     spec = job.request.spec
     assert spec is not None
     hosts = info.details.hosts
-    if job.backend.shares_allocation:  # a cloud job: its nodes said where they ran
-        with contextlib.suppress(Exception):  # the identities name the instances better, when they are there
-            hosts = [n.label for n in node_identities(job.outputs)] or hosts
+    if not hosts and job.backend.shares_allocation:
+        with contextlib.suppress(Exception):
+            hosts = [n.label for n in node_identities(job.outputs)]
     result.ran_on = RanOn(backend=job.backend.name, job_id=info.job_id, hosts=hosts,
                           instance_type=info.details.instance_type or spec.compute.instance_type)
     if result.device is not None:

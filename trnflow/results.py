@@ -256,6 +256,8 @@ class FailureReport(_Model):
     ranks: list[int] = Field(default_factory=list, description="the ranks it is about, when no one rank wrote it")
     instances: list[str] = Field(default_factory=list, description="the instances found at fault (EC2 instance ids, "
                                  "else host names), which a BadHost failure has replaced")
+    nodes: list[int] = Field(default_factory=list, description="the job's nodes found at fault (their indices): the "
+                             "orchestrator asks the service which instance each ran on")
     traceback: str | None = None
     reported_at: float | None = Field(None, description="when the rank wrote it (Unix seconds)")
     exitcode: int | None = Field(None, description="how the rank's process ended, as torchrun saw it")

@@ -25,17 +25,30 @@ class TrnflowSettings(BaseSettings):
     staging_url: str | None = Field(
         None, description="s3:// prefix where cloud jobs get their spec and SageMaker writes its output."
     )
+    job_policies: str | None = Field(
+        None, description="The IAM path of the stack's job policies (arn:aws:iam::<account>:policy/<prefix>/, its "
+        "JobPolicies output). Set, every cloud job runs as a role made for it alone, which writes only its run's "
+        "folders; the roles below are then not used.")
+    role_settle_seconds: float = Field(
+        10.0, ge=0, description="How long a job's new role is given to reach every IAM endpoint before the job "
+        "is submitted.")
     sagemaker_role_arn: str | None = Field(
-        None, description="The SageMaker execution role of every stage kind that has no role of its own below.")
-    role_preflight: str | None = Field(None, description="The role sanity and collectives jobs run as (SageMaker "
-                                       "execution role, Batch job role): it writes nothing but their results and "
-                                       "the checkpoint round trip's `_preflight/` folder.")
-    role_compile: str | None = Field(None, description="The role compile jobs run as: the only one that writes the "
-                                     "compile cache.")
-    role_train: str | None = Field(None, description="The role training and evaluation jobs run as: it writes "
-                                   "checkpoints, never the registry.")
-    role_infer: str | None = Field(None, description="The role inference jobs run as: it writes embeddings, never "
-                                   "the `_current.json` pointers that publish them.")
+        None, description="Without job_policies: the role (SageMaker execution role, Batch job role) of every stage "
+        "kind that has no role of its own below. Every run's jobs of a kind then share one role, and so one write "
+        "scope.")
+    role_preflight: str | None = Field(
+        None, description="Without job_policies: the role sanity and collectives jobs run as (SageMaker execution "
+        "role, Batch job role): it writes nothing but their results and the checkpoint round trip's `_preflight/` "
+        "folder.")
+    role_compile: str | None = Field(
+        None, description="Without job_policies: the role compile jobs run as: the only one that writes the compile "
+        "cache.")
+    role_train: str | None = Field(
+        None, description="Without job_policies: the role training and evaluation jobs run as: it writes "
+        "checkpoints, never the registry.")
+    role_infer: str | None = Field(
+        None, description="Without job_policies: the role inference jobs run as: it writes embeddings, never the "
+        "`_current.json` pointers that publish them.")
     batch_job_queue: str | None = Field(None, description="The Batch job queue (with its fair-share policy).")
     batch_spot_job_queue: str | None = Field(
         None, description="The Batch job queue of spot compute environments, for single-node specs with "

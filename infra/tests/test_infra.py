@@ -13,8 +13,10 @@ import boto3
 import pytest
 from cfnlint.decode import decode_str
 
-from tests.conftest import in_process_aws  # noqa: F401 (a fixture)
+from tests.conftest import ON_S3, in_process_aws, quickstart_data  # noqa: F401 (a fixture)
+from trnflow.backends import JobRequest
 from trnflow.backends.cloud import published_settings
+from trnflow.specs import validate_spec
 from trnflow.specs.spec import BATCH_SPOT_TYPES
 
 INFRA = Path(__file__).resolve().parents[1]
@@ -57,7 +59,8 @@ def test_no_statement_allows_every_action_or_a_wildcard_action_on_every_resource
             assert set(actions) <= {"ecr:GetAuthorizationToken", "cloudwatch:PutMetricData", "batch:DescribeJobs",
                                     "batch:DescribeJobQueues", "batch:DescribeJobDefinitions", "batch:ListJobs",
                                     "batch:DescribeComputeEnvironments", "ec2:DescribeInstances",
-                                    "ec2:DescribeSpotPriceHistory"}, (
+                                    "ec2:DescribeSpotPriceHistory", "iam:ListRoles",
+                                    "ecs:DiscoverPollEndpoint", "ec2:DescribeTags"}, (
                 name, statement)
 
 
@@ -102,13 +105,9 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
     # the versioning, which the template tests above check
 
     iam = boto3.client("iam")
-    roles = {kind: iam.get_role(RoleName=f"trnflow-job-{kind}")["Role"] for kind in
-             ("preflight", "compile", "train", "infer")}
-    assert roles["preflight"]["Arn"] == outputs["SageMakerRoleArn"]  # the least, for a kind without its own
-    assert roles["compile"]["Arn"] == outputs["CompileRoleArn"] and roles["train"]["Arn"] == outputs["TrainRoleArn"]
-    for role in roles.values():  # SageMaker's execution role, and Batch's job role
-        trusted = json.dumps(role["AssumeRolePolicyDocument"])
-        assert "sagemaker.amazonaws.com" in trusted and "ecs-tasks.amazonaws.com" in trusted
+    policies = {p["PolicyName"]: p["Arn"] for p in iam.list_policies(Scope="Local", PathPrefix="/trnflow/")["Policies"]}
+    assert set(policies) == {"job-base", "job-preflight", "job-compile", "job-train", "job-infer"}
+    assert all(arn.startswith(outputs["JobPolicies"]) for arn in policies.values())
 
     batch = boto3.client("batch")
     (queue,) = batch.describe_job_queues(jobQueues=[outputs["BatchJobQueue"]])["jobQueues"]
@@ -140,18 +139,29 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
     published = published_settings("/trnflow")
     assert published == {"image_neuron": f"{repository['repositoryUri']}:neuron",
                          "image_xla": f"{repository['repositoryUri']}:xla",
-                         "staging_url": outputs["StagingUrl"], "sagemaker_role_arn": outputs["SageMakerRoleArn"],
+                         "staging_url": outputs["StagingUrl"], "job_policies": outputs["JobPolicies"],
                          "batch_job_queue": outputs["BatchJobQueue"],
-                         "batch_spot_job_queue": outputs["BatchSpotJobQueue"],
-                         **{f"role_{kind}": role["Arn"] for kind, role in roles.items()}}
-    # where every job of a kind is sent: its role, on either service
-    from trnflow.backends.cloud import cloud_target
+                         "batch_spot_job_queue": outputs["BatchSpotJobQueue"]}
+    # each job runs as a role made for it from the stack's policies, tagged with its run's folders
+    from trnflow.backends.cloud import JobRoles, cloud_target
+    from trnflow.backends.run_roles import STAGING_TAG, WRITES_TAG
     from trnflow.settings import TrnflowSettings
 
-    target = cloud_target(TrnflowSettings(parameters_path="/trnflow"), "batch")
-    assert target.role_for("compile") == outputs["CompileRoleArn"]
-    assert target.role_for("evaluate") == outputs["TrainRoleArn"]
-    assert target.role_for("infer") == outputs["InferRoleArn"]
+    target = cloud_target(TrnflowSettings(parameters_path="/trnflow", role_settle_seconds=0), "batch")
+    assert target.job_policies == outputs["JobPolicies"]
+    spec = validate_spec(quickstart_data(**ON_S3, compute={"backend": "batch", "instance_type": "trn1.32xlarge"},
+                                         train={"checkpoint_url": f"s3://{outputs['CheckpointBucket']}/runs/m"}))
+    roles = JobRoles(target)
+    arn = roles.make(JobRequest(spec, "evaluate", "r7"))
+    name = arn.rsplit("/", 1)[1]
+    assert arn.startswith("arn:aws:iam::123456789012:role/trnflow/trnflow-run-train-")
+    attached = {p["PolicyArn"] for p in iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"]}
+    assert attached == {policies["job-base"], policies["job-train"]}
+    tags = {t["Key"]: t["Value"] for t in iam.list_role_tags(RoleName=name)["Tags"]}
+    assert tags[STAGING_TAG] == "jobs/r7" and tags[WRITES_TAG] == "runs/m/r7"
+    roles.submitted("job-1", arn)
+    assert roles.ended("job-1") and not roles.ended("job-1")
+    assert not iam.list_roles(PathPrefix="/trnflow/")["Roles"]  # gone with its job
     # moto's CloudFormation has no AWS::Batch::SchedulingPolicy: the queue's fair share is checked
     # on the template instead
     (policy,) = _of_type(template, "AWS::Batch::SchedulingPolicy").values()

@@ -1,7 +1,11 @@
 """What each role of the stack can write, read off its policies as IAM evaluates them (an explicit
-deny wins; else an allow that matches; else no): each stage kind writes only its own outputs, and
-only the orchestrator writes the registry and the `_current.json` pointers. And checkov finds
-nothing the template does not skip with a reason."""
+deny wins; else an allow that matches; else no): each job writes only its own run's outputs of its
+stage kind, and only the orchestrator writes the registry and the `_current.json` pointers. And
+checkov finds nothing the template does not skip with a reason.
+
+Jobs run as roles the orchestrator makes for each (`trnflow.backends.run_roles`): their policies are
+the stack's JobBasePolicy and their kind's, their tags the folders `JobScope` gives them. A job is
+evaluated here as those policies with those tags, `${aws:PrincipalTag/...}` filled in from them."""
 
 import json
 import re
@@ -44,6 +48,9 @@ class Stack:
             return f"arn:aws:secretsmanager:us-east-1:123456789012:secret:{self.resolve(props['Name'])}-AbCdEf"
         if kind == "AWS::Batch::JobQueue":
             return f"arn:aws:batch:us-east-1:123456789012:job-queue/{self.resolve(props['JobQueueName'])}"
+        if kind == "AWS::IAM::ManagedPolicy":
+            path, name = self.resolve(props["Path"]), self.resolve(props["ManagedPolicyName"])
+            return f"arn:aws:iam::123456789012:policy{path}{name}"
         return name
 
     def attribute(self, name: str, attribute: str) -> str:
@@ -65,12 +72,18 @@ class Stack:
             return self.attribute(*value["Fn::GetAtt"])
         if "Fn::Sub" in value:
             def one(match):
-                name, _, attribute = match.group(1).partition(".")
+                if match.group(1):  # ${!name}: the text ${name}, for IAM to fill in
+                    return "${" + match.group(2) + "}"
+                name, _, attribute = match.group(2).partition(".")
                 return self.attribute(name, attribute) if attribute else self.ref(name)
-            return re.sub(r"\$\{([^}]+)\}", one, value["Fn::Sub"])
+            return re.sub(r"\$\{(!?)([^}]+)\}", one, value["Fn::Sub"])
         return {k: self.resolve(v) for k, v in value.items()}
 
     def statements(self, role: str) -> list[dict]:
+        """The statements of the stack's role `role`, or of a job of stage kind `role` (`train`)."""
+        if role in JOB_POLICIES:
+            return [self.resolve(s) for name in ("JobBasePolicy", JOB_POLICIES[role])
+                    for s in self.resources[name]["Properties"]["PolicyDocument"]["Statement"]]
         props = self.resources[role]["Properties"]
         documents = [self.resources[ref["Ref"]]["Properties"]["PolicyDocument"]
                      for ref in props.get("ManagedPolicyArns", []) if isinstance(ref, dict) and "Ref" in ref]
@@ -79,17 +92,25 @@ class Stack:
 
     def allows(self, role: str, action: str, resource: str, context: dict[str, str] | None = None) -> bool:
         """Whether `role` may do `action` on `resource`, the request's condition keys being `context`
-        (`aws:ResourceTag/<key>`: the resource's tags). A statement's StringEquals condition holds only
-        when the key is in the context with one of its values, as IAM evaluates a missing key."""
+        (`aws:ResourceTag/<key>`: the resource's tags; `aws:PrincipalTag/<key>`: the role's own;
+        `s3:prefix`: a listing's). A statement's StringEquals condition holds only when the key is in
+        the context with one of its values, as IAM evaluates a missing key; a pattern naming a policy
+        variable the context lacks matches nothing, as in IAM."""
         context = context or {}
+
+        def filled(pattern: str) -> str | None:
+            names = re.findall(r"\$\{([^}]+)\}", pattern)
+            if any(name not in context for name in names):
+                return None
+            return re.sub(r"\$\{([^}]+)\}", lambda m: context[m.group(1)], pattern)
+
+        def listed(wanted) -> list[str]:
+            return [p for p in (filled(w) for w in (wanted if isinstance(wanted, list) else [wanted])) if p is not None]
 
         def holds(statement) -> bool:
             conditions = statement.get("Condition", {})
             unknown = set(conditions) - {"StringEquals", "StringLike"}
             assert not unknown, f"this evaluator reads StringEquals and StringLike only, not {unknown}"
-
-            def listed(wanted):
-                return wanted if isinstance(wanted, list) else [wanted]
             return (all(context.get(key) in listed(wanted)
                         for key, wanted in conditions.get("StringEquals", {}).items())
                     and all(key in context and any(fnmatchcase(context[key], w) for w in listed(wanted))
@@ -97,76 +118,181 @@ class Stack:
 
         def matches(statement) -> bool:
             actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
-            resources = statement["Resource"] if isinstance(statement["Resource"], list) else [statement["Resource"]]
             return (any(fnmatchcase(action.lower(), a.lower()) for a in actions)
-                    and any(fnmatchcase(resource, r) for r in resources) and holds(statement))
+                    and any(fnmatchcase(resource, r) for r in listed(statement["Resource"])) and holds(statement))
         found = [s for s in self.statements(role) if matches(s)]
         return not any(s["Effect"] == "Deny" for s in found) and any(s["Effect"] == "Allow" for s in found)
 
 
+JOB_POLICIES = {"preflight": "JobPreflightPolicy", "compile": "JobCompilePolicy", "train": "JobTrainPolicy",
+                "infer": "JobInferPolicy"}
+"""Each stage kind's policy, which a job of that kind has beside JobBasePolicy."""
 STACK = Stack(_template())
 CHECKPOINTS, CACHE = "arn:aws:s3:::trnflow-checkpoints-123456789012", "arn:aws:s3:::trnflow-compile-cache-123456789012"
 OUTPUTS, STAGING = "arn:aws:s3:::trnflow-outputs-123456789012", "arn:aws:s3:::trnflow-staging-123456789012"
+RUN, OTHER = "20261128T101500-a1", "20261128T101700-b2"
+
+
+def job(kind: str, run: str = RUN) -> dict[str, str]:
+    """The condition keys of a request by a `kind` job of `run` of model `m` (version 2's inference):
+    its role's tags, as the orchestrator gives them (`JobScope.tags`)."""
+    from trnflow.backends.run_roles import JobScope
+
+    writes = {"preflight": f"s3://trnflow-checkpoints-123456789012/runs/m/{run}",
+              "train": f"s3://trnflow-checkpoints-123456789012/runs/m/{run}",
+              "infer": "s3://trnflow-outputs-123456789012/m/v000002"}.get(kind)
+    scope = JobScope(kind=kind, run_id=run, staging=f"s3://trnflow-staging-123456789012/jobs/{run}", writes=writes)
+    return {f"aws:PrincipalTag/{key}": value for key, value in scope.tags(expires=0).items()}
+
+
 WRITES = {  # what a job or flow of each kind puts, and whether it may
-    "checkpoint": f"{CHECKPOINTS}/runs/m/20261128-a1/step-00000100/model.pt",
-    "preflight checkpoint": f"{CHECKPOINTS}/runs/m/20261128-a1/_preflight/step-000000/model.pt",
+    "checkpoint": f"{CHECKPOINTS}/runs/m/{RUN}/step-00000100/model.pt",
+    "preflight checkpoint": f"{CHECKPOINTS}/runs/m/{RUN}/_preflight/step-000000/model.pt",
     "registry entry": f"{CHECKPOINTS}/registry/m/versions/v000002.json",
     "champion record": f"{CHECKPOINTS}/registry/m/champion/g000002.json",
     "cache entry": f"{CACHE}/neuronxcc-torch-2.13.0+cpu/MODULE_1+2/model.neff",
     "embeddings": f"{OUTPUTS}/m/v000002/part-00000.parquet",
     "pointer": f"{OUTPUTS}/m/_current.json",
-    "result": f"{STAGING}/jobs/r1/m-train-r1/output/result.json",
+    "result": f"{STAGING}/jobs/{RUN}/m-train-{RUN}/output/result.json",
 }
 MAY_WRITE = {
-    "PreflightJobRole": {"result", "preflight checkpoint"},
-    "CompileJobRole": {"result", "cache entry"},
-    "TrainJobRole": {"result", "checkpoint", "preflight checkpoint"},
-    "InferJobRole": {"result", "embeddings"},
+    "preflight": {"result", "preflight checkpoint"},
+    "compile": {"result", "cache entry"},
+    "train": {"result", "checkpoint", "preflight checkpoint"},
+    "infer": {"result", "embeddings"},
     "OrchestratorRole": {"result", "registry entry", "champion record", "pointer"},
 }
 
 
-@pytest.mark.parametrize("role", sorted(MAY_WRITE))
-def test_each_role_writes_only_its_own_outputs(role):
-    writes = {what for what, arn in WRITES.items() if STACK.allows(role, "s3:PutObject", arn)}
-    assert writes == MAY_WRITE[role]
-    deletes = {what for what, arn in WRITES.items() if STACK.allows(role, "s3:DeleteObject", arn)}
-    assert deletes <= MAY_WRITE[role]
+def _as(principal: str) -> dict[str, str]:
+    return job(principal) if principal in JOB_POLICIES else {}
+
+
+@pytest.mark.parametrize("principal", sorted(MAY_WRITE))
+def test_each_job_and_the_orchestrator_write_only_their_own_outputs(principal):
+    context = _as(principal)
+    writes = {what for what, arn in WRITES.items() if STACK.allows(principal, "s3:PutObject", arn, context)}
+    assert writes == MAY_WRITE[principal]
+    deletes = {what for what, arn in WRITES.items() if STACK.allows(principal, "s3:DeleteObject", arn, context)}
+    assert deletes <= MAY_WRITE[principal]
+
+
+@pytest.mark.parametrize("kind", sorted(JOB_POLICIES))
+def test_a_job_of_one_run_cannot_write_anything_of_another_run(kind):
+    """Issue 54: run A's job cannot overwrite run B's result (what the gate judges), its nodes' failure
+    reports, the orchestrator's word to its nodes, its checkpoints or its spec; nor list B's staging.
+    It can still read B's checkpoints (a champion another run trained is an input)."""
+    theirs = [f"{STAGING}/jobs/{OTHER}/m-train-{OTHER}/output/result.json",
+              f"{STAGING}/jobs/{OTHER}/m-train-{OTHER}/output/j1/failure-node1.json",
+              f"{STAGING}/jobs/{OTHER}/m-train-{OTHER}/output/j1/proceed-train.json",
+              f"{STAGING}/jobs/{OTHER}/m-train-{OTHER}/input/spec.json",
+              f"{CHECKPOINTS}/runs/m/{OTHER}/step-00000100/model.pt",
+              f"{CHECKPOINTS}/runs/m/{OTHER}/step-00000100/COMMITTED",
+              f"{CHECKPOINTS}/runs/m/{OTHER}/_preflight/step-000000/model.pt",
+              f"{CHECKPOINTS}/runs/m/{RUN}-x/step-00000100/model.pt",  # a run whose id starts as A's does
+              f"{OUTPUTS}/m/v000001/part-00000.parquet", f"{OUTPUTS}/m/v0000020/part-00000.parquet"]
+    mine = job(kind)
+    for arn in theirs:
+        for action in ("s3:PutObject", "s3:DeleteObject"):
+            assert not STACK.allows(kind, action, arn, mine), (kind, action, arn)
+    assert not STACK.allows(kind, "s3:GetObject", theirs[0], mine)  # nor read B's results
+    assert not STACK.allows(kind, "s3:ListBucket", STAGING, mine | {"s3:prefix": f"jobs/{OTHER}/"})
+    assert STACK.allows(kind, "s3:ListBucket", STAGING, mine | {"s3:prefix": f"jobs/{RUN}/m-train-{RUN}/"})
+    assert STACK.allows(kind, "s3:GetObject", theirs[4], mine)
+    # B's own job of the same kind writes there: the difference is the tags alone
+    assert STACK.allows(kind, "s3:PutObject", theirs[0], job(kind, OTHER))
+
+
+@pytest.mark.parametrize("kind", sorted(JOB_POLICIES))
+def test_a_job_role_without_the_runs_tags_writes_nothing(kind):
+    """Fails closed: a role missing its tags (made by hand, say) matches no write statement."""
+    assert {what for what, arn in WRITES.items() if STACK.allows(kind, "s3:PutObject", arn)} == (
+        {"cache entry"} if kind == "compile" else set())
+
+
+def test_no_job_can_touch_its_roles_tags_or_policies_and_the_orchestrator_only_makes_job_roles():
+    role = "arn:aws:iam::123456789012:role/trnflow/trnflow-run-train-0123456789abcdef"
+    for kind in JOB_POLICIES:
+        for action in ("iam:TagRole", "iam:UntagRole", "iam:AttachRolePolicy", "iam:PutRolePolicy", "iam:CreateRole",
+                       "iam:PassRole", "sts:TagSession"):
+            assert not STACK.allows(kind, action, role, job(kind)), (kind, action)
+    tagged = {"aws:RequestTag/trnflow-run": RUN}
+    assert STACK.allows("OrchestratorRole", "iam:CreateRole", role, tagged)
+    assert not STACK.allows("OrchestratorRole", "iam:CreateRole", role)  # untagged: no run, so no scope
+    assert not STACK.allows("OrchestratorRole", "iam:CreateRole", "arn:aws:iam::123456789012:role/admin", tagged)
+    assert not STACK.allows("OrchestratorRole", "iam:PutRolePolicy", role)  # no policy of its own making
+    for name in ("JobBasePolicy", *JOB_POLICIES.values()):
+        assert STACK.allows("OrchestratorRole", "iam:AttachRolePolicy", role, {"iam:PolicyARN": STACK.ref(name)})
+    assert not STACK.allows("OrchestratorRole", "iam:AttachRolePolicy", role,
+                            {"iam:PolicyARN": "arn:aws:iam::aws:policy/AdministratorAccess"})
+    passed = {"iam:PassedToService": "sagemaker.amazonaws.com"}
+    assert STACK.allows("OrchestratorRole", "iam:PassRole", role, passed)
+    assert not STACK.allows("OrchestratorRole", "iam:PassRole", "arn:aws:iam::123456789012:role/trnflow-orchestrator",
+                            passed)
+    assert STACK.allows("OrchestratorRole", "iam:DeleteRole", role)
+    assert not STACK.allows("OrchestratorRole", "iam:DeleteRole", "arn:aws:iam::123456789012:role/trnflow-orchestrator")
 
 
 def test_the_preflight_writes_its_round_trip_checkpoint_and_nothing_of_the_registry():
     # a model named `preflight` is none of the round trip's: its checkpoints and registry entries stay the others'
-    assert not STACK.allows("PreflightJobRole", "s3:PutObject", f"{CHECKPOINTS}/registry/preflight/versions/v1.json")
-    assert not STACK.allows("PreflightJobRole", "s3:DeleteObject", f"{CHECKPOINTS}/preflight/r1/step-000010/model.pt")
-    assert not STACK.allows("PreflightJobRole", "s3:PutObject", WRITES["checkpoint"])
+    mine = job("preflight")
+    assert not STACK.allows("preflight", "s3:PutObject", f"{CHECKPOINTS}/registry/preflight/versions/v1.json", mine)
+    assert not STACK.allows("preflight", "s3:DeleteObject", f"{CHECKPOINTS}/preflight/r1/step-000010/model.pt", mine)
+    assert not STACK.allows("preflight", "s3:PutObject", WRITES["checkpoint"], mine)
 
 
-def test_the_training_role_cannot_promote_and_the_inference_role_cannot_poison_the_cache():
-    assert not STACK.allows("TrainJobRole", "s3:PutObject", WRITES["registry entry"])
-    assert not STACK.allows("InferJobRole", "s3:PutObject", WRITES["cache entry"])
-    assert STACK.allows("TrainJobRole", "s3:GetObject", WRITES["cache entry"])  # every job reads the cache
+def test_the_training_job_cannot_promote_and_the_inference_job_cannot_poison_the_cache():
+    assert not STACK.allows("train", "s3:PutObject", WRITES["registry entry"], job("train"))
+    registry_run = job("train") | {"aws:PrincipalTag/trnflow-writes": "registry/m"}  # even tagged so by mistake
+    assert not STACK.allows("train", "s3:PutObject", WRITES["registry entry"], registry_run)
+    assert not STACK.allows("infer", "s3:PutObject", WRITES["cache entry"], job("infer"))
+    assert STACK.allows("train", "s3:GetObject", WRITES["cache entry"], job("train"))  # every job reads the cache
 
 
-def test_only_the_compile_role_reads_the_signing_key_and_no_job_creates_log_groups():
+def test_only_the_compile_job_reads_the_signing_key_and_no_job_creates_log_groups():
     secret = STACK.ref("CacheSigningKey")
-    readers = {role for role in MAY_WRITE if STACK.allows(role, "secretsmanager:GetSecretValue", secret)}
-    assert readers == {"CompileJobRole"}
+    readers = {p for p in MAY_WRITE if STACK.allows(p, "secretsmanager:GetSecretValue", secret, _as(p))}
+    assert readers == {"compile"}
     group = "arn:aws:logs:us-east-1:123456789012:log-group:/aws/batch/job:log-stream:x"
-    for role in MAY_WRITE:
-        assert not STACK.allows(role, "logs:CreateLogGroup", "arn:aws:logs:us-east-1:123456789012:log-group:/x")
-    assert STACK.allows("TrainJobRole", "logs:PutLogEvents", group)
+    for principal in MAY_WRITE:
+        assert not STACK.allows(principal, "logs:CreateLogGroup", "arn:aws:logs:us-east-1:123456789012:log-group:/x",
+                                _as(principal))
+    assert STACK.allows("train", "logs:PutLogEvents", group, job("train"))
 
 
-def test_containers_cannot_reach_the_instances_role_and_logs_are_kept_for_a_while():
+def test_multi_node_containers_cannot_reach_the_instances_role_and_logs_are_kept_for_a_while():
+    """Multi-node jobs' containers have interfaces of their own (awsvpc), from which the hop limit would
+    not keep them from the metadata service: the ECS agent blocks it there."""
     resources = _template()["Resources"]
-    options = resources["NodeLaunchTemplate"]["Properties"]["LaunchTemplateData"]["MetadataOptions"]
-    assert options == {"HttpTokens": "required", "HttpPutResponseHopLimit": 1}
-    assert resources["BatchInstanceRole"]["Properties"]["ManagedPolicyArns"] == [
-        {"Fn::Sub": "arn:${AWS::Partition}:iam::aws:policy/service-role/AmazonEC2ContainerServiceforEC2Role"}]
+    data = resources["NodeLaunchTemplate"]["Properties"]["LaunchTemplateData"]
+    assert data["MetadataOptions"] == {"HttpTokens": "required", "HttpPutResponseHopLimit": 1}
+    assert "echo ECS_AWSVPC_BLOCK_IMDS=true >> /etc/ecs/ecs.config" in data["UserData"]["Fn::Base64"]
     groups = {r["Properties"]["LogGroupName"]: r["Properties"] for r in resources.values()
               if r["Type"] == "AWS::Logs::LogGroup"}
     assert set(groups) == {"/aws/sagemaker/TrainingJobs", "/aws/batch/job"}
     assert all(g["RetentionInDays"] == {"Ref": "LogRetentionDays"} for g in groups.values())
+
+
+def test_the_instance_role_is_the_ecs_agents_alone_narrowed_to_this_stacks_nodes():
+    """What a spot job, which shares its host's network, could do with the instance's credentials: no
+    more than its node's ECS agent does, on the clusters Batch made for these compute environments."""
+    role = "BatchInstanceRole"
+    assert "ManagedPolicyArns" not in STACK.resources[role]["Properties"]  # not the broad AWS-managed one
+    ecs = "arn:aws:ecs:us-east-1:123456789012"
+    ours, theirs = f"{ecs}:cluster/trnflow-trn1-spot_Batch_0a1b2c3d", f"{ecs}:cluster/payments_Batch_0a1b2c3d"
+    assert STACK.allows(role, "ecs:RegisterContainerInstance", ours)
+    assert not STACK.allows(role, "ecs:RegisterContainerInstance", theirs)
+    assert STACK.allows(role, "ecs:Poll", f"{ecs}:container-instance/trnflow-trn1_Batch_0a1b2c3d/0f1e")
+    assert not STACK.allows(role, "ecs:Poll", f"{ecs}:container-instance/payments_Batch_0a1b2c3d/0f1e")
+    assert not STACK.allows(role, "ecs:CreateCluster", "*")
+    logs = "arn:aws:logs:us-east-1:123456789012:log-group:"
+    assert STACK.allows(role, "logs:PutLogEvents", f"{logs}/aws/batch/job:log-stream:x")
+    assert not STACK.allows(role, "logs:PutLogEvents", f"{logs}/aws/sagemaker/TrainingJobs:log-stream:x")
+    assert not STACK.allows(role, "logs:PutLogEvents", f"{logs}/payments:log-stream:x")
+    assert STACK.allows(role, "ecr:BatchGetImage", STACK.attribute("ImageRepository", "Arn"))
+    assert not STACK.allows(role, "ecr:BatchGetImage", "arn:aws:ecr:us-east-1:123456789012:repository/payments")
+    for action in ("s3:GetObject", "s3:PutObject", "iam:PassRole", "secretsmanager:GetSecretValue"):
+        assert not STACK.allows(role, action, "*"), action
 
 
 def test_every_bucket_takes_tls_only():
@@ -214,8 +340,8 @@ def test_only_the_orchestrator_terminates_instances_and_only_the_compute_environ
     assert not STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance)  # anyone else's instance
     assert not STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance,
                             {"aws:ResourceTag/trnflow:compute-environment": "another-trn1"})
-    for role in ("PreflightJobRole", "CompileJobRole", "TrainJobRole", "InferJobRole", "BatchInstanceRole"):
-        assert not STACK.allows(role, "ec2:TerminateInstances", instance, ours), role
+    for role in (*JOB_POLICIES, "BatchInstanceRole"):
+        assert not STACK.allows(role, "ec2:TerminateInstances", instance, ours | _as(role)), role
     assert STACK.allows("OrchestratorRole", "ec2:DescribeInstances", "*")  # each node's launch, for the bill
     assert STACK.allows("OrchestratorRole", "ec2:DescribeSpotPriceHistory", "*")  # and a spot job's price
 
@@ -223,12 +349,13 @@ def test_only_the_orchestrator_terminates_instances_and_only_the_compute_environ
 def test_the_orchestrator_stops_only_trnflows_jobs_and_reads_where_their_nodes_ran():
     """TerminateJob reaches only jobs tagged with a trnflow run (every job it submits is); and to
     replace a bad node it reads the job's own placement from ECS, never a node's word."""
-    job = "arn:aws:batch:us-east-1:123456789012:job/5d9e1b2c-0000-4000-8000-000000000000"
-    assert STACK.allows("OrchestratorRole", "batch:TerminateJob", job, {"aws:ResourceTag/trnflow:run-id": "r1"})
-    assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job)  # another team's untagged job
-    assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job, {"aws:ResourceTag/trnflow:run-id": ""})
+    job_arn = "arn:aws:batch:us-east-1:123456789012:job/5d9e1b2c-0000-4000-8000-000000000000"
+    assert STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn, {"aws:ResourceTag/trnflow:run-id": "r1"})
+    assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn)  # another team's untagged job
+    assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn, {"aws:ResourceTag/trnflow:run-id": ""})
     instance = "arn:aws:ecs:us-east-1:123456789012:container-instance/OnDemand_Batch_x/0f1e2d3c"
     assert STACK.allows("OrchestratorRole", "ecs:DescribeContainerInstances", instance)
     assert STACK.allows("OrchestratorRole", "batch:DescribeComputeEnvironments", "*")
-    for role in ("PreflightJobRole", "CompileJobRole", "TrainJobRole", "InferJobRole"):
-        assert not STACK.allows(role, "batch:TerminateJob", job, {"aws:ResourceTag/trnflow:run-id": "r1"}), role
+    for kind in JOB_POLICIES:
+        tagged = {"aws:ResourceTag/trnflow:run-id": "r1"} | job(kind)
+        assert not STACK.allows(kind, "batch:TerminateJob", job_arn, tagged), kind

@@ -129,8 +129,8 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
         _assert_artifacts_in_s3(spec, bucket, results)
 
         sm = boto3.client("sagemaker")
-        jobs = [sm.describe_training_job(TrainingJobName=j["TrainingJobName"])
-                for j in sm.list_training_jobs(MaxResults=100)["TrainingJobSummaries"]]
+        jobs = sm_jobs = [sm.describe_training_job(TrainingJobName=j["TrainingJobName"])
+                          for j in sm.list_training_jobs(MaxResults=100)["TrainingJobSummaries"]]
         phases = sorted(j["HyperParameters"]["phase"] for j in jobs)
         # the preflight and training ran in one job, on the same hosts; the capacity error cost one
         # resubmission, the internal error none (SageMaker retried it); evaluation ran inside the
@@ -152,6 +152,10 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
         started = {row["stage"]: row["instances_started"] for row in outcome["cost"]["rows"]}
         assert started == {"sanity": 0, "train": 2, "infer": 1}, outcome["cost"]
         assert outcome["cost"]["instances_started"] == 3 and outcome["cost"]["provisioning_seconds"] > 0
+        # issue 54: each job ran as a role made for it (its run's write scope), deleted when it ended
+        roles = [j["RoleArn"] for j in sm_jobs]
+        assert len(set(roles)) == len(sm_jobs) and all(":role/trnflow/trnflow-run-" in r for r in roles), roles
+        assert not boto3.client("iam").list_roles(PathPrefix="/trnflow/")["Roles"]
 
 
 @pytest.mark.slow
@@ -195,6 +199,13 @@ def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
             (HOST_LOST, None), ("Essential container in task exited", 75), ("Essential container in task exited", 0)]
         assert train["nodeProperties"]["numNodes"] == 2
         assert results["train"]["start_step"] == 20
+        # issue 54: each job ran as a role made for it, named in a definition of its own; both are gone
+        definitions = batch.describe_job_definitions(jobDefinitions=[j["jobDefinition"] for j in described])
+        roles = {d["nodeProperties"]["nodeRangeProperties"][0]["container"]["jobRoleArn"]
+                 for d in definitions["jobDefinitions"]}
+        assert len(roles) == len(described) and all(":role/trnflow/trnflow-run-" in r for r in roles), roles
+        assert {d["status"] for d in definitions["jobDefinitions"]} == {"INACTIVE"}
+        assert not boto3.client("iam").list_roles(PathPrefix="/trnflow/")["Roles"]
 
 
 @pytest.mark.slow
@@ -240,9 +251,10 @@ def _our_batch_jobs(began: float) -> list[dict]:
 def test_a_node_that_fails_the_cloud_preflight_never_trains(
         prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
     """A two-node Batch job whose second node has a corrupt NeuronCore on every instance that serves
-    it: each attempt's sanity phase names the core and the instance, which trnflow terminates and
-    Batch's retry replaces (exit code 79); when the retries are used up the stage fails, and no
-    step is trained anywhere."""
+    it: each attempt's sanity phase names the core and the node, whose instance (as Batch and ECS
+    place it: the node's container cannot reach the metadata service) trnflow terminates and Batch's
+    retry replaces (exit code 79); when the retries are used up the stage fails, and no step is
+    trained anywhere."""
     import boto3
 
     began = time.time() * 1000
@@ -254,17 +266,15 @@ def test_a_node_that_fails_the_cloud_preflight_never_trains(
         assert [(r.stage, r.state) for r in stages] == [("sanity", "Failed")]
         summary = stages[0].summary
         assert "NeuronCore(s) [0] failed known-answer tests" in summary and "is replaced" in summary, summary
-        assert "nc0 of node 1 (i-" in summary and "AWS Batch retried" in summary  # the node and its EC2 instance
+        assert "nc0 of node 1 (" in summary and "AWS Batch retried" in summary  # the node, by its host name
         (job,) = _our_batch_jobs(began)
         assert job["tags"]["trnflow:phase"] == "sanity+train" and job["status"] == "FAILED"
         attempts = job["attempts"]
         assert len(attempts) == 1 + spec.retries.max_retries  # Batch retried it; trnflow did not resubmit
         assert all(a["container"].get("exitCode") == 79 for a in attempts), attempts
-        s3 = boto3.client("s3")
-        staging = bucket.replace("-data-", "-staging-")  # where each node said, per attempt, which instance it was
-        node1 = [json.loads(s3.get_object(Bucket=staging, Key=k)["Body"].read())["instance_id"]
-                 for k in _keys(s3, staging, "jobs/a-bad-node/") if k.endswith("/node1.json")]
-        assert len(node1) == len(set(node1)) == len(attempts)  # node 1 got a new instance for every retry
+        (node1,) = boto3.client("batch").describe_jobs(jobs=[f"{job['jobId']}#1"])["jobs"]  # where Batch placed it
+        placed = [a["container"]["containerInstanceArn"] for a in node1["attempts"]]
+        assert len(placed) == len(set(placed)) == len(attempts)  # node 1 got a new instance for every retry
         assert not _keys(boto3.client("s3"), bucket, "checkpoints/a-bad-node/"), "nothing was trained"
         logs = "".join(p.read_text() for p in (tmp_path / "cloud").rglob("container.log"))
         assert '"event": "sanity"' in logs and '"event": "train"' not in logs
@@ -634,7 +644,8 @@ def test_a_fair_share_queue_refuses_a_job_without_a_share_identifier(
         assert batch.list_jobs(jobQueue="trnflow-trn1")["jobSummaryList"] == []
         assert batch.describe_job_definitions()["jobDefinitions"] == []  # refused before anything was registered
 
-        definition = build_job_definition(plain, backend.target)
+        role = "arn:aws:iam::123456789012:role/trnflow/trnflow-run-preflight-0123456789abcdef"
+        definition = build_job_definition(plain, backend.target, "sanity", role)
         batch.register_job_definition(**definition)
         with pytest.raises(ClientError) as refused:  # sent anyway: the service refuses it as Batch does
             batch.submit_job(**build_submit_job(JobRequest(plain, "sanity", "raw"), backend.target,
@@ -665,19 +676,24 @@ def test_the_batch_retry_strategy_and_fair_share_read_back_from_the_service(
         expected = retry_strategy(spec)
         assert expected["attempts"] == 3 and expected["evaluateOnExit"][-1] == {"action": "EXIT", "onReason": "*"}
 
-        name = build_job_definition(spec, backend.target)["jobDefinitionName"]
-        (definition,) = batch.describe_job_definitions(jobDefinitionName=name, status="ACTIVE")["jobDefinitions"]
+        (described,) = batch.describe_jobs(jobs=[job])["jobs"]  # its definition: its own, naming its own role
+        (definition,) = batch.describe_job_definitions(jobDefinitions=[described["jobDefinition"]])["jobDefinitions"]
+        assert definition["jobDefinitionName"] == build_job_definition(spec, backend.target, "sanity", role=(
+            definition["nodeProperties"]["nodeRangeProperties"][0]["container"]["jobRoleArn"]))["jobDefinitionName"]
         kept = definition["retryStrategy"]  # Batch reads `action` in any case (moto keeps it lower-case)
         assert {**kept, "evaluateOnExit": [{**r, "action": r["action"].upper()} for r in kept["evaluateOnExit"]]} \
             == expected
         container = definition["nodeProperties"]["nodeRangeProperties"][0]["container"]
         assert {"type": "MEMORY", "value": str(256 * 1024)} in container["resourceRequirements"]
 
-        (described,) = batch.describe_jobs(jobs=[job])["jobs"]
         assert described["retryStrategy"] == expected
         assert (described["shareIdentifier"], described["schedulingPriority"]) == ("default", 7)
         assert len(described["attempts"]) == 1  # exit code 1 met the EXIT rule: not retried
         assert backend.describe(job).failure.type == "UserError"
+        # ended: its role and its definition are gone
+        (definition,) = batch.describe_job_definitions(jobDefinitions=[described["jobDefinition"]])["jobDefinitions"]
+        assert definition["status"] == "INACTIVE"
+        assert not boto3.client("iam").list_roles(PathPrefix="/trnflow/")["Roles"]
 
 
 def test_each_service_failure_maps_to_its_error_class_and_retry_owner():

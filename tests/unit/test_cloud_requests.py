@@ -416,9 +416,13 @@ def test_the_cloud_target_comes_from_settings_and_names_what_is_missing(in_proce
     monkeypatch.setenv("TRNFLOW_STAGING_URL", TARGET.staging_url)
     monkeypatch.setenv("TRNFLOW_BATCH_JOB_QUEUE", TARGET.job_queue)
     monkeypatch.delenv("TRNFLOW_SAGEMAKER_ROLE_ARN", raising=False)
-    assert cloud_target(TrnflowSettings(), "batch").job_queue == "trn1-fair-share"
-    with pytest.raises(FatalError, match="needs TRNFLOW_SAGEMAKER_ROLE_ARN; set them from the outputs"):
-        cloud_target(TrnflowSettings(), "sagemaker")
+    for service in ("batch", "sagemaker"):  # each job runs as a role: made from the stack's policies, or a fixed one
+        with pytest.raises(FatalError, match=r"needs TRNFLOW_JOB_POLICIES \(or TRNFLOW_SAGEMAKER_ROLE_ARN\); set "
+                                             "them from the outputs"):
+            cloud_target(TrnflowSettings(), service)
+    monkeypatch.setenv("TRNFLOW_JOB_POLICIES", "arn:aws:iam::123456789012:policy/trnflow/")
+    target = cloud_target(TrnflowSettings(), "batch")
+    assert target.job_queue == "trn1-fair-share" and target.job_policies.endswith(":policy/trnflow/")
 
 
 def test_the_published_cache_key_is_read_even_when_the_environment_names_everything_else(in_process_aws,
@@ -431,7 +435,8 @@ def test_the_published_cache_key_is_read_even_when_the_environment_names_everyth
     from trnflow.settings import TrnflowSettings
 
     for name, value in {"TRNFLOW_IMAGE": TARGET.image, "TRNFLOW_STAGING_URL": TARGET.staging_url,
-                        "TRNFLOW_BATCH_JOB_QUEUE": TARGET.job_queue}.items():
+                        "TRNFLOW_BATCH_JOB_QUEUE": TARGET.job_queue,
+                        "TRNFLOW_JOB_POLICIES": "arn:aws:iam::123456789012:policy/trnflow/"}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TRNFLOW_CACHE_PUBLIC_KEY", raising=False)
     key = "ed25519:" + "B" * 43 + "="
@@ -489,7 +494,8 @@ def test_the_images_come_from_settings_one_per_device_or_one_for_all(in_process_
     from trnflow.settings import TrnflowSettings
 
     for name, value in {"TRNFLOW_IMAGE_NEURON": f"{REPOSITORY}:neuron", "TRNFLOW_IMAGE_XLA": f"{REPOSITORY}:xla",
-                        "TRNFLOW_STAGING_URL": TARGET.staging_url, "TRNFLOW_BATCH_JOB_QUEUE": "q"}.items():
+                        "TRNFLOW_STAGING_URL": TARGET.staging_url, "TRNFLOW_BATCH_JOB_QUEUE": "q",
+                        "TRNFLOW_SAGEMAKER_ROLE_ARN": TARGET.role_arn}.items():
         monkeypatch.setenv(name, value)
     monkeypatch.delenv("TRNFLOW_IMAGE", raising=False)
     assert cloud_target(TrnflowSettings(), "batch").images == BY_DEVICE.images
@@ -610,8 +616,13 @@ def test_each_stage_kind_runs_as_its_own_role_on_either_service():
     container = build_job_definition(spec, only_train, "compile")["nodeProperties"]["nodeRangeProperties"][0]
     assert container["container"]["jobRoleArn"] == TARGET.role_arn  # never none: never the instance's role
     no_role = dataclasses.replace(TARGET, role_arn="", roles={"train": roles["train"]})
-    with pytest.raises(FatalError, match="the compile phase has no role to run as: set TRNFLOW_ROLE_COMPILE"):
+    with pytest.raises(FatalError, match=r"the compile phase has no role to run as: set TRNFLOW_JOB_POLICIES .*"
+                                         r"or TRNFLOW_ROLE_COMPILE or TRNFLOW_SAGEMAKER_ROLE_ARN"):
         build_job_definition(spec, no_role, "compile")
+    made = "arn:aws:iam::123456789012:role/trnflow/trnflow-run-compile-0123456789abcdef"  # a job's own role
+    assert build_training_job_request(JobRequest(spec, "compile", "r"), no_role, made)["RoleArn"] == made
+    assert build_job_definition(spec, no_role, "compile", made)["nodeProperties"]["nodeRangeProperties"][0][
+        "container"]["jobRoleArn"] == made
 
 
 def test_every_backend_declares_what_its_callers_use_of_it(tmp_path, in_process_aws):

@@ -15,7 +15,14 @@ from moto import mock_aws
 
 from trnflow.aws import InstanceMetadata
 from trnflow.backends import container
-from trnflow.backends.container import await_word, instance_metadata, next_placement, preflight_failure
+from trnflow.backends.container import (
+    await_word,
+    batch_rendezvous,
+    identity,
+    instance_metadata,
+    next_placement,
+    preflight_failure,
+)
 from trnflow.errors import ExitCode
 from trnflow.results import CollectivesResult, FailureReport, NodeIdentity, Proceed, SanityResult
 from trnflow.storage import open_store
@@ -41,12 +48,13 @@ def test_a_preflight_with_a_bad_core_or_a_wrong_sweep_has_the_hosts_at_fault_rep
     assert preflight_failure(_sanity([]), nodes, 1, 2) is None
     bad = preflight_failure(_sanity([1]), nodes, 1, 2)
     assert bad is not None and bad.type == "BadHost" and bad.retryable and bad.bad_cores == [0]
-    assert bad.instances == ["i-01"]  # the node whose core failed, alone
+    assert bad.instances == ["i-01"] and bad.nodes == [1]  # the node whose core failed, alone
     assert "nc0 of node 1 (i-01): memory/patterns/int32" in bad.message and "is replaced" in bad.message
     wrong = preflight_failure(_sanity([], sweep_passed=False), nodes, 1, 2)
     assert wrong is not None and wrong.type == "BadHost" and "rank 1 sent wrong data" in wrong.message
-    assert wrong.instances == ["i-00", "i-01"]  # between the nodes: which one is at fault is not known
-    assert preflight_failure(_sanity([1]), {}, 1, 2).instances == []  # unknown instances: named by node only
+    assert wrong.instances == ["i-00", "i-01"] and wrong.nodes == [0, 1]  # which one is at fault is not known
+    unknown = preflight_failure(_sanity([1]), {}, 1, 2)  # a multi-node job's nodes cannot read their instance
+    assert unknown is not None and unknown.instances == [] and unknown.nodes == [1]  # named by node only
 
 
 def test_a_bad_host_exits_with_the_code_batch_retries_on_other_instances(tmp_path, monkeypatch):
@@ -107,6 +115,27 @@ def test_each_instance_answers_its_own_id_and_type_over_imdsv2_only():
             instances.stop(started)
     assert instance_metadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "http://127.0.0.1:9"}, timeout=0.5) == {}
     assert instance_metadata({"AWS_EC2_METADATA_SERVICE_ENDPOINT": "file:///etc/passwd"}) == {}
+
+
+@pytest.mark.slow  # an instance's metadata service in moto: with the integration tests
+def test_only_a_single_node_batch_job_asks_the_metadata_service_who_it_is():
+    """A multi-node job's containers (awsvpc) are kept from the metadata service: they do not ask it,
+    and the orchestrator reads where they ran from Batch and ECS."""
+    with mock_aws():
+        instances = Instances(boto3.client("ec2", region_name="us-east-1"))
+        (host,) = instances.start("trn1.32xlarge", 1)
+        try:
+            env = {"AWS_EC2_METADATA_SERVICE_ENDPOINT": host.endpoint, "AWS_BATCH_JOB_ATTEMPT": "2"}
+            alone = identity(env, "batch", batch_rendezvous(env, "10.0.0.5"))
+            assert (alone.instance_id, alone.instance_type, alone.attempt) == (host.instance_id, "trn1.32xlarge", 2)
+            asked = len(host.asked)
+            node = env | {"AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_NUM_NODES": "2",
+                          "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0"}
+            one_of_two = identity(node, "batch", batch_rendezvous(node, "10.0.0.5"))
+            assert one_of_two.instance_id is None and one_of_two.label == one_of_two.host
+            assert len(host.asked) == asked  # never asked
+        finally:
+            instances.stop([host])
 
 
 def test_a_spot_instance_tells_of_its_reclaim_only_once_ec2_gave_notice():

@@ -11,14 +11,14 @@ rooms below it only, never on the emulator or `testing`.
 from __future__ import annotations
 
 from trnflow.backends.base import Backend, JobInfo, JobRequest, JobState, run_to_end, wait
-from trnflow.backends.cloud import cloud_target
+from trnflow.backends.cloud import cloud_target, job_scope
 from trnflow.device.signing import EntryKeys, keys_from, public_key, shared_cache_problem
 from trnflow.errors import FatalError
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 
 __all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "backend_for", "cache_keys", "cache_trust_problem",
-           "run_to_end", "trusted_cache_keys", "wait"]
+           "run_to_end", "scope_problem", "trusted_cache_keys", "wait"]
 
 
 def keeps_instance(spec: JobSpec) -> bool:
@@ -74,4 +74,24 @@ def cache_trust_problem(spec: JobSpec, settings: TrnflowSettings | None = None) 
         trusted_cache_keys(spec, settings)
     except FatalError as exc:
         return str(exc)
+    return None
+
+
+def scope_problem(spec: JobSpec, settings: TrnflowSettings | None = None) -> str | None:
+    """Why `spec`'s cloud jobs could not be given roles of their own (a folder IAM cannot name in a
+    role's tags), or None; None too where the deployment cannot be read (`cache_trust_problem` says
+    so) or gives fixed roles."""
+    if spec.compute.backend == "local":
+        return None
+    try:
+        target = cloud_target(settings or TrnflowSettings(), spec.compute.backend)
+    except FatalError:
+        return None
+    if not target.job_policies:
+        return None
+    for phase in ("train", "infer"):
+        try:
+            job_scope(JobRequest(spec, phase, "20261202T000000-0123abcd"), target).tags(0)
+        except FatalError as exc:
+            return str(exc)
     return None

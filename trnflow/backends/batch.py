@@ -20,6 +20,7 @@ from trnflow.backends.batch_request import build_job_definition, build_submit_jo
 from trnflow.backends.cloud import (
     STOPPED_BY_TRNFLOW,
     CloudTarget,
+    JobRoles,
     NodeWatch,
     every_identity,
     node_reports,
@@ -60,6 +61,8 @@ class BatchBackend:
         self._ec2 = aws.client("ec2", boto_session=session)
         self._replaced: set[tuple[str, int]] = set()  # (job, attempt) whose bad instances were terminated
         self._looked: dict[str, float] = {}  # job -> when a running attempt's reports were last listed
+        self._hosts_of: dict[str, tuple[int, list[str]]] = {}  # job -> (attempt, its instances by node)
+        self._hosts_failed: dict[str, float] = {}  # job -> when its instances could last not be looked up
         self._provisioned: dict[str, Provisioning | None] = {}  # ended jobs: their instances, as EC2 has them
         self._spot_prices: dict[str, float | None] = {}  # ended spot jobs: the spot price their instances paid
         self._ecs = aws.client("ecs", boto_session=session)
@@ -72,6 +75,7 @@ class BatchBackend:
         self._waits: dict[str, tuple[float, str, str]] = {}  # job -> (seconds it may wait, instance type, queue)
         self._starved: dict[str, FailureReport] = {}  # jobs stopped for waiting longer than that
         self._reader = StreamReader(self._logs, LOG_GROUP)
+        self.roles = JobRoles(target, session)
 
     def _job_definition(self, body: dict[str, Any]) -> str:
         """The name of an active definition with this content, registering it if there is none."""
@@ -97,10 +101,16 @@ class BatchBackend:
         if problems:
             raise FatalError("; ".join(problems))
         request = fitted(request)
-        definition = self._job_definition(build_job_definition(request.spec, self.target,
-                                                                    request.last_phase))
-        stage_spec(self.target, request)
-        submitted = aws.call(self._batch.submit_job, **build_submit_job(request, self.target, definition))
+        role = self.roles.make(request)
+        try:
+            definition = self._job_definition(build_job_definition(request.spec, self.target, request.last_phase,
+                                                                   role))
+            stage_spec(self.target, request)
+            submitted = aws.call(self._batch.submit_job, **build_submit_job(request, self.target, definition))
+        except BaseException:
+            self.roles.unused(role)
+            raise
+        self.roles.submitted(submitted["jobId"], role)
         compute = request.spec.compute
         self._waits[submitted["jobId"]] = (compute.max_pending_minutes * 60, compute.instance_type,
                                            self.target.queue_for(request.spec))
@@ -174,9 +184,10 @@ class BatchBackend:
         per attempt: as soon as the main node's report is there while the attempt runs, else once it
         ended. Batch retries that exit code (and a host terminated under the attempt), but would place
         the retry on the instances the compute environment already holds, the bad one included;
-        terminated, it is replaced by a new instance, and the retry's preflight checks that one. Only
-        instances the services say the attempt ran on are terminated: a report naming any other (a
-        job can write another run's files, and read their instance ids) is refused and logged."""
+        terminated, it is replaced by a new instance, and the retry's preflight checks that one. The
+        report names the nodes at fault (and, where a node could read it, their instance); only
+        instances the services say those nodes of the attempt ran on are terminated: a report naming
+        any other instance (a job writes its report as it likes) is refused and logged."""
         attempts = desc.get("attempts") or []
         if attempts and (attempts[-1].get("container") or {}).get("exitCode") == ExitCode.BAD_HOST:
             number, since = len(attempts), (attempts[-1].get("startedAt") or 0) / 1000
@@ -189,17 +200,21 @@ class BatchBackend:
         if (job_id, number) in self._replaced:
             return
         reports = [r for _, r in node_reports(self._outputs(desc), since - 1) if r.type == "BadHost"]
-        named = sorted({i for r in reports for i in r.instances})
-        if not named:
+        # the nodes at fault, by index (a multi-node job's containers cannot read their instance), or by
+        # instance where a node could (a single-node job's): either way only the attempt's own count
+        nodes = sorted({n for r in reports for n in r.nodes})
+        named = sorted({i for r in reports for i in r.instances if i.startswith("i-")})
+        if not nodes and not named:
             return
         self._replaced.add((job_id, number))
         try:  # the job's own nodes as Batch and ECS place them: a report, which the job wrote, proves nothing
-            own = self._attempt_instances(desc, number, running=number > len(attempts))
+            placed = {node: i for (n, node), i in self._placements(desc).items() if n == number}
         except Exception as exc:  # fails closed: nothing is terminated; the retry's own preflight still checks
             log.warning("Batch job %s: could not tell which instances attempt %d ran on (%s), so none of %s is "
-                        "terminated", desc.get("jobName"), number, exc, ", ".join(named))
+                        "terminated", desc.get("jobName"), number, exc, ", ".join(named or map(str, nodes)))
             return
-        bad = [i for i in named if i in own]
+        own = set(placed.values())
+        bad = sorted({placed[n] for n in nodes if n in placed} | {i for i in named if i in own})
         if refused := [i for i in named if i not in own]:
             log.warning("Batch job %s: its nodes' preflight report names %s, which attempt %d did not run on (its "
                         "instances: %s); refused, as a report naming another job's instances is",
@@ -215,27 +230,54 @@ class BatchBackend:
         log.warning("Batch job %s: attempt %d failed the preflight (%s); terminated %s, so that Batch's retry runs "
                     "on other instances", desc.get("jobName"), number, reports[0].message, ", ".join(bad))
 
-    def _attempt_instances(self, desc: dict[str, Any], number: int, running: bool) -> set[str]:
-        """The EC2 instances the job's nodes ran on in attempt `number` (the running one when
-        `running`), as the services have them: each node's container instance (`DescribeJobs` of
-        `<job id>#<node>` for a multi-node job), then its EC2 instance (ECS's
-        `DescribeContainerInstances`, in the clusters of the job queue's compute environments)."""
+    def _placements(self, desc: dict[str, Any]) -> dict[tuple[int, int], str]:
+        """The EC2 instance each node ran on in each attempt, the running one too (the attempt after
+        the last that ended), as the services have it: each node's container instance (`DescribeJobs`
+        of `<job id>#<node>` for a multi-node job), then its EC2 instance (ECS's
+        `DescribeContainerInstances`, in the clusters of the job queue's compute environments). No
+        node's own word is taken: a job can write what it likes, and a multi-node job's containers
+        cannot reach the metadata service. {(attempt, node): instance id}."""
         nodes = (desc.get("nodeProperties") or {}).get("numNodes")
         children = aws.call(self._batch.describe_jobs, jobs=[f"{desc['jobId']}#{i}" for i in range(nodes)]
                             )["jobs"] if nodes else [desc]
-        arns = set()
+        placed: dict[str, list[tuple[int, int]]] = {}  # container instance -> (attempt, node) it served
         for child in children:
+            node = int((child.get("nodeDetails") or {}).get("nodeIndex", 0))
             attempts = child.get("attempts") or []
-            placed = (child.get("container") if running else
-                      attempts[number - 1].get("container") if len(attempts) >= number else None) or {}
-            if placed.get("containerInstanceArn"):
-                arns.add(placed["containerInstanceArn"])
-        found: set[str] = set()
-        for cluster in self._queue_clusters(desc["jobQueue"]) if arns else []:
+            running = [child.get("container") or {}] if child.get("status") in ("STARTING", "RUNNING") else []
+            for number, container in enumerate([a.get("container") or {} for a in attempts] + running, 1):
+                if container.get("containerInstanceArn"):
+                    placed.setdefault(container["containerInstanceArn"], []).append((number, node))
+        found: dict[tuple[int, int], str] = {}
+        for cluster in self._queue_clusters(desc["jobQueue"]) if placed else []:
             answer = aws.call(self._ecs.describe_container_instances, cluster=cluster,
-                              containerInstances=sorted(arns))
-            found |= {c["ec2InstanceId"] for c in answer.get("containerInstances", []) if c.get("ec2InstanceId")}
+                              containerInstances=sorted(placed))
+            for c in answer.get("containerInstances", []):
+                if c.get("ec2InstanceId"):
+                    found |= dict.fromkeys(placed.get(c["containerInstanceArn"], []), c["ec2InstanceId"])
         return found
+
+    def _hosts(self, job_id: str, desc: dict[str, Any]) -> list[str]:
+        """The instances of the job's latest attempt, by node, once every node has one (kept then); []
+        before, or when the services cannot be asked (then again after BAD_HOST_LOOK_SECONDS)."""
+        nodes = (desc.get("nodeProperties") or {}).get("numNodes") or 1
+        attempt = len(desc.get("attempts") or []) + (0 if batch_state(desc).terminal else 1)
+        cached = self._hosts_of.get(job_id)
+        if cached is not None and cached[0] == attempt:
+            return cached[1]
+        if time.time() - self._hosts_failed.get(job_id, 0.0) < BAD_HOST_LOOK_SECONDS:
+            return []
+        try:
+            placed = self._placements(desc)
+        except Exception as exc:  # where it ran is then the nodes' host names
+            self._hosts_failed[job_id] = time.time()
+            log.warning("Batch job %s: could not read which instances it ran on (%s)", desc.get("jobName"), exc)
+            return []
+        hosts = [placed.get((attempt, n), "") for n in range(nodes)]
+        if not all(hosts):
+            return []
+        self._hosts_of[job_id] = (attempt, hosts)
+        return hosts
 
     def _queue_clusters(self, queue: str) -> list[str]:
         """The ECS clusters of the compute environments behind job queue `queue` (name or ARN)."""
@@ -248,11 +290,14 @@ class BatchBackend:
         return self._clusters[queue]
 
     def _instances(self, job_id: str, desc: dict[str, Any]) -> Provisioning | None:
-        """An ended job's instances (`batch_provisioning`): where its nodes said they ran, and when EC2
-        launched each; None when that cannot be told."""
+        """An ended job's instances (`batch_provisioning`): where each node of each attempt ran, as the
+        services say (`_placements`), when it started, as the node said, and when EC2 launched each
+        instance; None when that cannot be told."""
         if job_id not in self._provisioned:
             try:
-                identities = every_identity(self._outputs(desc))
+                placed = self._placements(desc)
+                identities = [n.model_copy(update={"instance_id": placed.get((n.attempt, n.node))})
+                              for n in every_identity(self._outputs(desc))]
                 ids = sorted({n.instance_id for n in identities if n.instance_id})
                 # a filter, not InstanceIds: EC2 forgets terminated instances after about an hour, and one it
                 # forgot leaves the job on its attempts' running time instead of failing the call
@@ -294,9 +339,14 @@ class BatchBackend:
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)
         state = batch_state(desc)
+        if state.terminal and self.roles.ended(job_id) and desc.get("jobDefinition"):
+            # the definition names the job's own role, which is gone: no other job can use it
+            aws.call(self._batch.deregister_job_definition, jobDefinition=desc["jobDefinition"])
         self._replace_bad_hosts(job_id, desc)
         details = JobDetails(seconds=batch_billable_seconds(desc), status=desc["status"],
-                             attempts=len(desc.get("attempts") or []))
+                             attempts=len(desc.get("attempts") or []),
+                             hosts=self._hosts(job_id, desc) if state in (JobState.RUNNING, JobState.SUCCEEDED)
+                             else [])
         if state.terminal and (found := self._instances(job_id, desc)) is not None:
             details = replace(details, seconds=found.billable_seconds, instances_started=found.instances_started,
                               provisioning_seconds=found.seconds)

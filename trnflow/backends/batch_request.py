@@ -85,7 +85,7 @@ def _memory_mib(spec: JobSpec) -> int:
     return spec.compute.container_memory_gib * 1024
 
 
-def _container(spec: JobSpec, target: CloudTarget, phase: str, efa: bool = True) -> dict[str, Any]:
+def _container(spec: JobSpec, target: CloudTarget, phase: str, role: str | None, efa: bool = True) -> dict[str, Any]:
     """A node's container; `efa`: a multi-node job's, on the instance type it names, with the
     instance's EFA devices and libfabric's settings (its launch template attaches the interfaces).
     A single-node job names no type (Batch ignores it there): its vCPUs, all but the host's share of
@@ -105,17 +105,19 @@ def _container(spec: JobSpec, target: CloudTarget, phase: str, efa: bool = True)
         "linuxParameters": {"devices": devices, "sharedMemorySize": 64 * 1024},
         "environment": [{"name": k, "value": v} for k, v in sorted((efa_environment(t.name) if efa else {}).items())],
     }
-    container["jobRoleArn"] = target.role_for(phase)  # always one: the containers never use the instance's
+    container["jobRoleArn"] = role or target.role_for(phase)  # always one: the containers never use the instance's
     return container
 
 
-def build_job_definition(spec: JobSpec, target: CloudTarget, phase: str = "train") -> dict[str, Any]:
-    """`RegisterJobDefinition` for the spec's nodes running a `phase` job (as its stage kind's role),
-    named `trnflow-<name>-<content hash>`: a single-node definition for a spot spec, else a
-    multi-node one."""
+def build_job_definition(spec: JobSpec, target: CloudTarget, phase: str = "train",
+                         role: str | None = None) -> dict[str, Any]:
+    """`RegisterJobDefinition` for the spec's nodes running a `phase` job as `role` (by default its
+    stage kind's), named `trnflow-<name>-<content hash>`: a single-node definition for a spot spec,
+    else a multi-node one. A job's role is in its definition (SubmitJob cannot override it), so a
+    job with a role of its own has a definition of its own."""
     shape: dict[str, Any]
     if spec.compute.spot:
-        shape = {"type": "container", "containerProperties": _container(spec, target, phase, efa=False)}
+        shape = {"type": "container", "containerProperties": _container(spec, target, phase, role, efa=False)}
     elif not instance(spec.compute.instance_type).multi_node:
         raise FatalError(f"compute.instance_type: {spec.compute.instance_type} has no EFA; AWS Batch multi-node "
                          "jobs need trn1.32xlarge, trn1n.32xlarge or trn2.48xlarge (or set compute.spot: true, whose "
@@ -124,7 +126,7 @@ def build_job_definition(spec: JobSpec, target: CloudTarget, phase: str = "train
         shape = {"type": "multinode", "nodeProperties": {
             "numNodes": spec.compute.nodes,
             "mainNode": 0,
-            "nodeRangeProperties": [{"targetNodes": "0:", "container": _container(spec, target, phase)}],
+            "nodeRangeProperties": [{"targetNodes": "0:", "container": _container(spec, target, phase, role)}],
         }}
     body = {
         **shape,

@@ -15,6 +15,7 @@ from trnflow import aws
 from trnflow.backends.base import JobRequest, stage_result
 from trnflow.backends.contract import JobEnv, JobOutputs
 from trnflow.backends.failures import report_order
+from trnflow.backends.run_roles import JobScope, RunRoles
 from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, UNSIGNED_ENV
 from trnflow.errors import FatalError
 from trnflow.neuron.devices import IMAGES, image_device
@@ -44,6 +45,12 @@ class CloudTarget:
     unless `images` has one for the job's device."""
     images: dict[str, str] = field(default_factory=dict)
     """The training container by device (`neuron`, `xla`): see `image_for`."""
+    job_policies: str = ""
+    """The IAM path of the stack's job policies: set, every job runs as a role of its own
+    (`trnflow.backends.run_roles`), and `role_arn` and `roles` are not used."""
+    role_settle_seconds: float = 10.0
+    """How long a job's new role is given to reach every IAM endpoint before the job is submitted
+    (none in an emulated AWS, whose IAM has it everywhere at once)."""
     role_arn: str = ""
     """SageMaker execution role of every stage kind without a role in `roles`."""
     roles: dict[str, str] = field(default_factory=dict)
@@ -62,16 +69,16 @@ class CloudTarget:
     """TRNFLOW_CACHE_UNSIGNED where the job is submitted: a shared cache may be used unsigned, in the jobs too."""
 
     def role_for(self, phase: str) -> str:
-        """The role a job of `phase` runs as (SageMaker's execution role, Batch's job role): its stage
-        kind's, else `role_arn` (the stack publishes the least, the preflight role, there). A Batch job
+        """The fixed role a job of `phase` runs as where the deployment gives no job policies
+        (SageMaker's execution role, Batch's job role): its stage kind's, else `role_arn`. A Batch job
         without a role of its own would run as its instance's role, so there is always one: FatalError
         when neither is set."""
         kind = STAGE_KINDS.get(phase, "")
         role = self.roles.get(kind, "") or self.role_arn
         if not role:
-            raise FatalError(f"the {phase} phase has no role to run as: set TRNFLOW_ROLE_{kind.upper() or 'TRAIN'} "
-                             "(the stack's role for its stage kind) or TRNFLOW_SAGEMAKER_ROLE_ARN; a job without a "
-                             "role of its own would run as its instance's")
+            raise FatalError(f"the {phase} phase has no role to run as: set TRNFLOW_JOB_POLICIES (the stack's "
+                             f"JobPolicies output), or TRNFLOW_ROLE_{kind.upper() or 'TRAIN'} or "
+                             "TRNFLOW_SAGEMAKER_ROLE_ARN; a job without a role of its own would run as its instance's")
         return role
 
     def queue_for(self, spec: JobSpec) -> str:
@@ -95,8 +102,8 @@ class CloudTarget:
 STAGE_KINDS = {"sanity": "preflight", "collectives": "preflight", "compile": "compile", "train": "train",
                "evaluate": "train", "infer": "infer"}
 """Each phase's stage kind: the kinds' jobs run as roles of their own, each writing only its outputs."""
-SETTINGS = ("image", "image_neuron", "image_xla", "staging_url", "sagemaker_role_arn", "batch_job_queue",
-            "batch_spot_job_queue", "cache_signing_key", "cache_public_key",
+SETTINGS = ("image", "image_neuron", "image_xla", "staging_url", "job_policies", "sagemaker_role_arn",
+            "batch_job_queue", "batch_spot_job_queue", "cache_signing_key", "cache_public_key",
             *(f"role_{kind}" for kind in sorted(set(STAGE_KINDS.values()))))
 
 
@@ -118,17 +125,18 @@ def published_settings(path: str) -> dict[str, str]:
 
 def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
     """Where `service`'s jobs go: the images (TRNFLOW_IMAGE_NEURON, TRNFLOW_IMAGE_XLA, or
-    TRNFLOW_IMAGE for both), TRNFLOW_STAGING_URL and TRNFLOW_SAGEMAKER_ROLE_ARN or
-    TRNFLOW_BATCH_JOB_QUEUE, each taken, when unset, from the SSM parameters the infra stack publishes."""
+    TRNFLOW_IMAGE for both), TRNFLOW_STAGING_URL, TRNFLOW_JOB_POLICIES (or fixed roles) and, for
+    Batch, TRNFLOW_BATCH_JOB_QUEUE, each taken, when unset, from the SSM parameters the infra stack
+    publishes."""
     values = {name: getattr(settings, name) for name in SETTINGS}
-    kinds = sorted(set(STAGE_KINDS.values()))
-    every_kind = all(getattr(settings, f"role_{kind}") for kind in kinds)
-    needed = ["staging_url", *(["batch_job_queue"] if service == "batch" else
-                               [] if every_kind else ["sagemaker_role_arn"])]
+    needed = ["staging_url", *(["batch_job_queue"] if service == "batch" else [])]
     images = ("image", *(f"image_{d}" for d in IMAGES))
     published = published_settings(settings.parameters_path)  # always: the cache's key may be there alone
     values = {name: values[name] or published.get(name) for name in SETTINGS}
     missing = [f"TRNFLOW_{name.upper()}" for name in needed if not values[name]]
+    every_kind = all(values[f"role_{kind}"] for kind in set(STAGE_KINDS.values()))
+    if not (values["job_policies"] or every_kind or values["sagemaker_role_arn"]):
+        missing.append("TRNFLOW_JOB_POLICIES (or TRNFLOW_SAGEMAKER_ROLE_ARN)")
     if not any(values[name] for name in images):
         missing.append(" or ".join(f"TRNFLOW_{name.upper()}" for name in images))
     if missing:
@@ -137,12 +145,63 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
                          f"{settings.parameters_path}/ in SSM)")
     return CloudTarget(staging_url=values["staging_url"], image=values["image"] or "",
                        images={d: values[f"image_{d}"] for d in IMAGES if values[f"image_{d}"]},
+                       job_policies=values["job_policies"] or "",
+                       role_settle_seconds=0.0 if aws.emulated() else settings.role_settle_seconds,
                        role_arn=values["sagemaker_role_arn"] or "", job_queue=values["batch_job_queue"] or "",
                        spot_job_queue=values["batch_spot_job_queue"] or "",
                        roles={kind: values[f"role_{kind}"] for kind in set(STAGE_KINDS.values())
                               if values[f"role_{kind}"]},
                        recipe_modules=settings.recipe_modules, cache_public_key=values["cache_public_key"] or "",
                        cache_signing_key=values["cache_signing_key"] or "", cache_unsigned=settings.cache_unsigned)
+
+
+def job_scope(request: JobRequest, target: CloudTarget) -> JobScope:
+    """Where a job of `request` may write: its run's staging folder, and its stage kind's folder (the
+    run's checkpoints for preflight and training, the output folder inference was given)."""
+    spec = request.spec
+    assert spec is not None, "cloud jobs always carry a spec"
+    kind = STAGE_KINDS[request.last_phase]
+    writes = {"preflight": checkpoint_s3_uri(spec, request.run_id), "train": checkpoint_s3_uri(spec, request.run_id),
+              "infer": spec.inference.output_url}.get(kind)
+    return JobScope(kind=kind, run_id=request.run_id, staging=f"{target.staging_url.rstrip('/')}/{request.run_id}",
+                    writes=writes)
+
+
+class JobRoles:
+    """The role each job of a backend runs as: with the stack's job policies, one made for it alone
+    (`trnflow.backends.run_roles`) and deleted when it ends; else its stage kind's fixed role."""
+
+    def __init__(self, target: CloudTarget, session=None):
+        self.target = target
+        self._made = RunRoles(target.job_policies, session) if target.job_policies else None
+        self._jobs: dict[str, str] = {}  # job -> the role made for it
+
+    def make(self, request: JobRequest) -> str:
+        """The role for a job of `request` about to be submitted."""
+        if self._made is None:
+            return self.target.role_for(request.last_phase)
+        assert request.spec is not None, "cloud jobs always carry a spec"
+        longest = runtime_seconds(request) + request.spec.compute.max_pending_minutes * 60
+        role = self._made.make(job_scope(request, self.target), job_name(request), longest)
+        time.sleep(self.target.role_settle_seconds)  # IAM is eventually consistent: a new role is not yet everywhere
+        return role
+
+    def submitted(self, job_id: str, role: str) -> None:
+        if self._made is not None:
+            self._jobs[job_id] = role
+
+    def unused(self, role: str) -> None:
+        """A made role whose job was never submitted."""
+        if self._made is not None:
+            self._made.delete(role)
+
+    def ended(self, job_id: str) -> bool:
+        """The job ended: the role made for it goes (once). Whether there was one."""
+        role = self._jobs.pop(job_id, None)
+        if role is None or self._made is None:
+            return False
+        self._made.delete(role)
+        return True
 
 
 def job_name(request: JobRequest, limit: int = 63) -> str:

@@ -157,8 +157,11 @@ def instance_metadata(env: dict[str, str], timeout: float = 1.0) -> dict[str, st
 
 def identity(env: dict[str, str], service: str, r: Rendezvous) -> NodeIdentity:
     """Who this node is in this attempt: its host name, and its EC2 instance where the metadata
-    service says."""
-    meta = instance_metadata(env) if service == "batch" else {}
+    service says: a single-node Batch job's, which shares its host's network. A multi-node job's
+    containers (awsvpc) are kept from the metadata service (ECS_AWSVPC_BLOCK_IMDS), and SageMaker's
+    cannot reach it: the orchestrator asks the services where those ran."""
+    awsvpc = "AWS_BATCH_JOB_NODE_INDEX" in env
+    meta = instance_metadata(env) if service == "batch" and not awsvpc else {}
     host = env.get("SM_CURRENT_HOST") if service == "sagemaker" else None
     attempt = int(env.get("AWS_BATCH_JOB_ATTEMPT", "1")) if service == "batch" else 1
     return NodeIdentity(node=r.node_rank, attempt=attempt, host=host or socket.gethostname(),
@@ -187,6 +190,7 @@ def bad_host(why: str, nodes: list[int], identities: dict[int, NodeIdentity],
     instances to replace."""
     instances = [identities[n].label for n in nodes if n in identities]
     return FailureReport(type="BadHost", retryable=True, bad_cores=sorted(bad_cores or []), instances=instances,
+                         nodes=sorted(nodes),
                          message=f"preflight: {why}; the job ends before training, and {_named(nodes, identities)} "
                                  "is replaced before the preflight runs again")
 

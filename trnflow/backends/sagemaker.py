@@ -1,7 +1,8 @@
 """The SageMaker backend: each stage job is a SageMaker training job.
 
 `submit` hands the spec over in the staging bucket and sends the request built by
-`sagemaker_request` through the SDK's ModelTrainer; `describe` polls `DescribeTrainingJob`
+`sagemaker_request` through the SDK's ModelTrainer, as a role made for the job (`JobRoles`, deleted
+when it ends); `describe` polls `DescribeTrainingJob`
 (through `trnflow.aws`, which retries throttling and 5xx) and, once the job has completed, reads
 rank 0's result from the job's output.tar.gz; `logs` reads CloudWatch; `cancel` stops the job.
 """
@@ -11,11 +12,14 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from botocore.exceptions import ClientError
+
 from trnflow import aws
 from trnflow.backends import sagemaker_trainer
 from trnflow.backends.base import JobDetails, JobInfo, JobRequest, JobState, fitted, stage_result
 from trnflow.backends.cloud import (
     CloudTarget,
+    JobRoles,
     NodeWatch,
     stage_spec,
     staging_prefix,
@@ -31,6 +35,16 @@ from trnflow.storage import Store, open_store
 from trnflow.storage.s3 import split_s3_url
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+
+
+SUBMIT_ATTEMPTS = 4
+ROLE_WAIT_SECONDS = 10.0
+
+
+def _role_not_yet_assumable(exc: ClientError) -> bool:
+    """SageMaker's answer to a role IAM has not spread yet ("Could not assume role ...")."""
+    error = exc.response.get("Error", {})
+    return error.get("Code") == "ValidationException" and "assume" in error.get("Message", "").lower()
 
 
 class SageMakerBackend:
@@ -50,24 +64,39 @@ class SageMakerBackend:
         self._reader = StreamReader(self._logs, LOG_GROUP)
         self._outputs: dict[str, Store] = {}  # job -> where its nodes upload their failures
         self.nodes = NodeWatch()  # stops a job whose other host failed while its main host went on
+        self.roles = JobRoles(target, self._session)
 
     def submit(self, request: JobRequest) -> str:
         if request.spec is None:
             raise FatalError(f"the {request.phase} phase needs a job spec to run on SageMaker")
         request = fitted(request)
-        body = build_training_job_request(request, self.target)
-        stage_spec(self.target, request)
+        role = self.roles.make(request)
+        try:
+            body = build_training_job_request(request, self.target, role)
+            stage_spec(self.target, request)
+            job_id = self._create(body)
+        except BaseException:
+            self.roles.unused(role)
+            raise
+        self.roles.submitted(job_id, role)
+        self._outputs[job_id] = open_store(f"{staging_prefix(self.target, request)}/output/{job_id}")
+        return job_id
+
+    def _create(self, body: dict[str, Any]) -> str:
         bucket, _ = split_s3_url(self.target.staging_url)
-        for attempt in range(3):
+        for attempt in range(1, SUBMIT_ATTEMPTS + 1):
             try:
-                job_id = aws.call(sagemaker_trainer.submit, body, self._session, bucket)
-                self._outputs[job_id] = open_store(f"{staging_prefix(self.target, request)}/output/{job_id}")
-                return job_id
+                return aws.call(sagemaker_trainer.submit, body, self._session, bucket)
             except self._sm.exceptions.ResourceInUse:
                 # ModelTrainer names jobs to the second; a resubmission within the same second waits
-                if attempt == 2:
+                if attempt == SUBMIT_ATTEMPTS:
                     raise
                 time.sleep(1.1)
+            except ClientError as exc:
+                # a job's new role may not have reached SageMaker's IAM endpoint yet
+                if attempt == SUBMIT_ATTEMPTS or not _role_not_yet_assumable(exc):
+                    raise
+                time.sleep(ROLE_WAIT_SECONDS)
         raise AssertionError("unreachable")
 
     def _describe(self, job_id: str) -> dict[str, Any]:
@@ -83,6 +112,8 @@ class SageMakerBackend:
     def describe(self, job_id: str) -> JobInfo:
         desc = self._describe(job_id)
         state = sagemaker_state(desc)
+        if state.terminal:
+            self.roles.ended(job_id)
         restarts = sum(1 for t in desc.get("SecondaryStatusTransitions", []) if t.get("Status") == "Restarting")
         config = desc.get("ResourceConfig") or {}
         started = sagemaker_provisioning(desc)

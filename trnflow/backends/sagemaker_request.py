@@ -87,7 +87,8 @@ def stopping_condition(spec: JobSpec, runtime: int | None = None) -> dict[str, i
     return condition
 
 
-def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict[str, Any]:
+def build_training_job_request(request: JobRequest, target: CloudTarget, role: str | None = None) -> dict[str, Any]:
+    """`CreateTrainingJob` for one stage, run as `role` (by default its stage kind's, `CloudTarget.role_for`)."""
     spec = request.spec
     if spec is None:
         raise FatalError("a SageMaker job needs a job spec")
@@ -102,7 +103,7 @@ def build_training_job_request(request: JobRequest, target: CloudTarget) -> dict
         hyperparameters["checkpoint"] = request.checkpoint
     return {
         "TrainingJobName": job_name(request, BASE_NAME_LENGTH),
-        "RoleArn": target.role_for(request.last_phase),
+        "RoleArn": role or target.role_for(request.last_phase),
         "AlgorithmSpecification": {
             "TrainingImage": target.image_for(spec),
             "TrainingInputMode": "File",

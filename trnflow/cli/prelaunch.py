@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from trnflow.backends import cache_trust_problem
+from trnflow.backends import cache_trust_problem, scope_problem
 from trnflow.cli.common import err
 from trnflow.cli.console import RED
 from trnflow.device.plans import cache_problem
@@ -89,14 +89,16 @@ def memory_plan(spec: JobSpec) -> tuple[MemoryPlan | None, str | None]:
 def launch_problems(spec: JobSpec, retraining: bool = False) -> list[str]:
     """What would stop a run that is about to start: its local data missing, empty or unreadable by
     its listing, a compile cache it cannot trust (a folder others can write, a shared one with no
-    key to check it), its deployment's settings missing, and its gate reference missing, malformed
-    or (for a run judged step by step, not `retraining`) sharing no evaluation step with it (s3://
-    ones are checked by the run itself, before its first job)."""
+    key to check it), its deployment's settings missing, a folder its jobs' roles cannot name, and
+    its gate reference missing, malformed or (for a run judged step by step, not `retraining`)
+    sharing no evaluation step with it (s3:// ones are checked by the run itself, before its first
+    job)."""
     problems = [f"data.{field}: {message}" for field in DATA_FIELDS
                 if (url := getattr(spec.data, field)).startswith("file://")
                 for message in listing_problems(url, spec.data.format,
                                                 spec.data.ready_marker if field == "train" else None)]
-    checks = (cache_problem(spec), cache_trust_problem(spec), reference_problem(spec, False, retraining))
+    checks = (cache_problem(spec), cache_trust_problem(spec), scope_problem(spec),
+              reference_problem(spec, False, retraining))
     return problems + [found for found in checks if found] + missing_inputs(spec)
 
 

@@ -199,7 +199,9 @@ class BatchJob:
             batch["AWS_BATCH_JOB_MAIN_NODE_PRIVATE_IPV4_ADDRESS"] = "127.0.0.1"  # every node is this machine
         emulator = {INSTANCE_CORES_ENV: str(instance(itype).cores), RT_DIR_ENV: str(root / "neuron-rt"),
                     "TRNFLOW_HOME": str(root / "trnflow-home"), JobEnv.var("output_dir"): str(root / "output"),
-                    JobEnv.var("master_port"): str(port), "AWS_EC2_METADATA_SERVICE_ENDPOINT": host.endpoint}
+                    JobEnv.var("master_port"): str(port)}
+        if not self.multinode:  # a multi-node job's (awsvpc) containers are kept from it (ECS_AWSVPC_BLOCK_IMDS)
+            emulator["AWS_EC2_METADATA_SERVICE_ENDPOINT"] = host.endpoint
         return container_env(self.cloud.endpoint_url, self.cloud.region, self.env, batch, emulator,
                              self.cloud.node_layer(index, host.instance_id))
 

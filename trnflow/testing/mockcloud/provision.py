@@ -1,9 +1,10 @@
-"""The deployment trnflow's cloud backends expect, created in the emulated AWS: buckets, the
-SageMaker role, Batch compute environments (on demand, and spot) with their queues and fair-share
-policy, the compile cache's signing key (a Secrets Manager secret) and public key, and the settings
-published as SSM parameters. In the real
-account `infra/cloudformation/trnflow.yaml` creates them; this is the same shape, made through the
-APIs so it works on any moto."""
+"""The deployment trnflow's cloud backends expect, created in the emulated AWS: buckets, the jobs'
+policies (from which trnflow makes each job's role), Batch compute environments (on demand, and spot)
+with their queues and fair-share policy, the compile cache's signing key (a Secrets Manager secret)
+and public key, and the settings published as SSM parameters. In the real account
+`infra/cloudformation/trnflow.yaml` creates them; this is the same shape, made through the APIs so it
+works on any moto (which checks that a policy exists before it is attached, not what it allows: the
+stack's statements are evaluated by infra/tests/test_roles.py)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,13 @@ ACCOUNT = "123456789012"
 """moto's account."""
 TRUST = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole", "Principal": {
     "Service": ["sagemaker.amazonaws.com", "batch.amazonaws.com", "ec2.amazonaws.com"]}}]}
-SETTINGS = ("IMAGE_NEURON", "IMAGE_XLA", "STAGING_URL", "SAGEMAKER_ROLE_ARN", "BATCH_JOB_QUEUE",
-            "BATCH_SPOT_JOB_QUEUE", "CACHE_PUBLIC_KEY", "CACHE_SIGNING_KEY")
+PUBLISHED = ("IMAGE_NEURON", "IMAGE_XLA", "STAGING_URL", "JOB_POLICIES", "BATCH_JOB_QUEUE", "BATCH_SPOT_JOB_QUEUE",
+             "CACHE_PUBLIC_KEY", "CACHE_SIGNING_KEY")
 """The settings the deployment publishes (TRNFLOW_<name>, and /<prefix>/<name in kebab case> in SSM)."""
+SETTINGS = (*PUBLISHED, "ROLE_SETTLE_SECONDS")
+"""The settings that point trnflow at it: moto's IAM has a new role everywhere at once."""
+JOB_POLICIES = ("job-base", "job-preflight", "job-compile", "job-train", "job-infer")
+"""The stack's job policies (`trnflow.backends.run_roles`), under the IAM path /<prefix>/."""
 
 
 def signing_key(prefix: str = "trnflow") -> Ed25519PrivateKey:
@@ -47,9 +52,12 @@ def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
     for bucket in buckets.values():
         if bucket not in existing:
             s3.create_bucket(Bucket=bucket)
-    roles = {r["RoleName"]: r["Arn"] for r in iam.list_roles()["Roles"]}
-    role = roles.get(f"{prefix}-sagemaker") or iam.create_role(
-        RoleName=f"{prefix}-sagemaker", AssumeRolePolicyDocument=json.dumps(TRUST))["Role"]["Arn"]
+    existing = {p["PolicyName"] for p in iam.list_policies(Scope="Local", PathPrefix=f"/{prefix}/")["Policies"]}
+    for name in JOB_POLICIES:
+        if name not in existing:  # what each allows is the stack's (infra/); moto checks only that it exists
+            iam.create_policy(PolicyName=name, Path=f"/{prefix}/", PolicyDocument=json.dumps({
+                "Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "s3:GetObject",
+                                                        "Resource": f"arn:aws:s3:::{prefix}-*/*"}]}))
     queue = f"{prefix}-trn1"
     if not batch.describe_job_queues(jobQueues=[queue])["jobQueues"]:
         vpc = ec2.create_vpc(CidrBlock="10.42.0.0/16")["Vpc"]["VpcId"]
@@ -84,9 +92,8 @@ def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
     except secrets.exceptions.ResourceNotFoundException:
         secret = secrets.create_secret(Name=f"{prefix}-cache-signing-key", SecretString=signing_pem(prefix))["ARN"]
     outputs = mock_outputs(prefix) | {"CACHE_SIGNING_KEY": secret}
-    assert outputs["SAGEMAKER_ROLE_ARN"] == role
     ssm = client("ssm")
-    for name in SETTINGS:  # as the infra stack publishes them
+    for name in PUBLISHED:  # as the infra stack publishes them
         ssm.put_parameter(Name=f"/{prefix}/{name.lower().replace('_', '-')}", Value=outputs[name], Type="String",
                           Overwrite=True)
     return outputs
@@ -97,7 +104,7 @@ def mock_outputs(prefix: str = "trnflow") -> dict[str, str]:
     repository = f"{ACCOUNT}.dkr.ecr.us-east-1.amazonaws.com/{prefix}-train"
     return {"IMAGE_NEURON": f"{repository}:neuron", "IMAGE_XLA": f"{repository}:xla",
             "STAGING_URL": f"s3://{prefix}-staging-{ACCOUNT}/jobs",
-            "SAGEMAKER_ROLE_ARN": f"arn:aws:iam::{ACCOUNT}:role/{prefix}-sagemaker",
+            "JOB_POLICIES": f"arn:aws:iam::{ACCOUNT}:policy/{prefix}/", "ROLE_SETTLE_SECONDS": "0",
             "BATCH_JOB_QUEUE": f"{prefix}-trn1", "BATCH_SPOT_JOB_QUEUE": f"{prefix}-trn1-spot",
             "DATA_BUCKET": f"{prefix}-data-{ACCOUNT}",
             "CACHE_PUBLIC_KEY": public_text(signing_key(prefix).public_key())}
