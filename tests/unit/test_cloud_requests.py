@@ -195,6 +195,9 @@ def test_the_sagemaker_request_never_carries_a_checkpoint_uri_off_s3():
         build_training_job_request(JobRequest(local, "train", "r1"), TARGET)
     built = build_training_job_request(JobRequest(spec, "train", "r1"), TARGET)
     assert built["CheckpointConfig"]["S3Uri"] == "s3://acme-ckpt/embed/r1"
+    # the kinds whose role may not write the run's checkpoints do not have SageMaker sync them
+    assert "CheckpointConfig" not in build_training_job_request(JobRequest(spec, "infer", "r1"), TARGET)
+    assert "CheckpointConfig" not in build_training_job_request(JobRequest(spec, "compile", "r1"), TARGET)
 
 
 def test_the_batch_job_definition_whole_and_named_by_its_content():

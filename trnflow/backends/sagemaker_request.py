@@ -14,6 +14,7 @@ from typing import Any
 from trnflow.backends.base import JobRequest
 from trnflow.backends.cloud import (
     CHECKPOINT_DIR,
+    STAGE_KINDS,
     CloudTarget,
     checkpoint_s3_uri,
     container_environment,
@@ -111,7 +112,9 @@ def build_training_job_request(request: JobRequest, target: CloudTarget, role: s
         "HyperParameters": hyperparameters,
         "ResourceConfig": resource_config(spec, placement(request)[0]),
         "StoppingCondition": stopping_condition(spec, runtime_seconds(request)),
-        "CheckpointConfig": _checkpoint_config(spec, request.run_id),
+        # only the kinds whose role writes the run's checkpoint folder have SageMaker sync it
+        **({"CheckpointConfig": _checkpoint_config(spec, request.run_id)}
+           if STAGE_KINDS[request.last_phase] in ("preflight", "train") else {}),
         **({"EnableManagedSpotTraining": True} if spec.compute.spot else {}),
         # SageMaker retries a job that failed with an internal error itself; trnflow's own retries
         # (resubmissions) are for the failures SageMaker does not retry.

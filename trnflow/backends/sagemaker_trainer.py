@@ -63,7 +63,7 @@ def model_trainer(body: dict[str, Any], boto_session: Any, default_bucket: str) 
     from sagemaker.train import ModelTrainer
 
     _check_our_config_once()
-    resources, checkpoint = body["ResourceConfig"], body["CheckpointConfig"]
+    resources, checkpoint = body["ResourceConfig"], body.get("CheckpointConfig")
     session = Session(boto_session=boto_session, default_bucket=default_bucket, sagemaker_config=TELEMETRY_OFF)
     trainer = ModelTrainer(
         sagemaker_session=session,
@@ -81,7 +81,8 @@ def model_trainer(body: dict[str, Any], boto_session: Any, default_bucket: str) 
             max_runtime_in_seconds=body["StoppingCondition"]["MaxRuntimeInSeconds"],
             max_pending_time_in_seconds=body["StoppingCondition"].get("MaxPendingTimeInSeconds"),
             max_wait_time_in_seconds=body["StoppingCondition"].get("MaxWaitTimeInSeconds")),
-        checkpoint_config=CheckpointConfig(s3_uri=checkpoint["S3Uri"], local_path=checkpoint["LocalPath"]),
+        checkpoint_config=CheckpointConfig(s3_uri=checkpoint["S3Uri"], local_path=checkpoint["LocalPath"])
+        if checkpoint else None,
         output_data_config=OutputDataConfig(s3_output_path=body["OutputDataConfig"]["S3OutputPath"]),
         input_data_config=[_channel(c) for c in body["InputDataConfig"]],
         environment=body["Environment"],
