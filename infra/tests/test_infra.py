@@ -152,7 +152,7 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
     spec = validate_spec(quickstart_data(**ON_S3, compute={"backend": "batch", "instance_type": "trn1.32xlarge"},
                                          train={"checkpoint_url": f"s3://{outputs['CheckpointBucket']}/runs/m"}))
     roles = JobRoles(target)
-    arn = roles.make(JobRequest(spec, "evaluate", "r7"))
+    arn = roles.make(JobRequest(spec, "evaluate", "r7"), longest=3600)
     name = arn.rsplit("/", 1)[1]
     assert arn.startswith("arn:aws:iam::123456789012:role/trnflow/trnflow-run-train-")
     attached = {p["PolicyArn"] for p in iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"]}

@@ -273,26 +273,34 @@ def test_multi_node_containers_cannot_reach_the_instances_role_and_logs_are_kept
     assert all(g["RetentionInDays"] == {"Ref": "LogRetentionDays"} for g in groups.values())
 
 
-def test_the_instance_role_is_the_ecs_agents_alone_narrowed_to_this_stacks_nodes():
-    """What a spot job, which shares its host's network, could do with the instance's credentials: no
-    more than its node's ECS agent does, on the clusters Batch made for these compute environments."""
-    role = "BatchInstanceRole"
-    assert "ManagedPolicyArns" not in STACK.resources[role]["Properties"]  # not the broad AWS-managed one
+@pytest.mark.parametrize(("role", "cluster", "other"), [("BatchInstanceRole", "trnflow-trn1", "trnflow-trn1-spot"),
+                                                     ("SpotInstanceRole", "trnflow-trn1-spot", "trnflow-trn1")])
+def test_each_instance_role_is_the_ecs_agents_alone_on_its_own_environments_cluster(role, cluster, other):
+    """What a spot job, which shares its host's network, could do with its instance's credentials: no
+    more than its node's ECS agent does, on the cluster Batch made for the spot environment; never on
+    the multi-node jobs' nodes, another team's clusters, the buckets or IAM."""
+    assert not any("iam::aws:policy" in str(arn) for arn in STACK.resources[role]["Properties"]["ManagedPolicyArns"])
     ecs = "arn:aws:ecs:us-east-1:123456789012"
-    ours, theirs = f"{ecs}:cluster/trnflow-trn1-spot_Batch_0a1b2c3d", f"{ecs}:cluster/payments_Batch_0a1b2c3d"
-    assert STACK.allows(role, "ecs:RegisterContainerInstance", ours)
-    assert not STACK.allows(role, "ecs:RegisterContainerInstance", theirs)
-    assert STACK.allows(role, "ecs:Poll", f"{ecs}:container-instance/trnflow-trn1_Batch_0a1b2c3d/0f1e")
-    assert not STACK.allows(role, "ecs:Poll", f"{ecs}:container-instance/payments_Batch_0a1b2c3d/0f1e")
-    assert not STACK.allows(role, "ecs:CreateCluster", "*")
+    for name, allowed in ((cluster, True), (other, False), ("payments", False)):
+        assert STACK.allows(role, "ecs:RegisterContainerInstance", f"{ecs}:cluster/{name}_Batch_0a1b2c3d") is allowed
+        assert STACK.allows(role, "ecs:Poll", f"{ecs}:container-instance/{name}_Batch_0a1b2c3d/0f1e") is allowed
+        assert STACK.allows(role, "ecs:SubmitTaskStateChange", f"{ecs}:cluster/{name}_Batch_0a1b2c3d") is allowed
+        assert STACK.allows(role, "ecs:UpdateContainerInstancesState",
+                            f"{ecs}:container-instance/{name}_Batch_0a1b2c3d/0f1e") is allowed
+    assert not STACK.allows(role, "ecs:CreateCluster", f"{ecs}:cluster/{cluster}_Batch_0a1b2c3d")
     logs = "arn:aws:logs:us-east-1:123456789012:log-group:"
     assert STACK.allows(role, "logs:PutLogEvents", f"{logs}/aws/batch/job:log-stream:x")
     assert not STACK.allows(role, "logs:PutLogEvents", f"{logs}/aws/sagemaker/TrainingJobs:log-stream:x")
     assert not STACK.allows(role, "logs:PutLogEvents", f"{logs}/payments:log-stream:x")
     assert STACK.allows(role, "ecr:BatchGetImage", STACK.attribute("ImageRepository", "Arn"))
     assert not STACK.allows(role, "ecr:BatchGetImage", "arn:aws:ecr:us-east-1:123456789012:repository/payments")
-    for action in ("s3:GetObject", "s3:PutObject", "iam:PassRole", "secretsmanager:GetSecretValue"):
-        assert not STACK.allows(role, action, "*"), action
+    # nothing of the jobs': every write and read a job role may do, refused on the resources themselves
+    for action, arn in [("s3:PutObject", WRITES["checkpoint"]), ("s3:GetObject", WRITES["checkpoint"]),
+                        ("s3:PutObject", WRITES["result"]), ("s3:PutObject", WRITES["cache entry"]),
+                        ("s3:ListBucket", STAGING), ("iam:PassRole", "arn:aws:iam::123456789012:role/trnflow/x"),
+                        ("secretsmanager:GetSecretValue", STACK.ref("CacheSigningKey")),
+                        ("ec2:TerminateInstances", "arn:aws:ec2:us-east-1:123456789012:instance/i-0123")]:
+        assert not STACK.allows(role, action, arn), (role, action)
 
 
 def test_every_bucket_takes_tls_only():
@@ -340,7 +348,7 @@ def test_only_the_orchestrator_terminates_instances_and_only_the_compute_environ
     assert not STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance)  # anyone else's instance
     assert not STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance,
                             {"aws:ResourceTag/trnflow:compute-environment": "another-trn1"})
-    for role in (*JOB_POLICIES, "BatchInstanceRole"):
+    for role in (*JOB_POLICIES, "BatchInstanceRole", "SpotInstanceRole"):
         assert not STACK.allows(role, "ec2:TerminateInstances", instance, ours | _as(role)), role
     assert STACK.allows("OrchestratorRole", "ec2:DescribeInstances", "*")  # each node's launch, for the bill
     assert STACK.allows("OrchestratorRole", "ec2:DescribeSpotPriceHistory", "*")  # and a spot job's price

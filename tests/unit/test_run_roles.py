@@ -62,7 +62,9 @@ def test_a_role_without_its_kinds_policy_is_not_left_behind(in_process_aws):
 
 
 @pytest.mark.slow  # moto's IAM: with the integration tests
-def test_roles_left_behind_are_deleted_once_their_time_is_over_and_no_other_role_ever(in_process_aws):
+def test_roles_left_behind_are_deleted_once_their_time_is_over_and_no_other_role_ever(in_process_aws, monkeypatch):
+    from trnflow.backends import run_roles
+
     iam = boto3.client("iam")
     _policies(iam)
     live = RunRoles(POLICIES).make(SCOPE, "live", seconds=3600)
@@ -71,8 +73,10 @@ def test_roles_left_behind_are_deleted_once_their_time_is_over_and_no_other_role
     theirs = iam.create_role(Path="/acme/", RoleName="acme-orchestrator", AssumeRolePolicyDocument="{}",
                              Tags=[{"Key": EXPIRES_TAG, "Value": "1"}])["Role"]["Arn"]
     roles = RunRoles(POLICIES)
+    assert roles.sweep() == []  # this process swept within the hour (as it made the first role)
+    monkeypatch.setattr(run_roles, "_SWEPT", {})
     assert roles.sweep() == [stale]
-    assert roles.sweep() == []  # once a backend
+    assert RunRoles(POLICIES).sweep() == []  # once an hour a process, whatever backend asks
     left = {r["Arn"] for r in iam.list_roles(PathPrefix="/acme/")["Roles"]}
     assert left == {live, theirs}
     roles.delete(theirs)  # not a job role: refused
@@ -110,3 +114,41 @@ def test_a_folder_a_jobs_role_cannot_name_is_refused_before_the_run_starts(in_pr
     assert any("cannot be a job role's trnflow-writes tag" in p and "models(1)" in p for p in problems), problems
     fine = spec.model_copy(update={"train": spec.train.model_copy(update={"checkpoint_url": "s3://acme-ckpt/m"})})
     assert not [p for p in launch_problems(fine) if "job role" in p]
+
+
+def test_a_role_that_cannot_be_deleted_yet_leaves_the_jobs_end_standing_and_is_tried_again(monkeypatch):
+    from botocore.exceptions import ClientError
+
+    from trnflow.backends.cloud import CloudTarget, JobRoles
+
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    roles = JobRoles(CloudTarget(staging_url="s3://acme-staging/jobs", job_policies=POLICIES))
+    role, tried = "arn:aws:iam::123456789012:role/acme/acme-run-train-0123456789abcdef", []
+
+    def delete(arn):
+        tried.append(arn)
+        if len(tried) == 1:
+            raise ClientError({"Error": {"Code": "DeleteConflict", "Message": "policies still attached"}}, "DeleteRole")
+    monkeypatch.setattr(roles._made, "delete", delete)
+    roles.submitted("job-1", role)
+    assert roles.ended("job-1") is False  # logged, kept: the job's end stands
+    assert roles.ended("job-1") is True and roles.ended("job-1") is False
+    assert tried == [role, role]
+
+
+def test_a_role_outlives_every_wait_and_attempt_its_job_is_allowed():
+    """No sweep deletes the role of a job that can still run: its expiry covers each Batch attempt's
+    wait and runtime, and a SageMaker spot job's whole wait for each try."""
+    from tests.conftest import ON_S3, quickstart_data
+    from trnflow.backends import JobRequest
+    from trnflow.backends.batch_request import longest_seconds as batch_longest
+    from trnflow.backends.sagemaker_request import longest_seconds as sagemaker_longest
+    from trnflow.specs import validate_spec
+
+    compute = {"instance_type": "trn1.32xlarge", "max_runtime_hours": 24, "max_pending_minutes": 30}
+    batch = validate_spec(quickstart_data(**ON_S3, compute={"backend": "batch", **compute},
+                                          train={"checkpoint_url": "s3://acme-ckpt/m"}, retries={"max_retries": 3}))
+    assert batch_longest(JobRequest(batch, "train", "r")) >= 3 * (24 * 3600 + 30 * 60)
+    spot = validate_spec(quickstart_data(**ON_S3, compute={"backend": "sagemaker", "spot": True, **compute},
+                                         train={"checkpoint_url": "s3://acme-ckpt/m"}, retries={"max_retries": 2}))
+    assert sagemaker_longest(JobRequest(spot, "train", "r")) >= 3 * spot.compute.wait_hours * 3600 >= 3 * 24 * 3600

@@ -16,7 +16,7 @@ from typing import Any
 
 from trnflow import aws
 from trnflow.backends.base import JobDetails, JobInfo, JobRequest, JobState, fitted, stage_result
-from trnflow.backends.batch_request import build_job_definition, build_submit_job, queue_problems
+from trnflow.backends.batch_request import build_job_definition, build_submit_job, longest_seconds, queue_problems
 from trnflow.backends.cloud import (
     STOPPED_BY_TRNFLOW,
     CloudTarget,
@@ -101,7 +101,7 @@ class BatchBackend:
         if problems:
             raise FatalError("; ".join(problems))
         request = fitted(request)
-        role = self.roles.make(request)
+        role = self.roles.make(request, longest_seconds(request))
         try:
             definition = self._job_definition(build_job_definition(request.spec, self.target, request.last_phase,
                                                                    role))
@@ -296,7 +296,9 @@ class BatchBackend:
         if job_id not in self._provisioned:
             try:
                 placed = self._placements(desc)
-                identities = [n.model_copy(update={"instance_id": placed.get((n.attempt, n.node))})
+                # ECS forgets a container instance an hour after it ended: a single-node job's node,
+                # which could read its instance, then names it (for the bill alone)
+                identities = [n.model_copy(update={"instance_id": placed.get((n.attempt, n.node)) or n.instance_id})
                               for n in every_identity(self._outputs(desc))]
                 ids = sorted({n.instance_id for n in identities if n.instance_id})
                 # a filter, not InstanceIds: EC2 forgets terminated instances after about an hour, and one it
@@ -341,7 +343,11 @@ class BatchBackend:
         state = batch_state(desc)
         if state.terminal and self.roles.ended(job_id) and desc.get("jobDefinition"):
             # the definition names the job's own role, which is gone: no other job can use it
-            aws.call(self._batch.deregister_job_definition, jobDefinition=desc["jobDefinition"])
+            try:
+                aws.call(self._batch.deregister_job_definition, jobDefinition=desc["jobDefinition"])
+            except Exception as exc:  # the job's end stands; an active definition naming no role is only clutter
+                log.warning("Batch job %s ended, and its definition %s could not be deregistered (%s)",
+                            desc.get("jobName"), desc["jobDefinition"], exc)
         self._replace_bad_hosts(job_id, desc)
         details = JobDetails(seconds=batch_billable_seconds(desc), status=desc["status"],
                              attempts=len(desc.get("attempts") or []),

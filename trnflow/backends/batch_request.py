@@ -139,6 +139,15 @@ def build_job_definition(spec: JobSpec, target: CloudTarget, phase: str = "train
     return {"jobDefinitionName": f"trnflow-{spec.name}-{digest}", **body, "tags": {"trnflow:job": spec.name}}
 
 
+def longest_seconds(request: JobRequest) -> int:
+    """The longest a job of `request` can exist: each attempt Batch's retry strategy allows may wait
+    for capacity (compute.max_pending_minutes, after which trnflow cancels it) and run to its limit."""
+    spec = request.spec
+    assert spec is not None, "cloud jobs always carry a spec"
+    attempts = int(retry_strategy(spec)["attempts"])
+    return attempts * (runtime_seconds(request) + int(spec.compute.max_pending_minutes * 60))
+
+
 def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: str) -> dict[str, Any]:
     """`SubmitJob` for one stage: the run's environment on every node, the node count, and fair share."""
     spec = request.spec

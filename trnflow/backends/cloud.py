@@ -5,6 +5,7 @@ deployment's published settings, and `stage_spec`, which hands a spec over.
 
 from __future__ import annotations
 
+import logging
 import re
 import time
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from trnflow.results import FailureReport, NodeIdentity, Proceed, StageResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, instance, is_module_reference
 from trnflow.storage import Store, open_store
+
+log = logging.getLogger(__name__)
 
 SPOT_CHECKPOINT_SECONDS = 100
 """How long torchrun lets a spot job's ranks take to checkpoint after the reclaim notice (SIGTERM,
@@ -176,12 +179,11 @@ class JobRoles:
         self._made = RunRoles(target.job_policies, session) if target.job_policies else None
         self._jobs: dict[str, str] = {}  # job -> the role made for it
 
-    def make(self, request: JobRequest) -> str:
-        """The role for a job of `request` about to be submitted."""
+    def make(self, request: JobRequest, longest: float) -> str:
+        """The role for a job of `request` about to be submitted, which can exist `longest` seconds
+        (every wait and attempt its service allows): until then no sweep deletes the role."""
         if self._made is None:
             return self.target.role_for(request.last_phase)
-        assert request.spec is not None, "cloud jobs always carry a spec"
-        longest = runtime_seconds(request) + request.spec.compute.max_pending_minutes * 60
         role = self._made.make(job_scope(request, self.target), job_name(request), longest)
         time.sleep(self.target.role_settle_seconds)  # IAM is eventually consistent: a new role is not yet everywhere
         return role
@@ -196,11 +198,19 @@ class JobRoles:
             self._made.delete(role)
 
     def ended(self, job_id: str) -> bool:
-        """The job ended: the role made for it goes (once). Whether there was one."""
-        role = self._jobs.pop(job_id, None)
+        """The job ended: the role made for it goes (once). Whether it went now. A role that could not
+        be deleted is logged and tried again at the job's next look (a sweep deletes it in the end):
+        the job's own end stands either way."""
+        role = self._jobs.get(job_id)
         if role is None or self._made is None:
             return False
-        self._made.delete(role)
+        try:
+            self._made.delete(role)
+        except (BotoCoreError, ClientError) as exc:
+            log.warning("job %s ended, and its role %s could not be deleted (%s); trying again later", job_id,
+                        role, exc)
+            return False
+        del self._jobs[job_id]
         return True
 
 

@@ -22,7 +22,7 @@ import re
 import time
 from dataclasses import dataclass
 
-from botocore.exceptions import ClientError
+from botocore.exceptions import BotoCoreError, ClientError
 
 from trnflow import aws
 from trnflow.errors import FatalError
@@ -42,7 +42,10 @@ TRUST = {"Version": "2012-10-17", "Statement": [{
     "Action": "sts:AssumeRole"}]}
 """Who may take a job's role: SageMaker (its execution role) and ECS (a Batch container's job role)."""
 SLACK_SECONDS = 24 * 3600
-"""How long after its job's time limit a role a stopped orchestrator left behind is kept."""
+"""How long after its job's longest life a role a stopped orchestrator left behind is kept."""
+SWEEP_SECONDS = 3600.0
+"""How often a process looks for job roles left behind."""
+_SWEPT: dict[str, float] = {}  # the stack's policy path -> when this process last swept it
 
 
 @dataclass(frozen=True)
@@ -125,7 +128,6 @@ class RunRoles:
     def __init__(self, policies: str, session=None):
         self.where = PolicyPath(policies)
         self._iam = aws.client("iam", boto_session=session)
-        self._swept = False
 
     def make(self, scope: JobScope, job: str, seconds: float) -> str:
         """A new role for one job of `scope` that runs at most `seconds`: its ARN."""
@@ -163,21 +165,36 @@ class RunRoles:
             pass  # deleted already (by another orchestrator's sweep)
 
     def sweep(self) -> list[str]:
-        """Delete, once, the job roles whose time is over (their job's time limit and a day): those a
-        stopped orchestrator never saw end. The ARNs deleted."""
-        if self._swept:
+        """Delete the job roles whose time is over (their job's longest life and a day): those a
+        stopped orchestrator never saw end. At most once every SWEEP_SECONDS in a process, and best
+        effort: a role that cannot be read or deleted now (another orchestrator's sweep may have taken
+        it) is left for the next. The ARNs deleted."""
+        now = time.time()
+        if now - _SWEPT.get(self.where.arn, 0.0) < SWEEP_SECONDS:
             return []
-        self._swept = True
-        deleted, now = [], time.time()
-        pages = self._iam.get_paginator("list_roles").paginate(PathPrefix=self.where.path)
-        for role in (r for page in pages for r in page["Roles"]):
-            if not self.where.owns(role["Arn"]):
-                continue
-            tags = aws.call(self._iam.list_role_tags, RoleName=role["RoleName"])["Tags"]
-            expires = next((t["Value"] for t in tags if t["Key"] == EXPIRES_TAG), "")
-            if expires.isdigit() and int(expires) < now:
-                self.delete(role["Arn"])
-                deleted.append(role["Arn"])
+        _SWEPT[self.where.arn] = now
+        deleted = []
+        try:
+            roles, marker = [], None
+            while True:
+                more = {"Marker": marker} if marker else {}
+                page = aws.call(self._iam.list_roles, PathPrefix=self.where.path, **more)
+                roles += page["Roles"]
+                if not page.get("IsTruncated"):
+                    break
+                marker = page["Marker"]
+        except (BotoCoreError, ClientError) as exc:
+            log.warning("could not list the job roles under %s to delete those left behind (%s)", self.where.path, exc)
+            return []
+        for role in (r for r in roles if self.where.owns(r["Arn"])):
+            try:
+                tags = aws.call(self._iam.list_role_tags, RoleName=role["RoleName"])["Tags"]
+                expires = next((t["Value"] for t in tags if t["Key"] == EXPIRES_TAG), "")
+                if expires.isdigit() and int(expires) < now:
+                    self.delete(role["Arn"])
+                    deleted.append(role["Arn"])
+            except (BotoCoreError, ClientError) as exc:
+                log.info("left job role %s for a later sweep (%s)", role["RoleName"], exc)
         if deleted:
             log.info("deleted %d job role(s) whose jobs' time was over", len(deleted))
         return deleted

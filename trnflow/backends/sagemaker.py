@@ -26,7 +26,7 @@ from trnflow.backends.cloud import (
 )
 from trnflow.backends.cloudwatch import StreamReader, streams
 from trnflow.backends.provisioning import sagemaker_provisioning
-from trnflow.backends.sagemaker_request import build_training_job_request
+from trnflow.backends.sagemaker_request import build_training_job_request, longest_seconds
 from trnflow.backends.service_status import sagemaker_failure, sagemaker_state
 from trnflow.errors import FatalError
 from trnflow.results import StageResult
@@ -70,7 +70,7 @@ class SageMakerBackend:
         if request.spec is None:
             raise FatalError(f"the {request.phase} phase needs a job spec to run on SageMaker")
         request = fitted(request)
-        role = self.roles.make(request)
+        role = self.roles.make(request, longest_seconds(request))
         try:
             body = build_training_job_request(request, self.target, role)
             stage_spec(self.target, request)

@@ -88,6 +88,21 @@ def stopping_condition(spec: JobSpec, runtime: int | None = None) -> dict[str, i
     return condition
 
 
+def longest_seconds(request: JobRequest) -> int:
+    """The longest a job of `request` can exist: its waits and its runtime (a spot job's
+    MaxWaitTimeInSeconds holds both), for each try SageMaker's RetryStrategy allows."""
+    spec = request.spec
+    assert spec is not None, "cloud jobs always carry a spec"
+    condition = stopping_condition(spec, runtime_seconds(request))
+    each = condition.get("MaxWaitTimeInSeconds") or condition["MaxRuntimeInSeconds"] + condition[
+        "MaxPendingTimeInSeconds"]
+    return each * (1 + _retry_attempts(spec))
+
+
+def _retry_attempts(spec: JobSpec) -> int:
+    return min(MAX_RETRY_ATTEMPTS, max(1, spec.retries.max_retries))
+
+
 def build_training_job_request(request: JobRequest, target: CloudTarget, role: str | None = None) -> dict[str, Any]:
     """`CreateTrainingJob` for one stage, run as `role` (by default its stage kind's, `CloudTarget.role_for`)."""
     spec = request.spec
@@ -118,7 +133,7 @@ def build_training_job_request(request: JobRequest, target: CloudTarget, role: s
         **({"EnableManagedSpotTraining": True} if spec.compute.spot else {}),
         # SageMaker retries a job that failed with an internal error itself; trnflow's own retries
         # (resubmissions) are for the failures SageMaker does not retry.
-        "RetryStrategy": {"MaximumRetryAttempts": min(MAX_RETRY_ATTEMPTS, max(1, spec.retries.max_retries))},
+        "RetryStrategy": {"MaximumRetryAttempts": _retry_attempts(spec)},
         "InputDataConfig": channels,
         "OutputDataConfig": {"S3OutputPath": f"{target.staging_url.rstrip('/')}/{request.run_id}/output"},
         "Environment": container_environment(request, target),
