@@ -9,8 +9,10 @@ nothing. Links of any kind are refused: no archive trnflow reads has one. A sing
 from __future__ import annotations
 
 import io
+import os
 import shutil
 import tarfile
+import tempfile
 from pathlib import Path, PurePosixPath
 
 from trnflow.errors import FatalError
@@ -61,8 +63,18 @@ def unpack(archive: tarfile.TarFile, dest: Path, limit: int = MAX_BYTES) -> None
         target.parent.mkdir(parents=True, exist_ok=True)
         source = archive.extractfile(member)
         assert source is not None  # a regular file always has its data
-        with source, open(target, "wb") as out:
-            shutil.copyfileobj(source, out)
+        # A new file renamed over the old one, never the old one rewritten in place: a file of the
+        # folder may be loaded (an Inductor kernel's .so, dlopen'ed), and truncating a mapped
+        # library discards its relocated pages -- the next call into it crashes (SIGSEGV).
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.")
+        os.fchmod(fd, 0o644)
+        try:
+            with source, os.fdopen(fd, "wb") as out:
+                shutil.copyfileobj(source, out)
+            os.replace(tmp, target)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
     dest.mkdir(parents=True, exist_ok=True)
 
 

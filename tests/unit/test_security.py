@@ -107,3 +107,19 @@ def test_a_jobs_result_is_read_in_memory_and_nothing_else_is_touched(tmp_path, m
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(FatalError, match="refused to read 'link'"):
         read_member(_tar(_member("link", tarfile.SYMTYPE, "/etc/passwd")), "link", "output.tar.gz")
+
+
+def test_unpacking_over_a_file_replaces_it_and_never_rewrites_the_one_in_use(tmp_path):
+    """A compile-cache entry may be unpacked again into a folder whose kernels are loaded (an
+    Inductor .so, mapped by the process): the file is replaced by a new one, never truncated and
+    rewritten in place, which would pull the pages from under the loaded library (a SIGSEGV at the
+    next call). A reader holding the old file still reads the old bytes."""
+    kernel = tmp_path / "kernels" / "k.so"
+    kernel.parent.mkdir()
+    kernel.write_bytes(b"loaded kernel")
+    with kernel.open("rb") as loaded:
+        with tarfile.open(fileobj=io.BytesIO(_tar(_member("k.so"), data=b"the same kernel, packed again"))) as a:
+            unpack(a, kernel.parent)
+        assert loaded.read() == b"loaded kernel"  # the loaded file's bytes are untouched
+    assert kernel.read_bytes() == b"the same kernel, packed again"
+    assert sorted(p.name for p in kernel.parent.iterdir()) == ["k.so"]  # no temporary file left

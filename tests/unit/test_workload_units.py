@@ -203,3 +203,23 @@ def test_the_root_failure_of_a_job_is_the_rank_that_caused_it():
                            message="Application timeout caused pair closure")
     hung = root_failure([waited], 2)  # rank 1 stopped answering; rank 0 timed out waiting for it
     assert hung.type == "CollectiveTimeout" and hung.retryable and hung.ranks == [1]
+
+
+def test_programs_put_the_whole_model_in_one_mode_so_an_evaluation_never_retraces_training(make_spec):
+    """A pretrained model comes out of `from_pretrained` in eval mode, inside a wrapper in train mode:
+    the programs set every module to the root's mode at once, else the first evaluation's switch
+    flips the inner modules and training is traced again after it (as cached programs were loaded
+    over the running ones, that second trace crashed at optlevel 2)."""
+    from trnflow.device.registry import get_device
+    from trnflow.workload.programs import Programs
+    from trnflow.workload.recipes import recipe_for
+
+    spec = make_spec(cores=1)
+    recipe = recipe_for(spec)
+    model = build_model(recipe, spec.train.seed)
+    inner = next(m for m in model.modules() if m is not model)
+    inner.eval()
+    assert model.training and not inner.training
+    device = get_device("emulator")
+    Programs(spec, recipe, model, device.compiler(spec, "extract", model=recipe.key), device)
+    assert all(m.training for m in model.modules())

@@ -61,6 +61,10 @@ class Programs:
         # programs once (tests build several; stale entries would count against the recompile limit).
         torch._dynamo.reset()
         model.to(device.torch_device)  # a no-op for a model already there (a trainer's, with its optimizer)
+        # One mode for the whole model, as `_mode` reads it off the root: a pretrained model comes
+        # out of `from_pretrained` in eval mode inside a wrapper in train mode, and flipping its
+        # modules only at the first switch re-traces the train graph after the first evaluation.
+        model.train(model.training)
         self.spec, self.recipe, self.model, self.compiler, self.device = spec, recipe, model, compiler, device
         self.sharded = sharded
         self._forward = device.compile(model, compiler, whole=not sharded)
