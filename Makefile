@@ -16,7 +16,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # every process would compile what it imports from source again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo causal-lm test test-main test-fast test-xla xla-env faults bench lint clean chromium deps-check checkov
+.PHONY: install demo causal-lm causal-lm-lora test test-main test-fast test-xla xla-env faults bench lint clean chromium deps-check checkov
 
 # The example recipe (examples/recipes) goes in too: the tests run it as an installed plug-in.
 $(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml
@@ -49,6 +49,17 @@ causal-lm: install
 	$(BIN)/trnflow models export causal-lm-base $(LM)/base -r $(LM)/registry
 	$(BIN)/trnflow reference jobspecs/examples/causal-lm.yaml
 	$(BIN)/trnflow run jobspecs/examples/causal-lm.yaml
+
+# LoRA adapters on the same base model, fine-tuned on chats; the adapter exported alone too.
+causal-lm-lora: install
+	test -f $(LM)/base/EXPORTED || $(MAKE) causal-lm
+	$(BIN)/trnflow data synth $(LM)/chats --format chat --days 1 --rows-per-day 1000 --holdout-rows 300 \
+	  --inference-rows 300 --seed 5
+	$(BIN)/trnflow data check jobspecs/examples/causal-lm-lora.yaml
+	$(BIN)/trnflow reference jobspecs/examples/causal-lm-lora.yaml
+	$(BIN)/trnflow run jobspecs/examples/causal-lm-lora.yaml
+	rm -rf $(LM)/adapter
+	$(BIN)/trnflow models export causal-lm-lora $(LM)/adapter --adapter -r $(LM)/registry
 
 lint: install
 	$(BIN)/ruff check .

@@ -70,9 +70,9 @@ def _rows(prefix: str, model: type[BaseModel]) -> list[tuple[str, FieldInfo]]:
     """A section's fields by path; a section within it (`train.parallelism`) by its own fields'."""
     rows = []
     for field, info in model.model_fields.items():
-        inner = info.annotation
-        if isinstance(inner, type) and issubclass(inner, BaseModel):
-            rows += [(f"{prefix}.{field}", info), *_rows(f"{prefix}.{field}", inner)]
+        inner = _section_models(info.annotation)
+        if len(inner) == 1 and typing.get_origin(info.annotation) is not list:  # a section, or an optional one
+            rows += [(f"{prefix}.{field}", info), *_rows(f"{prefix}.{field}", inner[0])]
         else:
             rows.append((f"{prefix}.{field}", info))
     return rows

@@ -591,12 +591,28 @@ class GateSpec(Section):
         return self
 
 
+class GenerateSpec(Section):
+    """Text generation in batch inference, for a recipe that generates (hf-causal-lm): each row's
+    completion of its prompt, written beside what the recipe publishes."""
+
+    max_new_tokens: int = Field(32, ge=1, le=4096, description="Tokens generated per row at most (a row stops at its "
+                                "end-of-sequence token).")
+    temperature: float = Field(0.0, ge=0.0, le=100.0, description="0: greedy (the most likely token each time); "
+                               "above 0: sampled from the probabilities at this temperature.")
+    top_k: int | None = Field(None, ge=1, le=1_000_000, description="When sampling: only from the k most likely "
+                              "tokens.")
+    seed: int = Field(0, ge=0, lt=2**63, description="When sampling: with the row's id, seeds its draws, so a rerun or "
+                      "a resumed shard writes the same completions.")
+
+
 class InferenceSpec(Section):
     """Offline batch inference: embeddings written as Parquet shards."""
 
     output_url: Url = Field(description="Directory or s3:// URL for the Parquet shards.")
     shard_size: int = Field(10_000, ge=1, le=100_000_000, description="Rows per output shard.")
     batch_size: int = Field(256, ge=1, le=2**20, description="Rows per forward pass.")
+    generate: GenerateSpec | None = Field(None, description="Also generate each row's completion (hf-causal-lm), "
+                                          "greedy unless a temperature is set.")
 
 
 class ScheduleSpec(Section):

@@ -108,6 +108,8 @@ class CheckpointMeta(Record):
     recipe: dict[str, Any] = Field(description="the model's recipe: name, version and params")
     torch: str = Field(description="the PyTorch version that wrote it")
     export: str | None = Field(None, description="the model exported in its own library's format (last step only)")
+    base: str | None = Field(None, description="the content digest of the frozen base its adapters were trained on "
+                             "(LoRA): the checkpoint holds only the weights that train")
     parallelism: str = Field("ddp", description="how the run spread the model over its cores (ddp, fsdp); the "
                              "checkpoint holds it whole either way, and resumes at any world size")
 
@@ -152,12 +154,18 @@ class ExportedFile(Record):
     size: int
 
 
+ADAPTER_FOLDER = "adapter"
+"""Where a LoRA run's export keeps the adapter alone, in PEFT's format, beside the merged model."""
+
+
 class ExportMarker(Record):
     """`EXPORTED`, in a run's `export/step-NNNNNN/` folder: what the recipe exported (its name,
     version and params) and every file of the export with its checksum."""
 
     recipe: dict[str, Any]
     files: dict[str, ExportedFile]
+    base: str | None = Field(None, description="LoRA: the content digest of the pretrained folder the adapter "
+                             "(adapter/) needs; the merged model beside it needs nothing")
 
 
 class Band(Record):

@@ -332,6 +332,7 @@ class DataFileCheck(_Model):
     rows_rejected: int | None = Field(0, description="rows it holds that no run reads; None when they cannot be "
                                                      "counted (the file cannot be parsed)")
     problem: str | None = Field(None, description="why its rows are rejected")
+    rows_cut: int = Field(0, description="rows read that are longer than the model's input and are cut to it")
 
 
 class DataPartCheck(_Model):

@@ -395,7 +395,7 @@ CASES = [
     case("cli-unknown-deployment", cli("submit", "{spec}", "--deployment", "nosuch"), "--deployment 'nosuch'",
          fix="choose one of"),
     case("cli-synth-unknown-format", cli("data", "synth", "{tmp}/synth", "--format", "xml"), "--format 'xml'",
-         fix="choose jsonl, parquet, csv, amazon-polarity or prompt-completion"),
+         fix="choose jsonl, parquet, csv, amazon-polarity, prompt-completion or chat"),
     case("cli-synth-bad-start-date", cli("data", "synth", "{tmp}/synth", "--start", "2026-13-01"), "--start",
          fix="YYYY-MM-DD"),
     case("cli-synth-zero-days", cli("data", "synth", "{tmp}/synth", "--days", "0"), "--days", fix=AT_LEAST_ONE),

@@ -17,7 +17,7 @@ def test_validate_accepts_every_example(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the examples' relative paths: nothing there yet, wherever the checkout ran
     result = runner.invoke(app, ["validate", *map(str, sorted(EXAMPLES.glob("*.yaml")))])
     assert result.exit_code == 0, result.output
-    assert result.output.count("ok ") == len(list(EXAMPLES.glob("*.yaml"))) == 5
+    assert result.output.count("ok ") == len(list(EXAMPLES.glob("*.yaml"))) == 6
     # the fine-tuning example's pretrained folder is made by the base example's run: noted, not refused
     said = "".join(result.output.split())  # however the console wraps it, long paths included
     assert "".join(f"note: model.params.pretrained: {tmp_path}/runs/causal-lm/base does not exist".split()) in said

@@ -253,7 +253,7 @@ def test_every_room_says_what_it_owns(package):
 
 
 HEAVY = ("prefect", "torch", "functorch", "sagemaker", "matplotlib", "moto", "boto3", "botocore", "httpx",
-         "transformers", "trnflow.flows", "trnflow.tasks", "trnflow.testing", "trnflow.workload",
+         "transformers", "peft", "trnflow.flows", "trnflow.tasks", "trnflow.testing", "trnflow.workload",
          "trnflow.emulator.jit", "trnflow.emulator.compiler", "trnflow.device.base", "trnflow.device.registry",
          "trnflow.backends.local", "trnflow.backends.sagemaker", "trnflow.backends.batch", "trnflow.cli.server")
 """What may be imported inside a function: modules that are slow to import (or pull in one that is),

@@ -25,9 +25,10 @@ def data_synth(
     days: Annotated[int, typer.Option(min=1, help="Daily training partitions.")] = 3,
     rows_per_day: Annotated[int, typer.Option(min=1, help="Rows per partition.")] = 1500,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 7,
-    fmt: Annotated[str, typer.Option("--format", help="jsonl, parquet, csv or amazon-polarity; or prompt-completion: "
-                                     "JSONL rows of a review as the prompt and its label's word as the completion, "
-                                     "for a language model (hf-causal-lm).")] = "jsonl",
+    fmt: Annotated[str, typer.Option("--format", help="jsonl, parquet, csv or amazon-polarity; for a language model "
+                                     "(hf-causal-lm), prompt-completion: JSONL rows of a review as the prompt and its "
+                                     "label's word as the completion, or chat: JSONL rows of messages, the review "
+                                     "from the user and the word from the assistant.")] = "jsonl",
     holdout_rows: Annotated[int | None, typer.Option(help="Holdout rows (default: rows per day).")] = None,
     inference_rows: Annotated[int | None, typer.Option(help="Inference rows (default: rows per day).")] = None,
     start: Annotated[str, typer.Option(help="The first day, YYYY-MM-DD.")] = "2026-01-01",
@@ -43,8 +44,8 @@ def data_synth(
         err.print(f"--start {start!r}: expected a date, YYYY-MM-DD", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
 
-    if fmt not in ("jsonl", "parquet", "csv", "amazon-polarity", "prompt-completion"):
-        err.print(f"--format {fmt!r}: choose jsonl, parquet, csv, amazon-polarity or prompt-completion", **RED)
+    if fmt not in ("jsonl", "parquet", "csv", "amazon-polarity", "prompt-completion", "chat"):
+        err.print(f"--format {fmt!r}: choose jsonl, parquet, csv, amazon-polarity, prompt-completion or chat", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
     if out.exists() and not out.is_dir():
         err.print(f"OUT {out} is a file; give a folder (it will hold train/, holdout/ and inference/)", **RED)
@@ -78,7 +79,7 @@ def data_check(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = 
 
     spec = load(spec_path, set_overrides(overrides))
     recipe = recipe_for(spec)  # the recipe decides which columns a row needs
-    parts = check_data(spec.data, recipe.columns(), recipe.num_classes)
+    parts = check_data(spec.data, recipe.columns(), recipe.num_classes, recipe.overlong)
     failed = [p for p in parts if p.state == "failed"]
     if as_json:
         print(json.dumps({"spec": str(spec_path), "format": spec.data.format, "columns": recipe.columns(),

@@ -16,6 +16,7 @@ from trnflow.errors import DataError, ExitCode, FatalError
 from trnflow.lifecycle.digests import check_version
 from trnflow.lifecycle.exports import copy_export
 from trnflow.lifecycle.registry import ChampionChange, PromotionConflict, Registry, RegistryCorrupt, RegistryEntry
+from trnflow.records import ADAPTER_FOLDER
 from trnflow.redact import without_credentials
 from trnflow.urls import normalise_url
 from trnflow.workload.embeddings import latest_folder, point_current, version_url
@@ -192,11 +193,14 @@ def rollback(model: ModelArg, registry: RegistryOpt = ...,
 @models_app.command("export")
 def export(model: ModelArg, out: Annotated[Path, typer.Argument(help="A new or empty local folder.")],
            version: Annotated[int | None, typer.Option(help="Default: the champion.")] = None,
+           adapter: Annotated[bool, typer.Option(
+               "--adapter", help="A LoRA run's adapter alone, in PEFT's format (PeftModel.from_pretrained loads it "
+               "onto its base), instead of the merged model.")] = False,
            registry: RegistryOpt = ..., as_json: JsonOpt = False):
     """Copy a version's export (the champion's by default) to a local folder, every file checked
     against its checksum: the model in its own library's format (for hf-encoder and hf-causal-lm,
-    what `from_pretrained` loads), for use outside trnflow or as another spec's
-    `model.params.pretrained`."""
+    what `from_pretrained` loads; for a LoRA run, the model merged with its adapter), for use
+    outside trnflow or as another spec's `model.params.pretrained`."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         err.print(f"OUT {out}: is not an empty folder; give a new or empty one", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
@@ -220,12 +224,15 @@ def export(model: ModelArg, out: Annotated[Path, typer.Argument(help="A new or e
                       "it is the one that was registered; register the model again from a run", **RED)
             raise typer.Exit(ExitCode.FAILED)
         try:
-            marker = copy_export(entry.entry.export, out, digests.export)
+            marker = copy_export(entry.entry.export, out, digests.export, part=ADAPTER_FOLDER if adapter else None)
         except DataError as exc:
             err.print(shown(exc), **RED)
             raise typer.Exit(ExitCode.FAILED) from None
     if as_json:
         print(json.dumps({"model": model, "version": entry.version, "export": entry.entry.export, "out": str(out),
-                          "files": sorted(marker.files)}))
+                          "files": sorted(marker.files), "base": entry.entry.base}))
     else:
         console.print(f"[green]{shown(model)} v{entry.version}[/green]: {len(marker.files)} files to {shown(str(out))}")
+        if adapter:
+            folder = (entry.entry.recipe or {}).get("params", {}).get("pretrained")
+            console.print(f"the adapter's base: {shown(str(folder))} (digest {entry.entry.base})")

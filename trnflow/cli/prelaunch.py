@@ -14,11 +14,12 @@ from trnflow.backends import cache_trust_problem, scope_problem
 from trnflow.cli.common import err
 from trnflow.cli.console import RED
 from trnflow.device.plans import cache_problem
-from trnflow.errors import ExitCode, FatalError, FieldError
+from trnflow.errors import DataError, ExitCode, FatalError, FieldError
+from trnflow.lifecycle.exports import read_marker
 from trnflow.lifecycle.locations import reference_problem
 from trnflow.specs import JobSpec
 from trnflow.storage import local_path
-from trnflow.storage.datafiles import listing_problems
+from trnflow.storage.datafiles import cannot_list, listing_problems, unreachable_errors
 
 if TYPE_CHECKING:  # the plan needs torch; the checks above do not
     from trnflow.workload.memory import MemoryPlan
@@ -52,12 +53,39 @@ def report(spec: JobSpec, data_check: bool | None) -> tuple[list[str], list[str]
     ready = {"data.train": spec.data.ready_marker}
     problems = [f"{field}: {message}" for field, url in urls.items()
                 for message in listing_problems(url, spec.data.format, ready.get(field))]
+    inputs = remote_inputs(spec)
+    if inputs and data_check:
+        problems += [f"{field}: {message}" for field, url in inputs.items() if (message := export_problem(url))]
+    elif inputs:
+        notes.append(f"{', '.join(inputs)}: not checked, on S3; --data-check reads its EXPORTED marker")
     reference = reference_problem(spec, remote=bool(data_check))
     if reference and data_check is None and "does not exist" in reference:
         notes.append(f"{reference} (a run refuses to start without it)")
     elif reference:
         problems.append(reference)
     return trusted + problems, notes
+
+
+def remote_inputs(spec: JobSpec) -> dict[str, str]:
+    """The recipe's s3:// inputs (a pretrained model's folder on S3), by field."""
+    from trnflow.workload.recipes import recipe_for  # a recipe is a model: torch (~1 s)
+
+    try:
+        return recipe_for(spec).remote_inputs()
+    except FatalError:
+        return {}
+
+
+def export_problem(url: str) -> str | None:
+    """Why the folder at `url` cannot be fetched as a pretrained model (no readable EXPORTED marker
+    listing its files), or None."""
+    try:
+        read_marker(url)
+    except DataError as exc:
+        return str(exc)
+    except unreachable_errors() as exc:
+        return cannot_list(url, exc)
+    return None
 
 
 def missing_inputs(spec: JobSpec) -> list[str]:

@@ -30,28 +30,33 @@ def _safe(name: str, origin: str) -> PurePosixPath:
     return path
 
 
-def copy_export(url: str, dest: Path, digest: str | None = None) -> ExportMarker:
+def copy_export(url: str, dest: Path, digest: str | None = None, part: str | None = None) -> ExportMarker:
     """Copy the export at `url` into the local folder `dest` (new, or empty), every file checked
     against the marker, and the marker against `digest` (the registry's record of it) when given:
     into a folder beside it first, renamed to `dest` once whole, so that `dest` never holds part of
-    an export. DataError names what is missing, damaged or changed, or cannot be written."""
+    an export. `part`: only the export's subfolder of that name (a LoRA adapter's `adapter`), as
+    `dest` itself, with a marker of its own files. The marker written in `dest` is returned.
+    DataError names what is missing, damaged or changed, or cannot be written."""
     store = open_store(url)
-    try:
-        marker_bytes = store.read(MARKER)
-    except FileNotFoundError:
-        raise DataError(f"{url}: has no {MARKER} marker, so the export was never completed; export the model "
-                        "again by training it to its last step") from None
-    marker = read(ExportMarker, marker_bytes, f"{url}/{MARKER}")
+    marker = read_marker(url)
     if digest is not None and manifest_digest(marker.model_dump(mode="json")["files"]) != digest:
         raise DataError(f"{url}/{MARKER}: lists other files than when the model was registered, so the export was "
                         "changed since and is not copied; export another version (`trnflow models ls`)")
+    names = {name: name for name in marker.files}
+    if part is not None:
+        names = {name: name.removeprefix(f"{part}/") for name in marker.files if name.startswith(f"{part}/")}
+        if not names:
+            raise DataError(f"{url}: has no {part}/ folder (its recipe wrote none: a LoRA run's export has an "
+                            "adapter/ folder); copy the whole export instead")
+        marker = ExportMarker(recipe=marker.recipe, files={names[n]: marker.files[n] for n in names},
+                              base=marker.base)
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise DataError(f"{dest}: is not an empty folder; give a new or empty one")
     staging = None
     try:
         dest.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-        _fill(store, url, marker, staging)
+        _fill(store, url, marker, names, staging)
         if dest.exists():
             dest.rmdir()  # empty, as checked: the staged folder takes its place
         os.replace(staging, dest)
@@ -65,9 +70,41 @@ def copy_export(url: str, dest: Path, digest: str | None = None) -> ExportMarker
     return marker
 
 
-def _fill(store, url: str, marker: ExportMarker, folder: Path) -> None:
-    for name, listed in sorted(marker.files.items()):
-        path = _safe(name, f"{url}/{MARKER}")
+def read_marker(url: str) -> ExportMarker:
+    """The `EXPORTED` marker of the export (or pretrained folder) at `url`; DataError when it has none
+    or it cannot be read as one."""
+    try:
+        data = open_store(url).read(MARKER)
+    except FileNotFoundError:
+        raise DataError(f"{url}: has no {MARKER} marker, so the export was never completed; export the model "
+                        "again by training it to its last step") from None
+    return read(ExportMarker, data, f"{url}/{MARKER}")
+
+
+def holds(folder: Path, marker: ExportMarker) -> bool:
+    """Whether the local `folder` holds the files `marker` lists, each with its checksum, and nothing
+    else but the marker."""
+    if not folder.is_dir():
+        return False
+    found = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MARKER}
+    if found != set(marker.files):
+        return False
+    for name, listed in marker.files.items():
+        sha = hashlib.sha256()
+        with (folder / name).open("rb") as f:
+            while chunk := f.read(1 << 22):
+                sha.update(chunk)
+        if sha.hexdigest() != listed.sha256 or (folder / name).stat().st_size != listed.size:
+            return False
+    return True
+
+
+def _fill(store, url: str, marker: ExportMarker, names: dict[str, str], folder: Path) -> None:
+    """Each file `names` maps (its name in the export to its name in `folder`), checked against
+    `marker` (which lists them by their new names), then the marker."""
+    for name, new in sorted(names.items()):
+        listed = marker.files[new]
+        path = _safe(new, f"{url}/{MARKER}")
         try:
             data = store.read(name)
         except FileNotFoundError:

@@ -83,6 +83,8 @@ class RegistryEntry(Record):
     parent_version: int | None = Field(None, description="that checkpoint's version, when registered")
     recipe: dict[str, Any] | None = Field(None, description="its recipe: name, version and params")
     export: str | None = Field(None, description="the model in its own library's format")
+    base: str | None = Field(None, description="LoRA: the content digest of the pretrained folder its adapters were "
+                             "trained on and need (the folder its recipe's params name as pretrained)")
     weights: str | None = Field(None, description="the whole weights as a plain PyTorch state_dict (the checkpoint's "
                                 "model.pt; for a sharded checkpoint, the one joined from its shards)")
     inputs: str | None = Field(None, description="the digest of what it was trained from: a rerun finds it")

@@ -41,6 +41,7 @@ from trnflow.records import CHECKPOINT_MARKER, CheckpointMeta, dump, manifest_di
 from trnflow.storage import Store, open_store
 from trnflow.workload import sharding
 from trnflow.workload.context import WorkerContext, gather_objects
+from trnflow.workload.sharding import frozen
 
 MARKER = CHECKPOINT_MARKER
 _PREFIX = "step-"
@@ -407,35 +408,71 @@ def consolidate(url: str) -> tuple[str, bool, Checkpoint]:
     return f"{url}/model.pt", True, ckpt
 
 
-def check_weights(model: torch.nn.Module, state: dict, source: str) -> dict:
+def _plain(name: str) -> str:
+    return name.removeprefix("module.").removeprefix("_orig_mod.")
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The weights that train: what the optimizer is given."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def trained_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state_dict without its frozen weights: what a checkpoint holds."""
+    fixed = frozen(model)
+    return {k: v for k, v in model.state_dict().items() if _plain(k) not in fixed}
+
+
+def on_base(ckpt: Checkpoint, base: str | None) -> bool:
+    """Whether `ckpt` may leave out the frozen weights of a model built on `base` (the recipe's
+    `base()`): it was trained on that same base. FatalError, naming both digests, when it was trained
+    on another, or when it is an adapter and the spec's model has none."""
+    theirs = ckpt.meta.base if ckpt.meta is not None else None
+    if theirs is None or base == theirs:
+        return theirs is not None
+    if base is None:
+        raise FatalError(f"{ckpt.url}: holds adapters trained on a frozen base (digest {theirs}), but the spec's "
+                         "model trains every weight; set model.params.lora and the pretrained folder it was trained on")
+    raise FatalError(f"{ckpt.url}: its adapters were trained on the base with digest {theirs}, but the spec's "
+                     f"model.params.pretrained has digest {base}; point it at the folder the adapters were trained on, "
+                     "or start new adapters (train.init_from: null)")
+
+
+def _mismatch(source: str, missing: list[str], unexpected: list[str]) -> FatalError:
+    return FatalError(f"{source}: does not match the spec's model (missing {missing[:5]}, unexpected "
+                      f"{unexpected[:5]}); check the model section")
+
+
+def check_weights(model: torch.nn.Module, state: dict, source: str, without_frozen: bool = False) -> dict:
     """`state` with its keys as the model names them, refused (as `load_model_weights` refuses it)
     when its names or shapes are not the model's; for loading into a sharded model, whose own
-    `load_state_dict` is not given whole tensors."""
-    state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
+    `load_state_dict` is not given whole tensors. `without_frozen`: the frozen weights may be left
+    out (a checkpoint of adapters on the model's own base, `on_base`)."""
+    state = {_plain(k): v for k, v in state.items()}
     wanted = model.state_dict()
     missing, unexpected = sorted(set(wanted) - set(state)), sorted(set(state) - set(wanted))
+    if without_frozen:
+        missing = sorted(set(missing) - frozen(model))
     if missing or unexpected:
-        raise FatalError(f"{source}: does not match the spec's model (missing {missing[:5]}, unexpected "
-                         f"{unexpected[:5]}); check the model section")
-    wrong = [f"{k}: {tuple(state[k].shape)} for {tuple(v.shape)}" for k, v in wanted.items()
-             if tuple(state[k].shape) != tuple(v.shape)]
+        raise _mismatch(source, missing, unexpected)
+    wrong = [f"{k}: {tuple(v.shape)} for {tuple(wanted[k].shape)}" for k, v in state.items()
+             if tuple(v.shape) != tuple(wanted[k].shape)]
     if wrong:
         raise FatalError(f"{source}: does not match the spec's model: {'; '.join(wrong[:3])}. Set model.params to "
                          "the shapes the checkpoint was trained with, or start from scratch (train.init_from: null)")
     return state
 
 
-def load_model_weights(model: torch.nn.Module, state: dict, source: str) -> None:
-    """Load weights, turning shape or key mismatches into an error that says which keys."""
-    state = {k.removeprefix("module.").removeprefix("_orig_mod."): v for k, v in state.items()}
+def load_model_weights(model: torch.nn.Module, state: dict, source: str, without_frozen: bool = False) -> None:
+    """Load weights, turning shape or key mismatches into an error that says which keys.
+    `without_frozen`: as `check_weights`."""
+    state = {_plain(k): v for k, v in state.items()}
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shape mismatches
         raise FatalError(f"{source}: does not match the spec's model: {str(exc)[:500]}. Set model.params to "
                          "the shapes the checkpoint was trained with, or start from scratch (train.init_from: null)"
                          ) from None
-    if result.missing_keys or result.unexpected_keys:
-        raise FatalError(
-            f"{source}: does not match the spec's model (missing {result.missing_keys[:5]}, "
-            f"unexpected {result.unexpected_keys[:5]}); check the model section"
-        )
+    missing = sorted(set(result.missing_keys) - frozen(model)) if without_frozen else result.missing_keys
+    if missing or result.unexpected_keys:
+        raise _mismatch(source, missing, result.unexpected_keys)

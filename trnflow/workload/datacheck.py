@@ -7,7 +7,11 @@ quickly wherever the spec's data is.
 
 from __future__ import annotations
 
-from trnflow.errors import DataError
+from collections.abc import Callable, Iterator
+
+import pyarrow as pa
+
+from trnflow.errors import DataError, FatalError
 from trnflow.results import DataFileCheck, DataPartCheck
 from trnflow.specs import DataSpec
 from trnflow.storage.datafiles import (
@@ -20,6 +24,9 @@ from trnflow.storage.datafiles import (
     unreachable_errors,
 )
 from trnflow.workload.data import labelled_batches, stream_columns, stream_file
+
+Overlong = Callable[[pa.Table], int]
+"""How many of a batch's rows are longer than the model's input (a recipe's `overlong`)."""
 
 
 def _format_of(name: str) -> str | None:
@@ -39,32 +46,37 @@ def _own_words(message: str, file: DataFile) -> str:
     return message.removeprefix(f"{file.url}: ")
 
 
-def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int | bool | None
-                ) -> DataFileCheck:
+def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int | bool | None,
+                longer: Overlong | None = None) -> DataFileCheck:
     """One file read as a run reads it: `num_classes` False, unlabelled as inference reads it (with
-    its ids); None, as a recipe without labels trains on it; else with labels 0..num_classes-1."""
+    its ids); None, as a recipe without labels trains on it; else with labels 0..num_classes-1.
+    `longer` counts a batch's rows that are cut to the model's input (the recipe's `overlong`)."""
     if file.role == "other":
         return DataFileCheck(name=file.name, rows_rejected=_count_rows(file, _format_of(file.name)),
                              problem=f"not {spec.format} (data.format), so no run reads it")
+    read = cut = 0
     try:
         if num_classes is False:
-            read = sum(t.num_rows for _, t in stream_columns(file, spec, [spec.id_field, *columns]))
+            tables: Iterator[pa.Table] = (t for _, t in stream_columns(file, spec, [spec.id_field, *columns]))
         else:
-            read = sum(t.num_rows for t in labelled_batches(file, spec, columns, num_classes))
-    except DataError as exc:
+            tables = labelled_batches(file, spec, columns, num_classes)
+        for table in tables:
+            read += table.num_rows
+            cut += longer(table) if longer is not None else 0
+    except (DataError, FatalError) as exc:
         return DataFileCheck(name=file.name, rows_rejected=_count_rows(file, spec.format),
                              problem=_own_words(str(exc), file))
-    return DataFileCheck(name=file.name, rows_read=read)
+    return DataFileCheck(name=file.name, rows_read=read, rows_cut=cut)
 
 
 def _check_part(field: str, url: str, day: str | None, files: list[DataFile], spec: DataSpec, columns: list[str],
-                num_classes: int | bool | None, waiting: str | None) -> DataPartCheck:
+                num_classes: int | bool | None, waiting: str | None, longer: Overlong | None = None) -> DataPartCheck:
     """A day (or a set's files outside day folders): read, rejected, and whether a run could read it."""
     part = {"field": field, "url": url, "day": day}
     if any(not f.ready for f in files):
         return DataPartCheck(**part, state="waiting", problems=[f"not marked ready by {spec.ready_marker} yet, "
                                                                   "so not read; the watermark stays before it"])
-    checked = [_check_file(f, spec, columns, num_classes) for f in files if f.role != "marker"]
+    checked = [_check_file(f, spec, columns, num_classes, longer) for f in files if f.role != "marker"]
     read, rejected = sum(c.rows_read for c in checked), sum(c.rows_rejected or 0 for c in checked)
     ignored = {f.name for f in files if f.role == "other"} if day is None else set()  # runs leave these be
     problems = [f"{c.name}: {c.problem}" for c in checked if c.problem and c.name not in ignored]
@@ -73,12 +85,15 @@ def _check_part(field: str, url: str, day: str | None, files: list[DataFile], sp
         problems.append("no readable rows" + (f" in {spec.format}" if any(f.role == "other" for f in files) else ""))
     if day is not None and waiting is not None and day > waiting:
         notes.append(f"read once dt={waiting} is ready")
+    if cut := sum(c.rows_cut for c in checked):
+        notes.append(f"{cut} row(s) longer than the model's input, cut to it (raise model.params.seq_len to keep them "
+                     "whole)")
     return DataPartCheck(**part, state="failed" if problems else "ok", files=checked, rows_read=read,
                          rows_rejected=rejected, problems=problems, notes=notes)
 
 
 def check_set(field: str, url: str, spec: DataSpec, columns: list[str], num_classes: int | bool | None,
-              ready_marker: str | None = None) -> list[DataPartCheck]:
+              ready_marker: str | None = None, longer: Overlong | None = None) -> list[DataPartCheck]:
     """How runs read the set at `url` (the spec's `field`), one part per day partition and one for
     the files outside day folders: rows read, rows rejected and why. What a run would stop on is a
     part in state `failed`; this never raises for the data itself."""
@@ -90,11 +105,13 @@ def check_set(field: str, url: str, spec: DataSpec, columns: list[str], num_clas
         return [DataPartCheck(field=field, url=url, state="failed", problems=[cannot_list(url, exc)])]
     waiting = first_waiting(files)
     groups = [(day, [f for f in files if f.partition == day]) for day in [None, *partitions(files)]]
-    return [_check_part(field, url, day, mine, spec, columns, num_classes, waiting) for day, mine in groups if mine]
+    return [_check_part(field, url, day, mine, spec, columns, num_classes, waiting, longer)
+            for day, mine in groups if mine]
 
 
-def check_data(spec: DataSpec, columns: list[str], num_classes: int | None) -> list[DataPartCheck]:
+def check_data(spec: DataSpec, columns: list[str], num_classes: int | None, longer: Overlong | None = None
+               ) -> list[DataPartCheck]:
     """Every data set of a spec, as `check_set` reads it: training days, holdout, inference."""
-    return [*check_set("data.train", spec.train, spec, columns, num_classes, spec.ready_marker),
-            *check_set("data.holdout", spec.holdout, spec, columns, num_classes),
-            *check_set("data.inference", spec.inference, spec, columns, False)]
+    return [*check_set("data.train", spec.train, spec, columns, num_classes, spec.ready_marker, longer),
+            *check_set("data.holdout", spec.holdout, spec, columns, num_classes, longer=longer),
+            *check_set("data.inference", spec.inference, spec, columns, False, longer=longer)]

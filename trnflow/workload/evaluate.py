@@ -18,7 +18,7 @@ import torch.distributed as dist
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import SERIES, read_series, write_series
 from trnflow.storage.datafiles import data_files
-from trnflow.workload.checkpoint import Checkpoint, load_checked, load_model_weights
+from trnflow.workload.checkpoint import Checkpoint, load_checked, load_model_weights, on_base
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.data import read_labelled
 from trnflow.workload.programs import Programs, build_model, for_run
@@ -43,7 +43,7 @@ def loaded(ctx: WorkerContext, checkpoint: str) -> tuple[Recipe, Checkpoint, Pro
     recipe = for_job(ctx.spec)
     ckpt = load_checked(ctx, checkpoint, recipe.featurizer_file)  # a registered version's: as registered
     model = build_model(recipe, ctx.spec.train.seed)
-    load_model_weights(model, ckpt.model, ckpt.url)
+    load_model_weights(model, ckpt.model, ckpt.url, on_base(ckpt, recipe.base()))
     return recipe, ckpt, for_run(ctx, recipe, model)
 
 

@@ -6,7 +6,8 @@ Each shard is written under `inference.output_url`, then its commit marker; rank
 manifest last (the layout is `trnflow.workload.embeddings`'). A rerun skips every shard whose marker
 matches its file and the current plan (same rows, same shard size, same model) and redoes the
 others, so a run killed midway finishes without touching what was committed. Nothing is written
-outside `output_url`.
+outside `output_url`. With `inference.generate`, each row's completion of its prompt is generated
+too (`trnflow.workload.generate`) and written beside what the recipe publishes.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import pyarrow.parquet as pq
 import torch
 
 from trnflow.results import InferResult
-from trnflow.specs import InferenceSpec
+from trnflow.specs import GenerateSpec, InferenceSpec
 from trnflow.storage import Store, open_store
 from trnflow.workload.checkpoint import Checkpoint
 from trnflow.workload.context import WorkerContext, gather_objects
@@ -30,6 +31,7 @@ from trnflow.workload.data import iter_unlabelled
 from trnflow.workload.embeddings import MANIFEST, committed, marker_name, remove_beyond, shard_name
 from trnflow.workload.evaluate import featurized, loaded
 from trnflow.workload.features import Featurized, featurize, host_memory
+from trnflow.workload.generate import generate
 from trnflow.workload.recipes import Recipe
 from trnflow.workload.sampler import static_batches
 
@@ -51,10 +53,15 @@ def _column(values: torch.Tensor) -> pa.Array:
     return data if flat.dim() == 1 else pa.FixedSizeListArray.from_arrays(data, flat.shape[1])
 
 
-def _shard_table(ids: pa.Array, out: torch.Tensor, version: str, recipe: Recipe) -> pa.Table:
+def _shard_table(ids: pa.Array, out: torch.Tensor, version: str, recipe: Recipe,
+                 generated: list[list[int]] | None = None) -> pa.Table:
     """One shard's rows: what the recipe publishes for each (`Recipe.publish`: an embedding, or a
-    predicted class and the class probabilities, ...)."""
+    predicted class and the class probabilities, ...), and with `generated` (each row's generated
+    tokens) its `completion` and how many tokens it took (`completion_tokens`)."""
     columns = {name: _column(values) for name, values in recipe.publish(out).items()}
+    if generated is not None:
+        columns["completion"] = pa.array(recipe.decode(generated), pa.string())
+        columns["completion_tokens"] = _column(torch.tensor([len(g) for g in generated], dtype=torch.int64))
     return pa.table({"id": ids, **columns, "model_version": _repeated(version, len(ids))})
 
 
@@ -94,6 +101,21 @@ class _Job:
     recipe: Recipe
     rows_per_shard: int
     batch_size: int
+    generating: GenerateSpec | None = None
+    next_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    """`inference.generate`, and the program each step of a generation runs."""
+
+    def generated(self, lo: int, hi: int) -> list[list[int]] | None:
+        """The tokens generated for rows lo..hi (None when the spec generates nothing)."""
+        if self.generating is None or self.next_logits is None:
+            return None
+        ids = [str(i) for i in self.rows.ids.slice(lo, hi - lo).to_pylist()]
+        tokens: list[list[int]] = []
+        for batch, real in static_batches(self.rows.features, torch.arange(lo, hi), self.batch_size):
+            names = ids[len(tokens):len(tokens) + real]
+            names += [names[0]] * (len(batch) - real)  # a filled batch's copies of its first row
+            tokens += generate(self.next_logits, self.recipe, batch, names, self.generating)[:real]
+        return tokens
 
     @property
     def n_shards(self) -> int:
@@ -108,10 +130,12 @@ def _version(ckpt: Checkpoint) -> str:
 
 
 def _plan(rows: Featurized, spec_inference: InferenceSpec, ckpt: Checkpoint, version: str, recipe: Recipe) -> str:
-    """The digest a committed shard is reused under: the same rows, weights, featurizer and shapes."""
+    """The digest a committed shard is reused under: the same rows, weights, featurizer, shapes and
+    generation settings."""
+    generating = spec_inference.generate.model_dump(mode="json") if spec_inference.generate else None
     return hashlib.sha256(json.dumps([
         rows.digest, spec_inference.shard_size, spec_inference.batch_size, ckpt.model_sha256, version,
-        hashlib.sha256(recipe.state()).hexdigest(), recipe.describe(),
+        hashlib.sha256(recipe.state()).hexdigest(), recipe.describe(), *([generating] if generating else []),
     ]).encode()).hexdigest()[:16]
 
 
@@ -121,7 +145,10 @@ def _warm_up(job: _Job, mine: list[int]) -> float:
     is the steady rate, and the one-time load (seconds, returned) is reported on its own."""
     began = time.perf_counter()
     if mine:
-        first = job.outputs(next(static_batches(job.rows.features, torch.arange(1), job.batch_size))[0])
+        batch = next(static_batches(job.rows.features, torch.arange(1), job.batch_size))[0]
+        first = job.outputs(batch)
+        if job.next_logits is not None and job.generating is not None:  # the generation's program, once
+            job.next_logits(*job.recipe.prompts(batch, job.generating.max_new_tokens))
         _parquet_bytes(_shard_table(job.rows.ids.slice(0, 1), first[:1].float(), job.version, job.recipe))
     return time.perf_counter() - began
 
@@ -140,7 +167,8 @@ def _write_shards(ctx: WorkerContext, job: _Job, mine: list[int], faults: Store)
         if marker is None:
             values = _outputs(job.outputs, static_batches(job.rows.features, torch.arange(lo, hi), job.batch_size),
                               hi - lo)
-            data = _parquet_bytes(_shard_table(job.rows.ids.slice(lo, hi - lo), values, job.version, job.recipe))
+            data = _parquet_bytes(_shard_table(job.rows.ids.slice(lo, hi - lo), values, job.version, job.recipe,
+                                               job.generated(lo, hi)))
             marker = {"shard": shard, "rows": hi - lo, "sha256": hashlib.sha256(data).hexdigest(), "size": len(data),
                       "plan": job.plan, "model_version": job.version}
             shard_store.write(f"{shard_name(shard)}.parquet", data)
@@ -176,7 +204,8 @@ def run(ctx: WorkerContext, checkpoint: str) -> InferResult:
     out = open_store(icfg.output_url)
     job = _Job(rows=rows, version=version, plan=_plan(rows, icfg, ckpt, version, recipe), out=out, recipe=recipe,
                outputs=programs.embed if recipe.embeds else programs.logits,  # predictions, without embeddings
-               rows_per_shard=icfg.shard_size, batch_size=icfg.batch_size)
+               rows_per_shard=icfg.shard_size, batch_size=icfg.batch_size, generating=icfg.generate,
+               next_logits=programs.next_logits if icfg.generate else None)
     if ctx.is_main:
         out.delete(MANIFEST)  # the output is incomplete until the manifest is back
     mine = list(range(ctx.rank, job.n_shards, ctx.world_size))

@@ -66,16 +66,22 @@ def parameter_count(recipe: Recipe) -> int:
     return _shape(recipe)[0]
 
 
+def trainable_count(recipe: Recipe) -> int:
+    """The parameters that train (a LoRA adapter's, not its frozen base's), counted as `parameter_count`."""
+    return _shape(recipe)[1]
+
+
 @functools.lru_cache(maxsize=8)
-def _shape(recipe: Recipe) -> tuple[int, int, int]:
-    """(parameters, those outside the recipe's blocks, the largest block's), counted on the meta
-    device: what sharded training keeps whole for a step (the root unit) and gathers one at a time.
-    Built once per recipe: a plan estimates many instance types and core counts."""
+def _shape(recipe: Recipe) -> tuple[int, int, int, int]:
+    """(parameters, those that train, those outside the recipe's blocks, the largest block's),
+    counted on the meta device: what sharded training keeps whole for a step (the root unit) and
+    gathers one at a time. Built once per recipe: a plan estimates many instance types and core counts."""
     with torch.device("meta"):
         model = recipe.build_model()
     total = sum(p.numel() for p in model.parameters())
+    trains = sum(p.numel() for p in model.parameters() if p.requires_grad)
     blocks = [sum(p.numel() for p in block.parameters()) for block in recipe.blocks(model)]
-    return total, total - sum(blocks), max(blocks, default=0)
+    return total, trains, total - sum(blocks), max(blocks, default=0)
 
 
 def optimizer_moments(recipe: Recipe, spec: JobSpec) -> int:
@@ -100,6 +106,7 @@ class MemoryEstimate:
     weights: int
     """The weights this core keeps: all of them (ddp), or its 1/N shard (fsdp)."""
     gradients: int
+    """Of the weights that train only (a frozen LoRA base has none), as the optimizer's state."""
     optimizer: int
     activations: int
     gathered: int
@@ -108,6 +115,8 @@ class MemoryEstimate:
     per_core_limit: int
     rehearsal: bool = False
     """The limit is TRNFLOW_REHEARSE_CORE_GIB's, not the instance's."""
+    trainable: int | None = None
+    """Parameters that train, when fewer than all (LoRA adapters on a frozen base)."""
 
     @property
     def total(self) -> int:
@@ -124,9 +133,11 @@ class MemoryEstimate:
         """`fsdp 1.2 GiB of 16.0 GiB (weights 300.0 MiB, gradients ..., gathered 100.0 MiB)`."""
         parts = [("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
                  ("activations", self.activations)] + ([("gathered", self.gathered)] if self.strategy == "fsdp" else [])
+        trains = (f", {self.trainable:,} of {self.parameters:,} parameters train "
+                  f"({self.trainable / max(self.parameters, 1):.2%})" if self.trainable is not None else "")
         return (f"{self.strategy} {_size(self.total)} of {_size(self.per_core_limit)}"
                 f"{' (rehearsal)' if self.rehearsal else ''} ("
-                + ", ".join(f"{name} {_size(value)}" for name, value in parts) + ")")
+                + ", ".join(f"{name} {_size(value)}" for name, value in parts) + trains + ")")
 
 
 def _size(value: int) -> str:
@@ -154,7 +165,7 @@ class MemoryPlan:
 
 
 def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int) -> tuple[MemoryEstimate, MemoryEstimate]:
-    params, root, largest = _shape(recipe)
+    params, trains, root, largest = _shape(recipe)
     precision = spec.compute.precision
     # Pure bf16 (bf16-sr, bf16-rne) keeps weights, gradients and optimizer state in bf16 on the
     # device; fp32 and bf16 autocast keep fp32 master weights. Activations follow the compute dtype.
@@ -163,12 +174,13 @@ def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int) -> tuple[M
     activations = recipe.activation_bytes(spec.per_core_batch, act_bytes)
     moments = optimizer_moments(recipe, spec)
     limit, rehearsal = core_limit(itype), rehearsal_core_bytes() is not None
-    ddp = MemoryEstimate("ddp", params, params * state_bytes, params * state_bytes, moments * params * state_bytes,
-                         activations, 0, limit, rehearsal)
-    shard = -(-params // world)  # FSDP2 pads each parameter's shard on dim 0; the padding is small
+    partly = trains if trains < params else None
+    ddp = MemoryEstimate("ddp", params, params * state_bytes, trains * state_bytes, moments * trains * state_bytes,
+                         activations, 0, limit, rehearsal, partly)
+    shard, trained = -(-params // world), -(-trains // world)  # FSDP2 pads each shard on dim 0; a little
     gathered = (root + 2 * largest if largest else params) * state_bytes
-    fsdp = MemoryEstimate("fsdp", params, shard * state_bytes, shard * state_bytes, moments * shard * state_bytes,
-                          activations, gathered, limit, rehearsal)
+    fsdp = MemoryEstimate("fsdp", params, shard * state_bytes, trained * state_bytes, moments * trained * state_bytes,
+                          activations, gathered, limit, rehearsal, partly)
     return ddp, fsdp
 
 

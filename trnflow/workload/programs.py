@@ -5,7 +5,9 @@ compilation extracts and compiles, and what training, evaluation and inference t
   (the recipe's loss is computed outside the graph);
 - `eval_step`: logits for one evaluation batch (`sharded_eval_step`: of a sharded model, inside
   sharded training);
-- `embed_step`: embeddings for one inference batch.
+- `embed_step`: embeddings for one inference batch;
+- `generate_step` (with `inference.generate`): the next token's logits of each row of a fixed-size
+  buffer of prompts and the tokens generated so far, at each row's own length.
 
 Evaluation and inference pad their last batch (see `sampler.static_batches`), and training drops
 the last partial batch unless told otherwise, so these three shapes are all a run ever sees.
@@ -25,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from trnflow.device.base import CompileBackend, Device
 from trnflow.errors import TrnflowError
 from trnflow.specs import JobSpec
+from trnflow.workload.checkpoint import trainable
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.recipes import Recipe
 
@@ -69,6 +72,8 @@ class Programs:
         self.sharded = sharded
         self._forward = device.compile(model, compiler, whole=not sharded)
         self._embed = device.compile(model.embed, compiler) if recipe.embeds and not sharded else None
+        generates = recipe.generates and spec.inference.generate is not None and not sharded
+        self._next = device.compile(model.next_logits, compiler) if generates else None
         # DDP wraps the compiled module, so the graph is the model's alone, whatever the world size.
         self._train_forward = DDP(self._forward) if ddp else self._forward
 
@@ -121,12 +126,21 @@ class Programs:
         with self.compiler.naming("embed_step", tokens), _compiler_errors(), self.device.inference():
             return self._embed(tokens).cpu()
 
+    def next_logits(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """The logits of the token after each row's first `lengths` tokens of `ids` (rows, seq_len +
+        max_new_tokens): one shape for every step of a generation."""
+        assert self._next is not None, "the spec generates nothing (inference.generate)"
+        self._mode(training=False)
+        ids, lengths = self.device.put(ids), self.device.put(lengths)
+        with self.compiler.naming("generate_step", ids), _compiler_errors(), self.device.inference():
+            return self._next(ids, lengths).cpu()
+
     def exercise(self, program: str, steps: int = 1) -> None:
         """Run `program` on inputs of the run's shapes, as a trial run does: for `train_step`,
         `steps` full training steps (forward, backward, optimizer step)."""
         tokens, labels, batch = example_inputs(self.spec, self.recipe)
         if program == "train_step":
-            optimizer = self.recipe.optimizer(self.model.parameters(), self.spec.train)
+            optimizer = self.recipe.optimizer(trainable(self.model), self.spec.train)
             for _ in range(steps):
                 self.train_step(tokens, labels, optimizer)
         elif program in ("eval_step", "sharded_eval_step"):
@@ -134,6 +148,10 @@ class Programs:
         elif program == "embed_step":
             if self._embed is not None:
                 self.embed(batch)
+        elif program == "generate_step":
+            generate = self.spec.inference.generate
+            assert generate is not None, "the spec generates nothing (inference.generate)"
+            self.next_logits(*self.recipe.prompts(batch, generate.max_new_tokens))
         else:
             raise ValueError(f"unknown program {program!r}; the programs are {', '.join(PROGRAMS)}")
 
@@ -164,9 +182,10 @@ def for_run(ctx: WorkerContext, recipe: Recipe, model: nn.Module, ddp: bool = Fa
 def programs_of(spec: JobSpec) -> tuple[str, ...]:
     """The programs a run of `spec` needs compiled: with sharded training, the training programs of
     the sharded model besides the evaluate and infer stages' whole ones."""
+    generates = ("generate_step",) if spec.inference.generate is not None else ()
     if spec.train.parallelism.strategy == "fsdp":
-        return ("train_step", "sharded_eval_step", "eval_step", "embed_step")
-    return PROGRAMS
+        return ("train_step", "sharded_eval_step", "eval_step", "embed_step", *generates)
+    return (*PROGRAMS, *generates)
 
 
 def for_trial(spec: JobSpec, recipe: Recipe, compiler: CompileBackend, device: Device, program: str) -> Programs:

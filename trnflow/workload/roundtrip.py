@@ -20,7 +20,7 @@ from trnflow.errors import FatalError
 from trnflow.records import CheckpointMeta, DataRead
 from trnflow.storage import join
 from trnflow.workload import PREFLIGHT_FOLDER, watchdog
-from trnflow.workload.checkpoint import RunCheckpoints, load, weights_digest
+from trnflow.workload.checkpoint import RunCheckpoints, load, trainable, trained_state, weights_digest
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.programs import build_model
 from trnflow.workload.recipes import for_job
@@ -45,15 +45,15 @@ def round_trip(ctx: WorkerContext, run_id: str) -> dict:
     url = join(spec.train.checkpoint_url, run_id, PREFLIGHT_FOLDER)
     with torch.random.fork_rng(devices=[]):  # the run's random streams are not this check's
         model = build_model(recipe, spec.train.seed)
-        optimizer = recipe.optimizer(model.parameters(), spec.train)
-        for p in model.parameters():
+        optimizer = recipe.optimizer(trainable(model), spec.train)
+        for p in trainable(model):
             p.grad = torch.zeros_like(p)
         optimizer.step()  # its state, of every weight's shape
     meta = CheckpointMeta(run_id=run_id, step=0, global_step=0, spec_digest=spec.digest(),
                           precision=spec.compute.precision, world_size=ctx.world_size, sampler={}, data=DataRead(),
-                          recipe=recipe.describe(), torch=torch.__version__)
+                          recipe=recipe.describe(), torch=torch.__version__, base=recipe.base())
     checkpoints = RunCheckpoints(url)
-    weights, state = model.state_dict(), optimizer.state_dict()
+    weights, state = trained_state(model), optimizer.state_dict()
     began = time.perf_counter()
     try:
         with watchdog.busy("the preflight's checkpoint round trip"):  # a large model takes a while each way

@@ -60,22 +60,45 @@ METADATA = ".metadata"
 
 WHOLE = StateDictOptions(full_state_dict=True)
 """Loading: every rank passes the whole state, and keeps its shard."""
-WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True)
-"""Saving: unsharded tensors in host memory, on rank 0 only (the others get nothing)."""
-SHARDED_ON_HOST = StateDictOptions(cpu_offload=True)
+WHOLE_ON_RANK0 = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+"""Saving: unsharded tensors in host memory, on rank 0 only (the others get nothing). Frozen
+weights (a LoRA adapter's base) are left out of every state saved: they are the base's."""
+SHARDED_ON_HOST = StateDictOptions(cpu_offload=True, ignore_frozen_params=True)
 """Saving shards: each rank's DTensors, their local parts copied to host memory."""
+TRAINED = StateDictOptions(ignore_frozen_params=True)
+
+
+def frozen(model: nn.Module) -> set[str]:
+    """The state_dict names of the model's weights that do not train (a LoRA adapter's base), tied
+    names included (a tied head's, which `ignore_frozen_params` keeps)."""
+    return {name.removeprefix("module.").removeprefix("_orig_mod.")
+            for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+
+
+def _trained(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` without the model's frozen weights."""
+    fixed = frozen(model)
+    return {k: v for k, v in state.items() if k not in fixed} if fixed else state
+
+
+def _loading(model: nn.Module, options: StateDictOptions | None = None) -> StateDictOptions:
+    """`options` for loading a state saved without the model's frozen weights, if it has any."""
+    options = options or StateDictOptions()
+    if any(not p.requires_grad for p in model.parameters()):
+        return StateDictOptions(**{**vars(options), "strict": False})
+    return options
 
 
 def whole_model(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights, unsharded, on rank 0 (a collective: every rank calls it)."""
-    return get_model_state_dict(model, options=WHOLE_ON_RANK0)
+    return _trained(model, get_model_state_dict(model, options=WHOLE_ON_RANK0))
 
 
 def load_whole(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, torch.Tensor],
                state: dict[str, Any] | None) -> None:
     """Load unsharded weights (and optimizer state) into a sharded model: each rank keeps its shard.
     Every rank passes the whole state (a collective)."""
-    set_model_state_dict(model, weights, options=WHOLE)
+    set_model_state_dict(model, weights, options=_loading(model, WHOLE))  # its names checked by the caller
     if optimizer is not None and state is not None:
         set_optimizer_state_dict(model, optimizer, by_name(model, optimizer, state), options=WHOLE)
 
@@ -226,7 +249,7 @@ class _WholePlanner(_Values, _EmptyStateDictLoadPlanner):
 def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> dict[str, bytes]:
     """Write this rank's shard of the weights and optimizer state into `folder` (a local folder of
     this rank's own), and on rank 0 the index too; the files written, by name. A collective."""
-    state = {"model": get_model_state_dict(model, options=SHARDED_ON_HOST),
+    state = {"model": _trained(model, get_model_state_dict(model, options=SHARDED_ON_HOST)),
              "optim": get_optimizer_state_dict(model, optimizer, options=SHARDED_ON_HOST)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
              no_dist=not torch.distributed.is_initialized())  # (one process without a group: a test's)
@@ -258,10 +281,11 @@ def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, files: dict[
     """Load a sharded checkpoint's files (verified by the caller) into a sharded model and its
     optimizer, each rank taking its shard of the new layout whatever the world size that wrote
     them. A collective; ValueError when the shards cannot be read."""
-    state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, optimizer)}
+    state = {"model": _trained(model, get_model_state_dict(model, options=TRAINED)),
+             "optim": get_optimizer_state_dict(model, optimizer)}
     with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp, _read_errors():
         dcp.load(state, storage_reader=_unpacked(files, Path(tmp)), planner=_Planner())
-    set_model_state_dict(model, state["model"])
+    set_model_state_dict(model, state["model"], options=_loading(model))
     set_optimizer_state_dict(model, optimizer, state["optim"])
 
 

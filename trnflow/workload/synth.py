@@ -14,7 +14,10 @@ Layout written under OUT:
 The `prompt-completion` format writes the same reviews as JSONL rows for a language model: the
 review as the prompt ("Review: ...\nSentiment:") and its label's word as the completion
 (" positive" or " negative"), in every set, so that a fine-tuned model has something real to learn
-and batch inference scores each completion given its prompt.
+and batch inference scores each completion given its prompt. The `chat` format writes them as chats
+(a `messages` list of role/content turns): a system instruction, the review from the user and the
+sentiment's word from the assistant, and on every third row a second exchange in which the user
+asks again and the assistant repeats the word in a sentence.
 """
 
 from __future__ import annotations
@@ -102,11 +105,29 @@ def prompt_completion(row: dict) -> dict:
     return {"id": row["id"], "prompt": f"Review: {row['text']}\nSentiment:", "completion": WORDS[row["label"]]}
 
 
+CHAT = "chat"
+INSTRUCTION = "Say whether the customer's review is positive or negative, in one word."
+
+
+def chat(row: dict, n: int) -> dict:
+    """A review as a chat: the instruction, the review and its label's word, and on every third row
+    (by `n`) a second exchange."""
+    word = WORDS[row["label"]].strip()
+    messages = [{"role": "system", "content": INSTRUCTION}, {"role": "user", "content": row["text"]},
+                {"role": "assistant", "content": word}]
+    if n % 3 == 2:
+        messages += [{"role": "user", "content": "Are you sure?"},
+                     {"role": "assistant", "content": f"Yes: the review is {word}."}]
+    return {"id": row["id"], "messages": messages}
+
+
 def _encode(rows: list[dict], fmt: str) -> bytes:
     if fmt == "amazon-polarity":
         return _polarity_csv(rows)
     if fmt == PROMPT_COMPLETION:
         return "".join(json.dumps(prompt_completion(r)) + "\n" for r in rows).encode()
+    if fmt == CHAT:
+        return "".join(json.dumps(chat(r, n)) + "\n" for n, r in enumerate(rows)).encode()
     if fmt == "jsonl":
         return "".join(json.dumps(r) + "\n" for r in rows).encode()
     table = pa.Table.from_pylist(rows)
@@ -124,7 +145,7 @@ def synthesize(out: Path, days: int, rows_per_day: int, seed: int, fmt: str = "j
     """Write the three datasets (with `train_only`, just the day partitions: a new day arriving);
     returns a summary of what was written."""
     rng = random.Random(seed)
-    ext = {"amazon-polarity": "csv", PROMPT_COMPLETION: "jsonl"}.get(fmt, fmt)
+    ext = {"amazon-polarity": "csv", PROMPT_COMPLETION: "jsonl", CHAT: "jsonl"}.get(fmt, fmt)
     holdout_rows = holdout_rows if holdout_rows is not None else rows_per_day
     inference_rows = inference_rows if inference_rows is not None else rows_per_day
     written = []
@@ -140,8 +161,8 @@ def synthesize(out: Path, days: int, rows_per_day: int, seed: int, fmt: str = "j
     holdout = out / "holdout" / f"part-00000.{ext}"
     atomic_write_bytes(holdout, _encode(_rows(rng, last, holdout_rows, "ho", noise), fmt))
     unlabelled = _rows(rng, last, inference_rows, "inf", 0)
-    inference_rows_data = unlabelled if fmt == PROMPT_COMPLETION else [{"id": r["id"], "text": r["text"]}
-                                                                       for r in unlabelled]
+    inference_rows_data = unlabelled if fmt in (PROMPT_COMPLETION, CHAT) else [{"id": r["id"], "text": r["text"]}
+                                                                               for r in unlabelled]
     inference = out / "inference" / f"part-00000.{ext}"
     atomic_write_bytes(inference, _encode(inference_rows_data, fmt))
     return {"train_partitions": len(written), "train_rows": days * rows_per_day,

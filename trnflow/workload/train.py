@@ -28,7 +28,15 @@ from trnflow.records import EXPORT_MARKER, CheckpointMeta, DataRead, ExportedFil
 from trnflow.results import TrainResult
 from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload import watchdog
-from trnflow.workload.checkpoint import check_weights, load_model_weights, step_name, weights_digest
+from trnflow.workload.checkpoint import (
+    check_weights,
+    load_model_weights,
+    on_base,
+    step_name,
+    trainable,
+    trained_state,
+    weights_digest,
+)
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import iter_labelled
 from trnflow.workload.evaluate import Holdout
@@ -97,7 +105,7 @@ class Trainer:
         self.sharded = strategy(self.spec, recipe) == "fsdp"
         if self.sharded:  # each rank keeps 1/N of the weights; the optimizer is built on those shards
             self.device.shard(self.model, recipe.blocks(self.model))
-        self.optimizer = recipe.optimizer(self.model.parameters(), tcfg)
+        self.optimizer = recipe.optimizer(trainable(self.model), tcfg)  # a frozen base has no optimizer state
         self.rounding = self.device.rounding(self.spec.compute.precision)
         # Replicas must round identically, so the rounding stream is seeded the same on every rank.
         self.sr_seed = int(os.environ.get("NEURON_RT_STOCHASTIC_ROUNDING_SEED", "0")) + tcfg.seed
@@ -155,6 +163,7 @@ class Trainer:
         """The step to start from and the curve so far: a retry resumes its own checkpoint exactly."""
         ctx, tcfg, start, resumed = self.ctx, self.spec.train, self.start, self.start.resumed
         if resumed is not None:
+            adapters = on_base(resumed, self.recipe.base())
             if self.sharded and resumed.sharded:  # each rank reads its part of the shards, at any world size
                 try:
                     load_shards(self.model, self.optimizer, resumed.shards or {})
@@ -165,13 +174,13 @@ class Trainer:
                 weights = whole_model(self.model)  # on rank 0 alone, whose result says what was loaded
                 self.resumed_weights = weights_digest(weights) if ctx.is_main else None
             elif self.sharded:  # a ddp run's checkpoint holds them whole: each rank keeps its shard
-                weights = check_weights(self.model, resumed.model, resumed.url)
+                weights = check_weights(self.model, resumed.model, resumed.url, adapters)
                 self.resumed_weights = weights_digest(weights)  # what is loaded, never gathered whole on a core
                 load_whole(self.model, self.optimizer, weights, resumed.optim)  # (which shards `weights` in place)
             else:
-                load_model_weights(self.model, resumed.model, resumed.url)
+                load_model_weights(self.model, resumed.model, resumed.url, adapters)
                 load_optimizer(self.model, self.optimizer, resumed.optim)
-                self.resumed_weights = weights_digest(self.device.to_host(self.model.state_dict()))
+                self.resumed_weights = weights_digest(self.device.to_host(trained_state(self.model)))
             assert resumed.meta is not None  # a run's own checkpoints always have their meta.json
             first = self.sampler.restore(resumed.meta.sampler)
             if resumed.rng and len(resumed.rng) == ctx.world_size:
@@ -183,10 +192,11 @@ class Trainer:
             ctx.log("resume", step=first, checkpoint=resumed.url, saved_by_ranks=len(resumed.rng or []),
                     ranks=ctx.world_size)
             return first, list(resumed.meta.metrics)
+        adapters = start.init is not None and on_base(start.init, self.recipe.base())
         if start.init is not None and self.sharded:
-            load_whole(self.model, None, check_weights(self.model, start.init.model, start.init.url), None)
+            load_whole(self.model, None, check_weights(self.model, start.init.model, start.init.url, adapters), None)
         elif start.init is not None:
-            load_model_weights(self.model, start.init.model, start.init.url)
+            load_model_weights(self.model, start.init.model, start.init.url, adapters)
         if start.init is not None:
             ctx.log("init", checkpoint=start.init.url, watermark=start.init.watermark)
         torch.manual_seed(tcfg.seed + 1000 * ctx.rank)  # each rank its own dropout stream
@@ -256,7 +266,7 @@ class Trainer:
             shards = self._write_shards(done)
             weights = whole_model(self.model) if last else None  # gathered on rank 0 (every rank takes part)
         elif ctx.is_main:
-            weights, optim = host(self.model.state_dict()), host(self.optimizer.state_dict())
+            weights, optim = host(trained_state(self.model)), host(self.optimizer.state_dict())
         if ctx.is_main:
             checkpoints = self.faults.checkpoint_store(self.start.checkpoints, writer=True)
             meta = CheckpointMeta(
@@ -266,6 +276,7 @@ class Trainer:
                 data=self.data_read, watermark=self.start.watermark, metrics=self.metrics,
                 evaluations=self.evaluations, holdout_sha256=self.holdout.digest, recipe=self.recipe.describe(),
                 torch=torch.__version__, export=self._export(done, weights) if last and weights else None,
+                base=self.recipe.base(),
                 parallelism=self.spec.train.parallelism.strategy if self.sharded else "ddp")
             self.checkpoint_url = checkpoints.save(
                 done, weights, optim, rng, (self.recipe.featurizer_file, self.recipe.state()), meta,
@@ -295,7 +306,7 @@ class Trainer:
         with tempfile.TemporaryDirectory(prefix="trnflow-export-") as tmp:
             with torch.random.fork_rng(devices=[]):  # building it must not move the run's random streams
                 model = self.recipe.build_model()
-            model.load_state_dict(weights)
+            load_model_weights(model, weights, "the run's last weights", without_frozen=True)
             if not self.recipe.export(model, Path(tmp)):
                 return None
             folder = f"export/{step_name(done)}"
@@ -309,7 +320,8 @@ class Trainer:
                     data = path.read_bytes()
                     store.write(f"{folder}/{name}", data)
                     files[name] = ExportedFile(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
-            store.write(f"{folder}/{EXPORT_MARKER}", dump(ExportMarker(recipe=self.recipe.describe(), files=files)))
+            store.write(f"{folder}/{EXPORT_MARKER}", dump(ExportMarker(recipe=self.recipe.describe(), files=files,
+                                                                       base=self.recipe.base())))
         url = f"{self.start.checkpoints.url}/{folder}"
         self.ctx.log("export", step=done, url=url, files=len(files))
         return url

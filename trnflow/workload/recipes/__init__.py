@@ -138,6 +138,9 @@ def model_problems(data: dict[str, Any]) -> list[str]:
         cls.Params.model_validate(params)
     except ValidationError as exc:
         return _params_problems(exc)
+    inference = data.get("inference") or {}
+    if isinstance(inference, dict) and inference.get("generate") and not cls.generates:
+        return [f"inference.generate: recipe {cls.name} does not generate text (hf-causal-lm does); remove it"]
     gate = data.get("gate") or {}
     if not isinstance(gate, dict):
         return []  # the spec's own error

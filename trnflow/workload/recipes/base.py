@@ -72,6 +72,9 @@ class Recipe(ABC):
     (trnflow knows accuracy, f1, auc and token_accuracy are better higher, loss and perplexity lower)."""
     embeds: ClassVar[bool] = True
     """Whether its model has `embed`: the inference stage publishes embeddings, else predictions."""
+    generates: ClassVar[bool] = False
+    """Whether it generates text (`inference.generate`): its model has `next_logits`, and it has
+    `prompts` and `decode`."""
 
     def __init__(self, params: BaseModel, data: DataSpec):
         self.params, self.data = params, data
@@ -173,6 +176,32 @@ class Recipe(ABC):
         weights)."""
         return []
 
+    def overlong(self, rows: pa.Table) -> int:
+        """How many of `rows` are longer than the model's input and are cut to it (`trnflow data
+        check` reports them); 0 when it cannot say before its featurizer is fitted (the default)."""
+        return 0
+
+    def prompts(self, features: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A generating recipe's prompts of feature rows: token ids (rows, seq_len + `room`), each row's
+        prompt from its start, then padding; and each prompt's length."""
+        raise NotImplementedError(f"recipe {self.name} does not generate text")
+
+    def decode(self, tokens: list[list[int]]) -> list[str]:
+        """A generating recipe's text of each row's generated token ids."""
+        raise NotImplementedError(f"recipe {self.name} does not generate text")
+
+    @property
+    def end_token(self) -> int | None:
+        """The token that ends a generated text (None: none does)."""
+        return None
+
+    def base(self) -> str | None:
+        """The content digest of the frozen weights its model is built with, when some of its weights
+        do not train (`requires_grad` off: a LoRA adapter's pretrained model): checkpoints then hold
+        only the weights that train and record this digest, and a checkpoint is loaded only into a
+        model built on the same base. None (the default): every weight trains and is saved."""
+        return None
+
     def activation_bytes(self, batch: int, value_bytes: int) -> int:
         """An estimate of the activations one training step keeps for backward (the memory check);
         0 when the recipe cannot say."""
@@ -203,6 +232,11 @@ class Recipe(ABC):
         """Local files or folders its params name that must exist before a run starts (a pretrained
         model's folder), by the spec field that names them: `trnflow validate` notes a missing one,
         `trnflow run` refuses to start without it."""
+        return {}
+
+    def remote_inputs(self) -> dict[str, str]:
+        """s3:// folders its params name that must exist before a run starts, by the spec field that
+        names them: `trnflow validate --data-check` checks them."""
         return {}
 
     @property

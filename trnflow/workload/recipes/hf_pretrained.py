@@ -14,7 +14,11 @@ alone, never through a class name the file gives.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import shutil
+import tempfile
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
@@ -25,10 +29,24 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from torch import nn
 
-from trnflow.errors import FatalError, FieldError
+from trnflow.errors import DataError, FatalError, FieldError
+from trnflow.lifecycle.exports import copy_export, holds, read_marker
+from trnflow.records import manifest_digest
+from trnflow.storage import open_store
+from trnflow.workload.recipes.lora import LoraParams, adapt, folder_digest
 
 STATE_FORMAT = "trnflow-hf-tokenizer/1"
 """The `format` of a pretrained tokenizer saved as a featurizer."""
+DEFAULT_CHAT_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for m in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ m['role'] }}: {{ m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{% if messages %}{{ '\\n' }}{% endif %}assistant:{% endif %}")
+"""The chat template of a tokenizer without one of its own: each turn on a line of its own as
+`role: content`, an assistant's turn ending with the end-of-sequence token, and `assistant:` as the
+generation prompt; the tokenizer's start token (`<s>`) begins the chat. An export saves it as its
+tokenizer's chat template, so that `apply_chat_template` renders chats as training did."""
+ROLES = ("system", "user", "assistant")
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "pad_token", "cls_token", "sep_token", "mask_token")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
@@ -45,8 +63,44 @@ def transformers(recipe: str) -> Any:
 
 def absolute(folder: str | None) -> str | None:
     """A `pretrained` folder as an absolute path: a relative one is resolved against the directory
-    trnflow runs from (as a spec's data locations are), so that every job finds the same folder."""
-    return str(Path(folder).expanduser().absolute()) if folder else folder
+    trnflow runs from (as a spec's data locations are), so that every job finds the same folder. An
+    s3:// one stays as it is."""
+    return str(Path(folder).expanduser().absolute()) if folder and not remote(folder) else folder
+
+
+def remote(folder: str | None) -> bool:
+    """Whether a `pretrained` folder is on S3 (fetched by each job into a folder of its own)."""
+    return bool(folder) and str(folder).startswith("s3://")
+
+
+PRETRAINED_CACHE_ENV = "TRNFLOW_PRETRAINED_CACHE"
+"""Where s3:// pretrained folders are kept on a machine, one folder per content digest (default: a
+`trnflow-pretrained` folder in the system's temporary folder)."""
+
+
+def fetched(url: str) -> Path:
+    """An s3:// pretrained folder (a trnflow export, or any folder with an `EXPORTED` marker listing
+    its files) on this machine: under the cache folder by the digest of what its marker lists, every
+    file checked against its checksum. A copy already there is checked again, file by file, before
+    it is used (another job on the machine could have written it); one that does not match is
+    fetched again."""
+    try:
+        marker = read_marker(url)
+    except DataError as exc:
+        raise FatalError(f"model.params.pretrained: {exc}") from None
+    digest = manifest_digest(marker.model_dump(mode="json")["files"])
+    root = Path(os.environ.get(PRETRAINED_CACHE_ENV) or Path(tempfile.gettempdir()) / "trnflow-pretrained")
+    folder = root / digest
+    if holds(folder, marker):
+        return folder
+    shutil.rmtree(folder, ignore_errors=True)
+    try:
+        copy_export(url, folder, digest)
+    except DataError as exc:
+        if holds(folder, marker):  # another job on this machine fetched it at the same time
+            return folder
+        raise FatalError(f"model.params.pretrained: {exc}") from None
+    return folder
 
 
 def pretrained_folder(folder: str) -> Path:
@@ -163,6 +217,10 @@ class PretrainedTokenizer:
     with its pad token)."""
 
     def __init__(self, tokenizer: Any, seq_len: int, source: str):
+        template = getattr(tokenizer, "chat_template", None)
+        if template is not None and not isinstance(template, str):
+            raise FatalError(f"{source}: the tokenizer has several chat templates; trnflow renders chats with one, the "
+                             "tokenizer's chat_template: save the one to use as it")
         if tokenizer.pad_token_id is None:
             raise FatalError(f"{source}: the tokenizer has no pad token; set one (for example "
                              "tokenizer.pad_token = tokenizer.eos_token) and save it again")
@@ -203,7 +261,12 @@ class PretrainedTokenizer:
         if unknown:
             raise FatalError(f"{source}: names special tokens {unknown} its vocabulary does not have; it is damaged, "
                              "use an earlier checkpoint")
+        template = document.get("chat_template")
+        if template is not None and not isinstance(template, str):
+            raise FatalError(f"{source}: a damaged pretrained tokenizer (its chat_template is not text); use an "
+                             "earlier checkpoint")
         fast = transformers(recipe).PreTrainedTokenizerFast(tokenizer_object=backend, **special)
+        fast.chat_template = template  # rendered by transformers in a sandbox: a template runs no code
         if len(fast) > vocab_limit:
             raise FatalError(f"{source}: the tokenizer has {len(fast)} tokens but the model has {vocab_limit} token "
                              "embeddings; it is not this model's tokenizer")
@@ -214,6 +277,16 @@ class PretrainedTokenizer:
         return int(self.tokenizer.pad_token_id)
 
     @property
+    def own_template(self) -> str | None:
+        """The tokenizer's own chat template, or None."""
+        return getattr(self.tokenizer, "chat_template", None)
+
+    @property
+    def chat_template(self) -> str:
+        """The template chats are rendered with: its own, else `DEFAULT_CHAT_TEMPLATE`."""
+        return self.own_template or DEFAULT_CHAT_TEMPLATE
+
+    @property
     def vocab_size(self) -> int:
         return len(self.tokenizer)
 
@@ -221,7 +294,7 @@ class PretrainedTokenizer:
         special = {name: str(getattr(self.tokenizer, name)) for name in SPECIAL_TOKENS
                    if getattr(self.tokenizer, name, None) is not None}
         return json.dumps({"format": STATE_FORMAT, "tokenizer": self.tokenizer.backend_tokenizer.to_str(),
-                           "special": special}).encode()
+                           "special": special, "chat_template": self.own_template}).encode()
 
     def encode(self, texts: list[str]) -> torch.Tensor:
         """Token ids, (len(texts), seq_len): cut, then padded with the pad token."""
@@ -229,8 +302,14 @@ class PretrainedTokenizer:
                               max_length=self.seq_len, return_tensors="pt")["input_ids"]
 
     def save(self, folder: Path) -> None:
-        """As `save_pretrained` writes it, for `AutoTokenizer.from_pretrained`."""
-        self.tokenizer.save_pretrained(folder)
+        """As `save_pretrained` writes it, for `AutoTokenizer.from_pretrained`, with the chat template
+        chats were rendered with."""
+        own = self.own_template
+        self.tokenizer.chat_template = self.chat_template
+        try:
+            self.tokenizer.save_pretrained(folder)
+        finally:
+            self.tokenizer.chat_template = own
 
 
 BYTE_SPECIAL = ("<pad>", "<s>", "</s>")
@@ -251,6 +330,22 @@ def train_byte_tokenizer(texts: Iterable[str], vocab_size: int, recipe: str) -> 
     pad, bos, eos = BYTE_SPECIAL
     return transformers(recipe).PreTrainedTokenizerFast(tokenizer_object=backend, pad_token=pad, bos_token=bos,
                                                         eos_token=eos)
+
+
+def chat_turns(messages: object, source: str) -> list[dict[str, str]]:
+    """A chat's turns as `{"role", "content"}` records, each role one of `ROLES`; FatalError naming
+    `source` (the column and row) otherwise."""
+    if not isinstance(messages, list) or not messages:
+        raise FatalError(f"{source}: is not a list of turns; each row's chat is a list of {{role, content}} records")
+    turns = []
+    for n, turn in enumerate(messages):
+        role = turn.get("role") if isinstance(turn, dict) else None
+        content = turn.get("content") if isinstance(turn, dict) else None
+        if role not in ROLES or not isinstance(content, str):
+            raise FatalError(f"{source}: turn {n} is not a {{role, content}} record with a role among "
+                             f"{', '.join(ROLES)} and text as its content")
+        turns.append({"role": role, "content": content})
+    return turns
 
 
 def saved_state(state: bytes) -> dict | None:
@@ -277,12 +372,18 @@ class PretrainedParams(BaseModel):
         "made absolute when the spec is validated.",
     )
     seq_len: int = Field(64, ge=4, le=32768, description="Fixed sequence length: rows are cut and padded to it.")
+    lora: LoraParams | None = Field(
+        None, description="Train LoRA adapters (peft) on the pretrained model's frozen weights instead of every "
+        "weight: checkpoints then hold the adapters alone, and name the pretrained folder by its digest.")
 
     @model_validator(mode="after")
     def _config_fits(self) -> PretrainedParams:
         problem = config_problem(self.config, self.seq_len)
         if problem:
             raise ValueError(problem)
+        if self.lora is not None and not self.pretrained:
+            raise ValueError("lora: adapters train on a pretrained model's frozen weights; set pretrained to its "
+                             "save_pretrained folder")
         return self
 
 
@@ -302,22 +403,52 @@ class FromPretrained:
         return {**params, "pretrained": absolute(folder)} if isinstance(folder, str) and folder else params
 
     def local_inputs(self) -> dict[str, str]:
-        return {"model.params.pretrained": self.params.pretrained} if self.params.pretrained else {}
+        folder = self.params.pretrained
+        return {"model.params.pretrained": folder} if folder and not remote(folder) else {}
+
+    def remote_inputs(self) -> dict[str, str]:
+        folder = self.params.pretrained
+        return {"model.params.pretrained": folder} if remote(folder) else {}
+
+    @cached_property
+    def _folder(self) -> str | None:
+        """The pretrained folder on this machine: the params' own, or an s3:// one fetched."""
+        folder = self.params.pretrained
+        return str(fetched(folder)) if folder and remote(folder) else folder
 
     @cached_property
     def _folder_tokenizer(self) -> PretrainedTokenizer | None:
         """The pretrained folder's own tokenizer, if it has one."""
-        folder = self.params.pretrained
+        if not self.params.pretrained:
+            return None
+        folder = self._folder
         if not has_tokenizer(folder):
             return None
         return PretrainedTokenizer.from_folder(folder, self.params.seq_len, self.name, pad_with_eos=self.pad_with_eos)
 
+    @cached_property
+    def _pretrained_config(self) -> dict[str, Any] | None:
+        """The pretrained folder's config.json (of an s3:// folder: read alone, checked against its
+        marker, without fetching the weights); None without a folder or a config."""
+        folder = self.params.pretrained
+        if not folder:
+            return None
+        if not remote(folder):
+            path = Path(folder) / "config.json"
+            return json.loads(path.read_text()) if path.is_file() else None
+        try:
+            listed = read_marker(folder).files.get("config.json")
+            data = open_store(folder).read("config.json") if listed else b""
+        except (DataError, FileNotFoundError) as exc:
+            raise FatalError(f"model.params.pretrained: {exc}") from None
+        if listed is None or hashlib.sha256(data).hexdigest() != listed.sha256:
+            raise FatalError(f"model.params.pretrained: {folder}/config.json is missing from its EXPORTED marker or "
+                             "does not match its checksum there; export the model again")
+        return json.loads(data)
+
     def _model_config(self) -> dict[str, Any]:
         """The model's config: the pretrained folder's, else the params' (with their vocab_size)."""
-        folder = self.params.pretrained
-        if folder and (Path(folder) / "config.json").is_file():
-            return json.loads((Path(folder) / "config.json").read_text())
-        return {**self.params.config, "vocab_size": getattr(self.params, "vocab_size", 0)}
+        return self._pretrained_config or {**self.params.config, "vocab_size": getattr(self.params, "vocab_size", 0)}
 
     @property
     def _embeddings(self) -> int:
@@ -338,7 +469,11 @@ class FromPretrained:
     def _pretrained_model(self, auto_class: Any) -> Any:
         """The folder's model (`auto_class`), its embeddings checked against the tokenizer it will
         read: the folder's own, or one trained to `vocab_size` tokens."""
-        folder = self.params.pretrained
+        if torch.get_default_device().type == "meta":  # counted, never run: its config builds it, no weights read
+            config = dict(self._model_config())
+            built = transformers(self.name).AutoConfig.for_model(config.pop("model_type"), **config)
+            return auto_class.from_config(built, trust_remote_code=False)
+        folder = self._folder
         assert folder, "a pretrained folder"
         model = load_pretrained(auto_class, pretrained_folder(folder))
         own, embeddings = self._folder_tokenizer, model.config.vocab_size
@@ -351,6 +486,23 @@ class FromPretrained:
                              "token embeddings (its folder has no tokenizer, so one is trained); set it to at most "
                              "that, or save the model's own tokenizer there")
         return model
+
+    def _adapt(self, model: Any) -> Any:
+        """The `transformers` model with LoRA adapters when the params ask for them, else itself."""
+        if self.params.lora is None:
+            return model
+        return adapt(model, self.params.lora, str(self._model_config().get("model_type", "")))
+
+    @cached_property
+    def _base(self) -> str | None:
+        if self.params.lora is None or not self.params.pretrained:
+            return None
+        return folder_digest(pretrained_folder(str(self._folder)))
+
+    def base(self) -> str | None:
+        """With LoRA: the pretrained folder's content digest (its frozen weights are the base every
+        adapter checkpoint needs); else None."""
+        return self._base
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The transformer layers, wherever the architecture keeps them (BERT's `encoder.layer`,

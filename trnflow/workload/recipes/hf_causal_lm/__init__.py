@@ -6,10 +6,12 @@ remote code) with its own tokenizer. Without a pretrained tokenizer, a byte-leve
 encoding is trained on the first run's texts. Either is the featurizer, saved beside every
 checkpoint as `tokenizer.json`.
 
-Rows are either a `text` column (`data.text_field`), every token of which is trained on, or a
-prompt and a completion (`prompt_field`, `completion_field`), of which only the completion's
-tokens (and the end-of-sequence token after it) count. Each row is one sequence, cut to `seq_len`
-(a prompt loses its start before a completion loses anything) and padded at the end, so shapes
+Rows are a `text` column (`data.text_field`), every token of which is trained on; a prompt and a
+completion (`prompt_field`, `completion_field`), of which only the completion's tokens (and the
+end-of-sequence token after it) count; or a chat (`messages_field`: a list of role/content turns)
+rendered with the tokenizer's chat template (`DEFAULT_CHAT_TEMPLATE` for one without), of which
+only the assistant's turns count. Each row is one sequence, cut to `seq_len` (a prompt loses its
+start before a completion loses anything; a chat loses its end) and padded at the end, so shapes
 never change; as the model attends only backwards, the padding is never seen by a real token.
 
 The network's output per row is what every metric needs, computed inside the compiled graph (the
@@ -44,10 +46,12 @@ from trnflow.workload.recipes.hf_pretrained import (
     FromPretrained,
     PretrainedParams,
     PretrainedTokenizer,
+    chat_turns,
     saved_state,
     train_byte_tokenizer,
     transformers,
 )
+from trnflow.workload.recipes.lora import save_adapted, unwrapped
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "tie_word_embeddings": True}
@@ -66,25 +70,29 @@ class HfCausalLmParams(PretrainedParams):
                                    description="Config fields of the decoder, as for AutoConfig.for_model.")
     vocab_size: int = Field(2048, ge=256, le=1_000_000, description="Token vocabulary size of the tokenizer trnflow "
                             "trains (a pretrained folder's tokenizer keeps its own).")
-    rows: Literal["text", "prompt-completion"] = Field(
+    rows: Literal["text", "prompt-completion", "chat"] = Field(
         "prompt-completion", description="text: the data's text_field is trained on whole; prompt-completion: only "
-        "the completion's tokens count in the loss and the metrics.")
+        "the completion's tokens count in the loss and the metrics; chat: messages rendered with the tokenizer's chat "
+        "template, only the assistant's turns counting.")
     prompt_field: str = Field("prompt", description="The prompt's column (rows: prompt-completion).")
     completion_field: str = Field("completion", description="The completion's column (rows: prompt-completion).")
+    messages_field: str = Field("messages", description="The chat's column (rows: chat): a list of turns, each a "
+                                "role (system, user or assistant) and its content.")
 
 
 class CausalLanguageModel(nn.Module):
-    """A causal LM whose output per row is its summed token loss, token count and right guesses."""
+    """A causal LM whose output per row is its summed token loss, token count and right guesses.
+    `lm` is the transformers model, or a peft model of LoRA adapters around it."""
 
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
 
     def _hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.lm.base_model(input_ids=ids, use_cache=False).last_hidden_state
+        return unwrapped(self.lm).base_model(input_ids=ids, use_cache=False).last_hidden_state
 
     def _scores(self, ids: torch.Tensor, counted: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm.get_output_embeddings()(hidden)[:, :-1].float()
+        logits = unwrapped(self.lm).get_output_embeddings()(hidden)[:, :-1].float()
         target, weight = ids[:, 1:], counted[:, 1:].float()  # position t predicts token t + 1
         nll = F.cross_entropy(logits.transpose(1, 2), target, reduction="none")
         right = (logits.argmax(-1) == target).float()
@@ -94,6 +102,14 @@ class CausalLanguageModel(nn.Module):
         """(rows, 3, seq_len) ids, real-token mask and counted-token mask -> (rows, 3) scores."""
         ids = rows[:, 0]
         return self._scores(ids, rows[:, 2], self._hidden(ids))
+
+    def next_logits(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+        """(rows, length) token ids and each row's length -> (rows, vocabulary) fp32 logits of the
+        token after its last: padding after a row's length is never seen (the model attends only
+        backwards), so one buffer shape serves every step of a generation."""
+        hidden = self._hidden(ids)
+        at = (lengths - 1).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
+        return unwrapped(self.lm).get_output_embeddings()(hidden.gather(1, at).squeeze(1)).float()
 
     def embed(self, rows: torch.Tensor) -> torch.Tensor:
         """Each row's last hidden state mean-pooled over its real tokens, then its summed token loss
@@ -116,6 +132,7 @@ class HfCausalLm(FromPretrained, Recipe):
     featurizer_file = "tokenizer.json"
     metrics = ("loss", "perplexity", "token_accuracy")
     pad_with_eos = True
+    generates = True
     tokenizer: PretrainedTokenizer | None = None
 
     # -- rows to tensors -------------------------------------------------------------------------
@@ -130,9 +147,14 @@ class HfCausalLm(FromPretrained, Recipe):
 
     def columns(self) -> list[str]:
         p = self.params
-        return [self.data.text_field] if p.rows == "text" else [p.prompt_field, p.completion_field]
+        return {"text": [self.data.text_field], "chat": [p.messages_field]}.get(
+            p.rows, [p.prompt_field, p.completion_field])
 
     def _texts(self, rows: pa.Table) -> Iterator[str]:
+        if self.params.rows == "chat":
+            for messages in rows.column(self.params.messages_field).to_pylist():
+                yield from (turn.get("content") or "" for turn in messages or [] if isinstance(turn, dict))
+            return
         for name in self.columns():
             yield from (str(v) for v in rows.column(name).to_pylist())
 
@@ -167,6 +189,9 @@ class HfCausalLm(FromPretrained, Recipe):
         if self.params.rows == "text":
             texts = [str(t or "") for t in rows.column(self.data.text_field).to_pylist()]
             parts = [([], ids + eos) for ids in tok(texts, add_special_tokens=True)["input_ids"]]
+        elif self.params.rows == "chat":
+            parts = [(None, self.chat(messages, n)) for n, messages in
+                     enumerate(rows.column(self.params.messages_field).to_pylist())]
         else:
             p = self.params
             prompts = tok([str(t or "") for t in rows.column(p.prompt_field).to_pylist()],
@@ -178,6 +203,12 @@ class HfCausalLm(FromPretrained, Recipe):
         out = torch.zeros(len(parts), 3, seq, dtype=torch.long)
         out[:, 0] = self.tokenizer.pad_id
         for i, (prompt, counted) in enumerate(parts):
+            if prompt is None:  # a chat: its ids and which of them count, cut at the end
+                ids, mask = counted[0][:seq], counted[1][:seq]
+                out[i, 0, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+                out[i, 1, :len(ids)] = 1
+                out[i, 2, :len(ids)] = torch.tensor(mask, dtype=torch.long)
+                continue
             counted = counted[:seq]
             lead = next((n for n, t in enumerate(prompt) if t not in special), len(prompt))  # <s> and the like
             room = max(0, seq - len(counted) - lead)
@@ -188,6 +219,48 @@ class HfCausalLm(FromPretrained, Recipe):
             out[i, 2, len(prompt):len(ids)] = 1
         return out
 
+    def overlong(self, rows: pa.Table) -> int:
+        """Rows whose tokens (a chat's whole rendering; a prompt and its completion; a text) exceed
+        `seq_len`, counted with the pretrained folder's tokenizer; 0 without one (it is fitted on
+        the data first)."""
+        if self.tokenizer is None:
+            if self._folder_tokenizer is None:
+                return 0
+            self.tokenizer = self._folder_tokenizer
+        seq, p = self.params.seq_len, self.params
+        if p.rows == "chat":
+            return sum(len(self.chat(m, n)[0]) > seq for n, m in enumerate(rows.column(p.messages_field).to_pylist()))
+        tok = self.tokenizer.tokenizer
+        columns = [self.data.text_field] if p.rows == "text" else [p.prompt_field, p.completion_field]
+        lengths = [[len(ids) for ids in tok([str(v or "") for v in rows.column(c).to_pylist()])["input_ids"]]
+                   for c in columns]
+        return sum(sum(each) + 1 > seq for each in zip(*lengths, strict=True))  # and the end-of-sequence token
+
+    def chat(self, messages: object, row: int) -> tuple[list[int], list[int]]:
+        """A chat's token ids, rendered with the tokenizer's chat template, and 1 for each token of an
+        assistant's turn (the tokens from the end of its generation prompt to the end of the turn)."""
+        assert self.tokenizer is not None, "fit or load the tokenizer first"
+        turns = chat_turns(messages, f"{self.params.messages_field} of row {row}")
+        template = self.tokenizer.chat_template
+        tok = self.tokenizer.tokenizer
+
+        def ids(part: list[dict], prompt: bool = False) -> list[int]:
+            text = tok.apply_chat_template(part, chat_template=template, tokenize=False, add_generation_prompt=prompt)
+            return tok(text, add_special_tokens=False)["input_ids"]  # the template writes the start token
+
+        whole = ids(turns)
+        counted = [0] * len(whole)
+        for n, turn in enumerate(turns):
+            if turn["role"] != "assistant":
+                continue
+            start, through = len(ids(turns[:n], prompt=True)), ids(turns[:n + 1])
+            if whole[:len(through)] != through or start > len(through):
+                raise FatalError(f"{self.params.messages_field} of row {row}: the chat template does not render the "
+                                 "start of a chat as the start of the whole chat, so the assistant's tokens cannot be "
+                                 "found; use a template that renders each turn after the ones before it")
+            counted[start:len(through)] = [1] * (len(through) - start)
+        return whole, counted
+
     def example(self, rows: int, generator: torch.Generator) -> torch.Tensor:
         vocab = self._folder_tokenizer.vocab_size if self._folder_tokenizer else self.params.vocab_size
         ids = torch.randint(0, vocab, (rows, self.params.seq_len), generator=generator)
@@ -197,7 +270,7 @@ class HfCausalLm(FromPretrained, Recipe):
 
     def build_model(self) -> CausalLanguageModel:
         ids = {f"{name}_token_id": i for i, name in enumerate(("pad", "bos", "eos"))}  # as BYTE_SPECIAL
-        return CausalLanguageModel(self._model(transformers(self.name).AutoModelForCausalLM, ids))
+        return CausalLanguageModel(self._adapt(self._model(transformers(self.name).AutoModelForCausalLM, ids)))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss over the counted tokens of the whole step's batch, on every rank
@@ -224,6 +297,45 @@ class HfCausalLm(FromPretrained, Recipe):
         head = batch * seq * vocab * (value_bytes + 8)
         return (layers * per_layer + 2 * batch * seq * hidden) * value_bytes + head
 
+    # -- generation ------------------------------------------------------------------------------
+
+    def prompts(self, features: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's prompt: the tokens before its completion (prompt-completion), before its last
+        assistant turn (chat; the template's generation prompt included), or its text without its
+        end (text: the text goes on). Ids (rows, seq_len + room), then each prompt's length."""
+        assert self.tokenizer is not None, "fit or load the tokenizer first"
+        positions = self._model_config().get("n_positions")  # GPT-2 style: absolute position embeddings
+        if isinstance(positions, int) and self.params.seq_len + room > positions:
+            raise FatalError(f"inference.generate.max_new_tokens: {room} tokens after a row of seq_len "
+                             f"{self.params.seq_len} exceed the model's {positions} positions; generate fewer")
+        ids, real, counted = features[:, 0], features[:, 1], features[:, 2]
+        eos = self.tokenizer.tokenizer.eos_token_id
+        lengths = real.sum(1)
+        for i in range(len(features)):
+            marks = counted[i].nonzero().flatten().tolist()
+            if not marks:
+                continue
+            start = marks[-1]
+            while start > 0 and counted[i, start - 1]:
+                start -= 1
+            if start > 0:
+                lengths[i] = start
+            elif int(ids[i, lengths[i] - 1]) == eos and lengths[i] > 1:
+                lengths[i] -= 1
+        buffer = torch.full((len(features), self.params.seq_len + room), self.tokenizer.pad_id, dtype=torch.long)
+        buffer[:, :ids.shape[1]] = ids.masked_fill(torch.arange(ids.shape[1]) >= lengths.unsqueeze(1),
+                                                   self.tokenizer.pad_id)
+        return buffer, lengths
+
+    def decode(self, tokens: list[list[int]]) -> list[str]:
+        assert self.tokenizer is not None, "fit or load the tokenizer first"
+        return self.tokenizer.tokenizer.batch_decode(tokens, skip_special_tokens=True)
+
+    @property
+    def end_token(self) -> int | None:
+        assert self.tokenizer is not None, "fit or load the tokenizer first"
+        return self.tokenizer.tokenizer.eos_token_id
+
     # -- what its outputs mean -------------------------------------------------------------------
 
     def evaluate(self, outputs: torch.Tensor, labels: torch.Tensor, names: list[str]) -> dict[str, float | None]:
@@ -246,9 +358,13 @@ class HfCausalLm(FromPretrained, Recipe):
                 "tokens": tokens.round().long()}
 
     def export(self, model: nn.Module, folder: Path) -> bool:
-        """The trained model and its tokenizer as `save_pretrained` writes them."""
+        """The trained model and its tokenizer as `save_pretrained` writes them; with LoRA, the
+        adapter alone in PEFT's format under `adapter/` and the model merged with it in the folder."""
         assert isinstance(model, CausalLanguageModel) and self.tokenizer is not None
-        model.lm.save_pretrained(folder)
+        if self.params.lora is not None:
+            save_adapted(model.lm, folder)
+        else:
+            model.lm.save_pretrained(folder)
         self.tokenizer.save(folder)
         (folder / "trnflow.json").write_text(json.dumps(self.describe(), indent=2))
         return True

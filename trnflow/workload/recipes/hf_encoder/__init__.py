@@ -31,6 +31,7 @@ from trnflow.workload.recipes.hf_pretrained import (
     saved_state,
     transformers,
 )
+from trnflow.workload.recipes.lora import save_adapted
 from trnflow.workload.recipes.m5_text.params import PAD_ID
 from trnflow.workload.recipes.m5_text.tokenizer import FILE, BpeTextRecipe
 
@@ -123,14 +124,21 @@ class HfEncoder(FromPretrained, BpeTextRecipe):
 
     def build_model(self) -> EncoderClassifier:
         encoder = self._model(transformers(self.name).AutoModel, {"pad_token_id": PAD_ID})
-        return EncoderClassifier(encoder, self.params.num_classes, self.pad_id)
+        meta = torch.get_default_device().type == "meta"  # counted, never run: no tokenizer fetched for its pad id
+        model = EncoderClassifier(encoder, self.params.num_classes, PAD_ID if meta else self.pad_id)
+        model.encoder = self._adapt(model.encoder)  # the head, new, trains whole
+        return model
 
     def export(self, model: nn.Module, folder: Path) -> bool:
         """The trained model as `save_pretrained` writes it (the encoder: config.json and
         model.safetensors, which AutoModel.from_pretrained loads), beside the head's weights and the
-        tokenizer (a pretrained one as its own save_pretrained writes it)."""
+        tokenizer (a pretrained one as its own save_pretrained writes it). With LoRA, the adapter alone
+        in PEFT's format under `adapter/`, and the encoder merged with it in the folder."""
         assert isinstance(model, EncoderClassifier)
-        model.encoder.save_pretrained(folder)
+        if self.params.lora is not None:
+            save_adapted(model.encoder, folder)
+        else:
+            model.encoder.save_pretrained(folder)
         torch.save(model.head.state_dict(), folder / "head.pt")
         if self.hf_tokenizer is not None:  # as AutoTokenizer.from_pretrained reads it
             self.hf_tokenizer.save(folder)
