@@ -11,31 +11,14 @@ import pytest
 import torch
 
 from tests.conftest import quickstart_data
-from tests.pretrained import tiny_causal_lm
 from trnflow.specs import validate_spec
 from trnflow.testing.recipe_contract import RecipeContract
 from trnflow.workload.recipes import recipe_for
-from trnflow.workload.synth import prompt_completion
 
 pytestmark = pytest.mark.unit
 
 SMALL = {"config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                     "num_key_value_heads": 1, "tie_word_embeddings": True}, "vocab_size": 300, "seq_len": 32}
-
-
-@pytest.fixture(scope="module")
-def prompts(reviews) -> pa.Table:
-    """The reviews with each one's prompt and completion, as `trnflow data synth --format
-    prompt-completion` writes them."""
-    pairs = [prompt_completion(row) for row in reviews.to_pylist()]
-    return reviews.append_column("prompt", pa.array([p["prompt"] for p in pairs])).append_column(
-        "completion", pa.array([p["completion"] for p in pairs]))
-
-
-@pytest.fixture(scope="module")
-def decoder_folder(tmp_path_factory, prompts) -> Path:
-    texts = prompts.column("prompt").to_pylist() + prompts.column("completion").to_pylist()
-    return tiny_causal_lm(tmp_path_factory.mktemp("pretrained") / "decoder", texts)
 
 
 def _recipe(**params):

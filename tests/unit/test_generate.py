@@ -51,6 +51,9 @@ def test_greedy_generation_is_transformers_own_from_each_rows_prompt(lm):
                                        pad_token_id=recipe.tokenizer.pad_id, eos_token_id=None)
             assert ours[i] == theirs[0, lengths[i]:].tolist()[:len(ours[i])]
     assert "generate_step" in programs_of(spec)
+    unfitted = recipe_for(spec)  # the compile stage's trial: made-up rows, before any tokenizer is fitted
+    made_up, at = unfitted.prompts(unfitted.example(4, torch.Generator().manual_seed(0)), 6)
+    assert made_up.shape == (4, 48 + 6) and (at <= 48).all()
 
 
 def test_a_row_stops_at_its_end_token(lm):

@@ -214,7 +214,12 @@ def test_the_fork_server_that_starts_every_local_job_does_not_hold_the_signing_k
     monkeypatch.setenv("TRNFLOW_CACHE_SIGNING_KEY", str(tmp_path / "cache.pem"))
     server = ForkServer()
     try:
-        environ = Path(f"/proc/{server._proc.pid}/environ").read_bytes().split(b"\0")
+        environ: list[bytes] = []
+        for _ in range(300):  # read once the process has its own environment (during its exec, it reads empty)
+            environ = [v for v in Path(f"/proc/{server._proc.pid}/environ").read_bytes().split(b"\0") if v]
+            if environ:
+                break
+            time.sleep(0.1)
         assert not [v for v in environ if v.startswith(b"TRNFLOW_CACHE_SIGNING_KEY=")]
         assert b"PYTHONUNBUFFERED=1" in environ
     finally:

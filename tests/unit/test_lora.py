@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from tests.conftest import quickstart_data
-from tests.pretrained import tiny_causal_lm
 from trnflow.errors import FatalError, FieldError
 from trnflow.records import CheckpointMeta, DataRead
 from trnflow.specs import SpecError, validate_spec
@@ -29,24 +28,10 @@ from trnflow.workload.memory import plan
 from trnflow.workload.programs import build_model
 from trnflow.workload.recipes import recipe_for
 from trnflow.workload.recipes.lora import ADAPTER_FOLDER, LoraParams, folder_digest, targets
-from trnflow.workload.synth import prompt_completion
 
 pytestmark = [pytest.mark.unit, pytest.mark.slow]  # transformers and peft: about 40 s
 
 LORA = {"r": 4, "alpha": 8}
-
-
-@pytest.fixture(scope="module")
-def prompts(reviews) -> pa.Table:
-    pairs = [prompt_completion(row) for row in reviews.to_pylist()]
-    return reviews.append_column("prompt", pa.array([p["prompt"] for p in pairs])).append_column(
-        "completion", pa.array([p["completion"] for p in pairs]))
-
-
-@pytest.fixture(scope="module")
-def decoder_folder(tmp_path_factory, prompts) -> Path:
-    texts = prompts.column("prompt").to_pylist() + prompts.column("completion").to_pylist()
-    return tiny_causal_lm(tmp_path_factory.mktemp("pretrained") / "decoder", texts)
 
 
 def _spec(folder: Path, recipe: str = "hf-causal-lm", **params):
@@ -166,3 +151,24 @@ def test_lora_needs_a_pretrained_model_and_layers_it_has(decoder_folder):
     assert targets(LoraParams(), "gpt2") == ["c_attn", "c_proj"]
     with pytest.raises(FieldError, match="no default for model type 'mamba'"):
         targets(LoraParams(), "mamba")
+
+
+def test_a_lora_programs_cache_keys_are_not_the_full_models(decoder_folder, prompts):
+    from trnflow.emulator import compiler
+    from trnflow.emulator.jit import CachedCompiler
+
+    def keys(spec) -> list[str]:
+        recipe = recipe_for(spec)
+        recipe.fit(prompts)
+        recorder = CachedCompiler(compiler.compile_flags(1, "fp32"), mode="extract")
+        torch._dynamo.reset()
+        try:
+            torch.compile(build_model(recipe, 0), backend=recorder, fullgraph=True, dynamic=False)(
+                recipe.features(prompts.slice(0, 4)))
+        finally:
+            torch._dynamo.reset()
+        return [s.key for s in recorder.seen]
+
+    lora, full = keys(_spec(decoder_folder)), keys(_spec(decoder_folder, lora=None))
+    assert lora and full and set(lora).isdisjoint(full)
+    assert keys(_spec(decoder_folder, lora={"r": 8})) != lora  # another rank: another program

@@ -69,7 +69,8 @@ def test_the_token_ids_are_the_pretrained_tokenizers_and_its_pad_token_is_masked
     saved = recipe.state()
     document = saved_state(saved)
     assert document is not None and document["format"] == STATE_FORMAT
-    assert set(document) == {"format", "tokenizer", "special", "chat_template"} and document["special"]["pad_token"] == "[PAD]"
+    assert set(document) == {"format", "tokenizer", "special", "chat_template"}
+    assert document["special"]["pad_token"] == "[PAD]"
     again = _encoder(encoder_folder, seq_len=40)
     again.load(saved, "step-20")
     assert torch.equal(again.features(reviews.slice(0, 8)), ids)

@@ -190,6 +190,27 @@ def test_fine_tuning_a_pretrained_language_model_runs_the_pipeline_on_the_device
                            f"{trained['graphs']} graphs, all from the compile cache")
 
 
+def test_lora_adapters_on_chats_run_the_pipeline_on_the_device(workdir, lane):
+    """The LoRA example (jobspecs/examples/causal-lm-lora.yaml) on the lane's device, one core: adapters
+    on a tiny pretrained decoder's frozen weights, trained on chats, gated on perplexity, each chat's
+    last turn generated in inference; every graph from the compile cache."""
+    from tests.pretrained import tiny_causal_lm
+    from trnflow.workload.synth import synthesize
+
+    synthesize(workdir / "chats", days=1, rows_per_day=200, seed=5, fmt="chat", holdout_rows=48, inference_rows=40)
+    texts = [turn["content"] for line in (workdir / "chats/train/dt=2026-01-01/part-00000.jsonl").read_text()
+             .splitlines() for turn in json.loads(line)["messages"]]
+    folder = tiny_causal_lm(workdir / "chat-decoder", texts)
+    results, trained = _example_on_the_device(workdir, "jobspecs/examples/causal-lm-lora.yaml", "hf-causal-lm",
+                                              "chats", steps=20, global_batch_size=16, precision="fp32",
+                                              pretrained=str(folder))
+    point = results["evaluate"]["points"][-1]
+    assert results["evaluate"]["verdict"]["metric"] == "perplexity" and point["perplexity"] > 1
+    assert results["infer"]["rows"] == 40 and results["infer"]["compile"]["recompiles"] == []
+    lane["lora"] = (f"LoRA adapters ran six stages on {DEVICE}: holdout perplexity {point['perplexity']:.3f}, "
+                    f"{trained['graphs']} training graphs, all from the compile cache; 40 completions generated")
+
+
 def test_a_checkpoint_moves_between_xla_and_the_emulator(workdir, lane):
     """xla trains steps 1-10, the emulator resumes its checkpoint for steps 11-20, xla resumes that
     for 21-30. Each resumed run holds, on its device, exactly the weights the other one saved, and

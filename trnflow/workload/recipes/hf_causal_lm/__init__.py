@@ -303,13 +303,14 @@ class HfCausalLm(FromPretrained, Recipe):
         """Each row's prompt: the tokens before its completion (prompt-completion), before its last
         assistant turn (chat; the template's generation prompt included), or its text without its
         end (text: the text goes on). Ids (rows, seq_len + room), then each prompt's length."""
-        assert self.tokenizer is not None, "fit or load the tokenizer first"
+        # Before the featurizer is fitted (the compile stage's trial): the ids its tokenizer will have
+        tokenizer = self.tokenizer or self._folder_tokenizer
+        pad, eos = (tokenizer.pad_id, tokenizer.tokenizer.eos_token_id) if tokenizer else (0, 2)  # BYTE_SPECIAL's
         positions = self._model_config().get("n_positions")  # GPT-2 style: absolute position embeddings
         if isinstance(positions, int) and self.params.seq_len + room > positions:
             raise FatalError(f"inference.generate.max_new_tokens: {room} tokens after a row of seq_len "
                              f"{self.params.seq_len} exceed the model's {positions} positions; generate fewer")
         ids, real, counted = features[:, 0], features[:, 1], features[:, 2]
-        eos = self.tokenizer.tokenizer.eos_token_id
         lengths = real.sum(1)
         for i in range(len(features)):
             marks = counted[i].nonzero().flatten().tolist()
@@ -322,9 +323,8 @@ class HfCausalLm(FromPretrained, Recipe):
                 lengths[i] = start
             elif int(ids[i, lengths[i] - 1]) == eos and lengths[i] > 1:
                 lengths[i] -= 1
-        buffer = torch.full((len(features), self.params.seq_len + room), self.tokenizer.pad_id, dtype=torch.long)
-        buffer[:, :ids.shape[1]] = ids.masked_fill(torch.arange(ids.shape[1]) >= lengths.unsqueeze(1),
-                                                   self.tokenizer.pad_id)
+        buffer = torch.full((len(features), self.params.seq_len + room), pad, dtype=torch.long)
+        buffer[:, :ids.shape[1]] = ids.masked_fill(torch.arange(ids.shape[1]) >= lengths.unsqueeze(1), pad)
         return buffer, lengths
 
     def decode(self, tokens: list[list[int]]) -> list[str]:
