@@ -1,9 +1,9 @@
 """LoRA adapters against full fine-tuning of the same pretrained model, batch and ranks, in one run.
 
-A Llama-style decoder (hidden 256, 4 layers, 2,048 tokens) is first trained by trnflow on review
+A Llama-style decoder (hidden 384, 4 layers, 2,048 tokens) is first trained by trnflow on review
 text and exported: the pretrained model. It is then fine-tuned on chats (`trnflow data synth
---format chat`), once with every weight training and once with LoRA adapters (r 8 on the attention's
-projections), the two interleaved `--repeats` times, and compared on:
+--format chat`), once with every weight training and once with LoRA adapters (r 4 on every linear
+layer of the attention and the MLP), the two interleaved `--repeats` times, and compared on:
 
 - the share of parameters that train;
 - step time (each run's median step after its graphs are loaded): goal at most 0.8x full's;
@@ -33,9 +33,10 @@ from trnflow.storage.base import local_path
 from trnflow.workload.synth import synthesize
 
 BASE = {"model_type": "llama", "vocab_size": 2048, "seq_len": 96,
-        "config": {"hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4, "num_attention_heads": 4,
-                   "num_key_value_heads": 4, "tie_word_embeddings": True}}
-LORA = {"r": 8, "alpha": 16}
+        "config": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 6,
+                   "num_key_value_heads": 6, "tie_word_embeddings": True}}
+LORA = {"r": 4, "alpha": 16, "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                                                "down_proj"]}
 
 
 def _spec(root: Path, name: str, params: dict, data: dict, steps: int, ranks: int, lr: float):
@@ -73,7 +74,7 @@ def main() -> None:
         folder = str(local_path(load(base["checkpoint"]).meta.export))
         tuned = {"full": {"pretrained": folder, "seq_len": 96, "rows": "chat"},
                  "lora": {"pretrained": folder, "seq_len": 96, "rows": "chat", "lora": LORA}}
-        lr = {"full": 0.001, "lora": 0.01}
+        lr = {"full": 0.001, "lora": 0.02}
         specs = {k: _spec(root, f"chat-{k}", p, chats, args.steps, args.ranks, lr[k]) for k, p in tuned.items()}
         results: dict[str, list[dict]] = {"full": [], "lora": []}
         for i in range(args.repeats):
@@ -81,9 +82,9 @@ def main() -> None:
                 results[kind].append(run_job(backend, specs[kind], "train", f"{kind}-{i}"))
                 print(f"repeat {i + 1} {kind}: step {results[kind][-1]['median_step_seconds'] * 1000:.2f} ms",
                       flush=True)
+        sizes = {k: _checkpoint_bytes(v[0]["checkpoint"]) for k, v in results.items()}  # before the folder goes
     step = {k: [r["median_step_seconds"] for r in v] for k, v in results.items()}
     memory = {k: v[0]["device_memory"] for k, v in results.items()}
-    sizes = {k: _checkpoint_bytes(v[0]["checkpoint"]) for k, v in results.items()}
     perplexity = {k: v[0]["evaluations"][-1]["perplexity"] for k, v in results.items()}
     share = memory["lora"]["gradients"] / max(memory["full"]["gradients"], 1)
     print(f"{args.ranks} ranks, {args.steps} steps: step {statistics.median(step['lora']) * 1000:.1f} ms (lora) vs "
