@@ -15,7 +15,7 @@ from trnflow.specs import validate_spec
 from trnflow.testing.recipe_contract import RecipeContract
 from trnflow.workload.recipes import recipe_for
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.slow]  # transformers, and its models compiled: with the integration tests
 
 SMALL = {"config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
                     "num_key_value_heads": 1, "tie_word_embeddings": True}, "vocab_size": 300, "seq_len": 32}

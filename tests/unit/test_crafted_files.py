@@ -79,6 +79,7 @@ def test_a_lock_naming_no_possible_process_or_held_past_its_lease_is_free(tmp_pa
     assert listed.exit_code == 0 and "MODULE_1+1" in listed.output, listed.output
 
 
+@pytest.mark.slow  # 40 files each, written and read: with the integration tests
 @FUZZ
 @given(content=CONTENT)
 def test_any_lock_file_is_a_state_or_a_clear_error(tmp_path, content):
@@ -96,6 +97,7 @@ def test_any_lock_file_is_a_state_or_a_clear_error(tmp_path, content):
 
 # --- the cache's small files and its index --------------------------------------------------------
 
+@pytest.mark.slow  # 40 files each, written and read: with the integration tests
 @FUZZ
 @given(record=CONTENT, usage=CONTENT, index=CONTENT)
 def test_any_record_usage_or_index_file_lists_without_a_traceback(tmp_path, record, usage, index):
@@ -115,6 +117,7 @@ def test_any_record_usage_or_index_file_lists_without_a_traceback(tmp_path, reco
 
 # --- the registry -------------------------------------------------------------------------------
 
+@pytest.mark.slow  # 40 files each, written and read: with the integration tests
 @FUZZ
 @given(version=CONTENT, change=CONTENT)
 def test_any_registry_file_is_read_or_named(tmp_path, version, change):

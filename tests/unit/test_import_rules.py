@@ -5,6 +5,7 @@ below is the contract; `docs/architecture.md` says what each room owns.
 """
 
 import ast
+import functools
 from pathlib import Path
 
 import pytest
@@ -77,7 +78,8 @@ def _named_import(node: ast.AST) -> str | None:
     return name if name.startswith("trnflow.") else None
 
 
-def _imports(module: str, path: Path) -> set[str]:
+@functools.cache  # every rule reads the same files: each is parsed once
+def _imports(module: str, path: Path) -> frozenset[str]:
     """The modules `module` imports, resolved to full names (relative imports included), and those it
     imports by name through `importlib.import_module` (`_named_import`)."""
     out = set()
@@ -94,7 +96,7 @@ def _imports(module: str, path: Path) -> set[str]:
                 base = ".".join([*anchor, base]) if base else ".".join(anchor)
             out.add(base)
             out |= {f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in MODULES}
-    return out
+    return frozenset(out)
 
 
 def room(module: str) -> str | None:

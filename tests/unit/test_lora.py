@@ -116,7 +116,6 @@ def test_the_export_is_the_adapter_in_peft_format_and_the_model_merged(decoder_f
     ids = recipe.features(prompts.slice(0, 4))[:, 0]
     with torch.no_grad():
         want = model.lm(input_ids=ids).logits
-    trained = {k: v.clone() for k, v in trained_state(model).items()}
     assert recipe.export(model, tmp_path)
     assert (tmp_path / ADAPTER_FOLDER / "adapter_config.json").is_file()
     assert (tmp_path / ADAPTER_FOLDER / "adapter_model.safetensors").is_file()
@@ -127,7 +126,6 @@ def test_the_export_is_the_adapter_in_peft_format_and_the_model_merged(decoder_f
         torch.testing.assert_close(adapted(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(merged(input_ids=ids).logits, want, rtol=1e-4, atol=1e-5)
     assert not any("lora" in k for k in merged.state_dict())
-    assert len(trained) == len(trained_state(build_model(recipe, 0)))
 
 
 def test_an_encoders_adapters_and_new_head_train(tmp_path):

@@ -18,7 +18,7 @@ from trnflow.testing.recipe_contract import RecipeContract
 from trnflow.workload.recipes import RECIPES, recipe_for
 from trnflow.workload.recipes.hf_pretrained import STATE_FORMAT, saved_state
 
-pytestmark = pytest.mark.unit
+pytestmark = [pytest.mark.unit, pytest.mark.slow]  # transformers, and its models compiled: with the integration tests
 
 
 @pytest.fixture(scope="module")

@@ -119,6 +119,7 @@ def test_the_external_recipe_is_installed_through_its_entry_point():
     assert recipe_class("tabular-mlp").embeds is False
 
 
+@pytest.mark.slow  # transformers, and its model compiled: with the integration tests
 class TestHfEncoder(RecipeContract):
     """The built-in Hugging Face encoder, built from a small BERT config (no download)."""
 
@@ -134,6 +135,7 @@ class TestHfEncoder(RecipeContract):
         return self._table
 
 
+@pytest.mark.slow  # transformers saves and loads a model: with the integration tests
 def test_the_hugging_face_encoder_starts_from_a_local_save_pretrained_folder(tmp_path):
     """model.params.pretrained: the encoder's config and weights come from the folder (no download)."""
     import torch

@@ -81,22 +81,22 @@ def read_marker(url: str) -> ExportMarker:
     return read(ExportMarker, data, f"{url}/{MARKER}")
 
 
+def listing(folder: Path) -> dict[str, dict]:
+    """Every file under the local `folder` but a marker, by its name there, with its sha256 and size:
+    what an `EXPORTED` marker lists of it (`manifest_digest` of it is the folder's content digest)."""
+    listed = {}
+    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+        name = path.relative_to(folder).as_posix()
+        if name != MARKER:
+            with path.open("rb") as f:
+                listed[name] = {"sha256": hashlib.file_digest(f, "sha256").hexdigest(), "size": path.stat().st_size}
+    return listed
+
+
 def holds(folder: Path, marker: ExportMarker) -> bool:
     """Whether the local `folder` holds the files `marker` lists, each with its checksum, and nothing
     else but the marker."""
-    if not folder.is_dir():
-        return False
-    found = {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file()} - {MARKER}
-    if found != set(marker.files):
-        return False
-    for name, listed in marker.files.items():
-        sha = hashlib.sha256()
-        with (folder / name).open("rb") as f:
-            while chunk := f.read(1 << 22):
-                sha.update(chunk)
-        if sha.hexdigest() != listed.sha256 or (folder / name).stat().st_size != listed.size:
-            return False
-    return True
+    return folder.is_dir() and listing(folder) == marker.model_dump(mode="json")["files"]
 
 
 def _fill(store, url: str, marker: ExportMarker, names: dict[str, str], folder: Path) -> None:

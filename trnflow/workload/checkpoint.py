@@ -41,7 +41,7 @@ from trnflow.records import CHECKPOINT_MARKER, CheckpointMeta, dump, manifest_di
 from trnflow.storage import Store, open_store
 from trnflow.workload import sharding
 from trnflow.workload.context import WorkerContext, gather_objects
-from trnflow.workload.sharding import frozen
+from trnflow.workload.sharding import frozen, plain_name, trained_only
 
 MARKER = CHECKPOINT_MARKER
 _PREFIX = "step-"
@@ -408,10 +408,6 @@ def consolidate(url: str) -> tuple[str, bool, Checkpoint]:
     return f"{url}/model.pt", True, ckpt
 
 
-def _plain(name: str) -> str:
-    return name.removeprefix("module.").removeprefix("_orig_mod.")
-
-
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     """The weights that train: what the optimizer is given."""
     return [p for p in model.parameters() if p.requires_grad]
@@ -419,8 +415,7 @@ def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
 
 def trained_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's state_dict without its frozen weights: what a checkpoint holds."""
-    fixed = frozen(model)
-    return {k: v for k, v in model.state_dict().items() if _plain(k) not in fixed}
+    return trained_only(model, model.state_dict())
 
 
 def on_base(ckpt: Checkpoint, base: str | None) -> bool:
@@ -448,7 +443,7 @@ def check_weights(model: torch.nn.Module, state: dict, source: str, without_froz
     when its names or shapes are not the model's; for loading into a sharded model, whose own
     `load_state_dict` is not given whole tensors. `without_frozen`: the frozen weights may be left
     out (a checkpoint of adapters on the model's own base, `on_base`)."""
-    state = {_plain(k): v for k, v in state.items()}
+    state = {plain_name(k): v for k, v in state.items()}
     wanted = model.state_dict()
     missing, unexpected = sorted(set(wanted) - set(state)), sorted(set(state) - set(wanted))
     if without_frozen:
@@ -466,7 +461,7 @@ def check_weights(model: torch.nn.Module, state: dict, source: str, without_froz
 def load_model_weights(model: torch.nn.Module, state: dict, source: str, without_frozen: bool = False) -> None:
     """Load weights, turning shape or key mismatches into an error that says which keys.
     `without_frozen`: as `check_weights`."""
-    state = {_plain(k): v for k, v in state.items()}
+    state = {plain_name(k): v for k, v in state.items()}
     try:
         result = model.load_state_dict(state, strict=False)
     except RuntimeError as exc:  # shape mismatches

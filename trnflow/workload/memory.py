@@ -66,11 +66,6 @@ def parameter_count(recipe: Recipe) -> int:
     return _shape(recipe)[0]
 
 
-def trainable_count(recipe: Recipe) -> int:
-    """The parameters that train (a LoRA adapter's, not its frozen base's), counted as `parameter_count`."""
-    return _shape(recipe)[1]
-
-
 @functools.lru_cache(maxsize=8)
 def _shape(recipe: Recipe) -> tuple[int, int, int, int]:
     """(parameters, those that train, those outside the recipe's blocks, the largest block's),

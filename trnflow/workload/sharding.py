@@ -68,17 +68,21 @@ SHARDED_ON_HOST = StateDictOptions(cpu_offload=True, ignore_frozen_params=True)
 TRAINED = StateDictOptions(ignore_frozen_params=True)
 
 
+def plain_name(name: str) -> str:
+    """A weight's name as the bare model has it: without DDP's `module.` or torch.compile's `_orig_mod.`."""
+    return name.removeprefix("module.").removeprefix("_orig_mod.")
+
+
 def frozen(model: nn.Module) -> set[str]:
     """The state_dict names of the model's weights that do not train (a LoRA adapter's base), tied
     names included (a tied head's, which `ignore_frozen_params` keeps)."""
-    return {name.removeprefix("module.").removeprefix("_orig_mod.")
-            for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {plain_name(name) for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
-def _trained(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
-    """`state` without the model's frozen weights."""
+def trained_only(model: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (the model's) without its frozen weights: what a checkpoint holds."""
     fixed = frozen(model)
-    return {k: v for k, v in state.items() if k not in fixed} if fixed else state
+    return {k: v for k, v in state.items() if plain_name(k) not in fixed} if fixed else state
 
 
 def _loading(model: nn.Module, options: StateDictOptions | None = None) -> StateDictOptions:
@@ -91,7 +95,7 @@ def _loading(model: nn.Module, options: StateDictOptions | None = None) -> State
 
 def whole_model(model: nn.Module) -> dict[str, torch.Tensor]:
     """The model's weights, unsharded, on rank 0 (a collective: every rank calls it)."""
-    return _trained(model, get_model_state_dict(model, options=WHOLE_ON_RANK0))
+    return trained_only(model, get_model_state_dict(model, options=WHOLE_ON_RANK0))
 
 
 def load_whole(model: nn.Module, optimizer: torch.optim.Optimizer | None, weights: dict[str, torch.Tensor],
@@ -249,7 +253,7 @@ class _WholePlanner(_Values, _EmptyStateDictLoadPlanner):
 def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> dict[str, bytes]:
     """Write this rank's shard of the weights and optimizer state into `folder` (a local folder of
     this rank's own), and on rank 0 the index too; the files written, by name. A collective."""
-    state = {"model": _trained(model, get_model_state_dict(model, options=SHARDED_ON_HOST)),
+    state = {"model": trained_only(model, get_model_state_dict(model, options=SHARDED_ON_HOST)),
              "optim": get_optimizer_state_dict(model, optimizer, options=SHARDED_ON_HOST)}
     dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
              no_dist=not torch.distributed.is_initialized())  # (one process without a group: a test's)
@@ -281,7 +285,7 @@ def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, files: dict[
     """Load a sharded checkpoint's files (verified by the caller) into a sharded model and its
     optimizer, each rank taking its shard of the new layout whatever the world size that wrote
     them. A collective; ValueError when the shards cannot be read."""
-    state = {"model": _trained(model, get_model_state_dict(model, options=TRAINED)),
+    state = {"model": trained_only(model, get_model_state_dict(model, options=TRAINED)),
              "optim": get_optimizer_state_dict(model, optimizer)}
     with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp, _read_errors():
         dcp.load(state, storage_reader=_unpacked(files, Path(tmp)), planner=_Planner())

@@ -80,10 +80,10 @@ PRETRAINED_CACHE_ENV = "TRNFLOW_PRETRAINED_CACHE"
 
 def fetched(url: str) -> Path:
     """An s3:// pretrained folder (a trnflow export, or any folder with an `EXPORTED` marker listing
-    its files) on this machine: under the cache folder by the digest of what its marker lists, every
-    file checked against its checksum. A copy already there is checked again, file by file, before
-    it is used (another job on the machine could have written it); one that does not match is
-    fetched again."""
+    its files) on this machine: under the cache folder, named by the digest of what its marker lists
+    (the folder's content digest, `folder_digest`), every file checked against its checksum. A copy
+    already there is checked again, file by file, before it is used (another job on the machine
+    could have written it); one that does not match is fetched again."""
     try:
         marker = read_marker(url)
     except DataError as exc:
@@ -172,14 +172,7 @@ def _pickles(folder: Path) -> list[str]:
 
 
 def load_pretrained(auto_class: Any, folder: Path) -> Any:
-    """`auto_class.from_pretrained` on a local folder: no download, no remote code, safetensors only.
-    On the meta device (the memory estimate counts a model's parameters there, allocating nothing)
-    the folder's config alone builds the same architecture, without its weights."""
-    from transformers import AutoConfig  # optional (the hf extra); the caller's auto_class came from it
-
-    if torch.get_default_device().type == "meta":
-        config = AutoConfig.from_pretrained(folder, local_files_only=True, trust_remote_code=False)
-        return auto_class.from_config(config, trust_remote_code=False)
+    """`auto_class.from_pretrained` on a local folder: no download, no remote code, safetensors only."""
     _weight_files(folder)
     if found := _pickles(folder):  # nothing in the folder can be unpickled, whatever route a layout takes
         raise _read_a_pickle(folder, found[0])
@@ -495,9 +488,12 @@ class FromPretrained:
 
     @cached_property
     def _base(self) -> str | None:
-        if self.params.lora is None or not self.params.pretrained:
+        folder = self.params.pretrained
+        if self.params.lora is None or not folder:
             return None
-        return folder_digest(pretrained_folder(str(self._folder)))
+        if remote(folder):  # fetched, every file checked, into a folder named by its content digest
+            return Path(str(self._folder)).name
+        return folder_digest(pretrained_folder(folder))
 
     def base(self) -> str | None:
         """With LoRA: the pretrained folder's content digest (its frozen weights are the base every

@@ -12,14 +12,14 @@ frozen weights out; checkpoints name the frozen base instead by its content dige
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from trnflow.errors import FieldError
-from trnflow.records import ADAPTER_FOLDER, EXPORT_MARKER, manifest_digest
+from trnflow.lifecycle.exports import listing
+from trnflow.records import ADAPTER_FOLDER, manifest_digest
 
 TARGETS = {
     "llama": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -98,13 +98,4 @@ def folder_digest(folder: Path) -> str:
     """The content digest of a pretrained folder: every file's name, sha256 and size (the `EXPORTED`
     marker's own listing, for a folder trnflow exported, so a registered version's export digest is
     its digest as a base)."""
-    listed = {}
-    for path in sorted(folder.rglob("*")):
-        name = path.relative_to(folder).as_posix()
-        if path.is_file() and name != EXPORT_MARKER:
-            sha = hashlib.sha256()
-            with path.open("rb") as f:
-                while chunk := f.read(1 << 22):
-                    sha.update(chunk)
-            listed[name] = {"sha256": sha.hexdigest(), "size": path.stat().st_size}
-    return manifest_digest(listed)
+    return manifest_digest(listing(folder))

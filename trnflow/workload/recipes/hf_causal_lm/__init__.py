@@ -181,10 +181,11 @@ class HfCausalLm(FromPretrained, Recipe):
         self.tokenizer = PretrainedTokenizer.from_state(document, self.params.seq_len, self._embeddings, source,
                                                         self.name)
 
-    def features(self, rows: pa.Table) -> torch.Tensor:
-        """(rows, 3, seq_len): token ids, 1 where a token is real, 1 where a token counts."""
+    def _parts(self, rows: pa.Table) -> list[tuple[list[int] | None, Any]]:
+        """Each row's tokens, whole: (prompt ids, counted ids) of a text (no prompt) or a prompt and
+        its completion (with the end-of-sequence token), or (None, (ids, counted mask)) of a chat."""
         assert self.tokenizer is not None, "fit or load the tokenizer first"
-        tok, seq = self.tokenizer.tokenizer, self.params.seq_len
+        tok = self.tokenizer.tokenizer
         eos = [tok.eos_token_id] if tok.eos_token_id is not None else []
         if self.params.rows == "text":
             texts = [str(t or "") for t in rows.column(self.data.text_field).to_pylist()]
@@ -199,7 +200,13 @@ class HfCausalLm(FromPretrained, Recipe):
             completions = tok([str(t or "") for t in rows.column(p.completion_field).to_pylist()],
                               add_special_tokens=False)["input_ids"]
             parts = list(zip(prompts, [c + eos for c in completions], strict=True))
-        special = set(tok.all_special_ids)
+        return parts
+
+    def features(self, rows: pa.Table) -> torch.Tensor:
+        """(rows, 3, seq_len): token ids, 1 where a token is real, 1 where a token counts."""
+        parts = self._parts(rows)
+        assert self.tokenizer is not None
+        seq, special = self.params.seq_len, set(self.tokenizer.tokenizer.all_special_ids)
         out = torch.zeros(len(parts), 3, seq, dtype=torch.long)
         out[:, 0] = self.tokenizer.pad_id
         for i, (prompt, counted) in enumerate(parts):
@@ -227,14 +234,8 @@ class HfCausalLm(FromPretrained, Recipe):
             if self._folder_tokenizer is None:
                 return 0
             self.tokenizer = self._folder_tokenizer
-        seq, p = self.params.seq_len, self.params
-        if p.rows == "chat":
-            return sum(len(self.chat(m, n)[0]) > seq for n, m in enumerate(rows.column(p.messages_field).to_pylist()))
-        tok = self.tokenizer.tokenizer
-        columns = [self.data.text_field] if p.rows == "text" else [p.prompt_field, p.completion_field]
-        lengths = [[len(ids) for ids in tok([str(v or "") for v in rows.column(c).to_pylist()])["input_ids"]]
-                   for c in columns]
-        return sum(sum(each) + 1 > seq for each in zip(*lengths, strict=True))  # and the end-of-sequence token
+        return sum((len(counted[0]) if prompt is None else len(prompt) + len(counted)) > self.params.seq_len
+                   for prompt, counted in self._parts(rows))
 
     def chat(self, messages: object, row: int) -> tuple[list[int], list[int]]:
         """A chat's token ids, rendered with the tokenizer's chat template, and 1 for each token of an
