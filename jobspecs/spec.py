@@ -80,6 +80,8 @@ ChampionOrUrl = Annotated[Literal["champion"] | Url, Field(union_mode="left_to_r
 
 MAX_STEPS = 10**9
 """More optimizer steps than any run takes: a bound a step counter and its arithmetic honour."""
+XLA_TP = ("train.parallelism.tp does not run on the xla device (trn1, through torch-xla), which trnflow does not "
+          "split; use tp: 1 there, or compute.device: neuron (trn2, trn3) or emulator")
 XLA_FSDP = ("train.parallelism.strategy: fsdp does not run on the xla device (trn1, through torch-xla), which "
             "shards with its own SPMD-based FSDP that trnflow does not drive; use ddp (or auto, which refuses what "
             "ddp cannot fit) on trn1, or the neuron device on trn2 and trn3")
@@ -476,6 +478,23 @@ class ParallelismSpec(Section):
         "only while it computes, for models that do not fit one core. auto: ddp when the per-core estimate fits "
         "the instance's core memory, else fsdp; `trnflow validate` prints the figures of both.",
     )
+    tp: Annotated[int, Field(ge=1, le=64)] | Literal["auto"] = Field(
+        1,
+        description="Tensor parallelism: each attention and MLP projection of the model is split over this many "
+        "cores of one node (column-parallel, then row-parallel, the attention heads divided among them), which "
+        "then run every batch together; the job's cores form tp-sized groups, and the batch is split over the "
+        "groups (ddp or fsdp over them, as `strategy` says). It must divide compute.cores_per_node and the "
+        "model's attention heads; the recipe must declare how its layers split (hf-causal-lm's Llama-style "
+        "decoders, hf-encoder's BERT-style encoders). auto: the memory planner's choice, the smallest tp at which "
+        "the model fits (see docs/parallelism.md). 1: no tensor parallelism.",
+    )
+
+    @property
+    def tp_degree(self) -> int:
+        """The cores each layer is split over: `tp`, with `auto` not yet decided taken as 1 (the memory
+        planner decides it before any job starts: `trnflow.workload.memory.decided`)."""
+        return 1 if self.tp == "auto" else self.tp
+
     min_cores_per_node: int | None = Field(
         None, ge=1, le=64,
         description="On the local backend, after a hardware error leaves the instance fewer healthy cores than "
@@ -754,6 +773,21 @@ class JobSpec(Section):
         return self
 
     @model_validator(mode="after")
+    def _tensor_groups_fit_a_node(self) -> JobSpec:
+        tp, cores = self.train.parallelism.tp_degree, self.compute.cores_per_node
+        if self.train.parallelism.tp != 1 and self.compute.device == "xla":
+            raise ValueError(XLA_TP)
+        if cores % tp:
+            fits = [n for n in range(1, cores + 1) if cores % n == 0]
+            raise ValueError(f"train.parallelism.tp: {tp} does not divide compute.cores_per_node ({cores}); tensor "
+                             f"parallelism never crosses nodes, so use one of {fits}")
+        floor = self.train.parallelism.min_cores_per_node
+        if tp > 1 and floor is not None and floor % tp:
+            raise ValueError(f"train.parallelism.min_cores_per_node: {floor} is not a multiple of train.parallelism.tp "
+                             f"({tp}); fewer cores must still hold whole tensor-parallel groups")
+        return self
+
+    @model_validator(mode="after")
     def _fewer_cores_than_it_has(self) -> JobSpec:
         floor = self.train.parallelism.min_cores_per_node
         if floor is not None and floor > self.compute.cores_per_node:
@@ -822,8 +856,15 @@ class JobSpec(Section):
         return found
 
     @property
+    def data_parallel_size(self) -> int:
+        """How many replicas the batch is split over: every core, or each tensor-parallel group of cores."""
+        return self.compute.world_size // self.train.parallelism.tp_degree
+
+    @property
     def per_core_batch(self) -> int:
-        return self.train.global_batch_size // self.compute.world_size
+        """Samples each core computes a step: its replica's share of the global batch (the cores of a
+        tensor-parallel group compute the same samples together)."""
+        return self.train.global_batch_size // self.data_parallel_size
 
     def evaluates_at(self, step: int) -> bool:
         """Whether training evaluates the holdout after `step`: every gate.eval_every steps, and at the last."""
@@ -861,8 +902,9 @@ class JobSpec(Section):
         floor, cores = self.train.parallelism.min_cores_per_node, self.compute.cores_per_node
         if floor is None or healthy >= cores:
             return None
+        tp = self.train.parallelism.tp_degree
         for count in range(healthy, floor - 1, -1):
-            if self.train.global_batch_size % (count * self.compute.nodes) == 0:
+            if self.train.global_batch_size % (count * self.compute.nodes) == 0 and count % tp == 0:
                 data = self.model_dump()
                 data["compute"]["cores_per_node"] = count
                 return type(self).model_validate(data)  # checked whole, as any spec is

@@ -112,6 +112,8 @@ class CheckpointMeta(Record):
                              "(LoRA): the checkpoint holds only the weights that train")
     parallelism: str = Field("ddp", description="how the run spread the model over its cores (ddp, fsdp); the "
                              "checkpoint holds it whole either way, and resumes at any world size")
+    tp: int = Field(1, ge=1, description="the cores each layer was split over (train.parallelism.tp); a run resumes "
+                    "at any tp")
 
 
 # --- the gate's verdict ----------------------------------------------------------------------

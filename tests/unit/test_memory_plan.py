@@ -38,7 +38,7 @@ def test_auto_shards_a_model_too_big_for_a_rehearsed_core(monkeypatch):
     found = check_fits(spec)
     assert found.strategy == "fsdp" and not found.ddp.fits and found.fsdp.fits and found.fsdp.rehearsal
     assert "(rehearsal)" in found.describe() and found.describe().startswith("parallelism: fsdp per core: ddp ")
-    request = resolved(JobRequest(spec, "train", "r1"), found.strategy)
+    request = resolved(JobRequest(spec, "train", "r1"), found.strategy, found.tp)
     assert request.spec.train.parallelism.strategy == "fsdp" and spec.train.parallelism.strategy == "auto"
 
 

@@ -85,17 +85,18 @@ def fitted(request: JobRequest) -> JobRequest:
         return request
     from trnflow.workload.memory import check_fits  # builds the recipe's model (torch): submissions only
 
-    return resolved(request, check_fits(request.spec).strategy)
+    found = check_fits(request.spec)
+    return resolved(request, found.strategy, found.tp)
 
 
-def resolved(request: JobRequest, strategy: str) -> JobRequest:
-    """The request with its spec's parallelism strategy set to the memory planner's `strategy` (an
+def resolved(request: JobRequest, strategy: str, tp: int) -> JobRequest:
+    """The request with its spec's parallelism (strategy and tp) set to the memory planner's (an
     `auto` that reached a submission undecided: a run's flow decides it when it starts), so that
-    every rank of the job shards the model alike whatever its own environment."""
+    every rank of the job spreads the model alike whatever its own environment."""
     spec = request.spec
-    if spec is None or spec.train.parallelism.strategy == strategy:
+    if spec is None or (spec.train.parallelism.strategy, spec.train.parallelism.tp) == (strategy, tp):
         return request
-    chosen = spec.train.parallelism.model_copy(update={"strategy": strategy})
+    chosen = spec.train.parallelism.model_copy(update={"strategy": strategy, "tp": tp})
     train = spec.train.model_copy(update={"parallelism": chosen})
     return replace(request, spec=spec.model_copy(update={"train": train}))
 

@@ -82,6 +82,26 @@ def summarise(seen: list[Seen]) -> CompileMetrics:
                           seconds=round(sum(s.seconds for s in seen), 3))
 
 
+@dataclass(frozen=True)
+class TensorPlan:
+    """How tensor parallelism splits a model (`Recipe.tensor_plan`): in each of `blocks`, the linear
+    layers named in `colwise` (paths inside the block) split by their outputs and those in `rowwise`
+    by their inputs. Everything else stays whole on every core."""
+
+    blocks: tuple[Any, ...]
+    colwise: tuple[str, ...]
+    rowwise: tuple[str, ...]
+
+    def split_parameters(self) -> tuple[int, int]:
+        """How many of the model's parameters are split, and how many of those train: the layers'
+        weights, and the biases of the column-parallel ones (a row-parallel layer's bias is added once,
+        after the sum, whole)."""
+        split = [p for block in self.blocks for path in self.colwise
+                 for p in block.get_submodule(path).parameters()]
+        split += [block.get_submodule(path).weight for block in self.blocks for path in self.rowwise]
+        return sum(p.numel() for p in split), sum(p.numel() for p in split if p.requires_grad)
+
+
 class CompileBackend(Protocol):
     """A `torch.compile` backend that also names programs and counts what it compiled."""
 
@@ -255,24 +275,57 @@ class Device(ABC):
         does not trace them): the parts around the blocks are graphs, the blocks run as they are."""
         return torch.compile(fn, backend=backend, fullgraph=whole, dynamic=False)
 
-    def mesh(self) -> Any:
-        """The job's ranks as a one-dimensional `DeviceMesh` of this device's type, over the job's
-        process group (on a device that is not the host, its collectives go to the device's own
-        backend): what FSDP2 shards over. A process on its own gets a group of one."""
+    def mesh(self, tp: int = 1) -> Any:
+        """The job's ranks as a `DeviceMesh` of this device's type, over the job's process group (on a
+        device that is not the host, its collectives go to the device's own backend): one dimension,
+        what FSDP2 shards over; with tensor parallelism (`tp` > 1) two, `dp` x `tp`, each row of `tp`
+        consecutive ranks (the cores of one node) splitting the model and the rows splitting the batch.
+
+        A process on its own (the compile stage's trial) rehearses rank 0: over a group of one, or,
+        with `tp` > 1, over a stand-in group of `tp` ranks whose collectives move nothing (PyTorch's
+        fake backend), so that it traces the programs of a rank whose layers are split `tp` ways."""
         from torch.distributed.device_mesh import init_device_mesh  # sharded training only
 
-        if not dist.is_initialized():
-            dist.init_process_group(self.process_group_backends(), store=dist.HashStore(), rank=0, world_size=1)
-        return init_device_mesh(self.torch_device.type, (dist.get_world_size(),))
+        if not dist.is_initialized() and tp > 1:
+            from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
 
-    def shard(self, model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+        elif not dist.is_initialized():
+            dist.init_process_group(self.process_group_backends(), store=dist.HashStore(), rank=0, world_size=1)
+        world = dist.get_world_size()
+        if tp == 1:
+            return init_device_mesh(self.torch_device.type, (world,))
+        return init_device_mesh(self.torch_device.type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+
+    def split(self, plan: TensorPlan, mesh: Any) -> None:
+        """Split the layers `plan` names over the mesh's `tp` dimension, in place, with PyTorch's
+        tensor parallelism (`parallelize_module`): a column-parallel layer's weight (and bias) becomes a
+        DTensor sharded by output, taking the whole input and giving this rank's part of the output; a
+        row-parallel layer's weight is sharded by input, taking that part and summing the ranks'
+        outputs into the whole (one all-reduce per pair)."""
+        from torch.distributed.tensor.parallel import (  # tensor-parallel training only
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        styles = {**dict.fromkeys(plan.colwise, "col"), **dict.fromkeys(plan.rowwise, "row")}
+        for block in plan.blocks:
+            parallelize_module(block, mesh["tp"], {path: ColwiseParallel() if style == "col" else RowwiseParallel()
+                                                   for path, style in styles.items()})
+
+    def shard(self, model: torch.nn.Module, blocks: list[torch.nn.Module], mesh: Any = None) -> None:
         """Shard `model` in place over the job's ranks with FSDP2 (`fully_shard`): each of `blocks` as
         a unit of its own, then the rest of the model as the root unit. Its parameters become DTensors
-        holding this rank's 1/N. A process on its own (the compile stage's trial) shards over a group of
-        one, so that it traces the programs the ranks run."""
+        holding this rank's 1/N. With a two-dimensional `mesh`, over its `dp` dimension (a model
+        already split over `tp`: FSDP2 over DTensor, each rank holding 1/dp of its 1/tp). A process
+        on its own (the compile stage's trial) shards over a group of one, so that it traces the
+        programs the ranks run."""
         from torch.distributed.fsdp import fully_shard  # sharded training only
 
-        mesh = self.mesh()
+        mesh = self.mesh() if mesh is None else mesh
+        if mesh.ndim == 2:
+            mesh = mesh["dp"]
         for block in blocks:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from trnflow.device.cache import CorruptEntry, module_key
 from trnflow.safetar import Refused, unpack
@@ -38,6 +39,17 @@ class Input:
     name: str
     shape: tuple[int, ...]
     dtype: str
+    layout: str = ""
+    """Of a split or sharded weight (a DTensor): its placements, the mesh's shape and this rank's part
+    (`Shard(dim=0) of (2,): [32, 64]`), which the code it compiles to depends on."""
+
+    @classmethod
+    def of(cls, name: str, t: torch.Tensor) -> Input:
+        layout = ""
+        if isinstance(t, DTensor):
+            placements = ", ".join(map(str, t.placements))
+            layout = f"{placements} of {tuple(t.device_mesh.shape)}: {list(t.to_local().shape)}"
+        return cls(name, tuple(t.shape), str(t.dtype).removeprefix("torch."), layout)
 
     @property
     def is_state(self) -> bool:
@@ -46,7 +58,7 @@ class Input:
 
     def __str__(self) -> str:
         name = self.name.removeprefix("l_").removesuffix("_")  # Dynamo's l_tokens_ is the argument `tokens`
-        return f"{name} {list(self.shape)} {self.dtype}"
+        return f"{name} {list(self.shape)} {self.dtype}" + (f" ({self.layout})" if self.layout else "")
 
 
 @dataclass(frozen=True)
@@ -61,10 +73,8 @@ class Graph:
     @classmethod
     def of(cls, gm: torch.fx.GraphModule, example_inputs: list) -> Graph:
         names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-        inputs = tuple(
-            Input(name, tuple(t.shape), str(t.dtype).removeprefix("torch."))
-            for name, t in zip(names, example_inputs, strict=False) if isinstance(t, torch.Tensor)
-        )
+        inputs = tuple(Input.of(name, t) for name, t in zip(names, example_inputs, strict=False)
+                       if isinstance(t, torch.Tensor))
         autocast = str(torch.get_autocast_dtype("cpu")).removeprefix("torch.") \
             if torch.is_autocast_enabled("cpu") else None
         return cls(gm.code, inputs, torch.is_grad_enabled(), autocast)

@@ -53,6 +53,26 @@ class WorkerContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def tp(self) -> int:
+        """The cores that split the model between them (`train.parallelism.tp`): 1 without tensor parallelism."""
+        if self.spec is None:
+            return 1
+        if self.spec.train.parallelism.tp == "auto":  # every submission decides it (`backends.base.fitted`)
+            raise FatalError("train.parallelism.tp: auto reached a job undecided; submit jobs through a backend, "
+                             "which decides it before the job starts")
+        return self.spec.train.parallelism.tp
+
+    @property
+    def replica(self) -> int:
+        """Which replica of the model this rank computes: the ranks of one tensor-parallel group (`tp`
+        consecutive ranks) compute the same samples together, and the batch is split over the replicas."""
+        return self.rank // self.tp
+
+    @property
+    def replicas(self) -> int:
+        return self.world_size // self.tp
+
     def log(self, event: str, all_ranks: bool = False, **fields: Any) -> None:
         """One JSON line on stdout, from rank 0 unless `all_ranks`: machine-readable progress that
         every backend's log stream carries."""

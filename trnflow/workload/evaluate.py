@@ -48,7 +48,8 @@ def loaded(ctx: WorkerContext, checkpoint: str) -> tuple[Recipe, Checkpoint, Pro
 
 
 class Holdout:
-    """The holdout set, featurized once; each rank evaluates every world-th row."""
+    """The holdout set, featurized once; each replica evaluates every replicas-th row (the ranks of a
+    tensor-parallel group evaluate the same rows together)."""
 
     def __init__(self, ctx: WorkerContext, recipe: Recipe):
         spec = ctx.spec
@@ -70,17 +71,19 @@ class Holdout:
         """One evaluation point, and the per-example outcome as a string of '0' and '1' (None for a
         recipe whose outputs are not right or wrong)."""
         ctx, spec = self.ctx, self.ctx.spec
-        mine = torch.arange(ctx.rank, len(self.labels), ctx.world_size)
+        mine = torch.arange(ctx.replica, len(self.labels), ctx.replicas)  # a tensor-parallel group's rows together
         logits = torch.zeros(len(self.labels), self.recipe.width, dtype=torch.float64)
         offset, batches = 0, 0
         for batch, real in static_batches(self.tokens, mine, spec.inference.batch_size):
             logits[mine[offset:offset + real]] = programs.logits(batch)[:real].double()
             offset, batches = offset + real, batches + 1
-        if programs.sharded:  # every rank gathers each block's weights: all run as many batches as the most
-            rows = math.ceil(len(self.labels) / ctx.world_size)  # rank 0 has the most rows
+        if programs.fsdp:  # every rank gathers each block's weights: all run as many batches as the most
+            rows = math.ceil(len(self.labels) / ctx.replicas)  # rank 0 has the most rows
             filler, _ = next(static_batches(self.tokens, torch.arange(1), spec.inference.batch_size))
             for _ in range(math.ceil(rows / spec.inference.batch_size) - batches):
                 programs.logits(filler)
+        if ctx.rank % ctx.tp:  # its group's first rank holds the same rows
+            logits.zero_()
         if ctx.world_size > 1:  # each row was filled by one rank, and is zero on the others
             dist.all_reduce(logits)
         values = self.recipe.evaluate(logits, self.labels, self.metrics)

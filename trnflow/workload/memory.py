@@ -23,7 +23,7 @@ import torch
 from pydantic import ValidationError
 from torch.distributed.tensor import DTensor
 
-from trnflow.errors import FatalError
+from trnflow.errors import FatalError, FieldError
 from trnflow.specs import JobSpec, instance
 from trnflow.specs.instances import TRAINING_TYPES
 from trnflow.workload.recipes import Recipe, for_job
@@ -63,20 +63,61 @@ def core_limit(itype: str) -> int:
 
 def parameter_count(recipe: Recipe) -> int:
     """Exact, without allocating: the model is built on the meta device."""
-    return _shape(recipe)[0]
+    return _shape(recipe).total
 
 
 @functools.lru_cache(maxsize=8)
-def _shape(recipe: Recipe) -> tuple[int, int, int, int]:
-    """(parameters, those that train, those outside the recipe's blocks, the largest block's),
-    counted on the meta device: what sharded training keeps whole for a step (the root unit) and
-    gathers one at a time. Built once per recipe: a plan estimates many instance types and core counts."""
+def _meta_model(recipe: Recipe) -> torch.nn.Module:
+    """The recipe's model on the meta device: its shapes, without memory. Built once per recipe: a
+    plan estimates many instance types, core counts and layouts."""
     with torch.device("meta"):
-        model = recipe.build_model()
+        return recipe.build_model()
+
+
+@dataclass(frozen=True)
+class _Shape:
+    total: int
+    trains: int
+    """Parameters that train."""
+    root: int
+    """Parameters outside the recipe's blocks: what sharded training keeps whole for a step."""
+    largest: int
+    """The largest block's: sharded training gathers one block at a time."""
+    split: int
+    """Parameters tensor parallelism splits (0 where the recipe declares no split)."""
+    split_trains: int
+
+
+@functools.lru_cache(maxsize=8)
+def _shape(recipe: Recipe) -> _Shape:
+    """The model's parameter counts, on the meta device."""
+    model = _meta_model(recipe)
     total = sum(p.numel() for p in model.parameters())
     trains = sum(p.numel() for p in model.parameters() if p.requires_grad)
     blocks = [sum(p.numel() for p in block.parameters()) for block in recipe.blocks(model)]
-    return total, trains, total - sum(blocks), max(blocks, default=0)
+    try:
+        split, split_trains = recipe.tensor_plan(model, 1).split_parameters()
+    except FieldError:  # the recipe does not split its layers
+        split = split_trains = 0
+    return _Shape(total, trains, total - sum(blocks), max(blocks, default=0), split, split_trains)
+
+
+def tensor_splits(spec: JobSpec, recipe: Recipe) -> list[int]:
+    """The tp values a run of `spec` could take: 1, and each divisor of compute.cores_per_node at which
+    the recipe's model splits (`Recipe.tensor_plan`), smallest first; 1 alone on the xla device."""
+    if spec.compute.device == "xla":
+        return [1]
+    cores = spec.compute.cores_per_node
+    return [1] + [tp for tp in range(2, cores + 1) if cores % tp == 0 and _splits(recipe, tp)]
+
+
+@functools.lru_cache(maxsize=64)
+def _splits(recipe: Recipe, tp: int) -> bool:
+    try:
+        recipe.tensor_plan(_meta_model(recipe), tp)
+    except FieldError:
+        return False
+    return True
 
 
 def optimizer_moments(recipe: Recipe, spec: JobSpec) -> int:
@@ -108,6 +149,9 @@ class MemoryEstimate:
     """fsdp: weights gathered whole while they compute (the unit outside the blocks, and the largest
     block twice: the one computing and the next, prefetched); 0 for ddp."""
     per_core_limit: int
+    tp: int = 1
+    """The cores each layer is split over (tensor parallelism): the split layers' weights, gradients
+    and optimizer state are 1/tp of theirs on each core."""
     rehearsal: bool = False
     """The limit is TRNFLOW_REHEARSE_CORE_GIB's, not the instance's."""
     trainable: int | None = None
@@ -121,6 +165,11 @@ class MemoryEstimate:
     def fits(self) -> bool:
         return self.total <= self.per_core_limit
 
+    @property
+    def layout(self) -> str:
+        """`fsdp`, or `fsdp tp 2` with the layers split."""
+        return self.strategy + (f" tp {self.tp}" if self.tp > 1 else "")
+
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total, "fits": self.fits}
 
@@ -130,7 +179,7 @@ class MemoryEstimate:
                  ("activations", self.activations)] + ([("gathered", self.gathered)] if self.strategy == "fsdp" else [])
         trains = (f", {self.trainable:,} of {self.parameters:,} parameters train "
                   f"({self.trainable / max(self.parameters, 1):.2%})" if self.trainable is not None else "")
-        return (f"{self.strategy} {_size(self.total)} of {_size(self.per_core_limit)}"
+        return (f"{self.layout} {_size(self.total)} of {_size(self.per_core_limit)}"
                 f"{' (rehearsal)' if self.rehearsal else ''} ("
                 + ", ".join(f"{name} {_size(value)}" for name, value in parts) + trains + ")")
 
@@ -141,73 +190,115 @@ def _size(value: int) -> str:
 
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The per-core estimate of both strategies, and the one the job uses (`train.parallelism`)."""
+    """The per-core estimate of both strategies at the job's tp, and the layout the job uses
+    (`train.parallelism`); with `auto`, also the layouts it weighed at other tps."""
 
     strategy: str
     ddp: MemoryEstimate
     fsdp: MemoryEstimate
+    tp: int = 1
+    weighed: tuple[MemoryEstimate, ...] = ()
+    """With `tp: auto`: the estimates at the tps it passed over (smaller ones, which do not fit)."""
 
     @property
     def chosen(self) -> MemoryEstimate:
         return self.fsdp if self.strategy == "fsdp" else self.ddp
 
     def as_dict(self) -> dict:
-        return {"strategy": self.strategy, "ddp": self.ddp.as_dict(), "fsdp": self.fsdp.as_dict()}
+        return {"strategy": self.strategy, "tp": self.tp, "ddp": self.ddp.as_dict(), "fsdp": self.fsdp.as_dict(),
+                "weighed": [e.as_dict() for e in self.weighed]}
 
     def describe(self) -> str:
         """What `trnflow validate` prints."""
-        return (f"parallelism: {self.strategy} per core: {self.ddp.describe()}; {self.fsdp.describe()}")
+        weighed = "".join(f"; {e.describe()}" for e in self.weighed)
+        return f"parallelism: {self.chosen.layout} per core: {self.ddp.describe()}; {self.fsdp.describe()}{weighed}"
 
 
-def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int) -> tuple[MemoryEstimate, MemoryEstimate]:
-    params, trains, root, largest = _shape(recipe)
+def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int, tp: int = 1
+               ) -> tuple[MemoryEstimate, MemoryEstimate]:
+    shape = _shape(recipe)
+    params, trains = shape.total, shape.trains
     precision = spec.compute.precision
     # Pure bf16 (bf16-sr, bf16-rne) keeps weights, gradients and optimizer state in bf16 on the
     # device; fp32 and bf16 autocast keep fp32 master weights. Activations follow the compute dtype.
     state_bytes = 2 if precision in ("bf16-sr", "bf16-rne") else 4
     act_bytes = 4 if precision == "fp32" else 2
-    activations = recipe.activation_bytes(spec.per_core_batch, act_bytes)
+    replicas = max(1, world // tp)
+    batch = spec.train.global_batch_size // replicas  # each core of a tensor-parallel group computes its replica's
+    activations = recipe.activation_bytes(batch, act_bytes, tp) if tp > 1 else \
+        recipe.activation_bytes(batch, act_bytes)
     moments = optimizer_moments(recipe, spec)
     limit, rehearsal = core_limit(itype), rehearsal_core_bytes() is not None
     partly = trains if trains < params else None
-    ddp = MemoryEstimate("ddp", params, params * state_bytes, trains * state_bytes, moments * trains * state_bytes,
-                         activations, 0, limit, rehearsal, partly)
-    shard, trained = -(-params // world), -(-trains // world)  # FSDP2 pads each shard on dim 0; a little
-    gathered = (root + 2 * largest if largest else params) * state_bytes
-    fsdp = MemoryEstimate("fsdp", params, shard * state_bytes, trained * state_bytes, moments * trained * state_bytes,
-                          activations, gathered, limit, rehearsal, partly)
+    # Split layers keep 1/tp on each core (the split divides them evenly); everything else, whole.
+    held = params - shape.split + shape.split // tp
+    trained = trains - shape.split_trains + shape.split_trains // tp
+    ddp = MemoryEstimate("ddp", params, held * state_bytes, trained * state_bytes, moments * trained * state_bytes,
+                         activations, 0, limit, tp, rehearsal, partly)
+    shard, shard_trained = -(-held // replicas), -(-trained // replicas)  # FSDP2 pads each shard on dim 0; a little
+    whole = held / params if params else 1.0  # of a gathered block, the share on this core
+    gathered = int((shape.root + 2 * shape.largest if shape.largest else params) * whole) * state_bytes
+    fsdp = MemoryEstimate("fsdp", params, shard * state_bytes, shard_trained * state_bytes,
+                          moments * shard_trained * state_bytes, activations, gathered, limit, tp, rehearsal, partly)
     return ddp, fsdp
 
 
 def plan(spec: JobSpec, recipe: Recipe | None = None, itype: str | None = None) -> MemoryPlan:
-    """Both strategies' per-core estimates on `itype` (the spec's instance type), and the strategy
-    the job uses (`strategy`)."""
+    """Both strategies' per-core estimates on `itype` (the spec's instance type) at the tp the job
+    uses, and the layout it uses (`layout`). A tp the recipe cannot split is a FieldError."""
     recipe = recipe or for_job(spec)
-    ddp, fsdp = _estimates(spec, recipe, itype or spec.compute.instance_type, spec.compute.world_size)
-    return MemoryPlan(strategy(spec, recipe), ddp, fsdp)
+    tp = spec.train.parallelism.tp
+    if tp != "auto" and tp > 1:
+        recipe.tensor_plan(_meta_model(recipe), tp)  # says why it cannot split, naming train.parallelism.tp
+    chosen, at = layout(spec, recipe)
+    itype, world = itype or spec.compute.instance_type, spec.compute.world_size
+    ddp, fsdp = _estimates(spec, recipe, itype, world, at)
+    weighed = tuple(e for t in tensor_splits(spec, recipe) if t < at
+                    for e in _estimates(spec, recipe, itype, world, t)) if tp == "auto" else ()
+    return MemoryPlan(chosen, ddp, fsdp, at, weighed)
+
+
+def layout(spec: JobSpec, recipe: Recipe | None = None) -> tuple[str, int]:
+    """How the job spreads the model: (strategy, tp). The spec's own where it names them; `auto`
+    takes the first that fits a core of every instance type the job may get
+    (compute.instance_preferences), in this order: tp 1 before any split (tensor parallelism sums
+    activations in every layer of every step), and at each tp ddp before fsdp (which gathers each
+    block's weights every step); nothing fitting, the last (which the memory check then refuses with
+    its figures). fsdp is never chosen on the xla device, which does not shard. A run decides it once,
+    when its flow starts (`decided`), so that a job that falls back to another type keeps it."""
+    wanted = spec.train.parallelism
+    if wanted.strategy != "auto" and wanted.tp != "auto":
+        return wanted.strategy, wanted.tp
+    recipe = recipe or for_job(spec)
+    strategies = [wanted.strategy] if wanted.strategy != "auto" else \
+        ["ddp"] if spec.compute.device == "xla" else ["ddp", "fsdp"]
+    splits = [wanted.tp] if wanted.tp != "auto" else tensor_splits(spec, recipe)
+    world = spec.compute.world_size
+    for tp in splits:
+        for chosen in strategies:
+            index = 0 if chosen == "ddp" else 1
+            if all(_estimates(spec, recipe, t, world, tp)[index].fits for t in spec.compute.instance_choices):
+                return chosen, tp
+    return strategies[-1], splits[-1]
 
 
 def strategy(spec: JobSpec, recipe: Recipe | None = None) -> str:
-    """How the job spreads the model: the spec's strategy; for `auto`, ddp when it fits a core of
-    every instance type the job may get (compute.instance_preferences), else fsdp (never on the xla
-    device, which does not shard). A run decides it
-    once, when its flow starts (`decided`), so that a job that falls back to another type keeps it."""
-    wanted = spec.train.parallelism.strategy
-    if wanted != "auto":
-        return wanted
-    if spec.compute.device == "xla":  # torch-xla's sharding is not driven: ddp, refused if it does not fit
-        return "ddp"
-    recipe = recipe or for_job(spec)
-    fits = all(_estimates(spec, recipe, t, spec.compute.world_size)[0].fits for t in spec.compute.instance_choices)
-    return "ddp" if fits else "fsdp"
+    """The strategy of the job's layout (`layout`): ddp or fsdp."""
+    return layout(spec, recipe)[0]
 
 
 def decided(spec: JobSpec) -> JobSpec:
-    """`spec` with `auto` replaced by the strategy `strategy` decides (the same spec otherwise)."""
-    chosen = strategy(spec)
-    if chosen == spec.train.parallelism.strategy:
+    """`spec` with `auto` (strategy, tp) replaced by what `layout` decides (the same spec otherwise)."""
+    chosen, tp = layout(spec)
+    return with_layout(spec, chosen, tp)
+
+
+def with_layout(spec: JobSpec, chosen: str, tp: int) -> JobSpec:
+    """`spec` with train.parallelism's strategy and tp set (itself when they are already so)."""
+    parallelism = spec.train.parallelism
+    if (parallelism.strategy, parallelism.tp) == (chosen, tp):
         return spec
-    parallelism = spec.train.parallelism.model_copy(update={"strategy": chosen})
+    parallelism = parallelism.model_copy(update={"strategy": chosen, "tp": tp})
     return spec.model_copy(update={"train": spec.train.model_copy(update={"parallelism": parallelism})})
 
 
@@ -217,9 +308,9 @@ def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:
 
 
 def _smallest_fit(spec: JobSpec, recipe: Recipe) -> str | None:
-    """The fewest cores, over the training instance types, on which fsdp would fit and the spec could
-    run (its batch divides over them, its device runs there); None if none. One instance may give
-    fewer than all its cores; several give all of theirs."""
+    """The fewest cores, over the training instance types, on which fsdp (with the layers split, if
+    that is what it takes) would fit and the spec could run (its batch divides over them, its device
+    runs there); None if none. One instance may give fewer than all its cores; several give all of theirs."""
     candidates = sorted(
         (nodes * cores, name, nodes, cores) for name in TRAINING_TYPES
         for nodes in range(1, (MAX_SUGGESTED_NODES if instance(name).multi_node else 1) + 1)
@@ -228,21 +319,23 @@ def _smallest_fit(spec: JobSpec, recipe: Recipe) -> str | None:
     for world, name, nodes, cores in candidates:
         data = spec.model_dump()
         data["compute"].update(instance_type=name, nodes=nodes, cores_per_node=cores, instance_preferences=[])
-        data["train"]["parallelism"]["strategy"] = "fsdp"
+        data["train"]["parallelism"].update(strategy="fsdp", tp=1)
         try:  # a suggestion the spec could take: the device runs there, fsdp runs on it
             resized = type(spec).model_validate(data)
         except ValidationError:
             continue
-        if _estimates(resized, recipe, name, world)[1].fits:
-            shape = f"{nodes} x {name}" if nodes > 1 or cores == instance(name).cores else \
-                f"1 x {name} at compute.cores_per_node {cores}"
-            return f"{shape} ({world} cores) with train.parallelism.strategy fsdp"
+        for tp in tensor_splits(resized, recipe):
+            if _estimates(resized, recipe, name, world, tp)[1].fits:
+                shape = f"{nodes} x {name}" if nodes > 1 or cores == instance(name).cores else \
+                    f"1 x {name} at compute.cores_per_node {cores}"
+                split = f" and tp {tp}" if tp > 1 else ""
+                return f"{shape} ({world} cores) with train.parallelism.strategy fsdp{split}"
     return None
 
 
 def check_fits(spec: JobSpec) -> MemoryPlan:
     """The plan, or FatalError with the numbers and what to change: on every instance type the job
-    may get (compute.instance_preferences)."""
+    may get (compute.instance_preferences). A tp the recipe cannot split is a FieldError."""
     recipe = for_job(spec)
     for name in spec.compute.instance_choices:
         found = plan(spec, recipe, name)
@@ -258,7 +351,7 @@ def check_fits(spec: JobSpec) -> MemoryPlan:
             fix += f"; the smallest that fits: {smallest}" if smallest else "; no instance in the catalogue fits it"
         other = found.fsdp if est.strategy == "ddp" else found.ddp
         raise FatalError(
-            f"the job needs about {_size(est.total)} of device memory per NeuronCore with {est.strategy} "
+            f"the job needs about {_size(est.total)} of device memory per NeuronCore with {est.layout} "
             f"({est.describe()}; {other.describe()}) but a {name} core has {_size(est.per_core_limit)}"
             f"{' in this rehearsal' if est.rehearsal else ''}. {fix}")
     return plan(spec, recipe)

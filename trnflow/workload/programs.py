@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,8 +34,8 @@ from trnflow.workload.recipes import Recipe
 
 PROGRAMS = ("train_step", "eval_step", "embed_step")
 SHARDED = ("train_step", "sharded_eval_step")
-"""The programs a sharded model runs (`train.parallelism.strategy: fsdp`): training and the
-evaluations inside it. The evaluate and infer stages load the checkpoint whole, unsharded."""
+"""The programs a sharded or split model runs (`train.parallelism.strategy: fsdp`, `tp` > 1):
+training and the evaluations inside it. The evaluate and infer stages load the checkpoint whole."""
 TRIAL_STEPS = 2
 """Training steps in a trial run (forward, backward and optimizer step each)."""
 
@@ -57,9 +58,11 @@ class Programs:
     """One model's three programs, compiled through `compiler` (whole graphs, static shapes) on `device`."""
 
     def __init__(self, spec: JobSpec, recipe: Recipe, model: nn.Module, compiler: CompileBackend, device: Device,
-                 ddp: bool = False, sharded: bool = False):
-        """`sharded`: the model was sharded (`Device.shard`): it trains and evaluates in parts around
-        its blocks, and embeds nothing (inference loads the checkpoint whole)."""
+                 ddp: bool = False, sharded: bool = False, mesh: Any = None, fsdp: bool = False):
+        """`sharded`: the model was split or sharded (`spread`): it trains and evaluates as its ranks'
+        parts, and embeds nothing (inference loads the checkpoint whole); `fsdp`: sharded by FSDP2, it
+        runs in parts around its blocks. `ddp`: the replicas average their gradients (DDP; over the
+        mesh's `dp` dimension when the layers are split)."""
         # A fresh Dynamo state: compiled code is cached per function, and a process builds its
         # programs once (tests build several; stale entries would count against the recompile limit).
         torch._dynamo.reset()
@@ -69,13 +72,16 @@ class Programs:
         # modules only at the first switch re-traces the train graph after the first evaluation.
         model.train(model.training)
         self.spec, self.recipe, self.model, self.compiler, self.device = spec, recipe, model, compiler, device
-        self.sharded = sharded
-        self._forward = device.compile(model, compiler, whole=not sharded)
+        self.sharded, self.fsdp = sharded, fsdp
+        self._forward = device.compile(model, compiler, whole=not fsdp)
         self._embed = device.compile(model.embed, compiler) if recipe.embeds and not sharded else None
         generates = recipe.generates and spec.inference.generate is not None and not sharded
         self._next = device.compile(model.next_logits, compiler) if generates else None
-        # DDP wraps the compiled module, so the graph is the model's alone, whatever the world size.
-        self._train_forward = DDP(self._forward) if ddp else self._forward
+        # DDP wraps the compiled module, so the graph is the model's alone, whatever the world size. A
+        # split model's replicas average their gradients themselves, over the mesh's dp dimension.
+        split = mesh is not None and mesh.ndim == 2
+        self._train_forward = DDP(self._forward) if ddp and not split else self._forward
+        self._replicas = mesh["dp"].get_group() if ddp and split else None
 
     def _mode(self, training: bool) -> None:
         """Train or eval mode, set only when it changes: setting it walks every submodule, which
@@ -105,6 +111,8 @@ class Programs:
         loss = self.train_loss(tokens, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if self._replicas is not None:
+            average_gradients(self.model, self._replicas)
         self.device.sync()
         optimizer.step()
         self.device.sync()
@@ -156,6 +164,38 @@ class Programs:
             raise ValueError(f"unknown program {program!r}; the programs are {', '.join(PROGRAMS)}")
 
 
+def average_gradients(model: nn.Module, group: Any) -> None:
+    """Average this rank's gradients with the other replicas' in `group` (what DDP does, for a model
+    whose layers are split, which DDP does not wrap): in one flat buffer, one all-reduce. A split
+    layer's gradient is this rank's part (of the same part on every replica)."""
+    from torch.distributed.tensor import DTensor  # split models only
+
+    grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+             for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    torch.distributed.all_reduce(flat, group=group)
+    flat /= torch.distributed.get_world_size(group)
+    for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+        grad.copy_(averaged)
+
+
+def spread(spec: JobSpec, recipe: Recipe, model: nn.Module, device: Device, fsdp: bool) -> Any:
+    """Spread `model` over the job's ranks as the spec says, in place: its layers split over
+    `train.parallelism.tp` cores (the recipe's `tensor_plan`), then, with `fsdp`, sharded over the
+    replicas (each block a unit). The device mesh it was spread over; None for plain ddp."""
+    tp = spec.train.parallelism.tp_degree
+    if tp == 1 and not fsdp:
+        return None
+    mesh = device.mesh(tp)
+    if tp > 1:
+        device.split(recipe.tensor_plan(model, tp), mesh)
+    if fsdp:
+        device.shard(model, recipe.blocks(model), mesh)
+    return mesh
+
+
 def example_inputs(spec: JobSpec, recipe: Recipe) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Inputs and labels of one per-core training batch, and one evaluation/inference batch."""
     gen = torch.Generator().manual_seed(0)
@@ -171,28 +211,35 @@ def build_model(recipe: Recipe, seed: int) -> nn.Module:
     return recipe.build_model()
 
 
-def for_run(ctx: WorkerContext, recipe: Recipe, model: nn.Module, ddp: bool = False, sharded: bool = False
-            ) -> Programs:
+def for_run(ctx: WorkerContext, recipe: Recipe, model: nn.Module, ddp: bool = False, sharded: bool = False,
+            mesh: Any = None, fsdp: bool = False) -> Programs:
     """The programs of a training, evaluation or inference run: graphs come from the persistent
     compile cache, and any other graph is a recompilation."""
     compiler = ctx.device.compiler(ctx.spec, "run", ctx.log, model=recipe.key)
-    return Programs(ctx.spec, recipe, model, compiler, ctx.device, ddp=ddp, sharded=sharded)
+    return Programs(ctx.spec, recipe, model, compiler, ctx.device, ddp=ddp, sharded=sharded, mesh=mesh, fsdp=fsdp)
+
+
+def _spread(spec: JobSpec) -> bool:
+    """Whether training spreads the model (fsdp, or tp > 1): its programs are then a sharded model's."""
+    return spec.train.parallelism.strategy == "fsdp" or spec.train.parallelism.tp_degree > 1
 
 
 def programs_of(spec: JobSpec) -> tuple[str, ...]:
-    """The programs a run of `spec` needs compiled: with sharded training, the training programs of
-    the sharded model besides the evaluate and infer stages' whole ones."""
+    """The programs a run of `spec` needs compiled: with sharded or split training, the training
+    programs of the spread model besides the evaluate and infer stages' whole ones."""
     generates = ("generate_step",) if spec.inference.generate is not None else ()
-    if spec.train.parallelism.strategy == "fsdp":
+    if _spread(spec):
         return ("train_step", "sharded_eval_step", "eval_step", "embed_step", *generates)
     return (*PROGRAMS, *generates)
 
 
 def for_trial(spec: JobSpec, recipe: Recipe, compiler: CompileBackend, device: Device, program: str) -> Programs:
     """Fresh programs for a trial run of `program` (ahead-of-time compilation), shaped as the run
-    that needs it: sharded (over a group of one) for a sharded model's programs."""
+    that needs it: a spread model's programs spread as rank 0's are (`Device.mesh`: sharded over a
+    group of one, split `tp` ways over a stand-in group)."""
     model = build_model(recipe, spec.train.seed).to(device.torch_device)
-    sharded = program in SHARDED and spec.train.parallelism.strategy == "fsdp"
-    if sharded:
-        device.shard(model, recipe.blocks(model))
-    return Programs(spec, recipe, model, compiler, device, sharded=sharded)
+    fsdp = spec.train.parallelism.strategy == "fsdp"
+    if program in SHARDED and _spread(spec):
+        mesh = spread(spec, recipe, model, device, fsdp)
+        return Programs(spec, recipe, model, compiler, device, sharded=True, mesh=mesh, fsdp=fsdp)
+    return Programs(spec, recipe, model, compiler, device)

@@ -42,7 +42,7 @@ from trnflow.workload.data import iter_labelled
 from trnflow.workload.evaluate import Holdout
 from trnflow.workload.features import featurize, host_memory
 from trnflow.workload.memory import estimate, saved_activation_peak, strategy, tensor_bytes
-from trnflow.workload.programs import build_model, for_run
+from trnflow.workload.programs import build_model, for_run, spread
 from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.reclaim import ReclaimNotice
 from trnflow.workload.sampler import StepSampler
@@ -102,15 +102,16 @@ class Trainer:
         assert train.labels is not None
         self.tokens, self.labels = train.features, train.labels
         self.model = build_model(recipe, tcfg.seed).to(self.device.torch_device)  # before its optimizer holds it
-        self.sharded = strategy(self.spec, recipe) == "fsdp"
-        if self.sharded:  # each rank keeps 1/N of the weights; the optimizer is built on those shards
-            self.device.shard(self.model, recipe.blocks(self.model))
+        fsdp = strategy(self.spec, recipe) == "fsdp"
+        # Split (tp) and sharded (fsdp) weights are DTensors: the optimizer is built on this rank's parts
+        self.mesh = spread(self.spec, recipe, self.model, self.device, fsdp)
+        self.sharded = fsdp or ctx.tp > 1  # its state is saved in shards, and gathered whole
         self.optimizer = recipe.optimizer(trainable(self.model), tcfg)  # a frozen base has no optimizer state
         self.rounding = self.device.rounding(self.spec.compute.precision)
         # Replicas must round identically, so the rounding stream is seeded the same on every rank.
         self.sr_seed = int(os.environ.get("NEURON_RT_STOCHASTIC_ROUNDING_SEED", "0")) + tcfg.seed
         self.sr_gen = torch.Generator().manual_seed(self.sr_seed)
-        self.sampler = StepSampler(len(self.labels), tcfg.global_batch_size, ctx.rank, ctx.world_size, tcfg.seed,
+        self.sampler = StepSampler(len(self.labels), tcfg.global_batch_size, ctx.replica, ctx.replicas, tcfg.seed,
                                    drop_last=tcfg.drop_last)
         self.resumed_weights: str | None = None
         self.first, self.metrics = self._resume_or_init()
@@ -119,8 +120,8 @@ class Trainer:
                                   watermark=start.watermark, rows=len(self.labels))
         ctx.log("data", files=len(start.files), rows=len(self.labels), partitions=self.data_read.partitions,
                 watermark=start.watermark, recipe=recipe.key)
-        self.programs = for_run(ctx, recipe, self.model, ddp=ctx.world_size > 1 and not self.sharded,
-                                sharded=self.sharded)
+        self.programs = for_run(ctx, recipe, self.model, ddp=ctx.replicas > 1 and not fsdp, sharded=self.sharded,
+                                mesh=self.mesh, fsdp=fsdp)
         self.holdout = Holdout(ctx, recipe)
         resumed = start.resumed.meta if start.resumed else None
         self.evaluations: list[dict] = list(resumed.evaluations) if resumed else []
@@ -183,11 +184,11 @@ class Trainer:
                 self.resumed_weights = weights_digest(self.device.to_host(trained_state(self.model)))
             assert resumed.meta is not None  # a run's own checkpoints always have their meta.json
             first = self.sampler.restore(resumed.meta.sampler)
-            if resumed.rng and len(resumed.rng) == ctx.world_size:
+            if resumed.rng and len(resumed.rng) == ctx.world_size and resumed.meta.tp == ctx.tp:
                 torch.set_rng_state(resumed.rng[ctx.rank]["torch"])
                 self.sr_gen.set_state(resumed.rng[ctx.rank]["sr"])
             else:  # a different world size: per-rank streams cannot carry over, so derive new ones
-                torch.manual_seed(tcfg.seed + 1000 * ctx.rank + first)
+                torch.manual_seed(tcfg.seed + 1000 * ctx.replica + first)
                 self.sr_gen.manual_seed(self.sr_seed + first)
             ctx.log("resume", step=first, checkpoint=resumed.url, saved_by_ranks=len(resumed.rng or []),
                     ranks=ctx.world_size)
@@ -199,7 +200,9 @@ class Trainer:
             load_model_weights(self.model, start.init.model, start.init.url, adapters)
         if start.init is not None:
             ctx.log("init", checkpoint=start.init.url, watermark=start.init.watermark)
-        torch.manual_seed(tcfg.seed + 1000 * ctx.rank)  # each rank its own dropout stream
+        # Each replica its own dropout stream; the cores of a tensor-parallel group share theirs, so
+        # that dropout on what they hold whole drops the same values on each.
+        torch.manual_seed(tcfg.seed + 1000 * ctx.replica)
         if self.rounding:  # put the starting weights on the bf16 grid; resumed ones already are
             self.device.round_state(self.model, None, self.rounding, self.sr_gen)
         return 0, []
@@ -277,7 +280,7 @@ class Trainer:
                 evaluations=self.evaluations, holdout_sha256=self.holdout.digest, recipe=self.recipe.describe(),
                 torch=torch.__version__, export=self._export(done, weights) if last and weights else None,
                 base=self.recipe.base(),
-                parallelism=self.spec.train.parallelism.strategy if self.sharded else "ddp")
+                parallelism="fsdp" if self.programs.fsdp else "ddp", tp=ctx.tp)
             self.checkpoint_url = checkpoints.save(
                 done, weights, optim, rng, (self.recipe.featurizer_file, self.recipe.state()), meta,
                 keep_latest=spec.train.keep_latest, shards=shards)

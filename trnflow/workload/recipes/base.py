@@ -17,6 +17,7 @@ and what its loss is:
 - `optimizer`: what updates the weights (AdamW by default); training, the ahead-of-time trial
   (whose graphs are the compile cache's keys) and the memory estimate all take it from here;
 - `blocks`: the units sharded training gathers one at a time (the transformer layers);
+- `tensor_plan`: which of the blocks' layers tensor parallelism splits, column- or row-wise;
 - `metrics`: the gate metrics its outputs support, `evaluate` computing them on a holdout set and
   `outcomes` saying which rows were right (for the gate's paired test);
 - `publish`: the columns batch inference writes for each row.
@@ -40,13 +41,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import pyarrow as pa
 from pydantic import BaseModel
 
-from trnflow.errors import FatalError
+from trnflow.errors import FatalError, FieldError
 from trnflow.lifecycle.gate import DIRECTIONS
 from trnflow.specs import DataSpec, TrainSpec
 
 if TYPE_CHECKING:  # the networks need torch; what a spec check asks of a recipe does not
     import torch
     from torch import nn
+
+    from trnflow.device.base import TensorPlan
 
 METRICS = ("accuracy", "loss", "f1", "auc")
 """What the evaluation computes from logits and labels (the gate's `metric` and `metrics`)."""
@@ -176,6 +179,15 @@ class Recipe(ABC):
         weights)."""
         return []
 
+    def tensor_plan(self, model: nn.Module, tp: int) -> TensorPlan:
+        """How tensor parallelism (`train.parallelism.tp`) splits `model` over `tp` cores: which linear
+        layers of which blocks split by their outputs (column-parallel) and which by their inputs
+        (row-parallel), a column-parallel layer feeding a row-parallel one so that each pair needs one
+        sum across the cores. FieldError (naming train.parallelism.tp) when the model cannot split so:
+        the default, for a recipe that declares no plan."""
+        raise FieldError("train.parallelism.tp", f"recipe {self.name} does not declare how its layers split over "
+                         "cores (Recipe.tensor_plan); use tp: 1, and strategy fsdp for a model too big for one core")
+
     def overlong(self, rows: pa.Table) -> int:
         """How many of `rows` are longer than the model's input and are cut to it (`trnflow data
         check` reports them); 0 when it cannot say before its featurizer is fitted (the default)."""
@@ -202,9 +214,10 @@ class Recipe(ABC):
         model built on the same base. None (the default): every weight trains and is saved."""
         return None
 
-    def activation_bytes(self, batch: int, value_bytes: int) -> int:
-        """An estimate of the activations one training step keeps for backward (the memory check);
-        0 when the recipe cannot say."""
+    def activation_bytes(self, batch: int, value_bytes: int, tp: int = 1) -> int:
+        """An estimate of the activations one training step keeps for backward on one core (the memory
+        check), with the layers split over `tp` cores (`tensor_plan`); 0 when the recipe cannot say.
+        (`tp` is passed only when it is over 1, so a recipe that never splits may leave it out.)"""
         return 0
 
     def export(self, model: nn.Module, folder: Path) -> bool:

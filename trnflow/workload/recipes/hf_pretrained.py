@@ -29,10 +29,12 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from torch import nn
 
+from trnflow.device.base import TensorPlan
 from trnflow.errors import DataError, FatalError, FieldError
 from trnflow.lifecycle.exports import copy_export, holds, read_marker
 from trnflow.records import manifest_digest
 from trnflow.storage import open_store
+from trnflow.workload.recipes import families
 from trnflow.workload.recipes.lora import LoraParams, adapt, folder_digest
 
 STATE_FORMAT = "trnflow-hf-tokenizer/1"
@@ -499,6 +501,13 @@ class FromPretrained:
         """With LoRA: the pretrained folder's content digest (its frozen weights are the base every
         adapter checkpoint needs); else None."""
         return self._base
+
+    def tensor_plan(self, model: nn.Module, tp: int) -> TensorPlan:
+        """The family's split of the transformer layers (`families.tensor_plan`), checked against the
+        model's own config: Llama-style decoders and BERT-style encoders split; others are refused."""
+        config = next(m.config for m in model.modules() if isinstance(getattr(m, "config", None),
+                                                                       transformers(self.name).PretrainedConfig))
+        return families.tensor_plan(config.model_type, config.to_dict(), self.blocks(model), tp)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The transformer layers, wherever the architecture keeps them (BERT's `encoder.layer`,

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from trnflow.errors import FieldError
 from trnflow.lifecycle.exports import listing
 from trnflow.records import ADAPTER_FOLDER, manifest_digest
+from trnflow.workload.recipes.families import FAMILIES
 
 TARGETS = {
     "llama": ("q_proj", "k_proj", "v_proj", "o_proj"),
@@ -28,13 +29,6 @@ TARGETS = {
 }
 """The default projections adapted, per family: the attention's (GPT-2's `c_proj` is the attention's
 and the MLP's output projection alike)."""
-FAMILIES = {
-    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
-                     "olmo", "olmo2", "granite", "smollm3"), "llama"),
-    **dict.fromkeys(("gpt2", "gpt_bigcode"), "gpt2"),
-    **dict.fromkeys(("bert", "roberta", "xlm-roberta", "camembert", "electra"), "bert"),
-}
-"""Model types whose layers are named as the family's."""
 
 
 class LoraParams(BaseModel):

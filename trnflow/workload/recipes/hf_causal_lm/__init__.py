@@ -287,14 +287,15 @@ class HfCausalLm(FromPretrained, Recipe):
         scaled = nll * dist.get_world_size() / total  # its gradient, averaged over the ranks, is the batch's
         return scaled + (both[0] / total - scaled).detach()  # its value: the batch's mean, as every rank logs it
 
-    def activation_bytes(self, batch: int, value_bytes: int) -> int:
-        """Per layer: the attention's projections and scores and the MLP's three projections; then the
-        head's logits over the vocabulary, their fp32 copy and the loss's log-softmax."""
+    def activation_bytes(self, batch: int, value_bytes: int, tp: int = 1) -> int:
+        """Per layer: the attention's projections and scores and the MLP's three projections (of which
+        each of `tp` cores keeps its part, but of the two norms' inputs); then the head's logits over the
+        vocabulary, their fp32 copy and the loss's log-softmax, whole on every core."""
         config = self._model_config()
         seq, hidden = self.params.seq_len, int(config.get("hidden_size", 64))
         inner, layers = int(config.get("intermediate_size", 4 * hidden)), int(config.get("num_hidden_layers", 2))
         heads, vocab = int(config.get("num_attention_heads", 4)), int(config.get("vocab_size", self.params.vocab_size))
-        per_layer = batch * seq * (6 * hidden + 3 * inner) + 2 * batch * heads * seq * seq
+        per_layer = batch * seq * (2 * hidden + (4 * hidden + 3 * inner) // tp) + 2 * batch * heads * seq * seq // tp
         head = batch * seq * vocab * (value_bytes + 8)
         return (layers * per_layer + 2 * batch * seq * hidden) * value_bytes + head
 

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from trnflow.errors import FieldError
 from trnflow.workload.recipes.m5_text.params import M5TextParams
 from trnflow.workload.recipes.m5_text.tokenizer import BpeTextRecipe
 
 if TYPE_CHECKING:
     from torch import nn
 
+    from trnflow.device.base import TensorPlan
     from trnflow.workload.recipes.m5_text.model import TextEncoderClassifier
 
 
@@ -31,6 +33,11 @@ class M5Text(BpeTextRecipe):
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         return list(model.encoder.layers)  # type: ignore[union-attr]
+
+    def tensor_plan(self, model: nn.Module, tp: int) -> TensorPlan:
+        raise FieldError("train.parallelism.tp", "m5-text does not split its layers: its encoder is PyTorch's "
+                         "fused nn.TransformerEncoderLayer, whose attention keeps query, key and value in one "
+                         "weight, and the model is small enough for one core; use tp: 1 (fsdp shards it if needed)")
 
     def activation_bytes(self, batch: int, value_bytes: int) -> int:
         p = self.params

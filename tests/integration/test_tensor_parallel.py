@@ -1,0 +1,128 @@
+"""Tensor parallelism (`train.parallelism.tp`) on the emulator: a Llama-style decoder's layers split
+over two cores train to the losses of the model whole; composed with ddp and fsdp over the replicas;
+a killed run resumes bitwise, and a checkpoint resumes at another tp."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from tests.pretrained import tiny_causal_lm
+from trnflow.backends import JobRequest, JobState, wait
+from trnflow.backends.local import LocalBackend
+from trnflow.settings import TrnflowSettings
+from trnflow.workload.checkpoint import load
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture
+def backend(trnflow_home) -> LocalBackend:
+    return LocalBackend(TrnflowSettings().jobs_dir)
+
+
+@pytest.fixture(scope="module")
+def decoder(tmp_path_factory, dataset):
+    texts = [str(t) for f in sorted((dataset / "train").rglob("*.parquet")) for t in pq.read_table(f)["text"]]
+    return tiny_causal_lm(tmp_path_factory.mktemp("base") / "decoder", texts[:2000])
+
+
+def _lm(make_spec, folder, cores: int, tp: int, strategy: str = "ddp", faults=(), **train):
+    compute = {"instance_type": "trn1.32xlarge"} if cores > 2 else {}
+    return make_spec(cores, compute={"cores_per_node": cores, **compute}, model={"recipe": "hf-causal-lm", "params": {
+        "pretrained": str(folder), "seq_len": 32, "rows": "text"}},
+        gate={"metric": "perplexity", "metrics": []}, faults=list(faults),
+        train={"steps": 8, "checkpoint_every": 4, "log_every": 1, "global_batch_size": 16,
+               "parallelism": {"strategy": strategy, "tp": tp}, **train})
+
+
+def _train(backend, spec, run_id):
+    info = wait(backend, backend.submit(JobRequest(spec, "train", run_id)), 0.2)
+    return info
+
+
+def _losses(info) -> list[float]:
+    return [point["loss"] for point in info.result.curve]
+
+
+def test_layers_split_over_two_cores_train_to_the_losses_of_the_whole_model(make_spec, backend, decoder):
+    whole = _train(backend, _lm(make_spec, decoder, 1, 1), "whole")
+    assert whole.state is JobState.SUCCEEDED, whole.failure
+    split = _train(backend, _lm(make_spec, decoder, 2, 2), "split")
+    assert split.state is JobState.SUCCEEDED, split.failure
+    assert _losses(split) == pytest.approx(_losses(whole), abs=1e-5)
+    ours, theirs = load(split.result.checkpoint), load(whole.result.checkpoint)
+    assert ours.meta.tp == 2 and ours.sharded
+    assert ours.model.keys() == theirs.model.keys()
+    assert all(torch.allclose(ours.model[k], theirs.model[k], atol=1e-5) for k in ours.model)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_two_replicas_of_a_split_model_train_to_the_losses_of_one(make_spec, backend, decoder, strategy):
+    """Four cores: two replicas (ddp or fsdp over the mesh's dp dimension) of the layers split two
+    ways. Each replica logs the loss of its half of the batch; together they are the whole batch's."""
+    whole = _train(backend, _lm(make_spec, decoder, 1, 1, steps=4, checkpoint_every=4), "whole")
+    assert whole.state is JobState.SUCCEEDED, whole.failure
+    both = _train(backend, _lm(make_spec, decoder, 4, 2, strategy, steps=4, checkpoint_every=4), "2d")
+    assert both.state is JobState.SUCCEEDED, both.failure
+    ours, theirs = load(both.result.checkpoint), load(whole.result.checkpoint)
+    assert (ours.meta.tp, ours.meta.parallelism, ours.meta.world_size) == (2, strategy, 4)
+    assert all(torch.allclose(ours.model[k], theirs.model[k], atol=1e-5) for k in ours.model)
+
+
+def test_a_killed_split_run_resumes_to_the_weights_of_one_never_killed(make_spec, backend, decoder):
+    killed = _lm(make_spec, decoder, 2, 2, faults=[{"kind": "kill", "core": 1, "step": 6, "phase": "train"}])
+    failed = _train(backend, killed, "tp")
+    assert failed.state is JobState.FAILED and failed.failure.retryable, failed.failure
+    resumed = _train(backend, killed, "tp")
+    assert resumed.state is JobState.SUCCEEDED, resumed.failure
+    assert resumed.result.start_step == 4 and resumed.result.resumed_from
+    assert sorted(load(resumed.result.resumed_from).shards) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+
+    whole = _train(backend, _lm(make_spec, decoder, 2, 2), "tp-whole")
+    assert whole.state is JobState.SUCCEEDED, whole.failure
+    ours, theirs = load(resumed.result.checkpoint), load(whole.result.checkpoint)
+    assert ours.model.keys() == theirs.model.keys()
+    assert all(torch.equal(ours.model[k], theirs.model[k]) for k in ours.model)
+    assert _losses(resumed)[-4:] == _losses(whole)[-4:]
+
+
+@pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
+def test_a_checkpoint_resumes_at_another_tp(make_spec, backend, decoder, saved, resumed):
+    """Saved at step 4 with the layers split `saved` ways on two cores, resumed split `resumed` ways:
+    the next steps' losses match a run that never stopped, within 1e-6."""
+    fault = [{"kind": "timeout", "core": 1, "step": 6, "phase": "train"}]
+    failed = _train(backend, _lm(make_spec, decoder, 2, saved, faults=fault), "retp")
+    assert failed.state is JobState.FAILED and failed.failure.retryable, failed.failure
+    info = _train(backend, _lm(make_spec, decoder, 2, resumed), "retp")
+    assert info.state is JobState.SUCCEEDED, info.failure
+    assert info.result.start_step == 4 and load(info.result.checkpoint).meta.tp == resumed
+    never = _train(backend, _lm(make_spec, decoder, 2, saved), "retp-never")
+    assert never.state is JobState.SUCCEEDED, never.failure
+    # the whole batch's loss, logged by rank 0, at tp 2 (one replica); at tp 1 rank 0's half of it
+    if resumed == saved:
+        assert _losses(info)[-4:] == pytest.approx(_losses(never)[-4:], abs=1e-6)
+    ours, theirs = load(info.result.checkpoint), load(never.result.checkpoint)
+    assert all(torch.allclose(ours.model[k], theirs.model[k], atol=1e-6) for k in ours.model)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_the_compile_stage_traces_the_graphs_a_split_run_needs(make_spec, backend, decoder, tmp_path, strategy):
+    """The compile stage's trial rehearses rank 0 of a split model in one process (a stand-in group
+    of tp ranks): the run then finds every graph it needs in the cache, and none is compiled again.
+    The split weights' layout is part of each graph's key: the graphs at tp 1 are other entries."""
+    cache = {"cache_url": str(tmp_path / "tp-cache"), "optlevel": 1, "fail_on_recompile": True}
+    spec = _lm(make_spec, decoder, 2, 2, strategy, steps=4, checkpoint_every=4)
+    spec = spec.model_copy(update={"compile": spec.compile.model_copy(update=cache)})
+    compiled = wait(backend, backend.submit(JobRequest(spec, "compile", "tp-compile", processes=1)), 0.2)
+    assert compiled.state is JobState.SUCCEEDED, compiled.failure
+    trained = _train(backend, spec, "tp-compiled")
+    assert trained.state is JobState.SUCCEEDED, trained.failure
+    metrics = trained.result.compile
+    assert metrics.recompiles == [] and metrics.hits == metrics.graphs > 0
+
+    whole = _lm(make_spec, decoder, 2, 1, strategy, steps=4, checkpoint_every=4)
+    whole = whole.model_copy(update={"compile": spec.compile})
+    refused = _train(backend, whole, "tp1-uncompiled")  # its graphs are not the split model's
+    assert refused.state is JobState.FAILED and "compile.max_recompiles" in refused.failure.message
