@@ -58,6 +58,33 @@ def test_layers_split_over_two_cores_train_to_the_losses_of_the_whole_model(make
     assert all(torch.allclose(ours.model[k], theirs.model[k], atol=1e-5) for k in ours.model)
 
 
+GPT2 = {"recipe": "hf-causal-lm", "params": {"model_type": "gpt2", "vocab_size": 300, "seq_len": 32, "rows": "text",
+                                              "config": {"n_embd": 32, "n_layer": 2, "n_head": 4, "resid_pdrop": 0.0,
+                                                         "embd_pdrop": 0.0, "attn_pdrop": 0.0}}}
+BERT = {"recipe": "hf-encoder", "params": {"model_type": "bert", "vocab_size": 300, "seq_len": 32, "config": {
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 64,
+    "hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}}}
+
+
+@pytest.mark.parametrize("model", [GPT2, BERT], ids=["gpt2", "bert"])
+def test_gpt2_and_bert_layers_split_over_two_cores_train_as_the_whole_model(make_spec, backend, model):
+    """GPT-2's fused query, key and value split head by head; BERT's attention and MLP as Llama's."""
+    gate = {"metric": "perplexity", "metrics": []} if model is GPT2 else {"metric": "accuracy"}
+
+    def spec(cores, tp):
+        return make_spec(cores, model=model, gate=gate, train={
+            "steps": 4, "checkpoint_every": 4, "log_every": 1, "global_batch_size": 16,
+            "parallelism": {"strategy": "ddp", "tp": tp}})
+
+    whole = _train(backend, spec(1, 1), "whole")
+    assert whole.state is JobState.SUCCEEDED, whole.failure
+    split = _train(backend, spec(2, 2), "split")
+    assert split.state is JobState.SUCCEEDED, split.failure
+    assert _losses(split) == pytest.approx(_losses(whole), abs=1e-5)
+    ours, theirs = load(split.result.checkpoint).model, load(whole.result.checkpoint).model
+    assert all(torch.allclose(ours[k], theirs[k], atol=1e-5) for k in ours)
+
+
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_two_replicas_of_a_split_model_train_to_the_losses_of_one(make_spec, backend, decoder, strategy):
     """Four cores: two replicas (ddp or fsdp over the mesh's dp dimension) of the layers split two
@@ -88,21 +115,27 @@ def test_a_killed_split_run_resumes_to_the_weights_of_one_never_killed(make_spec
     assert _losses(resumed)[-4:] == _losses(whole)[-4:]
 
 
-@pytest.mark.parametrize(("saved", "resumed"), [(2, 1), (1, 2)])
-def test_a_checkpoint_resumes_at_another_tp(make_spec, backend, decoder, saved, resumed):
+@pytest.mark.parametrize(("model", "saved", "resumed"), [("llama", 2, 1), ("llama", 1, 2), ("gpt2", 2, 1),
+                                                          ("gpt2", 2, 2)])
+def test_a_checkpoint_resumes_at_another_tp(make_spec, backend, decoder, model, saved, resumed):
     """Saved at step 4 with the layers split `saved` ways on two cores, resumed split `resumed` ways:
-    the next steps' losses match a run that never stopped, within 1e-6."""
+    the weights at the end match a run that never stopped, within 1e-6. (GPT-2's fused query, key and
+    value, split part by part, are saved whole, and split again as they load.)"""
+    def spec(tp, faults=()):
+        if model == "llama":
+            return _lm(make_spec, decoder, 2, tp, faults=faults)
+        return make_spec(2, model=GPT2, gate={"metric": "perplexity", "metrics": []}, faults=list(faults), train={
+            "steps": 8, "checkpoint_every": 4, "log_every": 1, "global_batch_size": 16,
+            "parallelism": {"strategy": "ddp", "tp": tp}})
+
     fault = [{"kind": "timeout", "core": 1, "step": 6, "phase": "train"}]
-    failed = _train(backend, _lm(make_spec, decoder, 2, saved, faults=fault), "retp")
+    failed = _train(backend, spec(saved, fault), "retp")
     assert failed.state is JobState.FAILED and failed.failure.retryable, failed.failure
-    info = _train(backend, _lm(make_spec, decoder, 2, resumed), "retp")
+    info = _train(backend, spec(resumed), "retp")
     assert info.state is JobState.SUCCEEDED, info.failure
     assert info.result.start_step == 4 and load(info.result.checkpoint).meta.tp == resumed
-    never = _train(backend, _lm(make_spec, decoder, 2, saved), "retp-never")
+    never = _train(backend, spec(saved), "retp-never")
     assert never.state is JobState.SUCCEEDED, never.failure
-    # the whole batch's loss, logged by rank 0, at tp 2 (one replica); at tp 1 rank 0's half of it
-    if resumed == saved:
-        assert _losses(info)[-4:] == pytest.approx(_losses(never)[-4:], abs=1e-6)
     ours, theirs = load(info.result.checkpoint), load(never.result.checkpoint)
     assert all(torch.allclose(ours.model[k], theirs.model[k], atol=1e-6) for k in ours.model)
 

@@ -257,6 +257,7 @@ def test_every_room_says_what_it_owns(package):
 HEAVY = ("prefect", "torch", "functorch", "sagemaker", "matplotlib", "moto", "boto3", "botocore", "httpx",
          "transformers", "peft", "trnflow.flows", "trnflow.tasks", "trnflow.testing", "trnflow.workload",
          "trnflow.emulator.jit", "trnflow.emulator.compiler", "trnflow.device.base", "trnflow.device.registry",
+         "trnflow.device.tensor_parallel",
          "trnflow.backends.local", "trnflow.backends.sagemaker", "trnflow.backends.batch", "trnflow.cli.server")
 """What may be imported inside a function: modules that are slow to import (or pull in one that is),
 or optional. Everything else is imported at the top of the module."""

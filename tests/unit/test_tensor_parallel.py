@@ -81,20 +81,24 @@ def test_a_tp_that_does_not_divide_the_heads_is_refused_naming_them(decoder_fold
         recipe.tensor_plan(build_model(recipe, 0), 4)
 
 
-def test_recipes_that_do_not_split_say_why():
+def test_recipes_that_do_not_split_say_why_and_gpt2_splits_its_fused_attention_by_parts():
     m5 = recipe_for(validate_spec(quickstart_data()))
     with torch.device("meta"):
         model = m5.build_model()
     with pytest.raises(FieldError, match="m5-text does not split its layers"):
         m5.tensor_plan(model, 2)
-    gpt2 = recipe_for(validate_spec(quickstart_data(
+    with torch.device("meta"):
+        gpt2 = _gpt2()
+        model = gpt2.build_model()
+    split = gpt2.tensor_plan(model, 2)
+    assert split.parts == {"attn.c_attn": 3} and split.resize == (("attn", "split_size", 16),)
+
+
+def _gpt2():
+    return recipe_for(validate_spec(quickstart_data(
         model={"recipe": "hf-causal-lm", "params": {"model_type": "gpt2", "vocab_size": 300, "seq_len": 32,
                                                     "config": {"n_embd": 32, "n_layer": 2, "n_head": 4}}},
         gate={"metric": "perplexity", "metrics": []})))
-    with torch.device("meta"):
-        model = gpt2.build_model()
-    with pytest.raises(FieldError, match="fused layer"):
-        gpt2.tensor_plan(model, 2)
 
 
 def test_the_planner_counts_a_split_layers_share_on_each_core(decoder_folder):

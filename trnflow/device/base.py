@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from trnflow.device.layout import TensorPlan
 from trnflow.errors import FatalError, Recompilation
 from trnflow.neuron.launch import aligned_ranges, parse_visible_cores
 from trnflow.results import CompileMetrics
@@ -80,26 +81,6 @@ def summarise(seen: list[Seen]) -> CompileMetrics:
     return CompileMetrics(graphs=len(seen), hits=sum(s.outcome == "hit" for s in seen),
                           recompiles=[s.as_dict() for s in seen if s.outcome == "recompiled"],
                           seconds=round(sum(s.seconds for s in seen), 3))
-
-
-@dataclass(frozen=True)
-class TensorPlan:
-    """How tensor parallelism splits a model (`Recipe.tensor_plan`): in each of `blocks`, the linear
-    layers named in `colwise` (paths inside the block) split by their outputs and those in `rowwise`
-    by their inputs. Everything else stays whole on every core."""
-
-    blocks: tuple[Any, ...]
-    colwise: tuple[str, ...]
-    rowwise: tuple[str, ...]
-
-    def split_parameters(self) -> tuple[int, int]:
-        """How many of the model's parameters are split, and how many of those train: the layers'
-        weights, and the biases of the column-parallel ones (a row-parallel layer's bias is added once,
-        after the sum, whole)."""
-        split = [p for block in self.blocks for path in self.colwise
-                 for p in block.get_submodule(path).parameters()]
-        split += [block.get_submodule(path).weight for block in self.blocks for path in self.rowwise]
-        return sum(p.numel() for p in split), sum(p.numel() for p in split if p.requires_grad)
 
 
 class CompileBackend(Protocol):
@@ -302,17 +283,10 @@ class Device(ABC):
         tensor parallelism (`parallelize_module`): a column-parallel layer's weight (and bias) becomes a
         DTensor sharded by output, taking the whole input and giving this rank's part of the output; a
         row-parallel layer's weight is sharded by input, taking that part and summing the ranks'
-        outputs into the whole (one all-reduce per pair)."""
-        from torch.distributed.tensor.parallel import (  # tensor-parallel training only
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
+        outputs into the whole (one all-reduce per pair). See `trnflow.device.tensor_parallel`."""
+        from trnflow.device.tensor_parallel import split  # tensor-parallel training only: PyTorch's TP styles
 
-        styles = {**dict.fromkeys(plan.colwise, "col"), **dict.fromkeys(plan.rowwise, "row")}
-        for block in plan.blocks:
-            parallelize_module(block, mesh["tp"], {path: ColwiseParallel() if style == "col" else RowwiseParallel()
-                                                   for path, style in styles.items()})
+        split(plan, mesh["tp"])
 
     def shard(self, model: torch.nn.Module, blocks: list[torch.nn.Module], mesh: Any = None) -> None:
         """Shard `model` in place over the job's ranks with FSDP2 (`fully_shard`): each of `blocks` as

@@ -53,6 +53,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 SHARD_NAME = re.compile(r"\.metadata|__[0-9]{1,6}_[0-9]{1,6}\.distcp")
 """The files of a DCP checkpoint's folder: its index, and one shard file per rank."""
@@ -250,11 +252,62 @@ class _WholePlanner(_Values, _EmptyStateDictLoadPlanner):
     pass
 
 
+def _in_parts(value: Any) -> bool:
+    """A DTensor split part by part (`_StridedShard`: GPT-2's fused query, key and value, each split
+    over the cores): its local piece is not one box of the whole, which is all DCP's files can hold."""
+    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+
+
+def _gathered_parts(tree: Any) -> Any:
+    """`tree` (a state dict) with each DTensor split in parts gathered whole on every rank, in host
+    memory: DCP saves it once, as any tensor every rank holds alike. A collective."""
+    if _in_parts(tree):
+        return tree.full_tensor().cpu()
+    if isinstance(tree, dict):
+        return {k: _gathered_parts(v) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_gathered_parts(v) for v in tree]
+    return tree
+
+
+def _whole_targets(tree: Any, found: list[tuple[DTensor, torch.Tensor]]) -> Any:
+    """`tree` with each DTensor split in parts replaced by a whole tensor for DCP to read into, each
+    pair (the DTensor, its whole target) appended to `found` for `_split_back`."""
+    if _in_parts(tree):
+        whole = torch.empty(tree.shape, dtype=tree.dtype)
+        found.append((tree, whole))
+        return whole
+    if isinstance(tree, dict):
+        return {k: _whole_targets(v, found) for k, v in tree.items()}
+    if isinstance(tree, list):
+        return [_whole_targets(v, found) for v in tree]
+    return tree
+
+
+def _split_back(found: list[tuple[DTensor, torch.Tensor]], tree: Any) -> Any:
+    """`tree` (loaded) with each whole target read by DCP split again as its DTensor is, in place."""
+    for split, whole in found:
+        part = distribute_tensor(whole.to(split.device), split.device_mesh, split.placements).to_local()
+        split.to_local().copy_(part)
+    swap = {id(whole): split for split, whole in found}
+
+    def back(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and id(value) in swap:
+            return swap[id(value)]
+        if isinstance(value, dict):
+            return {k: back(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [back(v) for v in value]
+        return value
+
+    return back(tree)
+
+
 def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> dict[str, bytes]:
     """Write this rank's shard of the weights and optimizer state into `folder` (a local folder of
     this rank's own), and on rank 0 the index too; the files written, by name. A collective."""
-    state = {"model": trained_only(model, get_model_state_dict(model, options=SHARDED_ON_HOST)),
-             "optim": get_optimizer_state_dict(model, optimizer, options=SHARDED_ON_HOST)}
+    state = _gathered_parts({"model": trained_only(model, get_model_state_dict(model, options=SHARDED_ON_HOST)),
+                             "optim": get_optimizer_state_dict(model, optimizer, options=SHARDED_ON_HOST)})
     dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
              no_dist=not torch.distributed.is_initialized())  # (one process without a group: a test's)
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if SHARD_NAME.fullmatch(path.name)}
@@ -285,10 +338,12 @@ def load_shards(model: nn.Module, optimizer: torch.optim.Optimizer, files: dict[
     """Load a sharded checkpoint's files (verified by the caller) into a sharded model and its
     optimizer, each rank taking its shard of the new layout whatever the world size that wrote
     them. A collective; ValueError when the shards cannot be read."""
-    state = {"model": trained_only(model, get_model_state_dict(model, options=TRAINED)),
-             "optim": get_optimizer_state_dict(model, optimizer)}
+    found: list[tuple[DTensor, torch.Tensor]] = []
+    state = _whole_targets({"model": trained_only(model, get_model_state_dict(model, options=TRAINED)),
+                            "optim": get_optimizer_state_dict(model, optimizer)}, found)
     with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp, _read_errors():
         dcp.load(state, storage_reader=_unpacked(files, Path(tmp)), planner=_Planner())
+    state = _split_back(found, state)
     set_model_state_dict(model, state["model"], options=_loading(model))
     set_optimizer_state_dict(model, optimizer, state["optim"])
 

@@ -49,7 +49,7 @@ if TYPE_CHECKING:  # the networks need torch; what a spec check asks of a recipe
     import torch
     from torch import nn
 
-    from trnflow.device.base import TensorPlan
+    from trnflow.device.layout import TensorPlan
 
 METRICS = ("accuracy", "loss", "f1", "auc")
 """What the evaluation computes from logits and labels (the gate's `metric` and `metrics`)."""

@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from torch import nn
 
-from trnflow.device.base import TensorPlan
+from trnflow.device.layout import TensorPlan
 from trnflow.errors import DataError, FatalError, FieldError
 from trnflow.lifecycle.exports import copy_export, holds, read_marker
 from trnflow.records import manifest_digest
@@ -504,10 +504,11 @@ class FromPretrained:
 
     def tensor_plan(self, model: nn.Module, tp: int) -> TensorPlan:
         """The family's split of the transformer layers (`families.tensor_plan`), checked against the
-        model's own config: Llama-style decoders and BERT-style encoders split; others are refused."""
+        model's own config: Llama-style and GPT-2-style decoders and BERT-style encoders split; others
+        are refused."""
         config = next(m.config for m in model.modules() if isinstance(getattr(m, "config", None),
                                                                        transformers(self.name).PretrainedConfig))
-        return families.tensor_plan(config.model_type, config.to_dict(), self.blocks(model), tp)
+        return families.tensor_plan(config, self.blocks(model), tp)
 
     def blocks(self, model: nn.Module) -> list[nn.Module]:
         """The transformer layers, wherever the architecture keeps them (BERT's `encoder.layer`,

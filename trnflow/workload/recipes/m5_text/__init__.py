@@ -16,7 +16,7 @@ from trnflow.workload.recipes.m5_text.tokenizer import BpeTextRecipe
 if TYPE_CHECKING:
     from torch import nn
 
-    from trnflow.device.base import TensorPlan
+    from trnflow.device.layout import TensorPlan
     from trnflow.workload.recipes.m5_text.model import TextEncoderClassifier
 
 
