@@ -12,6 +12,7 @@ from tests.pretrained import tiny_causal_lm
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
+from trnflow.storage.base import local_path
 from trnflow.workload.checkpoint import load
 
 pytestmark = pytest.mark.slow
@@ -56,6 +57,29 @@ def test_layers_split_over_two_cores_train_to_the_losses_of_the_whole_model(make
     assert ours.meta.tp == 2 and ours.sharded
     assert ours.model.keys() == theirs.model.keys()
     assert all(torch.allclose(ours.model[k], theirs.model[k], atol=1e-5) for k in ours.model)
+
+
+def test_lora_adapters_split_with_their_layers_train_as_the_whole_model(make_spec, backend, decoder):
+    """The adapters of a split projection split the same way (lora_B of a column-parallel layer,
+    lora_A of a row-parallel one); the checkpoint holds the adapters alone, whole, as at tp 1."""
+    lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
+
+    def spec(cores, tp):
+        return make_spec(cores, model={"recipe": "hf-causal-lm", "params": {
+            "pretrained": str(decoder), "seq_len": 32, "rows": "text", "lora": lora}},
+            gate={"metric": "perplexity", "metrics": []},
+            train={"steps": 4, "checkpoint_every": 4, "log_every": 1, "global_batch_size": 16, "lr": 0.01,
+                   "parallelism": {"strategy": "ddp", "tp": tp}})
+
+    whole = _train(backend, spec(1, 1), "lora-whole")
+    assert whole.state is JobState.SUCCEEDED, whole.failure
+    split = _train(backend, spec(2, 2), "lora-split")
+    assert split.state is JobState.SUCCEEDED, split.failure
+    assert _losses(split) == pytest.approx(_losses(whole), abs=1e-5)
+    ours, theirs = load(split.result.checkpoint), load(whole.result.checkpoint)
+    assert ours.model.keys() == theirs.model.keys() and all("lora_" in k for k in ours.model)
+    assert all(torch.allclose(ours.model[k], theirs.model[k], atol=1e-5) for k in ours.model)
+    assert not all(torch.equal(v, torch.zeros_like(v)) for k, v in ours.model.items() if "lora_B" in k)  # trained
 
 
 GPT2 = {"recipe": "hf-causal-lm", "params": {"model_type": "gpt2", "vocab_size": 300, "seq_len": 32, "rows": "text",
@@ -159,3 +183,44 @@ def test_the_compile_stage_traces_the_graphs_a_split_run_needs(make_spec, backen
     whole = whole.model_copy(update={"compile": spec.compile})
     refused = _train(backend, whole, "tp1-uncompiled")  # its graphs are not the split model's
     assert refused.state is JobState.FAILED and "compile.max_recompiles" in refused.failure.message
+
+
+def test_a_split_run_passes_the_six_stages_and_its_checkpoints_consolidate(prefect_api, make_spec, decoder,
+                                                                          trnflow_home):
+    """Trained with the layers split (tp 2) and sharded over two replicas (4 cores): evaluation and
+    inference run on the checkpoint whole, and the registry holds its whole model.pt. A middle
+    checkpoint, shards only, consolidates with `trnflow checkpoint consolidate`."""
+    from typer.testing import CliRunner
+
+    from trnflow.cli.app import app
+    from trnflow.flows.pipeline import STAGES, pipeline
+    from trnflow.lifecycle.registry import Registry
+    from trnflow.workload.sharding import consolidate
+
+    spec = _lm(make_spec, decoder, 4, 2, "fsdp")
+    spec = spec.model_copy(update={
+        "gate": spec.gate.model_copy(update={"reference": None}),
+        "compile": spec.compile.model_copy(update={"optlevel": 1})})
+    state = pipeline(spec, return_state=True)
+    outcome = state.result(raise_on_failure=False).model_dump(mode="json")
+    assert state.is_completed(), outcome
+    assert [(r["stage"], r["state"]) for r in outcome["stages"]] == [(s, "Completed") for s in STAGES]
+    results = outcome["results"]
+    final = load(results["train"]["checkpoint"])
+    assert (final.meta.tp, final.meta.parallelism, final.consolidated) == (2, "fsdp", True)
+    assert results["infer"]["rows"] > 0 and results["evaluate"]["points"]
+    (version,) = Registry(spec.registry_url).versions(spec.name)
+    weights = version.entry.weights
+    assert weights and weights.startswith(final.url)
+    registered = torch.load(local_path(weights), weights_only=True)
+    assert registered.keys() == final.model.keys()
+    assert all(torch.equal(registered[k], final.model[k]) for k in registered)
+
+    middle = load(f"{final.url.rpartition('/')[0]}/step-000004")
+    assert middle.sharded and not middle.consolidated
+    said = CliRunner().invoke(app, ["checkpoint", "consolidate", middle.url, "--json"])
+    assert said.exit_code == 0, said.output
+    joined = load(middle.url)
+    assert joined.consolidated
+    whole, _ = consolidate(joined.shards)
+    assert joined.model.keys() == whole.keys() and all(torch.equal(joined.model[k], whole[k]) for k in whole)
