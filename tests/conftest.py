@@ -111,6 +111,18 @@ def dataset(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def decoder(tmp_path_factory, dataset) -> Path:
+    """A tiny Llama-style decoder with its own tokenizer, learned from the session dataset's texts: the
+    pretrained folder the LoRA and tensor-parallel tests fine-tune."""
+    import pyarrow.parquet as pq
+
+    from tests.pretrained import tiny_causal_lm
+
+    texts = [str(t) for f in sorted((dataset / "train").rglob("*.parquet")) for t in pq.read_table(f)["text"]]
+    return tiny_causal_lm(tmp_path_factory.mktemp("base") / "decoder", texts[:2000])
+
+
+@pytest.fixture(scope="session")
 def trnflow_home(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("trnflow-home")
     os.environ["TRNFLOW_HOME"] = str(home)

@@ -36,12 +36,6 @@ def backend(trnflow_home) -> LocalBackend:
     return LocalBackend(TrnflowSettings().jobs_dir)
 
 
-@pytest.fixture(scope="module")
-def decoder(tmp_path_factory, dataset):
-    texts = [str(t) for f in sorted((dataset / "train").rglob("*.parquet")) for t in pq.read_table(f)["text"]]
-    return tiny_causal_lm(tmp_path_factory.mktemp("base") / "decoder", texts[:2000])
-
-
 def _lm(make_spec, folder, cores: int = 2, faults=(), **train):
     return make_spec(cores, model={"recipe": "hf-causal-lm", "params": {
         "pretrained": str(folder), "seq_len": 32, "rows": "text", "lora": LORA}},

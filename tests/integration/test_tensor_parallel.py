@@ -4,11 +4,9 @@ a killed run resumes bitwise, and a checkpoint resumes at another tp."""
 
 from __future__ import annotations
 
-import pyarrow.parquet as pq
 import pytest
 import torch
 
-from tests.pretrained import tiny_causal_lm
 from trnflow.backends import JobRequest, JobState, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
@@ -23,12 +21,6 @@ def backend(trnflow_home) -> LocalBackend:
     return LocalBackend(TrnflowSettings().jobs_dir)
 
 
-@pytest.fixture(scope="module")
-def decoder(tmp_path_factory, dataset):
-    texts = [str(t) for f in sorted((dataset / "train").rglob("*.parquet")) for t in pq.read_table(f)["text"]]
-    return tiny_causal_lm(tmp_path_factory.mktemp("base") / "decoder", texts[:2000])
-
-
 def _lm(make_spec, folder, cores: int, tp: int, strategy: str = "ddp", faults=(), **train):
     compute = {"instance_type": "trn1.32xlarge"} if cores > 2 else {}
     return make_spec(cores, compute={"cores_per_node": cores, **compute}, model={"recipe": "hf-causal-lm", "params": {
@@ -39,24 +31,30 @@ def _lm(make_spec, folder, cores: int, tp: int, strategy: str = "ddp", faults=()
 
 
 def _train(backend, spec, run_id):
-    info = wait(backend, backend.submit(JobRequest(spec, "train", run_id)), 0.2)
-    return info
+    return wait(backend, backend.submit(JobRequest(spec, "train", run_id)), 0.2)
 
 
 def _losses(info) -> list[float]:
     return [point["loss"] for point in info.result.curve]
 
 
-def test_layers_split_over_two_cores_train_to_the_losses_of_the_whole_model(make_spec, backend, decoder):
-    whole = _train(backend, _lm(make_spec, decoder, 1, 1), "whole")
+def _trains_as_the_whole_model(backend, whole_spec, split_spec):
+    """Both runs succeed, with the same losses and the same final weights within 1e-5; the split run's
+    checkpoint, for more checks."""
+    whole = _train(backend, whole_spec, "whole")
     assert whole.state is JobState.SUCCEEDED, whole.failure
-    split = _train(backend, _lm(make_spec, decoder, 2, 2), "split")
+    split = _train(backend, split_spec, "split")
     assert split.state is JobState.SUCCEEDED, split.failure
     assert _losses(split) == pytest.approx(_losses(whole), abs=1e-5)
     ours, theirs = load(split.result.checkpoint), load(whole.result.checkpoint)
-    assert ours.meta.tp == 2 and ours.sharded
     assert ours.model.keys() == theirs.model.keys()
     assert all(torch.allclose(ours.model[k], theirs.model[k], atol=1e-5) for k in ours.model)
+    return ours
+
+
+def test_layers_split_over_two_cores_train_to_the_losses_of_the_whole_model(make_spec, backend, decoder):
+    ours = _trains_as_the_whole_model(backend, _lm(make_spec, decoder, 1, 1), _lm(make_spec, decoder, 2, 2))
+    assert ours.meta.tp == 2 and ours.sharded
 
 
 def test_lora_adapters_split_with_their_layers_train_as_the_whole_model(make_spec, backend, decoder):
@@ -71,14 +69,8 @@ def test_lora_adapters_split_with_their_layers_train_as_the_whole_model(make_spe
             train={"steps": 4, "checkpoint_every": 4, "log_every": 1, "global_batch_size": 16, "lr": 0.01,
                    "parallelism": {"strategy": "ddp", "tp": tp}})
 
-    whole = _train(backend, spec(1, 1), "lora-whole")
-    assert whole.state is JobState.SUCCEEDED, whole.failure
-    split = _train(backend, spec(2, 2), "lora-split")
-    assert split.state is JobState.SUCCEEDED, split.failure
-    assert _losses(split) == pytest.approx(_losses(whole), abs=1e-5)
-    ours, theirs = load(split.result.checkpoint), load(whole.result.checkpoint)
-    assert ours.model.keys() == theirs.model.keys() and all("lora_" in k for k in ours.model)
-    assert all(torch.allclose(ours.model[k], theirs.model[k], atol=1e-5) for k in ours.model)
+    ours = _trains_as_the_whole_model(backend, spec(1, 1), spec(2, 2))
+    assert all("lora_" in k for k in ours.model)
     assert not all(torch.equal(v, torch.zeros_like(v)) for k, v in ours.model.items() if "lora_B" in k)  # trained
 
 
@@ -100,13 +92,7 @@ def test_gpt2_and_bert_layers_split_over_two_cores_train_as_the_whole_model(make
             "steps": 4, "checkpoint_every": 4, "log_every": 1, "global_batch_size": 16,
             "parallelism": {"strategy": "ddp", "tp": tp}})
 
-    whole = _train(backend, spec(1, 1), "whole")
-    assert whole.state is JobState.SUCCEEDED, whole.failure
-    split = _train(backend, spec(2, 2), "split")
-    assert split.state is JobState.SUCCEEDED, split.failure
-    assert _losses(split) == pytest.approx(_losses(whole), abs=1e-5)
-    ours, theirs = load(split.result.checkpoint).model, load(whole.result.checkpoint).model
-    assert all(torch.allclose(ours[k], theirs[k], atol=1e-5) for k in ours)
+    _trains_as_the_whole_model(backend, spec(1, 1), spec(2, 2))
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
