@@ -75,8 +75,9 @@ def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False) -> Sanity
         result.summary += f" on the {result.device.name}" + (" device" if result.device.name != "emulator" else "")
     if result.checkpoint:  # where the run's checkpoints go took one and gave it back
         trip = result.checkpoint
-        result.summary += (f"; checkpoint round trip ok ({trip['bytes'] / 2**20:.1f} MiB, "
-                           f"{trip['write_seconds'] + trip['read_seconds']:.1f}s)")
+        shards = f" in {trip.ranks} shards" if trip.layout == "sharded" else ""
+        result.summary += (f"; checkpoint round trip ok ({trip.bytes / 2**20:.1f} MiB{shards}, "
+                           f"{trip.write_seconds + trip.read_seconds:.1f}s)")
     listed = result.inventory
     if listed and listed["source"] != "emulator":
         result.summary += f"; {listed['source']} lists {listed['devices']} devices, {listed['cores']} cores"

@@ -114,6 +114,20 @@ class CollectivesResult(StageResult):
         "size: steps, steps crossing nodes, bytes sent per rank, bus factor")
 
 
+class CheckpointRoundTrip(_Model):
+    """The preflight's checkpoint round trip (`trnflow.workload.roundtrip`): a checkpoint of the spec's
+    model written where the run's go, read back, compared and deleted."""
+
+    url: str = Field(description="where it was written (`<checkpoint_url>/<run id>/_preflight`)")
+    bytes: int = Field(description="the weights' and optimizer state's bytes (a sharded one's: its files')")
+    write_seconds: float = Field(description="writing it, marker last")
+    read_seconds: float = Field(description="reading it back (a sharded one's: into a fresh spread model)")
+    layout: str = Field(description="whole (rank 0 wrote it alone) or sharded (every rank wrote its shard)")
+    ranks: int = Field(description="the ranks that wrote it")
+    passed: bool = Field(description="read back as written")
+    left: str | None = Field(None, description="what could not be deleted afterwards, if anything")
+
+
 class SanityResult(StageResult):
     per_core: list[dict[str, Any]] = Field(description="each core's known-answer checks and which failed")
     bad_cores: list[int] = Field(default_factory=list, description="cores that failed a check")
@@ -125,9 +139,8 @@ class SanityResult(StageResult):
     collectives: CollectivesResult | None = Field(
         None, description="the collective sweep the same job ran between its cores once every core passed (a "
         "pipeline's preflight, which then needs no collectives job); None when a core failed or no spec was given")
-    checkpoint: dict[str, Any] | None = Field(
-        None, description="the checkpoint round trip (preflight.checkpoint_round_trip): where a checkpoint of the "
-        "spec's model was written, read back and deleted, its bytes, and the seconds each way; None when off")
+    checkpoint: CheckpointRoundTrip | None = Field(
+        None, description="the checkpoint round trip (preflight.checkpoint_round_trip); None when off")
 
 
 class CompileResult(StageResult):

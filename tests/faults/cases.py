@@ -83,8 +83,8 @@ class Case:
     """On a cloud backend, instead of its usual fault: `spot`, a spot reclaim of the training job (the
     case's compute section makes it a spot spec)."""
     baseline: str = "ddp"
-    """The fault-free run it is compared with: `ddp`, or `fsdp` for a sharded case (the same spec with
-    train.parallelism.strategy fsdp)."""
+    """The fault-free run it is compared with, whose layout it runs too (`World.layout`): `ddp`;
+    `fsdp`, sharded; `tp`, a decoder's layers split over the two cores."""
     rtol: float = 0.0
     """How far its weights, metrics and embeddings may be from the fault-free run's, relative to each
     tensor's largest magnitude: 0, bitwise; a case that reshards onto fewer cores sums its gradients
@@ -93,10 +93,6 @@ class Case:
 
 def _faults(*faults: dict) -> dict:
     return {"faults": list(faults)}
-
-
-SHARDED = {"train": {"parallelism": {"strategy": "fsdp"}}}
-"""The sections that make a case's run sharded (and its baseline's)."""
 
 
 # --- faults that need more than a line in the spec ---------------------------------------------
@@ -278,10 +274,15 @@ CASES = [
          {"compute": {"spot": True, "nodes": 1, "cores_per_node": 2}},
          storage="batch", fault="spot", seen=lambda row: row["retries_by"].get("service", 0) == 1),
     Case("fsdp-rank-sigkill", "sharded training (fsdp): a rank SIGKILLed at step 15",
-         {**_faults({"kind": "kill", "core": 1, "step": 15, "phase": "train"}), **SHARDED}, baseline="fsdp"),
+         _faults({"kind": "kill", "core": 1, "step": 15, "phase": "train"}), baseline="fsdp"),
     Case("fsdp-torn-checkpoint", "sharded training (fsdp): rank 1 killed halfway through writing its shard of the "
-         "step-20 checkpoint", {**_faults({"kind": "torn", "core": 1, "step": 20, "phase": "train"}), **SHARDED},
-         baseline="fsdp", ci=True),
+         "step-20 checkpoint", _faults({"kind": "torn", "core": 1, "step": 20, "phase": "train"}), baseline="fsdp",
+         ci=True),
+    Case("tp-rank-sigkill", "a decoder's layers split over two cores (tp 2): a rank SIGKILLed at step 15",
+         _faults({"kind": "kill", "core": 1, "step": 15, "phase": "train"}), baseline="tp"),
+    Case("tp-torn-checkpoint", "a decoder's layers split over two cores (tp 2): rank 1 killed halfway through "
+         "writing its shard of the step-20 checkpoint", _faults({"kind": "torn", "core": 1, "step": 20,
+                                                                 "phase": "train"}), baseline="tp"),
     Case("fsdp-hardware-error-fewer-cores", "sharded training (fsdp) on a two-core trn1.2xlarge: a hardware error "
          "on core 1 at step 25 leaves one healthy core, so the retry resumes the two ranks' shards resharded onto one",
          {**_faults({"kind": "hw", "core": 1, "step": 25, "phase": "train"}),

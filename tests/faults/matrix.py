@@ -12,7 +12,7 @@ from typing import Any
 
 from tests.faults.cases import CASES, HOST_LOST, Case, Run, can_mount, disk_full
 from tests.faults.outcome import Snapshot, events_in_task_logs, local_train_logs, prefect_runs, steps_redone
-from tests.faults.world import EVERY, STEPS, World, patched_env
+from tests.faults.world import EVERY, STEPS, World, merged, patched_env
 from trnflow.testing import s3faults
 
 COLUMNS = ("case", "fault struck", "recovered", "retries", "steps redone", "weights", "registry", "outputs",
@@ -23,7 +23,8 @@ class Matrix:
     def __init__(self, world: World):
         self.world = world
         self.baselines: dict[str, Snapshot] = {}
-        """The fault-free runs by strategy (`ddp`, `fsdp`): each case is compared with its own."""
+        """The fault-free runs by layout (`ddp`, `fsdp`, `tp`: `World.layout`): each case is compared
+        with its own."""
         self._stack = contextlib.ExitStack()
         self._moto: str | None = None
 
@@ -122,12 +123,12 @@ class Matrix:
         return self.baselines.get("ddp")
 
     def run_baseline(self, strategy: str = "ddp") -> float:
+        """The fault-free run of a layout (`World.layout`); how long it took."""
         began = time.monotonic()
         name = "baseline" if strategy == "ddp" else f"baseline-{strategy}"
         folder = self.world.root / name
         shutil.rmtree(folder, ignore_errors=True)
-        sections = {} if strategy == "ddp" else {"train": {"parallelism": {"strategy": strategy}}}
-        run = Run(self.world, folder, str(folder), sections, name)
+        run = Run(self.world, folder, str(folder), self.world.layout(strategy), name)
         state = run.flow()
         if not state.is_completed():
             raise RuntimeError(f"the fault-free {strategy} run failed: {state.result(raise_on_failure=False)}")
@@ -145,7 +146,8 @@ class Matrix:
         folder = self.world.root / "cases" / case.name
         shutil.rmtree(folder, ignore_errors=True)  # a rerun of the matrix starts each case afresh
         folder.mkdir(parents=True)
-        run = Run(self.world, folder, str(folder), dict(case.sections), f"fault-{case.name}")
+        run = Run(self.world, folder, str(folder), merged(self.world.layout(case.baseline), case.sections),
+                  f"fault-{case.name}")
         shutil.rmtree(self._home() / "runs" / run.run_id, ignore_errors=True)  # and the cores it found bad
         since, began = datetime.now(UTC), time.time()
         try:

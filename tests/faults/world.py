@@ -30,6 +30,32 @@ class World:
     def data(self) -> Path:
         return self.root / "data"
 
+    def layout(self, name: str) -> dict:
+        """The sections of the fault-free run `name` (`ddp`, `fsdp`, or `tp`: a Llama-style decoder's
+        layers split over the two cores, gated on perplexity against the champion), which a case
+        compared with it runs too."""
+        if name == "ddp":
+            return {}
+        if name == "fsdp":
+            return {"train": {"parallelism": {"strategy": "fsdp"}}}
+        assert name == "tp", name
+        return {"model": {"recipe": "hf-causal-lm", "params": {"pretrained": str(self.decoder()), "seq_len": 32,
+                                                               "rows": "text"}},
+                "gate": {"metric": "perplexity", "metrics": [], "reference": "champion"},
+                "train": {"parallelism": {"strategy": "ddp", "tp": 2}}}
+
+    def decoder(self) -> Path:
+        """A tiny Llama-style decoder with a tokenizer learned from the world's training texts (once)."""
+        import pyarrow.parquet as pq
+
+        from tests.pretrained import tiny_causal_lm
+
+        folder = self.root / "decoder"
+        if not (folder / "config.json").is_file():
+            texts = [str(t) for f in sorted((self.data / "train").rglob("*.parquet")) for t in pq.read_table(f)["text"]]
+            tiny_causal_lm(folder, texts[:2000])
+        return folder
+
     def spec(self, out: str, **sections) -> JobSpec:
         """The quickstart spec, shortened, writing under `out` (a folder, or an s3:// prefix)."""
         data = yaml.safe_load(QUICKSTART.read_text())
@@ -50,6 +76,14 @@ class World:
         for name, values in [*base.items(), *sections.items()]:
             data[name] = {**(data.get(name) or {}), **values} if isinstance(values, dict) else values
         return validate_spec(data)
+
+
+def merged(first: dict, then: dict) -> dict:
+    """`first` with `then`'s values over it, nested mappings merged key by key."""
+    out = dict(first)
+    for key, value in then.items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 @contextlib.contextmanager

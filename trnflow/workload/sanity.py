@@ -14,9 +14,10 @@ Each runs in fp32, and also in bf16 when the spec trains in bf16. Tolerances are
 
 With a job spec (a pipeline's preflight), the same ranks then sweep the collectives between their
 cores once every core has passed, so that preflight costs one job, not two; the collectives stage
-takes that sweep (`collectives` in the result) and launches nothing. Last, rank 0 writes a
-checkpoint of the spec's model where the run's checkpoints go, reads it back and deletes it
-(`roundtrip`, `checkpoint` in the result), unless `preflight.checkpoint_round_trip` is off.
+takes that sweep (`collectives` in the result) and launches nothing. Last, a checkpoint of the
+spec's model is written where the run's checkpoints go, laid out as the run's (whole by rank 0, or
+a shard by each rank), read back and deleted (`roundtrip`, `checkpoint` in the result), unless
+`preflight.checkpoint_round_trip` is off.
 """
 
 from __future__ import annotations
@@ -201,17 +202,15 @@ def run(ctx: WorkerContext, run_id: str = "adhoc") -> dict:
     if found and found["missing"]:
         ctx.log("sanity", missing=found["missing"], source=found["source"])
     result = {"per_core": per_core, "bad_cores": bad, "passed": not bad, "inventory": found}
-    if ctx.spec is not None:
-        result["collectives"] = _links(ctx, healthy=not bad)
-    if ctx.spec is not None and ctx.spec.preflight.checkpoint_round_trip and ctx.is_main and not bad:
-        result["checkpoint"] = round_trip(ctx, run_id)  # last: the other ranks are done with every collective
-    return result
-
-
-def _links(ctx: WorkerContext, healthy: bool) -> dict | None:
-    """The collective sweep, once every rank knows every core passed (only rank 0 read the host's
-    device list); None when one did not. Wrong results are reported, not raised: they are the
-    collectives stage's to fail on."""
+    if ctx.spec is None:
+        return result
+    # Only rank 0 read the host's device list: the ranks agree on the verdict before going on together.
+    healthy = not bad
     if ctx.world_size > 1:
-        healthy = ctx.collective("agreeing on the sanity verdict", lambda: collectives.all_true(healthy))
-    return collectives.sweep(ctx, {}, report_wrong=True) if healthy else None
+        healthy = ctx.collective("agreeing on the sanity verdict", lambda: collectives.all_true(not bad))
+    # Wrong results are reported, not raised: they are the collectives stage's to fail on.
+    result["collectives"] = collectives.sweep(ctx, {}, report_wrong=True) if healthy else None
+    if ctx.spec.preflight.checkpoint_round_trip and healthy:
+        trip = round_trip(ctx, run_id)  # on every rank: a sharded run's ranks each write a shard
+        result["checkpoint"] = trip.model_dump(mode="json") if trip else None
+    return result

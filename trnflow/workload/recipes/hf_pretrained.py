@@ -60,6 +60,7 @@ def transformers(recipe: str) -> Any:
     except ModuleNotFoundError:
         raise FieldError("model.recipe", f"{recipe} needs transformers, which is not installed here: "
                          "pip install 'trnflow[hf]'") from None
+    module.utils.logging.disable_progress_bar()  # its bar at each load, on every rank, would fill the run's log
     return module
 
 
