@@ -81,7 +81,8 @@ def test_a_pretrained_decoder_is_fine_tuned_gated_on_perplexity_and_exported(pre
     spec = validate_spec(_example(folder, prompts, tmp_path, model={"params": {
         "pretrained": str(folder), "seq_len": 64, "rows": "prompt-completion"}}, train={"steps": 40, "lr": 0.003,
         "checkpoint_every": 20}, gate={"eval_every": 20}, inference={"shard_size": 30}))
-    reference = run_reference(spec)
+    # the fp32 reference's own graphs at optlevel 1: the candidate's, at 2, are what this test is about
+    reference = run_reference(spec.model_copy(update={"compile": spec.compile.model_copy(update={"optlevel": 1})}))
     assert [p["step"] for p in reference["points"]] == [20, 40]
     results = _six_stages(spec)
     points = results["evaluate"]["points"]
