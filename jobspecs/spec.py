@@ -13,9 +13,11 @@ import re
 import zoneinfo
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from trnflow.redact import without_credentials
 from trnflow.specs.instances import CATALOGUE, TRAINING_TYPES, instance
 from trnflow.urls import normalise_url
 
@@ -687,6 +689,52 @@ def _cron_field_problem(text: str, low: int, high: int, names: tuple[str, ...]) 
     return None
 
 
+MLFLOW_ARN = re.compile(r"^arn:aws[a-z-]*:sagemaker:[a-z0-9-]+:[0-9]{12}:mlflow-(app|tracking-server)/"
+                        r"[A-Za-z0-9](-*[A-Za-z0-9]){0,255}$")
+"""A SageMaker managed MLflow tracking server's (or MLflow app's) ARN, as SageMaker's API writes it."""
+
+
+def _tracking_uri(value: str) -> str:
+    """An MLflow server's http(s) URL without credentials, or a SageMaker managed MLflow ARN."""
+    if value.startswith("arn:"):
+        if not MLFLOW_ARN.match(value):
+            raise ValueError(f"{value!r} is not a SageMaker MLflow ARN (arn:aws:sagemaker:REGION:ACCOUNT:"
+                             "mlflow-tracking-server/NAME, or mlflow-app/NAME)")
+        return value
+    try:
+        parts = urlsplit(value)
+        parts.port  # noqa: B018  # raises on a port that is not a number
+    except ValueError:
+        parts = None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{without_credentials(value)!r} is not an http:// or https:// URL of an MLflow server, "
+                         "nor a SageMaker MLflow ARN; for a local one, `trnflow tracking server` prints its URL")
+    if parts.username or parts.password:
+        raise ValueError("holds credentials; a spec is no place for secrets: give them to the orchestrator's "
+                         "environment as MLFLOW_TRACKING_USERNAME and MLFLOW_TRACKING_PASSWORD (or "
+                         "MLFLOW_TRACKING_TOKEN), and write the URL without them")
+    if parts.query or parts.fragment:  # not repeated: it may hold a token
+        raise ValueError("has a query or fragment; write the server's base URL (a token goes in the orchestrator's "
+                         "environment as MLFLOW_TRACKING_TOKEN)")
+    return value.rstrip("/")
+
+
+class TrackingSpec(Section):
+    """Where each run belongs for experiment tracking, besides trnflow's own records (which stay the
+    source of truth): an MLflow server."""
+
+    mlflow_uri: Annotated[str, AfterValidator(_tracking_uri)] | None = Field(
+        None, description="The MLflow tracking server each run is mirrored to: http(s)://HOST[:PORT][/PATH] (no "
+        "credentials: MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN in the orchestrator's "
+        "environment), or a SageMaker managed MLflow ARN (arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/"
+        "NAME or mlflow-app/NAME; needs the sagemaker-mlflow plugin: pip install 'trnflow[mlflow]'). None: no MLflow. "
+        "`trnflow validate --data-check` asks it whether it answers; mirroring runs to it is being built "
+        "(docs/operations.md).")
+    experiment: str | None = Field(
+        None, pattern=r"^[A-Za-z0-9_./-]{1,256}$",
+        description="The MLflow experiment runs are recorded in (letters, digits, - _ . /); default: the spec's name.")
+
+
 class PreflightSpec(Section):
     """Hardware sanity and collective tests that gate a run before any training starts."""
 
@@ -760,6 +808,8 @@ class JobSpec(Section):
     schedule: ScheduleSpec | None = Field(None, description="Cron schedule for incremental retraining.")
     preflight: PreflightSpec = Field(default_factory=PreflightSpec, description="Preflight checks.")
     faults: list[FaultSpec] = Field(default_factory=list, description="Faults to inject, for rehearsals and tests.")
+    tracking: TrackingSpec = Field(default_factory=TrackingSpec,
+                                   description="Experiment tracking: the MLflow server runs belong to.")
     registry_url: Url | None = Field(
         None,
         description="Model registry (a directory or s3:// URL): versions, and the champion that a passed gate "

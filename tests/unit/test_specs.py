@@ -292,3 +292,21 @@ def test_what_a_spec_is_checked_for_does_not_depend_on_what_was_imported_first(t
     expected = ["model.params.d_model: 30 is not divisible by n_heads (4); pick a width that is a multiple of the "
                 "head count"]
     assert answers == [[expected, expected]] * 2
+
+
+@pytest.mark.parametrize(("uri", "said"), [
+    ("ftp://alice:s3cret@mlflow.acme.com", "'ftp://***@mlflow.acme.com' is not an http:// or https:// URL"),
+    ("http://alice:s3cret@mlflow.acme.com", "holds credentials; a spec is no place for secrets"),
+    ("http://mlflow.acme.com/?token=s3cret", "has a query or fragment"),
+    ("arn:aws:sagemaker:us-east-1:1234:mlflow-tracking-server/x", "is not a SageMaker MLflow ARN"),
+])
+def test_a_tracking_uri_is_a_server_url_without_credentials_or_a_sagemaker_mlflow_arn(uri, said):
+    problems = _problems(quickstart_data(tracking={"mlflow_uri": uri}))
+    assert len(problems) == 1 and problems[0].startswith("tracking.mlflow_uri: ") and said in problems[0], problems
+    assert "s3cret" not in problems[0]  # a password or token is never repeated back
+    for good in ("http://127.0.0.1:5000", "https://mlflow.acme.com/team/",
+                 "arn:aws:sagemaker:us-east-1:123456789012:mlflow-tracking-server/team-server",
+                 "arn:aws:sagemaker:eu-west-1:123456789012:mlflow-app/app-1"):
+        spec = validate_spec(quickstart_data(tracking={"mlflow_uri": good, "experiment": "search/m5"}))
+        assert spec.tracking.mlflow_uri == good.rstrip("/") and spec.tracking.experiment == "search/m5"
+    assert validate_spec(quickstart_data()).tracking.mlflow_uri is None

@@ -29,6 +29,7 @@ from trnflow.cli.common import JsonOpt, SetOpt, checked, console, err, set_overr
 from trnflow.cli.console import RED
 from trnflow.cli.data import data_app
 from trnflow.cli.models import models_app
+from trnflow.cli.tracking import tracking_app
 from trnflow.errors import ExitCode
 from trnflow.specs import JobSpec, SpecError
 
@@ -127,5 +128,6 @@ cli_pipeline.register(app)  # reference, compile, run, retrain, preflight
 app.add_typer(cache_app, name="cache")
 app.add_typer(models_app, name="models")
 app.add_typer(checkpoint_app, name="checkpoint")
+app.add_typer(tracking_app, name="tracking")
 cli_serve.register(app)  # deployments of every flow
 cli_runs.register(app)  # runs on a Prefect server: submit, runs, status, logs, cancel

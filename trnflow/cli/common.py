@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -60,3 +61,16 @@ def load(path: Path, overrides: dict[str, Any] | None = None) -> JobSpec:
         for problem in exc.problems:
             err.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
+
+
+def loopback_only(host: str, what: str, elsewhere: str) -> None:
+    """Exit 2 unless `host` is a loopback address: a local server with no auth of its own (`what`)
+    listens on this machine only; `elsewhere` says how to reach one from other machines."""
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = host == "localhost"
+    if not loopback:
+        err.print(f"--host {host}: {what} has no auth, so it listens on loopback only (127.0.0.1, ::1); {elsewhere}",
+                  **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)

@@ -17,6 +17,7 @@ from trnflow.device.plans import cache_problem
 from trnflow.errors import DataError, ExitCode, FatalError, FieldError
 from trnflow.lifecycle.exports import read_marker
 from trnflow.lifecycle.locations import reference_problem
+from trnflow.reporting.tracking import server_problem
 from trnflow.specs import JobSpec
 from trnflow.storage import local_path
 from trnflow.storage.datafiles import cannot_list, listing_problems, unreachable_errors
@@ -28,9 +29,10 @@ DATA_FIELDS = ("train", "holdout", "inference")
 
 DataCheckOpt = Annotated[bool | None, typer.Option(
     "--data-check/--no-data-check",
-    help="Check that data.train, data.holdout and data.inference exist and hold files in data.format, and that "
-    "gate.reference is a metrics file. Default: the local ones, unless none of the data exists yet; "
-    "--data-check: every one, s3:// included; --no-data-check: none.", show_default=False)]
+    help="Check that data.train, data.holdout and data.inference exist and hold files in data.format, that "
+    "gate.reference is a metrics file, and that tracking.mlflow_uri answers. Default: the local ones, unless none "
+    "of the data exists yet; --data-check: every one, s3:// and the tracking server included; --no-data-check: "
+    "none.", show_default=False)]
 
 
 def report(spec: JobSpec, data_check: bool | None) -> tuple[list[str], list[str]]:
@@ -63,6 +65,12 @@ def report(spec: JobSpec, data_check: bool | None) -> tuple[list[str], list[str]
         notes.append(f"{reference} (a run refuses to start without it)")
     elif reference:
         problems.append(reference)
+    if spec.tracking.mlflow_uri and data_check:
+        problem, note = server_problem(spec.tracking.mlflow_uri)
+        problems += [problem] if problem else []
+        notes += [note] if note else []
+    elif spec.tracking.mlflow_uri:
+        notes.append("tracking.mlflow_uri: not asked whether it answers; --data-check asks it")
     return trusted + problems, notes
 
 

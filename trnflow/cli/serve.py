@@ -3,7 +3,6 @@ served from one process on this machine, or written as prefect.yaml for a work p
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import shutil
 import sys
@@ -14,7 +13,7 @@ import typer
 import yaml
 from rich.table import Table
 
-from trnflow.cli.common import load
+from trnflow.cli.common import load, loopback_only
 from trnflow.cli.console import RED, cli_console
 from trnflow.errors import ExitCode
 from trnflow.fsutil import atomic_write_bytes
@@ -81,14 +80,7 @@ def server(
     `prefect server start --port N` alone serves a UI that looks for its API on port 4200, unless
     PREFECT_UI_API_URL is set in the server's shell; this sets it, then runs that command.
     """
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
-        err.print(f"--host {host}: this server has no auth, so it listens on loopback only (127.0.0.1, ::1); "
-                  "to reach Prefect from other machines use infra/prefect/docker-compose.yml", **RED)
-        raise typer.Exit(ExitCode.BAD_INPUT)
+    loopback_only(host, "this server", "to reach Prefect from other machines use infra/prefect/docker-compose.yml")
     local = f"[{host}]" if ":" in host else host
     api = f"http://{local}:{port}/api"
     prefect = Path(sys.executable).with_name("prefect")
