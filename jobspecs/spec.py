@@ -720,16 +720,16 @@ def _tracking_uri(value: str) -> str:
 
 
 class TrackingSpec(Section):
-    """Where each run belongs for experiment tracking, besides trnflow's own records (which stay the
-    source of truth): an MLflow server."""
+    """Where each run is mirrored for experiment tracking, besides trnflow's own records (which stay
+    the source of truth): an MLflow server."""
 
     mlflow_uri: Annotated[str, AfterValidator(_tracking_uri)] | None = Field(
         None, description="The MLflow tracking server each run is mirrored to: http(s)://HOST[:PORT][/PATH] (no "
         "credentials: MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN in the orchestrator's "
         "environment), or a SageMaker managed MLflow ARN (arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/"
         "NAME or mlflow-app/NAME; needs the sagemaker-mlflow plugin: pip install 'trnflow[mlflow]'). None: no MLflow. "
-        "`trnflow validate --data-check` asks it whether it answers; mirroring runs to it is being built "
-        "(docs/operations.md).")
+        "Each pipeline run is mirrored there when it ends, by the orchestrator (jobs need no path to it); one it "
+        "cannot reach is kept for `trnflow tracking sync` and never fails the run.")
     experiment: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_./-]{1,256}$",
         description="The MLflow experiment runs are recorded in (letters, digits, - _ . /); default: the spec's name.")
@@ -809,7 +809,7 @@ class JobSpec(Section):
     preflight: PreflightSpec = Field(default_factory=PreflightSpec, description="Preflight checks.")
     faults: list[FaultSpec] = Field(default_factory=list, description="Faults to inject, for rehearsals and tests.")
     tracking: TrackingSpec = Field(default_factory=TrackingSpec,
-                                   description="Experiment tracking: the MLflow server runs belong to.")
+                                   description="Experiment tracking: the MLflow server runs are mirrored to.")
     registry_url: Url | None = Field(
         None,
         description="Model registry (a directory or s3:// URL): versions, and the champion that a passed gate "

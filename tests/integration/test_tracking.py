@@ -1,13 +1,18 @@
 """Experiment tracking: `trnflow tracking server` (a real MLflow server) keeps what an MLflow client
-sends it in its folder, and `trnflow validate --data-check` asks a spec's tracking server whether
-it answers."""
+sends it in its folder; `trnflow validate --data-check` asks a spec's tracking server whether it
+answers; a pipeline run is mirrored there as trnflow recorded it, and a run that found the server
+down ends green, keeps its mirror, and `trnflow tracking sync` sends it once the server is back."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,7 +21,7 @@ from typer.testing import CliRunner
 
 from tests.conftest import quickstart_data
 from trnflow.cli.app import app
-from trnflow.reporting.tracking import server_problem
+from trnflow.reporting.tracking import HEADER_LOGGER, server_problem
 from trnflow.workload.synth import synthesize
 
 runner = CliRunner()
@@ -37,6 +42,25 @@ def _spec(tmp_path: Path) -> str:
     return str(path)
 
 
+@contextlib.contextmanager
+def tracking_server(folder: Path, port: int, log: Path) -> Iterator[str]:
+    """`trnflow tracking server` in a process of its own, once it answers: its URL. Stopped after."""
+    with open(log, "ab") as out:
+        server = subprocess.Popen([str(Path(sys.executable).with_name("trnflow")), "tracking", "server", "--port",
+                                   str(port), "--folder", str(folder)], stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while server_problem(url, timeout=1)[0] is not None:
+            assert server.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.5)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
 @pytest.mark.slow
 def test_the_local_tracking_server_keeps_runs_and_artifacts_in_its_folder_and_validate_asks_it(tmp_path,
                                                                                               monkeypatch):
@@ -46,15 +70,7 @@ def test_the_local_tracking_server_keeps_runs_and_artifacts_in_its_folder_and_va
     folder, port = tmp_path / "mlflow", _free_port()
     url = f"http://127.0.0.1:{port}"
     spec = _spec(tmp_path)
-    with open(tmp_path / "server.log", "wb") as log:
-        server = subprocess.Popen([str(Path(sys.executable).with_name("trnflow")), "tracking", "server", "--port",
-                                   str(port), "--folder", str(folder)], stdout=log, stderr=subprocess.STDOUT)
-    try:
-        deadline = time.monotonic() + 120
-        while server_problem(url, timeout=1)[0] is not None:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()
-            assert time.monotonic() < deadline, (tmp_path / "server.log").read_text()
-            time.sleep(0.5)
+    with tracking_server(folder, port, tmp_path / "server.log"):
         client = MlflowClient(url)
         run = client.create_run(client.create_experiment("kept"))
         client.log_metric(run.info.run_id, "loss", 0.5, step=3)
@@ -68,9 +84,6 @@ def test_the_local_tracking_server_keeps_runs_and_artifacts_in_its_folder_and_va
         assert asked.exit_code == 0, asked.output
         unasked = runner.invoke(app, ["validate", spec, "--set", f"tracking.mlflow_uri={url}"])
         assert unasked.exit_code == 0 and "--data-check asks it" in unasked.stdout, unasked.output
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     gone = runner.invoke(app, ["validate", spec, "--data-check", "--set", f"tracking.mlflow_uri={url}"])
     assert gone.exit_code == 2, gone.output
     said = " ".join(gone.stderr.split())
@@ -82,3 +95,78 @@ def test_the_tracking_server_listens_on_loopback_only(tmp_path):
     said = runner.invoke(app, ["tracking", "server", "--host", "0.0.0.0", "--folder", str(tmp_path / "m")])  # noqa: S104
     assert said.exit_code == 2 and "listens on loopback only" in " ".join(said.stderr.split())
     assert not (tmp_path / "m").exists()
+
+
+def _mlflow_run(client, experiment: str, run_id: str):
+    found = client.search_runs([client.get_experiment_by_name(experiment).experiment_id],
+                               filter_string=f"tags.`trnflow.run_id` = '{run_id}'")
+    assert len(found) == 1, found
+    return found[0]
+
+
+def _series(client, mlflow_id: str, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in sorted(client.get_metric_history(mlflow_id, key), key=lambda m: m.step)]
+
+
+@pytest.mark.slow
+def test_a_run_is_mirrored_to_mlflow_and_one_that_found_it_down_is_synced_later(
+        prefect_api, make_spec, tmp_path, trnflow_home, monkeypatch):
+    from mlflow import MlflowClient
+
+    from trnflow.backends.reference import run_reference
+    from trnflow.flows.pipeline import pipeline
+    from trnflow.workload.memory import decided
+
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    monkeypatch.setattr(logging.getLogger(HEADER_LOGGER), "level", logging.ERROR)  # the plugin's, on a plain URL
+    folder, port = tmp_path / "mlflow", _free_port()
+    url = f"http://127.0.0.1:{port}"
+    spec = make_spec(2, tracking={"mlflow_uri": url, "experiment": "search/m5"},
+                     train={"steps": 20, "checkpoint_every": 10, "log_every": 5}, gate={"eval_every": 10})
+    run_reference(spec)
+    with tracking_server(folder, port, tmp_path / "server.log"):
+        state = pipeline(spec, run_id="mirrored", return_state=True)
+        assert state.is_completed(), state.result(raise_on_failure=False)
+        outcome = state.result()
+        client = MlflowClient(url)
+        run = _mlflow_run(client, "search/m5", "mirrored")
+        assert run.info.status == "FINISHED" and run.info.run_name == "mirrored"
+        params, tags = run.data.params, run.data.tags
+        assert (params["train.steps"], params["model.recipe"], params["compute.cores_per_node"]) == ("20", "m5-text",
+                                                                                                    "2")
+        # the spec as the run ran it: its layout decided
+        assert tags["trnflow.spec_digest"] == decided(spec).digest() and params["train.parallelism.strategy"] == "ddp"
+        assert tags["trnflow.gate"] == "passed" and tags["trnflow.state"] == "Completed"
+        assert tags["trnflow.checkpoint"] == outcome.results["train"].checkpoint
+        assert tags["trnflow.flow_run"].startswith(prefect_api.removesuffix("/api"))
+        # the series are trnflow's own, at the same steps
+        curve = outcome.results["train"].curve
+        assert _series(client, run.info.run_id, "train/loss") == [(p["step"], pytest.approx(p["loss"])) for p in curve]
+        evaluated = outcome.results["evaluate"]
+        assert _series(client, run.info.run_id, "eval/accuracy") == [
+            (p["step"], pytest.approx(p["accuracy"])) for p in evaluated.points]
+        assert _series(client, run.info.run_id, "reference/accuracy") == [
+            (p.step, pytest.approx(p.reference)) for p in evaluated.verdict.points] and len(evaluated.points) == 2
+        assert _series(client, run.info.run_id, "infer/rows") == [(0, outcome.results["infer"].rows)]
+        assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"summary.md", "outcome.json"}
+        assert not (trnflow_home / "tracking").exists() or not any((trnflow_home / "tracking").iterdir())
+
+    # the server is down: the run ends green, says so in its summary, and keeps its mirror
+    state = pipeline(spec, run_id="missed", return_state=True)
+    assert state.is_completed(), state.result(raise_on_failure=False)
+    kept = trnflow_home / "tracking" / "missed.json"
+    assert kept.is_file()
+    with tracking_server(folder, port, tmp_path / "server.log"):  # back, with what it held
+        assert _mlflow_run(MlflowClient(url), "search/m5", "mirrored").info.status == "FINISHED"
+        said = runner.invoke(app, ["tracking", "sync", "missed", "--json"])
+        assert said.exit_code == 0, said.output
+        sent = json.loads(said.stdout)
+        mlflow_id = sent["mlflow_run_id"]
+        assert sent["url"].startswith(f"{url}/#/experiments/") and sent["url"].endswith(f"/runs/{mlflow_id}")
+        synced = _mlflow_run(MlflowClient(url), "search/m5", "missed")
+        assert synced.info.run_id == mlflow_id and synced.info.status == "FINISHED"
+        curve = state.result().results["train"].curve
+        assert [s for s, _ in _series(MlflowClient(url), mlflow_id, "train/loss")] == [p["step"] for p in curve]
+        assert not kept.exists()
+    again = runner.invoke(app, ["tracking", "sync", "missed"])
+    assert again.exit_code == 2 and "nothing is kept for run missed" in " ".join(again.stderr.split())

@@ -254,7 +254,7 @@ def test_every_room_says_what_it_owns(package):
     assert len(doc) > 80 and "TODO" not in doc, f"{package} needs a docstring saying what it owns and may import"
 
 
-HEAVY = ("prefect", "torch", "functorch", "sagemaker", "matplotlib", "moto", "boto3", "botocore", "httpx",
+HEAVY = ("prefect", "torch", "functorch", "sagemaker", "matplotlib", "moto", "boto3", "botocore", "httpx", "mlflow",
          "transformers", "peft", "trnflow.flows", "trnflow.tasks", "trnflow.testing", "trnflow.workload",
          "trnflow.emulator.jit", "trnflow.emulator.compiler", "trnflow.device.base", "trnflow.device.registry",
          "trnflow.device.tensor_parallel",

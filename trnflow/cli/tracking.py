@@ -1,8 +1,10 @@
 """`trnflow tracking`: experiment tracking. `server` starts a local MLflow tracking server for
-users without one, as `trnflow server` does for Prefect."""
+users without one, as `trnflow server` does for Prefect; `sync` sends a run's mirror that its
+server did not take when the run ended."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import sys
@@ -11,9 +13,13 @@ from typing import Annotated
 
 import typer
 
-from trnflow.cli.common import loopback_only
+from trnflow.cli.common import JsonOpt, loopback_only
 from trnflow.cli.console import RED, cli_console
 from trnflow.errors import ExitCode
+from trnflow.reporting import tracking
+from trnflow.reporting.tracking import outbox
+from trnflow.settings import TrnflowSettings
+from trnflow.specs import run_id_problem
 
 console = cli_console()
 err = cli_console(stderr=True)
@@ -57,3 +63,36 @@ def server(
     os.execve(mlflow, [str(mlflow), "server", "--host", host, "--port", str(port), "--workers", "1",  # noqa: S606
                        "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
                        "--artifacts-destination", str(folder / "artifacts")], env)
+
+
+@tracking_app.command()
+def sync(
+    run_id: Annotated[str, typer.Argument(help="The run whose mirror was not sent (its summary says so).")],
+    as_json: JsonOpt = False,
+):
+    """Send a run's mirror that its tracking server did not take when the run ended.
+
+    A run keeps what it could not send in TRNFLOW_HOME/tracking/RUN_ID.json; this sends it to the
+    server its spec named, then deletes it. Exit 2 when nothing is kept for RUN_ID, 1 when the
+    server still does not take it (it stays kept).
+    """
+    home = TrnflowSettings().home.expanduser().resolve()
+    if problem := run_id_problem(run_id):
+        err.print(f"RUN_ID: {problem}", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    kept = outbox(home, run_id)
+    if not kept.is_file():
+        err.print(f"nothing is kept for run {run_id} in {kept.parent}: it was sent when it ended, or never "
+                  "named a tracking server", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    try:
+        mlflow_id, url = tracking.sync(home, run_id)
+    except Exception as exc:  # the server's answer, whatever the client raised
+        err.print(f"run {run_id} not sent ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); it stays in "
+                  f"{kept}", **RED)
+        raise typer.Exit(ExitCode.FAILED) from None
+    if as_json:
+        print(json.dumps({"run_id": run_id, "mlflow_run_id": mlflow_id, "url": url}))
+    else:
+        console.print(f"run {run_id} sent: MLflow run {mlflow_id}" + (f" ({url})" if url else ""), markup=False,
+                      highlight=False)

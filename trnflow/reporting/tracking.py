@@ -1,21 +1,69 @@
 """Experiment tracking: each run mirrored where teams already compare runs (an MLflow tracking
 server, `tracking.mlflow_uri`), from what the orchestrator holds. trnflow's own records (the
 registry, the metric series, the stage results) stay the source of truth; the mirror never decides
-anything.
+anything, and a server that is down or refuses never fails a run.
 
-This module checks that a server is there to take a run (`server_problem`, for `trnflow validate
---data-check`). A SageMaker managed MLflow server is named by its ARN and reached through the
-`sagemaker-mlflow` plugin, which signs each request with the orchestrator's AWS credentials.
+One pipeline run is one MLflow run, named by trnflow's run id (a rerun with the same id goes on
+in the same MLflow run): the spec flattened as parameters; the training curve, the candidate's
+holdout metrics, the reference's gate metric and the gate's difference by step; inference's and
+the run's totals; lineage as tags; the run's summary and outcome as text artifacts. What could not
+be sent is kept (`<TRNFLOW_HOME>/tracking/<run id>.json`) for `trnflow tracking sync RUN`.
+
+A SageMaker managed MLflow server is named by its ARN and reached through the `sagemaker-mlflow`
+plugin, which signs each request with the orchestrator's AWS credentials.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.metadata
 import importlib.util
+import json
+import logging
+import os
+import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from trnflow.fsutil import atomic_write_text
+from trnflow.redact import without_credentials
+from trnflow.results import EvaluateResult, InferResult, RunOutcome, TrainResult
+from trnflow.specs import JobSpec
 
 HEALTH_TIMEOUT_SECONDS = 5.0
+REQUEST_TIMEOUT_SECONDS = 10
+"""Each request to the tracking server, at most (no retries): a server that is down costs a run seconds."""
 PLUGIN = "sagemaker_mlflow"
+PARAM_LIMIT = 6000  # MLflow's longest parameter value
+
+
+class TrackedMetric(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    key: str
+    value: float
+    step: int
+
+
+class TrackedRun(BaseModel):
+    """What one run sends to MLflow: built from the run's typed results, kept as JSON when the
+    server cannot take it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    uri: str = Field(description="the tracking server (tracking.mlflow_uri)")
+    experiment: str
+    run_id: str = Field(description="trnflow's run id: the MLflow run's name and its trnflow.run_id tag")
+    finished: bool = Field(description="the run completed (MLflow FINISHED), else FAILED")
+    params: dict[str, str] = Field(default_factory=dict)
+    tags: dict[str, str] = Field(default_factory=dict)
+    metrics: list[TrackedMetric] = Field(default_factory=list)
+    artifacts: dict[str, str] = Field(default_factory=dict, description="text files by name")
 
 
 def is_sagemaker_arn(uri: str) -> bool:
@@ -42,3 +90,186 @@ def server_problem(uri: str, timeout: float = HEALTH_TIMEOUT_SECONDS) -> tuple[s
         said = str(getattr(exc, "reason", exc))
     return (f"tracking.mlflow_uri: no MLflow server answers at {uri} ({said}); start one (`trnflow tracking "
             "server` for a local one) or correct the URL"), None
+
+
+# --- what a run sends ---------------------------------------------------------------------------
+
+
+def _flat(tree: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _flat(value, f"{prefix}{key}.")
+    else:
+        yield prefix.rstrip("."), tree
+
+
+def _param(value: Any) -> str:
+    text = json.dumps(value) if isinstance(value, list | dict) else str(value)
+    return without_credentials(text)[:PARAM_LIMIT]
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("trnflow")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def tracked_run(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: str,
+                flow_run_url: str | None = None) -> TrackedRun:
+    """The MLflow run of one pipeline run, from its outcome (however it ended: `ended` says how, or
+    None when it completed) and its summary text."""
+    assert spec.tracking.mlflow_uri is not None and outcome.run_id is not None
+    params = {key: _param(value) for key, value in _flat(spec.model_dump(mode="json", exclude={"faults"}))
+              if value is not None}
+    metrics: list[TrackedMetric] = []
+
+    def add(key: str, value: Any, step: int = 0) -> None:
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            metrics.append(TrackedMetric(key=key, value=float(value), step=step))
+
+    tags = {"trnflow.run_id": outcome.run_id, "trnflow.spec": spec.name, "trnflow.spec_digest": spec.digest(),
+            "trnflow.version": _version(), "trnflow.state": ended or "Completed"}
+    train = outcome.results.get("train")
+    if isinstance(train, TrainResult):
+        for point in train.curve:
+            for key in ("loss", "samples_per_s"):
+                add(f"train/{key}", point.get(key), point["step"])
+        tags |= {"trnflow.checkpoint": train.checkpoint or "", "trnflow.watermark": train.watermark or "",
+                 "trnflow.started_from": train.parent or "", "trnflow.steps_trained": str(train.steps_trained)}
+        if train.compile is not None:
+            tags["trnflow.compile_cache_hits"] = str(train.compile.hits)
+    evaluated = outcome.results.get("evaluate")
+    if isinstance(evaluated, EvaluateResult):
+        for point in evaluated.points:
+            for key, value in point.items():
+                if key not in ("step", "global_step"):
+                    add(f"eval/{key}", value, point["step"])
+        verdict = evaluated.verdict
+        if verdict is not None:
+            for vp in verdict.points:
+                add(f"reference/{verdict.metric}", vp.reference, vp.step)
+                add("gate/diff", vp.diff, vp.step)
+            add("gate/passed", 1.0 if verdict.passed else 0.0)
+            if verdict.points:
+                add("gate/largest_abs_diff", max(abs(vp.diff) for vp in verdict.points))
+            tags["trnflow.gate"] = "passed" if verdict.passed else f"failed: {verdict.reason or ''}"[:5000]
+        if evaluated.registry:
+            tags["trnflow.registry_version"] = str(evaluated.registry.get("version"))
+    inferred = outcome.results.get("infer")
+    if isinstance(inferred, InferResult):
+        add("infer/rows", inferred.rows)
+        add("infer/rows_per_s", inferred.rows_per_s)
+    if outcome.cost.total_usd is not None:
+        add("cost/total_usd", outcome.cost.total_usd)
+    hours = sum(r.billable_seconds * r.nodes for r in outcome.cost.rows) / 3600
+    add("cost/instance_hours", round(hours, 6))
+    if flow_run_url:
+        tags["trnflow.flow_run"] = flow_run_url
+    artifacts = {"summary.md": summary, "outcome.json": outcome.model_dump_json(indent=1)}
+    return TrackedRun(uri=spec.tracking.mlflow_uri, experiment=spec.tracking.experiment or spec.name,
+                      run_id=outcome.run_id, finished=ended is None, params=params,
+                      tags={k: v for k, v in tags.items() if v}, metrics=metrics, artifacts=artifacts)
+
+
+# --- sending it ------------------------------------------------------------------------------------
+
+
+HEADER_LOGGER = "mlflow.tracking.request_header.registry"
+
+
+@contextlib.contextmanager
+def _bounded(uri: str) -> Iterator[None]:
+    """The MLflow client's requests to `uri`, each cut off after REQUEST_TIMEOUT_SECONDS and never
+    retried. The sagemaker-mlflow plugin signs and routes a request by the process's tracking URI,
+    not the client's, so that is `uri` too meanwhile; for a server that is not SageMaker's, the
+    plugin's failure to read an ARN from it (a warning per request) is not logged."""
+    values = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_SECONDS), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+              "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_TRACKING_URI": uri,
+              "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}  # a --json command's stdout is its JSON
+    saved = {k: os.environ.get(k) for k in values}
+    headers = logging.getLogger(HEADER_LOGGER)
+    level = headers.level
+    os.environ.update(values)
+    if not is_sagemaker_arn(uri):
+        headers.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        headers.setLevel(level)
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _chunks(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i:i + size]
+
+
+def run_url(uri: str, experiment_id: str, mlflow_id: str) -> str | None:
+    """Where MLflow's UI shows a run (None for a SageMaker server, whose UI is opened from Studio)."""
+    return None if is_sagemaker_arn(uri) else f"{uri}/#/experiments/{experiment_id}/runs/{mlflow_id}"
+
+
+def send(run: TrackedRun) -> tuple[str, str | None]:
+    """Send `run` to its server: the MLflow run's id, and its page in MLflow's UI. Raises what the
+    client raises."""
+    from mlflow import MlflowClient  # optional (the mlflow extra), and heavy: ~1.5 s
+    from mlflow.entities import Metric, Param, RunTag
+
+    with _bounded(run.uri):
+        client = MlflowClient(run.uri)
+        experiment = client.get_experiment_by_name(run.experiment)
+        experiment_id = experiment.experiment_id if experiment else client.create_experiment(run.experiment)
+        found = client.search_runs([experiment_id], filter_string=f"tags.`trnflow.run_id` = '{run.run_id}'",
+                                   max_results=1)
+        mlflow_id = found[0].info.run_id if found else client.create_run(experiment_id, run_name=run.run_id).info.run_id
+        now = int(time.time() * 1000)
+        if found:  # a rerun of the same trnflow run: its series start again from what this run logged
+            known = found[0].data.params
+            params = [Param(k, v) for k, v in run.params.items() if k not in known]
+        else:
+            params = [Param(k, v) for k, v in run.params.items()]
+        for part in _chunks(params, 100):
+            client.log_batch(mlflow_id, params=part)
+        for part in _chunks([RunTag(k, v) for k, v in run.tags.items()], 100):
+            client.log_batch(mlflow_id, tags=part)
+        for part in _chunks([Metric(m.key, m.value, now, m.step) for m in run.metrics], 1000):
+            client.log_batch(mlflow_id, metrics=part)
+        for name, text in run.artifacts.items():
+            client.log_text(mlflow_id, text, name)
+        client.set_terminated(mlflow_id, status="FINISHED" if run.finished else "FAILED")
+    return mlflow_id, run_url(run.uri, experiment_id, mlflow_id)
+
+
+def outbox(home: Path, run_id: str) -> Path:
+    """Where a run that could not be sent is kept."""
+    return home / "tracking" / f"{run_id}.json"
+
+
+def mirror(run: TrackedRun, home: Path) -> tuple[bool, str]:
+    """Send `run`, or keep it for `trnflow tracking sync`: whether it was sent, and a line for the
+    run's summary saying where it went or why not. Never raises."""
+    kept = outbox(home, run.run_id)
+    try:
+        mlflow_id, url = send(run)
+    except Exception as exc:  # down, refusing, or a plugin missing: the run goes on; what was missed is kept
+        atomic_write_text(kept, run.model_dump_json())
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        return False, (f"tracking: not sent to {run.uri} ({why}); kept in {kept}: `trnflow tracking sync "
+                       f"{run.run_id}` sends it")
+    kept.unlink(missing_ok=True)  # an earlier attempt's, now sent with the rest
+    return True, f"tracking: MLflow run {mlflow_id}" + (f" ({url})" if url else f" on {run.uri}")
+
+
+def sync(home: Path, run_id: str) -> tuple[str, str | None]:
+    """Send what a run kept (`mirror`): the MLflow run's id and page. FileNotFoundError when nothing
+    is kept; the client's error when it still cannot be sent (it stays kept)."""
+    kept = outbox(home, run_id)
+    run = TrackedRun.model_validate_json(kept.read_text())
+    sent = send(run)
+    kept.unlink()
+    return sent
