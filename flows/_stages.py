@@ -20,7 +20,7 @@ from trnflow.lifecycle.locations import check_locations
 from trnflow.reporting.cost import run_cost, stage_cost
 from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
-from trnflow.reporting.tracking import mirror, tracked_run
+from trnflow.reporting.tracking import mirror
 from trnflow.results import Cost, CostRow, RunOutcome, SanityResult, StageResult, StageRow, TrainResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, SpecError, new_run_id, run_id_problem
@@ -147,8 +147,8 @@ class StageRunner:
         if links:
             text += "\n" + links_markdown(links)
         if self.spec.tracking.mlflow_uri:  # mirrored however it ended; a server that is down never fails it
-            run = tracked_run(self.spec, self.outcome(), self.ended, text, flow_run.get_flow_run_ui_url())
-            sent, note = mirror(run, TrnflowSettings().home.expanduser().resolve())
+            sent, note = mirror(self.spec, self.outcome(), self.ended, text, flow_run.get_flow_run_ui_url(),
+                                TrnflowSettings().home.expanduser().resolve())
             (get_run_logger().info if sent else get_run_logger().warning)(note)
             text += f"\n{note}\n"
         _artifacts.markdown(self.spec, "summary", text, f"stages, cost and outputs of run {self.run_id}")

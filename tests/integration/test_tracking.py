@@ -22,6 +22,7 @@ from typer.testing import CliRunner
 from tests.conftest import quickstart_data
 from trnflow.cli.app import app
 from trnflow.reporting.tracking import HEADER_LOGGER, server_problem
+from trnflow.storage import local_path
 from trnflow.workload.synth import synthesize
 
 runner = CliRunner()
@@ -148,7 +149,9 @@ def test_a_run_is_mirrored_to_mlflow_and_one_that_found_it_down_is_synced_later(
         assert _series(client, run.info.run_id, "reference/accuracy") == [
             (p.step, pytest.approx(p.reference)) for p in evaluated.verdict.points] and len(evaluated.points) == 2
         assert _series(client, run.info.run_id, "infer/rows") == [(0, outcome.results["infer"].rows)]
-        assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"summary.md", "outcome.json"}
+        assert {a.path for a in client.list_artifacts(run.info.run_id)} == {"summary.md", "outcome.json", "parity.png"}
+        chart = Path(client.download_artifacts(run.info.run_id, "parity.png", str(tmp_path)))
+        assert chart.read_bytes() == local_path(evaluated.chart).read_bytes()
         assert not (trnflow_home / "tracking").exists() or not any((trnflow_home / "tracking").iterdir())
 
     # the server is down: the run ends green, says so in its summary, and keeps its mirror
@@ -170,3 +173,20 @@ def test_a_run_is_mirrored_to_mlflow_and_one_that_found_it_down_is_synced_later(
         assert not kept.exists()
     again = runner.invoke(app, ["tracking", "sync", "missed"])
     assert again.exit_code == 2 and "nothing is kept for run missed" in " ".join(again.stderr.split())
+
+
+@pytest.mark.slow
+def test_a_run_that_failed_is_kept_as_failed_when_no_server_answers(tmp_path):
+    from trnflow.reporting.tracking import TrackedRun, mirror, outbox
+    from trnflow.results import RunOutcome, StageRow
+    from trnflow.specs import validate_spec
+
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    spec = validate_spec(quickstart_data(tracking={"mlflow_uri": url}))
+    outcome = RunOutcome(run_id="failed-1", stages=[StageRow(stage="sanity", state="Failed", summary="core 1 bad")])
+    sent, note = mirror(spec, outcome, "stage sanity failed: core 1 bad", "# summary", None, tmp_path)
+    assert not sent and note.startswith(f"tracking: not sent to {url} (") and "tracking sync failed-1" in note
+    kept = TrackedRun.model_validate_json(outbox(tmp_path, "failed-1").read_text())
+    assert not kept.finished and kept.tags["trnflow.state"] == "stage sanity failed: core 1 bad"
+    assert kept.experiment == "quickstart" and kept.params["train.steps"] == str(spec.train.steps)
+    assert kept.artifacts["summary.md"] == "# summary" and "faults" not in " ".join(kept.params)

@@ -6,7 +6,7 @@ anything, and a server that is down or refuses never fails a run.
 One pipeline run is one MLflow run, named by trnflow's run id (a rerun with the same id goes on
 in the same MLflow run): the spec flattened as parameters; the training curve, the candidate's
 holdout metrics, the reference's gate metric and the gate's difference by step; inference's and
-the run's totals; lineage as tags; the run's summary and outcome as text artifacts. What could not
+the run's totals; lineage as tags; the run's summary, outcome and parity chart as artifacts. What could not
 be sent is kept (`<TRNFLOW_HOME>/tracking/<run id>.json`) for `trnflow tracking sync RUN`.
 
 A SageMaker managed MLflow server is named by its ARN and reached through the `sagemaker-mlflow`
@@ -15,12 +15,14 @@ plugin, which signs each request with the orchestrator's AWS credentials.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib.metadata
 import importlib.util
 import json
 import logging
 import os
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -34,6 +36,7 @@ from trnflow.fsutil import atomic_write_text
 from trnflow.redact import without_credentials
 from trnflow.results import EvaluateResult, InferResult, RunOutcome, TrainResult
 from trnflow.specs import JobSpec
+from trnflow.storage import open_store
 
 HEALTH_TIMEOUT_SECONDS = 5.0
 REQUEST_TIMEOUT_SECONDS = 10
@@ -64,6 +67,7 @@ class TrackedRun(BaseModel):
     tags: dict[str, str] = Field(default_factory=dict)
     metrics: list[TrackedMetric] = Field(default_factory=list)
     artifacts: dict[str, str] = Field(default_factory=dict, description="text files by name")
+    images: dict[str, str] = Field(default_factory=dict, description="PNG files by name, base64")
 
 
 def is_sagemaker_arn(uri: str) -> bool:
@@ -167,9 +171,15 @@ def tracked_run(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: 
     if flow_run_url:
         tags["trnflow.flow_run"] = flow_run_url
     artifacts = {"summary.md": summary, "outcome.json": outcome.model_dump_json(indent=1)}
+    images = {}
+    if isinstance(evaluated, EvaluateResult) and evaluated.chart:  # the chart the evaluate stage drew
+        folder, _, name = evaluated.chart.rpartition("/")
+        with contextlib.suppress(Exception):  # a chart that cannot be read (a store's own errors) is left out
+            images[name] = base64.b64encode(open_store(folder).read(name)).decode()
     return TrackedRun(uri=spec.tracking.mlflow_uri, experiment=spec.tracking.experiment or spec.name,
                       run_id=outcome.run_id, finished=ended is None, params=params,
-                      tags={k: v for k, v in tags.items() if v}, metrics=metrics, artifacts=artifacts)
+                      tags={k: v for k, v in tags.items() if v}, metrics=metrics, artifacts=artifacts,
+                      images=images)
 
 
 # --- sending it ------------------------------------------------------------------------------------
@@ -241,6 +251,10 @@ def send(run: TrackedRun) -> tuple[str, str | None]:
             client.log_batch(mlflow_id, metrics=part)
         for name, text in run.artifacts.items():
             client.log_text(mlflow_id, text, name)
+        with tempfile.TemporaryDirectory(prefix="trnflow-tracking-") as tmp:
+            for name, data in run.images.items():
+                (Path(tmp) / name).write_bytes(base64.b64decode(data))
+                client.log_artifact(mlflow_id, str(Path(tmp) / name))
         client.set_terminated(mlflow_id, status="FINISHED" if run.finished else "FAILED")
     return mlflow_id, run_url(run.uri, experiment_id, mlflow_id)
 
@@ -250,9 +264,14 @@ def outbox(home: Path, run_id: str) -> Path:
     return home / "tracking" / f"{run_id}.json"
 
 
-def mirror(run: TrackedRun, home: Path) -> tuple[bool, str]:
-    """Send `run`, or keep it for `trnflow tracking sync`: whether it was sent, and a line for the
-    run's summary saying where it went or why not. Never raises."""
+def mirror(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: str, flow_run_url: str | None,
+           home: Path) -> tuple[bool, str]:
+    """Send the run (`tracked_run`), or keep it for `trnflow tracking sync`: whether it was sent,
+    and a line for the run's summary saying where it went or why not. Never raises."""
+    try:
+        run = tracked_run(spec, outcome, ended, summary, flow_run_url)
+    except Exception as exc:  # a result the mirror cannot read must not cost the run its summary
+        return False, f"tracking: nothing sent, the run could not be read for it ({type(exc).__name__}: {exc})"
     kept = outbox(home, run.run_id)
     try:
         mlflow_id, url = send(run)
