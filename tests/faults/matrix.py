@@ -122,17 +122,17 @@ class Matrix:
     def baseline(self) -> Snapshot | None:
         return self.baselines.get("ddp")
 
-    def run_baseline(self, strategy: str = "ddp") -> float:
+    def run_baseline(self, layout: str = "ddp") -> float:
         """The fault-free run of a layout (`World.layout`); how long it took."""
         began = time.monotonic()
-        name = "baseline" if strategy == "ddp" else f"baseline-{strategy}"
+        name = "baseline" if layout == "ddp" else f"baseline-{layout}"
         folder = self.world.root / name
         shutil.rmtree(folder, ignore_errors=True)
-        run = Run(self.world, folder, str(folder), self.world.layout(strategy), name)
+        run = Run(self.world, folder, str(folder), self.world.layout(layout), name)
         state = run.flow()
         if not state.is_completed():
-            raise RuntimeError(f"the fault-free {strategy} run failed: {state.result(raise_on_failure=False)}")
-        self.baselines[strategy] = Snapshot.of(run.spec, state.result().results["train"].checkpoint)
+            raise RuntimeError(f"the fault-free {layout} run failed: {state.result(raise_on_failure=False)}")
+        self.baselines[layout] = Snapshot.of(run.spec, state.result().results["train"].checkpoint)
         return time.monotonic() - began
 
     def run_case(self, case: Case) -> dict[str, Any]:

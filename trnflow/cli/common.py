@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ipaddress
+import shutil
+import sys
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -74,3 +76,16 @@ def loopback_only(host: str, what: str, elsewhere: str) -> None:
         err.print(f"--host {host}: {what} has no auth, so it listens on loopback only (127.0.0.1, ::1); {elsewhere}",
                   **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
+
+
+def installed_command(name: str, fix: str) -> Path:
+    """The `name` command installed beside this Python (else on PATH); exit 2 saying `fix` when
+    there is none."""
+    beside = Path(sys.executable).with_name(name)
+    if beside.is_file():
+        return beside
+    found = shutil.which(name)
+    if found is None:
+        err.print(f"the `{name}` command is not installed beside trnflow; {fix}", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    return Path(found)

@@ -4,7 +4,6 @@ served from one process on this machine, or written as prefect.yaml for a work p
 from __future__ import annotations
 
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -13,8 +12,8 @@ import typer
 import yaml
 from rich.table import Table
 
-from trnflow.cli.common import load, loopback_only
-from trnflow.cli.console import RED, cli_console
+from trnflow.cli.common import installed_command, load, loopback_only
+from trnflow.cli.console import cli_console
 from trnflow.errors import ExitCode
 from trnflow.fsutil import atomic_write_bytes
 
@@ -83,13 +82,7 @@ def server(
     loopback_only(host, "this server", "to reach Prefect from other machines use infra/prefect/docker-compose.yml")
     local = f"[{host}]" if ":" in host else host
     api = f"http://{local}:{port}/api"
-    prefect = Path(sys.executable).with_name("prefect")
-    if not prefect.is_file():
-        found = shutil.which("prefect")
-        if found is None:
-            err.print("the `prefect` command is not installed beside trnflow; reinstall trnflow", **RED)
-            raise typer.Exit(ExitCode.BAD_INPUT)
-        prefect = Path(found)
+    prefect = installed_command("prefect", "reinstall trnflow")
     console.print(f"Prefect UI: http://{local}:{port}   API: {api}\nin every other shell: "
                   f"export PREFECT_API_URL={api}", markup=False, highlight=False)
     env = {**os.environ, "PREFECT_UI_API_URL": api, "PREFECT_API_URL": api}

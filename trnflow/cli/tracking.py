@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from trnflow.cli.common import JsonOpt, loopback_only
+from trnflow.cli.common import JsonOpt, installed_command, loopback_only
 from trnflow.cli.console import RED, cli_console
 from trnflow.errors import ExitCode
 from trnflow.reporting import tracking
@@ -44,13 +43,7 @@ def server(
     """
     loopback_only(host, "this MLflow server",
                   "for a shared one use SageMaker's managed MLflow (its ARN in tracking.mlflow_uri)")
-    mlflow = Path(sys.executable).with_name("mlflow")
-    if not mlflow.is_file():
-        found = shutil.which("mlflow")
-        if found is None:
-            err.print("the `mlflow` command is not installed beside trnflow: pip install 'trnflow[mlflow]'", **RED)
-            raise typer.Exit(ExitCode.BAD_INPUT)
-        mlflow = Path(found)
+    mlflow = installed_command("mlflow", "pip install 'trnflow[mlflow]'")
     folder = folder.expanduser().resolve()
     folder.mkdir(parents=True, exist_ok=True)
     local = f"[{host}]" if ":" in host else host
