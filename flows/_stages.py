@@ -20,6 +20,7 @@ from trnflow.lifecycle.locations import check_locations
 from trnflow.reporting.cost import run_cost, stage_cost
 from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
+from trnflow.reporting.tensorboard import write_events
 from trnflow.reporting.tracking import mirror
 from trnflow.results import Cost, CostRow, RunOutcome, SanityResult, StageResult, StageRow, TrainResult
 from trnflow.settings import TrnflowSettings
@@ -150,6 +151,14 @@ class StageRunner:
             sent, note = mirror(self.spec, self.outcome(), self.ended, text, flow_run.get_flow_run_ui_url(),
                                 TrnflowSettings().home.expanduser().resolve())
             (get_run_logger().info if sent else get_run_logger().warning)(note)
+            text += f"\n{note}\n"
+        if self.spec.tracking.tensorboard and "train" in self.results:
+            try:
+                note = write_events(self.spec, self.outcome())
+                get_run_logger().info(note)
+            except Exception as exc:  # a store that refuses costs the run only its event file
+                note = f"tensorboard: no event file written ({type(exc).__name__}: {one_line(exc)})"
+                get_run_logger().warning(note)
             text += f"\n{note}\n"
         _artifacts.markdown(self.spec, "summary", text, f"stages, cost and outputs of run {self.run_id}")
         _artifacts.table(self.spec, "stages", [{STAGE_COLUMNS[k]: _cell(getattr(r, k)) for k in STAGE_COLUMNS}

@@ -721,7 +721,7 @@ def _tracking_uri(value: str) -> str:
 
 class TrackingSpec(Section):
     """Where each run is mirrored for experiment tracking, besides trnflow's own records (which stay
-    the source of truth): an MLflow server."""
+    the source of truth): an MLflow server, and TensorBoard event files."""
 
     mlflow_uri: Annotated[str, AfterValidator(_tracking_uri)] | None = Field(
         None, description="The MLflow tracking server each run is mirrored to: http(s)://HOST[:PORT][/PATH] (no "
@@ -733,6 +733,11 @@ class TrackingSpec(Section):
     experiment: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_./-]{1,256}$",
         description="The MLflow experiment runs are recorded in (letters, digits, - _ . /); default: the spec's name.")
+    tensorboard: bool = Field(
+        False, description="Write each run's step metrics (training loss, learning rate, samples/s, the candidate's "
+        "and the reference's holdout metrics, the gate's difference) as TensorBoard event files under "
+        "`<train.checkpoint_url>/<run id>/tensorboard/` when the run ends: `tensorboard --logdir "
+        "<train.checkpoint_url>` shows every run (an s3:// folder is read by TensorBoard with boto3).")
 
 
 class PreflightSpec(Section):

@@ -95,6 +95,16 @@ class Page:
         self.wait_for_value(label, value, nth, seconds=10)
         self.eval(f"{self._field_js(label, nth)}?.blur()")  # leaving the field commits it, as a person's Tab does
 
+    def type_into(self, selector: str, value: str) -> None:
+        """Type `value` over what the first field matching `selector` holds (a search box, which has
+        no label), as `fill` does."""
+        self.wait(f"(e => e ? (e.focus(), true) : false)(document.querySelector({json.dumps(selector)}))", 30,
+                  f"the field {selector}")
+        self.call("Input.dispatchKeyEvent", type="rawKeyDown", key="a", code="KeyA", windowsVirtualKeyCode=65,
+                  modifiers=2, commands=["selectAll"])  # Ctrl-A
+        self.call("Input.dispatchKeyEvent", type="keyUp", key="a", code="KeyA", windowsVirtualKeyCode=65, modifiers=2)
+        self.call("Input.insertText", text=value)
+
     def wait_for_value(self, label: str, value: str, nth: int = 0, seconds: float = 30) -> None:
         """Wait until the form field labelled `label` holds `value`."""
         self.wait(f"{self._field_js(label, nth)}?.value === {json.dumps(value)}", seconds,

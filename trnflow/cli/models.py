@@ -18,6 +18,7 @@ from trnflow.lifecycle.exports import copy_export
 from trnflow.lifecycle.registry import ChampionChange, PromotionConflict, Registry, RegistryCorrupt, RegistryEntry
 from trnflow.records import ADAPTER_FOLDER
 from trnflow.redact import without_credentials
+from trnflow.reporting.tracking import point_champion
 from trnflow.urls import normalise_url
 from trnflow.workload.embeddings import latest_folder, point_current, version_url
 
@@ -162,6 +163,14 @@ def _change_champion(reg: Registry, model: str, version: int, action: str,
     return record, f"{pointer['rows']} rows published as current under {without_credentials(out)}"
 
 
+def _move_alias(reg: Registry, model: str, record: ChampionChange) -> list[str]:
+    """After a change of champion: MLflow's `champion` alias follows it on the servers the new and
+    the previous champion's runs were mirrored to (it never decides anything). A line for each."""
+    versions = [record.version] + ([record.previous] if record.previous else [])
+    servers = {reg.version(model, v).entry.tracking for v in versions}
+    return [point_champion(uri, model, record.version) for uri in sorted(s for s in servers if s)]
+
+
 @models_app.command("promote")
 def promote(model: ModelArg, version: Annotated[int, typer.Argument(help="The version to make champion.")],
             registry: RegistryOpt = ..., reason: Annotated[str, typer.Option(help="Why, for the history.")] = "manual",
@@ -169,11 +178,14 @@ def promote(model: ModelArg, version: Annotated[int, typer.Argument(help="The ve
     """Make a version the champion and publish its outputs (exit 4 if another promotion wins the race)."""
     with _registry(registry) as reg:
         record, published = _change_champion(reg, model, version, "promote", reason)
+        tracking = _move_alias(reg, model, record)
     if as_json:
-        print(json.dumps({**record.model_dump(mode="json"), "published": published}))
+        print(json.dumps({**record.model_dump(mode="json"), "published": published, "tracking": tracking}))
     else:
         console.print(f"[green]{shown(model)} v{version} is the champion[/green] (generation {record.generation}); "
                       f"{shown(published)}")
+        for line in tracking:
+            console.print(shown(line), highlight=False)
 
 
 @models_app.command("rollback")
@@ -183,11 +195,14 @@ def rollback(model: ModelArg, registry: RegistryOpt = ...,
     """Make the previous champion the champion again, and publish its outputs again."""
     with _registry(registry) as reg:
         record, published = _change_champion(reg, model, reg.rollback_target(model), "rollback", reason)
+        tracking = _move_alias(reg, model, record)
     if as_json:
-        print(json.dumps({**record.model_dump(mode="json"), "published": published}))
+        print(json.dumps({**record.model_dump(mode="json"), "published": published, "tracking": tracking}))
     else:
         console.print(f"[green]{shown(model)} v{record.version} is the champion again[/green] "
                       f"(rolled back from v{record.previous}); {shown(published)}")
+        for line in tracking:
+            console.print(shown(line), highlight=False)
 
 
 @models_app.command("export")

@@ -336,7 +336,7 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
         watermark=meta.watermark, global_step=meta.global_step,
         parent=meta.parent, parent_version=by_checkpoint.get(meta.parent) if meta.parent else None,
         recipe=meta.recipe, export=meta.export, base=meta.base, weights=whole_weights(checkpoint), inputs=inputs,
-        output_url=spec.inference.output_url,
+        output_url=spec.inference.output_url, tracking=spec.tracking.mlflow_uri,
         spec_digest=spec.digest(), forced=forced, digests=_digests(checkpoint, meta.export),
         verdict=VerdictSummary(passed=verdict.passed, mode=verdict.mode, metric=verdict.metric, reason=verdict.reason,
                                paired=verdict.paired),

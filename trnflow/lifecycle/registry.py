@@ -91,6 +91,8 @@ class RegistryEntry(Record):
     output_url: str | None = Field(None, description="where its inference outputs are published")
     spec_digest: str | None = None
     verdict: VerdictSummary | None = None
+    tracking: str | None = Field(None, description="the MLflow server its run is mirrored to (tracking.mlflow_uri): "
+                                 "a change of champion moves the `champion` alias there")
     forced: str | None = Field(None, description="why it was promoted although worse than the champion")
     digests: Digests | None = Field(None, description="its files as registered; a version without them (one "
                                     "registered by hand) cannot be promoted, served or trained from")

@@ -22,6 +22,7 @@ import importlib.util
 import json
 import logging
 import os
+import subprocess
 import tempfile
 import time
 import urllib.error
@@ -33,6 +34,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from trnflow.fsutil import atomic_write_text
+from trnflow.lifecycle.registry import Registry
 from trnflow.redact import without_credentials
 from trnflow.results import EvaluateResult, InferResult, RunOutcome, TrainResult
 from trnflow.specs import JobSpec
@@ -53,6 +55,19 @@ class TrackedMetric(BaseModel):
     step: int
 
 
+class TrackedVersion(BaseModel):
+    """A registered version as MLflow's model registry gets it: by reference (the registry entry,
+    which names the checkpoint and its digests), never the weights."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str
+    version: int = Field(description="trnflow's version number (the MLflow version's trnflow.version tag)")
+    checkpoint: str
+    status: str = Field(description="the gate's decision")
+    entry: str = Field(description="the registry entry, JSON")
+
+
 class TrackedRun(BaseModel):
     """What one run sends to MLflow: built from the run's typed results, kept as JSON when the
     server cannot take it."""
@@ -68,6 +83,9 @@ class TrackedRun(BaseModel):
     metrics: list[TrackedMetric] = Field(default_factory=list)
     artifacts: dict[str, str] = Field(default_factory=dict, description="text files by name")
     images: dict[str, str] = Field(default_factory=dict, description="PNG files by name, base64")
+    registered: TrackedVersion | None = Field(None, description="the version the run registered")
+    champion: int | None = Field(None, description="the registry's champion when the run ended: the MLflow "
+                                 "model's `champion` alias follows it")
 
 
 def is_sagemaker_arn(uri: str) -> bool:
@@ -119,30 +137,22 @@ def _version() -> str:
         return "unknown"
 
 
-def tracked_run(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: str,
-                flow_run_url: str | None = None) -> TrackedRun:
-    """The MLflow run of one pipeline run, from its outcome (however it ended: `ended` says how, or
-    None when it completed) and its summary text."""
-    assert spec.tracking.mlflow_uri is not None and outcome.run_id is not None
-    params = {key: _param(value) for key, value in _flat(spec.model_dump(mode="json", exclude={"faults"}))
-              if value is not None}
+def step_metrics(spec: JobSpec, outcome: RunOutcome) -> list[TrackedMetric]:
+    """The run's metrics by step (MLflow's and TensorBoard's): the training curve and learning
+    rate, the candidate's holdout metrics, the reference's gate metric and the gate's difference,
+    the verdict, inference's and the run's totals (at step 0)."""
     metrics: list[TrackedMetric] = []
 
     def add(key: str, value: Any, step: int = 0) -> None:
         if isinstance(value, int | float) and not isinstance(value, bool):
             metrics.append(TrackedMetric(key=key, value=float(value), step=step))
 
-    tags = {"trnflow.run_id": outcome.run_id, "trnflow.spec": spec.name, "trnflow.spec_digest": spec.digest(),
-            "trnflow.version": _version(), "trnflow.state": ended or "Completed"}
     train = outcome.results.get("train")
     if isinstance(train, TrainResult):
         for point in train.curve:
-            for key in ("loss", "samples_per_s"):
-                add(f"train/{key}", point.get(key), point["step"])
-        tags |= {"trnflow.checkpoint": train.checkpoint or "", "trnflow.watermark": train.watermark or "",
-                 "trnflow.started_from": train.parent or "", "trnflow.steps_trained": str(train.steps_trained)}
-        if train.compile is not None:
-            tags["trnflow.compile_cache_hits"] = str(train.compile.hits)
+            add("train/loss", point.get("loss"), point["step"])
+            add("train/lr", spec.train.lr, point["step"])  # constant: trnflow has no schedule
+            add("train/samples_per_s", point.get("samples_per_s"), point["step"])
     evaluated = outcome.results.get("evaluate")
     if isinstance(evaluated, EvaluateResult):
         for point in evaluated.points:
@@ -157,17 +167,63 @@ def tracked_run(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: 
             add("gate/passed", 1.0 if verdict.passed else 0.0)
             if verdict.points:
                 add("gate/largest_abs_diff", max(abs(vp.diff) for vp in verdict.points))
-            tags["trnflow.gate"] = "passed" if verdict.passed else f"failed: {verdict.reason or ''}"[:5000]
-        if evaluated.registry:
-            tags["trnflow.registry_version"] = str(evaluated.registry.get("version"))
     inferred = outcome.results.get("infer")
     if isinstance(inferred, InferResult):
         add("infer/rows", inferred.rows)
         add("infer/rows_per_s", inferred.rows_per_s)
     if outcome.cost.total_usd is not None:
         add("cost/total_usd", outcome.cost.total_usd)
-    hours = sum(r.billable_seconds * r.nodes for r in outcome.cost.rows) / 3600
-    add("cost/instance_hours", round(hours, 6))
+    add("cost/instance_hours", round(sum(r.billable_seconds * r.nodes for r in outcome.cost.rows) / 3600, 6))
+    return metrics
+
+
+def _commit() -> str | None:
+    """The git commit trnflow runs from, when it runs from a checkout (an installed wheel has none)."""
+    try:
+        said = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
+                              capture_output=True, text=True, timeout=5, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return said.stdout.strip() or None
+
+
+def _registered(spec: JobSpec, evaluated: Any) -> tuple[TrackedVersion | None, int | None]:
+    """The version this run registered, as MLflow gets it, and the registry's champion now."""
+    if not (spec.registry_url and isinstance(evaluated, EvaluateResult) and evaluated.registry):
+        return None, None
+    registry = Registry(spec.registry_url)
+    number = int(evaluated.registry["version"])
+    entry = registry.version(spec.name, number).entry
+    champion = registry.champion(spec.name)
+    return (TrackedVersion(model=spec.name, version=number, checkpoint=without_credentials(entry.checkpoint),
+                           status=entry.status or "", entry=entry.model_dump_json(indent=1)),
+            champion.version if champion else None)
+
+
+def tracked_run(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: str,
+                flow_run_url: str | None = None) -> TrackedRun:
+    """The MLflow run of one pipeline run, from its outcome (however it ended: `ended` says how, or
+    None when it completed) and its summary text."""
+    assert spec.tracking.mlflow_uri is not None and outcome.run_id is not None
+    params = {key: _param(value) for key, value in _flat(spec.model_dump(mode="json", exclude={"faults"}))
+              if value is not None}
+    tags = {"trnflow.run_id": outcome.run_id, "trnflow.spec": spec.name, "trnflow.spec_digest": spec.digest(),
+            "trnflow.version": _version(), "trnflow.commit": _commit() or "", "trnflow.state": ended or "Completed"}
+    train = outcome.results.get("train")
+    if isinstance(train, TrainResult):
+        tags |= {"trnflow.checkpoint": train.checkpoint or "", "trnflow.watermark": train.watermark or "",
+                 "trnflow.days_read": str(len(train.partitions)), "trnflow.started_from": train.parent or "",
+                 "trnflow.steps_trained": str(train.steps_trained)}
+        if train.compile is not None:
+            tags["trnflow.compile_cache_hits"] = str(train.compile.hits)
+    evaluated = outcome.results.get("evaluate")
+    if isinstance(evaluated, EvaluateResult):
+        verdict = evaluated.verdict
+        if verdict is not None:
+            tags["trnflow.gate"] = "passed" if verdict.passed else f"failed: {verdict.reason or ''}"[:5000]
+        if evaluated.registry:
+            tags["trnflow.registry_version"] = str(evaluated.registry.get("version"))
+    registered, champion = _registered(spec, evaluated)
     if flow_run_url:
         tags["trnflow.flow_run"] = flow_run_url
     artifacts = {"summary.md": summary, "outcome.json": outcome.model_dump_json(indent=1)}
@@ -178,8 +234,8 @@ def tracked_run(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: 
             images[name] = base64.b64encode(open_store(folder).read(name)).decode()
     return TrackedRun(uri=spec.tracking.mlflow_uri, experiment=spec.tracking.experiment or spec.name,
                       run_id=outcome.run_id, finished=ended is None, params=params,
-                      tags={k: v for k, v in tags.items() if v}, metrics=metrics, artifacts=artifacts,
-                      images=images)
+                      tags={k: v for k, v in tags.items() if v}, metrics=step_metrics(spec, outcome),
+                      artifacts=artifacts, images=images, registered=registered, champion=champion)
 
 
 # --- sending it ------------------------------------------------------------------------------------
@@ -255,8 +311,72 @@ def send(run: TrackedRun) -> tuple[str, str | None]:
             for name, data in run.images.items():
                 (Path(tmp) / name).write_bytes(base64.b64decode(data))
                 client.log_artifact(mlflow_id, str(Path(tmp) / name))
+        if run.registered is not None:
+            _register(client, mlflow_id, run.registered)
+            _point_alias(client, run.registered.model, run.champion)
         client.set_terminated(mlflow_id, status="FINISHED" if run.finished else "FAILED")
     return mlflow_id, run_url(run.uri, experiment_id, mlflow_id)
+
+
+ALIAS = "champion"
+AWAIT_VERSION_SECONDS = 10
+
+
+def _mirrored(client: Any, model: str, version: int) -> str | None:
+    """The MLflow version that mirrors trnflow's `version` of `model`, if any."""
+    found = client.search_model_versions(f"name = '{model}' and tags.`trnflow.version` = '{version}'")
+    return min((v.version for v in found), key=int, default=None)
+
+
+def _register(client: Any, mlflow_id: str, registered: TrackedVersion) -> None:
+    """Mirror a registered version as an MLflow model version (once), its source the run's
+    `registry/vN/` artifact: the registry entry that names the checkpoint."""
+    from mlflow.exceptions import MlflowException  # optional, and loaded already by send
+
+    folder = f"registry/v{registered.version:06d}"
+    client.log_text(mlflow_id, registered.entry, f"{folder}/entry.json")
+    try:
+        client.get_registered_model(registered.model)
+    except MlflowException:  # not there yet (the client says so only by its error)
+        client.create_registered_model(registered.model, description="mirrored from trnflow's registry, which "
+                                       "stays the source of truth; each version names its checkpoint")
+    if _mirrored(client, registered.model, registered.version) is None:
+        client.create_model_version(
+            registered.model, f"runs:/{mlflow_id}/{folder}", run_id=mlflow_id,
+            tags={"trnflow.version": str(registered.version), "trnflow.checkpoint": registered.checkpoint,
+                  "trnflow.status": registered.status},
+            description=f"trnflow v{registered.version} (by reference): {registered.checkpoint}",
+            await_creation_for=AWAIT_VERSION_SECONDS)
+
+
+def _point_alias(client: Any, model: str, champion: int | None) -> str:
+    """Point the `champion` alias at the MLflow version mirroring trnflow's champion; with no
+    champion, or one that was never mirrored, the alias is removed (a stale alias would name a
+    model that is no longer the champion). What it did, as a line."""
+    from mlflow.exceptions import MlflowException  # optional, and loaded already by the caller
+
+    target = _mirrored(client, model, champion) if champion is not None else None
+    if target is not None:
+        client.set_registered_model_alias(model, ALIAS, target)
+        return f"MLflow's {model}@{ALIAS} is version {target} (trnflow v{champion})"
+    with contextlib.suppress(MlflowException):  # no alias to remove
+        client.delete_registered_model_alias(model, ALIAS)
+    return (f"MLflow's {model}@{ALIAS} removed: trnflow's champion "
+            + (f"v{champion} was never mirrored there" if champion is not None else "is none"))
+
+
+def point_champion(uri: str, model: str, champion: int | None) -> str:
+    """After a change of champion: move the `champion` alias of `model` on `uri`. A line saying what
+    it did or why it could not (never raises: the registry's change stands either way)."""
+    try:
+        from mlflow import MlflowClient  # optional (the mlflow extra), and heavy
+
+        with _bounded(uri):
+            return _point_alias(MlflowClient(uri), model, champion)
+    except Exception as exc:  # down, refusing, or no mlflow here: trnflow's registry is the source of truth
+        why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
+        return (f"MLflow's {model}@{ALIAS} on {uri} not moved ({why}); the next run mirrored there moves it, "
+                "or change the champion again")
 
 
 def outbox(home: Path, run_id: str) -> Path:
