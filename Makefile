@@ -16,7 +16,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # every process would compile what it imports from source again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo causal-lm causal-lm-lora test test-main test-fast test-xla xla-env faults bench lint clean chromium deps-check checkov
+.PHONY: install demo demo-tracking causal-lm causal-lm-lora test test-main test-fast test-xla xla-env faults bench lint clean chromium deps-check checkov
 
 # The example recipe (examples/recipes) goes in too: the tests run it as an installed plug-in.
 $(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml
@@ -36,6 +36,21 @@ demo: install $(DATA)/holdout
 	$(BIN)/trnflow validate $(SPEC)
 	$(BIN)/trnflow reference $(SPEC)
 	$(BIN)/trnflow run $(SPEC)
+
+# The demo's run mirrored to a local MLflow server, left running to browse (its URL is printed;
+# `kill $$(cat runs/mlflow/server.pid)` stops it), and its TensorBoard event files written.
+MLFLOW_PORT ?= 5000
+demo-tracking: install $(DATA)/holdout
+	mkdir -p runs/mlflow
+	$(BIN)/trnflow tracking server --port $(MLFLOW_PORT) --folder runs/mlflow > runs/mlflow/server.log 2>&1 & \
+	  echo $$! > runs/mlflow/server.pid
+	$(BIN)/trnflow reference $(SPEC)
+	for i in $$(seq 120); do $(BIN)/trnflow validate $(SPEC) --data-check --set \
+	  tracking.mlflow_uri=http://127.0.0.1:$(MLFLOW_PORT) > /dev/null 2>&1 && break; sleep 1; done
+	$(BIN)/trnflow validate $(SPEC) --data-check --set tracking.mlflow_uri=http://127.0.0.1:$(MLFLOW_PORT)
+	$(BIN)/trnflow run $(SPEC) --set tracking.mlflow_uri=http://127.0.0.1:$(MLFLOW_PORT) \
+	  --set tracking.tensorboard=true
+	@echo "MLflow: http://127.0.0.1:$(MLFLOW_PORT) (experiment quickstart; stop it: kill \$$(cat runs/mlflow/server.pid))"
 
 # Fine-tuning a pretrained language model: a tiny model of review text trained from scratch and
 # exported (the "pretrained" one), then fine-tuned on prompt/completion pairs, gated on perplexity.

@@ -191,6 +191,10 @@ def test_a_run_is_mirrored_to_mlflow_and_one_that_found_it_down_is_synced_later(
         assert tags["trnflow.spec_digest"] == decided(spec).digest() and params["train.parallelism.strategy"] == "ddp"
         assert tags["trnflow.gate"] == "passed" and tags["trnflow.state"] == "Completed"
         assert tags["trnflow.checkpoint"] == outcome.results["train"].checkpoint
+        trained = tags["trnflow.stage.train"]
+        assert trained.startswith("Completed in ") and " on emulator: " in trained
+        assert {k.removeprefix("trnflow.stage.") for k in tags if k.startswith("trnflow.stage.")} == {
+            row.stage for row in outcome.stages}
         assert tags["trnflow.flow_run"].startswith(prefect_api.removesuffix("/api"))
         # the series are trnflow's own, at the same steps
         curve = outcome.results["train"].curve
@@ -304,3 +308,22 @@ def test_a_run_that_failed_is_kept_as_failed_when_no_server_answers(tmp_path):
     assert not kept.finished and kept.tags["trnflow.state"] == "stage sanity failed: core 1 bad"
     assert kept.experiment == "quickstart" and kept.params["train.steps"] == str(spec.train.steps)
     assert kept.artifacts["summary.md"] == "# summary" and "faults" not in " ".join(kept.params)
+
+
+@pytest.mark.slow
+def test_a_sagemaker_arn_is_reached_through_the_sagemaker_mlflow_plugin(tmp_path, monkeypatch):
+    """The ARN is handed to the plugin, which routes the client's requests to SageMaker's MLflow
+    endpoint for the ARN's region (not reachable here: the run's mirror is kept)."""
+    from trnflow.reporting.tracking import mirror, outbox
+    from trnflow.results import RunOutcome, StageRow
+    from trnflow.specs import validate_spec
+
+    for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+                       "AWS_DEFAULT_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(key, value)
+    arn = "arn:aws:sagemaker:eu-west-1:123456789012:mlflow-tracking-server/search"
+    spec = validate_spec(quickstart_data(tracking={"mlflow_uri": arn}))
+    outcome = RunOutcome(run_id="arn-1", stages=[StageRow(stage="sanity", state="Completed", summary="2 cores")])
+    sent, note = mirror(spec, outcome, None, "# summary", None, tmp_path)
+    assert not sent and "https://eu-west-1.experiments.sagemaker.aws/api/2.0/mlflow/" in note, note
+    assert outbox(tmp_path, "arn-1").is_file()

@@ -223,6 +223,10 @@ def tracked_run(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: 
             tags["trnflow.gate"] = "passed" if verdict.passed else f"failed: {verdict.reason or ''}"[:5000]
         if evaluated.registry:
             tags["trnflow.registry_version"] = str(evaluated.registry.get("version"))
+    for row in outcome.stages:  # each stage: its state, time, device and key figure
+        took = f" in {row.seconds:.1f} s" if row.seconds is not None else ""
+        on = f" on {row.device}" if row.device else ""
+        tags[f"trnflow.stage.{row.stage}"] = f"{row.state}{took}{on}: {row.summary}"[:5000]
     registered, champion = _registered(spec, evaluated)
     if flow_run_url:
         tags["trnflow.flow_run"] = flow_run_url
