@@ -6,6 +6,7 @@ import struct
 
 import pytest
 
+from tests.conftest import quickstart_data
 from trnflow.reporting.tensorboard import crc32c, event_file
 from trnflow.reporting.tracking import TrackedMetric
 
@@ -41,3 +42,22 @@ def test_a_torn_event_file_is_seen_as_torn_by_tensorboard(tmp_path):
     data[8 + 4 + first + 4 + 12 + 10] ^= 0xFF  # inside the second event
     (tmp_path / "events.out.tfevents.torn").write_bytes(bytes(data))
     assert _scalars(tmp_path).get("train/loss", []) == []
+
+
+def test_a_runs_event_file_on_s3_is_read_by_tensorboard_from_s3(in_process_aws):
+    """`tensorboard --logdir s3://...` reads a run's file where trnflow put it: TensorBoard's own S3
+    reader (boto3) on moto."""
+    from trnflow import aws
+    from trnflow.reporting.tensorboard import folder, logdir, write_events
+    from trnflow.results import RunOutcome, TrainResult
+    from trnflow.specs import validate_spec
+
+    aws.client("s3").create_bucket(Bucket="runs")
+    spec = validate_spec(quickstart_data(train={"checkpoint_url": "s3://runs/checkpoints", "lr": 0.01}))
+    curve = [{"step": 5, "loss": 0.7, "samples_per_s": 900.0}, {"step": 10, "loss": 0.6, "samples_per_s": 950.0}]
+    outcome = RunOutcome(run_id="r-1", results={"train": TrainResult(checkpoint=None, curve=curve)})
+    note = write_events(spec, outcome)
+    assert folder(spec, "r-1") == "s3://runs/checkpoints/r-1/tensorboard" and logdir(spec.train.checkpoint_url) in note
+    read = _scalars("s3://runs/checkpoints/r-1/tensorboard")
+    assert read["train/loss"] == [(5, pytest.approx(0.7)), (10, pytest.approx(0.6))]
+    assert read["train/lr"] == [(5, pytest.approx(0.01)), (10, pytest.approx(0.01))]
