@@ -154,13 +154,14 @@ WRITES = {  # what a job or flow of each kind puts, and whether it may
     "embeddings": f"{OUTPUTS}/m/v000002/part-00000.parquet",
     "pointer": f"{OUTPUTS}/m/_current.json",
     "result": f"{STAGING}/jobs/{RUN}/m-train-{RUN}/output/result.json",
+    "event file": f"{CHECKPOINTS}/runs/m/{RUN}/tensorboard/events.out.tfevents.{RUN}.trnflow",
 }
 MAY_WRITE = {
     "preflight": {"result", "preflight checkpoint"},
     "compile": {"result", "cache entry"},
-    "train": {"result", "checkpoint", "preflight checkpoint"},
+    "train": {"result", "checkpoint", "preflight checkpoint", "event file"},  # its own run's folder
     "infer": {"result", "embeddings"},
-    "OrchestratorRole": {"result", "registry entry", "champion record", "pointer"},
+    "OrchestratorRole": {"result", "registry entry", "champion record", "pointer", "event file"},
 }
 
 

@@ -12,7 +12,7 @@ import typer
 from rich.table import Table
 
 from trnflow.cli.console import RED, cli_console, shown
-from trnflow.errors import DataError, ExitCode, FatalError
+from trnflow.errors import DataError, ExitCode, FatalError, TrnflowError
 from trnflow.lifecycle.digests import check_version
 from trnflow.lifecycle.exports import copy_export
 from trnflow.lifecycle.registry import ChampionChange, PromotionConflict, Registry, RegistryCorrupt, RegistryEntry
@@ -166,8 +166,10 @@ def _change_champion(reg: Registry, model: str, version: int, action: str,
 def _move_alias(reg: Registry, model: str, record: ChampionChange) -> list[str]:
     """After a change of champion: MLflow's `champion` alias follows it on the servers the new and
     the previous champion's runs were mirrored to (it never decides anything). A line for each."""
-    versions = [record.version] + ([record.previous] if record.previous else [])
-    servers = {reg.version(model, v).entry.tracking for v in versions}
+    servers = {reg.version(model, record.version).entry.tracking}
+    if record.previous:
+        with contextlib.suppress(TrnflowError):  # the change stands even if the old champion's entry is unreadable
+            servers.add(reg.version(model, record.previous).entry.tracking)
     return [point_champion(uri, model, record.version) for uri in sorted(s for s in servers if s)]
 
 

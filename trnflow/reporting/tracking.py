@@ -177,10 +177,16 @@ def step_metrics(spec: JobSpec, outcome: RunOutcome) -> list[TrackedMetric]:
     return metrics
 
 
-def _commit() -> str | None:
-    """The git commit trnflow runs from, when it runs from a checkout (an installed wheel has none)."""
+CHECKOUT = Path(__file__).resolve().parents[2]  # the repository's root, when trnflow runs from one
+
+
+def _commit(checkout: Path = CHECKOUT) -> str | None:
+    """The git commit trnflow runs from, when it runs from its own checkout (an installed wheel has
+    none; a wheel installed inside another project's repository is not that project's commit)."""
+    if not (checkout / ".git").exists() or not (checkout / "trnflow" / "reporting" / "tracking.py").is_file():
+        return None
     try:
-        said = subprocess.run(["git", "-C", str(Path(__file__).parent), "rev-parse", "HEAD"],
+        said = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"],
                               capture_output=True, text=True, timeout=5, check=True)
     except (OSError, subprocess.SubprocessError):
         return None
