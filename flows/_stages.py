@@ -18,6 +18,7 @@ from trnflow.device.signing import UNSIGNED_ENV
 from trnflow.errors import FatalError, GateDecision, TrnflowError
 from trnflow.lifecycle.locations import check_locations
 from trnflow.reporting.cost import run_cost, stage_cost
+from trnflow.reporting.forecast import headline, keep
 from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
 from trnflow.reporting.tensorboard import write_events
@@ -147,9 +148,9 @@ class StageRunner:
         links = outputs(self.results)
         if links:
             text += "\n" + links_markdown(links)
+        home = TrnflowSettings().home.expanduser().resolve()
         if self.spec.tracking.mlflow_uri:  # mirrored however it ended; a server that is down never fails it
-            sent, note = mirror(self.spec, self.outcome(), self.ended, text, flow_run.get_flow_run_ui_url(),
-                                TrnflowSettings().home.expanduser().resolve())
+            sent, note = mirror(self.spec, self.outcome(), self.ended, text, flow_run.get_flow_run_ui_url(), home)
             (get_run_logger().info if sent else get_run_logger().warning)(note)
             text += f"\n{note}\n"
         if self.spec.tracking.tensorboard and "train" in self.results:
@@ -160,6 +161,12 @@ class StageRunner:
                 note = f"tensorboard: no event file written ({type(exc).__name__}: {one_line(exc)})"
                 get_run_logger().warning(note)
             text += f"\n{note}\n"
+        if self.ended is None:  # what it measured, for the forecasts of later runs
+            try:
+                if kept := keep(self.spec, self.outcome(), home):
+                    get_run_logger().info(f"history: this run's measurements kept in {kept}")
+            except Exception as exc:  # a store that refuses costs later forecasts one run, never this run
+                get_run_logger().warning(f"history: this run's measurements not kept ({one_line(exc)})")
         _artifacts.markdown(self.spec, "summary", text, f"stages, cost and outputs of run {self.run_id}")
         _artifacts.table(self.spec, "stages", [{STAGE_COLUMNS[k]: _cell(getattr(r, k)) for k in STAGE_COLUMNS}
                                                 for r in with_not_run(self.rows, stages, self.ended)],
@@ -200,6 +207,8 @@ def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], st
                ) -> RunOutcome:
     """Run a flow's stages and attach its summary, however it ends: a run that failed says why in
     its first line (`failed_state`'s message), and each stage that did not run says why not."""
+    if "train" in stages:  # the run's first line: how long it should take and cost (`trnflow plan`)
+        get_run_logger().info(headline(stage.spec, TrnflowSettings().home.expanduser().resolve()))
     try:
         return body(stage)
     except (PipelineFailed, TrnflowError) as exc:

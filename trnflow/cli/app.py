@@ -19,6 +19,7 @@ from rich.markup import escape
 
 from trnflow.cli import devices as cli_devices
 from trnflow.cli import pipeline as cli_pipeline
+from trnflow.cli import plan as cli_plan
 from trnflow.cli import prelaunch
 from trnflow.cli import recipes as cli_recipes
 from trnflow.cli import runs as cli_runs
@@ -93,6 +94,8 @@ def validate(
         missing = prelaunch.missing_inputs(spec)
         memory, problem = prelaunch.memory_plan(spec) if not missing else (None, None)
         problems += [problem] if problem else []
+        if memory and not problems:  # `trnflow plan` has the whole of it
+            notes.append(prelaunch.forecast(spec))
         notes = ([memory.describe()] if memory else []) + notes + [
             f"{line} (a run refuses to start without it; the memory check waits for it)" for line in missing]
         failed = failed or bool(problems)
@@ -125,6 +128,7 @@ cli_devices.register(app)  # devices, top, collectives: the emulated NeuronCores
 cli_recipes.register(app)  # recipes: the models this trnflow can train
 app.add_typer(data_app, name="data")
 cli_pipeline.register(app)  # reference, compile, run, retrain, preflight
+cli_plan.register(app)  # plan: a run's time and cost, forecast
 app.add_typer(cache_app, name="cache")
 app.add_typer(models_app, name="models")
 app.add_typer(checkpoint_app, name="checkpoint")

@@ -17,7 +17,9 @@ from trnflow.device.plans import cache_problem
 from trnflow.errors import DataError, ExitCode, FatalError, FieldError
 from trnflow.lifecycle.exports import read_marker
 from trnflow.lifecycle.locations import reference_problem
+from trnflow.reporting.forecast import headline
 from trnflow.reporting.tracking import server_problem
+from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.storage import local_path
 from trnflow.storage.datafiles import cannot_list, listing_problems, unreachable_errors
@@ -120,6 +122,13 @@ def memory_plan(spec: JobSpec) -> tuple[MemoryPlan | None, str | None]:
         return None, str(exc)
     except FatalError as exc:
         return None, f"train.parallelism: {exc}"
+
+
+def forecast(spec: JobSpec) -> str:
+    """The one-line forecast of a run of `spec` (`trnflow.reporting.forecast.headline`)."""
+    from trnflow.workload.memory import decided  # builds the model on the meta device: torch (~1 s)
+
+    return headline(decided(spec), TrnflowSettings().home.expanduser().resolve())
 
 
 def launch_problems(spec: JobSpec, retraining: bool = False) -> list[str]:

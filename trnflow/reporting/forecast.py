@@ -1,0 +1,274 @@
+"""How long a run will take and what it will cost, before it starts: a forecast per stage from the
+measured history of earlier runs of the same model.
+
+Every completed pipeline run leaves one record of what it measured (`RunRecord`): per stage its
+wall time and, where the stage has a rate, its work and rate (training: samples and samples/s;
+inference: rows and rows/s), with the layout it ran on (backend, instance type, nodes, cores,
+strategy, tensor parallelism). The records live beside the model's registry entries,
+`<registry_url>/<model>/history/<run id>.json` (without a registry: `<TRNFLOW_HOME>/history/<model>/`),
+one file per run, written once when the run ends.
+
+The forecast of a stage says where it came from:
+- `history`: runs of the same recipe on the same layout. Training's time is each run's fixed part
+  (its stage time less its samples at its rate: start-up, compile-cache loads, checkpoints) plus
+  this spec's samples at that run's rate; the forecast is the median over runs, the range their
+  least and most. Inference likewise, for as many rows as the newest run read. Other stages take
+  the median of their times.
+- `scaled`: no run on this layout, some on others: the rate scaled by the cores, the range wider.
+- `guess`: no run of this recipe yet: a stated guess, marked as such.
+The cost is the forecast time on the stage's nodes at the price `trnflow.reporting.cost` uses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from trnflow.reporting.cost import job_cost
+from trnflow.results import InferResult, RunOutcome, TrainResult
+from trnflow.specs import JobSpec
+from trnflow.storage import open_store
+
+PIPELINE_STAGES = ("sanity", "collectives", "compile", "train", "evaluate", "infer", "promote")
+NO_JOB = ("evaluate", "promote")
+"""Stages the orchestrator does itself: they hold no instances."""
+GUESS_SECONDS = {"sanity": 30.0, "collectives": 30.0, "compile": 120.0, "evaluate": 10.0, "infer": 60.0,
+                 "promote": 5.0}
+GUESS_TRAIN_OVERHEAD = 60.0
+GUESS_SAMPLES_PER_CORE_S = 100.0
+SCALED_RANGE = (0.6, 1.6)
+"""How much wider a rate scaled from another layout may be, low and high."""
+
+
+class Layout(BaseModel):
+    """What a run ran on: runs on the same layout have comparable rates."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    backend: str
+    instance_type: str
+    nodes: int
+    cores_per_node: int
+    strategy: str
+    tp: int
+
+    @classmethod
+    def of(cls, spec: JobSpec) -> Layout:
+        parallel = spec.train.parallelism
+        return cls(backend=spec.compute.backend, instance_type=spec.compute.instance_type, nodes=spec.compute.nodes,
+                   cores_per_node=spec.compute.cores_per_node, strategy=str(parallel.strategy),
+                   tp=parallel.tp_degree)
+
+    @property
+    def cores(self) -> int:
+        return self.nodes * self.cores_per_node
+
+    def describe(self) -> str:
+        split = f", tp {self.tp}" if self.tp > 1 else ""
+        return (f"{self.backend} {self.nodes}x {self.instance_type}, {self.cores_per_node} cores each, "
+                f"{self.strategy}{split}")
+
+
+class StageMeasure(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage: str
+    seconds: float = Field(ge=0, description="the stage's wall time")
+    work: float | None = Field(None, description="training: samples; inference: rows")
+    rate: float | None = Field(None, gt=0, description="work per second")
+
+
+class RunRecord(BaseModel):
+    """What one completed run measured, for the forecasts of later runs."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    run_id: str
+    at: float = Field(description="when it ended (Unix seconds)")
+    recipe: str
+    layout: Layout
+    stages: list[StageMeasure]
+    cost_usd: float | None = None
+
+    def stage(self, name: str) -> StageMeasure | None:
+        return next((s for s in self.stages if s.stage == name), None)
+
+
+def record_of(spec: JobSpec, outcome: RunOutcome, at: float | None = None) -> RunRecord:
+    """The record of a run that completed (`spec` as it ran: its layout decided)."""
+    assert outcome.run_id is not None
+    measures = []
+    for row in outcome.stages:
+        if row.state != "Completed" or row.seconds is None:
+            continue
+        result = outcome.results.get(row.stage)
+        work = rate = None
+        if isinstance(result, TrainResult) and result.steps_trained and result.samples_per_s > 0:
+            work, rate = float(result.steps_trained * spec.train.global_batch_size), result.samples_per_s
+        elif isinstance(result, InferResult) and result.rows_embedded and result.rows_per_s > 0:
+            work, rate = float(result.rows_embedded), result.rows_per_s
+        measures.append(StageMeasure(stage=row.stage, seconds=row.seconds, work=work, rate=rate))
+    return RunRecord(run_id=outcome.run_id, at=time.time() if at is None else at, recipe=spec.model.recipe,
+                     layout=Layout.of(spec), stages=measures, cost_usd=outcome.cost.total_usd)
+
+
+def history_url(spec: JobSpec, home: Path) -> str:
+    """Where the records of `spec`'s model are kept."""
+    if spec.registry_url:
+        return f"{spec.registry_url.rstrip('/')}/{spec.name}/history"
+    return str(home / "history" / spec.name)
+
+
+def keep(spec: JobSpec, outcome: RunOutcome, home: Path) -> str | None:
+    """Add a completed run's record to its model's history: where it went (None: it trained
+    nothing, as a retraining run that found no new data; its times say nothing of a run that does)."""
+    train = outcome.results.get("train")
+    if not (isinstance(train, TrainResult) and train.steps_trained):
+        return None
+    record = record_of(spec, outcome)
+    where = history_url(spec, home)
+    open_store(where).write(f"{record.run_id}.json", record.model_dump_json(indent=1).encode())
+    return f"{where}/{record.run_id}.json"
+
+
+def history(spec: JobSpec, home: Path) -> tuple[list[RunRecord], list[str]]:
+    """The model's records, oldest first, and a line for each file that could not be read (it is
+    left out: a forecast is advice, and says what it rests on)."""
+    store = open_store(history_url(spec, home))
+    records, unread = [], []
+    with contextlib.suppress(FileNotFoundError):
+        for item in store.list():
+            if not item.name.endswith(".json") or "/" in item.name:
+                continue
+            try:
+                records.append(RunRecord.model_validate_json(store.read(item.name)))
+            except (ValidationError, ValueError, OSError) as exc:
+                unread.append(f"{item.name}: {type(exc).__name__}")
+    return sorted(records, key=lambda r: r.at), unread
+
+
+# --- the forecast ----------------------------------------------------------------------------------
+
+
+class StageForecast(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage: str
+    nodes: int = Field(description="instances it holds (0: the orchestrator does it)")
+    seconds: float
+    low: float
+    high: float
+    cost_usd: float | None
+    source: Literal["history", "scaled", "guess"]
+    basis: str = Field(description="what it rests on, in words")
+
+
+class Plan(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    spec: str
+    layout: Layout
+    stages: list[StageForecast]
+    seconds: float
+    low: float
+    high: float
+    cost_usd: float | None = Field(description="None when an instance has no known price")
+    finish_at: float = Field(description="when it would end if started now (Unix seconds)")
+    notes: list[str] = Field(default_factory=list)
+
+    def headline(self) -> str:
+        """The one-line total."""
+        cost = f"${self.cost_usd:.2f}" if self.cost_usd is not None else "cost unknown (no price)"
+        sources = sorted({s.source for s in self.stages})
+        return (f"forecast: {minutes(self.seconds)} ({minutes(self.low)}-{minutes(self.high)}), {cost} "
+                f"on-demand; from {', '.join(sources)}")
+
+
+def minutes(seconds: float) -> str:
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
+def _spread(values: list[float]) -> tuple[float, float, float]:
+    return statistics.median(values), min(values), max(values)
+
+
+def _rated(spec: JobSpec, stage: str, runs: list[RunRecord], work: float | None, cores_ratio: float
+           ) -> tuple[float, float, float] | None:
+    """Fixed part plus `work` at each run's rate (scaled by `cores_ratio`): median, least, most."""
+    predicted = []
+    for run in runs:
+        measured = run.stage(stage)
+        if measured is None or measured.rate is None or measured.work is None:
+            continue
+        fixed = max(0.0, measured.seconds - measured.work / measured.rate)
+        predicted.append(fixed + (measured.work if work is None else work) / (measured.rate * cores_ratio))
+    return _spread(predicted) if predicted else None
+
+
+def _stage(spec: JobSpec, stage: str, runs: list[RunRecord], layout: Layout) -> StageForecast:
+    same = [r for r in runs if r.layout == layout]
+    others = [r for r in runs if r.layout != layout]
+    samples = float(spec.train.steps * spec.train.global_batch_size)
+    work = samples if stage == "train" else None
+    found, source, basis = None, "guess", ""
+    if stage in ("train", "infer"):
+        if same and (found := _rated(spec, stage, same, work, 1.0)):
+            source, basis = "history", f"{len(same)} run(s) on this layout"
+        elif others:
+            newest = others[-1].layout
+            scaled = _rated(spec, stage, [r for r in others if r.layout == newest], work, layout.cores / newest.cores)
+            if scaled:
+                mid, low, high = scaled
+                found = (mid, low * SCALED_RANGE[0], high * SCALED_RANGE[1])
+                source, basis = "scaled", f"runs on {newest.describe()}, scaled by cores"
+    else:
+        times = [m.seconds for r in (same or others) if (m := r.stage(stage)) is not None]
+        if times:
+            found = _spread(times)
+            source, basis = ("history" if same else "scaled"), f"{len(times)} run(s)" + ("" if same else
+                                                                                       " on other layouts")
+    if found is None:
+        if stage == "train":
+            guess = GUESS_TRAIN_OVERHEAD + samples / (GUESS_SAMPLES_PER_CORE_S * layout.cores)
+            basis = (f"no run of this model yet: a guess of {GUESS_SAMPLES_PER_CORE_S:.0f} samples/s per core "
+                     f"and {GUESS_TRAIN_OVERHEAD:.0f} s to start")
+        else:
+            guess = GUESS_SECONDS.get(stage, 30.0)
+            basis = "no run of this model yet: a guess"
+        found = (guess, guess / 3, guess * 3)
+    mid, low, high = found
+    nodes = 0 if stage in NO_JOB else 1 if stage == "compile" else spec.compute.nodes
+    cost = job_cost(spec, stage, mid, nodes=nodes).cost_usd if nodes else 0.0
+    return StageForecast(stage=stage, nodes=nodes, seconds=round(mid, 1), low=round(low, 1), high=round(high, 1),
+                         cost_usd=cost, source=source, basis=basis)
+
+
+def plan(spec: JobSpec, runs: list[RunRecord], now: float | None = None) -> Plan:
+    """The forecast of a pipeline run of `spec` (its layout decided) from the runs of its recipe."""
+    mine = [r for r in runs if r.recipe == spec.model.recipe]
+    layout = Layout.of(spec)
+    newest = next((r for r in reversed(mine) if r.layout == layout), mine[-1] if mine else None)
+    stages = [s.stage for s in newest.stages] if newest else list(PIPELINE_STAGES)
+    rows = [_stage(spec, stage, mine, layout) for stage in stages]
+    costs = [r.cost_usd for r in rows]
+    total = round(sum(r.seconds for r in rows), 1)
+    notes = [] if mine else ["no earlier run of this model: every figure is a guess"]
+    return Plan(spec=spec.name, layout=layout, stages=rows, seconds=total, low=round(sum(r.low for r in rows), 1),
+                high=round(sum(r.high for r in rows), 1),
+                cost_usd=None if any(c is None for c in costs) else round(sum(c or 0.0 for c in costs), 4),
+                finish_at=(time.time() if now is None else now) + total, notes=notes)
+
+
+def headline(spec: JobSpec, home: Path) -> str:
+    """The one-line forecast of a pipeline run of `spec` (its layout decided), or why none was made.
+    Never raises: a forecast is advice, and a history that cannot be listed costs only the forecast."""
+    try:
+        records, _ = history(spec, home)
+        return plan(spec, records).headline()
+    except Exception as exc:  # no credentials for an s3:// registry, say: validation and the run go on
+        return f"forecast: none ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
