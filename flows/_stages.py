@@ -148,14 +148,14 @@ class StageRunner:
         links = outputs(self.results)
         if links:
             text += "\n" + links_markdown(links)
-        home = TrnflowSettings().home.expanduser().resolve()
+        home, outcome = TrnflowSettings().home.expanduser().resolve(), self.outcome()
         if self.spec.tracking.mlflow_uri:  # mirrored however it ended; a server that is down never fails it
-            sent, note = mirror(self.spec, self.outcome(), self.ended, text, flow_run.get_flow_run_ui_url(), home)
+            sent, note = mirror(self.spec, outcome, self.ended, text, flow_run.get_flow_run_ui_url(), home)
             (get_run_logger().info if sent else get_run_logger().warning)(note)
             text += f"\n{note}\n"
         if self.spec.tracking.tensorboard and "train" in self.results:
             try:
-                note = write_events(self.spec, self.outcome())
+                note = write_events(self.spec, outcome)
                 get_run_logger().info(note)
             except Exception as exc:  # a store that refuses costs the run only its event file
                 note = f"tensorboard: no event file written ({type(exc).__name__}: {one_line(exc)})"
@@ -163,7 +163,7 @@ class StageRunner:
             text += f"\n{note}\n"
         if self.ended is None:  # what it measured, for the forecasts of later runs
             try:
-                if kept := keep(self.spec, self.outcome(), home):
+                if kept := keep(self.spec, outcome, home):
                     get_run_logger().info(f"history: this run's measurements kept in {kept}")
             except Exception as exc:  # a store that refuses costs later forecasts one run, never this run
                 get_run_logger().warning(f"history: this run's measurements not kept ({one_line(exc)})")

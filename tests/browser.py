@@ -88,10 +88,7 @@ class Page:
         script = (f"(input => {{ if (!input) return false; input.scrollIntoView({{block: 'center'}}); "
                   f"input.focus(); return true; }})({self._field_js(label, nth)})")
         self.wait(script, 30, f"the field {label!r}")
-        self.call("Input.dispatchKeyEvent", type="rawKeyDown", key="a", code="KeyA", windowsVirtualKeyCode=65,
-                  modifiers=2, commands=["selectAll"])  # Ctrl-A
-        self.call("Input.dispatchKeyEvent", type="keyUp", key="a", code="KeyA", windowsVirtualKeyCode=65, modifiers=2)
-        self.call("Input.insertText", text=value)
+        self._type_over(value)
         self.wait_for_value(label, value, nth, seconds=10)
         self.eval(f"{self._field_js(label, nth)}?.blur()")  # leaving the field commits it, as a person's Tab does
 
@@ -100,6 +97,10 @@ class Page:
         no label), as `fill` does."""
         self.wait(f"(e => e ? (e.focus(), true) : false)(document.querySelector({json.dumps(selector)}))", 30,
                   f"the field {selector}")
+        self._type_over(value)
+
+    def _type_over(self, value: str) -> None:
+        """Select what the focused field holds (Ctrl-A) and type `value` over it."""
         self.call("Input.dispatchKeyEvent", type="rawKeyDown", key="a", code="KeyA", windowsVirtualKeyCode=65,
                   modifiers=2, commands=["selectAll"])  # Ctrl-A
         self.call("Input.dispatchKeyEvent", type="keyUp", key="a", code="KeyA", windowsVirtualKeyCode=65, modifiers=2)

@@ -95,7 +95,7 @@ def validate(
         memory, problem = prelaunch.memory_plan(spec) if not missing else (None, None)
         problems += [problem] if problem else []
         if memory and not problems:  # `trnflow plan` has the whole of it
-            notes.append(prelaunch.forecast(spec))
+            notes.append(prelaunch.forecast(spec, memory))
         notes = ([memory.describe()] if memory else []) + notes + [
             f"{line} (a run refuses to start without it; the memory check waits for it)" for line in missing]
         failed = failed or bool(problems)

@@ -124,11 +124,12 @@ def memory_plan(spec: JobSpec) -> tuple[MemoryPlan | None, str | None]:
         return None, f"train.parallelism: {exc}"
 
 
-def forecast(spec: JobSpec) -> str:
-    """The one-line forecast of a run of `spec` (`trnflow.reporting.forecast.headline`)."""
-    from trnflow.workload.memory import decided  # builds the model on the meta device: torch (~1 s)
+def forecast(spec: JobSpec, memory: MemoryPlan) -> str:
+    """The one-line forecast of a run of `spec` on the layout `memory` decided
+    (`trnflow.reporting.forecast.headline`)."""
+    from trnflow.workload.memory import with_layout  # loaded already by memory_plan: torch
 
-    return headline(decided(spec), TrnflowSettings().home.expanduser().resolve())
+    return headline(with_layout(spec, memory.strategy, memory.tp), TrnflowSettings().home.expanduser().resolve())
 
 
 def launch_problems(spec: JobSpec, retraining: bool = False) -> list[str]:

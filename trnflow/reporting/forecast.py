@@ -197,7 +197,7 @@ def _spread(values: list[float]) -> tuple[float, float, float]:
     return statistics.median(values), min(values), max(values)
 
 
-def _rated(spec: JobSpec, stage: str, runs: list[RunRecord], work: float | None, cores_ratio: float
+def _rated(stage: str, runs: list[RunRecord], work: float | None, cores_ratio: float
            ) -> tuple[float, float, float] | None:
     """Fixed part plus `work` at each run's rate (scaled by `cores_ratio`): median, least, most."""
     predicted = []
@@ -217,11 +217,11 @@ def _stage(spec: JobSpec, stage: str, runs: list[RunRecord], layout: Layout) -> 
     work = samples if stage == "train" else None
     found, source, basis = None, "guess", ""
     if stage in ("train", "infer"):
-        if same and (found := _rated(spec, stage, same, work, 1.0)):
+        if same and (found := _rated(stage, same, work, 1.0)):
             source, basis = "history", f"{len(same)} run(s) on this layout"
         elif others:
             newest = others[-1].layout
-            scaled = _rated(spec, stage, [r for r in others if r.layout == newest], work, layout.cores / newest.cores)
+            scaled = _rated(stage, [r for r in others if r.layout == newest], work, layout.cores / newest.cores)
             if scaled:
                 mid, low, high = scaled
                 found = (mid, low * SCALED_RANGE[0], high * SCALED_RANGE[1])
