@@ -15,10 +15,10 @@ from prefect.states import Failed, State
 from trnflow.backends import trusted_cache_keys
 from trnflow.device.plans import cache_problem
 from trnflow.device.signing import UNSIGNED_ENV
-from trnflow.errors import FatalError, GateDecision, TrnflowError
+from trnflow.errors import FatalError, GateDecision, OverBudget, TrnflowError
 from trnflow.lifecycle.locations import check_locations
 from trnflow.reporting.cost import run_cost, stage_cost
-from trnflow.reporting.forecast import headline, keep
+from trnflow.reporting.forecast import OVERRIDE_HINT, Plan, beside, keep, launch_forecast, over_limits, training_budget
 from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
 from trnflow.reporting.tensorboard import write_events
@@ -91,10 +91,14 @@ class StageRunner:
         """What the run's summary says under its heading (a cache used unsigned)."""
         self.ended: str | None = None
         """How the run ended when it did not complete, in one line (its final state's message)."""
+        self.forecast: Plan | None = None
+        """The run's forecast, made before its first job (`check_limits`)."""
 
-    def __call__(self, name: str, task, *args, **kwargs) -> StageResult:
+    def __call__(self, name: str, task, *args, spec: JobSpec | None = None, **kwargs) -> StageResult:
+        """Run stage `name`'s task on the run's spec (or `spec`, the run's as that stage's job takes it)."""
         began = time.monotonic()
-        state = task.with_options(**self._options)(self.spec, self.run_id, *args, return_state=True, **kwargs)
+        state = task.with_options(**self._options)(spec or self.spec, self.run_id, *args, return_state=True,
+                                                   **kwargs)
         seconds = time.monotonic() - began
         billed = self.ledger.new_entries()  # every job the stage ran, its retries' included
         if billed:
@@ -126,6 +130,35 @@ class StageRunner:
                     "not checked, and anyone who can write it can change the code every job loads")
             get_run_logger().warning(note)
             self.notes.append(note)
+
+    def check_limits(self, override: str | None) -> None:
+        """Forecast the run (its first log line) and refuse it, before its first job, when the
+        forecast misses the spec's deadline or budget (`over_limits`), unless `override` says why it
+        should go on (then the log and the summary say so)."""
+        home = TrnflowSettings().home.expanduser().resolve()
+        self.forecast, line = launch_forecast(self.spec, home)
+        get_run_logger().info(line)
+        problems = over_limits(self.spec, self.forecast)
+        if problems and not (override or "").strip():
+            raise FatalError(f"refused before its first job: {'; '.join(problems)}; {OVERRIDE_HINT}")
+        if problems:
+            note = f"launched past its forecast limits ({'; '.join(problems)}), because: {override}"
+            get_run_logger().warning(note)
+            self.notes.append(note)
+
+    def training_spec(self) -> JobSpec:
+        """The spec the training job takes: its `train.max_cost_usd` what the run's budget leaves for
+        training (`training_budget`). OverBudget when that is nothing."""
+        spent = self.cost().total_usd or 0.0
+        allowance, basis = training_budget(self.spec, self.forecast, spent)
+        if allowance is None:
+            return self.spec
+        if allowance <= 0:
+            raise OverBudget(f"nothing is left of the budget for training: {basis}; rerun with the same run id and "
+                             "a higher compute.max_cost_usd")
+        get_run_logger().info(f"budget: training may cost ${allowance:.4f} ({basis})")
+        train = self.spec.train.model_copy(update={"max_cost_usd": allowance})
+        return self.spec.model_copy(update={"train": train})
 
     def bill(self, name: str) -> None:
         """Cost the jobs recorded since the last stage ended (a job let go after it) as `name`'s."""
@@ -163,7 +196,7 @@ class StageRunner:
             text += f"\n{note}\n"
         if self.ended is None:  # what it measured, for the forecasts of later runs
             try:
-                if kept := keep(self.spec, outcome, home):
+                if kept := keep(self.spec, outcome, home, self.forecast):
                     get_run_logger().info(f"history: this run's measurements kept in {kept}")
             except Exception as exc:  # a store that refuses costs later forecasts one run, never this run
                 get_run_logger().warning(f"history: this run's measurements not kept ({one_line(exc)})")
@@ -173,7 +206,8 @@ class StageRunner:
                          f"each stage's state, duration and key figure in run {self.run_id}")
 
     def cost(self) -> Cost:
-        return run_cost(self.costs)
+        """The run's cost table so far, with the forecast beside each stage."""
+        return beside(run_cost(self.costs), self.forecast)
 
     def outcome(self) -> RunOutcome:
         return RunOutcome(run_id=self.run_id, stages=self.rows, results=self.results, cost=self.cost())
@@ -199,17 +233,21 @@ def failed_state(error: PipelineFailed | TrnflowError) -> State:
     cause = error.cause if isinstance(error, PipelineFailed) else error
     if isinstance(cause, GateDecision):
         return Failed(name=type(cause).__name__, message=cause.headline, data=error)
+    if isinstance(cause, OverBudget):
+        return Failed(name="OverBudget", message=one_line(cause), data=error)
     return Failed(message=f"{error.stage} failed: {one_line(cause)}" if isinstance(error, PipelineFailed)
                   else one_line(error), data=error)
 
 
-def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], stages: tuple[str, ...]
-               ) -> RunOutcome:
+def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], stages: tuple[str, ...],
+               override_forecast: str | None = None) -> RunOutcome:
     """Run a flow's stages and attach its summary, however it ends: a run that failed says why in
-    its first line (`failed_state`'s message), and each stage that did not run says why not."""
-    if "train" in stages:  # the run's first line: how long it should take and cost (`trnflow plan`)
-        get_run_logger().info(headline(stage.spec, TrnflowSettings().home.expanduser().resolve()))
+    its first line (`failed_state`'s message), and each stage that did not run says why not. A run
+    that trains is forecast first, and refused when it would miss its deadline or budget
+    (`StageRunner.check_limits`), unless `override_forecast` says why not."""
     try:
+        if "train" in stages:  # the run's first line: how long it should take and cost (`trnflow plan`)
+            stage.check_limits(override_forecast)
         return body(stage)
     except (PipelineFailed, TrnflowError) as exc:
         state = failed_state(exc)
@@ -239,7 +277,7 @@ def through_training(stage: StageRunner, later: tuple[str, ...], retraining: boo
     try:
         cores = preflight_stages(stage, then_train=True)
         stage("compile", compile_graphs, cores)
-        trained = stage("train", train_model, cores)
+        trained = stage("train", train_model, cores, spec=stage.training_spec())
     finally:  # instances kept for training that will not come (a failed stage, a stopped run) are let go
         if release_kept(stage.run_id, "the run stopped before training"):
             stage.bill("sanity")  # billed to the stage that started them

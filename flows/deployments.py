@@ -24,6 +24,8 @@ from trnflow.flows.compile import compile_cache
 from trnflow.flows.incremental_retrain import incremental_retrain
 from trnflow.flows.pipeline import pipeline
 from trnflow.flows.preflight import preflight
+from trnflow.reporting.forecast import headline
+from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 
 WORK_POOL = "trnflow"
@@ -39,6 +41,8 @@ class FlowEntry:
     flow: Flow[..., Any]
     description: str
     scheduled: bool = False
+    trains: bool = False
+    """Its runs train: its served deployment's description carries the forecast (`trnflow plan`'s line)."""
     suffix: str = ""
     """What the deployment's name adds to the spec's name (the key's own words by default)."""
 
@@ -59,12 +63,12 @@ class FlowEntry:
 
 FLOWS = (
     FlowEntry("pipeline", pipeline,
-              "All six stages: sanity, collectives, compile, train, evaluate (parity gate), infer."),
+              "All six stages: sanity, collectives, compile, train, evaluate (parity gate), infer.", trains=True),
     FlowEntry("preflight", preflight, "Known-answer tests on every NeuronCore, then collective tests between them."),
     FlowEntry("compile", compile_cache, "Ahead-of-time compilation into the persistent compile cache."),
     FlowEntry("incremental-retrain", incremental_retrain,
               "Retrain the champion on the days after its watermark; gate, embed, then promote.", scheduled=True,
-              suffix="retrain"),
+              trains=True, suffix="retrain"),
     FlowEntry("batch-inference", batch_inference, "Embed the inference set with the champion, as Parquet shards.",
               suffix="infer"),
 )
@@ -139,12 +143,19 @@ def prefect_yaml(spec: JobSpec, source: str, as_written: dict[str, Any]) -> dict
 
 
 def runner_deployments(spec: JobSpec, source: str) -> list[Any]:
-    """The same deployments as Prefect runner deployments, for `prefect.serve`."""
+    """The same deployments as Prefect runner deployments, for `prefect.serve`; those whose runs
+    train say in their description what a run is forecast to take and cost, from the history as it
+    is now (the run's first log line says it again when it starts)."""
+    from trnflow.workload.memory import decided  # the layout the runs take: the recipe's model, torch
+
+    line = headline(decided(spec), TrnflowSettings().home.expanduser().resolve())
+    forecast = f" {line[:1].upper()}{line[1:]}."
     out = []
     for entry, item in zip(FLOWS, definitions(spec, source), strict=True):
         limit = item["concurrency_limit"]
+        description = item["description"] + (forecast if entry.trains else "")
         out.append(entry.flow.to_deployment(
-            name=item["name"], description=item["description"], parameters=item["parameters"], tags=item["tags"],
+            name=item["name"], description=description, parameters=item["parameters"], tags=item["tags"],
             paused=False,  # serving again resumes what stopping paused
             entrypoint_type=EntrypointType.MODULE_PATH, enforce_parameter_schema=True,
             schedules=[Cron(s["cron"], timezone=s["timezone"]) for s in item["schedules"]],

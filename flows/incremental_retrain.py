@@ -52,8 +52,8 @@ def retrain_spec(spec: JobSpec) -> JobSpec:
       validate_parameters=False)
 @ends_with_reason
 def incremental_retrain(spec: SpecParam = None, spec_url: str | None = None, run_id: str | None = None,
-                        lock_timeout_seconds: float | None = 3600.0, force_promote: str | None = None
-                        ) -> RunOutcome | State:
+                        lock_timeout_seconds: float | None = 3600.0, force_promote: str | None = None,
+                        override_forecast: str | None = None) -> RunOutcome | State:
     """Retrain the champion on the new days of data, if there are any.
 
     Args:
@@ -65,6 +65,9 @@ def incremental_retrain(spec: SpecParam = None, spec_url: str | None = None, run
             before this run is refused; none waits as long as it takes.
         force_promote: why to promote the retrained model even if it is worse than the champion
             (it must still pass the gate); recorded in the registry.
+        override_forecast: why to launch a run forecast to miss train.max_minutes or a budget
+            (`compute.max_cost_usd`, `train.max_cost_usd`), which is otherwise refused before its
+            first job; said in its log and summary. The budget still stops training while it runs.
     """
     spec = retrain_spec(resolve_spec(spec, spec_url))
     run_id = run_id or flow_run_id()
@@ -88,7 +91,7 @@ def incremental_retrain(spec: SpecParam = None, spec_url: str | None = None, run
         name_run(spec, _window_name(days, base))
         return run_stages(StageRunner(spec, run_id),
                           partial(_stages, generation=generation, lock=lock, days=days, base=base,
-                                  force_promote=force_promote), STAGES)
+                                  force_promote=force_promote), STAGES, override_forecast)
 
 
 def _window_name(days: list[str], base: str) -> str:

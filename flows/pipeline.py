@@ -40,7 +40,8 @@ __all__ = ["STAGES", "PipelineFailed", "pipeline"]
 @ends_with_reason
 def pipeline(spec: SpecParam = None, spec_url: str | None = None,
              run_id: str | None = None, force_promote: str | None = None,
-             lock_timeout_seconds: float | None = 3600.0) -> RunOutcome | State:
+             lock_timeout_seconds: float | None = 3600.0, override_forecast: str | None = None
+             ) -> RunOutcome | State:
     """Run all six stages for one job spec.
 
     Args:
@@ -50,6 +51,9 @@ def pipeline(spec: SpecParam = None, spec_url: str | None = None,
         run_id: names this run's checkpoint folder; a rerun with the same id resumes it.
         force_promote: why to promote the candidate even if it is worse than the champion (it
             must still pass the gate); recorded in the registry.
+        override_forecast: why to launch a run forecast to miss train.max_minutes or a budget
+            (`compute.max_cost_usd`, `train.max_cost_usd`), which is otherwise refused before its
+            first job; said in its log and summary. The budget still stops training while it runs.
         lock_timeout_seconds: how long to wait while another run of the same model (a pipeline or
             a retraining) holds it before this run is refused; none waits as long as it takes.
 
@@ -66,10 +70,12 @@ def pipeline(spec: SpecParam = None, spec_url: str | None = None,
     name_run(spec, window(spec))
     runner = StageRunner(spec, run_id or flow_run_id())
     if spec.registry_url is None:  # nothing shared to protect: runs of the spec may overlap
-        return run_stages(runner, partial(_stages, force_promote=force_promote, lock=None), STAGES)
+        return run_stages(runner, partial(_stages, force_promote=force_promote, lock=None), STAGES,
+                          override_forecast)
     with model_lock(spec.name, lock_timeout_seconds, holder_label(runner.run_id)) as lock:
         repair_publication(spec)
-        return run_stages(runner, partial(_stages, force_promote=force_promote, lock=lock), STAGES)
+        return run_stages(runner, partial(_stages, force_promote=force_promote, lock=lock), STAGES,
+                          override_forecast)
 
 
 def _stages(stage: StageRunner, force_promote: str | None, lock: ModelLock | None) -> RunOutcome:

@@ -111,6 +111,9 @@ def cpu_ranges(cpus: list[int]) -> str:
 
 
 SERVICES: tuple[str, ...] = ("ec2", "sagemaker")
+BILLED_BY = {"local": "ec2", "batch": "ec2", "sagemaker": "sagemaker"}
+"""Whose price each backend's jobs are billed at (`compute.backend` -> service): Batch launches EC2
+instances; the emulator's jobs are priced as the EC2 instances the spec names."""
 """Who bills the instances: `ec2` for the instances AWS Batch launches, `sagemaker` for training
 jobs, which SageMaker bills at its own `ml.*` price."""
 

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
 from trnflow.redact import without_credentials
-from trnflow.specs.instances import CATALOGUE, TRAINING_TYPES, instance
+from trnflow.specs.instances import BILLED_BY, CATALOGUE, TRAINING_TYPES, instance, price
 from trnflow.urls import normalise_url
 
 HOST_RESERVED_MEMORY_GIB = 12
@@ -258,6 +258,15 @@ class ComputeSpec(Section):
         description="USD per instance-hour for the cost table; default: the catalogue's on-demand price for the "
         "service that runs the jobs (SageMaker's ml.* price for sagemaker, EC2's for batch and local)."
     )
+    max_cost_usd: float | None = Field(
+        None, gt=0, le=10_000_000,
+        description="The run's budget (USD, at the cost table's prices). A run forecast to cost more (`trnflow plan`) "
+        "is refused before its first job, unless launched with --override-forecast REASON. While it trains, at each "
+        "logged step the cost spent so far plus the forecast for what remains is checked against it: training that "
+        "would exceed it checkpoints and stops, ending the run in the state OverBudget; rerunning with the same "
+        "--run-id and a higher budget resumes it. None: no budget. Needs a price (compute.price_per_hour where the "
+        "catalogue has none).",
+    )
     share_identifier: str | None = Field(
         None, pattern=r"^[A-Za-z0-9_]{1,255}$",
         description="Batch fair-share identifier (for queues with a fair-share scheduling policy), e.g. a team.",
@@ -282,6 +291,15 @@ class ComputeSpec(Section):
     @property
     def world_size(self) -> int:
         return self.nodes * self.cores_per_node
+
+    @property
+    def hourly_price(self) -> float | None:
+        """USD per instance-hour: price_per_hour, else the catalogue's on-demand price for the service
+        that bills the backend's instances; None when neither is known."""
+        if self.price_per_hour is not None:
+            return self.price_per_hour
+        found = price(BILLED_BY[self.backend], self.instance_type)
+        return None if found is None else found.usd_per_hour
 
     @property
     def container_memory_gib(self) -> int:
@@ -515,6 +533,21 @@ class TrainSpec(Section):
                       description="Learning rate of the recipe's optimizer (AdamW unless the recipe says otherwise).")
     weight_decay: float = Field(0.01, ge=0, le=10,
                                 description="Weight decay of the recipe's optimizer (AdamW's by default).")
+    max_minutes: float | None = Field(
+        None, gt=0, le=28 * 24 * 60,
+        description="The training stage's deadline: minutes from its start by which it should end. A run whose "
+        "training is forecast to take longer (`trnflow plan`) is refused before its first job, unless launched with "
+        "--override-forecast REASON. While it trains, each logged step recomputes the time left from the steps so "
+        "far (the progress bar's ETA); once the stage would end after its deadline, it says so at once, as a warning "
+        "in the run's log and its Prefect state message (the state named Late), and trains on. None: no deadline.",
+    )
+    max_cost_usd: float | None = Field(
+        None, gt=0, le=10_000_000,
+        description="The most the training stage may cost (USD, at the cost table's prices). Checked at each logged "
+        "step: the cost spent since training started plus the forecast for the steps left; training that would "
+        "exceed it checkpoints and stops (OverBudget). The run sets it from compute.max_cost_usd, less what the run "
+        "spent before training and the forecast of the stages after it; set it yourself to bound training alone.",
+    )
     checkpoint_every: int = Field(100, ge=1, le=MAX_STEPS, description="Save a checkpoint every this many steps.")
     checkpoint_url: Url = Field(description="Where checkpoints are written: a directory or s3:// URL.")
     init_from: ChampionOrUrl | None = Field(

@@ -13,6 +13,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from prefect import get_run_logger
+from prefect.client.orchestration import get_client
+from prefect.runtime import flow_run
+from prefect.states import Running
 
 from trnflow.backends import Backend, JobInfo, JobRequest, JobState, backend_for, wait
 from trnflow.backends.base import cancel_within
@@ -54,7 +57,25 @@ terminal control sequences removed (`printable`)."""
             logger.info("%s", line)
             continue
         logger.debug("%s", line)
-        logger.info("%s", readable(event), extra={EVENT_FIELD: event})
+        if event["event"] == "late":  # training will miss train.max_minutes: said now, not at the end
+            logger.warning("%s", readable(event), extra={EVENT_FIELD: event})
+            said_late(f"{event.get('message', 'training will miss its deadline')}", logger)
+        else:
+            logger.info("%s", readable(event), extra={EVENT_FIELD: event})
+
+
+def said_late(message: str, logger: Any) -> None:
+    """Put the flow run in the state Late (still running), `message` its state message, where the
+    Prefect UI's runs list shows it; the flow's end replaces it as usual. A server that refuses costs
+    only the state: the warning is in the log already."""
+    run = flow_run.get_id()
+    if not run:
+        return
+    try:
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(run, Running(name="Late", message=message[:400]), force=True)
+    except Exception as exc:  # the API's errors are many; the run goes on either way
+        logger.warning("could not set the flow run's state to Late: %s", exc)
 
 
 @contextlib.contextmanager

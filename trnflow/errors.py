@@ -127,12 +127,19 @@ class ChampionKept(GateDecision):
     registered, not promoted. Never retried; `--force-promote --reason` overrides."""
 
 
+class OverBudget(FatalError):
+    """Training stopped at a step boundary, checkpointed, because the cost spent plus the forecast for
+    the steps left would exceed its budget (`train.max_cost_usd`, set from `compute.max_cost_usd`).
+    Not retried: the run ends in a state of this name; rerunning it with the same run id and a higher
+    budget resumes from that checkpoint."""
+
+
 ERROR_TYPES: dict[str, type[TrnflowError]] = {
     cls.__name__: cls
     for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout, Stalled,
                 SpotInterruption,
                 ExecutionTimeout, HardwareError, BadHost, CapacityError, InternalServiceError, HostFailure, UserError,
-                JobTimeout, DiskFull, GateFailed, ChampionKept)
+                JobTimeout, DiskFull, GateFailed, ChampionKept, OverBudget)
 }
 
 
@@ -154,6 +161,9 @@ class ExitCode(IntEnum):
     CHAMPION_KEPT = 5
     """The candidate passed the gate but is worse than the champion: registered, not promoted
     (`--force-promote --reason` overrides)."""
+    OVER_BUDGET = 6
+    """Training stopped, checkpointed, because the run would exceed its budget (`OverBudget`):
+    rerun with the same run id and a higher budget to resume."""
     BUG = 70
     """trnflow itself failed (EX_SOFTWARE): the command printed the traceback to report."""
     TRANSIENT = 75

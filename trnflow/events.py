@@ -37,6 +37,13 @@ def parse_event(line: str) -> dict[str, Any] | None:
     return record if isinstance(record.get("event"), str) else None
 
 
+def duration(seconds: float) -> str:
+    """A time in the unit a person reads it in: `42 s`, `3.5 min`, `2.1 h`."""
+    if seconds >= 3600:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
+
+
 def _value(value: Any) -> str:
     if isinstance(value, bool) or value is None:
         return str(value).lower()
@@ -57,13 +64,15 @@ def readable(record: dict[str, Any]) -> str:
     """One event as a log line: its name, then its fields in words (training points and shards of
     inference in the form their progress is usually read). A `train` event's loss is rank 0's mean
     over the steps since the event before it (`train.log_every` of them, as its samples/s is), not
-    its step's alone, and its line says so: `step 200/200, mean loss 0.3760`."""
+    its step's alone, and its line says so: `step 200/200, mean loss 0.3760`; with the time its steps
+    left would take at that rate (`3.5 min left`)."""
     event = record["event"]
     head = event if not record.get("rank") else f"{event} (rank {record['rank']})"
     if event == "train" and {"step", "steps", "loss", "samples_per_s"} <= set(record):
-        rest = _fields(record, skip=("step", "steps", "loss", "samples_per_s"))
+        rest = _fields(record, skip=("step", "steps", "loss", "samples_per_s", "eta_s"))
+        left = f", {duration(record['eta_s'])} left" if isinstance(record.get("eta_s"), int | float) else ""
         return (f"{head}: step {record['step']}/{record['steps']}, mean loss {record['loss']:.4f}, "
-                f"{record['samples_per_s']:,.0f} samples/s" + "".join(f", {f}" for f in rest))
+                f"{record['samples_per_s']:,.0f} samples/s{left}" + "".join(f", {f}" for f in rest))
     if event == "infer_shard" and {"shard", "shards"} <= set(record):
         rest = _fields(record, skip=("shard", "shards"))
         return f"{head}: shard {record['shard'] + 1}/{record['shards']}" + "".join(f", {f}" for f in rest)

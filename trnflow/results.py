@@ -315,11 +315,15 @@ class CostRow(_Model):
     provisioning_seconds: float | None = Field(
         None, description="how long the stage's jobs waited for the instances they started to be ready (boot, "
         "image pull); None for local jobs")
+    forecast_seconds: float | None = Field(None, description="the stage's time as forecast before the run "
+                                           "(`trnflow plan`); None when none was made")
+    forecast_usd: float | None = Field(None, description="the stage's cost as forecast before the run")
 
 
 class Cost(_Model):
     rows: list[CostRow] = Field(default_factory=list)
     total_usd: float | None = Field(None, description="None when any instance has no known price")
+    forecast_usd: float | None = Field(None, description="the run's cost as forecast before it started")
     instances_started: int | None = Field(None, description="cloud instances the run's jobs started; None when "
                                           "it ran none")
     provisioning_seconds: float | None = Field(None, description="how long the run's jobs waited for their "

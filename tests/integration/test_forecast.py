@@ -54,3 +54,45 @@ def test_the_forecast_of_a_run_rests_on_what_the_runs_before_it_measured(prefect
     checked = runner.invoke(app, ["validate", str(path), "--json"])  # validate's one line
     notes = json.loads(checked.stdout)[0]["notes"]
     assert checked.exit_code == 0 and any(n.startswith("forecast: ") and "from history" in n for n in notes), notes
+
+
+@pytest.mark.slow
+def test_a_budget_stops_training_checkpointed_a_deadline_warns_early_and_a_higher_budget_resumes(
+        prefect_api, make_spec, tmp_path, trnflow_home):
+    from prefect.client.orchestration import get_client
+
+    from trnflow.backends.reference import run_reference
+    from trnflow.errors import OverBudget
+    from trnflow.flows.pipeline import pipeline
+    from trnflow.workload.checkpoint import step_name
+
+    # $100,000 an instance-hour: one cent is spent long before the first logged step (10 of 40)
+    spec = make_spec(1, compute={"price_per_hour": 100_000},
+                     train={"max_cost_usd": 0.01, "max_minutes": 0.0001, "checkpoint_every": 20, "log_every": 10})
+    run_reference(spec)
+    refused = pipeline(spec, run_id="refused", return_state=True)
+    assert refused.name == "Failed" and "refused before its first job" in refused.message
+    assert "train.max_minutes: training is forecast to take" in refused.message
+    assert "train.max_cost_usd: training is forecast to cost" in refused.message
+    assert not (tmp_path / "checkpoints" / "refused").exists()  # no job ran
+
+    stopped = pipeline(spec, run_id="budget", override_forecast="the test spends past it on purpose",
+                       return_state=True)
+    assert stopped.name == "OverBudget", stopped.message
+    failure = stopped.result(raise_on_failure=False)
+    assert failure.stage == "train" and isinstance(failure.cause, OverBudget)
+    assert "over its budget of $0.0100 (train.max_cost_usd): training stopped after step 10" in str(failure.cause)
+    run_dir = tmp_path / "checkpoints" / "budget"
+    assert (run_dir / step_name(10) / "meta.json").is_file()  # checkpointed where it stopped
+    with get_client(sync_client=True) as client:
+        states = client.read_flow_run_states(stopped.state_details.flow_run_id)
+    late = [s for s in states if s.name == "Late"]
+    assert late and "after its deadline of 0.0001 min (train.max_minutes)" in late[0].message  # said while it ran
+    assert states.index(late[0]) < len(states) - 1 and states[-1].name == "OverBudget"
+
+    higher = make_spec(1, compute={"price_per_hour": 100_000}, train={"max_cost_usd": 1_000_000,
+                                                                      "checkpoint_every": 20, "log_every": 10})
+    outcome = pipeline(higher, run_id="budget", override_forecast="the test resumes it",
+                       force_promote="the test resumes it, whatever its accuracy")
+    train = outcome.results["train"]
+    assert train.start_step == 10 and train.resumed_from.endswith(step_name(10)) and train.steps_trained == 30

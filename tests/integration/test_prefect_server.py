@@ -101,7 +101,8 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     assert [(s.schedule.cron, s.schedule.timezone) for s in retrain.schedules] == [("30 4 * * *", "Europe/Berlin")]
     pipeline = deployed["trnflow-pipeline/served-pipeline"]
     form = pipeline.parameter_openapi_schema  # what the UI renders the run form from
-    assert set(form["properties"]) == {"spec", "spec_url", "run_id", "force_promote", "lock_timeout_seconds"}
+    assert set(form["properties"]) == {"spec", "spec_url", "run_id", "force_promote", "lock_timeout_seconds",
+                                       "override_forecast"}
     job_spec = form["properties"]["spec"]  # the JobSpec form, every section inline
     assert {"name", "model", "data", "compute", "train", "gate"} <= set(job_spec["properties"])
     assert "pattern" not in job_spec["properties"]["name"]  # patterns are the run's, which name the field and fix
@@ -109,6 +110,8 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     assert pipeline.enforce_parameter_schema  # by its module, wherever trnflow is installed (not a file path)
     assert pipeline.entrypoint == "trnflow.flows.pipeline.pipeline", pipeline.entrypoint
     assert "Runs at `30 4 * * *` (Europe/Berlin)." in retrain.description
+    for trains in (pipeline, retrain):  # what a run is forecast to take and cost (no run yet: a guess)
+        assert "Forecast: " in trains.description and "from guess." in trains.description, trains.description
     with client_of(env) as client:  # a value out of its bounds: refused as the run is created, naming the field
         bad = {**pipeline.parameters["spec"], "train": {**pipeline.parameters["spec"]["train"], "steps": -5}}
         with pytest.raises(Exception, match=r"409") as refused:

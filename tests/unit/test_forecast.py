@@ -6,14 +6,14 @@ import pytest
 
 from tests.conftest import quickstart_data
 from trnflow.reporting.cost import price_per_hour
-from trnflow.reporting.forecast import Layout, history, keep, plan, record_of
+from trnflow.reporting.forecast import Layout, history, keep, over_limits, plan, record_of, training_budget
 from trnflow.results import InferResult, RunOutcome, StageRow, TrainResult
 from trnflow.specs import validate_spec
 
 
-def _spec(tmp_path, steps: int = 100, **compute):
+def _spec(tmp_path, steps: int = 100, train: dict | None = None, **compute):
     return validate_spec(quickstart_data(train={"steps": steps, "global_batch_size": 32,
-                                                "parallelism": {"strategy": "ddp"}},
+                                                "parallelism": {"strategy": "ddp"}, **(train or {})},
                                          compute={"cores_per_node": 2, **compute},
                                          registry_url=str(tmp_path / "registry")))
 
@@ -107,3 +107,101 @@ def test_trnflow_plan_prints_the_forecast_and_refuses_a_bad_spec_with_exit_2(tmp
     assert {s["source"] for s in forecast["stages"]} == {"guess"} and forecast["layout"]["strategy"] != "auto"
     bad = CliRunner().invoke(app, ["plan", str(path), "--set", "train.steps=0"])
     assert bad.exit_code == 2 and "train.steps" in bad.stderr and "Traceback" not in bad.output
+
+
+def test_a_run_forecast_past_its_deadline_or_budget_is_named_field_by_field(tmp_path):
+    runs = [record_of(_spec(tmp_path, 100), _outcome("a", 100, 400.0, 10.0), at=1)]
+    within = _spec(tmp_path, 100, train={"max_minutes": 1.0, "max_cost_usd": 1.0}, max_cost_usd=1.0)
+    forecast = plan(within, runs)
+    train = next(s for s in forecast.stages if s.stage == "train")
+    assert train.seconds == pytest.approx(18.0, abs=0.1) and over_limits(within, forecast) == []
+
+    late = _spec(tmp_path, 100, train={"max_minutes": 0.25})  # 15 s: training takes 18
+    assert over_limits(late, plan(late, runs)) == [
+        "train.max_minutes: training is forecast to take 18 s (history: 1 run(s) on this layout), past its "
+        "deadline of 0.25 min"]
+    costly = _spec(tmp_path, 100, max_cost_usd=0.001)
+    found = plan(costly, runs)
+    assert over_limits(costly, found) == [
+        f"compute.max_cost_usd: the run is forecast to cost ${found.cost_usd:.4f} (from history; `trnflow plan` has "
+        "each stage's), over its budget of $0.0010"]
+    capped = _spec(tmp_path, 100, train={"max_cost_usd": 0.001})
+    assert over_limits(capped, plan(capped, runs))[0].startswith("train.max_cost_usd: training is forecast to cost $")
+    budget = _spec(tmp_path, 100, max_cost_usd=100.0)  # ml.trn2.48xlarge has no price in the catalogue
+    unpriced = budget.model_copy(update={"compute": budget.compute.model_copy(
+        update={"backend": "sagemaker", "instance_type": "trn2.48xlarge"})})
+    assert over_limits(unpriced, plan(unpriced, runs)) == [
+        "compute.max_cost_usd: no price is known for trn2.48xlarge on sagemaker, so the budget cannot be held; set "
+        "compute.price_per_hour"]
+    assert over_limits(late, None) and over_limits(_spec(tmp_path), None) == []  # no forecast: fails closed
+
+
+def test_training_may_spend_the_budget_less_what_was_spent_and_what_comes_after_it(tmp_path):
+    runs = [record_of(_spec(tmp_path, 100), _outcome("a", 100, 400.0, 10.0), at=1)]
+    spec = _spec(tmp_path, 100, max_cost_usd=1.0)
+    forecast = plan(spec, runs)
+    after = sum(s.cost_usd for s in forecast.stages[[s.stage for s in forecast.stages].index("train") + 1:])
+    assert after > 0  # inference holds the instances
+    allowance, basis = training_budget(spec, forecast, spent_usd=0.25)
+    assert allowance == pytest.approx(1.0 - 0.25 - after, abs=1e-4)
+    assert basis.startswith("compute.max_cost_usd $1.0000 less $0.2500 spent before training and $")
+    tighter = _spec(tmp_path, 100, train={"max_cost_usd": 0.1}, max_cost_usd=1.0)
+    assert training_budget(tighter, plan(tighter, runs), 0.25)[0] == 0.1
+    assert training_budget(_spec(tmp_path), forecast, 0.25) == (None, "")
+
+
+def test_a_training_point_reads_with_the_time_its_steps_left_take():
+    from trnflow.events import readable
+
+    point = {"event": "train", "rank": 0, "step": 10, "steps": 40, "loss": 0.5, "samples_per_s": 900.0,
+             "eta_s": 150.0}
+    assert readable(point) == "train: step 10/40, mean loss 0.5000, 900 samples/s, 2.5 min left"
+
+
+@pytest.mark.slow  # builds the recipe's model to decide its layout
+def test_trnflow_run_refuses_a_run_forecast_past_its_deadline_before_any_job(tmp_path, monkeypatch, dataset):
+    import yaml
+    from typer.testing import CliRunner
+
+    from trnflow.cli.app import app
+
+    monkeypatch.setenv("TRNFLOW_HOME", str(tmp_path / "home"))
+    data = quickstart_data(registry_url=str(tmp_path / "registry"),
+                           data={"train": str(dataset / "train"), "holdout": str(dataset / "holdout"),
+                                 "inference": str(dataset / "inference")})
+    data["train"] = {**data["train"], "checkpoint_url": str(tmp_path / "checkpoints"), "max_minutes": 0.01}
+    data["gate"] = {**data.get("gate", {}), "reference": None}
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(data))
+    said = CliRunner().invoke(app, ["run", str(path)])
+    assert said.exit_code == 2 and "Traceback" not in said.output, said.output
+    assert "refused before its first job" in said.stderr and "train.max_minutes: training is forecast" in said.stderr
+    assert "guess: no run of this model yet" in said.stderr and "--override-forecast REASON" in said.stderr
+    assert not (tmp_path / "checkpoints").exists()
+    blank = CliRunner().invoke(app, ["run", str(path), "--override-forecast", " "])
+    assert blank.exit_code == 2 and "--override-forecast needs a reason" in blank.stderr
+
+
+def test_the_cost_table_and_the_history_show_the_forecast_beside_what_each_stage_took(tmp_path):
+    from trnflow.reporting.cost import job_cost, run_cost
+    from trnflow.reporting.forecast import beside
+    from trnflow.reporting.report import cost_markdown
+
+    runs = [record_of(_spec(tmp_path, 100), _outcome("a", 100, 400.0, 10.0), at=1)]
+    spec = _spec(tmp_path, 100)
+    forecast = plan(spec, runs)
+    cost = run_cost([job_cost(spec, "train", 20.0), job_cost(spec, "infer", 5.0)])
+    assert "forecast" not in cost_markdown(cost)  # a run made without one
+    shown = beside(cost, forecast)
+    by_stage = {s.stage: s for s in forecast.stages}
+    assert [(r.forecast_seconds, r.forecast_usd) for r in shown.rows] == [
+        (by_stage[s].seconds, by_stage[s].cost_usd) for s in ("train", "infer")]
+    text = cost_markdown(shown)
+    assert "| billable s | forecast s | cost ($) | forecast ($) |" in text
+    assert f"| 20.0 | {by_stage['train'].seconds:.1f} | {cost.rows[0].cost_usd:.4f} | " in text
+    assert f"| **{cost.total_usd:.4f}** | {forecast.cost_usd:.4f} |" in text
+
+    outcome = _outcome("b", 100, 400.0, 10.0)
+    keep(spec, outcome, tmp_path / "home", forecast)
+    kept = next(r for r in history(spec, tmp_path / "home")[0] if r.run_id == "b")
+    assert kept.forecast == forecast.stages and kept.forecast_cost_usd == forecast.cost_usd

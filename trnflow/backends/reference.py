@@ -24,7 +24,8 @@ RUN_ID = "reference"
 
 
 def reference_spec(spec: JobSpec) -> JobSpec:
-    """The spec in fp32, checkpointing beside the reference metrics file."""
+    """The spec in fp32, checkpointing beside the reference metrics file, without the candidate's
+    deadline and budget (they bound the run, not the baseline it is judged by)."""
     if spec.gate.reference in (None, "champion"):
         raise FatalError("gate.reference is not a file; name the metrics file the reference run should write")
     if spec.compute.backend != "local" and not spec.gate.reference.startswith("s3://"):
@@ -34,7 +35,7 @@ def reference_spec(spec: JobSpec) -> JobSpec:
     folder = spec.gate.reference.rpartition("/")[0] + "/checkpoints"
     return spec.model_copy(update={
         "compute": spec.compute.model_copy(update={"precision": "fp32"}),
-        "train": spec.train.model_copy(update={"checkpoint_url": folder}),
+        "train": spec.train.model_copy(update={"checkpoint_url": folder, "max_minutes": None, "max_cost_usd": None}),
     })
 
 

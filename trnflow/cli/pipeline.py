@@ -22,9 +22,9 @@ from trnflow.backends.reference import run_reference
 from trnflow.cli import render
 from trnflow.cli.common import JsonOpt, SetOpt, SpecArg, console, err, load, set_overrides
 from trnflow.cli.console import RED
-from trnflow.cli.prelaunch import refuse_unlaunchable
+from trnflow.cli.prelaunch import OverrideOpt, refuse_over_forecast, refuse_unlaunchable
 from trnflow.cli.progress import training_progress
-from trnflow.errors import ChampionKept, ExitCode, GateFailed, TrnflowError
+from trnflow.errors import ChampionKept, ExitCode, GateFailed, OverBudget, TrnflowError
 from trnflow.neuron.compile_log import CompileProgress
 from trnflow.reporting.chart import paired_sentence
 from trnflow.results import (
@@ -156,6 +156,8 @@ def _gate_notes(results: dict[str, StageResult]) -> None:
 def _exit_code(cause: BaseException) -> ExitCode:
     if isinstance(cause, GateFailed):
         return ExitCode.GATE_FAILED
+    if isinstance(cause, OverBudget):
+        return ExitCode.OVER_BUDGET
     return ExitCode.CHAMPION_KEPT if isinstance(cause, ChampionKept) else ExitCode.FAILED
 
 
@@ -227,10 +229,12 @@ def run(
     overrides: SetOpt = None,
     force_promote: ForceOpt = False,
     reason: ReasonOpt = None,
+    override_forecast: OverrideOpt = None,
     as_json: JsonOpt = False,
 ):
     """Run the whole pipeline now, in this process, on Prefect's local API. A candidate worse than
-    the champion is registered but not promoted (exit 5)."""
+    the champion is registered but not promoted (exit 5); training stopped by its budget ends the
+    run OverBudget (exit 6), resumable with the same --run-id and a higher budget."""
     forced = _forced(force_promote, reason)
     extra = set_overrides(overrides)
     if backend:
@@ -238,9 +242,11 @@ def run(
     _check_run_id(run_id)
     spec = load(spec_path, extra)
     refuse_unlaunchable(spec, str(spec_path))
+    refuse_over_forecast(spec, str(spec_path), override_forecast)
     from trnflow.flows.pipeline import STAGES, pipeline  # heavy: prefect and torch
 
-    _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json, **forced)
+    _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json, override_forecast=override_forecast,
+              **forced)
 
 
 def retrain(
@@ -249,6 +255,7 @@ def retrain(
     overrides: SetOpt = None,
     force_promote: ForceOpt = False,
     reason: ReasonOpt = None,
+    override_forecast: OverrideOpt = None,
     as_json: JsonOpt = False,
 ):
     """Retrain the champion on the data after its watermark now, in this process (as the schedule does)."""
@@ -261,9 +268,11 @@ def retrain(
         raise typer.Exit(ExitCode.BAD_INPUT)
     load(spec_path, {**set_overrides(overrides), **RETRAINED})  # as the flow runs it: from the champion's registry
     refuse_unlaunchable(spec, str(spec_path), retraining=True)
+    refuse_over_forecast(spec, str(spec_path), override_forecast)
     from trnflow.flows.incremental_retrain import STAGES, incremental_retrain  # heavy: prefect and torch
 
-    _run_flow(incremental_retrain, STAGES, "trnflow retrain", spec, run_id, as_json, **forced)
+    _run_flow(incremental_retrain, STAGES, "trnflow retrain", spec, run_id, as_json,
+              override_forecast=override_forecast, **forced)
 
 
 def infer(

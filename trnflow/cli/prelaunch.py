@@ -17,7 +17,7 @@ from trnflow.device.plans import cache_problem
 from trnflow.errors import DataError, ExitCode, FatalError, FieldError
 from trnflow.lifecycle.exports import read_marker
 from trnflow.lifecycle.locations import reference_problem
-from trnflow.reporting.forecast import headline
+from trnflow.reporting.forecast import OVERRIDE_HINT, headline, launch_forecast, over_limits
 from trnflow.reporting.tracking import server_problem
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
@@ -155,4 +155,32 @@ def refuse_unlaunchable(spec: JobSpec, source: str, retraining: bool = False) ->
         err.print(f"{source}: cannot start", **RED)
         for problem in problems:
             err.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+
+
+OverrideOpt = Annotated[str | None, typer.Option(
+    "--override-forecast", metavar="REASON",
+    help="Launch even though the run is forecast to miss train.max_minutes or a budget (compute.max_cost_usd, "
+    "train.max_cost_usd), which is otherwise refused (exit 2); REASON is said in the run's log and summary. The "
+    "budget still stops training while it runs.")]
+
+
+def refuse_over_forecast(spec: JobSpec, source: str, override: str | None) -> None:
+    """Exit 2 when the run's forecast (`trnflow plan`'s) misses its deadline or budget, naming each
+    limit, the forecast and where it comes from, unless `override` says why to go on."""
+    if override is not None and not override.strip():
+        err.print("--override-forecast needs a reason: the run's log and summary record it", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    if override or all(v is None for v in (spec.train.max_minutes, spec.compute.max_cost_usd,
+                                            spec.train.max_cost_usd)):
+        return
+    from trnflow.workload.memory import decided  # the layout the run will take: the recipe's model, torch
+
+    forecast, line = launch_forecast(decided(spec), TrnflowSettings().home.expanduser().resolve())
+    problems = over_limits(spec, forecast)
+    if problems:
+        err.print(f"{source}: refused before its first job ({line})", **RED)
+        for problem in problems:
+            err.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
+        err.print(f"  {OVERRIDE_HINT}", markup=False, highlight=False, soft_wrap=True)
         raise typer.Exit(ExitCode.BAD_INPUT)

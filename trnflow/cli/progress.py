@@ -14,9 +14,9 @@ import logging
 from collections.abc import Iterator
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from trnflow.events import EVENT_FIELD
+from trnflow.events import EVENT_FIELD, duration
 
 
 class TrainingProgress(logging.Handler):
@@ -25,6 +25,7 @@ class TrainingProgress(logging.Handler):
         self.progress = progress
         self.bar = None
         self.shards = None
+        self.late = ""
 
     def emit(self, record: logging.LogRecord) -> None:
         event = getattr(record, EVENT_FIELD, None)
@@ -35,12 +36,17 @@ class TrainingProgress(logging.Handler):
             self.progress.update(self.bar, completed=event["step"], description=f"resumed at step {event['step']}")
         elif kind == "train":
             if self.bar is None:
-                self.bar = self.progress.add_task("training", total=event["steps"], stage="train")
-            self.progress.update(self.bar, total=event["steps"], completed=event["step"],
+                self.bar = self.progress.add_task("training", total=event["steps"], stage="train", eta="")
+            left = f"{duration(event['eta_s'])} left" if isinstance(event.get("eta_s"), int | float) else ""
+            eta = ", ".join(t for t in (left, self.late) if t)
+            self.progress.update(self.bar, total=event["steps"], completed=event["step"], eta=eta,
                                  description=f"loss {event['loss']:.4f}, {event['samples_per_s']:.0f} samples/s")
+        elif kind == "late" and self.bar is not None:
+            self.late = f"late: {event.get('forecast_minutes')} min of {event.get('deadline_minutes')}"
+            self.progress.update(self.bar, eta=self.late)
         elif kind == "infer_shard":
             if self.shards is None:
-                self.shards = self.progress.add_task("embedding", total=event["shards"], stage="infer")
+                self.shards = self.progress.add_task("embedding", total=event["shards"], stage="infer", eta="")
             self.progress.update(self.shards, advance=1, description=f"{event['rows_per_s']:.0f} rows/s (rank "
                                  f"{event['rank']})")
 
@@ -52,7 +58,7 @@ def training_progress(console: Console, enabled: bool = True) -> Iterator[None]:
         yield
         return
     columns = (TextColumn("{task.fields[stage]}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-               TimeElapsedColumn(), TimeRemainingColumn())
+               TimeElapsedColumn(), TextColumn("{task.fields[eta]}"))
     loggers = [logging.getLogger("prefect.task_runs"), logging.getLogger("prefect.flow_runs")]
     with Progress(*columns, console=console, transient=True) as progress:
         handler = TrainingProgress(progress)

@@ -129,8 +129,8 @@ def cost_table(cost: Cost) -> Table:
     rows, total = cost_cells(cost)
     for row in rows:
         table.add_row(*(Text(cell) for cell in row))
-    *cells, last = total_cells(cost, total)
-    table.add_row(Text("total", style="bold"), *cells, Text(last, style="bold"))
+    cells = total_cells(cost, total)
+    table.add_row(Text("total", style="bold"), *(Text(c, style="bold" if c == total else "") for c in cells))
     note = spot_note(cost)
     if note:
         table.caption = note

@@ -1,12 +1,12 @@
 """What a run costs: each job's billable time, on every node it held, at its instances' hourly price.
 
-The price is the one the backend's service bills (`SERVICE`): AWS Batch launches EC2 instances and
-pays EC2's on-demand price; SageMaker bills its own, higher, `ml.*` price for the same hardware. It
-comes from the instance catalogue's price table (`trnflow.specs.instances.PRICES`), with the region
-and the day it was read, unless the spec sets `compute.price_per_hour`, which always wins. The local
-emulator bills nothing: its jobs are priced as EC2 instances of the spec's type, and a job's
-billable time is its wall time, so its rows say what the same jobs would have cost on the instances
-the spec names.
+The price is the one the backend's service bills (`trnflow.specs.instances.BILLED_BY`): AWS Batch
+launches EC2 instances and pays EC2's on-demand price; SageMaker bills its own, higher, `ml.*` price
+for the same hardware. It comes from the instance catalogue's price table
+(`trnflow.specs.instances.PRICES`), with the region and the day it was read, unless the spec sets
+`compute.price_per_hour`, which always wins. The local emulator bills nothing: its jobs are priced
+as EC2 instances of the spec's type, and a job's billable time is its wall time, so its rows say
+what the same jobs would have cost on the instances the spec names.
 
 A job is billed on the nodes it held: the compile job runs one worker process, so it holds one
 node whatever `compute.nodes` says. A job that failed and was submitted again costs its time too.
@@ -22,15 +22,12 @@ from typing import Any
 from trnflow.reporting.ledger import LedgerEntry
 from trnflow.results import Cost, CostRow
 from trnflow.specs import JobSpec
-from trnflow.specs.instances import Price, price
-
-SERVICE = {"local": "ec2", "batch": "ec2", "sagemaker": "sagemaker"}
-"""Whose price each backend's jobs are billed at (`compute.backend` -> service)."""
+from trnflow.specs.instances import BILLED_BY, Price, price
 
 
 def service(spec: JobSpec) -> str:
     """The service that bills `spec`'s instances."""
-    return SERVICE[spec.compute.backend]
+    return BILLED_BY[spec.compute.backend]
 
 
 def catalogue_price(spec: JobSpec) -> Price | None:
@@ -41,10 +38,7 @@ def catalogue_price(spec: JobSpec) -> Price | None:
 def price_per_hour(spec: JobSpec) -> float | None:
     """USD per instance-hour: the spec's `compute.price_per_hour`, else the catalogue's price for the
     backend's service; None when neither is known."""
-    if spec.compute.price_per_hour is not None:
-        return spec.compute.price_per_hour
-    found = catalogue_price(spec)
-    return None if found is None else found.usd_per_hour
+    return spec.compute.hourly_price
 
 
 def job_cost(spec: JobSpec, stage: str, billable_seconds: float, jobs: int = 1, nodes: int | None = None

@@ -30,7 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trnflow.reporting.cost import job_cost
-from trnflow.results import InferResult, RunOutcome, TrainResult
+from trnflow.results import Cost, InferResult, RunOutcome, TrainResult
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 
@@ -83,8 +83,21 @@ class StageMeasure(BaseModel):
     rate: float | None = Field(None, gt=0, description="work per second")
 
 
+class StageForecast(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    stage: str
+    nodes: int = Field(description="instances it holds (0: the orchestrator does it)")
+    seconds: float
+    low: float
+    high: float
+    cost_usd: float | None
+    source: Literal["history", "scaled", "guess"]
+    basis: str = Field(description="what it rests on, in words")
+
+
 class RunRecord(BaseModel):
-    """What one completed run measured, for the forecasts of later runs."""
+    """What one completed run measured, for the forecasts of later runs, and what was forecast of it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -94,13 +107,17 @@ class RunRecord(BaseModel):
     layout: Layout
     stages: list[StageMeasure]
     cost_usd: float | None = None
+    forecast: list[StageForecast] = Field(default_factory=list, description="the forecast made before it started")
+    forecast_cost_usd: float | None = None
 
     def stage(self, name: str) -> StageMeasure | None:
         return next((s for s in self.stages if s.stage == name), None)
 
 
-def record_of(spec: JobSpec, outcome: RunOutcome, at: float | None = None) -> RunRecord:
-    """The record of a run that completed (`spec` as it ran: its layout decided)."""
+def record_of(spec: JobSpec, outcome: RunOutcome, at: float | None = None, forecast: Plan | None = None
+              ) -> RunRecord:
+    """The record of a run that completed (`spec` as it ran: its layout decided), with `forecast`,
+    what was forecast of it."""
     assert outcome.run_id is not None
     measures = []
     for row in outcome.stages:
@@ -114,7 +131,9 @@ def record_of(spec: JobSpec, outcome: RunOutcome, at: float | None = None) -> Ru
             work, rate = float(result.rows_embedded), result.rows_per_s
         measures.append(StageMeasure(stage=row.stage, seconds=row.seconds, work=work, rate=rate))
     return RunRecord(run_id=outcome.run_id, at=time.time() if at is None else at, recipe=spec.model.recipe,
-                     layout=Layout.of(spec), stages=measures, cost_usd=outcome.cost.total_usd)
+                     layout=Layout.of(spec), stages=measures, cost_usd=outcome.cost.total_usd,
+                     forecast=forecast.stages if forecast else [],
+                     forecast_cost_usd=forecast.cost_usd if forecast else None)
 
 
 def history_url(spec: JobSpec, home: Path) -> str:
@@ -124,13 +143,14 @@ def history_url(spec: JobSpec, home: Path) -> str:
     return str(home / "history" / spec.name)
 
 
-def keep(spec: JobSpec, outcome: RunOutcome, home: Path) -> str | None:
-    """Add a completed run's record to its model's history: where it went (None: it trained
-    nothing, as a retraining run that found no new data; its times say nothing of a run that does)."""
+def keep(spec: JobSpec, outcome: RunOutcome, home: Path, forecast: Plan | None = None) -> str | None:
+    """Add a completed run's record (with `forecast`, what was forecast of it) to its model's
+    history: where it went (None: it trained nothing, as a retraining run that found no new data;
+    its times say nothing of a run that does)."""
     train = outcome.results.get("train")
     if not (isinstance(train, TrainResult) and train.steps_trained):
         return None
-    record = record_of(spec, outcome)
+    record = record_of(spec, outcome, forecast=forecast)
     where = history_url(spec, home)
     open_store(where).write(f"{record.run_id}.json", record.model_dump_json(indent=1).encode())
     return f"{where}/{record.run_id}.json"
@@ -153,19 +173,6 @@ def history(spec: JobSpec, home: Path) -> tuple[list[RunRecord], list[str]]:
 
 
 # --- the forecast ----------------------------------------------------------------------------------
-
-
-class StageForecast(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    stage: str
-    nodes: int = Field(description="instances it holds (0: the orchestrator does it)")
-    seconds: float
-    low: float
-    high: float
-    cost_usd: float | None
-    source: Literal["history", "scaled", "guess"]
-    basis: str = Field(description="what it rests on, in words")
 
 
 class Plan(BaseModel):
@@ -267,8 +274,81 @@ def plan(spec: JobSpec, runs: list[RunRecord], now: float | None = None) -> Plan
 def headline(spec: JobSpec, home: Path) -> str:
     """The one-line forecast of a pipeline run of `spec` (its layout decided), or why none was made.
     Never raises: a forecast is advice, and a history that cannot be listed costs only the forecast."""
+    return launch_forecast(spec, home)[1]
+
+
+# --- the limits ------------------------------------------------------------------------------------
+
+OVERRIDE_HINT = ("raise the limit, or launch anyway with a reason (`trnflow run`/`retrain --override-forecast "
+                 "REASON`, or the flow's override_forecast parameter)")
+
+
+def launch_forecast(spec: JobSpec, home: Path) -> tuple[Plan | None, str]:
+    """The forecast of a pipeline run of `spec` (its layout decided) and its one-line total; no
+    forecast, and why, when the history cannot be read (no credentials for an s3:// registry, say)."""
     try:
         records, _ = history(spec, home)
-        return plan(spec, records).headline()
-    except Exception as exc:  # no credentials for an s3:// registry, say: validation and the run go on
-        return f"forecast: none ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+        found = plan(spec, records)
+    except Exception as exc:  # a forecast is advice: what failed is said, and the limits below fail closed
+        return None, f"forecast: none ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+    return found, found.headline()
+
+
+def over_limits(spec: JobSpec, forecast: Plan | None) -> list[str]:
+    """The spec's deadline (`train.max_minutes`) and budgets (`compute.max_cost_usd`,
+    `train.max_cost_usd`) that a run forecast as `forecast` would miss, a line each naming the
+    field, the figure and where it comes from; a limit that cannot be checked (no forecast, no
+    price) is one too. Empty: within them."""
+    limits = spec.train.max_minutes, spec.compute.max_cost_usd, spec.train.max_cost_usd
+    if all(limit is None for limit in limits):
+        return []
+    if forecast is None:
+        return ["the run has a deadline or a budget, and no forecast could be made to check it against (see the "
+                "forecast line)"]
+    train = next((s for s in forecast.stages if s.stage == "train"), None)
+    problems = []
+    if spec.train.max_minutes is not None and train is not None and train.seconds > spec.train.max_minutes * 60:
+        problems.append(f"train.max_minutes: training is forecast to take {minutes(train.seconds)} "
+                        f"({train.source}: {train.basis}), past its deadline of {spec.train.max_minutes:g} min")
+    budget = spec.compute.max_cost_usd
+    if budget is not None and forecast.cost_usd is None:
+        problems.append(f"compute.max_cost_usd: no price is known for {spec.compute.instance_type} on "
+                        f"{spec.compute.backend}, so the budget cannot be held; set compute.price_per_hour")
+    elif budget is not None and forecast.cost_usd is not None and forecast.cost_usd > budget:
+        sources = ", ".join(sorted({s.source for s in forecast.stages}))
+        problems.append(f"compute.max_cost_usd: the run is forecast to cost ${forecast.cost_usd:.4f} (from "
+                        f"{sources}; `trnflow plan` has each stage's), over its budget of ${budget:.4f}")
+    cap = spec.train.max_cost_usd
+    if cap is not None and train is not None and train.cost_usd is not None and train.cost_usd > cap:
+        problems.append(f"train.max_cost_usd: training is forecast to cost ${train.cost_usd:.4f} "
+                        f"({train.source}: {train.basis}), over its budget of ${cap:.4f}")
+    return problems
+
+
+def training_budget(spec: JobSpec, forecast: Plan | None, spent_usd: float) -> tuple[float | None, str]:
+    """What training may cost (`train.max_cost_usd` for its job) and how that was reckoned: the run's
+    budget less what it has spent and the forecast cost of the stages after training, or the spec's
+    own cap on training where that is less; (None, "") when neither limit is set."""
+    budget, cap = spec.compute.max_cost_usd, spec.train.max_cost_usd
+    if budget is None:
+        return cap, "" if cap is None else f"train.max_cost_usd ${cap:.4f}"
+    stages = forecast.stages if forecast is not None else []
+    names = [s.stage for s in stages]
+    later = stages[names.index("train") + 1:] if "train" in names else []
+    after = sum(s.cost_usd or 0.0 for s in later)
+    allowance = round(budget - spent_usd - after, 4)
+    basis = (f"compute.max_cost_usd ${budget:.4f} less ${spent_usd:.4f} spent before training and ${after:.4f} "
+             "forecast for the stages after it")
+    if cap is not None and cap < allowance:
+        return cap, f"train.max_cost_usd ${cap:.4f} (less than {basis})"
+    return allowance, basis
+
+
+def beside(cost: Cost, forecast: Plan | None) -> Cost:
+    """The run's cost table with what was forecast of each stage beside what it took and cost."""
+    if forecast is None:
+        return cost
+    by_stage = {s.stage: s for s in forecast.stages}
+    rows = [row.model_copy(update={"forecast_seconds": f.seconds, "forecast_usd": f.cost_usd})
+            if (f := by_stage.get(row.stage)) else row for row in cost.rows]
+    return cost.model_copy(update={"rows": rows, "forecast_usd": forecast.cost_usd})

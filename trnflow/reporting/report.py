@@ -34,17 +34,21 @@ def engine_outcomes(core: dict[str, Any]) -> list[tuple[int, list[str]]]:
 
 
 COST_COLUMNS = ("stage", "instance type", "nodes", "jobs", "instances started", "provisioning s", "$/node-hour",
-                "priced as", "billable s", "cost ($)")
+                "priced as", "billable s", "forecast s", "cost ($)", "forecast ($)")
 """The cost table's columns, the Markdown summary's and the command's alike."""
 CLOUD_COLUMNS = ("instances started", "provisioning s")
 """Columns shown only for a run whose jobs started cloud instances."""
-_ALIGN = dict(zip(COST_COLUMNS, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---", "---:", "---:"],
-                  strict=True))
+FORECAST_COLUMNS = ("forecast s", "forecast ($)")
+"""Columns shown only for a run forecast before it started: the forecast beside the actual."""
+_ALIGN = dict(zip(COST_COLUMNS, ["---", "---", "---:", "---:", "---:", "---:", "---:", "---", "---:", "---:", "---:",
+                                 "---:"], strict=True))
 
 
 def cost_columns(cost: Cost) -> list[str]:
-    """The columns of this run's cost table: a local run's has no instance counts to show."""
-    return [c for c in COST_COLUMNS if c not in CLOUD_COLUMNS or cost.instances_started is not None]
+    """The columns of this run's cost table: a local run's has no instance counts to show, a run
+    made without a forecast no forecast."""
+    return [c for c in COST_COLUMNS if (c not in CLOUD_COLUMNS or cost.instances_started is not None)
+            and (c not in FORECAST_COLUMNS or any(r.forecast_seconds is not None for r in cost.rows))]
 
 
 def _shown(cost: Cost, cells: list[str]) -> list[str]:
@@ -73,18 +77,23 @@ def cost_cells(cost: Cost) -> tuple[list[list[str]], str]:
         "-" if r.instances_started is None else str(r.instances_started),
         "-" if r.provisioning_seconds is None else f"{r.provisioning_seconds:.1f}",
         "unknown" if r.price_per_node_hour is None else f"{r.price_per_node_hour:.7g}",
-        price_basis(r), f"{r.billable_seconds:.1f}", "unknown" if r.cost_usd is None else f"{r.cost_usd:.4f}"])
+        price_basis(r), f"{r.billable_seconds:.1f}", _figure(r.forecast_seconds, ".1f"),
+        "unknown" if r.cost_usd is None else f"{r.cost_usd:.4f}", _figure(r.forecast_usd, ".4f")])
         for r in cost.rows]
     total = cost.total_usd
     return rows, "unknown (set compute.price_per_hour)" if total is None else f"{total:.4f}"
 
 
+def _figure(value: float | None, form: str) -> str:
+    return "-" if value is None else format(value, form)
+
+
 def total_cells(cost: Cost, total: str) -> list[str]:
     """The cost table's last row after its label: the instances the run started and the time they
-    took to be ready (where it started any), and the run's cost."""
+    took to be ready (where it started any), the run's cost and its forecast."""
     started = "" if cost.instances_started is None else str(cost.instances_started)
     waited = "" if cost.provisioning_seconds is None else f"{cost.provisioning_seconds:.1f}"
-    return _shown(cost, ["", "", "", "", started, waited, "", "", "", total])[1:]
+    return _shown(cost, ["", "", "", "", started, waited, "", "", "", "", total, _figure(cost.forecast_usd, ".4f")])[1:]
 
 
 def _table(header: list[str], rows: list[list[str]], align: list[str] | None = None) -> list[str]:

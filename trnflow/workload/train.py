@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from trnflow.errors import FatalError, SpotInterruption
+from trnflow.errors import FatalError, OverBudget, SpotInterruption
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.records import EXPORT_MARKER, CheckpointMeta, DataRead, ExportedFile, ExportMarker, dump
 from trnflow.results import TrainResult
@@ -37,6 +37,7 @@ from trnflow.workload.checkpoint import (
     trained_state,
     weights_digest,
 )
+from trnflow.workload.collectives import all_true
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import iter_labelled
 from trnflow.workload.evaluate import Holdout
@@ -89,6 +90,7 @@ class Trainer:
     faults strike (a step, its result, a checkpoint)."""
 
     def __init__(self, ctx: WorkerContext, run_id: str, start: Start, recipe: Recipe):
+        self.began = time.monotonic()  # the clock of train.max_minutes and train.max_cost_usd
         self.ctx, self.run_id, self.start, self.recipe = ctx, run_id, start, recipe
         self.spec, self.device, self.faults = ctx.spec, ctx.device, ctx.faults
         tcfg = self.spec.train
@@ -131,6 +133,7 @@ class Trainer:
         self.memory: dict = {}
         self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
         self._window = (time.perf_counter(), 0, 0.0)  # since the last logged point: start, steps, summed loss
+        self.late_said = False
 
     def run(self) -> TrainResult:
         tcfg = self.spec.train
@@ -141,14 +144,21 @@ class Trainer:
             self.last_loss = self._step(idx, step + 1)
             done = step + 1
             watchdog.beat(f"train step {done}")
+            over = None
             if done % tcfg.log_every == 0 or done == tcfg.steps:
-                self._log_point(done)
+                left = self._log_point(done)
+                over = self._over_budget(done, left)
             if self.spec.evaluates_at(done):
                 with watchdog.busy(f"evaluating at step {done}"):
                     self._evaluate(done)
             saved = done % tcfg.checkpoint_every == 0 or done == tcfg.steps
             if saved:
                 self._checkpoint(done)
+            if over is not None:
+                if not saved:
+                    self._checkpoint(done)
+                raise OverBudget(f"{over}: training stopped after step {done} and checkpointed it; rerun with the "
+                                 f"same run id and a higher budget to resume from step {done}")
             if notice is not None and done < tcfg.steps and notice.agreed():
                 if not saved:
                     self._checkpoint(done)
@@ -235,16 +245,45 @@ class Trainer:
             )
         return loss
 
-    def _log_point(self, done: int) -> None:
-        """A point of the training curve: the mean loss since the last point (one batch's is too noisy)."""
+    def _log_point(self, done: int) -> float:
+        """A point of the training curve: the mean loss since the last point (one batch's is too noisy),
+        logged with the time the steps left would take at the rate since that point; that time. Once
+        training would end after train.max_minutes, a `late` event says so (once)."""
+        tcfg = self.spec.train
         start, steps, summed = self._window
         elapsed = time.perf_counter() - start
         point = {"step": done, "global_step": self.lineage["base_step"] + done, "loss": round(summed / steps, 7),
-                 "samples_per_s": round(steps * self.spec.train.global_batch_size / elapsed, 1),
+                 "samples_per_s": round(steps * tcfg.global_batch_size / elapsed, 1),
                  "graphs": len(self.programs.compiler.seen)}
         self.metrics.append(point)
-        self.ctx.log("train", steps=self.spec.train.steps, **point)
+        left = (tcfg.steps - done) * elapsed / steps
+        self.ctx.log("train", steps=tcfg.steps, **point, eta_s=round(left, 1))
         self._window = (time.perf_counter(), 0, 0.0)
+        ends = time.monotonic() - self.began + left
+        if tcfg.max_minutes is not None and ends > tcfg.max_minutes * 60 and not self.late_said:
+            self.late_said = True
+            self.ctx.log("late", step=done, deadline_minutes=tcfg.max_minutes, forecast_minutes=round(ends / 60, 2),
+                         message=f"training is forecast to end {ends / 60:.1f} min after its start, after its "
+                         f"deadline of {tcfg.max_minutes:g} min (train.max_minutes), at the rate of its steps so far")
+        return left
+
+    def _over_budget(self, done: int, left: float) -> str | None:
+        """Why training stops here: the cost spent since it started plus the forecast for the `left`
+        seconds of steps it has left would exceed train.max_cost_usd (agreed by every rank, so all
+        stop after the same step); None to go on."""
+        tcfg, compute = self.spec.train, self.spec.compute
+        if tcfg.max_cost_usd is None or compute.hourly_price is None or done >= tcfg.steps:
+            return None
+        per_s = compute.hourly_price * compute.nodes / 3600
+        spent = (time.monotonic() - self.began) * per_s
+        over = spent + left * per_s > tcfg.max_cost_usd
+        if self.ctx.world_size > 1:  # a rank that never arrives is named, as in any collective step
+            over = not self.ctx.collective("agreeing on the budget", lambda: all_true(not over))
+        if not over:
+            return None
+        return (f"training would cost ${spent + left * per_s:.4f} (${spent:.4f} spent, ${left * per_s:.4f} more for "
+                f"the {tcfg.steps - done} steps left at the rate so far), over its budget of ${tcfg.max_cost_usd:.4f} "
+                "(train.max_cost_usd)")
 
     def _evaluate(self, done: int) -> None:
         point, correct = self.holdout.evaluate(self.programs, done, self.lineage["base_step"] + done)
