@@ -539,7 +539,8 @@ class TrainSpec(Section):
         "training is forecast to take longer (`trnflow plan`) is refused before its first job, unless launched with "
         "--override-forecast REASON. While it trains, each logged step recomputes the time left from the steps so "
         "far (the progress bar's ETA); once the stage would end after its deadline, it says so at once, as a warning "
-        "in the run's log and its Prefect state message (the state named Late), and trains on. None: no deadline.",
+        "in the run's log and its Prefect state message (the state named DeadlineAtRisk), and trains on. None: no "
+        "deadline.",
     )
     max_cost_usd: float | None = Field(
         None, gt=0, le=10_000_000,

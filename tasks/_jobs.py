@@ -64,8 +64,13 @@ terminal control sequences removed (`printable`)."""
             logger.info("%s", readable(event), extra={EVENT_FIELD: event})
 
 
+AT_RISK = "DeadlineAtRisk"
+"""The flow run's state (still running) once training is forecast to miss train.max_minutes. Not
+`Late`: Prefect names a scheduled run nobody has started so."""
+
+
 def said_late(message: str, logger: Any) -> None:
-    """Put the flow run in the state Late (still running), `message` its state message, where the
+    """Put the flow run in the state `AT_RISK` (still running), `message` its state message, where the
     Prefect UI's runs list shows it; the flow's end replaces it as usual. A server that refuses costs
     only the state: the warning is in the log already."""
     run = flow_run.get_id()
@@ -73,9 +78,9 @@ def said_late(message: str, logger: Any) -> None:
         return
     try:
         with get_client(sync_client=True) as client:
-            client.set_flow_run_state(run, Running(name="Late", message=message[:400]), force=True)
+            client.set_flow_run_state(run, Running(name=AT_RISK, message=message[:400]), force=True)
     except Exception as exc:  # the API's errors are many; the run goes on either way
-        logger.warning("could not set the flow run's state to Late: %s", exc)
+        logger.warning("could not set the flow run's state to %s: %s", AT_RISK, exc)
 
 
 @contextlib.contextmanager

@@ -3,6 +3,7 @@ registry, and the forecast of a third rests on exactly those measurements."""
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 
 import pytest
@@ -31,7 +32,8 @@ def test_the_forecast_of_a_run_rests_on_what_the_runs_before_it_measured(prefect
     assert unread == [] and [r.run_id for r in records] == ["first", "second"]
     for record in records:  # the measurements are the run's own
         outcome, train = outcomes[record.run_id], record.stage("train")
-        assert train.rate == outcome.results["train"].samples_per_s
+        trained = outcome.results["train"]  # the steady step's rate: the first step's graph is the fixed part's
+        assert train.rate == round(spec.train.global_batch_size / trained.median_step_seconds, 3) > 0
         assert train.work == steps[record.run_id] * spec.train.global_batch_size
         assert [s.stage for s in record.stages] == [row.stage for row in outcome.stages if row.state == "Completed"]
         assert {s.stage: s.seconds for s in record.stages} == {
@@ -49,8 +51,9 @@ def test_the_forecast_of_a_run_rests_on_what_the_runs_before_it_measured(prefect
         pytest.approx(expected[0], abs=0.06), pytest.approx(expected[1], abs=0.06))
     assert [s["stage"] for s in forecast["stages"]] == [s.stage for s in records[-1].stages]
     assert forecast["seconds"] == pytest.approx(sum(s["seconds"] for s in forecast["stages"]), abs=0.1)
-    text = runner.invoke(app, ["plan", str(path)])
+    text = runner.invoke(app, ["plan", str(path), "--calibrate"])  # history on this layout: no job needed
     assert text.exit_code == 0 and "forecast: " in text.stdout and "from history" in text.stdout, text.output
+    assert "--calibrate: not needed, earlier runs on this layout measured it" in text.stderr
     checked = runner.invoke(app, ["validate", str(path), "--json"])  # validate's one line
     notes = json.loads(checked.stdout)[0]["notes"]
     assert checked.exit_code == 0 and any(n.startswith("forecast: ") and "from history" in n for n in notes), notes
@@ -86,7 +89,7 @@ def test_a_budget_stops_training_checkpointed_a_deadline_warns_early_and_a_highe
     assert (run_dir / step_name(10) / "meta.json").is_file()  # checkpointed where it stopped
     with get_client(sync_client=True) as client:
         states = client.read_flow_run_states(stopped.state_details.flow_run_id)
-    late = [s for s in states if s.name == "Late"]
+    late = [s for s in states if s.name == "DeadlineAtRisk"]
     assert late and "after its deadline of 0.0001 min (train.max_minutes)" in late[0].message  # said while it ran
     assert states.index(late[0]) < len(states) - 1 and states[-1].name == "OverBudget"
 
@@ -96,3 +99,46 @@ def test_a_budget_stops_training_checkpointed_a_deadline_warns_early_and_a_highe
                        force_promote="the test resumes it, whatever its accuracy")
     train = outcome.results["train"]
     assert train.start_step == 10 and train.resumed_from.endswith(step_name(10)) and train.steps_trained == 30
+
+
+@pytest.mark.slow
+def test_a_calibration_times_steps_of_the_real_program_where_no_run_measured_the_layout(make_spec, tmp_path,
+                                                                                         trnflow_home):
+    spec = make_spec(1, train={"steps": 200})
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json", exclude_none=True)))
+    said = runner.invoke(app, ["plan", str(path), "--calibrate", "--json"])
+    assert said.exit_code == 0, said.output
+    forecast = json.loads(said.stdout)
+    train = next(s for s in forecast["stages"] if s["stage"] == "train")
+    assert train["source"] == "calibrated" and train["basis"] == "20 timed steps of the real program on this layout"
+    assert 0 < train["low"] < train["seconds"] < train["high"]
+    assert {s["source"] for s in forecast["stages"] if s["stage"] != "train"} == {"guess"}
+    assert "calibrated: 20 steps in " in said.stderr  # a real job ran, through the local backend
+    assert not (tmp_path / "checkpoints").exists()  # and kept nothing of the spec's
+
+
+def test_status_of_a_running_run_shows_its_newest_training_point_and_its_late_state(prefect_api):
+    from prefect import flow
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import LogCreate
+    from prefect.states import Running
+
+    from trnflow.cli.server import Server
+
+    @flow(name="status-probe")
+    def probe() -> None:
+        pass
+
+    with get_client(sync_client=True) as client:
+        run = client.create_flow_run(probe)
+        late = "training is forecast to end 3.0 min after its start, after its deadline of 2 min"
+        client.set_flow_run_state(run.id, Running(name="DeadlineAtRisk", message=late), force=True)
+        said = ["data: files 2", "train: step 10/40, mean loss 0.6000, 800 samples/s, 30 s left",
+                "train: step 20/40, mean loss 0.5000, 900 samples/s, 12 s left", "checkpoint: step 20"]
+        now = dt.datetime.now(dt.UTC)
+        client.create_logs([LogCreate(name="prefect.task_runs", level=20, message=m, flow_run_id=run.id,
+                                      timestamp=now + dt.timedelta(seconds=i)) for i, m in enumerate(said)])
+        summary = Server(client).summary(str(run.id))
+    assert summary["state"] == "DeadlineAtRisk" and "after its deadline of 2 min" in summary["message"]
+    assert summary["training"] == "train: step 20/40, mean loss 0.5000, 900 samples/s, 12 s left"

@@ -123,8 +123,8 @@ def test_a_run_forecast_past_its_deadline_or_budget_is_named_field_by_field(tmp_
     costly = _spec(tmp_path, 100, max_cost_usd=0.001)
     found = plan(costly, runs)
     assert over_limits(costly, found) == [
-        f"compute.max_cost_usd: the run is forecast to cost ${found.cost_usd:.4f} (from history; `trnflow plan` has "
-        "each stage's), over its budget of $0.0010"]
+        f"compute.max_cost_usd: the run is forecast to cost ${found.cost_usd:.4f} on demand (from history; `trnflow "
+        "plan` has each stage's), over its budget of $0.0010"]
     capped = _spec(tmp_path, 100, train={"max_cost_usd": 0.001})
     assert over_limits(capped, plan(capped, runs))[0].startswith("train.max_cost_usd: training is forecast to cost $")
     budget = _spec(tmp_path, 100, max_cost_usd=100.0)  # ml.trn2.48xlarge has no price in the catalogue
@@ -205,3 +205,45 @@ def test_the_cost_table_and_the_history_show_the_forecast_beside_what_each_stage
     keep(spec, outcome, tmp_path / "home", forecast)
     kept = next(r for r in history(spec, tmp_path / "home")[0] if r.run_id == "b")
     assert kept.forecast == forecast.stages and kept.forecast_cost_usd == forecast.cost_usd
+
+
+def test_a_spot_run_is_forecast_at_the_share_of_on_demand_its_earlier_spot_runs_paid(tmp_path):
+    from trnflow.reporting.cost import job_cost, run_cost
+
+    spot = _spec(tmp_path, 100, spot=True)
+    first = plan(spot, [record_of(_spec(tmp_path, 100), _outcome("a", 100, 400.0, 10.0), at=1)])
+    assert first.spot_cost_usd is None and first.expected_cost_usd == first.cost_usd  # on demand: the most
+    assert "spot: no spot run of this model measured yet; on-demand is the most it costs" in first.notes
+    paid = _outcome("s", 100, 400.0, 10.0)
+    row = job_cost(spot, "train", 36.0)
+    paid.cost = run_cost([row.model_copy(update={"cost_usd": round(row.cost_usd * 0.3, 4),
+                                                 "on_demand_usd": row.cost_usd})])
+    record = record_of(spot, paid, at=2)
+    assert record.spot and record.on_demand_usd == row.cost_usd
+    found = plan(spot, [record])
+    share = record.cost_usd / record.on_demand_usd
+    assert found.spot_cost_usd == pytest.approx(found.cost_usd * share, abs=1e-4)
+    assert f"(spot about ${found.spot_cost_usd:.2f})" in found.headline()
+    budget = _spec(tmp_path, 100, spot=True, max_cost_usd=round(found.cost_usd * 0.9, 4))  # on demand: over it
+    assert over_limits(budget, plan(budget, [record])) == []  # at spot's share: within it
+
+
+def test_compile_is_forecast_from_the_runs_that_found_their_programs_in_the_cache(tmp_path):
+    from trnflow.results import CompileResult
+
+    def compiled(run_id: str, programs: int, seconds: float) -> RunOutcome:
+        outcome = _outcome(run_id, 100, 400.0, 10.0)
+        rows = [r if r.stage != "compile" else r.model_copy(update={"seconds": seconds}) for r in outcome.stages]
+        result = CompileResult(programs=[], graphs=3, compiler="c", cache="file:///c", compiled=programs,
+                               hits=3 - programs)
+        return outcome.model_copy(update={"stages": rows, "results": {**outcome.results, "compile": result}})
+
+    spec = _spec(tmp_path, 100)
+    cold = record_of(spec, compiled("cold", 3, 60.0), at=1)
+    assert cold.stage("compile").work == 3.0
+    only_cold = next(s for s in plan(spec, [cold]).stages if s.stage == "compile")
+    assert only_cold.seconds == 60.0  # no warm run yet: the one it has
+    runs = [cold, record_of(spec, compiled("warm", 0, 2.0), at=2), record_of(spec, compiled("warm2", 0, 3.0), at=3)]
+    found = next(s for s in plan(spec, runs).stages if s.stage == "compile")
+    assert (found.seconds, found.low, found.high, found.source) == (2.5, 2.0, 3.0, "history")
+    assert "whose programs were all in the compile cache" in found.basis

@@ -10,22 +10,36 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from trnflow.backends.calibration import CALIBRATION_STEPS, timed_steps
 from trnflow.cli.common import JsonOpt, SetOpt, console, err, load, set_overrides
-from trnflow.reporting.forecast import history, minutes, plan
+from trnflow.cli.console import RED
+from trnflow.errors import ExitCode, TrnflowError
+from trnflow.reporting.forecast import Layout, RunRecord, calibration_record, history, minutes, plan
 from trnflow.settings import TrnflowSettings
+from trnflow.specs import JobSpec
+from trnflow.storage.datafiles import listing_problems
+
+CalibrateOpt = Annotated[bool, typer.Option(
+    "--calibrate", help=f"With no earlier run on this layout, first train {CALIBRATION_STEPS} steps of the real "
+    "program as a job of the spec's backend (the emulator for a local spec) and forecast training from them.")]
 
 
 def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], overrides: SetOpt = None,
-                 as_json: JsonOpt = False) -> None:
+                 calibrate: CalibrateOpt = False, as_json: JsonOpt = False) -> None:
     """Forecast a pipeline run of SPEC: per stage, its instances, time (with a range) and cost, and
-    where each figure comes from (earlier runs of the model on this layout, scaled from another
-    layout, or a stated guess); then the total and when it would end if started now."""
+    where each figure comes from (earlier runs of the model on this layout, a calibration, scaled
+    from another layout, or a stated guess); then the total and when it would end if started now."""
     from trnflow.workload.memory import decided  # the memory planner needs the recipe's model: torch
 
     job = decided(load(spec, set_overrides(overrides)))
     records, unread = history(job, TrnflowSettings().home.expanduser().resolve())
+    notes: list[str] = []
+    if calibrate and any(r.layout == Layout.of(job) and r.recipe == job.model.recipe for r in records):
+        notes.append("--calibrate: not needed, earlier runs on this layout measured it")
+    elif calibrate:
+        records.append(_calibrated(job))
     forecast = plan(job, records)
-    notes = forecast.notes + [f"left out of the history (unreadable): {line}" for line in unread]
+    notes = forecast.notes + notes + [f"left out of the history (unreadable): {line}" for line in unread]
     if as_json:
         print(forecast.model_copy(update={"notes": notes}).model_dump_json(indent=2))
         return
@@ -41,6 +55,25 @@ def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], ov
     console.print(f"{forecast.headline()}; started now, it ends about {ends}", highlight=False)
     for note in notes:
         err.print(f"note: {note}", style="dim", markup=False, highlight=False)
+
+
+def _calibrated(job: JobSpec) -> RunRecord:
+    """Train the spec's program for a few steps, saying so on stderr; its record (exit 1, saying why,
+    when the job fails)."""
+    if job.data.train.startswith("file://") and (found := listing_problems(job.data.train, job.data.format,
+                                                                           job.data.ready_marker)):
+        err.print(f"--calibrate: data.train: {found[0]}", **RED, soft_wrap=True)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    err.print(f"calibrating: {CALIBRATION_STEPS} steps of {job.name}'s training program on "
+              f"{Layout.of(job).describe()} ...", highlight=False)
+    try:
+        result, wall = timed_steps(job)
+    except TrnflowError as exc:
+        err.print(f"--calibrate: {exc}", **RED)
+        raise typer.Exit(ExitCode.FAILED) from None
+    err.print(f"calibrated: {result.steps_trained} steps in {wall:.1f} s, median step "
+              f"{result.median_step_seconds * 1000:.1f} ms", highlight=False)
+    return calibration_record(job, result, wall)
 
 
 def register(app: typer.Typer) -> None:

@@ -57,7 +57,8 @@ def _server(code: int = ExitCode.BAD_INPUT) -> Iterator[Any]:
 def exit_code(state_type: str, state_name: str) -> int:
     if state_type == "COMPLETED":
         return 0
-    return {"GateFailed": ExitCode.GATE_FAILED, "ChampionKept": ExitCode.CHAMPION_KEPT}.get(state_name, ExitCode.FAILED)
+    return {"GateFailed": ExitCode.GATE_FAILED, "ChampionKept": ExitCode.CHAMPION_KEPT,
+            "OverBudget": ExitCode.OVER_BUDGET}.get(state_name, ExitCode.FAILED)
 
 
 def _parse_params(pairs: list[str] | None) -> dict[str, Any]:
@@ -136,6 +137,8 @@ def _print_summary(summary: dict[str, Any]) -> None:
     console.print(f"[bold]{summary['name']}[/bold] ({summary['id']}): [{colour}]{summary['state']}[/{colour}]")
     if summary["message"]:
         console.print(printable(summary["message"]), markup=False, highlight=False)
+    if summary.get("training"):
+        console.print(f"now: {printable(summary['training'])}", markup=False, highlight=False)
     if summary["stages"]:
         console.print(stage_table([StageRow(stage=row["stage"], state=row["state"] or "", seconds=row["seconds"],
                                             summary=row["summary"] or "", device=row.get("device") or "")

@@ -15,6 +15,8 @@ The forecast of a stage says where it came from:
   least and most. Inference likewise, for as many rows as the newest run read. Other stages take
   the median of their times.
 - `scaled`: no run on this layout, some on others: the rate scaled by the cores, the range wider.
+- `calibrated`: no run on this layout, but `trnflow plan --calibrate` timed a few steps of the real
+  program on it: training is that job's fixed part plus the samples at its steady step's rate.
 - `guess`: no run of this recipe yet: a stated guess, marked as such.
 The cost is the forecast time on the stage's nodes at the price `trnflow.reporting.cost` uses.
 """
@@ -30,7 +32,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trnflow.reporting.cost import job_cost
-from trnflow.results import Cost, InferResult, RunOutcome, TrainResult
+from trnflow.results import CompileResult, Cost, InferResult, RunOutcome, TrainResult
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 
@@ -43,6 +45,8 @@ GUESS_TRAIN_OVERHEAD = 60.0
 GUESS_SAMPLES_PER_CORE_S = 100.0
 SCALED_RANGE = (0.6, 1.6)
 """How much wider a rate scaled from another layout may be, low and high."""
+CALIBRATED_RANGE = (0.8, 1.5)
+"""How much wider a calibration's few steps make the range: a whole run's steps vary more."""
 
 
 class Layout(BaseModel):
@@ -79,7 +83,8 @@ class StageMeasure(BaseModel):
 
     stage: str
     seconds: float = Field(ge=0, description="the stage's wall time")
-    work: float | None = Field(None, description="training: samples; inference: rows")
+    work: float | None = Field(None, description="training: samples; inference: rows; compile: programs compiled "
+                               "(0: every one was in the cache)")
     rate: float | None = Field(None, gt=0, description="work per second")
 
 
@@ -92,7 +97,7 @@ class StageForecast(BaseModel):
     low: float
     high: float
     cost_usd: float | None
-    source: Literal["history", "scaled", "guess"]
+    source: Literal["history", "calibrated", "scaled", "guess"]
     basis: str = Field(description="what it rests on, in words")
 
 
@@ -109,6 +114,10 @@ class RunRecord(BaseModel):
     cost_usd: float | None = None
     forecast: list[StageForecast] = Field(default_factory=list, description="the forecast made before it started")
     forecast_cost_usd: float | None = None
+    calibration: bool = Field(False, description="a few timed steps (`trnflow plan --calibrate`), not a run")
+    spot: bool = Field(False, description="its jobs ran on spot capacity")
+    on_demand_usd: float | None = Field(None, description="its cost at on-demand prices (spot jobs' running time "
+                                        "priced on demand); with cost_usd, what spot saved")
 
     def stage(self, name: str) -> StageMeasure | None:
         return next((s for s in self.stages if s.stage == name), None)
@@ -126,14 +135,40 @@ def record_of(spec: JobSpec, outcome: RunOutcome, at: float | None = None, forec
         result = outcome.results.get(row.stage)
         work = rate = None
         if isinstance(result, TrainResult) and result.steps_trained and result.samples_per_s > 0:
-            work, rate = float(result.steps_trained * spec.train.global_batch_size), result.samples_per_s
+            work, rate = float(result.steps_trained * spec.train.global_batch_size), steady_rate(spec, result)
         elif isinstance(result, InferResult) and result.rows_embedded and result.rows_per_s > 0:
             work, rate = float(result.rows_embedded), result.rows_per_s
+        elif isinstance(result, CompileResult):
+            work = float(result.compiled)
         measures.append(StageMeasure(stage=row.stage, seconds=row.seconds, work=work, rate=rate))
+    rows = outcome.cost.rows
+    on_demand = [r.on_demand_usd if r.on_demand_usd is not None else r.cost_usd for r in rows]
     return RunRecord(run_id=outcome.run_id, at=time.time() if at is None else at, recipe=spec.model.recipe,
                      layout=Layout.of(spec), stages=measures, cost_usd=outcome.cost.total_usd,
+                     spot=spec.compute.spot, on_demand_usd=None if not rows or None in on_demand else round(
+                         sum(c for c in on_demand if c is not None), 4),
                      forecast=forecast.stages if forecast else [],
                      forecast_cost_usd=forecast.cost_usd if forecast else None)
+
+
+def steady_rate(spec: JobSpec, result: TrainResult) -> float:
+    """Training's samples/s at its steady step (the median after the first, which loads or compiles
+    the graph): what more steps add. The rest of the stage's time, the first step's extra included,
+    is its fixed part. A run of one step has only its overall rate."""
+    if result.median_step_seconds > 0:
+        return round(spec.train.global_batch_size / result.median_step_seconds, 3)
+    return result.samples_per_s
+
+
+def calibration_record(spec: JobSpec, result: TrainResult, wall_seconds: float) -> RunRecord:
+    """A calibration job (`trnflow.backends.calibration.timed_steps`) as a record of `spec`'s layout: its wall
+    time, and its samples at the rate of its steady steps (the median step after the first), so
+    that the forecast's fixed part holds its start-up, first step and final checkpoint."""
+    measure = StageMeasure(stage="train", seconds=round(wall_seconds, 3),
+                           work=float(result.steps_trained * spec.train.global_batch_size),
+                           rate=steady_rate(spec, result))
+    return RunRecord(run_id=result.run_id or "calibration", at=time.time(), recipe=spec.model.recipe,
+                     layout=Layout.of(spec), stages=[measure], calibration=True)
 
 
 def history_url(spec: JobSpec, home: Path) -> str:
@@ -184,16 +219,25 @@ class Plan(BaseModel):
     seconds: float
     low: float
     high: float
-    cost_usd: float | None = Field(description="None when an instance has no known price")
+    cost_usd: float | None = Field(description="on demand; None when an instance has no known price")
+    spot_cost_usd: float | None = Field(None, description="a spot spec's cost at what spot saved its earlier spot "
+                                        "runs (the median share); None for on-demand specs, or with no spot run yet")
     finish_at: float = Field(description="when it would end if started now (Unix seconds)")
     notes: list[str] = Field(default_factory=list)
 
     def headline(self) -> str:
         """The one-line total."""
         cost = f"${self.cost_usd:.2f}" if self.cost_usd is not None else "cost unknown (no price)"
+        spot = f" (spot about ${self.spot_cost_usd:.2f})" if self.spot_cost_usd is not None else ""
         sources = sorted({s.source for s in self.stages})
         return (f"forecast: {minutes(self.seconds)} ({minutes(self.low)}-{minutes(self.high)}), {cost} "
-                f"on-demand; from {', '.join(sources)}")
+                f"on-demand{spot}; from {', '.join(sources)}")
+
+    @property
+    def expected_cost_usd(self) -> float | None:
+        """What the run should cost: on spot, at spot's measured share; else (or with no spot run
+        measured yet) on demand, the most it costs."""
+        return self.spot_cost_usd if self.spot_cost_usd is not None else self.cost_usd
 
 
 def minutes(seconds: float) -> str:
@@ -217,15 +261,30 @@ def _rated(stage: str, runs: list[RunRecord], work: float | None, cores_ratio: f
     return _spread(predicted) if predicted else None
 
 
+def _warm_compiles(runs: list[RunRecord]) -> list[float]:
+    """The compile times of `runs` that found every program in the cache (none when no run did). A
+    run that compiled its programs put them there: the runs after it on the same layout find them,
+    and take what the warm ones took (a spec whose programs changed compiles again; `trnflow
+    compile --check` says which)."""
+    compiles = [m for r in runs if (m := r.stage("compile")) is not None and m.work is not None]
+    return [m.seconds for m in compiles if m.work == 0]
+
+
 def _stage(spec: JobSpec, stage: str, runs: list[RunRecord], layout: Layout) -> StageForecast:
-    same = [r for r in runs if r.layout == layout]
-    others = [r for r in runs if r.layout != layout]
+    same = [r for r in runs if r.layout == layout and not r.calibration]
+    others = [r for r in runs if r.layout != layout and not r.calibration]
+    timed = [r for r in runs if r.layout == layout and r.calibration]
     samples = float(spec.train.steps * spec.train.global_batch_size)
     work = samples if stage == "train" else None
     found, source, basis = None, "guess", ""
     if stage in ("train", "infer"):
         if same and (found := _rated(stage, same, work, 1.0)):
             source, basis = "history", f"{len(same)} run(s) on this layout"
+        elif timed and (calibrated := _rated(stage, timed, work, 1.0)):
+            mid, low, high = calibrated
+            found = (mid, low * CALIBRATED_RANGE[0], high * CALIBRATED_RANGE[1])
+            steps = round(timed[-1].stages[0].work / spec.train.global_batch_size) if timed[-1].stages[0].work else 0
+            source, basis = "calibrated", f"{steps} timed steps of the real program on this layout"
         elif others:
             newest = others[-1].layout
             scaled = _rated(stage, [r for r in others if r.layout == newest], work, layout.cores / newest.cores)
@@ -233,6 +292,10 @@ def _stage(spec: JobSpec, stage: str, runs: list[RunRecord], layout: Layout) -> 
                 mid, low, high = scaled
                 found = (mid, low * SCALED_RANGE[0], high * SCALED_RANGE[1])
                 source, basis = "scaled", f"runs on {newest.describe()}, scaled by cores"
+    elif stage == "compile" and (warm := _warm_compiles(same)):
+        found = _spread(warm)
+        source, basis = "history", (f"{len(warm)} run(s) on this layout whose programs were all in the compile "
+                                    "cache, as the runs before put them")
     else:
         times = [m.seconds for r in (same or others) if (m := r.stage(stage)) is not None]
         if times:
@@ -259,15 +322,26 @@ def plan(spec: JobSpec, runs: list[RunRecord], now: float | None = None) -> Plan
     """The forecast of a pipeline run of `spec` (its layout decided) from the runs of its recipe."""
     mine = [r for r in runs if r.recipe == spec.model.recipe]
     layout = Layout.of(spec)
-    newest = next((r for r in reversed(mine) if r.layout == layout), mine[-1] if mine else None)
+    real = [r for r in mine if not r.calibration]
+    newest = next((r for r in reversed(real) if r.layout == layout), real[-1] if real else None)
     stages = [s.stage for s in newest.stages] if newest else list(PIPELINE_STAGES)
     rows = [_stage(spec, stage, mine, layout) for stage in stages]
     costs = [r.cost_usd for r in rows]
     total = round(sum(r.seconds for r in rows), 1)
-    notes = [] if mine else ["no earlier run of this model: every figure is a guess"]
+    notes = [] if real else ["no earlier run of this model: every figure but a calibrated one is a guess"]
+    total_cost = None if any(c is None for c in costs) else round(sum(c or 0.0 for c in costs), 4)
+    spot_cost = None
+    if spec.compute.spot:
+        shares = [r.cost_usd / r.on_demand_usd for r in real if r.spot and r.cost_usd is not None and r.on_demand_usd]
+        if shares and total_cost is not None:
+            spot_cost = round(total_cost * statistics.median(shares), 4)
+            notes.append(f"spot: priced at {statistics.median(shares):.0%} of on-demand, the median share "
+                         f"{len(shares)} earlier spot run(s) paid")
+        else:
+            notes.append("spot: no spot run of this model measured yet; on-demand is the most it costs")
     return Plan(spec=spec.name, layout=layout, stages=rows, seconds=total, low=round(sum(r.low for r in rows), 1),
                 high=round(sum(r.high for r in rows), 1),
-                cost_usd=None if any(c is None for c in costs) else round(sum(c or 0.0 for c in costs), 4),
+                cost_usd=total_cost, spot_cost_usd=spot_cost,
                 finish_at=(time.time() if now is None else now) + total, notes=notes)
 
 
@@ -314,9 +388,10 @@ def over_limits(spec: JobSpec, forecast: Plan | None) -> list[str]:
     if budget is not None and forecast.cost_usd is None:
         problems.append(f"compute.max_cost_usd: no price is known for {spec.compute.instance_type} on "
                         f"{spec.compute.backend}, so the budget cannot be held; set compute.price_per_hour")
-    elif budget is not None and forecast.cost_usd is not None and forecast.cost_usd > budget:
+    elif budget is not None and (expected := forecast.expected_cost_usd) is not None and expected > budget:
         sources = ", ".join(sorted({s.source for s in forecast.stages}))
-        problems.append(f"compute.max_cost_usd: the run is forecast to cost ${forecast.cost_usd:.4f} (from "
+        priced = "at spot's measured share" if forecast.spot_cost_usd is not None else "on demand"
+        problems.append(f"compute.max_cost_usd: the run is forecast to cost ${expected:.4f} {priced} (from "
                         f"{sources}; `trnflow plan` has each stage's), over its budget of ${budget:.4f}")
     cap = spec.train.max_cost_usd
     if cap is not None and train is not None and train.cost_usd is not None and train.cost_usd > cap:
