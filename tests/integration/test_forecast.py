@@ -52,7 +52,7 @@ def test_the_forecast_of_a_run_rests_on_what_the_runs_before_it_measured(prefect
     assert [s["stage"] for s in forecast["stages"]] == [s.stage for s in records[-1].stages]
     assert forecast["seconds"] == pytest.approx(sum(s["seconds"] for s in forecast["stages"]), abs=0.1)
     text = runner.invoke(app, ["plan", str(path), "--calibrate"])  # history on this layout: no job needed
-    assert text.exit_code == 0 and "forecast: " in text.stdout and "from history" in text.stdout, text.output
+    assert text.exit_code == 0 and "forecast: " in text.stdout and "from checked, history" in text.stdout, text.output
     assert "--calibrate: not needed, earlier runs on this layout measured it" in text.stderr
     checked = runner.invoke(app, ["validate", str(path), "--json"])  # validate's one line
     notes = json.loads(checked.stdout)[0]["notes"]
@@ -113,7 +113,10 @@ def test_a_calibration_times_steps_of_the_real_program_where_no_run_measured_the
     train = next(s for s in forecast["stages"] if s["stage"] == "train")
     assert train["source"] == "calibrated" and train["basis"] == "20 timed steps of the real program on this layout"
     assert 0 < train["low"] < train["seconds"] < train["high"]
-    assert {s["source"] for s in forecast["stages"] if s["stage"] != "train"} == {"guess"}
+    compiled = next(s for s in forecast["stages"] if s["stage"] == "compile")  # the cache was asked
+    assert compiled["source"] == "checked" and compiled["basis"].startswith("compile --check: "), compiled
+    assert {s["source"] for s in forecast["stages"] if s["stage"] not in ("train", "compile")} == {"guess"}
+    assert "checking the compile cache " in said.stderr
     assert "calibrated: 20 steps in " in said.stderr  # a real job ran, through the local backend
     assert not (tmp_path / "checkpoints").exists()  # and kept nothing of the spec's
 

@@ -247,3 +247,14 @@ def test_compile_is_forecast_from_the_runs_that_found_their_programs_in_the_cach
     found = next(s for s in plan(spec, runs).stages if s.stage == "compile")
     assert (found.seconds, found.low, found.high, found.source) == (2.5, 2.0, 3.0, "history")
     assert "whose programs were all in the compile cache" in found.basis
+
+    def checked(misses: int) -> CompileResult:  # the cache's answer (`compile --check`)
+        return CompileResult(programs=[], graphs=3, compiler="c", cache="file:///c", check=True, hits=3 - misses,
+                             misses=misses)
+
+    warm = next(s for s in plan(spec, runs, cache=checked(0)).stages if s.stage == "compile")
+    assert (warm.seconds, warm.source) == (2.5, "checked") and warm.basis.startswith("compile --check: 0 of 3")
+    two = next(s for s in plan(spec, runs, cache=checked(2)).stages if s.stage == "compile")
+    assert two.seconds == 2.5 + 2 * 20.0 and "at 20 s each as earlier runs compiled theirs" in two.basis
+    fresh = next(s for s in plan(spec, [], cache=checked(0)).stages if s.stage == "compile")
+    assert (fresh.seconds, fresh.source) == (10.0, "checked") and "a guess" in fresh.basis

@@ -1,6 +1,7 @@
-"""A short, timed run of the real training program, for a forecast with no history to rest on
-(`trnflow plan --calibrate`): the spec's own training job, on its own backend and layout, for a
-few steps, with nothing registered, gated or kept but the timing."""
+"""What `trnflow plan --calibrate` asks of the real program before forecasting a run: a short,
+timed run of the spec's own training job, on its own backend and layout, for a few steps, with
+nothing registered, gated or kept but the timing; and which of its programs the compile cache
+already holds (`trnflow compile --check`'s job)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 from trnflow.backends import JobRequest, JobState, backend_for, run_to_end
 from trnflow.errors import FatalError
-from trnflow.results import TrainResult
+from trnflow.results import CompileResult, TrainResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 
@@ -56,3 +57,14 @@ def timed_steps(spec: JobSpec, steps: int = CALIBRATION_STEPS, settings: Trnflow
     if not info.result.steps_trained:
         raise FatalError(f"calibration job {job_id} trained nothing: {info.result.reason}")
     return info.result, wall
+
+
+def cache_check(spec: JobSpec, settings: TrnflowSettings | None = None) -> CompileResult:
+    """Which of `spec`'s programs its compile cache holds and which it would compile: the compile
+    phase's warm check, as a job of the spec's backend (it compiles nothing)."""
+    settings = settings or TrnflowSettings()
+    request = JobRequest(spec, "compile", f"cache-check-{secrets.token_hex(4)}", processes=1, options={"check": True})
+    job_id, info = run_to_end(backend_for(spec, settings), request, settings.poll_seconds)
+    if info.state is not JobState.SUCCEEDED or not isinstance(info.result, CompileResult):
+        raise FatalError(f"compile cache check {job_id} failed: {info.failed()}")
+    return info.result

@@ -10,18 +10,20 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from trnflow.backends.calibration import CALIBRATION_STEPS, timed_steps
+from trnflow.backends.calibration import CALIBRATION_STEPS, cache_check, timed_steps
 from trnflow.cli.common import JsonOpt, SetOpt, console, err, load, set_overrides
 from trnflow.cli.console import RED
 from trnflow.errors import ExitCode, TrnflowError
 from trnflow.reporting.forecast import Layout, RunRecord, calibration_record, history, minutes, plan
+from trnflow.results import CompileResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.storage.datafiles import listing_problems
 
 CalibrateOpt = Annotated[bool, typer.Option(
     "--calibrate", help=f"With no earlier run on this layout, first train {CALIBRATION_STEPS} steps of the real "
-    "program as a job of the spec's backend (the emulator for a local spec) and forecast training from them.")]
+    "program as a job of the spec's backend (the emulator for a local spec) and forecast training from them; and ask "
+    "the compile cache which of the spec's programs it holds (a local spec's).")]
 
 
 def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], overrides: SetOpt = None,
@@ -34,11 +36,12 @@ def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], ov
     job = decided(load(spec, set_overrides(overrides)))
     records, unread = history(job, TrnflowSettings().home.expanduser().resolve())
     notes: list[str] = []
+    cache = _checked_cache(job, notes) if calibrate else None
     if calibrate and any(r.layout == Layout.of(job) and r.recipe == job.model.recipe for r in records):
         notes.append("--calibrate: not needed, earlier runs on this layout measured it")
     elif calibrate:
         records.append(_calibrated(job))
-    forecast = plan(job, records)
+    forecast = plan(job, records, cache=cache)
     notes = forecast.notes + notes + [f"left out of the history (unreadable): {line}" for line in unread]
     if as_json:
         print(forecast.model_copy(update={"notes": notes}).model_dump_json(indent=2))
@@ -55,6 +58,21 @@ def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], ov
     console.print(f"{forecast.headline()}; started now, it ends about {ends}", highlight=False)
     for note in notes:
         err.print(f"note: {note}", style="dim", markup=False, highlight=False)
+
+
+def _checked_cache(job: JobSpec, notes: list[str]) -> CompileResult | None:
+    """The compile cache's answer to which of the spec's programs it holds (a local spec's: the
+    check's job takes its options on this machine only); None, with a note, otherwise."""
+    if job.compute.backend != "local":
+        notes.append("--calibrate: the compile cache is checked for local specs only; `trnflow compile --check` "
+                     "asks it for this one")
+        return None
+    err.print(f"checking the compile cache {job.compile.cache_url} ...", highlight=False)
+    try:
+        return cache_check(job)
+    except TrnflowError as exc:
+        err.print(f"--calibrate: {exc}", **RED)
+        raise typer.Exit(ExitCode.FAILED) from None
 
 
 def _calibrated(job: JobSpec) -> RunRecord:

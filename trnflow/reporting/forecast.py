@@ -42,6 +42,8 @@ NO_JOB = ("evaluate", "promote")
 GUESS_SECONDS = {"sanity": 30.0, "collectives": 30.0, "compile": 120.0, "evaluate": 10.0, "infer": 60.0,
                  "promote": 5.0}
 GUESS_TRAIN_OVERHEAD = 60.0
+GUESS_CACHE_LOOKUP = 10.0
+"""Seconds a compile stage whose programs are all in the cache takes, before any run measured it."""
 GUESS_SAMPLES_PER_CORE_S = 100.0
 SCALED_RANGE = (0.6, 1.6)
 """How much wider a rate scaled from another layout may be, low and high."""
@@ -97,7 +99,7 @@ class StageForecast(BaseModel):
     low: float
     high: float
     cost_usd: float | None
-    source: Literal["history", "calibrated", "scaled", "guess"]
+    source: Literal["history", "checked", "calibrated", "scaled", "guess"]
     basis: str = Field(description="what it rests on, in words")
 
 
@@ -270,7 +272,26 @@ def _warm_compiles(runs: list[RunRecord]) -> list[float]:
     return [m.seconds for m in compiles if m.work == 0]
 
 
-def _stage(spec: JobSpec, stage: str, runs: list[RunRecord], layout: Layout) -> StageForecast:
+def _checked_compile(cache: CompileResult, same: list[RunRecord]) -> tuple[tuple[float, float, float], str]:
+    """The compile stage when the cache was asked which programs it holds: the warm runs' time to
+    look them up, plus each missing program at the history's time per compiled program (guesses
+    where the history has none)."""
+    warm = _warm_compiles(same)
+    base = _spread(warm) if warm else (GUESS_CACHE_LOOKUP, GUESS_CACHE_LOOKUP / 3, GUESS_CACHE_LOOKUP * 3)
+    said = f"compile --check: {cache.misses} of {cache.graphs} program(s) to compile"
+    if not cache.misses:
+        return base, said + ("; the warm runs' time to look them up" if warm else "; a guess of the time to look "
+                             "them up")
+    per = [m.seconds / m.work for r in same if (m := r.stage("compile")) is not None and m.work]
+    each = _spread(per) if per else (GUESS_SECONDS["compile"] / 3,) * 3
+    low_base = base[1] if warm else 0.0
+    found = (base[0] + cache.misses * each[0], low_base + cache.misses * each[1], base[2] + cache.misses * each[2])
+    return found, said + (f", at {each[0]:.0f} s each as earlier runs compiled theirs" if per else
+                          ", at a guessed 40 s each")
+
+
+def _stage(spec: JobSpec, stage: str, runs: list[RunRecord], layout: Layout, cache: CompileResult | None = None
+           ) -> StageForecast:
     same = [r for r in runs if r.layout == layout and not r.calibration]
     others = [r for r in runs if r.layout != layout and not r.calibration]
     timed = [r for r in runs if r.layout == layout and r.calibration]
@@ -292,6 +313,9 @@ def _stage(spec: JobSpec, stage: str, runs: list[RunRecord], layout: Layout) -> 
                 mid, low, high = scaled
                 found = (mid, low * SCALED_RANGE[0], high * SCALED_RANGE[1])
                 source, basis = "scaled", f"runs on {newest.describe()}, scaled by cores"
+    elif stage == "compile" and cache is not None:
+        found, basis = _checked_compile(cache, same)
+        source = "checked"
     elif stage == "compile" and (warm := _warm_compiles(same)):
         found = _spread(warm)
         source, basis = "history", (f"{len(warm)} run(s) on this layout whose programs were all in the compile "
@@ -318,14 +342,16 @@ def _stage(spec: JobSpec, stage: str, runs: list[RunRecord], layout: Layout) -> 
                          cost_usd=cost, source=source, basis=basis)
 
 
-def plan(spec: JobSpec, runs: list[RunRecord], now: float | None = None) -> Plan:
-    """The forecast of a pipeline run of `spec` (its layout decided) from the runs of its recipe."""
+def plan(spec: JobSpec, runs: list[RunRecord], now: float | None = None, cache: CompileResult | None = None
+         ) -> Plan:
+    """The forecast of a pipeline run of `spec` (its layout decided) from the runs of its recipe
+    (and, for compile, `cache`: the compile cache's answer to which programs it holds)."""
     mine = [r for r in runs if r.recipe == spec.model.recipe]
     layout = Layout.of(spec)
     real = [r for r in mine if not r.calibration]
     newest = next((r for r in reversed(real) if r.layout == layout), real[-1] if real else None)
     stages = [s.stage for s in newest.stages] if newest else list(PIPELINE_STAGES)
-    rows = [_stage(spec, stage, mine, layout) for stage in stages]
+    rows = [_stage(spec, stage, mine, layout, cache) for stage in stages]
     costs = [r.cost_usd for r in rows]
     total = round(sum(r.seconds for r in rows), 1)
     notes = [] if real else ["no earlier run of this model: every figure but a calibrated one is a guess"]
