@@ -15,9 +15,12 @@ from tests.conftest import ON_S3, quickstart_data
 from trnflow.backends import JobRequest, wait
 from trnflow.backends.service_status import batch_failure, sagemaker_failure, sagemaker_state
 from trnflow.flows.pipeline import STAGES, pipeline
+from trnflow.reporting.forecast import history, plan
 from trnflow.results import FailureReport
+from trnflow.settings import TrnflowSettings
 from trnflow.testing.mockcloud import MockCloud, ServiceFault
 from trnflow.testing.mockcloud.provision import SETTINGS, provision
+from trnflow.workload.memory import decided
 
 HOST_LOST = "Host EC2 (instance i-0d4c3b2a10f9e8d7c) terminated."
 
@@ -152,6 +155,15 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
         started = {row["stage"]: row["instances_started"] for row in outcome["cost"]["rows"]}
         assert started == {"sanity": 0, "train": 2, "infer": 1}, outcome["cost"]
         assert outcome["cost"]["instances_started"] == 3 and outcome["cost"]["provisioning_seconds"] > 0
+        # the run's measurements, kept beside its registry on S3, forecast the next run: provisioning and the
+        # image pull the mock cloud models are in each stage's time, and forecast with it like the rest
+        records, unread = history(spec, TrnflowSettings().home.expanduser().resolve())
+        assert unread == [] and [r.layout.backend for r in records] == ["sagemaker"]
+        waited = {row["stage"]: row["provisioning_seconds"] for row in outcome["cost"]["rows"]}
+        infer = records[0].stage("infer")
+        assert infer.seconds >= waited["infer"] > 0
+        forecast = {s.stage: s for s in plan(decided(spec), records).stages}  # on the layout the run took
+        assert forecast["infer"].source == "history" and forecast["infer"].seconds == round(infer.seconds, 1)
         # issue 54: each job ran as a role made for it (its run's write scope), deleted when it ended
         roles = [j["RoleArn"] for j in sm_jobs]
         assert len(set(roles)) == len(sm_jobs) and all(":role/trnflow/trnflow-run-" in r for r in roles), roles
