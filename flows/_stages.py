@@ -154,8 +154,10 @@ class StageRunner:
         if allowance is None:
             return self.spec
         if allowance <= 0:
-            raise OverBudget(f"nothing is left of the budget for training: {basis}; rerun with the same run id and "
-                             "a higher compute.max_cost_usd")
+            error = OverBudget(f"nothing is left of the budget for training: {basis}; rerun with the same run id "
+                               "and a higher compute.max_cost_usd")
+            self.rows.append(StageRow(stage="train", state="Failed", seconds=0.0, summary=str(error)))
+            raise PipelineFailed("train", error, self.rows)
         get_run_logger().info(f"budget: training may cost ${allowance:.4f} ({basis})")
         train = self.spec.train.model_copy(update={"max_cost_usd": allowance})
         return self.spec.model_copy(update={"train": train})
@@ -277,7 +279,8 @@ def through_training(stage: StageRunner, later: tuple[str, ...], retraining: boo
     try:
         cores = preflight_stages(stage, then_train=True)
         stage("compile", compile_graphs, cores)
-        trained = stage("train", train_model, cores, spec=stage.training_spec())
+        trained = stage("train", train_model, cores, spec=stage.training_spec(),
+                        ledger_mark=stage.ledger.read_up_to)
     finally:  # instances kept for training that will not come (a failed stage, a stopped run) are let go
         if release_kept(stage.run_id, "the run stopped before training"):
             stage.bill("sanity")  # billed to the stage that started them

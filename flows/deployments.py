@@ -19,6 +19,7 @@ from prefect.client.schemas.objects import ConcurrencyLimitConfig, ConcurrencyLi
 from prefect.deployments.runner import EntrypointType
 from prefect.schedules import Cron
 
+from trnflow.errors import TrnflowError
 from trnflow.flows.batch_inference import batch_inference
 from trnflow.flows.compile import compile_cache
 from trnflow.flows.incremental_retrain import incremental_retrain
@@ -148,7 +149,10 @@ def runner_deployments(spec: JobSpec, source: str) -> list[Any]:
     is now (the run's first log line says it again when it starts)."""
     from trnflow.workload.memory import decided  # the layout the runs take: the recipe's model, torch
 
-    line = headline(decided(spec), TrnflowSettings().home.expanduser().resolve())
+    try:
+        line = headline(decided(spec), TrnflowSettings().home.expanduser().resolve())
+    except TrnflowError as exc:  # a recipe this host cannot build: the runs say why; serving goes on
+        line = f"forecast: none ({exc})"
     forecast = f" {line[:1].upper()}{line[1:]}."
     out = []
     for entry, item in zip(FLOWS, definitions(spec, source), strict=True):

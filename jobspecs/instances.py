@@ -111,11 +111,11 @@ def cpu_ranges(cpus: list[int]) -> str:
 
 
 SERVICES: tuple[str, ...] = ("ec2", "sagemaker")
+"""Who bills the instances: `ec2` for the instances AWS Batch launches, `sagemaker` for training
+jobs, which SageMaker bills at its own `ml.*` price."""
 BILLED_BY = {"local": "ec2", "batch": "ec2", "sagemaker": "sagemaker"}
 """Whose price each backend's jobs are billed at (`compute.backend` -> service): Batch launches EC2
 instances; the emulator's jobs are priced as the EC2 instances the spec names."""
-"""Who bills the instances: `ec2` for the instances AWS Batch launches, `sagemaker` for training
-jobs, which SageMaker bills at its own `ml.*` price."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,6 +78,9 @@ def said_late(message: str, logger: Any) -> None:
         return
     try:
         with get_client(sync_client=True) as client:
+            now = client.read_flow_run(run).state
+            if now is None or not now.is_running():  # never over a cancellation or a pause
+                return
             client.set_flow_run_state(run, Running(name=AT_RISK, message=message[:400]), force=True)
     except Exception as exc:  # the API's errors are many; the run goes on either way
         logger.warning("could not set the flow run's state to %s: %s", AT_RISK, exc)

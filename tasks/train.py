@@ -13,9 +13,11 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
 from trnflow.backends import keeps_instance
-from trnflow.errors import HardwareError
+from trnflow.errors import HardwareError, OverBudget
 from trnflow.fsutil import atomic_write_json
 from trnflow.reporting.chart import training_png
+from trnflow.reporting.cost import stage_cost
+from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import loss_figure
 from trnflow.results import TrainResult
 from trnflow.settings import TrnflowSettings
@@ -52,15 +54,35 @@ def _on_the_cores_left(spec: JobSpec, avoid: set[int], logger) -> JobSpec:
     return fewer
 
 
+def _budget_left(spec: JobSpec, run_id: str, ledger_mark: int, logger) -> JobSpec:
+    """`spec` with `train.max_cost_usd` less what this stage's earlier attempts cost (the jobs the
+    run's ledger recorded after `ledger_mark`): each attempt's own clock starts at zero, the budget
+    does not. OverBudget when nothing is left."""
+    billed = JobLedger(TrnflowSettings().home, run_id, start=ledger_mark).new_entries()
+    cap = spec.train.max_cost_usd
+    spent = stage_cost(spec, "train", billed).cost_usd if billed and cap is not None else None
+    if cap is None or not spent:
+        return spec
+    left = round(cap - spent, 4)
+    if left <= 0:
+        raise OverBudget(f"training's earlier attempts cost ${spent:.4f} of its budget of ${cap:.4f} "
+                         "(train.max_cost_usd): nothing is left; rerun with the same run id and a higher budget")
+    logger.info("budget: this attempt may cost $%.4f (earlier attempts cost $%.4f)", left, spent)
+    return spec.model_copy(update={"train": spec.train.model_copy(update={"max_cost_usd": left})})
+
+
 @task(name="train", cache_policy=NO_CACHE)
-def train_model(spec: JobSpec, run_id: str, cores: list[int]) -> TrainResult | State:
-    """Train on every core with DDP. A retry of the same run resumes from its newest checkpoint.
+def train_model(spec: JobSpec, run_id: str, cores: list[int], ledger_mark: int = 0) -> TrainResult | State:
+    """Train on every core with DDP. A retry of the same run resumes from its newest checkpoint;
+    its budget (`train.max_cost_usd`) is what the attempts before it left (`ledger_mark`: where the
+    run's ledger stood when the stage began).
 
     Returns:
         The train result; `checkpoint` is the URL of the final checkpoint. With no new data
         (`data.window: since-watermark`) the task ends Completed, named Skipped.
     """
     logger = get_run_logger()
+    spec = _budget_left(spec, run_id, ledger_mark, logger)
     avoid = bad_cores(run_id)
     placement: dict = {"cores": cores}
     attempt = spec

@@ -2,13 +2,33 @@
 
 from __future__ import annotations
 
+import json
+import logging
+
 import pytest
+import yaml
+from typer.testing import CliRunner
 
 from tests.conftest import quickstart_data
-from trnflow.reporting.cost import price_per_hour
-from trnflow.reporting.forecast import Layout, history, keep, over_limits, plan, record_of, training_budget
-from trnflow.results import InferResult, RunOutcome, StageRow, TrainResult
+from trnflow.cli.app import app  # the command's modules load torch lazily, in the tests that run it
+from trnflow.errors import OverBudget
+from trnflow.events import readable
+from trnflow.reporting.cost import job_cost, price_per_hour, run_cost
+from trnflow.reporting.forecast import (
+    Layout,
+    beside,
+    history,
+    keep,
+    over_limits,
+    plan,
+    record_of,
+    training_budget,
+)
+from trnflow.reporting.ledger import JobLedger, LedgerEntry
+from trnflow.reporting.report import cost_markdown
+from trnflow.results import CompileResult, InferResult, RunOutcome, StageRow, TrainResult
 from trnflow.specs import validate_spec
+from trnflow.tasks.train import _budget_left
 
 
 def _spec(tmp_path, steps: int = 100, train: dict | None = None, **compute):
@@ -91,13 +111,6 @@ def test_a_run_that_trained_nothing_leaves_no_record(tmp_path):
 
 @pytest.mark.slow  # builds the recipe's model to decide its layout
 def test_trnflow_plan_prints_the_forecast_and_refuses_a_bad_spec_with_exit_2(tmp_path, monkeypatch):
-    import json
-
-    import yaml
-    from typer.testing import CliRunner
-
-    from trnflow.cli.app import app
-
     monkeypatch.setenv("TRNFLOW_HOME", str(tmp_path / "home"))
     path = tmp_path / "spec.yaml"
     path.write_text(yaml.safe_dump(quickstart_data(registry_url=str(tmp_path / "registry"))))
@@ -151,8 +164,6 @@ def test_training_may_spend_the_budget_less_what_was_spent_and_what_comes_after_
 
 
 def test_a_training_point_reads_with_the_time_its_steps_left_take():
-    from trnflow.events import readable
-
     point = {"event": "train", "rank": 0, "step": 10, "steps": 40, "loss": 0.5, "samples_per_s": 900.0,
              "eta_s": 150.0}
     assert readable(point) == "train: step 10/40, mean loss 0.5000, 900 samples/s, 2.5 min left"
@@ -160,11 +171,6 @@ def test_a_training_point_reads_with_the_time_its_steps_left_take():
 
 @pytest.mark.slow  # builds the recipe's model to decide its layout
 def test_trnflow_run_refuses_a_run_forecast_past_its_deadline_before_any_job(tmp_path, monkeypatch, dataset):
-    import yaml
-    from typer.testing import CliRunner
-
-    from trnflow.cli.app import app
-
     monkeypatch.setenv("TRNFLOW_HOME", str(tmp_path / "home"))
     data = quickstart_data(registry_url=str(tmp_path / "registry"),
                            data={"train": str(dataset / "train"), "holdout": str(dataset / "holdout"),
@@ -183,10 +189,6 @@ def test_trnflow_run_refuses_a_run_forecast_past_its_deadline_before_any_job(tmp
 
 
 def test_the_cost_table_and_the_history_show_the_forecast_beside_what_each_stage_took(tmp_path):
-    from trnflow.reporting.cost import job_cost, run_cost
-    from trnflow.reporting.forecast import beside
-    from trnflow.reporting.report import cost_markdown
-
     runs = [record_of(_spec(tmp_path, 100), _outcome("a", 100, 400.0, 10.0), at=1)]
     spec = _spec(tmp_path, 100)
     forecast = plan(spec, runs)
@@ -208,7 +210,6 @@ def test_the_cost_table_and_the_history_show_the_forecast_beside_what_each_stage
 
 
 def test_a_spot_run_is_forecast_at_the_share_of_on_demand_its_earlier_spot_runs_paid(tmp_path):
-    from trnflow.reporting.cost import job_cost, run_cost
 
     spot = _spec(tmp_path, 100, spot=True)
     first = plan(spot, [record_of(_spec(tmp_path, 100), _outcome("a", 100, 400.0, 10.0), at=1)])
@@ -229,8 +230,6 @@ def test_a_spot_run_is_forecast_at_the_share_of_on_demand_its_earlier_spot_runs_
 
 
 def test_compile_is_forecast_from_the_runs_that_found_their_programs_in_the_cache(tmp_path):
-    from trnflow.results import CompileResult
-
     def compiled(run_id: str, programs: int, seconds: float) -> RunOutcome:
         outcome = _outcome(run_id, 100, 400.0, 10.0)
         rows = [r if r.stage != "compile" else r.model_copy(update={"seconds": seconds}) for r in outcome.stages]
@@ -258,3 +257,42 @@ def test_compile_is_forecast_from_the_runs_that_found_their_programs_in_the_cach
     assert two.seconds == 2.5 + 2 * 20.0 and "at 20 s each as earlier runs compiled theirs" in two.basis
     fresh = next(s for s in plan(spec, [], cache=checked(0)).stages if s.stage == "compile")
     assert (fresh.seconds, fresh.source) == (10.0, "checked") and "a guess" in fresh.basis
+
+
+def test_a_spot_runs_training_budget_is_given_in_the_on_demand_dollars_its_job_counts(tmp_path):
+    spot = _spec(tmp_path, 100, spot=True, max_cost_usd=1.0)
+    paid = _outcome("s", 100, 400.0, 10.0)
+    row = job_cost(spot, "train", 36.0)
+    paid.cost = run_cost([row.model_copy(update={"cost_usd": round(row.cost_usd * 0.25, 4),
+                                                 "on_demand_usd": row.cost_usd})])
+    forecast = plan(spot, [record_of(spot, paid, at=1)])
+    assert forecast.spot_share == pytest.approx(0.25, abs=0.01)  # (the cents are rounded)
+    after = sum(s.cost_usd for s in forecast.after("train")) * forecast.spot_share
+    allowance, basis = training_budget(spot, forecast, spent_usd=0.1)
+    assert allowance == pytest.approx((1.0 - 0.1 - after) / forecast.spot_share, abs=1e-3)
+    assert f"at on-demand prices, spot paying {forecast.spot_share:.0%} of them" in basis
+
+
+def test_a_training_budget_with_no_price_is_refused_not_skipped(tmp_path):
+    capped = _spec(tmp_path, 100, train={"max_cost_usd": 5.0})
+    unpriced = capped.model_copy(update={"compute": capped.compute.model_copy(
+        update={"backend": "sagemaker", "instance_type": "trn2.48xlarge"})})
+    assert over_limits(unpriced, plan(unpriced, [])) == [
+        "train.max_cost_usd: no price is known for trn2.48xlarge on sagemaker, so the budget cannot be held; set "
+        "compute.price_per_hour"]
+
+
+def test_a_retried_training_attempt_has_only_what_the_attempts_before_it_left(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRNFLOW_HOME", str(tmp_path / "home"))
+    spec = _spec(tmp_path, 100, train={"max_cost_usd": 0.01}, price_per_hour=36.0)  # a cent a second
+    ledger = JobLedger(tmp_path / "home", "r1")
+    ledger.record(LedgerEntry(phase="compile", job_id="c", state="SUCCEEDED", seconds=5.0))
+    mark = len(ledger.path.read_bytes())  # the stage begins here: the compile job is not training's
+    logger = logging.getLogger("test")
+    assert _budget_left(spec, "r1", mark, logger) is spec  # the first attempt: the whole budget
+    ledger.record(LedgerEntry(phase="train", job_id="t1", state="FAILED", seconds=0.4))
+    left = _budget_left(spec, "r1", mark, logger)
+    assert left.train.max_cost_usd == pytest.approx(0.01 - 0.004, abs=1e-4)
+    ledger.record(LedgerEntry(phase="train", job_id="t2", state="FAILED", seconds=0.6))
+    with pytest.raises(OverBudget, match=r"earlier attempts cost \$0.0100 of its budget of \$0.0100"):
+        _budget_left(spec, "r1", mark, logger)

@@ -192,8 +192,8 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
         rows, code = outcome.stages, _exit_code(outcome.cause)
         payload = {"state": "Failed", "failed_stage": outcome.stage, "error": str(outcome.cause),
                    "stages": [r.model_dump(mode="json") for r in rows]}
-    elif not isinstance(outcome, RunOutcome):  # the flow raised before any stage
-        rows, code = [], ExitCode.FAILED
+    elif not isinstance(outcome, RunOutcome):  # the flow raised before any stage, or between two
+        rows, code = [], _exit_code(outcome) if isinstance(outcome, BaseException) else ExitCode.FAILED
         payload = {"state": "Failed", "error": f"{type(outcome).__name__}: {outcome}", "stages": []}
     elif outcome.nothing_new:  # scheduled retraining with no new data: no job was launched
         payload = {"state": "Completed", "nothing_new": True, "message": state.message, "stages": []}

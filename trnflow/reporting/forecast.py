@@ -235,6 +235,21 @@ class Plan(BaseModel):
         return (f"forecast: {minutes(self.seconds)} ({minutes(self.low)}-{minutes(self.high)}), {cost} "
                 f"on-demand{spot}; from {', '.join(sources)}")
 
+    def stage(self, name: str) -> StageForecast | None:
+        return next((s for s in self.stages if s.stage == name), None)
+
+    def after(self, name: str) -> list[StageForecast]:
+        """The stages forecast after stage `name` (none when it is not one)."""
+        names = [s.stage for s in self.stages]
+        return self.stages[names.index(name) + 1:] if name in names else []
+
+    @property
+    def spot_share(self) -> float:
+        """The share of on-demand a spot run is priced at (1.0: on demand)."""
+        if self.spot_cost_usd is None or not self.cost_usd:
+            return 1.0
+        return self.spot_cost_usd / self.cost_usd
+
     @property
     def expected_cost_usd(self) -> float | None:
         """What the run should cost: on spot, at spot's measured share; else (or with no spot run
@@ -283,11 +298,12 @@ def _checked_compile(cache: CompileResult, same: list[RunRecord]) -> tuple[tuple
         return base, said + ("; the warm runs' time to look them up" if warm else "; a guess of the time to look "
                              "them up")
     per = [m.seconds / m.work for r in same if (m := r.stage("compile")) is not None and m.work]
-    each = _spread(per) if per else (GUESS_SECONDS["compile"] / 3,) * 3
+    guess = GUESS_SECONDS["compile"] / 3
+    each = _spread(per) if per else (guess,) * 3
     low_base = base[1] if warm else 0.0
     found = (base[0] + cache.misses * each[0], low_base + cache.misses * each[1], base[2] + cache.misses * each[2])
     return found, said + (f", at {each[0]:.0f} s each as earlier runs compiled theirs" if per else
-                          ", at a guessed 40 s each")
+                          f", at a guessed {guess:.0f} s each")
 
 
 def _stage(spec: JobSpec, stage: str, runs: list[RunRecord], layout: Layout, cache: CompileResult | None = None
@@ -304,7 +320,8 @@ def _stage(spec: JobSpec, stage: str, runs: list[RunRecord], layout: Layout, cac
         elif timed and (calibrated := _rated(stage, timed, work, 1.0)):
             mid, low, high = calibrated
             found = (mid, low * CALIBRATED_RANGE[0], high * CALIBRATED_RANGE[1])
-            steps = round(timed[-1].stages[0].work / spec.train.global_batch_size) if timed[-1].stages[0].work else 0
+            timed_train = timed[-1].stage("train")
+            steps = round(timed_train.work / spec.train.global_batch_size) if timed_train and timed_train.work else 0
             source, basis = "calibrated", f"{steps} timed steps of the real program on this layout"
         elif others:
             newest = others[-1].layout
@@ -405,9 +422,11 @@ def over_limits(spec: JobSpec, forecast: Plan | None) -> list[str]:
     if forecast is None:
         return ["the run has a deadline or a budget, and no forecast could be made to check it against (see the "
                 "forecast line)"]
-    train = next((s for s in forecast.stages if s.stage == "train"), None)
+    train = forecast.stage("train")
+    if train is None:
+        return ["the run has a deadline or a budget, and its forecast has no training stage to check it against"]
     problems = []
-    if spec.train.max_minutes is not None and train is not None and train.seconds > spec.train.max_minutes * 60:
+    if spec.train.max_minutes is not None and train.seconds > spec.train.max_minutes * 60:
         problems.append(f"train.max_minutes: training is forecast to take {minutes(train.seconds)} "
                         f"({train.source}: {train.basis}), past its deadline of {spec.train.max_minutes:g} min")
     budget = spec.compute.max_cost_usd
@@ -420,8 +439,11 @@ def over_limits(spec: JobSpec, forecast: Plan | None) -> list[str]:
         problems.append(f"compute.max_cost_usd: the run is forecast to cost ${expected:.4f} {priced} (from "
                         f"{sources}; `trnflow plan` has each stage's), over its budget of ${budget:.4f}")
     cap = spec.train.max_cost_usd
-    if cap is not None and train is not None and train.cost_usd is not None and train.cost_usd > cap:
-        problems.append(f"train.max_cost_usd: training is forecast to cost ${train.cost_usd:.4f} "
+    if cap is not None and train.cost_usd is None:
+        problems.append(f"train.max_cost_usd: no price is known for {spec.compute.instance_type} on "
+                        f"{spec.compute.backend}, so the budget cannot be held; set compute.price_per_hour")
+    elif cap is not None and train.cost_usd is not None and (spent := train.cost_usd * forecast.spot_share) > cap:
+        problems.append(f"train.max_cost_usd: training is forecast to cost ${spent:.4f} "
                         f"({train.source}: {train.basis}), over its budget of ${cap:.4f}")
     return problems
 
@@ -429,19 +451,29 @@ def over_limits(spec: JobSpec, forecast: Plan | None) -> list[str]:
 def training_budget(spec: JobSpec, forecast: Plan | None, spent_usd: float) -> tuple[float | None, str]:
     """What training may cost (`train.max_cost_usd` for its job) and how that was reckoned: the run's
     budget less what it has spent and the forecast cost of the stages after training, or the spec's
-    own cap on training where that is less; (None, "") when neither limit is set."""
+    own cap on training where that is less; (None, "") when neither limit is set. The job counts
+    its cost at on-demand prices (it cannot see a spot price), so for a spot run priced at its
+    measured share of on-demand the figure is given in on-demand dollars at that share."""
     budget, cap = spec.compute.max_cost_usd, spec.train.max_cost_usd
-    if budget is None:
-        return cap, "" if cap is None else f"train.max_cost_usd ${cap:.4f}"
-    stages = forecast.stages if forecast is not None else []
-    names = [s.stage for s in stages]
-    later = stages[names.index("train") + 1:] if "train" in names else []
-    after = sum(s.cost_usd or 0.0 for s in later)
-    allowance = round(budget - spent_usd - after, 4)
-    basis = (f"compute.max_cost_usd ${budget:.4f} less ${spent_usd:.4f} spent before training and ${after:.4f} "
-             "forecast for the stages after it")
-    if cap is not None and cap < allowance:
-        return cap, f"train.max_cost_usd ${cap:.4f} (less than {basis})"
+    if budget is None and cap is None:
+        return None, ""
+    share = forecast.spot_share if forecast is not None else 1.0
+    basis = f"train.max_cost_usd ${cap:.4f}" if cap is not None else ""
+    allowance = cap
+    if budget is not None:
+        later = forecast.after("train") if forecast is not None else []
+        after = round(sum(s.cost_usd or 0.0 for s in later) * share, 4)
+        left = round(budget - spent_usd - after, 4)
+        reckoned = (f"compute.max_cost_usd ${budget:.4f} less ${spent_usd:.4f} spent before training and "
+                    f"${after:.4f} forecast for the stages after it")
+        if cap is None or left <= cap:
+            allowance, basis = left, reckoned
+        else:
+            basis = f"{basis} (less than {reckoned})"
+    assert allowance is not None
+    if share < 1.0 and allowance > 0:
+        return round(allowance / share, 4), (f"{basis}; ${allowance / share:.4f} at on-demand prices, spot paying "
+                                             f"{share:.0%} of them")
     return allowance, basis
 
 
@@ -449,7 +481,6 @@ def beside(cost: Cost, forecast: Plan | None) -> Cost:
     """The run's cost table with what was forecast of each stage beside what it took and cost."""
     if forecast is None:
         return cost
-    by_stage = {s.stage: s for s in forecast.stages}
     rows = [row.model_copy(update={"forecast_seconds": f.seconds, "forecast_usd": f.cost_usd})
-            if (f := by_stage.get(row.stage)) else row for row in cost.rows]
+            if (f := forecast.stage(row.stage)) else row for row in cost.rows]
     return cost.model_copy(update={"rows": rows, "forecast_usd": forecast.cost_usd})

@@ -41,9 +41,10 @@ class LedgerEntry:
 
 
 class JobLedger:
-    def __init__(self, home: Path, run_id: str):
+    def __init__(self, home: Path, run_id: str, start: int = 0):
+        """A reader of run `run_id`'s jobs recorded after `start` (another reader's `read_up_to`)."""
         self.path = home.expanduser().resolve() / "ledger" / f"{run_id}.jsonl"
-        self._read = 0
+        self._read = start
 
     def record(self, entry: LedgerEntry) -> None:
         """Append one job. One short `write` of a whole line: lines from many writers stay whole."""
@@ -53,6 +54,11 @@ class JobLedger:
             os.write(fd, (json.dumps(asdict(entry)) + "\n").encode())
         finally:
             os.close(fd)
+
+    @property
+    def read_up_to(self) -> int:
+        """Where this reader has read to."""
+        return self._read
 
     def new_entries(self) -> list[LedgerEntry]:
         """The jobs recorded since this reader last looked."""

@@ -134,6 +134,7 @@ class Trainer:
         self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
         self._window = (time.perf_counter(), 0, 0.0)  # since the last logged point: start, steps, summed loss
         self.late_said = False
+        self.after_first: float | None = None  # when this attempt's first step ended: its steady clock
 
     def run(self) -> TrainResult:
         tcfg = self.spec.train
@@ -230,6 +231,8 @@ class Trainer:
         if self.rounding:
             self.device.round_state(self.model, self.optimizer, self.rounding, self.sr_gen)
         self.step_times.append(time.perf_counter() - began)
+        if self.after_first is None:
+            self.after_first = time.perf_counter()
         value = loss.item()
         start, steps, summed = self._window
         self._window = (start, steps + 1, summed + value)
@@ -247,8 +250,8 @@ class Trainer:
 
     def _log_point(self, done: int) -> float:
         """A point of the training curve: the mean loss since the last point (one batch's is too noisy),
-        logged with the time the steps left would take at the rate since that point; that time. Once
-        training would end after train.max_minutes, a `late` event says so (once)."""
+        logged with the time the steps left would take (`_left`); that time. Once training would end
+        after train.max_minutes, a `late` event says so (once)."""
         tcfg = self.spec.train
         start, steps, summed = self._window
         elapsed = time.perf_counter() - start
@@ -256,24 +259,36 @@ class Trainer:
                  "samples_per_s": round(steps * tcfg.global_batch_size / elapsed, 1),
                  "graphs": len(self.programs.compiler.seen)}
         self.metrics.append(point)
-        left = (tcfg.steps - done) * elapsed / steps
+        left = self._left(done)
         self.ctx.log("train", steps=tcfg.steps, **point, eta_s=round(left, 1))
         self._window = (time.perf_counter(), 0, 0.0)
         ends = time.monotonic() - self.began + left
-        if tcfg.max_minutes is not None and ends > tcfg.max_minutes * 60 and not self.late_said:
+        steady = done - self.first > 1  # a step after the first was timed: the rate says something
+        if steady and tcfg.max_minutes is not None and ends > tcfg.max_minutes * 60 and not self.late_said:
             self.late_said = True
             self.ctx.log("late", step=done, deadline_minutes=tcfg.max_minutes, forecast_minutes=round(ends / 60, 2),
                          message=f"training is forecast to end {ends / 60:.1f} min after its start, after its "
                          f"deadline of {tcfg.max_minutes:g} min (train.max_minutes), at the rate of its steps so far")
         return left
 
+    def _left(self, done: int) -> float:
+        """Seconds the steps after `done` should take: at this attempt's wall time a step since its
+        first step ended (the checkpoints and evaluations among them included), not counting the
+        first, which loads or compiles the graph; with only the first done, at its time."""
+        steady = done - self.first - 1
+        if steady <= 0 or self.after_first is None:
+            per_step = self.step_times[0] if self.step_times else 0.0
+        else:
+            per_step = (time.perf_counter() - self.after_first) / steady
+        return (self.spec.train.steps - done) * per_step
+
     def _over_budget(self, done: int, left: float) -> str | None:
         """Why training stops here: the cost spent since it started plus the forecast for the `left`
         seconds of steps it has left would exceed train.max_cost_usd (agreed by every rank, so all
         stop after the same step); None to go on."""
         tcfg, compute = self.spec.train, self.spec.compute
-        if tcfg.max_cost_usd is None or compute.hourly_price is None or done >= tcfg.steps:
-            return None
+        if tcfg.max_cost_usd is None or compute.hourly_price is None or done >= tcfg.steps or done - self.first < 2:
+            return None  # (nothing to check yet after only the first step, which loads or compiles the graph)
         per_s = compute.hourly_price * compute.nodes / 3600
         spent = (time.monotonic() - self.began) * per_s
         over = spent + left * per_s > tcfg.max_cost_usd
