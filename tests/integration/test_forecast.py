@@ -93,6 +93,12 @@ def test_a_budget_stops_training_checkpointed_a_deadline_warns_early_and_a_highe
     assert late and "after its deadline of 0.0001 min (train.max_minutes)" in late[0].message  # said while it ran
     assert states.index(late[0]) < len(states) - 1 and states[-1].name == "OverBudget"
 
+    spent = make_spec(1, compute={"price_per_hour": 100_000, "max_cost_usd": 0.01})  # gone by the preflight
+    before = pipeline(spent, run_id="spent", override_forecast="the test spends past it", return_state=True)
+    assert before.name == "OverBudget" and "nothing is left of the budget for training" in before.message
+    assert [(r.stage, r.state) for r in before.result(raise_on_failure=False).stages][-1] == ("train", "Failed")
+    assert not any((tmp_path / "checkpoints" / "spent" / step_name(s)).exists() for s in (10, 20, 40))  # untrained
+
     higher = make_spec(1, compute={"price_per_hour": 100_000}, train={"max_cost_usd": 1_000_000,
                                                                       "checkpoint_every": 20, "log_every": 10})
     outcome = pipeline(higher, run_id="budget", override_forecast="the test resumes it",
