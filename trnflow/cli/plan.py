@@ -14,7 +14,8 @@ from trnflow.backends.calibration import CALIBRATION_STEPS, cache_check, timed_s
 from trnflow.cli.common import JsonOpt, SetOpt, console, err, load, set_overrides
 from trnflow.cli.console import RED
 from trnflow.errors import ExitCode, TrnflowError
-from trnflow.reporting.forecast import Layout, RunRecord, calibration_record, history, minutes, plan
+from trnflow.events import duration
+from trnflow.reporting.forecast import Layout, RunRecord, calibration_record, history, plan
 from trnflow.results import CompileResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
@@ -51,7 +52,7 @@ def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], ov
         table.add_column(column, justify="right" if column in ("nodes", "time", "cost ($)") else "left")
     for row in forecast.stages:
         cost = "-" if row.cost_usd is None else f"{row.cost_usd:.4f}"
-        table.add_row(row.stage, str(row.nodes), minutes(row.seconds), f"{minutes(row.low)}-{minutes(row.high)}",
+        table.add_row(row.stage, str(row.nodes), duration(row.seconds), f"{duration(row.low)}-{duration(row.high)}",
                       cost, f"{row.source}: {row.basis}")
     console.print(table)
     ends = dt.datetime.fromtimestamp(forecast.finish_at).astimezone().strftime("%Y-%m-%d %H:%M %Z")

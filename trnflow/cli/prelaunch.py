@@ -17,7 +17,7 @@ from trnflow.device.plans import cache_problem
 from trnflow.errors import DataError, ExitCode, FatalError, FieldError
 from trnflow.lifecycle.exports import read_marker
 from trnflow.lifecycle.locations import reference_problem
-from trnflow.reporting.forecast import OVERRIDE_HINT, headline, launch_forecast, over_limits
+from trnflow.reporting.forecast import OVERRIDE_HINT, has_limits, headline, launch_forecast, over_limits
 from trnflow.reporting.tracking import server_problem
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
@@ -171,8 +171,7 @@ def refuse_over_forecast(spec: JobSpec, source: str, override: str | None) -> No
     if override is not None and not override.strip():
         err.print("--override-forecast needs a reason: the run's log and summary record it", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
-    if override or all(v is None for v in (spec.train.max_minutes, spec.compute.max_cost_usd,
-                                            spec.train.max_cost_usd)):
+    if override or not has_limits(spec):
         return
     from trnflow.workload.memory import decided  # the layout the run will take: the recipe's model, torch
 

@@ -129,8 +129,9 @@ def cost_table(cost: Cost) -> Table:
     rows, total = cost_cells(cost)
     for row in rows:
         table.add_row(*(Text(cell) for cell in row))
-    cells = total_cells(cost, total)
-    table.add_row(Text("total", style="bold"), *(Text(c, style="bold" if c == total else "") for c in cells))
+    columns = cost_columns(cost)[1:]  # after the label's
+    table.add_row(Text("total", style="bold"), *(Text(c, style="bold" if name == "cost ($)" else "")
+                                                 for name, c in zip(columns, total_cells(cost, total), strict=True)))
     note = spot_note(cost)
     if note:
         table.caption = note

@@ -31,6 +31,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from trnflow.events import duration
 from trnflow.reporting.cost import job_cost
 from trnflow.results import CompileResult, Cost, InferResult, RunOutcome, TrainResult
 from trnflow.specs import JobSpec
@@ -232,7 +233,7 @@ class Plan(BaseModel):
         cost = f"${self.cost_usd:.2f}" if self.cost_usd is not None else "cost unknown (no price)"
         spot = f" (spot about ${self.spot_cost_usd:.2f})" if self.spot_cost_usd is not None else ""
         sources = sorted({s.source for s in self.stages})
-        return (f"forecast: {minutes(self.seconds)} ({minutes(self.low)}-{minutes(self.high)}), {cost} "
+        return (f"forecast: {duration(self.seconds)} ({duration(self.low)}-{duration(self.high)}), {cost} "
                 f"on-demand{spot}; from {', '.join(sources)}")
 
     def stage(self, name: str) -> StageForecast | None:
@@ -255,10 +256,6 @@ class Plan(BaseModel):
         """What the run should cost: on spot, at spot's measured share; else (or with no spot run
         measured yet) on demand, the most it costs."""
         return self.spot_cost_usd if self.spot_cost_usd is not None else self.cost_usd
-
-
-def minutes(seconds: float) -> str:
-    return f"{seconds / 60:.1f} min" if seconds >= 60 else f"{seconds:.0f} s"
 
 
 def _spread(values: list[float]) -> tuple[float, float, float]:
@@ -411,13 +408,18 @@ def launch_forecast(spec: JobSpec, home: Path) -> tuple[Plan | None, str]:
     return found, found.headline()
 
 
+def has_limits(spec: JobSpec) -> bool:
+    """Whether the spec sets a deadline or a budget, which its forecast is checked against."""
+    return any(limit is not None for limit in (spec.train.max_minutes, spec.compute.max_cost_usd,
+                                               spec.train.max_cost_usd))
+
+
 def over_limits(spec: JobSpec, forecast: Plan | None) -> list[str]:
     """The spec's deadline (`train.max_minutes`) and budgets (`compute.max_cost_usd`,
     `train.max_cost_usd`) that a run forecast as `forecast` would miss, a line each naming the
     field, the figure and where it comes from; a limit that cannot be checked (no forecast, no
     price) is one too. Empty: within them."""
-    limits = spec.train.max_minutes, spec.compute.max_cost_usd, spec.train.max_cost_usd
-    if all(limit is None for limit in limits):
+    if not has_limits(spec):
         return []
     if forecast is None:
         return ["the run has a deadline or a budget, and no forecast could be made to check it against (see the "
@@ -427,7 +429,7 @@ def over_limits(spec: JobSpec, forecast: Plan | None) -> list[str]:
         return ["the run has a deadline or a budget, and its forecast has no training stage to check it against"]
     problems = []
     if spec.train.max_minutes is not None and train.seconds > spec.train.max_minutes * 60:
-        problems.append(f"train.max_minutes: training is forecast to take {minutes(train.seconds)} "
+        problems.append(f"train.max_minutes: training is forecast to take {duration(train.seconds)} "
                         f"({train.source}: {train.basis}), past its deadline of {spec.train.max_minutes:g} min")
     budget = spec.compute.max_cost_usd
     if budget is not None and forecast.cost_usd is None:
