@@ -16,14 +16,25 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # every process would compile what it imports from source again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo demo-tracking causal-lm causal-lm-lora test test-main test-fast test-xla xla-env faults bench lint clean chromium deps-check checkov
+.PHONY: install demo demo-tracking causal-lm causal-lm-lora test test-main test-fast test-xla xla-env faults bench lint \
+  clean chromium deps-check deps-verify deps-update checkov
+
+# Each environment installs the versions the suite last passed with (requirements/lock.txt, and
+# requirements/xla-lock.txt for the XLA lane), as pip's constraints: a release on the registry
+# changes nothing here until `make deps-update` has run the suite on it. LOCKED=no resolves afresh.
+LOCK     ?= requirements/lock.txt
+XLA_LOCK ?= requirements/xla-lock.txt
+LOCKED   ?= yes
+XLA_VENV ?= $(VENV)/xla
+XLA_BIN  := $(XLA_VENV)/bin
+locked    = $(if $(filter yes,$(LOCKED)),-c $(1))
 
 # The example recipe (examples/recipes) goes in too: the tests run it as an installed plug-in.
-$(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml
+$(BIN)/.installed: pyproject.toml examples/recipes/pyproject.toml $(LOCK)
 	mkdir -p $(VENV)  # the XLA venv's install may be creating it at this moment, as its parent
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet --no-compile -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-compile $(call locked,$(LOCK)) -e ".[dev]"
 	$(BIN)/python -m pip install --quiet --no-deps -e examples/recipes
 	touch $@
 
@@ -77,8 +88,10 @@ causal-lm-lora: install
 	$(BIN)/trnflow models export causal-lm-lora $(LM)/adapter --adapter -r $(LM)/registry
 
 lint: install
+	$(call mark,lint,start)
 	$(BIN)/ruff check .
 	$(BIN)/python -m compileall -q trnflow flows tasks jobspecs benchmarks infra tests
+	$(call mark,lint,end)
 
 # The UI test screenshots a deployment page with Debian's chromium: installed here where apt-get
 # can (as root); elsewhere that one test is skipped and says why.
@@ -100,47 +113,73 @@ checkov: $(CHECKOV_VENV)/.installed
 	$(CHECKOV_VENV)/bin/checkov --framework cloudformation -f infra/cloudformation/trnflow.yaml --compact --quiet \
 	  --skip-download
 
-# The installed set must be consistent (pip check), and the versions the tests ran with are kept in
-# runs/tested-with.txt (pip freeze) with the ones that broke Prefect before printed in the log.
-deps-check: install
+# The installed set must be consistent (pip check) and exactly the lock's.
+deps-verify: install
 	$(BIN)/python -m pip check
-	@mkdir -p runs && $(BIN)/python -m pip freeze --exclude-editable > runs/tested-with.txt
-	@echo "tested with: $$(grep -i -E '^(prefect|sqlalchemy|fastapi|starlette|pydantic|torch|moto|boto3)==' \
-	  runs/tested-with.txt | tr '\n' ' ')(all in runs/tested-with.txt)"
+	$(if $(filter yes,$(LOCKED)),$(PYTHON) -m tests.deps verify $(BIN)/python $(LOCK))
+
+# How far the locks are behind the registry (asks it for every package's newest release).
+deps-check: install $(XLA_BIN)/.installed
+	$(PYTHON) -m tests.deps behind $(BIN)/python $(LOCK)
+	$(PYTHON) -m tests.deps behind $(XLA_BIN)/python $(XLA_LOCK)
+
+# Resolve every environment afresh (in .venv/next), run the whole suite there, and only when it
+# passes write the new locks; `make install` then moves .venv to them.
+NEXT := .venv/next
+deps-update:
+	rm -rf $(NEXT)
+	$(MAKE) test VENV=$(NEXT) LOCKED=no
+	$(PYTHON) -m tests.deps write $(NEXT)/bin/python $(LOCK) --name "the project's environment (.venv)"
+	$(PYTHON) -m tests.deps write $(NEXT)/xla/bin/python $(XLA_LOCK) --name "the XLA lane's environment (.venv/xla)"
+	rm -rf $(NEXT)
+
+# Where the time goes: each pytest run writes its tests' workers, starts and durations here, and
+# each phase of `make test` (and of CI) its start and end; `python -m tests.timeline summary
+# $(TIMELINE)` prints the phases' wall times and the 20 slowest tests.
+TIMELINE ?= runs/test-timeline
+mark      = $(PYTHON) -m tests.timeline mark $(TIMELINE) $(1) $(2)
+timeline  = -p tests.timeline --timeline $(TIMELINE)/$(1).jsonl
 
 # The unit tests first (quick, in-process; no browser needed; the `slow` ones wait), then everything
 # that starts jobs, flows, servers or a mock cloud.
 test-fast: install
-	$(BIN)/python -m pytest -n 2 -q -m "unit and not slow" tests/unit
+	$(call mark,unit,start)
+	$(BIN)/python -m pytest -n 2 -q -m "unit and not slow" tests/unit $(call timeline,unit)
+	$(call mark,unit,end)
 
 # The XLA lane's environment (about 3 GB to download) is built beside the rest, not after it: `make -j2`
 # runs the two branches at once, so its install starts with .venv's (which leaves a core idle) and
 # goes on beside the first tests; the lane's tests start when both are done. (Running the lane's
 # tests beside the integration tests saves nothing: those keep both cores busy.)
+# The timeline starts afresh and its summary is printed at the end, unless CI (TIMELINE_OF=ci), whose
+# phases surround these, does both.
+TIMELINE_OF ?= make
 test:
+	$(if $(filter make,$(TIMELINE_OF)),rm -rf $(TIMELINE))
 	$(MAKE) -j2 xla-env test-main
 	$(MAKE) test-xla
+	$(if $(filter make,$(TIMELINE_OF)),@$(PYTHON) -m tests.timeline summary $(TIMELINE))
 
 # The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests.
-test-main: lint deps-check checkov test-fast chromium
+test-main: lint deps-verify checkov test-fast chromium
+	$(call mark,integration,start)
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests/integration \
-	  infra/tests tests/unit -m "not unit or slow"
+	  infra/tests tests/unit -m "not unit or slow" $(call timeline,integration)
+	$(call mark,integration,end)
 
 # The XLA lane: torch-xla's CPU runtime (PJRT_DEVICE=CPU) runs the `xla` device's lazy-tensor program
 # for real, one rank. It has its own venv, because torch-xla 2.9 needs torch 2.9: about 8 GB (that
 # torch wheel pulls in CUDA libraries) and a few minutes to create the first time. Like .venv's,
 # its packages are compiled as they are first imported, not on install.
-XLA_VENV ?= .venv/xla
-XLA_BIN  := $(XLA_VENV)/bin
-
 # Its packages first, beside .venv's install; trnflow itself (editable) only after .venv's, since
 # both editable installs write trnflow.egg-info in the checkout.
-$(XLA_VENV)/.packages: pyproject.toml tests/xla/requirements.py
+$(XLA_VENV)/.packages: pyproject.toml tests/xla/requirements.py $(XLA_LOCK)
 	$(PYTHON) -m venv $(XLA_VENV)
 	$(XLA_BIN)/python -m pip install --quiet --upgrade pip
-	$(XLA_BIN)/python -m pip install --quiet --no-compile torch==2.9.0 torch-xla==2.9.0
+	$(XLA_BIN)/python -m pip install --quiet --no-compile $(call locked,$(XLA_LOCK)) torch==2.9.0 torch-xla==2.9.0
 	$(XLA_BIN)/python tests/xla/requirements.py > $(XLA_VENV)/requirements.txt
-	$(XLA_BIN)/python -m pip install --quiet --no-compile -r $(XLA_VENV)/requirements.txt
+	$(XLA_BIN)/python -m pip install --quiet --no-compile $(call locked,$(XLA_LOCK)) -r $(XLA_VENV)/requirements.txt
+	$(if $(filter yes,$(LOCKED)),$(PYTHON) -m tests.deps verify $(XLA_BIN)/python $(XLA_LOCK))
 	touch $@
 
 $(XLA_BIN)/.installed: $(XLA_VENV)/.packages $(BIN)/.installed examples/recipes/pyproject.toml
@@ -150,7 +189,10 @@ $(XLA_BIN)/.installed: $(XLA_VENV)/.packages $(BIN)/.installed examples/recipes/
 xla-env: $(XLA_BIN)/.installed
 
 test-xla: $(XLA_BIN)/.installed
-	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -n 2 --dist worksteal -q -p no:cacheprovider --durations=8 tests/xla
+	$(call mark,xla,start)
+	PJRT_DEVICE=CPU $(XLA_BIN)/python -m pytest -n 2 --dist worksteal -q -p no:cacheprovider --durations=8 tests/xla \
+	  $(call timeline,xla)
+	$(call mark,xla,end)
 
 # The fault matrix: the quickstart pipeline (shortened) once without faults, then once per fault, each
 # compared with the fault-free run. About 30 minutes on 2 cores; `make test` runs its two CI cases.

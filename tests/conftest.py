@@ -66,6 +66,8 @@ def archive(files: dict[str, bytes]) -> bytes:
 # What the checkout may gain while tests run: environments, bytecode and the test tools' own caches
 # (`make test` installs the XLA lane's environment beside the first tests), never a run's outputs.
 NOT_OUTPUTS = {".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis", "build"}
+TIMELINE = ("runs", "test-timeline")
+"""Where `make test` keeps its timeline (tests/timeline.py), written by make and pytest, not by tests."""
 
 
 def checkout_files(folder: Path) -> dict[str, tuple[int, int]]:
@@ -73,7 +75,8 @@ def checkout_files(folder: Path) -> dict[str, tuple[int, int]]:
     found = {}
     for path in folder.rglob("*"):
         parts = path.relative_to(folder).parts
-        if any(part in NOT_OUTPUTS or part.endswith(".egg-info") for part in parts) or not path.is_file():
+        if (any(part in NOT_OUTPUTS or part.endswith(".egg-info") for part in parts) or parts[:2] == TIMELINE
+                or not path.is_file()):
             continue
         stat = path.stat()
         found[path.relative_to(folder).as_posix()] = (stat.st_size, stat.st_mtime_ns)

@@ -12,7 +12,8 @@ from tests.conftest import ROOT, changed, checkout_files
 def test_ci_runs_the_demo_then_the_tests_in_the_same_clone():
     steps = [line.strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()
              if line.strip().startswith("make ")]
-    assert steps == ["make demo", "make test"]
+    assert [step.split()[:2] for step in steps] == [["make", "demo"], ["make", "test"]]
+    assert steps[1] == 'make test TIMELINE="$TIMELINE" TIMELINE_OF=ci'  # its timeline beside the demo's
 
 
 def test_each_test_starts_in_an_empty_folder_outside_the_checkout():
@@ -26,7 +27,8 @@ def test_the_checkout_check_sees_a_file_added_changed_or_deleted_and_ignores_cac
     kept.write_text("{}")
     gone.write_text("# hello")
     before = checkout_files(tmp_path)
-    for cache in (".venv/lib/x.py", "trnflow/__pycache__/a.pyc", ".pytest_cache/v", "trnflow.egg-info/PKG-INFO"):
+    for cache in (".venv/lib/x.py", "trnflow/__pycache__/a.pyc", ".pytest_cache/v", "trnflow.egg-info/PKG-INFO",
+                  "runs/test-timeline/integration.jsonl"):
         (tmp_path / cache).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / cache).write_text("x")
     assert changed(before, checkout_files(tmp_path)) == []

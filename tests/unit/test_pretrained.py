@@ -128,6 +128,19 @@ def test_nothing_in_a_pretrained_folder_runs_and_weights_come_from_safetensors_o
         _encoder(pickled).build_model()
 
 
+def test_no_kernel_hub_rewrites_a_pretrained_model(encoder_folder, monkeypatch):
+    """transformers 5.25 with `kernels` installed swaps a loaded model's layers for hub kernels unless
+    told not to (on the xla device it raised "Unsupported device type 'xla'"): trnflow's models stay
+    as their folder defines them, whatever the environment says."""
+    import transformers.modeling_utils as modeling
+
+    monkeypatch.delenv("USE_HUB_KERNELS", raising=False)
+    kernelized = []
+    monkeypatch.setattr(modeling, "kernelize", lambda model, **_: kernelized.append(type(model).__name__))
+    model = _encoder(encoder_folder).build_model()
+    assert not kernelized and not model.encoder.use_kernels
+
+
 def test_the_memory_estimate_counts_a_pretrained_models_parameters_without_loading_them(encoder_folder):
     """On the meta device the folder's config builds the architecture (from_pretrained refuses meta)."""
     from trnflow.workload.memory import parameter_count

@@ -175,13 +175,16 @@ def _pickles(folder: Path) -> list[str]:
 
 
 def load_pretrained(auto_class: Any, folder: Path) -> Any:
-    """`auto_class.from_pretrained` on a local folder: no download, no remote code, safetensors only."""
+    """`auto_class.from_pretrained` on a local folder: no download, no remote code, safetensors only,
+    and the model as its folder defines it: transformers (from 5.25, with the `kernels` package
+    installed) would otherwise replace its layers with kernels fetched from a hub, which no device
+    of trnflow's runs (the xla device is refused) and which no run may take from outside."""
     _weight_files(folder)
     if found := _pickles(folder):  # nothing in the folder can be unpickled, whatever route a layout takes
         raise _read_a_pickle(folder, found[0])
     try:
         return auto_class.from_pretrained(folder, local_files_only=True, trust_remote_code=False,
-                                          use_safetensors=True)
+                                          use_safetensors=True, use_kernels=False)
     except (OSError, ValueError) as exc:
         raise FatalError(f"model.params.pretrained: {folder} cannot be loaded ({exc})") from None
 
