@@ -7,6 +7,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -28,13 +29,16 @@ os.environ["TRNFLOW_NEURON_RT_DIR"] = tempfile.mkdtemp(prefix="trnflow-rt-")
 atexit.register(shutil.rmtree, os.environ["TRNFLOW_NEURON_RT_DIR"], ignore_errors=True)
 
 
-# The longest files (minutes each on 2 cores), longest first. `make test` hands whole files to its two
-# workers (`--dist loadfile`, in collection order), so these start first and the run ends on short
-# ones, not with one worker busy on a long file while the other has nothing left.
-LONGEST_FILES = ("test_prefect_server.py", "test_cloud_backends.py", "test_image_install.py",
-                 "test_recipe_pipelines.py", "test_pipeline.py", "test_causal_lm.py", "test_faults.py",
-                 "test_mock_aws_docs.py", "test_retrain.py", "test_fault_matrix.py", "test_inference.py",
-                 "test_readme.py")
+# The longest files, longest first, by their tests' summed durations in a measured run (the timeline
+# of `make test`: runs/test-timeline; docs/testing.md). `make test` hands whole files to its two
+# workers (`--dist loadfile`, in this order), so these start first and the run ends on short ones,
+# not with one worker busy on a long file while the other has nothing left.
+LONGEST_FILES = ("test_tensor_parallel.py", "test_causal_lm.py", "test_prefect_server.py", "test_cloud_nodes.py",
+                 "test_lora.py", "test_cloud_sagemaker.py", "test_serving.py", "test_image_install.py",
+                 "test_cloud_batch.py", "test_tracking.py", "test_recipe_pipelines.py",
+                 "test_fault_matrix_sharded.py", "test_cloud_sharded.py", "test_pipeline.py", "test_forecast.py",
+                 "test_inference.py", "test_faults.py", "test_sharded.py", "test_mock_aws_docs.py",
+                 "test_fault_matrix.py", "test_readme.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -164,17 +168,29 @@ def tiny_m5(**params):
     return recipe_for(validate_spec(quickstart_data(model={"params": {**small, **params}})))
 
 
-@pytest.fixture(scope="session")
-def compile_cache(tmp_path_factory) -> Path:
-    """Shared by the session's tests, so the model is compiled cold once."""
-    return tmp_path_factory.mktemp("compile-cache")
+def once_per_run(tmp_path_factory, name: str, make: Callable[[Path], None]) -> Path:
+    """The folder `name`, made by `make(folder)` once for the whole pytest run: xdist's workers share
+    their base temporary folder's parent, and the first worker to ask makes it under a file lock
+    while the other waits. Marked made last, so a worker that failed half way leaves it to be made
+    again; what is made must be deterministic, as whichever worker comes first makes it."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    folder, made = root / f"run-{name}", root / f"run-{name}.made"
+    with (root / f"run-{name}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not made.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            made.touch()
+    return folder
 
 
-@pytest.fixture(scope="session")
-def warm_compile_cache(compile_cache, dataset, trnflow_home, tmp_path_factory) -> Path:
-    """The session's compile cache, holding the graphs of `make_spec`'s model and their plan, each
-    entry signed with the mock cloud's key (so that it holds hits on the emulated services too): a
-    compile job fills it here unless an earlier test of the session already did."""
+def warm(cache_folder: Path, dataset: Path, out: Path) -> None:
+    """Fill `cache_folder` with the graphs of `make_spec`'s model and their plan, each entry signed
+    with the mock cloud's key (so that it holds hits on the emulated services too): one compile job."""
     from tests.faults.world import patched_env
     from trnflow.backends import JobRequest, JobState, wait
     from trnflow.backends.local import LocalBackend
@@ -185,26 +201,43 @@ def warm_compile_cache(compile_cache, dataset, trnflow_home, tmp_path_factory) -
     from trnflow.testing.mockcloud.provision import signing_key, signing_pem
     from trnflow.workload.recipes import plan_digest
 
-    out = tmp_path_factory.mktemp("warm")
     spec = validate_spec(quickstart_data(
         data={"train": str(dataset / "train"), "holdout": str(dataset / "holdout"),
               "inference": str(dataset / "inference")},
-        compile={"cache_url": str(compile_cache)}, train={"checkpoint_url": str(out / "checkpoints")},
+        compile={"cache_url": str(cache_folder)}, train={"checkpoint_url": str(out / "checkpoints")},
         gate={"reference": None}, inference={"output_url": str(out / "embeddings")},
         registry_url=str(out / "registry")))
-    cache = CompileCache(str(compile_cache), keys=EntryKeys(trusted=signing_key().public_key()))
-    digest = plan_digest(spec)
-    known = plans.recorded(cache, digest)
-    if known is None or any(row["will"] != "hit" for row in plans.predict(known, cache, retry_failed=False)):
-        pem = out / "cache.pem"
-        pem.write_text(signing_pem())
-        pem.chmod(0o600)
-        backend = LocalBackend(TrnflowSettings().jobs_dir)
-        with patched_env({SIGNING_KEY_ENV: str(pem)}):  # the compile job signs what it writes
-            job = wait(backend, backend.submit(JobRequest(spec, "compile", "warm", processes=1)), 0.2)
-        assert job.state is JobState.SUCCEEDED, job.failure
-    assert {cache.state(entry_name(row["key"])) for row in plans.recorded(cache, digest)} == {DONE}
-    assert not any(cache.signature_problem(entry_name(row["key"])) for row in plans.recorded(cache, digest))
+    pem = out / "cache.pem"
+    pem.write_text(signing_pem())
+    pem.chmod(0o600)
+    backend = LocalBackend(TrnflowSettings().jobs_dir)
+    with patched_env({SIGNING_KEY_ENV: str(pem)}):  # the compile job signs what it writes
+        job = wait(backend, backend.submit(JobRequest(spec, "compile", "warm", processes=1)), 0.2)
+    assert job.state is JobState.SUCCEEDED, job.failure
+    cache = CompileCache(str(cache_folder), keys=EntryKeys(trusted=signing_key().public_key()))
+    recorded = plans.recorded(cache, plan_digest(spec))
+    assert recorded and {cache.state(entry_name(row["key"])) for row in recorded} == {DONE}
+    assert not any(cache.signature_problem(entry_name(row["key"])) for row in recorded)
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory) -> Path:
+    """This worker's compile cache, shared by its tests: empty until `warm_compile_cache` (which
+    every integration test has) fills it."""
+    return tmp_path_factory.mktemp("compile-cache")
+
+
+@pytest.fixture(scope="session")
+def warm_compile_cache(compile_cache, dataset, trnflow_home, tmp_path_factory) -> Path:
+    """The worker's compile cache holding the graphs of `make_spec`'s model (see `warm`): a copy of
+    one warmed once for the whole pytest run, so that no worker compiles them again and a test may
+    change its worker's copy without touching the other's."""
+    def make(folder: Path) -> None:
+        (folder / "cache").mkdir()
+        warm(folder / "cache", dataset, folder)
+
+    shutil.copytree(once_per_run(tmp_path_factory, "warm-compile-cache", make) / "cache", compile_cache,
+                    dirs_exist_ok=True)
     return compile_cache
 
 

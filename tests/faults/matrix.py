@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import shutil
 import time
 from collections.abc import Iterator
@@ -13,8 +14,11 @@ from typing import Any
 from tests.faults.cases import CASES, HOST_LOST, Case, Run, can_mount, disk_full
 from tests.faults.outcome import Snapshot, events_in_task_logs, local_train_logs, prefect_runs, steps_redone
 from tests.faults.world import EVERY, STEPS, World, merged, patched_env
+from trnflow.specs import validate_spec
 from trnflow.testing import s3faults
 
+BASELINE = "baseline.json"
+"""In a fault-free run's folder: its spec and final checkpoint."""
 COLUMNS = ("case", "fault struck", "recovered", "retries", "steps redone", "weights", "registry", "outputs",
            "nothing lost")
 
@@ -118,10 +122,6 @@ class Matrix:
 
     # -- the runs --
 
-    @property
-    def baseline(self) -> Snapshot | None:
-        return self.baselines.get("ddp")
-
     def run_baseline(self, layout: str = "ddp") -> float:
         """The fault-free run of a layout (`World.layout`); how long it took."""
         began = time.monotonic()
@@ -132,12 +132,20 @@ class Matrix:
         state = run.flow()
         if not state.is_completed():
             raise RuntimeError(f"the fault-free {layout} run failed: {state.result(raise_on_failure=False)}")
-        self.baselines[layout] = Snapshot.of(run.spec, state.result().results["train"].checkpoint)
+        checkpoint = state.result().results["train"].checkpoint
+        self.baselines[layout] = Snapshot.of(run.spec, checkpoint)
+        record = {"spec": run.spec.model_dump(mode="json"), "checkpoint": checkpoint}
+        (folder / BASELINE).write_text(json.dumps(record))  # for `load_baseline`, in another world
         return time.monotonic() - began
 
+    def load_baseline(self, folder: Path, layout: str = "ddp") -> None:
+        """The fault-free run of `layout` that `run_baseline` made into `folder`, in another world (the
+        same data and spec, other folders), to compare this world's cases with."""
+        record = json.loads((folder / BASELINE).read_text())
+        self.baselines[layout] = Snapshot.of(validate_spec(record["spec"]), record["checkpoint"])
+
     def run_case(self, case: Case) -> dict[str, Any]:
-        assert self.baseline is not None, "run the baseline first"
-        if case.baseline not in self.baselines:  # a sharded case's own fault-free run, once
+        if case.baseline not in self.baselines:  # the fault-free run of the case's layout, once
             self.run_baseline(case.baseline)
         row: dict[str, Any] = {"case": case.name, "what": case.what, "max_redone": EVERY * case.interruptions,
                                **({"rtol": case.rtol} if case.rtol else {})}

@@ -173,14 +173,14 @@ def test_the_example_runs_on_the_mock_sagemaker(prefect_api, moto_endpoint, tmp_
     pretrained folder local to the containers: six stages, gated on perplexity."""
     import yaml
 
-    from tests.integration.test_cloud_backends import _cloud
+    from tests.clouds import in_cloud
     from trnflow.specs import validate_spec
 
     train = _rows(prompts / "train")
     folder = tiny_causal_lm(tmp_path / "pretrained", train.column("prompt").to_pylist()
                             + train.column("completion").to_pylist())
     data = yaml.safe_load((Path(__file__).parents[2] / "jobspecs" / "examples" / "causal-lm.yaml").read_text())
-    with _cloud(moto_endpoint, tmp_path, monkeypatch, prompts, in_process=True) as (_, bucket):
+    with in_cloud(moto_endpoint, tmp_path, monkeypatch, prompts, in_process=True) as (_, bucket):
         s3 = f"s3://{bucket}"
         data["model"]["params"]["pretrained"] = str(folder)
         data["data"].update({part: f"{s3}/reviews/{part}" for part in ("train", "holdout", "inference")})

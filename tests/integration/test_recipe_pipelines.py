@@ -17,7 +17,7 @@ import pytest
 import torch
 import yaml
 
-from tests.integration.test_cloud_backends import _cloud, _keys
+from tests.clouds import in_cloud, s3_keys
 from tests.pretrained import tiny_encoder
 from trnflow.flows.pipeline import STAGES, pipeline
 from trnflow.lifecycle.registry import Registry
@@ -90,7 +90,7 @@ def _check_outcome(outcome, spec, read: callable) -> dict:
 def test_the_external_recipe_runs_on_two_batch_nodes(prefect_api, moto_endpoint, tmp_path, monkeypatch, tabular):
     import boto3
 
-    with _cloud(moto_endpoint, tmp_path, monkeypatch, tabular, in_process=False) as (_, bucket):
+    with in_cloud(moto_endpoint, tmp_path, monkeypatch, tabular, in_process=False) as (_, bucket):
         compute = {"backend": "batch", "instance_type": "trn1.32xlarge", "nodes": 2, "cores_per_node": 1,
                    "share_identifier": "default", "fair_share": True}
         spec = _spec(f"s3://{bucket}/reviews", f"s3://{bucket}/tabular", **compute)
@@ -105,7 +105,7 @@ def test_the_external_recipe_runs_on_two_batch_nodes(prefect_api, moto_endpoint,
 
         results = _check_outcome(outcome.model_dump(mode="json"), spec, read)
         assert results["evaluate"]["points"][-1]["accuracy"] > 0.8  # the columns decide the label
-        assert any(k.endswith("/scaler.json") for k in _keys(s3, bucket, "tabular/checkpoints/"))
+        assert any(k.endswith("/scaler.json") for k in s3_keys(s3, bucket, "tabular/checkpoints/"))
         assert load(results["train"]["checkpoint"], "scaler.json").featurizer_file == "scaler.json"
 
 
@@ -140,7 +140,7 @@ def test_the_hugging_face_encoder_runs_the_six_stages_on_sagemaker_and_exports_w
     texts = [t for f in sorted((dataset / "train").rglob("*.jsonl"))
              for t in pajson.read_json(f).column("text").to_pylist()]
     folder = tiny_encoder(tmp_path / "pretrained", texts[:500])
-    with _cloud(moto_endpoint, tmp_path, monkeypatch, dataset, in_process=True) as (_, bucket):
+    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, in_process=True) as (_, bucket):
         s3 = f"s3://{bucket}"
         reviews = {part: f"{s3}/reviews/{part}" for part in ("train", "holdout", "inference")}
         spec = _hf_spec(make_spec, tmp_path, folder, f"{s3}/hf-cache", data=reviews, compute={"backend": "sagemaker"},
@@ -159,7 +159,7 @@ def test_the_hugging_face_encoder_runs_the_six_stages_on_sagemaker_and_exports_w
         client = boto3.client("s3")
         folder = tmp_path / "export"
         folder.mkdir()
-        for key in _keys(client, bucket, f"{prefix}/"):
+        for key in s3_keys(client, bucket, f"{prefix}/"):
             client.download_file(bucket, key, str(folder / key.rsplit("/", 1)[-1]))
         assert {"config.json", "model.safetensors", "head.pt", "tokenizer.json", "tokenizer_config.json",
                 "EXPORTED"} <= {p.name for p in folder.iterdir()}

@@ -36,6 +36,19 @@ def _runtime():
     assert importlib.util.find_spec(SDK) is not None, f"{SDK} is not installed: run `make test-xla` (docs/devices.md)"
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_prefect_api(prefect_api):
+    """The lane's trnflow commands talk to this test process's one Prefect API (the session's), as a
+    user's do once a server is configured, instead of each starting a temporary one of its own."""
+    saved = os.environ.get("PREFECT_API_URL")
+    os.environ["PREFECT_API_URL"] = prefect_api
+    yield
+    if saved is None:
+        os.environ.pop("PREFECT_API_URL", None)
+    else:
+        os.environ["PREFECT_API_URL"] = saved
+
+
 class Findings:
     def __init__(self, node: pytest.Item):
         self.node = node
