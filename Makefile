@@ -75,10 +75,12 @@ causal-lm: install
 	$(BIN)/trnflow models export causal-lm-base $(LM)/base -r $(LM)/registry
 	$(BIN)/trnflow reference jobspecs/examples/causal-lm.yaml
 	$(BIN)/trnflow run jobspecs/examples/causal-lm.yaml
+	rm -rf $(LM)/tuned
+	$(BIN)/trnflow models export causal-lm $(LM)/tuned -r $(LM)/registry
 
-# LoRA adapters on the same base model, fine-tuned on chats; the adapter exported alone too.
+# LoRA adapters on the fine-tuned model, trained on chats; the adapter exported alone too.
 causal-lm-lora: install
-	test -f $(LM)/base/EXPORTED || $(MAKE) causal-lm
+	test -f $(LM)/tuned/EXPORTED || $(MAKE) causal-lm
 	$(BIN)/trnflow data synth $(LM)/chats --format chat --days 1 --rows-per-day 1000 --holdout-rows 300 \
 	  --inference-rows 300 --seed 5
 	$(BIN)/trnflow data check jobspecs/examples/causal-lm-lora.yaml

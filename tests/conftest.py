@@ -33,12 +33,12 @@ atexit.register(shutil.rmtree, os.environ["TRNFLOW_NEURON_RT_DIR"], ignore_error
 # of `make test`: runs/test-timeline; docs/testing.md). `make test` hands whole files to its two
 # workers (`--dist loadfile`, in this order), so these start first and the run ends on short ones,
 # not with one worker busy on a long file while the other has nothing left.
-LONGEST_FILES = ("test_tensor_parallel.py", "test_causal_lm.py", "test_prefect_server.py", "test_cloud_nodes.py",
-                 "test_lora.py", "test_cloud_sagemaker.py", "test_serving.py", "test_image_install.py",
-                 "test_cloud_batch.py", "test_tracking.py", "test_recipe_pipelines.py",
-                 "test_fault_matrix_sharded.py", "test_cloud_sharded.py", "test_pipeline.py", "test_forecast.py",
-                 "test_inference.py", "test_faults.py", "test_sharded.py", "test_mock_aws_docs.py",
-                 "test_fault_matrix.py", "test_readme.py")
+LONGEST_FILES = ("test_make_targets.py", "test_tensor_parallel.py", "test_cloud_nodes.py", "test_prefect_server.py",
+                 "test_cloud_batch.py", "test_serving.py", "test_image_install.py", "test_causal_lm.py",
+                 "test_cloud_sagemaker.py", "test_recipe_pipelines.py", "test_lora.py", "test_cloud_sharded.py",
+                 "test_tracking.py", "test_forecast.py", "test_pipeline.py", "test_sharded.py", "test_fault_matrix.py",
+                 "test_faults.py", "test_inference.py", "test_fault_matrix_sharded.py", "test_mock_aws_docs.py",
+                 "test_readme.py")
 
 
 def pytest_collection_modifyitems(items):
@@ -228,16 +228,21 @@ def compile_cache(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def warm_compile_cache(compile_cache, dataset, trnflow_home, tmp_path_factory) -> Path:
-    """The worker's compile cache holding the graphs of `make_spec`'s model (see `warm`): a copy of
-    one warmed once for the whole pytest run, so that no worker compiles them again and a test may
-    change its worker's copy without touching the other's."""
+def warmed_cache(dataset, trnflow_home, tmp_path_factory) -> Path:
+    """The compile cache warmed once for the whole pytest run, holding the graphs of `make_spec`'s
+    model and nothing else (see `warm`): to copy or upload, never to write (the other worker reads it)."""
     def make(folder: Path) -> None:
         (folder / "cache").mkdir()
         warm(folder / "cache", dataset, folder)
 
-    shutil.copytree(once_per_run(tmp_path_factory, "warm-compile-cache", make) / "cache", compile_cache,
-                    dirs_exist_ok=True)
+    return once_per_run(tmp_path_factory, "warm-compile-cache", make) / "cache"
+
+
+@pytest.fixture(scope="session")
+def warm_compile_cache(compile_cache, warmed_cache) -> Path:
+    """The worker's compile cache, a copy of `warmed_cache`, so that no worker compiles those graphs
+    again: its tests add their own graphs to it, without touching the other worker's."""
+    shutil.copytree(warmed_cache, compile_cache, dirs_exist_ok=True)
     return compile_cache
 
 

@@ -140,9 +140,10 @@ def summary(folder: Path, slowest: int = 20) -> tuple[str, list[Entry]]:
 
 
 def total_seconds(folder: Path) -> float | None:
-    """From the first phase's start to the last phase's end."""
+    """From the first phase's start to the last end recorded: a phase's, or that of a pytest run in a
+    phase that failed (whose end was never marked)."""
     phases = read_phases(folder)
-    ends = [end for _, _, end in phases if end]
+    ends = [end for _, _, end in phases if end] + [lane.ended for lane in read_lanes(folder)]
     return max(ends) - phases[0][1] if phases and ends else None
 
 

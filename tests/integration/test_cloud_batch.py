@@ -2,16 +2,11 @@
 contract: the pipeline through a lost host and a timeout, capacity, spot notices, fair share and
 the retry strategy as the service reads them back."""
 
-
+import time
 
 import pytest
 
-from tests.clouds import (
-    HOST_LOST,
-    assert_artifacts_in_s3,
-    cloud_spec,
-    in_cloud,
-)
+from tests.clouds import HOST_LOST, assert_artifacts_in_s3, cloud_spec, in_cloud, our_batch_jobs
 from trnflow.backends import JobRequest, wait
 from trnflow.flows.pipeline import pipeline
 from trnflow.settings import TrnflowSettings
@@ -28,6 +23,7 @@ def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
     import boto3
 
     faults = [ServiceFault("batch", "train", HOST_LOST, when="checkpoint")]
+    began = time.time() * 1000
     with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults) as (_, bucket):
         spec = cloud_spec(make_spec, bucket, "batch", faults=[{"kind": "timeout", "core": 0, "step": 25}])
         state = pipeline(spec, return_state=True)
@@ -37,8 +33,7 @@ def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
         assert_artifacts_in_s3(spec, bucket, results)
 
         batch = boto3.client("batch")
-        queue = batch.list_jobs(jobQueue="trnflow-trn1", jobStatus="SUCCEEDED")["jobSummaryList"]
-        described = batch.describe_jobs(jobs=[j["jobId"] for j in queue])["jobs"]
+        described = [j for j in our_batch_jobs(began) if j["status"] == "SUCCEEDED"]  # not earlier tests' jobs
         by_phase = {j["tags"]["trnflow:phase"]: j for j in described}
         # the preflight and training in one job, then compile and infer, nothing resubmitted
         # (evaluation ran inside the training phase, and the collectives inside the sanity phase,

@@ -53,14 +53,15 @@ def test_a_node_that_fails_the_cloud_preflight_never_trains(
 
 @pytest.mark.slow
 def test_a_bad_core_is_excluded_inside_the_allocation_and_training_runs_on_the_cores_checked_again(
-        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warmed_cache):
     """preflight.exclude_bad_cores on a two-node Batch job whose node 1 has a corrupt nc0: the main
     node places node 1 on nc1 instead, both nodes check their cores again, and training runs on them,
     in the same job, on the same instances, in its first attempt."""
     import boto3
 
     began = time.time() * 1000
-    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, node_faults={1: "corrupt@0"}) as (_, bucket):
+    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, node_faults={1: "corrupt@0"},
+                  compile_cache=warmed_cache) as (_, bucket):  # the faults are the subject, not compiling
         spec = cloud_spec(make_spec, bucket, "batch", train={"steps": 20}, gate={"eval_every": None},
                            preflight={"exclude_bad_cores": True}, registry_url=f"s3://{bucket}/registry-excluded")
         state = pipeline(spec, run_id="a-core-excluded", return_state=True)
@@ -84,7 +85,7 @@ def test_a_bad_core_is_excluded_inside_the_allocation_and_training_runs_on_the_c
 
 @pytest.mark.slow
 def test_a_node_that_hangs_in_the_batch_preflight_is_replaced_and_training_runs_on_checked_instances(
-        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warmed_cache):
     """The instance serving node 1 of a two-node Batch job hangs in the preflight's first collective.
     Node 0 names the hang when the collective times out; the job exits 79 (BadHost); trnflow
     terminates the job's instances (which of the two hung, the other cannot tell); Batch's retry runs
@@ -92,7 +93,8 @@ def test_a_node_that_hangs_in_the_batch_preflight_is_replaced_and_training_runs_
     import boto3
 
     began = time.time() * 1000
-    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, host_faults={1: "hang@0"}) as (cloud, bucket):
+    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, host_faults={1: "hang@0"},
+                  compile_cache=warmed_cache) as (cloud, bucket):
         spec = cloud_spec(make_spec, bucket, "batch", train={"steps": 20}, gate={"eval_every": None},
                            preflight={"collective_timeout_seconds": 10},
                            registry_url=f"s3://{bucket}/registry-hung-node")  # no other test's champion

@@ -21,7 +21,7 @@ from trnflow.workload.memory import decided
 
 @pytest.mark.slow
 def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
-        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warm_compile_cache):
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warmed_cache):
     """In-process moto. Preflight first meets a capacity error, which trnflow resubmits; the S3
     compile cache already holds every graph, so the compile stage launches no job; training loses
     its instance after a checkpoint, which SageMaker's own RetryStrategy retries within the job,
@@ -32,7 +32,7 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
               ServiceFault("sagemaker", "train", "InternalServerError: We encountered an internal error.",
                            when="checkpoint")]
     with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults, in_process=True,
-                compile_cache=warm_compile_cache) as (_, bucket):
+                compile_cache=warmed_cache) as (_, bucket):
         spec = cloud_spec(make_spec, bucket, "sagemaker")
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False)
@@ -83,13 +83,14 @@ def test_the_pipeline_on_sagemaker_with_capacity_and_internal_errors(
 
 @pytest.mark.slow
 def test_a_sagemaker_instance_with_bad_memory_is_replaced_by_a_resubmission(
-        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+        prefect_api, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warmed_cache):
     """The first SageMaker instance has stuck memory bits: its preflight fails (BadHost), the job
     ends before training, and trnflow submits it again; the new job's instance passes the preflight
     and trains. SageMaker does not say which EC2 instance a job had: its host is named."""
     import boto3
 
-    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, host_faults={0: "memory@0"}) as (cloud, bucket):
+    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, host_faults={0: "memory@0"},
+                  compile_cache=warmed_cache) as (cloud, bucket):
         spec = cloud_spec(make_spec, bucket, "sagemaker", train={"steps": 20}, gate={"eval_every": None},
                            registry_url=f"s3://{bucket}/registry-bad-memory")  # no other test's champion
         state = pipeline(spec, run_id="bad-memory", return_state=True)
@@ -152,13 +153,13 @@ def test_a_reclaimed_sagemaker_spot_job_checkpoints_restarts_and_ends_with_the_u
     with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [reclaim]) as (_, bucket):
         backend = SageMakerBackend(cloud_target(TrnflowSettings(), "sagemaker"))
         spec = cloud_spec(make_spec, bucket, "sagemaker", compute={"spot": True}, gate={"eval_every": None},
-                           train={"steps": 30, "log_every": 1})
+                           train={"steps": 60, "log_every": 1})  # the notice strikes within 0.5 s of step 10
         info = wait(backend, backend.submit(JobRequest(spec, "train", "spot")), 0.5)
         assert info.state.value == "SUCCEEDED", info.failure
         resumed = info.result
         # the notice comes once the step-10 checkpoint is written: the restart resumes from the step
         # training had reached when it stopped (10 itself when the notice came before step 11 ended)
-        assert 10 <= resumed.start_step < 30 and resumed.resumed_from
+        assert 10 <= resumed.start_step < 60 and resumed.resumed_from
         job = boto3.client("sagemaker").describe_training_job(TrainingJobName=info.job_id)
         assert job["EnableManagedSpotTraining"] is True
         assert "Interrupted" in [t["Status"] for t in job["SecondaryStatusTransitions"]]

@@ -4,6 +4,8 @@ a killed run resumes bitwise, and a checkpoint resumes at another tp."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -34,16 +36,43 @@ def _train(backend, spec, run_id):
     return wait(backend, backend.submit(JobRequest(spec, "train", run_id)), 0.2)
 
 
+@pytest.fixture(scope="module")
+def shared_run():
+    """`shared_run(backend, spec, run_id)`: the fault-free training run of `spec`, trained the first
+    time a test of this file asks for it. Specs that differ only in where they write train to the
+    same losses and weights, so the tests that compare with the same run share it (five jobs fewer)."""
+    runs: dict[str, object] = {}
+
+    def train(backend, spec, run_id):
+        assert not spec.faults, "only a fault-free run is shared"
+        key = _outputs_aside(spec)
+        if key not in runs:
+            runs[key] = _train(backend, spec, run_id)
+        return runs[key]
+
+    return train
+
+
+def _outputs_aside(spec) -> str:
+    """The spec without the folders it writes to: what its training computes."""
+    data = spec.model_dump(mode="json")
+    data["train"].pop("checkpoint_url")
+    data["gate"].pop("reference")
+    data["inference"].pop("output_url")
+    data.pop("registry_url")
+    return json.dumps(data, sort_keys=True)
+
+
 def _losses(info) -> list[float]:
     return [point["loss"] for point in info.result.curve]
 
 
-def _trains_as_the_whole_model(backend, whole_spec, split_spec):
+def _trains_as_the_whole_model(backend, whole_spec, split_spec, shared_run):
     """Both runs succeed, with the same losses and the same final weights within 1e-5; the split run's
     checkpoint, for more checks."""
-    whole = _train(backend, whole_spec, "whole")
+    whole = shared_run(backend, whole_spec, "whole")
     assert whole.state is JobState.SUCCEEDED, whole.failure
-    split = _train(backend, split_spec, "split")
+    split = shared_run(backend, split_spec, "split")
     assert split.state is JobState.SUCCEEDED, split.failure
     assert _losses(split) == pytest.approx(_losses(whole), abs=1e-5)
     ours, theirs = load(split.result.checkpoint), load(whole.result.checkpoint)
@@ -52,12 +81,13 @@ def _trains_as_the_whole_model(backend, whole_spec, split_spec):
     return ours
 
 
-def test_layers_split_over_two_cores_train_to_the_losses_of_the_whole_model(make_spec, backend, decoder):
-    ours = _trains_as_the_whole_model(backend, _lm(make_spec, decoder, 1, 1), _lm(make_spec, decoder, 2, 2))
+def test_layers_split_over_two_cores_train_to_the_losses_of_the_whole_model(make_spec, backend, decoder, shared_run):
+    ours = _trains_as_the_whole_model(backend, _lm(make_spec, decoder, 1, 1), _lm(make_spec, decoder, 2, 2),
+                                      shared_run)
     assert ours.meta.tp == 2 and ours.sharded
 
 
-def test_lora_adapters_split_with_their_layers_train_as_the_whole_model(make_spec, backend, decoder):
+def test_lora_adapters_split_with_their_layers_train_as_the_whole_model(make_spec, backend, decoder, shared_run):
     """The adapters of a split projection split the same way (lora_B of a column-parallel layer,
     lora_A of a row-parallel one); the checkpoint holds the adapters alone, whole, as at tp 1."""
     lora = {"r": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj", "o_proj", "down_proj"]}
@@ -69,7 +99,7 @@ def test_lora_adapters_split_with_their_layers_train_as_the_whole_model(make_spe
             train={"steps": 4, "checkpoint_every": 4, "log_every": 1, "global_batch_size": 16, "lr": 0.01,
                    "parallelism": {"strategy": "ddp", "tp": tp}})
 
-    ours = _trains_as_the_whole_model(backend, spec(1, 1), spec(2, 2))
+    ours = _trains_as_the_whole_model(backend, spec(1, 1), spec(2, 2), shared_run)
     assert all("lora_" in k for k in ours.model)
     assert not all(torch.equal(v, torch.zeros_like(v)) for k, v in ours.model.items() if "lora_B" in k)  # trained
 
@@ -83,23 +113,24 @@ BERT = {"recipe": "hf-encoder", "params": {"model_type": "bert", "vocab_size": 3
 
 
 @pytest.mark.parametrize("model", [GPT2, BERT], ids=["gpt2", "bert"])
-def test_gpt2_and_bert_layers_split_over_two_cores_train_as_the_whole_model(make_spec, backend, model):
-    """GPT-2's fused query, key and value split head by head; BERT's attention and MLP as Llama's."""
+def test_gpt2_and_bert_layers_split_over_two_cores_train_as_the_whole_model(make_spec, backend, model, shared_run):
+    """GPT-2's fused query, key and value split head by head; BERT's attention and MLP as Llama's.
+    (Eight steps: GPT-2's split run is then the one a test below resumes to.)"""
     gate = {"metric": "perplexity", "metrics": []} if model is GPT2 else {"metric": "accuracy"}
 
     def spec(cores, tp):
         return make_spec(cores, model=model, gate=gate, train={
-            "steps": 4, "checkpoint_every": 4, "log_every": 1, "global_batch_size": 16,
+            "steps": 8, "checkpoint_every": 4, "log_every": 1, "global_batch_size": 16,
             "parallelism": {"strategy": "ddp", "tp": tp}})
 
-    _trains_as_the_whole_model(backend, spec(1, 1), spec(2, 2))
+    _trains_as_the_whole_model(backend, spec(1, 1), spec(2, 2), shared_run)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
-def test_two_replicas_of_a_split_model_train_to_the_losses_of_one(make_spec, backend, decoder, strategy):
+def test_two_replicas_of_a_split_model_train_to_the_losses_of_one(make_spec, backend, decoder, strategy, shared_run):
     """Four cores: two replicas (ddp or fsdp over the mesh's dp dimension) of the layers split two
     ways. Each replica logs the loss of its half of the batch; together they are the whole batch's."""
-    whole = _train(backend, _lm(make_spec, decoder, 1, 1, steps=4, checkpoint_every=4), "whole")
+    whole = shared_run(backend, _lm(make_spec, decoder, 1, 1, steps=4, checkpoint_every=4), "whole")
     assert whole.state is JobState.SUCCEEDED, whole.failure
     both = _train(backend, _lm(make_spec, decoder, 4, 2, strategy, steps=4, checkpoint_every=4), "2d")
     assert both.state is JobState.SUCCEEDED, both.failure
@@ -108,7 +139,7 @@ def test_two_replicas_of_a_split_model_train_to_the_losses_of_one(make_spec, bac
     assert all(torch.allclose(ours.model[k], theirs.model[k], atol=1e-5) for k in ours.model)
 
 
-def test_a_killed_split_run_resumes_to_the_weights_of_one_never_killed(make_spec, backend, decoder):
+def test_a_killed_split_run_resumes_to_the_weights_of_one_never_killed(make_spec, backend, decoder, shared_run):
     killed = _lm(make_spec, decoder, 2, 2, faults=[{"kind": "kill", "core": 1, "step": 6, "phase": "train"}])
     failed = _train(backend, killed, "tp")
     assert failed.state is JobState.FAILED and failed.failure.retryable, failed.failure
@@ -117,7 +148,7 @@ def test_a_killed_split_run_resumes_to_the_weights_of_one_never_killed(make_spec
     assert resumed.result.start_step == 4 and resumed.result.resumed_from
     assert sorted(load(resumed.result.resumed_from).shards) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
-    whole = _train(backend, _lm(make_spec, decoder, 2, 2), "tp-whole")
+    whole = shared_run(backend, _lm(make_spec, decoder, 2, 2), "tp-whole")
     assert whole.state is JobState.SUCCEEDED, whole.failure
     ours, theirs = load(resumed.result.checkpoint), load(whole.result.checkpoint)
     assert ours.model.keys() == theirs.model.keys()
@@ -127,7 +158,7 @@ def test_a_killed_split_run_resumes_to_the_weights_of_one_never_killed(make_spec
 
 @pytest.mark.parametrize(("model", "saved", "resumed"), [("llama", 2, 1), ("llama", 1, 2), ("gpt2", 2, 1),
                                                           ("gpt2", 2, 2)])
-def test_a_checkpoint_resumes_at_another_tp(make_spec, backend, decoder, model, saved, resumed):
+def test_a_checkpoint_resumes_at_another_tp(make_spec, backend, decoder, model, saved, resumed, shared_run):
     """Saved at step 4 with the layers split `saved` ways on two cores, resumed split `resumed` ways:
     the weights at the end match a run that never stopped, within 1e-6. (GPT-2's fused query, key and
     value, split part by part, are saved whole, and split again as they load.)"""
@@ -144,7 +175,7 @@ def test_a_checkpoint_resumes_at_another_tp(make_spec, backend, decoder, model, 
     info = _train(backend, spec(resumed), "retp")
     assert info.state is JobState.SUCCEEDED, info.failure
     assert info.result.start_step == 4 and load(info.result.checkpoint).meta.tp == resumed
-    never = _train(backend, spec(saved), "retp-never")
+    never = shared_run(backend, spec(saved), "retp-never")
     assert never.state is JobState.SUCCEEDED, never.failure
     ours, theirs = load(info.result.checkpoint), load(never.result.checkpoint)
     assert all(torch.allclose(ours.model[k], theirs.model[k], atol=1e-6) for k in ours.model)

@@ -78,12 +78,19 @@ def test_the_summary_gives_each_phase_and_the_slowest_tests_first(tmp_path, caps
 
 
 def test_a_run_past_its_limit_fails_naming_the_slowest_tests(tmp_path, capsys):
-    folder = _timeline(tmp_path / "t", {"demo": (0.0, 100.0), "integration": (100.0, 2800.0)},
+    folder = _timeline(tmp_path / "t", {"demo": (0.0, 100.0), "integration": (100.0, 2900.0)},
                        {"a.py::test_long": 900.0, "b.py::test_short": 3.0})
-    assert timeline.main(["summary", str(folder), "--limit-minutes", "47"]) == 0
-    assert timeline.main(["summary", str(folder), "--limit-minutes", "46"]) == 1
+    assert timeline.main(["summary", str(folder), "--limit-minutes", "49"]) == 0
+    assert timeline.main(["summary", str(folder), "--limit-minutes", "48"]) == 1
     err = capsys.readouterr().err
-    assert "the run took 46:40, past its limit of 46 minutes" in err and "a.py::test_long (900 s)" in err
+    assert "the run took 48:20, past its limit of 48 minutes" in err and "a.py::test_long (900 s)" in err
+
+
+def test_a_phase_that_failed_counts_to_the_end_of_its_pytest_run(tmp_path, capsys):
+    folder = _timeline(tmp_path / "t", {"demo": (0.0, 90.0), "integration": (100.0, None)}, {"a.py::test_a": 1.0})
+    assert timeline.main(["summary", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "integration  unfinished" in out and "In all: 48:20" in out  # the pytest run ended at 2,900 s
 
 
 def test_marks_are_appended_as_phases(tmp_path):

@@ -120,6 +120,8 @@ def serve(fd: int) -> None:
     with socket.socket(fileno=fd) as sock, sock.makefile("rwb") as conn:
         for line in conn:
             request = json.loads(line)
+            if forks_ranks(WORKLOAD):
+                _preload(Path(request["job_dir"]))
             try:
                 pid = os.fork()
             except OSError as exc:
@@ -130,6 +132,18 @@ def serve(fd: int) -> None:
                 reply = {"pid": pid}
             conn.write(json.dumps(reply).encode() + b"\n")
             conn.flush()
+
+
+def _preload(job_dir: Path) -> None:
+    """The libraries the job's recipe builds its model with, imported here once (one of trnflow's own
+    recipes: see `preload_recipe`), so that this job's ranks and every later job's find them loaded."""
+    from trnflow.workload.__main__ import preload_recipe  # the workload: torch, which only the server loads
+
+    try:
+        phase = json.loads((job_dir / "job.json").read_text())["phase"]
+    except (OSError, ValueError, KeyError):
+        return
+    preload_recipe(phase, job_dir / "spec.json", own_only=True)
 
 
 def _supervise(sock: socket.socket, request: dict, server: int) -> None:

@@ -73,6 +73,28 @@ def preload(argv: list[str]) -> None:
         importlib.import_module(f"trnflow.workload.{phase}")
     if phase in COMPILED:
         import torch._dynamo  # noqa: F401 (TorchDynamo: seconds, worth loading once for every rank)
+    spec = argv[argv.index("--spec") + 1] if "--spec" in argv[:-1] else None
+    preload_recipe(phase, Path(spec) if spec else None)
+
+
+def preload_recipe(phase: str | None, spec: Path | None, own_only: bool = False) -> None:
+    """The libraries the spec's recipe builds its model with (`Recipe.preloads`), for the phases that
+    build it, imported into this process for the processes forked from it. With `own_only`, only for
+    trnflow's own recipes: a process that outlives the job (the local fork server) must not hold a
+    user's recipe module as it was when it first imported it. Nothing here fails a job: what cannot
+    be read or imported is left to the job itself, which says what is wrong."""
+    if phase not in COMPILED or spec is None:
+        return
+    from trnflow.workload.recipes import installed, recipe_class  # the recipes' models: torch
+
+    try:
+        name = json.loads(spec.read_text())["model"]["recipe"]
+        if own_only and not installed().get(name, "").startswith("trnflow."):
+            return
+        for module in recipe_class(name).preloads:
+            importlib.import_module(module)
+    except (OSError, ValueError, KeyError, TypeError, ImportError, TrnflowError):
+        return
 
 
 def _typed(phase: str, result: StageResult | dict, ctx) -> StageResult:

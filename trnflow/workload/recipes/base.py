@@ -78,6 +78,10 @@ class Recipe(ABC):
     generates: ClassVar[bool] = False
     """Whether it generates text (`inference.generate`): its model has `next_logits`, and it has
     `prompts` and `decode`."""
+    preloads: ClassVar[tuple[str, ...]] = ()
+    """Libraries its model is built with that take seconds to import: a launcher imports them once,
+    before it forks a job's ranks, and the local fork server once for every job of trnflow's own
+    recipes, instead of every rank of every job importing them again."""
 
     def __init__(self, params: BaseModel, data: DataSpec):
         self.params, self.data = params, data

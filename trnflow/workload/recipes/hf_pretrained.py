@@ -394,6 +394,8 @@ class FromPretrained:
     params: PretrainedParams
     pad_with_eos: ClassVar[bool] = False
     """A folder's tokenizer without a pad token pads with its end-of-sequence token (a decoder's)."""
+    preloads: ClassVar[tuple[str, ...]] = ("transformers.modeling_utils", "peft")
+    """transformers' models and peft: about 4 CPU-s to import in every process that builds one."""
 
     @classmethod
     def canonical_params(cls, params: dict[str, Any]) -> dict[str, Any]:
