@@ -75,15 +75,19 @@ TIMELINE = ("runs", "test-timeline")
 
 
 def checkout_files(folder: Path) -> dict[str, tuple[int, int]]:
-    """Every file under the checkout that a test could have written, with its size and mtime."""
+    """Every file under the checkout that a test could have written, with its size and mtime. The
+    folders no test writes to (`.venv` with its gigabytes of packages, `.git`, caches) are not walked."""
     found = {}
-    for path in folder.rglob("*"):
-        parts = path.relative_to(folder).parts
-        if (any(part in NOT_OUTPUTS or part.endswith(".egg-info") for part in parts) or parts[:2] == TIMELINE
-                or not path.is_file()):
-            continue
-        stat = path.stat()
-        found[path.relative_to(folder).as_posix()] = (stat.st_size, stat.st_mtime_ns)
+    for top, dirs, files in os.walk(folder):
+        here = Path(top).relative_to(folder)
+        dirs[:] = [d for d in dirs if d not in NOT_OUTPUTS and not d.endswith(".egg-info")
+                   and (here / d).parts != TIMELINE]
+        for name in files:
+            path = Path(top) / name
+            if not path.is_file():
+                continue
+            stat = path.stat()
+            found[(here / name).as_posix()] = (stat.st_size, stat.st_mtime_ns)
     return found
 
 

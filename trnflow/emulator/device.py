@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from trnflow.device import plans
 from trnflow.device.base import Device, FaultHooks, Lease, Log, RecompileGuard
+from trnflow.device.tracing import TRACING_MODULES
 from trnflow.emulator import cores
 from trnflow.emulator.compiler import LOWERING_IMPORTS, OPTLEVELS, compile_flags
 from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
@@ -67,7 +68,7 @@ class EmulatorDevice(Device):
 
     def compile_imports(self, spec: JobSpec) -> list[str]:
         """TorchDynamo, which traces each program, and the lowering the optlevel uses."""
-        return ["torch._dynamo", *LOWERING_IMPORTS[OPTLEVELS[spec.compile.optlevel]["backend"]]]
+        return [*TRACING_MODULES, *LOWERING_IMPORTS[OPTLEVELS[spec.compile.optlevel]["backend"]]]
 
     def round_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None, mode: str,
                     generator: torch.Generator) -> None:

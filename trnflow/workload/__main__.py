@@ -16,6 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
+from trnflow.device.tracing import preload_tracing
 from trnflow.errors import ExitCode, FatalError, TrnflowError
 from trnflow.fsutil import atomic_write_json
 from trnflow.results import RESULTS, DeviceUsed, FailureReport, StageResult
@@ -60,19 +61,26 @@ def _dispatch(args: argparse.Namespace, ctx) -> StageResult | dict:
 
 COMPILED = ("compile", "train", "evaluate", "infer")
 """The phases that run programs through TorchDynamo."""
+READ_DATA = ("train", "evaluate", "infer")
+"""The phases that read the run's data."""
 
 
 def preload(argv: list[str]) -> None:
     """What a launcher that forks this program's ranks imports first, so that each rank finds it
-    imported: the worker's set-up, the phase's module and, for the phases that compile, TorchDynamo
-    (about 2 CPU-s a process)."""
+    imported: the worker's set-up, the phase's module, what pyarrow loads at its first conversion for
+    the phases that read data, and TorchDynamo for the phases that compile (together about 4 CPU-s
+    a process)."""
     from trnflow.workload import context  # noqa: F401 (torch: the launcher has it already)
 
     phase = argv[0] if argv and argv[0] in PHASES else None
     if phase is not None:
         importlib.import_module(f"trnflow.workload.{phase}")
+    if phase in READ_DATA:
+        from trnflow.workload import data  # pyarrow: only the phases that read data load it
+
+        data.preload()
     if phase in COMPILED:
-        import torch._dynamo  # noqa: F401 (TorchDynamo: seconds, worth loading once for every rank)
+        preload_tracing()  # TorchDynamo: seconds, worth loading once for every rank
     spec = argv[argv.index("--spec") + 1] if "--spec" in argv[:-1] else None
     preload_recipe(phase, Path(spec) if spec else None)
 

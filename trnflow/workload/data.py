@@ -188,6 +188,12 @@ def iter_table(files: list[DataFile], spec: DataSpec, columns: list[str]) -> Ite
             yield table
 
 
+def preload() -> None:
+    """Have pyarrow load what it loads the first time it converts Python values (pandas, where it is
+    installed: a second or more of CPU), in a process whose forked ranks will then read data."""
+    pa.array([0])
+
+
 def _check_labels(column: pa.ChunkedArray, url: str, field: str, num_classes: int, first: int = 0) -> None:
     """One batch's labels must be integer class ids 0..num_classes-1; rows count from 0 in the file,
     whose row `first` the batch starts at."""

@@ -103,6 +103,8 @@ class MockCloud:
         self.requeue_seconds = 2.0
         """How long a Batch job whose attempt failed stays RUNNABLE before its retry is placed."""
         self._lock = threading.Lock()
+        self._session = boto3.session.Session(aws_access_key_id="testing", aws_secret_access_key="testing",  # noqa: S106
+                                              region_name=self.region)
         self.instances = Instances(self.client("ec2"))
         """The EC2 instances Batch job attempts run on (minted in moto's EC2), with their metadata services."""
         self._jobs: dict[str, Any] = {}
@@ -110,10 +112,9 @@ class MockCloud:
         self._saved: list[tuple[type, str, Any]] = []
 
     def client(self, service: str) -> Any:
-        """A client of the emulated AWS, as the containers reach it."""
-        session = boto3.session.Session(aws_access_key_id="testing", aws_secret_access_key="testing",  # noqa: S106
-                                        region_name=self.region)
-        return aws.client(service, endpoint_url=self.endpoint_url, boto_session=session)
+        """A client of the emulated AWS, as the containers reach it: from one session, since each new
+        session reads botocore's endpoints and service models from disk again (a third of a CPU-s)."""
+        return aws.client(service, endpoint_url=self.endpoint_url, boto_session=self._session)
 
     # faults ---------------------------------------------------------------------------------
     def node_layer(self, index: int, host: str) -> dict[str, str]:
