@@ -2,7 +2,10 @@
 
 Its metric series, written to `gate.reference`, is what the evaluation gate compares a candidate
 with. Same seed, same data order and same global batches as the candidate; only the numerics
-(precision) are fixed to fp32.
+(precision) are fixed to fp32. It compiles at optimisation level 1, the compiler's quickest: a GPU
+run has no Neuron compiler, and the kernels a higher level generates would make the baseline's
+steps faster, never its numbers different, at minutes of compiling a run (it trains once; its
+graphs are not the candidate's, so the compile stage has not built them).
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ RUN_ID = "reference"
 
 
 def reference_spec(spec: JobSpec) -> JobSpec:
-    """The spec in fp32, checkpointing beside the reference metrics file, without the candidate's
-    deadline and budget (they bound the run, not the baseline it is judged by)."""
+    """The spec in fp32 at optimisation level 1, checkpointing beside the reference metrics file,
+    without the candidate's deadline and budget (they bound the run, not the baseline it is judged by)."""
     if spec.gate.reference in (None, "champion"):
         raise FatalError("gate.reference is not a file; name the metrics file the reference run should write")
     if spec.compute.backend != "local" and not spec.gate.reference.startswith("s3://"):
@@ -35,6 +38,7 @@ def reference_spec(spec: JobSpec) -> JobSpec:
     folder = spec.gate.reference.rpartition("/")[0] + "/checkpoints"
     return spec.model_copy(update={
         "compute": spec.compute.model_copy(update={"precision": "fp32"}),
+        "compile": spec.compile.model_copy(update={"optlevel": 1}),
         "train": spec.train.model_copy(update={"checkpoint_url": folder, "max_minutes": None, "max_cost_usd": None}),
     })
 
