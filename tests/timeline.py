@@ -128,6 +128,8 @@ def summary(folder: Path, slowest: int = 20) -> tuple[str, list[Entry]]:
         workers = len({e.worker for e in lane.tests})
         out.append(f"  pytest {lane.name:<12} {minutes(lane.ended - lane.started):>8}  {len(lane.tests)} tests "
                    f"({passed} passed) on {workers} worker{'s' if workers != 1 else ''}")
+    for lane in lanes:
+        out += _by_file(lane)
     tests = sorted((e for lane in lanes for e in lane.tests), key=lambda e: e.duration, reverse=True)[:slowest]
     if tests:
         out.append(f"The {len(tests)} slowest tests (duration, worker, start after its lane's):")
@@ -137,6 +139,24 @@ def summary(folder: Path, slowest: int = 20) -> tuple[str, list[Entry]]:
             offset = e.start - firsts[lane_of[e.test]]
             out.append(f"  {e.duration:7.1f} s  {e.worker:<4} +{minutes(offset):>6}  {e.test}")
     return "\n".join(out), tests
+
+
+def _by_file(lane: Lane, longest: int = 10) -> list[str]:
+    """How busy each of a lane's workers was, and its longest files (their tests' durations summed):
+    what the distribution balances, and where the lane's time goes. Nothing for a lane of one file."""
+    files: dict[str, float] = {}
+    workers: dict[str, float] = {}
+    for e in lane.tests:
+        name = e.test.split("::")[0]
+        files[name] = files.get(name, 0.0) + e.duration
+        workers[e.worker] = workers.get(e.worker, 0.0) + e.duration
+    if len(files) < 2:
+        return []
+    busy = ", ".join(f"{w} {seconds:.0f} s" for w, seconds in sorted(workers.items()))
+    out = [f"{lane.name}: its workers busy {busy}; its {min(longest, len(files))} longest files (s):"]
+    for name, seconds in sorted(files.items(), key=lambda f: f[1], reverse=True)[:longest]:
+        out.append(f"  {seconds:7.0f}  {name}")
+    return out
 
 
 def total_seconds(folder: Path) -> float | None:

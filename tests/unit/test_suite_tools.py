@@ -77,6 +77,16 @@ def test_the_summary_gives_each_phase_and_the_slowest_tests_first(tmp_path, caps
     assert "In all: 48:20" in out
 
 
+def test_the_summary_gives_each_lanes_workers_and_longest_files(tmp_path, capsys):
+    folder = _timeline(tmp_path / "t", {"integration": (100.0, 2900.0)},
+                       {"a.py::test_1": 300.0, "b.py::test_1": 50.0, "a.py::test_2": 200.0, "c.py::test_1": 900.0})
+    assert timeline.main(["summary", str(folder)]) == 0
+    out = capsys.readouterr().out
+    assert "integration: its workers busy gw0 1450 s; its 3 longest files (s):" in out
+    files = [line.split() for line in out.splitlines() if line.strip().endswith(".py")]
+    assert files == [["900", "c.py"], ["500", "a.py"], ["50", "b.py"]]
+
+
 def test_a_run_past_its_limit_fails_naming_the_slowest_tests(tmp_path, capsys):
     folder = _timeline(tmp_path / "t", {"demo": (0.0, 100.0), "integration": (100.0, 2900.0)},
                        {"a.py::test_long": 900.0, "b.py::test_short": 3.0})
