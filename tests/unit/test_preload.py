@@ -1,6 +1,7 @@
-"""What a process that forks ranks imports for them first (`trnflow.workload.__main__.preload_recipe`):
-the libraries a recipe declares in `Recipe.preloads`, for the phases that build its model; for
-trnflow's own recipes only, in the fork server that outlives its jobs; and never a failure."""
+"""What a process that forks ranks imports for them first (`trnflow.workload.__main__.preload`): what
+each phase's ranks would otherwise load for themselves, and (`preload_recipe`) the libraries a
+recipe declares in `Recipe.preloads`, for the phases that build its model; for trnflow's own
+recipes only, in the fork server that outlives its jobs; and never a failure."""
 
 from __future__ import annotations
 
@@ -51,3 +52,33 @@ def test_a_recipes_libraries_are_imported_for_the_phases_that_build_its_model(tm
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.splitlines()[-1]) == [
         [], [], [], [], [], ["tabular_recipe"], ["peft", "tabular_recipe", "transformers.modeling_utils"]]
+
+
+PHASES_PROBE = """
+import json, sys
+from trnflow.workload.__main__ import preload
+
+WATCHED = ("trnflow.workload.collectives", "pandas", "torch._dynamo", "torch._dynamo.repro.after_dynamo")
+seen = []
+for phase in sys.argv[1:]:
+    preload([phase])
+    names = {}
+    if "torch._dynamo" in sys.modules:
+        from torch._dynamo import funcname_cache
+        names = funcname_cache.cache
+    seen.append([m for m in WATCHED if m in sys.modules] + [len(names) > 0])
+print(json.dumps(seen))
+"""
+
+
+def test_what_each_phases_ranks_would_load_for_themselves_is_loaded_before_they_are_forked():
+    """A phase's module; pyarrow's first conversion of Python values (which imports pandas) for the
+    phases that read data; TorchDynamo, the wrappers torch.compile imports at its first call, and
+    the function names of torch.nn.functional's lines, for the phases that compile."""
+    done = subprocess.run([sys.executable, "-c", PHASES_PROBE, "collectives", "compile", "infer"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout.splitlines()[-1]) == [
+        ["trnflow.workload.collectives", False],  # no data, no compiling: neither is loaded
+        ["trnflow.workload.collectives", "torch._dynamo", "torch._dynamo.repro.after_dynamo", True],
+        ["trnflow.workload.collectives", "pandas", "torch._dynamo", "torch._dynamo.repro.after_dynamo", True]]
