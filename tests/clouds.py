@@ -50,7 +50,7 @@ def in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults=(), in_proces
             for key in s3_keys(s3, outputs["DATA_BUCKET"], "neuron-cache/"):
                 s3.delete_object(Bucket=outputs["DATA_BUCKET"], Key=key)
             if compile_cache is not None:
-                upload(boto3.client("s3"), compile_cache, outputs["DATA_BUCKET"], "neuron-cache")
+                upload(s3, compile_cache, outputs["DATA_BUCKET"], "neuron-cache")
             yield cloud, outputs["DATA_BUCKET"]
 
 

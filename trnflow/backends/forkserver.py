@@ -110,7 +110,8 @@ def serve(fd: int) -> None:
     from torch.distributed import run  # noqa: F401  torch: loaded once here, for every job's launcher
     from torch.distributed.elastic.multiprocessing import errors  # noqa: F401  what the launcher uses
 
-    if forks_ranks(WORKLOAD):  # the ranks will be forked from the launchers forked from here
+    forking = forks_ranks(WORKLOAD)  # looks for Neuron devices: once
+    if forking:  # the ranks will be forked from the launchers forked from here
         from trnflow.workload.__main__ import preload  # torch and TorchDynamo: once here, for every job's ranks
 
         preload(["train"])  # what every phase's ranks import, and TorchDynamo, which the compiling phases use
@@ -120,7 +121,7 @@ def serve(fd: int) -> None:
     with socket.socket(fileno=fd) as sock, sock.makefile("rwb") as conn:
         for line in conn:
             request = json.loads(line)
-            if forks_ranks(WORKLOAD):
+            if forking:
                 _preload(Path(request["job_dir"]))
             try:
                 pid = os.fork()

@@ -3,7 +3,7 @@
 A process whose children trace programs (a launcher that forks its ranks, the local fork server
 that forks launchers) imports these once, so that each rank finds them loaded instead of paying
 for them itself: `torch.compile` with a backend of trnflow's imports TorchDynamo's debugging
-wrappers at its first call, about 2 CPU-s in every rank of every compiling job. TorchDynamo
+wrappers at its first call, about 0.4 CPU-s in every rank of every compiling job. TorchDynamo
 also names the function of every line it traces by tokenizing the line's source file, once per
 process: `torch.nn.functional`'s takes a tenth of a second.
 """

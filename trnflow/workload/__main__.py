@@ -68,7 +68,7 @@ READ_DATA = ("train", "evaluate", "infer")
 def preload(argv: list[str]) -> None:
     """What a launcher that forks this program's ranks imports first, so that each rank finds it
     imported: the worker's set-up, the phase's module, what pyarrow loads at its first conversion for
-    the phases that read data, and TorchDynamo for the phases that compile (together about 4 CPU-s
+    the phases that read data, and TorchDynamo for the phases that compile (together about 2 CPU-s
     a process)."""
     from trnflow.workload import context  # noqa: F401 (torch: the launcher has it already)
 

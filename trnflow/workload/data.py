@@ -190,7 +190,8 @@ def iter_table(files: list[DataFile], spec: DataSpec, columns: list[str]) -> Ite
 
 def preload() -> None:
     """Have pyarrow load what it loads the first time it converts Python values (pandas, where it is
-    installed: a second or more of CPU), in a process whose forked ranks will then read data."""
+    installed: a tenth of a CPU-s with its bytecode compiled, more without), in a process whose
+    forked ranks will then read data."""
     pa.array([0])
 
 
