@@ -250,6 +250,17 @@ class Device(ABC):
         """The cache artifact of what `compiler(mode="compile")` built in `workdir`."""
         raise FatalError(f"the {self.name} device compiles ahead of time with its own tools, not trnflow's")
 
+    def reuse_built(self, library: Path, workdir: Path) -> None:
+        """Before a compile into `workdir`: bring in what the compile job's earlier programs built and
+        `keep_built` kept in `library`, where the compiler finds it instead of building it again. A
+        device whose compiler has nothing to share between programs does nothing."""
+        return
+
+    def keep_built(self, workdir: Path, library: Path) -> None:
+        """After a compile into `workdir` (its artifact packed): keep in `library` what the compile
+        job's next programs may reuse."""
+        return
+
     def compile(self, fn: Callable, backend: CompileBackend, whole: bool = True) -> Callable:
         """`fn` as one whole graph with static shapes, compiled through `backend`. `whole=False`: a
         sharded model's, whose FSDP2 hooks split it where each block's weights are gathered (TorchDynamo

@@ -12,6 +12,8 @@ from __future__ import annotations
 import gzip
 import hashlib
 import io
+import os
+import shutil
 import tarfile
 import zlib
 from dataclasses import dataclass
@@ -151,3 +153,40 @@ def unpack_into(artifact: bytes, path: Path) -> None:
         raise CorruptEntry(f"its artifact holds an unsafe member, refused: {exc}") from None
     except (tarfile.TarError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
         raise CorruptEntry(f"its artifact is not a readable archive: {exc}") from None
+
+
+KERNELS = "*/*.so"
+"""Inductor's built CPU kernels in its cache folder: `<2 characters>/<hash>.main.so`, beside the
+`.main.cpp` it was built from. The hash covers the kernel's source and its compiler command."""
+
+
+def reuse_kernels(library: Path, workdir: Path) -> None:
+    """Copy into `workdir` the kernels the compile job's earlier programs built (`keep_kernels`).
+    Inductor looks for a kernel's binary before building it, so a kernel that two programs share (the
+    forward pass's, in training, evaluation and inference alike) is built once per compile job. It
+    writes a kernel's source beside the binary whenever a graph uses the kernel, so a copied binary
+    left without its source was not used, and `drop_unused_kernels` takes it out again."""
+    for binary in library.glob(KERNELS):
+        target = workdir / binary.relative_to(library)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(binary, target)
+
+
+def drop_unused_kernels(workdir: Path) -> None:
+    """Remove the kernels `reuse_kernels` copied in that no graph of this program used: an artifact
+    holds what its graphs run, nothing more."""
+    for binary in workdir.glob(KERNELS):
+        if not binary.with_suffix(".cpp").is_file():
+            binary.unlink()
+
+
+def keep_kernels(workdir: Path, library: Path) -> None:
+    """Add the kernels built in `workdir` to the compile job's `library` (each whole, or not at all),
+    for the job's next programs."""
+    for binary in workdir.glob(KERNELS):
+        target = library / binary.relative_to(workdir)
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            partial = target.with_name(f".{target.name}.{os.getpid()}")
+            shutil.copyfile(binary, partial)
+            os.replace(partial, target)

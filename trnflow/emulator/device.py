@@ -21,7 +21,14 @@ from trnflow.device import plans
 from trnflow.device.base import Device, FaultHooks, Lease, Log, RecompileGuard
 from trnflow.device.tracing import TRACING_MODULES
 from trnflow.emulator import cores
-from trnflow.emulator.compiler import LOWERING_IMPORTS, OPTLEVELS, compile_flags
+from trnflow.emulator.compiler import (
+    LOWERING_IMPORTS,
+    OPTLEVELS,
+    compile_flags,
+    drop_unused_kernels,
+    keep_kernels,
+    reuse_kernels,
+)
 from trnflow.emulator.faults import FAULTS_ENV, CoreFaults, Fault, parse
 from trnflow.emulator.jit import CachedCompiler
 from trnflow.emulator.numerics import round_bf16_
@@ -64,7 +71,14 @@ class EmulatorDevice(Device):
                               log=log or (lambda event, **fields: None))
 
     def artifact(self, workdir: Path) -> bytes:
+        drop_unused_kernels(workdir)
         return pack(workdir)
+
+    def reuse_built(self, library: Path, workdir: Path) -> None:
+        reuse_kernels(library, workdir)
+
+    def keep_built(self, workdir: Path, library: Path) -> None:
+        keep_kernels(workdir, library)
 
     def compile_imports(self, spec: JobSpec) -> list[str]:
         """TorchDynamo, which traces each program, and the lowering the optlevel uses."""

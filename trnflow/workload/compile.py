@@ -93,9 +93,11 @@ def _lock(cache: CompileCache, entry: str, deadline: float) -> bool | EntryLocke
             time.sleep(LOCK_POLL_SECONDS)
 
 
-def compile_program(spec_json: str, program: str, keys: list[str], retry_failed: bool = False) -> list[dict]:
+def compile_program(spec_json: str, program: str, keys: list[str], retry_failed: bool = False,
+                    library: str | None = None) -> list[dict]:
     """One program's missing graphs, in one process of their own: lock their entries, run the
-    program once, commit each graph or record its failure.
+    program once, commit each graph or record its failure. `library`: a folder of the compile job's
+    own where each program leaves what the job's later programs may reuse (`Device.keep_built`).
 
     A program can have several graphs (a lazy device traces its first training steps apart), and
     running it compiles all of them, so they are compiled together rather than once per graph.
@@ -123,7 +125,8 @@ def compile_program(spec_json: str, program: str, keys: list[str], retry_failed:
                 outcomes[key] = {**outcome, "status": "failed", "seconds": 0.0, "cached_failure": True}
         todo = [key for key in keys if key not in outcomes]
         if todo:
-            outcomes |= _compile_graphs(spec, device, cache, program, todo, held, began)
+            outcomes |= _compile_graphs(spec, device, cache, program, todo, held, began,
+                                        Path(library) if library else None)
     finally:
         for key in held:
             cache.release_lock(entry_name(key))
@@ -131,26 +134,31 @@ def compile_program(spec_json: str, program: str, keys: list[str], retry_failed:
 
 
 def _compile_graphs(spec: JobSpec, device: Device, cache: CompileCache, program: str, keys: list[str],
-                    stale: dict[str, bool], began: float) -> dict[str, dict]:
+                    stale: dict[str, bool], began: float, library: Path | None = None) -> dict[str, dict]:
     """Run `program` once in compile mode and file each of `keys` (their locks held). An error in the
     run fails them all; a graph the run did not trace fails alone (the program is not deterministic)."""
     for key in keys:
         cache.discard(entry_name(key))
     torch.set_num_threads(_threads(spec))
     with tempfile.TemporaryDirectory(prefix="trnflow-compile-") as tmp:
+        workdir = Path(tmp)
+        if library is not None:
+            device.reuse_built(library, workdir)
         recipe = for_job(spec)
-        compiler = device.compiler(spec, mode="compile", workdir=Path(tmp), model=recipe.key)
+        compiler = device.compiler(spec, mode="compile", workdir=workdir, model=recipe.key)
         flags, texts = compiler.flags, {}
         try:
             # a lazy device meets step 2's graphs only there
             for_trial(spec, recipe, compiler, device, program).exercise(program, steps=TRIAL_STEPS)
             texts = {s.key: s.graph.canonical() for s in compiler.seen}
-            artifact = device.artifact(Path(tmp))
+            artifact = device.artifact(workdir)
         except Exception:
             failures = dict.fromkeys(keys, traceback.format_exc())
         else:
             failures = {key: f"{program} traced to {sorted(texts)}, not {key}: the program's graph is not "
                              "deterministic\n" for key in keys if key not in texts}
+            if library is not None:
+                device.keep_built(workdir, library)
     compiled = [key for key in keys if key not in failures]
     seconds = round((time.perf_counter() - began) / len(keys), 3)  # one run for them all: each its share
     for key in compiled:
@@ -175,9 +183,10 @@ def _pool_context(spec: JobSpec, device: Device) -> multiprocessing.context.Base
     module and the device's compiler once. Spawning each worker afresh cost its imports every time:
     about 5 CPU-seconds a worker, more than a small graph takes to compile. The server is one per
     process and starts with its first pool (a compile job has one), so workers see the environment
-    as it is then, as spawned ones would."""
+    as it is then, as spawned ones would. The recipe's own libraries come too (`Recipe.preloads`:
+    transformers cost each worker about 1.4 CPU-s)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([__name__, *device.compile_imports(spec)])
+    context.set_forkserver_preload([__name__, *device.compile_imports(spec), *for_job(spec).preloads])
     return context
 
 
@@ -251,10 +260,11 @@ def run(ctx: WorkerContext) -> dict | TrialResult:
         by_program: dict[str, list[str]] = {}
         for p in todo:
             by_program.setdefault(p.program, []).append(p.key)
-        with watchdog.busy(f"compiling {len(todo)} graph(s)"), ProcessPoolExecutor(
+        with watchdog.busy(f"compiling {len(todo)} graph(s)"), tempfile.TemporaryDirectory(
+                prefix="trnflow-built-") as library, ProcessPoolExecutor(
                 min(spec.compile.workers, len(by_program)), mp_context=_pool_context(spec, ctx.device),
                 max_tasks_per_child=1) as pool:
-            futures = [pool.submit(compile_program, spec.model_dump_json(), program, keys, retry_failed)
+            futures = [pool.submit(compile_program, spec.model_dump_json(), program, keys, retry_failed, library)
                        for program, keys in by_program.items()]
             for future in as_completed(futures):
                 for outcome in future.result():
