@@ -110,16 +110,45 @@ def holdout_perplexity(spec_path: Path, pretrained: Path, checkpoint: str | None
         return recipe.evaluate(model.eval()(holdout).double(), torch.zeros(len(holdout)), [])["perplexity"]
 
 
-def test_make_causal_lm_then_causal_lm_lora_pass_their_gates_and_export(checkout, monkeypatch):
+def test_make_causal_lm_then_causal_lm_lora_pass_their_gates_and_export(checkout, monkeypatch, trnflow_home):
     """The two targets as documented, and what each run left: its gate's evaluations within 2% of
     its fp32 reference's at every point, a fine-tuned model well below its starting perplexity, its
-    inference scores, and its exports, which load with transformers (the LoRA adapter with peft too)."""
+    inference scores, and its exports, which load with transformers (the LoRA adapter with peft too).
+    The fine-tune stays within its band at optimisation level 1 as well."""
     work, env = checkout
     make("causal-lm", work, env)
     said = make("causal-lm-lora", work, env)
     assert "jobspecs/examples/causal-lm.yaml" not in said  # the model exported by causal-lm is its base
     monkeypatch.chdir(work)  # the examples' relative paths
     _what_the_language_models_left(work, env)
+    _the_fine_tune_holds_its_band_at_optlevel_1(work)
+
+
+def _the_fine_tune_holds_its_band_at_optlevel_1(work: Path) -> None:
+    """The fine-tuning example's own steps at optimisation level 1 too (the target ran it at its
+    default, 2, gated): its evaluations within 2% of the same fp32 reference at every point. Its
+    training stage alone, after its compile stage, on the target's base model and data."""
+    from trnflow.backends import JobRequest, JobState, wait
+    from trnflow.backends.local import LocalBackend
+    from trnflow.settings import TrnflowSettings
+    from trnflow.specs import load_spec
+    from trnflow.workload.recipes import RECIPES
+
+    spec = load_spec(work / "jobspecs" / "examples" / "causal-lm.yaml", model=RECIPES)
+    assert spec.compile.optlevel == 2
+    spec = spec.model_copy(update={
+        "compile": spec.compile.model_copy(update={"optlevel": 1}),
+        "train": spec.train.model_copy(update={"checkpoint_url": str(work / "runs" / "causal-lm" / "o1-checkpoints")})})
+    backend = LocalBackend(TrnflowSettings().jobs_dir)
+    for phase in ("compile", "train"):
+        job = wait(backend, backend.submit(JobRequest(spec, phase, "optlevel-1")), 0.2)
+        assert job.state is JobState.SUCCEEDED, job.failure
+    reference = work / "runs" / "causal-lm" / "reference" / "metrics.json"
+    theirs = {p["step"]: p["perplexity"] for p in json.loads(reference.read_text())["points"]}
+    ours = {p["step"]: p["perplexity"] for p in job.result.evaluations}
+    assert sorted(ours) == sorted(theirs) == [150, 200]
+    assert all(ours[step] != theirs[step] and abs(ours[step] - theirs[step]) <= 0.02 * theirs[step]
+               for step in ours), (ours, theirs)
 
 
 def _what_the_language_models_left(work: Path, env: dict[str, str]) -> None:
