@@ -156,8 +156,10 @@ def unpack_into(artifact: bytes, path: Path) -> None:
 
 
 KERNELS = "*/*.so"
-"""Inductor's built CPU kernels in its cache folder: `<2 characters>/<hash>.main.so`, beside the
-`.main.cpp` it was built from. The hash covers the kernel's source and its compiler command."""
+"""What Inductor builds with the C++ compiler, in its cache folder: each kernel
+(`<2 characters>/<hash>.main.so`) and each probe of the CPU's vector instructions
+(`<2 characters>/<hash>.so`), beside the `.cpp` it was built from. The hash covers the source and
+the compiler command."""
 
 
 def reuse_kernels(library: Path, workdir: Path) -> None:
