@@ -89,7 +89,7 @@ def test_a_batch_job_left_runnable_for_lack_of_capacity_is_cancelled_and_the_nex
 
 
 def test_a_reclaimed_batch_spot_job_checkpoints_on_ec2s_notice_and_its_retry_ends_with_the_same_weights(
-        make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+        make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warmed_cache):
     """A one-node spot spec on Batch runs as a single-node job on the spot queue. After the step-10
     checkpoint EC2 gives notice in the instance's metadata service (Batch tells the container nothing):
     training reads it at the next step boundary, checkpoints that step and exits as transient; the
@@ -105,7 +105,8 @@ def test_a_reclaimed_batch_spot_job_checkpoints_on_ec2s_notice_and_its_retry_end
     from trnflow.workload.checkpoint import load
 
     reclaim = ServiceFault("batch", "train", "spot capacity reclaimed", when="checkpoint", spot=True)
-    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [reclaim]) as (cloud, bucket):
+    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [reclaim],
+                  compile_cache=warmed_cache) as (cloud, bucket):  # the reclaim is the subject, not compiling
         backend = BatchBackend(cloud_target(TrnflowSettings(), "batch"))
         spec = cloud_spec(make_spec, bucket, "batch", gate={"eval_every": None}, train={"steps": 30, "log_every": 1},
                            compute={"spot": True, "nodes": 1, "cores_per_node": 2},

@@ -120,7 +120,7 @@ def test_a_node_that_hangs_in_the_batch_preflight_is_replaced_and_training_runs_
 
 @pytest.mark.parametrize("service", ["batch", "sagemaker"])
 def test_a_job_whose_other_node_failed_while_the_main_node_stalls_is_stopped(
-        service, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+        service, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warmed_cache):
     """Node 0's rank stops making progress at step 3 (its host stopped answering); node 1's rank
     times out in the step's all-reduce and its container fails. Neither service ends a job before its
     main node does, and the main node would sleep until the attempt's timeout. The backend, which
@@ -129,7 +129,8 @@ def test_a_job_whose_other_node_failed_while_the_main_node_stalls_is_stopped(
     from trnflow.backends.cloud import STOPPED_BY_TRNFLOW, NodeWatch, cloud_target
     from trnflow.backends.sagemaker import SageMakerBackend
 
-    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, node_faults={0: "stall@0:train:3"}) as (cloud, bucket):
+    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, node_faults={0: "stall@0:train:3"},
+                  compile_cache=warmed_cache) as (cloud, bucket):  # the stall is the subject, not compiling
         spec = cloud_spec(make_spec, bucket, service, preflight={"collective_timeout_seconds": 5},
                            compute={"nodes": 2, "cores_per_node": 1, "instance_type": "trn1.32xlarge"},
                            train={"steps": 6, "checkpoint_every": 2, "global_batch_size": 32})

@@ -136,7 +136,7 @@ def test_sagemaker_launches_the_first_preferred_instance_type_with_capacity_and_
 
 
 def test_a_reclaimed_sagemaker_spot_job_checkpoints_restarts_and_ends_with_the_uninterrupted_weights(
-        make_spec, moto_endpoint, tmp_path, monkeypatch, dataset):
+        make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warmed_cache):
     """Managed spot training: after the step-10 checkpoint the instance is reclaimed. Its containers
     get SIGTERM, training checkpoints the step it reached and ends; SageMaker marks the job
     Interrupted and restarts it, which resumes from that step. The job completes with the weights
@@ -150,7 +150,8 @@ def test_a_reclaimed_sagemaker_spot_job_checkpoints_restarts_and_ends_with_the_u
     from trnflow.workload.checkpoint import load
 
     reclaim = ServiceFault("sagemaker", "train", "spot capacity reclaimed", when="checkpoint", spot=True)
-    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [reclaim]) as (_, bucket):
+    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, [reclaim],
+                  compile_cache=warmed_cache) as (_, bucket):  # the reclaim is the subject, not compiling
         backend = SageMakerBackend(cloud_target(TrnflowSettings(), "sagemaker"))
         spec = cloud_spec(make_spec, bucket, "sagemaker", compute={"spot": True}, gate={"eval_every": None},
                            train={"steps": 60, "log_every": 1})  # the notice strikes within 0.5 s of step 10

@@ -19,14 +19,13 @@ runner = CliRunner()
 @pytest.mark.slow
 def test_the_forecast_of_a_run_rests_on_what_the_runs_before_it_measured(prefect_api, make_spec, tmp_path,
                                                                          trnflow_home):
-    from trnflow.backends.reference import run_reference
     from trnflow.flows.pipeline import pipeline
 
     steps = {"first": 10, "second": 20}
     outcomes = {}
-    for run_id, count in steps.items():
-        spec = make_spec(1, train={"steps": count, "checkpoint_every": 10, "log_every": 5}, gate={"eval_every": 10})
-        run_reference(spec)
+    for run_id, count in steps.items():  # no reference: what the gate compares is not what it measures
+        spec = make_spec(1, train={"steps": count, "checkpoint_every": 10, "log_every": 5},
+                         gate={"eval_every": 10, "reference": None})
         outcomes[run_id] = pipeline(spec, run_id=run_id, force_promote="the test measures it, whatever its accuracy")
     records, unread = history(spec, trnflow_home)
     assert unread == [] and [r.run_id for r in records] == ["first", "second"]
@@ -64,15 +63,13 @@ def test_a_budget_stops_training_checkpointed_a_deadline_warns_early_and_a_highe
         prefect_api, make_spec, tmp_path, trnflow_home):
     from prefect.client.orchestration import get_client
 
-    from trnflow.backends.reference import run_reference
     from trnflow.errors import OverBudget
     from trnflow.flows.pipeline import pipeline
     from trnflow.workload.checkpoint import step_name
 
     # $100,000 an instance-hour: one cent is spent long before the first logged step (10 of 40)
-    spec = make_spec(1, compute={"price_per_hour": 100_000},
+    spec = make_spec(1, compute={"price_per_hour": 100_000}, gate={"reference": None},  # the gate is not the subject
                      train={"max_cost_usd": 0.01, "max_minutes": 0.0001, "checkpoint_every": 20, "log_every": 10})
-    run_reference(spec)
     refused = pipeline(spec, run_id="refused", return_state=True)
     assert refused.name == "Failed" and "refused before its first job" in refused.message
     assert "train.max_minutes: training is forecast to take" in refused.message
@@ -93,14 +90,15 @@ def test_a_budget_stops_training_checkpointed_a_deadline_warns_early_and_a_highe
     assert late and "after its deadline of 0.0001 min (train.max_minutes)" in late[0].message  # said while it ran
     assert states.index(late[0]) < len(states) - 1 and states[-1].name == "OverBudget"
 
-    spent = make_spec(1, compute={"price_per_hour": 100_000, "max_cost_usd": 0.01})  # gone by the preflight
+    spent = make_spec(1, compute={"price_per_hour": 100_000, "max_cost_usd": 0.01},  # gone by the preflight
+                      gate={"reference": None})
     before = pipeline(spent, run_id="spent", override_forecast="the test spends past it", return_state=True)
     assert before.name == "OverBudget" and "nothing is left of the budget for training" in before.message
     assert [(r.stage, r.state) for r in before.result(raise_on_failure=False).stages][-1] == ("train", "Failed")
     assert not any((tmp_path / "checkpoints" / "spent" / step_name(s)).exists() for s in (10, 20, 40))  # untrained
 
-    higher = make_spec(1, compute={"price_per_hour": 100_000}, train={"max_cost_usd": 1_000_000,
-                                                                      "checkpoint_every": 20, "log_every": 10})
+    higher = make_spec(1, compute={"price_per_hour": 100_000}, gate={"reference": None},
+                       train={"max_cost_usd": 1_000_000, "checkpoint_every": 20, "log_every": 10})
     outcome = pipeline(higher, run_id="budget", override_forecast="the test resumes it",
                        force_promote="the test resumes it, whatever its accuracy")
     train = outcome.results["train"]
