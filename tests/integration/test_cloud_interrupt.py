@@ -69,14 +69,22 @@ def test_a_run_stops_within_seconds_of_sigterm_during_a_cloud_stage_when_the_end
                     os.kill(pid, signal.SIGKILL)
 
 
-def _node_marks(parent: int) -> set[str]:
-    """The marks of the mock cloud containers `parent` started (each node's processes carry its mark)."""
-    marks = set()
+def _node_marks(ancestor: int) -> set[str]:
+    """The marks of the mock cloud containers `ancestor` started, cold or through its warm start
+    server (each node's processes carry its mark)."""
+    parents: dict[int, int] = {}
     for entry in Path("/proc").iterdir():
+        with contextlib.suppress(OSError, ValueError):
+            if entry.name.isdigit():
+                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    found, seen = {ancestor}, 0
+    while len(found) != seen:
+        seen = len(found)
+        found |= {pid for pid, parent in parents.items() if parent in found}
+    marks = set()
+    for pid in found - {ancestor}:
         try:
-            if not entry.name.isdigit() or f"PPid:\t{parent}\n" not in (entry / "status").read_text():
-                continue
-            env = dict(v.split("=", 1) for v in (entry / "environ").read_text().split("\0") if "=" in v)
+            env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
         except OSError:
             continue
         if NODE_MARK in env:

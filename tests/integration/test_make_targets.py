@@ -5,8 +5,9 @@
 cannot break without a test failing.
 
 Each pays what a newcomer's first run pays: the language-model examples train three models at
-their full length and compile each at optimisation level 2 into a cold cache, because what they
-document is that run, gates included. `make demo-tracking`'s cache is the session's warm one, as it
+their full length and compile each into a cold cache (the fine-tune and the adapters at
+optimisation level 2, the model of reviews at 1, as the examples say), because what they document
+is that run, gates included. `make demo-tracking`'s cache is the session's warm one, as it
 would be after `make demo`."""
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ failed preflight never trains.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -36,6 +37,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -44,6 +46,7 @@ from trnflow.backends.cloud import identity_name, node_identities
 from trnflow.backends.contract import JobEnv, JobOutputs
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
 from trnflow.backends.launcher import CONSOLE
+from trnflow.backends.launcher import main as torchrun
 from trnflow.errors import ExitCode, FatalError
 from trnflow.neuron.launch import (
     INSTANCE_CORES_ENV,
@@ -330,12 +333,61 @@ def _report(env: dict[str, str], service: str, r: Rendezvous, failure: FailureRe
         store.write("result.json", (r.output_dir / "result.json").read_bytes())
 
 
+class ForkedLauncher:
+    """The launcher as a fork of this process, which runs `python -m trnflow.backends.launcher ARGS`'s
+    code with `env` as its environment and this process's output: what `subprocess.Popen` of that
+    command line does, without loading torch again (see `start_launcher`)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        self.pid = os.fork()
+        if self.pid == 0:
+            self._run(argv[3:], env)
+
+    @staticmethod
+    def _run(args: list[str], env: dict[str, str]) -> None:
+        """In the forked child: the launcher to its end, then exit as `python -m` would. Never returns."""
+        code = 1
+        try:
+            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
+                signal.signal(signum, signal.SIG_DFL)  # not this process's handlers: the launcher sets its own
+            os.environ.clear()
+            os.environ.update(env)
+            torchrun(args)
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(OSError, ValueError):
+                    stream.flush()
+            os._exit(code)
+
+    def send_signal(self, signum: int) -> None:
+        os.kill(self.pid, signum)
+
+    def wait(self) -> int:
+        """The exit code, negative for the signal that ended it, as `Popen.wait` gives it."""
+        return os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+
+
+def start_launcher(argv: list[str], env: dict[str, str]) -> subprocess.Popen | ForkedLauncher:
+    """The launcher of one phase: a program of its own, as the image starts it; or, where this
+    process has the launcher's torch loaded already (a container forked warm from a process that
+    loaded it, as the mock cloud starts them), a fork of this process, as a local job's supervisor
+    starts its launcher."""
+    if sys.platform.startswith("linux") and "torch.distributed.run" in sys.modules:
+        return ForkedLauncher(argv, env)
+    return subprocess.Popen(argv, env=env)
+
+
 def run_phase(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str,
               stopping: list[int]) -> tuple[int, FailureReport | None]:
     """One phase on this node through the launcher: the launcher's exit code, and the root failure
     among this node's ranks (None when it succeeded, or no rank left a report)."""
     phase_env = {**env, JobEnv.var("phase"): phase}  # with this node's cores, once some were excluded
-    launcher = subprocess.Popen(torchrun_argv(r, phase_env, spec_file), env=phase_env)
+    launcher = start_launcher(torchrun_argv(r, phase_env, spec_file), phase_env)
     # The service stops a container (a spot reclaim notice, a stopped job) with SIGTERM to its first
     # process, this one: the launcher passes it on to every rank, and training checkpoints before it ends.
     signal.signal(signal.SIGTERM, lambda signum, frame: (stopping.append(signum),

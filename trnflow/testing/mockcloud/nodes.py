@@ -18,8 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trnflow.testing.mockcloud.warm import SUPPORTED, WarmProcess
+from trnflow.testing.mockcloud.warm import start as warm_start
+
 ENTRYPOINT = [sys.executable, "-m", "trnflow.backends.container"]
 """The training image's entrypoint."""
+WARM = SUPPORTED
+"""Whether containers are forked from the warm start server (see `warm`) rather than started cold."""
 CHILD_GRACE_SECONDS = 30
 """How long the other nodes may take to end after the main node has."""
 PASSED_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR", "TRNFLOW_FAULTS")
@@ -44,16 +49,21 @@ class Node:
     log: Path
     stream: str
     """CloudWatch log stream for the node's output."""
-    proc: subprocess.Popen | None = field(default=None, repr=False)
+    proc: subprocess.Popen | WarmProcess | None = field(default=None, repr=False)
 
     mark: str = field(default_factory=lambda: uuid.uuid4().hex)
 
-    def start(self) -> None:
+    def start(self, warm: bool | None = None) -> None:
+        """Start the container: forked from the mock cloud's warm start server (`warm`), which is the
+        default on Linux, or as a program of its own."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**self.env, NODE_MARK: self.mark}
+        if warm if warm is not None else WARM:
+            self.proc = warm_start(ENTRYPOINT[1:] + self.args, env, self.log, NODE_MARK, PASSED_THROUGH)
+            return
         with open(self.log, "ab", buffering=0) as out:
-            self.proc = subprocess.Popen([*ENTRYPOINT, *self.args], env={**self.env, NODE_MARK: self.mark},
-                                         stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         start_new_session=True)
+            self.proc = subprocess.Popen([*ENTRYPOINT, *self.args], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
 
     def kill(self) -> None:
         """Stop the instance: the container and every process it started, wherever they went."""
