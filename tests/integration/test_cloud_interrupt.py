@@ -13,6 +13,7 @@ import pytest
 
 from tests.integration.test_mock_aws_docs import ROOT, SHORTER, TRNFLOW, _clean_env, _port, _started
 from trnflow.testing.mockcloud.nodes import NODE_MARK, marked_processes
+from trnflow.testing.mockcloud.warm import PLACEHOLDER
 
 STOP_SECONDS = 45
 """How long the run may take to end after SIGTERM (before the fix: minutes, retrying the dead endpoint)."""
@@ -87,6 +88,6 @@ def _node_marks(ancestor: int) -> set[str]:
             env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
         except OSError:
             continue
-        if NODE_MARK in env:
+        if NODE_MARK in env and env[NODE_MARK] != PLACEHOLDER:  # the warm start server's own
             marks.add(env[NODE_MARK])
     return marks

@@ -67,3 +67,25 @@ def test_a_container_exits_and_says_why_as_the_image_runs_it(tmp_path, warm):
     assert node.proc.wait(60) == 2
     assert node.log.read_text() == ("usage: python -m trnflow.backends.container train|batch  "
                                     "(SageMaker runs the image with `train`)\n")
+
+
+def test_a_warm_container_killed_as_soon_as_it_started_is_gone(tmp_path, monkeypatch):
+    """The server answers once the container is in its own session with its node's mark, so a kill
+    straight after the start reaches it whole."""
+    monkeypatch.setattr(nodes, "ENTRYPOINT", [sys.executable, "-c", LEAVER])
+    node = nodes.Node(args=[], env=_image_env(), log=tmp_path / "node.log", stream="s")
+    node.start(warm=True)
+    assert os.getpgid(node.proc.pid) == node.proc.pid
+    node.kill()
+    assert node.proc.returncode == -9 and nodes.marked_processes(node.mark) == []
+
+
+def test_a_node_whose_python_finds_other_modules_starts_cold(tmp_path):
+    """Another PYTHONPATH than the warm start server's (a test's own `sitecustomize`, say) is only
+    honoured by a new interpreter."""
+    env = {**_image_env(), "PYTHONPATH": str(tmp_path)}
+    (tmp_path / "sitecustomize.py").write_text("import sys; print('customized', file=sys.stderr)\n")
+    node = nodes.Node(args=["neither-train-nor-batch"], env=env, log=tmp_path / "node.log", stream="s")
+    node.start(warm=True)
+    assert node.proc.wait(60) == 2
+    assert node.log.read_text().startswith("customized\nusage: ")

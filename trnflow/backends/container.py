@@ -338,24 +338,36 @@ class ForkedLauncher:
     code with `env` as its environment and this process's output: what `subprocess.Popen` of that
     command line does, without loading torch again (see `start_launcher`)."""
 
-    def __init__(self, argv: list[str], env: dict[str, str]):
-        self.pid = os.fork()
-        if self.pid == 0:
-            self._run(argv[3:], env)
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+    """Held back while the child replaces this process's handlers with a new program's."""
 
-    @staticmethod
-    def _run(args: list[str], env: dict[str, str]) -> None:
+    def __init__(self, argv: list[str], env: dict[str, str]):
+        signal.pthread_sigmask(signal.SIG_BLOCK, self.SIGNALS)
+        try:
+            self.pid = os.fork()
+            if self.pid == 0:
+                self._run(argv[3:], env)
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
+
+    @classmethod
+    def _run(cls, args: list[str], env: dict[str, str]) -> None:
         """In the forked child: the launcher to its end, then exit as `python -m` would. Never returns."""
         code = 1
         try:
-            for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGCHLD):
-                signal.signal(signum, signal.SIG_DFL)  # not this process's handlers: the launcher sets its own
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a new program's: the launcher sets its own
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, cls.SIGNALS)  # one that came meanwhile is handled now
             os.environ.clear()
             os.environ.update(env)
             torchrun(args)
             code = 0
         except SystemExit as exc:
-            code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+            if exc.code is None or isinstance(exc.code, int):
+                code = exc.code or 0
+            else:
+                print(exc.code, file=sys.stderr)
         except BaseException:
             traceback.print_exc()
         finally:

@@ -55,12 +55,13 @@ class Node:
 
     def start(self, warm: bool | None = None) -> None:
         """Start the container: forked from the mock cloud's warm start server (`warm`), which is the
-        default on Linux, or as a program of its own."""
+        default on Linux, or as a program of its own (also when its PYTHONPATH is not the server's)."""
         self.log.parent.mkdir(parents=True, exist_ok=True)
         env = {**self.env, NODE_MARK: self.mark}
         if warm if warm is not None else WARM:
             self.proc = warm_start(ENTRYPOINT[1:] + self.args, env, self.log, NODE_MARK, PASSED_THROUGH)
-            return
+            if self.proc is not None:
+                return
         with open(self.log, "ab", buffering=0) as out:
             self.proc = subprocess.Popen([*ENTRYPOINT, *self.args], env=env, stdout=out, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True)

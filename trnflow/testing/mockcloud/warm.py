@@ -35,6 +35,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 import traceback
 import warnings
 from pathlib import Path
@@ -46,6 +47,8 @@ from trnflow.neuron.launch import WORKLOAD
 SUPPORTED = sys.platform.startswith("linux")
 MARK_LENGTH = 32
 """A node's mark: a uuid4's hex digits."""
+PLACEHOLDER = "0" * MARK_LENGTH
+"""The mark in the server's environment, which each container overwrites with its node's."""
 
 
 class WarmProcess:
@@ -72,22 +75,36 @@ class WarmProcess:
             os.kill(self.pid, signum)
 
 
+def _ended(pid: int) -> bool:
+    """Whether the process is gone, or a zombie nobody has reaped yet."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return True
+
+
 class WarmStart:
     """The submitting side: starts the server, sends it containers to start, and keeps their exit codes."""
+
+    START_SECONDS = 300.0
+    """How long a start may take: the first waits for the server to load torch, on a busy machine."""
 
     def __init__(self, mark_variable: str, passed_through: tuple[str, ...]) -> None:
         ours, theirs = socket.socketpair()
         env = {k: v for k, v in os.environ.items() if k in passed_through}
+        self.python_path = env.get("PYTHONPATH")
+        """What the server's Python finds modules with: a node that sets another starts cold."""
         with theirs:
             self._proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", __name__, str(theirs.fileno()), mark_variable],
-                pass_fds=(theirs.fileno(),),
+                pass_fds=(theirs.fileno(),), start_new_session=True,  # not stopped by a Ctrl-C meant for its user
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                env={**env, "PYTHONUNBUFFERED": "1", mark_variable: "0" * MARK_LENGTH})
+                env={**env, "PYTHONUNBUFFERED": "1", mark_variable: PLACEHOLDER})
         self._socket = ours
         self._conn = ours.makefile("rwb")
         self.owner = os.getpid()
-        self._started: queue.Queue[dict] = queue.Queue()
+        self._answers: queue.Queue[dict] = queue.Queue()
+        self._requests = 0
         self._codes: dict[int, int] = {}
         self._ended = threading.Condition()
         self._gone = False
@@ -100,35 +117,56 @@ class WarmStart:
         with contextlib.suppress(OSError, ValueError):  # ValueError: `stop` closed the socket meanwhile
             for line in self._conn:
                 answer = json.loads(line)
-                if "exited" in answer:
-                    with self._ended:
+                with self._ended:
+                    if "exited" in answer:
                         self._codes[answer["exited"]] = answer["code"]
                         self._ended.notify_all()
-                else:
-                    self._started.put(answer)
+                        continue
+                    if "pid" in answer:  # a pid used again: its earlier container's end was reported first
+                        self._codes.pop(answer["pid"], None)
+                self._answers.put(answer)
         with self._ended:  # the server is gone: its containers can no longer be waited for
             self._gone = True
             self._ended.notify_all()
-        self._started.put({"error": f"the warm start server ended (exit code {self._proc.poll()})"})
+        self._answers.put({"error": f"the warm start server ended (exit code {self._proc.poll()})"})
 
     def start(self, argv: list[str], env: dict[str, str], log: Path) -> WarmProcess:
-        """Fork `python ARGV` (`-m module ...` or `-c code ...`) with `env`, its output into `log`."""
-        request = {"argv": argv, "env": env, "log": str(log)}
+        """Fork `python ARGV` (`-m module ...` or `-c code ...`) with `env`, its output into `log`, in
+        this process's working folder."""
+        self._requests += 1
+        request = {"id": self._requests, "argv": argv, "env": env, "log": str(log), "cwd": os.getcwd()}
         self._conn.write(json.dumps(request).encode() + b"\n")
         self._conn.flush()
-        answer = self._started.get(timeout=60)
+        deadline = time.monotonic() + self.START_SECONDS
+        while True:
+            try:
+                answer = self._answers.get(timeout=max(0.0, deadline - time.monotonic()))
+            except queue.Empty:
+                raise RuntimeError(f"the warm start server did not start a container within {self.START_SECONDS:.0f} s"
+                                   ) from None
+            if answer.get("id", request["id"]) == request["id"]:
+                break
+            if "pid" in answer:  # the answer to a start given up on: nobody waits for that container
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(answer["pid"], signal.SIGKILL)
         if "error" in answer:
             raise RuntimeError(f"could not start the container: {answer['error']}")
         return WarmProcess(int(answer["pid"]), self)
 
     def exit_code(self, pid: int, wait: bool = False, timeout: float | None = None) -> int | None:
         """The container's exit code once the server saw it end (negative for a signal); None before.
-        After the server is gone, a container no longer running counts as killed."""
+        Once the server is gone, a container that ended counts as killed: its code went with it."""
+        deadline = None if timeout is None else time.monotonic() + timeout
         with self._ended:
             if wait:
                 self._ended.wait_for(lambda: pid in self._codes or self._gone, timeout)
-            if pid not in self._codes and self._gone and not Path(f"/proc/{pid}").exists():
-                self._codes[pid] = -signal.SIGKILL
+            while pid not in self._codes and self._gone:
+                if _ended(pid):
+                    self._codes[pid] = -signal.SIGKILL
+                elif not wait or (deadline is not None and time.monotonic() >= deadline):
+                    break
+                else:
+                    self._ended.wait(0.1)
             return self._codes.get(pid)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -149,15 +187,18 @@ _LOCK = threading.Lock()  # one start at a time: the services' jobs start their 
 
 
 def start(argv: list[str], env: dict[str, str], log: Path, mark_variable: str,
-          passed_through: tuple[str, ...]) -> WarmProcess:
+          passed_through: tuple[str, ...]) -> WarmProcess | None:
     """Fork a container from this process's warm start server, started at the first container (and
-    again, should it have ended)."""
+    again, should it have ended); None when the node's Python would find other modules than the
+    server's (another PYTHONPATH), which only a cold start gives it."""
     global _SERVER
     with _LOCK:
         if _SERVER is None or _SERVER.owner != os.getpid() or not _SERVER.alive():
             if _SERVER is None:
                 atexit.register(_stop)
             _SERVER = WarmStart(mark_variable, passed_through)
+        if env.get("PYTHONPATH") != _SERVER.python_path:
+            return None
         return _SERVER.start(argv, env, log)
 
 
@@ -182,17 +223,30 @@ def serve(fd: int, mark_variable: str) -> None:
                 line = conn.readline()
                 if not line:
                     return
-                try:
-                    pid = os.fork()
-                except OSError as exc:
-                    say({"error": str(exc)})
-                    continue
-                if pid == 0:
-                    _container(sock, json.loads(line), mark_variable)
-                say({"pid": pid})
+                request = json.loads(line)
+                say({"id": request["id"], **_fork(sock, request, mark_variable)})
             with contextlib.suppress(ChildProcessError):
                 while (ended := os.waitpid(-1, os.WNOHANG))[0]:
                     say({"exited": ended[0], "code": os.waitstatus_to_exitcode(ended[1])})
+
+
+def _fork(sock: socket.socket, request: dict, mark_variable: str) -> dict:
+    """Fork the container, and answer once it is in its own session with its node's mark, as a
+    cold container is once `Popen` returns: a kill can reach it from then on."""
+    ready, told = os.pipe()
+    try:
+        pid = os.fork()
+    except OSError as exc:
+        os.close(ready)
+        os.close(told)
+        return {"error": str(exc)}
+    if pid == 0:
+        os.close(ready)
+        _container(sock, request, mark_variable, told)
+    os.close(told)
+    with os.fdopen(ready, "rb") as pipe:
+        pipe.read()  # the end of file: the child closed its end, or ended
+    return {"pid": pid}
 
 
 def _preload() -> None:
@@ -208,7 +262,7 @@ def _preload() -> None:
         preload(["train"])  # what every phase's ranks import, and TorchDynamo
 
 
-def _container(sock: socket.socket, request: dict, mark_variable: str) -> None:
+def _container(sock: socket.socket, request: dict, mark_variable: str, ready: int) -> None:
     """In the forked child: become the container, then exit as `python ARGV` would. Never returns."""
     code = 1
     try:
@@ -218,9 +272,12 @@ def _container(sock: socket.socket, request: dict, mark_variable: str) -> None:
         os.dup2(log, 1)
         os.dup2(log, 2)
         os.setsid()  # a session and process group of its own, as a cold container has
-        _stamp(request["env"][mark_variable])
+        _stamp(mark_variable, request["env"][mark_variable])
+        os.close(ready)  # the server may answer: the container can be killed whole from here on
         os.environ.clear()
         os.environ.update(request["env"])
+        os.chdir(request["cwd"])
+        sys.path.insert(0, request["cwd"])  # as `python -m` and `-c` put the working folder first
         option, target, *args = request["argv"]
         if option == "-m":
             sys.argv = [target, *args]
@@ -232,7 +289,7 @@ def _container(sock: socket.socket, request: dict, mark_variable: str) -> None:
             exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102  the node's own entrypoint
         code = 0
     except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
+        code = exit_code(exc)
     except BaseException:
         traceback.print_exc()
     finally:
@@ -242,16 +299,25 @@ def _container(sock: socket.socket, request: dict, mark_variable: str) -> None:
         os._exit(code)
 
 
-def _stamp(mark: str) -> None:
-    """Write `mark` over the placeholder mark in the environment this process's program started
-    with (the block between /proc/self/stat's env_start and env_end), which /proc/<pid>/environ shows
-    for it and for every process forked from it."""
+def exit_code(exc: SystemExit) -> int:
+    """The exit code Python gives a `SystemExit`, its message printed as Python prints it."""
+    if exc.code is None or isinstance(exc.code, int):
+        return exc.code or 0
+    print(exc.code, file=sys.stderr)
+    return 1
+
+
+def _stamp(variable: str, mark: str) -> None:
+    """Write `mark` over the placeholder value of `variable` in the environment this process's
+    program started with (the block between /proc/self/stat's env_start and env_end), which
+    /proc/<pid>/environ shows for it and for every process forked from it."""
     fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
     start, end = int(fields[47]), int(fields[48])  # fields 50 and 51 of proc(5); the list starts at field 3
-    at = ctypes.string_at(start, end - start).find(b"=" + b"0" * MARK_LENGTH + b"\0")
+    block = b"\0" + ctypes.string_at(start, end - start)
+    at = block.find(f"\0{variable}={PLACEHOLDER}\0".encode())
     if at < 0 or len(mark) != MARK_LENGTH:
-        raise RuntimeError("the warm start server's environment has no placeholder mark to overwrite")
-    ctypes.memmove(start + at + 1, mark.encode(), MARK_LENGTH)
+        raise RuntimeError(f"the warm start server's environment has no placeholder {variable} to overwrite")
+    ctypes.memmove(start + at + len(variable) + 1, mark.encode(), MARK_LENGTH)  # `at` counts the leading NUL
 
 
 if __name__ == "__main__":
