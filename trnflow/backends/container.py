@@ -29,7 +29,6 @@ failed preflight never trains.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -37,14 +36,15 @@ import socket
 import subprocess
 import sys
 import time
-import traceback
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 from trnflow.aws import RECLAIM_NOTICE_ENV, InstanceMetadata
 from trnflow.backends.cloud import identity_name, node_identities
 from trnflow.backends.contract import JobEnv, JobOutputs
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
+from trnflow.backends.forked import run_as_program
 from trnflow.backends.launcher import CONSOLE
 from trnflow.backends.launcher import main as torchrun
 from trnflow.errors import ExitCode, FatalError
@@ -351,10 +351,9 @@ class ForkedLauncher:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, self.SIGNALS)
 
     @classmethod
-    def _run(cls, args: list[str], env: dict[str, str]) -> None:
+    def _run(cls, args: list[str], env: dict[str, str]) -> NoReturn:
         """In the forked child: the launcher to its end, then exit as `python -m` would. Never returns."""
-        code = 1
-        try:
+        def body() -> None:
             signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a new program's: the launcher sets its own
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -362,19 +361,8 @@ class ForkedLauncher:
             os.environ.clear()
             os.environ.update(env)
             torchrun(args)
-            code = 0
-        except SystemExit as exc:
-            if exc.code is None or isinstance(exc.code, int):
-                code = exc.code or 0
-            else:
-                print(exc.code, file=sys.stderr)
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            for stream in (sys.stdout, sys.stderr):
-                with contextlib.suppress(OSError, ValueError):
-                    stream.flush()
-            os._exit(code)
+
+        run_as_program(body)
 
     def send_signal(self, signum: int) -> None:
         os.kill(self.pid, signum)

@@ -19,17 +19,16 @@ knows by its parent: the submitter itself, or the fork server, which ends with t
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import sys
 import threading
 import time
-import traceback
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, NoReturn
 
+from trnflow.backends.forked import run_as_program
 from trnflow.backends.launcher import main as run_torchrun
 from trnflow.fsutil import atomic_write_json
 from trnflow.neuron.launch import LAUNCHER, RANK_LOGS
@@ -109,26 +108,16 @@ class Launcher:
         return self._status[0] if self._status else None
 
 
-def _run_launcher(args: list[str], cwd: str, log_fd: int) -> None:
-    """In the forked child: torchrun's run to its end, then exit as `python -m` would (0, the
-    SystemExit's code, or 1 after printing the traceback). Never returns."""
-    code = 1
-    try:
+def _run_launcher(args: list[str], cwd: str, log_fd: int) -> NoReturn:
+    """In the forked child: torchrun's run to its end, then exit as `python -m` would. Never returns."""
+    def body() -> None:
         os.chdir(cwd)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
         os.dup2(log_fd, 1)
         os.dup2(log_fd, 2)
         run_torchrun(args)
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else int(exc.code is not None)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):  # a closed stream has nothing left to write
-                stream.flush()
-        os._exit(code)
+
+    run_as_program(body)
 
 
 def _end_group(launcher: Launcher, grace_seconds: float = 10.0) -> None:

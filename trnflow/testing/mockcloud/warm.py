@@ -36,11 +36,12 @@ import subprocess
 import sys
 import threading
 import time
-import traceback
 import warnings
 from pathlib import Path
+from typing import NoReturn
 
 from trnflow.backends import container  # noqa: F401  the containers' own code, loaded once
+from trnflow.backends.forked import run_as_program
 from trnflow.backends.launcher import forks_ranks
 from trnflow.neuron.launch import WORKLOAD
 
@@ -262,10 +263,9 @@ def _preload() -> None:
         preload(["train"])  # what every phase's ranks import, and TorchDynamo
 
 
-def _container(sock: socket.socket, request: dict, mark_variable: str, ready: int) -> None:
+def _container(sock: socket.socket, request: dict, mark_variable: str, ready: int) -> NoReturn:
     """In the forked child: become the container, then exit as `python ARGV` would. Never returns."""
-    code = 1
-    try:
+    def body() -> None:
         os.close(sock.detach())  # the server's end of the socket is not the container's to hold
         log = os.open(request["log"], os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
@@ -287,24 +287,8 @@ def _container(sock: socket.socket, request: dict, mark_variable: str, ready: in
         else:
             sys.argv = ["-c", *args]
             exec(compile(target, "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102  the node's own entrypoint
-        code = 0
-    except SystemExit as exc:
-        code = exit_code(exc)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(OSError, ValueError):
-                stream.flush()
-        os._exit(code)
 
-
-def exit_code(exc: SystemExit) -> int:
-    """The exit code Python gives a `SystemExit`, its message printed as Python prints it."""
-    if exc.code is None or isinstance(exc.code, int):
-        return exc.code or 0
-    print(exc.code, file=sys.stderr)
-    return 1
+    run_as_program(body)
 
 
 def _stamp(variable: str, mark: str) -> None:
