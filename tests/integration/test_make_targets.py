@@ -5,8 +5,8 @@
 cannot break without a test failing.
 
 Each pays what a newcomer's first run pays: the language-model examples train three models at
-their full length and compile each into a cold cache (the fine-tune and the adapters at
-optimisation level 2, the model of reviews at 1, as the examples say), because what they document
+their full length and compile each into a cold cache (the fine-tune at optimisation level 2, the
+model of reviews and the adapters at 1, as the examples say), because what they document
 is that run, gates included. `make demo-tracking`'s cache is the session's warm one, as it
 would be after `make demo`."""
 
