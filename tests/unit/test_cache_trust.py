@@ -9,6 +9,7 @@ import io
 import json
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -97,20 +98,26 @@ def _poison(cache: Path, entry: str, marker: Path) -> int:
 def test_a_poisoned_artifact_runs_in_an_unsigned_cache_and_is_refused_in_a_signed_one(tmp_path):
     """Unsigned (as before signing), the poisoned pickle runs in the job that loads the entry. Signed
     by the compile stage, the same poisoning leaves the signature unverified: the job never unpacks the
-    entry, compiles the graph itself, says why, and the compile stage's next compile replaces it."""
+    entry, compiles the graph itself, says why, and the compile stage's next compile replaces it.
+    One compile serves both: an unsigned compile stage writes the same entry without its signature
+    (`CompileCache._write_done`; test_only_the_compile_stages_key_makes_entries_others_load holds
+    that an unsigned cache writes none)."""
     public = generate(tmp_path / "keys" / "cache.pem")
-    compile_env = {SIGNING_KEY_ENV: str(tmp_path / "keys" / "cache.pem")}
     job_env = {PUBLIC_KEY_ENV: public}
+    signed_cache = tmp_path / "cache-signed"
+    key, outcome, _ = _job("compile", signed_cache, tmp_path / "compile",
+                           {SIGNING_KEY_ENV: str(tmp_path / "keys" / "cache.pem")})
+    entry = entry_name(key)
+    assert outcome == "compiled" and (signed_cache / entry / "model.done").exists()
+    assert (signed_cache / entry / SIGNATURE).exists()
+    assert _job("run", signed_cache, tmp_path / "honest", job_env)[1] == "hit"  # what the compile stage signed
+    unsigned_cache = tmp_path / "cache-unsigned"
+    shutil.copytree(signed_cache, unsigned_cache)
+    (unsigned_cache / entry / SIGNATURE).unlink()
 
-    for signed in (False, True):
-        cache, marker = tmp_path / f"cache-{signed}", tmp_path / f"ran-{signed}"
-        key, outcome, _ = _job("compile", cache, tmp_path / f"compile-{signed}", compile_env if signed else {})
-        assert outcome == "compiled" and (cache / entry_name(key) / "model.done").exists()
-        assert (cache / entry_name(key) / SIGNATURE).exists() is signed
-        if signed:  # what the compile stage signed is a hit
-            assert _job("run", cache, tmp_path / "honest", job_env)[1] == "hit"
-
-        assert _poison(cache, entry_name(key), marker) > 0
+    for signed, cache in ((False, unsigned_cache), (True, signed_cache)):
+        marker = tmp_path / f"ran-{signed}"
+        assert _poison(cache, entry, marker) > 0
         _, outcome, reason = _job("run", cache, tmp_path / f"run-{signed}", job_env if signed else {})
         if not signed:
             assert marker.exists(), "the poisoned record did not run: the attack this test guards against changed"

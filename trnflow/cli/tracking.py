@@ -39,7 +39,8 @@ def server(
     """Start a local MLflow tracking server (API and UI) on this machine only.
 
     Its runs go to SQLite (FOLDER/mlflow.db) and the artifacts it is sent to FOLDER/artifacts. Point
-    a spec at it with tracking.mlflow_uri.
+    a spec at it with tracking.mlflow_uri. MLflow's job runner, for its GenAI scorers, stays off
+    unless MLFLOW_SERVER_ENABLE_JOB_EXECUTION=true.
     """
     loopback_only(host, "this MLflow server",
                   "for a shared one use SageMaker's managed MLflow (its ARN in tracking.mlflow_uri)")
@@ -52,6 +53,9 @@ def server(
                   f"{folder / 'mlflow.db'}, artifacts in {folder / 'artifacts'}", markup=False, highlight=False)
     env = dict(os.environ)
     env.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # MLflow's job runner (its GenAI scorers' and trace roll-ups' workers, three processes that each
+    # import MLflow) runs nothing trnflow sends; set the variable to true to have it anyway
+    env.setdefault("MLFLOW_SERVER_ENABLE_JOB_EXECUTION", "false")
     sys.stdout.flush()
     os.execve(mlflow, [str(mlflow), "server", "--host", host, "--port", str(port), "--workers", "1",  # noqa: S606
                        "--backend-store-uri", f"sqlite:///{folder / 'mlflow.db'}",
