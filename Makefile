@@ -164,8 +164,9 @@ test:
 	$(MAKE) test-xla
 	$(if $(filter make,$(TIMELINE_OF)),@$(PYTHON) -m tests.timeline summary $(TIMELINE))
 
-# The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests.
-test-main: lint deps-verify checkov test-fast chromium
+# The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests; checkov's
+# scan is one of them (infra/tests/test_roles.py), run in the venv made here.
+test-main: lint deps-verify $(CHECKOV_VENV)/.installed test-fast chromium
 	$(call mark,integration,start)
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests/integration \
 	  infra/tests tests/unit -m "not unit or slow" $(call timeline,integration)
