@@ -172,17 +172,25 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
             self._stopping = loop.create_task(self.astop())
 
     runner = BoundedRunner(pause_on_shutdown=False, limit=limit)
-    served = [d for spec, source in specs for d in runner_deployments(spec, source)]
-    ids = [runner.add_deployment(d) for d in served]
-    names = [f"{d.flow_name}/{d.name}" for d in served]
+    # Ctrl-C stops serving as SIGTERM does, from before the first deployment exists: one pressed
+    # while they are being made pauses those made, instead of leaving them active
+    signal.signal(signal.SIGINT, runner.handle_sigterm)
     os.environ[SERVED] = "1"  # the flow runs it starts leave Ctrl-C to it
-    signal.signal(signal.SIGINT, runner.handle_sigterm)  # Ctrl-C stops serving as SIGTERM does
     for name in QUIET_TRACEBACKS:
         logging.getLogger(name).addFilter(_OneLine())
     logging.getLogger("asyncio").addFilter(_WhileStopping(stopping))
-    threading.Thread(target=_watch_server, args=(stopping, *GONE_CHECKS), daemon=True,
-                     name="trnflow-serve-watch").start()
+    ids: list = []
+    names: list[str] = []
     with contextlib.suppress(KeyboardInterrupt, SystemExit):
+        for spec, source in specs:
+            for deployment in runner_deployments(spec, source):
+                ids.append(runner.add_deployment(deployment))
+                names.append(f"{deployment.flow_name}/{deployment.name}")
+    with contextlib.suppress(KeyboardInterrupt, SystemExit):
+        if stopping.is_set():  # stopped while the deployments were being made
+            raise SystemExit(0)
+        threading.Thread(target=_watch_server, args=(stopping, *GONE_CHECKS), daemon=True,
+                         name="trnflow-serve-watch").start()
         try:
             asyncio.run(runner.start())
         except Exception:

@@ -58,7 +58,9 @@ def serve(
             table.add_row(f"{item['flow_name']}/{item['name']}", schedule, url)
     console.print(table)
     stopped = serve_all(specs, limit)
-    if stopped.paused:
+    if not stopped.deployments:
+        console.print("stopped before any deployment was made")
+    elif stopped.paused:
         console.print(f"stopped: paused its {len(stopped.deployments)} deployments, so their schedules create no "
                       "runs while nothing serves them; `trnflow serve` with the same specs resumes them (or "
                       f"`prefect deployment resume {stopped.deployments[0]}`, one at a time)")
