@@ -181,14 +181,11 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
     logging.getLogger("asyncio").addFilter(_WhileStopping(stopping))
     ids: list = []
     names: list[str] = []
-    with contextlib.suppress(KeyboardInterrupt, SystemExit):
+    with contextlib.suppress(KeyboardInterrupt, SystemExit):  # SystemExit: the handler, before serving started
         for spec, source in specs:
             for deployment in runner_deployments(spec, source):
                 ids.append(runner.add_deployment(deployment))
                 names.append(f"{deployment.flow_name}/{deployment.name}")
-    with contextlib.suppress(KeyboardInterrupt, SystemExit):
-        if stopping.is_set():  # stopped while the deployments were being made
-            raise SystemExit(0)
         threading.Thread(target=_watch_server, args=(stopping, *GONE_CHECKS), daemon=True,
                          name="trnflow-serve-watch").start()
         try:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.integration.test_mock_aws_docs import ROOT, SHORTER, TRNFLOW, _clean_env, _port, _started
+from tests.process_tree import descendants
 from trnflow.testing.mockcloud.nodes import NODE_MARK, marked_processes
 from trnflow.testing.mockcloud.warm import PLACEHOLDER
 
@@ -73,17 +74,8 @@ def test_a_run_stops_within_seconds_of_sigterm_during_a_cloud_stage_when_the_end
 def _node_marks(ancestor: int) -> set[str]:
     """The marks of the mock cloud containers `ancestor` started, cold or through its warm start
     server (each node's processes carry its mark)."""
-    parents: dict[int, int] = {}
-    for entry in Path("/proc").iterdir():
-        with contextlib.suppress(OSError, ValueError):
-            if entry.name.isdigit():
-                parents[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-    found, seen = {ancestor}, 0
-    while len(found) != seen:
-        seen = len(found)
-        found |= {pid for pid, parent in parents.items() if parent in found}
     marks = set()
-    for pid in found - {ancestor}:
+    for pid in descendants(ancestor):
         try:
             env = dict(v.split("=", 1) for v in Path(f"/proc/{pid}/environ").read_text().split("\0") if "=" in v)
         except OSError:

@@ -10,27 +10,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.process_tree import descendants
 from trnflow.backends import JobRequest, JobState, forkserver, wait
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
 
 LISTEN = "0A"
-
-
-def _descendants(root: int) -> set[int]:
-    parents = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(stat.parent.name)] = int(fields[1])
-    found, grew = {root}, True
-    while grew:
-        more = {pid for pid, parent in parents.items() if parent in found} - found
-        found |= more
-        grew = bool(more)
-    return found
 
 
 def _address(hex_address: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
@@ -73,7 +58,7 @@ def test_a_running_local_job_listens_on_loopback_only(make_spec, trnflow_home):
             time.sleep(0.2)  # both ranks have joined the process group and train
         assert '"event": "data"' in backend.logs(job)[0], backend.logs(job)[0][-2000:]
         supervisor = json.loads((TrnflowSettings().jobs_dir / job / "pid.json").read_text())["pid"]
-        sockets = listening(_descendants(supervisor))
+        sockets = listening(descendants(supervisor) | {supervisor})
         assert sockets, "the job listens nowhere: its rendezvous store was not found"
         exposed = [(a, p) for a, p in sockets if not ipaddress.ip_address(a).is_loopback]
         assert not exposed, f"listening beyond loopback: {exposed} (all: {sockets})"

@@ -26,6 +26,7 @@ from typer.testing import CliRunner
 
 from tests.browser import browser, chromium
 from tests.conftest import quickstart_data
+from tests.process_tree import command_line, descendants
 from trnflow.cli.app import app
 from trnflow.lifecycle.registry import Registry, RegistryEntry
 from trnflow.reporting.tensorboard import logdir
@@ -88,7 +89,8 @@ def test_the_local_tracking_server_keeps_runs_and_artifacts_in_its_folder_and_va
         assert [(m.step, m.value) for m in client.get_metric_history(run.info.run_id, "loss")] == [(3, 0.5)]
         assert (folder / "mlflow.db").is_file()  # runs in SQLite, artifacts through the server into its folder
         assert [p.read_text() for p in (folder / "artifacts").rglob("note.txt")] == ["sent"]
-        assert not [c for c in _descendants() if b"huey" in c or b"mlflow.server.jobs" in c]  # no job runner
+        started = [command_line(pid) for pid in descendants(os.getpid())]
+        assert not [c for c in started if b"huey" in c or b"mlflow.server.jobs" in c]  # no job runner
 
         asked = runner.invoke(app, ["validate", spec, "--data-check", "--set", f"tracking.mlflow_uri={url}"])
         assert asked.exit_code == 0, asked.output
@@ -99,27 +101,6 @@ def test_the_local_tracking_server_keeps_runs_and_artifacts_in_its_folder_and_va
     said = " ".join(gone.stderr.split())
     assert f"tracking.mlflow_uri: no MLflow server answers at {url}" in said and "trnflow tracking server" in said
     assert "Traceback" not in gone.output
-
-
-def _descendants() -> list[bytes]:
-    """The command lines of this process's descendants."""
-    parents, lines = {}, {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                parents[int(entry.name)] = int(stat[stat.rfind(")") + 2:].split()[1])
-                lines[int(entry.name)] = (entry / "cmdline").read_bytes()
-            except (OSError, ValueError):
-                continue
-
-    def under(pid: int) -> bool:
-        while pid > 1:
-            pid = parents.get(pid, 0)
-            if pid == os.getpid():
-                return True
-        return False
-    return [line for pid, line in lines.items() if under(pid)]
 
 
 def test_the_tracking_server_listens_on_loopback_only(tmp_path):
