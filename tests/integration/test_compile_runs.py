@@ -12,6 +12,8 @@ from trnflow.cli.app import app
 from trnflow.settings import TrnflowSettings
 
 SHORT = {"steps": 10, "checkpoint_every": 10, "log_every": 5}
+ONE_THREAD = {"threads_per_core": 1}
+"""What a run whose losses are compared bit for bit uses: one host thread (see docs/emulator.md, Cores)."""
 
 
 def _run(spec, phase, run_id="r", **options):
@@ -25,7 +27,8 @@ def _run(spec, phase, run_id="r", **options):
 def test_a_warm_run_from_an_s3_cache_compiles_nothing_and_trains_like_a_cold_one(make_spec, tmp_path, s3_bucket,
                                                                                monkeypatch, prefect_api):
     monkeypatch.setenv("TRNFLOW_CACHE_UNSIGNED", "1")  # a shared cache used unsigned, by choice: said below
-    cold = _run(make_spec(cores=1, compile={"cache_url": str(tmp_path / "empty-cache")}, train=SHORT), "train", "cold")
+    empty = {"cache_url": str(tmp_path / "empty-cache")}
+    cold = _run(make_spec(cores=1, compute=ONE_THREAD, compile=empty, train=SHORT), "train", "cold")
     assert cold.state is JobState.SUCCEEDED, cold.failure
     assert cold.result.compile.hits == 0
     misses = {m["program"]: m for m in cold.result.compile.recompiles}
@@ -34,7 +37,7 @@ def test_a_warm_run_from_an_s3_cache_compiles_nothing_and_trains_like_a_cold_one
     assert miss["reason"] == "it is not in the compile cache"
 
     url = f"s3://{s3_bucket}/neuron-cache"
-    spec = make_spec(cores=1, compile={"cache_url": url, "workers": 2},
+    spec = make_spec(cores=1, compute=ONE_THREAD, compile={"cache_url": url, "workers": 2},
                      train={**SHORT, "checkpoint_url": str(tmp_path / "warm-checkpoints")})
     compiled = _run(spec, "compile")
     assert compiled.state is JobState.SUCCEEDED, compiled.failure
