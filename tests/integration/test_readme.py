@@ -40,7 +40,7 @@ SHORTER = {"train": {"steps": 40, "checkpoint_every": 20, "log_every": 10}, "gat
 RUN_ELSEWHERE = {
     # README command: (the file that runs it, the call in that file that runs it)
     "make demo": ("tests/integration/test_readme.py", "def test_make_demo_runs_the_readme_main_job"),
-    "make test": ("Makefile", "$(MAKE) -j2 xla-env test-main"),
+    "make test": ("Makefile", "$(MAKE) -j2 test-xla-beside test-main"),
     "make test-fast": ("Makefile", '-m "unit and not slow" tests/unit'),
     "trnflow mock-aws --port 5000": ("tests/integration/test_mock_aws_docs.py", '"mock-aws", "--port"'),
     "export AWS_ENDPOINT_URL=http://127.0.0.1:5000": ("tests/integration/test_mock_aws_docs.py",
@@ -51,7 +51,7 @@ RUN_ELSEWHERE = {
 """Commands this file does not run. `make demo` runs the README's main job, which this file runs
 and checks against the demo target's recipe; `make test` and `make test-fast` are the test runs
 themselves, and the Makefile target must hold the call that runs them (for `make test`, its
-branches: the tests in the main environment beside the XLA lane's set-up); the mock cloud's block runs in a
+branches: the tests in the main environment beside the XLA lane); the mock cloud's block runs in a
 test of its own, against a `trnflow mock-aws` server."""
 
 pytestmark = [pytest.mark.integration]

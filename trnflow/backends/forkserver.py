@@ -4,7 +4,7 @@ and forks each job's supervisor.
 Started cold, a local job's supervisor and launcher cost about 3.3 CPU-s before the first rank
 starts, nearly all of it torchrun's import of torch; a pipeline runs a dozen jobs. The fork server
 pays that once. The backend sends it each job (its folder and environment) over a socket; it forks
-the job's supervisor in a session of its own, with that environment, and answers with its pid. The
+the job's supervisor in a process group of its own, with that environment, and answers with its pid. The
 supervisor forks the launcher in turn (see `local_runner`), torch already loaded.
 
 The server lives as long as the process that started it: when the socket closes, however that
@@ -19,6 +19,7 @@ without starting a new program, so there the backend starts each supervisor cold
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import os
 import signal
@@ -130,6 +131,8 @@ def serve(fd: int) -> None:
             else:
                 if pid == 0:
                     _supervise(sock, request, server)
+                with contextlib.suppress(OSError):  # the child does the same: whichever runs first
+                    os.setpgid(pid, pid)  # so the group `cancel` signals exists before the pid is sent
                 reply = {"pid": pid}
             conn.write(json.dumps(reply).encode() + b"\n")
             conn.flush()
@@ -153,7 +156,7 @@ def _supervise(sock: socket.socket, request: dict, server: int) -> None:
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the supervisor waits for its launcher
         os.close(sock.detach())  # the server's end of the socket is not the job's to hold
-        os.setsid()  # a session and process group of its own, which `cancel` ends whole
+        os.setpgid(0, 0)  # a process group of its own, which `cancel` ends whole (see `local`)
         os.environ.clear()
         os.environ.update(request["env"])
         code = local_runner.main(request["job_dir"], request["submitter"], parent=server)

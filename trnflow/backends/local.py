@@ -15,6 +15,11 @@ A job belongs to the process that submitted it, which waits for it: if that proc
 is ended too (see `local_runner`), so its cores are free for a rerun. On Linux each job's supervisor
 is forked from the submitting process's fork server, which has torch loaded (see `forkserver`);
 elsewhere, or with `warm_start=False`, it starts as a new process.
+
+Each job's supervisor leads a process group of its own, which `cancel` ends whole and a Ctrl-C at
+the submitter's terminal does not reach. It stays in the submitter's session: Linux shares the CPU
+between sessions first (one scheduling autogroup each), so a job in a session of its own took a
+full share beside its submitter's other work, whatever `nice` the submitter ran at.
 """
 
 from __future__ import annotations
@@ -147,7 +152,7 @@ class LocalBackend:
             proc = subprocess.Popen(
                 [sys.executable, "-P", "-m", "trnflow.backends.local_runner", str(job_dir), str(os.getpid())],
                 stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True, env=env,
+                process_group=0, env=env,  # a group of its own, in this session (above)
             )
             pid = proc.pid
             self._procs[job_id] = proc

@@ -10,8 +10,8 @@ torchrun keeps each rank's output in a log of its own (`ranks/`, see `trnflow.ba
 that a failure can quote the rank that failed; the supervisor copies those lines into `job.log` as
 they come, whole lines at a time, so `job.log` still holds everything the job printed.
 
-Started by the local backend in its own session, so `cancel` can end the whole process group at
-once. The job belongs to the process that submitted it: if that process dies (a flow process
+Started by the local backend as the leader of a process group of its own, so `cancel` can end the
+whole group at once. The job belongs to the process that submitted it: if that process dies (a flow process
 killed with SIGKILL, say), nobody will read the job's result, so the job is ended too. Its cores
 are then free for the flow's rerun, which resumes from the job's last checkpoint. The supervisor
 knows by its parent: the submitter itself, or the fork server, which ends with the submitter.
