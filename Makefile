@@ -16,7 +16,7 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # every process would compile what it imports from source again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo demo-tracking causal-lm causal-lm-lora test test-main test-fast test-xla test-xla-beside xla-env \
+.PHONY: install demo demo-tracking causal-lm causal-lm-lora test test-main test-fast test-unit-beside test-xla test-xla-beside xla-env \
   faults bench lint clean chromium deps-check deps-verify deps-update checkov
 
 # Each environment installs the versions the suite last passed with (requirements/lock.txt, and
@@ -142,29 +142,35 @@ TIMELINE ?= runs/test-timeline
 mark      = $(PYTHON) -m tests.timeline mark $(TIMELINE) $(1) $(2)
 timeline  = -p tests.timeline --timeline $(TIMELINE)/$(1).jsonl
 
-# The unit tests first (quick, in-process; no browser needed; the `slow` ones wait), then everything
-# that starts jobs, flows, servers or a mock cloud.
+# The unit tests (quick, in-process; no browser needed; the `slow` ones run with the integration tests).
 test-fast: install
 	$(call mark,unit,start)
 	$(BIN)/python -m pytest -n 2 -q -m "unit and not slow" tests/unit $(call timeline,unit)
 	$(call mark,unit,end)
 
-# The XLA lane (its environment, about 3 GB to download, then its tests) runs beside the rest:
-# `make -j2` runs the two branches at once, so its install starts with .venv's (which leaves a core
-# idle), and its tests run at the lowest priority (nice 19), on the CPU the unit and integration
-# tests leave idle while they wait on servers, schedules and job processes (a fifth of the
-# integration phase). A nice value counts only within a session, and local jobs stay in their
-# submitter's (see trnflow/backends/local.py). At nice 10 the lane still made the integration phase
-# 2:19 longer (26:55 against 24:36), and when each job had a session of its own, 4 minutes longer
-# (29:37 against 25:40). Its output is kept in
-# $(TIMELINE)/xla.log and printed when it ends, whole.
+# `make test` runs three branches at once (`make -j3`): the integration tests after lint, the lock
+# check and checkov's venv; the unit tests, from the start, beside them; and the XLA lane (its
+# environment, about 3 GB to download, then its tests). The unit tests no longer hold the integration
+# tests back by their 50 s, nor checkov's install (20 s, one core) the unit tests. The XLA lane's tests
+# run at the lowest priority (nice 19), on the CPU the others leave idle while they wait on servers,
+# schedules and job processes (a fifth of the integration phase). A nice value counts only within a
+# session, and local jobs stay in their submitter's (see trnflow/backends/local.py). At nice 10 the
+# lane still made the integration phase 2:19 longer (26:55 against 24:36), and when each job had a
+# session of its own, 4 minutes longer (29:37 against 25:40). The unit tests' and the lane's outputs
+# are kept in $(TIMELINE)/unit.log and xla.log, each printed whole when its branch ends.
 # The timeline starts afresh and its summary is printed at the end, unless CI (TIMELINE_OF=ci), whose
 # phases surround these, does both.
 TIMELINE_OF ?= make
 test:
 	$(if $(filter make,$(TIMELINE_OF)),rm -rf $(TIMELINE))
-	$(MAKE) -j2 test-xla-beside test-main
+	$(MAKE) -j3 test-xla-beside test-unit-beside test-main
 	$(if $(filter make,$(TIMELINE_OF)),@$(PYTHON) -m tests.timeline summary $(TIMELINE))
+
+test-unit-beside: install
+	@mkdir -p $(TIMELINE)
+	@$(MAKE) --no-print-directory test-fast > $(TIMELINE)/unit.log 2>&1; status=$$?; \
+	  echo "--- the unit tests (make test-fast, beside the other tests), exit $$status:"; cat $(TIMELINE)/unit.log; \
+	  exit $$status
 
 test-xla-beside: $(XLA_BIN)/.installed
 	@mkdir -p $(TIMELINE)
@@ -174,7 +180,7 @@ test-xla-beside: $(XLA_BIN)/.installed
 
 # The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests; checkov's
 # scan is one of them (infra/tests/test_roles.py), run in the venv made here.
-test-main: lint deps-verify $(CHECKOV_VENV)/.installed test-fast chromium
+test-main: lint deps-verify $(CHECKOV_VENV)/.installed chromium
 	$(call mark,integration,start)
 	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests/integration \
 	  infra/tests tests/unit -m "not unit or slow" $(call timeline,integration)

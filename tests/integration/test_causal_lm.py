@@ -114,9 +114,9 @@ def test_the_example_runs_on_the_mock_sagemaker(prefect_api, moto_endpoint, tmp_
         s3 = f"s3://{bucket}"
         data["model"]["params"]["pretrained"] = str(folder)
         data["data"].update({part: f"{s3}/reviews/{part}" for part in ("train", "holdout", "inference")})
-        data["compute"]["backend"] = "sagemaker"
+        data["compute"].update(backend="sagemaker", cores_per_node=1)  # the example's two ranks: the make target's
         data["compile"].update(cache_url=f"{s3}/lm-cache", optlevel=1)  # the default optlevel: the first test's
-        data["train"].update(steps=20, checkpoint_every=20, checkpoint_url=f"{s3}/checkpoints")
+        data["train"].update(steps=20, checkpoint_every=20, global_batch_size=16, checkpoint_url=f"{s3}/checkpoints")
         data["gate"].update(reference="champion", eval_every=None)
         data.update(registry_url=f"{s3}/registry", inference={**data["inference"], "output_url": f"{s3}/scores"})
         spec = validate_spec(data)

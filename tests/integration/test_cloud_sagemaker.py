@@ -91,8 +91,9 @@ def test_a_sagemaker_instance_with_bad_memory_is_replaced_by_a_resubmission(
 
     with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, host_faults={0: "memory@0"},
                   compile_cache=warmed_cache) as (cloud, bucket):
-        spec = cloud_spec(make_spec, bucket, "sagemaker", train={"steps": 20}, gate={"eval_every": None},
-                           registry_url=f"s3://{bucket}/registry-bad-memory")  # no other test's champion
+        spec = cloud_spec(make_spec, bucket, "sagemaker", compute={"cores_per_node": 1},  # one host: one rank will do
+                          train={"steps": 20, "global_batch_size": 16}, gate={"eval_every": None},
+                          registry_url=f"s3://{bucket}/registry-bad-memory")  # no other test's champion
         state = pipeline(spec, run_id="bad-memory", return_state=True)
         outcome = state.result(raise_on_failure=False)
         assert state.is_completed(), outcome

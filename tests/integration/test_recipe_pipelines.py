@@ -143,9 +143,10 @@ def test_the_hugging_face_encoder_runs_the_six_stages_on_sagemaker_and_exports_w
     with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, in_process=True) as (_, bucket):
         s3 = f"s3://{bucket}"
         reviews = {part: f"{s3}/reviews/{part}" for part in ("train", "holdout", "inference")}
-        spec = _hf_spec(make_spec, tmp_path, folder, f"{s3}/hf-cache", data=reviews, compute={"backend": "sagemaker"},
+        spec = _hf_spec(make_spec, tmp_path, folder, f"{s3}/hf-cache", data=reviews,
+                        compute={"backend": "sagemaker", "cores_per_node": 1},  # ranks are other tests' concern
                         registry_url=f"{s3}/registry", inference={"output_url": f"{s3}/embeddings"},
-                        train={"checkpoint_url": f"{s3}/checkpoints"})
+                        train={"checkpoint_url": f"{s3}/checkpoints", "global_batch_size": 16})
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False).model_dump(mode="json")
         assert state.is_completed(), outcome

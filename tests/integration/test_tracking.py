@@ -177,7 +177,7 @@ def test_a_run_is_mirrored_to_mlflow_and_one_that_found_it_down_is_synced_later(
     monkeypatch.setattr(logging.getLogger(HEADER_LOGGER), "level", logging.ERROR)  # the plugin's, on a plain URL
     folder, port = tmp_path / "mlflow", _free_port()
     url = f"http://127.0.0.1:{port}"
-    spec = make_spec(2, tracking={"mlflow_uri": url, "experiment": "search/m5", "tensorboard": True},
+    spec = make_spec(1, tracking={"mlflow_uri": url, "experiment": "search/m5", "tensorboard": True},
                      train={"steps": 20, "checkpoint_every": 10, "log_every": 5}, gate={"eval_every": 10})
     run_reference(spec)
     with tracking_server(folder, port, tmp_path / "server.log"):
@@ -189,7 +189,7 @@ def test_a_run_is_mirrored_to_mlflow_and_one_that_found_it_down_is_synced_later(
         assert run.info.status == "FINISHED" and run.info.run_name == "mirrored"
         params, tags = run.data.params, run.data.tags
         assert (params["train.steps"], params["model.recipe"], params["compute.cores_per_node"]) == ("20", "m5-text",
-                                                                                                    "2")
+                                                                                                    "1")
         # the spec as the run ran it: its layout decided
         assert tags["trnflow.spec_digest"] == decided(spec).digest() and params["train.parallelism.strategy"] == "ddp"
         assert tags["trnflow.gate"] == "passed" and tags["trnflow.state"] == "Completed"
@@ -225,7 +225,7 @@ def test_a_run_is_mirrored_to_mlflow_and_one_that_found_it_down_is_synced_later(
 
     # the server is down: the run (a longer one: a second version, gated without a reference, which
     # nothing here reads) ends green, says so in its summary, and keeps its mirror
-    spec = make_spec(2, tracking={"mlflow_uri": url, "experiment": "search/m5", "tensorboard": True},
+    spec = make_spec(1, tracking={"mlflow_uri": url, "experiment": "search/m5", "tensorboard": True},
                      train={"steps": 30, "checkpoint_every": 10, "log_every": 5},
                      gate={"eval_every": 10, "reference": None})
     state = pipeline(spec, run_id="missed", return_state=True)
