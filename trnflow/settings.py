@@ -16,6 +16,12 @@ class TrnflowSettings(BaseSettings):
 
     home: Path = Field(Path(".trnflow"), description="Folder for local job directories and logs.")
     poll_seconds: float = Field(0.5, gt=0, description="How often a running job's state is polled.")
+    host_cpus: int | None = Field(
+        None, ge=1, description="How many of this machine's CPUs the ranks of one job share for their tensor work "
+        "(torch's intra-op threads, OMP_NUM_THREADS): each rank gets host_cpus // ranks threads, at least one. "
+        "Unset: every CPU of the machine. Lower it where several jobs run on one machine at once (two pipelines, "
+        "test processes): threads beyond the free CPUs wait for each other and slow every job. A spec's "
+        "compute.threads_per_core overrides it.")
     image: str | None = Field(None, description="The training container image for SageMaker and Batch jobs of every "
                               "instance family, unless the image for a job's device is set below.")
     image_neuron: str | None = Field(None, description="The training image for the neuron device (TorchNeuron; trn2, "

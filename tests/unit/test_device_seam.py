@@ -82,9 +82,13 @@ def test_a_runtime_devices_graphs_are_filed_beside_the_neuron_compilers_own_entr
         ("neuronxcc-2.15.128.0+56dc5a86", "done", "neuronx-cc"), (entry_name(key).split("/")[0], "done", "trnflow")}
 
 
-def test_threads_per_core_sets_each_workers_threads_and_pins_it_to_cpus_of_its_own(tmp_path):
+def test_threads_per_core_sets_each_workers_threads_and_pins_it_to_cpus_of_its_own(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRNFLOW_HOST_CPUS", raising=False)  # every CPU of the machine
     shared = launch_env(validate_spec(quickstart_data()), [0, 1], "trn1.2xlarge", base={PIN_CPUS_ENV: "1"})
     assert shared["OMP_NUM_THREADS"] == str(max(1, (os.cpu_count() or 1) // 2)) and PIN_CPUS_ENV not in shared
+    monkeypatch.setenv("TRNFLOW_HOST_CPUS", "12")  # the machine's share this process's jobs may use
+    assert [launch_env(validate_spec(quickstart_data()), cores, "trn1.32xlarge", base={})["OMP_NUM_THREADS"]
+            for cores in ([0], [0, 1], list(range(16)))] == ["12", "6", "1"]
     pinned = launch_env(validate_spec(quickstart_data(compute={"threads_per_core": 1})), [0, 1], "trn1.2xlarge",
                         base={})
     assert pinned["OMP_NUM_THREADS"] == "1" and pinned[PIN_CPUS_ENV] == "1"

@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from trnflow.errors import FatalError
+from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, instance
 
 INSTANCE_CORES_ENV = "TRNFLOW_INSTANCE_CORES"
@@ -121,12 +122,19 @@ PIN_CPUS_ENV = "TRNFLOW_PIN_CPUS"
 (`trnflow.workload.tuning.pin_cpus`)."""
 
 
+def rank_threads(ranks: int) -> int:
+    """The host threads each of a job's `ranks` gets by default: the host's CPUs (TRNFLOW_HOST_CPUS,
+    else every CPU) shared evenly between them, at least one."""
+    cpus = TrnflowSettings().host_cpus or os.cpu_count() or 1
+    return max(1, cpus // max(1, ranks))
+
+
 def launch_env(spec: JobSpec | None, cores: list[int], itype: str, base: dict[str, str] | None = None
                ) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     # The host's CPUs shared between the cores: oversubscribed threads slow gloo training several-fold.
     threads = spec.compute.threads_per_core if spec is not None else None
-    env["OMP_NUM_THREADS"] = str(threads or max(1, (os.cpu_count() or 1) // len(cores)))
+    env["OMP_NUM_THREADS"] = str(threads or rank_threads(len(cores)))
     if threads:
         env[PIN_CPUS_ENV] = "1"
     else:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import sys
 import tempfile
 import time
@@ -30,7 +29,7 @@ from trnflow.device.cache import COMPILER_VERSION, CompileCache, EntryLocked, en
 from trnflow.device.registry import choose, get_device
 from trnflow.errors import FatalError
 from trnflow.neuron.compile_log import CompileProgress
-from trnflow.neuron.launch import retry_failed_requested
+from trnflow.neuron.launch import rank_threads, retry_failed_requested
 from trnflow.results import TrialResult
 from trnflow.specs import JobSpec
 from trnflow.workload import watchdog
@@ -72,7 +71,7 @@ def extract(spec: JobSpec, device: Device | None = None) -> list[Planned]:
 def _threads(spec: JobSpec) -> int:
     """The host threads each rank of the run will use. Inductor's CPU kernels specialise on the thread
     count, and its cache keys include it, so the compile must use the run's."""
-    return spec.compute.threads_per_core or max(1, (os.cpu_count() or 1) // spec.compute.world_size)
+    return spec.compute.threads_per_core or rank_threads(spec.compute.world_size)
 
 
 def compile_one(spec_json: str, program: str, key: str, retry_failed: bool = False) -> dict:

@@ -24,7 +24,7 @@ from trnflow.device.base import Device, FaultHooks, Lease, NoFaults
 from trnflow.device.registry import choose, get_device
 from trnflow.errors import CollectiveTimeout, FatalError
 from trnflow.fsutil import atomic_write_json
-from trnflow.neuron.launch import INSTANCE_CORES_ENV, PIN_CPUS_ENV
+from trnflow.neuron.launch import INSTANCE_CORES_ENV, PIN_CPUS_ENV, rank_threads
 from trnflow.results import FailureReport, StageResult
 from trnflow.specs import JobSpec
 from trnflow.workload import watchdog
@@ -164,7 +164,7 @@ def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dic
     # shared its one CPU, and a sharded step (a gather or reduce-scatter a block) took 3 ms more.
     device.init_process_group(world, timeout)
     # The host's CPUs shared between the ranks keeps them from fighting over CPUs (oversubscription is slow).
-    threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or max(1, (os.cpu_count() or 1) // max(1, world))
+    threads = int(os.environ.get("OMP_NUM_THREADS", "0")) or rank_threads(world)
     if os.environ.get(PIN_CPUS_ENV) == "1":
         pin_cpus(local_rank, threads, len(visible), visible[0])
     torch.set_num_threads(threads)

@@ -27,8 +27,10 @@ WARM = SUPPORTED
 """Whether containers are forked from the warm start server (see `warm`) rather than started cold."""
 CHILD_GRACE_SECONDS = 30
 """How long the other nodes may take to end after the main node has."""
-PASSED_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR", "TRNFLOW_FAULTS")
-"""What a container inherits from this machine: enough to run the image's Python, nothing else."""
+PASSED_THROUGH = ("PATH", "HOME", "LANG", "LC_ALL", "PYTHONPATH", "VIRTUAL_ENV", "TMPDIR", "TRNFLOW_FAULTS",
+                  "TRNFLOW_HOST_CPUS")
+"""What a container inherits from this machine: enough to run the image's Python, nothing else (and
+the share of this machine's CPUs its jobs may use, as local jobs are given it)."""
 NODE_MARK = "TRNFLOW_MOCK_NODE"
 """Set in a container's environment and inherited by everything it starts, even processes that
 leave its process group (torchrun starts each worker in a session of its own): a killed node's
