@@ -74,11 +74,11 @@ def test_fine_tuning_lowers_holdout_perplexity_from_the_starting_models_on_three
                             + train.column("completion").to_pylist())
     backend = LocalBackend(TrnflowSettings().jobs_dir)
     spec = make_spec(
-        model={"recipe": "hf-causal-lm", "params": {"pretrained": str(folder), "seq_len": 64}},
+        1, model={"recipe": "hf-causal-lm", "params": {"pretrained": str(folder), "seq_len": 64}},
         data={"train": str(prompts / "train"), "holdout": str(prompts / "holdout"),
               "inference": str(prompts / "inference")},
         compile={"cache_url": str(tmp_path / "lm-cache"), "optlevel": 1},
-        train={"steps": 30, "checkpoint_every": 30, "lr": 0.003},
+        train={"steps": 30, "checkpoint_every": 30, "lr": 0.003, "global_batch_size": 32},  # one rank, 32 a step
         gate={"metric": "perplexity", "metrics": [], "reference": None, "eval_every": None})
     compiled = wait(backend, backend.submit(JobRequest(spec, "compile", "seeds", processes=1)), 0.2)
     assert compiled.state is JobState.SUCCEEDED, compiled.failure

@@ -123,7 +123,8 @@ def test_sagemaker_launches_the_first_preferred_instance_type_with_capacity_and_
 
     with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, no_capacity={"trn1.32xlarge"}) as (_, bucket):
         spec = cloud_spec(make_spec, bucket, "sagemaker", compute={
-            "instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"]})
+            "instance_type": "trn1.32xlarge", "instance_preferences": ["trn1.32xlarge", "trn1n.32xlarge"],
+            "cores_per_node": 1}, train={"global_batch_size": 16})  # which instance, not how many ranks
         outcome = preflight(spec, run_id="preferred")
         sanity = outcome.results["sanity"]
         assert sanity.ran_on.backend == "sagemaker" and sanity.ran_on.instance_type == "trn1n.32xlarge"

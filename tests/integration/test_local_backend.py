@@ -106,7 +106,7 @@ def _parent_command(pid: int) -> str:
 
 
 def test_cancel_ends_the_whole_process_group(backend, make_spec):
-    spec = make_spec(train={"steps": 100_000, "checkpoint_every": 100_000})
+    spec = make_spec(1, train={"steps": 100_000, "checkpoint_every": 100_000})
     job_id = backend.submit(JobRequest(spec, "train", "t3"))
     deadline = time.monotonic() + 60
     while '"event": "data"' not in backend.logs(job_id)[0] and time.monotonic() < deadline:
@@ -181,7 +181,7 @@ def test_a_job_whose_submitter_is_killed_ends_with_it(backend, make_spec, tmp_pa
     import subprocess
     import sys
 
-    spec = make_spec(train={"steps": 100_000, "checkpoint_every": 100_000})
+    spec = make_spec(1, train={"steps": 100_000, "checkpoint_every": 100_000})
     (tmp_path / "spec.json").write_text(spec.model_dump_json())
     submitter = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"

@@ -58,11 +58,11 @@ def test_secret_values_reach_no_log_artifact_message_or_job_record(planted, pref
     log lines relayed to Prefect, the failure message, the summary artifact and the job's record
     all carry the mask instead."""
     leaky = tmp_path / SECRETS["HF_TOKEN"] / "train"  # echoed by the job's error message
-    spec = make_spec(data={"train": str(leaky)}, retries={"max_retries": 0})
+    spec = make_spec(1, data={"train": str(leaky)}, retries={"max_retries": 0})
 
     @flow
     def one_stage():
-        return run_stages(StageRunner(spec, "canary"), lambda stage: stage("train", train_model, [0, 1]), ("train",))
+        return run_stages(StageRunner(spec, "canary"), lambda stage: stage("train", train_model, [0]), ("train",))
 
     state = one_stage(return_state=True)
     assert state.is_failed()
