@@ -150,14 +150,17 @@ test-fast: install
 
 # `make test` runs three branches at once (`make -j3`): the integration tests after lint, the lock
 # check and checkov's venv; the unit tests, from the start, beside them; and the XLA lane (its
-# environment, about 3 GB to download, then its tests). The unit tests no longer hold the integration
-# tests back by their 50 s, nor checkov's install (20 s, one core) the unit tests. The XLA lane's tests
-# run at the lowest priority (nice 19), on the CPU the others leave idle while they wait on servers,
-# schedules and job processes (a fifth of the integration phase). A nice value counts only within a
-# session, and local jobs stay in their submitter's (see trnflow/backends/local.py). At nice 10 the
-# lane still made the integration phase 2:19 longer (26:55 against 24:36), and when each job had a
-# session of its own, 4 minutes longer (29:37 against 25:40). The unit tests' and the lane's outputs
-# are kept in $(TIMELINE)/unit.log and xla.log, each printed whole when its branch ends.
+# environment, about 3 GB to download, then its tests). The unit tests no longer hold the
+# integration tests back by their 50 s, nor checkov's install (20 s, one core) the unit tests. The
+# XLA lane's tests run at the lowest priority (nice 19), on the CPU the integration tests leave idle
+# while they wait on servers, schedules and job processes (a fifth of the integration phase); the
+# unit tests at nice 10, which leaves them a tenth of a busy CPU (their subprocesses have timeouts),
+# where at the integration tests' priority they took a third of the CPU for their first minute.
+# A nice value counts only within a session, and local jobs stay in their submitter's (see
+# trnflow/backends/local.py). At nice 10 the lane still made the integration phase 2:19 longer
+# (26:55 against 24:36), and when each job had a session of its own, 4 minutes longer (29:37
+# against 25:40). The unit tests' and the lane's outputs are kept in $(TIMELINE)/unit.log and
+# xla.log, each printed whole when its branch ends.
 # The timeline starts afresh and its summary is printed at the end, unless CI (TIMELINE_OF=ci), whose
 # phases surround these, does both.
 TIMELINE_OF ?= make
@@ -168,7 +171,7 @@ test:
 
 test-unit-beside: install
 	@mkdir -p $(TIMELINE)
-	@$(MAKE) --no-print-directory test-fast > $(TIMELINE)/unit.log 2>&1; status=$$?; \
+	@nice -n 10 $(MAKE) --no-print-directory test-fast > $(TIMELINE)/unit.log 2>&1; status=$$?; \
 	  echo "--- the unit tests (make test-fast, beside the other tests), exit $$status:"; cat $(TIMELINE)/unit.log; \
 	  exit $$status
 
