@@ -309,6 +309,11 @@ def prefect_api() -> str:
             except httpx.TransportError:
                 if attempt == 2:
                     raise
+                from prefect.server.api.server import SubprocessASGIServer
+
+                left = getattr(SubprocessASGIServer, "_instances", {}).get(None)  # the harness's, registered first
+                if left is not None:
+                    left.stop()  # Prefect leaves the server it could not reach running
         url = PREFECT_API_URL.value()
         assert url, "the Prefect test harness set no API URL"
         yield url
