@@ -16,8 +16,8 @@ export PREFECT_SERVER_ANALYTICS_ENABLED ?= false
 # every process would compile what it imports from source again.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: install demo demo-tracking causal-lm causal-lm-lora test test-main test-fast test-unit-beside test-xla test-xla-beside xla-env \
-  faults bench lint clean chromium deps-check deps-verify deps-update checkov
+.PHONY: install demo demo-tracking causal-lm causal-lm-lora test test-main test-fast test-unit-beside test-xla test-xla-beside \
+  xla-env xla-packages-beside checkov-beside faults bench lint clean chromium deps-check deps-verify deps-update checkov
 
 # Each environment installs the versions the suite last passed with (requirements/lock.txt, and
 # requirements/xla-lock.txt for the XLA lane), as pip's constraints: a release on the registry
@@ -148,13 +148,13 @@ test-fast: install
 	$(BIN)/python -m pytest -n 2 -q -m "unit and not slow" tests/unit $(call timeline,unit)
 	$(call mark,unit,end)
 
-# `make test` runs three branches at once (`make -j3`): the integration tests after lint, the lock
-# check and checkov's venv; the unit tests, from the start, beside them; and the XLA lane (its
-# environment, about 3 GB to download, then its tests). The unit tests no longer hold the
-# integration tests back by their 50 s, nor checkov's install (20 s, one core) the unit tests. The
-# XLA lane's tests run at the lowest priority (nice 19), on the CPU the integration tests leave idle
-# while they wait on servers, schedules and job processes (a fifth of the integration phase); the
-# unit tests at nice 10, which leaves them a tenth of a busy CPU (their subprocesses have timeouts),
+# `make test` runs its branches at once (`make -j5`): the integration tests after lint, the lock check
+# and chromium; the unit tests, from the start, beside them; checkov's venv (20 s of one CPU, made
+# beside them: its scan, one of the integration tests, waits for it); and the XLA lane (its
+# environment, about 3 GB to download, then its tests). The XLA lane's install and tests run at the
+# lowest priority (nice 19), on the CPU the integration tests leave idle while they wait on servers,
+# schedules and job processes (a fifth of the integration phase); the unit tests and checkov's
+# install at nice 10, which leaves them a tenth of a busy CPU (their subprocesses have timeouts),
 # where at the integration tests' priority they took a third of the CPU for their first minute.
 # A nice value counts only within a session, and local jobs stay in their submitter's (see
 # trnflow/backends/local.py). At nice 10 the lane still made the integration phase 2:19 longer
@@ -166,7 +166,7 @@ test-fast: install
 TIMELINE_OF ?= make
 test:
 	$(if $(filter make,$(TIMELINE_OF)),rm -rf $(TIMELINE))
-	$(MAKE) -j3 test-xla-beside test-unit-beside test-main
+	$(MAKE) -j5 test-xla-beside test-unit-beside checkov-beside test-main CHECKOV_BESIDE=yes
 	$(if $(filter make,$(TIMELINE_OF)),@$(PYTHON) -m tests.timeline summary $(TIMELINE))
 
 test-unit-beside: install
@@ -175,18 +175,28 @@ test-unit-beside: install
 	  echo "--- the unit tests (make test-fast, beside the other tests), exit $$status:"; cat $(TIMELINE)/unit.log; \
 	  exit $$status
 
-test-xla-beside: $(XLA_BIN)/.installed
+# The lane's environment is made at the lane's priority too: its packages (a minute and a half of
+# one CPU, 16 GB written) beside .venv's install, then trnflow into it once .venv has it.
+xla-packages-beside:
+	@nice -n 19 $(MAKE) --no-print-directory $(XLA_VENV)/.packages
+
+test-xla-beside: xla-packages-beside $(BIN)/.installed
 	@mkdir -p $(TIMELINE)
 	@nice -n 19 $(MAKE) --no-print-directory test-xla > $(TIMELINE)/xla.log 2>&1; status=$$?; \
 	  echo "--- the XLA lane (make test-xla, beside the other tests), exit $$status:"; cat $(TIMELINE)/xla.log; \
 	  exit $$status
 
+checkov-beside:
+	@nice -n 10 $(MAKE) --no-print-directory $(CHECKOV_VENV)/.installed
+
 # The slow unit tests (real processes, a 10,000-entry cache) run with the integration tests; checkov's
-# scan is one of them (infra/tests/test_roles.py), run in the venv made here.
-test-main: lint deps-verify $(CHECKOV_VENV)/.installed chromium
+# scan is one of them (infra/tests/test_roles.py), run in the venv made before them, or beside them
+# (CHECKOV_BESIDE=yes, as `make test` runs them), when the scan waits for it.
+CHECKOV_BESIDE ?= no
+test-main: lint deps-verify chromium $(if $(filter yes,$(CHECKOV_BESIDE)),,$(CHECKOV_VENV)/.installed)
 	$(call mark,integration,start)
-	$(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=30 tests/integration \
-	  infra/tests tests/unit -m "not unit or slow" $(call timeline,integration)
+	TRNFLOW_TEST_CHECKOV_BESIDE=$(CHECKOV_BESIDE) $(BIN)/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder \
+	  --durations=30 tests/integration infra/tests tests/unit -m "not unit or slow" $(call timeline,integration)
 	$(call mark,integration,end)
 
 # The XLA lane: torch-xla's CPU runtime (PJRT_DEVICE=CPU) runs the `xla` device's lazy-tensor program

@@ -40,7 +40,7 @@ SHORTER = {"train": {"steps": 40, "checkpoint_every": 20, "log_every": 10}, "gat
 RUN_ELSEWHERE = {
     # README command: (the file that runs it, the call in that file that runs it)
     "make demo": ("tests/integration/test_readme.py", "def test_make_demo_runs_the_readme_main_job"),
-    "make test": ("Makefile", "$(MAKE) -j3 test-xla-beside test-unit-beside test-main"),
+    "make test": ("Makefile", "$(MAKE) -j5 test-xla-beside test-unit-beside checkov-beside test-main"),
     "make test-fast": ("Makefile", '-m "unit and not slow" tests/unit'),
     "trnflow mock-aws --port 5000": ("tests/integration/test_mock_aws_docs.py", '"mock-aws", "--port"'),
     "export AWS_ENDPOINT_URL=http://127.0.0.1:5000": ("tests/integration/test_mock_aws_docs.py",
