@@ -1,10 +1,12 @@
 """`trnflow server` and `trnflow serve` as a scheduled deployment's users run them: the server's UI
 finds its API on any port; the served retraining schedule fires, and its run completes through
-the served process; stopping `trnflow serve` pauses its deployments and serving again resumes
+the served process (served from the module's first test, its other tests running while the
+schedule's minute comes); stopping `trnflow serve` pauses its deployments and serving again resumes
 them; and with the server gone, it still stops within a bounded time, or stops by itself saying why."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import json
 import os
@@ -12,6 +14,8 @@ import signal
 import subprocess
 import time
 import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
@@ -44,53 +48,56 @@ def _cron_ahead(seconds: float) -> dt.datetime:
     return at.replace(second=0, microsecond=0) + dt.timedelta(minutes=1)
 
 
+@dataclass
+class Nightly:
+    """`trnflow serve` of a spec whose retraining schedule is due at `due`, started when the module's
+    first test asks for it, and its outputs under `root`."""
+
+    env: dict[str, str]
+    root: Path
+    due: dt.datetime
+    served: subprocess.Popen
+
+
+@pytest.fixture(scope="module")
+def nightly(server, tmp_path_factory, dataset, compile_cache):
+    """Serving a spec due in a minute or two: the module's first test starts it, and its other tests
+    run while the schedule's time comes (the wait is for the clock, not for work)."""
+    root = tmp_path_factory.mktemp("nightly")
+    due = _cron_ahead(60)  # serving starts in about 15 s, then its deployments are scheduled
+    spec = small_spec(root, dataset, compile_cache, "nightly", {"cron": f"{due.minute} {due.hour} * * *",
+                                                                "timezone": "UTC"})
+    env = {**server, "TRNFLOW_HOME": str(root / "trnflow-home"), "TRNFLOW_POLL_SECONDS": "0.2",
+           "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    served = _serve(env, spec, root)
+    try:
+        yield Nightly(env, root, due, served)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(served.pid, signal.SIGKILL)
+        served.wait(timeout=30)
+
+
+def test_the_served_retraining_schedule_creates_its_runs(nightly, server):
+    """Fails where the server's scheduler cannot create runs (Prefect 3.8 with SQLAlchemy 2.1)."""
+    env = nightly.env
+    retrain = wait_for(lambda: deployments(env).get(RETRAIN), 120, "the served retraining deployment")
+
+    # the server's scheduler creates the schedule's runs: the next few days at the cron's time
+    def scheduled():
+        runs = [r for r in flow_runs(env, retrain.id) if r.state_name == "Scheduled"]
+        return runs if len(runs) >= 2 else None
+
+    upcoming = wait_for(scheduled, 45, f"the scheduler to create the runs of {RETRAIN} (server log: "
+                        f"{server['PREFECT_HOME']}/server.log)")
+    assert upcoming[0].expected_start_time == nightly.due
+    assert upcoming[1].expected_start_time == nightly.due + dt.timedelta(days=1)
+    assert all(r.auto_scheduled for r in upcoming)
+
+
 def test_the_ui_of_a_server_on_any_port_talks_to_that_port(server):
     with urllib.request.urlopen(server["PREFECT_UI_URL"] + "/ui-settings", timeout=10) as answer:  # noqa: S310
         assert json.load(answer)["api_url"] == server["PREFECT_API_URL"]
-
-
-def test_the_served_retraining_schedule_fires_and_its_run_promotes_a_model(server, tmp_path, dataset, compile_cache):
-    """Fails where the server's scheduler cannot create runs (Prefect 3.8 with SQLAlchemy 2.1)."""
-    due = _cron_ahead(60)  # serving starts in about 15 s, then its deployments are scheduled
-    spec = small_spec(tmp_path, dataset, compile_cache, "nightly",
-                      {"cron": f"{due.minute} {due.hour} * * *", "timezone": "UTC"})
-    env = {**server, "TRNFLOW_HOME": str(tmp_path / "trnflow-home"), "TRNFLOW_POLL_SECONDS": "0.2",
-           "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
-    served = _serve(env, spec, tmp_path)
-    try:
-        retrain = wait_for(lambda: deployments(env).get(RETRAIN), 120, "the served retraining deployment")
-
-        # the server's scheduler creates the schedule's runs: the next few days at the cron's time
-        def scheduled():
-            runs = [r for r in flow_runs(env, retrain.id) if r.state_name == "Scheduled"]
-            return runs if len(runs) >= 2 else None
-
-        upcoming = wait_for(scheduled, 45, f"the scheduler to create the runs of {RETRAIN} (server log: "
-                            f"{server['PREFECT_HOME']}/server.log)")
-        assert upcoming[0].expected_start_time == due
-        assert upcoming[1].expected_start_time == due + dt.timedelta(days=1)
-        assert all(r.auto_scheduled for r in upcoming)
-
-        # the one due first runs through the served process when its time comes
-        def ended():
-            (run,) = [r for r in flow_runs(env, retrain.id) if r.id == upcoming[0].id]
-            return run if run.state_type.value in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
-
-        seconds = (due - dt.datetime.now(dt.UTC)).total_seconds() + 600
-        run = wait_for(ended, seconds, "the scheduled retraining run to end", every=2)
-        log = (tmp_path / "serve.log").read_text()[-4000:]
-        assert run.state_name == "Completed", f"{run.state_name}: {run.state.message}\n{log}"
-        assert run.start_time >= due - dt.timedelta(seconds=15)  # a runner submits runs due within 10 s
-        assert run.name == "nightly: dt=2026-01-01..2026-01-02 from scratch"  # the days that arrived
-    finally:
-        os.killpg(served.pid, signal.SIGKILL)
-        served.wait(timeout=30)
-
-    registry = Registry(str(tmp_path / "registry"))
-    champion = registry.champion("nightly")  # gated, then promoted
-    assert champion is not None and champion.watermark == "2026-01-02"
-    assert [v.entry.status for v in registry.versions("nightly")] == ["passed"]
-    assert current(str(tmp_path / "embeddings"))["version"] == champion.version  # its embeddings published
 
 
 def _paused(env) -> dict[str, bool]:
@@ -162,6 +169,34 @@ def _stop(served, sig: int, within: float) -> int:
     served.wait(timeout=within + 30)  # a hang fails here
     assert time.monotonic() - began < within, f"took {time.monotonic() - began:.0f} s to stop"
     return served.returncode
+
+
+def test_the_scheduled_run_fires_through_the_served_process_and_promotes_a_model(nightly):
+    """The run due first (see the module's first test) runs through the served process when its
+    time comes, named for the days that arrived; its model is gated, promoted and published."""
+    env, root, due = nightly.env, nightly.root, nightly.due
+    retrain = deployments(env)[RETRAIN]
+
+    def ended():
+        (run,) = [r for r in flow_runs(env, retrain.id) if r.expected_start_time == due]
+        return run if run.state_type.value in ("COMPLETED", "FAILED", "CRASHED", "CANCELLED") else None
+
+    try:
+        seconds = (due - dt.datetime.now(dt.UTC)).total_seconds() + 600
+        run = wait_for(ended, seconds, "the scheduled retraining run to end", every=2)
+        log = (root / "serve.log").read_text()[-4000:]
+        assert run.state_name == "Completed", f"{run.state_name}: {run.state.message}\n{log}"
+        assert run.start_time >= due - dt.timedelta(seconds=15)  # a runner submits runs due within 10 s
+        assert run.name == "nightly: dt=2026-01-01..2026-01-02 from scratch"  # the days that arrived
+    finally:
+        os.killpg(nightly.served.pid, signal.SIGKILL)
+        nightly.served.wait(timeout=30)
+
+    registry = Registry(str(root / "registry"))
+    champion = registry.champion("nightly")  # gated, then promoted
+    assert champion is not None and champion.watermark == "2026-01-02"
+    assert [v.entry.status for v in registry.versions("nightly")] == ["passed"]
+    assert current(str(root / "embeddings"))["version"] == champion.version  # its embeddings published
 
 
 def test_stopping_serve_pauses_its_deployments_and_it_stops_even_with_the_server_gone(server, tmp_path, dataset,

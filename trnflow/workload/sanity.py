@@ -37,7 +37,7 @@ from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.roundtrip import round_trip
 
 MATMUL_SIZE = 256
-MEMORY_WORDS = 4 * 1024 * 1024  # 16 MiB of int32 per pattern
+MEMORY_WORDS = 1024 * 1024  # 4 MiB of int32 per pattern
 # (engine, dtype) -> largest allowed relative error against the host reference
 TOLERANCE = {
     ("tensor", torch.float32): 0.0,
