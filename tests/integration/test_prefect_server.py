@@ -401,11 +401,13 @@ def _job_processes(jobs: Path) -> list[int]:
 @pytest.mark.slow
 def test_cancel_stops_the_run_and_the_jobs_it_launched(served):
     """The pipeline's run, cancelled as its first job starts (the pipeline, not just the preflight: its
-    cancel must find the run still going). Last in the module: once in a few runs, Prefect's runner
-    restarts the cancelled run, cancels it again, and a SIGTERM reaches `trnflow serve` half a
-    minute later, which stops it as it should; no later test then finds it serving."""
+    cancel must find the run still going, so it trains for 100,000 steps: the spec's 20 could end
+    before a loaded machine has started `trnflow cancel`). Last in the module: once in a few runs,
+    Prefect's runner restarts the cancelled run, cancels it again, and a SIGTERM reaches `trnflow
+    serve` half a minute later, which stops it as it should; no later test then finds it serving."""
     env, path, root = served
-    started = subprocess.run([TRNFLOW, "submit", str(path), "--deployment", "pipeline", "--json"], env=env,
+    longer = ["--set", "train.steps=100000", "--set", "train.checkpoint_every=50000", "--set", "gate.eval_every=50000"]
+    started = subprocess.run([TRNFLOW, "submit", str(path), "--deployment", "pipeline", *longer, "--json"], env=env,
                              capture_output=True, text=True, check=True)
     run_id = json.loads(started.stdout)["id"]
     jobs = root / "home" / "jobs"
