@@ -332,8 +332,9 @@ def _wait_for_checkov() -> None:
     made = CHECKOV.parents[1] / ".installed"
     gave_up = time.monotonic() + 300
     while BESIDE and not made.exists():
-        assert time.monotonic() < gave_up, ("checkov's venv, made beside the tests by `make test`, is not whole "
-                                            "after 5 minutes: make test's output has its install's")
+        assert time.monotonic() < gave_up, ("checkov's venv, made beside the tests by `make test` (make "
+                                            "checkov-beside), is not whole after 5 minutes: make test's output "
+                                            "has its install's")
         time.sleep(2)
 
 

@@ -124,8 +124,10 @@ def test_make_causal_lm_then_causal_lm_lora_pass_their_gates_and_export(checkout
     monkeypatch.chdir(work)  # the examples' relative paths
     with ThreadPoolExecutor(1) as beside:  # the fine-tune at level 1 trains while the LoRA target runs
         at_optlevel_1 = beside.submit(_the_fine_tune_holds_its_band_at_optlevel_1, work)
-        said = make("causal-lm-lora", work, env)
-        at_optlevel_1.result()
+        try:
+            said = make("causal-lm-lora", work, env)
+        finally:
+            at_optlevel_1.result()  # its failure too, when the target's is raised
     assert "jobspecs/examples/causal-lm.yaml" not in said  # the model exported by causal-lm is its base
     _what_the_language_models_left(work, env)
 
