@@ -12,7 +12,7 @@ from prefect.exceptions import FailedRun
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from trnflow.backends import trusted_cache_keys
+from trnflow.backends import claim_run, trusted_cache_keys
 from trnflow.device.plans import cache_problem
 from trnflow.device.signing import UNSIGNED_ENV
 from trnflow.errors import FatalError, GateDecision, OverBudget, TrnflowError
@@ -81,6 +81,7 @@ class StageRunner:
         if problem := run_id_problem(run_id):
             raise ValueError(f"run id {problem}")
         self.spec, self.run_id = spec, run_id
+        self.team = claim_run(spec, run_id)  # its team decided, the spec inside it, the run id its own
         self.rows: list[StageRow] = []
         self.results: dict[str, StageResult] = {}
         self.costs: list[CostRow] = []
@@ -185,7 +186,8 @@ class StageRunner:
             text += "\n" + links_markdown(links)
         home, outcome = TrnflowSettings().home.expanduser().resolve(), self.outcome()
         if self.spec.tracking.mlflow_uri:  # mirrored however it ended; a server that is down never fails it
-            sent, note = mirror(self.spec, outcome, self.ended, text, flow_run.get_flow_run_ui_url(), home)
+            sent, note = mirror(self.spec, outcome, self.ended, text, flow_run.get_flow_run_ui_url(), home,
+                                self.team)
             (get_run_logger().info if sent else get_run_logger().warning)(note)
             text += f"\n{note}\n"
         if self.spec.tracking.tensorboard and "train" in self.results:

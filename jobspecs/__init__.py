@@ -35,6 +35,7 @@ from trnflow.specs.spec import (
     is_module_reference,
     memory_problem,
     sagemaker_checkpoint_problem,
+    tracking_uri,
 )
 
 __all__ = [
@@ -69,5 +70,6 @@ __all__ = [
     "parse_spec",
     "run_id_problem",
     "sagemaker_checkpoint_problem",
+    "tracking_uri",
     "validate_spec",
 ]

@@ -19,6 +19,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstra
 
 from trnflow.redact import without_credentials
 from trnflow.specs.instances import BILLED_BY, CATALOGUE, TRAINING_TYPES, instance, price
+from trnflow.teams import is_loopback
 from trnflow.urls import normalise_url
 
 HOST_RESERVED_MEMORY_GIB = 12
@@ -728,7 +729,7 @@ MLFLOW_ARN = re.compile(r"^arn:aws[a-z-]*:sagemaker:[a-z0-9-]+:[0-9]{12}:mlflow-
 """A SageMaker managed MLflow tracking server's (or MLflow app's) ARN, as SageMaker's API writes it."""
 
 
-def _tracking_uri(value: str) -> str:
+def tracking_uri(value: str) -> str:
     """An MLflow server's http(s) URL without credentials, or a SageMaker managed MLflow ARN."""
     if value.startswith("arn:"):
         if not MLFLOW_ARN.match(value):
@@ -750,6 +751,9 @@ def _tracking_uri(value: str) -> str:
     if parts.query or parts.fragment:  # not repeated: it may hold a token
         raise ValueError("has a query or fragment; write the server's base URL (a token goes in the orchestrator's "
                          "environment as MLFLOW_TRACKING_TOKEN)")
+    if parts.scheme == "http" and not is_loopback(value):
+        raise ValueError(f"{value!r} is plain http on another machine: its credentials and every run's metrics "
+                         "would cross the network in the clear; use https (plain http only on loopback)")
     return value.rstrip("/")
 
 
@@ -757,7 +761,7 @@ class TrackingSpec(Section):
     """Where each run is mirrored for experiment tracking, besides trnflow's own records (which stay
     the source of truth): an MLflow server, and TensorBoard event files."""
 
-    mlflow_uri: Annotated[str, AfterValidator(_tracking_uri)] | None = Field(
+    mlflow_uri: Annotated[str, AfterValidator(tracking_uri)] | None = Field(
         None, description="The MLflow tracking server each run is mirrored to: http(s)://HOST[:PORT][/PATH] (no "
         "credentials: MLFLOW_TRACKING_USERNAME/PASSWORD or MLFLOW_TRACKING_TOKEN in the orchestrator's "
         "environment), or a SageMaker managed MLflow ARN (arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/"

@@ -74,6 +74,15 @@ class TrnflowSettings(BaseSettings):
         False, description="Use a shared (s3://) compile cache whose entries are not signed. Without it, such a "
         "cache is refused unless cache_public_key is set: its entries are code every job runs, and anyone who "
         "can write the bucket can change them. Every run that uses it says so in its log and summary.")
+    teams: str | None = Field(
+        None, description="The stack's teams file (a path, or an s3:// object the operators alone write): every "
+        "team, the prefixes its runs may reach, its cache and key, its tracking server. A run's team is decided "
+        "by who starts it, never by its spec. Unset: the one the stack publishes, else one team, `default`, which "
+        "may reach anywhere this machine's user can (docs/cloud.md, Teams).")
+    mlflow_uri: str | None = Field(
+        None, description="Where no teams are declared: the MLflow server whose credentials this machine holds "
+        "(MLFLOW_TRACKING_TOKEN, or _USERNAME and _PASSWORD), the only one they are sent to. A run mirrored to "
+        "any other server sends none. Declared teams name their own (docs/cloud.md, Teams).")
     parameters_path: str = Field(
         "/trnflow", description="Where the infra stack publishes the settings above as SSM parameters, "
         "read when they are not set here.")

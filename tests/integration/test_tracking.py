@@ -301,11 +301,12 @@ def test_a_run_that_failed_is_kept_as_failed_when_no_server_answers(tmp_path):
     from trnflow.reporting.tracking import TrackedRun, mirror, outbox
     from trnflow.results import RunOutcome, StageRow
     from trnflow.specs import validate_spec
+    from trnflow.teams import UNDECLARED
 
     url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
     spec = validate_spec(quickstart_data(tracking={"mlflow_uri": url}))
     outcome = RunOutcome(run_id="failed-1", stages=[StageRow(stage="sanity", state="Failed", summary="core 1 bad")])
-    sent, note = mirror(spec, outcome, "stage sanity failed: core 1 bad", "# summary", None, tmp_path)
+    sent, note = mirror(spec, outcome, "stage sanity failed: core 1 bad", "# summary", None, tmp_path, UNDECLARED)
     assert not sent and note.startswith(f"tracking: not sent to {url} (") and "tracking sync failed-1" in note
     kept = TrackedRun.model_validate_json(outbox(tmp_path, "failed-1").read_text())
     assert not kept.finished and kept.tags["trnflow.state"] == "stage sanity failed: core 1 bad"
@@ -320,6 +321,7 @@ def test_a_sagemaker_arn_is_reached_through_the_sagemaker_mlflow_plugin(tmp_path
     from trnflow.reporting.tracking import mirror, outbox
     from trnflow.results import RunOutcome, StageRow
     from trnflow.specs import validate_spec
+    from trnflow.teams import UNDECLARED
 
     for key, value in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
                        "AWS_DEFAULT_REGION": "us-east-1"}.items():
@@ -327,6 +329,6 @@ def test_a_sagemaker_arn_is_reached_through_the_sagemaker_mlflow_plugin(tmp_path
     arn = "arn:aws:sagemaker:eu-west-1:123456789012:mlflow-tracking-server/search"
     spec = validate_spec(quickstart_data(tracking={"mlflow_uri": arn}))
     outcome = RunOutcome(run_id="arn-1", stages=[StageRow(stage="sanity", state="Completed", summary="2 cores")])
-    sent, note = mirror(spec, outcome, None, "# summary", None, tmp_path)
+    sent, note = mirror(spec, outcome, None, "# summary", None, tmp_path, UNDECLARED)
     assert not sent and "https://eu-west-1.experiments.sagemaker.aws/api/2.0/mlflow/" in note, note
     assert outbox(tmp_path, "arn-1").is_file()

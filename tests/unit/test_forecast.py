@@ -65,6 +65,30 @@ def test_a_run_kept_in_the_history_is_read_back_beside_its_registry(tmp_path):
     assert [r.run_id for r in records] == ["r1"] and unread == ["torn.json: ValidationError"]
 
 
+@pytest.mark.parametrize("change", [
+    {"cost_usd": float("nan")},  # a NaN spot share would pass every budget check
+    {"on_demand_usd": float("inf")},
+    {"layout": {"cores_per_node": 0}},  # a zero would divide the forecast by zero
+    {"layout": {"nodes": -1}},
+    {"stages": [{"stage": "train", "seconds": float("nan")}]},
+    {"stages": [{"stage": "[link=https://evil.example]train[/link]", "seconds": 1.0}]},
+    {"layout": {"instance_type": "trn1\x1b]52;c;cm0gLXJmIH4=\x07"}},  # OSC 52: a write to the clipboard
+])
+def test_a_record_with_a_number_or_name_no_run_measures_is_unreadable_and_left_out(tmp_path, change):
+    spec = _spec(tmp_path)
+    keep(spec, _outcome("good", 100, 400.0, 10.0), tmp_path / "home")
+    folder = tmp_path / "registry" / "quickstart" / "history"
+    planted = json.loads((folder / "good.json").read_text())
+    for key, value in change.items():
+        planted[key] = {**planted[key], **value} if isinstance(value, dict) else value
+    planted["run_id"] = "planted"
+    (folder / "planted.json").write_text(json.dumps(planted))
+    records, unread = history(spec, tmp_path / "home")
+    assert [r.run_id for r in records] == ["good"] and unread == ["planted.json: ValidationError"]
+    forecast = plan(spec, records)
+    assert forecast.cost_usd is not None and forecast.cost_usd == forecast.cost_usd  # finite, not NaN
+
+
 def test_training_is_forecast_as_its_fixed_part_plus_the_samples_at_the_measured_rate(tmp_path):
     runs = [record_of(_spec(tmp_path, 100), _outcome("a", 100, 400.0, 10.0), at=1),
             record_of(_spec(tmp_path, 200), _outcome("b", 200, 500.0, 14.0), at=2)]
@@ -118,6 +142,12 @@ def test_trnflow_plan_prints_the_forecast_and_refuses_a_bad_spec_with_exit_2(tmp
     assert said.exit_code == 0, said.output
     forecast = json.loads(said.stdout)
     assert {s["source"] for s in forecast["stages"]} == {"guess"} and forecast["layout"]["strategy"] != "auto"
+    folder = tmp_path / "registry" / "quickstart" / "history"
+    folder.mkdir(parents=True)  # a record another run planted, whose name would write to the clipboard (OSC 52)
+    (folder / "[bold]x\x1b]52;c;cm0gLXJmIH4=\x07.json").write_text("{}")
+    shown = CliRunner().invoke(app, ["plan", str(path)])
+    assert shown.exit_code == 0 and "\x1b" not in shown.output, shown.output
+    assert "left out of the history (unreadable): [bold]x.json: ValidationError" in shown.stderr
     bad = CliRunner().invoke(app, ["plan", str(path), "--set", "train.steps=0"])
     assert bad.exit_code == 2 and "train.steps" in bad.stderr and "Traceback" not in bad.output
 

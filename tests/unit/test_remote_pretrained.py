@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import boto3
@@ -27,6 +28,8 @@ from trnflow.workload.recipes.lora import folder_digest
 pytestmark = [pytest.mark.unit, pytest.mark.slow]  # moto and transformers: about 20 s
 
 BUCKET = "models"
+OTHER_UID = 54321
+"""A user other than the one running the tests."""
 
 
 def _upload(folder: Path, prefix: str) -> str:
@@ -75,6 +78,32 @@ def test_a_folder_on_s3_is_fetched_once_checked_and_named_by_its_digest(in_proce
     again = recipe_for(spec)
     again.build_model()  # the damaged copy is fetched again
     assert (copy / "config.json").read_bytes() == (decoder / "config.json").read_bytes()
+
+
+def test_a_copy_or_cache_folder_another_user_owns_is_never_used(in_process_aws, decoder, tmp_path, monkeypatch):
+    """On a machine several users share: a copy planted under the cache by another user (its files
+    still theirs to change after the check) is fetched again as this user's; a cache folder that
+    is another user's is refused."""
+    if os.getuid() != 0:
+        pytest.skip("giving a file to another user takes root")
+    monkeypatch.setenv(PRETRAINED_CACHE_ENV, str(tmp_path / "cache"))
+    url = _upload(decoder, "exports/planted")
+    planted = tmp_path / "cache" / folder_digest(decoder)
+    planted.mkdir(parents=True)
+    for path in decoder.iterdir():
+        (planted / path.name).write_bytes(path.read_bytes())
+    (planted / EXPORT_MARKER).write_bytes(boto3.client("s3").get_object(
+        Bucket=BUCKET, Key=f"exports/planted/{EXPORT_MARKER}")["Body"].read())
+    os.chown(planted / "model.safetensors", OTHER_UID, OTHER_UID)  # the same bytes, but another user's file
+    recipe_for(_spec(url)).build_model()
+    assert all(p.stat().st_uid == os.getuid() for p in planted.iterdir())  # fetched again, as this user's
+    os.chown(tmp_path / "cache", OTHER_UID, OTHER_UID)
+    with pytest.raises(FatalError, match=rf"{tmp_path}/cache belongs to another user \(uid {OTHER_UID}\)"):
+        recipe_for(_spec(url)).build_model()
+    monkeypatch.delenv(PRETRAINED_CACHE_ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))  # the default: the user's own cache folder
+    recipe_for(_spec(url)).build_model()
+    assert (tmp_path / "xdg" / "trnflow" / "pretrained" / folder_digest(decoder) / "config.json").is_file()
 
 
 def test_a_file_that_does_not_match_its_marker_stops_the_job(in_process_aws, decoder, tmp_path, monkeypatch):

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 from trnflow.backends.base import Backend, JobInfo, JobRequest, JobState, run_to_end, wait
 from trnflow.backends.cloud import cloud_target, job_scope
+from trnflow.backends.teams import RunOwner, team_of
 from trnflow.device.signing import EntryKeys, keys_from, public_key, shared_cache_problem
 from trnflow.errors import FatalError
+from trnflow.lifecycle.locations import team_problems
+from trnflow.records import read
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
+from trnflow.storage import open_store
+from trnflow.teams import Team, TeamUnknown
 
 __all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "backend_for", "cache_keys", "cache_trust_problem",
-           "run_to_end", "scope_problem", "trusted_cache_keys", "wait"]
+           "claim_run", "run_team", "run_to_end", "scope_problem", "team_problem", "trusted_cache_keys", "wait"]
 
 
 def keeps_instance(spec: JobSpec) -> bool:
@@ -95,3 +100,50 @@ def scope_problem(spec: JobSpec, settings: TrnflowSettings | None = None) -> str
         except FatalError as exc:
             return str(exc)
     return None
+
+
+def _team_and_owners(spec: JobSpec, settings: TrnflowSettings) -> tuple[Team, str]:
+    """The team of a run of `spec` started here, and where its run ids' owner records are kept: the
+    team's staging folder for a cloud run (beside its runs' folders, where no job writes), this
+    machine's TRNFLOW_HOME for a local one."""
+    if spec.compute.backend == "local":
+        return team_of("local", settings), str(settings.home.expanduser().resolve() / "owners")
+    target = cloud_target(settings, spec.compute.backend)
+    return target.team, target.staging_url
+
+
+def run_team(spec: JobSpec, settings: TrnflowSettings | None = None) -> Team:
+    """The team a run of `spec` started here belongs to (`trnflow.backends.teams`): FatalError when
+    it cannot be decided."""
+    return _team_and_owners(spec, settings or TrnflowSettings())[0]
+
+
+def team_problem(spec: JobSpec, settings: TrnflowSettings | None = None) -> str | None:
+    """Why a run of `spec` started here would be refused for its team: the team cannot be decided, or
+    the spec reaches outside it (`team_problems`); None when neither."""
+    try:
+        team = run_team(spec, settings)
+    except TeamUnknown as exc:
+        return f"team: {exc}"
+    except FatalError:  # the deployment's settings cannot be read: `cache_trust_problem` says so
+        return None
+    return "; ".join(team_problems(spec, team)) or None
+
+
+def claim_run(spec: JobSpec, run_id: str, settings: TrnflowSettings | None = None) -> Team:
+    """Admit run `run_id` of `spec` for its team, before its first job: FatalError when the team
+    cannot be decided, the spec reaches outside it, or the run id is another team's or model's. The
+    first use of a run id binds it to its team and model (a create-only owner record); a rerun of
+    the same run (to resume it) finds its own record. The run's team."""
+    settings = settings or TrnflowSettings()
+    team, owners = _team_and_owners(spec, settings)
+    if problems := team_problems(spec, team):
+        raise FatalError("refused for its team: " + "; ".join(problems))
+    owner = RunOwner(team=team.name, model=spec.name)
+    store, name = open_store(owners), f"{run_id}.owner.json"
+    if not store.create(name, owner.model_dump_json().encode()):
+        found = read(RunOwner, store.read(name), f"{store.url}/{name}")
+        if (found.team, found.model) != (owner.team, owner.model):
+            raise FatalError(f"run id {run_id} is run {found.model} of team {found.team}'s; a run id names one run "
+                             f"of one model, for good: leave --run-id out for a new one")
+    return team

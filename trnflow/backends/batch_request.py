@@ -172,8 +172,8 @@ def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: s
         "propagateTags": True,
         "tags": tags(request),
     }
-    if spec.compute.share_identifier:
-        submit["shareIdentifier"] = spec.compute.share_identifier
+    if share := target.team.share_identifier or spec.compute.share_identifier:  # a declared team's share is its own
+        submit["shareIdentifier"] = share
         submit["schedulingPriorityOverride"] = spec.compute.scheduling_priority
     return submit
 

@@ -17,6 +17,7 @@ from trnflow.backends.base import JobRequest, stage_result
 from trnflow.backends.contract import JobEnv, JobOutputs
 from trnflow.backends.failures import report_order
 from trnflow.backends.run_roles import JobScope, RunRoles
+from trnflow.backends.teams import team_of
 from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, UNSIGNED_ENV
 from trnflow.errors import FatalError
 from trnflow.neuron.devices import IMAGES, image_device
@@ -25,6 +26,7 @@ from trnflow.results import FailureReport, NodeIdentity, Proceed, StageResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, instance, is_module_reference
 from trnflow.storage import Store, open_store
+from trnflow.teams import UNDECLARED, Team
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +72,8 @@ class CloudTarget:
     """The Secrets Manager ARN of the cache's signing key, handed to compile jobs alone (their role reads it)."""
     cache_unsigned: bool = False
     """TRNFLOW_CACHE_UNSIGNED where the job is submitted: a shared cache may be used unsigned, in the jobs too."""
+    team: Team = UNDECLARED
+    """The team whose run the jobs are (`trnflow.backends.teams`): its staging folder, cache keys and share."""
 
     def role_for(self, phase: str) -> str:
         """The fixed role a job of `phase` runs as where the deployment gives no job policies
@@ -106,7 +110,7 @@ STAGE_KINDS = {"sanity": "preflight", "collectives": "preflight", "compile": "co
                "evaluate": "train", "infer": "infer"}
 """Each phase's stage kind: the kinds' jobs run as roles of their own, each writing only its outputs."""
 SETTINGS = ("image", "image_neuron", "image_xla", "staging_url", "job_policies", "sagemaker_role_arn",
-            "batch_job_queue", "batch_spot_job_queue", "cache_signing_key", "cache_public_key",
+            "batch_job_queue", "batch_spot_job_queue", "cache_signing_key", "cache_public_key", "teams",
             *(f"role_{kind}" for kind in sorted(set(STAGE_KINDS.values()))))
 
 
@@ -146,7 +150,11 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
         raise FatalError(f"compute.backend {service} needs {', '.join(missing)}; set them from the outputs of "
                          f"the CloudFormation stack in infra/ (which also publishes them under "
                          f"{settings.parameters_path}/ in SSM)")
-    return CloudTarget(staging_url=values["staging_url"], image=values["image"] or "",
+    team = team_of(service, settings, values["teams"])
+    if not team.unrestricted:  # a declared team's staging, cache and key are its own, never the stack's
+        values |= {"staging_url": team.staging or f"{values['staging_url'].rstrip('/')}/{team.name}",
+                   "cache_public_key": team.cache_public_key, "cache_signing_key": team.cache_signing_key}
+    return CloudTarget(team=team, staging_url=values["staging_url"], image=values["image"] or "",
                        images={d: values[f"image_{d}"] for d in IMAGES if values[f"image_{d}"]},
                        job_policies=values["job_policies"] or "",
                        role_settle_seconds=0.0 if aws.emulated() else settings.role_settle_seconds,
@@ -167,7 +175,7 @@ def job_scope(request: JobRequest, target: CloudTarget) -> JobScope:
     writes = {"preflight": checkpoint_s3_uri(spec, request.run_id), "train": checkpoint_s3_uri(spec, request.run_id),
               "infer": spec.inference.output_url}.get(kind)
     return JobScope(kind=kind, run_id=request.run_id, staging=f"{target.staging_url.rstrip('/')}/{request.run_id}",
-                    writes=writes)
+                    writes=writes, team=target.team.name)
 
 
 class JobRoles:

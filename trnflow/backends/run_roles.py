@@ -27,6 +27,7 @@ from botocore.exceptions import BotoCoreError, ClientError
 from trnflow import aws
 from trnflow.errors import FatalError
 from trnflow.storage.s3 import split_s3_url
+from trnflow.teams import DEFAULT_TEAM, TEAM_TAG
 
 log = logging.getLogger(__name__)
 
@@ -60,10 +61,12 @@ class JobScope:
     writes: str | None
     """s3:// URL of the folder the kind writes: the run's checkpoint folder (preflight, train), the
     inference output's folder (infer); None for compile, whose writes are the shared, signed cache."""
+    team: str = DEFAULT_TEAM
+    """The run's team (`trnflow.backends.teams`): the job policies scope every resource by it too."""
 
     def tags(self, expires: float) -> dict[str, str]:
         """The role's tags, each checked as IAM takes them: FatalError naming the folder otherwise."""
-        found = {RUN_TAG: self.run_id, STAGING_TAG: _key(self.staging, "TRNFLOW_STAGING_URL"),
+        found = {RUN_TAG: self.run_id, TEAM_TAG: self.team, STAGING_TAG: _key(self.staging, "TRNFLOW_STAGING_URL"),
                  EXPIRES_TAG: str(int(expires))}
         if self.writes is not None:
             setting = "inference.output_url" if self.kind == "infer" else "train.checkpoint_url"

@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from trnflow.backends.teams import own_team
 from trnflow.cli.console import RED, cli_console, shown
 from trnflow.errors import DataError, ExitCode, FatalError, TrnflowError
 from trnflow.lifecycle.digests import check_version
@@ -19,6 +20,7 @@ from trnflow.lifecycle.registry import ChampionChange, PromotionConflict, Regist
 from trnflow.records import ADAPTER_FOLDER
 from trnflow.redact import without_credentials
 from trnflow.reporting.tracking import point_champion
+from trnflow.settings import TrnflowSettings
 from trnflow.urls import normalise_url
 from trnflow.workload.embeddings import latest_folder, point_current, version_url
 
@@ -170,7 +172,8 @@ def _move_alias(reg: Registry, model: str, record: ChampionChange) -> list[str]:
     if record.previous:
         with contextlib.suppress(TrnflowError):  # the change stands even if the old champion's entry is unreadable
             servers.add(reg.version(model, record.previous).entry.tracking)
-    return [point_champion(uri, model, record.version) for uri in sorted(s for s in servers if s)]
+    team = own_team(TrnflowSettings())  # the servers' credentials go to its own server alone
+    return [point_champion(uri, model, record.version, team) for uri in sorted(s for s in servers if s)]
 
 
 @models_app.command("promote")

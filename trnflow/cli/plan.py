@@ -9,10 +9,11 @@ from typing import Annotated
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from trnflow.backends.calibration import CALIBRATION_STEPS, cache_check, timed_steps
 from trnflow.cli.common import JsonOpt, SetOpt, console, err, load, set_overrides
-from trnflow.cli.console import RED
+from trnflow.cli.console import RED, plain
 from trnflow.errors import ExitCode, TrnflowError
 from trnflow.events import duration
 from trnflow.reporting.forecast import Layout, RunRecord, calibration_record, history, plan
@@ -47,18 +48,20 @@ def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], ov
     if as_json:
         print(forecast.model_copy(update={"notes": notes}).model_dump_json(indent=2))
         return
-    table = Table(title=f"{job.name}: {forecast.layout.describe()}", title_justify="left")
+    # the history's words (stage names, other layouts) are printed as plain text, never as markup
+    table = Table(title=Text(plain(f"{job.name}: {forecast.layout.describe()}")), title_justify="left")
     for column in ("stage", "nodes", "time", "range", "cost ($)", "from"):
         table.add_column(column, justify="right" if column in ("nodes", "time", "cost ($)") else "left")
     for row in forecast.stages:
         cost = "-" if row.cost_usd is None else f"{row.cost_usd:.4f}"
-        table.add_row(row.stage, str(row.nodes), duration(row.seconds), f"{duration(row.low)}-{duration(row.high)}",
-                      cost, f"{row.source}: {row.basis}")
+        table.add_row(*(Text(plain(cell)) for cell in (
+            row.stage, str(row.nodes), duration(row.seconds), f"{duration(row.low)}-{duration(row.high)}", cost,
+            f"{row.source}: {row.basis}")))
     console.print(table)
     ends = dt.datetime.fromtimestamp(forecast.finish_at).astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    console.print(f"{forecast.headline()}; started now, it ends about {ends}", highlight=False)
+    console.print(plain(f"{forecast.headline()}; started now, it ends about {ends}"), markup=False, highlight=False)
     for note in notes:
-        err.print(f"note: {note}", style="dim", markup=False, highlight=False)
+        err.print(f"note: {plain(note)}", style="dim", markup=False, highlight=False)
 
 
 def _checked_cache(job: JobSpec, notes: list[str]) -> CompileResult | None:

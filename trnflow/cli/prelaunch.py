@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from trnflow.backends import cache_trust_problem, scope_problem
+from trnflow.backends import cache_trust_problem, scope_problem, team_problem
 from trnflow.cli.common import err
 from trnflow.cli.console import RED
 from trnflow.device.plans import cache_problem
@@ -133,7 +133,8 @@ def forecast(spec: JobSpec, memory: MemoryPlan) -> str:
 
 
 def launch_problems(spec: JobSpec, retraining: bool = False) -> list[str]:
-    """What would stop a run that is about to start: its local data missing, empty or unreadable by
+    """What would stop a run that is about to start: its team undecided or the spec reaching outside
+    it, its local data missing, empty or unreadable by
     its listing, a compile cache it cannot trust (a folder others can write, a shared one with no
     key to check it), its deployment's settings missing, a folder its jobs' roles cannot name, and
     its gate reference missing, malformed or (for a run judged step by step, not `retraining`)
@@ -143,7 +144,7 @@ def launch_problems(spec: JobSpec, retraining: bool = False) -> list[str]:
                 if (url := getattr(spec.data, field)).startswith("file://")
                 for message in listing_problems(url, spec.data.format,
                                                 spec.data.ready_marker if field == "train" else None)]
-    checks = (cache_problem(spec), cache_trust_problem(spec), scope_problem(spec),
+    checks = (team_problem(spec), cache_problem(spec), cache_trust_problem(spec), scope_problem(spec),
               reference_problem(spec, False, retraining))
     return problems + [found for found in checks if found] + missing_inputs(spec)
 

@@ -12,9 +12,10 @@ from typing import Annotated
 
 import typer
 
+from trnflow.backends.teams import own_team
 from trnflow.cli.common import JsonOpt, installed_command, loopback_only
 from trnflow.cli.console import RED, cli_console
-from trnflow.errors import ExitCode
+from trnflow.errors import ExitCode, TrnflowError
 from trnflow.reporting import tracking
 from trnflow.reporting.tracking import outbox
 from trnflow.settings import TrnflowSettings
@@ -83,7 +84,12 @@ def sync(
                   "named a tracking server", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
     try:
-        mlflow_id, url = tracking.sync(home, run_id)
+        run = tracking.kept_run(home, run_id)
+    except TrnflowError as exc:  # not a kept run: its server, or a file name, is not what a run keeps
+        err.print(f"{exc}; delete it", **RED, soft_wrap=True)
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
+    try:
+        mlflow_id, url = tracking.sync(home, run, own_team(TrnflowSettings()))
     except Exception as exc:  # the server's answer, whatever the client raised
         err.print(f"run {run_id} not sent ({type(exc).__name__}: {' '.join(str(exc).split())[:300]}); it stays in "
                   f"{kept}", **RED)

@@ -13,6 +13,7 @@ from trnflow.lifecycle.registry import Registry, RegistryCorrupt
 from trnflow.redact import without_credentials
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
+from trnflow.teams import Team, inside, is_loopback, origin
 
 
 def _probe(url: str) -> str | None:
@@ -36,6 +37,44 @@ def locations(spec: JobSpec) -> dict[str, str]:
     if spec.registry_url:
         found["registry_url"] = spec.registry_url
     return found
+
+
+def team_problems(spec: JobSpec, team: Team) -> list[str]:
+    """Where `spec` reaches outside what `team` may: each location it writes outside the team's
+    prefix for it, each it reads outside the team's prefixes, a tracking server other than the
+    team's (one on loopback is allowed for a run on this machine's cores), and a Batch share other
+    than the team's; a line each, naming the field, the location and the team's prefix. None for
+    the one team of an install that declares none."""
+    if team.unrestricted:
+        return []
+    problems = []
+    fields = locations(spec)
+    for field, prefix in team.writes().items():
+        url = fields.get(field)
+        if url is not None and prefix is not None and not inside(url, prefix):
+            problems.append(f"{field}: {without_credentials(url)} is outside team {team.name}'s prefix {prefix}; "
+                            "write under it (the operators decide each team's prefixes, a spec cannot)")
+    readable = [p for p in (*team.writes().values(), *team.read) if p is not None]
+    reads = {f"data.{name}": getattr(spec.data, name) for name in ("train", "holdout", "inference")}
+    for field, value in (("train.init_from", spec.train.init_from), ("gate.reference", spec.gate.reference)):
+        if value and value != "champion":
+            reads[field] = value
+    for field, url in reads.items():
+        if url and not any(inside(url, prefix) for prefix in readable):
+            problems.append(f"{field}: {without_credentials(url)} is outside what team {team.name} may read "
+                            f"({', '.join(readable)}); read from there, or ask the operators to add it to the "
+                            "team's `read`")
+    uri = spec.tracking.mlflow_uri
+    ours = bool(team.mlflow_uri) and origin(uri or "") == origin(team.mlflow_uri or "")
+    if uri and not (ours or (spec.compute.backend == "local" and is_loopback(uri))):
+        where = f"its own, {team.mlflow_uri}" if team.mlflow_uri else "none declared"
+        problems.append(f"tracking.mlflow_uri: {uri} is not team {team.name}'s tracking server ({where}); a run "
+                        "mirrors only to its team's server, which alone gets the team's credentials")
+    share = spec.compute.share_identifier
+    if share and team.share_identifier and share != team.share_identifier:
+        problems.append(f"compute.share_identifier: {share} is not team {team.name}'s share "
+                        f"({team.share_identifier}); remove it, the team's is used")
+    return problems
 
 
 def check_locations(spec: JobSpec, retraining: bool = False) -> None:

@@ -27,9 +27,9 @@ import contextlib
 import statistics
 import time
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError
 
 from trnflow.events import duration
 from trnflow.reporting.cost import job_cost
@@ -52,17 +52,25 @@ CALIBRATED_RANGE = (0.8, 1.5)
 """How much wider a calibration's few steps make the range: a whole run's steps vary more."""
 
 
+RECORD = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+"""A history record's model: read from a folder other runs write, so every number in it is finite
+and every name a plain word (a record that is not is unreadable, and left out)."""
+Word = Annotated[str, StringConstraints(pattern=r"^[\w.:/@+-]{1,128}$")]
+"""A name in a record (a backend, an instance type, a stage, a run id): letters, digits and `_.:/@+-`,
+nothing a terminal or Rich's markup acts on."""
+
+
 class Layout(BaseModel):
     """What a run ran on: runs on the same layout have comparable rates."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = RECORD
 
-    backend: str
-    instance_type: str
-    nodes: int
-    cores_per_node: int
-    strategy: str
-    tp: int
+    backend: Word
+    instance_type: Word
+    nodes: int = Field(ge=1)
+    cores_per_node: int = Field(ge=1)
+    strategy: Word
+    tp: int = Field(ge=1)
 
     @classmethod
     def of(cls, spec: JobSpec) -> Layout:
@@ -82,24 +90,24 @@ class Layout(BaseModel):
 
 
 class StageMeasure(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = RECORD
 
-    stage: str
+    stage: Word
     seconds: float = Field(ge=0, description="the stage's wall time")
-    work: float | None = Field(None, description="training: samples; inference: rows; compile: programs compiled "
+    work: float | None = Field(None, ge=0, description="training: samples; inference: rows; compile: programs compiled "
                                "(0: every one was in the cache)")
     rate: float | None = Field(None, gt=0, description="work per second")
 
 
 class StageForecast(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = RECORD
 
-    stage: str
-    nodes: int = Field(description="instances it holds (0: the orchestrator does it)")
-    seconds: float
-    low: float
-    high: float
-    cost_usd: float | None
+    stage: Word
+    nodes: int = Field(ge=0, description="instances it holds (0: the orchestrator does it)")
+    seconds: float = Field(ge=0)
+    low: float = Field(ge=0)
+    high: float = Field(ge=0)
+    cost_usd: float | None = Field(ge=0)
     source: Literal["history", "checked", "calibrated", "scaled", "guess"]
     basis: str = Field(description="what it rests on, in words")
 
@@ -107,19 +115,19 @@ class StageForecast(BaseModel):
 class RunRecord(BaseModel):
     """What one completed run measured, for the forecasts of later runs, and what was forecast of it."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = RECORD
 
-    run_id: str
-    at: float = Field(description="when it ended (Unix seconds)")
-    recipe: str
+    run_id: Word
+    at: float = Field(ge=0, description="when it ended (Unix seconds)")
+    recipe: Word
     layout: Layout
     stages: list[StageMeasure]
-    cost_usd: float | None = None
+    cost_usd: float | None = Field(None, ge=0)
     forecast: list[StageForecast] = Field(default_factory=list, description="the forecast made before it started")
-    forecast_cost_usd: float | None = None
+    forecast_cost_usd: float | None = Field(None, ge=0)
     calibration: bool = Field(False, description="a few timed steps (`trnflow plan --calibrate`), not a run")
     spot: bool = Field(False, description="its jobs ran on spot capacity")
-    on_demand_usd: float | None = Field(None, description="its cost at on-demand prices (spot jobs' running time "
+    on_demand_usd: float | None = Field(None, ge=0, description="its cost at on-demand prices (spot jobs' running time "
                                         "priced on demand); with cost_usd, what spot saved")
 
     def stage(self, name: str) -> StageMeasure | None:

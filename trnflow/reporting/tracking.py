@@ -22,6 +22,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 import subprocess
 import tempfile
 import time
@@ -31,20 +32,26 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from trnflow.fsutil import atomic_write_text
 from trnflow.lifecycle.registry import Registry
+from trnflow.records import read
 from trnflow.redact import without_credentials
 from trnflow.results import EvaluateResult, InferResult, RunOutcome, TrainResult
-from trnflow.specs import JobSpec
+from trnflow.specs import JobSpec, tracking_uri
 from trnflow.storage import open_store
+from trnflow.teams import DEFAULT_TEAM, Team, origin
 
 HEALTH_TIMEOUT_SECONDS = 5.0
 REQUEST_TIMEOUT_SECONDS = 10
 """Each request to the tracking server, at most (no retries): a server that is down costs a run seconds."""
 PLUGIN = "sagemaker_mlflow"
 PARAM_LIMIT = 6000  # MLflow's longest parameter value
+CREDENTIALS = ("TOKEN", "USERNAME", "PASSWORD")
+"""The MLflow client's credential variables are `MLFLOW_TRACKING_<these>`."""
+FILE_NAME = r"^[\w][\w.-]{0,127}$"
+"""A file the mirror writes or names (an artifact, an image): one plain name, no folder."""
 
 
 class TrackedMetric(BaseModel):
@@ -86,6 +93,20 @@ class TrackedRun(BaseModel):
     registered: TrackedVersion | None = Field(None, description="the version the run registered")
     champion: int | None = Field(None, description="the registry's champion when the run ended: the MLflow "
                                  "model's `champion` alias follows it")
+    team: str = Field(DEFAULT_TEAM, description="the run's team: its server alone gets the team's credentials")
+
+    @field_validator("uri")
+    @classmethod
+    def _server(cls, value: str) -> str:
+        return tracking_uri(value)  # as a spec's: a kept run read back is checked again
+
+    @field_validator("artifacts", "images")
+    @classmethod
+    def _names(cls, value: dict[str, str]) -> dict[str, str]:
+        for name in value:
+            if not re.fullmatch(FILE_NAME, name) or name in (".", ".."):
+                raise ValueError(f"{name!r} is not a plain file name (letters, digits, `_.-`; no folder)")
+        return value
 
 
 def is_sagemaker_arn(uri: str) -> bool:
@@ -254,30 +275,47 @@ def tracked_run(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: 
 HEADER_LOGGER = "mlflow.tracking.request_header.registry"
 
 
+def credentials(uri: str, team: Team) -> dict[str, str | None]:
+    """The MLflow client's credential variables for requests to `uri`: the team's own
+    (`<team.mlflow_credentials>_TOKEN`, ...) when `uri` is the team's server (same scheme, host and
+    port), else none at all, whatever the orchestrator's environment holds."""
+    ours = team.mlflow_uri is not None and origin(uri) == origin(team.mlflow_uri)
+    return {f"MLFLOW_TRACKING_{name}": os.environ.get(f"{team.mlflow_credentials}_{name}") if ours else None
+            for name in CREDENTIALS}
+
+
 @contextlib.contextmanager
-def _bounded(uri: str) -> Iterator[None]:
+def _bounded(uri: str, team: Team) -> Iterator[None]:
     """The MLflow client's requests to `uri`, each cut off after REQUEST_TIMEOUT_SECONDS and never
-    retried. The sagemaker-mlflow plugin signs and routes a request by the process's tracking URI,
-    not the client's, so that is `uri` too meanwhile; for a server that is not SageMaker's, the
-    plugin's failure to read an ARN from it (a warning per request) is not logged."""
-    values = {"MLFLOW_HTTP_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_SECONDS), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
-              "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_TRACKING_URI": uri,
-              "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}  # a --json command's stdout is its JSON
+    retried, with `team`'s credentials only if `uri` is its server (`credentials`). The
+    sagemaker-mlflow plugin signs and routes a request by the process's tracking URI, not the
+    client's, so that is `uri` too meanwhile; for a server that is not SageMaker's, the plugin's
+    failure to read an ARN from it (a warning per request) is not logged."""
+    values: dict[str, str | None] = {
+        "MLFLOW_HTTP_REQUEST_TIMEOUT": str(REQUEST_TIMEOUT_SECONDS), "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "0",
+        "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_TRACKING_URI": uri,
+        "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true",  # a --json command's stdout is its JSON
+        **credentials(uri, team)}
     saved = {k: os.environ.get(k) for k in values}
     headers = logging.getLogger(HEADER_LOGGER)
     level = headers.level
-    os.environ.update(values)
+    _put(values)
     if not is_sagemaker_arn(uri):
         headers.setLevel(logging.ERROR)
     try:
         yield
     finally:
         headers.setLevel(level)
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+        _put(saved)
+
+
+def _put(values: dict[str, str | None]) -> None:
+    """Set each variable, removing those whose value is None."""
+    for key, value in values.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def _chunks(items: list, size: int) -> Iterator[list]:
@@ -290,13 +328,13 @@ def run_url(uri: str, experiment_id: str, mlflow_id: str) -> str | None:
     return None if is_sagemaker_arn(uri) else f"{uri}/#/experiments/{experiment_id}/runs/{mlflow_id}"
 
 
-def send(run: TrackedRun) -> tuple[str, str | None]:
-    """Send `run` to its server: the MLflow run's id, and its page in MLflow's UI. Raises what the
-    client raises."""
+def send(run: TrackedRun, team: Team) -> tuple[str, str | None]:
+    """Send `run` to its server (with `team`'s credentials if it is the team's): the MLflow run's
+    id, and its page in MLflow's UI. Raises what the client raises."""
     from mlflow import MlflowClient  # optional (the mlflow extra), and heavy: ~1.5 s
     from mlflow.entities import Metric, Param, RunTag
 
-    with _bounded(run.uri):
+    with _bounded(run.uri, team):
         client = MlflowClient(run.uri)
         experiment = client.get_experiment_by_name(run.experiment)
         experiment_id = experiment.experiment_id if experiment else client.create_experiment(run.experiment)
@@ -375,13 +413,13 @@ def _point_alias(client: Any, model: str, champion: int | None) -> str:
             + (f"v{champion} was never mirrored there" if champion is not None else "is none"))
 
 
-def point_champion(uri: str, model: str, champion: int | None) -> str:
+def point_champion(uri: str, model: str, champion: int | None, team: Team) -> str:
     """After a change of champion: move the `champion` alias of `model` on `uri`. A line saying what
     it did or why it could not (never raises: the registry's change stands either way)."""
     try:
         from mlflow import MlflowClient  # optional (the mlflow extra), and heavy
 
-        with _bounded(uri):
+        with _bounded(uri, team):
             return _point_alias(MlflowClient(uri), model, champion)
     except Exception as exc:  # down, refusing, or no mlflow here: trnflow's registry is the source of truth
         why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
@@ -395,16 +433,17 @@ def outbox(home: Path, run_id: str) -> Path:
 
 
 def mirror(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: str, flow_run_url: str | None,
-           home: Path) -> tuple[bool, str]:
-    """Send the run (`tracked_run`), or keep it for `trnflow tracking sync`: whether it was sent,
-    and a line for the run's summary saying where it went or why not. Never raises."""
+           home: Path, team: Team) -> tuple[bool, str]:
+    """Send the run (`tracked_run`) with `team`'s credentials if its server is the team's, or keep it
+    for `trnflow tracking sync`: whether it was sent, and a line for the run's summary saying where
+    it went or why not. Never raises."""
     try:
-        run = tracked_run(spec, outcome, ended, summary, flow_run_url)
+        run = tracked_run(spec, outcome, ended, summary, flow_run_url).model_copy(update={"team": team.name})
     except Exception as exc:  # a result the mirror cannot read must not cost the run its summary
         return False, f"tracking: nothing sent, the run could not be read for it ({type(exc).__name__}: {exc})"
     kept = outbox(home, run.run_id)
     try:
-        mlflow_id, url = send(run)
+        mlflow_id, url = send(run, team)
     except Exception as exc:  # down, refusing, or a plugin missing: the run goes on; what was missed is kept
         atomic_write_text(kept, run.model_dump_json())
         why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
@@ -414,11 +453,16 @@ def mirror(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: str, 
     return True, f"tracking: MLflow run {mlflow_id}" + (f" ({url})" if url else f" on {run.uri}")
 
 
-def sync(home: Path, run_id: str) -> tuple[str, str | None]:
-    """Send what a run kept (`mirror`): the MLflow run's id and page. FileNotFoundError when nothing
-    is kept; the client's error when it still cannot be sent (it stays kept)."""
+def kept_run(home: Path, run_id: str) -> TrackedRun:
+    """What a run kept (`mirror`), checked as it is read (its server's URL, its file names):
+    FileNotFoundError when nothing is kept, DataError naming the file when it is not a kept run."""
     kept = outbox(home, run_id)
-    run = TrackedRun.model_validate_json(kept.read_text())
-    sent = send(run)
-    kept.unlink()
+    return read(TrackedRun, kept.read_bytes(), str(kept))
+
+
+def sync(home: Path, run: TrackedRun, team: Team) -> tuple[str, str | None]:
+    """Send a kept run (`kept_run`), with `team`'s credentials if its server is the team's: the
+    MLflow run's id and page. The client's error when it still cannot be sent (it stays kept)."""
+    sent = send(run, team)
+    outbox(home, run.run_id).unlink()
     return sent

@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 import shutil
-import tempfile
+import stat
 from collections.abc import Iterable
 from functools import cached_property
 from pathlib import Path
@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from torch import nn
 
+from trnflow.device.cache import folder_problem
 from trnflow.device.layout import TensorPlan
 from trnflow.errors import DataError, FatalError, FieldError
 from trnflow.lifecycle.exports import copy_export, holds, read_marker
@@ -77,30 +78,53 @@ def remote(folder: str | None) -> bool:
 
 
 PRETRAINED_CACHE_ENV = "TRNFLOW_PRETRAINED_CACHE"
-"""Where s3:// pretrained folders are kept on a machine, one folder per content digest (default: a
-`trnflow-pretrained` folder in the system's temporary folder)."""
+"""Where s3:// pretrained folders are kept on a machine, one folder per content digest (default:
+`$XDG_CACHE_HOME/trnflow/pretrained`, `~/.cache/...` when unset: the user's own)."""
+
+
+def pretrained_cache() -> Path:
+    """The folder s3:// pretrained folders are fetched into: FatalError when it is not this user's
+    alone (`folder_problem`: another user could put weights there, or change them after the check)."""
+    configured = os.environ.get(PRETRAINED_CACHE_ENV)
+    root = Path(configured or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "trnflow" / "pretrained")
+    root = root.expanduser().absolute()
+    if problem := folder_problem(root):
+        raise FatalError(f"model.params.pretrained: its local copy would be kept in {root}, and {problem}: another "
+                         f"user could put or change the weights every job here loads; set {PRETRAINED_CACHE_ENV} "
+                         "to a folder of your own")
+    root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    return root
+
+
+def _mine(folder: Path) -> bool:
+    """Whether every file and folder in `folder` is this user's, and no one else can write it."""
+    me = os.getuid()
+    for path in (folder, *folder.rglob("*")):
+        info = path.lstat()
+        if info.st_uid != me or info.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or path.is_symlink():
+            return False
+    return True
 
 
 def fetched(url: str) -> Path:
     """An s3:// pretrained folder (a trnflow export, or any folder with an `EXPORTED` marker listing
-    its files) on this machine: under the cache folder, named by the digest of what its marker lists
-    (the folder's content digest, `folder_digest`), every file checked against its checksum. A copy
-    already there is checked again, file by file, before it is used (another job on the machine
-    could have written it); one that does not match is fetched again."""
+    its files) on this machine: under the user's own cache folder (`pretrained_cache`), named by the
+    digest of what its marker lists (the folder's content digest, `folder_digest`), every file checked
+    against its checksum. A copy already there is checked again, file by file and for its owner,
+    before it is used (another job could have written it); one that does not pass is fetched again."""
     try:
         marker = read_marker(url)
     except DataError as exc:
         raise FatalError(f"model.params.pretrained: {exc}") from None
     digest = manifest_digest(marker.model_dump(mode="json")["files"])
-    root = Path(os.environ.get(PRETRAINED_CACHE_ENV) or Path(tempfile.gettempdir()) / "trnflow-pretrained")
-    folder = root / digest
-    if holds(folder, marker):
+    folder = pretrained_cache() / digest
+    if holds(folder, marker) and _mine(folder):
         return folder
     shutil.rmtree(folder, ignore_errors=True)
     try:
         copy_export(url, folder, digest)
     except DataError as exc:
-        if holds(folder, marker):  # another job on this machine fetched it at the same time
+        if holds(folder, marker) and _mine(folder):  # another job on this machine fetched it at the same time
             return folder
         raise FatalError(f"model.params.pretrained: {exc}") from None
     return folder

@@ -1,0 +1,257 @@
+"""Teams: a run's team comes from who starts it, and what its spec names must lie inside the team's
+prefixes. Each attack a spec could make on another team, tried, and refused before any job."""
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from tests.conftest import quickstart_data
+from trnflow.backends import claim_run, run_team, team_problem
+from trnflow.backends.teams import caller_team, own_team, team_of
+from trnflow.cli.app import app
+from trnflow.errors import FatalError
+from trnflow.lifecycle.locations import team_problems
+from trnflow.reporting.tracking import TrackedRun, credentials, send
+from trnflow.settings import TrnflowSettings
+from trnflow.specs import validate_spec
+from trnflow.teams import DEFAULT_TEAM, Teams, inside, parse_teams
+
+pytestmark = pytest.mark.unit
+
+
+def _teams(tmp_path, local_team: str | None = "search") -> dict:
+    """Two teams, each under its own folder of tmp_path (and its own S3 prefixes)."""
+    declared = {"teams": [
+        {"name": name, "checkpoints": str(tmp_path / name / "checkpoints"),
+         "registry": str(tmp_path / name / "registry"), "outputs": str(tmp_path / name / "outputs"),
+         "cache": str(tmp_path / name / "cache"),
+         "read": [str(tmp_path / "data")], "mlflow_uri": f"https://mlflow-{name}.example",
+         "mlflow_credentials": f"{name.upper()}_MLFLOW", "share_identifier": name}
+        for name in ("search", "ads")]}
+    if local_team:
+        declared["local_team"] = local_team
+    return declared
+
+
+def _file(tmp_path, declared: dict, monkeypatch) -> str:
+    path = tmp_path / "teams.yaml"
+    path.write_text(yaml.safe_dump(declared))
+    monkeypatch.setenv("TRNFLOW_TEAMS", str(path))
+    return str(path)
+
+
+def _spec(tmp_path, team: str = "search", **sections):
+    base = {"data": {"train": str(tmp_path / "data" / "train"), "holdout": str(tmp_path / "data" / "holdout"),
+                     "inference": str(tmp_path / "data" / "inference")},
+            "train": {"checkpoint_url": str(tmp_path / team / "checkpoints" / "reviews")},
+            "compile": {"cache_url": str(tmp_path / team / "cache")},
+            "inference": {"output_url": str(tmp_path / team / "outputs" / "reviews")},
+            "gate": {"reference": None}, "registry_url": str(tmp_path / team / "registry")}
+    for name, values in sections.items():
+        base[name] = {**base.get(name, {}), **values} if isinstance(values, dict) else values
+    return validate_spec(quickstart_data(**base))
+
+
+def test_a_location_lies_inside_a_prefix_segment_by_segment_and_never_by_climbing_out():
+    assert inside("s3://b/teams/a/runs/x", "s3://b/teams/a") and inside("s3://b/teams/a", "s3://b/teams/a/")
+    assert not inside("s3://b/teams/ab/x", "s3://b/teams/a")  # a longer name is another team
+    assert not inside("s3://b/teams/a/../b/x", "s3://b/teams/a") and not inside("s3://c/teams/a", "s3://b/teams/a")
+    assert inside("file:///srv/a%20b/x", "/srv/a b") and not inside("/srv/a/x", "s3://srv/a")
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"teams": []}, "teams: List should have at least 1 item"),
+    ({"local_team": "nobody"}, "local_team 'nobody' is not a declared team"),
+    ({"teams": [{"name": "a", "checkpoints": "s3://b/a", "registry": "s3://b/a", "outputs": "s3://b/a",
+                 "cache": None}]}, "team a: no prefix for compile.cache_url"),
+    ({"teams": [{"name": "A b", "checkpoints": "s3://b/a", "registry": "s3://b/a", "outputs": "s3://b/a",
+                 "cache": "s3://b/a"}]}, "teams.0.name: String should match pattern"),
+    ({"teams": [{"name": "a", "checkpoints": "s3://b/a/../c", "registry": "s3://b/a", "outputs": "s3://b/a",
+                 "cache": "s3://b/a"}]}, "has an empty, `.` or `..` segment"),
+    ({"owner": "me"}, "owner: Extra inputs are not permitted"),
+])
+def test_a_teams_file_that_is_not_one_is_refused_naming_the_file_and_field(tmp_path, change, said):
+    declared = {**_teams(tmp_path), **change}
+    with pytest.raises(FatalError, match=r"teams file ops/teams\.yaml: ") as raised:
+        parse_teams(yaml.safe_dump(declared), "ops/teams.yaml")
+    assert said in str(raised.value)
+
+
+def test_without_a_teams_file_there_is_one_team_that_reaches_anywhere(tmp_path, monkeypatch):
+    monkeypatch.delenv("TRNFLOW_TEAMS", raising=False)
+    team = team_of("local", TrnflowSettings())
+    assert team.name == DEFAULT_TEAM and team.unrestricted
+    assert team_problems(_spec(tmp_path, "elsewhere"), team) == []
+
+
+def test_a_spec_naming_another_teams_folders_is_refused_field_by_field(tmp_path, monkeypatch):
+    _file(tmp_path, _teams(tmp_path), monkeypatch)
+    team = run_team(_spec(tmp_path))
+    assert team.name == "search" and team_problems(_spec(tmp_path), team) == []
+    ads = tmp_path / "ads"
+    spec = _spec(tmp_path, registry_url=str(ads / "registry"), train={"checkpoint_url": str(ads / "checkpoints")},
+                 data={"holdout": str(ads / "private")}, compute={"share_identifier": "ads"},
+                 tracking={"mlflow_uri": "https://mlflow-ads.example"})
+    found = "\n".join(team_problems(spec, team))
+    assert f"registry_url: file://{ads}/registry is outside team search's prefix file://{tmp_path}/search/registry" \
+        in found
+    assert f"train.checkpoint_url: file://{ads}/checkpoints is outside team search's prefix" in found
+    assert f"data.holdout: file://{ads}/private is outside what team search may read" in found
+    assert "tracking.mlflow_uri: https://mlflow-ads.example is not team search's tracking server" in found
+    assert "compute.share_identifier: ads is not team search's share (search)" in found
+    assert inside(str(tmp_path / "search" / "outputs" / "x"), team.outputs)  # its own stay its own
+    loopback = _spec(tmp_path, tracking={"mlflow_uri": "http://127.0.0.1:5000"})
+    assert team_problems(loopback, team) == []  # a server on this machine, for a run on its cores
+
+
+def test_trnflow_run_refuses_a_spec_outside_its_team_before_any_job(tmp_path, monkeypatch, trnflow_home):
+    _file(tmp_path, _teams(tmp_path), monkeypatch)
+    spec = _spec(tmp_path, registry_url=str(tmp_path / "ads" / "registry"))
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    result = CliRunner().invoke(app, ["run", str(path)])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.stderr.split())
+    assert "registry_url:" in said and f"outside team search's prefix file://{tmp_path}/search/registry" in said
+    assert "Traceback" not in result.output and not (tmp_path / "ads").exists()
+
+
+def test_a_local_run_on_a_machine_whose_teams_name_no_local_team_is_refused(tmp_path, monkeypatch):
+    _file(tmp_path, _teams(tmp_path, local_team=None), monkeypatch)
+    assert "names no local_team" in team_problem(_spec(tmp_path))
+    with pytest.raises(FatalError, match="names no local_team"):
+        claim_run(_spec(tmp_path), "r1")
+
+
+def test_a_run_id_is_bound_to_its_team_and_model_at_first_use(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRNFLOW_HOME", str(tmp_path / "home"))
+    _file(tmp_path, _teams(tmp_path), monkeypatch)
+    spec = _spec(tmp_path)
+    assert claim_run(spec, "r1").name == "search"
+    assert claim_run(spec, "r1").name == "search"  # a rerun, to resume it
+    other_model = spec.model_copy(update={"name": "other"})
+    with pytest.raises(FatalError, match="run id r1 is run quickstart of team search's"):
+        claim_run(other_model, "r1")
+    _file(tmp_path, _teams(tmp_path, local_team="ads"), monkeypatch)  # the same id, started by another team
+    with pytest.raises(FatalError, match="run id r1 is run quickstart of team search's"):
+        claim_run(_spec(tmp_path, "ads", data={"train": str(tmp_path / "data" / "train")}), "r1")
+    assert json.loads((tmp_path / "home" / "owners" / "r1.owner.json").read_text()) == {
+        "team": "search", "model": "quickstart"}
+
+
+# --- in the cloud, the team is the starter's tag -----------------------------------------------------
+
+def _principal(iam, name: str, team: str | None) -> dict:
+    tags = [{"Key": "trnflow-team", "Value": team}] if team else []
+    trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                     "Principal": {"AWS": "arn:aws:iam::123456789012:root"}}]}
+    return iam.create_role(RoleName=name, AssumeRolePolicyDocument=json.dumps(trust), Tags=tags)["Role"]
+
+
+def _as(monkeypatch, sts, role: dict) -> None:
+    found = sts.assume_role(RoleArn=role["Arn"], RoleSessionName="submit")["Credentials"]
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", found["AccessKeyId"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", found["SecretAccessKey"])
+    monkeypatch.setenv("AWS_SESSION_TOKEN", found["SessionToken"])
+
+
+def test_a_cloud_runs_team_is_its_starters_tag_and_an_untagged_starter_is_refused(in_process_aws, tmp_path,
+                                                                                   monkeypatch):
+    import boto3
+
+    iam, sts = boto3.client("iam"), boto3.client("sts")
+    teams = Teams.model_validate(_teams(tmp_path))
+    search, untagged, stranger = (_principal(iam, "search-submit", "search"), _principal(iam, "anyone", None),
+                                  _principal(iam, "stranger", "payments"))
+    _as(monkeypatch, sts, search)
+    assert caller_team(teams).name == "search"
+    _as(monkeypatch, sts, untagged)
+    with pytest.raises(FatalError, match="assumed-role/anyone/submit has no trnflow-team tag"):
+        caller_team(teams)
+    _as(monkeypatch, sts, stranger)
+    with pytest.raises(FatalError, match="tagged trnflow-team=payments, which is not a declared team"):
+        caller_team(teams)
+
+
+# --- tracking credentials go to the team's own server alone ------------------------------------------
+
+class _Recorder(BaseHTTPRequestHandler):
+    seen: ClassVar[list[str | None]] = []
+
+    def do_GET(self):  # every request is answered 500, after its credentials are noted
+        type(self).seen.append(self.headers.get("Authorization"))
+        self.send_response(500)
+        self.end_headers()
+
+    do_POST = do_GET
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def recorder():
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    _Recorder.seen = []
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", _Recorder.seen
+    server.shutdown()
+
+
+def test_the_orchestrators_tracking_token_never_reaches_a_server_that_is_not_its_teams(recorder, monkeypatch, tmp_path):
+    pytest.importorskip("mlflow")
+    url, seen = recorder
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "orchestrator-secret")
+    monkeypatch.setenv("SEARCH_MLFLOW_TOKEN", "search-secret")
+    teams = Teams.model_validate(_teams(tmp_path))
+    search = teams.named("search")
+    run = TrackedRun(uri=url, experiment="e", run_id="r1", finished=True)
+    with pytest.raises(Exception):  # noqa: B017  # the server answers 500: what matters is what it was sent
+        send(run, search)
+    assert seen and all(header is None for header in seen)  # not the team's server: no credentials at all
+    seen.clear()
+    ours = search.model_copy(update={"mlflow_uri": url})
+    with pytest.raises(Exception):  # noqa: B017
+        send(run, ours)
+    assert seen and all(header == "Bearer search-secret" for header in seen)
+    assert credentials("https://mlflow-search.example:443/x", search)["MLFLOW_TRACKING_TOKEN"] == "search-secret"
+    assert credentials("https://mlflow-search.example:8443", search)["MLFLOW_TRACKING_TOKEN"] is None
+    import os
+
+    assert os.environ["MLFLOW_TRACKING_TOKEN"] == "orchestrator-secret"  # put back as it was
+
+
+def test_plain_http_to_another_machine_is_refused_in_a_spec(tmp_path):
+    from trnflow.specs import SpecError
+
+    with pytest.raises(SpecError, match="plain http on another machine"):
+        _spec(tmp_path, tracking={"mlflow_uri": "http://mlflow.example:5000"})
+    assert _spec(tmp_path, tracking={"mlflow_uri": "http://localhost:5000"}).tracking.mlflow_uri
+
+
+def test_a_kept_mirror_with_a_file_name_that_is_a_path_or_a_bad_server_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRNFLOW_HOME", str(tmp_path / "home"))
+    kept = tmp_path / "home" / "tracking"
+    kept.mkdir(parents=True)
+    good = TrackedRun(uri="https://mlflow.example", experiment="e", run_id="r1", finished=True)
+    for run_id, change in (("r1", {"images": {"../../.bashrc": "AAAA"}}), ("r2", {"uri": "http://evil.example"}),
+                           ("r3", {"artifacts": {"a/b.md": "x"}})):
+        (kept / f"{run_id}.json").write_text(json.dumps({**good.model_dump(), "run_id": run_id, **change}))
+        result = CliRunner().invoke(app, ["tracking", "sync", run_id])
+        assert result.exit_code == 2, result.output
+        assert f"{kept}/{run_id}.json" in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / ".bashrc").exists()
+
+
+def test_a_command_outside_a_run_whose_team_cannot_be_decided_sends_no_credentials(tmp_path, monkeypatch):
+    _file(tmp_path, _teams(tmp_path, local_team=None), monkeypatch)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # no AWS here: the caller cannot be told
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    team = own_team(TrnflowSettings())
+    assert team.name == DEFAULT_TEAM and team.mlflow_uri is None

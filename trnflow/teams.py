@@ -1,0 +1,201 @@
+"""Teams: who a run belongs to, and so what it may reach.
+
+A team is declared by the stack's operators, never by a spec: its name, the prefixes its runs may
+read and write, its compile cache and signing key, its tracking server and its Batch share. The
+declarations are one file (`TRNFLOW_TEAMS`, or the stack's published `teams` setting), read here.
+Which team a run belongs to is decided by who starts it (`trnflow.backends.teams`); what the spec
+says must then lie inside that team's prefixes (`trnflow.lifecycle.locations.team_problems`).
+
+Where no file is declared (a laptop, a stack for one team) there is one team, `default`, which may
+reach every location its user can: there is nobody else's to protect.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from trnflow.errors import FatalError
+from trnflow.records import problems
+
+TEAM_TAG = "trnflow-team"
+"""The tag of an IAM principal (role or user) that names the team whose runs it starts, and of
+every job role, whose policies scope each resource by it."""
+DEFAULT_TEAM = "default"
+"""The team of an install that declares none."""
+NAME = r"^[a-z0-9][a-z0-9-]{0,39}$"
+CREDENTIALS_ENV = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
+
+
+class TeamUnknown(FatalError):
+    """A run's team cannot be decided: the teams file cannot be read or is not one, or its starter
+    names no declared team."""
+
+
+def _prefix(value: str) -> str:
+    """A location prefix as the checks compare it: `s3://bucket/key` or `file:///abs`, no trailing
+    slash, no `.` or `..` segments (which would let a location climb out of it)."""
+    scheme, sep, rest = value.partition("://")
+    if not sep and value.startswith("/"):
+        scheme, sep, rest = "file", "://", value
+    if scheme not in ("s3", "file") or not sep or not rest.strip("/"):
+        raise ValueError(f"{value!r} is not an s3://bucket/prefix or an absolute path")
+    if scheme == "file":  # a file URL's %-escapes are its path's characters
+        rest = unquote(rest)
+    segments = rest.split("/")
+    if any(s in (".", "..") for s in segments) or "//" in rest.strip("/"):
+        raise ValueError(f"{value!r} has an empty, `.` or `..` segment")
+    return f"{scheme}://{rest.rstrip('/')}"
+
+
+def inside(url: str, prefix: str) -> bool:
+    """Whether `url` is `prefix` or lies under it, segment by segment (`s3://b/team-ab` is not
+    inside `s3://b/team-a`); a URL with a `.` or `..` segment lies inside nothing."""
+    try:
+        found, within = _prefix(url), _prefix(prefix)
+    except ValueError:
+        return False
+    return found == within or found.startswith(within + "/")
+
+
+def is_loopback(url: str) -> bool:
+    """Whether an http(s) URL names this machine (`localhost`, 127.0.0.0/8, ::1)."""
+    host = urlsplit(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def origin(url: str) -> str:
+    """An http(s) URL's scheme, host and port (`https://mlflow.example:443`), which credentials are
+    bound to; an ARN is its own origin."""
+    if url.startswith("arn:"):
+        return url
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme, 0)
+    return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
+
+
+class Team(BaseModel):
+    """One team as the operators declare it. A run of the team writes only under its prefixes,
+    reads its data only from them and `read`, uses its cache and key, and sends tracking
+    credentials only to its server."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME, description="The team's name (lowercase letters, digits and `-`): the "
+                      "`trnflow-team` tag of its submitters' IAM principals and of its jobs' roles.")
+    checkpoints: str | None = Field(description="The prefix its runs' train.checkpoint_url lies in (checkpoints "
+                                    "and TensorBoard files). None only for the default team: anywhere.")
+    registry: str | None = Field(description="The prefix its registry_url lies in (each model's versions, "
+                                 "champion and history).")
+    outputs: str | None = Field(description="The prefix its inference.output_url lies in.")
+    cache: str | None = Field(description="The prefix its compile.cache_url lies in: its own compile cache, which "
+                              "only its compile jobs write. Several teams name one only where the operators chose "
+                              "to share a cache (docs/cloud.md says what that means).")
+    read: list[str] = Field(default_factory=list, description="Further prefixes its runs may read (data, "
+                            "pretrained weights, gate references), besides the prefixes above.")
+    staging: str | None = Field(None, description="Cloud runs: the prefix of its runs' staging folders (specs, "
+                                "results, owner records). None: the stack's staging_url, then `<team>/`.")
+    cache_signing_key: str | None = Field(None, description="Its compile cache's signing key: the ARN of a Secrets "
+                                          "Manager secret only its compile jobs' roles read (or, on one machine, "
+                                          "a PEM file). None: the stack's.")
+    cache_public_key: str | None = Field(None, description="The key its jobs check cache entries with "
+                                         "(`ed25519:<base64>`). None: the stack's.")
+    mlflow_uri: str | None = Field(None, description="Its MLflow tracking server: the only one its runs may "
+                                   "mirror to (besides one on loopback, on one machine), and the only host that "
+                                   "gets its credentials.")
+    mlflow_credentials: str = Field("MLFLOW_TRACKING", description="The start of the orchestrator's environment "
+                                    "variables holding its tracking credentials: `<it>_TOKEN`, or `<it>_USERNAME` "
+                                    "and `<it>_PASSWORD`.")
+    share_identifier: str | None = Field(None, pattern=r"^[A-Za-z0-9_]{1,255}$", description="Its Batch fair-share "
+                                         "identifier: its jobs' share of the queue, whatever a spec says.")
+
+    @field_validator("checkpoints", "registry", "outputs", "cache", "staging")
+    @classmethod
+    def _one_prefix(cls, value: str | None) -> str | None:
+        return None if value is None else _prefix(value)
+
+    @field_validator("read")
+    @classmethod
+    def _prefixes(cls, value: list[str]) -> list[str]:
+        return [_prefix(v) for v in value]
+
+    @field_validator("mlflow_credentials")
+    @classmethod
+    def _credentials_env(cls, value: str) -> str:
+        if not CREDENTIALS_ENV.fullmatch(value):
+            raise ValueError(f"{value!r} is not the start of an environment variable's name (A-Z, 0-9, _)")
+        return value
+
+    @property
+    def unrestricted(self) -> bool:
+        """The default team of an install that declares none: it may reach anywhere its user can."""
+        return self.name == DEFAULT_TEAM and self.checkpoints is None
+
+    def writes(self) -> dict[str, str | None]:
+        """The team's write prefixes, by the spec field that must lie in each."""
+        return {"train.checkpoint_url": self.checkpoints, "registry_url": self.registry,
+                "inference.output_url": self.outputs, "compile.cache_url": self.cache}
+
+
+UNDECLARED = Team(name=DEFAULT_TEAM, checkpoints=None, registry=None, outputs=None, cache=None)
+"""The one team of an install that declares none."""
+
+
+class Teams(BaseModel):
+    """The teams file: every team of the stack, and the team of runs started on this machine's own
+    cores (the local backend)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    teams: list[Team] = Field(min_length=1, description="Every team of the stack.")
+    local_team: str | None = Field(None, description="The team of runs started with compute.backend local "
+                                   "where this file is read. None: such runs are refused (a shared machine's "
+                                   "runs belong to someone).")
+
+    @model_validator(mode="after")
+    def _complete(self) -> Teams:
+        names = [t.name for t in self.teams]
+        if len(set(names)) != len(names):
+            raise ValueError(f"a team is declared twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+        for team in self.teams:
+            missing = [f for f, v in team.writes().items() if v is None]
+            if missing:
+                raise ValueError(f"team {team.name}: no prefix for {', '.join(missing)}; a declared team "
+                                 "writes only where it is given a place")
+        if self.local_team is not None and self.local_team not in names:
+            raise ValueError(f"local_team {self.local_team!r} is not a declared team ({', '.join(names)})")
+        return self
+
+    def named(self, name: str) -> Team | None:
+        return next((t for t in self.teams if t.name == name), None)
+
+
+def parse_teams(text: str, origin_: str) -> Teams:
+    """The teams file's text: FatalError naming the file and the field when it is not one."""
+    try:
+        return Teams.model_validate(yaml.safe_load(text))
+    except yaml.YAMLError as exc:
+        raise TeamUnknown(f"teams file {origin_}: not YAML ({exc})") from None
+    except ValidationError as exc:
+        raise TeamUnknown(f"teams file {origin_}: {problems(exc)}; the stack's operators declare the teams "
+                         "(docs/cloud.md, Teams)") from None
+
+
+def local_teams(path: str) -> Teams:
+    """A teams file on this machine."""
+    try:
+        text = Path(path).expanduser().read_text()
+    except OSError as exc:
+        raise TeamUnknown(f"teams file {path}: cannot be read ({exc.strerror or exc}); set TRNFLOW_TEAMS to the "
+                         "operators' teams file") from None
+    return parse_teams(text, path)
