@@ -112,17 +112,23 @@ class Stack:
 
         def holds(statement) -> bool:
             conditions = statement.get("Condition", {})
-            unknown = set(conditions) - {"StringEquals", "StringLike"}
-            assert not unknown, f"this evaluator reads StringEquals and StringLike only, not {unknown}"
+            unknown = set(conditions) - {"StringEquals", "StringLike", "StringNotEquals"}
+            assert not unknown, f"this evaluator reads StringEquals, StringLike and StringNotEquals only, not {unknown}"
             return (all(context.get(key) in listed(wanted)
                         for key, wanted in conditions.get("StringEquals", {}).items())
                     and all(key in context and any(fnmatchcase(context[key], w) for w in listed(wanted))
-                            for key, wanted in conditions.get("StringLike", {}).items()))
+                            for key, wanted in conditions.get("StringLike", {}).items())
+                    # a negated operator holds where the key is missing, as IAM evaluates it
+                    and all(context.get(key) not in listed(wanted)
+                            for key, wanted in conditions.get("StringNotEquals", {}).items()))
 
         def matches(statement) -> bool:
             actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
-            return (any(fnmatchcase(action.lower(), a.lower()) for a in actions)
-                    and any(fnmatchcase(resource, r) for r in listed(statement["Resource"])) and holds(statement))
+            if "NotResource" in statement:  # every resource but those (a pattern whose variable is missing: none)
+                where = not any(fnmatchcase(resource, r) for r in listed(statement["NotResource"]))
+            else:
+                where = any(fnmatchcase(resource, r) for r in listed(statement["Resource"]))
+            return any(fnmatchcase(action.lower(), a.lower()) for a in actions) and where and holds(statement)
         found = [s for s in self.statements(role) if matches(s)]
         return not any(s["Effect"] == "Deny" for s in found) and any(s["Effect"] == "Allow" for s in found)
 
@@ -136,15 +142,18 @@ OUTPUTS, STAGING = "arn:aws:s3:::trnflow-outputs-123456789012", "arn:aws:s3:::tr
 RUN, OTHER = "20261128T101500-a1", "20261128T101700-b2"
 
 
-def job(kind: str, run: str = RUN) -> dict[str, str]:
+def job(kind: str, run: str = RUN, team: str = "default") -> dict[str, str]:
     """The condition keys of a request by a `kind` job of `run` of model `m` (version 2's inference):
-    its role's tags, as the orchestrator gives them (`JobScope.tags`)."""
+    its role's tags, as the orchestrator gives them (`JobScope.tags`). A declared team's run keeps
+    its folders under the team's (`teams/<team>/`, `jobs/<team>/`); the default team's where it likes."""
     from trnflow.backends.run_roles import JobScope
 
-    writes = {"preflight": f"s3://trnflow-checkpoints-123456789012/runs/m/{run}",
-              "train": f"s3://trnflow-checkpoints-123456789012/runs/m/{run}",
-              "infer": "s3://trnflow-outputs-123456789012/m/v000002"}.get(kind)
-    scope = JobScope(kind=kind, run_id=run, staging=f"s3://trnflow-staging-123456789012/jobs/{run}", writes=writes)
+    under = "" if team == "default" else f"teams/{team}/"
+    writes = {"preflight": f"s3://trnflow-checkpoints-123456789012/{under}runs/m/{run}",
+              "train": f"s3://trnflow-checkpoints-123456789012/{under}runs/m/{run}",
+              "infer": f"s3://trnflow-outputs-123456789012/{under}m/v000002"}.get(kind)
+    staging = f"s3://trnflow-staging-123456789012/jobs/{'' if team == 'default' else team + '/'}{run}"
+    scope = JobScope(kind=kind, run_id=run, staging=staging, writes=writes, team=team, job=f"m-{kind}-{run}")
     return {f"aws:PrincipalTag/{key}": value for key, value in scope.tags(expires=0).items()}
 
 
@@ -209,9 +218,9 @@ def test_a_job_of_one_run_cannot_write_anything_of_another_run(kind):
 
 @pytest.mark.parametrize("kind", sorted(JOB_POLICIES))
 def test_a_job_role_without_the_runs_tags_writes_nothing(kind):
-    """Fails closed: a role missing its tags (made by hand, say) matches no write statement."""
-    assert {what for what, arn in WRITES.items() if STACK.allows(kind, "s3:PutObject", arn)} == (
-        {"cache entry"} if kind == "compile" else set())
+    """Fails closed: a role missing its tags (made by hand, say) writes nothing, not even the cache (it
+    has no team)."""
+    assert {what for what, arn in WRITES.items() if STACK.allows(kind, "s3:PutObject", arn)} == set()
 
 
 def test_no_job_can_touch_its_roles_tags_or_policies_and_the_orchestrator_only_makes_job_roles():
@@ -220,7 +229,8 @@ def test_no_job_can_touch_its_roles_tags_or_policies_and_the_orchestrator_only_m
         for action in ("iam:TagRole", "iam:UntagRole", "iam:AttachRolePolicy", "iam:PutRolePolicy", "iam:CreateRole",
                        "iam:PassRole", "sts:TagSession"):
             assert not STACK.allows(kind, action, role, job(kind)), (kind, action)
-    tagged = {"aws:RequestTag/trnflow-run": RUN}
+    tagged = {"aws:RequestTag/trnflow-run": RUN, "aws:RequestTag/trnflow-team": "default",
+              "aws:PrincipalTag/trnflow-team": "default"}
     assert STACK.allows("OrchestratorRole", "iam:CreateRole", role, tagged)
     assert not STACK.allows("OrchestratorRole", "iam:CreateRole", role)  # untagged: no run, so no scope
     assert not STACK.allows("OrchestratorRole", "iam:CreateRole", "arn:aws:iam::123456789012:role/admin", tagged)
@@ -257,11 +267,85 @@ def test_only_the_compile_job_reads_the_signing_key_and_no_job_creates_log_group
     secret = STACK.ref("CacheSigningKey")
     readers = {p for p in MAY_WRITE if STACK.allows(p, "secretsmanager:GetSecretValue", secret, _as(p))}
     assert readers == {"compile"}
-    group = "arn:aws:logs:us-east-1:123456789012:log-group:/aws/batch/job:log-stream:x"
     for principal in MAY_WRITE:
         assert not STACK.allows(principal, "logs:CreateLogGroup", "arn:aws:logs:us-east-1:123456789012:log-group:/x",
                                 _as(principal))
-    assert STACK.allows("train", "logs:PutLogEvents", group, job("train"))
+
+
+LOGS = "arn:aws:logs:us-east-1:123456789012:log-group:"
+
+
+@pytest.mark.parametrize("kind", sorted(JOB_POLICIES))
+def test_a_job_writes_its_own_log_streams_alone(kind):
+    """A SageMaker job writes `<its base name>-<time>/algo-...`; no job writes another's stream (whose
+    lines trnflow relays: a forged `late` event would put another run in DeadlineAtRisk), nor any
+    Batch stream, which its node's ECS agent writes."""
+    mine = job(kind)
+    own = f"{LOGS}/aws/sagemaker/TrainingJobs:log-stream:m-{kind}-{RUN}-20261205120000/algo-1-1733400000"
+    assert STACK.allows(kind, "logs:PutLogEvents", own, mine) and STACK.allows(kind, "logs:CreateLogStream", own, mine)
+    for other in (f"m-{kind}-{OTHER}-20261205120000/algo-1-1733400000",
+                  f"m-{kind}-{RUN}-x-20261205120000/algo-1-1733400000"):  # a run whose id starts as A's does
+        stream = f"{LOGS}/aws/sagemaker/TrainingJobs:log-stream:{other}"
+        assert not STACK.allows(kind, "logs:PutLogEvents", stream, mine)
+    assert not STACK.allows(kind, "logs:PutLogEvents", f"{LOGS}/aws/batch/job:log-stream:trnflow-x/default/0f1e",
+                            mine)
+
+
+# --- a declared team's jobs reach only its own folders ------------------------------------------------
+
+DATA = "arn:aws:s3:::trnflow-data-123456789012"
+
+
+@pytest.mark.parametrize("kind", sorted(JOB_POLICIES))
+def test_a_job_of_one_team_can_neither_read_nor_write_another_teams_folders_or_key(kind):
+    """Team A's job, whatever its kind: none of team B's data, checkpoints, registry, cache, outputs or
+    staging, to read or to write, and not B's signing key; its own team's it reads as before."""
+    mine = job(kind, team="search")
+    theirs = [f"{DATA}/teams/ads/clicks/2026-12-01/part-0.parquet",
+              f"{CHECKPOINTS}/teams/ads/runs/m/{OTHER}/step-00000100/model.pt",
+              f"{CHECKPOINTS}/registry/ads/m/versions/v000001.json",
+              f"{CACHE}/teams/ads/neuronxcc-torch-2.13.0+cpu/MODULE_1+2/model.neff",
+              f"{OUTPUTS}/teams/ads/m/v000001/part-00000.parquet",
+              f"{STAGING}/jobs/ads/{OTHER}/m-train-{OTHER}/output/result.json",
+              f"{CHECKPOINTS}/runs/m/{OTHER}/step-00000100/model.pt",  # the default team's, outside every team's
+              f"{CACHE}/neuronxcc-torch-2.13.0+cpu/MODULE_1+2/model.neff"]
+    for arn in theirs:
+        for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject"):
+            assert not STACK.allows(kind, action, arn, mine), (kind, action, arn)
+    ours = [f"{DATA}/teams/search/clicks/2026-12-01/part-0.parquet", f"{DATA}/shared/vocab.txt",
+            f"{CHECKPOINTS}/teams/search/runs/m/{OTHER}/step-00000100/model.pt",
+            f"{CHECKPOINTS}/registry/search/m/versions/v000001.json",
+            f"{CACHE}/teams/search/neuronxcc-torch-2.13.0+cpu/MODULE_1+2/model.neff"]
+    assert all(STACK.allows(kind, "s3:GetObject", arn, mine) for arn in ours), kind
+    key = "arn:aws:secretsmanager:us-east-1:123456789012:secret:trnflow/teams/{}/cache-signing-key-AbCdEf"
+    assert not STACK.allows(kind, "secretsmanager:GetSecretValue", key.format("ads"), mine)
+    assert not STACK.allows(kind, "secretsmanager:GetSecretValue", STACK.ref("CacheSigningKey"), mine)
+    assert STACK.allows(kind, "secretsmanager:GetSecretValue", key.format("search"), mine) is (kind == "compile")
+
+
+def test_a_teams_jobs_write_what_their_kind_writes_inside_the_team_alone():
+    search = {"checkpoint": f"{CHECKPOINTS}/teams/search/runs/m/{RUN}/step-00000100/model.pt",
+              "cache entry": f"{CACHE}/teams/search/neuronxcc-torch-2.13.0+cpu/MODULE_1+2/model.neff",
+              "embeddings": f"{OUTPUTS}/teams/search/m/v000002/part-00000.parquet",
+              "result": f"{STAGING}/jobs/search/{RUN}/m-train-{RUN}/output/result.json",
+              "registry entry": f"{CHECKPOINTS}/registry/search/m/versions/v000002.json"}
+    for kind in JOB_POLICIES:
+        writes = {w for w, arn in search.items() if STACK.allows(kind, "s3:PutObject", arn, job(kind, team="search"))}
+        assert writes == MAY_WRITE[kind] & set(search), kind
+    untagged = {k: v for k, v in job("train", team="search").items() if k != "aws:PrincipalTag/trnflow-team"}
+    assert not STACK.allows("train", "s3:GetObject", f"{DATA}/teams/search/x.parquet", untagged)  # fails closed
+
+
+def test_the_orchestrator_makes_job_roles_of_its_own_team_alone():
+    role = "arn:aws:iam::123456789012:role/trnflow/trnflow-run-train-0123456789abcdef"
+    orchestrator = {"aws:PrincipalTag/trnflow-team": "default", "aws:RequestTag/trnflow-run": RUN}
+    assert STACK.allows("OrchestratorRole", "iam:CreateRole", role, orchestrator | {"aws:RequestTag/trnflow-team":
+                                                                                     "default"})
+    assert not STACK.allows("OrchestratorRole", "iam:CreateRole", role, orchestrator | {
+        "aws:RequestTag/trnflow-team": "ads"})
+    assert not STACK.allows("OrchestratorRole", "iam:CreateRole", role, orchestrator)  # no team tag: no role
+    tags = {t["Key"]: t["Value"] for t in STACK.resources["OrchestratorRole"]["Properties"]["Tags"]}
+    assert tags == {"trnflow-team": "default"}
 
 
 def test_multi_node_containers_cannot_reach_the_instances_role_and_logs_are_kept_for_a_while():

@@ -63,7 +63,9 @@ def run_ci_case(name, fault_free, tmp_path, compile_cache):
     with world(tmp_path, reference=False, prefect=False, compile_cache=compile_cache) as w, Matrix(w) as matrix:
         matrix.load_baseline(fault_free(case.baseline), case.baseline)
         row = matrix.run_case(case)
-    assert passed(row), row.get("error") or row
+    assert passed(row), row.get("error") or "; ".join(f"{key} {row.get(key)!r}" for key in (  # each check, whole
+        "recovered", "training_attempts", "retries_by", "steps_redone", "max_redone", "fault_seen", "weights",
+        "registry", "outputs", "checkpoints", "nothing_lost") if key in row)
     EXPECTED[name](row)
 
 

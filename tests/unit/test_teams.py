@@ -144,6 +144,25 @@ def test_a_run_id_is_bound_to_its_team_and_model_at_first_use(tmp_path, monkeypa
         "team": "search", "model": "quickstart"}
 
 
+def test_a_declared_teams_local_jobs_check_the_cache_with_its_own_key_never_the_machines(tmp_path, monkeypatch):
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from trnflow.backends import backend_for, cache_keys
+    from trnflow.device.signing import public_text
+
+    machine, own = (public_text(Ed25519PrivateKey.generate().public_key()) for _ in range(2))
+    monkeypatch.setenv("TRNFLOW_CACHE_PUBLIC_KEY", machine)
+    assert public_text(cache_keys(_spec(tmp_path)).trusted) == machine  # no teams: the machine's key
+    declared = _teams(tmp_path)
+    declared["teams"][0]["cache_public_key"] = own
+    _file(tmp_path, declared, monkeypatch)
+    assert public_text(cache_keys(_spec(tmp_path)).trusted) == own
+    assert backend_for(_spec(tmp_path)).team.cache_public_key == own  # what its jobs are given
+    del declared["teams"][0]["cache_public_key"]
+    _file(tmp_path, declared, monkeypatch)
+    assert cache_keys(_spec(tmp_path)).trusted is None  # the machine's key checks no team's cache
+
+
 # --- in the cloud, the team is the starter's tag -----------------------------------------------------
 
 def _principal(iam, name: str, team: str | None) -> dict:

@@ -10,9 +10,11 @@ rooms below it only, never on the emulator or `testing`.
 
 from __future__ import annotations
 
+import os
+
 from trnflow.backends.base import Backend, JobInfo, JobRequest, JobState, run_to_end, wait
 from trnflow.backends.cloud import cloud_target, job_scope
-from trnflow.backends.teams import RunOwner, team_of
+from trnflow.backends.teams import RunOwner, cache_key_env, team_of
 from trnflow.device.signing import EntryKeys, keys_from, public_key, shared_cache_problem
 from trnflow.errors import FatalError
 from trnflow.lifecycle.locations import team_problems
@@ -38,7 +40,7 @@ def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None) -> Backe
     if spec.compute.backend == "local":
         from trnflow.backends.local import LocalBackend  # loads torch (the device): only local runs need it
 
-        return LocalBackend(settings.jobs_dir)
+        return LocalBackend(settings.jobs_dir, team=team_of("local", settings))
     if spec.compute.backend == "sagemaker":
         from trnflow.backends.sagemaker import SageMakerBackend  # boto3 and the SDK glue: cloud runs only
 
@@ -57,7 +59,8 @@ def cache_keys(spec: JobSpec, settings: TrnflowSettings | None = None) -> EntryK
     the orchestrator predicts and records hits, it never writes an entry."""
     settings = settings or TrnflowSettings()
     if spec.compute.backend == "local":
-        own = keys_from()
+        overlay = cache_key_env(team_of("local", settings))
+        own = keys_from({k: v for k, v in {**os.environ, **overlay}.items() if v is not None})
         return EntryKeys(trusted=own.trusted, unsigned_ok=own.unsigned_ok)
     target = cloud_target(settings, spec.compute.backend)
     trusted = public_key(target.cache_public_key) if target.cache_public_key else None

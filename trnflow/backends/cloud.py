@@ -30,6 +30,10 @@ from trnflow.teams import UNDECLARED, Team
 
 log = logging.getLogger(__name__)
 
+BASE_NAME_LENGTH = 48
+"""A SageMaker job's base name: ModelTrainer appends `-<YYYYmmddHHMMSS>` and cuts the whole to 63
+characters. Its log streams are `<base>-<time>/algo-<n>-<time>`, which its role's trnflow-job tag
+(the base) lets it write."""
 SPOT_CHECKPOINT_SECONDS = 100
 """How long torchrun lets a spot job's ranks take to checkpoint after the reclaim notice (SIGTERM,
 about two minutes before the instance goes) before it kills them (its default is 30 s)."""
@@ -175,7 +179,7 @@ def job_scope(request: JobRequest, target: CloudTarget) -> JobScope:
     writes = {"preflight": checkpoint_s3_uri(spec, request.run_id), "train": checkpoint_s3_uri(spec, request.run_id),
               "infer": spec.inference.output_url}.get(kind)
     return JobScope(kind=kind, run_id=request.run_id, staging=f"{target.staging_url.rstrip('/')}/{request.run_id}",
-                    writes=writes, team=target.team.name)
+                    writes=writes, team=target.team.name, job=job_name(request, BASE_NAME_LENGTH))
 
 
 class JobRoles:

@@ -37,6 +37,7 @@ from pathlib import Path
 from trnflow.backends import forkserver
 from trnflow.backends.base import JobDetails, JobInfo, JobRequest, JobState, fitted, stage_result
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
+from trnflow.backends.teams import cache_key_env
 from trnflow.device.base import Device
 from trnflow.device.registry import get_device
 from trnflow.device.signing import SIGNING_KEY_ENV
@@ -46,6 +47,7 @@ from trnflow.neuron.launch import RANK_LOGS, launch_command, launch_env, parse_v
 from trnflow.processes import pid_alive
 from trnflow.results import FailureReport
 from trnflow.specs import instance
+from trnflow.teams import UNDECLARED, Team
 
 # job.json records only the variables that describe the job; everything else (credentials among
 # it) reaches the workers by inheritance and is never written down.
@@ -71,8 +73,11 @@ class LocalBackend:
         """A local job's nodes leave nothing to follow while it runs: its folder has its result."""
         return None
 
-    def __init__(self, jobs_dir: Path, device: Device | None = None, warm_start: bool = forkserver.SUPPORTED):
+    def __init__(self, jobs_dir: Path, device: Device | None = None, warm_start: bool = forkserver.SUPPORTED,
+                 team: Team = UNDECLARED):
         self.jobs_dir = jobs_dir
+        self.team = team
+        """The team of this machine's runs: a declared team's jobs use its cache keys, never the machine's."""
         self.device = device or get_device()
         self.warm_start = warm_start
         self._procs: dict[str, subprocess.Popen] = {}
@@ -140,6 +145,11 @@ class LocalBackend:
         argv = launch_command(request.phase, len(cores), job_dir, request.run_id, request.checkpoint,
                               with_spec=spec is not None, with_options=bool(request.options))
         env = launch_env(spec, cores, request.itype) | {"TRNFLOW_RUN_ID": request.run_id}
+        for key, value in cache_key_env(self.team).items():
+            if value is None:
+                env.pop(key, None)
+            else:
+                env[key] = value
         if request.phase != "compile":  # the cache's signing key is the compile stage's alone
             env.pop(SIGNING_KEY_ENV, None)
         self.device.check_launch_env(env)

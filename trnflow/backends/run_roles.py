@@ -32,8 +32,10 @@ from trnflow.teams import DEFAULT_TEAM, TEAM_TAG
 log = logging.getLogger(__name__)
 
 RUN_TAG, STAGING_TAG, WRITES_TAG, EXPIRES_TAG = "trnflow-run", "trnflow-staging", "trnflow-writes", "trnflow-expires"
+JOB_TAG = "trnflow-job"
 """The tags of a job's role: its run, and the folders its policies let it write (keys in the stack's
-buckets, no bucket), and when it may be deleted even if no orchestrator saw its job end."""
+buckets, no bucket), when it may be deleted even if no orchestrator saw its job end, its job's name
+(the log streams it may write: `<job name>/...`) and its team (`trnflow.teams.TEAM_TAG`)."""
 BASE_POLICY = "job-base"
 """The policy every job's role has: read the inputs, hand back in its run's staging folder, logs."""
 TAG_VALUE = re.compile(r"[\w.:/=+\-@ ]{1,256}")
@@ -63,6 +65,8 @@ class JobScope:
     inference output's folder (infer); None for compile, whose writes are the shared, signed cache."""
     team: str = DEFAULT_TEAM
     """The run's team (`trnflow.backends.teams`): the job policies scope every resource by it too."""
+    job: str = ""
+    """The job's name: a SageMaker job writes only its own log streams, `<job name>/...`."""
 
     def tags(self, expires: float) -> dict[str, str]:
         """The role's tags, each checked as IAM takes them: FatalError naming the folder otherwise."""
@@ -71,6 +75,8 @@ class JobScope:
         if self.writes is not None:
             setting = "inference.output_url" if self.kind == "infer" else "train.checkpoint_url"
             found[WRITES_TAG] = _key(self.writes, setting)
+        if self.job:
+            found[JOB_TAG] = self.job
         for key, value in found.items():
             if not TAG_VALUE.fullmatch(value):
                 raise FatalError(f"{value!r} cannot be a job role's {key} tag (IAM takes letters, digits, spaces "

@@ -13,6 +13,7 @@ from typing import Any
 
 from trnflow.backends.base import JobRequest
 from trnflow.backends.cloud import (
+    BASE_NAME_LENGTH,
     CHECKPOINT_DIR,
     STAGE_KINDS,
     CloudTarget,
@@ -33,10 +34,6 @@ MAX_RETRY_ATTEMPTS = 30
 
 MIN_PENDING_SECONDS = 1800
 """SageMaker's least StoppingCondition.MaxPendingTimeInSeconds (the spec refuses less)."""
-
-BASE_NAME_LENGTH = 48
-"""ModelTrainer appends `-<YYYYmmddHHMMSS>` to the base name and cuts the whole to 63 characters."""
-
 
 def _channel(name: str, url: str, field: str, mode: str = "FastFile") -> dict[str, Any]:
     """An S3 channel. Data channels are FastFile: the workload reads its shards from S3 itself (the

@@ -18,6 +18,7 @@ import re
 from botocore.exceptions import BotoCoreError, ClientError
 
 from trnflow import aws
+from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV
 from trnflow.errors import FatalError
 from trnflow.records import Record
 from trnflow.settings import TrnflowSettings
@@ -118,3 +119,13 @@ def own_team(settings: TrnflowSettings) -> Team:
         return named or caller_team(teams)
     except FatalError:
         return UNDECLARED
+
+
+def cache_key_env(team: Team) -> dict[str, str | None]:
+    """The compile cache's key variables a declared team's local jobs get in place of this machine's:
+    its own public key, and its own signing key for its compile jobs (None: the variable removed, so
+    a key of the machine's never signs or checks another team's cache). Nothing for the one team of
+    an install that declares none: the machine's own keys stand."""
+    if team.unrestricted:
+        return {}
+    return {PUBLIC_KEY_ENV: team.cache_public_key, SIGNING_KEY_ENV: team.cache_signing_key}
