@@ -34,6 +34,8 @@ from prefect.variables import Variable
 
 from trnflow.errors import FatalError
 from trnflow.processes import pid_alive
+from trnflow.specs import JobSpec
+from trnflow.teams import Team
 
 LEASE_SECONDS = 120.0
 RENEW_EVERY_SECONDS = 10.0
@@ -48,6 +50,12 @@ def _logger() -> logging.Logger | logging.LoggerAdapter:
         return get_run_logger()
     except Exception:
         return log
+
+
+def team_model(spec: JobSpec, team: Team) -> str:
+    """The model a run's lock is for: its name, within its team where teams are declared (two teams'
+    models of one name are two models, in two registries)."""
+    return spec.name if team.unrestricted else f"{team.name}.{spec.name}"
 
 
 def limit_name(model: str) -> str:

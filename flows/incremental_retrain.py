@@ -20,7 +20,7 @@ from functools import partial
 from prefect import flow, get_run_logger
 from prefect.states import Completed, State
 
-from trnflow.flows._lock import ModelLock, holder_label, model_lock
+from trnflow.flows._lock import ModelLock, holder_label, model_lock, team_model
 from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec
 from trnflow.flows._stages import PIPELINE_STAGES, StageRunner, flow_run_id, run_stages, through_training
 from trnflow.lifecycle.registry import Registry
@@ -70,8 +70,8 @@ def incremental_retrain(spec: SpecParam = None, spec_url: str | None = None, run
             first job; said in its log and summary. The budget still stops training while it runs.
     """
     spec = retrain_spec(resolve_spec(spec, spec_url))
-    run_id = run_id or flow_run_id()
-    with model_lock(spec.name, lock_timeout_seconds, holder_label(run_id)) as lock:
+    runner = StageRunner(spec, run_id or flow_run_id())  # its team decided, and the spec inside it, before all else
+    with model_lock(team_model(spec, runner.team), lock_timeout_seconds, holder_label(runner.run_id)) as lock:
         assert spec.registry_url is not None
         registry = Registry(spec.registry_url)
         generation = registry.generation(spec.name)  # a champion changed after this is never overwritten
@@ -89,7 +89,7 @@ def incremental_retrain(spec: SpecParam = None, spec_url: str | None = None, run
                              data=RunOutcome(nothing_new=True, watermark=watermark))
         base = f"champion v{champion.version}" if champion else "scratch"
         name_run(spec, _window_name(days, base))
-        return run_stages(StageRunner(spec, run_id),
+        return run_stages(runner,
                           partial(_stages, generation=generation, lock=lock, days=days, base=base,
                                   force_promote=force_promote), STAGES, override_forecast)
 

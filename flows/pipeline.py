@@ -15,7 +15,7 @@ from functools import partial
 from prefect import flow
 from prefect.states import State
 
-from trnflow.flows._lock import ModelLock, holder_label, model_lock
+from trnflow.flows._lock import ModelLock, holder_label, model_lock, team_model
 from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec, window
 from trnflow.flows._stages import (
     PIPELINE_STAGES,
@@ -72,7 +72,7 @@ def pipeline(spec: SpecParam = None, spec_url: str | None = None,
     if spec.registry_url is None:  # nothing shared to protect: runs of the spec may overlap
         return run_stages(runner, partial(_stages, force_promote=force_promote, lock=None), STAGES,
                           override_forecast)
-    with model_lock(spec.name, lock_timeout_seconds, holder_label(runner.run_id)) as lock:
+    with model_lock(team_model(spec, runner.team), lock_timeout_seconds, holder_label(runner.run_id)) as lock:
         repair_publication(spec)
         return run_stages(runner, partial(_stages, force_promote=force_promote, lock=lock), STAGES,
                           override_forecast)

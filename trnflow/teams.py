@@ -167,11 +167,21 @@ class Teams(BaseModel):
         names = [t.name for t in self.teams]
         if len(set(names)) != len(names):
             raise ValueError(f"a team is declared twice: {sorted(n for n in set(names) if names.count(n) > 1)}")
+        if DEFAULT_TEAM in names:
+            raise ValueError(f"{DEFAULT_TEAM!r} is the one team of a stack that declares none, which the stack's "
+                             "policies do not scope: name the team otherwise")
         for team in self.teams:
             missing = [f for f, v in team.writes().items() if v is None]
             if missing:
                 raise ValueError(f"team {team.name}: no prefix for {', '.join(missing)}; a declared team "
                                  "writes only where it is given a place")
+            places = [(f, v) for f, v in team.writes().items() if v is not None]
+            for n, (field, prefix) in enumerate(places):  # a job that writes one must never write another
+                for other, within in places[n + 1:]:
+                    if inside(prefix, within) or inside(within, prefix):
+                        raise ValueError(f"team {team.name}: its {field} prefix {prefix} and its {other} prefix "
+                                         f"{within} overlap; a job that may write one would write the other: "
+                                         "give each a folder of its own")
         if self.local_team is not None and self.local_team not in names:
             raise ValueError(f"local_team {self.local_team!r} is not a declared team ({', '.join(names)})")
         return self

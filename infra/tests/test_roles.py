@@ -112,15 +112,17 @@ class Stack:
 
         def holds(statement) -> bool:
             conditions = statement.get("Condition", {})
-            unknown = set(conditions) - {"StringEquals", "StringLike", "StringNotEquals"}
-            assert not unknown, f"this evaluator reads StringEquals, StringLike and StringNotEquals only, not {unknown}"
+            unknown = set(conditions) - {"StringEquals", "StringLike", "StringNotEquals", "StringNotLike"}
+            assert not unknown, f"this evaluator reads the String conditions only, not {unknown}"
             return (all(context.get(key) in listed(wanted)
                         for key, wanted in conditions.get("StringEquals", {}).items())
                     and all(key in context and any(fnmatchcase(context[key], w) for w in listed(wanted))
                             for key, wanted in conditions.get("StringLike", {}).items())
                     # a negated operator holds where the key is missing, as IAM evaluates it
                     and all(context.get(key) not in listed(wanted)
-                            for key, wanted in conditions.get("StringNotEquals", {}).items()))
+                            for key, wanted in conditions.get("StringNotEquals", {}).items())
+                    and all(key not in context or not any(fnmatchcase(context[key], w) for w in listed(wanted))
+                            for key, wanted in conditions.get("StringNotLike", {}).items()))
 
         def matches(statement) -> bool:
             actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
@@ -317,6 +319,10 @@ def test_a_job_of_one_team_can_neither_read_nor_write_another_teams_folders_or_k
             f"{CHECKPOINTS}/registry/search/m/versions/v000001.json",
             f"{CACHE}/teams/search/neuronxcc-torch-2.13.0+cpu/MODULE_1+2/model.neff"]
     assert all(STACK.allows(kind, "s3:GetObject", arn, mine) for arn in ours), kind
+    for bucket in (DATA, CHECKPOINTS, CACHE, OUTPUTS, STAGING):  # nor list B's keys
+        for prefix in ("teams/ads/", "registry/ads/", "jobs/ads/", ""):
+            assert not STACK.allows(kind, "s3:ListBucket", bucket, mine | {"s3:prefix": prefix}), (bucket, prefix)
+    assert STACK.allows(kind, "s3:ListBucket", CHECKPOINTS, mine | {"s3:prefix": f"teams/search/runs/m/{RUN}/"})
     key = "arn:aws:secretsmanager:us-east-1:123456789012:secret:trnflow/teams/{}/cache-signing-key-AbCdEf"
     assert not STACK.allows(kind, "secretsmanager:GetSecretValue", key.format("ads"), mine)
     assert not STACK.allows(kind, "secretsmanager:GetSecretValue", STACK.ref("CacheSigningKey"), mine)
@@ -346,6 +352,8 @@ def test_the_orchestrator_makes_job_roles_of_its_own_team_alone():
     assert not STACK.allows("OrchestratorRole", "iam:CreateRole", role, orchestrator)  # no team tag: no role
     tags = {t["Key"]: t["Value"] for t in STACK.resources["OrchestratorRole"]["Properties"]["Tags"]}
     assert tags == {"trnflow-team": "default"}
+    itself = "arn:aws:iam::123456789012:role/trnflow-orchestrator"
+    assert STACK.allows("OrchestratorRole", "iam:ListRoleTags", itself)  # how it learns its team
 
 
 def test_multi_node_containers_cannot_reach_the_instances_role_and_logs_are_kept_for_a_while():

@@ -89,6 +89,10 @@ class Case:
     """How far its weights, metrics and embeddings may be from the fault-free run's, relative to each
     tensor's largest magnitude: 0, bitwise; a case that reshards onto fewer cores sums its gradients
     in another order."""
+    outputs_rtol: float | None = None
+    """How far its embeddings may be, where that differs from `rtol`: a case whose inference runs on
+    fewer cores than the fault-free run's batches the rows differently, which some CPUs' kernels
+    round differently (AMD EPYC's: 2.9e-6 where weights and metrics agree within 1e-6)."""
 
 
 def _faults(*faults: dict) -> dict:
@@ -288,7 +292,7 @@ CASES = [
          {**_faults({"kind": "hw", "core": 1, "step": 25, "phase": "train"}),
           "compute": {"instance_type": "trn1.2xlarge"},
           "train": {"parallelism": {"strategy": "fsdp", "min_cores_per_node": 1}}},
-         baseline="fsdp", rtol=1e-6, ci=True,
+         baseline="fsdp", rtol=1e-6, outputs_rtol=1e-5, ci=True,
          seen=lambda row: row["train_cores"] == [0] and row["retries_by"].get("task:train", 0) == 1),
     Case("disk-full", "no space left on the device while writing the step-30 checkpoint", setup=disk_full),
     Case("kill-torn-hw", "three in one run: a rank SIGKILLed at step 13, the step-20 checkpoint torn, then a "

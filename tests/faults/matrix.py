@@ -148,7 +148,8 @@ class Matrix:
         if case.baseline not in self.baselines:  # the fault-free run of the case's layout, once
             self.run_baseline(case.baseline)
         row: dict[str, Any] = {"case": case.name, "what": case.what, "max_redone": EVERY * case.interruptions,
-                               **({"rtol": case.rtol} if case.rtol else {})}
+                               **({"rtol": case.rtol} if case.rtol else {}),
+                               **({"outputs_rtol": case.outputs_rtol} if case.outputs_rtol else {})}
         if case.setup is disk_full and not can_mount():
             return {**row, "recovered": None, "skipped": "needs root to mount a size-limited tmpfs"}
         folder = self.world.root / "cases" / case.name
@@ -187,7 +188,7 @@ class Matrix:
             by["flow rerun"] = run.reruns
         if api:
             by["api"] = api
-        same = snapshot.differences(self.baselines[case.baseline], case.rtol)
+        same = snapshot.differences(self.baselines[case.baseline], case.rtol, case.outputs_rtol)
         results = state.result().results
         row |= {"recovered": True, "retries": sum(by.values()), "retries_by": by, "steps_redone": redone,
                 "training_attempts": attempts, "train_cores": results["train"].cores,
@@ -236,8 +237,9 @@ def table_rows(rows: list[dict[str, Any]]) -> list[list[str]]:
         out.append([r["case"], mark(r.get("fault_seen")), mark(r["recovered"]),
                     f"{r.get('retries', '-')}" + (f" ({by})" if by else ""),
                     str(r.get("steps_redone", "-")),
-                    mark(r.get("weights"), f", by outputs{within}" if within else ""),
-                    *(mark(r.get(k), within) for k in ("registry", "outputs")), mark(r.get("nothing_lost"))])
+                    mark(r.get("weights"), f", by outputs{within}" if within else ""), mark(r.get("registry"), within),
+                    mark(r.get("outputs"), f" ({r['outputs_rtol']:g})" if r.get("outputs_rtol") else within),
+                    mark(r.get("nothing_lost"))])
     return out
 
 

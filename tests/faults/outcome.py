@@ -54,9 +54,10 @@ class Snapshot:
         return cls(ckpt.model, ckpt.optim or {}, view, rows, run.committed(),
                    list(ckpt.meta.evaluations) if ckpt.meta else [])
 
-    def differences(self, base: Snapshot, rtol: float = 0.0) -> dict[str, bool]:
+    def differences(self, base: Snapshot, rtol: float = 0.0, outputs_rtol: float | None = None) -> dict[str, bool]:
         """Which of weights, registry, outputs and checkpoints equal the fault-free run's: bitwise, or
-        within `rtol` relative to each value's (each embedding's) largest magnitude. Within `rtol`,
+        within `rtol` relative to each value's (each embedding's) largest magnitude (the embeddings
+        within `outputs_rtol`, where it is given). Within `rtol`,
         the weights are compared by what they compute, every holdout metric at every evaluation point:
         a parameter whose gradient is zero but for rounding (an attention key bias) takes steps of the
         learning rate's size from AdamW whatever the rounding, so after a change of summation order it
@@ -66,7 +67,8 @@ class Snapshot:
         return {
             "weights": weights,
             "registry": _same(self.registry, base.registry, rtol),
-            "outputs": _same(self.embeddings, base.embeddings, rtol) and bool(base.embeddings),
+            "outputs": _same(self.embeddings, base.embeddings, rtol if outputs_rtol is None else outputs_rtol)
+            and bool(base.embeddings),
             "checkpoints": self.committed == base.committed,
         }
 

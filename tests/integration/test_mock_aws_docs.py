@@ -185,3 +185,73 @@ def test_from_another_folder_the_banner_names_a_spec_there_and_the_docs_put_a_re
         server.send_signal(signal.SIGTERM)
         rest, _ = server.communicate(timeout=60)
     assert server.returncode == 0, rest
+
+
+def _session(env_file: str) -> dict[str, str]:
+    """The variables a team's `.env` file exports (as `source` would set them)."""
+    return dict(re.findall(r"^export (\w+)=(\S+)$", Path(env_file).read_text(), re.MULTILINE))
+
+
+@pytest.mark.slow
+def test_two_teams_run_the_quickstart_side_by_side_each_in_its_own_folders(tmp_path, prefect_api):
+    """`trnflow mock-aws --teams search,ads`: each team starts the Batch example as its own role, as
+    the banner says, at the same time; each run's team is its role's tag, and everything it writes
+    lands in its team's folders, its cache entries signed with its team's key. A spec naming the
+    other team's folders, and a starter with no team, are refused before any job."""
+    import boto3
+
+    port = _port()
+    endpoint = f"http://127.0.0.1:{port}"
+    env = _clean_env(tmp_path) | {"AWS_ENDPOINT_URL": endpoint, "PREFECT_API_URL": prefect_api}
+    server = subprocess.Popen([str(TRNFLOW), "mock-aws", "--port", str(port), "--teams", "search,ads"], env=env,
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        printed = _started(server) + "".join(server.stdout.readline() for _ in range(3))
+        sources = dict((team, path) for path, team in re.findall(r"source (\S+/teams/(\w+)\.env)", printed))
+        commands = re.findall(r"^\s+trnflow run (\S+ .+)$", printed, re.MULTILINE)
+        assert set(sources) == {"search", "ads"} and len(commands) == 2, printed
+        runs = {}
+        for team, command in zip(("search", "ads"), commands, strict=True):
+            assert f"teams/{team}/checkpoints" in command
+            args = [a for part in command.split(" --set ") for a in ("--set", part)][1:]  # the spec, then each --set
+            runs[team] = subprocess.Popen([str(TRNFLOW), "run", *args, *SHORTER, "--json"],
+                                          env=env | _session(sources[team]), cwd=ROOT, stdout=subprocess.PIPE,
+                                          stderr=subprocess.PIPE, text=True)
+        ended = {team: run.communicate(timeout=900) for team, run in runs.items()}
+        for team, (out, said) in ended.items():
+            assert runs[team].returncode == 0, team + out[-3000:] + said[-3000:]
+        s3 = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", aws_access_key_id="mock",
+                          aws_secret_access_key="mock")
+        for team, (out, _) in ended.items():
+            run_id = json.loads(out)["run_id"]
+            mine = _keys(s3, f"teams/{team}/")
+            assert any(k.startswith(f"teams/{team}/checkpoints/{run_id}/step-") for k in mine), mine[:20]
+            assert any(k.startswith(f"teams/{team}/embeddings/") for k in mine)
+            assert any(k.startswith(f"teams/{team}/registry/quickstart-batch/") for k in mine)
+            assert any(k.startswith(f"teams/{team}/neuron-cache/") for k in mine)
+            staging = sorted(o["Key"] for o in s3.list_objects_v2(Bucket="trnflow-staging-123456789012",
+                                                                  Prefix=f"jobs/{team}/").get("Contents", []))
+            assert f"jobs/{team}/{run_id}.owner.json" in staging and any(k.startswith(f"jobs/{team}/{run_id}/")
+                                                                         for k in staging)
+            owner = json.loads(s3.get_object(Bucket="trnflow-staging-123456789012",
+                                             Key=f"jobs/{team}/{run_id}.owner.json")["Body"].read())
+            assert owner == {"team": team, "model": "quickstart-batch"}
+        assert not _keys(s3, "checkpoints/") and not _keys(s3, "embeddings/")  # nothing outside the teams' folders
+
+        # search's run naming ads' registry, and a run started by a principal with no team: refused
+        example, *_ = commands[0].split(" --set ")
+        outside = subprocess.run([str(TRNFLOW), "run", example, *SHORTER, "--set",
+                                  f"registry_url=s3://{BUCKET}/teams/ads/registry"],
+                                 env=env | _session(sources["search"]), cwd=ROOT, capture_output=True, text=True,
+                                 timeout=300)
+        said = " ".join(outside.stderr.split())
+        assert outside.returncode == 2 and "registry_url: s3://trnflow-data-123456789012/teams/ads/registry is " \
+            "outside team search's prefix s3://trnflow-data-123456789012/teams/search/registry" in said, said
+        anyone = subprocess.run([str(TRNFLOW), "run", example, *SHORTER], env=env, cwd=ROOT, capture_output=True,
+                                text=True, timeout=300)
+        said = " ".join(anyone.stderr.split())
+        assert anyone.returncode == 2 and "team: " in said and "trnflow-team" in said and "Traceback" not in said, said
+    finally:
+        server.send_signal(signal.SIGTERM)
+        rest, _ = server.communicate(timeout=60)
+    assert server.returncode == 0, rest

@@ -74,6 +74,11 @@ def test_a_location_lies_inside_a_prefix_segment_by_segment_and_never_by_climbin
     ({"teams": [{"name": "a", "checkpoints": "s3://b/a/../c", "registry": "s3://b/a", "outputs": "s3://b/a",
                  "cache": "s3://b/a"}]}, "has an empty, `.` or `..` segment"),
     ({"owner": "me"}, "owner: Extra inputs are not permitted"),
+    ({"teams": [{"name": "default", "checkpoints": "s3://b/c", "registry": "s3://b/r", "outputs": "s3://b/o",
+                 "cache": "s3://b/k"}]}, "'default' is the one team of a stack that declares none"),
+    ({"teams": [{"name": "a", "checkpoints": "s3://b/a", "registry": "s3://b/a/registry", "outputs": "s3://b/o",
+                 "cache": "s3://b/k"}]}, "team a: its train.checkpoint_url prefix s3://b/a and its registry_url "
+                                         "prefix s3://b/a/registry overlap"),
 ])
 def test_a_teams_file_that_is_not_one_is_refused_naming_the_file_and_field(tmp_path, change, said):
     declared = {**_teams(tmp_path), **change}
@@ -107,6 +112,13 @@ def test_a_spec_naming_another_teams_folders_is_refused_field_by_field(tmp_path,
     assert inside(str(tmp_path / "search" / "outputs" / "x"), team.outputs)  # its own stay its own
     loopback = _spec(tmp_path, tracking={"mlflow_uri": "http://127.0.0.1:5000"})
     assert team_problems(loopback, team) == []  # a server on this machine, for a run on its cores
+    weights = validate_spec(quickstart_data(**{**_spec(tmp_path).model_dump(mode="json"), "model": {
+        "recipe": "hf-causal-lm", "params": {"pretrained": "s3://models/ads/base", "seq_len": 32}},
+        "gate": {"reference": None, "metric": "perplexity", "metrics": []}}))
+    assert team_problems(weights, team) == [
+        f"model.params.pretrained: s3://models/ads/base is outside what team search may read ("
+        f"{', '.join(p for p in (*team.writes().values(), *team.read) if p)}); read from there, or ask the "
+        "operators to add it to the team's `read`"]
 
 
 def test_trnflow_run_refuses_a_spec_outside_its_team_before_any_job(tmp_path, monkeypatch, trnflow_home):
@@ -119,6 +131,21 @@ def test_trnflow_run_refuses_a_spec_outside_its_team_before_any_job(tmp_path, mo
     said = " ".join(result.stderr.split())
     assert "registry_url:" in said and f"outside team search's prefix file://{tmp_path}/search/registry" in said
     assert "Traceback" not in result.output and not (tmp_path / "ads").exists()
+
+
+@pytest.mark.parametrize("command", [["compile"], ["reference"],
+                                     pytest.param(["plan", "--calibrate"], marks=pytest.mark.slow)])  # builds a model
+def test_a_command_that_starts_a_job_by_itself_refuses_a_spec_outside_its_team(tmp_path, monkeypatch, trnflow_home,
+                                                                               command):
+    _file(tmp_path, _teams(tmp_path), monkeypatch)
+    spec = _spec(tmp_path, compile={"cache_url": str(tmp_path / "ads" / "cache")})
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    result = CliRunner().invoke(app, [*command, str(path)])
+    assert result.exit_code == 2, result.output
+    assert f"compile.cache_url: file://{tmp_path}/ads/cache is outside team search's prefix" in " ".join(
+        result.stderr.split())
+    assert not (tmp_path / "ads").exists() and not list((trnflow_home / "jobs").glob("*"))
 
 
 def test_a_local_run_on_a_machine_whose_teams_name_no_local_team_is_refused(tmp_path, monkeypatch):
@@ -243,6 +270,54 @@ def test_the_orchestrators_tracking_token_never_reaches_a_server_that_is_not_its
     import os
 
     assert os.environ["MLFLOW_TRACKING_TOKEN"] == "orchestrator-secret"  # put back as it was
+
+
+def test_credentials_held_back_from_a_server_are_named_in_the_runs_summary(monkeypatch, tmp_path):
+    from trnflow.reporting.tracking import withheld
+    from trnflow.teams import UNDECLARED
+
+    monkeypatch.delenv("SEARCH_MLFLOW_TOKEN", raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_TOKEN", "secret")
+    said = withheld("https://mlflow.example", UNDECLARED)
+    assert "MLFLOW_TRACKING_TOKEN not sent: https://mlflow.example is not team default's tracking server" in said
+    assert "TRNFLOW_MLFLOW_URI" in said and "secret" not in said
+    ours = UNDECLARED.model_copy(update={"mlflow_uri": "https://mlflow.example"})
+    assert withheld("https://mlflow.example/", ours) == ""  # sent: nothing to say
+    monkeypatch.delenv("MLFLOW_TRACKING_TOKEN")
+    assert withheld("https://elsewhere.example", UNDECLARED) == ""  # nothing held: nothing to say
+
+
+@pytest.mark.slow  # moto's IAM, STS, SSM and S3: about 6 s
+def test_a_declared_teams_cloud_run_gets_its_own_staging_and_keys_and_never_fixed_roles(in_process_aws, tmp_path,
+                                                                                          monkeypatch):
+    import boto3
+
+    from trnflow.backends.cloud import cloud_target, published_settings
+
+    iam, sts, ssm = boto3.client("iam"), boto3.client("sts"), boto3.client("ssm")
+    declared = _teams(tmp_path)
+    declared["teams"][0] |= {"cache_public_key": "ed25519:" + "A" * 43 + "=",
+                             "cache_signing_key": "arn:aws:secretsmanager:us-east-1:123456789012:secret:search-k"}
+    for n in range(12):  # more than one page of settings: the teams file is on the second
+        ssm.put_parameter(Name=f"/trnflow/other-{n:02d}", Value="x", Type="String")
+    boto3.client("s3").create_bucket(Bucket="ops")
+    boto3.client("s3").put_object(Bucket="ops", Key="teams.yaml", Body=yaml.safe_dump(declared).encode())
+    ssm.put_parameter(Name="/trnflow/teams", Value="s3://ops/teams.yaml", Type="String")
+    assert published_settings("/trnflow")["teams"] == "s3://ops/teams.yaml"
+    for key, value in {"TRNFLOW_STAGING_URL": "s3://staging/jobs", "TRNFLOW_IMAGE": "img:1",
+                       "TRNFLOW_SAGEMAKER_ROLE_ARN": "arn:aws:iam::123456789012:role/fixed",
+                       "TRNFLOW_CACHE_PUBLIC_KEY": "ed25519:" + "B" * 43 + "="}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TRNFLOW_TEAMS", raising=False)
+    _as(monkeypatch, sts, _principal(iam, "search-submit", "search"))
+    with pytest.raises(FatalError, match="team search is declared, and its jobs would run as the deployment's "
+                                         "fixed roles"):
+        cloud_target(TrnflowSettings(), "sagemaker")
+    monkeypatch.setenv("TRNFLOW_JOB_POLICIES", "arn:aws:iam::123456789012:policy/trnflow/")
+    target = cloud_target(TrnflowSettings(), "sagemaker")
+    assert (target.team.name, target.staging_url) == ("search", "s3://staging/jobs/search")
+    assert target.cache_public_key == "ed25519:" + "A" * 43 + "="  # the team's, never the stack's
+    assert target.cache_signing_key.endswith(":secret:search-k")
 
 
 def test_plain_http_to_another_machine_is_refused_in_a_spec(tmp_path):

@@ -123,14 +123,21 @@ def published_settings(path: str) -> dict[str, str]:
     ...), by settings field; empty when none are published. They are read on every cloud run, as the
     cache's public key may be among them: FatalError when they cannot be read (no access, no
     account), since a run that went on without them could load unsigned cache entries."""
+    ssm, found, token = aws.client("ssm"), [], None
     try:
-        answer = aws.call(aws.client("ssm").get_parameters_by_path, Path=path.rstrip("/") or "/", Recursive=False)
+        while True:  # every page: a setting left on a second page (the teams file) must never go unread
+            page = aws.call(ssm.get_parameters_by_path, Path=path.rstrip("/") or "/", Recursive=False,
+                            **({"NextToken": token} if token else {}))
+            found += page.get("Parameters", [])
+            token = page.get("NextToken")
+            if not token:
+                break
     except (BotoCoreError, ClientError) as exc:
         raise FatalError(f"the settings published under {path}/ in SSM cannot be read ({exc}); they may hold the "
                          "compile cache's public key, so no cloud job starts without them: give this identity "
                          f"ssm:GetParametersByPath on {path}, or set TRNFLOW_PARAMETERS_PATH to where the stack "
                          "publishes them") from None
-    named = {p["Name"].rsplit("/", 1)[-1].replace("-", "_"): p["Value"] for p in answer.get("Parameters", [])}
+    named = {p["Name"].rsplit("/", 1)[-1].replace("-", "_"): p["Value"] for p in found}
     return {k: v for k, v in named.items() if k in SETTINGS}
 
 
@@ -155,6 +162,10 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
                          f"the CloudFormation stack in infra/ (which also publishes them under "
                          f"{settings.parameters_path}/ in SSM)")
     team = team_of(service, settings, values["teams"])
+    if not team.unrestricted and not values["job_policies"]:
+        raise FatalError(f"team {team.name} is declared, and its jobs would run as the deployment's fixed roles, "
+                         "which no team scopes: set TRNFLOW_JOB_POLICIES (the stack's JobPolicies output), so that "
+                         "each job runs as a role of its own tagged with its team")
     if not team.unrestricted:  # a declared team's staging, cache and key are its own, never the stack's
         values |= {"staging_url": team.staging or f"{values['staging_url'].rstrip('/')}/{team.name}",
                    "cache_public_key": team.cache_public_key, "cache_signing_key": team.cache_signing_key}

@@ -72,6 +72,8 @@ def caller_team(teams: Teams) -> Team:
             tags = aws.call(iam.list_role_tags, RoleName=found["role"])["Tags"]
         else:
             tags = aws.call(iam.list_user_tags, UserName=found["user"])["Tags"]
+    except iam.exceptions.NoSuchEntityException:
+        tags = []  # a principal IAM does not hold (an account's root, say) carries no team
     except (BotoCoreError, ClientError) as exc:
         raise TeamUnknown(f"the tags of {arn} cannot be read ({exc}), so neither can the run's team; give it "
                          "iam:ListRoleTags (or iam:ListUserTags) on itself") from None

@@ -9,6 +9,7 @@ Each command group has a module of its own (`devices`, `data`, `pipeline`, `cach
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable
 from importlib.metadata import entry_points
 from pathlib import Path
@@ -33,6 +34,7 @@ from trnflow.cli.models import models_app
 from trnflow.cli.tracking import tracking_app
 from trnflow.errors import ExitCode
 from trnflow.specs import JobSpec, SpecError
+from trnflow.teams import NAME as TEAM_NAME
 
 app = typer.Typer(
     name="trnflow",
@@ -58,7 +60,10 @@ def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
                          0.5, min=0, help="How long a new instance takes to boot (a real trn1 takes minutes)."),
                      image_pull_seconds: float = typer.Option(
                          0.5, min=0, help="How long a new instance takes to pull the training image (a Neuron "
-                         "image of more than 10 GB takes minutes).")) -> None:
+                         "image of more than 10 GB takes minutes)."),
+                     teams: str = typer.Option("", help="Declare these teams (comma-separated, e.g. search,ads): each "
+                                               "gets folders of its own, a signing key and a role to start runs as "
+                                               "(docs/cloud.md, Teams).")) -> None:
     """Run SageMaker, Batch, S3 and CloudWatch on 127.0.0.1 (moto), with submitted jobs run for real.
     Every instance a job starts is counted and billed from its start, as each service bills: the
     cost table shows both."""
@@ -68,8 +73,12 @@ def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
         err.print(f"trnflow mock-aws needs {exc.name}, which comes with the mock extra: "
                   "pip install 'trnflow[mock]' (or 'trnflow[dev]' in a checkout)", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
+    names = [t.strip() for t in teams.split(",") if t.strip()]
+    if bad := [t for t in names if not re.fullmatch(TEAM_NAME, t)]:
+        err.print(f"--teams: {', '.join(bad)} cannot name a team (lowercase letters, digits and -)", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
     mock_aws(port=port, seed_data=seed_data, provision_seconds=provision_seconds,
-             image_pull_seconds=image_pull_seconds)
+             image_pull_seconds=image_pull_seconds, teams=names)
 
 
 @app.command()

@@ -22,7 +22,7 @@ from trnflow.backends.reference import run_reference
 from trnflow.cli import render
 from trnflow.cli.common import JsonOpt, SetOpt, SpecArg, console, err, load, set_overrides
 from trnflow.cli.console import RED
-from trnflow.cli.prelaunch import OverrideOpt, refuse_over_forecast, refuse_unlaunchable
+from trnflow.cli.prelaunch import OverrideOpt, refuse_outside_team, refuse_over_forecast, refuse_unlaunchable
 from trnflow.cli.progress import training_progress
 from trnflow.errors import ChampionKept, ExitCode, GateFailed, OverBudget, TrnflowError
 from trnflow.neuron.compile_log import CompileProgress
@@ -43,6 +43,7 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
     """Train the spec in plain fp32 (as a GPU run would) and write its metrics to gate.reference."""
 
     spec = load(spec_path, set_overrides(overrides))
+    refuse_outside_team(spec, str(spec_path))
     try:
         with console.status("training the fp32 reference"):
             document = run_reference(spec)
@@ -66,6 +67,7 @@ def compile_cmd(
 
     spec = load(spec_path, set_overrides(overrides))
     settings = TrnflowSettings()
+    refuse_outside_team(spec, str(spec_path))  # the cache it writes must be its team's
     options = {"check": check, "retry_failed": retry_failed}
     columns = (TextColumn("compiling"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
                TimeElapsedColumn())

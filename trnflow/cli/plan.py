@@ -14,6 +14,7 @@ from rich.text import Text
 from trnflow.backends.calibration import CALIBRATION_STEPS, cache_check, timed_steps
 from trnflow.cli.common import JsonOpt, SetOpt, console, err, load, set_overrides
 from trnflow.cli.console import RED, plain
+from trnflow.cli.prelaunch import refuse_outside_team
 from trnflow.errors import ExitCode, TrnflowError
 from trnflow.events import duration
 from trnflow.reporting.forecast import Layout, RunRecord, calibration_record, history, plan
@@ -36,6 +37,8 @@ def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], ov
     from trnflow.workload.memory import decided  # the memory planner needs the recipe's model: torch
 
     job = decided(load(spec, set_overrides(overrides)))
+    if calibrate:  # a calibration is a job: its team decided, and the spec inside it
+        refuse_outside_team(job, str(spec))
     records, unread = history(job, TrnflowSettings().home.expanduser().resolve())
     notes: list[str] = []
     cache = _checked_cache(job, notes) if calibrate else None

@@ -14,6 +14,7 @@ from trnflow.redact import without_credentials
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 from trnflow.teams import Team, inside, is_loopback, origin
+from trnflow.urls import normalise_url
 
 
 def _probe(url: str) -> str | None:
@@ -59,6 +60,9 @@ def team_problems(spec: JobSpec, team: Team) -> list[str]:
     for field, value in (("train.init_from", spec.train.init_from), ("gate.reference", spec.gate.reference)):
         if value and value != "champion":
             reads[field] = value
+    for key, value in spec.model.params.items():  # a recipe's inputs: pretrained weights, a tokenizer
+        if isinstance(value, str) and (value.startswith(("s3://", "file://")) or key == "pretrained"):
+            reads[f"model.params.{key}"] = value if "://" in value else normalise_url(value)
     for field, url in reads.items():
         if url and not any(inside(url, prefix) for prefix in readable):
             problems.append(f"{field}: {without_credentials(url)} is outside what team {team.name} may read "

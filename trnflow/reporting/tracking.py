@@ -284,6 +284,21 @@ def credentials(uri: str, team: Team) -> dict[str, str | None]:
             for name in CREDENTIALS}
 
 
+def withheld(uri: str, team: Team) -> str:
+    """A note for a run's summary when this machine holds MLflow credentials and `uri` gets none (it
+    is not the team's server): what to set if it should. Empty otherwise."""
+    if is_sagemaker_arn(uri) or any(credentials(uri, team).values()):
+        return ""
+    held = sorted({f"{start}_{name}" for start in ("MLFLOW_TRACKING", team.mlflow_credentials)
+                   for name in CREDENTIALS if os.environ.get(f"{start}_{name}")})
+    if not held:
+        return ""
+    fix = ("set TRNFLOW_MLFLOW_URI to it if it is this machine's server" if team.unrestricted else
+           "the operators name each team's server in the teams file")
+    return (f" ({', '.join(held)} not sent: {uri} is not team {team.name}'s tracking server "
+            f"({team.mlflow_uri or 'none named'}); {fix})")
+
+
 @contextlib.contextmanager
 def _bounded(uri: str, team: Team) -> Iterator[None]:
     """The MLflow client's requests to `uri`, each cut off after REQUEST_TIMEOUT_SECONDS and never
@@ -448,9 +463,10 @@ def mirror(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: str, 
         atomic_write_text(kept, run.model_dump_json())
         why = " ".join(f"{type(exc).__name__}: {exc}".split())[:300]
         return False, (f"tracking: not sent to {run.uri} ({why}); kept in {kept}: `trnflow tracking sync "
-                       f"{run.run_id}` sends it")
+                       f"{run.run_id}` sends it{withheld(run.uri, team)}")
     kept.unlink(missing_ok=True)  # an earlier attempt's, now sent with the rest
-    return True, f"tracking: MLflow run {mlflow_id}" + (f" ({url})" if url else f" on {run.uri}")
+    return True, (f"tracking: MLflow run {mlflow_id}" + (f" ({url})" if url else f" on {run.uri}")
+                  + withheld(run.uri, team))
 
 
 def kept_run(home: Path, run_id: str) -> TrackedRun:

@@ -12,6 +12,7 @@ import hashlib
 import json
 from typing import Any
 
+import yaml
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -108,3 +109,53 @@ def mock_outputs(prefix: str = "trnflow") -> dict[str, str]:
             "BATCH_JOB_QUEUE": f"{prefix}-trn1", "BATCH_SPOT_JOB_QUEUE": f"{prefix}-trn1-spot",
             "DATA_BUCKET": f"{prefix}-data-{ACCOUNT}",
             "CACHE_PUBLIC_KEY": public_text(signing_key(prefix).public_key())}
+
+
+TEAMS_KEY = "_operators/teams.yaml"
+"""Where `provision_teams` keeps the teams file, in the staging bucket: beside the jobs' folders
+(`jobs/...`), which are all a job may write there."""
+
+
+def team_prefixes(team: str, prefix: str = "trnflow") -> dict[str, str]:
+    """A team's folders in the mock deployment, whose one data bucket holds everything (a real stack
+    has a bucket a kind: infra/cloudformation/trnflow.yaml's layout, `teams/<team>/` of each)."""
+    base = f"s3://{prefix}-data-{ACCOUNT}/teams/{team}"
+    return {"checkpoints": f"{base}/checkpoints", "registry": f"{base}/registry", "outputs": f"{base}/embeddings",
+            "cache": f"{base}/neuron-cache"}
+
+
+def provision_teams(client: Any, teams: list[str], prefix: str = "trnflow") -> dict[str, dict[str, str]]:
+    """Declare `teams` in the deployment `provision` made, as its operators would: a teams file (each
+    team's folders under `teams/<team>/`, the seeded `quickstart/` data readable by all, a signing key
+    of its own in Secrets Manager), published as the `teams` setting, and for each team a role
+    tagged with it that its people start runs as. Returns, by team, the AWS variables of a session
+    of that role (the emulator's credentials, good for twelve hours)."""
+    iam, sts, secrets, s3 = (client(s) for s in ("iam", "sts", "secretsmanager", "s3"))
+    declared, sessions = [], {}
+    trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
+                                                     "Principal": {"AWS": f"arn:aws:iam::{ACCOUNT}:root"}}]}
+    for team in teams:
+        key = signing_key(f"{prefix}-{team}")
+        pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                serialization.NoEncryption()).decode()
+        name = f"{prefix}/teams/{team}/cache-signing-key"
+        try:
+            secret = secrets.describe_secret(SecretId=name)["ARN"]
+        except secrets.exceptions.ResourceNotFoundException:
+            secret = secrets.create_secret(Name=name, SecretString=pem)["ARN"]
+        declared.append({"name": team, **team_prefixes(team, prefix), "read": [f"s3://{prefix}-data-{ACCOUNT}/quickstart"],
+                         "cache_signing_key": secret, "cache_public_key": public_text(key.public_key())})
+        role = f"{prefix}-team-{team}"
+        try:
+            arn = iam.get_role(RoleName=role)["Role"]["Arn"]
+        except iam.exceptions.NoSuchEntityException:
+            arn = iam.create_role(RoleName=role, AssumeRolePolicyDocument=json.dumps(trust), MaxSessionDuration=43200,
+                                  Tags=[{"Key": "trnflow-team", "Value": team}])["Role"]["Arn"]
+        found = sts.assume_role(RoleArn=arn, RoleSessionName="mock-aws", DurationSeconds=43200)["Credentials"]
+        sessions[team] = {"AWS_ACCESS_KEY_ID": found["AccessKeyId"], "AWS_SECRET_ACCESS_KEY": found["SecretAccessKey"],
+                          "AWS_SESSION_TOKEN": found["SessionToken"]}
+    s3.put_object(Bucket=f"{prefix}-staging-{ACCOUNT}", Key=TEAMS_KEY,
+                  Body=yaml.safe_dump({"teams": declared}, sort_keys=False).encode())
+    client("ssm").put_parameter(Name=f"/{prefix}/teams", Value=f"s3://{prefix}-staging-{ACCOUNT}/{TEAMS_KEY}",
+                                Type="String", Overwrite=True)
+    return sessions
