@@ -136,6 +136,11 @@ class Team(BaseModel):
             raise ValueError(f"{value!r} is not the start of an environment variable's name (A-Z, 0-9, _)")
         return value
 
+    def serves(self, uri: str) -> bool:
+        """Whether `uri` is the team's tracking server (same scheme, host and port): the one server a
+        run may mirror to, and the only one that gets the team's credentials."""
+        return self.mlflow_uri is not None and origin(uri) == origin(self.mlflow_uri)
+
     @property
     def unrestricted(self) -> bool:
         """The default team of an install that declares none: it may reach anywhere its user can."""

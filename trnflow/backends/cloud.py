@@ -162,11 +162,11 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
                          f"the CloudFormation stack in infra/ (which also publishes them under "
                          f"{settings.parameters_path}/ in SSM)")
     team = team_of(service, settings, values["teams"])
-    if not team.unrestricted and not values["job_policies"]:
-        raise FatalError(f"team {team.name} is declared, and its jobs would run as the deployment's fixed roles, "
-                         "which no team scopes: set TRNFLOW_JOB_POLICIES (the stack's JobPolicies output), so that "
-                         "each job runs as a role of its own tagged with its team")
     if not team.unrestricted:  # a declared team's staging, cache and key are its own, never the stack's
+        if not values["job_policies"]:
+            raise FatalError(f"team {team.name} is declared, and its jobs would run as the deployment's fixed "
+                             "roles, which no team scopes: set TRNFLOW_JOB_POLICIES (the stack's JobPolicies "
+                             "output), so that each job runs as a role of its own tagged with its team")
         values |= {"staging_url": team.staging or f"{values['staging_url'].rstrip('/')}/{team.name}",
                    "cache_public_key": team.cache_public_key, "cache_signing_key": team.cache_signing_key}
     return CloudTarget(team=team, staging_url=values["staging_url"], image=values["image"] or "",

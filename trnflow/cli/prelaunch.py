@@ -152,15 +152,16 @@ def launch_problems(spec: JobSpec, retraining: bool = False) -> list[str]:
 def refuse_outside_team(spec: JobSpec, source: str) -> None:
     """Exit 2 when a command that starts a job of `spec` by itself (`compile`, `reference`, a
     calibration) would start it for no team, or outside its team (`team_problem`)."""
-    if problem := team_problem(spec):
-        err.print(f"{source}: cannot start", **RED)
-        err.print(f"  {problem}", markup=False, highlight=False, soft_wrap=True)
-        raise typer.Exit(ExitCode.BAD_INPUT)
+    _refuse(source, [problem] if (problem := team_problem(spec)) else [])
 
 
 def refuse_unlaunchable(spec: JobSpec, source: str, retraining: bool = False) -> None:
     """Exit 2 listing every problem `launch_problems` finds, before any job starts."""
-    problems = launch_problems(spec, retraining)
+    _refuse(source, launch_problems(spec, retraining))
+
+
+def _refuse(source: str, problems: list[str]) -> None:
+    """Exit 2 listing `problems`, a line each, when there are any."""
     if problems:
         err.print(f"{source}: cannot start", **RED)
         for problem in problems:

@@ -13,7 +13,7 @@ from trnflow.lifecycle.registry import Registry, RegistryCorrupt
 from trnflow.redact import without_credentials
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
-from trnflow.teams import Team, inside, is_loopback, origin
+from trnflow.teams import Team, inside, is_loopback
 from trnflow.urls import normalise_url
 
 
@@ -69,8 +69,7 @@ def team_problems(spec: JobSpec, team: Team) -> list[str]:
                             f"({', '.join(readable)}); read from there, or ask the operators to add it to the "
                             "team's `read`")
     uri = spec.tracking.mlflow_uri
-    ours = bool(team.mlflow_uri) and origin(uri or "") == origin(team.mlflow_uri or "")
-    if uri and not (ours or (spec.compute.backend == "local" and is_loopback(uri))):
+    if uri and not (team.serves(uri) or (spec.compute.backend == "local" and is_loopback(uri))):
         where = f"its own, {team.mlflow_uri}" if team.mlflow_uri else "none declared"
         problems.append(f"tracking.mlflow_uri: {uri} is not team {team.name}'s tracking server ({where}); a run "
                         "mirrors only to its team's server, which alone gets the team's credentials")

@@ -41,7 +41,7 @@ from trnflow.redact import without_credentials
 from trnflow.results import EvaluateResult, InferResult, RunOutcome, TrainResult
 from trnflow.specs import JobSpec, tracking_uri
 from trnflow.storage import open_store
-from trnflow.teams import DEFAULT_TEAM, Team, origin
+from trnflow.teams import Team
 
 HEALTH_TIMEOUT_SECONDS = 5.0
 REQUEST_TIMEOUT_SECONDS = 10
@@ -93,7 +93,6 @@ class TrackedRun(BaseModel):
     registered: TrackedVersion | None = Field(None, description="the version the run registered")
     champion: int | None = Field(None, description="the registry's champion when the run ended: the MLflow "
                                  "model's `champion` alias follows it")
-    team: str = Field(DEFAULT_TEAM, description="the run's team: its server alone gets the team's credentials")
 
     @field_validator("uri")
     @classmethod
@@ -104,7 +103,7 @@ class TrackedRun(BaseModel):
     @classmethod
     def _names(cls, value: dict[str, str]) -> dict[str, str]:
         for name in value:
-            if not re.fullmatch(FILE_NAME, name) or name in (".", ".."):
+            if not re.fullmatch(FILE_NAME, name):
                 raise ValueError(f"{name!r} is not a plain file name (letters, digits, `_.-`; no folder)")
         return value
 
@@ -279,7 +278,7 @@ def credentials(uri: str, team: Team) -> dict[str, str | None]:
     """The MLflow client's credential variables for requests to `uri`: the team's own
     (`<team.mlflow_credentials>_TOKEN`, ...) when `uri` is the team's server (same scheme, host and
     port), else none at all, whatever the orchestrator's environment holds."""
-    ours = team.mlflow_uri is not None and origin(uri) == origin(team.mlflow_uri)
+    ours = team.serves(uri)
     return {f"MLFLOW_TRACKING_{name}": os.environ.get(f"{team.mlflow_credentials}_{name}") if ours else None
             for name in CREDENTIALS}
 
@@ -453,7 +452,7 @@ def mirror(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: str, 
     for `trnflow tracking sync`: whether it was sent, and a line for the run's summary saying where
     it went or why not. Never raises."""
     try:
-        run = tracked_run(spec, outcome, ended, summary, flow_run_url).model_copy(update={"team": team.name})
+        run = tracked_run(spec, outcome, ended, summary, flow_run_url)
     except Exception as exc:  # a result the mirror cannot read must not cost the run its summary
         return False, f"tracking: nothing sent, the run could not be read for it ({type(exc).__name__}: {exc})"
     kept = outbox(home, run.run_id)
