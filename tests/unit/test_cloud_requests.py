@@ -11,7 +11,7 @@ import yaml
 from tests.conftest import ON_S3, quickstart_data
 from trnflow.backends import JobRequest
 from trnflow.backends.batch_request import build_job_definition, build_submit_job, exit_action, queue_problems
-from trnflow.backends.cloud import CloudTarget, container_environment
+from trnflow.backends.cloud import BASE_NAME_LENGTH, CloudTarget, container_environment, job_name
 from trnflow.backends.container import batch_rendezvous, sagemaker_rendezvous, torchrun_argv
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.errors import FatalError
@@ -83,6 +83,18 @@ def _valid_for_the_service(service: str, operation: str, params: dict) -> None:
     model = botocore.session.get_session().get_service_model(service).operation_model(operation)
     report = ParamValidator().validate(params, model.input_shape)
     assert not report.has_errors(), report.generate_report()
+
+
+def test_long_model_names_never_give_two_runs_one_job_name_and_so_one_set_of_log_streams():
+    name = "search-ranking-embeddings-multilingual-v2"
+    spec = validate_spec({**_spec().model_dump(mode="json"), "name": name})
+    first, second = (JobRequest(spec, "train", run) for run in ("20261206T010000-0123abcd", "20261206T010000-0123abce"))
+    for limit in (BASE_NAME_LENGTH, 63):
+        names = job_name(first, limit), job_name(second, limit)
+        assert names[0] != names[1] and all(len(n) <= limit and n.startswith("search-ranking") for n in names)
+        assert job_name(first, limit) == names[0]  # the same job, the same name: its staging folder is found again
+    assert job_name(JobRequest(spec, "train", "r9"), 128) == f"{name}-train-r9"  # one that fits is kept whole
+    assert build_training_job_request(first, TARGET)["TrainingJobName"] == job_name(first, BASE_NAME_LENGTH)
 
 
 def test_capacity_settings_become_sagemakers_instance_preferences_pending_limit_and_training_plan():

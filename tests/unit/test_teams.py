@@ -148,6 +148,24 @@ def test_a_command_that_starts_a_job_by_itself_refuses_a_spec_outside_its_team(t
     assert not (tmp_path / "ads").exists() and not (tmp_path / "home" / "jobs").exists()
 
 
+def test_trnflow_reference_writes_its_file_only_where_the_team_writes_never_in_a_folder_it_only_reads(
+        tmp_path, monkeypatch):
+    monkeypatch.setenv("TRNFLOW_HOME", str(tmp_path / "home"))
+    _file(tmp_path, _teams(tmp_path), monkeypatch)
+    shared = tmp_path / "data" / "reference.json"  # the team's `read`: data every run of it trusts
+    spec = _spec(tmp_path, gate={"reference": str(shared)})
+    assert team_problem(spec) is None  # a run may read it there
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(spec.model_dump(mode="json")))
+    result = CliRunner().invoke(app, ["reference", str(path)])
+    assert result.exit_code == 2, result.output
+    said = " ".join(result.stderr.split())
+    assert f"gate.reference: file://{shared} is outside what team search may write (file://{tmp_path}/search/" in said
+    assert not shared.exists() and not (tmp_path / "home" / "jobs").exists()
+    own = _spec(tmp_path, gate={"reference": str(tmp_path / "search" / "outputs" / "reference.json")})
+    assert team_problem(own, writes_reference=True) is None
+
+
 def test_a_local_run_on_a_machine_whose_teams_name_no_local_team_is_refused(tmp_path, monkeypatch):
     _file(tmp_path, _teams(tmp_path, local_team=None), monkeypatch)
     assert "names no local_team" in team_problem(_spec(tmp_path))

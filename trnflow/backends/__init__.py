@@ -121,16 +121,17 @@ def run_team(spec: JobSpec, settings: TrnflowSettings | None = None) -> Team:
     return _team_and_owners(spec, settings or TrnflowSettings())[0]
 
 
-def team_problem(spec: JobSpec, settings: TrnflowSettings | None = None) -> str | None:
+def team_problem(spec: JobSpec, settings: TrnflowSettings | None = None, writes_reference: bool = False) -> str | None:
     """Why a run of `spec` started here would be refused for its team: the team cannot be decided, or
-    the spec reaches outside it (`team_problems`); None when neither."""
+    the spec reaches outside it (`team_problems`; `writes_reference`: this run writes gate.reference);
+    None when neither."""
     try:
         team = run_team(spec, settings)
     except TeamUnknown as exc:
         return f"team: {exc}"
     except FatalError:  # the deployment's settings cannot be read: `cache_trust_problem` says so
         return None
-    return "; ".join(team_problems(spec, team)) or None
+    return "; ".join(team_problems(spec, team, writes_reference)) or None
 
 
 def claim_run(spec: JobSpec, run_id: str, settings: TrnflowSettings | None = None) -> Team:

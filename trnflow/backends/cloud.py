@@ -5,6 +5,7 @@ deployment's published settings, and `stage_spec`, which hands a spec over.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import re
 import time
@@ -34,6 +35,9 @@ BASE_NAME_LENGTH = 48
 """A SageMaker job's base name: ModelTrainer appends `-<YYYYmmddHHMMSS>` and cuts the whole to 63
 characters. Its log streams are `<base>-<time>/algo-<n>-<time>`, which its role's trnflow-job tag
 (the base) lets it write."""
+NAME_DIGEST = 16
+"""Hex digits of the digest a job name cut to its limit ends in (64 bits: no other run's job name
+can be made to match it)."""
 SPOT_CHECKPOINT_SECONDS = 100
 """How long torchrun lets a spot job's ranks take to checkpoint after the reclaim notice (SIGTERM,
 about two minutes before the instance goes) before it kills them (its default is 30 s)."""
@@ -238,10 +242,16 @@ class JobRoles:
 
 
 def job_name(request: JobRequest, limit: int = 63) -> str:
-    """`<spec name>-<phase>-<run id>`, cut to `limit` characters of letters, digits and dashes (63 is
-    the SageMaker limit; Batch allows 128)."""
+    """`<spec name>-<phase>-<run id>` in letters, digits and dashes, at most `limit` characters (63 is
+    the SageMaker limit; Batch allows 128). A longer one is cut and ends in a digest of the whole, so
+    two jobs never share a name (and so a SageMaker job's log streams, which its name scopes) because
+    a long model name cut their run ids away."""
     raw = f"{request.name}-{request.phase}-{request.run_id}"
-    return re.sub(r"[^A-Za-z0-9-]", "-", raw)[:limit].rstrip("-")
+    name = re.sub(r"[^A-Za-z0-9-]", "-", raw)
+    if len(name) <= limit:
+        return name
+    digest = hashlib.sha256(raw.encode()).hexdigest()[:NAME_DIGEST]
+    return f"{name[:limit - NAME_DIGEST - 1].rstrip('-')}-{digest}"
 
 
 def staging_prefix(target: CloudTarget, request: JobRequest) -> str:

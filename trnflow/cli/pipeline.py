@@ -43,7 +43,7 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
     """Train the spec in plain fp32 (as a GPU run would) and write its metrics to gate.reference."""
 
     spec = load(spec_path, set_overrides(overrides))
-    refuse_outside_team(spec, str(spec_path))
+    refuse_outside_team(spec, str(spec_path), writes_reference=True)
     try:
         with console.status("training the fp32 reference"):
             document = run_reference(spec)

@@ -149,10 +149,12 @@ def launch_problems(spec: JobSpec, retraining: bool = False) -> list[str]:
     return problems + [found for found in checks if found] + missing_inputs(spec)
 
 
-def refuse_outside_team(spec: JobSpec, source: str) -> None:
+def refuse_outside_team(spec: JobSpec, source: str, writes_reference: bool = False) -> None:
     """Exit 2 when a command that starts a job of `spec` by itself (`compile`, `reference`, a
-    calibration) would start it for no team, or outside its team (`team_problem`)."""
-    _refuse(source, [problem] if (problem := team_problem(spec)) else [])
+    calibration) would start it for no team, or outside its team (`team_problem`;
+    `writes_reference`: the command writes gate.reference)."""
+    problem = team_problem(spec, writes_reference=writes_reference)
+    _refuse(source, [problem] if problem else [])
 
 
 def refuse_unlaunchable(spec: JobSpec, source: str, retraining: bool = False) -> None:

@@ -40,16 +40,23 @@ def locations(spec: JobSpec) -> dict[str, str]:
     return found
 
 
-def team_problems(spec: JobSpec, team: Team) -> list[str]:
+def team_problems(spec: JobSpec, team: Team, writes_reference: bool = False) -> list[str]:
     """Where `spec` reaches outside what `team` may: each location it writes outside the team's
     prefix for it, each it reads outside the team's prefixes, a tracking server other than the
     team's (one on loopback is allowed for a run on this machine's cores), and a Batch share other
-    than the team's; a line each, naming the field, the location and the team's prefix. None for
-    the one team of an install that declares none."""
+    than the team's; a line each, naming the field, the location and the team's prefix. With
+    `writes_reference` (`trnflow reference`, which writes gate.reference), that file must lie where
+    the team's runs write their own files: its checkpoints or outputs prefix, never a folder it may
+    only read. None for the one team of an install that declares none."""
     if team.unrestricted:
         return []
     problems = []
     fields = locations(spec)
+    reference = spec.gate.reference
+    own = [p for p in (team.checkpoints, team.outputs) if p is not None]
+    if writes_reference and reference and not any(inside(reference, p) for p in own):
+        problems.append(f"gate.reference: {without_credentials(reference)} is outside what team {team.name} may "
+                        f"write ({', '.join(own)}); `trnflow reference` writes it, so put it under one of those")
     for field, prefix in team.writes().items():
         url = fields.get(field)
         if url is not None and prefix is not None and not inside(url, prefix):
