@@ -118,6 +118,11 @@ class Team(BaseModel):
                                     "and `<it>_PASSWORD`.")
     share_identifier: str | None = Field(None, pattern=r"^[A-Za-z0-9_]{1,255}$", description="Its Batch fair-share "
                                          "identifier: its jobs' share of the queue, whatever a spec says.")
+    batch_spot_job_queue: str | None = Field(None, pattern=r"^[A-Za-z0-9_:/.-]{1,255}$", description="Its own "
+                                             "Batch spot job queue (the team stack's BatchSpotJobQueue output), "
+                                             "whose instances' role reaches its own spot cluster alone. None: its "
+                                             "runs get no Batch spot capacity (the stack's spot queue is the "
+                                             "default team's, and a spot job can read its instance's role).")
 
     @field_validator("checkpoints", "registry", "outputs", "cache", "staging")
     @classmethod

@@ -71,7 +71,8 @@ def test_the_sagemaker_request_for_a_training_stage_whole():
         "Environment": env,
         "Tags": [{"Key": "trnflow:job", "Value": "embed"}, {"Key": "trnflow:phase", "Value": "train"},
                  {"Key": "trnflow:run-id", "Value": "20261123-run"},
-                 {"Key": "trnflow:spec-digest", "Value": request.spec.digest()}],
+                 {"Key": "trnflow:spec-digest", "Value": request.spec.digest()},
+                 {"Key": "trnflow-team", "Value": "default"}],  # its team's orchestrator alone may stop it
     }
 
 

@@ -2,6 +2,7 @@
 with the folders its run may write, and deleted when it ends or, left behind, once its time is over.
 What those tags let a job write is evaluated against the stack's policies in infra/tests/test_roles.py."""
 
+import dataclasses
 import json
 import time
 
@@ -69,16 +70,20 @@ def test_roles_left_behind_are_deleted_once_their_time_is_over_and_no_other_role
     _policies(iam)
     live = RunRoles(POLICIES).make(SCOPE, "live", seconds=3600)
     stale = RunRoles(POLICIES).make(SCOPE, "stale", seconds=3600)
-    iam.tag_role(RoleName=stale.rsplit("/", 1)[1], Tags=[{"Key": EXPIRES_TAG, "Value": str(int(time.time()) - 1)}])
+    ads = RunRoles(POLICIES).make(dataclasses.replace(SCOPE, team="ads"), "ads", seconds=3600)
+    for role in (stale, ads):
+        iam.tag_role(RoleName=role.rsplit("/", 1)[1], Tags=[{"Key": EXPIRES_TAG, "Value": str(int(time.time()) - 1)}])
     theirs = iam.create_role(Path="/acme/", RoleName="acme-orchestrator", AssumeRolePolicyDocument="{}",
                              Tags=[{"Key": EXPIRES_TAG, "Value": "1"}])["Role"]["Arn"]
     roles = RunRoles(POLICIES)
-    assert roles.sweep() == []  # this process swept within the hour (as it made the first role)
+    assert roles.sweep(SCOPE.team) == []  # this process swept within the hour (as it made the first role)
     monkeypatch.setattr(run_roles, "_SWEPT", {})
-    assert roles.sweep() == [stale]
-    assert RunRoles(POLICIES).sweep() == []  # once an hour a process, whatever backend asks
+    assert roles.sweep(SCOPE.team) == [stale]  # its own team's: team ads's are its orchestrators' to sweep
+    assert RunRoles(POLICIES).sweep(SCOPE.team) == []  # once an hour a process, whatever backend asks
     left = {r["Arn"] for r in iam.list_roles(PathPrefix="/acme/")["Roles"]}
-    assert left == {live, theirs}
+    assert left == {live, ads, theirs}
+    monkeypatch.setattr(run_roles, "_SWEPT", {})
+    assert RunRoles(POLICIES).sweep("ads") == [ads]
     roles.delete(theirs)  # not a job role: refused
     assert theirs in {r["Arn"] for r in iam.list_roles(PathPrefix="/acme/")["Roles"]}
 

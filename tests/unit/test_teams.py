@@ -10,7 +10,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from tests.conftest import quickstart_data
+from tests.conftest import ON_S3, quickstart_data
 from trnflow.backends import claim_run, run_team, team_problem
 from trnflow.backends.teams import caller_team, own_team, team_of
 from trnflow.cli.app import app
@@ -315,7 +315,8 @@ def test_a_declared_teams_cloud_run_gets_its_own_staging_and_keys_and_never_fixe
     iam, sts, ssm = boto3.client("iam"), boto3.client("sts"), boto3.client("ssm")
     declared = _teams(tmp_path)
     declared["teams"][0] |= {"cache_public_key": "ed25519:" + "A" * 43 + "=",
-                             "cache_signing_key": "arn:aws:secretsmanager:us-east-1:123456789012:secret:search-k"}
+                             "cache_signing_key": "arn:aws:secretsmanager:us-east-1:123456789012:secret:search-k",
+                             "batch_spot_job_queue": "trnflow-search-trn1-spot"}
     for n in range(12):  # more than one page of settings: the teams file is on the second
         ssm.put_parameter(Name=f"/trnflow/other-{n:02d}", Value="x", Type="String")
     boto3.client("s3").create_bucket(Bucket="ops")
@@ -324,7 +325,9 @@ def test_a_declared_teams_cloud_run_gets_its_own_staging_and_keys_and_never_fixe
     assert published_settings("/trnflow")["teams"] == "s3://ops/teams.yaml"
     for key, value in {"TRNFLOW_STAGING_URL": "s3://staging/jobs", "TRNFLOW_IMAGE": "img:1",
                        "TRNFLOW_SAGEMAKER_ROLE_ARN": "arn:aws:iam::123456789012:role/fixed",
-                       "TRNFLOW_CACHE_PUBLIC_KEY": "ed25519:" + "B" * 43 + "="}.items():
+                       "TRNFLOW_CACHE_PUBLIC_KEY": "ed25519:" + "B" * 43 + "=",
+                       "TRNFLOW_BATCH_JOB_QUEUE": "trnflow-trn1", "TRNFLOW_BATCH_SPOT_JOB_QUEUE": "trnflow-trn1-spot"
+                       }.items():
         monkeypatch.setenv(key, value)
     monkeypatch.delenv("TRNFLOW_TEAMS", raising=False)
     _as(monkeypatch, sts, _principal(iam, "search-submit", "search"))
@@ -336,6 +339,20 @@ def test_a_declared_teams_cloud_run_gets_its_own_staging_and_keys_and_never_fixe
     assert (target.team.name, target.staging_url) == ("search", "s3://staging/jobs/search")
     assert target.cache_public_key == "ed25519:" + "A" * 43 + "="  # the team's, never the stack's
     assert target.cache_signing_key.endswith(":secret:search-k")
+    batch = cloud_target(TrnflowSettings(), "batch")  # spot capacity of its own: its instances' role is its own
+    assert (batch.job_queue, batch.spot_job_queue) == ("trnflow-trn1", "trnflow-search-trn1-spot")
+
+
+def test_a_team_without_spot_capacity_of_its_own_gets_no_batch_spot_job(tmp_path, monkeypatch):
+    """A single-node spot job shares its host's network, and so can read its instance's role: the
+    stack's spot queue is the default team's alone, and a declared team's spot jobs need its own."""
+    _file(tmp_path, _teams(tmp_path), monkeypatch)
+    team = run_team(_spec(tmp_path))
+    spot = validate_spec(quickstart_data(**ON_S3, train={"checkpoint_url": "s3://acme-data/runs"}, compute={
+        "backend": "batch", "instance_type": "trn1.32xlarge", "nodes": 1, "cores_per_node": 32, "spot": True}))
+    assert team_problems(spot, team)[-1].startswith("compute.spot: team search has no Batch spot queue of its own")
+    own = team.model_copy(update={"batch_spot_job_queue": "trnflow-search-trn1-spot"})
+    assert not any(p.startswith("compute.spot") for p in team_problems(spot, own))
 
 
 def test_plain_http_to_another_machine_is_refused_in_a_spec(tmp_path):

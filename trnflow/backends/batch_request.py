@@ -170,7 +170,7 @@ def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: s
         "retryStrategy": retry_strategy(spec),
         "timeout": {"attemptDurationSeconds": runtime_seconds(request)},
         "propagateTags": True,
-        "tags": tags(request),
+        "tags": tags(request, target.team),
     }
     if share := target.team.share_identifier or spec.compute.share_identifier:  # a declared team's share is its own
         submit["shareIdentifier"] = share

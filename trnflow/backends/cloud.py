@@ -27,7 +27,7 @@ from trnflow.results import FailureReport, NodeIdentity, Proceed, StageResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, instance, is_module_reference
 from trnflow.storage import Store, open_store
-from trnflow.teams import UNDECLARED, Team
+from trnflow.teams import TEAM_TAG, UNDECLARED, Team
 
 log = logging.getLogger(__name__)
 
@@ -172,7 +172,8 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
                              "roles, which no team scopes: set TRNFLOW_JOB_POLICIES (the stack's JobPolicies "
                              "output), so that each job runs as a role of its own tagged with its team")
         values |= {"staging_url": team.staging or f"{values['staging_url'].rstrip('/')}/{team.name}",
-                   "cache_public_key": team.cache_public_key, "cache_signing_key": team.cache_signing_key}
+                   "cache_public_key": team.cache_public_key, "cache_signing_key": team.cache_signing_key,
+                   "batch_spot_job_queue": team.batch_spot_job_queue}
     return CloudTarget(team=team, staging_url=values["staging_url"], image=values["image"] or "",
                        images={d: values[f"image_{d}"] for d in IMAGES if values[f"image_{d}"]},
                        job_policies=values["job_policies"] or "",
@@ -447,8 +448,11 @@ def container_environment(request: JobRequest, target: CloudTarget) -> dict[str,
     return env | efa_environment(spec.compute.instance_type)
 
 
-def tags(request: JobRequest) -> dict[str, str]:
+def tags(request: JobRequest, team: Team) -> dict[str, str]:
+    """A job's tags: its run, and its team's (`trnflow-team`), by which a team's orchestrator may stop
+    its own team's jobs alone."""
     spec = request.spec
     assert spec is not None
     return {"trnflow:job": request.name, "trnflow:phase": request.phase, "trnflow:run-id": request.run_id,
-            "trnflow:spec-digest": spec.digest(), **({"trnflow:spot": "true"} if spec.compute.spot else {})}
+            "trnflow:spec-digest": spec.digest(), TEAM_TAG: team.name,
+            **({"trnflow:spot": "true"} if spec.compute.spot else {})}

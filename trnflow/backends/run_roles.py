@@ -48,7 +48,7 @@ SLACK_SECONDS = 24 * 3600
 """How long after its job's longest life a role a stopped orchestrator left behind is kept."""
 SWEEP_SECONDS = 3600.0
 """How often a process looks for job roles left behind."""
-_SWEPT: dict[str, float] = {}  # the stack's policy path -> when this process last swept it
+_SWEPT: dict[tuple[str, str], float] = {}  # (the stack's policy path, a team) -> when this process last swept it
 
 
 @dataclass(frozen=True)
@@ -140,7 +140,7 @@ class RunRoles:
 
     def make(self, scope: JobScope, job: str, seconds: float) -> str:
         """A new role for one job of `scope` that runs at most `seconds`: its ARN."""
-        self.sweep()
+        self.sweep(scope.team)
         name = self.where.role_name(scope, job)
         tags = scope.tags(time.time() + seconds + SLACK_SECONDS)
         role = aws.call(self._iam.create_role, Path=self.where.path, RoleName=name,
@@ -173,15 +173,16 @@ class RunRoles:
         except self._iam.exceptions.NoSuchEntityException:
             pass  # deleted already (by another orchestrator's sweep)
 
-    def sweep(self) -> list[str]:
-        """Delete the job roles whose time is over (their job's longest life and a day): those a
-        stopped orchestrator never saw end. At most once every SWEEP_SECONDS in a process, and best
-        effort: a role that cannot be read or deleted now (another orchestrator's sweep may have taken
-        it) is left for the next. The ARNs deleted."""
+    def sweep(self, team: str) -> list[str]:
+        """Delete `team`'s job roles whose time is over (their job's longest life and a day): those a
+        stopped orchestrator never saw end. Another team's are its own orchestrators' to delete (the
+        stack lets an orchestrator delete its own team's job roles alone). At most once every
+        SWEEP_SECONDS in a process, and best effort: a role that cannot be read or deleted now (another
+        orchestrator's sweep may have taken it) is left for the next. The ARNs deleted."""
         now = time.time()
-        if now - _SWEPT.get(self.where.arn, 0.0) < SWEEP_SECONDS:
+        if now - _SWEPT.get((self.where.arn, team), 0.0) < SWEEP_SECONDS:
             return []
-        _SWEPT[self.where.arn] = now
+        _SWEPT[(self.where.arn, team)] = now
         deleted = []
         try:
             roles, marker = [], None
@@ -197,9 +198,10 @@ class RunRoles:
             return []
         for role in (r for r in roles if self.where.owns(r["Arn"])):
             try:
-                tags = aws.call(self._iam.list_role_tags, RoleName=role["RoleName"])["Tags"]
-                expires = next((t["Value"] for t in tags if t["Key"] == EXPIRES_TAG), "")
-                if expires.isdigit() and int(expires) < now:
+                tags = {t["Key"]: t["Value"] for t in aws.call(self._iam.list_role_tags,
+                                                                 RoleName=role["RoleName"])["Tags"]}
+                expires = tags.get(EXPIRES_TAG, "")
+                if tags.get(TEAM_TAG) == team and expires.isdigit() and int(expires) < now:
                     self.delete(role["Arn"])
                     deleted.append(role["Arn"])
             except (BotoCoreError, ClientError) as exc:

@@ -134,5 +134,5 @@ def build_training_job_request(request: JobRequest, target: CloudTarget, role: s
         "InputDataConfig": channels,
         "OutputDataConfig": {"S3OutputPath": f"{target.staging_url.rstrip('/')}/{request.run_id}/output"},
         "Environment": container_environment(request, target),
-        "Tags": [{"Key": k, "Value": v} for k, v in tags(request).items()],
+        "Tags": [{"Key": k, "Value": v} for k, v in tags(request, target.team).items()],
     }

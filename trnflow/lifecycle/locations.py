@@ -80,6 +80,10 @@ def team_problems(spec: JobSpec, team: Team, writes_reference: bool = False) -> 
         where = f"its own, {team.mlflow_uri}" if team.mlflow_uri else "none declared"
         problems.append(f"tracking.mlflow_uri: {uri} is not team {team.name}'s tracking server ({where}); a run "
                         "mirrors only to its team's server, which alone gets the team's credentials")
+    if spec.compute.backend == "batch" and spec.compute.spot and not team.batch_spot_job_queue:
+        problems.append(f"compute.spot: team {team.name} has no Batch spot queue of its own (its "
+                        "batch_spot_job_queue in the teams file), and the stack's is no team's; run on demand, or "
+                        "ask the operators for the team's spot capacity (infra/cloudformation/team.yaml)")
     share = spec.compute.share_identifier
     if share and team.share_identifier and share != team.share_identifier:
         problems.append(f"compute.share_identifier: {share} is not team {team.name}'s share "
