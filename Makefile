@@ -112,8 +112,8 @@ $(CHECKOV_VENV)/.installed:
 	touch $@
 
 checkov: $(CHECKOV_VENV)/.installed
-	$(CHECKOV_VENV)/bin/checkov --framework cloudformation -f infra/cloudformation/trnflow.yaml --compact --quiet \
-	  --skip-download
+	$(CHECKOV_VENV)/bin/checkov --framework cloudformation -f infra/cloudformation/trnflow.yaml \
+	  -f infra/cloudformation/team.yaml --compact --quiet --skip-download
 
 # The installed set must be consistent (pip check) and exactly the lock's.
 deps-verify: install

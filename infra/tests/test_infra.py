@@ -21,10 +21,11 @@ from trnflow.specs.spec import BATCH_SPOT_TYPES
 
 INFRA = Path(__file__).resolve().parents[1]
 TEMPLATE = INFRA / "cloudformation" / "trnflow.yaml"
+TEAM_TEMPLATE = INFRA / "cloudformation" / "team.yaml"
 
 
-def _template() -> dict:
-    template, errors = decode_str(TEMPLATE.read_text())
+def _template(path: Path = TEMPLATE) -> dict:
+    template, errors = decode_str(path.read_text())
     assert not errors, errors
     return json.loads(json.dumps(template))
 
@@ -33,9 +34,9 @@ def _of_type(template: dict, kind: str) -> dict:
     return {name: r["Properties"] for name, r in template["Resources"].items() if r["Type"] == kind}
 
 
-def test_the_template_lints_clean():
+def test_the_templates_lint_clean():
     lint = Path(sys.executable).with_name("cfn-lint")
-    result = subprocess.run([str(lint), str(TEMPLATE)], capture_output=True, text=True, timeout=120)
+    result = subprocess.run([str(lint), str(TEMPLATE), str(TEAM_TEMPLATE)], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -48,8 +49,9 @@ def _statements(template: dict):
                 yield name, statement
 
 
-def test_no_statement_allows_every_action_or_a_wildcard_action_on_every_resource():
-    statements = [(n, s) for n, s in _statements(_template()) if s["Effect"] == "Allow"]
+@pytest.mark.parametrize("path", [TEMPLATE, TEAM_TEMPLATE], ids=lambda p: p.name)
+def test_no_statement_allows_every_action_or_a_wildcard_action_on_every_resource(path):
+    statements = [(n, s) for n, s in _statements(_template(path)) if s["Effect"] == "Allow"]
     assert len(statements) >= 6
     for name, statement in statements:
         actions = statement["Action"] if isinstance(statement["Action"], list) else [statement["Action"]]
@@ -167,6 +169,24 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
     (policy,) = _of_type(template, "AWS::Batch::SchedulingPolicy").values()
     assert policy["FairsharePolicy"]["ShareDistribution"]
     assert template["Resources"]["JobQueue"]["Properties"]["SchedulingPolicyArn"] == {"Ref": "FairShare"}
+
+    # a team's own stack beside it: its orchestrator's role, tagged with the team, and spot capacity of its own
+    cloudformation.create_stack(StackName="trnflow-search", TemplateBody=TEAM_TEMPLATE.read_text(), Capabilities=[
+        "CAPABILITY_NAMED_IAM"], Parameters=[{"ParameterKey": k, "ParameterValue": v} for k, v in {
+            "Team": "search", "TeamsFile": "s3://trnflow-ops-123456789012/teams.yaml", "SubnetId": subnet,
+            "NodeSecurityGroupId": outputs["NodeSecurityGroup"]}.items()])
+    (team,) = cloudformation.describe_stacks(StackName="trnflow-search")["Stacks"]
+    assert team["StackStatus"] == "CREATE_COMPLETE"
+    mine = {o["OutputKey"]: o["OutputValue"] for o in team["Outputs"]}
+    role = mine["OrchestratorRoleArn"].rsplit("/", 1)[1]
+    assert role == "trnflow-search-orchestrator"
+    assert iam.list_role_tags(RoleName=role)["Tags"] == [{"Key": "trnflow-team", "Value": "search"}]
+    (own,) = batch.describe_job_queues(jobQueues=[mine["BatchSpotJobQueue"]])["jobQueues"]
+    (environment,) = batch.describe_compute_environments(computeEnvironments=["trnflow-search-trn1-spot"])[
+        "computeEnvironments"]
+    assert own["computeEnvironmentOrder"][0]["computeEnvironment"] == environment["computeEnvironmentArn"]
+    assert environment["computeResources"]["type"] == "SPOT"
+    assert environment["computeResources"]["instanceRole"].endswith("instance-profile/trnflow-search-batch-spot-instance")
 
 
 def test_the_training_image_runs_the_container_contract():

@@ -20,25 +20,27 @@ from cfnlint.decode import decode_str
 
 INFRA = Path(__file__).resolve().parents[1]
 TEMPLATE = INFRA / "cloudformation" / "trnflow.yaml"
+TEAM_TEMPLATE = INFRA / "cloudformation" / "team.yaml"
 CHECKOV = INFRA.parent / ".venv" / "checkov" / "bin" / "checkov"
 BESIDE = os.environ.get("TRNFLOW_TEST_CHECKOV_BESIDE") == "yes"  # its venv is being made beside the tests
 PSEUDO = {"AWS::Partition": "aws", "AWS::Region": "us-east-1", "AWS::AccountId": "123456789012",
           "AWS::StackName": "trnflow"}
 
 
-def _template() -> dict:
-    template, errors = decode_str(TEMPLATE.read_text())
+def _template(path: Path = TEMPLATE) -> dict:
+    template, errors = decode_str(path.read_text())
     assert not errors, errors
     return json.loads(json.dumps(template))
 
 
 class Stack:
     """The template's policies with every reference resolved as a deployment with the default
-    parameters would resolve it."""
+    parameters (and `parameters`) would resolve it."""
 
-    def __init__(self, template: dict):
+    def __init__(self, template: dict, parameters: dict[str, str] | None = None):
         self.resources = template["Resources"]
-        self.values = {**PSEUDO, **{k: str(v.get("Default", "")) for k, v in template["Parameters"].items()}}
+        self.values = {**PSEUDO, **{k: str(v.get("Default", "")) for k, v in template["Parameters"].items()},
+                       **(parameters or {})}
 
     def ref(self, name: str) -> str:
         if name in self.values:
@@ -73,13 +75,24 @@ class Stack:
             return self.ref(value["Ref"])
         if "Fn::GetAtt" in value:
             return self.attribute(*value["Fn::GetAtt"])
+        if "Fn::Select" in value:
+            index, items = value["Fn::Select"]
+            return self.resolve(items)[int(index)]
+        if "Fn::Split" in value:
+            separator, text = value["Fn::Split"]
+            return self.resolve(text).split(separator)
         if "Fn::Sub" in value:
+            text, names = (value["Fn::Sub"], {}) if isinstance(value["Fn::Sub"], str) else value["Fn::Sub"]
+            names = {k: self.resolve(v) for k, v in names.items()}
+
             def one(match):
                 if match.group(1):  # ${!name}: the text ${name}, for IAM to fill in
                     return "${" + match.group(2) + "}"
+                if match.group(2) in names:
+                    return names[match.group(2)]
                 name, _, attribute = match.group(2).partition(".")
                 return self.attribute(name, attribute) if attribute else self.ref(name)
-            return re.sub(r"\$\{(!?)([^}]+)\}", one, value["Fn::Sub"])
+            return re.sub(r"\$\{(!?)([^}]+)\}", one, text)
         return {k: self.resolve(v) for k, v in value.items()}
 
     def statements(self, role: str) -> list[dict]:
@@ -112,10 +125,13 @@ class Stack:
 
         def holds(statement) -> bool:
             conditions = statement.get("Condition", {})
-            unknown = set(conditions) - {"StringEquals", "StringLike", "StringNotEquals", "StringNotLike"}
+            unknown = set(conditions) - {"StringEquals", "StringLike", "StringNotEquals", "StringNotLike",
+                                         "StringEqualsIfExists"}
             assert not unknown, f"this evaluator reads the String conditions only, not {unknown}"
             return (all(context.get(key) in listed(wanted)
                         for key, wanted in conditions.get("StringEquals", {}).items())
+                    and all(key not in context or context[key] in listed(wanted)
+                            for key, wanted in conditions.get("StringEqualsIfExists", {}).items())
                     and all(key in context and any(fnmatchcase(context[key], w) for w in listed(wanted))
                             for key, wanted in conditions.get("StringLike", {}).items())
                     # a negated operator holds where the key is missing, as IAM evaluates it
@@ -237,16 +253,18 @@ def test_no_job_can_touch_its_roles_tags_or_policies_and_the_orchestrator_only_m
     assert not STACK.allows("OrchestratorRole", "iam:CreateRole", role)  # untagged: no run, so no scope
     assert not STACK.allows("OrchestratorRole", "iam:CreateRole", "arn:aws:iam::123456789012:role/admin", tagged)
     assert not STACK.allows("OrchestratorRole", "iam:PutRolePolicy", role)  # no policy of its own making
+    ours = {"aws:PrincipalTag/trnflow-team": "default", "iam:ResourceTag/trnflow-team": "default"}
     for name in ("JobBasePolicy", *JOB_POLICIES.values()):
-        assert STACK.allows("OrchestratorRole", "iam:AttachRolePolicy", role, {"iam:PolicyARN": STACK.ref(name)})
+        assert STACK.allows("OrchestratorRole", "iam:AttachRolePolicy", role, ours | {"iam:PolicyARN": STACK.ref(name)})
     assert not STACK.allows("OrchestratorRole", "iam:AttachRolePolicy", role,
-                            {"iam:PolicyARN": "arn:aws:iam::aws:policy/AdministratorAccess"})
-    passed = {"iam:PassedToService": "sagemaker.amazonaws.com"}
+                            ours | {"iam:PolicyARN": "arn:aws:iam::aws:policy/AdministratorAccess"})
+    passed = ours | {"iam:PassedToService": "sagemaker.amazonaws.com"}
     assert STACK.allows("OrchestratorRole", "iam:PassRole", role, passed)
     assert not STACK.allows("OrchestratorRole", "iam:PassRole", "arn:aws:iam::123456789012:role/trnflow-orchestrator",
                             passed)
-    assert STACK.allows("OrchestratorRole", "iam:DeleteRole", role)
-    assert not STACK.allows("OrchestratorRole", "iam:DeleteRole", "arn:aws:iam::123456789012:role/trnflow-orchestrator")
+    assert STACK.allows("OrchestratorRole", "iam:DeleteRole", role, ours)
+    assert not STACK.allows("OrchestratorRole", "iam:DeleteRole", "arn:aws:iam::123456789012:role/trnflow-orchestrator",
+                            ours)
 
 
 def test_the_preflight_writes_its_round_trip_checkpoint_and_nothing_of_the_registry():
@@ -356,6 +374,124 @@ def test_the_orchestrator_makes_job_roles_of_its_own_team_alone():
     assert STACK.allows("OrchestratorRole", "iam:ListRoleTags", itself)  # how it learns its team
 
 
+# --- a team's own stack (team.yaml): its orchestrator and its spot capacity ----------------------------
+
+TEAM_STACK = Stack(_template(TEAM_TEMPLATE), {"Team": "search", "TeamsFile": "s3://trnflow-ops-123456789012/teams.yaml"})
+SEARCH = {"aws:PrincipalTag/trnflow-team": "search"}  # its orchestrator's tag, as the template gives it
+JOB_ROLE = "arn:aws:iam::123456789012:role/trnflow/trnflow-run-train-0123456789abcdef"
+
+
+def test_a_teams_orchestrator_is_tagged_with_its_team_and_may_do_what_the_stacks_may_no_more():
+    tags = {t["Key"]: TEAM_STACK.resolve(t["Value"])
+            for t in TEAM_STACK.resources["OrchestratorRole"]["Properties"]["Tags"]}
+    assert tags == {"trnflow-team": "search"}
+
+    def actions(stack: Stack) -> set[str]:
+        return {a for st in stack.statements("OrchestratorRole")
+                for a in (st["Action"] if isinstance(st["Action"], list) else [st["Action"]])}
+    assert actions(TEAM_STACK) - {"s3:GetObject"} == actions(STACK) - {"s3:GetObject"}
+    rule = _template(TEAM_TEMPLATE)["Rules"]["NeverDefault"]["Assertions"][0]["Assert"]
+    assert rule == {"Fn::Not": [{"Fn::Equals": [{"Ref": "Team"}, "default"]}]}  # never the stack's own team
+
+
+def test_a_teams_orchestrator_reads_and_writes_its_own_teams_folders_alone():
+    """Team search's orchestrator: its registry, staging, pointers and event files, never team ads's nor
+    the stack's own team's; and it reads none of ads's checkpoints, cache or outputs."""
+    ours = {"registry entry": f"{CHECKPOINTS}/registry/search/m/versions/v000002.json",
+            "result": f"{STAGING}/jobs/search/{RUN}/m-train-{RUN}/output/result.json",
+            "pointer": f"{OUTPUTS}/teams/search/m/_current.json",
+            "event file": f"{CHECKPOINTS}/teams/search/runs/m/{RUN}/tensorboard/events.out.tfevents.1.trnflow"}
+    for what, arn in ours.items():
+        assert TEAM_STACK.allows("OrchestratorRole", "s3:PutObject", arn, SEARCH), what
+        theirs = arn.replace("/search/", "/ads/")
+        assert not TEAM_STACK.allows("OrchestratorRole", "s3:PutObject", theirs, SEARCH), what
+        assert not TEAM_STACK.allows("OrchestratorRole", "s3:GetObject", theirs, SEARCH), what
+    for arn in (WRITES["registry entry"], WRITES["pointer"], WRITES["result"], WRITES["checkpoint"]):  # the stack's team's
+        assert not TEAM_STACK.allows("OrchestratorRole", "s3:PutObject", arn, SEARCH), arn
+    for arn in (f"{CHECKPOINTS}/teams/ads/runs/m/{RUN}/step-00000100/model.pt", f"{DATA}/teams/ads/x.parquet",
+                f"{CACHE}/teams/ads/neuronxcc/MODULE_1+2/model.neff", f"{OUTPUTS}/teams/ads/m/v1/part-0.parquet"):
+        assert not TEAM_STACK.allows("OrchestratorRole", "s3:GetObject", arn, SEARCH), arn
+        assert TEAM_STACK.allows("OrchestratorRole", "s3:GetObject", arn.replace("/ads/", "/search/"), SEARCH), arn
+    assert TEAM_STACK.allows("OrchestratorRole", "s3:GetObject", "arn:aws:s3:::trnflow-ops-123456789012/teams.yaml")
+    for prefix, allowed in (("teams/search/runs/", True), ("registry/search/m/", True), ("teams/ads/", False),
+                            ("registry/ads/", False), ("", False)):
+        assert TEAM_STACK.allows("OrchestratorRole", "s3:ListBucket", CHECKPOINTS, SEARCH | {"s3:prefix": prefix}
+                                 ) is allowed, prefix
+
+
+def test_a_teams_orchestrator_makes_passes_and_deletes_its_own_teams_job_roles_alone():
+    """Another team's job role is never changed, passed to a job, re-tagged or deleted by it; a role of
+    its own team it makes, gives the stack's job policies, passes and deletes."""
+    base = "arn:aws:iam::123456789012:policy/trnflow/job-base"
+    for stack, team in ((TEAM_STACK, "search"), (STACK, "default")):
+        me = {"aws:PrincipalTag/trnflow-team": team}
+        for owner, allowed in ((team, True), ("ads", False)):
+            on = me | {"iam:ResourceTag/trnflow-team": owner}
+            assert stack.allows("OrchestratorRole", "iam:PassRole", JOB_ROLE, on | {
+                "iam:PassedToService": "batch.amazonaws.com"}) is allowed, (team, owner)
+            assert stack.allows("OrchestratorRole", "iam:AttachRolePolicy", JOB_ROLE,
+                                on | {"iam:PolicyARN": base}) is allowed
+            assert stack.allows("OrchestratorRole", "iam:DetachRolePolicy", JOB_ROLE,
+                                on | {"iam:PolicyARN": base}) is allowed
+            assert stack.allows("OrchestratorRole", "iam:DeleteRole", JOB_ROLE, on) is allowed
+            assert stack.allows("OrchestratorRole", "iam:TagRole", JOB_ROLE, on | {
+                "aws:RequestTag/trnflow-run": RUN, "aws:RequestTag/trnflow-team": team}) is allowed
+            assert stack.allows("OrchestratorRole", "iam:ListRoleTags", JOB_ROLE, on)  # a sweep reads every tag
+        new = me | {"aws:RequestTag/trnflow-run": RUN}
+        assert stack.allows("OrchestratorRole", "iam:CreateRole", JOB_ROLE, new | {"aws:RequestTag/trnflow-team": team})
+        assert not stack.allows("OrchestratorRole", "iam:CreateRole", JOB_ROLE, new | {
+            "aws:RequestTag/trnflow-team": "ads"})
+        for action in ("iam:PassRole", "iam:DeleteRole"):  # a role of no team (made by hand): nobody's
+            assert not stack.allows("OrchestratorRole", action, JOB_ROLE, me | {
+                "iam:PassedToService": "batch.amazonaws.com"}), (team, action)
+
+
+def test_a_teams_orchestrator_stops_its_own_teams_jobs_and_replaces_its_own_nodes_alone():
+    job_arn = "arn:aws:batch:us-east-1:123456789012:job/5d9e1b2c-0000-4000-8000-000000000000"
+    training = "arn:aws:sagemaker:us-east-1:123456789012:training-job/m-train-r1"
+    for owner, allowed in (("search", True), ("ads", False)):
+        on = SEARCH | {"aws:ResourceTag/trnflow-team": owner, "aws:ResourceTag/trnflow:run-id": "r1"}
+        assert TEAM_STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn, on) is allowed
+        assert TEAM_STACK.allows("OrchestratorRole", "sagemaker:StopTrainingJob", training, on) is allowed
+    instance = "arn:aws:ec2:us-east-1:123456789012:instance/i-0123456789abcdef0"
+    for environment, allowed in (("trnflow-trn1", True), ("trnflow-search-trn1-spot", True),
+                                 ("trnflow-ads-trn1-spot", False), ("trnflow-trn1-spot", False)):
+        assert TEAM_STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance, {
+            "aws:ResourceTag/trnflow:compute-environment": environment}) is allowed, environment
+    queue = "arn:aws:batch:us-east-1:123456789012:job-queue/{}"
+    assert TEAM_STACK.allows("OrchestratorRole", "batch:SubmitJob", queue.format("trnflow-search-trn1-spot"))
+    assert TEAM_STACK.allows("OrchestratorRole", "batch:SubmitJob", queue.format("trnflow-trn1"))
+    assert not TEAM_STACK.allows("OrchestratorRole", "batch:SubmitJob", queue.format("trnflow-ads-trn1-spot"))
+    assert not TEAM_STACK.allows("OrchestratorRole", "batch:SubmitJob", queue.format("trnflow-trn1-spot"))
+
+
+def test_a_teams_spot_instances_role_reaches_its_own_cluster_and_log_streams_alone():
+    """What a team's single-node spot job could do with its instance's credentials: its own spot
+    cluster's agent work and its own jobs' Batch streams; no other team's cluster, streams or
+    folders, and nothing of any job's."""
+    ecs = "arn:aws:ecs:us-east-1:123456789012"
+    for cluster, allowed in (("trnflow-search-trn1-spot", True), ("trnflow-ads-trn1-spot", False),
+                             ("trnflow-trn1-spot", False), ("trnflow-trn1", False)):
+        assert TEAM_STACK.allows("SpotInstanceRole", "ecs:Poll",
+                                 f"{ecs}:container-instance/{cluster}_Batch_0a1b/0f1e") is allowed, cluster
+        assert TEAM_STACK.allows("SpotInstanceRole", "ecs:SubmitTaskStateChange",
+                                 f"{ecs}:cluster/{cluster}_Batch_0a1b") is allowed, cluster
+    stream = f"{LOGS}/aws/batch/job:log-stream:{{}}/default/0f1e2d3c"
+    for definition, allowed in (("trnflow-search_m-0123456789ab", True), ("trnflow-ads_m-0123456789ab", False),
+                                ("trnflow-search-ads_m-0123456789ab", False), ("trnflow-m-0123456789ab", False)):
+        assert TEAM_STACK.allows("SpotInstanceRole", "logs:PutLogEvents", stream.format(definition)) is allowed
+    for action, arn in [("s3:GetObject", f"{CHECKPOINTS}/teams/search/runs/m/x"), ("s3:ListBucket", STAGING),
+                        ("iam:PassRole", JOB_ROLE), ("secretsmanager:GetSecretValue", TEAM_STACK.ref("CacheSigningKey")),
+                        ("logs:PutLogEvents", f"{LOGS}/aws/sagemaker/TrainingJobs:log-stream:x")]:
+        assert not TEAM_STACK.allows("SpotInstanceRole", action, arn), action
+    assert TEAM_STACK.ref("CacheSigningKey").startswith(
+        "arn:aws:secretsmanager:us-east-1:123456789012:secret:trnflow/teams/search/cache-signing-key-")
+    assert STACK.allows("compile", "secretsmanager:GetSecretValue", TEAM_STACK.ref("CacheSigningKey"),
+                        job("compile", team="search"))  # the one its team's compile jobs read
+    assert not STACK.allows("compile", "secretsmanager:GetSecretValue", TEAM_STACK.ref("CacheSigningKey"),
+                            job("compile", team="ads"))
+
+
 def test_multi_node_containers_cannot_reach_the_instances_role_and_logs_are_kept_for_a_while():
     """Multi-node jobs' containers have interfaces of their own (awsvpc), from which the hop limit would
     not keep them from the metadata service: the ECS agent blocks it there."""
@@ -412,7 +548,7 @@ def test_every_bucket_takes_tls_only():
 
 
 def test_every_checkov_skip_says_why():
-    skips = [(name, skip) for name, r in _template()["Resources"].items()
+    skips = [(name, skip) for path in (TEMPLATE, TEAM_TEMPLATE) for name, r in _template(path)["Resources"].items()
              for skip in r.get("Metadata", {}).get("checkov", {}).get("skip", [])]
     assert skips
     for name, skip in skips:
@@ -433,12 +569,14 @@ def _wait_for_checkov() -> None:
 @pytest.mark.skipif(not (CHECKOV.exists() or BESIDE), reason="checkov's own venv is made by `make test` (make checkov)")
 def test_checkov_passes_the_template():
     _wait_for_checkov()
-    result = subprocess.run([str(CHECKOV), "--framework", "cloudformation", "-f", str(TEMPLATE), "--compact",
-                             "--quiet", "--skip-download", "--output", "json"], capture_output=True, text=True,
-                            timeout=300)
+    result = subprocess.run([str(CHECKOV), "--framework", "cloudformation", "-f", str(TEMPLATE), "-f",
+                             str(TEAM_TEMPLATE), "--compact", "--quiet", "--skip-download", "--output", "json"],
+                            capture_output=True, text=True, timeout=300)
     report = json.loads(result.stdout)
-    failed = [(c["check_id"], c["resource"]) for c in report["results"]["failed_checks"]]
-    assert result.returncode == 0 and not failed, failed
+    reports = report if isinstance(report, list) else [report]
+    failed = [(c["check_id"], c["resource"]) for r in reports for c in r["results"]["failed_checks"]]
+    scanned = sum(r["summary"]["passed"] for r in reports)
+    assert result.returncode == 0 and not failed and scanned > 100, (failed, scanned)
 
 
 def test_only_the_orchestrator_terminates_instances_and_only_the_compute_environments():
@@ -466,9 +604,11 @@ def test_the_orchestrator_stops_only_trnflows_jobs_and_reads_where_their_nodes_r
     """TerminateJob reaches only jobs tagged with a trnflow run (every job it submits is); and to
     replace a bad node it reads the job's own placement from ECS, never a node's word."""
     job_arn = "arn:aws:batch:us-east-1:123456789012:job/5d9e1b2c-0000-4000-8000-000000000000"
-    assert STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn, {"aws:ResourceTag/trnflow:run-id": "r1"})
-    assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn)  # another team's untagged job
-    assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn, {"aws:ResourceTag/trnflow:run-id": ""})
+    ours = {"aws:PrincipalTag/trnflow-team": "default", "aws:ResourceTag/trnflow-team": "default"}
+    assert STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn, ours | {"aws:ResourceTag/trnflow:run-id": "r1"})
+    assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn, ours)  # a job trnflow did not submit
+    assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn,
+                            ours | {"aws:ResourceTag/trnflow:run-id": ""})
     instance = "arn:aws:ecs:us-east-1:123456789012:container-instance/OnDemand_Batch_x/0f1e2d3c"
     assert STACK.allows("OrchestratorRole", "ecs:DescribeContainerInstances", instance)
     assert STACK.allows("OrchestratorRole", "batch:DescribeComputeEnvironments", "*")

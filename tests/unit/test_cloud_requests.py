@@ -16,6 +16,7 @@ from trnflow.backends.container import batch_rendezvous, sagemaker_rendezvous, t
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.errors import FatalError
 from trnflow.specs import SpecError, load_spec, validate_spec
+from trnflow.teams import Team
 
 TARGET = CloudTarget(image="123456789012.dkr.ecr.us-east-1.amazonaws.com/trnflow:0.1.0",
                      staging_url="s3://acme-staging/trnflow", role_arn="arn:aws:iam::123456789012:role/trnflow-sm",
@@ -242,6 +243,11 @@ def test_the_batch_job_definition_whole_and_named_by_its_content():
     bigger = build_job_definition(_spec(itype="trn1.32xlarge", nodes=8), TARGET)
     assert bigger["jobDefinitionName"] != definition["jobDefinitionName"]
     assert definition["jobDefinitionName"].startswith("trnflow-embed-")
+    # a declared team's: `trnflow-<team>_`, its Batch log streams' start, which its spot instances' role writes alone
+    search = Team(name="search", checkpoints="s3://c/search", registry="s3://c/r/search", outputs="s3://o/search",
+                  cache="s3://k/search")
+    named = build_job_definition(spec, dataclasses.replace(TARGET, team=search))["jobDefinitionName"]
+    assert named.startswith("trnflow-search_embed-") and named.endswith(definition["jobDefinitionName"][-12:])
 
 
 def test_the_batch_submission_carries_the_run_the_node_count_and_fair_share():

@@ -112,7 +112,7 @@ def _container(spec: JobSpec, target: CloudTarget, phase: str, role: str | None,
 def build_job_definition(spec: JobSpec, target: CloudTarget, phase: str = "train",
                          role: str | None = None) -> dict[str, Any]:
     """`RegisterJobDefinition` for the spec's nodes running a `phase` job as `role` (by default its
-    stage kind's), named `trnflow-<name>-<content hash>`: a single-node definition for a spot spec,
+    stage kind's), named `trnflow-[<team>_]<name>-<content hash>`: a single-node definition for a spot spec,
     else a multi-node one. A job's role is in its definition (SubmitJob cannot override it), so a
     job with a role of its own has a definition of its own."""
     shape: dict[str, Any]
@@ -136,7 +136,11 @@ def build_job_definition(spec: JobSpec, target: CloudTarget, phase: str = "train
         "propagateTags": True,
     }
     digest = hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()[:12]
-    return {"jobDefinitionName": f"trnflow-{spec.name}-{digest}", **body, "tags": {"trnflow:job": spec.name}}
+    # a declared team's definitions (and so its jobs' log streams, `<definition>/default/<task>`) start
+    # `trnflow-<team>_`, which no other team's and no spec name can (neither has a `_`): its spot
+    # instances' role writes those streams alone
+    team = "" if target.team.unrestricted else f"{target.team.name}_"
+    return {"jobDefinitionName": f"trnflow-{team}{spec.name}-{digest}", **body, "tags": {"trnflow:job": spec.name}}
 
 
 def longest_seconds(request: JobRequest) -> int:
