@@ -186,7 +186,8 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
         "computeEnvironments"]
     assert own["computeEnvironmentOrder"][0]["computeEnvironment"] == environment["computeEnvironmentArn"]
     assert environment["computeResources"]["type"] == "SPOT"
-    assert environment["computeResources"]["instanceRole"].endswith("instance-profile/trnflow-search-batch-spot-instance")
+    profile = environment["computeResources"]["instanceRole"]
+    assert profile.endswith("instance-profile/trnflow-search-batch-spot-instance")
 
 
 def test_the_training_image_runs_the_container_contract():

@@ -406,7 +406,8 @@ def test_a_teams_orchestrator_reads_and_writes_its_own_teams_folders_alone():
         theirs = arn.replace("/search/", "/ads/")
         assert not TEAM_STACK.allows("OrchestratorRole", "s3:PutObject", theirs, SEARCH), what
         assert not TEAM_STACK.allows("OrchestratorRole", "s3:GetObject", theirs, SEARCH), what
-    for arn in (WRITES["registry entry"], WRITES["pointer"], WRITES["result"], WRITES["checkpoint"]):  # the stack's team's
+    stacks_team = (WRITES["registry entry"], WRITES["pointer"], WRITES["result"], WRITES["checkpoint"])
+    for arn in stacks_team:
         assert not TEAM_STACK.allows("OrchestratorRole", "s3:PutObject", arn, SEARCH), arn
     for arn in (f"{CHECKPOINTS}/teams/ads/runs/m/{RUN}/step-00000100/model.pt", f"{DATA}/teams/ads/x.parquet",
                 f"{CACHE}/teams/ads/neuronxcc/MODULE_1+2/model.neff", f"{OUTPUTS}/teams/ads/m/v1/part-0.parquet"):
@@ -481,7 +482,8 @@ def test_a_teams_spot_instances_role_reaches_its_own_cluster_and_log_streams_alo
                                 ("trnflow-search-ads_m-0123456789ab", False), ("trnflow-m-0123456789ab", False)):
         assert TEAM_STACK.allows("SpotInstanceRole", "logs:PutLogEvents", stream.format(definition)) is allowed
     for action, arn in [("s3:GetObject", f"{CHECKPOINTS}/teams/search/runs/m/x"), ("s3:ListBucket", STAGING),
-                        ("iam:PassRole", JOB_ROLE), ("secretsmanager:GetSecretValue", TEAM_STACK.ref("CacheSigningKey")),
+                        ("iam:PassRole", JOB_ROLE),
+                        ("secretsmanager:GetSecretValue", TEAM_STACK.ref("CacheSigningKey")),
                         ("logs:PutLogEvents", f"{LOGS}/aws/sagemaker/TrainingJobs:log-stream:x")]:
         assert not TEAM_STACK.allows("SpotInstanceRole", action, arn), action
     assert TEAM_STACK.ref("CacheSigningKey").startswith(
@@ -605,7 +607,8 @@ def test_the_orchestrator_stops_only_trnflows_jobs_and_reads_where_their_nodes_r
     replace a bad node it reads the job's own placement from ECS, never a node's word."""
     job_arn = "arn:aws:batch:us-east-1:123456789012:job/5d9e1b2c-0000-4000-8000-000000000000"
     ours = {"aws:PrincipalTag/trnflow-team": "default", "aws:ResourceTag/trnflow-team": "default"}
-    assert STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn, ours | {"aws:ResourceTag/trnflow:run-id": "r1"})
+    assert STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn,
+                        ours | {"aws:ResourceTag/trnflow:run-id": "r1"})
     assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn, ours)  # a job trnflow did not submit
     assert not STACK.allows("OrchestratorRole", "batch:TerminateJob", job_arn,
                             ours | {"aws:ResourceTag/trnflow:run-id": ""})
