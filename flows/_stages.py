@@ -82,6 +82,7 @@ class StageRunner:
             raise ValueError(f"run id {problem}")
         self.spec, self.run_id = spec, run_id
         self.team = claim_run(spec, run_id)  # its team decided, the spec inside it, the run id its own
+        """The run's team, decided once: every stage's jobs are its (`team=stage.team`)."""
         self.rows: list[StageRow] = []
         self.results: dict[str, StageResult] = {}
         self.costs: list[CostRow] = []
@@ -123,7 +124,7 @@ class StageRunner:
         if problem := cache_problem(spec):
             raise FatalError(f"{when}: {problem}")
         try:
-            keys = trusted_cache_keys(spec)  # for a cloud spec, the deployment's settings: read once
+            keys = trusted_cache_keys(spec, team=self.team)  # for a cloud spec, the deployment's settings: read once
         except FatalError as exc:
             raise FatalError(f"{when}: {exc}") from None
         if spec.compile.cache_url.startswith("s3://") and not keys.checks:
@@ -265,9 +266,9 @@ def preflight_stages(stage: StageRunner, then_train: bool = False) -> list[int]:
     """Sanity, then collectives: the cores verified. The sanity job sweeps the collectives too, and
     the collectives stage judges its sweep, so preflight starts one job, not two. With
     `then_train`, training runs on the instances checked (where the backend allocates them per job)."""
-    checked = stage("sanity", sanity_check, then_train=then_train)
+    checked = stage("sanity", sanity_check, then_train=then_train, team=stage.team)
     assert isinstance(checked, SanityResult)
-    stage("collectives", collective_test, checked.cores or [], swept=checked.collectives)
+    stage("collectives", collective_test, checked.cores or [], swept=checked.collectives, team=stage.team)
     return checked.cores or []
 
 
@@ -280,9 +281,9 @@ def through_training(stage: StageRunner, later: tuple[str, ...], retraining: boo
     stage.check_cache("before training")  # nor a cache it cannot trust
     try:
         cores = preflight_stages(stage, then_train=True)
-        stage("compile", compile_graphs, cores)
+        stage("compile", compile_graphs, cores, team=stage.team)
         trained = stage("train", train_model, cores, spec=stage.training_spec(),
-                        ledger_mark=stage.ledger.read_up_to)
+                        ledger_mark=stage.ledger.read_up_to, team=stage.team)
     finally:  # instances kept for training that will not come (a failed stage, a stopped run) are let go
         if release_kept(stage.run_id, "the run stopped before training"):
             stage.bill("sanity")  # billed to the stage that started them

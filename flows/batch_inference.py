@@ -70,14 +70,14 @@ def batch_inference(spec: SpecParam = None, spec_url: str | None = None, checkpo
 def _stages(stage: StageRunner, checkpoint: str, version: ModelVersion | None, registry: Registry | None
             ) -> RunOutcome:
     if version is None:
-        stage("infer", batch_infer, checkpoint, None)
+        stage("infer", batch_infer, checkpoint, None, team=stage.team)
         return stage.outcome()
     assert registry is not None
     champion = registry.champion(stage.spec.name)
     published = champion is not None and champion.version == version.version
     # the champion's published outputs are never rewritten in place: a folder of this run's
     folder = f"{version_folder(version.version)}-{stage.run_id}" if published else None
-    stage("infer", batch_infer, checkpoint, None, version=version.version, folder=folder)
+    stage("infer", batch_infer, checkpoint, None, version=version.version, folder=folder, team=stage.team)
     if published:
         publish_outputs(stage.spec, version, folder)
     return stage.outcome()

@@ -29,5 +29,5 @@ def compile_cache(spec: SpecParam = None, spec_url: str | None = None) -> RunOut
 
 def _stages(stage: StageRunner) -> RunOutcome:
     stage.check_cache("before compiling")
-    stage("compile", compile_graphs, None)
+    stage("compile", compile_graphs, None, team=stage.team)
     return stage.outcome()

@@ -106,11 +106,11 @@ def _stages(stage: StageRunner, generation: int, lock: ModelLock, days: list[str
     if trained.partitions and trained.partitions != days:  # a day landed while preflight ran
         name_run(stage.spec, _window_name(trained.partitions, base))
     gated = stage("evaluate", evaluate_gate, trained.checkpoint, cores, against_champion=True, promote=False,
-                  generation=generation, force_promote=force_promote)
+                  generation=generation, force_promote=force_promote, team=stage.team)
     entry = gated.registry
     assert entry is not None  # retraining has a registry
     # the registered version's model: a rerun on the same inputs uses the first run's
-    stage("infer", batch_infer, entry["checkpoint"], cores, version=entry["version"])
+    stage("infer", batch_infer, entry["checkpoint"], cores, version=entry["version"], team=stage.team)
     lock.check()  # promotion is what must never happen outside the model's lock
     stage("promote", promote_champion, entry["version"], entry["generation"],
           forced=force_promote if entry.get("forced") else None)

@@ -82,14 +82,15 @@ def _stages(stage: StageRunner, force_promote: str | None, lock: ModelLock | Non
     cores, trained = through_training(stage, later=("evaluate", "infer", "promote"))
     if trained.skipped:  # incremental training found no new data: nothing to evaluate or embed
         return stage.outcome()
-    gated = stage("evaluate", evaluate_gate, trained.checkpoint, cores, promote=False, force_promote=force_promote)
+    gated = stage("evaluate", evaluate_gate, trained.checkpoint, cores, promote=False, force_promote=force_promote,
+                  team=stage.team)
     entry = gated.registry
     if lock is None or entry is None:
-        stage("infer", batch_infer, trained.checkpoint, cores)
+        stage("infer", batch_infer, trained.checkpoint, cores, team=stage.team)
         stage.skip("promote", "no registry_url: nothing to promote")
         return stage.outcome()
     # the registered version's model: a rerun on the same inputs uses the first run's
-    stage("infer", batch_infer, entry["checkpoint"], cores, version=entry["version"])
+    stage("infer", batch_infer, entry["checkpoint"], cores, version=entry["version"], team=stage.team)
     lock.check()  # promotion is what must never happen outside the model's lock
     stage("promote", promote_champion, entry["version"], entry["generation"],
           forced=force_promote if entry.get("forced") else None)

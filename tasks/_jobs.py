@@ -28,6 +28,7 @@ from trnflow.reporting.ledger import JobLedger, LedgerEntry
 from trnflow.results import FailureReport, Proceed, RanOn, StageResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
+from trnflow.teams import Team
 
 
 def classify(info: JobInfo) -> TrnflowError:
@@ -134,7 +135,8 @@ that did not pass it never trains (a retry's new instances included)."""
 
 def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = None,
             checkpoint: str | None = None, cores: list[int] | None = None,
-            exclude_cores: set[int] | None = None, keep_for: tuple[str, ...] = ()) -> StageResult:
+            exclude_cores: set[int] | None = None, keep_for: tuple[str, ...] = (),
+            team: Team | None = None) -> StageResult:
     """Submit one phase, stream its log into the task's log, and return rank 0's result, typed, with
     the cores it ran on (`cores`) and where it ran (`ran_on`). A job that found no capacity for its
     instance type is submitted again for the next of compute.instance_preferences, where the backend
@@ -143,7 +145,8 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     On a backend that runs several phases in one allocation (SageMaker, Batch), `keep_for` names the
     phases to run next on the same instances: the job runs them too, each waiting until `run_job`
     is called for it, and this returns as soon as `phase` has ended. Training there runs the
-    preflight first on its own instances unless a kept job is waiting for it."""
+    preflight first on its own instances unless a kept job is waiting for it. The job is `team`'s:
+    the run's, decided once before its first job (None: decided here)."""
     kept = _KEPT.get(run_id)
     if kept is not None and phase in kept.request.phases[1:]:
         del _KEPT[run_id]
@@ -155,7 +158,7 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     if kept is not None and phase == kept.request.phases[0]:  # the preflight again: new instances
         del _KEPT[run_id]
         release(kept, f"{phase} runs again on other instances")
-    backend = backend_for(spec, TrnflowSettings())
+    backend = backend_for(spec, TrnflowSettings(), team)  # the run's team: never decided again per stage
     chain = (phase,)
     if backend.shares_allocation:
         chain = (phase, *keep_for) if keep_for else ("sanity", phase) if phase in PREFLIGHT_FIRST else chain

@@ -12,21 +12,23 @@ from trnflow.results import CollectivesResult
 from trnflow.specs import JobSpec, PreflightSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
+from trnflow.teams import Team
 
 
 @task(name="collectives", cache_policy=NO_CACHE)
 def collective_test(spec: JobSpec, run_id: str, cores: list[int],
-                    swept: CollectivesResult | None = None) -> CollectivesResult:
+                    swept: CollectivesResult | None = None, *, team: Team | None = None) -> CollectivesResult:
     """All-reduce sweep across the verified cores, every result checked; enforces the spec's
     bus-bandwidth and latency thresholds.
 
     Args:
         swept: the sweep the sanity job already ran between these cores; without it, a job sweeps.
+        team: the run's team (`StageRunner.team`), whose job it is; None: decided here.
 
     Raises:
         FatalError: wrong results (naming the cores that sent corrupted data), or a threshold missed.
     """
-    result = run_job(spec, "collectives", run_id, cores=cores) if swept is None else swept
+    result = run_job(spec, "collectives", run_id, cores=cores, team=team) if swept is None else swept
     assert isinstance(result, CollectivesResult)
     if not result.passed:
         raise FatalError(result.note or "wrong collective results", bad_cores=result.bad_cores)

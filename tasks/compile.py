@@ -13,15 +13,18 @@ from trnflow.results import CompileResult
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
+from trnflow.teams import Team
 from trnflow.workload.recipes import plan_digest
 
 
 @task(name="compile", cache_policy=NO_CACHE)
-def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> CompileResult:
+def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None, *, team: Team | None = None
+                   ) -> CompileResult:
     """Say which graphs will hit the cache, then compile the ones it does not hold yet.
 
     When an earlier trial run recorded this spec's plan, the prediction comes before any job is
-    launched, and a stage whose graphs are all in the cache launches none.
+    launched, and a stage whose graphs are all in the cache launches none. The job, and the keys the
+    cache is checked with, are `team`'s (`StageRunner.team`; None: decided here).
 
     Returns:
         Per-graph keys and what happened to each (`report`), with `hits` and `compiled` counts.
@@ -30,7 +33,7 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> Compi
     # The cache the jobs will open: every backend gives them NEURON_CC_FLAGS and NEURON_COMPILE_CACHE_URL
     # made from compile.cache_url (neuron_env, the cloud request builders), so it is resolved from the
     # spec alone, whatever this process's own environment says.
-    cache = plans.job_cache(spec, env={}, keys=cache_keys(spec))  # checked with the key the jobs check with
+    cache = plans.job_cache(spec, env={}, keys=cache_keys(spec, team=team))  # checked with the key the jobs check with
     known = plans.recorded(cache, plan_digest(spec))
     if known is None:
         logger.info("no compile plan recorded in %s for this spec yet; the compile job extracts it", cache.url)
@@ -43,7 +46,7 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None) -> Compi
             result = _all_hits(spec, cache, prediction)
             _artifacts.markdown(spec, "compile", compile_markdown(result), "compile cache hits and misses")
             return result
-    result = run_job(spec, "compile", run_id, processes=1, cores=cores[:1] if cores else None)
+    result = run_job(spec, "compile", run_id, processes=1, cores=cores[:1] if cores else None, team=team)
     assert isinstance(result, CompileResult)
     compiled = f", {result.compiled} compiled in {result.seconds:.1f}s" if result.compiled else ""
     result.summary = f"{len(result.programs)} programs: {result.hits} cache hit(s){compiled}"

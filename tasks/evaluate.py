@@ -26,6 +26,7 @@ from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import recompile_note, run_job
+from trnflow.teams import Team
 
 
 def _attach(spec: JobSpec, candidate: judge.Candidate, decision: judge.Decision, title: str) -> str:
@@ -47,7 +48,7 @@ def _model(recipe: dict) -> str:
 
 
 def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candidate, run_id: str,
-              cores: list[int] | None) -> tuple[dict, str] | judge.Check | None:
+              cores: list[int] | None, team: Team | None) -> tuple[dict, str] | judge.Check | None:
     """The champion's series on the candidate's holdout, and its name; None before the first. A
     champion measured on another holdout (or never measured) is evaluated on this one first, so
     that the two are compared row for row."""
@@ -64,7 +65,7 @@ def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candida
                                       f"{who} is another model ({_model(theirs)}; this run's is {_model(ours)}) "
                                       "measured on another holdout, so the two cannot be compared row for row")
         get_run_logger().info("%s was not measured on this holdout in %s; evaluating it", who, spec.gate.metric)
-        result = run_job(spec, "evaluate", run_id, checkpoint=champion.checkpoint, cores=cores)
+        result = run_job(spec, "evaluate", run_id, checkpoint=champion.checkpoint, cores=cores, team=team)
         assert isinstance(result, EvaluateResult)
         series = judge.evaluated_series(result.points, result.holdout_sha256, result.points[-1]["step"],
                                         result.correct)
@@ -74,7 +75,7 @@ def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candida
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | None = None, *,
                   against_champion: bool = False, promote: bool = True, generation: int | None = None,
-                  force_promote: str | None = None) -> EvaluateResult:
+                  force_promote: str | None = None, team: Team | None = None) -> EvaluateResult:
     """Compare the candidate's metric series with the gate's reference and with the champion on
     the same holdout; register it, and promote it when it passed both.
 
@@ -86,6 +87,7 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
             from (default: the one now); a champion changed since is never overwritten.
         force_promote: the reason to promote a candidate worse than the champion anyway (it must
             still pass the gate); recorded in the registry.
+        team: the run's team (`StageRunner.team`), whose jobs they are; None: decided here.
 
     Raises:
         GateFailed: the candidate is outside the band (never retried; the champion stays).
@@ -97,7 +99,7 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
     candidate = judge.Candidate.read(checkpoint)
     result = EvaluateResult(checkpoint=checkpoint, points=[])
     if not candidate.evaluated():
-        result = run_job(spec, "evaluate", run_id, checkpoint=checkpoint, cores=cores)
+        result = run_job(spec, "evaluate", run_id, checkpoint=checkpoint, cores=cores, team=team)
         assert isinstance(result, EvaluateResult)
         result.checkpoint = checkpoint
         candidate = judge.Candidate.read(checkpoint)
@@ -106,7 +108,7 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
     candidate.series = judge.up_to(candidate.series, candidate.step)
     decision = judge.decide(spec, registry, candidate.series, against_champion)
     if decision.gate_passed:  # only a candidate that passed the gate can take the champion's place
-        champion = _champion(spec, registry, candidate, run_id, cores)
+        champion = _champion(spec, registry, candidate, run_id, cores, team)
         if champion is not None:
             decision = judge.decide(spec, registry, candidate.series, against_champion, champion)
     chart = _attach(spec, candidate, decision, f"{spec.name} {run_id}")

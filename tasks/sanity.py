@@ -13,6 +13,7 @@ from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
+from trnflow.teams import Team
 from trnflow.workload.memory import estimate
 
 
@@ -32,14 +33,15 @@ def _where(result: SanityResult, core: dict, per_node: int) -> str:
 
 
 @task(name="sanity", cache_policy=NO_CACHE)
-def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False) -> SanityResult:
+def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False, *, team: Team | None = None) -> SanityResult:
     """Known-answer tests of every engine of each core the job is placed on.
 
     With `preflight.exclude_bad_cores`, cores that fail are excluded and another placement is
     checked, until a healthy set is found or too few cores remain. The job that finds every core
     healthy also sweeps the collectives between them, for the collectives stage. With `then_train`,
     on a backend that allocates instances per job (SageMaker, Batch), the job keeps its instances
-    for the run's training, which then runs on the very instances checked here.
+    for the run's training, which then runs on the very instances checked here. Its jobs are
+    `team`'s (`StageRunner.team`; None: decided here).
 
     Returns:
         The per-core results; `cores` lists the verified cores the later stages run on, and
@@ -52,7 +54,7 @@ def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False) -> Sanity
     excluded: set[int] = set()
     checked: list[dict] = []  # the cores that failed, then every core of the attempt that decided
     try:
-        result = _check(spec, run_id, excluded, checked, logger, ("train",) if then_train else ())
+        result = _check(spec, run_id, excluded, checked, logger, ("train",) if then_train else (), team)
     finally:
         if checked:
             everything = sorted(checked, key=lambda c: c["core"])
@@ -88,15 +90,15 @@ def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False) -> Sanity
 
 
 def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], logger,
-           keep_for: tuple[str, ...]) -> SanityResult:
+           keep_for: tuple[str, ...], team: Team | None) -> SanityResult:
     """Check placements until one is healthy; `excluded` and `checked` grow as it goes. On a cloud
     backend the job's own nodes do this inside their allocation (`trnflow.backends.container`), and an
     instance they cannot place healthy cores on is replaced (`BadHost`)."""
-    local = not backend_for(spec, TrnflowSettings()).shares_allocation  # this machine places
+    local = not backend_for(spec, TrnflowSettings(), team).shares_allocation  # this machine places
     excludes = spec.preflight.exclude_bad_cores and local
     while True:
         try:
-            result = run_job(spec, "sanity", run_id, exclude_cores=excluded, keep_for=keep_for)
+            result = run_job(spec, "sanity", run_id, exclude_cores=excluded, keep_for=keep_for, team=team)
             assert isinstance(result, SanityResult)
         except TrnflowError as exc:  # a core that hangs is named by its peers
             if not (exc.bad_cores and excludes) or set(exc.bad_cores) <= excluded:

@@ -25,6 +25,7 @@ from trnflow.specs import JobSpec
 from trnflow.specs.instances import instance
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import recompile_note, run_job
+from trnflow.teams import Team
 
 
 def _bad_cores_file(run_id: str):
@@ -72,10 +73,12 @@ def _budget_left(spec: JobSpec, run_id: str, ledger_mark: int, logger) -> JobSpe
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train_model(spec: JobSpec, run_id: str, cores: list[int], ledger_mark: int = 0) -> TrainResult | State:
+def train_model(spec: JobSpec, run_id: str, cores: list[int], ledger_mark: int = 0, *, team: Team | None = None
+                ) -> TrainResult | State:
     """Train on every core with DDP. A retry of the same run resumes from its newest checkpoint;
     its budget (`train.max_cost_usd`) is what the attempts before it left (`ledger_mark`: where the
-    run's ledger stood when the stage began).
+    run's ledger stood when the stage began). Its jobs are `team`'s (`StageRunner.team`; None:
+    decided here).
 
     Returns:
         The train result; `checkpoint` is the URL of the final checkpoint. With no new data
@@ -92,7 +95,7 @@ def train_model(spec: JobSpec, run_id: str, cores: list[int], ledger_mark: int =
                        sorted(avoid))
         attempt = _on_the_cores_left(spec, avoid, logger)
     try:
-        result = run_job(attempt, "train", run_id, **placement)
+        result = run_job(attempt, "train", run_id, **placement, team=team)
     except HardwareError as exc:
         atomic_write_json(_bad_cores_file(run_id), sorted(avoid | set(exc.bad_cores)))
         raise

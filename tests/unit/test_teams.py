@@ -341,6 +341,8 @@ def test_a_declared_teams_cloud_run_gets_its_own_staging_and_keys_and_never_fixe
     assert target.cache_signing_key.endswith(":secret:search-k")
     batch = cloud_target(TrnflowSettings(), "batch")  # spot capacity of its own: its instances' role is its own
     assert (batch.job_queue, batch.spot_job_queue) == ("trnflow-trn1", "trnflow-search-trn1-spot")
+    ads = Teams.model_validate(declared).named("ads")  # a run's team, once claimed, is not decided again
+    assert cloud_target(TrnflowSettings(), "sagemaker", ads).staging_url == "s3://staging/jobs/ads"
 
 
 def test_a_team_without_spot_capacity_of_its_own_gets_no_batch_spot_job(tmp_path, monkeypatch):
@@ -353,6 +355,41 @@ def test_a_team_without_spot_capacity_of_its_own_gets_no_batch_spot_job(tmp_path
     assert team_problems(spot, team)[-1].startswith("compute.spot: team search has no Batch spot queue of its own")
     own = team.model_copy(update={"batch_spot_job_queue": "trnflow-search-trn1-spot"})
     assert not any(p.startswith("compute.spot") for p in team_problems(spot, own))
+
+
+def test_a_runs_team_is_decided_once_and_every_stage_that_starts_jobs_is_given_it(tmp_path, monkeypatch):
+    """The flows hand each job-starting task the run's team (`StageRunner.team`, from `claim_run`),
+    so no stage decides it again (for a cloud run: the settings, STS and IAM, every stage)."""
+    import ast
+    import inspect
+    from pathlib import Path
+
+    from trnflow import backends, flows
+    from trnflow.backends import backend_for, cache_keys
+    from trnflow.tasks import collectives, compile, evaluate, infer, sanity, train
+
+    _file(tmp_path, _teams(tmp_path), monkeypatch)
+    team = run_team(_spec(tmp_path))
+
+    def decided(*args, **kwargs):
+        raise AssertionError("the team was decided again")
+    monkeypatch.setattr(backends, "team_of", decided)
+    assert backend_for(_spec(tmp_path), TrnflowSettings(), team).team == team
+    assert cache_keys(_spec(tmp_path), team=team).trusted is None  # the team declares no key: none, not the machine's
+    starting = {name for module in (sanity, collectives, compile, train, evaluate, infer)
+                for name, fn in vars(module).items()
+                if hasattr(fn, "fn") and "team" in inspect.signature(fn.fn).parameters}
+    assert starting == {"sanity_check", "collective_test", "compile_graphs", "train_model", "evaluate_gate",
+                        "batch_infer"}
+    calls = 0
+    for path in Path(flows.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "stage"
+                    and len(node.args) > 1 and isinstance(node.args[1], ast.Name) and node.args[1].id in starting):
+                calls += 1
+                given = {k.arg: ast.unparse(k.value) for k in node.keywords}
+                assert given.get("team") == "stage.team", f"{path.name}:{node.lineno} gives no team=stage.team"
+    assert calls >= 10
 
 
 def test_plain_http_to_another_machine_is_refused_in_a_spec(tmp_path):

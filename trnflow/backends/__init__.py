@@ -34,43 +34,46 @@ def keeps_instance(spec: JobSpec) -> bool:
     return spec.compute.backend == "local"
 
 
-def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None) -> Backend:
-    """The backend named by `spec.compute.backend`: the one place that chooses."""
+def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None, team: Team | None = None) -> Backend:
+    """The backend named by `spec.compute.backend`: the one place that chooses. Its jobs are `team`'s
+    (a run's, decided once by `claim_run`); None: the team of a run started here (`team_of`)."""
     settings = settings or TrnflowSettings()
     if spec.compute.backend == "local":
         from trnflow.backends.local import LocalBackend  # loads torch (the device): only local runs need it
 
-        return LocalBackend(settings.jobs_dir, team=team_of("local", settings))
+        return LocalBackend(settings.jobs_dir, team=team or team_of("local", settings))
     if spec.compute.backend == "sagemaker":
         from trnflow.backends.sagemaker import SageMakerBackend  # boto3 and the SDK glue: cloud runs only
 
-        return SageMakerBackend(cloud_target(settings, "sagemaker"))
+        return SageMakerBackend(cloud_target(settings, "sagemaker", team))
     if spec.compute.backend == "batch":
         from trnflow.backends.batch import BatchBackend  # boto3: cloud runs only
 
-        return BatchBackend(cloud_target(settings, "batch"))
+        return BatchBackend(cloud_target(settings, "batch", team))
     raise FatalError(f"compute.backend {spec.compute.backend!r} is unknown; use local, sagemaker or batch")
 
 
-def cache_keys(spec: JobSpec, settings: TrnflowSettings | None = None) -> EntryKeys:
+def cache_keys(spec: JobSpec, settings: TrnflowSettings | None = None, team: Team | None = None) -> EntryKeys:
     """The keys `spec`'s jobs check compile cache entries with, as their backend gives them: this
     process's (TRNFLOW_CACHE_PUBLIC_KEY, TRNFLOW_CACHE_UNSIGNED) for local jobs; for cloud jobs, the
     deployment's (`cloud_target`: the environment, then the stack's SSM parameters). No signing key:
-    the orchestrator predicts and records hits, it never writes an entry."""
+    the orchestrator predicts and records hits, it never writes an entry. `team`: the run's (None:
+    decided here)."""
     settings = settings or TrnflowSettings()
     if spec.compute.backend == "local":
-        overlay = cache_key_env(team_of("local", settings))
+        overlay = cache_key_env(team or team_of("local", settings))
         own = keys_from({k: v for k, v in {**os.environ, **overlay}.items() if v is not None})
         return EntryKeys(trusted=own.trusted, unsigned_ok=own.unsigned_ok)
-    target = cloud_target(settings, spec.compute.backend)
+    target = cloud_target(settings, spec.compute.backend, team)
     trusted = public_key(target.cache_public_key) if target.cache_public_key else None
     return EntryKeys(trusted=trusted, unsigned_ok=target.cache_unsigned)
 
 
-def trusted_cache_keys(spec: JobSpec, settings: TrnflowSettings | None = None) -> EntryKeys:
+def trusted_cache_keys(spec: JobSpec, settings: TrnflowSettings | None = None, team: Team | None = None
+                       ) -> EntryKeys:
     """`cache_keys`, once they let `spec`'s jobs use its compile cache: FatalError when it is a
     shared one nothing checks, or the deployment cannot be read at all."""
-    keys = cache_keys(spec, settings)
+    keys = cache_keys(spec, settings, team)
     if problem := shared_cache_problem(spec.compile.cache_url, keys.checks, keys.unsigned_ok):
         raise FatalError(problem)
     return keys

@@ -145,11 +145,12 @@ def published_settings(path: str) -> dict[str, str]:
     return {k: v for k, v in named.items() if k in SETTINGS}
 
 
-def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
+def cloud_target(settings: TrnflowSettings, service: str, team: Team | None = None) -> CloudTarget:
     """Where `service`'s jobs go: the images (TRNFLOW_IMAGE_NEURON, TRNFLOW_IMAGE_XLA, or
     TRNFLOW_IMAGE for both), TRNFLOW_STAGING_URL, TRNFLOW_JOB_POLICIES (or fixed roles) and, for
     Batch, TRNFLOW_BATCH_JOB_QUEUE, each taken, when unset, from the SSM parameters the infra stack
-    publishes."""
+    publishes; and, for `team`'s jobs (None: the team of a run started here, `team_of`), that team's
+    staging, keys and spot queue."""
     values = {name: getattr(settings, name) for name in SETTINGS}
     needed = ["staging_url", *(["batch_job_queue"] if service == "batch" else [])]
     images = ("image", *(f"image_{d}" for d in IMAGES))
@@ -165,7 +166,7 @@ def cloud_target(settings: TrnflowSettings, service: str) -> CloudTarget:
         raise FatalError(f"compute.backend {service} needs {', '.join(missing)}; set them from the outputs of "
                          f"the CloudFormation stack in infra/ (which also publishes them under "
                          f"{settings.parameters_path}/ in SSM)")
-    team = team_of(service, settings, values["teams"])
+    team = team or team_of(service, settings, values["teams"])
     if not team.unrestricted:  # a declared team's staging, cache and key are its own, never the stack's
         if not values["job_policies"]:
             raise FatalError(f"team {team.name} is declared, and its jobs would run as the deployment's fixed "
