@@ -237,6 +237,18 @@ def test_two_teams_run_the_quickstart_side_by_side_each_in_its_own_folders(tmp_p
                                              Key=f"jobs/{team}/{run_id}.owner.json")["Body"].read())
             assert owner == {"team": team, "model": "quickstart-batch"}
         assert not _keys(s3, "checkpoints/") and not _keys(s3, "embeddings/")  # nothing outside the teams' folders
+        # each team has the role its orchestrators run as, tagged with it, and spot capacity of its own
+        aws = {"endpoint_url": endpoint, "region_name": "us-east-1", "aws_access_key_id": "mock",
+               "aws_secret_access_key": "mock"}
+        teams = yaml.safe_load(s3.get_object(Bucket="trnflow-staging-123456789012",
+                                             Key="_operators/teams.yaml")["Body"].read())["teams"]
+        queues = [t["batch_spot_job_queue"] for t in teams]
+        assert queues == ["trnflow-search-trn1-spot", "trnflow-ads-trn1-spot"]
+        found = boto3.client("batch", **aws).describe_job_queues(jobQueues=queues)["jobQueues"]
+        assert sorted(q["jobQueueName"] for q in found) == sorted(queues)
+        for team in ("search", "ads"):
+            tags = boto3.client("iam", **aws).list_role_tags(RoleName=f"trnflow-{team}-orchestrator")["Tags"]
+            assert tags == [{"Key": "trnflow-team", "Value": team}]
 
         # search's run naming ads' registry, and a run started by a principal with no team: refused
         example, *_ = commands[0].split(" --set ")

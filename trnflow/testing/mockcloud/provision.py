@@ -127,10 +127,13 @@ def team_prefixes(team: str, prefix: str = "trnflow") -> dict[str, str]:
 def provision_teams(client: Any, teams: list[str], prefix: str = "trnflow") -> dict[str, dict[str, str]]:
     """Declare `teams` in the deployment `provision` made, as its operators would: a teams file (each
     team's folders under `teams/<team>/`, the seeded `quickstart/` data readable by all, a signing key
-    of its own in Secrets Manager), published as the `teams` setting, and for each team a role
-    tagged with it that its people start runs as. Returns, by team, the AWS variables of a session
-    of that role (the emulator's credentials, good for twelve hours)."""
-    iam, sts, secrets, s3 = (client(s) for s in ("iam", "sts", "secretsmanager", "s3"))
+    of its own in Secrets Manager, spot capacity of its own), published as the `teams` setting, and
+    for each team the role its orchestrators run as, tagged with it (what infra's team.yaml makes).
+    Returns, by team, the AWS variables of a session of that role (the emulator's credentials, good
+    for twelve hours)."""
+    iam, sts, secrets, s3, batch = (client(s) for s in ("iam", "sts", "secretsmanager", "s3", "batch"))
+    (shared,) = batch.describe_compute_environments(computeEnvironments=[f"{prefix}-trn1-spot"])["computeEnvironments"]
+    (shared_queue,) = batch.describe_job_queues(jobQueues=[f"{prefix}-trn1-spot"])["jobQueues"]
     declared, sessions = [], {}
     trust = {"Version": "2012-10-17", "Statement": [{"Effect": "Allow", "Action": "sts:AssumeRole",
                                                      "Principal": {"AWS": f"arn:aws:iam::{ACCOUNT}:root"}}]}
@@ -143,9 +146,22 @@ def provision_teams(client: Any, teams: list[str], prefix: str = "trnflow") -> d
             secret = secrets.describe_secret(SecretId=name)["ARN"]
         except secrets.exceptions.ResourceNotFoundException:
             secret = secrets.create_secret(Name=name, SecretString=pem)["ARN"]
+        spot = f"{prefix}-{team}-trn1-spot"
+        if not batch.describe_job_queues(jobQueues=[spot])["jobQueues"]:
+            profile = iam.create_instance_profile(InstanceProfileName=f"{prefix}-{team}-batch-spot-instance")
+            resources = {**shared["computeResources"], "instanceRole": profile["InstanceProfile"]["Arn"]}
+            environment = batch.create_compute_environment(
+                computeEnvironmentName=spot, type="MANAGED", state="ENABLED", serviceRole=shared["serviceRole"],
+                computeResources={k: resources[k] for k in ("type", "allocationStrategy", "minvCpus", "maxvCpus",
+                                                            "instanceTypes", "subnets", "securityGroupIds",
+                                                            "instanceRole")})
+            batch.create_job_queue(jobQueueName=spot, state="ENABLED", priority=1,
+                                   schedulingPolicyArn=shared_queue["schedulingPolicyArn"], computeEnvironmentOrder=[
+                                       {"order": 1, "computeEnvironment": environment["computeEnvironmentArn"]}])
         declared.append({"name": team, **team_prefixes(team, prefix), "read": [f"s3://{prefix}-data-{ACCOUNT}/quickstart"],
-                         "cache_signing_key": secret, "cache_public_key": public_text(key.public_key())})
-        role = f"{prefix}-team-{team}"
+                         "cache_signing_key": secret, "cache_public_key": public_text(key.public_key()),
+                         "batch_spot_job_queue": spot})
+        role = f"{prefix}-{team}-orchestrator"
         try:
             arn = iam.get_role(RoleName=role)["Role"]["Arn"]
         except iam.exceptions.NoSuchEntityException:
