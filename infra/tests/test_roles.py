@@ -126,12 +126,15 @@ class Stack:
         def holds(statement) -> bool:
             conditions = statement.get("Condition", {})
             unknown = set(conditions) - {"StringEquals", "StringLike", "StringNotEquals", "StringNotLike",
-                                         "StringEqualsIfExists"}
+                                         "StringEqualsIfExists", "Null"}
             assert not unknown, f"this evaluator reads the String conditions only, not {unknown}"
             return (all(context.get(key) in listed(wanted)
                         for key, wanted in conditions.get("StringEquals", {}).items())
                     and all(key not in context or context[key] in listed(wanted)
                             for key, wanted in conditions.get("StringEqualsIfExists", {}).items())
+                    # Null: "true" holds where the key is missing, "false" where it is there
+                    and all((key not in context) == (wanted == "true")
+                            for key, wanted in conditions.get("Null", {}).items())
                     and all(key in context and any(fnmatchcase(context[key], w) for w in listed(wanted))
                             for key, wanted in conditions.get("StringLike", {}).items())
                     # a negated operator holds where the key is missing, as IAM evaluates it
@@ -435,13 +438,15 @@ def test_a_teams_orchestrator_makes_passes_and_deletes_its_own_teams_job_roles_a
             assert stack.allows("OrchestratorRole", "iam:DetachRolePolicy", JOB_ROLE,
                                 on | {"iam:PolicyARN": base}) is allowed
             assert stack.allows("OrchestratorRole", "iam:DeleteRole", JOB_ROLE, on) is allowed
-            assert stack.allows("OrchestratorRole", "iam:TagRole", JOB_ROLE, on | {
-                "aws:RequestTag/trnflow-run": RUN, "aws:RequestTag/trnflow-team": team}) is allowed
+            made = on | {"iam:ResourceTag/trnflow-run": OTHER}  # a role trnflow made keeps its team, even its own
+            for action in ("iam:TagRole", "iam:UntagRole"):
+                assert not stack.allows("OrchestratorRole", action, JOB_ROLE, made | {
+                    "aws:RequestTag/trnflow-run": RUN, "aws:RequestTag/trnflow-team": team}), (team, owner)
             assert stack.allows("OrchestratorRole", "iam:ListRoleTags", JOB_ROLE, on)  # a sweep reads every tag
-        new = me | {"aws:RequestTag/trnflow-run": RUN}
-        assert stack.allows("OrchestratorRole", "iam:CreateRole", JOB_ROLE, new | {"aws:RequestTag/trnflow-team": team})
-        assert not stack.allows("OrchestratorRole", "iam:CreateRole", JOB_ROLE, new | {
-            "aws:RequestTag/trnflow-team": "ads"})
+        new = me | {"aws:RequestTag/trnflow-run": RUN}  # a role being made: no tags of its own yet
+        for action in ("iam:CreateRole", "iam:TagRole"):
+            assert stack.allows("OrchestratorRole", action, JOB_ROLE, new | {"aws:RequestTag/trnflow-team": team})
+            assert not stack.allows("OrchestratorRole", action, JOB_ROLE, new | {"aws:RequestTag/trnflow-team": "ads"})
         for action in ("iam:PassRole", "iam:DeleteRole"):  # a role of no team (made by hand): nobody's
             assert not stack.allows("OrchestratorRole", action, JOB_ROLE, me | {
                 "iam:PassedToService": "batch.amazonaws.com"}), (team, action)
@@ -459,6 +464,28 @@ def test_a_teams_orchestrator_stops_its_own_teams_jobs_and_replaces_its_own_node
                                  ("trnflow-ads-trn1-spot", False), ("trnflow-trn1-spot", False)):
         assert TEAM_STACK.allows("OrchestratorRole", "ec2:TerminateInstances", instance, {
             "aws:ResourceTag/trnflow:compute-environment": environment}) is allowed, environment
+    for resource in (training, job_arn):  # tagged as it is made, with its own team alone; never re-tagged
+        action = "sagemaker:AddTags" if "sagemaker" in resource else "batch:TagResource"
+        made = SEARCH | {"aws:RequestTag/trnflow-team": "search"}
+        assert TEAM_STACK.allows("OrchestratorRole", action, resource, made)
+        assert not TEAM_STACK.allows("OrchestratorRole", action, resource, SEARCH | {
+            "aws:RequestTag/trnflow-team": "ads"})
+        assert not TEAM_STACK.allows("OrchestratorRole", action, resource, SEARCH | {
+            "aws:RequestTag/trnflow-team": "search", "aws:ResourceTag/trnflow-team": "ads"}), action
+        assert not STACK.allows("OrchestratorRole", action, resource, {
+            "aws:PrincipalTag/trnflow-team": "default", "aws:RequestTag/trnflow-team": "default",
+            "aws:ResourceTag/trnflow-team": "search"}), action
+    # Batch checks a definition's role when it is registered, not when a job is submitted with it: a team
+    # submits, registers and removes its own definitions alone, which alone name its job roles
+    definition = "arn:aws:batch:us-east-1:123456789012:job-definition/trnflow-{}_m-0123456789ab:1"
+    for action in ("batch:SubmitJob", "batch:RegisterJobDefinition", "batch:DeregisterJobDefinition"):
+        assert TEAM_STACK.allows("OrchestratorRole", action, definition.format("search"), SEARCH), action
+        for other in ("ads", "search-ads"):
+            assert not TEAM_STACK.allows("OrchestratorRole", action, definition.format(other), SEARCH), action
+        assert not STACK.allows("OrchestratorRole", action, definition.format("search"), {
+            "aws:PrincipalTag/trnflow-team": "default"}), action
+        assert STACK.allows("OrchestratorRole", action,
+                            "arn:aws:batch:us-east-1:123456789012:job-definition/trnflow-m-0123456789ab:1")
     queue = "arn:aws:batch:us-east-1:123456789012:job-queue/{}"
     assert TEAM_STACK.allows("OrchestratorRole", "batch:SubmitJob", queue.format("trnflow-search-trn1-spot"))
     assert TEAM_STACK.allows("OrchestratorRole", "batch:SubmitJob", queue.format("trnflow-trn1"))

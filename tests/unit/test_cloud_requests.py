@@ -16,7 +16,7 @@ from trnflow.backends.container import batch_rendezvous, sagemaker_rendezvous, t
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.errors import FatalError
 from trnflow.specs import SpecError, load_spec, validate_spec
-from trnflow.teams import Team
+from trnflow.teams import UNDECLARED, Team
 
 TARGET = CloudTarget(image="123456789012.dkr.ecr.us-east-1.amazonaws.com/trnflow:0.1.0",
                      staging_url="s3://acme-staging/trnflow", role_arn="arn:aws:iam::123456789012:role/trnflow-sm",
@@ -87,16 +87,23 @@ def _valid_for_the_service(service: str, operation: str, params: dict) -> None:
     assert not report.has_errors(), report.generate_report()
 
 
-def test_long_model_names_never_give_two_runs_one_job_name_and_so_one_set_of_log_streams():
+def test_no_two_runs_share_a_job_name_and_so_a_set_of_log_streams_whatever_their_names_or_teams():
     name = "search-ranking-embeddings-multilingual-v2"
     spec = validate_spec({**_spec().model_dump(mode="json"), "name": name})
     first, second = (JobRequest(spec, "train", run) for run in ("20261206T010000-0123abcd", "20261206T010000-0123abce"))
-    for limit in (BASE_NAME_LENGTH, 63):
-        names = job_name(first, limit), job_name(second, limit)
+    for limit in (BASE_NAME_LENGTH, 63):  # a long model name cuts the run ids away
+        names = job_name(first, UNDECLARED, limit), job_name(second, UNDECLARED, limit)
         assert names[0] != names[1] and all(len(n) <= limit and n.startswith("search-ranking") for n in names)
-        assert job_name(first, limit) == names[0]  # the same job, the same name: its staging folder is found again
-    assert job_name(JobRequest(spec, "train", "r9"), 128) == f"{name}-train-r9"  # one that fits is kept whole
-    assert build_training_job_request(first, TARGET)["TrainingJobName"] == job_name(first, BASE_NAME_LENGTH)
+        assert job_name(first, UNDECLARED, limit) == names[0]  # the same job, the same name: its staging is found again
+    short = JobRequest(spec, "train", "r9")
+    assert job_name(short, UNDECLARED, 128) == f"{name}-train-r9"  # one that fits is kept whole
+    # two teams' run ids are their own: the same model name and run id are two jobs, two names
+    search, ads = (Team(name=t, checkpoints=f"s3://c/{t}", registry=f"s3://c/r/{t}", outputs=f"s3://o/{t}",
+                        cache=f"s3://k/{t}") for t in ("search", "ads"))
+    assert len({job_name(short, team, BASE_NAME_LENGTH) for team in (UNDECLARED, search, ads)}) == 3
+    assert job_name(short, search, BASE_NAME_LENGTH).startswith(f"{name}-train-r9"[:BASE_NAME_LENGTH - 17])
+    assert build_training_job_request(first, TARGET)["TrainingJobName"] == job_name(first, UNDECLARED,
+                                                                                    BASE_NAME_LENGTH)
 
 
 def test_capacity_settings_become_sagemakers_instance_preferences_pending_limit_and_training_plan():

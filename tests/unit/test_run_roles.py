@@ -63,6 +63,40 @@ def test_a_role_without_its_kinds_policy_is_not_left_behind(in_process_aws):
 
 
 @pytest.mark.slow  # moto's IAM: with the integration tests
+def test_a_new_role_whose_tags_iam_does_not_see_yet_is_given_its_policies_once_it_does(in_process_aws, monkeypatch):
+    """The stack lets an orchestrator attach the job policies to its own team's roles alone, judged by
+    the role's tags, which IAM spreads within seconds: AccessDenied for a role just made is waited out,
+    a bounded number of times; any other refusal is not."""
+    from botocore.exceptions import ClientError
+
+    from trnflow.backends import run_roles
+
+    iam = boto3.client("iam")
+    _policies(iam)
+    roles, waits, refusals = RunRoles(POLICIES), [], ["AccessDenied", "AccessDenied"]
+    real = roles._iam.attach_role_policy
+
+    def attach(**kwargs):
+        if refusals:
+            raise ClientError({"Error": {"Code": refusals.pop(0), "Message": "not authorized"}}, "AttachRolePolicy")
+        return real(**kwargs)
+    monkeypatch.setattr(roles._iam, "attach_role_policy", attach)
+    monkeypatch.setattr(run_roles.time, "sleep", waits.append)
+    name = roles.make(SCOPE, "m-train-r", seconds=60).rsplit("/", 1)[1]
+    assert {p["PolicyName"] for p in iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"]} == {
+        "job-base", "job-train"}
+    assert waits == list(run_roles.NEW_ROLE_WAITS[:2])
+    refusals.extend(["AccessDenied"] * (len(run_roles.NEW_ROLE_WAITS) + 1))  # never seen: given up, role deleted
+    with pytest.raises(FatalError, match="cannot be given the stack's policy"):
+        roles.make(SCOPE, "m-train-r", seconds=60)
+    refusals[:] = ["NoSuchEntity"]  # any other refusal: at once
+    waits.clear()
+    with pytest.raises(FatalError, match="cannot be given the stack's policy"):
+        roles.make(SCOPE, "m-train-r", seconds=60)
+    assert waits == [] and [r["RoleName"] for r in iam.list_roles(PathPrefix="/acme/")["Roles"]] == [name]
+
+
+@pytest.mark.slow  # moto's IAM: with the integration tests
 def test_roles_left_behind_are_deleted_once_their_time_is_over_and_no_other_role_ever(in_process_aws, monkeypatch):
     from trnflow.backends import run_roles
 

@@ -29,6 +29,7 @@ from trnflow.backends.cloud import (
 )
 from trnflow.errors import ExitCode, FatalError
 from trnflow.specs import JobSpec, instance, memory_problem
+from trnflow.teams import TEAM_TAG
 
 COMMAND = ["batch"]
 """The container's command: the image's entrypoint is `python -m trnflow.backends.container`."""
@@ -140,7 +141,8 @@ def build_job_definition(spec: JobSpec, target: CloudTarget, phase: str = "train
     # `trnflow-<team>_`, which no other team's and no spec name can (neither has a `_`): its spot
     # instances' role writes those streams alone
     team = "" if target.team.unrestricted else f"{target.team.name}_"
-    return {"jobDefinitionName": f"trnflow-{team}{spec.name}-{digest}", **body, "tags": {"trnflow:job": spec.name}}
+    return {"jobDefinitionName": f"trnflow-{team}{spec.name}-{digest}", **body,
+            "tags": {"trnflow:job": spec.name, TEAM_TAG: target.team.name}}
 
 
 def longest_seconds(request: JobRequest) -> int:
@@ -167,7 +169,7 @@ def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: s
             "nodePropertyOverrides": [{"targetNodes": "0:", "containerOverrides": {"environment": environment}}],
         }}
     submit: dict[str, Any] = {
-        "jobName": job_name(request),
+        "jobName": job_name(request, target.team),
         "jobQueue": target.queue_for(spec),
         "jobDefinition": job_definition,
         **shape,

@@ -196,7 +196,7 @@ def job_scope(request: JobRequest, target: CloudTarget) -> JobScope:
     writes = {"preflight": checkpoint_s3_uri(spec, request.run_id), "train": checkpoint_s3_uri(spec, request.run_id),
               "infer": spec.inference.output_url}.get(kind)
     return JobScope(kind=kind, run_id=request.run_id, staging=f"{target.staging_url.rstrip('/')}/{request.run_id}",
-                    writes=writes, team=target.team.name, job=job_name(request, BASE_NAME_LENGTH))
+                    writes=writes, team=target.team.name, job=job_name(request, target.team, BASE_NAME_LENGTH))
 
 
 class JobRoles:
@@ -213,7 +213,7 @@ class JobRoles:
         (every wait and attempt its service allows): until then no sweep deletes the role."""
         if self._made is None:
             return self.target.role_for(request.last_phase)
-        role = self._made.make(job_scope(request, self.target), job_name(request), longest)
+        role = self._made.make(job_scope(request, self.target), job_name(request, self.target.team), longest)
         time.sleep(self.target.role_settle_seconds)  # IAM is eventually consistent: a new role is not yet everywhere
         return role
 
@@ -243,22 +243,23 @@ class JobRoles:
         return True
 
 
-def job_name(request: JobRequest, limit: int = 63) -> str:
+def job_name(request: JobRequest, team: Team, limit: int = 63) -> str:
     """`<spec name>-<phase>-<run id>` in letters, digits and dashes, at most `limit` characters (63 is
-    the SageMaker limit; Batch allows 128). A longer one is cut and ends in a digest of the whole, so
-    two jobs never share a name (and so a SageMaker job's log streams, which its name scopes) because
-    a long model name cut their run ids away."""
+    the SageMaker limit; Batch allows 128). One that is longer, or is a declared team's, is cut to
+    make room and ends in a digest of the whole and the team: two jobs never share a name (and so a
+    SageMaker job's log streams, which its name scopes), even when a long model name cut their run
+    ids away, or two teams use one model name and run id (each team's run ids are its own)."""
     raw = f"{request.name}-{request.phase}-{request.run_id}"
     name = re.sub(r"[^A-Za-z0-9-]", "-", raw)
-    if len(name) <= limit:
+    if len(name) <= limit and team.unrestricted:
         return name
-    digest = hashlib.sha256(raw.encode()).hexdigest()[:NAME_DIGEST]
+    digest = hashlib.sha256(f"{team.name}/{raw}".encode()).hexdigest()[:NAME_DIGEST]
     return f"{name[:limit - NAME_DIGEST - 1].rstrip('-')}-{digest}"
 
 
 def staging_prefix(target: CloudTarget, request: JobRequest) -> str:
     """Where this request's spec is handed over, and where a Batch job leaves its result."""
-    return f"{target.staging_url.rstrip('/')}/{request.run_id}/{job_name(request)}"
+    return f"{target.staging_url.rstrip('/')}/{request.run_id}/{job_name(request, target.team)}"
 
 
 def spec_url(target: CloudTarget, request: JobRequest) -> str:

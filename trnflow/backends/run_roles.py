@@ -48,6 +48,10 @@ SLACK_SECONDS = 24 * 3600
 """How long after its job's longest life a role a stopped orchestrator left behind is kept."""
 SWEEP_SECONDS = 3600.0
 """How often a process looks for job roles left behind."""
+NEW_ROLE_WAITS = (1.0, 2.0, 4.0, 8.0)
+"""How long to wait before each new try to give a role made a moment ago its policies, when IAM
+answers AccessDenied: the stack lets an orchestrator attach them to its own team's roles alone,
+judged by the role's tags, which IAM may not yet see everywhere (it is eventually consistent)."""
 _SWEPT: dict[tuple[str, str], float] = {}  # (the stack's policy path, a team) -> when this process last swept it
 
 
@@ -149,7 +153,7 @@ class RunRoles:
                         Tags=[{"Key": k, "Value": v} for k, v in tags.items()])["Role"]
         try:
             for policy in (BASE_POLICY, f"job-{scope.kind}"):
-                aws.call(self._iam.attach_role_policy, RoleName=name, PolicyArn=self.where.policy(policy))
+                self._attach(name, self.where.policy(policy))
         except ClientError as exc:
             self.delete(role["Arn"])
             raise FatalError(f"the {scope.kind} job's role cannot be given the stack's policy ({exc}); check "
@@ -158,6 +162,19 @@ class RunRoles:
         log.info("job %s runs as %s, writing %s", job, name, ", ".join(
             f"{k}={v}" for k, v in tags.items() if k in (STAGING_TAG, WRITES_TAG)))
         return role["Arn"]
+
+    def _attach(self, name: str, policy: str) -> None:
+        """Attach `policy` to the new role `name`, waiting out IAM's spread of its tags (NEW_ROLE_WAITS)."""
+        for wait in (*NEW_ROLE_WAITS, None):
+            try:
+                aws.call(self._iam.attach_role_policy, RoleName=name, PolicyArn=policy)
+                return
+            except ClientError as exc:
+                if wait is None or exc.response.get("Error", {}).get("Code") != "AccessDenied":
+                    raise
+                log.info("IAM does not yet let %s be given %s (a new role's tags spread within seconds); "
+                         "trying again in %.0f s", name, policy, wait)
+                time.sleep(wait)
 
     def delete(self, role_arn: str) -> None:
         """Delete a job role this path's orchestrators made (its policies first); any other is left alone."""

@@ -115,7 +115,7 @@ def build_training_job_request(request: JobRequest, target: CloudTarget, role: s
     if request.checkpoint:
         hyperparameters["checkpoint"] = request.checkpoint
     return {
-        "TrainingJobName": job_name(request, BASE_NAME_LENGTH),
+        "TrainingJobName": job_name(request, target.team, BASE_NAME_LENGTH),
         "RoleArn": role or target.role_for(request.last_phase),
         "AlgorithmSpecification": {
             "TrainingImage": target.image_for(spec),
