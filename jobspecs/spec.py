@@ -273,7 +273,15 @@ class ComputeSpec(Section):
         description="Batch fair-share identifier (for queues with a fair-share scheduling policy), e.g. a team.",
     )
     scheduling_priority: int = Field(
-        0, ge=0, le=9999, description="Batch scheduling priority within a fair-share queue (higher runs first)."
+        0, ge=0, le=9999, description="Batch scheduling priority within a fair-share queue (higher runs first), "
+        "for a run of a stack that declares no teams and a spec that names no compute.priority_class; otherwise "
+        "the class's priority is used, and a declared team's spec may not set it."
+    )
+    priority_class: str | None = Field(
+        None, pattern=r"^[a-z0-9][a-z0-9-]{0,39}$",
+        description="The run's priority class (`production`, `experiment`, or a class of the stack's teams file), "
+        "which its team must be allowed: a run of a higher class goes first, and its Batch jobs get the class's "
+        "scheduling priority. None: the lowest class the team may use.",
     )
     fair_share: bool | None = Field(
         None,

@@ -84,6 +84,20 @@ def origin(url: str) -> str:
     return f"{parts.scheme}://{(parts.hostname or '').lower()}:{port}"
 
 
+class PriorityClass(BaseModel):
+    """A class of runs and its place in the stack's order: a run of a higher class goes first."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = Field(pattern=NAME, description="The class's name, as a spec's compute.priority_class names it.")
+    priority: int = Field(ge=0, le=9999, description="Its place in the order (higher goes first); also its Batch "
+                          "jobs' scheduling priority in the fair-share queue.")
+
+
+DEFAULT_CLASSES = (PriorityClass(name="production", priority=100), PriorityClass(name="experiment", priority=10))
+"""The classes of a teams file that declares none, and of an install that declares no teams."""
+
+
 class Team(BaseModel):
     """One team as the operators declare it. A run of the team writes only under its prefixes,
     reads its data only from them and `read`, uses its cache and key, and sends tracking
@@ -118,6 +132,9 @@ class Team(BaseModel):
                                     "and `<it>_PASSWORD`.")
     share_identifier: str | None = Field(None, pattern=r"^[A-Za-z0-9_]{1,255}$", description="Its Batch fair-share "
                                          "identifier: its jobs' share of the queue, whatever a spec says.")
+    classes: tuple[PriorityClass, ...] = Field(DEFAULT_CLASSES, min_length=1, description="The priority classes its "
+                                               "runs may use. In the teams file: their names, of the file's "
+                                               "`classes`; unset, every one of them.")
     batch_spot_job_queue: str | None = Field(None, pattern=r"^[A-Za-z0-9_:/.-]{1,255}$", description="Its own "
                                              "Batch spot job queue (the team stack's BatchSpotJobQueue output), "
                                              "whose instances' role reaches its own spot cluster alone. None: its "
@@ -151,6 +168,13 @@ class Team(BaseModel):
         """The default team of an install that declares none: it may reach anywhere its user can."""
         return self.name == DEFAULT_TEAM and self.checkpoints is None
 
+    def priority_class(self, name: str | None) -> PriorityClass | None:
+        """The class `name` (a spec's compute.priority_class) is for this team's runs: None when the team
+        may not use it; the lowest class it may use when `name` is None."""
+        if name is None:
+            return min(self.classes, key=lambda c: c.priority)
+        return next((c for c in self.classes if c.name == name), None)
+
     def writes(self) -> dict[str, str | None]:
         """The team's write prefixes, by the spec field that must lie in each."""
         return {"train.checkpoint_url": self.checkpoints, "registry_url": self.registry,
@@ -167,13 +191,42 @@ class Teams(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
+    classes: tuple[PriorityClass, ...] = Field(DEFAULT_CLASSES, min_length=1, description="The stack's priority "
+                                               "classes, each with its place in the order (production and "
+                                               "experiment unless declared).")
     teams: list[Team] = Field(min_length=1, description="Every team of the stack.")
     local_team: str | None = Field(None, description="The team of runs started with compute.backend local "
                                    "where this file is read. None: such runs are refused (a shared machine's "
                                    "runs belong to someone).")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _classes_named(cls, data: object) -> object:
+        """A team's `classes` in the file are names of the file's classes: each becomes that class."""
+        if not isinstance(data, dict) or not isinstance(data.get("teams"), list):
+            return data
+        declared = data.get("classes", [c.model_dump() for c in DEFAULT_CLASSES])
+        known = {c.get("name"): c for c in declared if isinstance(c, dict)} if isinstance(declared, list) else {}
+        teams = []
+        for team in data["teams"]:
+            if isinstance(team, dict) and isinstance(team.get("classes"), list):
+                names = team["classes"]
+                unknown = [n for n in names if not isinstance(n, str) or n not in known]
+                if unknown:
+                    raise ValueError(f"team {team.get('name')}: classes {unknown} are not among the file's classes "
+                                     f"({', '.join(map(str, known))})")
+                team = {**team, "classes": [known[n] for n in names]}
+            elif isinstance(team, dict) and "classes" in data:
+                team = {**team, "classes": declared}
+            teams.append(team)
+        return {**data, "teams": teams}
+
     @model_validator(mode="after")
     def _complete(self) -> Teams:
+        for field in ("name", "priority"):
+            values = [getattr(c, field) for c in self.classes]
+            if len(set(values)) != len(values):
+                raise ValueError(f"classes: two classes have one {field}; each has its own place in the order")
         names = [t.name for t in self.teams]
         if len(set(names)) != len(names):
             raise ValueError(f"a team is declared twice: {sorted(n for n in set(names) if names.count(n) > 1)}")

@@ -79,6 +79,11 @@ def test_a_location_lies_inside_a_prefix_segment_by_segment_and_never_by_climbin
     ({"teams": [{"name": "a", "checkpoints": "s3://b/a", "registry": "s3://b/a/registry", "outputs": "s3://b/o",
                  "cache": "s3://b/k"}]}, "team a: its train.checkpoint_url prefix s3://b/a and its registry_url "
                                          "prefix s3://b/a/registry overlap"),
+    ({"teams": [{"name": "a", "checkpoints": "s3://b/c", "registry": "s3://b/r", "outputs": "s3://b/o",
+                 "cache": "s3://b/k", "classes": ["production", "urgent"]}]},
+     "team a: classes ['urgent'] are not among the file's classes (production, experiment)"),
+    ({"classes": [{"name": "production", "priority": 10}, {"name": "experiment", "priority": 10}]},
+     "classes: two classes have one priority"),
 ])
 def test_a_teams_file_that_is_not_one_is_refused_naming_the_file_and_field(tmp_path, change, said):
     declared = {**_teams(tmp_path), **change}
@@ -164,6 +169,49 @@ def test_trnflow_reference_writes_its_file_only_where_the_team_writes_never_in_a
     assert not shared.exists() and not (tmp_path / "home" / "jobs").exists()
     own = _spec(tmp_path, gate={"reference": str(tmp_path / "search" / "outputs" / "reference.json")})
     assert team_problem(own, writes_reference=True) is None
+
+
+def test_a_runs_priority_class_is_one_its_team_may_use_and_orders_its_batch_jobs(tmp_path):
+    """Priority classes are the operators' (the teams file's `classes`, each team's allowed ones by
+    name); a spec names its run's class, refused when its team may not use it; a declared team's
+    Batch jobs take the class's priority, never a number a spec chose."""
+    from trnflow.backends.batch_request import scheduling_priority
+    from trnflow.teams import UNDECLARED
+
+    declared = _teams(tmp_path)
+    declared["classes"] = [{"name": "tier-1", "priority": 500}, {"name": "production", "priority": 100},
+                           {"name": "experiment", "priority": 10}]
+    declared["teams"][1]["classes"] = ["experiment"]  # ads may run experiments alone
+    teams = parse_teams(yaml.safe_dump(declared), "teams.yaml")
+    search, ads = teams.named("search"), teams.named("ads")
+    assert [c.name for c in search.classes] == ["tier-1", "production", "experiment"]  # unset: every class
+    assert search.priority_class(None).name == "experiment" and ads.priority_class("tier-1") is None
+    tier_1 = _spec(tmp_path, compute={"priority_class": "tier-1"})
+    assert team_problems(tier_1, search) == []
+    assert team_problems(tier_1, ads)[0] == ("compute.priority_class: team ads may not run tier-1 runs (its classes: "
+                                             "experiment); name one of those, or ask the operators")
+    assert team_problems(_spec(tmp_path, compute={"scheduling_priority": 9999}), search) == [
+        "compute.scheduling_priority: team search's runs are ordered by their priority class "
+        "(compute.priority_class), never by a spec's number; remove it"]
+    assert scheduling_priority(tier_1, search) == 500
+    assert scheduling_priority(_spec(tmp_path), search) == 10  # no class named: its lowest
+    # a stack that declares no teams: the spec's own number, unless it names a class; an unknown class refused
+    assert scheduling_priority(_spec(tmp_path, compute={"scheduling_priority": 7}), UNDECLARED) == 7
+    assert scheduling_priority(_spec(tmp_path, compute={"priority_class": "production"}), UNDECLARED) == 100
+    assert team_problems(_spec(tmp_path, compute={"priority_class": "tier-1"}), UNDECLARED)[0].startswith(
+        "compute.priority_class: team default may not run tier-1 runs (its classes: production, experiment)")
+
+
+def test_the_teams_file_docs_cloud_md_shows_is_one():
+    from pathlib import Path
+
+    from tests.markdown import FENCE
+
+    page = (Path(__file__).resolve().parents[2] / "docs" / "cloud.md").read_text()
+    (example,) = [body for language, body in FENCE.findall(page) if language == "yaml" and "\nteams:\n" in body]
+    teams = parse_teams(example, "docs/cloud.md")
+    (team,) = teams.teams
+    assert teams.local_team == team.name and [c.name for c in team.classes] == ["production", "experiment"]
 
 
 def test_a_local_run_on_a_machine_whose_teams_name_no_local_team_is_refused(tmp_path, monkeypatch):

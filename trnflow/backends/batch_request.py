@@ -29,7 +29,7 @@ from trnflow.backends.cloud import (
 )
 from trnflow.errors import ExitCode, FatalError
 from trnflow.specs import JobSpec, instance, memory_problem
-from trnflow.teams import TEAM_TAG
+from trnflow.teams import TEAM_TAG, Team
 
 COMMAND = ["batch"]
 """The container's command: the image's entrypoint is `python -m trnflow.backends.container`."""
@@ -180,8 +180,18 @@ def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: s
     }
     if share := target.team.share_identifier or spec.compute.share_identifier:  # a declared team's share is its own
         submit["shareIdentifier"] = share
-        submit["schedulingPriorityOverride"] = spec.compute.scheduling_priority
+        submit["schedulingPriorityOverride"] = scheduling_priority(spec, target.team)
     return submit
+
+
+def scheduling_priority(spec: JobSpec, team: Team) -> int:
+    """A job's priority in the fair-share queue: its run's class's (`compute.priority_class`, which
+    `team_problems` checked the team may use), or, for a stack that declares no teams and a spec that
+    names no class, the spec's own compute.scheduling_priority."""
+    chosen = team.priority_class(spec.compute.priority_class)
+    if (team.unrestricted and spec.compute.priority_class is None) or chosen is None:
+        return spec.compute.scheduling_priority
+    return chosen.priority
 
 
 def queue_problems(spec: JobSpec, name: str, queue: dict[str, Any] | None) -> list[str]:

@@ -43,14 +43,19 @@ def locations(spec: JobSpec) -> dict[str, str]:
 def team_problems(spec: JobSpec, team: Team, writes_reference: bool = False) -> list[str]:
     """Where `spec` reaches outside what `team` may: each location it writes outside the team's
     prefix for it, each it reads outside the team's prefixes, a tracking server other than the
-    team's (one on loopback is allowed for a run on this machine's cores), and a Batch share other
-    than the team's; a line each, naming the field, the location and the team's prefix. With
+    team's (one on loopback is allowed for a run on this machine's cores), a Batch share or priority
+    other than the team's; a line each, naming the field, the location and the team's prefix. With
     `writes_reference` (`trnflow reference`, which writes gate.reference), that file must lie where
     the team's runs write their own files: its checkpoints or outputs prefix, never a folder it may
-    only read. None for the one team of an install that declares none."""
-    if team.unrestricted:
-        return []
+    only read. A priority class the team may not use is refused for every team; nothing else for the
+    one team of an install that declares none."""
     problems = []
+    wanted = spec.compute.priority_class
+    if team.priority_class(wanted) is None:
+        problems.append(f"compute.priority_class: team {team.name} may not run {wanted} runs (its classes: "
+                        f"{', '.join(c.name for c in team.classes)}); name one of those, or ask the operators")
+    if team.unrestricted:
+        return problems
     fields = locations(spec)
     reference = spec.gate.reference
     own = [p for p in (team.checkpoints, team.outputs) if p is not None]
@@ -84,6 +89,9 @@ def team_problems(spec: JobSpec, team: Team, writes_reference: bool = False) -> 
         problems.append(f"compute.spot: team {team.name} has no Batch spot queue of its own (its "
                         "batch_spot_job_queue in the teams file), and the stack's is no team's; run on demand, or "
                         "ask the operators for the team's spot capacity (infra/cloudformation/team.yaml)")
+    if spec.compute.scheduling_priority:
+        problems.append(f"compute.scheduling_priority: team {team.name}'s runs are ordered by their priority class "
+                        "(compute.priority_class), never by a spec's number; remove it")
     share = spec.compute.share_identifier
     if share and team.share_identifier and share != team.share_identifier:
         problems.append(f"compute.share_identifier: {share} is not team {team.name}'s share "
