@@ -280,8 +280,8 @@ class ComputeSpec(Section):
     priority_class: str | None = Field(
         None, pattern=r"^[a-z0-9][a-z0-9-]{0,39}$",
         description="The run's priority class (`production`, `experiment`, or a class of the stack's teams file), "
-        "which its team must be allowed: a run of a higher class goes first, and its Batch jobs get the class's "
-        "scheduling priority. None: the lowest class the team may use.",
+        "which its team must be allowed: its Batch jobs get the class's scheduling priority, which orders them "
+        "within their share of a fair-share queue. None: the lowest class the team may use.",
     )
     fair_share: bool | None = Field(
         None,

@@ -85,13 +85,13 @@ def origin(url: str) -> str:
 
 
 class PriorityClass(BaseModel):
-    """A class of runs and its place in the stack's order: a run of a higher class goes first."""
+    """A class of runs and its place in the stack's order."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     name: str = Field(pattern=NAME, description="The class's name, as a spec's compute.priority_class names it.")
-    priority: int = Field(ge=0, le=9999, description="Its place in the order (higher goes first); also its Batch "
-                          "jobs' scheduling priority in the fair-share queue.")
+    priority: int = Field(ge=0, le=9999, description="Its place in the order (higher first): its Batch jobs' "
+                          "scheduling priority, which orders them within their share of the fair-share queue.")
 
 
 DEFAULT_CLASSES = (PriorityClass(name="production", priority=100), PriorityClass(name="experiment", priority=10))
@@ -202,22 +202,22 @@ class Teams(BaseModel):
     @model_validator(mode="before")
     @classmethod
     def _classes_named(cls, data: object) -> object:
-        """A team's `classes` in the file are names of the file's classes: each becomes that class."""
+        """A team's `classes` in the file are names of the file's classes: each becomes that class (a
+        class written out whole is left to be checked against them, after validation)."""
         if not isinstance(data, dict) or not isinstance(data.get("teams"), list):
             return data
         declared = data.get("classes", [c.model_dump() for c in DEFAULT_CLASSES])
-        known = {c.get("name"): c for c in declared if isinstance(c, dict)} if isinstance(declared, list) else {}
+        if not isinstance(declared, list) or not all(isinstance(c, dict) for c in declared):
+            return data  # the file's classes are not a list of classes: validation says so
+        known = {c.get("name"): c for c in declared}
         teams = []
-        for team in data["teams"]:
+        for n, team in enumerate(data["teams"]):
             if isinstance(team, dict) and isinstance(team.get("classes"), list):
-                names = team["classes"]
-                unknown = [n for n in names if not isinstance(n, str) or n not in known]
+                unknown = [c for c in team["classes"] if not isinstance(c, dict) and c not in known]
                 if unknown:
-                    raise ValueError(f"team {team.get('name')}: classes {unknown} are not among the file's classes "
-                                     f"({', '.join(map(str, known))})")
-                team = {**team, "classes": [known[n] for n in names]}
-            elif isinstance(team, dict) and "classes" in data:
-                team = {**team, "classes": declared}
+                    raise ValueError(f"teams.{n}.classes (team {team.get('name')}): {unknown} are not among the "
+                                     f"file's classes ({', '.join(map(str, known))})")
+                team = {**team, "classes": [c if isinstance(c, dict) else known[c] for c in team["classes"]]}
             teams.append(team)
         return {**data, "teams": teams}
 
@@ -227,6 +227,13 @@ class Teams(BaseModel):
             values = [getattr(c, field) for c in self.classes]
             if len(set(values)) != len(values):
                 raise ValueError(f"classes: two classes have one {field}; each has its own place in the order")
+        for n, team in enumerate(self.teams):
+            if "classes" not in team.model_fields_set:  # unset: every class of the file's
+                self.teams[n] = team = team.model_copy(update={"classes": self.classes})
+            foreign = [c.name for c in team.classes if c not in self.classes]
+            if foreign:
+                raise ValueError(f"team {team.name}: classes {foreign} are not the file's classes "
+                                 f"({', '.join(c.name for c in self.classes)})")
         names = [t.name for t in self.teams]
         if len(set(names)) != len(names):
             raise ValueError(f"a team is declared twice: {sorted(n for n in set(names) if names.count(n) > 1)}")

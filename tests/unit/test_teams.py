@@ -19,7 +19,7 @@ from trnflow.lifecycle.locations import team_problems
 from trnflow.reporting.tracking import TrackedRun, credentials, send
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import validate_spec
-from trnflow.teams import DEFAULT_TEAM, Teams, inside, parse_teams
+from trnflow.teams import DEFAULT_TEAM, PriorityClass, Teams, inside, parse_teams
 
 pytestmark = pytest.mark.unit
 
@@ -81,7 +81,10 @@ def test_a_location_lies_inside_a_prefix_segment_by_segment_and_never_by_climbin
                                          "prefix s3://b/a/registry overlap"),
     ({"teams": [{"name": "a", "checkpoints": "s3://b/c", "registry": "s3://b/r", "outputs": "s3://b/o",
                  "cache": "s3://b/k", "classes": ["production", "urgent"]}]},
-     "team a: classes ['urgent'] are not among the file's classes (production, experiment)"),
+     "teams.0.classes (team a): ['urgent'] are not among the file's classes (production, experiment)"),
+    ({"classes": [{"name": "production", "priority": 100}],
+      "teams": [{"name": "a", "checkpoints": "s3://b/c", "registry": "s3://b/r", "outputs": "s3://b/o",
+                 "cache": "s3://b/k", "classes": "production"}]}, "teams.0.classes: Input should be a valid tuple"),
     ({"classes": [{"name": "production", "priority": 10}, {"name": "experiment", "priority": 10}]},
      "classes: two classes have one priority"),
 ])
@@ -185,14 +188,23 @@ def test_a_runs_priority_class_is_one_its_team_may_use_and_orders_its_batch_jobs
     teams = parse_teams(yaml.safe_dump(declared), "teams.yaml")
     search, ads = teams.named("search"), teams.named("ads")
     assert [c.name for c in search.classes] == ["tier-1", "production", "experiment"]  # unset: every class
+    assert Teams.model_validate(teams.model_dump()) == teams  # written out whole, read back the same
+    with pytest.raises(ValueError, match=r"team search: classes \['tier-1', 'production', 'experiment'\] are not "
+                                         r"the file's classes \(production\)"):
+        Teams(classes=[PriorityClass(name="production", priority=1)], teams=[search])  # 100 there, 1 here
     assert search.priority_class(None).name == "experiment" and ads.priority_class("tier-1") is None
     tier_1 = _spec(tmp_path, compute={"priority_class": "tier-1"})
     assert team_problems(tier_1, search) == []
     assert team_problems(tier_1, ads)[0] == ("compute.priority_class: team ads may not run tier-1 runs (its classes: "
                                              "experiment); name one of those, or ask the operators")
-    assert team_problems(_spec(tmp_path, compute={"scheduling_priority": 9999}), search) == [
-        "compute.scheduling_priority: team search's runs are ordered by their priority class "
-        "(compute.priority_class), never by a spec's number; remove it"]
+    on_batch = validate_spec(quickstart_data(**ON_S3, train={"checkpoint_url": "s3://acme-data/runs"}, compute={
+        "backend": "batch", "instance_type": "trn1.32xlarge", "scheduling_priority": 9999}))
+    assert ("compute.scheduling_priority: team search's runs are ordered by their priority class "
+            "(compute.priority_class), never by a spec's number; remove it") in team_problems(on_batch, search)
+    assert not any("scheduling_priority" in p for p in team_problems(_spec(tmp_path, compute={  # no effect off Batch
+        "scheduling_priority": 9999}), search))
+    with pytest.raises(FatalError, match="team ads may not run tier-1 runs"):
+        scheduling_priority(tier_1, ads)  # never a fallback to the spec's number
     assert scheduling_priority(tier_1, search) == 500
     assert scheduling_priority(_spec(tmp_path), search) == 10  # no class named: its lowest
     # a stack that declares no teams: the spec's own number, unless it names a class; an unknown class refused

@@ -185,12 +185,15 @@ def build_submit_job(request: JobRequest, target: CloudTarget, job_definition: s
 
 
 def scheduling_priority(spec: JobSpec, team: Team) -> int:
-    """A job's priority in the fair-share queue: its run's class's (`compute.priority_class`, which
-    `team_problems` checked the team may use), or, for a stack that declares no teams and a spec that
-    names no class, the spec's own compute.scheduling_priority."""
-    chosen = team.priority_class(spec.compute.priority_class)
-    if (team.unrestricted and spec.compute.priority_class is None) or chosen is None:
+    """A job's priority within its share of the fair-share queue: its run's class's
+    (`compute.priority_class`), or, for a stack that declares no teams and a spec that names no class,
+    the spec's own compute.scheduling_priority. FatalError for a class the team may not use (which
+    `team_problems` refuses before launch)."""
+    if team.unrestricted and spec.compute.priority_class is None:
         return spec.compute.scheduling_priority
+    chosen = team.priority_class(spec.compute.priority_class)
+    if chosen is None:
+        raise FatalError(f"compute.priority_class: team {team.name} may not run {spec.compute.priority_class} runs")
     return chosen.priority
 
 

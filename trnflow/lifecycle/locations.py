@@ -89,7 +89,7 @@ def team_problems(spec: JobSpec, team: Team, writes_reference: bool = False) -> 
         problems.append(f"compute.spot: team {team.name} has no Batch spot queue of its own (its "
                         "batch_spot_job_queue in the teams file), and the stack's is no team's; run on demand, or "
                         "ask the operators for the team's spot capacity (infra/cloudformation/team.yaml)")
-    if spec.compute.scheduling_priority:
+    if spec.compute.scheduling_priority and spec.compute.backend == "batch":
         problems.append(f"compute.scheduling_priority: team {team.name}'s runs are ordered by their priority class "
                         "(compute.priority_class), never by a spec's number; remove it")
     share = spec.compute.share_identifier
