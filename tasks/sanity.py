@@ -5,11 +5,10 @@ from __future__ import annotations
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from trnflow.backends import backend_for
+from trnflow.backends import keeps_instance
 from trnflow.errors import FatalError, TrnflowError
 from trnflow.reporting.report import sanity_markdown
 from trnflow.results import SanityResult
-from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
@@ -94,7 +93,7 @@ def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], 
     """Check placements until one is healthy; `excluded` and `checked` grow as it goes. On a cloud
     backend the job's own nodes do this inside their allocation (`trnflow.backends.container`), and an
     instance they cannot place healthy cores on is replaced (`BadHost`)."""
-    local = not backend_for(spec, TrnflowSettings(), team).shares_allocation  # this machine places
+    local = keeps_instance(spec)  # this machine places the cores (no backend built: that reads the deployment)
     excludes = spec.preflight.exclude_bad_cores and local
     while True:
         try:

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 from botocore.exceptions import BotoCoreError, ClientError
+from tenacity import Retrying, retry_if_exception, stop_after_attempt, wait_chain, wait_fixed
 
 from trnflow import aws
 from trnflow.errors import FatalError
@@ -53,6 +54,10 @@ NEW_ROLE_WAITS = (1.0, 2.0, 4.0, 8.0)
 answers AccessDenied: the stack lets an orchestrator attach them to its own team's roles alone,
 judged by the role's tags, which IAM may not yet see everywhere (it is eventually consistent)."""
 _SWEPT: dict[tuple[str, str], float] = {}  # (the stack's policy path, a team) -> when this process last swept it
+
+
+def _access_denied(exc: BaseException) -> bool:
+    return isinstance(exc, ClientError) and exc.response.get("Error", {}).get("Code") == "AccessDenied"
 
 
 @dataclass(frozen=True)
@@ -165,16 +170,12 @@ class RunRoles:
 
     def _attach(self, name: str, policy: str) -> None:
         """Attach `policy` to the new role `name`, waiting out IAM's spread of its tags (NEW_ROLE_WAITS)."""
-        for wait in (*NEW_ROLE_WAITS, None):
-            try:
-                aws.call(self._iam.attach_role_policy, RoleName=name, PolicyArn=policy)
-                return
-            except ClientError as exc:
-                if wait is None or exc.response.get("Error", {}).get("Code") != "AccessDenied":
-                    raise
-                log.info("IAM does not yet let %s be given %s (a new role's tags spread within seconds); "
-                         "trying again in %.0f s", name, policy, wait)
-                time.sleep(wait)
+        retrying = Retrying(
+            retry=retry_if_exception(_access_denied), stop=stop_after_attempt(len(NEW_ROLE_WAITS) + 1),
+            wait=wait_chain(*(wait_fixed(w) for w in NEW_ROLE_WAITS)), sleep=lambda s: time.sleep(s), reraise=True,
+            before_sleep=lambda state: log.info("IAM does not yet let %s be given %s (a new role's tags spread "
+                                                "within seconds); trying again", name, policy))
+        retrying(aws.call, self._iam.attach_role_policy, RoleName=name, PolicyArn=policy)
 
     def delete(self, role_arn: str) -> None:
         """Delete a job role this path's orchestrators made (its policies first); any other is left alone."""
