@@ -35,6 +35,7 @@ from prefect.variables import Variable
 from trnflow.errors import FatalError
 from trnflow.processes import pid_alive
 from trnflow.specs import JobSpec
+from trnflow.tasks._jobs import WAITING, running_as
 from trnflow.teams import Team
 
 LEASE_SECONDS = 120.0
@@ -185,7 +186,8 @@ class ModelLock:
 
 
 def _acquire(name: str, timeout_seconds: float | None, model: str) -> uuid.UUID:
-    """A lease on the limit's one slot, waiting while another run holds it (TimeoutError past the timeout)."""
+    """A lease on the limit's one slot, waiting while another run holds it (TimeoutError past the
+    timeout), in the state `Waiting` with the reason, and `Running` again once it holds it."""
     deadline = None if timeout_seconds is None else time.monotonic() + timeout_seconds
     told = False
     with get_client(sync_client=True) as client:
@@ -193,6 +195,8 @@ def _acquire(name: str, timeout_seconds: float | None, model: str) -> uuid.UUID:
             try:
                 answer = client.increment_concurrency_slots_with_lease(
                     names=[name], slots=1, mode="concurrency", lease_duration=LEASE_SECONDS)
+                if told:
+                    running_as("Running", f"holds {name}", _logger())
                 return uuid.UUID(answer.json()["lease_id"])
             except PrefectHTTPStatusError as exc:
                 if exc.response.status_code != 423:  # 423 Locked: the slot is taken
@@ -203,7 +207,9 @@ def _acquire(name: str, timeout_seconds: float | None, model: str) -> uuid.UUID:
             if deadline is not None and time.monotonic() >= deadline:
                 raise TimeoutError(name)
             if not told:
-                _logger().info("%s holds %s; waiting for it to end", holder(model) or "another run", name)
+                why = f"{holder(model) or 'another run'} holds {name}; waiting for it to end"
+                _logger().info("%s", why)
+                running_as(WAITING, f"waiting: {why}", _logger())
                 told = True
             time.sleep(max(0.1, min(pause, deadline - time.monotonic() if deadline is not None else pause)))
 

@@ -3,20 +3,25 @@ failure with the rows so far."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from prefect import get_run_logger
 from prefect.exceptions import FailedRun
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from trnflow.backends import claim_run, trusted_cache_keys
+from trnflow.backends import claim_run, machine_queue, trusted_cache_keys
+from trnflow.backends.admission import MAX_PREEMPTIONS
+from trnflow.backends.machine import Ticket
 from trnflow.device.plans import cache_problem
 from trnflow.device.signing import UNSIGNED_ENV
-from trnflow.errors import FatalError, GateDecision, OverBudget, TrnflowError
+from trnflow.errors import FatalError, GateDecision, OverBudget, Preempted, TrnflowError
+from trnflow.flows._lock import holder_label
 from trnflow.lifecycle.locations import check_locations
+from trnflow.neuron.launch import format_cores
 from trnflow.reporting.cost import run_cost, stage_cost
 from trnflow.reporting.forecast import OVERRIDE_HINT, Plan, beside, keep, launch_forecast, over_limits, training_budget
 from trnflow.reporting.ledger import JobLedger
@@ -27,7 +32,7 @@ from trnflow.results import Cost, CostRow, RunOutcome, SanityResult, StageResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, SpecError, new_run_id, run_id_problem
 from trnflow.tasks import _artifacts
-from trnflow.tasks._jobs import release_kept
+from trnflow.tasks._jobs import PREEMPTED, WAITING, release_kept, running_as
 from trnflow.tasks.collectives import collective_test
 from trnflow.tasks.compile import compile_graphs
 from trnflow.tasks.retry_policy import retry_options
@@ -95,6 +100,11 @@ class StageRunner:
         """How the run ended when it did not complete, in one line (its final state's message)."""
         self.forecast: Plan | None = None
         """The run's forecast, made before its first job (`check_limits`)."""
+        self.ticket: Ticket | None = None
+        """The run's place in this machine's queue, while it runs on its cores (`admitted`)."""
+        self.yielded = 0
+        """How often it gave up its cores to a higher-priority run."""
+        self._reason = ""
 
     def __call__(self, name: str, task, *args, spec: JobSpec | None = None, **kwargs) -> StageResult:
         """Run stage `name`'s task on the run's spec (or `spec`, the run's as that stage's job takes it)."""
@@ -103,8 +113,9 @@ class StageRunner:
                                                    **kwargs)
         seconds = time.monotonic() - began
         billed = self.ledger.new_entries()  # every job the stage ran, its retries' included
-        if billed:
-            self.costs.append(stage_cost(self.spec, name, billed))  # each job on the nodes it held
+        preempted = state.is_failed() and isinstance(state.result(raise_on_failure=False), Preempted)
+        if billed:  # each job on the nodes it held; the part of a stage that yielded, on a row of its own
+            self.costs.append(stage_cost(self.spec, f"{name} (preempted)" if preempted else name, billed))
         if state.is_completed():
             result = state.result()
             label = "Skipped" if state.name == "Skipped" else "Completed"
@@ -113,8 +124,65 @@ class StageRunner:
             self.results[name] = result
             return result
         error = state.result(raise_on_failure=False)
-        self.rows.append(StageRow(stage=name, state=state.type.value.title(), seconds=seconds, summary=str(error)))
+        label = "Preempted" if preempted else state.type.value.title()
+        self.rows.append(StageRow(stage=name, state=label, seconds=seconds, summary=str(error)))
         raise PipelineFailed(name, error, self.rows)
+
+    @contextlib.contextmanager
+    def admitted(self) -> Iterator[None]:
+        """Hold the run's place on its capacity for the whole block: on this machine, its cores from
+        its first stage to its last (`machine_queue`), waited for at the run's level with the reason
+        as the flow run's state (`Waiting`), never with a stage's retries."""
+        self.ticket = machine_queue(self.spec, self.run_id, self.team, holder_label(self.run_id))
+        if self.ticket is None:
+            yield
+            return
+        try:
+            self._wait_turn()
+            yield
+        finally:
+            self.ticket.release()
+
+    def _wait_turn(self) -> None:
+        """Wait until admitted; time spent waiting is a `queue` row of the stage table."""
+        assert self.ticket is not None
+        began, self._reason = time.monotonic(), ""
+        self.ticket.wait(self._waiting)
+        waited = time.monotonic() - began
+        if self._reason:
+            self.rows.append(StageRow(stage="queue", state="Waited", seconds=waited, summary=(
+                f"{self._reason}; then admitted on {format_cores(self.ticket.cores)}")))
+            running_as("Running", f"admitted after waiting {waited:.0f} s", get_run_logger())
+
+    def _waiting(self, reason: str) -> None:
+        self._reason = reason
+        get_run_logger().info(f"waiting: {reason}")
+        running_as(PREEMPTED if self.yielded else WAITING, f"waiting: {reason}", get_run_logger())
+
+    def asked_to_yield(self) -> bool:
+        """Whether a higher-priority run asked this one for its cores."""
+        return self.ticket is not None and self.ticket.asked_to_yield() is not None
+
+    def requeue(self, cores: list[int], when: str) -> list[int]:
+        """Give up the run's cores (it was asked to yield), queue again at its first arrival, and
+        wait to be admitted. The cores to go on with: these, or others checked by the preflight."""
+        assert self.ticket is not None
+        asked = self.ticket.asked_to_yield()
+        who = f"{asked.label} ({asked.priority_class})" if asked else "a higher-priority run"
+        self.yielded += 1
+        note = f"yielded its cores to {who} {when}; queued again"
+        if self.ticket.entry.preemptions + 1 >= MAX_PREEMPTIONS:
+            note += f" (it has yielded {self.ticket.entry.preemptions + 1} times: it is not asked again)"
+        get_run_logger().warning(note)
+        self.notes.append(note)
+        running_as(PREEMPTED, note, get_run_logger())
+        self.ticket.requeue()
+        self._wait_turn()
+        if self.ticket.cores == cores:
+            return cores
+        get_run_logger().info(f"admitted on other cores ({format_cores(self.ticket.cores)}): the preflight "
+                              "checks them first")
+        return preflight_stages(self, then_train=True)
 
     def check_cache(self, when: str) -> None:
         """FatalError when the spec's compile cache cannot be trusted: a local folder that is not this
@@ -253,7 +321,8 @@ def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], st
     try:
         if "train" in stages:  # the run's first line: how long it should take and cost (`trnflow plan`)
             stage.check_limits(override_forecast)
-        return body(stage)
+        with stage.admitted():
+            return body(stage)
     except (PipelineFailed, TrnflowError) as exc:
         state = failed_state(exc)
         stage.ended = state.message if state.name == "Failed" else f"{state.name}: {state.message}"
@@ -281,9 +350,20 @@ def through_training(stage: StageRunner, later: tuple[str, ...], retraining: boo
     stage.check_cache("before training")  # nor a cache it cannot trust
     try:
         cores = preflight_stages(stage, then_train=True)
+        if stage.asked_to_yield():
+            cores = stage.requeue(cores, "before compiling")
         stage("compile", compile_graphs, cores, team=stage.team)
-        trained = stage("train", train_model, cores, spec=stage.training_spec(),
-                        ledger_mark=stage.ledger.read_up_to, team=stage.team)
+        while True:  # a run asked to yield gives up its cores at a step boundary, and resumes from there
+            if stage.asked_to_yield():
+                cores = stage.requeue(cores, "before training")
+            try:
+                trained = stage("train", train_model, cores, spec=stage.training_spec(),
+                                ledger_mark=stage.ledger.read_up_to, team=stage.team)
+                break
+            except PipelineFailed as exc:
+                if not isinstance(exc.cause, Preempted):
+                    raise
+                cores = stage.requeue(cores, f"during training ({one_line(exc.cause)})")
     finally:  # instances kept for training that will not come (a failed stage, a stopped run) are let go
         if release_kept(stage.run_id, "the run stopped before training"):
             stage.bill("sanity")  # billed to the stage that started them

@@ -17,11 +17,20 @@ from prefect.client.orchestration import get_client
 from prefect.runtime import flow_run
 from prefect.states import Running
 
-from trnflow.backends import Backend, JobInfo, JobRequest, JobState, backend_for, wait
+from trnflow.backends import Backend, JobInfo, JobRequest, JobState, asked_to_yield, backend_for, wait
 from trnflow.backends.base import cancel_within
 from trnflow.backends.cloud import node_identities, phase_result, placement, proceed, proceed_wait_seconds
 from trnflow.backends.contract import JobOutputs
-from trnflow.errors import ERROR_TYPES, CapacityError, FatalError, TransientError, TrnflowError
+from trnflow.errors import (
+    ERROR_TYPES,
+    CapacityError,
+    FatalError,
+    Interrupted,
+    Preempted,
+    SpotInterruption,
+    TransientError,
+    TrnflowError,
+)
 from trnflow.events import EVENT_FIELD, parse_event, readable
 from trnflow.redact import Redactor, printable
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
@@ -70,10 +79,22 @@ AT_RISK = "DeadlineAtRisk"
 `Late`: Prefect names a scheduled run nobody has started so."""
 
 
+WAITING = "Waiting"
+"""The flow run's state (still running) while it waits for what it needs before its next job: its
+cores in the machine's queue, its model's lock."""
+PREEMPTED = "Preempted"
+"""The flow run's state (still running) once it yielded its capacity, until it has it again."""
+
+
 def said_late(message: str, logger: Any) -> None:
-    """Put the flow run in the state `AT_RISK` (still running), `message` its state message, where the
-    Prefect UI's runs list shows it; the flow's end replaces it as usual. A server that refuses costs
-    only the state: the warning is in the log already."""
+    """Put the flow run in the state `AT_RISK` (still running), `message` its state message."""
+    running_as(AT_RISK, message, logger)
+
+
+def running_as(name: str, message: str, logger: Any) -> None:
+    """Put the flow run in a running state named `name` (`Running` itself, `Waiting`, `AT_RISK`),
+    `message` its state message, where the Prefect UI's runs list shows it; the flow's end replaces
+    it as usual. A server that refuses costs only the state: the log says the same."""
     run = flow_run.get_id()
     if not run:
         return
@@ -82,9 +103,9 @@ def said_late(message: str, logger: Any) -> None:
             now = client.read_flow_run(run).state
             if now is None or not now.is_running():  # never over a cancellation or a pause
                 return
-            client.set_flow_run_state(run, Running(name=AT_RISK, message=message[:400]), force=True)
+            client.set_flow_run_state(run, Running(name=name, message=message[:400]), force=True)
     except Exception as exc:  # the API's errors are many; the run goes on either way
-        logger.warning("could not set the flow run's state to %s: %s", AT_RISK, exc)
+        logger.warning("could not set the flow run's state to %s: %s", name, exc)
 
 
 @contextlib.contextmanager
@@ -116,6 +137,8 @@ class _Job:
     job_id: str
     offset: int = 0
     _outputs: Any = None
+    yielded_to: str | None = None
+    """The run its run yields to, once the job was asked to stop for it."""
 
     @property
     def outputs(self) -> Any:
@@ -289,6 +312,7 @@ def _follow(job: _Job, phase: str | None) -> tuple[JobInfo, StageResult | None]:
     found: list[StageResult] = []
 
     def ended(_: JobInfo) -> bool:
+        _yield_if_asked(job, logger)
         result = phase_result(job.outputs, phase, job.job_id) if phase is not None else None
         found.extend([result] if result is not None else [])
         return bool(found)
@@ -300,6 +324,20 @@ def _follow(job: _Job, phase: str | None) -> tuple[JobInfo, StageResult | None]:
     if phase is not None and not found:  # it ended: a result uploaded as it ended counts
         ended(info)
     return info, (found[0] if found else None)
+
+
+def _yield_if_asked(job: _Job, logger: Any) -> None:
+    """Stop a training job whose run was asked to yield (`asked_to_yield`): once, at the job's next
+    step boundary, where it checkpoints."""
+    if job.yielded_to is not None or "train" not in job.request.phases:
+        return
+    asked = asked_to_yield(job.request.run_id)
+    if asked is None:
+        return
+    logger.warning("this run yields its cores to %s (%s): training stops at its next step boundary, checkpointed",
+                   asked.label, asked.priority_class)
+    job.backend.interrupt(job.job_id)
+    job.yielded_to = asked.label
 
 
 def _record(job: _Job, info: JobInfo) -> str:
@@ -342,7 +380,10 @@ def _finish(job: _Job, info: JobInfo) -> StageResult:
         get_run_logger().info("%s job %s got %s (compute.instance_preferences)", job.request.phase, info.job_id, got)
     if info.state is JobState.SUCCEEDED and info.result is not None:
         return _where(info.result, job, info)
-    raise classify(info)
+    error = classify(info)
+    if job.yielded_to is not None and isinstance(error, (Interrupted, SpotInterruption)):
+        raise Preempted(f"yielded its cores to {job.yielded_to}: {error}")
+    raise error
 
 
 def recompile_note(result: StageResult) -> str:

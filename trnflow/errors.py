@@ -58,6 +58,18 @@ class SpotInterruption(TransientError):
     boundary and ended; the retry resumes from it."""
 
 
+class Interrupted(TransientError):
+    """The job was asked to stop (SIGTERM: its run yields its capacity, a person cancelled it, the
+    service stopped it): training wrote a checkpoint at the next step boundary and ended; a rerun
+    of the run resumes from it exactly."""
+
+
+class Preempted(TrnflowError):
+    """The run yielded its capacity to a higher-priority run: its training checkpointed at a step
+    boundary, and the run queues again to resume from there. The run's business, never a stage's
+    retry."""
+
+
 class ExecutionTimeout(TransientError):
     """The runtime gave up on a program that did not finish in time; a retry resumes from the checkpoint."""
 
@@ -137,7 +149,7 @@ class OverBudget(FatalError):
 ERROR_TYPES: dict[str, type[TrnflowError]] = {
     cls.__name__: cls
     for cls in (TrnflowError, FatalError, DataError, Recompilation, TransientError, CollectiveTimeout, Stalled,
-                SpotInterruption,
+                SpotInterruption, Interrupted, Preempted,
                 ExecutionTimeout, HardwareError, BadHost, CapacityError, InternalServiceError, HostFailure, UserError,
                 JobTimeout, DiskFull, GateFailed, ChampionKept, OverBudget)
 }

@@ -30,6 +30,9 @@ DEFAULT_TEAM = "default"
 """The team of an install that declares none."""
 NAME = r"^[a-z0-9][a-z0-9-]{0,39}$"
 CREDENTIALS_ENV = re.compile(r"[A-Z][A-Z0-9_]{0,63}")
+QUOTA_KEY = re.compile(r"local|[a-z][a-z0-9-]*\.[a-z0-9-]+")
+LOCAL_QUOTA = "local"
+"""A team's quota key for one machine's NeuronCores (the local backend)."""
 
 
 class TeamUnknown(FatalError):
@@ -135,6 +138,16 @@ class Team(BaseModel):
     classes: tuple[PriorityClass, ...] = Field(DEFAULT_CLASSES, min_length=1, description="The priority classes its "
                                                "runs may use. In the teams file: their names, of the file's "
                                                "`classes`; unset, every one of them.")
+    quotas: dict[str, int] = Field(default_factory=dict, description="What its runs may hold at once, per "
+                                   "instance type: instances (`trn1.32xlarge: 4`), or `local`: NeuronCores of one "
+                                   "machine. A type it has no quota for is refused before launch; none declared: "
+                                   "no quota anywhere (only the capacity itself).")
+    weight: float = Field(1.0, gt=0, le=1000, description="Its fair share against other teams' weights: the order "
+                          "of waiting runs of one class, and its Batch share's weight.")
+    borrow: bool = Field(False, description="Whether its runs may hold more than its quota, from what lending "
+                         "teams leave idle (taken back by preemption at a checkpoint when they need it).")
+    lend: bool = Field(True, description="Whether what it leaves idle of its quota may be lent to teams that "
+                       "borrow: its own runs take it back, the borrower's yielding at a checkpoint.")
     batch_spot_job_queue: str | None = Field(None, pattern=r"^[A-Za-z0-9_:/.-]{1,255}$", description="Its own "
                                              "Batch spot job queue (the team stack's BatchSpotJobQueue output), "
                                              "whose instances' role reaches its own spot cluster alone. None: its "
@@ -150,6 +163,16 @@ class Team(BaseModel):
     @classmethod
     def _prefixes(cls, value: list[str]) -> list[str]:
         return [_prefix(v) for v in value]
+
+    @field_validator("quotas")
+    @classmethod
+    def _quota_keys(cls, value: dict[str, int]) -> dict[str, int]:
+        for key, quota in value.items():
+            if not QUOTA_KEY.fullmatch(key):
+                raise ValueError(f"{key!r} is neither an instance type (trn1.32xlarge) nor `local` (this machine)")
+            if quota < 0:
+                raise ValueError(f"{key}: {quota} is below zero; a team with no share of a type has quota 0")
+        return value
 
     @field_validator("mlflow_credentials")
     @classmethod
@@ -174,6 +197,11 @@ class Team(BaseModel):
         if name is None:
             return min(self.classes, key=lambda c: c.priority)
         return next((c for c in self.classes if c.name == name), None)
+
+    def quota(self, key: str) -> int | None:
+        """Its quota of `key` (an instance type, or `local`): None when it declares none at all; 0 for a
+        type it declares none of when it declares others."""
+        return self.quotas.get(key, 0) if self.quotas else None
 
     def writes(self) -> dict[str, str | None]:
         """The team's write prefixes, by the spec field that must lie in each."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 
+from trnflow.backends import machine
 from trnflow.backends.base import Backend, JobInfo, JobRequest, JobState, run_to_end, wait
 from trnflow.backends.cloud import cloud_target, job_scope
 from trnflow.backends.teams import RunOwner, cache_key_env, team_of
@@ -20,12 +21,13 @@ from trnflow.errors import FatalError
 from trnflow.lifecycle.locations import team_problems
 from trnflow.records import read
 from trnflow.settings import TrnflowSettings
-from trnflow.specs import JobSpec
+from trnflow.specs import JobSpec, instance
 from trnflow.storage import open_store
 from trnflow.teams import Team, TeamUnknown
 
-__all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "backend_for", "cache_keys", "cache_trust_problem",
-           "claim_run", "run_team", "run_to_end", "scope_problem", "team_problem", "trusted_cache_keys", "wait"]
+__all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "asked_to_yield", "backend_for", "cache_keys",
+           "cache_trust_problem", "claim_run", "machine_queue", "run_team", "run_to_end", "scope_problem",
+           "team_problem", "trusted_cache_keys", "wait"]
 
 
 def keeps_instance(spec: JobSpec) -> bool:
@@ -51,6 +53,27 @@ def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None, team: Te
 
         return BatchBackend(cloud_target(settings, "batch", team))
     raise FatalError(f"compute.backend {spec.compute.backend!r} is unknown; use local, sagemaker or batch")
+
+
+def machine_queue(spec: JobSpec, run_id: str, team: Team, label: str) -> machine.Ticket | None:
+    """The run's place in this machine's queue (`machine`), for a run on its cores, entered now:
+    `Ticket.wait` admits it, and it holds its cores until `Ticket.release`. None for a cloud run."""
+    if not keeps_instance(spec):
+        return None
+    from trnflow.device.registry import get_device  # loads torch: only a run on this machine's cores needs it
+
+    klass = team.priority_class(spec.compute.priority_class)
+    assert klass is not None, "claim_run refuses a class the team may not use"
+    total, device = instance(spec.compute.instance_type).cores, get_device()
+    return machine.enter(run_id, label, team, klass.name, klass.priority, spec.compute.world_size, total,
+                         busy=lambda cores: device.busy(cores, total) is not None)
+
+
+def asked_to_yield(run_id: str) -> machine.YieldRequest | None:
+    """Whether the run has been asked to yield its capacity (and to whom): its training stops at its
+    next step boundary, and the run queues again."""
+    held = machine.ticket(run_id)
+    return held.asked_to_yield() if held is not None else None
 
 
 def cache_keys(spec: JobSpec, settings: TrnflowSettings | None = None, team: Team | None = None) -> EntryKeys:

@@ -193,6 +193,11 @@ class Backend(Protocol):
 
     def cancel(self, job_id: str) -> None: ...
 
+    def interrupt(self, job_id: str) -> None:
+        """Ask the job to stop as its service stops one (SIGTERM, then a grace period): training
+        checkpoints at its next step boundary and ends `Interrupted`. Other phases just end."""
+        ...
+
 
 def wait(backend: Backend, job_id: str, poll_seconds: float = 0.5, on_logs=None, until=None,
          offset: int = 0) -> JobInfo:

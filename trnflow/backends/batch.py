@@ -31,6 +31,7 @@ from trnflow.backends.failures import report_order
 from trnflow.backends.provisioning import Provisioning, batch_provisioning
 from trnflow.backends.service_status import (
     CANCEL_REASON,
+    INTERRUPT_REASON,
     batch_billable_seconds,
     batch_failure,
     batch_state,
@@ -391,6 +392,11 @@ class BatchBackend:
 
     def cancel(self, job_id: str) -> None:
         aws.call(self._batch.terminate_job, jobId=job_id, reason=CANCEL_REASON)
+
+    def interrupt(self, job_id: str) -> None:
+        """Ask the job to stop: Batch stops its containers as Docker does, SIGTERM first (training
+        checkpoints at its next step boundary), SIGKILL after the agent's stop timeout."""
+        aws.call(self._batch.terminate_job, jobId=job_id, reason=INTERRUPT_REASON)
 
     @staticmethod
     def stop_command(job_id: str) -> str:

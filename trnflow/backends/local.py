@@ -10,6 +10,7 @@ Every job gets a folder under the settings' jobs directory:
     output/       result.json from rank 0, failure-rank<r>.json from failing ranks
     exit.json     written by the supervisor when the job ends
     cancelled     written by cancel()
+    interrupt     written by interrupt(): the supervisor sends the launcher SIGTERM
 
 A job belongs to the process that submitted it, which waits for it: if that process dies, the job
 is ended too (see `local_runner`), so its cores are free for a rerun. On Linux each job's supervisor
@@ -34,16 +35,17 @@ import time
 import uuid
 from pathlib import Path
 
-from trnflow.backends import forkserver
+from trnflow.backends import forkserver, machine
 from trnflow.backends.base import JobDetails, JobInfo, JobRequest, JobState, fitted, stage_result
 from trnflow.backends.failures import name_first_rank, read_exits, read_reports, root_failure
+from trnflow.backends.local_runner import INTERRUPT
 from trnflow.backends.teams import cache_key_env
 from trnflow.device.base import Device
 from trnflow.device.registry import get_device
 from trnflow.device.signing import SIGNING_KEY_ENV
 from trnflow.errors import FatalError, TransientError
 from trnflow.fsutil import atomic_write_json, atomic_write_text
-from trnflow.neuron.launch import RANK_LOGS, launch_command, launch_env, parse_visible_cores
+from trnflow.neuron.launch import RANK_LOGS, aligned_ranges, launch_command, launch_env, parse_visible_cores
 from trnflow.processes import pid_alive
 from trnflow.results import FailureReport
 from trnflow.specs import instance
@@ -90,10 +92,12 @@ class LocalBackend:
 
     def _place(self, request: JobRequest) -> list[int]:
         """The cores the job runs on: as requested, as the caller's environment pins them, or the
-        first free aligned range that avoids excluded cores."""
+        first free aligned range that avoids excluded cores: within the cores its run holds in this
+        machine's queue (`machine`), off those other runs hold."""
         total = instance(request.itype).cores
         if request.cores:
             return list(request.cores)
+        mine = machine.held_by(request.run_id)
         pinned = os.environ.get("NEURON_RT_VISIBLE_CORES")
         if pinned:
             cores = parse_visible_cores(pinned)
@@ -105,7 +109,17 @@ class LocalBackend:
         if allowed and allowed != "0" and int(allowed) < request.world_size:
             raise FatalError(f"NEURON_RT_NUM_CORES={allowed} allows fewer cores than the {request.world_size} "
                              "the job needs; raise it or unset it")
-        return self.device.allocate(request.world_size, total, request.exclude_cores)
+        bad = request.exclude_cores
+        if mine is not None:
+            if bad & set(mine) and (held := machine.ticket(request.run_id)) is not None:
+                mine = held.move(bad)  # the run holds other cores instead of the bad ones
+            return self.device.allocate(request.world_size, total, bad | (frozenset(range(total)) - set(mine)))
+        others = machine.reserved(excluding=request.run_id)
+        healthy = aligned_ranges(request.world_size, total, bad)  # hardware short of cores: said as such
+        if all(others.keys() & set(cores) for cores in healthy):
+            raise TransientError("held by runs in this machine's queue: " + "; ".join(
+                f"nc{core} by run {run}" for core, run in sorted(others.items())))
+        return self.device.allocate(request.world_size, total, bad | frozenset(others))
 
     def _free_cores(self, request: JobRequest) -> list[int]:
         """The job's cores (`_place`) once no other process holds them. Busy cores are waited for
@@ -245,6 +259,12 @@ class LocalBackend:
             data = fh.read()
         end = data.rfind(b"\n") + 1  # a line still being written waits for the next call
         return data[:end].decode("utf-8", errors="replace"), since + end
+
+    def interrupt(self, job_id: str) -> None:
+        """Ask the job to stop as a service stops one: its supervisor sends its launcher SIGTERM,
+        which torchrun passes to every rank; training checkpoints at its next step boundary and ends
+        (`Interrupted`)."""
+        atomic_write_text(self._dir(job_id) / INTERRUPT, "")
 
     def stop_command(self, job_id: str) -> str:
         """The command that stops the job's process group, for a person to run when trnflow could not."""

@@ -33,6 +33,9 @@ from trnflow.backends.launcher import main as run_torchrun
 from trnflow.fsutil import atomic_write_json
 from trnflow.neuron.launch import LAUNCHER, RANK_LOGS
 
+INTERRUPT = "interrupt"
+"""The file in a job's folder that asks its supervisor to send the launcher SIGTERM (the job is asked
+to stop, as a service asks a container: training checkpoints at its next step boundary)."""
 ORPHANED = -int(signal.SIGKILL)
 """The exit code recorded for a job whose submitter died: the job was killed."""
 
@@ -68,8 +71,13 @@ def main(job_dir: str, submitter: int, parent: int | None = None, poll_seconds: 
     with open(root / "job.log", "ab", buffering=0) as log:  # the environment is inherited, never read from disk
         launcher = Launcher(job, log)
         ranks = RankLogs(root / RANK_LOGS, log)
+        asked = False
         while (code := launcher.wait(poll_seconds)) is None:
             ranks.copy()
+            if not asked and (root / INTERRUPT).exists():
+                log.write(b"trnflow: the job is asked to stop: SIGTERM to its launcher\n")
+                os.kill(launcher.pid, signal.SIGTERM)
+                asked = True
             if os.getppid() != watched:  # reparented: the submitter is gone
                 log.write(f"trnflow: the process that submitted this job ({submitter}) is gone; "
                           "ending the job\n".encode())

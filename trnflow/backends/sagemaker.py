@@ -179,6 +179,11 @@ class SageMakerBackend:
             if "ValidationException" not in str(exc):  # already ended: nothing to stop
                 raise
 
+    def interrupt(self, job_id: str) -> None:
+        """Ask the job to stop: SageMaker sends its containers SIGTERM and waits 120 s before it
+        ends them, time for training to checkpoint at its next step boundary (and upload it)."""
+        self.cancel(job_id)
+
     @staticmethod
     def stop_command(job_id: str) -> str:
         """The AWS CLI command that stops the job, for a person to run when trnflow could not."""

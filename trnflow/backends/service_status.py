@@ -28,6 +28,8 @@ _SAGEMAKER_PENDING = {"Starting", "Pending", "LaunchingMLInstances", "PreparingT
 were reclaimed, waiting for spot capacity to come back."""
 _BATCH_PENDING = {"SUBMITTED", "PENDING", "RUNNABLE", "STARTING"}
 CANCEL_REASON = "Cancelled by trnflow"
+INTERRUPT_REASON = "Asked to stop by trnflow"
+"""A job stopped so that its run yields (its training checkpointed first): failed, not cancelled."""
 
 
 def failure(kind: str, message: str, retryable: bool) -> FailureReport:

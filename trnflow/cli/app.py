@@ -22,6 +22,7 @@ from trnflow.cli import devices as cli_devices
 from trnflow.cli import pipeline as cli_pipeline
 from trnflow.cli import plan as cli_plan
 from trnflow.cli import prelaunch
+from trnflow.cli import queue as cli_queue
 from trnflow.cli import recipes as cli_recipes
 from trnflow.cli import runs as cli_runs
 from trnflow.cli import serve as cli_serve
@@ -138,6 +139,7 @@ cli_recipes.register(app)  # recipes: the models this trnflow can train
 app.add_typer(data_app, name="data")
 cli_pipeline.register(app)  # reference, compile, run, retrain, preflight
 cli_plan.register(app)  # plan: a run's time and cost, forecast
+cli_queue.register(app)  # queue: this machine's runs, holding cores or waiting for them
 app.add_typer(cache_app, name="cache")
 app.add_typer(models_app, name="models")
 app.add_typer(checkpoint_app, name="checkpoint")

@@ -21,7 +21,7 @@ from trnflow.reporting.report import (
 )
 from trnflow.results import Cost, StageRow
 
-STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim"}
+STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim", "Waited": "cyan"}
 
 
 def stage_table(rows: list[StageRow], stages: tuple[str, ...] = (), title: str | None = None) -> Table:

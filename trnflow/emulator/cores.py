@@ -11,27 +11,19 @@ from __future__ import annotations
 import fcntl
 import json
 import os
-import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from trnflow.errors import FatalError, TransientError
 from trnflow.neuron.launch import aligned_ranges, format_cores
+from trnflow.neuron.runtime import RT_DIR_ENV, runtime_dir
 
-RT_DIR_ENV = "TRNFLOW_NEURON_RT_DIR"
+__all__ = ["RT_DIR_ENV", "CoreLease", "CoresUnavailable", "acquire", "allocate", "holder", "holders", "runtime_dir"]
 
 
 class CoresUnavailable(TransientError):
     """The requested cores are held by another process. Transient: the holder may finish or die."""
-
-
-def runtime_dir() -> Path:
-    """Where core locks live: one directory per user and machine, like the devices themselves."""
-    configured = os.environ.get(RT_DIR_ENV)
-    path = Path(configured) if configured else Path(tempfile.gettempdir()) / f"trnflow-neuron-rt-{os.getuid()}"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def _lock_path(core: int) -> Path:

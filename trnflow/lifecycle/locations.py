@@ -13,7 +13,7 @@ from trnflow.lifecycle.registry import Registry, RegistryCorrupt
 from trnflow.redact import without_credentials
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
-from trnflow.teams import Team, inside, is_loopback
+from trnflow.teams import LOCAL_QUOTA, Team, inside, is_loopback
 from trnflow.urls import normalise_url
 
 
@@ -54,6 +54,7 @@ def team_problems(spec: JobSpec, team: Team, writes_reference: bool = False) -> 
     if team.priority_class(wanted) is None:
         problems.append(f"compute.priority_class: team {team.name} may not run {wanted} runs (its classes: "
                         f"{', '.join(c.name for c in team.classes)}); name one of those, or ask the operators")
+    problems += quota_problems(spec, team)
     if team.unrestricted:
         return problems
     fields = locations(spec)
@@ -97,6 +98,24 @@ def team_problems(spec: JobSpec, team: Team, writes_reference: bool = False) -> 
         problems.append(f"compute.share_identifier: {share} is not team {team.name}'s share "
                         f"({team.share_identifier}); remove it, the team's is used")
     return problems
+
+
+def quota_problems(spec: JobSpec, team: Team) -> list[str]:
+    """A run its team's quotas could never admit, on any of its instance types: each type it has no
+    quota for, or less than the run needs, where the team may not borrow."""
+    compute = spec.compute
+    if compute.backend == "local":
+        wants = {LOCAL_QUOTA: (compute.world_size, "NeuronCores of this machine")}
+    else:
+        wants = {t: (compute.nodes, f"{t} instances") for t in compute.instance_choices}
+    problems = []
+    for key, (units, what) in wants.items():
+        quota = team.quota(key)
+        if quota is not None and units > quota and not team.borrow:
+            have = f"a quota of {quota}" if quota else "no quota"
+            problems.append(f"compute: the run needs {units} {what} and team {team.name} has {have} there and may "
+                            "not borrow; ask for fewer, or ask the operators for a quota (the teams file's quotas)")
+    return problems if len(problems) == len(wants) else []
 
 
 def check_locations(spec: JobSpec, retraining: bool = False) -> None:

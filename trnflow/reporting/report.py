@@ -14,11 +14,15 @@ from trnflow.urls import shown
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
 
 
+PASSING = ("Waited", "Preempted")
+"""Row states that did not end the run: its time in the queue, a stage it yielded and ran again."""
+
+
 def with_not_run(rows: list[StageRow], stages: tuple[str, ...], stopped: str | None = None) -> list[StageRow]:
     """The stage rows, then a NotRun row for each stage that never ran, saying why: the stage that
     ended the run, or `stopped` (why it ended before its first stage)."""
     seen = {r.stage for r in rows}
-    ended = next((r for r in rows if r.state not in ("Completed", "Skipped")), None)
+    ended = next((r for r in rows if r.state not in ("Completed", "Skipped", *PASSING)), None)
     why = (f"not run: {ended.stage} {ended.state.lower()}" if ended
            else f"not run: {stopped}" if stopped else "not run: the run stopped before it")
     return rows + [StageRow(stage=s, state="NotRun", summary=why) for s in stages if s not in seen]

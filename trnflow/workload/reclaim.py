@@ -1,4 +1,6 @@
-"""Spot capacity's reclaim notice, as the ranks of a training job act on it.
+"""A notice to stop, as the ranks of a training job act on it: spot capacity's reclaim notice, and
+the SIGTERM any job gets when it is stopped (its run yields its cores to a higher-priority run, a
+person cancels it, the service stops it). Either way training checkpoints at its next step boundary.
 
 The service sends SIGTERM about two minutes before it takes a spot instance back (SageMaker's
 managed spot training; the container passes the signal on to the launcher, and torchrun to every
@@ -25,19 +27,22 @@ from trnflow.workload.context import WorkerContext
 
 class ReclaimNotice:
     """Set by SIGTERM on this rank; `agreed()` says whether any rank got it (a collective: every
-    rank calls it at the same step)."""
+    rank calls it at the same step). `spot`: the instance may also be reclaimed, which on Batch only
+    the instance metadata service says."""
 
-    def __init__(self, ctx: WorkerContext, env: Mapping[str, str] | None = None):
+    def __init__(self, ctx: WorkerContext, env: Mapping[str, str] | None = None, spot: bool = True):
         self.ctx = ctx
         self.seen = False
+        self.spot = spot
         signal.signal(signal.SIGTERM, self._notice)
         env = os.environ if env is None else env
-        asks = env.get(RECLAIM_NOTICE_ENV) == "imds" and ctx.local_rank == 0
+        asks = spot and env.get(RECLAIM_NOTICE_ENV) == "imds" and ctx.local_rank == 0
         self._imds = InstanceMetadata(env) if asks else None
 
     def _notice(self, signum: int, frame: object) -> None:
         if not self.seen:
-            print(f"trnflow.workload: rank {self.ctx.rank} got the reclaim notice (SIGTERM): checkpointing at the "
+            what = "the reclaim notice" if self.spot else "a request to stop"
+            print(f"trnflow.workload: rank {self.ctx.rank} got {what} (SIGTERM): checkpointing at the "
                   "next step boundary", file=sys.stderr, flush=True)
         self.seen = True
 
@@ -48,5 +53,7 @@ class ReclaimNotice:
             self.seen = True
         if self.ctx.world_size == 1:
             return self.seen
+        if not self.spot:  # at every step of every run: one small all-reduce, no progress record written
+            return not all_true(not self.seen)
         # a rank that never arrives is named, as in any collective step
         return not self.ctx.collective("agreeing on the reclaim notice", lambda: all_true(not self.seen))

@@ -22,7 +22,7 @@ from typing import Any
 import pyarrow as pa
 import torch
 
-from trnflow.errors import FatalError, OverBudget, SpotInterruption
+from trnflow.errors import FatalError, Interrupted, OverBudget, SpotInterruption
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.records import EXPORT_MARKER, CheckpointMeta, DataRead, ExportedFile, ExportMarker, dump
 from trnflow.results import TrainResult
@@ -139,7 +139,7 @@ class Trainer:
     def run(self) -> TrainResult:
         tcfg = self.spec.train
         began = time.perf_counter()
-        notice = ReclaimNotice(self.ctx) if self.spec.compute.spot else None
+        notice = ReclaimNotice(self.ctx, spot=self.spec.compute.spot)
         for step, idx in self.sampler.batches(self.first, tcfg.steps):
             self.faults.begin_step(step + 1, self._first_time)
             self.last_loss = self._step(idx, step + 1)
@@ -160,11 +160,14 @@ class Trainer:
                     self._checkpoint(done)
                 raise OverBudget(f"{over}: training stopped after step {done} and checkpointed it; rerun with the "
                                  f"same run id and a higher budget to resume from step {done}")
-            if notice is not None and done < tcfg.steps and notice.agreed():
+            if done < tcfg.steps and notice.agreed():
                 if not saved:
                     self._checkpoint(done)
-                raise SpotInterruption(f"the instance is being reclaimed (spot): training stopped after step {done} "
-                                       f"and checkpointed it; the retry resumes from step {done}")
+                if notice.spot:
+                    raise SpotInterruption(f"the instance is being reclaimed (spot): training stopped after step "
+                                           f"{done} and checkpointed it; the retry resumes from step {done}")
+                raise Interrupted(f"the job was asked to stop (SIGTERM): training stopped after step {done} and "
+                                  f"checkpointed it; a rerun with the same run id resumes from step {done}")
         return self._result(time.perf_counter() - began)
 
     def _first_time(self, fault: Any) -> bool:

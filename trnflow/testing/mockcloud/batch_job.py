@@ -21,8 +21,8 @@ from moto.ecs.models import ecs_backends
 
 from trnflow.backends.batch_request import exit_action
 from trnflow.backends.contract import JobEnv
-from trnflow.emulator.cores import RT_DIR_ENV
 from trnflow.neuron.launch import INSTANCE_CORES_ENV
+from trnflow.neuron.runtime import RT_DIR_ENV
 from trnflow.specs import instance
 from trnflow.testing.mockcloud.instances import Instance
 from trnflow.testing.mockcloud.nodes import Node, container_env, free_port, run_nodes

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from trnflow.backends.contract import JobEnv
-from trnflow.emulator.cores import RT_DIR_ENV
 from trnflow.neuron.launch import INSTANCE_CORES_ENV
+from trnflow.neuron.runtime import RT_DIR_ENV
 from trnflow.specs import instance
 from trnflow.storage.s3 import S3Store, split_s3_url
 from trnflow.testing.mockcloud.nodes import Node, Notice, container_env, free_port, run_nodes

@@ -1,0 +1,156 @@
+"""This machine's queue of runs: admission in order, reasons, yield requests, dead runs dropped, and
+the local backend placing a run's jobs on the cores it holds."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from trnflow.backends import machine
+from trnflow.backends.base import JobRequest
+from trnflow.backends.local import LocalBackend
+from trnflow.errors import TransientError
+from trnflow.teams import UNDECLARED
+
+FREE = staticmethod(lambda cores: False)
+
+
+@pytest.fixture(autouse=True)
+def own_machine(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRNFLOW_NEURON_RT_DIR", str(tmp_path / "rt"))
+
+
+def enter(run_id: str, cores: int = 2, total: int = 2, klass: str = "experiment", team=UNDECLARED):
+    priority = {"production": 100, "experiment": 10}[klass]
+    return machine.enter(run_id, f"run {run_id}", team, klass, priority, cores, total, busy=lambda cores: False)
+
+
+def test_the_first_run_holds_the_cores_and_the_next_waits_with_its_reason_until_they_are_free():
+    first, second = enter("r1"), enter("r2")
+    assert first.wait(lambda reason: None, poll_seconds=0) == [0, 1]
+    second.look()
+    assert second.entry.state == "waiting"
+    assert second.entry.reason == "this machine is full, 2 of 2 cores held; 0 runs ahead"
+    assert machine.reserved() == {0: "r1", 1: "r1"} and machine.held_by("r1") == [0, 1]
+    assert [(e.run_id, e.state, e.place) for e in machine.entries()] == [("r1", "holding", None), ("r2", "waiting", 0)]
+    first.release()
+    heard = []
+    assert second.wait(heard.append, poll_seconds=0) == [0, 1] and heard == []
+    second.release()
+    assert machine.entries() == []
+
+
+def test_runs_side_by_side_on_a_larger_instance_take_aligned_ranges():
+    a, b, c = enter("a", 2, 8), enter("b", 4, 8), enter("c", 2, 8)
+    assert [t.wait(print, poll_seconds=0) for t in (a, b)] == [[0, 1], [4, 5, 6, 7]]
+    assert c.wait(print, poll_seconds=0) == [2, 3]
+    for t in (a, b, c):
+        t.release()
+
+
+def test_a_production_run_asks_the_experiment_to_yield_and_goes_once_it_has_requeued():
+    experiment = enter("exp")
+    experiment.wait(print, poll_seconds=0)
+    production = enter("prod", klass="production")
+    production.look()
+    asked = experiment.asked_to_yield()
+    assert asked is not None and asked.to == "prod" and asked.label == "run prod"
+    assert "exp (experiment) yielding to it at a checkpoint" in production.entry.reason
+    experiment.requeue()
+    assert experiment.entry.preemptions == 1 and experiment.asked_to_yield() is None
+    assert production.wait(print, poll_seconds=0) == [0, 1]
+    experiment.look()
+    assert experiment.entry.state == "waiting" and experiment.entry.reason.startswith("this machine is full")
+    production.release()
+    assert experiment.wait(print, poll_seconds=0) == [0, 1]
+    experiment.release()
+
+
+def test_a_run_whose_process_died_leaves_no_entry_behind():
+    script = textwrap.dedent("""
+        import os, sys
+        from trnflow.backends import machine
+        from trnflow.teams import UNDECLARED
+        t = machine.enter("dead", "run dead", UNDECLARED, "experiment", 10, 2, 2, busy=lambda c: False)
+        t.wait(print, poll_seconds=0)
+        os._exit(0)  # no release: as if killed
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True)
+    assert machine.entries() == [] and not list(machine.queue_dir().glob("*.json"))
+    alive = enter("alive")
+    assert alive.wait(print, poll_seconds=0) == [0, 1]
+    alive.release()
+
+
+def test_one_run_enters_the_queue_once():
+    held = enter("twice")
+    script = ("from trnflow.backends import machine\nfrom trnflow.teams import UNDECLARED\n"
+              "machine.enter('twice', 'run twice', UNDECLARED, 'experiment', 10, 2, 2, busy=lambda c: False)")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert run.returncode != 0 and "in this machine's queue already" in run.stderr
+    held.release()
+
+
+def test_the_local_backend_places_a_runs_jobs_on_its_cores_and_others_off_them(make_spec, tmp_path):
+    spec = make_spec(compute={"instance_type": "trn1.32xlarge", "cores_per_node": 2})
+    backend = LocalBackend(tmp_path / "jobs")
+    ticket = enter("mine", 2, 32)
+    ticket.wait(print, poll_seconds=0)
+    other = enter("other", 2, 32)
+    other.wait(print, poll_seconds=0)
+    assert ticket.cores == [0, 1] and other.cores == [2, 3]
+    assert backend._place(JobRequest(spec, "sanity", "mine")) == [0, 1]
+    assert backend._place(JobRequest(spec, "sanity", "other")) == [2, 3]
+    assert backend._place(JobRequest(spec, "sanity", "no-run")) == [4, 5]  # a job of no run in the queue
+    # a bad core found by the preflight: the run moves to cores no other run holds
+    assert backend._place(JobRequest(spec, "sanity", "mine", exclude_cores=frozenset({1}))) == [4, 5]
+    assert machine.held_by("mine") == [4, 5]
+    ticket.release()
+    other.release()
+
+
+def test_a_job_of_no_run_waits_while_runs_hold_every_core(make_spec, tmp_path):
+    spec = make_spec()
+    ticket = enter("holder")
+    ticket.wait(print, poll_seconds=0)
+    with pytest.raises(TransientError, match="held by runs in this machine's queue: nc0 by run holder"):
+        LocalBackend(tmp_path / "jobs")._place(JobRequest(spec, "compile", "someone-else"))
+    ticket.release()
+
+
+def test_trnflow_queue_lists_who_holds_the_cores_and_who_waits_and_why():
+    import json
+
+    from typer.testing import CliRunner
+
+    from trnflow.cli.app import app
+
+    assert "no run holds or waits" in CliRunner().invoke(app, ["queue"]).output
+    first, second = enter("r1"), enter("r2")
+    first.wait(print, poll_seconds=0)
+    second.look()
+    listed = json.loads(CliRunner().invoke(app, ["queue", "--json"]).output)
+    assert [(e["run_id"], e["state"], e["cores"]) for e in listed] == [("r1", "holding", [0, 1]), ("r2", "waiting", [])]
+    assert listed[1]["reason"] == "this machine is full, 2 of 2 cores held; 0 runs ahead"
+    table = CliRunner().invoke(app, ["queue"]).output
+    assert all(word in table for word in ("holding", "waiting", "experiment", "default"))
+    first.release()
+    second.release()
+
+
+def test_a_run_that_cannot_move_off_a_bad_core_is_told_why(make_spec, tmp_path):
+    from trnflow.errors import FatalError
+
+    ticket = enter("short")
+    ticket.wait(print, poll_seconds=0)
+    with pytest.raises(FatalError, match="only 1 healthy NeuronCore"):  # the instance itself is short of cores
+        LocalBackend(tmp_path / "jobs")._place(JobRequest(make_spec(), "sanity", "short", exclude_cores=frozenset({1})))
+    ticket.release()
+    wide, other = enter("wide", 2, 4), enter("other", 2, 4)
+    wide.wait(print, poll_seconds=0)
+    other.wait(print, poll_seconds=0)
+    with pytest.raises(TransientError, match="other runs hold the other healthy cores"):
+        wide.move(frozenset({0}))
+    wide.release()
+    other.release()

@@ -1,0 +1,259 @@
+"""Admission: which runs may take capacity now, which wait and why, and which are asked to yield.
+
+One pure decision over a snapshot of one pool. The machine's queue (`trnflow.backends.machine`), the
+stack's queue and the fleet simulation (`benchmarks/fleet.py`) all take it from `decide`, so what a
+laptop does with its cores is what the fleet does with its instances.
+
+A pool is capacity of one kind: the instances of one type, or one machine's NeuronCores. Each team
+has a quota in it (none: the whole pool). A team that may borrow takes what lending teams leave
+idle, and the lender takes it back by preemption when it needs it. Waiting runs go in order: the
+higher priority first, then the team furthest below its fair share (its recent usage over its
+weight), then the earliest arrival. A run that cannot go holds up the runs behind it (of its team,
+when its team's quota stops it; all of them, when the pool is full), so a large run is never
+starved by small ones slipping past.
+
+Preemption asks holders to yield at their next step boundary (they checkpoint and queue again):
+- a team's own lower-priority runs, for its higher-priority run that its quota or the pool stops;
+- runs on borrowed capacity, for a run of the lender within its quota.
+Another team's runs within their own quota are never preempted, whatever their class. A run
+preempted `max_preemptions` times is not asked again.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+MAX_PREEMPTIONS = 3
+"""How many times one run may be asked to yield; after that it keeps what it holds until it ends."""
+
+
+@dataclass(frozen=True)
+class Share:
+    """A team's part of a pool."""
+
+    quota: int | None = None
+    """Units it may hold of its own (None: the whole pool)."""
+    weight: float = 1.0
+    """Its fair share against other teams' weights, when they wait in one class."""
+    borrow: bool = False
+    """Whether it may hold more than its quota, from what lending teams leave idle."""
+    lend: bool = True
+    """Whether what it leaves idle of its quota may be lent (it takes it back by preemption)."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A run that holds units of the pool, or waits for them."""
+
+    run_id: str
+    team: str
+    units: int
+    priority: int = 0
+    priority_class: str = ""
+    since: float = 0.0
+    """Waiting: when it first entered the queue (kept when it is preempted). Holding: when admitted."""
+    preemptions: int = 0
+    yielding: str | None = None
+    """A holder asked to yield: the run it yields to (it still holds its units until it has ended)."""
+    label: str = ""
+    """How reasons name it (`run r1 (flow run 'quick-fox')`); `run <id>` when empty."""
+
+    @property
+    def named(self) -> str:
+        return self.label or f"run {self.run_id}"
+
+
+@dataclass(frozen=True)
+class Pool:
+    """Capacity of one kind, and each team's share of it."""
+
+    name: str
+    """As a reason names it: `trn1.32xlarge`, `this machine`."""
+    unit: str
+    """`instance`, `core`."""
+    capacity: int
+    shares: Mapping[str, Share] = field(default_factory=dict)
+    """Per team; a team not listed has no quota (the whole pool) and weight 1."""
+
+    def share(self, team: str) -> Share:
+        return self.shares.get(team, Share())
+
+    def quota(self, team: str) -> int:
+        """Units the team may hold without borrowing (its quota, or the whole pool)."""
+        quota = self.share(team).quota
+        return self.capacity if quota is None else quota
+
+    def limits(self, team: str) -> bool:
+        """Whether the team has a quota here (one without is stopped only by a full pool)."""
+        return self.share(team).quota is not None
+
+    def units(self, n: int) -> str:
+        return f"{n} {self.unit}{'' if n == 1 else 's'}"
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What became of one waiting run."""
+
+    run_id: str
+    admitted: bool
+    place: int
+    """Its place in the queue's order (0: first)."""
+    reason: str = ""
+    """Why it waits, in one line (`team a at its trn1.32xlarge quota, 4 of 4 instances; 1 run ahead`)."""
+    borrowed: int = 0
+    """Units above its team's quota that it holds once admitted."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdicts: dict[str, Verdict]
+    """Each waiting run's, by run id."""
+    preempt: dict[str, str]
+    """Holders to ask to yield now, each with the run it yields to."""
+
+    @property
+    def admitted(self) -> list[str]:
+        return [v.run_id for v in self.verdicts.values() if v.admitted]
+
+
+def order(pool: Pool, waiting: Iterable[Claim], usage: Mapping[str, float] | None = None) -> list[Claim]:
+    """The queue's order: priority, then fair share (usage over weight, lowest first), then arrival."""
+    usage = usage or {}
+    return sorted(waiting, key=lambda c: (-c.priority, usage.get(c.team, 0.0) / max(pool.share(c.team).weight, 1e-9),
+                                          c.since, c.run_id))
+
+
+class _Tally:
+    """Units held, in all and per team."""
+
+    def __init__(self, pool: Pool, held: Iterable[Claim], wanted: Mapping[str, int] | None = None):
+        self.pool = pool
+        self.wanted = wanted or {}
+        """Per team, units its own waiting runs want: idle quota they want is not lent."""
+        self.team: dict[str, int] = {}
+        for h in held:
+            self.team[h.team] = self.team.get(h.team, 0) + h.units
+        self.total = sum(self.team.values())
+
+    def used(self, team: str) -> int:
+        return self.team.get(team, 0)
+
+    def borrowed(self, team: str, extra: int = 0) -> int:
+        return max(0, self.used(team) + extra - self.pool.quota(team))
+
+    def lendable(self, borrower: str) -> int:
+        """Units other teams' quotas leave idle (and their own waiting runs do not want) and lend, and
+        what no quota assigns."""
+        pool, declared = self.pool, [t for t, s in self.pool.shares.items() if s.quota is not None]
+        idle = sum(max(0, pool.quota(t) - self.used(t) - self.wanted.get(t, 0)) for t in declared
+                   if t != borrower and pool.share(t).lend)
+        return idle + max(0, pool.capacity - sum(pool.quota(t) for t in declared))
+
+    def within_quota(self, claim: Claim) -> bool:
+        return self.used(claim.team) + claim.units <= self.pool.quota(claim.team)
+
+    def may_borrow(self, claim: Claim) -> bool:
+        others = sum(self.borrowed(t) for t in self.team if t != claim.team)
+        return self.pool.share(claim.team).borrow and others + self.borrowed(claim.team, claim.units) <= \
+            self.lendable(claim.team)
+
+    def fits(self, claim: Claim) -> bool:
+        """Whether `claim` may go now: room in the pool, and in its quota or what it may borrow."""
+        room = claim.units <= self.pool.capacity - self.total
+        return room and (self.within_quota(claim) or self.may_borrow(claim))
+
+
+def _victims(pool: Pool, after: list[Claim], waiter: Claim, over: bool, max_preemptions: int,
+             holders: set[str], wanted: Mapping[str, int]) -> list[Claim]:
+    """The holders whose yielding lets `waiter` in (those yielding to it already first, then the
+    newest); empty when no such set exists. `after`: what will be held once the runs asked so far
+    have yielded. Its team's own lower-priority runs and, unless it is `over` its quota (it would
+    borrow), runs on capacity borrowed from others' quotas; never one yielding to another run, nor one admitted in
+    this decision (not among `holders`)."""
+    tally = _Tally(pool, after, wanted)
+    lent = {t: tally.borrowed(t) for t in tally.team if t != waiter.team}
+    candidates = []
+    for h in sorted(after, key=lambda c: (c.yielding is None, -c.since)):
+        if h.run_id not in holders or h.yielding not in (None, waiter.run_id):
+            continue
+        if h.yielding is None and h.preemptions >= max_preemptions and h.team == waiter.team:
+            continue  # spared more preemptions for priority; borrowed capacity always goes back
+        if h.team == waiter.team and h.priority < waiter.priority:
+            candidates.append(h)
+        elif not over and h.team != waiter.team and lent.get(h.team, 0) > 0:
+            candidates.append(h)
+            lent[h.team] -= h.units
+    chosen: list[Claim] = []
+    for h in candidates:
+        chosen.append(h)
+        if _Tally(pool, [c for c in after if c not in chosen], wanted).fits(waiter):
+            return chosen
+    return []
+
+
+def decide(pool: Pool, holding: Iterable[Claim], waiting: Iterable[Claim], usage: Mapping[str, float] | None = None,
+           max_preemptions: int = MAX_PREEMPTIONS) -> Decision:
+    """Who of `waiting` goes now, who waits and why, and which holders are asked to yield.
+
+    A waiter some holders yield to keeps its place: the units it will have are counted as taken for
+    the waiters behind it, who may still go on what is left or ask their own victims to yield. A
+    waiter nobody yields to holds up those behind it (of its team, when its team's quota stops it),
+    but for runs within their team's quota, which is theirs whoever waits before them."""
+    held = list(holding)
+    holders = {h.run_id for h in held}
+    promised: list[Claim] = []  # waiters that holders yield to: their units are spoken for
+    spoken: set[str] = set()  # the holders yielding to them
+    verdicts: dict[str, Verdict] = {}
+    preempt: dict[str, str] = {}
+    full_behind: Claim | None = None  # the first run the full pool stopped: everyone behind it waits
+    team_behind: dict[str, Claim] = {}  # per team, the first run its quota stopped
+    queue = order(pool, waiting, usage)
+    wanted: dict[str, int] = {}
+    for claim in queue:
+        wanted[claim.team] = wanted.get(claim.team, 0) + claim.units
+    for place, claim in enumerate(queue):
+        ahead = f"{place} run{'' if place == 1 else 's'} ahead"
+        if claim.units > pool.capacity:
+            verdicts[claim.run_id] = Verdict(claim.run_id, False, place, f"needs {pool.units(claim.units)}, more "
+                                             f"than {pool.name} has ({pool.units(pool.capacity)})")
+            continue
+        own = pool.limits(claim.team) and _Tally(pool, held + promised, wanted).within_quota(claim)
+        first = None if own else team_behind.get(claim.team) or full_behind  # a team's quota is its own
+        if first is not None:
+            verdicts[claim.run_id] = Verdict(claim.run_id, False, place, f"behind {first.named}; {ahead}")
+            continue
+        tally = _Tally(pool, held + promised, wanted)  # held now, and spoken for: admission never counts on a yield
+        if tally.fits(claim):
+            borrowed = tally.borrowed(claim.team, claim.units) - tally.borrowed(claim.team)
+            verdicts[claim.run_id] = Verdict(claim.run_id, True, place, borrowed=borrowed)
+            held.append(claim)
+            wanted[claim.team] -= claim.units
+            continue
+        after = [h for h in held if h.run_id not in spoken] + promised  # once the runs asked have yielded
+        later = _Tally(pool, after, wanted)
+        over = pool.limits(claim.team) and not later.within_quota(claim)
+        by_quota = over and not pool.share(claim.team).borrow  # only its own runs stand in its way
+        if over:
+            quota = pool.quota(claim.team)
+            reason = f"team {claim.team} at its {pool.name} quota, {later.used(claim.team)} of {pool.units(quota)}"
+            if not by_quota:
+                reason += ", and no idle quota to borrow"
+        else:
+            reason = f"{pool.name} is full, {_Tally(pool, held).total} of {pool.units(pool.capacity)} held"
+        victims = _victims(pool, after, claim, over, max_preemptions, holders, wanted)
+        for v in victims:
+            if v.yielding is None:
+                preempt[v.run_id] = claim.run_id
+        if victims:
+            names = ", ".join(f"{v.named} ({v.priority_class or f'priority {v.priority}'})" for v in victims)
+            reason += f"; {names} yielding to it at a checkpoint"
+            promised.append(claim)
+            spoken |= {v.run_id for v in victims}
+        elif by_quota:
+            team_behind[claim.team] = claim
+        else:
+            full_behind = claim
+        verdicts[claim.run_id] = Verdict(claim.run_id, False, place, f"{reason}; {ahead}")
+    return Decision(verdicts, preempt)
