@@ -205,8 +205,8 @@ def fair_share_usage(used: dict[str, float], holding) -> dict[str, float]:
 
 def _overrun(pool: Pool, holding: list[Run], waiting: list[Run]) -> int:
     """1 when the fleet is over its size, a team that may not borrow is over its quota, or a team's
-    run that fits its quota cannot have it back: more of it is lent out than is free or being given
-    back by runs yielding; else 0."""
+    next run, which fits its quota, cannot have it back: more of it is lent out than is free or
+    being given back by runs yielding; else 0."""
     held = {t: 0 for t in pool.shares}
     for r in holding:
         held[r.team] = held.get(r.team, 0) + r.units
@@ -215,7 +215,10 @@ def _overrun(pool: Pool, holding: list[Run], waiting: list[Run]) -> int:
     if any(u > pool.quota(t) and not pool.share(t).borrow for t, u in held.items() if pool.limits(t)):
         return 1
     free = pool.capacity - sum(held.values()) + sum(r.units for r in holding if r.yielding is not None)
-    starved = [w for w in waiting if pool.limits(w.team) and held[w.team] + w.units <= pool.quota(w.team)
+    first: dict[str, Run] = {}  # each team's next run: its later ones wait behind it by the team's own order
+    for w in sorted(waiting, key=lambda r: (-CLASSES[r.priority_class], r.arrived)):
+        first.setdefault(w.team, w)
+    starved = [w for w in first.values() if pool.limits(w.team) and held[w.team] + w.units <= pool.quota(w.team)
                and w.units > free]
     return int(bool(starved))
 

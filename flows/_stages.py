@@ -28,7 +28,7 @@ from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
 from trnflow.reporting.tensorboard import write_events
 from trnflow.reporting.tracking import mirror
-from trnflow.results import Cost, CostRow, RunOutcome, SanityResult, StageResult, StageRow, TrainResult
+from trnflow.results import QUEUE_ROW, Cost, CostRow, RunOutcome, SanityResult, StageResult, StageRow, TrainResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, SpecError, new_run_id, run_id_problem
 from trnflow.tasks import _artifacts
@@ -129,11 +129,13 @@ class StageRunner:
         raise PipelineFailed(name, error, self.rows)
 
     @contextlib.contextmanager
-    def admitted(self) -> Iterator[None]:
+    def admitted(self, trains: bool) -> Iterator[None]:
         """Hold the run's place on its capacity for the whole block: on this machine, its cores from
         its first stage to its last (`machine_queue`), waited for at the run's level with the reason
-        as the flow run's state (`Waiting`), never with a stage's retries."""
-        self.ticket = machine_queue(self.spec, self.run_id, self.team, holder_label(self.run_id))
+        as the flow run's state (`Waiting`), never with a stage's retries. A run that `trains` can be
+        asked to yield until its training has ended; any other cannot."""
+        self.ticket = machine_queue(self.spec, self.run_id, self.team, holder_label(self.run_id),
+                                   self.forecast.seconds if self.forecast else None, preemptible=trains)
         if self.ticket is None:
             yield
             return
@@ -150,7 +152,7 @@ class StageRunner:
         self.ticket.wait(self._waiting)
         waited = time.monotonic() - began
         if self._reason:
-            self.rows.append(StageRow(stage="queue", state="Waited", seconds=waited, summary=(
+            self.rows.append(StageRow(stage=QUEUE_ROW, state="Waited", seconds=waited, summary=(
                 f"{self._reason}; then admitted on {format_cores(self.ticket.cores)}")))
             running_as("Running", f"admitted after waiting {waited:.0f} s", get_run_logger())
 
@@ -158,6 +160,18 @@ class StageRunner:
         self._reason = reason
         get_run_logger().info(f"waiting: {reason}")
         running_as(PREEMPTED if self.yielded else WAITING, f"waiting: {reason}", get_run_logger())
+
+    def past_yielding(self) -> None:
+        """Training has ended: the run can no longer yield at a step boundary, and is never asked."""
+        if self.ticket is not None:
+            self.ticket.past_yielding()
+
+    def held(self, cores: list[int]) -> list[int]:
+        """`cores`, or where the run holds its cores now when it moved off them (a core that failed
+        in training): the cores its later stages run on."""
+        if self.ticket is None or set(cores) <= set(self.ticket.cores):
+            return cores
+        return self.ticket.cores[: len(cores)]
 
     def asked_to_yield(self) -> bool:
         """Whether a higher-priority run asked this one for its cores."""
@@ -172,12 +186,14 @@ class StageRunner:
         self.yielded += 1
         note = f"yielded its cores to {who} {when}; queued again"
         if self.ticket.entry.preemptions + 1 >= MAX_PREEMPTIONS:
-            note += f" (it has yielded {self.ticket.entry.preemptions + 1} times: it is not asked again)"
+            note += (f" (it has yielded {self.ticket.entry.preemptions + 1} times: a higher class of its team no "
+                     "longer asks it; capacity it borrowed still goes back)")
         get_run_logger().warning(note)
         self.notes.append(note)
         running_as(PREEMPTED, note, get_run_logger())
         self.ticket.requeue()
         self._wait_turn()
+        running_as("Running", f"admitted again after yielding to {who}", get_run_logger())
         if self.ticket.cores == cores:
             return cores
         get_run_logger().info(f"admitted on other cores ({format_cores(self.ticket.cores)}): the preflight "
@@ -321,7 +337,7 @@ def run_stages(stage: StageRunner, body: Callable[[StageRunner], RunOutcome], st
     try:
         if "train" in stages:  # the run's first line: how long it should take and cost (`trnflow plan`)
             stage.check_limits(override_forecast)
-        with stage.admitted():
+        with stage.admitted(trains="train" in stages):
             return body(stage)
     except (PipelineFailed, TrnflowError) as exc:
         state = failed_state(exc)
@@ -353,17 +369,18 @@ def through_training(stage: StageRunner, later: tuple[str, ...], retraining: boo
         if stage.asked_to_yield():
             cores = stage.requeue(cores, "before compiling")
         stage("compile", compile_graphs, cores, team=stage.team)
+        training, mark = stage.training_spec(), stage.ledger.read_up_to  # one budget, however often it yields
         while True:  # a run asked to yield gives up its cores at a step boundary, and resumes from there
             if stage.asked_to_yield():
                 cores = stage.requeue(cores, "before training")
             try:
-                trained = stage("train", train_model, cores, spec=stage.training_spec(),
-                                ledger_mark=stage.ledger.read_up_to, team=stage.team)
+                trained = stage("train", train_model, cores, spec=training, ledger_mark=mark, team=stage.team)
                 break
             except PipelineFailed as exc:
                 if not isinstance(exc.cause, Preempted):
                     raise
-                cores = stage.requeue(cores, f"during training ({one_line(exc.cause)})")
+                cores = stage.requeue(cores, "during training")
+        stage.past_yielding()
     finally:  # instances kept for training that will not come (a failed stage, a stopped run) are let go
         if release_kept(stage.run_id, "the run stopped before training"):
             stage.bill("sanity")  # billed to the stage that started them
@@ -371,7 +388,7 @@ def through_training(stage: StageRunner, later: tuple[str, ...], retraining: boo
     if trained.skipped:
         for name in later:
             stage.skip(name, "no new model: training was skipped")
-    return cores, trained
+    return stage.held(cores), trained
 
 
 def flow_run_id() -> str:

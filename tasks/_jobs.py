@@ -25,9 +25,7 @@ from trnflow.errors import (
     ERROR_TYPES,
     CapacityError,
     FatalError,
-    Interrupted,
     Preempted,
-    SpotInterruption,
     TransientError,
     TrnflowError,
 )
@@ -381,7 +379,7 @@ def _finish(job: _Job, info: JobInfo) -> StageResult:
     if info.state is JobState.SUCCEEDED and info.result is not None:
         return _where(info.result, job, info)
     error = classify(info)
-    if job.yielded_to is not None and isinstance(error, (Interrupted, SpotInterruption)):
+    if job.yielded_to is not None and isinstance(error, TransientError):  # stopped in its start-up, too
         raise Preempted(f"yielded its cores to {job.yielded_to}: {error}")
     raise error
 

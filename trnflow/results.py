@@ -330,6 +330,10 @@ class Cost(_Model):
                                                "instances to be ready; None when it started none")
 
 
+QUEUE_ROW = "queue"
+"""The stage-table row of a run's time in the queue for its capacity."""
+
+
 class RunOutcome(_Model):
     """What a flow run ends with."""
 
@@ -339,6 +343,16 @@ class RunOutcome(_Model):
     cost: Cost = Field(default_factory=Cost)
     nothing_new: bool = Field(False, description="scheduled retraining found no new data and launched nothing")
     watermark: str | None = None
+
+    @property
+    def waited_seconds(self) -> float:
+        """Time it spent in the queue for its capacity (its `queue` rows)."""
+        return sum(r.seconds or 0.0 for r in self.stages if r.stage == QUEUE_ROW)
+
+    @property
+    def preemptions(self) -> int:
+        """How often it yielded its capacity to a higher-priority run (its `Preempted` rows)."""
+        return sum(r.state == "Preempted" for r in self.stages)
 
 
 class DataFileCheck(_Model):

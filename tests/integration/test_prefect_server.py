@@ -183,11 +183,13 @@ def test_a_second_retraining_run_waits_for_the_first_to_end(served):
 
     with temporary_settings({PREFECT_API_URL: env["PREFECT_API_URL"]}), model_lock("served", timeout_seconds=60):
         first = submit()
-        wait_for(lambda: _run_of(env, first).state_name == "Running", 120, "the first run to start")
+        wait_for(lambda: _run_of(env, first).state_name == "Waiting", 120, "the first run to wait for the lock")
         second = submit()
         wait_for(lambda: _run_of(env, second).state_name == "AwaitingConcurrencySlot", 120,
                   "the second run to be held back")
-        assert _run_of(env, first).state_name == "Running"  # still waiting for the model's lock
+        waiting = _run_of(env, first).state  # still waiting for the model's lock, and saying so
+        assert waiting.name == "Waiting" and waiting.message == ("waiting: a run holds trnflow-model-served; waiting "
+                                                                 "for it to end")
         still = subprocess.run([TRNFLOW, "status", first[:8]], env=env, capture_output=True, text=True)
         assert still.returncode == 4  # not ended yet
 

@@ -65,12 +65,15 @@ def test_a_team_that_may_borrow_takes_idle_quota_lent_to_it_and_the_lender_takes
     assert decision.admitted == ["a2"] and decision.verdicts["a2"].borrowed == 3
     # b may not borrow, so a's idle quota is not its
     assert decide(FLEET, [run("b1", "b", 4)], [run("b2", "b", 1)]).admitted == []
-    # b wants its quota back: a's run on borrowed capacity yields, whatever its class
+    # b wants its quota back: a run of the borrowing team yields, the lowest class first
     holding = [run("a1", "a", 4, since=1), run("a2", "a", 3, priority=100, since=2)]
     decision = decide(FLEET, holding, [run("b1", "b", 2, priority=10, since=3)])
-    assert decision.preempt == {"a2": "b1"}
+    assert decision.preempt == {"a1": "b1"}
     assert decision.verdicts["b1"].reason.startswith(
-        "trn1.32xlarge is full, 7 of 8 instances held; run a2 (production)")
+        "trn1.32xlarge is full, 7 of 8 instances held; run a1 (experiment)")
+    # whatever its class: a production run borrowing is taken back by the lender's experiment
+    decision = decide(FLEET, [run("a2", "a", 7, priority=100, since=2)], [run("b1", "b", 2, priority=10, since=3)])
+    assert decision.preempt == {"a2": "b1"}
 
 
 def test_a_lender_that_lends_nothing_is_not_borrowed_from_and_borrowing_both_ways():
@@ -84,11 +87,24 @@ def test_a_lender_that_lends_nothing_is_not_borrowed_from_and_borrowing_both_way
     assert decide(mutual, [run("a1", "a", 5)], [run("b1", "b", 4)]).preempt == {"a1": "b1"}
 
 
-def test_another_teams_runs_within_their_quota_are_never_preempted():
+def test_another_teams_runs_within_their_quota_are_never_preempted_and_only_the_runs_needed_yield():
+    pool = Pool("trn1.32xlarge", "instance", 8, {"a": Share(quota=4), "b": Share(quota=4, borrow=True)})
+    holding = [run("b1", "b", 4, since=1), run("b2", "b", 2, since=2), run("b3", "b", 1, since=3)]
+    decision = decide(pool, holding, [run("a1", "a", 4, priority=100, since=4)])
+    assert decision.preempt == {"b3": "a1", "b2": "a1"}  # b's borrowed 3, never b1 within its quota
+    decision = decide(pool, holding, [run("a1", "a", 3, priority=100, since=4)])
+    assert decision.preempt == {"b2": "a1"}  # b3 alone would not do, b2 alone does: b3 is left alone
+    # a run its team's quota could never take, with no borrowing: said, and holding up nobody
+    decision = decide(pool, [], [run("big", "a", 6, since=1), run("a2", "a", 2, since=2)])
+    assert decision.verdicts["big"].reason == ("needs 6 instances, more than team a may ever hold of trn1.32xlarge "
+                                               "(4 instances: its quota)")
+    assert decision.admitted == ["a2"]
+
+
+def test_a_teams_small_runs_within_its_quota_never_slip_past_its_large_one():
     pool = Pool("trn1.32xlarge", "instance", 8, {"a": Share(quota=4), "b": Share(quota=4)})
-    decision = decide(pool, [run("b1", "b", 4, priority=10)], [run("a1", "a", 6, priority=100)])
-    assert decision.preempt == {}
-    assert decision.verdicts["a1"].reason.startswith("team a at its trn1.32xlarge quota, 0 of 4 instances")
+    decision = decide(pool, [run("a0", "a", 2)], [run("big", "a", 4, since=1), run("small", "a", 1, since=2)])
+    assert decision.admitted == [] and decision.verdicts["small"].reason == "behind run big; 1 run ahead"
 
 
 def test_a_large_run_the_full_pool_stops_holds_up_the_small_ones_behind_it():

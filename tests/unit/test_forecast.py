@@ -326,3 +326,15 @@ def test_a_retried_training_attempt_has_only_what_the_attempts_before_it_left(tm
     ledger.record(LedgerEntry(phase="train", job_id="t2", state="FAILED", seconds=0.6))
     with pytest.raises(OverBudget, match=r"earlier attempts cost \$0.0100 of its budget of \$0.0100"):
         _budget_left(spec, "r1", mark, logger)
+
+
+def test_a_run_that_waited_and_yielded_keeps_both_in_its_record(tmp_path):
+    outcome = _outcome("q", 100, 400.0, 10.0)
+    outcome.stages[2:3] = [StageRow(stage="train", state="Preempted", seconds=5.0, summary="yielded"),
+                           StageRow(stage="queue", state="Waited", seconds=42.0, summary="this machine is full"),
+                           StageRow(stage="train", state="Completed", seconds=30.0)]
+    outcome.stages.insert(0, StageRow(stage="queue", state="Waited", seconds=8.0, summary="behind run r1"))
+    record = record_of(_spec(tmp_path, 100), outcome, at=1)
+    assert (record.queue_wait_s, record.preemptions) == (50.0, 1)
+    assert [m.stage for m in record.stages] == ["sanity", "compile", "train", "evaluate", "infer"]  # completed only
+    assert record.stage("train").seconds == 30.0

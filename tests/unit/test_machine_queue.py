@@ -49,11 +49,17 @@ def test_runs_side_by_side_on_a_larger_instance_take_aligned_ranges():
         t.release()
 
 
-def test_a_production_run_asks_the_experiment_to_yield_and_goes_once_it_has_requeued():
+def experiment_asked_by_production():
+    """An experiment holding the machine, and a production run that has asked it to yield."""
     experiment = enter("exp")
     experiment.wait(print, poll_seconds=0)
     production = enter("prod", klass="production")
     production.look()
+    return experiment, production
+
+
+def test_a_production_run_asks_the_experiment_to_yield_and_goes_once_it_has_requeued():
+    experiment, production = experiment_asked_by_production()
     asked = experiment.asked_to_yield()
     assert asked is not None and asked.to == "prod" and asked.label == "run prod"
     assert "exp (experiment) yielding to it at a checkpoint" in production.entry.reason
@@ -154,3 +160,116 @@ def test_a_run_that_cannot_move_off_a_bad_core_is_told_why(make_spec, tmp_path):
         wide.move(frozenset({0}))
     wide.release()
     other.release()
+
+
+def test_the_expected_wait_plays_the_queue_forward_on_the_runs_forecasts():
+    holder = machine.enter("h", "run h", UNDECLARED, "experiment", 10, 2, 4, busy=lambda c: False, expected_s=600)
+    holder.wait(print, poll_seconds=0)
+    waiter = machine.enter("w", "run w", UNDECLARED, "experiment", 10, 4, 4, busy=lambda c: False, expected_s=300)
+    waiter.look()
+    now = holder.entry.admitted
+    found = machine.entries()
+
+    def newcomer(cores: int, klass: str = "experiment", expected: float | None = 100):
+        return machine.entry_for("new", "this run", UNDECLARED, klass, {"production": 100, "experiment": 10}[klass],
+                                 cores, 4, expected)
+
+    # 2 cores are free now, but run w (the whole machine) is ahead and holds up those behind it
+    assert machine.expected_wait(newcomer(2), found, now) == (900.0, "")  # h ends at 600, then w takes 300
+    assert machine.expected_wait(newcomer(2, "production"), found, now) == (0.0, "")  # goes before w, on free cores
+    unknown = [e.model_copy(update={"expected_s": None}) if e.run_id == "w" else e for e in found]
+    assert machine.expected_wait(newcomer(2), unknown, now) == (None, "run w has no forecast")
+    wait, why = machine.expected_wait(newcomer(8), found, now)
+    assert wait is None and "more than this machine has" in why
+    holder.release()
+    waiter.release()
+
+
+def test_plan_adds_the_expected_wait_in_this_machines_queue(tmp_path):
+    import json
+
+    import yaml
+    from typer.testing import CliRunner
+
+    from tests.conftest import quickstart_data
+    from trnflow.cli.app import app
+
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump(quickstart_data(registry_url=str(tmp_path / "registry"))))
+    quiet = json.loads(CliRunner().invoke(app, ["plan", str(path), "--json"]).stdout)
+    assert not any(n.startswith("queue:") for n in quiet["notes"])
+    holder = machine.enter("h", "run h", UNDECLARED, "experiment", 10, 2, 2, busy=lambda c: False, expected_s=1200)
+    holder.wait(print, poll_seconds=0)
+    notes = json.loads(CliRunner().invoke(app, ["plan", str(path), "--json"]).stdout)["notes"]
+    (queued,) = [n for n in notes if n.startswith("queue:")]
+    assert queued.startswith("queue: 1 run holds or waits for this machine's cores; this run would wait about 20")
+    holder.release()
+
+
+def test_a_yield_request_lapses_with_the_run_that_made_it_and_a_run_past_training_is_never_asked():
+    experiment, production = experiment_asked_by_production()
+    assert experiment.asked_to_yield() is not None
+    production.release()  # it went away (cancelled, or admitted elsewhere): the request lapses
+    assert experiment.asked_to_yield() is None and machine.yield_request("exp") is None
+    experiment.past_yielding()
+    again = enter("prod2", klass="production")
+    again.look()
+    assert experiment.asked_to_yield() is None
+    assert again.entry.reason == "this machine is full, 2 of 2 cores held; 0 runs ahead"  # nobody yielding to it
+    again.release()
+    experiment.release()
+
+
+def test_teams_share_this_machine_by_their_declared_quotas_whether_or_not_they_have_runs_here(tmp_path):
+    from trnflow.teams import Team
+
+    def team(name: str, **share) -> Team:
+        return Team(name=name, checkpoints=str(tmp_path / name), registry=str(tmp_path / f"{name}-r"),
+                    outputs=str(tmp_path / f"{name}-o"), cache=str(tmp_path / f"{name}-c"), **share)
+
+    search, ads = team("search", quotas={"local": 2}, borrow=True), team("ads", quotas={"local": 2}, lend=False)
+    declared = [search, ads]
+    first = machine.enter("s1", "run s1", search, "experiment", 10, 2, 4, busy=lambda c: False, teams=declared)
+    first.wait(print, poll_seconds=0)
+    second = machine.enter("s2", "run s2", search, "experiment", 10, 2, 4, busy=lambda c: False, teams=declared)
+    second.look()  # ads has no run here, but its idle quota is not lent
+    assert second.entry.reason.startswith("team search at its this machine quota, 2 of 2 cores, and no idle quota")
+    second.release()
+    first.release()
+
+
+def test_runs_of_one_class_on_this_machine_go_by_fair_share_of_what_their_teams_hold(tmp_path):
+    from trnflow.teams import Team
+
+    def team(name: str) -> Team:
+        return Team(name=name, checkpoints=str(tmp_path / name), registry=str(tmp_path / f"{name}-r"),
+                    outputs=str(tmp_path / f"{name}-o"), cache=str(tmp_path / f"{name}-c"))
+
+    search, ads = team("search"), team("ads")
+
+    def go(run_id: str, who: Team, cores: int, expected: float):
+        return machine.enter(run_id, f"run {run_id}", who, "experiment", 10, cores, 4, busy=lambda c: False,
+                             expected_s=expected)
+
+    long = go("long", search, 2, 3600)
+    long.wait(print, poll_seconds=0)
+    blocker = go("blocker", ads, 2, 60)
+    blocker.wait(print, poll_seconds=0)
+    search_next, ads_next = go("search-next", search, 2, 60), go("ads-next", ads, 2, 60)  # search arrived first
+    blocker.release()
+    ads_next.look()
+    search_next.look()
+    assert ads_next.entry.state == "holding"  # search still holds an hour's cores: ads goes first
+    assert search_next.entry.reason.startswith("this machine is full")
+    for t in (long, search_next, ads_next):
+        t.release()
+
+
+def test_a_job_on_fewer_cores_than_its_run_holds_stays_on_them_off_a_bad_one(make_spec, tmp_path):
+    ticket = enter("shrunk")
+    ticket.wait(print, poll_seconds=0)
+    one_core = make_spec(cores=1)  # the run trains on the core left after nc1 failed
+    placed = LocalBackend(tmp_path / "jobs")._place(JobRequest(one_core, "train", "shrunk",
+                                                              exclude_cores=frozenset({1})))
+    assert placed == [0] and machine.held_by("shrunk") == [0, 1]
+    ticket.release()

@@ -481,3 +481,24 @@ def test_a_command_outside_a_run_whose_team_cannot_be_decided_sends_no_credentia
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     team = own_team(TrnflowSettings())
     assert team.name == DEFAULT_TEAM and team.mlflow_uri is None
+
+
+def test_a_teams_quotas_are_checked_when_declared_and_a_run_they_could_never_admit_is_refused(tmp_path):
+    declared = _teams(tmp_path)
+    declared["teams"][0] |= {"quotas": {"local": 4, "trn1.32xlarge": 2}, "weight": 3.0}
+    declared["teams"][1] |= {"quotas": {"local": 1}, "borrow": True, "lend": False}
+    teams = parse_teams(yaml.safe_dump(declared), "teams.yaml")
+    search, ads = teams.named("search"), teams.named("ads")
+    assert (search.quota("local"), search.quota("trn1.2xlarge"), search.weight, search.borrow, search.lend) == (
+        4, 0, 3.0, False, True)  # a type it names no quota for: none
+    two_cores = _spec(tmp_path)
+    assert team_problems(two_cores, search) == []
+    assert team_problems(_spec(tmp_path, "ads"), ads) == []  # over its quota, but it may borrow
+    narrow = declared["teams"][0] | {"quotas": {"local": 1}}
+    refused = team_problems(two_cores, parse_teams(yaml.safe_dump({"teams": [narrow]}), "t").teams[0])
+    assert refused == ["compute: the run needs 2 NeuronCores of this machine and team search has a quota of 1 there "
+                       "and may not borrow; ask for fewer, or ask the operators for a quota (the teams file's quotas)"]
+    for bad, said in (({"trn1": 2}, "'trn1' is neither an instance type"), ({"local": -1}, "below zero")):
+        declared["teams"][0]["quotas"] = bad
+        with pytest.raises(FatalError, match=said):
+            parse_teams(yaml.safe_dump(declared), "teams.yaml")

@@ -15,7 +15,7 @@ import os
 from trnflow.backends import machine
 from trnflow.backends.base import Backend, JobInfo, JobRequest, JobState, run_to_end, wait
 from trnflow.backends.cloud import cloud_target, job_scope
-from trnflow.backends.teams import RunOwner, cache_key_env, team_of
+from trnflow.backends.teams import RunOwner, cache_key_env, declared_teams, team_of
 from trnflow.device.signing import EntryKeys, keys_from, public_key, shared_cache_problem
 from trnflow.errors import FatalError
 from trnflow.lifecycle.locations import team_problems
@@ -26,7 +26,7 @@ from trnflow.storage import open_store
 from trnflow.teams import Team, TeamUnknown
 
 __all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "asked_to_yield", "backend_for", "cache_keys",
-           "cache_trust_problem", "claim_run", "machine_queue", "run_team", "run_to_end", "scope_problem",
+           "cache_trust_problem", "claim_run", "machine_queue", "queue_wait", "run_team", "run_to_end", "scope_problem",
            "team_problem", "trusted_cache_keys", "wait"]
 
 
@@ -55,9 +55,12 @@ def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None, team: Te
     raise FatalError(f"compute.backend {spec.compute.backend!r} is unknown; use local, sagemaker or batch")
 
 
-def machine_queue(spec: JobSpec, run_id: str, team: Team, label: str) -> machine.Ticket | None:
+def machine_queue(spec: JobSpec, run_id: str, team: Team, label: str, expected_s: float | None = None,
+                  preemptible: bool = True) -> machine.Ticket | None:
     """The run's place in this machine's queue (`machine`), for a run on its cores, entered now:
-    `Ticket.wait` admits it, and it holds its cores until `Ticket.release`. None for a cloud run."""
+    `Ticket.wait` admits it, and it holds its cores until `Ticket.release`. `expected_s`: its
+    forecast, for the expected waits of runs behind it; `preemptible`: whether it can yield at a
+    step boundary (a run that trains). None for a cloud run."""
     if not keeps_instance(spec):
         return None
     from trnflow.device.registry import get_device  # loads torch: only a run on this machine's cores needs it
@@ -66,7 +69,31 @@ def machine_queue(spec: JobSpec, run_id: str, team: Team, label: str) -> machine
     assert klass is not None, "claim_run refuses a class the team may not use"
     total, device = instance(spec.compute.instance_type).cores, get_device()
     return machine.enter(run_id, label, team, klass.name, klass.priority, spec.compute.world_size, total,
-                         busy=lambda cores: device.busy(cores, total) is not None)
+                         busy=lambda cores: device.busy(cores, total) is not None, expected_s=expected_s,
+                         teams=_declared(), preemptible=preemptible)
+
+
+def _declared() -> list[Team]:
+    """Every team this machine's teams file declares (none without one)."""
+    declared = declared_teams(TrnflowSettings())
+    return list(declared.teams) if declared else []
+
+
+def queue_wait(spec: JobSpec, team: Team, expected_s: float | None) -> tuple[float | None, str, int]:
+    """For a run of `spec` starting now on this machine: how long it would wait in the queue (None,
+    with the reason, when that cannot be told), and how many runs hold or wait for its cores. (None,
+    "", 0) for a cloud run."""
+    if not keeps_instance(spec):
+        return None, "", 0
+    klass = team.priority_class(spec.compute.priority_class)
+    if klass is None:
+        return None, f"team {team.name} may not run {spec.compute.priority_class} runs", 0
+    found = machine.entries()
+    newcomer = machine.entry_for("(this run)", "this run", team, klass.name, klass.priority,
+                                 spec.compute.world_size, instance(spec.compute.instance_type).cores, expected_s,
+                                 _declared())
+    wait, why = machine.expected_wait(newcomer, found)
+    return wait, why, len(found)
 
 
 def asked_to_yield(run_id: str) -> machine.YieldRequest | None:

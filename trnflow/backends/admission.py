@@ -1,22 +1,24 @@
 """Admission: which runs may take capacity now, which wait and why, and which are asked to yield.
 
-One pure decision over a snapshot of one pool. The machine's queue (`trnflow.backends.machine`), the
-stack's queue and the fleet simulation (`benchmarks/fleet.py`) all take it from `decide`, so what a
-laptop does with its cores is what the fleet does with its instances.
+One pure decision over a snapshot of one pool. The machine's queue (`trnflow.backends.machine`) and
+the fleet simulation (`benchmarks/fleet.py`) both take it from `decide`, so what a laptop does with
+its cores is what a fleet does with its instances.
 
 A pool is capacity of one kind: the instances of one type, or one machine's NeuronCores. Each team
 has a quota in it (none: the whole pool). A team that may borrow takes what lending teams leave
-idle, and the lender takes it back by preemption when it needs it. Waiting runs go in order: the
-higher priority first, then the team furthest below its fair share (its recent usage over its
-weight), then the earliest arrival. A run that cannot go holds up the runs behind it (of its team,
-when its team's quota stops it; all of them, when the pool is full), so a large run is never
-starved by small ones slipping past.
+idle (and their own waiting runs do not want), and what no quota assigns; a lender takes it back by
+preemption when it needs it. Waiting runs go in order: the higher priority first, then the team
+furthest below its fair share (its usage over its weight), then the earliest arrival. A run that
+cannot go holds up the runs behind it (of its team, when its team's quota stops it; all but runs
+within their own team's quota, when the pool is full), so a large run is never starved by small
+ones slipping past it.
 
 Preemption asks holders to yield at their next step boundary (they checkpoint and queue again):
 - a team's own lower-priority runs, for its higher-priority run that its quota or the pool stops;
 - runs on borrowed capacity, for a run of the lender within its quota.
 Another team's runs within their own quota are never preempted, whatever their class. A run
-preempted `max_preemptions` times is not asked again.
+preempted `max_preemptions` times is not asked again for a higher class of its team; capacity it
+borrowed always goes back.
 """
 
 from __future__ import annotations
@@ -58,6 +60,8 @@ class Claim:
     """A holder asked to yield: the run it yields to (it still holds its units until it has ended)."""
     label: str = ""
     """How reasons name it (`run r1 (flow run 'quick-fox')`); `run <id>` when empty."""
+    preemptible: bool = True
+    """A holder that can still yield at a step boundary (one past its training cannot)."""
 
     @property
     def named(self) -> str:
@@ -167,20 +171,20 @@ class _Tally:
 
 def _victims(pool: Pool, after: list[Claim], waiter: Claim, over: bool, max_preemptions: int,
              holders: set[str], wanted: Mapping[str, int]) -> list[Claim]:
-    """The holders whose yielding lets `waiter` in (those yielding to it already first, then the
-    newest); empty when no such set exists. `after`: what will be held once the runs asked so far
-    have yielded. Its team's own lower-priority runs and, unless it is `over` its quota (it would
-    borrow), runs on capacity borrowed from others' quotas; never one yielding to another run, nor one admitted in
-    this decision (not among `holders`)."""
+    """The fewest holders whose yielding lets `waiter` in: those yielding to it already first, then
+    the lowest class, then the newest; empty when no such set exists. `after`: what will be held
+    once the runs asked so far have yielded. Its team's own lower-priority runs (but one preempted
+    `max_preemptions` times) and, unless it is `over` its quota (it would borrow), runs on capacity
+    borrowed from others' quotas (whatever their class or count); never one that cannot yield, one
+    yielding to another run, nor one admitted in this decision (not among `holders`)."""
     tally = _Tally(pool, after, wanted)
     lent = {t: tally.borrowed(t) for t in tally.team if t != waiter.team}
     candidates = []
-    for h in sorted(after, key=lambda c: (c.yielding is None, -c.since)):
-        if h.run_id not in holders or h.yielding not in (None, waiter.run_id):
+    for h in sorted(after, key=lambda c: (c.yielding != waiter.run_id, c.priority, -c.since)):
+        if h.run_id not in holders or h.yielding not in (None, waiter.run_id) or not h.preemptible:
             continue
-        if h.yielding is None and h.preemptions >= max_preemptions and h.team == waiter.team:
-            continue  # spared more preemptions for priority; borrowed capacity always goes back
-        if h.team == waiter.team and h.priority < waiter.priority:
+        if h.team == waiter.team and h.priority < waiter.priority and (
+                h.yielding is not None or h.preemptions < max_preemptions):
             candidates.append(h)
         elif not over and h.team != waiter.team and lent.get(h.team, 0) > 0:
             candidates.append(h)
@@ -189,8 +193,31 @@ def _victims(pool: Pool, after: list[Claim], waiter: Claim, over: bool, max_pree
     for h in candidates:
         chosen.append(h)
         if _Tally(pool, [c for c in after if c not in chosen], wanted).fits(waiter):
-            return chosen
-    return []
+            break
+    else:
+        return []
+    for h in [c for c in chosen if c.yielding is None]:  # none asked that the others make needless
+        if _Tally(pool, [c for c in after if c not in chosen or c is h], wanted).fits(waiter):
+            chosen.remove(h)
+    return chosen
+
+
+def _never(pool: Pool, claim: Claim) -> str | None:
+    """Why `claim` can never be admitted here, whatever ends: more than the pool, or more than its
+    quota and all it could ever borrow."""
+    if claim.units > pool.capacity:
+        return f"needs {pool.units(claim.units)}, more than {pool.name} has ({pool.units(pool.capacity)})"
+    if not pool.limits(claim.team):
+        return None
+    share, others = pool.share(claim.team), [t for t in pool.shares if t != claim.team and pool.limits(t)]
+    most = pool.quota(claim.team)
+    if share.borrow:
+        most += pool.capacity - sum(pool.quota(t) for t in (claim.team, *others))  # no one's
+        most += sum(pool.quota(t) for t in others if pool.share(t).lend)
+    if claim.units > most:
+        return (f"needs {pool.units(claim.units)}, more than team {claim.team} may ever hold of {pool.name} "
+                f"({pool.units(most)}: its quota{' and all it could borrow' if share.borrow else ''})")
+    return None
 
 
 def decide(pool: Pool, holding: Iterable[Claim], waiting: Iterable[Claim], usage: Mapping[str, float] | None = None,
@@ -199,8 +226,9 @@ def decide(pool: Pool, holding: Iterable[Claim], waiting: Iterable[Claim], usage
 
     A waiter some holders yield to keeps its place: the units it will have are counted as taken for
     the waiters behind it, who may still go on what is left or ask their own victims to yield. A
-    waiter nobody yields to holds up those behind it (of its team, when its team's quota stops it),
-    but for runs within their team's quota, which is theirs whoever waits before them."""
+    waiter nobody yields to holds up those behind it: of its team, when its team's quota stops it;
+    else all of them but runs within their team's quota, which is theirs whoever waits before
+    them. A run that can never be admitted holds up nobody."""
     held = list(holding)
     holders = {h.run_id for h in held}
     promised: list[Claim] = []  # waiters that holders yield to: their units are spoken for
@@ -215,16 +243,15 @@ def decide(pool: Pool, holding: Iterable[Claim], waiting: Iterable[Claim], usage
         wanted[claim.team] = wanted.get(claim.team, 0) + claim.units
     for place, claim in enumerate(queue):
         ahead = f"{place} run{'' if place == 1 else 's'} ahead"
-        if claim.units > pool.capacity:
-            verdicts[claim.run_id] = Verdict(claim.run_id, False, place, f"needs {pool.units(claim.units)}, more "
-                                             f"than {pool.name} has ({pool.units(pool.capacity)})")
+        if (never := _never(pool, claim)) is not None:
+            verdicts[claim.run_id] = Verdict(claim.run_id, False, place, never)
             continue
-        own = pool.limits(claim.team) and _Tally(pool, held + promised, wanted).within_quota(claim)
-        first = None if own else team_behind.get(claim.team) or full_behind  # a team's quota is its own
+        tally = _Tally(pool, held + promised, wanted)  # held now, and spoken for: admission never counts on a yield
+        own = pool.limits(claim.team) and tally.within_quota(claim)
+        first = team_behind.get(claim.team) or (None if own else full_behind)  # a team's quota is its own
         if first is not None:
             verdicts[claim.run_id] = Verdict(claim.run_id, False, place, f"behind {first.named}; {ahead}")
             continue
-        tally = _Tally(pool, held + promised, wanted)  # held now, and spoken for: admission never counts on a yield
         if tally.fits(claim):
             borrowed = tally.borrowed(claim.team, claim.units) - tally.borrowed(claim.team)
             verdicts[claim.run_id] = Verdict(claim.run_id, True, place, borrowed=borrowed)

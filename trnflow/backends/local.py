@@ -111,8 +111,13 @@ class LocalBackend:
                              "the job needs; raise it or unset it")
         bad = request.exclude_cores
         if mine is not None:
-            if bad & set(mine) and (held := machine.ticket(request.run_id)) is not None:
-                mine = held.move(bad)  # the run holds other cores instead of the bad ones
+            try:  # on the cores it holds, off the bad ones (a job on fewer cores than the run holds fits there)
+                return self.device.allocate(request.world_size, total, bad | (frozenset(range(total)) - set(mine)))
+            except FatalError:
+                held = machine.ticket(request.run_id)
+                if not bad & set(mine) or held is None:
+                    raise
+            mine = held.move(bad)  # the run holds other cores instead of the bad ones
             return self.device.allocate(request.world_size, total, bad | (frozenset(range(total)) - set(mine)))
         others = machine.reserved(excluding=request.run_id)
         healthy = aligned_ranges(request.world_size, total, bad)  # hardware short of cores: said as such

@@ -49,26 +49,36 @@ class QueueEntry(BaseModel):
     run_id: str = Field(description="The run.")
     label: str = Field(description="How others name it (`run r1 (flow run 'quick-fox')`).")
     team: str = Field(description="Its team.")
-    share: dict = Field(default_factory=dict, description="Its team's share of this machine (`admission.Share`'s "
-                        "fields: quota in cores, weight, borrow, lend).")
+    shares: dict[str, dict] = Field(default_factory=dict, description="Each team's share of this machine as its "
+                                    "process knows them (`admission.Share`'s fields: quota in cores, weight, "
+                                    "borrow, lend): its own team's, and every team its teams file declares.")
     priority_class: str = Field(description="Its priority class.")
     priority: int = Field(description="The class's place in the order (higher first).")
     cores_needed: int = Field(description="How many NeuronCores it holds while admitted.")
     total_cores: int = Field(description="The cores of the instance it emulates (the pool's size).")
     arrived: float = Field(description="When it first entered the queue (epoch seconds; kept when it is preempted).")
     preemptions: int = Field(0, description="How often it has yielded so far.")
+    preemptible: bool = Field(True, description="Whether it can still yield at a step boundary (not past training).")
     state: Literal["waiting", "holding"] = Field("waiting", description="Whether it waits or holds its cores.")
     cores: list[int] = Field(default_factory=list, description="The cores it holds (holding).")
     admitted: float | None = Field(None, description="When it was last admitted (epoch seconds).")
     reason: str = Field("", description="Why it waits, as last decided.")
     place: int | None = Field(None, description="Its place in the queue's order when last decided (0: next).")
+    expected_s: float | None = Field(None, description="How long it is forecast to take once admitted (`trnflow "
+                                     "plan`'s total); None when it has no forecast.")
     pid: int = Field(description="Its orchestrating process.")
     host: str = Field(description="The host of that process.")
 
     def claim(self) -> Claim:
         since = self.admitted if self.state == "holding" and self.admitted is not None else self.arrived
         return Claim(self.run_id, self.team, self.cores_needed, self.priority, self.priority_class, since,
-                     self.preemptions, label=self.label)
+                     self.preemptions, label=self.label, preemptible=self.preemptible)
+
+    def charged(self, now: float) -> float:
+        """Core-seconds its run will still hold, by its forecast: its team's usage, for fair share."""
+        if self.state != "holding" or self.expected_s is None:
+            return 0.0
+        return self.cores_needed * max(0.0, (self.admitted or now) + self.expected_s - now)
 
 
 class YieldRequest(BaseModel):
@@ -142,9 +152,19 @@ def held_by(run_id: str) -> list[int] | None:
     return next((e.cores for e in entries() if e.run_id == run_id and e.state == "holding"), None)
 
 
-def pool_of(found: list[QueueEntry], total: int) -> Pool:
-    """This machine as a pool: its cores, each team's share as its entries carry it."""
-    return Pool(POOL_NAME, "core", total, {e.team: Share(**e.share) for e in found})
+def pool_of(found: list[QueueEntry]) -> Pool:
+    """This machine as a pool: its cores (the most any entry's instance has), each team's share as
+    the entries carry them."""
+    shares = {team: Share(**share) for e in found for team, share in e.shares.items()}
+    return Pool(POOL_NAME, "core", max(e.total_cores for e in found), shares)
+
+
+def usage_of(found: list[QueueEntry], now: float) -> dict[str, float]:
+    """Each team's usage for fair share: what its runs holding will still use, by their forecasts."""
+    usage: dict[str, float] = {}
+    for e in found:
+        usage[e.team] = usage.get(e.team, 0.0) + e.charged(now)
+    return usage
 
 
 class Ticket:
@@ -154,15 +174,18 @@ class Ticket:
         self.entry = entry
         self._busy = busy
         self.path = queue_dir() / f"{entry.run_id}.json"
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(self._fd)
-            raise TransientError(f"run {entry.run_id} is in this machine's queue already, from another "
-                                 "process: one process orchestrates a run at a time") from None
-        with _deciding():
-            self._write()
+        with _deciding():  # never between another process's look at a free entry and its removal of it
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self._write()
+            except BlockingIOError:
+                os.close(self._fd)
+                raise TransientError(f"run {entry.run_id} is in this machine's queue already, from another "
+                                     "process: one process orchestrates a run at a time") from None
+            except BaseException:
+                os.close(self._fd)
+                raise
 
     def _write(self) -> None:
         data = self.entry.model_dump_json().encode()
@@ -181,9 +204,9 @@ class Ticket:
             found = [e for e in _entries() if e.run_id != self.entry.run_id] + [self.entry]
             holding = [e for e in found if e.state == "holding"]
             waiting = [e for e in found if e.state == "waiting"]
-            asked = {e.run_id: r.to for e in holding if (r := yield_request(e.run_id)) is not None}
+            asked = {e.run_id: r.to for e in holding if (r := _asked(e.run_id, found)) is not None}
             claims = [replace(e.claim(), yielding=asked.get(e.run_id)) for e in holding]
-            decision = decide(pool_of(found, self.entry.total_cores), claims, [e.claim() for e in waiting])
+            decision = decide(pool_of(found), claims, [e.claim() for e in waiting], usage_of(found, time.time()))
             for victim, to in decision.preempt.items():
                 if to == self.entry.run_id and victim not in asked:
                     request = YieldRequest(to=to, label=self.entry.label, priority_class=self.entry.priority_class,
@@ -223,7 +246,22 @@ class Ticket:
             time.sleep(poll_seconds)
 
     def asked_to_yield(self) -> YieldRequest | None:
-        return yield_request(self.entry.run_id) if self.entry.state == "holding" else None
+        """The request that this run yield, while the run that asked still waits for it."""
+        if self.entry.state != "holding" or not self.entry.preemptible:
+            return None
+        if yield_request(self.entry.run_id) is None:  # the usual answer, without the queue's lock
+            return None
+        with _deciding():
+            return _asked(self.entry.run_id, _entries())
+
+    def past_yielding(self) -> None:
+        """The run is past its training: it can no longer yield at a step boundary, so it is never
+        asked (a request made before now is dropped)."""
+        with _deciding():
+            self.entry = self.entry.model_copy(update={"preemptible": False})
+            self._write()
+            with contextlib.suppress(FileNotFoundError):
+                (queue_dir() / f"{self.entry.run_id}.yield").unlink()
 
     def requeue(self) -> None:
         """After yielding: back in the queue, at its first arrival, one preemption more."""
@@ -261,6 +299,19 @@ class Ticket:
         _TICKETS.pop(self.entry.run_id, None)
 
 
+def _asked(run_id: str, found: list[QueueEntry]) -> YieldRequest | None:
+    """`run_id`'s yield request, if the run that made it still waits for it; a request whose asker
+    has gone (ended, admitted otherwise, dead) is dropped. Called under the queue's lock."""
+    request = yield_request(run_id)
+    if request is None:
+        return None
+    if any(e.run_id == request.to and e.state == "waiting" for e in found):
+        return request
+    with contextlib.suppress(FileNotFoundError):
+        (queue_dir() / f"{run_id}.yield").unlink()
+    return None
+
+
 def yield_request(run_id: str) -> YieldRequest | None:
     path = queue_dir() / f"{run_id}.yield"
     try:
@@ -278,13 +329,59 @@ def ticket(run_id: str) -> Ticket | None:
     return _TICKETS.get(run_id)
 
 
+def share_of(team: Team) -> dict:
+    """A team's share of this machine, as an entry carries it."""
+    return Share(quota=team.quota(LOCAL_QUOTA), weight=team.weight, borrow=team.borrow, lend=team.lend).__dict__
+
+
+def entry_for(run_id: str, label: str, team: Team, priority_class: str, priority: int, cores_needed: int,
+              total_cores: int, expected_s: float | None = None, teams: list[Team] = (),
+              preemptible: bool = True) -> QueueEntry:
+    """A run's entry as it enters the queue now (waiting); `teams`: every team its teams file declares."""
+    shares = {t.name: share_of(t) for t in (*teams, team)}
+    return QueueEntry(run_id=run_id, label=label, team=team.name, shares=shares, priority_class=priority_class,
+                      priority=priority, cores_needed=cores_needed, total_cores=total_cores, arrived=time.time(),
+                      expected_s=expected_s, preemptible=preemptible, pid=os.getpid(), host=socket.gethostname())
+
+
+def expected_wait(newcomer: QueueEntry, found: list[QueueEntry] | None = None,
+                  now: float | None = None) -> tuple[float | None, str]:
+    """How long `newcomer`, entering the queue now, would wait for its cores: the queue played
+    forward through `decide`, each run ahead taking its forecast (`expected_s`) once admitted. None,
+    with the reason, when a run ahead has no forecast. Preemptions are not played: a higher class
+    that would preempt waits here as if it did not."""
+    now = time.time() if now is None else now
+    found = entries() if found is None else found
+    ends = {e.run_id: (e.admitted or now) + (e.expected_s or 0.0) for e in found if e.state == "holding"}
+    waiting = {e.run_id: e for e in found if e.state == "waiting"} | {newcomer.run_id: newcomer}
+    holding = {e.run_id: e for e in found if e.state == "holding"}
+    unknown = [e.label for e in found if e.expected_s is None]
+    clock = now
+    while True:
+        everyone = [*holding.values(), *waiting.values()]
+        decision = decide(pool_of(everyone), [e.claim() for e in holding.values()],
+                          [e.claim() for e in waiting.values()], usage_of(everyone, clock))
+        for run_id in decision.admitted:
+            admitted = waiting.pop(run_id)
+            if run_id == newcomer.run_id:
+                if unknown:
+                    return None, f"{', '.join(unknown)} ha{'s' if len(unknown) == 1 else 've'} no forecast"
+                return clock - now, ""
+            holding[run_id] = admitted.model_copy(update={"state": "holding", "admitted": clock})
+            ends[run_id] = clock + (admitted.expected_s or 0.0)
+        if not holding:  # nothing will end: it can never be admitted here
+            return None, decision.verdicts[newcomer.run_id].reason
+        clock = max(clock, min(ends[r] for r in holding))
+        for run_id in [r for r in holding if ends[r] <= clock]:
+            del holding[run_id]
+
+
 def enter(run_id: str, label: str, team: Team, priority_class: str, priority: int, cores_needed: int,
-          total_cores: int, busy: Callable[[list[int]], bool]) -> Ticket:
+          total_cores: int, busy: Callable[[list[int]], bool], expected_s: float | None = None,
+          teams: list[Team] = (), preemptible: bool = True) -> Ticket:
     """Put the run in this machine's queue (waiting): `Ticket.wait` admits it."""
-    share = Share(quota=team.quota(LOCAL_QUOTA), weight=team.weight, borrow=team.borrow, lend=team.lend)
-    entry = QueueEntry(run_id=run_id, label=label, team=team.name, share=share.__dict__, priority_class=priority_class,
-                       priority=priority, cores_needed=cores_needed, total_cores=total_cores, arrived=time.time(),
-                       pid=os.getpid(), host=socket.gethostname())
+    entry = entry_for(run_id, label, team, priority_class, priority, cores_needed, total_cores, expected_s, teams,
+                      preemptible)
     held = Ticket(entry, busy)
     _TICKETS[run_id] = held
     return held

@@ -11,7 +11,9 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
+from trnflow.backends import queue_wait
 from trnflow.backends.calibration import CALIBRATION_STEPS, cache_check, timed_steps
+from trnflow.backends.teams import team_of
 from trnflow.cli.common import JsonOpt, SetOpt, console, err, load, set_overrides
 from trnflow.cli.console import RED, plain
 from trnflow.cli.prelaunch import refuse_outside_team
@@ -47,7 +49,8 @@ def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], ov
     elif calibrate:
         records.append(_calibrated(job))
     forecast = plan(job, records, cache=cache)
-    notes = forecast.notes + notes + [f"left out of the history (unreadable): {line}" for line in unread]
+    wait, queued = _queue_note(job, forecast.seconds)
+    notes = forecast.notes + notes + [f"left out of the history (unreadable): {line}" for line in unread] + queued
     if as_json:
         print(forecast.model_copy(update={"notes": notes}).model_dump_json(indent=2))
         return
@@ -61,10 +64,31 @@ def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], ov
             row.stage, str(row.nodes), duration(row.seconds), f"{duration(row.low)}-{duration(row.high)}", cost,
             f"{row.source}: {row.basis}")))
     console.print(table)
-    ends = dt.datetime.fromtimestamp(forecast.finish_at).astimezone().strftime("%Y-%m-%d %H:%M %Z")
-    console.print(plain(f"{forecast.headline()}; started now, it ends about {ends}"), markup=False, highlight=False)
+    ends = dt.datetime.fromtimestamp(forecast.finish_at + (wait or 0.0)).astimezone().strftime("%Y-%m-%d %H:%M %Z")
+    after = f", after about {duration(wait)} in the queue" if wait else ""
+    console.print(plain(f"{forecast.headline()}; started now, it ends about {ends}{after}"), markup=False,
+                  highlight=False)
     for note in notes:
         err.print(f"note: {plain(note)}", style="dim", markup=False, highlight=False)
+
+
+def _queue_note(job: JobSpec, seconds: float) -> tuple[float | None, list[str]]:
+    """A run on this machine's cores: how long it would wait in the machine's queue now (the runs
+    ahead played forward on their forecasts), and a note saying so when any run holds or waits."""
+    if job.compute.backend != "local":
+        return None, []
+    try:
+        team = team_of("local", TrnflowSettings())
+    except TrnflowError:  # whose run it is cannot be told here: `run` says so before its first job
+        return None, []
+    wait, why, found = queue_wait(job, team, seconds)
+    if not found:
+        return None, []
+    held = f"{found} runs hold or wait" if found > 1 else "1 run holds or waits"
+    held += " for this machine's cores"
+    if wait is None:
+        return None, [f"queue: {held}; how long this run would wait cannot be told ({why})"]
+    return wait, [f"queue: {held}; this run would wait about {duration(wait)} (their forecasts)"]
 
 
 def _checked_cache(job: JobSpec, notes: list[str]) -> CompileResult | None:

@@ -129,6 +129,8 @@ class RunRecord(BaseModel):
     spot: bool = Field(False, description="its jobs ran on spot capacity")
     on_demand_usd: float | None = Field(None, ge=0, description="its cost at on-demand prices (spot jobs' running time "
                                         "priced on demand); with cost_usd, what spot saved")
+    queue_wait_s: float = Field(0.0, ge=0, description="time it waited in the queue for its capacity")
+    preemptions: int = Field(0, ge=0, description="how often it yielded its capacity to a higher-priority run")
 
     def stage(self, name: str) -> StageMeasure | None:
         return next((s for s in self.stages if s.stage == name), None)
@@ -159,7 +161,8 @@ def record_of(spec: JobSpec, outcome: RunOutcome, at: float | None = None, forec
                      spot=spec.compute.spot, on_demand_usd=None if not rows or None in on_demand else round(
                          sum(c for c in on_demand if c is not None), 4),
                      forecast=forecast.stages if forecast else [],
-                     forecast_cost_usd=forecast.cost_usd if forecast else None)
+                     forecast_cost_usd=forecast.cost_usd if forecast else None,
+                     queue_wait_s=round(outcome.waited_seconds, 3), preemptions=outcome.preemptions)
 
 
 def steady_rate(spec: JobSpec, result: TrainResult) -> float:

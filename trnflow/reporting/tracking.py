@@ -252,7 +252,12 @@ def tracked_run(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: 
     for row in outcome.stages:  # each stage: its state, time, device and key figure
         took = f" in {row.seconds:.1f} s" if row.seconds is not None else ""
         on = f" on {row.device}" if row.device else ""
-        tags[f"trnflow.stage.{row.stage}"] = f"{row.state}{took}{on}: {row.summary}"[:5000]
+        key = f"trnflow.stage.{row.stage}"
+        key += "" if key not in tags else f".{sum(k.startswith(key) for k in tags) + 1}"  # a stage run again
+        tags[key] = f"{row.state}{took}{on}: {row.summary}"[:5000]
+    if outcome.waited_seconds or outcome.preemptions:  # its time in the queue, and the times it yielded
+        tags |= {"trnflow.queue_wait_s": f"{outcome.waited_seconds:.1f}", "trnflow.preemptions": str(
+            outcome.preemptions)}
     registered, champion = _registered(spec, evaluated)
     if flow_run_url:
         tags["trnflow.flow_run"] = flow_run_url

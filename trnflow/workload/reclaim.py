@@ -34,10 +34,14 @@ class ReclaimNotice:
         self.ctx = ctx
         self.seen = False
         self.spot = spot
-        signal.signal(signal.SIGTERM, self._notice)
+        self._before = signal.signal(signal.SIGTERM, self._notice)
         env = os.environ if env is None else env
         asks = spot and env.get(RECLAIM_NOTICE_ENV) == "imds" and ctx.local_rank == 0
         self._imds = InstanceMetadata(env) if asks else None
+
+    def close(self) -> None:
+        """Give SIGTERM back its handler from before (training has ended)."""
+        signal.signal(signal.SIGTERM, self._before)
 
     def _notice(self, signum: int, frame: object) -> None:
         if not self.seen:

@@ -140,34 +140,37 @@ class Trainer:
         tcfg = self.spec.train
         began = time.perf_counter()
         notice = ReclaimNotice(self.ctx, spot=self.spec.compute.spot)
-        for step, idx in self.sampler.batches(self.first, tcfg.steps):
-            self.faults.begin_step(step + 1, self._first_time)
-            self.last_loss = self._step(idx, step + 1)
-            done = step + 1
-            watchdog.beat(f"train step {done}")
-            over = None
-            if done % tcfg.log_every == 0 or done == tcfg.steps:
-                left = self._log_point(done)
-                over = self._over_budget(done, left)
-            if self.spec.evaluates_at(done):
-                with watchdog.busy(f"evaluating at step {done}"):
-                    self._evaluate(done)
-            saved = done % tcfg.checkpoint_every == 0 or done == tcfg.steps
-            if saved:
-                self._checkpoint(done)
-            if over is not None:
-                if not saved:
+        try:
+            for step, idx in self.sampler.batches(self.first, tcfg.steps):
+                self.faults.begin_step(step + 1, self._first_time)
+                self.last_loss = self._step(idx, step + 1)
+                done = step + 1
+                watchdog.beat(f"train step {done}")
+                over = None
+                if done % tcfg.log_every == 0 or done == tcfg.steps:
+                    left = self._log_point(done)
+                    over = self._over_budget(done, left)
+                if self.spec.evaluates_at(done):
+                    with watchdog.busy(f"evaluating at step {done}"):
+                        self._evaluate(done)
+                saved = done % tcfg.checkpoint_every == 0 or done == tcfg.steps
+                if saved:
                     self._checkpoint(done)
-                raise OverBudget(f"{over}: training stopped after step {done} and checkpointed it; rerun with the "
-                                 f"same run id and a higher budget to resume from step {done}")
-            if done < tcfg.steps and notice.agreed():
-                if not saved:
-                    self._checkpoint(done)
-                if notice.spot:
-                    raise SpotInterruption(f"the instance is being reclaimed (spot): training stopped after step "
-                                           f"{done} and checkpointed it; the retry resumes from step {done}")
-                raise Interrupted(f"the job was asked to stop (SIGTERM): training stopped after step {done} and "
-                                  f"checkpointed it; a rerun with the same run id resumes from step {done}")
+                if over is not None:
+                    if not saved:
+                        self._checkpoint(done)
+                    raise OverBudget(f"{over}: training stopped after step {done} and checkpointed it; rerun with the "
+                                     f"same run id and a higher budget to resume from step {done}")
+                if done < tcfg.steps and notice.agreed():
+                    if not saved:
+                        self._checkpoint(done)
+                    if notice.spot:
+                        raise SpotInterruption(f"the instance is being reclaimed (spot): training stopped after step "
+                                               f"{done} and checkpointed it; the retry resumes from step {done}")
+                    raise Interrupted(f"the job was asked to stop (SIGTERM): training stopped after step {done} and "
+                                      f"checkpointed it; a rerun with the same run id resumes from step {done}")
+        finally:  # after the loop a SIGTERM ends the rank at once again
+            notice.close()
         return self._result(time.perf_counter() - began)
 
     def _first_time(self, fault: Any) -> bool:
