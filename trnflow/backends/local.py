@@ -97,7 +97,8 @@ class LocalBackend:
         total = instance(request.itype).cores
         if request.cores:
             return list(request.cores)
-        mine = machine.held_by(request.run_id)
+        found = machine.entries()  # read once: the cores this job's run holds, and those others hold
+        mine = machine.held_by(request.run_id, found)
         pinned = os.environ.get("NEURON_RT_VISIBLE_CORES")
         if pinned:
             cores = parse_visible_cores(pinned)
@@ -119,7 +120,7 @@ class LocalBackend:
                     raise
             mine = held.move(bad)  # the run holds other cores instead of the bad ones
             return self.device.allocate(request.world_size, total, bad | (frozenset(range(total)) - set(mine)))
-        others = machine.reserved(excluding=request.run_id)
+        others = machine.reserved(excluding=request.run_id, found=found)
         healthy = aligned_ranges(request.world_size, total, bad)  # hardware short of cores: said as such
         if all(others.keys() & set(cores) for cores in healthy):
             raise TransientError("held by runs in this machine's queue: " + "; ".join(

@@ -30,7 +30,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from trnflow.backends.admission import Claim, Decision, Pool, Share, decide
-from trnflow.errors import TransientError
+from trnflow.errors import FatalError, TransientError
 from trnflow.fsutil import atomic_write_text
 from trnflow.neuron.launch import aligned_ranges, format_cores
 from trnflow.neuron.runtime import runtime_dir
@@ -142,14 +142,16 @@ def entries() -> list[QueueEntry]:
         return _entries()
 
 
-def reserved(excluding: str | None = None) -> dict[int, str]:
-    """The cores runs hold (core: run id), but `excluding`'s."""
-    return {core: e.run_id for e in entries() if e.state == "holding" and e.run_id != excluding for core in e.cores}
+def reserved(excluding: str | None = None, found: list[QueueEntry] | None = None) -> dict[int, str]:
+    """The cores runs hold (core: run id), but `excluding`'s; of `found` (read now when None)."""
+    found = entries() if found is None else found
+    return {core: e.run_id for e in found if e.state == "holding" and e.run_id != excluding for core in e.cores}
 
 
-def held_by(run_id: str) -> list[int] | None:
+def held_by(run_id: str, found: list[QueueEntry] | None = None) -> list[int] | None:
     """The cores `run_id` holds, or None when it holds none (it is not admitted on this machine)."""
-    return next((e.cores for e in entries() if e.run_id == run_id and e.state == "holding"), None)
+    found = entries() if found is None else found
+    return next((e.cores for e in found if e.run_id == run_id and e.state == "holding"), None)
 
 
 def pool_of(found: list[QueueEntry]) -> Pool:
@@ -228,10 +230,14 @@ class Ticket:
         taken = frozenset(c for e in holding for c in e.cores)
         try:
             ranges = aligned_ranges(self.entry.cores_needed, self.entry.total_cores, taken)
-        except Exception:  # no whole range free: the cores others hold are scattered across them
+        except FatalError:  # no whole range free: the cores others hold are scattered across them
             return None, (f"no {self.entry.cores_needed} aligned free cores among nc0-nc"
                           f"{self.entry.total_cores - 1} (runs hold {format_cores(sorted(taken))})")
-        return next((r for r in ranges if not self._busy(r)), ranges[0]), ""
+        return self._unused(ranges), ""
+
+    def _unused(self, ranges: list[list[int]]) -> list[int]:
+        """The first of `ranges` that no process uses (a job outside any run), else the first."""
+        return next((r for r in ranges if not self._busy(r)), ranges[0])
 
     def wait(self, on_wait: Callable[[str], None], poll_seconds: float = POLL_SECONDS) -> list[int]:
         """Look until admitted; `on_wait` hears each new reason. The cores it holds."""
@@ -284,7 +290,7 @@ class Ticket:
                 raise TransientError(f"run {self.entry.run_id} cannot move off NeuronCore(s) "
                                      f"{format_cores(sorted(exclude))} now: other runs hold the other healthy cores "
                                      f"({format_cores(sorted(taken))})")
-            cores = next((r for r in ranges if not self._busy(r)), ranges[0])
+            cores = self._unused(ranges)
             self.entry = self.entry.model_copy(update={"cores": cores})
             self._write()
             return cores
