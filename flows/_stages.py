@@ -13,13 +13,14 @@ from prefect.exceptions import FailedRun
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
-from trnflow.backends import claim_run, machine_queue, trusted_cache_keys
+from trnflow.backends import claim_run, run_queue, trusted_cache_keys
 from trnflow.backends.admission import MAX_PREEMPTIONS
-from trnflow.backends.machine import Ticket
+from trnflow.backends.runqueue import Ticket
 from trnflow.device.plans import cache_problem
 from trnflow.device.signing import UNSIGNED_ENV
 from trnflow.errors import FatalError, GateDecision, OverBudget, Preempted, TrnflowError
 from trnflow.flows._lock import holder_label
+from trnflow.flows._queue import PREFECT_QUEUE
 from trnflow.lifecycle.locations import check_locations
 from trnflow.neuron.launch import format_cores
 from trnflow.reporting.cost import run_cost, stage_cost
@@ -130,12 +131,13 @@ class StageRunner:
 
     @contextlib.contextmanager
     def admitted(self, trains: bool) -> Iterator[None]:
-        """Hold the run's place on its capacity for the whole block: on this machine, its cores from
-        its first stage to its last (`machine_queue`), waited for at the run's level with the reason
-        as the flow run's state (`Waiting`), never with a stage's retries. A run that `trains` can be
-        asked to yield until its training has ended; any other cannot."""
-        self.ticket = machine_queue(self.spec, self.run_id, self.team, holder_label(self.run_id),
-                                   self.forecast.seconds if self.forecast else None, preemptible=trains)
+        """Hold the run's place on its capacity for the whole block (`run_queue`): on this machine, its
+        cores from its first stage to its last; in the cloud, its instances of a type the teams file
+        limits. Waited for at the run's level with the reason as the flow run's state (`Waiting`),
+        never with a stage's retries. A run that `trains` can be asked to yield until its training
+        has ended; any other cannot."""
+        self.ticket = run_queue(self.spec, self.run_id, self.team, holder_label(self.run_id), PREFECT_QUEUE,
+                                self.forecast.seconds if self.forecast else None, preemptible=trains)
         if self.ticket is None:
             yield
             return
@@ -152,8 +154,9 @@ class StageRunner:
         self.ticket.wait(self._waiting)
         waited = time.monotonic() - began
         if self._reason:
-            self.rows.append(StageRow(stage=QUEUE_ROW, state="Waited", seconds=waited, summary=(
-                f"{self._reason}; then admitted on {format_cores(self.ticket.cores)}")))
+            where = format_cores(self.ticket.cores) if self.ticket.cores else self.ticket.entry.pool
+            self.rows.append(StageRow(stage=QUEUE_ROW, state="Waited", seconds=waited,
+                                      summary=f"{self._reason}; then admitted on {where}"))
             running_as("Running", f"admitted after waiting {waited:.0f} s", get_run_logger())
 
     def _waiting(self, reason: str) -> None:
@@ -184,7 +187,7 @@ class StageRunner:
         asked = self.ticket.asked_to_yield()
         who = f"{asked.label} ({asked.priority_class})" if asked else "a higher-priority run"
         self.yielded += 1
-        note = f"yielded its cores to {who} {when}; queued again"
+        note = f"yielded its {self.ticket.entry.unit}s to {who} {when}; queued again"
         if self.ticket.entry.preemptions + 1 >= MAX_PREEMPTIONS:
             note += (f" (it has yielded {self.ticket.entry.preemptions + 1} times: a higher class of its team no "
                      "longer asks it; capacity it borrowed still goes back)")
@@ -194,7 +197,7 @@ class StageRunner:
         self.ticket.requeue()
         self._wait_turn()
         running_as("Running", f"admitted again after yielding to {who}", get_run_logger())
-        if self.ticket.cores == cores:
+        if self.ticket.cores == cores or self.ticket.entry.unit != "core":  # the cloud's next job: new instances
             return cores
         get_run_logger().info(f"admitted on other cores ({format_cores(self.ticket.cores)}): the preflight "
                               "checks them first")

@@ -223,6 +223,10 @@ class Teams(BaseModel):
                                                "classes, each with its place in the order (production and "
                                                "experiment unless declared).")
     teams: list[Team] = Field(min_length=1, description="Every team of the stack.")
+    capacity: dict[str, int] = Field(default_factory=dict, description="Instances of each type the stack's "
+                                     "cloud runs may hold at once (its compute environments' size, its SageMaker "
+                                     "account quota). A type not listed: the sum of its teams' quotas, when every "
+                                     "team has one; otherwise nothing limits it and its runs never queue.")
     local_team: str | None = Field(None, description="The team of runs started with compute.backend local "
                                    "where this file is read. None: such runs are refused (a shared machine's "
                                    "runs belong to someone).")
@@ -248,6 +252,17 @@ class Teams(BaseModel):
                 team = {**team, "classes": [c if isinstance(c, dict) else known[c] for c in team["classes"]]}
             teams.append(team)
         return {**data, "teams": teams}
+
+    @field_validator("capacity")
+    @classmethod
+    def _capacity_keys(cls, value: dict[str, int]) -> dict[str, int]:
+        for key, count in value.items():
+            if key == "local" or not QUOTA_KEY.fullmatch(key):
+                raise ValueError(f"{key!r} is not an instance type (trn1.32xlarge); this machine's capacity is its "
+                                 "cores")
+            if count < 0:
+                raise ValueError(f"{key}: {count} is below zero")
+        return value
 
     @model_validator(mode="after")
     def _complete(self) -> Teams:

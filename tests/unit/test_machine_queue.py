@@ -171,7 +171,7 @@ def test_the_expected_wait_plays_the_queue_forward_on_the_runs_forecasts():
     found = machine.entries()
 
     def newcomer(cores: int, klass: str = "experiment", expected: float | None = 100):
-        return machine.entry_for("new", "this run", UNDECLARED, klass, {"production": 100, "experiment": 10}[klass],
+        return machine.newcomer("new", "this run", UNDECLARED, klass, {"production": 100, "experiment": 10}[klass],
                                  cores, 4, expected)
 
     # 2 cores are free now, but run w (the whole machine) is ahead and holds up those behind it

@@ -502,3 +502,22 @@ def test_a_teams_quotas_are_checked_when_declared_and_a_run_they_could_never_adm
         declared["teams"][0]["quotas"] = bad
         with pytest.raises(FatalError, match=said):
             parse_teams(yaml.safe_dump(declared), "teams.yaml")
+
+
+def test_the_stacks_capacity_of_a_type_is_declared_or_the_sum_of_every_teams_quota(tmp_path):
+    from trnflow.backends.stack_queue import capacity_of
+
+    declared = _teams(tmp_path)
+    declared["teams"][0] |= {"quotas": {"trn1.32xlarge": 3}}
+    declared["teams"][1] |= {"quotas": {"trn1.32xlarge": 2, "trn2.48xlarge": 1}}
+    teams = parse_teams(yaml.safe_dump(declared), "teams.yaml")
+    assert capacity_of(teams, "trn1.32xlarge") == 5 and capacity_of(teams, "trn2.48xlarge") == 1
+    declared["teams"][1].pop("quotas")  # a team without quotas: nothing but a declared capacity limits the type
+    teams = parse_teams(yaml.safe_dump(declared), "teams.yaml")
+    assert capacity_of(teams, "trn1.32xlarge") is None
+    declared["capacity"] = {"trn1.32xlarge": 8}
+    assert capacity_of(parse_teams(yaml.safe_dump(declared), "teams.yaml"), "trn1.32xlarge") == 8
+    for bad, said in (({"local": 2}, "not an instance type"), ({"trn1.32xlarge": -1}, "below zero")):
+        declared["capacity"] = bad
+        with pytest.raises(FatalError, match=said):
+            parse_teams(yaml.safe_dump(declared), "teams.yaml")

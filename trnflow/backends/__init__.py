@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import os
 
-from trnflow.backends import machine
+from trnflow.backends import machine, stack_queue
 from trnflow.backends.base import Backend, JobInfo, JobRequest, JobState, run_to_end, wait
-from trnflow.backends.cloud import cloud_target, job_scope
+from trnflow.backends.cloud import cloud_target, job_scope, stack_teams
+from trnflow.backends.runqueue import Ticket, YieldRequest, expected_wait
 from trnflow.backends.teams import RunOwner, cache_key_env, declared_teams, team_of
 from trnflow.device.signing import EntryKeys, keys_from, public_key, shared_cache_problem
 from trnflow.errors import FatalError
@@ -26,7 +27,7 @@ from trnflow.storage import open_store
 from trnflow.teams import Team, TeamUnknown
 
 __all__ = ["Backend", "JobInfo", "JobRequest", "JobState", "asked_to_yield", "backend_for", "cache_keys",
-           "cache_trust_problem", "claim_run", "machine_queue", "queue_wait", "run_team", "run_to_end", "scope_problem",
+           "cache_trust_problem", "claim_run", "queue_wait", "run_queue", "run_team", "run_to_end", "scope_problem",
            "team_problem", "trusted_cache_keys", "wait"]
 
 
@@ -55,18 +56,26 @@ def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None, team: Te
     raise FatalError(f"compute.backend {spec.compute.backend!r} is unknown; use local, sagemaker or batch")
 
 
-def machine_queue(spec: JobSpec, run_id: str, team: Team, label: str, expected_s: float | None = None,
-                  preemptible: bool = True) -> machine.Ticket | None:
-    """The run's place in this machine's queue (`machine`), for a run on its cores, entered now:
-    `Ticket.wait` admits it, and it holds its cores until `Ticket.release`. `expected_s`: its
-    forecast, for the expected waits of runs behind it; `preemptible`: whether it can yield at a
-    step boundary (a run that trains). None for a cloud run."""
-    if not keeps_instance(spec):
-        return None
-    from trnflow.device.registry import get_device  # loads torch: only a run on this machine's cores needs it
-
+def run_queue(spec: JobSpec, run_id: str, team: Team, label: str, stack: stack_queue.StackStore,
+              expected_s: float | None = None, preemptible: bool = True) -> Ticket | None:
+    """The run's place in the queue for its capacity, entered now: this machine's cores
+    (`machine`) for a local run; the stack's instances of its type (`stack_queue`) for a cloud run
+    whose type the teams file limits, kept in `stack`. `Ticket.wait` admits it, and it holds its place until
+    `Ticket.release`. `expected_s`: its forecast, for the expected waits of runs behind it;
+    `preemptible`: whether it can yield at a step boundary (a run that trains). None for a cloud
+    run nothing limits."""
     klass = team.priority_class(spec.compute.priority_class)
     assert klass is not None, "claim_run refuses a class the team may not use"
+    if not keeps_instance(spec):
+        teams = stack_teams(TrnflowSettings())
+        capacity = stack_queue.limited(spec, teams)
+        if capacity is None:
+            return None
+        entry = stack_queue.newcomer(spec, run_id, label, team, klass.name, klass.priority, capacity, expected_s,
+                                     list(teams.teams), preemptible)
+        return stack_queue.enter(entry, team, stack)
+    from trnflow.device.registry import get_device  # loads torch: only a run on this machine's cores needs it
+
     total, device = instance(spec.compute.instance_type).cores, get_device()
     return machine.enter(run_id, label, team, klass.name, klass.priority, spec.compute.world_size, total,
                          busy=lambda cores: device.busy(cores, total) is not None, expected_s=expected_s,
@@ -89,17 +98,17 @@ def queue_wait(spec: JobSpec, team: Team, expected_s: float | None) -> tuple[flo
     if klass is None:
         return None, f"team {team.name} may not run {spec.compute.priority_class} runs", 0
     found = machine.entries()
-    newcomer = machine.entry_for("(this run)", "this run", team, klass.name, klass.priority,
-                                 spec.compute.world_size, instance(spec.compute.instance_type).cores, expected_s,
-                                 _declared())
-    wait, why = machine.expected_wait(newcomer, found)
+    newcomer = machine.newcomer("(this run)", "this run", team, klass.name, klass.priority,
+                                spec.compute.world_size, instance(spec.compute.instance_type).cores, expected_s,
+                                _declared())
+    wait, why = expected_wait(newcomer, found)
     return wait, why, len(found)
 
 
-def asked_to_yield(run_id: str) -> machine.YieldRequest | None:
+def asked_to_yield(run_id: str) -> YieldRequest | None:
     """Whether the run has been asked to yield its capacity (and to whom): its training stops at its
     next step boundary, and the run queues again."""
-    held = machine.ticket(run_id)
+    held = machine.ticket(run_id) or stack_queue.ticket(run_id)
     return held.asked_to_yield() if held is not None else None
 
 

@@ -18,7 +18,7 @@ from trnflow.backends.base import JobRequest, stage_result
 from trnflow.backends.contract import JobEnv, JobOutputs
 from trnflow.backends.failures import report_order
 from trnflow.backends.run_roles import JobScope, RunRoles
-from trnflow.backends.teams import team_of
+from trnflow.backends.teams import declared_teams, team_of
 from trnflow.device.signing import PUBLIC_KEY_ENV, SIGNING_KEY_ENV, UNSIGNED_ENV
 from trnflow.errors import FatalError
 from trnflow.neuron.devices import IMAGES, image_device
@@ -27,7 +27,7 @@ from trnflow.results import FailureReport, NodeIdentity, Proceed, StageResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, instance, is_module_reference
 from trnflow.storage import Store, open_store
-from trnflow.teams import TEAM_TAG, UNDECLARED, Team
+from trnflow.teams import TEAM_TAG, UNDECLARED, Team, Teams
 
 log = logging.getLogger(__name__)
 
@@ -143,6 +143,11 @@ def published_settings(path: str) -> dict[str, str]:
                          "publishes them") from None
     named = {p["Name"].rsplit("/", 1)[-1].replace("-", "_"): p["Value"] for p in found}
     return {k: v for k, v in named.items() if k in SETTINGS}
+
+
+def stack_teams(settings: TrnflowSettings) -> Teams | None:
+    """The stack's teams as a cloud run reads them: TRNFLOW_TEAMS, else the file the stack publishes."""
+    return declared_teams(settings, settings.teams or published_settings(settings.parameters_path).get("teams"))
 
 
 def cloud_target(settings: TrnflowSettings, service: str, team: Team | None = None) -> CloudTarget:

@@ -1,0 +1,141 @@
+"""The stack's queue on the Prefect server (`trnflow.backends.stack_queue`'s `StackStore`): entries
+and yield requests as Variables, the queue's lock and the capacity each team and type holds as
+global concurrency limits, whose leased slots a dead orchestrator's server frees by itself."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from collections.abc import Callable, Iterator
+
+from httpx import HTTPStatusError
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.actions import (
+    GlobalConcurrencyLimitCreate,
+    GlobalConcurrencyLimitUpdate,
+    VariableCreate,
+    VariableUpdate,
+)
+from prefect.concurrency.sync import concurrency
+from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from pydantic import ValidationError
+
+from trnflow.backends.runqueue import QueueEntry, YieldRequest
+from trnflow.backends.stack_queue import LEASE_SECONDS, STALE_SECONDS
+
+LOCK = "trnflow-queue"
+"""The global concurrency limit of one slot that one decision at a time holds."""
+ENTRY = "trnflow-queue-"
+REQUEST = "trnflow-yield-"
+TAG = "trnflow-queue"
+"""The tag of the queue's variables (the UI's Variables page filters on it)."""
+TAKE_SECONDS = 5.0
+"""How long taking a run's slots may wait: the decision has just found them free."""
+
+
+def variable_name(prefix: str, run_id: str) -> str:
+    """A run's variable: Prefect's names are lowercase letters, digits, `-` and `_`."""
+    return prefix + re.sub(r"[^a-z0-9_-]", "_", run_id.lower())
+
+
+def _client() -> SyncPrefectClient:
+    return get_client(sync_client=True)
+
+
+def _put(client: SyncPrefectClient, name: str, value: dict) -> None:
+    try:
+        client.update_variable(VariableUpdate(name=name, value=value, tags=[TAG]))
+    except HTTPStatusError as exc:
+        if exc.response.status_code != 404:
+            raise
+        client.create_variable(VariableCreate(name=name, value=value, tags=[TAG]))
+
+
+def _forget(client: SyncPrefectClient, name: str) -> None:
+    with contextlib.suppress(ObjectNotFound):
+        client.delete_variable_by_name(name)
+
+
+class PrefectQueue:
+    """The stack's queue kept on the Prefect server this process talks to (PREFECT_API_URL)."""
+
+    @contextlib.contextmanager
+    def deciding(self) -> Iterator[None]:
+        self.ensure_limit(LOCK, 1)
+        with concurrency(LOCK, occupy=1, lease_duration=LEASE_SECONDS, strict=True,
+                         raise_on_lease_renewal_failure=False):
+            yield
+
+    def entries(self) -> list[QueueEntry]:
+        found, now = [], time.time()
+        with _client() as client:
+            for variable in client.read_variables():
+                if not variable.name.startswith(ENTRY):
+                    continue
+                try:
+                    entry = QueueEntry.model_validate(variable.value)
+                except ValidationError:
+                    continue  # written by another version of trnflow: not ours to judge
+                if entry.beat is None or now - entry.beat > STALE_SECONDS:  # its process is gone
+                    _forget(client, variable.name)
+                    _forget(client, variable_name(REQUEST, entry.run_id))
+                    continue
+                found.append(entry)
+        return found
+
+    def put(self, entry: QueueEntry) -> None:
+        with _client() as client:
+            _put(client, variable_name(ENTRY, entry.run_id), entry.model_dump(mode="json"))
+
+    def forget(self, run_id: str) -> None:
+        with _client() as client:
+            _forget(client, variable_name(ENTRY, run_id))
+
+    def request(self, run_id: str) -> YieldRequest | None:
+        with _client() as client:
+            variable = client.read_variable_by_name(variable_name(REQUEST, run_id))
+        if variable is None:
+            return None
+        try:
+            return YieldRequest.model_validate(variable.value)
+        except ValidationError:
+            return None
+
+    def ask(self, run_id: str, request: YieldRequest) -> None:
+        with _client() as client:
+            _put(client, variable_name(REQUEST, run_id), request.model_dump(mode="json"))
+
+    def drop_request(self, run_id: str) -> None:
+        with _client() as client:
+            _forget(client, variable_name(REQUEST, run_id))
+
+    def ensure_limit(self, name: str, limit: int) -> None:
+        with _client() as client:
+            try:
+                found = client.read_global_concurrency_limit_by_name(name)
+            except ObjectNotFound:
+                with contextlib.suppress(ObjectAlreadyExists):  # another orchestrator made it first
+                    client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
+                return
+            if found.limit != limit:
+                client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=limit))
+
+    def hold(self, names: list[str], slots: int) -> Callable[[], None] | None:
+        held = contextlib.ExitStack()
+        try:
+            held.enter_context(concurrency(names, occupy=slots, timeout_seconds=TAKE_SECONDS,
+                                           lease_duration=LEASE_SECONDS, strict=True,
+                                           raise_on_lease_renewal_failure=False))
+        except TimeoutError:
+            return None
+        return held.close
+
+    def limits(self) -> dict[str, tuple[int, int]]:
+        """The queue's limits as the server holds them: name: (slots taken, limit)."""
+        with _client() as client:
+            found = client.read_global_concurrency_limits(limit=200)
+        return {g.name: (g.active_slots, g.limit) for g in found if g.name.startswith("trnflow-")}
+
+
+PREFECT_QUEUE = PrefectQueue()
