@@ -2,13 +2,16 @@
 their quota never hold more than the stack has, wait with the quota named, borrow each other's idle
 quota and get their own back by preemption; a dead orchestrator's entry and slots are let go."""
 
+import json
 import threading
 import time
 
 import pytest
+from typer.testing import CliRunner
 
 from trnflow.backends import stack_queue
 from trnflow.backends.runqueue import entry_for
+from trnflow.cli.app import app
 from trnflow.flows._queue import ENTRY, PREFECT_QUEUE, variable_name
 from trnflow.teams import Teams
 
@@ -90,6 +93,14 @@ def test_two_teams_over_quota_borrow_both_ways_and_never_hold_more_than_the_stac
             t.requeue()
         b.look()
         assert b.entry.state == "holding"
+        listed = json.loads(CliRunner().invoke(app, ["queue", "--stack", "--json"]).output)
+        assert [(r["run_id"], r["state"]) for r in listed["runs"]] == [
+            ("a0", "holding"), ("a1", "holding"), ("c0", "holding"), ("b0", "holding"), ("c1", "waiting"),
+            ("a2", "waiting"), ("a3", "waiting")]
+        assert listed["limits"][f"trnflow-{KIND}"] == {"held": 5, "limit": 5}
+        assert listed["limits"][f"trnflow-c-{KIND}"] == {"held": 1, "limit": 1}  # c may not borrow: its quota
+        shown = CliRunner().invoke(app, ["queue", "--stack"], env={"COLUMNS": "250"}).output
+        assert f"team c at its {KIND} quota" in shown and "2 trn1.32xlarge" in shown
         asked[0].look()
         assert asked[0].entry.state == "waiting" and asked[0].entry.reason, asked[0].entry
 

@@ -1,43 +1,66 @@
-"""`trnflow queue`: the runs holding this machine's NeuronCores and those waiting for them, in their
-turn, with each one's team, class and reason."""
+"""`trnflow queue`: the runs holding capacity and those waiting for it, in their turn, with each
+one's team, class and reason: this machine's NeuronCores, or with `--stack` the stack's instances
+that cloud runs share through the Prefect server."""
 
 from __future__ import annotations
 
 import json
 import time
+from typing import Annotated
 
 import typer
 from rich.table import Table
 from rich.text import Text
 
 from trnflow.backends import machine
+from trnflow.backends.runqueue import QueueEntry, ordered
 from trnflow.cli.common import JsonOpt, console
 from trnflow.neuron.launch import format_cores
 
+StackOpt = Annotated[bool, typer.Option("--stack", help="The stack's queue of cloud runs, on the Prefect server "
+                                        "PREFECT_API_URL names, with what each team and instance type holds.")]
 
-def queue(as_json: JsonOpt = False):
-    """List this machine's queue: runs holding NeuronCores, then runs waiting, next first, with why."""
-    found = machine.entries()
-    holding = sorted((e for e in found if e.state == "holding"), key=lambda e: e.admitted or 0.0)
-    waiting = sorted((e for e in found if e.state == "waiting"),
-                     key=lambda e: (e.place is None, e.place or 0, -e.priority, e.arrived))
+
+def _stack() -> tuple[list[QueueEntry], dict[str, tuple[int, int]], str]:
+    from prefect.settings import PREFECT_API_URL  # the Prefect client: only the stack's queue needs it
+
+    from trnflow.flows._queue import PREFECT_QUEUE
+
+    with PREFECT_QUEUE.deciding():
+        found = PREFECT_QUEUE.entries()
+    return found, PREFECT_QUEUE.limits(), PREFECT_API_URL.value() or "Prefect's ephemeral server"
+
+
+def queue(as_json: JsonOpt = False, stack: StackOpt = False):
+    """List a queue: runs holding capacity, then runs waiting, next first, with why."""
+    found, limits, source = _stack() if stack else (machine.entries(), {}, str(machine.queue_dir()))
+    runs = ordered(found)
+    where = "the stack's queue" if stack else "this machine's queue"
     if as_json:
-        print(json.dumps([e.model_dump(mode="json") for e in holding + waiting], indent=2))
+        listed = [e.model_dump(mode="json") for e in runs]
+        print(json.dumps({"runs": listed, "limits": {k: {"held": v[0], "limit": v[1]} for k, v in limits.items()}}
+                         if stack else listed, indent=2))
         return
     if not found:
-        console.print("no run holds or waits for this machine's NeuronCores")
-        raise typer.Exit()
-    now = time.time()
-    table = Table("run", "team", "class", "state", "cores / place", "for", "reason",
-                  title=f"this machine's queue ({machine.queue_dir()})")
-    for e in holding:
-        since = now - (e.admitted or now)
-        table.add_row(Text(e.label), e.team, e.priority_class, Text("holding", style="green"),
-                      format_cores(e.cores), f"{since:.0f} s", "")
-    for n, e in enumerate(waiting):
-        table.add_row(Text(e.label), e.team, e.priority_class, Text("waiting", style="yellow"),
-                      f"{n + 1} of {len(waiting)}", f"{now - e.arrived:.0f} s", Text(e.reason))
-    console.print(table)
+        console.print(f"no run holds or waits in {where}")
+    else:
+        now = time.time()
+        table = Table("run", "team", "class", "state", "holds / place", "for", "reason", title=f"{where} ({source})")
+        waiting = [e for e in runs if e.state == "waiting"]
+        for e in runs:
+            if e.state == "holding":
+                held = format_cores(e.cores) if e.cores else f"{e.units} {e.pool}"
+                table.add_row(Text(e.label), e.team, e.priority_class, Text("holding", style="green"), held,
+                              f"{now - (e.admitted or now):.0f} s", "")
+            else:
+                table.add_row(Text(e.label), e.team, e.priority_class, Text("waiting", style="yellow"),
+                              f"{waiting.index(e) + 1} of {len(waiting)}", f"{now - e.arrived:.0f} s", Text(e.reason))
+        console.print(table)
+    if limits:
+        held = Table("global concurrency limit", "held", "limit", title="what each instance type and team holds")
+        for name, (taken, limit) in sorted(limits.items()):
+            held.add_row(name, str(taken), str(limit))
+        console.print(held)
 
 
 def register(app: typer.Typer) -> None:
