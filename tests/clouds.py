@@ -69,13 +69,13 @@ def cloud_spec(make_spec, bucket, backend, **sections):
                     "share_identifier": "default"}
     compute |= sections.pop("compute", {})
     return make_spec(
-        data={"train": f"{s3}/reviews/train", "holdout": f"{s3}/reviews/holdout",
-              "inference": f"{s3}/reviews/inference"},
-        compute=compute, compile={"cache_url": f"{s3}/neuron-cache"},
+        data=sections.pop("data", {"train": f"{s3}/reviews/train", "holdout": f"{s3}/reviews/holdout",
+                                   "inference": f"{s3}/reviews/inference"}),
+        compute=compute, compile=sections.pop("compile", {"cache_url": f"{s3}/neuron-cache"}),
         registry_url=sections.pop("registry_url", f"{s3}/registry"),
         train={"checkpoint_url": f"{s3}/checkpoints", "steps": 40, "checkpoint_every": 10} | sections.pop("train", {}),
         gate={"reference": "champion", "eval_every": 20} | sections.pop("gate", {}),
-        inference={"output_url": f"{s3}/embeddings"},
+        inference=sections.pop("inference", {"output_url": f"{s3}/embeddings"}),
         retries={"max_retries": 2, "backoff_seconds": 0.5}, **sections)
 
 

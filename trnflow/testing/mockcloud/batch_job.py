@@ -8,7 +8,8 @@ for those that were terminated (or lost with it), which new ones replace.
 A spot reclaim (a `spot` fault) is EC2's: the instance's metadata service gives the two-minute
 notice, Batch tells the container nothing, and the instance is terminated once its container has
 ended or the two minutes are up (`Host EC2 (instance i-...) terminated.`); ECS's spot draining keeps
-the retry off it."""
+the retry off it. A job terminated while it runs has its containers stopped as ECS stops them:
+SIGTERM, then SIGKILL once `MockCloud.stop_grace_seconds` are up."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from trnflow.neuron.launch import INSTANCE_CORES_ENV
 from trnflow.neuron.runtime import RT_DIR_ENV
 from trnflow.specs import instance
 from trnflow.testing.mockcloud.instances import Instance
-from trnflow.testing.mockcloud.nodes import Node, container_env, free_port, run_nodes
+from trnflow.testing.mockcloud.nodes import Node, Notice, container_env, free_port, run_nodes
 from trnflow.testing.mockcloud.sagemaker_job import committed_checkpoints
 
 LOG_GROUP = "/aws/batch/job"
@@ -247,9 +248,9 @@ class BatchJob:
         looked = [time.monotonic()]
         reclaim: list[float] = []  # when EC2 takes the instances of a spot reclaim back
 
-        def interrupt() -> str | None:
-            if self._stop:
-                return self._stop
+        def interrupt() -> str | Notice | None:
+            if self._stop:  # Batch stops the containers as ECS does: SIGTERM, then SIGKILL after a grace
+                return Notice(self._stop, self.cloud.stop_grace_seconds)
             if reclaim and time.monotonic() >= reclaim[0]:
                 self.cloud.instances.stop(instances)  # the two minutes are up
             elif not reclaim and watch is not None and watch():

@@ -124,13 +124,14 @@ def team_prefixes(team: str, prefix: str = "trnflow") -> dict[str, str]:
             "cache": f"{base}/neuron-cache"}
 
 
-def provision_teams(client: Any, teams: list[str], prefix: str = "trnflow") -> dict[str, dict[str, str]]:
+def provision_teams(client: Any, teams: list[str], prefix: str = "trnflow", quotas: dict[str, int] | None = None
+                    ) -> dict[str, dict[str, str]]:
     """Declare `teams` in the deployment `provision` made, as its operators would: a teams file (each
     team's folders under `teams/<team>/`, the seeded `quickstart/` data readable by all, a signing key
-    of its own in Secrets Manager, spot capacity of its own), published as the `teams` setting, and
-    for each team the role its orchestrators run as, tagged with it (what infra's team.yaml makes).
-    Returns, by team, the AWS variables of a session of that role (the emulator's credentials, good
-    for twelve hours)."""
+    of its own in Secrets Manager, spot capacity of its own, `quotas` when given), published as the
+    `teams` setting, and for each team the role its orchestrators run as, tagged with it (what
+    infra's team.yaml makes). Returns, by team, the AWS variables of a session of that role (the
+    emulator's credentials, good for twelve hours)."""
     iam, sts, secrets, s3, batch = (client(s) for s in ("iam", "sts", "secretsmanager", "s3", "batch"))
     (shared,) = batch.describe_compute_environments(computeEnvironments=[f"{prefix}-trn1-spot"])["computeEnvironments"]
     (shared_queue,) = batch.describe_job_queues(jobQueues=[f"{prefix}-trn1-spot"])["jobQueues"]
@@ -160,7 +161,7 @@ def provision_teams(client: Any, teams: list[str], prefix: str = "trnflow") -> d
                                        {"order": 1, "computeEnvironment": environment["computeEnvironmentArn"]}])
         declared.append({"name": team, **team_prefixes(team, prefix), "read": [f"s3://{prefix}-data-{ACCOUNT}/quickstart"],
                          "cache_signing_key": secret, "cache_public_key": public_text(key.public_key()),
-                         "batch_spot_job_queue": spot})
+                         "batch_spot_job_queue": spot, **({"quotas": quotas} if quotas else {})})
         role = f"{prefix}-{team}-orchestrator"
         try:
             arn = iam.get_role(RoleName=role)["Role"]["Arn"]
