@@ -521,3 +521,42 @@ def test_the_stacks_capacity_of_a_type_is_declared_or_the_sum_of_every_teams_quo
         declared["capacity"] = bad
         with pytest.raises(FatalError, match=said):
             parse_teams(yaml.safe_dump(declared), "teams.yaml")
+
+
+def test_trnflow_teams_shares_gives_the_batch_policy_each_teams_share_at_its_weight(in_process_aws, tmp_path,
+                                                                                      monkeypatch):
+    import boto3
+    from typer.testing import CliRunner
+
+    from trnflow.cli.app import app
+    from trnflow.testing.mockcloud.provision import SETTINGS, provision
+
+    outputs = provision(boto3.client)
+    for name in SETTINGS:
+        monkeypatch.setenv(f"TRNFLOW_{name}", outputs[name])
+    declared = _teams(tmp_path)
+    declared["teams"][0] |= {"share_identifier": "search", "weight": 4.0, "quotas": {"trn1.32xlarge": 3}}
+    declared["teams"][1] |= {"share_identifier": "ads", "weight": 0.5, "quotas": {"trn1.32xlarge": 1},
+                             "borrow": True}
+    _file(tmp_path, declared, monkeypatch)
+    runner = CliRunner()
+    listed = runner.invoke(app, ["teams", "list"])
+    assert listed.exit_code == 0 and all(n in listed.output for n in ("search", "ads", "0.5")), listed.output
+    as_json = json.loads(runner.invoke(app, ["teams", "list", "--json"]).output)
+    assert [(t["name"], t["quotas"], t["borrow"]) for t in as_json["teams"]] == [
+        ("search", {"trn1.32xlarge": 3}, False), ("ads", {"trn1.32xlarge": 1}, True)]
+    shown = json.loads(runner.invoke(app, ["teams", "shares", "--json"]).output)
+    assert not shown["applied"] and [s["identifier"] for s in shown["current"]] == ["default"]
+    assert [(s["identifier"], s["weight_factor"], s["team"]) for s in shown["wanted"]] == [
+        ("search", 0.25, "search"), ("ads", 2.0, "ads"), ("default", 1.0, None)]
+    applied = runner.invoke(app, ["teams", "shares", "--apply"])
+    assert applied.exit_code == 0 and "updated the policy" in applied.output, applied.output
+    batch = boto3.client("batch")
+    arn = batch.describe_job_queues(jobQueues=[outputs["BATCH_JOB_QUEUE"]])["jobQueues"][0]["schedulingPolicyArn"]
+    (policy,) = batch.describe_scheduling_policies(arns=[arn])["schedulingPolicies"]
+    assert {s["shareIdentifier"]: s["weightFactor"] for s in policy["fairsharePolicy"]["shareDistribution"]} == {
+        "search": 0.25, "ads": 2.0, "default": 1.0}
+    assert "already has these shares" in runner.invoke(app, ["teams", "shares"]).output
+    monkeypatch.setenv("TRNFLOW_BATCH_JOB_QUEUE", "nope")
+    missing = runner.invoke(app, ["teams", "shares"])
+    assert missing.exit_code == 2 and "nope does not exist" in missing.stderr and "Traceback" not in missing.output

@@ -26,6 +26,7 @@ from trnflow.cli import queue as cli_queue
 from trnflow.cli import recipes as cli_recipes
 from trnflow.cli import runs as cli_runs
 from trnflow.cli import serve as cli_serve
+from trnflow.cli import teams as cli_teams
 from trnflow.cli.cache import cache_app
 from trnflow.cli.checkpoints import checkpoint_app
 from trnflow.cli.common import JsonOpt, SetOpt, checked, console, err, set_overrides
@@ -139,7 +140,8 @@ cli_recipes.register(app)  # recipes: the models this trnflow can train
 app.add_typer(data_app, name="data")
 cli_pipeline.register(app)  # reference, compile, run, retrain, preflight
 cli_plan.register(app)  # plan: a run's time and cost, forecast
-cli_queue.register(app)  # queue: this machine's runs, holding cores or waiting for them
+cli_queue.register(app)  # queue: the runs holding this machine's cores or the stack's instances, and those waiting
+cli_teams.register(app)  # teams: the stack's teams, their quotas and their Batch shares
 app.add_typer(cache_app, name="cache")
 app.add_typer(models_app, name="models")
 app.add_typer(checkpoint_app, name="checkpoint")

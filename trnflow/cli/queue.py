@@ -24,6 +24,7 @@ StackOpt = Annotated[bool, typer.Option("--stack", help="The stack's queue of cl
 def _stack() -> tuple[list[QueueEntry], dict[str, tuple[int, int]], str]:
     from prefect.settings import PREFECT_API_URL  # the Prefect client: only the stack's queue needs it
 
+    # the stack's queue on the Prefect server: only --stack reads it
     from trnflow.flows._queue import PREFECT_QUEUE
 
     with PREFECT_QUEUE.deciding():
