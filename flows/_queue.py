@@ -1,5 +1,5 @@
-"""The stack's queue on the Prefect server (`trnflow.backends.stack_queue`'s `StackStore`): entries
-and yield requests as Variables, the queue's lock and the capacity each team and type holds as
+"""The stack's queue on the Prefect server (`trnflow.backends.stack_queue`'s `StackStore`): entries,
+yield requests and each day's spend per team as Variables, the queue's lock and the capacity each team and type holds as
 global concurrency limits, whose leased slots a dead orchestrator's server frees by itself."""
 
 from __future__ import annotations
@@ -21,13 +21,14 @@ from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from pydantic import ValidationError
 
-from trnflow.backends.runqueue import QueueEntry, YieldRequest
+from trnflow.backends.runqueue import QueueEntry, Spend, YieldRequest
 from trnflow.backends.stack_queue import LEASE_SECONDS, STALE_SECONDS
 
 LOCK = "trnflow-queue"
 """The global concurrency limit of one slot that one decision at a time holds."""
 ENTRY = "trnflow-queue-"
 REQUEST = "trnflow-yield-"
+SPEND = "trnflow-spend-"
 TAG = "trnflow-queue"
 """The tag of the queue's variables (the UI's Variables page filters on it)."""
 TAKE_SECONDS = 5.0
@@ -109,6 +110,23 @@ class PrefectQueue:
     def drop_request(self, run_id: str) -> None:
         with _client() as client:
             _forget(client, variable_name(REQUEST, run_id))
+
+    def spent(self, day: str) -> dict[str, float]:
+        with _client() as client:
+            variable = client.read_variable_by_name(SPEND + day)
+        try:
+            return Spend.model_validate(variable.value).teams if variable is not None else {}
+        except ValidationError:
+            return {}
+
+    def add_spend(self, team: str, day: str, usd: float) -> None:
+        teams = self.spent(day)
+        teams[team] = teams.get(team, 0.0) + usd
+        with _client() as client:
+            _put(client, SPEND + day, Spend(teams=teams).model_dump(mode="json"))
+            for old in client.read_variables():  # earlier days count no more
+                if old.name.startswith(SPEND) and old.name != SPEND + day:
+                    _forget(client, old.name)
 
     def ensure_limit(self, name: str, limit: int) -> None:
         with _client() as client:

@@ -136,8 +136,10 @@ class StageRunner:
         limits. Waited for at the run's level with the reason as the flow run's state (`Waiting`),
         never with a stage's retries. A run that `trains` can be asked to yield until its training
         has ended; any other cannot."""
+        forecast = self.forecast
         self.ticket = run_queue(self.spec, self.run_id, self.team, holder_label(self.run_id), PREFECT_QUEUE,
-                                self.forecast.seconds if self.forecast else None, preemptible=trains)
+                                forecast.seconds if forecast else None, preemptible=trains,
+                                cost_usd=forecast.cost_usd if forecast else None)
         if self.ticket is None:
             yield
             return
@@ -145,7 +147,7 @@ class StageRunner:
             self._wait_turn()
             yield
         finally:
-            self.ticket.release()
+            self.ticket.release(self.cost().total_usd)  # its team's spend today
 
     def _wait_turn(self) -> None:
         """Wait until admitted; time spent waiting is a `queue` row of the stage table."""
@@ -228,6 +230,11 @@ class StageRunner:
         self.forecast, line = launch_forecast(self.spec, home)
         get_run_logger().info(line)
         problems = over_limits(self.spec, self.forecast)
+        limit, cost = self.team.daily_spend_usd, self.forecast.cost_usd
+        if limit is not None and cost is not None and cost > limit:  # the queue would never admit it
+            raise FatalError(f"refused before its first job: it is forecast to cost ${cost:.2f}, more than team "
+                             f"{self.team.name}'s daily spend limit (${limit:.2f}); make it smaller, or ask the "
+                             "operators for a higher daily_spend_usd (the teams file)")
         if problems and not (override or "").strip():
             raise FatalError(f"refused before its first job: {'; '.join(problems)}; {OVERRIDE_HINT}")
         if problems:

@@ -379,8 +379,9 @@ def _finish(job: _Job, info: JobInfo) -> StageResult:
     if info.state is JobState.SUCCEEDED and info.result is not None:
         return _where(info.result, job, info)
     error = classify(info)
-    if job.yielded_to is not None and isinstance(error, TransientError):  # stopped in its start-up, too
-        raise Preempted(f"yielded its cores to {job.yielded_to}: {error}")
+    # stopped in its start-up too; SageMaker says Stopped, with no reason, for the job it was asked to stop
+    if job.yielded_to is not None and (isinstance(error, TransientError) or info.state is JobState.CANCELLED):
+        raise Preempted(f"yielded its capacity to {job.yielded_to}: {error}")
     raise error
 
 

@@ -148,6 +148,9 @@ class Team(BaseModel):
                          "teams leave idle (taken back by preemption at a checkpoint when they need it).")
     lend: bool = Field(True, description="Whether what it leaves idle of its quota may be lent to teams that "
                        "borrow: its own runs take it back, the borrower's yielding at a checkpoint.")
+    daily_spend_usd: float | None = Field(None, gt=0, description="US dollars its runs may spend in a day (UTC): "
+                                          "a run whose forecast would take its team past it waits in the queue "
+                                          "until the next day; None: no limit.")
     batch_spot_job_queue: str | None = Field(None, pattern=r"^[A-Za-z0-9_:/.-]{1,255}$", description="Its own "
                                              "Batch spot job queue (the team stack's BatchSpotJobQueue output), "
                                              "whose instances' role reaches its own spot cluster alone. None: its "

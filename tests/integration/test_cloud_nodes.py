@@ -131,7 +131,8 @@ def test_a_job_whose_other_node_failed_while_the_main_node_stalls_is_stopped(
 
     with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, node_faults={0: "stall@0:train:3"},
                   compile_cache=warmed_cache) as (cloud, bucket):  # the stall is the subject, not compiling
-        cloud.stop_grace_seconds = 2.0  # the stalled rank never reaches the step boundary SIGTERM waits for
+        cloud.stop_grace_seconds = cloud.sagemaker_stop_grace_seconds = 2.0  # the stalled rank never reaches the
+        # step boundary at which training acts on SIGTERM
         spec = cloud_spec(make_spec, bucket, service, preflight={"collective_timeout_seconds": 5},
                            compute={"nodes": 2, "cores_per_node": 1, "instance_type": "trn1.32xlarge"},
                            train={"steps": 6, "checkpoint_every": 2, "global_batch_size": 32})

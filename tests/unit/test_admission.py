@@ -151,3 +151,19 @@ def test_a_team_short_of_idle_quota_to_borrow_holds_up_other_borrowers_not_other
     decision = decide(pool, holding, waiting)
     assert decision.admitted == ["c1"]  # within its quota, whoever waits before it
     assert decision.verdicts["b1"].reason == "behind run a1; 1 run ahead"  # no slipping past the big borrower
+
+
+def test_a_team_at_its_daily_spend_waits_for_the_next_day_and_holds_up_its_own_runs_only():
+    pool = Pool("trn1.32xlarge", "instance", 8, {"a": Share(daily_spend=100.0), "b": Share()})
+    holding = [run("a1", "a", units=1, cost=30.0)]
+    waiting = [run("a2", "a", units=1, since=1, cost=50.0), run("a3", "a", units=1, since=2, cost=5.0),
+               run("b1", "b", units=1, since=3, cost=500.0)]
+    decision = decide(pool, holding, waiting, spent={"a": 40.0})  # 40 spent, 30 forecast: 30 left
+    assert decision.admitted == ["b1"] and decision.preempt == {}  # nobody yields for spend
+    assert decision.verdicts["a2"].reason == ("team a at its daily spend limit, $70.00 of $100.00 spent or forecast "
+                                              "today (this run: $50.00); 0 runs ahead")
+    assert decision.verdicts["a3"].reason == "behind run a2; 1 run ahead"  # a smaller run does not slip past
+    assert decide(pool, holding, waiting, spent={"a": 10.0}).admitted == ["a2", "a3", "b1"]
+    huge = decide(pool, [], [run("big", "a", units=1, cost=150.0), run("a4", "a", units=1, since=1, cost=1.0)])
+    assert huge.verdicts["big"].reason == "is forecast to cost $150.00, more than team a's daily spend limit ($100.00)"
+    assert huge.admitted == ["a4"]  # one that can never go holds up nobody

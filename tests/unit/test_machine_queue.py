@@ -273,3 +273,21 @@ def test_a_job_on_fewer_cores_than_its_run_holds_stays_on_them_off_a_bad_one(mak
                                                               exclude_cores=frozenset({1})))
     assert placed == [0] and machine.held_by("shrunk") == [0, 1]
     ticket.release()
+
+
+def test_a_runs_cost_counts_toward_its_teams_spend_today_and_a_run_past_it_waits(tmp_path):
+    from trnflow.backends.runqueue import today
+    from trnflow.teams import UNDECLARED
+
+    frugal = UNDECLARED.model_copy(update={"daily_spend_usd": 10.0})
+    first = machine.enter("s1", "run s1", frugal, "experiment", 10, 2, 8, busy=lambda c: False, cost_usd=6.0)
+    first.wait(print, poll_seconds=0)
+    second = machine.enter("s2", "run s2", frugal, "experiment", 10, 2, 8, busy=lambda c: False, cost_usd=6.0)
+    second.look()
+    assert second.entry.state == "waiting" and "daily spend limit, $6.00 of $10.00" in second.entry.reason
+    first.release(cost_usd=7.5)  # it cost more than forecast
+    assert machine.FILES.spent(today()) == {UNDECLARED.name: 7.5}
+    second.look()
+    assert second.entry.state == "waiting" and "$7.50 of $10.00" in second.entry.reason
+    second.release()
+    assert (machine.queue_dir() / f"spend-{today()}.day").is_file()

@@ -57,11 +57,13 @@ def backend_for(spec: JobSpec, settings: TrnflowSettings | None = None, team: Te
 
 
 def run_queue(spec: JobSpec, run_id: str, team: Team, label: str, stack: stack_queue.StackStore,
-              expected_s: float | None = None, preemptible: bool = True) -> Ticket | None:
+              expected_s: float | None = None, preemptible: bool = True, cost_usd: float | None = None
+              ) -> Ticket | None:
     """The run's place in the queue for its capacity, entered now: this machine's cores
     (`machine`) for a local run; the stack's instances of its type (`stack_queue`) for a cloud run
     whose type the teams file limits, kept in `stack`. `Ticket.wait` admits it, and it holds its place until
-    `Ticket.release`. `expected_s`: its forecast, for the expected waits of runs behind it;
+    `Ticket.release`. `expected_s` and `cost_usd`: its forecast, for the expected waits of runs
+    behind it and its team's daily spend;
     `preemptible`: whether it can yield at a step boundary (a run that trains). None for a cloud
     run nothing limits."""
     klass = team.priority_class(spec.compute.priority_class)
@@ -72,14 +74,14 @@ def run_queue(spec: JobSpec, run_id: str, team: Team, label: str, stack: stack_q
         if capacity is None:
             return None
         entry = stack_queue.newcomer(spec, run_id, label, team, klass.name, klass.priority, capacity, expected_s,
-                                     list(teams.teams), preemptible)
+                                     list(teams.teams), preemptible, cost_usd)
         return stack_queue.enter(entry, team, stack)
     from trnflow.device.registry import get_device  # loads torch: only a run on this machine's cores needs it
 
     total, device = instance(spec.compute.instance_type).cores, get_device()
     return machine.enter(run_id, label, team, klass.name, klass.priority, spec.compute.world_size, total,
                          busy=lambda cores: device.busy(cores, total) is not None, expected_s=expected_s,
-                         teams=_declared(), preemptible=preemptible)
+                         teams=_declared(), preemptible=preemptible, cost_usd=cost_usd)
 
 
 def _declared() -> list[Team]:

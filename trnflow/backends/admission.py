@@ -42,6 +42,8 @@ class Share:
     """Whether it may hold more than its quota, from what lending teams leave idle."""
     lend: bool = True
     """Whether what it leaves idle of its quota may be lent (it takes it back by preemption)."""
+    daily_spend: float | None = None
+    """US dollars its runs may spend in a day (None: no limit): spent, plus the forecasts of its runs holding."""
 
 
 @dataclass(frozen=True)
@@ -62,6 +64,8 @@ class Claim:
     """How reasons name it (`run r1 (flow run 'quick-fox')`); `run <id>` when empty."""
     preemptible: bool = True
     """A holder that can still yield at a step boundary (one past its training cannot)."""
+    cost: float = 0.0
+    """What the run is forecast to cost, in US dollars (0: unknown): its team's daily spend, once admitted."""
 
     @property
     def named(self) -> str:
@@ -207,6 +211,10 @@ def _never(pool: Pool, claim: Claim) -> str | None:
     quota and all it could ever borrow."""
     if claim.units > pool.capacity:
         return f"needs {pool.units(claim.units)}, more than {pool.name} has ({pool.units(pool.capacity)})"
+    limit = pool.share(claim.team).daily_spend
+    if limit is not None and claim.cost > limit:
+        return (f"is forecast to cost ${claim.cost:.2f}, more than team {claim.team}'s daily spend limit "
+                f"(${limit:.2f})")
     if not pool.limits(claim.team):
         return None
     share, others = pool.share(claim.team), [t for t in pool.shares if t != claim.team and pool.limits(t)]
@@ -221,8 +229,10 @@ def _never(pool: Pool, claim: Claim) -> str | None:
 
 
 def decide(pool: Pool, holding: Iterable[Claim], waiting: Iterable[Claim], usage: Mapping[str, float] | None = None,
-           max_preemptions: int = MAX_PREEMPTIONS) -> Decision:
-    """Who of `waiting` goes now, who waits and why, and which holders are asked to yield.
+           max_preemptions: int = MAX_PREEMPTIONS, spent: Mapping[str, float] | None = None) -> Decision:
+    """Who of `waiting` goes now, who waits and why, and which holders are asked to yield. `spent`:
+    per team, what its runs that ended today cost (US dollars); with its holders' forecasts, and the
+    waiter's, it must stay within the team's `daily_spend`, or the waiter waits (nobody yields for it).
 
     A waiter some holders yield to keeps its place: the units it will have are counted as taken for
     the waiters behind it, who may still go on what is left or ask their own victims to yield. A
@@ -238,6 +248,9 @@ def decide(pool: Pool, holding: Iterable[Claim], waiting: Iterable[Claim], usage
     full_behind: Claim | None = None  # the first run the full pool stopped: everyone behind it waits
     team_behind: dict[str, Claim] = {}  # per team, the first run its quota stopped
     queue = order(pool, waiting, usage)
+    spend = dict(spent or {})
+    for h in held:
+        spend[h.team] = spend.get(h.team, 0.0) + h.cost
     wanted: dict[str, int] = {}
     for claim in queue:
         wanted[claim.team] = wanted.get(claim.team, 0) + claim.units
@@ -252,9 +265,17 @@ def decide(pool: Pool, holding: Iterable[Claim], waiting: Iterable[Claim], usage
         if first is not None:
             verdicts[claim.run_id] = Verdict(claim.run_id, False, place, f"behind {first.named}; {ahead}")
             continue
+        limit, used = pool.share(claim.team).daily_spend, spend.get(claim.team, 0.0)
+        if limit is not None and used + claim.cost > limit:  # only time frees it: nobody yields
+            verdicts[claim.run_id] = Verdict(claim.run_id, False, place, (
+                f"team {claim.team} at its daily spend limit, ${used:.2f} of ${limit:.2f} spent or forecast today "
+                f"(this run: ${claim.cost:.2f}); {ahead}"))
+            team_behind[claim.team] = claim
+            continue
         if tally.fits(claim):
             borrowed = tally.borrowed(claim.team, claim.units) - tally.borrowed(claim.team)
             verdicts[claim.run_id] = Verdict(claim.run_id, True, place, borrowed=borrowed)
+            spend[claim.team] = used + claim.cost
             held.append(claim)
             wanted[claim.team] -= claim.units
             continue

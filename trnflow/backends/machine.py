@@ -13,6 +13,8 @@ The queue is files in the runtime directory (`queue/`), shared by whoever shares
                   an entry whose lock is free is a dead process's, and is dropped (the operating
                   system frees the lock however the process ended, SIGKILL included)
     <run>.yield   a request that the run yield its cores (`YieldRequest`), written by the run it yields to
+    spend-<day>.day
+                  what each team's runs that ended that day (UTC) cost (`Spend`)
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from trnflow.backends.runqueue import QueueEntry, Ticket, YieldRequest, entry_for, expected_wait
+from trnflow.backends.runqueue import QueueEntry, Spend, Ticket, YieldRequest, entry_for, expected_wait
 from trnflow.errors import FatalError, TransientError
 from trnflow.fsutil import atomic_write_text
 from trnflow.neuron.launch import aligned_ranges, format_cores
@@ -92,6 +94,20 @@ class _Files:
     def drop_request(self, run_id: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             (queue_dir() / f"{run_id}.yield").unlink()
+
+    def spent(self, day: str) -> dict[str, float]:
+        try:
+            return Spend.model_validate_json((queue_dir() / f"spend-{day}.day").read_text()).teams
+        except (FileNotFoundError, ValidationError):
+            return {}
+
+    def add_spend(self, team: str, day: str, usd: float) -> None:
+        teams = self.spent(day)
+        teams[team] = teams.get(team, 0.0) + usd
+        atomic_write_text(queue_dir() / f"spend-{day}.day", Spend(teams=teams).model_dump_json())
+        for old in queue_dir().glob("spend-*.day"):  # earlier days count no more
+            if old.name != f"spend-{day}.day":
+                old.unlink(missing_ok=True)
 
 
 FILES = _Files()
@@ -196,18 +212,19 @@ def ticket(run_id: str) -> MachineTicket | None:
 
 
 def newcomer(run_id: str, label: str, team: Team, priority_class: str, priority: int, cores: int, total: int,
-             expected_s: float | None = None, teams: list[Team] = (), preemptible: bool = True) -> QueueEntry:
+             expected_s: float | None = None, teams: list[Team] = (), preemptible: bool = True,
+             cost_usd: float | None = None) -> QueueEntry:
     """A run's entry as it enters this machine's queue now (waiting): `cores` of the `total` of
     the instance it emulates; `teams`: every team its teams file declares."""
     return entry_for(run_id, label, team, priority_class, priority, cores, total, POOL_NAME, "core", LOCAL_QUOTA,
-                     expected_s, teams, preemptible)
+                     expected_s, teams, preemptible, cost_usd)
 
 
 def enter(run_id: str, label: str, team: Team, priority_class: str, priority: int, cores: int, total: int,
           busy: Callable[[list[int]], bool], expected_s: float | None = None, teams: list[Team] = (),
-          preemptible: bool = True) -> MachineTicket:
+          preemptible: bool = True, cost_usd: float | None = None) -> MachineTicket:
     """Put the run in this machine's queue (waiting): `Ticket.wait` admits it."""
     held = MachineTicket(newcomer(run_id, label, team, priority_class, priority, cores, total, expected_s, teams,
-                                  preemptible), busy)
+                                  preemptible, cost_usd), busy)
     _TICKETS[run_id] = held
     return held

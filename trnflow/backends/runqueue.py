@@ -58,6 +58,8 @@ class QueueEntry(BaseModel):
     place: int | None = Field(None, description="Its place in the queue's order when last decided (0: next).")
     expected_s: float | None = Field(None, description="How long it is forecast to take once admitted (`trnflow "
                                      "plan`'s total); None when it has no forecast.")
+    cost_usd: float | None = Field(None, description="What it is forecast to cost (US dollars): its team's daily "
+                                   "spend while it holds; None when it has no forecast.")
     pid: int = Field(description="Its orchestrating process.")
     host: str = Field(description="The host of that process.")
     beat: float | None = Field(None, description="The stack's queue: when its process last said it is alive "
@@ -66,7 +68,7 @@ class QueueEntry(BaseModel):
     def claim(self) -> Claim:
         since = self.admitted if self.state == "holding" and self.admitted is not None else self.arrived
         return Claim(self.run_id, self.team, self.units, self.priority, self.priority_class, since,
-                     self.preemptions, label=self.label, preemptible=self.preemptible)
+                     self.preemptions, label=self.label, preemptible=self.preemptible, cost=self.cost_usd or 0.0)
 
     def charged(self, now: float) -> float:
         """Unit-seconds its run will still hold, by its forecast: its team's usage, for fair share."""
@@ -84,6 +86,14 @@ class YieldRequest(BaseModel):
     label: str = Field(description="That run, as others name it.")
     priority_class: str = Field(description="That run's class.")
     asked: float = Field(description="When (epoch seconds).")
+
+
+class Spend(BaseModel):
+    """What each team's runs that ended on one day cost."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    teams: dict[str, float] = Field(default_factory=dict, description="US dollars, by team.")
 
 
 class QueueStore(Protocol):
@@ -104,22 +114,34 @@ class QueueStore(Protocol):
     def drop_request(self, run_id: str) -> None:
         """Forget the request that `run_id` yield."""
 
+    def spent(self, day: str) -> dict[str, float]:
+        """What each team's runs that ended on `day` (UTC, YYYY-MM-DD) cost, in US dollars. Under `deciding`."""
+
+    def add_spend(self, team: str, day: str, usd: float) -> None:
+        """Add what a run of `team` that ended on `day` cost. Under `deciding`."""
+
+
+def today() -> str:
+    """The day spend is counted in: UTC."""
+    return time.strftime("%Y-%m-%d", time.gmtime())
+
 
 def share_of(team: Team, key: str) -> dict:
     """A team's share of a pool (`key`: an instance type, or `local`), as an entry carries it."""
-    return Share(quota=team.quota(key), weight=team.weight, borrow=team.borrow, lend=team.lend).__dict__
+    return Share(quota=team.quota(key), weight=team.weight, borrow=team.borrow, lend=team.lend,
+                 daily_spend=team.daily_spend_usd).__dict__
 
 
 def entry_for(run_id: str, label: str, team: Team, priority_class: str, priority: int, units: int, capacity: int,
               pool: str, unit: Literal["core", "instance"], quota_key: str, expected_s: float | None = None,
-              teams: list[Team] = (), preemptible: bool = True) -> QueueEntry:
+              teams: list[Team] = (), preemptible: bool = True, cost_usd: float | None = None) -> QueueEntry:
     """A run's entry as it enters a queue now (waiting); `teams`: every team its teams file declares."""
     shares = {t.name: share_of(t, quota_key) for t in (*teams, team)}
     now = time.time()
     return QueueEntry(run_id=run_id, label=label, team=team.name, shares=shares, priority_class=priority_class,
                       priority=priority, pool=pool, unit=unit, units=units, capacity=capacity, arrived=now,
-                      expected_s=expected_s, preemptible=preemptible, pid=os.getpid(), host=socket.gethostname(),
-                      beat=now)
+                      expected_s=expected_s, cost_usd=cost_usd, preemptible=preemptible, pid=os.getpid(),
+                      host=socket.gethostname(), beat=now)
 
 
 def pool_of(found: list[QueueEntry]) -> Pool:
@@ -187,7 +209,8 @@ class Ticket:
             waiting = [e for e in found if e.state == "waiting"]
             asked = {e.run_id: r.to for e in holding if (r := _asked(self.store, e.run_id, found)) is not None}
             claims = [replace(e.claim(), yielding=asked.get(e.run_id)) for e in holding]
-            decision = decide(pool_of(found), claims, [e.claim() for e in waiting], usage_of(found, time.time()))
+            decision = decide(pool_of(found), claims, [e.claim() for e in waiting], usage_of(found, time.time()),
+                              spent=self.store.spent(today()))
             for victim, to in decision.preempt.items():
                 if to == self.entry.run_id and victim not in asked:
                     self.store.ask(victim, YieldRequest(to=to, label=self.entry.label, asked=time.time(),
@@ -236,9 +259,12 @@ class Ticket:
             self._update(state="waiting", cores=[], admitted=None, preemptions=self.entry.preemptions + 1)
             self.store.drop_request(self.entry.run_id)
 
-    def release(self) -> None:
-        """Leave the queue: what it held is free for the next run."""
+    def release(self, cost_usd: float | None = None) -> None:
+        """Leave the queue: what it held is free for the next run. `cost_usd`: what the run cost, its
+        team's spend today."""
         with self.store.deciding():
+            if cost_usd:
+                self.store.add_spend(self.entry.team, today(), cost_usd)
             self._give_back()
             self._remove()
             self.store.drop_request(self.entry.run_id)

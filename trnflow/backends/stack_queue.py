@@ -154,11 +154,11 @@ def limited(spec: JobSpec, teams: Teams | None) -> int | None:
 
 def newcomer(spec: JobSpec, run_id: str, label: str, team: Team, priority_class: str, priority: int,
              capacity: int, expected_s: float | None = None, teams: list[Team] = (),
-             preemptible: bool = True) -> QueueEntry:
+             preemptible: bool = True, cost_usd: float | None = None) -> QueueEntry:
     """A cloud run's entry as it enters the stack's queue now (waiting)."""
     kind = spec.compute.instance_type
     return entry_for(run_id, label, team, priority_class, priority, spec.compute.nodes, capacity, kind, "instance",
-                     kind, expected_s, teams, preemptible)
+                     kind, expected_s, teams, preemptible, cost_usd)
 
 
 def enter(entry: QueueEntry, team: Team, store: StackStore) -> StackTicket:

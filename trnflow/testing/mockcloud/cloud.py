@@ -88,6 +88,8 @@ class MockCloud:
         self.stop_grace_seconds = 30.0
         """How long a stopped Batch job's containers have between SIGTERM and SIGKILL (ECS's
         ECS_CONTAINER_STOP_TIMEOUT, 30 s unless its agent is configured otherwise)."""
+        self.sagemaker_stop_grace_seconds = 120.0
+        """How long a stopped SageMaker training job's containers have between SIGTERM and their end."""
         self.node_faults = dict(node_faults or {})
         """Device faults (`TRNFLOW_FAULTS` syntax) of one node of every job, by node index (Batch's
         node index; SageMaker's host, algo-1 being 0): whichever instance serves that node, in every

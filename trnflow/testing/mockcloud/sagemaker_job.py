@@ -205,8 +205,8 @@ class SageMakerJob:
         reclaimed: list[str] = []
 
         def interrupt() -> str | Notice | None:
-            if self._stop:
-                return self._stop
+            if self._stop:  # StopTrainingJob: SIGTERM, and 120 s before SageMaker ends the containers
+                return Notice(self._stop, self.cloud.sagemaker_stop_grace_seconds)
             if limit and time.time() - began > limit:
                 return "MaxRuntimeExceeded"
             if watch is not None and watch():
