@@ -194,16 +194,18 @@ def _session(env_file: str) -> dict[str, str]:
 
 @pytest.mark.slow
 def test_two_teams_run_the_quickstart_side_by_side_each_in_its_own_folders(tmp_path, prefect_api):
-    """`trnflow mock-aws --teams search,ads`: each team starts the Batch example as its own role, as
-    the banner says, at the same time; each run's team is its role's tag, and everything it writes
-    lands in its team's folders, its cache entries signed with its team's key. A spec naming the
+    """`trnflow mock-aws --teams search,ads --quota trn1.32xlarge=2`: each team starts the Batch example
+    as its own role, as the banner says, at the same time, through the stack's queue; each run's team
+    is its role's tag, and everything it writes lands in its team's folders, its cache entries signed
+    with its team's key. A spec naming the
     other team's folders, and a starter with no team, are refused before any job."""
     import boto3
 
     port = _port()
     endpoint = f"http://127.0.0.1:{port}"
     env = _clean_env(tmp_path) | {"AWS_ENDPOINT_URL": endpoint, "PREFECT_API_URL": prefect_api}
-    server = subprocess.Popen([str(TRNFLOW), "mock-aws", "--port", str(port), "--teams", "search,ads"], env=env,
+    server = subprocess.Popen([str(TRNFLOW), "mock-aws", "--port", str(port), "--teams", "search,ads",
+                               "--quota", "trn1.32xlarge=2"], env=env,
                               cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         printed = _started(server) + "".join(server.stdout.readline() for _ in range(3))
@@ -242,6 +244,14 @@ def test_two_teams_run_the_quickstart_side_by_side_each_in_its_own_folders(tmp_p
                "aws_secret_access_key": "mock"}
         teams = yaml.safe_load(s3.get_object(Bucket="trnflow-staging-123456789012",
                                              Key="_operators/teams.yaml")["Body"].read())["teams"]
+        assert [t["quotas"] for t in teams] == [{"trn1.32xlarge": 2}] * 2
+        # both runs went through the stack's queue on the Prefect server, each holding its team's two
+        # instances of the stack's four, and gave them back
+        limits = subprocess.run([str(TRNFLOW), "queue", "--stack", "--json"], env=env, cwd=ROOT,
+                                capture_output=True, text=True, timeout=120)
+        held = json.loads(limits.stdout)
+        assert held["runs"] == [] and held["limits"]["trnflow-trn1.32xlarge"] == {"held": 0, "limit": 4}, held
+        assert held["limits"]["trnflow-search-trn1.32xlarge"] == {"held": 0, "limit": 2}
         queues = [t["batch_spot_job_queue"] for t in teams]
         assert queues == ["trnflow-search-trn1-spot", "trnflow-ads-trn1-spot"]
         found = boto3.client("batch", **aws).describe_job_queues(jobQueues=queues)["jobQueues"]

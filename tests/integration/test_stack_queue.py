@@ -7,9 +7,11 @@ import threading
 import time
 
 import pytest
+import yaml
 from typer.testing import CliRunner
 
-from trnflow.backends import stack_queue
+from tests.clouds import cloud_spec
+from trnflow.backends import queue_wait, stack_queue
 from trnflow.backends.runqueue import entry_for
 from trnflow.cli.app import app
 from trnflow.flows._queue import ENTRY, PREFECT_QUEUE, variable_name
@@ -62,7 +64,8 @@ class Watch:
         self._thread.join()
 
 
-def test_two_teams_over_quota_borrow_both_ways_and_never_hold_more_than_the_stack(teams):
+def test_two_teams_over_quota_borrow_both_ways_and_never_hold_more_than_the_stack(teams, make_spec, tmp_path,
+                                                                                  monkeypatch):
     assert stack_queue.capacity_of(teams, KIND) == 5
     watch = Watch(teams)
     tickets = []
@@ -99,8 +102,16 @@ def test_two_teams_over_quota_borrow_both_ways_and_never_hold_more_than_the_stac
             ("a2", "waiting"), ("a3", "waiting")]
         assert listed["limits"][f"trnflow-{KIND}"] == {"held": 5, "limit": 5}
         assert listed["limits"][f"trnflow-c-{KIND}"] == {"held": 1, "limit": 1}  # c may not borrow: its quota
-        shown = CliRunner().invoke(app, ["queue", "--stack"], env={"COLUMNS": "250"}).output
-        assert f"team c at its {KIND} quota" in shown and "2 trn1.32xlarge" in shown
+        reasons = {r["run_id"]: r["reason"] for r in listed["runs"]}
+        assert reasons["c1"].startswith(f"team c at its {KIND} quota, 1 of 1 instance"), reasons
+        shown = CliRunner().invoke(app, ["queue", "--stack"]).output  # the reasons: in the JSON above
+        assert all(word in shown for word in ("holding", "waiting", f"trnflow-c-{KIND}")), shown
+        # `trnflow plan`'s figure: a run of b starting now waits for the holders' forecasts to end
+        (tmp_path / "teams.yaml").write_text(yaml.safe_dump(teams.model_dump(mode="json")))
+        monkeypatch.setenv("TRNFLOW_TEAMS", str(tmp_path / "teams.yaml"))
+        spec = cloud_spec(make_spec, "bucket", "batch", compute={"nodes": 1})
+        wait, why, found = queue_wait(spec, teams.named("b"), 600.0, PREFECT_QUEUE)
+        assert found == 7 and why == "" and 0 < wait <= 600, (wait, why)
         asked[0].look()
         assert asked[0].entry.state == "waiting" and asked[0].entry.reason, asked[0].entry
 

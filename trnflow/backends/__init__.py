@@ -90,19 +90,29 @@ def _declared() -> list[Team]:
     return list(declared.teams) if declared else []
 
 
-def queue_wait(spec: JobSpec, team: Team, expected_s: float | None) -> tuple[float | None, str, int]:
-    """For a run of `spec` starting now on this machine: how long it would wait in the queue (None,
-    with the reason, when that cannot be told), and how many runs hold or wait for its cores. (None,
-    "", 0) for a cloud run."""
-    if not keeps_instance(spec):
-        return None, "", 0
+def queue_wait(spec: JobSpec, team: Team, expected_s: float | None, stack: stack_queue.StackStore | None = None
+               ) -> tuple[float | None, str, int]:
+    """For a run of `spec` starting now: how long it would wait in its queue (None, with the reason,
+    when that cannot be told), and how many runs hold or wait there: this machine's for a local run;
+    for a cloud run of a type the teams file limits, the stack's in `stack`. (None, "", 0) when it
+    would not queue."""
     klass = team.priority_class(spec.compute.priority_class)
     if klass is None:
         return None, f"team {team.name} may not run {spec.compute.priority_class} runs", 0
-    found = machine.entries()
-    newcomer = machine.newcomer("(this run)", "this run", team, klass.name, klass.priority,
-                                spec.compute.world_size, instance(spec.compute.instance_type).cores, expected_s,
-                                _declared())
+    if keeps_instance(spec):
+        found = machine.entries()
+        newcomer = machine.newcomer("(this run)", "this run", team, klass.name, klass.priority,
+                                    spec.compute.world_size, instance(spec.compute.instance_type).cores, expected_s,
+                                    _declared())
+    else:
+        teams = stack_teams(TrnflowSettings()) if stack is not None else None
+        capacity = stack_queue.limited(spec, teams)
+        if capacity is None:
+            return None, "", 0
+        with stack.deciding():
+            found = [e for e in stack.entries() if e.pool == spec.compute.instance_type]
+        newcomer = stack_queue.newcomer(spec, "(this run)", "this run", team, klass.name, klass.priority, capacity,
+                                        expected_s, list(teams.teams))
     wait, why = expected_wait(newcomer, found)
     return wait, why, len(found)
 

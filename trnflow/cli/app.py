@@ -35,7 +35,7 @@ from trnflow.cli.data import data_app
 from trnflow.cli.models import models_app
 from trnflow.cli.tracking import tracking_app
 from trnflow.errors import ExitCode
-from trnflow.specs import JobSpec, SpecError
+from trnflow.specs import CATALOGUE, JobSpec, SpecError
 from trnflow.teams import NAME as TEAM_NAME
 
 app = typer.Typer(
@@ -55,6 +55,11 @@ def _extra_command(name: str) -> Callable[..., Any]:
     return found[0].load()
 
 
+QuotaOpt = Annotated[list[str] | None, typer.Option(
+    "--quota", help="Each declared team's quota of an instance type: --quota trn1.32xlarge=2 (repeatable); their "
+    "cloud runs then queue for it on the Prefect server.")]
+
+
 @app.command("mock-aws")
 def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
                      seed_data: bool = typer.Option(True, help="Upload the quickstart's synthetic dataset."),
@@ -65,7 +70,8 @@ def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
                          "image of more than 10 GB takes minutes)."),
                      teams: str = typer.Option("", help="Declare these teams (comma-separated, e.g. search,ads): each "
                                                "gets folders of its own, a signing key and a role to start runs as "
-                                               "(docs/cloud.md, Teams).")) -> None:
+                                               "(docs/cloud.md, Teams)."),
+                     quota: QuotaOpt = None) -> None:
     """Run SageMaker, Batch, S3 and CloudWatch on 127.0.0.1 (moto), with submitted jobs run for real.
     Every instance a job starts is counted and billed from its start, as each service bills: the
     cost table shows both."""
@@ -79,8 +85,18 @@ def mock_aws_command(port: int = typer.Option(5000, help="Port on 127.0.0.1."),
     if bad := [t for t in names if not re.fullmatch(TEAM_NAME, t)]:
         err.print(f"--teams: {', '.join(bad)} cannot name a team (lowercase letters, digits and -)", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
+    quotas = {}
+    for pair in quota or []:
+        kind, _, count = pair.partition("=")
+        if kind not in CATALOGUE or not count.isdigit():
+            err.print(f"--quota {pair}: give an instance type and a count, e.g. trn1.32xlarge=2", **RED)
+            raise typer.Exit(ExitCode.BAD_INPUT)
+        quotas[kind] = int(count)
+    if quotas and not names:
+        err.print("--quota: quotas are the declared teams'; name them with --teams", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
     mock_aws(port=port, seed_data=seed_data, provision_seconds=provision_seconds,
-             image_pull_seconds=image_pull_seconds, teams=names)
+             image_pull_seconds=image_pull_seconds, teams=names, quotas=quotas)
 
 
 @app.command()

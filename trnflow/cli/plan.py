@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from trnflow.backends import queue_wait
+from trnflow.backends import queue_wait, run_team
 from trnflow.backends.calibration import CALIBRATION_STEPS, cache_check, timed_steps
 from trnflow.backends.teams import team_of
 from trnflow.cli.common import JsonOpt, SetOpt, console, err, load, set_overrides
@@ -73,19 +73,28 @@ def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], ov
 
 
 def _queue_note(job: JobSpec, seconds: float) -> tuple[float | None, list[str]]:
-    """A run on this machine's cores: how long it would wait in the machine's queue now (the runs
-    ahead played forward on their forecasts), and a note saying so when any run holds or waits."""
-    if job.compute.backend != "local":
-        return None, []
+    """How long the run would wait in its queue now (the runs ahead played forward on their
+    forecasts), and a note saying so when any run holds or waits: this machine's queue for a local
+    run; for a cloud run, the stack's, when a Prefect server is named (PREFECT_API_URL) to read it on."""
+    local, stack = job.compute.backend == "local", None
+    if not local:
+        from prefect.settings import PREFECT_API_URL  # the Prefect client: only a cloud run's queue needs it
+
+        if not PREFECT_API_URL.value():
+            return None, []
+        # the stack's queue on that server
+        from trnflow.flows._queue import PREFECT_QUEUE
+
+        stack = PREFECT_QUEUE
     try:
-        team = team_of("local", TrnflowSettings())
+        team = team_of("local", TrnflowSettings()) if local else run_team(job)
+        wait, why, found = queue_wait(job, team, seconds, stack)
     except TrnflowError:  # whose run it is cannot be told here: `run` says so before its first job
         return None, []
-    wait, why, found = queue_wait(job, team, seconds)
     if not found:
         return None, []
     held = f"{found} runs hold or wait" if found > 1 else "1 run holds or waits"
-    held += " for this machine's cores"
+    held += " for this machine's cores" if local else f" for the stack's {job.compute.instance_type} instances"
     if wait is None:
         return None, [f"queue: {held}; how long this run would wait cannot be told ({why})"]
     return wait, [f"queue: {held}; this run would wait about {duration(wait)} (their forecasts)"]

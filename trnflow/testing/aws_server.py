@@ -62,11 +62,12 @@ def _stop(signum, frame):
 
 
 def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None, provision_seconds: float = 0.5,
-             image_pull_seconds: float = 0.5, teams: list[str] | None = None) -> None:
+             image_pull_seconds: float = 0.5, teams: list[str] | None = None,
+             quotas: dict[str, int] | None = None) -> None:
     """Run an emulated AWS for the sagemaker and batch backends until Ctrl-C or SIGTERM; the jobs'
     containers keep their files under `work_dir` (default: a temporary folder, removed on exit). A new
     instance takes `provision_seconds` to boot and `image_pull_seconds` to pull the image. With
-    `teams`, the deployment declares them (`provision_teams`), and `<work_dir>/teams/<team>.env`
+    `teams`, the deployment declares them (`provision_teams`, each with `quotas`), and `<work_dir>/teams/<team>.env`
     holds the variables of a session as each team's role."""
     logging.getLogger("werkzeug").setLevel(logging.WARNING)
     endpoint = f"http://127.0.0.1:{port}"
@@ -79,7 +80,7 @@ def mock_aws(port: int, seed_data: bool, work_dir: Path | None = None, provision
     try:
         outputs = provision(cloud.client)
         envs: dict[str, Path] = {}
-        for team, session in provision_teams(cloud.client, teams).items() if teams else ():
+        for team, session in provision_teams(cloud.client, teams, quotas=quotas).items() if teams else ():
             envs[team] = root / "teams" / f"{team}.env"
             envs[team].parent.mkdir(exist_ok=True)
             envs[team].touch(mode=0o600)
