@@ -157,3 +157,18 @@ def test_a_dead_orchestrators_entry_is_dropped(teams):
 
     with get_client(sync_client=True) as client:
         assert client.read_variable_by_name(variable_name(ENTRY, "ghost")) is None
+
+
+def test_a_rerun_takes_the_place_of_its_dead_process_on_this_host_and_never_of_a_live_one(teams):
+    import subprocess
+    import sys
+
+    from trnflow.errors import TransientError
+
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = entry_for("again", "run again", teams.named("a"), "experiment", 10, 1, 5, KIND, "instance", KIND)
+    PREFECT_QUEUE.put(dead.model_copy(update={"pid": int(ended.stdout)}))
+    rerun = _enter(teams, "a", "again", 1)  # its first process died a moment ago: no wait for its heartbeat
+    with pytest.raises(TransientError, match="in the stack's queue already, from process"):
+        _enter(teams, "a", "again", 1)  # this process is alive
+    rerun.release()

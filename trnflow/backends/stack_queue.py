@@ -28,6 +28,8 @@ decision's. This room keeps the queue's logic; the Prefect calls are the flows r
 from __future__ import annotations
 
 import contextlib
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -97,9 +99,11 @@ class StackTicket(Ticket):
         store.ensure_limit(self._limits[0], entry.capacity)
         store.ensure_limit(self._limits[1], team_slots)
         with store.deciding():
-            if any(e.run_id == entry.run_id for e in store.entries()):
-                raise TransientError(f"run {entry.run_id} is in the stack's queue already, from another "
-                                     "process: one process orchestrates a run at a time")
+            there = next((e for e in store.entries() if e.run_id == entry.run_id), None)
+            if there is not None and not _dead_here(there):
+                raise TransientError(f"run {entry.run_id} is in the stack's queue already, from process {there.pid} "
+                                     f"on {there.host}: one process orchestrates a run at a time (an entry whose "
+                                     f"process died is dropped {STALE_SECONDS:.0f} s after its last heartbeat)")
             self._write()
         self._stop = threading.Event()
         self._beating = threading.Thread(target=self._beat, name=f"trnflow-queue-{entry.run_id}", daemon=True)
@@ -134,6 +138,19 @@ class StackTicket(Ticket):
         if self._held is not None:
             give_back, self._held = self._held, None
             give_back()
+
+
+def _dead_here(entry: QueueEntry) -> bool:
+    """Whether `entry`'s process ran on this host and has ended (a rerun of its run takes its place)."""
+    if entry.host != socket.gethostname():
+        return False
+    try:
+        os.kill(entry.pid, 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's live process
+        return False
+    return False
 
 
 _TICKETS: dict[str, StackTicket] = {}
