@@ -5,6 +5,7 @@ global concurrency limits, whose leased slots a dead orchestrator's server frees
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import re
 import time
 from collections.abc import Callable, Iterator
@@ -17,12 +18,14 @@ from prefect.client.schemas.actions import (
     VariableCreate,
     VariableUpdate,
 )
+from prefect.client.schemas.objects import Variable
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
 from pydantic import ValidationError
 
 from trnflow.backends.runqueue import QueueEntry, Spend, YieldRequest
 from trnflow.backends.stack_queue import LEASE_SECONDS, STALE_SECONDS
+from trnflow.errors import TransientError
 
 LOCK = "trnflow-queue"
 """The global concurrency limit of one slot that one decision at a time holds."""
@@ -35,9 +38,29 @@ TAKE_SECONDS = 5.0
 """How long taking a run's slots may wait: the decision has just found them free."""
 
 
+LOCK_SECONDS = 300.0
+"""How long a decision waits for the queue's lock before it says what holds it up."""
+PAGE = 200
+"""Variables read per request (the server's most)."""
+
+
 def variable_name(prefix: str, run_id: str) -> str:
-    """A run's variable: Prefect's names are lowercase letters, digits, `-` and `_`."""
-    return prefix + re.sub(r"[^a-z0-9_-]", "_", run_id.lower())
+    """A run's variable: Prefect's names are lowercase letters, digits, `-` and `_`, so the run id,
+    so written, ends with a digest of it as it is (`Run.1` and `run_1` are two runs)."""
+    digest = hashlib.sha256(run_id.encode()).hexdigest()[:8]
+    return f"{prefix}{re.sub(r'[^a-z0-9_-]', '_', run_id.lower())[:120]}-{digest}"
+
+
+def _named(client: SyncPrefectClient, prefix: str) -> list[Variable]:
+    """Every variable whose name starts with `prefix`, page by page."""
+    found: list[Variable] = []
+    while True:
+        response = client.request("POST", "/variables/filter", json={
+            "variables": {"name": {"like_": f"{prefix}%"}}, "offset": len(found), "limit": PAGE})
+        page = [Variable.model_validate(v) for v in response.json()]
+        found += [v for v in page if v.name.startswith(prefix)]
+        if len(page) < PAGE:
+            return found
 
 
 def _client() -> SyncPrefectClient:
@@ -64,16 +87,24 @@ class PrefectQueue:
     @contextlib.contextmanager
     def deciding(self) -> Iterator[None]:
         self.ensure_limit(LOCK, 1)
-        with concurrency(LOCK, occupy=1, lease_duration=LEASE_SECONDS, strict=True,
-                         raise_on_lease_renewal_failure=False):
+        try:
+            held = concurrency(LOCK, occupy=1, timeout_seconds=LOCK_SECONDS, lease_duration=LEASE_SECONDS,
+                               strict=True, raise_on_lease_renewal_failure=False)
+            held.__enter__()
+        except TimeoutError:
+            raise TransientError(f"the stack's queue's lock (global concurrency limit {LOCK} on the Prefect server) "
+                                 f"was not free for {LOCK_SECONDS:.0f} s: a decider's lease the server lost (its "
+                                 "leases are in its memory unless PREFECT_SERVER_CONCURRENCY_LEASE_STORAGE says "
+                                 "otherwise) holds it; reset the limit's slots in the UI's Concurrency page") from None
+        try:
             yield
+        finally:
+            held.__exit__(None, None, None)
 
     def entries(self) -> list[QueueEntry]:
         found, now = [], time.time()
         with _client() as client:
-            for variable in client.read_variables():
-                if not variable.name.startswith(ENTRY):
-                    continue
+            for variable in _named(client, ENTRY):
                 try:
                     entry = QueueEntry.model_validate(variable.value)
                 except ValidationError:
@@ -86,8 +117,10 @@ class PrefectQueue:
         return found
 
     def put(self, entry: QueueEntry) -> None:
+        own = {entry.team: entry.shares[entry.team]} if entry.team in entry.shares else {}
+        value = entry.model_copy(update={"shares": own})  # every decider reads the others' from its teams file
         with _client() as client:
-            _put(client, variable_name(ENTRY, entry.run_id), entry.model_dump(mode="json"))
+            _put(client, variable_name(ENTRY, entry.run_id), value.model_dump(mode="json"))
 
     def forget(self, run_id: str) -> None:
         with _client() as client:
@@ -124,8 +157,8 @@ class PrefectQueue:
         teams[team] = teams.get(team, 0.0) + usd
         with _client() as client:
             _put(client, SPEND + day, Spend(teams=teams).model_dump(mode="json"))
-            for old in client.read_variables():  # earlier days count no more
-                if old.name.startswith(SPEND) and old.name != SPEND + day:
+            for old in _named(client, SPEND):  # earlier days count no more
+                if old.name != SPEND + day:
                     _forget(client, old.name)
 
     def ensure_limit(self, name: str, limit: int) -> None:
@@ -136,8 +169,8 @@ class PrefectQueue:
                 with contextlib.suppress(ObjectAlreadyExists):  # another orchestrator made it first
                     client.create_global_concurrency_limit(GlobalConcurrencyLimitCreate(name=name, limit=limit))
                 return
-            if found.limit != limit:
-                client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=limit))
+            if found.limit != limit or not found.active:  # an inactive limit would hold nothing
+                client.update_global_concurrency_limit(name, GlobalConcurrencyLimitUpdate(limit=limit, active=True))
 
     def hold(self, names: list[str], slots: int) -> Callable[[], None] | None:
         held = contextlib.ExitStack()

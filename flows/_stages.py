@@ -196,7 +196,7 @@ class StageRunner:
         get_run_logger().warning(note)
         self.notes.append(note)
         running_as(PREEMPTED, note, get_run_logger())
-        self.ticket.requeue()
+        self.ticket.requeue(self.cost().total_usd)  # what it spent so far is its team's spend today
         self._wait_turn()
         running_as("Running", f"admitted again after yielding to {who}", get_run_logger())
         if self.ticket.cores == cores or self.ticket.entry.unit != "core":  # the cloud's next job: new instances

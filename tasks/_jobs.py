@@ -12,8 +12,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
+import httpx
 from prefect import get_run_logger
 from prefect.client.orchestration import get_client
+from prefect.exceptions import PrefectHTTPStatusError
 from prefect.runtime import flow_run
 from prefect.states import Running
 
@@ -329,7 +331,11 @@ def _yield_if_asked(job: _Job, logger: Any) -> None:
     step boundary, where it checkpoints."""
     if job.yielded_to is not None or "train" not in job.request.phases:
         return
-    asked = asked_to_yield(job.request.run_id)
+    try:
+        asked = asked_to_yield(job.request.run_id)
+    except (httpx.HTTPError, PrefectHTTPStatusError, TrnflowError) as exc:  # the stack's queue did not answer
+        logger.warning("whether this run is asked to yield could not be read (%s); asked again at the next look", exc)
+        return
     if asked is None:
         return
     logger.warning("this run yields its cores to %s (%s): training stops at its next step boundary, checkpointed",

@@ -275,9 +275,12 @@ def test_a_job_on_fewer_cores_than_its_run_holds_stays_on_them_off_a_bad_one(mak
     ticket.release()
 
 
-def test_a_runs_cost_counts_toward_its_teams_spend_today_and_a_run_past_it_waits(tmp_path):
-    from trnflow.backends.runqueue import today
+def test_a_runs_cost_counts_toward_its_teams_spend_today_and_a_run_past_it_waits(tmp_path, monkeypatch):
+    from trnflow.backends import runqueue
     from trnflow.teams import UNDECLARED
+
+    monkeypatch.setattr(runqueue, "today", lambda: "2026-12-06")  # one day, whenever the test runs
+    today = runqueue.today
 
     frugal = UNDECLARED.model_copy(update={"daily_spend_usd": 10.0})
     first = machine.enter("s1", "run s1", frugal, "experiment", 10, 2, 8, busy=lambda c: False, cost_usd=6.0)
@@ -291,3 +294,11 @@ def test_a_runs_cost_counts_toward_its_teams_spend_today_and_a_run_past_it_waits
     assert second.entry.state == "waiting" and "$7.50 of $10.00" in second.entry.reason
     second.release()
     assert (machine.queue_dir() / f"spend-{today()}.day").is_file()
+
+    third = machine.enter("s3", "run s3", frugal, "experiment", 10, 2, 8, busy=lambda c: False, cost_usd=2.0)
+    third.wait(print, poll_seconds=0)
+    third.requeue(cost_usd=1.5)  # it yielded: what it spent so far counts now, its forecast holds the rest
+    assert machine.FILES.spent(today()) == {UNDECLARED.name: 9.0} and third.entry.cost_usd == 0.5
+    third.wait(print, poll_seconds=0)
+    third.release(cost_usd=2.25)  # only what it spent since
+    assert machine.FILES.spent(today()) == {UNDECLARED.name: 9.75}

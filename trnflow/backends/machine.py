@@ -159,7 +159,10 @@ class MachineTicket(Ticket):
     def _remove(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
-        os.close(self._fd)
+
+    def _close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self._fd)
         _TICKETS.pop(self.entry.run_id, None)
 
     def _take(self, holding: list[QueueEntry]) -> tuple[list[int] | None, str]:

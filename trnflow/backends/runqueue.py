@@ -144,9 +144,10 @@ def entry_for(run_id: str, label: str, team: Team, priority_class: str, priority
                       host=socket.gethostname(), beat=now)
 
 
-def pool_of(found: list[QueueEntry]) -> Pool:
-    """The entries' pool: its size (the most any entry knows), each team's share as the entries carry them."""
-    shares = {team: Share(**share) for e in found for team, share in e.shares.items()}
+def pool_of(found: list[QueueEntry], known: dict[str, dict] | None = None) -> Pool:
+    """The entries' pool: its size (the most any entry knows), each team's share as the entries carry
+    them and, over those, as `known` (the deciding process's teams file) says."""
+    shares = {team: Share(**share) for e in found for team, share in {**e.shares, **(known or {})}.items()}
     return Pool(found[0].pool, found[0].unit, max(e.capacity for e in found), shares)
 
 
@@ -159,11 +160,25 @@ def usage_of(found: list[QueueEntry], now: float) -> dict[str, float]:
 
 
 def ordered(found: list[QueueEntry]) -> list[QueueEntry]:
-    """Holders first (the earliest admitted first), then waiting runs in their turn."""
-    holding = sorted((e for e in found if e.state == "holding"), key=lambda e: e.admitted or 0.0)
-    waiting = sorted((e for e in found if e.state == "waiting"),
-                     key=lambda e: (e.place is None, e.place or 0, -e.priority, e.arrived))
-    return holding + waiting
+    """Pool by pool: holders first (the earliest admitted first), then waiting runs in their turn."""
+    listed = []
+    for pool in sorted({e.pool for e in found}):
+        holding = sorted((e for e in found if e.pool == pool and e.state == "holding"), key=lambda e: e.admitted or 0.0)
+        waiting = sorted((e for e in found if e.pool == pool and e.state == "waiting"),
+                         key=lambda e: (e.place is None, e.place or 0, -e.priority, e.arrived))
+        listed += holding + waiting
+    return listed
+
+
+def spent_elsewhere(found: list[QueueEntry], pool: str, recorded: dict[str, float]) -> dict[str, float]:
+    """Each team's spend today as a decision over `pool` counts it: what its ended runs cost
+    (`recorded`), and the forecasts of its runs holding other pools (this pool's holders are the
+    decision's to count)."""
+    spent = dict(recorded)
+    for e in found:
+        if e.pool != pool and e.state == "holding" and e.cost_usd:
+            spent[e.team] = spent.get(e.team, 0.0) + e.cost_usd
+    return spent
 
 
 class Ticket:
@@ -176,12 +191,21 @@ class Ticket:
     def __init__(self, entry: QueueEntry, store: QueueStore):
         self.entry = entry
         self.store = store
+        self.shares = dict(entry.shares)
+        """Every team's share as this process's teams file says (an entry may carry its own team's only)."""
+        self._forecast_cost = entry.cost_usd
+        self._recorded = 0.0
+        """What this run's spend so far has put in its team's day (a run that yielded is counted then)."""
 
     def _write(self) -> None:
         raise NotImplementedError
 
     def _remove(self) -> None:
+        """Remove the run's entry. Under the queue's lock."""
         raise NotImplementedError
+
+    def _close(self) -> None:
+        """Let go of what keeps the entry alive (its lock, its heartbeat), however `release` went."""
 
     def _take(self, holding: list[QueueEntry]) -> tuple[list[int] | None, str]:
         """Take the units the decision admits it to: the cores it is placed on ([] where units are not
@@ -204,13 +228,15 @@ class Ticket:
         otherwise its reason and place are brought up to date. Runs the decision asks to yield are
         asked (`YieldRequest`)."""
         with self.store.deciding():
-            found = [e for e in self.store.entries() if e.run_id != self.entry.run_id] + [self.entry]
+            everyone = [e for e in self.store.entries() if e.run_id != self.entry.run_id]
+            found = [e for e in everyone if e.pool == self.entry.pool] + [self.entry]  # one pool per decision
             holding = [e for e in found if e.state == "holding"]
             waiting = [e for e in found if e.state == "waiting"]
             asked = {e.run_id: r.to for e in holding if (r := _asked(self.store, e.run_id, found)) is not None}
             claims = [replace(e.claim(), yielding=asked.get(e.run_id)) for e in holding]
-            decision = decide(pool_of(found), claims, [e.claim() for e in waiting], usage_of(found, time.time()),
-                              spent=self.store.spent(today()))
+            spent = spent_elsewhere(everyone, self.entry.pool, self.store.spent(today()))
+            decision = decide(pool_of(found, self.shares), claims, [e.claim() for e in waiting],
+                              usage_of(found, time.time()), spent=spent)
             for victim, to in decision.preempt.items():
                 if to == self.entry.run_id and victim not in asked:
                     self.store.ask(victim, YieldRequest(to=to, label=self.entry.label, asked=time.time(),
@@ -252,22 +278,36 @@ class Ticket:
             self._update(preemptible=False)
             self.store.drop_request(self.entry.run_id)
 
-    def requeue(self) -> None:
-        """After yielding: back in the queue, at its first arrival, one preemption more."""
+    def _spend(self, cost_usd: float | None) -> None:
+        """Put what the run has cost so far (`cost_usd`, its whole cost table) in its team's day, less
+        what was put there before. Under the queue's lock."""
+        more = (cost_usd or 0.0) - self._recorded
+        if more > 0:
+            self.store.add_spend(self.entry.team, today(), more)
+            self._recorded += more
+
+    def requeue(self, cost_usd: float | None = None) -> None:
+        """After yielding: back in the queue, at its first arrival, one preemption more. `cost_usd`:
+        what the run has cost so far, in its team's spend now (its forecast holds only what is left)."""
         with self.store.deciding():
             self._give_back()
-            self._update(state="waiting", cores=[], admitted=None, preemptions=self.entry.preemptions + 1)
+            self._spend(cost_usd)
+            left = None if self._forecast_cost is None else max(0.0, self._forecast_cost - self._recorded)
+            self._update(state="waiting", cores=[], admitted=None, preemptions=self.entry.preemptions + 1,
+                         cost_usd=left)
             self.store.drop_request(self.entry.run_id)
 
     def release(self, cost_usd: float | None = None) -> None:
-        """Leave the queue: what it held is free for the next run. `cost_usd`: what the run cost, its
-        team's spend today."""
-        with self.store.deciding():
-            if cost_usd:
-                self.store.add_spend(self.entry.team, today(), cost_usd)
+        """Leave the queue: what it held is free for the next run, whatever fails on the way.
+        `cost_usd`: what the run cost, in its team's spend today."""
+        try:
+            with self.store.deciding():
+                self._spend(cost_usd)
+                self._remove()
+                self.store.drop_request(self.entry.run_id)
+        finally:
             self._give_back()
-            self._remove()
-            self.store.drop_request(self.entry.run_id)
+            self._close()
 
 
 def _asked(store: QueueStore, run_id: str, found: list[QueueEntry]) -> YieldRequest | None:
@@ -282,11 +322,13 @@ def _asked(store: QueueStore, run_id: str, found: list[QueueEntry]) -> YieldRequ
     return None
 
 
-def expected_wait(newcomer: QueueEntry, found: list[QueueEntry], now: float | None = None) -> tuple[float | None, str]:
+def expected_wait(newcomer: QueueEntry, found: list[QueueEntry], now: float | None = None,
+                  spent: dict[str, float] | None = None) -> tuple[float | None, str]:
     """How long `newcomer`, entering the queue now, would wait: the queue played forward through
     `decide`, each run ahead taking its forecast (`expected_s`) once admitted. None, with the reason,
-    when a run ahead has no forecast. Preemptions are not played: a higher class that would preempt
-    waits here as if it did not."""
+    when a run ahead has no forecast. `spent`: each team's spend today (a run its team's daily
+    spend stops waits for good here: the next day is not played). Preemptions are not played: a
+    higher class that would preempt waits here as if it did not."""
     now = time.time() if now is None else now
     ends = {e.run_id: (e.admitted or now) + (e.expected_s or 0.0) for e in found if e.state == "holding"}
     waiting = {e.run_id: e for e in found if e.state == "waiting"} | {newcomer.run_id: newcomer}
@@ -295,8 +337,8 @@ def expected_wait(newcomer: QueueEntry, found: list[QueueEntry], now: float | No
     clock = now
     while True:
         everyone = [*holding.values(), *waiting.values()]
-        decision = decide(pool_of(everyone), [e.claim() for e in holding.values()],
-                          [e.claim() for e in waiting.values()], usage_of(everyone, clock))
+        decision = decide(pool_of(everyone, newcomer.shares), [e.claim() for e in holding.values()],
+                          [e.claim() for e in waiting.values()], usage_of(everyone, clock), spent=spent)
         for run_id in decision.admitted:
             admitted = waiting.pop(run_id)
             if run_id == newcomer.run_id:

@@ -93,7 +93,7 @@ class StackTicket(Ticket):
     def __init__(self, entry: QueueEntry, team_slots: int, store: StackStore):
         super().__init__(entry, store)
         self.server = store
-        self._mutex = threading.Lock()
+        self._mutex = threading.RLock()  # the heartbeat writes the entry too: one change at a time
         self._held: Callable[[], None] | None = None
         self._limits = [pool_limit(entry.pool), team_limit(entry.team, entry.pool)]
         store.ensure_limit(self._limits[0], entry.capacity)
@@ -114,15 +114,23 @@ class StackTicket(Ticket):
             self.entry = self.entry.model_copy(update={"beat": time.time()})
             self.server.put(self.entry)
 
+    def _update(self, **fields) -> None:
+        with self._mutex:
+            super()._update(**fields)
+
     def _beat(self) -> None:
         while not self._stop.wait(BEAT_SECONDS):
             with contextlib.suppress(Exception):  # a beat missed is tried again; one silent STALE_SECONDS is dropped
                 self._write()
 
     def _remove(self) -> None:
-        self._stop.set()
-        self._beating.join()
+        self._close()
         self.server.forget(self.entry.run_id)
+
+    def _close(self) -> None:
+        self._stop.set()
+        if self._beating.is_alive() and self._beating is not threading.current_thread():
+            self._beating.join()
         _TICKETS.pop(self.entry.run_id, None)
 
     def _take(self, holding: list[QueueEntry]) -> tuple[list[int] | None, str]:
@@ -161,12 +169,19 @@ def ticket(run_id: str) -> StackTicket | None:
     return _TICKETS.get(run_id)
 
 
+UNLIMITED = 1_000_000
+"""The capacity of a type nothing but teams' daily spend limits."""
+
+
 def limited(spec: JobSpec, teams: Teams | None) -> int | None:
     """The stack's capacity of the spec's instance type when a cloud run of it must queue (its
-    teams file limits the type); None when nothing does."""
+    teams file limits the type, or a team's daily spend); None when nothing does."""
     if spec.compute.backend == "local" or teams is None:
         return None
-    return capacity_of(teams, spec.compute.instance_type)
+    capacity = capacity_of(teams, spec.compute.instance_type)
+    if capacity is None and any(t.daily_spend_usd is not None for t in teams.teams):
+        return UNLIMITED
+    return capacity
 
 
 def newcomer(spec: JobSpec, run_id: str, label: str, team: Team, priority_class: str, priority: int,

@@ -91,6 +91,8 @@ def _queue_note(job: JobSpec, seconds: float) -> tuple[float | None, list[str]]:
         wait, why, found = queue_wait(job, team, seconds, stack)
     except TrnflowError:  # whose run it is cannot be told here: `run` says so before its first job
         return None, []
+    except Exception as exc:  # the stack's server did not answer: the forecast stands without it
+        return None, [f"queue: the stack's queue could not be read ({type(exc).__name__}: {exc})"]
     if not found:
         return None, []
     held = f"{found} runs hold or wait" if found > 1 else "1 run holds or waits"

@@ -14,7 +14,9 @@ from rich.text import Text
 
 from trnflow.backends import machine
 from trnflow.backends.runqueue import QueueEntry, ordered
-from trnflow.cli.common import JsonOpt, console
+from trnflow.cli.common import JsonOpt, console, err
+from trnflow.cli.console import RED
+from trnflow.errors import ExitCode, TrnflowError
 from trnflow.neuron.launch import format_cores
 
 StackOpt = Annotated[bool, typer.Option("--stack", help="The stack's queue of cloud runs, on the Prefect server "
@@ -22,14 +24,24 @@ StackOpt = Annotated[bool, typer.Option("--stack", help="The stack's queue of cl
 
 
 def _stack() -> tuple[list[QueueEntry], dict[str, tuple[int, int]], str]:
-    from prefect.settings import PREFECT_API_URL  # the Prefect client: only the stack's queue needs it
+    import httpx  # the Prefect client: only the stack's queue needs it
+    from prefect.settings import PREFECT_API_URL
 
     # the stack's queue on the Prefect server: only --stack reads it
     from trnflow.flows._queue import PREFECT_QUEUE
 
-    with PREFECT_QUEUE.deciding():
-        found = PREFECT_QUEUE.entries()
-    return found, PREFECT_QUEUE.limits(), PREFECT_API_URL.value() or "Prefect's ephemeral server"
+    url = PREFECT_API_URL.value()
+    if not url:
+        err.print("--stack: the stack's queue is on the Prefect server its orchestrators share; set PREFECT_API_URL "
+                  "to it", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT)
+    try:
+        with PREFECT_QUEUE.deciding():
+            found = PREFECT_QUEUE.entries()
+        return found, PREFECT_QUEUE.limits(), url
+    except (httpx.HTTPError, TrnflowError) as exc:
+        err.print(f"--stack: the Prefect server {url} did not answer ({exc})", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
 
 
 def queue(as_json: JsonOpt = False, stack: StackOpt = False):

@@ -7,6 +7,7 @@ import json
 from typing import Annotated
 
 import typer
+from botocore.exceptions import BotoCoreError, ClientError
 from rich.table import Table
 
 from trnflow.backends import fair_share
@@ -65,14 +66,18 @@ def shares(apply: ApplyOpt = False, as_json: JsonOpt = False):
     try:
         arn = fair_share.policy_of(queue)
         now, rest = fair_share.current(arn)
+        wanted = fair_share.wanted(teams, now)
+        same = [(s.identifier, s.weight_factor) for s in wanted] == [(s.identifier, s.weight_factor) for s in now]
+        if apply and not same:
+            fair_share.apply(arn, wanted, rest)
     except FatalError as exc:
         err.print(str(exc), **RED)
         raise typer.Exit(ExitCode.BAD_INPUT) from None
-    wanted = fair_share.wanted(teams, now)
+    except (BotoCoreError, ClientError) as exc:
+        err.print(f"Batch refused: {exc}; the operators' role needs batch:DescribeJobQueues, "
+                  "batch:DescribeSchedulingPolicies and batch:UpdateSchedulingPolicy", **RED)
+        raise typer.Exit(ExitCode.BAD_INPUT) from None
     unshared = [t.name for t in teams.teams if not t.share_identifier]
-    same = [(s.identifier, s.weight_factor) for s in wanted] == [(s.identifier, s.weight_factor) for s in now]
-    if apply and not same:
-        fair_share.apply(arn, wanted, rest)
     if as_json:
         print(json.dumps({"policy": arn, "current": [s.model_dump() for s in now],
                           "wanted": [s.model_dump() for s in wanted], "applied": apply and not same,
