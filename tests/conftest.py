@@ -49,11 +49,11 @@ def pytest_configure(config):
 # workers (`--dist loadfile`, in this order), so these start first and the run ends on short ones,
 # not with one worker busy on a long file while the other has nothing left.
 LONGEST_FILES = ("test_make_targets.py", "test_tensor_parallel.py", "test_cloud_nodes.py", "test_prefect_server.py",
-                 "test_cloud_batch.py", "test_serving.py", "test_image_install.py", "test_causal_lm.py",
-                 "test_cloud_sagemaker.py", "test_recipe_pipelines.py", "test_lora.py", "test_cloud_sharded.py",
-                 "test_tracking.py", "test_forecast.py", "test_pipeline.py", "test_sharded.py", "test_fault_matrix.py",
-                 "test_faults.py", "test_inference.py", "test_fault_matrix_sharded.py", "test_mock_aws_docs.py",
-                 "test_readme.py")
+                 "test_cloud_batch.py", "test_queue.py", "test_serving.py", "test_image_install.py",
+                 "test_causal_lm.py", "test_cloud_sagemaker.py", "test_recipe_pipelines.py", "test_stack_queue.py",
+                 "test_lora.py", "test_cloud_sharded.py", "test_tracking.py", "test_forecast.py", "test_pipeline.py",
+                 "test_sharded.py", "test_fault_matrix.py", "test_faults.py", "test_inference.py",
+                 "test_fault_matrix_sharded.py", "test_mock_aws_docs.py", "test_readme.py")
 
 
 def pytest_collection_modifyitems(items):
