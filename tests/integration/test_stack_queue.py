@@ -63,7 +63,7 @@ class Watch:
                     held[e.team] = held.get(e.team, 0) + e.units
             self.seen.append(held)
             self.limits.append(PREFECT_QUEUE.limits())
-            time.sleep(0.05)
+            time.sleep(0.5)  # each look takes the queue's lock: the runs' own looks go first
 
     def stop(self) -> None:
         self._stop.set()
