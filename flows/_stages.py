@@ -107,10 +107,10 @@ class StageRunner:
         """How often it gave up its cores to a higher-priority run."""
         self._reason = ""
 
-    def __call__(self, name: str, task, *args, spec: JobSpec | None = None, **kwargs) -> StageResult:
-        """Run stage `name`'s task on the run's spec (or `spec`, the run's as that stage's job takes it)."""
+    def __call__(self, name: str, task, *args, **kwargs) -> StageResult:
+        """Run stage `name`'s task on the run's spec, as its user wrote it."""
         began = time.monotonic()
-        state = task.with_options(**self._options)(spec or self.spec, self.run_id, *args, return_state=True,
+        state = task.with_options(**self._options)(self.spec, self.run_id, *args, return_state=True,
                                                    **kwargs)
         seconds = time.monotonic() - began
         billed = self.ledger.new_entries()  # every job the stage ran, its retries' included
@@ -242,21 +242,21 @@ class StageRunner:
             get_run_logger().warning(note)
             self.notes.append(note)
 
-    def training_spec(self) -> JobSpec:
-        """The spec the training job takes: its `train.max_cost_usd` what the run's budget leaves for
-        training (`training_budget`). OverBudget when that is nothing."""
+    def training_budget(self) -> float | None:
+        """What the training job may cost (`training_budget`: what the run's budget leaves for it, or
+        the spec's train.max_cost_usd), given to its job as its budget: the spec stays as written.
+        None: no limit. OverBudget when nothing is left."""
         spent = self.cost().total_usd or 0.0
         allowance, basis = training_budget(self.spec, self.forecast, spent)
         if allowance is None:
-            return self.spec
+            return None
         if allowance <= 0:
             error = OverBudget(f"nothing is left of the budget for training: {basis}; rerun with the same run id "
                                "and a higher compute.max_cost_usd")
             self.rows.append(StageRow(stage="train", state="Failed", seconds=0.0, summary=str(error)))
             raise PipelineFailed("train", error, self.rows)
         get_run_logger().info(f"budget: training may cost ${allowance:.4f} ({basis})")
-        train = self.spec.train.model_copy(update={"max_cost_usd": allowance})
-        return self.spec.model_copy(update={"train": train})
+        return allowance
 
     def bill(self, name: str) -> None:
         """Cost the jobs recorded since the last stage ended (a job let go after it) as `name`'s."""
@@ -379,12 +379,12 @@ def through_training(stage: StageRunner, later: tuple[str, ...], retraining: boo
         if stage.asked_to_yield():
             cores = stage.requeue(cores, "before compiling")
         stage("compile", compile_graphs, cores, team=stage.team)
-        training, mark = stage.training_spec(), stage.ledger.read_up_to  # one budget, however often it yields
+        budget, mark = stage.training_budget(), stage.ledger.read_up_to  # one budget, however often it yields
         while True:  # a run asked to yield gives up its cores at a step boundary, and resumes from there
             if stage.asked_to_yield():
                 cores = stage.requeue(cores, "before training")
             try:
-                trained = stage("train", train_model, cores, spec=training, ledger_mark=mark, team=stage.team)
+                trained = stage("train", train_model, cores, ledger_mark=mark, budget_usd=budget, team=stage.team)
                 break
             except PipelineFailed as exc:
                 if not isinstance(exc.cause, Preempted):

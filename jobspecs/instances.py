@@ -159,6 +159,12 @@ PRICES: dict[tuple[str, str], Price] = {
 }
 
 
+def instance_cost(price_per_hour: float, nodes: int, seconds: float) -> float:
+    """US dollars for `nodes` instances at `price_per_hour` each, held for `seconds`: the one pricing
+    formula, the cost table's and a training job's budget check's."""
+    return price_per_hour * nodes * seconds / 3600
+
+
 def price(service: str, name: str) -> Price | None:
     """The on-demand price `service` bills for instance type `name`; None where no reliable
     figure is known (the cost table then says so, and `compute.price_per_hour` can give one)."""

@@ -555,8 +555,9 @@ class TrainSpec(Section):
         None, gt=0, le=10_000_000,
         description="The most the training stage may cost (USD, at the cost table's prices). Checked at each logged "
         "step: the cost spent since training started plus the forecast for the steps left; training that would "
-        "exceed it checkpoints and stops (OverBudget). The run sets it from compute.max_cost_usd, less what the run "
-        "spent before training and the forecast of the stages after it; set it yourself to bound training alone.",
+        "exceed it checkpoints and stops (OverBudget). With compute.max_cost_usd, training's job gets the less of "
+        "this and what the run's budget leaves (less what the run spent before training and the forecast of the "
+        "stages after it); the spec keeps what was written. Set it to bound training alone.",
     )
     checkpoint_every: int = Field(100, ge=1, le=MAX_STEPS, description="Save a checkpoint every this many steps.")
     checkpoint_url: Url = Field(description="Where checkpoints are written: a directory or s3:// URL.")

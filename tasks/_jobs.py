@@ -159,7 +159,7 @@ that did not pass it never trains (a retry's new instances included)."""
 def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = None,
             checkpoint: str | None = None, cores: list[int] | None = None,
             exclude_cores: set[int] | None = None, keep_for: tuple[str, ...] = (),
-            team: Team | None = None) -> StageResult:
+            team: Team | None = None, budget_usd: float | None = None) -> StageResult:
     """Submit one phase, stream its log into the task's log, and return rank 0's result, typed, with
     the cores it ran on (`cores`) and where it ran (`ran_on`). A job that found no capacity for its
     instance type is submitted again for the next of compute.instance_preferences, where the backend
@@ -169,12 +169,13 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
     phases to run next on the same instances: the job runs them too, each waiting until `run_job`
     is called for it, and this returns as soon as `phase` has ended. Training there runs the
     preflight first on its own instances unless a kept job is waiting for it. The job is `team`'s:
-    the run's, decided once before its first job (None: decided here)."""
+    the run's, decided once before its first job (None: decided here). `budget_usd`: what training
+    may cost (`JobRequest.budget_usd`), given to a kept job with its word."""
     kept = _KEPT.get(run_id)
     if kept is not None and phase in kept.request.phases[1:]:
         del _KEPT[run_id]
         if _usable(kept):
-            return _go_on(kept, phase)
+            return _go_on(kept, phase, budget_usd)
         get_run_logger().warning("job %s ended, or waited too long for %s; new instances pass the preflight first",
                                  kept.job_id, phase)
         release(kept, "it waited too long for its word")  # billed
@@ -187,7 +188,8 @@ def run_job(spec: JobSpec, phase: str, run_id: str, *, processes: int | None = N
         chain = (phase, *keep_for) if keep_for else ("sanity", phase) if phase in PREFLIGHT_FIRST else chain
     choices = [spec] if backend.picks_instance_type else [spec.on_instance(t) for t in spec.compute.instance_choices]
     request = JobRequest(spec, "+".join(chain), run_id, processes=processes, checkpoint=checkpoint,
-                         cores=tuple(cores) if cores else None, exclude_cores=frozenset(exclude_cores or ()))
+                         cores=tuple(cores) if cores else None, exclude_cores=frozenset(exclude_cores or ()),
+                         budget_usd=budget_usd)
     for following, choice in zip([*choices[1:], None], choices, strict=True):
         try:
             return _run(backend, replace(request, spec=choice), phase)
@@ -223,7 +225,7 @@ def _run(backend: Backend, request: JobRequest, phase: str) -> StageResult:
                 return _where(ended, job, info)
         else:
             if len(request.phases) > 1:  # nothing to wait for before `phase`: it starts after the preflight
-                proceed(job.outputs, Proceed(phase=phase, go=True))
+                proceed(job.outputs, Proceed(phase=phase, go=True, budget_usd=request.budget_usd))
             info = _follow(job, None)[0]
     return _finish(job, info)
 
@@ -246,11 +248,12 @@ def _usable(job: _Job) -> bool:
     return bool(ended) and time.time() - ended[-1].modified < proceed_wait_seconds(spec) - WORD_MARGIN_SECONDS
 
 
-def _go_on(job: _Job, phase: str) -> StageResult:
-    """Start `phase` in the kept job (its nodes wait for the word), and follow it to the end."""
+def _go_on(job: _Job, phase: str, budget_usd: float | None) -> StageResult:
+    """Start `phase` in the kept job (its nodes wait for the word), with its budget, and follow it
+    to the end."""
     get_run_logger().info("%s starts in job %s, on the instances that passed the preflight", phase, job.job_id)
     with _released_on_error(job):
-        proceed(job.outputs, Proceed(phase=phase, go=True))
+        proceed(job.outputs, Proceed(phase=phase, go=True, budget_usd=budget_usd))
         info = _follow(job, None)[0]
     return _finish(job, info)
 

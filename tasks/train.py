@@ -55,37 +55,38 @@ def _on_the_cores_left(spec: JobSpec, avoid: set[int], logger) -> JobSpec:
     return fewer
 
 
-def _budget_left(spec: JobSpec, run_id: str, ledger_mark: int, logger) -> JobSpec:
-    """`spec` with `train.max_cost_usd` less what this stage's earlier attempts cost (the jobs the
-    run's ledger recorded after `ledger_mark`): each attempt's own clock starts at zero, the budget
-    does not. OverBudget when nothing is left."""
+def _budget_left(spec: JobSpec, budget_usd: float | None, run_id: str, ledger_mark: int, logger) -> float | None:
+    """What this attempt may cost: the stage's `budget_usd` less what its earlier attempts cost (the
+    jobs the run's ledger recorded after `ledger_mark`); each attempt's own clock starts at zero,
+    the budget does not. OverBudget when nothing is left."""
+    if budget_usd is None:
+        return None
     billed = JobLedger(TrnflowSettings().home, run_id, start=ledger_mark).new_entries()
-    cap = spec.train.max_cost_usd
-    spent = stage_cost(spec, "train", billed).cost_usd if billed and cap is not None else None
-    if cap is None or not spent:
-        return spec
-    left = round(cap - spent, 4)
+    spent = stage_cost(spec, "train", billed).cost_usd if billed else None
+    if not spent:
+        return budget_usd
+    left = round(budget_usd - spent, 4)
     if left <= 0:
-        raise OverBudget(f"training's earlier attempts cost ${spent:.4f} of its budget of ${cap:.4f} "
-                         "(train.max_cost_usd): nothing is left; rerun with the same run id and a higher budget")
+        raise OverBudget(f"training's earlier attempts cost ${spent:.4f} of its budget of ${budget_usd:.4f}: "
+                         "nothing is left; rerun with the same run id and a higher budget")
     logger.info("budget: this attempt may cost $%.4f (earlier attempts cost $%.4f)", left, spent)
-    return spec.model_copy(update={"train": spec.train.model_copy(update={"max_cost_usd": left})})
+    return left
 
 
 @task(name="train", cache_policy=NO_CACHE)
-def train_model(spec: JobSpec, run_id: str, cores: list[int], ledger_mark: int = 0, *, team: Team | None = None
-                ) -> TrainResult | State:
+def train_model(spec: JobSpec, run_id: str, cores: list[int], ledger_mark: int = 0, budget_usd: float | None = None,
+                *, team: Team | None = None) -> TrainResult | State:
     """Train on every core with DDP. A retry of the same run resumes from its newest checkpoint;
-    its budget (`train.max_cost_usd`) is what the attempts before it left (`ledger_mark`: where the
-    run's ledger stood when the stage began). Its jobs are `team`'s (`StageRunner.team`; None:
-    decided here).
+    its budget is what the attempts before it left of `budget_usd` (the run's allowance for
+    training, `training_budget`; None: no limit; `ledger_mark`: where the run's ledger stood when
+    the stage began). Its jobs are `team`'s (`StageRunner.team`; None: decided here).
 
     Returns:
         The train result; `checkpoint` is the URL of the final checkpoint. With no new data
         (`data.window: since-watermark`) the task ends Completed, named Skipped.
     """
     logger = get_run_logger()
-    spec = _budget_left(spec, run_id, ledger_mark, logger)
+    budget = _budget_left(spec, budget_usd, run_id, ledger_mark, logger)
     avoid = bad_cores(run_id)
     placement: dict = {"cores": cores}
     attempt = spec
@@ -95,7 +96,7 @@ def train_model(spec: JobSpec, run_id: str, cores: list[int], ledger_mark: int =
                        sorted(avoid))
         attempt = _on_the_cores_left(spec, avoid, logger)
     try:
-        result = run_job(attempt, "train", run_id, **placement, team=team)
+        result = run_job(attempt, "train", run_id, **placement, team=team, budget_usd=budget)
     except HardwareError as exc:
         atomic_write_json(_bad_cores_file(run_id), sorted(avoid | set(exc.bad_cores)))
         raise

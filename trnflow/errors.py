@@ -141,7 +141,8 @@ class ChampionKept(GateDecision):
 
 class OverBudget(FatalError):
     """Training stopped at a step boundary, checkpointed, because the cost spent plus the forecast for
-    the steps left would exceed its budget (`train.max_cost_usd`, set from `compute.max_cost_usd`).
+    the steps left would exceed its budget (the job's `--budget-usd`: `train.max_cost_usd`, or what
+    `compute.max_cost_usd` leaves for training).
     Not retried: the run ends in a state of this name; rerunning it with the same run id and a higher
     budget resumes from that checkpoint."""
 

@@ -86,6 +86,8 @@ class Proceed(_Model):
     phase: str = Field(description="the phase this is about")
     go: bool = Field(description="True: start it; False: end the job")
     reason: str = Field("", description="why not, when not")
+    budget_usd: float | None = Field(None, ge=0, description="training: what it may cost, in US dollars at on-demand "
+                                     "prices, as the orchestrator reckons it now (None: no limit)")
 
 
 class StageResult(_Model):

@@ -2,6 +2,7 @@
 contract: the pipeline through a lost host and a timeout, capacity, spot notices, fair share and
 the retry strategy as the service reads them back."""
 
+import json
 import time
 
 import pytest
@@ -25,7 +26,8 @@ def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
     faults = [ServiceFault("batch", "train", HOST_LOST, when="checkpoint")]
     began = time.time() * 1000
     with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, faults) as (_, bucket):
-        spec = cloud_spec(make_spec, bucket, "batch", faults=[{"kind": "timeout", "core": 0, "step": 25}])
+        spec = cloud_spec(make_spec, bucket, "batch", faults=[{"kind": "timeout", "core": 0, "step": 25}],
+                          compute={"max_cost_usd": 1000.0})  # a budget training's kept job gets with its word
         state = pipeline(spec, return_state=True)
         outcome = state.result(raise_on_failure=False)
         assert state.is_completed(), outcome
@@ -54,6 +56,9 @@ def test_the_pipeline_on_batch_two_nodes_survives_a_lost_host(
             (HOST_LOST, None), ("Essential container in task exited", 75), ("Essential container in task exited", 0)]
         assert train["nodeProperties"]["numNodes"] == 2
         assert results["train"]["start_step"] == 20
+        said, _ = _batch_backend().logs(train["jobId"], 0)  # the last attempt's stream: its budget, never the spec's
+        budget = next(json.loads(line[line.index("{"):]) for line in said.splitlines() if '"event": "budget"' in line)
+        assert 999 < budget["usd"] < 1000 and spec.train.max_cost_usd is None
         # issue 54: each job ran as a role made for it, named in a definition of its own; both are gone
         definitions = batch.describe_job_definitions(jobDefinitions=[j["jobDefinition"] for j in described])
         roles = {d["nodeProperties"]["nodeRangeProperties"][0]["container"]["jobRoleArn"]

@@ -81,7 +81,8 @@ def test_a_budget_stops_training_checkpointed_a_deadline_warns_early_and_a_highe
     assert stopped.name == "OverBudget", stopped.message
     failure = stopped.result(raise_on_failure=False)
     assert failure.stage == "train" and isinstance(failure.cause, OverBudget)
-    assert "over its budget of $0.0100 (train.max_cost_usd): training stopped after step 10" in str(failure.cause)
+    assert "over its budget of $0.0100 (train.max_cost_usd, or what compute.max_cost_usd leaves for training): " \
+        "training stopped after step 10" in str(failure.cause)
     run_dir = tmp_path / "checkpoints" / "budget"
     assert (run_dir / step_name(10) / "meta.json").is_file()  # checkpointed where it stopped
     with get_client(sync_client=True) as client:

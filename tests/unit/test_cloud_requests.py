@@ -693,3 +693,27 @@ def test_the_jobs_contract_is_written_and_read_back_by_one_model(in_process_aws)
         JobEnv.from_env({**env, JobEnv.var("nproc_per_node"): "two"})
     assert JobOutputs.NODE_FAILURE.fullmatch(JobOutputs.node_failure(3)).group(1) == "3"
     assert JobOutputs.host(2, 1) == "hosts/attempt2/node1.json" and JobOutputs.proceed("train") == "proceed-train.json"
+
+
+def test_trainings_budget_travels_in_the_request_never_in_the_spec(tmp_path):
+    from trnflow.backends.container import _budget
+    from trnflow.neuron.launch import launch_command
+    from trnflow.workload.__main__ import _parse
+
+    spec = _spec(itype="trn1.32xlarge")
+    body = build_training_job_request(JobRequest(spec, "train", "r4", budget_usd=1.2345), TARGET)
+    assert body["Environment"]["TRNFLOW_BUDGET_USD"] == "1.2345" and spec.train.max_cost_usd is None
+    unlimited = build_training_job_request(JobRequest(spec, "train", "r4"), TARGET)
+    assert "TRNFLOW_BUDGET_USD" not in unlimited["Environment"]
+    r = sagemaker_rendezvous({"SM_HOSTS": json.dumps(["algo-1"]), "SM_CURRENT_HOST": "algo-1",
+                              "SM_OUTPUT_DATA_DIR": "/opt/ml/output/data"})
+    argv = torchrun_argv(r, {**ENV, "TRNFLOW_BUDGET_USD": "1.2345"}, Path("/opt/ml/input/spec.json"))
+    assert argv[-2:] == ["--budget-usd", "1.2345"]
+    later = _budget({**ENV, "TRNFLOW_BUDGET_USD": "1.2345"}, 0.5)  # a kept job's train phase: its word's budget
+    assert torchrun_argv(r, later, Path("/opt/ml/input/spec.json"))[-2:] == ["--budget-usd", "0.5"]
+    local = launch_command("train", 2, tmp_path, "r4", budget_usd=0.25)
+    assert local[-2:] == ["--budget-usd", "0.25"] and "--budget-usd" not in launch_command("train", 2, tmp_path, "r4")
+    parsed = _parse(["train", "--budget-usd", "0.25", "--run-id", "r4"])
+    assert parsed.budget_usd == 0.25
+    with pytest.raises(SystemExit):
+        _parse(["train", "--budget-usd", "-1"])

@@ -319,13 +319,14 @@ def test_a_retried_training_attempt_has_only_what_the_attempts_before_it_left(tm
     ledger.record(LedgerEntry(phase="compile", job_id="c", state="SUCCEEDED", seconds=5.0))
     mark = len(ledger.path.read_bytes())  # the stage begins here: the compile job is not training's
     logger = logging.getLogger("test")
-    assert _budget_left(spec, "r1", mark, logger) is spec  # the first attempt: the whole budget
+    assert _budget_left(spec, None, "r1", mark, logger) is None  # no budget: none for any attempt
+    assert _budget_left(spec, 0.01, "r1", mark, logger) == 0.01  # the first attempt: the whole budget
     ledger.record(LedgerEntry(phase="train", job_id="t1", state="FAILED", seconds=0.4))
-    left = _budget_left(spec, "r1", mark, logger)
-    assert left.train.max_cost_usd == pytest.approx(0.01 - 0.004, abs=1e-4)
+    assert _budget_left(spec, 0.01, "r1", mark, logger) == pytest.approx(0.01 - 0.004, abs=1e-4)
+    assert spec.train.max_cost_usd == 0.01  # the spec stays as written
     ledger.record(LedgerEntry(phase="train", job_id="t2", state="FAILED", seconds=0.6))
     with pytest.raises(OverBudget, match=r"earlier attempts cost \$0.0100 of its budget of \$0.0100"):
-        _budget_left(spec, "r1", mark, logger)
+        _budget_left(spec, 0.01, "r1", mark, logger)
 
 
 def test_a_run_that_waited_and_yielded_keeps_both_in_its_record(tmp_path):

@@ -49,6 +49,10 @@ class JobRequest:
     """Phase options, such as the collective sweep's sizes."""
     instance_type: str | None = None
     """The instance to emulate when there is no spec."""
+    budget_usd: float | None = None
+    """What training may cost, in US dollars at on-demand prices, as the orchestrator reckoned it (the
+    run's budget less what it spent, or the spec's train.max_cost_usd); None: no limit. The spec
+    itself stays as its user wrote it."""
 
     @property
     def world_size(self) -> int:

@@ -28,7 +28,7 @@ def calibration_spec(spec: JobSpec, steps: int, checkpoint_url: str) -> JobSpec:
     then, with no deadline or budget of its own."""
     train = spec.train.model_copy(update={
         "steps": steps, "checkpoint_every": steps, "log_every": steps, "keep_latest": 1,
-        "checkpoint_url": checkpoint_url, "max_minutes": None, "max_cost_usd": None})
+        "checkpoint_url": checkpoint_url, "max_minutes": None})
     gate = spec.gate.model_copy(update={"eval_every": None})
     return spec.model_copy(update={"train": train, "gate": gate})
 

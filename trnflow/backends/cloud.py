@@ -437,6 +437,7 @@ def container_environment(request: JobRequest, target: CloudTarget) -> dict[str,
         # how long its nodes wait between phases for the orchestrator's word
         proceed_timeout_seconds=proceed_wait_seconds(spec) if len(request.phases) > 1 else 1800.0,
         spot=spec.compute.spot,  # on Batch, the container watches the metadata service for the notice
+        budget_usd=request.budget_usd,
         recipe_modules=target.recipe_modules and is_module_reference(spec.model.recipe))  # allowed here: there too
     env = {
         "NEURON_CC_FLAGS": f"--optlevel={spec.compile.optlevel} --cache_dir={cache}",

@@ -54,6 +54,7 @@ from trnflow.neuron.launch import (
     RANK_LOGS,
     WORKLOAD,
     aligned_ranges,
+    budget_args,
     visible_cores_value,
 )
 from trnflow.records import RecordError, read
@@ -131,7 +132,7 @@ def torchrun_argv(r: Rendezvous, env: dict[str, str], spec_file: Path) -> list[s
             "--run-id", job.run_id, "--output", str(r.output_dir)]
     if job.checkpoint:
         argv += ["--checkpoint", job.checkpoint]
-    return argv
+    return argv + budget_args(job.budget_usd)
 
 
 def _fetch_spec(env: dict[str, str], into: Path) -> Path:
@@ -454,6 +455,11 @@ def _await_placement(outputs: Store, phase: str, placed: Placement | None, stopp
     return read(Placement, found[1], f"{outputs.url}/{wanted}") if found and found[0] == wanted else None
 
 
+def _budget(env: dict[str, str], budget_usd: float) -> dict[str, str]:
+    """`env` with the next phase's budget in place of the job's."""
+    return {**env, JobEnv.var("budget_usd"): repr(float(budget_usd))}
+
+
 def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path,
                stopping: list[int]) -> tuple[int, FailureReport | None]:
     """Every phase of TRNFLOW_PHASE in turn on this node (see the module's docstring): the exit code
@@ -481,6 +487,8 @@ def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path
             if not word.go:
                 return ExitCode.FAILED, FailureReport(type="FatalError", retryable=False, message=(
                     f"{phase} was not started: {word.reason or 'the orchestrator said no'}"))
+            if word.budget_usd is not None:  # the phase's own, reckoned when it may start
+                env = _budget(env, word.budget_usd)
         while True:
             code, failure = run_phase(r, _placed(env, placed, r.node_rank), spec_file, phase, stopping)
             if code and not index and len(phases) > 1 and failure is not None and failure.retryable and not stopping:

@@ -30,6 +30,9 @@ class JobEnv(BaseModel):
                                            "orchestrator's word")
     checkpoint: str | None = Field(None, description="the checkpoint evaluate and infer read")
     spot: bool = Field(False, description="a spot job: on Batch the container watches for EC2's reclaim notice")
+    budget_usd: float | None = Field(None, ge=0, description="what the job's training may cost, in US dollars at "
+                                     "on-demand prices (`JobRequest.budget_usd`); a later phase of the job gets its "
+                                     "own with the orchestrator's word (`Proceed.budget_usd`)")
     recipe_modules: bool = Field(False, description="the spec may name its recipe by module (as where it was "
                                  "submitted)")
     # Set by no orchestrator: where a rehearsal (the mock cloud) moves what the services fix.
@@ -45,7 +48,7 @@ class JobEnv(BaseModel):
         for name, value in self.model_dump(exclude_defaults=True).items():
             if value is None or value is False:
                 continue
-            text = "1" if value is True else f"{value:g}" if isinstance(value, float) else str(value)
+            text = "1" if value is True else f"{value:.12g}" if isinstance(value, float) else str(value)
             out[PREFIX + name.upper()] = text
         return out
 

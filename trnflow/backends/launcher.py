@@ -216,7 +216,8 @@ def _rank(module: str, *argv: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
         signal.signal(sig, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    atexit._clear()
+    atexit._clear()  # private to CPython (no public call drops the handlers a fork inherited): checked in
+    # tests/unit/test_private_torch.py with PyTorch's private APIs
     sys.argv = [module, *argv]
     try:
         code = importlib.import_module(f"{module}.__main__").main(list(argv))

@@ -163,8 +163,9 @@ class LocalBackend:
         if request.options:
             atomic_write_json(job_dir / "options.json", request.options)
         argv = launch_command(request.phase, len(cores), job_dir, request.run_id, request.checkpoint,
-                              with_spec=spec is not None, with_options=bool(request.options))
-        env = launch_env(spec, cores, request.itype) | {"TRNFLOW_RUN_ID": request.run_id}
+                              with_spec=spec is not None, with_options=bool(request.options),
+                              budget_usd=request.budget_usd)
+        env = launch_env(spec, cores, request.itype)  # the run id goes as the program's --run-id
         for key, value in cache_key_env(self.team).items():
             if value is None:
                 env.pop(key, None)

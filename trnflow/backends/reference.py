@@ -39,7 +39,7 @@ def reference_spec(spec: JobSpec) -> JobSpec:
     return spec.model_copy(update={
         "compute": spec.compute.model_copy(update={"precision": "fp32"}),
         "compile": spec.compile.model_copy(update={"optlevel": 1}),
-        "train": spec.train.model_copy(update={"checkpoint_url": folder, "max_minutes": None, "max_cost_usd": None}),
+        "train": spec.train.model_copy(update={"checkpoint_url": folder, "max_minutes": None}),
     })
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import contextlib
 import datetime as dt
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated
 
@@ -182,15 +182,8 @@ def promote(model: ModelArg, version: Annotated[int, typer.Argument(help="The ve
             as_json: JsonOpt = False):
     """Make a version the champion and publish its outputs (exit 4 if another promotion wins the race)."""
     with _registry(registry) as reg:
-        record, published = _change_champion(reg, model, version, "promote", reason)
-        tracking = _move_alias(reg, model, record)
-    if as_json:
-        print(json.dumps({**record.model_dump(mode="json"), "published": published, "tracking": tracking}))
-    else:
-        console.print(f"[green]{shown(model)} v{version} is the champion[/green] (generation {record.generation}); "
-                      f"{shown(published)}")
-        for line in tracking:
-            console.print(shown(line), highlight=False)
+        _crowned(reg, model, version, "promote", reason, as_json,
+                 lambda r: f"v{version} is the champion[/green] (generation {r.generation})")
 
 
 @models_app.command("rollback")
@@ -199,15 +192,22 @@ def rollback(model: ModelArg, registry: RegistryOpt = ...,
              as_json: JsonOpt = False):
     """Make the previous champion the champion again, and publish its outputs again."""
     with _registry(registry) as reg:
-        record, published = _change_champion(reg, model, reg.rollback_target(model), "rollback", reason)
-        tracking = _move_alias(reg, model, record)
+        _crowned(reg, model, reg.rollback_target(model), "rollback", reason, as_json,
+                 lambda r: f"v{r.version} is the champion again[/green] (rolled back from v{r.previous})")
+
+
+def _crowned(reg: Registry, model: str, version: int, action: str, reason: str, as_json: bool,
+             said: Callable[[ChampionChange], str]) -> None:
+    """Make `version` the champion (`action`: promote or rollback), move the tracking server's alias,
+    and say so: `said(record)`, the line's words after the model's name, or the record as JSON."""
+    record, published = _change_champion(reg, model, version, action, reason)
+    tracking = _move_alias(reg, model, record)
     if as_json:
         print(json.dumps({**record.model_dump(mode="json"), "published": published, "tracking": tracking}))
-    else:
-        console.print(f"[green]{shown(model)} v{record.version} is the champion again[/green] "
-                      f"(rolled back from v{record.previous}); {shown(published)}")
-        for line in tracking:
-            console.print(shown(line), highlight=False)
+        return
+    console.print(f"[green]{shown(model)} {said(record)}; {shown(published)}")
+    for line in tracking:
+        console.print(shown(line), highlight=False)
 
 
 @models_app.command("export")

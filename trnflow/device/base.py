@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from trnflow.device.layout import TensorPlan
+from trnflow.device.private_torch import fake_group
 from trnflow.errors import FatalError, Recompilation
 from trnflow.neuron.launch import aligned_ranges, parse_visible_cores
 from trnflow.results import CompileMetrics
@@ -279,9 +280,7 @@ class Device(ABC):
         from torch.distributed.device_mesh import init_device_mesh  # sharded training only
 
         if not dist.is_initialized() and tp > 1:
-            from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the fake backend
-
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=tp)
+            fake_group(tp)
         elif not dist.is_initialized():
             dist.init_process_group(self.process_group_backends(), store=dist.HashStore(), rank=0, world_size=1)
         world = dist.get_world_size()

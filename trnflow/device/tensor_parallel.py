@@ -5,7 +5,10 @@ A `TensorPlan` names layers to split by output (column-parallel) and by input (r
 stores its weight as [in, out] (GPT-2's `Conv1D`, which computes `x @ W + b`) splits along the other
 dimension, and a column-parallel layer whose output is several equal parts side by side (GPT-2's
 `c_attn`: query, key and value) splits each part alike, so that each core's output is its heads'
-query, key and value (`_StridedShard`, the placement DTensor has for exactly that).
+query, key and value (`private_torch.strided_shard`, the placement DTensor has for exactly that).
+The two styles below override PyTorch's private `_apply`, with its `_prepare_input_fn` and
+`_prepare_output_fn` (no public hook says how a style splits its parameters);
+`trnflow.device.private_torch` names the release they were checked against.
 """
 
 from __future__ import annotations
@@ -16,9 +19,9 @@ from typing import Any
 from torch import nn
 from torch.distributed.tensor import Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
-from torch.distributed.tensor.placement_types import _StridedShard
 
 from trnflow.device.layout import TensorPlan
+from trnflow.device.private_torch import strided_shard
 
 
 def _local(module: nn.Module, outputs: Any, mesh: Any) -> Any:
@@ -37,7 +40,7 @@ class _PartsColwise(ColwiseParallel):
     def _partition(self, name: str, module: nn.Module, mesh: Any) -> None:
         for key, param in module.named_parameters(recurse=False):
             dim = self.out_dim if param.ndim == 2 else 0
-            placement = _StridedShard(dim, split_factor=self.parts) if self.parts > 1 else Shard(dim)
+            placement = strided_shard(dim, self.parts) if self.parts > 1 else Shard(dim)
             module.register_parameter(key, nn.Parameter(distribute_tensor(param, mesh, [placement]),
                                                         requires_grad=param.requires_grad))
 

@@ -100,7 +100,7 @@ LOOPBACK = "127.0.0.1"
 
 
 def launch_command(phase: str, processes: int, job_dir: Path, run_id: str, checkpoint: str | None = None,
-                   with_spec: bool = True, with_options: bool = False) -> list[str]:
+                   with_spec: bool = True, with_options: bool = False, budget_usd: float | None = None) -> list[str]:
     argv = [
         sys.executable, "-m", LAUNCHER, str(job_dir / RANK_LOGS),
         "--standalone", "--local-addr", LOOPBACK, "--nnodes", "1", "--nproc-per-node", str(processes),
@@ -114,7 +114,12 @@ def launch_command(phase: str, processes: int, job_dir: Path, run_id: str, check
         argv += ["--options", str(job_dir / "options.json")]
     if checkpoint:
         argv += ["--checkpoint", checkpoint]
-    return argv
+    return argv + budget_args(budget_usd)
+
+
+def budget_args(budget_usd: float | None) -> list[str]:
+    """The workload's arguments that give training its budget (none: no limit)."""
+    return [] if budget_usd is None else ["--budget-usd", repr(float(budget_usd))]
 
 
 PIN_CPUS_ENV = "TRNFLOW_PIN_CPUS"

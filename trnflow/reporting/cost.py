@@ -22,7 +22,7 @@ from typing import Any
 from trnflow.reporting.ledger import LedgerEntry
 from trnflow.results import Cost, CostRow
 from trnflow.specs import JobSpec
-from trnflow.specs.instances import BILLED_BY, Price, price
+from trnflow.specs.instances import BILLED_BY, Price, instance_cost, price
 
 
 def service(spec: JobSpec) -> str:
@@ -51,7 +51,7 @@ def job_cost(spec: JobSpec, stage: str, billable_seconds: float, jobs: int = 1, 
     found = None if spec.compute.price_per_hour is not None else catalogue_price(spec)
     return CostRow(stage=stage, instance_type=spec.compute.instance_type, nodes=nodes, jobs=jobs,
                    price_per_node_hour=rate, billable_seconds=round(billable_seconds, 1),
-                   cost_usd=None if rate is None else round(rate * nodes * billable_seconds / 3600, 4),
+                   cost_usd=None if rate is None else round(instance_cost(rate, nodes, billable_seconds), 4),
                    service=service(spec), region=found.region if found else None,
                    price_as_of=found.as_of if found else None)
 
@@ -72,12 +72,11 @@ def stage_cost(spec: JobSpec, stage: str, entries: list[LedgerEntry]) -> CostRow
         if any(rate is None for rate in rates):
             row.cost_usd = None
         else:
-            node_seconds = sum(r * n * e.seconds for r, n, e in zip(paid, held, entries, strict=True))
-            row.cost_usd = round(node_seconds / 3600, 4)
+            row.cost_usd = round(sum(instance_cost(r, n, e.seconds)
+                                     for r, n, e in zip(paid, held, entries, strict=True)), 4)
             if any(e.spot for e in entries):  # the same running time at the on-demand price
-                ran = sum(r * n * (e.running_seconds or e.seconds)
-                          for r, n, e in zip(rates, held, entries, strict=True))
-                row.on_demand_usd = round(ran / 3600, 4)
+                row.on_demand_usd = round(sum(instance_cost(r, n, e.running_seconds or e.seconds)
+                                              for r, n, e in zip(rates, held, entries, strict=True)), 4)
                 if entries[-1].price_per_hour is not None and spec.compute.price_per_hour is None:
                     row.price_per_node_hour = entries[-1].price_per_hour  # the spot price, as billed
     row.instances_started = _sum([e.instances_started for e in entries])

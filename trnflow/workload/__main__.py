@@ -41,7 +41,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
                         help="result directory (default: $SM_OUTPUT_DATA_DIR, then ./output)")
     parser.add_argument("--run-id", default="adhoc", type=_run_id, help="names the run's checkpoint folder")
     parser.add_argument("--checkpoint", default=None, help="checkpoint URL for evaluate and infer")
+    parser.add_argument("--budget-usd", type=_budget, default=None,
+                        help="train: what the job may cost, in US dollars at on-demand prices (the orchestrator's "
+                        "reckoning of the run's budget); unset: no limit")
     return parser.parse_args(argv)
+
+
+def _budget(value: str) -> float:
+    budget = float(value)
+    if not budget >= 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"{value} is not an amount of US dollars (0 or more)")
+    return budget
 
 
 def _dispatch(args: argparse.Namespace, ctx) -> StageResult | dict:
@@ -51,7 +61,9 @@ def _dispatch(args: argparse.Namespace, ctx) -> StageResult | dict:
         raise TrnflowError(f"{args.phase} needs --checkpoint")
     phase = importlib.import_module(f"trnflow.workload.{args.phase}")
     match args.phase:
-        case "train" | "sanity":
+        case "train":
+            return phase.run(ctx, args.run_id, args.budget_usd)
+        case "sanity":
             return phase.run(ctx, args.run_id)
         case "evaluate" | "infer":
             return phase.run(ctx, args.checkpoint)
@@ -136,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         if spec is None and args.phase not in ("sanity", "collectives"):
             raise TrnflowError(f"{args.phase} needs --spec")
         options = json.loads(args.options.read_text()) if args.options else {}
-        ctx = init_worker(spec, output, args.phase, options)
+        ctx = init_worker(spec, output, args.phase, options, args.run_id)
         ctx.write_result(_typed(args.phase, _dispatch(args, ctx), ctx))
         shutdown()
         return ExitCode.OK

@@ -139,9 +139,10 @@ def exit_with_launcher(poll_seconds: float = 0.5) -> None:
     threading.Thread(target=watch, name="exit-with-launcher", daemon=True).start()
 
 
-def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dict[str, Any] | None = None
-                ) -> WorkerContext:
-    """Own this rank's NeuronCore, then join the process group (the device's backend)."""
+def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dict[str, Any] | None = None,
+                run_id: str | None = None) -> WorkerContext:
+    """Own this rank's NeuronCore (held for run `run_id`, as others are told), then join the process
+    group (the device's backend)."""
     exit_with_launcher()
     choice = choose(spec)
     device = get_device(choice.name)
@@ -154,9 +155,8 @@ def init_worker(spec: JobSpec | None, output_dir: Path, phase: str, options: dic
                          "give one core per worker process")
     core_id = visible[local_rank]
     total = int(os.environ.get(INSTANCE_CORES_ENV, str(max(visible) + 1)))
-    run = os.environ.get("TRNFLOW_RUN_ID")  # the holder's run, for a job that waits for this core
     lease = device.claim([core_id], total, command=f"trnflow.workload {phase} rank {rank}" + (
-        f" of run {run}" if run else ""))
+        f" of run {run_id}" if run_id and run_id != "adhoc" else ""))  # named to a job that waits for this core
     timeout = spec.preflight.collective_timeout_seconds if spec else float(
         (options or {}).get("timeout_seconds", 60.0))
     # The group first: its transport's threads (gloo's) are made now and keep the CPUs they are made

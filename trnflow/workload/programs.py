@@ -26,6 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trnflow.device.base import CompileBackend, Device
+from trnflow.device.private_torch import flatten, unflatten
 from trnflow.errors import TrnflowError
 from trnflow.specs import JobSpec
 from trnflow.workload.checkpoint import trainable
@@ -174,10 +175,10 @@ def average_gradients(model: nn.Module, group: Any) -> None:
              for p in model.parameters() if p.grad is not None]
     if not grads:
         return
-    flat = torch._utils._flatten_dense_tensors(grads)
+    flat = flatten(grads)
     torch.distributed.all_reduce(flat, group=group)
     flat /= torch.distributed.get_world_size(group)
-    for grad, averaged in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True):
+    for grad, averaged in zip(grads, unflatten(flat, grads), strict=True):
         grad.copy_(averaged)
 
 

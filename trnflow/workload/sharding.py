@@ -32,10 +32,8 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -52,9 +50,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor.placement_types import _StridedShard
+
+from trnflow.device.private_torch import (
+    PICKLED_NAMES,
+    empty_load_planner,
+    in_parts,
+    load_without_group,
+    set_element,
+    storage_info,
+)
 
 SHARD_NAME = re.compile(r"\.metadata|__[0-9]{1,6}_[0-9]{1,6}\.distcp")
 """The files of a DCP checkpoint's folder: its index, and one shard file per rank."""
@@ -137,10 +142,9 @@ def by_name(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str,
 
 # The records DCP's index is built of; nothing else is ever constructed from it.
 _RECORD_TYPES = frozenset({Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata,
-                           ChunkStorageMetadata, BytesStorageMetadata, _StorageInfo})
+                           ChunkStorageMetadata, BytesStorageMetadata, storage_info()})
 _RECORDS = {(record.__module__, record.__name__) for record in _RECORD_TYPES}
-_VALUES = {("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"), ("torch", "Size"),
-           ("torch.serialization", "_get_layout")}
+_VALUES = {*PICKLED_NAMES, ("torch", "Size")}
 _PATHS = {("pathlib", "PosixPath"), ("pathlib", "PurePosixPath")}
 
 
@@ -197,7 +201,7 @@ def _check_index(metadata: Metadata, files: dict[str, int]) -> None:
     if type(metadata.storage_data) is not dict or type(metadata.state_dict_metadata) is not dict:
         raise ValueError("the shard index is not one DCP wrote (its tables are not mappings)")
     for info in metadata.storage_data.values():
-        if type(info) is not _StorageInfo or type(info.relative_path) is not str:
+        if type(info) is not storage_info() or type(info.relative_path) is not str:
             raise ValueError("the shard index is not one DCP wrote (a part's location is not a file name)")
         if info.relative_path == METADATA or info.relative_path not in files:
             raise ValueError(f"the shard index names {info.relative_path!r}, which is not one of the checkpoint's "
@@ -248,14 +252,14 @@ class _Planner(_Values, DefaultLoadPlanner):
     pass
 
 
-class _WholePlanner(_Values, _EmptyStateDictLoadPlanner):
+class _WholePlanner(_Values, empty_load_planner()):
     pass
 
 
 def _in_parts(value: Any) -> bool:
-    """A DTensor split part by part (`_StridedShard`: GPT-2's fused query, key and value, each split
+    """A DTensor split part by part (`private_torch.strided_shard`: GPT-2's fused query, key and value, each split
     over the cores): its local piece is not one box of the whole, which is all DCP's files can hold."""
-    return isinstance(value, DTensor) and any(isinstance(p, _StridedShard) for p in value.placements)
+    return isinstance(value, DTensor) and any(in_parts(p) for p in value.placements)
 
 
 def _gathered_parts(tree: Any) -> Any:
@@ -353,7 +357,7 @@ def consolidate(files: dict[str, bytes]) -> tuple[dict[str, torch.Tensor], dict[
     in this process alone, with no process group."""
     state: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp, _read_errors():
-        _load_state_dict(state, storage_reader=_unpacked(files, Path(tmp)), planner=_WholePlanner(), no_dist=True)
+        load_without_group(state, _unpacked(files, Path(tmp)), _WholePlanner())
     if set(state) != {"model", "optim"}:
         raise ValueError(f"the shards hold {sorted(state)}, not a model and its optimizer")
     return state["model"], state["optim"]

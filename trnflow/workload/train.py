@@ -26,6 +26,7 @@ from trnflow.errors import FatalError, Interrupted, OverBudget, SpotInterruption
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.records import EXPORT_MARKER, CheckpointMeta, DataRead, ExportedFile, ExportMarker, dump
 from trnflow.results import TrainResult
+from trnflow.specs.instances import instance_cost
 from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload import watchdog
 from trnflow.workload.checkpoint import (
@@ -89,9 +90,11 @@ class Trainer:
     The device decides precision and stochastic rounding; its fault hooks are where injected
     faults strike (a step, its result, a checkpoint)."""
 
-    def __init__(self, ctx: WorkerContext, run_id: str, start: Start, recipe: Recipe):
-        self.began = time.monotonic()  # the clock of train.max_minutes and train.max_cost_usd
+    def __init__(self, ctx: WorkerContext, run_id: str, start: Start, recipe: Recipe, budget_usd: float | None = None):
+        self.began = time.monotonic()  # the clock of train.max_minutes and of the budget
         self.ctx, self.run_id, self.start, self.recipe = ctx, run_id, start, recipe
+        self.budget_usd = budget_usd
+        """What this job may cost (the orchestrator's reckoning, `--budget-usd`); None: no limit."""
         self.spec, self.device, self.faults = ctx.spec, ctx.device, ctx.faults
         tcfg = self.spec.train
         data = self.spec.data
@@ -122,6 +125,9 @@ class Trainer:
                                   watermark=start.watermark, rows=len(self.labels))
         ctx.log("data", files=len(start.files), rows=len(self.labels), partitions=self.data_read.partitions,
                 watermark=start.watermark, recipe=recipe.key)
+        if budget_usd is not None:  # the job's own budget, as the orchestrator reckoned it
+            ctx.log("budget", usd=round(budget_usd, 4), price_per_hour=self.spec.compute.hourly_price,
+                    nodes=self.spec.compute.nodes)
         self.programs = for_run(ctx, recipe, self.model, ddp=ctx.replicas > 1 and not fsdp, sharded=self.sharded,
                                 mesh=self.mesh, fsdp=fsdp)
         self.holdout = Holdout(ctx, recipe)
@@ -290,21 +296,21 @@ class Trainer:
 
     def _over_budget(self, done: int, left: float) -> str | None:
         """Why training stops here: the cost spent since it started plus the forecast for the `left`
-        seconds of steps it has left would exceed train.max_cost_usd (agreed by every rank, so all
-        stop after the same step); None to go on."""
-        tcfg, compute = self.spec.train, self.spec.compute
-        if tcfg.max_cost_usd is None or compute.hourly_price is None or done >= tcfg.steps or done - self.first < 2:
+        seconds of steps it has left would exceed its budget (agreed by every rank, so all stop
+        after the same step); None to go on."""
+        tcfg, compute, budget = self.spec.train, self.spec.compute, self.budget_usd
+        if budget is None or compute.hourly_price is None or done >= tcfg.steps or done - self.first < 2:
             return None  # (nothing to check yet after only the first step, which loads or compiles the graph)
-        per_s = compute.hourly_price * compute.nodes / 3600
-        spent = (time.monotonic() - self.began) * per_s
-        over = spent + left * per_s > tcfg.max_cost_usd
+        spent = instance_cost(compute.hourly_price, compute.nodes, time.monotonic() - self.began)
+        more = instance_cost(compute.hourly_price, compute.nodes, left)
+        over = spent + more > budget
         if self.ctx.world_size > 1:  # a rank that never arrives is named, as in any collective step
             over = not self.ctx.collective("agreeing on the budget", lambda: all_true(not over))
         if not over:
             return None
-        return (f"training would cost ${spent + left * per_s:.4f} (${spent:.4f} spent, ${left * per_s:.4f} more for "
-                f"the {tcfg.steps - done} steps left at the rate so far), over its budget of ${tcfg.max_cost_usd:.4f} "
-                "(train.max_cost_usd)")
+        return (f"training would cost ${spent + more:.4f} (${spent:.4f} spent, ${more:.4f} more for the "
+                f"{tcfg.steps - done} steps left at the rate so far), over its budget of ${budget:.4f} "
+                "(train.max_cost_usd, or what compute.max_cost_usd leaves for training)")
 
     def _evaluate(self, done: int) -> None:
         point, correct = self.holdout.evaluate(self.programs, done, self.lineage["base_step"] + done)
@@ -443,12 +449,13 @@ def _window(ctx: WorkerContext, start: Start) -> Start:
     return dataclasses.replace(start, files=window.files, watermark=window.watermark)
 
 
-def run(ctx: WorkerContext, run_id: str) -> TrainResult:
+def run(ctx: WorkerContext, run_id: str, budget_usd: float | None = None) -> TrainResult:
+    """Train the spec (`budget_usd`: what the job may cost, as the orchestrator reckoned it)."""
     recipe = for_job(ctx.spec)
     start = _window(ctx, find_start(ctx, run_id, recipe.featurizer_file))
     if not start.files:
         return _skipped(ctx, start)
-    return Trainer(ctx, run_id, start, recipe).run()
+    return Trainer(ctx, run_id, start, recipe, budget_usd).run()
 
 
 def _memory_held(model: torch.nn.Module, optimizer: torch.optim.Optimizer, activations: int) -> dict:
