@@ -21,6 +21,7 @@ from prefect.client.schemas.actions import (
 from prefect.client.schemas.objects import Variable
 from prefect.concurrency.sync import concurrency
 from prefect.exceptions import ObjectAlreadyExists, ObjectNotFound
+from prefect.settings import PREFECT_API_URL
 from pydantic import ValidationError
 
 from trnflow.backends.runqueue import QueueEntry, Spend, YieldRequest
@@ -84,9 +85,16 @@ def _forget(client: SyncPrefectClient, name: str) -> None:
 class PrefectQueue:
     """The stack's queue kept on the Prefect server this process talks to (PREFECT_API_URL)."""
 
+    def __init__(self) -> None:
+        self._locks: set[str] = set()
+        """The servers (API URLs) whose lock this process has made sure of: once each, not per decision."""
+
     @contextlib.contextmanager
     def deciding(self) -> Iterator[None]:
-        self.ensure_limit(LOCK, 1)
+        server = str(PREFECT_API_URL.value())
+        if server not in self._locks:
+            self.ensure_limit(LOCK, 1)
+            self._locks.add(server)
         try:
             held = concurrency(LOCK, occupy=1, timeout_seconds=LOCK_SECONDS, lease_duration=LEASE_SECONDS,
                                strict=True, raise_on_lease_renewal_failure=False)
