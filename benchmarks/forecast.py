@@ -35,7 +35,8 @@ def main() -> None:
         root = Path(tmp)
         scratch_home(root)
         from trnflow.flows.pipeline import pipeline
-        from trnflow.reporting.forecast import history, plan
+        from trnflow.reporting.forecast import plan
+        from trnflow.reporting.history import history
         from trnflow.settings import TrnflowSettings
         from trnflow.workload.memory import decided
 

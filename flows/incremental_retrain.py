@@ -110,8 +110,8 @@ def _stages(stage: StageRunner, generation: int, lock: ModelLock, days: list[str
     entry = gated.registry
     assert entry is not None  # retraining has a registry
     # the registered version's model: a rerun on the same inputs uses the first run's
-    stage("infer", batch_infer, entry["checkpoint"], cores, version=entry["version"], team=stage.team)
+    stage("infer", batch_infer, entry.checkpoint, cores, version=entry.version, team=stage.team)
     lock.check()  # promotion is what must never happen outside the model's lock
-    stage("promote", promote_champion, entry["version"], entry["generation"],
-          forced=force_promote if entry.get("forced") else None)
+    stage("promote", promote_champion, entry.version, entry.generation,
+          forced=force_promote if entry.forced else None)
     return stage.outcome()

@@ -90,8 +90,8 @@ def _stages(stage: StageRunner, force_promote: str | None, lock: ModelLock | Non
         stage.skip("promote", "no registry_url: nothing to promote")
         return stage.outcome()
     # the registered version's model: a rerun on the same inputs uses the first run's
-    stage("infer", batch_infer, entry["checkpoint"], cores, version=entry["version"], team=stage.team)
+    stage("infer", batch_infer, entry.checkpoint, cores, version=entry.version, team=stage.team)
     lock.check()  # promotion is what must never happen outside the model's lock
-    stage("promote", promote_champion, entry["version"], entry["generation"],
-          forced=force_promote if entry.get("forced") else None)
+    stage("promote", promote_champion, entry.version, entry.generation,
+          forced=force_promote if entry.forced else None)
     return stage.outcome()

@@ -16,10 +16,9 @@ import json
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
-from trnflow.errors import ChampionKept, GateFailed
-from trnflow.lifecycle import gate, judge
+from trnflow.lifecycle import judge
 from trnflow.lifecycle.registry import Registry
-from trnflow.records import dump
+from trnflow.records import MetricSeries, dump
 from trnflow.reporting.chart import parity_png, verdict_markdown
 from trnflow.results import EvaluateResult
 from trnflow.specs import JobSpec
@@ -32,7 +31,8 @@ from trnflow.teams import Team
 def _attach(spec: JobSpec, candidate: judge.Candidate, decision: judge.Decision, title: str) -> str:
     """Save the chart and verdict beside the checkpoints and attach them to the flow run."""
     verdict, reference = decision.verdict, decision.reference
-    png = parity_png(verdict, candidate.series["points"], reference["points"] if reference else None, title)
+    assert candidate.series is not None
+    png = parity_png(verdict, candidate.series.points, reference.points if reference else None, title)
     store = open_store(candidate.run_url)
     store.write("parity.png", png)
     store.write("verdict.json", dump(verdict))
@@ -48,7 +48,7 @@ def _model(recipe: dict) -> str:
 
 
 def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candidate, run_id: str,
-              cores: list[int] | None, team: Team | None) -> tuple[dict, str] | judge.Check | None:
+              cores: list[int] | None, team: Team | None) -> tuple[MetricSeries, str] | judge.Check | None:
     """The champion's series on the candidate's holdout, and its name; None before the first. A
     champion measured on another holdout (or never measured) is evaluated on this one first, so
     that the two are compared row for row."""
@@ -57,8 +57,9 @@ def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candida
         return None
     who = f"champion v{champion.version}"
     series = judge.recorded_series(champion.checkpoint)
-    if (series is None or not series["points"] or not judge.same_holdout(candidate.series, series)
-            or spec.gate.metric not in series["points"][-1]):  # measured before the gate's metric was chosen
+    assert candidate.series is not None
+    if (series is None or not series.points or not judge.same_holdout(candidate.series, series)
+            or spec.gate.metric not in series.last.values):  # measured before the gate's metric was chosen
         theirs, ours = champion.entry.recipe, judge.recipe_of(candidate.checkpoint)
         if theirs and ours and theirs != ours:  # this spec's model cannot load the champion's weights
             return judge.incomparable(spec, candidate.series, who,
@@ -67,9 +68,27 @@ def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candida
         get_run_logger().info("%s was not measured on this holdout in %s; evaluating it", who, spec.gate.metric)
         result = run_job(spec, "evaluate", run_id, checkpoint=champion.checkpoint, cores=cores, team=team)
         assert isinstance(result, EvaluateResult)
-        series = judge.evaluated_series(result.points, result.holdout_sha256, result.points[-1]["step"],
+        series = judge.evaluated_series(result.points, result.holdout_sha256, result.points[-1].step,
                                         result.correct)
     return series, who
+
+
+def _candidate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | None, team: Team | None
+               ) -> tuple[judge.Candidate, EvaluateResult]:
+    """The candidate's series up to its checkpoint's step; a checkpoint training did not evaluate is
+    evaluated first, by a job."""
+    candidate = judge.Candidate.read(checkpoint)
+    result = EvaluateResult(checkpoint=checkpoint, points=[])
+    if not candidate.evaluated():
+        result = run_job(spec, "evaluate", run_id, checkpoint=checkpoint, cores=cores, team=team)
+        assert isinstance(result, EvaluateResult)
+        result.checkpoint = checkpoint
+        candidate = judge.Candidate.read(checkpoint)
+        candidate.series = candidate.series or judge.evaluated_series(
+            result.points, result.holdout_sha256, result.points[-1].step, None, result.directions)
+    assert candidate.series is not None  # training's series, or the evaluation's
+    candidate.series = judge.up_to(candidate.series, candidate.step)
+    return candidate, result
 
 
 @task(name="evaluate", cache_policy=NO_CACHE)
@@ -96,48 +115,23 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
     registry = Registry(spec.registry_url) if spec.registry_url else None
     if generation is None:  # the champion this decision is about
         generation = registry.generation(spec.name) if registry else 0
-    candidate = judge.Candidate.read(checkpoint)
-    result = EvaluateResult(checkpoint=checkpoint, points=[])
-    if not candidate.evaluated():
-        result = run_job(spec, "evaluate", run_id, checkpoint=checkpoint, cores=cores, team=team)
-        assert isinstance(result, EvaluateResult)
-        result.checkpoint = checkpoint
-        candidate = judge.Candidate.read(checkpoint)
-        candidate.series = candidate.series or {"points": result.points, "holdout_sha256": result.holdout_sha256,
-                                                "directions": result.directions}
-    candidate.series = judge.up_to(candidate.series, candidate.step)
+    candidate, result = _candidate(spec, run_id, checkpoint, cores, team)
     decision = judge.decide(spec, registry, candidate.series, against_champion)
     if decision.gate_passed:  # only a candidate that passed the gate can take the champion's place
         champion = _champion(spec, registry, candidate, run_id, cores, team)
         if champion is not None:
             decision = judge.decide(spec, registry, candidate.series, against_champion, champion)
     chart = _attach(spec, candidate, decision, f"{spec.name} {run_id}")
-    result.points, result.verdict, result.against, result.chart = (candidate.series["points"], decision.verdict,
+    result.points, result.verdict, result.against, result.chart = (candidate.series.points, decision.verdict,
                                                                    decision.against, chart)
-    worse = decision.worse_than_champion
-    forced = force_promote if worse is not None else None
+    forced = force_promote if decision.worse_than_champion is not None else None
     registration = None
     if registry is not None:
         registration = judge.register(spec, registry, candidate, run_id, decision, generation, promote,
                                       forced=forced)
-        result.registry = registration.as_dict()
-    if not decision.gate_passed:
-        raise GateFailed(f"accuracy-parity gate failed against {decision.against}: {decision.verdict.reason}",
-                         decision.verdict, headline=gate.headline(decision.verdict, decision.against))
-    if worse is not None and forced is None:
-        version = f"v{registration.version}" if registration else "the candidate"
-        raise ChampionKept(f"{version} passed the gate but was not promoted: {worse.verdict.reason}. "
-                           f"{worse.against} stays the champion; to promote it anyway, run the same run again "
-                           f"(nothing is trained twice) with --run-id {run_id} --force-promote --reason \"why\"",
-                           worse.verdict, headline=f"{version} registered, not promoted: "
-                           f"{gate.headline(worse.verdict, worse.against)}")
-    if worse is not None:
-        get_run_logger().warning("promoting a candidate worse than %s, as asked: %s", worse.against, forced)
-    for check in decision.checks:
-        paired = check.verdict.paired
-        if paired and paired.significant:
-            get_run_logger().warning("McNemar's test finds the candidate and %s differ (p = %.3g), within the band",
-                                     check.against, paired.p_value)
-    final = candidate.series["points"][-1][spec.gate.metric]
+        result.registry = registration
+    for note in judge.settle(decision, registration, run_id, forced):  # GateFailed, ChampionKept
+        get_run_logger().warning(note)
+    final = candidate.series.last.value(spec.gate.metric)
     result.summary = judge.summary(spec, decision, final, registration) + recompile_note(result)
     return result

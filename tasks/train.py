@@ -13,8 +13,9 @@ from prefect.cache_policies import NO_CACHE
 from prefect.states import Completed, State
 
 from trnflow.backends import keeps_instance
-from trnflow.errors import HardwareError, OverBudget
+from trnflow.errors import HardwareError
 from trnflow.fsutil import atomic_write_json
+from trnflow.reporting.budget import attempt_allowance
 from trnflow.reporting.chart import training_png
 from trnflow.reporting.cost import stage_cost
 from trnflow.reporting.ledger import JobLedger
@@ -56,20 +57,15 @@ def _on_the_cores_left(spec: JobSpec, avoid: set[int], logger) -> JobSpec:
 
 
 def _budget_left(spec: JobSpec, budget_usd: float | None, run_id: str, ledger_mark: int, logger) -> float | None:
-    """What this attempt may cost: the stage's `budget_usd` less what its earlier attempts cost (the
-    jobs the run's ledger recorded after `ledger_mark`); each attempt's own clock starts at zero,
-    the budget does not. OverBudget when nothing is left."""
+    """What this attempt may cost (`attempt_allowance`): the stage's `budget_usd` less what the jobs
+    the run's ledger recorded after `ledger_mark` cost."""
     if budget_usd is None:
         return None
     billed = JobLedger(TrnflowSettings().home, run_id, start=ledger_mark).new_entries()
     spent = stage_cost(spec, "train", billed).cost_usd if billed else None
-    if not spent:
-        return budget_usd
-    left = round(budget_usd - spent, 4)
-    if left <= 0:
-        raise OverBudget(f"training's earlier attempts cost ${spent:.4f} of its budget of ${budget_usd:.4f}: "
-                         "nothing is left; rerun with the same run id and a higher budget")
-    logger.info("budget: this attempt may cost $%.4f (earlier attempts cost $%.4f)", left, spent)
+    left = attempt_allowance(budget_usd, spent)
+    if spent:
+        logger.info("budget: this attempt may cost $%.4f (earlier attempts cost $%.4f)", left, spent)
     return left
 
 

@@ -218,14 +218,15 @@ def warm(cache_folder: Path, dataset: Path, out: Path) -> None:
     from trnflow.device.signing import SIGNING_KEY_ENV, EntryKeys
     from trnflow.settings import TrnflowSettings
     from trnflow.testing.mockcloud.provision import signing_key, signing_pem
+    from trnflow.workload.memory import decided
     from trnflow.workload.recipes import plan_digest
 
-    spec = validate_spec(quickstart_data(
+    spec = decided(validate_spec(quickstart_data(
         data={"train": str(dataset / "train"), "holdout": str(dataset / "holdout"),
               "inference": str(dataset / "inference")},
         compile={"cache_url": str(cache_folder)}, train={"checkpoint_url": str(out / "checkpoints")},
         gate={"reference": None}, inference={"output_url": str(out / "embeddings")},
-        registry_url=str(out / "registry")))
+        registry_url=str(out / "registry"))))
     pem = out / "cache.pem"
     pem.write_text(signing_pem())
     pem.chmod(0o600)

@@ -14,7 +14,7 @@ import hashlib
 import json
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_serializer, model_validator
 
 from trnflow.errors import DataError
 
@@ -61,6 +61,90 @@ def dump(record: BaseModel) -> bytes:
     return record.model_dump_json(indent=2, exclude_none=False).encode()
 
 
+# --- a run's curves: the training loss, and the holdout's metrics ----------------------------
+
+class CurvePoint(Record):
+    """A point of the training curve: the mean loss over the steps since the point before."""
+
+    step: int = Field(ge=0, description="this run's steps done")
+    global_step: int = Field(ge=0, description="the model's steps over its lineage (its ancestors' and this run's)")
+    loss: float = Field(description="the mean training loss since the point before (rank 0's share of each batch)")
+    samples_per_s: float = Field(0.0, ge=0, description="samples a second since the point before")
+    graphs: int = Field(0, ge=0, description="graphs the run's compile backend had met by then")
+
+
+STEP_KEYS = ("step", "global_step", "rows")
+"""A metric point's fields besides its metrics' values."""
+
+
+class MetricPoint(BaseModel):
+    """One evaluation of the holdout: each metric's value at a step. Stored flat, as a metrics file
+    holds its points (`{"step": 300, "global_step": 300, "accuracy": 0.79, "loss": 0.45, "rows": 500}`);
+    a point from another platform's file may lack `global_step` (it is then the step) and `rows`,
+    and its fields that are not numbers (a timestamp, a name) are not metrics and are left out."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    step: int = Field(ge=0, description="this run's steps done")
+    global_step: int = Field(ge=0, description="the model's steps over its lineage")
+    rows: int | None = Field(None, ge=0, description="holdout rows evaluated")
+    values: dict[str, float] = Field(description="each metric's value, by the metric's name")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_flat(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or "values" in data:
+            return data
+        values = {k: v for k, v in data.items() if k not in STEP_KEYS
+                  and isinstance(v, int | float) and not isinstance(v, bool)}
+        flat = {k: data[k] for k in STEP_KEYS if k in data}
+        return {"global_step": flat.get("step"), **flat, "values": values}
+
+    @model_serializer(mode="wrap")
+    def _flat(self, handler: Any) -> dict[str, Any]:
+        data = handler(self)
+        values = data.pop("values")
+        if data.get("rows") is None:
+            data.pop("rows", None)
+        return {**data, **values}
+
+    def value(self, metric: str) -> float:
+        """The value of `metric`; KeyError when it was not measured."""
+        return self.values[metric]
+
+
+class Predictions(Record):
+    """Per holdout row, in holdout order, '1' when the model predicted it right: at one step (or
+    `final`: at each model's own last step, when two runs on different data are paired)."""
+
+    step: int | Literal["final"]
+    correct: str = Field(pattern=r"^[01]*$")
+
+
+class MetricSeries(BaseModel):
+    """A metric series, as a metrics file holds it (`trnflow.lifecycle.gate`): a run's `metrics.json`,
+    or another platform's file. Other top-level fields of such a file are not the gate's, and are
+    left out."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    format: int = 1
+    source: str | None = Field(None, description="what measured it: a run id, or a platform's name")
+    points: list[MetricPoint] = Field(default_factory=list, description="the evaluations, by step")
+    holdout_sha256: str | None = Field(None, description="the holdout the points were measured on")
+    directions: dict[str, Literal["higher", "lower"]] = Field(
+        default_factory=dict, description="which way each metric is better (a trnflow run's series says)")
+    predictions: Predictions | None = Field(None, description="the per-row outcomes at one step")
+    checkpoint: str | None = Field(None, description="the checkpoint it was measured on (an fp32 reference's)")
+
+    @property
+    def last(self) -> MetricPoint:
+        return self.points[-1]
+
+    def steps(self) -> list[int]:
+        return [p.step for p in self.points]
+
+
 # --- a checkpoint's meta.json ----------------------------------------------------------------
 
 class DataRead(Record):
@@ -102,8 +186,8 @@ class CheckpointMeta(Record):
     sampler: dict[str, int] = Field(description="the sampler's position, checked on resume (rows, batch, seed)")
     data: DataRead = Field(description="the training data read")
     watermark: str | None = Field(None, description="the newest day partition this model has seen")
-    metrics: list[dict[str, Any]] = Field(default_factory=list, description="the training curve so far")
-    evaluations: list[dict[str, Any]] = Field(default_factory=list, description="holdout points so far")
+    metrics: list[CurvePoint] = Field(default_factory=list, description="the training curve so far")
+    evaluations: list[MetricPoint] = Field(default_factory=list, description="holdout points so far")
     holdout_sha256: str | None = Field(None, description="the holdout the evaluations were measured on")
     recipe: dict[str, Any] = Field(description="the model's recipe: name, version and params")
     torch: str = Field(description="the PyTorch version that wrote it")

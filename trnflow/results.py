@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
 
-from trnflow.records import Verdict
+from trnflow.records import CurvePoint, MetricPoint, Verdict
 
 
 class _Model(BaseModel):
@@ -130,14 +130,50 @@ class CheckpointRoundTrip(_Model):
     left: str | None = Field(None, description="what could not be deleted afterwards, if anything")
 
 
+class CoreHolder(_Model):
+    """A process the host's device list shows holding one of the job's cores."""
+
+    pid: int | None = Field(description="its process id")
+    command: str = Field(description="its command, as neuron-ls lists it")
+
+
+class HostInventory(_Model):
+    """The host's device list (`neuron-ls --json-output`, or the emulated instance's) against the
+    job's cores (`trnflow.neuron.tools.inventory`)."""
+
+    source: str = Field("", description="what listed them: neuron-ls, or emulator")
+    devices: int = Field(ge=0, description="Neuron devices listed")
+    cores: int = Field(ge=0, description="NeuronCores listed")
+    missing: list[int] = Field(default_factory=list, description="the job's cores the list lacks (each one bad)")
+    held: dict[int, CoreHolder] = Field(default_factory=dict, description="the job's cores another process holds")
+
+
+class MemoryFigures(_Model):
+    """What each core must hold to train a spec on its layout, as the memory planner reckons it
+    (`trnflow.workload.memory`), in bytes."""
+
+    strategy: str = Field(description="ddp or fsdp")
+    parameters: int = Field(ge=0, description="the model's parameters")
+    weights: int = Field(ge=0, description="the weights one core keeps")
+    gradients: int = Field(ge=0, description="the gradients one core keeps (of the weights that train)")
+    optimizer: int = Field(ge=0, description="the optimizer state one core keeps")
+    activations: int = Field(ge=0, description="the activations one step saves for its backward pass")
+    gathered: int = Field(ge=0, description="fsdp: the weights gathered whole while they compute")
+    per_core_limit: int = Field(ge=0, description="what one core has")
+    tp: int = Field(1, ge=1, description="the cores each layer is split over")
+    rehearsal: bool = Field(False, description="the limit is a rehearsal's (TRNFLOW_REHEARSE_CORE_GIB)")
+    trainable: int | None = Field(None, description="parameters that train, when fewer than all (LoRA)")
+    total: int = Field(ge=0, description="what one core must hold")
+    fits: bool = Field(description="the total is within the limit")
+
+
 class SanityResult(StageResult):
     per_core: list[dict[str, Any]] = Field(description="each core's known-answer checks and which failed")
     bad_cores: list[int] = Field(default_factory=list, description="cores that failed a check")
     passed: bool = Field(description="every core passed")
     excluded_cores: list[int] = Field(default_factory=list, description="bad cores left out of the run")
-    memory: dict[str, Any] | None = Field(None, description="what each core must hold to train the spec")
-    inventory: dict[str, Any] | None = Field(None, description="the host's device list against the job's cores: "
-                                             "its source (neuron-ls or emulator), devices, cores, missing, held")
+    memory: MemoryFigures | None = Field(None, description="what each core must hold to train the spec")
+    inventory: HostInventory | None = Field(None, description="the host's device list against the job's cores")
     collectives: CollectivesResult | None = Field(
         None, description="the collective sweep the same job ran between its cores once every core passed (a "
         "pipeline's preflight, which then needs no collectives job); None when a core failed or no spec was given")
@@ -198,8 +234,8 @@ class TrainResult(StageResult):
     rows: int = 0
     loss: float | None = Field(None, description="the last step's training loss, on rank 0's share of its batch "
                                "(the stage's key figure is the curve's last point, a mean)")
-    evaluations: list[dict[str, Any]] = Field(default_factory=list, description="holdout points during training")
-    curve: list[dict[str, Any]] = Field(default_factory=list, description="logged loss against step")
+    evaluations: list[MetricPoint] = Field(default_factory=list, description="holdout points during training")
+    curve: list[CurvePoint] = Field(default_factory=list, description="logged loss against step")
     series: str | None = Field(None, description="the metric series the gate reads")
     holdout_sha256: str | None = None
     samples_per_s: float = 0.0
@@ -210,9 +246,23 @@ class TrainResult(StageResult):
     host_memory: dict[str, Any] | None = Field(None, description=HOST_MEMORY)
 
 
+class Registration(_Model):
+    """Where a candidate stands in the registry after the gate (`trnflow.lifecycle.judge.register`)."""
+
+    version: int = Field(description="its version of the model")
+    promoted: bool = Field(description="made the champion by this decision")
+    generation: int = Field(description="the registry generation the decision was made against")
+    checkpoint: str = Field("", description="the registered version's checkpoint: a rerun on the same inputs gets "
+                            "the first run's, which later stages must use (one model and one output folder a version)")
+    registered_before: bool = Field(False, description="a rerun (of the same run, or of the same spec on the same "
+                                    "data): registered already")
+    forced: bool = Field(False, description="promotable only because --force-promote said why: it is worse than "
+                         "the champion")
+
+
 class EvaluateResult(StageResult):
     checkpoint: str = Field(description="the checkpoint judged")
-    points: list[dict[str, Any]] = Field(description="the candidate's metric points")
+    points: list[MetricPoint] = Field(description="the candidate's metric points")
     series: str | None = None
     holdout_sha256: str | None = None
     correct: str | None = Field(None, description="per holdout row, '1' when the last point's prediction was right")
@@ -221,7 +271,7 @@ class EvaluateResult(StageResult):
     verdict: Verdict | None = Field(None, description="the gate's verdict (`trnflow.lifecycle.gate`)")
     against: str | None = Field(None, description="what the candidate was judged against")
     chart: str | None = Field(None, description="the parity chart's URL")
-    registry: dict[str, Any] | None = Field(None, description="version, generation and whether it was promoted")
+    registry: Registration | None = Field(None, description="where it stands in the registry")
 
 
 class InferResult(StageResult):

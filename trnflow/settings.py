@@ -10,6 +10,13 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+JOB_KINDS = ("preflight", "compile", "train", "infer")
+"""The stage kinds: a cloud job runs as its kind's role (`role_<kind>` below, the stack's
+`Job<Kind>Policy`, a run role's `job-<kind>` policy), which writes only that kind's outputs."""
+STAGE_KINDS = {"sanity": "preflight", "collectives": "preflight", "compile": "compile", "train": "train",
+               "evaluate": "train", "infer": "infer"}
+"""Each phase's stage kind."""
+
 
 class TrnflowSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="TRNFLOW_", extra="ignore")

@@ -245,6 +245,7 @@ def test_one_training_step_through_the_container_entrypoint(image_python_env, tm
     spec["compile"]["cache_url"] = str(tmp_path / "compile-cache")
     spec["train"].update(steps=1, checkpoint_every=1, log_every=1, global_batch_size=8,
                          checkpoint_url=str(tmp_path / "checkpoints"))
+    spec["train"]["parallelism"] = {"strategy": "ddp", "tp": 1}  # as every backend decides it before the job
     spec["gate"].update(reference=None, eval_every=None)
     spec["inference"]["output_url"] = str(tmp_path / "embeddings")
     spec["registry_url"] = str(tmp_path / "registry")

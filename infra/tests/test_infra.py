@@ -16,6 +16,7 @@ from cfnlint.decode import decode_str
 from tests.conftest import ON_S3, in_process_aws, quickstart_data  # noqa: F401 (a fixture)
 from trnflow.backends import JobRequest
 from trnflow.backends.cloud import published_settings
+from trnflow.settings import JOB_KINDS
 from trnflow.specs import validate_spec
 from trnflow.specs.spec import BATCH_SPOT_TYPES
 
@@ -108,7 +109,7 @@ def test_the_stack_deploys_into_moto_and_its_resources_answer_through_the_apis()
 
     iam = boto3.client("iam")
     policies = {p["PolicyName"]: p["Arn"] for p in iam.list_policies(Scope="Local", PathPrefix="/trnflow/")["Policies"]}
-    assert set(policies) == {"job-base", "job-preflight", "job-compile", "job-train", "job-infer"}
+    assert set(policies) == {"job-base", *(f"job-{kind}" for kind in JOB_KINDS)}
     assert all(arn.startswith(outputs["JobPolicies"]) for arn in policies.values())
 
     batch = boto3.client("batch")

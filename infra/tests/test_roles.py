@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from cfnlint.decode import decode_str
 
+from trnflow.settings import JOB_KINDS
+
 INFRA = Path(__file__).resolve().parents[1]
 TEMPLATE = INFRA / "cloudformation" / "trnflow.yaml"
 TEAM_TEMPLATE = INFRA / "cloudformation" / "team.yaml"
@@ -154,8 +156,7 @@ class Stack:
         return not any(s["Effect"] == "Deny" for s in found) and any(s["Effect"] == "Allow" for s in found)
 
 
-JOB_POLICIES = {"preflight": "JobPreflightPolicy", "compile": "JobCompilePolicy", "train": "JobTrainPolicy",
-                "infer": "JobInferPolicy"}
+JOB_POLICIES = {kind: f"Job{kind.title()}Policy" for kind in JOB_KINDS}
 """Each stage kind's policy, which a job of that kind has beside JobBasePolicy."""
 STACK = Stack(_template())
 CHECKPOINTS, CACHE = "arn:aws:s3:::trnflow-checkpoints-123456789012", "arn:aws:s3:::trnflow-compile-cache-123456789012"

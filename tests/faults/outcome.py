@@ -52,7 +52,7 @@ class Snapshot:
                 rows.update(zip(table.column("id").to_pylist(), table.column("embedding").to_pylist(), strict=True))
         run = RunCheckpoints(checkpoint.rpartition("/")[0])
         return cls(ckpt.model, ckpt.optim or {}, view, rows, run.committed(),
-                   list(ckpt.meta.evaluations) if ckpt.meta else [])
+                   [p.model_dump() for p in ckpt.meta.evaluations] if ckpt.meta else [])
 
     def differences(self, base: Snapshot, rtol: float = 0.0, outputs_rtol: float | None = None) -> dict[str, bool]:
         """Which of weights, registry, outputs and checkpoints equal the fault-free run's: bitwise, or

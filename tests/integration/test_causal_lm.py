@@ -93,7 +93,7 @@ def test_fine_tuning_lowers_holdout_perplexity_from_the_starting_models_on_three
             "seed": seed, "checkpoint_url": str(tmp_path / f"checkpoints-{seed}")})})
         job = wait(backend, backend.submit(JobRequest(seeded, "train", f"seed-{seed}")), 0.2)
         assert job.state is JobState.SUCCEEDED, job.failure
-        tuned[seed] = job.result.evaluations[-1]["perplexity"]
+        tuned[seed] = job.result.evaluations[-1].value("perplexity")
     assert len(set(tuned.values())) == 3, tuned  # three different runs
     assert all(p < 0.8 * start["perplexity"] for p in tuned.values()), (start, tuned)
 

@@ -13,7 +13,8 @@ from tests.clouds import (
 )
 from trnflow.backends import JobRequest, wait
 from trnflow.flows.pipeline import STAGES, pipeline
-from trnflow.reporting.forecast import history, plan
+from trnflow.reporting.forecast import plan
+from trnflow.reporting.history import history
 from trnflow.settings import TrnflowSettings
 from trnflow.testing.mockcloud import ServiceFault
 from trnflow.workload.memory import decided

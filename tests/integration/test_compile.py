@@ -27,9 +27,17 @@ from trnflow.device.cache import (
 from trnflow.emulator.compiler import compile_flags
 from trnflow.settings import TrnflowSettings
 from trnflow.workload.compile import extract
+from trnflow.workload.memory import decided
 
 TINY = {"vocab_size": 256, "d_model": 16, "n_heads": 2, "n_layers": 1, "ffn_dim": 32, "mlp_hidden": [8],
         "seq_len": 8}
+
+
+@pytest.fixture
+def make_spec(make_spec):
+    """The session's specs with their layout decided, as a run decides it before any job: the compile
+    phase's functions, called here without a backend, take them so."""
+    return lambda *args, **sections: decided(make_spec(*args, **sections))
 
 
 def test_the_same_spec_gives_the_same_keys_on_any_host_and_cache(make_spec, tmp_path):

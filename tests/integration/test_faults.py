@@ -23,6 +23,7 @@ from trnflow.neuron.nccom import bus_factor
 from trnflow.results import CollectivesResult, FailureReport, RunOutcome
 from trnflow.settings import TrnflowSettings
 from trnflow.testing.mockcloud.nodes import free_port
+from trnflow.workload.memory import decided
 
 
 @pytest.fixture
@@ -105,7 +106,7 @@ def test_a_container_node_names_its_killed_rank_with_its_signal(make_spec, tmp_p
     failure names rank 1 and the signal, and the ranks' lines are in the container's own output."""
     spec = make_spec(train={"steps": 6, "checkpoint_every": 100, "log_every": 1},
                      faults=[{"kind": "kill", "core": 1, "step": 3}])
-    (tmp_path / "spec.json").write_text(spec.model_dump_json())
+    (tmp_path / "spec.json").write_text(decided(spec).model_dump_json())  # as the backend hands it to the job
     port = free_port()
     env = {**os.environ, "AWS_BATCH_JOB_ID": "job-1#0", "AWS_BATCH_JOB_NUM_NODES": "1",
            "AWS_BATCH_JOB_NODE_INDEX": "0", "AWS_BATCH_JOB_MAIN_NODE_INDEX": "0", "TRNFLOW_MASTER_PORT": str(port),

@@ -11,7 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from trnflow.cli.app import app
-from trnflow.reporting.forecast import history
+from trnflow.reporting.history import history
 
 runner = CliRunner()
 

@@ -73,8 +73,8 @@ def test_a_lora_checkpoint_resumes_on_another_number_of_cores(make_spec, backend
     assert info.state is JobState.SUCCEEDED, info.failure
     assert info.result.start_step == 4
     whole = _train(backend, _lm(make_spec, decoder, cores=1), "lora-reshard-whole")
-    ours = {p["step"]: p["loss"] for p in info.result.curve if p["step"] > 4}
-    theirs = {p["step"]: p["loss"] for p in whole.result.curve}
+    ours = {p.step: p.loss for p in info.result.curve if p.step > 4}
+    theirs = {p.step: p.loss for p in whole.result.curve}
     assert sorted(ours) == [5, 6, 7, 8]
     for step, loss in ours.items():
         assert loss == pytest.approx(theirs[step], rel=1e-6), (step, loss, theirs[step])

@@ -154,7 +154,7 @@ def _the_fine_tune_holds_its_band_at_optlevel_1(work: Path) -> None:
         assert job.state is JobState.SUCCEEDED, job.failure
     reference = work / "runs" / "causal-lm" / "reference" / "metrics.json"
     theirs = {p["step"]: p["perplexity"] for p in json.loads(reference.read_text())["points"]}
-    ours = {p["step"]: p["perplexity"] for p in job.result.evaluations}
+    ours = {p.step: p.value("perplexity") for p in job.result.evaluations}
     assert sorted(ours) == sorted(theirs) == [150, 200]
     assert all(ours[step] != theirs[step] and abs(ours[step] - theirs[step]) <= 0.02 * theirs[step]
                for step in ours), (ours, theirs)

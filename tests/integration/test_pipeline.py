@@ -13,8 +13,9 @@ from trnflow.cli.app import app
 from trnflow.errors import FatalError, GateFailed
 from trnflow.flows.batch_inference import batch_inference
 from trnflow.flows.pipeline import STAGES, PipelineFailed, pipeline
-from trnflow.lifecycle.gate import metrics_document
+from trnflow.lifecycle.gate import series_of
 from trnflow.lifecycle.registry import Registry
+from trnflow.records import MetricPoint
 from trnflow.results import (
     CollectivesResult,
     CompileResult,
@@ -101,7 +102,7 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     spec = make_spec(gate={"eval_every": 20}, compute={"instance_type": "trn1.32xlarge"},
                      faults=[{"kind": "corrupt", "core": 1}], preflight={"exclude_bad_cores": True})
     reference = run_reference(spec)
-    assert [p["step"] for p in reference["points"]] == [20, 40]
+    assert reference.steps() == [20, 40]
 
     state, outcome = _run(spec)
     assert state.is_completed(), outcome
@@ -177,8 +178,8 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     assert cost["total_usd"] == pytest.approx(sum(r["cost_usd"] for r in cost["rows"]), abs=1e-3)
 
     # the candidate is registered, and, having passed and its outputs written, promoted
-    assert results["evaluate"]["registry"] == {"version": 1, "promoted": False, "generation": 0,
-                                               "checkpoint": results["train"]["checkpoint"]}
+    assert results["evaluate"]["registry"] == {"version": 1, "promoted": False, "generation": 0, "forced": False,
+                                               "checkpoint": results["train"]["checkpoint"], "registered_before": False}
     assert results["promote"]["version"] == 1 and results["promote"]["generation"] == 1
     champion = Registry(spec.registry_url).champion(spec.name)
     assert champion.checkpoint == results["train"]["checkpoint"] and champion.watermark == "2026-01-02"
@@ -199,10 +200,11 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     from prefect import flow
 
     from trnflow.tasks.compile import compile_graphs
+    from trnflow.workload.memory import decided
 
     @flow
-    def compile_again():
-        return compile_graphs(spec, "second-run", results["sanity"]["cores"])
+    def compile_again():  # the task, given the spec as a run's flow gives it: its layout decided
+        return compile_graphs(decided(spec), "second-run", results["sanity"]["cores"])
 
     again = compile_again()
     assert again.hits == 3 and again.compiled == 0
@@ -214,7 +216,8 @@ def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champ
     spec = make_spec(cores=1, name="gatefail", retries={"max_retries": 2, "backoff_seconds": 0})
     ref_path = local_path(spec.gate.reference)
     ref_path.parent.mkdir(parents=True)
-    ref_path.write_text(json.dumps(metrics_document([{"step": spec.train.steps, "accuracy": 0.999}], "gpu")))
+    ref_path.write_text(series_of([MetricPoint(step=spec.train.steps, global_step=spec.train.steps,
+                                               values={"accuracy": 0.999})], "gpu").model_dump_json())
     registry = Registry(spec.registry_url)
     registry.promote("gatefail", registry.register("gatefail", {"checkpoint": "file:///earlier/step-000010"}).version)
 
@@ -354,8 +357,9 @@ def reference_checkpoint(prefect_api, dataset, tmp_path_factory, compile_cache, 
         registry_url=str(root / "registry"),
     ))
     document = run_reference(spec)
-    assert json.loads(local_path(spec.gate.reference).read_text()) == document
-    return spec, document["checkpoint"]
+    assert json.loads(local_path(spec.gate.reference).read_text()) == document.model_dump(mode="json",
+                                                                                          exclude_none=True)
+    return spec, document.checkpoint
 
 
 def test_missing_reference_fails_with_the_fix(reference_checkpoint, tmp_path):
@@ -372,7 +376,7 @@ def test_no_reference_configured_records_a_baseline(reference_checkpoint):
     state, result = _evaluate_once(spec, checkpoint)
     assert state.is_completed(), result
     assert "baseline" in result.summary
-    assert result.points[0]["step"] == 20
+    assert result.points[0].step == 20
 
 
 def test_evaluation_matches_the_reference_it_came_from(reference_checkpoint):

@@ -80,8 +80,8 @@ def test_a_sharded_checkpoint_resumes_on_another_number_of_cores(make_spec, back
     # rank 0 logs the loss of its part of the batch: the part it has at `resumed` ranks
     whole = _train(backend, make_spec(compute={**compute, "cores_per_node": resumed}, train=train), "reshard-whole")
     assert whole.state is JobState.SUCCEEDED, whole.failure
-    ours = {p["step"]: p["loss"] for p in info.result.curve if p["step"] > 4}  # the steps trained after resuming
-    theirs = {p["step"]: p["loss"] for p in whole.result.curve}
+    ours = {p.step: p.loss for p in info.result.curve if p.step > 4}  # the steps trained after resuming
+    theirs = {p.step: p.loss for p in whole.result.curve}
     assert sorted(ours) == [5, 6, 7, 8]
     for step, loss in ours.items():
         assert loss == pytest.approx(theirs[step], rel=1e-6), (step, loss, theirs[step])

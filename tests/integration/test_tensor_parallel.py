@@ -64,7 +64,7 @@ def _outputs_aside(spec) -> str:
 
 
 def _losses(info) -> list[float]:
-    return [point["loss"] for point in info.result.curve]
+    return [point.loss for point in info.result.curve]
 
 
 def _trains_as_the_whole_model(backend, whole_spec, split_spec, shared_run):

@@ -201,10 +201,10 @@ def test_a_run_is_mirrored_to_mlflow_and_one_that_found_it_down_is_synced_later(
         assert tags["trnflow.flow_run"].startswith(prefect_api.removesuffix("/api"))
         # the series are trnflow's own, at the same steps
         curve = outcome.results["train"].curve
-        assert _series(client, run.info.run_id, "train/loss") == [(p["step"], pytest.approx(p["loss"])) for p in curve]
+        assert _series(client, run.info.run_id, "train/loss") == [(p.step, pytest.approx(p.loss)) for p in curve]
         evaluated = outcome.results["evaluate"]
         assert _series(client, run.info.run_id, "eval/accuracy") == [
-            (p["step"], pytest.approx(p["accuracy"])) for p in evaluated.points]
+            (p.step, pytest.approx(p.value("accuracy"))) for p in evaluated.points]
         assert _series(client, run.info.run_id, "reference/accuracy") == [
             (p.step, pytest.approx(p.reference)) for p in evaluated.verdict.points] and len(evaluated.points) == 2
         assert _series(client, run.info.run_id, "infer/rows") == [(0, outcome.results["infer"].rows)]
@@ -213,7 +213,7 @@ def test_a_run_is_mirrored_to_mlflow_and_one_that_found_it_down_is_synced_later(
         chart = Path(client.download_artifacts(run.info.run_id, "parity.png", str(tmp_path)))
         assert chart.read_bytes() == local_path(evaluated.chart).read_bytes()
         # the registered version, by reference, and the champion alias on it
-        version = evaluated.registry["version"]
+        version = evaluated.registry.version
         champion = client.get_model_version_by_alias(spec.name, "champion")
         assert champion.tags["trnflow.version"] == str(version) and champion.run_id == run.info.run_id
         assert champion.source == f"runs:/{run.info.run_id}/registry/v{version:06d}"
@@ -242,7 +242,7 @@ def test_a_run_is_mirrored_to_mlflow_and_one_that_found_it_down_is_synced_later(
         synced = _mlflow_run(MlflowClient(url), "search/m5", "missed")
         assert synced.info.run_id == mlflow_id and synced.info.status == "FINISHED"
         curve = state.result().results["train"].curve
-        assert [s for s, _ in _series(MlflowClient(url), mlflow_id, "train/loss")] == [p["step"] for p in curve]
+        assert [s for s, _ in _series(MlflowClient(url), mlflow_id, "train/loss")] == [p.step for p in curve]
         assert not kept.exists()
         # MLflow's alias follows trnflow's champion, whichever run made it, and every change of it
         registry = Registry(spec.registry_url)
@@ -267,9 +267,9 @@ def test_a_run_is_mirrored_to_mlflow_and_one_that_found_it_down_is_synced_later(
     with tensorboard_server(logdir(spec.train.checkpoint_url), _free_port(), tmp_path / "tensorboard.log") as board:
         for run_id, ran in (("mirrored", outcome), ("missed", state.result())):
             assert _board_series(board, f"{run_id}/tensorboard", "train/loss") == [
-                (p["step"], pytest.approx(p["loss"], rel=1e-6)) for p in ran.results["train"].curve]
+                (p.step, pytest.approx(p.loss, rel=1e-6)) for p in ran.results["train"].curve]
             assert _board_series(board, f"{run_id}/tensorboard", "eval/accuracy") == [
-                (p["step"], pytest.approx(p["accuracy"], rel=1e-6)) for p in ran.results["evaluate"].points]
+                (p.step, pytest.approx(p.value("accuracy"), rel=1e-6)) for p in ran.results["evaluate"].points]
     if not walked:
         pytest.skip("all but the MLflow UI's walk passed: Debian's chromium is not installed (make test installs it)")
 

@@ -15,6 +15,7 @@ from trnflow.backends.cloud import BASE_NAME_LENGTH, CloudTarget, container_envi
 from trnflow.backends.container import batch_rendezvous, sagemaker_rendezvous, torchrun_argv
 from trnflow.backends.sagemaker_request import build_training_job_request
 from trnflow.errors import FatalError
+from trnflow.settings import JOB_KINDS, STAGE_KINDS, TrnflowSettings
 from trnflow.specs import SpecError, load_spec, validate_spec
 from trnflow.teams import UNDECLARED, Team
 
@@ -628,8 +629,10 @@ def test_each_stage_kind_runs_as_its_own_role_on_either_service():
     (never the instance's)."""
     import dataclasses
 
-    roles = {kind: f"arn:aws:iam::123456789012:role/trnflow-job-{kind}"
-             for kind in ("preflight", "compile", "train", "infer")}
+    roles = {kind: f"arn:aws:iam::123456789012:role/trnflow-job-{kind}" for kind in JOB_KINDS}
+    # every kind has its role setting, and the settings name no other kind
+    assert {name for name in TrnflowSettings.model_fields if name.startswith("role_") and name != "role_settle_seconds"
+            } == {f"role_{kind}" for kind in JOB_KINDS} and set(STAGE_KINDS.values()) == set(JOB_KINDS)
     split = dataclasses.replace(TARGET, roles=roles)
     want = {"sanity": "preflight", "collectives": "preflight", "compile": "compile", "train": "train",
             "evaluate": "train", "infer": "infer"}

@@ -14,7 +14,9 @@ from typer.testing import CliRunner
 
 from tests.conftest import quickstart_data
 from trnflow.cli.app import app
-from trnflow.device.cache import COMPILER_VERSION, INDEX, LOCKED, STALE_LOCK_SECONDS, CompileCache, entry_name
+from trnflow.device.cache import COMPILER_VERSION, LOCKED, CompileCache, entry_name
+from trnflow.device.cache_index import INDEX
+from trnflow.device.cache_lock import STALE_LOCK_SECONDS
 from trnflow.errors import TrnflowError
 from trnflow.lifecycle.registry import Registry
 from trnflow.processes import pid_alive

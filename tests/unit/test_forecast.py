@@ -13,17 +13,10 @@ from tests.conftest import quickstart_data
 from trnflow.cli.app import app  # the command's modules load torch lazily, in the tests that run it
 from trnflow.errors import OverBudget
 from trnflow.events import readable
+from trnflow.reporting.budget import over_limits, training_budget
 from trnflow.reporting.cost import job_cost, price_per_hour, run_cost
-from trnflow.reporting.forecast import (
-    Layout,
-    beside,
-    history,
-    keep,
-    over_limits,
-    plan,
-    record_of,
-    training_budget,
-)
+from trnflow.reporting.forecast import beside, plan
+from trnflow.reporting.history import RunShape, history, keep, record_of
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
 from trnflow.reporting.report import cost_markdown
 from trnflow.results import CompileResult, InferResult, RunOutcome, StageRow, TrainResult
@@ -59,7 +52,7 @@ def test_a_run_kept_in_the_history_is_read_back_beside_its_registry(tmp_path):
     (records, unread) = history(spec, tmp_path / "home")
     assert unread == [] and [r.run_id for r in records] == ["r1"]
     train = records[0].stage("train")
-    assert (train.work, train.rate) == (3200.0, 400.0) and records[0].layout == Layout.of(spec)
+    assert (train.work, train.rate) == (3200.0, 400.0) and records[0].layout == RunShape.of(spec)
     (tmp_path / "registry" / "quickstart" / "history" / "torn.json").write_text("{")
     records, unread = history(spec, tmp_path / "home")
     assert [r.run_id for r in records] == ["r1"] and unread == ["torn.json: ValidationError"]

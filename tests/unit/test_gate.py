@@ -3,8 +3,29 @@ import json
 import pytest
 
 from trnflow.errors import DataError
-from trnflow.lifecycle.gate import better, compare, headline, metrics_document, no_regression, parse_metrics
-from trnflow.records import Band, PairedCheck, Verdict
+from trnflow.lifecycle import gate
+from trnflow.lifecycle.gate import headline, parse_metrics, series_of
+from trnflow.records import Band, MetricPoint, MetricSeries, PairedCheck, Verdict
+
+
+def _typed(data):
+    """Points and series written as a metrics file holds them, as the gate takes them."""
+    if isinstance(data, list):
+        return [MetricPoint.model_validate(p) for p in data]
+    return MetricSeries.model_validate(data) if isinstance(data, dict) else data
+
+
+def compare(candidate, reference, *args, **kwargs):
+    return gate.compare(_typed(candidate), _typed(reference), *args, **kwargs)
+
+
+def no_regression(candidate, champion, *args, **kwargs):
+    return gate.no_regression(_typed(candidate), _typed(champion), *args, **kwargs)
+
+
+def better(series, metric):
+    return gate.better(_typed(series), metric)
+
 
 REF = [{"step": 100, "accuracy": 0.80}, {"step": 200, "accuracy": 0.85}]
 ACC = Band(metric="accuracy", max_abs_diff=0.001)
@@ -42,9 +63,14 @@ def test_no_common_step_fails_with_explanation():
 
 
 def test_metrics_document_round_trips():
-    doc = metrics_document([{"step": 200, "accuracy": 0.85}, {"step": 100, "accuracy": 0.8}], "gpu")
-    assert [p["step"] for p in doc["points"]] == [100, 200]
-    assert parse_metrics(json.dumps(doc), "ref.json", "accuracy")["points"] == doc["points"]
+    series = series_of(_typed([{"step": 200, "accuracy": 0.85}, {"step": 100, "accuracy": 0.8}]), "gpu")
+    assert series.steps() == [100, 200] and series.points[0].global_step == 100  # a file without one: the step
+    text = series.model_dump_json()
+    assert json.loads(text)["points"][1] == {"step": 200, "global_step": 200, "accuracy": 0.85}  # flat, as files are
+    assert parse_metrics(text, "ref.json", "accuracy") == series
+    other = parse_metrics('{"points": [{"step": 5, "accuracy": 0.5, "at": "2026-12-01", "ok": true}], "run": "x"}',
+                          "gpu.json", "accuracy")
+    assert other.points[0].values == {"accuracy": 0.5}  # a file's fields that are not numbers are not metrics
 
 
 @pytest.mark.parametrize("text", ["not json", "[]", '{"points": []}', '{"points": [{"step": "1", "accuracy": 1}]}'])
@@ -132,7 +158,7 @@ def test_the_paired_test_is_told_in_plain_words_with_its_power():
     small = {"holdout_sha256": "h", "predictions": {"step": 40, "correct": "1" * 390 + "0" * 10}}
 
     def told(candidate: dict, reference: dict, band: float) -> str:
-        paired = paired_check(candidate, reference, "accuracy", band, 0.05)
+        paired = paired_check(_typed(candidate), _typed(reference), "accuracy", band, 0.05)
         return paired_sentence(Verdict(metric="accuracy", max_abs_diff=band, mode="final", passed=True, paired=paired))
 
     sentence = told(small, small, 0.001)

@@ -12,6 +12,7 @@ import torch
 from tests.conftest import quickstart_data
 from trnflow.specs import GenerateSpec, SpecError, validate_spec
 from trnflow.workload.generate import generate
+from trnflow.workload.memory import decided
 from trnflow.workload.programs import programs_of
 from trnflow.workload.recipes import recipe_for
 
@@ -50,7 +51,7 @@ def test_greedy_generation_is_transformers_own_from_each_rows_prompt(lm):
             theirs = model.lm.generate(input_ids=buffer[i:i + 1, :lengths[i]], max_new_tokens=6, do_sample=False,
                                        pad_token_id=recipe.tokenizer.pad_id, eos_token_id=None)
             assert ours[i] == theirs[0, lengths[i]:].tolist()[:len(ours[i])]
-    assert "generate_step" in programs_of(spec)
+    assert "generate_step" in programs_of(decided(spec))
     unfitted = recipe_for(spec)  # the compile stage's trial: made-up rows, before any tokenizer is fitted
     made_up, at = unfitted.prompts(unfitted.example(4, torch.Generator().manual_seed(0)), 6)
     assert made_up.shape == (4, 48 + 6) and (at <= 48).all()

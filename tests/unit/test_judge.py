@@ -6,7 +6,7 @@ from tests.factories import checkpoint_meta, commit
 from trnflow.lifecycle.digests import verified_manifest
 from trnflow.lifecycle.judge import Candidate, Check, Decision, Registration, decide, register, up_to
 from trnflow.lifecycle.registry import Registry
-from trnflow.records import Verdict, dump
+from trnflow.records import MetricSeries, Verdict, dump
 
 VERDICT = Verdict(metric="accuracy", mode="every-point", max_abs_diff=0.001, passed=True)
 PASSED = Decision([Check(VERDICT, None, "no reference set")], VERDICT, "no reference set")
@@ -21,7 +21,7 @@ def _checkpoint(root, run: str, files=("dt=2026-01-01/part-0.parquet",)):
     ckpt.mkdir(parents=True)
     (ckpt / "meta.json").write_bytes(_meta(run, files))
     commit(ckpt)
-    return Candidate(ckpt.as_uri(), {"points": [{"step": 40, "accuracy": 0.8}]})
+    return Candidate(ckpt.as_uri(), MetricSeries.model_validate({"points": [{"step": 40, "accuracy": 0.8}]}))
 
 
 def test_a_rerun_of_the_same_spec_on_the_same_data_registers_no_second_version(make_spec, tmp_path):
@@ -40,9 +40,9 @@ def test_a_rerun_of_the_same_spec_on_the_same_data_registers_no_second_version(m
     assert newer.version == 2 and [v.version for v in registry.versions(spec.name)] == [1, 2]
 
 
-def _series(accuracy: float, correct: str) -> dict:
-    return {"points": [{"step": 40, "accuracy": accuracy}], "holdout_sha256": "h",
-            "predictions": {"step": 40, "correct": correct}}
+def _series(accuracy: float, correct: str) -> MetricSeries:
+    return MetricSeries.model_validate({"points": [{"step": 40, "accuracy": accuracy}], "holdout_sha256": "h",
+                                        "predictions": {"step": 40, "correct": correct}})
 
 
 def test_a_candidate_worse_than_the_champion_passes_the_gate_but_is_not_promoted(make_spec, tmp_path):
@@ -66,9 +66,10 @@ def test_a_gate_on_loss_keeps_out_a_candidate_of_higher_loss_than_the_champion(m
     relative = {**spec.gate.model_dump(exclude={"max_abs_diff"}), "max_rel_diff": 0.05}
     spec = spec.model_copy(update={"gate": type(spec.gate).model_validate(relative)})
 
-    def series(loss: float) -> dict:
-        return {"points": [{"step": 40, "accuracy": 0.8, "loss": loss}], "holdout_sha256": "h",
-                "directions": {"accuracy": "higher", "loss": "lower"}}
+    def series(loss: float) -> MetricSeries:
+        points = [{"step": 40, "accuracy": 0.8, "loss": loss}]
+        return MetricSeries.model_validate({"points": points, "holdout_sha256": "h",
+                                            "directions": {"accuracy": "higher", "loss": "lower"}})
 
     registry = Registry(spec.registry_url)
     higher = decide(spec, registry, series(0.43), False, (series(0.40), "champion v1"))
@@ -102,22 +103,22 @@ def test_a_rerun_of_the_same_run_reuses_its_version_and_does_not_promote_again(m
     (ckpt / "meta.json").write_bytes(_meta("run"))
     commit(ckpt)
     registry = Registry(spec.registry_url)
-    candidate = Candidate(ckpt.as_uri(), {"points": [{"step": 40, "accuracy": 0.8}]})
+    candidate = Candidate(ckpt.as_uri(), MetricSeries.model_validate({"points": [{"step": 40, "accuracy": 0.8}]}))
     first = register(spec, registry, candidate, "run", PASSED, registry.generation(spec.name))
     again = register(spec, registry, candidate, "run", PASSED, registry.generation(spec.name))
     assert first == Registration(version=1, promoted=True, generation=0, checkpoint=ckpt.as_uri())
     assert again == Registration(version=1, promoted=False, generation=1, checkpoint=ckpt.as_uri(),
                                  registered_before=True)
-    assert again.as_dict() == {"version": 1, "promoted": False, "generation": 1, "checkpoint": ckpt.as_uri(),
-                               "registered_before": True}
+    assert again.model_dump() == {"version": 1, "promoted": False, "generation": 1, "checkpoint": ckpt.as_uri(),
+                                  "registered_before": True, "forced": False}
     assert len(registry.versions(spec.name)) == 1 and len(registry.history(spec.name)) == 1
 
 
 def test_an_older_checkpoint_is_gated_on_its_own_points():
-    series = {"points": [{"step": 20, "accuracy": 0.7}, {"step": 40, "accuracy": 0.8}],
-              "predictions": {"step": 40, "correct": "01"}}
+    series = MetricSeries.model_validate({"points": [{"step": 20, "accuracy": 0.7}, {"step": 40, "accuracy": 0.8}],
+                                          "predictions": {"step": 40, "correct": "01"}})
     at_20 = up_to(series, 20)
-    assert [p["step"] for p in at_20["points"]] == [20] and "predictions" not in at_20
+    assert at_20.steps() == [20] and at_20.predictions is None
     assert up_to(series, 40) == series
 
 
@@ -132,5 +133,5 @@ def test_a_champion_that_cannot_be_compared_keeps_its_place_and_a_series_without
     check = incomparable(spec, None, "champion v1", "champion v1 is another model")
     decision = decide(spec, Registry(spec.registry_url), _series(0.9, "1" * 9 + "0"), False, check)
     assert decision.gate_passed and decision.worse_than_champion is check
-    assert not same_holdout({"holdout_sha256": "h"}, {"points": []})
-    assert same_holdout({"holdout_sha256": "h"}, {"holdout_sha256": "h"})
+    assert not same_holdout(MetricSeries(holdout_sha256="h"), MetricSeries())
+    assert same_holdout(MetricSeries(holdout_sha256="h"), MetricSeries(holdout_sha256="h"))

@@ -8,7 +8,7 @@ import torch
 
 from tests.conftest import quickstart_data
 from trnflow.backends import JobRequest
-from trnflow.backends.base import resolved
+from trnflow.backends.base import fitted
 from trnflow.errors import FatalError
 from trnflow.specs import SpecError, validate_spec
 from trnflow.workload.memory import REHEARSAL_CORE_ENV, check_fits, plan
@@ -38,8 +38,8 @@ def test_auto_shards_a_model_too_big_for_a_rehearsed_core(monkeypatch):
     found = check_fits(spec)
     assert found.strategy == "fsdp" and not found.ddp.fits and found.fsdp.fits and found.fsdp.rehearsal
     assert "(rehearsal)" in found.describe() and found.describe().startswith("parallelism: fsdp per core: ddp ")
-    request = resolved(JobRequest(spec, "train", "r1"), found.strategy, found.tp)
-    assert request.spec.train.parallelism.strategy == "fsdp" and spec.train.parallelism.strategy == "auto"
+    request = fitted(JobRequest(spec, "train", "r1"))
+    assert request.spec.layout == found.layout and spec.train.parallelism.strategy == "auto"
 
 
 def test_ddp_that_cannot_fit_is_refused_naming_fsdp(monkeypatch):

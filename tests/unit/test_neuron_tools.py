@@ -30,10 +30,10 @@ def test_neuron_ls_json_is_read_with_its_real_fields_and_checked_against_the_job
     records = tools.parse_neuron_ls(json.dumps([TRN2_DEVICE, second]))
     assert records[0]["cpu_affinity"] == "48-95,144-191" and records[0]["numa_node"] == 1
     found = tools.inventory(records, cores=[2, 3, 8], own_pids={4242})
-    assert found == {"devices": 2, "cores": 8, "missing": [8],
-                     "held": {"2": {"pid": 113985, "command": "neuron-bench exec"},
-                              "3": {"pid": 113985, "command": "neuron-bench exec"}}}
-    assert tools.inventory(records, cores=[2, 3], own_pids={113985})["held"] == {}  # the job's own processes
+    assert found.model_dump() == {"source": "neuron-ls", "devices": 2, "cores": 8, "missing": [8],
+                                  "held": {2: {"pid": 113985, "command": "neuron-bench exec"},
+                                           3: {"pid": 113985, "command": "neuron-bench exec"}}}
+    assert tools.inventory(records, cores=[2, 3], own_pids={113985}).held == {}  # the job's own processes
 
 
 @pytest.mark.parametrize("text, problem", [("not json", "not JSON"), ('{"a": 1}', "expected a list"),

@@ -48,10 +48,10 @@ def test_every_record_that_names_a_process_asks_the_one_function():
     import inspect
 
     from trnflow.backends import local
-    from trnflow.device import cache
+    from trnflow.device import cache_lock
     from trnflow.emulator import device
 
-    for module in (cache, local, device):
+    for module in (cache_lock, local, device):
         assert module.pid_alive is pid_alive
         assert "os.kill(" not in inspect.getsource(module)
     lock = (Path(__file__).resolve().parents[2] / "flows" / "_lock.py").read_text()  # imports Prefect: read, not run

@@ -73,13 +73,16 @@ def test_a_spec_from_before_recipes_is_shown_its_new_form_with_its_own_values():
 
 def test_the_recipe_and_its_version_are_part_of_every_compile_key_and_plan():
     from trnflow.emulator.device import EmulatorDevice
+    from trnflow.workload.memory import decided
     from trnflow.workload.recipes import plan_digest
 
-    spec = validate_spec(quickstart_data())
+    spec = decided(validate_spec(quickstart_data()))
     flags = EmulatorDevice().compiler(spec, mode="extract", model=recipe_for(spec).key).flags
     assert flags["model"] == "m5-text@1"
-    wider = validate_spec(quickstart_data(model={"params": {"d_model": 128}}))
+    wider = decided(validate_spec(quickstart_data(model={"params": {"d_model": 128}})))
     assert plan_digest(spec) != plan_digest(wider)
+    split = spec.with_layout(spec.layout.model_copy(update={"strategy": "fsdp"}))
+    assert plan_digest(split) != plan_digest(spec)  # a sharded model's programs are others
 
 
 def test_a_recipe_without_embeddings_publishes_predictions_and_class_probabilities():

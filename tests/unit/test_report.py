@@ -61,12 +61,18 @@ def _drawn(fig) -> dict:
     return {"lines": lines, "marks": marks, "notes": [t.get_text() for t in ax.texts]}
 
 
+def _points(*points: dict) -> list:
+    from trnflow.records import MetricPoint
+
+    return [MetricPoint.model_validate(p) for p in points]
+
+
 def test_a_failed_gate_with_no_common_step_draws_both_series_and_says_nothing_was_compared():
     from trnflow.lifecycle.gate import Band, compare
     from trnflow.reporting.chart import parity_figure, parity_png
 
-    candidate = [{"step": 80, "accuracy": 0.71}]
-    reference = [{"step": 30, "accuracy": 0.6}, {"step": 60, "accuracy": 0.7}]
+    candidate = _points({"step": 80, "accuracy": 0.71})
+    reference = _points({"step": 30, "accuracy": 0.6}, {"step": 60, "accuracy": 0.7})
     verdict = compare(candidate, reference, Band(metric="accuracy", max_abs_diff=0.001))
     shown = _drawn(parity_figure(verdict, candidate, reference, "quickstart"))
     assert shown["lines"] == {"candidate": [(80, 0.71)], "reference": [(30, 0.6), (60, 0.7)]}
@@ -78,8 +84,9 @@ def test_the_parity_chart_marks_the_compared_steps_and_those_outside_the_band():
     from trnflow.lifecycle.gate import Band, compare
     from trnflow.reporting.chart import parity_figure
 
-    candidate = [{"step": s, "accuracy": a} for s, a in ((100, 0.70), (200, 0.75), (300, 0.70))]
-    reference = [{"step": s, "accuracy": a} for s, a in ((100, 0.70), (200, 0.7505), (250, 0.76), (300, 0.78))]
+    candidate = _points(*({"step": s, "accuracy": a} for s, a in ((100, 0.70), (200, 0.75), (300, 0.70))))
+    reference = _points(*({"step": s, "accuracy": a}
+                          for s, a in ((100, 0.70), (200, 0.7505), (250, 0.76), (300, 0.78))))
     verdict = compare(candidate, reference, Band(metric="accuracy", max_abs_diff=0.001))
     shown = _drawn(parity_figure(verdict, candidate, reference, "quickstart"))
     assert shown["lines"]["reference"] == [(100, 0.7), (200, 0.7505), (250, 0.76), (300, 0.78)]  # its own steps

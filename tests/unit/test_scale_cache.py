@@ -24,13 +24,12 @@ from trnflow.device.cache import (
     COMPILER_VERSION,
     CORRUPT,
     DONE,
-    INDEX,
-    INDEX_FORMAT,
-    LEGACY_VERSION,
     MISSING,
     CompileCache,
     entry_name,
 )
+from trnflow.device.cache_entry import LEGACY_VERSION
+from trnflow.device.cache_index import INDEX, INDEX_FORMAT
 from trnflow.storage import LocalStore, S3Store
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark builds its cache the same way
@@ -305,11 +304,11 @@ def test_on_s3_the_index_is_one_object_and_the_listing_stays_the_truth(monkeypat
 
 
 def test_an_index_row_is_typed_and_a_malformed_one_is_read_again_from_its_entry():
-    from trnflow.device.cache import INDEXED, IndexRow, _Index
+    from trnflow.device.cache_index import INDEXED, Index, IndexRow
 
     good = IndexRow(stamp=((10, 1.0), None, (40, 2.0)), sizes=None, hits=3, last_used=2.5)
     assert len(INDEXED) == 3 and IndexRow.model_validate(json.loads(good.model_dump_json())) == good
-    index = _Index({"MODULE_a": good.model_dump(mode="json"),
+    index = Index({"MODULE_a": good.model_dump(mode="json"),
                     "MODULE_b": {**good.model_dump(mode="json"), "hits": "3"},  # hand-edited: a string
                     "MODULE_c": [[[10, 1.0], None, [40, 2.0]], None, 3, 2.5]}, settled_before=100.0)  # format 1
     assert list(index.kept) == ["MODULE_a"]  # the others are read from their entries again

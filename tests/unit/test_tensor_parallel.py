@@ -13,8 +13,9 @@ from typer.testing import CliRunner
 from tests.conftest import quickstart_data
 from trnflow.cli.app import app
 from trnflow.errors import FieldError
-from trnflow.specs import SpecError, validate_spec
-from trnflow.workload.memory import REHEARSAL_CORE_ENV, check_fits, plan
+from trnflow.reporting.history import RunShape
+from trnflow.specs import Layout, SpecError, validate_spec
+from trnflow.workload.memory import REHEARSAL_CORE_ENV, check_fits, decided, plan
 from trnflow.workload.programs import build_model
 from trnflow.workload.recipes import recipe_for
 
@@ -138,6 +139,13 @@ def test_tp_auto_splits_only_a_model_too_big_for_a_core_and_validate_says_so(tmp
     result = CliRunner().invoke(app, ["validate", str(path), "--no-data-check"])
     assert result.exit_code == 0, result.output
     assert "parallelism: ddp tp 2 per core" in " ".join(result.output.split())
+    # undecided, the spec names no number; decided once, the value travels and every reader agrees
+    for undecided in (lambda: spec.tp, lambda: spec.layout, lambda: spec.per_core_batch, lambda: RunShape.of(spec)):
+        with pytest.raises(ValueError, match=r"train\.parallelism.*undecided"):
+            undecided()
+    chosen = decided(spec)
+    assert chosen.layout == Layout(strategy="ddp", tp=2) == found.layout and chosen.data_parallel_size == 1
+    assert RunShape.of(chosen).tp == 2 and decided(chosen) is chosen and spec.train.parallelism.tp == "auto"
 
 
 def test_validate_refuses_a_split_the_model_cannot_take_before_anything_runs(decoder_folder, tmp_path):

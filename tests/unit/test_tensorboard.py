@@ -54,7 +54,8 @@ def test_a_runs_event_file_on_s3_is_read_by_tensorboard_from_s3(in_process_aws):
 
     aws.client("s3").create_bucket(Bucket="runs")
     spec = validate_spec(quickstart_data(train={"checkpoint_url": "s3://runs/checkpoints", "lr": 0.01}))
-    curve = [{"step": 5, "loss": 0.7, "samples_per_s": 900.0}, {"step": 10, "loss": 0.6, "samples_per_s": 950.0}]
+    curve = [{"step": 5, "global_step": 5, "loss": 0.7, "samples_per_s": 900.0},
+             {"step": 10, "global_step": 10, "loss": 0.6, "samples_per_s": 950.0}]
     outcome = RunOutcome(run_id="r-1", results={"train": TrainResult(checkpoint=None, curve=curve)})
     note = write_events(spec, outcome)
     assert folder(spec, "r-1") == "s3://runs/checkpoints/r-1/tensorboard" and logdir(spec.train.checkpoint_url) in note

@@ -228,6 +228,37 @@ def _never(pool: Pool, claim: Claim) -> str | None:
     return None
 
 
+def _totals(claims: Iterable[Claim], start: Mapping[str, float] | None, what: str) -> dict:
+    """Per team, `start` (nothing when None) plus the `what` (units or cost) of its `claims`."""
+    totals = dict(start or {})
+    for claim in claims:
+        totals[claim.team] = totals.get(claim.team, 0) + getattr(claim, what)
+    return totals
+
+
+def _over_spend(pool: Pool, claim: Claim, used: float) -> str | None:
+    """Why `claim` would take its team past its daily spend limit, `used` being what its runs spent
+    or hold today; None within it. Only time frees it."""
+    limit = pool.share(claim.team).daily_spend
+    if limit is None or used + claim.cost <= limit:
+        return None
+    return (f"team {claim.team} at its daily spend limit, ${used:.2f} of ${limit:.2f} spent or forecast today "
+            f"(this run: ${claim.cost:.2f})")
+
+
+def _stopped_by(pool: Pool, claim: Claim, held: list[Claim], later: _Tally) -> tuple[str, bool, bool]:
+    """Why `claim` does not fit now, in words; whether its team's quota stops it (`later`: the pool
+    once the runs already asked have yielded); and whether only that does (its team may not borrow,
+    so only its own runs stand in its way)."""
+    over = bool(pool.limits(claim.team)) and not later.within_quota(claim)
+    by_quota = over and not pool.share(claim.team).borrow
+    if not over:
+        return f"{pool.name} is full, {_Tally(pool, held).total} of {pool.units(pool.capacity)} held", False, False
+    quota = pool.quota(claim.team)
+    reason = f"team {claim.team} at its {pool.name} quota, {later.used(claim.team)} of {pool.units(quota)}"
+    return reason + ("" if by_quota else ", and no idle quota to borrow"), over, by_quota
+
+
 def decide(pool: Pool, holding: Iterable[Claim], waiting: Iterable[Claim], usage: Mapping[str, float] | None = None,
            max_preemptions: int = MAX_PREEMPTIONS, spent: Mapping[str, float] | None = None) -> Decision:
     """Who of `waiting` goes now, who waits and why, and which holders are asked to yield. `spent`:
@@ -248,12 +279,7 @@ def decide(pool: Pool, holding: Iterable[Claim], waiting: Iterable[Claim], usage
     full_behind: Claim | None = None  # the first run the full pool stopped: everyone behind it waits
     team_behind: dict[str, Claim] = {}  # per team, the first run its quota stopped
     queue = order(pool, waiting, usage)
-    spend = dict(spent or {})
-    for h in held:
-        spend[h.team] = spend.get(h.team, 0.0) + h.cost
-    wanted: dict[str, int] = {}
-    for claim in queue:
-        wanted[claim.team] = wanted.get(claim.team, 0) + claim.units
+    spend, wanted = _totals(held, spent, "cost"), _totals(queue, None, "units")
     for place, claim in enumerate(queue):
         ahead = f"{place} run{'' if place == 1 else 's'} ahead"
         if (never := _never(pool, claim)) is not None:
@@ -265,31 +291,19 @@ def decide(pool: Pool, holding: Iterable[Claim], waiting: Iterable[Claim], usage
         if first is not None:
             verdicts[claim.run_id] = Verdict(claim.run_id, False, place, f"behind {first.named}; {ahead}")
             continue
-        limit, used = pool.share(claim.team).daily_spend, spend.get(claim.team, 0.0)
-        if limit is not None and used + claim.cost > limit:  # only time frees it: nobody yields
-            verdicts[claim.run_id] = Verdict(claim.run_id, False, place, (
-                f"team {claim.team} at its daily spend limit, ${used:.2f} of ${limit:.2f} spent or forecast today "
-                f"(this run: ${claim.cost:.2f}); {ahead}"))
+        if (spending := _over_spend(pool, claim, spend.get(claim.team, 0.0))) is not None:  # nobody yields for it
+            verdicts[claim.run_id] = Verdict(claim.run_id, False, place, f"{spending}; {ahead}")
             team_behind[claim.team] = claim
             continue
         if tally.fits(claim):
             borrowed = tally.borrowed(claim.team, claim.units) - tally.borrowed(claim.team)
             verdicts[claim.run_id] = Verdict(claim.run_id, True, place, borrowed=borrowed)
-            spend[claim.team] = used + claim.cost
+            spend[claim.team] = spend.get(claim.team, 0.0) + claim.cost
             held.append(claim)
             wanted[claim.team] -= claim.units
             continue
         after = [h for h in held if h.run_id not in spoken] + promised  # once the runs asked have yielded
-        later = _Tally(pool, after, wanted)
-        over = pool.limits(claim.team) and not later.within_quota(claim)
-        by_quota = over and not pool.share(claim.team).borrow  # only its own runs stand in its way
-        if over:
-            quota = pool.quota(claim.team)
-            reason = f"team {claim.team} at its {pool.name} quota, {later.used(claim.team)} of {pool.units(quota)}"
-            if not by_quota:
-                reason += ", and no idle quota to borrow"
-        else:
-            reason = f"{pool.name} is full, {_Tally(pool, held).total} of {pool.units(pool.capacity)} held"
+        reason, over, by_quota = _stopped_by(pool, claim, held, _Tally(pool, after, wanted))
         victims = _victims(pool, after, claim, over, max_preemptions, holders, wanted)
         for v in victims:
             if v.yielding is None:

@@ -84,25 +84,13 @@ class JobRequest:
 def fitted(request: JobRequest) -> JobRequest:
     """The request as every backend submits it: refused (FatalError naming the fewest cores that
     would fit) when the model fits no core of any instance type the job may get, before any job
-    exists, and with `auto` decided (`resolved`)."""
+    exists, and with `auto` decided (the planner's layout), so that every rank of the job spreads
+    the model alike whatever its own environment (a run's flow decides it when it starts)."""
     if request.spec is None:
         return request
     from trnflow.workload.memory import check_fits  # builds the recipe's model (torch): submissions only
 
-    found = check_fits(request.spec)
-    return resolved(request, found.strategy, found.tp)
-
-
-def resolved(request: JobRequest, strategy: str, tp: int) -> JobRequest:
-    """The request with its spec's parallelism (strategy and tp) set to the memory planner's (an
-    `auto` that reached a submission undecided: a run's flow decides it when it starts), so that
-    every rank of the job spreads the model alike whatever its own environment."""
-    spec = request.spec
-    if spec is None or (spec.train.parallelism.strategy, spec.train.parallelism.tp) == (strategy, tp):
-        return request
-    chosen = spec.train.parallelism.model_copy(update={"strategy": strategy, "tp": tp})
-    train = spec.train.model_copy(update={"parallelism": chosen})
-    return replace(request, spec=spec.model_copy(update={"train": train}))
+    return replace(request, spec=request.spec.with_layout(check_fits(request.spec).layout))
 
 
 @dataclass

@@ -24,7 +24,7 @@ from trnflow.errors import FatalError
 from trnflow.neuron.devices import IMAGES, image_device
 from trnflow.records import read
 from trnflow.results import FailureReport, NodeIdentity, Proceed, StageResult
-from trnflow.settings import TrnflowSettings
+from trnflow.settings import JOB_KINDS, STAGE_KINDS, TrnflowSettings
 from trnflow.specs import JobSpec, instance, is_module_reference
 from trnflow.storage import Store, open_store
 from trnflow.teams import TEAM_TAG, UNDECLARED, Team, Teams
@@ -114,12 +114,9 @@ class CloudTarget:
         return chosen
 
 
-STAGE_KINDS = {"sanity": "preflight", "collectives": "preflight", "compile": "compile", "train": "train",
-               "evaluate": "train", "infer": "infer"}
-"""Each phase's stage kind: the kinds' jobs run as roles of their own, each writing only its outputs."""
 SETTINGS = ("image", "image_neuron", "image_xla", "staging_url", "job_policies", "sagemaker_role_arn",
             "batch_job_queue", "batch_spot_job_queue", "cache_signing_key", "cache_public_key", "teams",
-            *(f"role_{kind}" for kind in sorted(set(STAGE_KINDS.values()))))
+            *(f"role_{kind}" for kind in sorted(JOB_KINDS)))
 
 
 def published_settings(path: str) -> dict[str, str]:
@@ -162,7 +159,7 @@ def cloud_target(settings: TrnflowSettings, service: str, team: Team | None = No
     published = published_settings(settings.parameters_path)  # always: the cache's key may be there alone
     values = {name: values[name] or published.get(name) for name in SETTINGS}
     missing = [f"TRNFLOW_{name.upper()}" for name in needed if not values[name]]
-    every_kind = all(values[f"role_{kind}"] for kind in set(STAGE_KINDS.values()))
+    every_kind = all(values[f"role_{kind}"] for kind in JOB_KINDS)
     if not (values["job_policies"] or every_kind or values["sagemaker_role_arn"]):
         missing.append("TRNFLOW_JOB_POLICIES (or TRNFLOW_SAGEMAKER_ROLE_ARN)")
     if not any(values[name] for name in images):
@@ -186,7 +183,7 @@ def cloud_target(settings: TrnflowSettings, service: str, team: Team | None = No
                        role_settle_seconds=0.0 if aws.emulated() else settings.role_settle_seconds,
                        role_arn=values["sagemaker_role_arn"] or "", job_queue=values["batch_job_queue"] or "",
                        spot_job_queue=values["batch_spot_job_queue"] or "",
-                       roles={kind: values[f"role_{kind}"] for kind in set(STAGE_KINDS.values())
+                       roles={kind: values[f"role_{kind}"] for kind in JOB_KINDS
                               if values[f"role_{kind}"]},
                        recipe_modules=settings.recipe_modules, cache_public_key=values["cache_public_key"] or "",
                        cache_signing_key=values["cache_signing_key"] or "", cache_unsigned=settings.cache_unsigned)

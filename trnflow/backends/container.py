@@ -59,7 +59,7 @@ from trnflow.neuron.launch import (
 )
 from trnflow.records import RecordError, read
 from trnflow.results import RESULTS, FailureReport, NodeIdentity, Placement, Proceed, SanityResult, StageResult
-from trnflow.specs import instance
+from trnflow.specs import JobSpec, instance
 from trnflow.storage import Store, open_store
 
 FAILURE_TEXT_LIMIT = 900
@@ -410,9 +410,9 @@ def _placed(env: dict[str, str], placed: Placement | None, node: int) -> dict[st
 
 def _excludes(spec_file: Path, env: dict[str, str]) -> tuple[bool, int]:
     """Whether the spec excludes bad cores (`preflight.exclude_bad_cores`), and the instance's cores."""
-    spec = json.loads(spec_file.read_text())
-    cores = env.get(INSTANCE_CORES_ENV) or instance(spec["compute"]["instance_type"]).cores
-    return bool(spec.get("preflight", {}).get("exclude_bad_cores")), int(cores)
+    spec = JobSpec.model_validate_json(spec_file.read_text())  # the backend's: checked when it was submitted
+    cores = env.get(INSTANCE_CORES_ENV) or instance(spec.compute.instance_type).cores
+    return spec.preflight.exclude_bad_cores, int(cores)
 
 
 def _verdict(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str, outputs: Store, me: NodeIdentity,

@@ -11,12 +11,12 @@ graphs are not the candidate's, so the compile stage has not built them).
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Callable
 
 from trnflow.backends import JobRequest, JobState, backend_for, run_to_end
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import read_series
+from trnflow.records import MetricSeries
 from trnflow.results import TrainResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, SpecError
@@ -52,7 +52,7 @@ def _data_digest(spec: JobSpec) -> str:
 
 
 def run_reference(spec: JobSpec, settings: TrnflowSettings | None = None,
-                  on_logs: Callable[[str], None] | None = None) -> dict:
+                  on_logs: Callable[[str], None] | None = None) -> MetricSeries:
     """Train the reference (it evaluates as it goes, at the candidate's steps); write its metric
     series to `gate.reference`. Returns the document."""
     settings = settings or TrnflowSettings()
@@ -71,8 +71,8 @@ def run_reference(spec: JobSpec, settings: TrnflowSettings | None = None,
     series = read_series(trained.checkpoint.rpartition("/")[0])
     if series is None:
         raise FatalError(f"reference training job {job_id} wrote no metric series beside {trained.checkpoint}")
-    document = {**series, "source": "fp32-reference", "checkpoint": trained.checkpoint}
+    document = series.model_copy(update={"source": "fp32-reference", "checkpoint": trained.checkpoint})
     assert spec.gate.reference is not None and spec.gate.reference != "champion"
     base, _, name = spec.gate.reference.rpartition("/")
-    open_store(base).write(name, json.dumps(document, indent=1).encode())
+    open_store(base).write(name, document.model_dump_json(indent=1, exclude_none=True).encode())
     return document

@@ -15,7 +15,6 @@ from trnflow.backends.base import JobRequest
 from trnflow.backends.cloud import (
     BASE_NAME_LENGTH,
     CHECKPOINT_DIR,
-    STAGE_KINDS,
     CloudTarget,
     checkpoint_s3_uri,
     container_environment,
@@ -26,6 +25,7 @@ from trnflow.backends.cloud import (
     tags,
 )
 from trnflow.errors import FatalError
+from trnflow.settings import STAGE_KINDS
 from trnflow.specs import JobSpec, sagemaker_checkpoint_problem
 
 MAX_RETRY_ATTEMPTS = 30

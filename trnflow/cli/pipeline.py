@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -50,9 +51,9 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
     except TrnflowError as exc:
         err.print(f"{exc}", **RED)
         raise typer.Exit(ExitCode.FAILED) from None
-    final = document["points"][-1]
-    console.print(f"reference written to {spec.gate.reference}: step {final['step']}, "
-                  f"{spec.gate.metric} {final[spec.gate.metric]:.4f}")
+    final = document.last
+    console.print(f"reference written to {spec.gate.reference}: step {final.step}, "
+                  f"{spec.gate.metric} {final.value(spec.gate.metric):.4f}")
 
 
 def compile_cmd(
@@ -224,6 +225,26 @@ def _run_flow(flow_fn, stages: tuple[str, ...], title: str, spec: JobSpec, run_i
     raise typer.Exit(code)
 
 
+def _before_launch(spec_path: Path, overrides: list[str] | None, extra: dict[str, str], run_id: str | None,
+                   force_promote: bool, reason: str | None, override_forecast: str | None,
+                   retraining: bool = False) -> tuple[JobSpec, dict[str, str]]:
+    """What `run` and `retrain` check before their flow starts, exiting 2 on a user's mistake: the
+    flags, the run id, the spec (with --set and `extra`), what would stop the run from launching,
+    and its forecast against its limits. The spec, and the flow's --force-promote parameter."""
+    forced = _forced(force_promote, reason)
+    _check_run_id(run_id)
+    spec = load(spec_path, {**set_overrides(overrides), **extra})
+    if retraining:
+        if spec.registry_url is None:
+            err.print(f"{spec_path}: registry_url: retraining keeps its champion and watermark in a model "
+                      "registry; set registry_url", **RED)
+            raise typer.Exit(ExitCode.BAD_INPUT)
+        load(spec_path, {**set_overrides(overrides), **RETRAINED})  # as the flow runs it: from the champion's
+    refuse_unlaunchable(spec, str(spec_path), retraining=retraining)
+    refuse_over_forecast(spec, str(spec_path), override_forecast)
+    return spec, forced
+
+
 def run(
     spec_path: SpecArg,
     backend: Annotated[str | None, typer.Option(help="Override compute.backend: local, sagemaker or batch.")] = None,
@@ -237,14 +258,8 @@ def run(
     """Run the whole pipeline now, in this process, on Prefect's local API. A candidate worse than
     the champion is registered but not promoted (exit 5); training stopped by its budget ends the
     run OverBudget (exit 6), resumable with the same --run-id and a higher budget."""
-    forced = _forced(force_promote, reason)
-    extra = set_overrides(overrides)
-    if backend:
-        extra["compute.backend"] = backend
-    _check_run_id(run_id)
-    spec = load(spec_path, extra)
-    refuse_unlaunchable(spec, str(spec_path))
-    refuse_over_forecast(spec, str(spec_path), override_forecast)
+    extra = {"compute.backend": backend} if backend else {}
+    spec, forced = _before_launch(spec_path, overrides, extra, run_id, force_promote, reason, override_forecast)
     from trnflow.flows.pipeline import STAGES, pipeline  # heavy: prefect and torch
 
     _run_flow(pipeline, STAGES, "trnflow pipeline", spec, run_id, as_json, override_forecast=override_forecast,
@@ -261,16 +276,8 @@ def retrain(
     as_json: JsonOpt = False,
 ):
     """Retrain the champion on the data after its watermark now, in this process (as the schedule does)."""
-    forced = _forced(force_promote, reason)
-    _check_run_id(run_id)
-    spec = load(spec_path, set_overrides(overrides))
-    if spec.registry_url is None:
-        err.print(f"{spec_path}: registry_url: retraining keeps its champion and watermark in a model "
-                  "registry; set registry_url", **RED)
-        raise typer.Exit(ExitCode.BAD_INPUT)
-    load(spec_path, {**set_overrides(overrides), **RETRAINED})  # as the flow runs it: from the champion's registry
-    refuse_unlaunchable(spec, str(spec_path), retraining=True)
-    refuse_over_forecast(spec, str(spec_path), override_forecast)
+    spec, forced = _before_launch(spec_path, overrides, {}, run_id, force_promote, reason, override_forecast,
+                                  retraining=True)
     from trnflow.flows.incremental_retrain import STAGES, incremental_retrain  # heavy: prefect and torch
 
     _run_flow(incremental_retrain, STAGES, "trnflow retrain", spec, run_id, as_json,
@@ -309,8 +316,8 @@ def preflight(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = F
         console.print(render.sanity_table(sanity.per_core))
         mem = sanity.memory
         if mem:
-            console.print(f"device memory per core: {mem['total'] / 1024**3:.2f} GiB estimated of "
-                          f"{mem['per_core_limit'] / 1024**3:.1f} GiB ({mem['parameters']:,} parameters)")
+            console.print(f"device memory per core: {mem.total / 1024**3:.2f} GiB estimated of "
+                          f"{mem.per_core_limit / 1024**3:.1f} GiB ({mem.parameters:,} parameters)")
         if collectives.rows:
             print(render.nccom_text(collectives.rows))
 

@@ -19,7 +19,8 @@ from trnflow.cli.console import RED, plain
 from trnflow.cli.prelaunch import refuse_outside_team
 from trnflow.errors import ExitCode, TrnflowError
 from trnflow.events import duration
-from trnflow.reporting.forecast import Layout, RunRecord, calibration_record, history, plan
+from trnflow.reporting.forecast import plan
+from trnflow.reporting.history import RunRecord, RunShape, calibration_record, history
 from trnflow.results import CompileResult
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
@@ -44,7 +45,7 @@ def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], ov
     records, unread = history(job, TrnflowSettings().home.expanduser().resolve())
     notes: list[str] = []
     cache = _checked_cache(job, notes) if calibrate else None
-    if calibrate and any(r.layout == Layout.of(job) and r.recipe == job.model.recipe for r in records):
+    if calibrate and any(r.layout == RunShape.of(job) and r.recipe == job.model.recipe for r in records):
         notes.append("--calibrate: not needed, earlier runs on this layout measured it")
     elif calibrate:
         records.append(_calibrated(job))
@@ -125,7 +126,7 @@ def _calibrated(job: JobSpec) -> RunRecord:
         err.print(f"--calibrate: data.train: {found[0]}", **RED, soft_wrap=True)
         raise typer.Exit(ExitCode.BAD_INPUT)
     err.print(f"calibrating: {CALIBRATION_STEPS} steps of {job.name}'s training program on "
-              f"{Layout.of(job).describe()} ...", highlight=False)
+              f"{RunShape.of(job).describe()} ...", highlight=False)
     try:
         result, wall = timed_steps(job)
     except TrnflowError as exc:

@@ -17,7 +17,8 @@ from trnflow.device.plans import cache_problem
 from trnflow.errors import DataError, ExitCode, FatalError, FieldError
 from trnflow.lifecycle.exports import read_marker
 from trnflow.lifecycle.locations import reference_problem
-from trnflow.reporting.forecast import OVERRIDE_HINT, has_limits, headline, launch_forecast, over_limits
+from trnflow.reporting.budget import has_limits, over_limits
+from trnflow.reporting.forecast import OVERRIDE_HINT, headline, launch_forecast
 from trnflow.reporting.tracking import server_problem
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec
@@ -127,9 +128,7 @@ def memory_plan(spec: JobSpec) -> tuple[MemoryPlan | None, str | None]:
 def forecast(spec: JobSpec, memory: MemoryPlan) -> str:
     """The one-line forecast of a run of `spec` on the layout `memory` decided
     (`trnflow.reporting.forecast.headline`)."""
-    from trnflow.workload.memory import with_layout  # loaded already by memory_plan: torch
-
-    return headline(with_layout(spec, memory.strategy, memory.tp), TrnflowSettings().home.expanduser().resolve())
+    return headline(spec.with_layout(memory.layout), TrnflowSettings().home.expanduser().resolve())
 
 
 def launch_problems(spec: JobSpec, retraining: bool = False) -> list[str]:

@@ -16,10 +16,10 @@ import contextlib
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from trnflow.errors import FatalError, Recompilation
 from trnflow.neuron.launch import aligned_ranges, parse_visible_cores
 from trnflow.results import CompileMetrics
 from trnflow.specs import JobSpec
+
+if TYPE_CHECKING:
+    from trnflow.device.cache import CompileCache
 
 STOCHASTIC, NEAREST = "stochastic", "nearest"
 """The two ways a pure-bf16 run rounds its updated state onto the bf16 grid (`Device.rounding`)."""
@@ -82,6 +85,31 @@ def summarise(seen: list[Seen]) -> CompileMetrics:
     return CompileMetrics(graphs=len(seen), hits=sum(s.outcome == "hit" for s in seen),
                           recompiles=[s.as_dict() for s in seen if s.outcome == "recompiled"],
                           seconds=round(sum(s.seconds for s in seen), 3))
+
+
+@dataclass
+class CompilerSettings:
+    """What every device's compile backend is made with: the compiler flags its cache keys and
+    artifacts come from, the cache it reads (or fills), its mode, the run's recompilation guard and
+    log; and what it meets as it runs: the program being traced and each graph (`seen`)."""
+
+    MODES: ClassVar[tuple[str, ...]] = ("extract", "compile", "run")
+
+    flags: dict
+    cache: CompileCache | None = None
+    mode: str = "run"
+    guard: RecompileGuard = field(default_factory=RecompileGuard)
+    log: Log = field(default=lambda event, **fields: None)
+    program: str = "program"
+    seen: list[Seen] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.mode not in self.MODES:
+            raise ValueError(f"unknown mode {self.mode!r}")
+
+    def metrics(self) -> CompileMetrics:
+        """What this process compiled, loaded from the cache and recompiled."""
+        return summarise(self.seen)
 
 
 class CompileBackend(Protocol):

@@ -58,122 +58,60 @@ read: those entries are listed as another compiler version's, and a lookup that 
 torch's done entry from there into the new layout (checked first), so an upgrade compiles nothing
 again. `trnflow cache prune --other-versions` removes the old folder once no older trnflow uses it.
 
-A listing of every entry (`entries`, behind `trnflow cache ls`) reads one listing of the cache and,
-per version folder that holds trnflow's entries, one index, `<version folder>/trnflow-index.json`:
-what the last listing read from each entry's trnflow.json and usage.json, each with the size and
-time of the files it came from. The listing stays the truth: an entry the index does not know, or
-whose files are not listed as the index saw them, is read again, and an entry the index knows but
-the listing lacks is not listed. Only listings write the index (and a prune drops what it removed
-from it); compiles and hits never touch it, so concurrent writers on any number of hosts, on S3
-without appends or renames, cannot make it wrong, only out of date, which costs a read again.
+The index that spares a listing from reading every entry is `trnflow.device.cache_index`; the
+entry's lock, `trnflow.device.cache_lock`.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
-import io
 import json
-import math
 import os
-import socket
 import stat
-import tarfile
 import time
 import uuid
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationError, model_validator
-
+from trnflow.device import cache_lock as locks
+from trnflow.device.cache_entry import (
+    CHECKED_FILES,
+    COMPILER_VERSION,
+    CORRUPT,
+    DONE,
+    DONE_MARKER,
+    FAILED,
+    LEGACY_VERSION,
+    LOCKED,
+    MISSING,
+    NEURONXCC,
+    RECORD,
+    SIGNATURE,
+    TRNFLOW,
+    USAGE,
+    checked,
+    entry_name,
+    flag_list,
+    marked_done,
+    module_key,
+    not_an_archive,
+    origin,
+    read_json,
+    sha256,
+    short,
+)
+from trnflow.device.cache_index import INDEX, INDEXED, SETTLE_SECONDS, Index, forget, read_rows, renew
+from trnflow.device.cache_lock import EntryLocked
 from trnflow.device.signing import PUBLIC_KEY_ENV, EntryKeys
 from trnflow.errors import FatalError
-from trnflow.processes import pid_alive
 from trnflow.storage import ObjectInfo, Store, join, open_store
 
-_TORCH = metadata.version("torch")
-COMPILER_VERSION = f"neuronxcc-torch-{_TORCH}"
-"""The folder entries are filed under, named as neuronx-cc names its own (`neuronxcc-<version>`).
-The torch version stands for the compiler's, marked `torch-` so that no tool takes it for a
-release of neuronx-cc (whose folders sit beside it in a cache the `xla` device shares)."""
-LEGACY_VERSION = f"torch-{_TORCH}"
-"""Where trnflow's old layout filed this torch's entries (their checksums in model.done)."""
-DONE, FAILED, CORRUPT, LOCKED, MISSING = "done", "failed", "corrupt", "locked", "missing"
-TRNFLOW, NEURONXCC = "trnflow", "neuronx-cc"
-"""Who wrote an entry (`EntryInfo.origin`)."""
-CHECKED_FILES = ("model.fx.txt", "compile_flags.json", "model.neff")
-DONE_MARKER = "model.done"
-RECORD = "trnflow.json"
-"""trnflow's record of a done entry: each file's checksum. model.done stays the empty marker
-neuronx-cc writes, so the record has a file of its own."""
-SIGNATURE = "trnflow.sig"
-"""The compile stage's signature of the entry's trnflow.json (base64), where entries are signed."""
-USAGE = "usage.json"
-"""An entry's hit count and last use."""
-_RECORDED_NAMES = (frozenset(CHECKED_FILES), frozenset((*CHECKED_FILES, DONE_MARKER)))
-"""The files a checksum record can cover (`_checked`): the old layout's, and trnflow.json's."""
-_OWN_FILES = frozenset({RECORD, SIGNATURE, "model.fx.txt", "model.lock", USAGE})
-"""Files only trnflow writes into an entry: an entry holding none of them is neuronx-cc's."""
-STALE_LOCK_SECONDS = 24 * 3600.0
-"""A lock held this long is taken for abandoned: no compile takes a day, and a pid on this host may
-have been given to another process (pid 1 never ends) since the lock was taken."""
-LOCK_CLOCK_SKEW_SECONDS = 300.0
-"""How far in the future a lock's start time may be (another host's clock running ahead): a lock
-taken later than that, or at an infinite time, would never go stale, so it is read as garbled."""
-INDEX = "trnflow-index.json"
-"""Each version folder's index of what listings read from its entries' small files (see above)."""
-INDEXED = (RECORD, DONE_MARKER, USAGE)
-"""The files of an entry an index row is read from (model.done holds the old layout's record)."""
-INDEX_FORMAT = 2
-"""The index's layout: an index in another is read as none (and written again in this one). Format 1
-kept each row as a list, [stamp, sizes, hits, last use]; format 2 keeps an `IndexRow`."""
-SETTLE_SECONDS = 2.0
-"""How much older a file must be than the newest object of a listing before the index keeps what was
-read from it. Listed times are coarse (a second on S3, two seconds on some file systems): a rewrite
-within that time, at the same size, is listed as the file it replaced. The newest object was written
-before the listing began, so a file this much older was rewritten since, if at all, at a later time."""
-
-
-def _not_an_archive(data: bytes) -> str | None:
-    """Why an artifact is not a readable gzipped tar, or None when it is."""
-    try:
-        with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:
-            archive.getmembers()
-    except (tarfile.TarError, EOFError, OSError, zlib.error) as exc:
-        return str(exc) or type(exc).__name__
-    return None
-
-
-def _short(value: Any, limit: int = 60) -> str:
-    """A value read from a file, as a message may quote it: its repr, cut short."""
-    try:
-        text = repr(value)
-    except ValueError:  # an integer past Python's digit limit
-        return f"a {type(value).__name__} too long to print"
-    return text if len(text) <= limit else f"{text[:limit - 3]}..."
-
-
-def entry_name(key: str) -> str:
-    """Where a key lives in the cache: `<version folder>/<key>`."""
-    return f"{COMPILER_VERSION}/{key}"
-
-
-def flag_list(flags: dict) -> list[str]:
-    """The compiler's settings as compile_flags.json holds them: a list of flags, as neuronx-cc writes
-    its own (`["--optlevel=2", "--precision=bf16-sr", ...]`), sorted by name."""
-    return [f"--{name}={value if isinstance(value, str) else json.dumps(value, sort_keys=True)}"
-            for name, value in sorted(flags.items())]
-
-
-def module_key(graph_hash: str, flags: dict) -> str:
-    """`MODULE_<graph hash>+<flags hash>`, as the Neuron cache names its entries."""
-    flags_hash = hashlib.md5(json.dumps(flags, sort_keys=True).encode(), usedforsecurity=False).hexdigest()[:8]
-    return f"MODULE_{graph_hash}+{flags_hash}"
+__all__ = ["COMPILER_VERSION", "CORRUPT", "DONE", "FAILED", "LOCKED", "MISSING", "NEURONXCC", "RECORD", "SIGNATURE",
+           "CompileCache", "CorruptEntry", "EntryInfo", "EntryLocked", "UnsignedEntry", "entry_name", "flag_list",
+           "folder_problem", "miss_reason", "module_key", "sha256"]
 
 
 def miss_reason(cache: CompileCache | None, entry: str) -> str:
@@ -188,109 +126,6 @@ def miss_reason(cache: CompileCache | None, entry: str) -> str:
     return {CORRUPT: f"the cache entry is corrupt (a file is missing or not as {RECORD} records it)",
             FAILED: "its ahead-of-time compile failed",
             LOCKED: "it is still being compiled"}.get(state, "it is not in the compile cache")
-
-
-def sha256(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def origin(names: set[str]) -> str:
-    """Who wrote an entry holding the files `names`: trnflow, or neuronx-cc (none of trnflow's own)."""
-    return TRNFLOW if names & _OWN_FILES else NEURONXCC
-
-
-def _marked_done(listed: list[ObjectInfo]) -> bool:
-    """Whether an entry's listing holds its done marker (whole or not: a corrupt one is compiled
-    again, never replaced by an older copy)."""
-    return any(o.name.rsplit("/", 1)[-1] == DONE_MARKER for o in listed)
-
-
-def _checked(record: dict | None) -> dict[str, dict] | None:
-    """The files a checksum record covers (the artifact, graph and flags at least, and model.done
-    where the record is a file of its own), or None when it is no such record."""
-    files = record.get("files") if isinstance(record, dict) else None
-    if not isinstance(files, dict) or not all(isinstance(files.get(n), dict) for n in CHECKED_FILES):
-        return None
-    covered = (*CHECKED_FILES, DONE_MARKER) if isinstance(files.get(DONE_MARKER), dict) else CHECKED_FILES
-    return {name: files[name] for name in covered}
-
-
-class IndexRow(BaseModel):
-    """One entry's row in its version folder's index: how the listing showed the files the row was
-    read from, and what they said."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    stamp: tuple[tuple[StrictInt, float] | None, ...] = Field(
-        description="per file of INDEXED: its listed size and modification time, or null where there is none")
-    sizes: dict[str, StrictInt] | None = Field(
-        description="the sizes the entry's record gives its checked files (done entries only)")
-    hits: StrictInt = Field(ge=0)
-    last_used: float | None = Field(description="when it was last loaded (Unix seconds)")
-
-    @model_validator(mode="after")
-    def _one_stamp_per_file(self) -> IndexRow:
-        if len(self.stamp) != len(INDEXED):
-            raise ValueError(f"stamp: {len(self.stamp)} files, where an entry has {len(INDEXED)} ({INDEXED})")
-        if self.sizes is not None and self.sizes.keys() not in _RECORDED_NAMES:
-            raise ValueError(f"sizes: names {sorted(self.sizes)}, not the files a record covers")
-        return self
-
-    @staticmethod
-    def stamp_of(listed: dict[str, ObjectInfo]) -> tuple[tuple[int, float] | None, ...]:
-        """How a listing shows the files a row is read from (`INDEXED`)."""
-        return tuple((listed[name].size, listed[name].modified) if name in listed else None for name in INDEXED)
-
-    def unsettled(self, settled_before: float) -> bool:
-        """Whether one of its files was written too recently for the listing to tell a rewrite."""
-        return any(seen is not None and seen[1] > settled_before for seen in self.stamp)
-
-
-def _kept_row(value: Any) -> IndexRow | None:
-    """An index's row as `IndexRow`; None for one it cannot be (garbled, or hand-edited): the entry's
-    files are then read again, which is what the index saves."""
-    try:
-        return IndexRow.model_validate(value)
-    except ValidationError:
-        return None
-
-
-class _Index:
-    """One version folder's index as a listing uses and renews it: `kept`, the rows it was read with;
-    `rows`, what this listing read or took over from it, for the next listing."""
-
-    def __init__(self, kept: dict[str, Any], settled_before: float):
-        self.kept = {key: row for key, value in kept.items() if (row := _kept_row(value)) is not None}
-        self.settled_before = settled_before
-        self.rows: dict[str, IndexRow] = {}
-        self.unsettled = False
-        """Whether a row was left out because its files had not settled (`SETTLE_SECONDS`)."""
-
-    def row(self, key: str, listed: dict[str, ObjectInfo],
-            read: Callable[[], tuple[dict[str, int] | None, int, float | None]]) -> IndexRow:
-        """An entry's row: as the index kept it while the entry's files are listed as they were then,
-        else `read` again (recorded sizes, hits, last use); kept for the next listing once settled."""
-        row = self.kept.get(key)
-        stamp = IndexRow.stamp_of(listed)
-        if row is None or row.stamp != stamp:
-            sizes, hits, last_used = read()
-            row = IndexRow(stamp=stamp, sizes=sizes, hits=hits, last_used=last_used)
-        if row.unsettled(self.settled_before):
-            self.unsettled = True
-            return row
-        self.rows[key] = row
-        return row
-
-    def document(self) -> bytes:
-        """The index file this listing leaves for the next."""
-        entries = {key: row.model_dump(mode="json") for key, row in self.rows.items()}
-        return json.dumps({"format": INDEX_FORMAT, "entries": entries}, separators=(",", ":")).encode()
-
-
-class EntryLocked(Exception):
-    def __init__(self, entry: str, owner: dict):
-        super().__init__(f"{entry} is being compiled by pid {owner.get('pid')} on {owner.get('host')}")
-        self.owner = owner
 
 
 def folder_problem(path: Path) -> str | None:
@@ -365,32 +200,11 @@ class CompileCache:
     # -- state -----------------------------------------------------------------------------------
 
     def _json(self, name: str) -> dict | None:
-        try:
-            value = json.loads(self.store.read(name))
-        except (FileNotFoundError, ValueError):  # not JSON, not UTF-8, or a number past Python's digit limit
-            return None
-        return value if isinstance(value, dict) else None
+        return read_json(self.store, name)
 
     def lock_owner(self, entry: str) -> dict | None:
-        """The live process compiling this entry, or None. A lock whose process is gone is stale.
-
-        Raises FatalError for a lock record whose pid or start time is not a number."""
-        owner = self._json(f"{entry}/model.lock")
-        if owner is None:
-            return None
-        try:
-            pid, since = int(owner.get("pid", -1)), float(owner.get("since", 0))
-            if not math.isfinite(since) or since > time.time() + LOCK_CLOCK_SKEW_SECONDS:
-                raise ValueError("a start time no compile can have")  # it would never go stale
-        except (TypeError, ValueError, OverflowError):
-            raise FatalError(f"{self.where(f'{entry}/model.lock')}: a garbled lock record (pid "
-                             f"{_short(owner.get('pid'))}, since {_short(owner.get('since'))}); trnflow did not "
-                             "write it this way and no compile holds it: remove that file") from None
-        if not time.time() - since < STALE_LOCK_SECONDS:  # older than any compile: abandoned, whoever holds the pid
-            return None
-        if owner.get("host") == socket.gethostname():
-            return owner if pid_alive(pid) else None
-        return owner
+        """The live process compiling this entry, or None (`cache_lock.lock_owner`)."""
+        return locks.lock_owner(self.store, entry, self.where)
 
     def state(self, entry: str, deep: bool = False, listed: list[ObjectInfo] | None = None) -> str:
         """The entry's state from its metadata: which files it has, and whether their sizes are the
@@ -400,7 +214,7 @@ class CompileCache:
         here that trnflow's old layout holds done is copied over first (`adopt`)."""
         if listed is None:
             listed = self.store.list(f"{entry}/")
-            if not _marked_done(listed) and self.adopt(entry):
+            if not marked_done(listed) and self.adopt(entry):
                 listed = self.store.list(f"{entry}/")
         return self._state(entry, {o.name.rsplit("/", 1)[-1]: o.size for o in listed}, deep)
 
@@ -441,7 +255,7 @@ class CompileCache:
             return None
         if not isinstance(record, dict) or record.get("entry") != entry:
             raise UnsignedEntry(f"{entry}/{RECORD} was signed for another entry "
-                                f"({_short(record.get('entry') if isinstance(record, dict) else None)})")
+                                f"({short(record.get('entry') if isinstance(record, dict) else None)})")
         return record
 
     def _state(self, entry: str, sizes: dict[str, int], deep: bool,
@@ -479,7 +293,7 @@ class CompileCache:
     def _recorded_sizes(self, entry: str) -> dict[str, Any] | None:
         """The size the entry's record gives each checked file, or None when it has no such record."""
         try:
-            files = _checked(self._record(entry))
+            files = checked(self._record(entry))
         except UnsignedEntry:
             return None
         return None if files is None else {name: f.get("bytes") for name, f in files.items()}
@@ -494,12 +308,12 @@ class CompileCache:
             artifact = self._verified(entry)["model.neff"]
         except CorruptEntry as exc:
             return str(exc)
-        why = _not_an_archive(artifact)  # checksummed as it was written; a load finds out as it unpacks
+        why = not_an_archive(artifact)  # checksummed as it was written; a load finds out as it unpacks
         return f"{entry}/model.neff matches its checksum but is no archive ({why})" if why else None
 
     def _verified(self, entry: str) -> dict[str, bytes]:
         """Every checked file of the entry, each read and matched against its checksum."""
-        files = _checked(self._record(entry))
+        files = checked(self._record(entry))
         if files is None:
             raise CorruptEntry(f"{entry}/{RECORD} is missing, unreadable or not a checksum record")
         out = {}
@@ -519,7 +333,7 @@ class CompileCache:
         try:
             return self._verified(entry)["model.neff"]
         except CorruptEntry:
-            if _marked_done(self.store.list(f"{entry}/")) or not self.adopt(entry):
+            if marked_done(self.store.list(f"{entry}/")) or not self.adopt(entry):
                 raise
         return self._verified(entry)["model.neff"]
 
@@ -552,30 +366,11 @@ class CompileCache:
     # -- locks -----------------------------------------------------------------------------------
 
     def acquire_lock(self, entry: str) -> bool:
-        """Take the entry's lock. Returns True when a stale lock (dead holder) had to be cleared.
-
-        Raises EntryLocked when a live process holds it.
-        """
-        record = json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "since": time.time(),
-                             "token": self._token}).encode()
-        cleared = False
-        for _ in range(3):
-            if self.store.create(f"{entry}/model.lock", record):
-                return cleared
-            try:
-                owner = self.lock_owner(entry)
-            except FatalError:  # garbled: no live compile holds it
-                owner = None
-            if owner is not None:
-                raise EntryLocked(entry, owner)
-            self.store.delete(f"{entry}/model.lock")  # stale: its process is gone (or it is garbled)
-            cleared = True
-        raise EntryLocked(entry, {"pid": "?", "host": "?"})
+        """Take the entry's lock (`cache_lock.acquire`): True when a stale one had to be cleared."""
+        return locks.acquire(self.store, entry, self._token, self.where)
 
     def release_lock(self, entry: str) -> None:
-        owner = self._json(f"{entry}/model.lock")
-        if owner is not None and owner.get("token") == self._token:
-            self.store.delete(f"{entry}/model.lock")
+        locks.release(self.store, entry, self._token)
 
     # -- writes ----------------------------------------------------------------------------------
 
@@ -655,20 +450,20 @@ class CompileCache:
             raise FatalError(f"{self.where()}: holds compile cache entries directly, so it is one compiler "
                              "version's folder; pass its parent, the cache root (the folder compile.cache_url "
                              "names, which holds one folder per compiler version)")
-        indexes: dict[str, _Index] = {}
+        indexes: dict[str, Index] = {}
         out = []
         for entry, listed in sorted(grouped.items()):
             compiler = entry.split("/")[0]
             if compiler not in indexes:
-                kept = self._index(compiler) if compiler in indexed else {}
-                indexes[compiler] = _Index(kept, newest - SETTLE_SECONDS)
+                kept = read_rows(self.store, compiler) if compiler in indexed else {}
+                indexes[compiler] = Index(kept, newest - SETTLE_SECONDS)
             out.append(self._listed(entry, listed, deep, indexes[compiler]))
         if not deep:  # a deep listing (`cache verify`) reads every file anyway, and writes nothing
             for compiler in sorted(indexed | set(indexes)):
-                self._renew_index(compiler, indexes.get(compiler) or _Index({}, newest), compiler in indexed)
+                renew(self.store, compiler, indexes.get(compiler) or Index({}, newest), compiler in indexed)
         return out
 
-    def _listed(self, entry: str, listed: dict[str, ObjectInfo], deep: bool, index: _Index) -> EntryInfo:
+    def _listed(self, entry: str, listed: dict[str, ObjectInfo], deep: bool, index: Index) -> EntryInfo:
         """One entry of a listing (`listed`: its files by name), its record's sizes and its usage taken
         from `index` where it holds them."""
         compiler, key = entry.split("/")
@@ -688,27 +483,6 @@ class CompileCache:
         hits, last_used = self._usage(entry) if USAGE in names else (0, None)
         return recorded, hits, last_used
 
-    def _index(self, version: str) -> dict:
-        """The rows of a version folder's index; none when it is missing, garbled or of another format."""
-        index = self._json(f"{version}/{INDEX}")
-        rows = index.get("entries") if index is not None and index.get("format") == INDEX_FORMAT else None
-        return rows if isinstance(rows, dict) else {}
-
-    def _renew_index(self, version: str, index: _Index, exists: bool) -> None:
-        """Bring a version folder's index up to date with a listing: write it when the listing read what
-        it lacked, or left out a row whose files had not settled (written again, the index is newer than
-        they are, and the next listing keeps the row); remove it when the folder holds nothing to index.
-        A cache this process may only read keeps the index it has."""
-        name = f"{version}/{INDEX}"
-        try:
-            if index.rows or index.unsettled:
-                if index.unsettled or not exists or index.rows != index.kept:
-                    self.store.write(name, index.document())
-            elif exists:
-                self.store.delete(name)
-        except Exception:  # read-only credentials or file system, say: the next listing reads the entries again
-            return
-
     def prune(self, current_compiler: str, *, failed: bool = False, older_than_days: float | None = None,
               other_versions: bool = False, dry_run: bool = False) -> list[EntryInfo]:
         """Remove what is asked for; never an entry being compiled (locked). Of neuronx-cc's entries
@@ -726,11 +500,5 @@ class CompileCache:
                     self.store.delete_prefix(f"{info.compiler}/{info.key}/")
         if not dry_run:
             for version in sorted({info.compiler for info in removed}):
-                self._forget(version, {info.key for info in removed if info.compiler == version})
+                forget(self.store, version, {info.key for info in removed if info.compiler == version})
         return removed
-
-    def _forget(self, version: str, keys: set[str]) -> None:
-        """Drop removed entries' rows from a version folder's index, and the index once it has none."""
-        index = _Index(self._index(version), 0.0)
-        index.rows = {key: row for key, row in index.kept.items() if key not in keys}
-        self._renew_index(version, index, exists=True)

@@ -22,13 +22,13 @@ from abc import abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 from urllib.parse import urlparse
 
 import torch
 
 from trnflow.device import plans
-from trnflow.device.base import CompileMetrics, Device, Log, RecompileGuard, Seen, summarise
+from trnflow.device.base import CompilerSettings, Device, Log, RecompileGuard, Seen
 from trnflow.device.cache import DONE, CompileCache, entry_name, miss_reason, module_key
 from trnflow.errors import FatalError
 from trnflow.safetar import pack
@@ -55,20 +55,11 @@ class RuntimeGraph:
 
 
 @dataclass
-class IndexedGraphs:
-    flags: dict
-    cache: CompileCache | None = None
-    mode: str = "run"
-    guard: RecompileGuard = field(default_factory=RecompileGuard)
-    workdir: Path | None = None
-    log: Log = field(default=lambda event, **fields: None)
-    program: str = "program"
-    shapes: dict[str, str] = field(default_factory=dict)
-    seen: list[Seen] = field(default_factory=list)
+class IndexedGraphs(CompilerSettings):
+    MODES: ClassVar[tuple[str, ...]] = ("extract", "compile", "run", "trial")
 
-    def __post_init__(self) -> None:
-        if self.mode not in ("extract", "compile", "run", "trial"):
-            raise ValueError(f"unknown mode {self.mode!r}")
+    workdir: Path | None = None
+    shapes: dict[str, str] = field(default_factory=dict)
 
     def __call__(self, gm: Any, example_inputs: list) -> Callable:
         raise FatalError("this device's runtime compiles its own graphs: they do not pass through trnflow's backend")
@@ -120,9 +111,6 @@ class IndexedGraphs:
                  seconds=round(seconds, 3))
         self.guard.recompiled(graph.program, key, graph.data_shapes, reason,
                               self.cache.url if self.cache else "the compile cache")
-
-    def metrics(self) -> CompileMetrics:
-        return summarise(self.seen)
 
 
 def is_local(url: str) -> bool:

@@ -88,7 +88,7 @@ class NeuronDevice(RuntimeDevice):
 
     def graphs(self, flags: dict, cache: CompileCache | None, mode: str, guard: RecompileGuard,
                workdir: Path | None, log: Log) -> NeuronGraphs:
-        return NeuronGraphs(flags, cache, mode, guard, workdir, log)
+        return NeuronGraphs(flags, cache, mode, guard, log, workdir=workdir)
 
     def compile(self, fn: Callable, backend: Any, whole: bool = True) -> Callable:
         return torch.compile(fn, backend=BACKEND, fullgraph=whole, dynamic=False)

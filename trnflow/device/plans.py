@@ -46,8 +46,8 @@ def plan_digest(spec: JobSpec, model: str, model_sources: list[Path]) -> str:
         "per_core_batch": spec.per_core_batch,
         "inference_batch": spec.inference.batch_size,
         "precision": spec.compute.precision,
-        # a sharded model's training programs are others; a run's flow decides `auto` before it asks
-        "sharded": spec.train.parallelism.strategy == "fsdp",
+        # a sharded or split model's training programs are others (a run's flow decides `auto` first)
+        "layout": spec.layout.model_dump(mode="json"),
         "optlevel": spec.compile.optlevel,
         "compiler": COMPILER_VERSION,
         "sources": sources,

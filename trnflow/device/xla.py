@@ -146,7 +146,7 @@ class XlaDevice(RuntimeDevice):
 
     def graphs(self, flags: dict, cache: CompileCache | None, mode: str, guard: RecompileGuard,
                workdir: Path | None, log: Log) -> XlaGraphs:
-        return XlaGraphs(flags, cache, mode, guard, workdir, log, journal=self.journal)
+        return XlaGraphs(flags, cache, mode, guard, log, workdir=workdir, journal=self.journal)
 
     def compile(self, fn: Callable, backend: Any, whole: bool = True) -> Callable:
         """Lazy tensors are traced as they run and compiled where they synchronise: `fn` as it is."""

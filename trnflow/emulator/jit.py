@@ -24,31 +24,21 @@ import contextlib
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from trnflow.device.base import CompileMetrics, RecompileGuard, Seen, summarise
-from trnflow.device.cache import CompileCache, CorruptEntry, UnsignedEntry, entry_name, miss_reason
+from trnflow.device.base import CompilerSettings, Seen
+from trnflow.device.cache import CorruptEntry, UnsignedEntry, entry_name, miss_reason
 from trnflow.emulator.compiler import Graph, cache_key, lower, runnable, unpack_into
-
-Log = Callable[..., None]
 
 
 @dataclass
-class CachedCompiler:
-    flags: dict
-    cache: CompileCache | None = None
-    mode: str = "run"
-    guard: RecompileGuard = field(default_factory=RecompileGuard)
+class CachedCompiler(CompilerSettings):
     inductor_dir: Path | None = None
-    log: Log = field(default=lambda event, **fields: None)
-    program: str = "program"
-    seen: list[Seen] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        if self.mode not in ("extract", "compile", "run"):
-            raise ValueError(f"unknown mode {self.mode!r}")
+        super().__post_init__()
         if self.inductor_dir is not None:
             self.inductor_dir.mkdir(parents=True, exist_ok=True)
             os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(self.inductor_dir)
@@ -111,6 +101,3 @@ class CachedCompiler:
             self.guard.recompiled(self.program, key, graph.data_shapes, reason, where)
         return reason
 
-    def metrics(self) -> CompileMetrics:
-        """What this process compiled, loaded and recompiled."""
-        return summarise(self.seen)

@@ -24,10 +24,21 @@ from __future__ import annotations
 import json
 import math
 from statistics import NormalDist
-from typing import Any
+
+from pydantic import ValidationError
 
 from trnflow.errors import DataError
-from trnflow.records import Band, PairedCheck, Verdict, VerdictPoint
+from trnflow.records import (
+    Band,
+    MetricPoint,
+    MetricSeries,
+    PairedCheck,
+    Predictions,
+    Verdict,
+    VerdictPoint,
+    problems,
+    read,
+)
 from trnflow.storage import open_store
 
 FORMAT = 1
@@ -44,30 +55,32 @@ PAIRED_METRIC = "accuracy"
 """McNemar's test pairs per-row correctness: it speaks to accuracy only."""
 
 
-def metrics_document(points: list[dict[str, Any]], source: str) -> dict[str, Any]:
-    return {"format": FORMAT, "source": source, "points": sorted(points, key=lambda p: p["step"])}
+def series_of(points: list[MetricPoint], source: str, **more) -> MetricSeries:
+    """A metric series of `points` (sorted by step), from `source`."""
+    return MetricSeries(format=FORMAT, source=source, points=sorted(points, key=lambda p: p.step), **more)
 
 
-def write_series(run_url: str, run_id: str, points: list[dict], holdout: str, step: int, correct: str | None,
+def write_series(run_url: str, run_id: str, points: list[MetricPoint], holdout: str, step: int, correct: str | None,
                  directions: dict[str, str]) -> str:
     """Write a run's metric series beside its checkpoints, with which way each metric is better
     and the per-example outcome at `step` (None: its recipe has none); returns its URL."""
-    document = {**metrics_document(points, source=run_id), "holdout_sha256": holdout, "directions": directions}
-    if correct is not None:
-        document["predictions"] = {"step": step, "correct": correct}
-    open_store(run_url).write(SERIES, json.dumps(document, indent=1).encode())
+    predictions = Predictions(step=step, correct=correct) if correct is not None else None
+    series = series_of(points, run_id, holdout_sha256=holdout, directions=directions, predictions=predictions)
+    open_store(run_url).write(SERIES, series.model_dump_json(indent=1, exclude_none=True).encode())
     return f"{run_url}/{SERIES}"
 
 
-def read_series(run_url: str) -> dict | None:
+def read_series(run_url: str) -> MetricSeries | None:
+    """A run's series; None when it has none, a RecordError (naming the file) when it is damaged."""
     try:
-        return json.loads(open_store(run_url).read(SERIES))
+        data = open_store(run_url).read(SERIES)
     except FileNotFoundError:
         return None
+    return read(MetricSeries, data, f"{run_url}/{SERIES}")
 
 
-def parse_metrics(text: str, origin: str, metric: str) -> dict[str, Any]:
-    """A checked metrics document, or DataError naming the file and what a good one looks like."""
+def parse_metrics(text: str, origin: str, metric: str) -> MetricSeries:
+    """A checked metrics file, or DataError naming the file and what a good one looks like."""
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -84,12 +97,15 @@ def parse_metrics(text: str, origin: str, metric: str) -> dict[str, Any]:
             and isinstance(predictions.get("correct"), str) and set(predictions["correct"]) <= {"0", "1"}):
         raise DataError(f'{origin}: "predictions" must be {{"step": N, "correct": "0110..."}} with one 0 or 1 '
                         "per holdout row; remove it if the file has no per-example outcomes")
-    return doc
+    try:
+        return MetricSeries.model_validate(doc)
+    except ValidationError as exc:
+        raise DataError(f"{origin}: not a metrics file ({problems(exc)})") from None
 
 
-def better(document: dict | None, metric: str) -> str:
+def better(series: MetricSeries | None, metric: str) -> str:
     """Which way `metric` is better: as the series says, else as for trnflow's own metrics."""
-    said = ((document or {}).get("directions") or {}).get(metric)
+    said = series.directions.get(metric) if series is not None else None
     if said in (HIGHER, LOWER):
         return said
     if metric not in DIRECTIONS:
@@ -122,84 +138,84 @@ def rows_needed(discordant: float, delta: float, alpha: float, power: float = PO
     return math.ceil((z_a * math.sqrt(psi) + z_b * math.sqrt(psi - delta ** 2)) ** 2 / delta ** 2)
 
 
-def paired_check(candidate: dict, reference: dict, metric: str, delta: float, alpha: float) -> PairedCheck:
+def paired_check(candidate: MetricSeries, reference: MetricSeries, metric: str, delta: float, alpha: float
+                 ) -> PairedCheck:
     """McNemar's test on per-example outcomes, when the gate's metric is accuracy and both documents
     have them for the same holdout."""
     if metric != PAIRED_METRIC:
         return PairedCheck(available=False, reason=f"it pairs per-row correctness, which speaks to accuracy, and "
                            f"the gate's metric is {metric}")
-    cand, ref = candidate.get("predictions"), reference.get("predictions")
+    cand, ref = candidate.predictions, reference.predictions
     if not cand or not ref:
         return PairedCheck(available=False, reason="per-example predictions missing on the "
                            f"{'candidate' if not cand else 'reference'} side")
-    if candidate.get("holdout_sha256") != reference.get("holdout_sha256"):
+    if candidate.holdout_sha256 != reference.holdout_sha256:
         return PairedCheck(available=False, reason="the two runs were evaluated on different holdout sets")
-    if cand["step"] != ref["step"]:
-        return PairedCheck(available=False,
-                           reason=f"predictions are at different steps ({cand['step']} and {ref['step']})")
-    if len(cand["correct"]) != len(ref["correct"]) or not cand["correct"]:
-        return PairedCheck(available=False, reason=f"predictions cover {len(cand['correct'])} and "
-                           f"{len(ref['correct'])} rows: not the same holdout")
-    pairs = list(zip(cand["correct"], ref["correct"], strict=True))
+    if cand.step != ref.step:
+        return PairedCheck(available=False, reason=f"predictions are at different steps ({cand.step} and {ref.step})")
+    if len(cand.correct) != len(ref.correct) or not cand.correct:
+        return PairedCheck(available=False, reason=f"predictions cover {len(cand.correct)} and "
+                           f"{len(ref.correct)} rows: not the same holdout")
+    pairs = list(zip(cand.correct, ref.correct, strict=True))
     candidate_only = sum(1 for c, r in pairs if c == "1" and r == "0")
     reference_only = sum(1 for c, r in pairs if c == "0" and r == "1")
     rows = len(pairs)
     p = mcnemar_p(candidate_only, reference_only)
     needed = rows_needed((candidate_only + reference_only) / rows, delta, alpha) if delta > 0 else 0
     return PairedCheck(
-        available=True, step=cand["step"], rows=rows,
+        available=True, step=cand.step, rows=rows,
         both_right=sum(1 for c, r in pairs if c == r == "1"), candidate_only=candidate_only,
         reference_only=reference_only, both_wrong=sum(1 for c, r in pairs if c == r == "0"),
         p_value=p, alpha=alpha, significant=p < alpha, rows_needed=needed, underpowered=rows < needed,
     )
 
 
-def no_regression(candidate: dict, champion: dict, band: Band, champion_label: str, alpha: float = 0.05) -> Verdict:
+def no_regression(candidate: MetricSeries, champion: MetricSeries, band: Band, champion_label: str,
+                  alpha: float = 0.05) -> Verdict:
     """The verdict of a retrained model against the champion it started from: its final point may
     be better by any amount, and worse by at most the band. The two series come from different
     runs on different data windows, so their last points are compared, not their steps."""
     metric = band.metric
-    last, best = candidate["points"][-1], champion["points"][-1]
-    diff = last[metric] - best[metric]
-    allowed = band.allowed(best[metric])
+    last, best = candidate.last.value(metric), champion.last.value(metric)
+    diff = last - best
+    allowed = band.allowed(best)
     passed = band.regression(diff) <= allowed
 
-    def final(document: dict) -> dict:  # each model's outcome at its own last step, paired row by row
-        predictions = document.get("predictions")
-        return {**document, "predictions": predictions and {**predictions, "step": "final"}}
+    def final(series: MetricSeries) -> MetricSeries:  # each model's outcome at its own last step, paired row by row
+        known = series.predictions
+        return series.model_copy(update={"predictions": known and known.model_copy(update={"step": "final"})})
 
-    point = VerdictPoint(step=last["step"], global_step=last.get("global_step", last["step"]),
-                         candidate=last[metric], reference=best[metric], diff=diff, passed=passed)
+    point = VerdictPoint(step=candidate.last.step, global_step=candidate.last.global_step, candidate=last,
+                         reference=best, diff=diff, passed=passed)
     worse = "below" if band.better == HIGHER else "above"
     relative = f", {band.text}" if band.max_rel_diff is not None else ""
-    reason = None if passed else (f"{metric} {last[metric]:.4f} is {abs(diff):.4f} {worse} {champion_label}'s "
-                                  f"{best[metric]:.4f} (allowed regression {allowed:.4g}{relative})")
+    reason = None if passed else (f"{metric} {last:.4f} is {abs(diff):.4f} {worse} {champion_label}'s "
+                                  f"{best:.4f} (allowed regression {allowed:.4g}{relative})")
     return Verdict(**band.model_dump(), mode="no-regression", passed=passed, points=[point],
                    paired=paired_check(final(candidate), final(champion), metric, allowed, alpha), reason=reason)
 
 
-def compare(candidate: dict | list[dict], reference: dict | list[dict], band: Band, mode: str = "every-point",
-            alpha: float = 0.05, fail_on_significant: bool = False) -> Verdict:
+def compare(candidate: MetricSeries | list[MetricPoint], reference: MetricSeries | list[MetricPoint], band: Band,
+            mode: str = "every-point", alpha: float = 0.05, fail_on_significant: bool = False) -> Verdict:
     """The verdict: every matched point with both values, their difference and pass or fail, plus
-    the paired check. Documents or bare point lists are accepted."""
+    the paired check. Series or bare point lists are accepted."""
     metric = band.metric
-    cand_doc = candidate if isinstance(candidate, dict) else {"points": candidate}
-    ref_doc = reference if isinstance(reference, dict) else {"points": reference}
-    ref_by_step = {p["step"]: p[metric] for p in ref_doc["points"]}
+    cand_doc = candidate if isinstance(candidate, MetricSeries) else MetricSeries(points=candidate)
+    ref_doc = reference if isinstance(reference, MetricSeries) else MetricSeries(points=reference)
+    ref_by_step = {p.step: p.value(metric) for p in ref_doc.points}
     rows = []
-    for point in sorted(cand_doc["points"], key=lambda p: p["step"]):
-        if point["step"] not in ref_by_step:
+    for point in sorted(cand_doc.points, key=lambda p: p.step):
+        if point.step not in ref_by_step:
             continue
-        ref = ref_by_step[point["step"]]
-        diff = point[metric] - ref
-        rows.append(VerdictPoint(step=point["step"], global_step=point.get("global_step", point["step"]),
-                                 candidate=point[metric], reference=ref, diff=diff,
-                                 passed=abs(diff) <= band.allowed(ref)))
+        ref = ref_by_step[point.step]
+        diff = point.value(metric) - ref
+        rows.append(VerdictPoint(step=point.step, global_step=point.global_step, candidate=point.value(metric),
+                                 reference=ref, diff=diff, passed=abs(diff) <= band.allowed(ref)))
     delta = band.allowed(rows[-1].reference if rows else next(reversed(ref_by_step.values()), 0.0))
     paired = paired_check(cand_doc, ref_doc, metric, delta, alpha)
     if not rows:
         return Verdict(**band.model_dump(), mode=mode, passed=False, paired=paired, reason=(
-            f"no common evaluation step: candidate steps {[p['step'] for p in cand_doc['points']]}, "
+            f"no common evaluation step: candidate steps {cand_doc.steps()}, "
             f"reference steps {sorted(ref_by_step)}; evaluate both at the same steps"))
     judged = rows if mode == "every-point" else rows[-1:]
     reasons = [f"step {r.step}: {metric} {r.candidate:.4f} vs reference {r.reference:.4f} "

@@ -13,14 +13,23 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
-from trnflow.errors import DataError, FatalError
+from trnflow.errors import ChampionKept, DataError, FatalError, GateFailed
 from trnflow.lifecycle.digests import check_version, registered_digests
-from trnflow.lifecycle.gate import better, compare, no_regression, parse_metrics, read_series
+from trnflow.lifecycle.gate import better, compare, headline, no_regression, parse_metrics, read_series
 from trnflow.lifecycle.registry import Digests, Registry, RegistryEntry, VerdictSummary
-from trnflow.records import CHECKPOINT_MARKER, Band, CheckpointMeta, Verdict, read
+from trnflow.records import (
+    CHECKPOINT_MARKER,
+    Band,
+    CheckpointMeta,
+    MetricPoint,
+    MetricSeries,
+    Predictions,
+    Verdict,
+    read,
+)
+from trnflow.results import Registration
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 
@@ -31,7 +40,7 @@ class Check:
     (None when there was nothing to compare with) and what that series is."""
 
     verdict: Verdict
-    reference: dict[str, Any] | None
+    reference: MetricSeries | None
     against: str
     champion: bool = False
     """This check protects the champion: failing it keeps the champion rather than failing the gate."""
@@ -62,33 +71,9 @@ class Decision:
         return failed[0] if failed and self.gate_passed else None
 
     @property
-    def reference(self) -> dict[str, Any] | None:
+    def reference(self) -> MetricSeries | None:
         """The series the chart draws beside the candidate's: the first check's."""
         return self.checks[0].reference
-
-
-@dataclass(frozen=True)
-class Registration:
-    """Where the candidate stands in the registry after the gate."""
-
-    version: int
-    promoted: bool
-    generation: int
-    """The registry generation the decision was made against."""
-    checkpoint: str = ""
-    """The registered version's checkpoint: a rerun on the same inputs gets the first run's, which
-    is what later stages must use, so that a version has one model and one output folder."""
-    registered_before: bool = False
-    """A rerun (of the same run, or of the same spec on the same data): registered already."""
-    forced: bool = False
-    """Promotable only because `--force-promote` said why: it is worse than the champion."""
-
-    def as_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"version": self.version, "promoted": self.promoted, "generation": self.generation,
-                               "checkpoint": self.checkpoint}
-        if self.forced:
-            out["forced"] = True
-        return {**out, "registered_before": True} if self.registered_before else out
 
 
 @dataclass
@@ -96,7 +81,7 @@ class Candidate:
     """The candidate's metric series as it stood at the checkpoint being gated."""
 
     checkpoint: str
-    series: dict[str, Any] = field(default_factory=dict)
+    series: MetricSeries | None = None
 
     @property
     def run_url(self) -> str:
@@ -108,11 +93,11 @@ class Candidate:
 
     def evaluated(self) -> bool:
         """Whether training left a point for this checkpoint (else the evaluate phase must run)."""
-        return bool(self.series) and self.step in {p["step"] for p in self.series["points"]}
+        return self.series is not None and self.step in self.series.steps()
 
     @classmethod
     def read(cls, checkpoint: str) -> Candidate:
-        return cls(checkpoint, read_series(checkpoint.rpartition("/")[0]) or {})
+        return cls(checkpoint, read_series(checkpoint.rpartition("/")[0]))
 
 
 def step_of(checkpoint: str) -> int | None:
@@ -120,18 +105,17 @@ def step_of(checkpoint: str) -> int | None:
     return int(name.removeprefix("step-")) if name.startswith("step-") else None
 
 
-def up_to(series: dict, step: int | None) -> dict:
+def up_to(series: MetricSeries, step: int | None) -> MetricSeries:
     """The series as it stood at the checkpoint being gated: later points (a newer checkpoint's)
     are not this model's, nor is a per-example outcome taken at another step."""
     if step is None:
         return series
-    trimmed = {**series, "points": [p for p in series["points"] if p["step"] <= step]}
-    if (series.get("predictions") or {}).get("step") != step:
-        trimmed.pop("predictions", None)
-    return trimmed
+    predictions = series.predictions if series.predictions and series.predictions.step == step else None
+    return series.model_copy(update={"points": [p for p in series.points if p.step <= step],
+                                     "predictions": predictions})
 
 
-def champion_series(spec: JobSpec, registry: Registry) -> tuple[dict | None, str]:
+def champion_series(spec: JobSpec, registry: Registry) -> tuple[MetricSeries | None, str]:
     """The champion's series up to its own checkpoint, and its name; None before the first."""
     champion = registry.champion(spec.name)
     if champion is None:
@@ -143,7 +127,7 @@ def champion_series(spec: JobSpec, registry: Registry) -> tuple[dict | None, str
     return series, f"champion v{champion.version}"
 
 
-def recorded_series(checkpoint: str) -> dict | None:
+def recorded_series(checkpoint: str) -> MetricSeries | None:
     """The series of `checkpoint`'s run as it stood at that checkpoint; None when it has none."""
     series = read_series(checkpoint.rpartition("/")[0])
     return None if series is None else up_to(series, step_of(checkpoint))
@@ -176,36 +160,35 @@ def recipe_of(checkpoint: str) -> dict | None:
     return meta.recipe if meta else None
 
 
-def band(spec: JobSpec, candidate: dict | None) -> Band:
+def band(spec: JobSpec, candidate: MetricSeries | None) -> Band:
     """The gate's band for the candidate's series (which says which way its metric is better)."""
     gate = spec.gate
     return Band(metric=gate.metric, max_abs_diff=gate.max_abs_diff, max_rel_diff=gate.max_rel_diff,
                 better=better(candidate, gate.metric))
 
 
-def incomparable(spec: JobSpec, candidate: dict | None, who: str, reason: str) -> Check:
+def incomparable(spec: JobSpec, candidate: MetricSeries | None, who: str, reason: str) -> Check:
     """The champion's check when the candidate cannot be compared with it: failed, so the champion
     stays unless a promotion is forced."""
     verdict = Verdict(**band(spec, candidate).model_dump(), passed=False, mode="no-regression", reason=reason)
     return Check(verdict, None, who, champion=True)
 
 
-def same_holdout(candidate: dict, champion: dict) -> bool:
+def same_holdout(candidate: MetricSeries, champion: MetricSeries) -> bool:
     """Whether the champion's series was measured on the candidate's holdout, row for row (a series
     that does not say which holdout it was measured on is not known to be)."""
-    theirs, ours = champion.get("holdout_sha256"), candidate.get("holdout_sha256")
+    theirs, ours = champion.holdout_sha256, candidate.holdout_sha256
     return theirs is not None and theirs == ours
 
 
-def evaluated_series(points: list[dict], holdout: str | None, step: int, correct: str | None) -> dict:
+def evaluated_series(points: list[MetricPoint], holdout: str | None, step: int, correct: str | None,
+                     directions: dict[str, str] | None = None) -> MetricSeries:
     """A series from one evaluation (the champion's, on the candidate's holdout)."""
-    document: dict[str, Any] = {"points": points, "holdout_sha256": holdout}
-    if correct:
-        document["predictions"] = {"step": step, "correct": correct}
-    return document
+    return MetricSeries(points=points, holdout_sha256=holdout, directions=directions or {},
+                        predictions=Predictions(step=step, correct=correct) if correct else None)
 
 
-def reference_series(spec: JobSpec, registry: Registry | None) -> tuple[dict | None, str]:
+def reference_series(spec: JobSpec, registry: Registry | None) -> tuple[MetricSeries | None, str]:
     """The reference document and what it is; None for a first run with nothing to compare with."""
     gate = spec.gate
     if gate.reference is None:
@@ -220,14 +203,14 @@ def reference_series(spec: JobSpec, registry: Registry | None) -> tuple[dict | N
         raise FatalError(f"gate.reference {gate.reference} does not exist; create it with "
                          "`trnflow reference SPEC` or point gate.reference at an existing metrics file") from None
     document = parse_metrics(text, gate.reference, gate.metric)
-    return document, str(document.get("source") or name)
+    return document, document.source or name
 
 
-def _baseline(spec: JobSpec, candidate: dict, mode: str, reason: str) -> Verdict:
+def _baseline(spec: JobSpec, candidate: MetricSeries, mode: str, reason: str) -> Verdict:
     return Verdict(**band(spec, candidate).model_dump(), passed=True, mode=mode, reason=reason)
 
 
-def protect(spec: JobSpec, candidate: dict, champion: dict, who: str) -> Check:
+def protect(spec: JobSpec, candidate: MetricSeries, champion: MetricSeries, who: str) -> Check:
     """The champion's protection: the candidate may be better by any amount and worse by at most
     the band on the final point, on the same holdout; with `gate.fail_on_significant`, McNemar's
     test must also not find the champion better."""
@@ -243,8 +226,8 @@ def protect(spec: JobSpec, candidate: dict, champion: dict, who: str) -> Check:
     return Check(verdict, champion, who, champion=True)
 
 
-def _checks(spec: JobSpec, registry: Registry | None, candidate: dict, against_champion: bool,
-            champion: tuple[dict, str] | Check | None) -> list[Check]:
+def _checks(spec: JobSpec, registry: Registry | None, candidate: MetricSeries, against_champion: bool,
+            champion: tuple[MetricSeries, str] | Check | None) -> list[Check]:
     gate = spec.gate
     checks = []
     if isinstance(champion, Check):  # decided already: it could not be compared
@@ -271,8 +254,8 @@ def _checks(spec: JobSpec, registry: Registry | None, candidate: dict, against_c
     return checks
 
 
-def decide(spec: JobSpec, registry: Registry | None, candidate: dict, against_champion: bool,
-           champion: tuple[dict, str] | Check | None = None) -> Decision:
+def decide(spec: JobSpec, registry: Registry | None, candidate: MetricSeries, against_champion: bool,
+           champion: tuple[MetricSeries, str] | Check | None = None) -> Decision:
     """Judge the candidate's series against each reference it must pass, and against `champion`
     (its series on the candidate's holdout, and its name; or a failed check when the two could
     not be compared) when there is one."""
@@ -327,12 +310,12 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
         if promoted:
             check_version(same[0])  # its files are still the ones registered
             registry.promote(spec.name, version, reason=reason, expected_generation=generation)
-        return Registration(version, bool(promoted), generation, same[0].checkpoint, registered_before=True,
-                            forced=forced is not None)
+        return Registration(version=version, promoted=bool(promoted), generation=generation,
+                            checkpoint=same[0].checkpoint, registered_before=True, forced=forced is not None)
     status = _status(decision, forced)
     entry = registry.register(spec.name, RegistryEntry(
         checkpoint=checkpoint, run_id=run_id, status=status,
-        metrics=candidate.series["points"][-1], series=f"{candidate.run_url}/metrics.json",
+        metrics=candidate.series.last.model_dump(), series=f"{candidate.run_url}/metrics.json",
         watermark=meta.watermark, global_step=meta.global_step,
         parent=meta.parent, parent_version=by_checkpoint.get(meta.parent) if meta.parent else None,
         recipe=meta.recipe, export=meta.export, base=meta.base, weights=whole_weights(checkpoint), inputs=inputs,
@@ -344,7 +327,8 @@ def register(spec: JobSpec, registry: Registry, candidate: Candidate, run_id: st
     promoted = bool(promotable)
     if promoted:
         registry.promote(spec.name, entry.version, reason=reason, expected_generation=generation)
-    return Registration(entry.version, promoted, generation, checkpoint, forced=forced is not None)
+    return Registration(version=entry.version, promoted=promoted, generation=generation, checkpoint=checkpoint,
+                        forced=forced is not None)
 
 
 def _digests(checkpoint: str, export: str | None) -> Digests:
@@ -373,3 +357,28 @@ def summary(spec: JobSpec, decision: Decision, final: float, registration: Regis
     if registration is not None and registration.promoted:
         text += f"; champion v{registration.version}"
     return text
+
+
+def settle(decision: Decision, registration: Registration | None, run_id: str, forced: str | None) -> list[str]:
+    """The gate's outcome once the candidate is registered: GateFailed when it is outside the band;
+    ChampionKept when it passed but is worse than the champion and `forced` gives no reason to
+    promote it anyway (neither is ever retried). Otherwise the warnings the run should show: a
+    forced promotion, and a paired test that finds the two differ within the band."""
+    if not decision.gate_passed:
+        raise GateFailed(f"accuracy-parity gate failed against {decision.against}: {decision.verdict.reason}",
+                         decision.verdict, headline=headline(decision.verdict, decision.against))
+    worse = decision.worse_than_champion
+    if worse is not None and forced is None:
+        version = f"v{registration.version}" if registration else "the candidate"
+        raise ChampionKept(f"{version} passed the gate but was not promoted: {worse.verdict.reason}. "
+                           f"{worse.against} stays the champion; to promote it anyway, run the same run again "
+                           f"(nothing is trained twice) with --run-id {run_id} --force-promote --reason \"why\"",
+                           worse.verdict, headline=f"{version} registered, not promoted: "
+                           f"{headline(worse.verdict, worse.against)}")
+    notes = [f"promoting a candidate worse than {worse.against}, as asked: {forced}"] if worse is not None else []
+    for check in decision.checks:
+        paired = check.verdict.paired
+        if paired and paired.significant:
+            notes.append(f"McNemar's test finds the candidate and {check.against} differ (p = "
+                         f"{paired.p_value:.3g}), within the band")
+    return notes

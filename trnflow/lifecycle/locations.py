@@ -158,7 +158,7 @@ def reference_problem(spec: JobSpec, remote: bool = True, retraining: bool = Fal
         document = parse_metrics(text, reference, spec.gate.metric)
     except DataError as exc:
         return f"gate.reference: {exc}"
-    steps = sorted({point["step"] for point in document["points"]})
+    steps = sorted(set(document.steps()))
     if not retraining and not any(spec.evaluates_at(step) for step in steps):
         return (f"gate.reference: {reference} was evaluated at steps {steps}, and this spec evaluates at steps "
                 f"{spec.evaluation_steps_text()} (train.steps {spec.train.steps}, gate.eval_every "

@@ -19,6 +19,7 @@ from typing import Any
 
 from trnflow.errors import FatalError
 from trnflow.neuron.nccom import TIME_COLUMNS, row_time, time_columns
+from trnflow.results import CoreHolder, HostInventory
 
 NEURON_LS, NCCOM_TEST, PARALLEL_COMPILE = "neuron-ls", "nccom-test", "neuron_parallel_compile"
 NCCOM_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
@@ -71,7 +72,8 @@ def neuron_ls(timeout: float = 60.0) -> list[dict[str, Any]]:
     return parse_neuron_ls(done.stdout)
 
 
-def inventory(records: list[dict[str, Any]], cores: list[int], own_pids: set[int]) -> dict[str, Any]:
+def inventory(records: list[dict[str, Any]], cores: list[int], own_pids: set[int], source: str = NEURON_LS
+              ) -> HostInventory:
     """What the host's device list says about the job's `cores`: the devices and cores it lists,
     the job's cores it does not list, and those another process holds."""
     listed = {core for r in records for core in r["neuroncore_ids"]}
@@ -82,9 +84,9 @@ def inventory(records: list[dict[str, Any]], cores: list[int], own_pids: set[int
                 continue
             for core in proc.get("neuroncore_ids") or record["neuroncore_ids"]:
                 if core in cores:
-                    held[core] = {"pid": proc.get("pid"), "command": proc.get("command", "?")}
-    return {"devices": len(records), "cores": sum(int(r["nc_count"]) for r in records),
-            "missing": sorted(set(cores) - listed), "held": {str(c): h for c, h in sorted(held.items())}}
+                    held[core] = CoreHolder(pid=proc.get("pid"), command=str(proc.get("command", "?")))
+    return HostInventory(source=source, devices=len(records), cores=sum(int(r["nc_count"]) for r in records),
+                         missing=sorted(set(cores) - listed), held=dict(sorted(held.items())))
 
 
 def nccom_command(op: str, ranks: int, minbytes: int, maxbytes: int, stepfactor: int, dtype: str, iters: int,

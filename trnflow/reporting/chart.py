@@ -6,20 +6,22 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING
 
-from trnflow.records import Verdict
+from trnflow.records import CurvePoint, MetricPoint, Verdict
 
 if TYPE_CHECKING:  # matplotlib is imported only when a chart is drawn
     from matplotlib.figure import Figure
 
 
-def parity_png(verdict: Verdict, candidate: list[dict], reference: list[dict] | None, title: str) -> bytes:
+def parity_png(verdict: Verdict, candidate: list[MetricPoint], reference: list[MetricPoint] | None, title: str
+               ) -> bytes:
     """`parity_figure` as a PNG."""
     buffer = io.BytesIO()
     parity_figure(verdict, candidate, reference, title).savefig(buffer, format="png")
     return buffer.getvalue()
 
 
-def parity_figure(verdict: Verdict, candidate: list[dict], reference: list[dict] | None, title: str) -> Figure:
+def parity_figure(verdict: Verdict, candidate: list[MetricPoint], reference: list[MetricPoint] | None, title: str
+                  ) -> Figure:
     """The candidate's series and the reference's whole series, each at its own global steps; the
     points the gate compared (the reference's value drawn at the candidate's step, with the allowed
     band around it), the failed ones in red; and, when the two share no step, a note saying that
@@ -32,10 +34,10 @@ def parity_figure(verdict: Verdict, candidate: list[dict], reference: list[dict]
     metric = verdict.metric
     fig = Figure(figsize=(7, 4), dpi=110)
     ax = fig.subplots()
-    steps = [p.get("global_step", p["step"]) for p in candidate]
-    ax.plot(steps, [p[metric] for p in candidate], marker="o", label="candidate", color="tab:blue", zorder=3)
+    steps = [p.global_step for p in candidate]
+    ax.plot(steps, [p.value(metric) for p in candidate], marker="o", label="candidate", color="tab:blue", zorder=3)
     if reference:
-        ax.plot([p.get("global_step", p["step"]) for p in reference], [p[metric] for p in reference],
+        ax.plot([p.global_step for p in reference], [p.value(metric) for p in reference],
                 marker="s", markersize=4, linestyle="--", color="tab:gray", alpha=0.7, label="reference")
     compared = sorted(verdict.points, key=lambda r: r.global_step)
     if compared:
@@ -98,7 +100,7 @@ def paired_sentence(verdict: Verdict) -> str:
     return f"{text} {rows:,} rows are enough to see a {size} difference."
 
 
-def training_png(curve: list[dict], evaluations: list[dict], metric: str, title: str) -> bytes:
+def training_png(curve: list[CurvePoint], evaluations: list[MetricPoint], metric: str, title: str) -> bytes:
     """The training loss against global step, with the holdout metric on a second axis."""
     import matplotlib  # ~0.5 s to import: only a chart pays for it
 
@@ -107,14 +109,14 @@ def training_png(curve: list[dict], evaluations: list[dict], metric: str, title:
 
     fig = Figure(figsize=(7, 4), dpi=110)
     ax = fig.subplots()
-    ax.plot([p["global_step"] for p in curve], [p["loss"] for p in curve], color="tab:orange",
+    ax.plot([p.global_step for p in curve], [p.loss for p in curve], color="tab:orange",
             label="training loss (mean since the last point)")
     ax.set(title=f"{title}: training", xlabel="global step", ylabel="loss")
     ax.grid(alpha=0.3)
     handles, labels = ax.get_legend_handles_labels()
     if evaluations:
         right = ax.twinx()
-        right.plot([p.get("global_step", p["step"]) for p in evaluations], [p[metric] for p in evaluations],
+        right.plot([p.global_step for p in evaluations], [p.value(metric) for p in evaluations],
                    marker="o", color="tab:blue", label=f"holdout {metric}")
         right.set_ylabel(metric)
         more = right.get_legend_handles_labels()

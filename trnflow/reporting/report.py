@@ -129,12 +129,12 @@ def loss_figure(result: TrainResult) -> str:
     if not result.curve:
         return "loss unknown" if result.loss is None else f"loss {result.loss:.4f} (the last step's)"
     *earlier, last = result.curve
-    before = earlier[-1]["step"] if earlier else 0
-    if last["step"] > result.start_step:  # logged by this attempt, whose window began where it resumed
+    before = earlier[-1].step if earlier else 0
+    if last.step > result.start_step:  # logged by this attempt, whose window began where it resumed
         before = max(before, result.start_step)
     first = before + 1
-    which = f"step {first}" if first == last["step"] else f"mean of steps {first}-{last['step']}"
-    return f"loss {last['loss']:.4f} ({which})"
+    which = f"step {first}" if first == last.step else f"mean of steps {first}-{last.step}"
+    return f"loss {last.loss:.4f} ({which})"
 
 
 def sanity_markdown(per_core: list[dict[str, Any]], excluded: list[int], cores: list[int]) -> str:

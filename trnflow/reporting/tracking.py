@@ -170,15 +170,14 @@ def step_metrics(spec: JobSpec, outcome: RunOutcome) -> list[TrackedMetric]:
     train = outcome.results.get("train")
     if isinstance(train, TrainResult):
         for point in train.curve:
-            add("train/loss", point.get("loss"), point["step"])
-            add("train/lr", spec.train.lr, point["step"])  # constant: trnflow has no schedule
-            add("train/samples_per_s", point.get("samples_per_s"), point["step"])
+            add("train/loss", point.loss, point.step)
+            add("train/lr", spec.train.lr, point.step)  # constant: trnflow has no schedule
+            add("train/samples_per_s", point.samples_per_s, point.step)
     evaluated = outcome.results.get("evaluate")
     if isinstance(evaluated, EvaluateResult):
         for point in evaluated.points:
-            for key, value in point.items():
-                if key not in ("step", "global_step"):
-                    add(f"eval/{key}", value, point["step"])
+            for key, value in [*point.values.items(), *([("rows", point.rows)] if point.rows is not None else [])]:
+                add(f"eval/{key}", value, point.step)
         verdict = evaluated.verdict
         if verdict is not None:
             for vp in verdict.points:
@@ -218,7 +217,7 @@ def _registered(spec: JobSpec, evaluated: Any) -> tuple[TrackedVersion | None, i
     if not (spec.registry_url and isinstance(evaluated, EvaluateResult) and evaluated.registry):
         return None, None
     registry = Registry(spec.registry_url)
-    number = int(evaluated.registry["version"])
+    number = evaluated.registry.version
     entry = registry.version(spec.name, number).entry
     champion = registry.champion(spec.name)
     return (TrackedVersion(model=spec.name, version=number, checkpoint=without_credentials(entry.checkpoint),
@@ -248,7 +247,7 @@ def tracked_run(spec: JobSpec, outcome: RunOutcome, ended: str | None, summary: 
         if verdict is not None:
             tags["trnflow.gate"] = "passed" if verdict.passed else f"failed: {verdict.reason or ''}"[:5000]
         if evaluated.registry:
-            tags["trnflow.registry_version"] = str(evaluated.registry.get("version"))
+            tags["trnflow.registry_version"] = str(evaluated.registry.version)
     for row in outcome.stages:  # each stage: its state, time, device and key figure
         took = f" in {row.seconds:.1f} s" if row.seconds is not None else ""
         on = f" on {row.device}" if row.device else ""

@@ -128,13 +128,17 @@ def _typed(phase: str, result: StageResult | dict, ctx) -> StageResult:
 
 
 def _spec(path: Path) -> JobSpec:
-    """The job spec the backend wrote (JSON, which the YAML loader reads too)."""
+    """The job spec the backend wrote (JSON, which the YAML loader reads too), its layout decided."""
     try:
         from trnflow.workload.recipes import RECIPES  # the recipes' models: torch, imported after the arguments
 
-        return load_spec(path, model=RECIPES)
+        spec = load_spec(path, model=RECIPES)
     except SpecError as exc:
         raise FatalError(str(exc)) from None
+    if spec.train.parallelism.layout is None:  # every submission decides it (`backends.base.fitted`)
+        raise FatalError(f"{path}: train.parallelism: `auto` reached a job undecided; submit jobs through a backend, "
+                         "which decides the layout before the job starts")
+    return spec
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -288,18 +288,28 @@ def load(url: str, featurizer_file: str | None = None, digest: str | None = None
     url = url.rstrip("/")
     base, _, last = url.rpartition("/")
     if "." in last and not last.startswith(_PREFIX):  # a file: model.pt, weights.bin, ...
-        parent = open_store(base)
-        raw = _read(parent, last, url)
-        state = _load_tensors(raw, url)
-        if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
-            raise FatalError(f"{url}: expected a state_dict (a mapping of names to tensors), "
-                             f"got {type(state).__name__}")
-        try:
-            featurizer = parent.read(featurizer_file) if featurizer_file else None
-        except FileNotFoundError:
-            featurizer = None
-        return Checkpoint(url, 0, state, featurizer=featurizer, featurizer_file=featurizer_file,
-                          model_sha256=hashlib.sha256(raw).hexdigest())
+        return _load_state_dict(open_store(base), last, url, featurizer_file)
+    return _load_folder(url, featurizer_file, digest)
+
+
+def _load_state_dict(parent: Store, name: str, url: str, featurizer_file: str | None) -> Checkpoint:
+    """A plain `state_dict` file (`name` in `parent`), with the recipe's featurizer beside it if any."""
+    raw = _read(parent, name, url)
+    state = _load_tensors(raw, url)
+    if not isinstance(state, dict) or not all(isinstance(v, torch.Tensor) for v in state.values()):
+        raise FatalError(f"{url}: expected a state_dict (a mapping of names to tensors), "
+                         f"got {type(state).__name__}")
+    try:
+        featurizer = parent.read(featurizer_file) if featurizer_file else None
+    except FileNotFoundError:
+        featurizer = None
+    return Checkpoint(url, 0, state, featurizer=featurizer, featurizer_file=featurizer_file,
+                      model_sha256=hashlib.sha256(raw).hexdigest())
+
+
+def _load_folder(url: str, featurizer_file: str | None, digest: str | None) -> Checkpoint:
+    """A committed checkpoint folder, whole or sharded: every file its marker lists, each checked
+    against its checksum before any is unpickled."""
     store = open_store(url)
     marker, listed = _marker(store, url)
     if digest is not None and manifest_digest(listed) != digest:
@@ -307,6 +317,39 @@ def load(url: str, featurizer_file: str | None = None, digest: str | None = None
                          "changed since and is not loaded; use another version (`trnflow models ls`)")
     sharded = marker.get("layout") == "sharded"
     shard_files = [name for name in listed if name.startswith(SHARDS)]
+    featurizer = _listed_featurizer(url, listed, sharded, shard_files, featurizer_file)
+    files = _verified_files(store, url, listed)
+    if sharded:
+        try:
+            sharding.check_index(files[f"{SHARDS}{sharding.METADATA}"],
+                                 {name.removeprefix(SHARDS): len(files[name]) for name in shard_files})
+        except ValueError as exc:
+            raise FatalError(f"{url}/{SHARDS}{sharding.METADATA}: {exc}; the checkpoint is damaged or tampered with, "
+                             "so it is skipped: use an earlier one") from None
+    state = _load_tensors(files["state.pt"], f"{url}/state.pt")
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "rng" not in state:
+        raise FatalError(f"{url}/state.pt: has no step number and RNG states; use an earlier checkpoint")
+    meta = read(CheckpointMeta, files["meta.json"], f"{url}/meta.json",
+                fix="the checkpoint is damaged or was written by another version of trnflow; use an earlier one")
+    tensors = {name: _load_tensors(files[name], f"{url}/{name}") for name in ("model.pt", "optim.pt") if name in files}
+    return Checkpoint(
+        url, state["step"],
+        model=tensors.get("model.pt"),
+        optim=tensors.get("optim.pt"),
+        rng=state["rng"],
+        featurizer=files[featurizer],
+        featurizer_file=featurizer,
+        meta=meta,
+        model_sha256=_shards_digest(listed, shard_files) if sharded else listed["model.pt"]["sha256"],
+        shards={name.removeprefix(SHARDS): files[name] for name in shard_files} if sharded else None,
+    )
+
+
+def _listed_featurizer(url: str, listed: dict, sharded: bool, shard_files: list[str],
+                       featurizer_file: str | None) -> str:
+    """The featurizer file a checkpoint's marker lists, once the listing is checked: only files of
+    the folder itself, every file a (sharded) checkpoint needs, and exactly one other, which is
+    `featurizer_file` when one is asked for."""
     strays = [name for name in listed if not (_PLAIN_NAME.fullmatch(name) or (
         sharded and name.startswith(SHARDS) and sharding.SHARD_NAME.fullmatch(name.removeprefix(SHARDS))))]
     if strays:  # `../../x`, `/etc/passwd`: the checkpoint's own folder holds every file it lists
@@ -326,6 +369,11 @@ def load(url: str, featurizer_file: str | None = None, digest: str | None = None
         raise FatalError(f"{url}: holds the featurizer {outside[0]}, but the spec's recipe keeps {featurizer_file}: "
                          "it was trained with another recipe. Set model.recipe to the one it was trained with, or "
                          "start from scratch (train.init_from: null)")
+    return outside[0]
+
+
+def _verified_files(store: Store, url: str, listed: dict) -> dict[str, bytes]:
+    """Every file the marker lists, each read and checked against its checksum."""
     files = {}
     for name, expected in listed.items():
         data = _read(store, name, f"{url}/{name}")
@@ -333,30 +381,7 @@ def load(url: str, featurizer_file: str | None = None, digest: str | None = None
             raise FatalError(f"{url}/{name}: does not match its checksum in {MARKER}; the checkpoint is corrupted, "
                              "use an earlier one")
         files[name] = data
-    if sharded:
-        try:
-            sharding.check_index(files[f"{SHARDS}{sharding.METADATA}"],
-                                 {name.removeprefix(SHARDS): len(files[name]) for name in shard_files})
-        except ValueError as exc:
-            raise FatalError(f"{url}/{SHARDS}{sharding.METADATA}: {exc}; the checkpoint is damaged or tampered with, "
-                             "so it is skipped: use an earlier one") from None
-    state = _load_tensors(files["state.pt"], f"{url}/state.pt")
-    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or "rng" not in state:
-        raise FatalError(f"{url}/state.pt: has no step number and RNG states; use an earlier checkpoint")
-    meta = read(CheckpointMeta, files["meta.json"], f"{url}/meta.json",
-                fix="the checkpoint is damaged or was written by another version of trnflow; use an earlier one")
-    tensors = {name: _load_tensors(files[name], f"{url}/{name}") for name in ("model.pt", "optim.pt") if name in files}
-    return Checkpoint(
-        url, state["step"],
-        model=tensors.get("model.pt"),
-        optim=tensors.get("optim.pt"),
-        rng=state["rng"],
-        featurizer=files[outside[0]],
-        featurizer_file=outside[0],
-        meta=meta,
-        model_sha256=_shards_digest(listed, shard_files) if sharded else listed["model.pt"]["sha256"],
-        shards={name.removeprefix(SHARDS): files[name] for name in shard_files} if sharded else None,
-    )
+    return files
 
 
 def _marker(store: Store, url: str) -> tuple[dict, dict]:

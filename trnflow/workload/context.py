@@ -56,12 +56,7 @@ class WorkerContext:
     @property
     def tp(self) -> int:
         """The cores that split the model between them (`train.parallelism.tp`): 1 without tensor parallelism."""
-        if self.spec is None:
-            return 1
-        if self.spec.train.parallelism.tp == "auto":  # every submission decides it (`backends.base.fitted`)
-            raise FatalError("train.parallelism.tp: auto reached a job undecided; submit jobs through a backend, "
-                             "which decides it before the job starts")
-        return self.spec.train.parallelism.tp
+        return 1 if self.spec is None else self.spec.tp  # decided: the program refuses a spec that is not
 
     @property
     def replica(self) -> int:

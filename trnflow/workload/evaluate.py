@@ -17,6 +17,8 @@ import torch.distributed as dist
 
 from trnflow.errors import FatalError
 from trnflow.lifecycle.gate import SERIES, read_series, write_series
+from trnflow.records import MetricPoint
+from trnflow.results import EvaluateResult
 from trnflow.storage.datafiles import data_files
 from trnflow.workload.checkpoint import Checkpoint, load_checked, load_model_weights, on_base
 from trnflow.workload.context import WorkerContext
@@ -67,7 +69,7 @@ class Holdout:
             digest.update(f"{label}\t{line}\n".encode())
         self.digest = digest.hexdigest()
 
-    def evaluate(self, programs: Programs, step: int, global_step: int) -> tuple[dict, str | None]:
+    def evaluate(self, programs: Programs, step: int, global_step: int) -> tuple[MetricPoint, str | None]:
         """One evaluation point, and the per-example outcome as a string of '0' and '1' (None for a
         recipe whose outputs are not right or wrong)."""
         ctx, spec = self.ctx, self.ctx.spec
@@ -88,13 +90,14 @@ class Holdout:
             dist.all_reduce(logits)
         values = self.recipe.evaluate(logits, self.labels, self.metrics)
         self.directions = {name: self.recipe.direction(name) for name in values}
-        point = {"step": step, "global_step": global_step, **values, "rows": len(self.labels)}
+        point = MetricPoint(step=step, global_step=global_step, rows=len(self.labels), values=values)
         correct = self.recipe.outcomes(logits, self.labels)
-        ctx.log("evaluate", **{k: round(v, 5) if isinstance(v, float) else v for k, v in point.items()})
+        ctx.log("evaluate", step=step, global_step=global_step, rows=len(self.labels),
+                **{k: round(v, 5) for k, v in values.items()})
         return point, correct
 
 
-def run(ctx: WorkerContext, checkpoint: str) -> dict:
+def run(ctx: WorkerContext, checkpoint: str) -> EvaluateResult:
     """Evaluate one checkpoint; a trnflow checkpoint's point joins its run's series."""
     recipe, ckpt, programs = loaded(ctx, checkpoint)
     holdout = Holdout(ctx, featurized(recipe, ckpt))
@@ -102,17 +105,16 @@ def run(ctx: WorkerContext, checkpoint: str) -> dict:
     point, correct = holdout.evaluate(programs, ckpt.step, global_step)
     series_url, outcome = None, correct
     run_url = ckpt.url.rpartition("/")[0]
-    known = read_series(run_url) or {} if ckpt.meta else {}
-    theirs = known.get("holdout_sha256")
+    known = read_series(run_url) if ckpt.meta else None
     # a point joins the run's series only when it was measured on the series' own holdout
-    if ctx.is_main and ckpt.meta and theirs in (None, holdout.digest):
-        points = [p for p in known.get("points", []) if p["step"] != ckpt.step] + [point]
-        newest = max(p["step"] for p in points)
-        kept = known.get("predictions") or {}
-        if ckpt.step < newest and kept.get("step") == newest:  # keep the newest point's per-example outcome
-            correct, at = kept["correct"], newest
+    if ctx.is_main and ckpt.meta and (known is None or known.holdout_sha256 in (None, holdout.digest)):
+        points = [p for p in (known.points if known else []) if p.step != ckpt.step] + [point]
+        newest = max(p.step for p in points)
+        kept = known.predictions if known else None
+        if ckpt.step < newest and kept is not None and kept.step == newest:  # keep the newest point's outcome
+            correct, at = kept.correct, newest
         else:
             at = ckpt.step
         series_url = write_series(run_url, ckpt.meta.run_id, points, holdout.digest, at, correct, holdout.directions)
-    return {"checkpoint": checkpoint, "points": [point], "series": series_url, "holdout_sha256": holdout.digest,
-            "correct": outcome, "directions": holdout.directions, "compile": programs.compiler.metrics().model_dump()}
+    return EvaluateResult(checkpoint=checkpoint, points=[point], series=series_url, holdout_sha256=holdout.digest,
+                          correct=outcome, directions=holdout.directions, compile=programs.compiler.metrics())

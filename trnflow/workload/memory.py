@@ -24,7 +24,8 @@ from pydantic import ValidationError
 from torch.distributed.tensor import DTensor
 
 from trnflow.errors import FatalError, FieldError
-from trnflow.specs import JobSpec, instance
+from trnflow.results import MemoryFigures
+from trnflow.specs import JobSpec, Layout, instance
 from trnflow.specs.instances import TRAINING_TYPES
 from trnflow.workload.recipes import Recipe, for_job
 
@@ -173,6 +174,10 @@ class MemoryEstimate:
     def as_dict(self) -> dict:
         return {**asdict(self), "total": self.total, "fits": self.fits}
 
+    def figures(self) -> MemoryFigures:
+        """The estimate as a result carries it."""
+        return MemoryFigures.model_validate(self.as_dict())
+
     def describe(self) -> str:
         """`fsdp 1.2 GiB of 16.0 GiB (weights 300.0 MiB, gradients ..., gathered 100.0 MiB)`."""
         parts = [("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
@@ -193,12 +198,19 @@ class MemoryPlan:
     """The per-core estimate of both strategies at the job's tp, and the layout the job uses
     (`train.parallelism`); with `auto`, also the layouts it weighed at other tps."""
 
-    strategy: str
+    layout: Layout
     ddp: MemoryEstimate
     fsdp: MemoryEstimate
-    tp: int = 1
     weighed: tuple[MemoryEstimate, ...] = ()
     """With `tp: auto`: the estimates at the tps it passed over (smaller ones, which do not fit)."""
+
+    @property
+    def strategy(self) -> str:
+        return self.layout.strategy
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tp
 
     @property
     def chosen(self) -> MemoryEstimate:
@@ -250,16 +262,16 @@ def plan(spec: JobSpec, recipe: Recipe | None = None, itype: str | None = None) 
     tp = spec.train.parallelism.tp
     if tp != "auto" and tp > 1:
         recipe.tensor_plan(_meta_model(recipe), tp)  # says why it cannot split, naming train.parallelism.tp
-    chosen, at = layout(spec, recipe)
+    chosen = layout(spec, recipe)
     itype, world = itype or spec.compute.instance_type, spec.compute.world_size
-    ddp, fsdp = _estimates(spec, recipe, itype, world, at)
-    weighed = tuple(e for t in tensor_splits(spec, recipe) if t < at
+    ddp, fsdp = _estimates(spec, recipe, itype, world, chosen.tp)
+    weighed = tuple(e for t in tensor_splits(spec, recipe) if t < chosen.tp
                     for e in _estimates(spec, recipe, itype, world, t)) if tp == "auto" else ()
-    return MemoryPlan(chosen, ddp, fsdp, at, weighed)
+    return MemoryPlan(chosen, ddp, fsdp, weighed)
 
 
-def layout(spec: JobSpec, recipe: Recipe | None = None) -> tuple[str, int]:
-    """How the job spreads the model: (strategy, tp). The spec's own where it names them; `auto`
+def layout(spec: JobSpec, recipe: Recipe | None = None) -> Layout:
+    """How the job spreads the model. The spec's own where it names them; `auto`
     takes the first that fits a core of every instance type the job may get
     (compute.instance_preferences), in this order: tp 1 before any split (tensor parallelism sums
     activations in every layer of every step), and at each tp ddp before fsdp (which gathers each
@@ -267,8 +279,8 @@ def layout(spec: JobSpec, recipe: Recipe | None = None) -> tuple[str, int]:
     its figures). fsdp is never chosen on the xla device, which does not shard. A run decides it once,
     when its flow starts (`decided`), so that a job that falls back to another type keeps it."""
     wanted = spec.train.parallelism
-    if wanted.strategy != "auto" and wanted.tp != "auto":
-        return wanted.strategy, wanted.tp
+    if wanted.layout is not None:
+        return wanted.layout
     recipe = recipe or for_job(spec)
     strategies = [wanted.strategy] if wanted.strategy != "auto" else \
         ["ddp"] if spec.compute.device == "xla" else ["ddp", "fsdp"]
@@ -278,28 +290,13 @@ def layout(spec: JobSpec, recipe: Recipe | None = None) -> tuple[str, int]:
         for chosen in strategies:
             index = 0 if chosen == "ddp" else 1
             if all(_estimates(spec, recipe, t, world, tp)[index].fits for t in spec.compute.instance_choices):
-                return chosen, tp
-    return strategies[-1], splits[-1]
-
-
-def strategy(spec: JobSpec, recipe: Recipe | None = None) -> str:
-    """The strategy of the job's layout (`layout`): ddp or fsdp."""
-    return layout(spec, recipe)[0]
+                return Layout(strategy=chosen, tp=tp)
+    return Layout(strategy=strategies[-1], tp=splits[-1])
 
 
 def decided(spec: JobSpec) -> JobSpec:
     """`spec` with `auto` (strategy, tp) replaced by what `layout` decides (the same spec otherwise)."""
-    chosen, tp = layout(spec)
-    return with_layout(spec, chosen, tp)
-
-
-def with_layout(spec: JobSpec, chosen: str, tp: int) -> JobSpec:
-    """`spec` with train.parallelism's strategy and tp set (itself when they are already so)."""
-    parallelism = spec.train.parallelism
-    if (parallelism.strategy, parallelism.tp) == (chosen, tp):
-        return spec
-    parallelism = parallelism.model_copy(update={"strategy": chosen, "tp": tp})
-    return spec.model_copy(update={"train": spec.train.model_copy(update={"parallelism": parallelism})})
+    return spec.with_layout(layout(spec))
 
 
 def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:

@@ -186,7 +186,7 @@ def spread(spec: JobSpec, recipe: Recipe, model: nn.Module, device: Device, fsdp
     """Spread `model` over the job's ranks as the spec says, in place: its layers split over
     `train.parallelism.tp` cores (the recipe's `tensor_plan`), then, with `fsdp`, sharded over the
     replicas (each block a unit). The device mesh it was spread over; None for plain ddp."""
-    tp = spec.train.parallelism.tp_degree
+    tp = spec.tp
     if tp == 1 and not fsdp:
         return None
     mesh = device.mesh(tp)
@@ -222,7 +222,8 @@ def for_run(ctx: WorkerContext, recipe: Recipe, model: nn.Module, ddp: bool = Fa
 
 def _spread(spec: JobSpec) -> bool:
     """Whether training spreads the model (fsdp, or tp > 1): its programs are then a sharded model's."""
-    return spec.train.parallelism.strategy == "fsdp" or spec.train.parallelism.tp_degree > 1
+    layout = spec.layout
+    return layout.strategy == "fsdp" or layout.tp > 1
 
 
 def programs_of(spec: JobSpec) -> tuple[str, ...]:
@@ -239,7 +240,7 @@ def for_trial(spec: JobSpec, recipe: Recipe, compiler: CompileBackend, device: D
     that needs it: a spread model's programs spread as rank 0's are (`Device.mesh`: sharded over a
     group of one, split `tp` ways over a stand-in group)."""
     model = build_model(recipe, spec.train.seed).to(device.torch_device)
-    fsdp = spec.train.parallelism.strategy == "fsdp"
+    fsdp = spec.layout.strategy == "fsdp"
     if program in SHARDED and _spread(spec):
         mesh = spread(spec, recipe, model, device, fsdp)
         return Programs(spec, recipe, model, compiler, device, sharded=True, mesh=mesh, fsdp=fsdp)

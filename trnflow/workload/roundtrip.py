@@ -33,7 +33,6 @@ from trnflow.storage import join
 from trnflow.workload import PREFLIGHT_FOLDER, watchdog
 from trnflow.workload.checkpoint import RunCheckpoints, load, trainable, trained_state, weights_digest
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
-from trnflow.workload.memory import strategy
 from trnflow.workload.programs import build_model, spread
 from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.sharding import load_shards, save_shards
@@ -97,7 +96,7 @@ def round_trip(ctx: WorkerContext, run_id: str) -> CheckpointRoundTrip | None:
     on the others). Every rank calls it. FatalError names the location and what failed."""
     spec = ctx.spec
     recipe = for_job(spec)
-    fsdp = strategy(spec, recipe) == "fsdp"
+    fsdp = spec.layout.strategy == "fsdp"
     sharded = fsdp or ctx.tp > 1
     if not sharded and not ctx.is_main:
         return None

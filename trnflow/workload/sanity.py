@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from trnflow.device.base import FaultHooks, NoFaults
 from trnflow.neuron import tools, topology
+from trnflow.results import HostInventory
 from trnflow.workload import collectives
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.roundtrip import round_trip
@@ -174,7 +175,7 @@ def core_checks(core: int, precision: str, faults: FaultHooks) -> list[dict]:
     return checks
 
 
-def host_inventory(ctx: WorkerContext, per_core: list[dict]) -> dict | None:
+def host_inventory(ctx: WorkerContext, per_core: list[dict]) -> HostInventory | None:
     """The host's device list against the job's cores: from `neuron-ls --json-output` when it is on
     PATH (a Neuron host), else the emulated instance's (with a spec). A core the list lacks is bad;
     one another process holds is named."""
@@ -185,7 +186,7 @@ def host_inventory(ctx: WorkerContext, per_core: list[dict]) -> dict | None:
         records, source = topology.neuron_ls(ctx.spec.compute.instance_type), "emulator"
     else:
         return None
-    return {"source": source, **tools.inventory(records, cores, {c["pid"] for c in per_core})}
+    return tools.inventory(records, cores, {c["pid"] for c in per_core}, source)
 
 
 def run(ctx: WorkerContext, run_id: str = "adhoc") -> dict:
@@ -198,9 +199,9 @@ def run(ctx: WorkerContext, run_id: str = "adhoc") -> dict:
     # Gathering the results is also a liveness check: a core that stalls in collectives is named here.
     per_core = ctx.collective("gathering sanity results", lambda: gather_objects(ctx, mine))
     found = host_inventory(ctx, per_core) if ctx.is_main else None
-    bad = sorted({c["core"] for c in per_core if not c["passed"]} | set(found["missing"] if found else []))
-    if found and found["missing"]:
-        ctx.log("sanity", missing=found["missing"], source=found["source"])
+    bad = sorted({c["core"] for c in per_core if not c["passed"]} | set(found.missing if found else []))
+    if found and found.missing:
+        ctx.log("sanity", missing=found.missing, source=found.source)
     result = {"per_core": per_core, "bad_cores": bad, "passed": not bad, "inventory": found}
     if ctx.spec is None:
         return result

@@ -24,7 +24,16 @@ import torch
 
 from trnflow.errors import FatalError, Interrupted, OverBudget, SpotInterruption
 from trnflow.lifecycle.gate import SERIES, write_series
-from trnflow.records import EXPORT_MARKER, CheckpointMeta, DataRead, ExportedFile, ExportMarker, dump
+from trnflow.records import (
+    EXPORT_MARKER,
+    CheckpointMeta,
+    CurvePoint,
+    DataRead,
+    ExportedFile,
+    ExportMarker,
+    MetricPoint,
+    dump,
+)
 from trnflow.results import TrainResult
 from trnflow.specs.instances import instance_cost
 from trnflow.storage.datafiles import data_files, partitions, training_window
@@ -43,7 +52,7 @@ from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import iter_labelled
 from trnflow.workload.evaluate import Holdout
 from trnflow.workload.features import featurize, host_memory
-from trnflow.workload.memory import estimate, saved_activation_peak, strategy, tensor_bytes
+from trnflow.workload.memory import estimate, saved_activation_peak, tensor_bytes
 from trnflow.workload.programs import build_model, for_run, spread
 from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.reclaim import ReclaimNotice
@@ -107,7 +116,7 @@ class Trainer:
         assert train.labels is not None
         self.tokens, self.labels = train.features, train.labels
         self.model = build_model(recipe, tcfg.seed).to(self.device.torch_device)  # before its optimizer holds it
-        fsdp = strategy(self.spec, recipe) == "fsdp"
+        fsdp = self.spec.layout.strategy == "fsdp"
         # Split (tp) and sharded (fsdp) weights are DTensors: the optimizer is built on this rank's parts
         self.mesh = spread(self.spec, recipe, self.model, self.device, fsdp)
         self.sharded = fsdp or ctx.tp > 1  # its state is saved in shards, and gathered whole
@@ -132,7 +141,7 @@ class Trainer:
                                 mesh=self.mesh, fsdp=fsdp)
         self.holdout = Holdout(ctx, recipe)
         resumed = start.resumed.meta if start.resumed else None
-        self.evaluations: list[dict] = list(resumed.evaluations) if resumed else []
+        self.evaluations: list[MetricPoint] = list(resumed.evaluations) if resumed else []
         self.last_loss = resumed.loss if resumed and resumed.loss is not None else float("nan")
         self.series_url: str | None = None
         self.checkpoint_url: str | None = None
@@ -183,7 +192,7 @@ class Trainer:
         """Record a fault as fired, once per run (a retry resumes past it)."""
         return self.start.checkpoints.store.create(f"faults/{fault.label}", self.faults.marker())
 
-    def _resume_or_init(self) -> tuple[int, list[dict]]:
+    def _resume_or_init(self) -> tuple[int, list[CurvePoint]]:
         """The step to start from and the curve so far: a retry resumes its own checkpoint exactly."""
         ctx, tcfg, start, resumed = self.ctx, self.spec.train, self.start, self.start.resumed
         if resumed is not None:
@@ -267,12 +276,12 @@ class Trainer:
         tcfg = self.spec.train
         start, steps, summed = self._window
         elapsed = time.perf_counter() - start
-        point = {"step": done, "global_step": self.lineage["base_step"] + done, "loss": round(summed / steps, 7),
-                 "samples_per_s": round(steps * tcfg.global_batch_size / elapsed, 1),
-                 "graphs": len(self.programs.compiler.seen)}
+        point = CurvePoint(step=done, global_step=self.lineage["base_step"] + done, loss=round(summed / steps, 7),
+                           samples_per_s=round(steps * tcfg.global_batch_size / elapsed, 1),
+                           graphs=len(self.programs.compiler.seen))
         self.metrics.append(point)
         left = self._left(done)
-        self.ctx.log("train", steps=tcfg.steps, **point, eta_s=round(left, 1))
+        self.ctx.log("train", steps=tcfg.steps, **point.model_dump(), eta_s=round(left, 1))
         self._window = (time.perf_counter(), 0, 0.0)
         ends = time.monotonic() - self.began + left
         steady = done - self.first > 1  # a step after the first was timed: the rate says something
@@ -314,7 +323,7 @@ class Trainer:
 
     def _evaluate(self, done: int) -> None:
         point, correct = self.holdout.evaluate(self.programs, done, self.lineage["base_step"] + done)
-        self.evaluations = [p for p in self.evaluations if p["step"] != done] + [point]
+        self.evaluations = [p for p in self.evaluations if p.step != done] + [point]
         if self.ctx.is_main:
             self.series_url = write_series(self.start.checkpoints.url, self.run_id, self.evaluations,
                                            self.holdout.digest, done, correct, self.holdout.directions)

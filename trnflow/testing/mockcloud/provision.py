@@ -17,6 +17,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from trnflow.device.signing import public_text
+from trnflow.settings import JOB_KINDS
 
 ACCOUNT = "123456789012"
 """moto's account."""
@@ -27,7 +28,7 @@ PUBLISHED = ("IMAGE_NEURON", "IMAGE_XLA", "STAGING_URL", "JOB_POLICIES", "BATCH_
 """The settings the deployment publishes (TRNFLOW_<name>, and /<prefix>/<name in kebab case> in SSM)."""
 SETTINGS = (*PUBLISHED, "ROLE_SETTLE_SECONDS")
 """The settings that point trnflow at it: moto's IAM has a new role everywhere at once."""
-JOB_POLICIES = ("job-base", "job-preflight", "job-compile", "job-train", "job-infer")
+JOB_POLICIES = ("job-base", *(f"job-{kind}" for kind in JOB_KINDS))
 """The stack's job policies (`trnflow.backends.run_roles`), under the IAM path /<prefix>/."""
 
 
