@@ -101,6 +101,27 @@ class StageResult(_Model):
     ran_on: RanOn | None = Field(None, description="where the job ran; None for a stage that ran no job")
 
 
+class PlanSummary(_Model):
+    """What one collective's plan costs over a job's cores (`trnflow.neuron.plan`), for a stage to report."""
+
+    op: str = Field(description="the collective: all_reduce, all_gather, reduce_scatter, ...")
+    algorithm: str = Field(description="ring or tree")
+    ranks: int = Field(ge=1, description="the ranks it runs over")
+    nodes: int = Field(ge=1, description="the instances they are on")
+    size: int = Field(ge=0, description="the buffer's bytes")
+    steps: int = Field(ge=0, description="every phase's steps together")
+    crossing_steps: int = Field(ge=0, description="steps with a send from one node to another")
+    network_hops: int = Field(ge=0, description="times the order crosses from one node to the next in one pass")
+    bytes_per_rank: int = Field(ge=0, description="bytes the busiest rank sends")
+    bus_factor: float = Field(ge=0, description="bus bandwidth over algorithm bandwidth")
+
+    def line(self) -> str:
+        """One line for a report: `all_reduce ring on 2048 ranks (64 node(s)): 4094 steps, 4094 crossing nodes, ...`."""
+        return (f"{self.op} {self.algorithm} on {self.ranks} ranks ({self.nodes} node(s)): {self.steps} steps, "
+                f"{self.crossing_steps} crossing nodes, {self.bytes_per_rank} B sent per rank of {self.size} B, "
+                f"bus factor {self.bus_factor:.4f}")
+
+
 class CollectivesResult(StageResult):
     ranks: int = Field(description="cores in the sweep")
     rows: list[dict[str, Any]] = Field(description="nccom-test's rows: op, size(B), time:avg(us), algbw, busbw, "
@@ -111,7 +132,7 @@ class CollectivesResult(StageResult):
     bad_cores: list[int] = Field(default_factory=list, description="cores that sent corrupted data")
     note: str | None = Field(None, description="why the sweep did not run, or what it found wrong")
     source: str = Field("trnflow", description="what swept: nccom-test on a Neuron host, else trnflow's own test")
-    plans: list[dict[str, Any]] = Field(
+    plans: list[PlanSummary] = Field(
         default_factory=list, description="each swept op's ring and tree plan over the job's cores at the largest "
         "size: steps, steps crossing nodes, bytes sent per rank, bus factor")
 

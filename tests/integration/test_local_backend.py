@@ -244,8 +244,8 @@ def test_on_a_neuron_host_sanity_reads_neuron_ls_and_collectives_run_nccom_test(
     spec = make_spec()
     sanity = wait(backend, backend.submit(JobRequest(spec, "sanity", "host")), 0.2)
     assert sanity.state is JobState.SUCCEEDED, backend.logs(sanity.job_id)[0]
-    assert sanity.result.inventory == {"source": "neuron-ls", "devices": 1, "cores": 1, "missing": [1],
-                                          "held": {}}
+    assert sanity.result.inventory.model_dump() == {"source": "neuron-ls", "devices": 1, "cores": 1, "missing": [1],
+                                                    "held": {}}
     assert sanity.result.bad_cores == [1] and sanity.result.passed is False
     assert sanity.result.collectives is None  # rank 1 never saw the list, yet knew not to sweep
     swept = wait(backend, backend.submit(JobRequest(spec, "collectives", "host")), 0.2)

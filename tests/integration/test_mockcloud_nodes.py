@@ -18,6 +18,8 @@ if forked == 0:  # as the launcher forks its ranks, each in a session of its own
     os.setsid()
     time.sleep(120)
     os._exit(0)
+while os.getpgid(forked) != forked:  # said once the child is in its own session, as the launcher's ranks are
+    time.sleep(0.01)
 print(started.pid, forked, os.environ["TRNFLOW_MOCK_NODE"], sys.argv[1:], flush=True)
 time.sleep(120)
 """

@@ -127,7 +127,7 @@ def collectives(
     assert isinstance(result, CollectivesResult)
     if as_json:
         print(json.dumps({"results": result.rows, "avg_busbw": result.avg_busbw, "cores": info.details.cores,
-                          "plans": result.plans}, indent=2))
+                          "plans": [p.model_dump() for p in result.plans]}, indent=2))
     else:
         print(render.nccom_text(result.rows))
 

@@ -36,6 +36,7 @@ from functools import cache
 
 from trnflow.neuron.launch import aligned_ranges
 from trnflow.neuron.topology import torus_neighbours
+from trnflow.results import PlanSummary
 from trnflow.specs import JobSpec, instance
 
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter")
@@ -252,31 +253,6 @@ class Transfer:
 
 
 @dataclass(frozen=True, slots=True)
-class PlanSummary:
-    """What a plan costs, for a stage to report."""
-
-    op: str
-    algorithm: str
-    ranks: int
-    nodes: int
-    size: int
-    """The buffer's bytes."""
-    steps: int
-    crossing_steps: int
-    """Steps with a send from one node to another."""
-    network_hops: int
-    """Times the order crosses from one node to the next in one pass round it."""
-    bytes_per_rank: int
-    bus_factor: float
-
-    def line(self) -> str:
-        """One line for a report: `all_reduce ring on 2048 ranks (64 node(s)): 4094 steps, 4094 crossing nodes, ...`."""
-        return (f"{self.op} {self.algorithm} on {self.ranks} ranks ({self.nodes} node(s)): {self.steps} steps, "
-                f"{self.crossing_steps} crossing nodes, {self.bytes_per_rank} B sent per rank of {self.size} B, "
-                f"bus factor {self.bus_factor:.4f}")
-
-
-@dataclass(frozen=True, slots=True)
 class CollectivePlan:
     """One collective op over a topology, as rules: an order of the ranks and the phases that run on it."""
 
@@ -338,8 +314,10 @@ class CollectivePlan:
 
     def summary(self) -> PlanSummary:
         """The plan's figures, without its rules."""
-        return PlanSummary(self.op, self.algorithm, self.topology.ranks, self.topology.nodes, self.size, self.steps,
-                           self.crossing_steps, self.network_hops, self.bytes_per_rank, self.bus_factor)
+        return PlanSummary(op=self.op, algorithm=self.algorithm, ranks=self.topology.ranks, nodes=self.topology.nodes,
+                           size=self.size, steps=self.steps, crossing_steps=self.crossing_steps,
+                           network_hops=self.network_hops, bytes_per_rank=self.bytes_per_rank,
+                           bus_factor=self.bus_factor)
 
 
 _PHASES: dict[tuple[str, str], tuple[tuple[str, bool], ...]] = {

@@ -179,11 +179,11 @@ def collectives_markdown(result: CollectivesResult) -> str:
     if averages:
         lines += ["", "Average bus bandwidth: " + ", ".join(f"{op} {bw:.3f} GB/s" for op, bw in averages.items())]
     if result.plans:
-        size = result.plans[0]["size"]
+        size = result.plans[0].size
         lines += ["", f"What each algorithm costs at {size:,} B:", "",
                   *_table(["op", "algorithm", "steps", "crossing nodes", "bytes sent per rank", "bus factor"],
-                          [[p["op"], p["algorithm"], str(p["steps"]), str(p["crossing_steps"]),
-                            f"{p['bytes_per_rank']:,}", f"{p['bus_factor']:.3f}"] for p in result.plans],
+                          [[p.op, p.algorithm, str(p.steps), str(p.crossing_steps), f"{p.bytes_per_rank:,}",
+                            f"{p.bus_factor:.3f}"] for p in result.plans],
                           ["---", "---", "---:", "---:", "---:", "---:"])]
     return "\n".join(lines) + "\n"
 

@@ -12,7 +12,6 @@ from the progress records every rank leaves before each op.
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from trnflow.errors import FatalError
 from trnflow.neuron import plan, tools
 from trnflow.neuron.launch import INSTANCE_TYPE_ENV
 from trnflow.neuron.nccom import OPS, bus_factor, time_columns
+from trnflow.results import PlanSummary
 from trnflow.workload.context import WorkerContext
 
 GIB = 1024**3
@@ -215,7 +215,7 @@ def _summarise(ctx: WorkerContext, ops: list[str], sizes: list[int], rows: list[
             "passed": True, "bad_cores": [], "source": source, "plans": _plans(ctx, ops, sizes[-1])}
 
 
-def _plans(ctx: WorkerContext, ops: list[str], size: int) -> list[dict]:
+def _plans(ctx: WorkerContext, ops: list[str], size: int) -> list[PlanSummary]:
     """What the ring and tree forms of each swept op cost over this job's cores at the sweep's
     largest size: steps, steps that cross nodes, bytes each rank sends. None where the instance
     type is unknown (a worker started by hand)."""
@@ -227,4 +227,4 @@ def _plans(ctx: WorkerContext, ops: list[str], size: int) -> list[dict]:
     nodes = spec.compute.nodes if whole else 1
     topology = plan.build_topology(itype, nodes, ctx.world_size // nodes)
     planned = tuple(op for op in ops if op in plan.OPS)
-    return [dataclasses.asdict(s) for s in plan.summaries(topology, size, ops=planned)]
+    return plan.summaries(topology, size, ops=planned)

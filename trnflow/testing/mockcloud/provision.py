@@ -8,6 +8,7 @@ stack's statements are evaluated by infra/tests/test_roles.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from typing import Any
@@ -98,6 +99,9 @@ def provision(client: Any, prefix: str = "trnflow") -> dict[str, str]:
     for name in PUBLISHED:  # as the infra stack publishes them
         ssm.put_parameter(Name=f"/{prefix}/{name.lower().replace('_', '-')}", Value=outputs[name], Type="String",
                           Overwrite=True)
+    # a stack declares its teams after (`provision_teams`): none are left from an earlier one on this server
+    with contextlib.suppress(ssm.exceptions.ParameterNotFound):
+        ssm.delete_parameter(Name=f"/{prefix}/teams")
     return outputs
 
 
