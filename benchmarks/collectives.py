@@ -41,7 +41,7 @@ def trnflow_busbw(backend: LocalBackend, ranks: int, size: int, iters: int) -> f
     if info.state is not JobState.SUCCEEDED:
         raise SystemExit(f"trnflow collectives job failed: {info.failure}")
     assert info.result is not None, info.failed()
-    return info.result.rows[0]["busbw(GB/s)"]
+    return info.result.rows[0].busbw
 
 
 def main() -> None:

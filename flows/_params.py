@@ -182,6 +182,8 @@ def name_run(spec: JobSpec, what: str) -> str:
     return name
 
 
-def window(spec: JobSpec) -> str:
-    """The data a training run reads, in words."""
-    return "all partitions" if spec.data.window == "all" else "partitions after the starting checkpoint's watermark"
+def pipeline_name(spec: JobSpec) -> str:
+    """What a pipeline run does, in words: `pipeline: 300 steps on 2 cores, all partitions`."""
+    data = "all partitions" if spec.data.window == "all" else "the partitions after its starting checkpoint's watermark"
+    cores = spec.compute.world_size
+    return f"pipeline: {spec.train.steps} steps on {cores} core{'s' if cores > 1 else ''}, {data}"

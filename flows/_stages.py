@@ -7,9 +7,10 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import ClassVar
 
 from prefect import get_run_logger
-from prefect.exceptions import FailedRun
+from prefect.exceptions import FailedRun, TerminationSignal
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
@@ -31,7 +32,17 @@ from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
 from trnflow.reporting.tensorboard import write_events
 from trnflow.reporting.tracking import mirror
-from trnflow.results import QUEUE_ROW, Cost, CostRow, RunOutcome, SanityResult, StageResult, StageRow, TrainResult
+from trnflow.results import (
+    QUEUE_ROW,
+    Cost,
+    CostRow,
+    EvaluateResult,
+    RunOutcome,
+    SanityResult,
+    StageResult,
+    StageRow,
+    TrainResult,
+)
 from trnflow.settings import TrnflowSettings
 from trnflow.specs import JobSpec, SpecError, new_run_id, run_id_problem
 from trnflow.tasks import _artifacts
@@ -49,22 +60,56 @@ STAGE_COLUMNS = {"stage": "stage", "state": "state", "seconds": "seconds", "devi
 """The `<name>-stages` table artifact's columns, by the `StageRow` field each shows."""
 
 
+class PipelineFailed(Exception):
+    """A stage failed. `stages` has a row per stage that ran; `cause` is the stage's own error."""
+
+    def __init__(self, stage: str, cause: BaseException, stages: list[StageRow]):
+        super().__init__(f"stage {stage} failed: {cause}")
+        self.stage, self.cause, self.stages = stage, cause, stages
+
+
 class QuietExpectedFailures(logging.Filter):
-    """Drops the traceback Prefect's engine logs with a failed task or flow when the error is one of
-    trnflow's own (a job's failure, a refused spec, a check before launch): its message says what
-    happened and what to do, and the traceback would only show Prefect's and trnflow's internals.
-    Any other error (a bug) keeps its traceback. A served run's engine also logs the run's failure
-    once more when it ends (`FailedRun`, "Engine execution exited with unexpected exception"): the
-    run's own log lines said why already, so that record is dropped."""
+    """Keeps a run's log to what happened. Drops the traceback Prefect's engine logs with a failed
+    task or flow when the error is one of trnflow's own (a job's failure, a refused spec, a check
+    before launch): its message says what happened and what to do, and the traceback would only
+    show Prefect's and trnflow's internals. Any other error (a bug) keeps its traceback.
+
+    A served run's engine logs the run's failure once more as it exits ("Engine execution exited
+    with unexpected exception", with the final state's error: `FailedRun`, a `PipelineFailed` or
+    trnflow's own): the run's own lines said why already, and its state is named for the outcome, so
+    that record is dropped. A run cancelled from the UI or `trnflow cancel` (`cancelling`) reads as
+    a cancellation: the stage it interrupted was cancelled, not crashed, and the run ends Cancelled."""
 
     EXPECTED = (TrnflowError, SpecError)
+    CANCELLED: ClassVar[dict[str, str]] = {
+        "Crash detected! Execution was aborted by a termination signal.": "cancelled with its run",
+        "Finished in state Crashed('Execution was aborted by a termination signal.')": "Finished in state Cancelled()",
+        "Finished in state Running()": "Finished in state Cancelled()"}
+    """What Prefect's engines log as a runner's cancellation stops them, and what it means."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and isinstance(record.exc_info[1], FailedRun):
+        error = record.exc_info[1] if record.exc_info else None
+        if isinstance(error, (FailedRun, PipelineFailed, *self.EXPECTED)) and record.getMessage().startswith(
+                "Engine execution exited"):
             return False
-        if record.exc_info and isinstance(record.exc_info[1], self.EXPECTED):
+        if isinstance(error, self.EXPECTED):
             record.exc_info, record.exc_text = None, None
+        if record.levelno >= logging.INFO and cancelling():
+            said = self.CANCELLED.get(record.getMessage())
+            if said is not None:
+                record.msg, record.args, record.levelno, record.levelname = said, (), logging.INFO, "INFO"
         return True
+
+
+def cancelling() -> bool:
+    """Whether the runner that started this flow run is cancelling it (the UI's Cancel, `trnflow
+    cancel`): the intent Prefect's runner sends its flow run's process before it stops it. False
+    where this Prefect has no such channel (the log then says what Prefect's engines say)."""
+    try:
+        from prefect._internal.control_listener import get_intent  # private: checked by a test
+    except ImportError:
+        return False
+    return get_intent() == "cancel"
 
 
 ENGINE_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
@@ -72,14 +117,6 @@ ENGINE_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")
 for _name in ENGINE_LOGGERS:
     if not any(isinstance(f, QuietExpectedFailures) for f in logging.getLogger(_name).filters):
         logging.getLogger(_name).addFilter(QuietExpectedFailures())
-
-
-class PipelineFailed(Exception):
-    """A stage failed. `stages` has a row per stage that ran; `cause` is the stage's own error."""
-
-    def __init__(self, stage: str, cause: BaseException, stages: list[StageRow]):
-        super().__init__(f"stage {stage} failed: {cause}")
-        self.stage, self.cause, self.stages = stage, cause, stages
 
 
 class StageRunner:
@@ -112,8 +149,15 @@ class StageRunner:
     def __call__(self, name: str, task, *args, **kwargs) -> StageResult:
         """Run stage `name`'s task on the run's spec, as its user wrote it."""
         began = time.monotonic()
-        state = task.with_options(**self._options)(self.spec, self.run_id, *args, return_state=True,
-                                                   **kwargs)
+        try:
+            state = task.with_options(**self._options)(self.spec, self.run_id, *args, return_state=True,
+                                                       **kwargs)
+        except TerminationSignal:  # the run was cancelled (or its process stopped) while the stage ran
+            said = "cancelled while it ran" if cancelling() else "stopped while it ran: its process was ended"
+            self.rows.append(StageRow(stage=name, state="Cancelled" if cancelling() else "Crashed",
+                                      seconds=time.monotonic() - began, summary=said))
+            self.ended = "Cancelled" if cancelling() else f"{name} {said}"
+            raise
         seconds = time.monotonic() - began
         billed = self.ledger.new_entries()  # every job the stage ran, its retries' included
         preempted = state.is_failed() and isinstance(state.result(raise_on_failure=False), Preempted)
@@ -125,6 +169,8 @@ class StageRunner:
             self.rows.append(StageRow(stage=name, state=label, seconds=seconds, summary=result.summary,
                                       device=result.device.name if result.device else ""))
             self.results[name] = result
+            if isinstance(result, EvaluateResult) and result.kept is not None:  # passed, but the champion stays
+                raise PipelineFailed(name, result.kept.error(), self.rows)
             return result
         error = state.result(raise_on_failure=False)
         label = "Preempted" if preempted else state.type.value.title()

@@ -16,7 +16,7 @@ from prefect import flow
 from prefect.states import State
 
 from trnflow.flows._lock import ModelLock, holder_label, model_lock, team_model
-from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, resolve_spec, window
+from trnflow.flows._params import SpecParam, ends_with_reason, first_name, name_run, pipeline_name, resolve_spec
 from trnflow.flows._stages import (
     PIPELINE_STAGES,
     PipelineFailed,
@@ -67,7 +67,7 @@ def pipeline(spec: SpecParam = None, spec_url: str | None = None,
     stage, its error and the rows of the stages that ran) or the check's error.
     """
     spec = resolve_spec(spec, spec_url)
-    name_run(spec, window(spec))
+    name_run(spec, pipeline_name(spec))
     runner = StageRunner(spec, run_id or flow_run_id())
     if spec.registry_url is None:  # nothing shared to protect: runs of the spec may overlap
         return run_stages(runner, partial(_stages, force_promote=force_promote, lock=None), STAGES,

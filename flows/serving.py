@@ -21,7 +21,7 @@ from typing import Any
 
 from prefect.client.orchestration import get_client
 from prefect.runner import Runner
-from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, temporary_settings
+from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, get_current_settings, temporary_settings
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from trnflow.flows._params import SERVED
@@ -146,6 +146,16 @@ def _pause(ids: list[Any], seconds: float) -> str:
     return ""
 
 
+POLL_SECONDS = 2.0
+"""How often serve asks the server for runs to start: a run started from the UI (or by `trnflow
+submit`) leaves Scheduled within about this, where Prefect's runners wait 10 s by default."""
+
+
+def poll_seconds() -> float:
+    """`POLL_SECONDS`, or PREFECT_RUNNER_POLL_FREQUENCY where it is set lower."""
+    return min(POLL_SECONDS, get_current_settings().runner.poll_frequency)
+
+
 def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
               stop_seconds: float = STOP_SECONDS) -> Stopped:
     """Serve every flow's deployment for each (spec, where it was read) from this process until
@@ -171,7 +181,7 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
                 raise SystemExit(0) from None
             self._stopping = loop.create_task(self.astop())
 
-    runner = BoundedRunner(pause_on_shutdown=False, limit=limit)
+    runner = BoundedRunner(pause_on_shutdown=False, limit=limit, query_seconds=poll_seconds())
     # Ctrl-C stops serving as SIGTERM does, from before the first deployment exists: one pressed
     # while they are being made pauses those made, instead of leaving them active
     signal.signal(signal.SIGINT, runner.handle_sigterm)

@@ -6,7 +6,6 @@ from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
 from trnflow.errors import FatalError
-from trnflow.neuron.tools import nccom_time
 from trnflow.reporting.report import collectives_markdown
 from trnflow.results import CollectivesResult
 from trnflow.specs import JobSpec, PreflightSpec
@@ -49,9 +48,9 @@ def collective_test(spec: JobSpec, run_id: str, cores: list[int],
 def check_thresholds(pf: PreflightSpec, result: CollectivesResult) -> tuple[float, float]:
     """The all-reduce bus bandwidth (GB/s) and smallest-size latency (us) of a sweep; FatalError
     when either misses the spec's threshold."""
-    allreduce = [r for r in result.rows if r["op"] == "all_reduce"]
+    allreduce = [r for r in result.rows if r.op == "all_reduce"]
     busbw = result.avg_busbw_by_op["all_reduce"]
-    latency = nccom_time(min(allreduce, key=lambda r: r["size(B)"]))
+    latency = min(allreduce, key=lambda r: r.size).time_us
     if pf.min_busbw_gbps is not None and busbw < pf.min_busbw_gbps:
         raise FatalError(f"all_reduce bus bandwidth {busbw:.3f} GB/s is below preflight.min_busbw_gbps "
                          f"({pf.min_busbw_gbps}); a link is slow: check the instance's interconnect")

@@ -32,7 +32,8 @@ def _attach(spec: JobSpec, candidate: judge.Candidate, decision: judge.Decision,
     """Save the chart and verdict beside the checkpoints and attach them to the flow run."""
     verdict, reference = decision.verdict, decision.reference
     assert candidate.series is not None
-    png = parity_png(verdict, candidate.series.points, reference.points if reference else None, title)
+    png = parity_png(verdict, candidate.series.points, reference.points if reference else None,
+                     f"{title}: {judge.outcome(decision)}")
     store = open_store(candidate.run_url)
     store.write("parity.png", png)
     store.write("verdict.json", dump(verdict))
@@ -110,7 +111,10 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
 
     Raises:
         GateFailed: the candidate is outside the band (never retried; the champion stays).
-        ChampionKept: it passed the gate but is worse than the champion (never retried).
+
+    A candidate that passed the gate but is worse than the champion is registered, not promoted:
+    the stage passes, and its result's `kept` says why the champion stays (the run then ends in
+    `ChampionKept`, before inference).
     """
     registry = Registry(spec.registry_url) if spec.registry_url else None
     if generation is None:  # the champion this decision is about
@@ -130,8 +134,11 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
         registration = judge.register(spec, registry, candidate, run_id, decision, generation, promote,
                                       forced=forced)
         result.registry = registration
-    for note in judge.settle(decision, registration, run_id, forced):  # GateFailed, ChampionKept
+    result.kept, notes = judge.settle(decision, registration, run_id, forced)  # GateFailed raised
+    for note in notes:
         get_run_logger().warning(note)
+    if result.kept is not None:
+        get_run_logger().warning(result.kept.message)
     final = candidate.series.last.value(spec.gate.metric)
     result.summary = judge.summary(spec, decision, final, registration) + recompile_note(result)
     return result

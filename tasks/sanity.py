@@ -8,7 +8,7 @@ from prefect.cache_policies import NO_CACHE
 from trnflow.backends import keeps_instance
 from trnflow.errors import FatalError, TrnflowError
 from trnflow.reporting.report import sanity_markdown
-from trnflow.results import SanityResult
+from trnflow.results import CoreChecks, SanityResult
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job
@@ -18,16 +18,16 @@ from trnflow.workload.memory import estimate
 
 def _failures(result: SanityResult, per_node: int) -> str:
     """Each failed core and its checks; on a cloud job, also the node and the instance it is on."""
-    return "; ".join(f"nc{c['core']}{_where(result, c, per_node)}: {', '.join(c['failed'])}"
-                     for c in result.per_core if not c["passed"])
+    return "; ".join(f"nc{c.core}{_where(result, c, per_node)}: {', '.join(c.failed)}"
+                     for c in result.per_core if not c.passed)
 
 
-def _where(result: SanityResult, core: dict, per_node: int) -> str:
+def _where(result: SanityResult, core: CoreChecks, per_node: int) -> str:
     """' of node 1 (i-0abc...)' for a core of a cloud job whose instances are known, else ''."""
     hosts = result.ran_on.hosts if result.ran_on and result.ran_on.backend != "local" else []
-    if not hosts or "rank" not in core:
+    if not hosts or core.rank is None:
         return ""
-    node = core["rank"] // per_node
+    node = core.rank // per_node
     return f" of node {node} ({hosts[node]})" if node < len(hosts) else f" of node {node}"
 
 
@@ -51,14 +51,14 @@ def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False, *, team: 
     """
     logger = get_run_logger()
     excluded: set[int] = set()
-    checked: list[dict] = []  # the cores that failed, then every core of the attempt that decided
+    checked: list[CoreChecks] = []  # the cores that failed, then every core of the attempt that decided
     try:
         result = _check(spec, run_id, excluded, checked, logger, ("train",) if then_train else (), team)
     finally:
         if checked:
-            everything = sorted(checked, key=lambda c: c["core"])
+            everything = sorted(checked, key=lambda c: c.core)
             _artifacts.markdown(spec, "sanity", sanity_markdown(
-                everything, sorted(excluded), sorted({c["core"] for c in checked} - excluded)),
+                everything, sorted(excluded), sorted({c.core for c in checked} - excluded)),
                 "known-answer tests per NeuronCore and engine")
     result.excluded_cores = sorted(excluded | set(result.excluded_cores))  # a cloud job excludes in its allocation
     if result.collectives is not None:  # the links between these cores, swept by the same job
@@ -68,7 +68,7 @@ def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False, *, team: 
     note = f"; excluded bad core(s) {result.excluded_cores}" if result.excluded_cores else ""
     cores = result.cores
     if cores is None:  # a cloud job: its instances were checked, each on its own cores
-        result.cores = sorted({c["core"] for c in result.per_core})
+        result.cores = sorted({c.core for c in result.per_core})
         result.summary = f"all {len(result.per_core)} cores passed on every instance{note}"
     else:
         result.summary = f"all {len(cores)} cores passed (nc{cores[0]}-nc{cores[-1]}){note}"
@@ -107,7 +107,7 @@ def _check(spec: JobSpec, run_id: str, excluded: set[int], checked: list[dict], 
             continue
         bad = result.bad_cores
         final = not bad or not excludes or set(bad) <= excluded
-        checked.extend(c for c in result.per_core if final or not c["passed"])
+        checked.extend(c for c in result.per_core if final or not c.passed)
         if not bad:
             return result
         if set(bad) <= excluded:

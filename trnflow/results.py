@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, SerializeAsAny
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SerializeAsAny
 
+from trnflow.errors import ChampionKept
 from trnflow.records import CurvePoint, MetricPoint, Verdict
 
 
@@ -122,10 +123,38 @@ class PlanSummary(_Model):
                 f"bus factor {self.bus_factor:.4f}")
 
 
+NCCOM_TIME_COLUMNS = ("time:avg(us)", "time(us)")
+"""nccom-test's time column, newest spelling first: `time(us)` in older versions, and in rows an
+older trnflow stored. A `SweepRow` reads either and writes the first."""
+
+
+class SweepRow(BaseModel):
+    """One size of one collective in a sweep, as nccom-test reports it: stored under nccom-test's own
+    column names (`size(B)`, `time:avg(us)`, `busbw(GB/s)`, ...), read under either spelling of
+    its time column (`time(us)` in older versions and rows), used by attribute."""
+
+    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
+
+    op: str = Field(description="all_reduce, all_gather, reduce_scatter or all_to_all")
+    size: int = Field(alias="size(B)", ge=0, description="the buffer's bytes")
+    count: int = Field(0, alias="count(elems)", ge=0, description="its elements")
+    type: str = Field("", description="their data type")
+    time_us: float = Field(alias="time:avg(us)", validation_alias=AliasChoices(*NCCOM_TIME_COLUMNS, "time_us"),
+                           description="the mean time of the timed iterations, in microseconds")
+    algbw: float = Field(0.0, alias="algbw(GB/s)", description="algorithm bandwidth: bytes over time")
+    busbw: float = Field(0.0, alias="busbw(GB/s)", description="bus bandwidth: algbw times the op's bus factor")
+    correct: bool | None = Field(None, description="the checked result was right; None when nothing checked it")
+    bad_cores: list[int] = Field(default_factory=list, description="cores that sent corrupted data")
+
+    @property
+    def verdict(self) -> str:
+        """ok, WRONG, or `-` when nothing checked it (nccom-test run without -c says nothing)."""
+        return {True: "ok", False: "WRONG"}.get(self.correct, "-")
+
+
 class CollectivesResult(StageResult):
     ranks: int = Field(description="cores in the sweep")
-    rows: list[dict[str, Any]] = Field(description="nccom-test's rows: op, size(B), time:avg(us), algbw, busbw, "
-                                       "correct")
+    rows: list[SweepRow] = Field(description="nccom-test's rows: op, size(B), time:avg(us), algbw, busbw, correct")
     avg_busbw: float | None = Field(description="mean bus bandwidth (GB/s); None when one core had no peer")
     avg_busbw_by_op: dict[str, float] = Field(default_factory=dict, description="mean bus bandwidth per op")
     passed: bool = Field(True, description="every result was correct")
@@ -188,8 +217,39 @@ class MemoryFigures(_Model):
     fits: bool = Field(description="the total is within the limit")
 
 
+class EngineCheck(_Model):
+    """One known-answer test on one engine of a core (`trnflow.workload.sanity`)."""
+
+    engine: str = Field(description="tensor, vector, scalar, gpsimd or memory")
+    test: str = Field(description="what ran: matmul, layernorm, exp, segmented_prefix_sum, patterns, ...")
+    dtype: str = Field(description="the data type it ran in")
+    passed: bool = Field(description="within its tolerance of the host's answer")
+    tolerance: float = Field(description="the largest error allowed (relative, or mismatches)")
+    us: float = Field(description="how long it took, in microseconds")
+    max_rel_err: float | None = Field(None, description="the largest relative error against the host's answer")
+    mismatches: int | None = Field(None, description="elements that differ from the known answer (exact tests)")
+    bytes: int | None = Field(None, description="the memory it wrote and read back")
+    gflops: float | None = Field(None, description="the matmul's rate")
+
+    @property
+    def name(self) -> str:
+        """`tensor/matmul/bfloat16`."""
+        return f"{self.engine}/{self.test}/{self.dtype}"
+
+
+class CoreChecks(_Model):
+    """One core's known-answer tests, as its rank ran them."""
+
+    rank: int | None = Field(None, description="the rank that ran them (its node is rank // cores per node)")
+    core: int = Field(description="the NeuronCore")
+    pid: int | None = Field(None, description="the rank's process, which held the core")
+    checks: list[EngineCheck] = Field(default_factory=list, description="each test")
+    passed: bool = Field(description="every test passed")
+    failed: list[str] = Field(default_factory=list, description="the tests that failed, as engine/test/dtype")
+
+
 class SanityResult(StageResult):
-    per_core: list[dict[str, Any]] = Field(description="each core's known-answer checks and which failed")
+    per_core: list[CoreChecks] = Field(description="each core's known-answer checks and which failed")
     bad_cores: list[int] = Field(default_factory=list, description="cores that failed a check")
     passed: bool = Field(description="every core passed")
     excluded_cores: list[int] = Field(default_factory=list, description="bad cores left out of the run")
@@ -281,6 +341,19 @@ class Registration(_Model):
                          "the champion")
 
 
+class ChampionStays(_Model):
+    """The candidate passed the gate but is worse than the champion, and nothing asked to promote it
+    anyway (`trnflow.lifecycle.judge.settle`): registered, not promoted. The evaluate stage passed;
+    the run ends in `ChampionKept` after it, before inference."""
+
+    message: str = Field(description="what was decided, and how to promote it anyway")
+    headline: str = Field(description="the reason in one short line, for the run's state message")
+
+    def error(self) -> ChampionKept:
+        """The run's ending, as the error its state carries."""
+        return ChampionKept(self.message, headline=self.headline)
+
+
 class EvaluateResult(StageResult):
     checkpoint: str = Field(description="the checkpoint judged")
     points: list[MetricPoint] = Field(description="the candidate's metric points")
@@ -293,6 +366,8 @@ class EvaluateResult(StageResult):
     against: str | None = Field(None, description="what the candidate was judged against")
     chart: str | None = Field(None, description="the parity chart's URL")
     registry: Registration | None = Field(None, description="where it stands in the registry")
+    kept: ChampionStays | None = Field(None, description="the champion stays: the candidate passed the gate but is "
+                                       "worse than it")
 
 
 class InferResult(StageResult):

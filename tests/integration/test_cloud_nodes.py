@@ -69,7 +69,7 @@ def test_a_bad_core_is_excluded_inside_the_allocation_and_training_runs_on_the_c
         assert state.is_completed(), outcome
         sanity = outcome.results["sanity"]
         assert sanity.excluded_cores == [0] and "excluded bad core(s) [0]" in sanity.summary
-        assert sorted((c["rank"], c["core"], c["passed"]) for c in sanity.per_core) == [(0, 0, True), (1, 1, True)]
+        assert sorted((c.rank, c.core, c.passed) for c in sanity.per_core) == [(0, 0, True), (1, 1, True)]
         assert sanity.ran_on == outcome.results["train"].ran_on
         (job,) = [j for j in our_batch_jobs(began) if j["tags"]["trnflow:phase"] == "sanity+train"]
         assert [a["container"].get("exitCode") for a in job["attempts"]] == [0]  # no instance was replaced

@@ -145,7 +145,7 @@ def test_the_runtime_core_variables_are_honoured(make_spec, trnflow_home, monkey
     monkeypatch.setenv("NEURON_RT_VISIBLE_CORES", "6-7")
     info = wait(backend, backend.submit(JobRequest(make_spec(compute={"instance_type": "trn1.32xlarge"}),
                                                    "sanity", "v")), 0.2)
-    assert info.state is JobState.SUCCEEDED and [c["core"] for c in info.result.per_core] == [6, 7]
+    assert info.state is JobState.SUCCEEDED and [c.core for c in info.result.per_core] == [6, 7]
     monkeypatch.delenv("NEURON_RT_VISIBLE_CORES")
     monkeypatch.setenv("NEURON_RT_NUM_CORES", "1")
     with pytest.raises(FatalError, match="NEURON_RT_NUM_CORES=1"):

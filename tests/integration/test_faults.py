@@ -20,7 +20,7 @@ from trnflow.emulator.faults import parse
 from trnflow.errors import FatalError
 from trnflow.flows._stages import PipelineFailed
 from trnflow.neuron.nccom import bus_factor
-from trnflow.results import CollectivesResult, FailureReport, RunOutcome
+from trnflow.results import CollectivesResult, FailureReport, RunOutcome, SanityResult
 from trnflow.settings import TrnflowSettings
 from trnflow.testing.mockcloud.nodes import free_port
 from trnflow.workload.memory import decided
@@ -32,8 +32,8 @@ def backend(trnflow_home) -> LocalBackend:
 
 
 def _failed_engines(result, core: int) -> set[str]:
-    record = next(c for c in result.per_core if c["core"] == core)
-    return {name.split("/")[0] for name in record["failed"]}
+    record = next(c for c in result.per_core if c.core == core)
+    return {name.split("/")[0] for name in record.failed}
 
 
 def test_a_corrupting_core_fails_its_engine_tests_and_is_named(backend, make_spec):
@@ -189,7 +189,7 @@ def test_preflight_names_the_bad_core_and_stops(prefect_api, make_spec):
     assert "exclude_bad_cores" in state.message and "\n" not in state.message
     summary = _artifacts(state.state_details.flow_run_id)["badcore-summary"].data
     assert summary.splitlines()[0].endswith(state.message)
-    assert "| collectives | **NotRun** |  | not run: sanity failed |" in summary
+    assert "- **collectives**, *NotRun*: not run: sanity failed\n" in summary
     assert not any("Traceback" in line for line in _logs(state.state_details.flow_run_id))
 
 
@@ -255,15 +255,15 @@ def test_preflight_command_reports_every_core_and_link(prefect_api, make_spec, t
     assert report["results"]["sanity"]["memory"]["fits"] is True
     assert [c["core"] for c in report["results"]["sanity"]["per_core"]] == [0, 1]
     rendered = Console(width=200, record=True)
-    rendered.print(render.sanity_table(report["results"]["sanity"]["per_core"]))
+    rendered.print(render.sanity_table(SanityResult.model_validate(report["results"]["sanity"]).per_core))
     text = rendered.export_text()
     assert "nc0" in text and "nc1" in text and "FAIL" not in text
-    assert "Avg bus bandwidth" in render.nccom_text(report["results"]["collectives"]["rows"])
+    swept, preflight = CollectivesResult.model_validate(report["results"]["collectives"]), make_spec().preflight
+    assert "Avg bus bandwidth" in render.nccom_text(swept.rows)
 
     # the thresholds the collectives stage enforces, on this real sweep
     from trnflow.tasks.collectives import check_thresholds
 
-    swept, preflight = CollectivesResult.model_validate(report["results"]["collectives"]), make_spec().preflight
     busbw, latency = check_thresholds(preflight, swept)
     assert busbw == swept.avg_busbw_by_op["all_reduce"] and latency > 0
     with pytest.raises(FatalError, match=r"below preflight\.min_busbw_gbps"):

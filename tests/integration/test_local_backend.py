@@ -27,10 +27,11 @@ def test_sanity_job_runs_one_process_per_core_with_the_neuron_contract(backend, 
     job_id = backend.submit(JobRequest(spec, "sanity", "t1"))
     info = wait(backend, job_id, 0.2)
     assert info.state is JobState.SUCCEEDED, backend.logs(job_id)[0]
-    assert [c["core"] for c in info.result.per_core] == [0, 1]
+    assert [c.core for c in info.result.per_core] == [0, 1]
     assert info.result.bad_cores == []
     swept = info.result.collectives.rows  # trnflow's own sweep names its columns as nccom-test does
-    assert swept and all(row["time:avg(us)"] > 0 and "time(us)" not in row for row in swept)
+    stored = [row.model_dump(mode="json") for row in swept]
+    assert swept and all(row["time:avg(us)"] > 0 and "time(us)" not in row for row in stored)
     job_dir = backend.jobs_dir / job_id
     record = json.loads((job_dir / "job.json").read_text())
     assert record["env"]["NEURON_RT_VISIBLE_CORES"] == "0-1"
@@ -251,6 +252,6 @@ def test_on_a_neuron_host_sanity_reads_neuron_ls_and_collectives_run_nccom_test(
     swept = wait(backend, backend.submit(JobRequest(spec, "collectives", "host")), 0.2)
     assert swept.state is JobState.SUCCEEDED, backend.logs(swept.job_id)[0]
     assert swept.result.source == "nccom-test" and swept.result.ranks == 2
-    assert swept.result.rows == [{"op": "all_reduce", "size(B)": 65536, "count(elems)": 16384, "type": "fp32",
-                                     "time:avg(us)": 61.0, "algbw(GB/s)": 1.0,
-                                     "busbw(GB/s)": 1.0, "correct": True}]
+    assert [r.model_dump(exclude_defaults=True) for r in swept.result.rows] == [
+        {"op": "all_reduce", "size(B)": 65536, "count(elems)": 16384, "type": "fp32", "time:avg(us)": 61.0,
+         "algbw(GB/s)": 1.0, "busbw(GB/s)": 1.0, "correct": True}]

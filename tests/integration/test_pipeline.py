@@ -70,7 +70,7 @@ def test_a_run_stopped_before_its_first_job_says_why_in_its_state_summary_and_st
     artifacts = _artifacts(state.state_details.flow_run_id)
     summary = artifacts["noref-summary"].data
     assert summary.splitlines()[0] == f"## noref run noref-run: {state.message}"
-    assert all(f"| {stage} | **NotRun** |  | not run: {reason}" in summary for stage in STAGES), summary
+    assert all(f"- **{stage}**, *NotRun*: not run: {reason}" in summary for stage in STAGES), summary
     rows = json.loads(artifacts["noref-stages"].data)
     assert [(r["stage"], r["state"]) for r in rows] == [(stage, "NotRun") for stage in STAGES]
     assert all(r["key figure"].startswith(f"not run: {reason}") for r in rows)
@@ -162,7 +162,7 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     embeddings = artifacts["quickstart-embeddings"]  # a local file: its path, not a link that opens nothing
     assert embeddings.type == "markdown" and "_manifest.json`" in embeddings.data and "file://" not in embeddings.data
     summary = artifacts["quickstart-summary"].data
-    assert all(f"| {stage} | Completed |" in summary for stage in STAGES)
+    assert all(f"- **{stage}**, Completed in " in summary for stage in STAGES)
     assert "## What the jobs cost" in summary and f"`{local_path(results['train']['checkpoint'])}`" in summary
     assert "file://" not in summary.split("## Outputs")[1]
 
@@ -236,7 +236,7 @@ def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champ
     assert registry.version("gatefail", 2).entry.status == "rejected"
     summary = _artifacts(state.state_details.flow_run_id)["gatefail-summary"].data
     assert summary.splitlines()[0].endswith(f": GateFailed: {state.message}")
-    assert "| infer | **NotRun** |  | not run: evaluate failed |" in summary
+    assert "- **infer**, *NotRun*: not run: evaluate failed\n" in summary
 
 
 def test_a_candidate_worse_than_the_champion_is_kept_out_unless_forced_with_a_reason(prefect_api, make_spec):

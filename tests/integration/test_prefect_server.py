@@ -85,8 +85,7 @@ def served(server, tmp_path_factory, dataset, compile_cache):
     """`trnflow serve` on a small spec, from its own process, until the module's tests are done."""
     root = tmp_path_factory.mktemp("served")
     path = small_spec(root, dataset, compile_cache, "served", {"cron": "30 4 * * *", "timezone": "Europe/Berlin"})
-    env = {**server, "TRNFLOW_HOME": str(root / "home"), "TRNFLOW_POLL_SECONDS": "0.2",
-           "PREFECT_RUNNER_POLL_FREQUENCY": "2"}
+    env = {**server, "TRNFLOW_HOME": str(root / "home"), "TRNFLOW_POLL_SECONDS": "0.2"}  # serve's own polling
     with serving(env, [path], cwd=root, log=root / "serve.log") as proc:
         wait_for(lambda: proc.poll() is None and _names("served") <= set(deployments(server)), 120,
                   "the served deployments")
@@ -130,7 +129,7 @@ def test_submit_runs_the_pipeline_through_the_served_deployment(served):
     assert done.returncode == 0, done.stdout + done.stderr + (root / "serve.log").read_text()[-4000:]
     run = json.loads(done.stdout)
     assert run["state"] == "Completed" and run["deployment"] == "trnflow-pipeline/served-pipeline"
-    assert run["name"] == "served: all partitions"
+    assert run["name"] == "served: pipeline: 20 steps on 1 core, all partitions"
     assert [s["stage"] for s in run["stages"]] == ["sanity", "collectives", "compile", "train", "evaluate", "infer",
                                                    "promote"]
     figures = {s["stage"]: s["summary"] for s in run["stages"]}  # each stage's key figure, from the stages table
@@ -268,7 +267,11 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
     (the registry) changed and submitted, which completes with its stage table and parity chart on their pages;
     and a bad value, which fails its run with the message `trnflow validate` gives, in its log and its
     state, the run named for its spec; a value out of its bounds, which the form refuses naming the
-    field, creating no run.
+    field, creating no run. Then the outcomes trnflow decides, each shown by name with the reason
+    one click away and no traceback in its log: a run that fails the gate (`GateFailed`), one whose
+    candidate passed the gate but is worse than the champion (`ChampionKept`, its evaluate stage
+    passed), and a cancelled run, whose log reads as a cancellation. A run started from the UI leaves
+    Scheduled within 5 s, and the run's summary fits a 1,280 px page.
     TRNFLOW_SCREENSHOTS=<folder> keeps the screenshots."""
     if chromium() is None:
         pytest.skip("Debian's chromium is not installed (make test installs it where apt-get can)")
@@ -277,7 +280,8 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
     ui, deployed = env["PREFECT_UI_URL"], deployments(env)
     pipeline = deployed["trnflow-pipeline/served-pipeline"]
     retrain = deployed["trnflow-incremental-retrain/served-retrain"]
-    with browser(tmp_path / "profile") as page:
+    decided = DecidedRuns(env, root, registry=root / "registry-from-the-ui")  # started now, judged later
+    with browser(tmp_path / "profile", width=1280) as page:
         page.goto(f"{ui}/deployments")
         for name in sorted(_names("served")):
             page.wait_for_text(name.split("/")[1])
@@ -299,12 +303,15 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
         run = _ended(env, run.id, 600)
         assert run.state_name == "Completed", (run.state.message, (root / "serve.log").read_text()[-3000:])
         assert Registry(str(registry)).champion("served").version == 1  # the changed field took effect
+        assert _waited_to_start(env, run.id) <= 5.0  # serve picked it up at once
+        decided.champion_in_place()  # the champion the worse candidate is judged against
 
         page.goto(f"{ui}/runs/flow-run/{run.id}")
         page.wait_for_text("Completed")
         page.click("Artifacts")
         page.click("served-summary")
-        page.wait_for_text("20 steps, loss")  # the stage table, rendered
+        page.wait_for_text("20 steps, loss")  # the stage list, rendered
+        assert page.eval(FITS), "the summary is wider than a 1,280 px page"
         text = page.text()
         assert all(stage in text for stage in ("sanity", "collectives", "compile", "evaluate", "infer", "promote"))
         assert "file://" not in text  # local outputs are paths to copy, not links that open nothing
@@ -349,6 +356,102 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
         redrawn = _out_of_bounds(page, env, f"{ui}/deployments/deployment/{pipeline.id}", pipeline.id, before)
         page.screenshot(shots / "form-refused.png", full_page=False)
         assert {r.id for r in flow_runs(env, pipeline.id)} == before | redrawn
+
+        for outcome, run_id in decided.ended().items():  # GateFailed, ChampionKept, Cancelled
+            _shows_its_outcome(page, env, ui, outcome, run_id, shots)
+
+
+FITS = ("document.documentElement.scrollWidth <= window.innerWidth && [...document.querySelectorAll('table, li, pre, "
+        "p')].every(e => e.scrollWidth <= e.clientWidth + 1)")
+"""Whether the page is as wide as the window, and nothing in it cut off on the right."""
+
+
+def _waited_to_start(env, run_id) -> float:
+    """Seconds a run spent Scheduled before its runner picked it up (its next state, Pending)."""
+    with client_of(env) as client:
+        states = sorted(client.read_flow_run_states(run_id), key=lambda s: s.timestamp)
+    scheduled = max(s.timestamp for s in states if s.type.value == "SCHEDULED")
+    return (min(s.timestamp for s in states if s.timestamp > scheduled) - scheduled).total_seconds()
+
+
+class DecidedRuns:
+    """The runs whose outcome trnflow decides, through the served deployment: one that fails the
+    gate (a reference it cannot reach), started at once; once the champion of `registry` is in
+    place (`worse`), one worse than it on the holdout's loss (2 steps against its 20); and last
+    (`ended`) one cancelled as it trains."""
+
+    def __init__(self, env: dict[str, str], root: Path, registry: Path):
+        self.env, self.root, self.registry = env, root, registry
+        reference = root / "unreachable" / "metrics.json"
+        reference.parent.mkdir()
+        reference.write_text(json.dumps({"points": [{"step": 20, "accuracy": 0.999, "loss": 0.01}]}))
+        self.failing = self._submit(f"gate.reference={reference}", f"registry_url={root / 'registry-gate'}")
+        self.worse: subprocess.Popen | None = None
+
+    def _submit(self, *sets: str, wait: bool = True) -> subprocess.Popen:
+        options = [arg for pair in sets for arg in ("--set", pair)]
+        return subprocess.Popen([TRNFLOW, "submit", str(self.root / "served.yaml"), "--deployment", "pipeline",
+                                 *options, "--json", *(["--wait"] if wait else [])], env=self.env,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    @staticmethod
+    def _run_id(proc: subprocess.Popen) -> str:
+        out, err = proc.communicate(timeout=600)
+        assert out.strip(), err
+        return json.loads(out)["id"]
+
+    def champion_in_place(self) -> None:
+        self.worse = self._submit(f"registry_url={self.registry}", "train.steps=2", "train.checkpoint_every=2",
+                                  "gate.eval_every=2", "gate.metric=loss")
+
+    def ended(self) -> dict[str, str]:
+        """Each run's id by the outcome it should end in, once each has ended."""
+        assert self.worse is not None
+        ids = {"GateFailed": self._run_id(self.failing), "ChampionKept": self._run_id(self.worse)}
+        cancelled = ids["Cancelled"] = self._run_id(self._submit(
+            "train.steps=100000", "train.checkpoint_every=50000", "gate.eval_every=50000",
+            f"registry_url={self.root / 'registry-cancel'}", wait=False))
+        wait_for(lambda: "train: step" in _log_text(self.env, cancelled), 180, "the long run to train", every=2)
+        subprocess.run([TRNFLOW, "cancel", cancelled], env=self.env, capture_output=True, text=True, check=True)
+        _ended(self.env, cancelled, 120)
+        return ids
+
+
+def _log_text(env, run_id) -> str:
+    return subprocess.run([TRNFLOW, "logs", run_id], env=env, capture_output=True, text=True).stdout
+
+
+def _shows_its_outcome(page, env, ui: str, outcome: str, run_id: str, shots: Path) -> None:
+    """The run ended in the state named `outcome`, which its page shows, with its reason; its log (the
+    page it opens on) has no traceback; the stage that decided a ChampionKept passed."""
+    run = _run_of(env, run_id)
+    assert run.state_name == outcome, (run.state_name, run.state.message)
+    page.goto(f"{ui}/runs/flow-run/{run_id}")
+    page.wait_for_text(outcome)  # the badge
+    page.wait_for_text("Finished in state")  # the log, to its end
+    text = page.text()
+    for noise in ("Traceback", "Engine execution exited", "Crash detected", "Running()"):
+        assert noise not in text, f"{outcome}: {noise!r} in its log:\n{text[-4000:]}"
+    page.screenshot(shots / f"{outcome}.png", full_page=False)
+    log = _log_text(env, run_id)
+    if outcome == "Cancelled":
+        assert "cancelled with its run" in log and "Finished in state Cancelled()" in log, log[-3000:]
+        return
+    page.click("Details")
+    page.wait_for_text(run.state.message[:40])  # the reason, one click away
+    if outcome == "GateFailed":
+        assert run.state.message.startswith("accuracy -0.") and " vs metrics.json at step 20" in run.state.message
+    if outcome == "ChampionKept":  # the stage passed; the run ended on what it decided
+        assert run.state.message.startswith("v2 registered, not promoted: loss +0."), run.state.message
+        assert "evaluate: Completed" in _task_states(env, run_id), _task_states(env, run_id)
+
+
+def _task_states(env, run_id) -> str:
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterId
+
+    with client_of(env) as client:
+        tasks = client.read_task_runs(flow_run_filter=FlowRunFilter(id=FlowRunFilterId(any_=[run_id])))
+    return ", ".join(f"{t.name.rsplit('-', 1)[0]}: {t.state_name}" for t in tasks)
 
 
 REFUSED = "-5 is less than the minimum of 1"

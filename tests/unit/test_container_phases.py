@@ -164,9 +164,9 @@ def test_bad_cores_are_placed_around_on_their_own_node_while_healthy_ones_remain
     first = next_placement(_sanity([1]), None, per_node=1, instance_cores=4, nnodes=2)
     assert first is not None and first.round == 1
     assert first.cores == {0: "0", 1: "1"} and first.excluded == {1: [0]}  # node 0 keeps its core
-    again = _sanity([1]).model_copy(update={"per_core": [{"rank": 0, "core": 0, "passed": True, "failed": []},
-                                                         {"rank": 1, "core": 1, "passed": False, "failed": ["x"]}],
-                                            "bad_cores": [1]})
+    again = SanityResult.model_validate({**_sanity([1]).model_dump(), "bad_cores": [1], "per_core": [
+        {"rank": 0, "core": 0, "passed": True, "failed": []},
+        {"rank": 1, "core": 1, "passed": False, "failed": ["x"]}]})
     second = next_placement(again, first, per_node=1, instance_cores=4, nnodes=2)
     assert second is not None and second.round == 2 and second.cores == {0: "0", 1: "2"}
     assert second.excluded == {1: [0, 1]}

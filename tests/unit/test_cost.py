@@ -50,8 +50,8 @@ def test_a_stage_that_ran_its_job_twice_costs_both_and_says_so():
     spec = validate_spec(quickstart_data(compute={"instance_type": "trn1.32xlarge"}))
     row = job_cost(spec, "train", 1800 + 600, jobs=2)  # a failed job of 10 minutes, then the one that finished
     assert row.jobs == 2 and row.cost_usd == round(21.50 * 2400 / 3600, 4)
-    assert ("| train | trn1.32xlarge | 1 | 2 | 21.5 | ec2 us-east-1, 2026-08-26 | 2400.0 | 14.3333 |"
-            in cost_markdown(Cost(rows=[row], total_usd=row.cost_usd)))
+    assert ("- **train**: 1x trn1.32xlarge at $21.5 per node-hour (ec2 us-east-1, 2026-08-26), 2 jobs, 2400.0 s "
+            "billable: **$14.3333**" in cost_markdown(Cost(rows=[row], total_usd=row.cost_usd)))
 
 
 def test_the_ledger_hands_each_job_to_its_reader_once_whoever_wrote_it(tmp_path):
@@ -76,8 +76,8 @@ def test_sagemaker_jobs_are_billed_at_sagemakers_ml_price_and_batch_and_local_on
     for row in (batch, local):  # Batch runs EC2 instances; the emulator says what they would have cost
         assert (row.service, row.price_per_node_hour, row.cost_usd) == ("ec2", 21.50, 86.0)
     shown = cost_markdown(Cost(rows=[sagemaker], total_usd=sagemaker.cost_usd))
-    assert ("| train | ml.trn1.32xlarge | 4 | 1 | 24.725 | sagemaker us-east-1, 2026-11-25 | 3600.0 | 98.9000 |"
-            in shown)  # a run that started no counted instance has no instance columns
+    assert ("- **train**: 4x ml.trn1.32xlarge at $24.725 per node-hour (sagemaker us-east-1, 2026-11-25), 1 job, "
+            "3600.0 s billable: **$98.9000**\n" in shown)  # a run that started no counted instance says none
     assert job_cost(_spec("sagemaker", price_per_hour=20.0), "train", 3600).cost_usd == 80.0  # the spec's price wins
 
 

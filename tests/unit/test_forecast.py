@@ -222,9 +222,9 @@ def test_the_cost_table_and_the_history_show_the_forecast_beside_what_each_stage
     assert [(r.forecast_seconds, r.forecast_usd) for r in shown.rows] == [
         (by_stage[s].seconds, by_stage[s].cost_usd) for s in ("train", "infer")]
     text = cost_markdown(shown)
-    assert "| billable s | forecast s | cost ($) | forecast ($) |" in text
-    assert f"| 20.0 | {by_stage['train'].seconds:.1f} | {cost.rows[0].cost_usd:.4f} | " in text
-    assert f"| **{cost.total_usd:.4f}** | {forecast.cost_usd:.4f} |" in text
+    assert (f"20.0 s billable: **${cost.rows[0].cost_usd:.4f}** (forecast {by_stage['train'].seconds:.1f} s, "
+            f"${by_stage['train'].cost_usd:.4f})\n") in text
+    assert f"Total: **${cost.total_usd:.4f}** (forecast ${forecast.cost_usd:.4f})." in text
 
     outcome = _outcome("b", 100, 400.0, 10.0)
     keep(spec, outcome, tmp_path / "home", forecast)

@@ -3,8 +3,19 @@
 import pytest
 
 from tests.factories import checkpoint_meta, commit
+from trnflow.errors import ChampionKept, GateFailed
 from trnflow.lifecycle.digests import verified_manifest
-from trnflow.lifecycle.judge import Candidate, Check, Decision, Registration, decide, register, up_to
+from trnflow.lifecycle.judge import (
+    Candidate,
+    Check,
+    Decision,
+    Registration,
+    decide,
+    outcome,
+    register,
+    settle,
+    up_to,
+)
 from trnflow.lifecycle.registry import Registry
 from trnflow.records import MetricSeries, Verdict, dump
 
@@ -55,9 +66,19 @@ def test_a_candidate_worse_than_the_champion_passes_the_gate_but_is_not_promoted
     assert decision.gate_passed and not decision.passed
     worse = decision.worse_than_champion
     assert worse is not None and worse.against == "champion v1" and "below champion v1" in worse.verdict.reason
+    kept, notes = settle(decision, None, "weak", forced=None)  # the stage passes; the run ends ChampionKept
+    assert kept is not None and kept.headline.startswith("the candidate registered, not promoted: accuracy -0.0030")
+    assert "--run-id weak --force-promote" in kept.message and isinstance(kept.error(), ChampionKept)
+    assert notes == [] and outcome(decision) == "gate passed; champion v1 kept"  # the parity chart's title
+    assert settle(decision, None, "weak", forced="a label bug")[0] is None
     better = decide(spec, registry, _series(0.81, "1" * 810 + "0" * 190), False,
                     (_series(0.803, "1" * 803 + "0" * 197), "champion v1"))
-    assert better.passed and better.worse_than_champion is None
+    assert better.passed and better.worse_than_champion is None and outcome(better) == "gate passed"
+    outside = VERDICT.model_copy(update={"passed": False, "reason": "step 40: accuracy 0.5 vs 0.8"})
+    failed = Decision([Check(outside, None, "metrics.json")], outside, "metrics.json")
+    assert outcome(failed) == "gate FAILED"
+    with pytest.raises(GateFailed, match=r"gate failed against metrics\.json: step 40"):
+        settle(failed, None, "weak", forced="a label bug")  # never promotable, whatever the reason
 
 
 def test_a_gate_on_loss_keeps_out_a_candidate_of_higher_loss_than_the_champion(make_spec):

@@ -49,10 +49,10 @@ def test_nccom_json_is_read_with_either_time_column():
     older = {"results": [{"size(B)": 33554432, "count(elems)": 33554432, "type": "uint8", "algbw(GB/s)": 40.69,
                           "busbw(GB/s)": 40.69, "time(us)": 768}]}
     # the rows say time:avg(us), as current versions do, whichever name the tool wrote
-    assert tools.parse_nccom_json(json.dumps(current), "all_reduce") == [
+    assert [r.model_dump(exclude_defaults=True) for r in tools.parse_nccom_json(json.dumps(current), "all_reduce")] == [
         {"op": "all_reduce", "size(B)": 1024, "count(elems)": 256, "type": "fp32", "time:avg(us)": 6.19,
-         "algbw(GB/s)": 0.1655, "busbw(GB/s)": 0.1604}]
-    assert tools.parse_nccom_json(json.dumps(older), "all_gather")[0]["time:avg(us)"] == 768.0
+         "algbw(GB/s)": 0.1655, "busbw(GB/s)": 0.1604}]  # stored under the tool's own columns
+    assert tools.parse_nccom_json(json.dumps(older), "all_gather")[0].time_us == 768.0
     with pytest.raises(FatalError, match=r"no time column \(neither time:avg\(us\) nor time\(us\)\)"):
         tools.parse_nccom_json('{"results": [{"size(B)": 8}]}', "all_reduce")
     with pytest.raises(FatalError, match=r"no time column"):  # a null time is no time
@@ -84,7 +84,7 @@ def test_rows_read_from_either_time_column_show_the_same_in_every_table():
         stored = [{**base, "op": "all_reduce", column: 61.0}]
         result = CollectivesResult(ranks=4, rows=stored, avg_busbw=1.5, avg_busbw_by_op={"all_reduce": 1.5})
         assert "| all_reduce | 65,536 | fp32 | 61 | 1.000 | 1.500 | - |" in collectives_markdown(result)
-        assert nccom_text(stored).splitlines()[2].split()[3] == "61.0"
+        assert nccom_text(result.rows).splitlines()[2].split()[3] == "61.0"
 
 
 def test_an_unchecked_nccom_test_sweep_is_not_reported_wrong(tmp_path, monkeypatch):
@@ -94,7 +94,7 @@ def test_an_unchecked_nccom_test_sweep_is_not_reported_wrong(tmp_path, monkeypat
     fake_tool(tmp_path, "nccom-test", NCCOM_TEST)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     rows = tools.nccom_sweep("all_reduce", 4, 65536, 65536, 4, "fp32", 5, 1, check=False)
-    assert rows[0]["correct"] is None  # without -c, nccom-test says nothing of the results
+    assert rows[0].correct is None  # without -c, nccom-test says nothing of the results
     shown = collectives_markdown(CollectivesResult(ranks=4, rows=rows, avg_busbw=1.5))
     assert "WRONG" not in shown and shown.rstrip().endswith("| - |")
 
@@ -107,10 +107,11 @@ def test_the_tools_run_from_path_with_the_real_command_lines(tmp_path, monkeypat
     assert tools.which("neuron-ls") == str(bin_dir / "neuron-ls")
     assert tools.neuron_ls()[0]["nc_count"] == 4
     rows = tools.nccom_sweep("all_reduce", 4, 65536, 65536, 4, "fp32", 5, 1, check=True)
-    assert rows == [{"op": "all_reduce", "size(B)": 65536, "count(elems)": 16384, "type": "fp32",
-                     "time:avg(us)": 61.0, "algbw(GB/s)": 1.0, "busbw(GB/s)": 1.5, "correct": True}]
+    assert [r.model_dump(exclude_defaults=True) for r in rows] == [
+        {"op": "all_reduce", "size(B)": 65536, "count(elems)": 16384, "type": "fp32", "time:avg(us)": 61.0,
+         "algbw(GB/s)": 1.0, "busbw(GB/s)": 1.5, "correct": True}]
     (wrong,) = tools.nccom_sweep("all_to_all", 4, 65536, 65536, 4, "fp32", 5, 1, check=True)
-    assert wrong["correct"] is False
+    assert wrong.correct is False
     argv = tools.nccom_command("all_gather", 8, 1024, 4096, 2, "bf16", 20, 5, True, Path("/r.json"))
     assert argv == ["nccom-test", "all_gather", "-r", "8", "-b", "1024", "-e", "4096", "-f", "2", "-d", "bf16",
                     "-n", "20", "-w", "5", "--non-interactive", "--report-to-json-file", "/r.json", "-c", "all_ones"]

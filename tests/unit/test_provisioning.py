@@ -76,6 +76,8 @@ def test_the_cost_table_counts_the_instances_each_stage_started_and_their_wait()
     cost = run_cost([train, local])
     assert (cost.instances_started, cost.provisioning_seconds) == (4, 180.0)
     shown = cost_markdown(cost)
-    assert "| train | trn1.32xlarge | 2 | 2 | 4 | 180.0 |" in shown
-    assert "| compile | trn1.32xlarge | 1 | 1 | - | - |" in shown
-    assert "| **total** |  |  |  | 4 | 180.0 |" in shown
+    assert "- **train**: 2x trn1.32xlarge at $21.5 per node-hour (ec2 us-east-1, 2026-08-26), 2 jobs, " in shown
+    assert "s billable; 4 instances started, 180.0 s to provision: **$" in shown
+    assert "- **compile**: 1x trn1.32xlarge at $21.5 per node-hour (ec2 us-east-1, 2026-08-26), 1 job, 60.0 s " \
+        "billable: **$0.3583**" in shown  # on this machine: no instance started
+    assert "; 4 instances started, 180.0 s to provision.\n" in shown  # the total's

@@ -9,6 +9,7 @@ from trnflow.emulator.device import EmulatorDevice
 from trnflow.emulator.numerics import nearest_round_bf16_, stochastic_round_bf16_
 from trnflow.neuron.launch import parse_visible_cores
 from trnflow.neuron.nccom import bus_factor
+from trnflow.results import SweepRow
 from trnflow.workload.programs import build_model
 from trnflow.workload.sampler import StepSampler
 from trnflow.workload.sanity import check_matmul
@@ -83,8 +84,8 @@ def test_pure_bf16_rounds_weights_and_adam_moments_but_never_the_step_count():
 
 def test_known_answer_matmul_is_exact_in_fp32():
     result = check_matmul(torch.float32, seed=3)
-    assert result["passed"] and result["max_rel_err"] == 0.0
-    assert check_matmul(torch.bfloat16, seed=3)["passed"]
+    assert result.passed and result.max_rel_err == 0.0
+    assert check_matmul(torch.bfloat16, seed=3).passed
 
 
 def test_bus_bandwidth_factors_match_nccom_test():
@@ -103,7 +104,7 @@ def test_wrong_collective_results_are_raised_or_reported_for_the_collectives_sta
     from trnflow.tasks.collectives import collective_test
     from trnflow.workload.collectives import CorruptCollective, _summarise
 
-    rows = [{"op": "all_reduce", "size(B)": 65536, "busbw(GB/s)": 1.0, "correct": False, "bad_cores": [3]}]
+    rows = [SweepRow(op="all_reduce", size=65536, time_us=10.0, busbw=1.0, correct=False, bad_cores=[3])]
     ctx = SimpleNamespace(world_size=2)
     with pytest.raises(CorruptCollective, match=r"core\(s\) \[3\] sent corrupted data") as raised:
         _summarise(ctx, ["all_reduce"], [65536], rows, "trnflow")

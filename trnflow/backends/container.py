@@ -208,10 +208,10 @@ def preflight_failure(result: StageResult, identities: dict[int, NodeIdentity] |
     every = list(range(nnodes))
     sweep = result.collectives if isinstance(result, SanityResult) else result
     if isinstance(result, SanityResult) and result.bad_cores:
-        failed = [c for c in result.per_core if not c["passed"]]
-        nodes = sorted({int(c["rank"]) // per_node for c in failed if "rank" in c}) or [0]  # else rank 0's device list
-        cores = "; ".join(f"nc{c['core']} of {_named([int(c.get('rank', 0)) // per_node], identities)}: "
-                          f"{', '.join(c['failed'])}" for c in failed) or "missing from the device list"
+        failed = [c for c in result.per_core if not c.passed]
+        nodes = sorted({c.rank // per_node for c in failed if c.rank is not None}) or [0]  # else rank 0's device list
+        cores = "; ".join(f"nc{c.core} of {_named([(c.rank or 0) // per_node], identities)}: "
+                          f"{', '.join(c.failed)}" for c in failed) or "missing from the device list"
         return bad_host(f"NeuronCore(s) {result.bad_cores} failed known-answer tests ({cores})", nodes, identities,
                         result.bad_cores)
     if sweep is not None and getattr(sweep, "passed", True) is False:
@@ -228,15 +228,15 @@ def next_placement(result: StageResult, placed: Placement | None, per_node: int,
     list) or a node has too few healthy cores left."""
     if not isinstance(result, SanityResult) or not result.bad_cores:
         return None
-    failed = [c for c in result.per_core if not c["passed"] and "rank" in c]
-    if {int(c["core"]) for c in failed} != set(result.bad_cores):
+    failed = [c for c in result.per_core if not c.passed and c.rank is not None]
+    if {c.core for c in failed} != set(result.bad_cores):
         return None
     excluded = {n: set(cores) for n, cores in (placed.excluded if placed else {}).items()}
     for c in failed:
-        node = excluded.setdefault(int(c["rank"]) // per_node, set())
-        if int(c["core"]) in node:  # it failed although excluded: the node does not keep to its cores
+        node = excluded.setdefault(c.rank // per_node, set())
+        if c.core in node:  # it failed although excluded: the node does not keep to its cores
             return None
-        node.add(int(c["core"]))
+        node.add(c.core)
     cores = {}
     for node in range(nnodes):
         try:

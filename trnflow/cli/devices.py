@@ -126,7 +126,8 @@ def collectives(
     result = info.result
     assert isinstance(result, CollectivesResult)
     if as_json:
-        print(json.dumps({"results": result.rows, "avg_busbw": result.avg_busbw, "cores": info.details.cores,
+        print(json.dumps({"results": [r.model_dump(mode="json") for r in result.rows], "avg_busbw": result.avg_busbw,
+                          "cores": info.details.cores,
                           "plans": [p.model_dump() for p in result.plans]}, indent=2))
     else:
         print(render.nccom_text(result.rows))

@@ -10,16 +10,14 @@ from rich.text import Text
 from trnflow.cli.console import shown
 from trnflow.reporting.report import (
     ENGINES,
-    check_cell,
     cost_cells,
     cost_columns,
     engine_outcomes,
     spot_note,
-    sweep_time,
     total_cells,
     with_not_run,
 )
-from trnflow.results import Cost, StageRow
+from trnflow.results import CoreChecks, Cost, StageRow, SweepRow
 
 STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim", "Waited": "cyan"}
 
@@ -35,28 +33,28 @@ def stage_table(rows: list[StageRow], stages: tuple[str, ...] = (), title: str |
     return table
 
 
-def sanity_table(per_core: list[dict[str, Any]]) -> Table:
+def sanity_table(per_core: list[CoreChecks]) -> Table:
     """One row per core, one column per engine: pass, or the tests that failed."""
     table = Table("core", *ENGINES, title="known-answer tests per engine")
     for core in per_core:
         cells = ("[red]FAIL " + ", ".join(failed) + "[/red]" if failed else f"[green]ok[/green] ({ran})"
                  for ran, failed in engine_outcomes(core))
-        table.add_row(f"nc{core['core']}", *cells)
+        table.add_row(f"nc{core.core}", *cells)
     return table
 
 
-def nccom_text(rows: list[dict[str, Any]]) -> str:
+def nccom_text(rows: list[SweepRow]) -> str:
     """The sweep as nccom-test prints it, one block per op, then the average bus bandwidth."""
     lines: list[str] = []
-    for op in dict.fromkeys(r["op"] for r in rows):
+    for op in dict.fromkeys(r.op for r in rows):
         lines.append(f"# {op}")
         lines.append(f"{'size(B)':>12}{'count(elems)':>16}{'type':>9}{'time:avg(us)':>16}{'algbw(GB/s)':>15}"
                      f"{'busbw(GB/s)':>15}{'check':>8}")
-        for r in (r for r in rows if r["op"] == op):
-            lines.append(f"{r['size(B)']:>12}{r.get('count(elems)', 0):>16}{r.get('type', ''):>9}"
-                         f"{sweep_time(r):>16.1f}{r['algbw(GB/s)']:>15.4f}{r['busbw(GB/s)']:>15.4f}{check_cell(r):>8}")
+        for r in (r for r in rows if r.op == op):
+            lines.append(f"{r.size:>12}{r.count:>16}{r.type:>9}{r.time_us:>16.1f}{r.algbw:>15.4f}{r.busbw:>15.4f}"
+                         f"{r.verdict:>8}")
     if rows:
-        avg = sum(r["busbw(GB/s)"] for r in rows) / len(rows)
+        avg = sum(r.busbw for r in rows) / len(rows)
         lines.append(f"Avg bus bandwidth:\t{avg:.4f}GB/s")
     return "\n".join(lines)
 

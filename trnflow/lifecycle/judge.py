@@ -15,7 +15,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 
-from trnflow.errors import ChampionKept, DataError, FatalError, GateFailed
+from trnflow.errors import DataError, FatalError, GateFailed
 from trnflow.lifecycle.digests import check_version, registered_digests
 from trnflow.lifecycle.gate import better, compare, headline, no_regression, parse_metrics, read_series
 from trnflow.lifecycle.registry import Digests, Registry, RegistryEntry, VerdictSummary
@@ -29,7 +29,7 @@ from trnflow.records import (
     Verdict,
     read,
 )
-from trnflow.results import Registration
+from trnflow.results import ChampionStays, Registration
 from trnflow.specs import JobSpec
 from trnflow.storage import open_store
 
@@ -359,26 +359,37 @@ def summary(spec: JobSpec, decision: Decision, final: float, registration: Regis
     return text
 
 
-def settle(decision: Decision, registration: Registration | None, run_id: str, forced: str | None) -> list[str]:
-    """The gate's outcome once the candidate is registered: GateFailed when it is outside the band;
-    ChampionKept when it passed but is worse than the champion and `forced` gives no reason to
-    promote it anyway (neither is ever retried). Otherwise the warnings the run should show: a
-    forced promotion, and a paired test that finds the two differ within the band."""
+def settle(decision: Decision, registration: Registration | None, run_id: str, forced: str | None
+           ) -> tuple[ChampionStays | None, list[str]]:
+    """The gate's outcome once the candidate is registered: GateFailed when it is outside the band
+    (never retried). Otherwise whether the champion stays (the candidate passed but is worse than the
+    champion, and `forced` gives no reason to promote it anyway), and the warnings the run should
+    show: a forced promotion, and a paired test that finds the two differ within the band."""
     if not decision.gate_passed:
         raise GateFailed(f"accuracy-parity gate failed against {decision.against}: {decision.verdict.reason}",
                          decision.verdict, headline=headline(decision.verdict, decision.against))
     worse = decision.worse_than_champion
+    kept = None
     if worse is not None and forced is None:
         version = f"v{registration.version}" if registration else "the candidate"
-        raise ChampionKept(f"{version} passed the gate but was not promoted: {worse.verdict.reason}. "
-                           f"{worse.against} stays the champion; to promote it anyway, run the same run again "
-                           f"(nothing is trained twice) with --run-id {run_id} --force-promote --reason \"why\"",
-                           worse.verdict, headline=f"{version} registered, not promoted: "
-                           f"{headline(worse.verdict, worse.against)}")
-    notes = [f"promoting a candidate worse than {worse.against}, as asked: {forced}"] if worse is not None else []
+        kept = ChampionStays(
+            message=f"{version} passed the gate but was not promoted: {worse.verdict.reason}. {worse.against} stays "
+                    f"the champion; to promote it anyway, run the same run again (nothing is trained twice) with "
+                    f"--run-id {run_id} --force-promote --reason \"why\"",
+            headline=f"{version} registered, not promoted: {headline(worse.verdict, worse.against)}")
+    notes = [f"promoting a candidate worse than {worse.against}, as asked: {forced}"] if worse and forced else []
     for check in decision.checks:
         paired = check.verdict.paired
         if paired and paired.significant:
             notes.append(f"McNemar's test finds the candidate and {check.against} differ (p = "
                          f"{paired.p_value:.3g}), within the band")
-    return notes
+    return kept, notes
+
+
+def outcome(decision: Decision) -> str:
+    """The decision in a few words, as the parity chart's title ends: `gate passed`, `gate FAILED`,
+    or `gate passed; champion v1 kept` (the candidate is worse than it)."""
+    if not decision.gate_passed:
+        return "gate FAILED"
+    worse = decision.worse_than_champion
+    return f"gate passed; {worse.against} kept" if worse else "gate passed"

@@ -17,9 +17,11 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from pydantic import AliasChoices, ValidationError
+from pydantic.fields import FieldInfo
+
 from trnflow.errors import FatalError
-from trnflow.neuron.nccom import TIME_COLUMNS, row_time, time_columns
-from trnflow.results import CoreHolder, HostInventory
+from trnflow.results import NCCOM_TIME_COLUMNS, CoreHolder, HostInventory, SweepRow
 
 NEURON_LS, NCCOM_TEST, PARALLEL_COMPILE = "neuron-ls", "nccom-test", "neuron_parallel_compile"
 NCCOM_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
@@ -98,35 +100,38 @@ def nccom_command(op: str, ranks: int, minbytes: int, maxbytes: int, stepfactor:
     return [*argv, "-c", "all_ones"] if check else argv
 
 
-def nccom_time(result: dict[str, Any], source: str = NCCOM_TEST) -> float:
-    """One nccom-test result's time in microseconds, under whichever name its version wrote it
-    (`TIME_COLUMNS`)."""
-    found = row_time(result)
-    if found is not None:
-        return found
-    raise FatalError(f"{source}: a result with no time column (neither {' nor '.join(TIME_COLUMNS)}): {result}")
-
-
-def parse_nccom_json(text: str, op: str, source: str = NCCOM_TEST) -> list[dict[str, Any]]:
-    """nccom-test's JSON report as trnflow's sweep rows, whose time column is `time:avg(us)` (TIME, as
-    current versions write it) whichever spelling the tool wrote (`time(us)` in older versions), so
-    the tables and reports that read the rows need not know the tool's version."""
+def parse_nccom_json(text: str, op: str, source: str = NCCOM_TEST) -> list[SweepRow]:
+    """nccom-test's JSON report as trnflow's sweep rows, whichever spelling of the time column the
+    tool's version wrote (`SweepRow`), so the tables and reports that read the rows need not know it."""
     try:
         results = json.loads(text)["results"]
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise FatalError(f"{source}: not an nccom-test JSON report ({exc})") from None
+    known = {name for key, field in SweepRow.model_fields.items() for name in (key, *_aliases(field))}
     rows = []
     for r in results:
-        if "size(B)" not in r:
+        given = {k: v for k, v in r.items() if k in known and v is not None}  # a null time is no time
+        if "size(B)" not in given:
             raise FatalError(f"{source}: a result with no size(B): {r}")
-        rows.append({"op": op, "size(B)": int(r["size(B)"]), "count(elems)": int(r.get("count(elems)", 0)),
-                     "type": r.get("type", ""), **time_columns(nccom_time(r, source)),
-                     "algbw(GB/s)": float(r.get("algbw(GB/s)", 0.0)), "busbw(GB/s)": float(r.get("busbw(GB/s)", 0.0))})
+        if not any(c in given for c in NCCOM_TIME_COLUMNS):
+            raise FatalError(f"{source}: a result with no time column (neither {' nor '.join(NCCOM_TIME_COLUMNS)}): "
+                             f"{r}")
+        try:
+            rows.append(SweepRow.model_validate({**given, "op": op}))
+        except ValidationError as exc:
+            problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise FatalError(f"{source}: a result trnflow cannot read ({problems}): {r}") from None
     return rows
 
 
+def _aliases(field: FieldInfo) -> list[str]:
+    """The other names a field is read under: its alias and each of its validation aliases."""
+    choices = field.validation_alias.choices if isinstance(field.validation_alias, AliasChoices) else []
+    return [n for n in (field.alias, *choices) if isinstance(n, str)]
+
+
 def nccom_sweep(op: str, ranks: int, minbytes: int, maxbytes: int, stepfactor: int, dtype: str, iters: int,
-                warmup: int, check: bool, timeout: float = 1800.0) -> list[dict[str, Any]]:
+                warmup: int, check: bool, timeout: float = 1800.0) -> list[SweepRow]:
     """Run nccom-test for one op and read its rows; `correct` is False on every row when it reports
     errors (with --check, a wrong result fails the run)."""
     with tempfile.TemporaryDirectory(prefix="trnflow-nccom-") as tmp:
@@ -138,7 +143,7 @@ def nccom_sweep(op: str, ranks: int, minbytes: int, maxbytes: int, stepfactor: i
                              f"{(done.stderr or done.stdout).strip()[-500:]}")
         rows = parse_nccom_json(report.read_text(), op)
     for row in rows:
-        row["correct"] = done.returncode == 0 if check else None
+        row.correct = done.returncode == 0 if check else None
     return rows
 
 

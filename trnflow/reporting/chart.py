@@ -25,7 +25,7 @@ def parity_figure(verdict: Verdict, candidate: list[MetricPoint], reference: lis
     """The candidate's series and the reference's whole series, each at its own global steps; the
     points the gate compared (the reference's value drawn at the candidate's step, with the allowed
     band around it), the failed ones in red; and, when the two share no step, a note saying that
-    nothing was compared."""
+    nothing was compared. `title` states the decision (`judge.outcome`)."""
     import matplotlib  # ~0.5 s to import: only a chart pays for it
 
     matplotlib.use("Agg")  # no display: render to a buffer
@@ -53,8 +53,7 @@ def parity_figure(verdict: Verdict, candidate: list[MetricPoint], reference: lis
     if failed:
         ax.scatter([r.global_step for r in failed], [r.candidate for r in failed], color="tab:red", s=80, zorder=5,
                    label="outside the band")
-    outcome = "passed" if verdict.passed else "FAILED"
-    ax.set(title=f"{title}: gate {outcome}", xlabel="global step", ylabel=metric)
+    ax.set(title=title, xlabel="global step", ylabel=metric)
     ax.grid(alpha=0.3)
     ax.legend(loc="best", fontsize=8)
     fig.tight_layout()

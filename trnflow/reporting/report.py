@@ -5,10 +5,17 @@ they share with the command's rich tables (`trnflow.cli.render`) are made here o
 
 from __future__ import annotations
 
-from typing import Any
-
 from trnflow.reporting.cost import spot_savings
-from trnflow.results import CollectivesResult, CompileResult, Cost, CostRow, StageResult, StageRow, TrainResult
+from trnflow.results import (
+    CollectivesResult,
+    CompileResult,
+    CoreChecks,
+    Cost,
+    CostRow,
+    StageResult,
+    StageRow,
+    TrainResult,
+)
 from trnflow.urls import shown
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
@@ -28,12 +35,12 @@ def with_not_run(rows: list[StageRow], stages: tuple[str, ...], stopped: str | N
     return rows + [StageRow(stage=s, state="NotRun", summary=why) for s in stages if s not in seen]
 
 
-def engine_outcomes(core: dict[str, Any]) -> list[tuple[int, list[str]]]:
+def engine_outcomes(core: CoreChecks) -> list[tuple[int, list[str]]]:
     """Per engine, in ENGINES order: how many tests ran, and the `test/dtype` of each that failed."""
     out = []
     for engine in ENGINES:
-        checks = [c for c in core["checks"] if c["engine"] == engine]
-        out.append((len(checks), [f"{c['test']}/{c['dtype']}" for c in checks if not c["passed"]]))
+        checks = [c for c in core.checks if c.engine == engine]
+        out.append((len(checks), [f"{c.test}/{c.dtype}" for c in checks if not c.passed]))
     return out
 
 
@@ -109,15 +116,17 @@ def _table(header: list[str], rows: list[list[str]], align: list[str] | None = N
 
 def stage_summary(title: str, rows: list[StageRow], stages: tuple[str, ...], ended: str | None = None,
                   notes: list[str] | None = None) -> str:
-    """One row per stage: state, duration and key figure; stages that never ran say NotRun and why.
+    """One line per stage: state, duration and key figure; stages that never ran say NotRun and why.
     `ended`: how a run that did not complete ended, in one line, put in the first line. `notes`:
-    what the run needs said before its table (a cache used unsigned), each a warning line."""
-    body = [[r.stage, f"**{r.state}**" if r.state != "Completed" else r.state,
-             "" if r.seconds is None else f"{r.seconds:.1f} s", r.summary] for r in with_not_run(rows, stages, ended)]
+    what the run needs said before its stages (a cache used unsigned), each a warning line. A list,
+    not a table: a key figure is a sentence, and the UI's tables do not wrap their cells (the
+    `<name>-stages` table artifact has the same rows as columns)."""
+    lines = [f"- **{r.stage}**, {r.state if r.state == 'Completed' else f'*{r.state}*'}"
+             f"{'' if r.seconds is None else f' in {r.seconds:.1f} s'}: {r.summary}"
+             for r in with_not_run(rows, stages, ended)]
     heading = f"## {title}: {ended}" if ended else f"## {title}"
     warned = [line for note in notes or [] for line in (f"> **Warning:** {note}", "")]
-    return "\n".join([heading, "", *warned, *_table(["stage", "state", "duration", "key figure"], body,
-                                                    ["---", "---", "---:", "---"])]) + "\n"
+    return "\n".join([heading, "", *warned, *lines]) + "\n"
 
 
 def loss_figure(result: TrainResult) -> str:
@@ -137,10 +146,10 @@ def loss_figure(result: TrainResult) -> str:
     return f"loss {last.loss:.4f} ({which})"
 
 
-def sanity_markdown(per_core: list[dict[str, Any]], excluded: list[int], cores: list[int]) -> str:
+def sanity_markdown(per_core: list[CoreChecks], excluded: list[int], cores: list[int]) -> str:
     """Known-answer tests per core and engine: ok (tests run) or the tests that failed; then the bad
     cores `excluded` and the `cores` the later stages ran on."""
-    rows = [[f"nc{core['core']}", *("**FAIL** " + ", ".join(failed) if failed else f"ok ({ran})"
+    rows = [[f"nc{core.core}", *("**FAIL** " + ", ".join(failed) if failed else f"ok ({ran})"
                                     for ran, failed in engine_outcomes(core))] for core in per_core]
     lines = ["## Hardware sanity: known-answer tests per engine", "", *_table(["core", *ENGINES], rows)]
     if excluded:
@@ -148,29 +157,12 @@ def sanity_markdown(per_core: list[dict[str, Any]], excluded: list[int], cores: 
     return "\n".join(lines) + "\n"
 
 
-def check_cell(row: dict[str, Any]) -> str:
-    """A sweep row's verdict: ok, WRONG, or `-` when nothing checked it (a sweep without --check;
-    nccom-test run without -c says nothing of its results, and its rows carry `correct: None`)."""
-    return {True: "ok", False: "WRONG"}.get(row.get("correct"), "-")
-
-
-SWEEP_TIMES = ("time:avg(us)", "time(us)")
-"""A sweep row's time column: `time:avg(us)`, as nccom-test writes it now and trnflow's rows say it
-(`trnflow.neuron.nccom.TIME`); `time(us)` in rows an older trnflow stored."""
-
-
-def sweep_time(row: dict[str, Any]) -> float:
-    """A sweep row's time in microseconds, under whichever name the row has it."""
-    return float(next(row[c] for c in SWEEP_TIMES if row.get(c) is not None))
-
-
 def collectives_markdown(result: CollectivesResult) -> str:
     """The nccom-test-style sweep: size, time, algbw and busbw per op, and whether the answers were right."""
     rows = []
     for r in result.rows:
-        verdict = check_cell(r)
-        rows.append([r["op"], f"{r['size(B)']:,}", r.get("type", ""), f"{sweep_time(r):.0f}",
-                     f"{r['algbw(GB/s)']:.3f}", f"{r['busbw(GB/s)']:.3f}",
+        verdict = r.verdict
+        rows.append([r.op, f"{r.size:,}", r.type, f"{r.time_us:.0f}", f"{r.algbw:.3f}", f"{r.busbw:.3f}",
                      f"**{verdict}**" if verdict == "WRONG" else verdict])
     lines = [f"## Collectives on {result.ranks} cores", "",
              *_table(["op", "size (B)", "dtype", "time:avg (us)", "algbw (GB/s)", "busbw (GB/s)", "result"], rows,
@@ -203,12 +195,35 @@ def compile_markdown(result: CompileResult) -> str:
 
 
 def cost_markdown(cost: Cost) -> str:
-    rows, total = cost_cells(cost)
-    rows.append(["**total**", *total_cells(cost, f"**{total}**")])
+    """The cost table as a list, a line per stage (its instances and their price, jobs, billable
+    time and cost, with the forecast beside them), then the total: it fits a narrow page, where the
+    command's table (`cost_cells`) would be cut off."""
+    lines = [f"- **{r.stage}**: {_instances(r)}, {r.jobs} job{'s' if r.jobs != 1 else ''}, "
+             f"{r.billable_seconds:.1f} s billable{_started(r.instances_started, r.provisioning_seconds)}: "
+             f"**{'cost unknown' if r.cost_usd is None else f'${r.cost_usd:.4f}'}**"
+             f"{'' if r.forecast_seconds is None else f' (forecast {r.forecast_seconds:.1f} s, ${r.forecast_usd:.4f})'}"
+             for r in cost.rows]
+    total = ("unknown (set compute.price_per_hour)" if cost.total_usd is None else f"${cost.total_usd:.4f}")
+    lines += ["", f"Total: **{total}**{'' if cost.forecast_usd is None else f' (forecast ${cost.forecast_usd:.4f})'}"
+              f"{_started(cost.instances_started, cost.provisioning_seconds)}."]
     note = spot_note(cost)
-    return "\n".join(["## What the jobs cost (on-demand prices)", "",
-                      *_table(cost_columns(cost), rows, [_ALIGN[c] for c in cost_columns(cost)]),
-                      *(["", note] if note else [])]) + "\n"
+    return "\n".join(["## What the jobs cost (on-demand prices)", "", *lines, *(["", note] if note else [])]) + "\n"
+
+
+def _instances(row: CostRow) -> str:
+    """`2x trn1.32xlarge at $21.5 per node-hour (ec2 us-east-1, 2026-08-26)`."""
+    name = f"ml.{row.instance_type}" if row.service == "sagemaker" else row.instance_type
+    if row.price_per_node_hour is None:
+        return f"{row.nodes}x {name} ({price_basis(row)})"
+    return f"{row.nodes}x {name} at ${row.price_per_node_hour:.7g} per node-hour ({price_basis(row)})"
+
+
+def _started(instances: int | None, seconds: float | None) -> str:
+    """`; 4 instances started, 180.0 s to provision` where the jobs started cloud instances."""
+    if instances is None:
+        return ""
+    return f"; {instances} instance{'s' if instances != 1 else ''} started" + (
+        "" if seconds is None else f", {seconds:.1f} s to provision")
 
 
 def spot_note(cost: Cost) -> str | None:

@@ -23,8 +23,8 @@ import torch.distributed as dist
 from trnflow.errors import FatalError
 from trnflow.neuron import plan, tools
 from trnflow.neuron.launch import INSTANCE_TYPE_ENV
-from trnflow.neuron.nccom import OPS, bus_factor, time_columns
-from trnflow.results import PlanSummary
+from trnflow.neuron.nccom import OPS, bus_factor
+from trnflow.results import PlanSummary, SweepRow
 from trnflow.workload.context import WorkerContext
 
 GIB = 1024**3
@@ -119,7 +119,7 @@ def all_true(flag: bool) -> bool:
 
 
 def _measure(ctx: WorkerContext, op: str, size: int, dtype_name: str, iters: int, warmup: int,
-             check: bool) -> dict:
+             check: bool) -> SweepRow:
     dtype = DTYPES[dtype_name]
     elem = torch.tensor([], dtype=dtype).element_size()
     count = max(ctx.world_size, size // elem // ctx.world_size * ctx.world_size)
@@ -136,17 +136,16 @@ def _measure(ctx: WorkerContext, op: str, size: int, dtype_name: str, iters: int
     seconds = float(took.item())
     size_bytes = count * elem
     algbw = size_bytes / seconds / GIB
-    row = {"op": op, "size(B)": size_bytes, "count(elems)": count, "type": dtype_name,
-           **time_columns(round(seconds * 1e6, 1)), "algbw(GB/s)": round(algbw, 4),
-           "busbw(GB/s)": round(algbw * bus_factor(op, ctx.world_size), 4)}
+    row = SweepRow(op=op, size=size_bytes, count=count, type=dtype_name, time_us=round(seconds * 1e6, 1),
+                   algbw=round(algbw, 4), busbw=round(algbw * bus_factor(op, ctx.world_size), 4))
     if check:  # one more, from fresh inputs, whose result is checked
         case.prepare()
         case.run()
-        row["correct"] = all_true(case.result_ok())
-        if not row["correct"]:
+        row.correct = all_true(case.result_ok())
+        if not row.correct:
             sent_ok = [None] * ctx.world_size
             dist.all_gather_object(sent_ok, (ctx.core_id, case.sent_ok()))
-            row["bad_cores"] = sorted(core for core, ok in sent_ok if not ok)
+            row.bad_cores = sorted(core for core, ok in sent_ok if not ok)
     return row
 
 
@@ -176,20 +175,20 @@ def sweep(ctx: WorkerContext, options: dict, report_wrong: bool = False) -> dict
                 f"{op} of {size} B",
                 lambda op=op, size=size: _measure(ctx, op, size, opts["dtype"], int(opts["iters"]),
                                                   int(opts["warmup"]), bool(opts["check"]))))
-            ctx.log("collective", **rows[-1])
+            ctx.log("collective", **rows[-1].model_dump(exclude_defaults=True))
     return _summarise(ctx, ops, sizes, rows, "trnflow", report_wrong)
 
 
 def _with_nccom_test(ctx: WorkerContext, ops: list[str], sizes: list[int], opts: dict, report_wrong: bool) -> dict:
     """On a Neuron host: the SDK's nccom-test sweeps the job's cores, started once by rank 0 while
     the other ranks wait; its rows are the result."""
-    rows: list[dict] = []
+    rows: list[SweepRow] = []
     if ctx.is_main:
         for op in ops:
             swept = tools.nccom_sweep(op, ctx.world_size, sizes[0], sizes[-1], int(opts["stepfactor"]),
                                       opts["dtype"], int(opts["iters"]), int(opts["warmup"]), bool(opts["check"]))
             for row in swept:
-                ctx.log("collective", **row)
+                ctx.log("collective", **row.model_dump(exclude_defaults=True))
             rows += swept
     ctx.collective("waiting for nccom-test", dist.barrier)
     if not ctx.is_main:  # rank 0 reports
@@ -197,20 +196,20 @@ def _with_nccom_test(ctx: WorkerContext, ops: list[str], sizes: list[int], opts:
     return _summarise(ctx, ops, sizes, rows, tools.NCCOM_TEST, report_wrong)
 
 
-def _summarise(ctx: WorkerContext, ops: list[str], sizes: list[int], rows: list[dict], source: str,
+def _summarise(ctx: WorkerContext, ops: list[str], sizes: list[int], rows: list[SweepRow], source: str,
                report_wrong: bool = False) -> dict:
-    bad = sorted({c for row in rows for c in row.get("bad_cores", [])})
-    if any(row.get("correct") is False for row in rows):
-        failing = [f"{row['op']} {row['size(B)']}B" for row in rows if row.get("correct") is False]
+    bad = sorted({c for row in rows for c in row.bad_cores})
+    if any(row.correct is False for row in rows):
+        failing = [f"{row.op} {row.size}B" for row in rows if row.correct is False]
         names = f"core(s) {bad} sent corrupted data" if bad else "the cause is not on a single core"
         why = f"wrong results from {', '.join(failing[:4])}: {names}; run preflight"
         if not report_wrong:
             raise CorruptCollective(why, bad_cores=bad)
         return {"ranks": ctx.world_size, "rows": rows, "avg_busbw": None, "passed": False, "bad_cores": bad,
                 "note": why, "source": source}
-    per_op = {op: [r["busbw(GB/s)"] for r in rows if r["op"] == op] for op in ops}
+    per_op = {op: [r.busbw for r in rows if r.op == op] for op in ops}
     by_op = {op: round(sum(b) / len(b), 4) for op, b in per_op.items() if b}
-    avg = round(sum(r["busbw(GB/s)"] for r in rows) / len(rows), 4)
+    avg = round(sum(r.busbw for r in rows) / len(rows), 4)
     return {"ranks": ctx.world_size, "rows": rows, "avg_busbw": avg, "avg_busbw_by_op": by_op,
             "passed": True, "bad_cores": [], "source": source, "plans": _plans(ctx, ops, sizes[-1])}
 

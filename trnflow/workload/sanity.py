@@ -26,13 +26,14 @@ import math
 import os
 import time
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from trnflow.device.base import FaultHooks, NoFaults
 from trnflow.neuron import tools, topology
-from trnflow.results import HostInventory
+from trnflow.results import CoreChecks, EngineCheck, HostInventory
 from trnflow.workload import collectives
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.roundtrip import round_trip
@@ -63,13 +64,13 @@ def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float(((got.double() - want).abs().max() / want.abs().max().clamp_min(1e-12)).item())
 
 
-def _record(engine: str, test: str, dtype: torch.dtype, err: float, seconds: float, **extra) -> dict:
+def _record(engine: str, test: str, dtype: torch.dtype, err: float, seconds: float, **extra: Any) -> EngineCheck:
     tol = TOLERANCE[(engine, dtype)]
-    return {"engine": engine, "test": test, "dtype": str(dtype).removeprefix("torch."), "max_rel_err": err,
-            "tolerance": tol, "passed": err <= tol, "us": round(seconds * 1e6, 1), **extra}
+    return EngineCheck(engine=engine, test=test, dtype=str(dtype).removeprefix("torch."), max_rel_err=err,
+                       tolerance=tol, passed=err <= tol, us=round(seconds * 1e6, 1), **extra)
 
 
-def check_matmul(dtype: torch.dtype, seed: int, faults: FaultHooks | None = None) -> dict:
+def check_matmul(dtype: torch.dtype, seed: int, faults: FaultHooks | None = None) -> EngineCheck:
     faults = faults or NoFaults()
     a, b, exact = _known_matmul(MATMUL_SIZE, seed)
     began = time.perf_counter()
@@ -79,7 +80,7 @@ def check_matmul(dtype: torch.dtype, seed: int, faults: FaultHooks | None = None
                    gflops=round(2 * MATMUL_SIZE**3 / max(seconds, 1e-9) / 1e9, 2))
 
 
-def _vector_checks(dtype: torch.dtype, seed: int, faults: FaultHooks) -> list[dict]:
+def _vector_checks(dtype: torch.dtype, seed: int, faults: FaultHooks) -> list[EngineCheck]:
     gen = torch.Generator().manual_seed(seed)
     x64 = torch.randn(64, 512, generator=gen, dtype=torch.float64)
     x = x64.to(dtype)
@@ -99,7 +100,7 @@ def _vector_checks(dtype: torch.dtype, seed: int, faults: FaultHooks) -> list[di
     return out
 
 
-def _scalar_checks(dtype: torch.dtype, faults: FaultHooks) -> list[dict]:
+def _scalar_checks(dtype: torch.dtype, faults: FaultHooks) -> list[EngineCheck]:
     x = torch.linspace(-6, 6, 4099, dtype=torch.float64).to(dtype)
     ref_in = x.double()
     gelu_ref = 0.5 * ref_in * (1 + torch.erf(ref_in / math.sqrt(2)))
@@ -127,7 +128,7 @@ _OPS.impl("segmented_prefix_sum", _segmented_prefix_sum, "CPU")
 segmented_prefix_sum = torch.ops.trnflow.segmented_prefix_sum
 
 
-def _gpsimd_check(seed: int, faults: FaultHooks) -> dict:
+def _gpsimd_check(seed: int, faults: FaultHooks) -> EngineCheck:
     gen = torch.Generator().manual_seed(seed)
     values = torch.randint(-1000, 1000, (8192,), generator=gen, dtype=torch.int64)
     began = time.perf_counter()
@@ -138,11 +139,11 @@ def _gpsimd_check(seed: int, faults: FaultHooks) -> dict:
         running = v if idx % 64 == 0 else running + v
         want.append(running)
     mismatches = int((got != torch.tensor(want, dtype=torch.float64)).sum())
-    return {"engine": "gpsimd", "test": "segmented_prefix_sum", "dtype": "int64", "mismatches": mismatches,
-            "tolerance": 0, "passed": mismatches == 0, "us": round(seconds * 1e6, 1)}
+    return EngineCheck(engine="gpsimd", test="segmented_prefix_sum", dtype="int64", mismatches=mismatches,
+                       tolerance=0, passed=mismatches == 0, us=round(seconds * 1e6, 1))
 
 
-def _memory_check(faults: FaultHooks) -> dict:
+def _memory_check(faults: FaultHooks) -> EngineCheck:
     buf = torch.empty(MEMORY_WORDS, dtype=torch.int32)
     patterns = {"0x55555555": 0x55555555, "0xAAAAAAAA": -0x55555556}
     bad, began = 0, time.perf_counter()
@@ -157,12 +158,11 @@ def _memory_check(faults: FaultHooks) -> dict:
     torch.arange(MEMORY_WORDS, dtype=torch.int32, out=buf)  # address as data
     faults.flip_bits(buf)
     bad += int((buf != torch.arange(MEMORY_WORDS, dtype=torch.int32)).sum())
-    return {"engine": "memory", "test": "patterns", "dtype": "int32", "bytes": MEMORY_WORDS * 4,
-            "mismatches": bad, "tolerance": 0, "passed": bad == 0,
-            "us": round((time.perf_counter() - began) * 1e6, 1)}
+    return EngineCheck(engine="memory", test="patterns", dtype="int32", bytes=MEMORY_WORDS * 4, mismatches=bad,
+                       tolerance=0, passed=bad == 0, us=round((time.perf_counter() - began) * 1e6, 1))
 
 
-def core_checks(core: int, precision: str, faults: FaultHooks) -> list[dict]:
+def core_checks(core: int, precision: str, faults: FaultHooks) -> list[EngineCheck]:
     """Every known-answer test of one core."""
     dtypes = [torch.float32] if precision == "fp32" else [torch.float32, torch.bfloat16]
     checks = []
@@ -175,31 +175,31 @@ def core_checks(core: int, precision: str, faults: FaultHooks) -> list[dict]:
     return checks
 
 
-def host_inventory(ctx: WorkerContext, per_core: list[dict]) -> HostInventory | None:
+def host_inventory(ctx: WorkerContext, per_core: list[CoreChecks]) -> HostInventory | None:
     """The host's device list against the job's cores: from `neuron-ls --json-output` when it is on
     PATH (a Neuron host), else the emulated instance's (with a spec). A core the list lacks is bad;
     one another process holds is named."""
-    cores = sorted(c["core"] for c in per_core)
+    cores = sorted(c.core for c in per_core)
     if tools.which(tools.NEURON_LS):
         records, source = tools.neuron_ls(), tools.NEURON_LS
     elif ctx.spec is not None:
         records, source = topology.neuron_ls(ctx.spec.compute.instance_type), "emulator"
     else:
         return None
-    return tools.inventory(records, cores, {c["pid"] for c in per_core}, source)
+    return tools.inventory(records, cores, {c.pid for c in per_core if c.pid is not None}, source)
 
 
 def run(ctx: WorkerContext, run_id: str = "adhoc") -> dict:
     precision = ctx.spec.compute.precision if ctx.spec else "fp32"
     checks = core_checks(ctx.core_id, precision, ctx.faults)
-    failed = [f"{c['engine']}/{c['test']}/{c['dtype']}" for c in checks if not c["passed"]]
-    mine = {"rank": ctx.rank, "core": ctx.core_id, "pid": os.getpid(), "checks": checks, "passed": not failed,
-            "failed": failed}
-    ctx.log("sanity", all_ranks=True, core=ctx.core_id, passed=mine["passed"], failed=failed)
+    failed = [c.name for c in checks if not c.passed]
+    mine = CoreChecks(rank=ctx.rank, core=ctx.core_id, pid=os.getpid(), checks=checks, passed=not failed,
+                      failed=failed)
+    ctx.log("sanity", all_ranks=True, core=ctx.core_id, passed=mine.passed, failed=failed)
     # Gathering the results is also a liveness check: a core that stalls in collectives is named here.
     per_core = ctx.collective("gathering sanity results", lambda: gather_objects(ctx, mine))
     found = host_inventory(ctx, per_core) if ctx.is_main else None
-    bad = sorted({c["core"] for c in per_core if not c["passed"]} | set(found.missing if found else []))
+    bad = sorted({c.core for c in per_core if not c.passed} | set(found.missing if found else []))
     if found and found.missing:
         ctx.log("sanity", missing=found.missing, source=found.source)
     result = {"per_core": per_core, "bad_cores": bad, "passed": not bad, "inventory": found}
