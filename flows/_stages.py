@@ -24,7 +24,7 @@ from trnflow.flows._lock import holder_label
 from trnflow.flows._queue import PREFECT_QUEUE
 from trnflow.lifecycle.locations import check_locations
 from trnflow.neuron.launch import format_cores
-from trnflow.reporting.budget import over_limits, training_budget
+from trnflow.reporting.budget import over_daily_spend, over_limits, training_budget
 from trnflow.reporting.cost import run_cost, stage_cost
 from trnflow.reporting.forecast import OVERRIDE_HINT, Plan, beside, launch_forecast
 from trnflow.reporting.history import keep
@@ -278,15 +278,8 @@ class StageRunner:
         self.forecast, line = launch_forecast(self.spec, home)
         get_run_logger().info(line)
         problems = over_limits(self.spec, self.forecast)
-        limit, cost = self.team.daily_spend_usd, self.forecast.cost_usd if self.forecast else None
-        if limit is not None and self.forecast is None:  # fails closed, as the run's budget does
-            raise FatalError(f"refused before its first job: team {self.team.name} has a daily spend limit "
-                             f"(${limit:.2f}), and no forecast could be made to hold the run to it (see the forecast "
-                             "line)")
-        if limit is not None and cost is not None and cost > limit:  # the queue would never admit it
-            raise FatalError(f"refused before its first job: it is forecast to cost ${cost:.2f}, more than team "
-                             f"{self.team.name}'s daily spend limit (${limit:.2f}); make it smaller, or ask the "
-                             "operators for a higher daily_spend_usd (the teams file)")
+        if refused := over_daily_spend(self.team, self.forecast):  # no override: the team's, not the run's
+            raise FatalError(f"refused before its first job: {refused}")
         if problems and not (override or "").strip():
             raise FatalError(f"refused before its first job: {'; '.join(problems)}; {OVERRIDE_HINT}")
         if problems:

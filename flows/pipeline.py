@@ -1,8 +1,9 @@
 """The training pipeline's six stages, then promotion, as one Prefect flow.
 
-sanity -> collectives -> compile -> train -> evaluate (parity gate, champion's protection; registers)
--> infer (into the new version's own output folder) -> promote (the champion and the published
-outputs move together)
+sanity -> collectives -> compile -> train -> [reference] -> evaluate (parity gate, champion's
+protection; registers) -> infer (into the new version's own output folder) -> promote (the champion
+and the published outputs move together). With `gate.reference: auto`, the reference stage finds the
+fp32 reference of the spec and its data on record, or trains it.
 
 The flow only composes tasks; where the jobs run is the spec's business. Every stage after
 sanity runs on the cores sanity verified.
@@ -29,8 +30,11 @@ from trnflow.results import RunOutcome
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
 from trnflow.tasks.promote import promote_champion, repair_publication
+from trnflow.tasks.reference import fp32_reference
 
 STAGES = PIPELINE_STAGES
+WITH_REFERENCE = (*STAGES[:4], "reference", *STAGES[4:])
+"""The stages of a run whose spec asks for its reference automatically (`gate.reference: auto`)."""
 
 __all__ = ["STAGES", "PipelineFailed", "pipeline"]
 
@@ -69,19 +73,23 @@ def pipeline(spec: SpecParam = None, spec_url: str | None = None,
     spec = resolve_spec(spec, spec_url)
     name_run(spec, pipeline_name(spec))
     runner = StageRunner(spec, run_id or flow_run_id())
+    stages = WITH_REFERENCE if spec.gate.reference == "auto" else STAGES
     if spec.registry_url is None:  # nothing shared to protect: runs of the spec may overlap
-        return run_stages(runner, partial(_stages, force_promote=force_promote, lock=None), STAGES,
+        return run_stages(runner, partial(_stages, force_promote=force_promote, lock=None), stages,
                           override_forecast)
     with model_lock(team_model(spec, runner.team), lock_timeout_seconds, holder_label(runner.run_id)) as lock:
         repair_publication(spec)
-        return run_stages(runner, partial(_stages, force_promote=force_promote, lock=lock), STAGES,
+        return run_stages(runner, partial(_stages, force_promote=force_promote, lock=lock), stages,
                           override_forecast)
 
 
 def _stages(stage: StageRunner, force_promote: str | None, lock: ModelLock | None) -> RunOutcome:
-    cores, trained = through_training(stage, later=("evaluate", "infer", "promote"))
+    auto = stage.spec.gate.reference == "auto"
+    cores, trained = through_training(stage, later=(*(("reference",) if auto else ()), "evaluate", "infer", "promote"))
     if trained.skipped:  # incremental training found no new data: nothing to evaluate or embed
         return stage.outcome()
+    if auto:  # the fp32 reference of this spec and data: on record, or trained now
+        stage("reference", fp32_reference, cores, team=stage.team)
     gated = stage("evaluate", evaluate_gate, trained.checkpoint, cores, promote=False, force_promote=force_promote,
                   team=stage.team)
     entry = gated.registry

@@ -13,6 +13,9 @@ from trnflow.urls import normalise_url
 Url = Annotated[str, AfterValidator(normalise_url)]
 ChampionOrUrl = Annotated[Literal["champion"] | Url, Field(union_mode="left_to_right")]
 """`champion` (the registry's current champion for this spec's name) or a location."""
+ReferenceChoice = Annotated[Literal["champion", "auto"] | Url, Field(union_mode="left_to_right")]
+"""`champion`, `auto` (the fp32 reference of this spec and data, trained by the run when none is on
+record) or a metrics file's location."""
 
 MAX_STEPS = 10**9
 """More optimizer steps than any run takes: a bound a step counter and its arithmetic honour."""

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
-from trnflow.specs.fields import MAX_STEPS, METRIC_NAME, ChampionOrUrl, Section, Url
+from trnflow.specs.fields import MAX_STEPS, METRIC_NAME, ReferenceChoice, Section, Url
 
 ABS_DIFF = 0.001
 """The gate's band when a spec sets none: within 0.1% (the M5 rule)."""
@@ -15,11 +15,14 @@ ABS_DIFF = 0.001
 class GateSpec(Section):
     """The parity gate: candidate against reference, within max_abs_diff (or max_rel_diff)."""
 
-    reference: ChampionOrUrl | None = Field(
+    reference: ReferenceChoice | None = Field(
         None,
         description="What the candidate is compared with: a metrics JSON file (a previous run's, or another "
-        "platform's such as a GPU run), or `champion` (the registered champion's series). None records a "
-        "baseline only.",
+        "platform's such as a GPU run); `champion` (the registered champion's series); or `auto`: the fp32 "
+        "reference of this spec and its data (the same training in plain fp32, as a GPU run would do it), "
+        "which a pipeline run trains itself when none is on record, beside its checkpoints under "
+        "`_reference/<digest>`, and the next run of the same spec and data reuses (a retraining judges against "
+        "the champion alone). None records a baseline only.",
     )
     metric: str = Field(
         "accuracy", pattern=METRIC_NAME,

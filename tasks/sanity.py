@@ -64,7 +64,7 @@ def sanity_check(spec: JobSpec, run_id: str, then_train: bool = False, *, team: 
     if result.collectives is not None:  # the links between these cores, swept by the same job
         result.collectives = result.collectives.model_copy(
             update={"phase": "sanity", "device": result.device, "cores": result.cores, "ran_on": result.ran_on})
-    result.memory = estimate(spec).figures()  # what each core must hold to train this spec
+    result.memory = estimate(spec)  # what each core must hold to train this spec
     note = f"; excluded bad core(s) {result.excluded_cores}" if result.excluded_cores else ""
     cores = result.cores
     if cores is None:  # a cloud job: its instances were checked, each on its own cores

@@ -3,9 +3,9 @@ what each stage task returns, and what a flow run ends with.
 
 The workload writes a phase's result as JSON; `parse` reads it back into the phase's model at the one
 place a job's result enters the orchestrating side (`trnflow.tasks._jobs.run_job`). A field the model
-does not know is an error there, so producer and consumers cannot drift apart unnoticed. Tables of
-rows (per-core checks, collective sweep rows, compile reports, shards) stay lists of JSON objects:
-they are the tools' own formats (nccom-test's columns, neuron_parallel_compile's report).
+does not know is an error there, so producer and consumers cannot drift apart unnoticed. A tool's
+own format keeps its names where it is stored: a sweep row (`SweepRow`) is written under
+nccom-test's columns and read by attribute.
 """
 
 from __future__ import annotations
@@ -200,21 +200,55 @@ class HostInventory(_Model):
 
 class MemoryFigures(_Model):
     """What each core must hold to train a spec on its layout, as the memory planner reckons it
-    (`trnflow.workload.memory`), in bytes."""
+    (`trnflow.workload.memory`), in bytes. Made by `of`, which sums the total and checks it fits."""
 
     strategy: str = Field(description="ddp or fsdp")
     parameters: int = Field(ge=0, description="the model's parameters")
-    weights: int = Field(ge=0, description="the weights one core keeps")
-    gradients: int = Field(ge=0, description="the gradients one core keeps (of the weights that train)")
+    weights: int = Field(ge=0, description="the weights one core keeps: all of them (ddp), or its 1/N shard (fsdp)")
+    gradients: int = Field(ge=0, description="the gradients one core keeps (of the weights that train: a frozen "
+                           "LoRA base has none), as the optimizer's state")
     optimizer: int = Field(ge=0, description="the optimizer state one core keeps")
     activations: int = Field(ge=0, description="the activations one step saves for its backward pass")
-    gathered: int = Field(ge=0, description="fsdp: the weights gathered whole while they compute")
+    gathered: int = Field(ge=0, description="fsdp: the weights gathered whole while they compute (the unit outside "
+                          "the blocks, and the largest block twice: the one computing and the next, prefetched); 0 "
+                          "for ddp")
     per_core_limit: int = Field(ge=0, description="what one core has")
-    tp: int = Field(1, ge=1, description="the cores each layer is split over")
+    tp: int = Field(1, ge=1, description="the cores each layer is split over: the split layers' weights, gradients "
+                    "and optimizer state are 1/tp of theirs on each core")
     rehearsal: bool = Field(False, description="the limit is a rehearsal's (TRNFLOW_REHEARSE_CORE_GIB)")
     trainable: int | None = Field(None, description="parameters that train, when fewer than all (LoRA)")
     total: int = Field(ge=0, description="what one core must hold")
     fits: bool = Field(description="the total is within the limit")
+
+    @classmethod
+    def of(cls, strategy: str, parameters: int, weights: int, gradients: int, optimizer: int, activations: int,
+           gathered: int, per_core_limit: int, tp: int = 1, rehearsal: bool = False,
+           trainable: int | None = None) -> MemoryFigures:
+        """The figures of one layout, their total and whether it fits."""
+        total = weights + gradients + optimizer + activations + gathered
+        return cls(strategy=strategy, parameters=parameters, weights=weights, gradients=gradients,
+                   optimizer=optimizer, activations=activations, gathered=gathered, per_core_limit=per_core_limit,
+                   tp=tp, rehearsal=rehearsal, trainable=trainable, total=total, fits=total <= per_core_limit)
+
+    @property
+    def layout(self) -> str:
+        """`fsdp`, or `fsdp tp 2` with the layers split."""
+        return self.strategy + (f" tp {self.tp}" if self.tp > 1 else "")
+
+    def describe(self) -> str:
+        """`fsdp 1.2 GiB of 16.0 GiB (weights 300.0 MiB, gradients ..., gathered 100.0 MiB)`."""
+        parts = [("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
+                 ("activations", self.activations)] + ([("gathered", self.gathered)] if self.strategy == "fsdp" else [])
+        trains = (f", {self.trainable:,} of {self.parameters:,} parameters train "
+                  f"({self.trainable / max(self.parameters, 1):.2%})" if self.trainable is not None else "")
+        return (f"{self.layout} {byte_size(self.total)} of {byte_size(self.per_core_limit)}"
+                f"{' (rehearsal)' if self.rehearsal else ''} ("
+                + ", ".join(f"{name} {byte_size(value)}" for name, value in parts) + trains + ")")
+
+
+def byte_size(value: int) -> str:
+    """`1.2 GiB`, or `300.0 MiB` under a GiB."""
+    return f"{value / 2**30:.1f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
 
 
 class EngineCheck(_Model):
@@ -352,6 +386,16 @@ class ChampionStays(_Model):
     def error(self) -> ChampionKept:
         """The run's ending, as the error its state carries."""
         return ChampionKept(self.message, headline=self.headline)
+
+
+class ReferenceResult(StageResult):
+    """The fp32 reference the gate judges against (`gate.reference: auto`): on record already, or
+    trained by this stage."""
+
+    url: str = Field(description="the reference's metrics file")
+    trained: bool = Field(description="trained by this run (False: on record, from an earlier run)")
+    checkpoint: str | None = Field(None, description="the reference training's final checkpoint")
+    final: MetricPoint | None = Field(None, description="the reference's last evaluation")
 
 
 class EvaluateResult(StageResult):

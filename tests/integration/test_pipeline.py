@@ -242,14 +242,24 @@ def test_failed_gate_stops_before_inference_is_never_retried_and_keeps_the_champ
 def test_a_candidate_worse_than_the_champion_is_kept_out_unless_forced_with_a_reason(prefect_api, make_spec):
     """Item 1: a plain run whose model is worse than the champion on the same holdout is registered
     but not promoted, ends in `ChampionKept` (exit 5) before inference, and says why; the same run
-    again with `force_promote` promotes it and the registry records the reason."""
+    again with `force_promote` promotes it and the registry records the reason. Each is also judged
+    against the fp32 reference of its spec and data (`gate.reference: auto`): trained by the run that
+    first needs it, found on record by the next."""
     from trnflow.errors import ChampionKept
+    from trnflow.lifecycle.references import reference_url
 
-    spec = make_spec(cores=1, name="protect", gate={"reference": None}, train={"steps": 80, "checkpoint_every": 40})
+    spec = make_spec(cores=1, name="protect", gate={"reference": "auto"}, train={"steps": 80, "checkpoint_every": 40})
     state, outcome = _run(spec, run_id="strong")
     assert state.is_completed(), outcome
     registry = Registry(spec.registry_url)
     assert registry.champion("protect").version == 1
+    reference = outcome.results["reference"]
+    assert reference.trained and reference.summary.startswith("trained in fp32: 80 steps, accuracy ")
+    assert [r.stage for r in outcome.stages] == ["sanity", "collectives", "compile", "train", "reference", "evaluate",
+                                                 "infer", "promote"]
+    kept = json.loads(local_path(reference_url(spec)).read_text())
+    assert kept["source"] == "fp32-reference" and kept["checkpoint"].startswith(spec.train.checkpoint_url)
+    assert outcome.results["evaluate"].against == "fp32-reference"  # judged against it (no champion yet)
 
     weak = spec.model_copy(update={"train": spec.train.model_copy(update={"steps": 4, "checkpoint_every": 4})})
     state, outcome = _run(weak, run_id="weak")
@@ -258,12 +268,14 @@ def test_a_candidate_worse_than_the_champion_is_kept_out_unless_forced_with_a_re
     assert isinstance(outcome.cause, ChampionKept) and outcome.stage == "evaluate"
     assert "v2 passed the gate but was not promoted" in str(outcome.cause)
     assert "below champion v1" in str(outcome.cause) and "--force-promote" in str(outcome.cause)
-    assert [r.stage for r in outcome.stages][-1] == "evaluate"
-    assert registry.champion("protect").version == 1
+    assert [(r.stage, r.state) for r in outcome.stages][-2:] == [("reference", "Completed"), ("evaluate", "Completed")]
+    assert registry.champion("protect").version == 1  # the stage passed; the run ended on what it decided
     assert registry.version("protect", 2).entry.status == "worse-than-champion"
 
     state, outcome = _run(weak, run_id="weak", force_promote="the old champion leaked labels")
     assert state.is_completed(), outcome
+    found = next(r for r in outcome.stages if r.stage == "reference")  # the 4-step one, trained by the run before
+    assert found.state == "Skipped" and found.summary.startswith("on record, trained by an earlier run")
     assert registry.champion("protect").version == 2
     assert registry.history("protect")[-1].reason == "forced: the old champion leaked labels (weak)"
     assert len(registry.versions("protect")) == 2

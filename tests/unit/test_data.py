@@ -154,15 +154,15 @@ def test_the_sampler_position_round_trips_and_refuses_other_data():
 def test_the_reference_run_is_a_new_one_when_a_partition_arrives(make_spec, tmp_path):
     import shutil
 
-    from trnflow.backends.reference import _data_digest
+    from trnflow.lifecycle.references import reference_key
 
     data = tmp_path / "data"
     synthesize(data, days=2, rows_per_day=20, seed=1)
     spec = make_spec(data={"train": str(data / "train")})
-    before = _data_digest(spec)
-    assert _data_digest(spec) == before  # the same data resumes the same reference run
+    before = reference_key(spec)
+    assert reference_key(spec) == before  # the same data resumes the same reference run
     shutil.copytree(data / "train" / "dt=2026-01-02", data / "train" / "dt=2026-01-03")
-    assert _data_digest(spec) != before
+    assert reference_key(spec) != before
 
 
 # -- a day that cannot be read is an error, and the watermark never passes a day that was not read ----

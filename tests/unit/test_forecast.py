@@ -13,7 +13,7 @@ from tests.conftest import quickstart_data
 from trnflow.cli.app import app  # the command's modules load torch lazily, in the tests that run it
 from trnflow.errors import OverBudget
 from trnflow.events import readable
-from trnflow.reporting.budget import over_limits, training_budget
+from trnflow.reporting.budget import over_daily_spend, over_limits, training_budget
 from trnflow.reporting.cost import job_cost, price_per_hour, run_cost
 from trnflow.reporting.forecast import beside, plan
 from trnflow.reporting.history import RunShape, history, keep, record_of
@@ -332,3 +332,17 @@ def test_a_run_that_waited_and_yielded_keeps_both_in_its_record(tmp_path):
     assert (record.queue_wait_s, record.preemptions) == (50.0, 1)
     assert [m.stage for m in record.stages] == ["sanity", "compile", "train", "evaluate", "infer"]  # completed only
     assert record.stage("train").seconds == 30.0
+
+
+def test_a_teams_daily_spend_limit_refuses_a_run_it_cannot_hold_and_fails_closed(tmp_path):
+    from trnflow.teams import UNDECLARED
+
+    spec = _spec(tmp_path, 100)
+    forecast = plan(spec, [record_of(spec, _outcome("a", 100, 400.0, 10.0), at=1)])
+    assert forecast.cost_usd is not None
+    assert over_daily_spend(UNDECLARED, forecast) is None and over_daily_spend(UNDECLARED, None) is None  # no limit
+    frugal = UNDECLARED.model_copy(update={"daily_spend_usd": forecast.cost_usd / 2})
+    assert over_daily_spend(frugal, forecast).startswith(f"it is forecast to cost ${forecast.cost_usd:.2f}, more than")
+    assert "no forecast could be made to hold the run to it" in over_daily_spend(frugal, None)  # fails closed
+    ample = UNDECLARED.model_copy(update={"daily_spend_usd": forecast.cost_usd * 2})
+    assert over_daily_spend(ample, forecast) is None

@@ -426,7 +426,7 @@ def test_a_runs_team_is_decided_once_and_every_stage_that_starts_jobs_is_given_i
 
     from trnflow import backends, flows
     from trnflow.backends import backend_for, cache_keys
-    from trnflow.tasks import collectives, compile, evaluate, infer, sanity, train
+    from trnflow.tasks import collectives, compile, evaluate, infer, reference, sanity, train
 
     _file(tmp_path, _teams(tmp_path), monkeypatch)
     team = run_team(_spec(tmp_path))
@@ -436,11 +436,11 @@ def test_a_runs_team_is_decided_once_and_every_stage_that_starts_jobs_is_given_i
     monkeypatch.setattr(backends, "team_of", decided)
     assert backend_for(_spec(tmp_path), TrnflowSettings(), team).team == team
     assert cache_keys(_spec(tmp_path), team=team).trusted is None  # the team declares no key: none, not the machine's
-    starting = {name for module in (sanity, collectives, compile, train, evaluate, infer)
+    starting = {name for module in (sanity, collectives, compile, train, reference, evaluate, infer)
                 for name, fn in vars(module).items()
                 if hasattr(fn, "fn") and "team" in inspect.signature(fn.fn).parameters}
-    assert starting == {"sanity_check", "collective_test", "compile_graphs", "train_model", "evaluate_gate",
-                        "batch_infer"}
+    assert starting == {"sanity_check", "collective_test", "compile_graphs", "train_model", "fp32_reference",
+                        "evaluate_gate", "batch_infer"}
     calls = 0
     for path in Path(flows.__file__).parent.glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):

@@ -23,7 +23,7 @@ borrowed always goes back.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 MAX_PREEMPTIONS = 3
@@ -228,11 +228,11 @@ def _never(pool: Pool, claim: Claim) -> str | None:
     return None
 
 
-def _totals(claims: Iterable[Claim], start: Mapping[str, float] | None, what: str) -> dict:
-    """Per team, `start` (nothing when None) plus the `what` (units or cost) of its `claims`."""
+def _totals(claims: Iterable[Claim], start: Mapping[str, float] | None, what: Callable[[Claim], float]) -> dict:
+    """Per team, `start` (nothing when None) plus `what` (its units, or its cost) of its `claims`."""
     totals = dict(start or {})
     for claim in claims:
-        totals[claim.team] = totals.get(claim.team, 0) + getattr(claim, what)
+        totals[claim.team] = totals.get(claim.team, 0) + what(claim)
     return totals
 
 
@@ -279,7 +279,7 @@ def decide(pool: Pool, holding: Iterable[Claim], waiting: Iterable[Claim], usage
     full_behind: Claim | None = None  # the first run the full pool stopped: everyone behind it waits
     team_behind: dict[str, Claim] = {}  # per team, the first run its quota stopped
     queue = order(pool, waiting, usage)
-    spend, wanted = _totals(held, spent, "cost"), _totals(queue, None, "units")
+    spend, wanted = _totals(held, spent, lambda c: c.cost), _totals(queue, None, lambda c: c.units)
     for place, claim in enumerate(queue):
         ahead = f"{place} run{'' if place == 1 else 's'} ahead"
         if (never := _never(pool, claim)) is not None:

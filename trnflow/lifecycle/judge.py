@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from trnflow.errors import DataError, FatalError, GateFailed
 from trnflow.lifecycle.digests import check_version, registered_digests
 from trnflow.lifecycle.gate import better, compare, headline, no_regression, parse_metrics, read_series
+from trnflow.lifecycle.references import AUTO, reference_url
 from trnflow.lifecycle.registry import Digests, Registry, RegistryEntry, VerdictSummary
 from trnflow.records import (
     CHECKPOINT_MARKER,
@@ -196,13 +197,18 @@ def reference_series(spec: JobSpec, registry: Registry | None) -> tuple[MetricSe
     if gate.reference == "champion":
         assert registry is not None  # the spec checks it
         return champion_series(spec, registry)
-    base, _, name = gate.reference.rpartition("/")
+    url = reference_url(spec)
+    assert url is not None
+    base, _, name = url.rpartition("/")
     try:
         text = open_store(base).read(name).decode()
     except FileNotFoundError:
+        if gate.reference == AUTO:
+            raise FatalError(f"the fp32 reference of this spec and data is not on record at {url}: a pipeline run "
+                             "trains it (gate.reference: auto), or `trnflow reference SPEC` does") from None
         raise FatalError(f"gate.reference {gate.reference} does not exist; create it with "
                          "`trnflow reference SPEC` or point gate.reference at an existing metrics file") from None
-    document = parse_metrics(text, gate.reference, gate.metric)
+    document = parse_metrics(text, url, gate.metric)
     return document, document.source or name
 
 
@@ -234,7 +240,8 @@ def _checks(spec: JobSpec, registry: Registry | None, candidate: MetricSeries, a
         checks.append(champion)
     elif champion is not None:
         checks.append(protect(spec, candidate, *champion))
-    if not (against_champion and gate.reference == "champion"):  # the check above covers the champion
+    # retraining: the champion's check covers `champion`, and `auto` would be another run's reference
+    if not (against_champion and gate.reference in ("champion", AUTO)):
         reference, who = reference_series(spec, registry)
         if reference is not None and against_champion:  # a retrained model must stay as good as the reference
             checks.append(Check(no_regression(candidate, reference, band(spec, candidate), who, gate.significance),

@@ -58,7 +58,7 @@ def team_problems(spec: JobSpec, team: Team, writes_reference: bool = False) -> 
     if team.unrestricted:
         return problems
     fields = locations(spec)
-    reference = spec.gate.reference
+    reference = spec.gate.reference if spec.gate.reference != "auto" else None  # auto: under the checkpoints
     own = [p for p in (team.checkpoints, team.outputs) if p is not None]
     if writes_reference and reference and not any(inside(reference, p) for p in own):
         problems.append(f"gate.reference: {without_credentials(reference)} is outside what team {team.name} may "
@@ -71,7 +71,7 @@ def team_problems(spec: JobSpec, team: Team, writes_reference: bool = False) -> 
     readable = [p for p in (*team.writes().values(), *team.read) if p is not None]
     reads = {f"data.{name}": getattr(spec.data, name) for name in ("train", "holdout", "inference")}
     for field, value in (("train.init_from", spec.train.init_from), ("gate.reference", spec.gate.reference)):
-        if value and value != "champion":
+        if value and value not in ("champion", "auto"):
             reads[field] = value
     for key, value in spec.model.params.items():  # a recipe's inputs: pretrained weights, a tokenizer
         if isinstance(value, str) and (value.startswith(("s3://", "file://")) or key == "pretrained"):
@@ -141,10 +141,10 @@ def reference_problem(spec: JobSpec, remote: bool = True, retraining: bool = Fal
     """What is wrong with `gate.reference` when it names a metrics file: missing, unreadable, not a
     metrics file with `gate.metric` at every point, or, for a run judged step by step (not
     `retraining`, which is judged on its final point), sharing no evaluation step with the spec, so
-    the gate could compare nothing. None when it is fine, or is `champion` or unset; an s3:// one is
-    read only when `remote`."""
+    the gate could compare nothing. None when it is fine, or is `champion`, `auto` (the run trains
+    it when it is not on record) or unset; an s3:// one is read only when `remote`."""
     reference = spec.gate.reference
-    if reference is None or reference == "champion" or (reference.startswith("s3://") and not remote):
+    if reference in (None, "champion", "auto") or (reference.startswith("s3://") and not remote):
         return None
     base, _, name = reference.rpartition("/")
     try:

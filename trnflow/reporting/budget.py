@@ -1,7 +1,8 @@
-"""A run's limits against its forecast: the deadline and budgets a run would miss (checked before
-its first job), training's allowance of the run's budget, and what each attempt of it may spend.
-The job holds its allowance as it trains (`trnflow.workload.train`, priced by
-`trnflow.specs.instances.instance_cost`, the formula the cost table uses)."""
+"""A run's limits against its forecast: the deadline and budgets a run would miss and its team's
+daily spend limit (checked before its first job), training's allowance of the run's budget, and
+what each attempt of it may spend. The job holds its allowance as it trains
+(`trnflow.workload.train`, priced by `trnflow.specs.instances.instance_cost`, the formula the cost
+table uses)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from trnflow.errors import OverBudget
 from trnflow.events import duration
 from trnflow.reporting.forecast import Plan
 from trnflow.specs import JobSpec
+from trnflow.teams import Team
 
 
 def has_limits(spec: JobSpec) -> bool:
@@ -51,6 +53,23 @@ def over_limits(spec: JobSpec, forecast: Plan | None) -> list[str]:
         problems.append(f"train.max_cost_usd: training is forecast to cost ${spent:.4f} "
                         f"({train.source}: {train.basis}), over its budget of ${cap:.4f}")
     return problems
+
+
+def over_daily_spend(team: Team, forecast: Plan | None) -> str | None:
+    """Why the team's daily spend limit refuses a run forecast as `forecast`, before its first job:
+    no forecast could be made to hold it to the limit (it fails closed, as the run's budget does),
+    or the forecast alone is over the limit, so the queue would never admit it. None: no limit, or
+    within it."""
+    limit = team.daily_spend_usd
+    if limit is None:
+        return None
+    if forecast is None:
+        return (f"team {team.name} has a daily spend limit (${limit:.2f}), and no forecast could be made to hold the "
+                "run to it (see the forecast line)")
+    if forecast.cost_usd is not None and forecast.cost_usd > limit:
+        return (f"it is forecast to cost ${forecast.cost_usd:.2f}, more than team {team.name}'s daily spend limit "
+                f"(${limit:.2f}); make it smaller, or ask the operators for a higher daily_spend_usd (the teams file)")
+    return None
 
 
 def training_budget(spec: JobSpec, forecast: Plan | None, spent_usd: float) -> tuple[float | None, str]:

@@ -17,14 +17,14 @@ import functools
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from pydantic import ValidationError
 from torch.distributed.tensor import DTensor
 
 from trnflow.errors import FatalError, FieldError
-from trnflow.results import MemoryFigures
+from trnflow.results import MemoryFigures, byte_size
 from trnflow.specs import JobSpec, Layout, instance
 from trnflow.specs.instances import TRAINING_TYPES
 from trnflow.workload.recipes import Recipe, for_job
@@ -135,73 +135,14 @@ def optimizer_moments(recipe: Recipe, spec: JobSpec) -> int:
 
 
 @dataclass(frozen=True)
-class MemoryEstimate:
-    """What one core holds for a training step under one strategy, in bytes."""
-
-    strategy: str
-    parameters: int
-    weights: int
-    """The weights this core keeps: all of them (ddp), or its 1/N shard (fsdp)."""
-    gradients: int
-    """Of the weights that train only (a frozen LoRA base has none), as the optimizer's state."""
-    optimizer: int
-    activations: int
-    gathered: int
-    """fsdp: weights gathered whole while they compute (the unit outside the blocks, and the largest
-    block twice: the one computing and the next, prefetched); 0 for ddp."""
-    per_core_limit: int
-    tp: int = 1
-    """The cores each layer is split over (tensor parallelism): the split layers' weights, gradients
-    and optimizer state are 1/tp of theirs on each core."""
-    rehearsal: bool = False
-    """The limit is TRNFLOW_REHEARSE_CORE_GIB's, not the instance's."""
-    trainable: int | None = None
-    """Parameters that train, when fewer than all (LoRA adapters on a frozen base)."""
-
-    @property
-    def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.gathered
-
-    @property
-    def fits(self) -> bool:
-        return self.total <= self.per_core_limit
-
-    @property
-    def layout(self) -> str:
-        """`fsdp`, or `fsdp tp 2` with the layers split."""
-        return self.strategy + (f" tp {self.tp}" if self.tp > 1 else "")
-
-    def as_dict(self) -> dict:
-        return {**asdict(self), "total": self.total, "fits": self.fits}
-
-    def figures(self) -> MemoryFigures:
-        """The estimate as a result carries it."""
-        return MemoryFigures.model_validate(self.as_dict())
-
-    def describe(self) -> str:
-        """`fsdp 1.2 GiB of 16.0 GiB (weights 300.0 MiB, gradients ..., gathered 100.0 MiB)`."""
-        parts = [("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
-                 ("activations", self.activations)] + ([("gathered", self.gathered)] if self.strategy == "fsdp" else [])
-        trains = (f", {self.trainable:,} of {self.parameters:,} parameters train "
-                  f"({self.trainable / max(self.parameters, 1):.2%})" if self.trainable is not None else "")
-        return (f"{self.layout} {_size(self.total)} of {_size(self.per_core_limit)}"
-                f"{' (rehearsal)' if self.rehearsal else ''} ("
-                + ", ".join(f"{name} {_size(value)}" for name, value in parts) + trains + ")")
-
-
-def _size(value: int) -> str:
-    return f"{value / GIB:.1f} GiB" if value >= GIB else f"{value / 2**20:.1f} MiB"
-
-
-@dataclass(frozen=True)
 class MemoryPlan:
     """The per-core estimate of both strategies at the job's tp, and the layout the job uses
     (`train.parallelism`); with `auto`, also the layouts it weighed at other tps."""
 
     layout: Layout
-    ddp: MemoryEstimate
-    fsdp: MemoryEstimate
-    weighed: tuple[MemoryEstimate, ...] = ()
+    ddp: MemoryFigures
+    fsdp: MemoryFigures
+    weighed: tuple[MemoryFigures, ...] = ()
     """With `tp: auto`: the estimates at the tps it passed over (smaller ones, which do not fit)."""
 
     @property
@@ -213,12 +154,12 @@ class MemoryPlan:
         return self.layout.tp
 
     @property
-    def chosen(self) -> MemoryEstimate:
+    def chosen(self) -> MemoryFigures:
         return self.fsdp if self.strategy == "fsdp" else self.ddp
 
     def as_dict(self) -> dict:
-        return {"strategy": self.strategy, "tp": self.tp, "ddp": self.ddp.as_dict(), "fsdp": self.fsdp.as_dict(),
-                "weighed": [e.as_dict() for e in self.weighed]}
+        return {"strategy": self.strategy, "tp": self.tp, "ddp": self.ddp.model_dump(),
+                "fsdp": self.fsdp.model_dump(), "weighed": [e.model_dump() for e in self.weighed]}
 
     def describe(self) -> str:
         """What `trnflow validate` prints."""
@@ -227,7 +168,7 @@ class MemoryPlan:
 
 
 def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int, tp: int = 1
-               ) -> tuple[MemoryEstimate, MemoryEstimate]:
+               ) -> tuple[MemoryFigures, MemoryFigures]:
     shape = _shape(recipe)
     params, trains = shape.total, shape.trains
     precision = spec.compute.precision
@@ -245,12 +186,12 @@ def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int, tp: int = 
     # Split layers keep 1/tp on each core (the split divides them evenly); everything else, whole.
     held = params - shape.split + shape.split // tp
     trained = trains - shape.split_trains + shape.split_trains // tp
-    ddp = MemoryEstimate("ddp", params, held * state_bytes, trained * state_bytes, moments * trained * state_bytes,
+    ddp = MemoryFigures.of("ddp", params, held * state_bytes, trained * state_bytes, moments * trained * state_bytes,
                          activations, 0, limit, tp, rehearsal, partly)
     shard, shard_trained = -(-held // replicas), -(-trained // replicas)  # FSDP2 pads each shard on dim 0; a little
     whole = held / params if params else 1.0  # of a gathered block, the share on this core
     gathered = int((shape.root + 2 * shape.largest if shape.largest else params) * whole) * state_bytes
-    fsdp = MemoryEstimate("fsdp", params, shard * state_bytes, shard_trained * state_bytes,
+    fsdp = MemoryFigures.of("fsdp", params, shard * state_bytes, shard_trained * state_bytes,
                           moments * shard_trained * state_bytes, activations, gathered, limit, tp, rehearsal, partly)
     return ddp, fsdp
 
@@ -299,7 +240,7 @@ def decided(spec: JobSpec) -> JobSpec:
     return spec.with_layout(layout(spec))
 
 
-def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryEstimate:
+def estimate(spec: JobSpec, recipe: Recipe | None = None) -> MemoryFigures:
     """The per-core estimate of the strategy the job uses."""
     return plan(spec, recipe).chosen
 
@@ -348,8 +289,8 @@ def check_fits(spec: JobSpec) -> MemoryPlan:
             fix += f"; the smallest that fits: {smallest}" if smallest else "; no instance in the catalogue fits it"
         other = found.fsdp if est.strategy == "ddp" else found.ddp
         raise FatalError(
-            f"the job needs about {_size(est.total)} of device memory per NeuronCore with {est.layout} "
-            f"({est.describe()}; {other.describe()}) but a {name} core has {_size(est.per_core_limit)}"
+            f"the job needs about {byte_size(est.total)} of device memory per NeuronCore with {est.layout} "
+            f"({est.describe()}; {other.describe()}) but a {name} core has {byte_size(est.per_core_limit)}"
             f"{' in this rehearsal' if est.rehearsal else ''}. {fix}")
     return plan(spec, recipe)
 
