@@ -153,10 +153,11 @@ class StageRunner:
             state = task.with_options(**self._options)(self.spec, self.run_id, *args, return_state=True,
                                                        **kwargs)
         except TerminationSignal:  # the run was cancelled (or its process stopped) while the stage ran
-            said = "cancelled while it ran" if cancelling() else "stopped while it ran: its process was ended"
-            self.rows.append(StageRow(stage=name, state="Cancelled" if cancelling() else "Crashed",
+            cancelled = cancelling()
+            said = "cancelled while it ran" if cancelled else "stopped while it ran: its process was ended"
+            self.rows.append(StageRow(stage=name, state="Cancelled" if cancelled else "Crashed",
                                       seconds=time.monotonic() - began, summary=said))
-            self.ended = "Cancelled" if cancelling() else f"{name} {said}"
+            self.ended = "Cancelled" if cancelled else f"{name} {said}"
             raise
         seconds = time.monotonic() - began
         billed = self.ledger.new_entries()  # every job the stage ran, its retries' included
@@ -291,8 +292,7 @@ class StageRunner:
         """What the training job may cost (`training_budget`: what the run's budget leaves for it, or
         the spec's train.max_cost_usd), given to its job as its budget: the spec stays as written.
         None: no limit. OverBudget when nothing is left."""
-        spent = self.cost().total_usd or 0.0
-        allowance, basis = training_budget(self.spec, self.forecast, spent)
+        allowance, basis = training_budget(self.spec, self.forecast, self.cost().total_usd or 0.0)
         if allowance is None:
             return None
         if allowance <= 0:
@@ -302,6 +302,13 @@ class StageRunner:
             raise PipelineFailed("train", error, self.rows)
         get_run_logger().info(f"budget: training may cost ${allowance:.4f} ({basis})")
         return allowance
+
+    def budget_left(self) -> float | None:
+        """What the run's budget leaves now for another training (the reference's, `gate.reference:
+        auto`), reckoned as training's was; None: no limit. Its job stops, OverBudget, where that
+        is not enough."""
+        allowance, _ = training_budget(self.spec, self.forecast, self.cost().total_usd or 0.0)
+        return None if allowance is None else max(allowance, 0.0)
 
     def bill(self, name: str) -> None:
         """Cost the jobs recorded since the last stage ended (a job let go after it) as `name`'s."""

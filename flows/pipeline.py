@@ -26,7 +26,7 @@ from trnflow.flows._stages import (
     run_stages,
     through_training,
 )
-from trnflow.results import RunOutcome
+from trnflow.results import ReferenceResult, RunOutcome
 from trnflow.tasks.evaluate import evaluate_gate
 from trnflow.tasks.infer import batch_infer
 from trnflow.tasks.promote import promote_champion, repair_publication
@@ -88,10 +88,13 @@ def _stages(stage: StageRunner, force_promote: str | None, lock: ModelLock | Non
     cores, trained = through_training(stage, later=(*(("reference",) if auto else ()), "evaluate", "infer", "promote"))
     if trained.skipped:  # incremental training found no new data: nothing to evaluate or embed
         return stage.outcome()
-    if auto:  # the fp32 reference of this spec and data: on record, or trained now
-        stage("reference", fp32_reference, cores, team=stage.team)
+    reference = None
+    if auto:  # the fp32 reference of this spec and data: on record, or trained now (within the run's budget)
+        found = stage("reference", fp32_reference, cores, stage.budget_left(), team=stage.team)
+        assert isinstance(found, ReferenceResult)
+        reference = found.url
     gated = stage("evaluate", evaluate_gate, trained.checkpoint, cores, promote=False, force_promote=force_promote,
-                  team=stage.team)
+                  team=stage.team, reference=reference)
     entry = gated.registry
     if lock is None or entry is None:
         stage("infer", batch_infer, trained.checkpoint, cores, team=stage.team)

@@ -19,6 +19,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+import prefect.runner.runner as runner_module
 from prefect.client.orchestration import get_client
 from prefect.runner import Runner
 from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, get_current_settings, temporary_settings
@@ -151,9 +152,34 @@ POLL_SECONDS = 2.0
 submit`) leaves Scheduled within about this, where Prefect's runners wait 10 s by default."""
 
 
+CANCEL_POLL_SECONDS = 10.0
+"""How often the runner asks for cancelled runs once its websocket to the server has failed:
+Prefect's default, whatever `POLL_SECONDS` is."""
+
+
 def poll_seconds() -> float:
     """`POLL_SECONDS`, or PREFECT_RUNNER_POLL_FREQUENCY where it is set lower."""
     return min(POLL_SECONDS, get_current_settings().runner.poll_frequency)
+
+
+def _cancel_polling_at_its_default() -> None:
+    """Keep the runner's cancel observer polling at `CANCEL_POLL_SECONDS`. Prefect's runner gives
+    it the scheduler's interval, and it polls only once its websocket has failed, that is when the
+    server went away: three failures 2 s apart would print a whole traceback to serve's terminal
+    before serve's own check (`GONE_CHECKS`, 20 s) says the server is gone and stops it. Private:
+    `prefect.runner.runner` binds the observer's class by name (tests/unit/test_run_log.py checks
+    it); where it does not, nothing changes."""
+    base = getattr(runner_module, "FlowRunCancellingObserver", None)
+    if base is None or getattr(base, "trnflow_cancel_polling", False):
+        return
+
+    class Observer(base):  # type: ignore[misc, valid-type]
+        trnflow_cancel_polling = True
+
+        def __init__(self, *args: Any, polling_interval: float = CANCEL_POLL_SECONDS, **kwargs: Any):
+            super().__init__(*args, polling_interval=max(polling_interval, CANCEL_POLL_SECONDS), **kwargs)
+
+    runner_module.FlowRunCancellingObserver = Observer
 
 
 def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
@@ -181,6 +207,7 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
                 raise SystemExit(0) from None
             self._stopping = loop.create_task(self.astop())
 
+    _cancel_polling_at_its_default()
     runner = BoundedRunner(pause_on_shutdown=False, limit=limit, query_seconds=poll_seconds())
     # Ctrl-C stops serving as SIGTERM does, from before the first deployment exists: one pressed
     # while they are being made pauses those made, instead of leaving them active

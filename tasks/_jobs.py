@@ -400,6 +400,5 @@ def recompile_note(result: StageResult) -> str:
     recompiles = result.compile.recompiles if result.compile else []
     logger = get_run_logger()
     for r in recompiles:
-        logger.warning("recompilation: %s needed %s (%s) because %s", r["program"], r["key"], r["shapes"],
-                       r["reason"])
+        logger.warning("recompilation: %s needed %s (%s) because %s", r.program, r.key, r.shapes, r.reason)
     return f", {len(recompiles)} recompilation(s)" if recompiles else ""

@@ -8,6 +8,7 @@ from prefect.cache_policies import NO_CACHE
 from trnflow.backends import cache_keys
 from trnflow.device import plans
 from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name
+from trnflow.measures import ProgramOutcome, ProgramPlan
 from trnflow.reporting.report import compile_markdown
 from trnflow.results import CompileResult
 from trnflow.specs import JobSpec
@@ -40,9 +41,9 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None, *, team:
     else:
         prediction = plans.predict(known, cache, retry_failed=False)
         for row in prediction:
-            logger.info("before launch: %s (%s) %s is %s; will %s", row["program"], row["shapes"], row["key"],
-                        row["state"], row["will"])
-        if all(row["will"] == "hit" for row in prediction):
+            logger.info("before launch: %s (%s) %s is %s; will %s", row.program, row.shapes, row.key, row.state,
+                        row.will)
+        if all(row.will == "hit" for row in prediction):
             result = _all_hits(spec, cache, prediction)
             _artifacts.markdown(spec, "compile", compile_markdown(result), "compile cache hits and misses")
             return result
@@ -54,11 +55,10 @@ def compile_graphs(spec: JobSpec, run_id: str, cores: list[int] | None, *, team:
     return result
 
 
-def _all_hits(spec: JobSpec, cache: CompileCache, prediction: list[dict]) -> CompileResult:
+def _all_hits(spec: JobSpec, cache: CompileCache, prediction: list[ProgramPlan]) -> CompileResult:
     for row in prediction:
-        cache.record_hit(entry_name(row["key"]))
-    report = {row["key"]: {"program": row["program"], "key": row["key"], "status": "hit", "seconds": 0.0,
-                           "retries": 0} for row in prediction}
+        cache.record_hit(entry_name(row.key))
+    report = {row.key: ProgramOutcome(program=row.program, key=row.key, status="hit") for row in prediction}
     return CompileResult(programs=prediction, graphs=len(prediction), compiler=COMPILER_VERSION, cache=cache.url,
                          hits=len(prediction), report=report, launched=False,
                          summary=f"{len(prediction)} programs: {len(prediction)} cache hit(s), known before launch")

@@ -11,8 +11,6 @@ Scheduled retraining promotes only at the end of its run (`promote=False` here, 
 
 from __future__ import annotations
 
-import json
-
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
 
@@ -28,12 +26,11 @@ from trnflow.tasks._jobs import recompile_note, run_job
 from trnflow.teams import Team
 
 
-def _attach(spec: JobSpec, candidate: judge.Candidate, decision: judge.Decision, title: str) -> str:
+def _attach(spec: JobSpec, candidate: judge.Candidate, decision: judge.Decision, title: str, outcome: str) -> str:
     """Save the chart and verdict beside the checkpoints and attach them to the flow run."""
     verdict, reference = decision.verdict, decision.reference
     assert candidate.series is not None
-    png = parity_png(verdict, candidate.series.points, reference.points if reference else None,
-                     f"{title}: {judge.outcome(decision)}")
+    png = parity_png(verdict, candidate.series.points, reference.points if reference else None, f"{title}: {outcome}")
     store = open_store(candidate.run_url)
     store.write("parity.png", png)
     store.write("verdict.json", dump(verdict))
@@ -42,10 +39,6 @@ def _attach(spec: JobSpec, candidate: judge.Candidate, decision: judge.Decision,
     _artifacts.markdown(spec, "gate", markdown, f"accuracy-parity verdict of {candidate.run_url}")
     _artifacts.image(spec, "parity", png, f"{spec.gate.metric} against global step: candidate and reference")
     return f"{candidate.run_url}/parity.png"
-
-
-def _model(recipe: dict) -> str:
-    return f"{recipe.get('recipe')}@{recipe.get('version')} {json.dumps(recipe.get('params'), sort_keys=True)}"
 
 
 def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candidate, run_id: str,
@@ -64,7 +57,7 @@ def _champion(spec: JobSpec, registry: Registry | None, candidate: judge.Candida
         theirs, ours = champion.entry.recipe, judge.recipe_of(candidate.checkpoint)
         if theirs and ours and theirs != ours:  # this spec's model cannot load the champion's weights
             return judge.incomparable(spec, candidate.series, who,
-                                      f"{who} is another model ({_model(theirs)}; this run's is {_model(ours)}) "
+                                      f"{who} is another model ({theirs.label()}; this run's is {ours.label()}) "
                                       "measured on another holdout, so the two cannot be compared row for row")
         get_run_logger().info("%s was not measured on this holdout in %s; evaluating it", who, spec.gate.metric)
         result = run_job(spec, "evaluate", run_id, checkpoint=champion.checkpoint, cores=cores, team=team)
@@ -95,7 +88,8 @@ def _candidate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | N
 @task(name="evaluate", cache_policy=NO_CACHE)
 def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] | None = None, *,
                   against_champion: bool = False, promote: bool = True, generation: int | None = None,
-                  force_promote: str | None = None, team: Team | None = None) -> EvaluateResult:
+                  force_promote: str | None = None, team: Team | None = None, reference: str | None = None
+                  ) -> EvaluateResult:
     """Compare the candidate's metric series with the gate's reference and with the champion on
     the same holdout; register it, and promote it when it passed both.
 
@@ -108,6 +102,8 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
         force_promote: the reason to promote a candidate worse than the champion anyway (it must
             still pass the gate); recorded in the registry.
         team: the run's team (`StageRunner.team`), whose jobs they are; None: decided here.
+        reference: the metrics file the run's reference stage found or trained (`gate.reference:
+            auto`); None: gate.reference's own.
 
     Raises:
         GateFailed: the candidate is outside the band (never retried; the champion stays).
@@ -120,15 +116,15 @@ def evaluate_gate(spec: JobSpec, run_id: str, checkpoint: str, cores: list[int] 
     if generation is None:  # the champion this decision is about
         generation = registry.generation(spec.name) if registry else 0
     candidate, result = _candidate(spec, run_id, checkpoint, cores, team)
-    decision = judge.decide(spec, registry, candidate.series, against_champion)
+    decision = judge.decide(spec, registry, candidate.series, against_champion, reference_at=reference)
     if decision.gate_passed:  # only a candidate that passed the gate can take the champion's place
         champion = _champion(spec, registry, candidate, run_id, cores, team)
         if champion is not None:
-            decision = judge.decide(spec, registry, candidate.series, against_champion, champion)
-    chart = _attach(spec, candidate, decision, f"{spec.name} {run_id}")
+            decision = judge.decide(spec, registry, candidate.series, against_champion, champion, reference)
+    forced = force_promote if decision.worse_than_champion is not None else None
+    chart = _attach(spec, candidate, decision, f"{spec.name} {run_id}", judge.outcome(decision, forced))
     result.points, result.verdict, result.against, result.chart = (candidate.series.points, decision.verdict,
                                                                    decision.against, chart)
-    forced = force_promote if decision.worse_than_champion is not None else None
     registration = None
     if registry is not None:
         registration = judge.register(spec, registry, candidate, run_id, decision, generation, promote,

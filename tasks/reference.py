@@ -20,13 +20,15 @@ from trnflow.teams import Team
 
 
 @task(name="reference", cache_policy=NO_CACHE)
-def fp32_reference(spec: JobSpec, run_id: str, cores: list[int], *, team: Team | None = None
-                   ) -> ReferenceResult | State:
+def fp32_reference(spec: JobSpec, run_id: str, cores: list[int], budget_usd: float | None = None, *,
+                   team: Team | None = None) -> ReferenceResult | State:
     """The reference the gate judges against: on record (the task ends Completed, named Skipped),
-    or trained now by a training job of the run, whose cost is the stage's. Its jobs are `team`'s."""
-    url = reference_url(spec)
+    or trained now by a training job of the run, whose cost is the stage's and may be at most
+    `budget_usd` (what the run's budget leaves; None: no limit). Its place is decided once, here:
+    the evaluate stage reads the result's `url`. Its jobs are `team`'s."""
+    url = reference_url(spec)  # the digest of the data as it is now: the same place for the whole stage
     assert spec.gate.reference == "auto" and url is not None
-    if on_record(spec):
+    if on_record(spec, url):
         series = read_series(url.rpartition("/")[0])  # the reference's metrics.json
         last = series.points[-1] if series and series.points else None
         result = ReferenceResult(url=url, trained=False, checkpoint=series.checkpoint if series else None,
@@ -34,9 +36,9 @@ def fp32_reference(spec: JobSpec, run_id: str, cores: list[int], *, team: Team |
                                  f"{_point(spec, last)}")
         return Completed(name="Skipped", message=result.summary, data=result)
     get_run_logger().info("no fp32 reference of this spec and data on record at %s: training it", url)
-    trained = run_job(reference_spec(spec), "train", run_id, cores=cores, team=team)
+    trained = run_job(reference_spec(spec, url), "train", run_id, cores=cores, team=team, budget_usd=budget_usd)
     assert isinstance(trained, TrainResult)
-    document = keep_reference(spec, trained, f"{run_id} (reference)")
+    document = keep_reference(spec, trained, f"{run_id} (reference)", url)
     return ReferenceResult(url=url, trained=True, checkpoint=trained.checkpoint, final=document.last,
                            device=trained.device, cores=trained.cores, ran_on=trained.ran_on, compile=trained.compile,
                            phase="train", summary=f"trained in fp32: {trained.steps_trained} steps, "

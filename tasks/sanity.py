@@ -7,8 +7,9 @@ from prefect.cache_policies import NO_CACHE
 
 from trnflow.backends import keeps_instance
 from trnflow.errors import FatalError, TrnflowError
+from trnflow.measures import CoreChecks
 from trnflow.reporting.report import sanity_markdown
-from trnflow.results import CoreChecks, SanityResult
+from trnflow.results import SanityResult
 from trnflow.specs import JobSpec
 from trnflow.tasks import _artifacts
 from trnflow.tasks._jobs import run_job

@@ -236,8 +236,8 @@ def warm(cache_folder: Path, dataset: Path, out: Path) -> None:
     assert job.state is JobState.SUCCEEDED, job.failure
     cache = CompileCache(str(cache_folder), keys=EntryKeys(trusted=signing_key().public_key()))
     recorded = plans.recorded(cache, plan_digest(spec))
-    assert recorded and {cache.state(entry_name(row["key"])) for row in recorded} == {DONE}
-    assert not any(cache.signature_problem(entry_name(row["key"])) for row in recorded)
+    assert recorded and {cache.state(entry_name(row.key)) for row in recorded} == {DONE}
+    assert not any(cache.signature_problem(entry_name(row.key)) for row in recorded)
 
 
 @pytest.fixture(scope="session")

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, ValidationError
+
 EVENT_FIELD = "trnflow_event"
 """The log record attribute that carries a relayed line's event (for the CLI's progress bars)."""
 
@@ -35,6 +37,59 @@ def parse_event(line: str) -> dict[str, Any] | None:
         summary = record.get("compilation_summary")
         return {"event": "compile_summary", **summary} if isinstance(summary, dict) else None
     return record if isinstance(record.get("event"), str) else None
+
+
+class _Progress(BaseModel):
+    """An event a progress bar follows; the event's other fields are the log's, not the bar's."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+
+class TrainTick(_Progress):
+    """`train`: training logged a point of its curve."""
+
+    step: int
+    steps: int
+    loss: float
+    samples_per_s: float = 0.0
+    eta_s: float | None = None
+
+
+class Resumed(_Progress):
+    """`resume`: training resumed from a checkpoint at `step`."""
+
+    step: int
+
+
+class Late(_Progress):
+    """`late`: training is forecast to end past its deadline."""
+
+    deadline_minutes: float | None = None
+    forecast_minutes: float | None = None
+
+
+class ShardDone(_Progress):
+    """`infer_shard`: a rank finished one shard of batch inference."""
+
+    shards: int
+    rows_per_s: float = 0.0
+    rank: int = 0
+
+
+PROGRESS: dict[str, type[_Progress]] = {"train": TrainTick, "resume": Resumed, "late": Late,
+                                        "infer_shard": ShardDone}
+
+
+def progress_of(event: dict[str, Any]) -> _Progress | None:
+    """The progress an event reports, typed; None for any other event, or one that lacks a field a
+    bar needs (a rank's line cut short)."""
+    kind = PROGRESS.get(str(event.get("event")))
+    if kind is None:
+        return None
+    try:
+        return kind.model_validate(event)
+    except ValidationError:
+        return None
 
 
 def duration(seconds: float) -> str:

@@ -26,6 +26,19 @@ class Record(BaseModel):
 R = TypeVar("R", bound=BaseModel)
 
 
+class RecipeRef(Record):
+    """Which recipe made a model, at which version and with which params: what a checkpoint, an
+    export, a registry entry and a training result say of it (`Recipe.describe`)."""
+
+    recipe: str = Field(description="the recipe's name (model.recipe)")
+    version: str = Field(description="its version, part of every compile-cache key")
+    params: dict[str, Any] = Field(default_factory=dict, description="its params, as the recipe read them")
+
+    def label(self) -> str:
+        """`m5-text@1 {"d_model": 64, ...}`."""
+        return f"{self.recipe}@{self.version} {json.dumps(self.params, sort_keys=True)}"
+
+
 def problems(exc: ValidationError) -> str:
     """A validation error's problems, each as `field: what is wrong`."""
     return "; ".join(f"{'.'.join(str(p) for p in e['loc']) or '(the whole file)'}: {e['msg']}"
@@ -189,7 +202,7 @@ class CheckpointMeta(Record):
     metrics: list[CurvePoint] = Field(default_factory=list, description="the training curve so far")
     evaluations: list[MetricPoint] = Field(default_factory=list, description="holdout points so far")
     holdout_sha256: str | None = Field(None, description="the holdout the evaluations were measured on")
-    recipe: dict[str, Any] = Field(description="the model's recipe: name, version and params")
+    recipe: RecipeRef = Field(description="the model's recipe: name, version and params")
     torch: str = Field(description="the PyTorch version that wrote it")
     export: str | None = Field(None, description="the model exported in its own library's format (last step only)")
     base: str | None = Field(None, description="the content digest of the frozen base its adapters were trained on "
@@ -248,7 +261,7 @@ class ExportMarker(Record):
     """`EXPORTED`, in a run's `export/step-NNNNNN/` folder: what the recipe exported (its name,
     version and params) and every file of the export with its checksum."""
 
-    recipe: dict[str, Any]
+    recipe: RecipeRef
     files: dict[str, ExportedFile]
     base: str | None = Field(None, description="LoRA: the content digest of the pretrained folder the adapter "
                              "(adapter/) needs; the merged model beside it needs nothing")

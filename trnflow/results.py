@@ -3,19 +3,31 @@ what each stage task returns, and what a flow run ends with.
 
 The workload writes a phase's result as JSON; `parse` reads it back into the phase's model at the one
 place a job's result enters the orchestrating side (`trnflow.tasks._jobs.run_job`). A field the model
-does not know is an error there, so producer and consumers cannot drift apart unnoticed. A tool's
-own format keeps its names where it is stored: a sweep row (`SweepRow`) is written under
-nccom-test's columns and read by attribute.
+does not know is an error there, so producer and consumers cannot drift apart unnoticed. What a
+job measured on its hardware (checks, sweeps, memory, compile plans) is `trnflow.measures`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from pydantic import AliasChoices, BaseModel, ConfigDict, Field, SerializeAsAny
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, SerializeAsAny
 
 from trnflow.errors import ChampionKept
-from trnflow.records import CurvePoint, MetricPoint, Verdict
+from trnflow.measures import (
+    CoreChecks,
+    DeviceMemory,
+    GraphSeen,
+    HostInventory,
+    HostMemory,
+    MemoryFigures,
+    ParallelCompile,
+    PlanSummary,
+    ProgramOutcome,
+    ProgramPlan,
+    SweepRow,
+)
+from trnflow.records import CurvePoint, MetricPoint, RecipeRef, Verdict
 
 
 class _Model(BaseModel):
@@ -27,8 +39,8 @@ class CompileMetrics(_Model):
 
     graphs: int = Field(0, description="graphs compiled by this job")
     hits: int = Field(0, description="graphs loaded from the compile cache")
-    recompiles: list[dict[str, Any]] = Field(default_factory=list,
-                                             description="each recompilation: program, key, shapes and reason")
+    recompiles: list[GraphSeen] = Field(default_factory=list,
+                                        description="each recompilation: program, key, shapes and reason")
     seconds: float = Field(0.0, description="time spent compiling")
 
 
@@ -102,56 +114,6 @@ class StageResult(_Model):
     ran_on: RanOn | None = Field(None, description="where the job ran; None for a stage that ran no job")
 
 
-class PlanSummary(_Model):
-    """What one collective's plan costs over a job's cores (`trnflow.neuron.plan`), for a stage to report."""
-
-    op: str = Field(description="the collective: all_reduce, all_gather, reduce_scatter, ...")
-    algorithm: str = Field(description="ring or tree")
-    ranks: int = Field(ge=1, description="the ranks it runs over")
-    nodes: int = Field(ge=1, description="the instances they are on")
-    size: int = Field(ge=0, description="the buffer's bytes")
-    steps: int = Field(ge=0, description="every phase's steps together")
-    crossing_steps: int = Field(ge=0, description="steps with a send from one node to another")
-    network_hops: int = Field(ge=0, description="times the order crosses from one node to the next in one pass")
-    bytes_per_rank: int = Field(ge=0, description="bytes the busiest rank sends")
-    bus_factor: float = Field(ge=0, description="bus bandwidth over algorithm bandwidth")
-
-    def line(self) -> str:
-        """One line for a report: `all_reduce ring on 2048 ranks (64 node(s)): 4094 steps, 4094 crossing nodes, ...`."""
-        return (f"{self.op} {self.algorithm} on {self.ranks} ranks ({self.nodes} node(s)): {self.steps} steps, "
-                f"{self.crossing_steps} crossing nodes, {self.bytes_per_rank} B sent per rank of {self.size} B, "
-                f"bus factor {self.bus_factor:.4f}")
-
-
-NCCOM_TIME_COLUMNS = ("time:avg(us)", "time(us)")
-"""nccom-test's time column, newest spelling first: `time(us)` in older versions, and in rows an
-older trnflow stored. A `SweepRow` reads either and writes the first."""
-
-
-class SweepRow(BaseModel):
-    """One size of one collective in a sweep, as nccom-test reports it: stored under nccom-test's own
-    column names (`size(B)`, `time:avg(us)`, `busbw(GB/s)`, ...), read under either spelling of
-    its time column (`time(us)` in older versions and rows), used by attribute."""
-
-    model_config = ConfigDict(extra="forbid", validate_by_name=True, validate_by_alias=True, serialize_by_alias=True)
-
-    op: str = Field(description="all_reduce, all_gather, reduce_scatter or all_to_all")
-    size: int = Field(alias="size(B)", ge=0, description="the buffer's bytes")
-    count: int = Field(0, alias="count(elems)", ge=0, description="its elements")
-    type: str = Field("", description="their data type")
-    time_us: float = Field(alias="time:avg(us)", validation_alias=AliasChoices(*NCCOM_TIME_COLUMNS, "time_us"),
-                           description="the mean time of the timed iterations, in microseconds")
-    algbw: float = Field(0.0, alias="algbw(GB/s)", description="algorithm bandwidth: bytes over time")
-    busbw: float = Field(0.0, alias="busbw(GB/s)", description="bus bandwidth: algbw times the op's bus factor")
-    correct: bool | None = Field(None, description="the checked result was right; None when nothing checked it")
-    bad_cores: list[int] = Field(default_factory=list, description="cores that sent corrupted data")
-
-    @property
-    def verdict(self) -> str:
-        """ok, WRONG, or `-` when nothing checked it (nccom-test run without -c says nothing)."""
-        return {True: "ok", False: "WRONG"}.get(self.correct, "-")
-
-
 class CollectivesResult(StageResult):
     ranks: int = Field(description="cores in the sweep")
     rows: list[SweepRow] = Field(description="nccom-test's rows: op, size(B), time:avg(us), algbw, busbw, correct")
@@ -180,108 +142,6 @@ class CheckpointRoundTrip(_Model):
     left: str | None = Field(None, description="what could not be deleted afterwards, if anything")
 
 
-class CoreHolder(_Model):
-    """A process the host's device list shows holding one of the job's cores."""
-
-    pid: int | None = Field(description="its process id")
-    command: str = Field(description="its command, as neuron-ls lists it")
-
-
-class HostInventory(_Model):
-    """The host's device list (`neuron-ls --json-output`, or the emulated instance's) against the
-    job's cores (`trnflow.neuron.tools.inventory`)."""
-
-    source: str = Field("", description="what listed them: neuron-ls, or emulator")
-    devices: int = Field(ge=0, description="Neuron devices listed")
-    cores: int = Field(ge=0, description="NeuronCores listed")
-    missing: list[int] = Field(default_factory=list, description="the job's cores the list lacks (each one bad)")
-    held: dict[int, CoreHolder] = Field(default_factory=dict, description="the job's cores another process holds")
-
-
-class MemoryFigures(_Model):
-    """What each core must hold to train a spec on its layout, as the memory planner reckons it
-    (`trnflow.workload.memory`), in bytes. Made by `of`, which sums the total and checks it fits."""
-
-    strategy: str = Field(description="ddp or fsdp")
-    parameters: int = Field(ge=0, description="the model's parameters")
-    weights: int = Field(ge=0, description="the weights one core keeps: all of them (ddp), or its 1/N shard (fsdp)")
-    gradients: int = Field(ge=0, description="the gradients one core keeps (of the weights that train: a frozen "
-                           "LoRA base has none), as the optimizer's state")
-    optimizer: int = Field(ge=0, description="the optimizer state one core keeps")
-    activations: int = Field(ge=0, description="the activations one step saves for its backward pass")
-    gathered: int = Field(ge=0, description="fsdp: the weights gathered whole while they compute (the unit outside "
-                          "the blocks, and the largest block twice: the one computing and the next, prefetched); 0 "
-                          "for ddp")
-    per_core_limit: int = Field(ge=0, description="what one core has")
-    tp: int = Field(1, ge=1, description="the cores each layer is split over: the split layers' weights, gradients "
-                    "and optimizer state are 1/tp of theirs on each core")
-    rehearsal: bool = Field(False, description="the limit is a rehearsal's (TRNFLOW_REHEARSE_CORE_GIB)")
-    trainable: int | None = Field(None, description="parameters that train, when fewer than all (LoRA)")
-    total: int = Field(ge=0, description="what one core must hold")
-    fits: bool = Field(description="the total is within the limit")
-
-    @classmethod
-    def of(cls, strategy: str, parameters: int, weights: int, gradients: int, optimizer: int, activations: int,
-           gathered: int, per_core_limit: int, tp: int = 1, rehearsal: bool = False,
-           trainable: int | None = None) -> MemoryFigures:
-        """The figures of one layout, their total and whether it fits."""
-        total = weights + gradients + optimizer + activations + gathered
-        return cls(strategy=strategy, parameters=parameters, weights=weights, gradients=gradients,
-                   optimizer=optimizer, activations=activations, gathered=gathered, per_core_limit=per_core_limit,
-                   tp=tp, rehearsal=rehearsal, trainable=trainable, total=total, fits=total <= per_core_limit)
-
-    @property
-    def layout(self) -> str:
-        """`fsdp`, or `fsdp tp 2` with the layers split."""
-        return self.strategy + (f" tp {self.tp}" if self.tp > 1 else "")
-
-    def describe(self) -> str:
-        """`fsdp 1.2 GiB of 16.0 GiB (weights 300.0 MiB, gradients ..., gathered 100.0 MiB)`."""
-        parts = [("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
-                 ("activations", self.activations)] + ([("gathered", self.gathered)] if self.strategy == "fsdp" else [])
-        trains = (f", {self.trainable:,} of {self.parameters:,} parameters train "
-                  f"({self.trainable / max(self.parameters, 1):.2%})" if self.trainable is not None else "")
-        return (f"{self.layout} {byte_size(self.total)} of {byte_size(self.per_core_limit)}"
-                f"{' (rehearsal)' if self.rehearsal else ''} ("
-                + ", ".join(f"{name} {byte_size(value)}" for name, value in parts) + trains + ")")
-
-
-def byte_size(value: int) -> str:
-    """`1.2 GiB`, or `300.0 MiB` under a GiB."""
-    return f"{value / 2**30:.1f} GiB" if value >= 2**30 else f"{value / 2**20:.1f} MiB"
-
-
-class EngineCheck(_Model):
-    """One known-answer test on one engine of a core (`trnflow.workload.sanity`)."""
-
-    engine: str = Field(description="tensor, vector, scalar, gpsimd or memory")
-    test: str = Field(description="what ran: matmul, layernorm, exp, segmented_prefix_sum, patterns, ...")
-    dtype: str = Field(description="the data type it ran in")
-    passed: bool = Field(description="within its tolerance of the host's answer")
-    tolerance: float = Field(description="the largest error allowed (relative, or mismatches)")
-    us: float = Field(description="how long it took, in microseconds")
-    max_rel_err: float | None = Field(None, description="the largest relative error against the host's answer")
-    mismatches: int | None = Field(None, description="elements that differ from the known answer (exact tests)")
-    bytes: int | None = Field(None, description="the memory it wrote and read back")
-    gflops: float | None = Field(None, description="the matmul's rate")
-
-    @property
-    def name(self) -> str:
-        """`tensor/matmul/bfloat16`."""
-        return f"{self.engine}/{self.test}/{self.dtype}"
-
-
-class CoreChecks(_Model):
-    """One core's known-answer tests, as its rank ran them."""
-
-    rank: int | None = Field(None, description="the rank that ran them (its node is rank // cores per node)")
-    core: int = Field(description="the NeuronCore")
-    pid: int | None = Field(None, description="the rank's process, which held the core")
-    checks: list[EngineCheck] = Field(default_factory=list, description="each test")
-    passed: bool = Field(description="every test passed")
-    failed: list[str] = Field(default_factory=list, description="the tests that failed, as engine/test/dtype")
-
-
 class SanityResult(StageResult):
     per_core: list[CoreChecks] = Field(description="each core's known-answer checks and which failed")
     bad_cores: list[int] = Field(default_factory=list, description="cores that failed a check")
@@ -297,23 +157,23 @@ class SanityResult(StageResult):
 
 
 class CompileResult(StageResult):
-    programs: list[dict[str, Any]] = Field(description="each program's key, input shapes and cache state")
+    programs: list[ProgramPlan] = Field(description="each program's key, input shapes and cache state")
     graphs: int = Field(description="programs in the plan")
-    flags: dict[str, Any] | None = Field(None, description="the compiler flags the keys were made with")
+    flags: dict[str, JsonValue] | None = Field(None, description="the compiler flags the keys were made with (each "
+                                               "device's compiler has its own)")
     compiler: str = Field(description="the compiler version in the cache layout")
     cache: str = Field(description="the compile cache URL")
     check: bool = Field(False, description="a warm check only: nothing was compiled")
     hits: int = Field(0, description="programs the cache held")
     misses: int = Field(0, description="programs a warm check found missing")
     compiled: int = Field(0, description="programs compiled by this job")
-    report: dict[str, dict[str, Any]] = Field(
+    report: dict[str, ProgramOutcome] = Field(
         default_factory=dict, description="per key: status, seconds, retries and, for a compiled one, how many "
         "graphs one run of its program compiled (together)")
     seconds: float = Field(0.0, description="compile time of every program together")
     launched: bool = Field(True, description="a compile job ran (False: every program was known to hit)")
-    parallel_compile: dict[str, Any] | None = Field(
-        None, description="what the SDK's neuron_parallel_compile reported (tool, workers, graphs, compiled, "
-        "failed), where it ran the trial first")
+    parallel_compile: ParallelCompile | None = Field(
+        None, description="what the SDK's neuron_parallel_compile reported, where it ran the trial first")
 
 
 class TrialResult(StageResult):
@@ -326,8 +186,7 @@ class TrialResult(StageResult):
     steps: int = Field(ge=1, description="steps of each")
 
 
-HOST_MEMORY = ("host memory: each rank's peak resident set in MB, and whether the featurized rows were spilled "
-               "to local disk (the rows are read a batch at a time)")
+HOST_MEMORY = "what the ranks held in host memory"
 
 
 class TrainResult(StageResult):
@@ -342,7 +201,7 @@ class TrainResult(StageResult):
     resumed_weights: str | None = Field(None, description="the weights it resumed with, as placed on the device "
                                         "(the sha256 of their tensors)")
     parent: str | None = Field(None, description="the model this one was trained further from")
-    recipe: dict[str, Any] | None = Field(None, description="the model's recipe: name, version and params")
+    recipe: RecipeRef | None = Field(None, description="the model's recipe: name, version and params")
     global_step: int = 0
     watermark: str | None = Field(None, description="the newest day partition trained on")
     partitions: list[str] = Field(default_factory=list, description="the day partitions trained on")
@@ -357,8 +216,8 @@ class TrainResult(StageResult):
     seconds: float = 0.0
     first_step_seconds: float = 0.0
     median_step_seconds: float = 0.0
-    device_memory: dict[str, Any] | None = None
-    host_memory: dict[str, Any] | None = Field(None, description=HOST_MEMORY)
+    device_memory: DeviceMemory | None = Field(None, description="what the ranks held on their devices")
+    host_memory: HostMemory | None = Field(None, description=HOST_MEMORY)
 
 
 class Registration(_Model):
@@ -414,19 +273,29 @@ class EvaluateResult(StageResult):
                                        "worse than it")
 
 
+class ShardWritten(_Model):
+    """One Parquet shard of an inference output, as the manifest lists it."""
+
+    shard: int = Field(ge=0, description="its index")
+    file: str = Field(description="its file, in the output folder")
+    rows: int = Field(ge=0, description="the rows it holds")
+    sha256: str = Field(description="the sha256 of its bytes")
+    reused: bool = Field(False, description="committed before under the same plan: not written again")
+
+
 class InferResult(StageResult):
     output_url: str
     model_version: str | None = None
     published: str = Field("embeddings", description="what each row gets: embeddings, or predictions (the predicted "
                            "class and class probabilities) for a recipe without embeddings")
     rows: int = Field(description="rows embedded in all shards")
-    shards: list[dict[str, Any]] = Field(description="each shard: index, file, rows, sha256, reused")
+    shards: list[ShardWritten] = Field(description="each shard: index, file, rows, sha256, reused")
     rows_embedded: int = Field(0, description="rows embedded by this job (the rest were committed before)")
     shards_reused: int = 0
     manifest: str | None = None
     rows_per_s: float = 0.0
     program_load_seconds: float = 0.0
-    host_memory: dict[str, Any] | None = Field(None, description=HOST_MEMORY)
+    host_memory: HostMemory | None = Field(None, description=HOST_MEMORY)
 
 
 class PromoteResult(StageResult):

@@ -30,7 +30,7 @@ def test_the_pipeline_with_sharded_training_on_each_cloud_backend(
         train = outcome.results["train"]
         assert train.compile.recompiles == [] and train.compile.hits == train.compile.graphs > 0
         memory = train.device_memory
-        assert memory["weights"] * 2 == pytest.approx(sum(p.numel() for p in load(train.checkpoint).model.values()) * 4,
+        assert memory.weights * 2 == pytest.approx(sum(p.numel() for p in load(train.checkpoint).model.values()) * 4,
                                                       rel=0.05)
         final = load(train.checkpoint)
         assert final.meta.parallelism == "fsdp" and sorted(final.shards)[1:] == ["__0_0.distcp", "__1_0.distcp"]

@@ -25,6 +25,7 @@ from trnflow.device.cache import (
     entry_name,
 )
 from trnflow.emulator.compiler import compile_flags
+from trnflow.measures import ProgramPlan
 from trnflow.settings import TrnflowSettings
 from trnflow.workload.compile import extract
 from trnflow.workload.memory import decided
@@ -75,8 +76,8 @@ def test_check_predicts_compile_and_the_cache_survives_corruption_failure_and_st
     compiled = _run(shared)
     assert compiled.state is JobState.SUCCEEDED, compiled.failure
     assert compiled.result.compiled + compiled.result.hits == 3
-    outcome = {r["program"]: r["status"] for r in compiled.result.report.values()}
-    assert {p["program"]: p["will"] == "hit" for p in predicted} == {p: s == "hit" for p, s in outcome.items()}
+    outcome = {r.program: r.status for r in compiled.result.report.values()}
+    assert {p.program: p.will == "hit" for p in predicted} == {p: s == "hit" for p, s in outcome.items()}
 
     # Break a copy of it.
     import shutil
@@ -85,7 +86,7 @@ def test_check_predicts_compile_and_the_cache_survives_corruption_failure_and_st
     shutil.copytree(compile_cache, copy)
     spec = make_spec(compile={"cache_url": str(copy), "workers": 2})
     cache = CompileCache(str(copy))
-    entries = {p["program"]: entry_name(p["key"]) for p in compiled.result.programs}
+    entries = {p.program: entry_name(p.key) for p in compiled.result.programs}
     cache.discard(entries["embed_step"])
     cache.store.write(f"{entries['embed_step']}/model.log", b"error: compiler crashed\n")
     failed = _run(spec)
@@ -98,16 +99,16 @@ def test_check_predicts_compile_and_the_cache_survives_corruption_failure_and_st
     lock = {"pid": _dead_pid(), "host": socket.gethostname(), "since": 0}
     cache.store.write(f"{entries['embed_step']}/model.lock", json.dumps(lock).encode())
     check = _run(spec, check=True, retry_failed=True).result.programs
-    assert [(p["state"], p["will"]) for p in check] == [("done", "hit"), ("corrupt", "compile"), ("failed", "compile")]
+    assert [(p.state, p.will) for p in check] == [("done", "hit"), ("corrupt", "compile"), ("failed", "compile")]
     result = CliRunner().invoke(app, ["cache", "verify", str(copy)])
     assert result.exit_code == 1 and "1 corrupt" in result.stdout
 
     repaired = _run(spec, retry_failed=True)  # ...unless asked; the corrupt one is rebuilt, never loaded
     assert repaired.state is JobState.SUCCEEDED, repaired.failure
-    by_program = {r["program"]: r for r in repaired.result.report.values()}
-    assert by_program["train_step"]["status"] == "hit"
-    assert by_program["eval_step"]["status"] == "done" and by_program["embed_step"]["status"] == "done"
-    assert by_program["embed_step"]["stale_lock_cleared"] is True
+    by_program = {r.program: r for r in repaired.result.report.values()}
+    assert by_program["train_step"].status == "hit"
+    assert by_program["eval_step"].status == "done" and by_program["embed_step"].status == "done"
+    assert by_program["embed_step"].stale_lock_cleared is True
     assert {cache.state(e) for e in entries.values()} == {DONE}
 
     listing = json.loads(CliRunner().invoke(app, ["cache", "ls", str(copy), "--json"]).stdout)
@@ -169,7 +170,7 @@ def test_optlevels_trade_compile_time_for_generated_code(make_spec, tmp_path, mo
         key = next(p.key for p in extract(spec) if p.program == program)
         outcome = compile_one(spec.model_dump_json(), program, key)
         cache = CompileCache(spec.compile.cache_url)
-        assert outcome["status"] == "done", cache.failure_log(entry_name(key))
+        assert outcome.status == "done", cache.failure_log(entry_name(key))
         with tarfile.open(fileobj=io.BytesIO(cache.load_artifact(entry_name(key)))) as tar:
             names[optlevel] = tar.getnames()
     assert names[1] == ["graph-01.py", "graph-02.py"]  # forward and backward
@@ -210,7 +211,7 @@ def test_a_kernel_two_programs_share_is_built_once_in_a_compile_job(make_spec, t
         for program in ("eval_step", "embed_step"):
             clear_caches()
             (outcome,) = compile_program(spec.model_dump_json(), program, [planned[program].key], library=str(library))
-            assert outcome["status"] == "done", cache.failure_log(planned[program].entry)
+            assert outcome.status == "done", cache.failure_log(planned[program].entry)
             with tarfile.open(fileobj=io.BytesIO(cache.load_artifact(planned[program].entry))) as tar:
                 names = tar.getnames()
             kernels[program] = {n.rsplit("/", 1)[-1].removesuffix(".so") for n in names if n.endswith(".so")}
@@ -239,8 +240,8 @@ def test_one_run_of_a_program_files_its_graphs_and_one_it_did_not_trace_fails_al
     ghost = "MODULE_1+" + key.split("+")[1]  # the same flags, a graph the program never traces
     done, failed = compile_program(spec.model_dump_json(), "eval_step", [key, ghost])
     cache = CompileCache(spec.compile.cache_url)
-    assert (done["status"], done["together"], cache.state(entry_name(key))) == ("done", 1, DONE), done
-    assert (failed["status"], cache.state(entry_name(ghost))) == ("failed", FAILED), failed
+    assert (done.status, done.together, cache.state(entry_name(key))) == ("done", 1, DONE), done
+    assert (failed.status, cache.state(entry_name(ghost))) == ("failed", FAILED), failed
     assert "not deterministic" in cache.failure_log(entry_name(ghost))
     assert not cache.failure_log(entry_name(key))
 
@@ -258,7 +259,7 @@ def test_a_compile_files_its_graph_in_the_neuron_cache_layout(make_spec, tmp_pat
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "unused"))  # compile_one uses its own
     spec = make_spec(model={"params": TINY}, compile={"optlevel": 1, "cache_url": str(tmp_path / "cache")})
     key = next(p.key for p in extract(spec) if p.program == "eval_step")
-    assert compile_one(spec.model_dump_json(), "eval_step", key)["status"] == "done"
+    assert compile_one(spec.model_dump_json(), "eval_step", key).status == "done"
 
     (version,) = (tmp_path / "cache").iterdir()
     assert version.name == COMPILER_VERSION and re.fullmatch(r"neuronxcc-torch-[0-9].*", version.name)
@@ -292,7 +293,7 @@ def test_listing_and_warm_checks_read_only_metadata_never_an_artifact(tmp_path):
     cache.commit(entry_name(key), "graph", {"optlevel": 2}, archive({"kernel.py": b"x" * 1000}))
     store.names.clear()
     assert [e.state for e in cache.entries()] == [DONE]
-    assert plans.predict([{"program": "train_step", "key": key}], cache, retry_failed=False)[0]["will"] == "hit"
+    assert plans.predict([ProgramPlan(program="train_step", key=key)], cache, retry_failed=False)[0].will == "hit"
     assert not any(n.endswith(("model.neff", "model.fx.txt")) for n in store.names), store.names
     assert [e.state for e in cache.entries(deep=True)] == [DONE]  # `cache verify` reads them, on purpose
     assert any(n.endswith("model.neff") for n in store.names)

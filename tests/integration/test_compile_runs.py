@@ -31,10 +31,10 @@ def test_a_warm_run_from_an_s3_cache_compiles_nothing_and_trains_like_a_cold_one
     cold = _run(make_spec(cores=1, compute=ONE_THREAD, compile=empty, train=SHORT), "train", "cold")
     assert cold.state is JobState.SUCCEEDED, cold.failure
     assert cold.result.compile.hits == 0
-    misses = {m["program"]: m for m in cold.result.compile.recompiles}
+    misses = {m.program: m for m in cold.result.compile.recompiles}
     assert set(misses) == {"train_step", "eval_step"}  # training evaluates the holdout at its end, too
     miss = misses["train_step"]
-    assert miss["reason"] == "it is not in the compile cache"
+    assert miss.reason == "it is not in the compile cache"
 
     url = f"s3://{s3_bucket}/neuron-cache"
     spec = make_spec(cores=1, compute=ONE_THREAD, compile={"cache_url": url, "workers": 2},
@@ -52,8 +52,8 @@ def test_a_warm_run_from_an_s3_cache_compiles_nothing_and_trains_like_a_cold_one
     assert listing.exit_code == 0, listing.output
     entries = {e["key"]: e for e in json.loads(listing.stdout)}
     assert len(entries) == 3 and {e["state"] for e in entries.values()} == {"done"}
-    train_key = next(p["key"] for p in compiled.result.programs if p["program"] == "train_step")
-    assert train_key == miss["key"]  # the same graph, keyed alike by a run on a local cache and a compile on S3
+    train_key = next(p.key for p in compiled.result.programs if p.program == "train_step")
+    assert train_key == miss.key  # the same graph, keyed alike by a run on a local cache and a compile on S3
     assert entries[train_key]["hits"] == 1  # the warm run's one rank
 
     from prefect.client.orchestration import get_client

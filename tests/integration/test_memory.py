@@ -45,8 +45,8 @@ def test_a_run_reports_the_bytes_each_rank_held(make_spec, trnflow_home):
     info = wait(backend, backend.submit(JobRequest(spec, "train", "mem")), 0.2)
     assert info.state is JobState.SUCCEEDED, info.failure
     memory = info.result.device_memory
-    assert len(memory["peak_per_rank"]) == 2 and all(p > 0 for p in memory["peak_per_rank"])
+    assert len(memory.peak_per_rank) == 2 and all(p > 0 for p in memory.peak_per_rank)
     # weights, gradients and AdamW moments are held exactly as estimated (fp32: 4, 4 and 8 bytes each)
     est = estimate(spec)
-    assert memory["weights"] == est.weights and memory["gradients"] == est.gradients
-    assert memory["activations"] > 0
+    assert memory.weights == est.weights and memory.gradients == est.gradients
+    assert memory.activations > 0

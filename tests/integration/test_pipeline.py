@@ -208,7 +208,8 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
 
     again = compile_again()
     assert again.hits == 3 and again.compiled == 0
-    assert again.programs == [{**p, "state": "done", "will": "hit"} for p in compiled["programs"]]
+    assert [p.model_dump() for p in again.programs] == [{**p, "state": "done", "will": "hit"}
+                                                        for p in compiled["programs"]]
     assert "3 cache hit(s)" in again.summary
 
 

@@ -377,22 +377,25 @@ def _waited_to_start(env, run_id) -> float:
 class DecidedRuns:
     """The runs whose outcome trnflow decides, through the served deployment: one that fails the
     gate (a reference it cannot reach), started at once; once the champion of `registry` is in
-    place (`worse`), one worse than it on the holdout's loss (2 steps against its 20); and last
-    (`ended`) one cancelled as it trains."""
+    place (`champion_in_place`), one worse than it on the holdout's loss (2 steps against its 20),
+    and one that `ended` cancels as its first job runs. The first and the last run under names of
+    their own (each name is a model of its own, whose lock no other run waits on)."""
 
     def __init__(self, env: dict[str, str], root: Path, registry: Path):
         self.env, self.root, self.registry = env, root, registry
         reference = root / "unreachable" / "metrics.json"
         reference.parent.mkdir()
         reference.write_text(json.dumps({"points": [{"step": 20, "accuracy": 0.999, "loss": 0.01}]}))
-        self.failing = self._submit(f"gate.reference={reference}", f"registry_url={root / 'registry-gate'}")
+        self.failing = self._submit(f"gate.reference={reference}", f"registry_url={root / 'registry-gate'}",
+                                    "name=served-gate")
         self.worse: subprocess.Popen | None = None
+        self.cancelled: subprocess.Popen | None = None
 
     def _submit(self, *sets: str, wait: bool = True) -> subprocess.Popen:
         options = [arg for pair in sets for arg in ("--set", pair)]
-        return subprocess.Popen([TRNFLOW, "submit", str(self.root / "served.yaml"), "--deployment", "pipeline",
-                                 *options, "--json", *(["--wait"] if wait else [])], env=self.env,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        return subprocess.Popen([TRNFLOW, "submit", str(self.root / "served.yaml"), "--deployment",
+                                 "trnflow-pipeline/served-pipeline", *options, "--json", *(["--wait"] if wait else [])],
+                                env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
     @staticmethod
     def _run_id(proc: subprocess.Popen) -> str:
@@ -403,16 +406,19 @@ class DecidedRuns:
     def champion_in_place(self) -> None:
         self.worse = self._submit(f"registry_url={self.registry}", "train.steps=2", "train.checkpoint_every=2",
                                   "gate.eval_every=2", "gate.metric=loss")
+        self.cancelled = self._submit("train.steps=100000", "train.checkpoint_every=50000", "gate.eval_every=50000",
+                                      f"registry_url={self.root / 'registry-cancel'}", "name=served-cancel",
+                                      wait=False)
 
     def ended(self) -> dict[str, str]:
         """Each run's id by the outcome it should end in, once each has ended."""
-        assert self.worse is not None
-        ids = {"GateFailed": self._run_id(self.failing), "ChampionKept": self._run_id(self.worse)}
-        cancelled = ids["Cancelled"] = self._run_id(self._submit(
-            "train.steps=100000", "train.checkpoint_every=50000", "gate.eval_every=50000",
-            f"registry_url={self.root / 'registry-cancel'}", wait=False))
-        wait_for(lambda: "train: step" in _log_text(self.env, cancelled), 180, "the long run to train", every=2)
+        assert self.worse is not None and self.cancelled is not None
+        cancelled = self._run_id(self.cancelled)
+        wait_for(lambda: "submitted to the" in _log_text(self.env, cancelled), 180, "the long run's first job",
+                 every=2)
         subprocess.run([TRNFLOW, "cancel", cancelled], env=self.env, capture_output=True, text=True, check=True)
+        ids = {"GateFailed": self._run_id(self.failing), "ChampionKept": self._run_id(self.worse),
+               "Cancelled": cancelled}
         _ended(self.env, cancelled, 120)
         return ids
 

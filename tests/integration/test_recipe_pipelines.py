@@ -78,7 +78,7 @@ def _check_outcome(outcome, spec, read: callable) -> dict:
     scaler = json.loads(read(f"{train['checkpoint']}/scaler.json"))
     assert len(scaler["mean"]) == 4 and all(s > 0 for s in scaler["std"])
     champion = Registry(spec.registry_url).champion(spec.name)
-    assert champion is not None and champion.entry.recipe["recipe"] == "tabular-mlp"
+    assert champion is not None and champion.entry.recipe.recipe == "tabular-mlp"
     shard = results["infer"]["shards"][0]["file"]
     table = pq.read_table(io.BytesIO(read(f"{results['infer']['output_url']}/{shard}")))
     assert table.column_names == ["id", "prediction", "probabilities", "model_version"]

@@ -56,7 +56,7 @@ def test_auto_shards_a_model_too_big_for_a_core_and_each_rank_holds_half_of_it(m
     ours, theirs = load(resumed.result.checkpoint).model, load(whole.result.checkpoint).model
     assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
 
-    measured = _state_bytes(whole.result.device_memory)
+    measured = _state_bytes(whole.result.device_memory.model_dump())
     assert measured == pytest.approx(_state_bytes(both.ddp.model_dump()) / 2, rel=0.1)
     assert measured == pytest.approx(_state_bytes(both.fsdp.model_dump()), rel=0.1)  # the plan's figure
 

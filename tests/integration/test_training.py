@@ -54,7 +54,7 @@ def test_a_checkpoint_saved_by_4_ranks_resumes_on_2(make_spec, backend, monkeypa
     meta = load(info.result.checkpoint).meta
     assert meta.world_size == 2 and meta.sampler["step"] == 4
     memory = info.result.host_memory
-    assert memory["features_spilled_to_disk"] is True and len(memory["peak_rss_mb_per_rank"]) == 2
+    assert memory.features_spilled_to_disk is True and len(memory.peak_rss_mb_per_rank) == 2
 
 
 @pytest.fixture

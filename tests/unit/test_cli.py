@@ -140,6 +140,18 @@ def test_training_events_relayed_to_the_task_log_read_as_words_and_move_the_prog
     ]  # the JSON went to DEBUG, below the log's level
 
 
+def test_the_events_a_progress_bar_follows_are_typed_and_a_line_cut_short_moves_nothing():
+    from trnflow.events import Late, ShardDone, TrainTick, progress_of
+
+    tick = progress_of({"event": "train", "rank": 0, "step": 10, "steps": 40, "loss": 0.5, "global_step": 10})
+    assert isinstance(tick, TrainTick) and (tick.step, tick.steps, tick.eta_s) == (10, 40, None)
+    shard = progress_of({"event": "infer_shard", "rank": 1, "shard": 3, "shards": 4, "rows_per_s": 12.5})
+    assert isinstance(shard, ShardDone) and (shard.shards, shard.rank) == (4, 1)
+    assert isinstance(progress_of({"event": "late", "deadline_minutes": 5, "forecast_minutes": 7.5}), Late)
+    assert progress_of({"event": "train", "step": 10}) is None  # no steps nor loss: not a point to draw
+    assert progress_of({"event": "checkpoint", "step": 10}) is None
+
+
 def test_submitted_runs_exit_0_when_completed_3_for_a_failed_gate_and_1_otherwise():
     from trnflow.cli.runs import exit_code
 

@@ -25,11 +25,12 @@ def _export(root, files=FILES, listed=None):
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
         (folder / name).write_bytes(data)
     listed = listed or {n: ExportedFile(sha256=hashlib.sha256(d).hexdigest(), size=len(d)) for n, d in files.items()}
-    (folder / "EXPORTED").write_bytes(dump(ExportMarker(recipe={"recipe": "hf-causal-lm"}, files=listed)))
+    marker = ExportMarker(recipe={"recipe": "hf-causal-lm", "version": "1"}, files=listed)
+    (folder / "EXPORTED").write_bytes(dump(marker))
     registry = Registry((root / "registry").as_uri())
     digests = Digests(checkpoint="0" * 64, export=manifest_digest({n: f.model_dump() for n, f in listed.items()}))
     registry.register("lm", {"checkpoint": (root / "run" / "step-000040").as_uri(), "export": folder.as_uri(),
-                             "recipe": {"recipe": "hf-causal-lm"}, "digests": digests})
+                             "recipe": {"recipe": "hf-causal-lm", "version": "1"}, "digests": digests})
     registry.promote("lm", 1)
     return folder, ["models", "export", "lm", "-r", str(root / "registry")]
 
@@ -76,7 +77,7 @@ def test_an_export_rewritten_whole_after_registration_is_refused(tmp_path):
     folder, argv = _export(tmp_path)
     swapped = {**FILES, "model.safetensors": b"\x00other weights"}
     (folder / "model.safetensors").write_bytes(swapped["model.safetensors"])
-    (folder / "EXPORTED").write_bytes(dump(ExportMarker(recipe={"recipe": "hf-causal-lm"}, files={
+    (folder / "EXPORTED").write_bytes(dump(ExportMarker(recipe={"recipe": "hf-causal-lm", "version": "1"}, files={
         n: ExportedFile(sha256=hashlib.sha256(d).hexdigest(), size=len(d)) for n, d in swapped.items()})))
     result = runner.invoke(app, [*argv, str(tmp_path / "out")])
     said = " ".join(result.stderr.split())

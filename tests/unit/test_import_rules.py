@@ -14,8 +14,8 @@ ROOT = Path(__file__).resolve().parents[2]
 FOLDERS = {"trnflow": ROOT / "trnflow", "trnflow.flows": ROOT / "flows", "trnflow.tasks": ROOT / "tasks",
            "trnflow.specs": ROOT / "jobspecs"}
 BASE = ("trnflow", "trnflow.errors", "trnflow.events", "trnflow.records", "trnflow.fsutil", "trnflow.redact",
-        "trnflow.safetar", "trnflow.aws", "trnflow.settings", "trnflow.results", "trnflow.urls", "trnflow.processes",
-        "trnflow.teams")
+        "trnflow.safetar", "trnflow.aws", "trnflow.settings", "trnflow.results", "trnflow.measures", "trnflow.urls",
+        "trnflow.processes", "trnflow.teams")
 
 # room -> the rooms it may import (besides itself and the base modules)
 BELOW = {

@@ -70,6 +70,7 @@ def test_a_candidate_worse_than_the_champion_passes_the_gate_but_is_not_promoted
     assert kept is not None and kept.headline.startswith("the candidate registered, not promoted: accuracy -0.0030")
     assert "--run-id weak --force-promote" in kept.message and isinstance(kept.error(), ChampionKept)
     assert notes == [] and outcome(decision) == "gate passed; champion v1 kept"  # the parity chart's title
+    assert outcome(decision, forced="a label bug") == "gate passed; promoted over champion v1, as asked"
     assert settle(decision, None, "weak", forced="a label bug")[0] is None
     better = decide(spec, registry, _series(0.81, "1" * 810 + "0" * 190), False,
                     (_series(0.803, "1" * 803 + "0" * 197), "champion v1"))

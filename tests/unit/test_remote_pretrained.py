@@ -43,7 +43,7 @@ def _upload(folder: Path, prefix: str) -> str:
         s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{name}", Body=data)
         files[name] = ExportedFile(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
     s3.put_object(Bucket=BUCKET, Key=f"{prefix}/{EXPORT_MARKER}",
-                  Body=dump(ExportMarker(recipe={"recipe": "hf-causal-lm"}, files=files)))
+                  Body=dump(ExportMarker(recipe={"recipe": "hf-causal-lm", "version": "1"}, files=files)))
     return f"s3://{BUCKET}/{prefix}"
 
 

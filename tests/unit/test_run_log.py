@@ -7,6 +7,7 @@ import logging
 
 import prefect
 import prefect.flow_engine
+import prefect.runner.runner
 import prefect.states
 import prefect.task_engine
 import pytest
@@ -63,6 +64,8 @@ def test_prefects_private_cancel_channel_is_where_trnflow_reads_it():
         f"trnflow/flows/_stages.py) and the engine messages it rewrites were checked against {PREFECT_CHECKED}: "
         "cancel a served run, read its log, then set PREFECT_CHECKED")
     assert callable(control_listener.get_intent)
+    observer = prefect.runner.runner.FlowRunCancellingObserver  # serve keeps its polling at Prefect's default
+    assert "polling_interval" in inspect.signature(observer.__init__).parameters
     said = {module.__name__: inspect.getsource(module) for module in (prefect.task_engine, prefect.flow_engine,
                                                                         prefect.states)}
     assert 'f"Crash detected! {state.message}"' in said["prefect.task_engine"]

@@ -30,6 +30,7 @@ from trnflow.device.cache import (
 )
 from trnflow.device.cache_entry import LEGACY_VERSION
 from trnflow.device.cache_index import INDEX, INDEX_FORMAT
+from trnflow.measures import ProgramPlan
 from trnflow.storage import LocalStore, S3Store
 
 sys.path.insert(0, str(ROOT / "benchmarks"))  # the benchmark builds its cache the same way
@@ -174,10 +175,10 @@ def test_a_bit_flip_is_done_in_the_listing_and_corrupt_when_verified(big):
 def test_a_warm_check_of_a_few_keys_reads_only_their_entries(big, reads):
     root, built = big
     wanted = [*built.done[:3], next(n for n, s in built.states.items() if s == MISSING)]
-    rows = [{"program": f"program_{i}", "key": name.split("/")[1]} for i, name in enumerate(wanted)]
+    rows = [ProgramPlan(program=f"program_{i}", key=name.split("/")[1]) for i, name in enumerate(wanted)]
     prediction = plans.predict(rows, CompileCache(str(root)), retry_failed=False)
-    assert [row["state"] for row in prediction] == [built.states[name] for name in wanted]
-    assert [row["will"] for row in prediction] == ["hit", "hit", "hit", "compile"]
+    assert [row.state for row in prediction] == [built.states[name] for name in wanted]
+    assert [row.will for row in prediction] == ["hit", "hit", "hit", "compile"]
     assert reads["list"] == [f"{name}/" for name in wanted]
     legacy = {f"{LEGACY_VERSION}/{name.split('/')[1]}" for name in wanted}  # a miss looks for an old entry
     assert _small_files_read(reads["read"]) <= set(wanted) | legacy

@@ -7,9 +7,9 @@ from tests.conftest import tiny_m5
 from trnflow.emulator import compiler
 from trnflow.emulator.device import EmulatorDevice
 from trnflow.emulator.numerics import nearest_round_bf16_, stochastic_round_bf16_
+from trnflow.measures import SweepRow
 from trnflow.neuron.launch import parse_visible_cores
 from trnflow.neuron.nccom import bus_factor
-from trnflow.results import SweepRow
 from trnflow.workload.programs import build_model
 from trnflow.workload.sampler import StepSampler
 from trnflow.workload.sanity import check_matmul

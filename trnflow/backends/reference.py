@@ -25,11 +25,12 @@ from trnflow.storage import open_store
 RUN_ID = "reference"
 
 
-def reference_spec(spec: JobSpec) -> JobSpec:
+def reference_spec(spec: JobSpec, url: str | None = None) -> JobSpec:
     """The spec in fp32 at optimisation level 1, checkpointing beside the reference metrics file
-    (`reference_url`: gate.reference's file, or with `auto` its place under the spec's checkpoints),
-    without the candidate's deadline and budget (they bound the run, not the baseline it is judged by)."""
-    url = reference_url(spec)
+    (`url`, by default `reference_url`: gate.reference's file, or with `auto` its place under the
+    spec's checkpoints), without the candidate's deadline and budget (they bound the run, not the
+    baseline it is judged by)."""
+    url = url or reference_url(spec)
     if url is None:
         raise FatalError("gate.reference is not a file; name the metrics file the reference run should write, or "
                          "set it to auto")
@@ -45,16 +46,17 @@ def reference_spec(spec: JobSpec) -> JobSpec:
     })
 
 
-def keep_reference(spec: JobSpec, trained: TrainResult, job: str) -> MetricSeries:
-    """The reference training's metric series, written where the gate reads it (`reference_url`),
-    marked as the fp32 reference with the checkpoint it ended on. Returns the document."""
+def keep_reference(spec: JobSpec, trained: TrainResult, job: str, url: str | None = None) -> MetricSeries:
+    """The reference training's metric series, written where the gate reads it (`url`, by default
+    `reference_url`), marked as the fp32 reference with the checkpoint it ended on. Returns the
+    document."""
     if trained.checkpoint is None:
         raise FatalError(f"reference training job {job} trained nothing: {trained.reason}")
     series = read_series(trained.checkpoint.rpartition("/")[0])
     if series is None:
         raise FatalError(f"reference training job {job} wrote no metric series beside {trained.checkpoint}")
     document = series.model_copy(update={"source": "fp32-reference", "checkpoint": trained.checkpoint})
-    url = reference_url(spec)
+    url = url or reference_url(spec)
     assert url is not None
     base, _, name = url.rpartition("/")
     open_store(base).write(name, document.model_dump_json(indent=1, exclude_none=True).encode())

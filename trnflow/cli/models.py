@@ -236,7 +236,7 @@ def export(model: ModelArg, out: Annotated[Path, typer.Argument(help="A new or e
             raise typer.Exit(ExitCode.BAD_INPUT)
         if entry.entry.export is None:
             err.print(f"{shown(model)} v{entry.version} has no export: its recipe "
-                      f"({shown((entry.entry.recipe or {}).get('recipe'))}) writes none", **RED)
+                      f"({shown(entry.entry.recipe.recipe if entry.entry.recipe else None)}) writes none", **RED)
             raise typer.Exit(ExitCode.BAD_INPUT)
         digests = entry.entry.digests
         if digests is None or digests.export is None:
@@ -254,5 +254,5 @@ def export(model: ModelArg, out: Annotated[Path, typer.Argument(help="A new or e
     else:
         console.print(f"[green]{shown(model)} v{entry.version}[/green]: {len(marker.files)} files to {shown(str(out))}")
         if adapter:
-            folder = (entry.entry.recipe or {}).get("params", {}).get("pretrained")
+            folder = entry.entry.recipe.params.get("pretrained") if entry.entry.recipe else None
             console.print(f"the adapter's base: {shown(str(folder))} (digest {entry.entry.base})")

@@ -26,6 +26,7 @@ from trnflow.cli.console import RED
 from trnflow.cli.prelaunch import OverrideOpt, refuse_outside_team, refuse_over_forecast, refuse_unlaunchable
 from trnflow.cli.progress import training_progress
 from trnflow.errors import ChampionKept, ExitCode, GateFailed, OverBudget, TrnflowError
+from trnflow.lifecycle.references import reference_url
 from trnflow.neuron.compile_log import CompileProgress
 from trnflow.reporting.chart import paired_sentence
 from trnflow.results import (
@@ -52,7 +53,7 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
         err.print(f"{exc}", **RED)
         raise typer.Exit(ExitCode.FAILED) from None
     final = document.last
-    console.print(f"reference written to {spec.gate.reference}: step {final.step}, "
+    console.print(f"reference written to {reference_url(spec)}: step {final.step}, "
                   f"{spec.gate.metric} {final.value(spec.gate.metric):.4f}")
 
 
@@ -99,14 +100,15 @@ def compile_cmd(
         return
     table = Table("program", "input shapes", "key", "state", "outcome", title=f"compile cache {result.cache}")
     for row in result.programs:
-        done = result.report.get(row["key"], {})
-        outcome = row["will"] if check else f"{done.get('status', '?')} ({done.get('seconds', 0):.1f}s)"
-        table.add_row(row["program"], row.get("shapes", ""), row["key"], row["state"], outcome)
+        done = result.report.get(row.key)
+        outcome = row.will if check else f"{done.status} ({done.seconds:.1f}s)" if done else "?"
+        table.add_row(row.program, row.shapes, row.key, row.state, outcome)
     console.print(table)
     if result.parallel_compile:
         totals = result.parallel_compile
-        console.print(f"{totals['tool']} compiled {totals.get('compiled', '?')} of {totals.get('graphs', '?')} "
-                      f"graph(s), {totals['workers']} at a time, before trnflow recorded them")
+        console.print(f"{totals.tool} compiled {'?' if totals.compiled is None else totals.compiled} of "
+                      f"{'?' if totals.graphs is None else totals.graphs} graph(s), {totals.workers} at a time, "
+                      "before trnflow recorded them")
     if check:
         console.print(f"{result.hits} hit(s), {result.misses} miss(es)")
 

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from trnflow.events import EVENT_FIELD, duration
+from trnflow.events import EVENT_FIELD, Late, Resumed, ShardDone, TrainTick, duration, progress_of
 
 
 class TrainingProgress(logging.Handler):
@@ -29,26 +29,24 @@ class TrainingProgress(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         event = getattr(record, EVENT_FIELD, None)
-        if not isinstance(event, dict):
-            return
-        kind = event.get("event")
-        if kind == "resume" and self.bar is not None:
-            self.progress.update(self.bar, completed=event["step"], description=f"resumed at step {event['step']}")
-        elif kind == "train":
+        tick = progress_of(event) if isinstance(event, dict) else None
+        if isinstance(tick, Resumed) and self.bar is not None:
+            self.progress.update(self.bar, completed=tick.step, description=f"resumed at step {tick.step}")
+        elif isinstance(tick, TrainTick):
             if self.bar is None:
-                self.bar = self.progress.add_task("training", total=event["steps"], stage="train", eta="")
-            left = f"{duration(event['eta_s'])} left" if isinstance(event.get("eta_s"), int | float) else ""
+                self.bar = self.progress.add_task("training", total=tick.steps, stage="train", eta="")
+            left = f"{duration(tick.eta_s)} left" if tick.eta_s is not None else ""
             eta = ", ".join(t for t in (left, self.late) if t)
-            self.progress.update(self.bar, total=event["steps"], completed=event["step"], eta=eta,
-                                 description=f"loss {event['loss']:.4f}, {event['samples_per_s']:.0f} samples/s")
-        elif kind == "late" and self.bar is not None:
-            self.late = f"late: {event.get('forecast_minutes')} min of {event.get('deadline_minutes')}"
+            self.progress.update(self.bar, total=tick.steps, completed=tick.step, eta=eta,
+                                 description=f"loss {tick.loss:.4f}, {tick.samples_per_s:.0f} samples/s")
+        elif isinstance(tick, Late) and self.bar is not None:
+            self.late = f"late: {tick.forecast_minutes} min of {tick.deadline_minutes}"
             self.progress.update(self.bar, eta=self.late)
-        elif kind == "infer_shard":
+        elif isinstance(tick, ShardDone):
             if self.shards is None:
-                self.shards = self.progress.add_task("embedding", total=event["shards"], stage="infer", eta="")
-            self.progress.update(self.shards, advance=1, description=f"{event['rows_per_s']:.0f} rows/s (rank "
-                                 f"{event['rank']})")
+                self.shards = self.progress.add_task("embedding", total=tick.shards, stage="infer", eta="")
+            self.progress.update(self.shards, advance=1, description=f"{tick.rows_per_s:.0f} rows/s (rank "
+                                 f"{tick.rank})")
 
 
 @contextlib.contextmanager

@@ -8,6 +8,7 @@ from rich.table import Table
 from rich.text import Text
 
 from trnflow.cli.console import shown
+from trnflow.measures import CoreChecks, SweepRow
 from trnflow.reporting.report import (
     ENGINES,
     cost_cells,
@@ -17,7 +18,7 @@ from trnflow.reporting.report import (
     total_cells,
     with_not_run,
 )
-from trnflow.results import CoreChecks, Cost, StageRow, SweepRow
+from trnflow.results import Cost, StageRow
 
 STATE_COLOURS = {"Completed": "green", "Skipped": "cyan", "Failed": "red", "NotRun": "dim", "Waited": "cyan"}
 

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from trnflow.device.layout import TensorPlan
 from trnflow.device.private_torch import fake_group
 from trnflow.errors import FatalError, Recompilation
+from trnflow.measures import GraphSeen, ParallelCompile
 from trnflow.neuron.launch import aligned_ranges, parse_visible_cores
 from trnflow.results import CompileMetrics
 from trnflow.specs import JobSpec
@@ -75,15 +76,15 @@ class Seen:
     reason: str = ""
     seconds: float = 0.0
 
-    def as_dict(self) -> dict:
-        return {"program": self.program, "key": self.key, "outcome": self.outcome, "reason": self.reason,
-                "shapes": self.graph.data_shapes, "seconds": round(self.seconds, 3)}
+    def record(self) -> GraphSeen:
+        return GraphSeen(program=self.program, key=self.key, outcome=self.outcome, reason=self.reason,
+                         shapes=self.graph.data_shapes, seconds=round(self.seconds, 3))
 
 
 def summarise(seen: list[Seen]) -> CompileMetrics:
     """What a process compiled, loaded from the cache and recompiled."""
     return CompileMetrics(graphs=len(seen), hits=sum(s.outcome == "hit" for s in seen),
-                          recompiles=[s.as_dict() for s in seen if s.outcome == "recompiled"],
+                          recompiles=[s.record() for s in seen if s.outcome == "recompiled"],
                           seconds=round(sum(s.seconds for s in seen), 3))
 
 
@@ -269,7 +270,7 @@ class Device(ABC):
         server imports them once, and each worker starts from it with them loaded."""
         return []
 
-    def precompile(self, spec: JobSpec, trial: list[str]) -> dict | None:
+    def precompile(self, spec: JobSpec, trial: list[str]) -> ParallelCompile | None:
         """Compile the spec's programs ahead of time with the device's own SDK tools, where they are
         at hand, before trnflow records the graphs; `trial` is the command that runs the trial steps
         alone. What the tool reported, or None where the device has no such tool here."""

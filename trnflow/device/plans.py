@@ -19,10 +19,13 @@ import logging
 from pathlib import Path
 from urllib.parse import unquote, urlparse
 
+from pydantic import ValidationError
+
 from trnflow.device import cache as states
 from trnflow.device.cache import COMPILER_VERSION, CompileCache, entry_name, folder_problem
 from trnflow.device.signing import UNSIGNED_ENV, EntryKeys, keys_from, shared_cache_problem
 from trnflow.errors import FatalError
+from trnflow.measures import ProgramPlan
 from trnflow.neuron.launch import cache_url
 from trnflow.specs import JobSpec
 
@@ -59,32 +62,35 @@ def _name(digest: str) -> str:
     return f"{COMPILER_VERSION}/plans/{digest}.json"
 
 
-def record(cache: CompileCache, digest: str, programs: list[dict]) -> None:
+def record(cache: CompileCache, digest: str, programs: list[ProgramPlan]) -> None:
     """Remember which program has which key and shapes (from a trial run)."""
-    rows = [{"program": p["program"], "key": p["key"], "shapes": p["shapes"]} for p in programs]
+    rows = [p.model_dump(include={"program", "key", "shapes"}) for p in programs]
     cache.store.write(_name(digest), json.dumps({"programs": rows}, indent=2).encode())
 
 
-def recorded(cache: CompileCache, digest: str) -> list[dict] | None:
-    """The plan a trial run recorded for an equal spec (`plan_digest`), or None."""
+def recorded(cache: CompileCache, digest: str) -> list[ProgramPlan] | None:
+    """The plan a trial run recorded for an equal spec (`plan_digest`), or None (none, or not one
+    this trnflow can read: the compile job then finds the plan again)."""
     try:
-        return json.loads(cache.store.read(_name(digest)))["programs"]
-    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        rows = json.loads(cache.store.read(_name(digest)))["programs"]
+        return [ProgramPlan.model_validate(row) for row in rows]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError, TypeError, ValidationError):
         return None
 
 
-def predict(programs: list[dict], cache: CompileCache, retry_failed: bool, deep: bool = False) -> list[dict]:
+def predict(programs: list[ProgramPlan], cache: CompileCache, retry_failed: bool, deep: bool = False
+            ) -> list[ProgramPlan]:
     """For each graph: its cache state and what compiling would do (hit, compile, skip or wait). The
     state comes from metadata alone unless `deep` (a compile job checks the artifacts it relies on;
     a warm check before launch does not read them, and a run still verifies what it loads)."""
     rows = []
     for p in programs:
-        state = cache.state(entry_name(p["key"]), deep=deep)
+        state = cache.state(entry_name(p.key), deep=deep)
         will = ("hit" if state == states.DONE
                 else "skip (failed before)" if state == states.FAILED and not retry_failed
                 else "wait (being compiled)" if state == states.LOCKED
                 else "compile")
-        rows.append({**p, "state": state, "will": will})
+        rows.append(p.model_copy(update={"state": state, "will": will}))
     return rows
 
 

@@ -42,6 +42,7 @@ from trnflow.device.base import Log, RecompileGuard
 from trnflow.device.cache import CompileCache
 from trnflow.device.indexed import IndexedGraphs, RuntimeDevice
 from trnflow.errors import FatalError
+from trnflow.measures import ParallelCompile
 from trnflow.neuron import tools
 from trnflow.neuron.launch import cache_url, compiler_cache_dir
 from trnflow.specs import JobSpec
@@ -155,7 +156,7 @@ class XlaDevice(RuntimeDevice):
     def shard(self, model: torch.nn.Module, blocks: list[torch.nn.Module]) -> None:
         raise FatalError(XLA_FSDP)
 
-    def precompile(self, spec: JobSpec, trial: list[str]) -> dict | None:
+    def precompile(self, spec: JobSpec, trial: list[str]) -> ParallelCompile | None:
         """On a host with the Neuron SDK's `neuron_parallel_compile`, the trial run under it, which
         compiles every graph the trial meets into the Neuron compiler's cache (the spec's compile
         cache, through NEURON_CC_FLAGS' --cache_dir), `compile.workers` at a time."""

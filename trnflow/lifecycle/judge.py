@@ -189,15 +189,18 @@ def evaluated_series(points: list[MetricPoint], holdout: str | None, step: int, 
                         predictions=Predictions(step=step, correct=correct) if correct else None)
 
 
-def reference_series(spec: JobSpec, registry: Registry | None) -> tuple[MetricSeries | None, str]:
-    """The reference document and what it is; None for a first run with nothing to compare with."""
+def reference_series(spec: JobSpec, registry: Registry | None, url: str | None = None
+                     ) -> tuple[MetricSeries | None, str]:
+    """The reference document and what it is; None for a first run with nothing to compare with.
+    `url`: the metrics file the run's reference stage found or trained (`gate.reference: auto`),
+    instead of looking for it again (new data since would name another)."""
     gate = spec.gate
     if gate.reference is None:
         return None, "no reference set"
     if gate.reference == "champion":
         assert registry is not None  # the spec checks it
         return champion_series(spec, registry)
-    url = reference_url(spec)
+    url = url or reference_url(spec)
     assert url is not None
     base, _, name = url.rpartition("/")
     try:
@@ -233,7 +236,7 @@ def protect(spec: JobSpec, candidate: MetricSeries, champion: MetricSeries, who:
 
 
 def _checks(spec: JobSpec, registry: Registry | None, candidate: MetricSeries, against_champion: bool,
-            champion: tuple[MetricSeries, str] | Check | None) -> list[Check]:
+            champion: tuple[MetricSeries, str] | Check | None, reference_at: str | None = None) -> list[Check]:
     gate = spec.gate
     checks = []
     if isinstance(champion, Check):  # decided already: it could not be compared
@@ -242,7 +245,7 @@ def _checks(spec: JobSpec, registry: Registry | None, candidate: MetricSeries, a
         checks.append(protect(spec, candidate, *champion))
     # retraining: the champion's check covers `champion`, and `auto` would be another run's reference
     if not (against_champion and gate.reference in ("champion", AUTO)):
-        reference, who = reference_series(spec, registry)
+        reference, who = reference_series(spec, registry, reference_at)
         if reference is not None and against_champion:  # a retrained model must stay as good as the reference
             checks.append(Check(no_regression(candidate, reference, band(spec, candidate), who, gate.significance),
                                 reference, who))
@@ -262,11 +265,12 @@ def _checks(spec: JobSpec, registry: Registry | None, candidate: MetricSeries, a
 
 
 def decide(spec: JobSpec, registry: Registry | None, candidate: MetricSeries, against_champion: bool,
-           champion: tuple[MetricSeries, str] | Check | None = None) -> Decision:
+           champion: tuple[MetricSeries, str] | Check | None = None, reference_at: str | None = None) -> Decision:
     """Judge the candidate's series against each reference it must pass, and against `champion`
     (its series on the candidate's holdout, and its name; or a failed check when the two could
-    not be compared) when there is one."""
-    checks = _checks(spec, registry, candidate, against_champion, champion)
+    not be compared) when there is one. `reference_at`: where the run's reference stage put the
+    automatic reference (`reference_series`)."""
+    checks = _checks(spec, registry, candidate, against_champion, champion, reference_at)
     if len(checks) == 1:
         return Decision(checks, checks[0].verdict, checks[0].against)
     failed = [f"against {c.against}: {c.verdict.reason}" for c in checks if not c.verdict.passed]
@@ -282,7 +286,7 @@ def inputs_digest(spec: JobSpec, meta: CheckpointMeta) -> str:
     files = set(meta.data.files)
     sizes = sorted((o.name, o.size, o.modified) for o in open_store(spec.data.train).list() if o.name in files) \
         if files else []
-    blob = {"spec": spec.digest(), "recipe": meta.recipe, "parent": meta.parent,
+    blob = {"spec": spec.digest(), "recipe": meta.recipe.model_dump(mode="json"), "parent": meta.parent,
             "watermark": meta.watermark, "files": sorted(files), "sizes": sizes, "rows": meta.data.rows}
     return hashlib.sha256(json.dumps(blob, sort_keys=True, default=str).encode()).hexdigest()[:24]
 
@@ -393,10 +397,13 @@ def settle(decision: Decision, registration: Registration | None, run_id: str, f
     return kept, notes
 
 
-def outcome(decision: Decision) -> str:
+def outcome(decision: Decision, forced: str | None = None) -> str:
     """The decision in a few words, as the parity chart's title ends: `gate passed`, `gate FAILED`,
-    or `gate passed; champion v1 kept` (the candidate is worse than it)."""
+    `gate passed; champion v1 kept` (the candidate is worse than it), or with `forced` (a reason to
+    promote it anyway) `gate passed; promoted over champion v1, as asked`."""
     if not decision.gate_passed:
         return "gate FAILED"
     worse = decision.worse_than_champion
-    return f"gate passed; {worse.against} kept" if worse else "gate passed"
+    if worse is None:
+        return "gate passed"
+    return f"gate passed; promoted over {worse.against}, as asked" if forced else f"gate passed; {worse.against} kept"

@@ -38,10 +38,11 @@ def auto_folder(spec: JobSpec) -> str:
 def reference_key(spec: JobSpec) -> str:
     """A digest of what decides the fp32 reference's numbers: the model, the data's files and their
     sizes (a new day partition is another reference), the training (its seed, batch, schedule and
-    starting weights: the champion's checkpoint where it starts from the champion), its cores, and
-    the evaluation steps and metrics. Not the candidate's precision or compiler level (the reference
-    is always fp32 at -O1), its layout (ddp, fsdp or tp compute the same maths: a reference serves
-    each, which is what the gate checks), its name, budget, deadline or outputs."""
+    starting weights: the champion's checkpoint where it starts from the champion), its device,
+    instance type and cores, and the evaluation steps and metrics. Not the candidate's precision
+    or compiler level (the reference is always fp32 at -O1), its layout (ddp, fsdp or tp compute
+    the same maths: a reference serves each, which is what the gate checks), its name, budget,
+    deadline, inference input or outputs."""
     train = spec.train.model_dump(mode="json", exclude=TRAINING_ONLY)
     for decided_once in ("strategy", "tp"):  # as written or as decided, one reference: the layouts' maths agree
         train["parallelism"].pop(decided_once)
@@ -50,11 +51,12 @@ def reference_key(spec: JobSpec) -> str:
         train["init_from"] = champion.checkpoint if champion else None
     decided = {
         "model": spec.model.model_dump(mode="json"),
-        "data": spec.data.model_dump(mode="json"),
+        "data": spec.data.model_dump(mode="json", exclude={"inference"}),
         "files": {role: _listing(url, spec) for role, url in (("train", spec.data.train),
                                                               ("holdout", spec.data.holdout))},
         "train": train,
         "cores": [spec.compute.nodes, spec.compute.cores_per_node],
+        "device": [spec.compute.device, spec.compute.instance_type],  # another device's numbers are others
         "gate": spec.gate.model_dump(mode="json", include={"metric", "metrics", "eval_every"}),
     }
     return hashlib.sha256(json.dumps(decided, sort_keys=True).encode()).hexdigest()[:16]
@@ -70,6 +72,8 @@ def _listing(url: str, spec: JobSpec) -> list[tuple[str, int]]:
     return found
 
 
-def on_record(spec: JobSpec) -> bool:
-    """Whether the automatic reference of this spec and data is there to judge against."""
-    return any(o.name == "metrics.json" for o in open_store(auto_folder(spec)).list("metrics.json"))
+def on_record(spec: JobSpec, url: str | None = None) -> bool:
+    """Whether the automatic reference of this spec and data (at `url`, where one was decided) is
+    there to judge against."""
+    folder, _, name = (url or reference_url(spec) or "").rpartition("/")
+    return bool(folder) and any(o.name == name for o in open_store(folder).list(name))

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from pydantic import Field, StrictFloat, StrictInt
 
 from trnflow.errors import FatalError, TrnflowError
-from trnflow.records import PairedCheck, Record, RecordError, dump, read
+from trnflow.records import PairedCheck, RecipeRef, Record, RecordError, dump, read
 from trnflow.storage import Store, open_store
 
 _VERSION = re.compile(r"versions/v(\d{6})\.json$")
@@ -81,7 +81,7 @@ class RegistryEntry(Record):
     global_step: int | None = None
     parent: str | None = Field(None, description="the checkpoint it was trained further from")
     parent_version: int | None = Field(None, description="that checkpoint's version, when registered")
-    recipe: dict[str, Any] | None = Field(None, description="its recipe: name, version and params")
+    recipe: RecipeRef | None = Field(None, description="its recipe: name, version and params")
     export: str | None = Field(None, description="the model in its own library's format")
     base: str | None = Field(None, description="LoRA: the content digest of the pretrained folder its adapters were "
                              "trained on and need (the folder its recipe's params name as pretrained)")

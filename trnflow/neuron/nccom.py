@@ -9,7 +9,7 @@ from __future__ import annotations
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
 """The operations a sweep covers. A sweep's rows, in nccom-test's columns, are
-`trnflow.results.SweepRow`."""
+`trnflow.measures.SweepRow`."""
 
 
 def bus_factor(op: str, ranks: int) -> float:

@@ -34,9 +34,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 
+from trnflow.measures import PlanSummary
 from trnflow.neuron.launch import aligned_ranges
 from trnflow.neuron.topology import torus_neighbours
-from trnflow.results import PlanSummary
 from trnflow.specs import JobSpec, instance
 
 OPS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter")

@@ -21,7 +21,7 @@ from pydantic import AliasChoices, ValidationError
 from pydantic.fields import FieldInfo
 
 from trnflow.errors import FatalError
-from trnflow.results import NCCOM_TIME_COLUMNS, CoreHolder, HostInventory, SweepRow
+from trnflow.measures import NCCOM_TIME_COLUMNS, CoreHolder, HostInventory, ParallelCompile, SweepRow
 
 NEURON_LS, NCCOM_TEST, PARALLEL_COMPILE = "neuron-ls", "nccom-test", "neuron_parallel_compile"
 NCCOM_OPS = {"all_reduce": "all_reduce", "all_gather": "all_gather", "reduce_scatter": "reduce_scatter",
@@ -170,7 +170,7 @@ def parse_parallel_compile(text: str) -> dict[str, int]:
 
 
 def parallel_compile(workers: int, command: list[str], env: dict[str, str], timeout: float = 6 * 3600.0
-                     ) -> dict[str, Any]:
+                     ) -> ParallelCompile:
     """Run `command` under neuron_parallel_compile; its totals, or an error with the end of its
     output when it fails or reports a failed compilation (a compiler error: never retried)."""
     tool = which(PARALLEL_COMPILE)
@@ -183,4 +183,4 @@ def parallel_compile(workers: int, command: list[str], env: dict[str, str], time
         raise FatalError(f"{PARALLEL_COMPILE} failed (exit {done.returncode}, "
                          f"{totals.get('failed', 'an unknown number of')} failed compilations): "
                          f"{output.strip()[-1500:]}")
-    return {"tool": PARALLEL_COMPILE, "workers": workers, **totals}
+    return ParallelCompile(tool=PARALLEL_COMPILE, workers=workers, **totals)

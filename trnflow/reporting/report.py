@@ -5,17 +5,9 @@ they share with the command's rich tables (`trnflow.cli.render`) are made here o
 
 from __future__ import annotations
 
+from trnflow.measures import CoreChecks
 from trnflow.reporting.cost import spot_savings
-from trnflow.results import (
-    CollectivesResult,
-    CompileResult,
-    CoreChecks,
-    Cost,
-    CostRow,
-    StageResult,
-    StageRow,
-    TrainResult,
-)
+from trnflow.results import CollectivesResult, CompileResult, Cost, CostRow, StageResult, StageRow, TrainResult
 from trnflow.urls import shown
 
 ENGINES = ("tensor", "vector", "scalar", "gpsimd", "memory")
@@ -185,9 +177,9 @@ def compile_markdown(result: CompileResult) -> str:
     report = result.report
     rows = []
     for program in result.programs:
-        done = report.get(program["key"], {})
-        rows.append([program["program"], program.get("shapes", ""), f"`{program['key']}`",
-                     done.get("status", program.get("state", "")), f"{done.get('seconds', 0.0):.1f} s"])
+        done = report.get(program.key)
+        rows.append([program.program, program.shapes, f"`{program.key}`",
+                     done.status if done else program.state or "", f"{done.seconds if done else 0.0:.1f} s"])
     lines = [f"## Compile cache {result.cache}", "",
              f"{result.hits} hit(s), {result.compiled} compiled", "",
              *_table(["program", "input shapes", "key", "outcome", "time"], rows)]
@@ -200,14 +192,19 @@ def cost_markdown(cost: Cost) -> str:
     command's table (`cost_cells`) would be cut off."""
     lines = [f"- **{r.stage}**: {_instances(r)}, {r.jobs} job{'s' if r.jobs != 1 else ''}, "
              f"{r.billable_seconds:.1f} s billable{_started(r.instances_started, r.provisioning_seconds)}: "
-             f"**{'cost unknown' if r.cost_usd is None else f'${r.cost_usd:.4f}'}**"
-             f"{'' if r.forecast_seconds is None else f' (forecast {r.forecast_seconds:.1f} s, ${r.forecast_usd:.4f})'}"
-             for r in cost.rows]
+             f"**{'cost unknown' if r.cost_usd is None else f'${r.cost_usd:.4f}'}**{_forecast(r)}" for r in cost.rows]
     total = ("unknown (set compute.price_per_hour)" if cost.total_usd is None else f"${cost.total_usd:.4f}")
     lines += ["", f"Total: **{total}**{'' if cost.forecast_usd is None else f' (forecast ${cost.forecast_usd:.4f})'}"
               f"{_started(cost.instances_started, cost.provisioning_seconds)}."]
     note = spot_note(cost)
     return "\n".join(["## What the jobs cost (on-demand prices)", "", *lines, *(["", note] if note else [])]) + "\n"
+
+
+def _forecast(row: CostRow) -> str:
+    """` (forecast 4.0 s, $0.0015)` beside a row forecast before the run (no price: none in dollars)."""
+    if row.forecast_seconds is None:
+        return ""
+    return f" (forecast {row.forecast_seconds:.1f} s{'' if row.forecast_usd is None else f', ${row.forecast_usd:.4f}'})"
 
 
 def _instances(row: CostRow) -> str:

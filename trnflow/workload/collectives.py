@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from trnflow.errors import FatalError
+from trnflow.measures import PlanSummary, SweepRow
 from trnflow.neuron import plan, tools
 from trnflow.neuron.launch import INSTANCE_TYPE_ENV
 from trnflow.neuron.nccom import OPS, bus_factor
-from trnflow.results import PlanSummary, SweepRow
 from trnflow.workload.context import WorkerContext
 
 GIB = 1024**3

@@ -28,6 +28,7 @@ from trnflow.device.base import Device
 from trnflow.device.cache import COMPILER_VERSION, CompileCache, EntryLocked, entry_name
 from trnflow.device.registry import choose, get_device
 from trnflow.errors import FatalError
+from trnflow.measures import ParallelCompile, ProgramOutcome, ProgramPlan
 from trnflow.neuron.compile_log import CompileProgress
 from trnflow.neuron.launch import rank_threads, retry_failed_requested
 from trnflow.results import TrialResult
@@ -74,7 +75,7 @@ def _threads(spec: JobSpec) -> int:
     return spec.compute.threads_per_core or rank_threads(spec.compute.world_size)
 
 
-def compile_one(spec_json: str, program: str, key: str, retry_failed: bool = False) -> dict:
+def compile_one(spec_json: str, program: str, key: str, retry_failed: bool = False) -> ProgramOutcome:
     """One graph's compilation, in its own process (see `compile_program`)."""
     (outcome,) = compile_program(spec_json, program, [key], retry_failed)
     return outcome
@@ -93,7 +94,7 @@ def _lock(cache: CompileCache, entry: str, deadline: float) -> bool | EntryLocke
 
 
 def compile_program(spec_json: str, program: str, keys: list[str], retry_failed: bool = False,
-                    library: str | None = None) -> list[dict]:
+                    library: str | None = None) -> list[ProgramOutcome]:
     """One program's missing graphs, in one process of their own: lock their entries, run the
     program once, commit each graph or record its failure. `library`: a folder of the compile job's
     own where each program leaves what the job's later programs may reuse (`Device.keep_built`).
@@ -107,21 +108,21 @@ def compile_program(spec_json: str, program: str, keys: list[str], retry_failed:
     device = get_device(choose(spec).name)
     cache = plans.job_cache(spec)
     began, deadline = time.perf_counter(), time.monotonic() + LOCK_WAIT_SECONDS  # one wait for all the locks
-    outcomes: dict[str, dict] = {}
+    outcomes: dict[str, ProgramOutcome] = {}
     held: dict[str, bool] = {}  # key -> a stale lock was cleared
     try:
         for key in sorted(keys, key=entry_name):
-            entry, outcome = entry_name(key), {"program": program, "key": key, "retries": 0}
+            entry = entry_name(key)
             taken = _lock(cache, entry, deadline)
             if isinstance(taken, EntryLocked):
-                outcomes[key] = {**outcome, "status": "locked", "owner": taken.owner, "seconds": 0.0}
+                outcomes[key] = ProgramOutcome(program=program, key=key, status="locked", owner=taken.owner)
                 continue
             held[key] = taken
             state = cache.state(entry)  # under the lock: someone may have finished it meanwhile
             if state == states.DONE:
-                outcomes[key] = {**outcome, "status": "hit", "seconds": 0.0, "waited": True}
+                outcomes[key] = ProgramOutcome(program=program, key=key, status="hit", waited=True)
             elif state == states.FAILED and not retry_failed:
-                outcomes[key] = {**outcome, "status": "failed", "seconds": 0.0, "cached_failure": True}
+                outcomes[key] = ProgramOutcome(program=program, key=key, status="failed", cached_failure=True)
         todo = [key for key in keys if key not in outcomes]
         if todo:
             outcomes |= _compile_graphs(spec, device, cache, program, todo, held, began,
@@ -133,7 +134,8 @@ def compile_program(spec_json: str, program: str, keys: list[str], retry_failed:
 
 
 def _compile_graphs(spec: JobSpec, device: Device, cache: CompileCache, program: str, keys: list[str],
-                    stale: dict[str, bool], began: float, library: Path | None = None) -> dict[str, dict]:
+                    stale: dict[str, bool], began: float, library: Path | None = None
+                    ) -> dict[str, ProgramOutcome]:
     """Run `program` once in compile mode and file each of `keys` (their locks held). An error in the
     run fails them all; a graph the run did not trace fails alone (the program is not deterministic)."""
     for key in keys:
@@ -164,14 +166,13 @@ def _compile_graphs(spec: JobSpec, device: Device, cache: CompileCache, program:
         cache.commit(entry_name(key), texts[key], flags, artifact, seconds)
     for key, failure in failures.items():
         cache.record_failure(entry_name(key), texts.get(key, ""), flags, failure)
-    row = {"program": program, "retries": 0, "seconds": seconds}
-    return {key: {**row, "key": key, "status": "failed"} if key in failures else
-            {**row, "key": key, "status": "done", "together": len(compiled), "stale_lock_cleared": stale[key]}
-            for key in keys}
+    return {key: ProgramOutcome(program=program, key=key, status="failed", seconds=seconds) if key in failures else
+            ProgramOutcome(program=program, key=key, status="done", seconds=seconds, together=len(compiled),
+                           stale_lock_cleared=stale[key]) for key in keys}
 
 
-def _counts(report: dict[str, dict], total: int) -> str:
-    statuses = [r["status"] for r in report.values()]
+def _counts(report: dict[str, ProgramOutcome], total: int) -> str:
+    statuses = [r.status for r in report.values()]
     return CompileProgress.counting(done=sum(s in ("done", "hit") for s in statuses), failed=statuses.count("failed"),
                                     locked=statuses.count("locked"), total=total).line()
 
@@ -199,7 +200,7 @@ def trial(spec: JobSpec, device: Device) -> TrialResult:
     return TrialResult(programs=list(programs_of(spec)), steps=TRIAL_STEPS)
 
 
-def precompile(spec: JobSpec, device: Device) -> dict | None:
+def precompile(spec: JobSpec, device: Device) -> ParallelCompile | None:
     """The device's own parallel compiler over the trial (`compile --options '{"trial": true}'` in a
     process of its own), where the device has one here."""
     with tempfile.TemporaryDirectory(prefix="trnflow-trial-") as tmp:
@@ -222,34 +223,32 @@ def run(ctx: WorkerContext) -> dict | TrialResult:
     with watchdog.busy("neuron_parallel_compile"):  # the compiler runs in processes of its own
         parallel = None if ctx.options.get("check") else precompile(spec, ctx.device)
     if parallel is not None:
-        ctx.log("parallel_compile", **parallel)
+        ctx.log("parallel_compile", **parallel.model_dump(exclude_none=True))
     plan, flags = extract(spec, ctx.device), ctx.device.compiler(spec, mode="extract", model=for_job(spec).key).flags
-    prediction = plans.predict([{"program": p.program, "key": p.key, "shapes": p.graph.data_shapes} for p in plan],
+    prediction = plans.predict([ProgramPlan(program=p.program, key=p.key, shapes=p.graph.data_shapes) for p in plan],
                                cache, retry_failed, deep=True)
     plans.record(cache, plan_digest(spec), prediction)
     for row in prediction:
-        print(f"INFO ||NEURON_CC_WRAPPER||: {row['program']}: {row['key']} is {row['state']}; will {row['will']}",
-              flush=True)
+        print(f"INFO ||NEURON_CC_WRAPPER||: {row.program}: {row.key} is {row.state}; will {row.will}", flush=True)
     result = {"programs": prediction, "graphs": len(plan), "flags": flags, "compiler": COMPILER_VERSION,
               "cache": cache.url, **({"parallel_compile": parallel} if parallel else {})}
     if ctx.options.get("check"):
-        return {**result, "check": True, "hits": sum(r["will"] == "hit" for r in prediction),
-                "misses": sum(r["will"] != "hit" for r in prediction)}
+        return {**result, "check": True, "hits": sum(r.will == "hit" for r in prediction),
+                "misses": sum(r.will != "hit" for r in prediction)}
 
-    report: dict[str, dict] = {}
+    report: dict[str, ProgramOutcome] = {}
     todo = []
     for p, row in zip(plan, prediction, strict=True):
-        if row["state"] == states.CORRUPT:
+        if row.state == states.CORRUPT:
             print(f"WARNING ||NEURON_CACHE||: {cache.url}/{p.entry} is corrupt (checksum mismatch); "
                   "compiling it again", flush=True)
-        if row["will"] == "hit":
+        if row.will == "hit":
             cache.record_hit(p.entry)
-            report[p.key] = {"program": p.program, "key": p.key, "status": "hit", "seconds": 0.0, "retries": 0}
-        elif row["will"].startswith("skip"):
+            report[p.key] = ProgramOutcome(program=p.program, key=p.key, status="hit")
+        elif (row.will or "").startswith("skip"):
             print(f"INFO ||NCC_WRAPPER||: Got a cached failed neff at {cache.url}/{p.entry}. Will skip compilation, "
                   "please set --retry-failed for recompilation.", flush=True)
-            report[p.key] = {"program": p.program, "key": p.key, "status": "failed", "seconds": 0.0,
-                             "retries": 0, "cached_failure": True}
+            report[p.key] = ProgramOutcome(program=p.program, key=p.key, status="failed", cached_failure=True)
         else:
             todo.append(p)
     print(_counts(report, len(plan)), flush=True)
@@ -267,32 +266,32 @@ def run(ctx: WorkerContext) -> dict | TrialResult:
                        for program, keys in by_program.items()]
             for future in as_completed(futures):
                 for outcome in future.result():
-                    report[outcome["key"]] = outcome
-                    ctx.log("compiled", **{k: outcome.get(k) for k in ("program", "key", "status", "seconds")})
+                    report[outcome.key] = outcome
+                    ctx.log("compiled", **outcome.model_dump(include={"program", "key", "status", "seconds"}))
                 print(_counts(report, len(plan)), flush=True)
     return _summarise(result, report, cache)
 
 
-def _summarise(result: dict, report: dict[str, dict], cache: CompileCache) -> dict:
+def _summarise(result: dict, report: dict[str, ProgramOutcome], cache: CompileCache) -> dict:
     statuses = ("hit", "done", "failed", "locked")
-    summary = {"compilation_summary": {s: sum(r["status"] == s for r in report.values()) for s in statuses},
-               "compilation_report": report}
+    summary = {"compilation_summary": {s: sum(r.status == s for r in report.values()) for s in statuses},
+               "compilation_report": {k: r.model_dump(mode="json", exclude_defaults=True) for k, r in report.items()}}
     print(f"INFO ||NEURON_PARALLEL_COMPILE||: {json.dumps(summary)}", flush=True)
     print(f"INFO ||NEURON_PARALLEL_COMPILE||: Total graphs: {len(report)}", flush=True)
     print(f"INFO ||NEURON_PARALLEL_COMPILE||: Total successful compilations: "
           f"{summary['compilation_summary']['done']}", flush=True)
     print(f"INFO ||NEURON_PARALLEL_COMPILE||: Total failed compilations: "
           f"{summary['compilation_summary']['failed']}", flush=True)
-    unfinished = [r for r in report.values() if r["status"] in ("failed", "locked")]
+    unfinished = [r for r in report.values() if r.status in ("failed", "locked")]
     if unfinished:
-        names = ", ".join(f"{r['program']} ({r['key']}: {r['status']})" for r in unfinished)
-        if all(r.get("cached_failure") for r in unfinished):
+        names = ", ".join(f"{r.program} ({r.key}: {r.status})" for r in unfinished)
+        if all(r.cached_failure for r in unfinished):
             hint = "it failed before and is not retried; fix the cause, then run `trnflow compile SPEC --retry-failed`"
-        elif any(r["status"] == "locked" for r in unfinished):
+        elif any(r.status == "locked" for r in unfinished):
             hint = "another process held its lock for too long; check for a hung compile, then run again"
         else:
             hint = f"see model.log in those entries under {cache.url}"
         raise FatalError(f"compilation failed for {names}: {hint}")
     counts = summary["compilation_summary"]
     return {**result, "hits": counts["hit"], "compiled": counts["done"], "report": report,
-            "seconds": round(sum(r["seconds"] for r in report.values()), 3)}
+            "seconds": round(sum(r.seconds for r in report.values()), 3)}

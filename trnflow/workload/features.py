@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import torch
 
+from trnflow.measures import HostMemory
 from trnflow.workload import watchdog
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.data import labels_of, lines
@@ -149,9 +150,9 @@ def featurize(batches: Iterable[pa.Table], recipe: Recipe, *, label_field: str |
     )
 
 
-def host_memory(ctx: WorkerContext, features: FeatureRows) -> dict:
+def host_memory(ctx: WorkerContext, features: FeatureRows) -> HostMemory:
     """What the ranks held in host memory (their peak resident set, which the rows read a batch at a
     time keep bounded) and whether the featurized rows went to local disk."""
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
-    return {"peak_rss_mb_per_rank": [round(mb, 1) for mb in gather_objects(ctx, peak_mb)],
-            "rows": len(features), "features_spilled_to_disk": features.spilled}
+    return HostMemory(peak_rss_mb_per_rank=[round(mb, 1) for mb in gather_objects(ctx, peak_mb)], rows=len(features),
+                      features_spilled_to_disk=features.spilled)

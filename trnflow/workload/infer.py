@@ -22,7 +22,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from trnflow.results import InferResult
+from trnflow.results import InferResult, ShardWritten
 from trnflow.specs import GenerateSpec, InferenceSpec
 from trnflow.storage import Store, open_store
 from trnflow.workload.checkpoint import Checkpoint
@@ -135,7 +135,8 @@ def _plan(rows: Featurized, spec_inference: InferenceSpec, ckpt: Checkpoint, ver
     generating = spec_inference.generate.model_dump(mode="json") if spec_inference.generate else None
     return hashlib.sha256(json.dumps([
         rows.digest, spec_inference.shard_size, spec_inference.batch_size, ckpt.model_sha256, version,
-        hashlib.sha256(recipe.state()).hexdigest(), recipe.describe(), *([generating] if generating else []),
+        hashlib.sha256(recipe.state()).hexdigest(), recipe.describe().model_dump(mode="json"),
+        *([generating] if generating else []),
     ]).encode()).hexdigest()[:16]
 
 
@@ -153,7 +154,8 @@ def _warm_up(job: _Job, mine: list[int]) -> float:
     return time.perf_counter() - began
 
 
-def _write_shards(ctx: WorkerContext, job: _Job, mine: list[int], faults: Store) -> tuple[list[dict], int, float]:
+def _write_shards(ctx: WorkerContext, job: _Job, mine: list[int], faults: Store
+                  ) -> tuple[list[ShardWritten], int, float]:
     """Write this rank's shards, each then its commit marker, reusing those committed under the same
     plan; each shard as the manifest lists it, the rows embedded here, and the seconds it took."""
     shards, written, began = [], 0, time.perf_counter()
@@ -174,21 +176,21 @@ def _write_shards(ctx: WorkerContext, job: _Job, mine: list[int], faults: Store)
             shard_store.write(f"{shard_name(shard)}.parquet", data)
             job.out.write(marker_name(shard), json.dumps(marker).encode())  # the commit, last
             written += hi - lo
-        shards.append({"shard": shard, "file": f"{shard_name(shard)}.parquet", "rows": marker["rows"],
-                       "sha256": marker["sha256"], "reused": reused})
+        shards.append(ShardWritten(shard=shard, file=f"{shard_name(shard)}.parquet", rows=marker["rows"],
+                                   sha256=marker["sha256"], reused=reused))
         elapsed = time.perf_counter() - began
         ctx.log("infer_shard", all_ranks=True, shard=shard, shards=job.n_shards, rows=hi - lo, reused=reused,
                 rows_per_s=round(written / elapsed, 1) if elapsed else 0.0)
     return shards, written, time.perf_counter() - began
 
 
-def _publish(job: _Job, checkpoint: str, shards: list[dict]) -> None:
+def _publish(job: _Job, checkpoint: str, shards: list[ShardWritten]) -> None:
     """Rank 0, once every shard is committed: drop what an earlier, larger inference set left beyond
     this one's shards, then write the manifest, which makes the output complete."""
     remove_beyond(job.out, job.n_shards)
     manifest = {"model_version": job.version, "checkpoint": checkpoint, "plan": job.plan, "rows": len(job.rows),
                 "shard_size": job.rows_per_shard,
-                "shards": [{k: s[k] for k in ("shard", "file", "rows", "sha256")} for s in shards]}
+                "shards": [s.model_dump(exclude={"reused"}) for s in shards]}
     job.out.write(MANIFEST, json.dumps(manifest, indent=1).encode())
 
 
@@ -211,14 +213,14 @@ def run(ctx: WorkerContext, checkpoint: str) -> InferResult:
     mine = list(range(ctx.rank, job.n_shards, ctx.world_size))
     load_seconds = _warm_up(job, mine)
     shards, written, seconds = _write_shards(ctx, job, mine, open_store(ckpt.url.rpartition("/")[0]))
-    everything = sorted((s for per_rank in gather_objects(ctx, shards) for s in per_rank), key=lambda s: s["shard"])
+    everything = sorted((s for per_rank in gather_objects(ctx, shards) for s in per_rank), key=lambda s: s.shard)
     embedded = sum(gather_objects(ctx, written))
     memory = host_memory(ctx, rows.features)
     if ctx.is_main:
         _publish(job, ckpt.url, everything)
     return InferResult(
-        output_url=icfg.output_url, model_version=version, rows=sum(s["rows"] for s in everything), shards=everything,
+        output_url=icfg.output_url, model_version=version, rows=sum(s.rows for s in everything), shards=everything,
         published="embeddings" if recipe.embeds else "predictions", rows_embedded=embedded,
-        shards_reused=sum(1 for s in everything if s["reused"]), manifest=f"{out.url}/{MANIFEST}",
+        shards_reused=sum(1 for s in everything if s.reused), manifest=f"{out.url}/{MANIFEST}",
         rows_per_s=round(embedded / seconds, 1) if seconds and embedded else 0.0,
         program_load_seconds=round(load_seconds, 3), host_memory=memory, compile=programs.compiler.metrics())

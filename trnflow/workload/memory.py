@@ -24,7 +24,7 @@ from pydantic import ValidationError
 from torch.distributed.tensor import DTensor
 
 from trnflow.errors import FatalError, FieldError
-from trnflow.results import MemoryFigures, byte_size
+from trnflow.measures import MemoryFigures, byte_size
 from trnflow.specs import JobSpec, Layout, instance
 from trnflow.specs.instances import TRAINING_TYPES
 from trnflow.workload.recipes import Recipe, for_job

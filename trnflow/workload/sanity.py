@@ -32,8 +32,8 @@ import torch
 import torch.nn.functional as F
 
 from trnflow.device.base import FaultHooks, NoFaults
+from trnflow.measures import CoreChecks, EngineCheck, HostInventory
 from trnflow.neuron import tools, topology
-from trnflow.results import CoreChecks, EngineCheck, HostInventory
 from trnflow.workload import collectives
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.roundtrip import round_trip

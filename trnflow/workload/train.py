@@ -24,6 +24,7 @@ import torch
 
 from trnflow.errors import FatalError, Interrupted, OverBudget, SpotInterruption
 from trnflow.lifecycle.gate import SERIES, write_series
+from trnflow.measures import DeviceMemory
 from trnflow.records import (
     EXPORT_MARKER,
     CheckpointMeta,
@@ -438,8 +439,8 @@ class Trainer:
             median_step_seconds=round(statistics.median(times[1:]), 5) if len(times) > 1 else 0.0,
             compile=self.programs.compiler.metrics(),
             recipe=self.recipe.describe(),
-            device_memory={"estimated_per_core": estimate(self.spec, self.recipe).total, "peak_per_rank": per_rank,
-                           **self.memory},
+            device_memory=DeviceMemory(estimated_per_core=estimate(self.spec, self.recipe).total,
+                                       peak_per_rank=per_rank, **self.memory),
             host_memory=host_memory(self.ctx, self.tokens),
         )
 

@@ -43,6 +43,7 @@ from pydantic import BaseModel
 
 from trnflow.errors import FatalError, FieldError
 from trnflow.lifecycle.gate import DIRECTIONS
+from trnflow.records import RecipeRef
 from trnflow.specs import DataSpec, TrainSpec
 
 if TYPE_CHECKING:  # the networks need torch; what a spec check asks of a recipe does not
@@ -261,6 +262,6 @@ class Recipe(ABC):
         """`name@version`: part of every compile-cache key."""
         return f"{self.name}@{self.version}"
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> RecipeRef:
         """What a run record says of the model."""
-        return {"recipe": self.name, "version": self.version, "params": self.params.model_dump(mode="json")}
+        return RecipeRef(recipe=self.name, version=self.version, params=self.params.model_dump(mode="json"))

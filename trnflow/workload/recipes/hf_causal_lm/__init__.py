@@ -27,7 +27,6 @@ exported with `save_pretrained`, which `AutoModelForCausalLM.from_pretrained` an
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -368,5 +367,5 @@ class HfCausalLm(FromPretrained, Recipe):
         else:
             model.lm.save_pretrained(folder)
         self.tokenizer.save(folder)
-        (folder / "trnflow.json").write_text(json.dumps(self.describe(), indent=2))
+        (folder / "trnflow.json").write_text(self.describe().model_dump_json(indent=2))
         return True

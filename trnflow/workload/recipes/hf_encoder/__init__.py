@@ -13,7 +13,6 @@ model is exported with `save_pretrained` (`export`), so `AutoModel.from_pretrain
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -144,5 +143,5 @@ class HfEncoder(FromPretrained, BpeTextRecipe):
             self.hf_tokenizer.save(folder)
         else:
             (folder / FILE).write_bytes(self.state())
-        (folder / "trnflow.json").write_text(json.dumps(self.describe(), indent=2))
+        (folder / "trnflow.json").write_text(self.describe().model_dump_json(indent=2))
         return True
