@@ -14,6 +14,11 @@ from prefect.exceptions import FailedRun, TerminationSignal
 from prefect.runtime import flow_run
 from prefect.states import Failed, State
 
+try:
+    from prefect._internal.control_listener import get_intent  # private: tests/unit/test_run_log.py checks it
+except ImportError:  # another Prefect: the log says what its engines say
+    get_intent = None
+
 from trnflow.backends import claim_run, run_queue, trusted_cache_keys
 from trnflow.backends.admission import MAX_PREEMPTIONS
 from trnflow.backends.runqueue import Ticket
@@ -94,10 +99,9 @@ class QuietExpectedFailures(logging.Filter):
             return False
         if isinstance(error, self.EXPECTED):
             record.exc_info, record.exc_text = None, None
-        if record.levelno >= logging.INFO and cancelling():
-            said = self.CANCELLED.get(record.getMessage())
-            if said is not None:
-                record.msg, record.args, record.levelno, record.levelname = said, (), logging.INFO, "INFO"
+        said = self.CANCELLED.get(record.getMessage()) if record.levelno >= logging.INFO else None
+        if said is not None and cancelling():  # the intent is read only for the few lines it could change
+            record.msg, record.args, record.levelno, record.levelname = said, (), logging.INFO, "INFO"
         return True
 
 
@@ -105,11 +109,7 @@ def cancelling() -> bool:
     """Whether the runner that started this flow run is cancelling it (the UI's Cancel, `trnflow
     cancel`): the intent Prefect's runner sends its flow run's process before it stops it. False
     where this Prefect has no such channel (the log then says what Prefect's engines say)."""
-    try:
-        from prefect._internal.control_listener import get_intent  # private: checked by a test
-    except ImportError:
-        return False
-    return get_intent() == "cancel"
+    return get_intent is not None and get_intent() == "cancel"
 
 
 ENGINE_LOGGERS = ("prefect.task_runs", "prefect.flow_runs")

@@ -69,10 +69,12 @@ def run_reference(spec: JobSpec, settings: TrnflowSettings | None = None,
     and write its metric series where the gate reads it. Returns the document. Its run id names
     what decides its numbers (`reference_key`): a new spec or new data never resumes an old one."""
     settings = settings or TrnflowSettings()
-    ref = reference_spec(spec)
-    job_id, info = run_to_end(backend_for(ref, settings), JobRequest(ref, "train", f"{RUN_ID}-{reference_key(spec)}"),
+    key = reference_key(spec)  # the data listed once: its run id and (with auto) its place agree
+    url = reference_url(spec, key)
+    ref = reference_spec(spec, url)
+    job_id, info = run_to_end(backend_for(ref, settings), JobRequest(ref, "train", f"{RUN_ID}-{key}"),
                               settings.poll_seconds, on_logs=on_logs)
     if info.state is not JobState.SUCCEEDED or info.result is None:
         raise FatalError(f"reference training job {job_id} failed: {info.failed()}")
     assert isinstance(info.result, TrainResult)
-    return keep_reference(spec, info.result, job_id)
+    return keep_reference(spec, info.result, job_id, url)

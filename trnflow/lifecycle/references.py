@@ -20,19 +20,20 @@ TRAINING_ONLY = {"checkpoint_url", "max_minutes", "max_cost_usd", "log_every", "
 """train fields that change how a run is watched, bounded or kept, never its numbers."""
 
 
-def reference_url(spec: JobSpec) -> str | None:
+def reference_url(spec: JobSpec, key: str | None = None) -> str | None:
     """The metrics file the candidate is judged against: `gate.reference` when it names one, the
-    automatic reference's place with `auto` (whether or not it is there yet), else None."""
+    automatic reference's place with `auto` (whether or not it is there yet; `key`: its
+    `reference_key`, where the caller has it already), else None."""
     reference = spec.gate.reference
     if reference == AUTO:
-        return f"{auto_folder(spec)}/metrics.json"
+        return f"{auto_folder(spec, key)}/metrics.json"
     return None if reference in (None, "champion") else reference
 
 
-def auto_folder(spec: JobSpec) -> str:
+def auto_folder(spec: JobSpec, key: str | None = None) -> str:
     """`<train.checkpoint_url>/_reference/<key>`: the automatic reference's metrics file, and its
     training's checkpoints under `checkpoints/`."""
-    return f"{spec.train.checkpoint_url.rstrip('/')}/{FOLDER}/{reference_key(spec)}"
+    return f"{spec.train.checkpoint_url.rstrip('/')}/{FOLDER}/{key or reference_key(spec)}"
 
 
 def reference_key(spec: JobSpec) -> str:
