@@ -82,6 +82,13 @@ def deployment_name(spec_name: str, key: str) -> str:
     return f"{spec_name}-{BY_KEY[key].deployment_suffix}"
 
 
+def upcoming_name(spec_name: str, entry: FlowEntry) -> str:
+    """What `trnflow serve` names a scheduled run of `entry`'s deployment while it waits to start
+    (`quickstart: retrain (scheduled)`), where the server names it at random; the run takes its own
+    name as it starts (`quickstart: retrain`, then what it does)."""
+    return f"{spec_name}: {entry.deployment_suffix} (scheduled)"
+
+
 def full_name(key_or_name: str, spec_name: str) -> str:
     """`pipeline` -> `trnflow-pipeline/<spec name>-pipeline`; a `flow/deployment` name is kept as it is."""
     if "/" in key_or_name:
@@ -143,8 +150,8 @@ def prefect_yaml(spec: JobSpec, source: str, as_written: dict[str, Any]) -> dict
     return {"name": "trnflow", "prefect-version": "3.8.8", "deployments": deployments}
 
 
-def runner_deployments(spec: JobSpec, source: str) -> list[Any]:
-    """The same deployments as Prefect runner deployments, for `prefect.serve`; those whose runs
+def runner_deployments(spec: JobSpec, source: str) -> list[tuple[FlowEntry, Any]]:
+    """The same deployments as Prefect runner deployments, each with its flow, for `trnflow serve`; those whose runs
     train say in their description what a run is forecast to take and cost, from the history as it
     is now (the run's first log line says it again when it starts)."""
     from trnflow.workload.memory import decided  # the layout the runs take: the recipe's model, torch
@@ -158,12 +165,12 @@ def runner_deployments(spec: JobSpec, source: str) -> list[Any]:
     for entry, item in zip(FLOWS, definitions(spec, source), strict=True):
         limit = item["concurrency_limit"]
         description = item["description"] + (forecast if entry.trains else "")
-        out.append(entry.flow.to_deployment(
+        out.append((entry, entry.flow.to_deployment(
             name=item["name"], description=description, parameters=item["parameters"], tags=item["tags"],
             paused=False,  # serving again resumes what stopping paused
             entrypoint_type=EntrypointType.MODULE_PATH, enforce_parameter_schema=True,
             schedules=[Cron(s["cron"], timezone=s["timezone"]) for s in item["schedules"]],
             concurrency_limit=ConcurrencyLimitConfig(limit=limit, collision_strategy=ConcurrencyLimitStrategy.ENQUEUE)
             if limit else None,
-        ))
+        )))
     return out

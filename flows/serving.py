@@ -4,7 +4,8 @@ stopped, and stopping cleanly.
 Ctrl-C and SIGTERM stop it alike, within `STOP_SECONDS` whatever the server's state: the runs it
 started are cancelled (their jobs stopped, their models' slots given back) and its deployments
 paused, so their schedules create no runs while nothing serves them. A server that stops
-answering ends serving too, saying so.
+answering ends serving too, saying so. While it serves, it names the runs the server's scheduler
+created for its deployments (`name_upcoming`), which the server names at random.
 """
 
 from __future__ import annotations
@@ -18,15 +19,24 @@ import sys
 import threading
 from dataclasses import dataclass
 from typing import Any
+from uuid import UUID
 
 import prefect.runner.runner as runner_module
 from prefect.client.orchestration import get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter,
+    FlowRunFilterDeploymentId,
+    FlowRunFilterState,
+    FlowRunFilterStateType,
+)
+from prefect.client.schemas.objects import StateType
+from prefect.client.schemas.sorting import FlowRunSort
 from prefect.runner import Runner
 from prefect.settings import PREFECT_API_URL, PREFECT_CLIENT_MAX_RETRIES, get_current_settings, temporary_settings
 from tenacity import Retrying, retry_if_exception, stop_after_delay, wait_exponential
 
 from trnflow.flows._params import SERVED
-from trnflow.flows.deployments import runner_deployments
+from trnflow.flows.deployments import runner_deployments, upcoming_name
 from trnflow.specs import JobSpec
 
 STOP_SECONDS = 20.0
@@ -97,6 +107,38 @@ def _watch_server(stopping: threading.Event, every: float, misses: int) -> None:
         missed = 0 if _server_answers(every) else missed + 1
         if missed >= misses and not stopping.is_set():
             _server_gone()
+
+
+UPCOMING = (10.0, 20)
+"""How `trnflow serve` names its deployments' scheduled runs (`upcoming_name`) where the server named
+them at random: every this many seconds, the next this many waiting to start."""
+
+
+def name_upcoming(names: dict[UUID, str], upcoming: int = UPCOMING[1]) -> int:
+    """Give the next `upcoming` runs the server's scheduler created for these deployments (by id)
+    and that wait to start the deployment's name for them (`names`); how many it renamed. A run
+    created by hand (the UI's Custom run, `trnflow submit`) keeps its name."""
+    waiting = FlowRunFilter(deployment_id=FlowRunFilterDeploymentId(any_=list(names)),
+                            state=FlowRunFilterState(type=FlowRunFilterStateType(any_=[StateType.SCHEDULED])))
+    renamed = 0
+    with temporary_settings({PREFECT_CLIENT_MAX_RETRIES: 0}), get_client(sync_client=True) as client:
+        for run in client.read_flow_runs(flow_run_filter=waiting, sort=FlowRunSort.EXPECTED_START_TIME_ASC,
+                                         limit=upcoming):
+            name = names.get(run.deployment_id) if run.auto_scheduled else None
+            if name and run.name != name:
+                client.update_flow_run(run.id, name=name)
+                renamed += 1
+    return renamed
+
+
+def _name_upcoming_runs(stopping: threading.Event, names: dict[UUID, str], every: float, upcoming: int) -> None:
+    """Until `stopping` is set, `name_upcoming` every `every` seconds. A server that does not
+    answer is `_watch_server`'s to judge: a pass that fails waits for the next."""
+    while True:
+        with contextlib.suppress(Exception):
+            name_upcoming(names, upcoming)
+        if stopping.wait(every):
+            return
 
 
 class _OneLine(logging.Filter):
@@ -218,13 +260,19 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
     logging.getLogger("asyncio").addFilter(_WhileStopping(stopping))
     ids: list = []
     names: list[str] = []
+    upcoming: dict[UUID, str] = {}
     with contextlib.suppress(KeyboardInterrupt, SystemExit):  # SystemExit: the handler, before serving started
         for spec, source in specs:
-            for deployment in runner_deployments(spec, source):
+            for entry, deployment in runner_deployments(spec, source):
                 ids.append(runner.add_deployment(deployment))
                 names.append(f"{deployment.flow_name}/{deployment.name}")
+                if deployment.schedules:
+                    upcoming[ids[-1]] = upcoming_name(spec.name, entry)
         threading.Thread(target=_watch_server, args=(stopping, *GONE_CHECKS), daemon=True,
                          name="trnflow-serve-watch").start()
+        if upcoming:
+            threading.Thread(target=_name_upcoming_runs, args=(stopping, upcoming, *UPCOMING), daemon=True,
+                             name="trnflow-serve-names").start()
         try:
             asyncio.run(runner.start())
         except Exception:

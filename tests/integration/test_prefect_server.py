@@ -289,7 +289,8 @@ def test_the_prefect_ui_as_its_users_walk_it(served, tmp_path):
 
         page.goto(f"{ui}/deployments/deployment/{retrain.id}")
         page.click("Upcoming")
-        page.wait_for_text("Scheduled for")  # the runs the server's scheduler created
+        page.wait_for_text("Scheduled for")  # the runs the server's scheduler created,
+        page.wait_for_text("served: retrain (scheduled)")  # named by serve for what they will run
         page.screenshot(shots / "upcoming.png", full_page=False)
 
         # Custom run: the form holds the deployment's spec; one field changed, then submitted

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from prefect.states import Scheduled
 
 from tests.integration.test_prefect_server import _job_processes
 from tests.prefect_server import TRNFLOW, client_of, deployments, flow_runs, prefect_server, small_spec, wait_for
@@ -83,16 +84,22 @@ def test_the_served_retraining_schedule_creates_its_runs(nightly, server):
     env = nightly.env
     retrain = wait_for(lambda: deployments(env).get(RETRAIN), 120, "the served retraining deployment")
 
-    # the server's scheduler creates the schedule's runs: the next few days at the cron's time
-    def scheduled():
-        runs = [r for r in flow_runs(env, retrain.id) if r.state_name == "Scheduled"]
-        return runs if len(runs) >= 2 else None
+    later = dt.datetime.now(dt.UTC) + dt.timedelta(days=30)
+    with client_of(env) as client:  # a run made by hand for later (as the UI's Custom run makes one)
+        by_hand = client.create_flow_run_from_deployment(retrain.id, name="by hand", state=Scheduled(
+            scheduled_time=later)).id
 
-    upcoming = wait_for(scheduled, 45, f"the scheduler to create the runs of {RETRAIN} (server log: "
-                        f"{server['PREFECT_HOME']}/server.log)")
+    # the server's scheduler creates the schedule's runs: the next few days at the cron's time, which
+    # serve names for what they will run (the server named them at random)
+    def scheduled():
+        runs = [r for r in flow_runs(env, retrain.id) if r.state_name == "Scheduled" and r.auto_scheduled]
+        return runs if len(runs) >= 2 and all(r.name == "nightly: retrain (scheduled)" for r in runs) else None
+
+    upcoming = wait_for(scheduled, 45, f"the scheduler to create the runs of {RETRAIN} and serve to name them "
+                        f"(server log: {server['PREFECT_HOME']}/server.log)")
     assert upcoming[0].expected_start_time == nightly.due
     assert upcoming[1].expected_start_time == nightly.due + dt.timedelta(days=1)
-    assert all(r.auto_scheduled for r in upcoming)
+    assert {r.name for r in flow_runs(env, retrain.id) if r.id == by_hand} == {"by hand"}  # kept
 
 
 def test_the_ui_of_a_server_on_any_port_talks_to_that_port(server):
