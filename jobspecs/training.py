@@ -140,6 +140,14 @@ class TrainSpec(Section):
         "stages after it); the spec keeps what was written. Set it to bound training alone.",
     )
     checkpoint_every: int = Field(100, ge=1, le=MAX_STEPS, description="Save a checkpoint every this many steps.")
+    checkpoint_async: bool = Field(
+        True,
+        description="Write checkpoints in the background: at the step boundary the state is copied to host memory "
+        "and training goes on while a thread writes it, committed (its marker last) only once every file is whole; "
+        "the next checkpoint waits for it. The run's last checkpoint, and one a stop asks for, are written before "
+        "the job ends. Sharded layouts (fsdp, tp) write every rank's shard so, over a process group of their own. "
+        "false writes each before training goes on.",
+    )
     checkpoint_url: Url = Field(description="Where checkpoints are written: a directory or s3:// URL.")
     init_from: ChampionOrUrl | None = Field(
         None,

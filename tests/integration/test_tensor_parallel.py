@@ -140,6 +140,8 @@ def test_two_replicas_of_a_split_model_train_to_the_losses_of_one(make_spec, bac
 
 
 def test_a_killed_split_run_resumes_to_the_weights_of_one_never_killed(make_spec, backend, decoder, shared_run):
+    """Killed at step 6, it resumes from its step-4 checkpoint, written in the background by each
+    rank, to the weights and losses of a run never killed whose checkpoints were written in step."""
     killed = _lm(make_spec, decoder, 2, 2, faults=[{"kind": "kill", "core": 1, "step": 6, "phase": "train"}])
     failed = _train(backend, killed, "tp")
     assert failed.state is JobState.FAILED and failed.failure.retryable, failed.failure
@@ -148,7 +150,8 @@ def test_a_killed_split_run_resumes_to_the_weights_of_one_never_killed(make_spec
     assert resumed.result.start_step == 4 and resumed.result.resumed_from
     assert sorted(load(resumed.result.resumed_from).shards) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
 
-    whole = shared_run(backend, _lm(make_spec, decoder, 2, 2), "tp-whole")
+    # never killed, and checkpointed before training goes on (the killed run's in the background)
+    whole = shared_run(backend, _lm(make_spec, decoder, 2, 2, checkpoint_async=False), "tp-whole")
     assert whole.state is JobState.SUCCEEDED, whole.failure
     ours, theirs = load(resumed.result.checkpoint), load(whole.result.checkpoint)
     assert ours.model.keys() == theirs.model.keys()

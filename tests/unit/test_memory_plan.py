@@ -11,12 +11,20 @@ from trnflow.backends import JobRequest
 from trnflow.backends.base import fitted
 from trnflow.errors import FatalError
 from trnflow.specs import SpecError, validate_spec
-from trnflow.workload.memory import REHEARSAL_CORE_ENV, check_fits, plan
+from trnflow.workload.memory import (
+    GIB,
+    REHEARSAL_CORE_ENV,
+    REHEARSAL_HOST_ENV,
+    check_fits,
+    plan,
+    staged_per_node,
+)
 from trnflow.workload.sharding import by_name
 
 
-def _spec(strategy: str = "auto", cores: int = 2, **compute):
-    train = {"global_batch_size": 16 * cores, "parallelism": {"strategy": strategy}}
+def _spec(strategy: str = "auto", cores: int = 2, checkpoint_async: bool = True, **compute):
+    train = {"global_batch_size": 16 * cores, "parallelism": {"strategy": strategy},
+             "checkpoint_async": checkpoint_async}
     return validate_spec(quickstart_data(compute={"cores_per_node": cores, **compute}, train=train))
 
 
@@ -60,6 +68,27 @@ def test_a_model_nothing_fits_is_refused_with_the_smallest_that_would(monkeypatc
     monkeypatch.setenv(REHEARSAL_CORE_ENV, "lots")
     with pytest.raises(FatalError, match=f"{REHEARSAL_CORE_ENV}: 'lots' is not a number of GiB"):
         check_fits(spec)
+
+
+def test_checkpoints_written_in_the_background_must_fit_half_the_hosts_memory(monkeypatch):
+    """The host copy of a checkpoint written in the background: rank 0's trained state for a whole
+    one, every rank's shard for a sharded one; refused, naming the field, past half the host."""
+    whole, sharded = _spec("ddp"), _spec("fsdp")
+    ddp, fsdp = plan(whole).chosen, plan(sharded).chosen
+    assert staged_per_node(whole, ddp) == ddp.gradients + ddp.optimizer
+    staged = staged_per_node(sharded, fsdp)
+    assert staged == 2 * (fsdp.gradients + fsdp.optimizer)  # each of the node's two ranks, its shard
+    assert staged_per_node(_spec("fsdp", checkpoint_async=False), fsdp) == 0
+    monkeypatch.setenv(REHEARSAL_HOST_ENV, str(staged * 1.5 / GIB))  # half of it holds less than the copy
+    with pytest.raises(FatalError) as refused:
+        check_fits(sharded)
+    said = str(refused.value)
+    assert said.startswith("train.checkpoint_async: a checkpoint written in the background is first copied into "
+                           "host memory") and "in this rehearsal" in said, said
+    assert "Set train.checkpoint_async: false" in said
+    check_fits(_spec("fsdp", checkpoint_async=False))  # written in step: no copy kept while training goes on
+    monkeypatch.setenv(REHEARSAL_HOST_ENV, str(staged * 2.5 / GIB))
+    check_fits(sharded)
 
 
 def test_sharding_is_refused_on_torch_xla_with_the_reason():

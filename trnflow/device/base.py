@@ -140,7 +140,8 @@ class FaultHooks(Protocol):
 
     kinds: set[str]
 
-    def strike(self, step: int, first_time: Callable[[Any], bool], phase: str = "train") -> set[str]: ...
+    def strike(self, step: int, first_time: Callable[[Any], bool], phase: str = "train",
+               settle: Callable[[], None] = ...) -> set[str]: ...
 
     def marker(self) -> bytes: ...
 
@@ -152,7 +153,9 @@ class FaultHooks(Protocol):
 
     def tearing(self, store: Any) -> Any: ...
 
-    def begin_step(self, step: int, first_time: Callable[[Any], bool]) -> None: ...
+    def begin_step(self, step: int, first_time: Callable[[Any], bool], settle: Callable[[], None] = ...) -> None:
+        """Fire the faults due at training step `step`; `settle()` first (the checkpoint write in
+        flight committed), when one is due."""
 
     def result(self, t: torch.Tensor) -> torch.Tensor: ...
 
@@ -166,7 +169,8 @@ class NoFaults:
 
     kinds: set[str] = frozenset()  # type: ignore[assignment]
 
-    def strike(self, step: int, first_time: Callable[[Any], bool], phase: str = "train") -> set[str]:
+    def strike(self, step: int, first_time: Callable[[Any], bool], phase: str = "train",
+               settle: Callable[[], None] | None = None) -> set[str]:
         return set()
 
     def marker(self) -> bytes:
@@ -184,7 +188,8 @@ class NoFaults:
     def tearing(self, store: Any) -> Any:
         return store
 
-    def begin_step(self, step: int, first_time: Callable[[Any], bool]) -> None:
+    def begin_step(self, step: int, first_time: Callable[[Any], bool], settle: Callable[[], None] | None = None
+                   ) -> None:
         return None
 
     def result(self, t: torch.Tensor) -> torch.Tensor:
@@ -249,6 +254,14 @@ class Device(ABC):
         if device_type == "cpu":
             return self.process_group_backend
         return f"cpu:gloo,{device_type}:{self.process_group_backend}"
+
+    def side_group(self) -> Any:
+        """A process group over every rank of its own, for host tensors (gloo): the collectives of
+        work beside the step's (a checkpoint written in the background) never interleave with the
+        step's. None with one rank. Every rank makes it, in the same order."""
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            return dist.new_group(backend="gloo")
+        return None
 
     def init_process_group(self, world_size: int, timeout_seconds: float) -> None:
         if world_size > 1 and not dist.is_initialized():

@@ -16,7 +16,12 @@ one; without it, once in each):
   (which replaces the host) or the peers' collective timeout ends it;
 - `torn`: the rank is killed halfway through writing its next checkpoint or shard, which is left
   cut short under its own name (as a copy that died, or a storage fault, leaves it). Only rank 0
-  writes checkpoints: another rank is killed once the checkpoint is whole.
+  writes a whole checkpoint: another rank is killed once the checkpoint is whole, or, when it is
+  written in the background, while rank 0 writes it.
+
+A step fault strikes once the checkpoint written in the background before it has committed (the
+training loop's `settle`), so a case redoes the same steps however checkpoints are written; a
+`torn` write in the background is one the loop waits for, so its rank dies at that step.
 """
 
 from __future__ import annotations
@@ -34,6 +39,12 @@ import torch
 from trnflow.errors import ExecutionTimeout, FatalError, HardwareError
 
 FAULTS_ENV = "TRNFLOW_FAULTS"
+
+
+def _nothing() -> None:
+    return None
+
+
 DEVICE_KINDS = ("corrupt", "hang", "memory")
 TRAINING_KINDS = ("kill", "timeout", "hw", "nan", "stall", "torn")
 PHASES = ("train", "infer")
@@ -92,10 +103,11 @@ class CoreFaults:
         self._poison = self._torn = False
 
     # The training loop's hooks: a step begins, its result comes back, a checkpoint is written.
-    def begin_step(self, step: int, first_time: Callable[[Fault], bool]) -> None:
-        """Fire the faults due at training step `step`; a `nan` poisons this step's result, a `torn`
-        the next checkpoint."""
-        due = self.strike(step, first_time, "train")
+    def begin_step(self, step: int, first_time: Callable[[Fault], bool], settle: Callable[[], None] = _nothing
+                   ) -> None:
+        """Fire the faults due at training step `step`, each once `settle()` returned; a `nan`
+        poisons this step's result, a `torn` the next checkpoint."""
+        due = self.strike(step, first_time, "train", settle)
         self._poison, self._torn = "nan" in due, self._torn or "torn" in due
 
     def result(self, t: torch.Tensor) -> torch.Tensor:
@@ -119,15 +131,17 @@ class CoreFaults:
         """What a fired fault's marker holds: who fired it, unique to this process."""
         return f"core {self.core} pid {os.getpid()} at {time.time():.6f}".encode()
 
-    def strike(self, step: int, first_time: Callable[[Fault], bool], phase: str = "train") -> set[str]:
+    def strike(self, step: int, first_time: Callable[[Fault], bool], phase: str = "train",
+               settle: Callable[[], None] = _nothing) -> set[str]:
         """Fire this core's step faults due at `step` of `phase` (steps count from 1), each once per
-        run: `first_time(fault)` records the fault and says whether it had fired before. Returns
-        the kinds the caller must act on: `nan` (poison the step's result), `torn` (write the next
-        checkpoint or shard through `tearing`)."""
+        run: `first_time(fault)` records the fault and says whether it had fired before; `settle()`
+        runs first. Returns the kinds the caller must act on: `nan` (poison the step's result),
+        `torn` (write the next checkpoint or shard through `tearing`)."""
         act: set[str] = set()
         for fault in self.training:
             if fault.step != step or fault.phase not in (None, phase) or not first_time(fault):
                 continue
+            settle()
             if fault.kind in ("nan", "torn"):
                 act.add(fault.kind)
                 continue

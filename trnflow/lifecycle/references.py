@@ -16,7 +16,8 @@ from trnflow.storage.datafiles import data_files
 AUTO = "auto"
 FOLDER = "_reference"
 """Where automatic references are kept, under train.checkpoint_url: `_reference/<key>/`."""
-TRAINING_ONLY = {"checkpoint_url", "max_minutes", "max_cost_usd", "log_every", "checkpoint_every", "keep_latest"}
+TRAINING_ONLY = {"checkpoint_url", "max_minutes", "max_cost_usd", "log_every", "checkpoint_every", "checkpoint_async",
+                  "keep_latest"}
 """train fields that change how a run is watched, bounded or kept, never its numbers."""
 
 

@@ -191,16 +191,17 @@ def shutdown() -> None:
         dist.destroy_process_group()
 
 
-def barrier(ctx: WorkerContext) -> None:
-    """Wait until every rank gets here."""
+def barrier(ctx: WorkerContext, group: Any = None) -> None:
+    """Wait until every rank gets here (over `group`, the default process group when None)."""
     if ctx.world_size > 1:
-        dist.barrier()
+        dist.barrier(group=group)
 
 
-def gather_objects(ctx: WorkerContext, obj: Any) -> list[Any]:
-    """Every rank's `obj`, in rank order (on every rank)."""
+def gather_objects(ctx: WorkerContext, obj: Any, group: Any = None) -> list[Any]:
+    """Every rank's `obj`, in rank order (on every rank; over `group`, the default process group
+    when None)."""
     if ctx.world_size == 1:
         return [obj]
     out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out

@@ -36,23 +36,50 @@ REHEARSAL_CORE_ENV = "TRNFLOW_REHEARSE_CORE_GIB"
 """Rehearsal only, never in production: the emulator models NeuronCores with this much device memory
 (GiB) instead of the instance's, so that a model the size of the quickstart's is too big for one core
 and `auto` shards it. Every estimate made under it says so."""
+REHEARSAL_HOST_ENV = "TRNFLOW_REHEARSE_HOST_GIB"
+"""Rehearsal only: the emulator models each instance's host with this much memory (GiB), as
+`REHEARSAL_CORE_ENV` does its cores."""
 MAX_SUGGESTED_NODES = 64
 """The most nodes a refusal's suggestion considers."""
 
 
-def rehearsal_core_bytes() -> int | None:
-    """The rehearsal's core memory (TRNFLOW_REHEARSE_CORE_GIB), or None when not rehearsing."""
-    value = os.environ.get(REHEARSAL_CORE_ENV, "").strip()
+def _rehearsed(env: str, what: str, example: str, most: float) -> int | None:
+    value = os.environ.get(env, "").strip()
     if not value:
         return None
     try:
         gib = float(value)
     except ValueError:
-        raise FatalError(f"{REHEARSAL_CORE_ENV}: {value!r} is not a number of GiB; unset it, or give e.g. 0.004"
-                         ) from None
-    if not 0 < gib <= 1024:
-        raise FatalError(f"{REHEARSAL_CORE_ENV}: {value} GiB is not a core's memory; unset it, or give e.g. 0.004")
+        raise FatalError(f"{env}: {value!r} is not a number of GiB; unset it, or give e.g. {example}") from None
+    if not 0 < gib <= most:
+        raise FatalError(f"{env}: {value} GiB is not {what}; unset it, or give e.g. {example}")
     return int(gib * GIB)
+
+
+def rehearsal_core_bytes() -> int | None:
+    """The rehearsal's core memory (TRNFLOW_REHEARSE_CORE_GIB), or None when not rehearsing."""
+    return _rehearsed(REHEARSAL_CORE_ENV, "a core's memory", "0.004", 1024)
+
+
+def staging_limit(itype: str) -> tuple[int, bool]:
+    """The host memory checkpoints written in the background may take on one `itype` instance: half
+    of its memory (the rest is its ranks' own, their data's and the page cache's), or of the
+    rehearsal's (TRNFLOW_REHEARSE_HOST_GIB) when smaller; and whether it is the rehearsal's."""
+    real = instance(itype).host_memory_gib * GIB
+    rehearsed = _rehearsed(REHEARSAL_HOST_ENV, "a host's memory", "0.5", 65536)
+    return (real // 2, False) if rehearsed is None or rehearsed >= real else (rehearsed // 2, True)
+
+
+def staged_per_node(spec: JobSpec, figures: MemoryFigures) -> int:
+    """The host memory one node's checkpoint written in the background is copied into (0 when they
+    are written in step): the trained weights and optimizer state of rank 0 (whole checkpoints), or
+    of every rank (sharded ones: each its shard, a split layer's parts gathered whole)."""
+    if not spec.train.checkpoint_async:
+        return 0
+    trained = figures.gradients + figures.optimizer  # a rank's trained weights are its gradients' size
+    if figures.strategy == "ddp" and figures.tp == 1:
+        return trained
+    return trained * figures.tp * spec.compute.cores_per_node
 
 
 def core_limit(itype: str) -> int:
@@ -292,7 +319,24 @@ def check_fits(spec: JobSpec) -> MemoryPlan:
             f"the job needs about {byte_size(est.total)} of device memory per NeuronCore with {est.layout} "
             f"({est.describe()}; {other.describe()}) but a {name} core has {byte_size(est.per_core_limit)}"
             f"{' in this rehearsal' if est.rehearsal else ''}. {fix}")
+    for name in spec.compute.instance_choices:
+        _check_staging(spec, plan(spec, recipe, name).chosen, name)
     return plan(spec, recipe)
+
+
+def _check_staging(spec: JobSpec, figures: MemoryFigures, itype: str) -> None:
+    """FatalError, naming train.checkpoint_async, when a node's checkpoint written in the background
+    would not fit the host memory it may take (`staging_limit`)."""
+    staged = staged_per_node(spec, figures)
+    limit, rehearsal = staging_limit(itype)
+    if staged > limit:
+        whose = "of rank 0" if figures.strategy == "ddp" and figures.tp == 1 else "of every rank on it"
+        raise FatalError(
+            f"train.checkpoint_async: a checkpoint written in the background is first copied into host memory, "
+            f"about {byte_size(staged)} on each {itype} with {figures.layout} (the trained weights and optimizer "
+            f"state {whose}), more than the {byte_size(limit)} it may take (half the host's memory"
+            f"{' in this rehearsal' if rehearsal else ''}). Set train.checkpoint_async: false, which writes each "
+            "checkpoint before training goes on, or spread the model over more nodes")
 
 
 def tensor_bytes(tensors: Iterator[torch.Tensor]) -> int:

@@ -307,14 +307,25 @@ def _split_back(found: list[tuple[DTensor, torch.Tensor]], tree: Any) -> Any:
     return back(tree)
 
 
-def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> dict[str, bytes]:
-    """Write this rank's shard of the weights and optimizer state into `folder` (a local folder of
-    this rank's own), and on rank 0 the index too; the files written, by name. A collective."""
-    state = _gathered_parts({"model": trained_only(model, get_model_state_dict(model, options=SHARDED_ON_HOST)),
-                             "optim": get_optimizer_state_dict(model, optimizer, options=SHARDED_ON_HOST)})
+def shard_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """This rank's shard of the weights and optimizer state, in host memory, as `write_shards`
+    saves it. A collective (a split layer's parts are gathered whole)."""
+    return _gathered_parts({"model": trained_only(model, get_model_state_dict(model, options=SHARDED_ON_HOST)),
+                            "optim": get_optimizer_state_dict(model, optimizer, options=SHARDED_ON_HOST)})
+
+
+def write_shards(state: dict[str, Any], folder: Path, group: Any = None) -> dict[str, bytes]:
+    """Write this rank's `shard_state` into `folder` (a local folder of this rank's own), and on
+    rank 0 the index too; the files written, by name. A collective, over `group` (the default
+    process group when None)."""
     dcp.save(state, storage_writer=dcp.FileSystemWriter(folder, thread_count=1, sync_files=False),
-             no_dist=not torch.distributed.is_initialized())  # (one process without a group: a test's)
+             process_group=group, no_dist=not torch.distributed.is_initialized())  # (no group: a test's one process)
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if SHARD_NAME.fullmatch(path.name)}
+
+
+def save_shards(model: nn.Module, optimizer: torch.optim.Optimizer, folder: Path) -> dict[str, bytes]:
+    """`shard_state` written by `write_shards`: as the step ends."""
+    return write_shards(shard_state(model, optimizer), folder)
 
 
 def _unpacked(files: dict[str, bytes], folder: Path) -> _Reader:

@@ -40,6 +40,7 @@ from trnflow.specs.instances import instance_cost
 from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload import watchdog
 from trnflow.workload.checkpoint import (
+    RunCheckpoints,
     check_weights,
     load_model_weights,
     on_base,
@@ -58,8 +59,20 @@ from trnflow.workload.programs import build_model, for_run, spread
 from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.reclaim import ReclaimNotice
 from trnflow.workload.sampler import StepSampler
-from trnflow.workload.sharding import load_optimizer, load_shards, load_whole, save_shards, whole_model
+from trnflow.workload.saver import BackgroundSaver, Saved, stage
+from trnflow.workload.sharding import (
+    load_optimizer,
+    load_shards,
+    load_whole,
+    shard_state,
+    whole_model,
+    write_shards,
+)
 from trnflow.workload.start import Start, find_start
+
+WRITE_AFTER_FAILURE_SECONDS = 60.0
+"""How long a rank whose training failed waits for its checkpoint write in flight before it ends:
+a sharded write whose peers are gone may never end."""
 
 
 def _rng_state(sr_gen: torch.Generator) -> dict:
@@ -146,6 +159,13 @@ class Trainer:
         self.last_loss = resumed.loss if resumed and resumed.loss is not None else float("nan")
         self.series_url: str | None = None
         self.checkpoint_url: str | None = None
+        self.saver = BackgroundSaver()
+        self.in_background = tcfg.checkpoint_async
+        """Checkpoints are written in the background (`trnflow.workload.saver`), the last one and those
+        a stop asks for aside."""
+        self.side = self.device.side_group() if self.in_background and self.sharded else None
+        """The process group of the shards' writes in the background (every rank makes it, alike)."""
+        self.saves: list[Saved] = []
         self.memory: dict = {}
         self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
         self._window = (time.perf_counter(), 0, 0.0)  # since the last logged point: start, steps, summed loss
@@ -158,10 +178,11 @@ class Trainer:
         notice = ReclaimNotice(self.ctx, spot=self.spec.compute.spot)
         try:
             for step, idx in self.sampler.batches(self.first, tcfg.steps):
-                self.faults.begin_step(step + 1, self._first_time)
+                self.faults.begin_step(step + 1, self._first_time, self._settle)
                 self.last_loss = self._step(idx, step + 1)
                 done = step + 1
                 watchdog.beat(f"train step {done}")
+                self._committed(self.saver.finished())
                 over = None
                 if done % tcfg.log_every == 0 or done == tcfg.steps:
                     left = self._log_point(done)
@@ -171,22 +192,22 @@ class Trainer:
                         self._evaluate(done)
                 saved = done % tcfg.checkpoint_every == 0 or done == tcfg.steps
                 if saved:
-                    self._checkpoint(done)
+                    self._checkpoint(done, last=done == tcfg.steps)
                 if over is not None:
-                    if not saved:
-                        self._checkpoint(done)
+                    self._checkpointed(done, saved)
                     raise OverBudget(f"{over}: training stopped after step {done} and checkpointed it; rerun with the "
                                      f"same run id and a higher budget to resume from step {done}")
                 if done < tcfg.steps and notice.agreed():
-                    if not saved:
-                        self._checkpoint(done)
+                    self._checkpointed(done, saved)
                     if notice.spot:
                         raise SpotInterruption(f"the instance is being reclaimed (spot): training stopped after step "
                                                f"{done} and checkpointed it; the retry resumes from step {done}")
                     raise Interrupted(f"the job was asked to stop (SIGTERM): training stopped after step {done} and "
                                       f"checkpointed it; a rerun with the same run id resumes from step {done}")
-        finally:  # after the loop a SIGTERM ends the rank at once again
-            notice.close()
+        finally:
+            with contextlib.suppress(Exception):  # a write in flight as the loop failed: let it commit, if it can
+                self._committed(self.saver.wait(timeout=WRITE_AFTER_FAILURE_SECONDS))
+            notice.close()  # after the loop (and that write) a SIGTERM ends the rank at once again
         return self._result(time.perf_counter() - began)
 
     def _first_time(self, fault: Any) -> bool:
@@ -329,55 +350,113 @@ class Trainer:
             self.series_url = write_series(self.start.checkpoints.url, self.run_id, self.evaluations,
                                            self.holdout.digest, done, correct, self.holdout.directions)
 
-    def _checkpoint(self, done: int) -> None:
+    def _checkpoint(self, done: int, last: bool = False) -> None:
+        """Save the checkpoint of step `done`: in the background (`in_background`), unless it is the
+        run's `last` one, which is committed before this returns, as every stop's is."""
+        began = time.perf_counter()
         with watchdog.busy(f"checkpointing step {done}"):  # rank 0 writes; the others wait for it
-            self._write_checkpoint(done)
+            self._committed(self.saver.wait())  # the write before it
+            self._write_checkpoint(done, began, background=self.in_background and not last)
 
-    def _write_checkpoint(self, done: int) -> None:
+    def _checkpointed(self, done: int, saved: bool) -> None:
+        """Before a stop: the checkpoint of step `done` committed, whether it was `saved` at this
+        step already (in the background) or not."""
+        if saved:
+            with watchdog.busy(f"checkpointing step {done}"):
+                self._committed(self.saver.wait())
+        else:
+            self._checkpoint(done, last=True)
+
+    def _settle(self) -> None:
+        """Wait for the checkpoint write in flight to commit (before an injected fault strikes)."""
+        with watchdog.busy("waiting for a checkpoint write"):
+            self._committed(self.saver.wait())
+
+    def _committed(self, saved: Saved | None) -> None:
+        if saved is not None and self.ctx.is_main:
+            self.checkpoint_url = saved.url
+            self.saves.append(saved)
+            self.ctx.log("checkpoint", step=saved.step, url=saved.url, stalled_s=round(saved.stalled, 4),
+                         wrote_s=round(saved.wrote, 4))
+
+    def _write_checkpoint(self, done: int, began: float, background: bool) -> None:
         ctx, spec = self.ctx, self.spec
         rng = gather_objects(ctx, _rng_state(self.sr_gen))
-        host = self.device.to_host  # checkpoints hold CPU copies, whatever the device
         last = done == spec.train.steps
         weights: dict | None = None
         optim: dict | None = None
-        shards: dict[str, dict] | None = None
+        shards: Callable[[], dict[str, dict]] | None = None
+        checkpoints = self.faults.checkpoint_store(self.start.checkpoints, writer=True)
         if self.sharded:  # every rank stores its own shard; the last checkpoint holds the whole weights too
-            shards = self._write_shards(done)
+            shards = self._shards(done, background, checkpoints)
             weights = whole_model(self.model) if last else None  # gathered on rank 0 (every rank takes part)
         elif ctx.is_main:
+            # checkpoints hold CPU copies, whatever the device; one written in the background, copies
+            # that the training going on meanwhile cannot change
+            host = stage if background else self.device.to_host
             weights, optim = host(trained_state(self.model)), host(self.optimizer.state_dict())
-        if ctx.is_main:
-            checkpoints = self.faults.checkpoint_store(self.start.checkpoints, writer=True)
-            meta = CheckpointMeta(
-                run_id=self.run_id, step=done, **self.lineage, global_step=self.lineage["base_step"] + done,
-                spec_digest=spec.digest(), precision=spec.compute.precision, world_size=ctx.world_size,
-                loss=self.last_loss if math.isfinite(self.last_loss) else None, sampler=self.sampler.position(done),
-                data=self.data_read, watermark=self.start.watermark, metrics=self.metrics,
-                evaluations=self.evaluations, holdout_sha256=self.holdout.digest, recipe=self.recipe.describe(),
-                torch=torch.__version__, export=self._export(done, weights) if last and weights else None,
-                base=self.recipe.base(),
-                parallelism="fsdp" if self.programs.fsdp else "ddp", tp=ctx.tp)
-            self.checkpoint_url = checkpoints.save(
-                done, weights, optim, rng, (self.recipe.featurizer_file, self.recipe.state()), meta,
-                keep_latest=spec.train.keep_latest, shards=shards)
-            ctx.log("checkpoint", step=done, url=self.checkpoint_url)
-        # No rank runs ahead while the checkpoint is written: a fault on another rank in the
-        # next step would otherwise take rank 0 down mid-save and lose the interval.
-        barrier(ctx)
-        self.faults.checkpoint_written()
+        commit = self._commit(done, weights, optim, rng, checkpoints) if ctx.is_main else None
 
-    def _write_shards(self, done: int) -> dict[str, dict]:
-        """Every rank writes its shard of the weights and optimizer state (DCP) to the checkpoint's
-        folder, which rank 0 first clears of a torn earlier attempt; every shard's checksum, on every
-        rank (a collective)."""
-        if self.ctx.is_main:
-            self.start.checkpoints.clear(done)
-        barrier(self.ctx)
-        with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp:
-            files = save_shards(self.model, self.optimizer, Path(tmp))
-        checkpoints = self.faults.checkpoint_store(self.start.checkpoints, writer=True)
-        return {name: digest for listed in gather_objects(self.ctx, checkpoints.write_shards(done, files))
-                for name, digest in listed.items()}
+        def write() -> str:
+            listed = shards() if shards is not None else None
+            return commit(listed) if commit is not None else ""
+
+        if background:
+            self.saver.submit(done, write, time.perf_counter() - began)
+            if checkpoints is not self.start.checkpoints and (ctx.is_main or self.sharded):
+                self._settle()  # an injected tear: this rank dies in its write, at this step
+        else:
+            wrote = time.perf_counter()
+            url = write()
+            self._committed(Saved(done, url, time.perf_counter() - began, time.perf_counter() - wrote))
+        # The ranks leave the step boundary together. A synchronous write is whole by then: a fault on
+        # another rank in the next step would otherwise take rank 0 down mid-save and lose the
+        # interval. One in the background can be lost so: the retry resumes from the one before.
+        barrier(ctx)
+        if not (background and (ctx.is_main or self.sharded)):  # a rank writing in the background is torn as
+            self.faults.checkpoint_written()                      # it writes, if at all
+
+    def _commit(self, done: int, weights: dict | None, optim: dict | None, rng: list[dict],
+                checkpoints: RunCheckpoints) -> Callable[[dict[str, dict] | None], str]:
+        """Rank 0's part of the checkpoint of step `done`: what writes its files and marker to
+        `checkpoints` (given the shards' checksums, when sharded) and returns its URL."""
+        spec, last = self.spec, done == self.spec.train.steps
+        meta = CheckpointMeta(
+            run_id=self.run_id, step=done, **self.lineage, global_step=self.lineage["base_step"] + done,
+            spec_digest=spec.digest(), precision=spec.compute.precision, world_size=self.ctx.world_size,
+            loss=self.last_loss if math.isfinite(self.last_loss) else None, sampler=self.sampler.position(done),
+            data=self.data_read, watermark=self.start.watermark, metrics=list(self.metrics),
+            evaluations=list(self.evaluations), holdout_sha256=self.holdout.digest, recipe=self.recipe.describe(),
+            torch=torch.__version__, export=self._export(done, weights) if last and weights else None,
+            base=self.recipe.base(), parallelism="fsdp" if self.programs.fsdp else "ddp", tp=self.ctx.tp)
+        featurizer = (self.recipe.featurizer_file, self.recipe.state())
+
+        def commit(shards: dict[str, dict] | None) -> str:
+            return checkpoints.save(done, weights, optim, rng, featurizer, meta, keep_latest=spec.train.keep_latest,
+                                    shards=shards)
+
+        return commit
+
+    def _shards(self, done: int, background: bool, checkpoints: RunCheckpoints) -> Callable[[], dict[str, dict]]:
+        """What writes this rank's shard of the checkpoint of step `done` (DCP) to its folder, which
+        rank 0 first clears of a torn earlier attempt, and returns every shard's checksum (on every
+        rank: a collective). In the background, its state is copied to host memory now, and its
+        collectives go over the side group (`side`), never the step's."""
+        ctx = self.ctx
+        state = stage(shard_state(self.model, self.optimizer)) if background else None  # a collective
+        group = self.side if background else None
+
+        def write() -> dict[str, dict]:
+            if ctx.is_main:
+                self.start.checkpoints.clear(done)
+            barrier(ctx, group)
+            with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp:
+                files = write_shards(state if state is not None else shard_state(self.model, self.optimizer),
+                                     Path(tmp), group)
+            return {name: digest for listed in gather_objects(ctx, checkpoints.write_shards(done, files), group)
+                    for name, digest in listed.items()}
+
+        return write
 
     def _export(self, done: int, weights: dict[str, torch.Tensor]) -> str | None:
         """The trained model in its own library's format, under `<run>/export/step-NNNNNN/` (the
