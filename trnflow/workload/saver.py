@@ -54,6 +54,8 @@ class BackgroundSaver:
     def __init__(self) -> None:
         self._thread: threading.Thread | None = None
         self._outcome: Saved | BaseException | None = None
+        self.step: int | None = None
+        """The step of the checkpoint whose write is in flight; None when none is."""
 
     @property
     def in_flight(self) -> bool:
@@ -75,6 +77,7 @@ class BackgroundSaver:
                 self._outcome = Saved(step, url, stalled, time.perf_counter() - began)
 
         self._thread = threading.Thread(target=work, name=f"checkpoint-step-{step}", daemon=True)
+        self.step = step
         self._thread.start()
 
     def wait(self, timeout: float | None = None) -> Saved | None:
@@ -86,7 +89,7 @@ class BackgroundSaver:
         self._thread.join(timeout)
         if self._thread.is_alive():
             return None
-        outcome, self._thread, self._outcome = self._outcome, None, None
+        outcome, self._thread, self._outcome, self.step = self._outcome, None, None, None
         if isinstance(outcome, BaseException):
             raise outcome
         assert outcome is not None

@@ -362,15 +362,15 @@ class Trainer:
         """Before a stop: the checkpoint of step `done` committed, whether it was `saved` at this
         step already (in the background) or not."""
         if saved:
-            with watchdog.busy(f"checkpointing step {done}"):
-                self._committed(self.saver.wait())
+            self._settle()
         else:
             self._checkpoint(done, last=True)
 
     def _settle(self) -> None:
-        """Wait for the checkpoint write in flight to commit (before an injected fault strikes)."""
-        with watchdog.busy("waiting for a checkpoint write"):
-            self._committed(self.saver.wait())
+        """Wait for the checkpoint write in flight, if any, to commit (before an injected fault strikes)."""
+        if self.saver.step is not None:
+            with watchdog.busy(f"checkpointing step {self.saver.step}"):
+                self._committed(self.saver.wait())
 
     def _committed(self, saved: Saved | None) -> None:
         if saved is not None and self.ctx.is_main:
