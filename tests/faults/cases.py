@@ -244,8 +244,10 @@ CASES = [
          seen=_api_retries),
     Case("s3-5xx", "every 4th S3 request answers InternalError (500), reads and writes",
          storage="s3-InternalError/4", seen=_api_retries),
-    Case("torn-checkpoint", "rank 0 killed halfway through writing the step-20 checkpoint",
+    Case("torn-checkpoint", "rank 0 killed halfway through writing the step-20 checkpoint in the background",
          _faults({"kind": "torn", "core": 0, "step": 20, "phase": "train"})),
+    Case("kill-during-background-write", "rank 1 killed while rank 0 writes the step-20 checkpoint in the "
+         "background", _faults({"kind": "torn", "core": 1, "step": 20, "phase": "train"})),
     Case("corrupt-cache-entry", "a compiled artifact in the compile cache cut short", setup=corrupt_cache_entry,
          seen=lambda row: row["compiled"] == 1),
     Case("torn-inference-shard", "rank 0 killed halfway through writing its second embedding shard",
