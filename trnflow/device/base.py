@@ -256,14 +256,19 @@ class Device(ABC):
         return f"cpu:gloo,{device_type}:{self.process_group_backend}"
 
     def side_group(self) -> Any:
-        """A process group over every rank of its own, for host tensors (gloo): the collectives of
-        work beside the step's (a checkpoint written in the background) never interleave with the
-        step's. None with one rank. Every rank makes it, in the same order."""
+        """A process group over every rank of its own, for host tensors (gloo), with the default
+        group's timeout: the collectives of work beside the step's (a checkpoint written in the
+        background) never interleave with the step's. None with one rank. Every rank makes it, in
+        the same order."""
         if dist.is_initialized() and dist.get_world_size() > 1:
-            return dist.new_group(backend="gloo")
+            return dist.new_group(backend="gloo", timeout=self._timeout)
         return None
 
+    _timeout: timedelta | None = None
+    """The collectives' timeout the process group was made with (`init_process_group`)."""
+
     def init_process_group(self, world_size: int, timeout_seconds: float) -> None:
+        self._timeout = timedelta(seconds=timeout_seconds)
         if world_size > 1 and not dist.is_initialized():
             dist.init_process_group(self.process_group_backends(), init_method=self.init_method,
                                     timeout=timedelta(seconds=timeout_seconds))

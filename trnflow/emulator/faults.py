@@ -19,9 +19,10 @@ one; without it, once in each):
   writes a whole checkpoint: another rank is killed once the checkpoint is whole, or, when it is
   written in the background, while rank 0 writes it.
 
-A step fault strikes once the checkpoint written in the background before it has committed (the
-training loop's `settle`), so a case redoes the same steps however checkpoints are written; a
-`torn` write in the background is one the loop waits for, so its rank dies at that step.
+A step fault strikes once its rank's checkpoint write in flight has committed (the training loop's
+`settle`); rank 0, whose write a fault on another rank interrupts, lets it commit before it ends.
+So a case redoes the same steps however checkpoints are written. A `torn` write in the background
+is one the loop waits for, so its rank dies at that step.
 """
 
 from __future__ import annotations

@@ -71,15 +71,15 @@ def staging_limit(itype: str) -> tuple[int, bool]:
 
 
 def staged_per_node(spec: JobSpec, figures: MemoryFigures) -> int:
-    """The host memory one node's checkpoint written in the background is copied into (0 when they
-    are written in step): the trained weights and optimizer state of rank 0 (whole checkpoints), or
-    of every rank (sharded ones: each its shard, a split layer's parts gathered whole)."""
+    """About the host memory one node's checkpoint written in the background is copied into (0 when
+    they are written in step): the trained weights and optimizer state of rank 0 (whole
+    checkpoints), or of every rank (sharded ones: each its shard)."""
     if not spec.train.checkpoint_async:
         return 0
     trained = figures.gradients + figures.optimizer  # a rank's trained weights are its gradients' size
     if figures.strategy == "ddp" and figures.tp == 1:
         return trained
-    return trained * figures.tp * spec.compute.cores_per_node
+    return trained * spec.compute.cores_per_node
 
 
 def core_limit(itype: str) -> int:

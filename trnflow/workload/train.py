@@ -70,9 +70,10 @@ from trnflow.workload.sharding import (
 )
 from trnflow.workload.start import Start, find_start
 
-WRITE_AFTER_FAILURE_SECONDS = 60.0
-"""How long a rank whose training failed waits for its checkpoint write in flight before it ends:
-a sharded write whose peers are gone may never end."""
+WRITE_AFTER_FAILURE_SECONDS = 25.0
+"""How long a rank whose training failed waits for its checkpoint write in flight before it ends: a
+sharded write whose peers are gone may never end, and the launcher kills a rank 30 s after a peer
+failed (torchrun's grace)."""
 
 
 def _rng_state(sr_gen: torch.Generator) -> dict:
@@ -360,9 +361,11 @@ class Trainer:
 
     def _checkpointed(self, done: int, saved: bool) -> None:
         """Before a stop: the checkpoint of step `done` committed, whether it was `saved` at this
-        step already (in the background) or not."""
+        step already (in the background) or not; no rank stops before it is (the ranks that wrote
+        nothing wait for rank 0, whose failure to write ends them too)."""
         if saved:
             self._settle()
+            barrier(self.ctx)
         else:
             self._checkpoint(done, last=True)
 
