@@ -57,10 +57,6 @@ class BackgroundSaver:
         self.step: int | None = None
         """The step of the checkpoint whose write is in flight; None when none is."""
 
-    @property
-    def in_flight(self) -> bool:
-        return self._thread is not None
-
     def submit(self, step: int, write: Callable[[], str], stalled: float) -> None:
         """Start `write` (which commits the checkpoint of `step` and returns its URL) in the
         background; `stalled`: the seconds the loop stopped for it. The write before it must have

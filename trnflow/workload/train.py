@@ -160,13 +160,9 @@ class Trainer:
         self.last_loss = resumed.loss if resumed and resumed.loss is not None else float("nan")
         self.series_url: str | None = None
         self.checkpoint_url: str | None = None
-        self.saver = BackgroundSaver()
-        self.in_background = tcfg.checkpoint_async
-        """Checkpoints are written in the background (`trnflow.workload.saver`), the last one and those
-        a stop asks for aside."""
-        self.side = self.device.side_group() if self.in_background and self.sharded else None
+        self.saver = BackgroundSaver()  # train.checkpoint_async: the last checkpoint and a stop's aside
+        self.side = self.device.side_group() if tcfg.checkpoint_async and self.sharded else None
         """The process group of the shards' writes in the background (every rank makes it, alike)."""
-        self.saves: list[Saved] = []
         self.memory: dict = {}
         self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
         self._window = (time.perf_counter(), 0, 0.0)  # since the last logged point: start, steps, summed loss
@@ -352,12 +348,12 @@ class Trainer:
                                            self.holdout.digest, done, correct, self.holdout.directions)
 
     def _checkpoint(self, done: int, last: bool = False) -> None:
-        """Save the checkpoint of step `done`: in the background (`in_background`), unless it is the
+        """Save the checkpoint of step `done`: in the background (`train.checkpoint_async`), unless it is the
         run's `last` one, which is committed before this returns, as every stop's is."""
         began = time.perf_counter()
         with watchdog.busy(f"checkpointing step {done}"):  # rank 0 writes; the others wait for it
             self._committed(self.saver.wait())  # the write before it
-            self._write_checkpoint(done, began, background=self.in_background and not last)
+            self._write_checkpoint(done, began, background=self.spec.train.checkpoint_async and not last)
 
     def _checkpointed(self, done: int, saved: bool) -> None:
         """Before a stop: the checkpoint of step `done` committed, whether it was `saved` at this
@@ -378,7 +374,6 @@ class Trainer:
     def _committed(self, saved: Saved | None) -> None:
         if saved is not None and self.ctx.is_main:
             self.checkpoint_url = saved.url
-            self.saves.append(saved)
             self.ctx.log("checkpoint", step=saved.step, url=saved.url, stalled_s=round(saved.stalled, 4),
                          wrote_s=round(saved.wrote, 4))
 
@@ -404,11 +399,12 @@ class Trainer:
             listed = shards() if shards is not None else None
             return commit(listed) if commit is not None else ""
 
-        if background:
+        writes = ctx.is_main or self.sharded  # a ddp rank other than 0 writes nothing
+        if background and writes:
             self.saver.submit(done, write, time.perf_counter() - began)
-            if checkpoints is not self.start.checkpoints and (ctx.is_main or self.sharded):
+            if checkpoints is not self.start.checkpoints:
                 self._settle()  # an injected tear: this rank dies in its write, at this step
-        else:
+        elif not background:
             wrote = time.perf_counter()
             url = write()
             self._committed(Saved(done, url, time.perf_counter() - began, time.perf_counter() - wrote))
@@ -416,8 +412,8 @@ class Trainer:
         # another rank in the next step would otherwise take rank 0 down mid-save and lose the
         # interval. One in the background can be lost so: the retry resumes from the one before.
         barrier(ctx)
-        if not (background and (ctx.is_main or self.sharded)):  # a rank writing in the background is torn as
-            self.faults.checkpoint_written()                      # it writes, if at all
+        if not (background and writes):  # a rank writing in the background is torn as it writes, if at all
+            self.faults.checkpoint_written()
 
     def _commit(self, done: int, weights: dict | None, optim: dict | None, rng: list[dict],
                 checkpoints: RunCheckpoints) -> Callable[[dict[str, dict] | None], str]:
