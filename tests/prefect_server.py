@@ -126,3 +126,23 @@ def flow_runs(env: dict[str, str], deployment_id: Any) -> list[Any]:
     with client_of(env) as client:
         return client.read_flow_runs(deployment_filter=DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id])),
                                      sort=FlowRunSort.EXPECTED_START_TIME_ASC)
+
+
+def main(argv: list[str]) -> int:
+    """`python -m tests.prefect_server -- COMMAND...`: COMMAND run with a Prefect server of its own,
+    its API in TRNFLOW_TEST_PREFECT_API_URL. The XLA lane runs at nice 19 beside the other tests;
+    a server started inside it starved for minutes before answering (Prefect's harness gives up
+    after its timeout), so `make test` starts the lane's server here, at the usual priority."""
+    import tempfile
+
+    if argv[:1] != ["--"] or len(argv) < 2:
+        print("usage: python -m tests.prefect_server -- COMMAND [ARG...]", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="prefect-home-") as home, prefect_server(Path(home)) as env:
+        done = subprocess.run(argv[1:], env={**os.environ, "TRNFLOW_TEST_PREFECT_API_URL": env["PREFECT_API_URL"]},
+                              check=False)
+    return done.returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -37,11 +37,14 @@ def _runtime():
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _one_prefect_api(prefect_api):
-    """The lane's trnflow commands talk to this test process's one Prefect API (the session's), as a
-    user's do once a server is configured, instead of each starting a temporary one of its own."""
+def _one_prefect_api(request):
+    """The lane's trnflow commands talk to one Prefect API, as a user's do once a server is
+    configured, instead of each starting a temporary one of its own: the server `make test` started
+    for the lane at the usual priority (TRNFLOW_TEST_PREFECT_API_URL; tests/prefect_server.py), or
+    else this test process's own (the session's)."""
+    url = os.environ.get("TRNFLOW_TEST_PREFECT_API_URL") or request.getfixturevalue("prefect_api")
     saved = os.environ.get("PREFECT_API_URL")
-    os.environ["PREFECT_API_URL"] = prefect_api
+    os.environ["PREFECT_API_URL"] = url
     yield
     if saved is None:
         os.environ.pop("PREFECT_API_URL", None)
