@@ -118,6 +118,19 @@ class ComputeSpec(Section):
         "stage is retried and resumes from its last checkpoint. The first interval includes the rank's start and "
         "any compilation its first step needs.",
     )
+    hang_step_factor: float | None = Field(
+        3.0, ge=1.5, le=1000,
+        description="Once training has measured a few steps of an attempt, a rank that makes no progress for this "
+        "many times its median step (of the last 50) plus compute.hang_floor_seconds is ended as stalled, long "
+        "before compute.hang_timeout_minutes; a rank waiting in a step's collective names the ranks that never "
+        "began that step (and their hosts). Evaluations and checkpoints are not held to it. null: only "
+        "compute.hang_timeout_minutes.",
+    )
+    hang_floor_seconds: float = Field(
+        60.0, gt=0, le=24 * 3600,
+        description="What the stall limit of a training step adds to compute.hang_step_factor times the median "
+        "step: room for a step's usual jitter (a logged step's bookkeeping, a slower batch, a busy host).",
+    )
     max_pending_minutes: float = Field(
         60.0, gt=0, le=28 * 24 * 60,
         description="How long a job may wait for its instances before it is stopped as a capacity failure (which "

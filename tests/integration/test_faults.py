@@ -163,6 +163,32 @@ def test_a_rank_that_stalls_with_no_peer_to_notice_is_ended_by_its_watchdog_and_
     assert again.result.resumed_from and again.result.start_step == 2
 
 
+def test_a_host_that_stops_mid_run_is_named_by_its_peer_within_a_few_median_steps(backend, make_spec):
+    """Rank 1's process stops whole at step 8 of two ranks (a host that stopped answering: its own
+    watchdog stops too). The limits of old (the collective timeout, the hang timeout) are minutes
+    away: rank 0, waiting in step 8, is ended once it made no progress for 3 of its median steps
+    plus the 3 s floor, as Stalled, and names rank 1, which never began step 8. The retry resumes
+    from step 4's checkpoint, written in the background."""
+    spec = make_spec(name="paced", compute={"hang_timeout_minutes": 10, "hang_floor_seconds": 3},
+                     preflight={"collective_timeout_seconds": 300},
+                     train={"steps": 10, "checkpoint_every": 4, "log_every": 1},
+                     faults=[{"kind": "freeze", "core": 1, "step": 8}])
+    job_id = backend.submit(JobRequest(spec, "train", "paced", cores=(0, 1)))
+    info = wait(backend, job_id, 0.2)
+    assert info.state is JobState.FAILED, backend.logs(job_id)[0]
+    failure = info.failure
+    host = socket.gethostname()
+    assert failure.type == "Stalled" and failure.retryable is True and failure.rank == 0, failure
+    assert failure.ranks == [1]
+    assert failure.message.startswith(f"rank 0 (NeuronCore 0) on {host} waited ")
+    assert "in training step 8 (3 x its median step of " in failure.message
+    assert "compute.hang_step_factor, compute.hang_floor_seconds" in failure.message
+    assert f"for rank 1 (NeuronCore 1) on {host}, last at step 7, which never began it" in failure.message
+    again = wait(backend, backend.submit(JobRequest(spec, "train", "paced", cores=(0, 1))), 0.2)
+    assert again.state is JobState.SUCCEEDED, again.failed()
+    assert again.result.resumed_from and again.result.start_step == 4
+
+
 def test_fault_syntax_errors_are_clear():
     assert [(f.kind, f.core) for f in parse("corrupt@1, hang@3")] == [("corrupt", 1), ("hang", 3)]
     with pytest.raises(FatalError, match="kind@core"):

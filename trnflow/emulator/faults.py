@@ -12,8 +12,10 @@ one; without it, once in each):
 - `timeout`: the runtime reports an execution timeout (transient: retry and resume);
 - `hw`: the core reports an uncorrectable hardware error (retry on other cores);
 - `nan`: the core's result turns to NaN, so the loss is not finite (fatal: never retried);
-- `stall`: the rank stops making progress, as on a host that stopped answering; only the service
-  (which replaces the host) or the peers' collective timeout ends it;
+- `stall`: the rank stops making progress, as on a device that never returns; its own watchdog (or
+  the peers') ends it;
+- `freeze`: the rank's process stops whole (SIGSTOP), its watchdog included, as on a host that
+  stopped answering: only its peers' watchdogs (or the collective timeout) can notice;
 - `torn`: the rank is killed halfway through writing its next checkpoint or shard, which is left
   cut short under its own name (as a copy that died, or a storage fault, leaves it). Only rank 0
   writes a whole checkpoint: another rank is killed once the checkpoint is whole, or, when it is
@@ -47,7 +49,7 @@ def _nothing() -> None:
 
 
 DEVICE_KINDS = ("corrupt", "hang", "memory")
-TRAINING_KINDS = ("kill", "timeout", "hw", "nan", "stall", "torn")
+TRAINING_KINDS = ("kill", "timeout", "hw", "nan", "stall", "freeze", "torn")
 PHASES = ("train", "infer")
 KINDS = DEVICE_KINDS + TRAINING_KINDS
 
@@ -151,6 +153,8 @@ class CoreFaults:
             if fault.kind == "stall":
                 while True:
                     time.sleep(3600)
+            if fault.kind == "freeze":
+                os.kill(os.getpid(), signal.SIGSTOP)  # until the launcher's SIGKILL
             if fault.kind == "timeout":
                 raise ExecutionTimeout(f"NeuronCore {self.core}: execution timed out at step {step} "
                                        "(injected fault); the run resumes from its last checkpoint")

@@ -177,10 +177,13 @@ def watch_progress(ctx: WorkerContext, limit_seconds: float) -> None:
     """End this rank as `Stalled` once it makes no progress for `limit_seconds` (see `watchdog`)."""
     host = watchdog.host_label()
 
-    def stalled(seconds: float, label: str) -> None:
-        message = watchdog.stalled_message(ctx.rank, ctx.core_id, host, seconds, label)
+    def stalled(seconds: float, label: str, pace: watchdog.Pace | None) -> None:
+        step, behind = pace.behind() if pace is not None else (None, [])
+        message = watchdog.stalled_message(ctx.rank, ctx.core_id, host, seconds, label,
+                                           pace.why if pace is not None else watchdog.BASE_LIMIT, behind, step)
         atomic_write_json(ctx.output_dir / f"failure-rank{ctx.rank}.json", FailureReport(
-            rank=ctx.rank, type="Stalled", message=message, retryable=True).model_dump(exclude_none=True))
+            rank=ctx.rank, type="Stalled", message=message, retryable=True,
+            ranks=[p.rank for p in behind]).model_dump(exclude_none=True))
         print(f"trnflow.workload: {message}", file=sys.stderr, flush=True)
 
     watchdog.start(limit_seconds, stalled)

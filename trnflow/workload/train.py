@@ -55,6 +55,7 @@ from trnflow.workload.data import iter_labelled
 from trnflow.workload.evaluate import Holdout
 from trnflow.workload.features import featurize, host_memory
 from trnflow.workload.memory import estimate, saved_activation_peak, tensor_bytes
+from trnflow.workload.pace import StepPace
 from trnflow.workload.programs import build_model, for_run, spread
 from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.reclaim import ReclaimNotice
@@ -165,6 +166,7 @@ class Trainer:
         """The process group of the shards' writes in the background (every rank makes it, alike)."""
         self.memory: dict = {}
         self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
+        self.pace = StepPace(ctx, self.spec.compute.hang_step_factor, self.spec.compute.hang_floor_seconds)
         self._window = (time.perf_counter(), 0, 0.0)  # since the last logged point: start, steps, summed loss
         self.late_said = False
         self.after_first: float | None = None  # when this attempt's first step ended: its steady clock
@@ -176,9 +178,11 @@ class Trainer:
         try:
             for step, idx in self.sampler.batches(self.first, tcfg.steps):
                 self.faults.begin_step(step + 1, self._first_time, self._settle)
+                self.pace.begun(step + 1)
                 self.last_loss = self._step(idx, step + 1)
                 done = step + 1
                 watchdog.beat(f"train step {done}")
+                self.pace.ended(self.step_times[-1])
                 self._committed(self.saver.finished())
                 over = None
                 if done % tcfg.log_every == 0 or done == tcfg.steps:
@@ -202,6 +206,7 @@ class Trainer:
                     raise Interrupted(f"the job was asked to stop (SIGTERM): training stopped after step {done} and "
                                       f"checkpointed it; a rerun with the same run id resumes from step {done}")
         finally:
+            self.pace.close()
             with contextlib.suppress(Exception):  # a write in flight as the loop failed: let it commit, if it can
                 self._committed(self.saver.wait(timeout=WRITE_AFTER_FAILURE_SECONDS))
             notice.close()  # after the loop (and that write) a SIGTERM ends the rank at once again

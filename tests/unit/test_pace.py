@@ -1,0 +1,100 @@
+"""The stall limit that follows the training steps' pace, and the peers a waiting rank names, read
+from a real TCPStore as the launcher's."""
+
+import subprocess
+import sys
+import textwrap
+import types
+
+import pytest
+import torch.distributed as dist
+
+from trnflow.workload import watchdog
+from trnflow.workload.pace import MEASURED, StepPace
+
+
+def _ctx(rank: int, world: int, logged: list | None = None):
+    return types.SimpleNamespace(rank=rank, world_size=world, core_id=rank + 4,
+                                 log=lambda event, **fields: (logged if logged is not None else []).append(fields))
+
+
+@pytest.fixture
+def no_pace():
+    yield
+    watchdog.pace(None)
+
+
+def test_the_limit_holds_once_steps_after_the_first_are_measured_and_lets_go_with_the_loop(no_pace):
+    pace = StepPace(_ctx(0, 1), factor=3.0, floor=5.0)
+    pace.begun(1)
+    pace.ended(40.0)  # the first step compiles: never measured
+    for step, seconds in enumerate([0.2, 0.4] + [0.3] * (MEASURED - 2), start=2):
+        assert watchdog.held() is None
+        pace.begun(step)
+        pace.ended(seconds)
+    held = watchdog.held()
+    assert held is not None and held.limit == pytest.approx(5.0 + 3 * 0.3)
+    assert held.why == "3 x its median step of 0.30 s + 5 s: compute.hang_step_factor, compute.hang_floor_seconds"
+    assert held.behind() == (MEASURED + 1, [])  # one rank: nobody to wait for
+    pace.close()
+    assert watchdog.held() is None
+
+
+def test_without_a_factor_only_the_run_limit_holds(no_pace):
+    pace = StepPace(_ctx(0, 2), factor=None, floor=5.0)
+    assert pace.store is None
+    for step in range(1, 10):
+        pace.begun(step)
+        pace.ended(0.1)
+    assert watchdog.held() is None
+
+
+def test_a_waiting_rank_names_the_peers_that_never_began_its_step(monkeypatch, no_pace):
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(master.port))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    ranks = [StepPace(_ctx(r, 3), factor=3.0, floor=5.0) for r in range(3)]
+    for step in range(1, 8):
+        ranks[0].begun(step)
+        ranks[1].begun(step)
+    ranks[0].begun(8)  # rank 1 stopped after step 7; rank 2 never began one
+    host = watchdog.host_label()
+    assert ranks[0].behind() == (8, [watchdog.Peer(1, 5, host, 7), watchdog.Peer(2, None, "its host", 0)])
+    assert ranks[1].behind() == (7, [watchdog.Peer(2, None, "its host", 0)])
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")  # the next attempt hears nothing of this one's
+    assert StepPace(_ctx(0, 3), factor=3.0, floor=5.0).behind() == (0, [])
+
+
+def test_a_store_that_went_away_is_logged_and_the_limit_still_holds(monkeypatch, no_pace):
+    master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(master.port))
+    logged: list = []
+    pace = StepPace(_ctx(0, 2, logged), factor=3.0, floor=5.0)
+    del master  # the launcher's store is gone
+    for step in range(1, MEASURED + 2):
+        pace.begun(step)
+        pace.ended(0.1)
+    assert pace.store is None and logged and logged[0]["store"].startswith("unreachable")
+    assert watchdog.held() is not None and pace.behind() == (MEASURED + 1, [])
+
+
+def test_the_watchdog_ends_a_rank_over_its_pace_though_the_run_limit_is_far(tmp_path):
+    """In a process of its own (the watchdog ends its process): a run limit of an hour, a pace of
+    half a second, then nothing: the report quotes the pace, and the process ends as failed."""
+    script = textwrap.dedent("""
+        import time
+        from trnflow.workload import watchdog
+
+        def stalled(seconds, label, pace):
+            print(f"stalled after {seconds:.1f} s over {pace.limit} s ({pace.why}); last: {label}", flush=True)
+
+        watchdog.start(3600, stalled)
+        watchdog.beat("train step 9")
+        watchdog.pace(watchdog.Pace(0.5, "the test's pace"))
+        time.sleep(120)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1, done.stderr
+    assert "over 0.5 s (the test's pace); last: train step 9" in done.stdout
