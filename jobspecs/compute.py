@@ -131,6 +131,13 @@ class ComputeSpec(Section):
         description="What the stall limit of a training step adds to compute.hang_step_factor times the median "
         "step: room for a step's usual jitter (a logged step's bookkeeping, a slower batch, a busy host).",
     )
+    slow_rank_factor: float | None = Field(
+        1.5, ge=1.05, le=100,
+        description="At each logged training step, a rank whose own work per step (forward and backward, before "
+        "gradients are averaged) over the steps since the one before took more than this many times its peers' "
+        "median is named as slow, with its host, in the log, the stage's summary and `trnflow status`. Under fsdp "
+        "and tp a rank's passes wait on its peers too, which hides some of it. null: not compared.",
+    )
     max_pending_minutes: float = Field(
         60.0, gt=0, le=28 * 24 * 60,
         description="How long a job may wait for its instances before it is stopped as a capacity failure (which "

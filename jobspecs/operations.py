@@ -150,9 +150,11 @@ class PreflightSpec(Section):
 class FaultSpec(Section):
     """A fault to inject, to rehearse how the pipeline copes (the TRNFLOW_FAULTS variable adds more)."""
 
-    kind: Literal["corrupt", "hang", "memory", "kill", "timeout", "hw", "nan", "stall", "freeze", "torn"] = Field(
+    kind: Literal["corrupt", "hang", "memory", "slow", "kill", "timeout", "hw", "nan", "stall", "freeze",
+                  "torn"] = Field(
         description="corrupt: wrong results from the core's engines; hang: the core stalls in a collective; "
-        "memory: the core's memory pattern test fails. Once per run at `step`: kill: the rank is killed with "
+        "memory: the core's memory pattern test fails; slow: each training step's own work takes the core twice as "
+        "long (a throttled host). Once per run at `step`: kill: the rank is killed with "
         "SIGKILL; timeout: an execution timeout; hw: an uncorrectable hardware error; nan: the step's result "
         "turns to NaN; stall: the rank stops making progress (a device that never returns; its own watchdog "
         "notices); freeze: the rank's process stops whole, its watchdog included (a host that stopped answering: "

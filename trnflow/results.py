@@ -189,6 +189,22 @@ class TrialResult(StageResult):
 HOST_MEMORY = "what the ranks held in host memory"
 
 
+class SlowRank(_Model):
+    """A rank whose own work in the training steps of a logged window (forward and backward) took
+    longer than its peers' median by more than compute.slow_rank_factor: a suspect host."""
+
+    rank: int
+    core: int
+    host: str = Field(description="its host as the service names it (algo-2, Batch node 1), with the host name")
+    step: int = Field(description="the logged step that ended the window")
+    own_seconds: float = Field(description="its mean own work per step over the window")
+    peers_seconds: float = Field(description="the median of its peers' means over the same window")
+    ratio: float = Field(description="own_seconds over peers_seconds")
+
+    def __str__(self) -> str:
+        return f"rank {self.rank} (nc{self.core} on {self.host}): {self.ratio:.1f}x its peers' median step"
+
+
 class TrainResult(StageResult):
     skipped: bool = Field(False, description="no new data after the watermark: nothing trained")
     reason: str | None = Field(None, description="why training was skipped")
@@ -218,6 +234,8 @@ class TrainResult(StageResult):
     median_step_seconds: float = 0.0
     device_memory: DeviceMemory | None = Field(None, description="what the ranks held on their devices")
     host_memory: HostMemory | None = Field(None, description=HOST_MEMORY)
+    slow_ranks: list[SlowRank] = Field(default_factory=list, description="the ranks named slow, each at its "
+                                       "slowest window (compute.slow_rank_factor)")
 
 
 class Registration(_Model):

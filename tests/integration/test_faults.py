@@ -163,16 +163,18 @@ def test_a_rank_that_stalls_with_no_peer_to_notice_is_ended_by_its_watchdog_and_
     assert again.result.resumed_from and again.result.start_step == 2
 
 
-def test_a_host_that_stops_mid_run_is_named_by_its_peer_within_a_few_median_steps(backend, make_spec):
-    """Rank 1's process stops whole at step 8 of two ranks (a host that stopped answering: its own
-    watchdog stops too). The limits of old (the collective timeout, the hang timeout) are minutes
-    away: rank 0, waiting in step 8, is ended once it made no progress for 3 of its median steps
-    plus the 3 s floor, as Stalled, and names rank 1, which never began step 8. The retry resumes
-    from step 4's checkpoint, written in the background."""
+def test_a_host_that_stops_mid_run_is_named_by_its_peer_within_a_few_median_steps_and_a_slow_one_named(
+        backend, make_spec):
+    """Rank 1's core is slow (each step's own work takes it twice as long), and its process stops
+    whole at step 8 of two ranks (a host that stopped answering: its own watchdog stops too). The
+    limits of old (the collective timeout, the hang timeout) are minutes away: rank 0, waiting in
+    step 8, is ended once it made no progress for 3 of its median steps plus the 3 s floor, as
+    Stalled, and names rank 1, which never began step 8. The retry resumes from step 4's checkpoint,
+    written in the background, and names rank 1 as slow (compute.slow_rank_factor 1.5)."""
     spec = make_spec(name="paced", compute={"hang_timeout_minutes": 10, "hang_floor_seconds": 3},
                      preflight={"collective_timeout_seconds": 300},
                      train={"steps": 10, "checkpoint_every": 4, "log_every": 1},
-                     faults=[{"kind": "freeze", "core": 1, "step": 8}])
+                     faults=[{"kind": "freeze", "core": 1, "step": 8}, {"kind": "slow", "core": 1}])
     job_id = backend.submit(JobRequest(spec, "train", "paced", cores=(0, 1)))
     info = wait(backend, job_id, 0.2)
     assert info.state is JobState.FAILED, backend.logs(job_id)[0]
@@ -184,9 +186,15 @@ def test_a_host_that_stops_mid_run_is_named_by_its_peer_within_a_few_median_step
     assert "in training step 8 (3 x its median step of " in failure.message
     assert "compute.hang_step_factor, compute.hang_floor_seconds" in failure.message
     assert f"for rank 1 (NeuronCore 1) on {host}, last at step 7, which never began it" in failure.message
-    again = wait(backend, backend.submit(JobRequest(spec, "train", "paced", cores=(0, 1))), 0.2)
+    retry = backend.submit(JobRequest(spec, "train", "paced", cores=(0, 1)))
+    again = wait(backend, retry, 0.2)
     assert again.state is JobState.SUCCEEDED, again.failed()
     assert again.result.resumed_from and again.result.start_step == 4
+    [slow] = again.result.slow_ranks  # rank 0 is not named
+    assert (slow.rank, slow.core, slow.host) == (1, 1, host) and slow.ratio > 1.5 and 6 <= slow.step <= 10
+    said = [json.loads(line) for line in backend.logs(retry)[0].splitlines() if '"event": "slow_rank"' in line]
+    assert said and {e["slow_rank"] for e in said} == {1} and said[0]["message"].startswith(
+        f"rank 1 (nc1 on {host}): ")
 
 
 def test_fault_syntax_errors_are_clear():

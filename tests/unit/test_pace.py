@@ -10,7 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from trnflow.workload import watchdog
-from trnflow.workload.pace import MEASURED, StepPace
+from trnflow.workload.pace import MEASURED, StepPace, slow_ranks
 
 
 def _ctx(rank: int, world: int, logged: list | None = None):
@@ -98,3 +98,14 @@ def test_the_watchdog_ends_a_rank_over_its_pace_though_the_run_limit_is_far(tmp_
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert done.returncode == 1, done.stderr
     assert "over 0.5 s (the test's pace); last: train step 9" in done.stdout
+
+
+def test_a_rank_over_its_peers_median_by_the_factor_is_named_slow():
+    heard = [(0.10, 0, "algo-1"), (0.21, 1, "algo-1"), (0.11, 2, "algo-2"), (0.09, 3, "algo-2")]
+    [slow] = slow_ranks(heard, 1.5, step=40)
+    assert (slow.rank, slow.core, slow.host, slow.step) == (1, 1, "algo-1", 40)
+    assert slow.peers_seconds == 0.10 and slow.ratio == 2.1  # the median of ranks 0, 2 and 3
+    assert str(slow) == "rank 1 (nc1 on algo-1): 2.1x its peers' median step"
+    assert slow_ranks(heard, 2.5, step=40) == []
+    assert slow_ranks([(0.1, 0, "a"), (0.4, 1, "a")], 1.5, step=2)[0].rank == 1  # two ranks: each its peer's
+    assert slow_ranks([(None, 0, "a"), (None, 1, "a")], 1.5, step=1) == []  # the window held the first step only

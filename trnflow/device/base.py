@@ -163,6 +163,9 @@ class FaultHooks(Protocol):
 
     def checkpoint_written(self) -> None: ...
 
+    def slow_down(self, seconds: float) -> None:
+        """A training step's own work took `seconds` on this core: a slow core takes longer still."""
+
 
 class NoFaults:
     """The fault hooks of a device that injects none: each hook leaves things as they are."""
@@ -194,6 +197,9 @@ class NoFaults:
 
     def result(self, t: torch.Tensor) -> torch.Tensor:
         return t
+
+    def slow_down(self, seconds: float) -> None:
+        return None
 
     def checkpoint_store(self, checkpoints: Any, writer: bool) -> Any:
         return checkpoints

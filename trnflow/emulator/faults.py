@@ -5,7 +5,7 @@ Faults come from the spec's `faults` list and from `TRNFLOW_FAULTS`, a comma-sep
 example `corrupt@1,hang@3,kill@0:30,torn@0:infer:2`). The launcher hands the merged list to every worker; a worker
 applies the faults of the core it owns.
 
-Device faults (corrupt, hang, memory) are properties of a core and strike every time. Step faults
+Device faults (corrupt, hang, memory, slow) are properties of a core and strike every time. Step faults
 strike once per run, at a training step or, in inference, at the rank's n-th shard (`phase` picks
 one; without it, once in each):
 - `kill`: the rank's process is killed with SIGKILL (as the OOM killer or a lost host would);
@@ -48,7 +48,7 @@ def _nothing() -> None:
     return None
 
 
-DEVICE_KINDS = ("corrupt", "hang", "memory")
+DEVICE_KINDS = ("corrupt", "hang", "memory", "slow")
 TRAINING_KINDS = ("kill", "timeout", "hw", "nan", "stall", "freeze", "torn")
 PHASES = ("train", "infer")
 KINDS = DEVICE_KINDS + TRAINING_KINDS
@@ -115,6 +115,11 @@ class CoreFaults:
 
     def result(self, t: torch.Tensor) -> torch.Tensor:
         return t * float("nan") if self._poison else t
+
+    def slow_down(self, seconds: float) -> None:
+        """A `slow` core does a training step's own work at half speed (a throttled or ailing host)."""
+        if "slow" in self.kinds:
+            time.sleep(seconds)
 
     def checkpoint_store(self, checkpoints: Any, writer: bool) -> Any:
         """The checkpoints to write through: torn halfway (and the writer killed) after a `torn` fault."""

@@ -18,6 +18,7 @@ graphs the run needs.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -25,7 +26,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from trnflow.device.base import CompileBackend, Device
+from trnflow.device.base import CompileBackend, Device, FaultHooks, NoFaults
 from trnflow.device.private_torch import flatten, unflatten
 from trnflow.errors import TrnflowError
 from trnflow.specs import JobSpec
@@ -59,11 +60,12 @@ class Programs:
     """One model's three programs, compiled through `compiler` (whole graphs, static shapes) on `device`."""
 
     def __init__(self, spec: JobSpec, recipe: Recipe, model: nn.Module, compiler: CompileBackend, device: Device,
-                 ddp: bool = False, sharded: bool = False, mesh: Any = None, fsdp: bool = False):
+                 ddp: bool = False, sharded: bool = False, mesh: Any = None, fsdp: bool = False,
+                 faults: FaultHooks | None = None):
         """`sharded`: the model was split or sharded (`spread`): it trains and evaluates as its ranks'
         parts, and embeds nothing (inference loads the checkpoint whole); `fsdp`: sharded by FSDP2, it
         runs in parts around its blocks. `ddp`: the replicas average their gradients (DDP; over the
-        mesh's `dp` dimension when the layers are split)."""
+        mesh's `dp` dimension when the layers are split). `faults`: the core's injected faults."""
         # A fresh Dynamo state: compiled code is cached per function, and a process builds its
         # programs once (tests build several; stale entries would count against the recompile limit).
         torch._dynamo.reset()
@@ -74,6 +76,10 @@ class Programs:
         model.train(model.training)
         self.spec, self.recipe, self.model, self.compiler, self.device = spec, recipe, model, compiler, device
         self.sharded, self.fsdp = sharded, fsdp
+        self.faults = faults if faults is not None else NoFaults()
+        self.own_seconds = 0.0
+        """The last training step's own work: forward and backward, before the replicas average their
+        gradients (under fsdp and tp, whose passes gather and reduce, their waits for peers too)."""
         self._forward = device.compile(model, compiler, whole=not fsdp)
         self._embed = device.compile(model.embed, compiler) if recipe.embeds and not sharded else None
         generates = recipe.generates and spec.inference.generate is not None and not sharded
@@ -109,9 +115,12 @@ class Programs:
         which stops the run before anything is saved). A lazy device compiles the step's graphs at
         its two syncs and runs them while the next is traced; the loss is read only once both are
         done, so reading it neither adds a graph nor waits in the middle of the step."""
+        began = time.perf_counter()
         loss = self.train_loss(tokens, labels)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        self.faults.slow_down(time.perf_counter() - began)
+        self.own_seconds = time.perf_counter() - began
         if self._replicas is not None:
             average_gradients(self.model, self._replicas)
         self.device.sync()
@@ -217,7 +226,8 @@ def for_run(ctx: WorkerContext, recipe: Recipe, model: nn.Module, ddp: bool = Fa
     """The programs of a training, evaluation or inference run: graphs come from the persistent
     compile cache, and any other graph is a recompilation."""
     compiler = ctx.device.compiler(ctx.spec, "run", ctx.log, model=recipe.key)
-    return Programs(ctx.spec, recipe, model, compiler, ctx.device, ddp=ddp, sharded=sharded, mesh=mesh, fsdp=fsdp)
+    return Programs(ctx.spec, recipe, model, compiler, ctx.device, ddp=ddp, sharded=sharded, mesh=mesh, fsdp=fsdp,
+                    faults=ctx.faults)
 
 
 def _spread(spec: JobSpec) -> bool:

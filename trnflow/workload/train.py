@@ -166,7 +166,8 @@ class Trainer:
         """The process group of the shards' writes in the background (every rank makes it, alike)."""
         self.memory: dict = {}
         self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
-        self.pace = StepPace(ctx, self.spec.compute.hang_step_factor, self.spec.compute.hang_floor_seconds)
+        self.pace = StepPace(ctx, self.spec.compute.hang_step_factor, self.spec.compute.hang_floor_seconds,
+                             self.spec.compute.slow_rank_factor)
         self._window = (time.perf_counter(), 0, 0.0)  # since the last logged point: start, steps, summed loss
         self.late_said = False
         self.after_first: float | None = None  # when this attempt's first step ended: its steady clock
@@ -182,7 +183,7 @@ class Trainer:
                 self.last_loss = self._step(idx, step + 1)
                 done = step + 1
                 watchdog.beat(f"train step {done}")
-                self.pace.ended(self.step_times[-1])
+                self.pace.ended(self.step_times[-1], self.programs.own_seconds)
                 self._committed(self.saver.finished())
                 over = None
                 if done % tcfg.log_every == 0 or done == tcfg.steps:
@@ -306,6 +307,10 @@ class Trainer:
         self.metrics.append(point)
         left = self._left(done)
         self.ctx.log("train", steps=tcfg.steps, **point.model_dump(), eta_s=round(left, 1))
+        for slow in self.pace.compare(done):  # every rank takes part; rank 0 says it
+            if self.ctx.is_main:
+                self.ctx.log("slow_rank", step=done, slow_rank=slow.rank, core=slow.core, host=slow.host,
+                             ratio=slow.ratio, own_s=slow.own_seconds, peers_s=slow.peers_seconds, message=str(slow))
         self._window = (time.perf_counter(), 0, 0.0)
         ends = time.monotonic() - self.began + left
         steady = done - self.first > 1  # a step after the first was timed: the rate says something
@@ -525,6 +530,7 @@ class Trainer:
             device_memory=DeviceMemory(estimated_per_core=estimate(self.spec, self.recipe).total,
                                        peak_per_rank=per_rank, **self.memory),
             host_memory=host_memory(self.ctx, self.tokens),
+            slow_ranks=sorted(self.pace.slow.values(), key=lambda s: s.rank),
         )
 
 
