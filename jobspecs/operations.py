@@ -150,22 +150,22 @@ class PreflightSpec(Section):
 class FaultSpec(Section):
     """A fault to inject, to rehearse how the pipeline copes (the TRNFLOW_FAULTS variable adds more)."""
 
-    kind: Literal["corrupt", "hang", "memory", "slow", "kill", "timeout", "hw", "nan", "stall", "freeze",
-                  "torn"] = Field(
+    kind: Literal["corrupt", "hang", "memory", "slow", "kill", "timeout", "hw", "nan", "spike", "stall",
+                  "freeze", "torn"] = Field(
         description="corrupt: wrong results from the core's engines; hang: the core stalls in a collective; "
         "memory: the core's memory pattern test fails; slow: each training step's own work takes the core twice as "
-        "long (a throttled host). Once per run at `step`: kill: the rank is killed with "
-        "SIGKILL; timeout: an execution timeout; hw: an uncorrectable hardware error; nan: the step's result "
-        "turns to NaN; stall: the rank stops making progress (a device that never returns; its own watchdog "
-        "notices); freeze: the rank's process stops whole, its watchdog included (a host that stopped answering: "
-        "only its peers can notice); torn: the rank is killed halfway through writing its next checkpoint or "
-        "inference shard."
+        "long (a throttled host). Once per run at `step`: kill: the rank is killed with SIGKILL; timeout: an "
+        "execution timeout; hw: an uncorrectable hardware error; nan: the step's result turns to NaN; spike: the "
+        "step's loss comes back a thousandfold (a loss spike); stall: the rank stops making progress (a device that "
+        "never returns; its own watchdog notices); freeze: the rank's process stops whole, its watchdog included (a "
+        "host that stopped answering: only its peers can notice); torn: the rank is killed halfway through writing "
+        "its next checkpoint or inference shard."
     )
     core: int = Field(ge=0, le=1023, description="The NeuronCore id the fault hits.")
     step: int | None = Field(
         None, ge=1, le=MAX_STEPS,
-        description="When a kill, timeout, hw, nan, stall, freeze or torn fault strikes (required for those): the "
-        "training step, or in inference the rank's n-th shard."
+        description="When a kill, timeout, hw, nan, spike, stall, freeze or torn fault strikes (required for "
+        "those): the training step, or in inference the rank's n-th shard."
     )
     phase: Literal["train", "infer"] | None = Field(
         None, description="Strike only in this phase (default: once in each, training and inference)."
@@ -173,7 +173,7 @@ class FaultSpec(Section):
 
     @model_validator(mode="after")
     def _step_for_training_faults(self) -> FaultSpec:
-        training = self.kind in ("kill", "timeout", "hw", "nan", "stall", "freeze", "torn")
+        training = self.kind in ("kill", "timeout", "hw", "nan", "spike", "stall", "freeze", "torn")
         if training and self.step is None:
             raise ValueError(f"faults: a {self.kind} fault needs `step`, the step it strikes at")
         if not training and (self.step is not None or self.phase is not None):

@@ -168,6 +168,24 @@ class TrainSpec(Section):
     )
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
                                          description="How the model is spread over the job's cores.")
+    on_divergence: Literal["stop", "rollback"] = Field(
+        "stop",
+        description="What a divergence does: a step whose loss is not finite, or (with rollback) is over "
+        "train.spike_factor times the median of its last 20 (on any rank). stop: the run stops and is never "
+        "retried. rollback: training goes back to its newest checkpoint before that step, replays the steps "
+        "between, skips the diverged step's batch (recorded, with why, in the run's rollbacks.json and its "
+        "result) and goes on; after train.max_rollbacks the next divergence stops the run.",
+    )
+    spike_factor: float = Field(
+        5.0, gt=1, le=1e6, description="With on_divergence: rollback, a loss over this many times the median of "
+        "the rank's last 20 losses (once it has 5) is a spike.",
+    )
+    max_rollbacks: int = Field(3, ge=0, le=1000, description="Rollbacks a run may make (on_divergence: rollback).")
+    skip_steps: list[Annotated[int, Field(ge=1, le=MAX_STEPS)]] = Field(
+        default_factory=list, max_length=10_000,
+        description="Training steps whose batches are not trained on (their optimizer step is skipped), as a "
+        "rollback skips a diverged step: a run told so from the start ends with the same weights.",
+    )
 
 
 class RetrySpec(Section):

@@ -104,7 +104,7 @@ def train_model(spec: JobSpec, run_id: str, cores: list[int], ledger_mark: int =
         png = training_png(result.curve, result.evaluations, spec.gate.metric, f"{spec.name} {run_id}")
         _artifacts.image(spec, "training", png, "training loss and holdout metric against global step")
     resumed = f", resumed at step {result.start_step}" if result.resumed_from else ""
-    slow = "".join(f"; slow: {s}" for s in result.slow_ranks)
+    notes = "".join(f"; slow: {s}" for s in result.slow_ranks) + "".join(f"; rolled back {r}" for r in result.rollbacks)
     result.summary = (f"{result.steps_trained} steps, {loss_figure(result)}, "
-                      f"{result.samples_per_s:.0f} samples/s{resumed}{recompile_note(result)}{slow}")
+                      f"{result.samples_per_s:.0f} samples/s{resumed}{recompile_note(result)}{notes}")
     return result

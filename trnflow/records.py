@@ -86,6 +86,28 @@ class CurvePoint(Record):
     graphs: int = Field(0, ge=0, description="graphs the run's compile backend had met by then")
 
 
+class Rollback(Record):
+    """A divergence a run healed (train.on_divergence: rollback): the step whose batch it skipped,
+    why, the checkpoint it went back to, and the samples of that batch."""
+
+    step: int = Field(ge=1, description="the diverged step, whose batch is skipped")
+    reason: str = Field(description="what diverged: the loss, the rule and the rank")
+    restored_from: int = Field(ge=0, description="the step of the checkpoint training went back to")
+    samples: list[int] = Field(default_factory=list, description="the skipped batch's rows (their indices in the "
+                               "training rows as read), every replica's")
+
+    def __str__(self) -> str:
+        return (f"step {self.step} ({self.reason}): back to step {self.restored_from}, "
+                f"{len(self.samples)} samples skipped")
+
+
+class RollbackLog(Record):
+    """A run's `rollbacks.json`, beside its checkpoints: every step it skipped after a divergence, so
+    that an attempt resuming from before one skips it too."""
+
+    rollbacks: list[Rollback] = Field(default_factory=list)
+
+
 STEP_KEYS = ("step", "global_step", "rows")
 """A metric point's fields besides its metrics' values."""
 

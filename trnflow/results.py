@@ -27,7 +27,7 @@ from trnflow.measures import (
     ProgramPlan,
     SweepRow,
 )
-from trnflow.records import CurvePoint, MetricPoint, RecipeRef, Verdict
+from trnflow.records import CurvePoint, MetricPoint, RecipeRef, Rollback, Verdict
 
 
 class _Model(BaseModel):
@@ -236,6 +236,8 @@ class TrainResult(StageResult):
     host_memory: HostMemory | None = Field(None, description=HOST_MEMORY)
     slow_ranks: list[SlowRank] = Field(default_factory=list, description="the ranks named slow, each at its "
                                        "slowest window (compute.slow_rank_factor)")
+    rollbacks: list[Rollback] = Field(default_factory=list, description="the divergences the run healed, this "
+                                      "attempt's and its earlier attempts' (train.on_divergence: rollback)")
 
 
 class Registration(_Model):

@@ -84,7 +84,8 @@ class Case:
     case's compute section makes it a spot spec)."""
     baseline: str = "ddp"
     """The fault-free run it is compared with, whose layout it runs too (`World.layout`): `ddp`;
-    `fsdp`, sharded; `tp`, a decoder's layers split over the two cores."""
+    `fsdp`, sharded; `tp`, a decoder's layers split over the two cores; `skip-25`, told to skip
+    step 25's batch."""
     rtol: float = 0.0
     """How far its weights, metrics and embeddings may be from the fault-free run's, relative to each
     tensor's largest magnitude: 0, bitwise; a case that reshards onto fewer cores sums its gradients
@@ -248,6 +249,11 @@ CASES = [
          _faults({"kind": "torn", "core": 0, "step": 20, "phase": "train"})),
     Case("kill-during-background-write", "rank 1 killed while rank 0 writes the step-20 checkpoint in the "
          "background", _faults({"kind": "torn", "core": 1, "step": 20, "phase": "train"})),
+    Case("loss-spike-rollback", "rank 1's loss spikes a thousandfold at step 25: training goes back to step 20 and "
+         "skips step 25's batch (train.on_divergence: rollback), as the fault-free run told to skip it does",
+         {**_faults({"kind": "spike", "core": 1, "step": 25, "phase": "train"}),
+          "train": {"skip_steps": [], "on_divergence": "rollback"}},
+         baseline="skip-25", seen=lambda row: row["retries_by"].get("rollback") == 1),
     Case("corrupt-cache-entry", "a compiled artifact in the compile cache cut short", setup=corrupt_cache_entry,
          seen=lambda row: row["compiled"] == 1),
     Case("torn-inference-shard", "rank 0 killed halfway through writing its second embedding shard",

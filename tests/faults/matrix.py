@@ -181,7 +181,11 @@ class Matrix:
         logs = relayed if case.storage in ("sagemaker", "batch") else local_train_logs(self._jobs_dir(), began)
         redone, attempts = steps_redone(logs, STEPS)
         by = {f"task:{name}": n for name, n in sorted(retries.items())}
-        service = attempts - 1 - retries.get("train", 0) - run.reruns
+        results = state.result().results
+        rollbacks = len(results["train"].rollbacks)  # each resumes within its attempt
+        if rollbacks:
+            by["rollback"] = rollbacks
+        service = attempts - 1 - retries.get("train", 0) - run.reruns - rollbacks
         if service > 0:
             by["service"] = service
         if run.reruns:
@@ -189,7 +193,6 @@ class Matrix:
         if api:
             by["api"] = api
         same = snapshot.differences(self.baselines[case.baseline], case.rtol, case.outputs_rtol)
-        results = state.result().results
         row |= {"recovered": True, "retries": sum(by.values()), "retries_by": by, "steps_redone": redone,
                 "training_attempts": attempts, "train_cores": results["train"].cores,
                 "train_instance": results["train"].ran_on.instance_type if results["train"].ran_on else None,

@@ -31,13 +31,15 @@ class World:
         return self.root / "data"
 
     def layout(self, name: str) -> dict:
-        """The sections of the fault-free run `name` (`ddp`, `fsdp`, or `tp`: a Llama-style decoder's
-        layers split over the two cores, gated on perplexity against the champion), which a case
-        compared with it runs too."""
+        """The sections of the fault-free run `name` (`ddp`, `fsdp`, `skip-25`: told to skip step 25's
+        batch, or `tp`: a Llama-style decoder's layers split over the two cores, gated on perplexity
+        against the champion), which a case compared with it runs too."""
         if name == "ddp":
             return {}
         if name == "fsdp":
             return {"train": {"parallelism": {"strategy": "fsdp"}}}
+        if name == "skip-25":  # as a run that rolled back a divergence at step 25 ends; one batch fewer
+            return {"train": {"skip_steps": [25]}, "gate": {"reference": None}}  # than the reference saw
         assert name == "tp", name
         return {"model": {"recipe": "hf-causal-lm", "params": {"pretrained": str(self.decoder()), "seq_len": 32,
                                                                "rows": "text"}},

@@ -12,6 +12,8 @@ one; without it, once in each):
 - `timeout`: the runtime reports an execution timeout (transient: retry and resume);
 - `hw`: the core reports an uncorrectable hardware error (retry on other cores);
 - `nan`: the core's result turns to NaN, so the loss is not finite (fatal: never retried);
+- `spike`: the step's loss comes back a thousandfold and more, as a loss spike (a divergence that
+  `train.on_divergence: rollback` heals);
 - `stall`: the rank stops making progress, as on a device that never returns; its own watchdog (or
   the peers') ends it;
 - `freeze`: the rank's process stops whole (SIGSTOP), its watchdog included, as on a host that
@@ -49,7 +51,7 @@ def _nothing() -> None:
 
 
 DEVICE_KINDS = ("corrupt", "hang", "memory", "slow")
-TRAINING_KINDS = ("kill", "timeout", "hw", "nan", "stall", "freeze", "torn")
+TRAINING_KINDS = ("kill", "timeout", "hw", "nan", "spike", "stall", "freeze", "torn")
 PHASES = ("train", "infer")
 KINDS = DEVICE_KINDS + TRAINING_KINDS
 
@@ -103,18 +105,20 @@ class CoreFaults:
         self.core = core
         self.kinds = {f.kind for f in faults if f.core == core and f.step is None}
         self.training = [f for f in faults if f.core == core and f.step is not None]
-        self._poison = self._torn = False
+        self._poison = self._spike = self._torn = False
 
     # The training loop's hooks: a step begins, its result comes back, a checkpoint is written.
     def begin_step(self, step: int, first_time: Callable[[Fault], bool], settle: Callable[[], None] = _nothing
                    ) -> None:
-        """Fire the faults due at training step `step`, each once `settle()` returned; a `nan`
-        poisons this step's result, a `torn` the next checkpoint."""
+        """Fire the faults due at training step `step`, each once `settle()` returned; a `nan` or
+        `spike` changes this step's result, a `torn` the next checkpoint."""
         due = self.strike(step, first_time, "train", settle)
-        self._poison, self._torn = "nan" in due, self._torn or "torn" in due
+        self._poison, self._spike, self._torn = "nan" in due, "spike" in due, self._torn or "torn" in due
 
     def result(self, t: torch.Tensor) -> torch.Tensor:
-        return t * float("nan") if self._poison else t
+        if self._poison:
+            return t * float("nan")
+        return t * 1000 + 100 if self._spike else t
 
     def slow_down(self, seconds: float) -> None:
         """A `slow` core does a training step's own work at half speed (a throttled or ailing host)."""
@@ -150,7 +154,7 @@ class CoreFaults:
             if fault.step != step or fault.phase not in (None, phase) or not first_time(fault):
                 continue
             settle()
-            if fault.kind in ("nan", "torn"):
+            if fault.kind in ("nan", "spike", "torn"):
                 act.add(fault.kind)
                 continue
             if fault.kind == "kill":

@@ -13,10 +13,8 @@ import hashlib
 import math
 import os
 import statistics
-import tempfile
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
@@ -25,33 +23,25 @@ import torch
 from trnflow.errors import FatalError, Interrupted, OverBudget, SpotInterruption
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.measures import DeviceMemory
-from trnflow.records import (
-    EXPORT_MARKER,
-    CheckpointMeta,
-    CurvePoint,
-    DataRead,
-    ExportedFile,
-    ExportMarker,
-    MetricPoint,
-    dump,
-)
+from trnflow.records import CurvePoint, DataRead, MetricPoint
 from trnflow.results import TrainResult
 from trnflow.specs.instances import instance_cost
 from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload import watchdog
 from trnflow.workload.checkpoint import (
-    RunCheckpoints,
+    Checkpoint,
     check_weights,
     load_model_weights,
     on_base,
-    step_name,
     trainable,
     trained_state,
     weights_digest,
 )
+from trnflow.workload.checkpointing import Checkpointing
 from trnflow.workload.collectives import all_true
 from trnflow.workload.context import WorkerContext, barrier, gather_objects
 from trnflow.workload.data import iter_labelled
+from trnflow.workload.divergence import Divergence
 from trnflow.workload.evaluate import Holdout
 from trnflow.workload.features import featurize, host_memory
 from trnflow.workload.memory import estimate, saved_activation_peak, tensor_bytes
@@ -60,25 +50,14 @@ from trnflow.workload.programs import build_model, for_run, spread
 from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.reclaim import ReclaimNotice
 from trnflow.workload.sampler import StepSampler
-from trnflow.workload.saver import BackgroundSaver, Saved, stage
-from trnflow.workload.sharding import (
-    load_optimizer,
-    load_shards,
-    load_whole,
-    shard_state,
-    whole_model,
-    write_shards,
-)
+from trnflow.workload.saver import BackgroundSaver
+from trnflow.workload.sharding import load_optimizer, load_shards, load_whole, whole_model
 from trnflow.workload.start import Start, find_start
 
 WRITE_AFTER_FAILURE_SECONDS = 25.0
 """How long a rank whose training failed waits for its checkpoint write in flight before it ends: a
 sharded write whose peers are gone may never end, and the launcher kills a rank 30 s after a peer
 failed (torchrun's grace)."""
-
-
-def _rng_state(sr_gen: torch.Generator) -> dict:
-    return {"torch": torch.get_rng_state(), "sr": sr_gen.get_state()}
 
 
 def _featurizer(ctx: WorkerContext, recipe: Recipe, start: Start, rows: Callable[[], Iterator[pa.Table]]) -> None:
@@ -108,7 +87,7 @@ def _skipped(ctx: WorkerContext, start: Start) -> TrainResult:
                        checkpoint=start.init.url if start.init else None, steps_trained=0)
 
 
-class Trainer:
+class Trainer(Checkpointing):
     """One training run on this rank: the model, its optimizer and data, resumed or started afresh.
 
     `run` is the loop; the methods it calls say what each step, evaluation and checkpoint does.
@@ -168,50 +147,86 @@ class Trainer:
         self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
         self.pace = StepPace(ctx, self.spec.compute.hang_step_factor, self.spec.compute.hang_floor_seconds,
                              self.spec.compute.slow_rank_factor)
+        self.divergence = Divergence(ctx, start.checkpoints.store)
         self._window = (time.perf_counter(), 0, 0.0)  # since the last logged point: start, steps, summed loss
         self.late_said = False
         self.after_first: float | None = None  # when this attempt's first step ended: its steady clock
 
     def run(self) -> TrainResult:
-        tcfg = self.spec.train
         began = time.perf_counter()
         notice = ReclaimNotice(self.ctx, spot=self.spec.compute.spot)
         try:
-            for step, idx in self.sampler.batches(self.first, tcfg.steps):
-                self.faults.begin_step(step + 1, self._first_time, self._settle)
-                self.pace.begun(step + 1)
-                self.last_loss = self._step(idx, step + 1)
-                done = step + 1
-                watchdog.beat(f"train step {done}")
-                self.pace.ended(self.step_times[-1], self.programs.own_seconds)
-                self._committed(self.saver.finished())
-                over = None
-                if done % tcfg.log_every == 0 or done == tcfg.steps:
-                    left = self._log_point(done)
-                    over = self._over_budget(done, left)
-                if self.spec.evaluates_at(done):
-                    with watchdog.busy(f"evaluating at step {done}"):
-                        self._evaluate(done)
-                saved = done % tcfg.checkpoint_every == 0 or done == tcfg.steps
-                if saved:
-                    self._checkpoint(done, last=done == tcfg.steps)
-                if over is not None:
-                    self._checkpointed(done, saved)
-                    raise OverBudget(f"{over}: training stopped after step {done} and checkpointed it; rerun with the "
-                                     f"same run id and a higher budget to resume from step {done}")
-                if done < tcfg.steps and notice.agreed():
-                    self._checkpointed(done, saved)
-                    if notice.spot:
-                        raise SpotInterruption(f"the instance is being reclaimed (spot): training stopped after step "
-                                               f"{done} and checkpointed it; the retry resumes from step {done}")
-                    raise Interrupted(f"the job was asked to stop (SIGTERM): training stopped after step {done} and "
-                                      f"checkpointed it; a rerun with the same run id resumes from step {done}")
+            first: int | None = self.first
+            while first is not None:  # again from the step a rollback went back to
+                first = self._steps(first, notice)
         finally:
             self.pace.close()
             with contextlib.suppress(Exception):  # a write in flight as the loop failed: let it commit, if it can
                 self._committed(self.saver.wait(timeout=WRITE_AFTER_FAILURE_SECONDS))
             notice.close()  # after the loop (and that write) a SIGTERM ends the rank at once again
         return self._result(time.perf_counter() - began)
+
+    def _steps(self, first: int, notice: ReclaimNotice) -> int | None:
+        """The steps after `first`; after a divergence rolled back, the step to go on from, else None."""
+        tcfg = self.spec.train
+        for step, idx in self.sampler.batches(first, tcfg.steps):
+            done = step + 1
+            self.faults.begin_step(done, self._first_time, self._settle)
+            self.pace.begun(done)
+            if done in self.divergence.skips:  # its batch is not trained on (train.skip_steps, or a rollback)
+                self.ctx.log("skip", step=done)
+            else:
+                self.last_loss = self._step(idx, done)
+                if self.divergence.rollback and (why := self.divergence.why(self.last_loss)):
+                    return self._roll_back(done, idx, why)
+                watchdog.beat(f"train step {done}")
+                self.pace.ended(self.step_times[-1], self.programs.own_seconds)
+            self._committed(self.saver.finished())
+            over = None
+            if (done % tcfg.log_every == 0 or done == tcfg.steps) and self._window[1]:
+                left = self._log_point(done)
+                over = self._over_budget(done, left)
+            if self.spec.evaluates_at(done):
+                with watchdog.busy(f"evaluating at step {done}"):
+                    self._evaluate(done)
+            saved = done % tcfg.checkpoint_every == 0 or done == tcfg.steps
+            if saved:
+                self._checkpoint(done, last=done == tcfg.steps)
+            if over is not None:
+                self._checkpointed(done, saved)
+                raise OverBudget(f"{over}: training stopped after step {done} and checkpointed it; rerun with the "
+                                 f"same run id and a higher budget to resume from step {done}")
+            if done < tcfg.steps and notice.agreed():
+                self._checkpointed(done, saved)
+                if notice.spot:
+                    raise SpotInterruption(f"the instance is being reclaimed (spot): training stopped after step "
+                                           f"{done} and checkpointed it; the retry resumes from step {done}")
+                raise Interrupted(f"the job was asked to stop (SIGTERM): training stopped after step {done} and "
+                                  f"checkpointed it; a rerun with the same run id resumes from step {done}")
+        return None
+
+    def _roll_back(self, done: int, idx: torch.Tensor, why: str) -> int:
+        """Go back to the newest checkpoint before step `done`, which diverged (`why`), and skip that
+        step's batch from now on (train.on_divergence: rollback); the step to go on from."""
+        with watchdog.busy(f"rolling back from step {done}"):
+            self.divergence.allowed(done, why)
+            self._settle()  # a write in flight is of a step before this one: committed, it is the newest
+            back = self.start.checkpoints.latest(on_skip=lambda url, r: self.ctx.log("checkpoint_skipped", url=url,
+                                                                                    reason=r))
+            if back is None or back.meta is None:
+                raise FatalError(f"training diverged at step {done} ({why}) before its first checkpoint, so there "
+                                 "is nothing to roll back to; checkpoint sooner (train.checkpoint_every) or lower "
+                                 "train.lr")
+            samples = sorted({int(i) for part in gather_objects(self.ctx, idx.tolist()) for i in part})
+            entry = self.divergence.record(done, why, back.meta.step, samples)
+            barrier(self.ctx)  # rollbacks.json is written before any rank goes on
+            kept, self.resumed_weights = self.resumed_weights, None
+            first = self._restore(back)
+            self.resumed_weights = kept  # the result's: what the attempt began with
+            self.metrics, self.evaluations = list(back.meta.metrics), list(back.meta.evaluations)
+            self._window = (time.perf_counter(), 0, 0.0)
+            self.ctx.log("rollback", step=done, to=first, reason=why, samples=len(samples), message=str(entry))
+        return first
 
     def _first_time(self, fault: Any) -> bool:
         """Record a fault as fired, once per run (a retry resumes past it)."""
@@ -221,35 +236,8 @@ class Trainer:
         """The step to start from and the curve so far: a retry resumes its own checkpoint exactly."""
         ctx, tcfg, start, resumed = self.ctx, self.spec.train, self.start, self.start.resumed
         if resumed is not None:
-            adapters = on_base(resumed, self.recipe.base())
-            if self.sharded and resumed.sharded:  # each rank reads its part of the shards, at any world size
-                try:
-                    load_shards(self.model, self.optimizer, resumed.shards or {})
-                except ValueError as exc:
-                    raise FatalError(f"{resumed.url}: {exc}; the checkpoint is damaged: delete it to resume from "
-                                     "the one before") from None
-                resumed.shards = None  # read: each rank keeps its part, not every shard's bytes
-                weights = whole_model(self.model)  # on rank 0 alone, whose result says what was loaded
-                self.resumed_weights = weights_digest(weights) if ctx.is_main else None
-            elif self.sharded:  # a ddp run's checkpoint holds them whole: each rank keeps its shard
-                weights = check_weights(self.model, resumed.model, resumed.url, adapters)
-                self.resumed_weights = weights_digest(weights)  # what is loaded, never gathered whole on a core
-                load_whole(self.model, self.optimizer, weights, resumed.optim)  # (which shards `weights` in place)
-            else:
-                load_model_weights(self.model, resumed.model, resumed.url, adapters)
-                load_optimizer(self.model, self.optimizer, resumed.optim)
-                self.resumed_weights = weights_digest(self.device.to_host(trained_state(self.model)))
             assert resumed.meta is not None  # a run's own checkpoints always have their meta.json
-            first = self.sampler.restore(resumed.meta.sampler)
-            if resumed.rng and len(resumed.rng) == ctx.world_size and resumed.meta.tp == ctx.tp:
-                torch.set_rng_state(resumed.rng[ctx.rank]["torch"])
-                self.sr_gen.set_state(resumed.rng[ctx.rank]["sr"])
-            else:  # a different world size: per-rank streams cannot carry over, so derive new ones
-                torch.manual_seed(tcfg.seed + 1000 * ctx.replica + first)
-                self.sr_gen.manual_seed(self.sr_seed + first)
-            ctx.log("resume", step=first, checkpoint=resumed.url, saved_by_ranks=len(resumed.rng or []),
-                    ranks=ctx.world_size)
-            return first, list(resumed.meta.metrics)
+            return self._restore(resumed), list(resumed.meta.metrics)
         adapters = start.init is not None and on_base(start.init, self.recipe.base())
         if start.init is not None and self.sharded:
             load_whole(self.model, None, check_weights(self.model, start.init.model, start.init.url, adapters), None)
@@ -263,6 +251,39 @@ class Trainer:
         if self.rounding:  # put the starting weights on the bf16 grid; resumed ones already are
             self.device.round_state(self.model, None, self.rounding, self.sr_gen)
         return 0, []
+
+    def _restore(self, resumed: Checkpoint) -> int:
+        """Load one of the run's own checkpoints exactly (weights, optimizer, random streams); its step."""
+        ctx, tcfg = self.ctx, self.spec.train
+        adapters = on_base(resumed, self.recipe.base())
+        if self.sharded and resumed.sharded:  # each rank reads its part of the shards, at any world size
+            try:
+                load_shards(self.model, self.optimizer, resumed.shards or {})
+            except ValueError as exc:
+                raise FatalError(f"{resumed.url}: {exc}; the checkpoint is damaged: delete it to resume from "
+                                 "the one before") from None
+            resumed.shards = None  # read: each rank keeps its part, not every shard's bytes
+            weights = whole_model(self.model)  # on rank 0 alone, whose result says what was loaded
+            self.resumed_weights = weights_digest(weights) if ctx.is_main else None
+        elif self.sharded:  # a ddp run's checkpoint holds them whole: each rank keeps its shard
+            weights = check_weights(self.model, resumed.model, resumed.url, adapters)
+            self.resumed_weights = weights_digest(weights)  # what is loaded, never gathered whole on a core
+            load_whole(self.model, self.optimizer, weights, resumed.optim)  # (which shards `weights` in place)
+        else:
+            load_model_weights(self.model, resumed.model, resumed.url, adapters)
+            load_optimizer(self.model, self.optimizer, resumed.optim)
+            self.resumed_weights = weights_digest(self.device.to_host(trained_state(self.model)))
+        assert resumed.meta is not None
+        first = self.sampler.restore(resumed.meta.sampler)
+        if resumed.rng and len(resumed.rng) == ctx.world_size and resumed.meta.tp == ctx.tp:
+            torch.set_rng_state(resumed.rng[ctx.rank]["torch"])
+            self.sr_gen.set_state(resumed.rng[ctx.rank]["sr"])
+        else:  # a different world size: per-rank streams cannot carry over, so derive new ones
+            torch.manual_seed(tcfg.seed + 1000 * ctx.replica + first)
+            self.sr_gen.manual_seed(self.sr_seed + first)
+        ctx.log("resume", step=first, checkpoint=resumed.url, saved_by_ranks=len(resumed.rng or []),
+                ranks=ctx.world_size)
+        return first
 
     def _step(self, idx: torch.Tensor, done: int) -> float:
         """Forward, backward and optimizer step on one global batch; the loss, which must be finite."""
@@ -285,9 +306,10 @@ class Trainer:
         return value
 
     def _finite(self, loss: torch.Tensor, done: int) -> torch.Tensor:
-        """The step's loss, refused when it is not finite: the run stops before it saves anything more."""
+        """The step's loss, refused when it is not finite (train.on_divergence: stop): the run stops
+        before it saves anything more. With rollback, the loop heals it."""
         value = loss.item()
-        if not math.isfinite(value):
+        if not math.isfinite(value) and not self.divergence.rollback:
             raise FatalError(
                 f"loss is {value} at step {done} on rank {self.ctx.rank}; the run diverged. "
                 "Lower train.lr or use fp32; retrying would diverge again"
@@ -357,142 +379,6 @@ class Trainer:
             self.series_url = write_series(self.start.checkpoints.url, self.run_id, self.evaluations,
                                            self.holdout.digest, done, correct, self.holdout.directions)
 
-    def _checkpoint(self, done: int, last: bool = False) -> None:
-        """Save the checkpoint of step `done`: in the background (`train.checkpoint_async`), unless it is the
-        run's `last` one, which is committed before this returns, as every stop's is."""
-        began = time.perf_counter()
-        with watchdog.busy(f"checkpointing step {done}"):  # rank 0 writes; the others wait for it
-            self._committed(self.saver.wait())  # the write before it
-            self._write_checkpoint(done, began, background=self.spec.train.checkpoint_async and not last)
-
-    def _checkpointed(self, done: int, saved: bool) -> None:
-        """Before a stop: the checkpoint of step `done` committed, whether it was `saved` at this
-        step already (in the background) or not; no rank stops before it is (the ranks that wrote
-        nothing wait for rank 0, whose failure to write ends them too)."""
-        if saved:
-            self._settle()
-            barrier(self.ctx)
-        else:
-            self._checkpoint(done, last=True)
-
-    def _settle(self) -> None:
-        """Wait for the checkpoint write in flight, if any, to commit (before an injected fault strikes)."""
-        if self.saver.step is not None:
-            with watchdog.busy(f"checkpointing step {self.saver.step}"):
-                self._committed(self.saver.wait())
-
-    def _committed(self, saved: Saved | None) -> None:
-        if saved is not None and self.ctx.is_main:
-            self.checkpoint_url = saved.url
-            self.ctx.log("checkpoint", step=saved.step, url=saved.url, stalled_s=round(saved.stalled, 4),
-                         wrote_s=round(saved.wrote, 4))
-
-    def _write_checkpoint(self, done: int, began: float, background: bool) -> None:
-        ctx, spec = self.ctx, self.spec
-        rng = gather_objects(ctx, _rng_state(self.sr_gen))
-        last = done == spec.train.steps
-        weights: dict | None = None
-        optim: dict | None = None
-        shards: Callable[[], dict[str, dict]] | None = None
-        checkpoints = self.faults.checkpoint_store(self.start.checkpoints, writer=True)
-        if self.sharded:  # every rank stores its own shard; the last checkpoint holds the whole weights too
-            shards = self._shards(done, background, checkpoints)
-            weights = whole_model(self.model) if last else None  # gathered on rank 0 (every rank takes part)
-        elif ctx.is_main:
-            # checkpoints hold CPU copies, whatever the device; one written in the background, copies
-            # that the training going on meanwhile cannot change
-            host = stage if background else self.device.to_host
-            weights, optim = host(trained_state(self.model)), host(self.optimizer.state_dict())
-        commit = self._commit(done, weights, optim, rng, checkpoints) if ctx.is_main else None
-
-        def write() -> str:
-            listed = shards() if shards is not None else None
-            return commit(listed) if commit is not None else ""
-
-        writes = ctx.is_main or self.sharded  # a ddp rank other than 0 writes nothing
-        if background and writes:
-            self.saver.submit(done, write, time.perf_counter() - began)
-            if checkpoints is not self.start.checkpoints:
-                self._settle()  # an injected tear: this rank dies in its write, at this step
-        elif not background:
-            wrote = time.perf_counter()
-            url = write()
-            self._committed(Saved(done, url, time.perf_counter() - began, time.perf_counter() - wrote))
-        # The ranks leave the step boundary together. A synchronous write is whole by then: a fault on
-        # another rank in the next step would otherwise take rank 0 down mid-save and lose the
-        # interval. One in the background can be lost so: the retry resumes from the one before.
-        barrier(ctx)
-        if not (background and writes):  # a rank writing in the background is torn as it writes, if at all
-            self.faults.checkpoint_written()
-
-    def _commit(self, done: int, weights: dict | None, optim: dict | None, rng: list[dict],
-                checkpoints: RunCheckpoints) -> Callable[[dict[str, dict] | None], str]:
-        """Rank 0's part of the checkpoint of step `done`: what writes its files and marker to
-        `checkpoints` (given the shards' checksums, when sharded) and returns its URL."""
-        spec, last = self.spec, done == self.spec.train.steps
-        meta = CheckpointMeta(
-            run_id=self.run_id, step=done, **self.lineage, global_step=self.lineage["base_step"] + done,
-            spec_digest=spec.digest(), precision=spec.compute.precision, world_size=self.ctx.world_size,
-            loss=self.last_loss if math.isfinite(self.last_loss) else None, sampler=self.sampler.position(done),
-            data=self.data_read, watermark=self.start.watermark, metrics=list(self.metrics),
-            evaluations=list(self.evaluations), holdout_sha256=self.holdout.digest, recipe=self.recipe.describe(),
-            torch=torch.__version__, export=self._export(done, weights) if last and weights else None,
-            base=self.recipe.base(), parallelism="fsdp" if self.programs.fsdp else "ddp", tp=self.ctx.tp)
-        featurizer = (self.recipe.featurizer_file, self.recipe.state())
-
-        def commit(shards: dict[str, dict] | None) -> str:
-            return checkpoints.save(done, weights, optim, rng, featurizer, meta, keep_latest=spec.train.keep_latest,
-                                    shards=shards)
-
-        return commit
-
-    def _shards(self, done: int, background: bool, checkpoints: RunCheckpoints) -> Callable[[], dict[str, dict]]:
-        """What writes this rank's shard of the checkpoint of step `done` (DCP) to its folder, which
-        rank 0 first clears of a torn earlier attempt, and returns every shard's checksum (on every
-        rank: a collective). In the background, its state is copied to host memory now, and its
-        collectives go over the side group (`side`), never the step's."""
-        ctx = self.ctx
-        state = stage(shard_state(self.model, self.optimizer)) if background else None  # a collective
-        group = self.side if background else None
-
-        def write() -> dict[str, dict]:
-            if ctx.is_main:
-                self.start.checkpoints.clear(done)
-            barrier(ctx, group)
-            with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp:
-                files = write_shards(state if state is not None else shard_state(self.model, self.optimizer),
-                                     Path(tmp), group)
-            return {name: digest for listed in gather_objects(ctx, checkpoints.write_shards(done, files), group)
-                    for name, digest in listed.items()}
-
-        return write
-
-    def _export(self, done: int, weights: dict[str, torch.Tensor]) -> str | None:
-        """The trained model in its own library's format, under `<run>/export/step-NNNNNN/` (the
-        marker EXPORTED last, with each file's checksum), for recipes that export; its URL."""
-        with tempfile.TemporaryDirectory(prefix="trnflow-export-") as tmp:
-            with torch.random.fork_rng(devices=[]):  # building it must not move the run's random streams
-                model = self.recipe.build_model()
-            load_model_weights(model, weights, "the run's last weights", without_frozen=True)
-            if not self.recipe.export(model, Path(tmp)):
-                return None
-            folder = f"export/{step_name(done)}"
-            store = self.start.checkpoints.store
-            with contextlib.suppress(Exception):  # an earlier attempt's files: overwritten below if they stay
-                store.delete_prefix(f"{folder}/")
-            files = {}
-            for path in sorted(Path(tmp).rglob("*")):
-                if path.is_file():
-                    name = path.relative_to(tmp).as_posix()
-                    data = path.read_bytes()
-                    store.write(f"{folder}/{name}", data)
-                    files[name] = ExportedFile(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
-            store.write(f"{folder}/{EXPORT_MARKER}", dump(ExportMarker(recipe=self.recipe.describe(), files=files,
-                                                                       base=self.recipe.base())))
-        url = f"{self.start.checkpoints.url}/{folder}"
-        self.ctx.log("export", step=done, url=url, files=len(files))
-        return url
-
     def _result(self, seconds: float) -> TrainResult:
         tcfg, start, lineage = self.spec.train, self.start, self.lineage
         trained = tcfg.steps - self.first
@@ -531,6 +417,7 @@ class Trainer:
                                        peak_per_rank=per_rank, **self.memory),
             host_memory=host_memory(self.ctx, self.tokens),
             slow_ranks=sorted(self.pace.slow.values(), key=lambda s: s.rank),
+            rollbacks=self.divergence.log.rollbacks,
         )
 
 

@@ -1,0 +1,176 @@
+"""How training writes its checkpoints: at a step boundary, in the background or in step, whole
+(rank 0) or in shards (every rank), committed with a marker once every file is whole; the last one
+with the whole weights and the recipe's export.
+
+`Checkpointing` is the training loop's part that does it (`Trainer` is one); it reads the trainer's
+model, optimizer, sampler, curve and lineage as they are at the step, and its `saver` runs a write
+in the background, one at a time."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import math
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from trnflow.records import EXPORT_MARKER, CheckpointMeta, ExportedFile, ExportMarker, dump
+from trnflow.workload import watchdog
+from trnflow.workload.checkpoint import RunCheckpoints, load_model_weights, step_name, trained_state
+from trnflow.workload.context import barrier, gather_objects
+from trnflow.workload.saver import Saved, stage
+from trnflow.workload.sharding import shard_state, whole_model, write_shards
+
+
+def rng_state(sr_gen: torch.Generator) -> dict:
+    return {"torch": torch.get_rng_state(), "sr": sr_gen.get_state()}
+
+
+class Checkpointing:
+    """The checkpoint writes of a training run (mixed into `Trainer`, whose state they save)."""
+
+    ctx: Any
+    spec: Any
+    saver: Any
+    checkpoint_url: str | None
+
+    def _checkpoint(self, done: int, last: bool = False) -> None:
+        """Save the checkpoint of step `done`: in the background (`train.checkpoint_async`), unless it is the
+        run's `last` one, which is committed before this returns, as every stop's is."""
+        began = time.perf_counter()
+        with watchdog.busy(f"checkpointing step {done}"):  # rank 0 writes; the others wait for it
+            self._committed(self.saver.wait())  # the write before it
+            self._write_checkpoint(done, began, background=self.spec.train.checkpoint_async and not last)
+
+    def _checkpointed(self, done: int, saved: bool) -> None:
+        """Before a stop: the checkpoint of step `done` committed, whether it was `saved` at this
+        step already (in the background) or not; no rank stops before it is (the ranks that wrote
+        nothing wait for rank 0, whose failure to write ends them too)."""
+        if saved:
+            self._settle()
+            barrier(self.ctx)
+        else:
+            self._checkpoint(done, last=True)
+
+    def _settle(self) -> None:
+        """Wait for the checkpoint write in flight, if any, to commit (before an injected fault strikes)."""
+        if self.saver.step is not None:
+            with watchdog.busy(f"checkpointing step {self.saver.step}"):
+                self._committed(self.saver.wait())
+
+    def _committed(self, saved: Saved | None) -> None:
+        if saved is not None and self.ctx.is_main:
+            self.checkpoint_url = saved.url
+            self.ctx.log("checkpoint", step=saved.step, url=saved.url, stalled_s=round(saved.stalled, 4),
+                         wrote_s=round(saved.wrote, 4))
+
+    def _write_checkpoint(self, done: int, began: float, background: bool) -> None:
+        ctx, spec = self.ctx, self.spec
+        rng = gather_objects(ctx, rng_state(self.sr_gen))
+        last = done == spec.train.steps
+        weights: dict | None = None
+        optim: dict | None = None
+        shards: Callable[[], dict[str, dict]] | None = None
+        checkpoints = self.faults.checkpoint_store(self.start.checkpoints, writer=True)
+        if self.sharded:  # every rank stores its own shard; the last checkpoint holds the whole weights too
+            shards = self._shards(done, background, checkpoints)
+            weights = whole_model(self.model) if last else None  # gathered on rank 0 (every rank takes part)
+        elif ctx.is_main:
+            # checkpoints hold CPU copies, whatever the device; one written in the background, copies
+            # that the training going on meanwhile cannot change
+            host = stage if background else self.device.to_host
+            weights, optim = host(trained_state(self.model)), host(self.optimizer.state_dict())
+        commit = self._commit(done, weights, optim, rng, checkpoints) if ctx.is_main else None
+
+        def write() -> str:
+            listed = shards() if shards is not None else None
+            return commit(listed) if commit is not None else ""
+
+        writes = ctx.is_main or self.sharded  # a ddp rank other than 0 writes nothing
+        if background and writes:
+            self.saver.submit(done, write, time.perf_counter() - began)
+            if checkpoints is not self.start.checkpoints:
+                self._settle()  # an injected tear: this rank dies in its write, at this step
+        elif not background:
+            wrote = time.perf_counter()
+            url = write()
+            self._committed(Saved(done, url, time.perf_counter() - began, time.perf_counter() - wrote))
+        # The ranks leave the step boundary together. A synchronous write is whole by then: a fault on
+        # another rank in the next step would otherwise take rank 0 down mid-save and lose the
+        # interval. One in the background can be lost so: the retry resumes from the one before.
+        barrier(ctx)
+        if not (background and writes):  # a rank writing in the background is torn as it writes, if at all
+            self.faults.checkpoint_written()
+
+    def _commit(self, done: int, weights: dict | None, optim: dict | None, rng: list[dict],
+                checkpoints: RunCheckpoints) -> Callable[[dict[str, dict] | None], str]:
+        """Rank 0's part of the checkpoint of step `done`: what writes its files and marker to
+        `checkpoints` (given the shards' checksums, when sharded) and returns its URL."""
+        spec, last = self.spec, done == self.spec.train.steps
+        meta = CheckpointMeta(
+            run_id=self.run_id, step=done, **self.lineage, global_step=self.lineage["base_step"] + done,
+            spec_digest=spec.digest(), precision=spec.compute.precision, world_size=self.ctx.world_size,
+            loss=self.last_loss if math.isfinite(self.last_loss) else None, sampler=self.sampler.position(done),
+            data=self.data_read, watermark=self.start.watermark, metrics=list(self.metrics),
+            evaluations=list(self.evaluations), holdout_sha256=self.holdout.digest, recipe=self.recipe.describe(),
+            torch=torch.__version__, export=self._export(done, weights) if last and weights else None,
+            base=self.recipe.base(), parallelism="fsdp" if self.programs.fsdp else "ddp", tp=self.ctx.tp)
+        featurizer = (self.recipe.featurizer_file, self.recipe.state())
+
+        def commit(shards: dict[str, dict] | None) -> str:
+            return checkpoints.save(done, weights, optim, rng, featurizer, meta, keep_latest=spec.train.keep_latest,
+                                    shards=shards)
+
+        return commit
+
+    def _shards(self, done: int, background: bool, checkpoints: RunCheckpoints) -> Callable[[], dict[str, dict]]:
+        """What writes this rank's shard of the checkpoint of step `done` (DCP) to its folder, which
+        rank 0 first clears of a torn earlier attempt, and returns every shard's checksum (on every
+        rank: a collective). In the background, its state is copied to host memory now, and its
+        collectives go over the side group (`side`), never the step's."""
+        ctx = self.ctx
+        state = stage(shard_state(self.model, self.optimizer)) if background else None  # a collective
+        group = self.side if background else None
+
+        def write() -> dict[str, dict]:
+            if ctx.is_main:
+                self.start.checkpoints.clear(done)
+            barrier(ctx, group)
+            with tempfile.TemporaryDirectory(prefix="trnflow-shards-") as tmp:
+                files = write_shards(state if state is not None else shard_state(self.model, self.optimizer),
+                                     Path(tmp), group)
+            return {name: digest for listed in gather_objects(ctx, checkpoints.write_shards(done, files), group)
+                    for name, digest in listed.items()}
+
+        return write
+
+    def _export(self, done: int, weights: dict[str, torch.Tensor]) -> str | None:
+        """The trained model in its own library's format, under `<run>/export/step-NNNNNN/` (the
+        marker EXPORTED last, with each file's checksum), for recipes that export; its URL."""
+        with tempfile.TemporaryDirectory(prefix="trnflow-export-") as tmp:
+            with torch.random.fork_rng(devices=[]):  # building it must not move the run's random streams
+                model = self.recipe.build_model()
+            load_model_weights(model, weights, "the run's last weights", without_frozen=True)
+            if not self.recipe.export(model, Path(tmp)):
+                return None
+            folder = f"export/{step_name(done)}"
+            store = self.start.checkpoints.store
+            with contextlib.suppress(Exception):  # an earlier attempt's files: overwritten below if they stay
+                store.delete_prefix(f"{folder}/")
+            files = {}
+            for path in sorted(Path(tmp).rglob("*")):
+                if path.is_file():
+                    name = path.relative_to(tmp).as_posix()
+                    data = path.read_bytes()
+                    store.write(f"{folder}/{name}", data)
+                    files[name] = ExportedFile(sha256=hashlib.sha256(data).hexdigest(), size=len(data))
+            store.write(f"{folder}/{EXPORT_MARKER}", dump(ExportMarker(recipe=self.recipe.describe(), files=files,
+                                                                       base=self.recipe.base())))
+        url = f"{self.start.checkpoints.url}/{folder}"
+        self.ctx.log("export", step=done, url=url, files=len(files))
+        return url
