@@ -32,6 +32,7 @@ from trnflow.neuron.launch import format_cores
 from trnflow.reporting.budget import over_daily_spend, over_limits, training_budget
 from trnflow.reporting.cost import run_cost, stage_cost
 from trnflow.reporting.forecast import OVERRIDE_HINT, Plan, beside, launch_forecast
+from trnflow.reporting.goodput import goodput
 from trnflow.reporting.history import keep
 from trnflow.reporting.ledger import JobLedger
 from trnflow.reporting.report import cost_markdown, links_markdown, outputs, stage_summary, with_not_run
@@ -357,8 +358,11 @@ class StageRunner:
                          f"each stage's state, duration and key figure in run {self.run_id}")
 
     def cost(self) -> Cost:
-        """The run's cost table so far, with the forecast beside each stage."""
-        return beside(run_cost(self.costs), self.forecast)
+        """The run's cost table so far, with the forecast beside each stage, and its goodput once
+        training ended."""
+        train = self.results.get("train")
+        measured = goodput(self.rows, train if isinstance(train, TrainResult) else None, self.costs)
+        return beside(run_cost(self.costs), self.forecast).model_copy(update={"goodput": measured})
 
     def outcome(self) -> RunOutcome:
         return RunOutcome(run_id=self.run_id, stages=self.rows, results=self.results, cost=self.cost())

@@ -136,7 +136,8 @@ class ComputeSpec(Section):
         description="At each logged training step, a rank whose own work per step (forward and backward, before "
         "gradients are averaged) over the steps since the one before took more than this many times its peers' "
         "median is named as slow, with its host, in the log, the stage's summary and `trnflow status`. Under fsdp "
-        "and tp a rank's passes wait on its peers too, which hides some of it. null: not compared.",
+        "and tp a rank's passes wait on its peers too, which hides some of it; on xla and neuron, lazy devices, "
+        "the time is the host's tracing. null: not compared.",
     )
     max_pending_minutes: float = Field(
         60.0, gt=0, le=28 * 24 * 60,

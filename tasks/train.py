@@ -7,6 +7,7 @@ runs on other cores (resuming from the checkpoint like any retry).
 from __future__ import annotations
 
 import json
+import time
 
 from prefect import get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -81,7 +82,7 @@ def train_model(spec: JobSpec, run_id: str, cores: list[int], ledger_mark: int =
         The train result; `checkpoint` is the URL of the final checkpoint. With no new data
         (`data.window: since-watermark`) the task ends Completed, named Skipped.
     """
-    logger = get_run_logger()
+    began, logger = time.monotonic(), get_run_logger()
     budget = _budget_left(spec, budget_usd, run_id, ledger_mark, logger)
     avoid = bad_cores(run_id)
     placement: dict = {"cores": cores}
@@ -97,6 +98,7 @@ def train_model(spec: JobSpec, run_id: str, cores: list[int], ledger_mark: int =
         atomic_write_json(_bad_cores_file(run_id), sorted(avoid | set(exc.bad_cores)))
         raise
     assert isinstance(result, TrainResult)
+    result.task_seconds = round(time.monotonic() - began, 3)
     if result.skipped:
         result.summary = f"skipped: {result.reason}"
         return Completed(name="Skipped", message=result.summary, data=result)

@@ -204,6 +204,20 @@ def manifest_digest(listed: dict[str, Any]) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()
 
 
+class TrainTime(Record):
+    """Where a run's training time went, along the attempts that led to a checkpoint (a checkpoint's,
+    and the final weights' in the train result): the steps whose work the weights hold, and what the
+    loop lost beside them. Rank 0's clock."""
+
+    steps_seconds: float = Field(0.0, ge=0, description="the steps whose work the weights hold, each once (an "
+                                 "attempt's first step, which loads or compiles its graphs, at its second's time)")
+    stall_seconds: float = Field(0.0, ge=0, description="what checkpoints stopped training for")
+    rollback_seconds: float = Field(0.0, ge=0, description="divergences rolled back: the steps undone and the "
+                                    "restores")
+    slow_seconds: float = Field(0.0, ge=0, description="what the ranks waited for ranks named slow: their own "
+                                "work over their peers' median, a step at a time")
+
+
 class CheckpointMeta(Record):
     """A checkpoint's `meta.json`: where the run stands, where the model came from, what it read."""
 
@@ -233,6 +247,7 @@ class CheckpointMeta(Record):
                              "checkpoint holds it whole either way, and resumes at any world size")
     tp: int = Field(1, ge=1, description="the cores each layer was split over (train.parallelism.tp); a run resumes "
                     "at any tp")
+    time: TrainTime = Field(default_factory=TrainTime, description="where the training time up to it went")
 
 
 # --- the gate's verdict ----------------------------------------------------------------------

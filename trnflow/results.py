@@ -27,7 +27,7 @@ from trnflow.measures import (
     ProgramPlan,
     SweepRow,
 )
-from trnflow.records import CurvePoint, MetricPoint, RecipeRef, Rollback, Verdict
+from trnflow.records import CurvePoint, MetricPoint, RecipeRef, Rollback, TrainTime, Verdict
 
 
 class _Model(BaseModel):
@@ -60,6 +60,8 @@ class RanOn(_Model):
                                "when the spec lists them)")
     hosts: list[str] = Field(default_factory=list, description="the instances it held, where the service names "
                              "them")
+    provisioning_seconds: float | None = Field(None, description="how long it waited for its instances to be ready; "
+                                               "None for local jobs")
 
 
 class NodeIdentity(_Model):
@@ -238,6 +240,13 @@ class TrainResult(StageResult):
                                        "slowest window (compute.slow_rank_factor)")
     rollbacks: list[Rollback] = Field(default_factory=list, description="the divergences the run healed, this "
                                       "attempt's and its earlier attempts' (train.on_divergence: rollback)")
+    time: TrainTime = Field(default_factory=TrainTime, description="where the training time that led to the final "
+                            "weights went, over the attempts that led to them")
+    attempt_seconds: float = Field(0.0, description="this attempt's training, from reading its data to its result")
+    time_before: TrainTime = Field(default_factory=TrainTime, description="of `time`, what the attempts before this "
+                                   "one held: the checkpoint it resumed from")
+    task_seconds: float = Field(0.0, description="this attempt's train task, from its start (the job's launch and "
+                                "provisioning included) to its result")
 
 
 class Registration(_Model):
@@ -401,6 +410,36 @@ class CostRow(_Model):
     forecast_usd: float | None = Field(None, description="the stage's cost as forecast before the run")
 
 
+class GoodputLosses(_Model):
+    """Where the time a run took to get its final weights went, besides the training they hold (s)."""
+
+    compilation: float = Field(0.0, description="the compile stage, less its instances' provisioning")
+    provisioning: float = Field(0.0, description="waiting for the compile and training jobs' instances to be ready")
+    checkpoint_stalls: float = Field(0.0, description="what checkpoints stopped training for")
+    restarts: float = Field(0.0, description="attempts that failed (their steps after their last checkpoint "
+                            "included) and the waits between them")
+    rollbacks: float = Field(0.0, description="divergences rolled back: the steps undone and the restores")
+    slow_ranks: float = Field(0.0, description="waiting for ranks named slow")
+    other: float = Field(0.0, description="the rest of the final attempt: its launch, reading its data, its first "
+                         "step's graphs, evaluations, the last checkpoint and export")
+
+
+class Goodput(_Model):
+    """A run's goodput: the training its final weights hold over the time it took to get them (the
+    compile and train stages, retries included), the rest itemized."""
+
+    fraction: float = Field(ge=0, le=1)
+    wall_seconds: float = Field(description="the compile and train stages' time")
+    training_seconds: float = Field(description="the training steps the final weights hold, each once")
+    losses: GoodputLosses
+
+    def __str__(self) -> str:
+        lost = ", ".join(f"{name.replace('_', ' ')} {seconds:.1f} s" for name, seconds in self.losses
+                         if seconds >= 0.05)
+        return (f"{self.fraction:.1%}: {self.training_seconds:.1f} s of training in {self.wall_seconds:.1f} s"
+                + (f" ({lost})" if lost else ""))
+
+
 class Cost(_Model):
     rows: list[CostRow] = Field(default_factory=list)
     total_usd: float | None = Field(None, description="None when any instance has no known price")
@@ -409,6 +448,8 @@ class Cost(_Model):
                                           "it ran none")
     provisioning_seconds: float | None = Field(None, description="how long the run's jobs waited for their "
                                                "instances to be ready; None when it started none")
+    goodput: Goodput | None = Field(None, description="the training the final weights hold over the compile and "
+                                    "train stages' time; None before training ended, or when it trained nothing")
 
 
 QUEUE_ROW = "queue"

@@ -185,7 +185,7 @@ def test_a_host_that_stops_mid_run_is_named_by_its_peer_within_a_few_median_step
     assert failure.message.startswith(f"rank 0 (NeuronCore 0) on {host} waited ")
     assert "in training step 8 (3 x its median step of " in failure.message
     assert "compute.hang_step_factor, compute.hang_floor_seconds" in failure.message
-    assert f"for rank 1 (NeuronCore 1) on {host}, last at step 7, which never began it" in failure.message
+    assert f"for rank 1 (NeuronCore 1) on {host}, which last began step 7;" in failure.message
     retry = backend.submit(JobRequest(spec, "train", "paced", cores=(0, 1)))
     again = wait(backend, retry, 0.2)
     assert again.state is JobState.SUCCEEDED, again.failed()

@@ -176,6 +176,16 @@ def test_quickstart_pipeline_end_to_end_on_the_healthy_cores(prefect_api, make_s
     launched = {"compile": 1} if results["compile"]["launched"] else {}
     assert {r["stage"]: r["jobs"] for r in cost["rows"]} == {"sanity": 2, **launched, "train": 1, "infer": 1}
     assert cost["total_usd"] == pytest.approx(sum(r["cost_usd"] for r in cost["rows"]), abs=1e-3)
+    # goodput: the steps the weights hold over the compile and train stages, the rest itemized
+    good = outcome.cost.goodput
+    seconds = {r.stage: r.seconds for r in outcome.stages}
+    assert good is not None and good.wall_seconds == pytest.approx(seconds["compile"] + seconds["train"], abs=1e-3)
+    assert 0 < good.training_seconds < good.wall_seconds and good.fraction == round(good.training_seconds /
+                                                                                    good.wall_seconds, 4)
+    assert sum(v for _, v in good.losses) + good.training_seconds == pytest.approx(good.wall_seconds, abs=0.01)
+    assert good.losses.checkpoint_stalls > 0 and good.losses.rollbacks == 0.0
+    assert good.losses.restarts == 0.0  # one attempt
+    assert f"Goodput: {good} (the training" in summary
 
     # the candidate is registered, and, having passed and its outputs written, promoted
     assert results["evaluate"]["registry"] == {"version": 1, "promoted": False, "generation": 0, "forced": False,

@@ -234,31 +234,34 @@ def test_checkpoints_written_in_the_background_equal_those_written_in_step_and_a
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize(("strategy", "spike"), [("ddp", 10), ("fsdp", 9)])
 def test_a_loss_spike_rolled_back_skips_its_batch_and_ends_as_a_run_told_to_skip_it_from_the_start(
-        make_spec, backend, strategy):
-    """Two ranks, 12 steps, a checkpoint every 4: rank 1's loss spikes at step 10 (a thousandfold).
-    With `on_divergence: rollback`, every rank goes back to step 8's checkpoint, replays step 9 and
-    skips step 10's batch, recorded with its samples and why in the result and in rollbacks.json
-    beside the checkpoints. Its final weights and optimizer state equal, bit for bit, those of a
-    run told from the start to skip step 10 (`skip_steps`), which saw no spike."""
+        make_spec, backend, strategy, spike):
+    """Two ranks, 12 steps, a checkpoint every 4 written in the background: rank 1's loss spikes a
+    thousandfold at step `spike`. With `on_divergence: rollback`, every rank goes back to step 8's
+    checkpoint (under fsdp, the step after it: its shards may still be in flight), replays the steps
+    between and skips the spiked step's batch, recorded with its samples and why in the result and
+    in rollbacks.json beside the checkpoints. Its final weights, optimizer state and loss equal, bit
+    for bit, those of a run told from the start to skip that step (`skip_steps`), which saw no spike."""
     train = {"steps": 12, "checkpoint_every": 4, "log_every": 2, "parallelism": {"strategy": strategy}}
     spiked = make_spec(train={**train, "on_divergence": "rollback"},
-                       faults=[{"kind": "spike", "core": 1, "step": 10, "phase": "train"}])
+                       faults=[{"kind": "spike", "core": 1, "step": spike, "phase": "train"}])
     healed, job_id = _train(backend, spiked, "spiked")
     assert healed.state is JobState.SUCCEEDED, healed.failure
     [rollback] = healed.result.rollbacks
-    assert (rollback.step, rollback.restored_from) == (10, 8)
+    assert (rollback.step, rollback.restored_from) == (spike, 8)
     assert rollback.reason.startswith("loss ") and "on rank 1, over 5 x the median" in rollback.reason
-    assert len(rollback.samples) == spiked.train.global_batch_size  # every replica's rows of step 10's batch
+    assert len(rollback.samples) == spiked.train.global_batch_size  # every replica's rows of the step's batch
     kept = json.loads((local_path(spiked.train.checkpoint_url) / "spiked" / "rollbacks.json").read_text())
     assert kept["rollbacks"][0]["samples"] == rollback.samples
     events = [json.loads(line)["event"] for line in backend.logs(job_id)[0].splitlines() if line.startswith("{")]
     assert events.count("rollback") == 1 and events.count("skip") >= 1
-    skipped, _ = _train(backend, make_spec(train={**train, "skip_steps": [10]}), "skipped")
+    skipped, _ = _train(backend, make_spec(train={**train, "skip_steps": [spike]}), "skipped")
     assert skipped.state is JobState.SUCCEEDED, skipped.failure
     assert skipped.result.rollbacks == []
     ours, theirs = load(healed.result.checkpoint), load(skipped.result.checkpoint)
     assert _same(ours.model, theirs.model) and _same(ours.optim, theirs.optim)
+    assert ours.meta.loss == theirs.meta.loss and healed.result.loss == skipped.result.loss
+    assert healed.result.time.rollback_seconds > 0 and skipped.result.time.rollback_seconds == 0
     plain, _ = _train(backend, make_spec(train=train), "plain")  # skipping a batch changed something
     assert not _same(load(plain.result.checkpoint).model, ours.model)

@@ -13,13 +13,15 @@ from tests.conftest import quickstart_data
 from trnflow.cli.app import app  # the command's modules load torch lazily, in the tests that run it
 from trnflow.errors import OverBudget
 from trnflow.events import readable
+from trnflow.records import TrainTime
 from trnflow.reporting.budget import over_daily_spend, over_limits, training_budget
 from trnflow.reporting.cost import job_cost, price_per_hour, run_cost
 from trnflow.reporting.forecast import beside, plan
+from trnflow.reporting.goodput import goodput
 from trnflow.reporting.history import RunShape, history, keep, record_of
 from trnflow.reporting.ledger import JobLedger, LedgerEntry
 from trnflow.reporting.report import cost_markdown
-from trnflow.results import CompileResult, InferResult, RunOutcome, StageRow, TrainResult
+from trnflow.results import CompileResult, CostRow, InferResult, RunOutcome, StageRow, TrainResult
 from trnflow.specs import validate_spec
 from trnflow.tasks.train import _budget_left
 
@@ -346,3 +348,44 @@ def test_a_teams_daily_spend_limit_refuses_a_run_it_cannot_hold_and_fails_closed
     assert "no forecast could be made to hold the run to it" in over_daily_spend(frugal, None)  # fails closed
     ample = UNDECLARED.model_copy(update={"daily_spend_usd": forecast.cost_usd * 2})
     assert over_daily_spend(ample, forecast) is None
+
+
+def test_goodput_is_the_training_the_weights_hold_over_the_compile_and_train_stages_the_rest_itemized():
+    """A run whose training failed once: the attempt that resumed held 40 s of steps from the one
+    before (its checkpoint), and took 60 s itself; the train stage took 150 s, 10 s of it
+    provisioning; the compile stage 22 s, 2 s of it provisioning."""
+    rows = [StageRow(stage="sanity", state="Completed", seconds=3.0),
+            StageRow(stage="compile", state="Completed", seconds=22.0),
+            StageRow(stage="train", state="Completed", seconds=150.0)]
+    before = TrainTime(steps_seconds=40.0, stall_seconds=1.0)
+    result = TrainResult(checkpoint="x", steps_trained=50, attempt_seconds=60.0, time_before=before,
+                         time=TrainTime(steps_seconds=85.0, stall_seconds=2.0, rollback_seconds=3.0, slow_seconds=4.0))
+    costs = [CostRow(stage="compile", instance_type="trn1.2xlarge", nodes=1, price_per_node_hour=1.0,
+                     billable_seconds=22.0, cost_usd=0.0, provisioning_seconds=2.0),
+             CostRow(stage="train", instance_type="trn1.2xlarge", nodes=1, price_per_node_hour=1.0,
+                     billable_seconds=150.0, cost_usd=0.0, provisioning_seconds=10.0, jobs=2)]
+    good = goodput(rows, result, costs)
+    assert good is not None and good.wall_seconds == 172.0 and good.training_seconds == 85.0
+    assert good.fraction == round(85 / 172, 4)
+    lost = good.losses
+    assert (lost.compilation, lost.provisioning, lost.checkpoint_stalls, lost.rollbacks, lost.slow_ranks) == (
+        20.0, 12.0, 2.0, 3.0, 4.0)
+    assert lost.restarts == 150 - 10 - 60 - 41  # the failed attempt, less what its checkpoint kept
+    assert lost.other == pytest.approx(172 - 85 - 20 - 12 - 2 - 39 - 3 - 4)
+    assert str(good).startswith("49.4%: 85.0 s of training in 172.0 s (compilation 20.0 s, provisioning 12.0 s")
+    assert goodput(rows[:2], result, costs) is None  # training has not ended
+    once = goodput(rows, result, [costs[0], costs[1].model_copy(update={"jobs": 1})])
+    assert once is not None and once.losses.restarts == 0.0 and once.losses.other == pytest.approx(lost.other + 39)
+    assert goodput(rows, TrainResult(checkpoint=None, skipped=True), costs) is None
+
+
+def test_training_not_forecast_from_this_layouts_runs_loses_what_earlier_runs_lost(tmp_path):
+    outcome = _outcome("a", 100, 400.0, 10.0)
+    kept = record_of(_spec(tmp_path, 100), outcome, at=1).model_copy(update={"goodput": 0.8})
+    assert record_of(_spec(tmp_path, 100), outcome, at=1).goodput is None  # no goodput measured
+    same = plan(_spec(tmp_path, 100), [kept])
+    assert same.goodput == 0.8 and next(s for s in same.stages if s.stage == "train").source == "history"
+    other = _spec(tmp_path, 100, instance_type="trn1.32xlarge", cores_per_node=8)
+    train = next(s for s in plan(other, [kept]).stages if s.stage == "train")
+    assert train.seconds == pytest.approx((10.0 + 3200 / (400.0 * 4)) / 0.8, abs=0.1)
+    assert train.basis.endswith("at 80% goodput") and any("goodput 80.0%" in n for n in plan(other, [kept]).notes)

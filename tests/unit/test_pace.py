@@ -49,21 +49,43 @@ def test_without_a_factor_only_the_run_limit_holds(no_pace):
     assert watchdog.held() is None
 
 
-def test_a_waiting_rank_names_the_peers_that_never_began_its_step(monkeypatch, no_pace):
+def test_a_waiting_rank_names_the_peers_that_got_less_far_in_its_step(monkeypatch, no_pace):
     master = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(master.port))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
-    ranks = [StepPace(_ctx(r, 3), factor=3.0, floor=5.0) for r in range(3)]
+    ranks = [StepPace(_ctx(r, 4), factor=3.0, floor=5.0) for r in range(4)]
     for step in range(1, 8):
-        ranks[0].begun(step)
-        ranks[1].begun(step)
-    ranks[0].begun(8)  # rank 1 stopped after step 7; rank 2 never began one
+        for r in (0, 1, 2):
+            ranks[r].begun(step)
+            ranks[r].reached()
+    ranks[0].begun(8)
+    ranks[0].reached()  # rank 0 waits in step 8's all-reduce
+    ranks[2].begun(8)  # rank 2 never finished its own work in step 8; rank 1 never began it; rank 3 nothing
     host = watchdog.host_label()
-    assert ranks[0].behind() == (8, [watchdog.Peer(1, 5, host, 7), watchdog.Peer(2, None, "its host", 0)])
-    assert ranks[1].behind() == (7, [watchdog.Peer(2, None, "its host", 0)])
+    assert ranks[0].behind() == (8, [
+        watchdog.Peer(1, 5, host, "last began step 7"),
+        watchdog.Peer(2, 6, host, "began step 8 but never finished its own work in it"),
+        watchdog.Peer(3, None, "its host", "had not begun a step of this attempt")])
+    assert ranks[1].behind() == (7, [watchdog.Peer(3, None, "its host", "had not begun a step of this attempt")])
+    for r in (0, 1, 2):
+        ranks[r].rewound()  # a rollback: every rank goes back, and a rank that has not yet is behind
+    ranks[1].begun(5)
+    assert [p.rank for p in ranks[1].behind()[1]] == [0, 2, 3]
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")  # the next attempt hears nothing of this one's
-    assert StepPace(_ctx(0, 3), factor=3.0, floor=5.0).behind() == (0, [])
+    assert StepPace(_ctx(0, 4), factor=3.0, floor=5.0).behind() == (0, [])
+
+
+def test_a_batch_of_another_shape_is_held_to_the_run_limit_while_it_may_compile(no_pace):
+    pace = StepPace(_ctx(0, 1), factor=3.0, floor=5.0)
+    for step in range(1, MEASURED + 3):
+        pace.begun(step, rows=16)
+        pace.ended(0.1, rows=16)
+    assert watchdog.held() is not None
+    pace.begun(MEASURED + 3, rows=9)  # the epoch's last, partial batch (train.drop_last: false)
+    assert watchdog.held() is None
+    pace.ended(2.0, rows=9)
+    assert watchdog.held() is not None
 
 
 def test_a_store_that_went_away_is_logged_and_the_limit_still_holds(monkeypatch, no_pace):

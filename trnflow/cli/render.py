@@ -131,7 +131,7 @@ def cost_table(cost: Cost) -> Table:
     columns = cost_columns(cost)[1:]  # after the label's
     table.add_row(Text("total", style="bold"), *(Text(c, style="bold" if name == "cost ($)" else "")
                                                  for name, c in zip(columns, total_cells(cost, total), strict=True)))
-    note = spot_note(cost)
-    if note:
-        table.caption = note
+    notes = [n for n in (spot_note(cost), f"goodput {cost.goodput}" if cost.goodput else None) if n]
+    if notes:
+        table.caption = "\n".join(notes)
     return table

@@ -17,7 +17,7 @@ AUTO = "auto"
 FOLDER = "_reference"
 """Where automatic references are kept, under train.checkpoint_url: `_reference/<key>/`."""
 TRAINING_ONLY = {"checkpoint_url", "max_minutes", "max_cost_usd", "log_every", "checkpoint_every", "checkpoint_async",
-                  "keep_latest", "on_divergence", "spike_factor", "max_rollbacks"}
+                  "keep_latest"}
 """train fields that change how a run is watched, bounded or kept, never its numbers."""
 
 

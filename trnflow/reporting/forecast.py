@@ -63,6 +63,9 @@ class Plan(BaseModel):
     spot_cost_usd: float | None = Field(None, description="a spot spec's cost at what spot saved its earlier spot "
                                         "runs (the median share); None for on-demand specs, or with no spot run yet")
     finish_at: float = Field(description="when it would end if started now (Unix seconds)")
+    goodput: float | None = Field(None, description="the median goodput of earlier runs of the model (on this layout "
+                                  "where there are some): a forecast of training not measured by runs on this "
+                                  "layout is divided by it; None with none measured")
     notes: list[str] = Field(default_factory=list)
 
     def headline(self) -> str:
@@ -203,9 +206,20 @@ def plan(spec: JobSpec, runs: list[RunRecord], now: float | None = None, cache: 
     newest = next((r for r in reversed(real) if r.layout == layout), real[-1] if real else None)
     stages = [s.stage for s in newest.stages] if newest else list(PIPELINE_STAGES)
     rows = [_stage(spec, stage, mine, layout, cache) for stage in stages]
+    measured = [r.goodput for r in real if r.goodput and r.layout == layout] or [r.goodput for r in real if r.goodput]
+    good = statistics.median(measured) if measured else None
+    if good:  # an ideal time (timed steps, scaled rates, a guess) loses what earlier runs lost
+        rows = [r.model_copy(update={"seconds": round(r.seconds / good, 1), "low": round(r.low / good, 1),
+                                     "high": round(r.high / good, 1), "basis": f"{r.basis}, at {good:.0%} goodput",
+                                     "cost_usd": job_cost(spec, r.stage, r.seconds / good, nodes=r.nodes).cost_usd
+                                     if r.nodes else 0.0})
+                if r.stage == "train" and r.source != "history" else r for r in rows]
     costs = [r.cost_usd for r in rows]
     total = round(sum(r.seconds for r in rows), 1)
     notes = [] if real else ["no earlier run of this model: every figure but a calibrated one is a guess"]
+    if good:
+        notes.append(f"goodput {good:.1%}: the median of {len(measured)} earlier run(s) (the training their final "
+                     "weights hold, over their compile and train stages' time)")
     total_cost = None if any(c is None for c in costs) else round(sum(c or 0.0 for c in costs), 4)
     spot_cost = None
     if spec.compute.spot:
@@ -218,7 +232,7 @@ def plan(spec: JobSpec, runs: list[RunRecord], now: float | None = None, cache: 
             notes.append("spot: no spot run of this model measured yet; on-demand is the most it costs")
     return Plan(spec=spec.name, layout=layout, stages=rows, seconds=total, low=round(sum(r.low for r in rows), 1),
                 high=round(sum(r.high for r in rows), 1),
-                cost_usd=total_cost, spot_cost_usd=spot_cost,
+                cost_usd=total_cost, spot_cost_usd=spot_cost, goodput=good,
                 finish_at=(time.time() if now is None else now) + total, notes=notes)
 
 

@@ -107,6 +107,8 @@ class RunRecord(BaseModel):
                                         "priced on demand); with cost_usd, what spot saved")
     queue_wait_s: float = Field(0.0, ge=0, description="time it waited in the queue for its capacity")
     preemptions: int = Field(0, ge=0, description="how often it yielded its capacity to a higher-priority run")
+    goodput: float | None = Field(None, ge=0, le=1, description="the training its final weights hold over its "
+                                  "compile and train stages' time (`Goodput`)")
 
     def stage(self, name: str) -> StageMeasure | None:
         return next((s for s in self.stages if s.stage == name), None)
@@ -138,7 +140,8 @@ def record_of(spec: JobSpec, outcome: RunOutcome, at: float | None = None, forec
                          sum(c for c in on_demand if c is not None), 4),
                      forecast=forecast.stages if forecast else [],
                      forecast_cost_usd=forecast.cost_usd if forecast else None,
-                     queue_wait_s=round(outcome.waited_seconds, 3), preemptions=outcome.preemptions)
+                     queue_wait_s=round(outcome.waited_seconds, 3), preemptions=outcome.preemptions,
+                     goodput=outcome.cost.goodput.fraction if outcome.cost.goodput else None)
 
 
 def steady_rate(spec: JobSpec, result: TrainResult) -> float:

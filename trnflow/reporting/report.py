@@ -197,6 +197,8 @@ def cost_markdown(cost: Cost) -> str:
     lines += ["", f"Total: **{total}**{'' if cost.forecast_usd is None else f' (forecast ${cost.forecast_usd:.4f})'}"
               f"{_started(cost.instances_started, cost.provisioning_seconds)}."]
     note = spot_note(cost)
+    lines += ["", f"Goodput: {cost.goodput} (the training the final weights hold, over the compile and train "
+              "stages' time)."] if cost.goodput else []
     return "\n".join(["## What the jobs cost (on-demand prices)", "", *lines, *(["", note] if note else [])]) + "\n"
 
 

@@ -193,6 +193,11 @@ def step_metrics(spec: JobSpec, outcome: RunOutcome) -> list[TrackedMetric]:
     if outcome.cost.total_usd is not None:
         add("cost/total_usd", outcome.cost.total_usd)
     add("cost/instance_hours", round(sum(r.billable_seconds * r.nodes for r in outcome.cost.rows) / 3600, 6))
+    if (good := outcome.cost.goodput) is not None:
+        add("goodput/fraction", good.fraction)
+        add("goodput/training_s", good.training_seconds)
+        for name, seconds in good.losses:
+            add(f"goodput/lost_{name}_s", seconds)
     return metrics
 
 

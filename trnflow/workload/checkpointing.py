@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from trnflow.records import EXPORT_MARKER, CheckpointMeta, ExportedFile, ExportMarker, dump
+from trnflow.records import EXPORT_MARKER, CheckpointMeta, ExportedFile, ExportMarker, TrainTime, dump
 from trnflow.workload import watchdog
 from trnflow.workload.checkpoint import RunCheckpoints, load_model_weights, step_name, trained_state
 from trnflow.workload.context import barrier, gather_objects
@@ -38,6 +38,7 @@ class Checkpointing:
     spec: Any
     saver: Any
     checkpoint_url: str | None
+    time: TrainTime
 
     def _checkpoint(self, done: int, last: bool = False) -> None:
         """Save the checkpoint of step `done`: in the background (`train.checkpoint_async`), unless it is the
@@ -66,6 +67,7 @@ class Checkpointing:
     def _committed(self, saved: Saved | None) -> None:
         if saved is not None and self.ctx.is_main:
             self.checkpoint_url = saved.url
+            self.time.stall_seconds += saved.stalled
             self.ctx.log("checkpoint", step=saved.step, url=saved.url, stalled_s=round(saved.stalled, 4),
                          wrote_s=round(saved.wrote, 4))
 
@@ -119,7 +121,8 @@ class Checkpointing:
             data=self.data_read, watermark=self.start.watermark, metrics=list(self.metrics),
             evaluations=list(self.evaluations), holdout_sha256=self.holdout.digest, recipe=self.recipe.describe(),
             torch=torch.__version__, export=self._export(done, weights) if last and weights else None,
-            base=self.recipe.base(), parallelism="fsdp" if self.programs.fsdp else "ddp", tp=self.ctx.tp)
+            base=self.recipe.base(), parallelism="fsdp" if self.programs.fsdp else "ddp", tp=self.ctx.tp,
+            time=self.time.model_copy())
         featurizer = (self.recipe.featurizer_file, self.recipe.state())
 
         def commit(shards: dict[str, dict] | None) -> str:

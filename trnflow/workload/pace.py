@@ -8,9 +8,11 @@ plus `compute.hang_step_factor` times its median step, and lets go as the loop e
 checkpoints run `watchdog.busy`, so the tight limit counts the steps alone.
 
 A rank held up in a step's collective by a peer that never came cannot tell that from its own hang.
-So each rank posts the step it begins to the launcher's key-value store (torchrun's TCPStore at
+So each rank posts how far it got (the step it began, and once its own work in it is done; after a
+rollback, the rollbacks it made) to the launcher's key-value store (torchrun's TCPStore at
 MASTER_ADDR:MASTER_PORT, on a connection of its own), and a rank whose limit passes names the peers
-that never began its step: whichever rank's watchdog fires first, the report names who held the run up.
+that got less far: whichever rank's watchdog fires first, the report names who held the run up. (On
+a lazy device, xla or neuron, a rank's own work is traced by then and runs at the step's syncs.)
 
 A slow rank holds every step up as long as it takes, so step times alone cannot tell it: a rank's
 own work (forward and backward, before the replicas average their gradients) can. At each logged
@@ -41,36 +43,51 @@ STORE_TIMEOUT = timedelta(seconds=10)
 
 
 class StepPace:
-    """This rank's step times and the step it is in: `begun(step)` as a step starts (past the point an
-    injected fault strikes), `ended(seconds, own)` as it ends, `compare(step)` at a logged step (on
-    every rank), `close()` when the loop ends."""
+    """This rank's step times and where it is: `begun(step, rows)` as a step starts (past the point an
+    injected fault strikes), `reached()` once its own work in the step is done (before the replicas
+    average their gradients), `ended(seconds, own)` as the step ends, `rewound()` after a rollback,
+    `compare(step)` at a logged step (on every rank), `close()` when the loop ends."""
 
     def __init__(self, ctx: WorkerContext, factor: float | None, floor: float, slow_factor: float | None = None):
         self.ctx, self.factor, self.floor, self.slow_factor = ctx, factor, floor, slow_factor
         self.own: list[float] = []  # this window's own work, step by step
         self.slow: dict[int, SlowRank] = {}  # by rank: its slowest window
+        self.window_steps = 0  # the steps of the window `compare` last looked at
         self.times: deque[float] = deque(maxlen=WINDOW)
         self.first = True
-        self.step = 0
+        self.rows = 0  # the batch rows of the steps measured: a batch of another shape compiles anew
+        self.position = (0, 0, 0)  # (rollbacks, step, own work done): how far this rank got
         self.host = watchdog.host_label()
         self.store = peer_store() if factor and ctx.world_size > 1 else None
 
-    def begun(self, step: int) -> None:
-        self.step = step
+    def begun(self, step: int, rows: int = 0) -> None:
+        if rows and self.rows and rows != self.rows:  # its graphs may compile in the step: the run's limit
+            watchdog.pace(None)
+        self._post((self.position[0], step, 0))
+
+    def reached(self) -> None:
+        self._post((self.position[0], self.position[1], 1))
+
+    def rewound(self) -> None:
+        self._post((self.position[0] + 1, 0, 0))
+
+    def _post(self, position: tuple[int, int, int]) -> None:
+        self.position = position
         if self.store is not None:
             try:
-                self.store.set(str(self.ctx.rank), json.dumps({"step": step, "core": self.ctx.core_id,
+                self.store.set(str(self.ctx.rank), json.dumps({"at": position, "core": self.ctx.core_id,
                                                                 "host": self.host}))
             except RuntimeError as exc:  # the store went away: peers are named no more, the limit holds
                 self.ctx.log("pace", store=f"unreachable ({str(exc).splitlines()[0][:200]})")
                 self.store = None
 
-    def ended(self, seconds: float, own: float = 0.0) -> None:
+    def ended(self, seconds: float, own: float = 0.0, rows: int = 0) -> None:
         if self.first:  # an attempt's first step loads or compiles its graphs
             self.first = False
             return
         self.times.append(seconds)
         self.own.append(own)
+        self.rows = self.rows or rows
         if self.factor and len(self.times) >= MEASURED:
             median = statistics.median(self.times)
             watchdog.pace(watchdog.Pace(
@@ -87,7 +104,7 @@ class StepPace:
         if self.ctx.world_size == 1 or not self.slow_factor:
             return []
         mine = statistics.fmean(self.own) if self.own else None  # None: the window held only the first step
-        self.own = []
+        self.window_steps, self.own = len(self.own), []
         heard = gather_objects(self.ctx, (mine, self.ctx.core_id, self.host))
         found = slow_ranks(heard, self.slow_factor, step)
         for s in found:
@@ -96,9 +113,9 @@ class StepPace:
         return found
 
     def behind(self) -> tuple[int, list[watchdog.Peer]]:
-        """The step this rank is in, and the peers that have not begun it as the store last heard
-        (none when the store cannot say)."""
-        return self.step, self._behind()
+        """The step this rank is in, and the peers that got less far in it (not begun, or their own
+        work not done) as the store last heard: none when the store cannot say."""
+        return self.position[1], self._behind()
 
     def _behind(self) -> list[watchdog.Peer]:
         if self.store is None:
@@ -106,14 +123,22 @@ class StepPace:
         peers = []
         try:
             for rank in range(self.ctx.world_size):
-                if not self.store.check([str(rank)]):  # never began a step of this attempt
-                    peers.append(watchdog.Peer(rank, None, "its host", 0))
+                if rank == self.ctx.rank:
+                    continue
+                if not self.store.check([str(rank)]):
+                    if self.position > (0, 0, 0):
+                        peers.append(watchdog.Peer(rank, None, "its host", "had not begun a step of this attempt"))
                     continue
                 heard = json.loads(self.store.get(str(rank)))
-                peers.append(watchdog.Peer(rank, heard["core"], heard["host"], heard["step"]))
-        except (RuntimeError, ValueError, KeyError):
+                at = tuple(heard["at"])
+                if at < self.position:
+                    where = ("had not begun a step since the rollback" if at[1] == 0 else
+                             f"last began step {at[1]}" if at[:2] < self.position[:2] else
+                             f"began step {at[1]} but never finished its own work in it")
+                    peers.append(watchdog.Peer(rank, heard["core"], heard["host"], where))
+        except (RuntimeError, ValueError, KeyError, TypeError):
             return []
-        return [p for p in peers if p.step < self.step]
+        return peers
 
 
 def slow_ranks(heard: list[tuple[float | None, int, str]], factor: float, step: int) -> list[SlowRank]:

@@ -109,10 +109,12 @@ class Programs:
         return self.recipe.loss(self.train_logits(tokens), self.device.put(labels))
 
     def train_step(self, tokens: torch.Tensor, labels: torch.Tensor, optimizer: torch.optim.Optimizer,
-                   checked: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss) -> torch.Tensor:
+                   checked: Callable[[torch.Tensor], torch.Tensor] = lambda loss: loss,
+                   worked: Callable[[], None] = lambda: None) -> torch.Tensor:
         """One training step, the same on every device and in every trial run: forward and loss,
         backward, sync, optimizer step, sync; then `checked` reads the loss (and may refuse it,
-        which stops the run before anything is saved). A lazy device compiles the step's graphs at
+        which stops the run before anything is saved); `worked()` once this rank's own work is done,
+        before the replicas average their gradients. A lazy device compiles the step's graphs at
         its two syncs and runs them while the next is traced; the loss is read only once both are
         done, so reading it neither adds a graph nor waits in the middle of the step."""
         began = time.perf_counter()
@@ -121,6 +123,7 @@ class Programs:
         loss.backward()
         self.faults.slow_down(time.perf_counter() - began)
         self.own_seconds = time.perf_counter() - began
+        worked()
         if self._replicas is not None:
             average_gradients(self.model, self._replicas)
         self.device.sync()

@@ -23,7 +23,7 @@ import torch
 from trnflow.errors import FatalError, Interrupted, OverBudget, SpotInterruption
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.measures import DeviceMemory
-from trnflow.records import CurvePoint, DataRead, MetricPoint
+from trnflow.records import CurvePoint, DataRead, MetricPoint, TrainTime
 from trnflow.results import TrainResult
 from trnflow.specs.instances import instance_cost
 from trnflow.storage.datafiles import data_files, partitions, training_window
@@ -138,6 +138,7 @@ class Trainer(Checkpointing):
         resumed = start.resumed.meta if start.resumed else None
         self.evaluations: list[MetricPoint] = list(resumed.evaluations) if resumed else []
         self.last_loss = resumed.loss if resumed and resumed.loss is not None else float("nan")
+        self.time = resumed.time.model_copy() if resumed else TrainTime()  # along the attempts before, too
         self.series_url: str | None = None
         self.checkpoint_url: str | None = None
         self.saver = BackgroundSaver()  # train.checkpoint_async: the last checkpoint and a stop's aside
@@ -172,7 +173,7 @@ class Trainer(Checkpointing):
         for step, idx in self.sampler.batches(first, tcfg.steps):
             done = step + 1
             self.faults.begin_step(done, self._first_time, self._settle)
-            self.pace.begun(done)
+            self.pace.begun(done, rows=len(idx))
             if done in self.divergence.skips:  # its batch is not trained on (train.skip_steps, or a rollback)
                 self.ctx.log("skip", step=done)
             else:
@@ -180,7 +181,8 @@ class Trainer(Checkpointing):
                 if self.divergence.rollback and (why := self.divergence.why(self.last_loss)):
                     return self._roll_back(done, idx, why)
                 watchdog.beat(f"train step {done}")
-                self.pace.ended(self.step_times[-1], self.programs.own_seconds)
+                self.pace.ended(self.step_times[-1], self.programs.own_seconds, rows=len(idx))
+                self._count()
             self._committed(self.saver.finished())
             over = None
             if (done % tcfg.log_every == 0 or done == tcfg.steps) and self._window[1]:
@@ -205,14 +207,27 @@ class Trainer(Checkpointing):
                                   f"checkpointed it; a rerun with the same run id resumes from step {done}")
         return None
 
+    def _count(self) -> None:
+        """Count the step just trained as work the weights hold: an attempt's first step (which loads
+        or compiles its graphs) at its second's time, once that is known."""
+        times = self.step_times
+        if len(times) > 1:
+            self.time.steps_seconds += times[-1] * (2 if len(times) == 2 else 1)
+
     def _roll_back(self, done: int, idx: torch.Tensor, why: str) -> int:
         """Go back to the newest checkpoint before step `done`, which diverged (`why`), and skip that
         step's batch from now on (train.on_divergence: rollback); the step to go on from."""
+        began = time.perf_counter()
         with watchdog.busy(f"rolling back from step {done}"):
             self.divergence.allowed(done, why)
             self._settle()  # a write in flight is of a step before this one: committed, it is the newest
+            barrier(self.ctx)  # every rank's write, rank 0's marker last, is committed before any rank looks
             back = self.start.checkpoints.latest(on_skip=lambda url, r: self.ctx.log("checkpoint_skipped", url=url,
                                                                                     reason=r))
+            found = back.meta.step if back is not None and back.meta is not None else None
+            if len(set(gather_objects(self.ctx, found))) > 1:
+                raise FatalError(f"rolling back from step {done}, the ranks found different newest checkpoints in "
+                                 f"{self.start.checkpoints.url}; resume the run from its checkpoints instead")
             if back is None or back.meta is None:
                 raise FatalError(f"training diverged at step {done} ({why}) before its first checkpoint, so there "
                                  "is nothing to roll back to; checkpoint sooner (train.checkpoint_every) or lower "
@@ -222,10 +237,19 @@ class Trainer(Checkpointing):
             barrier(self.ctx)  # rollbacks.json is written before any rank goes on
             kept, self.resumed_weights = self.resumed_weights, None
             first = self._restore(back)
+            assert first < done, (first, done)
             self.resumed_weights = kept  # the result's: what the attempt began with
             self.metrics, self.evaluations = list(back.meta.metrics), list(back.meta.evaluations)
+            self.last_loss = back.meta.loss if back.meta.loss is not None else float("nan")
             self._window = (time.perf_counter(), 0, 0.0)
+            self.divergence.losses.clear()  # the replayed steps' losses are heard again
+            self.pace.rewound()
+            was, then = self.time, back.meta.time  # the work since that checkpoint, and this step's, is undone
+            undone = (was.steps_seconds - then.steps_seconds) + (was.stall_seconds - then.stall_seconds)
+            self.time = then.model_copy(update={"slow_seconds": was.slow_seconds, "rollback_seconds": (
+                was.rollback_seconds + undone + self.step_times[-1] + time.perf_counter() - began)})
             self.ctx.log("rollback", step=done, to=first, reason=why, samples=len(samples), message=str(entry))
+            barrier(self.ctx)  # every rank restored (a sharded one reads its shards) before any goes on
         return first
 
     def _first_time(self, fault: Any) -> bool:
@@ -292,7 +316,8 @@ class Trainer(Checkpointing):
         probe = saved_activation_peak() if not self.memory else contextlib.nullcontext({})
         with probe as saved:
             loss = self.programs.train_step(self.tokens[idx], self.labels[idx], self.optimizer,
-                                            lambda loss: self._finite(self.faults.result(loss), done))
+                                            lambda loss: self._finite(self.faults.result(loss), done),
+                                            worked=self.pace.reached)
         if not self.memory:
             self.memory = _memory_held(self.model, self.optimizer, saved.get("peak", 0))
         if self.rounding:
@@ -329,13 +354,17 @@ class Trainer(Checkpointing):
         self.metrics.append(point)
         left = self._left(done)
         self.ctx.log("train", steps=tcfg.steps, **point.model_dump(), eta_s=round(left, 1))
-        for slow in self.pace.compare(done):  # every rank takes part; rank 0 says it
+        found = self.pace.compare(done)  # every rank takes part; rank 0 says it
+        if found:  # every rank waited for the slowest, a step at a time
+            worst = max(found, key=lambda s: s.ratio)
+            self.time.slow_seconds += (worst.own_seconds - worst.peers_seconds) * self.pace.window_steps
+        for slow in found:
             if self.ctx.is_main:
                 self.ctx.log("slow_rank", step=done, slow_rank=slow.rank, core=slow.core, host=slow.host,
                              ratio=slow.ratio, own_s=slow.own_seconds, peers_s=slow.peers_seconds, message=str(slow))
         self._window = (time.perf_counter(), 0, 0.0)
         ends = time.monotonic() - self.began + left
-        steady = done - self.first > 1  # a step after the first was timed: the rate says something
+        steady = len(self.step_times) > 1  # a step after the first was timed: the rate says something
         if steady and tcfg.max_minutes is not None and ends > tcfg.max_minutes * 60 and not self.late_said:
             self.late_said = True
             self.ctx.log("late", step=done, deadline_minutes=tcfg.max_minutes, forecast_minutes=round(ends / 60, 2),
@@ -347,7 +376,7 @@ class Trainer(Checkpointing):
         """Seconds the steps after `done` should take: at this attempt's wall time a step since its
         first step ended (the checkpoints and evaluations among them included), not counting the
         first, which loads or compiles the graph; with only the first done, at its time."""
-        steady = done - self.first - 1
+        steady = len(self.step_times) - 1  # the steps this attempt ran (a rollback's replays too)
         if steady <= 0 or self.after_first is None:
             per_step = self.step_times[0] if self.step_times else 0.0
         else:
@@ -359,7 +388,7 @@ class Trainer(Checkpointing):
         seconds of steps it has left would exceed its budget (agreed by every rank, so all stop
         after the same step); None to go on."""
         tcfg, compute, budget = self.spec.train, self.spec.compute, self.budget_usd
-        if budget is None or compute.hourly_price is None or done >= tcfg.steps or done - self.first < 2:
+        if budget is None or compute.hourly_price is None or done >= tcfg.steps or len(self.step_times) < 2:
             return None  # (nothing to check yet after only the first step, which loads or compiles the graph)
         spent = instance_cost(compute.hourly_price, compute.nodes, time.monotonic() - self.began)
         more = instance_cost(compute.hourly_price, compute.nodes, left)
@@ -418,6 +447,9 @@ class Trainer(Checkpointing):
             host_memory=host_memory(self.ctx, self.tokens),
             slow_ranks=sorted(self.pace.slow.values(), key=lambda s: s.rank),
             rollbacks=self.divergence.log.rollbacks,
+            time=self.time,
+            time_before=start.resumed.meta.time if start.resumed and start.resumed.meta else TrainTime(),
+            attempt_seconds=round(time.monotonic() - self.began, 3),
         )
 
 

@@ -30,12 +30,13 @@ BASE_LIMIT = "compute.hang_timeout_minutes"
 
 @dataclass(frozen=True)
 class Peer:
-    """Another rank as the pace's store last heard of it: the training step it last began."""
+    """Another rank that got less far than this one, as the pace's store last heard of it: `where`
+    it was (`last began step 7`)."""
 
     rank: int
     core: int | None
     host: str
-    step: int
+    where: str
 
 
 @dataclass(frozen=True)
@@ -111,10 +112,11 @@ def stalled_message(rank: int, core: int, host: str, seconds: float, label: str,
     """The report of a rank that made no progress for `seconds` (over the limit `why` names): about
     the peers `behind` it, when it waited for them in `step`, else about itself."""
     if behind:
-        who = ", ".join(f"rank {p.rank} (NeuronCore {p.core}) on {p.host}, last at step {p.step}" for p in behind)
+        who = "; ".join(f"rank {p.rank}" + (f" (NeuronCore {p.core})" if p.core is not None else "") +
+                        f" on {p.host}, which {p.where}" for p in behind)
         return (f"rank {rank} (NeuronCore {core}) on {host} waited {_span(seconds)} in training step {step} "
-                f"({why}) for {who}, which never began it; its last progress was: {label}. That host or its device "
-                f"stopped answering: the stage is retried and resumes from its last checkpoint")
+                f"({why}) for {who}; its last progress was: {label}. That host or its device stopped answering: "
+                f"the stage is retried and resumes from its last checkpoint")
     return (f"rank {rank} (NeuronCore {core}) on {host} made no progress for {_span(seconds)} ({why}); its last "
             f"progress was: {label}. The host or its device stopped answering: the stage is retried and resumes "
             f"from its last checkpoint")
