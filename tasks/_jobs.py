@@ -372,8 +372,7 @@ def _where(result: StageResult, job: _Job, info: JobInfo) -> StageResult:
         with contextlib.suppress(Exception):
             hosts = [n.label for n in node_identities(job.outputs)]
     result.ran_on = RanOn(backend=job.backend.name, job_id=info.job_id, hosts=hosts,
-                          instance_type=info.details.instance_type or spec.compute.instance_type,
-                          provisioning_seconds=info.details.provisioning_seconds)
+                          instance_type=info.details.instance_type or spec.compute.instance_type)
     if result.device is not None:
         get_run_logger().info("%s ran on the %s device (%s)", result.phase, result.device.name, result.device.reason)
     return result

@@ -60,8 +60,6 @@ class RanOn(_Model):
                                "when the spec lists them)")
     hosts: list[str] = Field(default_factory=list, description="the instances it held, where the service names "
                              "them")
-    provisioning_seconds: float | None = Field(None, description="how long it waited for its instances to be ready; "
-                                               "None for local jobs")
 
 
 class NodeIdentity(_Model):

@@ -216,8 +216,9 @@ def test_stopping_serve_pauses_its_deployments_and_it_stops_even_with_the_server
     served = _serve(env, spec, tmp_path)
     wait_for(lambda: len(_paused(env)) == 5 and served.poll() is None, 120, "the served deployments")
     assert not any(_paused(env).values())
-    assert _stop(served, signal.SIGINT, 30) == 0  # Ctrl-C
+    stopped = _stop(served, signal.SIGINT, 30)  # Ctrl-C
     log = (tmp_path / "serve.log").read_text()
+    assert stopped == 0, log[-3000:]
     assert "stopped: paused its 5 deployments" in " ".join(log.split()) and "Traceback" not in log
     assert all(_paused(env).values())  # no schedule creates runs while nothing serves them
 

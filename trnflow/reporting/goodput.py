@@ -22,9 +22,10 @@ def goodput(rows: list[StageRow], train: TrainResult | None, costs: list[CostRow
     waited = provisioning.get("compile", 0.0) + provisioning.get("train", 0.0)
     t, before = train.time, train.time_before
     held_before = before.steps_seconds + before.stall_seconds + before.rollback_seconds + before.slow_seconds
-    last = train.task_seconds or train.attempt_seconds  # the attempt whose weights these are, its launch included
-    provisioned_last = (train.ran_on.provisioning_seconds or 0.0) if train.ran_on else 0.0
-    earlier = seconds["train"] - last - (provisioning.get("train", 0.0) - provisioned_last) if attempts > 1 else 0.0
+    # the attempts before the one whose weights these are (its launch, provisioning included, is `last`): their
+    # provisioning is counted as such (the last one's too, so the restarts come out that much short)
+    last = train.task_seconds or train.attempt_seconds
+    earlier = seconds["train"] - last - provisioning.get("train", 0.0) if attempts > 1 else 0.0
     losses = GoodputLosses(compilation=compiling, provisioning=waited, checkpoint_stalls=t.stall_seconds,
                            restarts=max(0.0, earlier - held_before), rollbacks=t.rollback_seconds,
                            slow_ranks=t.slow_seconds)
