@@ -1,16 +1,28 @@
-"""What a checkpoint costs the training loop: written in the background (`train.checkpoint_async`,
-the default) against written before training goes on, the same state in the same run.
+"""What a checkpoint costs the training loop, and what a faulted run loses: checkpoints written in
+the background (`train.checkpoint_async`, the default) against written before training goes on.
 
-    python benchmarks/goodput.py [--steps 24] [--every 4] [--repeats 2]
+    python benchmarks/goodput.py [--part stall|faulted|both] [--steps 24] [--every 4] [--repeats 2]
+                                 [--faulted-steps 300] [--faulted-every 20]
 
-One core trains a model whose checkpoint takes seconds to write here (an m5-text encoder of about
-90M parameters: a 1.1 GB checkpoint with its AdamW state), checkpointing every `--every` steps,
-once with background writes and once without, `--repeats` times in turn. Each checkpoint's log line
-says how long the loop stopped for it (`stalled_s`) and how long its write took (`wrote_s`); the
-run's last checkpoint is written before the job ends either way, so it is left out of both.
+`stall`: one core trains a model whose checkpoint takes seconds to write here (an m5-text encoder of
+about 90M parameters: a 1.1 GB checkpoint with its AdamW state), checkpointing every `--every`
+steps, once with background writes and once without, `--repeats` times in turn. Each checkpoint's
+log line says how long the loop stopped for it (`stalled_s`) and how long its write took
+(`wrote_s`); the run's last checkpoint is written before the job ends either way, so it is left out
+of both.
 
-The last line printed is JSON (`_report`'s shape). Goal: the stall per checkpoint written in the
-background at most 5% of a checkpoint written in step, by the medians of the repeats.
+`faulted`: the whole pipeline of the same model on one core, `--faulted-steps` steps with a
+checkpoint every `--faulted-every`, hit by one fault every 100 steps, each halfway between two
+checkpoints: the rank killed (SIGKILL) at step 105, stalled at step 205 (its watchdog ends it
+within a few median steps: compute.hang_floor_seconds 10) and its loss spiking at step 255 (rolled
+back: train.on_divergence: rollback); once with background writes and once without, the programs
+compiled into the cache before both. Its goodput (the
+training the final weights hold over the compile and train stages' time, `cost.goodput`) is read
+from the run's outcome, with the losses itemized.
+
+The last line printed is JSON (`_report`'s shape). Goals: the stall per checkpoint written in the
+background at most 5% of a checkpoint written in step, by the medians of the repeats; the faulted
+run with background writes losing at most 10% of its time (goodput at least 90%).
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import tempfile
 from pathlib import Path
 
 from _quickstart import quickstart, scratch_home
-from _report import emit, ratio_figure
+from _report import emit, limit_figure, ratio_figure
 
 MODEL = {"vocab_size": 65536, "d_model": 1024, "n_heads": 8, "n_layers": 2, "ffn_dim": 4096, "mlp_hidden": [256]}
 """About 90M parameters, most of them in the embedding: a checkpoint of about 1.1 GB."""
@@ -35,50 +47,102 @@ def _stalls(log: str, last: int) -> tuple[list[float], list[float]]:
     return [e["stalled_s"] for e in saved], [e["wrote_s"] for e in saved]
 
 
+FAULTS = [{"kind": "kill", "core": 0, "step": 105, "phase": "train"},
+          {"kind": "stall", "core": 0, "step": 205, "phase": "train"},
+          {"kind": "spike", "core": 0, "step": 255, "phase": "train"}]
+"""One fault every 100 steps, each halfway between two checkpoints: a lost process, a hung one, a loss spike."""
+
+
+def _stall_part(args: argparse.Namespace, root: Path) -> list[dict]:
+    from trnflow.backends import JobRequest, JobState, wait
+    from trnflow.backends.local import LocalBackend
+    from trnflow.settings import TrnflowSettings
+
+    backend = LocalBackend(TrnflowSettings().jobs_dir)
+
+    def run(background: bool, repeat: int) -> tuple[list[float], list[float]]:
+        name = f"{'background' if background else 'in-step'}-{repeat}"
+        spec = quickstart(root, model={"recipe": "m5-text", "params": MODEL},
+                          compute={"cores_per_node": 1}, compile={"cache_url": str(root / "cache")},
+                          train={"steps": args.steps, "checkpoint_every": args.every, "log_every": args.steps,
+                                 "global_batch_size": 16, "keep_latest": 1, "checkpoint_async": background,
+                                 "checkpoint_url": str(root / "checkpoints")})
+        job = backend.submit(JobRequest(spec, "train", name))
+        info = wait(backend, job, 0.2)
+        if info.state is not JobState.SUCCEEDED:
+            raise SystemExit(f"training job {name} failed: {info.failed()}")
+        stalls, writes = _stalls(backend.logs(job)[0], args.steps)
+        print(f"{name}: stalled {', '.join(f'{s:.3f}' for s in stalls)} s per checkpoint; writes took "
+              f"{', '.join(f'{w:.2f}' for w in writes)} s; median step {info.result.median_step_seconds:.3f} s",
+              flush=True)
+        return stalls, writes
+
+    ours, theirs, written = [], [], []
+    for repeat in range(args.repeats):
+        stalls, writes = run(True, repeat)
+        ours.append(statistics.median(stalls))
+        written.append(statistics.median(writes))
+        stalls, _ = run(False, repeat)
+        theirs.append(statistics.median(stalls))
+    print(f"stall per checkpoint: background {statistics.median(ours):.3f} s, in step "
+          f"{statistics.median(theirs):.3f} s ({statistics.median(ours) / statistics.median(theirs):.1%})")
+    args.details["background_write_s"] = written
+    return [ratio_figure("training stall per checkpoint, written in the background", ours, theirs, unit="s",
+                         baseline_name="written in step", better="lower", goal=0.05)]
+
+
+def _faulted_part(args: argparse.Namespace, root: Path) -> list[dict]:
+    from trnflow.flows.compile import compile_cache
+    from trnflow.flows.pipeline import pipeline
+
+    measured: dict[str, dict] = {}
+    for background in (None, True, False):  # None: the programs compiled first, for both runs alike
+        mode = {None: "warm-up", True: "background", False: "in-step"}[background]
+        spec = quickstart(root, name=f"faulted-{mode}", model={"recipe": "m5-text", "params": MODEL},
+                          compute={"cores_per_node": 1, "hang_floor_seconds": 10},
+                          compile={"cache_url": str(root / "cache")},
+                          train={"steps": args.faulted_steps, "checkpoint_every": args.faulted_every,
+                                 "log_every": 10, "global_batch_size": 16, "keep_latest": 2,
+                                 "checkpoint_async": bool(background), "on_divergence": "rollback",
+                                 "checkpoint_url": str(root / f"checkpoints-{mode}")},
+                          retries={"max_retries": 3, "backoff_seconds": 0},
+                          faults=[f for f in FAULTS if f["step"] <= args.faulted_steps])
+        if background is None:
+            compile_cache(spec)
+            continue
+        outcome = pipeline(spec, run_id=f"faulted-{mode}", force_promote="the benchmark measures it")
+        good = outcome.cost.goodput
+        if good is None:
+            raise SystemExit(f"the faulted {mode} run measured no goodput: {outcome.stages}")
+        print(f"faulted run, checkpoints {mode}: goodput {good}", flush=True)
+        measured[mode] = good.model_dump()
+    args.details["faulted"] = measured
+    ours, theirs = measured["background"], measured["in-step"]
+    return [limit_figure("time lost by the faulted run, written in the background", [1 - ours["fraction"]], 0.10,
+                         unit="share of the compile and train stages"),
+            ratio_figure("goodput of the faulted run, written in the background", [ours["fraction"]],
+                         [theirs["fraction"]], unit="share", baseline_name="written in step", better="higher")]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("stall", "faulted", "both"), default="both")
     parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--every", type=int, default=4, help="steps between checkpoints")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--faulted-steps", type=int, default=300)
+    parser.add_argument("--faulted-every", type=int, default=10, help="steps between the faulted run's checkpoints")
     args = parser.parse_args()
+    args.details = {"model": MODEL, "steps": args.steps, "every": args.every}
     with tempfile.TemporaryDirectory(prefix="trnflow-bench-") as tmp:
         root = Path(tmp)
         scratch_home(root)
-        from trnflow.backends import JobRequest, JobState, wait
-        from trnflow.backends.local import LocalBackend
-        from trnflow.settings import TrnflowSettings
-
-        backend = LocalBackend(TrnflowSettings().jobs_dir)
-
-        def run(background: bool, repeat: int) -> tuple[list[float], list[float]]:
-            name = f"{'background' if background else 'in-step'}-{repeat}"
-            spec = quickstart(root, model={"recipe": "m5-text", "params": MODEL},
-                              compute={"cores_per_node": 1}, compile={"cache_url": str(root / "cache")},
-                              train={"steps": args.steps, "checkpoint_every": args.every, "log_every": args.steps,
-                                     "global_batch_size": 16, "keep_latest": 1, "checkpoint_async": background,
-                                     "checkpoint_url": str(root / "checkpoints")})
-            job = backend.submit(JobRequest(spec, "train", name))
-            info = wait(backend, job, 0.2)
-            if info.state is not JobState.SUCCEEDED:
-                raise SystemExit(f"training job {name} failed: {info.failed()}")
-            stalls, writes = _stalls(backend.logs(job)[0], args.steps)
-            print(f"{name}: stalled {', '.join(f'{s:.3f}' for s in stalls)} s per checkpoint; writes took "
-                  f"{', '.join(f'{w:.2f}' for w in writes)} s; median step {info.result.median_step_seconds:.3f} s")
-            return stalls, writes
-
-        ours, theirs, written = [], [], []
-        for repeat in range(args.repeats):
-            stalls, writes = run(True, repeat)
-            ours.append(statistics.median(stalls))
-            written.append(statistics.median(writes))
-            stalls, _ = run(False, repeat)
-            theirs.append(statistics.median(stalls))
-        print(f"stall per checkpoint: background {statistics.median(ours):.3f} s, in step "
-              f"{statistics.median(theirs):.3f} s ({statistics.median(ours) / statistics.median(theirs):.1%})")
-        emit("goodput", [
-            ratio_figure("training stall per checkpoint, written in the background", ours, theirs, unit="s",
-                         baseline_name="written in step", better="lower", goal=0.05),
-        ], steps=args.steps, every=args.every, background_write_s=written, model=MODEL)
+        figures = []
+        if args.part in ("stall", "both"):
+            figures += _stall_part(args, root)
+        if args.part in ("faulted", "both"):
+            figures += _faulted_part(args, root)
+        emit("goodput", figures, **args.details)
 
 
 if __name__ == "__main__":
