@@ -247,7 +247,15 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
                 loop = asyncio.get_running_loop()  # the handler runs on the main thread, inside asyncio.run
             except RuntimeError:  # before serving started: nothing to cancel
                 raise SystemExit(0) from None
-            self._stopping = loop.create_task(self.astop())
+            self._stopping = loop.create_task(self._stop_once_started())
+
+        async def _stop_once_started(self) -> None:
+            """`astop`, once `start` has connected: a signal while it is still connecting (the
+            deployments exist by then) would otherwise find the runner not started, and it would
+            serve on until the deadline."""
+            while not self.started:
+                await asyncio.sleep(0.05)
+            await self.astop()
 
     _cancel_polling_at_its_default()
     runner = BoundedRunner(pause_on_shutdown=False, limit=limit, query_seconds=poll_seconds())

@@ -216,7 +216,7 @@ def test_stopping_serve_pauses_its_deployments_and_it_stops_even_with_the_server
     served = _serve(env, spec, tmp_path)
     wait_for(lambda: len(_paused(env)) == 5 and served.poll() is None, 120, "the served deployments")
     assert not any(_paused(env).values())
-    stopped = _stop(served, signal.SIGINT, 30)  # Ctrl-C
+    stopped = _stop(served, signal.SIGINT, 30)  # Ctrl-C, often while its runner is still connecting
     log = (tmp_path / "serve.log").read_text()
     assert stopped == 0, log[-3000:]
     assert "stopped: paused its 5 deployments" in " ".join(log.split()) and "Traceback" not in log
