@@ -134,8 +134,9 @@ class ComputeSpec(Section):
     slow_rank_factor: float | None = Field(
         1.5, ge=1.05, le=100,
         description="At each logged training step, a rank whose own work per step (forward and backward, before "
-        "gradients are averaged) over the steps since the one before took more than this many times its peers' "
-        "median is named as slow, with its host, in the log, the stage's summary and `trnflow status`. Under fsdp "
+        "gradients are averaged) over the steps since the last comparison (5 at least) took more than this many "
+        "times its peers' median is named as slow, with its host, in the log, the stage's summary and `trnflow "
+        "status`; should the attempt fail, its host is replaced before the next (AWS Batch). Under fsdp "
         "and tp a rank's passes wait on its peers too, which hides some of it; on xla and neuron, lazy devices, "
         "the time is the host's tracing. null: not compared.",
     )

@@ -9,7 +9,7 @@ job measured on its hardware (checks, sweeps, memory, compile plans) is `trnflow
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, SerializeAsAny
 
@@ -203,6 +203,15 @@ class SlowRank(_Model):
 
     def __str__(self) -> str:
         return f"rank {self.rank} (nc{self.core} on {self.host}): {self.ratio:.1f}x its peers' median step"
+
+
+class SlowRanks(_Model):
+    """The ranks a training attempt has named slow so far, each at its slowest window: rank 0's
+    `slow-ranks.json` beside its result, written at each logged step that named one, so that its
+    job's container can report their hosts as suspects should the attempt fail."""
+
+    FILE: ClassVar[str] = "slow-ranks.json"
+    slow: list[SlowRank] = Field(description="by rank")
 
 
 class TrainResult(StageResult):

@@ -118,6 +118,45 @@ def test_a_node_that_hangs_in_the_batch_preflight_is_replaced_and_training_runs_
         assert results["train"].start_step == 0 and results["train"].steps == 20
 
 
+@pytest.mark.slow
+def test_a_slow_host_named_in_training_is_replaced_before_the_retry_of_its_failed_attempt(
+        make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warmed_cache):
+    """The instance serving node 1 of a two-node Batch job is slow (its rank's own work in each step
+    takes twice as long), and rank 0 names it at step 6 (its first window of five steps). Rank 0 is
+    then killed at step 8: the attempt fails (exit code 75), the main node's report names node 1 a
+    suspect host, and trnflow terminates its instance, as the services say the node ran on it,
+    before Batch's retry; that runs on a new instance and resumes from step 4's checkpoint."""
+    import boto3
+
+    from trnflow.backends.batch import BatchBackend
+    from trnflow.backends.cloud import cloud_target, node_reports
+
+    with in_cloud(moto_endpoint, tmp_path, monkeypatch, dataset, host_faults={1: "slow@0"},
+                  node_faults={0: "kill@0:train:8"}, compile_cache=warmed_cache) as (cloud, bucket):
+        spec = cloud_spec(make_spec, bucket, "batch", train={"steps": 10, "checkpoint_every": 4, "log_every": 1},
+                           gate={"eval_every": None})
+        backend = BatchBackend(cloud_target(TrnflowSettings(), "batch"))
+        job = backend.submit(JobRequest(spec, "train", "a-slow-host"))
+        info = wait(backend, job, 0.5)
+        assert info.state.value == "SUCCEEDED", info
+        (slow,) = cloud.bad_hosts  # the EC2 instance that took the fault
+        (described,) = boto3.client("batch").describe_jobs(jobs=[job])["jobs"]
+        ended = [(a["container"].get("exitCode"), a["statusReason"]) for a in described["attempts"]]
+        assert len(ended) == 2 and ended[-1][0] == 0, ended  # one retry, on other instances
+        assert ended[0][0] == 75 or ended[0][1].startswith("Host EC2"), ended  # exited, or terminated first
+        (report,) = [r for node, r in node_reports(backend.outputs(job), 0) if node == 0]  # the first attempt's
+        assert report.type == "WorkerLost" and 1 in report.nodes, report
+        assert "suspect host(s), replaced before the next attempt: node 1 (" in report.message
+        assert "x its peers' median step" in report.message
+        (state,) = [i["State"]["Name"] for r in boto3.client("ec2").describe_instances(
+            InstanceIds=[slow])["Reservations"] for i in r["Instances"]]
+        assert state == "terminated"
+        (node1,) = boto3.client("batch").describe_jobs(jobs=[f"{job}#1"])["jobs"]  # where Batch placed it
+        placed = [a["container"]["containerInstanceArn"] for a in node1["attempts"]]
+        assert len(placed) == len(set(placed)) == 2  # node 1 got a new instance for the retry
+        assert info.result.start_step == 4 and info.result.steps == 10
+
+
 @pytest.mark.parametrize("service", ["batch", "sagemaker"])
 def test_a_job_whose_other_node_failed_while_the_main_node_stalls_is_stopped(
         service, make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warmed_cache):

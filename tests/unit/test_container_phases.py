@@ -22,9 +22,18 @@ from trnflow.backends.container import (
     instance_metadata,
     next_placement,
     preflight_failure,
+    with_suspects,
 )
 from trnflow.errors import ExitCode
-from trnflow.results import CollectivesResult, FailureReport, NodeIdentity, Proceed, SanityResult
+from trnflow.results import (
+    CollectivesResult,
+    FailureReport,
+    NodeIdentity,
+    Proceed,
+    SanityResult,
+    SlowRank,
+    SlowRanks,
+)
 from trnflow.storage import open_store
 from trnflow.testing.mockcloud.instances import Instances
 
@@ -55,6 +64,30 @@ def test_a_preflight_with_a_bad_core_or_a_wrong_sweep_has_the_hosts_at_fault_rep
     assert wrong.instances == ["i-00", "i-01"] and wrong.nodes == [0, 1]  # which one is at fault is not known
     unknown = preflight_failure(_sanity([1]), {}, 1, 2)  # a multi-node job's nodes cannot read their instance
     assert unknown is not None and unknown.instances == [] and unknown.nodes == [1]  # named by node only
+
+
+def test_a_failed_attempt_names_the_hosts_of_its_hung_and_slow_ranks_as_suspects(tmp_path):
+    nodes = {r: NodeIdentity(node=r, host=f"ip-10-0-0-{r}", started_at=0.0) for r in range(3)}
+    slow = SlowRank(rank=5, core=1, host="node 2", step=20, own_seconds=0.2, peers_seconds=0.1, ratio=2.0)
+    stalled = FailureReport(type="Stalled", retryable=True, rank=0, ranks=[2, 3], message="rank 0 waited")
+    named = with_suspects(stalled, [slow], per_node=2, identities=nodes)  # ranks 2 and 3 on node 1, 5 on node 2
+    assert named.nodes == [1, 2] and named.type == "Stalled" and named.retryable
+    assert named.message == ("rank 0 waited; suspect host(s), replaced before the next attempt: node 1 (ip-10-0-0-1):"
+                             " rank 2 held the step up, rank 3 held the step up; node 2 (ip-10-0-0-2): rank 5 (nc1 on "
+                             "node 2): 2.0x its peers' median step")
+    lost = FailureReport(type="WorkerLost", retryable=True, ranks=[0], message="rank 0 exited")
+    assert with_suspects(lost, [], 2) == lost  # a rank that died names no host: it may have been killed
+    assert with_suspects(lost, [slow], 2).nodes == [2]
+    fatal = FailureReport(type="FatalError", retryable=False, message="bad spec")
+    assert with_suspects(fatal, [slow], 2) == fatal  # no next attempt to place elsewhere
+
+    output = tmp_path / "output"
+    output.mkdir()
+    assert container._slow_ranks(output) == []
+    (output / SlowRanks.FILE).write_text(SlowRanks(slow=[slow]).model_dump_json())
+    assert container._slow_ranks(output) == [slow]
+    (output / SlowRanks.FILE).write_text('{"slow": [{"rank": "five"}]}')  # not worth failing over: ignored
+    assert container._slow_ranks(output) == []
 
 
 def test_a_bad_host_exits_with_the_code_batch_retries_on_other_instances(tmp_path, monkeypatch):

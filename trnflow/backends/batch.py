@@ -181,16 +181,19 @@ class BatchBackend:
             aws.call(self._batch.terminate_job, jobId=job_id, reason=f"{STOPPED_BY_TRNFLOW}{why}"[:255])
 
     def _replace_bad_hosts(self, job_id: str, desc: dict[str, Any]) -> None:
-        """Terminate the instances an attempt's preflight found at fault (`BadHost`, exit code 79), once
-        per attempt: as soon as the main node's report is there while the attempt runs, else once it
-        ended. Batch retries that exit code (and a host terminated under the attempt), but would place
-        the retry on the instances the compute environment already holds, the bad one included;
-        terminated, it is replaced by a new instance, and the retry's preflight checks that one. The
-        report names the nodes at fault (and, where a node could read it, their instance); only
-        instances the services say those nodes of the attempt ran on are terminated: a report naming
-        any other instance (a job writes its report as it likes) is refused and logged."""
+        """Terminate the instances an attempt found at fault, once per attempt: those its preflight
+        failed (`BadHost`, exit code 79), and the suspect hosts of a failure a retry can help with
+        (exit code 75: the hosts of the ranks training's pace found hung or slow, see
+        `container.with_suspects`); as soon as a node's report is there while the attempt runs, else
+        once it ended. Batch retries those exit codes (and a host terminated under the attempt), but
+        would place the retry on the instances the compute environment already holds, the bad one
+        included; terminated, it is replaced by a new instance, and the retry's preflight checks that
+        one. The report names the nodes at fault (and, where a node could read it, their instance);
+        only instances the services say those nodes of the attempt ran on are terminated: a report
+        naming any other instance (a job writes its report as it likes) is refused and logged."""
         attempts = desc.get("attempts") or []
-        if attempts and (attempts[-1].get("container") or {}).get("exitCode") == ExitCode.BAD_HOST:
+        if attempts and (attempts[-1].get("container") or {}).get("exitCode") in (ExitCode.BAD_HOST,
+                                                                                  ExitCode.TRANSIENT):
             number, since = len(attempts), (attempts[-1].get("startedAt") or 0) / 1000
         elif desc["status"] == "RUNNING" and time.time() - self._looked.get(job_id, 0.0) > BAD_HOST_LOOK_SECONDS:
             self._looked[job_id] = time.time()
@@ -200,14 +203,16 @@ class BatchBackend:
             return
         if (job_id, number) in self._replaced:
             return
-        reports = [r for _, r in node_reports(self._outputs(desc), since - 1) if r.type == "BadHost"]
+        reports = [r for _, r in node_reports(self._outputs(desc), since - 1)
+                   if r.type == "BadHost" or (r.retryable and r.nodes)]
         # the nodes at fault, by index (a multi-node job's containers cannot read their instance), or by
         # instance where a node could (a single-node job's): either way only the attempt's own count
         nodes = sorted({n for r in reports for n in r.nodes})
         named = sorted({i for r in reports for i in r.instances if i.startswith("i-")})
+        if nodes or named or number == len(attempts):  # an attempt that ended has said all it will
+            self._replaced.add((job_id, number))
         if not nodes and not named:
             return
-        self._replaced.add((job_id, number))
         try:  # the job's own nodes as Batch and ECS place them: a report, which the job wrote, proves nothing
             placed = {node: i for (n, node), i in self._placements(desc).items() if n == number}
         except Exception as exc:  # fails closed: nothing is terminated; the retry's own preflight still checks
@@ -228,8 +233,9 @@ class BatchBackend:
             log.warning("Batch job %s: could not terminate %s, which failed the preflight (%s); Batch's retry may run "
                         "on it again, and its preflight fail again", desc.get("jobName"), ", ".join(bad), exc)
             return
-        log.warning("Batch job %s: attempt %d failed the preflight (%s); terminated %s, so that Batch's retry runs "
-                    "on other instances", desc.get("jobName"), number, reports[0].message, ", ".join(bad))
+        what = "failed the preflight" if reports[0].type == "BadHost" else "named suspect hosts"
+        log.warning("Batch job %s: attempt %d %s (%s); terminated %s, so that the job's next attempt runs on other "
+                    "instances", desc.get("jobName"), number, what, reports[0].message, ", ".join(bad))
 
     def _placements(self, desc: dict[str, Any]) -> dict[tuple[int, int], str]:
         """The EC2 instance each node ran on in each attempt, the running one too (the attempt after

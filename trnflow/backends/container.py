@@ -58,7 +58,17 @@ from trnflow.neuron.launch import (
     visible_cores_value,
 )
 from trnflow.records import RecordError, read
-from trnflow.results import RESULTS, FailureReport, NodeIdentity, Placement, Proceed, SanityResult, StageResult
+from trnflow.results import (
+    RESULTS,
+    FailureReport,
+    NodeIdentity,
+    Placement,
+    Proceed,
+    SanityResult,
+    SlowRank,
+    SlowRanks,
+    StageResult,
+)
 from trnflow.specs import JobSpec, instance
 from trnflow.storage import Store, open_store
 
@@ -197,6 +207,40 @@ def bad_host(why: str, nodes: list[int], identities: dict[int, NodeIdentity],
                          nodes=sorted(nodes),
                          message=f"preflight: {why}; the job ends before training, and {_named(nodes, identities)} "
                                  "is replaced before the preflight runs again")
+
+
+def with_suspects(failure: FailureReport, slow: list[SlowRank], per_node: int,
+                  identities: dict[int, NodeIdentity] | None = None) -> FailureReport:
+    """A failure a retry can help with, naming the nodes whose ranks training's pace found at fault
+    (`nodes`), for the orchestrator to replace their instances before the next attempt as it does a
+    preflight's bad host's: the ranks a stalled rank was waiting for (`Stalled`'s `ranks`) and the
+    ranks named slow (`slow`). Ranks are numbered node by node, `per_node` to a node."""
+    if failure.type == "BadHost" or not failure.retryable:
+        return failure
+    why: dict[int, list[str]] = {}
+    for rank in failure.ranks if failure.type == "Stalled" else []:
+        why.setdefault(rank // per_node, []).append(f"rank {rank} held the step up")
+    for s in slow:
+        why.setdefault(s.rank // per_node, []).append(str(s))
+    if not why:
+        return failure
+    named = "; ".join(f"{_named([n], identities or {})}: {', '.join(w)}" for n, w in sorted(why.items()))
+    return failure.model_copy(update={
+        "nodes": sorted(set(failure.nodes) | set(why)),
+        "message": f"{failure.message}; suspect host(s), replaced before the next attempt: {named}"})
+
+
+def _slow_ranks(output_dir: Path) -> list[SlowRank]:
+    """The ranks rank 0 named slow in the phase that ended on this node (none elsewhere); a file
+    that does not read is reported and ignored: naming suspects is not worth failing over."""
+    path = output_dir / SlowRanks.FILE
+    if not path.is_file():
+        return []
+    try:
+        return read(SlowRanks, path.read_bytes(), str(path)).slow
+    except RecordError as exc:
+        print(f"trnflow.backends.container: {exc}", file=sys.stderr, flush=True)
+        return []
 
 
 def preflight_failure(result: StageResult, identities: dict[int, NodeIdentity] | None = None,
@@ -388,6 +432,7 @@ def run_phase(r: Rendezvous, env: dict[str, str], spec_file: Path, phase: str,
     """One phase on this node through the launcher: the launcher's exit code, and the root failure
     among this node's ranks (None when it succeeded, or no rank left a report)."""
     phase_env = {**env, JobEnv.var("phase"): phase}  # with this node's cores, once some were excluded
+    (r.output_dir / SlowRanks.FILE).unlink(missing_ok=True)  # an earlier phase's or attempt's
     launcher = start_launcher(torchrun_argv(r, phase_env, spec_file), phase_env)
     # The service stops a container (a spot reclaim notice, a stopped job) with SIGTERM to its first
     # process, this one: the launcher passes it on to every rank, and training checkpoints before it ends.
@@ -495,6 +540,9 @@ def run_phases(r: Rendezvous, env: dict[str, str], service: str, spec_file: Path
                 # a node that hung or lost its device in the preflight: which one, the peers cannot always tell
                 return code, bad_host(f"{phase} failed ({failure})", list(range(r.nnodes)),
                                       _identities(outputs, me.attempt), failure.bad_cores)
+            if code and failure is not None:
+                return code, with_suspects(failure, _slow_ranks(r.output_dir), job.nproc_per_node,
+                                           _identities(outputs, me.attempt))
             if code or index == len(phases) - 1:
                 return code, failure
             if outputs is None:

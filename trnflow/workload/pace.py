@@ -16,8 +16,9 @@ a lazy device, xla or neuron, a rank's own work is traced by then and runs at th
 
 A slow rank holds every step up as long as it takes, so step times alone cannot tell it: a rank's
 own work (forward and backward, before the replicas average their gradients) can. At each logged
-step the ranks share their mean own work over the steps since the one before; a rank over its
-peers' median by `compute.slow_rank_factor` is named (`SlowRank`), as a suspect host.
+step the ranks share their mean own work over the steps since the last comparison (at least
+`SLOW_WINDOW` of them); a rank over its peers' median by `compute.slow_rank_factor` is named
+(`SlowRank`), as a suspect host.
 """
 
 from __future__ import annotations
@@ -39,6 +40,9 @@ MEASURED = 3
 """Steps an attempt measures (after its first, which loads or compiles its graphs) before its pace holds."""
 WINDOW = 50
 """The recent steps whose median sets the limit."""
+SLOW_WINDOW = 5
+"""The fewest steps a rank's own work is averaged over before it is compared with its peers': a
+window of one or two steps says more of the host's scheduling than of the rank."""
 STORE_TIMEOUT = timedelta(seconds=10)
 
 
@@ -99,11 +103,12 @@ class StepPace:
         watchdog.pace(None)
 
     def compare(self, step: int) -> list[SlowRank]:
-        """The ranks slow over the window that ends at logged step `step` (a collective: every rank
-        calls it, and each gets the same answer); each is kept at its slowest window in `slow`."""
-        if self.ctx.world_size == 1 or not self.slow_factor:
+        """The ranks slow over the window that ends at logged step `step`, once it holds `SLOW_WINDOW`
+        steps (else the window goes on to the next logged step); a collective: every rank calls it, has
+        measured as many steps, and gets the same answer. Each is kept at its slowest window in `slow`."""
+        if self.ctx.world_size == 1 or not self.slow_factor or len(self.own) < SLOW_WINDOW:
             return []
-        mine = statistics.fmean(self.own) if self.own else None  # None: the window held only the first step
+        mine = statistics.fmean(self.own)
         self.window_steps, self.own = len(self.own), []
         heard = gather_objects(self.ctx, (mine, self.ctx.core_id, self.host))
         found = slow_ranks(heard, self.slow_factor, step)

@@ -21,10 +21,11 @@ import pyarrow as pa
 import torch
 
 from trnflow.errors import FatalError, Interrupted, OverBudget, SpotInterruption
+from trnflow.fsutil import atomic_write_json
 from trnflow.lifecycle.gate import SERIES, write_series
 from trnflow.measures import DeviceMemory
 from trnflow.records import CurvePoint, DataRead, MetricPoint, TrainTime
-from trnflow.results import TrainResult
+from trnflow.results import SlowRank, SlowRanks, TrainResult
 from trnflow.specs.instances import instance_cost
 from trnflow.storage.datafiles import data_files, partitions, training_window
 from trnflow.workload import watchdog
@@ -362,6 +363,9 @@ class Trainer(Checkpointing):
             if self.ctx.is_main:
                 self.ctx.log("slow_rank", step=done, slow_rank=slow.rank, core=slow.core, host=slow.host,
                              ratio=slow.ratio, own_s=slow.own_seconds, peers_s=slow.peers_seconds, message=str(slow))
+        if found and self.ctx.is_main:  # for the container, should the attempt fail: suspect hosts
+            atomic_write_json(self.ctx.output_dir / SlowRanks.FILE,
+                              SlowRanks(slow=self._slow_ranks()).model_dump(mode="json"))
         self._window = (time.perf_counter(), 0, 0.0)
         ends = time.monotonic() - self.began + left
         steady = len(self.step_times) > 1  # a step after the first was timed: the rate says something
@@ -371,6 +375,9 @@ class Trainer(Checkpointing):
                          message=f"training is forecast to end {ends / 60:.1f} min after its start, after its "
                          f"deadline of {tcfg.max_minutes:g} min (train.max_minutes), at the rate of its steps so far")
         return left
+
+    def _slow_ranks(self) -> list[SlowRank]:
+        return sorted(self.pace.slow.values(), key=lambda s: s.rank)
 
     def _left(self, done: int) -> float:
         """Seconds the steps after `done` should take: at this attempt's wall time a step since its
@@ -445,7 +452,7 @@ class Trainer(Checkpointing):
             device_memory=DeviceMemory(estimated_per_core=estimate(self.spec, self.recipe).total,
                                        peak_per_rank=per_rank, **self.memory),
             host_memory=host_memory(self.ctx, self.tokens),
-            slow_ranks=sorted(self.pace.slow.values(), key=lambda s: s.rank),
+            slow_ranks=self._slow_ranks(),
             rollbacks=self.divergence.log.rollbacks,
             time=self.time,
             time_before=start.resumed.meta.time if start.resumed and start.resumed.meta else TrainTime(),
