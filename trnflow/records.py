@@ -211,7 +211,9 @@ class TrainTime(Record):
 
     steps_seconds: float = Field(0.0, ge=0, description="the steps whose work the weights hold, each once (an "
                                  "attempt's first step, which loads or compiles its graphs, at its second's time)")
-    stall_seconds: float = Field(0.0, ge=0, description="what checkpoints stopped training for")
+    stall_seconds: float = Field(0.0, ge=0, description="what checkpoints stopped training for, and what the steps "
+                                 "a write in the background shared the host with took over the median of steps "
+                                 "that ran alone")
     rollback_seconds: float = Field(0.0, ge=0, description="divergences rolled back: the steps undone and the "
                                     "restores")
     slow_seconds: float = Field(0.0, ge=0, description="what the ranks waited for ranks named slow: their own "

@@ -14,6 +14,7 @@ import math
 import os
 import statistics
 import time
+from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -88,6 +89,10 @@ def _skipped(ctx: WorkerContext, start: Start) -> TrainResult:
                        checkpoint=start.init.url if start.init else None, steps_trained=0)
 
 
+CLEAN_STEPS = 20
+"""The recent steps with no checkpoint write beside them whose median a step beside one counts at."""
+
+
 class Trainer(Checkpointing):
     """One training run on this rank: the model, its optimizer and data, resumed or started afresh.
 
@@ -147,6 +152,7 @@ class Trainer(Checkpointing):
         """The process group of the shards' writes in the background (every rank makes it, alike)."""
         self.memory: dict = {}
         self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
+        self.alone: deque[float] = deque(maxlen=CLEAN_STEPS)  # recent steps with no checkpoint write beside them
         self.pace = StepPace(ctx, self.spec.compute.hang_step_factor, self.spec.compute.hang_floor_seconds,
                              self.spec.compute.slow_rank_factor)
         self.divergence = Divergence(ctx, start.checkpoints.store)
@@ -183,7 +189,7 @@ class Trainer(Checkpointing):
                     return self._roll_back(done, idx, why)
                 watchdog.beat(f"train step {done}")
                 self.pace.ended(self.step_times[-1], self.programs.own_seconds, rows=len(idx))
-                self._count()
+                self._count(beside_write=self.saver.step is not None)
             self._committed(self.saver.finished())
             over = None
             if (done % tcfg.log_every == 0 or done == tcfg.steps) and self._window[1]:
@@ -208,12 +214,24 @@ class Trainer(Checkpointing):
                                   f"checkpointed it; a rerun with the same run id resumes from step {done}")
         return None
 
-    def _count(self) -> None:
+    def _count(self, beside_write: bool) -> None:
         """Count the step just trained as work the weights hold: an attempt's first step (which loads
-        or compiles its graphs) at its second's time, once that is known."""
+        or compiles its graphs) at its second's time, once that is known. A step that a checkpoint
+        write in the background shared the host with counts at most the median of recent steps that
+        ran alone; what it took beyond is the checkpoint's (`stall_seconds`)."""
         times = self.step_times
-        if len(times) > 1:
-            self.time.steps_seconds += times[-1] * (2 if len(times) == 2 else 1)
+        if len(times) < 2:
+            return
+        steps = 2 if len(times) == 2 else 1
+        took = times[-1] * steps
+        if beside_write and self.alone:
+            usual = statistics.median(self.alone) * steps
+            self.time.steps_seconds += min(took, usual)
+            self.time.stall_seconds += max(0.0, took - usual)
+            return
+        self.time.steps_seconds += took
+        if not beside_write:
+            self.alone.append(times[-1])
 
     def _roll_back(self, done: int, idx: torch.Tensor, why: str) -> int:
         """Go back to the newest checkpoint before step `done`, which diverged (`why`), and skip that
