@@ -16,9 +16,13 @@ checkpoint every `--faulted-every`, hit by one fault every 100 steps, each halfw
 checkpoints: the rank killed (SIGKILL) at step 105, stalled at step 205 (its watchdog ends it
 within a few median steps: compute.hang_floor_seconds 10) and its loss spiking at step 255 (rolled
 back: train.on_divergence: rollback); once with background writes and once without, the programs
-compiled into the cache before both. Its goodput (the
-training the final weights hold over the compile and train stages' time, `cost.goodput`) is read
-from the run's outcome, with the losses itemized.
+compiled into the cache before both. The emulated core computes on one CPU
+(`compute.threads_per_core: 1`), leaving the machine's other to the host's own work, the background
+writes among it, as on a trn instance, where the device computes and the host's CPUs are free;
+without that, a write here takes its CPU from the training itself, which a device never lends. The
+gate evaluates after training, not during it (`gate.eval_every: null`): evaluations are the user's
+choice of cost, not a fault's. Its goodput (the training the final weights hold over the compile
+and train stages' time, `cost.goodput`) is read from the run's outcome, with the losses itemized.
 
 The last line printed is JSON (`_report`'s shape). Goals: the stall per checkpoint written in the
 background at most 5% of a checkpoint written in step, by the medians of the repeats; the faulted
@@ -99,8 +103,8 @@ def _faulted_part(args: argparse.Namespace, root: Path) -> list[dict]:
     for background in (None, True, False):  # None: the programs compiled first, for both runs alike
         mode = {None: "warm-up", True: "background", False: "in-step"}[background]
         spec = quickstart(root, name=f"faulted-{mode}", model={"recipe": "m5-text", "params": MODEL},
-                          compute={"cores_per_node": 1, "hang_floor_seconds": 10},
-                          compile={"cache_url": str(root / "cache")},
+                          compute={"cores_per_node": 1, "hang_floor_seconds": 10, "threads_per_core": 1},
+                          compile={"cache_url": str(root / "cache")}, gate={"eval_every": None},
                           train={"steps": args.faulted_steps, "checkpoint_every": args.faulted_every,
                                  "log_every": 10, "global_batch_size": 16, "keep_latest": 2,
                                  "checkpoint_async": bool(background), "on_divergence": "rollback",

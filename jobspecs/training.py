@@ -168,6 +168,15 @@ class TrainSpec(Section):
     )
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
                                          description="How the model is spread over the job's cores.")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        "none",
+        description="Trade device memory for time: the recipe's blocks (the transformer layers) recompute in the "
+        "backward pass what their forward pass computed instead of keeping it. full: a block keeps only its "
+        "inputs (least memory; about one more forward pass of time). selective: a block keeps the outputs of its "
+        "matrix products and attention (the recipe's saved_ops) and recomputes the rest (normalizations, "
+        "activations, dropout), most of the saving for little time. Dropout replays the same random stream, so "
+        "losses and weights equal those without it. none: everything is kept.",
+    )
     on_divergence: Literal["stop", "rollback"] = Field(
         "stop",
         description="What a divergence does: a step whose loss is not finite, or (with rollback) is over "

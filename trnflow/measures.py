@@ -106,6 +106,8 @@ class MemoryFigures(_Model):
                            "LoRA base has none), as the optimizer's state")
     optimizer: int = Field(ge=0, description="the optimizer state one core keeps")
     activations: int = Field(ge=0, description="the activations one step saves for its backward pass")
+    recomputed: str = Field("none", description="train.activation_checkpointing as the activations count it: none, "
+                            "selective or full (what the recipe could reckon; none when it could not)")
     gathered: int = Field(ge=0, description="fsdp: the weights gathered whole while they compute (the unit outside "
                           "the blocks, and the largest block twice: the one computing and the next, prefetched); 0 "
                           "for ddp")
@@ -120,12 +122,13 @@ class MemoryFigures(_Model):
     @classmethod
     def of(cls, strategy: str, parameters: int, weights: int, gradients: int, optimizer: int, activations: int,
            gathered: int, per_core_limit: int, tp: int = 1, rehearsal: bool = False,
-           trainable: int | None = None) -> MemoryFigures:
+           trainable: int | None = None, recomputed: str = "none") -> MemoryFigures:
         """The figures of one layout, their total and whether it fits."""
         total = weights + gradients + optimizer + activations + gathered
         return cls(strategy=strategy, parameters=parameters, weights=weights, gradients=gradients,
-                   optimizer=optimizer, activations=activations, gathered=gathered, per_core_limit=per_core_limit,
-                   tp=tp, rehearsal=rehearsal, trainable=trainable, total=total, fits=total <= per_core_limit)
+                   optimizer=optimizer, activations=activations, recomputed=recomputed, gathered=gathered,
+                   per_core_limit=per_core_limit, tp=tp, rehearsal=rehearsal, trainable=trainable, total=total,
+                   fits=total <= per_core_limit)
 
     @property
     def layout(self) -> str:
@@ -134,8 +137,10 @@ class MemoryFigures(_Model):
 
     def describe(self) -> str:
         """`fsdp 1.2 GiB of 16.0 GiB (weights 300.0 MiB, gradients ..., gathered 100.0 MiB)`."""
+        recomputed = f" ({self.recomputed} recomputation)" if self.recomputed != "none" else ""
         parts = [("weights", self.weights), ("gradients", self.gradients), ("optimizer", self.optimizer),
-                 ("activations", self.activations)] + ([("gathered", self.gathered)] if self.strategy == "fsdp" else [])
+                 (f"activations{recomputed}", self.activations)] + \
+            ([("gathered", self.gathered)] if self.strategy == "fsdp" else [])
         trains = (f", {self.trainable:,} of {self.parameters:,} parameters train "
                   f"({self.trainable / max(self.parameters, 1):.2%})" if self.trainable is not None else "")
         return (f"{self.layout} {byte_size(self.total)} of {byte_size(self.per_core_limit)}"

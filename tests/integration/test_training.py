@@ -202,17 +202,21 @@ def test_checkpoints_written_in_the_background_equal_those_written_in_step_and_a
         make_spec, backend, strategy):
     """The same 12 steps on two ranks, checkpointed every 4 steps in the background (the default:
     rank 0 writes a whole checkpoint, each rank its shard of a sharded one) and before training goes
-    on (`checkpoint_async: false`): each checkpoint holds the same weights, optimizer state and
-    random states. Under ddp, a run whose rank 0 is killed halfway through writing the step-8
-    checkpoint in the background leaves it uncommitted; the retry resumes from step 4 and ends with
-    the same weights. (A sharded write torn so is a fault matrix case, fsdp-torn-checkpoint.)"""
+    on (`checkpoint_async: false`), the latter recomputing its blocks' activations (full under ddp,
+    selective under fsdp): each checkpoint holds the same weights, optimizer state and random states,
+    dropout's replayed. Under ddp, a run (recomputing selectively) whose rank 0 is killed halfway
+    through writing the step-8 checkpoint in the background leaves it uncommitted; the retry resumes
+    from step 4 and ends with the same weights. (A sharded write torn so is a fault matrix case,
+    fsdp-torn-checkpoint.)"""
     train = {"steps": 12, "checkpoint_every": 4, "log_every": 4, "keep_latest": None,
              "parallelism": {"strategy": strategy}}
     background, job_id = _train(backend, make_spec(train=train), "background")
     assert background.state is JobState.SUCCEEDED, background.failure
     said = [json.loads(line) for line in backend.logs(job_id)[0].splitlines() if '"event": "checkpoint"' in line]
     assert [e["step"] for e in said] == [4, 8, 12] and all(e["stalled_s"] >= 0 and e["wrote_s"] > 0 for e in said)
-    in_step, _ = _train(backend, make_spec(train={**train, "checkpoint_async": False}), "in-step")
+    recomputed = "full" if strategy == "ddp" else "selective"
+    in_step, _ = _train(backend, make_spec(train={**train, "checkpoint_async": False,
+                                                  "activation_checkpointing": recomputed}), "in-step")
     assert in_step.state is JobState.SUCCEEDED, in_step.failure
     for step in (4, 8, 12):
         ours = load(background.result.checkpoint.replace("step-000012", f"step-{step:06d}"))
@@ -222,7 +226,8 @@ def test_checkpoints_written_in_the_background_equal_those_written_in_step_and_a
     if strategy != "ddp":
         return
 
-    torn = make_spec(train=train, faults=[{"kind": "torn", "core": 0, "step": 8, "phase": "train"}])
+    torn = make_spec(train={**train, "activation_checkpointing": "selective"},
+                     faults=[{"kind": "torn", "core": 0, "step": 8, "phase": "train"}])
     failed, _ = _train(backend, torn, "torn")
     assert failed.state is JobState.FAILED and failed.failure.retryable is True, failed.failure
     folder = local_path(torn.train.checkpoint_url) / "torn"

@@ -38,6 +38,18 @@ def test_auto_takes_ddp_when_the_model_fits_a_core():
     assert found.fsdp.activations == found.ddp.activations
 
 
+def test_recomputed_activations_are_counted_smaller_the_more_is_recomputed():
+    figures = {}
+    for setting in ("none", "selective", "full"):
+        spec = validate_spec(quickstart_data(train={"global_batch_size": 32, "activation_checkpointing": setting}))
+        figures[setting] = plan(spec).ddp
+    assert figures["full"].activations < figures["selective"].activations < figures["none"].activations
+    assert figures["full"].weights == figures["none"].weights  # nothing but the activations changes
+    assert [f.recomputed for f in figures.values()] == ["none", "selective", "full"]
+    assert "activations (full recomputation) " in figures["full"].describe()
+    assert "recomputation" not in figures["none"].describe()
+
+
 def test_auto_shards_a_model_too_big_for_a_rehearsed_core(monkeypatch):
     spec = _spec()
     both = plan(spec)

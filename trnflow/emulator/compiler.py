@@ -79,7 +79,7 @@ class Graph:
                        if isinstance(t, torch.Tensor))
         autocast = str(torch.get_autocast_dtype("cpu")).removeprefix("torch.") \
             if torch.is_autocast_enabled("cpu") else None
-        return cls(gm.code, inputs, torch.is_grad_enabled(), autocast)
+        return cls(gm.code + _bodies(gm), inputs, torch.is_grad_enabled(), autocast)
 
     @property
     def data_shapes(self) -> str:
@@ -89,6 +89,19 @@ class Graph:
     def canonical(self) -> str:
         inputs = "\n".join(f"# input {i}: {x}" for i, x in enumerate(self.inputs))
         return (f"{self.code.strip()}\n# grad: {self.grad}\n# autocast: {self.autocast}\n{inputs}\n")
+
+
+def _bodies(gm: torch.fx.GraphModule) -> str:
+    """The graphs a captured graph calls through higher-order operators (a recomputed block's body),
+    each with what it keeps under selective recomputation: its code says only their names."""
+    parts = []
+    for name, body in sorted(gm.named_modules()):
+        if body is gm or not isinstance(body, torch.fx.GraphModule):
+            continue
+        context = body.meta.get("_checkpoint_context_fn")
+        keeps = f" (recomputed; {getattr(context, 'trnflow_policy', type(context).__name__)})" if context else ""
+        parts.append(f"\n# body {name}{keeps}\n{body.code.strip()}")
+    return "".join(parts)
 
 
 def compile_flags(optlevel: int, precision: str) -> dict:
@@ -134,11 +147,20 @@ def runnable(gm: torch.fx.GraphModule, example_inputs: list, flags: dict):
     """What a run executes for a graph it took from the cache (or recompiled). At O2 and O3, the
     Inductor kernels. At O1, the captured graph itself, under eager autograd: O1 generates no
     code, and its lowered ATen graphs, run op by op from Python, take about 15% longer a training
-    step on a CPU than the same maths run eagerly. The cache lookup and the recompilation guard
-    happen before this, whatever runs."""
-    if flags["backend"] == "aot_eager":
+    step on a CPU than the same maths run eagerly; but a graph whose blocks recompute their
+    activations (`train.activation_checkpointing`) runs its lowered graphs too: outside AOT
+    autograd, the captured checkpoint operator recomputes without replaying the random stream its
+    dropout drew (AOT autograd's partitioner replays it). The cache lookup and the recompilation
+    guard happen before this, whatever runs."""
+    if flags["backend"] == "aot_eager" and not recomputes(gm):
         return gm.forward
     return lower(gm, example_inputs, flags)
+
+
+def recomputes(gm: torch.fx.GraphModule) -> bool:
+    """Whether the captured graph holds activation checkpointing's operator."""
+    tagged = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    return tagged is not None and any(node.target is tagged for node in gm.graph.nodes)
 
 
 def unpack_into(artifact: bytes, path: Path) -> None:

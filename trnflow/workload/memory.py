@@ -207,6 +207,9 @@ def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int, tp: int = 
     batch = spec.train.global_batch_size // replicas  # each core of a tensor-parallel group computes its replica's
     activations = recipe.activation_bytes(batch, act_bytes, tp) if tp > 1 else \
         recipe.activation_bytes(batch, act_bytes)
+    recomputed = spec.train.activation_checkpointing
+    fewer = recipe.recomputed_bytes(batch, act_bytes, recomputed, tp) if recomputed != "none" else None
+    activations, recomputed = (activations, "none") if fewer is None else (fewer, recomputed)
     moments = optimizer_moments(recipe, spec)
     limit, rehearsal = core_limit(itype), rehearsal_core_bytes() is not None
     partly = trains if trains < params else None
@@ -214,12 +217,13 @@ def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int, tp: int = 
     held = params - shape.split + shape.split // tp
     trained = trains - shape.split_trains + shape.split_trains // tp
     ddp = MemoryFigures.of("ddp", params, held * state_bytes, trained * state_bytes, moments * trained * state_bytes,
-                         activations, 0, limit, tp, rehearsal, partly)
+                         activations, 0, limit, tp, rehearsal, partly, recomputed)
     shard, shard_trained = -(-held // replicas), -(-trained // replicas)  # FSDP2 pads each shard on dim 0; a little
     whole = held / params if params else 1.0  # of a gathered block, the share on this core
     gathered = int((shape.root + 2 * shape.largest if shape.largest else params) * whole) * state_bytes
     fsdp = MemoryFigures.of("fsdp", params, shard * state_bytes, shard_trained * state_bytes,
-                          moments * shard_trained * state_bytes, activations, gathered, limit, tp, rehearsal, partly)
+                          moments * shard_trained * state_bytes, activations, gathered, limit, tp, rehearsal, partly,
+                          recomputed)
     return ddp, fsdp
 
 

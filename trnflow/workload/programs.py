@@ -33,6 +33,7 @@ from trnflow.specs import JobSpec
 from trnflow.workload.checkpoint import trainable
 from trnflow.workload.context import WorkerContext
 from trnflow.workload.recipes import Recipe
+from trnflow.workload.recompute import recompute
 
 PROGRAMS = ("train_step", "eval_step", "embed_step")
 SHARDED = ("train_step", "sharded_eval_step")
@@ -253,6 +254,7 @@ def for_trial(spec: JobSpec, recipe: Recipe, compiler: CompileBackend, device: D
     that needs it: a spread model's programs spread as rank 0's are (`Device.mesh`: sharded over a
     group of one, split `tp` ways over a stand-in group)."""
     model = build_model(recipe, spec.train.seed).to(device.torch_device)
+    recompute(recipe.blocks(model), spec.train.activation_checkpointing, recipe.saved_ops)  # as training's
     fsdp = spec.layout.strategy == "fsdp"
     if program in SHARDED and _spread(spec):
         mesh = spread(spec, recipe, model, device, fsdp)

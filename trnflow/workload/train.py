@@ -51,6 +51,7 @@ from trnflow.workload.pace import StepPace
 from trnflow.workload.programs import build_model, for_run, spread
 from trnflow.workload.recipes import Recipe, for_job
 from trnflow.workload.reclaim import ReclaimNotice
+from trnflow.workload.recompute import recompute
 from trnflow.workload.sampler import StepSampler
 from trnflow.workload.saver import BackgroundSaver
 from trnflow.workload.sharding import load_optimizer, load_shards, load_whole, whole_model
@@ -117,6 +118,7 @@ class Trainer(Checkpointing):
         assert train.labels is not None
         self.tokens, self.labels = train.features, train.labels
         self.model = build_model(recipe, tcfg.seed).to(self.device.torch_device)  # before its optimizer holds it
+        recompute(recipe.blocks(self.model), tcfg.activation_checkpointing, recipe.saved_ops)
         fsdp = self.spec.layout.strategy == "fsdp"
         # Split (tp) and sharded (fsdp) weights are DTensors: the optimizer is built on this rank's parts
         self.mesh = spread(self.spec, recipe, self.model, self.device, fsdp)

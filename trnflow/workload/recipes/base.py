@@ -16,7 +16,8 @@ and what its loss is:
 - `loss`: the training loss of logits and labels, computed outside the compiled graph;
 - `optimizer`: what updates the weights (AdamW by default); training, the ahead-of-time trial
   (whose graphs are the compile cache's keys) and the memory estimate all take it from here;
-- `blocks`: the units sharded training gathers one at a time (the transformer layers);
+- `blocks`: the units sharded training gathers one at a time (the transformer layers), and that
+  activation checkpointing recomputes (`saved_ops`: what a selective one keeps);
 - `tensor_plan`: which of the blocks' layers tensor parallelism splits, column- or row-wise;
 - `metrics`: the gate metrics its outputs support, `evaluate` computing them on a holdout set and
   `outcomes` saying which rows were right (for the gate's paired test);
@@ -56,6 +57,13 @@ METRICS = ("accuracy", "loss", "f1", "auc")
 """What the evaluation computes from logits and labels (the gate's `metric` and `metrics`)."""
 
 
+SAVED_OPS = ("mm", "addmm", "bmm", "baddbmm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu",
+             "_efficient_attention_forward", "_flash_attention_forward", "convolution")
+"""What a recipe's block keeps by default under selective activation checkpointing: the operations
+whose cost grows with a weight's size or with the square of the sequence."""
+
+
 class Recipe(ABC):
     """One kind of model. Subclasses set the class attributes and the abstract methods; an instance
     holds validated `params`, the spec's data section and, once `fit` or `load` ran, its featurizer."""
@@ -79,6 +87,10 @@ class Recipe(ABC):
     generates: ClassVar[bool] = False
     """Whether it generates text (`inference.generate`): its model has `next_logits`, and it has
     `prompts` and `decode`."""
+    saved_ops: ClassVar[tuple[str, ...]] = SAVED_OPS
+    """The ATen operations (by name) whose outputs a block keeps under selective activation
+    checkpointing (`train.activation_checkpointing: selective`); the rest of a block's work is
+    recomputed in the backward pass. Those that are dear to compute again belong here."""
     preloads: ClassVar[tuple[str, ...]] = ()
     """Libraries its model is built with that take seconds to import: a launcher imports them once,
     before it forks a job's ranks, and the local fork server once for every job of trnflow's own
@@ -224,6 +236,13 @@ class Recipe(ABC):
         check), with the layers split over `tp` cores (`tensor_plan`); 0 when the recipe cannot say.
         (`tp` is passed only when it is over 1, so a recipe that never splits may leave it out.)"""
         return 0
+
+    def recomputed_bytes(self, batch: int, value_bytes: int, setting: str, tp: int = 1) -> int | None:
+        """As `activation_bytes`, with the blocks recomputing their activations as `setting` says
+        (`train.activation_checkpointing`: selective, full): what a step keeps, the one block
+        recomputed at a time included. None when the recipe cannot say: the estimate then counts
+        `activation_bytes`, as if nothing were recomputed."""
+        return None
 
     def export(self, model: nn.Module, folder: Path) -> bool:
         """Write the trained model into `folder` in the model's own library's format (for example

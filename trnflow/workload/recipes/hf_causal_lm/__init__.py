@@ -290,13 +290,22 @@ class HfCausalLm(FromPretrained, Recipe):
         """Per layer: the attention's projections and scores and the MLP's three projections (of which
         each of `tp` cores keeps its part, but of the two norms' inputs); then the head's logits over the
         vocabulary, their fp32 copy and the loss's log-softmax, whole on every core."""
+        return self.recomputed_bytes(batch, value_bytes, "none", tp)
+
+    def recomputed_bytes(self, batch: int, value_bytes: int, setting: str, tp: int = 1) -> int:
+        """Of each layer, selective keeps the projections' outputs and the attention's scores (not the
+        norms' inputs nor the softmax), full the layer's input and one layer's whole while it is
+        recomputed; the head's logits are kept either way."""
         config = self._model_config()
         seq, hidden = self.params.seq_len, int(config.get("hidden_size", 64))
         inner, layers = int(config.get("intermediate_size", 4 * hidden)), int(config.get("num_hidden_layers", 2))
         heads, vocab = int(config.get("num_attention_heads", 4)), int(config.get("vocab_size", self.params.vocab_size))
         per_layer = batch * seq * (2 * hidden + (4 * hidden + 3 * inner) // tp) + 2 * batch * heads * seq * seq // tp
+        products = batch * seq * ((4 * hidden + 3 * inner) // tp) + batch * heads * seq * seq // tp
+        kept = {"none": layers * per_layer, "selective": layers * products,
+                "full": layers * batch * seq * hidden + per_layer}[setting]
         head = batch * seq * vocab * (value_bytes + 8)
-        return (layers * per_layer + 2 * batch * seq * hidden) * value_bytes + head
+        return (kept + 2 * batch * seq * hidden) * value_bytes + head
 
     # -- generation ------------------------------------------------------------------------------
 

@@ -40,7 +40,17 @@ class M5Text(BpeTextRecipe):
                          "weight, and the model is small enough for one core; use tp: 1 (fsdp shards it if needed)")
 
     def activation_bytes(self, batch: int, value_bytes: int) -> int:
+        return self.recomputed_bytes(batch, value_bytes, "none")
+
+    def recomputed_bytes(self, batch: int, value_bytes: int, setting: str, tp: int = 1) -> int:
+        """Per layer: its projections and FFN (the matrix products' outputs: 5d + f a token), their
+        inputs' normalizations and activation (d + f), and the attention's scores and softmax (h x
+        seq a token, each); selective keeps the products' outputs and scores, full a layer's input
+        (d a token) and one layer's whole while it is recomputed."""
         p = self.params
         seq, d, f, h = p.seq_len, p.d_model, p.ffn_dim, p.n_heads
-        per_layer = batch * seq * (6 * d + 2 * f) + 2 * batch * h * seq * seq  # projections, FFN, scores + softmax
-        return (p.n_layers * per_layer + 2 * batch * seq * d) * value_bytes
+        products = batch * seq * (5 * d + f) + batch * h * seq * seq
+        per_layer = products + batch * seq * (d + f) + batch * h * seq * seq
+        kept = {"none": p.n_layers * per_layer, "selective": p.n_layers * products,
+                "full": p.n_layers * batch * seq * d + per_layer}[setting]
+        return (kept + 2 * batch * seq * d) * value_bytes
