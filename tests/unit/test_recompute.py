@@ -86,3 +86,41 @@ def test_compiled_as_the_runs_compile_it_the_losses_and_gradients_equal_and_the_
         assert torch.equal(runs[setting][0], loss), setting
         assert all(torch.equal(a, b) for a, b in zip(runs[setting][1], grads, strict=True)), setting
     assert len({k for found in keys.values() for k in found}) == 3  # a cache key of each setting's own
+
+
+@pytest.mark.slow  # transformers, and its model compiled: with the integration tests
+def test_a_transformers_decoder_recomputes_its_layers_to_the_same_loss_and_gradients(tmp_path):
+    """hf-causal-lm's blocks are the decoder's layers, called with keyword arguments (its position
+    embeddings, its mask); with attention dropout, eager and as a run compiles it."""
+    from tests.unit.test_causal_lm import _recipe
+    from trnflow.device.base import RecompileGuard
+    from trnflow.device.cache import CompileCache
+    from trnflow.emulator import compiler
+    from trnflow.emulator.jit import CachedCompiler
+
+    config = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+              "num_key_value_heads": 1, "tie_word_embeddings": True, "attention_dropout": 0.2}
+    recipe = _recipe(config=config)
+    rows = recipe.example(4, torch.Generator().manual_seed(0))
+    runs = {}
+    for setting in SETTINGS:
+        for compiled in (False, True):
+            model = build_model(recipe, seed=0)
+            assert recompute(recipe.blocks(model), setting, recipe.saved_ops) == (0 if setting == "none" else 2)
+            forward = model
+            if compiled:
+                runner = CachedCompiler(compiler.compile_flags(1, "fp32"), CompileCache(str(tmp_path / "cache")),
+                                        mode="run", guard=RecompileGuard(limit=10),
+                                        inductor_dir=tmp_path / "inductor")
+                torch._dynamo.reset()
+                forward = torch.compile(model, backend=runner, fullgraph=True, dynamic=False)
+            torch.manual_seed(7)
+            loss = recipe.loss(forward(rows), None)
+            loss.backward()
+            runs[setting, compiled] = (loss.detach(), [p.grad.clone() for p in model.parameters()])
+    for compiled in (False, True):
+        loss, grads = runs["none", compiled]
+        for setting in ("selective", "full"):
+            got, got_grads = runs[setting, compiled]
+            assert torch.equal(got, loss), (setting, compiled)
+            assert all(torch.equal(a, b) for a, b in zip(got_grads, grads, strict=True)), (setting, compiled)

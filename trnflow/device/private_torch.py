@@ -91,3 +91,24 @@ def storage_info() -> type:
 PICKLED_NAMES = (("torch.distributed.checkpoint.metadata", "_MEM_FORMAT_ENCODING"),
                  ("torch.serialization", "_get_layout"))
 """Private names a DCP index's pickle refers to, which its safe reader lets through (`trnflow.workload.sharding`)."""
+
+
+def recompute_without_forward_side_effects() -> None:
+    """Let TorchDynamo trace a recomputed block (`torch.utils.checkpoint`) whose forward changes
+    Python state outside it, without replaying that change when backward recomputes the block: a
+    transformers decoder layer records its outputs in a context variable (for `output_hidden_states`,
+    which training never asks for), which Dynamo otherwise refuses inside a checkpoint. The flag is
+    the one Dynamo's own refusal names."""
+    torch._dynamo.config.skip_fwd_side_effects_in_bwd_under_checkpoint = True
+
+
+def checkpoint_operator() -> Any:
+    """The higher-order operator TorchDynamo traces `torch.utils.checkpoint` into; None where this
+    PyTorch has none."""
+    return getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+
+
+def checkpoint_context(body: torch.fx.GraphModule) -> Any:
+    """The context function (selective recomputation's policy) Dynamo keeps with a recomputed
+    block's traced body; None for a body without one."""
+    return body.meta.get("_checkpoint_context_fn")

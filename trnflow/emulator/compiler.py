@@ -23,6 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from trnflow.device.cache import CorruptEntry, module_key
+from trnflow.device.private_torch import checkpoint_context, checkpoint_operator
 from trnflow.safetar import Refused, unpack
 
 # optlevel -> how the emulator compiles, trading compile time against step time as neuronx-cc's
@@ -98,7 +99,7 @@ def _bodies(gm: torch.fx.GraphModule) -> str:
     for name, body in sorted(gm.named_modules()):
         if body is gm or not isinstance(body, torch.fx.GraphModule):
             continue
-        context = body.meta.get("_checkpoint_context_fn")
+        context = checkpoint_context(body)
         keeps = f" (recomputed; {getattr(context, 'trnflow_policy', type(context).__name__)})" if context else ""
         parts.append(f"\n# body {name}{keeps}\n{body.code.strip()}")
     return "".join(parts)
@@ -159,7 +160,7 @@ def runnable(gm: torch.fx.GraphModule, example_inputs: list, flags: dict):
 
 def recomputes(gm: torch.fx.GraphModule) -> bool:
     """Whether the captured graph holds activation checkpointing's operator."""
-    tagged = getattr(torch.ops.higher_order, "tag_activation_checkpoint", None)
+    tagged = checkpoint_operator()
     return tagged is not None and any(node.target is tagged for node in gm.graph.nodes)
 
 

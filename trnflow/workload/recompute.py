@@ -23,6 +23,8 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from trnflow.device.private_torch import recompute_without_forward_side_effects
+
 SETTINGS = ("none", "selective", "full")
 """From the most memory kept to the least (and from the least time to the most)."""
 
@@ -53,6 +55,7 @@ def recompute(blocks: list[nn.Module], setting: str, saved_ops: Iterable[str]) -
         raise ValueError(f"activation checkpointing {setting!r}: the settings are {', '.join(SETTINGS)}")
     if setting == "none":
         return 0
+    recompute_without_forward_side_effects()  # a transformers layer's output recording: never replayed
     # TorchDynamo takes a context function it can read (not PyTorch's own no-op): full passes none
     options = {"context_fn": _selective(_aten(saved_ops))} if setting == "selective" else {}
     wrapped = 0
