@@ -237,10 +237,17 @@ class JobSpec(Section):
         """How the run spreads the model (train.parallelism), decided: a ValueError while either of
         its settings is still `auto`, which the run decides when it starts."""
         found = self.train.parallelism.layout
-        if found is None:
-            raise ValueError("train.parallelism: `auto` is decided when the run starts (trnflow.workload.memory."
-                             "decided), and this spec is still undecided; decide it before reading the layout")
-        return found
+        recompute = self.train.activation_checkpointing
+        if found is None or recompute == "auto":
+            raise ValueError("train.parallelism, train.activation_checkpointing: `auto` is decided when the run "
+                             "starts (trnflow.workload.memory.decided), and this spec is still undecided; decide it "
+                             "before reading the layout")
+        return found.model_copy(update={"recompute": recompute})
+
+    @property
+    def decided(self) -> bool:
+        """Whether nothing of its layout is left `auto` (train.parallelism, train.activation_checkpointing)."""
+        return self.train.parallelism.layout is not None and self.train.activation_checkpointing != "auto"
 
     @property
     def tp(self) -> int:
@@ -253,12 +260,13 @@ class JobSpec(Section):
         return tp
 
     def with_layout(self, chosen: Layout) -> JobSpec:
-        """This spec with train.parallelism's strategy and tp set to `chosen` (itself when already so)."""
-        parallelism = self.train.parallelism
-        if parallelism.layout == chosen:
+        """This spec with train.parallelism's strategy and tp, and train.activation_checkpointing, set
+        to `chosen` (itself when already so)."""
+        if self.decided and self.layout == chosen:
             return self
-        parallelism = parallelism.model_copy(update={"strategy": chosen.strategy, "tp": chosen.tp})
-        return self.model_copy(update={"train": self.train.model_copy(update={"parallelism": parallelism})})
+        parallelism = self.train.parallelism.model_copy(update={"strategy": chosen.strategy, "tp": chosen.tp})
+        train = self.train.model_copy(update={"parallelism": parallelism, "activation_checkpointing": chosen.recompute})
+        return self.model_copy(update={"train": train})
 
     @property
     def data_parallel_size(self) -> int:

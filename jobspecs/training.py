@@ -70,9 +70,12 @@ class Layout(Section):
 
     strategy: Literal["ddp", "fsdp"] = Field(description="ddp (whole model on every core) or fsdp (sharded).")
     tp: int = Field(ge=1, le=64, description="The cores each layer is split over (1: none).")
+    recompute: Literal["none", "selective", "full"] = Field(
+        "none", description="What the blocks recompute in backward (train.activation_checkpointing).")
 
     def describe(self) -> str:
-        return f"{self.strategy}, tp {self.tp}" if self.tp > 1 else self.strategy
+        shape = f"{self.strategy}, tp {self.tp}" if self.tp > 1 else self.strategy
+        return shape if self.recompute == "none" else f"{shape}, {self.recompute} recomputation"
 
 
 class ParallelismSpec(Section):
@@ -168,14 +171,16 @@ class TrainSpec(Section):
     )
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec,
                                          description="How the model is spread over the job's cores.")
-    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+    activation_checkpointing: Literal["auto", "none", "selective", "full"] = Field(
         "none",
         description="Trade device memory for time: the recipe's blocks (the transformer layers) recompute in the "
         "backward pass what their forward pass computed instead of keeping it. full: a block keeps only its "
         "inputs (least memory; about one more forward pass of time). selective: a block keeps the outputs of its "
         "matrix products and attention (the recipe's saved_ops) and recomputes the rest (normalizations, "
         "activations, dropout), most of the saving for little time. Dropout replays the same random stream, so "
-        "losses and weights equal those without it. none: everything is kept.",
+        "losses and weights equal those without it. none: everything is kept. auto: the memory planner's choice, "
+        "the least recomputation with which the model fits a core, tried before fsdp and before a larger "
+        "train.parallelism.tp (decided once, when the run starts).",
     )
     on_divergence: Literal["stop", "rollback"] = Field(
         "stop",

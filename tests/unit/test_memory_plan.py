@@ -50,6 +50,23 @@ def test_recomputed_activations_are_counted_smaller_the_more_is_recomputed():
     assert "recomputation" not in figures["none"].describe()
 
 
+def test_auto_recomputes_before_it_shards_and_a_refusal_names_the_recomputation_that_would_fit(monkeypatch):
+    def spec(**train):
+        return validate_spec(quickstart_data(compute={"cores_per_node": 2}, train={"global_batch_size": 32, **train}))
+
+    plain, selective = plan(spec()), plan(spec(activation_checkpointing="selective"))
+    monkeypatch.setenv(REHEARSAL_CORE_ENV, str((plain.ddp.total + selective.ddp.total) / 2 / GIB))
+    found = check_fits(spec(activation_checkpointing="auto"))  # ddp fits once its blocks recompute selectively
+    assert (found.strategy, found.layout.recompute, found.ddp.recomputed) == ("ddp", "selective", "selective")
+    assert found.describe().startswith("parallelism: ddp per core: ddp ")
+    decided = fitted(JobRequest(spec(activation_checkpointing="auto"), "train", "r1")).spec
+    assert decided.train.activation_checkpointing == "selective" and decided.layout == found.layout
+    assert decided.layout.describe() == "ddp, selective recomputation"
+    with pytest.raises(FatalError, match=r"; or set train\.activation_checkpointing: selective \(or auto\)"):
+        check_fits(spec(parallelism={"strategy": "ddp"}))
+    assert check_fits(spec()).strategy == "fsdp"  # recomputing is the spec's to ask for, or auto's
+
+
 def test_auto_shards_a_model_too_big_for_a_rehearsed_core(monkeypatch):
     spec = _spec()
     both = plan(spec)

@@ -135,9 +135,9 @@ def _spec(path: Path) -> JobSpec:
         spec = load_spec(path, model=RECIPES)
     except SpecError as exc:
         raise FatalError(str(exc)) from None
-    if spec.train.parallelism.layout is None:  # every submission decides it (`backends.base.fitted`)
-        raise FatalError(f"{path}: train.parallelism: `auto` reached a job undecided; submit jobs through a backend, "
-                         "which decides the layout before the job starts")
+    if not spec.decided:  # every submission decides it (`backends.base.fitted`)
+        raise FatalError(f"{path}: train.parallelism or train.activation_checkpointing: `auto` reached a job "
+                         "undecided; submit jobs through a backend, which decides the layout before the job starts")
     return spec
 
 

@@ -194,8 +194,10 @@ class MemoryPlan:
         return f"parallelism: {self.chosen.layout} per core: {self.ddp.describe()}; {self.fsdp.describe()}{weighed}"
 
 
-def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int, tp: int = 1
+def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int, tp: int = 1, recompute: str | None = None
                ) -> tuple[MemoryFigures, MemoryFigures]:
+    """Both strategies' figures at `tp`, with the blocks recomputing as `recompute` says (the spec's
+    own when None, and nothing while that is still `auto`)."""
     shape = _shape(recipe)
     params, trains = shape.total, shape.trains
     precision = spec.compute.precision
@@ -207,7 +209,8 @@ def _estimates(spec: JobSpec, recipe: Recipe, itype: str, world: int, tp: int = 
     batch = spec.train.global_batch_size // replicas  # each core of a tensor-parallel group computes its replica's
     activations = recipe.activation_bytes(batch, act_bytes, tp) if tp > 1 else \
         recipe.activation_bytes(batch, act_bytes)
-    recomputed = spec.train.activation_checkpointing
+    recomputed = recompute or spec.train.activation_checkpointing
+    recomputed = "none" if recomputed == "auto" else recomputed
     fewer = recipe.recomputed_bytes(batch, act_bytes, recomputed, tp) if recomputed != "none" else None
     activations, recomputed = (activations, "none") if fewer is None else (fewer, recomputed)
     moments = optimizer_moments(recipe, spec)
@@ -236,9 +239,9 @@ def plan(spec: JobSpec, recipe: Recipe | None = None, itype: str | None = None) 
         recipe.tensor_plan(_meta_model(recipe), tp)  # says why it cannot split, naming train.parallelism.tp
     chosen = layout(spec, recipe)
     itype, world = itype or spec.compute.instance_type, spec.compute.world_size
-    ddp, fsdp = _estimates(spec, recipe, itype, world, chosen.tp)
+    ddp, fsdp = _estimates(spec, recipe, itype, world, chosen.tp, chosen.recompute)
     weighed = tuple(e for t in tensor_splits(spec, recipe) if t < chosen.tp
-                    for e in _estimates(spec, recipe, itype, world, t)) if tp == "auto" else ()
+                    for e in _estimates(spec, recipe, itype, world, t, chosen.recompute)) if tp == "auto" else ()
     return MemoryPlan(chosen, ddp, fsdp, weighed)
 
 
@@ -246,24 +249,29 @@ def layout(spec: JobSpec, recipe: Recipe | None = None) -> Layout:
     """How the job spreads the model. The spec's own where it names them; `auto`
     takes the first that fits a core of every instance type the job may get
     (compute.instance_preferences), in this order: tp 1 before any split (tensor parallelism sums
-    activations in every layer of every step), and at each tp ddp before fsdp (which gathers each
-    block's weights every step); nothing fitting, the last (which the memory check then refuses with
-    its figures). fsdp is never chosen on the xla device, which does not shard. A run decides it once,
-    when its flow starts (`decided`), so that a job that falls back to another type keeps it."""
-    wanted = spec.train.parallelism
-    if wanted.layout is not None:
-        return wanted.layout
+    activations in every layer of every step), at each tp ddp before fsdp (which gathers each
+    block's weights every step), and at each of those the least recomputation first (none,
+    selective, full: train.activation_checkpointing); nothing fitting, the last (which the memory
+    check then refuses with its figures). fsdp is never chosen on the xla device, which does not
+    shard. A run decides it once, when its flow starts (`decided`), so that a job that falls back
+    to another type keeps it."""
+    wanted, recompute = spec.train.parallelism, spec.train.activation_checkpointing
+    if spec.decided:
+        return spec.layout
     recipe = recipe or for_job(spec)
     strategies = [wanted.strategy] if wanted.strategy != "auto" else \
         ["ddp"] if spec.compute.device == "xla" else ["ddp", "fsdp"]
     splits = [wanted.tp] if wanted.tp != "auto" else tensor_splits(spec, recipe)
+    settings = [recompute] if recompute != "auto" else ["none", "selective", "full"]
     world = spec.compute.world_size
     for tp in splits:
         for chosen in strategies:
             index = 0 if chosen == "ddp" else 1
-            if all(_estimates(spec, recipe, t, world, tp)[index].fits for t in spec.compute.instance_choices):
-                return Layout(strategy=chosen, tp=tp)
-    return Layout(strategy=strategies[-1], tp=splits[-1])
+            for setting in settings:
+                if all(_estimates(spec, recipe, t, world, tp, setting)[index].fits
+                       for t in spec.compute.instance_choices):
+                    return Layout(strategy=chosen, tp=tp, recompute=setting)
+    return Layout(strategy=strategies[-1], tp=splits[-1], recompute=settings[-1])
 
 
 def decided(spec: JobSpec) -> JobSpec:
@@ -302,6 +310,19 @@ def _smallest_fit(spec: JobSpec, recipe: Recipe) -> str | None:
     return None
 
 
+def _recomputation_that_fits(spec: JobSpec, recipe: Recipe, itype: str, chosen: Layout) -> str | None:
+    """The least recomputation with which `chosen` would fit an `itype` core, when the spec names
+    one that keeps more; None when none would, or the spec leaves it to the planner."""
+    wanted = spec.train.activation_checkpointing
+    if wanted in ("auto", "full"):
+        return None
+    index = 0 if chosen.strategy == "ddp" else 1
+    for setting in ("selective", "full")[1 if wanted == "selective" else 0:]:
+        if _estimates(spec, recipe, itype, spec.compute.world_size, chosen.tp, setting)[index].fits:
+            return setting
+    return None
+
+
 def check_fits(spec: JobSpec) -> MemoryPlan:
     """The plan, or FatalError with the numbers and what to change: on every instance type the job
     may get (compute.instance_preferences). A tp the recipe cannot split is a FieldError."""
@@ -318,6 +339,10 @@ def check_fits(spec: JobSpec) -> MemoryPlan:
         elif not found.fsdp.fits:
             smallest = _smallest_fit(spec, recipe)
             fix += f"; the smallest that fits: {smallest}" if smallest else "; no instance in the catalogue fits it"
+        recomputing = _recomputation_that_fits(spec, recipe, name, found.layout)
+        if recomputing is not None:
+            fix += (f"; or set train.activation_checkpointing: {recomputing} (or auto), which fits it as it is by "
+                    "recomputing the blocks' activations in the backward pass instead of keeping them")
         other = found.fsdp if est.strategy == "ddp" else found.ddp
         raise FatalError(
             f"the job needs about {byte_size(est.total)} of device memory per NeuronCore with {est.layout} "
