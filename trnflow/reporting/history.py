@@ -40,13 +40,16 @@ class RunShape(BaseModel):
     cores_per_node: int = Field(ge=1)
     strategy: Word
     tp: int = Field(ge=1)
+    recompute: Word = Field("none", description="train.activation_checkpointing, decided: a recomputing run's steps "
+                            "take longer")
 
     @classmethod
     def of(cls, spec: JobSpec) -> RunShape:
         """The shape of a run of `spec`, whose layout is decided (`trnflow.workload.memory.decided`)."""
         layout = spec.layout
         return cls(backend=spec.compute.backend, instance_type=spec.compute.instance_type, nodes=spec.compute.nodes,
-                   cores_per_node=spec.compute.cores_per_node, strategy=layout.strategy, tp=layout.tp)
+                   cores_per_node=spec.compute.cores_per_node, strategy=layout.strategy, tp=layout.tp,
+                   recompute=layout.recompute)
 
     @property
     def cores(self) -> int:
@@ -54,8 +57,9 @@ class RunShape(BaseModel):
 
     def describe(self) -> str:
         split = f", tp {self.tp}" if self.tp > 1 else ""
+        recomputed = f", {self.recompute} recomputation" if self.recompute != "none" else ""
         return (f"{self.backend} {self.nodes}x {self.instance_type}, {self.cores_per_node} cores each, "
-                f"{self.strategy}{split}")
+                f"{self.strategy}{split}{recomputed}")
 
 
 class StageMeasure(BaseModel):
