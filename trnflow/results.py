@@ -197,8 +197,8 @@ class SlowRank(_Model):
     core: int
     host: str = Field(description="its host as the service names it (algo-2, Batch node 1), with the host name")
     step: int = Field(description="the logged step that ended the window")
-    own_seconds: float = Field(description="its mean own work per step over the window")
-    peers_seconds: float = Field(description="the median of its peers' means over the same window")
+    own_seconds: float = Field(description="its median own work per step over the window")
+    peers_seconds: float = Field(description="the median of its peers' own medians over the same window")
     ratio: float = Field(description="own_seconds over peers_seconds")
 
     def __str__(self) -> str:

@@ -16,7 +16,7 @@ a lazy device, xla or neuron, a rank's own work is traced by then and runs at th
 
 A slow rank holds every step up as long as it takes, so step times alone cannot tell it: a rank's
 own work (forward and backward, before the replicas average their gradients) can. At each logged
-step the ranks share their mean own work over the steps since the last comparison (at least
+step the ranks share their median own work over the steps since the last comparison (at least
 `SLOW_WINDOW` of them); a rank over its peers' median by `compute.slow_rank_factor` is named
 (`SlowRank`), as a suspect host.
 """
@@ -108,7 +108,7 @@ class StepPace:
         measured as many steps, and gets the same answer. Each is kept at its slowest window in `slow`."""
         if self.ctx.world_size == 1 or not self.slow_factor or len(self.own) < SLOW_WINDOW:
             return []
-        mine = statistics.fmean(self.own)
+        mine = statistics.median(self.own)  # a step every rank found slow (DDP's bucket rebuild) is no outlier
         self.window_steps, self.own = len(self.own), []
         heard = gather_objects(self.ctx, (mine, self.ctx.core_id, self.host))
         found = slow_ranks(heard, self.slow_factor, step)
@@ -147,7 +147,7 @@ class StepPace:
 
 
 def slow_ranks(heard: list[tuple[float | None, int, str]], factor: float, step: int) -> list[SlowRank]:
-    """The ranks whose mean own work (`heard[rank]`: seconds, core, host) is over `factor` times
+    """The ranks whose median own work (`heard[rank]`: seconds, core, host) is over `factor` times
     the median of their peers'."""
     slow = []
     for rank, (own, core, host) in enumerate(heard):
