@@ -108,7 +108,7 @@ class StepPace:
         measured as many steps, and gets the same answer. Each is kept at its slowest window in `slow`."""
         if self.ctx.world_size == 1 or not self.slow_factor or len(self.own) < SLOW_WINDOW:
             return []
-        mine = statistics.median(self.own)  # a step every rank found slow (DDP's bucket rebuild) is no outlier
+        mine = statistics.median(self.own)  # a step slow on every rank (an attempt's second, here) is no outlier
         self.window_steps, self.own = len(self.own), []
         heard = gather_objects(self.ctx, (mine, self.ctx.core_id, self.host))
         found = slow_ranks(heard, self.slow_factor, step)
