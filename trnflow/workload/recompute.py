@@ -8,8 +8,9 @@ the backward pass what their forward pass computed, instead of keeping it in dev
 
 Each block's forward is wrapped in PyTorch's non-reentrant `torch.utils.checkpoint.checkpoint`,
 which TorchDynamo traces into the graph the compile stage builds (the recomputation is part of the
-backward graph). Random operations replay the same stream when they run again (its
-`preserve_rng_state`), so a run's losses and weights do not depend on the setting. The blocks keep
+backward graph). Random operations replay the same stream when they run again (eagerly, the
+checkpoint's `preserve_rng_state`; compiled, AOT autograd's partitioner, which is why the emulator
+lowers such a graph even at O1), so a run's losses and weights do not depend on the setting. The blocks keep
 their names, parameters and hooks: checkpoints, sharding and tensor parallelism see the same model.
 """
 
