@@ -234,20 +234,22 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
     stopping = threading.Event()
 
     class BoundedRunner(Runner):
+        serving: asyncio.AbstractEventLoop | None = None
+        """The loop `start` serves in, once it runs."""
+
         def handle_sigterm(self, *args: Any, **kwargs: Any) -> None:
             """Stop serving: cancel the runs it started (their processes get SIGTERM, which Prefect
             turns into a cancellation; each ends Cancelled), then let `start` return. Prefect's own
             handler calls `stop`, which inside the running loop only makes a coroutine that is
-            never awaited: no run was cancelled."""
+            never awaited: no run was cancelled. Before serving began (deployments still being
+            made, each in an event loop of Prefect's own), it only says so: the deployment being
+            made is finished, no other is, and serving does not begin."""
             if stopping.is_set():  # a second signal: the deadline's own handler ends it at once
                 return
             stopping.set()
             deadline.arm()
-            try:
-                loop = asyncio.get_running_loop()  # the handler runs on the main thread, inside asyncio.run
-            except RuntimeError:  # before serving started: nothing to cancel
-                raise SystemExit(0) from None
-            self._stopping = loop.create_task(self._stop_once_started())
+            if self.serving is not None:  # the handler runs on the main thread, the loop's
+                self._stopping = self.serving.create_task(self._stop_once_started())
 
         async def _stop_once_started(self) -> None:
             """`astop`, once `start` has connected: a signal while it is still connecting (the
@@ -256,6 +258,11 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
             while not self.started:
                 await asyncio.sleep(0.05)
             await self.astop()
+
+        async def serve(self) -> None:
+            self.serving = asyncio.get_running_loop()
+            if not stopping.is_set():
+                await self.start()
 
     _cancel_polling_at_its_default()
     runner = BoundedRunner(pause_on_shutdown=False, limit=limit, query_seconds=poll_seconds())
@@ -266,27 +273,30 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
     for name in QUIET_TRACEBACKS:
         logging.getLogger(name).addFilter(_OneLine())
     logging.getLogger("asyncio").addFilter(_WhileStopping(stopping))
+    # from the start: a server that goes away while the deployments are being made ends serving too
+    threading.Thread(target=_watch_server, args=(stopping, *GONE_CHECKS), daemon=True,
+                     name="trnflow-serve-watch").start()
     ids: list = []
     names: list[str] = []
     upcoming: dict[UUID, str] = {}
-    with contextlib.suppress(KeyboardInterrupt, SystemExit):  # SystemExit: the handler, before serving started
-        for spec, source in specs:
-            for entry, deployment in runner_deployments(spec, source):
-                ids.append(runner.add_deployment(deployment))
-                names.append(f"{deployment.flow_name}/{deployment.name}")
-                if deployment.schedules:
-                    upcoming[ids[-1]] = upcoming_name(spec.name, entry)
-        threading.Thread(target=_watch_server, args=(stopping, *GONE_CHECKS), daemon=True,
-                         name="trnflow-serve-watch").start()
-        if upcoming:
-            threading.Thread(target=_name_upcoming_runs, args=(stopping, upcoming, *UPCOMING), daemon=True,
-                             name="trnflow-serve-names").start()
-        try:
-            asyncio.run(runner.start())
-        except Exception:
-            if not stopping.is_set() and not _server_answers(GONE_CHECKS[0]):
-                _server_gone()  # Prefect's runner gave up on it first
-            raise
+    try:
+        with contextlib.suppress(KeyboardInterrupt):
+            for spec, source in specs:
+                for entry, deployment in runner_deployments(spec, source):
+                    if stopping.is_set():
+                        break
+                    ids.append(runner.add_deployment(deployment))
+                    names.append(f"{deployment.flow_name}/{deployment.name}")
+                    if deployment.schedules:
+                        upcoming[ids[-1]] = upcoming_name(spec.name, entry)
+            if upcoming and not stopping.is_set():
+                threading.Thread(target=_name_upcoming_runs, args=(stopping, upcoming, *UPCOMING), daemon=True,
+                                 name="trnflow-serve-names").start()
+            asyncio.run(runner.serve())
+    except Exception:
+        if not stopping.is_set() and not _server_answers(GONE_CHECKS[0]):
+            _server_gone()  # Prefect's runner (or a deployment being made) found it gone first
+        raise
     stopping.set()
     deadline.arm()
     problem = _pause(ids, max(1.0, stop_seconds / 4))

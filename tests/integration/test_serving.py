@@ -219,7 +219,7 @@ def test_stopping_serve_pauses_its_deployments_and_it_stops_even_with_the_server
     stopped = _stop(served, signal.SIGINT, 30)  # Ctrl-C, often while its runner is still connecting
     log = (tmp_path / "serve.log").read_text()
     assert stopped == 0, log[-3000:]
-    assert "stopped: paused its 5 deployments" in " ".join(log.split()) and "Traceback" not in log
+    assert "stopped: paused its 5 deployments" in " ".join(log.split()) and "Traceback" not in log, log[-3000:]
     assert all(_paused(env).values())  # no schedule creates runs while nothing serves them
 
     served = _serve(env, spec, tmp_path)  # serving again resumes them
