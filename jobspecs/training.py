@@ -151,6 +151,14 @@ class TrainSpec(Section):
         "the job ends. Sharded layouts (fsdp, tp) write every rank's shard so, over a process group of their own. "
         "false writes each before training goes on.",
     )
+    checkpoint_writer: Literal["auto", "process", "thread"] = Field(
+        "auto",
+        description="Where rank 0 serializes and writes a whole checkpoint in the background (checkpoint_async): "
+        "`process`, a writer process of its own that maps the copied state, so the training steps, which dispatch "
+        "from Python, never wait on it for the interpreter's lock; `thread`, a thread of the training process "
+        "(no process to start, about a second of a CPU); `auto`, the process once the copied state is at least "
+        "64 MiB. Sharded layouts write their shards on a thread of every rank.",
+    )
     checkpoint_url: Url = Field(description="Where checkpoints are written: a directory or s3:// URL.")
     init_from: ChampionOrUrl | None = Field(
         None,

@@ -201,7 +201,8 @@ def _same(a, b) -> bool:
 def test_checkpoints_written_in_the_background_equal_those_written_in_step_and_a_torn_one_resumes_bitwise(
         make_spec, backend, strategy):
     """The same 12 steps on two ranks, checkpointed every 4 steps in the background (the default:
-    rank 0 writes a whole checkpoint, each rank its shard of a sharded one) and before training goes
+    rank 0's writer process writes a whole checkpoint, each rank its shard of a sharded one on a
+    thread) and before training goes
     on (`checkpoint_async: false`), the latter recomputing its blocks' activations (full under ddp,
     selective under fsdp): each checkpoint holds the same weights, optimizer state and random states,
     dropout's replayed. Under ddp, a run (recomputing selectively) whose rank 0 is killed halfway
@@ -210,10 +211,11 @@ def test_checkpoints_written_in_the_background_equal_those_written_in_step_and_a
     fsdp-torn-checkpoint.)"""
     train = {"steps": 12, "checkpoint_every": 4, "log_every": 4, "keep_latest": None,
              "parallelism": {"strategy": strategy}}
-    background, job_id = _train(backend, make_spec(train=train), "background")
+    background, job_id = _train(backend, make_spec(train={**train, "checkpoint_writer": "process"}), "background")
     assert background.state is JobState.SUCCEEDED, background.failure
     said = [json.loads(line) for line in backend.logs(job_id)[0].splitlines() if '"event": "checkpoint"' in line]
     assert [e["step"] for e in said] == [4, 8, 12] and all(e["stalled_s"] >= 0 and e["wrote_s"] > 0 for e in said)
+    assert [e["writer"] for e in said] == ["process" if strategy == "ddp" else "thread"] * 2 + ["step"]
     recomputed = "full" if strategy == "ddp" else "selective"
     in_step, _ = _train(backend, make_spec(train={**train, "checkpoint_async": False,
                                                   "activation_checkpointing": recomputed}), "in-step")

@@ -25,6 +25,7 @@ from trnflow.workload.checkpoint import RunCheckpoints, load_model_weights, step
 from trnflow.workload.context import barrier, gather_objects
 from trnflow.workload.saver import Saved, stage
 from trnflow.workload.sharding import shard_state, whole_model, write_shards
+from trnflow.workload.writer import CheckpointWriter, Request, in_process
 
 
 def rng_state(sr_gen: torch.Generator) -> dict:
@@ -37,6 +38,7 @@ class Checkpointing:
     ctx: Any
     spec: Any
     saver: Any
+    writer: CheckpointWriter | None
     checkpoint_url: str | None
     time: TrainTime
 
@@ -69,7 +71,7 @@ class Checkpointing:
             self.checkpoint_url = saved.url
             self.time.stall_seconds += saved.stalled
             self.ctx.log("checkpoint", step=saved.step, url=saved.url, stalled_s=round(saved.stalled, 4),
-                         wrote_s=round(saved.wrote, 4))
+                         wrote_s=round(saved.wrote, 4), writer=saved.writer)
 
     def _write_checkpoint(self, done: int, began: float, background: bool) -> None:
         ctx, spec = self.ctx, self.spec
@@ -78,16 +80,23 @@ class Checkpointing:
         weights: dict | None = None
         optim: dict | None = None
         shards: Callable[[], dict[str, dict]] | None = None
+        by_writer = False  # saved by the writer process (`writer`), not by this one
         checkpoints = self.faults.checkpoint_store(self.start.checkpoints, writer=True)
         if self.sharded:  # every rank stores its own shard; the last checkpoint holds the whole weights too
             shards = self._shards(done, background, checkpoints)
             weights = whole_model(self.model) if last else None  # gathered on rank 0 (every rank takes part)
         elif ctx.is_main:
             # checkpoints hold CPU copies, whatever the device; one written in the background, copies
-            # that the training going on meanwhile cannot change
-            host = stage if background else self.device.to_host
-            weights, optim = host(trained_state(self.model)), host(self.optimizer.state_dict())
-        commit = self._commit(done, weights, optim, rng, checkpoints) if ctx.is_main else None
+            # that the training going on meanwhile cannot change (in memory its writer process maps)
+            weights, optim = trained_state(self.model), self.optimizer.state_dict()
+            by_writer = (background and self.writer is not None and checkpoints is self.start.checkpoints
+                         and in_process(spec.train.checkpoint_writer, weights, optim))  # (a torn one: on the thread)
+            if by_writer:
+                weights, optim = self.writer.stage(weights, optim)
+            else:
+                host = stage if background else self.device.to_host
+                weights, optim = host(weights), host(optim)
+        commit = self._commit(done, weights, optim, rng, checkpoints, by_writer) if ctx.is_main else None
 
         def write() -> str:
             listed = shards() if shards is not None else None
@@ -95,7 +104,7 @@ class Checkpointing:
 
         writes = ctx.is_main or self.sharded  # a ddp rank other than 0 writes nothing
         if background and writes:
-            self.saver.submit(done, write, time.perf_counter() - began)
+            self.saver.submit(done, write, time.perf_counter() - began, writer="process" if by_writer else "thread")
             if checkpoints is not self.start.checkpoints:
                 self._settle()  # an injected tear: this rank dies in its write, at this step
         elif not background:
@@ -109,10 +118,11 @@ class Checkpointing:
         if not (background and writes):  # a rank writing in the background is torn as it writes, if at all
             self.faults.checkpoint_written()
 
-    def _commit(self, done: int, weights: dict | None, optim: dict | None, rng: list[dict],
-                checkpoints: RunCheckpoints) -> Callable[[dict[str, dict] | None], str]:
+    def _commit(self, done: int, weights: Any, optim: Any, rng: list[dict], checkpoints: RunCheckpoints,
+                by_writer: bool = False) -> Callable[[dict[str, dict] | None], str]:
         """Rank 0's part of the checkpoint of step `done`: what writes its files and marker to
-        `checkpoints` (given the shards' checksums, when sharded) and returns its URL."""
+        `checkpoints` (given the shards' checksums, when sharded) and returns its URL; `by_writer`:
+        has the writer process do it, `weights` and `optim` being staged there."""
         spec, last = self.spec, done == self.spec.train.steps
         meta = CheckpointMeta(
             run_id=self.run_id, step=done, **self.lineage, global_step=self.lineage["base_step"] + done,
@@ -124,6 +134,10 @@ class Checkpointing:
             base=self.recipe.base(), parallelism="fsdp" if self.programs.fsdp else "ddp", tp=self.ctx.tp,
             time=self.time.model_copy())
         featurizer = (self.recipe.featurizer_file, self.recipe.state())
+
+        if by_writer:
+            request = Request(checkpoints.url, done, weights, optim, rng, featurizer, meta, spec.train.keep_latest)
+            return lambda shards: self.writer.save(request)
 
         def commit(shards: dict[str, dict] | None) -> str:
             return checkpoints.save(done, weights, optim, rng, featurizer, meta, keep_latest=spec.train.keep_latest,

@@ -1,12 +1,13 @@
 """Checkpoints written in the background (`train.checkpoint_async`).
 
-At a step boundary the training loop copies the checkpoint's state into host memory (`stage`),
-hands the write to `BackgroundSaver`, and goes on training; a thread of its own serializes the
-state and writes it under the same commit protocol as a synchronous save (every file, then the
-marker). At most one write is in flight: the next save, the run's last one and every stop wait
-for it first. A rank killed while a write is in flight leaves a folder without its marker, which
-no run ever reads (`trnflow.workload.checkpoint`): the retry resumes from the newest committed
-checkpoint, exactly as after any other fault.
+At a step boundary the training loop copies the checkpoint's state into host memory (`stage`, or
+the writer process's memory), hands the write to `BackgroundSaver`, and goes on training; a thread
+of its own serializes the state and writes it under the same commit protocol as a synchronous save
+(every file, then the marker), or waits while the writer process does (`trnflow.workload.writer`).
+At most one write is in flight: the next save, the run's last one and every stop wait for it
+first. A rank killed while a write is in flight leaves a folder without its marker, which no run
+ever reads (`trnflow.workload.checkpoint`): the retry resumes from the newest committed checkpoint,
+exactly as after any other fault.
 
 The thread writes no log line and beats no watchdog: the loop says when a write committed
 (`finished`), so a stalled loop is still taken for one while a write goes on.
@@ -34,6 +35,8 @@ class Saved:
     the write before it (all of the write, when synchronous)."""
     wrote: float
     """Seconds its files and marker took to write (in the background, when asynchronous)."""
+    writer: str = "step"
+    """Who wrote it: `step` (the loop, before going on), `thread` or `process` (`trnflow.workload.writer`)."""
 
 
 def stage(tree: Any) -> Any:
@@ -57,10 +60,10 @@ class BackgroundSaver:
         self.step: int | None = None
         """The step of the checkpoint whose write is in flight; None when none is."""
 
-    def submit(self, step: int, write: Callable[[], str], stalled: float) -> None:
+    def submit(self, step: int, write: Callable[[], str], stalled: float, writer: str = "thread") -> None:
         """Start `write` (which commits the checkpoint of `step` and returns its URL) in the
-        background; `stalled`: the seconds the loop stopped for it. The write before it must have
-        been waited for."""
+        background; `stalled`: the seconds the loop stopped for it; `writer`: `process` when `write`
+        only waits for the writer process to do it. The write before it must have been waited for."""
         assert self._thread is None, "one checkpoint write in flight at a time: wait() for it first"
 
         def work() -> None:
@@ -70,7 +73,7 @@ class BackgroundSaver:
             except BaseException as exc:  # raised in the loop, by `wait`
                 self._outcome = exc
             else:
-                self._outcome = Saved(step, url, stalled, time.perf_counter() - began)
+                self._outcome = Saved(step, url, stalled, time.perf_counter() - began, writer)
 
         self._thread = threading.Thread(target=work, name=f"checkpoint-step-{step}", daemon=True)
         self.step = step

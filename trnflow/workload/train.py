@@ -56,6 +56,7 @@ from trnflow.workload.sampler import StepSampler
 from trnflow.workload.saver import BackgroundSaver
 from trnflow.workload.sharding import load_optimizer, load_shards, load_whole, whole_model
 from trnflow.workload.start import Start, find_start
+from trnflow.workload.writer import CheckpointWriter
 
 WRITE_AFTER_FAILURE_SECONDS = 25.0
 """How long a rank whose training failed waits for its checkpoint write in flight before it ends: a
@@ -150,6 +151,8 @@ class Trainer(Checkpointing):
         self.series_url: str | None = None
         self.checkpoint_url: str | None = None
         self.saver = BackgroundSaver()  # train.checkpoint_async: the last checkpoint and a stop's aside
+        self.writer = CheckpointWriter() if tcfg.checkpoint_async and ctx.is_main and not self.sharded else None
+        """The process rank 0 writes whole checkpoints in, in the background (the shards are DCP's, on the thread)."""
         self.side = self.device.side_group() if tcfg.checkpoint_async and self.sharded else None
         """The process group of the shards' writes in the background (every rank makes it, alike)."""
         self.memory: dict = {}
@@ -173,6 +176,8 @@ class Trainer(Checkpointing):
             self.pace.close()
             with contextlib.suppress(Exception):  # a write in flight as the loop failed: let it commit, if it can
                 self._committed(self.saver.wait(timeout=WRITE_AFTER_FAILURE_SECONDS))
+            if self.writer is not None and self.saver.step is None:  # (one still writing ends with this process)
+                self.writer.close()
             notice.close()  # after the loop (and that write) a SIGTERM ends the rank at once again
         return self._result(time.perf_counter() - began)
 

@@ -18,6 +18,7 @@ def pin_cpus(local_rank: int, threads: int, workers: int, first_core: int) -> li
     slots of their own, and so do jobs on different cores of the same host (two one-core jobs on
     cores 0 and 1 run on different CPUs, not both on the first)."""
     allowed = sorted(os.sched_getaffinity(0))
+    _UNPINNED[:] = allowed
     slots = len(allowed) // max(1, threads)
     if workers > slots:
         return allowed
@@ -25,6 +26,15 @@ def pin_cpus(local_rank: int, threads: int, workers: int, first_core: int) -> li
     mine = allowed[slot * threads:(slot + 1) * threads]
     os.sched_setaffinity(0, mine)
     return mine
+
+
+_UNPINNED: list[int] = []
+
+
+def unpinned() -> list[int]:
+    """The CPUs this process could run on before `pin_cpus` (empty when it was not called): a
+    helper process of the worker's (the checkpoint writer) runs on those the worker did not take."""
+    return list(_UNPINNED)
 
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3

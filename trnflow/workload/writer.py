@@ -1,0 +1,328 @@
+"""A whole checkpoint written by a process of its own (`python -m trnflow.workload.writer`).
+
+A thread of the training process would do the same work, but it shares the interpreter's lock
+with the training loop, which dispatches its operations from Python (the emulator, torch-xla's
+tracing and TorchNeuron's eager mode alike): serializing and hashing a large state beside the
+steps slowed them by as much as the write took. Here the loop only copies the state into memory
+both processes map (`Staging`, laid out once and reused), and the writer process serializes it,
+writes every file through the store and commits the marker last (`RunCheckpoints.save`), then
+answers with the checkpoint's URL (`Reply`, as JSON). The loop's `BackgroundSaver` thread waits for that answer,
+which holds no lock.
+
+The writer runs on the CPUs the rank was not pinned to, if any. It dies with the rank (Linux:
+the parent-death signal), so a rank killed mid-write leaves a folder without its marker, as it
+would have with the thread. A request crosses the pipe pickled (the state's layout, its random
+streams and its meta), from the rank to the child it started, and nothing else writes to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import mmap
+import os
+import pickle
+import signal
+import struct
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from trnflow.records import CheckpointMeta
+from trnflow.workload.checkpoint import RunCheckpoints
+from trnflow.workload.tuning import unpinned
+
+ALIGN = 64
+"""Each staged tensor starts at a multiple of this many bytes."""
+
+
+PROCESS_BYTES = 64 << 20
+"""`train.checkpoint_writer: auto` writes in the process a state of at least this many bytes: less
+is serialized in a fraction of a second, and starting the process costs about a second of a CPU."""
+
+
+def in_process(setting: str, model: dict, optim: dict) -> bool:
+    """Whether a background checkpoint of this state is written by the writer process."""
+    return setting == "process" or (setting == "auto" and _tree_bytes([model, optim]) >= PROCESS_BYTES)
+
+
+def _tree_bytes(tree: Any) -> int:
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tree_bytes(v) for v in tree.values())
+    if isinstance(tree, list | tuple):
+        return sum(_tree_bytes(v) for v in tree)
+    return 0
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where one staged tensor lies in the shared memory."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return _nbytes(self.dtype, self.shape)
+
+
+def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count * dtype.itemsize
+
+
+def _layout(tree: Any, offset: int = 0) -> tuple[Any, int]:
+    """`tree` with each tensor replaced by the `Slot` it takes from `offset` on; the end offset."""
+    if isinstance(tree, torch.Tensor):
+        slot = Slot(offset, tree.dtype, tuple(tree.shape))
+        return slot, offset + -(-max(slot.nbytes, 1) // ALIGN) * ALIGN
+    if isinstance(tree, dict):
+        laid = {}
+        for key, value in tree.items():
+            laid[key], offset = _layout(value, offset)
+        return laid, offset
+    if isinstance(tree, list | tuple):
+        items = []
+        for value in tree:
+            item, offset = _layout(value, offset)
+            items.append(item)
+        return type(tree)(items), offset
+    return tree, offset
+
+
+def _views(tree: Any, memory: memoryview) -> Any:
+    """`tree` with each `Slot` replaced by a tensor over its bytes of `memory`: a storage of its
+    own for each, so that `torch.save` writes each tensor's bytes and no one else's."""
+    if isinstance(tree, Slot):
+        if tree.nbytes == 0:
+            return torch.empty(tree.shape, dtype=tree.dtype)
+        return torch.frombuffer(memory[tree.offset:tree.offset + tree.nbytes], dtype=tree.dtype).view(tree.shape)
+    if isinstance(tree, dict):
+        return {key: _views(value, memory) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_views(value, memory) for value in tree)
+    return tree
+
+
+def _copy(into: Any, tree: Any) -> None:
+    if isinstance(tree, torch.Tensor):
+        into.copy_(tree.detach())
+    elif isinstance(tree, dict):
+        for key, value in tree.items():
+            _copy(into[key], value)
+    elif isinstance(tree, list | tuple):
+        for mine, value in zip(into, tree, strict=True):
+            _copy(mine, value)
+
+
+def _memory(size: int) -> int:
+    """A file descriptor of `size` bytes of memory no path names: nothing is left behind however
+    the processes end."""
+    if hasattr(os, "memfd_create"):
+        fd = os.memfd_create("trnflow-checkpoint-staging", 0)
+    else:  # macOS: a file unlinked at once
+        fd, path = tempfile.mkstemp(prefix="trnflow-staging-")
+        os.unlink(path)
+    os.ftruncate(fd, size)
+    return fd
+
+
+@dataclass(frozen=True)
+class Request:
+    """One checkpoint for the writer to save, as `RunCheckpoints.save` takes it; `model` and
+    `optim` laid out in the shared memory (`Slot`s)."""
+
+    run_url: str
+    step: int
+    model: Any
+    optim: Any
+    rng: list[dict]
+    featurizer: tuple[str, bytes]
+    meta: CheckpointMeta
+    keep_latest: int | None
+
+
+class Reply(BaseModel):
+    """The writer's answer to one `Request`: the checkpoint's URL, or what went wrong."""
+
+    model_config = ConfigDict(extra="forbid")
+    url: str = ""
+    error: str = ""
+    retryable: bool | None = None
+
+
+class WriteFailed(Exception):
+    """A checkpoint the writer process could not save, with what it said; `retryable` as the
+    error it met was (a writer process that ended is: the retry resumes from the checkpoint before)."""
+
+    def __init__(self, message: str, retryable: bool | None):
+        super().__init__(message)
+        self.retryable = retryable
+
+
+def _send(fd: int, data: bytes) -> None:
+    view = memoryview(struct.pack("<Q", len(data)) + data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+def _receive(fd: int) -> bytes | None:
+    """The next message on `fd`, or None once the other end has closed it."""
+    head = _read(fd, 8)
+    return None if head is None else _read(fd, struct.unpack("<Q", head)[0])
+
+
+def _read(fd: int, size: int) -> bytes | None:
+    chunks, left = [], size
+    while left:
+        chunk = os.read(fd, min(left, 1 << 20))
+        if not chunk:
+            return None
+        chunks.append(chunk)
+        left -= len(chunk)
+    return b"".join(chunks)
+
+
+@dataclass
+class Staging:
+    """The layout of the state last staged, and the tensors over the shared memory it lies in."""
+
+    layout: Any
+    size: int
+    tensors: Any = field(repr=False)
+
+
+class CheckpointWriter:
+    """A writer process and the memory it shares with the training loop. `stage` at the step
+    boundary (in the loop), `save` from the background thread; one checkpoint at a time."""
+
+    def __init__(self) -> None:
+        self._process: subprocess.Popen | None = None
+        self._requests = self._replies = -1
+        self._map: mmap.mmap | None = None
+        self._staging: Staging | None = None
+
+    def stage(self, model: dict, optim: dict) -> tuple[Any, Any]:
+        """Copy `model` and `optim` (state dicts) into the shared memory, which the training that
+        goes on cannot change; their layouts, for `save`. The first call, or one whose state is
+        laid out otherwise, starts the writer process with memory of the new size."""
+        layout, size = _layout({"model": model, "optim": optim})
+        if self._staging is None or self._staging.layout != layout:
+            self._start(layout, size)
+        assert self._staging is not None
+        _copy(self._staging.tensors, {"model": model, "optim": optim})
+        return layout["model"], layout["optim"]
+
+    def save(self, request: Request) -> str:
+        """Have the writer save the checkpoint `request` describes (staged by `stage` before);
+        its URL once committed, or WriteFailed."""
+        assert self._process is not None, "stage() the checkpoint before saving it"
+        try:
+            _send(self._requests, pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
+            answer = _receive(self._replies)
+        except OSError:
+            answer = None
+        if answer is None:
+            code = self._process.wait()
+            self.close()  # the next checkpoint starts another
+            raise WriteFailed(f"the checkpoint writer process ended (exit code {code}) before step {request.step}'s "
+                              "checkpoint was committed", retryable=True)
+        reply = Reply.model_validate_json(answer)
+        if reply.error:
+            raise WriteFailed(f"writing the checkpoint of step {request.step}: {reply.error}", reply.retryable)
+        return reply.url
+
+    def _start(self, layout: Any, size: int) -> None:
+        self.close()
+        fd = _memory(max(size, ALIGN))
+        try:
+            self._map = mmap.mmap(fd, max(size, ALIGN))
+            requests, self._requests = os.pipe()
+            self._replies, replies = os.pipe()
+            spare = _spare_cpus()
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "trnflow.workload.writer", str(os.getpid()), str(fd), str(max(size, ALIGN)),
+                 str(requests), str(replies), ",".join(map(str, spare))],
+                pass_fds=(fd, requests, replies), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
+            os.close(requests)
+            os.close(replies)
+        finally:
+            os.close(fd)
+        self._staging = Staging(layout, size, _views(layout, memoryview(self._map)))
+
+    def close(self) -> None:
+        """End the writer process (once its write in flight, if any, was waited for)."""
+        self._staging = None
+        for fd in (self._requests, self._replies):
+            if fd >= 0:
+                os.close(fd)
+        self._requests = self._replies = -1
+        if self._process is not None:
+            try:
+                self._process.wait(timeout=30)  # it ends at the end of its requests
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+            self._process = None
+        if self._map is not None:
+            with contextlib.suppress(BufferError):  # a view still held: the map goes with it
+                self._map.close()
+            self._map = None
+
+
+def _spare_cpus() -> list[int]:
+    """The CPUs this process may run on but was not pinned to (`tuning.pin_cpus`); none when it
+    was not pinned."""
+    if not hasattr(os, "sched_getaffinity"):
+        return []
+    mine = os.sched_getaffinity(0)
+    return sorted(set(unpinned()) - mine)
+
+
+def _die_with_parent() -> None:
+    """Be killed when the process that started this one ends (Linux); elsewhere the closed pipe
+    ends it once its write in flight is done."""
+    with_prctl = getattr(ctypes.CDLL(None), "prctl", None) if sys.platform.startswith("linux") else None
+    if with_prctl is not None:
+        with_prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _save(request: Request, memory: memoryview) -> str:
+    return RunCheckpoints(request.run_url).save(
+        request.step, _views(request.model, memory), _views(request.optim, memory), request.rng, request.featurizer,
+        request.meta, keep_latest=request.keep_latest)
+
+
+def main(argv: list[str]) -> int:
+    parent, fd, size, requests, replies = (int(arg) for arg in argv[:5])
+    _die_with_parent()
+    if os.getppid() != parent:  # it ended before the signal was asked for
+        return 1
+    cpus = argv[5]
+    if cpus:
+        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+    torch.set_num_threads(1)
+    memory = memoryview(mmap.mmap(fd, size))
+    while (message := _receive(requests)) is not None:
+        try:
+            reply = Reply(url=_save(pickle.loads(message), memory))  # noqa: S301 (its parent's own pipe)
+        except Exception as exc:
+            reply = Reply(error=f"{type(exc).__name__}: {exc}", retryable=getattr(exc, "retryable", None))
+        _send(replies, reply.model_dump_json().encode())
+    return 0
+
+
+if __name__ == "__main__":
+    from trnflow.workload.writer import main as writer_main  # the module's own classes, not __main__'s
+
+    sys.exit(writer_main(sys.argv[1:]))
