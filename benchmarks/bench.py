@@ -33,7 +33,7 @@ ROOT = HERE.parent
 XLA_PYTHON = ROOT / ".venv" / "xla" / "bin" / "python"
 BENCHMARKS = ("backend_overhead", "train_throughput", "sharded_train", "inference_throughput", "collectives",
               "compile_cache", "optlevels", "precision", "scale_cache", "scale_topology", "scale_inference",
-              "scale_data", "xla_overhead", "lora", "tensor_parallel", "forecast", "fleet", "goodput")
+              "scale_data", "xla_overhead", "lora", "lm", "tensor_parallel", "forecast", "fleet", "goodput")
 
 
 def machine() -> dict:

@@ -146,10 +146,10 @@ class TrainSpec(Section):
     checkpoint_async: bool = Field(
         True,
         description="Write checkpoints in the background: at the step boundary the state is copied to host memory "
-        "and training goes on while a thread writes it, committed (its marker last) only once every file is whole; "
-        "the next checkpoint waits for it. The run's last checkpoint, and one a stop asks for, are written before "
-        "the job ends. Sharded layouts (fsdp, tp) write every rank's shard so, over a process group of their own. "
-        "false writes each before training goes on.",
+        "and training goes on while it is written (checkpoint_writer), committed (its marker last) only once every "
+        "file is whole; the next checkpoint waits for it. The run's last checkpoint, and one a stop asks for, are "
+        "written before the job ends. Sharded layouts (fsdp, tp) write every rank's shard so, over a process group of "
+        "their own. false writes each before training goes on.",
     )
     checkpoint_writer: Literal["auto", "process", "thread"] = Field(
         "auto",

@@ -212,12 +212,13 @@ class TrainTime(Record):
     steps_seconds: float = Field(0.0, ge=0, description="the steps whose work the weights hold, each once (an "
                                  "attempt's first step, which loads or compiles its graphs, at its second's time)")
     stall_seconds: float = Field(0.0, ge=0, description="what checkpoints stopped training for, and what the steps "
-                                 "a write in the background shared the host with took over the median of steps "
-                                 "that ran alone")
+                                 "a write in the background shared the host with took, together, over as many "
+                                 "medians of steps that ran alone")
     rollback_seconds: float = Field(0.0, ge=0, description="divergences rolled back: the steps undone and the "
                                     "restores")
     slow_seconds: float = Field(0.0, ge=0, description="what the ranks waited for ranks named slow: their own "
                                 "work over their peers' median, a step at a time")
+    eval_seconds: float = Field(0.0, ge=0, description="the holdout evaluated during training (the gate's points)")
 
 
 class CheckpointMeta(Record):

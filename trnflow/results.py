@@ -427,8 +427,10 @@ class GoodputLosses(_Model):
                             "included) and the waits between them")
     rollbacks: float = Field(0.0, description="divergences rolled back: the steps undone and the restores")
     slow_ranks: float = Field(0.0, description="waiting for ranks named slow")
+    evaluations: float = Field(0.0, description="the holdout evaluated during training (the gate's points, the "
+                               "last step's included): work asked for, not lost to a fault, but not training")
     other: float = Field(0.0, description="the rest of the final attempt: its launch, reading its data, its first "
-                         "step's graphs, evaluations, the last checkpoint and export")
+                         "step's graphs and the export")
 
 
 class Goodput(_Model):

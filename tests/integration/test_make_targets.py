@@ -215,6 +215,9 @@ def _what_the_language_models_left(work: Path, env: dict[str, str]) -> None:
     adapter = lm / "adapter"
     assert {p.name for p in adapter.iterdir()} >= {"EXPORTED", "adapter_config.json", "adapter_model.safetensors"}
     assert not any(p.suffix == ".safetensors" and p.name != "adapter_model.safetensors" for p in adapter.iterdir())
+    card = (adapter / "README.md").read_text()  # trnflow's card, not PEFT's empty template
+    assert card.startswith("# causal-lm-lora\n\nA LoRA adapter") and f"`{adapted['base']}`" in card
+    assert "**passed**" in card and "| perplexity |" in card and "target_modules every linear layer" in card
     import peft
 
     merged = AutoModelForCausalLM.from_pretrained(local_path(adapted["export"]), local_files_only=True).eval()

@@ -215,6 +215,7 @@ def test_checkpoints_written_in_the_background_equal_those_written_in_step_and_a
     assert background.state is JobState.SUCCEEDED, background.failure
     said = [json.loads(line) for line in backend.logs(job_id)[0].splitlines() if '"event": "checkpoint"' in line]
     assert [e["step"] for e in said] == [4, 8, 12] and all(e["stalled_s"] >= 0 and e["wrote_s"] > 0 for e in said)
+    assert all(e["slowed_s"] >= 0 for e in said) and said[-1]["slowed_s"] == 0  # the last one, in step, slows none
     assert [e["writer"] for e in said] == ["process" if strategy == "ddp" else "thread"] * 2 + ["step"]
     recomputed = "full" if strategy == "ddp" else "selective"
     in_step, _ = _train(backend, make_spec(train={**train, "checkpoint_async": False,

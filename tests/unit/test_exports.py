@@ -10,8 +10,9 @@ import pytest
 from typer.testing import CliRunner
 
 from trnflow.cli.app import app
+from trnflow.lifecycle.cards import CARD, README, ExportCard, render
 from trnflow.lifecycle.registry import Digests, Registry
-from trnflow.records import ExportedFile, ExportMarker, dump, manifest_digest
+from trnflow.records import ADAPTER_FOLDER, DataRead, ExportedFile, ExportMarker, dump, manifest_digest
 
 pytestmark = pytest.mark.unit
 runner = CliRunner()
@@ -19,7 +20,7 @@ runner = CliRunner()
 FILES = {"config.json": b'{"model_type": "llama"}', "model.safetensors": b"\x00weights", "sub/extra.txt": b"x"}
 
 
-def _export(root, files=FILES, listed=None):
+def _export(root, files=FILES, listed=None, **entry):
     folder = root / "run" / "export" / "step-000040"
     for name, data in files.items():
         (folder / name).parent.mkdir(parents=True, exist_ok=True)
@@ -30,7 +31,7 @@ def _export(root, files=FILES, listed=None):
     registry = Registry((root / "registry").as_uri())
     digests = Digests(checkpoint="0" * 64, export=manifest_digest({n: f.model_dump() for n, f in listed.items()}))
     registry.register("lm", {"checkpoint": (root / "run" / "step-000040").as_uri(), "export": folder.as_uri(),
-                             "recipe": {"recipe": "hf-causal-lm", "version": "1"}, "digests": digests})
+                             "recipe": {"recipe": "hf-causal-lm", "version": "1"}, "digests": digests, **entry})
     registry.promote("lm", 1)
     return folder, ["models", "export", "lm", "-r", str(root / "registry")]
 
@@ -44,6 +45,36 @@ def test_the_champions_export_is_copied_whole_and_checked(tmp_path):
     assert {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()
             and p.name != "EXPORTED"} == FILES
     assert set(json.loads((out / "EXPORTED").read_text())["files"]) == set(FILES)
+
+
+def test_the_card_is_written_again_with_the_gates_verdict_and_the_adapters_names_its_base(tmp_path):
+    card = ExportCard(model="lm", run_id="r1", step=40, global_step=40, precision="bf16",
+                      recipe={"recipe": "hf-causal-lm", "version": "1",
+                              "params": {"pretrained": "runs/base", "lora": {"r": 8, "alpha": 16}}},
+                      data=DataRead(files=["a.jsonl"], partitions=["2026-01-01"], watermark="2026-01-01", rows=900),
+                      pretrained="runs/base", base="b" * 64)
+    files = {**FILES, CARD: card.model_dump_json().encode(), README: render(card).encode(),
+             f"{ADAPTER_FOLDER}/{README}": render(card, adapter=True).encode(),
+             f"{ADAPTER_FOLDER}/adapter_config.json": b"{}"}
+    assert "Not judged when this was written" in files[README].decode()  # training's, before the gate
+    _, argv = _export(tmp_path, files=files, status="passed", metrics={"perplexity": 1.25})
+
+    whole = runner.invoke(app, [*argv, str(tmp_path / "out")])
+    assert whole.exit_code == 0, whole.output
+    said = (tmp_path / "out" / README).read_text()
+    assert "A model merged with its LoRA adapter, trained by trnflow" in said and "run `r1`" in said
+    assert "Version 1: **passed**" in said and "| perplexity | 1.25 |" in said
+    assert "900 rows from 1 file (2026-01-01; watermark 2026-01-01)" in said and "`runs/base`" in said
+    listed = json.loads((tmp_path / "out" / "EXPORTED").read_text())["files"]
+    assert listed[README]["sha256"] == hashlib.sha256(said.encode()).hexdigest()  # the folder stays whole
+
+    adapter = runner.invoke(app, [*argv, str(tmp_path / "adapter"), "--adapter"])
+    assert adapter.exit_code == 0, adapter.output
+    card_text = (tmp_path / "adapter" / README).read_text()
+    assert card_text.startswith("# lm\n\nA LoRA adapter") and f"`{'b' * 64}`" in card_text
+    assert 'PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("runs/base")' in card_text
+    assert "Version 1: **passed**" in card_text and "r 8" in card_text
+    assert sorted(p.name for p in (tmp_path / "adapter").iterdir()) == ["EXPORTED", README, "adapter_config.json"]
 
 
 def test_a_damaged_export_or_a_used_folder_is_refused(tmp_path):

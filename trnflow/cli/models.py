@@ -14,6 +14,7 @@ from rich.table import Table
 from trnflow.backends.teams import own_team
 from trnflow.cli.console import RED, cli_console, shown
 from trnflow.errors import DataError, ExitCode, FatalError, TrnflowError
+from trnflow.lifecycle.cards import CardGate
 from trnflow.lifecycle.digests import check_version
 from trnflow.lifecycle.exports import copy_export
 from trnflow.lifecycle.registry import ChampionChange, PromotionConflict, Registry, RegistryCorrupt, RegistryEntry
@@ -220,7 +221,8 @@ def export(model: ModelArg, out: Annotated[Path, typer.Argument(help="A new or e
     """Copy a version's export (the champion's by default) to a local folder, every file checked
     against its checksum: the model in its own library's format (for hf-encoder and hf-causal-lm,
     what `from_pretrained` loads; for a LoRA run, the model merged with its adapter), for use
-    outside trnflow or as another spec's `model.params.pretrained`."""
+    outside trnflow or as another spec's `model.params.pretrained`. Its card (README.md) is written
+    again with the gate's verdict on the version."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         err.print(f"OUT {out}: is not an empty folder; give a new or empty one", **RED)
         raise typer.Exit(ExitCode.BAD_INPUT)
@@ -244,7 +246,11 @@ def export(model: ModelArg, out: Annotated[Path, typer.Argument(help="A new or e
                       "it is the one that was registered; register the model again from a run", **RED)
             raise typer.Exit(ExitCode.FAILED)
         try:
-            marker = copy_export(entry.entry.export, out, digests.export, part=ADAPTER_FOLDER if adapter else None)
+            verdict = entry.entry.verdict
+            gate = CardGate(version=entry.version, status=entry.entry.status, metrics=entry.entry.metrics,
+                            reason=verdict.reason if verdict else None)
+            marker = copy_export(entry.entry.export, out, digests.export, part=ADAPTER_FOLDER if adapter else None,
+                                 gate=gate)
         except DataError as exc:
             err.print(shown(exc), **RED)
             raise typer.Exit(ExitCode.FAILED) from None

@@ -21,14 +21,15 @@ def goodput(rows: list[StageRow], train: TrainResult | None, costs: list[CostRow
     compiling = max(0.0, seconds.get("compile", 0.0) - provisioning.get("compile", 0.0))
     waited = provisioning.get("compile", 0.0) + provisioning.get("train", 0.0)
     t, before = train.time, train.time_before
-    held_before = before.steps_seconds + before.stall_seconds + before.rollback_seconds + before.slow_seconds
+    held_before = (before.steps_seconds + before.stall_seconds + before.rollback_seconds + before.slow_seconds
+                   + before.eval_seconds)
     # the attempts before the one whose weights these are (its launch, provisioning included, is `last`): their
     # provisioning is counted as such (the last one's too, so the restarts come out that much short)
     last = train.task_seconds or train.attempt_seconds
     earlier = seconds["train"] - last - provisioning.get("train", 0.0) if attempts > 1 else 0.0
     losses = GoodputLosses(compilation=compiling, provisioning=waited, checkpoint_stalls=t.stall_seconds,
                            restarts=max(0.0, earlier - held_before), rollbacks=t.rollback_seconds,
-                           slow_ranks=t.slow_seconds)
+                           slow_ranks=t.slow_seconds, evaluations=t.eval_seconds)
     wall = compiling + waited + seconds["train"] - provisioning.get("train", 0.0)
     if wall <= 0:
         return None

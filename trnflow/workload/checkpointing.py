@@ -19,7 +19,17 @@ from typing import Any
 
 import torch
 
-from trnflow.records import EXPORT_MARKER, CheckpointMeta, ExportedFile, ExportMarker, TrainTime, dump
+from trnflow.lifecycle.cards import CARD, README, ExportCard, render
+from trnflow.records import (
+    ADAPTER_FOLDER,
+    EXPORT_MARKER,
+    CheckpointMeta,
+    DataRead,
+    ExportedFile,
+    ExportMarker,
+    TrainTime,
+    dump,
+)
 from trnflow.workload import watchdog
 from trnflow.workload.checkpoint import RunCheckpoints, load_model_weights, step_name, trained_state
 from trnflow.workload.context import barrier, gather_objects
@@ -41,6 +51,8 @@ class Checkpointing:
     writer: CheckpointWriter | None
     checkpoint_url: str | None
     time: TrainTime
+    data_read: DataRead
+    beside: tuple[float, float]
 
     def _checkpoint(self, done: int, last: bool = False) -> None:
         """Save the checkpoint of step `done`: in the background (`train.checkpoint_async`), unless it is the
@@ -67,11 +79,25 @@ class Checkpointing:
                 self._committed(self.saver.wait())
 
     def _committed(self, saved: Saved | None) -> None:
+        slowed = self._count_beside() if saved is not None else 0.0
         if saved is not None and self.ctx.is_main:
             self.checkpoint_url = saved.url
             self.time.stall_seconds += saved.stalled
             self.ctx.log("checkpoint", step=saved.step, url=saved.url, stalled_s=round(saved.stalled, 4),
-                         wrote_s=round(saved.wrote, 4), writer=saved.writer)
+                         slowed_s=round(slowed, 4), wrote_s=round(saved.wrote, 4), writer=saved.writer)
+
+    def _count_beside(self) -> float:
+        """Count the steps that a write in the background shared the host with (`Trainer._count`
+        gathers them in `beside`), once it has ended: together, at most as many medians of steps
+        that ran alone are training; what they took beyond is the checkpoint's (`stall_seconds`),
+        and returned. Taken together, a step slower by chance is offset by one faster by chance, as
+        it would be without the write."""
+        took, usual = self.beside
+        extra = max(0.0, took - usual)
+        self.time.steps_seconds += took - extra
+        self.time.stall_seconds += extra
+        self.beside = (0.0, 0.0)
+        return extra
 
     def _write_checkpoint(self, done: int, began: float, background: bool) -> None:
         ctx, spec = self.ctx, self.spec
@@ -166,6 +192,19 @@ class Checkpointing:
 
         return write
 
+    def _card(self, done: int, folder: Path) -> None:
+        """The export's card (`card.json`) and its README.md, the gate not yet judged; a LoRA
+        export's adapter folder gets the same card, in place of PEFT's empty template."""
+        pretrained = self.recipe.describe().params.get("pretrained")
+        card = ExportCard(model=self.spec.name, run_id=self.run_id, step=done, recipe=self.recipe.describe(),
+                          global_step=self.lineage["base_step"] + done, precision=self.spec.compute.precision,
+                          data=self.data_read, pretrained=pretrained if isinstance(pretrained, str) else None,
+                          base=self.recipe.base())
+        (folder / CARD).write_text(card.model_dump_json(indent=2))
+        (folder / README).write_text(render(card))
+        if (folder / ADAPTER_FOLDER).is_dir():
+            (folder / ADAPTER_FOLDER / README).write_text(render(card, adapter=True))
+
     def _export(self, done: int, weights: dict[str, torch.Tensor]) -> str | None:
         """The trained model in its own library's format, under `<run>/export/step-NNNNNN/` (the
         marker EXPORTED last, with each file's checksum), for recipes that export; its URL."""
@@ -175,6 +214,7 @@ class Checkpointing:
             load_model_weights(model, weights, "the run's last weights", without_frozen=True)
             if not self.recipe.export(model, Path(tmp)):
                 return None
+            self._card(done, Path(tmp))
             folder = f"export/{step_name(done)}"
             store = self.start.checkpoints.store
             with contextlib.suppress(Exception):  # an earlier attempt's files: overwritten below if they stay

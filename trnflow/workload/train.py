@@ -158,6 +158,7 @@ class Trainer(Checkpointing):
         self.memory: dict = {}
         self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
         self.alone: deque[float] = deque(maxlen=CLEAN_STEPS)  # recent steps with no checkpoint write beside them
+        self.beside = (0.0, 0.0)  # the steps beside the write in flight: their seconds, and as many medians of `alone`
         self.pace = StepPace(ctx, self.spec.compute.hang_step_factor, self.spec.compute.hang_floor_seconds,
                              self.spec.compute.slow_rank_factor)
         self.divergence = Divergence(ctx, start.checkpoints.store)
@@ -223,19 +224,17 @@ class Trainer(Checkpointing):
 
     def _count(self, beside_write: bool) -> None:
         """Count the step just trained as work the weights hold: an attempt's first step (which loads
-        or compiles its graphs) at its second's time, once that is known. A step that a checkpoint
-        write in the background shared the host with counts at most the median of recent steps that
-        ran alone; what it took beyond is the checkpoint's (`stall_seconds`)."""
+        or compiles its graphs) at its second's time, once that is known. One a checkpoint write in
+        the background shared the host with is counted once the write has ended (`_count_beside`)."""
         times = self.step_times
         if len(times) < 2:
             return
         steps = 2 if len(times) == 2 else 1
         took = times[-1] * steps
         if beside_write and self.alone:
-            usual = statistics.median(self.alone) * steps
-            self.time.steps_seconds += min(took, usual)
-            self.time.stall_seconds += max(0.0, took - usual)
+            self.beside = (self.beside[0] + took, self.beside[1] + statistics.median(self.alone) * steps)
             return
+        self._count_beside()
         self.time.steps_seconds += took
         if not beside_write:
             self.alone.append(times[-1])
@@ -271,7 +270,8 @@ class Trainer(Checkpointing):
             self.divergence.losses.clear()  # the replayed steps' losses are heard again
             self.pace.rewound()
             was, then = self.time, back.meta.time  # the work since that checkpoint, and this step's, is undone
-            undone = (was.steps_seconds - then.steps_seconds) + (was.stall_seconds - then.stall_seconds)
+            undone = ((was.steps_seconds - then.steps_seconds) + (was.stall_seconds - then.stall_seconds)
+                      + (was.eval_seconds - then.eval_seconds))
             self.time = then.model_copy(update={"slow_seconds": was.slow_seconds, "rollback_seconds": (
                 was.rollback_seconds + undone + self.step_times[-1] + time.perf_counter() - began)})
             self.ctx.log("rollback", step=done, to=first, reason=why, samples=len(samples), message=str(entry))
@@ -434,13 +434,16 @@ class Trainer(Checkpointing):
                 "(train.max_cost_usd, or what compute.max_cost_usd leaves for training)")
 
     def _evaluate(self, done: int) -> None:
+        began = time.perf_counter()
         point, correct = self.holdout.evaluate(self.programs, done, self.lineage["base_step"] + done)
+        self.time.eval_seconds += time.perf_counter() - began
         self.evaluations = [p for p in self.evaluations if p.step != done] + [point]
         if self.ctx.is_main:
             self.series_url = write_series(self.start.checkpoints.url, self.run_id, self.evaluations,
                                            self.holdout.digest, done, correct, self.holdout.directions)
 
     def _result(self, seconds: float) -> TrainResult:
+        self._count_beside()
         tcfg, start, lineage = self.spec.train, self.start, self.lineage
         trained = tcfg.steps - self.first
         per_rank = gather_objects(self.ctx, self.memory.get("total", 0))

@@ -12,6 +12,7 @@ frozen weights out; checkpoints name the frozen base instead by its content dige
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -23,12 +24,14 @@ from trnflow.records import ADAPTER_FOLDER, manifest_digest
 from trnflow.workload.recipes.families import FAMILIES
 
 TARGETS = {
-    "llama": ("q_proj", "k_proj", "v_proj", "o_proj"),
-    "gpt2": ("c_attn", "c_proj"),
-    "bert": ("query", "key", "value"),
+    "llama": ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"),
+    "gpt2": ("c_attn", "c_proj", "c_fc"),
+    "bert": ("query", "key", "value", "dense"),
 }
-"""The default projections adapted, per family: the attention's (GPT-2's `c_proj` is the attention's
-and the MLP's output projection alike)."""
+"""The default layers adapted, per family: every linear layer of the block, the attention's and the
+MLP's (the field's practice since QLoRA: adapting the attention alone learns markedly less). GPT-2's
+`c_proj` is the attention's and the MLP's output projection alike; BERT's `dense` its attention's
+output, intermediate and output layers."""
 
 
 class LoraParams(BaseModel):
@@ -42,9 +45,9 @@ class LoraParams(BaseModel):
                            "(peft's lora_dropout).")
     target_modules: list[str] | None = Field(
         None, min_length=1,
-        description="Names (last parts) of the linear layers to adapt. Default: the attention's projections: "
-        "q_proj, k_proj, v_proj, o_proj (Llama-style decoders: llama, qwen2, qwen3, mistral, gemma, ...), c_attn and "
-        "c_proj (GPT-2), query, key and value (BERT-style encoders).")
+        description="Names (last parts) of the linear layers to adapt. Default: every linear layer of the block: "
+        "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj (Llama-style decoders: llama, qwen2, qwen3, "
+        "mistral, gemma, ...), c_attn, c_proj and c_fc (GPT-2), query, key, value and dense (BERT-style encoders).")
 
 
 def targets(params: LoraParams, model_type: str) -> list[str]:
@@ -72,7 +75,9 @@ def adapt(model: Any, params: LoraParams, model_type: str) -> Any:
                          f"{missing}; its layers include {sorted(found)[:12]}")
     config = peft.LoraConfig(r=params.r, lora_alpha=params.alpha, lora_dropout=params.dropout, target_modules=names,
                              fan_in_fan_out=FAMILIES.get(model_type) == "gpt2")  # GPT-2's Conv1D keeps W transposed
-    return peft.get_peft_model(model, config)
+    with warnings.catch_warnings():  # peft reads transformers' deprecated alias: nothing a user can act on
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return peft.get_peft_model(model, config)
 
 
 def unwrapped(model: Any) -> Any:
