@@ -165,6 +165,15 @@ class JobSpec(Section):
         return self
 
     @model_validator(mode="after")
+    def _recomputes_what_it_can(self) -> JobSpec:
+        tp = self.train.parallelism.tp
+        if self.train.activation_checkpointing == "full" and isinstance(tp, int) and tp > 1:
+            raise ValueError(f"train.activation_checkpointing: full with train.parallelism.tp {tp} cannot run yet (the "
+                             "compiled step of split layers that recompute whole fails in PyTorch's AOT autograd); "
+                             "use selective, or auto, which picks it, or tp 1")
+        return self
+
+    @model_validator(mode="after")
     def _fewer_cores_than_it_has(self) -> JobSpec:
         floor = self.train.parallelism.min_cores_per_node
         if floor is not None and floor > self.compute.cores_per_node:

@@ -188,10 +188,10 @@ def test_a_checkpoint_resumes_at_another_tp(make_spec, backend, decoder, model, 
 def test_the_compile_stage_traces_the_graphs_a_split_run_needs(make_spec, backend, decoder, tmp_path, strategy):
     """The compile stage's trial rehearses rank 0 of a split model in one process (a stand-in group
     of tp ranks): the run then finds every graph it needs in the cache, and none is compiled again,
-    its blocks recomputed as training recomputes them (full under ddp, selective under fsdp). The
+    its blocks recomputed as training recomputes them (selective: full with split layers is refused). The
     split weights' layout is part of each graph's key: the graphs at tp 1 are other entries."""
     cache = {"cache_url": str(tmp_path / "tp-cache"), "optlevel": 1, "fail_on_recompile": True}
-    recompute = {"ddp": "full", "fsdp": "selective"}[strategy]
+    recompute = "selective"
     spec = _lm(make_spec, decoder, 2, 2, strategy, steps=4, checkpoint_every=4, activation_checkpointing=recompute)
     spec = spec.model_copy(update={"compile": spec.compile.model_copy(update=cache)})
     compiled = wait(backend, backend.submit(JobRequest(spec, "compile", "tp-compile", processes=1)), 0.2)

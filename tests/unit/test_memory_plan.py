@@ -15,6 +15,7 @@ from trnflow.workload.memory import (
     GIB,
     REHEARSAL_CORE_ENV,
     REHEARSAL_HOST_ENV,
+    _runnable,
     check_fits,
     plan,
     staged_per_node,
@@ -65,6 +66,15 @@ def test_auto_recomputes_before_it_shards_and_a_refusal_names_the_recomputation_
     with pytest.raises(FatalError, match=r"; or set train\.activation_checkpointing: selective \(or auto\)"):
         check_fits(spec(parallelism={"strategy": "ddp"}))
     assert check_fits(spec()).strategy == "fsdp"  # recomputing is the spec's to ask for, or auto's
+
+
+def test_full_recomputation_of_split_layers_is_refused_and_the_planner_leaves_it_out():
+    with pytest.raises(SpecError, match=r"train\.activation_checkpointing: full with train\.parallelism\.tp 2 "
+                                        r"cannot run yet .*use selective"):
+        validate_spec(quickstart_data(compute={"cores_per_node": 2},
+                                      train={"parallelism": {"tp": 2}, "activation_checkpointing": "full"}))
+    assert _runnable(["none", "selective", "full"], 2) == ["none", "selective"]
+    assert _runnable(["full"], 2) == [] and _runnable(["full"], 1) == ["full"]  # a spec's full: tp 1 only
 
 
 def test_auto_shards_a_model_too_big_for_a_rehearsed_core(monkeypatch):

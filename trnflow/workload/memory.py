@@ -267,11 +267,16 @@ def layout(spec: JobSpec, recipe: Recipe | None = None) -> Layout:
     for tp in splits:
         for chosen in strategies:
             index = 0 if chosen == "ddp" else 1
-            for setting in settings:
+            for setting in _runnable(settings, tp):
                 if all(_estimates(spec, recipe, t, world, tp, setting)[index].fits
                        for t in spec.compute.instance_choices):
                     return Layout(strategy=chosen, tp=tp, recompute=setting)
-    return Layout(strategy=strategies[-1], tp=splits[-1], recompute=settings[-1])
+    return Layout(strategy=strategies[-1], tp=splits[-1], recompute=(_runnable(settings, splits[-1]) or settings)[-1])
+
+
+def _runnable(settings: list[str], tp: int) -> list[str]:
+    """The recomputation settings that run at `tp`: not `full` with split layers (the spec refuses it)."""
+    return [s for s in settings if not (s == "full" and tp > 1)]
 
 
 def decided(spec: JobSpec) -> JobSpec:
@@ -317,7 +322,7 @@ def _recomputation_that_fits(spec: JobSpec, recipe: Recipe, itype: str, chosen: 
     if wanted in ("auto", "full"):
         return None
     index = 0 if chosen.strategy == "ddp" else 1
-    for setting in ("selective", "full")[1 if wanted == "selective" else 0:]:
+    for setting in _runnable(["selective", "full"][1 if wanted == "selective" else 0:], chosen.tp):
         if _estimates(spec, recipe, itype, spec.compute.world_size, chosen.tp, setting)[index].fits:
             return setting
     return None
