@@ -50,6 +50,9 @@ def test_the_forecast_of_a_run_rests_on_what_the_runs_before_it_measured(prefect
         pytest.approx(expected[0], abs=0.06), pytest.approx(expected[1], abs=0.06))
     assert [s["stage"] for s in forecast["stages"]] == [s.stage for s in records[-1].stages]
     assert forecast["seconds"] == pytest.approx(sum(s["seconds"] for s in forecast["stages"]), abs=0.1)
+    compiled = next(s for s in forecast["stages"] if s["stage"] == "compile")  # the first run's programs, cached
+    assert compiled["source"] == "checked" and compiled["basis"].startswith(
+        "the compile cache (the programs an earlier compile recorded): 0 of "), compiled
     text = runner.invoke(app, ["plan", str(path), "--calibrate"])  # history on this layout: no job needed
     assert text.exit_code == 0 and "forecast: " in text.stdout and "from checked, history" in text.stdout, text.output
     assert "--calibrate: not needed, earlier runs on this layout measured it" in text.stderr

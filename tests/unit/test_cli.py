@@ -140,6 +140,31 @@ def test_training_events_relayed_to_the_task_log_read_as_words_and_move_the_prog
     ]  # the JSON went to DEBUG, below the log's level
 
 
+def test_a_job_run_straight_on_a_backend_shows_its_training_as_a_bar_or_as_lines():
+    """`trnflow reference` follows its job's log lines: a bar on a terminal, a line a point elsewhere."""
+    import io
+    import json
+
+    from rich.console import Console
+
+    from trnflow.cli.progress import job_progress
+
+    lines = "".join(json.dumps({"ts": 1.0, "event": "train", "rank": 0, "steps": 40, "step": step, "loss": 0.5,
+                                "samples_per_s": 3000.0, "eta_s": 72.0}) + "\n" for step in (10, 20))
+    lines += '{"event": "checkpoint", "step": 20}\nnot an event\n{"cut short'
+    plain = Console(file=io.StringIO(), force_terminal=False, width=200)
+    with job_progress(plain, "reference") as follow:
+        follow(lines)
+    assert plain.file.getvalue().splitlines() == [
+        "reference: step 10/40, loss 0.5000, 3000 samples/s, 1.2 min left",
+        "reference: step 20/40, loss 0.5000, 3000 samples/s, 1.2 min left"]
+    terminal = Console(file=io.StringIO(), force_terminal=True, width=200)
+    with job_progress(terminal, "reference") as follow:
+        follow(lines)
+    drawn = terminal.file.getvalue()
+    assert "20/40" in drawn and "loss 0.5000" in drawn and "reference: step" not in drawn  # the bar, drawn last
+
+
 def test_the_events_a_progress_bar_follows_are_typed_and_a_line_cut_short_moves_nothing():
     from trnflow.events import Late, ShardDone, TrainTick, progress_of
 

@@ -24,7 +24,7 @@ from trnflow.cli import render
 from trnflow.cli.common import JsonOpt, SetOpt, SpecArg, console, err, load, set_overrides
 from trnflow.cli.console import RED
 from trnflow.cli.prelaunch import OverrideOpt, refuse_outside_team, refuse_over_forecast, refuse_unlaunchable
-from trnflow.cli.progress import training_progress
+from trnflow.cli.progress import job_progress, training_progress
 from trnflow.errors import ChampionKept, ExitCode, GateFailed, OverBudget, TrnflowError
 from trnflow.lifecycle.references import reference_url
 from trnflow.neuron.compile_log import CompileProgress
@@ -47,8 +47,8 @@ def reference(spec_path: SpecArg, overrides: SetOpt = None):
     spec = load(spec_path, set_overrides(overrides))
     refuse_outside_team(spec, str(spec_path), writes_reference=True)
     try:
-        with console.status("training the fp32 reference"):
-            document = run_reference(spec)
+        with job_progress(err, "reference") as follow:
+            document = run_reference(spec, on_logs=follow)
     except TrnflowError as exc:
         err.print(f"{exc}", **RED)
         raise typer.Exit(ExitCode.FAILED) from None

@@ -11,7 +11,7 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from trnflow.backends import queue_wait, run_team
+from trnflow.backends import cache_keys, queue_wait, run_team
 from trnflow.backends.calibration import CALIBRATION_STEPS, cache_check, timed_steps
 from trnflow.backends.teams import team_of
 from trnflow.cli.common import JsonOpt, SetOpt, console, err, load, set_overrides
@@ -29,7 +29,8 @@ from trnflow.storage.datafiles import listing_problems
 CalibrateOpt = Annotated[bool, typer.Option(
     "--calibrate", help=f"With no earlier run on this layout, first train {CALIBRATION_STEPS} steps of the real "
     "program as a job of the spec's backend (the emulator for a local spec) and forecast training from them; and ask "
-    "the compile cache which of the spec's programs it holds (a local spec's).")]
+    "the compile cache which of the spec's programs it holds (a local spec's; without it, the programs an earlier "
+    "compile recorded there are looked up, with no job).")]
 
 
 def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], overrides: SetOpt = None,
@@ -44,7 +45,7 @@ def plan_command(spec: Annotated[Path, typer.Argument(help="The job spec.")], ov
         refuse_outside_team(job, str(spec))
     records, unread = history(job, TrnflowSettings().home.expanduser().resolve())
     notes: list[str] = []
-    cache = _checked_cache(job, notes) if calibrate else None
+    cache = _checked_cache(job, notes) if calibrate else _recorded_cache(job)
     if calibrate and any(r.layout == RunShape.of(job) and r.recipe == job.model.recipe for r in records):
         notes.append("--calibrate: not needed, earlier runs on this layout measured it")
     elif calibrate:
@@ -101,6 +102,26 @@ def _queue_note(job: JobSpec, seconds: float) -> tuple[float | None, list[str]]:
     if wait is None:
         return None, [f"queue: {held}; how long this run would wait cannot be told ({why})"]
     return wait, [f"queue: {held}; this run would wait about {duration(wait)} (their forecasts)"]
+
+
+def _recorded_cache(job: JobSpec) -> CompileResult | None:
+    """The compile cache's answer without a job, for a local spec: the programs an earlier compile
+    of an equal spec recorded there (`plan_digest`), each looked up among its entries, as the compile
+    stage looks before it launches; None when none was recorded, or the spec is not local."""
+    if job.compute.backend != "local":
+        return None
+    from trnflow.device import plans  # the compile cache's metadata: torch
+    from trnflow.device.cache import COMPILER_VERSION
+    from trnflow.workload.recipes import plan_digest
+
+    cache = plans.job_cache(job, env={}, keys=cache_keys(job))
+    known = plans.recorded(cache, plan_digest(job))
+    if known is None:
+        return None
+    found = plans.predict(known, cache, retry_failed=False)
+    hits = sum(row.will == "hit" for row in found)
+    return CompileResult(programs=found, graphs=len(found), compiler=COMPILER_VERSION, cache=cache.url, hits=hits,
+                         misses=len(found) - hits, launched=False)
 
 
 def _checked_cache(job: JobSpec, notes: list[str]) -> CompileResult | None:

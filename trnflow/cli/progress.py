@@ -10,8 +10,9 @@ log keeps every line.
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -29,7 +30,12 @@ class TrainingProgress(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         event = getattr(record, EVENT_FIELD, None)
-        tick = progress_of(event) if isinstance(event, dict) else None
+        if isinstance(event, dict):
+            self.show(event)
+
+    def show(self, event: dict) -> None:
+        """Move the bars on one event of the workload's."""
+        tick = progress_of(event)
         if isinstance(tick, Resumed) and self.bar is not None:
             self.progress.update(self.bar, completed=tick.step, description=f"resumed at step {tick.step}")
         elif isinstance(tick, TrainTick):
@@ -49,16 +55,55 @@ class TrainingProgress(logging.Handler):
                                  f"{tick.rank})")
 
 
+COLUMNS = (TextColumn("{task.fields[stage]}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
+           TimeElapsedColumn(), TextColumn("{task.fields[eta]}"))
+
+
+def _events(text: str) -> Iterator[dict]:
+    """The workload's events among a job's log lines (JSON objects, one a line)."""
+    for line in text.splitlines():
+        if line.startswith("{"):
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if isinstance(event, dict):
+                    yield event
+
+
+@contextlib.contextmanager
+def job_progress(console: Console, what: str) -> Iterator[Callable[[str], None]]:
+    """Follow a job run straight on a backend (`run_to_end`'s `on_logs`, given its new log lines): on
+    a terminal, the bars `training_progress` draws; elsewhere, a line for each point of the training
+    curve the job logs (`what: step 25/200, loss 0.6931, 120 samples/s, 1.2 min left`)."""
+    if console.is_terminal:
+        with Progress(*COLUMNS, console=console, transient=True) as progress:
+            bars = TrainingProgress(progress)
+
+            def drawn(text: str) -> None:
+                for event in _events(text):
+                    bars.show(event)
+
+            yield drawn
+        return
+
+    def said(text: str) -> None:
+        for event in _events(text):
+            tick = progress_of(event)
+            if isinstance(tick, TrainTick):
+                left = f", {duration(tick.eta_s)} left" if tick.eta_s is not None else ""
+                console.print(f"{what}: step {tick.step}/{tick.steps}, loss {tick.loss:.4f}, "
+                              f"{tick.samples_per_s:.0f} samples/s{left}", markup=False, highlight=False)
+
+    yield said
+
+
 @contextlib.contextmanager
 def training_progress(console: Console, enabled: bool = True) -> Iterator[None]:
     """Show a training progress bar on `console` while the block runs (transient: it is gone after)."""
     if not enabled:
         yield
         return
-    columns = (TextColumn("{task.fields[stage]}"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.description}"),
-               TimeElapsedColumn(), TextColumn("{task.fields[eta]}"))
     loggers = [logging.getLogger("prefect.task_runs"), logging.getLogger("prefect.flow_runs")]
-    with Progress(*columns, console=console, transient=True) as progress:
+    with Progress(*COLUMNS, console=console, transient=True) as progress:
         handler = TrainingProgress(progress)
         for logger in loggers:
             logger.addHandler(handler)

@@ -130,7 +130,8 @@ def _checked_compile(cache: CompileResult, same: list[RunRecord]) -> tuple[tuple
     where the history has none)."""
     warm = _warm_compiles(same)
     base = _spread(warm) if warm else (GUESS_CACHE_LOOKUP, GUESS_CACHE_LOOKUP / 3, GUESS_CACHE_LOOKUP * 3)
-    said = f"compile --check: {cache.misses} of {cache.graphs} program(s) to compile"
+    asked = "compile --check" if cache.launched else "the compile cache (the programs an earlier compile recorded)"
+    said = f"{asked}: {cache.misses} of {cache.graphs} program(s) to compile"
     if not cache.misses:
         return base, said + ("; the warm runs' time to look them up" if warm else "; a guess of the time to look "
                              "them up")
