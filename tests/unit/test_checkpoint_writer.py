@@ -68,7 +68,9 @@ def test_the_process_and_its_memory_serve_every_checkpoint_until_the_state_chang
     for step in (4, 8, 12):
         for t in model.values():
             t.add_(step)
+        optim["param_groups"][0]["lr"] = 0.1 / step  # a schedule moves it: the same memory serves
         writer.save(_request(run.url, step, *writer.stage(model, optim), keep_latest=2))
+        assert load(f"{run.url}/{step_name(step)}").optim["param_groups"][0]["lr"] == 0.1 / step
         saved = load(f"{run.url}/{step_name(step)}").model
         assert all(torch.equal(saved[name], t) for name, t in model.items())
     assert writer._process is first and run.committed() == [8, 12]  # pruned by the writer, as a save prunes

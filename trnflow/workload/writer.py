@@ -100,6 +100,16 @@ def _layout(tree: Any, offset: int = 0) -> tuple[Any, int]:
     return tree, offset
 
 
+def _slots(tree: Any) -> Any:
+    """A layout's shape alone: its slots where they lie, every other value (a learning rate a
+    schedule moves) left out. Two layouts of the same shape fit the same memory."""
+    if isinstance(tree, dict):
+        return {key: _slots(value) for key, value in tree.items()}
+    if isinstance(tree, list | tuple):
+        return [_slots(value) for value in tree]
+    return tree if isinstance(tree, Slot) else None
+
+
 def _views(tree: Any, memory: memoryview) -> Any:
     """`tree` with each `Slot` replaced by a tensor over its bytes of `memory`: a storage of its
     own for each, so that `torch.save` writes each tensor's bytes and no one else's."""
@@ -217,7 +227,7 @@ class CheckpointWriter:
         goes on cannot change; their layouts, for `save`. The first call, or one whose state is
         laid out otherwise, starts the writer process with memory of the new size."""
         layout, size = _layout({"model": model, "optim": optim})
-        if self._staging is None or self._staging.layout != layout:
+        if self._staging is None or _slots(self._staging.layout) != _slots(layout):
             self._start(layout, size)
         assert self._staging is not None
         _copy(self._staging.tensors, {"model": model, "optim": optim})
