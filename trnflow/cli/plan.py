@@ -17,6 +17,8 @@ from trnflow.backends.teams import team_of
 from trnflow.cli.common import JsonOpt, SetOpt, console, err, load, set_overrides
 from trnflow.cli.console import RED, plain
 from trnflow.cli.prelaunch import refuse_outside_team
+from trnflow.device import plans
+from trnflow.device.cache import COMPILER_VERSION
 from trnflow.errors import ExitCode, TrnflowError
 from trnflow.events import duration
 from trnflow.reporting.forecast import plan
@@ -110,9 +112,7 @@ def _recorded_cache(job: JobSpec) -> CompileResult | None:
     stage looks before it launches; None when none was recorded, or the spec is not local."""
     if job.compute.backend != "local":
         return None
-    from trnflow.device import plans  # the compile cache's metadata: torch
-    from trnflow.device.cache import COMPILER_VERSION
-    from trnflow.workload.recipes import plan_digest
+    from trnflow.workload.recipes import plan_digest  # the recipe's source: torch
 
     cache = plans.job_cache(job, env={}, keys=cache_keys(job))
     known = plans.recorded(cache, plan_digest(job))
