@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import math
 import mmap
 import os
 import pickle
@@ -75,10 +76,7 @@ class Slot:
 
 
 def _nbytes(dtype: torch.dtype, shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count * dtype.itemsize
+    return math.prod(shape) * dtype.itemsize
 
 
 def _layout(tree: Any, offset: int = 0) -> tuple[Any, int]:
@@ -208,7 +206,6 @@ class Staging:
     """The layout of the state last staged, and the tensors over the shared memory it lies in."""
 
     layout: Any
-    size: int
     tensors: Any = field(repr=False)
 
 
@@ -268,7 +265,7 @@ class CheckpointWriter:
             os.close(replies)
         finally:
             os.close(fd)
-        self._staging = Staging(layout, size, _views(layout, memoryview(self._map)))
+        self._staging = Staging(layout, _views(layout, memoryview(self._map)))
 
     def close(self) -> None:
         """End the writer process (once its write in flight, if any, was waited for)."""
