@@ -2,23 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from trnflow.errors import DiskFull
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+@contextlib.contextmanager
+def atomic_writer(path: str | Path) -> Iterator[BinaryIO]:
+    """A file to write `path` through, a part at a time: once the block ends it is flushed to disk
+    and replaces `path` whole; if the block raises, `path` is left as it was and nothing else stays."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
+            yield fh
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -29,7 +34,12 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
                            "place) and run again; nothing half-written was left behind, and a training run "
                            "rerun with the same run id resumes from its last committed checkpoint") from exc
         raise
-    return path
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    with atomic_writer(path) as fh:
+        fh.write(data)
+    return Path(path)
 
 
 def atomic_write_text(path: str | Path, text: str) -> Path:

@@ -35,11 +35,21 @@ def test_both_stores_keep_the_same_contract(store):
         assert f.read(1) == b"1" and f.seek(0) == 0 and f.read() == b"11"
     with pytest.raises(FileNotFoundError):
         store.open("a/missing")
+    with store.writing("a/b/one") as f:  # written a part at a time, replaced whole at the end
+        f.write(b"2" * 10)
+        f.write(memoryview(b"3" * 5))
+        assert store.read("a/b/one") == b"11"
+    assert store.read("a/b/one") == b"2" * 10 + b"3" * 5
+    with pytest.raises(RuntimeError, match="cut short"), store.writing("a/b/one") as f:
+        f.write(b"half")
+        raise RuntimeError("cut short")
+    assert store.read("a/b/one") == b"2" * 10 + b"3" * 5  # as it was
+    store.write("a/b/one", b"11")
     assert store.create("a/lock", b"mine") is True
     assert store.create("a/lock", b"theirs") is False  # the second writer loses and is told
     assert store.read("a/lock") == b"mine"
     store.write("z/other", b"x")
-    assert [(o.name, o.size) for o in store.list("a/")] == [("a/b/one", 2), ("a/lock", 4)]
+    assert [(o.name, o.size) for o in store.list("a/")] == [("a/b/one", 2), ("a/lock", 4)]  # no temporary file
     store.delete("a/lock")
     store.delete("a/lock")  # deleting what is gone is harmless
     store.delete_prefix("a/")

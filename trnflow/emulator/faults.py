@@ -31,13 +31,15 @@ is one the loop waits for, so its rank dies at that step.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
@@ -204,3 +206,9 @@ class TearingStore:
     def write(self, name: str, data: bytes) -> None:
         self._store.write(name, data[: len(data) // 2])
         os.kill(os.getpid(), signal.SIGKILL)
+
+    @contextlib.contextmanager
+    def writing(self, name: str) -> Iterator[BinaryIO]:
+        buffer = io.BytesIO()
+        yield buffer
+        self.write(name, buffer.getvalue())

@@ -1,12 +1,13 @@
 """Locations named by URL, and the `Store` contract every object store keeps.
 
 Local paths and file:// URLs map straight onto the file system. A `Store` is a prefix under which
-objects are read and written whole, by relative name. Writes are atomic: a reader sees the old
-object or the new one, never part of either.
+objects are read and written whole (or written through a file, a part at a time), by relative name.
+Writes are atomic: a reader sees the old object or the new one, never part of either.
 """
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol, runtime_checkable
@@ -54,6 +55,12 @@ class Store(Protocol):
 
     def write(self, name: str, data: bytes) -> None:
         """Replace the object atomically."""
+        ...
+
+    def writing(self, name: str) -> AbstractContextManager[BinaryIO]:
+        """A file to write the object through, a part at a time (a large one need not be held in
+        memory): it replaces the object whole once the block ends, and if the block raises the
+        object stays as it was."""
         ...
 
     def create(self, name: str, data: bytes) -> bool:

@@ -1,14 +1,16 @@
-"""A directory as a `Store`: atomic writes by temp file and rename, `create` by an exclusive link."""
+"""A directory as a `Store`: atomic writes by temp file, flush to disk and rename; `create` by an
+exclusive link."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import BinaryIO
 
-from trnflow.fsutil import atomic_write_bytes
+from trnflow.fsutil import atomic_write_bytes, atomic_writer
 from trnflow.storage.base import ObjectInfo
 
 
@@ -33,6 +35,9 @@ class LocalStore:
 
     def write(self, name: str, data: bytes) -> None:
         atomic_write_bytes(self._path(name), data)
+
+    def writing(self, name: str) -> AbstractContextManager[BinaryIO]:
+        return atomic_writer(self._path(name))
 
     def create(self, name: str, data: bytes) -> bool:
         """The content is written to a temporary file first and linked into place, so a reader never

@@ -7,10 +7,12 @@ through `trnflow.aws`, which retries throttling and 5xx answers.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any, BinaryIO
 
 from trnflow import aws
@@ -68,6 +70,20 @@ class S3Store:
 
     def write(self, name: str, data: bytes) -> None:
         aws.call(self._s3.put_object, Bucket=self.bucket, Key=self._key(name), Body=data)
+
+    @contextlib.contextmanager
+    def writing(self, name: str) -> Iterator[BinaryIO]:
+        """The object spooled to a temporary file on local disk, and uploaded (in parts, when large)
+        once the block ends; an upload cut short is retried whole, like any call."""
+        key = self._key(name)
+        with tempfile.TemporaryFile() as spool:
+            yield spool
+
+            def upload() -> None:
+                spool.seek(0)
+                self._s3.upload_fileobj(spool, self.bucket, key)
+
+            aws.call(upload)
 
     def create(self, name: str, data: bytes) -> bool:
         """A conditional put (If-None-Match). When a retried put is refused because the object

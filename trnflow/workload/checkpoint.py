@@ -84,6 +84,24 @@ def _digest(data: bytes) -> dict:
     return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
 
+class _Hashing:
+    """A file written through, hashing what passes."""
+
+    def __init__(self, file: Any):
+        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+    def write(self, data: Any) -> int:
+        self.sha256.update(data)
+        self.size += len(data)
+        return self.file.write(data)
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def digest(self) -> dict:
+        return {"sha256": self.sha256.hexdigest(), "size": self.size}
+
+
 class Checkpoint:
     """What a checkpoint holds. `optim` and `rng` are None for a plain state_dict, and `featurizer`
     too when no featurizer file lies beside it. A sharded checkpoint keeps its shard files
@@ -202,18 +220,18 @@ class RunCheckpoints:
         if shards is None:
             self.clear(step)
             assert model is not None and optim is not None, "a whole checkpoint holds its model and optimizer"
+        tensors = {name: obj for name, obj in (("model.pt", model), ("optim.pt", optim)) if obj is not None}
         files = {
-            **({"model.pt": _tensor_bytes(model)} if model is not None else {}),
-            **({"optim.pt": _tensor_bytes(optim)} if optim is not None else {}),
             "state.pt": _tensor_bytes({"step": step, "world_size": len(rng), "rng": rng}),
             featurizer[0]: featurizer[1],
             "meta.json": dump(meta.model_copy(update={"step": step, "saved_at": round(time.time(), 3)})),
         }
-        marker = {"step": step, "layout": "sharded" if shards else "whole",
-                  "files": {**(shards or {}), **{name: _digest(data) for name, data in files.items()}}}
         try:
+            listed = {name: self._stream(f"{folder}/{name}", obj) for name, obj in tensors.items()}
             for name, data in files.items():
                 self.store.write(f"{folder}/{name}", data)
+                listed[name] = _digest(data)
+            marker = {"step": step, "layout": "sharded" if shards else "whole", "files": {**(shards or {}), **listed}}
             self.store.write(f"{folder}/{MARKER}", json.dumps(marker, indent=2).encode())
         except BaseException:  # a full disk, a lost bucket, an interrupt: leave no torn folder behind
             with contextlib.suppress(Exception):  # if it cannot go now, the next save deletes it; the error is this
@@ -221,6 +239,14 @@ class RunCheckpoints:
             raise
         self.prune(keep_latest, newest=step)
         return f"{self.url}/{folder}"
+
+    def _stream(self, name: str, obj: Any) -> dict:
+        """`torch.save` `obj` straight into the store's object `name`, hashed on its way: the large
+        files are never held whole in memory, nor read again to be hashed. Their checksum for the marker."""
+        with self.store.writing(name) as file:
+            hashing = _Hashing(file)
+            torch.save(obj, hashing)
+        return hashing.digest()
 
     def prune(self, keep_latest: int | None, newest: int) -> list[str]:
         """Delete torn folders, committed ones after `newest` (the step just saved: anything later
