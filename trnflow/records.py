@@ -218,7 +218,8 @@ class TrainTime(Record):
                                     "restores")
     slow_seconds: float = Field(0.0, ge=0, description="what the ranks waited for ranks named slow: their own "
                                 "work over their peers' median, a step at a time")
-    eval_seconds: float = Field(0.0, ge=0, description="the holdout evaluated during training (the gate's points)")
+    eval_seconds: float = Field(0.0, ge=0, description="the holdout evaluated during training (the gate's "
+                                "points before the last step)")
 
 
 class CheckpointMeta(Record):

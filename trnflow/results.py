@@ -254,6 +254,9 @@ class TrainResult(StageResult):
                                    "one held: the checkpoint it resumed from")
     task_seconds: float = Field(0.0, description="this attempt's train task, from its start (the job's launch and "
                                 "provisioning included) to its result")
+    final_eval_seconds: float = Field(0.0, description="the holdout's evaluation of the final weights, after the "
+                                      "last step: the gate's measurement of them, not part of getting them (goodput "
+                                      "leaves it out)")
 
 
 class Registration(_Model):
@@ -427,8 +430,8 @@ class GoodputLosses(_Model):
                             "included) and the waits between them")
     rollbacks: float = Field(0.0, description="divergences rolled back: the steps undone and the restores")
     slow_ranks: float = Field(0.0, description="waiting for ranks named slow")
-    evaluations: float = Field(0.0, description="the holdout evaluated during training (the gate's points, the "
-                               "last step's included): work asked for, not lost to a fault, but not training")
+    evaluations: float = Field(0.0, description="the holdout evaluated during training (the gate's points before "
+                               "the last step): work asked for, not lost to a fault, but not training")
     other: float = Field(0.0, description="the rest of the final attempt: its launch, reading its data, its first "
                          "step's graphs and the export")
 
@@ -438,15 +441,20 @@ class Goodput(_Model):
     compile and train stages, retries included), the rest itemized."""
 
     fraction: float = Field(ge=0, le=1)
-    wall_seconds: float = Field(description="the compile and train stages' time")
+    wall_seconds: float = Field(description="the compile and train stages' time, less the final weights' "
+                                "evaluation")
     training_seconds: float = Field(description="the training steps the final weights hold, each once")
     losses: GoodputLosses
+    final_eval_seconds: float = Field(0.0, description="the holdout's evaluation of the final weights after the "
+                                      "last step (the gate's measurement), left out of wall_seconds")
 
     def __str__(self) -> str:
         lost = ", ".join(f"{name.replace('_', ' ')} {seconds:.1f} s" for name, seconds in self.losses
                          if seconds >= 0.05)
         return (f"{self.fraction:.1%}: {self.training_seconds:.1f} s of training in {self.wall_seconds:.1f} s"
-                + (f" ({lost})" if lost else ""))
+                + (f" ({lost})" if lost else "")
+                + (f"; the final weights then evaluated in {self.final_eval_seconds:.1f} s"
+                   if self.final_eval_seconds >= 0.05 else ""))
 
 
 class Cost(_Model):

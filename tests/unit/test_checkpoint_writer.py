@@ -63,8 +63,9 @@ def test_the_writer_saves_the_files_this_process_would_and_the_state_as_it_was_s
 def test_the_process_and_its_memory_serve_every_checkpoint_until_the_state_changes_shape(tmp_path, writer):
     run = RunCheckpoints(str(tmp_path / "run"))
     model, optim = _state()
-    writer.stage(model, optim)
+    writer.prepare(model, optim)  # as after an attempt's first step: the process starts, nothing is copied
     first = writer._process
+    assert first is not None and first.poll() is None
     for step in (4, 8, 12):
         for t in model.values():
             t.add_(step)

@@ -360,20 +360,21 @@ def test_goodput_is_the_training_the_weights_hold_over_the_compile_and_train_sta
     before = TrainTime(steps_seconds=40.0, stall_seconds=1.0, eval_seconds=1.5)
     result = TrainResult(checkpoint="x", steps_trained=50, attempt_seconds=60.0, time_before=before,
                          time=TrainTime(steps_seconds=85.0, stall_seconds=2.0, rollback_seconds=3.0, slow_seconds=4.0,
-                                        eval_seconds=5.0))
+                                        eval_seconds=5.0), final_eval_seconds=2.0)
     costs = [CostRow(stage="compile", instance_type="trn1.2xlarge", nodes=1, price_per_node_hour=1.0,
                      billable_seconds=22.0, cost_usd=0.0, provisioning_seconds=2.0),
              CostRow(stage="train", instance_type="trn1.2xlarge", nodes=1, price_per_node_hour=1.0,
                      billable_seconds=150.0, cost_usd=0.0, provisioning_seconds=10.0, jobs=2)]
-    good = goodput(rows, result, costs)
-    assert good is not None and good.wall_seconds == 172.0 and good.training_seconds == 85.0
-    assert good.fraction == round(85 / 172, 4)
+    good = goodput(rows, result, costs)  # the final weights' evaluation (2 s, the gate's) is not getting them
+    assert good is not None and good.wall_seconds == 170.0 and good.training_seconds == 85.0
+    assert good.fraction == round(85 / 170, 4) and good.final_eval_seconds == 2.0
     lost = good.losses
     assert (lost.compilation, lost.provisioning, lost.checkpoint_stalls, lost.rollbacks, lost.slow_ranks,
             lost.evaluations) == (20.0, 12.0, 2.0, 3.0, 4.0, 5.0)
     assert lost.restarts == 150 - 10 - 60 - 42.5  # the failed attempt, less what its checkpoint kept
-    assert lost.other == pytest.approx(172 - 85 - 20 - 12 - 2 - 37.5 - 3 - 4 - 5)
-    assert str(good).startswith("49.4%: 85.0 s of training in 172.0 s (compilation 20.0 s, provisioning 12.0 s")
+    assert lost.other == pytest.approx(170 - 85 - 20 - 12 - 2 - 37.5 - 3 - 4 - 5)
+    assert str(good).startswith("50.0%: 85.0 s of training in 170.0 s (compilation 20.0 s, provisioning 12.0 s")
+    assert str(good).endswith("; the final weights then evaluated in 2.0 s")
     assert goodput(rows[:2], result, costs) is None  # training has not ended
     once = goodput(rows, result, [costs[0], costs[1].model_copy(update={"jobs": 1})])
     assert once is not None and once.losses.restarts == 0.0 and once.losses.other == pytest.approx(lost.other + 37.5)

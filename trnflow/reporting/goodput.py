@@ -1,5 +1,7 @@
 """A run's goodput: the training its final weights hold, over the time the run took to get them
-(its compile and train stages, every retry and wait included), with the rest itemized.
+(its compile and train stages, every retry and wait included), with the rest itemized. The
+holdout's evaluation of the final weights, after the last step, is the gate's measurement of them,
+not part of getting them: it is reported beside, outside that time.
 
 The training side is measured where it happens: each checkpoint carries where the training time
 up to it went (`TrainTime`: the steps its weights hold, checkpoint stalls, rollbacks, waits for
@@ -30,10 +32,12 @@ def goodput(rows: list[StageRow], train: TrainResult | None, costs: list[CostRow
     losses = GoodputLosses(compilation=compiling, provisioning=waited, checkpoint_stalls=t.stall_seconds,
                            restarts=max(0.0, earlier - held_before), rollbacks=t.rollback_seconds,
                            slow_ranks=t.slow_seconds, evaluations=t.eval_seconds)
-    wall = compiling + waited + seconds["train"] - provisioning.get("train", 0.0)
+    # the final weights' evaluation follows them: the gate's measurement, apart
+    wall = compiling + waited + seconds["train"] - provisioning.get("train", 0.0) - train.final_eval_seconds
     if wall <= 0:
         return None
     wall, training = round(wall, 3), round(min(t.steps_seconds, wall), 3)
     other = max(0.0, wall - training - sum(value for _, value in losses))
     return Goodput(fraction=round(training / wall, 4), wall_seconds=wall, training_seconds=training,
-                   losses=GoodputLosses(**{k: round(v, 3) for k, v in losses.model_copy(update={"other": other})}))
+                   losses=GoodputLosses(**{k: round(v, 3) for k, v in losses.model_copy(update={"other": other})}),
+                   final_eval_seconds=round(train.final_eval_seconds, 3))

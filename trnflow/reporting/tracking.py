@@ -198,6 +198,7 @@ def step_metrics(spec: JobSpec, outcome: RunOutcome) -> list[TrackedMetric]:
         add("goodput/training_s", good.training_seconds)
         for name, seconds in good.losses:
             add(f"goodput/lost_{name}_s", seconds)
+        add("goodput/final_eval_s", good.final_eval_seconds)
     return metrics
 
 

@@ -62,6 +62,15 @@ class Checkpointing:
             self._committed(self.saver.wait())  # the write before it
             self._write_checkpoint(done, began, background=self.spec.train.checkpoint_async and not last)
 
+    def _prepare_writer(self) -> None:
+        """Start the writer process for the checkpoints this attempt will write in the background,
+        now that the first step has made the optimizer's state (`CheckpointWriter.prepare`)."""
+        if self.writer is None:
+            return
+        weights, optim = trained_state(self.model), self.optimizer.state_dict()
+        if in_process(self.spec.train.checkpoint_writer, weights, optim):
+            self.writer.prepare(weights, optim)
+
     def _checkpointed(self, done: int, saved: bool) -> None:
         """Before a stop: the checkpoint of step `done` committed, whether it was `saved` at this
         step already (in the background) or not; no rank stops before it is (the ranks that wrote

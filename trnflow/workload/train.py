@@ -149,6 +149,7 @@ class Trainer(Checkpointing):
         self.last_loss = resumed.loss if resumed and resumed.loss is not None else float("nan")
         self.time = resumed.time.model_copy() if resumed else TrainTime()  # along the attempts before, too
         self.series_url: str | None = None
+        self.final_eval_seconds = 0.0
         self.checkpoint_url: str | None = None
         self.saver = BackgroundSaver()  # train.checkpoint_async: the last checkpoint and a stop's aside
         self.writer = CheckpointWriter() if tcfg.checkpoint_async and ctx.is_main and not self.sharded else None
@@ -198,6 +199,8 @@ class Trainer(Checkpointing):
                 watchdog.beat(f"train step {done}")
                 self.pace.ended(self.step_times[-1], self.programs.own_seconds, rows=len(idx))
                 self._count(beside_write=self.saver.step is not None)
+                if len(self.step_times) == 1:
+                    self._prepare_writer()
             self._committed(self.saver.finished())
             over = None
             if (done % tcfg.log_every == 0 or done == tcfg.steps) and self._window[1]:
@@ -436,7 +439,10 @@ class Trainer(Checkpointing):
     def _evaluate(self, done: int) -> None:
         began = time.perf_counter()
         point, correct = self.holdout.evaluate(self.programs, done, self.lineage["base_step"] + done)
-        self.time.eval_seconds += time.perf_counter() - began
+        if done == self.spec.train.steps:  # the final weights' (the gate's), apart from getting them
+            self.final_eval_seconds = time.perf_counter() - began
+        else:
+            self.time.eval_seconds += time.perf_counter() - began
         self.evaluations = [p for p in self.evaluations if p.step != done] + [point]
         if self.ctx.is_main:
             self.series_url = write_series(self.start.checkpoints.url, self.run_id, self.evaluations,
@@ -485,6 +491,7 @@ class Trainer(Checkpointing):
             time=self.time,
             time_before=start.resumed.meta.time if start.resumed and start.resumed.meta else TrainTime(),
             attempt_seconds=round(time.monotonic() - self.began, 3),
+            final_eval_seconds=round(self.final_eval_seconds, 3),
         )
 
 

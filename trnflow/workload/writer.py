@@ -219,13 +219,21 @@ class CheckpointWriter:
         self._map: mmap.mmap | None = None
         self._staging: Staging | None = None
 
-    def stage(self, model: dict, optim: dict) -> tuple[Any, Any]:
-        """Copy `model` and `optim` (state dicts) into the shared memory, which the training that
-        goes on cannot change; their layouts, for `save`. The first call, or one whose state is
-        laid out otherwise, starts the writer process with memory of the new size."""
+    def prepare(self, model: dict, optim: dict) -> Any:
+        """Lay out memory for `model` and `optim` (state dicts) and start the writer process, copying
+        nothing, unless a state laid out alike is prepared already; the layout. Called once an
+        attempt's first step has made the optimizer's state, it takes the process's start and the
+        memory's first touch (the writer's to make) off the first checkpoint's stop."""
         layout, size = _layout({"model": model, "optim": optim})
         if self._staging is None or _slots(self._staging.layout) != _slots(layout):
             self._start(layout, size)
+        return layout
+
+    def stage(self, model: dict, optim: dict) -> tuple[Any, Any]:
+        """Copy `model` and `optim` (state dicts) into the shared memory, which the training that
+        goes on cannot change; their layouts, for `save`. A state laid out otherwise than the one
+        prepared (or none prepared) starts the writer process with memory of the new size first."""
+        layout = self.prepare(model, optim)
         assert self._staging is not None
         _copy(self._staging.tensors, {"model": model, "optim": optim})
         return layout["model"], layout["optim"]
@@ -319,6 +327,9 @@ def main(argv: list[str]) -> int:
     if cpus:
         os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
     torch.set_num_threads(1)
+    if hasattr(os, "posix_fallocate"):  # the memory's pages made here, not in the training loop's first copy
+        with contextlib.suppress(OSError):
+            os.posix_fallocate(fd, 0, size)
     memory = memoryview(mmap.mmap(fd, size))
     while (message := _receive(requests)) is not None:
         try:
