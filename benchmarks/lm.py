@@ -1,5 +1,7 @@
-"""Activation checkpointing on a Llama-style decoder: memory per rank and step time with each
-`train.activation_checkpointing` setting, the losses alike.
+"""Activation checkpointing and sequence packing on a Llama-style decoder.
+
+`--part checkpointing`: memory per rank and step time with each `train.activation_checkpointing`
+setting, the losses alike.
 
 The decoder (hidden 384, 4 layers, 6 heads, a 2,048-token vocabulary, rows of 96 tokens) trains from
 scratch on review text on `--ranks` ranks, `--steps` steps at a global batch of 16, in fp32, once
@@ -12,7 +14,14 @@ the block recomputed). Compared, against `none` in the same run:
 - step time (each run's median step after its graphs are loaded): what the memory costs;
 - the final loss: goal equal (recomputation replays the same operations).
 
-    python benchmarks/lm.py [--steps 20] [--ranks 2]
+`--part packing`: the same decoder on synthetic chats (`trnflow data synth --format chat`: a
+system instruction, a review and its sentiment, every third chat a second exchange) in rows of
+112 tokens (the chat LoRA example's `seq_len`), `--steps` steps on one rank, once with a row a
+window and once packed (`data.packing`), each at a global batch of 16 windows. Compared: useful
+tokens per second (the real, non-padding tokens a step trains on, over the median step time; the
+tokens a window holds are counted from the runs' own featurized rows), goal at least 2x unpacked.
+
+    python benchmarks/lm.py [--part checkpointing|packing|both] [--steps 20] [--ranks 2]
 
 The last line printed is JSON (`_report`'s shape).
 """
@@ -21,13 +30,22 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
+import pyarrow as pa
+import torch
 from _quickstart import quickstart, run_job, scratch_home
 from _report import difference_figure, emit, ratio_figure
 
 from trnflow.backends.local import LocalBackend
 from trnflow.settings import TrnflowSettings
+from trnflow.specs import JobSpec
+from trnflow.storage.datafiles import data_files
+from trnflow.workload.data import iter_labelled
+from trnflow.workload.features import featurize
+from trnflow.workload.recipes import recipe_for
+from trnflow.workload.synth import synthesize
 
 DECODER = {"model_type": "llama", "vocab_size": 2048, "seq_len": 96, "rows": "text",
            "config": {"hidden_size": 384, "intermediate_size": 1024, "num_hidden_layers": 4, "num_attention_heads": 6,
@@ -35,30 +53,22 @@ DECODER = {"model_type": "llama", "vocab_size": 2048, "seq_len": 96, "rows": "te
 SETTINGS = ("none", "selective", "full")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--ranks", type=int, default=2)
-    args = parser.parse_args()
+def _checkpointing(args: argparse.Namespace, root: Path, backend: LocalBackend) -> list[dict]:
     results: dict[str, dict] = {}
-    with tempfile.TemporaryDirectory(prefix="trnflow-bench-") as tmp:
-        root = Path(tmp)
-        scratch_home(root)
-        backend = LocalBackend(TrnflowSettings().jobs_dir)
-        for setting in SETTINGS:
-            spec = quickstart(root, name=f"lm-{setting}", model={"recipe": "hf-causal-lm", "params": DECODER},
-                              compute={"cores_per_node": args.ranks, "precision": "fp32", "threads_per_core": 1},
-                              compile={"cache_url": str(root / "cache")},
-                              train={"steps": args.steps, "global_batch_size": 16, "lr": 0.003, "seed": 3,
-                                     "checkpoint_every": args.steps, "log_every": args.steps,
-                                     "activation_checkpointing": setting,
-                                     "checkpoint_url": str(root / "checkpoints" / setting)},
-                              gate={"reference": None, "metric": "perplexity", "metrics": []})
-            results[setting] = run_job(backend, spec, "train", f"lm-{setting}")
-            held, ran = results[setting]["device_memory"], results[setting]
-            print(f"{setting}: memory per rank {held['total'] / 2**20:.1f} MiB (saved activations "
-                  f"{held['activations'] / 2**20:.1f} MiB), step {ran['median_step_seconds'] * 1000:.1f} ms, "
-                  f"loss {ran['loss']:.6f}", flush=True)
+    for setting in SETTINGS:
+        spec = quickstart(root, name=f"lm-{setting}", model={"recipe": "hf-causal-lm", "params": DECODER},
+                          compute={"cores_per_node": args.ranks, "precision": "fp32", "threads_per_core": 1},
+                          compile={"cache_url": str(root / "cache")},
+                          train={"steps": args.steps, "global_batch_size": 16, "lr": 0.003, "seed": 3,
+                                 "checkpoint_every": args.steps, "log_every": args.steps,
+                                 "activation_checkpointing": setting,
+                                 "checkpoint_url": str(root / "checkpoints" / setting)},
+                          gate={"reference": None, "metric": "perplexity", "metrics": []})
+        results[setting] = run_job(backend, spec, "train", f"lm-{setting}")
+        held, ran = results[setting]["device_memory"], results[setting]
+        print(f"{setting}: memory per rank {held['total'] / 2**20:.1f} MiB (saved activations "
+              f"{held['activations'] / 2**20:.1f} MiB), step {ran['median_step_seconds'] * 1000:.1f} ms, "
+              f"loss {ran['loss']:.6f}", flush=True)
     memory = {s: r["device_memory"] for s, r in results.items()}
     step = {s: r["median_step_seconds"] for s, r in results.items()}
     loss = {s: r["loss"] for s, r in results.items()}
@@ -75,7 +85,68 @@ def main() -> None:
         difference_figure("final loss, full recomputation against none", [loss["full"]], [loss["none"]], unit="loss",
                           baseline_name="no recomputation", goal=1e-6),
     ]
-    emit("lm", figures, ranks=args.ranks, steps=args.steps, memory_per_rank=memory, step_seconds=step, loss=loss)
+    args.details.update(memory_per_rank=memory, step_seconds=step, loss=loss)
+    return figures
+
+
+def _real_tokens_per_window(spec: JobSpec) -> float:
+    """The real tokens a training window holds on average, the rows featurized as the run did."""
+    recipe = recipe_for(spec)
+
+    def rows() -> Iterator[pa.Table]:
+        return iter_labelled(data_files(spec.data.train, spec.data.format), spec.data, recipe.columns(),
+                             recipe.num_classes, spec.data.train)
+
+    recipe.fit_batches(rows())  # the tokenizer the run trained: the same rows give the same one
+    windows = featurize(rows(), recipe, label_field=spec.data.label_field, pack=spec.data.packing).features
+    return float(windows[torch.arange(len(windows))][:, 1].sum()) / len(windows)
+
+
+def _packing(args: argparse.Namespace, root: Path, backend: LocalBackend) -> list[dict]:
+    chats = root / "chats"
+    synthesize(chats, days=1, rows_per_day=1000, seed=11, fmt="chat", holdout_rows=200, inference_rows=20)
+    useful: dict[str, float] = {}
+    for packing in (False, True):
+        name = "packed" if packing else "unpacked"
+        spec = quickstart(root, name=f"chat-{name}", model={"recipe": "hf-causal-lm",
+                                                              "params": {**DECODER, "rows": "chat", "seq_len": 112}},
+                          data={"train": str(chats / "train"), "holdout": str(chats / "holdout"),
+                                "inference": str(chats / "inference"), "packing": packing},
+                          compute={"cores_per_node": 1, "precision": "fp32", "threads_per_core": 1},
+                          compile={"cache_url": str(root / "cache")},
+                          train={"steps": args.steps, "global_batch_size": 16, "lr": 0.003, "seed": 3,
+                                 "checkpoint_every": args.steps, "log_every": args.steps,
+                                 "checkpoint_url": str(root / "checkpoints" / name)},
+                          gate={"reference": None, "metric": "perplexity", "metrics": [], "eval_every": None})
+        ran = run_job(backend, spec, "train", f"chat-{name}")
+        per_window = _real_tokens_per_window(spec)
+        useful[name] = per_window * 16 / ran["median_step_seconds"]
+        print(f"{name}: {per_window:.1f} real tokens a window of 112, step {ran['median_step_seconds'] * 1000:.1f} "
+              f"ms, {useful[name]:.0f} useful tokens/s" + (f"; {ran['packing']}" if ran.get("packing") else ""),
+              flush=True)
+    args.details.update(useful_tokens_per_s=useful)
+    return [ratio_figure("useful tokens per second on chats, packed over a row a window", [useful["packed"]],
+                         [useful["unpacked"]], unit="tokens/s", baseline_name="a row a window", better="higher",
+                         goal=2.0)]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--part", choices=("checkpointing", "packing", "both"), default="both")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--ranks", type=int, default=2)
+    args = parser.parse_args()
+    args.details = {"ranks": args.ranks, "steps": args.steps}
+    figures: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="trnflow-bench-") as tmp:
+        root = Path(tmp)
+        scratch_home(root)
+        backend = LocalBackend(TrnflowSettings().jobs_dir)
+        if args.part in ("checkpointing", "both"):
+            figures += _checkpointing(args, root, backend)
+        if args.part in ("packing", "both"):
+            figures += _packing(args, root, backend)
+    emit("lm", figures, **args.details)
 
 
 if __name__ == "__main__":

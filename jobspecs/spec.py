@@ -113,6 +113,12 @@ class DataSpec(Section):
     text_field: str = Field("text", description="Column holding the input text.")
     label_field: str = Field("label", description="Column holding the integer class label.")
     id_field: str = Field("id", description="Column holding a unique row id (used by inference output).")
+    packing: bool = Field(
+        False,
+        description="Pack the training rows several to a seq_len window, in the order they are read, each "
+        "attending only to itself, its positions restarting at 0; the loss counts the same tokens as unpacked. "
+        "For recipes whose rows are tokens (hf-causal-lm); the holdout and inference rows stay one per row.",
+    )
 
 
 class JobSpec(Section):

@@ -214,6 +214,24 @@ class SlowRanks(_Model):
     slow: list[SlowRank] = Field(description="by rank")
 
 
+class PackingFill(_Model):
+    """How full the packed windows are."""
+
+    rows: int = Field(description="rows packed")
+    windows: int = Field(description="windows they went into")
+    tokens: int = Field(description="their real tokens")
+    seq_len: int = Field(description="each window's length")
+
+    @property
+    def fill(self) -> float:
+        """The share of the windows' tokens that are real (unpacked: the rows' tokens over rows x seq_len)."""
+        return self.tokens / (self.windows * self.seq_len) if self.windows else 0.0
+
+    def __str__(self) -> str:
+        return (f"{self.rows} rows packed into {self.windows} windows of {self.seq_len} tokens, "
+                f"{self.fill:.1%} of them real")
+
+
 class TrainResult(StageResult):
     skipped: bool = Field(False, description="no new data after the watermark: nothing trained")
     reason: str | None = Field(None, description="why training was skipped")
@@ -230,7 +248,9 @@ class TrainResult(StageResult):
     global_step: int = 0
     watermark: str | None = Field(None, description="the newest day partition trained on")
     partitions: list[str] = Field(default_factory=list, description="the day partitions trained on")
-    rows: int = 0
+    rows: int = Field(0, description="the training rows read")
+    packing: PackingFill | None = Field(None, description="the rows packed into windows (data.packing), which the "
+                                        "steps sampled: how full they were")
     loss: float | None = Field(None, description="the last step's training loss, on rank 0's share of its batch "
                                "(the stage's key figure is the curve's last point, a mean)")
     evaluations: list[MetricPoint] = Field(default_factory=list, description="holdout points during training")
@@ -518,3 +538,5 @@ class DataPartCheck(_Model):
     rows_rejected: int = Field(0, description="rows of its files that no run reads (those that can be counted)")
     problems: list[str] = Field(default_factory=list, description="why it failed, or waits")
     notes: list[str] = Field(default_factory=list, description="what a run leaves alone without failing")
+    packing: PackingFill | None = Field(None, description="the training rows packed as training packs them "
+                                        "(data.packing), when the recipe can count their tokens before training")

@@ -1,6 +1,7 @@
 """hf-causal-lm through the six stages: fine-tuned from a pretrained decoder and its own tokenizer on
-prompt/completion rows with three seeds on the emulator, each ending well below the starting
-model's perplexity, and the fine-tuning example on the mock SageMaker. The example as `make
+prompt/completion rows packed into windows (data.packing) with three seeds on the emulator, every
+program compiled ahead, each ending well below the starting model's perplexity, and the
+fine-tuning example (unpacked) on the mock SageMaker. The example as `make
 causal-lm` runs it, gate, scores and export, is test_make_targets.py's."""
 
 from __future__ import annotations
@@ -63,8 +64,8 @@ def _six_stages(spec) -> dict:
 
 def test_fine_tuning_lowers_holdout_perplexity_from_the_starting_models_on_three_seeds(make_spec, tmp_path,
                                                                                      prompts, trnflow_home):
-    """The training stage alone, compiled once, then run with three seeds: each ends with a holdout
-    perplexity well below the pretrained model's."""
+    """The training stage alone, its rows packed, compiled once (no graph compiled in training),
+    then run with three seeds: each ends with a holdout perplexity well below the pretrained model's."""
     from trnflow.backends import JobRequest, JobState, wait
     from trnflow.backends.local import LocalBackend
     from trnflow.settings import TrnflowSettings
@@ -74,11 +75,11 @@ def test_fine_tuning_lowers_holdout_perplexity_from_the_starting_models_on_three
                             + train.column("completion").to_pylist())
     backend = LocalBackend(TrnflowSettings().jobs_dir)
     spec = make_spec(
-        1, model={"recipe": "hf-causal-lm", "params": {"pretrained": str(folder), "seq_len": 64}},
+        1, model={"recipe": "hf-causal-lm", "params": {"pretrained": str(folder), "seq_len": 128}},
         data={"train": str(prompts / "train"), "holdout": str(prompts / "holdout"),
-              "inference": str(prompts / "inference")},
-        compile={"cache_url": str(tmp_path / "lm-cache"), "optlevel": 1},
-        train={"steps": 30, "checkpoint_every": 30, "lr": 0.003, "global_batch_size": 32},  # one rank, 32 a step
+              "inference": str(prompts / "inference"), "packing": True},
+        compile={"cache_url": str(tmp_path / "lm-cache"), "optlevel": 1, "fail_on_recompile": True},
+        train={"steps": 30, "checkpoint_every": 30, "lr": 0.003, "global_batch_size": 16},  # one rank, 16 a step
         gate={"metric": "perplexity", "metrics": [], "reference": None, "eval_every": None})
     compiled = wait(backend, backend.submit(JobRequest(spec, "compile", "seeds", processes=1)), 0.2)
     assert compiled.state is JobState.SUCCEEDED, compiled.failure
@@ -93,6 +94,8 @@ def test_fine_tuning_lowers_holdout_perplexity_from_the_starting_models_on_three
             "seed": seed, "checkpoint_url": str(tmp_path / f"checkpoints-{seed}")})})
         job = wait(backend, backend.submit(JobRequest(seeded, "train", f"seed-{seed}")), 0.2)
         assert job.state is JobState.SUCCEEDED, job.failure
+        packing = job.result.packing  # the 320 rows of about 44 tokens, two or three to a window of 128
+        assert job.result.rows == packing.rows == 320 and packing.windows < 180 and packing.fill > 0.6
         tuned[seed] = job.result.evaluations[-1].value("perplexity")
     assert len(set(tuned.values())) == 3, tuned  # three different runs
     assert all(p < 0.8 * start["perplexity"] for p in tuned.values()), (start, tuned)

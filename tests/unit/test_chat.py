@@ -158,3 +158,11 @@ def test_data_check_counts_the_chats_longer_than_the_model_reads(chatml_folder, 
     longer = json.loads(CliRunner().invoke(app, ["data", "check", str(spec), "--json", "--set",
                                                  "model.params.seq_len=512"]).stdout)["parts"]
     assert all(f["rows_cut"] == 0 for p in longer for f in p["files"])
+    packed = CliRunner().invoke(app, ["data", "check", str(spec), "--set", "model.params.seq_len=512", "--set",
+                                      "data.packing=true", "--json"])
+    parts = {p["field"]: p for p in json.loads(packed.stdout)["parts"]}
+    assert parts["data.holdout"]["packing"] is None and parts["data.inference"]["packing"] is None  # training's
+    train = parts["data.train"]["packing"]
+    assert train["rows"] == 30 and 0 < train["windows"] < 30 and train["seq_len"] == 512
+    assert any(n.startswith(f"data.packing: 30 rows packed into {train['windows']} windows of 512 tokens, ")
+               for n in parts["data.train"]["notes"])

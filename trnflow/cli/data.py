@@ -72,14 +72,17 @@ def check_table(parts: list[DataPartCheck], title: str) -> Table:
 @data_app.command("check")
 def data_check(spec_path: SpecArg, overrides: SetOpt = None, as_json: JsonOpt = False):
     """Read a spec's data as its runs do: per day of data.train, and for data.holdout and
-    data.inference, the rows read and the rows rejected, with why. Exits 2 when a run would stop on
+    data.inference, the rows read and the rows rejected, with why (and, with data.packing, how full
+    the training windows are). Exits 2 when a run would stop on
     one (a day with no readable rows, a file it cannot read)."""
-    from trnflow.workload.datacheck import check_data  # heavy: pyarrow
+    from trnflow.workload.datacheck import Tokens, check_data  # heavy: pyarrow
     from trnflow.workload.recipes import recipe_for
 
     spec = load(spec_path, set_overrides(overrides))
-    recipe = recipe_for(spec)  # the recipe decides which columns a row needs
-    parts = check_data(spec.data, recipe.columns(), recipe.num_classes, recipe.overlong)
+    recipe = recipe_for(spec)  # the recipe decides which columns a row needs, and counts its tokens
+    tokens = (Tokens(recipe.token_lengths, recipe.input_length, spec.data.packing)
+              if recipe.input_length is not None else None)
+    parts = check_data(spec.data, recipe.columns(), recipe.num_classes, tokens)
     failed = [p for p in parts if p.state == "failed"]
     if as_json:
         print(json.dumps({"spec": str(spec_path), "format": spec.data.format, "columns": recipe.columns(),

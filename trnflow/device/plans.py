@@ -32,7 +32,7 @@ from trnflow.specs import JobSpec
 log = logging.getLogger("trnflow.device")
 
 _ROOT = Path(__file__).resolve().parents[1]
-GRAPH_SOURCES = ("workload/programs.py", "emulator/compiler.py", "emulator/jit.py",
+GRAPH_SOURCES = ("workload/programs.py", "workload/packing.py", "emulator/compiler.py", "emulator/jit.py",
                  "device/indexed.py", "device/xla.py", "device/neuron.py")
 """trnflow's files that shape the graphs; the recipe's own files come from its caller."""
 
@@ -47,6 +47,7 @@ def plan_digest(spec: JobSpec, model: str, model_sources: list[Path]) -> str:
         "recipe": model,
         "device": spec.compute.device,
         "per_core_batch": spec.per_core_batch,
+        "packing": spec.data.packing,  # the training program's windows
         "inference_batch": spec.inference.batch_size,
         "precision": spec.compute.precision,
         # a sharded or split model's training programs are others (a run's flow decides `auto` first)

@@ -8,6 +8,7 @@ quickly wherever the spec's data is.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
 
 import pyarrow as pa
 
@@ -24,9 +25,18 @@ from trnflow.storage.datafiles import (
     unreachable_errors,
 )
 from trnflow.workload.data import labelled_batches, stream_columns, stream_file
+from trnflow.workload.windows import NextFit
 
-Overlong = Callable[[pa.Table], int]
-"""How many of a batch's rows are longer than the model's input (a recipe's `overlong`)."""
+
+@dataclass(frozen=True)
+class Tokens:
+    """How a recipe whose rows are tokens sees a batch: each row's tokens, whole (its
+    `token_lengths`: None before its tokenizer is known), the model's input length (`seq_len`),
+    and whether training packs the rows (`data.packing`)."""
+
+    lengths: Callable[[pa.Table], list[int] | None]
+    seq_len: int
+    packing: bool = False
 
 
 def _format_of(name: str) -> str | None:
@@ -47,10 +57,11 @@ def _own_words(message: str, file: DataFile) -> str:
 
 
 def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int | bool | None,
-                longer: Overlong | None = None) -> DataFileCheck:
+                tokens: Tokens | None = None, packed: NextFit | None = None) -> DataFileCheck:
     """One file read as a run reads it: `num_classes` False, unlabelled as inference reads it (with
     its ids); None, as a recipe without labels trains on it; else with labels 0..num_classes-1.
-    `longer` counts a batch's rows that are cut to the model's input (the recipe's `overlong`)."""
+    With `tokens`, the rows cut to the model's input are counted, and with `packed`, each row
+    (cut) is placed in it as training packs it."""
     if file.role == "other":
         return DataFileCheck(name=file.name, rows_rejected=_count_rows(file, _format_of(file.name)),
                              problem=f"not {spec.format} (data.format), so no run reads it")
@@ -62,7 +73,13 @@ def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes:
             tables = labelled_batches(file, spec, columns, num_classes)
         for table in tables:
             read += table.num_rows
-            cut += longer(table) if longer is not None else 0
+            lengths = tokens.lengths(table) if tokens is not None else None
+            if tokens is None or lengths is None:
+                continue
+            cut += sum(n > tokens.seq_len for n in lengths)
+            for n in lengths if packed is not None else ():
+                if n:
+                    packed.place(min(n, tokens.seq_len))
     except (DataError, FatalError) as exc:
         return DataFileCheck(name=file.name, rows_rejected=_count_rows(file, spec.format),
                              problem=_own_words(str(exc), file))
@@ -70,13 +87,15 @@ def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes:
 
 
 def _check_part(field: str, url: str, day: str | None, files: list[DataFile], spec: DataSpec, columns: list[str],
-                num_classes: int | bool | None, waiting: str | None, longer: Overlong | None = None) -> DataPartCheck:
-    """A day (or a set's files outside day folders): read, rejected, and whether a run could read it."""
+                num_classes: int | bool | None, waiting: str | None, tokens: Tokens | None = None) -> DataPartCheck:
+    """A day (or a set's files outside day folders): read, rejected, and whether a run could read it;
+    packed as training packs it, with `tokens` that say so (the training set's)."""
     part = {"field": field, "url": url, "day": day}
     if any(not f.ready for f in files):
         return DataPartCheck(**part, state="waiting", problems=[f"not marked ready by {spec.ready_marker} yet, "
                                                                   "so not read; the watermark stays before it"])
-    checked = [_check_file(f, spec, columns, num_classes, longer) for f in files if f.role != "marker"]
+    packed = NextFit(tokens.seq_len) if tokens is not None and tokens.packing else None
+    checked = [_check_file(f, spec, columns, num_classes, tokens, packed) for f in files if f.role != "marker"]
     read, rejected = sum(c.rows_read for c in checked), sum(c.rows_rejected or 0 for c in checked)
     ignored = {f.name for f in files if f.role == "other"} if day is None else set()  # runs leave these be
     problems = [f"{c.name}: {c.problem}" for c in checked if c.problem and c.name not in ignored]
@@ -88,12 +107,19 @@ def _check_part(field: str, url: str, day: str | None, files: list[DataFile], sp
     if cut := sum(c.rows_cut for c in checked):
         notes.append(f"{cut} row(s) longer than the model's input, cut to it (raise model.params.seq_len to keep them "
                      "whole)")
+    fill = packed.fill() if packed is not None and packed.rows else None
+    if fill is not None:
+        alone = fill.tokens / (fill.rows * fill.seq_len)
+        notes.append(f"data.packing: {fill} (one row a window: {alone:.1%})")
+    elif packed is not None and read:
+        notes.append("data.packing: how full the windows are is known once the tokenizer is trained on the data (the "
+                     "run's log says it)")
     return DataPartCheck(**part, state="failed" if problems else "ok", files=checked, rows_read=read,
-                         rows_rejected=rejected, problems=problems, notes=notes)
+                         rows_rejected=rejected, problems=problems, notes=notes, packing=fill)
 
 
 def check_set(field: str, url: str, spec: DataSpec, columns: list[str], num_classes: int | bool | None,
-              ready_marker: str | None = None, longer: Overlong | None = None) -> list[DataPartCheck]:
+              ready_marker: str | None = None, tokens: Tokens | None = None) -> list[DataPartCheck]:
     """How runs read the set at `url` (the spec's `field`), one part per day partition and one for
     the files outside day folders: rows read, rows rejected and why. What a run would stop on is a
     part in state `failed`; this never raises for the data itself."""
@@ -105,13 +131,15 @@ def check_set(field: str, url: str, spec: DataSpec, columns: list[str], num_clas
         return [DataPartCheck(field=field, url=url, state="failed", problems=[cannot_list(url, exc)])]
     waiting = first_waiting(files)
     groups = [(day, [f for f in files if f.partition == day]) for day in [None, *partitions(files)]]
-    return [_check_part(field, url, day, mine, spec, columns, num_classes, waiting, longer)
+    return [_check_part(field, url, day, mine, spec, columns, num_classes, waiting, tokens)
             for day, mine in groups if mine]
 
 
-def check_data(spec: DataSpec, columns: list[str], num_classes: int | None, longer: Overlong | None = None
+def check_data(spec: DataSpec, columns: list[str], num_classes: int | None, tokens: Tokens | None = None
                ) -> list[DataPartCheck]:
-    """Every data set of a spec, as `check_set` reads it: training days, holdout, inference."""
-    return [*check_set("data.train", spec.train, spec, columns, num_classes, spec.ready_marker, longer),
-            *check_set("data.holdout", spec.holdout, spec, columns, num_classes, longer=longer),
-            *check_set("data.inference", spec.inference, spec, columns, False, longer=longer)]
+    """Every data set of a spec, as `check_set` reads it: training days (packed as training packs
+    them, when it does), holdout, inference."""
+    alone = replace(tokens, packing=False) if tokens is not None else None  # only training packs
+    return [*check_set("data.train", spec.train, spec, columns, num_classes, spec.ready_marker, tokens),
+            *check_set("data.holdout", spec.holdout, spec, columns, num_classes, tokens=alone),
+            *check_set("data.inference", spec.inference, spec, columns, False, tokens=alone)]

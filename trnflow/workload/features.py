@@ -20,6 +20,7 @@ import pyarrow as pa
 import torch
 
 from trnflow.measures import HostMemory
+from trnflow.results import PackingFill
 from trnflow.workload import watchdog
 from trnflow.workload.context import WorkerContext, gather_objects
 from trnflow.workload.data import labels_of, lines
@@ -118,16 +119,20 @@ class Featurized:
     """The inference set: each row's id."""
     digest: str
     """sha256 over each row's id (or label) and columns, in order: what was read."""
+    packing: PackingFill | None = None
+    """Packed (`pack`): how the rows filled the windows, which `features` then holds (labels 0)."""
 
     def __len__(self) -> int:
         return len(self.features)
 
 
 def featurize(batches: Iterable[pa.Table], recipe: Recipe, *, label_field: str | None = None,
-              id_field: str | None = None, digest: bool = False) -> Featurized:
+              id_field: str | None = None, digest: bool = False, pack: bool = False) -> Featurized:
     """Featurize `batches` (the recipe's columns, and the label or id column) one at a time; with
-    `digest`, hash each row as `<label or id>\\t<columns>` on the way."""
+    `digest`, hash each row as `<label or id>\\t<columns>` on the way; with `pack`, pack the rows
+    into windows as they come (`trnflow.workload.packing`; the recipe's labels are all 0)."""
     features, labels, ids, hashed = FeatureRows(), [], [], hashlib.sha256()
+    packer = recipe.packer() if pack else None
     columns = recipe.columns()
     for table in batches:
         watchdog.beat("reading rows")
@@ -141,12 +146,17 @@ def featurize(batches: Iterable[pa.Table], recipe: Recipe, *, label_field: str |
         if id_field:
             ids.append(pa.table({"id": table.column(id_field)}))
         if mine.num_rows:
-            features.append(recipe.features(mine))
+            rows = recipe.features(mine)
+            features.append(packer.add(rows) if packer is not None else rows)
+    if packer is not None:
+        features.append(packer.finish())
+        labels = [torch.zeros(len(features), dtype=torch.long)]
     return Featurized(
         features.finish(),
         (torch.cat(labels) if labels else torch.empty(0, dtype=torch.long)) if label_field else None,
         pa.concat_tables(ids, promote_options="permissive").column("id") if id_field else None,
         hashed.hexdigest() if digest else "",
+        packer.fill() if packer is not None else None,
     )
 
 

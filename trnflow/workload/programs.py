@@ -32,6 +32,7 @@ from trnflow.errors import TrnflowError
 from trnflow.specs import JobSpec
 from trnflow.workload.checkpoint import trainable
 from trnflow.workload.context import WorkerContext
+from trnflow.workload.packing import one_per_window
 from trnflow.workload.recipes import Recipe
 from trnflow.workload.recompute import recompute
 
@@ -214,6 +215,8 @@ def example_inputs(spec: JobSpec, recipe: Recipe) -> tuple[torch.Tensor, torch.T
     """Inputs and labels of one per-core training batch, and one evaluation/inference batch."""
     gen = torch.Generator().manual_seed(0)
     tokens = recipe.example(spec.per_core_batch, gen)
+    if spec.data.packing:  # packed windows: the same tokens, and their positions
+        tokens = one_per_window(tokens)
     labels = torch.randint(0, recipe.num_classes or 1, (spec.per_core_batch,), generator=gen)
     batch = recipe.example(spec.inference.batch_size, gen)
     return tokens, labels, batch

@@ -38,13 +38,15 @@ class StepSampler:
     smaller batch, which is a new shape and so a recompilation.
     """
 
-    def __init__(self, n_rows: int, global_batch: int, rank: int, world: int, seed: int, drop_last: bool = True):
+    def __init__(self, n_rows: int, global_batch: int, rank: int, world: int, seed: int, drop_last: bool = True,
+                 unit: str = "rows"):
+        """`unit`: what the samples are (rows; windows of packed rows, `data.packing`)."""
         if n_rows < global_batch:
             raise DataError(
-                f"the training set has {n_rows} rows, fewer than one global batch ({global_batch}); "
+                f"the training set has {n_rows} {unit}, fewer than one global batch ({global_batch}); "
                 "add data or lower train.global_batch_size"
             )
-        self.n, self.global_batch, self.seed = n_rows, global_batch, seed
+        self.n, self.global_batch, self.seed, self.unit = n_rows, global_batch, seed, unit
         self.rank, self.world = rank, world
         self.per_rank = global_batch // world
         full, left = divmod(n_rows, global_batch)
@@ -55,12 +57,14 @@ class StepSampler:
         """Where the sampler stands after `step` steps: saved in checkpoints, checked on resume."""
         epoch, batch = divmod(step, self.steps_per_epoch)
         return {"step": step, "epoch": epoch, "batch_in_epoch": batch, "rows": self.n,
-                "global_batch": self.global_batch, "seed": self.seed}
+                "global_batch": self.global_batch, "seed": self.seed,
+                **({"packed": 1} if self.unit == "windows" else {})}  # (then `rows` counts windows)
 
     def restore(self, position: dict) -> int:
         """The step to continue from; refuses a position saved over different data or batches."""
         mine = self.position(position["step"])
-        changed = [k for k in ("rows", "global_batch", "seed") if position.get(k) != mine[k]]
+        position, mine = {"packed": 0, **position}, {"packed": 0, **mine}
+        changed = [k for k in ("packed", "rows", "global_batch", "seed") if position.get(k) != mine[k]]
         if changed:
             raise DataError(
                 f"the checkpoint's sampler saw {', '.join(f'{k}={position.get(k)}' for k in changed)} but this run "

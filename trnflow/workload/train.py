@@ -115,9 +115,14 @@ class Trainer(Checkpointing):
             return iter_labelled(start.files, data, recipe.columns(), recipe.num_classes, data.train)
 
         _featurizer(ctx, recipe, start, rows)
-        train = featurize(rows(), recipe, label_field=data.label_field)
+        train = featurize(rows(), recipe, label_field=data.label_field, pack=data.packing)
         assert train.labels is not None
-        self.tokens, self.labels = train.features, train.labels
+        if train.packing is not None:  # the windows are what the steps sample
+            ctx.log("packing", rows=train.packing.rows, windows=train.packing.windows,
+                    fill=round(train.packing.fill, 4), message=str(train.packing))
+        self.tokens, self.labels = train.features, train.labels  # packed: a window a row
+        self.packing = train.packing
+        read = train.packing.rows if train.packing is not None else len(self.labels)
         self.model = build_model(recipe, tcfg.seed).to(self.device.torch_device)  # before its optimizer holds it
         recompute(recipe.blocks(self.model), tcfg.activation_checkpointing, recipe.saved_ops)
         fsdp = self.spec.layout.strategy == "fsdp"
@@ -130,13 +135,13 @@ class Trainer(Checkpointing):
         self.sr_seed = int(os.environ.get("NEURON_RT_STOCHASTIC_ROUNDING_SEED", "0")) + tcfg.seed
         self.sr_gen = torch.Generator().manual_seed(self.sr_seed)
         self.sampler = StepSampler(len(self.labels), tcfg.global_batch_size, ctx.replica, ctx.replicas, tcfg.seed,
-                                   drop_last=tcfg.drop_last)
+                                   drop_last=tcfg.drop_last, unit="windows" if train.packing else "rows")
         self.resumed_weights: str | None = None
         self.first, self.metrics = self._resume_or_init()
         self.lineage = start.lineage()
         self.data_read = DataRead(files=[f.name for f in start.files], partitions=partitions(start.files),
-                                  watermark=start.watermark, rows=len(self.labels))
-        ctx.log("data", files=len(start.files), rows=len(self.labels), partitions=self.data_read.partitions,
+                                  watermark=start.watermark, rows=read)
+        ctx.log("data", files=len(start.files), rows=read, partitions=self.data_read.partitions,
                 watermark=start.watermark, recipe=recipe.key)
         if budget_usd is not None:  # the job's own budget, as the orchestrator reckoned it
             ctx.log("budget", usd=round(budget_usd, 4), price_per_hour=self.spec.compute.hourly_price,
@@ -471,7 +476,8 @@ class Trainer(Checkpointing):
             global_step=lineage["base_step"] + tcfg.steps,
             watermark=start.watermark,
             partitions=self.data_read.partitions,
-            rows=len(self.labels),
+            rows=self.data_read.rows,
+            packing=self.packing,
             loss=self.last_loss if math.isfinite(self.last_loss) else None,
             evaluations=self.evaluations,
             curve=self.metrics,

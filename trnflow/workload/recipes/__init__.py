@@ -23,7 +23,7 @@ from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import TypeAdapter, ValidationError
 
 from trnflow.device import plans
 from trnflow.errors import FatalError
@@ -141,6 +141,11 @@ def model_problems(data: dict[str, Any]) -> list[str]:
     inference = data.get("inference") or {}
     if isinstance(inference, dict) and inference.get("generate") and not cls.generates:
         return [f"inference.generate: recipe {cls.name} does not generate text (hf-causal-lm does); remove it"]
+    if _packs(data.get("data")):
+        if not cls.packs:
+            return [f"data.packing: recipe {cls.name} does not pack rows (hf-causal-lm does); remove it"]
+        if problem := cls.packing_problem(cls.Params.model_validate(params)):
+            return [f"data.packing: {problem}"]
     gate = data.get("gate") or {}
     if not isinstance(gate, dict):
         return []  # the spec's own error
@@ -148,6 +153,14 @@ def model_problems(data: dict[str, Any]) -> list[str]:
     wanted = [gate.get("metric", "accuracy"), *(extra if isinstance(extra, list) else [])]
     return [f"gate: metric {name!r} is not one recipe {cls.name} supports ({', '.join(cls.metrics)})"
             for name in wanted if isinstance(name, str) and name not in cls.metrics]
+
+
+def _packs(data: object) -> bool:
+    """Whether a spec's data section asks for packing (`data.packing`, as the spec reads it)."""
+    try:
+        return isinstance(data, dict) and TypeAdapter(bool).validate_python(data.get("packing", False))
+    except ValidationError:
+        return False  # the spec's own error
 
 
 def canonical_params(data: dict[str, Any]) -> dict[str, Any]:

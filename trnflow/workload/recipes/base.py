@@ -52,6 +52,7 @@ if TYPE_CHECKING:  # the networks need torch; what a spec check asks of a recipe
     from torch import nn
 
     from trnflow.device.layout import TensorPlan
+    from trnflow.workload.packing import Packer
 
 METRICS = ("accuracy", "loss", "f1", "auc")
 """What the evaluation computes from logits and labels (the gate's `metric` and `metrics`)."""
@@ -87,6 +88,9 @@ class Recipe(ABC):
     generates: ClassVar[bool] = False
     """Whether it generates text (`inference.generate`): its model has `next_logits`, and it has
     `prompts` and `decode`."""
+    packs: ClassVar[bool] = False
+    """Whether its training rows can be packed several to a window (`data.packing`): its features
+    are token rows (ids, real, counted) and its model reads a window's positions (`packer`)."""
     saved_ops: ClassVar[tuple[str, ...]] = SAVED_OPS
     """The ATen operations (by name) whose outputs a block keeps under selective activation
     checkpointing (`train.activation_checkpointing: selective`); the rest of a block's work is
@@ -141,6 +145,15 @@ class Recipe(ABC):
     def features(self, rows: pa.Table) -> torch.Tensor:
         """The model's input for each row: one tensor of shape (rows, ...), the same per-row shape
         whatever the rows."""
+
+    @classmethod
+    def packing_problem(cls, params: BaseModel) -> str | None:
+        """Why a model of these params cannot train on packed rows (`packs`), or None."""
+        return None
+
+    def packer(self) -> Packer:
+        """What packs its featurized training rows into windows (`packs`; the featurizer fitted)."""
+        raise NotImplementedError(f"recipe {self.name} does not pack rows (data.packing)")
 
     @abstractmethod
     def example(self, rows: int, generator: torch.Generator) -> torch.Tensor:
@@ -205,10 +218,17 @@ class Recipe(ABC):
         raise FieldError("train.parallelism.tp", f"recipe {self.name} does not declare how its layers split over "
                          "cores (Recipe.tensor_plan); use tp: 1, and strategy fsdp for a model too big for one core")
 
-    def overlong(self, rows: pa.Table) -> int:
-        """How many of `rows` are longer than the model's input and are cut to it (`trnflow data
-        check` reports them); 0 when it cannot say before its featurizer is fitted (the default)."""
-        return 0
+    def token_lengths(self, rows: pa.Table) -> list[int] | None:
+        """Each row's tokens, whole (before any cut to `input_length`), for `trnflow data check`'s
+        rows cut and packing fill; None when its rows are not tokens, or it cannot say before its
+        featurizer is fitted (the default)."""
+        return None
+
+    @property
+    def input_length(self) -> int | None:
+        """The tokens of a row of the model's input (`token_lengths` beyond it are cut to it); None
+        for a recipe whose rows are not tokens."""
+        return None
 
     def prompts(self, features: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A generating recipe's prompts of feature rows: token ids (rows, seq_len + `room`), each row's

@@ -13,6 +13,8 @@ rendered with the tokenizer's chat template (`DEFAULT_CHAT_TEMPLATE` for one wit
 only the assistant's turns count. Each row is one sequence, cut to `seq_len` (a prompt loses its
 start before a completion loses anything; a chat loses its end) and padded at the end, so shapes
 never change; as the model attends only backwards, the padding is never seen by a real token.
+With `data.packing`, training rows follow one another in windows of `seq_len` instead, each
+attending only to itself (`trnflow.workload.packing`).
 
 The network's output per row is what every metric needs, computed inside the compiled graph (the
 loss in fp32 from the head's logits): the summed next-token loss over the counted tokens, their
@@ -27,6 +29,7 @@ exported with `save_pretrained`, which `AutoModelForCausalLM.from_pretrained` an
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -36,10 +39,11 @@ import pyarrow as pa
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from pydantic import Field
+from pydantic import BaseModel, Field
 from torch import nn
 
 from trnflow.errors import FatalError
+from trnflow.workload.packing import Packer, counted_targets
 from trnflow.workload.recipes.base import Recipe
 from trnflow.workload.recipes.hf_pretrained import (
     FromPretrained,
@@ -52,12 +56,28 @@ from trnflow.workload.recipes.hf_pretrained import (
 )
 from trnflow.workload.recipes.lora import save_adapted, unwrapped
 
+PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2")
+"""The decoders that train on packed rows: they take each token's position and the attention mask
+of the rows (`packed_mask`) as given. Others derive positions from a 2-D mask (OPT), have none
+(Bloom's ALiBi) or mask a sliding window of their own (Mistral), which packing would undo."""
+
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "tie_word_embeddings": True}
 """The default decoder: a tiny Llama-style model that trains in minutes on two cores."""
 OUTPUTS = ("nll", "tokens", "correct")
 """What the network gives per row: the summed loss of its counted tokens, how many there are, and
 how many of them it predicted right."""
+
+
+def packing_refused(config: dict[str, Any]) -> str | None:
+    """Why a decoder of this config cannot train on packed rows, or None."""
+    kind = config.get("model_type")
+    if kind not in PACKED_MODEL_TYPES:
+        return (f"model_type {kind} does not take the packed rows' positions and mask as given; packing trains "
+                f"{', '.join(PACKED_MODEL_TYPES[:-1])} and {PACKED_MODEL_TYPES[-1]} decoders: remove data.packing")
+    if config.get("use_sliding_window"):
+        return "the decoder masks a sliding window of its own, which packing would undo; remove data.packing"
+    return None
 
 
 class HfCausalLmParams(PretrainedParams):
@@ -79,6 +99,20 @@ class HfCausalLmParams(PretrainedParams):
                                 "role (system, user or assistant) and its content.")
 
 
+def packed_mask(positions: torch.Tensor, attention: str, dtype: torch.dtype) -> torch.Tensor:
+    """The attention mask of packed windows (windows, 1, seq_len, seq_len): each token sees the
+    tokens of its own row (a run of positions from 0) up to itself. Made from the positions alone,
+    with the same operations whatever they hold, so a window of one row and one of many are one
+    graph; as `attention` takes it: True where it may look (sdpa), or added to the scores (eager)."""
+    row = (positions == 0).cumsum(-1)
+    at = torch.arange(positions.shape[-1], device=positions.device)
+    allowed = ((row.unsqueeze(-1) == row.unsqueeze(-2)) & (at.unsqueeze(-1) >= at.unsqueeze(-2))).unsqueeze(1)
+    if attention == "eager":
+        return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(~allowed,
+                                                                                          torch.finfo(dtype).min)
+    return allowed
+
+
 class CausalLanguageModel(nn.Module):
     """A causal LM whose output per row is its summed token loss, token count and right guesses.
     `lm` is the transformers model, or a peft model of LoRA adapters around it."""
@@ -87,8 +121,13 @@ class CausalLanguageModel(nn.Module):
         super().__init__()
         self.lm = lm
 
-    def _hidden(self, ids: torch.Tensor) -> torch.Tensor:
-        return unwrapped(self.lm).base_model(input_ids=ids, use_cache=False).last_hidden_state
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The last hidden states; with `positions` (packed windows), each row attends only to itself."""
+        lm = unwrapped(self.lm)
+        mask = None if positions is None else packed_mask(positions, lm.config._attn_implementation,
+                                                          lm.get_input_embeddings().weight.dtype)
+        return lm.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                             use_cache=False).last_hidden_state
 
     def _scores(self, ids: torch.Tensor, counted: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         logits = unwrapped(self.lm).get_output_embeddings()(hidden)[:, :-1].float()
@@ -98,9 +137,11 @@ class CausalLanguageModel(nn.Module):
         return torch.stack([(nll * weight).sum(1), weight.sum(1), (right * weight).sum(1)], 1)
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
-        """(rows, 3, seq_len) ids, real-token mask and counted-token mask -> (rows, 3) scores."""
+        """(rows, 3, seq_len) ids, real-token mask and counted-token mask -> (rows, 3) scores; packed
+        windows (data.packing) add their tokens' positions, (windows, 4, seq_len) -> (windows, 3)."""
         ids = rows[:, 0]
-        return self._scores(ids, rows[:, 2], self._hidden(ids))
+        positions = rows[:, 3] if rows.shape[1] > 3 else None
+        return self._scores(ids, counted_targets(rows[:, 2], positions), self._hidden(ids, positions))
 
     def next_logits(self, ids: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
         """(rows, length) token ids and each row's length -> (rows, vocabulary) fp32 logits of the
@@ -132,6 +173,7 @@ class HfCausalLm(FromPretrained, Recipe):
     metrics = ("loss", "perplexity", "token_accuracy")
     pad_with_eos = True
     generates = True
+    packs = True
     tokenizer: PretrainedTokenizer | None = None
 
     # -- rows to tensors -------------------------------------------------------------------------
@@ -225,16 +267,34 @@ class HfCausalLm(FromPretrained, Recipe):
             out[i, 2, len(prompt):len(ids)] = 1
         return out
 
-    def overlong(self, rows: pa.Table) -> int:
-        """Rows whose tokens (a chat's whole rendering; a prompt and its completion; a text) exceed
-        `seq_len`, counted with the pretrained folder's tokenizer; 0 without one (it is fitted on
-        the data first)."""
+    @classmethod
+    def packing_problem(cls, params: BaseModel) -> str | None:
+        """A decoder not among PACKED_MODEL_TYPES, or one with a sliding window (a local pretrained
+        folder's config read; an s3:// one's is checked as the model is built)."""
+        assert isinstance(params, HfCausalLmParams)
+        folder = params.pretrained
+        path = Path(folder) / "config.json" if folder and not folder.startswith("s3://") else None
+        config = json.loads(path.read_text()) if path is not None and path.is_file() else {
+            "model_type": params.model_type, **params.config}
+        return packing_refused(config)
+
+    def packer(self) -> Packer:
+        assert self.tokenizer is not None, "fit or load the tokenizer first"
+        return Packer(self.params.seq_len, self.tokenizer.pad_id)
+
+    def token_lengths(self, rows: pa.Table) -> list[int] | None:
+        """Each row's tokens (a chat's whole rendering; a prompt and its completion; a text), counted
+        with the pretrained folder's tokenizer; None without one (it is fitted on the data first)."""
         if self.tokenizer is None:
             if self._folder_tokenizer is None:
-                return 0
+                return None
             self.tokenizer = self._folder_tokenizer
-        return sum((len(counted[0]) if prompt is None else len(prompt) + len(counted)) > self.params.seq_len
-                   for prompt, counted in self._parts(rows))
+        return [len(counted[0]) if prompt is None else len(prompt) + len(counted)
+                for prompt, counted in self._parts(rows)]
+
+    @property
+    def input_length(self) -> int:
+        return self.params.seq_len
 
     def chat(self, messages: object, row: int) -> tuple[list[int], list[int]]:
         """A chat's token ids, rendered with the tokenizer's chat template, and 1 for each token of an
@@ -270,7 +330,15 @@ class HfCausalLm(FromPretrained, Recipe):
 
     def build_model(self) -> CausalLanguageModel:
         ids = {f"{name}_token_id": i for i, name in enumerate(("pad", "bos", "eos"))}  # as BYTE_SPECIAL
-        return CausalLanguageModel(self._adapt(self._model(transformers(self.name).AutoModelForCausalLM, ids)))
+        lm = self._model(transformers(self.name).AutoModelForCausalLM, ids)
+        if self.data.packing:
+            refused = packing_refused({**lm.config.to_dict(), "model_type": lm.config.model_type})
+            if refused is None and lm.config._attn_implementation not in ("sdpa", "eager"):
+                refused = (f"its attention ({lm.config._attn_implementation}) does not take the packed rows' mask; "
+                           "sdpa and eager do")
+            if refused:
+                raise FatalError(f"data.packing: {refused}")
+        return CausalLanguageModel(self._adapt(lm))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The mean next-token loss over the counted tokens of the whole step's batch, on every rank
