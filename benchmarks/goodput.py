@@ -25,7 +25,8 @@ writes among it, as on a trn instance, where the device computes and the host's 
 without that, a write here takes its CPU from the training itself, which a device never lends. The
 gate evaluates after training, not during it (`gate.eval_every: null`): evaluations are the user's
 choice of cost, not a fault's. Its goodput (the training the final weights hold over the compile
-and train stages' time, `cost.goodput`) is read from the run's outcome, with the losses itemized.
+and train stages' time, less the holdout's evaluation of the final weights that follows them:
+`cost.goodput`) is read from the run's outcome, with the losses itemized.
 
 The last line printed is JSON (`_report`'s shape). Goals: the whole cost per checkpoint written in
 the background at most 5% of a checkpoint written in step, by the medians of the repeats; the faulted

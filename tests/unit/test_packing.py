@@ -11,7 +11,7 @@ from trnflow.specs import validate_spec
 from trnflow.workload.features import featurize
 from trnflow.workload.packing import one_per_window
 from trnflow.workload.recipes import model_problems, recipe_for
-from trnflow.workload.windows import NextFit
+from trnflow.workload.windows import FirstFit
 
 pytestmark = pytest.mark.unit
 
@@ -20,12 +20,15 @@ SMALL = {"config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_laye
 GPT2 = {"model_type": "gpt2", "vocab_size": 300, "seq_len": 160, "config": {"n_embd": 16, "n_layer": 1, "n_head": 2}}
 
 
-def test_rows_go_into_the_window_being_filled_while_they_fit_and_start_the_next_when_not():
-    fit = NextFit(10)
-    assert [fit.place(n) for n in (4, 5, 2, 10, 1)] == [(True, 0), (False, 4), (True, 0), (True, 0), (True, 0)]
+def test_each_row_goes_into_the_first_open_window_with_room_and_windows_close_full_or_oldest():
+    fit = FirstFit(10, open_windows=2)
+    placed = [fit.place(n) for n in (4, 5, 2, 1, 7, 3, 8)]
+    assert placed == [(0, 0), (0, 4), (1, 0), (0, 9), (1, 2), (2, 0), (3, 0)]
+    assert fit.closed() == [0, 1]  # 0 filled; 1 the oldest open when a third opened
+    assert fit.closed() == [] and fit.closed(everything=True) == [2, 3]
     fill = fit.fill()
-    assert (fill.rows, fill.windows, fill.tokens) == (5, 4, 22) and fill.fill == 22 / 40
-    assert str(fill) == "5 rows packed into 4 windows of 10 tokens, 55.0% of them real"
+    assert (fill.rows, fill.windows, fill.tokens) == (7, 4, 30) and fill.fill == 30 / 40
+    assert str(fill) == "7 rows packed into 4 windows of 10 tokens, 75.0% of them real"
     with pytest.raises(ValueError, match="a row of 11 tokens cannot be packed into windows of 10"):
         fit.place(11)
 
@@ -80,11 +83,16 @@ def test_packed_windows_hold_every_token_once_and_the_model_counts_the_same_toke
     assert packed.packing is not None and packed.packing.rows == len(alone)
     assert len(windows) == packed.packing.windows < len(alone) and packed.labels.tolist() == [0] * len(windows)
     assert windows.shape[1:] == (4, recipe.params.seq_len)
-    # every real and counted token once, in order; positions restart at each row
+    # every row once, whole (its tokens a run of positions from 0), counted as it was
     assert windows[:, 1].sum() == alone[:, 1].sum() and windows[:, 2].sum() == alone[:, 2].sum()
-    real = windows[:, 1].bool()
-    assert windows[:, 0][real].tolist() == alone[:, 0][alone[:, 1].bool()].tolist()
-    assert (windows[:, 3][real] == 0).sum() == len(alone)
+    runs = []
+    for window in windows:
+        starts = ((window[3] == 0) & (window[1] == 1)).nonzero().flatten().tolist()
+        ends = [*starts[1:], int(window[1].sum())]
+        runs += [(*window[0, a:b].tolist(), *window[2, a:b].tolist()) for a, b in zip(starts, ends, strict=True)]
+    lengths = alone[:, 1].sum(1).tolist()
+    rows = [(*r[0, :n].tolist(), *r[2, :n].tolist()) for r, n in zip(alone, lengths, strict=True)]
+    assert sorted(runs) == sorted(rows)
 
     model = recipe.build_model().eval()
     with torch.no_grad():
@@ -112,7 +120,7 @@ def test_the_data_check_reckons_the_fill_as_training_packs_it(prompts):
     recipe.fit(prompts)
     lengths = recipe.token_lengths(prompts)
     assert lengths is not None and len(lengths) == prompts.num_rows
-    fit = NextFit(160)
+    fit = FirstFit(160)
     for n in lengths:
         fit.place(min(n, 160))
     assert featurize([prompts], recipe, label_field="label", pack=True).packing == fit.fill()

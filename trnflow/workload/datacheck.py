@@ -25,7 +25,7 @@ from trnflow.storage.datafiles import (
     unreachable_errors,
 )
 from trnflow.workload.data import labelled_batches, stream_columns, stream_file
-from trnflow.workload.windows import NextFit
+from trnflow.workload.windows import FirstFit
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ def _own_words(message: str, file: DataFile) -> str:
 
 
 def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes: int | bool | None,
-                tokens: Tokens | None = None, packed: NextFit | None = None) -> DataFileCheck:
+                tokens: Tokens | None = None, packed: FirstFit | None = None) -> DataFileCheck:
     """One file read as a run reads it: `num_classes` False, unlabelled as inference reads it (with
     its ids); None, as a recipe without labels trains on it; else with labels 0..num_classes-1.
     With `tokens`, the rows cut to the model's input are counted, and with `packed`, each row
@@ -94,7 +94,7 @@ def _check_part(field: str, url: str, day: str | None, files: list[DataFile], sp
     if any(not f.ready for f in files):
         return DataPartCheck(**part, state="waiting", problems=[f"not marked ready by {spec.ready_marker} yet, "
                                                                   "so not read; the watermark stays before it"])
-    packed = NextFit(tokens.seq_len) if tokens is not None and tokens.packing else None
+    packed = FirstFit(tokens.seq_len) if tokens is not None and tokens.packing else None
     checked = [_check_file(f, spec, columns, num_classes, tokens, packed) for f in files if f.role != "marker"]
     read, rejected = sum(c.rows_read for c in checked), sum(c.rows_rejected or 0 for c in checked)
     ignored = {f.name for f in files if f.role == "other"} if day is None else set()  # runs leave these be

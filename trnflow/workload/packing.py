@@ -1,14 +1,14 @@
 """Sequence packing (`data.packing`): several rows of tokens in each training window.
 
 A language model's rows are padded to `seq_len` one per row, so short rows waste most of a step.
-Packed, the rows follow one another in windows of the same `seq_len`, placed as `windows.NextFit`
-says (the windows are a function of the rows in their order, so a run resumed at a window resumes
-at the row it began with). A row's features are its token ids, 1 for each real token and 1 for each
+Packed, the rows share windows of the same `seq_len`, placed as `windows.FirstFit` says (the
+windows are a function of the rows in their order, so a run resumed at a window resumes exactly
+where it stopped). A row's features are its token ids, 1 for each real token and 1 for each
 counted one (channels 0 to 2, its tokens at its start, as `hf-causal-lm` makes them); a window's
 add its tokens' positions (channel 3), which restart at 0 with each row. The model attends within
-each row only (a run of positions counting up by one is one row) and counts no row's first token
-as predicted from the row before it, so the loss counts exactly the tokens it counts unpacked. One
-shape throughout: (windows, 4, seq_len).
+each row only (a row: a run of positions from 0; the recipe's mask says so) and counts no row's
+first token as predicted from the row before it, so the loss counts exactly the tokens it counts
+unpacked. One shape throughout: (windows, 4, seq_len).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from trnflow.results import PackingFill
-from trnflow.workload.windows import NextFit
+from trnflow.workload.windows import FirstFit
 
 CHANNELS = 4
 """A window's channels: ids, real, counted, positions."""
@@ -24,12 +24,12 @@ CHANNELS = 4
 
 class Packer:
     """Rows of token features packed into windows as they stream in (`add`, then `finish`), each
-    placed as `NextFit` says."""
+    placed as `FirstFit` says; windows come out as they close."""
 
     def __init__(self, seq_len: int, pad_id: int):
         self.seq_len, self.pad_id = seq_len, pad_id
-        self._fit = NextFit(seq_len)
-        self._window: torch.Tensor | None = None
+        self._fit = FirstFit(seq_len)
+        self._windows: dict[int, torch.Tensor] = {}
 
     def _open(self) -> torch.Tensor:
         window = torch.zeros(CHANNELS, self.seq_len, dtype=torch.long)
@@ -37,27 +37,25 @@ class Packer:
         window[3] = torch.arange(self.seq_len)  # the padding after the last row: never a counted token's context
         return window
 
+    def _emit(self, closed: list[int]) -> torch.Tensor:
+        done = [self._windows.pop(w) for w in closed]
+        return torch.stack(done) if done else torch.empty(0, CHANNELS, self.seq_len, dtype=torch.long)
+
     def add(self, features: torch.Tensor) -> torch.Tensor:
-        """Pack `features` (rows, 3, seq_len); the windows they filled, (windows, 4, seq_len). A row
-        with no tokens is left out (it counts nothing either way)."""
-        done = []
+        """Pack `features` (rows, 3, seq_len); the windows closed meanwhile, (windows, 4, seq_len). A
+        row with no tokens is left out (it counts nothing either way)."""
         for row, length in zip(features, features[:, 1].sum(1).tolist(), strict=True):
             if length == 0:
                 continue
-            new, begins = self._fit.place(length)
-            if new:
-                if self._window is not None:
-                    done.append(self._window)
-                self._window = self._open()
-            assert self._window is not None
-            self._window[:3, begins:begins + length] = row[:3, :length]
-            self._window[3, begins:begins + length] = torch.arange(length)
-        return torch.stack(done) if done else torch.empty(0, CHANNELS, self.seq_len, dtype=torch.long)
+            window, begins = self._fit.place(length)
+            into = self._windows.setdefault(window, self._open())
+            into[:3, begins:begins + length] = row[:3, :length]
+            into[3, begins:begins + length] = torch.arange(length)
+        return self._emit(self._fit.closed())
 
     def finish(self) -> torch.Tensor:
-        """The window still being filled, if any: (0 or 1, 4, seq_len)."""
-        last, self._window = self._window, None
-        return last.unsqueeze(0) if last is not None else torch.empty(0, CHANNELS, self.seq_len, dtype=torch.long)
+        """The windows still open: (windows, 4, seq_len)."""
+        return self._emit(self._fit.closed(everything=True))
 
     def fill(self) -> PackingFill:
         return self._fit.fill()
