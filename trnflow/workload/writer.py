@@ -1,4 +1,4 @@
-"""A whole checkpoint written by a process of its own (`python -m trnflow.workload.writer`).
+"""A whole checkpoint written by a process of its own (`CheckpointWriter`, which starts it).
 
 A thread of the training process would do the same work, but it shares the interpreter's lock
 with the training loop, which dispatches its operations from Python (the emulator, torch-xla's
@@ -266,7 +266,7 @@ class CheckpointWriter:
             self._replies, replies = os.pipe()
             spare = _spare_cpus()
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "trnflow.workload.writer", str(os.getpid()), str(fd), str(max(size, ALIGN)),
+                [sys.executable, "-c", _BOOT, str(os.getpid()), str(fd), str(max(size, ALIGN)),
                  str(requests), str(replies), ",".join(map(str, spare))],
                 pass_fds=(fd, requests, replies), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
             os.close(requests)
@@ -293,6 +293,17 @@ class CheckpointWriter:
             with contextlib.suppress(BufferError):  # a view still held: the map goes with it
                 self._map.close()
             self._map = None
+
+
+_BOOT = """import os, sys
+cpus = sys.argv[6]
+if cpus and hasattr(os, "sched_setaffinity"):
+    os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+from trnflow.workload.writer import main
+sys.exit(main(sys.argv[1:]))
+"""
+"""The writer process's first lines: off the rank's CPUs before it imports anything (it inherits
+the rank's pinning, and its imports take seconds of a CPU), then `main`."""
 
 
 def _spare_cpus() -> list[int]:
@@ -323,9 +334,6 @@ def main(argv: list[str]) -> int:
     _die_with_parent()
     if os.getppid() != parent:  # it ended before the signal was asked for
         return 1
-    cpus = argv[5]
-    if cpus:
-        os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
     torch.set_num_threads(1)
     if hasattr(os, "posix_fallocate"):  # the memory's pages made here, not in the training loop's first copy
         with contextlib.suppress(OSError):
@@ -339,8 +347,3 @@ def main(argv: list[str]) -> int:
         _send(replies, reply.model_dump_json().encode())
     return 0
 
-
-if __name__ == "__main__":
-    from trnflow.workload.writer import main as writer_main  # the module's own classes, not __main__'s
-
-    sys.exit(writer_main(sys.argv[1:]))
