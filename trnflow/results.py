@@ -224,8 +224,13 @@ class PackingFill(_Model):
 
     @property
     def fill(self) -> float:
-        """The share of the windows' tokens that are real (unpacked: the rows' tokens over rows x seq_len)."""
+        """The share of the windows' tokens that are real."""
         return self.tokens / (self.windows * self.seq_len) if self.windows else 0.0
+
+    @property
+    def unpacked(self) -> float:
+        """The share that would be real with one row a window."""
+        return self.tokens / (self.rows * self.seq_len) if self.rows else 0.0
 
     def __str__(self) -> str:
         return (f"{self.rows} rows packed into {self.windows} windows of {self.seq_len} tokens, "

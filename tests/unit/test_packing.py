@@ -28,6 +28,7 @@ def test_each_row_goes_into_the_first_open_window_with_room_and_windows_close_fu
     assert fit.closed() == [] and fit.closed(everything=True) == [2, 3]
     fill = fit.fill()
     assert (fill.rows, fill.windows, fill.tokens) == (7, 4, 30) and fill.fill == 30 / 40
+    assert fill.unpacked == 30 / 70  # one row a window
     assert str(fill) == "7 rows packed into 4 windows of 10 tokens, 75.0% of them real"
     with pytest.raises(ValueError, match="a row of 11 tokens cannot be packed into windows of 10"):
         fit.place(11)

@@ -77,8 +77,8 @@ def _check_file(file: DataFile, spec: DataSpec, columns: list[str], num_classes:
             if tokens is None or lengths is None:
                 continue
             cut += sum(n > tokens.seq_len for n in lengths)
-            for n in lengths if packed is not None else ():
-                if n:
+            if packed is not None:
+                for n in filter(None, lengths):  # a row with no tokens is not packed
                     packed.place(min(n, tokens.seq_len))
     except (DataError, FatalError) as exc:
         return DataFileCheck(name=file.name, rows_rejected=_count_rows(file, spec.format),
@@ -109,8 +109,7 @@ def _check_part(field: str, url: str, day: str | None, files: list[DataFile], sp
                      "whole)")
     fill = packed.fill() if packed is not None and packed.rows else None
     if fill is not None:
-        alone = fill.tokens / (fill.rows * fill.seq_len)
-        notes.append(f"data.packing: {fill} (one row a window: {alone:.1%})")
+        notes.append(f"data.packing: {fill} (one row a window: {fill.unpacked:.1%})")
     elif packed is not None and read:
         notes.append("data.packing: how full the windows are is known once the tokenizer is trained on the data (the "
                      "run's log says it)")

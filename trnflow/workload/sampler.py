@@ -39,14 +39,14 @@ class StepSampler:
     """
 
     def __init__(self, n_rows: int, global_batch: int, rank: int, world: int, seed: int, drop_last: bool = True,
-                 unit: str = "rows"):
-        """`unit`: what the samples are (rows; windows of packed rows, `data.packing`)."""
+                 packed: bool = False):
+        """`packed`: the samples are windows of packed rows (`data.packing`), which `n_rows` counts."""
         if n_rows < global_batch:
             raise DataError(
-                f"the training set has {n_rows} {unit}, fewer than one global batch ({global_batch}); "
-                "add data or lower train.global_batch_size"
+                f"the training set has {n_rows} {'windows' if packed else 'rows'}, fewer than one global batch "
+                f"({global_batch}); add data or lower train.global_batch_size"
             )
-        self.n, self.global_batch, self.seed, self.unit = n_rows, global_batch, seed, unit
+        self.n, self.global_batch, self.seed, self.packed = n_rows, global_batch, seed, packed
         self.rank, self.world = rank, world
         self.per_rank = global_batch // world
         full, left = divmod(n_rows, global_batch)
@@ -58,7 +58,7 @@ class StepSampler:
         epoch, batch = divmod(step, self.steps_per_epoch)
         return {"step": step, "epoch": epoch, "batch_in_epoch": batch, "rows": self.n,
                 "global_batch": self.global_batch, "seed": self.seed,
-                **({"packed": 1} if self.unit == "windows" else {})}  # (then `rows` counts windows)
+                **({"packed": 1} if self.packed else {})}  # (then `rows` counts windows)
 
     def restore(self, position: dict) -> int:
         """The step to continue from; refuses a position saved over different data or batches."""

@@ -135,7 +135,7 @@ class Trainer(Checkpointing):
         self.sr_seed = int(os.environ.get("NEURON_RT_STOCHASTIC_ROUNDING_SEED", "0")) + tcfg.seed
         self.sr_gen = torch.Generator().manual_seed(self.sr_seed)
         self.sampler = StepSampler(len(self.labels), tcfg.global_batch_size, ctx.replica, ctx.replicas, tcfg.seed,
-                                   drop_last=tcfg.drop_last, unit="windows" if train.packing else "rows")
+                                   drop_last=tcfg.drop_last, packed=train.packing is not None)
         self.resumed_weights: str | None = None
         self.first, self.metrics = self._resume_or_init()
         self.lineage = start.lineage()

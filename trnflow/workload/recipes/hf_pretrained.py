@@ -72,6 +72,12 @@ def absolute(folder: str | None) -> str | None:
     return str(Path(folder).expanduser().absolute()) if folder and not remote(folder) else folder
 
 
+def local_config(folder: str) -> dict[str, Any] | None:
+    """A local pretrained folder's config.json, or None when it has none."""
+    path = Path(folder) / "config.json"
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
 def remote(folder: str | None) -> bool:
     """Whether a `pretrained` folder is on S3 (fetched by each job into a folder of its own)."""
     return bool(folder) and str(folder).startswith("s3://")
@@ -459,8 +465,7 @@ class FromPretrained:
         if not folder:
             return None
         if not remote(folder):
-            path = Path(folder) / "config.json"
-            return json.loads(path.read_text()) if path.is_file() else None
+            return local_config(folder)
         try:
             listed = read_marker(folder).files.get("config.json")
             data = open_store(folder).read("config.json") if listed else b""

@@ -29,7 +29,6 @@ exported with `save_pretrained`, which `AutoModelForCausalLM.from_pretrained` an
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -50,6 +49,8 @@ from trnflow.workload.recipes.hf_pretrained import (
     PretrainedParams,
     PretrainedTokenizer,
     chat_turns,
+    local_config,
+    remote,
     saved_state,
     train_byte_tokenizer,
     transformers,
@@ -273,10 +274,8 @@ class HfCausalLm(FromPretrained, Recipe):
         folder's config read; an s3:// one's is checked as the model is built)."""
         assert isinstance(params, HfCausalLmParams)
         folder = params.pretrained
-        path = Path(folder) / "config.json" if folder and not folder.startswith("s3://") else None
-        config = json.loads(path.read_text()) if path is not None and path.is_file() else {
-            "model_type": params.model_type, **params.config}
-        return packing_refused(config)
+        config = local_config(folder) if folder and not remote(folder) else None
+        return packing_refused(config or {"model_type": params.model_type, **params.config})
 
     def packer(self) -> Packer:
         assert self.tokenizer is not None, "fit or load the tokenizer first"
