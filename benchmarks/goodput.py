@@ -1,12 +1,13 @@
 """What a checkpoint costs the training loop, and what a faulted run loses: checkpoints written in
 the background (`train.checkpoint_async`, the default) against written before training goes on.
 
-    python benchmarks/goodput.py [--part stall|faulted|both] [--steps 24] [--every 4] [--repeats 2]
+    python benchmarks/goodput.py [--part stall|faulted|both] [--steps 40] [--every 4] [--repeats 3]
                                  [--faulted-steps 300] [--faulted-every 10] [--faulted-runs background,in-step]
 
 `stall`: one core trains a model whose checkpoint takes seconds to write here (an m5-text encoder of
 about 90M parameters: a 1.1 GB checkpoint with its AdamW state), checkpointing every `--every`
-steps, once with background writes and once without, `--repeats` times in turn, the core computing
+steps, once with background writes and once without, `--repeats` times in turn (which goes first
+alternating, so that a machine drifting over the runs weighs on both alike), the core computing
 on one CPU as in `faulted` below. A checkpoint's cost is what the loop stopped for it (its log
 line's `stalled_s`) and, written in the background, what the steps beside its write took over as
 many medians of steps that ran alone (`slowed_s`): both are in the run's `time.stall_seconds`. The
@@ -96,11 +97,15 @@ def _stall_part(args: argparse.Namespace, root: Path) -> list[dict]:
 
     stops, wholes, theirs, written = [], [], [], []
     for repeat in range(args.repeats):
+        # in turn, which goes first alternating, so that a machine drifting over the runs weighs on both alike
+        if repeat % 2:
+            theirs.append(run(False, repeat)[1])
         stop, whole, wrote = run(True, repeat)
         stops.append(stop)
         wholes.append(whole)
         written.append(wrote)
-        theirs.append(run(False, repeat)[1])
+        if not repeat % 2:
+            theirs.append(run(False, repeat)[1])
     print(f"per checkpoint: background {statistics.median(wholes):.3f} s in all ({statistics.median(stops):.3f} s "
           f"stopped), in step {statistics.median(theirs):.3f} s "
           f"({statistics.median(wholes) / statistics.median(theirs):.1%})")
@@ -154,9 +159,9 @@ def _faulted_part(args: argparse.Namespace, root: Path) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--part", choices=("stall", "faulted", "both"), default="both")
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--every", type=int, default=4, help="steps between checkpoints")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--faulted-steps", type=int, default=300)
     parser.add_argument("--faulted-every", type=int, default=10, help="steps between the faulted run's checkpoints")
     parser.add_argument("--faulted-runs", default="background,in-step",

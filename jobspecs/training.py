@@ -157,7 +157,8 @@ class TrainSpec(Section):
         "`process`, a writer process of its own that maps the copied state, so the training steps, which dispatch "
         "from Python, never wait on it for the interpreter's lock; `thread`, a thread of the training process "
         "(no process to start, about a second of a CPU); `auto`, the process once the copied state is at least "
-        "64 MiB. Sharded layouts write their shards on a thread of every rank.",
+        "64 MiB. The process paces its writes over half the steps to the next checkpoint, unless the loop waits for "
+        "it. Sharded layouts write their shards on a thread of every rank.",
     )
     checkpoint_url: Url = Field(description="Where checkpoints are written: a directory or s3:// URL.")
     init_from: ChampionOrUrl | None = Field(

@@ -1,5 +1,6 @@
 """A whole checkpoint written by the writer process: the same files as one saved in this process,
-the state as it was when staged, the memory reused, and every way it fails said in the loop."""
+paced or not, the state as it was when staged, the memory reused, and every way it fails said in the
+loop; a paced write spread over its seconds until hurried."""
 
 import os
 import signal
@@ -9,10 +10,11 @@ import torch
 
 from tests.conftest import tiny_m5
 from tests.factories import checkpoint_meta
+from trnflow.workload import writer as writing
 from trnflow.workload.checkpoint import MARKER, RunCheckpoints, load, step_name, trained_state
 from trnflow.workload.programs import build_model
 from trnflow.workload.saver import stage
-from trnflow.workload.writer import PROCESS_BYTES, CheckpointWriter, Request, WriteFailed, in_process
+from trnflow.workload.writer import PROCESS_BYTES, CheckpointWriter, Pace, Request, WriteFailed, in_process
 
 FEATURIZER = ("tokenizer.json", b'{"model": "tiny"}')
 
@@ -28,8 +30,8 @@ def _state(seed: int = 0) -> tuple[dict, dict]:
 RNG = [{"torch": torch.get_rng_state(), "sr": torch.Generator().get_state()}]
 
 
-def _request(run: str, step: int, model, optim, keep_latest=None) -> Request:
-    return Request(run, step, model, optim, RNG, FEATURIZER, checkpoint_meta(step=step), keep_latest)
+def _request(run: str, step: int, model, optim, keep_latest=None, seconds=None) -> Request:
+    return Request(run, step, model, optim, RNG, FEATURIZER, checkpoint_meta(step=step), keep_latest, seconds)
 
 
 @pytest.fixture
@@ -39,7 +41,7 @@ def writer():
     writer.close()
 
 
-def test_the_writer_saves_the_files_this_process_would_and_the_state_as_it_was_staged(tmp_path, writer):
+def test_the_writer_saves_the_files_this_process_would_paced_and_the_state_as_it_was_staged(tmp_path, writer):
     model, optim = _state()
     ours = RunCheckpoints(str(tmp_path / "ours"))
     ours.save(4, *stage([model, optim]), RNG, FEATURIZER, checkpoint_meta(step=4))  # as the thread writes it
@@ -48,7 +50,8 @@ def test_the_writer_saves_the_files_this_process_would_and_the_state_as_it_was_s
     before = {name: t.clone() for name, t in model.items()}
     for t in model.values():  # the training that goes on changes its tensors in place
         t.add_(1)
-    url = writer.save(_request(str(tmp_path / "theirs"), 4, *laid))
+    writer.hurry()  # paced over a day, the loop waiting for it: written at once
+    url = writer.save(_request(str(tmp_path / "theirs"), 4, *laid, seconds=86400.0))
 
     assert url == f"{tmp_path / 'theirs'}/{step_name(4)}" and (tmp_path / "theirs" / step_name(4) / MARKER).exists()
     for name in ("model.pt", "optim.pt"):  # byte for byte: one storage for each tensor, as the thread writes
@@ -106,3 +109,27 @@ def test_auto_writes_a_large_state_in_the_process_and_a_small_one_on_the_thread(
     large = {"w": torch.zeros(PROCESS_BYTES // 4)}
     assert not in_process("auto", small, {}) and in_process("auto", large, {"state": {}})
     assert in_process("process", small, {}) and not in_process("thread", large, {})
+
+
+def test_a_paced_write_keeps_to_its_schedule_until_hurried(monkeypatch):
+    """100 MB over 10 s: after each part, it waits until that part's share of the 10 s has passed;
+    hurried, it waits no more (a clock of the test's own: nothing here is timed)."""
+    clock = {"now": 0.0, "slept": 0.0}
+
+    def sleep(seconds):
+        clock["now"] += seconds
+        clock["slept"] += seconds
+
+    monkeypatch.setattr(writing.time, "monotonic", lambda: clock["now"])
+    monkeypatch.setattr(writing.time, "sleep", sleep)
+    hurried = []
+    pace = Pace(100_000_000, 10.0, lambda: bool(hurried))
+    clock["now"] += 0.2  # the first 8 MB took 0.2 s to write: due at 0.8 s
+    pace(8_000_000)
+    assert clock["now"] == pytest.approx(0.8)
+    clock["now"] += 2.0  # a slow part: behind schedule, no wait
+    pace(8_000_000)
+    assert clock["now"] == pytest.approx(2.8) and clock["slept"] == pytest.approx(0.6)
+    hurried.append(True)
+    pace(80_000_000)  # ahead by 6.8 s, but hurried
+    assert clock["now"] == pytest.approx(2.8)

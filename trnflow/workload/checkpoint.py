@@ -31,6 +31,7 @@ import pickle
 import re
 import reprlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -84,16 +85,30 @@ def _digest(data: bytes) -> dict:
     return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
 
-class _Hashing:
-    """A file written through, hashing what passes."""
+CHUNK = 8 << 20
+"""Bytes a paced write passes on at a time (`_Hashing`)."""
 
-    def __init__(self, file: Any):
-        self.file, self.sha256, self.size = file, hashlib.sha256(), 0
+
+class _Hashing:
+    """A file written through, hashing what passes; with `pace`, told of every `CHUNK` written
+    (which may wait before the next)."""
+
+    def __init__(self, file: Any, pace: Callable[[int], None] | None = None):
+        self.file, self.sha256, self.size, self.pace = file, hashlib.sha256(), 0, pace
 
     def write(self, data: Any) -> int:
-        self.sha256.update(data)
-        self.size += len(data)
-        return self.file.write(data)
+        if self.pace is None:
+            self.sha256.update(data)
+            self.size += len(data)
+            return self.file.write(data)
+        view = memoryview(data).cast("B")
+        for at in range(0, len(view), CHUNK):
+            chunk = view[at:at + CHUNK]
+            self.sha256.update(chunk)
+            self.file.write(chunk)
+            self.size += len(chunk)
+            self.pace(len(chunk))
+        return len(view)
 
     def flush(self) -> None:
         self.file.flush()
@@ -211,11 +226,13 @@ class RunCheckpoints:
         return listed
 
     def save(self, step: int, model: dict | None, optim: dict | None, rng: list[dict], featurizer: tuple[str, bytes],
-             meta: CheckpointMeta, keep_latest: int | None = None, shards: dict[str, dict] | None = None) -> str:
+             meta: CheckpointMeta, keep_latest: int | None = None, shards: dict[str, dict] | None = None,
+             pace: Callable[[int], None] | None = None) -> str:
         """Write one checkpoint, marker last; then delete torn folders and all but the newest
         `keep_latest` committed ones. Returns the checkpoint's URL. A sharded checkpoint's shard files
         are stored first, by every rank (`clear`, then `write_shards`), and passed as `shards` with
-        their checksums; it then has no `optim`, and `model` (the whole weights) is optional."""
+        their checksums; it then has no `optim`, and `model` (the whole weights) is optional. `pace`
+        is told of the weights' and optimizer state's bytes as they are written (`writer.Pace`)."""
         folder = step_name(step)
         if shards is None:
             self.clear(step)
@@ -227,7 +244,7 @@ class RunCheckpoints:
             "meta.json": dump(meta.model_copy(update={"step": step, "saved_at": round(time.time(), 3)})),
         }
         try:
-            listed = {name: self._stream(f"{folder}/{name}", obj) for name, obj in tensors.items()}
+            listed = {name: self._stream(f"{folder}/{name}", obj, pace) for name, obj in tensors.items()}
             for name, data in files.items():
                 self.store.write(f"{folder}/{name}", data)
                 listed[name] = _digest(data)
@@ -240,11 +257,11 @@ class RunCheckpoints:
         self.prune(keep_latest, newest=step)
         return f"{self.url}/{folder}"
 
-    def _stream(self, name: str, obj: Any) -> dict:
+    def _stream(self, name: str, obj: Any, pace: Callable[[int], None] | None = None) -> dict:
         """`torch.save` `obj` straight into the store's object `name`, hashed on its way: the large
         files are never held whole in memory, nor read again to be hashed. Their checksum for the marker."""
         with self.store.writing(name) as file:
-            hashing = _Hashing(file)
+            hashing = _Hashing(file, pace)
             torch.save(obj, hashing)
         return hashing.digest()
 

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import math
+import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,10 @@ from trnflow.workload.saver import Saved, stage
 from trnflow.workload.sharding import shard_state, whole_model, write_shards
 from trnflow.workload.writer import CheckpointWriter, Request, in_process
 
+PACED_SHARE = 0.5
+"""The share of the time to the next checkpoint a write in the background is spread over (`writer.Pace`):
+done by half-way, it is seldom still writing when the next is due."""
+
 
 def rng_state(sr_gen: torch.Generator) -> dict:
     return {"torch": torch.get_rng_state(), "sr": sr_gen.get_state()}
@@ -53,13 +58,14 @@ class Checkpointing:
     time: TrainTime
     data_read: DataRead
     beside: tuple[float, float]
+    alone: Iterable[float]
 
     def _checkpoint(self, done: int, last: bool = False) -> None:
         """Save the checkpoint of step `done`: in the background (`train.checkpoint_async`), unless it is the
         run's `last` one, which is committed before this returns, as every stop's is."""
         began = time.perf_counter()
         with watchdog.busy(f"checkpointing step {done}"):  # rank 0 writes; the others wait for it
-            self._committed(self.saver.wait())  # the write before it
+            self._committed(self._wait())  # the write before it
             self._write_checkpoint(done, began, background=self.spec.train.checkpoint_async and not last)
 
     def _prepare_writer(self) -> None:
@@ -85,7 +91,21 @@ class Checkpointing:
         """Wait for the checkpoint write in flight, if any, to commit (before an injected fault strikes)."""
         if self.saver.step is not None:
             with watchdog.busy(f"checkpointing step {self.saver.step}"):
-                self._committed(self.saver.wait())
+                self._committed(self._wait())
+
+    def _wait(self, timeout: float | None = None) -> Saved | None:
+        """The write in flight, if any, once done: its writer no longer paced (`CheckpointWriter.hurry`)."""
+        if self.writer is not None:
+            self.writer.hurry()
+        return self.saver.wait(timeout)
+
+    def _write_seconds(self) -> float | None:
+        """How long a write in the background may take (`writer.Pace`): a share (`PACED_SHARE`) of
+        the steps to the next checkpoint, at the median of recent steps that ran alone; None before
+        one did."""
+        if not self.alone:
+            return None
+        return PACED_SHARE * self.spec.train.checkpoint_every * statistics.median(self.alone)
 
     def _committed(self, saved: Saved | None) -> None:
         slowed = self._count_beside() if saved is not None else 0.0
@@ -171,7 +191,8 @@ class Checkpointing:
         featurizer = (self.recipe.featurizer_file, self.recipe.state())
 
         if by_writer:
-            request = Request(checkpoints.url, done, weights, optim, rng, featurizer, meta, spec.train.keep_latest)
+            request = Request(checkpoints.url, done, weights, optim, rng, featurizer, meta, spec.train.keep_latest,
+                              seconds=self._write_seconds())
             return lambda shards: self.writer.save(request)
 
         def commit(shards: dict[str, dict] | None) -> str:

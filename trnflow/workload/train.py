@@ -182,7 +182,7 @@ class Trainer(Checkpointing):
         finally:
             self.pace.close()
             with contextlib.suppress(Exception):  # a write in flight as the loop failed: let it commit, if it can
-                self._committed(self.saver.wait(timeout=WRITE_AFTER_FAILURE_SECONDS))
+                self._committed(self._wait(timeout=WRITE_AFTER_FAILURE_SECONDS))
             if self.writer is not None and self.saver.step is None:  # (one still writing ends with this process)
                 self.writer.close()
             notice.close()  # after the loop (and that write) a SIGTERM ends the rank at once again

@@ -28,6 +28,8 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,6 +42,9 @@ from trnflow.workload.tuning import unpinned
 
 ALIGN = 64
 """Each staged tensor starts at a multiple of this many bytes."""
+HURRY = 0
+"""The byte of the shared memory (before the first tensor) the loop sets when it waits for the
+write in flight: the writer then writes what is left at once, no longer paced (`Pace`)."""
 
 
 PROCESS_BYTES = 64 << 20
@@ -148,7 +153,8 @@ def _memory(size: int) -> int:
 @dataclass(frozen=True)
 class Request:
     """One checkpoint for the writer to save, as `RunCheckpoints.save` takes it; `model` and
-    `optim` laid out in the shared memory (`Slot`s)."""
+    `optim` laid out in the shared memory (`Slot`s); `seconds`: spread the write over about that
+    long (`Pace`), unless hurried, or as fast as it goes (None)."""
 
     run_url: str
     step: int
@@ -158,6 +164,29 @@ class Request:
     featurizer: tuple[str, bytes]
     meta: CheckpointMeta
     keep_latest: int | None
+    seconds: float | None = None
+
+
+class Pace:
+    """Spreads about `size` bytes of writes evenly over `seconds`, waiting after each part written
+    while it is ahead, until `hurried()`.
+
+    A checkpoint written at the disk's full speed beside training slows the steps beside it (on a
+    VM here, by about 15% while it writes into the page cache at 800 MB/s; by nothing measurable
+    at 140 MB/s), more than the same bytes written at a pace: there is time for it, the next
+    checkpoint being steps away."""
+
+    def __init__(self, size: int, seconds: float, hurried: Callable[[], bool]):
+        self.rate, self.hurried = max(size, 1) / seconds, hurried
+        self.began, self.done = time.monotonic(), 0
+
+    def __call__(self, written: int) -> None:
+        self.done += written
+        while not self.hurried():
+            ahead = self.done / self.rate - (time.monotonic() - self.began)
+            if ahead <= 0:
+                return
+            time.sleep(min(ahead, 0.05))
 
 
 class Reply(BaseModel):
@@ -224,7 +253,7 @@ class CheckpointWriter:
         nothing, unless a state laid out alike is prepared already; the layout. Called once an
         attempt's first step has made the optimizer's state, it takes the process's start and the
         memory's first touch (the writer's to make) off the first checkpoint's stop."""
-        layout, size = _layout({"model": model, "optim": optim})
+        layout, size = _layout({"model": model, "optim": optim}, ALIGN)  # the first ALIGN bytes: HURRY
         if self._staging is None or _slots(self._staging.layout) != _slots(layout):
             self._start(layout, size)
         return layout
@@ -234,9 +263,15 @@ class CheckpointWriter:
         goes on cannot change; their layouts, for `save`. A state laid out otherwise than the one
         prepared (or none prepared) starts the writer process with memory of the new size first."""
         layout = self.prepare(model, optim)
-        assert self._staging is not None
+        assert self._staging is not None and self._map is not None
         _copy(self._staging.tensors, {"model": model, "optim": optim})
+        self._map[HURRY] = 0
         return layout["model"], layout["optim"]
+
+    def hurry(self) -> None:
+        """Have the write in flight, if any, go on at full speed (the loop is about to wait for it)."""
+        if self._map is not None:
+            self._map[HURRY] = 1
 
     def save(self, request: Request) -> str:
         """Have the writer save the checkpoint `request` describes (staged by `stage` before);
@@ -324,9 +359,23 @@ def _die_with_parent() -> None:
 
 
 def _save(request: Request, memory: memoryview) -> str:
+    pace = None
+    if request.seconds:
+        size = sum(slot.nbytes for slot in _leaves([request.model, request.optim]))
+        pace = Pace(size, request.seconds, lambda: memory[HURRY] != 0)
     return RunCheckpoints(request.run_url).save(
         request.step, _views(request.model, memory), _views(request.optim, memory), request.rng, request.featurizer,
-        request.meta, keep_latest=request.keep_latest)
+        request.meta, keep_latest=request.keep_latest, pace=pace)
+
+
+def _leaves(tree: Any) -> list[Slot]:
+    if isinstance(tree, Slot):
+        return [tree]
+    if isinstance(tree, dict):
+        tree = list(tree.values())
+    if isinstance(tree, list | tuple):
+        return [slot for value in tree for slot in _leaves(value)]
+    return []
 
 
 def main(argv: list[str]) -> int:
