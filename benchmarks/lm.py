@@ -1,4 +1,4 @@
-"""Activation checkpointing and sequence packing on a Llama-style decoder.
+"""Activation checkpointing, sequence packing and generation with a cache on a Llama-style decoder.
 
 `--part checkpointing`: memory per rank and step time with each `train.activation_checkpointing`
 setting, the losses alike.
@@ -24,7 +24,15 @@ step time; the packed run counts the rows' real tokens, the same whether packed 
 least 2x unpacked. At 112 no packing can reach it on these chats: unpacked they fill 57% of a
 window already, so even windows packed whole would be 1.75x.
 
-    python benchmarks/lm.py [--part checkpointing|packing|both] [--steps 20] [--ranks 2]
+`--part generation`: a smaller decoder of the same kind (hidden 128, 2 layers), trained `--steps`
+steps on review text (rows of 96 tokens), then generating greedy completions of 16 rows in one
+batch, once with the cache of keys and values (`inference.generate.kv_cache`, the default: a
+prefill, then one token a step) and once without (each step the whole buffer of 96 + new tokens),
+at 16, 64 and 256 new tokens. Compared: generated tokens per second (the completions' tokens over
+the inference stage's steady time, its programs loaded before), goal at least 5x at 256 new tokens;
+and the completions, which must be the same.
+
+    python benchmarks/lm.py [--part checkpointing|packing|generation|all] [--steps 20] [--ranks 2]
 
 The last line printed is JSON (`_report`'s shape).
 """
@@ -41,6 +49,7 @@ from _report import difference_figure, emit, ratio_figure
 from trnflow.backends.local import LocalBackend
 from trnflow.results import PackingFill
 from trnflow.settings import TrnflowSettings
+from trnflow.specs import JobSpec
 from trnflow.workload.synth import synthesize
 
 DECODER = {"model_type": "llama", "vocab_size": 2048, "seq_len": 96, "rows": "text",
@@ -123,9 +132,56 @@ def _packing(args: argparse.Namespace, root: Path, backend: LocalBackend) -> lis
                          baseline_name="a row a window", better="higher")]
 
 
+GENERATOR = {**DECODER, "config": {**DECODER["config"], "hidden_size": 128, "intermediate_size": 256,
+                                    "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}}
+NEW_TOKENS = (16, 64, 256)
+
+
+def _generation(args: argparse.Namespace, root: Path, backend: LocalBackend) -> list[dict]:
+    import pyarrow.parquet as pq
+
+    texts = root / "generation"
+    synthesize(texts, days=1, rows_per_day=400, seed=13, holdout_rows=64, inference_rows=16)
+
+    def spec(name: str, **generate: object) -> JobSpec:
+        return quickstart(root, name=name, model={"recipe": "hf-causal-lm", "params": GENERATOR},
+                          data={"train": str(texts / "train"), "holdout": str(texts / "holdout"),
+                                "inference": str(texts / "inference")},
+                          compute={"cores_per_node": 1, "precision": "fp32", "threads_per_core": 1},
+                          compile={"cache_url": str(root / "cache")},
+                          train={"steps": args.steps, "global_batch_size": 16, "lr": 0.003, "seed": 3,
+                                 "checkpoint_every": args.steps, "log_every": args.steps,
+                                 "checkpoint_url": str(root / "checkpoints" / "generator")},
+                          inference={"batch_size": 16, "shard_size": 16, "output_url": str(root / name),
+                                     **({"generate": generate} if generate else {})},
+                          gate={"reference": None, "metric": "perplexity", "metrics": []})
+
+    checkpoint = run_job(backend, spec("generator"), "train", "generator")["checkpoint_url"]
+    rate: dict[str, float] = {}
+    said: dict[str, dict] = {}
+    for new in NEW_TOKENS:
+        for cached in (True, False):
+            name = f"{'cache' if cached else 'no-cache'}-{new}"
+            ran = run_job(backend, spec(name, max_new_tokens=new, kv_cache=cached), "infer", name, checkpoint)
+            table = pq.read_table(root / name, columns=["id", "completion", "completion_tokens"])
+            tokens = sum(table.column("completion_tokens").to_pylist())
+            rate[name] = tokens / ran["rows"] * ran["rows_per_s"]
+            said[name] = dict(zip(table.column("id").to_pylist(), table.column("completion").to_pylist(), strict=True))
+            print(f"{name}: {tokens} tokens for {ran['rows']} rows, {rate[name]:.1f} tokens/s", flush=True)
+    differ = sum(said[f"cache-{new}"][row] != said[f"no-cache-{new}"].get(row) for new in NEW_TOKENS
+                 for row in said[f"cache-{new}"])
+    args.details.update(generated_tokens_per_s=rate, completions_differing=differ)
+    return [*(ratio_figure(f"generated tokens per second at {new} new tokens, with the cache over without",
+                           [rate[f"cache-{new}"]], [rate[f"no-cache-{new}"]], unit="tokens/s",
+                           baseline_name="the whole buffer each step", better="higher",
+                           goal=5.0 if new == NEW_TOKENS[-1] else None) for new in NEW_TOKENS),
+            difference_figure("completions that differ with the cache", [float(differ)], [0.0], unit="rows",
+                              baseline_name="without the cache", goal=0.0)]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", choices=("checkpointing", "packing", "both"), default="both")
+    parser.add_argument("--part", choices=("checkpointing", "packing", "generation", "all"), default="all")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--ranks", type=int, default=2)
     args = parser.parse_args()
@@ -135,10 +191,9 @@ def main() -> None:
         root = Path(tmp)
         scratch_home(root)
         backend = LocalBackend(TrnflowSettings().jobs_dir)
-        if args.part in ("checkpointing", "both"):
-            figures += _checkpointing(args, root, backend)
-        if args.part in ("packing", "both"):
-            figures += _packing(args, root, backend)
+        for part, measure in (("checkpointing", _checkpointing), ("packing", _packing), ("generation", _generation)):
+            if args.part in (part, "all"):
+                figures += measure(args, root, backend)
     emit("lm", figures, **args.details)
 
 

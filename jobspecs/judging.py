@@ -89,6 +89,11 @@ class GenerateSpec(Section):
                               "tokens.")
     seed: int = Field(0, ge=0, lt=2**63, description="When sampling: with the row's id, seeds its draws, so a rerun or "
                       "a resumed shard writes the same completions.")
+    kv_cache: bool = Field(True, description="Keep each row's keys and values in a cache of fixed size (seq_len + "
+                           "max_new_tokens): the prompts computed once (the prefill_step program), then one token a "
+                           "step (decode_step). false: every step computes the whole buffer again (generate_step), "
+                           "for a decoder that does not take positions and an attention mask as given (llama, qwen2, "
+                           "qwen3 and gpt2 do).")
 
 
 class InferenceSpec(Section):

@@ -118,8 +118,9 @@ def test_a_thousand_shard_plan_resumes_after_a_kill_and_publishes_each_shard_onc
 
 
 def test_sampled_completions_resume_by_shard_and_equal_an_uninterrupted_runs(make_spec, backend, dataset, tmp_path):
-    """hf-causal-lm with `inference.generate` (sampled, seeded): a run killed before its third shard
-    and rerun writes, row for row, the completions of a run never killed."""
+    """hf-causal-lm with `inference.generate` (sampled, seeded), its prefill and decode programs
+    compiled ahead (no graph compiled in inference): a run killed before its third shard and rerun
+    writes, row for row, the completions of a run never killed, and of a run without the cache."""
     lm = {"recipe": "hf-causal-lm", "params": {"rows": "text", "seq_len": 32, "vocab_size": 300, "config": {
         "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
         "num_key_value_heads": 1}}}
@@ -127,13 +128,19 @@ def test_sampled_completions_resume_by_shard_and_equal_an_uninterrupted_runs(mak
                 "train": {"steps": 2, "checkpoint_every": 2}}
     generate = {"max_new_tokens": 4, "temperature": 1.0, "top_k": 20, "seed": 9}
 
-    def spec(out: str, **more):
+    def spec(out: str, kv_cache: bool = True, **more):
         return make_spec(1, inference={"shard_size": 50, "batch_size": 16, "output_url": str(tmp_path / out),
-                                       "generate": generate}, **sections, **more)
+                                       "generate": {**generate, "kv_cache": kv_cache}},
+                         compile={"cache_url": str(tmp_path / "cache"), "optlevel": 1, "fail_on_recompile": kv_cache},
+                         **sections, **more)
 
     checkpoint = _checkpoint(spec("whole"), dataset)
+    compiled = _job(backend, spec("whole"), "compile", "programs")
+    assert compiled.state is JobState.SUCCEEDED, compiled.failure
+    assert {"prefill_step", "decode_step"} <= {p.program for p in compiled.result.programs}
     whole = _job(backend, spec("whole"), "infer", "model", checkpoint)
     assert whole.state is JobState.SUCCEEDED, whole.failure
+    assert whole.result.compile.recompiles == [] and whole.result.compile.hits >= 2
     killed = _job(backend, spec("resumed", faults=[{"kind": "kill", "core": 0, "step": 3}]), "infer", "model",
                   checkpoint)
     assert killed.state is JobState.FAILED and killed.failure.retryable is True
@@ -150,3 +157,6 @@ def test_sampled_completions_resume_by_shard_and_equal_an_uninterrupted_runs(mak
     ours, theirs = completions("resumed"), completions("whole")
     assert ours == theirs and len(ours) == 350 and all(0 < n <= 4 for _, n in ours.values())
     assert len({text for text, _ in ours.values()}) > 10  # sampled: not one completion for every row
+    recomputed = _job(backend, spec("recomputed", kv_cache=False), "infer", "model", checkpoint)
+    assert recomputed.state is JobState.SUCCEEDED, recomputed.failure
+    assert completions("recomputed") == theirs  # the same draws from the same probabilities

@@ -42,9 +42,9 @@ def test_only_a_recipe_whose_rows_are_tokens_packs():
     assert model_problems(lm) == []
     opt = quickstart_data(model={"recipe": "hf-causal-lm", "params": {**SMALL, "model_type": "opt", "config": {}}},
                           data={"packing": "yes"}, gate={"metric": "perplexity", "metrics": []})
-    assert model_problems(opt) == ["data.packing: model_type opt does not take the packed rows' positions and mask "
-                                   "as given; packing trains llama, qwen2, qwen3 and gpt2 decoders: remove "
-                                   "data.packing"]
+    assert model_problems(opt) == ["data.packing: model_type opt does not take positions and an attention mask as "
+                                   "given (the llama, qwen2, qwen3 and gpt2 decoders do), which packed rows need; "
+                                   "remove data.packing"]
     sliding = quickstart_data(model={"recipe": "hf-causal-lm", "params": {
         **SMALL, "model_type": "qwen2", "config": {**SMALL["config"], "use_sliding_window": True}}},
         data={"packing": True}, gate={"metric": "perplexity", "metrics": []})

@@ -31,7 +31,7 @@ from trnflow.workload.data import iter_unlabelled
 from trnflow.workload.embeddings import MANIFEST, committed, marker_name, remove_beyond, shard_name
 from trnflow.workload.evaluate import featurized, loaded
 from trnflow.workload.features import Featurized, featurize, host_memory
-from trnflow.workload.generate import generate
+from trnflow.workload.generate import Decoding, generate, rehearse
 from trnflow.workload.recipes import Recipe
 from trnflow.workload.sampler import static_batches
 
@@ -102,19 +102,19 @@ class _Job:
     rows_per_shard: int
     batch_size: int
     generating: GenerateSpec | None = None
-    next_logits: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    """`inference.generate`, and the program each step of a generation runs."""
+    decoding: Callable[[], Decoding] | None = None
+    """`inference.generate`, and how a generation gets each next token's logits (`Programs.decoding`)."""
 
     def generated(self, lo: int, hi: int) -> list[list[int]] | None:
         """The tokens generated for rows lo..hi (None when the spec generates nothing)."""
-        if self.generating is None or self.next_logits is None:
+        if self.generating is None or self.decoding is None:
             return None
         ids = [str(i) for i in self.rows.ids.slice(lo, hi - lo).to_pylist()]
         tokens: list[list[int]] = []
         for batch, real in static_batches(self.rows.features, torch.arange(lo, hi), self.batch_size):
             names = ids[len(tokens):len(tokens) + real]
             names += [names[0]] * (len(batch) - real)  # a filled batch's copies of its first row
-            tokens += generate(self.next_logits, self.recipe, batch, names, self.generating)[:real]
+            tokens += generate(self.decoding(), self.recipe, batch, names, self.generating)[:real]
         return tokens
 
     @property
@@ -148,8 +148,8 @@ def _warm_up(job: _Job, mine: list[int]) -> float:
     if mine:
         batch = next(static_batches(job.rows.features, torch.arange(1), job.batch_size))[0]
         first = job.outputs(batch)
-        if job.next_logits is not None and job.generating is not None:  # the generation's program, once
-            job.next_logits(*job.recipe.prompts(batch, job.generating.max_new_tokens))
+        if job.decoding is not None and job.generating is not None:  # the generation's programs, once
+            rehearse(job.decoding(), job.recipe, batch, job.generating)
         _parquet_bytes(_shard_table(job.rows.ids.slice(0, 1), first[:1].float(), job.version, job.recipe))
     return time.perf_counter() - began
 
@@ -207,7 +207,7 @@ def run(ctx: WorkerContext, checkpoint: str) -> InferResult:
     job = _Job(rows=rows, version=version, plan=_plan(rows, icfg, ckpt, version, recipe), out=out, recipe=recipe,
                outputs=programs.embed if recipe.embeds else programs.logits,  # predictions, without embeddings
                rows_per_shard=icfg.shard_size, batch_size=icfg.batch_size, generating=icfg.generate,
-               next_logits=programs.next_logits if icfg.generate else None)
+               decoding=programs.decoding if icfg.generate else None)
     if ctx.is_main:
         out.delete(MANIFEST)  # the output is incomplete until the manifest is back
     mine = list(range(ctx.rank, job.n_shards, ctx.world_size))

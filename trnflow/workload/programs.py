@@ -6,8 +6,10 @@ compilation extracts and compiles, and what training, evaluation and inference t
 - `eval_step`: logits for one evaluation batch (`sharded_eval_step`: of a sharded model, inside
   sharded training);
 - `embed_step`: embeddings for one inference batch;
-- `generate_step` (with `inference.generate`): the next token's logits of each row of a fixed-size
-  buffer of prompts and the tokens generated so far, at each row's own length.
+- with `inference.generate`: `prefill_step`, the prompts' next tokens' logits and the cache of their
+  keys and values, and `decode_step`, one token per row through that cache; or, without the cache
+  (`kv_cache: false`), `generate_step`, the next token's logits of each row of a fixed-size buffer
+  of prompts and the tokens generated so far, at each row's own length.
 
 Evaluation and inference pad their last batch (see `sampler.static_batches`), and training drops
 the last partial batch unless told otherwise, so these three shapes are all a run ever sees.
@@ -28,10 +30,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trnflow.device.base import CompileBackend, Device, FaultHooks, NoFaults
 from trnflow.device.private_torch import flatten, unflatten
-from trnflow.errors import TrnflowError
+from trnflow.errors import FatalError, TrnflowError
 from trnflow.specs import JobSpec
 from trnflow.workload.checkpoint import trainable
 from trnflow.workload.context import WorkerContext
+from trnflow.workload.generate import Caching, Decoding, Recomputing, rehearse
 from trnflow.workload.packing import one_per_window
 from trnflow.workload.recipes import Recipe
 from trnflow.workload.recompute import recompute
@@ -40,6 +43,9 @@ PROGRAMS = ("train_step", "eval_step", "embed_step")
 SHARDED = ("train_step", "sharded_eval_step")
 """The programs a sharded or split model runs (`train.parallelism.strategy: fsdp`, `tp` > 1):
 training and the evaluations inside it. The evaluate and infer stages load the checkpoint whole."""
+GENERATING = ("prefill_step", "decode_step", "generate_step")
+"""The programs of a generation (`inference.generate`): with the cache of keys and values, the
+first two; without it, the last."""
 TRIAL_STEPS = 2
 """Training steps in a trial run (forward, backward and optimizer step each)."""
 
@@ -84,8 +90,13 @@ class Programs:
         gradients (under fsdp and tp, whose passes gather and reduce, their waits for peers too)."""
         self._forward = device.compile(model, compiler, whole=not fsdp)
         self._embed = device.compile(model.embed, compiler) if recipe.embeds and not sharded else None
-        generates = recipe.generates and spec.inference.generate is not None and not sharded
-        self._next = device.compile(model.next_logits, compiler) if generates else None
+        generate = spec.inference.generate if recipe.generates and not sharded else None
+        caches = generate is not None and generate.kv_cache
+        if caches and (refused := getattr(model, "cache_refused", None)):  # a pretrained folder read only now
+            raise FatalError(f"inference.generate.kv_cache: {refused}; set inference.generate.kv_cache: false")
+        self._next = device.compile(model.next_logits, compiler) if generate and not caches else None
+        self._prefill = device.compile(model.prefill, compiler) if caches else None
+        self._decode = device.compile(model.decode_next, compiler) if caches else None
         # DDP wraps the compiled module, so the graph is the model's alone, whatever the world size. A
         # split model's replicas average their gradients themselves, over the mesh's dp dimension.
         split = mesh is not None and mesh.ndim == 2
@@ -158,6 +169,43 @@ class Programs:
         with self.compiler.naming("generate_step", ids), _compiler_errors(), self.device.inference():
             return self._next(ids, lengths).cpu()
 
+    def prefill(self, ids: torch.Tensor, starts: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The next tokens' logits of prompts that end together (rows, seq_len; each starting at its
+        `starts`), and the cache of their keys and values, `room` slots longer, left on the device."""
+        assert self._prefill is not None, "the spec generates nothing with a cache (inference.generate)"
+        self._mode(training=False)
+        ids, starts = self.device.put(ids), self.device.put(starts)
+        with self.compiler.naming("prefill_step", ids), _compiler_errors(), self.device.inference():
+            logits, cache = self._prefill(ids, starts, room)
+            self.device.sync()  # a lazy device runs it here, the cache made whole, not traced on into the next
+            return logits.cpu(), cache
+
+    def decode_next(self, tokens: torch.Tensor, slot: int, starts: torch.Tensor,
+                    cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits after one more token per row, written at the cache's `slot`, and the cache then."""
+        assert self._decode is not None, "the spec generates nothing with a cache (inference.generate)"
+        self._mode(training=False)
+        tokens, starts = self.device.put(tokens), self.device.put(starts)
+        at = self.device.put(torch.tensor(slot))
+        with self.compiler.naming("decode_step", tokens), _compiler_errors(), self.device.inference():
+            logits, cache = self._decode(tokens, at, starts, cache)
+            self.device.sync()
+            return logits.cpu(), cache
+
+    def _prefill_eagerly(self, ids: torch.Tensor, starts: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        self._mode(training=False)
+        with self.device.inference():
+            logits, cache = self.model.prefill(self.device.put(ids), self.device.put(starts), room)
+            self.device.sync()
+        return logits.cpu(), cache
+
+    def decoding(self) -> Decoding:
+        """How a generation of the spec's gets each next token's logits: through the cache of keys
+        and values (`inference.generate.kv_cache`), or from the whole buffer each step."""
+        if self._prefill is not None:
+            return Caching(self.prefill, self.decode_next)
+        return Recomputing(self.next_logits)
+
     def exercise(self, program: str, steps: int = 1) -> None:
         """Run `program` on inputs of the run's shapes, as a trial run does: for `train_step`,
         `steps` full training steps (forward, backward, optimizer step)."""
@@ -171,10 +219,13 @@ class Programs:
         elif program == "embed_step":
             if self._embed is not None:
                 self.embed(batch)
-        elif program == "generate_step":
+        elif program in GENERATING:
             generate = self.spec.inference.generate
             assert generate is not None, "the spec generates nothing (inference.generate)"
-            self.next_logits(*self.recipe.prompts(batch, generate.max_new_tokens))
+            if program == "decode_step":  # from a cache made without the prefill's program (prefill_step's)
+                rehearse(Caching(self._prefill_eagerly, self.decode_next), self.recipe, batch, generate)
+            else:
+                rehearse(self.decoding(), self.recipe, batch, generate, steps=0)
         else:
             raise ValueError(f"unknown program {program!r}; the programs are {', '.join(PROGRAMS)}")
 
@@ -246,7 +297,8 @@ def _spread(spec: JobSpec) -> bool:
 def programs_of(spec: JobSpec) -> tuple[str, ...]:
     """The programs a run of `spec` needs compiled: with sharded or split training, the training
     programs of the spread model besides the evaluate and infer stages' whole ones."""
-    generates = ("generate_step",) if spec.inference.generate is not None else ()
+    generate = spec.inference.generate
+    generates = () if generate is None else GENERATING[:2] if generate.kv_cache else GENERATING[2:]
     if _spread(spec):
         return ("train_step", "sharded_eval_step", "eval_step", "embed_step", *generates)
     return (*PROGRAMS, *generates)

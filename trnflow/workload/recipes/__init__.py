@@ -139,9 +139,12 @@ def model_problems(data: dict[str, Any]) -> list[str]:
     except ValidationError as exc:
         return _params_problems(exc)
     inference = data.get("inference") or {}
-    if isinstance(inference, dict) and inference.get("generate") and not cls.generates:
+    generate = inference.get("generate") if isinstance(inference, dict) else None
+    if generate and not cls.generates:
         return [f"inference.generate: recipe {cls.name} does not generate text (hf-causal-lm does); remove it"]
-    if _packs(data.get("data")):
+    if _flag(generate, "kv_cache", True) and (problem := cls.kv_cache_problem(cls.Params.model_validate(params))):
+        return [f"inference.generate.kv_cache: {problem}"]
+    if _flag(data.get("data"), "packing", False):
         if not cls.packs:
             return [f"data.packing: recipe {cls.name} does not pack rows (hf-causal-lm does); remove it"]
         if problem := cls.packing_problem(cls.Params.model_validate(params)):
@@ -155,12 +158,15 @@ def model_problems(data: dict[str, Any]) -> list[str]:
             for name in wanted if isinstance(name, str) and name not in cls.metrics]
 
 
-def _packs(data: object) -> bool:
-    """Whether a spec's data section asks for packing (`data.packing`, as the spec reads it)."""
+def _flag(section: object, name: str, default: bool) -> bool:
+    """A spec section's yes-or-no setting as the spec reads it (`data.packing`, say); False where
+    the section is not there or the setting not a yes or no (the spec's own error)."""
+    if not isinstance(section, dict):
+        return False
     try:
-        return isinstance(data, dict) and TypeAdapter(bool).validate_python(data.get("packing", False))
+        return TypeAdapter(bool).validate_python(section.get(name, default))
     except ValidationError:
-        return False  # the spec's own error
+        return False
 
 
 def canonical_params(data: dict[str, Any]) -> dict[str, Any]:

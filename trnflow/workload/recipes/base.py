@@ -86,7 +86,8 @@ class Recipe(ABC):
     embeds: ClassVar[bool] = True
     """Whether its model has `embed`: the inference stage publishes embeddings, else predictions."""
     generates: ClassVar[bool] = False
-    """Whether it generates text (`inference.generate`): its model has `next_logits`, and it has
+    """Whether it generates text (`inference.generate`): its model has `next_logits`, and `prefill`
+    and `decode_next` for a cache of keys and values (unless `kv_cache_problem` says why not), and it has
     `prompts` and `decode`."""
     packs: ClassVar[bool] = False
     """Whether its training rows can be packed several to a window (`data.packing`): its features
@@ -149,6 +150,12 @@ class Recipe(ABC):
     @classmethod
     def packing_problem(cls, params: BaseModel) -> str | None:
         """Why a model of these params cannot train on packed rows (`packs`), or None."""
+        return None
+
+    @classmethod
+    def kv_cache_problem(cls, params: BaseModel) -> str | None:
+        """Why a model of these params cannot generate with a cache of keys and values
+        (`inference.generate.kv_cache`, for a recipe that `generates`), or None."""
         return None
 
     def packer(self) -> Packer:

@@ -29,6 +29,7 @@ exported with `save_pretrained`, which `AutoModelForCausalLM.from_pretrained` an
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -44,6 +45,12 @@ from torch import nn
 from trnflow.errors import FatalError
 from trnflow.workload.packing import Packer, counted_targets
 from trnflow.workload.recipes.base import Recipe
+from trnflow.workload.recipes.hf_causal_lm.decoding import (
+    StaticKeyValues,
+    attention_mask,
+    decode_inputs,
+    prefill_inputs,
+)
 from trnflow.workload.recipes.hf_pretrained import (
     FromPretrained,
     PretrainedParams,
@@ -57,10 +64,11 @@ from trnflow.workload.recipes.hf_pretrained import (
 )
 from trnflow.workload.recipes.lora import save_adapted, unwrapped
 
-PACKED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "gpt2")
-"""The decoders that train on packed rows: they take each token's position and the attention mask
-of the rows (`packed_mask`) as given. Others derive positions from a 2-D mask (OPT), have none
-(Bloom's ALiBi) or mask a sliding window of their own (Mistral), which packing would undo."""
+GIVEN_POSITIONS = ("llama", "qwen2", "qwen3", "gpt2")
+"""The decoders that take each token's position and a 4-D attention mask as given, which packed
+training rows (`packed_mask`) and generation with a cache of keys and values (`decoding`) need.
+Others derive positions from a 2-D mask (OPT), have none (Bloom's ALiBi) or mask a sliding window
+of their own (Mistral), which either would undo."""
 
 SMALL = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
          "num_key_value_heads": 2, "tie_word_embeddings": True}
@@ -70,15 +78,23 @@ OUTPUTS = ("nll", "tokens", "correct")
 how many of them it predicted right."""
 
 
-def packing_refused(config: dict[str, Any]) -> str | None:
-    """Why a decoder of this config cannot train on packed rows, or None."""
+def positions_refused(config: dict[str, Any]) -> str | None:
+    """Why a decoder of this config does not take positions and a mask as given, or None."""
     kind = config.get("model_type")
-    if kind not in PACKED_MODEL_TYPES:
-        return (f"model_type {kind} does not take the packed rows' positions and mask as given; packing trains "
-                f"{', '.join(PACKED_MODEL_TYPES[:-1])} and {PACKED_MODEL_TYPES[-1]} decoders: remove data.packing")
+    if kind not in GIVEN_POSITIONS:
+        return (f"model_type {kind} does not take positions and an attention mask as given (the "
+                f"{', '.join(GIVEN_POSITIONS[:-1])} and {GIVEN_POSITIONS[-1]} decoders do)")
     if config.get("use_sliding_window"):
-        return "the decoder masks a sliding window of its own, which packing would undo; remove data.packing"
+        return "the decoder masks a sliding window of its own"
     return None
+
+
+def _config(params: HfCausalLmParams) -> dict[str, Any]:
+    """The decoder's config as far as the params tell before it is built: a local pretrained
+    folder's config.json (an s3:// one's is read as the model is built), or the params' own."""
+    folder = params.pretrained
+    config = local_config(folder) if folder and not remote(folder) else None
+    return config or {"model_type": params.model_type, **params.config}
 
 
 class HfCausalLmParams(PretrainedParams):
@@ -108,10 +124,16 @@ def packed_mask(positions: torch.Tensor, attention: str, dtype: torch.dtype) -> 
     row = (positions == 0).cumsum(-1)
     at = torch.arange(positions.shape[-1], device=positions.device)
     allowed = ((row.unsqueeze(-1) == row.unsqueeze(-2)) & (at.unsqueeze(-1) >= at.unsqueeze(-2))).unsqueeze(1)
-    if attention == "eager":
-        return torch.zeros(allowed.shape, dtype=dtype, device=positions.device).masked_fill(~allowed,
-                                                                                          torch.finfo(dtype).min)
-    return allowed
+    return attention_mask(allowed, attention, dtype)
+
+
+def _cache_refused(lm: nn.Module) -> str | None:
+    """Why the transformers model inside `lm` cannot generate with a cache of keys and values, or None."""
+    config = unwrapped(lm).config
+    refused = positions_refused({**config.to_dict(), "model_type": config.model_type})
+    if refused is None and config._attn_implementation not in ("sdpa", "eager"):
+        refused = f"its attention ({config._attn_implementation}) does not take a mask as given (sdpa and eager do)"
+    return refused
 
 
 class CausalLanguageModel(nn.Module):
@@ -121,6 +143,11 @@ class CausalLanguageModel(nn.Module):
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
+        forward = unwrapped(lm).base_model.forward  # transformers 5 renames `past_key_values` to `cache`
+        self.cache_keyword = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+        self.cache_refused = _cache_refused(lm)
+        """Why it cannot generate with a cache (`prefill`, `decode_next`), or None: programs that
+        would are refused before they are traced."""
 
     def _hidden(self, ids: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """The last hidden states; with `positions` (packed windows), each row attends only to itself."""
@@ -151,6 +178,32 @@ class CausalLanguageModel(nn.Module):
         hidden = self._hidden(ids)
         at = (lengths - 1).view(-1, 1, 1).expand(-1, 1, hidden.shape[-1])
         return unwrapped(self.lm).get_output_embeddings()(hidden.gather(1, at).squeeze(1)).float()
+
+    def prefill(self, ids: torch.Tensor, starts: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The prompts (rows, seq_len), each ending at the last slot and starting at its `starts`
+        (`generate.end_aligned`) -> the logits of each row's next token (rows, vocabulary; fp32) and
+        the cache of keys and values, with `room` slots for the tokens to come (`decoding`)."""
+        lm = unwrapped(self.lm)
+        positions, allowed = prefill_inputs(starts, ids.shape[1])
+        cache = StaticKeyValues()
+        hidden = self._cached(lm, ids, positions, allowed, cache)
+        return lm.get_output_embeddings()(hidden[:, -1]).float(), cache.stacked(room)
+
+    def decode_next(self, tokens: torch.Tensor, slot: torch.Tensor, starts: torch.Tensor,
+                    cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One new token per row (rows,), all at the cache's `slot` (a 0-d tensor) -> the logits of
+        the token after it and the cache with its keys and values in that slot."""
+        lm = unwrapped(self.lm)
+        positions, allowed = decode_inputs(starts, slot, cache.shape[-2])
+        written = StaticKeyValues(cache, slot)
+        hidden = self._cached(lm, tokens.view(-1, 1), positions, allowed, written)
+        return lm.get_output_embeddings()(hidden[:, -1]).float(), written.stacked()
+
+    def _cached(self, lm: nn.Module, ids: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor,
+                cache: StaticKeyValues) -> torch.Tensor:
+        mask = attention_mask(allowed, lm.config._attn_implementation, lm.get_input_embeddings().weight.dtype)
+        return lm.base_model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=True,
+                             **{self.cache_keyword: cache}).last_hidden_state
 
     def embed(self, rows: torch.Tensor) -> torch.Tensor:
         """Each row's last hidden state mean-pooled over its real tokens, then its summed token loss
@@ -270,12 +323,18 @@ class HfCausalLm(FromPretrained, Recipe):
 
     @classmethod
     def packing_problem(cls, params: BaseModel) -> str | None:
-        """A decoder not among PACKED_MODEL_TYPES, or one with a sliding window (a local pretrained
-        folder's config read; an s3:// one's is checked as the model is built)."""
+        """A decoder that does not take the packed rows' positions and mask (`positions_refused`)."""
         assert isinstance(params, HfCausalLmParams)
-        folder = params.pretrained
-        config = local_config(folder) if folder and not remote(folder) else None
-        return packing_refused(config or {"model_type": params.model_type, **params.config})
+        refused = positions_refused(_config(params))
+        return None if refused is None else f"{refused}, which packed rows need; remove data.packing"
+
+    @classmethod
+    def kv_cache_problem(cls, params: BaseModel) -> str | None:
+        """A decoder that does not take the cached rows' positions and mask (`positions_refused`)."""
+        assert isinstance(params, HfCausalLmParams)
+        refused = positions_refused(_config(params))
+        return None if refused is None else (f"{refused}, which generating with a cache needs; set "
+                                             "inference.generate.kv_cache: false")
 
     def packer(self) -> Packer:
         assert self.tokenizer is not None, "fit or load the tokenizer first"
@@ -331,12 +390,12 @@ class HfCausalLm(FromPretrained, Recipe):
         ids = {f"{name}_token_id": i for i, name in enumerate(("pad", "bos", "eos"))}  # as BYTE_SPECIAL
         lm = self._model(transformers(self.name).AutoModelForCausalLM, ids)
         if self.data.packing:
-            refused = packing_refused({**lm.config.to_dict(), "model_type": lm.config.model_type})
+            refused = positions_refused({**lm.config.to_dict(), "model_type": lm.config.model_type})
             if refused is None and lm.config._attn_implementation not in ("sdpa", "eager"):
-                refused = (f"its attention ({lm.config._attn_implementation}) does not take the packed rows' mask; "
-                           "sdpa and eager do")
+                refused = (f"its attention ({lm.config._attn_implementation}) does not take the packed rows' mask "
+                           "(sdpa and eager do)")
             if refused:
-                raise FatalError(f"data.packing: {refused}")
+                raise FatalError(f"data.packing: {refused}; remove data.packing")
         return CausalLanguageModel(self._adapt(lm))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -383,7 +442,7 @@ class HfCausalLm(FromPretrained, Recipe):
         # Before the featurizer is fitted (the compile stage's trial): the ids its tokenizer will have
         tokenizer = self.tokenizer or self._folder_tokenizer
         pad, eos = (tokenizer.pad_id, tokenizer.tokenizer.eos_token_id) if tokenizer else (0, 2)  # BYTE_SPECIAL's
-        positions = self._model_config().get("n_positions")  # GPT-2 style: absolute position embeddings
+        positions = self._position_table()
         if isinstance(positions, int) and self.params.seq_len + room > positions:
             raise FatalError(f"inference.generate.max_new_tokens: {room} tokens after a row of seq_len "
                              f"{self.params.seq_len} exceed the model's {positions} positions; generate fewer")
@@ -403,6 +462,16 @@ class HfCausalLm(FromPretrained, Recipe):
         buffer = torch.full((len(features), self.params.seq_len + room), pad, dtype=torch.long)
         buffer[:, :ids.shape[1]] = ids.masked_fill(torch.arange(ids.shape[1]) >= lengths.unsqueeze(1), pad)
         return buffer, lengths
+
+    def _position_table(self) -> int | None:
+        """How many positions a GPT-2 style decoder embeds (absolute positions); None for others.
+        One built from the params has `max_position_embeddings` of at least seq_len (64 or more)."""
+        config = self._model_config()
+        if isinstance(config.get("n_positions"), int):
+            return config["n_positions"]
+        if not self.params.pretrained and self.params.model_type == "gpt2":
+            return int(config.get("max_position_embeddings", max(self.params.seq_len, 64)))
+        return None
 
     def decode(self, tokens: list[list[int]]) -> list[str]:
         assert self.tokenizer is not None, "fit or load the tokenizer first"
