@@ -1,6 +1,7 @@
 """hf-causal-lm through the six stages: fine-tuned from a pretrained decoder and its own tokenizer on
 prompt/completion rows packed into windows (data.packing) with three seeds on the emulator, every
-program compiled ahead, each ending well below the starting model's perplexity, and the
+program compiled ahead, each ending well below the starting model's perplexity; a chat full
+fine-tune whose every job after the compile stage runs no program it did not build; and the
 fine-tuning example (unpacked) on the mock SageMaker. The example as `make
 causal-lm` runs it, gate, scores and export, is test_make_targets.py's."""
 
@@ -99,6 +100,49 @@ def test_fine_tuning_lowers_holdout_perplexity_from_the_starting_models_on_three
         tuned[seed] = job.result.evaluations[-1].value("perplexity")
     assert len(set(tuned.values())) == 3, tuned  # three different runs
     assert all(p < 0.8 * start["perplexity"] for p in tuned.values()), (start, tuned)
+
+
+def test_a_chat_full_fine_tune_runs_only_programs_the_compile_stage_built(make_spec, tmp_path, trnflow_home):
+    """Chats, every weight trained and evaluated during training, then inference generating each
+    chat's last turn through the cache: compiled once by the compile stage, and every job after it
+    with `fail_on_recompile`, so a program it missed would fail that job, its shapes named."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from trnflow.backends import JobRequest, JobState, wait
+    from trnflow.backends.local import LocalBackend
+    from trnflow.settings import TrnflowSettings
+
+    chats = tmp_path / "chats"
+    synthesize(chats, days=1, rows_per_day=160, seed=5, fmt="chat", holdout_rows=32, inference_rows=24)
+    texts = [turn["content"] for line in (chats / "train/dt=2026-01-01/part-00000.jsonl").read_text().splitlines()
+             for turn in json.loads(line)["messages"]]
+    folder = tiny_causal_lm(tmp_path / "decoder", texts)
+    spec = make_spec(
+        1, model={"recipe": "hf-causal-lm", "params": {"pretrained": str(folder), "seq_len": 112, "rows": "chat"}},
+        data={part: str(chats / part) for part in ("train", "holdout", "inference")},
+        compile={"cache_url": str(tmp_path / "chat-cache"), "optlevel": 1, "fail_on_recompile": True},
+        train={"steps": 6, "checkpoint_every": 6, "log_every": 3, "lr": 0.003, "global_batch_size": 16},
+        gate={"metric": "perplexity", "metrics": [], "reference": None, "eval_every": 3},
+        inference={"output_url": str(tmp_path / "scores"), "batch_size": 16, "shard_size": 24,
+                   "generate": {"max_new_tokens": 6}})
+    backend = LocalBackend(TrnflowSettings().jobs_dir)
+
+    def job(phase: str, checkpoint: str | None = None):
+        done = wait(backend, backend.submit(JobRequest(spec, phase, "chat", checkpoint=checkpoint)), 0.2)
+        assert done.state is JobState.SUCCEEDED, done.failure
+        return done.result
+
+    compiled = job("compile")
+    assert {plan.program for plan in compiled.programs} == {"train_step", "eval_step", "embed_step", "prefill_step",
+                                                            "decode_step"}
+    trained = job("train")
+    assert [e.step for e in trained.evaluations] == [3, 6] and trained.compile.recompiles == []
+    inferred = job("infer", trained.checkpoint)
+    assert inferred.rows == 24 and inferred.compile.recompiles == [] and inferred.compile.hits >= 3
+    completions = pq.read_table(tmp_path / "scores", columns=["completion_tokens"]).column("completion_tokens")
+    assert all(0 < n <= 6 for n in completions.to_pylist())
 
 
 def test_the_example_runs_on_the_mock_sagemaker(prefect_api, moto_endpoint, tmp_path, monkeypatch, prompts):

@@ -8,14 +8,16 @@ from trnflow.specs import JobSpec, Layout
 
 
 def test_the_reference_trains_the_candidates_job_in_fp32_at_optimisation_level_1(make_spec, tmp_path):
-    spec = make_spec(compute={"precision": "bf16"}, compile={"optlevel": 2},
+    spec = make_spec(compute={"precision": "bf16"}, compile={"optlevel": 2, "fail_on_recompile": True},
                      train={"max_minutes": 30}, gate={"reference": str(tmp_path / "ref" / "metrics.json")})
     ref = reference_spec(spec)
 
     assert (ref.compute.precision, ref.compile.optlevel) == ("fp32", 1)
+    assert ref.compile.recompile_limit is None  # its graphs are not the compile stage's: it compiles them
     assert ref.train.checkpoint_url == (tmp_path / "ref" / "checkpoints").as_uri() and ref.train.max_minutes is None
     # everything else is the candidate's: its model, data, seed, steps, batches and cache
-    unchanged = {"compute": {"precision"}, "compile": {"optlevel"}, "train": {"checkpoint_url", "max_minutes"}}
+    unchanged = {"compute": {"precision"}, "compile": {"optlevel", "fail_on_recompile", "max_recompiles"},
+                 "train": {"checkpoint_url", "max_minutes"}}
     for section, changed in unchanged.items():
         assert getattr(ref, section).model_dump(exclude=changed) == getattr(spec, section).model_dump(exclude=changed)
     assert ref.model_dump(exclude=set(unchanged)) == spec.model_dump(exclude=set(unchanged))

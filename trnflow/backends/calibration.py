@@ -25,12 +25,14 @@ the steady step time."""
 
 def calibration_spec(spec: JobSpec, steps: int, checkpoint_url: str) -> JobSpec:
     """`spec` for `steps` steps, checkpointing once at the end into `checkpoint_url`, evaluating only
-    then, with no deadline or budget of its own."""
+    then, with no deadline, budget or recompilation limit of its own."""
     train = spec.train.model_copy(update={
         "steps": steps, "checkpoint_every": steps, "log_every": steps, "keep_latest": 1,
         "checkpoint_url": checkpoint_url, "max_minutes": None})
     gate = spec.gate.model_copy(update={"eval_every": None})
-    return spec.model_copy(update={"train": train, "gate": gate})
+    # it may run before any compile: the graphs it meets are compiled as it goes, whatever the spec's limit
+    compile = spec.compile.model_copy(update={"fail_on_recompile": False, "max_recompiles": None})
+    return spec.model_copy(update={"train": train, "gate": gate, "compile": compile})
 
 
 def timed_steps(spec: JobSpec, steps: int = CALIBRATION_STEPS, settings: TrnflowSettings | None = None,

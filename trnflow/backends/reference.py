@@ -26,10 +26,11 @@ RUN_ID = "reference"
 
 
 def reference_spec(spec: JobSpec, url: str | None = None) -> JobSpec:
-    """The spec in fp32 at optimisation level 1, checkpointing beside the reference metrics file
-    (`url`, by default `reference_url`: gate.reference's file, or with `auto` its place under the
-    spec's checkpoints), without the candidate's deadline and budget (they bound the run, not the
-    baseline it is judged by)."""
+    """The spec in fp32 at optimisation level 1, compiling its graphs as it meets them (no
+    recompilation limit: the compile stage built the candidate's, not these), checkpointing beside
+    the reference metrics file (`url`, by default `reference_url`: gate.reference's file, or with
+    `auto` its place under the spec's checkpoints), without the candidate's deadline and budget
+    (they bound the run, not the baseline it is judged by)."""
     url = url or reference_url(spec)
     if url is None:
         raise FatalError("gate.reference is not a file; name the metrics file the reference run should write, or "
@@ -40,7 +41,8 @@ def reference_spec(spec: JobSpec, url: str | None = None) -> JobSpec:
                                     "that cannot see this machine's files: name an s3:// metrics file"])
     return spec.model_copy(update={
         "compute": spec.compute.model_copy(update={"precision": "fp32"}),
-        "compile": spec.compile.model_copy(update={"optlevel": 1}),
+        # its graphs are compiled as it meets them, whatever limit the candidate's run keeps to
+        "compile": spec.compile.model_copy(update={"optlevel": 1, "fail_on_recompile": False, "max_recompiles": None}),
         "train": spec.train.model_copy(update={"checkpoint_url": url.rpartition("/")[0] + "/checkpoints",
                                                "max_minutes": None}),
     })

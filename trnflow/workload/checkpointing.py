@@ -99,13 +99,14 @@ class Checkpointing:
             self.writer.hurry()
         return self.saver.wait(timeout)
 
-    def _write_seconds(self) -> float | None:
-        """How long a write in the background may take (`writer.Pace`): a share (`PACED_SHARE`) of
-        the steps to the next checkpoint, at the median of recent steps that ran alone; None before
-        one did."""
+    def _write_seconds(self, done: int) -> float | None:
+        """How long the write in the background of step `done`'s checkpoint may take (`writer.Pace`):
+        a share (`PACED_SHARE`) of the steps to the next checkpoint (the run's last, when that comes
+        sooner), at the median of recent steps that ran alone; None before one did."""
         if not self.alone:
             return None
-        return PACED_SHARE * self.spec.train.checkpoint_every * statistics.median(self.alone)
+        steps = min(self.spec.train.checkpoint_every, self.spec.train.steps - done)
+        return PACED_SHARE * steps * statistics.median(self.alone)
 
     def _committed(self, saved: Saved | None) -> None:
         slowed = self._count_beside() if saved is not None else 0.0
@@ -192,7 +193,7 @@ class Checkpointing:
 
         if by_writer:
             request = Request(checkpoints.url, done, weights, optim, rng, featurizer, meta, spec.train.keep_latest,
-                              seconds=self._write_seconds())
+                              seconds=self._write_seconds(done))
             return lambda shards: self.writer.save(request)
 
         def commit(shards: dict[str, dict] | None) -> str:

@@ -193,9 +193,12 @@ class Programs:
             return logits.cpu(), cache
 
     def _prefill_eagerly(self, ids: torch.Tensor, starts: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """`prefill` without its compiled program (a trial of `decode_step` needs only its cache; on a
+        lazy device, which compiles what it traces, the graph is still the prefill's, named so)."""
         self._mode(training=False)
-        with self.device.inference():
-            logits, cache = self.model.prefill(self.device.put(ids), self.device.put(starts), room)
+        ids, starts = self.device.put(ids), self.device.put(starts)
+        with self.compiler.naming("prefill_step", ids), self.device.inference():
+            logits, cache = self.model.prefill(ids, starts, room)
             self.device.sync()
         return logits.cpu(), cache
 
@@ -227,7 +230,8 @@ class Programs:
             else:
                 rehearse(self.decoding(), self.recipe, batch, generate, steps=0)
         else:
-            raise ValueError(f"unknown program {program!r}; the programs are {', '.join(PROGRAMS)}")
+            known = dict.fromkeys((*PROGRAMS, *SHARDED, *GENERATING))
+            raise ValueError(f"unknown program {program!r}; the programs are {', '.join(known)}")
 
 
 def average_gradients(model: nn.Module, group: Any) -> None:

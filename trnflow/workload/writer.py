@@ -269,9 +269,12 @@ class CheckpointWriter:
         return layout["model"], layout["optim"]
 
     def hurry(self) -> None:
-        """Have the write in flight, if any, go on at full speed (the loop is about to wait for it)."""
-        if self._map is not None:
-            self._map[HURRY] = 1
+        """Have the write in flight, if any, go on at full speed (the loop is about to wait for it).
+        The saver's thread may close the memory meanwhile (its writer ended): then there is none."""
+        memory = self._map
+        if memory is not None:
+            with contextlib.suppress(ValueError):  # closed
+                memory[HURRY] = 1
 
     def save(self, request: Request) -> str:
         """Have the writer save the checkpoint `request` describes (staged by `stage` before);

@@ -73,9 +73,14 @@ def absolute(folder: str | None) -> str | None:
 
 
 def local_config(folder: str) -> dict[str, Any] | None:
-    """A local pretrained folder's config.json, or None when it has none."""
+    """A local pretrained folder's config.json, or None when it has none or it cannot be read (which
+    loading the model then says: `_weight_files`)."""
     path = Path(folder) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else None
+    try:
+        config = json.loads(path.read_text()) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def remote(folder: str | None) -> bool:

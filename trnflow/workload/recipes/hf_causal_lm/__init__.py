@@ -127,8 +127,9 @@ def packed_mask(positions: torch.Tensor, attention: str, dtype: torch.dtype) -> 
     return attention_mask(allowed, attention, dtype)
 
 
-def _cache_refused(lm: nn.Module) -> str | None:
-    """Why the transformers model inside `lm` cannot generate with a cache of keys and values, or None."""
+def _given_refused(lm: nn.Module) -> str | None:
+    """Why the transformers model inside `lm` does not take positions and a 4-D mask as given (by
+    its config, and by its attention), which packed rows and the cache of keys and values need; or None."""
     config = unwrapped(lm).config
     refused = positions_refused({**config.to_dict(), "model_type": config.model_type})
     if refused is None and config._attn_implementation not in ("sdpa", "eager"):
@@ -145,7 +146,7 @@ class CausalLanguageModel(nn.Module):
         self.lm = lm
         forward = unwrapped(lm).base_model.forward  # transformers 5 renames `past_key_values` to `cache`
         self.cache_keyword = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
-        self.cache_refused = _cache_refused(lm)
+        self.cache_refused = _given_refused(lm)
         """Why it cannot generate with a cache (`prefill`, `decode_next`), or None: programs that
         would are refused before they are traced."""
 
@@ -389,13 +390,8 @@ class HfCausalLm(FromPretrained, Recipe):
     def build_model(self) -> CausalLanguageModel:
         ids = {f"{name}_token_id": i for i, name in enumerate(("pad", "bos", "eos"))}  # as BYTE_SPECIAL
         lm = self._model(transformers(self.name).AutoModelForCausalLM, ids)
-        if self.data.packing:
-            refused = positions_refused({**lm.config.to_dict(), "model_type": lm.config.model_type})
-            if refused is None and lm.config._attn_implementation not in ("sdpa", "eager"):
-                refused = (f"its attention ({lm.config._attn_implementation}) does not take the packed rows' mask "
-                           "(sdpa and eager do)")
-            if refused:
-                raise FatalError(f"data.packing: {refused}; remove data.packing")
+        if self.data.packing and (refused := _given_refused(lm)):
+            raise FatalError(f"data.packing: {refused}, which packed rows need; remove data.packing")
         return CausalLanguageModel(self._adapt(lm))
 
     def loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
