@@ -50,6 +50,11 @@ class CompileSpec(Section):
         False, description="Stop at the first recompilation: the same as compile.max_recompiles: 0.",
     )
 
+    def unlimited(self) -> CompileSpec:
+        """These settings with no recompilation limit: for a run that compiles its own graphs as it
+        meets them (the fp32 reference, a calibration), whatever limit the spec's runs keep to."""
+        return self.model_copy(update={"fail_on_recompile": False, "max_recompiles": None})
+
     @property
     def recompile_limit(self) -> int | None:
         """The recompilations a run may make; None: any number."""

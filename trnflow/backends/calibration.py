@@ -30,9 +30,8 @@ def calibration_spec(spec: JobSpec, steps: int, checkpoint_url: str) -> JobSpec:
         "steps": steps, "checkpoint_every": steps, "log_every": steps, "keep_latest": 1,
         "checkpoint_url": checkpoint_url, "max_minutes": None})
     gate = spec.gate.model_copy(update={"eval_every": None})
-    # it may run before any compile: the graphs it meets are compiled as it goes, whatever the spec's limit
-    compile = spec.compile.model_copy(update={"fail_on_recompile": False, "max_recompiles": None})
-    return spec.model_copy(update={"train": train, "gate": gate, "compile": compile})
+    # it may run before any compile: the graphs it meets are compiled as it goes
+    return spec.model_copy(update={"train": train, "gate": gate, "compile": spec.compile.unlimited()})
 
 
 def timed_steps(spec: JobSpec, steps: int = CALIBRATION_STEPS, settings: TrnflowSettings | None = None,

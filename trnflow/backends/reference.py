@@ -41,8 +41,7 @@ def reference_spec(spec: JobSpec, url: str | None = None) -> JobSpec:
                                     "that cannot see this machine's files: name an s3:// metrics file"])
     return spec.model_copy(update={
         "compute": spec.compute.model_copy(update={"precision": "fp32"}),
-        # its graphs are compiled as it meets them, whatever limit the candidate's run keeps to
-        "compile": spec.compile.model_copy(update={"optlevel": 1, "fail_on_recompile": False, "max_recompiles": None}),
+        "compile": spec.compile.unlimited().model_copy(update={"optlevel": 1}),
         "train": spec.train.model_copy(update={"checkpoint_url": url.rpartition("/")[0] + "/checkpoints",
                                                "max_minutes": None}),
     })

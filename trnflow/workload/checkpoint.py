@@ -86,7 +86,7 @@ def _digest(data: bytes) -> dict:
 
 
 CHUNK = 8 << 20
-"""Bytes a paced write passes on at a time (`_Hashing`)."""
+"""Bytes a write passes on at a time (`_Hashing`), each then told to its pace, if any."""
 
 
 class _Hashing:
@@ -97,17 +97,14 @@ class _Hashing:
         self.file, self.sha256, self.size, self.pace = file, hashlib.sha256(), 0, pace
 
     def write(self, data: Any) -> int:
-        if self.pace is None:
-            self.sha256.update(data)
-            self.size += len(data)
-            return self.file.write(data)
         view = memoryview(data).cast("B")
         for at in range(0, len(view), CHUNK):
             chunk = view[at:at + CHUNK]
             self.sha256.update(chunk)
             self.file.write(chunk)
             self.size += len(chunk)
-            self.pace(len(chunk))
+            if self.pace is not None:
+                self.pace(len(chunk))
         return len(view)
 
     def flush(self) -> None:

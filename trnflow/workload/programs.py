@@ -20,6 +20,7 @@ graphs the run needs.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -169,14 +170,18 @@ class Programs:
         with self.compiler.naming("generate_step", ids), _compiler_errors(), self.device.inference():
             return self._next(ids, lengths).cpu()
 
-    def prefill(self, ids: torch.Tensor, starts: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def prefill(self, ids: torch.Tensor, starts: torch.Tensor, room: int,
+                compiled: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
         """The next tokens' logits of prompts that end together (rows, seq_len; each starting at its
-        `starts`), and the cache of their keys and values, `room` slots longer, left on the device."""
+        `starts`), and the cache of their keys and values, `room` slots longer, left on the device.
+        `compiled=False`: the model's method as it is (a trial of `decode_step` needs only the cache;
+        a lazy device, which compiles what it traces, still names the graph the prefill's)."""
         assert self._prefill is not None, "the spec generates nothing with a cache (inference.generate)"
         self._mode(training=False)
         ids, starts = self.device.put(ids), self.device.put(starts)
+        prefill = self._prefill if compiled else self.model.prefill
         with self.compiler.naming("prefill_step", ids), _compiler_errors(), self.device.inference():
-            logits, cache = self._prefill(ids, starts, room)
+            logits, cache = prefill(ids, starts, room)
             self.device.sync()  # a lazy device runs it here, the cache made whole, not traced on into the next
             return logits.cpu(), cache
 
@@ -191,16 +196,6 @@ class Programs:
             logits, cache = self._decode(tokens, at, starts, cache)
             self.device.sync()
             return logits.cpu(), cache
-
-    def _prefill_eagerly(self, ids: torch.Tensor, starts: torch.Tensor, room: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """`prefill` without its compiled program (a trial of `decode_step` needs only its cache; on a
-        lazy device, which compiles what it traces, the graph is still the prefill's, named so)."""
-        self._mode(training=False)
-        ids, starts = self.device.put(ids), self.device.put(starts)
-        with self.compiler.naming("prefill_step", ids), self.device.inference():
-            logits, cache = self.model.prefill(ids, starts, room)
-            self.device.sync()
-        return logits.cpu(), cache
 
     def decoding(self) -> Decoding:
         """How a generation of the spec's gets each next token's logits: through the cache of keys
@@ -226,7 +221,8 @@ class Programs:
             generate = self.spec.inference.generate
             assert generate is not None, "the spec generates nothing (inference.generate)"
             if program == "decode_step":  # from a cache made without the prefill's program (prefill_step's)
-                rehearse(Caching(self._prefill_eagerly, self.decode_next), self.recipe, batch, generate)
+                uncompiled = functools.partial(self.prefill, compiled=False)
+                rehearse(Caching(uncompiled, self.decode_next), self.recipe, batch, generate)
             else:
                 rehearse(self.decoding(), self.recipe, batch, generate, steps=0)
         else:

@@ -363,22 +363,12 @@ def _die_with_parent() -> None:
 
 def _save(request: Request, memory: memoryview) -> str:
     pace = None
-    if request.seconds:
-        size = sum(slot.nbytes for slot in _leaves([request.model, request.optim]))
-        pace = Pace(size, request.seconds, lambda: memory[HURRY] != 0)
+    if request.seconds:  # the memory holds the state laid out: about the bytes the write will pass on
+        pace = Pace(len(memory), request.seconds, lambda: memory[HURRY] != 0)
     return RunCheckpoints(request.run_url).save(
         request.step, _views(request.model, memory), _views(request.optim, memory), request.rng, request.featurizer,
         request.meta, keep_latest=request.keep_latest, pace=pace)
 
-
-def _leaves(tree: Any) -> list[Slot]:
-    if isinstance(tree, Slot):
-        return [tree]
-    if isinstance(tree, dict):
-        tree = list(tree.values())
-    if isinstance(tree, list | tuple):
-        return [slot for value in tree for slot in _leaves(value)]
-    return []
 
 
 def main(argv: list[str]) -> int:

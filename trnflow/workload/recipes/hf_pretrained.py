@@ -72,6 +72,12 @@ def absolute(folder: str | None) -> str | None:
     return str(Path(folder).expanduser().absolute()) if folder and not remote(folder) else folder
 
 
+def default_positions(seq_len: int) -> int:
+    """`max_position_embeddings` of a model built from the params' config (not set there): room for
+    `seq_len`, and at least 64."""
+    return max(seq_len, 64)
+
+
 def local_config(folder: str) -> dict[str, Any] | None:
     """A local pretrained folder's config.json, or None when it has none or it cannot be read (which
     loading the model then says: `_weight_files`)."""
@@ -497,7 +503,7 @@ class FromPretrained:
             return self._pretrained_model(auto_class)
         p = self.params
         config = transformers(self.name).AutoConfig.for_model(
-            p.model_type, **{"vocab_size": p.vocab_size, "max_position_embeddings": max(p.seq_len, 64),
+            p.model_type, **{"vocab_size": p.vocab_size, "max_position_embeddings": default_positions(p.seq_len),
                              **special_ids, **p.config})
         return auto_class.from_config(config)
 

@@ -56,6 +56,7 @@ from trnflow.workload.recipes.hf_pretrained import (
     PretrainedParams,
     PretrainedTokenizer,
     chat_turns,
+    default_positions,
     local_config,
     remote,
     saved_state,
@@ -461,12 +462,12 @@ class HfCausalLm(FromPretrained, Recipe):
 
     def _position_table(self) -> int | None:
         """How many positions a GPT-2 style decoder embeds (absolute positions); None for others.
-        One built from the params has `max_position_embeddings` of at least seq_len (64 or more)."""
+        One built from the params has `default_positions` unless its config says otherwise."""
         config = self._model_config()
         if isinstance(config.get("n_positions"), int):
             return config["n_positions"]
         if not self.params.pretrained and self.params.model_type == "gpt2":
-            return int(config.get("max_position_embeddings", max(self.params.seq_len, 64)))
+            return int(config.get("max_position_embeddings", default_positions(self.params.seq_len)))
         return None
 
     def decode(self, tokens: list[list[int]]) -> list[str]:
