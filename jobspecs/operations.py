@@ -153,8 +153,8 @@ class FaultSpec(Section):
     kind: Literal["corrupt", "hang", "memory", "slow", "kill", "timeout", "hw", "nan", "spike", "stall",
                   "freeze", "torn"] = Field(
         description="corrupt: wrong results from the core's engines; hang: the core stalls in a collective; "
-        "memory: the core's memory pattern test fails; slow: each training step's own work takes the core twice as "
-        "long (a throttled host). Once per run at `step`: kill: the rank is killed with SIGKILL; timeout: an "
+        "memory: the core's memory pattern test fails; slow: each training step's own work takes the core three times "
+        "as long (a throttled host). Once per run at `step`: kill: the rank is killed with SIGKILL; timeout: an "
         "execution timeout; hw: an uncorrectable hardware error; nan: the step's result turns to NaN; spike: the "
         "step's loss comes back a thousandfold (a loss spike); stall: the rank stops making progress (a device that "
         "never returns; its own watchdog notices); freeze: the rank's process stops whole, its watchdog included (a "

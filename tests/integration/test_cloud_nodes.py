@@ -122,7 +122,7 @@ def test_a_node_that_hangs_in_the_batch_preflight_is_replaced_and_training_runs_
 def test_a_slow_host_named_in_training_is_replaced_before_the_retry_of_its_failed_attempt(
         make_spec, moto_endpoint, tmp_path, monkeypatch, dataset, warmed_cache):
     """The instance serving node 1 of a two-node Batch job is slow (its rank's own work in each step
-    takes twice as long), and rank 0 names it at step 6 (its first window of five steps). Rank 0 is
+    takes three times as long), and rank 0 names it at step 6 (its first window of five steps). Rank 0 is
     then killed at step 8: the attempt fails (exit code 75), the main node's report names node 1 a
     suspect host, and trnflow terminates its instance, as the services say the node ran on it,
     before Batch's retry; that runs on a new instance and resumes from step 4's checkpoint."""

@@ -165,7 +165,7 @@ def test_a_rank_that_stalls_with_no_peer_to_notice_is_ended_by_its_watchdog_and_
 
 def test_a_host_that_stops_mid_run_is_named_by_its_peer_within_a_few_median_steps_and_a_slow_one_named(
         backend, make_spec):
-    """Rank 1's core is slow (each step's own work takes it twice as long), and its process stops
+    """Rank 1's core is slow (each step's own work takes it three times as long), and its process stops
     whole at step 8 of two ranks (a host that stopped answering: its own watchdog stops too). The
     limits of old (the collective timeout, the hang timeout) are minutes away: rank 0, waiting in
     step 8, is ended once it made no progress for 3 of its median steps plus the 3 s floor, as
