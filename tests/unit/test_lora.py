@@ -177,3 +177,49 @@ def test_a_lora_programs_cache_keys_are_not_the_full_models(decoder_folder, prom
     lora, full = keys(_spec(decoder_folder)), keys(_spec(decoder_folder, lora=None))
     assert lora and full and set(lora).isdisjoint(full)
     assert keys(_spec(decoder_folder, lora={"r": 8})) != lora  # another rank: another program
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gpt2"])
+def test_the_low_rank_first_forward_gives_peft_s_outputs_and_gradients(model_type):
+    """The adapted layers run trnflow's forward (scale on the rank-r side, one addmm against B's
+    transpose); its outputs and every adapter's gradient equal peft's own forward's within rounding,
+    with B trained away from zero (peft starts it at zero, which would hide the adapters)."""
+    import copy
+
+    import peft
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trnflow.workload.recipes.lora import adapt
+
+    config = ({"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+               "num_key_value_heads": 2, "vocab_size": 64} if model_type == "llama"
+              else {"n_embd": 16, "n_layer": 2, "n_head": 2, "vocab_size": 64})
+    torch.manual_seed(0)
+    ours = adapt(AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **config)), LoraParams(r=4),
+                 model_type).eval()  # (GPT-2's dropout off: the two forwards draw no random masks)
+    adapted = [m for m in ours.modules() if isinstance(m, peft.tuners.lora.Linear)]
+    assert adapted and all(type(m) is not peft.tuners.lora.Linear for m in adapted)
+    with torch.no_grad():
+        for m in adapted:
+            m.lora_B["default"].weight.normal_()
+    theirs = copy.deepcopy(ours)
+    for m in theirs.modules():
+        if isinstance(m, peft.tuners.lora.Linear):
+            m.__class__ = peft.tuners.lora.Linear
+    ids = torch.randint(0, 64, (3, 12))
+    outputs = []
+    for model in (ours, theirs):
+        logits = model(input_ids=ids).logits
+        logits.square().mean().backward()
+        outputs.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.requires_grad}))
+    (mine, my_grads), (peft_logits, peft_grads) = outputs
+    assert not torch.equal(mine, unwrapped_logits(theirs, ids))  # the adapters change the output
+    torch.testing.assert_close(mine, peft_logits, rtol=1e-5, atol=1e-5)
+    assert my_grads.keys() == peft_grads.keys() and len(my_grads) == 2 * len(adapted)
+    for name, grad in my_grads.items():
+        torch.testing.assert_close(grad, peft_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def unwrapped_logits(model, ids):
+    with torch.no_grad(), model.disable_adapter():
+        return model(input_ids=ids).logits
