@@ -155,3 +155,23 @@ def test_a_decoder_that_does_not_take_positions_as_given_generates_without_the_c
         "inference.generate.kv_cache: false"]
     opt["inference"]["generate"]["kv_cache"] = False
     assert model_problems(opt) == []
+
+
+def test_a_decoders_right_padding_raises_no_attention_mask_warning_and_other_messages_pass():
+    """GPT-2 given right-padded ids and no mask logs transformers' "We strongly recommend passing in
+    an `attention_mask`" (once per process): a causal model here drops it, and only it, from
+    transformers' log: right padding is never attended to by a real token."""
+    import logging
+
+    _lm("gpt2", GPT2)  # builds the CausalLanguageModel, which quiets the message
+    logger = logging.getLogger("transformers.modeling_utils")
+    heard: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.append(record.getMessage())
+    logger.addHandler(handler)
+    try:
+        logger.warning("We strongly recommend passing in an `attention_mask` since your input_ids may be padded.")
+        logger.warning("some other message")
+    finally:
+        logger.removeHandler(handler)
+    assert heard == ["some other message"]

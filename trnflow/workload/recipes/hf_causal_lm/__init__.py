@@ -30,6 +30,7 @@ exported with `save_pretrained`, which `AutoModelForCausalLM.from_pretrained` an
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Iterable, Iterator
 from pathlib import Path
@@ -138,6 +139,25 @@ def _given_refused(lm: nn.Module) -> str | None:
     return refused
 
 
+class _RightPadding(logging.Filter):
+    """Drops transformers' "We strongly recommend passing in an `attention_mask`" (a decoder given
+    no mask whose ids hold its pad token, GPT-2's on every run): a causal LM's rows here are padded
+    on the right only, so no real token attends to a pad, and the message, which the user can do
+    nothing about, would only alarm them. Packed windows and generation through the cache pass
+    their masks."""
+
+    MESSAGE = "We strongly recommend passing in an `attention_mask`"
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.MESSAGE)
+
+
+def _quiet_right_padding() -> None:
+    logger = logging.getLogger("transformers.modeling_utils")
+    if not any(isinstance(f, _RightPadding) for f in logger.filters):
+        logger.addFilter(_RightPadding())
+
+
 class CausalLanguageModel(nn.Module):
     """A causal LM whose output per row is its summed token loss, token count and right guesses.
     `lm` is the transformers model, or a peft model of LoRA adapters around it."""
@@ -145,6 +165,7 @@ class CausalLanguageModel(nn.Module):
     def __init__(self, lm: nn.Module):
         super().__init__()
         self.lm = lm
+        _quiet_right_padding()
         forward = unwrapped(lm).base_model.forward  # transformers 5 renames `past_key_values` to `cache`
         self.cache_keyword = "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
         self.cache_refused = _given_refused(lm)
