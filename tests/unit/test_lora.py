@@ -183,7 +183,7 @@ def test_a_lora_programs_cache_keys_are_not_the_full_models(decoder_folder, prom
 def test_the_low_rank_first_forward_gives_peft_s_outputs_and_gradients(model_type):
     """The adapted layers run trnflow's forward (scale on the rank-r side, one addmm against B's
     transpose); its outputs and every adapter's gradient equal peft's own forward's within rounding,
-    with B trained away from zero (peft starts it at zero, which would hide the adapters)."""
+    with B set away from zero (peft starts it at zero, which would hide the adapters)."""
     import copy
 
     import peft
