@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 from uuid import UUID
 
+import httpx
 import prefect.runner.runner as runner_module
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.filters import (
@@ -76,8 +77,8 @@ class _Deadline:
 
 GONE_CHECKS = (5.0, 4)
 """How `trnflow serve` decides its server is gone: this many seconds between health checks, and
-this many unanswered in a row. Prefect's runner gives up after three polls (about 30 s) with
-tracebacks, or sometimes hangs; this ends serving first, saying why."""
+this many unanswered in a row. Prefect's runner would give up after three polls with their
+tracebacks, or sometimes hang (`_scheduled_polls_left_to_the_watch`); this ends serving, saying why."""
 
 
 def _server_answers(seconds: float) -> bool:
@@ -224,6 +225,50 @@ def _cancel_polling_at_its_default() -> None:
     runner_module.FlowRunCancellingObserver = Observer
 
 
+POLL_MISSES_SAID = 3
+"""Every this many polls for scheduled runs unanswered in a row, `trnflow serve` says so in one line."""
+
+
+def _unanswered(exc: BaseException) -> bool:
+    """Whether a poll failed for want of an answer: no connection, a timeout, or a 5xx."""
+    if isinstance(exc, httpx.TransportError):
+        return True
+    return isinstance(exc, httpx.HTTPStatusError) and exc.response.status_code >= 500
+
+
+def _scheduled_polls_left_to_the_watch() -> None:
+    """Make a poll for scheduled runs that goes unanswered wait for the next one. Prefect's runner
+    counts them, and after three in a row (about 6 s at `POLL_SECONDS`) prints "Failed the last 3
+    attempts" with each traceback and ends with an error, before serve's own check (`GONE_CHECKS`,
+    20 s) could say the server is gone. Whether it is gone is `_watch_server`'s to judge; the polls
+    only say, in one line, each `POLL_MISSES_SAID` misses in a row. Private: `prefect.runner.runner`
+    binds the poller's class by name (tests/unit/test_run_log.py checks it); where it does not,
+    nothing changes."""
+    base = getattr(runner_module, "ScheduledRunPoller", None)
+    if base is None or getattr(base, "trnflow_quiet_polls", False):
+        return
+
+    class Poller(base):  # type: ignore[misc, valid-type]
+        trnflow_quiet_polls = True
+        missed = 0
+
+        async def _get_and_submit_flow_runs(self, *args: Any, **kwargs: Any) -> None:
+            try:
+                await super()._get_and_submit_flow_runs(*args, **kwargs)
+            except Exception as exc:
+                if not _unanswered(exc):
+                    raise
+                self.missed += 1
+                if self.missed % POLL_MISSES_SAID == 0:
+                    self._logger.warning(
+                        "the Prefect server did not answer the last %d polls for scheduled runs (%s: %s); "
+                        "serve asks again every %g s", self.missed, type(exc).__name__, exc, poll_seconds())
+            else:
+                self.missed = 0
+
+    runner_module.ScheduledRunPoller = Poller
+
+
 def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
               stop_seconds: float = STOP_SECONDS) -> Stopped:
     """Serve every flow's deployment for each (spec, where it was read) from this process until
@@ -265,6 +310,7 @@ def serve_all(specs: list[tuple[JobSpec, str]], limit: int | None = None,
                 await self.start()
 
     _cancel_polling_at_its_default()
+    _scheduled_polls_left_to_the_watch()
     runner = BoundedRunner(pause_on_shutdown=False, limit=limit, query_seconds=poll_seconds())
     # Ctrl-C stops serving as SIGTERM does, from before the first deployment exists: one pressed
     # while they are being made pauses those made, instead of leaving them active

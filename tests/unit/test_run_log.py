@@ -66,6 +66,8 @@ def test_prefects_private_cancel_channel_is_where_trnflow_reads_it():
     assert callable(control_listener.get_intent)
     observer = prefect.runner.runner.FlowRunCancellingObserver  # serve keeps its polling at Prefect's default
     assert "polling_interval" in inspect.signature(observer.__init__).parameters
+    poller = prefect.runner.runner.ScheduledRunPoller  # serve's polls leave a gone server to its watch
+    assert inspect.iscoroutinefunction(poller._get_and_submit_flow_runs)
     said = {module.__name__: inspect.getsource(module) for module in (prefect.task_engine, prefect.flow_engine,
                                                                         prefect.states)}
     assert 'f"Crash detected! {state.message}"' in said["prefect.task_engine"]
