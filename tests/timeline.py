@@ -8,7 +8,7 @@ for the session (`{"lane", "started", "ended"}`) and one per test (`{"test", "wo
 mark each phase's start and end in `phases.jsonl` beside them (`python -m tests.timeline mark`).
 
     python -m tests.timeline summary runs/test-timeline            # phases and the 20 slowest tests
-    python -m tests.timeline summary runs/test-timeline --limit-minutes 45   # and fail past 45 minutes
+    python -m tests.timeline summary runs/test-timeline --limit-minutes 50   # and fail past 50 minutes
 
 The summary is plain text, made for a CI log and for docs/testing.md. Standard library only: it
 runs with any Python, before any environment exists.
