@@ -33,9 +33,9 @@ def tiny_encoder(folder: Path, texts: Iterable[str], vocab_size: int = 400) -> P
     return folder
 
 
-def tiny_causal_lm(folder: Path, texts: Iterable[str], vocab_size: int = 400) -> Path:
-    """A two-layer Llama-style decoder and a byte-level tokenizer of its own without a pad token
-    (as Llama's has none), learned from `texts`, saved in `folder`."""
+def tiny_causal_lm(folder: Path, texts: Iterable[str], vocab_size: int = 400, hidden_size: int = 32) -> Path:
+    """A two-layer Llama-style decoder of `hidden_size` and a byte-level tokenizer of its own without
+    a pad token (as Llama's has none), learned from `texts`, saved in `folder`."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
@@ -49,7 +49,8 @@ def tiny_causal_lm(folder: Path, texts: Iterable[str], vocab_size: int = 400) ->
     backend.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 0)])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<bos>", eos_token="<eos>")
     torch.manual_seed(5)
-    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
                          bos_token_id=0, eos_token_id=1, tie_word_embeddings=True)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)

@@ -105,7 +105,9 @@ def test_fine_tuning_lowers_holdout_perplexity_from_the_starting_models_on_three
 def test_a_chat_full_fine_tune_runs_only_programs_the_compile_stage_built(make_spec, tmp_path, trnflow_home):
     """Chats, every weight trained and evaluated during training, then inference generating each
     chat's last turn through the cache: compiled once by the compile stage, and every job after it
-    with `fail_on_recompile`, so a program it missed would fail that job, its shapes named."""
+    with `fail_on_recompile`, so a program it missed would fail that job, its shapes named. On two
+    cores, with a decoder over DDP's first gradient bucket (1 MB of weights), whose graph TorchDynamo
+    would otherwise split at the bucket's end into graphs the stage's trial never met."""
     import json
 
     import pyarrow.parquet as pq
@@ -118,9 +120,9 @@ def test_a_chat_full_fine_tune_runs_only_programs_the_compile_stage_built(make_s
     synthesize(chats, days=1, rows_per_day=160, seed=5, fmt="chat", holdout_rows=32, inference_rows=24)
     texts = [turn["content"] for line in (chats / "train/dt=2026-01-01/part-00000.jsonl").read_text().splitlines()
              for turn in json.loads(line)["messages"]]
-    folder = tiny_causal_lm(tmp_path / "decoder", texts)
+    folder = tiny_causal_lm(tmp_path / "decoder", texts, hidden_size=128)  # 1.4 MB of fp32 weights
     spec = make_spec(
-        1, model={"recipe": "hf-causal-lm", "params": {"pretrained": str(folder), "seq_len": 112, "rows": "chat"}},
+        2, model={"recipe": "hf-causal-lm", "params": {"pretrained": str(folder), "seq_len": 112, "rows": "chat"}},
         data={part: str(chats / part) for part in ("train", "holdout", "inference")},
         compile={"cache_url": str(tmp_path / "chat-cache"), "optlevel": 1, "fail_on_recompile": True},
         train={"steps": 6, "checkpoint_every": 6, "log_every": 3, "lr": 0.003, "global_batch_size": 16},

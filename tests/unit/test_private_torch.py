@@ -16,7 +16,8 @@ PRIVATE = (("torch.distributed.tensor.placement_types", "_StridedShard"),
            ("torch.testing._internal.distributed.fake_pg", "FakeStore"),
            ("torch.distributed.checkpoint._traverse", "set_element"),
            ("torch.distributed.checkpoint.default_planner", "_EmptyStateDictLoadPlanner"),
-           ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), *private_torch.PICKLED_NAMES)
+           ("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch._dynamo.config", "optimize_ddp"),
+           *private_torch.PICKLED_NAMES)
 
 
 def test_the_private_apis_were_checked_against_this_torch_release():

@@ -34,6 +34,16 @@ def in_parts(placement: Any) -> bool:
     return isinstance(placement, _StridedShard)
 
 
+def whole_graphs_under_ddp() -> None:
+    """Keep TorchDynamo from splitting the graph of a model that DDP wraps at the boundaries of
+    DDP's gradient buckets (`torch._dynamo.config.optimize_ddp`, on by default), which it does so
+    each bucket's all-reduce can start while the rest of the backward runs. The compile stage's
+    trial runs the model unwrapped, as one graph, and so does Neuron: a model over DDP's first
+    bucket (1 MB of weights) would train on graphs the cache never held. The process's setting;
+    the replicas' gradients are then averaged after the compiled backward."""
+    torch._dynamo.config.optimize_ddp = False
+
+
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     """The tensors in one flat buffer, for one all-reduce instead of one per tensor: what DDP's
     gradient buckets do inside, which no public function offers (`torch._utils`)."""

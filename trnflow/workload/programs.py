@@ -30,7 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from trnflow.device.base import CompileBackend, Device, FaultHooks, NoFaults
-from trnflow.device.private_torch import flatten, unflatten
+from trnflow.device.private_torch import flatten, unflatten, whole_graphs_under_ddp
 from trnflow.errors import FatalError, TrnflowError
 from trnflow.specs import JobSpec
 from trnflow.workload.checkpoint import trainable
@@ -101,6 +101,8 @@ class Programs:
         # DDP wraps the compiled module, so the graph is the model's alone, whatever the world size. A
         # split model's replicas average their gradients themselves, over the mesh's dp dimension.
         split = mesh is not None and mesh.ndim == 2
+        if ddp and not split:
+            whole_graphs_under_ddp()  # the graphs the compile stage's trial met, unwrapped
         self._train_forward = DDP(self._forward) if ddp and not split else self._forward
         self._replicas = mesh["dp"].get_group() if ddp and split else None
 
