@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.conftest import quickstart_data
+from trnflow.errors import FieldError
 from trnflow.specs import validate_spec
 from trnflow.testing.recipe_contract import RecipeContract
 from trnflow.workload.recipes import recipe_for
@@ -108,6 +109,18 @@ def test_metrics_are_per_counted_token_and_inference_publishes_likelihoods(promp
     assert published["embedding"].tolist() == [[0.5, -0.5], [1.0, 1.0]]
     assert published["log_likelihood"].tolist() == [-6.0, -0.0] and published["tokens"].tolist() == [3, 0]
     assert published["perplexity"][0].item() == pytest.approx(7.389056) and published["perplexity"][1].isnan()
+
+
+def test_a_holdout_with_no_counted_token_names_seq_len():
+    """Every chat cut before its assistant's turn: no token counts, and the evaluation says which
+    field to raise, instead of metrics with no value."""
+    recipe = _recipe(rows="chat")
+    with pytest.raises(FieldError) as raised:
+        recipe.evaluate(torch.zeros(300, 3, dtype=torch.float64), torch.zeros(300, dtype=torch.long), [])
+    assert raised.value.field == "model.params.seq_len"
+    assert str(raised.value).startswith("model.params.seq_len: no token of the 300 holdout rows counts: each was cut "
+                                        f"to {recipe.params.seq_len} tokens before its assistant's turns")
+    assert "trnflow data check SPEC" in str(raised.value)
 
 
 def test_the_export_loads_with_transformers_and_generates_from_the_same_logits(tmp_path, prompts):

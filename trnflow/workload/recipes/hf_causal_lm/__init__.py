@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from pydantic import BaseModel, Field
 from torch import nn
 
-from trnflow.errors import FatalError
+from trnflow.errors import FatalError, FieldError
 from trnflow.workload.packing import Packer, counted_targets
 from trnflow.workload.recipes.base import Recipe
 from trnflow.workload.recipes.hf_causal_lm.decoding import (
@@ -506,9 +506,16 @@ class HfCausalLm(FromPretrained, Recipe):
         """Over every counted token of the holdout set: the mean loss, perplexity and token accuracy."""
         nll, tokens, right = (outputs[:, i].sum().item() for i in range(len(OUTPUTS)))
         if not tokens:
-            return {"loss": None, "perplexity": None, "token_accuracy": None}
+            raise FieldError("model.params.seq_len", self._nothing_counts(len(outputs)))
         loss = nll / tokens
         return {"loss": loss, "perplexity": math.exp(min(loss, 700.0)), "token_accuracy": right / tokens}
+
+    def _nothing_counts(self, rows: int) -> str:
+        """Why no token of `rows` holdout rows counted, and what to do."""
+        counted = {"text": "text", "prompt-completion": "completion", "chat": "assistant's turns"}[self.params.rows]
+        return (f"no token of the {rows} holdout rows counts: each was cut to {self.params.seq_len} tokens before its "
+                f"{counted} (training had nothing to learn either); raise model.params.seq_len to fit them "
+                "(`trnflow data check SPEC` counts the rows cut)")
 
     def outcomes(self, outputs: torch.Tensor, labels: torch.Tensor) -> None:
         return None  # a row's text is not right or wrong
