@@ -152,8 +152,9 @@ class TrainSpec(Section):
         True,
         description="Write checkpoints in the background: at the step boundary the state is copied to host memory "
         "and training goes on while it is written (checkpoint_writer), committed (its marker last) only once every "
-        "file is whole; the next checkpoint waits for it. The run's last checkpoint, and one a stop asks for, are "
-        "written before the job ends. Sharded layouts (fsdp, tp) write every rank's shard so, over a process group of "
+        "file is whole; the next checkpoint waits for it. The run's last checkpoint is written while the holdout "
+        "evaluates its weights, its meta and marker after; it, and one a stop asks for, are committed before the job "
+        "ends. Sharded layouts (fsdp, tp) write every rank's shard so, over a process group of "
         "their own. false writes each before training goes on.",
     )
     checkpoint_writer: Literal["auto", "process", "thread"] = Field(

@@ -200,10 +200,10 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_checkpoints_written_in_the_background_equal_those_written_in_step_and_a_torn_one_resumes_bitwise(
         make_spec, backend, strategy):
-    """The same 12 steps on two ranks, checkpointed every 4 steps in the background (the default:
-    rank 0's writer process writes a whole checkpoint, each rank its shard of a sharded one on a
-    thread) and before training goes
-    on (`checkpoint_async: false`), the latter recomputing its blocks' activations (full under ddp,
+    """The same 12 steps on two ranks, checkpointed every 4 steps in the background (the default: rank 0's
+    writer process writes a whole checkpoint, each rank its shard of a sharded one on a thread; the last
+    one's files while the holdout evaluates its weights, its meta and marker after) and before training
+    goes on (`checkpoint_async: false`), the latter recomputing its blocks' activations (full under ddp,
     selective under fsdp): each checkpoint holds the same weights, optimizer state and random states,
     dropout's replayed. Under ddp, a run (recomputing selectively) whose rank 0 is killed halfway
     through writing the step-8 checkpoint in the background leaves it uncommitted; the retry resumes
@@ -215,8 +215,8 @@ def test_checkpoints_written_in_the_background_equal_those_written_in_step_and_a
     assert background.state is JobState.SUCCEEDED, background.failure
     said = [json.loads(line) for line in backend.logs(job_id)[0].splitlines() if '"event": "checkpoint"' in line]
     assert [e["step"] for e in said] == [4, 8, 12] and all(e["stalled_s"] >= 0 and e["wrote_s"] > 0 for e in said)
-    assert all(e["slowed_s"] >= 0 for e in said) and said[-1]["slowed_s"] == 0  # the last one, in step, slows none
-    assert [e["writer"] for e in said] == ["process" if strategy == "ddp" else "thread"] * 2 + ["step"]
+    assert all(e["slowed_s"] >= 0 for e in said) and said[-1]["slowed_s"] == 0  # the last, beside the evaluation
+    assert [e["writer"] for e in said] == ["process" if strategy == "ddp" else "thread"] * 3
     recomputed = "full" if strategy == "ddp" else "selective"
     in_step, _ = _train(backend, make_spec(train={**train, "checkpoint_async": False,
                                                   "activation_checkpointing": recomputed}), "in-step")
@@ -226,6 +226,9 @@ def test_checkpoints_written_in_the_background_equal_those_written_in_step_and_a
         theirs = load(in_step.result.checkpoint.replace("step-000012", f"step-{step:06d}"))
         assert ours.sharded == theirs.sharded == (strategy == "fsdp")
         assert _same(ours.model, theirs.model) and _same(ours.optim, theirs.optim) and _same(ours.rng, theirs.rng)
+    # the last one, its files written while the holdout evaluated its weights, holds that evaluation
+    assert ours.meta is not None and theirs.meta is not None and ours.meta.evaluations[-1].step == 12
+    assert ours.meta.evaluations == theirs.meta.evaluations == background.result.evaluations
     if strategy != "ddp":
         return
 

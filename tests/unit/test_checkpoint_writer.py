@@ -62,6 +62,22 @@ def test_the_writer_saves_the_files_this_process_would_paced_and_the_state_as_it
     assert torch.equal(saved.optim["state"][0]["exp_avg"], optim["state"][0]["exp_avg"])
 
 
+def test_asked_for_its_files_only_the_writer_leaves_the_commit_to_the_loop_with_the_meta_known_later(tmp_path, writer):
+    """The run's last checkpoint is written beside its evaluation: the writer writes its files, the
+    loop commits them once the meta (holding that evaluation) is known; loaded, it is a whole one."""
+    model, optim = _state()
+    run = RunCheckpoints(str(tmp_path / "run"))
+    files = writer.write_files(Request(run.url, 8, *writer.stage(model, optim), RNG, FEATURIZER, None, None))
+    assert sorted(files) == ["model.pt", "optim.pt", "state.pt", "tokenizer.json"]
+    assert run.committed() == [] and not (tmp_path / "run" / step_name(8) / "meta.json").exists()
+
+    url = run.commit(8, files, checkpoint_meta(step=8, loss=0.25))
+    assert run.committed() == [8] and url == f"{run.url}/{step_name(8)}"
+    saved = load(url)
+    assert saved.meta is not None and saved.meta.loss == 0.25
+    assert all(torch.equal(saved.model[name], t) for name, t in model.items())
+
+
 @pytest.mark.slow  # two writer processes start, a few seconds each
 def test_the_process_and_its_memory_serve_every_checkpoint_until_the_state_changes_shape(tmp_path, writer):
     run = RunCheckpoints(str(tmp_path / "run"))

@@ -1,11 +1,17 @@
 """Checkpoints written in the background: the staged copy is the state as it was, one write is in
-flight at a time, and a write's failure reaches the training loop."""
+flight at a time, a write's failure reaches the training loop, and a write whose meta comes later
+commits only once it is given."""
 
 import threading
+from concurrent.futures import CancelledError
 
 import pytest
 import torch
 
+from tests.factories import checkpoint_meta
+from trnflow.records import MetricPoint
+from trnflow.workload.checkpoint import RunCheckpoints, load
+from trnflow.workload.checkpointing import MetaLater
 from trnflow.workload.saver import BackgroundSaver, stage
 
 
@@ -48,3 +54,43 @@ def test_a_failed_write_is_raised_in_the_loop():
     with pytest.raises(OSError, match="No space left"):
         saver.wait()
     assert saver.step is None and saver.finished() is None
+
+
+def _files_then_commit(run: RunCheckpoints, step: int, later: MetaLater, written: threading.Event):
+    weights = {"w": torch.arange(4.0)}
+
+    def write() -> str:  # as the last checkpoint's write does: files, then the meta once given, then the marker
+        listed = run.write_files(step, weights, {"state": {}, "param_groups": []}, [{}], ("tok.json", b"{}"))
+        written.set()
+        try:
+            meta = later.take()
+        except BaseException:
+            run.clear(step)
+            raise
+        return run.commit(step, listed, meta)
+
+    return write
+
+
+def test_a_write_whose_meta_comes_later_commits_once_it_is_given_and_not_at_all_when_abandoned(tmp_path):
+    run, saver, written = RunCheckpoints(str(tmp_path / "run")), BackgroundSaver(), threading.Event()
+    evaluated = []  # what the meta is made from when it is given: the evaluation done meanwhile
+    later = MetaLater(lambda: checkpoint_meta(step=12, evaluations=list(evaluated)))
+    saver.submit(12, _files_then_commit(run, 12, later, written), stalled=0.0)
+    assert written.wait(10)
+    assert saver.finished() is None and run.committed() == []  # its files are written: it waits for its meta
+    evaluated.append(MetricPoint(step=12, global_step=12, values={"loss": 0.5}))
+    later.ready()
+    saved = saver.wait(10)
+    assert saved is not None and run.committed() == [12]
+    meta = load(saved.url).meta
+    assert meta is not None and [p.step for p in meta.evaluations] == [12]
+
+    written.clear()
+    abandoned = MetaLater(lambda: checkpoint_meta(step=16))
+    saver.submit(16, _files_then_commit(run, 16, abandoned, written), stalled=0.0)
+    assert written.wait(10)
+    abandoned.abandon()  # the evaluation failed: the write ends, committing nothing
+    with pytest.raises(CancelledError):
+        saver.wait(10)
+    assert run.committed() == [12] and not (tmp_path / "run" / "step-000016").exists()

@@ -31,7 +31,7 @@ import pickle
 import re
 import reprlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -230,29 +230,52 @@ class RunCheckpoints:
         are stored first, by every rank (`clear`, then `write_shards`), and passed as `shards` with
         their checksums; it then has no `optim`, and `model` (the whole weights) is optional. `pace`
         is told of the weights' and optimizer state's bytes as they are written (`writer.Pace`)."""
+        listed = self.write_files(step, model, optim, rng, featurizer, shards, pace)
+        return self.commit(step, listed, meta, keep_latest, shards)
+
+    def write_files(self, step: int, model: dict | None, optim: dict | None, rng: list[dict],
+                    featurizer: tuple[str, bytes], shards: dict[str, dict] | None = None,
+                    pace: Callable[[int], None] | None = None) -> dict[str, dict]:
+        """`save`'s first part: every file of the checkpoint of `step` but its meta and marker (the
+        checkpoint is not committed yet); their checksums, for `commit`."""
         folder = step_name(step)
         if shards is None:
             self.clear(step)
             assert model is not None and optim is not None, "a whole checkpoint holds its model and optimizer"
         tensors = {name: obj for name, obj in (("model.pt", model), ("optim.pt", optim)) if obj is not None}
-        files = {
-            "state.pt": _tensor_bytes({"step": step, "world_size": len(rng), "rng": rng}),
-            featurizer[0]: featurizer[1],
-            "meta.json": dump(meta.model_copy(update={"step": step, "saved_at": round(time.time(), 3)})),
-        }
-        try:
+        files = {"state.pt": _tensor_bytes({"step": step, "world_size": len(rng), "rng": rng}),
+                 featurizer[0]: featurizer[1]}
+        with self._whole_or_none(step):
             listed = {name: self._stream(f"{folder}/{name}", obj, pace) for name, obj in tensors.items()}
             for name, data in files.items():
                 self.store.write(f"{folder}/{name}", data)
                 listed[name] = _digest(data)
-            marker = {"step": step, "layout": "sharded" if shards else "whole", "files": {**(shards or {}), **listed}}
+        return listed
+
+    def commit(self, step: int, listed: dict[str, dict], meta: CheckpointMeta, keep_latest: int | None = None,
+               shards: dict[str, dict] | None = None) -> str:
+        """`save`'s second part, once `write_files` has written the files `listed`: the meta, then the
+        marker; then the pruning. The checkpoint's URL."""
+        folder = step_name(step)
+        with self._whole_or_none(step):
+            data = dump(meta.model_copy(update={"step": step, "saved_at": round(time.time(), 3)}))
+            self.store.write(f"{folder}/meta.json", data)
+            files = {**(shards or {}), **listed, "meta.json": _digest(data)}
+            marker = {"step": step, "layout": "sharded" if shards else "whole", "files": files}
             self.store.write(f"{folder}/{MARKER}", json.dumps(marker, indent=2).encode())
-        except BaseException:  # a full disk, a lost bucket, an interrupt: leave no torn folder behind
-            with contextlib.suppress(Exception):  # if it cannot go now, the next save deletes it; the error is this
-                self.store.delete_prefix(f"{folder}/")
-            raise
         self.prune(keep_latest, newest=step)
         return f"{self.url}/{folder}"
+
+    @contextlib.contextmanager
+    def _whole_or_none(self, step: int) -> Iterator[None]:
+        """A full disk, a lost bucket, an interrupt while the checkpoint of `step` is written: leave no
+        torn folder behind (if it cannot go now, the next save deletes it); the error is raised."""
+        try:
+            yield
+        except BaseException:
+            with contextlib.suppress(Exception):
+                self.clear(step)
+            raise
 
     def _stream(self, name: str, obj: Any, pace: Callable[[int], None] | None = None) -> dict:
         """`torch.save` `obj` straight into the store's object `name`, hashed on its way: the large

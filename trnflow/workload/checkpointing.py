@@ -9,12 +9,14 @@ in the background, one at a time."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import math
 import statistics
 import tempfile
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,31 @@ def rng_state(sr_gen: torch.Generator) -> dict:
     return {"torch": torch.get_rng_state(), "sr": sr_gen.get_state()}
 
 
+class MetaLater:
+    """The meta of a checkpoint whose files are written before it is known: the run's last, written
+    while the holdout evaluates its weights, the evaluation being part of the meta. `make` builds it
+    on the loop's thread (`ready`); the write's thread waits for it (`take`) before it commits."""
+
+    def __init__(self, make: Callable[[], CheckpointMeta]):
+        self._make, self._meta = make, Future[CheckpointMeta]()
+        self.waited = 0.0
+        """Seconds the write waited for it (not writing)."""
+
+    def ready(self) -> None:
+        self._meta.set_result(self._make())
+
+    def abandon(self) -> None:
+        """The loop failed before the meta was known: the write ends without committing (`take` raises)."""
+        self._meta.cancel()
+
+    def take(self) -> CheckpointMeta:
+        began = time.perf_counter()
+        try:
+            return self._meta.result()
+        finally:
+            self.waited = time.perf_counter() - began
+
+
 class Checkpointing:
     """The checkpoint writes of a training run (mixed into `Trainer`, whose state they save)."""
 
@@ -59,6 +86,8 @@ class Checkpointing:
     data_read: DataRead
     beside: tuple[float, float]
     alone: Iterable[float]
+    meta_later: MetaLater | None = None
+    """The meta rank 0's write in flight waits for (`_checkpoint_beside_evaluation`), if any."""
 
     def _checkpoint(self, done: int, last: bool = False) -> None:
         """Save the checkpoint of step `done`: in the background (`train.checkpoint_async`), unless it is the
@@ -67,6 +96,33 @@ class Checkpointing:
         with watchdog.busy(f"checkpointing step {done}"):  # rank 0 writes; the others wait for it
             self._committed(self._wait())  # the write before it
             self._write_checkpoint(done, began, background=self.spec.train.checkpoint_async and not last)
+
+    def _checkpoint_beside_evaluation(self, done: int, evaluate: Callable[[], None]) -> None:
+        """The run's last checkpoint (`train.checkpoint_async`), written while the holdout `evaluate`s
+        its weights: its files in the background from the start, its meta (which holds that
+        evaluation) and marker once both are done; committed on every rank before this returns."""
+        began = time.perf_counter()
+        with watchdog.busy(f"checkpointing step {done}"):
+            self._committed(self._wait())  # the write before it
+            self._write_checkpoint(done, began, background=True, meta_later=True)
+        evaluate()
+        waited, later = time.perf_counter(), self.meta_later
+        with watchdog.busy(f"checkpointing step {done}"):
+            self.meta_later = None
+            if later is not None:
+                later.ready()
+            saved = self._wait()  # (the loop waits here only as long as the files outlast the evaluation)
+            if saved is not None:  # what the loop waited for it after the evaluation is its stall too
+                saved = dataclasses.replace(saved, stalled=saved.stalled + time.perf_counter() - waited,
+                                            wrote=saved.wrote - (later.waited if later is not None else 0.0))
+            self._committed(saved)
+            barrier(self.ctx)  # committed before any rank ends
+
+    def _abandon(self) -> None:
+        """The loop failed while a write waited for its meta: that write ends uncommitted."""
+        if self.meta_later is not None:
+            self.meta_later.abandon()
+            self.meta_later = None
 
     def _prepare_writer(self) -> None:
         """Start the writer process for the checkpoints this attempt will write in the background,
@@ -129,7 +185,10 @@ class Checkpointing:
         self.beside = (0.0, 0.0)
         return extra
 
-    def _write_checkpoint(self, done: int, began: float, background: bool) -> None:
+    def _write_checkpoint(self, done: int, began: float, background: bool, meta_later: bool = False) -> None:
+        """Write the checkpoint of step `done` (the loop stopped for it at `began`), in the `background`
+        or before this returns; with `meta_later` (in the background), its meta is left for
+        `MetaLater.ready` to give, and the write commits only then."""
         ctx, spec = self.ctx, self.spec
         rng = gather_objects(ctx, rng_state(self.sr_gen))
         last = done == spec.train.steps
@@ -145,6 +204,8 @@ class Checkpointing:
             # checkpoints hold CPU copies, whatever the device; one written in the background, copies
             # that the training going on meanwhile cannot change (in memory its writer process maps)
             weights, optim = trained_state(self.model), self.optimizer.state_dict()
+        export = self._export(done, weights) if last and weights is not None and ctx.is_main else None
+        if not self.sharded and ctx.is_main:
             by_writer = (background and self.writer is not None and checkpoints is self.start.checkpoints
                          and in_process(spec.train.checkpoint_writer, weights, optim))  # (a torn one: on the thread)
             if by_writer:
@@ -152,7 +213,10 @@ class Checkpointing:
             else:
                 host = stage if background else self.device.to_host
                 weights, optim = host(weights), host(optim)
-        commit = self._commit(done, weights, optim, rng, checkpoints, by_writer) if ctx.is_main else None
+        commit = None
+        if ctx.is_main:
+            meta = self.meta_later = MetaLater(lambda: self._meta(done, export)) if meta_later else None
+            commit = self._commit(done, weights, optim, rng, checkpoints, meta or self._meta(done, export), by_writer)
 
         def write() -> str:
             listed = shards() if shards is not None else None
@@ -161,8 +225,9 @@ class Checkpointing:
         writes = ctx.is_main or self.sharded  # a ddp rank other than 0 writes nothing
         if background and writes:
             self.saver.submit(done, write, time.perf_counter() - began, writer="process" if by_writer else "thread")
-            if checkpoints is not self.start.checkpoints:
-                self._settle()  # an injected tear: this rank dies in its write, at this step
+            if checkpoints is not self.start.checkpoints and not meta_later:
+                self._settle()  # an injected tear: this rank dies in its write, at this step (or, its meta
+                # later, in the files written beside the evaluation)
         elif not background:
             wrote = time.perf_counter()
             url = write()
@@ -174,31 +239,47 @@ class Checkpointing:
         if not (background and writes):  # a rank writing in the background is torn as it writes, if at all
             self.faults.checkpoint_written()
 
-    def _commit(self, done: int, weights: Any, optim: Any, rng: list[dict], checkpoints: RunCheckpoints,
-                by_writer: bool = False) -> Callable[[dict[str, dict] | None], str]:
-        """Rank 0's part of the checkpoint of step `done`: what writes its files and marker to
-        `checkpoints` (given the shards' checksums, when sharded) and returns its URL; `by_writer`:
-        has the writer process do it, `weights` and `optim` being staged there."""
-        spec, last = self.spec, done == self.spec.train.steps
-        meta = CheckpointMeta(
+    def _meta(self, done: int, export: str | None) -> CheckpointMeta:
+        """The meta of the checkpoint of step `done`, as the run stands now (`export`: the URL of
+        the last one's export)."""
+        spec = self.spec
+        return CheckpointMeta(
             run_id=self.run_id, step=done, **self.lineage, global_step=self.lineage["base_step"] + done,
             spec_digest=spec.digest(), precision=spec.compute.precision, world_size=self.ctx.world_size,
             loss=self.last_loss if math.isfinite(self.last_loss) else None, sampler=self.sampler.position(done),
             data=self.data_read, watermark=self.start.watermark, metrics=list(self.metrics),
             evaluations=list(self.evaluations), holdout_sha256=self.holdout.digest, recipe=self.recipe.describe(),
-            torch=torch.__version__, export=self._export(done, weights) if last and weights else None,
-            base=self.recipe.base(), parallelism="fsdp" if self.programs.fsdp else "ddp", tp=self.ctx.tp,
-            time=self.time.model_copy())
-        featurizer = (self.recipe.featurizer_file, self.recipe.state())
+            torch=torch.__version__, export=export, base=self.recipe.base(),
+            parallelism="fsdp" if self.programs.fsdp else "ddp", tp=self.ctx.tp, time=self.time.model_copy())
 
-        if by_writer:
-            request = Request(checkpoints.url, done, weights, optim, rng, featurizer, meta, spec.train.keep_latest,
-                              seconds=self._write_seconds(done))
-            return lambda shards: self.writer.save(request)
+    def _commit(self, done: int, weights: Any, optim: Any, rng: list[dict], checkpoints: RunCheckpoints,
+                meta: CheckpointMeta | MetaLater, by_writer: bool = False) -> Callable[[dict[str, dict] | None], str]:
+        """Rank 0's part of the checkpoint of step `done`: what writes its files, `meta` (once it is
+        given, when later) and marker to `checkpoints` (given the shards' checksums, when sharded) and
+        returns its URL; `by_writer`: has the writer process write the files, `weights` and `optim`
+        being staged there."""
+        featurizer, keep = (self.recipe.featurizer_file, self.recipe.state()), self.spec.train.keep_latest
+
+        def files(shards: dict[str, dict] | None) -> dict[str, dict]:
+            if by_writer:
+                return self.writer.write_files(Request(checkpoints.url, done, weights, optim, rng, featurizer, None,
+                                                       keep, seconds=self._write_seconds(done)))
+            return checkpoints.write_files(done, weights, optim, rng, featurizer, shards=shards)
 
         def commit(shards: dict[str, dict] | None) -> str:
-            return checkpoints.save(done, weights, optim, rng, featurizer, meta, keep_latest=spec.train.keep_latest,
-                                    shards=shards)
+            if isinstance(meta, CheckpointMeta) and by_writer:  # the writer commits it too
+                return self.writer.save(Request(checkpoints.url, done, weights, optim, rng, featurizer, meta, keep,
+                                                seconds=self._write_seconds(done)))
+            listed = files(shards)
+            if isinstance(meta, MetaLater):
+                try:
+                    given = meta.take()
+                except BaseException:  # abandoned: the loop failed before the meta was known
+                    with contextlib.suppress(Exception):
+                        checkpoints.clear(done)
+                    raise
+                return checkpoints.commit(done, listed, given, keep, shards)
+            return checkpoints.commit(done, listed, meta, keep, shards)
 
         return commit
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import math
 import os
@@ -181,6 +182,7 @@ class Trainer(Checkpointing):
                 first = self._steps(first, notice)
         finally:
             self.pace.close()
+            self._abandon()  # a write waiting for the meta of an evaluation that failed
             with contextlib.suppress(Exception):  # a write in flight as the loop failed: let it commit, if it can
                 self._committed(self._wait(timeout=WRITE_AFTER_FAILURE_SECONDS))
             if self.writer is not None and self.saver.step is None:  # (one still writing ends with this process)
@@ -211,12 +213,13 @@ class Trainer(Checkpointing):
             if (done % tcfg.log_every == 0 or done == tcfg.steps) and self._window[1]:
                 left = self._log_point(done)
                 over = self._over_budget(done, left)
-            if self.spec.evaluates_at(done):
-                with watchdog.busy(f"evaluating at step {done}"):
-                    self._evaluate(done)
             saved = done % tcfg.checkpoint_every == 0 or done == tcfg.steps
-            if saved:
-                self._checkpoint(done, last=done == tcfg.steps)
+            if done == tcfg.steps and tcfg.checkpoint_async:  # the last checkpoint's files beside its evaluation
+                self._checkpoint_beside_evaluation(done, functools.partial(self._evaluate_at, done))
+            else:
+                self._evaluate_at(done)
+                if saved:
+                    self._checkpoint(done, last=done == tcfg.steps)
             if over is not None:
                 self._checkpointed(done, saved)
                 raise OverBudget(f"{over}: training stopped after step {done} and checkpointed it; rerun with the "
@@ -440,6 +443,12 @@ class Trainer(Checkpointing):
         return (f"training would cost ${spent + more:.4f} (${spent:.4f} spent, ${more:.4f} more for the "
                 f"{tcfg.steps - done} steps left at the rate so far), over its budget of ${budget:.4f} "
                 "(train.max_cost_usd, or what compute.max_cost_usd leaves for training)")
+
+    def _evaluate_at(self, done: int) -> None:
+        """Evaluate the holdout after step `done`, if the spec says to there (every run does at its last)."""
+        if self.spec.evaluates_at(done):
+            with watchdog.busy(f"evaluating at step {done}"):
+                self._evaluate(done)
 
     def _evaluate(self, done: int) -> None:
         began = time.perf_counter()

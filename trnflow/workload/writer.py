@@ -154,7 +154,8 @@ def _memory(size: int) -> int:
 class Request:
     """One checkpoint for the writer to save, as `RunCheckpoints.save` takes it; `model` and
     `optim` laid out in the shared memory (`Slot`s); `seconds`: spread the write over about that
-    long (`Pace`), unless hurried, or as fast as it goes (None)."""
+    long (`Pace`), unless hurried, or as fast as it goes (None). Without `meta`, only its files are
+    written (`RunCheckpoints.write_files`), for the parent to commit once it knows the meta."""
 
     run_url: str
     step: int
@@ -162,7 +163,7 @@ class Request:
     optim: Any
     rng: list[dict]
     featurizer: tuple[str, bytes]
-    meta: CheckpointMeta
+    meta: CheckpointMeta | None
     keep_latest: int | None
     seconds: float | None = None
 
@@ -190,10 +191,12 @@ class Pace:
 
 
 class Reply(BaseModel):
-    """The writer's answer to one `Request`: the checkpoint's URL, or what went wrong."""
+    """The writer's answer to one `Request`: the checkpoint's URL (or, asked for its files only,
+    their checksums), or what went wrong."""
 
     model_config = ConfigDict(extra="forbid")
     url: str = ""
+    files: dict[str, dict] = {}
     error: str = ""
     retryable: bool | None = None
 
@@ -279,6 +282,16 @@ class CheckpointWriter:
     def save(self, request: Request) -> str:
         """Have the writer save the checkpoint `request` describes (staged by `stage` before);
         its URL once committed, or WriteFailed."""
+        assert request.meta is not None, "a checkpoint committed by the writer has its meta"
+        return self._ask(request).url
+
+    def write_files(self, request: Request) -> dict[str, dict]:
+        """Have the writer write the files of the checkpoint `request` describes (its `meta` None),
+        not committing it; their checksums (`RunCheckpoints.commit` takes them), or WriteFailed."""
+        assert request.meta is None, "the writer writes the files of a checkpoint whose meta comes later"
+        return self._ask(request).files
+
+    def _ask(self, request: Request) -> Reply:
         assert self._process is not None, "stage() the checkpoint before saving it"
         try:
             _send(self._requests, pickle.dumps(request, protocol=pickle.HIGHEST_PROTOCOL))
@@ -293,7 +306,7 @@ class CheckpointWriter:
         reply = Reply.model_validate_json(answer)
         if reply.error:
             raise WriteFailed(f"writing the checkpoint of step {request.step}: {reply.error}", reply.retryable)
-        return reply.url
+        return reply
 
     def _start(self, layout: Any, size: int) -> None:
         self.close()
@@ -361,13 +374,16 @@ def _die_with_parent() -> None:
         with_prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _save(request: Request, memory: memoryview) -> str:
+def _save(request: Request, memory: memoryview) -> Reply:
     pace = None
     if request.seconds:  # the memory holds the state laid out: about the bytes the write will pass on
         pace = Pace(len(memory), request.seconds, lambda: memory[HURRY] != 0)
-    return RunCheckpoints(request.run_url).save(
-        request.step, _views(request.model, memory), _views(request.optim, memory), request.rng, request.featurizer,
-        request.meta, keep_latest=request.keep_latest, pace=pace)
+    checkpoints = RunCheckpoints(request.run_url)
+    files = checkpoints.write_files(request.step, _views(request.model, memory), _views(request.optim, memory),
+                                    request.rng, request.featurizer, pace=pace)
+    if request.meta is None:
+        return Reply(files=files)
+    return Reply(url=checkpoints.commit(request.step, files, request.meta, keep_latest=request.keep_latest))
 
 
 
@@ -383,7 +399,7 @@ def main(argv: list[str]) -> int:
     memory = memoryview(mmap.mmap(fd, size))
     while (message := _receive(requests)) is not None:
         try:
-            reply = Reply(url=_save(pickle.loads(message), memory))  # noqa: S301 (its parent's own pipe)
+            reply = _save(pickle.loads(message), memory)  # noqa: S301 (its parent's own pipe)
         except Exception as exc:
             reply = Reply(error=f"{type(exc).__name__}: {exc}", retryable=getattr(exc, "retryable", None))
         _send(replies, reply.model_dump_json().encode())
