@@ -10,7 +10,7 @@ steps, once with background writes and once without, `--repeats` times in turn (
 alternating, so that a machine drifting over the runs weighs on both alike), the core computing
 on one CPU as in `faulted` below. A checkpoint's cost is what the loop stopped for it (its log
 line's `stalled_s`) and, written in the background, what the steps beside its write took over as
-many medians of steps that ran alone (`slowed_s`): both are in the run's `time.stall_seconds`. The
+many means of recent steps that ran alone (`slowed_s`): both are in the run's `time.stall_seconds`. The
 figures are the medians over a run's checkpoints (the first background one also starts the writer
 process and its memory: about a second and a half here, once a run). The run's last checkpoint is
 written before the job ends either way, so it is left out of both.

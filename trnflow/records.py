@@ -213,7 +213,7 @@ class TrainTime(Record):
                                  "attempt's first step, which loads or compiles its graphs, at its second's time)")
     stall_seconds: float = Field(0.0, ge=0, description="what checkpoints stopped training for, and what the steps "
                                  "a write in the background shared the host with took, together, over as many "
-                                 "medians of steps that ran alone")
+                                 "means of recent steps that ran alone")
     rollback_seconds: float = Field(0.0, ge=0, description="divergences rolled back: the steps undone and the "
                                     "restores")
     slow_seconds: float = Field(0.0, ge=0, description="what the ranks waited for ranks named slow: their own "

@@ -93,7 +93,7 @@ def _skipped(ctx: WorkerContext, start: Start) -> TrainResult:
 
 
 CLEAN_STEPS = 20
-"""The recent steps with no checkpoint write beside them whose median a step beside one counts at."""
+"""The recent steps with no checkpoint write beside them whose mean a step beside one counts at."""
 
 
 class Trainer(Checkpointing):
@@ -165,7 +165,7 @@ class Trainer(Checkpointing):
         self.memory: dict = {}
         self.step_times: list[float] = []  # the first step pays for loading (or compiling) the graph
         self.alone: deque[float] = deque(maxlen=CLEAN_STEPS)  # recent steps with no checkpoint write beside them
-        self.beside = (0.0, 0.0)  # the steps beside the write in flight: their seconds, and as many medians of `alone`
+        self.beside = (0.0, 0.0)  # the steps beside the write in flight: their seconds, and as many means of `alone`
         self.pace = StepPace(ctx, self.spec.compute.hang_step_factor, self.spec.compute.hang_floor_seconds,
                              self.spec.compute.slow_rank_factor)
         self.divergence = Divergence(ctx, start.checkpoints.store)
@@ -243,7 +243,7 @@ class Trainer(Checkpointing):
         steps = 2 if len(times) == 2 else 1
         took = times[-1] * steps
         if beside_write and self.alone:
-            self.beside = (self.beside[0] + took, self.beside[1] + statistics.median(self.alone) * steps)
+            self.beside = (self.beside[0] + took, self.beside[1] + statistics.fmean(self.alone) * steps)
             return
         self._count_beside()
         self.time.steps_seconds += took
