@@ -47,6 +47,10 @@ HURRY = 0
 write in flight: the writer then writes what is left at once, no longer paced (`Pace`)."""
 
 
+NICENESS = 10
+"""How much lower than the rank's the writer process's scheduling priority is: a paced write has
+time, so on a host whose spare CPUs are few, the host's other work (the launcher, the orchestrator)
+takes the writer's CPU rather than moving onto a rank's."""
 PROCESS_BYTES = 64 << 20
 """`train.checkpoint_writer: auto` writes in the process a state of at least this many bytes: less
 is serialized in a fraction of a second, and starting the process costs about a second of a CPU."""
@@ -318,7 +322,7 @@ class CheckpointWriter:
             spare = _spare_cpus()
             self._process = subprocess.Popen(
                 [sys.executable, "-c", _BOOT, str(os.getpid()), str(fd), str(max(size, ALIGN)),
-                 str(requests), str(replies), ",".join(map(str, spare))],
+                 str(requests), str(replies), ",".join(map(str, spare)), str(NICENESS)],
                 pass_fds=(fd, requests, replies), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
             os.close(requests)
             os.close(replies)
@@ -347,14 +351,16 @@ class CheckpointWriter:
 
 
 _BOOT = """import os, sys
-cpus = sys.argv[6]
+cpus, niceness = sys.argv[6], int(sys.argv[7])
 if cpus and hasattr(os, "sched_setaffinity"):
     os.sched_setaffinity(0, [int(c) for c in cpus.split(",")])
+os.nice(niceness)
 from trnflow.workload.writer import main
 sys.exit(main(sys.argv[1:]))
 """
 """The writer process's first lines: off the rank's CPUs before it imports anything (it inherits
-the rank's pinning, and its imports take seconds of a CPU), then `main`."""
+the rank's pinning, and its imports take seconds of a CPU) and at a lower priority (`NICENESS`),
+then `main`."""
 
 
 def _spare_cpus() -> list[int]:
