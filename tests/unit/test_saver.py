@@ -62,12 +62,7 @@ def _files_then_commit(run: RunCheckpoints, step: int, later: MetaLater, written
     def write() -> str:  # as the last checkpoint's write does: files, then the meta once given, then the marker
         listed = run.write_files(step, weights, {"state": {}, "param_groups": []}, [{}], ("tok.json", b"{}"))
         written.set()
-        try:
-            meta = later.take()
-        except BaseException:
-            run.clear(step)
-            raise
-        return run.commit(step, listed, meta)
+        return run.commit(step, listed, later.take)
 
     return write
 

@@ -252,12 +252,14 @@ class RunCheckpoints:
                 listed[name] = _digest(data)
         return listed
 
-    def commit(self, step: int, listed: dict[str, dict], meta: CheckpointMeta, keep_latest: int | None = None,
-               shards: dict[str, dict] | None = None) -> str:
+    def commit(self, step: int, listed: dict[str, dict], meta: CheckpointMeta | Callable[[], CheckpointMeta],
+               keep_latest: int | None = None, shards: dict[str, dict] | None = None) -> str:
         """`save`'s second part, once `write_files` has written the files `listed`: the meta, then the
-        marker; then the pruning. The checkpoint's URL."""
+        marker; then the pruning. The checkpoint's URL. `meta` may be what waits for it (the run's last
+        checkpoint's, known once its evaluation is done): if that fails, no folder is left either."""
         folder = step_name(step)
         with self._whole_or_none(step):
+            meta = meta() if callable(meta) else meta
             data = dump(meta.model_copy(update={"step": step, "saved_at": round(time.time(), 3)}))
             self.store.write(f"{folder}/meta.json", data)
             files = {**(shards or {}), **listed, "meta.json": _digest(data)}

@@ -218,8 +218,10 @@ class Checkpointing:
                 weights, optim = host(weights), host(optim)
         commit = None
         if ctx.is_main:
-            meta = self.meta_later = MetaLater(lambda: self._meta(done, export)) if meta_later else None
-            commit = self._commit(done, weights, optim, rng, checkpoints, meta or self._meta(done, export), by_writer)
+            meta: CheckpointMeta | MetaLater = self._meta(done, export) if not meta_later else MetaLater(
+                lambda: self._meta(done, export))
+            self.meta_later = meta if isinstance(meta, MetaLater) else None
+            commit = self._commit(done, weights, optim, rng, checkpoints, meta, by_writer)
 
         def write() -> str:
             listed = shards() if shards is not None else None
@@ -273,16 +275,8 @@ class Checkpointing:
             if isinstance(meta, CheckpointMeta) and by_writer:  # the writer commits it too
                 return self.writer.save(Request(checkpoints.url, done, weights, optim, rng, featurizer, meta, keep,
                                                 seconds=self._write_seconds(done)))
-            listed = files(shards)
-            if isinstance(meta, MetaLater):
-                try:
-                    given = meta.take()
-                except BaseException:  # abandoned: the loop failed before the meta was known
-                    with contextlib.suppress(Exception):
-                        checkpoints.clear(done)
-                    raise
-                return checkpoints.commit(done, listed, given, keep, shards)
-            return checkpoints.commit(done, listed, meta, keep, shards)
+            listed = files(shards)  # then the meta, waited for when it comes later (abandoned: none is committed)
+            return checkpoints.commit(done, listed, meta.take if isinstance(meta, MetaLater) else meta, keep, shards)
 
         return commit
 
